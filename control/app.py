@@ -1,0 +1,111 @@
+"""The aiohttp application under ``/api``: middlewares (errors, auth, audit) and every API area."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from aiohttp import web
+
+from control import auth, audit_logs, connections, guardrails, health, openapi, resources, serverconfig, sessions, users
+from control.http import GATEWAY, ROUTES, ApiError, RouteDoc, gateway_of
+from gatewayd.daemon import Gateway
+from gatewayd.identity import AuthError
+
+log = logging.getLogger("gatewayd.api")
+
+AREAS = (health, auth, users, serverconfig, resources, connections, guardrails, sessions, audit_logs, openapi)
+MUTATING = {"POST", "PUT", "PATCH", "DELETE"}
+ROUTE_DOC = web.AppKey("route_doc_by_handler", dict)
+
+
+def _route_doc(request: web.Request) -> RouteDoc | None:
+    return request.app[ROUTE_DOC].get(getattr(request.match_info, "handler", None))
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every error leaves as ``{"message": ...}``."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        request["error_message"] = exc.message
+        return web.json_response({"message": exc.message}, status=exc.status)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = {404: "not found", 405: "method not allowed", 413: "request body too large"}.get(
+            exc.status, exc.reason.lower())
+        request["error_message"] = message
+        return web.json_response({"message": message}, status=exc.status, headers={
+            k: v for k, v in exc.headers.items() if k.lower() == "allow"})
+    except Exception:
+        log.exception("unhandled API error", extra={"path": request.path, "method": request.method})
+        request["error_message"] = "internal server error"
+        return web.json_response({"message": "internal server error"}, status=500)
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Bearer token → active user on ``request["user"]``, except on public routes."""
+    doc = _route_doc(request)
+    if doc is None or doc.public:
+        return await handler(request)
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise ApiError(401, "access denied")
+    try:
+        user = await gateway_of(request).identity.authenticate(token.strip())
+    except AuthError as exc:
+        request["auth_failure"] = str(exc)
+        raise ApiError(401, "access denied") from None
+    request["user"] = user
+    if not user.org_id and doc.path not in ("/signup", "/userinfo"):
+        raise ApiError(403, "access denied: sign up to an organization first (POST /api/signup)")
+    return await handler(request)
+
+
+@web.middleware
+async def audit_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """One audit entry per mutating call, and one per refusal (401/403) of any call."""
+    response = await handler(request)
+    doc = _route_doc(request)
+    status = response.status
+    if request.method not in MUTATING and status not in (401, 403):
+        return response
+    if doc is None and status == 404:
+        return response
+    gateway = gateway_of(request)
+    user = request.get("user")
+    org_id = user.org_id if user and user.org_id else (await gateway.store.default_org()).id
+    action = request.get("audit_action") or (
+        f"{doc.audit}.{doc.handler.__name__}" if doc else f"{request.method.lower()} {request.path}")
+    await gateway.audit.record(
+        org_id=org_id, actor=user, action=action, resource_type=doc.audit if doc else "api",
+        outcome="success" if status < 400 else "failure",
+        error_message=request.get("error_message", "") if status >= 400 else "",
+        http_method=request.method, http_path=request.path, http_status=status,
+        client_ip=request.remote or "", payload=request.get("audit_payload"),
+        actor_hint=request.get("audit_actor_hint", ""),
+    )
+    return response
+
+
+def make_app(gateway: Gateway) -> web.Application:
+    """The root application; every route lives under ``/api``."""
+    api = web.Application(middlewares=[audit_middleware, error_middleware, auth_middleware],
+                          client_max_size=gateway.config["api.max_body_bytes"])
+    api[GATEWAY] = gateway
+    docs: list[RouteDoc] = []
+    for area in AREAS:
+        for doc in area.routes.routes:
+            api.router.add_route(doc.method, doc.path, doc.handler)
+            docs.append(doc)
+    api[ROUTES] = docs
+    api[ROUTE_DOC] = {doc.handler: doc for doc in docs}
+
+    root = web.Application(middlewares=[error_middleware], client_max_size=gateway.config["api.max_body_bytes"])
+    root[GATEWAY] = gateway
+    root.add_subapp("/api", api)
+    return root

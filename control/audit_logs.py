@@ -1,0 +1,67 @@
+"""The security audit log (admin only)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from aiohttp import web
+
+from control.http import ApiError, Param, RouteSet, gateway_of, ok, query_int, require_admin
+from gatewayd.models import rfc3339
+from gatewayd.store import AuditFilter
+
+routes = RouteSet("Audit Logs", audit="audit")
+
+OUTCOMES = ("success", "failure")
+
+
+def parse_moment(raw: str | None, name: str, end_of_day: bool = False) -> str | None:
+    """RFC 3339 or ``YYYY-MM-DD`` to the store's UTC form; 422 otherwise."""
+    if not raw:
+        return None
+    try:
+        if len(raw) == 10:
+            day = datetime.strptime(raw, "%Y-%m-%d").replace(tzinfo=timezone.utc)
+            moment = day.replace(hour=23, minute=59, second=59, microsecond=999999) if end_of_day else day
+        else:
+            moment = datetime.fromisoformat(raw.replace("Z", "+00:00").replace(" ", "+"))
+            if moment.tzinfo is None:
+                raise ValueError("no time zone")
+    except ValueError:
+        raise ApiError(422, f"query parameter '{name}': expected RFC 3339 or YYYY-MM-DD, got {raw!r}") from None
+    return rfc3339(moment)
+
+
+@routes.get("/audit/logs", "Security audit log, newest first (admin only)", query=[
+    Param("page", "integer"), Param("page_size", "integer"), Param("actor", description="subject or email"),
+    Param("resource_type"), Param("action"), Param("outcome", description="success or failure"),
+    Param("created_after"), Param("created_before")])
+async def list_logs(request: web.Request) -> web.Response:
+    admin = require_admin(request)
+    page = query_int(request, "page", 1)
+    size = query_int(request, "page_size", 50)
+    if page < 1:
+        raise ApiError(422, "query parameter 'page': must be 1 or more")
+    if not 1 <= size <= 100:
+        raise ApiError(422, "query parameter 'page_size': must be between 1 and 100")
+    outcome = request.query.get("outcome") or None
+    if outcome and outcome not in OUTCOMES:
+        raise ApiError(422, "query parameter 'outcome': must be success or failure")
+    query = AuditFilter(
+        org_id=admin.org_id, actor=request.query.get("actor") or None,
+        resource_type=request.query.get("resource_type") or None, action=request.query.get("action") or None,
+        outcome=outcome, created_after=parse_moment(request.query.get("created_after"), "created_after"),
+        created_before=parse_moment(request.query.get("created_before"), "created_before", end_of_day=True),
+        page=page, page_size=size)
+    result = await gateway_of(request).store.list_audit(query)
+    return ok({
+        "pages": {"total": result.total, "page": page, "size": size},
+        "data": [{
+            "id": e.id, "org_id": e.org_id, "actor_subject": e.actor_subject, "actor_email": e.actor_email,
+            "actor_name": e.actor_name, "created_at": e.created_at, "resource_type": e.resource_type,
+            "action": e.action, "http_method": e.http_method, "http_path": e.http_path,
+            "http_status": e.http_status, "client_ip": e.client_ip,
+            "request_payload_redacted": e.request_payload_redacted, "outcome": e.outcome,
+            "error_message": e.error_message,
+        } for e in result.items],
+    })

@@ -1,0 +1,109 @@
+"""Authentication: OIDC login and callback, local login, user info and multi-tenant signup."""
+
+from __future__ import annotations
+
+from urllib.parse import urlencode, urlsplit, urlunsplit, parse_qsl
+
+from aiohttp import web
+
+from control.http import ApiError, Field, Param, RouteSet, Schema, gateway_of, json_body, ok, user_of
+from gatewayd.identity import AuthError
+from gatewayd.models import User
+
+routes = RouteSet("Authentication", audit="auth")
+
+LOCAL_LOGIN = Schema("LocalLogin", {"email": Field("string", True), "password": Field("string", True)})
+SIGNUP = Schema("Signup", {"org_name": Field("string", True), "profile_name": Field("string"),
+                           "profile_picture": Field("string")})
+
+
+def user_json(user: User, org_name: str = "") -> dict:
+    return {
+        "id": user.id, "email": user.email, "name": user.name, "subject": user.subject, "status": user.status,
+        "groups": user.groups, "is_admin": user.is_admin, "is_auditor": user.is_auditor, "org_id": user.org_id,
+        "org_name": org_name, "picture": user.picture, "slack_id": user.slack_id,
+        "created_at": user.created_at, "updated_at": user.updated_at,
+    }
+
+
+def _with_token(url: str, token: str) -> str:
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query) + [("token", token)]
+    return urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(query), parts.fragment))
+
+
+@routes.get("/login", "Authorization URL of the identity provider (state and PKCE)", public=True,
+            query=[Param("redirect", description="where to send the browser with ?token= after login")])
+async def login(request: web.Request) -> web.Response:
+    gateway = gateway_of(request)
+    redirect = request.query.get("redirect") or f"{gateway.config.public_url}/"
+    try:
+        url = await gateway.identity.login_url(redirect)
+    except AuthError as exc:
+        raise ApiError(400, str(exc)) from None
+    return ok({"login_url": url})
+
+
+@routes.get("/callback", "Receives the authorization code and redirects with a token", public=True,
+            query=[Param("code"), Param("state"), Param("error")])
+async def callback(request: web.Request) -> web.StreamResponse:
+    gateway = gateway_of(request)
+    if request.query.get("error"):
+        raise ApiError(401, f"login refused by the identity provider: {request.query['error']}")
+    try:
+        token, redirect, user = await gateway.identity.callback(request.query.get("code", ""),
+                                                                request.query.get("state", ""))
+    except AuthError as exc:
+        await gateway.audit.record(org_id=(await gateway.store.default_org()).id, actor=None, action="auth.login",
+                                   resource_type="auth", outcome="failure", error_message=str(exc),
+                                   http_method="GET", http_path=request.path, http_status=401,
+                                   client_ip=request.remote or "")
+        raise ApiError(401, "access denied") from None
+    await gateway.audit.record(org_id=user.org_id or (await gateway.store.default_org()).id, actor=user,
+                               action="auth.login", resource_type="auth", outcome="success", http_method="GET",
+                               http_path=request.path, http_status=302, client_ip=request.remote or "")
+    raise web.HTTPFound(_with_token(redirect, token))
+
+
+@routes.post("/localauth/login", "Local login with email and password", body=LOCAL_LOGIN, public=True)
+async def local_login(request: web.Request) -> web.Response:
+    body = await json_body(request, LOCAL_LOGIN)
+    request["audit_actor_hint"] = body["email"]
+    request["audit_action"] = "auth.local_login"
+    try:
+        token = await gateway_of(request).identity.local_login(body["email"], body["password"])
+    except AuthError:
+        raise ApiError(401, "access denied") from None
+    return ok({"token": token})
+
+
+@routes.get("/userinfo", "The authenticated user")
+async def userinfo(request: web.Request) -> web.Response:
+    user = user_of(request)
+    org = await gateway_of(request).store.get_org(user.org_id) if user.org_id else None
+    data = user_json(user, org.name if org else "")
+    data["tenancy_type"] = "multitenant" if gateway_of(request).config["auth.multi_tenant"] else "selfhosted"
+    return ok(data)
+
+
+@routes.post("/signup", "Create an organization for an authenticated user without one (multi-tenant only)",
+             body=SIGNUP, status=201)
+async def signup(request: web.Request) -> web.Response:
+    gateway = gateway_of(request)
+    if not gateway.config["auth.multi_tenant"]:
+        raise ApiError(403, "signup is only available in multi-tenant mode")
+    body = await json_body(request, SIGNUP)
+    user = user_of(request)
+    if user.org_id:
+        raise ApiError(409, "the user already belongs to an organization")
+    if not body["org_name"].strip():
+        raise ApiError(400, "field 'org_name' is required")
+    org = await gateway.store.create_org(body["org_name"].strip())
+    user.org_id = org.id
+    user.name = body.get("profile_name") or user.name
+    user.picture = body.get("profile_picture") or user.picture
+    if "admin" not in user.groups:
+        user.groups = sorted(set(user.groups) | {"admin"})  # the founder administers the new organization
+    await gateway.store.save_user(user)
+    return ok({"org_id": org.id, "org_name": org.name, "profile_name": user.name,
+               "profile_picture": user.picture}, status=201)

@@ -1,0 +1,163 @@
+"""Connections (the roles of resources) and native-access credentials."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from control.http import ApiError, Field, RouteSet, Schema, gateway_of, json_body, ok, require_admin, user_of
+from gatewayd.access import credential_prefix
+from gatewayd.config import split_listen
+from gatewayd.models import Connection, User, new_id, rfc3339, utcnow
+from gatewayd.store import Conflict
+
+routes = RouteSet("Connections", audit="connections")
+
+CONNECTION_FIELDS = {
+    "name": Field("string", True), "type": Field("string", True), "subtype": Field("string"),
+    "resource_name": Field("string"), "agent_id": Field("string"), "command": Field("array", items="string"),
+    "secret": Field("object"), "tags": Field("object"), "settings": Field("object"),
+}
+CONNECTION = Schema("Connection", CONNECTION_FIELDS)
+CREDENTIALS = Schema("CredentialsRequest", {"access_duration_seconds": Field("integer")})
+DEFAULT_ACCESS_SECONDS = 3600
+
+
+def connection_json(conn: Connection, viewer: User) -> dict[str, Any]:
+    data: dict[str, Any] = {
+        "id": conn.id, "name": conn.name, "type": conn.type, "subtype": conn.subtype,
+        "resource_name": conn.resource_name, "agent_id": conn.agent_id, "command": conn.command,
+        "tags": conn.tags, "settings": conn.settings, "created_at": conn.created_at, "updated_at": conn.updated_at,
+    }
+    if viewer.is_admin:
+        data["secret"] = conn.secret
+    return data
+
+
+def check_secret(secret: Any, where: str) -> dict[str, str]:
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in secret.items()):
+        raise ApiError(422, f"field '{where}': keys and values must be strings (\"envvar:KEY\": base64)")
+    return dict(secret)
+
+
+def build_connection(body: dict[str, Any], org_id: str, resource_name: str, existing: Connection | None,
+                     where: str = "") -> Connection:
+    """A connection record from an API body, keeping id and creation time of the one it replaces."""
+    now = rfc3339(utcnow())
+    name = body["name"].strip()
+    if not name or "/" in name:
+        raise ApiError(422, f"field '{where}name': must be a non-empty name without '/'")
+    return Connection(
+        id=existing.id if existing else new_id(), org_id=org_id, name=name, resource_name=resource_name,
+        type=body["type"], subtype=body.get("subtype") or body["type"], agent_id=body.get("agent_id") or "",
+        command=list(body.get("command") or []), secret=check_secret(body.get("secret") or {}, f"{where}secret"),
+        tags={str(k): str(v) for k, v in (body.get("tags") or {}).items()},
+        settings=dict(body.get("settings") or (existing.settings if existing else {})),
+        created_at=existing.created_at if existing else now, updated_at=now,
+    )
+
+
+async def find_connection(request: web.Request) -> Connection:
+    key = request.match_info["name"]
+    conn = await gateway_of(request).store.get_connection(user_of(request).org_id, key)
+    if conn is None:
+        raise ApiError(404, f"connection {key!r} not found")
+    return conn
+
+
+@routes.get("/connections", "List connections")
+async def list_connections(request: web.Request) -> web.Response:
+    user = user_of(request)
+    conns = await gateway_of(request).store.list_connections(user.org_id)
+    return ok([connection_json(c, user) for c in conns])
+
+
+@routes.post("/connections", "Create a connection", body=CONNECTION, status=201)
+async def create(request: web.Request) -> web.Response:
+    admin = require_admin(request)
+    body = await json_body(request, CONNECTION)
+    conn = build_connection(body, admin.org_id, body.get("resource_name") or body["name"], None)
+    try:
+        await gateway_of(request).store.create_connection(conn)
+    except Conflict:
+        raise ApiError(409, f"connection {conn.name!r} already exists") from None
+    return ok(connection_json(conn, admin), status=201)
+
+
+@routes.get("/connections/{name}", "A connection by name or id")
+async def get(request: web.Request) -> web.Response:
+    return ok(connection_json(await find_connection(request), user_of(request)))
+
+
+@routes.put("/connections/{name}", "Replace a connection", body=CONNECTION)
+async def update(request: web.Request) -> web.Response:
+    admin = require_admin(request)
+    existing = await find_connection(request)
+    body = await json_body(request, CONNECTION)
+    if "secret" not in body:
+        body["secret"] = existing.secret  # an update without a secret keeps the stored one
+    conn = build_connection(body, admin.org_id, body.get("resource_name") or existing.resource_name, existing)
+    try:
+        await gateway_of(request).store.update_connection(conn)
+    except Conflict:
+        raise ApiError(409, f"connection {conn.name!r} already exists") from None
+    return ok(connection_json(conn, admin))
+
+
+@routes.delete("/connections/{name}", "Delete a connection", status=204)
+async def delete(request: web.Request) -> web.Response:
+    admin = require_admin(request)
+    conn = await find_connection(request)
+    gateway = gateway_of(request)
+    await gateway.store.delete_connection(admin.org_id, conn.id)
+    gateway.guardrails.invalidate()
+    return web.Response(status=204)
+
+
+def native_access(gateway: Any, conn: Connection, secret: str) -> dict[str, Any]:
+    """What the user types to reach ``conn`` through the gateway with ``secret``."""
+    listener = {"postgres": "postgres_server_config", "ssh": "ssh_server_config", "rdp": "rdp_server_config",
+                "httpproxy": "http_proxy_server_config"}[conn.subtype]
+    address = gateway.server_config.get(listener, {}).get("listen_address", "")
+    host, port = split_listen(address) if address else ("", 0)
+    if host in ("", "0.0.0.0", "::"):
+        host = gateway.config.public_url.split("://", 1)[-1].rsplit(":", 1)[0]
+    if conn.subtype == "postgres":
+        database = conn.target().get("DB", "postgres")
+        return {"hostname": host, "port": str(port), "username": secret, "password": "any",
+                "database_name": database,
+                "connection_string": f"postgres://{secret}:any@{host}:{port}/{database}?sslmode=prefer"}
+    if conn.subtype == "ssh":
+        return {"hostname": host, "port": str(port), "username": secret, "password": secret,
+                "command": f"ssh -p {port} {secret}@{host}"}
+    if conn.subtype == "rdp":
+        return {"hostname": host, "port": str(port), "username": secret, "password": secret,
+                "command": f"xfreerdp /v:{host}:{port} /u:{secret} /p:{secret}"}
+    return {"hostname": host, "port": str(port), "proxy_token": secret,
+            "url": f"http://{host}:{port}/{secret}/", "header": f"Authorization: {secret}"}
+
+
+@routes.post("/connections/{name}/credentials", "Short-lived credentials for native access", body=CREDENTIALS,
+             status=201, audit="credentials")
+async def create_credentials(request: web.Request) -> web.Response:
+    user = user_of(request)
+    conn = await find_connection(request)
+    body = await json_body(request, CREDENTIALS)
+    gateway = gateway_of(request)
+    maximum = int(gateway.config["sessions.max_credential_duration"])
+    duration = body.get("access_duration_seconds", DEFAULT_ACCESS_SECONDS)
+    if not 1 <= duration <= maximum:
+        raise ApiError(422, f"field 'access_duration_seconds': must be between 1 and {maximum}")
+    try:
+        credential_prefix(conn)
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from None
+    issued = await gateway.access.issue(user, conn, duration)
+    cred = issued.credential
+    return ok({
+        "id": cred.id, "connection_name": conn.name, "connection_type": conn.type,
+        "connection_subtype": conn.subtype, "session_id": cred.session_id, "expire_at": cred.expire_at,
+        "created_at": cred.created_at, "has_review": False,
+        "connection_credentials": native_access(gateway, conn, issued.secret),
+    }, status=201)

@@ -1,0 +1,117 @@
+"""Guard rail rules: create, read, update, delete; validated so traffic never meets a bad rule."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from control.http import ApiError, Field, RouteSet, Schema, gateway_of, json_body, ok, require_admin, user_of
+from gatewayd.guardrails import RuleError, validate_guardrail
+from gatewayd.models import GuardRail, new_id, rfc3339, utcnow
+from gatewayd.store import Conflict
+
+routes = RouteSet("Guard Rails", audit="guardrails")
+
+RULE = Schema("GuardRailRule", {
+    "type": Field("string", True), "words": Field("array", items="string"), "pattern_regex": Field("string"),
+    "name": Field("string"), "description": Field("string"), "message": Field("string"),
+})
+RULES = Schema("GuardRailRules", {"rules": Field("array", items=RULE), "name": Field("string"),
+                                  "description": Field("string")})
+GUARDRAIL = Schema("GuardRail", {
+    "name": Field("string", True), "description": Field("string"), "attributes": Field("array", items="string"),
+    "connection_ids": Field("array", items="string"), "input": Field("object", schema=RULES),
+    "output": Field("object", schema=RULES),
+})
+
+
+def guardrail_json(rule: GuardRail) -> dict[str, Any]:
+    return {"id": rule.id, "name": rule.name, "description": rule.description, "attributes": rule.attributes,
+            "connection_ids": rule.connection_ids, "input": rule.input, "output": rule.output,
+            "created_at": rule.created_at, "updated_at": rule.updated_at}
+
+
+async def _checked(request: web.Request, org_id: str) -> dict[str, Any]:
+    body = await json_body(request, GUARDRAIL)
+    if not body["name"].strip():
+        raise ApiError(400, "field 'name' is required")
+    body.setdefault("input", {"rules": []})
+    body.setdefault("output", {"rules": []})
+    try:
+        validate_guardrail(body["input"], body["output"])
+    except RuleError as exc:
+        raise ApiError(400, str(exc)) from None
+    store = gateway_of(request).store
+    for conn_id in body.get("connection_ids") or []:
+        if await store.get_connection(org_id, conn_id) is None:
+            raise ApiError(422, f"field 'connection_ids': connection {conn_id!r} not found")
+    return body
+
+
+async def _find(request: web.Request) -> GuardRail:
+    rule_id = request.match_info["id"]
+    rule = await gateway_of(request).store.get_guardrail(user_of(request).org_id, rule_id)
+    if rule is None:
+        raise ApiError(404, f"guard rail {rule_id!r} not found")
+    return rule
+
+
+@routes.get("/guardrails", "List guard rail rules")
+async def list_guardrails(request: web.Request) -> web.Response:
+    rules = await gateway_of(request).store.list_guardrails(user_of(request).org_id)
+    return ok([guardrail_json(r) for r in rules])
+
+
+@routes.post("/guardrails", "Create a guard rail rule", body=GUARDRAIL, status=201)
+async def create(request: web.Request) -> web.Response:
+    admin = require_admin(request)
+    body = await _checked(request, admin.org_id)
+    now = rfc3339(utcnow())
+    store = gateway_of(request).store
+    conn_ids = [(await store.get_connection(admin.org_id, c)).id for c in body.get("connection_ids") or []]
+    rule = GuardRail(id=new_id(), org_id=admin.org_id, name=body["name"].strip(),
+                     description=body.get("description") or "", attributes=body.get("attributes") or [],
+                     connection_ids=conn_ids, input=body["input"], output=body["output"],
+                     created_at=now, updated_at=now)
+    try:
+        await store.save_guardrail(rule, create=True)
+    except Conflict:
+        raise ApiError(409, f"guard rail {rule.name!r} already exists") from None
+    gateway_of(request).guardrails.invalidate()
+    return ok(guardrail_json(rule), status=201)
+
+
+@routes.get("/guardrails/{id}", "A guard rail rule")
+async def get(request: web.Request) -> web.Response:
+    return ok(guardrail_json(await _find(request)))
+
+
+@routes.put("/guardrails/{id}", "Replace a guard rail rule and its connection list", body=GUARDRAIL)
+async def update(request: web.Request) -> web.Response:
+    admin = require_admin(request)
+    rule = await _find(request)
+    body = await _checked(request, admin.org_id)
+    store = gateway_of(request).store
+    rule.name = body["name"].strip()
+    rule.description = body.get("description") or ""
+    rule.attributes = body.get("attributes") or []
+    rule.connection_ids = [(await store.get_connection(admin.org_id, c)).id for c in body.get("connection_ids") or []]
+    rule.input, rule.output = body["input"], body["output"]
+    rule.version += 1
+    rule.updated_at = rfc3339(utcnow())
+    try:
+        await store.save_guardrail(rule, create=False)
+    except Conflict:
+        raise ApiError(409, f"guard rail {rule.name!r} already exists") from None
+    gateway_of(request).guardrails.invalidate()
+    return ok(guardrail_json(rule))
+
+
+@routes.delete("/guardrails/{id}", "Delete a guard rail rule", status=204)
+async def delete(request: web.Request) -> web.Response:
+    admin = require_admin(request)
+    rule = await _find(request)
+    await gateway_of(request).store.delete_guardrail(admin.org_id, rule.id)
+    gateway_of(request).guardrails.invalidate()
+    return web.Response(status=204)

@@ -1,0 +1,101 @@
+"""Server information and the live server configuration (listener addresses, SSH host key)."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import time
+
+from aiohttp import web
+from cryptography.hazmat.primitives import serialization
+
+from control.http import ApiError, Field, RouteSet, Schema, gateway_of, json_body, ok, require_admin, user_of
+
+routes = RouteSet("Server Management", audit="serverconfig")
+
+LISTEN = Schema("ListenConfig", {"listen_address": Field("string", True)})
+SSH_LISTEN = Schema("SSHServerConfig", {"listen_address": Field("string", True), "hosts_key": Field("string")})
+MISC = Schema("ServerMiscConfig", {
+    "grpc_server_url": Field("string"),
+    "http_proxy_server_config": Field("object", schema=LISTEN),
+    "postgres_server_config": Field("object", schema=LISTEN),
+    "rdp_server_config": Field("object", schema=LISTEN),
+    "ssh_server_config": Field("object", schema=SSH_LISTEN),
+    "product_analytics": Field("string", enum=("active", "inactive")),
+})
+LISTENER_KEYS = ("http_proxy_server_config", "postgres_server_config", "rdp_server_config", "ssh_server_config")
+
+
+def _check_listen(value: str, key: str) -> None:
+    if value == "":
+        return
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ApiError(400, f"{key}.listen_address: expected 'host:port' or '' to stop it, got {value!r}")
+
+
+def _check_host_key(encoded: str) -> None:
+    try:
+        pem = base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError(400, "ssh_server_config.hosts_key: expected base64 of a PEM private key") from None
+    for loader in (serialization.load_ssh_private_key, serialization.load_pem_private_key):
+        try:
+            loader(pem, None)
+            return
+        except (ValueError, TypeError):
+            continue
+    raise ApiError(400, "ssh_server_config.hosts_key: not an unencrypted PEM or OpenSSH private key")
+
+
+@routes.get("/serverinfo", "Current server information")
+async def serverinfo(request: web.Request) -> web.Response:
+    gateway = gateway_of(request)
+    config = gateway.config
+    user = user_of(request)
+    info = {
+        "version": gateway.version,
+        "gateway_commit": "",
+        "tenancy_type": "multitenant" if config["auth.multi_tenant"] else "selfhosted",
+        "auth_method": config["auth.issuer"],
+        "api_url": f"{config.public_url}/api",
+        "grpc_url": gateway.server_config.get("grpc_server_url", ""),
+        "has_idp_audience": bool(config["auth.oidc.audience"]),
+        "has_idp_custom_scopes": config["auth.oidc.scopes"] != ["openid", "profile", "email"],
+        "product_analytics": gateway.server_config.get("product_analytics", "inactive"),
+        "uptime_seconds": int(time.time() - gateway.started_at),
+    }
+    if user.is_admin:
+        info["listeners"] = gateway.listeners.summary()
+    return ok(info)
+
+
+@routes.get("/serverconfig/misc", "Listener addresses, SSH host key and analytics setting (admin)")
+async def get_misc(request: web.Request) -> web.Response:
+    require_admin(request)
+    return ok(gateway_of(request).server_config)
+
+
+@routes.put("/serverconfig/misc", "Persist the configuration and start, restart or stop listeners live (admin)",
+            body=MISC)
+async def put_misc(request: web.Request) -> web.Response:
+    require_admin(request)
+    body = await json_body(request, MISC)
+    gateway = gateway_of(request)
+    document = {k: (dict(v) if isinstance(v, dict) else v) for k, v in gateway.server_config.items()}
+    for key in LISTENER_KEYS:
+        if key in body:
+            _check_listen(body[key]["listen_address"], key)
+            document[key] = {**document.get(key, {}), **body[key]}
+    if body.get("ssh_server_config", {}).get("hosts_key"):
+        _check_host_key(body["ssh_server_config"]["hosts_key"])
+    for key in ("grpc_server_url", "product_analytics"):
+        if key in body:
+            document[key] = body[key]
+    await gateway.update_server_config(document)
+    failed = {name: s["error"] for name, s in gateway.listeners.summary().items()
+              if s["listen_address"] and s["status"] == "error"}
+    if failed:
+        detail = "; ".join(f"{name}: {error}" for name, error in failed.items())
+        raise ApiError(409, f"configuration saved, but some listeners did not start: {detail}")
+    return ok(document)

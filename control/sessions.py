@@ -1,0 +1,108 @@
+"""Sessions: list with the spec's filters, one session with its event stream, kill."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+from aiohttp import web
+
+from control.audit_logs import parse_moment
+from control.http import ApiError, Param, RouteSet, gateway_of, ok, query_int, user_of
+from gatewayd.models import Session, SessionEvent, User
+from gatewayd.store import SessionFilter
+
+routes = RouteSet("Sessions", audit="sessions")
+
+MAX_LIMIT = 100
+
+
+def can_see(user: User, session: Session) -> bool:
+    return user.is_admin or user.is_auditor or session.user_id == user.subject
+
+
+def session_json(session: Session, events: list[SessionEvent] | None = None) -> dict[str, Any]:
+    metrics = dict(session.metrics)
+    metrics.setdefault("event_size", session.event_size)
+    data: dict[str, Any] = {
+        "id": session.id, "org_id": session.org_id, "user": session.user_email, "user_id": session.user_id,
+        "user_name": session.user_name, "connection": session.connection, "role_name": session.connection,
+        "resource_name": session.resource_name, "connection_subtype": session.subtype,
+        "connection_tags": session.tags, "type": session.type, "verb": session.verb, "status": session.status,
+        "script": {"data": session.script or ""} if session.verb == "exec" else {},
+        "script_size": len((session.script or "").encode()), "start_date": session.start_date,
+        "end_date": session.end_date, "event_size": session.event_size, "exit_code": session.exit_code,
+        "review": None, "session_batch_id": session.session_batch_id, "labels": session.labels,
+        "metadata": session.metadata, "metrics": metrics, "integrations_metadata": session.integrations_metadata,
+    }
+    if session.ai_analysis:
+        data["ai_analysis"] = session.ai_analysis
+    if events is not None:
+        data["event_stream"] = [[e.offset_ms, e.kind, base64.b64encode(e.data).decode()] for e in events]
+    return data
+
+
+@routes.get("/sessions", "List sessions, newest first", query=[
+    Param("user", description="subject id"), Param("connection"), Param("type"), Param("review.approver"),
+    Param("review.status"), Param("tracker_issue_key"), Param("start_date"), Param("end_date"),
+    Param("limit", "integer"), Param("offset", "integer")])
+async def list_sessions(request: web.Request) -> web.Response:
+    user = user_of(request)
+    q = request.query
+    limit = min(query_int(request, "limit", 20), MAX_LIMIT)
+    offset = query_int(request, "offset", 0)
+    if limit < 1 or offset < 0:
+        raise ApiError(422, "query parameters 'limit' and 'offset': limit must be 1 or more, offset 0 or more")
+    query = SessionFilter(
+        org_id=user.org_id, user_id=q.get("user") or None,
+        only_user_id=None if user.is_admin or user.is_auditor else user.subject,
+        connection=q.get("connection") or None, type=q.get("type") or None,
+        review_approver=q.get("review.approver") or None, review_status=q.get("review.status") or None,
+        tracker_issue_key=q.get("tracker_issue_key") or None,
+        start_date=parse_moment(q.get("start_date"), "start_date"),
+        end_date=parse_moment(q.get("end_date"), "end_date", end_of_day=True), limit=limit, offset=offset)
+    page = await gateway_of(request).store.list_sessions(query)
+    return ok({"data": [session_json(s) for s in page.items], "has_next_page": offset + len(page.items) < page.total,
+               "total": page.total})
+
+
+async def find_session(request: web.Request) -> Session:
+    session_id = request.match_info["id"]
+    session = await gateway_of(request).store.get_session(session_id)
+    user = user_of(request)
+    if session is None or session.org_id != user.org_id:
+        raise ApiError(404, f"session {session_id!r} not found")
+    if not can_see(user, session):
+        raise ApiError(403, "access denied: this session belongs to another user")
+    return session
+
+
+@routes.get("/sessions/{id}", "A session; its event stream with ?expand=event_stream or ?event_stream=utf8|base64",
+            query=[Param("expand"), Param("event_stream", description="utf8 or base64: output concatenated")])
+async def get(request: web.Request) -> web.Response:
+    session = await find_session(request)
+    store = gateway_of(request).store
+    rendering = request.query.get("event_stream")
+    if rendering:
+        if rendering not in ("utf8", "utf-8", "base64"):
+            raise ApiError(422, "query parameter 'event_stream': expected utf8 or base64")
+        output = b"".join(e.data for e in await store.read_events(session.id, kinds="oe"))
+        data = session_json(session)
+        text = base64.b64encode(output).decode() if rendering == "base64" else output.decode("utf-8", "replace")
+        data["event_stream"] = [text]
+        return ok(data)
+    expand = "event_stream" in request.query.get("expand", "").split(",")
+    return ok(session_json(session, await store.read_events(session.id) if expand else None))
+
+
+@routes.post("/sessions/{id}/kill", "End a running session (admin or its owner)")
+async def kill(request: web.Request) -> web.Response:
+    session = await find_session(request)
+    user = user_of(request)
+    if not user.is_admin and session.user_id != user.subject:
+        raise ApiError(403, "access denied: only an admin or the session's owner may kill it")
+    gateway = gateway_of(request)
+    if session.status == "done":
+        raise ApiError(409, "the session is already done")
+    await gateway.sessions.kill(session.id, f"session killed by {user.email}")
+    return ok(session_json(await gateway.store.get_session(session.id)))  # type: ignore[arg-type]

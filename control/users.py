@@ -1,0 +1,122 @@
+"""Users and groups (admin only)."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from control.auth import user_json
+from control.http import ApiError, Field, RouteSet, Schema, gateway_of, json_body, ok, require_admin
+from gatewayd.crypto import hash_password
+from gatewayd.models import User, new_id
+from gatewayd.store import Conflict
+
+routes = RouteSet("User Management", audit="users")
+
+USER_FIELDS = {
+    "email": Field("string", True), "name": Field("string"), "status": Field("string", enum=("active", "inactive")),
+    "groups": Field("array", items="string"), "password": Field("string"), "slack_id": Field("string"),
+    "picture": Field("string"),
+}
+USER_CREATE = Schema("UserCreate", USER_FIELDS)
+USER_UPDATE = Schema("UserUpdate", {**USER_FIELDS, "email": Field("string")})
+GROUP_CREATE = Schema("GroupCreate", {"name": Field("string", True)})
+
+
+async def _find(request: web.Request) -> User:
+    gateway = gateway_of(request)
+    key = request.match_info["id"]
+    user = await gateway.store.get_user(id=key) or await gateway.store.get_user(email=key) \
+        or await gateway.store.get_user(subject=key)
+    if user is None or user.org_id != require_admin(request).org_id:
+        raise ApiError(404, f"user {key!r} not found")
+    return user
+
+
+def _apply(user: User, body: dict) -> None:
+    for name in ("email", "name", "status", "slack_id", "picture"):
+        if body.get(name) is not None:
+            setattr(user, name, body[name])
+    if body.get("groups") is not None:
+        user.groups = sorted(set(body["groups"]))
+    if body.get("password"):
+        if len(body["password"]) < 8:
+            raise ApiError(422, "field 'password': at least 8 characters")
+        user.password_hash = hash_password(body["password"])
+
+
+@routes.get("/users", "List the organization's users")
+async def list_users(request: web.Request) -> web.Response:
+    admin = require_admin(request)
+    return ok([user_json(u) for u in await gateway_of(request).store.list_users(admin.org_id)])
+
+
+@routes.post("/users", "Create a user", body=USER_CREATE, status=201)
+async def create(request: web.Request) -> web.Response:
+    admin = require_admin(request)
+    body = await json_body(request, USER_CREATE)
+    store = gateway_of(request).store
+    if await store.get_user(email=body["email"]):
+        raise ApiError(409, f"a user with email {body['email']!r} already exists")
+    user = User(id=new_id(), org_id=admin.org_id, subject=body["email"].lower(), email=body["email"])
+    _apply(user, body)
+    try:
+        await store.save_user(user)
+    except Conflict:
+        raise ApiError(409, f"a user with email {body['email']!r} already exists") from None
+    return ok(user_json(user), status=201)
+
+
+@routes.get("/users/groups", "List groups")
+async def list_groups(request: web.Request) -> web.Response:
+    admin = require_admin(request)
+    return ok(await gateway_of(request).store.list_groups(admin.org_id))
+
+
+@routes.post("/users/groups", "Create a group", body=GROUP_CREATE, status=201)
+async def create_group(request: web.Request) -> web.Response:
+    admin = require_admin(request)
+    body = await json_body(request, GROUP_CREATE)
+    name = body["name"].strip()
+    if not name:
+        raise ApiError(400, "field 'name' is required")
+    try:
+        await gateway_of(request).store.create_group(admin.org_id, name)
+    except Conflict:
+        raise ApiError(409, f"group {name!r} already exists") from None
+    return ok({"name": name}, status=201)
+
+
+@routes.delete("/users/groups/{name}", "Delete a group and its memberships", status=204)
+async def delete_group(request: web.Request) -> web.Response:
+    admin = require_admin(request)
+    from gatewayd.store import NotFound
+
+    try:
+        await gateway_of(request).store.delete_group(admin.org_id, request.match_info["name"])
+    except NotFound:
+        raise ApiError(404, f"group {request.match_info['name']!r} not found") from None
+    return web.Response(status=204)
+
+
+@routes.get("/users/{id}", "A user by id, email or subject")
+async def get(request: web.Request) -> web.Response:
+    return ok(user_json(await _find(request)))
+
+
+@routes.put("/users/{id}", "Update a user (status, groups, password...)", body=USER_UPDATE)
+async def update(request: web.Request) -> web.Response:
+    user = await _find(request)
+    body = await json_body(request, USER_UPDATE)
+    _apply(user, body)
+    try:
+        await gateway_of(request).store.save_user(user)
+    except Conflict:
+        raise ApiError(409, f"a user with email {user.email!r} already exists") from None
+    return ok(user_json(user))
+
+
+@routes.delete("/users/{id}", "Delete a user", status=204)
+async def delete(request: web.Request) -> web.Response:
+    user = await _find(request)
+    await gateway_of(request).store.delete_user(user.id)
+    return web.Response(status=204)

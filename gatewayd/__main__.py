@@ -1,0 +1,5 @@
+import sys
+
+from gatewayd.cli import main
+
+sys.exit(main())

@@ -1,0 +1,104 @@
+"""Access: short-lived connection credentials, issued through the API and resolved by proxies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+from gatewayd.audit import AuditLog
+from gatewayd.crypto import hash_secret, new_credential_secret
+from gatewayd.models import CONNECTION_KINDS, Connection, Credential, Session, User, new_id, parse_time, rfc3339, utcnow
+from gatewayd.sessions import session_for
+from gatewayd.store import Store
+
+
+class AccessDenied(Exception):
+    """A credential that may not be used; ``str()`` is safe to show the client (no secret)."""
+
+
+@dataclass(slots=True)
+class AccessGrant:
+    """What a valid secret unlocks."""
+
+    credential: Credential
+    user: User
+    connection: Connection
+
+
+@dataclass(slots=True)
+class IssuedCredential:
+    secret: str
+    credential: Credential
+    session: Session
+
+
+def credential_prefix(connection: Connection) -> str:
+    kind = CONNECTION_KINDS.get(connection.subtype)
+    if kind is None:
+        raise ValueError(f"connection subtype {connection.subtype!r} has no native access")
+    return kind[1]
+
+
+def looks_like_secret(value: str) -> bool:
+    prefix, sep, rest = value.partition("-")
+    return bool(sep) and prefix in {k[1] for k in CONNECTION_KINDS.values()} and len(rest) == 43
+
+
+class AccessService:
+    """Issues credentials (stored only as SHA-256) and turns a presented secret into a grant."""
+
+    def __init__(self, store: Store, audit: AuditLog) -> None:
+        self.store = store
+        self.audit = audit
+
+    async def issue(self, user: User, connection: Connection, duration_seconds: float,
+                    review_id: str | None = None, session: Session | None = None) -> IssuedCredential:
+        secret = new_credential_secret(credential_prefix(connection))
+        now = utcnow()
+        if session is None:
+            session = session_for(user, connection, status="ready", review_id=review_id)
+        credential = Credential(
+            id=new_id(), org_id=connection.org_id, user_id=user.id, connection_id=connection.id,
+            connection_name=connection.name, secret_hash=hash_secret(secret), session_id=session.id,
+            expire_at=rfc3339(now + timedelta(seconds=duration_seconds)), created_at=rfc3339(now),
+            review_id=review_id,
+        )
+        session.credential_id = credential.id
+        session.session_batch_id = credential.id
+        await self.store.create_credential(credential, session)
+        return IssuedCredential(secret, credential, session)
+
+    async def resolve(self, secret: str, protocol: str, client_ip: str = "") -> AccessGrant:
+        """The grant for ``secret`` on a ``protocol`` connection (its subtype: postgres, ssh, rdp, httpproxy).
+
+        Refusals and successes are audited as protocol logins.
+        """
+        org = await self.store.default_org()
+        credential = await self.store.get_credential(hash_secret(secret)) if secret else None
+        user = await self.store.get_user(id=credential.user_id) if credential else None
+        reason = None
+        if credential is None or user is None:
+            reason = "invalid credential: unknown secret"
+        elif credential.revoked_at:
+            reason = "invalid credential: it was revoked"
+        elif parse_time(credential.expire_at) <= utcnow():  # type: ignore[operator]
+            reason = "invalid credential: it has expired"
+        elif user.status != "active":
+            reason = "access denied: the user is inactive"
+        connection = None
+        if reason is None:
+            connection = await self.store.get_connection(credential.org_id, credential.connection_id)
+            if connection is None:
+                reason = "invalid credential: its connection no longer exists"
+            elif connection.subtype != protocol:
+                reason = f"invalid credential: it is not for a {protocol} connection"
+        await self.audit.record(
+            org_id=credential.org_id if credential else org.id, actor=user, action=f"{protocol}.login",
+            resource_type="connection", outcome="failure" if reason else "success",
+            error_message=reason or "", client_ip=client_ip,
+            payload={"connection": credential.connection_name if credential else None,
+                     "credential_id": credential.id if credential else None},
+        )
+        if reason:
+            raise AccessDenied(reason)
+        return AccessGrant(credential, user, connection)  # type: ignore[arg-type]

@@ -1,0 +1,81 @@
+"""The security audit log: who did what, when, on which resource, with what outcome."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from gatewayd.models import AuditEntry, User, new_id, rfc3339, utcnow
+from gatewayd.store import Store
+
+log = logging.getLogger("gatewayd.audit")
+
+REDACTED = "[REDACTED]"
+_SECRET_KEYS = {"secret", "password", "pass", "token", "client_secret", "private_key", "access_token",
+                "id_token", "refresh_token", "hosts_key", "key", "connection_credentials", "code"}
+
+
+def _is_secret_key(key: str) -> bool:
+    lowered = key.lower()
+    name = lowered.split(":", 1)[1] if lowered.startswith("envvar:") else lowered
+    return name in _SECRET_KEYS or name.endswith(("_secret", "_password", "_token", "_key"))
+
+
+def redact(value: Any) -> Any:
+    """A copy of a request payload with every secret-looking value replaced."""
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            if isinstance(key, str) and _is_secret_key(key):
+                out[key] = {k: REDACTED for k in item} if isinstance(item, dict) else REDACTED
+            else:
+                out[key] = redact(item)
+        return out
+    if isinstance(value, list):
+        return [redact(item) for item in value]
+    return value
+
+
+class AuditLog:
+    """Writes audit entries; never raises into the caller's path."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    async def record(
+        self,
+        *,
+        org_id: str,
+        actor: User | None,
+        action: str,
+        resource_type: str,
+        outcome: str,
+        error_message: str = "",
+        http_method: str = "",
+        http_path: str = "",
+        http_status: int = 0,
+        client_ip: str = "",
+        payload: Any = None,
+        actor_hint: str = "",
+    ) -> None:
+        entry = AuditEntry(
+            id=new_id(),
+            org_id=org_id,
+            created_at=rfc3339(utcnow()),
+            actor_subject=actor.subject if actor else "",
+            actor_email=actor.email if actor else actor_hint,
+            actor_name=actor.name if actor else "",
+            resource_type=resource_type,
+            action=action,
+            outcome=outcome,
+            http_method=http_method,
+            http_path=http_path,
+            http_status=http_status,
+            client_ip=client_ip,
+            request_payload_redacted=redact(payload) if payload is not None else None,
+            error_message=error_message,
+        )
+        try:
+            await self.store.append_audit(entry)
+        except Exception:  # an audit failure must be loud but not take the request down
+            log.exception("could not write audit entry", extra={"action": action})

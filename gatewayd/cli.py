@@ -1,0 +1,134 @@
+"""The ``gatewayd`` command: run the daemon, mint tokens, manage local passwords."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import getpass
+import os
+import sys
+
+from gatewayd import __version__
+from gatewayd.config import Config, ConfigError, load_config, parse_duration
+
+
+def _load(path: str | None) -> Config:
+    return load_config(path or os.environ.get("GATEWAYD_CONFIG") or None)
+
+
+def _run_loop(coro) -> None:  # type: ignore[no-untyped-def]
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coro)
+    else:
+        uvloop.run(coro)
+
+
+async def _with_core(config: Config, action):  # type: ignore[no-untyped-def]
+    from gatewayd.daemon import Gateway
+
+    gateway = Gateway(config)
+    await gateway.open_core()
+    try:
+        return await action(gateway)
+    finally:
+        await gateway.close_core()
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    config = _load(args.config)
+    from gatewayd import logs
+    from gatewayd.root import run
+
+    logs.configure(config["log.format"], config["log.level"])
+    _run_loop(run(config))
+    return 0
+
+
+def _cmd_token_create(args: argparse.Namespace) -> int:
+    config = _load(args.config)
+    ttl = parse_duration(args.ttl, "--ttl") if args.ttl else config["auth.token_ttl"]
+    if ttl <= 0:
+        raise ConfigError("--ttl: must be positive")
+    groups = [g.strip() for g in args.groups.split(",") if g.strip()] if args.groups is not None else None
+
+    async def action(gateway):  # type: ignore[no-untyped-def]
+        user = await gateway.identity.ensure_local_user(args.email, args.name or "", groups)
+        if user.status != "active":
+            raise ConfigError(f"user {args.email} is inactive")
+        await gateway.audit.record(org_id=user.org_id, actor=user, action="token.create", resource_type="token",
+                                   outcome="success", payload={"email": args.email, "groups": groups,
+                                                               "ttl_seconds": ttl, "via": "cli"})
+        return gateway.identity.issue_token(user, ttl)
+
+    print(asyncio.run(_with_core(config, action)))
+    return 0
+
+
+def _cmd_user_passwd(args: argparse.Namespace) -> int:
+    from gatewayd.crypto import hash_password
+
+    config = _load(args.config)
+    if args.password_stdin:
+        password = sys.stdin.readline().rstrip("\n")
+    else:
+        password = getpass.getpass("new password: ")
+    if len(password) < 8:
+        raise ConfigError("password: at least 8 characters")
+
+    async def action(gateway):  # type: ignore[no-untyped-def]
+        user = await gateway.identity.ensure_local_user(args.email, args.name or "",
+                                                        [g for g in (args.groups or "").split(",") if g] or None)
+        user.password_hash = hash_password(password)
+        await gateway.store.save_user(user)
+
+    asyncio.run(_with_core(config, action))
+    print(f"password set for {args.email}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gatewayd", description="Access gateway for databases and servers.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run the daemon")
+    run.add_argument("--config", help="TOML configuration file (default: $GATEWAYD_CONFIG or embedded defaults)")
+    run.set_defaults(func=_cmd_run)
+
+    token = sub.add_parser("token", help="bearer tokens").add_subparsers(dest="token_command", required=True)
+    create = token.add_parser("create", help="print a bearer token for a user, creating the user if needed")
+    create.add_argument("--email", required=True)
+    create.add_argument("--name")
+    create.add_argument("--groups", help="comma-separated groups; replaces the user's groups")
+    create.add_argument("--ttl", help="lifetime such as 30m or 12h (default: auth.token_ttl)")
+    create.add_argument("--config")
+    create.set_defaults(func=_cmd_token_create)
+
+    user = sub.add_parser("user", help="local users").add_subparsers(dest="user_command", required=True)
+    passwd = user.add_parser("passwd", help="set a local user's login password, creating the user if needed")
+    passwd.add_argument("--email", required=True)
+    passwd.add_argument("--name")
+    passwd.add_argument("--groups", help="comma-separated groups for a new user")
+    passwd.add_argument("--password-stdin", action="store_true", help="read the password from standard input")
+    passwd.add_argument("--config")
+    passwd.set_defaults(func=_cmd_user_passwd)
+
+    version = sub.add_parser("version", help="print the version")
+    version.set_defaults(func=lambda args: print(__version__) or 0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as exc:
+        print(f"gatewayd: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""Daemon configuration: a TOML file, embedded defaults and GATEWAYD_* overrides.
+
+Every key is declared once in ``SETTINGS`` with its type and default; the
+loader refuses unknown keys and bad values with a message naming the key, and
+``config.example.toml`` documents the same keys (a test keeps them in step).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+PROTOCOLS = ("postgres", "ssh", "rdp", "http")
+
+
+class ConfigError(Exception):
+    """A configuration value that cannot be used; the message names the key."""
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
+
+
+def parse_duration(value: Any, key: str = "duration") -> float:
+    """Seconds from ``"500ms"``, ``"10s"``, ``"30m"``, ``"12h"``, ``"2d"`` or a number."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a duration such as '10s', got {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ConfigError(f"{key}: must not be negative")
+        return float(value)
+    match = _DURATION.match(str(value))
+    if not match:
+        raise ConfigError(f"{key}: expected a duration such as '10s' or '12h', got {value!r}")
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+def parse_listen(value: Any, key: str, allow_empty: bool = True) -> str:
+    """Validate ``host:port`` (empty means disabled when allowed)."""
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}: expected 'host:port', got {value!r}")
+    if value == "":
+        if allow_empty:
+            return value
+        raise ConfigError(f"{key}: must not be empty")
+    host, sep, port = value.rpartition(":")
+    if not sep or not host:
+        raise ConfigError(f"{key}: expected 'host:port', got {value!r}")
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{key}: bad port {port!r} (0-65535)")
+    return value
+
+
+def split_listen(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(slots=True, frozen=True)
+class Setting:
+    """One configuration key: its type check and its default."""
+
+    kind: str
+    default: Any
+    check: Callable[[Any, str], Any] | None = None
+
+
+def _choice(*allowed: str) -> Callable[[Any, str], Any]:
+    def check(value: Any, key: str) -> Any:
+        if value not in allowed:
+            raise ConfigError(f"{key}: must be one of {', '.join(allowed)}, got {value!r}")
+        return value
+
+    return check
+
+
+def _positive(value: Any, key: str) -> Any:
+    if value <= 0:
+        raise ConfigError(f"{key}: must be positive")
+    return value
+
+
+SETTINGS: dict[str, Setting] = {
+    "data_dir": Setting("str", "./gatewayd-data"),
+    "log.format": Setting("str", "plain", _choice("plain", "json")),
+    "log.level": Setting("str", "info", _choice("debug", "info", "warning", "error")),
+    "api.listen": Setting("listen", "127.0.0.1:8009", lambda v, k: parse_listen(v, k, False)),
+    "api.public_url": Setting("str", ""),
+    "api.max_body_bytes": Setting("int", 1048576, _positive),
+    "store.driver": Setting("str", "sqlite", _choice("sqlite")),
+    "store.path": Setting("str", ""),
+    "secrets.key": Setting("str", ""),
+    "auth.issuer": Setting("str", "local", _choice("local", "oidc")),
+    "auth.token_ttl": Setting("duration", "12h"),
+    "auth.multi_tenant": Setting("bool", False),
+    "auth.admins_can_self_approve": Setting("bool", True),
+    "auth.oidc.issuer_url": Setting("str", ""),
+    "auth.oidc.client_id": Setting("str", ""),
+    "auth.oidc.client_secret": Setting("str", ""),
+    "auth.oidc.audience": Setting("str", ""),
+    "auth.oidc.scopes": Setting("list", ["openid", "profile", "email"]),
+    "auth.oidc.groups_claim": Setting("str", "groups"),
+    "auth.oidc.redirect_url": Setting("str", ""),
+    "auth.oidc.algorithms": Setting("list", ["RS256", "RS384", "RS512", "ES256", "ES384", "PS256", "EdDSA"]),
+    "listeners.postgres": Setting("listen", "127.0.0.1:15432", parse_listen),
+    "listeners.ssh": Setting("listen", "127.0.0.1:12222", parse_listen),
+    "listeners.rdp": Setting("listen", "127.0.0.1:13389", parse_listen),
+    "listeners.http": Setting("listen", "127.0.0.1:18888", parse_listen),
+    "server.grpc_server_url": Setting("str", ""),
+    "server.product_analytics": Setting("str", "inactive", _choice("active", "inactive")),
+    "ssh.hosts_key": Setting("str", ""),
+    "sessions.shutdown_grace": Setting("duration", "10s"),
+    "sessions.recording_cap_bytes": Setting("int", 64 * 1024 * 1024, _positive),
+    "sessions.flush_interval": Setting("duration", "1s"),
+    "sessions.max_credential_duration": Setting("duration", "48h"),
+}
+
+
+def _env_name(key: str) -> str:
+    return "GATEWAYD_" + key.replace(".", "_").upper()
+
+
+def _coerce(key: str, setting: Setting, value: Any, from_env: bool) -> Any:
+    kind = setting.kind
+    if kind == "str" or kind == "listen":
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+    elif kind == "int":
+        if from_env:
+            try:
+                value = int(value)
+            except ValueError:
+                raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    elif kind == "bool":
+        if from_env:
+            value = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}.get(
+                str(value).lower(), value
+            )
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    elif kind == "list":
+        if from_env:
+            value = [item.strip() for item in str(value).split(",") if item.strip()]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{key}: expected a list of strings, got {value!r}")
+    elif kind == "duration":
+        value = parse_duration(value, key)
+    if setting.check is not None:
+        value = setting.check(value, key)
+    return value
+
+
+def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for name, value in table.items():
+        key = f"{prefix}{name}"
+        if isinstance(value, dict) and key not in SETTINGS:
+            flat.update(_flatten(value, key + "."))
+        else:
+            flat[key] = value
+    return flat
+
+
+class Config:
+    """Resolved settings; read with ``config["api.listen"]`` or the helpers below."""
+
+    def __init__(self, values: dict[str, Any], source: str | None = None) -> None:
+        self._values = values
+        self.source = source
+
+    def __getitem__(self, key: str) -> Any:
+        return self._values[key]
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self._values)
+
+    @property
+    def data_dir(self) -> Path:
+        return Path(self._values["data_dir"]).expanduser()
+
+    @property
+    def store_path(self) -> Path:
+        path = self._values["store.path"]
+        return Path(path).expanduser() if path else self.data_dir / "gatewayd.db"
+
+    @property
+    def public_url(self) -> str:
+        url = self._values["api.public_url"]
+        if url:
+            return url.rstrip("/")
+        host, port = split_listen(self._values["api.listen"])
+        return f"http://{host}:{port}"
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    environ: dict[str, str] | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> Config:
+    """Defaults, then the TOML file, then GATEWAYD_* variables, then ``overrides``."""
+    environ = os.environ if environ is None else environ
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as handle:
+                raw = tomllib.load(handle)
+        except OSError as exc:
+            raise ConfigError(f"config file {path}: cannot read it ({exc.strerror})") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path}: not valid TOML ({exc})") from None
+    values = {key: _coerce(key, s, s.default, False) for key, s in SETTINGS.items()}
+    for key, value in _flatten(raw).items():
+        setting = SETTINGS.get(key)
+        if setting is None:
+            raise ConfigError(f"{key}: unknown setting")
+        values[key] = _coerce(key, setting, value, False)
+    for key, setting in SETTINGS.items():
+        env_value = environ.get(_env_name(key))
+        if env_value is not None:
+            values[key] = _coerce(key, setting, env_value, True)
+    for key, value in (overrides or {}).items():
+        if key not in SETTINGS:
+            raise ConfigError(f"{key}: unknown setting")
+        values[key] = _coerce(key, SETTINGS[key], value, False)
+    if values["auth.issuer"] == "oidc":
+        for key in ("auth.oidc.issuer_url", "auth.oidc.client_id"):
+            if not values[key]:
+                raise ConfigError(f"{key}: required when auth.issuer = 'oidc'")
+    return Config(values, str(path) if path else None)

@@ -1,0 +1,247 @@
+"""The running gateway: core services, the API site and the protocol listeners.
+
+``Gateway`` knows no protocol and no API module: the composition root
+(``gatewayd.root``) hands it an API application factory and one listener
+factory per protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Protocol
+
+from aiohttp import web
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from gatewayd import __version__
+from gatewayd.access import AccessService
+from gatewayd.audit import AuditLog
+from gatewayd.config import PROTOCOLS, Config, split_listen
+from gatewayd.guardrails import GuardRailService
+from gatewayd.identity import Identity
+from gatewayd.recording import RecordingService
+from gatewayd.sessions import SessionManager
+from gatewayd.store import Store, open_store
+
+log = logging.getLogger("gatewayd")
+
+SERVER_CONFIG_KEY = "serverconfig.misc"
+HOST_KEY_NAME = "ssh-host-key"
+
+
+class Listener(Protocol):
+    """A started protocol server; ``close`` stops accepting new connections."""
+
+    async def close(self) -> None: ...
+
+
+ListenerFactory = Callable[["Gateway", str, int], Awaitable[Listener]]
+AppFactory = Callable[["Gateway"], web.Application]
+
+
+@dataclass(slots=True)
+class ListenerState:
+    address: str = ""
+    listener: Listener | None = None
+    error: str = ""
+    unavailable: bool = False
+
+    @property
+    def status(self) -> str:
+        if self.listener is not None:
+            return "running"
+        if self.unavailable:
+            return "unavailable"
+        return "error" if self.error else "stopped"
+
+
+class Listeners:
+    """Starts, restarts and stops the protocol listeners to match the wanted addresses."""
+
+    def __init__(self, gateway: "Gateway", factories: dict[str, ListenerFactory]) -> None:
+        self.gateway = gateway
+        self.factories = factories
+        self.states: dict[str, ListenerState] = {name: ListenerState() for name in PROTOCOLS}
+        self._lock = asyncio.Lock()
+
+    async def apply(self, wanted: dict[str, str]) -> None:
+        async with self._lock:
+            for name in PROTOCOLS:
+                address = wanted.get(name, "")
+                state = self.states[name]
+                if state.address == address and (state.listener is not None or not address):
+                    continue
+                if state.listener is not None:
+                    await state.listener.close()
+                    log.info("listener stopped", extra={"listener": name, "address": state.address})
+                self.states[name] = state = ListenerState(address=address)
+                if not address:
+                    continue
+                factory = self.factories.get(name)
+                if factory is None:
+                    state.error = f"the {name} proxy is not available in this build"
+                    state.unavailable = True
+                    log.warning("listener unavailable", extra={"listener": name, "reason": state.error})
+                    continue
+                host, port = split_listen(address)
+                try:
+                    state.listener = await factory(self.gateway, host, port)
+                    log.info("listener started", extra={"listener": name, "address": address})
+                except Exception as exc:  # a bad port or a missing extra must not stop the daemon
+                    state.error = str(exc) or type(exc).__name__
+                    log.error("listener failed to start",
+                              extra={"listener": name, "address": address, "error": state.error})
+
+    async def stop_all(self) -> None:
+        await self.apply({})
+
+    def summary(self) -> dict[str, dict[str, str]]:
+        return {name: {"listen_address": s.address, "status": s.status, "error": s.error}
+                for name, s in self.states.items()}
+
+
+def _notify(message: str) -> None:
+    """sd_notify(3) without libsystemd: a datagram to $NOTIFY_SOCKET."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.connect(address)
+            sock.sendall(message.encode())
+    except OSError:
+        log.warning("sd_notify failed", extra={"message": message})
+
+
+def server_config_from(config: Config, host_key: str) -> dict[str, Any]:
+    """The ``serverconfig/misc`` document implied by the configuration file."""
+    return {
+        "grpc_server_url": config["server.grpc_server_url"],
+        "http_proxy_server_config": {"listen_address": config["listeners.http"]},
+        "postgres_server_config": {"listen_address": config["listeners.postgres"]},
+        "rdp_server_config": {"listen_address": config["listeners.rdp"]},
+        "ssh_server_config": {"listen_address": config["listeners.ssh"], "hosts_key": host_key},
+        "product_analytics": config["server.product_analytics"],
+    }
+
+
+def listen_addresses(server_config: dict[str, Any]) -> dict[str, str]:
+    return {
+        "postgres": server_config["postgres_server_config"]["listen_address"],
+        "ssh": server_config["ssh_server_config"]["listen_address"],
+        "rdp": server_config["rdp_server_config"]["listen_address"],
+        "http": server_config["http_proxy_server_config"]["listen_address"],
+    }
+
+
+class Gateway:
+    """Everything the daemon runs, started and stopped in order."""
+
+    def __init__(self, config: Config, app_factory: AppFactory | None = None,
+                 listener_factories: dict[str, ListenerFactory] | None = None) -> None:
+        self.config = config
+        self.app_factory = app_factory
+        self.store: Store = None  # type: ignore[assignment]
+        self.audit: AuditLog = None  # type: ignore[assignment]
+        self.identity: Identity = None  # type: ignore[assignment]
+        self.access: AccessService = None  # type: ignore[assignment]
+        self.recording: RecordingService = None  # type: ignore[assignment]
+        self.sessions: SessionManager = None  # type: ignore[assignment]
+        self.guardrails: GuardRailService = None  # type: ignore[assignment]
+        self.listeners = Listeners(self, listener_factories or {})
+        self.server_config: dict[str, Any] = {}
+        self.started_at = time.time()
+        self.version = __version__
+        self._runner: web.AppRunner | None = None
+        self._stopping = asyncio.Event()
+
+    async def open_core(self) -> None:
+        """Store and core services, without network listeners (also used by the CLI)."""
+        self.store = await open_store(self.config)
+        self.audit = AuditLog(self.store)
+        self.identity = Identity(self.config, self.store)
+        self.access = AccessService(self.store, self.audit)
+        self.recording = RecordingService(self.store, self.config["sessions.recording_cap_bytes"],
+                                          self.config["sessions.flush_interval"])
+        self.sessions = SessionManager(self.store, self.recording, self.audit)
+        self.guardrails = GuardRailService(self.store)
+        await self.identity.start()
+
+    async def start(self) -> None:
+        await self.open_core()
+        recovered = await self.sessions.recover()
+        await self.recording.start()
+        self.server_config = await self._load_server_config()
+        if self.app_factory is not None:
+            self._runner = web.AppRunner(self.app_factory(self), access_log=None, handle_signals=False)
+            await self._runner.setup()
+            host, port = split_listen(self.config["api.listen"])
+            await web.TCPSite(self._runner, host, port, reuse_address=True).start()
+        await self.listeners.apply(listen_addresses(self.server_config))
+        log.info("gatewayd started", extra={"version": self.version, "api": self.config["api.listen"],
+                                            "data_dir": str(self.config.data_dir),
+                                            "recovered_sessions": recovered})
+        _notify("READY=1")
+
+    async def _load_server_config(self) -> dict[str, Any]:
+        stored = await self.store.get_setting(SERVER_CONFIG_KEY)
+        host_key = self.config["ssh.hosts_key"] or base64.b64encode(await self.host_key_pem()).decode()
+        document = server_config_from(self.config, host_key)
+        if stored:
+            document.update({k: v for k, v in stored.items() if k in document})
+            if not document["ssh_server_config"].get("hosts_key"):
+                document["ssh_server_config"]["hosts_key"] = host_key
+        return document
+
+    async def host_key_pem(self) -> bytes:
+        """The SSH host key (OpenSSH PEM), generated as ed25519 on first start."""
+        material = await self.store.get_key(HOST_KEY_NAME)
+        if material is None:
+            material = Ed25519PrivateKey.generate().private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption())
+            await self.store.put_key(HOST_KEY_NAME, material)
+        return material
+
+    async def update_server_config(self, document: dict[str, Any]) -> None:
+        """Persist the document and bring the listeners in line with it, live."""
+        await self.store.put_setting(SERVER_CONFIG_KEY, document)
+        self.server_config = document
+        await self.listeners.apply(listen_addresses(document))
+
+    def request_stop(self) -> None:
+        self._stopping.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stopping.wait()
+
+    async def stop(self) -> None:
+        """Stop accepting, give sessions their grace period, close them, flush, close the store."""
+        _notify("STOPPING=1")
+        log.info("gatewayd stopping")
+        await self.listeners.stop_all()
+        if self.sessions is not None:
+            await self.sessions.shutdown(self.config["sessions.shutdown_grace"])
+        if self.recording is not None:
+            await self.recording.stop()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self.identity is not None:
+            await self.identity.stop()
+        if self.store is not None:
+            await self.store.close()
+        log.info("gatewayd stopped")
+
+    async def close_core(self) -> None:
+        if self.identity is not None:
+            await self.identity.stop()
+        if self.store is not None:
+            await self.store.close()

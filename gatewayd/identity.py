@@ -1,0 +1,309 @@
+"""Identity: the local token issuer, the OIDC verifier, sign-up on first login and group sync."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlencode
+
+import aiohttp
+import jwt
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from gatewayd.config import Config
+from gatewayd.crypto import verify_password
+from gatewayd.models import User, new_id
+from gatewayd.store import Store
+
+log = logging.getLogger("gatewayd.identity")
+
+LOCAL_ISSUER = "gatewayd"
+LOCAL_AUDIENCE = "gatewayd-api"
+_ASYMMETRIC = {"RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512", "EdDSA"}
+_KEY_TYPES = {"RS": "RSA", "PS": "RSA", "ES": "EC", "Ed": "OKP"}
+_STATE_TTL = 600
+
+
+class AuthError(Exception):
+    """Authentication failed; the API answers 401 ``access denied``."""
+
+
+@dataclass(slots=True)
+class Claims:
+    subject: str
+    email: str
+    name: str
+    groups: list[str] | None
+    picture: str = ""
+
+
+class LocalIssuer:
+    """Signs and verifies the gateway's own short-lived Ed25519 JWTs."""
+
+    def __init__(self, private_key: Ed25519PrivateKey, kid: str) -> None:
+        self._private = private_key
+        self._public = private_key.public_key()
+        self.kid = kid
+
+    @classmethod
+    async def load(cls, store: Store) -> "LocalIssuer":
+        material = await store.get_key("local-issuer")
+        if material is None:
+            key = Ed25519PrivateKey.generate()
+            material = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                         serialization.NoEncryption())
+            await store.put_key("local-issuer", material)
+            material = await store.get_key("local-issuer") or material  # a concurrent start may have won
+        key = serialization.load_pem_private_key(material, None)
+        assert isinstance(key, Ed25519PrivateKey)
+        public = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        return cls(key, hashlib.sha256(public).hexdigest()[:16])
+
+    def issue(self, user: User, ttl: float) -> str:
+        now = int(time.time())
+        claims = {"iss": LOCAL_ISSUER, "aud": LOCAL_AUDIENCE, "sub": user.subject, "email": user.email,
+                  "name": user.name, "iat": now, "nbf": now, "exp": now + int(ttl), "jti": new_id()}
+        return jwt.encode(claims, self._private, algorithm="EdDSA", headers={"kid": self.kid})
+
+    def verify(self, token: str) -> dict[str, Any]:
+        try:
+            return jwt.decode(token, self._public, algorithms=["EdDSA"], audience=LOCAL_AUDIENCE,
+                              issuer=LOCAL_ISSUER, options={"require": ["exp", "iat", "sub"]})
+        except jwt.PyJWTError as exc:
+            raise AuthError(f"local token refused: {exc}") from None
+
+
+class OIDCProvider:
+    """Verifies tokens of an external identity provider and runs the authorization-code flow."""
+
+    def __init__(self, config: Config, http: aiohttp.ClientSession) -> None:
+        self.issuer = config["auth.oidc.issuer_url"].rstrip("/")
+        self.client_id = config["auth.oidc.client_id"]
+        self.client_secret = config["auth.oidc.client_secret"]
+        self.audience = config["auth.oidc.audience"] or self.client_id
+        self.scopes = config["auth.oidc.scopes"]
+        self.groups_claim = config["auth.oidc.groups_claim"]
+        self.algorithms = [a for a in config["auth.oidc.algorithms"] if a in _ASYMMETRIC]
+        self.http = http
+        self._discovery: dict[str, Any] | None = None
+        self._keys: dict[str, jwt.PyJWK] = {}
+        self._keys_fetched = 0.0
+        self._lock = asyncio.Lock()
+
+    async def discovery(self) -> dict[str, Any]:
+        if self._discovery is None:
+            url = f"{self.issuer}/.well-known/openid-configuration"
+            async with self.http.get(url) as response:
+                if response.status != 200:
+                    raise AuthError(f"identity provider discovery failed with HTTP {response.status}")
+                self._discovery = await response.json(content_type=None)
+        return self._discovery
+
+    async def _refresh_keys(self) -> None:
+        async with self._lock:
+            if time.monotonic() - self._keys_fetched < 1.0:
+                return  # another task just refreshed
+            doc = await self.discovery()
+            async with self.http.get(doc["jwks_uri"]) as response:
+                if response.status != 200:
+                    raise AuthError(f"identity provider JWKS fetch failed with HTTP {response.status}")
+                jwks = await response.json(content_type=None)
+            keys = {}
+            for item in jwks.get("keys", []):
+                try:
+                    key = jwt.PyJWK(item)
+                except jwt.PyJWTError:
+                    continue
+                keys[item.get("kid", "")] = key
+            self._keys = keys
+            self._keys_fetched = time.monotonic()
+
+    async def _key_for(self, kid: str) -> jwt.PyJWK:
+        if kid not in self._keys:
+            await self._refresh_keys()  # unknown kid: the provider may have rotated
+        key = self._keys.get(kid)
+        if key is None:
+            raise AuthError("token signed with an unknown key")
+        return key
+
+    async def verify(self, token: str) -> dict[str, Any]:
+        try:
+            header = jwt.get_unverified_header(token)
+        except jwt.PyJWTError:
+            raise AuthError("malformed token") from None
+        alg = header.get("alg")
+        if alg not in self.algorithms:
+            raise AuthError(f"token algorithm {alg!r} is not allowed")
+        key = await self._key_for(header.get("kid", ""))
+        if _KEY_TYPES[alg[:2]] != key.key_type:
+            raise AuthError("token algorithm does not match its key")
+        try:
+            return jwt.decode(token, key.key, algorithms=[alg], audience=self.audience, issuer=self.issuer,
+                              options={"require": ["exp", "iat", "sub"]}, leeway=30)
+        except jwt.PyJWTError as exc:
+            raise AuthError(f"token refused: {exc}") from None
+
+    def claims(self, payload: dict[str, Any]) -> Claims:
+        groups = payload.get(self.groups_claim)
+        if isinstance(groups, str):
+            groups = [groups]
+        if groups is not None and not isinstance(groups, list):
+            groups = None
+        return Claims(subject=str(payload["sub"]), email=str(payload.get("email") or payload["sub"]),
+                      name=str(payload.get("name") or ""), picture=str(payload.get("picture") or ""),
+                      groups=[str(g) for g in groups] if groups is not None else None)
+
+    async def authorization_url(self, state: str, challenge: str, redirect_uri: str) -> str:
+        doc = await self.discovery()
+        query = {"response_type": "code", "client_id": self.client_id, "redirect_uri": redirect_uri,
+                 "scope": " ".join(self.scopes), "state": state, "code_challenge": challenge,
+                 "code_challenge_method": "S256"}
+        if self.audience != self.client_id:
+            query["audience"] = self.audience
+        return f"{doc['authorization_endpoint']}?{urlencode(query)}"
+
+    async def exchange(self, code: str, verifier: str, redirect_uri: str) -> dict[str, Any]:
+        doc = await self.discovery()
+        form = {"grant_type": "authorization_code", "code": code, "redirect_uri": redirect_uri,
+                "client_id": self.client_id, "code_verifier": verifier}
+        if self.client_secret:
+            form["client_secret"] = self.client_secret
+        async with self.http.post(doc["token_endpoint"], data=form) as response:
+            body = await response.json(content_type=None)
+            if response.status != 200 or "id_token" not in body:
+                raise AuthError(f"the identity provider refused the code (HTTP {response.status})")
+            return body
+
+
+@dataclass(slots=True)
+class _PendingLogin:
+    verifier: str
+    redirect: str
+    expires: float
+
+
+class Identity:
+    """Turns bearer tokens into active users; signs users up on first authentication."""
+
+    def __init__(self, config: Config, store: Store) -> None:
+        self.config = config
+        self.store = store
+        self.local: LocalIssuer | None = None
+        self.oidc: OIDCProvider | None = None
+        self._http: aiohttp.ClientSession | None = None
+        self._pending: dict[str, _PendingLogin] = {}
+
+    async def start(self) -> None:
+        self.local = await LocalIssuer.load(self.store)
+        if self.config["auth.issuer"] == "oidc":
+            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15))
+            self.oidc = OIDCProvider(self.config, self._http)
+
+    async def stop(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+
+    @property
+    def callback_url(self) -> str:
+        return self.config["auth.oidc.redirect_url"] or f"{self.config.public_url}/api/callback"
+
+    def issue_token(self, user: User, ttl: float | None = None) -> str:
+        assert self.local is not None
+        return self.local.issue(user, ttl if ttl is not None else self.config["auth.token_ttl"])
+
+    async def authenticate(self, token: str) -> User:
+        """The active user behind a bearer token, or AuthError."""
+        assert self.local is not None
+        try:
+            issuer = jwt.decode(token, options={"verify_signature": False}).get("iss")
+        except jwt.PyJWTError:
+            raise AuthError("malformed token") from None
+        if issuer == LOCAL_ISSUER:
+            payload = self.local.verify(token)
+            user = await self.store.get_user(subject=str(payload["sub"]))
+        elif self.oidc is not None:
+            claims = self.oidc.claims(await self.oidc.verify(token))
+            user = await self.sign_in(claims)
+        else:
+            raise AuthError("token from an unknown issuer")
+        if user is None:
+            raise AuthError("unknown user")
+        if user.status != "active":
+            raise AuthError("inactive user")
+        return user
+
+    async def sign_in(self, claims: Claims) -> User:
+        """Find or create the user of ``claims``; sync groups when the token carries them."""
+        user = await self.store.get_user(subject=claims.subject)
+        if user is None:
+            user = await self.store.get_user(email=claims.email)
+            if user is not None and user.subject != claims.subject:
+                user.subject = claims.subject  # first OIDC login of a user created by email
+                await self.store.save_user(user)
+        if user is None:
+            org_id = None if self.config["auth.multi_tenant"] else (await self.store.default_org()).id
+            user = User(id=new_id(), org_id=org_id, subject=claims.subject, email=claims.email,
+                        name=claims.name, picture=claims.picture, groups=sorted(set(claims.groups or [])))
+            return await self.store.save_user(user)
+        changed = False
+        if claims.groups is not None and sorted(set(claims.groups)) != sorted(user.groups):
+            user.groups, changed = sorted(set(claims.groups)), True
+        if claims.name and claims.name != user.name:
+            user.name, changed = claims.name, True
+        if changed:
+            await self.store.save_user(user)
+        return user
+
+    async def ensure_local_user(self, email: str, name: str = "", groups: list[str] | None = None) -> User:
+        """The local user with ``email``, created if needed; ``groups`` replace its groups when given."""
+        user = await self.store.get_user(email=email)
+        if user is None:
+            org = await self.store.default_org()
+            user = User(id=new_id(), org_id=org.id, subject=email.lower(), email=email, name=name,
+                        groups=sorted(set(groups or [])))
+            return await self.store.save_user(user)
+        if groups is not None or (name and name != user.name):
+            user.groups = sorted(set(groups)) if groups is not None else user.groups
+            user.name = name or user.name
+            await self.store.save_user(user)
+        return user
+
+    async def local_login(self, email: str, password: str) -> str:
+        user = await self.store.get_user(email=email)
+        if user is None or not verify_password(password, user.password_hash):
+            raise AuthError("wrong email or password")
+        if user.status != "active":
+            raise AuthError("inactive user")
+        return self.issue_token(user)
+
+    async def login_url(self, redirect: str) -> str:
+        if self.oidc is None:
+            raise AuthError("OIDC login is not configured; use POST /api/localauth/login")
+        now = time.monotonic()
+        self._pending = {k: v for k, v in self._pending.items() if v.expires > now}
+        state = secrets.token_urlsafe(24)
+        verifier = secrets.token_urlsafe(48)
+        challenge = base64.urlsafe_b64encode(hashlib.sha256(verifier.encode()).digest()).rstrip(b"=").decode()
+        self._pending[state] = _PendingLogin(verifier, redirect, now + _STATE_TTL)
+        return await self.oidc.authorization_url(state, challenge, self.callback_url)
+
+    async def callback(self, code: str, state: str) -> tuple[str, str, User]:
+        """Exchange the code; returns (id token, where to redirect, user)."""
+        if self.oidc is None:
+            raise AuthError("OIDC login is not configured")
+        pending = self._pending.pop(state, None)
+        if pending is None or pending.expires < time.monotonic():
+            raise AuthError("unknown or expired login state")
+        tokens = await self.oidc.exchange(code, pending.verifier, self.callback_url)
+        id_token = tokens["id_token"]
+        user = await self.sign_in(self.oidc.claims(await self.oidc.verify(id_token)))
+        if user.status != "active":
+            raise AuthError("inactive user")
+        return id_token, pending.redirect, user

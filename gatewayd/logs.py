@@ -1,0 +1,59 @@
+"""Structured logging (plain ``key=value`` or JSON lines) that never prints a secret."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+from datetime import datetime, timezone
+
+_STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
+_SECRETS = re.compile(
+    r"\b(?:pg|ssh|rdp|httpproxy)-[A-Za-z0-9_-]{43}\b"  # connection credentials
+    r"|\beyJ[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]*"  # JWTs
+    r"|(?i:bearer)\s+\S+"
+)
+
+
+def scrub(text: str) -> str:
+    return _SECRETS.sub("[REDACTED]", text)
+
+
+def _fields(record: logging.LogRecord) -> dict[str, object]:
+    return {k: v for k, v in vars(record).items() if k not in _STANDARD and not k.startswith("_")}
+
+
+class JSONFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, object] = {
+            "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        entry.update(_fields(record))
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return scrub(json.dumps(entry, default=str))
+
+
+class PlainFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        moment = datetime.fromtimestamp(record.created, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3]
+        extra = " ".join(f"{k}={v}" for k, v in _fields(record).items())
+        line = f"{moment}Z {record.levelname.lower():7} {record.name}: {record.getMessage()}"
+        if extra:
+            line += " " + extra
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return scrub(line)
+
+
+def configure(fmt: str = "plain", level: str = "info") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JSONFormatter() if fmt == "json" else PlainFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)

@@ -1,0 +1,211 @@
+"""The records the store keeps and the services pass around."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+ADMIN_GROUP = "admin"
+AUDITOR_GROUP = "auditor"
+
+CONNECTION_KINDS: dict[str, tuple[str, str]] = {
+    # subtype -> (session type, credential prefix)
+    "postgres": ("database", "pg"),
+    "ssh": ("custom", "ssh"),
+    "rdp": ("custom", "rdp"),
+    "httpproxy": ("httpproxy", "httpproxy"),
+}
+
+
+def new_id() -> str:
+    return str(uuid.uuid4())
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def rfc3339(moment: datetime | None) -> str | None:
+    """RFC 3339 UTC with microseconds; sorts lexically in the store."""
+    if moment is None:
+        return None
+    return moment.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def parse_time(text: str | None) -> datetime | None:
+    if not text:
+        return None
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+@dataclass(slots=True)
+class Organization:
+    id: str
+    name: str
+    created_at: str
+
+
+@dataclass(slots=True)
+class User:
+    id: str
+    org_id: str | None  # None only in multi-tenant mode, until POST /signup
+    subject: str
+    email: str
+    name: str = ""
+    picture: str = ""
+    status: str = "active"
+    groups: list[str] = field(default_factory=list)
+    password_hash: str | None = None
+    slack_id: str = ""
+    created_at: str = ""
+    updated_at: str = ""
+
+    @property
+    def is_admin(self) -> bool:
+        return ADMIN_GROUP in self.groups
+
+    @property
+    def is_auditor(self) -> bool:
+        return AUDITOR_GROUP in self.groups
+
+
+@dataclass(slots=True)
+class Resource:
+    id: str
+    org_id: str
+    name: str
+    type: str
+    subtype: str
+    agent_id: str = ""
+    env_vars: dict[str, Any] = field(default_factory=dict)
+    created_at: str = ""
+    updated_at: str = ""
+
+
+@dataclass(slots=True)
+class Connection:
+    """A role of a resource: what a user connects to, with the target's secret."""
+
+    id: str
+    org_id: str
+    name: str
+    resource_name: str
+    type: str
+    subtype: str
+    agent_id: str = ""
+    command: list[str] = field(default_factory=list)
+    secret: dict[str, str] = field(default_factory=dict)
+    tags: dict[str, str] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
+    created_at: str = ""
+    updated_at: str = ""
+
+    def target(self) -> dict[str, str]:
+        """Decoded ``envvar:KEY`` settings of the role secret (``HOST``, ``PORT``...)."""
+        import base64
+        import binascii
+
+        result: dict[str, str] = {}
+        for key, value in self.secret.items():
+            name = key.split(":", 1)[1] if key.startswith("envvar:") else key
+            try:
+                result[name] = base64.b64decode(value, validate=True).decode()
+            except (binascii.Error, ValueError, UnicodeDecodeError):
+                result[name] = value
+        return result
+
+
+@dataclass(slots=True)
+class Credential:
+    id: str
+    org_id: str
+    user_id: str
+    connection_id: str
+    connection_name: str
+    secret_hash: str
+    session_id: str
+    expire_at: str
+    created_at: str
+    revoked_at: str | None = None
+    review_id: str | None = None
+
+
+@dataclass(slots=True)
+class GuardRail:
+    id: str
+    org_id: str
+    name: str
+    description: str = ""
+    attributes: list[str] = field(default_factory=list)
+    connection_ids: list[str] = field(default_factory=list)
+    input: dict[str, Any] = field(default_factory=dict)
+    output: dict[str, Any] = field(default_factory=dict)
+    version: int = 1
+    created_at: str = ""
+    updated_at: str = ""
+
+
+@dataclass(slots=True)
+class Session:
+    id: str
+    org_id: str
+    user_id: str
+    user_email: str
+    user_name: str
+    connection: str
+    connection_id: str
+    resource_name: str
+    type: str
+    subtype: str
+    verb: str = "connect"
+    status: str = "open"
+    tags: dict[str, str] = field(default_factory=dict)
+    script: str | None = None
+    start_date: str = ""
+    end_date: str | None = None
+    event_size: int = 0
+    exit_code: int | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+    integrations_metadata: dict[str, Any] = field(default_factory=dict)
+    session_batch_id: str | None = None
+    ai_analysis: dict[str, Any] | None = None
+    review_id: str | None = None
+    credential_id: str | None = None
+
+
+@dataclass(slots=True)
+class SessionEvent:
+    """One recorded event: milliseconds from the session start, ``i``/``o``/``e``, bytes."""
+
+    offset_ms: int
+    kind: str
+    data: bytes
+
+
+@dataclass(slots=True)
+class AuditEntry:
+    id: str
+    org_id: str
+    created_at: str
+    actor_subject: str
+    actor_email: str
+    actor_name: str
+    resource_type: str
+    action: str
+    outcome: str
+    http_method: str = ""
+    http_path: str = ""
+    http_status: int = 0
+    client_ip: str = ""
+    request_payload_redacted: Any = None
+    error_message: str = ""
+
+
+@dataclass(slots=True)
+class Page:
+    items: list[Any]
+    total: int

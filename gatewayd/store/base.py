@@ -1,0 +1,219 @@
+"""The store interface every backend implements (SQLite now, PostgreSQL later).
+
+Callers speak only in records and filters; no SQL leaves a backend.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from gatewayd.models import (
+    AuditEntry,
+    Connection,
+    Credential,
+    GuardRail,
+    Organization,
+    Page,
+    Resource,
+    Session,
+    SessionEvent,
+    User,
+)
+
+
+class StoreError(Exception):
+    """A store operation that cannot be done as asked."""
+
+
+class Conflict(StoreError):
+    """A unique name or key already exists."""
+
+
+class NotFound(StoreError):
+    """The record does not exist."""
+
+
+@dataclass(slots=True)
+class SessionFilter:
+    org_id: str
+    user_id: str | None = None
+    only_user_id: str | None = None  # visibility restriction for regular users
+    connection: str | None = None
+    type: str | None = None
+    status: str | None = None
+    review_approver: str | None = None
+    review_status: str | None = None
+    tracker_issue_key: str | None = None
+    start_date: str | None = None
+    end_date: str | None = None
+    limit: int = 20
+    offset: int = 0
+
+
+@dataclass(slots=True)
+class AuditFilter:
+    org_id: str | None = None
+    actor: str | None = None
+    resource_type: str | None = None
+    action: str | None = None
+    outcome: str | None = None
+    created_after: str | None = None
+    created_before: str | None = None
+    page: int = 1
+    page_size: int = 50
+
+
+class Store(abc.ABC):
+    """Persistent state of the gateway."""
+
+    # lifecycle
+    @abc.abstractmethod
+    async def open(self) -> None: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None: ...
+
+    # organizations
+    @abc.abstractmethod
+    async def default_org(self) -> Organization: ...
+
+    @abc.abstractmethod
+    async def create_org(self, name: str) -> Organization: ...
+
+    @abc.abstractmethod
+    async def get_org(self, org_id: str) -> Organization | None: ...
+
+    # users and groups
+    @abc.abstractmethod
+    async def get_user(self, *, id: str | None = None, subject: str | None = None,
+                       email: str | None = None) -> User | None: ...
+
+    @abc.abstractmethod
+    async def list_users(self, org_id: str) -> list[User]: ...
+
+    @abc.abstractmethod
+    async def save_user(self, user: User) -> User:
+        """Insert or update by id, groups included."""
+
+    @abc.abstractmethod
+    async def delete_user(self, user_id: str) -> None: ...
+
+    @abc.abstractmethod
+    async def list_groups(self, org_id: str) -> list[str]: ...
+
+    @abc.abstractmethod
+    async def create_group(self, org_id: str, name: str) -> None: ...
+
+    @abc.abstractmethod
+    async def delete_group(self, org_id: str, name: str) -> None: ...
+
+    # resources and connections
+    @abc.abstractmethod
+    async def create_resource(self, resource: Resource, connections: list[Connection]) -> None: ...
+
+    @abc.abstractmethod
+    async def update_resource(self, resource: Resource, connections: list[Connection] | None) -> None: ...
+
+    @abc.abstractmethod
+    async def get_resource(self, org_id: str, name: str) -> Resource | None: ...
+
+    @abc.abstractmethod
+    async def list_resources(self, org_id: str) -> list[Resource]: ...
+
+    @abc.abstractmethod
+    async def delete_resource(self, org_id: str, name: str) -> None: ...
+
+    @abc.abstractmethod
+    async def create_connection(self, connection: Connection) -> None: ...
+
+    @abc.abstractmethod
+    async def update_connection(self, connection: Connection) -> None: ...
+
+    @abc.abstractmethod
+    async def get_connection(self, org_id: str, name_or_id: str) -> Connection | None: ...
+
+    @abc.abstractmethod
+    async def list_connections(self, org_id: str, resource_name: str | None = None) -> list[Connection]: ...
+
+    @abc.abstractmethod
+    async def delete_connection(self, org_id: str, name_or_id: str) -> None: ...
+
+    # credentials
+    @abc.abstractmethod
+    async def create_credential(self, credential: Credential, session: Session) -> None:
+        """Store the credential with the session it opens, atomically."""
+
+    @abc.abstractmethod
+    async def get_credential(self, secret_hash: str) -> Credential | None: ...
+
+    @abc.abstractmethod
+    async def revoke_credentials(self, *, session_id: str | None = None, review_id: str | None = None,
+                                 revoked_at: str) -> int: ...
+
+    # guard rails
+    @abc.abstractmethod
+    async def save_guardrail(self, rule: GuardRail, *, create: bool) -> None: ...
+
+    @abc.abstractmethod
+    async def get_guardrail(self, org_id: str, rule_id: str) -> GuardRail | None: ...
+
+    @abc.abstractmethod
+    async def list_guardrails(self, org_id: str, connection_id: str | None = None) -> list[GuardRail]: ...
+
+    @abc.abstractmethod
+    async def delete_guardrail(self, org_id: str, rule_id: str) -> None: ...
+
+    # sessions and recordings
+    @abc.abstractmethod
+    async def create_session(self, session: Session) -> None: ...
+
+    @abc.abstractmethod
+    async def get_session(self, session_id: str) -> Session | None: ...
+
+    @abc.abstractmethod
+    async def list_sessions(self, query: SessionFilter) -> Page: ...
+
+    @abc.abstractmethod
+    async def update_session(self, session_id: str, **fields: Any) -> None: ...
+
+    @abc.abstractmethod
+    async def append_events(self, batches: Iterable[tuple[str, int, list[SessionEvent], dict[str, Any]]]) -> None:
+        """Append events of several sessions in one transaction.
+
+        Each batch is ``(session_id, first_seq, events, session_fields)``; the
+        session fields (event_size, metrics...) are updated in the same
+        transaction so a crash never leaves them disagreeing with the events.
+        """
+
+    @abc.abstractmethod
+    async def read_events(self, session_id: str, kinds: str | None = None) -> list[SessionEvent]: ...
+
+    @abc.abstractmethod
+    async def last_event_seq(self, session_id: str) -> tuple[int, int]:
+        """(next sequence number, last offset in ms) of a session's events."""
+
+    @abc.abstractmethod
+    async def sessions_with_status(self, status: str) -> list[Session]: ...
+
+    # audit log
+    @abc.abstractmethod
+    async def append_audit(self, entry: AuditEntry) -> None: ...
+
+    @abc.abstractmethod
+    async def list_audit(self, query: AuditFilter) -> Page: ...
+
+    # server configuration and keys
+    @abc.abstractmethod
+    async def get_setting(self, key: str) -> Any: ...
+
+    @abc.abstractmethod
+    async def put_setting(self, key: str, value: Any) -> None: ...
+
+    @abc.abstractmethod
+    async def get_key(self, name: str) -> bytes | None:
+        """A sealed key (signing key, host key) in clear, or None."""
+
+    @abc.abstractmethod
+    async def put_key(self, name: str, material: bytes) -> None: ...

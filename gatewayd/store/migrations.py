@@ -1,0 +1,201 @@
+"""Versioned schema migrations, applied in order at start.
+
+Plain, portable SQL (TEXT timestamps in RFC 3339 UTC, JSON kept as TEXT) so a
+PostgreSQL backend can carry the same schema. Never edit a released
+migration: append a new one.
+"""
+
+MIGRATIONS: list[tuple[int, str]] = [
+    (1, """
+CREATE TABLE orgs (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    created_at TEXT NOT NULL
+);
+CREATE TABLE users (
+    id TEXT PRIMARY KEY,
+    org_id TEXT REFERENCES orgs (id),
+    subject TEXT NOT NULL UNIQUE,
+    email TEXT NOT NULL,
+    name TEXT NOT NULL DEFAULT '',
+    picture TEXT NOT NULL DEFAULT '',
+    status TEXT NOT NULL DEFAULT 'active',
+    password_hash TEXT,
+    slack_id TEXT NOT NULL DEFAULT '',
+    created_at TEXT NOT NULL,
+    updated_at TEXT NOT NULL
+);
+CREATE UNIQUE INDEX users_email ON users (org_id, email);
+CREATE TABLE groups (
+    org_id TEXT NOT NULL REFERENCES orgs (id),
+    name TEXT NOT NULL,
+    created_at TEXT NOT NULL,
+    PRIMARY KEY (org_id, name)
+);
+CREATE TABLE user_groups (
+    user_id TEXT NOT NULL REFERENCES users (id) ON DELETE CASCADE,
+    group_name TEXT NOT NULL,
+    PRIMARY KEY (user_id, group_name)
+);
+CREATE TABLE resources (
+    id TEXT PRIMARY KEY,
+    org_id TEXT NOT NULL REFERENCES orgs (id),
+    name TEXT NOT NULL,
+    type TEXT NOT NULL,
+    subtype TEXT NOT NULL,
+    agent_id TEXT NOT NULL DEFAULT '',
+    env_vars TEXT NOT NULL DEFAULT '{}',
+    created_at TEXT NOT NULL,
+    updated_at TEXT NOT NULL,
+    UNIQUE (org_id, name)
+);
+CREATE TABLE connections (
+    id TEXT PRIMARY KEY,
+    org_id TEXT NOT NULL REFERENCES orgs (id),
+    name TEXT NOT NULL,
+    resource_name TEXT NOT NULL,
+    type TEXT NOT NULL,
+    subtype TEXT NOT NULL,
+    agent_id TEXT NOT NULL DEFAULT '',
+    command TEXT NOT NULL DEFAULT '[]',
+    secret BLOB,
+    tags TEXT NOT NULL DEFAULT '{}',
+    settings TEXT NOT NULL DEFAULT '{}',
+    created_at TEXT NOT NULL,
+    updated_at TEXT NOT NULL,
+    UNIQUE (org_id, name)
+);
+CREATE TABLE sessions (
+    id TEXT PRIMARY KEY,
+    org_id TEXT NOT NULL,
+    user_id TEXT NOT NULL,
+    user_email TEXT NOT NULL,
+    user_name TEXT NOT NULL DEFAULT '',
+    connection TEXT NOT NULL,
+    connection_id TEXT NOT NULL,
+    resource_name TEXT NOT NULL DEFAULT '',
+    type TEXT NOT NULL,
+    subtype TEXT NOT NULL,
+    verb TEXT NOT NULL,
+    status TEXT NOT NULL,
+    tags TEXT NOT NULL DEFAULT '{}',
+    script TEXT,
+    start_date TEXT NOT NULL,
+    end_date TEXT,
+    event_size INTEGER NOT NULL DEFAULT 0,
+    exit_code INTEGER,
+    metadata TEXT NOT NULL DEFAULT '{}',
+    metrics TEXT NOT NULL DEFAULT '{}',
+    labels TEXT NOT NULL DEFAULT '{}',
+    integrations_metadata TEXT NOT NULL DEFAULT '{}',
+    session_batch_id TEXT,
+    ai_analysis TEXT,
+    review_id TEXT,
+    credential_id TEXT,
+    tracker_issue_key TEXT
+);
+CREATE INDEX sessions_by_start ON sessions (org_id, start_date DESC);
+CREATE INDEX sessions_by_user ON sessions (org_id, user_id, start_date DESC);
+CREATE INDEX sessions_by_connection ON sessions (org_id, connection, start_date DESC);
+CREATE INDEX sessions_by_status ON sessions (status);
+CREATE TABLE session_events (
+    session_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    offset_ms INTEGER NOT NULL,
+    kind TEXT NOT NULL,
+    data BLOB NOT NULL,
+    PRIMARY KEY (session_id, seq)
+);
+CREATE TABLE credentials (
+    id TEXT PRIMARY KEY,
+    org_id TEXT NOT NULL,
+    user_id TEXT NOT NULL,
+    connection_id TEXT NOT NULL,
+    connection_name TEXT NOT NULL,
+    secret_hash TEXT NOT NULL UNIQUE,
+    session_id TEXT NOT NULL,
+    expire_at TEXT NOT NULL,
+    created_at TEXT NOT NULL,
+    revoked_at TEXT,
+    review_id TEXT
+);
+CREATE INDEX credentials_by_session ON credentials (session_id);
+CREATE INDEX credentials_by_review ON credentials (review_id);
+CREATE TABLE guardrails (
+    id TEXT PRIMARY KEY,
+    org_id TEXT NOT NULL,
+    name TEXT NOT NULL,
+    description TEXT NOT NULL DEFAULT '',
+    attributes TEXT NOT NULL DEFAULT '[]',
+    input TEXT NOT NULL DEFAULT '{}',
+    output TEXT NOT NULL DEFAULT '{}',
+    version INTEGER NOT NULL DEFAULT 1,
+    created_at TEXT NOT NULL,
+    updated_at TEXT NOT NULL,
+    UNIQUE (org_id, name)
+);
+CREATE TABLE guardrail_connections (
+    guardrail_id TEXT NOT NULL REFERENCES guardrails (id) ON DELETE CASCADE,
+    connection_id TEXT NOT NULL,
+    PRIMARY KEY (guardrail_id, connection_id)
+);
+CREATE INDEX guardrail_connections_by_connection ON guardrail_connections (connection_id);
+CREATE TABLE reviews (
+    id TEXT PRIMARY KEY,
+    org_id TEXT NOT NULL,
+    session_id TEXT NOT NULL,
+    connection_id TEXT NOT NULL,
+    type TEXT NOT NULL,
+    status TEXT NOT NULL,
+    access_duration INTEGER,
+    access_request_rule_name TEXT,
+    min_approvals INTEGER NOT NULL DEFAULT 1,
+    force_approval_groups TEXT NOT NULL DEFAULT '[]',
+    time_window TEXT,
+    owner_id TEXT NOT NULL,
+    created_at TEXT NOT NULL,
+    revoke_at TEXT
+);
+CREATE INDEX reviews_by_session ON reviews (session_id);
+CREATE TABLE review_groups (
+    id TEXT PRIMARY KEY,
+    review_id TEXT NOT NULL REFERENCES reviews (id) ON DELETE CASCADE,
+    group_name TEXT NOT NULL,
+    forced_review INTEGER NOT NULL DEFAULT 0,
+    status TEXT,
+    review_date TEXT,
+    reviewed_by_id TEXT,
+    reviewed_by_email TEXT,
+    reviewed_by_name TEXT
+);
+CREATE INDEX review_groups_by_review ON review_groups (review_id);
+CREATE TABLE audit_logs (
+    id TEXT PRIMARY KEY,
+    org_id TEXT NOT NULL,
+    created_at TEXT NOT NULL,
+    actor_subject TEXT NOT NULL,
+    actor_email TEXT NOT NULL,
+    actor_name TEXT NOT NULL,
+    resource_type TEXT NOT NULL,
+    action TEXT NOT NULL,
+    outcome TEXT NOT NULL,
+    http_method TEXT NOT NULL DEFAULT '',
+    http_path TEXT NOT NULL DEFAULT '',
+    http_status INTEGER NOT NULL DEFAULT 0,
+    client_ip TEXT NOT NULL DEFAULT '',
+    request_payload_redacted TEXT,
+    error_message TEXT NOT NULL DEFAULT ''
+);
+CREATE INDEX audit_by_time ON audit_logs (created_at DESC);
+CREATE TABLE server_settings (
+    key TEXT PRIMARY KEY,
+    value TEXT NOT NULL,
+    updated_at TEXT NOT NULL
+);
+CREATE TABLE signing_keys (
+    name TEXT PRIMARY KEY,
+    material BLOB NOT NULL,
+    created_at TEXT NOT NULL
+)
+"""),
+]

@@ -1,0 +1,498 @@
+"""The embedded SQLite store (WAL mode): one writer connection, one reader."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+from dataclasses import fields
+from pathlib import Path
+from typing import Any, Iterable
+
+import aiosqlite
+
+from gatewayd.crypto import SecretBox
+from gatewayd.models import (
+    AuditEntry,
+    Connection,
+    Credential,
+    GuardRail,
+    Organization,
+    Page,
+    Resource,
+    Session,
+    SessionEvent,
+    User,
+    new_id,
+    rfc3339,
+    utcnow,
+)
+from gatewayd.store.base import AuditFilter, Conflict, NotFound, SessionFilter, Store
+from gatewayd.store.migrations import MIGRATIONS
+
+_JSON_FIELDS = {
+    "env_vars", "command", "tags", "settings", "attributes", "input", "output", "metadata",
+    "metrics", "labels", "integrations_metadata", "ai_analysis", "request_payload_redacted",
+}
+DEFAULT_ORG_NAME = "default"
+
+
+def _encode(name: str, value: Any) -> Any:
+    return json.dumps(value) if name in _JSON_FIELDS else value
+
+
+def _decode(name: str, value: Any) -> Any:
+    if name in _JSON_FIELDS and value is not None:
+        return json.loads(value)
+    return value
+
+
+def _columns(cls: type) -> list[str]:
+    return [f.name for f in fields(cls)]
+
+
+class SQLiteStore(Store):
+    """Store backed by one SQLite file."""
+
+    def __init__(self, path: Path, box: SecretBox) -> None:
+        self.path = path
+        self.box = box
+        self._writer: aiosqlite.Connection | None = None
+        self._reader: aiosqlite.Connection | None = None
+        self._lock = asyncio.Lock()
+        self._default_org: Organization | None = None
+
+    # ---------------------------------------------------------------- lifecycle
+    async def open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._writer = await self._connect()
+        await self._migrate()
+        self._reader = await self._connect()
+
+    async def _connect(self) -> aiosqlite.Connection:
+        conn = await aiosqlite.connect(self.path, isolation_level=None)
+        conn.row_factory = sqlite3.Row
+        await conn.execute("PRAGMA busy_timeout = 10000")
+        await conn.execute("PRAGMA journal_mode = WAL")
+        await conn.execute("PRAGMA synchronous = NORMAL")
+        await conn.execute("PRAGMA foreign_keys = ON")
+        return conn
+
+    async def _migrate(self) -> None:
+        db = self._w
+        await db.execute(
+            "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, applied_at TEXT NOT NULL)"
+        )
+        async with db.execute("SELECT COALESCE(MAX(version), 0) FROM schema_migrations") as cur:
+            (current,) = await cur.fetchone()
+        for version, script in MIGRATIONS:
+            if version <= current:
+                continue
+            await db.execute("BEGIN IMMEDIATE")
+            try:
+                for statement in filter(None, (s.strip() for s in script.split(";"))):
+                    await db.execute(statement)
+                await db.execute(
+                    "INSERT INTO schema_migrations (version, applied_at) VALUES (?, ?)", (version, rfc3339(utcnow()))
+                )
+                await db.execute("COMMIT")
+            except BaseException:
+                await db.execute("ROLLBACK")
+                raise
+
+    async def close(self) -> None:
+        for conn in (self._reader, self._writer):
+            if conn is not None:
+                await conn.close()
+        self._reader = self._writer = None
+
+    @property
+    def _w(self) -> aiosqlite.Connection:
+        if self._writer is None:
+            raise RuntimeError("store is not open")
+        return self._writer
+
+    @property
+    def _r(self) -> aiosqlite.Connection:
+        if self._reader is None:
+            raise RuntimeError("store is not open")
+        return self._reader
+
+    async def _write(self, statements: list[tuple[str, Any]]) -> None:
+        """Run statements in one transaction; unique violations become Conflict."""
+        async with self._lock:
+            db = self._w
+            await db.execute("BEGIN IMMEDIATE")
+            try:
+                for sql, params in statements:
+                    if isinstance(params, list):
+                        await db.executemany(sql, params)
+                    else:
+                        await db.execute(sql, params)
+                await db.execute("COMMIT")
+            except sqlite3.IntegrityError as exc:
+                await db.execute("ROLLBACK")
+                if "UNIQUE" in str(exc):
+                    raise Conflict(str(exc)) from None
+                raise
+            except BaseException:
+                await db.execute("ROLLBACK")
+                raise
+
+    async def _one(self, sql: str, params: tuple = ()) -> sqlite3.Row | None:
+        async with self._r.execute(sql, params) as cur:
+            return await cur.fetchone()
+
+    async def _all(self, sql: str, params: tuple = ()) -> list[sqlite3.Row]:
+        async with self._r.execute(sql, params) as cur:
+            return list(await cur.fetchall())
+
+    @staticmethod
+    def _insert(table: str, record: Any, skip: tuple[str, ...] = ()) -> tuple[str, tuple]:
+        names = [n for n in _columns(type(record)) if n not in skip]
+        sql = f"INSERT INTO {table} ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})"
+        return sql, tuple(_encode(n, getattr(record, n)) for n in names)
+
+    @staticmethod
+    def _update(table: str, record: Any, key: str = "id", skip: tuple[str, ...] = ()) -> tuple[str, tuple]:
+        names = [n for n in _columns(type(record)) if n not in skip and n != key]
+        sql = f"UPDATE {table} SET {', '.join(f'{n} = ?' for n in names)} WHERE {key} = ?"
+        return sql, tuple(_encode(n, getattr(record, n)) for n in names) + (getattr(record, key),)
+
+    @staticmethod
+    def _build(cls: type, row: sqlite3.Row, **extra: Any) -> Any:
+        keys = row.keys()
+        values = {n: _decode(n, row[n]) for n in _columns(cls) if n in keys}
+        values.update(extra)
+        return cls(**values)
+
+    # ---------------------------------------------------------------- organizations
+    async def default_org(self) -> Organization:
+        if self._default_org is None:
+            row = await self._one("SELECT * FROM orgs ORDER BY created_at LIMIT 1")
+            if row is None:
+                await self.create_org(DEFAULT_ORG_NAME)
+                row = await self._one("SELECT * FROM orgs ORDER BY created_at LIMIT 1")
+            self._default_org = self._build(Organization, row)
+        return self._default_org
+
+    async def create_org(self, name: str) -> Organization:
+        org = Organization(id=new_id(), name=name, created_at=rfc3339(utcnow()))
+        await self._write([self._insert("orgs", org)])
+        return org
+
+    async def get_org(self, org_id: str) -> Organization | None:
+        row = await self._one("SELECT * FROM orgs WHERE id = ?", (org_id,))
+        return self._build(Organization, row) if row else None
+
+    # ---------------------------------------------------------------- users and groups
+    async def _user_from(self, row: sqlite3.Row | None) -> User | None:
+        if row is None:
+            return None
+        groups = [r[0] for r in await self._all(
+            "SELECT group_name FROM user_groups WHERE user_id = ? ORDER BY group_name", (row["id"],))]
+        return self._build(User, row, groups=groups)
+
+    async def get_user(self, *, id: str | None = None, subject: str | None = None,
+                       email: str | None = None) -> User | None:
+        if id is not None:
+            return await self._user_from(await self._one("SELECT * FROM users WHERE id = ?", (id,)))
+        if subject is not None:
+            return await self._user_from(await self._one("SELECT * FROM users WHERE subject = ?", (subject,)))
+        if email is not None:
+            return await self._user_from(
+                await self._one("SELECT * FROM users WHERE lower(email) = lower(?)", (email,)))
+        raise ValueError("get_user needs id, subject or email")
+
+    async def list_users(self, org_id: str) -> list[User]:
+        rows = await self._all("SELECT * FROM users WHERE org_id = ? ORDER BY email", (org_id,))
+        memberships: dict[str, list[str]] = {}
+        for r in await self._all(
+            "SELECT ug.user_id, ug.group_name FROM user_groups ug JOIN users u ON u.id = ug.user_id "
+            "WHERE u.org_id = ? ORDER BY ug.group_name", (org_id,)):
+            memberships.setdefault(r[0], []).append(r[1])
+        return [self._build(User, r, groups=memberships.get(r["id"], [])) for r in rows]
+
+    async def save_user(self, user: User) -> User:
+        now = rfc3339(utcnow())
+        user.updated_at = now
+        exists = await self._one("SELECT 1 FROM users WHERE id = ?", (user.id,))
+        if not exists:
+            user.created_at = user.created_at or now
+        statement = self._update("users", user, skip=("groups",)) if exists else \
+            self._insert("users", user, skip=("groups",))
+        group_rows = [(user.org_id, g, now) for g in user.groups] if user.org_id else []
+        await self._write([
+            statement,
+            ("DELETE FROM user_groups WHERE user_id = ?", (user.id,)),
+            ("INSERT INTO groups (org_id, name, created_at) VALUES (?, ?, ?) ON CONFLICT DO NOTHING", group_rows),
+            ("INSERT INTO user_groups (user_id, group_name) VALUES (?, ?)", [(user.id, g) for g in user.groups]),
+        ])
+        return user
+
+    async def delete_user(self, user_id: str) -> None:
+        await self._write([("DELETE FROM users WHERE id = ?", (user_id,))])
+
+    async def list_groups(self, org_id: str) -> list[str]:
+        return [r[0] for r in await self._all("SELECT name FROM groups WHERE org_id = ? ORDER BY name", (org_id,))]
+
+    async def create_group(self, org_id: str, name: str) -> None:
+        await self._write([("INSERT INTO groups (org_id, name, created_at) VALUES (?, ?, ?)",
+                            (org_id, name, rfc3339(utcnow())))])
+
+    async def delete_group(self, org_id: str, name: str) -> None:
+        if not await self._one("SELECT 1 FROM groups WHERE org_id = ? AND name = ?", (org_id, name)):
+            raise NotFound(name)
+        await self._write([
+            ("DELETE FROM user_groups WHERE group_name = ? AND user_id IN (SELECT id FROM users WHERE org_id = ?)",
+             (name, org_id)),
+            ("DELETE FROM groups WHERE org_id = ? AND name = ?", (org_id, name)),
+        ])
+
+    # ---------------------------------------------------------------- resources and connections
+    def _connection_row(self, conn: Connection) -> Connection:
+        sealed = self.box.seal(json.dumps(conn.secret).encode(), conn.id.encode())
+        clone = Connection(**{n: getattr(conn, n) for n in _columns(Connection)})
+        clone.secret = sealed  # type: ignore[assignment]
+        return clone
+
+    def _connection_from(self, row: sqlite3.Row | None) -> Connection | None:
+        if row is None:
+            return None
+        secret = json.loads(self.box.open(row["secret"], row["id"].encode())) if row["secret"] else {}
+        values = {n: _decode(n, row[n]) for n in _columns(Connection) if n != "secret"}
+        return Connection(secret=secret, **values)
+
+    async def create_resource(self, resource: Resource, connections: list[Connection]) -> None:
+        await self._write([self._insert("resources", resource)] +
+                          [self._insert("connections", self._connection_row(c)) for c in connections])
+
+    async def update_resource(self, resource: Resource, connections: list[Connection] | None) -> None:
+        statements = [self._update("resources", resource, skip=("created_at",))]
+        if connections is not None:
+            statements.append(("DELETE FROM connections WHERE org_id = ? AND resource_name = ?",
+                               (resource.org_id, resource.name)))
+            statements += [self._insert("connections", self._connection_row(c)) for c in connections]
+        await self._write(statements)
+
+    async def get_resource(self, org_id: str, name: str) -> Resource | None:
+        row = await self._one("SELECT * FROM resources WHERE org_id = ? AND name = ?", (org_id, name))
+        return self._build(Resource, row) if row else None
+
+    async def list_resources(self, org_id: str) -> list[Resource]:
+        rows = await self._all("SELECT * FROM resources WHERE org_id = ? ORDER BY name", (org_id,))
+        return [self._build(Resource, r) for r in rows]
+
+    async def delete_resource(self, org_id: str, name: str) -> None:
+        await self._write([
+            ("DELETE FROM connections WHERE org_id = ? AND resource_name = ?", (org_id, name)),
+            ("DELETE FROM resources WHERE org_id = ? AND name = ?", (org_id, name)),
+        ])
+
+    async def create_connection(self, connection: Connection) -> None:
+        await self._write([self._insert("connections", self._connection_row(connection))])
+
+    async def update_connection(self, connection: Connection) -> None:
+        await self._write([self._update("connections", self._connection_row(connection), skip=("created_at",))])
+
+    async def get_connection(self, org_id: str, name_or_id: str) -> Connection | None:
+        row = await self._one("SELECT * FROM connections WHERE org_id = ? AND (name = ? OR id = ?)",
+                              (org_id, name_or_id, name_or_id))
+        return self._connection_from(row)
+
+    async def list_connections(self, org_id: str, resource_name: str | None = None) -> list[Connection]:
+        if resource_name is None:
+            rows = await self._all("SELECT * FROM connections WHERE org_id = ? ORDER BY name", (org_id,))
+        else:
+            rows = await self._all("SELECT * FROM connections WHERE org_id = ? AND resource_name = ? ORDER BY name",
+                                   (org_id, resource_name))
+        return [self._connection_from(r) for r in rows]  # type: ignore[misc]
+
+    async def delete_connection(self, org_id: str, name_or_id: str) -> None:
+        await self._write([("DELETE FROM connections WHERE org_id = ? AND (name = ? OR id = ?)",
+                            (org_id, name_or_id, name_or_id))])
+
+    # ---------------------------------------------------------------- credentials
+    async def create_credential(self, credential: Credential, session: Session) -> None:
+        await self._write([self._insert("sessions", session), self._insert("credentials", credential)])
+
+    async def get_credential(self, secret_hash: str) -> Credential | None:
+        row = await self._one("SELECT * FROM credentials WHERE secret_hash = ?", (secret_hash,))
+        return self._build(Credential, row) if row else None
+
+    async def revoke_credentials(self, *, session_id: str | None = None, review_id: str | None = None,
+                                 revoked_at: str) -> int:
+        column, value = ("session_id", session_id) if session_id else ("review_id", review_id)
+        async with self._r.execute(
+                f"SELECT COUNT(*) FROM credentials WHERE {column} = ? AND revoked_at IS NULL", (value,)) as cur:
+            (count,) = await cur.fetchone()
+        await self._write([(f"UPDATE credentials SET revoked_at = ? WHERE {column} = ? AND revoked_at IS NULL",
+                            (revoked_at, value))])
+        return count
+
+    # ---------------------------------------------------------------- guard rails
+    async def save_guardrail(self, rule: GuardRail, *, create: bool) -> None:
+        statement = self._insert("guardrails", rule, skip=("connection_ids",)) if create else \
+            self._update("guardrails", rule, skip=("connection_ids", "created_at"))
+        await self._write([
+            statement,
+            ("DELETE FROM guardrail_connections WHERE guardrail_id = ?", (rule.id,)),
+            ("INSERT INTO guardrail_connections (guardrail_id, connection_id) VALUES (?, ?)",
+             [(rule.id, c) for c in dict.fromkeys(rule.connection_ids)]),
+        ])
+
+    async def _guardrails_from(self, rows: list[sqlite3.Row]) -> list[GuardRail]:
+        result = []
+        for row in rows:
+            ids = [r[0] for r in await self._all(
+                "SELECT connection_id FROM guardrail_connections WHERE guardrail_id = ? ORDER BY rowid", (row["id"],))]
+            result.append(self._build(GuardRail, row, connection_ids=ids))
+        return result
+
+    async def get_guardrail(self, org_id: str, rule_id: str) -> GuardRail | None:
+        rows = await self._all("SELECT * FROM guardrails WHERE org_id = ? AND (id = ? OR name = ?)",
+                               (org_id, rule_id, rule_id))
+        found = await self._guardrails_from(rows)
+        return found[0] if found else None
+
+    async def list_guardrails(self, org_id: str, connection_id: str | None = None) -> list[GuardRail]:
+        if connection_id is None:
+            rows = await self._all("SELECT * FROM guardrails WHERE org_id = ? ORDER BY name", (org_id,))
+        else:
+            rows = await self._all(
+                "SELECT g.* FROM guardrails g JOIN guardrail_connections gc ON gc.guardrail_id = g.id "
+                "WHERE g.org_id = ? AND gc.connection_id = ? ORDER BY g.name", (org_id, connection_id))
+        return await self._guardrails_from(rows)
+
+    async def delete_guardrail(self, org_id: str, rule_id: str) -> None:
+        await self._write([
+            ("DELETE FROM guardrail_connections WHERE guardrail_id = ?", (rule_id,)),
+            ("DELETE FROM guardrails WHERE org_id = ? AND id = ?", (org_id, rule_id)),
+        ])
+
+    # ---------------------------------------------------------------- sessions
+    async def create_session(self, session: Session) -> None:
+        await self._write([self._insert("sessions", session)])
+
+    async def get_session(self, session_id: str) -> Session | None:
+        row = await self._one("SELECT * FROM sessions WHERE id = ?", (session_id,))
+        return self._build(Session, row) if row else None
+
+    async def list_sessions(self, query: SessionFilter) -> Page:
+        where, params = ["org_id = ?"], [query.org_id]
+        for column, value in (("user_id", query.user_id), ("user_id", query.only_user_id),
+                              ("connection", query.connection), ("type", query.type),
+                              ("status", query.status), ("tracker_issue_key", query.tracker_issue_key)):
+            if value is not None:
+                where.append(f"{column} = ?")
+                params.append(value)
+        if query.start_date:
+            where.append("start_date >= ?")
+            params.append(query.start_date)
+        if query.end_date:
+            where.append("start_date <= ?")
+            params.append(query.end_date)
+        if query.review_status:
+            where.append("review_id IN (SELECT id FROM reviews WHERE status = ?)")
+            params.append(query.review_status)
+        if query.review_approver:
+            where.append("review_id IN (SELECT review_id FROM review_groups WHERE lower(reviewed_by_email) = lower(?))")
+            params.append(query.review_approver)
+        clause = " AND ".join(where)
+        async with self._r.execute(f"SELECT COUNT(*) FROM sessions WHERE {clause}", params) as cur:
+            (total,) = await cur.fetchone()
+        columns = ", ".join(n for n in _columns(Session) if n != "script")
+        rows = await self._all(
+            f"SELECT {columns}, script FROM sessions WHERE {clause} ORDER BY start_date DESC, id LIMIT ? OFFSET ?",
+            tuple(params) + (query.limit, query.offset))
+        return Page(items=[self._build(Session, r) for r in rows], total=total)
+
+    async def update_session(self, session_id: str, **values: Any) -> None:
+        allowed = set(_columns(Session))
+        unknown = set(values) - allowed
+        if unknown:
+            raise ValueError(f"unknown session fields: {sorted(unknown)}")
+        assignments = ", ".join(f"{n} = ?" for n in values)
+        await self._write([(f"UPDATE sessions SET {assignments} WHERE id = ?",
+                            tuple(_encode(n, v) for n, v in values.items()) + (session_id,))])
+
+    async def append_events(self, batches: Iterable[tuple[str, int, list[SessionEvent], dict[str, Any]]]) -> None:
+        statements: list[tuple[str, Any]] = []
+        for session_id, first_seq, events, session_fields in batches:
+            if events:
+                statements.append((
+                    "INSERT INTO session_events (session_id, seq, offset_ms, kind, data) VALUES (?, ?, ?, ?, ?)",
+                    [(session_id, first_seq + i, e.offset_ms, e.kind, e.data) for i, e in enumerate(events)],
+                ))
+            if session_fields:
+                assignments = ", ".join(f"{n} = ?" for n in session_fields)
+                statements.append((f"UPDATE sessions SET {assignments} WHERE id = ?",
+                                   tuple(_encode(n, v) for n, v in session_fields.items()) + (session_id,)))
+        if statements:
+            await self._write(statements)
+
+    async def read_events(self, session_id: str, kinds: str | None = None) -> list[SessionEvent]:
+        rows = await self._all(
+            "SELECT offset_ms, kind, data FROM session_events WHERE session_id = ? ORDER BY seq", (session_id,))
+        return [SessionEvent(r[0], r[1], bytes(r[2])) for r in rows if kinds is None or r[1] in kinds]
+
+    async def last_event_seq(self, session_id: str) -> tuple[int, int]:
+        row = await self._one(
+            "SELECT seq, offset_ms FROM session_events WHERE session_id = ? ORDER BY seq DESC LIMIT 1", (session_id,))
+        return (row[0] + 1, row[1]) if row else (0, 0)
+
+    async def sessions_with_status(self, status: str) -> list[Session]:
+        rows = await self._all("SELECT * FROM sessions WHERE status = ?", (status,))
+        return [self._build(Session, r) for r in rows]
+
+    # ---------------------------------------------------------------- audit log
+    async def append_audit(self, entry: AuditEntry) -> None:
+        await self._write([self._insert("audit_logs", entry)])
+
+    async def list_audit(self, query: AuditFilter) -> Page:
+        where, params = ["1 = 1"], []
+        if query.org_id:
+            where.append("org_id = ?")
+            params.append(query.org_id)
+        if query.actor:
+            where.append("(actor_subject = ? OR lower(actor_email) = lower(?))")
+            params += [query.actor, query.actor]
+        for column, value in (("resource_type", query.resource_type), ("action", query.action),
+                              ("outcome", query.outcome)):
+            if value:
+                where.append(f"{column} = ?")
+                params.append(value)
+        if query.created_after:
+            where.append("created_at >= ?")
+            params.append(query.created_after)
+        if query.created_before:
+            where.append("created_at <= ?")
+            params.append(query.created_before)
+        clause = " AND ".join(where)
+        async with self._r.execute(f"SELECT COUNT(*) FROM audit_logs WHERE {clause}", params) as cur:
+            (total,) = await cur.fetchone()
+        rows = await self._all(
+            f"SELECT * FROM audit_logs WHERE {clause} ORDER BY created_at DESC, rowid DESC LIMIT ? OFFSET ?",
+            tuple(params) + (query.page_size, (query.page - 1) * query.page_size))
+        return Page(items=[self._build(AuditEntry, r) for r in rows], total=total)
+
+    # ---------------------------------------------------------------- settings and keys
+    async def get_setting(self, key: str) -> Any:
+        row = await self._one("SELECT value FROM server_settings WHERE key = ?", (key,))
+        return json.loads(row[0]) if row else None
+
+    async def put_setting(self, key: str, value: Any) -> None:
+        await self._write([(
+            "INSERT INTO server_settings (key, value, updated_at) VALUES (?, ?, ?) "
+            "ON CONFLICT (key) DO UPDATE SET value = excluded.value, updated_at = excluded.updated_at",
+            (key, json.dumps(value), rfc3339(utcnow())))])
+
+    async def get_key(self, name: str) -> bytes | None:
+        row = await self._one("SELECT material FROM signing_keys WHERE name = ?", (name,))
+        return self.box.open(row[0], name.encode()) if row else None
+
+    async def put_key(self, name: str, material: bytes) -> None:
+        await self._write([(
+            "INSERT INTO signing_keys (name, material, created_at) VALUES (?, ?, ?) "
+            "ON CONFLICT (name) DO UPDATE SET material = excluded.material",
+            (name, self.box.seal(material, name.encode()), rfc3339(utcnow())))])

@@ -1,0 +1,13 @@
+"""Protocol proxies: one package per protocol, each with a pure codec and a thin asyncio server.
+
+``available_listeners`` maps a listener name (postgres, ssh, rdp, http) to the
+start function of the proxies present in this installation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def available_listeners() -> dict[str, Any]:
+    return {}
