@@ -8,7 +8,7 @@ from typing import Any
 from aiohttp import web
 
 from control import auth, audit_logs, connections, guardrails, health, openapi, resources, serverconfig, sessions, users
-from control.http import GATEWAY, ROUTES, ApiError, RouteDoc, gateway_of
+from control.http import USER, AUDIT_PAYLOAD, ERROR_MESSAGE, AUDIT_ACTION, AUDIT_ACTOR_HINT, AUTH_FAILURE, GATEWAY, ROUTES, ApiError, RouteDoc, gateway_of
 from gatewayd.daemon import Gateway
 from gatewayd.identity import AuthError
 
@@ -29,25 +29,25 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
     try:
         return await handler(request)
     except ApiError as exc:
-        request["error_message"] = exc.message
+        request[ERROR_MESSAGE] = exc.message
         return web.json_response({"message": exc.message}, status=exc.status)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         message = {404: "not found", 405: "method not allowed", 413: "request body too large"}.get(
             exc.status, exc.reason.lower())
-        request["error_message"] = message
+        request[ERROR_MESSAGE] = message
         return web.json_response({"message": message}, status=exc.status, headers={
             k: v for k, v in exc.headers.items() if k.lower() == "allow"})
     except Exception:
         log.exception("unhandled API error", extra={"path": request.path, "method": request.method})
-        request["error_message"] = "internal server error"
+        request[ERROR_MESSAGE] = "internal server error"
         return web.json_response({"message": "internal server error"}, status=500)
 
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Bearer token → active user on ``request["user"]``, except on public routes."""
+    """Bearer token → active user on ``request[USER]``, except on public routes."""
     doc = _route_doc(request)
     if doc is None or doc.public:
         return await handler(request)
@@ -58,9 +58,9 @@ async def auth_middleware(request: web.Request, handler: Any) -> web.StreamRespo
     try:
         user = await gateway_of(request).identity.authenticate(token.strip())
     except AuthError as exc:
-        request["auth_failure"] = str(exc)
+        request[AUTH_FAILURE] = str(exc)
         raise ApiError(401, "access denied") from None
-    request["user"] = user
+    request[USER] = user
     if not user.org_id and doc.path not in ("/signup", "/userinfo"):
         raise ApiError(403, "access denied: sign up to an organization first (POST /api/signup)")
     return await handler(request)
@@ -77,17 +77,17 @@ async def audit_middleware(request: web.Request, handler: Any) -> web.StreamResp
     if doc is None and status == 404:
         return response
     gateway = gateway_of(request)
-    user = request.get("user")
+    user = request.get(USER)
     org_id = user.org_id if user and user.org_id else (await gateway.store.default_org()).id
-    action = request.get("audit_action") or (
+    action = request.get(AUDIT_ACTION) or (
         f"{doc.audit}.{doc.handler.__name__}" if doc else f"{request.method.lower()} {request.path}")
     await gateway.audit.record(
         org_id=org_id, actor=user, action=action, resource_type=doc.audit if doc else "api",
         outcome="success" if status < 400 else "failure",
-        error_message=request.get("error_message", "") if status >= 400 else "",
+        error_message=request.get(ERROR_MESSAGE, "") if status >= 400 else "",
         http_method=request.method, http_path=request.path, http_status=status,
-        client_ip=request.remote or "", payload=request.get("audit_payload"),
-        actor_hint=request.get("audit_actor_hint", ""),
+        client_ip=request.remote or "", payload=request.get(AUDIT_PAYLOAD),
+        actor_hint=request.get(AUDIT_ACTOR_HINT, ""),
     )
     return response
 

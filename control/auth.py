@@ -6,7 +6,7 @@ from urllib.parse import urlencode, urlsplit, urlunsplit, parse_qsl
 
 from aiohttp import web
 
-from control.http import ApiError, Field, Param, RouteSet, Schema, gateway_of, json_body, ok, user_of
+from control.http import AUDIT_ACTION, AUDIT_ACTOR_HINT, ApiError, Field, Param, RouteSet, Schema, gateway_of, json_body, ok, user_of
 from gatewayd.identity import AuthError
 from gatewayd.models import User
 
@@ -68,8 +68,8 @@ async def callback(request: web.Request) -> web.StreamResponse:
 @routes.post("/localauth/login", "Local login with email and password", body=LOCAL_LOGIN, public=True)
 async def local_login(request: web.Request) -> web.Response:
     body = await json_body(request, LOCAL_LOGIN)
-    request["audit_actor_hint"] = body["email"]
-    request["audit_action"] = "auth.local_login"
+    request[AUDIT_ACTOR_HINT] = body["email"]
+    request[AUDIT_ACTION] = "auth.local_login"
     try:
         token = await gateway_of(request).identity.local_login(body["email"], body["password"])
     except AuthError:

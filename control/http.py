@@ -13,6 +13,12 @@ from gatewayd.models import User
 
 GATEWAY = web.AppKey("gateway", Gateway)
 ROUTES = web.AppKey("routes", list)
+USER = web.RequestKey("user", User)
+AUDIT_PAYLOAD = web.RequestKey("audit_payload", object)
+AUDIT_ACTION = web.RequestKey("audit_action", str)
+AUDIT_ACTOR_HINT = web.RequestKey("audit_actor_hint", str)
+ERROR_MESSAGE = web.RequestKey("error_message", str)
+AUTH_FAILURE = web.RequestKey("auth_failure", str)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -155,7 +161,7 @@ async def json_body(request: web.Request, schema: Schema) -> dict[str, Any]:
             data = json.loads(raw)
         except (ValueError, UnicodeDecodeError):
             raise ApiError(400, "malformed JSON body") from None
-    request["audit_payload"] = data
+    request[AUDIT_PAYLOAD] = data
     return validate(data, schema)
 
 
@@ -174,7 +180,7 @@ def gateway_of(request: web.Request) -> Gateway:
 
 
 def user_of(request: web.Request) -> User:
-    return request["user"]
+    return request[USER]
 
 
 def require_admin(request: web.Request) -> User:

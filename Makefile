@@ -1,0 +1,32 @@
+# The two set-up commands of the README: `make run` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: run test peers bench clean
+
+$(STAMP): pyproject.toml
+	@scripts/ensure-python.sh "$(PYTHON)"
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test]'
+	@touch $@
+
+## Start the daemon on its embedded defaults (or CONFIG=file.toml).
+run: $(STAMP)
+	$(BIN)/gatewayd run $(if $(CONFIG),--config $(CONFIG))
+
+## Install the real peers the suite needs (when root), then run the whole suite.
+test: $(STAMP) peers
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+peers:
+	@scripts/install-peers.sh
+
+## Benchmarks print figures side by side; they are not tests.
+bench: $(STAMP)
+	$(BIN)/python bench/api/bench_api.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,141 @@
+"""Shared fixtures: a real ``gatewayd run`` subprocess and tokens minted by the real CLI."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def write_config(path: Path, settings: dict[str, Any]) -> Path:
+    """A TOML file from dotted keys, e.g. ``{"auth.oidc.client_id": "x"}``."""
+    tables: dict[str, dict[str, Any]] = {}
+    for key, value in settings.items():
+        table, _, name = key.rpartition(".")
+        tables.setdefault(table, {})[name] = value
+    lines = [f"{k} = {toml_value(v)}" for k, v in tables.pop("", {}).items()]
+    for table, values in tables.items():
+        lines.append(f"\n[{table}]")
+        lines += [f"{k} = {toml_value(v)}" for k, v in values.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+class Daemon:
+    """``gatewayd run`` as a subprocess on free ports, with its own data dir."""
+
+    def __init__(self, data_dir: Path, settings: dict[str, Any] | None = None) -> None:
+        self.data_dir = data_dir
+        self.api_port = free_port()
+        self.settings = {
+            "data_dir": str(data_dir),
+            "api.listen": f"127.0.0.1:{self.api_port}",
+            "log.format": "json",
+            "sessions.shutdown_grace": "1s",
+            # no proxy is bound unless a test asks for it
+            "listeners.postgres": "", "listeners.ssh": "", "listeners.rdp": "", "listeners.http": "",
+            **(settings or {}),
+        }
+        self.config_path = write_config(data_dir.parent / f"{data_dir.name}.toml", self.settings)
+        self.process: subprocess.Popen[bytes] | None = None
+        self.log_path = data_dir.parent / f"{data_dir.name}.log"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.api_port}/api"
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAYD_")}
+        env["GATEWAYD_CONFIG"] = str(self.config_path)
+        return env
+
+    def start(self, timeout: float = 20) -> "Daemon":
+        self.log = open(self.log_path, "ab")
+        self.process = subprocess.Popen([str(BIN / "gatewayd"), "run", "--config", str(self.config_path)],
+                                        stdout=self.log, stderr=subprocess.STDOUT, env=self.env(), cwd=ROOT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"gatewayd exited with {self.process.returncode}:\n{self.log_text()}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.api_port), timeout=0.2):
+                    return self
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"gatewayd did not start:\n{self.log_text()}")
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
+        if self.process is None:
+            return 0
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        code = self.process.wait(timeout)
+        self.process = None
+        self.log.close()
+        return code
+
+    def cli(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(BIN / "gatewayd"), *args, "--config", str(self.config_path)], env=self.env(),
+                              capture_output=True, text=True, input=input, check=check, timeout=60)
+
+    def token(self, email: str, groups: str | None = None, name: str | None = None, ttl: str | None = None) -> str:
+        args = ["token", "create", "--email", email]
+        if groups is not None:
+            args += ["--groups", groups]
+        if name:
+            args += ["--name", name]
+        if ttl:
+            args += ["--ttl", ttl]
+        return self.cli(*args).stdout.strip()
+
+
+@pytest.fixture(scope="session")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """One real daemon for the API suites (session-scoped: started once)."""
+    gw = Daemon(tmp_path_factory.mktemp("daemon") / "data").start()
+    yield gw
+    gw.stop()
+
+
+@pytest.fixture(scope="session")
+def admin_token(daemon: Daemon) -> str:
+    return daemon.token("admin@example.com", groups="admin", name="Ada Admin")
+
+
+@pytest.fixture(scope="session")
+def user_token(daemon: Daemon) -> str:
+    return daemon.token("user@example.com", groups="", name="Uma User")
+
+
+@pytest.fixture(scope="session")
+def auditor_token(daemon: Daemon) -> str:
+    return daemon.token("auditor@example.com", groups="auditor", name="Audrey Auditor")

@@ -1,0 +1,31 @@
+"""Run by test_crash: records a session through the core, flushes, records more, then waits to be SIGKILLed."""
+
+import asyncio
+import sys
+import time
+
+from gatewayd.config import load_config
+from gatewayd.daemon import Gateway
+from gatewayd.models import Connection, new_id
+
+
+async def main(config_path: str) -> None:
+    gateway = Gateway(load_config(config_path))
+    await gateway.open_core()
+    await gateway.recording.start()
+    user = await gateway.identity.ensure_local_user("crash@example.com", "Crash", [])
+    org = await gateway.store.default_org()
+    connection = Connection(id=new_id(), org_id=org.id, name="crashy", resource_name="crashy", type="custom",
+                            subtype="ssh")
+    await gateway.store.create_connection(connection)
+    live = await gateway.sessions.open(user, connection)
+    live.recorder.input(b"before the crash\n")
+    live.recorder.output(b"flushed output\n")
+    await gateway.recording.flush()
+    gateway.recording.flush_interval = 3600  # what follows stays in memory until the crash
+    live.recorder.input(b"never flushed\n")
+    print(live.id, flush=True)
+    time.sleep(3600)
+
+
+asyncio.run(main(sys.argv[1]))

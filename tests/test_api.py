@@ -1,0 +1,415 @@
+"""The control API of a real ``gatewayd run`` subprocess, spoken to over HTTP."""
+
+from __future__ import annotations
+
+import base64
+import json
+import sqlite3
+import uuid
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.conftest import Daemon
+
+
+class Client:
+    """JSON over HTTP with a bearer token; returns (status, body)."""
+
+    def __init__(self, daemon: Daemon, http: aiohttp.ClientSession) -> None:
+        self.daemon = daemon
+        self.http = http
+
+    async def __call__(self, method: str, path: str, token: str | None = None, body: Any = None,
+                       raw: bytes | None = None) -> tuple[int, Any]:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        if raw is not None:
+            headers["Content-Type"] = "application/json"
+        async with self.http.request(method, self.daemon.url + path, headers=headers, data=raw,
+                                     json=body if raw is None else None, allow_redirects=False) as response:
+            text = await response.text()
+            return response.status, json.loads(text) if text else None
+
+
+@pytest.fixture
+async def api(daemon):
+    async with aiohttp.ClientSession() as http:
+        yield Client(daemon, http)
+
+
+def b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+PG_SECRET = {"envvar:HOST": b64("127.0.0.1"), "envvar:PORT": b64("5432"), "envvar:USER": b64("app"),
+             "envvar:PASS": b64("pg-target-password-42"), "envvar:DB": b64("appdb")}
+
+
+async def make_resource(api: Client, token: str, subtype: str = "postgres") -> tuple[str, str]:
+    name = unique("res")
+    role = unique("role")
+    status, body = await api("POST", "/resources", token, {
+        "name": name, "type": "database", "subtype": subtype, "env_vars": {"team": "data"},
+        "roles": [{"name": role, "type": "database", "subtype": subtype, "secret": PG_SECRET}]})
+    assert status == 201, body
+    return name, role
+
+
+# ------------------------------------------------------------------ basics
+
+
+async def test_health_needs_no_auth_and_everything_else_does(api):
+    assert await api("GET", "/healthz") == (200, {"status": "ok", "version": "0.1.0"})
+    for path in ("/sessions", "/userinfo", "/connections", "/guardrails", "/audit/logs", "/serverinfo"):
+        assert await api("GET", path) == (401, {"message": "access denied"}), path
+    assert await api("GET", "/userinfo", "not-a-token") == (401, {"message": "access denied"})
+
+
+async def test_unknown_routes_and_methods_answer_json(api, admin_token):
+    assert await api("GET", "/no/such/route", admin_token) == (404, {"message": "not found"})
+    assert (await api("GET", "/../../etc/passwd"))[0] == 404
+    status, body = await api("PATCH", "/healthz")
+    assert status == 405 and body == {"message": "method not allowed"}
+
+
+async def test_openapi_documents_every_registered_route(api, daemon):
+    from control.app import make_app
+    from gatewayd.config import load_config
+    from gatewayd.daemon import Gateway
+
+    status, doc = await api("GET", "/openapi.json")
+    assert status == 200 and doc["openapi"].startswith("3.1")
+    root = make_app(Gateway(load_config(None, environ={})))
+    api_app = next(r._app for r in root.router.resources() if hasattr(r, "_app"))
+    registered = {(route.method.lower(), route.resource.canonical)
+                  for route in api_app.router.routes() if route.method != "HEAD"}
+    documented = {(method, path) for path, ops in doc["paths"].items() for method in ops}
+    assert registered == documented
+    assert len(registered) >= 35
+    create = doc["paths"]["/api/guardrails"]["post"]
+    schema = doc["components"]["schemas"][create["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+                                          .rsplit("/", 1)[1]]
+    assert schema["required"] == ["name"] and "connection_ids" in schema["properties"]
+
+
+@pytest.mark.parametrize("raw, status, message", [
+    (b"{not json", 400, "malformed JSON body"),
+    (b"[1, 2]", 400, "body: expected a JSON object"),
+    (b'{"type": "database"}', 400, "field 'name' is required"),
+    (b'{"name": 5, "type": "database"}', 422, "field 'name': expected string, got int"),
+    (b'{"name": "x", "type": "database", "colour": "red"}', 422, "unknown field 'colour'"),
+    (b'{"name": "x", "type": "database", "roles": [{"name": "r"}]}', 400, "field 'roles[0].type' is required"),
+    (b'{"name": "x", "type": "database", "roles": [{"name": "r", "type": "t", "secret": {"k": 1}}]}', 422,
+     "field 'roles[0].secret': keys and values must be strings (\"envvar:KEY\": base64)"),
+])
+async def test_bad_bodies_get_a_clear_message(api, admin_token, raw, status, message):
+    assert await api("POST", "/resources", admin_token, raw=raw) == (status, {"message": message})
+
+
+# ------------------------------------------------------------------ identity
+
+
+async def test_userinfo_and_serverinfo(api, admin_token, user_token):
+    status, me = await api("GET", "/userinfo", admin_token)
+    assert status == 200 and me["email"] == "admin@example.com" and me["is_admin"] and me["groups"] == ["admin"]
+    assert me["name"] == "Ada Admin" and me["tenancy_type"] == "selfhosted"
+    status, info = await api("GET", "/serverinfo", user_token)
+    assert status == 200 and info["auth_method"] == "local" and info["version"] == "0.1.0"
+    assert "listeners" not in info
+    status, info = await api("GET", "/serverinfo", admin_token)
+    assert set(info["listeners"]) == {"postgres", "ssh", "rdp", "http"}
+
+
+async def test_local_login_with_a_password_set_by_an_admin(api, admin_token):
+    email = f"{unique('pw')}@example.com"
+    status, user = await api("POST", "/users", admin_token, {"email": email, "name": "Pat", "groups": ["dev"],
+                                                             "password": "a long passphrase"})
+    assert status == 201 and user["groups"] == ["dev"] and "password" not in json.dumps(user)
+    assert (await api("POST", "/users", admin_token, {"email": email}))[0] == 409
+    status, body = await api("POST", "/localauth/login", body={"email": email, "password": "a long passphrase"})
+    assert status == 200
+    token = body["token"]
+    status, me = await api("GET", "/userinfo", token)
+    assert me["email"] == email and me["groups"] == ["dev"]
+    assert await api("POST", "/localauth/login", body={"email": email, "password": "wrong"}) == \
+        (401, {"message": "access denied"})
+    # an inactive user is refused even with a token that has not expired
+    status, _ = await api("PUT", f"/users/{email}", admin_token, {"status": "inactive"})
+    assert status == 200
+    assert await api("GET", "/userinfo", token) == (401, {"message": "access denied"})
+    assert (await api("POST", "/localauth/login", body={"email": email, "password": "a long passphrase"}))[0] == 401
+    status, logs = await api("GET", f"/audit/logs?action=auth.local_login&actor={email}", admin_token)
+    outcomes = sorted(e["outcome"] for e in logs["data"])
+    assert outcomes == ["failure", "failure", "success"]
+    assert all(e["request_payload_redacted"]["password"] == "[REDACTED]" for e in logs["data"])
+
+
+async def test_users_and_groups_are_admin_only(api, admin_token, user_token):
+    assert await api("GET", "/users", user_token) == (403, {"message": "access denied: this requires the admin group"})
+    group = unique("grp")
+    assert await api("POST", "/users/groups", admin_token, {"name": group}) == (201, {"name": group})
+    assert (await api("POST", "/users/groups", admin_token, {"name": group}))[0] == 409
+    assert group in (await api("GET", "/users/groups", admin_token))[1]
+    assert (await api("DELETE", f"/users/groups/{group}", admin_token))[0] == 204
+    assert (await api("DELETE", f"/users/groups/{group}", admin_token))[0] == 404
+    status, users = await api("GET", "/users", admin_token)
+    assert "admin@example.com" in [u["email"] for u in users]
+    assert (await api("GET", "/users/nobody@example.com", admin_token))[0] == 404
+
+
+async def test_signup_is_refused_outside_multi_tenant_mode(api, user_token):
+    assert await api("POST", "/signup", user_token, {"org_name": "acme"}) == \
+        (403, {"message": "signup is only available in multi-tenant mode"})
+
+
+# ------------------------------------------------------------------ resources and connections
+
+
+async def test_resource_crud_and_roles_as_connections(api, admin_token, user_token):
+    name, role = await make_resource(api, admin_token)
+    assert (await api("POST", "/resources", admin_token, {"name": name, "type": "database"}))[0] == 409
+    status, res = await api("GET", f"/resources/{name}", admin_token)
+    assert status == 200 and res["subtype"] == "postgres" and res["env_vars"] == {"team": "data"}
+    assert [r["name"] for r in res["roles"]] == [role]
+    status, conn = await api("GET", f"/connections/{role}", admin_token)
+    assert conn["resource_name"] == name and conn["secret"] == PG_SECRET
+    status, by_id = await api("GET", f"/connections/{conn['id']}", admin_token)
+    assert by_id["name"] == role
+
+    status, updated = await api("PUT", f"/resources/{name}", admin_token, {
+        "name": name, "type": "database", "agent_id": "agent-1", "env_vars": {},
+        "roles": [{"name": role, "type": "database", "subtype": "postgres"},
+                  {"name": role + "-ro", "type": "database", "subtype": "postgres", "secret": PG_SECRET}]})
+    assert status == 200 and "roles" not in updated and updated["agent_id"] == "agent-1"
+    assert set(updated) == {"id", "name", "type", "subtype", "agent_id", "env_vars", "created_at", "updated_at"}
+    status, kept = await api("GET", f"/connections/{role}", admin_token)
+    assert kept["id"] == conn["id"] and kept["secret"] == PG_SECRET  # same connection, secret kept
+    assert (await api("GET", f"/connections/{role}-ro", admin_token))[0] == 200
+
+    assert (await api("PUT", f"/resources/{name}", user_token, {"name": name, "type": "database"}))[0] == 403
+    assert (await api("PUT", "/resources/nope", admin_token, {"name": "nope", "type": "database"}))[0] == 404
+    assert (await api("DELETE", f"/resources/{name}", admin_token))[0] == 204
+    assert (await api("GET", f"/connections/{role}", admin_token))[0] == 404
+    assert await api("GET", f"/resources/{name}", admin_token) == (404, {"message": f"resource {name!r} not found"})
+
+
+async def test_connection_crud(api, admin_token):
+    name = unique("conn")
+    body = {"name": name, "type": "custom", "subtype": "ssh", "secret": {"envvar:HOST": b64("10.0.0.1")},
+            "tags": {"env": "prod"}}
+    status, conn = await api("POST", "/connections", admin_token, body)
+    assert status == 201 and conn["tags"] == {"env": "prod"} and conn["resource_name"] == name
+    assert (await api("POST", "/connections", admin_token, body))[0] == 409
+    status, conn = await api("PUT", f"/connections/{name}", admin_token, {**body, "command": ["bash"]})
+    assert status == 200 and conn["command"] == ["bash"]
+    assert name in [c["name"] for c in (await api("GET", "/connections", admin_token))[1]]
+    assert (await api("DELETE", f"/connections/{name}", admin_token))[0] == 204
+    assert (await api("DELETE", f"/connections/{name}", admin_token))[0] == 404
+
+
+async def test_secrets_never_reach_non_admins_nor_the_audit_log(api, daemon, admin_token, user_token):
+    name, role = await make_resource(api, admin_token)
+    status, conns = await api("GET", "/connections", user_token)
+    assert status == 200 and all("secret" not in c for c in conns)
+    status, res = await api("GET", f"/resources/{name}", user_token)
+    assert all("secret" not in r for r in res["roles"])
+    status, logs = await api("GET", "/audit/logs?resource_type=resources&action=resources.create", admin_token)
+    entry = next(e for e in logs["data"] if e["request_payload_redacted"]["name"] == name)
+    assert entry["request_payload_redacted"]["roles"][0]["secret"] == {k: "[REDACTED]" for k in PG_SECRET}
+    assert PG_SECRET["envvar:PASS"] not in json.dumps(logs)
+    # and the store holds the role secret only sealed
+    db = (daemon.data_dir / "gatewayd.db").read_bytes() + (daemon.data_dir / "gatewayd.db-wal").read_bytes()
+    assert b"pg-target-password-42" not in db and PG_SECRET["envvar:PASS"].encode() not in db
+
+
+async def test_credentials_for_native_access(api, daemon, admin_token, user_token):
+    _, role = await make_resource(api, admin_token)
+    status, cred = await api("POST", f"/connections/{role}/credentials", user_token, {"access_duration_seconds": 900})
+    assert status == 201, cred
+    assert cred["connection_name"] == role and cred["connection_type"] == "database"
+    assert cred["connection_subtype"] == "postgres" and cred["session_id"] and cred["expire_at"] > cred["created_at"]
+    access = cred["connection_credentials"]
+    secret = access["username"]
+    assert secret.startswith("pg-") and len(secret) == 3 + 43
+    # the test daemon runs without a postgres listener, so the advertised port is 0
+    assert access["database_name"] == "appdb" and access["hostname"] == "127.0.0.1"
+    assert access["connection_string"] == f"postgres://{secret}:any@127.0.0.1:{access['port']}/appdb?sslmode=prefer"
+    # stored only as its SHA-256
+    with sqlite3.connect(daemon.data_dir / "gatewayd.db") as db:
+        rows = db.execute("SELECT secret_hash FROM credentials WHERE id = ?", (cred["id"],)).fetchall()
+    import hashlib
+
+    assert rows == [(hashlib.sha256(secret.encode()).hexdigest(),)]
+    raw = b"".join(p.read_bytes() for p in daemon.data_dir.glob("gatewayd.db*"))
+    assert secret.encode() not in raw
+    # the audit entry does not carry the secret
+    status, logs = await api("GET", "/audit/logs?resource_type=credentials", admin_token)
+    assert secret not in json.dumps(logs) and logs["data"][0]["http_status"] == 201
+    # the session it opens is ready, owned by the user
+    status, session = await api("GET", f"/sessions/{cred['session_id']}", user_token)
+    assert status == 200 and session["status"] == "ready" and session["user"] == "user@example.com"
+    for bad in ({"access_duration_seconds": 0}, {"access_duration_seconds": 48 * 3600 + 1}):
+        status, body = await api("POST", f"/connections/{role}/credentials", user_token, bad)
+        assert status == 422 and "between 1 and 172800" in body["message"]
+    assert (await api("POST", "/connections/nope/credentials", user_token, {}))[0] == 404
+
+
+# ------------------------------------------------------------------ guard rails
+
+
+async def test_guardrail_crud_and_validation(api, admin_token, user_token):
+    _, role = await make_resource(api, admin_token)
+    _, conn = await api("GET", f"/connections/{role}", admin_token)
+    name = unique("rail")
+    body = {"name": name, "description": "no drops", "connection_ids": [conn["id"]],
+            "input": {"rules": [{"type": "deny_words_list", "words": ["drop table"]}]},
+            "output": {"rules": [{"type": "pattern_match", "pattern_regex": r"\d{16}"}]}}
+    status, rail = await api("POST", "/guardrails", admin_token, body)
+    assert status == 201 and rail["connection_ids"] == [conn["id"]] and rail["created_at"] and rail["id"]
+    assert (await api("POST", "/guardrails", admin_token, body))[0] == 409
+    assert await api("POST", "/guardrails", admin_token, {**body, "name": ""}) == \
+        (400, {"message": "field 'name' is required"})
+    status, err = await api("POST", "/guardrails", admin_token, {
+        **body, "name": unique("bad"), "input": {"rules": [{"type": "pattern_match", "pattern_regex": "(x"}]}})
+    assert status == 400 and "invalid regular expression" in err["message"]
+    assert (await api("POST", "/guardrails", user_token, {**body, "name": unique("u")}))[0] == 403
+
+    status, put = await api("PUT", f"/guardrails/{rail['id']}", admin_token, {**body, "connection_ids": []})
+    assert status == 200 and put["connection_ids"] == [] and put["id"] == rail["id"]
+    assert (await api("PUT", f"/guardrails/{uuid.uuid4()}", admin_token, body))[0] == 404
+    assert rail["id"] in [r["id"] for r in (await api("GET", "/guardrails", user_token))[1]]
+    assert (await api("GET", f"/guardrails/{rail['id']}", admin_token))[1]["description"] == "no drops"
+    assert (await api("DELETE", f"/guardrails/{rail['id']}", admin_token))[0] == 204
+    assert (await api("GET", f"/guardrails/{rail['id']}", admin_token))[0] == 404
+
+
+# ------------------------------------------------------------------ sessions
+
+
+async def test_session_list_filters_visibility_and_paging(api, daemon, admin_token, user_token, auditor_token):
+    _, role = await make_resource(api, admin_token)
+    other_token = daemon.token("other@example.com", groups="")
+    for token in (user_token, user_token, other_token):
+        assert (await api("POST", f"/connections/{role}/credentials", token, {}))[0] == 201
+
+    status, mine = await api("GET", f"/sessions?connection={role}", user_token)
+    assert status == 200 and mine["total"] == 2 and {s["user"] for s in mine["data"]} == {"user@example.com"}
+    assert "event_stream" not in mine["data"][0]
+    status, everyone = await api("GET", f"/sessions?connection={role}", auditor_token)
+    assert everyone["total"] == 3
+    status, theirs = await api("GET", f"/sessions?connection={role}&user=other@example.com", admin_token)
+    assert theirs["total"] == 1 and theirs["data"][0]["user_id"] == "other@example.com"
+    status, typed = await api("GET", f"/sessions?connection={role}&type=database", admin_token)
+    assert typed["total"] == 3 and typed["data"][0]["connection_subtype"] == "postgres"
+    assert (await api("GET", f"/sessions?connection={role}&type=custom", admin_token))[1]["total"] == 0
+
+    status, page = await api("GET", f"/sessions?connection={role}&limit=2", admin_token)
+    assert len(page["data"]) == 2 and page["has_next_page"] is True
+    dates = [s["start_date"] for s in page["data"]]
+    assert dates == sorted(dates, reverse=True)
+    status, rest = await api("GET", f"/sessions?connection={role}&limit=2&offset=2", admin_token)
+    assert len(rest["data"]) == 1 and rest["has_next_page"] is False
+    status, future = await api("GET", f"/sessions?connection={role}&start_date=2999-01-01T00:00:00Z", admin_token)
+    assert future["total"] == 0
+    status, past = await api("GET", f"/sessions?connection={role}&end_date=2000-01-01", admin_token)
+    assert past["total"] == 0
+    status, err = await api("GET", "/sessions?start_date=yesterday", admin_token)
+    assert status == 422 and "start_date" in err["message"]
+    assert (await api("GET", "/sessions?limit=abc", admin_token))[0] == 422
+
+    other_session = theirs["data"][0]["id"]
+    status, err = await api("GET", f"/sessions/{other_session}", user_token)
+    assert status == 403 and err["message"] == "access denied: this session belongs to another user"
+    assert (await api("GET", f"/sessions/{uuid.uuid4()}", admin_token))[0] == 404
+    assert (await api("POST", f"/sessions/{other_session}/kill", user_token))[0] == 403
+
+
+async def test_session_limit_is_clamped_to_100(api, admin_token):
+    _, role = await make_resource(api, admin_token)
+    for _ in range(101):
+        assert (await api("POST", f"/connections/{role}/credentials", admin_token, {}))[0] == 201
+    status, page = await api("GET", f"/sessions?connection={role}&limit=1000", admin_token)
+    assert status == 200 and len(page["data"]) == 100 and page["total"] == 101 and page["has_next_page"]
+    status, default = await api("GET", f"/sessions?connection={role}", admin_token)
+    assert len(default["data"]) == 20
+
+
+async def test_session_fields_follow_the_spec(api, admin_token):
+    _, role = await make_resource(api, admin_token)
+    _, cred = await api("POST", f"/connections/{role}/credentials", admin_token, {})
+    status, session = await api("GET", f"/sessions/{cred['session_id']}?expand=event_stream", admin_token)
+    spec_fields = {"id", "org_id", "user", "user_id", "user_name", "connection", "role_name", "resource_name",
+                   "connection_subtype", "connection_tags", "type", "verb", "status", "script", "script_size",
+                   "start_date", "end_date", "event_size", "event_stream", "exit_code", "review",
+                   "session_batch_id", "labels", "metadata", "metrics", "integrations_metadata"}
+    assert spec_fields <= set(session)
+    assert session["role_name"] == session["connection"] == role and session["verb"] == "connect"
+    assert session["event_stream"] == [] and session["review"] is None and session["end_date"] is None
+    assert session["metrics"]["event_size"] == 0
+
+
+# ------------------------------------------------------------------ audit log
+
+
+async def test_audit_log_is_admin_only_and_refusals_are_audited(api, admin_token, user_token):
+    assert await api("GET", "/audit/logs", user_token) == (403, {"message": "access denied: this requires the admin group"})
+    assert (await api("DELETE", "/guardrails/whatever"))[0] == 401
+    status, logs = await api("GET", "/audit/logs?outcome=failure&resource_type=audit", admin_token)
+    refusal = logs["data"][0]
+    assert refusal["actor_email"] == "user@example.com" and refusal["http_status"] == 403
+    assert refusal["http_method"] == "GET" and refusal["http_path"] == "/api/audit/logs"
+    status, logs = await api("GET", "/audit/logs?outcome=failure&action=guardrails.delete", admin_token)
+    assert logs["data"][0]["http_status"] == 401 and logs["data"][0]["actor_subject"] == ""
+
+
+async def test_audit_log_paging_filters_and_order(api, admin_token):
+    for _ in range(3):
+        await api("POST", "/users/groups", admin_token, {"name": unique("audit-grp")})
+    status, page = await api("GET", "/audit/logs?action=users.create_group&page_size=2", admin_token)
+    assert status == 200 and len(page["data"]) == 2 and page["pages"]["size"] == 2 and page["pages"]["page"] == 1
+    assert page["pages"]["total"] >= 3
+    times = [e["created_at"] for e in page["data"]]
+    assert times == sorted(times, reverse=True)
+    entry = page["data"][0]
+    assert set(entry) == {"id", "org_id", "actor_subject", "actor_email", "actor_name", "created_at",
+                          "resource_type", "action", "http_method", "http_path", "http_status", "client_ip",
+                          "request_payload_redacted", "outcome", "error_message"}
+    assert entry["actor_email"] == "admin@example.com" and entry["client_ip"] == "127.0.0.1"
+    status, second = await api("GET", "/audit/logs?action=users.create_group&page_size=2&page=2", admin_token)
+    assert second["data"][0]["id"] not in {e["id"] for e in page["data"]}
+    assert (await api("GET", "/audit/logs?actor=admin@example.com&created_after=2999-01-01", admin_token))[1][
+        "pages"]["total"] == 0
+    status, today = await api("GET", f"/audit/logs?created_before={entry['created_at'][:10]}&page_size=1", admin_token)
+    assert today["pages"]["total"] >= 1
+    for bad in ("page_size=0", "page_size=101", "page=0", "outcome=maybe", "created_after=tomorrow"):
+        status, err = await api("GET", f"/audit/logs?{bad}", admin_token)
+        assert status == 422, bad
+
+
+# ------------------------------------------------------------------ server configuration
+
+
+async def test_serverconfig_misc(api, admin_token, user_token):
+    assert (await api("GET", "/serverconfig/misc", user_token))[0] == 403
+    status, misc = await api("GET", "/serverconfig/misc", admin_token)
+    assert status == 200 and misc["product_analytics"] == "inactive"
+    key = base64.b64decode(misc["ssh_server_config"]["hosts_key"])
+    assert key.startswith(b"-----BEGIN OPENSSH PRIVATE KEY-----")
+    misc["grpc_server_url"] = "grpcs://gateway.example.com:8443"
+    misc["product_analytics"] = "active"
+    status, saved = await api("PUT", "/serverconfig/misc", admin_token, misc)
+    assert status == 200 and saved["grpc_server_url"] == "grpcs://gateway.example.com:8443"
+    assert (await api("GET", "/serverinfo", admin_token))[1]["grpc_url"] == "grpcs://gateway.example.com:8443"
+    bad = {**misc, "postgres_server_config": {"listen_address": "15432"}}
+    status, err = await api("PUT", "/serverconfig/misc", admin_token, bad)
+    assert status == 400 and "postgres_server_config.listen_address" in err["message"]
+    bad = {**misc, "ssh_server_config": {"listen_address": "", "hosts_key": b64("not a key")}}
+    assert (await api("PUT", "/serverconfig/misc", admin_token, bad))[0] == 400
+    assert (await api("PUT", "/serverconfig/misc", admin_token, {**misc, "product_analytics": "on"}))[0] == 422
+    status, logs = await api("GET", "/audit/logs?resource_type=serverconfig&outcome=success", admin_token)
+    assert logs["data"][0]["request_payload_redacted"]["ssh_server_config"]["hosts_key"] == "[REDACTED]"

@@ -1,0 +1,101 @@
+"""Configuration: defaults, the example file, overrides and errors that name the key."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gatewayd.config import SETTINGS, ConfigError, load_config, parse_duration
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "config.example.toml"
+
+
+def test_example_file_documents_every_key_with_its_default():
+    text = EXAMPLE.read_text()
+    defaults = load_config(None, environ={})
+    assert load_config(EXAMPLE, environ={}).as_dict() == defaults.as_dict()
+    for key in SETTINGS:
+        section, _, name = key.rpartition(".")
+        if section:
+            assert f"[{section}]" in text, f"section of {key} missing"
+        assert re.search(rf"^{re.escape(name)} = ", text, re.M), f"{key} missing from config.example.toml"
+
+
+def test_embedded_defaults_match_the_decisions():
+    config = load_config(None, environ={})
+    assert config["api.listen"] == "127.0.0.1:8009"
+    assert config["listeners.postgres"] == "127.0.0.1:15432"
+    assert config["listeners.ssh"] == "127.0.0.1:12222"
+    assert config["listeners.rdp"] == "127.0.0.1:13389"
+    assert config["listeners.http"] == "127.0.0.1:18888"
+    assert config["auth.issuer"] == "local"
+    assert config["store.driver"] == "sqlite"
+    assert config.data_dir == Path("./gatewayd-data")
+
+
+def test_environment_overrides_file(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[api]\nlisten = "127.0.0.1:9000"\n')
+    config = load_config(path, environ={"GATEWAYD_API_LISTEN": "127.0.0.1:9100", "GATEWAYD_DATA_DIR": "/x",
+                                        "GATEWAYD_SESSIONS_SHUTDOWN_GRACE": "250ms",
+                                        "GATEWAYD_AUTH_OIDC_SCOPES": "openid, email"})
+    assert config["api.listen"] == "127.0.0.1:9100"
+    assert config.data_dir == Path("/x")
+    assert config["sessions.shutdown_grace"] == 0.25
+    assert config["auth.oidc.scopes"] == ["openid", "email"]
+
+
+@pytest.mark.parametrize("content, key", [
+    ('[api]\nlisten = "127.0.0.1:99999"\n', "api.listen"),
+    ('[api]\nlisten = "nocolon"\n', "api.listen"),
+    ('[listeners]\npostgres = "127.0.0.1:http"\n', "listeners.postgres"),
+    ('[api]\nlisten_typo = "x"\n', "api.listen_typo"),
+    ('bogus = 1\n', "bogus"),
+    ('[log]\nformat = "xml"\n', "log.format"),
+    ('[sessions]\nrecording_cap_bytes = "big"\n', "sessions.recording_cap_bytes"),
+    ('[sessions]\nshutdown_grace = "soon"\n', "sessions.shutdown_grace"),
+    ('[auth]\nissuer = "oidc"\n', "auth.oidc.issuer_url"),
+])
+def test_bad_values_name_the_key(tmp_path, content, key):
+    path = tmp_path / "bad.toml"
+    path.write_text(content)
+    with pytest.raises(ConfigError) as err:
+        load_config(path, environ={})
+    assert str(err.value).startswith(key)
+
+
+def test_unreadable_and_invalid_files(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.toml", environ={})
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[api\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(broken, environ={})
+
+
+def test_durations():
+    assert parse_duration("500ms") == 0.5
+    assert parse_duration("12h") == 43200
+    assert parse_duration("2d") == 172800
+    assert parse_duration(3) == 3.0
+    with pytest.raises(ConfigError):
+        parse_duration("-1s")
+
+
+def test_cli_exits_non_zero_naming_the_key(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text('[listeners]\nssh = "127.0.0.1:70000"\n')
+    result = subprocess.run([sys.executable, "-m", "gatewayd", "run", "--config", str(path)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "listeners.ssh" in result.stderr and "70000" in result.stderr
+
+
+def test_cli_version():
+    from gatewayd import __version__
+
+    result = subprocess.run([sys.executable, "-m", "gatewayd", "version"], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == __version__

@@ -1,0 +1,126 @@
+"""Core services in-process: recording batches, access refusals, multi-tenant signup."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from gatewayd.access import AccessDenied
+from gatewayd.config import load_config
+from gatewayd.daemon import Gateway
+from gatewayd.models import Connection, User, new_id, rfc3339, utcnow
+from gatewayd.recording import HIGH_WATER
+from gatewayd.store import AuditFilter
+from tests.conftest import free_port
+
+
+@pytest.fixture
+async def core(tmp_path):
+    gateway = Gateway(load_config(None, environ={}, overrides={
+        "data_dir": str(tmp_path / "data"), "sessions.flush_interval": "100ms"}))
+    await gateway.open_core()
+    await gateway.recording.start()
+    yield gateway
+    await gateway.recording.stop()
+    await gateway.close_core()
+
+
+async def a_connection(core: Gateway, subtype: str = "postgres") -> Connection:
+    org = await core.store.default_org()
+    conn = Connection(id=new_id(), org_id=org.id, name=f"c-{new_id()[:6]}", resource_name="r", type="database",
+                      subtype=subtype, secret={"envvar:PASS": "c2VjcmV0"})
+    await core.store.create_connection(conn)
+    return conn
+
+
+async def test_recorder_flushes_on_its_interval_and_keeps_order(core):
+    user = await core.identity.ensure_local_user("rec@example.com")
+    live = await core.sessions.open(user, await a_connection(core))
+    for n in range(50):
+        live.recorder.input(f"q{n}")
+        live.recorder.output(f"r{n}")
+    await asyncio.sleep(0.4)  # no close yet: the flusher alone must have written them
+    events = await core.store.read_events(live.id)
+    assert [e.data.decode() for e in events] == [x for n in range(50) for x in (f"q{n}", f"r{n}")]
+    assert (await core.store.get_session(live.id)).event_size == sum(len(e.data) for e in events)
+    await live.close(exit_code=3)
+    session = await core.store.get_session(live.id)
+    assert session.status == "done" and session.exit_code == 3 and session.end_date
+
+
+async def test_drain_bounds_pending_memory(core):
+    user = await core.identity.ensure_local_user("big@example.com")
+    live = await core.sessions.open(user, await a_connection(core))
+    chunk = b"x" * 65536
+    peak = 0
+    for _ in range(400):  # 25 MiB through one recorder
+        live.recorder.output(chunk)
+        peak = max(peak, live.recorder.pending_bytes)
+        await live.recorder.drain()
+    assert peak <= HIGH_WATER + len(chunk)
+    await live.close(exit_code=0)
+    assert (await core.store.get_session(live.id)).event_size == 400 * len(chunk)
+
+
+async def test_access_refusals_say_why_and_are_audited(core):
+    user = await core.identity.ensure_local_user("acc@example.com")
+    conn = await a_connection(core)
+    issued = await core.access.issue(user, conn, 60)
+    grant = await core.access.resolve(issued.secret, "postgres", "10.1.2.3")
+    assert grant.user.id == user.id and grant.connection.id == conn.id
+    assert grant.connection.secret == {"envvar:PASS": "c2VjcmV0"} and grant.connection.target()["PASS"] == "secret"
+    with pytest.raises(AccessDenied, match="not for a ssh connection"):
+        await core.access.resolve(issued.secret, "ssh")
+    await core.store.revoke_credentials(session_id=issued.credential.session_id, revoked_at=rfc3339(utcnow()))
+    with pytest.raises(AccessDenied, match="revoked"):
+        await core.access.resolve(issued.secret, "postgres")
+    again = await core.access.issue(user, conn, 60)
+    user.status = "inactive"
+    await core.store.save_user(user)
+    with pytest.raises(AccessDenied, match="inactive"):
+        await core.access.resolve(again.secret, "postgres")
+    with pytest.raises(AccessDenied, match="unknown secret"):
+        await core.access.resolve("", "postgres")
+    page = await core.store.list_audit(AuditFilter(action="postgres.login"))
+    assert [e.outcome for e in reversed(page.items)] == ["success", "failure", "failure", "failure"]
+    wrong_protocol = await core.store.list_audit(AuditFilter(action="ssh.login"))
+    assert [e.error_message for e in wrong_protocol.items] == ["invalid credential: it is not for a ssh connection"]
+    assert page.items[-1].client_ip == "10.1.2.3"
+    assert all(issued.secret not in str(e) for e in page.items)
+
+
+async def test_multi_tenant_signup(tmp_path):
+    from control.app import make_app
+
+    config = load_config(None, environ={}, overrides={
+        "data_dir": str(tmp_path / "mt"), "api.listen": f"127.0.0.1:{free_port()}", "auth.multi_tenant": True,
+        "listeners.postgres": "", "listeners.ssh": "", "listeners.rdp": "", "listeners.http": ""})
+    gateway = Gateway(config, app_factory=make_app)
+    await gateway.start()
+    try:
+        newcomer = User(id=new_id(), org_id=None, subject="oidc|123", email="new@example.com", name="New")
+        await gateway.store.save_user(newcomer)
+        token = gateway.identity.issue_token(newcomer)
+        base = f"http://{config['api.listen']}/api"
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as http:
+            async with http.get(f"{base}/sessions") as r:
+                assert r.status == 403 and "sign up" in (await r.json())["message"]
+            async with http.post(f"{base}/signup", json={"profile_name": "N"}) as r:
+                assert r.status == 400 and (await r.json())["message"] == "field 'org_name' is required"
+            async with http.post(f"{base}/signup", json={"org_name": "Acme", "profile_name": "Nova",
+                                                         "profile_picture": "https://x/p.png"}) as r:
+                body = await r.json()
+                assert r.status == 201 and body["org_name"] == "Acme" and body["profile_name"] == "Nova"
+                assert body["profile_picture"] == "https://x/p.png" and body["org_id"]
+            async with http.post(f"{base}/signup", json={"org_name": "Again"}) as r:
+                assert r.status == 409
+            async with http.get(f"{base}/userinfo") as r:
+                me = await r.json()
+                assert me["org_id"] == body["org_id"] and me["org_name"] == "Acme" and me["is_admin"]
+                assert me["tenancy_type"] == "multitenant"
+            async with http.get(f"{base}/sessions") as r:
+                assert r.status == 200 and (await r.json())["total"] == 0
+    finally:
+        await gateway.stop()

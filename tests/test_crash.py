@@ -1,0 +1,61 @@
+"""Crash and signal behaviour of real processes."""
+
+from __future__ import annotations
+
+import base64
+import signal
+import subprocess
+import sys
+
+import aiohttp
+
+from tests.conftest import ROOT, Daemon
+
+
+async def test_sigkilled_process_sessions_are_closed_on_restart_with_flushed_events_intact(tmp_path):
+    gw = Daemon(tmp_path / "data")
+    writer = subprocess.Popen([sys.executable, str(ROOT / "tests" / "crash_writer.py"), str(gw.config_path)],
+                              stdout=subprocess.PIPE, text=True, cwd=ROOT, env=gw.env())
+    session_id = writer.stdout.readline().strip()
+    assert session_id, "crash writer did not start"
+    writer.send_signal(signal.SIGKILL)
+    writer.wait(10)
+
+    gw.start()
+    try:
+        token = gw.token("admin@example.com", groups="admin")
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as http:
+            async with http.get(f"{gw.url}/sessions/{session_id}?expand=event_stream") as response:
+                session = await response.json()
+        assert session["status"] == "done" and session["end_date"] and session["exit_code"] == 254
+        events = [(kind, base64.b64decode(data)) for _, kind, data in session["event_stream"]]
+        assert events == [("i", b"before the crash\n"), ("o", b"flushed output\n"),
+                          ("e", b"session closed on gateway restart: the gateway stopped while it was open")]
+        assert "closed sessions left open by a previous run" in gw.log_text()
+    finally:
+        assert gw.stop() == 0
+
+
+def test_sigterm_stops_cleanly_and_logs_without_secrets(tmp_path):
+    gw = Daemon(tmp_path / "data").start()
+    token = gw.token("admin@example.com", groups="admin")
+    assert gw.stop(signal.SIGTERM) == 0
+    log = gw.log_text()
+    assert '"message": "gatewayd stopped"' in log
+    assert token not in log and token.split(".")[1] not in log
+    # SIGINT behaves the same
+    gw.start()
+    assert gw.stop(signal.SIGINT) == 0
+
+
+def test_cli_token_create_prints_one_token(tmp_path):
+    gw = Daemon(tmp_path / "data")
+    result = gw.cli("token", "create", "--email", "ops@example.com", "--groups", "admin,auditor", "--ttl", "5m")
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].count(".") == 2
+    import jwt
+
+    claims = jwt.decode(lines[0], options={"verify_signature": False})
+    assert claims["sub"] == "ops@example.com" and claims["exp"] - claims["iat"] == 300
+    bad = gw.cli("token", "create", "--email", "ops@example.com", "--ttl", "soon", check=False)
+    assert bad.returncode == 2 and "--ttl" in bad.stderr
