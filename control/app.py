@@ -7,8 +7,20 @@ from typing import Any
 
 from aiohttp import web
 
-from control import auth, audit_logs, connections, guardrails, health, openapi, resources, serverconfig, sessions, users
-from control.http import USER, AUDIT_PAYLOAD, ERROR_MESSAGE, AUDIT_ACTION, AUDIT_ACTOR_HINT, AUTH_FAILURE, GATEWAY, ROUTES, ApiError, RouteDoc, gateway_of
+from control import audit_logs, auth, connections, guardrails, health, openapi, resources, serverconfig, sessions, users
+from control.http import (
+    AUDIT_ACTION,
+    AUDIT_ACTOR_HINT,
+    AUDIT_PAYLOAD,
+    AUTH_FAILURE,
+    ERROR_MESSAGE,
+    GATEWAY,
+    ROUTES,
+    USER,
+    ApiError,
+    RouteDoc,
+    gateway_of,
+)
 from gatewayd.daemon import Gateway
 from gatewayd.identity import AuthError
 

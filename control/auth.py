@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
-from urllib.parse import urlencode, urlsplit, urlunsplit, parse_qsl
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from aiohttp import web
 
-from control.http import AUDIT_ACTION, AUDIT_ACTOR_HINT, ApiError, Field, Param, RouteSet, Schema, gateway_of, json_body, ok, user_of
+from control.http import (
+    AUDIT_ACTION,
+    AUDIT_ACTOR_HINT,
+    ApiError,
+    Field,
+    Param,
+    RouteSet,
+    Schema,
+    gateway_of,
+    json_body,
+    ok,
+    user_of,
+)
 from gatewayd.identity import AuthError
 from gatewayd.models import User
 

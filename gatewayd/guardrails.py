@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from gatewayd.models import GuardRail
@@ -52,15 +52,18 @@ class _CompiledRule:
     pattern: str = ""
     message: str = ""
 
+    def _prefix(self) -> str:
+        return f"validation error, match guard rails {self.direction} rule, type={self.type}"
+
     def verdict(self, matched: str) -> GuardVerdict:
         if self.message:
             text = self.message
         elif self.type == "deny_words_list":
             lowered = _collapse(matched).lower()
             word = next((w for w in self.words if _collapse(w).lower() == lowered), matched)
-            text = f"validation error, match guard rails {self.direction} rule, type={self.type}, words=[{word}]"
+            text = f"{self._prefix()}, words=[{word}]"
         else:
-            text = f"validation error, match guard rails {self.direction} rule, type={self.type}, pattern={self.pattern}"
+            text = f"{self._prefix()}, pattern={self.pattern}"
         return GuardVerdict(False, text, self.direction, self.type, self.guardrail)
 
 
