@@ -96,7 +96,7 @@ async def audit_middleware(request: web.Request, handler: Any) -> web.StreamResp
     await gateway.audit.record(
         org_id=org_id, actor=user, action=action, resource_type=doc.audit if doc else "api",
         outcome="success" if status < 400 else "failure",
-        error_message=request.get(ERROR_MESSAGE, "") if status >= 400 else "",
+        error_message=(request.get(AUTH_FAILURE) or request.get(ERROR_MESSAGE, "")) if status >= 400 else "",
         http_method=request.method, http_path=request.path, http_status=status,
         client_ip=request.remote or "", payload=request.get(AUDIT_PAYLOAD),
         actor_hint=request.get(AUDIT_ACTOR_HINT, ""),

@@ -9,6 +9,7 @@ from aiohttp import web
 from control.http import (
     AUDIT_ACTION,
     AUDIT_ACTOR_HINT,
+    AUTH_FAILURE,
     ApiError,
     Field,
     Param,
@@ -61,15 +62,14 @@ async def login(request: web.Request) -> web.Response:
 async def callback(request: web.Request) -> web.StreamResponse:
     gateway = gateway_of(request)
     if request.query.get("error"):
+        request[AUDIT_ACTION] = "auth.login"
         raise ApiError(401, f"login refused by the identity provider: {request.query['error']}")
     try:
         token, redirect, user = await gateway.identity.callback(request.query.get("code", ""),
                                                                 request.query.get("state", ""))
     except AuthError as exc:
-        await gateway.audit.record(org_id=(await gateway.store.default_org()).id, actor=None, action="auth.login",
-                                   resource_type="auth", outcome="failure", error_message=str(exc),
-                                   http_method="GET", http_path=request.path, http_status=401,
-                                   client_ip=request.remote or "")
+        request[AUDIT_ACTION] = "auth.login"  # the audit middleware writes the refusal
+        request[AUTH_FAILURE] = str(exc)
         raise ApiError(401, "access denied") from None
     await gateway.audit.record(org_id=user.org_id or (await gateway.store.default_org()).id, actor=user,
                                action="auth.login", resource_type="auth", outcome="success", http_method="GET",

@@ -105,6 +105,7 @@ SETTINGS: dict[str, Setting] = {
     "auth.oidc.scopes": Setting("list", ["openid", "profile", "email"]),
     "auth.oidc.groups_claim": Setting("str", "groups"),
     "auth.oidc.redirect_url": Setting("str", ""),
+    "auth.oidc.allowed_redirects": Setting("list", []),
     "auth.oidc.algorithms": Setting("list", ["RS256", "RS384", "RS512", "ES256", "ES384", "PS256", "EdDSA"]),
     "listeners.postgres": Setting("listen", "127.0.0.1:15432", parse_listen),
     "listeners.ssh": Setting("listen", "127.0.0.1:12222", parse_listen),

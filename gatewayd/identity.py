@@ -10,7 +10,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import urlencode, urlsplit
 
 import aiohttp
 import jwt
@@ -29,6 +29,7 @@ LOCAL_AUDIENCE = "gatewayd-api"
 _ASYMMETRIC = {"RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512", "EdDSA"}
 _KEY_TYPES = {"RS": "RSA", "PS": "RSA", "ES": "EC", "Ed": "OKP"}
 _STATE_TTL = 600
+_JWKS_MAX_AGE = 600
 
 
 class AuthError(Exception):
@@ -42,6 +43,7 @@ class Claims:
     name: str
     groups: list[str] | None
     picture: str = ""
+    email_verified: bool | None = None
 
 
 class LocalIssuer:
@@ -126,8 +128,9 @@ class OIDCProvider:
             self._keys_fetched = time.monotonic()
 
     async def _key_for(self, kid: str) -> jwt.PyJWK:
-        if kid not in self._keys:
-            await self._refresh_keys()  # unknown kid: the provider may have rotated
+        stale = time.monotonic() - self._keys_fetched > _JWKS_MAX_AGE
+        if kid not in self._keys or stale:
+            await self._refresh_keys()  # unknown kid: the provider may have rotated; stale: it may have withdrawn one
         key = self._keys.get(kid)
         if key is None:
             raise AuthError("token signed with an unknown key")
@@ -156,9 +159,11 @@ class OIDCProvider:
             groups = [groups]
         if groups is not None and not isinstance(groups, list):
             groups = None
+        verified = payload.get("email_verified")
         return Claims(subject=str(payload["sub"]), email=str(payload.get("email") or payload["sub"]),
                       name=str(payload.get("name") or ""), picture=str(payload.get("picture") or ""),
-                      groups=[str(g) for g in groups] if groups is not None else None)
+                      groups=[str(g) for g in groups] if groups is not None else None,
+                      email_verified=verified if isinstance(verified, bool) else None)
 
     async def authorization_url(self, state: str, challenge: str, redirect_uri: str) -> str:
         doc = await self.discovery()
@@ -244,8 +249,12 @@ class Identity:
         user = await self.store.get_user(subject=claims.subject)
         if user is None:
             user = await self.store.get_user(email=claims.email)
-            if user is not None and user.subject != claims.subject:
-                user.subject = claims.subject  # first OIDC login of a user created by email
+            if user is not None:
+                # Link only a user created by email (CLI, POST /users) that no identity claimed yet,
+                # and only on a verified email: otherwise any account could take another's place.
+                if user.subject != user.email.lower() or claims.email_verified is False:
+                    raise AuthError("this email belongs to another identity")
+                user.subject = claims.subject
                 await self.store.save_user(user)
         if user is None:
             org_id = None if self.config["auth.multi_tenant"] else (await self.store.default_org()).id
@@ -283,9 +292,23 @@ class Identity:
             raise AuthError("inactive user")
         return self.issue_token(user)
 
+    def allowed_redirect(self, redirect: str) -> bool:
+        """Tokens are only handed to the gateway's own origin or to configured prefixes."""
+        if redirect.startswith("/") and not redirect.startswith("//"):
+            return True
+        own = urlsplit(self.config.public_url)
+        target = urlsplit(redirect)
+        if (target.scheme, target.netloc) == (own.scheme, own.netloc):
+            return True
+        return any(redirect.startswith(prefix) for prefix in self.config["auth.oidc.allowed_redirects"] if prefix)
+
     async def login_url(self, redirect: str) -> str:
         if self.oidc is None:
             raise AuthError("OIDC login is not configured; use POST /api/localauth/login")
+        if not self.allowed_redirect(redirect):
+            raise AuthError("redirect: not an allowed address (api.public_url's origin or auth.oidc.allowed_redirects)")
+        if redirect.startswith("/"):
+            redirect = self.config.public_url + redirect
         now = time.monotonic()
         self._pending = {k: v for k, v in self._pending.items() if v.expires > now}
         state = secrets.token_urlsafe(24)
