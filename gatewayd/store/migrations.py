@@ -198,4 +198,13 @@ CREATE TABLE signing_keys (
     created_at TEXT NOT NULL
 )
 """),
+    (2, """
+DROP INDEX sessions_by_start;
+DROP INDEX sessions_by_user;
+DROP INDEX sessions_by_connection;
+CREATE INDEX sessions_by_start ON sessions (org_id, start_date DESC, id);
+CREATE INDEX sessions_by_user ON sessions (org_id, user_id, start_date DESC, id);
+CREATE INDEX sessions_by_connection ON sessions (org_id, connection, start_date DESC, id);
+CREATE INDEX sessions_by_org ON sessions (org_id)
+"""),
 ]

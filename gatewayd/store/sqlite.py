@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import sqlite3
 from dataclasses import fields
@@ -47,8 +48,16 @@ def _decode(name: str, value: Any) -> Any:
     return value
 
 
+@functools.cache
 def _columns(cls: type) -> list[str]:
     return [f.name for f in fields(cls)]
+
+
+@functools.cache
+def _plan(cls: type, keys: tuple[str, ...]) -> tuple[tuple[int, str, bool], ...]:
+    """Which row positions fill which fields of ``cls``, and which are JSON: computed once per query shape."""
+    wanted = set(_columns(cls))
+    return tuple((i, name, name in _JSON_FIELDS) for i, name in enumerate(keys) if name in wanted)
 
 
 class SQLiteStore(Store):
@@ -76,6 +85,8 @@ class SQLiteStore(Store):
         await conn.execute("PRAGMA journal_mode = WAL")
         await conn.execute("PRAGMA synchronous = NORMAL")
         await conn.execute("PRAGMA foreign_keys = ON")
+        await conn.execute("PRAGMA cache_size = -65536")  # 64 MiB: session indexes stay in memory
+        await conn.execute("PRAGMA mmap_size = 268435456")
         return conn
 
     async def _migrate(self) -> None:
@@ -140,12 +151,14 @@ class SQLiteStore(Store):
                 raise
 
     async def _one(self, sql: str, params: tuple = ()) -> sqlite3.Row | None:
-        async with self._r.execute(sql, params) as cur:
-            return await cur.fetchone()
+        rows = await self._r.execute_fetchall(sql, params)  # one worker round trip
+        return rows[0] if rows else None
 
     async def _all(self, sql: str, params: tuple = ()) -> list[sqlite3.Row]:
-        async with self._r.execute(sql, params) as cur:
-            return list(await cur.fetchall())
+        return list(await self._r.execute_fetchall(sql, params))
+
+    async def _count(self, sql: str, params: Any) -> int:
+        return (await self._r.execute_fetchall(sql, params))[0][0]
 
     @staticmethod
     def _insert(table: str, record: Any, skip: tuple[str, ...] = ()) -> tuple[str, tuple]:
@@ -161,8 +174,8 @@ class SQLiteStore(Store):
 
     @staticmethod
     def _build(cls: type, row: sqlite3.Row, **extra: Any) -> Any:
-        keys = row.keys()
-        values = {n: _decode(n, row[n]) for n in _columns(cls) if n in keys}
+        values = {name: (json.loads(row[i]) if is_json and row[i] is not None else row[i])
+                  for i, name, is_json in _plan(cls, tuple(row.keys()))}
         values.update(extra)
         return cls(**values)
 
@@ -323,9 +336,8 @@ class SQLiteStore(Store):
     async def revoke_credentials(self, *, session_id: str | None = None, review_id: str | None = None,
                                  revoked_at: str) -> int:
         column, value = ("session_id", session_id) if session_id else ("review_id", review_id)
-        async with self._r.execute(
-                f"SELECT COUNT(*) FROM credentials WHERE {column} = ? AND revoked_at IS NULL", (value,)) as cur:
-            (count,) = await cur.fetchone()
+        count = await self._count(f"SELECT COUNT(*) FROM credentials WHERE {column} = ? AND revoked_at IS NULL",
+                                  (value,))
         await self._write([(f"UPDATE credentials SET revoked_at = ? WHERE {column} = ? AND revoked_at IS NULL",
                             (revoked_at, value))])
         return count
@@ -399,8 +411,7 @@ class SQLiteStore(Store):
             where.append("review_id IN (SELECT review_id FROM review_groups WHERE lower(reviewed_by_email) = lower(?))")
             params.append(query.review_approver)
         clause = " AND ".join(where)
-        async with self._r.execute(f"SELECT COUNT(*) FROM sessions WHERE {clause}", params) as cur:
-            (total,) = await cur.fetchone()
+        total = await self._count(f"SELECT COUNT(*) FROM sessions WHERE {clause}", params)
         columns = ", ".join(n for n in _columns(Session) if n != "script")
         rows = await self._all(
             f"SELECT {columns}, script FROM sessions WHERE {clause} ORDER BY start_date DESC, id LIMIT ? OFFSET ?",
@@ -469,8 +480,7 @@ class SQLiteStore(Store):
             where.append("created_at <= ?")
             params.append(query.created_before)
         clause = " AND ".join(where)
-        async with self._r.execute(f"SELECT COUNT(*) FROM audit_logs WHERE {clause}", params) as cur:
-            (total,) = await cur.fetchone()
+        total = await self._count(f"SELECT COUNT(*) FROM audit_logs WHERE {clause}", params)
         rows = await self._all(
             f"SELECT * FROM audit_logs WHERE {clause} ORDER BY created_at DESC, rowid DESC LIMIT ? OFFSET ?",
             tuple(params) + (query.page_size, (query.page - 1) * query.page_size))
