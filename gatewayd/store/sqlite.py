@@ -1,4 +1,4 @@
-"""The embedded SQLite store (WAL mode): one writer connection, one reader."""
+"""The embedded SQLite store (WAL mode): a writer thread with its own connection, an aiosqlite reader."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import asyncio
 import functools
 import json
 import sqlite3
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Iterable
@@ -36,6 +37,14 @@ _JSON_FIELDS = {
     "metrics", "labels", "integrations_metadata", "ai_analysis", "request_payload_redacted",
 }
 DEFAULT_ORG_NAME = "default"
+_PRAGMAS = (
+    "PRAGMA busy_timeout = 10000",
+    "PRAGMA journal_mode = WAL",
+    "PRAGMA synchronous = NORMAL",
+    "PRAGMA foreign_keys = ON",
+    "PRAGMA cache_size = -65536",  # 64 MiB: the session indexes stay in memory
+    "PRAGMA mmap_size = 268435456",
+)
 
 
 def _encode(name: str, value: Any) -> Any:
@@ -66,62 +75,52 @@ class SQLiteStore(Store):
     def __init__(self, path: Path, box: SecretBox) -> None:
         self.path = path
         self.box = box
-        self._writer: aiosqlite.Connection | None = None
+        self._writer: sqlite3.Connection | None = None
+        self._write_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-writer")
         self._reader: aiosqlite.Connection | None = None
-        self._lock = asyncio.Lock()
         self._default_org: Organization | None = None
 
     # ---------------------------------------------------------------- lifecycle
     async def open(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._writer = await self._connect()
-        await self._migrate()
-        self._reader = await self._connect()
+        self._writer = await self._in_writer(self._open_writer)
+        self._reader = await aiosqlite.connect(self.path, isolation_level=None)
+        self._reader.row_factory = sqlite3.Row
+        for pragma in _PRAGMAS:
+            await self._reader.execute(pragma)
 
-    async def _connect(self) -> aiosqlite.Connection:
-        conn = await aiosqlite.connect(self.path, isolation_level=None)
-        conn.row_factory = sqlite3.Row
-        await conn.execute("PRAGMA busy_timeout = 10000")
-        await conn.execute("PRAGMA journal_mode = WAL")
-        await conn.execute("PRAGMA synchronous = NORMAL")
-        await conn.execute("PRAGMA foreign_keys = ON")
-        await conn.execute("PRAGMA cache_size = -65536")  # 64 MiB: session indexes stay in memory
-        await conn.execute("PRAGMA mmap_size = 268435456")
+    def _open_writer(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        for pragma in _PRAGMAS:
+            conn.execute(pragma)
+        self._migrate(conn)
         return conn
 
-    async def _migrate(self) -> None:
-        db = self._w
-        await db.execute(
-            "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, applied_at TEXT NOT NULL)"
-        )
-        async with db.execute("SELECT COALESCE(MAX(version), 0) FROM schema_migrations") as cur:
-            (current,) = await cur.fetchone()
+    @staticmethod
+    def _migrate(db: sqlite3.Connection) -> None:
+        db.execute("CREATE TABLE IF NOT EXISTS schema_migrations "
+                   "(version INTEGER PRIMARY KEY, applied_at TEXT NOT NULL)")
+        (current,) = db.execute("SELECT COALESCE(MAX(version), 0) FROM schema_migrations").fetchone()
         for version, script in MIGRATIONS:
             if version <= current:
                 continue
-            await db.execute("BEGIN IMMEDIATE")
+            db.execute("BEGIN IMMEDIATE")
             try:
                 for statement in filter(None, (s.strip() for s in script.split(";"))):
-                    await db.execute(statement)
-                await db.execute(
-                    "INSERT INTO schema_migrations (version, applied_at) VALUES (?, ?)", (version, rfc3339(utcnow()))
-                )
-                await db.execute("COMMIT")
+                    db.execute(statement)
+                db.execute("INSERT INTO schema_migrations (version, applied_at) VALUES (?, ?)",
+                           (version, rfc3339(utcnow())))
+                db.execute("COMMIT")
             except BaseException:
-                await db.execute("ROLLBACK")
+                db.execute("ROLLBACK")
                 raise
 
     async def close(self) -> None:
-        for conn in (self._reader, self._writer):
-            if conn is not None:
-                await conn.close()
+        if self._reader is not None:
+            await self._reader.close()
+        if self._writer is not None:
+            await self._in_writer(self._writer.close)
         self._reader = self._writer = None
-
-    @property
-    def _w(self) -> aiosqlite.Connection:
-        if self._writer is None:
-            raise RuntimeError("store is not open")
-        return self._writer
 
     @property
     def _r(self) -> aiosqlite.Connection:
@@ -129,26 +128,37 @@ class SQLiteStore(Store):
             raise RuntimeError("store is not open")
         return self._reader
 
+    async def _in_writer(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._write_thread, fn, *args)
+
     async def _write(self, statements: list[tuple[str, Any]]) -> None:
-        """Run statements in one transaction; unique violations become Conflict."""
-        async with self._lock:
-            db = self._w
-            await db.execute("BEGIN IMMEDIATE")
-            try:
-                for sql, params in statements:
-                    if isinstance(params, list):
-                        await db.executemany(sql, params)
-                    else:
-                        await db.execute(sql, params)
-                await db.execute("COMMIT")
-            except sqlite3.IntegrityError as exc:
-                await db.execute("ROLLBACK")
-                if "UNIQUE" in str(exc):
-                    raise Conflict(str(exc)) from None
-                raise
-            except BaseException:
-                await db.execute("ROLLBACK")
-                raise
+        """Run statements in one transaction, in one trip to the writer thread.
+
+        Unique violations become Conflict. The transaction completes even if
+        the awaiting task is cancelled, so a write is never half done.
+        """
+        if self._writer is None:
+            raise RuntimeError("store is not open")
+        await self._in_writer(self._transaction, self._writer, statements)
+
+    @staticmethod
+    def _transaction(db: sqlite3.Connection, statements: list[tuple[str, Any]]) -> None:
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            for sql, params in statements:
+                if isinstance(params, list):
+                    db.executemany(sql, params)
+                else:
+                    db.execute(sql, params)
+            db.execute("COMMIT")
+        except sqlite3.IntegrityError as exc:
+            db.execute("ROLLBACK")
+            if "UNIQUE" in str(exc):
+                raise Conflict(str(exc)) from None
+            raise
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
 
     async def _one(self, sql: str, params: tuple = ()) -> sqlite3.Row | None:
         rows = await self._r.execute_fetchall(sql, params)  # one worker round trip
