@@ -59,3 +59,22 @@ def test_cli_token_create_prints_one_token(tmp_path):
     assert claims["sub"] == "ops@example.com" and claims["exp"] - claims["iat"] == 300
     bad = gw.cli("token", "create", "--email", "ops@example.com", "--ttl", "soon", check=False)
     assert bad.returncode == 2 and "--ttl" in bad.stderr
+
+
+def test_sd_notify_ready_and_stopping(tmp_path):
+    import socket
+
+    path = tmp_path / "notify.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(str(path))
+    listener.settimeout(20)
+    gw = Daemon(tmp_path / "data")
+    original_env = gw.env
+    gw.env = lambda: {**original_env(), "NOTIFY_SOCKET": str(path)}
+    try:
+        gw.start()
+        assert listener.recv(256) == b"READY=1"
+        assert gw.stop() == 0
+        assert listener.recv(256) == b"STOPPING=1"
+    finally:
+        listener.close()
