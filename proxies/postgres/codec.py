@@ -92,6 +92,7 @@ __all__ = [
     "Execute",
     "FieldDescription",
     "Flush",
+    "FrameBatch",
     # readers
     "FrontendReader",
     "FunctionCall",
@@ -257,6 +258,7 @@ _u16 = struct.Struct("!H").unpack_from
 _i32 = struct.Struct("!i").unpack_from
 _u32 = struct.Struct("!I").unpack_from
 _HEADER = struct.Struct("!ci")  # type byte + length (signed, so garbage shows as negative)
+_FIELD = struct.Struct("!IhIhih")  # a RowDescription field after its name
 
 
 def _text(raw: bytes) -> str:
@@ -1060,6 +1062,26 @@ class RowDescription(Message):
     def formats(self) -> tuple[int, ...]:
         return tuple(f.format for f in self._decoded())
 
+    def summary(self) -> tuple[list[str], tuple[int, ...], tuple[int, ...]]:
+        """(names, type OIDs, formats) read straight from the frame: no FieldDescription objects (hot path)."""
+        buf, pos, end = self._buf, self._start + 7, self._end
+        if pos > end:
+            raise ProtocolError("malformed RowDescription message: unexpected end of message")
+        count = _u16(buf, pos - 2)[0]
+        names, oids, formats = [], [], []
+        for _ in range(count):
+            nul = buf.find(b"\0", pos, end)
+            if nul < 0 or nul + 19 > end:
+                raise ProtocolError("malformed RowDescription message: unexpected end of message")
+            names.append(_text(buf[pos:nul]))
+            _table_oid, _column, type_oid, _size, _modifier, fmt = _FIELD.unpack_from(buf, nul + 1)
+            oids.append(type_oid)
+            formats.append(fmt)
+            pos = nul + 19
+        if pos != end:
+            raise ProtocolError("malformed RowDescription message: trailing bytes")
+        return names, tuple(oids), tuple(formats)
+
 
 class DataRow(Message):
     """One result row.  Columns are not parsed unless asked for (``columns`` / ``column_views``)."""
@@ -1728,6 +1750,48 @@ def coalesce_frames(messages: Iterable[Message]) -> list[memoryview]:
     if buf is not None:
         out.append(memoryview(buf)[start:end])
     return out
+
+
+class FrameBatch:
+    """Frames collected for one ``writelines()``, built incrementally: adjacent frames of one
+    received chunk merge into a single view (``coalesce_frames`` as a running accumulator),
+    and ``add_bytes`` puts gateway-made messages in between, in order.
+    """
+
+    __slots__ = ("_buf", "_end", "_start", "parts")
+
+    def __init__(self) -> None:
+        self.parts: list[bytes | memoryview] = []
+        self._buf: bytes | None = None
+        self._start = self._end = 0
+
+    def add(self, message: Message) -> None:
+        """Append a received message's raw frame (no copy)."""
+        buf = message._buf
+        if buf is self._buf and message._start == self._end:
+            self._end = message._end
+            return
+        if self._buf is not None:
+            self.parts.append(memoryview(self._buf)[self._start : self._end])
+        self._buf, self._start, self._end = buf, message._start, message._end
+
+    def add_bytes(self, data: bytes) -> None:
+        """Append bytes made by the gateway (an ErrorResponse, a substituted Sync, ...)."""
+        if self._buf is not None:
+            self.parts.append(memoryview(self._buf)[self._start : self._end])
+            self._buf = None
+        self.parts.append(data)
+
+    def take(self) -> list[bytes | memoryview]:
+        """Everything collected so far, emptying the batch."""
+        if self._buf is not None:
+            self.parts.append(memoryview(self._buf)[self._start : self._end])
+            self._buf = None
+        parts, self.parts = self.parts, []
+        return parts
+
+    def __bool__(self) -> bool:
+        return self._buf is not None or bool(self.parts)
 
 
 def is_direct_tls_start(data: bytes | bytearray | memoryview) -> bool:
