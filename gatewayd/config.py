@@ -114,6 +114,8 @@ SETTINGS: dict[str, Setting] = {
     "server.grpc_server_url": Setting("str", ""),
     "server.product_analytics": Setting("str", "inactive", _choice("active", "inactive")),
     "ssh.hosts_key": Setting("str", ""),
+    "postgres.tls_cert": Setting("str", ""),
+    "postgres.tls_key": Setting("str", ""),
     "sessions.shutdown_grace": Setting("duration", "10s"),
     "sessions.recording_cap_bytes": Setting("int", 64 * 1024 * 1024, _positive),
     "sessions.flush_interval": Setting("duration", "1s"),

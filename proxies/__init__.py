@@ -10,4 +10,6 @@ from typing import Any
 
 
 def available_listeners() -> dict[str, Any]:
-    return {}
+    from proxies.postgres.server import start as start_postgres
+
+    return {"postgres": start_postgres}

@@ -1,0 +1,544 @@
+"""What the relay does with each message, as pure state: forward, block, record, inject.
+
+No sockets here.  ``ClientSide`` decides about client messages (input guard
+rails, ``i`` events), ``ServerSide`` about target messages (output guard rails,
+``o``/``e`` events).  They share one ordered queue of ``Pending`` requests: the
+client side appends an entry for every request whose answer ends in a known
+way (a Query or Sync ends with ReadyForQuery, an Execute with its completion),
+before the request goes upstream; the server side pops them as the answers
+arrive.  That is how a block is answered in the right place of a pipeline:
+
+* a blocked simple ``Query`` is replaced upstream by a ``Sync`` -- the target
+  answers it with ReadyForQuery carrying the true transaction status, and the
+  server side puts the ErrorResponse in front of it;
+* a blocked ``Parse`` is replaced upstream by a marker -- ``Close`` of a
+  statement that does not exist, then ``Flush`` -- whose CloseComplete arrives
+  exactly after the answers to everything sent before the block; the server
+  side puts the ErrorResponse in its place (at once, so a client waiting after
+  ``Flush``, as asyncpg does, gets it).  Client messages are then dropped up to
+  the next ``Sync``, which is forwarded.  If the target already failed that
+  batch, it ignores the marker and the client sees only the target's error;
+* an output rule matching a row cuts the result: the ErrorResponse goes out in
+  place of the row and the rest of the answer is swallowed up to
+  ReadyForQuery, which is forwarded.
+"""
+
+from __future__ import annotations
+
+import secrets
+import struct
+import uuid
+from collections import deque
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from typing import TYPE_CHECKING
+
+from proxies.postgres.codec import (
+    FORMAT_BINARY,
+    BackendReader,
+    Bind,
+    Close,
+    CloseComplete,
+    CommandComplete,
+    CopyData,
+    DataRow,
+    Describe,
+    ErrorResponse,
+    Execute,
+    FrameBatch,
+    FunctionCall,
+    Message,
+    NoData,
+    Parse,
+    Query,
+    ReadyForQuery,
+    RowDescription,
+    Sync,
+    Terminate,
+    encode_close,
+    encode_copy_fail,
+    encode_error_response,
+    encode_flush,
+    encode_sync,
+    render_row,
+    resolve_formats,
+)
+
+if TYPE_CHECKING:
+    from gatewayd.guardrails import GuardVerdict, RuleSet
+    from gatewayd.recording import SessionRecorder
+
+BLOCKED_SQLSTATE = "42501"  # insufficient_privilege
+OUTPUT_FLUSH_CHARS = 64 * 1024  # an ``o`` event is cut at about this size
+MAX_PARAM_CHARS = 1024  # longer bind parameters are shortened in the recording
+VERDICT_CACHE_SIZE = 512  # input verdicts remembered per session, by Parse SQL
+SYNC = encode_sync()
+
+_RESULT_ENDS = frozenset((b"I", b"s"))  # EmptyQueryResponse, PortalSuspended
+_EXECUTE_ENDS = frozenset((b"C", b"I", b"s", b"E"))
+_ALWAYS_FORWARDED = frozenset((b"A", b"S"))  # NotificationResponse, ParameterStatus: even after a cut
+_COPY_IN = frozenset((b"G", b"W"))
+
+# Pending request kinds
+UNTIL_READY = 0  # Query, FunctionCall: the answer ends with ReadyForQuery
+SYNC_POINT = 1  # Sync (forwarded or substituted): answered by ReadyForQuery
+EXECUTE = 2  # Execute: rows then CommandComplete / EmptyQuery / PortalSuspended / ErrorResponse
+CLOSE = 3  # the client's Close: answered by CloseComplete
+MARKER = 4  # the gateway's Close standing for a blocked Parse: its CloseComplete becomes the error
+DESCRIBE = 5  # Describe: answered by RowDescription or NoData (after ParameterDescription)
+
+MARKER_STATEMENT = "gatewayd.guardrail.block." + secrets.token_hex(8)
+BLOCKED_PARSE_MARKER = encode_close("S", MARKER_STATEMENT) + encode_flush()
+
+
+class Pending:
+    """One request in flight, in the order the target will answer it."""
+
+    __slots__ = ("error", "formats", "kind", "statement")
+
+    def __init__(self, kind: int, formats: list[int] | None = None, error: bytes | None = None,
+                 statement: str | None = None) -> None:
+        self.kind = kind
+        self.formats = formats  # result column formats of an Execute (from its Bind)
+        self.error = error  # ErrorResponse standing for a block (MARKER, substituted SYNC_POINT)
+        self.statement = statement  # prepared statement of a Describe / Execute (for column types)
+
+
+_EPOCH_2000 = datetime(2000, 1, 1, tzinfo=UTC)
+_TEXT_OIDS = frozenset((18, 19, 25, 114, 142, 705, 1042, 1043))  # char, name, text, json, xml, unknown, bpchar, varchar
+_STRUCTS = {16: struct.Struct("!?"), 20: struct.Struct("!q"), 21: struct.Struct("!h"), 23: struct.Struct("!i"),
+            26: struct.Struct("!I"), 700: struct.Struct("!f"), 701: struct.Struct("!d")}
+
+
+def _numeric(raw: bytes) -> str:
+    ndigits, weight, sign, dscale = struct.unpack_from("!hhHh", raw)
+    if sign == 0xC000:
+        return "NaN"
+    value = Decimal(0)
+    for i, digit in enumerate(struct.unpack_from(f"!{ndigits}H", raw, 8)):
+        value += Decimal(digit).scaleb(4 * (weight - i))
+    return f"{-value if sign == 0x4000 else value:.{dscale}f}"
+
+
+def render_binary(oid: int, raw: bytes) -> str:
+    """One binary-format value as text, for the common types; anything else as ``\\x<hex>``."""
+    try:
+        if oid in _TEXT_OIDS:
+            return raw.decode("utf-8", "replace")
+        packer = _STRUCTS.get(oid)
+        if packer is not None:
+            value = packer.unpack(raw)[0]
+            return ("t" if value else "f") if oid == 16 else str(value)
+        if oid == 3802 and raw[:1] == b"\x01":  # jsonb: version byte, then JSON text
+            return raw[1:].decode("utf-8", "replace")
+        if oid == 2950:
+            return str(uuid.UUID(bytes=raw))
+        if oid == 1700:
+            return _numeric(raw)
+        if oid in (1114, 1184):  # timestamp, timestamptz: microseconds since 2000-01-01
+            moment = _EPOCH_2000 + timedelta(microseconds=struct.unpack("!q", raw)[0])
+            return moment.isoformat(sep=" ") if oid == 1184 else moment.replace(tzinfo=None).isoformat(sep=" ")
+        if oid == 1082:
+            return (_EPOCH_2000 + timedelta(days=struct.unpack("!i", raw)[0])).date().isoformat()
+    except (ValueError, OverflowError, struct.error):
+        pass
+    return "\\x" + raw.hex()
+
+
+def render_typed_row(row: DataRow, formats: Sequence[int], oids: Sequence[int]) -> str:
+    """A row with binary columns as text (tab-separated, NULL for nulls), decoding by column type."""
+    parts = []
+    noids = len(oids)
+    nformats = len(formats)
+    for i, value in enumerate(row.columns):
+        if value is None:
+            parts.append("NULL")
+        elif i < nformats and formats[i] == FORMAT_BINARY:
+            parts.append(render_binary(oids[i] if i < noids else 0, value))
+        else:
+            parts.append(value.decode("utf-8", "replace"))
+    return "\t".join(parts)
+
+
+def blocked_error(verdict: GuardVerdict) -> bytes:
+    """The ErrorResponse a client gets for a guard-rail block."""
+    return encode_error_response("ERROR", BLOCKED_SQLSTATE, verdict.message)
+
+
+def _quote(value: bytes | None, binary: bool) -> str:
+    if value is None:
+        return "NULL"
+    if binary:
+        return "'\\x" + value[:MAX_PARAM_CHARS].hex() + "'"
+    text = value[:MAX_PARAM_CHARS * 4].decode("utf-8", "replace")
+    if len(text) > MAX_PARAM_CHARS:
+        text = text[:MAX_PARAM_CHARS] + "..."
+    return "'" + text.replace("'", "''") + "'"
+
+
+def render_bind(sql: str, bind: Bind) -> str:
+    """A Bind as recorded: the statement's SQL, then its parameters as text on a comment line."""
+    params = bind.params
+    if not params:
+        return sql
+    formats = resolve_formats(bind.param_formats, len(params))
+    rendered = ", ".join(f"${i} = {_quote(v, f == FORMAT_BINARY)}" for i, (v, f) in enumerate(zip(params, formats), 1))
+    return f"{sql}\n-- parameters: {rendered}"
+
+
+# Client-side actions
+FORWARD = 0
+DROP = 1
+BLOCK = 2  # send ``ClientSide.substitute`` upstream instead; ``ClientSide.verdict`` says why
+TERMINATE = 3
+
+
+class ClientSide:
+    """Client-to-target decisions: input guard rails on Query and Parse SQL, ``i`` events."""
+
+    __slots__ = (
+        "_verdicts",
+        "columns",
+        "discarding",
+        "pending",
+        "portals",
+        "recorder",
+        "rules",
+        "statements",
+        "substitute",
+        "verdict",
+    )
+
+    def __init__(self, rules: RuleSet, recorder: SessionRecorder, pending: deque[Pending],
+                 columns: dict[str, tuple[int, ...]]) -> None:
+        self.rules = rules
+        self.recorder = recorder
+        self.pending = pending
+        self.columns = columns  # statement -> result column type OIDs, shared with the ServerSide
+        self.statements: dict[str, str] = {}  # prepared statement name -> SQL (for recording Binds)
+        self.portals: dict[str, tuple[str, list[int]]] = {}  # portal -> (statement, result formats)
+        self.discarding = False  # after a blocked Parse: skip messages until Sync
+        self.verdict: GuardVerdict | None = None  # why the last BLOCK
+        self.substitute = b""  # what goes upstream instead of the last blocked message
+        self._verdicts: dict[str, GuardVerdict] = {}  # Parse SQL -> verdict, for this session's rule set
+
+    def on_message(self, message: Message) -> int:
+        """What to do with one client message: FORWARD, DROP, BLOCK or TERMINATE."""
+        kind = type(message)
+        if self.discarding:
+            if kind is Sync:
+                self.discarding = False
+                self.pending.append(Pending(SYNC_POINT))
+                return FORWARD
+            return TERMINATE if kind is Terminate else DROP
+        if kind is Bind:
+            return self._bind(message)  # type: ignore[arg-type]
+        if kind is Execute:
+            portal = self.portals.get(message.portal)  # type: ignore[attr-defined]
+            if portal is None:
+                self.pending.append(Pending(EXECUTE))
+            else:
+                self.pending.append(Pending(EXECUTE, portal[1], statement=portal[0]))
+            return FORWARD
+        if kind is Describe:
+            name = message.name  # type: ignore[attr-defined]
+            if message.kind == "P":  # type: ignore[attr-defined]
+                name = self.portals.get(name, (None,))[0]  # type: ignore[assignment]
+            self.pending.append(Pending(DESCRIBE, statement=name))
+            return FORWARD
+        if kind is Sync:
+            self.pending.append(Pending(SYNC_POINT))
+            return FORWARD
+        if kind is Query:
+            return self._query(message)  # type: ignore[arg-type]
+        if kind is Parse:
+            return self._parse(message)  # type: ignore[arg-type]
+        if kind is CopyData:
+            if not self.recorder.truncated:
+                self.recorder.input(message.data)  # type: ignore[attr-defined]
+            return FORWARD
+        if kind is Close:
+            if message.kind == "S":  # type: ignore[attr-defined]
+                self.statements.pop(message.name, None)  # type: ignore[attr-defined]
+                self.columns.pop(message.name, None)  # type: ignore[attr-defined]
+            else:
+                self.portals.pop(message.name, None)  # type: ignore[attr-defined]
+            self.pending.append(Pending(CLOSE))
+            return FORWARD
+        if kind is FunctionCall:
+            self.pending.append(Pending(UNTIL_READY))
+            return FORWARD
+        if kind is Terminate:
+            return TERMINATE
+        return FORWARD  # Describe, Flush, CopyDone, CopyFail, and anything the target will judge
+
+    def _query(self, query: Query) -> int:
+        sql = query.sql
+        verdict = self.rules.check_input(sql, sql=True) if self.rules.input_rules else None
+        if verdict is not None and not verdict.allowed:
+            self.verdict = verdict
+            self.substitute = SYNC  # answered by ReadyForQuery with the true transaction status
+            self.pending.append(Pending(SYNC_POINT, error=blocked_error(verdict)))
+            return BLOCK
+        if not self.recorder.truncated:
+            self.recorder.input(sql)
+        self.pending.append(Pending(UNTIL_READY))
+        return FORWARD
+
+    def _parse(self, parse: Parse) -> int:
+        sql = parse.sql
+        if self.rules.input_rules:
+            verdict = self._verdicts.get(sql)
+            if verdict is None:  # drivers parse the same statements again and again
+                if len(self._verdicts) >= VERDICT_CACHE_SIZE:
+                    self._verdicts.clear()
+                verdict = self._verdicts[sql] = self.rules.check_input(sql, sql=True)
+            if not verdict.allowed:
+                self.verdict = verdict
+                self.discarding = True
+                self.substitute = BLOCKED_PARSE_MARKER
+                self.pending.append(Pending(MARKER, error=blocked_error(verdict)))
+                return BLOCK
+        name = parse.name
+        self.columns.pop(name, None)
+        if not self.recorder.truncated:
+            self.statements[name] = sql
+        return FORWARD
+
+    def _bind(self, bind: Bind) -> int:
+        recorder = self.recorder
+        if not recorder.truncated:
+            sql = self.statements.get(bind.statement)
+            if sql is not None:
+                recorder.input(render_bind(sql, bind))
+        if not recorder.truncated or self.rules.output_rules:  # rows will be rendered: keep their formats
+            self.portals[bind.portal] = (bind.statement, bind.result_formats)
+        return FORWARD
+
+
+class ServerSide:
+    """Target-to-client decisions: output guard rails on rows, ``o`` and ``e`` events, injected errors."""
+
+    __slots__ = (
+        "_desc_formats",
+        "_desc_oids",
+        "batch_error",
+        "blocks",
+        "columns",
+        "cut",
+        "formats",
+        "header",
+        "oids",
+        "out",
+        "out_chars",
+        "pending",
+        "recorder",
+        "replies",
+        "rules",
+        "target_fatal",
+    )
+
+    def __init__(self, rules: RuleSet, recorder: SessionRecorder, pending: deque[Pending],
+                 columns: dict[str, tuple[int, ...]]) -> None:
+        self.rules = rules
+        self.recorder = recorder
+        self.pending = pending
+        self.columns = columns
+        self.oids: tuple[int, ...] = ()  # column type OIDs of the current result
+        self.cut = False  # an output rule matched: swallow until ReadyForQuery
+        self.batch_error = False  # an ErrorResponse went to the client since the last ReadyForQuery
+        self.formats: tuple[int, ...] | list[int] | None = None  # column formats of the current result
+        self.header: str | None = None  # column names line, recorded with the first row
+        self.out: list[str] = []  # text of the ``o`` event being built
+        self.out_chars = 0
+        self.blocks: list[GuardVerdict] = []  # output blocks to audit (taken by the server loop)
+        self.replies: list[bytes] = []  # messages the gateway itself must send upstream
+        self.target_fatal = False  # the target sent a FATAL/PANIC error (it is about to close)
+        self._desc_formats: tuple[int, ...] = ()
+        self._desc_oids: tuple[int, ...] = ()
+
+    def process(self, reader: BackendReader, batch: FrameBatch) -> None:
+        """The complete messages in ``reader``: forwardable frames and injected errors go to ``batch``.
+
+        Stops early after an output block (``blocks`` is then not empty): call again once it is audited.
+        """
+        render = self.rules.has_output_rules or not self.recorder.truncated
+        add = batch.add
+        for message in reader:
+            kind = type(message)
+            if kind is DataRow:
+                if self.cut:
+                    continue
+                if render and not self._row(message, batch):  # type: ignore[arg-type]
+                    return  # cut: the caller audits the block before the rest is looked at
+                add(message)
+            elif kind is ReadyForQuery:
+                self._ready(message, batch)  # type: ignore[arg-type]
+            elif kind is CloseComplete:
+                self._close_complete(message, batch)  # type: ignore[arg-type]
+            elif self.cut:
+                self._swallow(message, batch)
+            else:
+                self._other(message, batch, render)
+                if self.blocks:
+                    return
+
+    # -- rows
+
+    def _row(self, row: DataRow, batch: FrameBatch) -> bool:
+        formats = self.formats
+        if formats is None:
+            formats, self.oids = self._desc_formats, self._desc_oids
+            head = self.pending[0] if self.pending else None
+            if head is not None and head.kind == EXECUTE:
+                if head.formats is not None:
+                    formats = resolve_formats(head.formats, row.column_count)
+                if head.statement is not None:
+                    self.oids = self.columns.get(head.statement, self.oids)
+            self.formats = formats
+        if FORMAT_BINARY in formats:
+            text = render_typed_row(row, formats, self.oids)
+        else:
+            text = render_row(None, row, formats=formats)
+        if self.rules.output_rules:
+            verdict = self.rules.check_output(text)
+            if not verdict.allowed:
+                self._cut(verdict, batch)
+                return False
+        if not self.recorder.truncated:
+            if self.header is not None:
+                self._emit(self.header)
+                self.header = None
+            self._emit(text)
+        return True
+
+    def _emit(self, line: str) -> None:
+        self.out.append(line)
+        self.out_chars += len(line) + 1
+        if self.out_chars >= OUTPUT_FLUSH_CHARS:
+            self.flush_output()
+
+    def flush_output(self) -> None:
+        """Record what was built of the current result as one ``o`` event."""
+        if self.out:
+            self.out.append("")
+            self.recorder.output("\n".join(self.out))
+            self.out = []
+            self.out_chars = 0
+
+    def _cut(self, verdict: GuardVerdict, batch: FrameBatch) -> None:
+        self.flush_output()
+        self.cut = True
+        self.batch_error = True
+        self.header = None
+        self.blocks.append(verdict)
+        batch.add_bytes(blocked_error(verdict))
+
+    # -- everything but rows
+
+    def _end_result(self) -> None:
+        self.formats = None
+        if self.pending and self.pending[0].kind == EXECUTE:
+            self.pending.popleft()
+
+    def _other(self, message: Message, batch: FrameBatch, render: bool) -> None:
+        kind = type(message)
+        if kind is CopyData:
+            if render and not self._copy_out(message, batch):  # type: ignore[arg-type]
+                return
+            batch.add(message)
+            return
+        batch.add(message)
+        if kind is CommandComplete:
+            if not self.recorder.truncated:
+                if self.header is not None:
+                    self._emit(self.header)
+                    self.header = None
+                self._emit(message.tag)  # type: ignore[attr-defined]
+                self.flush_output()
+            self._end_result()
+        elif kind is RowDescription:
+            self.formats = None
+            head = self.pending[0] if self.pending and self.pending[0].kind == DESCRIBE else None
+            if head is not None:
+                self.pending.popleft()
+            if render:
+                names, self._desc_oids, self._desc_formats = message.summary()  # type: ignore[attr-defined]
+                if head is not None and head.statement is not None:
+                    self.columns[head.statement] = self._desc_oids
+                if not self.recorder.truncated:
+                    self.header = "\t".join(names)
+        elif kind is NoData:
+            if self.pending and self.pending[0].kind == DESCRIBE:
+                self.pending.popleft()
+        elif kind is ErrorResponse:
+            self.flush_output()
+            self.header = None
+            self.batch_error = True
+            severity = message.severity  # type: ignore[attr-defined]
+            if severity in ("FATAL", "PANIC"):
+                self.target_fatal = True
+            self.recorder.error(f"{severity}: {message.message}")  # type: ignore[attr-defined]
+            self._end_result()
+        elif message.TYPE in _RESULT_ENDS:  # EmptyQueryResponse, PortalSuspended
+            self.flush_output()
+            self._end_result()
+
+    def _copy_out(self, message: CopyData, batch: FrameBatch) -> bool:
+        """Check and record one COPY TO STDOUT row; False when it is cut."""
+        text = bytes(message.data).decode("utf-8", "replace")
+        if self.rules.output_rules:
+            verdict = self.rules.check_output(text)
+            if not verdict.allowed:
+                self._cut(verdict, batch)
+                return False
+        if not self.recorder.truncated:
+            self._emit(text.rstrip("\n"))
+        return True
+
+    def _swallow(self, message: Message, batch: FrameBatch) -> None:
+        """After a cut: only what keeps the session sane goes through."""
+        code = message.TYPE
+        if code in _ALWAYS_FORWARDED:
+            batch.add(message)
+        elif code in _COPY_IN:  # the target waits for COPY data the client will never send
+            self.replies.append(encode_copy_fail("result withheld by a guard rail"))
+        elif code in _EXECUTE_ENDS:
+            self._end_result()
+
+    def _close_complete(self, message: CloseComplete, batch: FrameBatch) -> None:
+        pending = self.pending
+        while pending and pending[0].kind == EXECUTE:  # not answered: the target skipped them
+            pending.popleft()
+        entry = pending.popleft() if pending and pending[0].kind in (CLOSE, MARKER) else None
+        if entry is not None and entry.kind == MARKER:
+            if not self.cut:
+                self.flush_output()
+                self.batch_error = True
+                batch.add_bytes(entry.error)  # type: ignore[arg-type]
+        elif not self.cut:
+            batch.add(message)
+
+    def _ready(self, message: ReadyForQuery, batch: FrameBatch) -> None:
+        pending = self.pending
+        error = None
+        while pending:  # entries the target skipped after an error go too
+            entry = pending.popleft()
+            if entry.kind == SYNC_POINT or entry.kind == UNTIL_READY:
+                error = entry.error
+                break
+        if error is not None and not self.batch_error:
+            batch.add_bytes(error)
+        self.flush_output()
+        self.cut = False
+        self.batch_error = False
+        self.formats = None
+        self.header = None
+        batch.add(message)
+
+
+__all__ = [
+    "BLOCK", "DROP", "FORWARD", "SYNC", "TERMINATE", "ClientSide", "Pending", "ServerSide", "blocked_error",
+    "render_bind",
+]

@@ -1,0 +1,350 @@
+"""The PostgreSQL listener: thin asyncio I/O around the codec, the relay state and the core.
+
+One ``ClientConnection`` per accepted socket:
+
+1. start-up -- SSLRequest (TLS terminated here), GSSENCRequest (declined),
+   CancelRequest (mapped to the target's backend), StartupMessage;
+2. the credential -- the start-up ``user`` is the secret, or any user with
+   the secret as the (cleartext) password; refusals are ``FATAL 28P01``;
+3. the target -- ``upstream.connect_target`` with the role's settings; a
+   failure is ``FATAL 08001`` and a session closed with an ``e`` event;
+4. the relay -- ``session.RelaySession`` takes both transports over and
+   forwards raw frames in batches with flow control, asking ``relay`` what to
+   block, record and inject; when it ends, the client is told why (FATAL) and
+   the session is closed with its exit code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import socket
+import ssl
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from gatewayd.access import AccessDenied, looks_like_secret
+from gatewayd.sessions import BLOCKED_EXIT_CODE
+from proxies.postgres import tls
+from proxies.postgres.codec import (
+    CancelRequest,
+    FrontendReader,
+    GSSENCRequest,
+    Message,
+    PasswordMessage,
+    ProtocolError,
+    SSLRequest,
+    StartupMessage,
+    encode_authentication_cleartext_password,
+    encode_authentication_ok,
+    encode_backend_key_data,
+    encode_error_response,
+    encode_negotiate_protocol_version,
+    encode_ready_for_query,
+)
+from proxies.postgres.relay import ClientSide, Pending, ServerSide
+from proxies.postgres.session import CLIENT, TARGET, RelaySession
+from proxies.postgres.upstream import (
+    CHUNK,
+    TargetLink,
+    TargetSettings,
+    UpstreamError,
+    connect_target,
+    send_cancel,
+    terminate,
+)
+
+if TYPE_CHECKING:
+    from gatewayd.access import AccessGrant
+    from gatewayd.daemon import Gateway
+    from gatewayd.guardrails import RuleSet
+    from gatewayd.sessions import LiveSession
+
+log = logging.getLogger("gatewayd.postgres")
+
+STARTUP_TIMEOUT = 60.0  # start-up and credential exchange, per client
+
+
+@dataclass(slots=True, frozen=True)
+class CancelTarget:
+    """Where a CancelRequest for one of the gateway's backend keys goes."""
+
+    host: str
+    port: int
+    process_id: int
+    secret_key: bytes
+
+
+class CancelKeys:
+    """The BackendKeyData the gateway handed out, mapped to the target backends'."""
+
+    def __init__(self) -> None:
+        self._keys: dict[tuple[int, bytes], CancelTarget] = {}
+
+    def issue(self, target: CancelTarget) -> tuple[int, bytes]:
+        while True:
+            key = (secrets.randbelow(2**31 - 2) + 1, secrets.token_bytes(4))
+            if key not in self._keys:
+                self._keys[key] = target
+                return key
+
+    def pop(self, key: tuple[int, bytes]) -> None:
+        self._keys.pop(key, None)
+
+    def get(self, process_id: int, secret_key: bytes) -> CancelTarget | None:
+        return self._keys.get((process_id, bytes(secret_key)))
+
+
+# Keys outlive a listener restart: sessions opened through the old listener stay cancellable.
+CANCEL_KEYS = CancelKeys()
+
+
+def fatal(sqlstate: str, message: str) -> bytes:
+    return encode_error_response("FATAL", sqlstate, message)
+
+
+class PostgresListener:
+    """A started PostgreSQL listener; ``close`` stops accepting (sessions in progress go on)."""
+
+    def __init__(self, gateway: Gateway, tls_context: ssl.SSLContext | None) -> None:
+        self.gateway = gateway
+        self.tls_context = tls_context
+        self.server: asyncio.base_events.Server | None = None
+        self.cancel_keys = CANCEL_KEYS
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connection = ClientConnection(self, reader, writer)
+        try:
+            await connection.run()
+        except Exception:
+            log.exception("postgres connection failed", extra={"client_ip": connection.client_ip})
+        finally:
+            writer.close()
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()  # the listening socket closes now; connections go on
+
+
+async def start(gateway: Gateway, host: str, port: int) -> PostgresListener:
+    """Listener factory registered as ``postgres``."""
+    config = gateway.config
+    context = await asyncio.to_thread(tls.server_context, config.data_dir, config["postgres.tls_cert"],
+                                      config["postgres.tls_key"])
+    listener = PostgresListener(gateway, context)
+    listener.server = await asyncio.start_server(listener.handle, host, port, limit=CHUNK, reuse_address=True)
+    return listener
+
+
+class ClientConnection:
+    """One client from its start-up packet to the end of its session."""
+
+    def __init__(self, listener: PostgresListener, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter) -> None:
+        self.listener = listener
+        self.gateway = listener.gateway
+        self.reader = reader
+        self.writer = writer
+        peer = writer.get_extra_info("peername")
+        self.client_ip = peer[0] if isinstance(peer, tuple) else ""
+        self.frontend = FrontendReader()
+        self.link: TargetLink | None = None
+        self.live: LiveSession | None = None
+        self.killed: str | None = None
+        sock = writer.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    # -- helpers
+
+    def send_fatal(self, sqlstate: str, message: str) -> None:
+        """Tell the client why it is being disconnected, and close."""
+        try:
+            if not self.writer.is_closing():
+                self.writer.write(fatal(sqlstate, message))
+        except (OSError, RuntimeError):
+            pass
+        self.writer.close()
+
+    async def _next_client_message(self) -> Message | None:
+        frontend = self.frontend
+        while (message := frontend.next_message()) is None:
+            if frontend.at_eof:
+                return None
+            try:
+                data = await self.reader.read(CHUNK)
+            except ConnectionError:
+                data = b""
+            if data:
+                frontend.feed(data)
+            else:
+                frontend.feed_eof()
+        return message
+
+    # -- start-up
+
+    async def run(self) -> None:
+        try:
+            async with asyncio.timeout(STARTUP_TIMEOUT):
+                startup = await self._startup()
+                if startup is None:
+                    return
+                secret = await self._secret(startup)
+                if secret is None:
+                    return
+                grant = await self.gateway.access.resolve(secret, "postgres", self.client_ip)
+        except AccessDenied as exc:
+            self.send_fatal("28P01", str(exc))
+            return
+        except ProtocolError as exc:
+            self.send_fatal(exc.sqlstate, exc.message)
+            return
+        except TimeoutError:
+            self.send_fatal("08P01", "start-up timed out")
+            return
+        except (OSError, ssl.SSLError, asyncio.IncompleteReadError):  # gone, or a failed TLS handshake
+            return
+        await self._connect_and_relay(startup, grant)
+
+    async def _startup(self) -> StartupMessage | None:
+        """Answer SSL/GSSENC requests and cancel requests until the StartupMessage."""
+        while True:
+            message = await self._next_client_message()
+            if message is None:
+                return None
+            if isinstance(message, GSSENCRequest):
+                self.writer.write(b"N")
+            elif isinstance(message, SSLRequest):
+                if self.listener.tls_context is None or self.writer.get_extra_info("sslcontext") is not None:
+                    self.writer.write(b"N")
+                    continue
+                if self.frontend.buffered:  # plaintext queued behind the request: CVE-2021-23214
+                    raise ProtocolError("unencrypted data after SSL request")
+                self.writer.write(b"S")
+                await self.writer.drain()
+                await self.writer.start_tls(self.listener.tls_context)
+            elif isinstance(message, CancelRequest):
+                await self._cancel(message)
+                return None
+            elif isinstance(message, StartupMessage):
+                parameters = message.parameters
+                options = [k for k in parameters if k.startswith("_pq_.")]
+                if message.minor > 0 or options:
+                    self.writer.write(encode_negotiate_protocol_version(0, options))
+                return message
+
+    async def _cancel(self, request: CancelRequest) -> None:
+        target = self.listener.cancel_keys.get(request.process_id, request.secret_key)
+        if target is not None:
+            await send_cancel(target.host, target.port, target.process_id, target.secret_key)
+
+    async def _secret(self, startup: StartupMessage) -> str | None:
+        """The credential secret: the start-up user, or else the password we ask for."""
+        user = startup.user or ""
+        if looks_like_secret(user):
+            return user
+        self.writer.write(encode_authentication_cleartext_password())
+        message = await self._next_client_message()
+        if message is None:
+            return None
+        if not isinstance(message, PasswordMessage):
+            raise ProtocolError(f"expected a password message, got {type(message).__name__}")
+        return message.password
+
+    # -- target and session
+
+    async def _connect_and_relay(self, startup: StartupMessage, grant: AccessGrant) -> None:
+        connection = grant.connection
+        parameters = startup.parameters
+        database = parameters.get("database")
+        if not database or database == parameters.get("user"):
+            database = None  # libpq sends the user name when none is given: take the role's DB
+        settings = TargetSettings.from_role(connection.target(), database)
+        sessions = self.gateway.sessions
+        try:
+            self.link = link = await connect_target(settings, parameters, connection.name)
+        except UpstreamError as exc:
+            log.info("postgres target unreachable", extra={"connection": connection.name, "error": exc.message})
+            try:
+                live = await sessions.open(grant.user, grant.connection, credential=grant.credential)
+                await live.close(exit_code=BLOCKED_EXIT_CODE, error=exc.message)
+            finally:
+                self.send_fatal(exc.sqlstate, exc.message)
+            return
+        try:
+            self.live = live = await sessions.open(grant.user, grant.connection, credential=grant.credential)
+        except RuntimeError as exc:
+            terminate(link)
+            self.send_fatal("57P03", str(exc))
+            return
+        key = self.listener.cancel_keys.issue(CancelTarget(settings.host, settings.port, link.process_id,
+                                                           link.secret_key))
+        try:
+            live.on_kill(self._kill)
+            rules = await self.gateway.guardrails.rules_for(connection.org_id, connection.id)
+            self.writer.writelines([encode_authentication_ok(), *link.startup_frames,
+                                    encode_backend_key_data(*key), encode_ready_for_query(link.status)])
+            exit_code, error = await self._relay(link, live, rules)
+        except BaseException:
+            await live.close(exit_code=BLOCKED_EXIT_CODE, error="the gateway ended the session on an internal error")
+            raise
+        finally:
+            self.listener.cancel_keys.pop(key)
+            terminate(link)
+        await live.close(exit_code=exit_code, error=error)
+
+    def _kill(self, reason: str) -> None:
+        """The gateway ends the session (kill, expiry, shutdown): FATAL 57P01, then both sockets close."""
+        self.killed = reason
+        self.send_fatal("57P01", reason)
+        if self.link is not None:
+            terminate(self.link)
+
+    # -- relay
+
+    async def _relay(self, link: TargetLink, live: LiveSession, rules: RuleSet) -> tuple[int, str | None]:
+        """Relay until one side goes away; the session's exit code and error."""
+        pending: deque[Pending] = deque()
+        columns: dict[str, tuple[int, ...]] = {}
+        server = ServerSide(rules, live.recorder, pending, columns)
+        relay = RelaySession(self.writer.transport, link.writer.transport, self.frontend, link.backend,  # type: ignore[arg-type]
+                             ClientSide(rules, live.recorder, pending, columns), server, live, self.client_ip)
+        relay.start(_take_buffered(self.reader), _take_buffered(link.reader))
+        if self.reader.at_eof():
+            relay.finish(CLIENT)
+        elif link.reader.at_eof():
+            relay.finish(TARGET)
+        side, error = await relay.wait()
+        server.flush_output()
+        name = live.connection.name
+        if self.killed is not None:
+            return BLOCKED_EXIT_CODE, None
+        if error is not None:
+            if side == CLIENT:
+                message = f"protocol violation: {error.message}"
+                self.send_fatal(error.sqlstate, message)
+            else:
+                message = f'the target of connection "{name}" sent malformed data: {error.message}'
+                self.send_fatal("08P01", message)
+            return BLOCKED_EXIT_CODE, message
+        if side == CLIENT:
+            return 0, None
+        message = f'the target of connection "{name}" closed the connection unexpectedly'
+        if not server.target_fatal:
+            self.send_fatal("08006", message)
+        else:
+            self.writer.close()
+        return BLOCKED_EXIT_CODE, message
+
+
+def _take_buffered(reader: asyncio.StreamReader) -> bytes:
+    """Bytes a stream had read but nobody consumed yet (the relay takes the transport over)."""
+    buffer = reader._buffer  # type: ignore[attr-defined]
+    data = bytes(buffer)
+    buffer.clear()
+    if getattr(reader, "_paused", False):
+        reader._paused = False  # type: ignore[attr-defined]
+        reader._transport.resume_reading()  # type: ignore[attr-defined]
+    return data

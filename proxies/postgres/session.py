@@ -1,0 +1,246 @@
+"""The relay's I/O: both directions of one proxied connection, driven by transport callbacks.
+
+After start-up the client's and the target's transports are switched from
+streams to the two small protocols below, so a message costs no task switch
+and no future: ``data_received`` feeds the codec, ``relay.ClientSide`` /
+``relay.ServerSide`` decide, and the frames go out with one write per
+received chunk.  Flow control is the transports' own: when one side's
+write buffer fills (``pause_writing``), the other side stops being read until
+it drains; a recorder with too much pending pauses both until it is flushed.
+A guard-rail block pauses its direction while the block is audited, so the
+``e`` event lands in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from proxies.postgres.codec import (
+    BackendReader,
+    FrameBatch,
+    FrontendReader,
+    ProtocolError,
+)
+from proxies.postgres.relay import BLOCK, DROP, FORWARD, ClientSide, ServerSide
+
+if TYPE_CHECKING:
+    from gatewayd.guardrails import GuardVerdict
+    from gatewayd.sessions import LiveSession
+
+WRITE_HIGH_WATER = 512 * 1024
+CLIENT = "client"
+TARGET = "target"
+
+
+class _SideProtocol(asyncio.Protocol):
+    """Forwards one transport's events to the relay, tagged with which side it is."""
+
+    def __init__(self, relay: RelaySession, side: str) -> None:
+        self.relay = relay
+        self.side = side
+        self.data_received = relay.client_data if side == CLIENT else relay.target_data  # type: ignore[method-assign]
+
+    def eof_received(self) -> bool:
+        self.relay.finish(self.side)
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.relay.finish(self.side)
+
+    def pause_writing(self) -> None:
+        self.relay.pause(TARGET if self.side == CLIENT else CLIENT, "peer-full")
+
+    def resume_writing(self) -> None:
+        self.relay.resume(TARGET if self.side == CLIENT else CLIENT, "peer-full")
+
+
+class RelaySession:
+    """One client connected to one target through the gateway, until either side goes away.
+
+    ``finished`` resolves to ``(side, error)``: the side that ended the relay
+    (``"client"`` or ``"target"``) and the ProtocolError that did, if any.
+    """
+
+    def __init__(self, client: asyncio.Transport, target: asyncio.Transport, frontend: FrontendReader,
+                 backend: BackendReader, client_side: ClientSide, server_side: ServerSide, live: LiveSession,
+                 client_ip: str) -> None:
+        self.client = client
+        self.target = target
+        self.frontend = frontend
+        self.backend = backend
+        self.client_side = client_side
+        self.server_side = server_side
+        self.live = live
+        self.recorder = live.recorder
+        self.client_ip = client_ip
+        self.finished: asyncio.Future[tuple[str, ProtocolError | None]] = asyncio.get_running_loop().create_future()
+        self._paused: dict[str, set[str]] = {CLIENT: set(), TARGET: set()}
+        self._busy = {CLIENT: False, TARGET: False}  # auditing a block: process nothing more for now
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._client_batch = FrameBatch()
+        self._target_batch = FrameBatch()
+
+    def start(self, client_pending: bytes = b"", target_pending: bytes = b"") -> None:
+        """Take over both transports; bytes the streams had already read are processed first."""
+        for transport, side in ((self.client, CLIENT), (self.target, TARGET)):
+            transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+            transport.set_protocol(_SideProtocol(self, side))
+        if target_pending:
+            self.backend.feed(target_pending)
+        self._target_work()
+        if client_pending:
+            self.frontend.feed(client_pending)
+        self._client_work()
+        for transport in (self.client, self.target):
+            if transport.is_closing():
+                self.finish(CLIENT if transport is self.client else TARGET)
+
+    async def wait(self) -> tuple[str, ProtocolError | None]:
+        """Until the relay ends; then the audits of blocks still running are awaited."""
+        try:
+            return await self.finished
+        finally:
+            if self._tasks:
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def finish(self, side: str, error: ProtocolError | None = None) -> None:
+        if not self.finished.done():
+            self.finished.set_result((side, error))
+
+    # -- flow control
+
+    def pause(self, side: str, reason: str) -> None:
+        reasons = self._paused[side]
+        if not reasons:
+            transport = self.client if side == CLIENT else self.target
+            try:
+                transport.pause_reading()
+            except (RuntimeError, AttributeError):
+                pass
+        reasons.add(reason)
+
+    def resume(self, side: str, reason: str) -> None:
+        reasons = self._paused[side]
+        if reason not in reasons:
+            return
+        reasons.discard(reason)
+        if not reasons:
+            transport = self.client if side == CLIENT else self.target
+            if not transport.is_closing():
+                try:
+                    transport.resume_reading()
+                except (RuntimeError, AttributeError):
+                    pass
+
+    def _spawn(self, coroutine: Any) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _check_recorder(self) -> None:
+        if self.recorder.needs_drain and "recording" not in self._paused[CLIENT]:
+            self.pause(CLIENT, "recording")
+            self.pause(TARGET, "recording")
+            self._spawn(self._drain_recorder())
+
+    async def _drain_recorder(self) -> None:
+        try:
+            await self.recorder.drain()
+        finally:
+            self.resume(CLIENT, "recording")
+            self.resume(TARGET, "recording")
+
+    @staticmethod
+    def _send(transport: asyncio.Transport, batch: FrameBatch) -> None:
+        parts = batch.take()
+        if transport.is_closing():
+            return
+        if len(parts) == 1:
+            transport.write(parts[0])
+        else:
+            transport.writelines(parts)
+
+    # -- client to target
+
+    def client_data(self, data: bytes) -> None:
+        self.frontend.feed(data)
+        self._client_work()
+
+    def _client_work(self) -> None:
+        if self._busy[CLIENT] or self.finished.done():
+            return
+        batch = self._client_batch
+        on_message = self.client_side.on_message
+        try:
+            for message in self.frontend:
+                action = on_message(message)
+                if action == FORWARD:
+                    batch.add(message)
+                elif action == DROP:
+                    continue
+                elif action == BLOCK:
+                    batch.add_bytes(self.client_side.substitute)
+                    self._send(self.target, batch)
+                    self._audit(CLIENT, [self.client_side.verdict])  # type: ignore[list-item]
+                    return
+                else:  # Terminate
+                    batch.add(message)
+                    self._send(self.target, batch)
+                    self.finish(CLIENT)
+                    return
+        except ProtocolError as exc:
+            if batch:
+                self._send(self.target, batch)
+            self.finish(CLIENT, exc)
+            return
+        if batch:
+            self._send(self.target, batch)
+        self._check_recorder()
+
+    # -- target to client
+
+    def target_data(self, data: bytes) -> None:
+        self.backend.feed(data)
+        self._target_work()
+
+    def _target_work(self) -> None:
+        if self._busy[TARGET] or self.finished.done():
+            return
+        server = self.server_side
+        batch = self._target_batch
+        try:
+            server.process(self.backend, batch)
+        except ProtocolError as exc:
+            self.finish(TARGET, exc)
+            return
+        finally:
+            if batch:
+                self._send(self.client, batch)
+        if server.replies:
+            if not self.target.is_closing():
+                self.target.writelines(server.replies)
+            server.replies = []
+        if server.blocks:
+            blocks, server.blocks = server.blocks, []
+            self._audit(TARGET, blocks)
+            return
+        self._check_recorder()
+
+    # -- blocks
+
+    def _audit(self, side: str, verdicts: list[GuardVerdict]) -> None:
+        """Record and audit blocks before this side's next message is looked at."""
+        self._busy[side] = True
+        self.pause(side, "audit")
+        self._spawn(self._audited(side, verdicts))
+
+    async def _audited(self, side: str, verdicts: list[GuardVerdict]) -> None:
+        try:
+            for verdict in verdicts:
+                await self.live.blocked(verdict, self.client_ip)
+        finally:
+            self._busy[side] = False
+            self.resume(side, "audit")
+            if not self.finished.done():
+                (self._client_work if side == CLIENT else self._target_work)()

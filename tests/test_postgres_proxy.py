@@ -1,0 +1,816 @@
+"""End to end: psql, asyncpg and pgbench through the PostgreSQL proxy of a real gatewayd to a real PostgreSQL 15.
+
+One PostgreSQL cluster (SCRAM, a password, fsync off) and one ``gatewayd run``
+subprocess with the postgres listener serve the whole module; each test makes
+its own connection (role) so guard rails never leak between tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import csv
+import io
+import json
+import os
+import socket
+import struct
+import subprocess
+import time
+import uuid
+from datetime import UTC, datetime
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import asyncpg
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from proxies.postgres import codec as pg
+from tests.conftest import Daemon, free_port
+from tests.pgpeer import PgCluster, unavailable_reason
+
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
+
+RECORDING_CAP = 1 << 20  # small enough for the 1,000,000-row test to hit it
+
+
+def b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    target = PgCluster().start()
+    yield target
+    target.destroy()
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    daemon = Daemon(tmp_path_factory.mktemp("pgproxy") / "data", {
+        "listeners.postgres": f"127.0.0.1:{free_port()}",
+        "sessions.flush_interval": "100ms",
+        "sessions.recording_cap_bytes": RECORDING_CAP,
+    }).start()
+    daemon.pg_port = int(daemon.settings["listeners.postgres"].rsplit(":", 1)[1])
+    yield daemon
+    assert daemon.stop() == 0
+
+
+class Api:
+    """The control API as an admin, plus helpers to make roles and credentials."""
+
+    def __init__(self, daemon: Daemon, cluster: PgCluster, http: aiohttp.ClientSession) -> None:
+        self.daemon = daemon
+        self.cluster = cluster
+        self.http = http
+
+    async def __call__(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        async with self.http.request(method, self.daemon.url + path, json=body) as response:
+            text = await response.text()
+            try:
+                return response.status, json.loads(text) if text else None
+            except ValueError:
+                return response.status, text
+
+    async def role(self, user: str = "postgres", password: str | None = None, db: str = "postgres",
+                   port: int | None = None, sslmode: str | None = None) -> dict:
+        """A new postgres connection to the cluster, with a unique name."""
+        secret = {"envvar:HOST": b64("127.0.0.1"), "envvar:PORT": b64(str(port or self.cluster.port)),
+                  "envvar:USER": b64(user), "envvar:PASS": b64(password or self.cluster.password),
+                  "envvar:DB": b64(db)}
+        if sslmode:
+            secret["envvar:SSLMODE"] = b64(sslmode)
+        name = f"pg-{uuid.uuid4().hex[:8]}"
+        status, body = await self("POST", "/connections", {"name": name, "type": "database", "subtype": "postgres",
+                                                          "secret": secret})
+        assert status == 201, body
+        return body
+
+    async def credential(self, connection: dict, seconds: int = 600) -> tuple[str, str]:
+        """(secret, session id) of a fresh credential."""
+        status, body = await self("POST", f"/connections/{connection['name']}/credentials",
+                                  {"access_duration_seconds": seconds})
+        assert status == 201, body
+        return body["connection_credentials"]["username"], body["session_id"]
+
+    async def guardrail(self, connection: dict, input_rules: list | None = None, output_rules: list | None = None):
+        status, body = await self("POST", "/guardrails", {
+            "name": f"rail-{uuid.uuid4().hex[:8]}", "connection_ids": [connection["id"]],
+            "input": {"rules": input_rules or []}, "output": {"rules": output_rules or []}})
+        assert status == 201, body
+        return body
+
+    async def done_session(self, session_id: str, timeout: float = 10) -> dict:
+        """The session once it is ``done``, with its event stream."""
+        deadline = time.monotonic() + timeout
+        while True:
+            status, body = await self("GET", f"/sessions/{session_id}?expand=event_stream")
+            assert status == 200, body
+            if body["status"] == "done":
+                return body
+            if time.monotonic() > deadline:
+                raise AssertionError(f"session {session_id} is still {body['status']}")
+            await asyncio.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+async def api(gateway, cluster):
+    token = gateway.token("admin@example.com", groups="admin", name="Ada Admin")
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as http:
+        yield Api(gateway, cluster, http)
+
+
+@pytest.fixture(scope="module")
+async def admin(cluster):
+    """A direct connection to the target, to look behind the gateway's back."""
+    connection = await asyncpg.connect(cluster.dsn())
+    yield connection
+    await connection.close()
+
+
+def events(session: dict) -> list[tuple[str, str]]:
+    return [(kind, base64.b64decode(data).decode("utf-8", "replace")) for _, kind, data in session["event_stream"]]
+
+
+def of_kind(session: dict, kind: str) -> list[str]:
+    return [text for k, text in events(session) if k == kind]
+
+
+def psql(gateway: Daemon, secret: str, *args: str, database: str = "postgres", sslmode: str = "disable",
+         user: str | None = None, password: str | None = None, stdin: str | None = None,
+         timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+    env.update(PGHOST="127.0.0.1", PGPORT=str(gateway.pg_port), PGUSER=user or secret, PGDATABASE=database,
+               PGSSLMODE=sslmode, PGPASSWORD=password or "any", PGCONNECT_TIMEOUT="10")
+    return subprocess.run(["psql", "-X", "-v", "ON_ERROR_STOP=0", *args], capture_output=True, text=True,
+                          env=env, input=stdin, timeout=timeout, check=False)
+
+
+async def connect(gateway: Daemon, secret: str, database: str = "postgres", **kwargs: Any) -> asyncpg.Connection:
+    kwargs.setdefault("command_timeout", 30)
+    return await asyncpg.connect(host="127.0.0.1", port=gateway.pg_port, user=secret, password="any",
+                                 database=database, timeout=15, **kwargs)
+
+
+class RawClient:
+    """A bare protocol-3 client built on the codec, for what real clients never send."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.backend = pg.BackendReader()
+
+    @classmethod
+    async def open(cls, gateway: Daemon) -> RawClient:
+        return cls(*await asyncio.open_connection("127.0.0.1", gateway.pg_port))
+
+    async def login(self, secret: str, database: str = "postgres") -> list[pg.Message]:
+        self.writer.write(pg.encode_startup_message({"user": secret, "database": database}))
+        return await self.until_ready()
+
+    def send(self, *frames: bytes) -> None:
+        self.writer.write(b"".join(frames))
+
+    async def message(self, timeout: float = 10) -> pg.Message | None:
+        while (message := self.backend.next_message()) is None:
+            data = await asyncio.wait_for(self.reader.read(65536), timeout)
+            if not data:
+                return None
+            self.backend.feed(data)
+        return message
+
+    async def until_ready(self, timeout: float = 10) -> list[pg.Message]:
+        out = []
+        while True:
+            message = await self.message(timeout)
+            if message is None:
+                return out
+            out.append(message)
+            if isinstance(message, pg.ReadyForQuery):
+                return out
+
+    async def rest(self, timeout: float = 10) -> list[pg.Message]:
+        """Everything until the gateway closes the connection."""
+        out = []
+        while (message := await self.message(timeout)) is not None:
+            out.append(message)
+        return out
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def kinds(messages: list[pg.Message]) -> list[str]:
+    return [type(m).__name__ for m in messages]
+
+
+# --------------------------------------------------------------------------- psql
+
+
+async def test_psql_commands_and_files_are_relayed_and_recorded(gateway, api, tmp_path):
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+    result = psql(gateway, secret, "-A", "-c", "select 1 as one, 'two' as two")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[:2] == ["one|two", "1|two"]
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 0 and session["end_date"] and session["connection"] == role["name"]
+    assert events(session) == [("i", "select 1 as one, 'two' as two"), ("o", "one\ttwo\n1\ttwo\nSELECT 1\n")]
+
+    script = tmp_path / "several.sql"
+    script.write_text("create table psql_file (id int primary key, name text);\n"
+                      "insert into psql_file values (1, 'ada'), (2, 'bob');\n"
+                      "update psql_file set name = 'eve' where id = 2;\n"
+                      "select name from psql_file order by id;\n"
+                      "select 'a;b' as semi; select 3 as three;\n")
+    secret, session_id = await api.credential(role)
+    result = psql(gateway, secret, "-A", "-t", "-f", str(script))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["CREATE", "TABLE", "INSERT", "0", "2", "UPDATE", "1", "ada", "eve", "a;b", "3"]
+    session = await api.done_session(session_id)
+    inputs = of_kind(session, "i")
+    assert inputs[0].startswith("create table psql_file") and "update psql_file" in inputs[2]
+    outputs = of_kind(session, "o")
+    assert "CREATE TABLE\n" in outputs and "INSERT 0 2\n" in outputs and "name\nada\neve\nSELECT 2\n" in outputs
+
+    # an auditor opens the statements and their results as JSON or CSV
+    status, document = await api("GET", f"/sessions/{session_id}?format=json")
+    assert status == 200 and document["id"] == session_id and document["connection"] == role["name"]
+    assert [s["statement"] for s in document["statements"]] == inputs
+    assert document["statements"][3]["output"] == "name\nada\neve\nSELECT 2\n"
+    status, text = await api("GET", f"/sessions/{session_id}?format=csv")
+    rows = list(csv.DictReader(io.StringIO(text)))
+    assert status == 200 and [r["statement"] for r in rows] == inputs
+    assert rows[3]["output"] == "name\nada\neve\nSELECT 2\n" and rows[3]["error"] == ""
+    status, error = await api("GET", f"/sessions/{session_id}?format=xml")
+    assert status == 422 and "csv or json" in error["message"]
+
+
+async def test_psql_error_mid_script_and_the_connection_goes_on(gateway, api, tmp_path):
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+    script = tmp_path / "error.sql"
+    script.write_text("select 1;\nselect * from no_such_table;\nselect 2 as after_error;\n")
+    result = psql(gateway, secret, "-A", "-t", "-f", str(script))
+    assert 'relation "no_such_table" does not exist' in result.stderr
+    assert result.stdout.split() == ["1", "2"]
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 0
+    assert of_kind(session, "e") == ['ERROR: relation "no_such_table" does not exist']
+    assert of_kind(session, "i")[-1] == "select 2 as after_error;"
+    _, document = await api("GET", f"/sessions/{session_id}?format=json")
+    assert document["statements"][1] == {"offset_ms": document["statements"][1]["offset_ms"],
+                                         "statement": "select * from no_such_table;", "output": "",
+                                         "error": 'ERROR: relation "no_such_table" does not exist'}
+
+
+async def test_psql_copy_both_ways(gateway, api, admin, tmp_path):
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+    source = tmp_path / "in.csv"
+    source.write_text("".join(f"{n},name {n}\n" for n in range(1, 5001)))
+    target = tmp_path / "out.csv"
+    result = psql(gateway, secret, "-c", "create table copied (id int, name text)",
+                  "-c", f"\\copy copied from '{source}' csv",
+                  "-c", f"\\copy (select * from copied order by id) to '{target}' csv")
+    assert result.returncode == 0, result.stderr
+    assert "COPY 5000" in result.stdout
+    assert target.read_text() == source.read_text()
+    assert await admin.fetchval("select count(*) from copied") == 5000
+    session = await api.done_session(session_id)
+    assert "1,name 1\n" in "".join(of_kind(session, "i"))  # the copied-in data is input
+    assert any("5000,name 5000" in text for text in of_kind(session, "o"))
+
+
+async def test_secret_as_password_with_any_user_name(gateway, api):
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+    result = psql(gateway, secret, "-A", "-t", "-c", "select current_user", user="alice", password=secret)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "postgres"  # the role's user on the target
+    assert (await api.done_session(session_id))["exit_code"] == 0
+    refused = psql(gateway, secret, "-c", "select 1", user="alice", password="not-the-secret")
+    assert refused.returncode != 0 and "invalid credential: unknown secret" in refused.stderr
+
+
+async def test_wrong_and_expired_secrets_are_fatal_28P01(gateway, api):
+    role = await api.role()
+    with pytest.raises(asyncpg.InvalidPasswordError, match="invalid credential: unknown secret") as err:
+        await connect(gateway, "pg-" + "A" * 43)
+    assert err.value.sqlstate == "28P01" and err.value.severity == "FATAL"
+    secret, _ = await api.credential(role, seconds=1)
+    await asyncio.sleep(1.2)
+    with pytest.raises(asyncpg.InvalidPasswordError, match="invalid credential: it has expired"):
+        await connect(gateway, secret)
+    result = psql(gateway, secret, "-c", "select 1")
+    assert result.returncode != 0 and "it has expired" in result.stderr
+    status, logs = await api("GET", "/audit/logs?action=postgres.login&outcome=failure")
+    assert status == 200 and logs["pages"]["total"] >= 3
+    assert all(secret not in json.dumps(entry) and "A" * 43 not in json.dumps(entry) for entry in logs["data"])
+
+
+async def test_tls_with_sslmode_require_and_disable(gateway, api):
+    role = await api.role()
+    secret, _ = await api.credential(role)
+    secure = psql(gateway, secret, "-c", "\\conninfo", "-c", "select 41 + 1", sslmode="require")
+    assert secure.returncode == 0, secure.stderr
+    assert "SSL connection (protocol: TLSv1.3" in secure.stdout and "42" in secure.stdout
+    plain = psql(gateway, secret, "-c", "\\conninfo", "-c", "select 43", sslmode="disable")
+    assert plain.returncode == 0, plain.stderr
+    assert "SSL connection" not in plain.stdout and "43" in plain.stdout
+    assert (gateway.data_dir / "postgres-tls.crt").exists()
+    assert (gateway.data_dir / "postgres-tls.key").stat().st_mode & 0o077 == 0
+    # asyncpg negotiates TLS by default (sslmode prefer)
+    connection = await connect(gateway, secret)
+    try:
+        assert connection._transport.get_extra_info("sslcontext") is not None
+        assert await connection.fetchval("select 44") == 44
+    finally:
+        await connection.close()
+
+
+async def test_upstream_md5_and_cleartext_authentication(gateway, api, admin):
+    await admin.execute("set password_encryption = 'md5'; create role md5user login password 'md5-pass'")
+    await admin.execute("reset password_encryption; create role plainuser login password 'plain-pass'")
+    for user, password in (("md5user", "md5-pass"), ("plainuser", "plain-pass")):
+        role = await api.role(user=user, password=password)
+        secret, _ = await api.credential(role)
+        result = psql(gateway, secret, "-A", "-t", "-c", "select current_user")
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == user
+
+
+async def test_upstream_sslmode_of_the_role(gateway, api, admin):
+    for sslmode, encrypted in (("require", True), ("prefer", True), ("disable", False)):
+        role = await api.role(sslmode=sslmode)
+        secret, _ = await api.credential(role)
+        connection = await connect(gateway, secret)
+        try:
+            assert await connection.fetchval("select ssl from pg_stat_ssl where pid = pg_backend_pid()") is encrypted
+        finally:
+            await connection.close()
+    plain = await asyncio.to_thread(PgCluster(tls=False).start)
+    try:
+        role = await api.role(port=plain.port, sslmode="require")
+        secret, _ = await api.credential(role)
+        with pytest.raises(asyncpg.PostgresError, match="the target does not accept TLS") as err:
+            await connect(gateway, secret)
+        assert err.value.sqlstate == "08001"
+        role = await api.role(port=plain.port, sslmode="prefer")
+        secret, _ = await api.credential(role)
+        connection = await connect(gateway, secret)
+        assert await connection.fetchval("select ssl from pg_stat_ssl where pid = pg_backend_pid()") is False
+        await connection.close()
+    finally:
+        await asyncio.to_thread(plain.destroy)
+
+
+async def test_unreachable_or_refusing_target_is_fatal_08001(gateway, api):
+    down = await api.role(port=free_port())
+    secret, session_id = await api.credential(down)
+    with pytest.raises(asyncpg.PostgresError) as err:
+        await connect(gateway, secret)
+    assert err.value.sqlstate == "08001"
+    assert f'could not connect to the target of connection "{down["name"]}"' in str(err.value)
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 254 and "could not connect" in of_kind(session, "e")[0]
+
+    wrong = await api.role(password="not-the-target-password")
+    secret, _ = await api.credential(wrong)
+    result = psql(gateway, secret, "-c", "select 1")
+    assert result.returncode != 0
+    assert f'could not connect to the target of connection "{wrong["name"]}"' in result.stderr
+    assert "not-the-target-password" not in result.stderr and "postgres" not in result.stderr.split(":", 2)[-1]
+
+    missing_db = await api.role()
+    secret, _ = await api.credential(missing_db)
+    result = psql(gateway, secret, "-c", "select 1", database="no_such_db")
+    assert result.returncode != 0 and 'database "no_such_db" does not exist' in result.stderr
+
+
+# --------------------------------------------------------------------------- asyncpg
+
+
+async def test_asyncpg_prepared_statements_binary_types_and_transactions(gateway, api):
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+    connection = await connect(gateway, secret)
+    try:
+        await connection.execute("create table typed (id int primary key, amount numeric, at timestamptz, "
+                                 "doc jsonb, raw bytea, ids uuid[], ok bool, ratio float8)")
+        now = datetime(2024, 5, 6, 7, 8, 9, tzinfo=UTC)
+        rows = [(n, Decimal(f"{n}.25"), now, json.dumps({"n": n}), bytes([n, 0, 255]), [uuid.UUID(int=n)],
+                 n % 2 == 0, n / 3) for n in range(1, 101)]
+        await connection.executemany("insert into typed values ($1, $2, $3, $4, $5, $6, $7, $8)", rows)
+        statement = await connection.prepare("select * from typed where id = $1")
+        for n in (1, 50, 100):
+            record = await statement.fetchrow(n)
+            assert tuple(record) == rows[n - 1]
+        assert await connection.fetchval("select sum(amount) from typed where id <= $1", 2) == Decimal("3.50")
+        async with connection.transaction():
+            await connection.execute("delete from typed where id > 90")
+            with pytest.raises(ZeroDivisionError):
+                async with connection.transaction():  # a savepoint, rolled back
+                    await connection.execute("delete from typed")
+                    raise ZeroDivisionError
+        assert await connection.fetchval("select count(*) from typed") == 90
+        await connection.execute("truncate typed")
+        with pytest.raises(asyncpg.UniqueViolationError):
+            async with connection.transaction():
+                await connection.execute("insert into typed (id) values (1)")
+                await connection.execute("insert into typed (id) values (1)")
+        assert await connection.fetchval("select count(*) from typed") == 0
+        await connection.executemany("insert into typed (id) values ($1)", [(n,) for n in range(1000)])
+        async with connection.transaction():  # a cursor fetches through a suspended portal
+            seen = [r["id"] async for r in connection.cursor("select id from typed order by id", prefetch=100)]
+        assert seen == list(range(1000))
+    finally:
+        await connection.close()
+    session = await api.done_session(session_id)
+    inputs = of_kind(session, "i")
+    assert any(text.startswith("select * from typed where id = $1\n-- parameters: $1 = '\\x00000032'")
+               for text in inputs), inputs[:20]
+    assert any("-- parameters: $1 = '\\x00000001', $2 = " in text for text in inputs)
+    outputs = "".join(of_kind(session, "o"))  # binary results are recorded as text, by column type
+    assert 'id\tamount\tat\tdoc\traw\tids\tok\tratio\n' in outputs
+    assert '50\t50.25\t2024-05-06 07:08:09+00:00\t{"n": 50}\t\\x3200ff\t' in outputs
+
+
+async def test_asyncpg_timeout_cancels_pg_sleep_in_under_a_second(gateway, api, admin):
+    role = await api.role()
+    secret, _ = await api.credential(role)
+    connection = await connect(gateway, secret)
+    try:
+        started = time.monotonic()
+        with pytest.raises(asyncio.TimeoutError):
+            await connection.fetchval("select pg_sleep(30)", timeout=0.3)
+        assert time.monotonic() - started < 1.0
+        assert await connection.fetchval("select 7") == 7  # the cancel reached the target, not the session
+        assert await admin.fetchval("select count(*) from pg_stat_activity where query = 'select pg_sleep(30)' "
+                                    "and state = 'active'") == 0
+    finally:
+        await connection.close()
+
+
+async def test_notice_notify_and_parameter_status_are_relayed(gateway, api, admin):
+    role = await api.role()
+    secret, _ = await api.credential(role)
+    connection = await connect(gateway, secret)
+    try:
+        notes, notifications = [], asyncio.Queue()
+        connection.add_log_listener(lambda _c, message: notes.append(message.message))
+        await connection.add_listener("gw_channel", lambda *args: notifications.put_nowait(args[-1]))
+        await connection.execute("do $$ begin raise notice 'hello from the target'; end $$")
+        await admin.execute("notify gw_channel, 'ping'")
+        assert await asyncio.wait_for(notifications.get(), 5) == "ping"
+        assert notes == ["hello from the target"]
+        await connection.execute("set application_name = 'renamed'")
+        assert connection.get_settings().application_name == "renamed"
+        assert connection.get_server_pid() != await connection.fetchval("select pg_backend_pid()")
+    finally:
+        await connection.close()
+
+
+# --------------------------------------------------------------------------- pgbench
+
+
+async def test_pgbench_initialises_and_runs_in_every_query_mode(gateway, api, admin):
+    await admin.execute("create database bench")
+    role = await api.role()
+    secret, _ = await api.credential(role)
+    env = {**os.environ, "PGPASSWORD": "any", "PGSSLMODE": "disable"}
+    base = ["-h", "127.0.0.1", "-p", str(gateway.pg_port), "-U", secret]
+
+    def pgbench(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["pgbench", *base, *args, "bench"], capture_output=True, text=True, env=env,
+                              timeout=120, check=False)
+
+    init = await asyncio.to_thread(pgbench, "-i", "-s", "1")  # DDL, COPY FROM STDIN, VACUUM
+    assert init.returncode == 0, init.stderr
+    assert "done in" in init.stderr
+    direct = await asyncpg.connect(api.cluster.dsn(database="bench"))
+    try:  # the client's database was used, not the role's
+        assert await direct.fetchval("select count(*) from pgbench_accounts") == 100_000
+    finally:
+        await direct.close()
+    for mode in ("simple", "extended", "prepared"):
+        run = await asyncio.to_thread(pgbench, "-S", "-M", mode, "-c", "2", "-t", "200")
+        assert run.returncode == 0, run.stderr
+        assert "number of transactions actually processed: 400/400" in run.stdout, run.stdout
+
+
+# --------------------------------------------------------------------------- guard rails
+
+
+DROP_RULE = [{"type": "deny_words_list", "words": ["drop table"]}]
+DROP_MESSAGE = "validation error, match guard rails input rule, type=deny_words_list, words=[drop table]"
+
+
+async def test_input_guard_rail_blocks_simple_and_extended_statements(gateway, api, admin):
+    await admin.execute("create table keep_me (id int); insert into keep_me values (1)")
+    role = await api.role()
+    await api.guardrail(role, input_rules=DROP_RULE)
+    secret, session_id = await api.credential(role)
+
+    result = psql(gateway, secret, "-A", "-t", "-c", "DROP /* sneaky */  TABLE keep_me", "-c", "select 5")
+    assert DROP_MESSAGE in result.stderr and result.stdout.strip() == "5"
+    session = await api.done_session(session_id)
+    assert of_kind(session, "e") == [DROP_MESSAGE] and of_kind(session, "i") == ["select 5"]
+
+    connection = await connect(gateway, secret)
+    try:
+        with pytest.raises(asyncpg.InsufficientPrivilegeError, match="words=\\[drop table\\]"):
+            await connection.execute("drop table keep_me")  # simple Query
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await connection.fetch("drop table keep_me")  # Parse
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await connection.fetch("drop table keep_me where $1", 1)
+        async with connection.transaction():
+            with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                await connection.execute("drop table keep_me")
+            assert await connection.fetchval("select 1 + $1", 1) == 2  # the transaction goes on
+        assert await connection.fetchval("select count(*) from keep_me") == 1
+    finally:
+        await connection.close()
+
+    # pipelined: what was sent before the blocked Parse is answered, then the error, then ReadyForQuery
+    client = await RawClient.open(gateway)
+    try:
+        await client.login(secret)
+        client.send(pg.encode_parse("", "select 10"), pg.encode_bind("", ""), pg.encode_execute(),
+                    pg.encode_parse("", "drop table keep_me"), pg.encode_bind("", ""), pg.encode_execute(),
+                    pg.encode_sync(), pg.encode_query("select 11"))
+        first = await client.until_ready()
+        assert kinds(first) == ["ParseComplete", "BindComplete", "DataRow", "CommandComplete", "ErrorResponse",
+                                "ReadyForQuery"]
+        assert first[2].columns == [b"10"] and first[4].sqlstate == "42501" and first[4].message == DROP_MESSAGE
+        second = await client.until_ready()
+        assert kinds(second) == ["RowDescription", "DataRow", "CommandComplete", "ReadyForQuery"]
+        assert second[1].columns == [b"11"]
+        client.send(pg.encode_query("drop table keep_me"), pg.encode_query("select 12"))  # simple, pipelined
+        third = await client.until_ready()
+        assert kinds(third) == ["ErrorResponse", "ReadyForQuery"] and third[1].status == "I"
+        fourth = await client.until_ready()
+        assert fourth[1].columns == [b"12"]
+    finally:
+        client.close()
+    assert await admin.fetchval("select count(*) from keep_me") == 1  # never reached the target
+    status, logs = await api("GET", "/audit/logs?action=guardrail.block")
+    assert status == 200 and logs["pages"]["total"] >= 7
+
+
+async def test_output_guard_rail_cuts_results_in_both_protocols(gateway, api, admin):
+    await admin.execute("create table leaky (v text); "
+                        "insert into leaky select 'public-' || g from generate_series(1, 100) g; "
+                        "insert into leaky values ('secret-7'); "
+                        "insert into leaky select 'public-' || g from generate_series(101, 200) g")
+    role = await api.role()
+    await api.guardrail(role, output_rules=[{"type": "pattern_match", "pattern_regex": r"secret-\d+"}])
+    message = r"validation error, match guard rails output rule, type=pattern_match, pattern=secret-\d+"
+    secret, session_id = await api.credential(role)
+
+    result = psql(gateway, secret, "-A", "-t", "-c", "select v from leaky; select 'after' as x", "-c", "select 99")
+    assert message in result.stderr and "secret-7" not in result.stdout
+    assert result.stdout.split() == ["99"]
+    session = await api.done_session(session_id)
+    assert of_kind(session, "e") == [message]
+    assert "secret-7" not in "".join(of_kind(session, "o"))
+
+    connection = await connect(gateway, secret)
+    try:
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await connection.fetch("select v from leaky where v like $1", "%")
+        assert await connection.fetchval("select count(*) from leaky where v like $1", "secret%") == 1
+        rows = await connection.fetch("select v from leaky where v like 'public-%'")
+        assert len(rows) == 200
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):  # COPY TO STDOUT rows are checked too
+            await connection.copy_from_query("select v from leaky", output=io.BytesIO())
+        assert await connection.fetchval("select 3") == 3
+    finally:
+        await connection.close()
+
+
+# --------------------------------------------------------------------------- lifecycle
+
+
+async def test_target_backend_terminated_mid_query(gateway, api, admin):
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+    connection = await connect(gateway, secret, server_settings={"application_name": "doomed"})
+    query = asyncio.ensure_future(connection.fetchval("select pg_sleep(60)"))
+    for _ in range(100):
+        if await admin.fetchval("select count(*) from pg_stat_activity where application_name = 'doomed' "
+                                "and query = 'select pg_sleep(60)'"):
+            break
+        await asyncio.sleep(0.05)
+    await admin.execute("select pg_terminate_backend(pid) from pg_stat_activity where application_name = 'doomed'")
+    with pytest.raises((asyncpg.AdminShutdownError, asyncpg.ConnectionDoesNotExistError)):
+        await asyncio.wait_for(query, 10)
+    await connection.close()
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 254 and session["end_date"]
+    errors = of_kind(session, "e")
+    assert errors[0] == "FATAL: terminating connection due to administrator command"
+    assert errors[-1] == f'the target of connection "{role["name"]}" closed the connection unexpectedly'
+
+
+async def test_target_cluster_dying_mid_query_ends_the_session(gateway, api):
+    doomed = PgCluster().start()
+    try:
+        role = await api.role(port=doomed.port, password=doomed.password)
+        secret, session_id = await api.credential(role)
+        client = await RawClient.open(gateway)
+        await client.login(secret)
+        client.send(pg.encode_query("select pg_sleep(60)"))
+        await asyncio.sleep(0.3)
+        await asyncio.to_thread(doomed.stop, "immediate")
+        messages = await client.rest()
+        client.close()
+        errors = [m for m in messages if isinstance(m, pg.ErrorResponse)]
+        assert errors and errors[-1].severity == "FATAL"
+        session = await api.done_session(session_id)
+        assert session["exit_code"] == 254
+        assert of_kind(session, "e")[-1] == f'the target of connection "{role["name"]}" closed the connection unexpectedly'
+    finally:
+        doomed.destroy()
+
+
+async def test_kill_from_the_api_sends_fatal_57P01(gateway, api):
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+    client = await RawClient.open(gateway)
+    greeting = await client.login(secret)
+    assert kinds(greeting)[0] == "Authentication" and greeting[0].code == pg.AUTH_OK and "BackendKeyData" in kinds(greeting)
+    status, body = await api("POST", f"/sessions/{session_id}/kill")
+    assert status == 200 and body["exit_code"] == 254
+    messages = await client.rest()
+    client.close()
+    assert len(messages) == 1 and messages[0].severity == "FATAL" and messages[0].sqlstate == "57P01"
+    assert messages[0].message == "session killed by admin@example.com"
+
+
+async def test_credential_expiring_mid_session_ends_it_with_57P01(gateway, api):
+    role = await api.role()
+    secret, session_id = await api.credential(role, seconds=1)
+    client = await RawClient.open(gateway)
+    await client.login(secret)
+    messages = await client.rest()
+    client.close()
+    assert [(m.severity, m.sqlstate, m.message) for m in messages] == [
+        ("FATAL", "57P01", "credential expired: the session was closed")]
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 254 and of_kind(session, "e")[-1] == "credential expired: the session was closed"
+
+
+async def test_malformed_client_bytes_get_08P01_and_the_daemon_goes_on(gateway, api):
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+    client = await RawClient.open(gateway)
+    await client.login(secret)
+    client.send(b"Q\x00\x00\x00\x02garbage")  # a length shorter than the length field itself
+    messages = await client.rest()
+    client.close()
+    assert [(m.severity, m.sqlstate) for m in messages] == [("FATAL", "08P01")]
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 254 and of_kind(session, "e")[-1].startswith("protocol violation: ")
+
+    for garbage in (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"\x00\x00\x00\x08\x00\x00\x00\x00",
+                    os.urandom(64), b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03"):
+        raw = await RawClient.open(gateway)
+        raw.send(garbage)
+        answer = await raw.rest()
+        raw.close()
+        assert answer and isinstance(answer[0], pg.ErrorResponse) and answer[0].severity == "FATAL"
+    result = psql(gateway, secret, "-A", "-t", "-c", "select 'still serving'")
+    assert result.stdout.strip() == "still serving"
+
+
+async def test_million_rows_stream_in_bounded_memory_and_the_recording_truncates(gateway, api, tmp_path):
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+    output = tmp_path / "rows.txt"
+    result = psql(gateway, secret, "-A", "-t", "-o", str(output),
+                  "-c", "select g, md5(g::text) from generate_series(1, 1000000) g", timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert output.read_bytes().count(b"\n") == 1_000_000
+    session = await api.done_session(session_id)
+    assert session["metrics"]["truncated"] is True
+    assert session["event_size"] <= RECORDING_CAP + 200
+    assert "recording truncated" in of_kind(session, "e")[-1]
+    status_file = Path(f"/proc/{gateway.process.pid}/status").read_text()
+    peak_kb = int(next(line for line in status_file.splitlines() if line.startswith("VmHWM:")).split()[1])
+    print(f"gatewayd peak RSS after 1,000,000 rows: {peak_kb / 1024:.1f} MiB")
+    assert peak_kb < 150 * 1024
+
+
+
+def rss_mib(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1]) / 1024
+
+
+async def test_a_client_that_stops_reading_holds_the_target_back(gateway, api):
+    """Flow control: 220 MB of rows wait in the target and the kernel, not in the gateway."""
+    role = await api.role()
+    secret, _ = await api.credential(role)
+    client = await RawClient.open(gateway)
+    try:
+        await client.login(secret)
+        before = rss_mib(gateway.process.pid)
+        client.send(pg.encode_query("select g, repeat('x', 200) from generate_series(1, 1000000) g"))
+        await asyncio.sleep(1.5)  # not reading
+        assert rss_mib(gateway.process.pid) - before < 40
+        rows = 0
+        while not isinstance(message := await client.message(), pg.ReadyForQuery):
+            rows += isinstance(message, pg.DataRow)
+        assert rows == 1_000_000
+    finally:
+        client.close()
+
+
+async def test_listener_moves_and_stops_live_without_cutting_open_sessions(gateway, api):
+    role = await api.role()
+    secret, _ = await api.credential(role)
+    connection = await connect(gateway, secret)
+    status, misc = await api("GET", "/serverconfig/misc")
+    old = misc["postgres_server_config"]["listen_address"]
+    new_port = free_port()
+    try:
+        misc["postgres_server_config"]["listen_address"] = f"127.0.0.1:{new_port}"
+        status, _ = await api("PUT", "/serverconfig/misc", misc)
+        assert status == 200
+        moved = await asyncpg.connect(host="127.0.0.1", port=new_port, user=secret, password="any",
+                                      database="postgres", timeout=15)
+        assert await moved.fetchval("select 'moved'") == "moved"
+        await moved.close()
+        with pytest.raises(OSError):
+            await connect(gateway, secret)
+        misc["postgres_server_config"]["listen_address"] = ""
+        status, _ = await api("PUT", "/serverconfig/misc", misc)
+        assert status == 200
+        with pytest.raises(OSError):
+            await asyncpg.connect(host="127.0.0.1", port=new_port, user=secret, password="any", timeout=15)
+        assert await connection.fetchval("select 'still open'") == "still open"
+    finally:
+        misc["postgres_server_config"]["listen_address"] = old
+        status, _ = await api("PUT", "/serverconfig/misc", misc)
+        assert status == 200
+        await connection.close()
+    status, info = await api("GET", "/serverinfo")
+    assert info["listeners"]["postgres"]["status"] == "running"
+
+
+@pytest.fixture(scope="module")
+async def fuzz_secret(api):
+    role = await api.role()
+    secret, _ = await api.credential(role, seconds=3600)
+    return secret
+
+
+FRONTEND_TYPES = [b"Q", b"P", b"B", b"D", b"E", b"C", b"S", b"H", b"d", b"c", b"f", b"p", b"X", b"\x00", b"\xff"]
+FRAMES = st.one_of(
+    st.binary(max_size=48),
+    st.builds(lambda kind, length, body: kind + struct.pack("!i", length) + body, st.sampled_from(FRONTEND_TYPES),
+              st.integers(-(2**31), 2**31 - 1) | st.integers(0, 40), st.binary(max_size=40)),
+    st.builds(lambda length, code, body: struct.pack("!iI", length, code) + body,  # start-up packets
+              st.integers(-8, 20_000) | st.integers(8, 40), st.sampled_from([80877103, 80877102, 80877104, 196608,
+                                                                            196610, 0]) | st.integers(0, 2**32 - 1),
+              st.binary(max_size=40)),
+)
+
+
+@settings(max_examples=int(os.environ.get("GATEWAYD_FUZZ_EXAMPLES", "60")), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(chunks=st.lists(FRAMES, min_size=1, max_size=4), login=st.booleans())
+def test_fuzzed_client_bytes_never_hang_or_crash_the_daemon(gateway, fuzz_secret, chunks, login):
+    """Random, truncated and oversized frames, before or after login: an answer or a FATAL, then a close."""
+    with socket.create_connection(("127.0.0.1", gateway.pg_port), timeout=10) as sock:
+        backend = pg.BackendReader()
+        if login:
+            sock.sendall(pg.encode_startup_message({"user": fuzz_secret, "database": "postgres"}))
+            while not any(isinstance(m, pg.ReadyForQuery) for m in backend):
+                backend.feed(sock.recv(65536))
+        sock.sendall(b"".join(chunks))
+        sock.shutdown(socket.SHUT_WR)  # a frame left incomplete ends at the end of the stream
+        received = b""
+        while data := sock.recv(65536):  # a hang would raise socket.timeout here
+            received += data
+    if login:
+        backend.feed(received)
+        for message in backend:
+            if isinstance(message, pg.ErrorResponse) and message.severity == "FATAL":
+                assert message.sqlstate == "08P01", message.message
+    assert gateway.process.poll() is None
+
+
+def test_the_daemon_logged_no_unexpected_error(gateway):
+    """Last in the module: everything above ended in protocol terms, never in a traceback."""
+    log = gateway.log_text()
+    assert "Traceback" not in log and "postgres connection failed" not in log, log[-5000:]

@@ -1,0 +1,176 @@
+"""Unit tests of the PostgreSQL relay's pure parts: block placement in pipelines, output cuts, rendering."""
+
+from __future__ import annotations
+
+import struct
+import uuid
+from collections import deque
+from decimal import Decimal
+
+import pytest
+
+from gatewayd.guardrails import RuleSet
+from gatewayd.models import GuardRail
+from proxies.postgres import codec as pg
+from proxies.postgres.relay import (
+    BLOCK,
+    DROP,
+    FORWARD,
+    ClientSide,
+    ServerSide,
+    render_binary,
+    render_bind,
+)
+
+
+class FakeRecorder:
+    """What the relay needs of a SessionRecorder: the three kinds of events and the cap flag."""
+
+    def __init__(self, truncated: bool = False) -> None:
+        self.truncated = truncated
+        self.events: list[tuple[str, str]] = []
+
+    def input(self, data):
+        self.events.append(("i", data if isinstance(data, str) else bytes(data).decode()))
+
+    def output(self, data):
+        self.events.append(("o", data))
+
+    def error(self, data):
+        self.events.append(("e", data))
+
+
+def rules(input_words: list[str] | None = None, output_pattern: str | None = None) -> RuleSet:
+    rail = GuardRail(id="g", org_id="o", name="rail",
+                     input={"rules": [{"type": "deny_words_list", "words": input_words}] if input_words else []},
+                     output={"rules": [{"type": "pattern_match", "pattern_regex": output_pattern}]
+                             if output_pattern else []})
+    return RuleSet([rail])
+
+
+def sides(ruleset: RuleSet, recorder: FakeRecorder | None = None) -> tuple[ClientSide, ServerSide, FakeRecorder]:
+    recorder = recorder or FakeRecorder()
+    pending: deque = deque()
+    columns: dict = {}
+    return (ClientSide(ruleset, recorder, pending, columns), ServerSide(ruleset, recorder, pending, columns),  # type: ignore[arg-type]
+            recorder)
+
+
+def frontend(*frames: bytes) -> list[pg.Message]:
+    reader = pg.FrontendReader(expect_startup=False)
+    reader.feed(b"".join(frames))
+    return list(reader)
+
+
+def answer(server: ServerSide, *frames: bytes) -> list[bytes]:
+    """What the client receives for these target frames, one message per item."""
+    reader = pg.BackendReader()
+    reader.feed(b"".join(frames))
+    batch = pg.FrameBatch()
+    while True:
+        server.process(reader, batch)
+        if not server.blocks:
+            break
+        server.blocks.clear()
+    out = pg.BackendReader()
+    out.feed(b"".join(bytes(part) for part in batch.take()))
+    return [bytes(m) for m in out]
+
+
+def test_blocked_parse_in_a_pipeline_answers_in_order() -> None:
+    client, server, recorder = sides(rules(["drop table"]))
+    messages = frontend(pg.encode_parse("", "select 1"), pg.encode_bind("", ""), pg.encode_execute(),
+                        pg.encode_parse("", "DROP  TABLE t"), pg.encode_bind("", ""), pg.encode_execute(),
+                        pg.encode_sync())
+    actions = [client.on_message(m) for m in messages]
+    assert actions == [FORWARD, FORWARD, FORWARD, BLOCK, DROP, DROP, FORWARD]
+    assert client.substitute.startswith(b"C")  # a Close of a statement that does not exist, then Flush
+    error = pg.encode_error_response("ERROR", "42501", client.verdict.message)  # type: ignore[union-attr]
+    target = [pg.encode_parse_complete(), pg.encode_bind_complete(), pg.encode_data_row([b"1"]),
+              pg.encode_command_complete("SELECT 1"), pg.encode_close_complete(), pg.encode_ready_for_query("I")]
+    assert answer(server, *target) == [*target[:4], error, target[5]]
+    assert recorder.events[-1] == ("o", "1\nSELECT 1\n")
+
+
+def test_marker_is_dropped_when_the_target_already_failed_the_batch() -> None:
+    client, server, _ = sides(rules(["drop table"]))
+    for message in frontend(pg.encode_parse("", "select nope"), pg.encode_parse("", "drop table t"), pg.encode_sync()):
+        client.on_message(message)
+    failure = pg.encode_error_response("ERROR", "42703", 'column "nope" does not exist')
+    assert answer(server, failure, pg.encode_ready_for_query("I")) == [failure, pg.encode_ready_for_query("I")]
+    assert not server.pending
+
+
+def test_blocked_simple_query_becomes_a_sync_and_keeps_the_transaction_status() -> None:
+    client, server, _ = sides(rules(["drop table"]))
+    assert client.on_message(frontend(pg.encode_query("drop table t"))[0]) == BLOCK
+    assert client.substitute == pg.encode_sync()
+    error = pg.encode_error_response("ERROR", "42501", client.verdict.message)  # type: ignore[union-attr]
+    assert answer(server, pg.encode_ready_for_query("T")) == [error, pg.encode_ready_for_query("T")]
+
+
+def test_output_rule_cuts_the_result_and_swallows_until_ready() -> None:
+    client, server, recorder = sides(rules(output_pattern=r"secret-\d"))
+    client.on_message(frontend(pg.encode_query("select v from t; select 2"))[0])
+    rows = [pg.encode_row_description(["v"]), pg.encode_data_row([b"public"]), pg.encode_data_row([b"secret-1"]),
+            pg.encode_data_row([b"public"]), pg.encode_command_complete("SELECT 3"),
+            pg.encode_row_description(["x"]), pg.encode_data_row([b"2"]), pg.encode_command_complete("SELECT 1"),
+            pg.encode_ready_for_query("I")]
+    received = answer(server, *rows)
+    assert received[:2] == rows[:2] and received[-1] == rows[-1] and len(received) == 4
+    assert pg.decode_backend(received[2]).sqlstate == "42501"
+    assert recorder.events == [("i", "select v from t; select 2"), ("o", "v\npublic\n")]
+
+
+def test_rows_are_not_rendered_past_the_recording_cap_without_output_rules() -> None:
+    _, server, recorder = sides(rules(), FakeRecorder(truncated=True))
+    rows = [pg.encode_row_description(["v"]), pg.encode_data_row([b"x"]), pg.encode_command_complete("SELECT 1")]
+    assert answer(server, *rows) == rows
+    assert recorder.events == []
+
+
+def test_bind_is_recorded_with_its_parameters() -> None:
+    bind = frontend(pg.encode_bind("", "s", [b"42", None, b"\x00\x01", "it's"], [0, 0, 1, 0]))[0]
+    assert render_bind("select $1, $2, $3, $4", bind) == (
+        "select $1, $2, $3, $4\n-- parameters: $1 = '42', $2 = NULL, $3 = '\\x0001', $4 = 'it''s'")
+
+
+@pytest.mark.parametrize("oid, raw, text", [
+    (23, struct.pack("!i", -7), "-7"), (20, struct.pack("!q", 1 << 40), str(1 << 40)), (16, b"\x01", "t"),
+    (701, struct.pack("!d", 0.5), "0.5"), (25, "naïve".encode(), "naïve"), (3802, b'\x01{"a": 1}', '{"a": 1}'),
+    (2950, uuid.UUID(int=5).bytes, str(uuid.UUID(int=5))),
+    (1700, struct.pack("!hhHhHH", 2, 0, 0, 4, 12, 3400), str(Decimal("12.3400"))),
+    (1082, struct.pack("!i", 1), "2000-01-02"), (17, b"\xff", "\\xff"),
+])
+def test_binary_values_render_by_type(oid: int, raw: bytes, text: str) -> None:
+    assert render_binary(oid, raw) == text
+
+
+def test_row_description_summary_and_frame_batch() -> None:
+    fields = [pg.FieldDescription("id", 1, 1, 23, 4, -1, 1), pg.FieldDescription("naïve", 0, 0, 25, -1, -1, 0)]
+    message = pg.decode_backend(pg.encode_row_description(fields))
+    assert message.summary() == (["id", "naïve"], (23, 25), (1, 0))
+    reader = pg.BackendReader()
+    reader.feed(pg.encode_data_row([b"1"]) + pg.encode_data_row([b"2"]) + pg.encode_command_complete("SELECT 2"))
+    first, second, done = list(reader)
+    batch = pg.FrameBatch()
+    for item in (first, second, b"injected", done):
+        batch.add_bytes(item) if isinstance(item, bytes) else batch.add(item)
+    assert [bytes(p) for p in batch.take()] == [bytes(first) + bytes(second), b"injected", bytes(done)]
+    assert not batch
+
+
+def test_tls_certificate_is_generated_once_or_taken_from_the_configuration(tmp_path) -> None:
+    from proxies.postgres import tls
+
+    context = tls.server_context(tmp_path)
+    generated = (tmp_path / tls.CERT_NAME).read_bytes()
+    assert context is not None and (tmp_path / tls.KEY_NAME).stat().st_mode & 0o077 == 0
+    tls.server_context(tmp_path)
+    assert (tmp_path / tls.CERT_NAME).read_bytes() == generated  # kept, not regenerated
+    elsewhere = tmp_path / "configured"
+    tls.generate_self_signed(elsewhere / "a.crt", elsewhere / "a.key")
+    assert tls.certificate_paths(tmp_path, str(elsewhere / "a.crt"), str(elsewhere / "a.key")) == (
+        elsewhere / "a.crt", elsewhere / "a.key")
+    with pytest.raises(ValueError, match="set both or neither"):
+        tls.server_context(tmp_path, str(elsewhere / "a.crt"), "")
