@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import base64
+import csv
+import io
 from typing import Any
 
 from aiohttp import web
@@ -77,11 +79,51 @@ async def find_session(request: web.Request) -> Session:
     return session
 
 
+def statements_of(events: list[SessionEvent]) -> list[dict[str, Any]]:
+    """A database session's events grouped per statement: each ``i`` opens one, ``o``/``e`` attach to it."""
+    rows: list[dict[str, Any]] = []
+    current: dict[str, Any] | None = None
+    for event in events:
+        text = event.data.decode("utf-8", "replace")
+        if event.kind == "i" or current is None:
+            current = {"offset_ms": event.offset_ms, "statement": "", "output": "", "error": ""}
+            rows.append(current)
+            if event.kind == "i":
+                current["statement"] = text
+                continue
+        if event.kind == "o":
+            current["output"] += text
+        else:
+            current["error"] += ("\n" if current["error"] else "") + text
+    return rows
+
+
+def statements_response(session: Session, events: list[SessionEvent], rendering: str) -> web.Response:
+    rows = statements_of(events)
+    if rendering == "json":
+        return ok({"id": session.id, "connection": session.connection, "user": session.user_email,
+                   "start_date": session.start_date, "end_date": session.end_date, "statements": rows})
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=["offset_ms", "statement", "output", "error"], lineterminator="\r\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return web.Response(text=buffer.getvalue(), content_type="text/csv", charset="utf-8", headers={
+        "Content-Disposition": f'attachment; filename="session-{session.id}.csv"'})
+
+
 @routes.get("/sessions/{id}", "A session; its event stream with ?expand=event_stream or ?event_stream=utf8|base64",
-            query=[Param("expand"), Param("event_stream", description="utf8 or base64: output concatenated")])
+            query=[Param("expand"), Param("event_stream", description="utf8 or base64: output concatenated"),
+                   Param("format", description="csv or json: a database session's statements and results")])
 async def get(request: web.Request) -> web.Response:
     session = await find_session(request)
     store = gateway_of(request).store
+    rendering = request.query.get("format")
+    if rendering:
+        if rendering not in ("csv", "json"):
+            raise ApiError(422, "query parameter 'format': expected csv or json")
+        if session.subtype != "postgres":
+            raise ApiError(422, "query parameter 'format': csv and json render database (postgres) sessions only")
+        return statements_response(session, await store.read_events(session.id), rendering)
     rendering = request.query.get("event_stream")
     if rendering:
         if rendering not in ("utf8", "utf-8", "base64"):
