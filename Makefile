@@ -27,6 +27,7 @@ peers:
 ## Benchmarks print figures side by side; they are not tests.
 bench: $(STAMP)
 	$(BIN)/python bench/api/bench_api.py
+	$(BIN)/python bench/postgres/bench_postgres.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,208 @@
+"""PostgreSQL proxy benchmark: pgbench direct, through pgbouncer and through gatewayd, side by side.
+
+Target (from the issue): ``pgbench -S -T 10 -c 4`` through the gateway -- with
+two input guard rails and recording on -- reaches at least 0.6 of the direct
+TPS (pgbouncer in transaction pooling reaches about 0.71 on a 2-core machine).
+Also printed: ``-M extended`` and ``-M prepared``, the ``-c 1`` latency
+overhead, and ``forwarder`` -- ``forwarder.py``, a uvloop byte forwarder that
+looks at nothing: the floor of any asyncio proxy on this machine, so the
+``gw/fwd`` ratio is what the gateway's own work (codec, guard rails,
+recording) costs.
+
+Everything is started here on free ports: a PostgreSQL 15 cluster
+(``tests/pgpeer.py``), ``pgbouncer`` when installed (as the ``postgres``
+user: it refuses root), and a real ``gatewayd run`` subprocess.  It is a
+benchmark, not a test: it exits 0 whether the target is met or not, non-zero
+only when it could not measure.
+
+    .venv/bin/python bench/postgres/bench_postgres.py [--seconds 10] [--clients 4] [--scale 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import os
+import platform
+import pwd
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import aiohttp
+
+from tests.conftest import Daemon, free_port
+from tests.pgpeer import PgCluster, unavailable_reason
+
+
+def b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+class Pgbouncer:
+    """pgbouncer in transaction pooling in front of the cluster (run as ``postgres`` when root)."""
+
+    def __init__(self, cluster: PgCluster) -> None:
+        self.cluster = cluster
+        self.port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="gatewayd-pgbouncer-"))
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Pgbouncer:
+        (self.dir / "userlist.txt").write_text(f'"postgres" "{self.cluster.password}"\n')
+        (self.dir / "pgbouncer.ini").write_text(
+            "[databases]\n"
+            f"postgres = host=127.0.0.1 port={self.cluster.port} dbname=postgres\n"
+            "[pgbouncer]\n"
+            f"listen_addr = 127.0.0.1\nlisten_port = {self.port}\nunix_socket_dir =\n"
+            f"auth_type = scram-sha-256\nauth_file = {self.dir / 'userlist.txt'}\n"
+            "pool_mode = transaction\nmax_client_conn = 100\ndefault_pool_size = 20\n"
+            f"logfile = {self.dir / 'pgbouncer.log'}\n")
+        command = ["pgbouncer", str(self.dir / "pgbouncer.ini")]
+        if os.geteuid() == 0:
+            entry = pwd.getpwnam("postgres")
+            for path in (self.dir, *self.dir.iterdir()):
+                os.chown(path, entry.pw_uid, entry.pw_gid)
+            command = ["runuser", "-u", "postgres", "--", *command]
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(100):
+            try:
+                import socket
+
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return self
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("pgbouncer did not start: " + (self.dir / "pgbouncer.log").read_text(errors="replace"))
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def pgbench(port: int, user: str, password: str, *args: str, timeout: float = 600) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+    env.update(PGPASSWORD=password, PGSSLMODE="disable")
+    result = subprocess.run(["pgbench", "-h", "127.0.0.1", "-p", str(port), "-U", user, *args, "postgres"],
+                            capture_output=True, text=True, env=env, timeout=timeout, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"pgbench {' '.join(args)} failed:\n{result.stderr}")
+    return result.stdout
+
+
+def figures(output: str) -> tuple[float, float]:
+    """(TPS, average latency in ms) from pgbench's report."""
+    tps = float(re.search(r"tps = ([\d.]+)", output).group(1))  # type: ignore[union-attr]
+    latency = float(re.search(r"latency average = ([\d.]+) ms", output).group(1))  # type: ignore[union-attr]
+    return tps, latency
+
+
+async def gateway_credential(daemon: Daemon, cluster: PgCluster) -> str:
+    """A role to the cluster with two input guard rails, and a credential for it."""
+    token = daemon.token("bench@example.com", groups="admin")
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as http:
+        secret = {"envvar:HOST": b64("127.0.0.1"), "envvar:PORT": b64(str(cluster.port)),
+                  "envvar:USER": b64("postgres"), "envvar:PASS": b64(cluster.password), "envvar:DB": b64("postgres"),
+                  "envvar:SSLMODE": b64("disable")}  # like the direct and pgbouncer runs
+        async with http.post(daemon.url + "/connections", json={
+                "name": "bench", "type": "database", "subtype": "postgres", "secret": secret}) as response:
+            connection = await response.json()
+            assert response.status == 201, connection
+        for name, rule in (("no-drop", {"type": "deny_words_list", "words": ["drop table", "truncate"]}),
+                           ("no-bulk-delete", {"type": "pattern_match",
+                                               "pattern_regex": r"(?i)delete\s+from\s+\w+\s*;?\s*$"})):
+            async with http.post(daemon.url + "/guardrails", json={
+                    "name": name, "connection_ids": [connection["id"]], "input": {"rules": [rule]},
+                    "output": {"rules": []}}) as response:
+                assert response.status == 201, await response.text()
+        async with http.post(daemon.url + "/connections/bench/credentials",
+                             json={"access_duration_seconds": 7200}) as response:
+            body = await response.json()
+            assert response.status == 201, body
+        return body["connection_credentials"]["username"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=int, default=10)
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--scale", type=int, default=10)
+    args = parser.parse_args()
+    reason = unavailable_reason()
+    if reason or shutil.which("pgbench") is None:
+        print(f"cannot run: {reason or 'pgbench not found'}", file=sys.stderr)
+        return 2
+    cluster = PgCluster(tls=False).start()
+    bouncer: Pgbouncer | None = None
+    forwarder: subprocess.Popen[bytes] | None = None
+    daemon = Daemon(Path(tempfile.mkdtemp(prefix="gatewayd-bench-")) / "data",
+                    {"listeners.postgres": f"127.0.0.1:{free_port()}", "log.level": "warning"})
+    try:
+        print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
+        pgbench(cluster.port, "postgres", cluster.password, "-i", "-q", "-s", str(args.scale))
+        daemon.start()
+        gateway_port = int(daemon.settings["listeners.postgres"].rsplit(":", 1)[1])
+        secret = asyncio.run(gateway_credential(daemon, cluster))
+        targets = {"direct": (cluster.port, "postgres", cluster.password),
+                   "gateway": (gateway_port, secret, "any")}
+        forwarder_port = free_port()
+        forwarder = subprocess.Popen([sys.executable, str(Path(__file__).with_name("forwarder.py")),
+                                      str(forwarder_port), str(cluster.port)])
+        targets["forwarder"] = (forwarder_port, "postgres", cluster.password)
+        time.sleep(0.5)
+        if shutil.which("pgbouncer"):
+            bouncer = Pgbouncer(cluster).start()
+            targets["pgbouncer"] = (bouncer.port, "postgres", cluster.password)
+        else:
+            print("pgbouncer not installed: its column is skipped (apt-get install pgbouncer)")
+        runs = [("-S -M simple", ["-S", "-M", "simple"], args.clients),
+                ("-S -M extended", ["-S", "-M", "extended"], args.clients),
+                ("-S -M prepared", ["-S", "-M", "prepared"], args.clients),
+                ("-S -c 1 (latency)", ["-S", "-M", "simple"], 1)]
+        order = [name for name in ("direct", "pgbouncer", "forwarder", "gateway") if name in targets]
+        print(f"pgbench -T {args.seconds} -j 2, scale {args.scale}; gateway: 2 input guard rails, recording on\n")
+        print(f"{'run':<20}" + "".join(f"{name + ' TPS':>16}" for name in order)
+              + f"{'gw/direct':>11}{'bouncer/direct':>16}{'gw/fwd':>8}")
+        for label, extra, clients in runs:
+            results = {}
+            for name in order:
+                port, user, password = targets[name]
+                if name == "pgbouncer" and "prepared" in label:
+                    continue  # named prepared statements need pgbouncer 1.21+ in transaction pooling
+                results[name] = figures(pgbench(port, user, password, *extra, "-n", "-c", str(clients), "-j",
+                                                str(min(clients, 2)), "-T", str(args.seconds)))
+            direct = results["direct"][0]
+            line = f"{label:<20}" + "".join(f"{results[n][0]:>16,.0f}" if n in results else f"{'-':>16}"
+                                            for n in order)
+            line += f"{results['gateway'][0] / direct:>11.2f}"
+            line += f"{results['pgbouncer'][0] / direct:>16.2f}" if "pgbouncer" in results else f"{'-':>16}"
+            line += f"{results['gateway'][0] / results['forwarder'][0]:>8.2f}"
+            print(line, flush=True)
+            if clients == 1:
+                overhead = results["gateway"][1] - results["direct"][1]
+                print(f"{'':<20}latency: direct {results['direct'][1]:.3f} ms, gateway {results['gateway'][1]:.3f} ms"
+                      f" (+{overhead * 1000:.0f} us per transaction)")
+        return 0
+    finally:
+        daemon.stop()
+        if forwarder is not None:
+            forwarder.terminate()
+            forwarder.wait(10)
+        if bouncer is not None:
+            bouncer.stop()
+        cluster.destroy()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
