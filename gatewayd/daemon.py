@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from gatewayd import __version__
 from gatewayd.access import AccessService
 from gatewayd.audit import AuditLog
-from gatewayd.config import PROTOCOLS, Config, split_listen
+from gatewayd.config import PROTOCOLS, Config, ConfigError, split_listen
 from gatewayd.guardrails import GuardRailService
 from gatewayd.identity import Identity
 from gatewayd.recording import RecordingService
@@ -185,7 +185,10 @@ class Gateway:
             self._runner = web.AppRunner(self.app_factory(self), access_log=None, handle_signals=False)
             await self._runner.setup()
             host, port = split_listen(self.config["api.listen"])
-            await web.TCPSite(self._runner, host, port, reuse_address=True).start()
+            try:
+                await web.TCPSite(self._runner, host, port, reuse_address=True).start()
+            except OSError as exc:
+                raise ConfigError(f"api.listen: cannot listen on {host}:{port} ({exc.strerror or exc})") from None
         await self.listeners.apply(listen_addresses(self.server_config))
         log.info("gatewayd started", extra={"version": self.version, "api": self.config["api.listen"],
                                             "data_dir": str(self.config.data_dir),

@@ -42,19 +42,20 @@ async def start(gateway: Gateway, host: str, port: int) -> LineListener:
             live.on_kill(kill)
             rules = await gateway.guardrails.rules_for(grant.connection.org_id, grant.connection.id)
             writer.write(f"session {live.id}\n".encode())
+            async def refused(verdict) -> bool:  # type: ignore[no-untyped-def]
+                if verdict.allowed:
+                    return False
+                await live.blocked(verdict, peer)
+                writer.write(f"blocked: {verdict.message}\n".encode())
+                return True
+
             while line := await reader.readline():
                 text = line.decode().rstrip("\n")
-                verdict = rules.check_input(text)
-                if not verdict.allowed:
-                    await live.blocked(verdict, peer)
-                    writer.write(f"blocked: {verdict.message}\n".encode())
+                if await refused(rules.check_input(text)):
                     continue
                 live.recorder.input(line)
                 answer = f"echo: {text}\n"
-                verdict = rules.check_output(answer)
-                if not verdict.allowed:
-                    await live.blocked(verdict, peer)
-                    writer.write(f"blocked: {verdict.message}\n".encode())
+                if await refused(rules.check_output(answer)):
                     continue
                 live.recorder.output(answer)
                 writer.write(answer.encode())

@@ -99,3 +99,19 @@ def test_cli_version():
 
     result = subprocess.run([sys.executable, "-m", "gatewayd", "version"], capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.strip() == __version__
+
+
+def test_cli_says_which_address_is_taken(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {"GATEWAYD_DATA_DIR": str(tmp_path / "data"), "GATEWAYD_API_LISTEN": f"127.0.0.1:{port}",
+               "GATEWAYD_LISTENERS_POSTGRES": "", "PATH": "/usr/bin:/bin"}
+        result = subprocess.run([sys.executable, "-m", "gatewayd", "run"], capture_output=True, text=True,
+                                timeout=60, env=env)
+    assert result.returncode == 2
+    assert f"api.listen: cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -374,7 +374,11 @@ async def test_an_email_claim_cannot_take_over_another_account(http, gw, provide
     thief = provider.mint("thief-sub", "boss@example.com", "Thief", None)
     assert await userinfo(http, gw, thief) == (401, {"message": "access denied"})
     assert (await userinfo(http, gw, claimed))[0] == 200
-    assert victim  # the CLI token was minted before the link; linking by email is a one-time step
+    # the link is one-time: the CLI token minted before it named the old subject, a new one names the linked user
+    assert (await userinfo(http, gw, victim))[0] == 401
+    fresh = await asyncio.to_thread(gw.token, "boss@example.com", "admin")
+    status, me = await userinfo(http, gw, fresh)
+    assert status == 200 and me["subject"] == "boss-real-sub"
 
     await asyncio.to_thread(gw.token, "unverified@example.com", "admin")
     unverified = provider.mint("sneaky-sub", "unverified@example.com", "Sneaky", None, email_verified=False)
