@@ -7,7 +7,20 @@ from typing import Any
 
 from aiohttp import web
 
-from control import audit_logs, auth, connections, guardrails, health, openapi, resources, serverconfig, sessions, users
+from control import (
+    audit_logs,
+    auth,
+    connections,
+    guardrails,
+    health,
+    openapi,
+    rdp_frames,
+    resources,
+    reviews,
+    serverconfig,
+    sessions,
+    users,
+)
 from control.http import (
     AUDIT_ACTION,
     AUDIT_ACTOR_HINT,
@@ -26,7 +39,7 @@ from gatewayd.identity import AuthError
 
 log = logging.getLogger("gatewayd.api")
 
-AREAS = (health, auth, users, serverconfig, resources, connections, guardrails, sessions, audit_logs, openapi)
+AREAS = (health, auth, users, serverconfig, resources, connections, guardrails, sessions, rdp_frames, reviews, audit_logs, openapi)
 MUTATING = {"POST", "PUT", "PATCH", "DELETE"}
 ROUTE_DOC = web.AppKey("route_doc_by_handler", dict)
 

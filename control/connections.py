@@ -6,10 +6,24 @@ from typing import Any
 
 from aiohttp import web
 
-from control.http import ApiError, Field, RouteSet, Schema, gateway_of, json_body, ok, require_admin, user_of
+from control.http import (
+    AUDIT_ACTION,
+    AUDIT_PAYLOAD,
+    ApiError,
+    Field,
+    RouteSet,
+    Schema,
+    gateway_of,
+    json_body,
+    ok,
+    require_admin,
+    user_of,
+)
 from gatewayd.access import credential_prefix
 from gatewayd.config import split_listen
 from gatewayd.models import Connection, User, new_id, rfc3339, utcnow
+from gatewayd.reviews import JIT, NS, check_review_settings, review_json
+from gatewayd.sessions import session_for
 from gatewayd.store import Conflict
 
 routes = RouteSet("Connections", audit="connections")
@@ -18,17 +32,20 @@ CONNECTION_FIELDS = {
     "name": Field("string", True), "type": Field("string", True), "subtype": Field("string"),
     "resource_name": Field("string"), "agent_id": Field("string"), "command": Field("array", items="string"),
     "secret": Field("object"), "tags": Field("object"), "settings": Field("object"),
+    "reviewers": Field("array", items="string", description="groups that review access (settings.reviewers)"),
 }
 CONNECTION = Schema("Connection", CONNECTION_FIELDS)
 CREDENTIALS = Schema("CredentialsRequest", {"access_duration_seconds": Field("integer")})
 DEFAULT_ACCESS_SECONDS = 3600
+DEFAULT_JIT_SECONDS = 1800  # the spec's default jit access_duration (30 minutes)
 
 
 def connection_json(conn: Connection, viewer: User) -> dict[str, Any]:
     data: dict[str, Any] = {
         "id": conn.id, "name": conn.name, "type": conn.type, "subtype": conn.subtype,
         "resource_name": conn.resource_name, "agent_id": conn.agent_id, "command": conn.command,
-        "tags": conn.tags, "settings": conn.settings, "created_at": conn.created_at, "updated_at": conn.updated_at,
+        "tags": conn.tags, "settings": conn.settings, "reviewers": list(conn.settings.get("reviewers") or []),
+        "created_at": conn.created_at, "updated_at": conn.updated_at,
     }
     if viewer.is_admin:
         data["secret"] = conn.secret
@@ -48,12 +65,18 @@ def build_connection(body: dict[str, Any], org_id: str, resource_name: str, exis
     name = body["name"].strip()
     if not name or "/" in name:
         raise ApiError(422, f"field '{where}name': must be a non-empty name without '/'")
+    settings = dict(body.get("settings") or (existing.settings if existing else {}))
+    if body.get("reviewers") is not None:
+        settings["reviewers"] = list(body["reviewers"])
+    problem = check_review_settings(settings)
+    if problem:
+        raise ApiError(422, problem.replace("field '", f"field '{where}", 1))
     return Connection(
         id=existing.id if existing else new_id(), org_id=org_id, name=name, resource_name=resource_name,
         type=body["type"], subtype=body.get("subtype") or body["type"], agent_id=body.get("agent_id") or "",
         command=list(body.get("command") or []), secret=check_secret(body.get("secret") or {}, f"{where}secret"),
         tags={str(k): str(v) for k, v in (body.get("tags") or {}).items()},
-        settings=dict(body.get("settings") or (existing.settings if existing else {})),
+        settings=settings,
         created_at=existing.created_at if existing else now, updated_at=now,
     )
 
@@ -145,14 +168,28 @@ async def create_credentials(request: web.Request) -> web.Response:
     conn = await find_connection(request)
     body = await json_body(request, CREDENTIALS)
     gateway = gateway_of(request)
-    maximum = int(gateway.config["sessions.max_credential_duration"])
-    duration = body.get("access_duration_seconds", DEFAULT_ACCESS_SECONDS)
-    if not 1 <= duration <= maximum:
-        raise ApiError(422, f"field 'access_duration_seconds': must be between 1 and {maximum}")
     try:
         credential_prefix(conn)
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
+    policy = await gateway.reviews.policy(conn, JIT)
+    if policy is not None:  # just-in-time: a review first, credentials once it is approved
+        duration = body.get("access_duration_seconds", DEFAULT_JIT_SECONDS)
+        if not 1 <= duration <= policy.max_duration_seconds:
+            raise ApiError(422, f"field 'access_duration_seconds': must be between 1 and "
+                                f"{policy.max_duration_seconds} (the connection's longest jit access)")
+        session = session_for(user, conn, status="ready")
+        review = await gateway.reviews.request(policy, user, conn, session, JIT, duration * NS)
+        request[AUDIT_ACTION] = "review.request"
+        request[AUDIT_PAYLOAD] = {**body, "connection": conn.name, "session_id": session.id,
+                                  "review_id": review.id, "type": JIT, "reviewers": policy.reviewers}
+        return ok({"session_id": session.id, "review_id": review.id, "has_review": True,
+                   "connection_name": conn.name, "connection_type": conn.type,
+                   "connection_subtype": conn.subtype, "review": review_json(review)}, status=202)
+    maximum = int(gateway.config["sessions.max_credential_duration"])
+    duration = body.get("access_duration_seconds", DEFAULT_ACCESS_SECONDS)
+    if not 1 <= duration <= maximum:
+        raise ApiError(422, f"field 'access_duration_seconds': must be between 1 and {maximum}")
     issued = await gateway.access.issue(user, conn, duration)
     cred = issued.credential
     return ok({

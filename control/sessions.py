@@ -11,7 +11,8 @@ from aiohttp import web
 
 from control.audit_logs import parse_moment
 from control.http import ApiError, Param, RouteSet, gateway_of, ok, query_int, user_of
-from gatewayd.models import Session, SessionEvent, User
+from gatewayd.models import Review, Session, SessionEvent, User
+from gatewayd.reviews import review_json
 from gatewayd.store import SessionFilter
 
 routes = RouteSet("Sessions", audit="sessions")
@@ -23,7 +24,8 @@ def can_see(user: User, session: Session) -> bool:
     return user.is_admin or user.is_auditor or session.user_id == user.subject
 
 
-def session_json(session: Session, events: list[SessionEvent] | None = None) -> dict[str, Any]:
+def session_json(session: Session, events: list[SessionEvent] | None = None,
+                 review: Review | None = None) -> dict[str, Any]:
     metrics = dict(session.metrics)
     metrics.setdefault("event_size", session.event_size)
     data: dict[str, Any] = {
@@ -34,7 +36,7 @@ def session_json(session: Session, events: list[SessionEvent] | None = None) -> 
         "script": {"data": session.script or ""} if session.verb == "exec" else {},
         "script_size": len((session.script or "").encode()), "start_date": session.start_date,
         "end_date": session.end_date, "event_size": session.event_size, "exit_code": session.exit_code,
-        "review": None, "session_batch_id": session.session_batch_id, "labels": session.labels,
+        "review": review_json(review) if review else None, "session_batch_id": session.session_batch_id, "labels": session.labels,
         "metadata": session.metadata, "metrics": metrics, "integrations_metadata": session.integrations_metadata,
     }
     if session.ai_analysis:
@@ -63,9 +65,16 @@ async def list_sessions(request: web.Request) -> web.Response:
         tracker_issue_key=q.get("tracker_issue_key") or None,
         start_date=parse_moment(q.get("start_date"), "start_date"),
         end_date=parse_moment(q.get("end_date"), "end_date", end_of_day=True), limit=limit, offset=offset)
-    page = await gateway_of(request).store.list_sessions(query)
-    return ok({"data": [session_json(s) for s in page.items], "has_next_page": offset + len(page.items) < page.total,
+    store = gateway_of(request).store
+    page = await store.list_sessions(query)
+    reviews = await store.reviews_by_ids(s.review_id for s in page.items if s.review_id)
+    return ok({"data": [session_json(s, review=reviews.get(s.review_id or "")) for s in page.items], "has_next_page": offset + len(page.items) < page.total,
                "total": page.total})
+
+
+async def review_of(store: Any, session: Session) -> Review | None:
+    """The session's review, if it has one."""
+    return await store.get_review(session.review_id) if session.review_id else None
 
 
 async def find_session(request: web.Request) -> Session:
@@ -129,12 +138,13 @@ async def get(request: web.Request) -> web.Response:
         if rendering not in ("utf8", "utf-8", "base64"):
             raise ApiError(422, "query parameter 'event_stream': expected utf8 or base64")
         output = b"".join(e.data for e in await store.read_events(session.id, kinds="oe"))
-        data = session_json(session)
+        data = session_json(session, review=await review_of(store, session))
         text = base64.b64encode(output).decode() if rendering == "base64" else output.decode("utf-8", "replace")
         data["event_stream"] = [text]
         return ok(data)
     expand = "event_stream" in request.query.get("expand", "").split(",")
-    return ok(session_json(session, await store.read_events(session.id) if expand else None))
+    return ok(session_json(session, await store.read_events(session.id) if expand else None,
+                           await review_of(store, session)))
 
 
 @routes.post("/sessions/{id}/kill", "End a running session (admin or its owner)")

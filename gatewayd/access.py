@@ -52,10 +52,13 @@ class AccessService:
         self.audit = audit
 
     async def issue(self, user: User, connection: Connection, duration_seconds: float,
-                    review_id: str | None = None, session: Session | None = None) -> IssuedCredential:
+                    review_id: str | None = None, session: Session | None = None,
+                    session_stored: bool = False) -> IssuedCredential:
+        """A new secret; ``session_stored``: ``session`` exists already (a jit review's session)."""
         secret = new_credential_secret(credential_prefix(connection))
         now = utcnow()
         if session is None:
+            session_stored = False
             session = session_for(user, connection, status="ready", review_id=review_id)
         credential = Credential(
             id=new_id(), org_id=connection.org_id, user_id=user.id, connection_id=connection.id,
@@ -63,9 +66,10 @@ class AccessService:
             expire_at=rfc3339(now + timedelta(seconds=duration_seconds)), created_at=rfc3339(now),
             review_id=review_id,
         )
-        session.credential_id = credential.id
-        session.session_batch_id = credential.id
-        await self.store.create_credential(credential, session)
+        if not session_stored:
+            session.credential_id = credential.id
+            session.session_batch_id = credential.id
+        await self.store.create_credential(credential, None if session_stored else session)
         return IssuedCredential(secret, credential, session)
 
     async def resolve(self, secret: str, protocol: str, client_ip: str = "") -> AccessGrant:

@@ -120,6 +120,7 @@ SETTINGS: dict[str, Setting] = {
     "sessions.recording_cap_bytes": Setting("int", 64 * 1024 * 1024, _positive),
     "sessions.flush_interval": Setting("duration", "1s"),
     "sessions.max_credential_duration": Setting("duration", "48h"),
+    "sessions.exec_wait": Setting("duration", "50s"),
 }
 
 

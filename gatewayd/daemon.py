@@ -27,6 +27,8 @@ from gatewayd.config import PROTOCOLS, Config, ConfigError, split_listen
 from gatewayd.guardrails import GuardRailService
 from gatewayd.identity import Identity
 from gatewayd.recording import RecordingService
+from gatewayd.reviews import ReviewService
+from gatewayd.scripts import ScriptRunner
 from gatewayd.sessions import SessionManager
 from gatewayd.store import Store, open_store
 
@@ -147,8 +149,10 @@ class Gateway:
     """Everything the daemon runs, started and stopped in order."""
 
     def __init__(self, config: Config, app_factory: AppFactory | None = None,
-                 listener_factories: dict[str, ListenerFactory] | None = None) -> None:
+                 listener_factories: dict[str, ListenerFactory] | None = None,
+                 script_runners: dict[str, ScriptRunner] | None = None) -> None:
         self.config = config
+        self.script_runners: dict[str, ScriptRunner] = dict(script_runners or {})  # by connection subtype
         self.app_factory = app_factory
         self.store: Store = None  # type: ignore[assignment]
         self.audit: AuditLog = None  # type: ignore[assignment]
@@ -157,6 +161,7 @@ class Gateway:
         self.recording: RecordingService = None  # type: ignore[assignment]
         self.sessions: SessionManager = None  # type: ignore[assignment]
         self.guardrails: GuardRailService = None  # type: ignore[assignment]
+        self.reviews: ReviewService = None  # type: ignore[assignment]
         self.listeners = Listeners(self, listener_factories or {})
         self.server_config: dict[str, Any] = {}
         self.started_at = time.time()
@@ -174,11 +179,13 @@ class Gateway:
                                           self.config["sessions.flush_interval"])
         self.sessions = SessionManager(self.store, self.recording, self.audit)
         self.guardrails = GuardRailService(self.store)
+        self.reviews = ReviewService(self)
         await self.identity.start()
 
     async def start(self) -> None:
         await self.open_core()
         recovered = await self.sessions.recover()
+        await self.reviews.start()
         await self.recording.start()
         self.server_config = await self._load_server_config()
         if self.app_factory is not None:
@@ -231,6 +238,8 @@ class Gateway:
         _notify("STOPPING=1")
         log.info("gatewayd stopping")
         await self.listeners.stop_all()
+        if self.reviews is not None:
+            self.reviews.stop()
         if self.sessions is not None:
             await self.sessions.shutdown(self.config["sessions.shutdown_grace"])
         if self.recording is not None:

@@ -209,3 +209,62 @@ class AuditEntry:
 class Page:
     items: list[Any]
     total: int
+
+
+@dataclass(slots=True)
+class ReviewGroup:
+    """One group's part in a review: who decided for it, when, and how."""
+
+    id: str
+    review_id: str
+    group_name: str
+    forced_review: bool = False
+    status: str | None = None  # APPROVED, REJECTED, REVOKED; None while the group has not decided
+    review_date: str | None = None
+    reviewed_by_id: str | None = None
+    reviewed_by_email: str | None = None
+    reviewed_by_name: str | None = None
+
+
+@dataclass(slots=True)
+class Review:
+    """An approval workflow on one session: ``onetime`` (a script) or ``jit`` (native access for a while)."""
+
+    id: str
+    org_id: str
+    session_id: str
+    connection_id: str
+    type: str
+    status: str
+    owner_id: str
+    created_at: str
+    connection_name: str = ""
+    owner_email: str = ""
+    owner_name: str = ""
+    owner_slack_id: str = ""
+    access_duration: int | None = None  # nanoseconds, jit only
+    access_request_rule_name: str | None = None
+    min_approvals: int = 1
+    force_approval_groups: list[str] = field(default_factory=list)
+    time_window: dict[str, Any] | None = None
+    revoke_at: str | None = None  # jit: when access ends (scheduled once approved, moved up by a revoke)
+    updated_at: str = ""
+    groups: list[ReviewGroup] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class AccessRequestRule:
+    """Review settings that apply to every connection it names, for ``jit`` access or ``command`` execution."""
+
+    id: str
+    org_id: str
+    name: str
+    access_type: str  # jit | command
+    description: str = ""
+    connection_names: list[str] = field(default_factory=list)
+    reviewers_groups: list[str] = field(default_factory=list)
+    force_approval_groups: list[str] = field(default_factory=list)
+    min_approvals: int | None = None
+    access_max_duration: int | None = None  # seconds
+    created_at: str = ""
+    updated_at: str = ""

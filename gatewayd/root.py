@@ -8,6 +8,7 @@ import signal
 
 from gatewayd.config import Config
 from gatewayd.daemon import Gateway, ListenerFactory
+from gatewayd.scripts import ScriptRunner
 
 log = logging.getLogger("gatewayd")
 
@@ -19,10 +20,18 @@ def listener_factories() -> dict[str, ListenerFactory]:
     return available_listeners()
 
 
+def script_runners() -> dict[str, ScriptRunner]:
+    """The one-time script runner of every proxy that has one, by connection subtype."""
+    from proxies import available_script_runners
+
+    return available_script_runners()
+
+
 def build_gateway(config: Config) -> Gateway:
     from control.app import make_app
 
-    return Gateway(config, app_factory=make_app, listener_factories=listener_factories())
+    return Gateway(config, app_factory=make_app, listener_factories=listener_factories(),
+                   script_runners=script_runners())
 
 
 async def run(config: Config) -> None:

@@ -104,22 +104,41 @@ class SessionManager:
         self.recording = recording
         self.audit = audit
         self.live: dict[str, LiveSession] = {}
+        self._claiming: set[str] = set()  # issued sessions a connection is claiming right now
         self.accepting = True
 
     async def open(self, user: User, connection: Connection, *, credential: Credential | None = None,
                    verb: str = "connect", script: str | None = None, metadata: dict[str, Any] | None = None,
-                   batch_id: str | None = None) -> LiveSession:
-        """Open a session; a credential's first connection claims the session issued with it."""
+                   batch_id: str | None = None, existing: Session | None = None) -> LiveSession:
+        """Open a session; a credential's first connection claims the session issued with it.
+
+        ``existing``: a stored ``ready`` session to run now (a reviewed one-time script).
+        A session issued ``ready``, or moved to ``open`` when its jit credentials were handed out,
+        is claimed by the first connection that is not already running it.
+        """
         if not self.accepting:
             raise RuntimeError("the gateway is shutting down")
-        session: Session | None = None
+        session: Session | None = existing
+        if existing is not None:
+            existing.status = "open"
+            existing.start_date = rfc3339(utcnow())
+            await self.store.update_session(existing.id, status="open", start_date=existing.start_date)
+        claim = credential.session_id if credential is not None else None
+        if claim is not None and (claim in self.live or claim in self._claiming):
+            claim = None
+        if claim is not None and credential is not None:
+            self._claiming.add(claim)
+            try:
+                issued = await self.store.get_session(claim)
+                if issued is not None and (issued.status == "ready" or
+                                           issued.status == "open" and issued.end_date is None):
+                    issued.status = "open"
+                    issued.start_date = rfc3339(utcnow())
+                    await self.store.update_session(issued.id, status="open", start_date=issued.start_date)
+                    session = issued
+            finally:
+                self._claiming.discard(claim)
         if credential is not None:
-            issued = await self.store.get_session(credential.session_id)
-            if issued is not None and issued.status == "ready":
-                issued.status = "open"
-                issued.start_date = rfc3339(utcnow())
-                await self.store.update_session(issued.id, status="open", start_date=issued.start_date)
-                session = issued
             batch_id = batch_id or credential.id
         if session is None:
             session = session_for(user, connection, verb=verb, script=script, metadata=metadata or {},

@@ -13,3 +13,10 @@ def available_listeners() -> dict[str, Any]:
     from proxies.postgres.server import start as start_postgres
 
     return {"postgres": start_postgres}
+
+
+def available_script_runners() -> dict[str, Any]:
+    """One-time script runners (``gatewayd.scripts.ScriptRunner``) by connection subtype."""
+    from proxies.postgres.script import run_script as run_postgres
+
+    return {"postgres": run_postgres}

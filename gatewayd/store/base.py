@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from gatewayd.models import (
+    AccessRequestRule,
     AuditEntry,
     Connection,
     Credential,
@@ -17,6 +18,7 @@ from gatewayd.models import (
     Organization,
     Page,
     Resource,
+    Review,
     Session,
     SessionEvent,
     User,
@@ -142,8 +144,8 @@ class Store(abc.ABC):
 
     # credentials
     @abc.abstractmethod
-    async def create_credential(self, credential: Credential, session: Session) -> None:
-        """Store the credential with the session it opens, atomically."""
+    async def create_credential(self, credential: Credential, session: Session | None) -> None:
+        """Store the credential with the session it opens (None: the session is stored already), atomically."""
 
     @abc.abstractmethod
     async def get_credential(self, secret_hash: str) -> Credential | None: ...
@@ -196,6 +198,45 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def sessions_with_status(self, status: str) -> list[Session]: ...
+
+    # reviews and access request rules
+    @abc.abstractmethod
+    async def create_review(self, review: Review, session: Session | None = None) -> None:
+        """Store a review with its groups (and, when given, the session it reviews), atomically."""
+
+    @abc.abstractmethod
+    async def get_review(self, review_id: str) -> Review | None: ...
+
+    @abc.abstractmethod
+    async def get_review_by_session(self, session_id: str) -> Review | None: ...
+
+    @abc.abstractmethod
+    async def reviews_by_ids(self, review_ids: Iterable[str]) -> dict[str, Review]: ...
+
+    @abc.abstractmethod
+    async def list_reviews(self, org_id: str, *, status: str | None = None, type: str | None = None,
+                           visible_to: tuple[str, list[str]] | None = None, limit: int = 100,
+                           offset: int = 0) -> Page:
+        """Newest first; ``visible_to`` = (owner id, groups) keeps the reviews one owns or may review."""
+
+    @abc.abstractmethod
+    async def save_review(self, review: Review) -> None:
+        """Update a review's status, window, revoke time and groups (replaced as a whole)."""
+
+    @abc.abstractmethod
+    async def reviews_with_status(self, status: str, type: str | None = None) -> list[Review]: ...
+
+    @abc.abstractmethod
+    async def save_access_rule(self, rule: AccessRequestRule, *, create: bool) -> None: ...
+
+    @abc.abstractmethod
+    async def get_access_rule(self, org_id: str, name: str) -> AccessRequestRule | None: ...
+
+    @abc.abstractmethod
+    async def list_access_rules(self, org_id: str) -> list[AccessRequestRule]: ...
+
+    @abc.abstractmethod
+    async def delete_access_rule(self, org_id: str, name: str) -> None: ...
 
     # audit log
     @abc.abstractmethod

@@ -207,4 +207,28 @@ CREATE INDEX sessions_by_user ON sessions (org_id, user_id, start_date DESC, id)
 CREATE INDEX sessions_by_connection ON sessions (org_id, connection, start_date DESC, id);
 CREATE INDEX sessions_by_org ON sessions (org_id)
 """),
+    (3, """
+ALTER TABLE reviews ADD COLUMN connection_name TEXT NOT NULL DEFAULT '';
+ALTER TABLE reviews ADD COLUMN owner_email TEXT NOT NULL DEFAULT '';
+ALTER TABLE reviews ADD COLUMN owner_name TEXT NOT NULL DEFAULT '';
+ALTER TABLE reviews ADD COLUMN owner_slack_id TEXT NOT NULL DEFAULT '';
+ALTER TABLE reviews ADD COLUMN updated_at TEXT NOT NULL DEFAULT '';
+CREATE INDEX reviews_by_org ON reviews (org_id, created_at DESC);
+CREATE INDEX reviews_by_status ON reviews (status, type);
+CREATE TABLE access_request_rules (
+    id TEXT PRIMARY KEY,
+    org_id TEXT NOT NULL,
+    name TEXT NOT NULL,
+    access_type TEXT NOT NULL,
+    description TEXT NOT NULL DEFAULT '',
+    connection_names TEXT NOT NULL DEFAULT '[]',
+    reviewers_groups TEXT NOT NULL DEFAULT '[]',
+    force_approval_groups TEXT NOT NULL DEFAULT '[]',
+    min_approvals INTEGER,
+    access_max_duration INTEGER,
+    created_at TEXT NOT NULL,
+    updated_at TEXT NOT NULL,
+    UNIQUE (org_id, name)
+)
+"""),
 ]

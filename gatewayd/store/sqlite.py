@@ -15,6 +15,7 @@ import aiosqlite
 
 from gatewayd.crypto import SecretBox
 from gatewayd.models import (
+    AccessRequestRule,
     AuditEntry,
     Connection,
     Credential,
@@ -22,6 +23,8 @@ from gatewayd.models import (
     Organization,
     Page,
     Resource,
+    Review,
+    ReviewGroup,
     Session,
     SessionEvent,
     User,
@@ -35,6 +38,7 @@ from gatewayd.store.migrations import MIGRATIONS
 _JSON_FIELDS = {
     "env_vars", "command", "tags", "settings", "attributes", "input", "output", "metadata",
     "metrics", "labels", "integrations_metadata", "ai_analysis", "request_payload_redacted",
+    "force_approval_groups", "time_window", "connection_names", "reviewers_groups",
 }
 DEFAULT_ORG_NAME = "default"
 _PRAGMAS = (
@@ -336,8 +340,9 @@ class SQLiteStore(Store):
                             (org_id, name_or_id, name_or_id))])
 
     # ---------------------------------------------------------------- credentials
-    async def create_credential(self, credential: Credential, session: Session) -> None:
-        await self._write([self._insert("sessions", session), self._insert("credentials", credential)])
+    async def create_credential(self, credential: Credential, session: Session | None) -> None:
+        statements = [self._insert("sessions", session)] if session is not None else []
+        await self._write(statements + [self._insert("credentials", credential)])
 
     async def get_credential(self, secret_hash: str) -> Credential | None:
         row = await self._one("SELECT * FROM credentials WHERE secret_hash = ?", (secret_hash,))
@@ -465,6 +470,108 @@ class SQLiteStore(Store):
     async def sessions_with_status(self, status: str) -> list[Session]:
         rows = await self._all("SELECT * FROM sessions WHERE status = ?", (status,))
         return [self._build(Session, r) for r in rows]
+
+    # ---------------------------------------------------------------- reviews
+    def _review_statements(self, review: Review) -> list[tuple[str, Any]]:
+        return [
+            ("DELETE FROM review_groups WHERE review_id = ?", (review.id,)),
+            ("INSERT INTO review_groups (id, review_id, group_name, forced_review, status, review_date, "
+             "reviewed_by_id, reviewed_by_email, reviewed_by_name) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+             [(g.id, review.id, g.group_name, int(g.forced_review), g.status, g.review_date, g.reviewed_by_id,
+               g.reviewed_by_email, g.reviewed_by_name) for g in review.groups]),
+        ]
+
+    async def create_review(self, review: Review, session: Session | None = None) -> None:
+        statements = [self._insert("sessions", session)] if session is not None else []
+        statements.append(self._insert("reviews", review, skip=("groups",)))
+        await self._write(statements + self._review_statements(review))
+
+    async def _reviews_from(self, rows: list[sqlite3.Row]) -> list[Review]:
+        if not rows:
+            return []
+        ids = [r["id"] for r in rows]
+        groups: dict[str, list[ReviewGroup]] = {}
+        marks = ", ".join("?" * len(ids))
+        for g in await self._all(f"SELECT * FROM review_groups WHERE review_id IN ({marks}) ORDER BY rowid",
+                                 tuple(ids)):
+            group = self._build(ReviewGroup, g)
+            group.forced_review = bool(group.forced_review)
+            groups.setdefault(g["review_id"], []).append(group)
+        return [self._build(Review, r, groups=groups.get(r["id"], [])) for r in rows]
+
+    async def get_review(self, review_id: str) -> Review | None:
+        found = await self._reviews_from(await self._all("SELECT * FROM reviews WHERE id = ?", (review_id,)))
+        return found[0] if found else None
+
+    async def get_review_by_session(self, session_id: str) -> Review | None:
+        found = await self._reviews_from(await self._all(
+            "SELECT * FROM reviews WHERE session_id = ? ORDER BY created_at DESC LIMIT 1", (session_id,)))
+        return found[0] if found else None
+
+    async def reviews_by_ids(self, review_ids: Iterable[str]) -> dict[str, Review]:
+        ids = list(dict.fromkeys(i for i in review_ids if i))
+        if not ids:
+            return {}
+        rows = await self._all(f"SELECT * FROM reviews WHERE id IN ({', '.join('?' * len(ids))})", tuple(ids))
+        return {r.id: r for r in await self._reviews_from(rows)}
+
+    async def list_reviews(self, org_id: str, *, status: str | None = None, type: str | None = None,
+                           visible_to: tuple[str, list[str]] | None = None, limit: int = 100,
+                           offset: int = 0) -> Page:
+        where, params = ["org_id = ?"], [org_id]
+        for column, value in (("status", status), ("type", type)):
+            if value:
+                where.append(f"{column} = ?")
+                params.append(value)
+        if visible_to is not None:
+            owner, groups = visible_to
+            clause = "owner_id = ?"
+            params.append(owner)
+            if groups:
+                marks = ", ".join("?" * len(groups))
+                clause += (f" OR id IN (SELECT review_id FROM review_groups WHERE group_name IN ({marks}))"
+                           f" OR EXISTS (SELECT 1 FROM json_each(reviews.force_approval_groups) "
+                           f"WHERE json_each.value IN ({marks}))")
+                params += list(groups) * 2
+            where.append(f"({clause})")
+        sql = " AND ".join(where)
+        total = await self._count(f"SELECT COUNT(*) FROM reviews WHERE {sql}", params)
+        rows = await self._all(f"SELECT * FROM reviews WHERE {sql} ORDER BY created_at DESC, id LIMIT ? OFFSET ?",
+                               tuple(params) + (limit, offset))
+        return Page(items=await self._reviews_from(rows), total=total)
+
+    async def save_review(self, review: Review) -> None:
+        await self._write([(
+            "UPDATE reviews SET status = ?, time_window = ?, revoke_at = ?, updated_at = ?, "
+            "force_approval_groups = ? WHERE id = ?",
+            (review.status, _encode("time_window", review.time_window), review.revoke_at, review.updated_at,
+             _encode("force_approval_groups", review.force_approval_groups), review.id),
+        )] + self._review_statements(review))
+
+    async def reviews_with_status(self, status: str, type: str | None = None) -> list[Review]:
+        if type is None:
+            rows = await self._all("SELECT * FROM reviews WHERE status = ?", (status,))
+        else:
+            rows = await self._all("SELECT * FROM reviews WHERE status = ? AND type = ?", (status, type))
+        return await self._reviews_from(rows)
+
+    async def save_access_rule(self, rule: AccessRequestRule, *, create: bool) -> None:
+        statement = self._insert("access_request_rules", rule) if create else \
+            self._update("access_request_rules", rule, skip=("created_at",))
+        await self._write([statement])
+
+    async def get_access_rule(self, org_id: str, name: str) -> AccessRequestRule | None:
+        row = await self._one("SELECT * FROM access_request_rules WHERE org_id = ? AND (name = ? OR id = ?)",
+                              (org_id, name, name))
+        return self._build(AccessRequestRule, row) if row else None
+
+    async def list_access_rules(self, org_id: str) -> list[AccessRequestRule]:
+        rows = await self._all("SELECT * FROM access_request_rules WHERE org_id = ? ORDER BY name", (org_id,))
+        return [self._build(AccessRequestRule, r) for r in rows]
+
+    async def delete_access_rule(self, org_id: str, name: str) -> None:
+        await self._write([("DELETE FROM access_request_rules WHERE org_id = ? AND (name = ? OR id = ?)",
+                            (org_id, name, name))])
 
     # ---------------------------------------------------------------- audit log
     async def append_audit(self, entry: AuditEntry) -> None:

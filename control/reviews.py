@@ -1,0 +1,408 @@
+"""Reviews: decisions on reviews, one-time scripts (``POST /sessions``), jit credentials, access request rules."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from aiohttp import web
+
+from control.http import (
+    AUDIT_ACTION,
+    AUDIT_PAYLOAD,
+    ApiError,
+    Field,
+    Param,
+    RouteSet,
+    Schema,
+    gateway_of,
+    json_body,
+    ok,
+    require_admin,
+    user_of,
+)
+from gatewayd.access import credential_prefix
+from gatewayd.daemon import Gateway
+from gatewayd.models import AccessRequestRule, Connection, Review, User, new_id, parse_time, rfc3339, utcnow
+from gatewayd.reviews import (
+    APPROVED,
+    DECISIONS,
+    EXECUTED,
+    JIT,
+    ONETIME,
+    PENDING,
+    REJECTED,
+    REVOKED,
+    STATUSES,
+    ReviewError,
+    jit_ended,
+    review_json,
+)
+from gatewayd.scripts import ScriptResult
+from gatewayd.sessions import BLOCKED_EXIT_CODE, LiveSession, session_for
+from gatewayd.store import Conflict
+
+log = logging.getLogger("gatewayd.api.reviews")
+
+routes = RouteSet("Reviews", audit="reviews")
+
+DECISION = Schema("ReviewDecision", {
+    "status": Field("string", True, enum=DECISIONS), "time_window": Field("object", nullable=True),
+    "force_review": Field("boolean"),
+})
+EXEC = Schema("SessionExec", {
+    "connection": Field("string", True), "script": Field("string", True),
+    "session_batch_id": Field("string", nullable=True), "metadata": Field("object", nullable=True),
+})
+RULE = Schema("AccessRequestRule", {
+    "name": Field("string", True), "description": Field("string"),
+    "access_type": Field("string", True, enum=("jit", "command")),
+    "connection_names": Field("array", items="string"), "reviewers_groups": Field("array", True, items="string"),
+    "force_approval_groups": Field("array", items="string"), "min_approvals": Field("integer", nullable=True),
+    "access_max_duration": Field("integer", nullable=True, description="seconds (jit)"),
+})
+
+
+def _error(exc: ReviewError) -> ApiError:
+    return ApiError(exc.status, exc.message)
+
+
+def may_see(user: User, review: Review) -> bool:
+    """Admins and auditors, the requester, and members of its reviewer or force-approval groups."""
+    mine = set(user.groups)
+    return (user.is_admin or user.is_auditor or review.owner_id == user.id
+            or any(g.group_name in mine for g in review.groups) or bool(mine & set(review.force_approval_groups)))
+
+
+async def _visible_review(request: web.Request, review: Review | None, key: str) -> Review:
+    user = user_of(request)
+    if review is None or review.org_id != user.org_id:
+        raise ApiError(404, f"review {key!r} not found")
+    if not may_see(user, review):
+        raise ApiError(403, "access denied: you are neither the requester nor a reviewer of this review")
+    return review
+
+
+async def _review_document(gateway: Gateway, review: Review) -> dict[str, Any]:
+    return review_json(review, await gateway.store.get_session(review.session_id), full=True)
+
+
+# --------------------------------------------------------------------------- reviews
+
+
+@routes.get("/reviews", "Reviews the caller requested or may review, newest first", query=[
+    Param("status"), Param("type", description="onetime or jit"), Param("limit", "integer"),
+    Param("offset", "integer")])
+async def list_reviews(request: web.Request) -> web.Response:
+    user = user_of(request)
+    gateway = gateway_of(request)
+    status = request.query.get("status") or None
+    if status is not None and status.upper() not in STATUSES:
+        raise ApiError(422, f"query parameter 'status': expected one of {', '.join(STATUSES)}")
+    kind = request.query.get("type") or None
+    if kind is not None and kind not in (ONETIME, JIT):
+        raise ApiError(422, "query parameter 'type': expected onetime or jit")
+    try:
+        limit = min(max(int(request.query.get("limit", 100)), 1), 100)
+        offset = max(int(request.query.get("offset", 0)), 0)
+    except ValueError:
+        raise ApiError(422, "query parameters 'limit' and 'offset': expected integers") from None
+    everything = user.is_admin or user.is_auditor
+    page = await gateway.store.list_reviews(user.org_id, status=status.upper() if status else None, type=kind,
+                                            visible_to=None if everything else (user.id, list(user.groups)),
+                                            limit=limit, offset=offset)
+    return ok([review_json(r, full=True) for r in page.items])
+
+
+@routes.get("/reviews/{id}", "A review")
+async def get_review(request: web.Request) -> web.Response:
+    key = request.match_info["id"]
+    gateway = gateway_of(request)
+    review = await _visible_review(request, await gateway.store.get_review(key), key)
+    return ok(await _review_document(gateway, review))
+
+
+async def _decide(request: web.Request, review: Review) -> web.Response:
+    gateway = gateway_of(request)
+    user = user_of(request)
+    body = await json_body(request, DECISION)
+    status, force = body["status"], bool(body.get("force_review"))
+    action = {APPROVED: "force_approve" if force else "approve", REJECTED: "reject"}.get(status, "revoke")
+    request[AUDIT_ACTION] = f"review.{action}"
+    request[AUDIT_PAYLOAD] = {"review_id": review.id, "session_id": review.session_id,
+                              "connection": review.connection_name, **body}
+    try:
+        review, decision = await gateway.reviews.apply(review.id, user, status, force=force,
+                                                       time_window=body.get("time_window"))
+    except ReviewError as exc:
+        raise _error(exc) from None
+    request[AUDIT_PAYLOAD] = {**request[AUDIT_PAYLOAD], "groups": decision.groups,
+                              "review_status": review.status}
+    return ok(await _review_document(gateway, review))
+
+
+@routes.put("/reviews/{id}", "Approve, reject or revoke a review", body=DECISION)
+async def update_review(request: web.Request) -> web.Response:
+    key = request.match_info["id"]
+    review = await gateway_of(request).store.get_review(key)
+    if review is None or review.org_id != user_of(request).org_id:
+        raise ApiError(404, f"review {key!r} not found")
+    return await _decide(request, review)
+
+
+@routes.put("/sessions/{id}/review", "Approve, reject or revoke the review of a session", body=DECISION,
+            audit="reviews")
+async def update_session_review(request: web.Request) -> web.Response:
+    key = request.match_info["id"]
+    gateway = gateway_of(request)
+    session = await gateway.store.get_session(key)
+    if session is None or session.org_id != user_of(request).org_id:
+        raise ApiError(404, f"session {key!r} not found")
+    review = await gateway.store.get_review(session.review_id) if session.review_id else None
+    if review is None:
+        raise ApiError(404, f"session {key!r} has no review")
+    return await _decide(request, review)
+
+
+# --------------------------------------------------------------------------- one-time scripts
+
+
+def _runner_for(gateway: Gateway, connection: Connection) -> Any:
+    runner = gateway.script_runners.get(connection.subtype)
+    if runner is None:
+        available = ", ".join(sorted(gateway.script_runners)) or "none in this build"
+        raise ApiError(422, f"connection {connection.name!r} ({connection.subtype}) cannot run scripts: "
+                            f"one-time execution works on {available} connections")
+    return runner
+
+
+async def _run(request: web.Request, live: LiveSession, script: str, review: Review | None = None) -> web.Response:
+    """Run the script in the background; answer with its result, or 202 once the wait limit passes."""
+    gateway = gateway_of(request)
+    runner = _runner_for(gateway, live.connection)
+    started = time.monotonic()
+
+    async def job() -> ScriptResult:
+        try:
+            result = await runner(gateway, live, script)
+        except Exception:
+            log.exception("script runner failed", extra={"session_id": live.id})
+            result = ScriptResult("the gateway could not run the script\n", BLOCKED_EXIT_CODE)
+            live.recorder.error(result.output.strip())
+        await live.close(exit_code=result.exit_code)
+        if review is not None:
+            await gateway.reviews.set_status(review.id, EXECUTED)
+        return result
+
+    task = gateway.reviews.spawn(job())
+    try:
+        result = await asyncio.wait_for(asyncio.shield(task), gateway.config["sessions.exec_wait"])
+    except TimeoutError:
+        return ok({"session_id": live.id, "has_review": review is not None, "output": "",
+                   "output_status": "running", "exit_code": None,
+                   "execution_time": int((time.monotonic() - started) * 1000), "truncated": False}, status=202)
+    return ok({"session_id": live.id, "has_review": review is not None, "output": result.output,
+               "output_status": result.output_status, "exit_code": result.exit_code,
+               "execution_time": int((time.monotonic() - started) * 1000),
+               "truncated": live.recorder.truncated})
+
+
+@routes.post("/sessions", "Run a script on a connection (one-time execution); 202 when it needs a review",
+             body=EXEC, audit="sessions")
+async def create_session(request: web.Request) -> web.Response:
+    user = user_of(request)
+    gateway = gateway_of(request)
+    body = await json_body(request, EXEC)
+    connection = await gateway.store.get_connection(user.org_id, body["connection"])
+    if connection is None:
+        raise ApiError(404, f"connection {body['connection']!r} not found")
+    _runner_for(gateway, connection)
+    script = body["script"]
+    if not script.strip():
+        raise ApiError(422, "field 'script': must not be empty")
+    metadata = body.get("metadata") or {}
+    batch_id = body.get("session_batch_id") or None
+    policy = await gateway.reviews.policy(connection, ONETIME)
+    if policy is not None:
+        request[AUDIT_ACTION] = "review.request"
+        session = session_for(user, connection, verb="exec", status="ready", script=script, metadata=metadata,
+                              session_batch_id=batch_id)
+        review = await gateway.reviews.request(policy, user, connection, session, ONETIME)
+        request[AUDIT_PAYLOAD] = {"connection": connection.name, "session_id": session.id, "review_id": review.id,
+                                  "type": ONETIME, "reviewers": policy.reviewers}
+        return ok({"session_id": session.id, "review_id": review.id, "has_review": True,
+                   "review": review_json(review), "output": "", "output_status": "",
+                   "exit_code": None, "execution_time": 0}, status=202)
+    request[AUDIT_ACTION] = "session.exec"
+    try:
+        live = await gateway.sessions.open(user, connection, verb="exec", script=script, metadata=metadata,
+                                           batch_id=batch_id)
+    except RuntimeError as exc:
+        raise ApiError(503, str(exc)) from None
+    request[AUDIT_PAYLOAD] = {"connection": connection.name, "session_id": live.id}
+    return await _run(request, live, script)
+
+
+@routes.post("/sessions/{id}/exec", "Run a reviewed script once its review is approved (inside its time window)",
+             audit="sessions")
+async def exec_session(request: web.Request) -> web.Response:
+    user = user_of(request)
+    gateway = gateway_of(request)
+    key = request.match_info["id"]
+    request[AUDIT_ACTION] = "session.exec"
+    request[AUDIT_PAYLOAD] = {"session_id": key}
+    session = await gateway.store.get_session(key)
+    if session is None or session.org_id != user.org_id:
+        raise ApiError(404, f"session {key!r} not found")
+    if session.user_id != user.subject:
+        raise ApiError(403, "access denied: only the user who asked for this script may run it")
+    if session.verb != "exec" or not session.review_id:
+        raise ApiError(400, "this session is not a reviewed script: run scripts with POST /sessions")
+    connection = await gateway.store.get_connection(user.org_id, session.connection_id)
+    if connection is None:
+        raise ApiError(404, f"connection {session.connection!r} no longer exists")
+    _runner_for(gateway, connection)
+    try:
+        review = await gateway.reviews.begin_execution(session.review_id)
+    except ReviewError as exc:
+        raise _error(exc) from None
+    request[AUDIT_PAYLOAD] = {"session_id": key, "review_id": review.id, "connection": connection.name}
+    live = await gateway.sessions.open(user, connection, verb="exec", existing=session)
+    return await _run(request, live, session.script or "", review)
+
+
+# --------------------------------------------------------------------------- jit credentials
+
+
+@routes.post("/connections/{name}/credentials/{session_id}",
+             "Credentials of an approved jit review: 202 pending, 403 rejected, 410 revoked or expired",
+             status=201, audit="credentials")
+async def jit_credentials(request: web.Request) -> web.Response:
+    from control.connections import native_access  # the connection area owns the credential format
+
+    user = user_of(request)
+    gateway = gateway_of(request)
+    name, key = request.match_info["name"], request.match_info["session_id"]
+    connection = await gateway.store.get_connection(user.org_id, name)
+    if connection is None:
+        raise ApiError(404, f"connection {name!r} not found")
+    session = await gateway.store.get_session(key)
+    if session is None or session.org_id != user.org_id or session.connection_id != connection.id:
+        raise ApiError(404, f"session {key!r} of connection {connection.name!r} not found")
+    if session.user_id != user.subject:
+        raise ApiError(403, "access denied: this access request belongs to another user")
+    review = await gateway.store.get_review(session.review_id) if session.review_id else None
+    if review is None or review.type != JIT:
+        raise ApiError(400, f"session {key!r} has no just-in-time review")
+    body = {"session_id": session.id, "review_id": review.id, "has_review": True, "review": review_json(review)}
+    if review.status == PENDING:
+        return ok({**body, "status": PENDING}, status=202)
+    if review.status == REJECTED:
+        raise ApiError(403, "access denied: the access request was rejected")
+    if review.status != APPROVED or jit_ended(review, utcnow()):
+        revoked = any(g.status == REVOKED for g in review.groups)
+        raise ApiError(410, f"the just-in-time access {'was revoked' if revoked else 'has expired'}: "
+                            "ask for access again")
+    try:
+        credential_prefix(connection)
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from None
+    remaining = (parse_time(review.revoke_at) - utcnow()).total_seconds()  # type: ignore[operator]
+    issued = await gateway.access.issue(user, connection, remaining, review_id=review.id, session=session,
+                                        session_stored=True)
+    if session.status == "ready":
+        await gateway.store.update_session(session.id, status="open", start_date=rfc3339(utcnow()))
+    request[AUDIT_PAYLOAD] = {"session_id": session.id, "review_id": review.id, "connection": connection.name}
+    cred = issued.credential
+    return ok({
+        "id": cred.id, "connection_name": connection.name, "connection_type": connection.type,
+        "connection_subtype": connection.subtype, "session_id": session.id, "review_id": review.id,
+        "expire_at": cred.expire_at, "created_at": cred.created_at, "has_review": True,
+        "connection_credentials": native_access(gateway, connection, issued.secret),
+    }, status=201)
+
+
+# --------------------------------------------------------------------------- access request rules
+
+
+def rule_json(rule: AccessRequestRule) -> dict[str, Any]:
+    return {"id": rule.id, "name": rule.name, "description": rule.description, "access_type": rule.access_type,
+            "connection_names": rule.connection_names, "reviewers_groups": rule.reviewers_groups,
+            "force_approval_groups": rule.force_approval_groups, "min_approvals": rule.min_approvals,
+            "access_max_duration": rule.access_max_duration, "created_at": rule.created_at,
+            "updated_at": rule.updated_at}
+
+
+def _rule_from(body: dict[str, Any], org_id: str, existing: AccessRequestRule | None) -> AccessRequestRule:
+    now = rfc3339(utcnow())
+    name = body["name"].strip()
+    if not name or "/" in name:
+        raise ApiError(422, "field 'name': must be a non-empty name without '/'")
+    reviewers = [g.strip() for g in body["reviewers_groups"] if g.strip()]
+    if not reviewers:
+        raise ApiError(422, "field 'reviewers_groups': at least one group must review")
+    for key in ("min_approvals", "access_max_duration"):
+        if body.get(key) is not None and body[key] < 1:
+            raise ApiError(422, f"field '{key}': must be positive")
+    return AccessRequestRule(
+        id=existing.id if existing else new_id(), org_id=org_id, name=name, access_type=body["access_type"],
+        description=body.get("description") or "", connection_names=list(body.get("connection_names") or []),
+        reviewers_groups=reviewers, force_approval_groups=list(body.get("force_approval_groups") or []),
+        min_approvals=body.get("min_approvals"), access_max_duration=body.get("access_max_duration"),
+        created_at=existing.created_at if existing else now, updated_at=now)
+
+
+async def _find_rule(request: web.Request) -> AccessRequestRule:
+    name = request.match_info["name"]
+    rule = await gateway_of(request).store.get_access_rule(user_of(request).org_id, name)
+    if rule is None:
+        raise ApiError(404, f"access request rule {name!r} not found")
+    return rule
+
+
+@routes.get("/access-requests/rules", "Access request rules")
+async def list_rules(request: web.Request) -> web.Response:
+    rules = await gateway_of(request).store.list_access_rules(user_of(request).org_id)
+    return ok({"data": [rule_json(r) for r in rules]})
+
+
+@routes.post("/access-requests/rules", "Create an access request rule", body=RULE, status=201,
+             audit="access_request_rules")
+async def create_rule(request: web.Request) -> web.Response:
+    admin = require_admin(request)
+    rule = _rule_from(await json_body(request, RULE), admin.org_id, None)
+    try:
+        await gateway_of(request).store.save_access_rule(rule, create=True)
+    except Conflict:
+        raise ApiError(409, f"access request rule {rule.name!r} already exists") from None
+    return ok(rule_json(rule), status=201)
+
+
+@routes.get("/access-requests/rules/{name}", "An access request rule")
+async def get_rule(request: web.Request) -> web.Response:
+    return ok(rule_json(await _find_rule(request)))
+
+
+@routes.put("/access-requests/rules/{name}", "Replace an access request rule", body=RULE,
+            audit="access_request_rules")
+async def update_rule(request: web.Request) -> web.Response:
+    admin = require_admin(request)
+    existing = await _find_rule(request)
+    rule = _rule_from(await json_body(request, RULE), admin.org_id, existing)
+    try:
+        await gateway_of(request).store.save_access_rule(rule, create=False)
+    except Conflict:
+        raise ApiError(409, f"access request rule {rule.name!r} already exists") from None
+    return ok(rule_json(rule))
+
+
+@routes.delete("/access-requests/rules/{name}", "Delete an access request rule", status=204,
+               audit="access_request_rules")
+async def delete_rule(request: web.Request) -> web.Response:
+    admin = require_admin(request)
+    rule = await _find_rule(request)
+    await gateway_of(request).store.delete_access_rule(admin.org_id, rule.id)
+    return web.Response(status=204)
+

@@ -1,0 +1,485 @@
+"""Reviews: who must approve a session, the state machine of a decision, time windows, jit expiry.
+
+The first half is pure logic (no store, no clock of its own: ``now`` is passed
+in), so every transition is a unit test.  ``ReviewService`` at the end wires it
+to the store, the audit log, the credentials and the live sessions: a jit
+review that is revoked or reaches the end of its duration closes every live
+proxy session opened with it, in every protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from dataclasses import dataclass, field
+from datetime import datetime, time, timedelta
+from typing import TYPE_CHECKING, Any
+
+from gatewayd.models import (
+    AccessRequestRule,
+    Connection,
+    Review,
+    ReviewGroup,
+    Session,
+    User,
+    new_id,
+    parse_time,
+    rfc3339,
+    utcnow,
+)
+
+if TYPE_CHECKING:
+    from gatewayd.daemon import Gateway
+
+log = logging.getLogger("gatewayd.reviews")
+
+PENDING, APPROVED, REJECTED, REVOKED = "PENDING", "APPROVED", "REJECTED", "REVOKED"
+PROCESSING, EXECUTED, UNKNOWN = "PROCESSING", "EXECUTED", "UNKNOWN"
+STATUSES = (PENDING, APPROVED, REJECTED, REVOKED, PROCESSING, EXECUTED, UNKNOWN)
+DECISIONS = (APPROVED, REJECTED, REVOKED)
+JIT, ONETIME = "jit", "onetime"
+NS = 1_000_000_000
+DEFAULT_ACCESS_DURATION = 1800 * NS  # the spec's default: 30 minutes, in nanoseconds
+DEFAULT_JIT_MAX_SECONDS = 48 * 3600
+_HHMM = re.compile(r"^([01]\d|2[0-3]):([0-5]\d)$")
+
+
+class ReviewError(Exception):
+    """A decision or request that cannot be made; ``status`` is the HTTP status, the message is for the user."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+# --------------------------------------------------------------------------- who reviews what
+
+
+@dataclass(slots=True)
+class ReviewPolicy:
+    """What a connection (or an access request rule) asks of a review."""
+
+    reviewers: list[str]
+    min_approvals: int
+    force_approval_groups: list[str] = field(default_factory=list)
+    max_duration_seconds: int = DEFAULT_JIT_MAX_SECONDS
+    rule_name: str | None = None
+
+
+def _strings(value: Any) -> list[str]:
+    return [v.strip() for v in value if isinstance(v, str) and v.strip()] if isinstance(value, list) else []
+
+
+def check_review_settings(settings: dict[str, Any]) -> str | None:
+    """Why a connection's review settings are unusable, or None."""
+    for key in ("reviewers", "force_approval_groups"):
+        value = settings.get(key)
+        if value is not None and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            return f"field 'settings.{key}': expected a list of group names"
+    for key in ("min_approvals", "jit_max_duration"):
+        value = settings.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            return f"field 'settings.{key}': expected a positive integer"
+    for key in ("jit_review", "exec_review"):
+        value = settings.get(key)
+        if value is not None and not isinstance(value, bool):
+            return f"field 'settings.{key}': expected true or false"
+    return None
+
+
+def policy_for(connection: Connection, kind: str, rules: list[AccessRequestRule]) -> ReviewPolicy | None:
+    """The review a ``jit`` (native access) or ``onetime`` (script) request on ``connection`` needs, or None.
+
+    An access request rule naming the connection, for that kind of access,
+    wins over the connection's own ``settings``.
+    """
+    access_type = "jit" if kind == JIT else "command"
+    for rule in sorted(rules, key=lambda r: r.name):
+        if rule.access_type == access_type and connection.name in rule.connection_names and rule.reviewers_groups:
+            reviewers = list(dict.fromkeys(rule.reviewers_groups))
+            return ReviewPolicy(
+                reviewers=reviewers,
+                min_approvals=max(1, min(rule.min_approvals or len(reviewers), len(reviewers))),
+                force_approval_groups=list(rule.force_approval_groups),
+                max_duration_seconds=rule.access_max_duration or DEFAULT_JIT_MAX_SECONDS,
+                rule_name=rule.name,
+            )
+    settings = connection.settings or {}
+    reviewers = list(dict.fromkeys(_strings(settings.get("reviewers"))))
+    if not reviewers or settings.get("jit_review" if kind == JIT else "exec_review", True) is False:
+        return None
+    wanted = settings.get("min_approvals")
+    return ReviewPolicy(
+        reviewers=reviewers,
+        min_approvals=max(1, min(wanted if isinstance(wanted, int) and not isinstance(wanted, bool)
+                                 else len(reviewers), len(reviewers))),
+        force_approval_groups=_strings(settings.get("force_approval_groups")),
+        max_duration_seconds=int(settings.get("jit_max_duration") or DEFAULT_JIT_MAX_SECONDS),
+    )
+
+
+def new_review(policy: ReviewPolicy, owner: User, connection: Connection, session_id: str, kind: str,
+               now: datetime, access_duration: int | None = None) -> Review:
+    """A PENDING review of ``session_id``, one group entry per reviewer group."""
+    review_id = new_id()
+    return Review(
+        id=review_id, org_id=connection.org_id, session_id=session_id, connection_id=connection.id, type=kind,
+        status=PENDING, owner_id=owner.id, created_at=rfc3339(now), updated_at=rfc3339(now),
+        connection_name=connection.name, owner_email=owner.email, owner_name=owner.name,
+        owner_slack_id=owner.slack_id, access_duration=(access_duration or DEFAULT_ACCESS_DURATION)
+        if kind == JIT else None, access_request_rule_name=policy.rule_name, min_approvals=policy.min_approvals,
+        force_approval_groups=list(policy.force_approval_groups),
+        groups=[ReviewGroup(id=new_id(), review_id=review_id, group_name=g) for g in policy.reviewers],
+    )
+
+
+# --------------------------------------------------------------------------- time windows
+
+
+def parse_time_window(value: Any) -> dict[str, Any]:
+    """A validated ``{type: time_range, configuration: {start_time, end_time}}`` (``HH:MM`` UTC)."""
+    if not isinstance(value, dict) or value.get("type") != "time_range":
+        raise ReviewError(400, "time_window: expected {\"type\": \"time_range\", \"configuration\": "
+                               "{\"start_time\": \"HH:MM\", \"end_time\": \"HH:MM\"}}")
+    config = value.get("configuration")
+    if not isinstance(config, dict):
+        raise ReviewError(400, "time_window.configuration: expected an object with start_time and end_time")
+    times = []
+    for key in ("start_time", "end_time"):
+        text = config.get(key)
+        if not isinstance(text, str) or not _HHMM.match(text):
+            raise ReviewError(400, f"time_window.configuration.{key}: expected HH:MM (00:00 to 23:59, UTC)")
+        times.append(text)
+    if times[0] == times[1]:
+        raise ReviewError(400, "time_window: start_time and end_time must differ")
+    return {"type": "time_range", "configuration": {"start_time": times[0], "end_time": times[1]}}
+
+
+def _clock(text: str) -> time:
+    hours, minutes = text.split(":")
+    return time(int(hours), int(minutes))
+
+
+def in_time_window(window: dict[str, Any] | None, now: datetime) -> bool:
+    """Whether ``now`` (UTC) is inside ``[start_time, end_time)``; a window may span midnight."""
+    if not window:
+        return True
+    config = window["configuration"]
+    start, end = _clock(config["start_time"]), _clock(config["end_time"])
+    moment = now.time().replace(tzinfo=None)
+    if start < end:
+        return start <= moment < end
+    return moment >= start or moment < end
+
+
+# --------------------------------------------------------------------------- decisions
+
+
+@dataclass(slots=True)
+class Decision:
+    """What one reviewer's call did: the groups they decided for, and whether the review changed status."""
+
+    action: str  # approve, force_approve, reject, revoke
+    groups: list[str]
+    previous: str
+    status: str
+
+    @property
+    def completed(self) -> bool:
+        return self.previous != self.status
+
+
+def jit_ended(review: Review, now: datetime) -> bool:
+    """An approved jit review whose access duration is over."""
+    end = parse_time(review.revoke_at)
+    return review.type == JIT and review.status == APPROVED and end is not None and end <= now
+
+
+def approvals(review: Review) -> int:
+    return sum(1 for g in review.groups if g.status == APPROVED and not g.forced_review)
+
+
+def _mark(group: ReviewGroup, status: str, actor: User, now: datetime, forced: bool = False) -> None:
+    group.status = status
+    group.review_date = rfc3339(now)
+    group.reviewed_by_id = actor.id
+    group.reviewed_by_email = actor.email
+    group.reviewed_by_name = actor.name
+    group.forced_review = group.forced_review or forced
+
+
+def decide(review: Review, actor: User, status: str, now: datetime, *, force: bool = False,
+           time_window: Any = None, admins_can_self_approve: bool = True) -> Decision:
+    """Apply ``actor``'s decision to ``review`` in place, or raise ReviewError (400 bad transition, 403 not allowed).
+
+    * Only members of a reviewer group (or of a force-approval group, to force) and admins may decide;
+      an admin outside every reviewer group decides for every group still pending.
+    * Nobody approves their own request, except admins when ``admins_can_self_approve``.
+    * APPROVED marks the actor's groups; the review is APPROVED once ``min_approvals`` groups approved,
+      or at once when forced. REJECTED by any group rejects the review, for good.
+    * REVOKED only ends an APPROVED jit review whose access has not ended yet.
+    """
+    if status not in DECISIONS:
+        raise ReviewError(400, f"status: expected one of {', '.join(DECISIONS)}, got {status!r}")
+    previous = review.status
+    mine = set(actor.groups)
+    review_groups = [g.group_name for g in review.groups]
+    member_of = [g for g in review.groups if g.group_name in mine]
+    force_groups = [g for g in review.force_approval_groups if g in mine]
+    if not (member_of or actor.is_admin or (force and force_groups)):
+        raise ReviewError(403, "access denied: you are not in a reviewer group of this review "
+                               f"({', '.join(review_groups)})")
+    if time_window is not None and status != APPROVED:
+        raise ReviewError(400, "time_window: only an approval sets a time window")
+    if force and status != APPROVED:
+        raise ReviewError(400, "force_review: only an approval can be forced")
+
+    if status == REVOKED:
+        if review.type != JIT:
+            raise ReviewError(400, "only a just-in-time (jit) review can be revoked")
+        if review.status != APPROVED:
+            raise ReviewError(400, f"only an approved review can be revoked; this one is {review.status}")
+        if jit_ended(review, now):
+            raise ReviewError(400, "the review's access duration is already over")
+        acting = member_of or [g for g in review.groups if g.status == APPROVED] or review.groups
+        for group in acting:
+            _mark(group, REVOKED, actor, now)
+        review.status = REVOKED
+        review.revoke_at = rfc3339(now)
+        review.updated_at = rfc3339(now)
+        return Decision("revoke", [g.group_name for g in acting], previous, REVOKED)
+
+    if review.status != PENDING:
+        if review.status == REJECTED:
+            raise ReviewError(400, "the review was rejected: a rejection is final")
+        raise ReviewError(400, f"only a pending review can be {status.lower()}; this one is {review.status}")
+    if status == APPROVED and actor.id == review.owner_id and not (actor.is_admin and admins_can_self_approve):
+        raise ReviewError(403, "access denied: you cannot approve your own request")
+    window = None
+    if time_window is not None:
+        if review.type != ONETIME:
+            raise ReviewError(400, "time_window: applies to one-time (script) reviews only")
+        window = parse_time_window(time_window)
+
+    if status == REJECTED:
+        acting = member_of or [g for g in review.groups if g.status is None] or review.groups
+        for group in acting:
+            _mark(group, REJECTED, actor, now)
+        review.status = REJECTED
+        review.updated_at = rfc3339(now)
+        return Decision("reject", [g.group_name for g in acting], previous, REJECTED)
+
+    if force:
+        if not force_groups and not actor.is_admin:
+            raise ReviewError(403, "access denied: forcing an approval takes a member of a force-approval group "
+                                   f"({', '.join(review.force_approval_groups) or 'none is set'})")
+        group_name = force_groups[0] if force_groups else "admin"
+        entry = next((g for g in review.groups if g.group_name == group_name), None)
+        if entry is None:
+            entry = ReviewGroup(id=new_id(), review_id=review.id, group_name=group_name)
+            review.groups.append(entry)
+        _mark(entry, APPROVED, actor, now, forced=True)
+        acting = [entry]
+    else:
+        acting = [g for g in member_of if g.status is None] if member_of else \
+            [g for g in review.groups if g.status is None]
+        if not acting:
+            decided = ", ".join(f"{g.group_name} ({g.status})" for g in member_of)
+            raise ReviewError(400, f"your group already decided on this review: {decided}")
+        for group in acting:
+            _mark(group, APPROVED, actor, now)
+    if window is not None:
+        review.time_window = window
+    if force or approvals(review) >= min(review.min_approvals, len(review.groups)):
+        review.status = APPROVED
+        if review.type == JIT:
+            review.revoke_at = rfc3339(now + timedelta(microseconds=(review.access_duration or
+                                                                     DEFAULT_ACCESS_DURATION) // 1000))
+    review.updated_at = rfc3339(now)
+    return Decision("force_approve" if force else "approve", [g.group_name for g in acting], previous,
+                    review.status)
+
+
+def check_executable(review: Review, now: datetime) -> None:
+    """Raise ReviewError unless a one-time review lets its script run now."""
+    if review.status == PENDING:
+        raise ReviewError(403, "the review is still pending: the script runs once it is approved")
+    if review.status == REJECTED:
+        raise ReviewError(403, "the review was rejected: the script will not run")
+    if review.status in (PROCESSING, EXECUTED):
+        raise ReviewError(400, f"the script was already run (review {review.status})")
+    if review.status != APPROVED:
+        raise ReviewError(400, f"the review is {review.status}: the script cannot run")
+    if not in_time_window(review.time_window, now):
+        config = review.time_window["configuration"]  # type: ignore[index]
+        raise ReviewError(403, f"outside the review's time window: the script may run between "
+                               f"{config['start_time']} and {config['end_time']} UTC")
+
+
+# --------------------------------------------------------------------------- the API's view
+
+
+def review_json(review: Review, session: Session | None = None, full: bool = False) -> dict[str, Any]:
+    """The spec's session review object; ``full`` adds the owner, connection and session (``/reviews``)."""
+    data: dict[str, Any] = {
+        "id": review.id, "type": review.type, "status": review.status, "created_at": review.created_at,
+        "revoke_at": review.revoke_at or "", "access_duration": review.access_duration if review.type == JIT else 0,
+        "access_request_rule_name": review.access_request_rule_name, "min_approvals": review.min_approvals,
+        "force_approval_groups": list(review.force_approval_groups),
+        "review_groups_data": [{
+            "id": g.id, "group": g.group_name, "forced_review": g.forced_review, "review_date": g.review_date or "",
+            "status": g.status or "",
+            "reviewed_by": {"id": g.reviewed_by_id, "email": g.reviewed_by_email, "name": g.reviewed_by_name or "",
+                            "chat_id": ""} if g.reviewed_by_id else None,
+        } for g in review.groups],
+        "time_window": review.time_window,
+    }
+    if full:
+        data.update({
+            "org_id": review.org_id, "session": review.session_id, "session_id": review.session_id,
+            "updated_at": review.updated_at,
+            "review_connection": {"id": review.connection_id, "name": review.connection_name},
+            "review_owner": {"id": review.owner_id, "email": review.owner_email, "name": review.owner_name,
+                             "chat_id": review.owner_slack_id},
+        })
+        if session is not None:
+            data["input"] = session.script or ""
+    return data
+
+
+# --------------------------------------------------------------------------- the service
+
+
+class ReviewService:
+    """Decisions with their side effects: audit, jit expiry timers, revocation of credentials and live sessions."""
+
+    def __init__(self, gateway: "Gateway") -> None:
+        self.gateway = gateway
+        self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self.tasks: set[asyncio.Task[Any]] = set()
+
+    def lock(self, review_id: str) -> asyncio.Lock:
+        """Decisions on one review are made one at a time."""
+        return self._locks.setdefault(review_id, asyncio.Lock())
+
+    async def start(self) -> None:
+        """Arm the expiry of every approved jit review (those already over end now)."""
+        for review in await self.gateway.store.reviews_with_status(APPROVED, JIT):
+            self.arm(review)
+
+    def stop(self) -> None:
+        for handle in self._timers.values():
+            handle.cancel()
+        self._timers.clear()
+
+    def spawn(self, coroutine: Any) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coroutine)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    def arm(self, review: Review) -> None:
+        """Schedule the end of an approved jit review's access."""
+        end = parse_time(review.revoke_at)
+        if review.type != JIT or review.status != APPROVED or end is None:
+            return
+        old = self._timers.pop(review.id, None)
+        if old is not None:
+            old.cancel()
+        delay = max((end - utcnow()).total_seconds(), 0)
+        self._timers[review.id] = asyncio.get_running_loop().call_later(
+            delay, lambda: self.spawn(self.expire(review.id)))
+
+    async def apply(self, review_id: str, actor: User, status: str, *, force: bool = False,
+                    time_window: Any = None) -> tuple[Review, Decision]:
+        """Decide (see ``decide``) on the stored review, store it, and carry out a revocation."""
+        async with self.lock(review_id):
+            review = await self.gateway.store.get_review(review_id)
+            if review is None:
+                raise ReviewError(404, f"review {review_id!r} not found")
+            if jit_ended(review, utcnow()):
+                await self.expire(review.id, locked=True)
+                review.status = REVOKED
+            decision = decide(review, actor, status, utcnow(), force=force, time_window=time_window,
+                              admins_can_self_approve=self.gateway.config["auth.admins_can_self_approve"])
+            await self.gateway.store.save_review(review)
+        if review.status == APPROVED and decision.completed:
+            self.arm(review)
+        if decision.status == REVOKED:
+            handle = self._timers.pop(review.id, None)
+            if handle is not None:
+                handle.cancel()
+            await self.end_access(review, f"just-in-time access revoked by {actor.email}: the session was closed")
+        return review, decision
+
+    async def end_access(self, review: Review, reason: str) -> int:
+        """Refuse the review's credentials from now on and close every live session opened with them."""
+        await self.gateway.store.revoke_credentials(review_id=review.id, revoked_at=rfc3339(utcnow()))
+        closed = await self.gateway.sessions.kill_where(
+            lambda s: s.credential is not None and s.credential.review_id == review.id, reason)
+        if closed:
+            log.info("closed sessions of a jit review", extra={"review_id": review.id, "count": closed})
+        return closed
+
+    async def expire(self, review_id: str, locked: bool = False) -> None:
+        """The access duration of a jit review is over: REVOKED (at its scheduled time), sessions closed."""
+        self._timers.pop(review_id, None)
+        lock = self.lock(review_id)
+        if not locked:
+            await lock.acquire()
+        try:
+            review = await self.gateway.store.get_review(review_id)
+            if review is None or not jit_ended(review, utcnow()):
+                if review is not None:
+                    self.arm(review)  # approved again later or clock drift: check again at the new end
+                return
+            review.status = REVOKED
+            review.updated_at = rfc3339(utcnow())
+            await self.gateway.store.save_review(review)
+        finally:
+            if not locked:
+                lock.release()
+        await self.end_access(review, "just-in-time access expired: the review's access duration is over, "
+                                      "the session was closed")
+        await self.gateway.audit.record(
+            org_id=review.org_id, actor=None, action="review.expire", resource_type="reviews", outcome="success",
+            payload={"review_id": review.id, "session_id": review.session_id, "connection": review.connection_name},
+            actor_hint="gatewayd")
+
+    async def policy(self, connection: Connection, kind: str) -> ReviewPolicy | None:
+        """The review ``kind`` of access to ``connection`` needs (rules first, then its settings), or None."""
+        return policy_for(connection, kind, await self.gateway.store.list_access_rules(connection.org_id))
+
+    async def request(self, policy: ReviewPolicy, owner: User, connection: Connection, session: Session,
+                      kind: str, access_duration: int | None = None) -> Review:
+        """Store a PENDING review together with the (``ready``) session it reviews."""
+        review = new_review(policy, owner, connection, session.id, kind, utcnow(), access_duration)
+        session.review_id = review.id
+        await self.gateway.store.create_review(review, session)
+        return review
+
+    async def set_status(self, review_id: str, status: str) -> Review | None:
+        """PROCESSING / EXECUTED of a one-time review (not a reviewer's decision)."""
+        async with self.lock(review_id):
+            review = await self.gateway.store.get_review(review_id)
+            if review is None:
+                return None
+            review.status = status
+            review.updated_at = rfc3339(utcnow())
+            await self.gateway.store.save_review(review)
+            return review
+
+    async def begin_execution(self, review_id: str) -> Review:
+        """Check that a one-time review lets its script run now and mark it PROCESSING (once)."""
+        async with self.lock(review_id):
+            review = await self.gateway.store.get_review(review_id)
+            if review is None:
+                raise ReviewError(404, f"review {review_id!r} not found")
+            check_executable(review, utcnow())
+            review.status = PROCESSING
+            review.updated_at = rfc3339(utcnow())
+            await self.gateway.store.save_review(review)
+            return review

@@ -1,0 +1,115 @@
+"""One-time SQL scripts (``POST /sessions`` on a postgres connection), through the relay's own rules.
+
+The script is sent as one simple Query on a fresh connection to the target,
+made the way the proxy makes them (``upstream.connect_target``).  The relay's
+``ClientSide`` checks the input guard rails and records the ``i`` event; its
+``ServerSide`` renders every result as text, checks the output guard rails and
+records ``o``/``e`` events -- exactly what a psql session running the same
+text would leave.  Exit code: 0, 1 when the target reported an error, 254
+when a guard rail blocked the script or the target could not be reached.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from gatewayd.scripts import ScriptResult
+from gatewayd.sessions import BLOCKED_EXIT_CODE
+from proxies.postgres.codec import FrameBatch, FrontendReader, encode_query
+from proxies.postgres.relay import BLOCK, ClientSide, Pending, ServerSide
+from proxies.postgres.upstream import CHUNK, TargetSettings, UpstreamError, connect_target, terminate
+
+if TYPE_CHECKING:
+    from gatewayd.daemon import Gateway
+    from gatewayd.recording import SessionRecorder
+    from gatewayd.sessions import LiveSession
+
+SQL_ERROR_EXIT_CODE = 1
+
+
+class _Transcript:
+    """The session recorder, keeping a copy of the ``o``/``e`` text for the API's ``output``."""
+
+    def __init__(self, recorder: SessionRecorder) -> None:
+        self.recorder = recorder
+        self.parts: list[str] = []
+        self.errors = 0
+
+    @property
+    def truncated(self) -> bool:
+        return self.recorder.truncated
+
+    def input(self, data: Any) -> None:
+        self.recorder.input(data)
+
+    def output(self, text: str) -> None:
+        self.parts.append(text)
+        self.recorder.output(text)
+
+    def error(self, text: str) -> None:
+        self.errors += 1
+        self.parts.append(text if text.endswith("\n") else text + "\n")
+        self.recorder.error(text)
+
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+async def run_script(gateway: Gateway, live: LiveSession, script: str) -> ScriptResult:
+    """Run ``script`` on ``live.connection``'s target; see the module docstring for what is recorded."""
+    connection = live.connection
+    transcript = _Transcript(live.recorder)
+    rules = await gateway.guardrails.rules_for(connection.org_id, connection.id)
+    pending: deque[Pending] = deque()
+    columns: dict[str, tuple[int, ...]] = {}
+    client = ClientSide(rules, transcript, pending, columns)  # type: ignore[arg-type]
+    server = ServerSide(rules, transcript, pending, columns)  # type: ignore[arg-type]
+    frontend = FrontendReader(expect_startup=False)
+    frontend.feed(encode_query(script))
+    query = frontend.next_message()
+    if client.on_message(query) == BLOCK:  # type: ignore[arg-type]
+        await live.blocked(client.verdict)  # type: ignore[arg-type]
+        return ScriptResult(client.verdict.message + "\n", BLOCKED_EXIT_CODE)  # type: ignore[union-attr]
+    settings = TargetSettings.from_role(connection.target())
+    try:
+        link = await connect_target(settings, {"application_name": "gatewayd-exec"}, connection.name)
+    except UpstreamError as exc:
+        transcript.error(exc.message)
+        return ScriptResult(transcript.text(), BLOCKED_EXIT_CODE)
+    live.on_kill(lambda reason: terminate(link))
+    blocked = False
+    try:
+        link.writer.write(encode_query(script))
+        batch = FrameBatch()
+        while pending:
+            server.process(link.backend, batch)
+            batch.take()  # nobody to forward to: the transcript is the client
+            if server.blocks:
+                blocked = True
+                for verdict in server.blocks:
+                    transcript.parts.append(verdict.message + "\n")
+                    await live.blocked(verdict)
+                server.blocks.clear()
+                continue
+            if server.replies:
+                link.writer.writelines(server.replies)
+                server.replies.clear()
+            if not pending:
+                break
+            data = await link.reader.read(CHUNK)
+            if not data:
+                if live.end_reason is None:
+                    transcript.error(f'the target of connection "{connection.name}" closed the connection')
+                return ScriptResult(transcript.text(), BLOCKED_EXIT_CODE)
+            link.backend.feed(data)
+        server.flush_output()
+    except (OSError, ConnectionError) as exc:
+        transcript.error(f'the connection to the target of "{connection.name}" failed: '
+                         f"{getattr(exc, 'strerror', None) or type(exc).__name__}")
+        return ScriptResult(transcript.text(), BLOCKED_EXIT_CODE)
+    finally:
+        terminate(link)
+    if blocked:
+        return ScriptResult(transcript.text(), BLOCKED_EXIT_CODE)
+    return ScriptResult(transcript.text(), SQL_ERROR_EXIT_CODE if transcript.errors else 0)
