@@ -72,10 +72,11 @@ class AccessService:
         await self.store.create_credential(credential, None if session_stored else session)
         return IssuedCredential(secret, credential, session)
 
-    async def resolve(self, secret: str, protocol: str, client_ip: str = "") -> AccessGrant:
+    async def resolve(self, secret: str, protocol: str, client_ip: str = "", audit_success: bool = True) -> AccessGrant:
         """The grant for ``secret`` on a ``protocol`` connection (its subtype: postgres, ssh, rdp, httpproxy).
 
-        Refusals and successes are audited as protocol logins.
+        Refusals and successes are audited as protocol logins; ``audit_success=False``
+        is for a proxy re-checking a credential it already let in (refusals are still audited).
         """
         org = await self.store.default_org()
         credential = await self.store.get_credential(hash_secret(secret)) if secret else None
@@ -96,6 +97,8 @@ class AccessService:
                 reason = "invalid credential: its connection no longer exists"
             elif connection.subtype != protocol:
                 reason = f"invalid credential: it is not for a {protocol} connection"
+        if reason is None and not audit_success:
+            return AccessGrant(credential, user, connection)  # type: ignore[arg-type]
         await self.audit.record(
             org_id=credential.org_id if credential else org.id, actor=user, action=f"{protocol}.login",
             resource_type="connection", outcome="failure" if reason else "success",

@@ -153,6 +153,16 @@ class SessionManager:
             self._arm_expiry(live, credential)
         return live
 
+    async def resume(self, user: User, connection: Connection, credential: Credential) -> LiveSession | None:
+        """The credential's own session, live or claimed now; None once it is done (one session per credential)."""
+        live = self.live.get(credential.session_id)
+        if live is not None:
+            return live
+        issued = await self.store.get_session(credential.session_id)
+        if issued is None or issued.status not in ("ready", "open"):  # open: jit credentials handed out
+            return None
+        return await self.open(user, connection, credential=credential)
+
     def _arm_expiry(self, live: LiveSession, credential: Credential) -> None:
         expire_at = parse_time(credential.expire_at)
         if expire_at is None:

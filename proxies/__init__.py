@@ -10,9 +10,10 @@ from typing import Any
 
 
 def available_listeners() -> dict[str, Any]:
+    from proxies.http.server import start as start_http
     from proxies.postgres.server import start as start_postgres
 
-    return {"postgres": start_postgres}
+    return {"postgres": start_postgres, "http": start_http}
 
 
 def available_script_runners() -> dict[str, Any]:

@@ -1,0 +1,303 @@
+"""HTTP proxy logic without sockets: credentials, header rewriting, redirects, recording text.
+
+Everything here is a pure function of its arguments (header lists in, header
+lists or strings out), so each rule is a unit test; ``server.py`` does the I/O.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable
+from urllib.parse import urlsplit
+
+from gatewayd.access import looks_like_secret
+
+COOKIE_NAME = "gatewayd_proxy_token"
+REDACTED = "[REDACTED]"
+
+# RFC 9110 7.6.1 hop-by-hop fields, plus the de-facto ones proxies drop too.
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection", "te",
+    "trailer", "transfer-encoding", "upgrade",
+})
+# Never sent to the target: recomputed by the gateway, or the gateway's own.
+_REQUEST_DROP = HOP_BY_HOP | {"host", "content-length", "expect", "x-forwarded-for", "x-forwarded-proto",
+                              "x-forwarded-host"}
+_RESPONSE_DROP = HOP_BY_HOP | {"content-length"}
+_SECRET_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie", "set-cookie", "x-api-key",
+                             "x-auth-token", "x-csrf-token", "x-xsrf-token"})
+_TEXT_TYPES = re.compile(r"^\s*(?:text/|application/(?:[\w.+-]*\+)?(?:json|xml|javascript|x-www-form-urlencoded|"
+                         r"graphql|x-ndjson|yaml|x-yaml|sql)\b)", re.I)
+_SECRET_TEXT = re.compile(r"\bhttpproxy-[A-Za-z0-9_-]{43}\b")
+
+Headers = list[tuple[str, str]]
+
+
+class CredentialSource:
+    """Where the request carried the gateway credential."""
+
+    HEADER = "header"
+    COOKIE = "cookie"
+    PATH = "path"
+
+
+@dataclass(slots=True, frozen=True)
+class PresentedCredential:
+    """The secret a request presented, where it came from, and (for the path form) the rest of the path."""
+
+    secret: str
+    source: str
+    rest_path: str = ""
+
+
+def _cookie_value(cookie_header: str, name: str) -> str | None:
+    for part in cookie_header.split(";"):
+        key, sep, value = part.strip().partition("=")
+        if sep and key.strip() == name:
+            return value.strip().strip('"')
+    return None
+
+
+def extract_credential(authorization: str | None, cookie_header: str | None, path: str) -> PresentedCredential | None:
+    """The gateway credential of a request, looked for in this order: first path segment, header, cookie.
+
+    The path form comes first so a secret in a URL is never forwarded to the
+    target (a browser holding the cookie that opens the link again is simply
+    redirected again); it returns the rest of the path (always starting with
+    ``/``) for the redirect. ``Authorization`` counts only when its value (bare
+    or after ``Bearer``) has the shape of an ``httpproxy-`` secret; any other
+    value is the target's own and is passed on.
+    """
+    if path.startswith("/httpproxy-"):
+        path_only, question, query = path.partition("?")
+        segment, _, rest = path_only[1:].partition("/")
+        if _is_proxy_secret(segment):
+            return PresentedCredential(segment, CredentialSource.PATH, "/" + rest + question + query)
+    if authorization:
+        value = authorization.strip()
+        if value[:7].lower() == "bearer ":
+            value = value[7:].strip()
+        if _is_proxy_secret(value):
+            return PresentedCredential(value, CredentialSource.HEADER)
+    if cookie_header and COOKIE_NAME in cookie_header:
+        value = _cookie_value(cookie_header, COOKIE_NAME)
+        if value:
+            return PresentedCredential(value, CredentialSource.COOKIE)
+    return None
+
+
+def _is_proxy_secret(value: str) -> bool:
+    return value.startswith("httpproxy-") and looks_like_secret(value)
+
+
+def credential_cookie(secret: str, max_age: int) -> str:
+    """The ``Set-Cookie`` value that lets a browser carry the credential: HttpOnly, SameSite=Lax, path /."""
+    return f"{COOKIE_NAME}={secret}; Path=/; Max-Age={max(max_age, 0)}; HttpOnly; SameSite=Lax"
+
+
+def strip_credential_cookie(cookie_header: str) -> str:
+    """The ``Cookie`` header without the gateway's cookie (empty when nothing else is left)."""
+    kept = [part.strip() for part in cookie_header.split(";")
+            if part.strip() and part.strip().partition("=")[0].strip() != COOKIE_NAME]
+    return "; ".join(kept)
+
+
+def connection_tokens(headers: Iterable[tuple[str, str]]) -> set[str]:
+    """Header names listed in ``Connection`` (hop-by-hop for this message only)."""
+    tokens: set[str] = set()
+    for name, value in headers:
+        if name.lower() == "connection":
+            tokens.update(t.strip().lower() for t in value.split(",") if t.strip())
+    return tokens
+
+
+def upstream_request_headers(headers: Iterable[tuple[str, str]], source: str | None, client_ip: str,
+                             proto: str, host: str) -> Headers:
+    """The headers sent to the target: hop-by-hop and the gateway's credential removed, X-Forwarded-* added.
+
+    The target's own ``Authorization`` passes when the credential came by
+    cookie or path; ``X-Forwarded-For`` extends the client's list.
+    """
+    headers = list(headers)
+    drop = _REQUEST_DROP | connection_tokens(headers)
+    out: Headers = []
+    forwarded_for = ""
+    for name, value in headers:
+        lower = name.lower()
+        if lower == "x-forwarded-for":
+            forwarded_for = f"{forwarded_for}, {value}" if forwarded_for else value
+            continue
+        if lower in drop:
+            continue
+        if lower == "authorization" and source == CredentialSource.HEADER:
+            continue
+        if lower == "cookie" and COOKIE_NAME in value:
+            value = strip_credential_cookie(value)
+            if not value:
+                continue
+        out.append((name, value))
+    out.append(("X-Forwarded-For", f"{forwarded_for}, {client_ip}" if forwarded_for else client_ip))
+    out.append(("X-Forwarded-Proto", proto))
+    if host:
+        out.append(("X-Forwarded-Host", host))
+    return out
+
+
+def downstream_response_headers(headers: Iterable[tuple[str, str]], target: "TargetUrl", gateway_origin: str) -> Headers:
+    """The target's response headers for the client: hop-by-hop dropped, redirects kept on the gateway."""
+    headers = list(headers)
+    drop = _RESPONSE_DROP | connection_tokens(headers)
+    out: Headers = []
+    for name, value in headers:
+        lower = name.lower()
+        if lower in drop:
+            continue
+        if lower in ("location", "content-location"):
+            value = rewrite_location(value, target, gateway_origin)
+        out.append((name, value))
+    return out
+
+
+@dataclass(slots=True, frozen=True)
+class TargetUrl:
+    """The role's ``REMOTE_URL`` split once: origin (scheme://host:port) and base path."""
+
+    scheme: str
+    host: str
+    port: int
+    base_path: str  # "" or "/prefix" without a trailing slash
+
+    @classmethod
+    def parse(cls, remote_url: str) -> "TargetUrl":
+        parts = urlsplit(remote_url.strip())
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("REMOTE_URL must be an http:// or https:// URL with a host")
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        return cls(parts.scheme, parts.hostname, port, parts.path.rstrip("/"))
+
+    @property
+    def origin(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        default = (self.scheme == "http" and self.port == 80) or (self.scheme == "https" and self.port == 443)
+        return f"{self.scheme}://{host}" if default else f"{self.scheme}://{host}:{self.port}"
+
+    @property
+    def where(self) -> str:
+        """Host and port, for messages (never the URL's user info)."""
+        return f"{self.host}:{self.port}"
+
+    def url_for(self, path_qs: str) -> str:
+        """The target URL of a gateway path (with its query string)."""
+        return self.origin + self.base_path + path_qs
+
+    def gateway_path(self, path: str) -> str | None:
+        """The gateway path of a target path, or None when it is outside the base path."""
+        if not self.base_path:
+            return path or "/"
+        if path == self.base_path:
+            return "/"
+        if path.startswith(self.base_path + "/"):
+            return path[len(self.base_path):]
+        return None
+
+
+def rewrite_location(location: str, target: TargetUrl, gateway_origin: str) -> str:
+    """A ``Location`` pointing at the target, turned into the same place on the gateway.
+
+    Absolute URLs to the target's origin become the gateway origin, paths
+    under the base path lose it; other hosts are left alone (an external
+    redirect is the target's choice).
+    """
+    if location.startswith("//"):
+        location = f"{target.scheme}:{location}"
+    parts = urlsplit(location)
+    if parts.scheme or parts.netloc:
+        try:
+            same = (parts.scheme == target.scheme and (parts.hostname or "").lower() == target.host.lower()
+                    and (parts.port or (443 if parts.scheme == "https" else 80)) == target.port)
+        except ValueError:
+            return location
+        if not same:
+            return location
+        path = target.gateway_path(parts.path) or parts.path or "/"
+        rest = path + (f"?{parts.query}" if parts.query else "") + (f"#{parts.fragment}" if parts.fragment else "")
+        return gateway_origin + rest
+    if location.startswith("/"):
+        path, sep, rest = location.partition("?")
+        mapped = target.gateway_path(path)
+        if mapped is not None:
+            return mapped + (sep + rest if sep else "")
+    return location
+
+
+def is_text(content_type: str | None) -> bool:
+    """Whether a body of this content type is text the guard rails read (JSON, XML, forms, text/*)."""
+    return bool(content_type) and _TEXT_TYPES.match(content_type) is not None  # type: ignore[arg-type]
+
+
+def is_event_stream(content_type: str | None) -> bool:
+    return bool(content_type) and content_type.split(";", 1)[0].strip().lower() == "text/event-stream"  # type: ignore[union-attr]
+
+
+def is_websocket_upgrade(headers: Iterable[tuple[str, str]]) -> bool:
+    connection = upgrade = False
+    for name, value in headers:
+        lower = name.lower()
+        if lower == "connection" and "upgrade" in value.lower():
+            connection = True
+        elif lower == "upgrade" and value.strip().lower() == "websocket":
+            upgrade = True
+    return connection and upgrade
+
+
+def redact_header(name: str, value: str) -> str:
+    """A header value safe to record: credentials and cookie values replaced, cookie names kept."""
+    lower = name.lower()
+    if lower not in _SECRET_HEADERS:
+        return scrub(value)
+    if lower == "cookie":
+        return "; ".join(f"{p.strip().partition('=')[0]}={REDACTED}" for p in value.split(";") if p.strip())
+    if lower == "set-cookie":
+        cookie_name, _, rest = value.partition("=")
+        attributes = rest.partition(";")[2]
+        return f"{cookie_name}={REDACTED}" + (f";{attributes}" if attributes else "")
+    if lower in ("authorization", "proxy-authorization"):
+        scheme, sep, _ = value.strip().partition(" ")
+        return f"{scheme} {REDACTED}" if sep and not _is_proxy_secret(scheme) else REDACTED
+    return REDACTED
+
+
+def scrub(text: str) -> str:
+    """Any gateway HTTP credential in ``text`` replaced (query strings, Referer...)."""
+    return _SECRET_TEXT.sub(REDACTED, text) if "httpproxy-" in text else text
+
+
+def head_text(first_line: str, headers: Iterable[tuple[str, str]]) -> str:
+    """The start line and the redacted headers, as they would look on the wire."""
+    lines = [scrub(first_line)]
+    lines += [f"{name}: {redact_header(name, value)}" for name, value in headers]
+    return "\r\n".join(lines) + "\r\n\r\n"
+
+
+def body_note(recorded: int, total: int | None, complete: bool) -> str:
+    """What follows a recorded body that is not whole: how much was kept of how much."""
+    if complete and (total is None or recorded >= total):
+        return ""
+    size = f"{total} bytes" if total is not None else "a size not known yet (streamed)"
+    return f"\r\n[body: {recorded} of {size} recorded]"
+
+
+def guard_text(first_line: str, headers: Iterable[tuple[str, str]], body: bytes = b"") -> str:
+    """What input rules read: request line, headers (the gateway credential removed) and the text body."""
+    lines = [first_line]
+    for name, value in headers:
+        lower = name.lower()
+        if lower in ("authorization", "cookie") and "httpproxy-" in value:
+            value = scrub(value)
+        lines.append(f"{name}: {value}")
+    text = "\r\n".join(lines)
+    if body:
+        text += "\r\n\r\n" + body.decode("utf-8", "replace")
+    return text
+

@@ -1,0 +1,457 @@
+"""The HTTP proxy listener: aiohttp server in front, a pooled aiohttp client to each role's ``REMOTE_URL``.
+
+Per request: find the credential (header, cookie or first path segment), map
+it to its live session (``CredentialState``, cached per secret hash), check
+the input guard rails, stream the request to the target and the answer back,
+and record both. The pure rules (headers, cookies, redirects, recording
+text) live in ``messages.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, AsyncIterator
+
+import aiohttp
+from aiohttp import WSMsgType, web
+from multidict import CIMultiDict
+from yarl import URL
+
+from gatewayd.access import AccessDenied
+from gatewayd.crypto import hash_secret
+from gatewayd.models import parse_time
+from gatewayd.sessions import BLOCKED_EXIT_CODE
+from proxies.http.messages import (
+    CredentialSource,
+    TargetUrl,
+    body_note,
+    credential_cookie,
+    downstream_response_headers,
+    extract_credential,
+    guard_text,
+    head_text,
+    is_event_stream,
+    is_text,
+    is_websocket_upgrade,
+    upstream_request_headers,
+)
+
+if TYPE_CHECKING:
+    from gatewayd.access import AccessGrant
+    from gatewayd.daemon import Gateway
+    from gatewayd.guardrails import GuardVerdict
+    from gatewayd.sessions import LiveSession
+
+log = logging.getLogger("gatewayd.http")
+
+PROTOCOL = "httpproxy"
+SMALL_BODY = 64 * 1024  # a response this small (with a Content-Length) is read whole and sent in one write
+_WS_HEADERS = frozenset({"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
+                         "sec-websocket-protocol", "sec-websocket-accept"})
+_CLIENT_ERRORS = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
+_DISCONNECTED = (ConnectionError, aiohttp.ClientConnectionResetError)
+
+
+class Refused(Exception):
+    """A request the gateway answers itself with 401; ``str()`` is safe to show."""
+
+
+@dataclass(slots=True, eq=False)
+class CredentialState:
+    """One credential's live session and target, shared by every request that presents it."""
+
+    grant: AccessGrant
+    live: LiveSession
+    target: TargetUrl
+    insecure: bool
+    expires: float  # time.time() of the credential's expiry
+    fresh_until: float  # time.monotonic() until which the grant is not re-checked
+    closed: str | None = None
+    tasks: set[asyncio.Task[object]] = field(default_factory=set)
+
+
+def json_error(status: int, message: str, **headers: str) -> web.Response:
+    return web.json_response({"message": message}, status=status, headers=headers or None)
+
+
+class HttpListener:
+    """A started HTTP proxy listener; ``close`` stops it (and its pooled target connections)."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        config = gateway.config
+        self.record_cap: int = config["http.record_body_bytes"]
+        self.guard_cap: int = config["http.guard_body_bytes"]
+        self.recheck: float = config["http.credential_recheck"]
+        self.states: dict[str, CredentialState] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self.client = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=30),
+            auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
+            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=15), read_bufsize=256 * 1024,
+        )
+        self.server = web.Server(self.handle, access_log=None, auto_decompress=False, read_bufsize=256 * 1024)
+        self.runner = web.ServerRunner(self.server, handle_signals=False, shutdown_timeout=1.0)
+
+    async def start(self, host: str, port: int) -> None:
+        await self.runner.setup()
+        await web.TCPSite(self.runner, host, port, reuse_address=True, backlog=1024).start()
+
+    async def close(self) -> None:
+        try:
+            await self.runner.cleanup()
+        finally:
+            await self.client.close()
+
+    # -- credentials
+
+    async def _refuse(self, secret: str, client_ip: str) -> None:
+        """Audit a refusal the cache decided (resolve audits the ones it decides itself)."""
+        try:
+            await self.gateway.access.resolve(secret, PROTOCOL, client_ip)
+        except AccessDenied:
+            pass
+
+    async def state_for(self, secret: str, client_ip: str) -> CredentialState:
+        """The credential's state: from the cache, or resolved (and its session claimed) now."""
+        key = hash_secret(secret)
+        state = self.states.get(key)
+        if state is not None:
+            if state.closed is None and time.time() < state.expires and time.monotonic() < state.fresh_until:
+                return state
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            try:
+                return await self._resolve(key, secret, client_ip)
+            finally:
+                if not lock._waiters:  # type: ignore[attr-defined]
+                    self._locks.pop(key, None)
+
+    async def _resolve(self, key: str, secret: str, client_ip: str) -> CredentialState:
+        state = self.states.get(key)
+        if state is not None and state.closed is not None:
+            await self._refuse(secret, client_ip)
+            raise Refused(state.closed)
+        if state is not None and time.time() < state.expires and time.monotonic() < state.fresh_until:
+            return state  # another request re-checked it while this one waited
+        try:
+            grant = await self.gateway.access.resolve(secret, PROTOCOL, client_ip, audit_success=state is None)
+        except AccessDenied as exc:
+            if state is not None:  # revoked or expired since: the session ends with it
+                await state.live.kill(f"{exc}: the session was closed")
+            raise Refused(str(exc)) from None
+        if state is not None:
+            state.fresh_until = time.monotonic() + self.recheck
+            return state
+        self._prune()
+        live = await self.gateway.sessions.resume(grant.user, grant.connection, grant.credential)
+        if live is None:
+            message = "the session of this credential was closed"
+            await self.gateway.audit.record(
+                org_id=grant.connection.org_id, actor=grant.user, action=f"{PROTOCOL}.login", client_ip=client_ip,
+                resource_type="connection", outcome="failure", error_message=message,
+                payload={"connection": grant.connection.name, "credential_id": grant.credential.id})
+            raise Refused(message)
+        settings = grant.connection.target()
+        try:
+            target = TargetUrl.parse(settings.get("REMOTE_URL", ""))
+        except ValueError as exc:
+            await live.close(exit_code=BLOCKED_EXIT_CODE, error=f'connection "{grant.connection.name}": {exc}')
+            raise Refused(f'connection "{grant.connection.name}" is misconfigured: {exc}') from None
+        expires = parse_time(grant.credential.expire_at)
+        state = CredentialState(
+            grant, live, target, settings.get("INSECURE", "").strip().lower() in ("1", "true", "yes", "on"),
+            expires.timestamp() if expires else float("inf"), time.monotonic() + self.recheck)
+        live.on_kill(lambda reason: self._killed(state, reason))
+        self.states[key] = state
+        return state
+
+    def _prune(self) -> None:
+        """Forget states whose credential expired a while ago (their sessions are closed)."""
+        horizon = time.time() - 3600
+        for key in [k for k, s in self.states.items() if s.expires < horizon]:
+            del self.states[key]
+
+    def _killed(self, state: CredentialState, reason: str) -> None:
+        """The session ended from the gateway side: refuse what comes next, cut what is in flight."""
+        state.closed = reason if "session was closed" in reason else f"the session was closed: {reason}"
+        for task in list(state.tasks):
+            task.cancel()
+
+    # -- requests
+
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        headers = request.headers
+        client_ip = request.remote or ""
+        presented = extract_credential(headers.get("Authorization"), headers.get("Cookie"), request.raw_path)
+        if presented is None:
+            await self._refuse("", client_ip)
+            return json_error(401, "missing credential: send it as 'Authorization: <secret>', as the cookie "
+                                   "gatewayd_proxy_token, or as the first path segment")
+        try:
+            state = await self.state_for(presented.secret, client_ip)
+        except Refused as exc:
+            return json_error(401, str(exc))
+        if presented.source == CredentialSource.PATH:
+            response = web.HTTPFound(presented.rest_path)
+            response.headers["Set-Cookie"] = credential_cookie(presented.secret, int(state.expires - time.time()))
+            response.headers["Cache-Control"] = "no-store"
+            return response
+        task = asyncio.current_task()
+        state.tasks.add(task)  # type: ignore[arg-type]
+        try:
+            if is_websocket_upgrade(headers.items()):
+                return await self._websocket(request, state, presented.source, client_ip)
+            return await self._forward(request, state, presented.source, client_ip)
+        finally:
+            state.tasks.discard(task)  # type: ignore[arg-type]
+
+    async def _blocked(self, state: CredentialState, verdict: GuardVerdict, client_ip: str) -> web.Response:
+        await state.live.blocked(verdict, client_ip)
+        return json_error(403, verdict.message, **{"X-Gateway-Guardrails": "blocked"})
+
+    async def _unreachable(self, state: CredentialState, error: BaseException) -> web.Response:
+        detail = str(error) if isinstance(error, aiohttp.ClientConnectorError) else type(error).__name__
+        detail = detail.replace(str(state.target.origin), state.target.where)
+        message = (f'the target of connection "{state.grant.connection.name}" ({state.target.where}) '
+                   f"is unreachable: {detail}")
+        state.live.recorder.error(message)
+        log.info("http target unreachable", extra={"connection": state.grant.connection.name,
+                                                   "target": state.target.where})
+        return json_error(502, message)
+
+    async def _forward(self, request: web.BaseRequest, state: CredentialState, source: str,
+                       client_ip: str) -> web.StreamResponse:
+        live = state.live
+        recorder = live.recorder
+        connection = state.grant.connection
+        rules = await self.gateway.guardrails.rules_for(connection.org_id, connection.id)
+        headers = request.headers
+        version = request.version
+        first_line = f"{request.method} {request.raw_path} HTTP/{version.major}.{version.minor}"
+        up_headers = upstream_request_headers(headers.items(), source, client_ip, "http", request.host)
+        if rules.input_rules:
+            verdict = rules.check_input(guard_text(first_line, up_headers))
+            if not verdict.allowed:
+                recorder.input(head_text(first_line, headers.items()))
+                return await self._blocked(state, verdict, client_ip)
+
+        # the request body: a bounded prefix is read first (recording, guard rails), the rest streams
+        data: bytes | AsyncIterator[bytes] | None = None
+        body = b""
+        complete = True
+        total = request.content_length
+        if request.body_exists:
+            if headers.get("Expect", "").lower() == "100-continue":
+                await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            guarded = bool(rules.input_rules) and is_text(headers.get("Content-Type"))
+            body, complete = await _read_prefix(request.content, max(self.record_cap, self.guard_cap)
+                                                if guarded else self.record_cap)
+            if guarded:
+                verdict = rules.check_input(guard_text(first_line, up_headers, body[:self.guard_cap]))
+                if not verdict.allowed:
+                    recorder.input(head_text(first_line, headers.items()).encode() + body[:self.record_cap])
+                    return await self._blocked(state, verdict, client_ip)
+            data = body if complete else _chain(body, request.content)
+            if total is not None:
+                up_headers.append(("Content-Length", str(total)))
+        recorded_body = body[:self.record_cap]
+        recorder.input(head_text(first_line, headers.items()).encode() + recorded_body
+                       + body_note(len(recorded_body), total if total is not None else
+                                   (len(body) if complete else None), complete).encode())
+
+        try:
+            upstream = await self.client.request(
+                request.method, URL(state.target.url_for(request.raw_path), encoded=True), headers=CIMultiDict(up_headers),
+                data=data, allow_redirects=False, ssl=False if state.insecure else True, compress=None)
+        except _CLIENT_ERRORS as exc:
+            return await self._unreachable(state, exc)
+        async with upstream:
+            return await self._respond(request, state, upstream, rules, client_ip)
+
+    async def _respond(self, request: web.BaseRequest, state: CredentialState, upstream: aiohttp.ClientResponse,
+                       rules: object, client_ip: str) -> web.StreamResponse:
+        recorder = state.live.recorder
+        up_headers = upstream.headers
+        content_type = up_headers.get("Content-Type")
+        out_headers = CIMultiDict(downstream_response_headers(
+            up_headers.items(), state.target, f"{request.scheme}://{request.host}"))
+        status_line = f"HTTP/{upstream.version.major}.{upstream.version.minor} {upstream.status} {upstream.reason}"
+        head = head_text(status_line, up_headers.items()).encode()
+        output_rules = rules.output_rules  # type: ignore[attr-defined]
+        text = bool(output_rules) and is_text(content_type)
+        sse = is_event_stream(content_type)
+        length = upstream.content_length
+        no_body = request.method == "HEAD" or upstream.status in (204, 304) or 100 <= upstream.status < 200
+
+        try:
+            if no_body or (length is not None and length <= SMALL_BODY and not sse):
+                body = b"" if no_body else await upstream.read()
+                if text and body:
+                    verdict = rules.check_output(body.decode("utf-8", "replace"))  # type: ignore[attr-defined]
+                    if not verdict.allowed:
+                        return await self._blocked(state, verdict, client_ip)
+                recorded = body[:self.record_cap]
+                recorder.output(head + recorded + body_note(len(recorded), len(body), True).encode())
+                response = web.Response(status=upstream.status, reason=upstream.reason, headers=out_headers,
+                                        body=body or None)
+                if no_body and length is not None:
+                    response.headers["Content-Length"] = str(length)
+                return response
+
+            prefix = b""
+            eof = False
+            if text and not sse:
+                prefix, eof = await _read_prefix(upstream.content, self.guard_cap)
+                verdict = rules.check_output(prefix.decode("utf-8", "replace"))  # type: ignore[attr-defined]
+                if not verdict.allowed:
+                    return await self._blocked(state, verdict, client_ip)
+        except _CLIENT_ERRORS as exc:
+            return await self._unreachable(state, exc)
+
+        response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=out_headers)
+        if length is not None:
+            response.content_length = length
+        await response.prepare(request)
+        kept = bytearray(prefix[:self.record_cap])
+        sent = len(prefix)
+        error = None
+        try:
+            if prefix:
+                await response.write(prefix)
+            if not eof:
+                async for chunk in upstream.content.iter_any():
+                    if sse and text:
+                        verdict = rules.check_output(chunk.decode("utf-8", "replace"))  # type: ignore[attr-defined]
+                        if not verdict.allowed:
+                            await state.live.blocked(verdict, client_ip)
+                            error = "output blocked mid-stream: the connection was cut"
+                            break
+                    await response.write(chunk)
+                    sent += len(chunk)
+                    if len(kept) < self.record_cap:
+                        kept += chunk[:self.record_cap - len(kept)]
+            if error is None:
+                await response.write_eof()
+        except _DISCONNECTED:
+            error = "the client went away mid-response"
+        except _CLIENT_ERRORS as exc:
+            error = f"the target broke off the response ({type(exc).__name__})"
+        finally:
+            complete = error is None and (length is None or sent >= length)
+            recorder.output(head + bytes(kept) + body_note(len(kept), sent if length is None else length,
+                                                           complete).encode())
+        if error is not None:
+            recorder.error(error)
+            if request.transport is not None:
+                request.transport.close()
+        await recorder.drain()
+        return response
+
+    # -- websockets
+
+    async def _websocket(self, request: web.BaseRequest, state: CredentialState, source: str,
+                         client_ip: str) -> web.StreamResponse:
+        recorder = state.live.recorder
+        connection = state.grant.connection
+        rules = await self.gateway.guardrails.rules_for(connection.org_id, connection.id)
+        headers = request.headers
+        first_line = f"{request.method} {request.raw_path} HTTP/1.1"
+        up_headers = [(k, v) for k, v in upstream_request_headers(headers.items(), source, client_ip, "http",
+                                                                  request.host) if k.lower() not in _WS_HEADERS]
+        recorder.input(head_text(first_line, headers.items()))
+        if rules.input_rules:
+            verdict = rules.check_input(guard_text(first_line, up_headers))
+            if not verdict.allowed:
+                return await self._blocked(state, verdict, client_ip)
+        protocols = [p.strip() for p in headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()]
+        url = state.target.url_for(request.raw_path)
+        url = "ws" + url[4:] if url.startswith("http") else url
+        try:
+            upstream = await self.client.ws_connect(URL(url, encoded=True), headers=CIMultiDict(up_headers), protocols=protocols,
+                                                    ssl=False if state.insecure else True, max_msg_size=0,
+                                                    autoping=True)
+        except aiohttp.WSServerHandshakeError as exc:
+            message = f"the target refused the websocket upgrade ({exc.status})"
+            recorder.error(message)
+            return json_error(502, message)
+        except _CLIENT_ERRORS as exc:
+            return await self._unreachable(state, exc)
+        downstream = web.WebSocketResponse(protocols=[upstream.protocol] if upstream.protocol else (),
+                                           max_msg_size=0, autoping=True)
+        try:
+            await downstream.prepare(request)
+            recorder.output(f"HTTP/1.1 101 Switching Protocols (websocket{', ' + upstream.protocol if upstream.protocol else ''})\r\n")
+            closing: dict[str, tuple[int, str]] = {}
+
+            async def pump(source_ws: web.WebSocketResponse | aiohttp.ClientWebSocketResponse,
+                           sink: web.WebSocketResponse | aiohttp.ClientWebSocketResponse, inbound: bool) -> None:
+                record = recorder.input if inbound else recorder.output
+                check = rules.check_input if inbound else rules.check_output
+                has_rules = bool(rules.input_rules if inbound else rules.output_rules)
+                async for message in source_ws:
+                    if message.type == WSMsgType.TEXT:
+                        if has_rules:
+                            verdict = check(message.data)
+                            if not verdict.allowed:
+                                await state.live.blocked(verdict, client_ip)
+                                closing["blocked"] = (1008, verdict.message[:120])
+                                return
+                        record(message.data)
+                        await sink.send_str(message.data)
+                    elif message.type == WSMsgType.BINARY:
+                        record(message.data)
+                        await sink.send_bytes(message.data)
+                    elif message.type in (WSMsgType.ERROR, WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
+                        break
+                    await recorder.drain()
+
+            tasks = [asyncio.ensure_future(pump(downstream, upstream, True)),
+                     asyncio.ensure_future(pump(upstream, downstream, False))]
+            try:
+                await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            code, reason = closing.get("blocked", (downstream.close_code or upstream.close_code or 1000, ""))
+            await downstream.close(code=code, message=reason.encode())
+        finally:
+            await upstream.close()
+        return downstream
+
+
+async def _read_prefix(content: aiohttp.StreamReader, limit: int) -> tuple[bytes, bool]:
+    """Up to about ``limit`` bytes of a body, and whether that was all of it."""
+    chunks: list[bytes] = []
+    size = 0
+    while size < limit:
+        chunk = await content.readany()
+        if not chunk:
+            return b"".join(chunks), True
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks), content.at_eof()
+
+
+async def _chain(prefix: bytes, content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """The request body for the target: the prefix already read, then the rest as it arrives."""
+    if prefix:
+        yield prefix
+    while chunk := await content.readany():
+        yield chunk
+
+
+async def start(gateway: Gateway, host: str, port: int) -> HttpListener:
+    """Listener factory registered as ``http``."""
+    listener = HttpListener(gateway)
+    try:
+        await listener.start(host, port)
+    except BaseException:
+        await listener.close()
+        raise
+    return listener

@@ -1,0 +1,143 @@
+"""A real aiohttp target app for the HTTP proxy tests and bench: ``python -m tests.httppeer PORT``.
+
+Endpoints: ``/json`` (small JSON), ``/echo/...`` (what arrived: method, path,
+query, headers, body), ``/upload`` (streamed SHA-256 of the body),
+``/download?size=N[&chunked=1]`` (deterministic bytes, see ``pattern``),
+``/redirect?to=...``, ``/text?say=...``, ``/ws`` (echo), ``/sse?n=N`` and
+``/sse-hold`` (an event, then waits until ``/release``), ``/seen`` (paths
+received so far).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import sys
+
+from aiohttp import WSMsgType, web
+
+BLOCK = hashlib.sha256(b"gatewayd").digest() * 2048  # 64 KiB
+
+
+def pattern(size: int) -> bytes:
+    """The first ``size`` bytes the download endpoint sends."""
+    return (BLOCK * (size // len(BLOCK) + 1))[:size]
+
+
+def pattern_sha256(size: int) -> str:
+    digest = hashlib.sha256()
+    full, rest = divmod(size, len(BLOCK))
+    for _ in range(full):
+        digest.update(BLOCK)
+    digest.update(BLOCK[:rest])
+    return digest.hexdigest()
+
+
+SMALL = b'{"ok":true,"service":"target","items":[1,2,3]}'
+
+
+def make_app() -> web.Application:
+    seen: list[str] = []
+    held = asyncio.Event()
+
+    @web.middleware
+    async def remember(request: web.Request, handler):  # type: ignore[no-untyped-def]
+        seen.append(request.path_qs)
+        return await handler(request)
+
+    async def small(request: web.Request) -> web.Response:
+        return web.Response(body=SMALL, content_type="application/json")
+
+    async def echo(request: web.Request) -> web.Response:
+        body = await request.read()
+        return web.json_response({
+            "method": request.method, "path": request.path, "query": request.raw_path.partition("?")[2],
+            "headers": [[k, v] for k, v in request.headers.items()], "body": body.decode("utf-8", "replace"),
+        })
+
+    async def upload(request: web.Request) -> web.Response:
+        digest = hashlib.sha256()
+        size = 0
+        while chunk := await request.content.readany():
+            digest.update(chunk)
+            size += len(chunk)
+        return web.json_response({"sha256": digest.hexdigest(), "size": size,
+                                  "chunked": "chunked" in request.headers.get("Transfer-Encoding", "")})
+
+    async def download(request: web.Request) -> web.StreamResponse:
+        size = int(request.query.get("size", "1048576"))
+        response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        if not request.query.get("chunked"):
+            response.content_length = size
+        await response.prepare(request)
+        full, rest = divmod(size, len(BLOCK))
+        for _ in range(full):
+            await response.write(BLOCK)
+        if rest:
+            await response.write(BLOCK[:rest])
+        await response.write_eof()
+        return response
+
+    async def redirect(request: web.Request) -> web.Response:
+        raise web.HTTPFound(request.query.get("to", "/json"))
+
+    async def text(request: web.Request) -> web.Response:
+        return web.Response(text=request.query.get("say", "hello"), content_type="text/plain")
+
+    async def websocket(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse(protocols=("chat",))
+        await ws.prepare(request)
+        async for message in ws:
+            if message.type == WSMsgType.TEXT:
+                await ws.send_str(f"echo: {message.data}")
+            elif message.type == WSMsgType.BINARY:
+                await ws.send_bytes(message.data[::-1])
+        return ws
+
+    async def sse(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        for index in range(int(request.query.get("n", "3"))):
+            await response.write(f"id: {index}\ndata: event {index}\n\n".encode())
+        return response
+
+    async def sse_hold(request: web.Request) -> web.StreamResponse:
+        held.clear()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b"data: first\n\n")
+        await held.wait()
+        await response.write(b"data: second\n\n")
+        return response
+
+    async def release(request: web.Request) -> web.Response:
+        held.set()
+        return web.json_response({"released": True})
+
+    async def seen_paths(request: web.Request) -> web.Response:
+        return web.json_response(seen)
+
+    app = web.Application(middlewares=[remember], client_max_size=1 << 40)
+    app.router.add_get("/json", small)
+    app.router.add_route("*", "/echo{tail:.*}", echo)
+    app.router.add_route("*", "/upload", upload)
+    app.router.add_get("/download", download)
+    app.router.add_get("/redirect", redirect)
+    app.router.add_get("/text", text)
+    app.router.add_get("/ws", websocket)
+    app.router.add_get("/sse", sse)
+    app.router.add_get("/sse-hold", sse_hold)
+    app.router.add_get("/release", release)
+    app.router.add_get("/seen", seen_paths)
+    return app
+
+
+if __name__ == "__main__":
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    web.run_app(make_app(), host="127.0.0.1", port=int(sys.argv[1]), access_log=None, print=None,
+                auto_decompress=False)

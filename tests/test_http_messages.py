@@ -1,0 +1,160 @@
+"""Unit tests of the HTTP proxy's pure logic: credentials, headers, cookies, redirects, recording text."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from proxies.http import messages as m
+
+SECRET = "httpproxy-" + "a" * 43
+OTHER = "httpproxy-" + "B" * 43
+
+
+def test_credential_from_header_bare_or_bearer():
+    assert m.extract_credential(SECRET, None, "/x") == m.PresentedCredential(SECRET, "header")
+    assert m.extract_credential(f"Bearer {SECRET}", None, "/x") == m.PresentedCredential(SECRET, "header")
+    assert m.extract_credential(f"bearer   {SECRET} ", None, "/x") == m.PresentedCredential(SECRET, "header")
+
+
+def test_the_targets_own_authorization_is_not_a_credential():
+    assert m.extract_credential("Basic dXNlcjpwdw==", None, "/x") is None
+    assert m.extract_credential("Bearer eyJhbGciOi.x.y", f"gatewayd_proxy_token={SECRET}", "/x") == \
+        m.PresentedCredential(SECRET, "cookie")
+    assert m.extract_credential("Bearer pg-" + "a" * 43, None, "/x") is None  # not an http credential
+
+
+def test_credential_from_cookie_among_others():
+    cookie = f"a=1; gatewayd_proxy_token={SECRET}; b=2"
+    assert m.extract_credential(None, cookie, "/x") == m.PresentedCredential(SECRET, "cookie")
+    assert m.extract_credential(None, "gatewayd_proxy_tokenx=1", "/x") is None
+    assert m.extract_credential(None, "gatewayd_proxy_token=", "/x") is None
+
+
+@pytest.mark.parametrize(("path", "rest"), [
+    (f"/{SECRET}", "/"), (f"/{SECRET}/", "/"), (f"/{SECRET}/app/page?q=1", "/app/page?q=1"),
+    (f"/{SECRET}?a=/b", "/?a=/b"),
+])
+def test_credential_from_first_path_segment(path, rest):
+    assert m.extract_credential(None, None, path) == m.PresentedCredential(SECRET, "path", rest)
+
+
+def test_the_path_form_wins_so_a_secret_in_a_url_is_never_forwarded():
+    found = m.extract_credential(OTHER, f"gatewayd_proxy_token={OTHER}", f"/{SECRET}/x")
+    assert found == m.PresentedCredential(SECRET, "path", "/x")
+    assert m.extract_credential(None, None, "/httpproxy-short/x") is None
+
+
+def test_credential_cookie_attributes():
+    cookie = m.credential_cookie(SECRET, 600)
+    assert cookie == f"gatewayd_proxy_token={SECRET}; Path=/; Max-Age=600; HttpOnly; SameSite=Lax"
+    assert "Max-Age=0" in m.credential_cookie(SECRET, -5)
+
+
+def test_upstream_headers_drop_hop_by_hop_and_the_gateway_credential():
+    headers = [("Host", "gw:18888"), ("Authorization", SECRET), ("Connection", "keep-alive, X-Private"),
+               ("X-Private", "1"), ("Keep-Alive", "timeout=5"), ("Transfer-Encoding", "chunked"),
+               ("Content-Length", "5"), ("Expect", "100-continue"), ("TE", "trailers"), ("Upgrade", "h2c"),
+               ("Proxy-Authorization", "Basic x"), ("Cookie", f"gatewayd_proxy_token={SECRET}"),
+               ("Accept", "*/*"), ("X-Forwarded-For", "10.0.0.1"), ("X-Forwarded-For", "10.0.0.2")]
+    out = m.upstream_request_headers(headers, "header", "127.0.0.9", "http", "gw:18888")
+    assert out == [("Accept", "*/*"), ("X-Forwarded-For", "10.0.0.1, 10.0.0.2, 127.0.0.9"),
+                   ("X-Forwarded-Proto", "http"), ("X-Forwarded-Host", "gw:18888")]
+
+
+def test_upstream_headers_keep_the_targets_authorization_when_the_credential_came_by_cookie():
+    headers = [("Authorization", "Basic abc"), ("Cookie", f"a=1; gatewayd_proxy_token={SECRET}; b=2")]
+    out = m.upstream_request_headers(headers, "cookie", "1.2.3.4", "http", "")
+    assert out == [("Authorization", "Basic abc"), ("Cookie", "a=1; b=2"), ("X-Forwarded-For", "1.2.3.4"),
+                   ("X-Forwarded-Proto", "http")]
+
+
+TARGET = m.TargetUrl.parse("http://app.internal:8080")
+BASED = m.TargetUrl.parse("https://app.internal/base/")
+
+
+def test_target_url_parsing():
+    assert TARGET.origin == "http://app.internal:8080" and TARGET.base_path == ""
+    assert BASED.origin == "https://app.internal" and BASED.base_path == "/base" and BASED.port == 443
+    assert BASED.url_for("/x?y=1") == "https://app.internal/base/x?y=1"
+    assert m.TargetUrl.parse("http://u:p@h:1/").where == "h:1"
+    for bad in ("", "ftp://h/", "http:///x", "h:80"):
+        with pytest.raises(ValueError):
+            m.TargetUrl.parse(bad)
+
+
+@pytest.mark.parametrize(("location", "target", "expected"), [
+    ("http://app.internal:8080/login?next=/a", TARGET, "http://gw:18888/login?next=/a"),
+    ("HTTP://APP.INTERNAL:8080/", TARGET, "http://gw:18888/"),
+    ("http://app.internal:9090/x", TARGET, "http://app.internal:9090/x"),  # another port: another place
+    ("https://elsewhere.example/x", TARGET, "https://elsewhere.example/x"),
+    ("/relative?x=1", TARGET, "/relative?x=1"),
+    ("relative", TARGET, "relative"),
+    ("//app.internal:8080/p", TARGET, "http://gw:18888/p"),
+    ("https://app.internal/base/in#frag", BASED, "http://gw:18888/in#frag"),
+    ("https://app.internal/base", BASED, "http://gw:18888/"),
+    ("/base/in?q", BASED, "/in?q"),
+    ("/outside", BASED, "/outside"),
+])
+def test_redirects_are_rewritten_to_the_gateway(location, target, expected):
+    assert m.rewrite_location(location, target, "http://gw:18888") == expected
+
+
+def test_response_headers():
+    headers = [("Content-Length", "3"), ("Transfer-Encoding", "chunked"), ("Connection", "close, X-Hop"),
+               ("X-Hop", "1"), ("Location", "http://app.internal:8080/next"), ("Set-Cookie", "s=1; HttpOnly"),
+               ("Content-Encoding", "gzip")]
+    assert m.downstream_response_headers(headers, TARGET, "http://gw") == [
+        ("Location", "http://gw/next"), ("Set-Cookie", "s=1; HttpOnly"), ("Content-Encoding", "gzip")]
+
+
+@pytest.mark.parametrize(("content_type", "text"), [
+    ("text/html; charset=utf-8", True), ("application/json", True), ("application/vnd.api+json", True),
+    ("application/x-www-form-urlencoded", True), ("application/xml", True), ("image/svg+xml", False),
+    ("application/octet-stream", False), ("image/png", False), (None, False), ("", False),
+    ("application/jsonp-but-not", False),
+])
+def test_text_content_types(content_type, text):
+    assert m.is_text(content_type) is text
+
+
+def test_websocket_upgrade_detection():
+    assert m.is_websocket_upgrade([("Connection", "keep-alive, Upgrade"), ("Upgrade", "websocket")])
+    assert not m.is_websocket_upgrade([("Upgrade", "websocket")])
+    assert not m.is_websocket_upgrade([("Connection", "Upgrade"), ("Upgrade", "h2c")])
+
+
+def test_recorded_heads_never_hold_a_secret():
+    head = m.head_text(f"GET /x?t={SECRET} HTTP/1.1", [
+        ("Authorization", SECRET), ("Authorization", "Bearer abc.def"), ("Cookie", f"a=1; gatewayd_proxy_token={SECRET}"),
+        ("Set-Cookie", "sid=xyz; Path=/; HttpOnly"), ("Referer", f"http://gw/{SECRET}/"), ("X-Api-Key", "k"),
+        ("Accept", "*/*")])
+    assert SECRET not in head and "abc.def" not in head and "xyz" not in head
+    assert head == ("GET /x?t=[REDACTED] HTTP/1.1\r\nAuthorization: [REDACTED]\r\nAuthorization: Bearer [REDACTED]\r\n"
+                    "Cookie: a=[REDACTED]; gatewayd_proxy_token=[REDACTED]\r\n"
+                    "Set-Cookie: sid=[REDACTED]; Path=/; HttpOnly\r\nReferer: http://gw/[REDACTED]/\r\n"
+                    "X-Api-Key: [REDACTED]\r\nAccept: */*\r\n\r\n")
+
+
+def test_body_notes():
+    assert m.body_note(10, 10, True) == ""
+    assert m.body_note(10, None, True) == ""
+    assert m.body_note(4096, 10_000, True) == "\r\n[body: 4096 of 10000 bytes recorded]"
+    assert m.body_note(4096, None, False) == "\r\n[body: 4096 of a size not known yet (streamed) recorded]"
+
+
+def test_guard_text_reads_line_headers_and_body():
+    text = m.guard_text("POST /q HTTP/1.1", [("X-A", "b")], b'{"sql": "drop table"}')
+    assert text == 'POST /q HTTP/1.1\r\nX-A: b\r\n\r\n{"sql": "drop table"}'
+
+
+@given(st.text(), st.text(), st.text())
+def test_extract_credential_never_raises(authorization, cookie, path):
+    found = m.extract_credential(authorization, cookie, "/" + path)
+    assert found is None or found.secret
+
+
+@given(st.text(min_size=1))
+def test_rewrite_location_never_raises(location):
+    assert isinstance(m.rewrite_location(location, TARGET, "http://gw"), str)

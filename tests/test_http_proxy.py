@@ -1,0 +1,515 @@
+"""End to end: curl and aiohttp through the HTTP proxy of a real gatewayd to a real aiohttp target app.
+
+One target app (``tests/httppeer.py`` in its own process) and one ``gatewayd
+run`` subprocess with the http listener serve the whole module; each test
+makes its own connection (role) so guard rails never leak between tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.conftest import ROOT, Daemon, free_port
+from tests.httppeer import BLOCK, pattern_sha256
+
+BIG = 200 * 1024 * 1024
+MEMORY_BOUND_KB = 150 * 1024
+
+
+def b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def wait_port(port: int, process: subprocess.Popen[bytes], timeout: float = 20) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"exited with {process.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on {port}")
+
+
+@pytest.fixture(scope="module")
+def target():
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "tests.httppeer", str(port)], cwd=ROOT)
+    try:
+        wait_port(port, process)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    port = free_port()
+    daemon = Daemon(tmp_path_factory.mktemp("httpproxy") / "data", {
+        "listeners.http": f"127.0.0.1:{port}",
+        "sessions.flush_interval": "100ms",
+        "http.record_body_bytes": 4096,
+        "http.guard_body_bytes": 65536,
+        "http.credential_recheck": "1s",
+    }).start()
+    daemon.http_url = f"http://127.0.0.1:{port}"
+    wait_port(port, daemon.process)
+    yield daemon
+    assert daemon.stop() == 0
+
+
+class Api:
+    """The control API as an admin, plus helpers to make roles and credentials."""
+
+    def __init__(self, daemon: Daemon, target: str, http: aiohttp.ClientSession) -> None:
+        self.daemon = daemon
+        self.target = target
+        self.http = http
+
+    async def __call__(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        async with self.http.request(method, self.daemon.url + path, json=body) as response:
+            text = await response.text()
+            try:
+                return response.status, json.loads(text) if text else None
+            except ValueError:
+                return response.status, text
+
+    async def role(self, remote_url: str | None = None) -> dict:
+        name = f"web-{uuid.uuid4().hex[:8]}"
+        status, body = await self("POST", "/connections", {
+            "name": name, "type": "httpproxy", "subtype": "httpproxy",
+            "secret": {"envvar:REMOTE_URL": b64(remote_url or self.target)}})
+        assert status == 201, body
+        return body
+
+    async def credential(self, connection: dict, seconds: int = 600) -> tuple[str, str]:
+        """(secret, session id) of a fresh credential."""
+        status, body = await self("POST", f"/connections/{connection['name']}/credentials",
+                                  {"access_duration_seconds": seconds})
+        assert status == 201, body
+        return body["connection_credentials"]["proxy_token"], body["session_id"]
+
+    async def guardrail(self, connection: dict, input_rules: list | None = None,
+                        output_rules: list | None = None) -> dict:
+        status, body = await self("POST", "/guardrails", {
+            "name": f"rail-{uuid.uuid4().hex[:8]}", "connection_ids": [connection["id"]],
+            "input": {"rules": input_rules or []}, "output": {"rules": output_rules or []}})
+        assert status == 201, body
+        return body
+
+    async def session(self, session_id: str, until: Any = None, timeout: float = 10) -> dict:
+        """The session with its event stream, once ``until(session)`` holds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            status, body = await self("GET", f"/sessions/{session_id}?expand=event_stream")
+            assert status == 200, body
+            if until is None or until(body):
+                return body
+            if time.monotonic() > deadline:
+                raise AssertionError(f"session {session_id} never got there: {body['status']}, "
+                                     f"{events(body)[-5:]}")
+            await asyncio.sleep(0.05)
+
+    async def audit(self, action: str) -> list[dict]:
+        status, body = await self("GET", f"/audit/logs?action={action}&page_size=100")
+        assert status == 200, body
+        return body["data"]
+
+
+@pytest.fixture(scope="module")
+async def api(gateway, target):
+    token = gateway.token("admin@example.com", groups="admin", name="Ada Admin")
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as http:
+        yield Api(gateway, target, http)
+
+
+@pytest.fixture(scope="module")
+async def client():
+    """A plain HTTP client with no cookie jar (each test says what it sends)."""
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False) as http:
+        yield http
+
+
+def events(session: dict) -> list[tuple[str, str]]:
+    return [(kind, base64.b64decode(data).decode("utf-8", "replace")) for _, kind, data in session["event_stream"]]
+
+
+def has_event(kind: str, needle: str):
+    return lambda session: any(k == kind and needle in text for k, text in events(session))
+
+
+def curl(*args: str, stdin: Any = None, timeout: float = 300) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(["curl", "-sS", *args], stdin=stdin, capture_output=True, timeout=timeout)
+
+
+def header_value(pairs: list[list[str]], name: str) -> list[str]:
+    return [v for k, v in pairs if k.lower() == name.lower()]
+
+
+# --------------------------------------------------------------------------- credentials
+
+
+async def test_header_credential_forwards_faithfully(api, gateway, client):
+    connection = await api.role()
+    secret, session_id = await api.credential(connection)
+    for authorization in (secret, f"Bearer {secret}"):
+        async with client.put(f"{gateway.http_url}/echo/a/b?x=1&y=%20z", data=b"payload",
+                               headers={"Authorization": authorization, "X-Custom": "kept",
+                                        "X-Forwarded-For": "10.9.9.9", "Connection": "keep-alive, X-Drop",
+                                        "X-Drop": "hop"}) as response:
+            assert response.status == 200
+            seen = await response.json()
+        assert seen["method"] == "PUT" and seen["path"] == "/echo/a/b" and seen["query"] == "x=1&y=%20z"
+        assert seen["body"] == "payload"
+        headers = seen["headers"]
+        assert header_value(headers, "Authorization") == []
+        assert header_value(headers, "X-Custom") == ["kept"]
+        assert header_value(headers, "X-Drop") == []
+        assert header_value(headers, "X-Forwarded-For") == ["10.9.9.9, 127.0.0.1"]
+        assert header_value(headers, "X-Forwarded-Proto") == ["http"]
+        assert header_value(headers, "X-Forwarded-Host") == [gateway.http_url.split("//")[1]]
+        assert secret not in json.dumps(seen)
+    for method in ("GET", "POST", "DELETE", "PATCH", "OPTIONS"):
+        async with client.request(method, f"{gateway.http_url}/echo/m", headers={"Authorization": secret}) as response:
+            assert response.status == 200
+            assert (await response.json())["method"] == method
+    async with client.head(f"{gateway.http_url}/json", headers={"Authorization": secret}) as response:
+        assert response.status == 200 and response.content_length > 0
+    # the one session of the credential holds them all, open, with the secret redacted
+    session = await api.session(session_id, has_event("i", "HEAD /json"))
+    assert session["status"] == "open" and session["type"] == "httpproxy"
+    recorded = events(session)
+    assert sum(1 for k, t in recorded if k == "i") == 8 and sum(1 for k, t in recorded if k == "o") == 8
+    assert any(k == "i" and t.startswith("PUT /echo/a/b?x=1&y=%20z HTTP/1.1") and "Authorization: [REDACTED]" in t
+               and t.endswith("payload") for k, t in recorded)
+    assert any(k == "o" and t.startswith("HTTP/1.1 200 OK") and '"method": "PUT"' in t for k, t in recorded)
+    assert secret not in json.dumps(recorded)
+    logins = [e for e in await api.audit("httpproxy.login") if e["request_payload_redacted"]["credential_id"]
+              and e["request_payload_redacted"]["connection"] == connection["name"]]
+    assert [e["outcome"] for e in logins] == ["success"]  # the first login, not every request
+
+
+async def test_cookie_credential_lets_the_targets_authorization_through(api, gateway, client):
+    connection = await api.role()
+    secret, _ = await api.credential(connection)
+    async with client.get(f"{gateway.http_url}/echo", headers={
+            "Cookie": f"theme=dark; gatewayd_proxy_token={secret}; lang=en",
+            "Authorization": "Basic dXNlcjpwdw=="}) as response:
+        assert response.status == 200
+        seen = await response.json()
+    assert header_value(seen["headers"], "Authorization") == ["Basic dXNlcjpwdw=="]
+    assert header_value(seen["headers"], "Cookie") == ["theme=dark; lang=en"]
+    async with client.get(f"{gateway.http_url}/echo", headers={"Cookie": f"gatewayd_proxy_token={secret}"}) as response:
+        seen = await response.json()
+    assert header_value(seen["headers"], "Cookie") == []
+
+
+async def test_browser_flow_with_curl_cookie_jar(api, gateway, tmp_path):
+    connection = await api.role()
+    secret, session_id = await api.credential(connection)
+    jar = tmp_path / "jar.txt"
+    first = curl("-D", "-", "-o", "/dev/null", "-c", str(jar), f"{gateway.http_url}/{secret}/echo/page?q=1")
+    head = first.stdout.decode()
+    assert head.startswith("HTTP/1.1 302"), head
+    assert "Location: /echo/page?q=1\r\n" in head
+    cookie = next(line for line in head.splitlines() if line.lower().startswith("set-cookie:"))
+    assert "HttpOnly" in cookie and "SameSite=Lax" in cookie and "Path=/" in cookie
+    assert f"#HttpOnly_127.0.0.1\tFALSE\t/\tFALSE" in jar.read_text()
+    # the browser follows the redirect with its cookie, and goes on using it
+    followed = curl("-L", "-b", str(jar), "-c", str(jar), f"{gateway.http_url}/{secret}/echo/page?q=1")
+    seen = json.loads(followed.stdout)
+    assert seen["path"] == "/echo/page" and seen["query"] == "q=1"
+    assert header_value(seen["headers"], "Cookie") == []
+    again = curl("-b", str(jar), f"{gateway.http_url}/json")
+    assert json.loads(again.stdout)["ok"] is True
+    session = await api.session(session_id, has_event("i", "GET /json"))
+    assert secret not in json.dumps(events(session))
+
+
+async def test_wrong_missing_and_expired_credentials(api, gateway, client, target):
+    bogus = "httpproxy-" + "A" * 43
+    for headers in ({"Authorization": bogus}, {"Cookie": f"gatewayd_proxy_token={bogus}"}, {}):
+        async with client.get(f"{gateway.http_url}/json", headers=headers) as response:
+            assert response.status == 401
+            body = await response.json()
+        assert "unknown secret" in body["message"] or "missing credential" in body["message"]
+    async with client.get(f"{gateway.http_url}/{bogus}/json", allow_redirects=False) as response:
+        assert response.status == 401 and "Set-Cookie" not in response.headers
+    # a postgres credential is not an http one
+    status, pg = await api("POST", "/connections", {"name": f"pg-{uuid.uuid4().hex[:6]}", "type": "database",
+                                                    "subtype": "postgres", "secret": {}})
+    assert status == 201
+    status, issued = await api("POST", f"/connections/{pg['name']}/credentials", {"access_duration_seconds": 60})
+    async with client.get(f"{gateway.http_url}/json",
+                          headers={"Authorization": issued["connection_credentials"]["username"]}) as response:
+        assert response.status == 401
+    connection = await api.role()
+    secret, session_id = await api.credential(connection, seconds=2)
+    async with client.get(f"{gateway.http_url}/json", headers={"Authorization": secret}) as response:
+        assert response.status == 200
+    await api.session(session_id, lambda s: s["status"] == "done", timeout=15)
+    async with client.get(f"{gateway.http_url}/json", headers={"Authorization": secret}) as response:
+        assert response.status == 401
+        assert "expired" in (await response.json())["message"]
+    failures = [e for e in await api.audit("httpproxy.login") if e["outcome"] == "failure"]
+    assert any("expired" in e["error_message"] for e in failures)
+    assert any("unknown secret" in e["error_message"] for e in failures)
+
+
+async def test_killed_session_refuses_and_cuts_streams(api, gateway, client, target):
+    connection = await api.role()
+    secret, session_id = await api.credential(connection)
+    headers = {"Authorization": secret}
+    async with client.get(f"{gateway.http_url}/sse-hold", headers=headers) as stream:
+        assert await asyncio.wait_for(stream.content.readline(), 10) == b"data: first\n"
+        status, body = await api("POST", f"/sessions/{session_id}/kill")
+        assert status == 200, body
+        with pytest.raises((aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError)):
+            await asyncio.wait_for(stream.content.read(), 10)
+    async with client.get(f"{target}/release") as response:
+        assert response.status == 200
+    async with client.get(f"{gateway.http_url}/json", headers=headers) as response:
+        assert response.status == 401
+        assert "session was closed" in (await response.json())["message"]
+    session = await api.session(session_id, lambda s: s["status"] == "done")
+    assert session["exit_code"] == 254
+    assert any(k == "e" and "session killed by admin@example.com" in t for k, t in events(session))
+
+
+# --------------------------------------------------------------------------- relaying
+
+
+async def test_redirects_stay_on_the_gateway(api, gateway, client, target):
+    connection = await api.role()
+    secret, _ = await api.credential(connection)
+    headers = {"Authorization": secret}
+    cases = {f"{target}/json?a=1": f"{gateway.http_url}/json?a=1", "/json": "/json",
+             "https://example.com/x": "https://example.com/x"}
+    for to, expected in cases.items():
+        async with client.get(f"{gateway.http_url}/redirect", params={"to": to}, headers=headers,
+                              allow_redirects=False) as response:
+            assert response.status == 302
+            assert response.headers["Location"] == expected
+    # under a base path: the prefix is added on the way in and removed from redirects
+    based = await api.role(f"{target}/echo")
+    secret, _ = await api.credential(based)
+    async with client.get(f"{gateway.http_url}/sub?k=v", headers={"Authorization": secret}) as response:
+        seen = await response.json()
+    assert seen["path"] == "/echo/sub" and seen["query"] == "k=v"
+
+
+async def test_websocket_echo_both_ways(api, gateway, client):
+    connection = await api.role()
+    secret, session_id = await api.credential(connection)
+    async with client.ws_connect(f"{gateway.http_url}/ws", headers={"Authorization": secret},
+                                 protocols=("chat",)) as ws:
+        assert ws.protocol == "chat"
+        await ws.send_str("hello")
+        assert (await ws.receive_str(timeout=10)) == "echo: hello"
+        await ws.send_bytes(b"\x01\x02\x03")
+        assert (await ws.receive_bytes(timeout=10)) == b"\x03\x02\x01"
+    session = await api.session(session_id, has_event("o", "echo: hello"))
+    recorded = events(session)
+    assert ("i", "hello") in recorded and ("o", "echo: hello") in recorded
+
+
+async def test_server_sent_events_stream_as_they_come(api, gateway, client, target):
+    connection = await api.role()
+    secret, _ = await api.credential(connection)
+    async with client.get(f"{gateway.http_url}/sse-hold", headers={"Authorization": secret}) as stream:
+        assert stream.headers["Content-Type"] == "text/event-stream"
+        # the first event arrives while the target still holds the response open: nothing is buffered
+        assert await asyncio.wait_for(stream.content.readline(), 10) == b"data: first\n"
+        async with client.get(f"{target}/release") as response:
+            assert response.status == 200
+        assert (await asyncio.wait_for(stream.content.read(), 10)) == b"\ndata: second\n\n"
+    async with client.get(f"{gateway.http_url}/sse?n=50", headers={"Authorization": secret}) as stream:
+        text = await stream.text()
+    assert text.count("data: event") == 50
+
+
+async def test_compressed_bodies_pass_as_they_are(api, gateway, client):
+    import gzip
+
+    connection = await api.role()
+    secret, _ = await api.credential(connection)
+    packed = gzip.compress(b"squeeze me " * 100)
+    async with client.post(f"{gateway.http_url}/upload", data=packed,
+                           headers={"Authorization": secret, "Content-Encoding": "gzip"}) as response:
+        assert (await response.json())["sha256"] == hashlib.sha256(packed).hexdigest()
+
+
+# --------------------------------------------------------------------------- big transfers
+
+
+def _peak_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmHWM")
+
+
+class RssSampler:
+    """Samples a process's resident memory while a transfer runs (VmRSS, every 50 ms)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.peak_kb = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    self.peak_kb = max(self.peak_kb, int(line.split()[1]))
+            self._stop.wait(0.05)
+
+    def __enter__(self) -> "RssSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+async def test_200mb_download_and_upload_with_curl_in_bounded_memory(api, gateway, tmp_path):
+    connection = await api.role()
+    secret, session_id = await api.credential(connection)
+    pid = gateway.process.pid
+    with RssSampler(pid) as sampler:
+        for chunked in ("", "&chunked=1"):
+            done = await asyncio.to_thread(curl, "-H", f"Authorization: {secret}", "-o", "-",
+                                           f"{gateway.http_url}/download?size={BIG}{chunked}")
+            assert done.returncode == 0, done.stderr
+            assert len(done.stdout) == BIG
+            assert hashlib.sha256(done.stdout).hexdigest() == pattern_sha256(BIG)
+            del done
+
+        def upload() -> dict:
+            # curl reads stdin and sends it chunked: the gateway cannot know the size in advance
+            process = subprocess.Popen(["curl", "-sS", "-T", "-", "-H", f"Authorization: {secret}",
+                                        f"{gateway.http_url}/upload"],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            assert process.stdin is not None
+            for _ in range(BIG // len(BLOCK)):
+                process.stdin.write(BLOCK)
+            process.stdin.close()
+            out, err = process.stdout.read(), process.stderr.read()  # type: ignore[union-attr]
+            assert process.wait(60) == 0, err
+            return json.loads(out)
+
+        answer = await asyncio.to_thread(upload)
+    assert answer == {"sha256": pattern_sha256(BIG), "size": BIG, "chunked": True}
+    print(f"gateway RSS during 3 x {BIG >> 20} MB transfers: peak {sampler.peak_kb} kB")
+    assert sampler.peak_kb < MEMORY_BOUND_KB, f"gateway RSS reached {sampler.peak_kb} kB"
+    assert _peak_kb(pid) < MEMORY_BOUND_KB
+    session = await api.session(session_id, has_event("o", '"chunked": true'))
+    recorded = events(session)
+    download = next(t for k, t in recorded if k == "o" and "application/octet-stream" in t)
+    assert f"[body: 4096 of {BIG} bytes recorded]" in download
+    uploaded = next(t for k, t in recorded if k == "i" and t.startswith("PUT /upload"))
+    assert "[body: 4096 of a size not known yet (streamed) recorded]" in uploaded
+
+
+# --------------------------------------------------------------------------- guard rails
+
+
+async def test_input_guard_rails_block_before_the_target(api, gateway, client, target):
+    connection = await api.role()
+    secret, session_id = await api.credential(connection)
+    await api.guardrail(connection, input_rules=[{"type": "deny_words_list", "words": ["drop table"]},
+                                                 {"type": "pattern_match", "pattern_regex": r"ssn=\d{3}"}])
+    marker = uuid.uuid4().hex
+    headers = {"Authorization": secret}
+    async with client.get(f"{gateway.http_url}/echo/{marker}?ssn=123", headers=headers) as response:
+        assert response.status == 403
+        assert response.headers["X-Gateway-Guardrails"] == "blocked"
+        assert "pattern=ssn=\\d{3}" in (await response.json())["message"]
+    async with client.post(f"{gateway.http_url}/echo/{marker}", json={"q": "DROP   TABLE users"},
+                           headers=headers) as response:
+        assert response.status == 403
+        assert (await response.json())["message"].endswith("words=[drop table]")
+    async with client.get(f"{gateway.http_url}/echo/{marker}/fine", headers=headers) as response:
+        assert response.status == 200
+    async with client.get(f"{target}/seen") as response:
+        seen = [p for p in await response.json() if marker in p]
+    assert seen == [f"/echo/{marker}/fine"]  # the blocked requests never reached the target
+    session = await api.session(session_id, has_event("e", "words=[drop table]"))
+    assert session["status"] == "open"
+    blocks = await api.audit("guardrail.block")
+    assert any(b["request_payload_redacted"]["session_id"] == session_id for b in blocks)
+
+
+async def test_output_guard_rails_block_text_responses(api, gateway, client):
+    connection = await api.role()
+    secret, session_id = await api.credential(connection)
+    await api.guardrail(connection, output_rules=[{"type": "deny_words_list", "words": ["top secret"]}])
+    headers = {"Authorization": secret}
+    async with client.get(f"{gateway.http_url}/text", params={"say": "this is TOP SECRET"}, headers=headers) as response:
+        assert response.status == 403
+        assert response.headers["X-Gateway-Guardrails"] == "blocked"
+        assert "top secret" in (await response.json())["message"]
+    async with client.get(f"{gateway.http_url}/text", params={"say": "harmless"}, headers=headers) as response:
+        assert response.status == 200 and await response.text() == "harmless"
+    # binary bodies are not text: they pass (the rule would match the bytes otherwise)
+    async with client.get(f"{gateway.http_url}/download?size=1000", headers=headers) as response:
+        assert response.status == 200
+    await api.session(session_id, has_event("e", "words=[top secret]"))
+
+
+# --------------------------------------------------------------------------- failures
+
+
+async def test_target_down_is_a_502_and_an_error_event(api, gateway, client):
+    connection = await api.role(f"http://user:hunter2@127.0.0.1:{free_port()}")
+    secret, session_id = await api.credential(connection)
+    async with client.get(f"{gateway.http_url}/json", headers={"Authorization": secret}) as response:
+        assert response.status == 502
+        message = (await response.json())["message"]
+    assert "unreachable" in message and "hunter2" not in message
+    session = await api.session(session_id, has_event("e", "unreachable"))
+    assert "hunter2" not in json.dumps(events(session))
+    # the gateway keeps serving others
+    other = await api.role()
+    secret, _ = await api.credential(other)
+    async with client.get(f"{gateway.http_url}/json", headers={"Authorization": secret}) as response:
+        assert response.status == 200
+
+
+async def test_listener_stops_and_starts_live(api, gateway, client):
+    status, document = await api("GET", "/serverconfig/misc")
+    assert status == 200
+    address = document["http_proxy_server_config"]["listen_address"]
+    document["http_proxy_server_config"]["listen_address"] = ""
+    status, body = await api("PUT", "/serverconfig/misc", document)
+    assert status == 200, body
+    with pytest.raises(aiohttp.ClientConnectorError):
+        async with client.get(f"{gateway.http_url}/json"):
+            pass
+    document["http_proxy_server_config"]["listen_address"] = address
+    status, body = await api("PUT", "/serverconfig/misc", document)
+    assert status == 200, body
+    connection = await api.role()
+    secret, _ = await api.credential(connection)
+    async with client.get(f"{gateway.http_url}/json", headers={"Authorization": secret}) as response:
+        assert response.status == 200
