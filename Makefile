@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	@scripts/ensure-python.sh "$(PYTHON)"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test,rdp]'
 	@touch $@
 
 ## Start the daemon on its embedded defaults (or CONFIG=file.toml).

@@ -1,0 +1,116 @@
+"""The RDP codec: bitmap updates to RGB rectangles, fast-path fragments, keystrokes to text (no sockets)."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+pytest.importorskip("pyrdp", reason="the rdp extra (pyrdp-mitm) is not installed")
+pytest.importorskip("PIL", reason="the rdp extra (Pillow) is not installed")
+
+from pyrdp.pdu import (  # noqa: E402
+    BitmapUpdateData,
+    FastPathBitmapEvent,
+    FastPathScanCodeEvent,
+    FastPathUnicodeEvent,
+    KeyboardEvent,
+)
+
+from proxies.rdp.codec import (  # noqa: E402
+    BITMAP_COMPRESSION,
+    NO_BITMAP_COMPRESSION_HDR,
+    DecodeError,
+    KeyboardText,
+    UpdateDecoder,
+    decode_bitmap,
+)
+
+RED16, BLUE16, GREEN16 = 0xF800, 0x001F, 0x07E0
+RED, BLUE, GREEN = b"\xff\x00\x00", b"\x00\x00\xff", b"\x00\xff\x00"
+
+
+def bitmap(x: int, y: int, w: int, h: int, bpp: int, data: bytes, flags: int = 0,
+           dest_w: int | None = None, dest_h: int | None = None) -> BitmapUpdateData:
+    return BitmapUpdateData(x, y, x + (dest_w or w) - 1, y + (dest_h or h) - 1, w, h, bpp, flags, data)
+
+
+def pixels16(*values: int) -> bytes:
+    return struct.pack(f"<{len(values)}H", *values)
+
+
+def test_uncompressed_16bpp_is_bottom_up_and_comes_out_top_down() -> None:
+    # two rows of two pixels, stored bottom row first: bottom = blue, top = red
+    rect = decode_bitmap(bitmap(10, 20, 2, 2, 16, pixels16(BLUE16, BLUE16, RED16, RED16)))
+    assert (rect.x, rect.y, rect.width, rect.height) == (10, 20, 2, 2)
+    assert rect.rgb == RED * 2 + BLUE * 2
+
+
+def test_24_and_32_bpp_are_bgr() -> None:
+    assert decode_bitmap(bitmap(0, 0, 1, 1, 24, b"\x00\x00\xff")).rgb == RED
+    assert decode_bitmap(bitmap(0, 0, 1, 1, 32, b"\xff\x00\x00\x00")).rgb == BLUE
+
+
+def test_padded_bitmaps_are_clipped_to_the_destination() -> None:
+    data = pixels16(*([GREEN16] * 8))  # 4 wide (padded), 2 high; the destination is 3 x 2
+    rect = decode_bitmap(bitmap(0, 0, 4, 2, 16, data, dest_w=3))
+    assert (rect.width, rect.height) == (3, 2) and rect.rgb == GREEN * 6
+
+
+def test_interleaved_rle_with_and_without_the_compression_header() -> None:
+    # first encoded scanline is the bottom one: red run then blue run
+    rle = bytes([0x60 | 4, 0x00, 0xF8, 0x60 | 4, 0x1F, 0x00])
+    expected = BLUE * 4 + RED * 4
+    plain = decode_bitmap(bitmap(0, 0, 4, 2, 16, rle, BITMAP_COMPRESSION | NO_BITMAP_COMPRESSION_HDR))
+    assert plain.rgb == expected
+    with_header = decode_bitmap(bitmap(0, 0, 4, 2, 16, b"\0" * 8 + rle, BITMAP_COMPRESSION))
+    assert with_header.rgb == expected
+
+
+def test_bad_bitmaps_raise_decode_error() -> None:
+    with pytest.raises(DecodeError):
+        decode_bitmap(bitmap(0, 0, 4, 4, 16, b"\x00"))
+    with pytest.raises(DecodeError):
+        decode_bitmap(bitmap(0, 0, 1, 1, 12, b"\x00\x00"))
+
+
+def update_payload(*bitmaps: tuple[int, int, int, int, bytes]) -> bytes:
+    """TS_UPDATE_BITMAP_DATA with its updateType, as in a fast-path bitmap update."""
+    body = struct.pack("<HH", 1, len(bitmaps))
+    for x, y, w, h, data in bitmaps:
+        body += struct.pack("<9H", x, y, x + w - 1, y + h - 1, w, h, 16, 0, len(data)) + data
+    return body
+
+
+def test_fast_path_fragments_are_reassembled() -> None:
+    payload = update_payload((0, 0, 2, 1, pixels16(RED16, RED16)), (5, 6, 1, 1, pixels16(BLUE16)))
+    first, middle, last = payload[:5], payload[5:17], payload[17:]
+    decoder = UpdateDecoder()
+    assert decoder.fastpath([FastPathBitmapEvent(0x01 | 2 << 4, None, [], first)]) == []
+    assert decoder.fastpath([FastPathBitmapEvent(0x01 | 3 << 4, None, [], middle)]) == []
+    rects = decoder.fastpath([FastPathBitmapEvent(0x01 | 1 << 4, None, [], last)])
+    assert [(r.x, r.y, r.width, r.height, r.rgb) for r in rects] == [(0, 0, 2, 1, RED * 2), (5, 6, 1, 1, BLUE)]
+    single = decoder.fastpath([FastPathBitmapEvent(0x01, None, [], payload)])
+    assert len(single) == 2
+
+
+def test_a_lone_fragment_and_garbage_are_skipped_not_raised() -> None:
+    decoder = UpdateDecoder()
+    assert decoder.fastpath([FastPathBitmapEvent(0x01 | 1 << 4, None, [], b"\x01\x00\x05")]) == []
+    assert decoder.slowpath(b"\x02\x00\x01") == []
+    assert decoder.skipped == 1
+
+
+def test_slow_path_bitmap_update() -> None:
+    rects = UpdateDecoder().slowpath(update_payload((3, 4, 1, 1, pixels16(GREEN16)))[2:])
+    assert [(r.x, r.y, r.rgb) for r in rects] == [(3, 4, GREEN)]
+
+
+def test_keyboard_text() -> None:
+    keys = KeyboardText()
+    events = [FastPathScanCodeEvent(0, 0x2A, False), FastPathScanCodeEvent(0, 0x23, False),  # shift, h
+              FastPathScanCodeEvent(0, 0x23, True), FastPathScanCodeEvent(0, 0x2A, True),
+              FastPathScanCodeEvent(0, 0x17, False), FastPathScanCodeEvent(0, 0x1C, False),  # i, enter
+              FastPathUnicodeEvent("é", False), FastPathUnicodeEvent("é", True)]
+    assert keys.fastpath(events) == "Hi<Return>é"
+    assert keys.slowpath([KeyboardEvent(0, 0x4000, 0x1E), KeyboardEvent(0, 0x8000, 0x1E)]) == "a"
