@@ -36,7 +36,8 @@ def session_json(session: Session, events: list[SessionEvent] | None = None,
         "script": {"data": session.script or ""} if session.verb == "exec" else {},
         "script_size": len((session.script or "").encode()), "start_date": session.start_date,
         "end_date": session.end_date, "event_size": session.event_size, "exit_code": session.exit_code,
-        "review": review_json(review) if review else None, "session_batch_id": session.session_batch_id, "labels": session.labels,
+        "review": review_json(review) if review else None, "session_batch_id": session.session_batch_id,
+        "labels": session.labels,
         "metadata": session.metadata, "metrics": metrics, "integrations_metadata": session.integrations_metadata,
     }
     if session.ai_analysis:
@@ -68,8 +69,8 @@ async def list_sessions(request: web.Request) -> web.Response:
     store = gateway_of(request).store
     page = await store.list_sessions(query)
     reviews = await store.reviews_by_ids(s.review_id for s in page.items if s.review_id)
-    return ok({"data": [session_json(s, review=reviews.get(s.review_id or "")) for s in page.items], "has_next_page": offset + len(page.items) < page.total,
-               "total": page.total})
+    return ok({"data": [session_json(s, review=reviews.get(s.review_id or "")) for s in page.items],
+               "has_next_page": offset + len(page.items) < page.total, "total": page.total})
 
 
 async def review_of(store: Any, session: Session) -> Review | None:
