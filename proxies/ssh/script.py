@@ -1,0 +1,56 @@
+"""One-time scripts on an SSH target: ``script`` runs as one exec command, guarded and recorded like native exec."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import asyncssh
+
+from gatewayd.scripts import ScriptResult
+from gatewayd.sessions import BLOCKED_EXIT_CODE
+from proxies.ssh.target import TargetError, TargetSettings, connect_target
+
+if TYPE_CHECKING:
+    from gatewayd.daemon import Gateway
+    from gatewayd.sessions import LiveSession
+
+
+async def run_script(gateway: Gateway, live: LiveSession, script: str) -> ScriptResult:
+    """Run ``script`` on ``live.connection``'s target; stdout then stderr as text, the command's exit code."""
+    connection = live.connection
+    recorder = live.recorder
+    rules = await gateway.guardrails.rules_for(connection.org_id, connection.id)
+    recorder.input(script)
+    verdict = rules.check_input(script)
+    if not verdict.allowed:
+        await live.blocked(verdict)
+        return ScriptResult(verdict.message, BLOCKED_EXIT_CODE)
+    try:
+        target = await connect_target(TargetSettings.from_role(connection.target()), connection.name)
+    except TargetError as exc:
+        recorder.error(str(exc))
+        return ScriptResult(str(exc), BLOCKED_EXIT_CODE)
+    async with target:
+        try:
+            result = await target.run(script, stdin=asyncssh.DEVNULL, encoding=None, check=False)
+        except (asyncssh.Error, OSError) as exc:
+            message = f'the target of connection "{connection.name}" failed the command: {exc}'
+            recorder.error(message)
+            return ScriptResult(message, BLOCKED_EXIT_CODE)
+    stdout = bytes(result.stdout or b"")
+    stderr = bytes(result.stderr or b"")
+    output = (stdout + stderr).decode("utf-8", "replace")
+    verdict = rules.check_output(output)
+    if not verdict.allowed:
+        await live.blocked(verdict)
+        return ScriptResult(verdict.message, BLOCKED_EXIT_CODE)
+    if stdout:
+        recorder.output(stdout)
+    if stderr:
+        recorder.error(stderr)
+    if result.exit_status is not None:
+        exit_code = result.exit_status
+    else:  # killed by a signal
+        exit_code = BLOCKED_EXIT_CODE
+        recorder.error(f"the command was terminated by signal {result.exit_signal[0] if result.exit_signal else '?'}")
+    return ScriptResult(output, exit_code)

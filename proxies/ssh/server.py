@@ -1,0 +1,703 @@
+"""The SSH listener: an asyncssh server for clients, an asyncssh client to the target, the core in between.
+
+One ``GatewayConnection`` per client SSH connection:
+
+1. the credential -- the SSH user name is the secret (no prompt), or any user
+   name with the secret as the password; refusals look like a wrong password
+   and are audited by ``gateway.access``;
+2. the target -- ``target.connect_target`` logs in with the role's settings
+   while the client finishes authenticating; a failure is told on the
+   client's first channel (stderr, exit 254) and the session is closed with
+   an ``e`` event;
+3. channels -- each ``session`` channel (exec, shell with or without pty,
+   the ``sftp`` subsystem) is mirrored by a channel to the target
+   (``SessionRelay``); ``direct-tcpip`` (``ssh -L``) is relayed when the
+   connection's ``settings.ssh.allow_port_forwarding`` is true and refused
+   otherwise (``ForwardRelay``); agent and X11 forwarding and remote
+   forwarding are refused;
+4. the end -- the session is closed when the client goes away, with the last
+   exit status; a kill or the credential's expiry tells every channel why on
+   stderr and closes the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+from typing import TYPE_CHECKING, Any
+
+import asyncssh
+
+from gatewayd.access import AccessDenied, looks_like_secret
+from gatewayd.guardrails import GuardVerdict
+from gatewayd.sessions import BLOCKED_EXIT_CODE
+from proxies.ssh.lines import Chunk, ShellInput
+from proxies.ssh.sftp import SftpObserver
+from proxies.ssh.target import MAX_PACKET, WINDOW, TargetError, TargetSettings, connect_target
+
+if TYPE_CHECKING:
+    from gatewayd.access import AccessGrant
+    from gatewayd.daemon import Gateway
+    from gatewayd.guardrails import RuleSet
+    from gatewayd.sessions import LiveSession
+
+log = logging.getLogger("gatewayd.ssh")
+
+STDERR = asyncssh.EXTENDED_DATA_STDERR
+LOGIN_TIMEOUT = 60.0
+CLOSE_GRACE = 5.0  # after a kill, how long channels may take to flush the message before the disconnect
+
+
+def allows_port_forwarding(settings: dict[str, Any]) -> bool:
+    """The per-connection switch for ``ssh -L``: ``settings.ssh.allow_port_forwarding`` (default false)."""
+    ssh = settings.get("ssh") if isinstance(settings, dict) else None
+    return isinstance(ssh, dict) and ssh.get("allow_port_forwarding") is True
+
+
+class SSHListener:
+    """A started SSH listener; ``close`` stops accepting (connections in progress go on)."""
+
+    def __init__(self, acceptor: asyncssh.SSHAcceptor) -> None:
+        self.acceptor = acceptor
+
+    async def close(self) -> None:
+        self.acceptor.close()
+
+
+def host_key(gateway: Gateway) -> asyncssh.SSHKey:
+    """The listener's host key: ``serverconfig/misc`` ``ssh_server_config.hosts_key`` (base64 of PEM)."""
+    encoded = gateway.server_config.get("ssh_server_config", {}).get("hosts_key") or ""
+    try:
+        return asyncssh.import_private_key(base64.b64decode(encoded, validate=True))
+    except (ValueError, asyncssh.KeyImportError):
+        raise ValueError("ssh_server_config.hosts_key is not base64 of a PEM/OpenSSH private key") from None
+
+
+async def start(gateway: Gateway, host: str, port: int) -> SSHListener:
+    """Listener factory registered as ``ssh``."""
+    acceptor = await asyncssh.listen(
+        host, port, server_factory=lambda: GatewayConnection(gateway), server_host_keys=[host_key(gateway)],
+        reuse_address=True, login_timeout=LOGIN_TIMEOUT, encoding=None, line_editor=False,
+        agent_forwarding=False, x11_forwarding=False, allow_scp=False, compression_algs=None,
+        window=WINDOW, max_pktsize=MAX_PACKET, keepalive_interval=60)
+    return SSHListener(acceptor)
+
+
+class TargetWatch(asyncssh.SSHClient):
+    """Tells the client connection when the target's connection drops."""
+
+    def __init__(self, owner: GatewayConnection) -> None:
+        self.owner = owner
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.owner.target_lost()
+
+
+class GatewayConnection(asyncssh.SSHServer):
+    """One client SSH connection: its credential, its target connection, its session and channels."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.conn: asyncssh.SSHServerConnection | None = None
+        self.client_ip = ""
+        self.grant: AccessGrant | None = None
+        self.ready: asyncio.Future[None] | None = None
+        self.failure: str | None = None
+        self.target: asyncssh.SSHClientConnection | None = None
+        self.live: LiveSession | None = None
+        self.rules: RuleSet | None = None
+        self.channels: set[SessionRelay] = set()
+        self.exit_code: int | None = None
+        self.gone = False
+        self.ending: str | None = None
+
+    # -- asyncssh server callbacks
+
+    def connection_made(self, conn: asyncssh.SSHServerConnection) -> None:
+        self.conn = conn
+        peer = conn.get_extra_info("peername")
+        self.client_ip = peer[0] if isinstance(peer, tuple) else ""
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.gone = True
+        asyncio.ensure_future(self._finish())
+
+    async def begin_auth(self, username: str) -> bool:
+        """No authentication needed when the user name is a valid secret."""
+        if looks_like_secret(username) and await self._login(username):
+            return False
+        return True
+
+    def password_auth_supported(self) -> bool:
+        return True
+
+    async def validate_password(self, username: str, password: str) -> bool:
+        return await self._login(password)
+
+    def public_key_auth_supported(self) -> bool:
+        return False
+
+    def kbdint_auth_supported(self) -> bool:
+        return False
+
+    def session_requested(self) -> Any:
+        return self._session()
+
+    def connection_requested(self, dest_host: str, dest_port: int, orig_host: str, orig_port: int) -> Any:
+        return self._forward(dest_host, dest_port, orig_host, orig_port)
+
+    def server_requested(self, listen_host: str, listen_port: int) -> bool:
+        return False  # remote forwarding (ssh -R) is not offered
+
+    # -- login and target
+
+    async def _login(self, secret: str) -> bool:
+        if self.grant is not None:
+            return True
+        try:
+            self.grant = await self.gateway.access.resolve(secret, "ssh", self.client_ip)
+        except AccessDenied:
+            return False
+        self.ready = asyncio.ensure_future(self._open())
+        return True
+
+    async def _open(self) -> None:
+        """Log in to the target, then open the session (a failed target is a closed session with an ``e``)."""
+        grant = self.grant
+        assert grant is not None
+        connection = grant.connection
+        sessions = self.gateway.sessions
+        try:
+            settings = TargetSettings.from_role(connection.target())
+            self.target = await connect_target(settings, connection.name, lambda: TargetWatch(self))
+        except TargetError as exc:
+            self.failure = str(exc)
+            log.info("ssh target unreachable", extra={"connection": connection.name, "error": self.failure})
+            live = await sessions.open(grant.user, connection, credential=grant.credential)
+            await live.close(exit_code=BLOCKED_EXIT_CODE, error=self.failure)
+            return
+        try:
+            self.live = await sessions.open(grant.user, connection, credential=grant.credential)
+        except RuntimeError as exc:
+            self.failure = str(exc)
+            self.target.close()
+            return
+        self.live.on_kill(self._kill)
+        self.rules = await self.gateway.guardrails.rules_for(connection.org_id, connection.id)
+        if self.gone:
+            await self._finish()
+
+    async def _ready(self) -> bool:
+        if self.ready is None:
+            self.failure = self.failure or "not authenticated"
+            return False
+        await asyncio.shield(self.ready)
+        return self.failure is None and self.live is not None and not self.live.done.is_set()
+
+    def target_lost(self) -> None:
+        """The target's connection dropped: channels are closing; end the client connection too."""
+        if self.ending is None and not self.gone and self.live is not None:
+            name = self.live.connection.name
+            self.ending = f'the target of connection "{name}" closed the connection'
+            self.live.recorder.error(self.ending)
+            asyncio.get_running_loop().call_later(CLOSE_GRACE, self._disconnect)
+
+    # -- session channels
+
+    async def _session(self) -> asyncssh.SSHServerSession[bytes]:
+        if not await self._ready():
+            return RefusedSession(self.failure or self.ending or "the session is closed")
+        relay = SessionRelay(self)
+        self.channels.add(relay)
+        return relay
+
+    # -- port forwarding
+
+    async def _forward(self, dest_host: str, dest_port: int, orig_host: str,
+                       orig_port: int) -> asyncssh.SSHTCPSession[bytes]:
+        if not await self._ready():
+            raise asyncssh.ChannelOpenError(asyncssh.OPEN_CONNECT_FAILED, self.failure or "the session is closed")
+        live = self.live
+        assert live is not None and self.target is not None
+        where = f"{dest_host}:{dest_port}"
+        name = live.connection.name
+        if not allows_port_forwarding(live.connection.settings):
+            message = (f'port forwarding to {where} refused: connection "{name}" does not allow it '
+                       "(settings.ssh.allow_port_forwarding)")
+            live.recorder.error(message)
+            await self._audit("ssh.port_forward", "failure", message, where)
+            raise asyncssh.ChannelOpenError(asyncssh.OPEN_ADMINISTRATIVELY_PROHIBITED, message)
+        relay = ForwardRelay(live, where)
+        try:
+            await self.target.create_connection(relay.upstream_session, dest_host, dest_port, orig_host, orig_port,
+                                                window=WINDOW, max_pktsize=MAX_PACKET)
+        except asyncssh.ChannelOpenError as exc:
+            message = f"port forwarding to {where} failed: the target answered: {exc.reason}"
+            live.recorder.error(message)
+            raise asyncssh.ChannelOpenError(exc.code, message) from None
+        live.recorder.error(f"port forwarding to {where} opened")
+        await self._audit("ssh.port_forward", "success", "", where)
+        return relay
+
+    async def _audit(self, action: str, outcome: str, message: str, where: str) -> None:
+        live = self.live
+        assert live is not None
+        await self.gateway.audit.record(
+            org_id=live.session.org_id, actor=live.user, action=action, resource_type="session", outcome=outcome,
+            error_message=message, client_ip=self.client_ip,
+            payload={"session_id": live.id, "connection": live.connection.name, "destination": where})
+
+    # -- the end
+
+    def _kill(self, reason: str) -> None:
+        """The gateway ends the session (kill, expiry, shutdown): every channel is told why, then the disconnect."""
+        self.ending = reason
+        for relay in list(self.channels):
+            relay.end(reason)
+        if self.target is not None:
+            self.target.close()
+        if not self.channels:
+            self._disconnect()
+        else:
+            asyncio.get_running_loop().call_later(CLOSE_GRACE, self._disconnect)
+
+    def channel_closed(self, relay: SessionRelay) -> None:
+        self.channels.discard(relay)
+        if self.ending is not None and not self.channels:
+            self._disconnect()
+
+    def _disconnect(self) -> None:
+        if self.conn is not None and not self.gone:
+            self.conn.disconnect(asyncssh.DISC_BY_APPLICATION, self.ending or "session closed")
+
+    async def _finish(self) -> None:
+        """The client went away: close the target and the session."""
+        if self.ready is not None and not self.ready.done():
+            return  # _open finishes the job when it is done
+        if self.target is not None:
+            self.target.close()
+        live = self.live
+        if live is None or live.done.is_set():
+            return
+        error = None
+        if any(relay.active for relay in self.channels):
+            error = "the client disconnected with a channel still open"
+        await live.close(exit_code=self.exit_code, error=error)
+
+
+class RefusedSession(asyncssh.SSHServerSession):  # type: ignore[type-arg]
+    """A session channel that can only say why there is no target: message on stderr, exit 254."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+        self.chan: asyncssh.SSHServerChannel[bytes] | None = None
+
+    def connection_made(self, chan: asyncssh.SSHServerChannel[bytes]) -> None:  # type: ignore[override]
+        self.chan = chan
+
+    def pty_requested(self, term_type: str, term_size: Any, term_modes: Any) -> bool:
+        return True
+
+    def shell_requested(self) -> bool:
+        return True
+
+    def exec_requested(self, command: str) -> bool:
+        return True
+
+    def subsystem_requested(self, subsystem: str) -> bool:
+        return True
+
+    def session_started(self) -> None:
+        assert self.chan is not None
+        self.chan.write_stderr(f"{self.message}\r\n".encode())
+        self.chan.exit(BLOCKED_EXIT_CODE)
+
+
+class _Upstream(asyncssh.SSHClientSession):  # type: ignore[type-arg]
+    """The target's side of a session channel: hands everything to its ``SessionRelay``."""
+
+    def __init__(self, relay: SessionRelay) -> None:
+        self.relay = relay
+
+    def data_received(self, data: bytes, datatype: int | None) -> None:  # type: ignore[override]
+        self.relay.from_target(data, datatype)
+
+    def eof_received(self) -> bool:
+        if not self.relay.client_closed:
+            self.relay.chan.write_eof()
+        return True
+
+    def exit_status_received(self, status: int) -> None:
+        self.relay.exit_status = status
+
+    def exit_signal_received(self, signal: str, core_dumped: bool, msg: str, lang: str) -> None:
+        self.relay.exit_signal = (signal, core_dumped, msg, lang)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.relay.target_closed()
+
+    def pause_writing(self) -> None:
+        self.relay.chan.pause_reading()
+
+    def resume_writing(self) -> None:
+        self.relay.chan.resume_reading()
+
+
+class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
+    """One client ``session`` channel mirrored to a channel on the target, through rules and recorder."""
+
+    def __init__(self, owner: GatewayConnection) -> None:
+        assert owner.live is not None and owner.target is not None and owner.rules is not None
+        self.owner = owner
+        self.live = owner.live
+        self.recorder = owner.live.recorder
+        self.rules = owner.rules
+        self.target = owner.target
+        self.chan: asyncssh.SSHServerChannel[bytes] = None  # type: ignore[assignment]
+        self.upchan: asyncssh.SSHClientChannel[bytes] | None = None
+        self.kind = ""
+        self.pty = False
+        self.shell: ShellInput | None = None
+        self.sftp: SftpObserver | None = None
+        self.pending: list[bytes] = []
+        self.pending_eof = False
+        self.exit_status: int | None = None
+        self.exit_signal: tuple[str, bool, str, str] | None = None
+        self.active = False  # a command, shell or subsystem is running
+        self.ended = False
+        self.draining = False
+        self.client_closed = False
+
+    # -- client side callbacks
+
+    def connection_made(self, chan: asyncssh.SSHServerChannel[bytes]) -> None:  # type: ignore[override]
+        self.chan = chan
+
+    def pty_requested(self, term_type: str, term_size: tuple[int, int, int, int], term_modes: Any) -> bool:
+        self.pty = True
+        metrics = self.recorder.metrics
+        if "terminal" not in metrics:
+            metrics["terminal"] = {"type": term_type, "width": term_size[0], "height": term_size[1]}
+        return True
+
+    def shell_requested(self) -> bool:
+        self.kind = "shell"
+        self.shell = ShellInput(self.pty)
+        return self._start(None, None)
+
+    def exec_requested(self, command: str) -> bool:
+        self.kind = "exec"
+        return self._start(command, None)
+
+    def subsystem_requested(self, subsystem: str) -> bool:
+        if subsystem != "sftp":
+            return False
+        self.kind = "sftp"
+        self.sftp = SftpObserver()
+        return self._start(None, subsystem)
+
+    def data_received(self, data: bytes, datatype: int | None) -> None:  # type: ignore[override]
+        if self.upchan is None:
+            self.pending.append(data)
+            self.chan.pause_reading()
+            return
+        self.to_target(data)
+
+    def eof_received(self) -> bool:
+        if self.upchan is None:
+            self.pending_eof = True
+        else:
+            self._eof_to_target()
+        return True
+
+    def signal_received(self, signal: str) -> None:
+        if self.upchan is not None:
+            self.upchan.send_signal(signal)
+
+    def break_received(self, msec: int) -> bool:
+        if self.upchan is not None:
+            self.upchan.send_break(msec)
+            return True
+        return False
+
+    def terminal_size_changed(self, width: int, height: int, pixwidth: int, pixheight: int) -> None:
+        if self.upchan is not None:
+            self.upchan.change_terminal_size(width, height, pixwidth, pixheight)
+
+    def pause_writing(self) -> None:
+        if self.upchan is not None:
+            self.upchan.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.upchan is not None and not self.draining:
+            self.upchan.resume_reading()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.client_closed = True
+        if self.upchan is not None:
+            self.upchan.close()
+        self.owner.channel_closed(self)
+
+    # -- opening the target's channel
+
+    def _start(self, command: str | None, subsystem: str | None) -> bool:
+        self.active = True
+        asyncio.ensure_future(self._open_target(command, subsystem))
+        return True
+
+    async def _open_target(self, command: str | None, subsystem: str | None) -> None:
+        chan = self.chan
+        if command is not None:
+            self.recorder.input(command)
+            verdict = self.rules.check_input(command)
+            if not verdict.allowed:
+                await self._refuse(verdict)
+                return
+        options: dict[str, Any] = {"command": command, "subsystem": subsystem, "env": chan.get_environment(),
+                                   "encoding": None, "window": WINDOW, "max_pktsize": MAX_PACKET}
+        if self.pty:
+            options.update(term_type=chan.get_terminal_type(), term_size=chan.get_terminal_size(),
+                           term_modes=chan.get_terminal_modes())
+        try:
+            self.upchan, _ = await self.target.create_session(lambda: _Upstream(self), **options)
+        except (asyncssh.ChannelOpenError, asyncssh.Error, OSError) as exc:
+            reason = getattr(exc, "reason", "") or str(exc) or type(exc).__name__
+            message = f'the target of connection "{self.live.connection.name}" refused the channel: {reason}'
+            self.recorder.error(message)
+            self.end(message)
+            return
+        if self.ended:
+            self.upchan.close()
+            return
+        pending, self.pending = self.pending, []
+        for data in pending:
+            self.to_target(data)
+        if self.pending_eof:
+            self._eof_to_target()
+        self.chan.resume_reading()
+
+    async def _refuse(self, verdict: GuardVerdict) -> None:
+        """An exec the input rules block: message on stderr, exit 254, the target never sees it."""
+        self.owner.exit_code = BLOCKED_EXIT_CODE
+        self.end(verdict.message)
+        await self.live.blocked(verdict, self.owner.client_ip)
+
+    # -- client to target
+
+    def to_target(self, data: bytes) -> None:
+        upchan = self.upchan
+        assert upchan is not None
+        if self.sftp is not None:
+            for kind, line in self.sftp.client(data):
+                self.recorder.record(kind, line)
+            upchan.write(data)
+            return
+        self.recorder.input(data)
+        if self.shell is None:
+            upchan.write(data)
+            return
+        for piece in self.shell.feed(data):
+            if isinstance(piece, Chunk):
+                upchan.write(piece.data)
+                continue
+            verdict = self.rules.check_input(piece.text) if piece.text.strip() else GuardVerdict(True)
+            if verdict.allowed:
+                upchan.write(piece.allowed)
+            else:
+                upchan.write(piece.refused)
+                self._tell(verdict.message)
+                asyncio.ensure_future(self.live.blocked(verdict, self.owner.client_ip))
+
+    def _eof_to_target(self) -> None:
+        upchan = self.upchan
+        assert upchan is not None
+        if self.shell is not None:
+            for piece in self.shell.feed_eof():
+                verdict = self.rules.check_input(piece.text) if piece.text.strip() else GuardVerdict(True)
+                if verdict.allowed:
+                    upchan.write(piece.allowed)  # type: ignore[union-attr]
+                else:
+                    self._tell(verdict.message)
+                    asyncio.ensure_future(self.live.blocked(verdict, self.owner.client_ip))
+        upchan.write_eof()
+
+    def _tell(self, message: str) -> None:
+        """A gateway message on the terminal (pty) or stderr."""
+        text = f"\r\n{message}\r\n".encode() if self.pty else f"{message}\n".encode()
+        if self.client_closed:
+            return
+        try:
+            if self.pty:
+                self.chan.write(text)
+            else:
+                self.chan.write_stderr(text)
+        except OSError:  # the client channel already sent EOF
+            pass
+
+    # -- target to client
+
+    def from_target(self, data: bytes, datatype: int | None) -> None:
+        if self.ended:
+            return
+        if self.sftp is not None and datatype is None:
+            for kind, line in self.sftp.server(data):
+                self.recorder.record(kind, line)
+            self.chan.write(data)
+            return
+        rules = self.rules
+        if rules.output_rules:
+            verdict = rules.check_output(data.decode("utf-8", "replace"))
+            if not verdict.allowed:
+                self.owner.exit_code = BLOCKED_EXIT_CODE
+                self.end(verdict.message)
+                asyncio.ensure_future(self.live.blocked(verdict, self.owner.client_ip))
+                return
+        recorder = self.recorder
+        if datatype == STDERR:
+            recorder.error(data)
+            self.chan.write_stderr(data)
+        else:
+            recorder.output(data)
+            self.chan.write(data)
+        if recorder.needs_drain and not self.draining and self.upchan is not None:
+            self.draining = True
+            self.upchan.pause_reading()
+            asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        try:
+            await self.recorder.drain()
+        finally:
+            self.draining = False
+            if self.upchan is not None:
+                self.upchan.resume_reading()
+
+    def target_closed(self) -> None:
+        """The target's channel closed: pass its exit status or signal on."""
+        self.active = False
+        if self.ended:
+            return
+        self.ended = True
+        chan = self.chan
+        if self.client_closed:
+            return
+        if self.exit_signal is not None:
+            signal, core_dumped, msg, lang = self.exit_signal
+            self.owner.exit_code = 128 + _signal_number(signal)
+            chan.exit_with_signal(signal, core_dumped, msg, lang)
+        elif self.exit_status is not None:
+            self.owner.exit_code = self.exit_status
+            chan.exit(self.exit_status)
+        else:
+            chan.close()
+
+    def end(self, message: str) -> None:
+        """The gateway closes this channel: ``message`` on stderr, exit 254, the target's channel closed."""
+        self.active = False
+        if self.ended:
+            return
+        self.ended = True
+        if self.upchan is not None:
+            self.upchan.close()
+        if not self.client_closed:
+            self._tell(message)
+            self.chan.exit(BLOCKED_EXIT_CODE)
+
+
+_SIGNALS = {"HUP": 1, "INT": 2, "QUIT": 3, "ILL": 4, "ABRT": 6, "FPE": 8, "KILL": 9, "SEGV": 11, "PIPE": 13,
+            "ALRM": 14, "TERM": 15, "USR1": 10, "USR2": 12}
+
+
+def _signal_number(name: str) -> int:
+    return _SIGNALS.get(name, 0)
+
+
+class _ForwardUpstream(asyncssh.SSHTCPSession):  # type: ignore[type-arg]
+    """The target's side of a forwarded TCP connection."""
+
+    def __init__(self, relay: ForwardRelay) -> None:
+        self.relay = relay
+
+    def connection_made(self, chan: asyncssh.SSHTCPChannel[bytes]) -> None:  # type: ignore[override]
+        self.relay.upchan = chan
+
+    def data_received(self, data: bytes, datatype: int | None) -> None:  # type: ignore[override]
+        self.relay.received += len(data)
+        if self.relay.chan is not None:
+            self.relay.chan.write(data)
+        else:
+            self.relay.early.append(data)
+
+    def eof_received(self) -> bool:
+        if self.relay.chan is not None:
+            self.relay.chan.write_eof()
+        return True
+
+    def pause_writing(self) -> None:
+        if self.relay.chan is not None:
+            self.relay.chan.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.relay.chan is not None:
+            self.relay.chan.resume_reading()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.relay.closed()
+
+
+class ForwardRelay(asyncssh.SSHTCPSession):  # type: ignore[type-arg]
+    """A ``direct-tcpip`` channel (``ssh -L``) relayed to the same destination through the target.
+
+    The bytes are not recorded; the session gets an ``e`` event with the byte counts when it closes.
+    """
+
+    def __init__(self, live: LiveSession, where: str) -> None:
+        self.live = live
+        self.where = where
+        self.chan: asyncssh.SSHTCPChannel[bytes] | None = None
+        self.upchan: asyncssh.SSHTCPChannel[bytes] | None = None
+        self.early: list[bytes] = []
+        self.sent = 0
+        self.received = 0
+        self.done = False
+
+    def upstream_session(self) -> _ForwardUpstream:
+        return _ForwardUpstream(self)
+
+    def connection_made(self, chan: asyncssh.SSHTCPChannel[bytes]) -> None:  # type: ignore[override]
+        self.chan = chan
+        for data in self.early:
+            chan.write(data)
+        self.early.clear()
+
+    def data_received(self, data: bytes, datatype: int | None) -> None:  # type: ignore[override]
+        self.sent += len(data)
+        if self.upchan is not None:
+            self.upchan.write(data)
+
+    def eof_received(self) -> bool:
+        if self.upchan is not None:
+            self.upchan.write_eof()
+        return True
+
+    def pause_writing(self) -> None:
+        if self.upchan is not None:
+            self.upchan.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.upchan is not None:
+            self.upchan.resume_reading()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed()
+
+    def closed(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        for chan in (self.chan, self.upchan):
+            if chan is not None:
+                chan.close()
+        self.live.recorder.error(f"port forwarding to {self.where} closed: {self.sent} bytes sent, "
+                                 f"{self.received} bytes received")

@@ -1,0 +1,109 @@
+"""The gateway as an SSH client of the target: the role's settings and the connection.
+
+``connect_target`` logs in with the role's ``USER`` and ``PASS`` or
+``PRIVATE_KEY`` and verifies the target's key against ``HOST_KEY`` when it is
+set. Every failure is a ``TargetError`` whose message names the connection
+and is safe to show the client: never the target's address, user, password
+or key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import asyncssh
+
+CONNECT_TIMEOUT = 15.0
+WINDOW = 8 << 20  # per-channel receive window, both sides of the gateway
+MAX_PACKET = 32768  # OpenSSH's own channel packet size
+# AES-GCM first: its AEAD runs in OpenSSL in one call per packet (the fastest asyncssh cipher here).
+ENCRYPTION = ["aes128-gcm@openssh.com", "aes256-gcm@openssh.com", "chacha20-poly1305@openssh.com",
+              "aes128-ctr", "aes192-ctr", "aes256-ctr"]
+
+
+class TargetError(Exception):
+    """The target could not be reached or refused the gateway; ``str()`` is client-safe."""
+
+
+@dataclass(slots=True)
+class TargetSettings:
+    """Where and as whom the gateway logs in, decoded from a role's secret."""
+
+    host: str
+    port: int
+    user: str
+    password: str = ""
+    private_key: str = ""
+    host_key: str = ""
+
+    @classmethod
+    def from_role(cls, target: dict[str, str]) -> TargetSettings:
+        port = (target.get("PORT") or "22").strip()
+        return cls(host=(target.get("HOST") or "").strip(), port=int(port) if port.isdigit() else 22,
+                   user=(target.get("USER") or "root").strip(), password=target.get("PASS") or "",
+                   private_key=target.get("PRIVATE_KEY") or "", host_key=(target.get("HOST_KEY") or "").strip())
+
+    def options(self, name: str) -> dict[str, Any]:
+        """Keyword arguments of ``asyncssh.connect``; raises TargetError on unusable settings."""
+        if not self.host:
+            raise TargetError(f'connection "{name}" has no HOST')
+        options: dict[str, Any] = {
+            "host": self.host, "port": self.port, "username": self.user, "agent_path": None,
+            "client_keys": [], "password": self.password or None, "preferred_auth": "publickey,password",
+            "known_hosts": None, "compression_algs": None, "encryption_algs": ENCRYPTION,
+            "login_timeout": CONNECT_TIMEOUT, "config": [], "ignore_encrypted": True,
+        }
+        if self.private_key:
+            try:
+                options["client_keys"] = [asyncssh.import_private_key(self.private_key)]
+            except (asyncssh.KeyImportError, ValueError):
+                raise TargetError(f'connection "{name}": its PRIVATE_KEY is not a readable private key') from None
+        if self.host_key:
+            options["known_hosts"] = (_host_keys(self.host_key, name), [], [])
+        if not self.private_key and not self.password:
+            raise TargetError(f'connection "{name}" has neither PASS nor PRIVATE_KEY')
+        return options
+
+
+def _host_keys(text: str, name: str) -> list[asyncssh.SSHKey]:
+    """``HOST_KEY``: public keys in OpenSSH format, one a line; known_hosts lines (host first) too."""
+    keys = []
+    for line in text.splitlines():
+        fields = line.split()
+        if not fields or fields[0].startswith("#"):
+            continue
+        if not fields[0].startswith(("ssh-", "ecdsa-", "sk-")) and len(fields) > 1:
+            fields = fields[1:]  # a known_hosts line: drop the host pattern
+        try:
+            keys.append(asyncssh.import_public_key(" ".join(fields[:2])))
+        except (asyncssh.KeyImportError, ValueError):
+            raise TargetError(f'connection "{name}": its HOST_KEY is not a readable public key') from None
+    if not keys:
+        raise TargetError(f'connection "{name}": its HOST_KEY is empty')
+    return keys
+
+
+async def connect_target(settings: TargetSettings, name: str,
+                         client_factory: Callable[[], asyncssh.SSHClient] | None = None) -> asyncssh.SSHClientConnection:
+    """Log in to the target of connection ``name``; ``client_factory`` watches the connection."""
+    options = settings.options(name)
+    if client_factory is not None:
+        options["client_factory"] = client_factory
+    prefix = f'could not connect to the target of connection "{name}"'
+    try:
+        async with asyncio.timeout(CONNECT_TIMEOUT):
+            return await asyncssh.connect(**options)
+    except asyncssh.HostKeyNotVerifiable:
+        raise TargetError(f"{prefix}: its host key does not match the connection's HOST_KEY") from None
+    except asyncssh.PermissionDenied:
+        raise TargetError(f"{prefix}: the target refused the connection's credentials") from None
+    except asyncssh.DisconnectError as exc:
+        raise TargetError(f"{prefix}: {exc.reason or 'disconnected'}") from None
+    except TimeoutError:
+        raise TargetError(f"{prefix}: timed out") from None
+    except ConnectionRefusedError:
+        raise TargetError(f"{prefix}: connection refused") from None
+    except OSError as exc:
+        raise TargetError(f"{prefix}: {exc.strerror or type(exc).__name__}") from None
