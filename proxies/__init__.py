@@ -12,12 +12,14 @@ from typing import Any
 def available_listeners() -> dict[str, Any]:
     from proxies.http.server import start as start_http
     from proxies.postgres.server import start as start_postgres
+    from proxies.ssh.server import start as start_ssh
 
-    return {"postgres": start_postgres, "http": start_http}
+    return {"postgres": start_postgres, "http": start_http, "ssh": start_ssh}
 
 
 def available_script_runners() -> dict[str, Any]:
     """One-time script runners (``gatewayd.scripts.ScriptRunner``) by connection subtype."""
     from proxies.postgres.script import run_script as run_postgres
+    from proxies.ssh.script import run_script as run_ssh
 
-    return {"postgres": run_postgres}
+    return {"postgres": run_postgres, "ssh": run_ssh}
