@@ -408,6 +408,9 @@ class ReviewService:
             await self.gateway.store.save_review(review)
         if review.status == APPROVED and decision.completed:
             self.arm(review)
+        if decision.status == REJECTED and decision.completed:  # it will never run: the session is done
+            await self.gateway.sessions.kill(review.session_id, f"the review was rejected by {actor.email}: "
+                                                                "the session did not run")
         if decision.status == REVOKED:
             handle = self._timers.pop(review.id, None)
             if handle is not None:
@@ -420,6 +423,7 @@ class ReviewService:
         await self.gateway.store.revoke_credentials(review_id=review.id, revoked_at=rfc3339(utcnow()))
         closed = await self.gateway.sessions.kill_where(
             lambda s: s.credential is not None and s.credential.review_id == review.id, reason)
+        await self.gateway.sessions.kill(review.session_id, reason)  # its session, if no client ever used it
         if closed:
             log.info("closed sessions of a jit review", extra={"review_id": review.id, "count": closed})
         return closed

@@ -280,3 +280,73 @@ def test_execution_needs_approval_and_the_window():
         check_executable(review, NOW)
     assert err.value.status == 403 and "13:00 and 14:00 UTC" in err.value.message
     check_executable(review, NOW.replace(hour=13, minute=30))
+
+
+# ----------------------------------------------------------------- the service, in process
+
+
+@pytest.fixture
+async def core(tmp_path):
+    from gatewayd.config import load_config
+    from gatewayd.daemon import Gateway
+
+    gateway = Gateway(load_config(None, environ={}, overrides={
+        "data_dir": str(tmp_path / "data"), "sessions.flush_interval": "100ms"}))
+    await gateway.open_core()
+    await gateway.recording.start()
+    yield gateway
+    gateway.reviews.stop()
+    await gateway.recording.stop()
+    await gateway.close_core()
+
+
+async def _jit_setup(core, seconds: int):
+    from gatewayd.models import new_id
+    from gatewayd.sessions import session_for
+
+    org = await core.store.default_org()
+    conn = Connection(id=new_id(), org_id=org.id, name=f"c-{new_id()[:6]}", resource_name="r", type="database",
+                      subtype="postgres", settings={"reviewers": ["dba"]})
+    await core.store.create_connection(conn)
+    owner = await core.identity.ensure_local_user("owner@example.com")
+    reviewer = await core.identity.ensure_local_user("reviewer@example.com")
+    reviewer.groups = ["dba"]
+    await core.store.save_user(reviewer)
+    session = session_for(owner, conn, status="ready")
+    review = await core.reviews.request(await core.reviews.policy(conn, JIT), owner, conn, session, JIT, seconds * NS)
+    return conn, owner, reviewer, session, review
+
+
+async def test_expiry_is_rearmed_at_start_and_revokes_credentials(core):
+    import asyncio
+
+    from gatewayd.access import AccessDenied
+
+    conn, owner, reviewer, session, review = await _jit_setup(core, 1)
+    approved, decision = await core.reviews.apply(review.id, reviewer, APPROVED)
+    assert approved.status == APPROVED and decision.completed
+    issued = await core.access.issue(owner, conn, 1, review_id=review.id, session=session, session_stored=True)
+    core.reviews.stop()  # as if the daemon stopped before the end of the access
+    await asyncio.sleep(1.1)
+    assert (await core.store.get_review(review.id)).status == APPROVED
+    await core.reviews.start()
+    for _ in range(100):
+        if (await core.store.get_review(review.id)).status == REVOKED:
+            break
+        await asyncio.sleep(0.05)
+    assert (await core.store.get_review(review.id)).status == REVOKED
+    with pytest.raises(AccessDenied, match="revoked"):
+        await core.access.resolve(issued.secret, "postgres")
+    closed = await core.store.get_session(session.id)
+    assert closed.status == "done" and closed.exit_code == 254
+    events = await core.store.read_events(session.id)
+    assert any(b"access duration is over" in e.data for e in events if e.kind == "e")
+
+
+async def test_rejection_closes_the_session_that_will_never_run(core):
+    conn, owner, reviewer, session, review = await _jit_setup(core, 60)
+    rejected, decision = await core.reviews.apply(review.id, reviewer, REJECTED)
+    assert rejected.status == REJECTED
+    closed = await core.store.get_session(session.id)
+    assert closed.status == "done"
+    assert any(b"rejected by reviewer@example.com" in e.data for e in await core.store.read_events(session.id))
