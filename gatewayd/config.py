@@ -116,6 +116,7 @@ SETTINGS: dict[str, Setting] = {
     "ssh.hosts_key": Setting("str", ""),
     "postgres.tls_cert": Setting("str", ""),
     "postgres.tls_key": Setting("str", ""),
+    "rdp.record_keyboard": Setting("bool", False),
     "http.record_body_bytes": Setting("int", 64 * 1024, _positive),
     "http.guard_body_bytes": Setting("int", 1024 * 1024, _positive),
     "http.credential_recheck": Setting("duration", "5s"),

@@ -24,6 +24,7 @@ from gatewayd import __version__
 from gatewayd.access import AccessService
 from gatewayd.audit import AuditLog
 from gatewayd.config import PROTOCOLS, Config, ConfigError, split_listen
+from gatewayd.frames import FrameStore
 from gatewayd.guardrails import GuardRailService
 from gatewayd.identity import Identity
 from gatewayd.recording import RecordingService
@@ -162,6 +163,7 @@ class Gateway:
         self.sessions: SessionManager = None  # type: ignore[assignment]
         self.guardrails: GuardRailService = None  # type: ignore[assignment]
         self.reviews: ReviewService = None  # type: ignore[assignment]
+        self.frames: FrameStore = None  # type: ignore[assignment]
         self.listeners = Listeners(self, listener_factories or {})
         self.server_config: dict[str, Any] = {}
         self.started_at = time.time()
@@ -180,6 +182,7 @@ class Gateway:
         self.sessions = SessionManager(self.store, self.recording, self.audit)
         self.guardrails = GuardRailService(self.store)
         self.reviews = ReviewService(self)
+        self.frames = FrameStore(self.config.data_dir / "rdp-frames")
         await self.identity.start()
 
     async def start(self) -> None:

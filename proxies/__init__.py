@@ -6,6 +6,7 @@ start function of the proxies present in this installation.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 
@@ -14,7 +15,18 @@ def available_listeners() -> dict[str, Any]:
     from proxies.postgres.server import start as start_postgres
     from proxies.ssh.server import start as start_ssh
 
-    return {"postgres": start_postgres, "http": start_http, "ssh": start_ssh}
+    listeners = {"postgres": start_postgres, "http": start_http, "ssh": start_ssh}
+    from proxies import rdp
+
+    if rdp.available():
+        from proxies.rdp.server import start as start_rdp
+
+        listeners["rdp"] = start_rdp
+    else:
+        logging.getLogger("gatewayd.rdp").warning(
+            "RDP proxy unavailable: install the rdp extra (pip install 'gatewayd[rdp]')",
+            extra={"missing": ", ".join(rdp.missing_modules())})
+    return listeners
 
 
 def available_script_runners() -> dict[str, Any]:

@@ -1,0 +1,69 @@
+"""RDP recordings: pages of decoded frames, and the whole screen composed up to a frame as a PNG."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from control.http import ApiError, Param, RouteSet, gateway_of, query_int
+from control.sessions import find_session
+from gatewayd.frames import FrameError, FramePage
+from gatewayd.models import Session
+
+routes = RouteSet("Sessions", audit="sessions")
+
+MAX_LIMIT = 200
+DEFAULT_LIMIT = 50
+_BYTE_TEXT = tuple(str(i) for i in range(256))
+
+
+def _rdp_session(session: Session) -> None:
+    if session.subtype != "rdp":
+        raise ApiError(400, f"session {session.id!r} is not an RDP session (it is {session.subtype or session.type})")
+
+
+def page_json(page: FramePage, offset: int, limit: int) -> bytes:
+    """The spec's page document; ``bitmap`` is the PNG as an array of byte values, written without json.dumps."""
+    frames = ",".join(
+        f'{{"index":{f.index},"timestamp":{f.timestamp},"x":{f.x},"y":{f.y},"width":{f.width},'
+        f'"height":{f.height},"bitmap":[{",".join(map(_BYTE_TEXT.__getitem__, f.png))}]}}'
+        for f in page.frames)
+    has_more = "true" if offset + len(page.frames) < page.total_frames else "false"
+    return (f'{{"frames":[{frames}],"has_more":{has_more},"limit":{limit},"offset":{offset},'
+            f'"total_duration":{page.total_duration},"total_frames":{page.total_frames}}}').encode()
+
+
+@routes.get("/sessions/{id}/rdp-frames", "Decoded screen updates of an RDP session, paged in recording order",
+            query=[Param("offset", "integer", "first frame index (default 0)"),
+                   Param("limit", "integer", "frames per page, clamped to 1-200 (default 50)")])
+async def list_frames(request: web.Request) -> web.Response:
+    session = await find_session(request)
+    _rdp_session(session)
+    offset = query_int(request, "offset", 0)
+    limit = min(max(query_int(request, "limit", DEFAULT_LIMIT), 1), MAX_LIMIT)
+    if offset < 0:
+        raise ApiError(422, "query parameter 'offset': must be 0 or more")
+    try:
+        page = await gateway_of(request).frames.page(session.id, offset, limit)
+        body = await asyncio.to_thread(page_json, page, offset, limit)
+    except FrameError as exc:
+        raise ApiError(500, f"the recording of session {session.id!r} cannot be read: {exc}") from None
+    return web.Response(body=body, content_type="application/json")
+
+
+@routes.get("/sessions/{id}/rdp-frames/{index}.png",
+            "The whole screen of an RDP session as it was right after frame {index}, as a PNG")
+async def composed_frame(request: web.Request) -> web.Response:
+    session = await find_session(request)
+    _rdp_session(session)
+    raw = request.match_info["index"]
+    if not raw.isdigit():
+        raise ApiError(400, f"frame index {raw!r}: expected a non-negative integer")
+    try:
+        png = await gateway_of(request).frames.composed_png(session.id, int(raw))
+    except FrameError as exc:
+        raise ApiError(500, f"the recording of session {session.id!r} cannot be read: {exc}") from None
+    if png is None:
+        raise ApiError(404, f"session {session.id!r} has no frame {raw}")
+    return web.Response(body=png, content_type="image/png")

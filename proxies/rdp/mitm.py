@@ -1,0 +1,383 @@
+"""One RDP connection through the gateway: pyrdp's ``RDPMITM`` with the gateway's admission and recording.
+
+What the gateway adds to pyrdp's man-in-the-middle:
+
+1. admission -- the X.224 connection request's cookie (``mstshash=<secret>``,
+   which xfreerdp fills from ``/u:``) names the credential; it is resolved
+   (and audited) before pyrdp sees the request. An unknown, expired or
+   revoked secret closes the connection. The role's ``HOST``/``PORT`` is the
+   target, its ``USER``/``PASS`` (and optional ``DOMAIN``) replace what the
+   client sent in its client info, with auto-logon;
+2. the target connection -- a failure is an ``e`` event and exit code 254; a
+   target that insists on NLA (CredSSP) gets its refusal passed to the client
+   and the session closed with an ``e`` event saying NLA is not supported;
+3. recording -- pyrdp's replay file is not written (it holds the client's
+   password in clear): ``GatewayRecorder`` receives pyrdp's recording calls
+   and keeps only the target's bitmap updates (as frames, ``FrameCapture``)
+   and, when ``rdp.record_keyboard`` is on, key presses as ``i`` events;
+4. lifecycle -- the session is ``done`` when either side goes away (exit 0
+   when the client left or the target logged the user off, 254 with an ``e``
+   event when the target dropped the connection), or when the gateway kills
+   it (expiry, API kill, shutdown).
+
+pyrdp's own loggers log credentials and TLS secrets at INFO: ``quiet_pyrdp``
+keeps only its warnings and silences the secret-bearing ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import re
+import secrets
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Coroutine
+
+from pyrdp.enum import CapabilityType, NegotiationFailureCode, PlayerPDUType, SlowPathUpdateType
+from pyrdp.logging import LOGGER_NAMES, SessionLogger
+from pyrdp.mitm import MITMConfig, RDPMITM
+from pyrdp.mitm.MITMRecorder import MITMRecorder
+from pyrdp.mitm.state import RDPMITMState
+from pyrdp.parser import NegotiationRequestParser, NegotiationResponseParser
+from pyrdp.pdu import ConfirmActivePDU, InputPDU, NegotiationFailurePDU, UpdatePDU
+from twisted.internet import reactor
+from twisted.internet.protocol import ClientFactory, ServerFactory
+
+from gatewayd.access import AccessDenied, looks_like_secret
+from gatewayd.sessions import BLOCKED_EXIT_CODE
+from proxies.rdp.capture import FrameCapture
+from proxies.rdp.codec import KeyboardText
+
+if TYPE_CHECKING:
+    from gatewayd.daemon import Gateway
+    from gatewayd.sessions import LiveSession
+
+log = logging.getLogger("gatewayd.rdp")
+
+CONNECT_TIMEOUT = 10.0
+STARTUP_TIMEOUT = 60.0  # from TCP accept to an admitted X.224 connection request
+STATE_POOL = 2  # connection states made ahead of time (each has an RSA key that takes ~0.5 s to make)
+NLA_MESSAGE = ('the target of connection "{name}" requires Network Level Authentication (NLA/CredSSP), which '
+               "the gateway does not support: allow TLS or standard RDP security on the target")
+_SECRET = re.compile(r"rdp-[A-Za-z0-9_-]{43}")
+CLIENT, TARGET = "client", "target"
+
+
+def quiet_pyrdp() -> None:
+    """pyrdp logs client credentials, TLS master keys and NTLM data: keep only its warnings and errors."""
+    logging.getLogger(LOGGER_NAMES.PYRDP).setLevel(logging.WARNING)
+    for name in ("ssl", LOGGER_NAMES.NTLMSSP, f"{LOGGER_NAMES.MITM_CONNECTIONS}.security",
+                 f"{LOGGER_NAMES.MITM_CONNECTIONS}.ntlmssp", f"{LOGGER_NAMES.MITM_CONNECTIONS}.rc4"):
+        logging.getLogger(name).disabled = True
+
+
+def secret_from_cookie(cookie: bytes | str | None) -> str | None:
+    """The credential secret in an X.224 cookie (``Cookie: mstshash=<secret>``), if there is one."""
+    if not cookie:
+        return None
+    text = cookie.decode("latin-1") if isinstance(cookie, bytes) else cookie
+    for candidate in _SECRET.findall(text):
+        if looks_like_secret(candidate):
+            return candidate
+    return None
+
+
+def base_config(out_dir: Path) -> MITMConfig:
+    """pyrdp's configuration for the gateway: no replay files, no file extraction, no crawler, no payloads."""
+    config = MITMConfig()
+    config.outDir = out_dir
+    config.recordReplays = False
+    config.extractFiles = False
+    config.enableCrawler = False
+    config.disableActiveClipboardStealing = True
+    config.useGdi = False
+    config.downgrade = True
+    config.payload = ""
+    return config
+
+
+class TargetConnector(ClientFactory):
+    """Connects pyrdp's target-side TCP layer; ``result`` resolves on connect and fails on error."""
+
+    def __init__(self, protocol: Any) -> None:
+        self.layer = protocol
+        self.result: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def buildProtocol(self, addr: Any) -> Any:
+        if not self.result.done():
+            self.result.set_result(None)
+        return self.layer
+
+    def clientConnectionFailed(self, connector: Any, reason: Any) -> None:
+        if not self.result.done():
+            self.result.set_exception(ConnectionError(reason.getErrorMessage()))
+
+
+class GatewayRecorder(MITMRecorder):
+    """Receives pyrdp's recording calls; keeps screen updates and (optionally) keys, never the client info."""
+
+    def __init__(self, mitm: "GatewayMITM", state: RDPMITMState) -> None:
+        super().__init__([], state)
+        self.mitm = mitm
+
+    def record(self, pdu: Any, messageType: PlayerPDUType, forceRecording: bool = False) -> None:
+        try:
+            self.mitm.on_recorded(pdu, messageType)
+        except Exception:  # a recording problem must not break the relay
+            log.exception("rdp recording failed", extra={"session_id": self.mitm.session_id})
+
+    def finalize(self) -> None:
+        pass
+
+
+class GatewayMITM(RDPMITM):
+    """pyrdp's MITM for one client, admitted and recorded by the gateway."""
+
+    def __init__(self, factory: "GatewayMITMFactory", config: MITMConfig, state: RDPMITMState) -> None:
+        self.factory = factory
+        self.gateway: Gateway = factory.gateway
+        self.live: LiveSession | None = None
+        self.capture: FrameCapture | None = None
+        self.keyboard = KeyboardText() if factory.record_keyboard else None
+        self.ended: str | None = None
+        self.closed_by_target_logoff = False
+        self.refused = False
+        self.domain: str | None = None
+        self._tasks: set[asyncio.Future[Any]] = set()
+        main = SessionLogger(logging.getLogger(LOGGER_NAMES.MITM_CONNECTIONS), state.sessionID)
+        crawler = SessionLogger(logging.getLogger(LOGGER_NAMES.CRAWLER), state.sessionID)
+        super().__init__(main, crawler, config, state=state, recorder=GatewayRecorder(self, state))
+        # ahead of pyrdp's own TCP observers, which close the other side as soon as one side goes
+        self._observe_first(self.client.tcp, onConnection=self._client_connected,
+                            onDisconnection=lambda reason: self._side_closed(CLIENT))
+        self._observe_first(self.server.tcp, onDisconnection=lambda reason: self._side_closed(TARGET))
+        self.server.mcs.createObserver(onDisconnectProviderUltimatum=self._target_logged_off)
+        self.client.mcs.createObserver(onDisconnectProviderUltimatum=self._client_logged_off)
+        # pyrdp's X.224 handlers, wrapped: admission before the request, NLA refusal on the confirm
+        self._pyrdp_connection_request = self._reroute(self.client.x224, "onConnectionRequest", self._admit)
+        self._pyrdp_connection_confirm = self._reroute(self.server.x224, "onConnectionConfirm", self._confirmed)
+
+    @staticmethod
+    def _observe_first(layer: Any, **handlers: Any) -> None:
+        observer = layer.createObserver(**handlers)
+        observers = layer.observer.observers
+        observers.insert(0, observers.pop(observers.index(observer)))
+
+    def _reroute(self, layer: Any, event: str, handler: Any) -> Any:
+        original = getattr(self.x224, event)
+        for observer in layer.observer.observers:
+            if getattr(observer, event, None) == original:
+                setattr(observer, event, handler)
+                routes = getattr(observer, "handlers", {})  # routed observers keep bound methods by PDU header
+                for header, routed in list(routes.items()):
+                    if routed == original:
+                        routes[header] = handler
+                return original
+        raise RuntimeError(f"pyrdp's X.224 observer for {event} not found (unsupported pyrdp version)")
+
+    @property
+    def session_id(self) -> str | None:
+        return self.live.id if self.live is not None else None
+
+    def _spawn(self, coroutine: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- admission
+
+    def _client_connected(self) -> None:
+        asyncio.get_running_loop().call_later(STARTUP_TIMEOUT, self._startup_timeout)
+
+    def _startup_timeout(self) -> None:
+        if self.live is None and self.ended is None and not self.refused:
+            self.refused = True
+            self.client.tcp.disconnect(True)
+
+    def _refuse(self) -> None:
+        self.refused = True
+        self.client.tcp.disconnect()
+
+    def _admit(self, pdu: Any) -> None:
+        self._spawn(self._admission(pdu))
+
+    async def _admission(self, pdu: Any) -> None:
+        client_ip = self.state.clientIp or ""
+        try:
+            request = NegotiationRequestParser().parse(pdu.payload)
+            secret = secret_from_cookie(request.cookie)
+        except Exception:
+            secret = None
+        try:
+            grant = await self.gateway.access.resolve(secret or "", "rdp", client_ip)
+        except AccessDenied as exc:
+            log.info("rdp login refused", extra={"client_ip": client_ip, "reason": str(exc)})
+            self._refuse()
+            return
+        except Exception:
+            log.exception("rdp admission failed", extra={"client_ip": client_ip})
+            self._refuse()
+            return
+        if self.ended is not None:
+            return
+        connection = grant.connection
+        target = connection.target()
+        host = target.get("HOST") or "127.0.0.1"
+        port_text = target.get("PORT") or "3389"
+        port = int(port_text) if port_text.isdigit() else 3389
+        self.config.replacementUsername = target.get("USER") or ""
+        self.config.replacementPassword = target.get("PASS") or ""
+        self.domain = target.get("DOMAIN")
+        self.state.effectiveTargetHost, self.state.effectiveTargetPort = host, port
+        try:
+            self.live = live = await self.gateway.sessions.open(grant.user, connection, credential=grant.credential)
+        except RuntimeError as exc:  # shutting down
+            log.info("rdp session refused", extra={"reason": str(exc)})
+            self._refuse()
+            return
+        live.on_kill(self._kill)
+        self.capture = FrameCapture(self.gateway.frames, live.id)
+        connector = TargetConnector(self.server.tcp)
+        reactor.connectTCP(host, port, connector, timeout=CONNECT_TIMEOUT)
+        try:
+            await connector.result
+        except ConnectionError as exc:
+            await self._fail(f'the target of connection "{connection.name}" is unreachable: {exc}')
+            return
+        if self.ended is not None:
+            return
+        self._pyrdp_connection_request(pdu)  # pyrdp forwards the request; its connector is connectToServer
+
+    async def connectToServer(self) -> None:
+        """pyrdp's connector: the target is already connected by the admission."""
+        self.addClientIpToLoggers(self.state.clientIp)
+
+    def _confirmed(self, pdu: Any) -> None:
+        try:
+            response = NegotiationResponseParser().parse(pdu.payload)
+        except Exception:
+            response = None
+        if (isinstance(response, NegotiationFailurePDU)
+                and response.failureCode == NegotiationFailureCode.HYBRID_REQUIRED_BY_SERVER):
+            self.client.x224.sendConnectionConfirm(pdu.payload, source=0x1234)  # the client hears why
+            name = self.live.connection.name if self.live else "?"
+            self._spawn(self._fail(NLA_MESSAGE.format(name=name)))
+            return
+        self._pyrdp_connection_confirm(pdu)
+
+    # -- recording
+
+    def on_recorded(self, pdu: Any, kind: PlayerPDUType) -> None:
+        live, capture = self.live, self.capture
+        if live is None or capture is None:
+            return
+        if kind == PlayerPDUType.CLIENT_INFO:
+            if self.domain is not None:  # seen before pyrdp replaces user and password
+                pdu.domain = self.domain
+            return
+        if kind == PlayerPDUType.FAST_PATH_OUTPUT:
+            capture.fastpath(live.recorder.offset_ms(), list(pdu.events))
+        elif kind == PlayerPDUType.SLOW_PATH_PDU:
+            if isinstance(pdu, UpdatePDU) and pdu.updateType == SlowPathUpdateType.SLOWPATH_UPDATETYPE_BITMAP:
+                capture.slowpath(live.recorder.offset_ms(), bytes(pdu.updateData))
+            elif isinstance(pdu, ConfirmActivePDU):
+                bitmap = pdu.parsedCapabilitySets.get(CapabilityType.CAPSTYPE_BITMAP)
+                if bitmap is not None:
+                    capture.resize(bitmap.desktopWidth, bitmap.desktopHeight)
+            elif isinstance(pdu, InputPDU) and self.keyboard is not None:
+                self._keys(self.keyboard.slowpath(pdu.events))
+        elif kind == PlayerPDUType.FAST_PATH_INPUT and self.keyboard is not None:
+            self._keys(self.keyboard.fastpath(pdu.events))
+        elif kind == PlayerPDUType.CLIENT_DATA:
+            core = pdu.coreData
+            capture.resize(core.desktopWidth, core.desktopHeight)
+
+    def _keys(self, text: str) -> None:
+        if text and self.live is not None:
+            self.live.recorder.input(text)
+
+    # -- lifecycle
+
+    def _target_logged_off(self, pdu: Any) -> None:
+        self.closed_by_target_logoff = True
+
+    def _client_logged_off(self, pdu: Any) -> None:
+        """The client said goodbye (MCS disconnect): whichever socket closes first, the client ended it."""
+        self._side_closed(CLIENT)
+
+    async def _kill(self, reason: str) -> None:
+        """The gateway ends the session (kill, expiry, shutdown): both connections dropped, frames stored."""
+        self.ended = self.ended or "gateway"
+        self.client.tcp.disconnect(True)
+        self.server.tcp.disconnect(True)
+        if self.capture is not None:
+            await self.capture.close()
+
+    async def _fail(self, message: str) -> None:
+        """A gateway-side end: the ``e`` event, exit code 254, both sides dropped."""
+        self.ended = self.ended or "error"
+        log.info("rdp session failed", extra={"session_id": self.session_id, "error": message})
+        self.client.tcp.disconnect()
+        self.server.tcp.disconnect(True)
+        await self._close(BLOCKED_EXIT_CODE, message)
+
+    def _side_closed(self, side: str) -> None:
+        if self.ended is not None or self.live is None:
+            self.ended = self.ended or side
+            return
+        self.ended = side
+        if side == CLIENT or self.closed_by_target_logoff:
+            self._spawn(self._close(0, None))
+        else:
+            name = self.live.connection.name
+            self._spawn(self._close(BLOCKED_EXIT_CODE, f'the target of connection "{name}" closed the connection'))
+
+    async def _close(self, exit_code: int, error: str | None) -> None:
+        live, capture = self.live, self.capture
+        if live is None:
+            return
+        if capture is not None:
+            await capture.close()
+            if capture.dropped:
+                live.recorder.error(f"{capture.dropped} screen updates were not recorded: the target sent "
+                                    "them faster than the gateway could store them")
+            if capture.failed:
+                live.recorder.error(f"the screen recording stopped: {capture.failed}")
+        await live.close(exit_code=exit_code, error=error)
+
+
+class GatewayMITMFactory(ServerFactory):
+    """Builds one ``GatewayMITM`` per accepted connection, with connection states made ahead of time."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.base = base_config(gateway.config.data_dir / "rdp")
+        self.record_keyboard = bool(gateway.config["rdp.record_keyboard"])
+        self._states: list[RDPMITMState] = []
+        self._filling: asyncio.Task[None] | None = None
+        quiet_pyrdp()
+
+    def _new_state(self) -> RDPMITMState:
+        """A connection's pyrdp state with its own copy of the configuration (blocking: makes an RSA key)."""
+        config = copy.copy(self.base)
+        return RDPMITMState(config, f"rdp-{secrets.token_hex(6)}")
+
+    async def prepare(self) -> None:
+        """Create the output directory and the first states, off the loop."""
+        await asyncio.to_thread(self.base.outDir.mkdir, parents=True, exist_ok=True)
+        self._refill()
+
+    def _refill(self) -> None:
+        if self._filling is None or self._filling.done():
+            self._filling = asyncio.ensure_future(self._fill())
+
+    async def _fill(self) -> None:
+        while len(self._states) < STATE_POOL:
+            self._states.append(await asyncio.to_thread(self._new_state))
+
+    def buildProtocol(self, addr: Any) -> Any:
+        state = self._states.pop() if self._states else self._new_state()  # a burst: made on the spot
+        self._refill()
+        mitm = GatewayMITM(self, state.config, state)
+        return mitm.getProtocol()

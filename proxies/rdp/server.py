@@ -1,0 +1,46 @@
+"""The RDP listener: pyrdp's man-in-the-middle served by Twisted's reactor on the daemon's loop.
+
+``start`` is the listener factory registered as ``rdp``. It puts the reactor
+on the running loop first (``reactor.ensure_reactor``), and only then imports
+pyrdp (``proxies.rdp.mitm``), which would otherwise install a reactor of its
+own. Each accepted connection is one ``mitm.GatewayMITM``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from proxies.rdp.reactor import ensure_reactor
+
+if TYPE_CHECKING:
+    from gatewayd.daemon import Gateway
+
+log = logging.getLogger("gatewayd.rdp")
+
+
+class RDPListener:
+    """A started RDP listener; ``close`` stops accepting (sessions in progress go on)."""
+
+    def __init__(self, gateway: Gateway, port: Any) -> None:
+        self.gateway = gateway
+        self.port = port
+
+    async def close(self) -> None:
+        from twisted.internet.defer import Deferred
+
+        result = self.port.stopListening()
+        if isinstance(result, Deferred):
+            await Deferred.asFuture(result, asyncio.get_running_loop())
+
+
+async def start(gateway: Gateway, host: str, port: int) -> RDPListener:
+    """Listener factory registered as ``rdp``."""
+    reactor = ensure_reactor()
+    from proxies.rdp.mitm import GatewayMITMFactory
+
+    factory = GatewayMITMFactory(gateway)
+    await factory.prepare()
+    listening = reactor.listenTCP(port, factory, interface=host)
+    return RDPListener(gateway, listening)
