@@ -269,7 +269,11 @@ async def exec_session(request: web.Request) -> web.Response:
     except ReviewError as exc:
         raise _error(exc) from None
     request[AUDIT_PAYLOAD] = {"session_id": key, "review_id": review.id, "connection": connection.name}
-    live = await gateway.sessions.open(user, connection, verb="exec", existing=session)
+    try:
+        live = await gateway.sessions.open(user, connection, verb="exec", existing=session)
+    except RuntimeError as exc:  # shutting down: the approval still stands
+        await gateway.reviews.set_status(review.id, APPROVED)
+        raise ApiError(503, str(exc)) from None
     return await _run(request, live, session.script or "", review)
 
 

@@ -62,7 +62,8 @@ async def list_sessions(request: web.Request) -> web.Response:
         org_id=user.org_id, user_id=q.get("user") or None,
         only_user_id=None if user.is_admin or user.is_auditor else user.subject,
         connection=q.get("connection") or None, type=q.get("type") or None,
-        review_approver=q.get("review.approver") or None, review_status=q.get("review.status") or None,
+        review_approver=q.get("review.approver") or None,
+        review_status=(q.get("review.status") or "").upper() or None,
         tracker_issue_key=q.get("tracker_issue_key") or None,
         start_date=parse_moment(q.get("start_date"), "start_date"),
         end_date=parse_moment(q.get("end_date"), "end_date", end_of_day=True), limit=limit, offset=offset)

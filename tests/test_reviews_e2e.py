@@ -298,7 +298,7 @@ async def test_onetime_review_partial_full_approval_time_window_and_execution(as
     assert status == 400 and "already" in body["message"]
 
     # the session list filters by review status and approver
-    status, page = await as_["admin"]("GET", "/sessions?review.status=EXECUTED&limit=100")
+    status, page = await as_["admin"]("GET", "/sessions?review.status=executed&limit=100")
     assert session_id in [s["id"] for s in page["data"]]
     assert all(s["review"]["status"] == "EXECUTED" for s in page["data"])
     status, page = await as_["admin"]("GET", "/sessions?review.approver=sam@example.com&limit=100")
