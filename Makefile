@@ -28,6 +28,7 @@ peers:
 bench: $(STAMP)
 	$(BIN)/python bench/api/bench_api.py
 	$(BIN)/python bench/postgres/bench_postgres.py
+	$(BIN)/python bench/http/bench_http.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

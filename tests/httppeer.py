@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import sys
+from collections import deque
 
 from aiohttp import WSMsgType, web
 
@@ -37,7 +38,7 @@ SMALL = b'{"ok":true,"service":"target","items":[1,2,3]}'
 
 
 def make_app() -> web.Application:
-    seen: list[str] = []
+    seen: deque[str] = deque(maxlen=10000)
     held = asyncio.Event()
 
     @web.middleware
@@ -115,7 +116,7 @@ def make_app() -> web.Application:
         return web.json_response({"released": True})
 
     async def seen_paths(request: web.Request) -> web.Response:
-        return web.json_response(seen)
+        return web.json_response(list(seen))
 
     app = web.Application(middlewares=[remember], client_max_size=1 << 40)
     app.router.add_get("/json", small)

@@ -232,7 +232,7 @@ async def test_browser_flow_with_curl_cookie_jar(api, gateway, tmp_path):
     assert "Location: /echo/page?q=1\r\n" in head
     cookie = next(line for line in head.splitlines() if line.lower().startswith("set-cookie:"))
     assert "HttpOnly" in cookie and "SameSite=Lax" in cookie and "Path=/" in cookie
-    assert f"#HttpOnly_127.0.0.1\tFALSE\t/\tFALSE" in jar.read_text()
+    assert "#HttpOnly_127.0.0.1\tFALSE\t/\tFALSE" in jar.read_text()
     # the browser follows the redirect with its cookie, and goes on using it
     followed = curl("-L", "-b", str(jar), "-c", str(jar), f"{gateway.http_url}/{secret}/echo/page?q=1")
     seen = json.loads(followed.stdout)

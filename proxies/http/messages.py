@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Iterable
 from urllib.parse import urlsplit
 
-from gatewayd.access import looks_like_secret
 
 COOKIE_NAME = "gatewayd_proxy_token"
 REDACTED = "[REDACTED]"
@@ -88,7 +87,7 @@ def extract_credential(authorization: str | None, cookie_header: str | None, pat
 
 
 def _is_proxy_secret(value: str) -> bool:
-    return value.startswith("httpproxy-") and looks_like_secret(value)
+    return len(value) == 53 and value.startswith("httpproxy-")
 
 
 def credential_cookie(secret: str, max_age: int) -> str:

@@ -86,7 +86,8 @@ class HttpListener:
         self.record_cap: int = config["http.record_body_bytes"]
         self.guard_cap: int = config["http.guard_body_bytes"]
         self.recheck: float = config["http.credential_recheck"]
-        self.states: dict[str, CredentialState] = {}
+        self.states: dict[str, CredentialState] = {}  # by secret hash
+        self._fresh: dict[str, CredentialState] = {}  # by secret: the per-request fast path, no hashing
         self._locks: dict[str, asyncio.Lock] = {}
         self.client = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=30),
@@ -118,15 +119,18 @@ class HttpListener:
 
     async def state_for(self, secret: str, client_ip: str) -> CredentialState:
         """The credential's state: from the cache, or resolved (and its session claimed) now."""
-        key = hash_secret(secret)
-        state = self.states.get(key)
+        state = self._fresh.get(secret)
         if state is not None:
             if state.closed is None and time.time() < state.expires and time.monotonic() < state.fresh_until:
                 return state
+            del self._fresh[secret]
+        key = hash_secret(secret)
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
             try:
-                return await self._resolve(key, secret, client_ip)
+                state = await self._resolve(key, secret, client_ip)
+                self._fresh[secret] = state
+                return state
             finally:
                 if not lock._waiters:  # type: ignore[attr-defined]
                     self._locks.pop(key, None)
@@ -134,7 +138,7 @@ class HttpListener:
     async def _resolve(self, key: str, secret: str, client_ip: str) -> CredentialState:
         state = self.states.get(key)
         if state is not None and state.closed is not None:
-            await self._refuse(secret, client_ip)
+            await self._audit_refusal(state.grant, state.closed, client_ip)
             raise Refused(state.closed)
         if state is not None and time.time() < state.expires and time.monotonic() < state.fresh_until:
             return state  # another request re-checked it while this one waited
@@ -151,10 +155,7 @@ class HttpListener:
         live = await self.gateway.sessions.resume(grant.user, grant.connection, grant.credential)
         if live is None:
             message = "the session of this credential was closed"
-            await self.gateway.audit.record(
-                org_id=grant.connection.org_id, actor=grant.user, action=f"{PROTOCOL}.login", client_ip=client_ip,
-                resource_type="connection", outcome="failure", error_message=message,
-                payload={"connection": grant.connection.name, "credential_id": grant.credential.id})
+            await self._audit_refusal(grant, message, client_ip)
             raise Refused(message)
         settings = grant.connection.target()
         try:
@@ -170,11 +171,21 @@ class HttpListener:
         self.states[key] = state
         return state
 
+    async def _audit_refusal(self, grant: AccessGrant, message: str, client_ip: str) -> None:
+        """A refusal of a credential that is valid in itself (its session is closed)."""
+        await self.gateway.audit.record(
+            org_id=grant.connection.org_id, actor=grant.user, action=f"{PROTOCOL}.login", client_ip=client_ip,
+            resource_type="connection", outcome="failure", error_message=message,
+            payload={"connection": grant.connection.name, "credential_id": grant.credential.id})
+
     def _prune(self) -> None:
         """Forget states whose credential expired a while ago (their sessions are closed)."""
         horizon = time.time() - 3600
         for key in [k for k, s in self.states.items() if s.expires < horizon]:
             del self.states[key]
+        now = time.monotonic()
+        for secret in [k for k, s in self._fresh.items() if s.fresh_until < now]:
+            del self._fresh[secret]
 
     def _killed(self, state: CredentialState, reason: str) -> None:
         """The session ended from the gateway side: refuse what comes next, cut what is in flight."""
@@ -201,14 +212,10 @@ class HttpListener:
             response.headers["Set-Cookie"] = credential_cookie(presented.secret, int(state.expires - time.time()))
             response.headers["Cache-Control"] = "no-store"
             return response
-        task = asyncio.current_task()
-        state.tasks.add(task)  # type: ignore[arg-type]
-        try:
-            if is_websocket_upgrade(headers.items()):
+        if "Upgrade" in headers and is_websocket_upgrade(headers.items()):
+            with _in_flight(state):
                 return await self._websocket(request, state, presented.source, client_ip)
-            return await self._forward(request, state, presented.source, client_ip)
-        finally:
-            state.tasks.discard(task)  # type: ignore[arg-type]
+        return await self._forward(request, state, presented.source, client_ip)
 
     async def _blocked(self, state: CredentialState, verdict: GuardVerdict, client_ip: str) -> web.Response:
         await state.live.blocked(verdict, client_ip)
@@ -313,6 +320,16 @@ class HttpListener:
         except _CLIENT_ERRORS as exc:
             return await self._unreachable(state, exc)
 
+        with _in_flight(state):
+            return await self._stream(request, state, upstream, out_headers, head, prefix, eof, sse and text, rules,
+                                      client_ip)
+
+    async def _stream(self, request: web.BaseRequest, state: CredentialState, upstream: aiohttp.ClientResponse,
+                      out_headers: CIMultiDict[str], head: bytes, prefix: bytes, eof: bool, check_chunks: bool,
+                      rules: object, client_ip: str) -> web.StreamResponse:
+        """Send a body as it arrives (a kill of the session cuts it)."""
+        recorder = state.live.recorder
+        length = upstream.content_length
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=out_headers)
         if length is not None:
             response.content_length = length
@@ -325,7 +342,7 @@ class HttpListener:
                 await response.write(prefix)
             if not eof:
                 async for chunk in upstream.content.iter_any():
-                    if sse and text:
+                    if check_chunks:
                         verdict = rules.check_output(chunk.decode("utf-8", "replace"))  # type: ignore[attr-defined]
                         if not verdict.allowed:
                             await state.live.blocked(verdict, client_ip)
@@ -423,6 +440,22 @@ class HttpListener:
         finally:
             await upstream.close()
         return downstream
+
+
+class _in_flight:
+    """Registers the running request with its credential's state, so a kill can cut it."""
+
+    __slots__ = ("state", "task")
+
+    def __init__(self, state: CredentialState) -> None:
+        self.state = state
+        self.task = asyncio.current_task()
+
+    def __enter__(self) -> None:
+        self.state.tasks.add(self.task)  # type: ignore[arg-type]
+
+    def __exit__(self, *exc: object) -> None:
+        self.state.tasks.discard(self.task)  # type: ignore[arg-type]
 
 
 async def _read_prefix(content: aiohttp.StreamReader, limit: int) -> tuple[bytes, bool]:

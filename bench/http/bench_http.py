@@ -1,0 +1,199 @@
+"""HTTP proxy benchmark: wrk direct, through nginx (reverse proxy) and through gatewayd, side by side.
+
+Targets (from the issue), with recording on in the gateway:
+
+- a small JSON endpoint: at least 0.5 of nginx's requests per second;
+- a 1 MB download: at least 0.8 of nginx's throughput.
+
+Everything is started here on free ports: the aiohttp target app of the test
+suite (``tests/httppeer.py``, uvloop, one process), nginx with one worker
+proxying to it over pooled keep-alive connections (a temporary prefix), and a
+real ``gatewayd run`` subprocess with the http listener, one credential and
+recording on. ``wrk`` drives each endpoint in turn. It is a benchmark, not a
+test: it exits 0 whether the targets are met or not, non-zero only when it
+could not measure.
+
+    .venv/bin/python bench/http/bench_http.py [--seconds 5] [--connections 32] [--guardrails]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import os
+import platform
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import aiohttp
+
+from tests.conftest import Daemon, free_port
+
+DOWNLOAD = 1024 * 1024
+
+
+def wait_port(port: int, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on {port}")
+
+
+class Nginx:
+    """nginx as a plain reverse proxy (one worker, keep-alive upstream pool) in a temporary prefix."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="gatewayd-nginx-"))
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> "Nginx":
+        d = self.dir
+        user = "user root;\n" if os.geteuid() == 0 else ""
+        (d / "nginx.conf").write_text(
+            f"{user}worker_processes 1;\npid {d}/nginx.pid;\nerror_log {d}/error.log;\n"
+            "events { worker_connections 4096; }\n"
+            "http {\n  access_log off;\n"
+            f"  client_body_temp_path {d}/body; proxy_temp_path {d}/proxy; fastcgi_temp_path {d}/fcgi;\n"
+            f"  uwsgi_temp_path {d}/uwsgi; scgi_temp_path {d}/scgi;\n"
+            f"  upstream target {{ server 127.0.0.1:{self.target_port}; keepalive 64; }}\n"
+            f"  server {{\n    listen 127.0.0.1:{self.port};\n"
+            "    location / {\n      proxy_pass http://target;\n      proxy_http_version 1.1;\n"
+            "      proxy_set_header Connection \"\";\n      proxy_set_header Host $host;\n"
+            "      proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;\n"
+            "      proxy_set_header X-Forwarded-Proto $scheme;\n    }\n  }\n}\n")
+        self.process = subprocess.Popen(["nginx", "-p", str(d), "-c", str(d / "nginx.conf"), "-g", "daemon off;"],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_port(self.port)
+        return self
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def wrk(url: str, seconds: int, connections: int, header: str | None = None) -> tuple[float, float]:
+    """(requests per second, MB per second) of one wrk run."""
+    command = ["wrk", "-t", "1", "-c", str(connections), "-d", f"{seconds}s", "--latency"]
+    if header:
+        command += ["-H", header]
+    out = subprocess.run([*command, url], capture_output=True, text=True, timeout=seconds * 4 + 60).stdout
+    rps = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    transfer = re.search(r"Transfer/sec:\s+([\d.]+)(\w+)", out)
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)|Socket errors: .*", out)
+    if rps is None or transfer is None:
+        raise RuntimeError(f"wrk printed no figures:\n{out}")
+    if errors:
+        raise RuntimeError(f"wrk saw errors:\n{out}")
+    unit = {"B": 1 / 1e6, "KB": 1 / 1024, "MB": 1, "GB": 1024}[transfer.group(2)]
+    return float(rps.group(1)), float(transfer.group(1)) * unit
+
+
+def b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+async def gateway_credential(daemon: Daemon, target: str, guardrails: bool) -> tuple[str, str]:
+    """(secret, session id) of a credential for an httpproxy role on the target."""
+    token = daemon.token("bench@example.com", groups="admin")
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as http:
+        async def call(method: str, path: str, body: object) -> dict:
+            async with http.request(method, daemon.url + path, json=body) as response:
+                answer = await response.json()
+                if response.status >= 300:
+                    raise RuntimeError(f"{method} {path}: {response.status} {answer}")
+                return answer
+
+        connection = await call("POST", "/connections", {"name": "bench-web", "type": "httpproxy",
+                                                         "subtype": "httpproxy",
+                                                         "secret": {"envvar:REMOTE_URL": b64(target)}})
+        if guardrails:
+            await call("POST", "/guardrails", {
+                "name": "bench-rails", "connection_ids": [connection["id"]],
+                "input": {"rules": [{"type": "deny_words_list", "words": ["drop table", "rm -rf"]}]},
+                "output": {"rules": [{"type": "pattern_match", "pattern_regex": r"\b\d{3}-\d{2}-\d{4}\b"}]}})
+        issued = await call("POST", "/connections/bench-web/credentials", {"access_duration_seconds": 3600})
+        return issued["connection_credentials"]["proxy_token"], issued["session_id"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seconds", type=int, default=5)
+    parser.add_argument("--connections", type=int, default=32)
+    parser.add_argument("--guardrails", action="store_true", help="attach an input and an output rule")
+    args = parser.parse_args()
+    missing = [tool for tool in ("wrk", "nginx") if shutil.which(tool) is None]
+    if missing:
+        print(f"cannot run: {', '.join(missing)} not installed (apt-get install {' '.join(missing)})",
+              file=sys.stderr)
+        return 2
+
+    target_port = free_port()
+    target = subprocess.Popen([sys.executable, "-m", "tests.httppeer", str(target_port)], cwd=ROOT,
+                              stderr=subprocess.DEVNULL)  # wrk cutting connections at the end is noise
+    nginx = Nginx(target_port)
+    http_port = free_port()
+    daemon = Daemon(Path(tempfile.mkdtemp(prefix="gatewayd-bench-http-")) / "data",
+                    {"listeners.http": f"127.0.0.1:{http_port}", "log.level": "warning"})
+    try:
+        wait_port(target_port)
+        nginx.start()
+        daemon.start()
+        wait_port(http_port)
+        secret, session_id = asyncio.run(gateway_credential(daemon, f"http://127.0.0.1:{target_port}",
+                                                            args.guardrails))
+        print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
+        print(f"wrk -t1 -c{args.connections} -d{args.seconds}s; gateway: recording on"
+              f"{', 2 guard rails' if args.guardrails else ''}\n")
+        endpoints = {
+            "direct": (f"http://127.0.0.1:{target_port}", None),
+            "nginx": (f"http://127.0.0.1:{nginx.port}", None),
+            "gateway": (f"http://127.0.0.1:{http_port}", f"Authorization: {secret}"),
+        }
+        paths = {"small JSON": "/json", "1 MB download": f"/download?size={DOWNLOAD}"}
+        results: dict[tuple[str, str], tuple[float, float]] = {}
+        for label, path in paths.items():
+            for name, (base, header) in endpoints.items():
+                wrk(base + path, 1, args.connections, header)  # warm-up (pools, caches)
+                results[(label, name)] = wrk(base + path, args.seconds, args.connections, header)
+        print(f"{'endpoint':<16}{'direct':>16}{'nginx':>16}{'gateway':>16}{'gw/nginx':>10}{'target':>8}  verdict")
+        ok = True
+        for label, unit, index, goal in (("small JSON", "req/s", 0, 0.5), ("1 MB download", "MB/s", 1, 0.8)):
+            row = [results[(label, name)][index] for name in endpoints]
+            ratio = row[2] / row[1] if row[1] else 0.0
+            verdict = "PASS" if ratio >= goal else "MISS"
+            ok &= ratio >= goal
+            print(f"{label:<16}" + "".join(f"{value:>10.1f} {unit:<5}" for value in row)
+                  + f"{ratio:>10.2f}{goal:>8.2f}  {verdict}")
+        print(f"\n(gw/direct: small JSON {results[('small JSON', 'gateway')][0] / results[('small JSON', 'direct')][0]:.2f}, "
+              f"1 MB download {results[('1 MB download', 'gateway')][1] / results[('1 MB download', 'direct')][1]:.2f})")
+        print(f"recorded session: {session_id}")
+        print("all targets met" if ok else "some targets missed")
+        return 0
+    finally:
+        daemon.stop()
+        nginx.stop()
+        target.terminate()
+        target.wait(10)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
