@@ -192,6 +192,20 @@ async def test_script_without_review_runs_through_guard_rails_and_is_recorded(as
     assert "drop table" in "".join(events(blocked, "e"))
 
 
+async def test_script_copy_from_stdin_fails_cleanly_and_big_output_is_capped(as_, cluster):
+    conn = await make_connection(as_, cluster)
+    status, body = await as_["rita"]("POST", "/sessions", {
+        "connection": conn["name"], "script": "create temp table t (i int); copy t from stdin"})
+    assert status == 200, body
+    assert body["exit_code"] == 1 and "COPY FROM STDIN is not available" in body["output"]
+    status, body = await as_["rita"]("POST", "/sessions", {
+        "connection": conn["name"], "script": "select repeat('x', 1000) from generate_series(1, 2000)"})
+    assert status == 200 and body["exit_code"] == 0
+    assert len(body["output"]) < 1_100_000 and "[output truncated" in body["output"]
+    session = await done_session(as_["rita"], body["session_id"])
+    assert sum(len(o) for o in events(session, "o")) > 2_000_000  # the recording has all of it
+
+
 async def test_script_past_the_wait_limit_answers_202_and_keeps_running(as_, cluster):
     conn = await make_connection(as_, cluster)
     status, body = await as_["rita"]("POST", "/sessions", {"connection": conn["name"],

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from gatewayd.scripts import ScriptResult
 from gatewayd.sessions import BLOCKED_EXIT_CODE
-from proxies.postgres.codec import FrameBatch, FrontendReader, encode_query
+from proxies.postgres.codec import FrameBatch, FrontendReader, encode_copy_fail, encode_query
 from proxies.postgres.relay import BLOCK, ClientSide, Pending, ServerSide
 from proxies.postgres.upstream import CHUNK, TargetSettings, UpstreamError, connect_target, terminate
 
@@ -26,6 +26,21 @@ if TYPE_CHECKING:
     from gatewayd.sessions import LiveSession
 
 SQL_ERROR_EXIT_CODE = 1
+OUTPUT_CAP_CHARS = 1 << 20  # the API answer carries this much output; the recording keeps the rest
+_COPY_IN = (ord("G"), ord("W"))  # CopyInResponse, CopyBothResponse: the target waits for data
+NO_COPY_IN = "COPY FROM STDIN is not available in a one-time script: there is no client to send the data"
+
+
+def asks_for_copy_data(frames: list[bytes | memoryview]) -> bool:
+    """Whether the target's answer (whole frames, as a FrameBatch hands them out) starts a COPY FROM STDIN."""
+    for part in frames:
+        view = memoryview(part)
+        pos = 0
+        while pos + 5 <= len(view):
+            if view[pos] in _COPY_IN:
+                return True
+            pos += 1 + int.from_bytes(view[pos + 1:pos + 5], "big")
+    return False
 
 
 class _Transcript:
@@ -34,6 +49,7 @@ class _Transcript:
     def __init__(self, recorder: SessionRecorder) -> None:
         self.recorder = recorder
         self.parts: list[str] = []
+        self.size = 0
         self.errors = 0
 
     @property
@@ -43,16 +59,25 @@ class _Transcript:
     def input(self, data: Any) -> None:
         self.recorder.input(data)
 
+    def keep(self, text: str) -> None:
+        """Keep ``text`` for the API answer, up to OUTPUT_CAP_CHARS."""
+        if self.size < OUTPUT_CAP_CHARS:
+            self.parts.append(text[:OUTPUT_CAP_CHARS - self.size])
+        self.size += len(text)
+
     def output(self, text: str) -> None:
-        self.parts.append(text)
+        self.keep(text)
         self.recorder.output(text)
 
     def error(self, text: str) -> None:
         self.errors += 1
-        self.parts.append(text if text.endswith("\n") else text + "\n")
+        self.keep(text if text.endswith("\n") else text + "\n")
         self.recorder.error(text)
 
     def text(self) -> str:
+        if self.size > OUTPUT_CAP_CHARS:
+            return "".join(self.parts) + f"\n[output truncated at {OUTPUT_CAP_CHARS} characters: " \
+                                         "the session recording has the rest]\n"
         return "".join(self.parts)
 
 
@@ -84,11 +109,14 @@ async def run_script(gateway: Gateway, live: LiveSession, script: str) -> Script
         batch = FrameBatch()
         while pending:
             server.process(link.backend, batch)
-            batch.take()  # nobody to forward to: the transcript is the client
+            if asks_for_copy_data(batch.take()):  # nobody to forward to: the transcript is the client
+                transcript.keep(NO_COPY_IN + "\n")
+                live.recorder.error(NO_COPY_IN)
+                link.writer.write(encode_copy_fail(NO_COPY_IN))
             if server.blocks:
                 blocked = True
                 for verdict in server.blocks:
-                    transcript.parts.append(verdict.message + "\n")
+                    transcript.keep(verdict.message + "\n")
                     await live.blocked(verdict)
                 server.blocks.clear()
                 continue
