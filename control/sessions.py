@@ -9,6 +9,8 @@ from typing import Any
 
 from aiohttp import web
 
+from control.asciicast import CONTENT_TYPE as ASCIICAST
+from control.asciicast import render_asciicast
 from control.audit_logs import parse_moment
 from control.http import ApiError, Param, RouteSet, gateway_of, ok, query_int, user_of
 from gatewayd.models import Review, Session, SessionEvent, User
@@ -123,7 +125,8 @@ def statements_response(session: Session, events: list[SessionEvent], rendering:
 
 
 @routes.get("/sessions/{id}", "A session; its event stream with ?expand=event_stream or ?event_stream=utf8|base64",
-            query=[Param("expand"), Param("event_stream", description="utf8 or base64: output concatenated"),
+            query=[Param("expand"), Param("event_stream", description="utf8 or base64: output concatenated; "
+                                          "asciicast: an ssh session as an asciicast v2 file"),
                    Param("format", description="csv or json: a database session's statements and results")])
 async def get(request: web.Request) -> web.Response:
     session = await find_session(request)
@@ -136,9 +139,15 @@ async def get(request: web.Request) -> web.Response:
             raise ApiError(422, "query parameter 'format': csv and json render database (postgres) sessions only")
         return statements_response(session, await store.read_events(session.id), rendering)
     rendering = request.query.get("event_stream")
+    if rendering == "asciicast":
+        if session.subtype != "ssh":
+            raise ApiError(422, "query parameter 'event_stream': asciicast renders ssh sessions only")
+        return web.Response(text=render_asciicast(session, await store.read_events(session.id)),
+                            content_type=ASCIICAST, charset="utf-8",
+                            headers={"Content-Disposition": f'attachment; filename="session-{session.id}.cast"'})
     if rendering:
         if rendering not in ("utf8", "utf-8", "base64"):
-            raise ApiError(422, "query parameter 'event_stream': expected utf8 or base64")
+            raise ApiError(422, "query parameter 'event_stream': expected utf8, base64 or asciicast")
         output = b"".join(e.data for e in await store.read_events(session.id, kinds="oe"))
         data = session_json(session, review=await review_of(store, session))
         text = base64.b64encode(output).decode() if rendering == "base64" else output.decode("utf-8", "replace")

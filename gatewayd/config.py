@@ -114,6 +114,7 @@ SETTINGS: dict[str, Setting] = {
     "server.grpc_server_url": Setting("str", ""),
     "server.product_analytics": Setting("str", "inactive", _choice("active", "inactive")),
     "ssh.hosts_key": Setting("str", ""),
+    "ssh.ciphers": Setting("list", ["aes128-gcm@openssh.com", "aes256-gcm@openssh.com"]),
     "postgres.tls_cert": Setting("str", ""),
     "postgres.tls_key": Setting("str", ""),
     "rdp.record_keyboard": Setting("bool", False),

@@ -64,7 +64,8 @@ def keygen(path: Path, kind: str = "ed25519") -> Path:
 class SshTarget:
     """One throw-away sshd."""
 
-    def __init__(self, directory: Path | None = None) -> None:
+    def __init__(self, directory: Path | None = None, client_key: Path | None = None) -> None:
+        self.shared_client_key = client_key  # another target's key: one key logs in to both (ProxyJump)
         self.dir = directory or Path(tempfile.mkdtemp(prefix="gatewayd-sshd-"))
         self.dir.mkdir(parents=True, exist_ok=True)
         self.dir.chmod(0o755)
@@ -73,13 +74,14 @@ class SshTarget:
         self.password = secrets.token_urlsafe(18)
         self.process: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> SshTarget:
+    def start(self, password: str | None = None) -> SshTarget:
+        self.password = password or self.password
         ensure_user(self.password)
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
         self.host_key = keygen(self.dir / "host_key")
-        self.client_key = keygen(self.dir / "client_key")
+        self.client_key = self.shared_client_key or keygen(self.dir / "client_key")
         authorized = self.dir / "authorized_keys"
-        authorized.write_text((self.dir / "client_key.pub").read_text())
+        authorized.write_text(Path(f"{self.client_key}.pub").read_text())
         authorized.chmod(0o644)
         self.config = self.dir / "sshd_config"
         self.config.write_text("\n".join([

@@ -213,3 +213,182 @@ async def test_password_login_environment_and_password_role(gateway, api, target
     result = subprocess.run(["setsid", *args[:1], "-o", "PubkeyAuthentication=no", "-o", "NumberOfPasswordPrompts=1",
                              *args[1:]], capture_output=True, env=env, stdin=subprocess.DEVNULL, timeout=60)
     assert result.returncode == 255 and b"Permission denied" in result.stderr
+
+
+# --------------------------------------------------------------------------- interactive shell with a pty
+
+
+class Terminal:
+    """OpenSSH ``ssh -tt`` in a real pseudo-terminal: keystrokes in, screen text out, resizable."""
+
+    def __init__(self, command: list[str], rows: int = 30, cols: int = 100) -> None:
+        self.master, slave = pty.openpty()
+        self.resize(rows, cols)
+        env = {**os.environ, "TERM": "xterm-256color"}
+        self.process = subprocess.Popen(command, stdin=slave, stdout=slave, stderr=slave, env=env,
+                                        start_new_session=True, preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))
+        os.close(slave)
+        self.screen = b""
+        self.position = 0
+
+    def resize(self, rows: int, cols: int) -> None:
+        fcntl.ioctl(self.master, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+        if hasattr(self, "process"):
+            self.process.send_signal(signal.SIGWINCH)
+
+    def type(self, text: str) -> None:
+        os.write(self.master, text.encode())
+
+    def expect(self, needle: str, timeout: float = 20) -> str:
+        """Read until ``needle`` shows up on the screen; everything since the last expect."""
+        deadline = time.monotonic() + timeout
+        start = self.position
+        while needle.encode() not in self.screen[start:]:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(f"{needle!r} never showed up; screen: {self.screen[start:]!r}")
+            ready, _, _ = select.select([self.master], [], [], remaining)
+            if ready:
+                try:
+                    chunk = os.read(self.master, 65536)
+                except OSError:
+                    chunk = b""
+                if not chunk:
+                    raise AssertionError(f"terminal closed before {needle!r}; screen: {self.screen[start:]!r}")
+                self.screen += chunk
+        found = self.screen.index(needle.encode(), start) + len(needle)
+        self.position = found
+        return self.screen[start:found].decode("utf-8", "replace")
+
+    def wait(self, timeout: float = 20) -> int:
+        deadline = time.monotonic() + timeout
+        while self.process.poll() is None and time.monotonic() < deadline:
+            ready, _, _ = select.select([self.master], [], [], 0.1)
+            if ready:
+                try:
+                    self.screen += os.read(self.master, 65536)
+                except OSError:
+                    pass
+        code = self.process.wait(1)
+        os.close(self.master)
+        return code
+
+
+async def test_pty_shell_terminal_resize_signals_and_input_rules(gateway, api, target):
+    role = await api.role()
+    await api.guardrail(role, input_rules=[{"type": "deny_words_list", "words": ["touch"]}])
+    secret, session_id = await api.credential(role)
+    marker = f"/tmp/gatewayd-blocked-{uuid.uuid4().hex[:8]}"
+    term = Terminal(ssh_args(gateway, secret, "-tt"), rows=30, cols=100)
+    term.type("PS1='gw$ '; echo TERM=$TERM; stty size\r")
+    screen = term.expect("30 100")
+    assert "TERM=xterm-256color" in screen
+
+    # a window-size change reaches the target's pty
+    term.resize(40, 120)
+    time.sleep(0.3)
+    term.type("stty size\r")
+    term.expect("40 120")
+
+    # ^C interrupts the remote foreground program (through the pty), the shell goes on
+    term.type("sleep 600; echo not-interrupted\r")
+    time.sleep(0.5)
+    term.type("\x03")
+    term.type("echo after-$((20+1))\r")
+    screen = term.expect("after-21")
+    assert "\nnot-interrupted" not in screen
+
+    # a typed line the input rules block is not run; the user sees why
+    term.type(f"touch {marker}\r")
+    screen = term.expect("words=[touch]")
+    assert "validation error, match guard rails input rule" in screen
+    term.type("echo still-$((1+1))\r")
+    term.expect("still-2")
+
+    # backspace editing is applied to the checked line: "tooch" corrected into "touch" is caught too
+    term.type(f"tooch\x7f\x7f\x7fuch {marker}\r")
+    term.expect("words=[touch]")
+    term.type("exit 3\r")
+    assert term.wait() == 3
+    assert not Path(marker).exists() and "No such file" in target.ssh(f"ls {marker}").stderr.decode()
+
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 3
+    assert session["metrics"]["terminal"] == {"type": "xterm-256color", "width": 100, "height": 30}
+    output = "".join(of_kind(session, "o"))
+    assert "after-21" in output and "still-2" in output
+    typed = "".join(of_kind(session, "i"))
+    assert "stty size\r" in typed and f"touch {marker}\r" in typed
+    assert of_kind(session, "e").count(
+        "validation error, match guard rails input rule, type=deny_words_list, words=[touch]") == 2
+    status, logs = await api("GET", "/audit/logs?action=guardrail.block")
+    assert status == 200 and any(entry["request_payload_redacted"].get("session_id") == session_id
+                                 for entry in logs["data"])
+
+    # the asciicast export replays the terminal
+    status, text = await api("GET", f"/sessions/{session_id}?event_stream=asciicast")
+    assert status == 200, text
+    lines = text.splitlines()
+    header = json.loads(lines[0])
+    assert header["version"] == 2 and header["width"] == 100 and header["height"] == 30
+    assert header["env"]["TERM"] == "xterm-256color"
+    frames = [json.loads(line) for line in lines[1:]]
+    assert all(isinstance(t, float) and kind in ("o", "i") for t, kind, _ in frames)
+    assert [t for t, _, _ in frames] == sorted(t for t, _, _ in frames)
+    replay = "".join(data for _, kind, data in frames if kind == "o")
+    assert "after-21" in replay and "words=[touch]" in replay
+    assert "".join(data for _, kind, data in frames if kind == "i") == typed
+
+
+async def test_shell_without_pty_blocks_lines_before_they_reach_the_target(gateway, api, target):
+    role = await api.role()
+    await api.guardrail(role, input_rules=[{"type": "pattern_match", "pattern_regex": r"rm\s+-rf"}])
+    secret, session_id = await api.credential(role)
+    marker = f"/tmp/gatewayd-kept-{uuid.uuid4().hex[:8]}"
+    on_target(target, f"touch {marker}")
+    script = f"echo first\nrm -rf {marker}\necho second\nexit 4\n".encode()
+    result = ssh(gateway, secret, "-T", stdin=script)
+    assert result.returncode == 4
+    assert result.stdout == b"first\nsecond\n"
+    assert b"validation error, match guard rails input rule, type=pattern_match" in result.stderr
+    assert on_target(target, f"ls {marker}").strip() == marker
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 4
+    status, body = await api("GET", f"/sessions/{session_id}?event_stream=asciicast")
+    assert status == 200 and json.loads(body.splitlines()[0])["width"] == 80  # no pty: the default size
+
+
+# --------------------------------------------------------------------------- guard rails on exec
+
+
+async def test_exec_input_rule_blocks_before_the_target_and_output_rule_closes_the_channel(gateway, api, target):
+    role = await api.role()
+    await api.guardrail(role, input_rules=[{"type": "deny_words_list", "words": ["shutdown", "touch"]}],
+                        output_rules=[{"type": "pattern_match", "pattern_regex": r"tok-[0-9]{6}"}])
+    marker = f"/tmp/gatewayd-never-{uuid.uuid4().hex[:8]}"
+    secret, session_id = await api.credential(role)
+    result = ssh(gateway, secret, f"touch {marker}")
+    assert result.returncode == 254
+    assert result.stdout == b""
+    assert result.stderr.decode().strip() == \
+        "validation error, match guard rails input rule, type=deny_words_list, words=[touch]"
+    assert "No such file" in target.ssh(f"ls {marker}").stderr.decode()
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 254
+    assert events(session) == [("i", f"touch {marker}"), (
+        "e", "validation error, match guard rails input rule, type=deny_words_list, words=[touch]")]
+
+    secret, session_id = await api.credential(role)
+    result = ssh(gateway, secret, "echo visible; sleep 0.5; echo the key is tok-$((123000+456)); sleep 5; echo never")
+    assert result.returncode == 254
+    assert result.stdout == b"visible\n"
+    assert b"validation error, match guard rails output rule, type=pattern_match, pattern=tok-[0-9]{6}" \
+        in result.stderr
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 254
+    assert "tok-123456" not in json.dumps(events(session))
+    assert of_kind(session, "e") == ["validation error, match guard rails output rule, type=pattern_match, "
+                                     "pattern=tok-[0-9]{6}"]
+    status, logs = await api("GET", "/audit/logs?action=guardrail.block")
+    blocked = [e for e in logs["data"] if e["request_payload_redacted"].get("session_id") == session_id]
+    assert status == 200 and len(blocked) == 1 and blocked[0]["outcome"] == "failure"

@@ -80,6 +80,7 @@ async def start(gateway: Gateway, host: str, port: int) -> SSHListener:
         host, port, server_factory=lambda: GatewayConnection(gateway), server_host_keys=[host_key(gateway)],
         reuse_address=True, login_timeout=LOGIN_TIMEOUT, encoding=None, line_editor=False,
         agent_forwarding=False, x11_forwarding=False, allow_scp=False, compression_algs=None,
+        encryption_algs=list(gateway.config["ssh.ciphers"]),
         window=WINDOW, max_pktsize=MAX_PACKET, keepalive_interval=60)
     return SSHListener(acceptor)
 

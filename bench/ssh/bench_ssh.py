@@ -1,0 +1,128 @@
+"""SSH proxy benchmark: exec throughput and connect latency direct, through ProxyJump and through gatewayd.
+
+Target (from the issue): ``cat`` of a 200 MB file over an exec channel through
+the gateway -- recording on -- reaches at least 0.5 of the throughput of
+OpenSSH's ProxyJump (``ssh -J`` through a second sshd, the usual bastion).
+Connect latency (``ssh ... true``, median of N) is printed for all three.
+
+Everything is started here on free ports: the target sshd and the jump sshd
+(``tests/sshpeer.py``, root needed for their dedicated user) and a real
+``gatewayd run`` subprocess with the ssh listener. The clients are OpenSSH
+``ssh`` processes with their output sent to /dev/null. It is a benchmark,
+not a test: it exits 0 whether the target is met or not, non-zero only when
+it could not measure.
+
+    .venv/bin/python bench/ssh/bench_ssh.py [--megabytes 200] [--runs 3] [--connects 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import aiohttp
+
+from tests.conftest import Daemon, free_port
+from tests.sshpeer import CLIENT_OPTIONS, SshTarget, unavailable_reason
+
+
+def b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+async def gateway_secret(daemon: Daemon, target: SshTarget) -> str:
+    """A connection to the target and a credential for it, through the API."""
+    token = daemon.token("bench@example.com", groups="admin", name="Bench")
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as http:
+        secret = {"envvar:HOST": b64("127.0.0.1"), "envvar:PORT": b64(str(target.port)),
+                  "envvar:USER": b64(target.user), "envvar:PRIVATE_KEY": b64(target.private_key_text),
+                  "envvar:HOST_KEY": b64(target.host_public_key)}
+        async with http.post(daemon.url + "/connections", json={"name": "bench-ssh", "type": "custom",
+                                                                "subtype": "ssh", "secret": secret}) as response:
+            assert response.status == 201, await response.text()
+        async with http.post(daemon.url + "/connections/bench-ssh/credentials",
+                             json={"access_duration_seconds": 3600}) as response:
+            body = await response.json()
+            assert response.status == 201, body
+            return body["connection_credentials"]["username"]
+
+
+def timed(command: list[str]) -> float:
+    started = time.perf_counter()
+    result = subprocess.run(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            timeout=600)
+    elapsed = time.perf_counter() - started
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(command[:1])} failed ({result.returncode}): {result.stderr.decode()[-300:]}")
+    return elapsed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--megabytes", type=int, default=200)
+    parser.add_argument("--runs", type=int, default=3, help="throughput runs per path (best is kept)")
+    parser.add_argument("--connects", type=int, default=10, help="connect-plus-true runs per path (median)")
+    args = parser.parse_args()
+    reason = unavailable_reason()
+    if reason:
+        print(f"cannot run: {reason}", file=sys.stderr)
+        return 2
+
+    work = Path(tempfile.mkdtemp(prefix="gatewayd-bench-ssh-"))
+    work.chmod(0o755)  # sshd reads the authorized keys as the target user
+    target = SshTarget(work / "target").start()
+    jump = SshTarget(work / "jump", client_key=target.client_key).start(password=target.password)
+    daemon = Daemon(work / "data", {"listeners.ssh": f"127.0.0.1:{free_port()}"}).start()
+    try:
+        gateway_port = int(daemon.settings["listeners.ssh"].rsplit(":", 1)[1])
+        secret = asyncio.run(gateway_secret(daemon, target))
+        payload = f"/tmp/gatewayd-bench-ssh-{args.megabytes}m"
+        make = target.ssh(f"head -c {args.megabytes}M /dev/urandom > {payload}", timeout=300)
+        assert make.returncode == 0, make.stderr
+
+        key = ["-i", str(target.client_key)]
+        user = f"{target.user}@127.0.0.1"
+        paths = {
+            "direct": ["ssh", *CLIENT_OPTIONS, *key, "-p", str(target.port), user],
+            "proxyjump": ["ssh", *CLIENT_OPTIONS, *key, "-o",
+                          f"ProxyCommand=ssh {' '.join(CLIENT_OPTIONS)} -i {target.client_key} "
+                          f"-p {jump.port} -W %h:%p {user}", "-p", str(target.port), user],
+            "gateway": ["ssh", *CLIENT_OPTIONS, "-p", str(gateway_port), f"{secret}@127.0.0.1"],
+        }
+        print(f"ssh exec throughput: cat of {args.megabytes} MB (best of {args.runs}), connect+true latency "
+              f"(median of {args.connects}); recording on (cap {daemon.settings.get('sessions.recording_cap_bytes', '64 MiB')})")
+        throughput: dict[str, float] = {}
+        latency: dict[str, float] = {}
+        for name, command in paths.items():
+            timed([*command, "true"])  # warm-up
+            best = min(timed([*command, f"cat {payload}"]) for _ in range(args.runs))
+            throughput[name] = args.megabytes / best
+            latency[name] = statistics.median(timed([*command, "true"]) for _ in range(args.connects)) * 1000
+            print(f"  {name:10s} {throughput[name]:8.1f} MB/s   connect+true {latency[name]:7.1f} ms")
+        ratio = throughput["gateway"] / throughput["proxyjump"]
+        print(f"gateway/proxyjump throughput {ratio:.2f} (target >= 0.50: {'OK' if ratio >= 0.5 else 'MISS'}); "
+              f"gateway/direct {throughput['gateway'] / throughput['direct']:.2f}; "
+              f"proxyjump/direct {throughput['proxyjump'] / throughput['direct']:.2f}")
+        print(f"connect latency: gateway {latency['gateway']:.1f} ms, proxyjump {latency['proxyjump']:.1f} ms, "
+              f"direct {latency['direct']:.1f} ms (gateway/proxyjump {latency['gateway'] / latency['proxyjump']:.2f})")
+        target.ssh(f"rm -f {payload}")
+    finally:
+        daemon.stop()
+        jump.destroy()
+        target.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
