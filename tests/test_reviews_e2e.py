@@ -385,6 +385,19 @@ async def test_access_request_rule_decides_the_reviewers(as_, cluster):
     status, body = await as_["rita"]("POST", "/sessions", {"connection": conn["name"], "script": "select 1"})
     assert status == 200 and body["exit_code"] == 0
 
+    jit_rule = {"name": f"jit-{uuid.uuid4().hex[:6]}", "access_type": "jit", "connection_names": [conn["name"]],
+                "reviewers_groups": ["dba"], "access_max_duration": 60}
+    status, body = await as_["admin"]("POST", "/access-requests/rules", jit_rule)
+    assert status == 201, body
+    status, body = await as_["rita"]("GET", "/access-requests/rules")
+    assert jit_rule["name"] in [r["name"] for r in body["data"]]
+    path = f"/connections/{conn['name']}/credentials"
+    status, body = await as_["rita"]("POST", path, {"access_duration_seconds": 61})
+    assert status == 422 and "60" in body["message"]
+    status, body = await as_["rita"]("POST", path, {"access_duration_seconds": 60})
+    assert status == 202 and body["review"]["access_request_rule_name"] == jit_rule["name"]
+    assert body["review"]["access_duration"] == 60_000_000_000
+
 
 # --------------------------------------------------------------------------- just-in-time access
 
