@@ -204,11 +204,12 @@ class GatewayMITM(RDPMITM):
 
     async def _admission(self, pdu: Any) -> None:
         client_ip = self.state.clientIp or ""
+        parser = NegotiationRequestParser()
         try:
-            request = NegotiationRequestParser().parse(pdu.payload)
+            request = parser.parse(pdu.payload)
             secret = secret_from_cookie(request.cookie)
         except Exception:
-            secret = None
+            request, secret = None, None
         try:
             grant = await self.gateway.access.resolve(secret or "", "rdp", client_ip)
         except AccessDenied as exc:
@@ -230,6 +231,10 @@ class GatewayMITM(RDPMITM):
         self.config.replacementPassword = target.get("PASS") or ""
         self.domain = target.get("DOMAIN")
         self.state.effectiveTargetHost, self.state.effectiveTargetPort = host, port
+        if request is not None:  # the target sees the role's user in the cookie, never the secret
+            user = self.config.replacementUsername
+            request.cookie = f"Cookie: mstshash={user}".encode("latin-1", "replace") if user else None
+            pdu.payload = parser.write(request)
         try:
             self.live = live = await self.gateway.sessions.open(grant.user, connection, credential=grant.credential)
         except RuntimeError as exc:  # shutting down

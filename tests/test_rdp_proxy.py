@@ -1,0 +1,436 @@
+"""RDP proxy end to end: real xfreerdp, through the gateway, to a FreeRDP shadow server on Xvfb.
+
+Peers (started once for the module): an Xvfb desktop with the ``-retro``
+pattern shared by ``freerdp-shadow-cli`` (TLS security, no authentication:
+it accepts any logon), a second shadow server on the same desktop that
+insists on NLA, an Xvfb display for the client, and a stand-alone
+``pyrdp-mitm`` in front of the shadow server as the "observed" target: its
+log says which user name and password reached the target, which is how the
+credential injection is proven (the shadow server checks no password).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import aiohttp
+import pytest
+
+from tests.conftest import BIN, Daemon, free_port
+
+TARGET_USER = "alice"
+TARGET_PASSWORD = "Tgt-pass-7c1e9d"
+PEER_TOOLS = ("Xvfb", "freerdp-shadow-cli", "xfreerdp")
+
+
+def b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def wait_port(port: int, process: subprocess.Popen[bytes], what: str, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with {process.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"{what} is not listening on {port}")
+
+
+class Peers:
+    """Xvfb displays, shadow servers and the observing pyrdp-mitm, as subprocesses."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.home = root / "home"
+        self.home.mkdir()
+        self.processes: list[subprocess.Popen[bytes]] = []
+
+    def spawn(self, args: list[str], name: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        log = open(self.root / f"{name}.log", "ab")
+        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=self.root,
+                                   env={"PATH": os.environ["PATH"], "HOME": str(self.home), **(env or {})},
+                                   start_new_session=True)
+        log.close()
+        self.processes.append(process)
+        return process
+
+    def log(self, name: str) -> str:
+        path = self.root / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def display(self, name: str, size: str, *extra: str) -> int:
+        for number in range(150, 400):
+            if not Path(f"/tmp/.X{number}-lock").exists() and not Path(f"/tmp/.X11-unix/X{number}").exists():
+                break
+        process = self.spawn(["Xvfb", f":{number}", "-screen", "0", size, "-nolisten", "tcp", *extra], name)
+        deadline = time.monotonic() + 20
+        while not Path(f"/tmp/.X11-unix/X{number}").exists():
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"Xvfb :{number} did not start:\n{self.log(name)}")
+            time.sleep(0.05)
+        return number
+
+    def shadow(self, display: int, name: str, *security: str) -> int:
+        for attempt in range(2):  # right after Xvfb the shadow server can fail to open the display
+            port = free_port()
+            process = self.spawn(["freerdp-shadow-cli", f"/port:{port}", "/bind-address:127.0.0.1", *security],
+                                 name, {"DISPLAY": f":{display}"})
+            try:
+                wait_port(port, process, "freerdp-shadow-cli")
+                return port
+            except RuntimeError:
+                if attempt:
+                    raise RuntimeError(f"freerdp-shadow-cli did not start:\n{self.log(name)}") from None
+                process.kill()
+                time.sleep(1)
+        raise AssertionError("unreachable")
+
+    def observer(self, target_port: int) -> int:
+        port = free_port()
+        process = self.spawn([str(BIN / "pyrdp-mitm"), f"127.0.0.1:{target_port}", "-a", "127.0.0.1", "-l", str(port),
+                              "-o", str(self.root / "observer")], "observer")
+        wait_port(port, process, "pyrdp-mitm (observer)", timeout=30)
+        return port
+
+    def stop(self) -> None:
+        for process in reversed(self.processes):
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in self.processes:
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+
+@pytest.fixture(scope="module")
+def peers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Peers]:
+    missing = [tool for tool in PEER_TOOLS if shutil.which(tool) is None]
+    if missing:
+        message = f"RDP peers not installed ({', '.join(missing)}): run scripts/install-peers.sh"
+        if os.geteuid() == 0:
+            pytest.fail(message)
+        pytest.skip(message)
+    if not (BIN / "pyrdp-mitm").exists():
+        pytest.skip("the rdp extra is not installed (pip install -e '.[test,rdp]')")
+    found = Peers(tmp_path_factory.mktemp("rdp-peers"))
+    try:
+        desktop = found.display("xvfb-target", "1024x768x24", "-retro")
+        found.client_display = found.display("xvfb-client", "1280x800x24")
+        found.shadow_port = found.shadow(desktop, "shadow", "-auth", "/sec:tls")
+        found.nla_port = found.shadow(desktop, "shadow-nla", "/sec:nla")
+        found.observer_port = found.observer(found.shadow_port)
+        yield found
+    finally:
+        found.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory, peers: Peers) -> Iterator[Daemon]:
+    daemon = Daemon(tmp_path_factory.mktemp("rdpproxy") / "data", {
+        "listeners.rdp": f"127.0.0.1:{free_port()}",
+        "sessions.flush_interval": "100ms",
+    }).start()
+    daemon.rdp_port = int(daemon.settings["listeners.rdp"].rsplit(":", 1)[1])
+    yield daemon
+    assert daemon.stop() == 0
+
+
+class Api:
+    """The control API as an admin; RDP roles and credentials."""
+
+    def __init__(self, daemon: Daemon, http: aiohttp.ClientSession) -> None:
+        self.daemon = daemon
+        self.http = http
+
+    async def __call__(self, method: str, path: str, body: Any = None, token: str | None = None) -> tuple[int, Any]:
+        headers = {"Authorization": f"Bearer {token}"} if token else None
+        async with self.http.request(method, self.daemon.url + path, json=body, headers=headers) as response:
+            raw = await response.read()
+            if response.content_type == "application/json":
+                return response.status, json.loads(raw)
+            return response.status, raw
+
+    async def role(self, port: int, subtype: str = "rdp") -> dict:
+        secret = {"envvar:HOST": b64("127.0.0.1"), "envvar:PORT": b64(str(port)),
+                  "envvar:USER": b64(TARGET_USER), "envvar:PASS": b64(TARGET_PASSWORD)}
+        kind = {"rdp": "custom", "postgres": "database"}[subtype]
+        status, body = await self("POST", "/connections", {"name": f"{subtype}-{uuid.uuid4().hex[:8]}", "type": kind,
+                                                          "subtype": subtype, "secret": secret})
+        assert status == 201, body
+        return body
+
+    async def credential(self, connection: dict, seconds: int = 600, token: str | None = None) -> tuple[str, str]:
+        status, body = await self("POST", f"/connections/{connection['name']}/credentials",
+                                  {"access_duration_seconds": seconds}, token=token)
+        assert status == 201, body
+        return body["connection_credentials"]["username"], body["session_id"]
+
+    async def done_session(self, session_id: str, timeout: float = 20) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            status, body = await self("GET", f"/sessions/{session_id}?expand=event_stream")
+            assert status == 200, body
+            if body["status"] == "done":
+                return body
+            if time.monotonic() > deadline:
+                raise AssertionError(f"session {session_id} is still {body['status']}")
+            await asyncio.sleep(0.1)
+
+    async def sessions_of(self, connection: dict) -> list[dict]:
+        status, body = await self("GET", f"/sessions?connection={connection['name']}&limit=100")
+        assert status == 200, body
+        return body["data"]
+
+
+@pytest.fixture(scope="module")
+async def api(gateway: Daemon) -> Any:
+    token = gateway.token("admin@example.com", groups="admin", name="Ada Admin")
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as http:
+        yield Api(gateway, http)
+
+
+async def xfreerdp(peers: Peers, port: int, secret: str, *extra: str, timeout: float = 60) -> tuple[int, str]:
+    """Run xfreerdp to the end; its exit code and output."""
+    process = await asyncio.create_subprocess_exec(
+        "xfreerdp", f"/v:127.0.0.1:{port}", "/cert:ignore", f"/u:{secret}", f"/p:{secret}", "/size:1024x768",
+        "/bpp:16", *extra, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        env={"PATH": os.environ["PATH"], "HOME": str(peers.home), "DISPLAY": f":{peers.client_display}"})
+    out, _ = await asyncio.wait_for(process.communicate(), timeout)
+    return process.returncode, out.decode(errors="replace")
+
+
+def events(session: dict) -> list[tuple[str, str]]:
+    return [(kind, base64.b64decode(data).decode("utf-8", "replace")) for _, kind, data in session["event_stream"]]
+
+
+# --------------------------------------------------------------------------- without peers
+
+
+def test_without_the_rdp_extra_the_listener_is_left_out(monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    import importlib.util
+
+    import proxies
+    from proxies import rdp
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pyrdp" else real(name, *a))
+    assert rdp.missing_modules() == ["pyrdp"]
+    with caplog.at_level("WARNING", logger="gatewayd.rdp"):
+        listeners = proxies.available_listeners()
+    assert "rdp" not in listeners and "postgres" in listeners
+    assert "RDP proxy unavailable: install the rdp extra" in caplog.text
+
+
+# --------------------------------------------------------------------------- logon and injection
+
+
+async def test_logon_injects_the_roles_credentials(api: Api, gateway: Daemon, peers: Peers) -> None:
+    connection = await api.role(peers.observer_port)
+    secret, session_id = await api.credential(connection)
+    code, output = await xfreerdp(peers, gateway.rdp_port, secret, "+auth-only")
+    assert code == 0, output
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 0 and session["end_date"], session
+    assert [k for k, _ in events(session)] == []  # no keys recorded by default, no errors
+    # what reached the target: the role's user and password, not what the client typed
+    observed = peers.log("observer")
+    infos = [line for line in observed.splitlines() if "Client Info:" in line]
+    assert infos, observed[-2000:]
+    assert f"username = '{TARGET_USER}" in infos[-1] and f"password = '{TARGET_PASSWORD}" in infos[-1]
+    assert secret not in observed
+    status, logs = await api("GET", "/audit/logs?action=rdp.login&outcome=success")
+    assert status == 200 and any(e["request_payload_redacted"].get("connection") == connection["name"]
+                                 for e in logs["data"]), logs
+
+
+# --------------------------------------------------------------------------- frames
+
+
+@pytest.fixture(scope="module")
+async def recorded(api: Api, gateway: Daemon, peers: Peers) -> dict:
+    """A real few-second session at 16 bpp; its session once done."""
+    connection = await api.role(peers.shadow_port)
+    secret, session_id = await api.credential(connection)
+    process = await asyncio.create_subprocess_exec(
+        "xfreerdp", f"/v:127.0.0.1:{gateway.rdp_port}", "/cert:ignore", f"/u:{secret}", f"/p:{secret}",
+        "/size:1024x768", "/bpp:16", stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+        env={"PATH": os.environ["PATH"], "HOME": str(peers.home), "DISPLAY": f":{peers.client_display}"})
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # until the first screen is in (a wait, not a timing assertion)
+            status, page = await api("GET", f"/sessions/{session_id}/rdp-frames?limit=1")
+            if status == 200 and page["total_frames"] >= 100 or time.monotonic() > deadline:
+                break
+            assert process.returncode is None, "xfreerdp ended early"
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(2)
+    finally:
+        if process.returncode is None:
+            process.terminate()
+        await process.wait()
+    session = await api.done_session(session_id)
+    session["secret"] = secret
+    return session
+
+
+async def test_session_is_done_when_the_client_leaves(recorded: dict) -> None:
+    assert recorded["status"] == "done" and recorded["end_date"] and recorded["exit_code"] == 0, recorded
+    assert [k for k, _ in events(recorded)] == []  # keyboard recording is off by default
+
+
+async def test_frames_are_paged(api: Api, recorded: dict) -> None:
+    sid = recorded["id"]
+    status, first = await api("GET", f"/sessions/{sid}/rdp-frames")
+    assert status == 200, first
+    total = first["total_frames"]
+    assert total > 50, first["total_frames"]
+    assert first["limit"] == 50 and first["offset"] == 0 and first["has_more"] is True
+    assert [f["index"] for f in first["frames"]] == list(range(50))
+    frame = first["frames"][0]
+    assert set(frame) == {"index", "timestamp", "bitmap", "x", "y", "width", "height"}
+    assert bytes(frame["bitmap"][:8]) == b"\x89PNG\r\n\x1a\n"
+    assert first["total_duration"] >= max(f["timestamp"] for f in first["frames"]) > 0
+    status, last = await api("GET", f"/sessions/{sid}/rdp-frames?offset={total - 3}&limit=10")
+    assert [f["index"] for f in last["frames"]] == [total - 3, total - 2, total - 1] and last["has_more"] is False
+    status, clamped = await api("GET", f"/sessions/{sid}/rdp-frames?limit=1000")
+    assert clamped["limit"] == 200 and len(clamped["frames"]) == min(200, total)
+    status, low = await api("GET", f"/sessions/{sid}/rdp-frames?limit=0")
+    assert low["limit"] == 1 and len(low["frames"]) == 1
+    status, past = await api("GET", f"/sessions/{sid}/rdp-frames?offset={total + 5}")
+    assert status == 200 and past["frames"] == [] and past["has_more"] is False
+    status, bad = await api("GET", f"/sessions/{sid}/rdp-frames?offset=-1")
+    assert status == 422, bad
+
+
+async def test_composed_screen_shows_the_desktop(api: Api, recorded: dict) -> None:
+    from PIL import Image
+
+    sid = recorded["id"]
+    status, page = await api("GET", f"/sessions/{sid}/rdp-frames?limit=1")
+    last = page["total_frames"] - 1
+    status, png = await api("GET", f"/sessions/{sid}/rdp-frames/{last}.png")
+    assert status == 200
+    image = Image.open(io.BytesIO(png))
+    image.load()
+    assert image.size == (1024, 768)
+    colours = image.getcolors(maxcolors=1 << 16)
+    assert colours is not None and len(colours) >= 2, "the composed screen is blank"
+    assert max(count for count, _ in colours) < 0.9 * 1024 * 768  # the -retro pattern, not one flat colour
+    status, first = await api("GET", f"/sessions/{sid}/rdp-frames/0.png")
+    assert status == 200 and first != png  # frame 0 paints one tile only
+    status, missing = await api("GET", f"/sessions/{sid}/rdp-frames/{last + 1}.png")
+    assert status == 404, missing
+    status, bad = await api("GET", f"/sessions/{sid}/rdp-frames/x1.png")
+    assert status == 400, bad
+
+
+async def test_frames_of_a_non_rdp_session_are_a_400(api: Api, gateway: Daemon) -> None:
+    connection = await api.role(5432, subtype="postgres")
+    _, session_id = await api.credential(connection)
+    status, body = await api("GET", f"/sessions/{session_id}/rdp-frames")
+    assert status == 400 and "not an RDP session" in body["message"]
+    status, body = await api("GET", f"/sessions/{session_id}/rdp-frames/0.png")
+    assert status == 400
+
+
+async def test_frames_follow_session_visibility(api: Api, gateway: Daemon, recorded: dict) -> None:
+    other = gateway.token("someone@example.com", groups="")
+    status, body = await api("GET", f"/sessions/{recorded['id']}/rdp-frames", token=other)
+    assert status == 403, body
+    status, body = await api("GET", f"/sessions/{recorded['id']}/rdp-frames/0.png", token=other)
+    assert status == 403, body
+    status, body = await api("GET", f"/sessions/{uuid.uuid4()}/rdp-frames")
+    assert status == 404, body
+
+
+async def test_no_password_is_stored_or_logged(api: Api, gateway: Daemon, recorded: dict) -> None:
+    secret = recorded["secret"]
+    needles = {}
+    for label, value in (("target password", TARGET_PASSWORD), ("client secret", secret)):
+        needles[label + " (utf-8)"] = value.encode()
+        needles[label + " (utf-16)"] = value.encode("utf-16-le")
+    assert (gateway.data_dir / "rdp-frames" / recorded["id"] / "frames.dat").stat().st_size > 0
+    for path in [*gateway.data_dir.rglob("*"), gateway.log_path]:
+        if path.is_file():
+            data = path.read_bytes()
+            for label, needle in needles.items():
+                assert needle not in data, f"{label} found in {path}"
+    for _, kind, data in recorded["event_stream"]:
+        text = base64.b64decode(data)
+        assert TARGET_PASSWORD.encode() not in text and secret.encode() not in text
+
+
+# --------------------------------------------------------------------------- refusals and failures
+
+
+async def test_unknown_and_expired_secrets_are_refused(api: Api, gateway: Daemon, peers: Peers) -> None:
+    connection = await api.role(peers.shadow_port)
+    unknown = "rdp-" + base64.urlsafe_b64encode(os.urandom(32)).decode().rstrip("=")
+    code, output = await xfreerdp(peers, gateway.rdp_port, unknown, "+auth-only")
+    assert code != 0, output
+    expired, session_id = await api.credential(connection, seconds=1)
+    await asyncio.sleep(1.5)
+    code, output = await xfreerdp(peers, gateway.rdp_port, expired, "+auth-only")
+    assert code != 0, output
+    status, logs = await api("GET", "/audit/logs?action=rdp.login&outcome=failure")
+    messages = [e["error_message"] for e in logs["data"]]
+    assert "invalid credential: unknown secret" in messages, messages
+    assert "invalid credential: it has expired" in messages, messages
+    status, session = await api("GET", f"/sessions/{session_id}")
+    assert session["status"] == "ready"  # never opened
+    assert unknown not in gateway.log_text() and expired not in gateway.log_text()
+
+
+async def test_target_down_is_an_error_event(api: Api, gateway: Daemon, peers: Peers) -> None:
+    connection = await api.role(free_port())  # nothing listens there
+    secret, session_id = await api.credential(connection)
+    code, output = await xfreerdp(peers, gateway.rdp_port, secret, "+auth-only")
+    assert code != 0, output
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 254
+    assert any(k == "e" and "is unreachable" in text for k, text in events(session)), events(session)
+
+
+async def test_a_target_that_insists_on_nla_is_refused_with_a_reason(api: Api, gateway: Daemon,
+                                                                    peers: Peers) -> None:
+    connection = await api.role(peers.nla_port)
+    secret, session_id = await api.credential(connection)
+    code, output = await xfreerdp(peers, gateway.rdp_port, secret, "+auth-only")
+    assert code != 0 and "HYBRID_REQUIRED_BY_SERVER" in output, output  # the client hears the target's answer
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 254
+    assert any(k == "e" and "Network Level Authentication" in text for k, text in events(session)), events(session)
+
+
+async def test_listener_stops_and_starts_live(api: Api, gateway: Daemon) -> None:
+    status, config = await api("GET", "/serverconfig/misc")
+    assert status == 200
+    address = config["rdp_server_config"]["listen_address"]
+    config["rdp_server_config"]["listen_address"] = ""
+    status, body = await api("PUT", "/serverconfig/misc", config)
+    assert status == 200, body
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", gateway.rdp_port), timeout=1).close()
+    config["rdp_server_config"]["listen_address"] = address
+    status, body = await api("PUT", "/serverconfig/misc", config)
+    assert status == 200, body
+    socket.create_connection(("127.0.0.1", gateway.rdp_port), timeout=2).close()
