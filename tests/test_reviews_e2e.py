@@ -437,10 +437,12 @@ async def test_jit_approval_gives_credentials_that_psql_uses_and_revocation_clos
                                env=psql_env(gateway, secret))
     try:
         await wait_connected(as_["rita"], session_id)
+        revoked_at = time.monotonic()
         status, body = await as_["dora"]("PUT", f"/sessions/{session_id}/review", {"status": "REVOKED"})
         assert status == 200 and body["status"] == "REVOKED", body
         assert body["review_groups_data"][0]["status"] == "REVOKED"
         code = await wait_exit(process)
+        print(f"psql ended {(time.monotonic() - revoked_at) * 1000:.0f} ms after the revoke call was sent")
     finally:
         if process.poll() is None:
             process.kill()
