@@ -29,6 +29,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/api/bench_api.py
 	$(BIN)/python bench/postgres/bench_postgres.py
 	$(BIN)/python bench/http/bench_http.py
+	$(BIN)/python bench/rdp/bench_rdp.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
