@@ -434,3 +434,14 @@ async def test_listener_stops_and_starts_live(api: Api, gateway: Daemon) -> None
     status, body = await api("PUT", "/serverconfig/misc", config)
     assert status == 200, body
     socket.create_connection(("127.0.0.1", gateway.rdp_port), timeout=2).close()
+
+
+async def test_a_credential_expiring_mid_session_ends_it(api: Api, gateway: Daemon, peers: Peers) -> None:
+    connection = await api.role(peers.shadow_port)
+    secret, session_id = await api.credential(connection, seconds=6)
+    code, output = await xfreerdp(peers, gateway.rdp_port, secret, timeout=60)  # a real session, not auth-only
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 254, session
+    assert ("e", "credential expired: the session was closed") in events(session), events(session)
+    status, page = await api("GET", f"/sessions/{session_id}/rdp-frames?limit=1")
+    assert page["total_frames"] > 0  # what was shown until then is kept
