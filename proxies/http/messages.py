@@ -182,6 +182,11 @@ class TargetUrl:
         return f"{self.scheme}://{host}" if default else f"{self.scheme}://{host}:{self.port}"
 
     @property
+    def host_header(self) -> str:
+        """The ``Host`` the target expects: its host, with the port unless it is the scheme's default."""
+        return self.origin.split("://", 1)[1]
+
+    @property
     def where(self) -> str:
         """Host and port, for messages (never the URL's user info)."""
         return f"{self.host}:{self.port}"
@@ -199,6 +204,16 @@ class TargetUrl:
         if path.startswith(self.base_path + "/"):
             return path[len(self.base_path):]
         return None
+
+
+def request_head(method: str, target: TargetUrl, path_qs: str, headers: Iterable[tuple[str, str]],
+                 chunked: bool = False) -> bytes:
+    """The HTTP/1.1 request line and headers sent to the target (header bytes restored as the client sent them)."""
+    lines = [f"{method} {target.base_path}{path_qs} HTTP/1.1", f"Host: {target.host_header}"]
+    lines += [f"{name}: {value}" for name, value in headers]
+    if chunked:
+        lines.append("Transfer-Encoding: chunked")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogateescape")
 
 
 def rewrite_location(location: str, target: TargetUrl, gateway_origin: str) -> str:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 import aiohttp
 from aiohttp import WSMsgType, web
+from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict
 from yarl import URL
 
@@ -24,6 +25,7 @@ from gatewayd.access import AccessDenied
 from gatewayd.crypto import hash_secret
 from gatewayd.models import parse_time
 from gatewayd.sessions import BLOCKED_EXIT_CODE
+from proxies.http.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from proxies.http.messages import (
     CredentialSource,
     TargetUrl,
@@ -36,13 +38,14 @@ from proxies.http.messages import (
     is_event_stream,
     is_text,
     is_websocket_upgrade,
+    request_head,
     upstream_request_headers,
 )
 
 if TYPE_CHECKING:
     from gatewayd.access import AccessGrant
     from gatewayd.daemon import Gateway
-    from gatewayd.guardrails import GuardVerdict
+    from gatewayd.guardrails import GuardVerdict, RuleSet
     from gatewayd.sessions import LiveSession
 
 log = logging.getLogger("gatewayd.http")
@@ -89,7 +92,8 @@ class HttpListener:
         self.states: dict[str, CredentialState] = {}  # by secret hash
         self._fresh: dict[str, CredentialState] = {}  # by secret: the per-request fast path, no hashing
         self._locks: dict[str, asyncio.Lock] = {}
-        self.client = aiohttp.ClientSession(
+        self.pool = UpstreamPool()
+        self.client = aiohttp.ClientSession(  # websockets only
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=30),
             auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
             skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
@@ -106,6 +110,7 @@ class HttpListener:
         try:
             await self.runner.cleanup()
         finally:
+            self.pool.close()
             await self.client.close()
 
     # -- credentials
@@ -221,11 +226,9 @@ class HttpListener:
         await state.live.blocked(verdict, client_ip)
         return json_error(403, verdict.message, **{"X-Gateway-Guardrails": "blocked"})
 
-    async def _unreachable(self, state: CredentialState, error: BaseException) -> web.Response:
-        detail = str(error) if isinstance(error, aiohttp.ClientConnectorError) else type(error).__name__
-        detail = detail.replace(str(state.target.origin), state.target.where)
-        message = (f'the target of connection "{state.grant.connection.name}" ({state.target.where}) '
-                   f"is unreachable: {detail}")
+    async def _unreachable(self, state: CredentialState, detail: str, what: str = "is unreachable") -> web.Response:
+        """502 and an ``e`` event; the message names the target's host and port, never its URL."""
+        message = f'the target of connection "{state.grant.connection.name}" ({state.target.where}) {what}: {detail}'
         state.live.recorder.error(message)
         log.info("http target unreachable", extra={"connection": state.grant.connection.name,
                                                    "target": state.target.where})
@@ -238,8 +241,10 @@ class HttpListener:
         connection = state.grant.connection
         rules = await self.gateway.guardrails.rules_for(connection.org_id, connection.id)
         headers = request.headers
+        method = request.method
+        raw_path = request.raw_path
         version = request.version
-        first_line = f"{request.method} {request.raw_path} HTTP/{version.major}.{version.minor}"
+        first_line = f"{method} {raw_path} HTTP/{version.major}.{version.minor}"
         up_headers = upstream_request_headers(headers.items(), source, client_ip, "http", request.host)
         if rules.input_rules:
             verdict = rules.check_input(guard_text(first_line, up_headers))
@@ -251,7 +256,10 @@ class HttpListener:
         data: bytes | AsyncIterator[bytes] | None = None
         body = b""
         complete = True
+        chunked = False
         total = request.content_length
+        if total is not None:
+            up_headers.append(("Content-Length", str(total)))
         if request.body_exists:
             if headers.get("Expect", "").lower() == "100-continue":
                 await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -263,49 +271,59 @@ class HttpListener:
                 if not verdict.allowed:
                     recorder.input(head_text(first_line, headers.items()).encode() + body[:self.record_cap])
                     return await self._blocked(state, verdict, client_ip)
-            data = body if complete else _chain(body, request.content)
-            if total is not None:
-                up_headers.append(("Content-Length", str(total)))
+            if complete:
+                data = body
+                if total is None:  # a chunked upload that fitted in the prefix: sent with its length
+                    up_headers.append(("Content-Length", str(len(body))))
+            else:
+                data = _chain(body, request.content)
+                chunked = total is None
         recorded_body = body[:self.record_cap]
         recorder.input(head_text(first_line, headers.items()).encode() + recorded_body
                        + body_note(len(recorded_body), total if total is not None else
                                    (len(body) if complete else None), complete).encode())
 
+        target = state.target
         try:
-            upstream = await self.client.request(
-                request.method, URL(state.target.url_for(request.raw_path), encoded=True), headers=CIMultiDict(up_headers),
-                data=data, allow_redirects=False, ssl=False if state.insecure else True, compress=None)
-        except _CLIENT_ERRORS as exc:
-            return await self._unreachable(state, exc)
-        async with upstream:
+            upstream = await self.pool.request(
+                target.scheme, target.host, target.port, state.insecure,
+                request_head(method, target, raw_path, up_headers, chunked), data, chunked, method == "HEAD")
+        except UpstreamError as exc:
+            return await self._unreachable(state, str(exc))
+        except HttpProcessingError as exc:
+            return await self._unreachable(state, f"it sent a malformed response ({exc.message})", "answered badly")
+        try:
             return await self._respond(request, state, upstream, rules, client_ip)
+        finally:
+            upstream.release()
 
-    async def _respond(self, request: web.BaseRequest, state: CredentialState, upstream: aiohttp.ClientResponse,
-                       rules: object, client_ip: str) -> web.StreamResponse:
+    async def _respond(self, request: web.BaseRequest, state: CredentialState, upstream: UpstreamResponse,
+                       rules: RuleSet, client_ip: str) -> web.StreamResponse:
         recorder = state.live.recorder
-        up_headers = upstream.headers
+        message = upstream.message
+        up_headers = message.headers
+        status = message.code
         content_type = up_headers.get("Content-Type")
         out_headers = CIMultiDict(downstream_response_headers(
             up_headers.items(), state.target, f"{request.scheme}://{request.host}"))
-        status_line = f"HTTP/{upstream.version.major}.{upstream.version.minor} {upstream.status} {upstream.reason}"
+        status_line = f"HTTP/{message.version.major}.{message.version.minor} {status} {message.reason}"
         head = head_text(status_line, up_headers.items()).encode()
-        output_rules = rules.output_rules  # type: ignore[attr-defined]
-        text = bool(output_rules) and is_text(content_type)
-        sse = is_event_stream(content_type)
-        length = upstream.content_length
-        no_body = request.method == "HEAD" or upstream.status in (204, 304) or 100 <= upstream.status < 200
+        text = bool(rules.output_rules) and is_text(content_type)
+        sse = content_type is not None and is_event_stream(content_type)
+        length_header = up_headers.get("Content-Length")
+        length = int(length_header) if length_header is not None and length_header.isdigit() else None
+        no_body = request.method == "HEAD" or status in (204, 304)
 
         try:
             if no_body or (length is not None and length <= SMALL_BODY and not sse):
-                body = b"" if no_body else await upstream.read()
+                body = b"" if no_body else await upstream.content.read()
                 if text and body:
-                    verdict = rules.check_output(body.decode("utf-8", "replace"))  # type: ignore[attr-defined]
+                    verdict = rules.check_output(body.decode("utf-8", "replace"))
                     if not verdict.allowed:
                         return await self._blocked(state, verdict, client_ip)
                 recorded = body[:self.record_cap]
                 recorder.output(head + recorded + body_note(len(recorded), len(body), True).encode())
-                response = web.Response(status=upstream.status, reason=upstream.reason, headers=out_headers,
-                                        body=body or None)
+                response = web.Response(status=status, reason=message.reason, headers=out_headers, body=body or None)
                 if no_body and length is not None:
                     response.headers["Content-Length"] = str(length)
                 return response
@@ -314,23 +332,24 @@ class HttpListener:
             eof = False
             if text and not sse:
                 prefix, eof = await _read_prefix(upstream.content, self.guard_cap)
-                verdict = rules.check_output(prefix.decode("utf-8", "replace"))  # type: ignore[attr-defined]
+                verdict = rules.check_output(prefix.decode("utf-8", "replace"))
                 if not verdict.allowed:
                     return await self._blocked(state, verdict, client_ip)
         except _CLIENT_ERRORS as exc:
-            return await self._unreachable(state, exc)
+            return await self._unreachable(state, f"it broke off the response ({type(exc).__name__})",
+                                           "answered badly")
 
         with _in_flight(state):
-            return await self._stream(request, state, upstream, out_headers, head, prefix, eof, sse and text, rules,
-                                      client_ip)
+            return await self._stream(request, state, upstream, out_headers, head, length, prefix, eof,
+                                      sse and text, rules, client_ip)
 
-    async def _stream(self, request: web.BaseRequest, state: CredentialState, upstream: aiohttp.ClientResponse,
-                      out_headers: CIMultiDict[str], head: bytes, prefix: bytes, eof: bool, check_chunks: bool,
-                      rules: object, client_ip: str) -> web.StreamResponse:
+    async def _stream(self, request: web.BaseRequest, state: CredentialState, upstream: UpstreamResponse,
+                      out_headers: CIMultiDict[str], head: bytes, length: int | None, prefix: bytes, eof: bool,
+                      check_chunks: bool, rules: RuleSet, client_ip: str) -> web.StreamResponse:
         """Send a body as it arrives (a kill of the session cuts it)."""
         recorder = state.live.recorder
-        length = upstream.content_length
-        response = web.StreamResponse(status=upstream.status, reason=upstream.reason, headers=out_headers)
+        message = upstream.message
+        response = web.StreamResponse(status=message.code, reason=message.reason, headers=out_headers)
         if length is not None:
             response.content_length = length
         await response.prepare(request)
@@ -343,7 +362,7 @@ class HttpListener:
             if not eof:
                 async for chunk in upstream.content.iter_any():
                     if check_chunks:
-                        verdict = rules.check_output(chunk.decode("utf-8", "replace"))  # type: ignore[attr-defined]
+                        verdict = rules.check_output(chunk.decode("utf-8", "replace"))
                         if not verdict.allowed:
                             await state.live.blocked(verdict, client_ip)
                             error = "output blocked mid-stream: the connection was cut"
@@ -364,6 +383,7 @@ class HttpListener:
                                                            complete).encode())
         if error is not None:
             recorder.error(error)
+            upstream.close()
             if request.transport is not None:
                 request.transport.close()
         await recorder.drain()
@@ -397,7 +417,8 @@ class HttpListener:
             recorder.error(message)
             return json_error(502, message)
         except _CLIENT_ERRORS as exc:
-            return await self._unreachable(state, exc)
+            detail = str(exc) if isinstance(exc, aiohttp.ClientConnectorError) else type(exc).__name__
+            return await self._unreachable(state, detail.replace(state.target.origin, state.target.where))
         downstream = web.WebSocketResponse(protocols=[upstream.protocol] if upstream.protocol else (),
                                            max_msg_size=0, autoping=True)
         try:
