@@ -114,3 +114,13 @@ def test_keyboard_text() -> None:
               FastPathUnicodeEvent("é", False), FastPathUnicodeEvent("é", True)]
     assert keys.fastpath(events) == "Hi<Return>é"
     assert keys.slowpath([KeyboardEvent(0, 0x4000, 0x1E), KeyboardEvent(0, 0x8000, 0x1E)]) == "a"
+
+
+def test_the_secret_is_read_from_the_x224_cookie() -> None:
+    from proxies.rdp.mitm import secret_from_cookie
+
+    secret = "rdp-" + "A" * 40 + "b_-"
+    assert secret_from_cookie(f"Cookie: mstshash={secret}".encode()) == secret
+    assert secret_from_cookie(b"Cookie: mstshash=alice") is None
+    assert secret_from_cookie(None) is None
+    assert secret_from_cookie(b"Cookie: mstshash=rdp-short") is None

@@ -60,7 +60,7 @@ STARTUP_TIMEOUT = 60.0  # from TCP accept to an admitted X.224 connection reques
 STATE_POOL = 2  # connection states made ahead of time (each has an RSA key that takes ~0.5 s to make)
 NLA_MESSAGE = ('the target of connection "{name}" requires Network Level Authentication (NLA/CredSSP), which '
                "the gateway does not support: allow TLS or standard RDP security on the target")
-_SECRET = re.compile(r"rdp-[A-Za-z0-9_-]{43}")
+_SECRET = re.compile(r"[a-z]+-[A-Za-z0-9_-]{43}")  # any credential shape; resolve() says if it is not for rdp
 CLIENT, TARGET = "client", "target"
 
 
@@ -241,6 +241,9 @@ class GatewayMITM(RDPMITM):
             log.info("rdp session refused", extra={"reason": str(exc)})
             self._refuse()
             return
+        if self.ended is not None:  # the client left while the session was being opened
+            await live.close(exit_code=0)
+            return
         live.on_kill(self._kill)
         self.capture = FrameCapture(self.gateway.frames, live.id)
         connector = TargetConnector(self.server.tcp)
@@ -250,7 +253,8 @@ class GatewayMITM(RDPMITM):
         except ConnectionError as exc:
             await self._fail(f'the target of connection "{connection.name}" is unreachable: {exc}')
             return
-        if self.ended is not None:
+        if self.ended is not None:  # the client left (or the session was killed) while we connected
+            self.server.tcp.disconnect(True)
             return
         self._pyrdp_connection_request(pdu)  # pyrdp forwards the request; its connector is connectToServer
 
