@@ -132,7 +132,7 @@ def peers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Peers]:
         pytest.skip("the rdp extra is not installed (pip install -e '.[test,rdp]')")
     found = Peers(tmp_path_factory.mktemp("rdp-peers"))
     try:
-        desktop = found.display("xvfb-target", "1024x768x24", "-retro")
+        found.desktop = desktop = found.display("xvfb-target", "1024x768x24", "-retro")
         found.client_display = found.display("xvfb-client", "1280x800x24")
         found.shadow_port = found.shadow(desktop, "shadow", "-auth", "/sec:tls")
         found.nla_port = found.shadow(desktop, "shadow-nla", "/sec:nla")
@@ -445,3 +445,22 @@ async def test_a_credential_expiring_mid_session_ends_it(api: Api, gateway: Daem
     assert ("e", "credential expired: the session was closed") in events(session), events(session)
     status, page = await api("GET", f"/sessions/{session_id}/rdp-frames?limit=1")
     assert page["total_frames"] > 0  # what was shown until then is kept
+
+
+async def test_a_target_dropping_the_connection_is_an_error_event(api: Api, gateway: Daemon, peers: Peers) -> None:
+    port = peers.shadow(peers.desktop, "shadow-dropped", "-auth", "/sec:tls")
+    shadow = peers.processes[-1]
+    connection = await api.role(port)
+    secret, session_id = await api.credential(connection)
+    client = asyncio.ensure_future(xfreerdp(peers, gateway.rdp_port, secret, timeout=60))
+    deadline = time.monotonic() + 60
+    while True:  # until the desktop is on screen
+        status, page = await api("GET", f"/sessions/{session_id}/rdp-frames?limit=1")
+        if status == 200 and page["total_frames"] > 0 or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.2)
+    os.killpg(shadow.pid, signal.SIGKILL)
+    await client
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 254, session
+    assert any(k == "e" and "closed the connection" in text for k, text in events(session)), events(session)
