@@ -464,3 +464,42 @@ async def test_a_target_dropping_the_connection_is_an_error_event(api: Api, gate
     session = await api.done_session(session_id)
     assert session["exit_code"] == 254, session
     assert any(k == "e" and "closed the connection" in text for k, text in events(session)), events(session)
+
+
+async def test_keys_are_recorded_only_when_switched_on(tmp_path: Path, peers: Peers) -> None:
+    if shutil.which("xdotool") is None:
+        pytest.skip("xdotool is not installed (tests/peers.txt)")
+    daemon = Daemon(tmp_path / "data", {"listeners.rdp": f"127.0.0.1:{free_port()}",
+                                        "sessions.flush_interval": "100ms", "rdp.record_keyboard": True}).start()
+    try:
+        port = int(daemon.settings["listeners.rdp"].rsplit(":", 1)[1])
+        token = daemon.token("admin@example.com", groups="admin")
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as http:
+            keyed = Api(daemon, http)
+            connection = await keyed.role(peers.shadow_port)
+            secret, session_id = await keyed.credential(connection)
+            env = {"PATH": os.environ["PATH"], "HOME": str(peers.home), "DISPLAY": f":{peers.client_display}"}
+            client = await asyncio.create_subprocess_exec(
+                "xfreerdp", f"/v:127.0.0.1:{port}", "/cert:ignore", f"/u:{secret}", f"/p:{secret}",
+                "/size:1024x768", "/bpp:16", stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+                env=env)
+            try:
+                deadline = time.monotonic() + 60
+                while True:  # until the desktop is on screen
+                    status, page = await keyed("GET", f"/sessions/{session_id}/rdp-frames?limit=1")
+                    if status == 200 and page["total_frames"] > 0 or time.monotonic() > deadline:
+                        break
+                    await asyncio.sleep(0.2)
+                typing = await asyncio.create_subprocess_exec(
+                    "sh", "-c", "xdotool search --sync --onlyvisible --class xfreerdp windowfocus --sync "
+                                "&& xdotool type --delay 50 hi && xdotool key Return", env=env)
+                assert await asyncio.wait_for(typing.wait(), 30) == 0
+                await asyncio.sleep(1)
+            finally:
+                client.terminate()
+                await client.wait()
+            session = await keyed.done_session(session_id)
+    finally:
+        daemon.stop()
+    typed = "".join(text for kind, text in events(session) if kind == "i")
+    assert "hi<Return>" in typed, events(session)
