@@ -7,6 +7,7 @@ insists on NLA, an Xvfb display for the client, and a stand-alone
 ``pyrdp-mitm`` in front of the shadow server as the "observed" target: its
 log says which user name and password reached the target, which is how the
 credential injection is proven (the shadow server checks no password).
+``xdotool`` types into the client's window for the keyboard-recording test.
 """
 
 from __future__ import annotations
@@ -468,7 +469,10 @@ async def test_a_target_dropping_the_connection_is_an_error_event(api: Api, gate
 
 async def test_keys_are_recorded_only_when_switched_on(tmp_path: Path, peers: Peers) -> None:
     if shutil.which("xdotool") is None:
-        pytest.skip("xdotool is not installed (tests/peers.txt)")
+        message = "xdotool is not installed: run scripts/install-peers.sh"
+        if os.geteuid() == 0:
+            pytest.fail(message)
+        pytest.skip(message)
     daemon = Daemon(tmp_path / "data", {"listeners.rdp": f"127.0.0.1:{free_port()}",
                                         "sessions.flush_interval": "100ms", "rdp.record_keyboard": True}).start()
     try:
