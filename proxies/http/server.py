@@ -360,7 +360,9 @@ class HttpListener:
             if prefix:
                 await response.write(prefix)
             if not eof:
-                async for chunk in upstream.content.iter_any():
+                async for chunk, _ in upstream.content.iter_chunks():  # buffered pieces one by one: no join copy
+                    if not chunk:
+                        continue
                     if check_chunks:
                         verdict = rules.check_output(chunk.decode("utf-8", "replace"))
                         if not verdict.allowed:

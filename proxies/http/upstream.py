@@ -131,7 +131,7 @@ class UpstreamPool:
         connection when a pooled one turns out closed by the target.
         """
         key = (scheme, host, port, insecure)
-        replayable = not isinstance(body, AsyncIterator)
+        replayable = body is None or isinstance(body, bytes)
         while True:
             connection = self._take(key) or await self._connect(key)
             try:
