@@ -513,3 +513,34 @@ async def test_listener_stops_and_starts_live(api, gateway, client):
     secret, _ = await api.credential(connection)
     async with client.get(f"{gateway.http_url}/json", headers={"Authorization": secret}) as response:
         assert response.status == 200
+
+
+async def test_raw_targets_eof_bodies_and_silently_closed_connections(api, gateway, client):
+    """A target that ends bodies by closing, or closes a kept-alive connection without saying so."""
+    served: list[bytes] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        served.append(head)
+        if head.startswith(b"GET /eof"):
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nbody until the end")
+        else:  # keep-alive by the look of it, then gone
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        connection = await api.role(f"http://127.0.0.1:{port}")
+        secret, _ = await api.credential(connection)
+        headers = {"Authorization": secret}
+        async with client.get(f"{gateway.http_url}/eof", headers=headers) as response:
+            assert response.status == 200 and await response.text() == "body until the end"
+        for _ in range(5):
+            async with client.get(f"{gateway.http_url}/again", headers=headers) as response:
+                assert response.status == 200 and await response.text() == "ok"
+        assert len(served) == 6
+        assert served[0].startswith(b"GET /eof HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n" % port)
+    finally:
+        server.close()

@@ -148,7 +148,8 @@ class UpstreamPool:
     async def _exchange(self, connection: UpstreamConnection, head: bytes, body: bytes | AsyncIterator[bytes] | None,
                         chunked: bool, skip_body: bool) -> UpstreamResponse:
         protocol = connection.protocol
-        protocol.set_response_params(skip_payload=skip_body, auto_decompress=False, read_bufsize=READ_BUFSIZE,
+        protocol.set_response_params(skip_payload=skip_body, read_until_eof=True, auto_decompress=False,
+                                     read_bufsize=READ_BUFSIZE,
                                      max_line_size=16384, max_field_size=16384)
         transport = protocol.transport
         if transport is None:
