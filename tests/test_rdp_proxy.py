@@ -121,7 +121,7 @@ class Peers:
                 process.wait()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def peers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Peers]:
     missing = [tool for tool in PEER_TOOLS if shutil.which(tool) is None]
     if missing:
