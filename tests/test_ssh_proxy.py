@@ -392,3 +392,260 @@ async def test_exec_input_rule_blocks_before_the_target_and_output_rule_closes_t
     status, logs = await api("GET", "/audit/logs?action=guardrail.block")
     blocked = [e for e in logs["data"] if e["request_payload_redacted"].get("session_id") == session_id]
     assert status == 200 and len(blocked) == 1 and blocked[0]["outcome"] == "failure"
+
+
+# --------------------------------------------------------------------------- scp and sftp
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def scp(gateway: Daemon, secret: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(["scp", *CLIENT_OPTIONS, "-P", str(gateway.ssh_port), *args], capture_output=True,
+                          stdin=subprocess.DEVNULL, timeout=timeout)
+
+
+async def test_scp_100_mb_both_ways(gateway, api, target, tmp_path):
+    role = await api.role(host_key=target.host_public_key)  # the target's key is verified too
+    local = tmp_path / "upload.bin"
+    with open(local, "wb") as handle:
+        handle.write(os.urandom(100 << 20))
+    remote = f"/tmp/gatewayd-scp-{uuid.uuid4().hex[:8]}.bin"
+    secret, session_id = await api.credential(role)
+    result = scp(gateway, secret, str(local), f"{secret}@127.0.0.1:{remote}")
+    assert result.returncode == 0, result.stderr
+    assert on_target(target, f"sha256sum {remote}").split()[0] == sha256(local)
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 0
+    assert f"put {remote} {100 << 20} bytes" in of_kind(session, "i")  # scp speaks SFTP (OpenSSH 9)
+
+    back = tmp_path / "download.bin"
+    secret, session_id = await api.credential(role)
+    result = scp(gateway, secret, f"{secret}@127.0.0.1:{remote}", str(back))
+    assert result.returncode == 0, result.stderr
+    assert sha256(back) == sha256(local)
+    session = await api.done_session(session_id)
+    assert f"get {remote} {100 << 20} bytes" in of_kind(session, "i")
+
+    # the legacy scp protocol (scp -O) is an exec channel: "scp -t" / "scp -f" on the target
+    small = tmp_path / "small.txt"
+    small.write_text("legacy scp\n" * 1000)
+    secret, session_id = await api.credential(role)
+    result = scp(gateway, secret, "-O", str(small), f"{secret}@127.0.0.1:{remote}.txt")
+    assert result.returncode == 0, result.stderr
+    result = scp(gateway, secret, "-O", f"{secret}@127.0.0.1:{remote}.txt", str(tmp_path / "small-back.txt"))
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "small-back.txt").read_text() == small.read_text()
+    on_target(target, f"rm -f {remote} {remote}.txt")
+
+
+async def test_sftp_batch_operations_are_recorded_as_lines(gateway, api, target, tmp_path):
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+    directory = f"/tmp/gatewayd-sftp-{uuid.uuid4().hex[:8]}"
+    local = tmp_path / "file.bin"
+    local.write_bytes(os.urandom(1 << 20))
+    batch = tmp_path / "batch"
+    batch.write_text(f"mkdir {directory}\nput {local} {directory}/file.bin\nls -l {directory}\n"
+                     f"get {directory}/file.bin {tmp_path}/back.bin\nrename {directory}/file.bin {directory}/b.bin\n"
+                     f"-rm {directory}/missing\nrm {directory}/b.bin\nrmdir {directory}\n")
+    result = subprocess.run(["sftp", *CLIENT_OPTIONS, "-P", str(gateway.ssh_port), "-b", str(batch),
+                             f"{secret}@127.0.0.1"], capture_output=True, stdin=subprocess.DEVNULL, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert b"file.bin" in result.stdout  # the ls listing
+    assert (tmp_path / "back.bin").read_bytes() == local.read_bytes()
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 0 or session["exit_code"] is None
+    lines = of_kind(session, "i")
+    assert lines == [f"mkdir {directory}", f"put {directory}/file.bin 1048576 bytes", f"ls {directory}/",
+                     f"get {directory}/file.bin 1048576 bytes",
+                     f"rename {directory}/file.bin {directory}/b.bin", f"rm {directory}/missing",
+                     f"rm {directory}/b.bin", f"rmdir {directory}"]
+    assert of_kind(session, "e") == [f"failed: rm {directory}/missing: No such file"]
+    assert "No such file" in target.ssh(f"ls {directory}").stderr.decode()
+
+
+# --------------------------------------------------------------------------- port forwarding
+
+
+class EchoServer:
+    """A TCP server in a thread that answers every connection with what it received, upper-cased."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            with client:
+                data = b""
+                while chunk := client.recv(65536):
+                    data += chunk
+                    if data.endswith(b"\n"):
+                        break
+                client.sendall(data.upper())
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def forward(gateway: Daemon, secret: str, local_port: int, remote_port: int) -> subprocess.Popen[bytes]:
+    args = ssh_args(gateway, secret, "-N", "-L", f"127.0.0.1:{local_port}:127.0.0.1:{remote_port}")
+    args[1:1] = ["-o", "LogLevel=INFO"]  # "open failed" is an INFO message; the first value of an option wins
+    return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def through(local_port: int, payload: bytes, timeout: float = 20) -> bytes:
+    """Send ``payload`` through the local end of ``ssh -L``; what comes back ("" when refused)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            sock = socket.create_connection(("127.0.0.1", local_port), timeout=timeout)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    with sock:
+        sock.sendall(payload)
+        data = b""
+        try:
+            while chunk := sock.recv(65536):
+                data += chunk
+        except ConnectionResetError:
+            pass
+        return data
+
+
+async def test_local_port_forwarding_allowed_per_connection_and_refused_by_default(gateway, api, target):
+    echo = EchoServer()
+    try:
+        allowed = await api.role(settings={"ssh": {"allow_port_forwarding": True}})
+        secret, session_id = await api.credential(allowed)
+        local_port = free_port()
+        client = forward(gateway, secret, local_port, echo.port)
+        try:
+            assert through(local_port, b"through the tunnel\n") == b"THROUGH THE TUNNEL\n"
+        finally:
+            client.kill()
+            client.wait(10)
+        session = await api.done_session(session_id)
+        assert of_kind(session, "e") == [
+            f"port forwarding to 127.0.0.1:{echo.port} opened",
+            f"port forwarding to 127.0.0.1:{echo.port} closed: 19 bytes sent, 19 bytes received"]
+
+        refused = await api.role()
+        secret, session_id = await api.credential(refused)
+        local_port = free_port()
+        client = forward(gateway, secret, local_port, echo.port)
+        try:
+            assert through(local_port, b"not through\n") == b""
+        finally:
+            client.kill()
+            _, stderr = client.communicate(timeout=10)
+        assert b"administratively prohibited" in stderr and b"does not allow it" in stderr
+        session = await api.done_session(session_id)
+        message = (f'port forwarding to 127.0.0.1:{echo.port} refused: connection "{refused["name"]}" does not '
+                   "allow it (settings.ssh.allow_port_forwarding)")
+        assert of_kind(session, "e") == [message]
+        status, logs = await api("GET", "/audit/logs?action=ssh.port_forward&outcome=failure")
+        assert status == 200 and any(e["error_message"] == message for e in logs["data"])
+    finally:
+        echo.close()
+
+
+# --------------------------------------------------------------------------- credentials
+
+
+async def test_unknown_and_expired_secrets_are_refused_and_audited(gateway, api):
+    role = await api.role()
+    unknown = "ssh-" + "A" * 43
+    result = ssh(gateway, unknown, "true")
+    assert result.returncode == 255 and b"Permission denied" in result.stderr
+    result = ssh(gateway, "someone", "true")
+    assert result.returncode == 255 and b"Permission denied" in result.stderr
+
+    secret, _ = await api.credential(role, seconds=1)
+    await asyncio.sleep(1.2)
+    result = ssh(gateway, secret, "true")
+    assert result.returncode == 255 and b"Permission denied" in result.stderr
+    status, logs = await api("GET", "/audit/logs?action=ssh.login&outcome=failure")
+    messages = [e["error_message"] for e in logs["data"]]
+    assert status == 200 and "invalid credential: unknown secret" in messages
+    assert "invalid credential: it has expired" in messages
+    assert secret not in json.dumps(logs) and unknown not in json.dumps(logs)
+
+
+async def test_a_credential_expiring_mid_session_closes_it_with_a_message(gateway, api):
+    role = await api.role()
+    secret, session_id = await api.credential(role, seconds=2)
+    result = ssh(gateway, secret, "echo started; sleep 60; echo never")
+    assert result.returncode == 254
+    assert result.stdout == b"started\n"
+    assert b"credential expired: the session was closed" in result.stderr
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 254
+    assert "credential expired: the session was closed" in of_kind(session, "e")
+
+
+# --------------------------------------------------------------------------- failures
+
+
+async def test_target_down_or_refusing_the_key_is_a_clear_message_and_a_closed_session(gateway, api, target, tmp_path):
+    down = await api.role(port=free_port())
+    secret, session_id = await api.credential(down)
+    result = ssh(gateway, secret, "true")
+    expected = f'could not connect to the target of connection "{down["name"]}": connection refused'
+    assert result.returncode == 254 and result.stderr.decode().strip() == expected
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 254 and of_kind(session, "e") == [expected]
+
+    from tests.sshpeer import keygen
+    stranger = keygen(tmp_path / "stranger").read_text()
+    wrong_key = await api.role(key=stranger)
+    secret, session_id = await api.credential(wrong_key)
+    result = scp(gateway, secret, f"{secret}@127.0.0.1:/etc/hostname", str(tmp_path / "x"))
+    assert result.returncode != 0
+    expected = (f'could not connect to the target of connection "{wrong_key["name"]}": '
+                "the target refused the connection's credentials")
+    assert expected.encode() in result.stderr
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 254 and of_kind(session, "e") == [expected]
+    assert stranger not in json.dumps(session)
+
+    other_host_key = (tmp_path / "stranger.pub").read_text()
+    wrong_host = await api.role(host_key=other_host_key)
+    secret, session_id = await api.credential(wrong_host)
+    result = ssh(gateway, secret, "true")
+    assert result.returncode == 254 and b"its host key does not match the connection's HOST_KEY" in result.stderr
+
+
+async def test_client_disconnecting_mid_transfer_closes_and_records_the_session(gateway, api):
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+    client = subprocess.Popen(ssh_args(gateway, secret, "cat /dev/zero"), stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert client.stdout is not None
+    received = 0
+    while received < (8 << 20):
+        received += len(client.stdout.read1(1 << 20))
+    client.kill()
+    client.wait(10)
+    session = await api.done_session(session_id)
+    assert session["status"] == "done"
+    assert "the client disconnected with a channel still open" in of_kind(session, "e")
+    assert session["event_size"] >= 8 << 20
+
+    # the daemon keeps serving others
+    secret, _ = await api.credential(role)
+    assert ssh(gateway, secret, "echo alive").stdout == b"alive\n"

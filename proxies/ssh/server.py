@@ -111,6 +111,7 @@ class GatewayConnection(asyncssh.SSHServer):
         self.channels: set[SessionRelay] = set()
         self.exit_code: int | None = None
         self.gone = False
+        self.cut_short = False
         self.ending: str | None = None
 
     # -- asyncssh server callbacks
@@ -281,9 +282,7 @@ class GatewayConnection(asyncssh.SSHServer):
         live = self.live
         if live is None or live.done.is_set():
             return
-        error = None
-        if any(relay.active for relay in self.channels):
-            error = "the client disconnected with a channel still open"
+        error = "the client disconnected with a channel still open" if self.cut_short else None
         await live.close(exit_code=self.exit_code, error=error)
 
 
@@ -436,6 +435,8 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.client_closed = True
+        if self.active and not self.ended:
+            self.owner.cut_short = True  # the client went away while the target was still at work
         if self.upchan is not None:
             self.upchan.close()
         self.owner.channel_closed(self)
