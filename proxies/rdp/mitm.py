@@ -144,6 +144,7 @@ class GatewayMITM(RDPMITM):
         self.closed_by_target_logoff = False
         self.refused = False
         self.domain: str | None = None
+        self._certificate_ready = False
         self._tasks: set[asyncio.Future[Any]] = set()
         main = SessionLogger(logging.getLogger(LOGGER_NAMES.MITM_CONNECTIONS), state.sessionID)
         crawler = SessionLogger(logging.getLogger(LOGGER_NAMES.CRAWLER), state.sessionID)
@@ -275,6 +276,33 @@ class GatewayMITM(RDPMITM):
             return
         self._pyrdp_connection_confirm(pdu)
 
+    # -- TLS towards the client
+
+    def doClientTls(self) -> None:
+        """pyrdp's TLS step towards the client, with the target's certificate cloned off the loop first.
+
+        Cloning makes an RSA key (up to a second of CPU), once per target
+        certificate: the clone is cached in ``<data_dir>/rdp/certs``, so pyrdp's
+        own lookup that follows finds it on disk.
+        """
+        transport = self.server.tcp.transport
+        cert = transport.getPeerCertificate() if transport is not None else None
+        if not cert or self.certs is None or self._certificate_ready:
+            super().doClientTls()
+            return
+        self._spawn(self._clone_certificate(cert))
+
+    async def _clone_certificate(self, cert: Any) -> None:
+        try:
+            async with self.factory.clone_lock:
+                await asyncio.to_thread(self.certs.lookup, cert)
+        except Exception as exc:
+            await self._fail(f"the gateway cannot present the target's certificate to the client: {exc}")
+            return
+        self._certificate_ready = True
+        if self.ended is None:
+            self.doClientTls()
+
     # -- recording
 
     def on_recorded(self, pdu: Any, kind: PlayerPDUType) -> None:
@@ -365,6 +393,7 @@ class GatewayMITMFactory(ServerFactory):
         self.record_keyboard = bool(gateway.config["rdp.record_keyboard"])
         self._states: list[RDPMITMState] = []
         self._filling: asyncio.Task[None] | None = None
+        self.clone_lock = asyncio.Lock()  # one certificate clone at a time (pyrdp's cache is not thread-safe)
         quiet_pyrdp()
 
     def _new_state(self) -> RDPMITMState:
