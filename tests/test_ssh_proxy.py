@@ -649,3 +649,76 @@ async def test_client_disconnecting_mid_transfer_closes_and_records_the_session(
     # the daemon keeps serving others
     secret, _ = await api.credential(role)
     assert ssh(gateway, secret, "echo alive").stdout == b"alive\n"
+
+
+# --------------------------------------------------------------------------- one-time scripts
+
+
+@pytest.fixture(scope="module")
+async def core(tmp_path_factory):
+    """An in-process gateway core (store, sessions, recording, guard rails) to call the script runner with."""
+    from gatewayd.config import load_config
+    from gatewayd.daemon import Gateway
+
+    config = load_config(None, environ={}, overrides={
+        "data_dir": str(tmp_path_factory.mktemp("sshscript") / "data"), "api.listen": f"127.0.0.1:{free_port()}",
+        "listeners.postgres": "", "listeners.ssh": "", "listeners.rdp": "", "listeners.http": "",
+        "sessions.flush_interval": "100ms"})
+    gateway = Gateway(config)
+    await gateway.open_core()
+    await gateway.recording.start()
+    yield gateway
+    await gateway.recording.stop()
+    await gateway.close_core()
+
+
+async def script_session(core, target: SshTarget, rules: dict | None = None, port: int | None = None):
+    from gatewayd.models import Connection, GuardRail, new_id
+
+    user = await core.identity.ensure_local_user("scripter@example.com", "Scripter", [])
+    connection = Connection(
+        id=new_id(), org_id=user.org_id, name=f"ssh-script-{uuid.uuid4().hex[:8]}", resource_name="scripts",
+        type="custom", subtype="ssh",
+        secret={"envvar:HOST": b64("127.0.0.1"), "envvar:PORT": b64(str(port or target.port)),
+                "envvar:USER": b64(target.user), "envvar:PRIVATE_KEY": b64(target.private_key_text)})
+    await core.store.create_connection(connection)
+    if rules:
+        await core.store.save_guardrail(GuardRail(id=new_id(), org_id=user.org_id, name=f"rail-{connection.name}",
+                                                  connection_ids=[connection.id], **rules), create=True)
+        core.guardrails.invalidate()
+    return await core.sessions.open(user, connection, verb="exec", script="(script)")
+
+
+async def recorded(core, live) -> list[tuple[str, str]]:
+    await live.close(exit_code=0)
+    return [(e.kind, e.data.decode()) for e in await core.store.read_events(live.id)]
+
+
+async def test_script_runner_runs_one_exec_with_guard_rails_and_recording(core, target):
+    from proxies import available_script_runners
+    from proxies.ssh.script import run_script
+
+    assert available_script_runners()["ssh"] is run_script
+    live = await script_session(core, target)
+    result = await run_script(core, live, "echo out-$((2*21)); echo err >&2; exit 3")
+    assert (result.output, result.exit_code, result.output_status) == ("out-42\nerr\n", 3, "failed")
+    assert await recorded(core, live) == [("i", "echo out-$((2*21)); echo err >&2; exit 3"), ("o", "out-42\n"),
+                                          ("e", "err\n")]
+
+    rules = {"input": {"rules": [{"type": "deny_words_list", "words": ["reboot"]}]},
+             "output": {"rules": [{"type": "pattern_match", "pattern_regex": "secret-[0-9]+"}]}}
+    live = await script_session(core, target, rules)
+    result = await run_script(core, live, "sudo reboot")
+    message = "validation error, match guard rails input rule, type=deny_words_list, words=[reboot]"
+    assert (result.output, result.exit_code) == (message, 254)
+    assert await recorded(core, live) == [("i", "sudo reboot"), ("e", message)]
+
+    live = await script_session(core, target, rules)
+    result = await run_script(core, live, "echo secret-$((6*7))")
+    message = "validation error, match guard rails output rule, type=pattern_match, pattern=secret-[0-9]+"
+    assert (result.output, result.exit_code) == (message, 254)
+    assert await recorded(core, live) == [("i", "echo secret-$((6*7))"), ("e", message)]
+
+    live = await script_session(core, target, port=free_port())
+    result = await run_script(core, live, "true")
+    assert result.exit_code == 254 and "connection refused" in result.output

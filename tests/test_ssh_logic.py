@@ -1,0 +1,152 @@
+"""Unit tests of the SSH proxy's socket-free parts: shell line assembly, SFTP observation, asciicast rendering."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from control.asciicast import render_asciicast
+from gatewayd.models import Session, SessionEvent
+from proxies.ssh.lines import KILL_LINE, Chunk, Line, ShellInput
+from proxies.ssh.sftp import SftpObserver
+
+# --------------------------------------------------------------------------- shell lines
+
+
+def lines_of(pieces: list) -> list[str]:
+    return [p.text for p in pieces if isinstance(p, Line)]
+
+
+def test_pty_keystrokes_pass_at_once_and_only_enter_is_held():
+    shell = ShellInput(pty=True)
+    assert shell.feed(b"ls -") == [Chunk(b"ls -")]
+    assert shell.pending == "ls -"
+    assert shell.feed(b"la\r") == [Chunk(b"la"), Line("ls -la", b"\r", KILL_LINE)]
+    assert shell.pending == ""
+
+
+def test_pty_line_editing_is_applied_to_the_checked_text():
+    shell = ShellInput(pty=True)
+    assert lines_of(shell.feed(b"rn\x7fm -rf /\r")) == ["rm -rf /"]
+    assert lines_of(shell.feed(b"echo one two\x17three\r")) == ["echo one three"]
+    assert lines_of(shell.feed(b"garbage\x15ls\r")) == ["ls"]
+    assert lines_of(shell.feed(b"half\x03\r")) == [""]
+    assert lines_of(shell.feed(b"ls\x1b[A\x1bOB -l\r")) == ["ls -l"]  # arrow keys are not text
+    assert lines_of(shell.feed("caf\u00e9\x7fe\r".encode())) == ["cafe"]  # backspace removes a whole character
+
+
+def test_pty_cr_lf_is_one_line_and_pasted_lines_split():
+    shell = ShellInput(pty=True)
+    pieces = shell.feed(b"one\r\ntwo\rthree")
+    assert lines_of(pieces) == ["one", "two"]
+    assert Chunk(b"\n") in pieces and shell.pending == "three"
+
+
+def test_without_pty_lines_are_held_until_their_newline():
+    shell = ShellInput(pty=False)
+    assert shell.feed(b"echo a") == []
+    assert shell.feed(b"b\nrm x\n") == [Line("echo ab", b"echo ab\n", b""), Line("rm x", b"rm x\n", b"")]
+    assert shell.feed(b"tail") == []
+    assert shell.feed_eof() == [Line("tail", b"tail", b"")]
+
+
+@given(st.binary(max_size=300), st.integers(min_value=1, max_value=50))
+def test_without_pty_every_byte_is_forwarded_exactly_once_when_allowed(data, cut):
+    shell = ShellInput(pty=False)
+    out = b""
+    for start in range(0, len(data), cut):
+        out += b"".join(p.allowed if isinstance(p, Line) else p.data for p in shell.feed(data[start:start + cut]))
+    out += b"".join(p.allowed for p in shell.feed_eof())
+    assert out == data
+
+
+@given(st.binary(max_size=300), st.integers(min_value=1, max_value=50))
+def test_with_pty_every_byte_is_forwarded_exactly_once_when_allowed(data, cut):
+    shell = ShellInput(pty=True)
+    out = b""
+    for start in range(0, len(data), cut):
+        out += b"".join(p.allowed if isinstance(p, Line) else p.data for p in shell.feed(data[start:start + cut]))
+    assert out == data
+
+
+# --------------------------------------------------------------------------- sftp
+
+
+def string(value: bytes) -> bytes:
+    return struct.pack(">I", len(value)) + value
+
+
+def packet(kind: int, body: bytes) -> bytes:
+    return struct.pack(">IB", len(body) + 1, kind) + body
+
+
+def test_sftp_transfers_and_operations_become_lines():
+    observer = SftpObserver()
+    assert observer.client(packet(1, struct.pack(">I", 3))) == []
+    assert observer.server(packet(2, struct.pack(">I", 3))) == []
+    # open for writing, two writes fed in awkward pieces, close
+    stream = packet(3, struct.pack(">I", 1) + string(b"/tmp/f") + struct.pack(">I", 0x1A) + struct.pack(">I", 0))
+    assert observer.client(stream) == []
+    assert observer.server(packet(102, struct.pack(">I", 1) + string(b"h1"))) == []
+    writes = b"".join(packet(6, struct.pack(">I", 2 + i) + string(b"h1") + struct.pack(">Q", i * 1000)
+                             + string(b"x" * 1000)) for i in range(2))
+    records = [r for i in range(0, len(writes), 7) for r in observer.client(writes[i:i + 7])]
+    assert records == []
+    assert observer.client(packet(4, struct.pack(">I", 9) + string(b"h1"))) == [("i", "put /tmp/f 2000 bytes")]
+    # open for reading, one read answered with data
+    observer.client(packet(3, struct.pack(">I", 10) + string(b"/etc/x") + struct.pack(">I", 1) + struct.pack(">I", 0)))
+    observer.server(packet(102, struct.pack(">I", 10) + string(b"h2")))
+    observer.client(packet(5, struct.pack(">I", 11) + string(b"h2") + struct.pack(">QI", 0, 32768)))
+    observer.server(packet(103, struct.pack(">I", 11) + string(b"y" * 500)))
+    assert observer.client(packet(4, struct.pack(">I", 12) + string(b"h2"))) == [("i", "get /etc/x 500 bytes")]
+    # a failed remove is an error line
+    assert observer.client(packet(13, struct.pack(">I", 13) + string(b"/nope"))) == [("i", "rm /nope")]
+    status = packet(101, struct.pack(">II", 13, 2) + string(b"No such file") + string(b""))
+    assert observer.server(status) == [("e", "failed: rm /nope: No such file")]
+    assert observer.client(packet(18, struct.pack(">I", 14) + string(b"/a") + string(b"/b"))) == [
+        ("i", "rename /a /b")]
+
+
+def test_sftp_large_write_payload_is_skipped_and_garbage_stops_observation():
+    observer = SftpObserver()
+    observer.client(packet(3, struct.pack(">I", 1) + string(b"/big") + struct.pack(">II", 0x1A, 0)))
+    observer.server(packet(102, struct.pack(">I", 1) + string(b"h")))
+    big = packet(6, struct.pack(">I", 2) + string(b"h") + struct.pack(">Q", 0) + string(b"z" * 300_000))
+    for i in range(0, len(big), 65536):
+        assert observer.client(big[i:i + 65536]) == []
+    assert observer.client(packet(4, struct.pack(">I", 3) + string(b"h"))) == [("i", "put /big 300000 bytes")]
+    broken = observer.client(b"\xff\xff\xff\xff" + b"junk")
+    assert broken[0][0] == "e" and "no longer recorded" in broken[0][1]
+    assert observer.client(packet(13, struct.pack(">I", 4) + string(b"/x"))) == []
+
+
+# --------------------------------------------------------------------------- asciicast
+
+
+def session(metrics: dict) -> Session:
+    return Session(id="s1", org_id="o", user_id="u", user_email="ada@example.com", user_name="Ada",
+                   connection="box", connection_id="c", resource_name="box", type="custom", subtype="ssh",
+                   verb="connect", status="done", start_date="2026-01-02T03:04:05Z", metrics=metrics)
+
+
+def test_asciicast_of_a_pty_session():
+    events = [SessionEvent(0, "i", b"ls\r"), SessionEvent(120, "o", b"a  b\r\n$ "),
+              SessionEvent(300, "o", "\u00e9".encode()[:1]), SessionEvent(301, "o", "\u00e9".encode()[1:]),
+              SessionEvent(400, "e", b"blocked by a rule")]
+    text = render_asciicast(session({"terminal": {"type": "xterm-256color", "width": 120, "height": 40}}), events)
+    lines = [json.loads(line) for line in text.splitlines()]
+    header = lines[0]
+    assert header["version"] == 2 and (header["width"], header["height"]) == (120, 40)
+    assert header["env"]["TERM"] == "xterm-256color" and header["timestamp"] == 1767323045
+    assert lines[1:] == [[0.0, "i", "ls\r"], [0.12, "o", "a  b\r\n$ "], [0.301, "o", "\u00e9"],
+                         [0.4, "o", "\r\nblocked by a rule\r\n"]]
+
+
+def test_asciicast_of_an_exec_session_gets_crlf_and_a_default_size():
+    events = [SessionEvent(0, "i", b"ls"), SessionEvent(5, "o", b"a\nb\n"), SessionEvent(6, "e", b"warn\n")]
+    lines = [json.loads(line) for line in render_asciicast(session({}), events).splitlines()]
+    assert (lines[0]["width"], lines[0]["height"]) == (80, 24)
+    assert lines[2:] == [[0.005, "o", "a\r\nb\r\n"], [0.006, "o", "warn\r\n"]]
