@@ -3,7 +3,7 @@
 Endpoints: ``/json`` (small JSON), ``/echo/...`` (what arrived: method, path,
 query, headers, body), ``/upload`` (streamed SHA-256 of the body),
 ``/download?size=N[&chunked=1]`` (deterministic bytes, see ``pattern``),
-``/redirect?to=...``, ``/text?say=...``, ``/ws`` (echo), ``/sse?n=N`` and
+``/redirect?to=...``, ``/text?say=...``, ``/big-text?size=N&needle=W&at=K``, ``/ws`` (echo), ``/sse?n=N`` and
 ``/sse-hold`` (an event, then waits until ``/release``), ``/seen`` (paths
 received so far).
 """
@@ -79,6 +79,17 @@ def make_app() -> web.Application:
         await response.write_eof()
         return response
 
+    async def big_text(request: web.Request) -> web.StreamResponse:
+        """``size`` bytes of text, chunked, with ``needle`` written at offset ``at``."""
+        size, at, needle = int(request.query["size"]), int(request.query.get("at", "0")), request.query["needle"]
+        response = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        await response.prepare(request)
+        body = (b"." * at + needle.encode() + b"." * size)[:max(size, at + len(needle))]
+        for start in range(0, len(body), 16384):
+            await response.write(body[start:start + 16384])
+        await response.write_eof()
+        return response
+
     async def redirect(request: web.Request) -> web.Response:
         raise web.HTTPFound(request.query.get("to", "/json"))
 
@@ -124,6 +135,7 @@ def make_app() -> web.Application:
     app.router.add_route("*", "/upload", upload)
     app.router.add_get("/download", download)
     app.router.add_get("/redirect", redirect)
+    app.router.add_get("/big-text", big_text)
     app.router.add_get("/text", text)
     app.router.add_get("/ws", websocket)
     app.router.add_get("/sse", sse)

@@ -158,3 +158,18 @@ def test_extract_credential_never_raises(authorization, cookie, path):
 @given(st.text(min_size=1))
 def test_rewrite_location_never_raises(location):
     assert isinstance(m.rewrite_location(location, TARGET, "http://gw"), str)
+
+
+@pytest.mark.parametrize(("path", "climbs"), [
+    ("/../x", True), ("/a/..", True), ("/%2e%2e/x", True), ("/a/%2E%2E", True), ("/a\\..\\b", True),
+    ("/a..b/", False), ("/x?q=/../", False), ("/.../x", False), ("/a/./b", False), ("/plain", False),
+])
+def test_dot_segments(path, climbs):
+    assert m.has_dot_segments(path) is climbs
+
+
+def test_request_head():
+    head = m.request_head("POST", BASED, "/x?y=1", [("Accept", "*/*"), ("X-Raw", "caf\udcc3\udca9")], chunked=True)
+    assert head == (b"POST /base/x?y=1 HTTP/1.1\r\nHost: app.internal\r\nAccept: */*\r\nX-Raw: caf\xc3\xa9\r\n"
+                    b"Transfer-Encoding: chunked\r\n\r\n")
+    assert m.request_head("GET", TARGET, "/", []) == b"GET / HTTP/1.1\r\nHost: app.internal:8080\r\n\r\n"

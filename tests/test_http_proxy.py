@@ -544,3 +544,61 @@ async def test_raw_targets_eof_bodies_and_silently_closed_connections(api, gatew
         assert served[0].startswith(b"GET /eof HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n" % port)
     finally:
         server.close()
+
+
+GUARD_BYTES = 65536  # the gateway fixture's http.guard_body_bytes
+
+
+async def test_guard_rails_read_a_bounded_prefix_of_long_text_bodies(api, gateway, client, target):
+    """Rules read the first http.guard_body_bytes of a text body; beyond, it streams unchecked (documented)."""
+    connection = await api.role()
+    secret, session_id = await api.credential(connection)
+    await api.guardrail(connection, input_rules=[{"type": "deny_words_list", "words": ["forbidden"]}],
+                        output_rules=[{"type": "deny_words_list", "words": ["classified"]}])
+    headers = {"Authorization": secret, "Content-Type": "text/plain"}
+
+    async def upload(at: int) -> int:
+        async def body():
+            data = b"." * at + b"forbidden" + b"." * 100_000
+            for start in range(0, len(data), 10_000):  # a chunked, streamed upload
+                yield data[start:start + 10_000]
+
+        async with client.post(f"{gateway.http_url}/upload", data=body(), headers=headers) as response:
+            return response.status
+
+    assert await upload(GUARD_BYTES - 20_000) == 403
+    assert await upload(GUARD_BYTES + 20_000) == 200
+    for at, expected in ((40_000, 403), (GUARD_BYTES + 300_000, 200)):
+        async with client.get(f"{gateway.http_url}/big-text",
+                              params={"size": "400000", "needle": "classified", "at": str(at)},
+                              headers={"Authorization": secret}) as response:
+            assert response.status == expected
+            if expected == 200:
+                assert len(await response.read()) == 400_000
+    # binary bodies are not read by the rules at all
+    async with client.post(f"{gateway.http_url}/upload", data=b"forbidden",
+                           headers={"Authorization": secret, "Content-Type": "application/octet-stream"}) as response:
+        assert response.status == 200
+
+
+async def test_websocket_messages_go_through_guard_rails(api, gateway, client):
+    connection = await api.role()
+    secret, session_id = await api.credential(connection)
+    await api.guardrail(connection, input_rules=[{"type": "deny_words_list", "words": ["rm -rf"]}])
+    async with client.ws_connect(f"{gateway.http_url}/ws", headers={"Authorization": secret}) as ws:
+        await ws.send_str("ls")
+        assert (await ws.receive_str(timeout=10)) == "echo: ls"
+        await ws.send_str("rm   -rf /")
+        message = await ws.receive(timeout=10)
+        assert message.type == aiohttp.WSMsgType.CLOSE and message.data == 1008
+        assert "rm -rf" in message.extra
+    await api.session(session_id, has_event("e", "words=[rm -rf]"))
+
+
+async def test_dot_segments_cannot_leave_the_base_path(api, gateway, target):
+    connection = await api.role(f"{target}/echo")
+    secret, _ = await api.credential(connection)
+    for path in ("/../json", "/a/../../json", "/%2e%2e/json", "/a/%2E%2E/%2e%2e/json"):
+        done = await asyncio.to_thread(curl, "--path-as-is", "-o", "/dev/null", "-w", "%{http_code}",
+                                       "-H", f"Authorization: {secret}", f"{gateway.http_url}{path}")
+        assert done.stdout == b"400", path

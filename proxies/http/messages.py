@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from typing import Iterable
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 
 COOKIE_NAME = "gatewayd_proxy_token"
@@ -214,6 +214,15 @@ def request_head(method: str, target: TargetUrl, path_qs: str, headers: Iterable
     if chunked:
         lines.append("Transfer-Encoding: chunked")
     return ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogateescape")
+
+
+def has_dot_segments(raw_path: str) -> bool:
+    """Whether a path has a ``..`` segment (also percent-encoded or with backslashes) that could climb out
+    of the target's base path once the target normalizes it."""
+    path = raw_path.partition("?")[0]
+    if "." not in path and "%" not in path:
+        return False
+    return ".." in unquote(path).replace("\\", "/").split("/")
 
 
 def rewrite_location(location: str, target: TargetUrl, gateway_origin: str) -> str:

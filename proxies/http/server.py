@@ -34,11 +34,13 @@ from proxies.http.messages import (
     downstream_response_headers,
     extract_credential,
     guard_text,
+    has_dot_segments,
     head_text,
     is_event_stream,
     is_text,
     is_websocket_upgrade,
     request_head,
+    scrub,
     upstream_request_headers,
 )
 
@@ -217,6 +219,9 @@ class HttpListener:
             response.headers["Set-Cookie"] = credential_cookie(presented.secret, int(state.expires - time.time()))
             response.headers["Cache-Control"] = "no-store"
             return response
+        if state.target.base_path and has_dot_segments(request.raw_path):
+            state.live.recorder.error(f"refused a path with '..' segments: {scrub(request.raw_path)}")
+            return json_error(400, "a path with '..' segments is refused: it could leave the target's base path")
         if "Upgrade" in headers and is_websocket_upgrade(headers.items()):
             with _in_flight(state):
                 return await self._websocket(request, state, presented.source, client_ip)
