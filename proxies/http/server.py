@@ -357,11 +357,11 @@ class HttpListener:
         response = web.StreamResponse(status=message.code, reason=message.reason, headers=out_headers)
         if length is not None:
             response.content_length = length
-        await response.prepare(request)
         kept = bytearray(prefix[:self.record_cap])
         sent = len(prefix)
         error = None
         try:
+            await response.prepare(request)
             if prefix:
                 await response.write(prefix)
             if not eof:
