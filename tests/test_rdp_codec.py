@@ -124,3 +124,19 @@ def test_the_secret_is_read_from_the_x224_cookie() -> None:
     assert secret_from_cookie(b"Cookie: mstshash=alice") is None
     assert secret_from_cookie(None) is None
     assert secret_from_cookie(b"Cookie: mstshash=rdp-short") is None
+
+
+def test_pyrdp_logs_reach_the_gateway_without_their_data(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from proxies.rdp.mitm import quiet_pyrdp
+
+    quiet_pyrdp()
+    pyrdp_log = logging.getLogger("pyrdp.mitm.connections.tcp")
+    with caplog.at_level("INFO", logger="gatewayd.rdp"):
+        pyrdp_log.info("Client Info: password = %(password)r", {"password": "hunter2"})
+        pyrdp_log.error("Exception occurred when receiving: %(data)s", {"data": "68756e74657232"})
+        logging.getLogger("ssl").info("CLIENT_RANDOM %s", "abcdef")
+    assert "hunter2" not in caplog.text and "68756e74657232" not in caplog.text and "abcdef" not in caplog.text
+    assert "pyrdp: Exception occurred when receiving: %(data)s" in caplog.text
+    assert "Client Info" not in caplog.text  # below pyrdp's warning level

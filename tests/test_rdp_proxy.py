@@ -507,3 +507,28 @@ async def test_keys_are_recorded_only_when_switched_on(tmp_path: Path, peers: Pe
         daemon.stop()
     typed = "".join(text for kind, text in events(session) if kind == "i")
     assert "hi<Return>" in typed, events(session)
+
+
+async def test_garbage_is_dropped_and_others_are_still_served(api: Api, gateway: Daemon, peers: Peers) -> None:
+    junk = b"\x03\x00\x00\x13\x0e\xe0\x00\x00\x00\x00\x00" + b"SECRETJUNK" * 3
+
+    async def send(payload: bytes) -> bytes:
+        """Until the gateway closes: at once for a bad X.224 request, after the start-up timeout for the rest."""
+        reader, writer = await asyncio.open_connection("127.0.0.1", gateway.rdp_port)
+        writer.write(payload)
+        await writer.drain()
+        try:
+            return await asyncio.wait_for(reader.read(), 60)
+        except ConnectionResetError:  # dropped with a reset
+            return b""
+        finally:
+            writer.close()
+
+    answers = await asyncio.gather(send(junk), send(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"), send(os.urandom(64)))
+    assert answers == [b"", b"", b""]
+    connection = await api.role(peers.shadow_port)
+    secret, session_id = await api.credential(connection)
+    code, output = await xfreerdp(peers, gateway.rdp_port, secret, "+auth-only")
+    assert code == 0, output
+    assert (await api.done_session(session_id))["exit_code"] == 0
+    assert "SECRETJUNK" not in gateway.log_text() and "534543524554" not in gateway.log_text().upper()

@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("gatewayd.rdp")
 
 CONNECT_TIMEOUT = 10.0
-STARTUP_TIMEOUT = 60.0  # from TCP accept to an admitted X.224 connection request
+STARTUP_TIMEOUT = 20.0  # from TCP accept to an admitted X.224 connection request (clients send it at once)
 STATE_POOL = 2  # connection states made ahead of time (each has an RSA key that takes ~0.5 s to make)
 NLA_MESSAGE = ('the target of connection "{name}" requires Network Level Authentication (NLA/CredSSP), which '
                "the gateway does not support: allow TLS or standard RDP security on the target")
@@ -64,11 +64,30 @@ _SECRET = re.compile(r"[a-z]+-[A-Za-z0-9_-]{43}")  # any credential shape; resol
 CLIENT, TARGET = "client", "target"
 
 
+class PyrdpLogBridge(logging.Handler):
+    """pyrdp's warnings and errors in the gateway's log, without their arguments.
+
+    pyrdp's messages interpolate decrypted traffic (a parse error logs the
+    received bytes in hex, client info logs the password): only the message
+    template, pyrdp's logger name and an exception's type are kept.
+    """
+
+    def emit(self, record: logging.LogRecord) -> None:
+        template = record.msg if isinstance(record.msg, str) else type(record.msg).__name__
+        extra: dict[str, Any] = {"pyrdp_logger": record.name}
+        if record.exc_info and record.exc_info[1] is not None:
+            extra["error_type"] = type(record.exc_info[1]).__name__
+        log.log(record.levelno, "pyrdp: %s", template[:200], extra=extra)
+
+
 def quiet_pyrdp() -> None:
-    """pyrdp logs client credentials, TLS master keys and NTLM data: keep only its warnings and errors."""
-    logging.getLogger(LOGGER_NAMES.PYRDP).setLevel(logging.WARNING)
-    for name in ("ssl", LOGGER_NAMES.NTLMSSP, f"{LOGGER_NAMES.MITM_CONNECTIONS}.security",
-                 f"{LOGGER_NAMES.MITM_CONNECTIONS}.ntlmssp", f"{LOGGER_NAMES.MITM_CONNECTIONS}.rc4"):
+    """pyrdp logs client credentials, TLS master keys and raw traffic: its warnings and errors only, bridged."""
+    pyrdp_log = logging.getLogger(LOGGER_NAMES.PYRDP)
+    pyrdp_log.setLevel(logging.WARNING)
+    pyrdp_log.propagate = False
+    if not any(isinstance(h, PyrdpLogBridge) for h in pyrdp_log.handlers):
+        pyrdp_log.addHandler(PyrdpLogBridge())
+    for name in ("ssl", LOGGER_NAMES.NTLMSSP, LOGGER_NAMES.CRAWLER):
         logging.getLogger(name).disabled = True
 
 
