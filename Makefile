@@ -28,6 +28,7 @@ peers:
 bench: $(STAMP)
 	$(BIN)/python bench/api/bench_api.py
 	$(BIN)/python bench/postgres/bench_postgres.py
+	$(BIN)/python bench/ssh/bench_ssh.py
 	$(BIN)/python bench/http/bench_http.py
 	$(BIN)/python bench/rdp/bench_rdp.py
 

@@ -20,6 +20,7 @@ import signal
 import socket
 import struct
 import subprocess
+import sys
 import termios
 import threading
 import time
@@ -274,7 +275,7 @@ class Terminal:
         return code
 
 
-async def test_pty_shell_terminal_resize_signals_and_input_rules(gateway, api, target):
+async def test_pty_shell_terminal_resize_signals_and_input_rules(gateway, api, target, tmp_path):
     role = await api.role()
     await api.guardrail(role, input_rules=[{"type": "deny_words_list", "words": ["touch"]}])
     secret, session_id = await api.credential(role)
@@ -338,6 +339,14 @@ async def test_pty_shell_terminal_resize_signals_and_input_rules(gateway, api, t
     replay = "".join(data for _, kind, data in frames if kind == "o")
     assert "after-21" in replay and "words=[touch]" in replay
     assert "".join(data for _, kind, data in frames if kind == "i") == typed
+    player = Path(sys.executable).parent / "asciinema"  # the test extra installs asciinema 2.x
+    if player.exists():
+        cast = tmp_path / "session.cast"
+        cast.write_text(text)
+        played = subprocess.run([str(player), "play", "-s", "1000", "-i", "0.01", str(cast)],
+                                stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
+        assert played.returncode == 0, played.stderr
+        assert played.stdout.decode() == replay
 
 
 async def test_shell_without_pty_blocks_lines_before_they_reach_the_target(gateway, api, target):
