@@ -497,6 +497,10 @@ async def test_target_down_is_a_502_and_an_error_event(api, gateway, client):
 
 
 async def test_listener_stops_and_starts_live(api, gateway, client):
+    before = await api.role()
+    kept_secret, kept_session = await api.credential(before)
+    async with client.get(f"{gateway.http_url}/echo/before", headers={"Authorization": kept_secret}) as response:
+        assert response.status == 200
     status, document = await api("GET", "/serverconfig/misc")
     assert status == 200
     address = document["http_proxy_server_config"]["listen_address"]
@@ -513,6 +517,11 @@ async def test_listener_stops_and_starts_live(api, gateway, client):
     secret, _ = await api.credential(connection)
     async with client.get(f"{gateway.http_url}/json", headers={"Authorization": secret}) as response:
         assert response.status == 200
+    # a credential in use before the restart goes on recording into its one session
+    async with client.get(f"{gateway.http_url}/echo/after", headers={"Authorization": kept_secret}) as response:
+        assert response.status == 200
+    session = await api.session(kept_session, has_event("i", "GET /echo/after"))
+    assert session["status"] == "open" and has_event("i", "GET /echo/before")(session)
 
 
 async def test_raw_targets_eof_bodies_and_silently_closed_connections(api, gateway, client):
@@ -602,3 +611,28 @@ async def test_dot_segments_cannot_leave_the_base_path(api, gateway, target):
         done = await asyncio.to_thread(curl, "--path-as-is", "-o", "/dev/null", "-w", "%{http_code}",
                                        "-H", f"Authorization: {secret}", f"{gateway.http_url}{path}")
         assert done.stdout == b"400", path
+
+
+async def test_a_revoked_credential_is_refused_at_its_next_check(api, gateway, client):
+    import sqlite3
+
+    connection = await api.role()
+    secret, session_id = await api.credential(connection)
+    headers = {"Authorization": secret}
+    async with client.get(f"{gateway.http_url}/json", headers=headers) as response:
+        assert response.status == 200
+    # revoked behind the proxy's back (as a review revocation does): the cached grant is re-checked
+    with sqlite3.connect(gateway.data_dir / "gatewayd.db", timeout=10) as db:
+        db.execute("UPDATE credentials SET revoked_at = ? WHERE secret_hash = ?",
+                   ("2026-01-01T00:00:00.000000Z", hashlib.sha256(secret.encode()).hexdigest()))
+    deadline = time.monotonic() + 15
+    while True:
+        async with client.get(f"{gateway.http_url}/json", headers=headers) as response:
+            if response.status == 401:
+                assert "revoked" in (await response.json())["message"]
+                break
+            assert response.status == 200
+        assert time.monotonic() < deadline, "the revocation was never noticed"
+        await asyncio.sleep(0.2)
+    session = await api.session(session_id, lambda s: s["status"] == "done")
+    assert any(k == "e" and "revoked" in t for k, t in events(session))

@@ -13,7 +13,7 @@ recording on. ``wrk`` drives each endpoint in turn. It is a benchmark, not a
 test: it exits 0 whether the targets are met or not, non-zero only when it
 could not measure.
 
-    .venv/bin/python bench/http/bench_http.py [--seconds 5] [--connections 32] [--guardrails]
+    .venv/bin/python bench/http/bench_http.py [--seconds 5] [--rounds 3] [--connections 32] [--guardrails]
 """
 
 from __future__ import annotations
@@ -138,6 +138,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=int, default=5)
     parser.add_argument("--connections", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved runs per column; the median is shown")
     parser.add_argument("--guardrails", action="store_true", help="attach an input and an output rule")
     args = parser.parse_args()
     missing = [tool for tool in ("wrk", "nginx") if shutil.which(tool) is None]
@@ -152,7 +153,9 @@ def main() -> int:
     nginx = Nginx(target_port)
     http_port = free_port()
     daemon = Daemon(Path(tempfile.mkdtemp(prefix="gatewayd-bench-http-")) / "data",
-                    {"listeners.http": f"127.0.0.1:{http_port}", "log.level": "warning"})
+                    {"listeners.http": f"127.0.0.1:{http_port}", "log.level": "warning",
+                     # recording stays on for the whole run (the default 64 MiB cap would end it early)
+                     "sessions.recording_cap_bytes": 16 << 30})
     try:
         wait_port(target_port)
         nginx.start()
@@ -161,7 +164,8 @@ def main() -> int:
         secret, session_id = asyncio.run(gateway_credential(daemon, f"http://127.0.0.1:{target_port}",
                                                             args.guardrails))
         print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
-        print(f"wrk -t1 -c{args.connections} -d{args.seconds}s; gateway: recording on"
+        print(f"wrk -t1 -c{args.connections} -d{args.seconds}s, median of {args.rounds} interleaved rounds; "
+              f"gateway: recording on"
               f"{', 2 guard rails' if args.guardrails else ''}\n")
         endpoints = {
             "direct": (f"http://127.0.0.1:{target_port}", None),
@@ -171,9 +175,14 @@ def main() -> int:
         paths = {"small JSON": "/json", "1 MB download": f"/download?size={DOWNLOAD}"}
         results: dict[tuple[str, str], tuple[float, float]] = {}
         for label, path in paths.items():
+            runs: dict[str, list[tuple[float, float]]] = {name: [] for name in endpoints}
             for name, (base, header) in endpoints.items():
                 wrk(base + path, 1, args.connections, header)  # warm-up (pools, caches)
-                results[(label, name)] = wrk(base + path, args.seconds, args.connections, header)
+            for _ in range(args.rounds):  # interleaved, so a burst of load elsewhere hits all three alike
+                for name, (base, header) in endpoints.items():
+                    runs[name].append(wrk(base + path, args.seconds, args.connections, header))
+            for name, figures in runs.items():
+                results[(label, name)] = sorted(figures)[len(figures) // 2]  # the median run
         print(f"{'endpoint':<16}{'direct':>16}{'nginx':>16}{'gateway':>16}{'gw/nginx':>10}{'target':>8}  verdict")
         ok = True
         for label, unit, index, goal in (("small JSON", "req/s", 0, 0.5), ("1 MB download", "MB/s", 1, 0.8)):
