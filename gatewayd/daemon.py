@@ -105,6 +105,15 @@ class Listeners:
     async def stop_all(self) -> None:
         await self.apply({})
 
+    async def reset(self, name: str) -> None:
+        """Stop one listener so that the next ``apply`` starts it afresh (e.g. with a new host key)."""
+        async with self._lock:
+            state = self.states[name]
+            if state.listener is not None:
+                await state.listener.close()
+                log.info("listener stopped", extra={"listener": name, "address": state.address})
+            self.states[name] = ListenerState()
+
     def summary(self) -> dict[str, dict[str, str]]:
         return {name: {"listen_address": s.address, "status": s.status, "error": s.error}
                 for name, s in self.states.items()}
@@ -227,7 +236,9 @@ class Gateway:
     async def update_server_config(self, document: dict[str, Any]) -> None:
         """Persist the document and bring the listeners in line with it, live."""
         await self.store.put_setting(SERVER_CONFIG_KEY, document)
-        self.server_config = document
+        previous, self.server_config = self.server_config, document
+        if previous.get("ssh_server_config", {}).get("hosts_key") != document["ssh_server_config"].get("hosts_key"):
+            await self.listeners.reset("ssh")  # the listener reads the host key when it starts
         await self.listeners.apply(listen_addresses(document))
 
     def request_stop(self) -> None:

@@ -731,3 +731,75 @@ async def test_script_runner_runs_one_exec_with_guard_rails_and_recording(core, 
     live = await script_session(core, target, port=free_port())
     result = await run_script(core, live, "true")
     assert result.exit_code == 254 and "connection refused" in result.output
+
+
+# --------------------------------------------------------------------------- agent, X11, live configuration
+
+
+async def test_agent_and_x11_forwarding_are_refused(gateway, api, target, tmp_path):
+    agent = subprocess.run(["ssh-agent", "-s", "-a", str(tmp_path / "agent.sock")], capture_output=True, text=True,
+                           check=True)
+    pid = int(agent.stdout.split("SSH_AGENT_PID=")[1].split(";")[0])
+    try:
+        env = {**os.environ, "SSH_AUTH_SOCK": str(tmp_path / "agent.sock"), "DISPLAY": ":99"}
+        command = 'echo "agent=[$SSH_AUTH_SOCK] display=[$DISPLAY]"'
+        direct = subprocess.run(["ssh", "-o", "ForwardAgent=yes", *CLIENT_OPTIONS, "-i", str(target.client_key),
+                                 "-p", str(target.port), f"{target.user}@127.0.0.1", command], env=env,
+                                capture_output=True, stdin=subprocess.DEVNULL, timeout=60)
+        assert direct.returncode == 0 and b"agent=[/tmp/ssh-" in direct.stdout  # the target would allow it
+        role = await api.role()
+        secret, _ = await api.credential(role)
+        result = subprocess.run(["ssh", "-o", "ForwardAgent=yes", "-o", "ForwardX11=yes", *ssh_args(gateway, secret,
+                                 command)[1:]], env=env, capture_output=True, stdin=subprocess.DEVNULL, timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == b"agent=[] display=[]\n"
+    finally:
+        os.kill(pid, signal.SIGTERM)
+
+
+async def test_listener_restarts_live_on_a_new_address_and_host_key(gateway, api, target):
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    role = await api.role()
+    status, original = await api("GET", "/serverconfig/misc")
+    assert status == 200
+    key = Ed25519PrivateKey.generate()
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                            serialization.NoEncryption())
+    public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    port = free_port()
+    try:
+        status, body = await api("PUT", "/serverconfig/misc", {"ssh_server_config": {
+            "listen_address": f"127.0.0.1:{port}", "hosts_key": base64.b64encode(pem).decode()}})
+        assert status == 200, body
+        scan = subprocess.run(["ssh-keyscan", "-t", "ed25519", "-p", str(port), "127.0.0.1"], capture_output=True,
+                              timeout=30)
+        assert public.split()[1] in scan.stdout
+        secret, _ = await api.credential(role)
+        moved = subprocess.run(["ssh", *CLIENT_OPTIONS, "-p", str(port), f"{secret}@127.0.0.1", "echo moved"],
+                               capture_output=True, stdin=subprocess.DEVNULL, timeout=60)
+        assert moved.stdout == b"moved\n", moved.stderr
+        assert b"Connection refused" in ssh(gateway, secret, "true").stderr  # the old address is closed
+
+        # a new host key alone restarts the listener too
+        other = Ed25519PrivateKey.generate()
+        status, body = await api("PUT", "/serverconfig/misc", {"ssh_server_config": {
+            "listen_address": f"127.0.0.1:{port}", "hosts_key": base64.b64encode(other.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                serialization.NoEncryption())).decode()}})
+        assert status == 200, body
+        scan = subprocess.run(["ssh-keyscan", "-t", "ed25519", "-p", str(port), "127.0.0.1"], capture_output=True,
+                              timeout=30)
+        assert other.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                               serialization.PublicFormat.OpenSSH).split()[1] in scan.stdout
+
+        status, body = await api("PUT", "/serverconfig/misc", {"ssh_server_config": {"listen_address": ""}})
+        assert status == 200
+        status, info = await api("GET", "/serverinfo")
+        assert info["listeners"]["ssh"]["status"] == "stopped"
+    finally:
+        status, body = await api("PUT", "/serverconfig/misc", {"ssh_server_config": original["ssh_server_config"]})
+        assert status == 200, body
+    secret, _ = await api.credential(role)
+    assert ssh(gateway, secret, "echo back").stdout == b"back\n"

@@ -65,11 +65,15 @@ class SSHListener:
         self.acceptor.close()
 
 
-def host_key(gateway: Gateway) -> asyncssh.SSHKey:
-    """The listener's host key: ``serverconfig/misc`` ``ssh_server_config.hosts_key`` (base64 of PEM)."""
+async def host_key(gateway: Gateway) -> asyncssh.SSHKey:
+    """The listener's host key: ``serverconfig/misc`` ``ssh_server_config.hosts_key`` (base64 of PEM).
+
+    An empty one means the key the gateway generated on its first start.
+    """
     encoded = gateway.server_config.get("ssh_server_config", {}).get("hosts_key") or ""
     try:
-        return asyncssh.import_private_key(base64.b64decode(encoded, validate=True))
+        pem = base64.b64decode(encoded, validate=True) if encoded else await gateway.host_key_pem()
+        return asyncssh.import_private_key(pem)
     except (ValueError, asyncssh.KeyImportError):
         raise ValueError("ssh_server_config.hosts_key is not base64 of a PEM/OpenSSH private key") from None
 
@@ -77,7 +81,7 @@ def host_key(gateway: Gateway) -> asyncssh.SSHKey:
 async def start(gateway: Gateway, host: str, port: int) -> SSHListener:
     """Listener factory registered as ``ssh``."""
     acceptor = await asyncssh.listen(
-        host, port, server_factory=lambda: GatewayConnection(gateway), server_host_keys=[host_key(gateway)],
+        host, port, server_factory=lambda: GatewayConnection(gateway), server_host_keys=[await host_key(gateway)],
         reuse_address=True, login_timeout=LOGIN_TIMEOUT, encoding=None, line_editor=False,
         agent_forwarding=False, x11_forwarding=False, allow_scp=False, compression_algs=None,
         encryption_algs=list(gateway.config["ssh.ciphers"]),
