@@ -636,3 +636,21 @@ async def test_a_revoked_credential_is_refused_at_its_next_check(api, gateway, c
         await asyncio.sleep(0.2)
     session = await api.session(session_id, lambda s: s["status"] == "done")
     assert any(k == "e" and "revoked" in t for k, t in events(session))
+
+
+async def test_a_client_breaking_off_an_upload_is_recorded_and_others_go_on(api, gateway, client):
+    connection = await api.role()
+    secret, session_id = await api.credential(connection)
+    host, port = gateway.http_url.split("//")[1].split(":")
+    for sent in (1000, 200_000):  # inside the recorded prefix, and while streaming to the target
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(f"POST /upload HTTP/1.1\r\nHost: gw\r\nAuthorization: {secret}\r\n"
+                     f"Content-Length: 1000000\r\n\r\n".encode() + b"x" * sent)
+        await writer.drain()
+        await asyncio.sleep(0.3)
+        writer.close()
+    await api.session(session_id, lambda s: sum(k == "e" and "broke off the request body" in t
+                                                for k, t in events(s)) == 2)
+    async with client.get(f"{gateway.http_url}/json", headers={"Authorization": secret}) as response:
+        assert response.status == 200
+    assert "Error handling request" not in gateway.log_text()

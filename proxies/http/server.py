@@ -239,6 +239,12 @@ class HttpListener:
                                                    "target": state.target.where})
         return json_error(502, message)
 
+    def _client_broke_off(self, state: CredentialState, first_line: str, exc: BaseException | None) -> web.Response:
+        """The client's request body ended early or was malformed: recorded, answered 400 (if anyone listens)."""
+        reason = getattr(exc, "message", None) or type(exc).__name__
+        state.live.recorder.error(f"the client broke off the request body of {scrub(first_line)} ({reason})")
+        return json_error(400, f"the request body could not be read ({reason})")
+
     async def _forward(self, request: web.BaseRequest, state: CredentialState, source: str,
                        client_ip: str) -> web.StreamResponse:
         live = state.live
@@ -269,8 +275,11 @@ class HttpListener:
             if headers.get("Expect", "").lower() == "100-continue":
                 await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             guarded = bool(rules.input_rules) and is_text(headers.get("Content-Type"))
-            body, complete = await _read_prefix(request.content, max(self.record_cap, self.guard_cap)
-                                                if guarded else self.record_cap)
+            try:
+                body, complete = await _read_prefix(request.content, max(self.record_cap, self.guard_cap)
+                                                    if guarded else self.record_cap)
+            except (ConnectionError, HttpProcessingError, aiohttp.ClientError) as exc:
+                return self._client_broke_off(state, first_line, exc)
             if guarded:
                 verdict = rules.check_input(guard_text(first_line, up_headers, body[:self.guard_cap]))
                 if not verdict.allowed:
@@ -295,6 +304,8 @@ class HttpListener:
                 request_head(method, target, raw_path, up_headers, chunked), data, chunked, method == "HEAD")
         except UpstreamError as exc:
             return await self._unreachable(state, str(exc))
+        except RequestBodyError as exc:
+            return self._client_broke_off(state, first_line, exc.__cause__)
         except HttpProcessingError as exc:
             return await self._unreachable(state, f"it sent a malformed response ({exc.message})", "answered badly")
         try:
@@ -499,11 +510,21 @@ async def _read_prefix(content: aiohttp.StreamReader, limit: int) -> tuple[bytes
     return b"".join(chunks), content.at_eof()
 
 
+class RequestBodyError(Exception):
+    """Reading the client's request body failed while it was being streamed to the target."""
+
+
 async def _chain(prefix: bytes, content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
     """The request body for the target: the prefix already read, then the rest as it arrives."""
     if prefix:
         yield prefix
-    while chunk := await content.readany():
+    while True:
+        try:
+            chunk = await content.readany()
+        except (ConnectionError, HttpProcessingError, aiohttp.ClientError) as exc:
+            raise RequestBodyError() from exc
+        if not chunk:
+            return
         yield chunk
 
 
