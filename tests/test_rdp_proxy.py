@@ -169,9 +169,10 @@ class Api:
                 return response.status, json.loads(raw)
             return response.status, raw
 
-    async def role(self, port: int, subtype: str = "rdp") -> dict:
+    async def role(self, port: int, subtype: str = "rdp", user: str = TARGET_USER,
+                   password: str = TARGET_PASSWORD) -> dict:
         secret = {"envvar:HOST": b64("127.0.0.1"), "envvar:PORT": b64(str(port)),
-                  "envvar:USER": b64(TARGET_USER), "envvar:PASS": b64(TARGET_PASSWORD)}
+                  "envvar:USER": b64(user), "envvar:PASS": b64(password)}
         kind = {"rdp": "custom", "postgres": "database"}[subtype]
         status, body = await self("POST", "/connections", {"name": f"{subtype}-{uuid.uuid4().hex[:8]}", "type": kind,
                                                           "subtype": subtype, "secret": secret})
@@ -532,3 +533,15 @@ async def test_garbage_is_dropped_and_others_are_still_served(api: Api, gateway:
     assert code == 0, output
     assert (await api.done_session(session_id))["exit_code"] == 0
     assert "SECRETJUNK" not in gateway.log_text() and "534543524554" not in gateway.log_text().upper()
+
+
+async def test_concurrent_logons_each_get_their_own_role(api: Api, gateway: Daemon, peers: Peers) -> None:
+    passwords = [f"Pass-{i}-{uuid.uuid4().hex[:6]}" for i in range(3)]
+    roles = [await api.role(peers.observer_port, user=f"user{i}", password=p) for i, p in enumerate(passwords)]
+    secrets = [(await api.credential(role))[0] for role in roles]
+    results = await asyncio.gather(*(xfreerdp(peers, gateway.rdp_port, s, "+auth-only") for s in secrets))
+    assert [code for code, _ in results] == [0, 0, 0], results
+    infos = [line for line in peers.log("observer").splitlines() if "Client Info:" in line]
+    for i, password in enumerate(passwords):
+        matching = [line for line in infos if f"username = 'user{i}" in line]
+        assert len(matching) == 1 and f"password = '{password}" in matching[0], infos
