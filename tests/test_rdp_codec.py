@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import struct
 
 import pytest
@@ -140,3 +141,33 @@ def test_pyrdp_logs_reach_the_gateway_without_their_data(caplog: pytest.LogCaptu
     assert "hunter2" not in caplog.text and "68756e74657232" not in caplog.text and "abcdef" not in caplog.text
     assert "pyrdp: Exception occurred when receiving: %(data)s" in caplog.text
     assert "Client Info" not in caplog.text  # below pyrdp's warning level
+
+
+async def test_capture_stores_updates_in_order_off_the_loop(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from gatewayd.frames import FrameStore
+    from proxies.rdp import capture as capture_module
+    from proxies.rdp.capture import FrameCapture
+
+    store = FrameStore(tmp_path)
+    capture = FrameCapture(store, "s1")
+    capture.resize(800, 600)
+    capture.fastpath(10, [FastPathBitmapEvent(0x01, None, [], update_payload((0, 0, 1, 1, pixels16(RED16))))])
+    await asyncio.sleep(0)
+    capture.slowpath(20, update_payload((5, 5, 1, 1, pixels16(BLUE16)))[2:])
+    capture.fastpath(30, [FastPathBitmapEvent(0x01 | 2 << 4, None, [], b"\x01\x00")])  # garbage fragment start
+    await capture.close()
+    page = store.reader("s1").page(0, 10)
+    assert [(f.timestamp, f.x, f.y) for f in page.frames] == [(10, 0, 0), (20, 5, 5)]
+    canvas = store.reader("s1").composed(1)
+    assert (canvas.width, canvas.height) == (800, 600)
+    assert canvas.pixels[:3] == RED and canvas.pixels[(5 * 800 + 5) * 3:(5 * 800 + 5) * 3 + 3] == BLUE
+
+    capture = FrameCapture(store, "s2")
+    old_limit = capture_module.MAX_QUEUED_BYTES
+    capture_module.MAX_QUEUED_BYTES = 10
+    try:
+        capture.slowpath(0, update_payload((0, 0, 1, 1, pixels16(RED16)))[2:] + b"x" * 20)
+    finally:
+        capture_module.MAX_QUEUED_BYTES = old_limit
+    await capture.close()
+    assert capture.dropped == 1 and capture.count == 0
