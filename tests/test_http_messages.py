@@ -34,7 +34,8 @@ def test_credential_from_cookie_among_others():
 
 @pytest.mark.parametrize(("path", "rest"), [
     (f"/{SECRET}", "/"), (f"/{SECRET}/", "/"), (f"/{SECRET}/app/page?q=1", "/app/page?q=1"),
-    (f"/{SECRET}?a=/b", "/?a=/b"),
+    (f"/{SECRET}?a=/b", "/?a=/b"), (f"/{SECRET}//evil.example/x", "/evil.example/x"),
+    (f"/{SECRET}/\\evil.example", "/evil.example"),
 ])
 def test_credential_from_first_path_segment(path, rest):
     assert m.extract_credential(None, None, path) == m.PresentedCredential(SECRET, "path", rest)

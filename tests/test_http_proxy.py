@@ -489,6 +489,13 @@ async def test_target_down_is_a_502_and_an_error_event(api, gateway, client):
     assert "unreachable" in message and "hunter2" not in message
     session = await api.session(session_id, has_event("e", "unreachable"))
     assert "hunter2" not in json.dumps(events(session))
+    # a REMOTE_URL the gateway cannot use
+    broken = await api.role("ftp://files.internal/")
+    secret, session_id = await api.credential(broken)
+    async with client.get(f"{gateway.http_url}/json", headers={"Authorization": secret}) as response:
+        assert response.status == 502
+        assert "misconfigured" in (await response.json())["message"]
+    await api.session(session_id, lambda s: s["status"] == "done" and has_event("e", "REMOTE_URL")(s))
     # the gateway keeps serving others
     other = await api.role()
     secret, _ = await api.credential(other)

@@ -71,8 +71,8 @@ def extract_credential(authorization: str | None, cookie_header: str | None, pat
     if path.startswith("/httpproxy-"):
         path_only, question, query = path.partition("?")
         segment, _, rest = path_only[1:].partition("/")
-        if _is_proxy_secret(segment):
-            return PresentedCredential(segment, CredentialSource.PATH, "/" + rest + question + query)
+        if _is_proxy_secret(segment):  # "//host" would make the redirect leave the gateway: one slash
+            return PresentedCredential(segment, CredentialSource.PATH, "/" + rest.lstrip("/\\") + question + query)
     if authorization:
         value = authorization.strip()
         if value[:7].lower() == "bearer ":

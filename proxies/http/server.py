@@ -63,6 +63,14 @@ _DISCONNECTED = (ConnectionError, aiohttp.ClientConnectionResetError)
 class Refused(Exception):
     """A request the gateway answers itself with 401; ``str()`` is safe to show."""
 
+    status = 401
+
+
+class Misconfigured(Refused):
+    """The connection's target settings cannot be used (502)."""
+
+    status = 502
+
 
 @dataclass(slots=True, eq=False)
 class CredentialState:
@@ -169,7 +177,7 @@ class HttpListener:
             target = TargetUrl.parse(settings.get("REMOTE_URL", ""))
         except ValueError as exc:
             await live.close(exit_code=BLOCKED_EXIT_CODE, error=f'connection "{grant.connection.name}": {exc}')
-            raise Refused(f'connection "{grant.connection.name}" is misconfigured: {exc}') from None
+            raise Misconfigured(f'connection "{grant.connection.name}" is misconfigured: {exc}') from None
         expires = parse_time(grant.credential.expire_at)
         state = CredentialState(
             grant, live, target, settings.get("INSECURE", "").strip().lower() in ("1", "true", "yes", "on"),
@@ -213,10 +221,10 @@ class HttpListener:
         try:
             state = await self.state_for(presented.secret, client_ip)
         except Refused as exc:
-            return json_error(401, str(exc))
+            return json_error(exc.status, str(exc))
         if presented.source == CredentialSource.PATH:
             response = web.HTTPFound(presented.rest_path)
-            response.headers["Set-Cookie"] = credential_cookie(presented.secret, int(state.expires - time.time()))
+            response.headers["Set-Cookie"] = credential_cookie(presented.secret, int(min(state.expires - time.time(), 172800)))
             response.headers["Cache-Control"] = "no-store"
             return response
         if state.target.base_path and has_dot_segments(request.raw_path):
