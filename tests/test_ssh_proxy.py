@@ -639,6 +639,17 @@ async def test_target_down_or_refusing_the_key_is_a_clear_message_and_a_closed_s
     assert result.returncode == 254 and b"its host key does not match the connection's HOST_KEY" in result.stderr
 
 
+async def test_target_dying_mid_session_is_told_to_the_client(gateway, api):
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+    result = ssh(gateway, secret, "echo before; sleep 0.5; kill -9 $PPID; sleep 5; echo never")  # $PPID: sshd's session process
+    assert result.returncode == 254 and result.stdout == b"before\n"
+    message = f'the target of connection "{role["name"]}" closed the channel without an exit status'
+    assert message.encode() in result.stderr
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 254 and message in of_kind(session, "e")
+
+
 async def test_client_disconnecting_mid_transfer_closes_and_records_the_session(gateway, api):
     role = await api.role()
     secret, session_id = await api.credential(role)

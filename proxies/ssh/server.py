@@ -342,10 +342,12 @@ class _Upstream(asyncssh.SSHClientSession):  # type: ignore[type-arg]
         self.relay.target_closed()
 
     def pause_writing(self) -> None:
-        self.relay.chan.pause_reading()
+        self.relay.target_full = True
+        self.relay.sync_reading()
 
     def resume_writing(self) -> None:
-        self.relay.chan.resume_reading()
+        self.relay.target_full = False
+        self.relay.sync_reading()
 
 
 class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
@@ -370,7 +372,9 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         self.exit_signal: tuple[str, bool, str, str] | None = None
         self.active = False  # a command, shell or subsystem is running
         self.ended = False
-        self.draining = False
+        self.draining = False  # waiting for the recorder to flush
+        self.client_full = False  # the client channel's send buffer is full: stop reading the target
+        self.target_full = False  # the target channel's send buffer is full: stop reading the client
         self.client_closed = False
 
     # -- client side callbacks
@@ -407,6 +411,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             self.chan.pause_reading()
             return
         self.to_target(data)
+        self._check_drain()
 
     def eof_received(self) -> bool:
         if self.upchan is None:
@@ -430,12 +435,25 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             self.upchan.change_terminal_size(width, height, pixwidth, pixheight)
 
     def pause_writing(self) -> None:
-        if self.upchan is not None:
-            self.upchan.pause_reading()
+        self.client_full = True
+        self.sync_reading()
 
     def resume_writing(self) -> None:
-        if self.upchan is not None and not self.draining:
+        self.client_full = False
+        self.sync_reading()
+
+    def sync_reading(self) -> None:
+        """Flow control: read each side only while the other can take more and the recorder keeps up."""
+        if self.upchan is None:
+            return
+        if self.client_full or self.draining:
+            self.upchan.pause_reading()
+        else:
             self.upchan.resume_reading()
+        if self.target_full or self.draining:
+            self.chan.pause_reading()
+        else:
+            self.chan.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.client_closed = True
@@ -481,7 +499,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             self.to_target(data)
         if self.pending_eof:
             self._eof_to_target()
-        self.chan.resume_reading()
+        self.sync_reading()
 
     async def _refuse(self, verdict: GuardVerdict) -> None:
         """An exec the input rules block: message on stderr, exit 254, the target never sees it."""
@@ -566,9 +584,12 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         else:
             recorder.output(data)
             self.chan.write(data)
-        if recorder.needs_drain and not self.draining and self.upchan is not None:
+        self._check_drain()
+
+    def _check_drain(self) -> None:
+        if self.recorder.needs_drain and not self.draining and self.upchan is not None:
             self.draining = True
-            self.upchan.pause_reading()
+            self.sync_reading()
             asyncio.ensure_future(self._drain())
 
     async def _drain(self) -> None:
@@ -576,8 +597,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             await self.recorder.drain()
         finally:
             self.draining = False
-            if self.upchan is not None:
-                self.upchan.resume_reading()
+            self.sync_reading()
 
     def target_closed(self) -> None:
         """The target's channel closed: pass its exit status or signal on."""
@@ -595,8 +615,11 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         elif self.exit_status is not None:
             self.owner.exit_code = self.exit_status
             chan.exit(self.exit_status)
-        else:
-            chan.close()
+        else:  # the target went away (or closed the channel) without saying how it ended
+            message = f'the target of connection "{self.live.connection.name}" closed the channel without an exit status'
+            self.recorder.error(message)
+            self.ended = False
+            self.end(message)
 
     def end(self, message: str) -> None:
         """The gateway closes this channel: ``message`` on stderr, exit 254, the target's channel closed."""
@@ -604,6 +627,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         if self.ended:
             return
         self.ended = True
+        self.owner.exit_code = BLOCKED_EXIT_CODE
         if self.upchan is not None:
             self.upchan.close()
         if not self.client_closed:
