@@ -451,6 +451,8 @@ async def test_scp_100_mb_both_ways(gateway, api, target, tmp_path):
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "small-back.txt").read_text() == small.read_text()
     on_target(target, f"rm -f {remote} {remote}.txt")
+    local.unlink()
+    back.unlink()
 
 
 async def test_sftp_batch_operations_are_recorded_as_lines(gateway, api, target, tmp_path):

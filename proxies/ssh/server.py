@@ -165,8 +165,19 @@ class GatewayConnection(asyncssh.SSHServer):
             self.grant = await self.gateway.access.resolve(secret, "ssh", self.client_ip)
         except AccessDenied:
             return False
-        self.ready = asyncio.ensure_future(self._open())
+        self.ready = asyncio.ensure_future(self._open_guarded())
         return True
+
+    async def _open_guarded(self) -> None:
+        try:
+            await self._open()
+        except Exception:  # a store or session failure must not leave the client hanging
+            log.exception("ssh session could not be opened", extra={"client_ip": self.client_ip})
+            self.failure = "the gateway could not open the session (internal error)"
+            if self.target is not None:
+                self.target.close()
+            if self.live is not None:
+                await self.live.close(exit_code=BLOCKED_EXIT_CODE, error=self.failure)
 
     async def _open(self) -> None:
         """Log in to the target, then open the session (a failed target is a closed session with an ``e``)."""
@@ -314,7 +325,7 @@ class RefusedSession(asyncssh.SSHServerSession):  # type: ignore[type-arg]
 
     def session_started(self) -> None:
         assert self.chan is not None
-        self.chan.write_stderr(f"{self.message}\r\n".encode())
+        self.chan.write_stderr(f"{self.message}\n".encode())
         self.chan.exit(BLOCKED_EXIT_CODE)
 
 
