@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from control.asciicast import render_asciicast
 from gatewayd.models import Session, SessionEvent
 from proxies.ssh.lines import KILL_LINE, Chunk, Line, ShellInput
-from proxies.ssh.sftp import SftpObserver
+from proxies.ssh.sftp import Request, SftpObserver, status_packet
 
 # --------------------------------------------------------------------------- shell lines
 
@@ -83,44 +83,79 @@ def packet(kind: int, body: bytes) -> bytes:
     return struct.pack(">IB", len(body) + 1, kind) + body
 
 
-def test_sftp_transfers_and_operations_become_lines():
+def client(observer: SftpObserver, data: bytes) -> tuple[bytes, list, list]:
+    """(bytes forwarded as they are, requests to check, records) of one client chunk."""
+    pieces = observer.client(data)
+    forwarded = b"".join(p for p in pieces if isinstance(p, bytes))
+    return (forwarded, [p for p in pieces if isinstance(p, Request)], [p for p in pieces if isinstance(p, tuple)])
+
+
+def test_sftp_transfers_and_operations_become_lines_and_checkable_requests():
     observer = SftpObserver()
-    assert observer.client(packet(1, struct.pack(">I", 3))) == []
+    init = packet(1, struct.pack(">I", 3))
+    assert client(observer, init) == (init, [], [])
     assert observer.server(packet(2, struct.pack(">I", 3))) == []
-    # open for writing, two writes fed in awkward pieces, close
-    stream = packet(3, struct.pack(">I", 1) + string(b"/tmp/f") + struct.pack(">I", 0x1A) + struct.pack(">I", 0))
-    assert observer.client(stream) == []
+    # open for writing (a request the rules may refuse), two writes fed in awkward pieces, close
+    opening = packet(3, struct.pack(">I", 1) + string(b"/tmp/f") + struct.pack(">I", 0x1A) + struct.pack(">I", 0))
+    assert client(observer, opening) == (b"", [Request(1, "put /tmp/f", opening, deferred=True)], [])
     assert observer.server(packet(102, struct.pack(">I", 1) + string(b"h1"))) == []
     writes = b"".join(packet(6, struct.pack(">I", 2 + i) + string(b"h1") + struct.pack(">Q", i * 1000)
                              + string(b"x" * 1000)) for i in range(2))
-    records = [r for i in range(0, len(writes), 7) for r in observer.client(writes[i:i + 7])]
-    assert records == []
-    assert observer.client(packet(4, struct.pack(">I", 9) + string(b"h1"))) == [("i", "put /tmp/f 2000 bytes")]
+    forwarded = b""
+    for i in range(0, len(writes), 7):
+        out, requests, records = client(observer, writes[i:i + 7])
+        assert requests == [] and records == []
+        forwarded += out
+    assert forwarded == writes  # every byte, in order, once each packet is whole
+    closing = packet(4, struct.pack(">I", 9) + string(b"h1"))
+    assert client(observer, closing) == (closing, [], [("i", "put /tmp/f 2000 bytes")])
     # open for reading, one read answered with data
-    observer.client(packet(3, struct.pack(">I", 10) + string(b"/etc/x") + struct.pack(">I", 1) + struct.pack(">I", 0)))
+    client(observer, packet(3, struct.pack(">I", 10) + string(b"/etc/x") + struct.pack(">II", 1, 0)))
     observer.server(packet(102, struct.pack(">I", 10) + string(b"h2")))
-    observer.client(packet(5, struct.pack(">I", 11) + string(b"h2") + struct.pack(">QI", 0, 32768)))
+    client(observer, packet(5, struct.pack(">I", 11) + string(b"h2") + struct.pack(">QI", 0, 32768)))
     observer.server(packet(103, struct.pack(">I", 11) + string(b"y" * 500)))
-    assert observer.client(packet(4, struct.pack(">I", 12) + string(b"h2"))) == [("i", "get /etc/x 500 bytes")]
+    assert client(observer, packet(4, struct.pack(">I", 12) + string(b"h2")))[2] == [("i", "get /etc/x 500 bytes")]
     # a failed remove is an error line
-    assert observer.client(packet(13, struct.pack(">I", 13) + string(b"/nope"))) == [("i", "rm /nope")]
+    remove = packet(13, struct.pack(">I", 13) + string(b"/nope"))
+    assert client(observer, remove)[1] == [Request(13, "rm /nope", remove)]
     status = packet(101, struct.pack(">II", 13, 2) + string(b"No such file") + string(b""))
     assert observer.server(status) == [("e", "failed: rm /nope: No such file")]
-    assert observer.client(packet(18, struct.pack(">I", 14) + string(b"/a") + string(b"/b"))) == [
-        ("i", "rename /a /b")]
+    assert client(observer, packet(18, struct.pack(">I", 14) + string(b"/a") + string(b"/b")))[1][0].line == \
+        "rename /a /b"
 
 
-def test_sftp_large_write_payload_is_skipped_and_garbage_stops_observation():
+def test_sftp_refusal_is_a_status_packet_and_waits_for_a_packet_boundary():
     observer = SftpObserver()
-    observer.client(packet(3, struct.pack(">I", 1) + string(b"/big") + struct.pack(">II", 0x1A, 0)))
+    answer = status_packet(7, "blocked")
+    assert answer == packet(101, struct.pack(">II", 7, 3) + string(b"blocked") + string(b""))
+    data = packet(103, struct.pack(">I", 5) + string(b"z" * 100))
+    assert observer.server_at_boundary
+    observer.server(data[:50])
+    assert not observer.server_at_boundary
+    observer.server(data[50:])
+    assert observer.server_at_boundary
+    client(observer, packet(13, struct.pack(">I", 7) + string(b"/x")))
+    observer.refused(7)
+    assert observer.server(packet(101, struct.pack(">II", 7, 2) + string(b"late") + string(b""))) == []
+
+
+def test_sftp_large_write_payload_streams_through_and_garbage_stops_observation():
+    observer = SftpObserver()
+    client(observer, packet(3, struct.pack(">I", 1) + string(b"/big") + struct.pack(">II", 0x1A, 0)))
     observer.server(packet(102, struct.pack(">I", 1) + string(b"h")))
     big = packet(6, struct.pack(">I", 2) + string(b"h") + struct.pack(">Q", 0) + string(b"z" * 300_000))
+    forwarded = b""
     for i in range(0, len(big), 65536):
-        assert observer.client(big[i:i + 65536]) == []
-    assert observer.client(packet(4, struct.pack(">I", 3) + string(b"h"))) == [("i", "put /big 300000 bytes")]
-    broken = observer.client(b"\xff\xff\xff\xff" + b"junk")
-    assert broken[0][0] == "e" and "no longer recorded" in broken[0][1]
-    assert observer.client(packet(13, struct.pack(">I", 4) + string(b"/x"))) == []
+        out, requests, records = client(observer, big[i:i + 65536])
+        forwarded += out
+        assert requests == [] and records == []
+    assert forwarded == big
+    assert client(observer, packet(4, struct.pack(">I", 3) + string(b"h")))[2] == [("i", "put /big 300000 bytes")]
+    junk = b"\xff\xff\xff\xff" + b"junk"
+    out, requests, records = client(observer, junk)
+    assert out == junk and records[0][0] == "e" and "no longer recorded" in records[0][1]
+    after = packet(13, struct.pack(">I", 4) + string(b"/x"))
+    assert client(observer, after) == (after, [], [])
 
 
 # --------------------------------------------------------------------------- asciicast

@@ -481,6 +481,30 @@ async def test_sftp_batch_operations_are_recorded_as_lines(gateway, api, target,
     assert "No such file" in target.ssh(f"ls {directory}").stderr.decode()
 
 
+async def test_sftp_operations_refused_by_input_rules(gateway, api, target, tmp_path):
+    role = await api.role()
+    await api.guardrail(role, input_rules=[{"type": "pattern_match", "pattern_regex": r"(get|rm) \S*secret"}])
+    directory = f"/tmp/gatewayd-sftp-{uuid.uuid4().hex[:8]}"
+    on_target(target, f"mkdir {directory} && echo top > {directory}/secret.txt && echo ok > {directory}/plain.txt")
+    secret, session_id = await api.credential(role)
+    batch = tmp_path / "batch"
+    batch.write_text(f"-get {directory}/secret.txt {tmp_path}/secret.txt\n-rm {directory}/secret.txt\n"
+                     f"get {directory}/plain.txt {tmp_path}/plain.txt\n")
+    result = subprocess.run(["sftp", *CLIENT_OPTIONS, "-P", str(gateway.ssh_port), "-b", str(batch),
+                             f"{secret}@127.0.0.1"], capture_output=True, stdin=subprocess.DEVNULL, timeout=120)
+    assert result.returncode == 0, result.stderr
+    message = r"validation error, match guard rails input rule, type=pattern_match, pattern=(get|rm) \S*secret"
+    assert result.stderr.decode().count("Permission denied") == 2  # the status the gateway answered
+    assert result.stderr.decode().count(message) == 2  # and why, on stderr
+    assert not (tmp_path / "secret.txt").exists() and (tmp_path / "plain.txt").read_text() == "ok\n"
+    assert on_target(target, f"cat {directory}/secret.txt") == "top\n"  # never removed
+    session = await api.done_session(session_id)
+    assert of_kind(session, "i") == [f"get {directory}/secret.txt", f"rm {directory}/secret.txt",
+                                     f"get {directory}/plain.txt 3 bytes"]
+    assert of_kind(session, "e") == [message, message]
+    on_target(target, f"rm -r {directory}")
+
+
 # --------------------------------------------------------------------------- port forwarding
 
 

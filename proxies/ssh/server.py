@@ -33,7 +33,7 @@ from gatewayd.access import AccessDenied, looks_like_secret
 from gatewayd.guardrails import GuardVerdict
 from gatewayd.sessions import BLOCKED_EXIT_CODE
 from proxies.ssh.lines import Chunk, ShellInput
-from proxies.ssh.sftp import SftpObserver
+from proxies.ssh.sftp import SftpObserver, status_packet
 from proxies.ssh.target import MAX_PACKET, WINDOW, TargetError, TargetSettings, connect_target
 
 if TYPE_CHECKING:
@@ -379,6 +379,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         self.sftp: SftpObserver | None = None
         self.pending: list[bytes] = []
         self.pending_eof = False
+        self.injections: list[bytes] = []  # SFTP answers of the gateway waiting for a packet boundary
         self.exit_status: int | None = None
         self.exit_signal: tuple[str, bool, str, str] | None = None
         self.active = False  # a command, shell or subsystem is running
@@ -524,9 +525,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         upchan = self.upchan
         assert upchan is not None
         if self.sftp is not None:
-            for kind, line in self.sftp.client(data):
-                self.recorder.record(kind, line)
-            upchan.write(data)
+            self._sftp_to_target(self.sftp, upchan, data)
             return
         self.recorder.input(data)
         if self.shell is None:
@@ -543,6 +542,38 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
                 upchan.write(piece.refused)
                 self._tell(verdict.message)
                 asyncio.ensure_future(self.live.blocked(verdict, self.owner.client_ip))
+
+    def _sftp_to_target(self, sftp: SftpObserver, upchan: asyncssh.SSHClientChannel[bytes], data: bytes) -> None:
+        """SFTP requests: recorded as lines; the input rules may refuse an operation (permission denied)."""
+        recorder = self.recorder
+        for piece in sftp.client(data):
+            if isinstance(piece, bytes):
+                upchan.write(piece)
+            elif isinstance(piece, tuple):
+                recorder.record(*piece)
+            else:
+                verdict = self.rules.check_input(piece.line) if self.rules.input_rules else GuardVerdict(True)
+                if verdict.allowed:
+                    upchan.write(piece.raw)
+                    if not piece.deferred:
+                        recorder.input(piece.line)
+                    continue
+                recorder.input(piece.line)
+                sftp.refused(piece.request_id)
+                self._to_client_at_boundary(status_packet(piece.request_id, verdict.message))
+                self._tell(verdict.message)  # sftp clients show a status code only: the reason goes to stderr
+                asyncio.ensure_future(self.live.blocked(verdict, self.owner.client_ip))
+
+    def _to_client_at_boundary(self, packet: bytes) -> None:
+        """Answer the client between two of the target's SFTP packets."""
+        self.injections.append(packet)
+        if self.sftp is not None and self.sftp.server_at_boundary:
+            self._flush_injections()
+
+    def _flush_injections(self) -> None:
+        injections, self.injections = self.injections, []
+        if not self.client_closed:
+            self.chan.writelines(injections)
 
     def _eof_to_target(self) -> None:
         upchan = self.upchan
@@ -579,6 +610,8 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             for kind, line in self.sftp.server(data):
                 self.recorder.record(kind, line)
             self.chan.write(data)
+            if self.injections and self.sftp.server_at_boundary:
+                self._flush_injections()
             return
         rules = self.rules
         if rules.output_rules:

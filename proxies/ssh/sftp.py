@@ -1,15 +1,17 @@
 """SFTP observation: the packets of an ``sftp`` subsystem channel turned into readable operation lines.
 
-No sockets here. The proxy relays the subsystem's bytes unchanged and feeds
-copies to ``SftpObserver``: ``client(data)`` for what the client sent,
-``server(data)`` for the target's answers. Each returns ``(kind, line)``
-pairs to record: ``("i", "put /path 1048576 bytes")``, ``("i", "ls /dir")``,
-``("e", "failed: rm /x: No such file")``. Transfers are reported when their
-handle is closed, with the byte count that went through.
+No sockets here. ``SftpObserver.client(data)`` takes what the client sent and
+returns, in stream order, the bytes to forward, ``Request``s (an operation
+the guard rails may refuse: forward its bytes, or answer it with
+``status_packet``) and ``(kind, line)`` records: ``("i", "put /path 1048576
+bytes")``, ``("i", "rm /x")``. ``server(data)`` takes the target's answers
+(forwarded unchanged) and returns records such as ``("e", "failed: rm /x: No
+such file")``. Transfers are recorded when their handle is closed, with the
+byte count that went through.
 
 Only the framing and the few fields named below are read (SFTP version 3,
-draft-ietf-secsh-filexfer-02, as OpenSSH speaks it); data payloads are
-skipped, never copied.
+draft-ietf-secsh-filexfer-02, as OpenSSH speaks it). Packets up to 64 KiB are
+held until complete; the payload of a larger one streams through.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ FXP_RENAME, FXP_SYMLINK = 18, 20
 FXP_STATUS, FXP_HANDLE, FXP_DATA, FXP_EXTENDED = 101, 102, 103, 200
 
 FXF_WRITE, FXF_APPEND, FXF_CREAT, FXF_TRUNC = 0x02, 0x04, 0x08, 0x10
-FX_OK, FX_EOF = 0, 1
+FX_OK, FX_EOF, FX_PERMISSION_DENIED = 0, 1, 3
 
 MAX_PACKET = 4 << 20  # larger than any implementation sends; past it the stream is not SFTP
 _HEADER = 64 * 1024  # how much of a packet is kept to read its fields (WRITE/DATA payloads are skipped)
@@ -55,23 +57,36 @@ def _text(value: bytes) -> str:
 
 
 class _Framer:
-    """Cuts one direction's bytes into packets: (type, first bytes of the body, full body length)."""
+    """Cuts one direction's bytes into packets, keeping every byte in order for forwarding.
+
+    ``feed`` returns ``_Packet``s (a packet whose first ``_HEADER`` bytes are
+    in: its type, those body bytes, its full body length and the raw bytes
+    read so far) and raw ``bytes`` (the rest of a large packet, streamed
+    through; everything once the stream turned out not to be SFTP). A small
+    packet is held until it is complete.
+    """
 
     __slots__ = ("_buffer", "_skip", "broken")
 
     def __init__(self) -> None:
         self._buffer = bytearray()
-        self._skip = 0  # payload bytes of the current large packet still to pass over
-        self.broken = False
+        self._skip = 0  # payload bytes of the current large packet still to pass through
+        self.broken: str | None = None
 
-    def feed(self, data: bytes) -> list[tuple[int, bytes, int]]:
-        packets: list[tuple[int, bytes, int]] = []
+    @property
+    def at_boundary(self) -> bool:
+        """Nothing of a packet is pending: a packet could be inserted into the stream here."""
+        return not self._buffer and not self._skip
+
+    def feed(self, data: bytes) -> list[_Packet | bytes]:
         if self.broken:
-            return packets
+            return [data]
+        out: list[_Packet | bytes] = []
         view = memoryview(data)
         if self._skip:
             taken = min(self._skip, len(view))
             self._skip -= taken
+            out.append(bytes(view[:taken]))
             view = view[taken:]
         buffer = self._buffer
         while view:
@@ -83,8 +98,10 @@ class _Framer:
                     break
             (length,) = struct.unpack_from(">I", buffer, 0)
             if length < 1 or length > MAX_PACKET:
-                self.broken = True
-                raise SftpStreamError(f"packet length {length}")
+                self.broken = f"packet length {length}"
+                out.append(bytes(buffer) + bytes(view))
+                buffer.clear()
+                return out
             keep = min(length, _HEADER)
             need = 4 + keep - len(buffer)
             if need > 0:
@@ -92,51 +109,107 @@ class _Framer:
                 view = view[need:]
                 if len(buffer) < 4 + keep:
                     break
-            body = bytes(buffer[4:4 + keep])
+            raw = bytes(buffer)
             buffer.clear()
-            packets.append((body[0], body[1:], length - 1))
+            out.append(_Packet(raw[4], raw[5:], length - 1, raw))
             rest = length - keep
             if rest:
                 taken = min(rest, len(view))
+                out.append(bytes(view[:taken]))
                 view = view[taken:]
                 self._skip = rest - taken
-        return packets
+        return out
+
+
+@dataclass(slots=True, frozen=True)
+class _Packet:
+    kind: int
+    body: bytes  # after the type byte; the first _HEADER bytes at most
+    size: int  # the full body length
+    raw: bytes  # the bytes of the packet read so far (all of it for a small packet)
+
+
+@dataclass(slots=True, frozen=True)
+class Request:
+    """A client request the guard rails may refuse: ``line`` names it; forward ``raw`` to allow it.
+
+    ``deferred``: an open, recorded with its byte count when closed (record ``line`` only if refused).
+    """
+
+    request_id: int
+    line: str
+    raw: bytes
+    deferred: bool = False
+
+
+def status_packet(request_id: int, message: str, code: int = FX_PERMISSION_DENIED) -> bytes:
+    """An SSH_FXP_STATUS answer, e.g. the gateway refusing a request."""
+    text = message.encode()
+    body = struct.pack(">BII", FXP_STATUS, request_id, code) + struct.pack(">I", len(text)) + text + b"\0\0\0\0"
+    return struct.pack(">I", len(body)) + body
 
 
 class SftpObserver:
-    """Follows one SFTP session and names its operations."""
+    """Follows one SFTP session, names its operations and lets the proxy refuse some of them."""
 
     def __init__(self) -> None:
         self._client = _Framer()
         self._server = _Framer()
         self._requests: dict[int, tuple[str, str, bytes]] = {}  # request id -> (op, description, handle)
         self._handles: dict[bytes, _Handle] = {}
-        self.broken = False
+
+    @property
+    def server_at_boundary(self) -> bool:
+        """An answer injected towards the client now would not cut one of the target's packets."""
+        return self._server.at_boundary or self._server.broken is not None
 
     # -- client to target
 
-    def client(self, data: bytes) -> list[Record]:
-        if self.broken:
-            return []
-        try:
-            return [r for p in self._client.feed(data) for r in self._request(*p)]
-        except (SftpStreamError, struct.error) as exc:
-            return self._broke(exc)
+    def client(self, data: bytes) -> list[bytes | Request | Record]:
+        """In stream order: bytes to forward, ``Request``s to check, then forward or answer, records."""
+        pieces: list[bytes | Request | Record] = []
+        broken = self._client.broken
+        for item in self._client.feed(data):
+            if isinstance(item, bytes):
+                pieces.append(item)
+                continue
+            records: list[Record] = []
+            try:
+                line = self._request(item.kind, item.body, item.size, records)
+            except (SftpStreamError, struct.error, IndexError) as exc:
+                records += self._broke(exc)
+                line = None
+            if line is None:
+                pieces += records
+                pieces.append(item.raw)
+            else:
+                (request_id,) = struct.unpack_from(">I", item.body, 0)
+                pieces.append(Request(request_id, line, item.raw, deferred=item.kind in (FXP_OPEN, FXP_OPENDIR)))
+        if self._client.broken and not broken:
+            pieces += self._broke(self._client.broken)
+        return pieces
 
-    def _request(self, kind: int, body: bytes, size: int) -> list[Record]:
+    def refused(self, request_id: int) -> None:
+        """The proxy answered this request itself: its answer from the target will never come."""
+        self._requests.pop(request_id, None)
+
+    def _request(self, kind: int, body: bytes, size: int, records: list[Record]) -> str | None:
+        """Follow one client packet; the line naming it when the guard rails may refuse it."""
         if kind == FXP_INIT:
-            return []
+            return None
         (request_id,) = struct.unpack_from(">I", body, 0)
         at = 4
         if kind == FXP_OPEN:
             path, at = _string(body, at)
             (flags,) = struct.unpack_from(">I", body, at)
-            writing = bool(flags & (FXF_WRITE | FXF_APPEND | FXF_CREAT | FXF_TRUNC))
-            self._requests[request_id] = ("put" if writing else "get", _text(path), b"")
-        elif kind == FXP_OPENDIR:
+            op = "put" if flags & (FXF_WRITE | FXF_APPEND | FXF_CREAT | FXF_TRUNC) else "get"
+            self._requests[request_id] = (op, _text(path), b"")
+            return f"{op} {_text(path)}"  # recorded with its byte count when the handle is closed
+        if kind == FXP_OPENDIR:
             path, at = _string(body, at)
             self._requests[request_id] = ("ls", _text(path), b"")
-        elif kind == FXP_WRITE:
+            return f"ls {_text(path)}"
+        if kind == FXP_WRITE:
             handle, at = _string(body, at)
             state = self._handles.get(handle)
             if state is not None:
@@ -148,39 +221,45 @@ class SftpObserver:
             handle, at = _string(body, at)
             state = self._handles.pop(handle, None)
             if state is not None:
-                if state.kind == "ls":
-                    return [("i", f"ls {state.path}")]
-                return [("i", f"{state.kind} {state.path} {state.bytes} bytes")]
+                records.append(("i", f"ls {state.path}" if state.kind == "ls"
+                                else f"{state.kind} {state.path} {state.bytes} bytes"))
         elif kind in (FXP_REMOVE, FXP_MKDIR, FXP_RMDIR, FXP_SETSTAT):
             path, at = _string(body, at)
             op = {FXP_REMOVE: "rm", FXP_MKDIR: "mkdir", FXP_RMDIR: "rmdir", FXP_SETSTAT: "setstat"}[kind]
-            return self._operation(request_id, f"{op} {_text(path)}")
+            return self._operation(request_id, f"{op} {_text(path)}", records)
         elif kind in (FXP_RENAME, FXP_SYMLINK):
             first, at = _string(body, at)
             second, at = _string(body, at)
             op = "rename" if kind == FXP_RENAME else "symlink"
-            return self._operation(request_id, f"{op} {_text(first)} {_text(second)}")
+            return self._operation(request_id, f"{op} {_text(first)} {_text(second)}", records)
         elif kind == FXP_EXTENDED:
             name, at = _string(body, at)
             if name == b"posix-rename@openssh.com":
                 first, at = _string(body, at)
                 second, at = _string(body, at)
-                return self._operation(request_id, f"rename {_text(first)} {_text(second)}")
-        return []
+                return self._operation(request_id, f"rename {_text(first)} {_text(second)}", records)
+        return None
 
-    def _operation(self, request_id: int, line: str) -> list[Record]:
+    def _operation(self, request_id: int, line: str, records: list[Record]) -> str:
         self._requests[request_id] = ("op", line, b"")
-        return [("i", line)]
+        return line
 
     # -- target to client
 
     def server(self, data: bytes) -> list[Record]:
-        if self.broken:
-            return []
-        try:
-            return [r for p in self._server.feed(data) for r in self._reply(*p)]
-        except (SftpStreamError, struct.error) as exc:
-            return self._broke(exc)
+        """What to record of the target's answers (the bytes themselves pass unchanged)."""
+        records: list[Record] = []
+        broken = self._server.broken
+        for item in self._server.feed(data):
+            if isinstance(item, bytes):
+                continue
+            try:
+                records += self._reply(item.kind, item.body, item.size)
+            except (SftpStreamError, struct.error, IndexError) as exc:
+                records += self._broke(exc)
+        if self._server.broken and not broken:
+            records += self._broke(self._server.broken)
+        return records
 
     def _reply(self, kind: int, body: bytes, size: int) -> list[Record]:
         if kind == FXP_VERSION:
@@ -205,6 +284,6 @@ class SftpObserver:
                 return [("e", f"failed: {what}: {_text(message) or f'status {code}'}")]
         return []
 
-    def _broke(self, exc: Exception) -> list[Record]:
-        self.broken = True
-        return [("e", f"sftp: the stream could not be followed any more ({exc}); operations are no longer recorded")]
+    def _broke(self, reason: object) -> list[Record]:
+        return [("e", f"sftp: the stream could not be followed any more ({reason}); operations are no longer "
+                      "recorded")]
