@@ -633,6 +633,20 @@ async def test_a_credential_expiring_mid_session_closes_it_with_a_message(gatewa
     assert "credential expired: the session was closed" in of_kind(session, "e")
 
 
+async def test_kill_through_the_api_ends_a_pty_session_with_the_reason_on_the_terminal(gateway, api):
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+    term = Terminal(ssh_args(gateway, secret, "-tt"))
+    term.type("echo ready-$((3*3))\r")
+    term.expect("ready-9")
+    status, body = await api("POST", f"/sessions/{session_id}/kill")
+    assert status == 200, body
+    term.expect("session killed by admin@example.com")
+    assert term.wait() == 254
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 254 and "session killed by admin@example.com" in of_kind(session, "e")
+
+
 # --------------------------------------------------------------------------- failures
 
 
