@@ -48,12 +48,24 @@ def wait_port(port: int, process: subprocess.Popen[bytes], timeout: float = 20) 
     raise RuntimeError(f"nothing listens on {port}")
 
 
+def start_target() -> tuple[subprocess.Popen[bytes], int]:
+    """The target app on a free port (another attempt if someone took the port meanwhile)."""
+    for attempt in range(3):
+        port = free_port()
+        process = subprocess.Popen([sys.executable, "-m", "tests.httppeer", str(port)], cwd=ROOT)
+        try:
+            wait_port(port, process)
+            return process, port
+        except RuntimeError:
+            process.kill()
+            process.wait(10)
+    raise RuntimeError("the target app did not start")
+
+
 @pytest.fixture(scope="module")
 def target():
-    port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "tests.httppeer", str(port)], cwd=ROOT)
+    process, port = start_target()
     try:
-        wait_port(port, process)
         yield f"http://127.0.0.1:{port}"
     finally:
         process.terminate()

@@ -342,7 +342,7 @@ class HttpListener:
             if no_body or (length is not None and length <= SMALL_BODY and not sse):
                 body = b"" if no_body else await upstream.content.read()
                 if text and body:
-                    verdict = rules.check_output(body.decode("utf-8", "replace"))
+                    verdict = rules.check_output(body[:self.guard_cap].decode("utf-8", "replace"))
                     if not verdict.allowed:
                         return await self._blocked(state, verdict, client_ip)
                 recorded = body[:self.record_cap]
@@ -356,7 +356,7 @@ class HttpListener:
             eof = False
             if text and not sse:
                 prefix, eof = await _read_prefix(upstream.content, self.guard_cap)
-                verdict = rules.check_output(prefix.decode("utf-8", "replace"))
+                verdict = rules.check_output(prefix[:self.guard_cap].decode("utf-8", "replace"))
                 if not verdict.allowed:
                     return await self._blocked(state, verdict, client_ip)
         except _CLIENT_ERRORS as exc:
