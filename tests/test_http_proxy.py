@@ -673,3 +673,42 @@ async def test_a_client_breaking_off_an_upload_is_recorded_and_others_go_on(api,
     async with client.get(f"{gateway.http_url}/json", headers={"Authorization": secret}) as response:
         assert response.status == 200
     assert "Error handling request" not in gateway.log_text()
+
+
+async def test_https_targets_verified_unless_insecure(api, gateway, client, tmp_path):
+    import ssl
+
+    from aiohttp import web
+
+    from proxies.postgres.tls import generate_self_signed
+
+    generate_self_signed(tmp_path / "t.crt", tmp_path / "t.key", common_name="127.0.0.1")
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(tmp_path / "t.crt", tmp_path / "t.key")
+    app = web.Application()
+
+    async def hello(request: web.Request) -> web.Response:
+        return web.json_response({"tls": request.secure, "forwarded": request.headers.get("X-Forwarded-Proto")})
+
+    app.router.add_get("/hello", hello)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port, ssl_context=context).start()
+    try:
+        url = f"https://127.0.0.1:{port}"
+        status, insecure = await api("POST", "/connections", {
+            "name": f"web-{uuid.uuid4().hex[:8]}", "type": "httpproxy", "subtype": "httpproxy",
+            "secret": {"envvar:REMOTE_URL": b64(url), "envvar:INSECURE": b64("true")}})
+        assert status == 201, insecure
+        secret, _ = await api.credential(insecure)
+        async with client.get(f"{gateway.http_url}/hello", headers={"Authorization": secret}) as response:
+            assert response.status == 200
+            assert await response.json() == {"tls": True, "forwarded": "http"}
+        verified = await api.role(url)  # a self-signed certificate is refused without INSECURE
+        secret, session_id = await api.credential(verified)
+        async with client.get(f"{gateway.http_url}/hello", headers={"Authorization": secret}) as response:
+            assert response.status == 502
+            assert "certificate" in (await response.json())["message"].lower()
+    finally:
+        await runner.cleanup()
