@@ -712,3 +712,20 @@ async def test_https_targets_verified_unless_insecure(api, gateway, client, tmp_
             assert "certificate" in (await response.json())["message"].lower()
     finally:
         await runner.cleanup()
+
+
+async def test_output_rules_cut_an_event_stream(api, gateway, client):
+    connection = await api.role()
+    secret, session_id = await api.credential(connection)
+    await api.guardrail(connection, output_rules=[{"type": "pattern_match", "pattern_regex": r"event 2\b"}])
+    received = b""
+    async with client.get(f"{gateway.http_url}/sse?n=5", headers={"Authorization": secret}) as stream:
+        assert stream.status == 200  # the head went out before the matching event arrived
+        try:
+            async for chunk in stream.content.iter_any():
+                received += chunk
+        except aiohttp.ClientPayloadError:
+            pass
+    assert b"event 2" not in received and b"event 4" not in received
+    session = await api.session(session_id, has_event("e", "output blocked mid-stream"))
+    assert any(k == "e" and "pattern=event 2" in t for k, t in events(session))

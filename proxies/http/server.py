@@ -54,6 +54,7 @@ log = logging.getLogger("gatewayd.http")
 
 PROTOCOL = "httpproxy"
 SMALL_BODY = 64 * 1024  # a response this small (with a Content-Length) is read whole and sent in one write
+STREAM_OVERLAP = 4096  # characters of an event stream's previous piece checked again with the next
 _WS_HEADERS = frozenset({"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
                          "sec-websocket-protocol", "sec-websocket-accept"})
 _CLIENT_ERRORS = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
@@ -377,6 +378,7 @@ class HttpListener:
         if length is not None:
             response.content_length = length
         kept = bytearray(prefix[:self.record_cap])
+        overlap = ""
         sent = len(prefix)
         error = None
         try:
@@ -387,8 +389,10 @@ class HttpListener:
                 async for chunk, _ in upstream.content.iter_chunks():  # buffered pieces one by one: no join copy
                     if not chunk:
                         continue
-                    if check_chunks:
-                        verdict = rules.check_output(chunk.decode("utf-8", "replace"))
+                    if check_chunks:  # with the end of the previous piece: a match may straddle two
+                        text = chunk.decode("utf-8", "replace")
+                        verdict = rules.check_output(overlap + text)
+                        overlap = text[-STREAM_OVERLAP:]
                         if not verdict.allowed:
                             await state.live.blocked(verdict, client_ip)
                             error = "output blocked mid-stream: the connection was cut"
