@@ -682,7 +682,8 @@ async def test_target_down_or_refusing_the_key_is_a_clear_message_and_a_closed_s
 async def test_target_dying_mid_session_is_told_to_the_client(gateway, api):
     role = await api.role()
     secret, session_id = await api.credential(role)
-    result = ssh(gateway, secret, "echo before; sleep 0.5; kill -9 $PPID; sleep 5; echo never")  # $PPID: sshd's session process
+    # $PPID of the command is sshd's process for this connection
+    result = ssh(gateway, secret, "echo before; sleep 0.5; kill -9 $PPID; sleep 5; echo never")
     assert result.returncode == 254 and result.stdout == b"before\n"
     message = f'the target of connection "{role["name"]}" closed the channel without an exit status'
     assert message.encode() in result.stderr

@@ -101,7 +101,7 @@ def main() -> int:
             "gateway": ["ssh", *CLIENT_OPTIONS, "-p", str(gateway_port), f"{secret}@127.0.0.1"],
         }
         print(f"ssh exec throughput: cat of {args.megabytes} MB ({args.runs} interleaved runs), connect+true latency "
-              f"(median of {args.connects}); recording on (cap {daemon.settings.get('sessions.recording_cap_bytes', '64 MiB')})")
+              f"(median of {args.connects}); recording on (default cap, 64 MiB)")
         # Interleaved rounds (direct, proxyjump, gateway, direct, ...): on a shared machine the load
         # changes from minute to minute, and each path gets the same share of it.
         seconds: dict[str, list[float]] = {name: [] for name in paths}

@@ -660,7 +660,8 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             self.owner.exit_code = self.exit_status
             chan.exit(self.exit_status)
         else:  # the target went away (or closed the channel) without saying how it ended
-            message = f'the target of connection "{self.live.connection.name}" closed the channel without an exit status'
+            name = self.live.connection.name
+            message = f'the target of connection "{name}" closed the channel without an exit status'
             self.recorder.error(message)
             self.ended = False
             self.end(message)

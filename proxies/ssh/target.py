@@ -85,8 +85,8 @@ def _host_keys(text: str, name: str) -> list[asyncssh.SSHKey]:
     return keys
 
 
-async def connect_target(settings: TargetSettings, name: str,
-                         client_factory: Callable[[], asyncssh.SSHClient] | None = None) -> asyncssh.SSHClientConnection:
+async def connect_target(settings: TargetSettings, name: str, client_factory: Callable[[], asyncssh.SSHClient]
+                         | None = None) -> asyncssh.SSHClientConnection:
     """Log in to the target of connection ``name``; ``client_factory`` watches the connection."""
     options = settings.options(name)
     if client_factory is not None:
