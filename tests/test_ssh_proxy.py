@@ -191,6 +191,29 @@ async def test_exit_signal_is_propagated(gateway, api, target):
     assert session["exit_code"] == 128 + signal.SIGTERM
 
 
+async def test_signal_requests_and_eof_reach_the_target(gateway, api):
+    """OpenSSH's client sends no ``signal`` requests; asyncssh's does: TERM ends the remote command."""
+    import asyncssh
+
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+    async with asyncssh.connect("127.0.0.1", gateway.ssh_port, username=secret, known_hosts=None,
+                                agent_path=None, client_keys=[]) as conn:
+        process = await conn.create_process("echo started; exec sleep 60")
+        assert await asyncio.wait_for(process.stdout.readline(), 20) == "started\n"
+        process.send_signal("TERM")
+        result = await asyncio.wait_for(process.wait(), 20)
+        assert result.exit_signal is not None and result.exit_signal[0] == "TERM"
+
+        process = await conn.create_process("wc -c")
+        process.stdin.write("twelve bytes")
+        process.stdin.write_eof()
+        result = await asyncio.wait_for(process.wait(), 20)
+        assert result.exit_status == 0 and result.stdout.strip() == "12"
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 0  # the last channel's
+
+
 async def test_password_login_environment_and_password_role(gateway, api, target, tmp_path):
     """Any user name with the secret as password; the role logs in to the target with PASS; env requests."""
     role = await api.role(password=True)
