@@ -80,6 +80,9 @@ async def host_key(gateway: Gateway) -> asyncssh.SSHKey:
 
 async def start(gateway: Gateway, host: str, port: int) -> SSHListener:
     """Listener factory registered as ``ssh``."""
+    if not log.isEnabledFor(logging.DEBUG):
+        # asyncssh logs every connection, channel and command at INFO: the session recording is the record
+        logging.getLogger("asyncssh").setLevel(logging.WARNING)
     acceptor = await asyncssh.listen(
         host, port, server_factory=lambda: GatewayConnection(gateway), server_host_keys=[await host_key(gateway)],
         reuse_address=True, login_timeout=LOGIN_TIMEOUT, encoding=None, line_editor=False,
