@@ -425,6 +425,12 @@ async def test_exec_input_rule_blocks_before_the_target_and_output_rule_closes_t
     blocked = [e for e in logs["data"] if e["request_payload_redacted"].get("session_id") == session_id]
     assert status == 200 and len(blocked) == 1 and blocked[0]["outcome"] == "failure"
 
+    # a match written in two pieces (two channel data messages) is caught too
+    secret, session_id = await api.credential(role)
+    result = ssh(gateway, secret, "printf 'key tok-123'; sleep 0.5; printf '456 end\\n'; sleep 5; echo never")
+    assert result.returncode == 254 and result.stdout == b"key tok-123"
+    assert b"pattern=tok-[0-9]{6}" in result.stderr
+
 
 # --------------------------------------------------------------------------- scp and sftp
 

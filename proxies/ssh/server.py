@@ -46,6 +46,7 @@ log = logging.getLogger("gatewayd.ssh")
 
 STDERR = asyncssh.EXTENDED_DATA_STDERR
 LOGIN_TIMEOUT = 60.0
+OUTPUT_OVERLAP = 1024  # characters of an output chunk checked again with the next one
 CLOSE_GRACE = 5.0  # after a kill, how long channels may take to flush the message before the disconnect
 
 
@@ -391,6 +392,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         self.client_full = False  # the client channel's send buffer is full: stop reading the target
         self.target_full = False  # the target channel's send buffer is full: stop reading the client
         self.client_closed = False
+        self.overlap = ["", ""]  # the end of the last stdout and stderr chunks, checked again with the next
 
     # -- client side callbacks
 
@@ -617,8 +619,11 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
                 self._flush_injections()
             return
         rules = self.rules
-        if rules.output_rules:
-            verdict = rules.check_output(data.decode("utf-8", "replace"))
+        if rules.output_rules:  # with the end of the previous chunk of that stream: a match may straddle two
+            text = data.decode("utf-8", "replace")
+            stream = 1 if datatype == STDERR else 0
+            verdict = rules.check_output(self.overlap[stream] + text)
+            self.overlap[stream] = text[-OUTPUT_OVERLAP:]
             if not verdict.allowed:
                 self.owner.exit_code = BLOCKED_EXIT_CODE
                 self.end(verdict.message)
