@@ -389,6 +389,14 @@ async def test_shell_without_pty_blocks_lines_before_they_reach_the_target(gatew
     status, body = await api("GET", f"/sessions/{session_id}?event_stream=asciicast")
     assert status == 200 and json.loads(body.splitlines()[0])["width"] == 80  # no pty: the default size
 
+    # only ssh sessions render as asciicast
+    status, database = await api("POST", "/connections", {"name": f"pg-{uuid.uuid4().hex[:8]}", "type": "database",
+                                                          "subtype": "postgres", "secret": {}})
+    assert status == 201, database
+    _, other_session = await api.credential(database)
+    status, body = await api("GET", f"/sessions/{other_session}?event_stream=asciicast")
+    assert status == 422 and body["message"] == "query parameter 'event_stream': asciicast renders ssh sessions only"
+
 
 # --------------------------------------------------------------------------- guard rails on exec
 
