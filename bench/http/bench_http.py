@@ -107,6 +107,24 @@ def wrk(url: str, seconds: int, connections: int, header: str | None = None) -> 
     return float(rps.group(1)), float(transfer.group(1)) * unit
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and its direct children (nginx's worker)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    pids = [pid]
+    try:
+        pids += [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        pass
+    total = 0.0
+    for each in pids:
+        try:
+            fields = Path(f"/proc/{each}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / ticks
+    return total
+
+
 def b64(text: str) -> str:
     return base64.b64encode(text.encode()).decode()
 
@@ -172,6 +190,9 @@ def main() -> int:
             "nginx": (f"http://127.0.0.1:{nginx.port}", None),
             "gateway": (f"http://127.0.0.1:{http_port}", f"Authorization: {secret}"),
         }
+        assert nginx.process is not None and daemon.process is not None
+        proxies = {"nginx": nginx.process.pid, "gateway": daemon.process.pid}
+        cpu: dict[tuple[str, str], list[float]] = {}
         paths = {"small JSON": "/json", "1 MB download": f"/download?size={DOWNLOAD}"}
         results: dict[tuple[str, str], tuple[float, float]] = {}
         for label, path in paths.items():
@@ -180,7 +201,12 @@ def main() -> int:
                 wrk(base + path, 1, args.connections, header)  # warm-up (pools, caches)
             for _ in range(args.rounds):  # interleaved, so a burst of load elsewhere hits all three alike
                 for name, (base, header) in endpoints.items():
-                    runs[name].append(wrk(base + path, args.seconds, args.connections, header))
+                    before = cpu_seconds(proxies[name]) if name in proxies else 0.0
+                    figures = wrk(base + path, args.seconds, args.connections, header)
+                    runs[name].append(figures)
+                    if name in proxies:  # the proxy's own CPU per request: load elsewhere barely moves it
+                        spent = cpu_seconds(proxies[name]) - before
+                        cpu.setdefault((label, name), []).append(spent * 1e6 / (figures[0] * args.seconds))
             for name, figures in runs.items():
                 results[(label, name)] = sorted(figures)[len(figures) // 2]  # the median run
         print(f"{'endpoint':<16}{'direct':>16}{'nginx':>16}{'gateway':>16}{'gw/nginx':>10}{'target':>8}  verdict")
@@ -192,7 +218,12 @@ def main() -> int:
             ok &= ratio >= goal
             print(f"{label:<16}" + "".join(f"{value:>10.1f} {unit:<5}" for value in row)
                   + f"{ratio:>10.2f}{goal:>8.2f}  {verdict}")
-        print(f"\n(gw/direct: small JSON {results[('small JSON', 'gateway')][0] / results[('small JSON', 'direct')][0]:.2f}, "
+        print()
+        for label in paths:
+            nginx_us, gateway_us = (sorted(cpu[(label, n)])[len(cpu[(label, n)]) // 2] for n in proxies)
+            print(f"CPU per request, {label}: nginx {nginx_us:.0f} us, gateway {gateway_us:.0f} us "
+                  "(the proxy process alone; the gateway's includes its recording thread)")
+        print(f"(gw/direct: small JSON {results[('small JSON', 'gateway')][0] / results[('small JSON', 'direct')][0]:.2f}, "
               f"1 MB download {results[('1 MB download', 'gateway')][1] / results[('1 MB download', 'direct')][1]:.2f})")
         print(f"recorded session: {session_id}")
         print("all targets met" if ok else "some targets missed")
