@@ -128,7 +128,8 @@ def test_websocket_upgrade_detection():
 
 def test_recorded_heads_never_hold_a_secret():
     head = m.head_text(f"GET /x?t={SECRET} HTTP/1.1", [
-        ("Authorization", SECRET), ("Authorization", "Bearer abc.def"), ("Cookie", f"a=1; gatewayd_proxy_token={SECRET}"),
+        ("Authorization", SECRET), ("Authorization", "Bearer abc.def"),
+        ("Cookie", f"a=1; gatewayd_proxy_token={SECRET}"),
         ("Set-Cookie", "sid=xyz; Path=/; HttpOnly"), ("Referer", f"http://gw/{SECRET}/"), ("X-Api-Key", "k"),
         ("Accept", "*/*")])
     assert SECRET not in head and "abc.def" not in head and "xyz" not in head

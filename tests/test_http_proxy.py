@@ -477,7 +477,8 @@ async def test_output_guard_rails_block_text_responses(api, gateway, client):
     secret, session_id = await api.credential(connection)
     await api.guardrail(connection, output_rules=[{"type": "deny_words_list", "words": ["top secret"]}])
     headers = {"Authorization": secret}
-    async with client.get(f"{gateway.http_url}/text", params={"say": "this is TOP SECRET"}, headers=headers) as response:
+    async with client.get(f"{gateway.http_url}/text", params={"say": "this is TOP SECRET"},
+                          headers=headers) as response:
         assert response.status == 403
         assert response.headers["X-Gateway-Guardrails"] == "blocked"
         assert "top secret" in (await response.json())["message"]

@@ -223,8 +223,9 @@ def main() -> int:
             nginx_us, gateway_us = (sorted(cpu[(label, n)])[len(cpu[(label, n)]) // 2] for n in proxies)
             print(f"CPU per request, {label}: nginx {nginx_us:.0f} us, gateway {gateway_us:.0f} us "
                   "(the proxy process alone; the gateway's includes its recording thread)")
-        print(f"(gw/direct: small JSON {results[('small JSON', 'gateway')][0] / results[('small JSON', 'direct')][0]:.2f}, "
-              f"1 MB download {results[('1 MB download', 'gateway')][1] / results[('1 MB download', 'direct')][1]:.2f})")
+        small = results[("small JSON", "gateway")][0] / results[("small JSON", "direct")][0]
+        big = results[("1 MB download", "gateway")][1] / results[("1 MB download", "direct")][1]
+        print(f"(gw/direct: small JSON {small:.2f}, 1 MB download {big:.2f})")
         print(f"recorded session: {session_id}")
         print("all targets met" if ok else "some targets missed")
         return 0

@@ -143,7 +143,8 @@ def upstream_request_headers(headers: Iterable[tuple[str, str]], source: str | N
     return out
 
 
-def downstream_response_headers(headers: Iterable[tuple[str, str]], target: "TargetUrl", gateway_origin: str) -> Headers:
+def downstream_response_headers(headers: Iterable[tuple[str, str]], target: "TargetUrl",
+                                 gateway_origin: str) -> Headers:
     """The target's response headers for the client: hop-by-hop dropped, redirects kept on the gateway."""
     headers = list(headers)
     drop = _RESPONSE_DROP | connection_tokens(headers)
@@ -260,7 +261,7 @@ def is_text(content_type: str | None) -> bool:
 
 
 def is_event_stream(content_type: str | None) -> bool:
-    return bool(content_type) and content_type.split(";", 1)[0].strip().lower() == "text/event-stream"  # type: ignore[union-attr]
+    return content_type is not None and content_type.split(";", 1)[0].strip().lower() == "text/event-stream"
 
 
 def is_websocket_upgrade(headers: Iterable[tuple[str, str]]) -> bool:

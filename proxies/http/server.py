@@ -25,7 +25,6 @@ from gatewayd.access import AccessDenied
 from gatewayd.crypto import hash_secret
 from gatewayd.models import parse_time
 from gatewayd.sessions import BLOCKED_EXIT_CODE
-from proxies.http.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from proxies.http.messages import (
     CredentialSource,
     TargetUrl,
@@ -43,6 +42,7 @@ from proxies.http.messages import (
     scrub,
     upstream_request_headers,
 )
+from proxies.http.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 
 if TYPE_CHECKING:
     from gatewayd.access import AccessGrant
@@ -225,7 +225,8 @@ class HttpListener:
             return json_error(exc.status, str(exc))
         if presented.source == CredentialSource.PATH:
             response = web.HTTPFound(presented.rest_path)
-            response.headers["Set-Cookie"] = credential_cookie(presented.secret, int(min(state.expires - time.time(), 172800)))
+            lifetime = int(min(state.expires - time.time(), 172800))
+            response.headers["Set-Cookie"] = credential_cookie(presented.secret, lifetime)
             response.headers["Cache-Control"] = "no-store"
             return response
         if state.target.base_path and has_dot_segments(request.raw_path):
@@ -439,7 +440,8 @@ class HttpListener:
         url = state.target.url_for(request.raw_path)
         url = "ws" + url[4:] if url.startswith("http") else url
         try:
-            upstream = await self.client.ws_connect(URL(url, encoded=True), headers=CIMultiDict(up_headers), protocols=protocols,
+            upstream = await self.client.ws_connect(URL(url, encoded=True), headers=CIMultiDict(up_headers),
+                                                    protocols=protocols,
                                                     ssl=False if state.insecure else True, max_msg_size=0,
                                                     autoping=True)
         except aiohttp.WSServerHandshakeError as exc:
@@ -453,7 +455,8 @@ class HttpListener:
                                            max_msg_size=0, autoping=True)
         try:
             await downstream.prepare(request)
-            recorder.output(f"HTTP/1.1 101 Switching Protocols (websocket{', ' + upstream.protocol if upstream.protocol else ''})\r\n")
+            chosen = f", {upstream.protocol}" if upstream.protocol else ""
+            recorder.output(f"HTTP/1.1 101 Switching Protocols (websocket{chosen})\r\n")
             closing: dict[str, tuple[int, str]] = {}
 
             async def pump(source_ws: web.WebSocketResponse | aiohttp.ClientWebSocketResponse,
