@@ -41,6 +41,12 @@ _JSON_FIELDS = {
     "force_approval_groups", "time_window", "connection_names", "reviewers_groups",
 }
 DEFAULT_ORG_NAME = "default"
+# Session events go in as multi-row INSERTs: one sqlite3_step, so one GIL hand-over between the
+# writer thread and the event loop, per chunk rather than per event.  Few chunk sizes: each
+# statement is prepared once and stays in the connection's statement cache.
+_EVENT_CHUNKS = (256, 64, 16, 4, 1)
+_EVENT_INSERTS = {n: "INSERT INTO session_events (session_id, seq, offset_ms, kind, data) VALUES "
+                     + ",".join(["(?, ?, ?, ?, ?)"] * n) for n in _EVENT_CHUNKS}
 _PRAGMAS = (
     "PRAGMA busy_timeout = 10000",
     "PRAGMA journal_mode = WAL",
@@ -71,6 +77,20 @@ def _plan(cls: type, keys: tuple[str, ...]) -> tuple[tuple[int, str, bool], ...]
     """Which row positions fill which fields of ``cls``, and which are JSON: computed once per query shape."""
     wanted = set(_columns(cls))
     return tuple((i, name, name in _JSON_FIELDS) for i, name in enumerate(keys) if name in wanted)
+
+
+def _event_inserts(session_id: str, first_seq: int, events: list[SessionEvent]) -> list[tuple[str, Any]]:
+    """The INSERTs of a session's events, ``_EVENT_CHUNKS`` rows at a time."""
+    statements: list[tuple[str, Any]] = []
+    start, count = 0, len(events)
+    for size in _EVENT_CHUNKS:
+        while count - start >= size:
+            params: list[Any] = []
+            for seq, event in enumerate(events[start : start + size], first_seq + start):
+                params += (session_id, seq, event.offset_ms, event.kind, event.data)
+            statements.append((_EVENT_INSERTS[size], tuple(params)))
+            start += size
+    return statements
 
 
 class SQLiteStore(Store):
@@ -446,10 +466,7 @@ class SQLiteStore(Store):
         statements: list[tuple[str, Any]] = []
         for session_id, first_seq, events, session_fields in batches:
             if events:
-                statements.append((
-                    "INSERT INTO session_events (session_id, seq, offset_ms, kind, data) VALUES (?, ?, ?, ?, ?)",
-                    [(session_id, first_seq + i, e.offset_ms, e.kind, e.data) for i, e in enumerate(events)],
-                ))
+                statements += _event_inserts(session_id, first_seq, events)
             if session_fields:
                 assignments = ", ".join(f"{n} = ?" for n in session_fields)
                 statements.append((f"UPDATE sessions SET {assignments} WHERE id = ?",
