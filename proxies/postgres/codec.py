@@ -576,6 +576,9 @@ class Query(Message):
     _FIELDS = ("sql",)
 
     def _decode(self) -> bytes:
+        buf, start, end = self._buf, self._start + 5, self._end
+        if end > start and buf.find(b"\0", start, end) == end - 1:  # fast path: one NUL, at the end
+            return buf[start : end - 1]
         cur = self._cursor()
         sql = cur.cbytes()
         cur.finish()
@@ -598,6 +601,14 @@ class Parse(Message):
     _FIELDS = ("name", "sql", "param_types")
 
     def _decode(self) -> tuple[str, str, list[int]]:
+        buf, start, end = self._buf, self._start + 5, self._end
+        nul = buf.find(b"\0", start, end)
+        nul2 = buf.find(b"\0", nul + 1, end) if nul >= 0 else -1
+        if nul2 >= 0 and nul2 + 3 <= end:  # fast path, falling back to the cursor for its errors
+            n = _u16(buf, nul2 + 1)[0]
+            if nul2 + 3 + 4 * n == end:
+                types = list(struct.unpack_from(f"!{n}I", buf, nul2 + 3)) if n else []
+                return _text(buf[start:nul]), _text(buf[nul + 1 : nul2]), types
         cur = self._cursor()
         name = cur.cstring()
         sql = cur.cstring()
@@ -635,6 +646,9 @@ class Bind(Message):
     _FIELDS = ("portal", "statement", "param_formats", "params", "result_formats")
 
     def _decode(self) -> tuple[str, str, list[int], list[bytes | None], list[int]]:
+        fast = self._decode_fast()
+        if fast is not None:
+            return fast
         cur = self._cursor()
         portal = cur.cstring()
         statement = cur.cstring()
@@ -645,6 +659,48 @@ class Bind(Message):
         if len(formats) > 1 and len(formats) != len(params):
             raise cur.fail(f"{len(formats)} parameter formats for {len(params)} parameters")
         return portal, statement, formats, params, results
+
+    def _decode_fast(self) -> tuple[str, str, list[int], list[bytes | None], list[int]] | None:
+        """The fields of a well-formed Bind without a cursor; None for anything odd (the cursor then says why)."""
+        buf, start, end = self._buf, self._start + 5, self._end
+        nul = buf.find(b"\0", start, end)
+        if nul < 0:
+            return None
+        nul2 = buf.find(b"\0", nul + 1, end)
+        if nul2 < 0:
+            return None
+        pos = nul2 + 1
+        if pos + 2 > end:
+            return None
+        n = _u16(buf, pos)[0]
+        pos += 2
+        if pos + 2 * n + 2 > end:
+            return None
+        formats = list(struct.unpack_from(f"!{n}h", buf, pos)) if n else []
+        pos += 2 * n
+        count = _u16(buf, pos)[0]
+        pos += 2
+        params: list[bytes | None] = []
+        for _ in range(count):
+            if pos + 4 > end:
+                return None
+            size = _i32(buf, pos)[0]
+            pos += 4
+            if size == -1:
+                params.append(None)
+                continue
+            if size < 0 or pos + size > end:
+                return None
+            params.append(buf[pos : pos + size])
+            pos += size
+        if pos + 2 > end:
+            return None
+        n = _u16(buf, pos)[0]
+        pos += 2
+        if pos + 2 * n != end or (len(formats) > 1 and len(formats) != count):
+            return None
+        results = list(struct.unpack_from(f"!{n}h", buf, pos)) if n else []
+        return _text(buf[start:nul]), _text(buf[nul + 1 : nul2]), formats, params, results
 
     @property
     def portal(self) -> str:
@@ -678,6 +734,9 @@ class _KindName(Message):
     _FIELDS = ("kind", "name")
 
     def _decode(self) -> tuple[str, str]:
+        buf, start, end = self._buf, self._start + 5, self._end
+        if end - start >= 2 and buf[start] in (0x53, 0x50) and buf.find(b"\0", start + 1, end) == end - 1:
+            return chr(buf[start]), _text(buf[start + 1 : end - 1])
         cur = self._cursor()
         kind = cur.byte()
         if kind not in (0x53, 0x50):  # 'S' statement, 'P' portal
@@ -718,6 +777,10 @@ class Execute(Message):
     _FIELDS = ("portal", "max_rows")
 
     def _decode(self) -> tuple[str, int]:
+        buf, start, end = self._buf, self._start + 5, self._end
+        nul = buf.find(b"\0", start, end)
+        if nul >= 0 and nul + 5 == end:
+            return _text(buf[start:nul]), _i32(buf, nul + 1)[0]
         cur = self._cursor()
         portal = cur.cstring()
         rows = cur.int32()
@@ -1135,6 +1198,9 @@ class CommandComplete(Message):
     _FIELDS = ("tag",)
 
     def _decode(self) -> str:
+        buf, start, end = self._buf, self._start + 5, self._end
+        if end > start and buf.find(b"\0", start, end) == end - 1:
+            return _text(buf[start : end - 1])
         cur = self._cursor()
         tag = cur.cstring()
         cur.finish()
@@ -1584,6 +1650,36 @@ class _FrameBuffer:
         while (message := self.next_message()) is not None:
             yield message
 
+    def _typed_frames(self, table: tuple[type[Message], ...], limit: int) -> Iterator[Message]:
+        """Every complete typed message buffered so far: the relay's hot loop.
+
+        Frames wholly inside the first chunk are cut straight from it, with the
+        state updated before each is handed out; anything else (the chunk's last
+        frame, a frame across chunks, a bad header) goes through ``_typed``.
+        """
+        while True:
+            if self._error is not None:
+                raise self._error
+            chunks = self._chunks
+            if chunks and type(first := chunks[0]) is bytes:
+                size = len(first)
+                pos = self._pos
+                while pos + 5 <= size:
+                    length = _i32(first, pos + 1)[0]
+                    end = pos + 1 + length
+                    if length < 4 or length > limit or end >= size:
+                        break
+                    self._pos = end
+                    self._available -= end - pos
+                    yield table[first[pos]](first, pos, end)
+                    if self._pos != end or not chunks or chunks[0] is not first:
+                        break
+                    pos = end
+            message = self._typed(table, limit)
+            if message is None:
+                return
+            yield message
+
     def next_message(self) -> Message | None:  # pragma: no cover - overridden
         raise NotImplementedError
 
@@ -1613,6 +1709,12 @@ class FrontendReader(_FrameBuffer):
         self.phase = "startup" if expect_startup else "messages"
         self.max_message_size = max_message_size
         self.max_startup_size = max_startup_size
+
+    def __iter__(self) -> Iterator[Message]:
+        """Every complete message buffered so far."""
+        if self.phase == "messages":
+            return self._typed_frames(FRONTEND_TYPES, self.max_message_size)
+        return super().__iter__()
 
     def next_message(self) -> Message | None:
         """The next complete message, or None when more bytes are needed."""
@@ -1685,6 +1787,10 @@ class BackendReader(_FrameBuffer):
     def __init__(self, *, max_message_size: int = DEFAULT_MAX_BACKEND_MESSAGE) -> None:
         super().__init__()
         self.max_message_size = max_message_size
+
+    def __iter__(self) -> Iterator[Message]:
+        """Every complete message buffered so far."""
+        return self._typed_frames(BACKEND_TYPES, self.max_message_size)
 
     def next_message(self) -> Message | None:
         """The next complete message, or None when more bytes are needed."""
@@ -1784,8 +1890,12 @@ class FrameBatch:
 
     def take(self) -> list[bytes | memoryview]:
         """Everything collected so far, emptying the batch."""
-        if self._buf is not None:
-            self.parts.append(memoryview(self._buf)[self._start : self._end])
+        buf = self._buf
+        if buf is not None:
+            if self._start == 0 and self._end == len(buf):
+                self.parts.append(buf)  # a whole received chunk: no view needed
+            else:
+                self.parts.append(memoryview(buf)[self._start : self._end])
             self._buf = None
         parts, self.parts = self.parts, []
         return parts
