@@ -73,6 +73,7 @@ BLOCKED_SQLSTATE = "42501"  # insufficient_privilege
 OUTPUT_FLUSH_CHARS = 64 * 1024  # an ``o`` event is cut at about this size
 MAX_PARAM_CHARS = 1024  # longer bind parameters are shortened in the recording
 VERDICT_CACHE_SIZE = 512  # input verdicts remembered per session, by Parse SQL
+DESCRIPTION_CACHE_SIZE = 64  # RowDescriptions remembered per session, by frame
 SYNC = encode_sync()
 
 _RESULT_ENDS = frozenset((b"I", b"s"))  # EmptyQueryResponse, PortalSuspended
@@ -323,6 +324,7 @@ class ServerSide:
     __slots__ = (
         "_desc_formats",
         "_desc_oids",
+        "_descriptions",
         "batch_error",
         "blocks",
         "columns",
@@ -357,6 +359,8 @@ class ServerSide:
         self.target_fatal = False  # the target sent a FATAL/PANIC error (it is about to close)
         self._desc_formats: tuple[int, ...] = ()
         self._desc_oids: tuple[int, ...] = ()
+        # RowDescription frame -> (header line, type OIDs, formats): a session sees the same few again and again
+        self._descriptions: dict[bytes, tuple[str, tuple[int, ...], tuple[int, ...]]] = {}
 
     def process(self, reader: BackendReader, batch: FrameBatch) -> None:
         """The complete messages in ``reader``: forwardable frames and injected errors go to ``batch``.
@@ -375,6 +379,9 @@ class ServerSide:
                 add(message)
             elif kind is ReadyForQuery:
                 self._ready(message, batch)  # type: ignore[arg-type]
+            elif kind is CommandComplete and not self.cut:
+                add(message)
+                self._command_complete(message)  # type: ignore[arg-type]
             elif kind is CloseComplete:
                 self._close_complete(message, batch)  # type: ignore[arg-type]
             elif self.cut:
@@ -451,24 +458,18 @@ class ServerSide:
             return
         batch.add(message)
         if kind is CommandComplete:
-            if not self.recorder.truncated:
-                if self.header is not None:
-                    self._emit(self.header)
-                    self.header = None
-                self._emit(message.tag)  # type: ignore[attr-defined]
-                self.flush_output()
-            self._end_result()
+            self._command_complete(message)  # type: ignore[arg-type]
         elif kind is RowDescription:
             self.formats = None
             head = self.pending[0] if self.pending and self.pending[0].kind == DESCRIBE else None
             if head is not None:
                 self.pending.popleft()
             if render:
-                names, self._desc_oids, self._desc_formats = message.summary()  # type: ignore[attr-defined]
+                header, self._desc_oids, self._desc_formats = self._describe(message)  # type: ignore[arg-type]
                 if head is not None and head.statement is not None:
                     self.columns[head.statement] = self._desc_oids
                 if not self.recorder.truncated:
-                    self.header = "\t".join(names)
+                    self.header = header
         elif kind is NoData:
             if self.pending and self.pending[0].kind == DESCRIBE:
                 self.pending.popleft()
@@ -484,6 +485,26 @@ class ServerSide:
         elif message.TYPE in _RESULT_ENDS:  # EmptyQueryResponse, PortalSuspended
             self.flush_output()
             self._end_result()
+
+    def _command_complete(self, message: CommandComplete) -> None:
+        if not self.recorder.truncated:
+            if self.header is not None:
+                self._emit(self.header)
+                self.header = None
+            self._emit(message.tag)
+            self.flush_output()
+        self._end_result()
+
+    def _describe(self, message: RowDescription) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+        """(header line, type OIDs, formats) of a RowDescription, remembered by its frame."""
+        key = bytes(message)
+        described = self._descriptions.get(key)
+        if described is None:
+            names, oids, formats = message.summary()
+            if len(self._descriptions) >= DESCRIPTION_CACHE_SIZE:
+                self._descriptions.clear()
+            described = self._descriptions[key] = ("\t".join(names), oids, formats)
+        return described
 
     def _copy_out(self, message: CopyData, batch: FrameBatch) -> bool:
         """Check and record one COPY TO STDOUT row; False when it is cut."""
