@@ -19,6 +19,7 @@ from gatewayd.store import Store
 
 log = logging.getLogger("gatewayd.recording")
 
+_monotonic = time.monotonic
 FLUSH_AT = 1 << 20  # wake the flusher early once a session has this much pending
 HIGH_WATER = 8 << 20  # drain() blocks the producer past this
 
@@ -59,16 +60,18 @@ class SessionRecorder:
         if self.closed or self.truncated:
             return
         payload = data.encode() if isinstance(data, str) else bytes(data)
-        if self.recorded + len(payload) > self.cap:
+        size = len(payload)
+        if self.recorded + size > self.cap:
             self.truncated = True
             self.metrics["truncated"] = True
             note = f"recording truncated: the session reached the recording cap of {self.cap} bytes"
             payload = note.encode()
+            size = len(payload)
             kind = "e"
-        self.pending.append(SessionEvent(self.offset_ms(), kind, payload))
-        self.pending_bytes += len(payload)
-        self.recorded += len(payload)
-        if self.pending_bytes >= FLUSH_AT:
+        self.pending.append(SessionEvent(int((_monotonic() - self.started) * 1000), kind, payload))
+        self.recorded += size
+        self.pending_bytes = pending = self.pending_bytes + size
+        if pending >= FLUSH_AT:
             self.service.wake()
 
     @property

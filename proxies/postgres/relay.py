@@ -106,6 +106,13 @@ class Pending:
         self.statement = statement  # prepared statement of a Describe / Execute (for column types)
 
 
+# Entries without fields are never changed once made: one of each serves every request.
+_SYNC_POINT = Pending(SYNC_POINT)
+_UNTIL_READY = Pending(UNTIL_READY)
+_EXECUTE = Pending(EXECUTE)
+_CLOSE = Pending(CLOSE)
+
+
 _EPOCH_2000 = datetime(2000, 1, 1, tzinfo=UTC)
 _TEXT_OIDS = frozenset((18, 19, 25, 114, 142, 705, 1042, 1043))  # char, name, text, json, xml, unknown, bpchar, varchar
 _STRUCTS = {16: struct.Struct("!?"), 20: struct.Struct("!q"), 21: struct.Struct("!h"), 23: struct.Struct("!i"),
@@ -218,7 +225,7 @@ class ClientSide:
         self.pending = pending
         self.columns = columns  # statement -> result column type OIDs, shared with the ServerSide
         self.statements: dict[str, str] = {}  # prepared statement name -> SQL (for recording Binds)
-        self.portals: dict[str, tuple[str, list[int]]] = {}  # portal -> (statement, result formats)
+        self.portals: dict[str, Pending] = {}  # portal -> the EXECUTE entry for it (statement, result formats)
         self.discarding = False  # after a blocked Parse: skip messages until Sync
         self.verdict: GuardVerdict | None = None  # why the last BLOCK
         self.substitute = b""  # what goes upstream instead of the last blocked message
@@ -230,26 +237,22 @@ class ClientSide:
         if self.discarding:
             if kind is Sync:
                 self.discarding = False
-                self.pending.append(Pending(SYNC_POINT))
+                self.pending.append(_SYNC_POINT)
                 return FORWARD
             return TERMINATE if kind is Terminate else DROP
         if kind is Bind:
             return self._bind(message)  # type: ignore[arg-type]
         if kind is Execute:
-            portal = self.portals.get(message.portal)  # type: ignore[attr-defined]
-            if portal is None:
-                self.pending.append(Pending(EXECUTE))
-            else:
-                self.pending.append(Pending(EXECUTE, portal[1], statement=portal[0]))
+            self.pending.append(self.portals.get(message.portal, _EXECUTE))  # type: ignore[attr-defined]
             return FORWARD
         if kind is Describe:
             name = message.name  # type: ignore[attr-defined]
             if message.kind == "P":  # type: ignore[attr-defined]
-                name = self.portals.get(name, (None,))[0]  # type: ignore[assignment]
+                name = self.portals.get(name, _EXECUTE).statement  # type: ignore[assignment]
             self.pending.append(Pending(DESCRIBE, statement=name))
             return FORWARD
         if kind is Sync:
-            self.pending.append(Pending(SYNC_POINT))
+            self.pending.append(_SYNC_POINT)
             return FORWARD
         if kind is Query:
             return self._query(message)  # type: ignore[arg-type]
@@ -265,10 +268,10 @@ class ClientSide:
                 self.columns.pop(message.name, None)  # type: ignore[attr-defined]
             else:
                 self.portals.pop(message.name, None)  # type: ignore[attr-defined]
-            self.pending.append(Pending(CLOSE))
+            self.pending.append(_CLOSE)
             return FORWARD
         if kind is FunctionCall:
-            self.pending.append(Pending(UNTIL_READY))
+            self.pending.append(_UNTIL_READY)
             return FORWARD
         if kind is Terminate:
             return TERMINATE
@@ -284,7 +287,7 @@ class ClientSide:
             return BLOCK
         if not self.recorder.truncated:
             self.recorder.input(sql)
-        self.pending.append(Pending(UNTIL_READY))
+        self.pending.append(_UNTIL_READY)
         return FORWARD
 
     def _parse(self, parse: Parse) -> int:
@@ -314,7 +317,7 @@ class ClientSide:
             if sql is not None:
                 recorder.input(render_bind(sql, bind))
         if not recorder.truncated or self.rules.output_rules:  # rows will be rendered: keep their formats
-            self.portals[bind.portal] = (bind.statement, bind.result_formats)
+            self.portals[bind.portal] = Pending(EXECUTE, bind.result_formats, statement=bind.statement)
         return FORWARD
 
 
