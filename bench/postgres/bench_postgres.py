@@ -7,7 +7,11 @@ Also printed: ``-M extended`` and ``-M prepared``, the ``-c 1`` latency
 overhead, and ``forwarder`` -- ``forwarder.py``, a uvloop byte forwarder that
 looks at nothing: the floor of any asyncio proxy on this machine, so the
 ``gw/fwd`` ratio is what the gateway's own work (codec, guard rails,
-recording) costs.
+recording) costs.  Under each run, ``proxy CPU per transaction`` is the CPU time
+(user + system, all threads) each proxy process used divided by the
+transactions it carried: unlike TPS it hardly moves when other work shares the
+machine, so it is the figure to compare changes with.  ``--rounds N`` repeats
+every run N times, interleaved, and prints medians.
 
 Everything is started here on free ports: a PostgreSQL 15 cluster
 (``tests/pgpeer.py``), ``pgbouncer`` when installed (as the ``postgres``
@@ -15,7 +19,7 @@ user: it refuses root), and a real ``gatewayd run`` subprocess.  It is a
 benchmark, not a test: it exits 0 whether the target is met or not, non-zero
 only when it could not measure.
 
-    .venv/bin/python bench/postgres/bench_postgres.py [--seconds 10] [--clients 4] [--scale 10]
+    .venv/bin/python bench/postgres/bench_postgres.py [--seconds 10] [--clients 4] [--scale 10] [--rounds 1]
 """
 
 from __future__ import annotations
@@ -108,6 +112,36 @@ def figures(output: str) -> tuple[float, float]:
     return tps, latency
 
 
+def transactions(output: str) -> int:
+    return int(re.search(r"actually processed: (\d+)", output).group(1))  # type: ignore[union-attr]
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU time of a process and its threads (0 when unknown)."""
+    if pid is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def child_pid(pid: int) -> int | None:
+    """The first child of a process (pgbouncer under runuser)."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return None
+    return int(children[0]) if children else None
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
 async def gateway_credential(daemon: Daemon, cluster: PgCluster) -> str:
     """A role to the cluster with two input guard rails, and a credential for it."""
     token = daemon.token("bench@example.com", groups="admin")
@@ -138,6 +172,9 @@ def main() -> int:
     parser.add_argument("--seconds", type=int, default=10)
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--scale", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every target this many times, interleaved; medians are printed (steadier ratios "
+                             "on a machine that is busy with other work)")
     args = parser.parse_args()
     reason = unavailable_reason()
     if reason or shutil.which("pgbench") is None:
@@ -154,16 +191,20 @@ def main() -> int:
         daemon.start()
         gateway_port = int(daemon.settings["listeners.postgres"].rsplit(":", 1)[1])
         secret = asyncio.run(gateway_credential(daemon, cluster))
-        targets = {"direct": (cluster.port, "postgres", cluster.password),
-                   "gateway": (gateway_port, secret, "any")}
+        # name -> (port, user, password, pid whose CPU time is the proxy's)
+        targets: dict[str, tuple[int, str, str, int | None]] = {
+            "direct": (cluster.port, "postgres", cluster.password, None),
+            "gateway": (gateway_port, secret, "any", daemon.process.pid if daemon.process else None)}
         forwarder_port = free_port()
         forwarder = subprocess.Popen([sys.executable, str(Path(__file__).with_name("forwarder.py")),
                                       str(forwarder_port), str(cluster.port)])
-        targets["forwarder"] = (forwarder_port, "postgres", cluster.password)
+        targets["forwarder"] = (forwarder_port, "postgres", cluster.password, forwarder.pid)
         time.sleep(0.5)
         if shutil.which("pgbouncer"):
             bouncer = Pgbouncer(cluster).start()
-            targets["pgbouncer"] = (bouncer.port, "postgres", cluster.password)
+            assert bouncer.process is not None
+            bouncer_pid = child_pid(bouncer.process.pid) if os.geteuid() == 0 else bouncer.process.pid
+            targets["pgbouncer"] = (bouncer.port, "postgres", cluster.password, bouncer_pid)
         else:
             print("pgbouncer not installed: its column is skipped (apt-get install pgbouncer)")
         runs = [("-S -M simple", ["-S", "-M", "simple"], args.clients),
@@ -171,28 +212,45 @@ def main() -> int:
                 ("-S -M prepared", ["-S", "-M", "prepared"], args.clients),
                 ("-S -c 1 (latency)", ["-S", "-M", "simple"], 1)]
         order = [name for name in ("direct", "pgbouncer", "forwarder", "gateway") if name in targets]
-        print(f"pgbench -T {args.seconds} -j 2, scale {args.scale}; gateway: 2 input guard rails, recording on\n")
+        rounds = max(1, args.rounds)
+        print(f"pgbench -T {args.seconds} -j 2, scale {args.scale}; gateway: 2 input guard rails, recording on"
+              + (f"; {rounds} interleaved rounds, medians" if rounds > 1 else "") + "\n")
         print(f"{'run':<20}" + "".join(f"{name + ' TPS':>16}" for name in order)
               + f"{'gw/direct':>11}{'bouncer/direct':>16}{'gw/fwd':>8}")
         for label, extra, clients in runs:
-            results = {}
-            for name in order:
-                port, user, password = targets[name]
-                if name == "pgbouncer" and "prepared" in label:
-                    continue  # named prepared statements need pgbouncer 1.21+ in transaction pooling
-                results[name] = figures(pgbench(port, user, password, *extra, "-n", "-c", str(clients), "-j",
-                                                str(min(clients, 2)), "-T", str(args.seconds)))
-            direct = results["direct"][0]
-            line = f"{label:<20}" + "".join(f"{results[n][0]:>16,.0f}" if n in results else f"{'-':>16}"
-                                            for n in order)
-            line += f"{results['gateway'][0] / direct:>11.2f}"
-            line += f"{results['pgbouncer'][0] / direct:>16.2f}" if "pgbouncer" in results else f"{'-':>16}"
-            line += f"{results['gateway'][0] / results['forwarder'][0]:>8.2f}"
+            tps: dict[str, list[float]] = {}
+            latency: dict[str, list[float]] = {}
+            cpu: dict[str, list[float]] = {}  # proxy CPU microseconds per transaction
+            ratios: dict[str, list[float]] = {"gw/direct": [], "bouncer/direct": [], "gw/fwd": []}
+            for _ in range(rounds):
+                for name in order:
+                    port, user, password, pid = targets[name]
+                    if name == "pgbouncer" and "prepared" in label:
+                        continue  # named prepared statements need pgbouncer 1.21+ in transaction pooling
+                    before = cpu_seconds(pid)
+                    output = pgbench(port, user, password, *extra, "-n", "-c", str(clients), "-j",
+                                     str(min(clients, 2)), "-T", str(args.seconds))
+                    used = cpu_seconds(pid) - before
+                    result = figures(output)
+                    tps.setdefault(name, []).append(result[0])
+                    latency.setdefault(name, []).append(result[1])
+                    if pid is not None and used > 0:
+                        cpu.setdefault(name, []).append(used / max(1, transactions(output)) * 1e6)
+                ratios["gw/direct"].append(tps["gateway"][-1] / tps["direct"][-1])
+                ratios["gw/fwd"].append(tps["gateway"][-1] / tps["forwarder"][-1])
+                if "pgbouncer" in tps and len(tps["pgbouncer"]) == len(tps["direct"]):
+                    ratios["bouncer/direct"].append(tps["pgbouncer"][-1] / tps["direct"][-1])
+            line = f"{label:<20}" + "".join(f"{median(tps[n]):>16,.0f}" if n in tps else f"{'-':>16}" for n in order)
+            line += "".join(f"{median(ratios[k]):>{w}.2f}" if ratios[k] else f"{'-':>{w}}"
+                            for k, w in (("gw/direct", 11), ("bouncer/direct", 16), ("gw/fwd", 8)))
             print(line, flush=True)
+            if cpu:
+                print(f"{'':<20}proxy CPU per transaction: "
+                      + ", ".join(f"{n} {median(cpu[n]):.0f} us" for n in order if n in cpu))
             if clients == 1:
-                overhead = results["gateway"][1] - results["direct"][1]
-                print(f"{'':<20}latency: direct {results['direct'][1]:.3f} ms, gateway {results['gateway'][1]:.3f} ms"
-                      f" (+{overhead * 1000:.0f} us per transaction)")
+                direct_ms, gateway_ms = median(latency["direct"]), median(latency["gateway"])
+                print(f"{'':<20}latency: direct {direct_ms:.3f} ms, gateway {gateway_ms:.3f} ms"
+                      f" (+{(gateway_ms - direct_ms) * 1000:.0f} us per transaction)")
         return 0
     finally:
         daemon.stop()
