@@ -18,7 +18,7 @@ from gatewayd.scripts import ScriptResult
 from gatewayd.sessions import BLOCKED_EXIT_CODE
 from proxies.postgres.codec import FrameBatch, FrontendReader, encode_copy_fail, encode_query
 from proxies.postgres.relay import BLOCK, ClientSide, Pending, ServerSide
-from proxies.postgres.upstream import CHUNK, TargetSettings, UpstreamError, connect_target, terminate
+from proxies.postgres.upstream import TargetSettings, UpstreamError, connect_target, terminate
 
 if TYPE_CHECKING:
     from gatewayd.daemon import Gateway
@@ -105,14 +105,14 @@ async def run_script(gateway: Gateway, live: LiveSession, script: str) -> Script
     live.on_kill(lambda reason: terminate(link))
     blocked = False
     try:
-        link.writer.write(encode_query(script))
+        link.stream.write(encode_query(script))
         batch = FrameBatch()
         while pending:
             server.process(link.backend, batch)
             if asks_for_copy_data(batch.take()):  # nobody to forward to: the transcript is the client
                 transcript.keep(NO_COPY_IN + "\n")
                 live.recorder.error(NO_COPY_IN)
-                link.writer.write(encode_copy_fail(NO_COPY_IN))
+                link.stream.write(encode_copy_fail(NO_COPY_IN))
             if server.blocks:
                 blocked = True
                 for verdict in server.blocks:
@@ -121,16 +121,15 @@ async def run_script(gateway: Gateway, live: LiveSession, script: str) -> Script
                 server.blocks.clear()
                 continue
             if server.replies:
-                link.writer.writelines(server.replies)
+                link.stream.write(b"".join(server.replies))
                 server.replies.clear()
             if not pending:
                 break
-            data = await link.reader.read(CHUNK)
-            if not data:
+            if link.stream.closed:
                 if live.end_reason is None:
                     transcript.error(f'the target of connection "{connection.name}" closed the connection')
                 return ScriptResult(transcript.text(), BLOCKED_EXIT_CODE)
-            link.backend.feed(data)
+            await link.stream.more()  # what arrives is framed into link.backend
         server.flush_output()
     except (OSError, ConnectionError) as exc:
         transcript.error(f'the connection to the target of "{connection.name}" failed: '

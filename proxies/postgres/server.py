@@ -46,8 +46,8 @@ from proxies.postgres.codec import (
 )
 from proxies.postgres.relay import ClientSide, Pending, ServerSide
 from proxies.postgres.session import CLIENT, TARGET, RelaySession
+from proxies.postgres.stream import FrameStream
 from proxies.postgres.upstream import (
-    CHUNK,
     TargetLink,
     TargetSettings,
     UpstreamError,
@@ -113,15 +113,22 @@ class PostgresListener:
         self.tls_context = tls_context
         self.server: asyncio.base_events.Server | None = None
         self.cancel_keys = CANCEL_KEYS
+        self._tasks: set[asyncio.Task[None]] = set()
 
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        connection = ClientConnection(self, reader, writer)
+    def accept(self, stream: FrameStream) -> None:
+        """A client connected: its connection runs as a task of its own."""
+        task = asyncio.get_running_loop().create_task(self.handle(stream))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def handle(self, stream: FrameStream) -> None:
+        connection = ClientConnection(self, stream)
         try:
             await connection.run()
         except Exception:
             log.exception("postgres connection failed", extra={"client_ip": connection.client_ip})
         finally:
-            writer.close()
+            connection.stream.close()
 
     async def close(self) -> None:
         if self.server is not None:
@@ -134,26 +141,26 @@ async def start(gateway: Gateway, host: str, port: int) -> PostgresListener:
     context = await asyncio.to_thread(tls.server_context, config.data_dir, config["postgres.tls_cert"],
                                       config["postgres.tls_key"])
     listener = PostgresListener(gateway, context)
-    listener.server = await asyncio.start_server(listener.handle, host, port, limit=CHUNK, reuse_address=True)
+    listener.server = await asyncio.get_running_loop().create_server(
+        lambda: FrameStream(FrontendReader(), listener.accept), host, port, reuse_address=True)
     return listener
 
 
 class ClientConnection:
     """One client from its start-up packet to the end of its session."""
 
-    def __init__(self, listener: PostgresListener, reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter) -> None:
+    def __init__(self, listener: PostgresListener, stream: FrameStream) -> None:
         self.listener = listener
         self.gateway = listener.gateway
-        self.reader = reader
-        self.writer = writer
-        peer = writer.get_extra_info("peername")
+        self.stream = stream
+        transport = stream.transport
+        peer = transport.get_extra_info("peername")
         self.client_ip = peer[0] if isinstance(peer, tuple) else ""
-        self.frontend = FrontendReader()
+        self.frontend: FrontendReader = stream.reader  # type: ignore[assignment]
         self.link: TargetLink | None = None
         self.live: LiveSession | None = None
         self.killed: str | None = None
-        sock = writer.get_extra_info("socket")
+        sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -162,26 +169,13 @@ class ClientConnection:
     def send_fatal(self, sqlstate: str, message: str) -> None:
         """Tell the client why it is being disconnected, and close."""
         try:
-            if not self.writer.is_closing():
-                self.writer.write(fatal(sqlstate, message))
+            self.stream.write(fatal(sqlstate, message))
         except (OSError, RuntimeError):
             pass
-        self.writer.close()
+        self.stream.close()
 
     async def _next_client_message(self) -> Message | None:
-        frontend = self.frontend
-        while (message := frontend.next_message()) is None:
-            if frontend.at_eof:
-                return None
-            try:
-                data = await self.reader.read(CHUNK)
-            except ConnectionError:
-                data = b""
-            if data:
-                frontend.feed(data)
-            else:
-                frontend.feed_eof()
-        return message
+        return await self.stream.next_message()
 
     # -- start-up
 
@@ -215,16 +209,15 @@ class ClientConnection:
             if message is None:
                 return None
             if isinstance(message, GSSENCRequest):
-                self.writer.write(b"N")
+                self.stream.write(b"N")
             elif isinstance(message, SSLRequest):
-                if self.listener.tls_context is None or self.writer.get_extra_info("sslcontext") is not None:
-                    self.writer.write(b"N")
+                if self.listener.tls_context is None or self.stream.transport.get_extra_info("sslcontext") is not None:
+                    self.stream.write(b"N")
                     continue
                 if self.frontend.buffered:  # plaintext queued behind the request: CVE-2021-23214
                     raise ProtocolError("unencrypted data after SSL request")
-                self.writer.write(b"S")
-                await self.writer.drain()
-                await self.writer.start_tls(self.listener.tls_context)
+                self.stream.write(b"S")
+                await self.stream.start_tls(self.listener.tls_context, server_side=True)
             elif isinstance(message, CancelRequest):
                 await self._cancel(message)
                 return None
@@ -232,7 +225,7 @@ class ClientConnection:
                 parameters = message.parameters
                 options = [k for k in parameters if k.startswith("_pq_.")]
                 if message.minor > 0 or options:
-                    self.writer.write(encode_negotiate_protocol_version(0, options))
+                    self.stream.write(encode_negotiate_protocol_version(0, options))
                 return message
 
     async def _cancel(self, request: CancelRequest) -> None:
@@ -245,7 +238,7 @@ class ClientConnection:
         user = startup.user or ""
         if looks_like_secret(user):
             return user
-        self.writer.write(encode_authentication_cleartext_password())
+        self.stream.write(encode_authentication_cleartext_password())
         message = await self._next_client_message()
         if message is None:
             return None
@@ -284,8 +277,8 @@ class ClientConnection:
         try:
             live.on_kill(self._kill)
             rules = await self.gateway.guardrails.rules_for(connection.org_id, connection.id)
-            self.writer.writelines([encode_authentication_ok(), *link.startup_frames,
-                                    encode_backend_key_data(*key), encode_ready_for_query(link.status)])
+            self.stream.write(b"".join([encode_authentication_ok(), *link.startup_frames,
+                                        encode_backend_key_data(*key), encode_ready_for_query(link.status)]))
             exit_code, error = await self._relay(link, live, rules)
         except BaseException:
             await live.close(exit_code=BLOCKED_EXIT_CODE, error="the gateway ended the session on an internal error")
@@ -309,12 +302,14 @@ class ClientConnection:
         pending: deque[Pending] = deque()
         columns: dict[str, tuple[int, ...]] = {}
         server = ServerSide(rules, live.recorder, pending, columns)
-        relay = RelaySession(self.writer.transport, link.writer.transport, self.frontend, link.backend,  # type: ignore[arg-type]
+        relay = RelaySession(self.stream.transport, link.transport, self.frontend, link.backend,
                              ClientSide(rules, live.recorder, pending, columns), server, live, self.client_ip)
-        relay.start(_take_buffered(self.reader), _take_buffered(link.reader))
-        if self.reader.at_eof():
+        self.stream.release()
+        link.stream.release()
+        relay.start()  # what start-up had read beyond its last message is in the readers: processed first
+        if self.stream.closed:
             relay.finish(CLIENT)
-        elif link.reader.at_eof():
+        elif link.stream.closed:
             relay.finish(TARGET)
         side, error = await relay.wait()
         server.flush_output()
@@ -335,16 +330,5 @@ class ClientConnection:
         if not server.target_fatal:
             self.send_fatal("08006", message)
         else:
-            self.writer.close()
+            self.stream.close()
         return BLOCKED_EXIT_CODE, message
-
-
-def _take_buffered(reader: asyncio.StreamReader) -> bytes:
-    """Bytes a stream had read but nobody consumed yet (the relay takes the transport over)."""
-    buffer = reader._buffer  # type: ignore[attr-defined]
-    data = bytes(buffer)
-    buffer.clear()
-    if getattr(reader, "_paused", False):
-        reader._paused = False  # type: ignore[attr-defined]
-        reader._transport.resume_reading()  # type: ignore[attr-defined]
-    return data

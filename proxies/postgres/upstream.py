@@ -41,6 +41,7 @@ from proxies.postgres.codec import (
     encode_terminate,
     md5_password,
 )
+from proxies.postgres.stream import FrameStream
 
 CHUNK = 256 * 1024
 CONNECT_TIMEOUT = 10.0
@@ -86,13 +87,19 @@ class TargetSettings:
 class TargetLink:
     """An authenticated connection to the target, ready for queries."""
 
-    reader: asyncio.StreamReader
-    writer: asyncio.StreamWriter
-    backend: BackendReader  # holds whatever arrived after the first ReadyForQuery
+    stream: FrameStream  # its reader holds whatever arrived after the first ReadyForQuery
     startup_frames: list[bytes] = field(default_factory=list)  # ParameterStatus and notices, in order
     process_id: int = 0
     secret_key: bytes = b""
     status: str = "I"
+
+    @property
+    def backend(self) -> BackendReader:
+        return self.stream.reader  # type: ignore[return-value]
+
+    @property
+    def transport(self) -> asyncio.Transport:
+        return self.stream.transport
 
 
 def forwarded_parameters(client_parameters: dict[str, str]) -> dict[str, str]:
@@ -110,16 +117,10 @@ def _tls_context(sslmode: str, host: str) -> ssl.SSLContext:
 
 
 async def _next_message(link: TargetLink, name: str) -> Message:
-    backend = link.backend
-    while (message := backend.next_message()) is None:
-        data = await link.reader.read(CHUNK)
-        if not data:
-            backend.feed_eof()
-            if (message := backend.next_message()) is not None:
-                return message
-            raise UpstreamError(f'could not connect to the target of connection "{name}": '
-                                "it closed the connection during start-up")
-        backend.feed(data)
+    message = await link.stream.next_message()
+    if message is None:
+        raise UpstreamError(f'could not connect to the target of connection "{name}": '
+                            "it closed the connection during start-up")
     return message
 
 
@@ -131,15 +132,22 @@ def _refusal(name: str, error: ErrorResponse) -> UpstreamError:
     return UpstreamError(f'could not connect to the target of connection "{name}": {detail}')
 
 
-async def _negotiate_tls(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                         settings: TargetSettings, name: str) -> None:
-    writer.write(encode_ssl_request())
-    answer = await reader.readexactly(1)
+async def _negotiate_tls(stream: FrameStream, settings: TargetSettings, name: str) -> None:
+    stream.write(encode_ssl_request())
+    reader = stream.reader
+    while not reader.buffered:
+        if stream.closed:
+            raise UpstreamError(f'could not connect to the target of connection "{name}": the connection was closed')
+        await stream.more()
+    try:
+        answer = reader.read_ssl_response()  # type: ignore[union-attr]
+    except ProtocolError:
+        answer = None
     if answer == b"S":
-        if reader._buffer:  # type: ignore[attr-defined]  # bytes before the handshake: CVE-2021-23222
+        if reader.buffered:  # bytes before the handshake: CVE-2021-23222
             raise UpstreamError(f'could not connect to the target of connection "{name}": '
                                 "it sent unencrypted data after accepting TLS")
-        await writer.start_tls(_tls_context(settings.sslmode, settings.host),
+        await stream.start_tls(_tls_context(settings.sslmode, settings.host),
                                server_hostname=settings.host if settings.sslmode == "verify-full" else None)
     elif answer == b"N":
         if settings.sslmode in ("require", "verify-ca", "verify-full"):
@@ -170,13 +178,14 @@ async def connect_target(settings: TargetSettings, client_parameters: dict[str, 
 
 
 async def _connect(settings: TargetSettings, client_parameters: dict[str, str], name: str) -> TargetLink:
-    reader, writer = await asyncio.open_connection(settings.host, settings.port, limit=CHUNK)
+    loop = asyncio.get_running_loop()
+    _, stream = await loop.create_connection(lambda: FrameStream(BackendReader()), settings.host, settings.port)
     try:
         if settings.sslmode not in ("disable", "allow"):
-            await _negotiate_tls(reader, writer, settings, name)
-        link = TargetLink(reader, writer, BackendReader())
+            await _negotiate_tls(stream, settings, name)
+        link = TargetLink(stream)
         parameters = {"user": settings.user, "database": settings.database, **forwarded_parameters(client_parameters)}
-        writer.write(encode_startup_message(parameters))
+        stream.write(encode_startup_message(parameters))
         await _authenticate(link, settings, name)
         while True:
             message = await _next_message(link, name)
@@ -193,7 +202,7 @@ async def _connect(settings: TargetSettings, client_parameters: dict[str, str], 
                 raise UpstreamError(f'could not connect to the target of connection "{name}": '
                                     f"unexpected {type(message).__name__} during start-up")
     except BaseException:
-        writer.close()
+        stream.close()
         raise
 
 
@@ -216,19 +225,19 @@ async def _authenticate(link: TargetLink, settings: TargetSettings, name: str) -
             raise UpstreamError(f'could not connect to the target of connection "{name}": '
                                 "the target asks for a password and the connection has none (PASS)")
         if code == AUTH_CLEARTEXT_PASSWORD:
-            link.writer.write(encode_password(settings.password))
+            link.stream.write(encode_password(settings.password))
         elif code == AUTH_MD5_PASSWORD:
-            link.writer.write(encode_password(md5_password(settings.user, settings.password, message.salt)))
+            link.stream.write(encode_password(md5_password(settings.user, settings.password, message.salt)))
         elif code == AUTH_SASL:
             if "SCRAM-SHA-256" not in message.mechanisms:
                 raise UpstreamError(f'could not connect to the target of connection "{name}": '
                                     f"unsupported SASL mechanisms {', '.join(message.mechanisms)}")
             scram = ScramSha256Client(settings.password)
-            link.writer.write(encode_sasl_initial_response(scram.mechanism, scram.client_first_message()))
+            link.stream.write(encode_sasl_initial_response(scram.mechanism, scram.client_first_message()))
         elif code == AUTH_SASL_CONTINUE and scram is not None:
             # PBKDF2 over the server's iteration count is CPU work: keep it off the loop.
             final = await asyncio.to_thread(scram.client_final_message, message.data)
-            link.writer.write(encode_sasl_response(final))
+            link.stream.write(encode_sasl_response(final))
         elif code == AUTH_SASL_FINAL and scram is not None:
             scram.verify_server_final(message.data)
         else:
@@ -252,8 +261,7 @@ async def send_cancel(host: str, port: int, process_id: int, secret_key: bytes, 
 def terminate(link: TargetLink) -> None:
     """Say goodbye to the target and close (no await: usable from a kill callback)."""
     try:
-        if not link.writer.is_closing():
-            link.writer.write(encode_terminate())
+        link.stream.write(encode_terminate())
     except (OSError, RuntimeError):
         pass
-    link.writer.close()
+    link.stream.close()
