@@ -175,3 +175,9 @@ def test_request_head():
     assert head == (b"POST /base/x?y=1 HTTP/1.1\r\nHost: app.internal\r\nAccept: */*\r\nX-Raw: caf\xc3\xa9\r\n"
                     b"Transfer-Encoding: chunked\r\n\r\n")
     assert m.request_head("GET", TARGET, "/", []) == b"GET / HTTP/1.1\r\nHost: app.internal:8080\r\n\r\n"
+
+
+def test_scrub_finds_secrets_ending_in_punctuation():
+    secret = "httpproxy-" + "x" * 42 + "-"
+    assert m.scrub(f"Referer: http://gw/{secret}/page") == "Referer: http://gw/[REDACTED]/page"
+    assert m.scrub(f"?t={secret}") == "?t=[REDACTED]"

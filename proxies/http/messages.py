@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Iterable
 from urllib.parse import unquote, urlsplit
 
-
 COOKIE_NAME = "gatewayd_proxy_token"
 REDACTED = "[REDACTED]"
 
@@ -28,7 +27,7 @@ _SECRET_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie", "
                              "x-auth-token", "x-csrf-token", "x-xsrf-token"})
 _TEXT_TYPES = re.compile(r"^\s*(?:text/|application/(?:[\w.+-]*\+)?(?:json|xml|javascript|x-www-form-urlencoded|"
                          r"graphql|x-ndjson|yaml|x-yaml|sql)\b)", re.I)
-_SECRET_TEXT = re.compile(r"\bhttpproxy-[A-Za-z0-9_-]{43}\b")
+_SECRET_TEXT = re.compile(r"httpproxy-[A-Za-z0-9_-]{43}")  # no \b: a secret may end in "-" or "_"
 
 Headers = list[tuple[str, str]]
 
