@@ -10,7 +10,7 @@ from datetime import datetime, timezone
 
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
 _SECRETS = re.compile(
-    r"\b(?:pg|ssh|rdp|httpproxy)-[A-Za-z0-9_-]{43}\b"  # connection credentials
+    r"\b(?:pg|ssh|rdp|httpproxy)-[A-Za-z0-9_-]{43}(?![A-Za-z0-9_-])"  # connection credentials (may end in - or _)
     r"|\beyJ[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]*"  # JWTs
     r"|(?i:bearer)\s+\S+"
 )

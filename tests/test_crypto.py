@@ -72,6 +72,9 @@ def test_logs_never_print_credentials_or_tokens():
     assert secret not in scrub(f"login with {secret}")
     assert jwt_like not in scrub(f"token {jwt_like}")
     assert "abc" not in scrub("Authorization: Bearer abc")
+    for ending in ("-", "_"):  # a secret ending in a non-word character is found too
+        edge = "pg-" + "a" * 42 + ending
+        assert scrub(f"user {edge}") == "user [REDACTED]" and scrub(f"/{edge}/x") == "/[REDACTED]/x"
     record = logging.makeLogRecord({"msg": "user sent %s", "args": (secret,), "levelname": "INFO",
                                     "name": "t", "credential": secret})
     for formatter in (JSONFormatter(), PlainFormatter()):
