@@ -730,3 +730,21 @@ async def test_output_rules_cut_an_event_stream(api, gateway, client):
     assert b"event 2" not in received and b"event 4" not in received
     session = await api.session(session_id, has_event("e", "output blocked mid-stream"))
     assert any(k == "e" and "pattern=event 2" in t for k, t in events(session))
+
+
+async def test_head_and_expect_continue_with_curl(api, gateway, tmp_path):
+    """HEAD (the target app even sends a body after its head: dropped) and a curl upload that waits for 100."""
+    connection = await api.role()
+    secret, _ = await api.credential(connection)
+    head = await asyncio.to_thread(curl, "-I", "-H", f"Authorization: {secret}",
+                                   f"{gateway.http_url}/download?size=5000000")
+    assert head.returncode == 0 and b"HTTP/1.1 200" in head.stdout
+    assert b"Content-Length: 5000000" in head.stdout
+    # curl asks "Expect: 100-continue" before a 2 MB body and waits for the gateway's go-ahead
+    payload = tmp_path / "payload.bin"
+    payload.write_bytes(BLOCK * 32)
+    sent = await asyncio.to_thread(curl, "-v", "-H", f"Authorization: {secret}", "-H",
+                                   "Content-Type: application/x-blob", "--data-binary", f"@{payload}",
+                                   f"{gateway.http_url}/upload")
+    assert b"Expect: 100-continue" in sent.stderr and b"HTTP/1.1 100 Continue" in sent.stderr
+    assert json.loads(sent.stdout)["sha256"] == hashlib.sha256(BLOCK * 32).hexdigest()

@@ -317,7 +317,8 @@ class HttpListener:
         except RequestBodyError as exc:
             return self._client_broke_off(state, first_line, exc.__cause__)
         except HttpProcessingError as exc:
-            return await self._unreachable(state, f"it sent a malformed response ({exc.message})", "answered badly")
+            reason = (exc.message or type(exc).__name__).splitlines()[0][:80]  # never the target's bytes at length
+            return await self._unreachable(state, f"malformed response ({reason!r})", "answered badly")
         try:
             return await self._respond(request, state, upstream, rules, client_ip)
         finally:

@@ -27,6 +27,39 @@ IDLE_SECONDS = 30.0
 CONNECT_TIMEOUT = 15.0
 
 
+class TargetProtocol(ResponseHandler):
+    """aiohttp's client protocol, plus: the answer to a HEAD is its head alone.
+
+    Some servers (aiohttp's own ``StreamResponse`` among them) send a body
+    after the head of a HEAD answer; the parser would read it as a malformed
+    next response. Those bytes are dropped and the connection is not reused.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(loop)
+        self.head_only = False
+        self._head = b""
+        self._discard = False
+
+    def data_received(self, data: bytes) -> None:
+        if self._discard:
+            return
+        if not self.head_only:
+            super().data_received(data)
+            return
+        self._head += data
+        end = self._head.find(b"\r\n\r\n")
+        if end < 0 and len(self._head) < 65536:
+            return  # the head is not complete yet
+        cut = end + 4 if end >= 0 else len(self._head)
+        head, extra = self._head[:cut], self._head[cut:]
+        self._head, self.head_only = b"", False
+        if extra:  # a body after a HEAD answer: dropped, and the connection with it
+            self.force_close()
+            self._discard = True
+        super().data_received(head)
+
+
 class UpstreamError(Exception):
     """The target could not be reached or broke the exchange before answering."""
 
@@ -36,7 +69,7 @@ class UpstreamConnection:
     """One keep-alive connection to a target."""
 
     key: tuple[str, str, int, bool]
-    protocol: ResponseHandler
+    protocol: TargetProtocol
     idle_since: float = 0.0
     reused: bool = False
 
@@ -89,7 +122,7 @@ class UpstreamPool:
         context = (self._insecure if insecure else self._verified) if scheme == "https" else None
         try:
             async with asyncio.timeout(CONNECT_TIMEOUT):
-                _, protocol = await loop.create_connection(lambda: ResponseHandler(loop), host, port, ssl=context,
+                _, protocol = await loop.create_connection(lambda: TargetProtocol(loop), host, port, ssl=context,
                                                            server_hostname=host if context else None)
         except TimeoutError:
             raise UpstreamError(f"connection timed out after {CONNECT_TIMEOUT:.0f} s") from None
@@ -148,6 +181,7 @@ class UpstreamPool:
     async def _exchange(self, connection: UpstreamConnection, head: bytes, body: bytes | AsyncIterator[bytes] | None,
                         chunked: bool, skip_body: bool) -> UpstreamResponse:
         protocol = connection.protocol
+        protocol.head_only = skip_body
         protocol.set_response_params(skip_payload=skip_body, read_until_eof=True, auto_decompress=False,
                                      read_bufsize=READ_BUFSIZE,
                                      max_line_size=16384, max_field_size=16384)
