@@ -23,6 +23,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def wait_port(port: int, process: subprocess.Popen[bytes] | None = None, what: str = "something",
+              timeout: float = 20, interval: float = 0.05) -> None:
+    """Block until 127.0.0.1:``port`` accepts; RuntimeError if ``process`` exits first or time runs out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"{what} exited with {process.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(interval)
+    raise RuntimeError(f"{what} is not listening on {port}")
+
+
 def toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -116,6 +131,24 @@ class Daemon:
         if ttl:
             args += ["--ttl", ttl]
         return self.cli(*args).stdout.strip()
+
+
+def proxy_daemon(tmp_path_factory: pytest.TempPathFactory, name: str, listener: str,
+                 settings: dict[str, Any] | None = None, wait: bool = False) -> Daemon:
+    """A started daemon whose ``listener`` proxy is on a free port (``daemon.proxy_port``), flushing every 100ms.
+
+    ``wait``: also wait until the proxy's port accepts, not only the API's.
+    """
+    port = free_port()
+    daemon = Daemon(tmp_path_factory.mktemp(name) / "data", {
+        f"listeners.{listener}": f"127.0.0.1:{port}",
+        "sessions.flush_interval": "100ms",
+        **(settings or {}),
+    }).start()
+    daemon.proxy_port = port
+    if wait:
+        wait_port(port, daemon.process, "gatewayd")
+    return daemon
 
 
 @pytest.fixture(scope="session")

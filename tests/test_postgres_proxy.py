@@ -8,7 +8,6 @@ its own connection (role) so guard rails never leak between tests.
 from __future__ import annotations
 
 import asyncio
-import base64
 import csv
 import io
 import json
@@ -23,23 +22,19 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import asyncpg
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxies.postgres import codec as pg
-from tests.conftest import Daemon, free_port
+from tests.apiclient import PostgresApi, admin_http, events, of_kind
+from tests.conftest import Daemon, free_port, proxy_daemon
 from tests.pgpeer import PgCluster, unavailable_reason
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
 
 RECORDING_CAP = 1 << 20  # small enough for the 1,000,000-row test to hit it
-
-
-def b64(text: str) -> str:
-    return base64.b64encode(text.encode()).decode()
 
 
 # --------------------------------------------------------------------------- fixtures
@@ -54,78 +49,16 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
-    daemon = Daemon(tmp_path_factory.mktemp("pgproxy") / "data", {
-        "listeners.postgres": f"127.0.0.1:{free_port()}",
-        "sessions.flush_interval": "100ms",
-        "sessions.recording_cap_bytes": RECORDING_CAP,
-    }).start()
-    daemon.pg_port = int(daemon.settings["listeners.postgres"].rsplit(":", 1)[1])
+    daemon = proxy_daemon(tmp_path_factory, "pgproxy", "postgres", {"sessions.recording_cap_bytes": RECORDING_CAP})
+    daemon.pg_port = daemon.proxy_port
     yield daemon
     assert daemon.stop() == 0
 
 
-class Api:
-    """The control API as an admin, plus helpers to make roles and credentials."""
-
-    def __init__(self, daemon: Daemon, cluster: PgCluster, http: aiohttp.ClientSession) -> None:
-        self.daemon = daemon
-        self.cluster = cluster
-        self.http = http
-
-    async def __call__(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        async with self.http.request(method, self.daemon.url + path, json=body) as response:
-            text = await response.text()
-            try:
-                return response.status, json.loads(text) if text else None
-            except ValueError:
-                return response.status, text
-
-    async def role(self, user: str = "postgres", password: str | None = None, db: str = "postgres",
-                   port: int | None = None, sslmode: str | None = None) -> dict:
-        """A new postgres connection to the cluster, with a unique name."""
-        secret = {"envvar:HOST": b64("127.0.0.1"), "envvar:PORT": b64(str(port or self.cluster.port)),
-                  "envvar:USER": b64(user), "envvar:PASS": b64(password or self.cluster.password),
-                  "envvar:DB": b64(db)}
-        if sslmode:
-            secret["envvar:SSLMODE"] = b64(sslmode)
-        name = f"pg-{uuid.uuid4().hex[:8]}"
-        status, body = await self("POST", "/connections", {"name": name, "type": "database", "subtype": "postgres",
-                                                          "secret": secret})
-        assert status == 201, body
-        return body
-
-    async def credential(self, connection: dict, seconds: int = 600) -> tuple[str, str]:
-        """(secret, session id) of a fresh credential."""
-        status, body = await self("POST", f"/connections/{connection['name']}/credentials",
-                                  {"access_duration_seconds": seconds})
-        assert status == 201, body
-        return body["connection_credentials"]["username"], body["session_id"]
-
-    async def guardrail(self, connection: dict, input_rules: list | None = None, output_rules: list | None = None):
-        status, body = await self("POST", "/guardrails", {
-            "name": f"rail-{uuid.uuid4().hex[:8]}", "connection_ids": [connection["id"]],
-            "input": {"rules": input_rules or []}, "output": {"rules": output_rules or []}})
-        assert status == 201, body
-        return body
-
-    async def done_session(self, session_id: str, timeout: float = 10) -> dict:
-        """The session once it is ``done``, with its event stream."""
-        deadline = time.monotonic() + timeout
-        while True:
-            status, body = await self("GET", f"/sessions/{session_id}?expand=event_stream")
-            assert status == 200, body
-            if body["status"] == "done":
-                return body
-            if time.monotonic() > deadline:
-                raise AssertionError(f"session {session_id} is still {body['status']}")
-            await asyncio.sleep(0.05)
-
-
 @pytest.fixture(scope="module")
 async def api(gateway, cluster):
-    token = gateway.token("admin@example.com", groups="admin", name="Ada Admin")
-    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as http:
-        yield Api(gateway, cluster, http)
+    async with admin_http(gateway) as http:
+        yield PostgresApi(gateway, http, cluster)
 
 
 @pytest.fixture(scope="module")
@@ -134,14 +67,6 @@ async def admin(cluster):
     connection = await asyncpg.connect(cluster.dsn())
     yield connection
     await connection.close()
-
-
-def events(session: dict) -> list[tuple[str, str]]:
-    return [(kind, base64.b64decode(data).decode("utf-8", "replace")) for _, kind, data in session["event_stream"]]
-
-
-def of_kind(session: dict, kind: str) -> list[str]:
-    return [text for k, text in events(session) if k == kind]
 
 
 def psql(gateway: Daemon, secret: str, *args: str, database: str = "postgres", sslmode: str = "disable",
