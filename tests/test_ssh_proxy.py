@@ -26,19 +26,14 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
-import aiohttp
 import pytest
 
-from tests.conftest import Daemon, free_port
+from tests.apiclient import SshApi, admin_http, b64, events, of_kind
+from tests.conftest import Daemon, free_port, proxy_daemon
 from tests.sshpeer import CLIENT_OPTIONS, SshTarget, unavailable_reason
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
-
-
-def b64(text: str) -> str:
-    return base64.b64encode(text.encode()).decode()
 
 
 # --------------------------------------------------------------------------- fixtures
@@ -53,88 +48,16 @@ def target():
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
-    daemon = Daemon(tmp_path_factory.mktemp("sshproxy") / "data", {
-        "listeners.ssh": f"127.0.0.1:{free_port()}",
-        "sessions.flush_interval": "100ms",
-    }).start()
-    daemon.ssh_port = int(daemon.settings["listeners.ssh"].rsplit(":", 1)[1])
+    daemon = proxy_daemon(tmp_path_factory, "sshproxy", "ssh")
+    daemon.ssh_port = daemon.proxy_port
     yield daemon
     assert daemon.stop() == 0
 
 
-class Api:
-    """The control API as an admin, plus helpers to make ssh roles and credentials."""
-
-    def __init__(self, daemon: Daemon, target: SshTarget, http: aiohttp.ClientSession) -> None:
-        self.daemon = daemon
-        self.target = target
-        self.http = http
-
-    async def __call__(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        async with self.http.request(method, self.daemon.url + path, json=body) as response:
-            text = await response.text()
-            try:
-                return response.status, json.loads(text) if text else None
-            except ValueError:
-                return response.status, text
-
-    async def role(self, *, password: bool = False, key: str | None = None, port: int | None = None,
-                   host_key: str | None = None, settings: dict | None = None) -> dict:
-        """A new ssh connection to the target (key login unless ``password``), with a unique name."""
-        secret = {"envvar:HOST": b64("127.0.0.1"), "envvar:PORT": b64(str(port or self.target.port)),
-                  "envvar:USER": b64(self.target.user)}
-        if password:
-            secret["envvar:PASS"] = b64(self.target.password)
-        else:
-            secret["envvar:PRIVATE_KEY"] = b64(key or self.target.private_key_text)
-        if host_key is not None:
-            secret["envvar:HOST_KEY"] = b64(host_key)
-        name = f"ssh-{uuid.uuid4().hex[:8]}"
-        status, body = await self("POST", "/connections", {"name": name, "type": "custom", "subtype": "ssh",
-                                                          "secret": secret, "settings": settings or {}})
-        assert status == 201, body
-        return body
-
-    async def credential(self, connection: dict, seconds: int = 600) -> tuple[str, str]:
-        """(secret, session id) of a fresh credential."""
-        status, body = await self("POST", f"/connections/{connection['name']}/credentials",
-                                  {"access_duration_seconds": seconds})
-        assert status == 201, body
-        return body["connection_credentials"]["username"], body["session_id"]
-
-    async def guardrail(self, connection: dict, input_rules: list | None = None, output_rules: list | None = None):
-        status, body = await self("POST", "/guardrails", {
-            "name": f"rail-{uuid.uuid4().hex[:8]}", "connection_ids": [connection["id"]],
-            "input": {"rules": input_rules or []}, "output": {"rules": output_rules or []}})
-        assert status == 201, body
-        return body
-
-    async def done_session(self, session_id: str, timeout: float = 20) -> dict:
-        """The session once it is ``done``, with its event stream."""
-        deadline = time.monotonic() + timeout
-        while True:
-            status, body = await self("GET", f"/sessions/{session_id}?expand=event_stream")
-            assert status == 200, body
-            if body["status"] == "done":
-                return body
-            if time.monotonic() > deadline:
-                raise AssertionError(f"session {session_id} is still {body['status']}")
-            await asyncio.sleep(0.05)
-
-
 @pytest.fixture(scope="module")
 async def api(gateway, target):
-    token = gateway.token("admin@example.com", groups="admin", name="Ada Admin")
-    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as http:
-        yield Api(gateway, target, http)
-
-
-def events(session: dict) -> list[tuple[str, str]]:
-    return [(kind, base64.b64decode(data).decode("utf-8", "replace")) for _, kind, data in session["event_stream"]]
-
-
-def of_kind(session: dict, kind: str) -> list[str]:
-    return [text for k, text in events(session) if k == kind]
+    async with admin_http(gateway) as http:
+        yield SshApi(gateway, http, target)
 
 
 def ssh_args(gateway: Daemon, secret: str, *args: str, user: str | None = None, batch: bool = True) -> list[str]:
