@@ -8,7 +8,6 @@ makes its own connection (role) so guard rails never leak between tests.
 from __future__ import annotations
 
 import asyncio
-import base64
 import hashlib
 import json
 import subprocess
@@ -22,30 +21,12 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.conftest import ROOT, Daemon, free_port
+from tests.apiclient import Api, admin_http, b64, events
+from tests.conftest import ROOT, Daemon, free_port, proxy_daemon, wait_port
 from tests.httppeer import BLOCK, pattern_sha256
 
 BIG = 200 * 1024 * 1024
 MEMORY_BOUND_KB = 150 * 1024
-
-
-def b64(text: str) -> str:
-    return base64.b64encode(text.encode()).decode()
-
-
-def wait_port(port: int, process: subprocess.Popen[bytes], timeout: float = 20) -> None:
-    import socket
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"exited with {process.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"nothing listens on {port}")
 
 
 def start_target() -> tuple[subprocess.Popen[bytes], int]:
@@ -74,58 +55,27 @@ def target():
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
-    port = free_port()
-    daemon = Daemon(tmp_path_factory.mktemp("httpproxy") / "data", {
-        "listeners.http": f"127.0.0.1:{port}",
-        "sessions.flush_interval": "100ms",
+    daemon = proxy_daemon(tmp_path_factory, "httpproxy", "http", {
         "http.record_body_bytes": 4096,
         "http.guard_body_bytes": 65536,
         "http.credential_recheck": "1s",
-    }).start()
-    daemon.http_url = f"http://127.0.0.1:{port}"
-    wait_port(port, daemon.process)
+    }, wait=True)
+    daemon.http_url = f"http://127.0.0.1:{daemon.proxy_port}"
     yield daemon
     assert daemon.stop() == 0
 
 
-class Api:
-    """The control API as an admin, plus helpers to make roles and credentials."""
+class HttpApi(Api):
+    """The control API with http connections to the target app."""
 
-    def __init__(self, daemon: Daemon, target: str, http: aiohttp.ClientSession) -> None:
-        self.daemon = daemon
+    secret_field = "proxy_token"
+
+    def __init__(self, daemon: Daemon, http: aiohttp.ClientSession, target: str) -> None:
+        super().__init__(daemon, http)
         self.target = target
-        self.http = http
-
-    async def __call__(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        async with self.http.request(method, self.daemon.url + path, json=body) as response:
-            text = await response.text()
-            try:
-                return response.status, json.loads(text) if text else None
-            except ValueError:
-                return response.status, text
 
     async def role(self, remote_url: str | None = None) -> dict:
-        name = f"web-{uuid.uuid4().hex[:8]}"
-        status, body = await self("POST", "/connections", {
-            "name": name, "type": "httpproxy", "subtype": "httpproxy",
-            "secret": {"envvar:REMOTE_URL": b64(remote_url or self.target)}})
-        assert status == 201, body
-        return body
-
-    async def credential(self, connection: dict, seconds: int = 600) -> tuple[str, str]:
-        """(secret, session id) of a fresh credential."""
-        status, body = await self("POST", f"/connections/{connection['name']}/credentials",
-                                  {"access_duration_seconds": seconds})
-        assert status == 201, body
-        return body["connection_credentials"]["proxy_token"], body["session_id"]
-
-    async def guardrail(self, connection: dict, input_rules: list | None = None,
-                        output_rules: list | None = None) -> dict:
-        status, body = await self("POST", "/guardrails", {
-            "name": f"rail-{uuid.uuid4().hex[:8]}", "connection_ids": [connection["id"]],
-            "input": {"rules": input_rules or []}, "output": {"rules": output_rules or []}})
-        assert status == 201, body
-        return body
+        return await self.connection("web", "httpproxy", "httpproxy", {"REMOTE_URL": remote_url or self.target})
 
     async def session(self, session_id: str, until: Any = None, timeout: float = 10) -> dict:
         """The session with its event stream, once ``until(session)`` holds."""
@@ -148,9 +98,8 @@ class Api:
 
 @pytest.fixture(scope="module")
 async def api(gateway, target):
-    token = gateway.token("admin@example.com", groups="admin", name="Ada Admin")
-    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as http:
-        yield Api(gateway, target, http)
+    async with admin_http(gateway) as http:
+        yield HttpApi(gateway, http, target)
 
 
 @pytest.fixture(scope="module")
@@ -158,10 +107,6 @@ async def client():
     """A plain HTTP client with no cookie jar (each test says what it sends)."""
     async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False) as http:
         yield http
-
-
-def events(session: dict) -> list[tuple[str, str]]:
-    return [(kind, base64.b64decode(data).decode("utf-8", "replace")) for _, kind, data in session["event_stream"]]
 
 
 def has_event(kind: str, needle: str):

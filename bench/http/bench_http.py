@@ -25,11 +25,9 @@ import os
 import platform
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,20 +36,9 @@ if str(ROOT) not in sys.path:
 
 import aiohttp
 
-from tests.conftest import Daemon, free_port
+from tests.conftest import Daemon, free_port, wait_port
 
 DOWNLOAD = 1024 * 1024
-
-
-def wait_port(port: int, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"nothing listens on {port}")
 
 
 class Nginx:
