@@ -29,28 +29,12 @@ from typing import Any, Iterator
 import aiohttp
 import pytest
 
-from tests.conftest import BIN, Daemon, free_port
+from tests.apiclient import Api, admin_http, events
+from tests.conftest import BIN, Daemon, free_port, proxy_daemon, wait_port
 
 TARGET_USER = "alice"
 TARGET_PASSWORD = "Tgt-pass-7c1e9d"
 PEER_TOOLS = ("Xvfb", "freerdp-shadow-cli", "xfreerdp")
-
-
-def b64(text: str) -> str:
-    return base64.b64encode(text.encode()).decode()
-
-
-def wait_port(port: int, process: subprocess.Popen[bytes], what: str, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{what} exited with {process.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"{what} is not listening on {port}")
 
 
 class Peers:
@@ -145,56 +129,29 @@ def peers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Peers]:
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory, peers: Peers) -> Iterator[Daemon]:
-    daemon = Daemon(tmp_path_factory.mktemp("rdpproxy") / "data", {
-        "listeners.rdp": f"127.0.0.1:{free_port()}",
-        "sessions.flush_interval": "100ms",
-    }).start()
-    daemon.rdp_port = int(daemon.settings["listeners.rdp"].rsplit(":", 1)[1])
+    daemon = proxy_daemon(tmp_path_factory, "rdpproxy", "rdp")
+    daemon.rdp_port = daemon.proxy_port
     yield daemon
     assert daemon.stop() == 0
 
 
-class Api:
-    """The control API as an admin; RDP roles and credentials."""
+class RdpApi(Api):
+    """The control API as an admin; RDP roles, frames as bytes."""
 
-    def __init__(self, daemon: Daemon, http: aiohttp.ClientSession) -> None:
-        self.daemon = daemon
-        self.http = http
+    session_timeout = 20
+    poll_interval = 0.1
 
-    async def __call__(self, method: str, path: str, body: Any = None, token: str | None = None) -> tuple[int, Any]:
-        headers = {"Authorization": f"Bearer {token}"} if token else None
-        async with self.http.request(method, self.daemon.url + path, json=body, headers=headers) as response:
-            raw = await response.read()
-            if response.content_type == "application/json":
-                return response.status, json.loads(raw)
-            return response.status, raw
+    async def decode(self, response: aiohttp.ClientResponse) -> Any:
+        raw = await response.read()
+        if response.content_type == "application/json":
+            return json.loads(raw)
+        return raw
 
     async def role(self, port: int, subtype: str = "rdp", user: str = TARGET_USER,
                    password: str = TARGET_PASSWORD) -> dict:
-        secret = {"envvar:HOST": b64("127.0.0.1"), "envvar:PORT": b64(str(port)),
-                  "envvar:USER": b64(user), "envvar:PASS": b64(password)}
         kind = {"rdp": "custom", "postgres": "database"}[subtype]
-        status, body = await self("POST", "/connections", {"name": f"{subtype}-{uuid.uuid4().hex[:8]}", "type": kind,
-                                                          "subtype": subtype, "secret": secret})
-        assert status == 201, body
-        return body
-
-    async def credential(self, connection: dict, seconds: int = 600, token: str | None = None) -> tuple[str, str]:
-        status, body = await self("POST", f"/connections/{connection['name']}/credentials",
-                                  {"access_duration_seconds": seconds}, token=token)
-        assert status == 201, body
-        return body["connection_credentials"]["username"], body["session_id"]
-
-    async def done_session(self, session_id: str, timeout: float = 20) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            status, body = await self("GET", f"/sessions/{session_id}?expand=event_stream")
-            assert status == 200, body
-            if body["status"] == "done":
-                return body
-            if time.monotonic() > deadline:
-                raise AssertionError(f"session {session_id} is still {body['status']}")
-            await asyncio.sleep(0.1)
+        return await self.connection(subtype, kind, subtype,
+                                     {"HOST": "127.0.0.1", "PORT": str(port), "USER": user, "PASS": password})
 
     async def sessions_of(self, connection: dict) -> list[dict]:
         status, body = await self("GET", f"/sessions?connection={connection['name']}&limit=100")
@@ -204,9 +161,8 @@ class Api:
 
 @pytest.fixture(scope="module")
 async def api(gateway: Daemon) -> Any:
-    token = gateway.token("admin@example.com", groups="admin", name="Ada Admin")
-    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as http:
-        yield Api(gateway, http)
+    async with admin_http(gateway) as http:
+        yield RdpApi(gateway, http)
 
 
 async def xfreerdp(peers: Peers, port: int, secret: str, *extra: str, timeout: float = 60) -> tuple[int, str]:
@@ -217,10 +173,6 @@ async def xfreerdp(peers: Peers, port: int, secret: str, *extra: str, timeout: f
         env={"PATH": os.environ["PATH"], "HOME": str(peers.home), "DISPLAY": f":{peers.client_display}"})
     out, _ = await asyncio.wait_for(process.communicate(), timeout)
     return process.returncode, out.decode(errors="replace")
-
-
-def events(session: dict) -> list[tuple[str, str]]:
-    return [(kind, base64.b64decode(data).decode("utf-8", "replace")) for _, kind, data in session["event_stream"]]
 
 
 # --------------------------------------------------------------------------- without peers
@@ -245,7 +197,7 @@ def test_without_the_rdp_extra_the_listener_is_left_out(monkeypatch: pytest.Monk
 # --------------------------------------------------------------------------- logon and injection
 
 
-async def test_logon_injects_the_roles_credentials(api: Api, gateway: Daemon, peers: Peers) -> None:
+async def test_logon_injects_the_roles_credentials(api: RdpApi, gateway: Daemon, peers: Peers) -> None:
     connection = await api.role(peers.observer_port)
     secret, session_id = await api.credential(connection)
     code, output = await xfreerdp(peers, gateway.rdp_port, secret, "+auth-only")
@@ -268,7 +220,7 @@ async def test_logon_injects_the_roles_credentials(api: Api, gateway: Daemon, pe
 
 
 @pytest.fixture(scope="module")
-async def recorded(api: Api, gateway: Daemon, peers: Peers) -> dict:
+async def recorded(api: RdpApi, gateway: Daemon, peers: Peers) -> dict:
     """A real few-second session at 16 bpp; its session once done."""
     connection = await api.role(peers.shadow_port)
     secret, session_id = await api.credential(connection)
@@ -299,7 +251,7 @@ async def test_session_is_done_when_the_client_leaves(recorded: dict) -> None:
     assert [k for k, _ in events(recorded)] == []  # keyboard recording is off by default
 
 
-async def test_frames_are_paged(api: Api, recorded: dict) -> None:
+async def test_frames_are_paged(api: RdpApi, recorded: dict) -> None:
     sid = recorded["id"]
     status, first = await api("GET", f"/sessions/{sid}/rdp-frames")
     assert status == 200, first
@@ -323,7 +275,7 @@ async def test_frames_are_paged(api: Api, recorded: dict) -> None:
     assert status == 422, bad
 
 
-async def test_composed_screen_shows_the_desktop(api: Api, recorded: dict) -> None:
+async def test_composed_screen_shows_the_desktop(api: RdpApi, recorded: dict) -> None:
     from PIL import Image
 
     sid = recorded["id"]
@@ -345,7 +297,7 @@ async def test_composed_screen_shows_the_desktop(api: Api, recorded: dict) -> No
     assert status == 400, bad
 
 
-async def test_frames_of_a_non_rdp_session_are_a_400(api: Api, gateway: Daemon) -> None:
+async def test_frames_of_a_non_rdp_session_are_a_400(api: RdpApi, gateway: Daemon) -> None:
     connection = await api.role(5432, subtype="postgres")
     _, session_id = await api.credential(connection)
     status, body = await api("GET", f"/sessions/{session_id}/rdp-frames")
@@ -354,7 +306,7 @@ async def test_frames_of_a_non_rdp_session_are_a_400(api: Api, gateway: Daemon) 
     assert status == 400
 
 
-async def test_frames_follow_session_visibility(api: Api, gateway: Daemon, recorded: dict) -> None:
+async def test_frames_follow_session_visibility(api: RdpApi, gateway: Daemon, recorded: dict) -> None:
     other = gateway.token("someone@example.com", groups="")
     status, body = await api("GET", f"/sessions/{recorded['id']}/rdp-frames", token=other)
     assert status == 403, body
@@ -364,7 +316,7 @@ async def test_frames_follow_session_visibility(api: Api, gateway: Daemon, recor
     assert status == 404, body
 
 
-async def test_no_password_is_stored_or_logged(api: Api, gateway: Daemon, recorded: dict) -> None:
+async def test_no_password_is_stored_or_logged(api: RdpApi, gateway: Daemon, recorded: dict) -> None:
     secret = recorded["secret"]
     needles = {}
     for label, value in (("target password", TARGET_PASSWORD), ("client secret", secret)):
@@ -384,7 +336,7 @@ async def test_no_password_is_stored_or_logged(api: Api, gateway: Daemon, record
 # --------------------------------------------------------------------------- refusals and failures
 
 
-async def test_unknown_and_expired_secrets_are_refused(api: Api, gateway: Daemon, peers: Peers) -> None:
+async def test_unknown_and_expired_secrets_are_refused(api: RdpApi, gateway: Daemon, peers: Peers) -> None:
     connection = await api.role(peers.shadow_port)
     unknown = "rdp-" + base64.urlsafe_b64encode(os.urandom(32)).decode().rstrip("=")
     code, output = await xfreerdp(peers, gateway.rdp_port, unknown, "+auth-only")
@@ -402,7 +354,7 @@ async def test_unknown_and_expired_secrets_are_refused(api: Api, gateway: Daemon
     assert unknown not in gateway.log_text() and expired not in gateway.log_text()
 
 
-async def test_target_down_is_an_error_event(api: Api, gateway: Daemon, peers: Peers) -> None:
+async def test_target_down_is_an_error_event(api: RdpApi, gateway: Daemon, peers: Peers) -> None:
     connection = await api.role(free_port())  # nothing listens there
     secret, session_id = await api.credential(connection)
     code, output = await xfreerdp(peers, gateway.rdp_port, secret, "+auth-only")
@@ -412,7 +364,7 @@ async def test_target_down_is_an_error_event(api: Api, gateway: Daemon, peers: P
     assert any(k == "e" and "is unreachable" in text for k, text in events(session)), events(session)
 
 
-async def test_a_target_that_insists_on_nla_is_refused_with_a_reason(api: Api, gateway: Daemon,
+async def test_a_target_that_insists_on_nla_is_refused_with_a_reason(api: RdpApi, gateway: Daemon,
                                                                     peers: Peers) -> None:
     connection = await api.role(peers.nla_port)
     secret, session_id = await api.credential(connection)
@@ -423,7 +375,7 @@ async def test_a_target_that_insists_on_nla_is_refused_with_a_reason(api: Api, g
     assert any(k == "e" and "Network Level Authentication" in text for k, text in events(session)), events(session)
 
 
-async def test_listener_stops_and_starts_live(api: Api, gateway: Daemon) -> None:
+async def test_listener_stops_and_starts_live(api: RdpApi, gateway: Daemon) -> None:
     status, config = await api("GET", "/serverconfig/misc")
     assert status == 200
     address = config["rdp_server_config"]["listen_address"]
@@ -438,7 +390,7 @@ async def test_listener_stops_and_starts_live(api: Api, gateway: Daemon) -> None
     socket.create_connection(("127.0.0.1", gateway.rdp_port), timeout=2).close()
 
 
-async def test_a_credential_expiring_mid_session_ends_it(api: Api, gateway: Daemon, peers: Peers) -> None:
+async def test_a_credential_expiring_mid_session_ends_it(api: RdpApi, gateway: Daemon, peers: Peers) -> None:
     connection = await api.role(peers.shadow_port)
     secret, session_id = await api.credential(connection, seconds=6)
     code, output = await xfreerdp(peers, gateway.rdp_port, secret, timeout=60)  # a real session, not auth-only
@@ -449,7 +401,7 @@ async def test_a_credential_expiring_mid_session_ends_it(api: Api, gateway: Daem
     assert page["total_frames"] > 0  # what was shown until then is kept
 
 
-async def test_a_target_dropping_the_connection_is_an_error_event(api: Api, gateway: Daemon, peers: Peers) -> None:
+async def test_a_target_dropping_the_connection_is_an_error_event(api: RdpApi, gateway: Daemon, peers: Peers) -> None:
     port = peers.shadow(peers.desktop, "shadow-dropped", "-auth", "/sec:tls")
     shadow = peers.processes[-1]
     connection = await api.role(port)
@@ -480,7 +432,7 @@ async def test_keys_are_recorded_only_when_switched_on(tmp_path: Path, peers: Pe
         port = int(daemon.settings["listeners.rdp"].rsplit(":", 1)[1])
         token = daemon.token("admin@example.com", groups="admin")
         async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as http:
-            keyed = Api(daemon, http)
+            keyed = RdpApi(daemon, http)
             connection = await keyed.role(peers.shadow_port)
             secret, session_id = await keyed.credential(connection)
             env = {"PATH": os.environ["PATH"], "HOME": str(peers.home), "DISPLAY": f":{peers.client_display}"}
@@ -510,7 +462,7 @@ async def test_keys_are_recorded_only_when_switched_on(tmp_path: Path, peers: Pe
     assert "hi<Return>" in typed, events(session)
 
 
-async def test_garbage_is_dropped_and_others_are_still_served(api: Api, gateway: Daemon, peers: Peers) -> None:
+async def test_garbage_is_dropped_and_others_are_still_served(api: RdpApi, gateway: Daemon, peers: Peers) -> None:
     junk = b"\x03\x00\x00\x13\x0e\xe0\x00\x00\x00\x00\x00" + b"SECRETJUNK" * 3
 
     async def send(payload: bytes) -> bytes:
@@ -535,7 +487,7 @@ async def test_garbage_is_dropped_and_others_are_still_served(api: Api, gateway:
     assert "SECRETJUNK" not in gateway.log_text() and "534543524554" not in gateway.log_text().upper()
 
 
-async def test_concurrent_logons_each_get_their_own_role(api: Api, gateway: Daemon, peers: Peers) -> None:
+async def test_concurrent_logons_each_get_their_own_role(api: RdpApi, gateway: Daemon, peers: Peers) -> None:
     passwords = [f"Pass-{i}-{uuid.uuid4().hex[:6]}" for i in range(3)]
     roles = [await api.role(peers.observer_port, user=f"user{i}", password=p) for i, p in enumerate(passwords)]
     secrets = [(await api.credential(role))[0] for role in roles]
