@@ -9,19 +9,17 @@ approvals, an outsider and an admin.  Jit credentials are used by real psql.
 from __future__ import annotations
 
 import asyncio
-import base64
-import json
 import os
 import subprocess
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 import aiohttp
 import pytest
 
-from tests.conftest import Daemon, free_port
+from tests.apiclient import Api, of_kind, postgres_env
+from tests.conftest import Daemon, proxy_daemon
 from tests.pgpeer import PgCluster, unavailable_reason
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
@@ -38,10 +36,6 @@ USERS = {
 }
 
 
-def b64(text: str) -> str:
-    return base64.b64encode(text.encode()).decode()
-
-
 @pytest.fixture(scope="module")
 def cluster():
     target = PgCluster().start()
@@ -51,33 +45,12 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
-    daemon = Daemon(tmp_path_factory.mktemp("reviews") / "data", {
-        "listeners.postgres": f"127.0.0.1:{free_port()}",
-        "sessions.flush_interval": "100ms",
-        "sessions.exec_wait": "2s",
-    }).start()
-    daemon.pg_port = int(daemon.settings["listeners.postgres"].rsplit(":", 1)[1])
+    daemon = proxy_daemon(tmp_path_factory, "reviews", "postgres", {"sessions.exec_wait": "2s"})
+    daemon.pg_port = daemon.proxy_port
     daemon.tokens = {who: daemon.token(email, groups=groups, name=name)
                      for who, (email, groups, name) in USERS.items()}
     yield daemon
     assert daemon.stop() == 0
-
-
-class Api:
-    """The control API as one user."""
-
-    def __init__(self, daemon: Daemon, http: aiohttp.ClientSession, token: str) -> None:
-        self.daemon = daemon
-        self.http = http
-        self.headers = {"Authorization": f"Bearer {token}"}
-
-    async def __call__(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        async with self.http.request(method, self.daemon.url + path, json=body, headers=self.headers) as response:
-            text = await response.text()
-            try:
-                return response.status, json.loads(text) if text else None
-            except ValueError:
-                return response.status, text
 
 
 @pytest.fixture(scope="module")
@@ -87,28 +60,7 @@ async def as_(gateway):
 
 
 async def make_connection(as_, cluster, **settings) -> dict:
-    name = f"pg-{uuid.uuid4().hex[:8]}"
-    secret = {"envvar:HOST": b64("127.0.0.1"), "envvar:PORT": b64(str(cluster.port)),
-              "envvar:USER": b64("postgres"), "envvar:PASS": b64(cluster.password), "envvar:DB": b64("postgres")}
-    status, body = await as_["admin"]("POST", "/connections", {
-        "name": name, "type": "database", "subtype": "postgres", "secret": secret, "settings": settings})
-    assert status == 201, body
-    return body
-
-
-async def done_session(api: Api, session_id: str, timeout: float = 15) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        status, body = await api("GET", f"/sessions/{session_id}?expand=event_stream")
-        assert status == 200, body
-        if body["status"] == "done":
-            return body
-        assert time.monotonic() < deadline, f"session {session_id} is still {body['status']}"
-        await asyncio.sleep(0.05)
-
-
-def events(session: dict, kind: str) -> list[str]:
-    return [base64.b64decode(data).decode("utf-8", "replace") for _, k, data in session["event_stream"] if k == kind]
+    return await as_["admin"].connection("pg", "database", "postgres", postgres_env(cluster), settings)
 
 
 async def audit(as_, action: str, review_id: str) -> list[dict]:
@@ -152,7 +104,7 @@ async def wait_connected(api: Api, session_id: str, timeout: float = 10) -> None
     while True:
         await asyncio.sleep(0.1)
         status, body = await api("GET", f"/sessions/{session_id}?expand=event_stream")
-        if events(body, "i"):
+        if of_kind(body, "i"):
             return
         assert time.monotonic() < deadline, "the psql connection never reached the gateway"
 
@@ -168,28 +120,25 @@ async def test_script_without_review_runs_through_guard_rails_and_is_recorded(as
     assert body["exit_code"] == 0 and body["output_status"] == "success" and body["has_review"] is False
     assert "answer" in body["output"] and "42" in body["output"]
     assert isinstance(body["execution_time"], int)
-    session = await done_session(as_["rita"], body["session_id"])
+    session = await as_["rita"].done_session(body["session_id"], 15)
     assert session["verb"] == "exec" and session["script"] == {"data": "select 41 + 1 as answer"}
     assert session["exit_code"] == 0 and session["metadata"] == {"ticket": "T-1"} and session["review"] is None
-    assert events(session, "i") == ["select 41 + 1 as answer"]
-    assert "42" in "".join(events(session, "o"))
+    assert of_kind(session, "i") == ["select 41 + 1 as answer"]
+    assert "42" in "".join(of_kind(session, "o"))
 
     status, body = await as_["rita"]("POST", "/sessions", {"connection": conn["name"], "script": "select nope"})
     assert status == 200 and body["exit_code"] == 1 and body["output_status"] == "failed"
     assert "nope" in body["output"]
-    assert any("nope" in e for e in events(await done_session(as_["rita"], body["session_id"]), "e"))
+    assert any("nope" in e for e in of_kind(await as_["rita"].done_session(body["session_id"], 15), "e"))
 
-    status, rail = await as_["admin"]("POST", "/guardrails", {
-        "name": f"rail-{uuid.uuid4().hex[:6]}", "connection_ids": [conn["id"]],
-        "input": {"rules": [{"type": "deny_words_list", "words": ["drop table"]}]}, "output": {"rules": []}})
-    assert status == 201, rail
+    await as_["admin"].guardrail(conn, [{"type": "deny_words_list", "words": ["drop table"]}])
     status, body = await as_["rita"]("POST", "/sessions", {"connection": conn["name"],
                                                            "script": "create table keepme (i int); DROP  TABLE keepme"})
     assert status == 200 and body["exit_code"] == 254
     assert "validation error, match guard rails input rule" in body["output"]
-    blocked = await done_session(as_["rita"], body["session_id"])
-    assert blocked["exit_code"] == 254 and events(blocked, "i") == []
-    assert "drop table" in "".join(events(blocked, "e"))
+    blocked = await as_["rita"].done_session(body["session_id"], 15)
+    assert blocked["exit_code"] == 254 and of_kind(blocked, "i") == []
+    assert "drop table" in "".join(of_kind(blocked, "e"))
 
 
 async def test_script_copy_from_stdin_fails_cleanly_and_big_output_is_capped(as_, cluster):
@@ -202,8 +151,8 @@ async def test_script_copy_from_stdin_fails_cleanly_and_big_output_is_capped(as_
         "connection": conn["name"], "script": "select repeat('x', 1000) from generate_series(1, 2000)"})
     assert status == 200 and body["exit_code"] == 0
     assert len(body["output"]) < 1_100_000 and "[output truncated" in body["output"]
-    session = await done_session(as_["rita"], body["session_id"])
-    assert sum(len(o) for o in events(session, "o")) > 2_000_000  # the recording has all of it
+    session = await as_["rita"].done_session(body["session_id"], 15)
+    assert sum(len(o) for o in of_kind(session, "o")) > 2_000_000  # the recording has all of it
 
 
 async def test_script_past_the_wait_limit_answers_202_and_keeps_running(as_, cluster):
@@ -212,8 +161,8 @@ async def test_script_past_the_wait_limit_answers_202_and_keeps_running(as_, clu
                                                            "script": "select pg_sleep(3.5), 'late' as word"})
     assert status == 202, body
     assert body["output_status"] == "running" and body["exit_code"] is None
-    session = await done_session(as_["rita"], body["session_id"])
-    assert session["exit_code"] == 0 and "late" in "".join(events(session, "o"))
+    session = await as_["rita"].done_session(body["session_id"], 15)
+    assert session["exit_code"] == 0 and "late" in "".join(of_kind(session, "o"))
 
 
 async def test_scripts_need_a_runner_and_a_known_connection(as_):
@@ -305,9 +254,9 @@ async def test_onetime_review_partial_full_approval_time_window_and_execution(as
     status, body = await as_["rita"]("POST", f"/sessions/{session_id}/exec")
     assert status == 200, body
     assert body["exit_code"] == 0 and "reviewed" in body["output"]
-    session = await done_session(as_["rita"], session_id)
+    session = await as_["rita"].done_session(session_id, 15)
     assert session["review"]["status"] == "EXECUTED" and session["script"] == {"data": script}
-    assert events(session, "i") == [script]
+    assert of_kind(session, "i") == [script]
     status, body = await as_["rita"]("POST", f"/sessions/{session_id}/exec")
     assert status == 400 and "already" in body["message"]
 
@@ -449,8 +398,8 @@ async def test_jit_approval_gives_credentials_that_psql_uses_and_revocation_clos
         out, err = process.communicate()
     assert code != 0
     assert "revoked" in err
-    session = await done_session(as_["rita"], session_id)
-    assert any("just-in-time access revoked by dora@example.com" in e for e in events(session, "e"))
+    session = await as_["rita"].done_session(session_id, 15)
+    assert any("just-in-time access revoked by dora@example.com" in e for e in of_kind(session, "e"))
     assert session["review"]["status"] == "REVOKED" and session["review"]["revoke_at"]
 
     # the secret is dead, and no new one is handed out
@@ -501,8 +450,8 @@ async def test_jit_expiry_closes_the_live_session(as_, cluster, gateway):
             process.kill()
         out, err = process.communicate()
     assert code != 0 and "expired" in err
-    session = await done_session(as_["rita"], session_id)
-    assert any("expired" in e for e in events(session, "e"))
+    session = await as_["rita"].done_session(session_id, 15)
+    assert any("expired" in e for e in of_kind(session, "e"))
     status, body = await as_["rita"]("POST", f"/connections/{conn['name']}/credentials/{session_id}")
     assert status == 410 and "expired" in body["message"]
     status, review = await as_["dora"]("GET", f"/reviews/{review_id}")
