@@ -10,24 +10,18 @@ from __future__ import annotations
 import asyncio
 import base64
 import importlib.util
-import json
 import subprocess
 import time
-import uuid
-from typing import Any
 
 import aiohttp
 import pytest
 
-from tests.conftest import Daemon, free_port
+from tests.apiclient import SshApi
+from tests.conftest import Daemon, proxy_daemon
 from tests.sshpeer import CLIENT_OPTIONS, SshTarget, unavailable_reason
 
 _REASON = unavailable_reason() or (None if importlib.util.find_spec("proxies.ssh.server") else "no SSH proxy")
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
-
-
-def b64(text: str) -> str:
-    return base64.b64encode(text.encode()).decode()
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +33,8 @@ def target():
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
-    daemon = Daemon(tmp_path_factory.mktemp("reviews-ssh") / "data", {
-        "listeners.ssh": f"127.0.0.1:{free_port()}",
-        "sessions.flush_interval": "100ms",
-    }).start()
-    daemon.ssh_port = int(daemon.settings["listeners.ssh"].rsplit(":", 1)[1])
+    daemon = proxy_daemon(tmp_path_factory, "reviews-ssh", "ssh")
+    daemon.ssh_port = daemon.proxy_port
     daemon.tokens = {"admin": daemon.token("ada@example.com", groups="admin"),
                      "rita": daemon.token("rita@example.com", groups="dev"),
                      "dora": daemon.token("dora@example.com", groups="dba")}
@@ -52,16 +43,9 @@ def gateway(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-async def as_(gateway):
+async def as_(gateway, target):
     async with aiohttp.ClientSession() as http:
-        def api(token: str):
-            async def call(method: str, path: str, body: Any = None) -> tuple[int, Any]:
-                async with http.request(method, gateway.url + path, json=body,
-                                        headers={"Authorization": f"Bearer {token}"}) as response:
-                    text = await response.text()
-                    return response.status, json.loads(text) if text else None
-            return call
-        yield {who: api(token) for who, token in gateway.tokens.items()}
+        yield {who: SshApi(gateway, http, target, token) for who, token in gateway.tokens.items()}
 
 
 def ssh_args(gateway: Daemon, secret: str, *command: str) -> list[str]:
@@ -69,12 +53,7 @@ def ssh_args(gateway: Daemon, secret: str, *command: str) -> list[str]:
 
 
 async def test_jit_on_ssh_with_real_ssh_and_revocation(as_, gateway, target):
-    secret = {"envvar:HOST": b64("127.0.0.1"), "envvar:PORT": b64(str(target.port)),
-              "envvar:USER": b64(target.user), "envvar:PRIVATE_KEY": b64(target.private_key_text)}
-    status, conn = await as_["admin"]("POST", "/connections", {
-        "name": f"ssh-{uuid.uuid4().hex[:6]}", "type": "custom", "subtype": "ssh", "secret": secret,
-        "reviewers": ["dba"]})
-    assert status == 201, conn
+    conn = await as_["admin"].role(reviewers=["dba"])
     assert conn["reviewers"] == ["dba"]
     status, body = await as_["rita"]("POST", f"/connections/{conn['name']}/credentials", {})
     assert status == 202 and body["has_review"] is True, body
@@ -129,12 +108,7 @@ async def test_jit_on_ssh_with_real_ssh_and_revocation(as_, gateway, target):
 
 
 async def test_reviewed_ssh_command_runs_after_approval(as_, gateway, target):
-    secret = {"envvar:HOST": b64("127.0.0.1"), "envvar:PORT": b64(str(target.port)),
-              "envvar:USER": b64(target.user), "envvar:PRIVATE_KEY": b64(target.private_key_text)}
-    status, conn = await as_["admin"]("POST", "/connections", {
-        "name": f"ssh-{uuid.uuid4().hex[:6]}", "type": "custom", "subtype": "ssh", "secret": secret,
-        "settings": {"reviewers": ["dba"], "jit_review": False}})
-    assert status == 201, conn
+    conn = await as_["admin"].role(settings={"reviewers": ["dba"], "jit_review": False})
     status, body = await as_["rita"]("POST", "/sessions", {"connection": conn["name"],
                                                            "script": "echo reviewed-$((6 * 7)); exit 3"})
     assert status == 202 and body["review"]["status"] == "PENDING", body
