@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -9,7 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, AsyncIterator, Iterator
 
 import pytest
 
@@ -149,6 +150,21 @@ def proxy_daemon(tmp_path_factory: pytest.TempPathFactory, name: str, listener: 
     if wait:
         wait_port(port, daemon.process, "gatewayd")
     return daemon
+
+
+@contextlib.asynccontextmanager
+async def core_gateway(tmp_path: Path) -> AsyncIterator[Any]:
+    """The core services of a Gateway in process (store, recording; no listeners), closed at the end."""
+    from gatewayd.config import load_config
+    from gatewayd.daemon import Gateway
+
+    gateway = Gateway(load_config(None, environ={}, overrides={
+        "data_dir": str(tmp_path / "data"), "sessions.flush_interval": "100ms"}))
+    await gateway.open_core()
+    await gateway.recording.start()
+    yield gateway
+    await gateway.recording.stop()
+    await gateway.close_core()
 
 
 @pytest.fixture(scope="session")

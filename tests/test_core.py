@@ -13,18 +13,13 @@ from gatewayd.daemon import Gateway
 from gatewayd.models import Connection, User, new_id, rfc3339, utcnow
 from gatewayd.recording import HIGH_WATER
 from gatewayd.store import AuditFilter
-from tests.conftest import free_port
+from tests.conftest import core_gateway, free_port
 
 
 @pytest.fixture
 async def core(tmp_path):
-    gateway = Gateway(load_config(None, environ={}, overrides={
-        "data_dir": str(tmp_path / "data"), "sessions.flush_interval": "100ms"}))
-    await gateway.open_core()
-    await gateway.recording.start()
-    yield gateway
-    await gateway.recording.stop()
-    await gateway.close_core()
+    async with core_gateway(tmp_path) as gateway:
+        yield gateway
 
 
 async def a_connection(core: Gateway, subtype: str = "postgres") -> Connection:

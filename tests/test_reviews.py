@@ -27,6 +27,7 @@ from gatewayd.reviews import (
     policy_for,
     review_json,
 )
+from tests.conftest import core_gateway
 
 NOW = datetime(2026, 11, 21, 12, 0, tzinfo=UTC)
 
@@ -287,17 +288,9 @@ def test_execution_needs_approval_and_the_window():
 
 @pytest.fixture
 async def core(tmp_path):
-    from gatewayd.config import load_config
-    from gatewayd.daemon import Gateway
-
-    gateway = Gateway(load_config(None, environ={}, overrides={
-        "data_dir": str(tmp_path / "data"), "sessions.flush_interval": "100ms"}))
-    await gateway.open_core()
-    await gateway.recording.start()
-    yield gateway
-    gateway.reviews.stop()
-    await gateway.recording.stop()
-    await gateway.close_core()
+    async with core_gateway(tmp_path) as gateway:
+        yield gateway
+        gateway.reviews.stop()
 
 
 async def _jit_setup(core, seconds: int):
