@@ -101,13 +101,15 @@ def strip_credential_cookie(cookie_header: str) -> str:
     return "; ".join(kept)
 
 
-def connection_tokens(headers: Iterable[tuple[str, str]]) -> set[str]:
-    """Header names listed in ``Connection`` (hop-by-hop for this message only)."""
-    tokens: set[str] = set()
-    for name, value in headers:
-        if name.lower() == "connection":
-            tokens.update(t.strip().lower() for t in value.split(",") if t.strip())
-    return tokens
+def _lowered(headers: Iterable[tuple[str, str]],
+             drop: frozenset[str]) -> tuple[list[tuple[str, str, str]], frozenset[str]]:
+    """Each header with its lowered name, and ``drop`` plus the names listed in ``Connection`` (hop-by-hop
+    for this message only)."""
+    rows = [(name.lower(), name, value) for name, value in headers]
+    for lower, _, value in rows:
+        if lower == "connection":
+            drop = drop | frozenset(t.strip().lower() for t in value.split(",") if t.strip())
+    return rows, drop
 
 
 def upstream_request_headers(headers: Iterable[tuple[str, str]], source: str | None, client_ip: str,
@@ -117,12 +119,10 @@ def upstream_request_headers(headers: Iterable[tuple[str, str]], source: str | N
     The target's own ``Authorization`` passes when the credential came by
     cookie or path; ``X-Forwarded-For`` extends the client's list.
     """
-    headers = list(headers)
-    drop = _REQUEST_DROP | connection_tokens(headers)
+    rows, drop = _lowered(headers, _REQUEST_DROP)
     out: Headers = []
     forwarded_for = ""
-    for name, value in headers:
-        lower = name.lower()
+    for lower, name, value in rows:
         if lower == "x-forwarded-for":
             forwarded_for = f"{forwarded_for}, {value}" if forwarded_for else value
             continue
@@ -145,14 +145,12 @@ def upstream_request_headers(headers: Iterable[tuple[str, str]], source: str | N
 def downstream_response_headers(headers: Iterable[tuple[str, str]], target: "TargetUrl",
                                  gateway_origin: str) -> Headers:
     """The target's response headers for the client: hop-by-hop dropped, redirects kept on the gateway."""
-    headers = list(headers)
-    drop = _RESPONSE_DROP | connection_tokens(headers)
+    rows, drop = _lowered(headers, _RESPONSE_DROP)
     out: Headers = []
-    for name, value in headers:
-        lower = name.lower()
+    for lower, name, value in rows:
         if lower in drop:
             continue
-        if lower in ("location", "content-location"):
+        if lower == "location" or lower == "content-location":
             value = rewrite_location(value, target, gateway_origin)
         out.append((name, value))
     return out
@@ -297,10 +295,18 @@ def scrub(text: str) -> str:
 
 
 def head_text(first_line: str, headers: Iterable[tuple[str, str]]) -> str:
-    """The start line and the redacted headers, as they would look on the wire."""
-    lines = [scrub(first_line)]
-    lines += [f"{name}: {redact_header(name, value)}" for name, value in headers]
-    return "\r\n".join(lines) + "\r\n\r\n"
+    """The start line and the redacted headers, as they would look on the wire.
+
+    Credential headers are redacted one by one; a gateway secret anywhere
+    else is scrubbed from the whole text at once (it cannot span a line).
+    """
+    lines = [first_line]
+    for name, value in headers:
+        if name.lower() in _SECRET_HEADERS:
+            value = redact_header(name, value)
+        lines.append(f"{name}: {value}")
+    lines.append("\r\n")
+    return scrub("\r\n".join(lines))
 
 
 def body_note(recorded: int, total: int | None, complete: bool) -> str:
