@@ -25,6 +25,7 @@ from gatewayd.access import AccessDenied
 from gatewayd.crypto import hash_secret
 from gatewayd.models import parse_time
 from gatewayd.sessions import BLOCKED_EXIT_CODE
+from proxies.http.front import Front, FrontRequest, FrontStream
 from proxies.http.messages import (
     CredentialSource,
     TargetUrl,
@@ -112,13 +113,19 @@ class HttpListener:
         )
         self.server = web.Server(self.handle, access_log=None, auto_decompress=False, read_bufsize=256 * 1024)
         self.runner = web.ServerRunner(self.server, handle_signals=False, shutdown_timeout=1.0)
+        self.front = Front(self.handle, self.server)  # plain requests; the rest goes to self.server
+        self.tcp: asyncio.AbstractServer | None = None
 
     async def start(self, host: str, port: int) -> None:
         await self.runner.setup()
-        await web.TCPSite(self.runner, host, port, reuse_address=True, backlog=1024).start()
+        self.tcp = await asyncio.get_running_loop().create_server(
+            self.front.protocol, host or None, port, reuse_address=True, backlog=1024)
 
     async def close(self) -> None:
         try:
+            if self.tcp is not None:
+                self.tcp.close()
+            await self.front.close(grace=1.0)
             await self.runner.cleanup()
         finally:
             self.pool.close()
@@ -211,7 +218,7 @@ class HttpListener:
 
     # -- requests
 
-    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+    async def handle(self, request: web.BaseRequest | FrontRequest) -> web.StreamResponse | FrontStream:
         headers = request.headers
         client_ip = request.remote or ""
         presented = extract_credential(headers.get("Authorization"), headers.get("Cookie"), request.raw_path)
@@ -255,8 +262,8 @@ class HttpListener:
         state.live.recorder.error(f"the client broke off the request body of {scrub(first_line)} ({reason})")
         return json_error(400, f"the request body could not be read ({reason})")
 
-    async def _forward(self, request: web.BaseRequest, state: CredentialState, source: str,
-                       client_ip: str) -> web.StreamResponse:
+    async def _forward(self, request: web.BaseRequest | FrontRequest, state: CredentialState, source: str,
+                       client_ip: str) -> web.StreamResponse | FrontStream:
         live = state.live
         recorder = live.recorder
         connection = state.grant.connection
@@ -324,8 +331,8 @@ class HttpListener:
         finally:
             upstream.release()
 
-    async def _respond(self, request: web.BaseRequest, state: CredentialState, upstream: UpstreamResponse,
-                       rules: RuleSet, client_ip: str) -> web.StreamResponse:
+    async def _respond(self, request: web.BaseRequest | FrontRequest, state: CredentialState,
+                       upstream: UpstreamResponse, rules: RuleSet, client_ip: str) -> web.StreamResponse | FrontStream:
         recorder = state.live.recorder
         message = upstream.message
         up_headers = message.headers
@@ -370,21 +377,25 @@ class HttpListener:
             return await self._stream(request, state, upstream, out_headers, head, length, prefix, eof,
                                       sse and text, rules, client_ip)
 
-    async def _stream(self, request: web.BaseRequest, state: CredentialState, upstream: UpstreamResponse,
+    async def _stream(self, request: web.BaseRequest | FrontRequest, state: CredentialState, upstream: UpstreamResponse,
                       out_headers: CIMultiDict[str], head: bytes, length: int | None, prefix: bytes, eof: bool,
-                      check_chunks: bool, rules: RuleSet, client_ip: str) -> web.StreamResponse:
+                      check_chunks: bool, rules: RuleSet, client_ip: str) -> web.StreamResponse | FrontStream:
         """Send a body as it arrives (a kill of the session cuts it)."""
         recorder = state.live.recorder
         message = upstream.message
-        response = web.StreamResponse(status=message.code, reason=message.reason, headers=out_headers)
-        if length is not None:
-            response.content_length = length
+        response: web.StreamResponse | FrontStream
+        if isinstance(request, FrontRequest):
+            response = request.start_stream(message.code, message.reason, out_headers, length)
+        else:
+            response = web.StreamResponse(status=message.code, reason=message.reason, headers=out_headers)
+            if length is not None:
+                response.content_length = length
         kept = bytearray(prefix[:self.record_cap])
         overlap = ""
         sent = len(prefix)
         error = None
         try:
-            await response.prepare(request)
+            await response.prepare(request)  # type: ignore[arg-type]
             if prefix:
                 await response.write(prefix)
             if not eof:

@@ -1,0 +1,313 @@
+"""The listener's front end: plain keep-alive requests served on a bare protocol, the rest handed to aiohttp.
+
+aiohttp's ``web.Server`` costs about 20 us of CPU per request on its own (a
+``BaseRequest``, the request-handler task's bookkeeping, response
+preparation, keep-alive timers) -- a fifth of a proxied request. Most proxied
+requests are the plain case: one complete HTTP/1.1 head without a body, no
+upgrade, no ``Expect``, arriving in one piece while nothing else is in flight
+on the connection. Those are parsed with aiohttp's own C request parser and
+served here: the handler gets a ``FrontRequest`` (the few attributes of
+``BaseRequest`` the proxy reads) and its ``web.Response`` is serialized the
+way aiohttp would write it; a streamed answer goes through ``FrontStream``.
+
+Anything else (a body, a websocket, ``Expect: 100-continue``, HTTP/1.0,
+``Connection: close``, a head split over reads, pipelining, a parse error)
+hands the connection, from the bytes of that request on, to aiohttp's
+``RequestHandler`` for good, so every other path is aiohttp's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Awaitable, Callable
+
+from aiohttp import web
+from aiohttp.helpers import EMPTY_BODY_STATUS_CODES, rfc822_formatted_time
+from aiohttp.http import SERVER_SOFTWARE, HttpVersion11
+from aiohttp.http_parser import HttpRequestParser, RawRequestMessage
+from aiohttp.http_writer import _serialize_headers
+from aiohttp.streams import EMPTY_PAYLOAD
+from aiohttp.tcp_helpers import tcp_keepalive
+from multidict import CIMultiDict, CIMultiDictProxy
+
+log = logging.getLogger("gatewayd.http")
+
+KEEPALIVE_SECONDS = 75.0  # aiohttp's default: an idle keep-alive connection is closed after this
+_END = b"\r\n\r\n"
+
+
+class FrontRequest:
+    """A plain request served by the front end: the attributes of ``web.BaseRequest`` the proxy reads."""
+
+    __slots__ = ("_message", "_protocol", "headers", "method", "raw_path", "version", "host")
+
+    scheme = "http"
+    content_length = None
+    body_exists = False
+
+    def __init__(self, message: RawRequestMessage, protocol: FrontProtocol) -> None:
+        self._message = message
+        self._protocol = protocol
+        self.headers: CIMultiDictProxy[str] = message.headers
+        self.method: str = message.method
+        self.raw_path: str = message.path
+        self.version = message.version
+        self.host: str = message.headers["Host"]
+
+    @property
+    def remote(self) -> str:
+        return self._protocol.remote
+
+    @property
+    def transport(self) -> asyncio.Transport | None:
+        return self._protocol.transport
+
+    def start_stream(self, status: int, reason: str, headers: CIMultiDict[str], length: int | None) -> FrontStream:
+        """Send the head of a streamed answer; the body follows through the returned ``FrontStream``."""
+        return FrontStream(self._protocol, status, reason, headers, length)
+
+
+class FrontStream:
+    """A streamed answer on a front-end connection: ``Content-Length`` when known, else chunked."""
+
+    __slots__ = ("_protocol", "_chunked", "_head", "eof")
+
+    def __init__(self, protocol: FrontProtocol, status: int, reason: str, headers: CIMultiDict[str],
+                 length: int | None) -> None:
+        self._protocol = protocol
+        self._chunked = length is None
+        self.eof = False
+        if length is None:
+            headers["Transfer-Encoding"] = "chunked"
+        else:
+            headers["Content-Length"] = str(length)
+        if length != 0:
+            headers.setdefault("Content-Type", "application/octet-stream")
+        self._head = _head(status, reason, headers)
+
+    async def prepare(self, request: FrontRequest) -> None:
+        """Send the head (as ``StreamResponse.prepare`` does)."""
+        self._protocol.send(self._head)
+
+    async def write(self, data: bytes) -> None:
+        if data:
+            self._protocol.send(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
+            await self._protocol.drain()
+
+    async def write_eof(self) -> None:
+        if self._chunked:
+            self._protocol.send(b"0\r\n\r\n")
+        self.eof = True
+
+
+def _head(status: int, reason: str, headers: CIMultiDict[str]) -> bytes:
+    """The status line and headers as aiohttp writes them (``Date`` and ``Server`` added when missing)."""
+    if "Date" not in headers:
+        headers["Date"] = rfc822_formatted_time()
+    headers.setdefault("Server", SERVER_SOFTWARE)
+    return _serialize_headers(f"HTTP/1.1 {status} {reason}", headers)
+
+
+def serialize(response: web.Response, method: str) -> bytes:
+    """A ``web.Response`` on the wire, with the headers aiohttp's ``prepare`` would add."""
+    status = response.status
+    headers = response.headers
+    body = response.body
+    if not isinstance(body, (bytes, bytearray)):
+        body = b""
+    if status in EMPTY_BODY_STATUS_CODES:
+        headers.pop("Content-Length", None)
+        headers.pop("Transfer-Encoding", None)
+        return _head(status, response.reason, headers)
+    if method == "HEAD":
+        headers.pop("Transfer-Encoding", None)
+        if "Content-Length" not in headers and body:
+            headers["Content-Length"] = str(len(body))
+        if headers.get("Content-Length", "0") != "0":
+            headers.setdefault("Content-Type", "application/octet-stream")
+        return _head(status, response.reason, headers)
+    headers["Content-Length"] = str(len(body))
+    if body:
+        headers.setdefault("Content-Type", "application/octet-stream")
+    return _head(status, response.reason, headers) + body
+
+
+Handler = Callable[[FrontRequest], Awaitable[web.StreamResponse | FrontStream]]
+
+
+class Front:
+    """The listener's front end: serves plain requests with ``handler``, hands the rest to ``fallback``."""
+
+    def __init__(self, handler: Handler, fallback: web.Server) -> None:
+        self.handler = handler
+        self.fallback = fallback
+        self.connections: set[FrontProtocol] = set()
+        self._sweeper: asyncio.TimerHandle | None = None
+
+    def protocol(self) -> FrontProtocol:
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().call_later(KEEPALIVE_SECONDS / 5, self._sweep)
+        return FrontProtocol(self)
+
+    def _sweep(self) -> None:
+        """Close front-end connections idle for longer than the keep-alive time."""
+        horizon = time.monotonic() - KEEPALIVE_SECONDS
+        for connection in [c for c in self.connections if c.task is None and c.idle_since < horizon]:
+            connection.close()
+        self._sweeper = asyncio.get_running_loop().call_later(KEEPALIVE_SECONDS / 5, self._sweep)
+
+    async def close(self, grace: float) -> None:
+        """Close idle connections now, let requests in flight finish for up to ``grace`` seconds, then cut them."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        busy = []
+        for connection in list(self.connections):
+            if connection.task is None:
+                connection.close()
+            else:
+                busy.append(connection.task)
+        if busy:
+            _, pending = await asyncio.wait(busy, timeout=grace)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending)
+        for connection in list(self.connections):
+            connection.close()
+
+
+class FrontProtocol(asyncio.Protocol):
+    """One client connection, served here while its requests stay plain (see the module docstring)."""
+
+    def __init__(self, front: Front) -> None:
+        self.front = front
+        self.transport: asyncio.Transport | None = None
+        self.remote = ""
+        self.task: asyncio.Task[None] | None = None
+        self.idle_since = time.monotonic()
+        self._loop = asyncio.get_running_loop()
+        self._parser = HttpRequestParser(self, self._loop, 2**16, max_line_size=8190, max_field_size=8190)
+        self._pending = b""
+        self._paused = False
+        self._drained: asyncio.Future[None] | None = None
+
+    # -- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        peer = transport.get_extra_info("peername")
+        self.remote = str(peer[0]) if isinstance(peer, (list, tuple)) else str(peer or "")
+        tcp_keepalive(self.transport)  # type: ignore[arg-type]
+        self.front.connections.add(self)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.transport = None
+        self.front.connections.discard(self)
+        self._wake_writer(ConnectionResetError("the client closed the connection"))
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        self._wake_writer(None)
+
+    def data_received(self, data: bytes) -> None:
+        if self.task is not None:  # the next request before this answer ends: kept until then
+            self._pending += data
+            if self.transport is not None:
+                self.transport.pause_reading()
+            return
+        if data.find(_END) != len(data) - 4:  # not exactly one whole head
+            self._hand_over(data)
+            return
+        try:
+            messages, upgraded, _ = self._parser.feed_data(data)
+        except Exception:
+            self._hand_over(data)  # aiohttp answers it with its own 400
+            return
+        if len(messages) != 1 or upgraded:
+            self._hand_over(data)
+            return
+        message, payload = messages[0]
+        headers = message.headers
+        if (payload is not EMPTY_PAYLOAD or message.version != HttpVersion11 or message.should_close
+                or message.upgrade or message.method == "CONNECT" or "Host" not in headers
+                or "Expect" in headers or "Upgrade" in headers):
+            self._hand_over(data)
+            return
+        self.task = self._loop.create_task(self._serve(FrontRequest(message, self)))
+
+    # -- serving
+
+    async def _serve(self, request: FrontRequest) -> None:
+        keep = False
+        try:
+            response = await self.front.handler(request)
+            if isinstance(response, FrontStream):
+                keep = response.eof
+            elif isinstance(response, web.Response) and not response.prepared:
+                self.send(serialize(response, request.method))
+                keep = response.keep_alive is not False
+            else:  # nothing else is produced for a plain request
+                raise TypeError(f"unexpected response {type(response).__name__}")
+        except asyncio.CancelledError:
+            pass  # a kill of the session or a shutdown: the connection goes
+        except ConnectionError:
+            pass  # the client went away
+        except Exception:
+            log.exception("http request failed")
+            if self.transport is not None and not self.transport.is_closing():
+                self.transport.write(serialize(web.Response(status=500, text="500 Internal Server Error"),
+                                               request.method))
+        finally:
+            self.task = None
+            self.idle_since = time.monotonic()
+            if not keep:
+                self.close()
+            elif self._pending and self.transport is not None:
+                data, self._pending = self._pending, b""
+                self.transport.resume_reading()
+                self.data_received(data)
+
+    def send(self, data: bytes) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the client closed the connection")
+        transport.write(data)
+
+    async def drain(self) -> None:
+        """Wait while the client reads slower than the answer arrives."""
+        if self.transport is None:
+            raise ConnectionResetError("the client closed the connection")
+        if self._paused:
+            self._drained = self._loop.create_future()
+            await self._drained
+
+    def _wake_writer(self, exc: BaseException | None) -> None:
+        waiter, self._drained = self._drained, None
+        if waiter is not None and not waiter.done():
+            if exc is None:
+                waiter.set_result(None)
+            else:
+                waiter.set_exception(exc)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def _hand_over(self, data: bytes) -> None:
+        """From ``data`` on, the connection is aiohttp's."""
+        transport = self.transport
+        self.front.connections.discard(self)
+        if transport is None or transport.is_closing():
+            return
+        handler = self.front.fallback()
+        transport.set_protocol(handler)
+        handler.connection_made(transport)
+        if self._paused:
+            handler.pause_writing()
+        self.transport = None
+        handler.data_received(data)
