@@ -1,0 +1,214 @@
+"""The HTTP proxy's front end on the wire: plain requests on its own protocol, everything else handed to aiohttp.
+
+A raw socket client talks to a real ``gatewayd run`` in front of the real
+target app (``tests/httppeer.py``), so each test chooses exactly how the bytes
+arrive: pipelined, a head split over two writes, a body, HTTP/1.0, garbage,
+a request sent while the previous answer still streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.apiclient import Api, admin_http, events
+from tests.conftest import ROOT, free_port, proxy_daemon, wait_port
+from tests.httppeer import pattern_sha256
+
+
+@pytest.fixture(scope="module")
+def target():
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "tests.httppeer", str(port)], cwd=ROOT)
+    try:
+        wait_port(port, process)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    daemon = proxy_daemon(tmp_path_factory, "httpfront", "http", wait=True)
+    yield daemon
+    assert daemon.stop() == 0
+
+
+class HttpApi(Api):
+    secret_field = "proxy_token"
+
+    async def session_events(self, session_id: str, needle: str, timeout: float = 10) -> dict:
+        """The session with its event stream, once an input event holds ``needle``."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            status, body = await self("GET", f"/sessions/{session_id}?expand=event_stream")
+            assert status == 200, body
+            if any(kind == "i" and needle in text for kind, text in events(body)):
+                return body
+            assert asyncio.get_running_loop().time() < deadline, f"no input event with {needle!r}"
+            await asyncio.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+async def credential(gateway, target):
+    """(secret, session id, api) of one credential on the target app."""
+    async with admin_http(gateway) as http:
+        api = HttpApi(gateway, http)
+        role = await api.connection("front", "httpproxy", "httpproxy", {"REMOTE_URL": target})
+        secret, session_id = await api.credential(role)
+        yield secret, session_id, api
+
+
+async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers by lowered name, body) of one response: Content-Length, chunked, or up to EOF."""
+    head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
+    status_line, *lines = head[:-4].split("\r\n")
+    headers = {}
+    for line in lines:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    if "content-length" in headers:
+        body = await reader.readexactly(int(headers["content-length"]))
+    elif headers.get("transfer-encoding") == "chunked":
+        body = b""
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).split(b";")[0].strip(), 16)
+            if size == 0:
+                await reader.readuntil(b"\r\n")  # the empty line after the last chunk
+                break
+            body += (await reader.readexactly(size + 2))[:-2]
+    else:
+        body = await reader.read()
+    return int(status_line.split()[1]), headers, body
+
+
+def request(method: str, path: str, secret: str, body: bytes = b"", version: str = "1.1") -> bytes:
+    head = f"{method} {path} HTTP/{version}\r\nHost: gw.test\r\nAuthorization: {secret}\r\n"
+    if body:
+        head += f"Content-Length: {len(body)}\r\n"
+    return head.encode() + b"\r\n" + body
+
+
+async def connect(gateway) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection("127.0.0.1", gateway.proxy_port, limit=1 << 22)
+
+
+async def test_pipelined_requests_are_answered_in_order(gateway, credential):
+    secret = credential[0]
+    reader, writer = await connect(gateway)
+    writer.write(request("GET", "/echo/first", secret) + request("GET", "/echo/second", secret))
+    first = await read_response(reader)
+    second = await read_response(reader)
+    assert (first[0], json.loads(first[2])["path"]) == (200, "/echo/first")
+    assert (second[0], json.loads(second[2])["path"]) == (200, "/echo/second")
+    writer.close()
+
+
+async def test_a_head_split_over_two_writes_is_answered(gateway, credential):
+    secret = credential[0]
+    reader, writer = await connect(gateway)
+    data = request("GET", "/echo/split?x=1", secret)
+    writer.write(data[:20])
+    await writer.drain()
+    await asyncio.sleep(0.05)  # two segments, so the gateway reads two pieces
+    writer.write(data[20:])
+    status, _, body = await read_response(reader)
+    assert status == 200 and json.loads(body)["path"] == "/echo/split"
+    writer.close()
+
+
+async def test_plain_body_plain_on_one_connection(gateway, credential):
+    """A plain GET, a POST with a body (the connection goes to aiohttp), another GET: all answered."""
+    secret, session_id, api = credential
+    reader, writer = await connect(gateway)
+    writer.write(request("GET", "/json", secret))
+    status, headers, body = await read_response(reader)
+    assert status == 200 and headers["content-type"] == "application/json" and json.loads(body)
+    assert "date" in headers and "server" in headers
+    writer.write(request("POST", "/echo/posted", secret, b"hello front"))
+    status, _, body = await read_response(reader)
+    assert status == 200 and json.loads(body)["body"] == "hello front"
+    writer.write(request("GET", "/echo/after", secret))
+    status, _, body = await read_response(reader)
+    assert status == 200 and json.loads(body)["path"] == "/echo/after"
+    writer.close()
+    session = await api.session_events(session_id, "GET /echo/after")
+    texts = [text for kind, text in events(session) if kind == "i"]
+    assert any(t.startswith("GET /json HTTP/1.1") for t in texts)
+    assert any(t.startswith("POST /echo/posted HTTP/1.1") and "hello front" in t for t in texts)
+    assert all(secret not in text for _, text in events(session))
+
+
+async def test_http10_request_is_answered_and_closed(gateway, credential):
+    reader, writer = await connect(gateway)
+    writer.write(request("GET", "/json", credential[0], version="1.0"))
+    status, _, body = await read_response(reader)
+    assert status == 200 and json.loads(body)
+    assert await reader.read() == b""  # closed after the answer
+    writer.close()
+
+
+async def test_garbage_gets_aiohttps_400_and_the_gateway_serves_on(gateway, credential):
+    reader, writer = await connect(gateway)
+    writer.write(b"NOT HTTP AT ALL\r\n\r\n")
+    status, _, _ = await read_response(reader)
+    assert status == 400
+    writer.close()
+    reader, writer = await connect(gateway)
+    writer.write(request("GET", "/json", credential[0]))
+    assert (await read_response(reader))[0] == 200
+    writer.close()
+
+
+async def test_streamed_answers_with_and_without_length_keep_the_connection(gateway, credential):
+    secret = credential[0]
+    reader, writer = await connect(gateway)
+    for path, size in (("/download?size=300000", 300000), ("/download?size=200001&chunked=1", 200001)):
+        writer.write(request("GET", path, secret))
+        status, headers, body = await read_response(reader)
+        assert status == 200 and len(body) == size
+        assert hashlib.sha256(body).hexdigest() == pattern_sha256(size)
+        assert ("content-length" in headers) == ("chunked" not in path)
+    writer.write(request("HEAD", "/download?size=5000", secret))
+    head = await reader.readuntil(b"\r\n\r\n")
+    assert b" 200 " in head.split(b"\r\n")[0] and b"Content-Length: 5000" in head
+    writer.write(request("GET", "/json", secret))
+    assert (await read_response(reader))[0] == 200  # nothing of the HEAD's body was left on the wire
+    writer.close()
+
+
+async def test_a_request_sent_while_an_answer_streams_waits_its_turn(gateway, credential):
+    secret = credential[0]
+    reader, writer = await connect(gateway)
+    writer.write(request("GET", "/sse-hold", secret))
+    head = await reader.readuntil(b"\r\n\r\n")
+    assert b"text/event-stream" in head
+    assert b"data: first" in await reader.readuntil(b"data: first\n\n\r\n")
+    writer.write(request("GET", "/echo/next", secret))  # the next request, sent early
+    await writer.drain()
+    other_reader, other_writer = await connect(gateway)
+    other_writer.write(request("GET", "/release", secret))
+    assert (await read_response(other_reader))[0] == 200
+    other_writer.close()
+    rest = await reader.readuntil(b"0\r\n\r\n")
+    assert b"data: second" in rest
+    status, _, body = await read_response(reader)
+    assert status == 200 and json.loads(body)["path"] == "/echo/next"
+    writer.close()
+
+
+async def test_refusals_on_the_plain_path(gateway, credential):
+    reader, writer = await connect(gateway)
+    writer.write(b"GET /json HTTP/1.1\r\nHost: gw.test\r\n\r\n")
+    status, headers, body = await read_response(reader)
+    assert status == 401 and "missing credential" in json.loads(body)["message"]
+    writer.write(b"GET /" + credential[0].encode() + b"/json?a=1 HTTP/1.1\r\nHost: gw.test\r\n\r\n")
+    status, headers, body = await read_response(reader)
+    assert status == 302 and headers["location"] == "/json?a=1" and "HttpOnly" in headers["set-cookie"]
+    writer.close()
