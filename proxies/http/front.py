@@ -7,8 +7,9 @@ requests are the plain case: one complete HTTP/1.1 head without a body, no
 upgrade, no ``Expect``, arriving in one piece while nothing else is in flight
 on the connection. Those are parsed with aiohttp's own C request parser and
 served here: the handler gets a ``FrontRequest`` (the few attributes of
-``BaseRequest`` the proxy reads) and its ``web.Response`` is serialized the
-way aiohttp would write it; a streamed answer goes through ``FrontStream``.
+``BaseRequest`` the proxy reads) and answers with the bytes of a small
+answer (``FrontRequest.answer``), a ``web.Response`` (serialized the way
+aiohttp would write it) or a ``FrontStream`` for a streamed one.
 
 Anything else (a body, a websocket, ``Expect: 100-continue``, HTTP/1.0,
 ``Connection: close``, a head split over reads, pipelining, a parse error)
@@ -63,6 +64,33 @@ class FrontRequest:
     @property
     def transport(self) -> asyncio.Transport | None:
         return self._protocol.transport
+
+    def answer(self, status: int, reason: str, headers: list[tuple[str, str]], body: bytes,
+               head_length: int | None) -> bytes:
+        """A whole answer on the wire, as ``web.Response`` would write it (``head_length``: a HEAD's length)."""
+        lines = [f"HTTP/1.1 {status} {reason}"]
+        present = set()
+        for name, value in headers:
+            if "\n" in value or "\r" in value:
+                raise ValueError("a newline in a header value")
+            present.add(name.lower())
+            lines.append(f"{name}: {value}")
+        if "date" not in present:
+            lines.append(f"Date: {rfc822_formatted_time()}")
+        if "server" not in present:
+            lines.append(f"Server: {SERVER_SOFTWARE}")
+        if status in EMPTY_BODY_STATUS_CODES:
+            body = b""
+        elif self.method == "HEAD":
+            body = b""
+            if head_length is not None:
+                lines.append(f"Content-Length: {head_length}")
+        else:
+            lines.append(f"Content-Length: {len(body)}")
+            if body and "content-type" not in present:
+                lines.append("Content-Type: application/octet-stream")
+        lines.append("\r\n")
+        return "\r\n".join(lines).encode("utf-8", "surrogateescape") + body
 
     def start_stream(self, status: int, reason: str, headers: CIMultiDict[str], length: int | None) -> FrontStream:
         """Send the head of a streamed answer; the body follows through the returned ``FrontStream``."""
@@ -125,8 +153,6 @@ def serialize(response: web.Response, method: str) -> bytes:
         headers.pop("Transfer-Encoding", None)
         if "Content-Length" not in headers and body:
             headers["Content-Length"] = str(len(body))
-        if headers.get("Content-Length", "0") != "0":
-            headers.setdefault("Content-Type", "application/octet-stream")
         return _head(status, response.reason, headers)
     headers["Content-Length"] = str(len(body))
     if body:
@@ -134,7 +160,7 @@ def serialize(response: web.Response, method: str) -> bytes:
     return _head(status, response.reason, headers) + body
 
 
-Handler = Callable[[FrontRequest], Awaitable[web.StreamResponse | FrontStream]]
+Handler = Callable[[FrontRequest], Awaitable[web.StreamResponse | FrontStream | bytes]]
 
 
 class Front:
@@ -246,7 +272,10 @@ class FrontProtocol(asyncio.Protocol):
         keep = False
         try:
             response = await self.front.handler(request)
-            if isinstance(response, FrontStream):
+            if isinstance(response, bytes):
+                self.send(response)
+                keep = True
+            elif isinstance(response, FrontStream):
                 keep = response.eof
             elif isinstance(response, web.Response) and not response.prepared:
                 self.send(serialize(response, request.method))

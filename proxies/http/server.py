@@ -218,7 +218,7 @@ class HttpListener:
 
     # -- requests
 
-    async def handle(self, request: web.BaseRequest | FrontRequest) -> web.StreamResponse | FrontStream:
+    async def handle(self, request: web.BaseRequest | FrontRequest) -> web.StreamResponse | FrontStream | bytes:
         headers = request.headers
         client_ip = request.remote or ""
         presented = extract_credential(headers.get("Authorization"), headers.get("Cookie"), request.raw_path)
@@ -263,7 +263,7 @@ class HttpListener:
         return json_error(400, f"the request body could not be read ({reason})")
 
     async def _forward(self, request: web.BaseRequest | FrontRequest, state: CredentialState, source: str,
-                       client_ip: str) -> web.StreamResponse | FrontStream:
+                       client_ip: str) -> web.StreamResponse | FrontStream | bytes:
         live = state.live
         recorder = live.recorder
         connection = state.grant.connection
@@ -332,14 +332,14 @@ class HttpListener:
             upstream.release()
 
     async def _respond(self, request: web.BaseRequest | FrontRequest, state: CredentialState,
-                       upstream: UpstreamResponse, rules: RuleSet, client_ip: str) -> web.StreamResponse | FrontStream:
+                       upstream: UpstreamResponse, rules: RuleSet, client_ip: str) -> web.StreamResponse | FrontStream | bytes:
         recorder = state.live.recorder
         message = upstream.message
         up_headers = message.headers
         status = message.code
         content_type = up_headers.get("Content-Type")
-        out_headers = CIMultiDict(downstream_response_headers(
-            up_headers.items(), state.target, f"{request.scheme}://{request.host}"))
+        out_list = downstream_response_headers(up_headers.items(), state.target,
+                                               f"{request.scheme}://{request.host}")
         status_line = f"HTTP/{message.version.major}.{message.version.minor} {status} {message.reason}"
         head = head_text(status_line, up_headers.items()).encode()
         text = bool(rules.output_rules) and is_text(content_type)
@@ -357,7 +357,10 @@ class HttpListener:
                         return await self._blocked(state, verdict, client_ip)
                 recorded = body[:self.record_cap]
                 recorder.output(head + recorded + body_note(len(recorded), len(body), True).encode())
-                response = web.Response(status=status, reason=message.reason, headers=out_headers, body=body or None)
+                if isinstance(request, FrontRequest):
+                    return request.answer(status, message.reason, out_list, body, length if no_body else None)
+                response = web.Response(status=status, reason=message.reason, headers=CIMultiDict(out_list),
+                                        body=body or None)
                 if no_body and length is not None:
                     response.headers["Content-Length"] = str(length)
                 return response
@@ -374,12 +377,12 @@ class HttpListener:
                                            "answered badly")
 
         with _in_flight(state):
-            return await self._stream(request, state, upstream, out_headers, head, length, prefix, eof,
+            return await self._stream(request, state, upstream, CIMultiDict(out_list), head, length, prefix, eof,
                                       sse and text, rules, client_ip)
 
     async def _stream(self, request: web.BaseRequest | FrontRequest, state: CredentialState, upstream: UpstreamResponse,
                       out_headers: CIMultiDict[str], head: bytes, length: int | None, prefix: bytes, eof: bool,
-                      check_chunks: bool, rules: RuleSet, client_ip: str) -> web.StreamResponse | FrontStream:
+                      check_chunks: bool, rules: RuleSet, client_ip: str) -> web.StreamResponse | FrontStream | bytes:
         """Send a body as it arrives (a kill of the session cuts it)."""
         recorder = state.live.recorder
         message = upstream.message
