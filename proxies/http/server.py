@@ -350,7 +350,8 @@ class HttpListener:
 
         try:
             if no_body or (length is not None and length <= SMALL_BODY and not sse):
-                body = b"" if no_body else await upstream.content.read()
+                content = upstream.content
+                body = b"" if no_body else content.read_nowait() if content.is_eof() else await content.read()
                 if text and body:
                     verdict = rules.check_output(body[:self.guard_cap].decode("utf-8", "replace"))
                     if not verdict.allowed:

@@ -1,11 +1,11 @@
-"""Pooled keep-alive HTTP/1.1 connections to targets, on aiohttp's client protocol and C response parser.
+"""Pooled keep-alive HTTP/1.1 connections to targets, on aiohttp's C response parser.
 
 ``ClientSession.request`` costs about three times the CPU of the server side
 of a proxied request (URL handling, cookie and trace hooks, per-request
 objects); the proxy already has the method, the raw path and the final
-header list, so it writes the request head itself and lets aiohttp's
-``ResponseHandler`` parse the answer into a ``(message, StreamReader)`` just
-as ``ClientResponse`` would. Websockets still go through ``ClientSession``.
+header list, so it writes the request head itself and has aiohttp's C
+parser turn the answer into a ``(message, StreamReader)`` just as
+``ClientResponse`` would get it. Websockets still go through ``ClientSession``.
 """
 
 from __future__ import annotations
@@ -13,13 +13,16 @@ from __future__ import annotations
 import asyncio
 import ssl
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from aiohttp import ClientConnectionError, ServerDisconnectedError
-from aiohttp.client_proto import ResponseHandler
-from aiohttp.http_parser import RawResponseMessage
-from aiohttp.streams import StreamReader
+from aiohttp import ClientConnectionError, ClientPayloadError, ServerDisconnectedError
+from aiohttp.base_protocol import BaseProtocol
+from aiohttp.helpers import EMPTY_BODY_STATUS_CODES, set_exception
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.http_parser import HttpResponseParser, RawResponseMessage
+from aiohttp.streams import EMPTY_PAYLOAD, StreamReader
 
 READ_BUFSIZE = 256 * 1024
 WRITE_HIGH_WATER = 256 * 1024
@@ -27,37 +30,125 @@ IDLE_SECONDS = 30.0
 CONNECT_TIMEOUT = 15.0
 
 
-class TargetProtocol(ResponseHandler):
-    """aiohttp's client protocol, plus: the answer to a HEAD is its head alone.
+class TargetProtocol(BaseProtocol):
+    """One target connection: aiohttp's C response parser fed straight from the socket.
 
-    Some servers (aiohttp's own ``StreamResponse`` among them) send a body
-    after the head of a HEAD answer; the parser would read it as a malformed
-    next response. Those bytes are dropped and the connection is not reused.
+    aiohttp's ``ResponseHandler`` re-runs its whole ``data_received`` on
+    every body read (``resume_reading`` nudges the parser) and builds a new
+    parser per request; here the parser lives as long as the connection (a
+    new one only when a HEAD changes whether answers have bodies) and a
+    resume that follows no pause costs nothing. The answer to a HEAD is its
+    head alone: some servers (aiohttp's own ``StreamResponse`` among them)
+    send a body after it, which the parser would read as a malformed next
+    response; those bytes are dropped and the connection is not reused.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__(loop)
+        self.should_close = False
         self.head_only = False
         self._head = b""
         self._discard = False
+        self._with_body: bool | None = None
+        self._answers: deque[tuple[RawResponseMessage, StreamReader]] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._payload: StreamReader | None = None
+        self._error: BaseException | None = None
+
+    def is_connected(self) -> bool:
+        return self.transport is not None and not self.transport.is_closing()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+        self.should_close = True
+
+    def force_close(self) -> None:
+        self.should_close = True
+
+    def expect(self, head_only: bool) -> None:
+        """Get ready for the next answer (``head_only``: the answer to a HEAD, no body)."""
+        self.head_only = head_only
+        if self._with_body is not (not head_only):
+            self._parser = HttpResponseParser(
+                self, self._loop, READ_BUFSIZE, payload_exception=ClientPayloadError,
+                response_with_body=not head_only, read_until_eof=True, auto_decompress=False,
+                max_line_size=16384, max_field_size=16384)
+            self._with_body = not head_only
+
+    async def read(self) -> tuple[RawResponseMessage, StreamReader]:
+        """The next answer's head and its body as a stream."""
+        while not self._answers:
+            if self._error is not None:
+                raise self._error
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._answers.popleft()
+
+    def resume_reading(self, resume_parser: bool = True) -> None:
+        if self._reading_paused:  # every body read calls this; only a real pause needs the work
+            super().resume_reading(resume_parser)
 
     def data_received(self, data: bytes) -> None:
         if self._discard:
             return
-        if not self.head_only:
-            super().data_received(data)
+        if self.head_only and data:
+            self._head += data
+            end = self._head.find(b"\r\n\r\n")
+            if end < 0 and len(self._head) < 65536:
+                return  # the head is not complete yet
+            cut = end + 4 if end >= 0 else len(self._head)
+            data, extra = self._head[:cut], self._head[cut:]
+            self._head, self.head_only = b"", False
+            if extra:  # a body after a HEAD answer: dropped, and the connection with it
+                self.should_close = True
+                self._discard = True
+        assert self._parser is not None
+        try:
+            messages, upgraded, _ = self._parser.feed_data(data)
+        except BaseException as exc:
+            if self.transport is not None:
+                self.transport.close()
+            if not isinstance(exc, Exception):
+                raise
+            error = (HttpProcessingError(code=exc.code, message=exc.message, headers=exc.headers)
+                     if isinstance(exc, HttpProcessingError) else HttpProcessingError())
+            self._fail(error, ClientPayloadError(f"the response body was malformed ({type(exc).__name__})"))
             return
-        self._head += data
-        end = self._head.find(b"\r\n\r\n")
-        if end < 0 and len(self._head) < 65536:
-            return  # the head is not complete yet
-        cut = end + 4 if end >= 0 else len(self._head)
-        head, extra = self._head[:cut], self._head[cut:]
-        self._head, self.head_only = b"", False
-        if extra:  # a body after a HEAD answer: dropped, and the connection with it
-            self.force_close()
-            self._discard = True
-        super().data_received(head)
+        for message, payload in messages:
+            if message.should_close:
+                self.should_close = True
+            if not self._with_body or message.code in EMPTY_BODY_STATUS_CODES:
+                payload = EMPTY_PAYLOAD
+            else:
+                self._payload = payload
+            self._answers.append((message, payload))
+        if upgraded:
+            self.should_close = True
+        if messages and self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _fail(self, error: BaseException, body_error: BaseException) -> None:
+        self.should_close = True
+        self._error = error
+        payload, self._payload = self._payload, None
+        if payload is not None and not payload.is_eof():
+            set_exception(payload, body_error)
+        if self._waiter is not None and not self._waiter.done():
+            set_exception(self._waiter, error)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        payload = self._payload
+        if payload is not None and not payload.is_eof() and self._parser is not None:
+            try:
+                self._parser.feed_eof()  # ends a body that runs to the end of the connection
+            except Exception:
+                pass
+        self._fail(ServerDisconnectedError(), ClientPayloadError("Response payload is not completed"))
+        super().connection_lost(exc)
 
 
 class UpstreamError(Exception):
@@ -181,10 +272,7 @@ class UpstreamPool:
     async def _exchange(self, connection: UpstreamConnection, head: bytes, body: bytes | AsyncIterator[bytes] | None,
                         chunked: bool, skip_body: bool) -> UpstreamResponse:
         protocol = connection.protocol
-        protocol.head_only = skip_body
-        protocol.set_response_params(skip_payload=skip_body, read_until_eof=True, auto_decompress=False,
-                                     read_bufsize=READ_BUFSIZE,
-                                     max_line_size=16384, max_field_size=16384)
+        protocol.expect(skip_body)
         transport = protocol.transport
         if transport is None:
             raise ServerDisconnectedError()
