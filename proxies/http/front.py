@@ -170,6 +170,7 @@ class Front:
         self.handler = handler
         self.fallback = fallback
         self.connections: set[FrontProtocol] = set()
+        self.closing = False
         self._sweeper: asyncio.TimerHandle | None = None
 
     def protocol(self) -> FrontProtocol:
@@ -180,20 +181,21 @@ class Front:
     def _sweep(self) -> None:
         """Close front-end connections idle for longer than the keep-alive time."""
         horizon = time.monotonic() - KEEPALIVE_SECONDS
-        for connection in [c for c in self.connections if c.task is None and c.idle_since < horizon]:
+        for connection in [c for c in self.connections if not c.busy and c.idle_since < horizon]:
             connection.close()
         self._sweeper = asyncio.get_running_loop().call_later(KEEPALIVE_SECONDS / 5, self._sweep)
 
     async def close(self, grace: float) -> None:
         """Close idle connections now, let requests in flight finish for up to ``grace`` seconds, then cut them."""
+        self.closing = True
         if self._sweeper is not None:
             self._sweeper.cancel()
         busy = []
         for connection in list(self.connections):
-            if connection.task is None:
-                connection.close()
+            if connection.busy and connection.runner is not None:
+                busy.append(connection.runner)
             else:
-                busy.append(connection.task)
+                connection.close()
         if busy:
             _, pending = await asyncio.wait(busy, timeout=grace)
             for task in pending:
@@ -211,7 +213,9 @@ class FrontProtocol(asyncio.Protocol):
         self.front = front
         self.transport: asyncio.Transport | None = None
         self.remote = ""
-        self.task: asyncio.Task[None] | None = None
+        self.busy = False  # a request is being served
+        self.runner: asyncio.Task[None] | None = None  # serves this connection's requests one after the other
+        self._next: asyncio.Future[FrontRequest] | None = None  # the runner waits here between requests
         self.idle_since = time.monotonic()
         self._loop = asyncio.get_running_loop()
         self._parser = HttpRequestParser(self, self._loop, 2**16, max_line_size=8190, max_field_size=8190)
@@ -232,6 +236,7 @@ class FrontProtocol(asyncio.Protocol):
         self.transport = None
         self.front.connections.discard(self)
         self._wake_writer(ConnectionResetError("the client closed the connection"))
+        self._stop_runner()
 
     def pause_writing(self) -> None:
         self._paused = True
@@ -241,7 +246,7 @@ class FrontProtocol(asyncio.Protocol):
         self._wake_writer(None)
 
     def data_received(self, data: bytes) -> None:
-        if self.task is not None:  # the next request before this answer ends: kept until then
+        if self.busy:  # the next request before this answer ends: kept until then
             self._pending += data
             if self.transport is not None:
                 self.transport.pause_reading()
@@ -264,11 +269,42 @@ class FrontProtocol(asyncio.Protocol):
                 or "Expect" in headers or "Upgrade" in headers):
             self._hand_over(data)
             return
-        self.task = self._loop.create_task(self._serve(FrontRequest(message, self)))
+        request = FrontRequest(message, self)
+        self.busy = True
+        if self._next is not None:
+            self._next.set_result(request)
+        else:
+            self.runner = self._loop.create_task(self._run(request))
 
     # -- serving
 
-    async def _serve(self, request: FrontRequest) -> None:
+    async def _run(self, request: FrontRequest) -> None:
+        """Serve requests as they come (one task per connection, not one per request)."""
+        while True:
+            keep = await self._serve(request)
+            self.busy = False
+            self.idle_since = time.monotonic()
+            if not keep or self.front.closing or self.transport is None:
+                self.close()
+                return
+            self._next = self._loop.create_future()
+            try:
+                if self._pending:
+                    data, self._pending = self._pending, b""
+                    self.transport.resume_reading()
+                    self.data_received(data)
+                request = await self._next
+            except asyncio.CancelledError:
+                return  # the connection closed, or went to aiohttp
+            finally:
+                self._next = None
+
+    def _stop_runner(self) -> None:
+        if self._next is not None and not self._next.done():
+            self._next.cancel()
+
+    async def _serve(self, request: FrontRequest) -> bool:
+        """Answer one request; whether the connection can serve the next."""
         keep = False
         try:
             response = await self.front.handler(request)
@@ -291,15 +327,7 @@ class FrontProtocol(asyncio.Protocol):
             if self.transport is not None and not self.transport.is_closing():
                 self.transport.write(serialize(web.Response(status=500, text="500 Internal Server Error"),
                                                request.method))
-        finally:
-            self.task = None
-            self.idle_since = time.monotonic()
-            if not keep:
-                self.close()
-            elif self._pending and self.transport is not None:
-                data, self._pending = self._pending, b""
-                self.transport.resume_reading()
-                self.data_received(data)
+        return keep
 
     def send(self, data: bytes) -> None:
         transport = self.transport
@@ -331,6 +359,7 @@ class FrontProtocol(asyncio.Protocol):
         """From ``data`` on, the connection is aiohttp's."""
         transport = self.transport
         self.front.connections.discard(self)
+        self._stop_runner()
         if transport is None or transport.is_closing():
             return
         handler = self.front.fallback()
