@@ -6,7 +6,7 @@ preparation, keep-alive timers) -- a fifth of a proxied request. Most proxied
 requests are the plain case: one complete HTTP/1.1 head without a body, no
 upgrade, no ``Expect``, arriving in one piece while nothing else is in flight
 on the connection. Those are parsed with aiohttp's own C request parser and
-served here: the handler gets a ``FrontRequest`` (the few attributes of
+served here, by one task per connection: the handler gets a ``FrontRequest`` (the few attributes of
 ``BaseRequest`` the proxy reads) and answers with the bytes of a small
 answer (``FrontRequest.answer``), a ``web.Response`` (serialized the way
 aiohttp would write it) or a ``FrontStream`` for a streamed one.
@@ -42,14 +42,13 @@ _END = b"\r\n\r\n"
 class FrontRequest:
     """A plain request served by the front end: the attributes of ``web.BaseRequest`` the proxy reads."""
 
-    __slots__ = ("_message", "_protocol", "headers", "method", "raw_path", "version", "host")
+    __slots__ = ("_protocol", "headers", "method", "raw_path", "version", "host")
 
     scheme = "http"
     content_length = None
     body_exists = False
 
     def __init__(self, message: RawRequestMessage, protocol: FrontProtocol) -> None:
-        self._message = message
         self._protocol = protocol
         self.headers: CIMultiDictProxy[str] = message.headers
         self.method: str = message.method
@@ -93,7 +92,7 @@ class FrontRequest:
         return "\r\n".join(lines).encode("utf-8", "surrogateescape") + body
 
     def start_stream(self, status: int, reason: str, headers: CIMultiDict[str], length: int | None) -> FrontStream:
-        """Send the head of a streamed answer; the body follows through the returned ``FrontStream``."""
+        """A streamed answer: ``prepare`` sends its head, ``write`` and ``write_eof`` its body."""
         return FrontStream(self._protocol, status, reason, headers, length)
 
 
