@@ -161,6 +161,10 @@ class GuardRailService:
         """Called by the API after any guard rail create, update or delete."""
         self._cache.clear()
 
+    def cached(self, connection_id: str) -> RuleSet | None:
+        """The connection's rules when they are compiled already: a per-request path skips the await."""
+        return self._cache.get(connection_id)
+
     async def rules_for(self, org_id: str, connection_id: str) -> RuleSet:
         rules = self._cache.get(connection_id)
         if rules is None:

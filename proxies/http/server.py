@@ -267,7 +267,9 @@ class HttpListener:
         live = state.live
         recorder = live.recorder
         connection = state.grant.connection
-        rules = await self.gateway.guardrails.rules_for(connection.org_id, connection.id)
+        rules = self.gateway.guardrails.cached(connection.id)
+        if rules is None:
+            rules = await self.gateway.guardrails.rules_for(connection.org_id, connection.id)
         headers = request.headers
         method = request.method
         raw_path = request.raw_path
