@@ -334,7 +334,8 @@ class HttpListener:
             upstream.release()
 
     async def _respond(self, request: web.BaseRequest | FrontRequest, state: CredentialState,
-                       upstream: UpstreamResponse, rules: RuleSet, client_ip: str) -> web.StreamResponse | FrontStream | bytes:
+                       upstream: UpstreamResponse, rules: RuleSet,
+                       client_ip: str) -> web.StreamResponse | FrontStream | bytes:
         recorder = state.live.recorder
         message = upstream.message
         up_headers = message.headers
