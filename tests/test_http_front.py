@@ -212,3 +212,20 @@ async def test_refusals_on_the_plain_path(gateway, credential):
     status, headers, body = await read_response(reader)
     assert status == 302 and headers["location"] == "/json?a=1" and "HttpOnly" in headers["set-cookie"]
     writer.close()
+
+
+async def test_header_bytes_that_are_not_utf8_pass_and_are_recorded(gateway, credential):
+    """A Latin-1 header value (no UTF-8) reaches the target as sent, on the plain path and with a body."""
+    secret, session_id, api = credential
+    reader, writer = await connect(gateway)
+    odd = b"X-Odd: caf\xe9\r\n"
+    for path, body in (("/echo/odd-plain", b""), ("/echo/odd-body", b"hi")):
+        head = request("GET", path, secret, body)
+        writer.write(head.replace(b"\r\n", b"\r\n" + odd, 1))
+        status, _, answer = await read_response(reader)
+        assert status == 200, answer
+        assert ["X-Odd", "caf\udce9"] in json.loads(answer)["headers"]  # the target's parser saw byte 0xe9
+    writer.close()
+    session = await api.session_events(session_id, "GET /echo/odd-body")
+    assert any(text.startswith("GET /echo/odd-plain") and "X-Odd: caf" in text
+               for kind, text in events(session) if kind == "i")

@@ -309,6 +309,11 @@ def head_text(first_line: str, headers: Iterable[tuple[str, str]]) -> str:
     return scrub("\r\n".join(lines))
 
 
+def head_bytes(first_line: str, headers: Iterable[tuple[str, str]]) -> bytes:
+    """``head_text`` as the bytes to record: header bytes that are not UTF-8 come back as they were sent."""
+    return head_text(first_line, headers).encode("utf-8", "surrogateescape")
+
+
 def body_note(recorded: int, total: int | None, complete: bool) -> str:
     """What follows a recorded body that is not whole: how much was kept of how much."""
     if complete and (total is None or recorded >= total):

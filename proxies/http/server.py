@@ -35,7 +35,7 @@ from proxies.http.messages import (
     extract_credential,
     guard_text,
     has_dot_segments,
-    head_text,
+    head_bytes,
     is_event_stream,
     is_text,
     is_websocket_upgrade,
@@ -279,7 +279,7 @@ class HttpListener:
         if rules.input_rules:
             verdict = rules.check_input(guard_text(first_line, up_headers))
             if not verdict.allowed:
-                recorder.input(head_text(first_line, headers.items()))
+                recorder.input(head_bytes(first_line, headers.items()))
                 return await self._blocked(state, verdict, client_ip)
 
         # the request body: a bounded prefix is read first (recording, guard rails), the rest streams
@@ -302,7 +302,7 @@ class HttpListener:
             if guarded:
                 verdict = rules.check_input(guard_text(first_line, up_headers, body[:self.guard_cap]))
                 if not verdict.allowed:
-                    recorder.input(head_text(first_line, headers.items()).encode() + body[:self.record_cap])
+                    recorder.input(head_bytes(first_line, headers.items()) + body[:self.record_cap])
                     return await self._blocked(state, verdict, client_ip)
             if complete:
                 data = body
@@ -312,7 +312,7 @@ class HttpListener:
                 data = _chain(body, request.content)
                 chunked = total is None
         recorded_body = body[:self.record_cap]
-        recorder.input(head_text(first_line, headers.items()).encode() + recorded_body
+        recorder.input(head_bytes(first_line, headers.items()) + recorded_body
                        + body_note(len(recorded_body), total if total is not None else
                                    (len(body) if complete else None), complete).encode())
 
@@ -344,7 +344,7 @@ class HttpListener:
         out_list = downstream_response_headers(up_headers.items(), state.target,
                                                f"{request.scheme}://{request.host}")
         status_line = f"HTTP/{message.version.major}.{message.version.minor} {status} {message.reason}"
-        head = head_text(status_line, up_headers.items()).encode()
+        head = head_bytes(status_line, up_headers.items())
         text = bool(rules.output_rules) and is_text(content_type)
         sse = content_type is not None and is_event_stream(content_type)
         length_header = up_headers.get("Content-Length")
@@ -450,7 +450,7 @@ class HttpListener:
         first_line = f"{request.method} {request.raw_path} HTTP/1.1"
         up_headers = [(k, v) for k, v in upstream_request_headers(headers.items(), source, client_ip, "http",
                                                                   request.host) if k.lower() not in _WS_HEADERS]
-        recorder.input(head_text(first_line, headers.items()))
+        recorder.input(head_bytes(first_line, headers.items()))
         if rules.input_rules:
             verdict = rules.check_input(guard_text(first_line, up_headers))
             if not verdict.allowed:
