@@ -10,8 +10,10 @@ proxy session opened with it, in every protocol.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import datetime, time, timedelta
 from typing import TYPE_CHECKING, Any
@@ -358,12 +360,24 @@ class ReviewService:
     def __init__(self, gateway: "Gateway") -> None:
         self.gateway = gateway
         self._timers: dict[str, asyncio.TimerHandle] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}  # review id -> (lock, [holders + waiters])
         self.tasks: set[asyncio.Task[Any]] = set()
 
-    def lock(self, review_id: str) -> asyncio.Lock:
-        """Decisions on one review are made one at a time."""
-        return self._locks.setdefault(review_id, asyncio.Lock())
+    @contextlib.asynccontextmanager
+    async def lock(self, review_id: str) -> AsyncIterator[None]:
+        """Decisions on one review are made one at a time; the lock is dropped once nobody holds or waits for it."""
+        entry = self._locks.get(review_id)
+        if entry is None:
+            entry = self._locks[review_id] = (asyncio.Lock(), [0])
+        lock, users = entry
+        users[0] += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            users[0] -= 1
+            if not users[0] and self._locks.get(review_id) is entry:
+                del self._locks[review_id]
 
     async def start(self) -> None:
         """Arm the expiry of every approved jit review (those already over end now)."""
@@ -431,27 +445,31 @@ class ReviewService:
     async def expire(self, review_id: str, locked: bool = False) -> None:
         """The access duration of a jit review is over: REVOKED (at its scheduled time), sessions closed."""
         self._timers.pop(review_id, None)
-        lock = self.lock(review_id)
-        if not locked:
-            await lock.acquire()
-        try:
-            review = await self.gateway.store.get_review(review_id)
-            if review is None or not jit_ended(review, utcnow()):
-                if review is not None:
-                    self.arm(review)  # approved again later or clock drift: check again at the new end
-                return
-            review.status = REVOKED
-            review.updated_at = rfc3339(utcnow())
-            await self.gateway.store.save_review(review)
-        finally:
-            if not locked:
-                lock.release()
+        if locked:
+            review = await self._revoke_if_over(review_id)
+        else:
+            async with self.lock(review_id):
+                review = await self._revoke_if_over(review_id)
+        if review is None:
+            return
         await self.end_access(review, "just-in-time access expired: the review's access duration is over, "
                                       "the session was closed")
         await self.gateway.audit.record(
             org_id=review.org_id, actor=None, action="review.expire", resource_type="reviews", outcome="success",
             payload={"review_id": review.id, "session_id": review.session_id, "connection": review.connection_name},
             actor_hint="gatewayd")
+
+    async def _revoke_if_over(self, review_id: str) -> Review | None:
+        """Store REVOKED on a jit review whose access is over and return it; else None (re-armed if still on)."""
+        review = await self.gateway.store.get_review(review_id)
+        if review is None or not jit_ended(review, utcnow()):
+            if review is not None:
+                self.arm(review)  # approved again later or clock drift: check again at the new end
+            return None
+        review.status = REVOKED
+        review.updated_at = rfc3339(utcnow())
+        await self.gateway.store.save_review(review)
+        return review
 
     async def policy(self, connection: Connection, kind: str) -> ReviewPolicy | None:
         """The review ``kind`` of access to ``connection`` needs (rules first, then its settings), or None."""

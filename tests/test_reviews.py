@@ -343,3 +343,20 @@ async def test_rejection_closes_the_session_that_will_never_run(core):
     closed = await core.store.get_session(session.id)
     assert closed.status == "done"
     assert any(b"rejected by reviewer@example.com" in e.data for e in await core.store.read_events(session.id))
+
+
+async def test_concurrent_decisions_are_serialised_and_leave_no_lock_behind(core):
+    import asyncio
+
+    from gatewayd.reviews import ReviewError
+
+    conn, owner, reviewer, session, review = await _jit_setup(core, 60)
+    other = await core.identity.ensure_local_user("other@example.com")
+    other.groups = ["dba"]
+    results = await asyncio.gather(core.reviews.apply(review.id, reviewer, APPROVED),
+                                   core.reviews.apply(review.id, other, APPROVED), return_exceptions=True)
+    decided = [r for r in results if not isinstance(r, BaseException)]
+    refused = [r for r in results if isinstance(r, ReviewError)]
+    assert len(decided) == 1 and len(refused) == 1  # one approval; the second sees an approved review
+    assert (await core.store.get_review(review.id)).status == APPROVED
+    assert core.reviews._locks == {}  # one lock per review, dropped once nobody holds or waits for it
