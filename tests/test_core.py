@@ -45,6 +45,33 @@ async def test_recorder_flushes_on_its_interval_and_keeps_order(core):
     assert session.status == "done" and session.exit_code == 3 and session.end_date
 
 
+async def test_events_go_in_as_multi_row_inserts_in_order_up_to_the_cap(core):
+    """Every chunk size of the store's multi-row INSERT (256, 64, 16, 4, 1), two sessions in one batch, the cap."""
+    user = await core.identity.ensure_local_user("chunks@example.com")
+    conn = await a_connection(core)
+    first, second = await core.sessions.open(user, conn), await core.sessions.open(user, conn)
+    second.recorder.cap = 2000
+    for n in range(345):  # 256 + 64 + 16 + 4 + 4 + 1
+        first.recorder.input(f"q{n}")
+    for n in range(500):  # 5 bytes each: the cap of 2000 cuts it at 400 events
+        second.recorder.output(f"r{n:04d}")
+    await core.recording.flush()
+    for n in range(345, 352):  # a second flush goes on after the first's last sequence number
+        first.recorder.input(f"q{n}")
+    await first.close(exit_code=0)
+    await second.close(exit_code=0)
+    events = await core.store.read_events(first.id)
+    assert [e.data.decode() for e in events] == [f"q{n}" for n in range(352)]
+    assert {e.kind for e in events} == {"i"}
+    offsets = [e.offset_ms for e in events]
+    assert offsets == sorted(offsets)
+    capped = await core.store.read_events(second.id)
+    assert [e.data.decode() for e in capped[:-1]] == [f"r{n:04d}" for n in range(400)]
+    assert capped[-1].kind == "e" and b"recording truncated" in capped[-1].data
+    assert sum(len(e.data) for e in capped[:-1]) <= 2000
+    assert (await core.store.get_session(second.id)).metrics.get("truncated") is True
+
+
 async def test_drain_bounds_pending_memory(core):
     user = await core.identity.ensure_local_user("big@example.com")
     live = await core.sessions.open(user, await a_connection(core))
