@@ -156,9 +156,11 @@ class GuardRailService:
     def __init__(self, store: Store) -> None:
         self.store = store
         self._cache: dict[str, RuleSet] = {}
+        self._generation = 0  # bumped by invalidate: a load begun before it is not cached
 
     def invalidate(self) -> None:
         """Called by the API after any guard rail create, update or delete."""
+        self._generation += 1
         self._cache.clear()
 
     def cached(self, connection_id: str) -> RuleSet | None:
@@ -168,6 +170,8 @@ class GuardRailService:
     async def rules_for(self, org_id: str, connection_id: str) -> RuleSet:
         rules = self._cache.get(connection_id)
         if rules is None:
+            generation = self._generation
             rules = RuleSet(await self.store.list_guardrails(org_id, connection_id))
-            self._cache[connection_id] = rules
+            if generation == self._generation:  # else a guard rail changed during the load: may be stale
+                self._cache[connection_id] = rules
         return rules

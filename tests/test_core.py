@@ -146,3 +146,27 @@ async def test_multi_tenant_signup(tmp_path):
                 assert r.status == 200 and (await r.json())["total"] == 0
     finally:
         await gateway.stop()
+
+
+async def test_guard_rail_cache_and_cached_follow_invalidate(core):
+    """``cached`` and ``rules_for`` share one cache; a load that raced a change is not kept."""
+    conn = await a_connection(core)
+    service = core.guardrails
+    assert service.cached(conn.id) is None
+    rules = await service.rules_for(conn.org_id, conn.id)
+    assert service.cached(conn.id) is rules
+    service.invalidate()
+    assert service.cached(conn.id) is None  # a proxy holding only cached() falls back to rules_for
+    real = service.store.list_guardrails
+
+    async def changed_meanwhile(org_id, connection_id):
+        found = await real(org_id, connection_id)
+        service.invalidate()  # an API change lands while this load awaits the store
+        return found
+
+    service.store.list_guardrails = changed_meanwhile
+    try:
+        await service.rules_for(conn.org_id, conn.id)
+    finally:
+        service.store.list_guardrails = real
+    assert service.cached(conn.id) is None
