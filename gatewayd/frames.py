@@ -17,7 +17,10 @@ directory per session under ``<data_dir>/rdp-frames/<session id>/``:
 - ``screen``: the screen size (``"<width>x<height>"``).
 
 Records are appended data first, index last, so a reader never sees an index
-entry whose bytes are not written yet. PNG encoding and decoding here is for
+entry whose bytes are not written yet. A session's four files together stay
+within the store's cap (``rdp.frames_cap_bytes``): the frame that would pass
+it raises ``FrameCapReached`` and nothing more is written (a keyframe that
+would pass it is skipped). PNG encoding and decoding here is for
 8-bit RGB with filter 0, which is what the writer produces (zlib only, no
 imaging library needed to serve recordings).
 """
@@ -46,7 +49,11 @@ _SESSION_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 class FrameError(Exception):
-    """A recording that cannot be read (missing, or damaged on disk)."""
+    """A recording that cannot be read (missing, or damaged on disk) or written."""
+
+
+class FrameCapReached(FrameError):
+    """The session's screen recording reached the cap: later frames are not stored."""
 
 
 # -- PNG (8-bit RGB, filter 0)
@@ -160,11 +167,15 @@ def _read_screen(directory: Path) -> tuple[int, int]:
 
 
 class FrameWriter:
-    """Appends one session's frames (thread-confined: call it from one worker thread at a time)."""
+    """Appends one session's frames (thread-confined: call it from one worker thread at a time).
 
-    def __init__(self, directory: Path, width: int, height: int) -> None:
+    ``cap`` bounds the bytes of the session's recording files (None: no cap).
+    """
+
+    def __init__(self, directory: Path, width: int, height: int, cap: int | None = None) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.directory = directory
+        self.cap = cap
         self.canvas = Canvas(max(1, min(width, MAX_SIDE)), max(1, min(height, MAX_SIDE)))
         self._write_screen()
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
@@ -175,9 +186,16 @@ class FrameWriter:
         self._offset = os.fstat(self._data).st_size
         self._key_offset = os.fstat(self._key_data).st_size
         self.count = os.fstat(self._index).st_size // FRAME.size
+        self._keys = os.fstat(self._key_index).st_size // KEY.size
         self._pixels_since_key = 0
         self._frames_since_key = 0
         self.closed = False
+        self.full = False
+
+    @property
+    def size(self) -> int:
+        """Bytes of the recording on disk (frames, keyframes and their indexes)."""
+        return self._offset + self._key_offset + self.count * FRAME.size + self._keys * KEY.size
 
     def _write_screen(self) -> None:
         temporary = self.directory / "screen.tmp"
@@ -195,11 +213,16 @@ class FrameWriter:
         """Record a ``width`` x ``height`` RGB rectangle at (x, y); its frame index."""
         if self.closed:
             raise FrameError("the recording is closed")
+        if self.full:
+            raise FrameCapReached(f"it reached the cap of {self.cap} bytes (rdp.frames_cap_bytes)")
         if width <= 0 or height <= 0 or len(rgb) < width * height * 3:
             raise FrameError(f"bad rectangle {width}x{height} with {len(rgb)} bytes")
         if x + width > self.canvas.width or y + height > self.canvas.height:
             self.resize(max(self.canvas.width, x + width), max(self.canvas.height, y + height))
         png = encode_png(width, height, rgb)
+        if self.cap is not None and self.size + len(png) + FRAME.size > self.cap:
+            self.full = True
+            raise FrameCapReached(f"it reached the cap of {self.cap} bytes (rdp.frames_cap_bytes)")
         os.write(self._data, png)
         index = self.count
         os.write(self._index, FRAME.pack(self._offset, len(png), max(0, timestamp), x, y, width, height))
@@ -214,11 +237,14 @@ class FrameWriter:
         return index
 
     def _keyframe(self, index: int) -> None:
+        self._pixels_since_key = self._frames_since_key = 0
         blob = zlib.compress(self.canvas.pixels, KEY_LEVEL)
+        if self.cap is not None and self.size + len(blob) + KEY.size > self.cap:
+            return  # composing replays from the keyframe before: slower, never wrong
         os.write(self._key_data, blob)
         os.write(self._key_index, KEY.pack(index, self._key_offset, len(blob), self.canvas.width, self.canvas.height))
         self._key_offset += len(blob)
-        self._pixels_since_key = self._frames_since_key = 0
+        self._keys += 1
 
     def close(self) -> None:
         if not self.closed:
@@ -310,10 +336,14 @@ class FrameReader:
 
 
 class FrameStore:
-    """Where every session's screen recording lives; the proxies write, the API reads."""
+    """Where every session's screen recording lives; the proxies write, the API reads.
 
-    def __init__(self, root: Path) -> None:
+    ``cap``: the most bytes one session's recording may take (``rdp.frames_cap_bytes``).
+    """
+
+    def __init__(self, root: Path, cap: int | None = None) -> None:
         self.root = root
+        self.cap = cap
 
     def directory(self, session_id: str) -> Path:
         if not _SESSION_ID.match(session_id):
@@ -322,7 +352,7 @@ class FrameStore:
 
     def writer(self, session_id: str, width: int, height: int) -> FrameWriter:
         """Open (or continue) a session's recording for appending; blocking, call it off the loop."""
-        return FrameWriter(self.directory(session_id), width, height)
+        return FrameWriter(self.directory(session_id), width, height, self.cap)
 
     def reader(self, session_id: str) -> FrameReader:
         return FrameReader(self.directory(session_id))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gatewayd import frames
-from gatewayd.frames import Canvas, FrameError, FrameStore, decode_png_rows, encode_png
+from gatewayd.frames import Canvas, FrameCapReached, FrameError, FrameStore, decode_png_rows, encode_png
 
 
 def rect(width: int, height: int, seed: int) -> bytes:
@@ -84,3 +84,32 @@ def test_session_ids_cannot_escape_the_directory(tmp_path: Path) -> None:
 def test_a_missing_recording_is_empty(tmp_path: Path) -> None:
     page = FrameStore(tmp_path).reader("none").page(0, 50)
     assert page.frames == [] and page.total_frames == 0
+
+
+def test_the_recording_stops_at_the_cap_and_stays_readable(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(frames, "KEY_EVERY_SCREENS", 1)
+    cap = 6000
+    store = FrameStore(tmp_path, cap=cap)
+    writer = store.writer("s3", 40, 30)
+    reference = Canvas(40, 30)
+    snapshots = []
+    rnd = random.Random(3)
+    with pytest.raises(FrameCapReached, match="cap of 6000 bytes"):
+        for i in range(1000):
+            pixels = bytes(rnd.getrandbits(8) for _ in range(16 * 12 * 3))  # noise: PNG cannot shrink it
+            x, y = rnd.randint(0, 24), rnd.randint(0, 18)
+            writer.append(i, x, y, 16, 12, pixels)
+            paint_reference(reference, x, y, 16, 12, pixels)
+            snapshots.append(bytes(reference.pixels))
+    stored = writer.count
+    assert 0 < stored < 1000 and writer.full
+    with pytest.raises(FrameCapReached):  # and it stays stopped
+        writer.append(0, 0, 0, 1, 1, b"\0\0\0")
+    writer.close()
+    on_disk = sum(p.stat().st_size for p in (tmp_path / "s3").iterdir() if p.name != "screen")
+    assert on_disk <= cap and on_disk == writer.size
+    reader = store.reader("s3")
+    assert reader.count() == stored and len(snapshots) == stored
+    assert bytes(reader.composed(stored - 1).pixels) == snapshots[-1]
+

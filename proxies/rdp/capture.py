@@ -6,7 +6,7 @@ import asyncio
 import logging
 from typing import Any
 
-from gatewayd.frames import FrameError, FrameStore, FrameWriter
+from gatewayd.frames import FrameCapReached, FrameError, FrameStore, FrameWriter
 from proxies.rdp.codec import Rectangle, UpdateDecoder
 
 log = logging.getLogger("gatewayd.rdp")
@@ -68,10 +68,16 @@ class FrameCapture:
             if batch:
                 try:
                     await asyncio.to_thread(self._process, batch)
+                except FrameCapReached as exc:
+                    self.failed = str(exc)
+                    log.info("rdp screen recording cap reached", extra={"session_id": self.session_id})
                 except (OSError, FrameError) as exc:
                     self.failed = str(exc)
                     log.error("rdp frames cannot be stored", extra={"session_id": self.session_id,
                                                                      "error": self.failed})
+                except Exception as exc:  # a decoder bug must not take close() (and the session's end) with it
+                    self.failed = f"{type(exc).__name__} while decoding a screen update"
+                    log.exception("rdp frames cannot be decoded", extra={"session_id": self.session_id})
             if self._closed and not self._queue:
                 return
 
