@@ -118,6 +118,7 @@ SETTINGS: dict[str, Setting] = {
     "postgres.tls_cert": Setting("str", ""),
     "postgres.tls_key": Setting("str", ""),
     "rdp.record_keyboard": Setting("bool", False),
+    "rdp.frames_cap_bytes": Setting("int", 1024 * 1024 * 1024, _positive),
     "http.record_body_bytes": Setting("int", 64 * 1024, _positive),
     "http.guard_body_bytes": Setting("int", 1024 * 1024, _positive),
     "http.credential_recheck": Setting("duration", "5s"),

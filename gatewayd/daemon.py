@@ -191,7 +191,7 @@ class Gateway:
         self.sessions = SessionManager(self.store, self.recording, self.audit)
         self.guardrails = GuardRailService(self.store)
         self.reviews = ReviewService(self)
-        self.frames = FrameStore(self.config.data_dir / "rdp-frames")
+        self.frames = FrameStore(self.config.data_dir / "rdp-frames", self.config["rdp.frames_cap_bytes"])
         await self.identity.start()
 
     async def start(self) -> None:
