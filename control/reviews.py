@@ -23,6 +23,7 @@ from control.http import (
     require_admin,
     user_of,
 )
+from control.sessions import session_in_org
 from gatewayd.access import credential_prefix
 from gatewayd.daemon import Gateway
 from gatewayd.models import AccessRequestRule, Connection, Review, User, new_id, parse_time, rfc3339, utcnow
@@ -157,9 +158,7 @@ async def update_review(request: web.Request) -> web.Response:
 async def update_session_review(request: web.Request) -> web.Response:
     key = request.match_info["id"]
     gateway = gateway_of(request)
-    session = await gateway.store.get_session(key)
-    if session is None or session.org_id != user_of(request).org_id:
-        raise ApiError(404, f"session {key!r} not found")
+    session = await session_in_org(request, key)  # reviewers decide on sessions they may not read
     review = await gateway.store.get_review(session.review_id) if session.review_id else None
     if review is None:
         raise ApiError(404, f"session {key!r} has no review")
@@ -253,9 +252,7 @@ async def exec_session(request: web.Request) -> web.Response:
     key = request.match_info["id"]
     request[AUDIT_ACTION] = "session.exec"
     request[AUDIT_PAYLOAD] = {"session_id": key}
-    session = await gateway.store.get_session(key)
-    if session is None or session.org_id != user.org_id:
-        raise ApiError(404, f"session {key!r} not found")
+    session = await session_in_org(request, key)
     if session.user_id != user.subject:
         raise ApiError(403, "access denied: only the user who asked for this script may run it")
     if session.verb != "exec" or not session.review_id:

@@ -81,12 +81,18 @@ async def review_of(store: Any, session: Session) -> Review | None:
     return await store.get_review(session.review_id) if session.review_id else None
 
 
-async def find_session(request: web.Request) -> Session:
-    session_id = request.match_info["id"]
+async def session_in_org(request: web.Request, session_id: str) -> Session:
+    """The session of the caller's organization, or 404 (visibility is the caller's to check)."""
     session = await gateway_of(request).store.get_session(session_id)
-    user = user_of(request)
-    if session is None or session.org_id != user.org_id:
+    if session is None or session.org_id != user_of(request).org_id:
         raise ApiError(404, f"session {session_id!r} not found")
+    return session
+
+
+async def find_session(request: web.Request) -> Session:
+    """The session named in the path, if the caller may see it (``can_see``)."""
+    session = await session_in_org(request, request.match_info["id"])
+    user = user_of(request)
     if not can_see(user, session):
         raise ApiError(403, "access denied: this session belongs to another user")
     return session

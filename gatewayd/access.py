@@ -99,13 +99,26 @@ class AccessService:
                 reason = f"invalid credential: it is not for a {protocol} connection"
         if reason is None and not audit_success:
             return AccessGrant(credential, user, connection)  # type: ignore[arg-type]
+        await self._audit_login(credential.org_id if credential else org.id, user, credential, protocol,
+                                reason, client_ip)
+        if reason:
+            raise AccessDenied(reason)
+        return AccessGrant(credential, user, connection)  # type: ignore[arg-type]
+
+    async def refused(self, grant: AccessGrant, protocol: str, reason: str, client_ip: str = "") -> None:
+        """Audit a failed ``<protocol>.login`` the proxy decided after ``resolve`` let the credential in.
+
+        For example its one session is already closed; ``reason`` is shown to the client too, so no secret.
+        """
+        await self._audit_login(grant.credential.org_id, grant.user, grant.credential, protocol, reason, client_ip)
+
+    async def _audit_login(self, org_id: str, user: User | None, credential: Credential | None, protocol: str,
+                           reason: str | None, client_ip: str) -> None:
+        """The one shape of a protocol login's audit entry (its outcome: failure when there is a reason)."""
         await self.audit.record(
-            org_id=credential.org_id if credential else org.id, actor=user, action=f"{protocol}.login",
+            org_id=org_id, actor=user, action=f"{protocol}.login",
             resource_type="connection", outcome="failure" if reason else "success",
             error_message=reason or "", client_ip=client_ip,
             payload={"connection": credential.connection_name if credential else None,
                      "credential_id": credential.id if credential else None},
         )
-        if reason:
-            raise AccessDenied(reason)
-        return AccessGrant(credential, user, connection)  # type: ignore[arg-type]
