@@ -249,6 +249,12 @@ async def test_killed_session_refuses_and_cuts_streams(api, gateway, client, tar
     session = await api.session(session_id, lambda s: s["status"] == "done")
     assert session["exit_code"] == 254
     assert any(k == "e" and "session killed by admin@example.com" in t for k, t in events(session))
+    # the refusal of the still-valid credential is audited like any failed login (AccessService.refused)
+    refusals = [e for e in await api.audit("httpproxy.login") if e["outcome"] == "failure"
+                and e["request_payload_redacted"]["connection"] == connection["name"]]
+    assert refusals and all("session was closed" in e["error_message"] for e in refusals)
+    assert refusals[0]["actor_email"] == "admin@example.com"
+    assert refusals[0]["request_payload_redacted"]["credential_id"]
 
 
 # --------------------------------------------------------------------------- relaying

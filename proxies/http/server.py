@@ -103,7 +103,7 @@ class HttpListener:
         self.recheck: float = config["http.credential_recheck"]
         self.states: dict[str, CredentialState] = {}  # by secret hash
         self._fresh: dict[str, CredentialState] = {}  # by secret: the per-request fast path, no hashing
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._locks: dict[str, _KeyLock] = {}  # by secret hash, only while a request resolves it
         self.pool = UpstreamPool()
         self.client = aiohttp.ClientSession(  # websockets only
             connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=30),
@@ -148,15 +148,19 @@ class HttpListener:
                 return state
             del self._fresh[secret]
         key = hash_secret(secret)
-        lock = self._locks.setdefault(key, asyncio.Lock())
-        async with lock:
-            try:
+        entry = self._locks.get(key)
+        if entry is None:
+            entry = self._locks[key] = _KeyLock()
+        entry.users += 1
+        try:
+            async with entry.lock:
                 state = await self._resolve(key, secret, client_ip)
                 self._fresh[secret] = state
                 return state
-            finally:
-                if not lock._waiters:  # type: ignore[attr-defined]
-                    self._locks.pop(key, None)
+        finally:
+            entry.users -= 1
+            if not entry.users:  # the last request for this secret: the lock goes (the dict stays bounded)
+                del self._locks[key]
 
     async def _resolve(self, key: str, secret: str, client_ip: str) -> CredentialState:
         state = self.states.get(key)
@@ -196,10 +200,7 @@ class HttpListener:
 
     async def _audit_refusal(self, grant: AccessGrant, message: str, client_ip: str) -> None:
         """A refusal of a credential that is valid in itself (its session is closed)."""
-        await self.gateway.audit.record(
-            org_id=grant.connection.org_id, actor=grant.user, action=f"{PROTOCOL}.login", client_ip=client_ip,
-            resource_type="connection", outcome="failure", error_message=message,
-            payload={"connection": grant.connection.name, "credential_id": grant.credential.id})
+        await self.gateway.access.refused(grant, PROTOCOL, message, client_ip)
 
     def _prune(self) -> None:
         """Forget states whose credential expired a while ago (their sessions are closed)."""
@@ -513,6 +514,14 @@ class HttpListener:
         finally:
             await upstream.close()
         return downstream
+
+
+@dataclass(slots=True, eq=False)
+class _KeyLock:
+    """One secret's resolve lock and how many requests hold or wait for it (at 0 it is dropped)."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    users: int = 0
 
 
 class _in_flight:
