@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 
+import aiohttp
 import pytest
 
 from tests.apiclient import Api, admin_http, events
@@ -229,3 +230,44 @@ async def test_header_bytes_that_are_not_utf8_pass_and_are_recorded(gateway, cre
     session = await api.session_events(session_id, "GET /echo/odd-body")
     assert any(text.startswith("GET /echo/odd-plain") and "X-Odd: caf" in text
                for kind, text in events(session) if kind == "i")
+
+
+async def test_guard_rails_and_recording_alike_on_the_plain_and_the_aiohttp_path(gateway, credential, target):
+    """The same requests, once whole (the front end) and once split (aiohttp): blocked, answered, recorded alike."""
+    api = credential[2]
+    role = await api.connection("front-rules", "httpproxy", "httpproxy", {"REMOTE_URL": target})
+    await api.guardrail(role, input_rules=[{"type": "deny_words_list", "words": ["forbidden"]}],
+                        output_rules=[{"type": "deny_words_list", "words": ["top secret"]}])
+    secret, session_id = await api.credential(role)
+    answers: dict[str, list[tuple[int, dict[str, str], bytes]]] = {}
+    for way in ("plain", "split"):
+        reader, writer = await connect(gateway)
+        answers[way] = []
+        for path in (f"/echo/{way}/forbidden", f"/text?say=top+secret+{way}", f"/echo/{way}/fine"):
+            data = request("GET", path, secret)
+            if way == "split":  # a head over two reads: aiohttp serves the connection from here on
+                writer.write(data[:20])
+                await writer.drain()
+                await asyncio.sleep(0.05)
+                data = data[20:]
+            writer.write(data)
+            answers[way].append(await read_response(reader))
+        writer.close()
+    for way, (input_block, output_block, fine) in answers.items():
+        for status, headers, body in (input_block, output_block):
+            assert status == 403 and headers["x-gateway-guardrails"] == "blocked", (way, body)
+        assert json.loads(input_block[2])["message"].endswith("words=[forbidden]")
+        assert "top secret" in json.loads(output_block[2])["message"]
+        assert fine[0] == 200 and json.loads(fine[2])["path"] == f"/echo/{way}/fine"
+    async with aiohttp.ClientSession() as http, http.get(f"{target}/seen") as response:
+        seen = [p for p in await response.json() if "/forbidden" in p and ("/plain/" in p or "/split/" in p)]
+    assert seen == []  # neither path let the blocked request reach the target
+    session = await api.session_events(session_id, "GET /echo/split/fine")
+    recorded = events(session)
+    for way in ("plain", "split"):
+        assert any(k == "i" and t.startswith(f"GET /echo/{way}/forbidden HTTP/1.1") for k, t in recorded)
+        assert any(k == "i" and t.startswith(f"GET /text?say=top+secret+{way} HTTP/1.1") for k, t in recorded)
+        assert any(k == "o" and t.startswith("HTTP/1.1 200") and f'"/echo/{way}/fine"' in t for k, t in recorded)
+    assert sum(1 for k, t in recorded if k == "e" and "words=[forbidden]" in t) == 2
+    assert sum(1 for k, t in recorded if k == "e" and "top secret" in t) == 2
+    assert all(secret not in text for _, text in recorded)
