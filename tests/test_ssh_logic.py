@@ -9,9 +9,47 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from control.asciicast import render_asciicast
-from gatewayd.models import Session, SessionEvent
-from proxies.ssh.lines import KILL_LINE, Chunk, Line, ShellInput
+from gatewayd.guardrails import RuleSet
+from gatewayd.models import GuardRail, Session, SessionEvent
+from proxies.ssh.lines import KILL_LINE, OUTPUT_OVERLAP, Chunk, Line, OutputWatch, ShellInput
 from proxies.ssh.sftp import Request, SftpObserver, status_packet
+
+# --------------------------------------------------------------------------- output rules
+
+
+def output_watch(*words: str) -> OutputWatch:
+    rail = GuardRail(id="1", org_id="o", name="secrets",
+                     output={"rules": [{"type": "deny_words_list", "words": list(words)}]})
+    return OutputWatch(RuleSet([rail]))
+
+
+def test_output_match_straddling_two_chunks_is_caught():
+    watch = output_watch("password")
+    assert watch.check(b"x" * 5000 + b"the pass", 0).allowed
+    assert not watch.check(b"word is hunter2", 0).allowed
+
+
+def test_output_streams_are_watched_apart():
+    watch = output_watch("password")
+    assert watch.check(b"pass", 0).allowed
+    assert watch.check(b"word", 1).allowed  # stderr does not continue stdout's text
+    assert not watch.check(b"word", 0).allowed
+
+
+def test_output_character_split_between_chunks_is_matched_whole():
+    watch = output_watch("mot de passe: caf\u00e9")
+    data = "mot de passe: caf\u00e9".encode()
+    assert watch.check(data[:-1], 0).allowed  # the chunk ends inside the two bytes of the last character
+    assert not watch.check(data[-1:], 0).allowed
+
+
+def test_output_overlap_is_bounded():
+    watch = output_watch("needle")
+    assert watch.check(b"nee", 0).allowed
+    assert watch.check(b"y" * (OUTPUT_OVERLAP * 4), 0).allowed
+    assert len(watch._tails[0]) == OUTPUT_OVERLAP
+    assert watch.check(b"dle", 0).allowed  # the start of the word is long gone
+
 
 # --------------------------------------------------------------------------- shell lines
 

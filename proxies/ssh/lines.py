@@ -12,12 +12,21 @@ the proxy checks its text, then forwards ``line.allowed`` or ``line.refused``).
   applied to the assembled text as a terminal line editor would, best effort.
 - Without a pty (``ssh host < script``), whole lines are held until their
   newline and a refused line never reaches the target.
+
+``OutputWatch`` is the output side: the target's stdout and stderr chunks
+checked against the output rules.
 """
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+if TYPE_CHECKING:
+    from gatewayd.guardrails import GuardVerdict, RuleSet
+
+OUTPUT_OVERLAP = 1024  # characters of an output chunk checked again with the next one
 KILL_LINE = b"\x15"  # ^U: erases the current input line in a tty or readline
 MAX_LINE = 64 * 1024  # a longer "line" is checked and passed on in pieces
 
@@ -140,3 +149,29 @@ class ShellInput:
                 line.pop()
         elif byte >= 0x20 or byte == 0x09:
             line.append(byte)
+
+
+class OutputWatch:
+    """The output rules over one channel's stdout and stderr, chunk by chunk.
+
+    Each stream is decoded incrementally (a UTF-8 character split between two
+    chunks is whole in the text checked), and the last ``OUTPUT_OVERLAP``
+    characters of a stream are checked again with its next chunk, so a match
+    may straddle two chunks.
+    """
+
+    __slots__ = ("rules", "_decoders", "_tails")
+
+    def __init__(self, rules: RuleSet) -> None:
+        self.rules = rules
+        decoder = codecs.getincrementaldecoder("utf-8")
+        self._decoders = (decoder("replace"), decoder("replace"))
+        self._tails = ["", ""]
+
+    def check(self, data: bytes, stream: int) -> GuardVerdict:
+        """``stream``: 0 stdout, 1 stderr."""
+        text = self._decoders[stream].decode(data)
+        tail = self._tails[stream]
+        checked = tail + text if tail else text
+        self._tails[stream] = checked[-OUTPUT_OVERLAP:]
+        return self.rules.check_output(checked)

@@ -32,7 +32,7 @@ import asyncssh
 from gatewayd.access import AccessDenied, looks_like_secret
 from gatewayd.guardrails import GuardVerdict
 from gatewayd.sessions import BLOCKED_EXIT_CODE
-from proxies.ssh.lines import Chunk, ShellInput
+from proxies.ssh.lines import Chunk, OutputWatch, ShellInput
 from proxies.ssh.sftp import SftpObserver, status_packet
 from proxies.ssh.target import MAX_PACKET, WINDOW, TargetError, TargetSettings, connect_target
 
@@ -46,7 +46,6 @@ log = logging.getLogger("gatewayd.ssh")
 
 STDERR = asyncssh.EXTENDED_DATA_STDERR
 LOGIN_TIMEOUT = 60.0
-OUTPUT_OVERLAP = 1024  # characters of an output chunk checked again with the next one
 CLOSE_GRACE = 5.0  # after a kill, how long channels may take to flush the message before the disconnect
 
 
@@ -392,7 +391,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         self.client_full = False  # the client channel's send buffer is full: stop reading the target
         self.target_full = False  # the target channel's send buffer is full: stop reading the client
         self.client_closed = False
-        self.overlap = ["", ""]  # the end of the last stdout and stderr chunks, checked again with the next
+        self.watch = OutputWatch(owner.rules) if owner.rules.output_rules else None  # None: no output rules
 
     # -- client side callbacks
 
@@ -408,7 +407,8 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
 
     def shell_requested(self) -> bool:
         self.kind = "shell"
-        self.shell = ShellInput(self.pty)
+        # without input rules there is nothing to check: no per-byte line assembly, keystrokes pass as they come
+        self.shell = ShellInput(self.pty) if self.rules.input_rules else None
         return self._start(None, None)
 
     def exec_requested(self, command: str) -> bool:
@@ -618,12 +618,8 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             if self.injections and self.sftp.server_at_boundary:
                 self._flush_injections()
             return
-        rules = self.rules
-        if rules.output_rules:  # with the end of the previous chunk of that stream: a match may straddle two
-            text = data.decode("utf-8", "replace")
-            stream = 1 if datatype == STDERR else 0
-            verdict = rules.check_output(self.overlap[stream] + text)
-            self.overlap[stream] = text[-OUTPUT_OVERLAP:]
+        if self.watch is not None:  # no decoding at all without output rules
+            verdict = self.watch.check(data, 1 if datatype == STDERR else 0)
             if not verdict.allowed:
                 self.owner.exit_code = BLOCKED_EXIT_CODE
                 self.end(verdict.message)
