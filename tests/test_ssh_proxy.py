@@ -745,6 +745,23 @@ async def test_script_runner_runs_one_exec_with_guard_rails_and_recording(core, 
     assert result.exit_code == 254 and "connection refused" in result.output
 
 
+async def test_killing_a_script_session_stops_the_command_on_the_target(core, target):
+    from proxies.ssh.script import run_script
+
+    live = await script_session(core, target)
+    started, finished = (Path(f"/tmp/gw-script-{uuid.uuid4().hex}-{name}") for name in ("started", "finished"))
+    task = asyncio.ensure_future(run_script(core, live, f"touch {started}; sleep 20; touch {finished}"))
+    async with asyncio.timeout(15):
+        while not started.exists():
+            await asyncio.sleep(0.05)
+    await core.sessions.kill(live.id, "killed by an admin")
+    result = await asyncio.wait_for(task, 15)  # not the 20 s of the command: the target connection was closed
+    assert (result.output, result.exit_code) == ("killed by an admin", 254)
+    assert live.done.is_set() and ("e", "killed by an admin") in await recorded(core, live)
+    started.unlink()
+    assert not finished.exists()
+
+
 # --------------------------------------------------------------------------- agent, X11, live configuration
 
 

@@ -30,13 +30,20 @@ async def run_script(gateway: Gateway, live: LiveSession, script: str) -> Script
     except TargetError as exc:
         recorder.error(str(exc))
         return ScriptResult(str(exc), BLOCKED_EXIT_CODE)
+    live.on_kill(lambda reason: target.close())  # a kill (API, expiry, shutdown) stops the command on the target
     async with target:
+        if live.done.is_set():  # killed while the gateway was logging in
+            return _killed(live)
         try:
             result = await target.run(script, stdin=asyncssh.DEVNULL, encoding=None, check=False)
         except (asyncssh.Error, OSError) as exc:
+            if live.done.is_set():
+                return _killed(live)
             message = f'the target of connection "{connection.name}" failed the command: {exc}'
             recorder.error(message)
             return ScriptResult(message, BLOCKED_EXIT_CODE)
+    if live.done.is_set():  # killed while the command ran: the closed connection ended it
+        return _killed(live)
     stdout = bytes(result.stdout or b"")
     stderr = bytes(result.stderr or b"")
     output = (stdout + stderr).decode("utf-8", "replace")
@@ -54,3 +61,8 @@ async def run_script(gateway: Gateway, live: LiveSession, script: str) -> Script
         exit_code = BLOCKED_EXIT_CODE
         recorder.error(f"the command was terminated by signal {result.exit_signal[0] if result.exit_signal else '?'}")
     return ScriptResult(output, exit_code)
+
+
+def _killed(live: LiveSession) -> ScriptResult:
+    """The result of a script whose session the gateway ended (its reason is recorded by the kill)."""
+    return ScriptResult(live.end_reason or "the session is closed", BLOCKED_EXIT_CODE)
