@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import csv
 import io
@@ -148,7 +149,9 @@ async def get(request: web.Request) -> web.Response:
     if rendering == "asciicast":
         if session.subtype != "ssh":
             raise ApiError(422, "query parameter 'event_stream': asciicast renders ssh sessions only")
-        return web.Response(text=render_asciicast(session, await store.read_events(session.id)),
+        events = await store.read_events(session.id)
+        # a long recording takes a while to render: off the event loop, which serves every proxy
+        return web.Response(text=await asyncio.to_thread(render_asciicast, session, events),
                             content_type=ASCIICAST, charset="utf-8",
                             headers={"Content-Disposition": f'attachment; filename="session-{session.id}.cast"'})
     if rendering:
