@@ -129,6 +129,7 @@ async def run_script(gateway: Gateway, live: LiveSession, script: str) -> Script
                 if live.end_reason is None:
                     transcript.error(f'the target of connection "{connection.name}" closed the connection')
                 return ScriptResult(transcript.text(), BLOCKED_EXIT_CODE)
+            await live.recorder.drain()  # a large result: let the recording catch up (bounded memory)
             await link.stream.more()  # what arrives is framed into link.backend
         server.flush_output()
     except (OSError, ConnectionError) as exc:
