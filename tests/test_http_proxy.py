@@ -504,6 +504,8 @@ async def test_raw_targets_eof_bodies_and_silently_closed_connections(api, gatew
         served.append(head)
         if head.startswith(b"GET /eof"):
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nbody until the end")
+        elif head.startswith(b"GET /odd"):  # a Latin-1 header byte on an answer that streams (no length)
+            writer.write(b"HTTP/1.1 200 OK\r\nX-Odd: caf\xe9\r\n\r\nstreamed")
         else:  # keep-alive by the look of it, then gone
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n\r\nok")
         await writer.drain()
@@ -522,6 +524,9 @@ async def test_raw_targets_eof_bodies_and_silently_closed_connections(api, gatew
                 assert response.status == 200 and await response.text() == "ok"
         assert len(served) == 6
         assert served[0].startswith(b"GET /eof HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n" % port)
+        async with client.get(f"{gateway.http_url}/odd", headers=headers) as response:
+            assert response.status == 200 and await response.read() == b"streamed"
+            assert (b"X-Odd", b"caf\xe9") in response.raw_headers  # passed on as sent, not dropped
     finally:
         server.close()
 

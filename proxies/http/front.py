@@ -28,7 +28,6 @@ from aiohttp import web
 from aiohttp.helpers import EMPTY_BODY_STATUS_CODES, rfc822_formatted_time
 from aiohttp.http import SERVER_SOFTWARE, HttpVersion11
 from aiohttp.http_parser import HttpRequestParser, RawRequestMessage
-from aiohttp.http_writer import _serialize_headers
 from aiohttp.streams import EMPTY_PAYLOAD
 from aiohttp.tcp_helpers import tcp_keepalive
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -130,11 +129,21 @@ class FrontStream:
 
 
 def _head(status: int, reason: str, headers: CIMultiDict[str]) -> bytes:
-    """The status line and headers as aiohttp writes them (``Date`` and ``Server`` added when missing)."""
+    """The status line and headers as aiohttp writes them (``Date`` and ``Server`` added when missing).
+
+    Bytes that are not UTF-8 in a target's header value go out as they came
+    (aiohttp's private ``_serialize_headers`` drops them), as in ``FrontRequest.answer``.
+    """
     if "Date" not in headers:
         headers["Date"] = rfc822_formatted_time()
     headers.setdefault("Server", SERVER_SOFTWARE)
-    return _serialize_headers(f"HTTP/1.1 {status} {reason}", headers)
+    lines = [f"HTTP/1.1 {status} {reason}"]
+    for name, value in headers.items():
+        if "\n" in value or "\r" in value or "\n" in name or "\r" in name:
+            raise ValueError("a newline in a header")
+        lines.append(f"{name}: {value}")
+    lines.append("\r\n")
+    return "\r\n".join(lines).encode("utf-8", "surrogateescape")
 
 
 def serialize(response: web.Response, method: str) -> bytes:

@@ -66,6 +66,10 @@ class TargetProtocol(BaseProtocol):
     def force_close(self) -> None:
         self.should_close = True
 
+    async def drain(self) -> None:
+        """Wait while the target reads slower than the body is written (``BaseProtocol``'s flow control)."""
+        await self._drain_helper()
+
     def expect(self, head_only: bool) -> None:
         """Get ready for the next answer (``head_only``: the answer to a HEAD, no body)."""
         self.head_only = head_only
@@ -285,7 +289,7 @@ class UpstreamPool:
                     continue
                 transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else chunk)
                 if transport.get_write_buffer_size() > WRITE_HIGH_WATER:
-                    await protocol._drain_helper()
+                    await protocol.drain()
                 if protocol.transport is None:
                     raise ServerDisconnectedError()
             if chunked:
