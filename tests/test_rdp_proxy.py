@@ -462,6 +462,46 @@ async def test_keys_are_recorded_only_when_switched_on(tmp_path: Path, peers: Pe
     assert "hi<Return>" in typed, events(session)
 
 
+
+async def test_the_screen_recording_stops_at_its_cap_and_the_session_goes_on(tmp_path: Path, peers: Peers) -> None:
+    cap = 40000
+    daemon = Daemon(tmp_path / "data", {"listeners.rdp": f"127.0.0.1:{free_port()}",
+                                        "sessions.flush_interval": "100ms", "rdp.frames_cap_bytes": cap}).start()
+    try:
+        port = int(daemon.settings["listeners.rdp"].rsplit(":", 1)[1])
+        token = daemon.token("admin@example.com", groups="admin")
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as http:
+            capped = RdpApi(daemon, http)
+            connection = await capped.role(peers.shadow_port)
+            secret, session_id = await capped.credential(connection)
+            client = await asyncio.create_subprocess_exec(
+                "xfreerdp", f"/v:127.0.0.1:{port}", "/cert:ignore", f"/u:{secret}", f"/p:{secret}",
+                "/size:1024x768", "/bpp:16", stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+                env={"PATH": os.environ["PATH"], "HOME": str(peers.home), "DISPLAY": f":{peers.client_display}"})
+            try:
+                deadline = time.monotonic() + 60
+                while True:  # until the cap note is recorded (a wait, not a timing assertion)
+                    status, live = await capped("GET", f"/sessions/{session_id}?expand=event_stream")
+                    if any(k == "e" for k, _ in events(live)) or time.monotonic() > deadline:
+                        break
+                    assert client.returncode is None, "xfreerdp ended early"
+                    await asyncio.sleep(0.2)
+                assert live["status"] == "open", live  # the session goes on past the cap
+            finally:
+                if client.returncode is None:
+                    client.terminate()
+                await client.wait()
+            session = await capped.done_session(session_id)
+            status, page = await capped("GET", f"/sessions/{session_id}/rdp-frames?limit=1")
+    finally:
+        daemon.stop()
+    assert session["exit_code"] == 0, session
+    notes = [text for kind, text in events(session) if kind == "e"]
+    assert notes == [f"the screen recording stopped: it reached the cap of {cap} bytes (rdp.frames_cap_bytes)"], notes
+    directory = daemon.data_dir / "rdp-frames" / session_id
+    assert 0 < sum(p.stat().st_size for p in directory.iterdir() if p.name != "screen") <= cap
+    assert status == 200 and page["total_frames"] > 0
+
 async def test_garbage_is_dropped_and_others_are_still_served(api: RdpApi, gateway: Daemon, peers: Peers) -> None:
     junk = b"\x03\x00\x00\x13\x0e\xe0\x00\x00\x00\x00\x00" + b"SECRETJUNK" * 3
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from gatewayd.frames import FrameCapReached, FrameError, FrameStore, FrameWriter
 from proxies.rdp.codec import Rectangle, UpdateDecoder
@@ -24,8 +24,10 @@ class FrameCapture:
     session's ``FrameWriter``, in arrival order.
     """
 
-    def __init__(self, frames: FrameStore, session_id: str) -> None:
+    def __init__(self, frames: FrameStore, session_id: str, on_stop: Callable[[str], None] | None = None) -> None:
+        """``on_stop`` hears, once and when it happens, why the recording stopped (cap reached, write error)."""
         self.frames = frames
+        self.on_stop = on_stop
         self.session_id = session_id
         self.decoder = UpdateDecoder()
         self.writer: FrameWriter | None = None
@@ -78,6 +80,9 @@ class FrameCapture:
                 except Exception as exc:  # a decoder bug must not take close() (and the session's end) with it
                     self.failed = f"{type(exc).__name__} while decoding a screen update"
                     log.exception("rdp frames cannot be decoded", extra={"session_id": self.session_id})
+                if self.failed and self.on_stop is not None:
+                    self.on_stop(f"the screen recording stopped: {self.failed}")
+                    self.on_stop = None
             if self._closed and not self._queue:
                 return
 

@@ -265,7 +265,7 @@ class GatewayMITM(RDPMITM):
             await live.close(exit_code=0)
             return
         live.on_kill(self._kill)
-        self.capture = FrameCapture(self.gateway.frames, live.id)
+        self.capture = FrameCapture(self.gateway.frames, live.id, on_stop=live.recorder.error)
         connector = TargetConnector(self.server.tcp)
         reactor.connectTCP(host, port, connector, timeout=CONNECT_TIMEOUT)
         try:
@@ -398,8 +398,6 @@ class GatewayMITM(RDPMITM):
             if capture.dropped:
                 live.recorder.error(f"{capture.dropped} screen updates were not recorded: the target sent "
                                     "them faster than the gateway could store them")
-            if capture.failed:
-                live.recorder.error(f"the screen recording stopped: {capture.failed}")
         await live.close(exit_code=exit_code, error=error)
 
 
