@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import struct
 
 from hypothesis import given
@@ -13,6 +14,25 @@ from gatewayd.guardrails import RuleSet
 from gatewayd.models import GuardRail, Session, SessionEvent
 from proxies.ssh.lines import KILL_LINE, OUTPUT_OVERLAP, Chunk, Line, OutputWatch, ShellInput
 from proxies.ssh.sftp import Request, SftpObserver, status_packet
+
+# --------------------------------------------------------------------------- logs
+
+
+def test_asyncssh_logs_never_show_the_user_name_which_may_be_the_secret(caplog):
+    from asyncssh.logging import logger as asyncssh_logger
+
+    from proxies.ssh.server import hide_user_names
+
+    hide_user_names()
+    hide_user_names()  # installed once
+    assert sum(type(f).__name__ == "HideUserNames" for f in logging.getLogger("asyncssh").filters) == 1
+    with caplog.at_level(logging.INFO, logger="asyncssh"):
+        asyncssh_logger.info("Beginning auth for user %s", "xgw-topsecret")
+        asyncssh_logger.info("Auth failed for user %s", "xgw-topsecret")
+        asyncssh_logger.info("Opening SSH connection to %s", ("example.com", 22))
+    assert "xgw-topsecret" not in caplog.text
+    assert caplog.text.count("for user (hidden)") == 2 and "example.com, port 22" in caplog.text
+
 
 # --------------------------------------------------------------------------- output rules
 

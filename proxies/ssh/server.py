@@ -78,8 +78,25 @@ async def host_key(gateway: Gateway) -> asyncssh.SSHKey:
         raise ValueError("ssh_server_config.hosts_key is not base64 of a PEM/OpenSSH private key") from None
 
 
+class HideUserNames(logging.Filter):
+    """asyncssh logs the SSH user name ("auth for user %s"), which here may be the credential's secret."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.args and "for user" in str(record.msg):
+            record.args = ("(hidden)",) * len(record.args) if isinstance(record.args, tuple) else None
+        return True
+
+
+def hide_user_names() -> None:
+    """Install ``HideUserNames`` on asyncssh's logger (once)."""
+    logger = logging.getLogger("asyncssh")
+    if not any(isinstance(f, HideUserNames) for f in logger.filters):
+        logger.addFilter(HideUserNames())
+
+
 async def start(gateway: Gateway, host: str, port: int) -> SSHListener:
     """Listener factory registered as ``ssh``."""
+    hide_user_names()
     if not log.isEnabledFor(logging.DEBUG):
         # asyncssh logs every connection, channel and command at INFO: the session recording is the record
         logging.getLogger("asyncssh").setLevel(logging.WARNING)
