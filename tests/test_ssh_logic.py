@@ -14,6 +14,28 @@ from gatewayd.guardrails import RuleSet
 from gatewayd.models import GuardRail, Session, SessionEvent
 from proxies.ssh.lines import KILL_LINE, OUTPUT_OVERLAP, Chunk, Line, OutputWatch, ShellInput
 from proxies.ssh.sftp import Request, SftpObserver, status_packet
+from proxies.ssh.target import TargetError, TargetSettings
+
+# --------------------------------------------------------------------------- target settings
+
+
+def test_target_settings_from_the_role_and_their_clear_errors():
+    settings = TargetSettings.from_role({"HOST": " db.internal ", "PASS": "pw"})
+    assert (settings.host, settings.port, settings.user) == ("db.internal", 22, "root")
+    assert settings.options("c")["port"] == 22 and settings.options("c")["password"] == "pw"
+    for role, error in [({"PASS": "pw"}, 'connection "c" has no HOST'),
+                        ({"HOST": "h", "PORT": "22x", "PASS": "pw"}, 'connection "c": its PORT is not a port number'),
+                        ({"HOST": "h", "PORT": "70000", "PASS": "pw"}, 'connection "c": its PORT is not a port number'),
+                        ({"HOST": "h"}, 'connection "c" has neither PASS nor PRIVATE_KEY'),
+                        ({"HOST": "h", "PRIVATE_KEY": "not a key"},
+                         'connection "c": its PRIVATE_KEY is not a readable private key')]:
+        try:
+            TargetSettings.from_role(role).options("c")
+        except TargetError as exc:
+            assert str(exc) == error
+        else:
+            raise AssertionError(f"{role} was accepted")
+
 
 # --------------------------------------------------------------------------- logs
 

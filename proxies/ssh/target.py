@@ -41,7 +41,7 @@ class TargetSettings:
     @classmethod
     def from_role(cls, target: dict[str, str]) -> TargetSettings:
         port = (target.get("PORT") or "22").strip()
-        return cls(host=(target.get("HOST") or "").strip(), port=int(port) if port.isdigit() else 22,
+        return cls(host=(target.get("HOST") or "").strip(), port=int(port) if port.isdigit() else 0,
                    user=(target.get("USER") or "root").strip(), password=target.get("PASS") or "",
                    private_key=target.get("PRIVATE_KEY") or "", host_key=(target.get("HOST_KEY") or "").strip())
 
@@ -49,6 +49,8 @@ class TargetSettings:
         """Keyword arguments of ``asyncssh.connect``; raises TargetError on unusable settings."""
         if not self.host:
             raise TargetError(f'connection "{name}" has no HOST')
+        if not 0 < self.port < 65536:  # a typo is told, not replaced by 22
+            raise TargetError(f'connection "{name}": its PORT is not a port number')
         options: dict[str, Any] = {
             "host": self.host, "port": self.port, "username": self.user, "agent_path": None,
             "client_keys": [], "password": self.password or None, "preferred_auth": "publickey,password",
