@@ -77,10 +77,16 @@ def may_see(user: User, review: Review) -> bool:
             or any(g.group_name in mine for g in review.groups) or bool(mine & set(review.force_approval_groups)))
 
 
+def _review_in_org(request: web.Request, review: Review | None, key: str) -> Review:
+    """The review if it is of the caller's organization, else 404."""
+    if review is None or review.org_id != user_of(request).org_id:
+        raise ApiError(404, f"review {key!r} not found")
+    return review
+
+
 async def _visible_review(request: web.Request, review: Review | None, key: str) -> Review:
     user = user_of(request)
-    if review is None or review.org_id != user.org_id:
-        raise ApiError(404, f"review {key!r} not found")
+    review = _review_in_org(request, review, key)
     if not may_see(user, review):
         raise ApiError(403, "access denied: you are neither the requester nor a reviewer of this review")
     return review
@@ -147,9 +153,7 @@ async def _decide(request: web.Request, review: Review) -> web.Response:
 @routes.put("/reviews/{id}", "Approve, reject or revoke a review", body=DECISION)
 async def update_review(request: web.Request) -> web.Response:
     key = request.match_info["id"]
-    review = await gateway_of(request).store.get_review(key)
-    if review is None or review.org_id != user_of(request).org_id:
-        raise ApiError(404, f"review {key!r} not found")
+    review = _review_in_org(request, await gateway_of(request).store.get_review(key), key)
     return await _decide(request, review)
 
 
