@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import struct
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from control.asciicast import render_asciicast
@@ -236,6 +237,35 @@ def test_sftp_large_write_payload_streams_through_and_garbage_stops_observation(
     assert out == junk and records[0][0] == "e" and "no longer recorded" in records[0][1]
     after = packet(13, struct.pack(">I", 4) + string(b"/x"))
     assert client(observer, after) == (after, [], [])
+
+
+@settings(deadline=None, max_examples=60)
+@given(st.lists(st.integers(min_value=1, max_value=70_000), min_size=1, max_size=12).map(
+    lambda cuts: [max(cut, 97) for cut in cuts[:-1]] + cuts[-1:]))  # at most one tiny cut per round
+def test_sftp_stream_cut_anywhere_is_forwarded_whole_and_read_the_same(cuts):
+    """Client bytes come out once each, in order; the target's answers give the same records however cut."""
+    requests = packet(13, struct.pack(">I", 1) + string(b"/gone")) + b"".join(
+        packet(6, struct.pack(">I", 2 + i) + string(b"h") + struct.pack(">Q", 0) + string(b"w" * size))
+        for i, size in enumerate((10, 40_000, 70_000)))
+    answers = (packet(103, struct.pack(">I", 5) + string(b"r" * 50_000))
+               + packet(101, struct.pack(">II", 1, 2) + string(b"No such file") + string(b"")))
+    observers = SftpObserver(), SftpObserver()
+    forwarded, records = [b"", b""], [[], []]
+    for side, sizes in enumerate((cuts, [len(requests)])):  # cut anywhere, then whole
+        observer, at, sizes = observers[side], 0, itertools.cycle(sizes)
+        while at < len(requests):
+            size = next(sizes)
+            forwarded[side] += b"".join(p.raw if isinstance(p, Request) else p
+                                        for p in observer.client(requests[at:at + size]) if not isinstance(p, tuple))
+            at += size
+        at = 0
+        while at < len(answers):
+            size = next(sizes)
+            records[side] += observer.server(answers[at:at + size])
+            at += size
+        assert observer.server_at_boundary
+    assert forwarded == [requests, requests]
+    assert records[0] == records[1] == [("e", "failed: rm /gone: No such file")]
 
 
 # --------------------------------------------------------------------------- asciicast

@@ -78,15 +78,20 @@ class _Framer:
         """Nothing of a packet is pending: a packet could be inserted into the stream here."""
         return not self._buffer and not self._skip
 
-    def feed(self, data: bytes) -> list[_Packet | bytes]:
+    def feed(self, data: bytes, forward: bool = True) -> list[_Packet | bytes]:
+        """``forward`` false: the caller passes ``data`` on itself, no raw ``bytes`` are cut out (no copies)."""
         if self.broken:
-            return [data]
+            return [data] if forward else []
+        if self._skip and self._skip >= len(data):  # all of it inside a large packet (most chunks of a transfer): no copy
+            self._skip -= len(data)
+            return [data] if forward else []
         out: list[_Packet | bytes] = []
         view = memoryview(data)
         if self._skip:
-            taken = min(self._skip, len(view))
-            self._skip -= taken
-            out.append(bytes(view[:taken]))
+            taken = self._skip
+            self._skip = 0
+            if forward:
+                out.append(bytes(view[:taken]))
             view = view[taken:]
         buffer = self._buffer
         while view:
@@ -99,7 +104,8 @@ class _Framer:
             (length,) = struct.unpack_from(">I", buffer, 0)
             if length < 1 or length > MAX_PACKET:
                 self.broken = f"packet length {length}"
-                out.append(bytes(buffer) + bytes(view))
+                if forward:
+                    out.append(bytes(buffer) + bytes(view))
                 buffer.clear()
                 return out
             keep = min(length, _HEADER)
@@ -115,7 +121,8 @@ class _Framer:
             rest = length - keep
             if rest:
                 taken = min(rest, len(view))
-                out.append(bytes(view[:taken]))
+                if forward:
+                    out.append(bytes(view[:taken]))
                 view = view[taken:]
                 self._skip = rest - taken
         return out
@@ -250,9 +257,7 @@ class SftpObserver:
         """What to record of the target's answers (the bytes themselves pass unchanged)."""
         records: list[Record] = []
         broken = self._server.broken
-        for item in self._server.feed(data):
-            if isinstance(item, bytes):
-                continue
+        for item in self._server.feed(data, forward=False):  # the proxy forwards ``data`` whole
             try:
                 records += self._reply(item.kind, item.body, item.size)
             except (SftpStreamError, struct.error, IndexError) as exc:
