@@ -11,7 +11,7 @@ proxying to it over pooled keep-alive connections (a temporary prefix), and a
 real ``gatewayd run`` subprocess with the http listener, one credential and
 recording on. ``wrk`` drives each endpoint in turn. It is a benchmark, not a
 test: it exits 0 whether the targets are met or not, non-zero only when it
-could not measure.
+could not measure (a missing tool, or a gateway session that recorded nothing).
 
     .venv/bin/python bench/http/bench_http.py [--seconds 5] [--rounds 3] [--connections 32] [--guardrails]
 """
@@ -139,6 +139,19 @@ async def gateway_credential(daemon: Daemon, target: str, guardrails: bool) -> t
         return issued["connection_credentials"]["proxy_token"], issued["session_id"]
 
 
+async def recorded(daemon: Daemon, session_id: str) -> tuple[str, int]:
+    """(status, bytes recorded) of the benchmark's session: proof the gateway column ran with recording on."""
+    token = daemon.token("bench@example.com", groups="admin")
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as http:
+        for _ in range(50):  # the recorder flushes every sessions.flush_interval
+            async with http.get(f"{daemon.url}/sessions/{session_id}") as response:
+                session = await response.json()
+            if session.get("event_size"):
+                break
+            await asyncio.sleep(0.1)
+        return session.get("status", "?"), int(session.get("event_size") or 0)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=int, default=5)
@@ -213,7 +226,12 @@ def main() -> int:
         small = results[("small JSON", "gateway")][0] / results[("small JSON", "direct")][0]
         big = results[("1 MB download", "gateway")][1] / results[("1 MB download", "direct")][1]
         print(f"(gw/direct: small JSON {small:.2f}, 1 MB download {big:.2f})")
-        print(f"recorded session: {session_id}")
+        status, size = asyncio.run(recorded(daemon, session_id))
+        print(f"recorded session: {session_id} ({status}, {size / 1e6:.1f} MB of events recorded)")
+        if not size or status != "open":
+            print("the gateway's session recorded nothing or was closed: these figures are not valid",
+                  file=sys.stderr)
+            return 3
         print("all targets met" if ok else "some targets missed")
         return 0
     finally:
