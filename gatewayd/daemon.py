@@ -256,6 +256,8 @@ class Gateway:
             self.reviews.stop()
         if self.sessions is not None:
             await self.sessions.shutdown(self.config["sessions.shutdown_grace"])
+        if self.reviews is not None:
+            await self.reviews.finish()  # scripts just killed store their outcome while the store is open
         if self.recording is not None:
             await self.recording.stop()
         if self._runner is not None:

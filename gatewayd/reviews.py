@@ -389,6 +389,11 @@ class ReviewService:
             handle.cancel()
         self._timers.clear()
 
+    async def finish(self, timeout: float = 5.0) -> None:
+        """Let background jobs (a script's end and its EXECUTED, an expiry) reach the store before it closes."""
+        if self.tasks:
+            await asyncio.wait(set(self.tasks), timeout=timeout)
+
     def spawn(self, coroutine: Any) -> asyncio.Task[Any]:
         task = asyncio.ensure_future(coroutine)
         self.tasks.add(task)

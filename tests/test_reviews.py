@@ -360,3 +360,18 @@ async def test_concurrent_decisions_are_serialised_and_leave_no_lock_behind(core
     assert len(decided) == 1 and len(refused) == 1  # one approval; the second sees an approved review
     assert (await core.store.get_review(review.id)).status == APPROVED
     assert core.reviews._locks == {}  # one lock per review, dropped once nobody holds or waits for it
+
+
+async def test_finish_waits_for_background_jobs_before_the_store_closes(core):
+    import asyncio
+
+    conn, owner, reviewer, session, review = await _jit_setup(core, 60)
+
+    async def job():
+        await asyncio.sleep(0.2)
+        await core.reviews.set_status(review.id, "EXECUTED")
+
+    task = core.reviews.spawn(job())
+    await core.reviews.finish()
+    assert task.done() and not core.reviews.tasks
+    assert (await core.store.get_review(review.id)).status == "EXECUTED"
