@@ -744,6 +744,12 @@ async def test_script_runner_runs_one_exec_with_guard_rails_and_recording(core, 
     result = await run_script(core, live, "true")
     assert result.exit_code == 254 and "connection refused" in result.output
 
+    # a command ended by a signal: 128 + its number, as through native exec
+    live = await script_session(core, target)
+    result = await run_script(core, live, "kill -TERM $$")
+    assert result.exit_code == 128 + signal.SIGTERM
+    assert await recorded(core, live) == [("i", "kill -TERM $$"), ("e", "the command was terminated by signal TERM")]
+
 
 async def test_killing_a_script_session_stops_the_command_on_the_target(core, target):
     from proxies.ssh.script import run_script

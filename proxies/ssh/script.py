@@ -8,7 +8,7 @@ import asyncssh
 
 from gatewayd.scripts import ScriptResult
 from gatewayd.sessions import BLOCKED_EXIT_CODE
-from proxies.ssh.target import TargetError, TargetSettings, connect_target
+from proxies.ssh.target import TargetError, TargetSettings, connect_target, signal_exit_code
 
 if TYPE_CHECKING:
     from gatewayd.daemon import Gateway
@@ -55,11 +55,14 @@ async def run_script(gateway: Gateway, live: LiveSession, script: str) -> Script
         recorder.output(stdout)
     if stderr:
         recorder.error(stderr)
-    if result.exit_status is not None:
+    if result.exit_signal:  # ended by a signal (asyncssh's exit_status is then -1): 128 + its number, as native exec
+        exit_code = signal_exit_code(result.exit_signal[0])
+        recorder.error(f"the command was terminated by signal {result.exit_signal[0]}")
+    elif result.exit_status is not None and result.exit_status >= 0:
         exit_code = result.exit_status
-    else:  # killed by a signal
+    else:  # the target closed the channel without saying how the command ended
         exit_code = BLOCKED_EXIT_CODE
-        recorder.error(f"the command was terminated by signal {result.exit_signal[0] if result.exit_signal else '?'}")
+        recorder.error(f'the target of connection "{connection.name}" closed the channel without an exit status')
     return ScriptResult(output, exit_code)
 
 

@@ -34,7 +34,7 @@ from gatewayd.guardrails import GuardVerdict
 from gatewayd.sessions import BLOCKED_EXIT_CODE
 from proxies.ssh.lines import Chunk, OutputWatch, ShellInput
 from proxies.ssh.sftp import SftpObserver, status_packet
-from proxies.ssh.target import MAX_PACKET, WINDOW, TargetError, TargetSettings, connect_target
+from proxies.ssh.target import MAX_PACKET, WINDOW, TargetError, TargetSettings, connect_target, signal_exit_code
 
 if TYPE_CHECKING:
     from gatewayd.access import AccessGrant
@@ -675,7 +675,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             return
         if self.exit_signal is not None:
             signal, core_dumped, msg, lang = self.exit_signal
-            self.owner.exit_code = 128 + _signal_number(signal)
+            self.owner.exit_code = signal_exit_code(signal)
             chan.exit_with_signal(signal, core_dumped, msg, lang)
         elif self.exit_status is not None:
             self.owner.exit_code = self.exit_status
@@ -699,14 +699,6 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         if not self.client_closed:
             self._tell(message)
             self.chan.exit(BLOCKED_EXIT_CODE)
-
-
-_SIGNALS = {"HUP": 1, "INT": 2, "QUIT": 3, "ILL": 4, "ABRT": 6, "FPE": 8, "KILL": 9, "SEGV": 11, "PIPE": 13,
-            "ALRM": 14, "TERM": 15, "USR1": 10, "USR2": 12}
-
-
-def _signal_number(name: str) -> int:
-    return _SIGNALS.get(name, 0)
 
 
 class _ForwardUpstream(asyncssh.SSHTCPSession):  # type: ignore[type-arg]

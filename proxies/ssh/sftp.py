@@ -82,7 +82,7 @@ class _Framer:
         """``forward`` false: the caller passes ``data`` on itself, no raw ``bytes`` are cut out (no copies)."""
         if self.broken:
             return [data] if forward else []
-        if self._skip and self._skip >= len(data):  # all of it inside a large packet (most chunks of a transfer): no copy
+        if self._skip and self._skip >= len(data):  # inside a large packet (most chunks of a transfer): no copy
             self._skip -= len(data)
             return [data] if forward else []
         out: list[_Packet | bytes] = []

@@ -10,6 +10,7 @@ or key.
 from __future__ import annotations
 
 import asyncio
+import signal
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -85,6 +86,12 @@ def _host_keys(text: str, name: str) -> list[asyncssh.SSHKey]:
     if not keys:
         raise TargetError(f'connection "{name}": its HOST_KEY is empty')
     return keys
+
+
+def signal_exit_code(name: str) -> int:
+    """The exit code of a command the signal ``name`` (``TERM``) ended, as a shell tells it: 128 + its number."""
+    number = getattr(signal.Signals, f"SIG{name}", None)
+    return 128 + (number.value if number is not None else 0)
 
 
 async def connect_target(settings: TargetSettings, name: str, client_factory: Callable[[], asyncssh.SSHClient]
