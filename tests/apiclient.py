@@ -8,7 +8,7 @@ import contextlib
 import json
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 import aiohttp
 
@@ -91,6 +91,20 @@ class Api:
             "input": {"rules": input_rules or []}, "output": {"rules": output_rules or []}})
         assert status == 201, body
         return body
+
+    async def session(self, session_id: str, until: Callable[[dict], bool] | None = None,
+                      timeout: float | None = None) -> dict:
+        """The session with its event stream, once ``until(session)`` holds (at once without ``until``)."""
+        deadline = time.monotonic() + (self.session_timeout if timeout is None else timeout)
+        while True:
+            status, body = await self("GET", f"/sessions/{session_id}?expand=event_stream")
+            assert status == 200, body
+            if until is None or until(body):
+                return body
+            if time.monotonic() > deadline:
+                raise AssertionError(f"session {session_id} never got there: {body['status']}, "
+                                     f"{events(body)[-5:]}")
+            await asyncio.sleep(self.poll_interval)
 
     async def done_session(self, session_id: str, timeout: float | None = None) -> dict:
         """The session once it is ``done``, with its event stream."""

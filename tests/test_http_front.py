@@ -44,16 +44,9 @@ def gateway(tmp_path_factory):
 class HttpApi(Api):
     secret_field = "proxy_token"
 
-    async def session_events(self, session_id: str, needle: str, timeout: float = 10) -> dict:
+    async def session_events(self, session_id: str, needle: str) -> dict:
         """The session with its event stream, once an input event holds ``needle``."""
-        deadline = asyncio.get_running_loop().time() + timeout
-        while True:
-            status, body = await self("GET", f"/sessions/{session_id}?expand=event_stream")
-            assert status == 200, body
-            if any(kind == "i" and needle in text for kind, text in events(body)):
-                return body
-            assert asyncio.get_running_loop().time() < deadline, f"no input event with {needle!r}"
-            await asyncio.sleep(0.05)
+        return await self.session(session_id, lambda s: any(k == "i" and needle in t for k, t in events(s)))
 
 
 @pytest.fixture(scope="module")

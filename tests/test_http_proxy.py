@@ -77,19 +77,6 @@ class HttpApi(Api):
     async def role(self, remote_url: str | None = None) -> dict:
         return await self.connection("web", "httpproxy", "httpproxy", {"REMOTE_URL": remote_url or self.target})
 
-    async def session(self, session_id: str, until: Any = None, timeout: float = 10) -> dict:
-        """The session with its event stream, once ``until(session)`` holds."""
-        deadline = time.monotonic() + timeout
-        while True:
-            status, body = await self("GET", f"/sessions/{session_id}?expand=event_stream")
-            assert status == 200, body
-            if until is None or until(body):
-                return body
-            if time.monotonic() > deadline:
-                raise AssertionError(f"session {session_id} never got there: {body['status']}, "
-                                     f"{events(body)[-5:]}")
-            await asyncio.sleep(0.05)
-
     async def audit(self, action: str) -> list[dict]:
         status, body = await self("GET", f"/audit/logs?action={action}&page_size=100")
         assert status == 200, body
