@@ -69,9 +69,10 @@ async def test_jit_on_http_revocation_cuts_the_live_stream(gateway, target):
                 assert (await stream.content.readline()).startswith(b"data")
                 status, body = await as_["dora"]("PUT", f"/sessions/{session_id}/review", {"status": "REVOKED"})
                 assert status == 200 and body["status"] == "REVOKED"
+                # cut (or ended) within the timeout: a stream still held after it fails the test
                 with pytest.raises((aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError,
-                                    aiohttp.ClientConnectionError, asyncio.TimeoutError)):
-                    async with asyncio.timeout(5):
+                                    aiohttp.ClientConnectionError)):
+                    async with asyncio.timeout(10):
                         while True:
                             line = await stream.content.readline()
                             if not line:
