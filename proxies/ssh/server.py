@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Coroutine
 
 import asyncssh
 
@@ -47,6 +47,16 @@ log = logging.getLogger("gatewayd.ssh")
 STDERR = asyncssh.EXTENDED_DATA_STDERR
 LOGIN_TIMEOUT = 60.0
 CLOSE_GRACE = 5.0  # after a kill, how long channels may take to flush the message before the disconnect
+
+
+_TASKS: set[asyncio.Task[Any]] = set()  # tasks started from asyncssh's callbacks, until they are done
+
+
+def _background(coroutine: Coroutine[Any, Any, Any]) -> None:
+    """Run ``coroutine`` as a task held until it is done (the event loop keeps only a weak reference)."""
+    task = asyncio.ensure_future(coroutine)
+    _TASKS.add(task)
+    task.add_done_callback(_TASKS.discard)
 
 
 def allows_port_forwarding(settings: dict[str, Any]) -> bool:
@@ -147,7 +157,7 @@ class GatewayConnection(asyncssh.SSHServer):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.gone = True
-        asyncio.ensure_future(self._finish())
+        _background(self._finish())
 
     async def begin_auth(self, username: str) -> bool:
         """No authentication needed when the user name is a valid secret."""
@@ -501,7 +511,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
 
     def _start(self, command: str | None, subsystem: str | None) -> bool:
         self.active = True
-        asyncio.ensure_future(self._open_target(command, subsystem))
+        _background(self._open_target(command, subsystem))
         return True
 
     async def _open_target(self, command: str | None, subsystem: str | None) -> None:
@@ -563,7 +573,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             else:
                 upchan.write(piece.refused)
                 self._tell(verdict.message)
-                asyncio.ensure_future(self.live.blocked(verdict, self.owner.client_ip))
+                _background(self.live.blocked(verdict, self.owner.client_ip))
 
     def _sftp_to_target(self, sftp: SftpObserver, upchan: asyncssh.SSHClientChannel[bytes], data: bytes) -> None:
         """SFTP requests: recorded as lines; the input rules may refuse an operation (permission denied)."""
@@ -584,7 +594,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
                 sftp.refused(piece.request_id)
                 self._to_client_at_boundary(status_packet(piece.request_id, verdict.message))
                 self._tell(verdict.message)  # sftp clients show a status code only: the reason goes to stderr
-                asyncio.ensure_future(self.live.blocked(verdict, self.owner.client_ip))
+                _background(self.live.blocked(verdict, self.owner.client_ip))
 
     def _to_client_at_boundary(self, packet: bytes) -> None:
         """Answer the client between two of the target's SFTP packets."""
@@ -607,7 +617,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
                     upchan.write(piece.allowed)  # type: ignore[union-attr]
                 else:
                     self._tell(verdict.message)
-                    asyncio.ensure_future(self.live.blocked(verdict, self.owner.client_ip))
+                    _background(self.live.blocked(verdict, self.owner.client_ip))
         upchan.write_eof()
 
     def _tell(self, message: str) -> None:
@@ -640,7 +650,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             if not verdict.allowed:
                 self.owner.exit_code = BLOCKED_EXIT_CODE
                 self.end(verdict.message)
-                asyncio.ensure_future(self.live.blocked(verdict, self.owner.client_ip))
+                _background(self.live.blocked(verdict, self.owner.client_ip))
                 return
         recorder = self.recorder
         if datatype == STDERR:
@@ -655,7 +665,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         if self.recorder.needs_drain and not self.draining and self.upchan is not None:
             self.draining = True
             self.sync_reading()
-            asyncio.ensure_future(self._drain())
+            _background(self._drain())
 
     async def _drain(self) -> None:
         try:
