@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import statistics
 import subprocess
 import sys
@@ -33,29 +32,18 @@ if str(ROOT) not in sys.path:
 
 import aiohttp
 
+from tests.apiclient import SshApi
 from tests.conftest import Daemon, free_port
 from tests.sshpeer import CLIENT_OPTIONS, SshTarget, unavailable_reason
 
 
-def b64(text: str) -> str:
-    return base64.b64encode(text.encode()).decode()
-
-
 async def gateway_secret(daemon: Daemon, target: SshTarget) -> str:
-    """A connection to the target and a credential for it, through the API."""
+    """A connection to the target (its host key checked) and a credential for it, through the API."""
     token = daemon.token("bench@example.com", groups="admin", name="Bench")
-    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as http:
-        secret = {"envvar:HOST": b64("127.0.0.1"), "envvar:PORT": b64(str(target.port)),
-                  "envvar:USER": b64(target.user), "envvar:PRIVATE_KEY": b64(target.private_key_text),
-                  "envvar:HOST_KEY": b64(target.host_public_key)}
-        async with http.post(daemon.url + "/connections", json={"name": "bench-ssh", "type": "custom",
-                                                                "subtype": "ssh", "secret": secret}) as response:
-            assert response.status == 201, await response.text()
-        async with http.post(daemon.url + "/connections/bench-ssh/credentials",
-                             json={"access_duration_seconds": 3600}) as response:
-            body = await response.json()
-            assert response.status == 201, body
-            return body["connection_credentials"]["username"]
+    async with aiohttp.ClientSession() as http:
+        api = SshApi(daemon, http, target, token)
+        secret, _ = await api.credential(await api.role(host_key=target.host_public_key), seconds=3600)
+        return secret
 
 
 def timed(command: list[str]) -> float:
