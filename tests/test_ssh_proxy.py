@@ -321,6 +321,17 @@ async def test_shell_without_pty_blocks_lines_before_they_reach_the_target(gatew
     assert status == 422 and body["message"] == "query parameter 'event_stream': asciicast renders ssh sessions only"
 
 
+async def test_shell_without_pty_or_input_rules_passes_every_byte(gateway, api):
+    """No input rules: no line assembly; a last line without its newline runs too; input recorded as sent."""
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+    script = b"echo one\r\necho two-$((1+1))\nexit 5"
+    result = ssh(gateway, secret, "-T", stdin=script)
+    assert (result.returncode, result.stdout) == (5, b"one\r\ntwo-2\n"), result.stderr  # no pty: CR is data
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 5 and "".join(of_kind(session, "i")) == script.decode()
+
+
 # --------------------------------------------------------------------------- guard rails on exec
 
 
