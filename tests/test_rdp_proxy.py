@@ -469,6 +469,7 @@ async def test_the_screen_recording_stops_at_its_cap_and_the_session_goes_on(tmp
                                         "sessions.flush_interval": "100ms", "rdp.frames_cap_bytes": cap}).start()
     try:
         port = int(daemon.settings["listeners.rdp"].rsplit(":", 1)[1])
+        wait_port(port, daemon.process, "gatewayd")
         token = daemon.token("admin@example.com", groups="admin")
         async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as http:
             capped = RdpApi(daemon, http)

@@ -34,6 +34,8 @@ import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Coroutine
 
+import pyrdp.mitm.state as pyrdp_state
+from Crypto.PublicKey import RSA
 from pyrdp.enum import CapabilityType, NegotiationFailureCode, PlayerPDUType, SlowPathUpdateType
 from pyrdp.logging import LOGGER_NAMES, SessionLogger
 from pyrdp.mitm import MITMConfig, RDPMITM
@@ -57,7 +59,7 @@ log = logging.getLogger("gatewayd.rdp")
 
 CONNECT_TIMEOUT = 10.0
 STARTUP_TIMEOUT = 20.0  # from TCP accept to an admitted X.224 connection request (clients send it at once)
-STATE_POOL = 2  # connection states made ahead of time (each has an RSA key that takes ~0.5 s to make)
+RC4_KEY_BITS = 2048
 NLA_MESSAGE = ('the target of connection "{name}" requires Network Level Authentication (NLA/CredSSP), which '
                "the gateway does not support: allow TLS or standard RDP security on the target")
 _SECRET = re.compile(r"[a-z]+-[A-Za-z0-9_-]{43}")  # any credential shape; resolve() says if it is not for rdp
@@ -401,38 +403,56 @@ class GatewayMITM(RDPMITM):
         await live.close(exit_code=exit_code, error=error)
 
 
+class SharedRc4Key:
+    """Stands in for ``Crypto.PublicKey.RSA`` in pyrdp's connection state: one key for every connection.
+
+    pyrdp makes a 2048-bit RSA key for each connection (0.15-0.5 s of CPU, in
+    Twisted's synchronous ``buildProtocol``, so on the loop) for standard RDP
+    security's key exchange, which a real RDP server does with one long-lived
+    key. The gateway makes that key once, off the loop (``GatewayMITMFactory.prepare``).
+    """
+
+    key: Any = None
+
+    @classmethod
+    def generate(cls, bits: int, *args: Any, **kwargs: Any) -> Any:
+        if cls.key is None:  # not prepared (a factory used without ``prepare``): made here, once
+            cls.key = RSA.generate(bits, *args, **kwargs)
+        return cls.key
+
+
+pyrdp_state.RSA = SharedRc4Key  # the only use of RSA in pyrdp's state module is that generate
+
+
 class GatewayMITMFactory(ServerFactory):
-    """Builds one ``GatewayMITM`` per accepted connection, with connection states made ahead of time."""
+    """Builds one ``GatewayMITM`` per accepted connection."""
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
         self.base = base_config(gateway.config.data_dir / "rdp")
         self.record_keyboard = bool(gateway.config["rdp.record_keyboard"])
-        self._states: list[RDPMITMState] = []
-        self._filling: asyncio.Task[None] | None = None
+        self._making_key: asyncio.Task[None] | None = None
         self.clone_lock = asyncio.Lock()  # one certificate clone at a time (pyrdp's cache is not thread-safe)
         quiet_pyrdp()
 
     def _new_state(self) -> RDPMITMState:
-        """A connection's pyrdp state with its own copy of the configuration (blocking: makes an RSA key)."""
+        """A connection's pyrdp state with its own copy of the configuration (with the shared RC4 key)."""
         config = copy.copy(self.base)
         return RDPMITMState(config, f"rdp-{secrets.token_hex(6)}")
 
     async def prepare(self) -> None:
-        """Create the output directory and the first states, off the loop."""
+        """Create the output directory; make the RC4 key in a worker thread while the listener starts."""
         await asyncio.to_thread(self.base.outDir.mkdir, parents=True, exist_ok=True)
-        self._refill()
+        if SharedRc4Key.key is None and self._making_key is None:
+            self._making_key = asyncio.ensure_future(self._make_key())
 
-    def _refill(self) -> None:
-        if self._filling is None or self._filling.done():
-            self._filling = asyncio.ensure_future(self._fill())
-
-    async def _fill(self) -> None:
-        while len(self._states) < STATE_POOL:
-            self._states.append(await asyncio.to_thread(self._new_state))
+    @staticmethod
+    async def _make_key() -> None:
+        key = await asyncio.to_thread(RSA.generate, RC4_KEY_BITS)
+        if SharedRc4Key.key is None:  # unless a connection came first and made one on the spot
+            SharedRc4Key.key = key
 
     def buildProtocol(self, addr: Any) -> Any:
-        state = self._states.pop() if self._states else self._new_state()  # a burst: made on the spot
-        self._refill()
+        state = self._new_state()
         mitm = GatewayMITM(self, state.config, state)
         return mitm.getProtocol()
