@@ -171,3 +171,29 @@ async def test_capture_stores_updates_in_order_off_the_loop(tmp_path) -> None:  
         capture_module.MAX_QUEUED_BYTES = old_limit
     await capture.close()
     assert capture.dropped == 1 and capture.count == 0
+
+
+async def test_capture_reports_why_it_stopped_once_and_still_closes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from gatewayd.frames import FrameStore
+    from proxies.rdp.capture import FrameCapture
+
+    notes: list[str] = []
+    store = FrameStore(tmp_path, cap=200)  # room for the first 1x1 frame, not for a keyframe-sized second
+    capture = FrameCapture(store, "s3", on_stop=notes.append)
+    capture.resize(800, 600)
+    for i in range(3):
+        capture.slowpath(i, update_payload((i, 0, 1, 1, pixels16(RED16)))[2:])
+        await asyncio.sleep(0.05)
+    await capture.close()
+    assert capture.count >= 1 and capture.failed and "cap of 200 bytes" in capture.failed
+    assert notes == [f"the screen recording stopped: {capture.failed}"]
+
+    def broken(update_data: bytes) -> list:
+        raise ValueError("decoder bug")
+
+    notes.clear()
+    capture = FrameCapture(store, "s4", on_stop=notes.append)
+    capture.decoder.slowpath = broken  # type: ignore[method-assign]
+    capture.slowpath(0, b"\x01\x00")
+    await capture.close()  # does not raise: the session's end goes on
+    assert notes == ["the screen recording stopped: ValueError while decoding a screen update"]
