@@ -28,7 +28,6 @@ imaging library needed to serve recordings).
 from __future__ import annotations
 
 import asyncio
-import bisect
 import os
 import re
 import struct
@@ -296,15 +295,29 @@ class FrameReader:
         return FramePage(self._frames(first, self._entries(first, min(limit, total - first))), total, duration)
 
     def _keyframe_before(self, index: int) -> tuple[int, Canvas] | None:
+        """The last keyframe at or before frame ``index``: a binary search in ``keys.idx`` (a long session has many)."""
         try:
-            raw = (self.directory / "keys.idx").read_bytes()
+            fd = os.open(self.directory / "keys.idx", os.O_RDONLY)
         except FileNotFoundError:
             return None
-        keys = [KEY.unpack_from(raw, p) for p in range(0, len(raw) - len(raw) % KEY.size, KEY.size)]
-        position = bisect.bisect_right([k[0] for k in keys], index) - 1
-        if position < 0:
-            return None
-        frame_index, offset, length, width, height = keys[position]
+        try:
+            count = os.fstat(fd).st_size // KEY.size
+
+            def key(position: int) -> tuple[int, int, int, int, int]:
+                return KEY.unpack(os.pread(fd, KEY.size, position * KEY.size))
+
+            low, high = 0, count  # keys are in frame order: find the first one past ``index``
+            while low < high:
+                middle = (low + high) // 2
+                if key(middle)[0] <= index:
+                    low = middle + 1
+                else:
+                    high = middle
+            if low == 0:
+                return None
+            frame_index, offset, length, width, height = key(low - 1)
+        finally:
+            os.close(fd)
         with open(self.directory / "keys.dat", "rb") as handle:
             handle.seek(offset)
             pixels = bytearray(zlib.decompress(handle.read(length)))
