@@ -323,6 +323,9 @@ async def test_no_password_is_stored_or_logged(api: RdpApi, gateway: Daemon, rec
         needles[label + " (utf-8)"] = value.encode()
         needles[label + " (utf-16)"] = value.encode("utf-16-le")
     assert (gateway.data_dir / "rdp-frames" / recorded["id"] / "frames.dat").stat().st_size > 0
+    # the search covers the store (sessions, audit, connection secrets), pyrdp's output and the daemon's log
+    assert (gateway.data_dir / "gatewayd.db").stat().st_size > 0 and (gateway.data_dir / "rdp").is_dir()
+    assert "rdp" in gateway.log_path.read_text(errors="replace")
     for path in [*gateway.data_dir.rglob("*"), gateway.log_path]:
         if path.is_file():
             data = path.read_bytes()
