@@ -367,6 +367,17 @@ async def test_target_down_is_an_error_event(api: RdpApi, gateway: Daemon, peers
     assert any(k == "e" and "is unreachable" in text for k, text in events(session)), events(session)
 
 
+
+async def test_a_port_that_is_not_a_number_is_an_error_event(api: RdpApi, gateway: Daemon, peers: Peers) -> None:
+    connection = await api.role("33x89")  # type: ignore[arg-type]
+    secret, session_id = await api.credential(connection)
+    code, output = await xfreerdp(peers, gateway.rdp_port, secret, "+auth-only")
+    assert code != 0, output
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 254
+    message = 'connection "%s": its PORT is not a port number' % connection["name"]
+    assert ("e", message) in events(session), events(session)
+
 async def test_a_target_that_insists_on_nla_is_refused_with_a_reason(api: RdpApi, gateway: Daemon,
                                                                     peers: Peers) -> None:
     connection = await api.role(peers.nla_port)

@@ -247,8 +247,8 @@ class GatewayMITM(RDPMITM):
         connection = grant.connection
         target = connection.target()
         host = target.get("HOST") or "127.0.0.1"
-        port_text = target.get("PORT") or "3389"
-        port = int(port_text) if port_text.isdigit() else 3389
+        port_text = (target.get("PORT") or "3389").strip()
+        port = int(port_text) if port_text.isdigit() else 0  # a typo is told (below), not replaced by 3389
         self.config.replacementUsername = target.get("USER") or ""
         self.config.replacementPassword = target.get("PASS") or ""
         self.domain = target.get("DOMAIN")
@@ -268,6 +268,9 @@ class GatewayMITM(RDPMITM):
             return
         live.on_kill(self._kill)
         self.capture = FrameCapture(self.gateway.frames, live.id, on_stop=live.recorder.error)
+        if not 0 < port < 65536:
+            await self._fail(f'connection "{connection.name}": its PORT is not a port number')
+            return
         connector = TargetConnector(self.server.tcp)
         reactor.connectTCP(host, port, connector, timeout=CONNECT_TIMEOUT)
         try:
