@@ -84,6 +84,15 @@ class Resource:
     updated_at: str = ""
 
 
+def target_port(target: dict[str, str], default: int) -> int:
+    """The ``PORT`` of a decoded role secret (``default`` when unset); 0 when it is not a port number,
+    so that a proxy tells the typo instead of guessing."""
+    text = (target.get("PORT") or "").strip()
+    if not text:
+        return default
+    return int(text) if text.isdigit() and 0 < int(text) < 65536 else 0
+
+
 @dataclass(slots=True)
 class Connection:
     """A role of a resource: what a user connects to, with the target's secret."""

@@ -170,3 +170,11 @@ async def test_guard_rail_cache_and_cached_follow_invalidate(core):
     finally:
         service.store.list_guardrails = real
     assert service.cached(conn.id) is None
+
+
+def test_target_port_defaults_and_refuses_typos():
+    from gatewayd.models import target_port
+
+    assert target_port({}, 5432) == 5432
+    assert target_port({"PORT": " 2222 "}, 22) == 2222
+    assert [target_port({"PORT": bad}, 22) for bad in ("54x32", "0", "65536", "-1")] == [0, 0, 0, 0]

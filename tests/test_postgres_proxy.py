@@ -315,6 +315,14 @@ async def test_unreachable_or_refusing_target_is_fatal_08001(gateway, api):
     assert f'could not connect to the target of connection "{wrong["name"]}"' in result.stderr
     assert "not-the-target-password" not in result.stderr and "postgres" not in result.stderr.split(":", 2)[-1]
 
+    typo = await api.role(port="54x32")  # told, not replaced by 5432 (the cluster may well listen there)
+    secret, session_id = await api.credential(typo)
+    result = psql(gateway, secret, "-c", "select 1")
+    assert result.returncode != 0
+    assert f'connection "{typo["name"]}": its PORT is not a port number' in result.stderr
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 254 and "its PORT is not a port number" in of_kind(session, "e")[0]
+
     missing_db = await api.role()
     secret, _ = await api.credential(missing_db)
     result = psql(gateway, secret, "-c", "select 1", database="no_such_db")

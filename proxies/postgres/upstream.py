@@ -14,6 +14,8 @@ import asyncio
 import ssl
 from dataclasses import dataclass, field
 
+from gatewayd.models import target_port
+
 from proxies.postgres.codec import (
     AUTH_CLEARTEXT_PASSWORD,
     AUTH_MD5_PASSWORD,
@@ -75,9 +77,8 @@ class TargetSettings:
     @classmethod
     def from_role(cls, target: dict[str, str], database: str | None = None) -> TargetSettings:
         """Settings from ``Connection.target()``; ``database`` (the client's choice) wins over ``DB``."""
-        port = target.get("PORT") or "5432"
         sslmode = (target.get("SSLMODE") or "prefer").strip().lower()
-        return cls(host=target.get("HOST") or "127.0.0.1", port=int(port) if port.isdigit() else 5432,
+        return cls(host=target.get("HOST") or "127.0.0.1", port=target_port(target, 5432),
                    user=target.get("USER") or "postgres", password=target.get("PASS") or "",
                    database=database or target.get("DB") or target.get("USER") or "postgres",
                    sslmode=sslmode if sslmode in SSLMODES else "prefer")
@@ -161,6 +162,8 @@ async def _negotiate_tls(stream: FrameStream, settings: TargetSettings, name: st
 async def connect_target(settings: TargetSettings, client_parameters: dict[str, str], name: str,
                          timeout: float = CONNECT_TIMEOUT) -> TargetLink:
     """Open, secure and authenticate a connection to the target; raise UpstreamError when it fails."""
+    if not settings.port:  # a typo in the role's PORT is told, not replaced by 5432
+        raise UpstreamError(f'could not connect to the target of connection "{name}": its PORT is not a port number')
     try:
         async with asyncio.timeout(timeout):
             return await _connect(settings, client_parameters, name)

@@ -47,6 +47,7 @@ from twisted.internet import reactor
 from twisted.internet.protocol import ClientFactory, ServerFactory
 
 from gatewayd.access import AccessDenied, looks_like_secret
+from gatewayd.models import target_port
 from gatewayd.sessions import BLOCKED_EXIT_CODE
 from proxies.rdp.capture import FrameCapture
 from proxies.rdp.codec import KeyboardText
@@ -247,8 +248,7 @@ class GatewayMITM(RDPMITM):
         connection = grant.connection
         target = connection.target()
         host = target.get("HOST") or "127.0.0.1"
-        port_text = (target.get("PORT") or "3389").strip()
-        port = int(port_text) if port_text.isdigit() else 0  # a typo is told (below), not replaced by 3389
+        port = target_port(target, 3389)  # 0 for a typo: told below, not replaced by 3389
         self.config.replacementUsername = target.get("USER") or ""
         self.config.replacementPassword = target.get("PASS") or ""
         self.domain = target.get("DOMAIN")

@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 import asyncssh
 
+from gatewayd.models import target_port
+
 CONNECT_TIMEOUT = 15.0
 WINDOW = 8 << 20  # per-channel receive window, both sides of the gateway
 MAX_PACKET = 32768  # OpenSSH's own channel packet size
@@ -41,8 +43,7 @@ class TargetSettings:
 
     @classmethod
     def from_role(cls, target: dict[str, str]) -> TargetSettings:
-        port = (target.get("PORT") or "22").strip()
-        return cls(host=(target.get("HOST") or "").strip(), port=int(port) if port.isdigit() else 0,
+        return cls(host=(target.get("HOST") or "").strip(), port=target_port(target, 22),
                    user=(target.get("USER") or "root").strip(), password=target.get("PASS") or "",
                    private_key=target.get("PRIVATE_KEY") or "", host_key=(target.get("HOST_KEY") or "").strip())
 
