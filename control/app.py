@@ -36,16 +36,46 @@ from control.http import (
 )
 from gatewayd.daemon import Gateway
 from gatewayd.identity import AuthError
+from gatewayd.logs import REQUEST_ID, request_id_from
 
 log = logging.getLogger("gatewayd.api")
 
 AREAS = (health, auth, users, serverconfig, resources, connections, guardrails, sessions, rdp_frames, reviews, audit_logs, openapi)
 MUTATING = {"POST", "PUT", "PATCH", "DELETE"}
 ROUTE_DOC = web.AppKey("route_doc_by_handler", dict)
+REQUEST_ID_KEY = web.RequestKey("request_id", str)
+REQUEST_ID_HEADER = "X-Request-Id"
 
 
 def _route_doc(request: web.Request) -> RouteDoc | None:
     return request.app[ROUTE_DOC].get(getattr(request.match_info, "handler", None))
+
+
+@web.middleware
+async def request_log_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """A request id for every call (the caller's ``X-Request-Id`` or a new one), on each of its log lines;
+    one log line for every call that fails."""
+    request_id = request_id_from(request.headers.get(REQUEST_ID_HEADER))
+    request[REQUEST_ID_KEY] = request_id
+    token = REQUEST_ID.set(request_id)
+    try:
+        response = await handler(request)
+        if response.status >= 400:
+            user = request.get(USER)
+            log.log(logging.WARNING if response.status >= 500 else logging.INFO, "api call failed", extra={
+                "method": request.method, "path": request.path, "status": response.status,
+                "user": user.email if user else "", "client": request.remote or "",
+                "reason": request.get(AUTH_FAILURE) or request.get(ERROR_MESSAGE, "")})
+        return response
+    finally:
+        REQUEST_ID.reset(token)
+
+
+async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """``X-Request-Id`` on every answer, streamed ones included (set before the head is sent)."""
+    request_id = request.get(REQUEST_ID_KEY)
+    if request_id:
+        response.headers[REQUEST_ID_HEADER] = request_id
 
 
 @web.middleware
@@ -130,7 +160,9 @@ def make_app(gateway: Gateway) -> web.Application:
     api[ROUTES] = docs
     api[ROUTE_DOC] = {doc.handler: doc for doc in docs}
 
-    root = web.Application(middlewares=[error_middleware], client_max_size=gateway.config["api.max_body_bytes"])
+    root = web.Application(middlewares=[request_log_middleware, error_middleware],
+                           client_max_size=gateway.config["api.max_body_bytes"])
     root[GATEWAY] = gateway
+    root.on_response_prepare.append(_echo_request_id)
     root.add_subapp("/api", api)
     return root

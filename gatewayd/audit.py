@@ -75,6 +75,13 @@ class AuditLog:
             request_payload_redacted=redact(payload) if payload is not None else None,
             error_message=error_message,
         )
+        if outcome == "failure" and not http_method:  # the API logs its own failed calls, with a request id
+            payload_fields = payload if isinstance(payload, dict) else {}
+            log.info("refused", extra={
+                "action": action, "outcome": outcome, "reason": error_message,
+                "user": entry.actor_email, "client": client_ip,
+                "connection": payload_fields.get("connection") or "",
+                "session_id": payload_fields.get("session_id") or ""})
         try:
             await self.store.append_audit(entry)
         except Exception:  # an audit failure must be loud but not take the request down

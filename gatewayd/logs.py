@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import re
 import sys
+import uuid
 from datetime import datetime, timezone
 
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
@@ -18,6 +20,27 @@ _SECRETS = re.compile(
 
 def scrub(text: str) -> str:
     return _SECRETS.sub("[REDACTED]", text)
+
+
+REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("gatewayd_request_id", default=None)
+_GOOD_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+
+
+def request_id_from(header: str | None) -> str:
+    """The caller's ``X-Request-Id`` when it is short and plain, else a new one (never attacker-sized)."""
+    if header and _GOOD_REQUEST_ID.match(header):
+        return header
+    return uuid.uuid4().hex
+
+
+class RequestContext(logging.Filter):
+    """Adds the current API request's id to every record logged while it is handled."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        request_id = REQUEST_ID.get()
+        if request_id is not None and not hasattr(record, "request_id"):
+            record.request_id = request_id
+        return True
 
 
 def _fields(record: logging.LogRecord) -> dict[str, object]:
@@ -53,6 +76,7 @@ class PlainFormatter(logging.Formatter):
 def configure(fmt: str = "plain", level: str = "info") -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JSONFormatter() if fmt == "json" else PlainFormatter())
+    handler.addFilter(RequestContext())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -6,7 +6,8 @@ import asyncio
 import logging
 import signal
 
-from gatewayd.config import Config
+from gatewayd import logs
+from gatewayd.config import Config, ConfigError, load_config
 from gatewayd.daemon import Gateway, ListenerFactory
 from gatewayd.scripts import ScriptRunner
 
@@ -34,12 +35,35 @@ def build_gateway(config: Config) -> Gateway:
                    script_runners=script_runners())
 
 
+RELOADABLE = ("log.format", "log.level")
+
+
+def reload_config(config: Config) -> None:
+    """SIGHUP: read the configuration again and apply what is safe to change live (the log settings).
+
+    Everything else needs a restart; a changed key is named in the log, a bad file is logged and ignored
+    (the daemon keeps running on what it has).
+    """
+    try:
+        fresh = load_config(config.source)
+    except ConfigError as exc:
+        log.error("configuration not reloaded", extra={"reason": str(exc)})
+        return
+    logs.configure(fresh["log.format"], fresh["log.level"])
+    old, new = config.as_dict(), fresh.as_dict()
+    pending = sorted(key for key in new if key not in RELOADABLE and new[key] != old.get(key))
+    # a warning, so that it shows whatever level was just set
+    log.warning("configuration reloaded", extra={"applied": ",".join(RELOADABLE),
+                                                 "restart_needed_for": ",".join(pending) or "-"})
+
+
 async def run(config: Config) -> None:
-    """Run until SIGTERM or SIGINT, then stop in order."""
+    """Run until SIGTERM or SIGINT, then stop in order; SIGHUP reloads the log settings."""
     gateway = build_gateway(config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, gateway.request_stop)
+    loop.add_signal_handler(signal.SIGHUP, reload_config, config)
     try:
         await gateway.start()
     except BaseException:

@@ -35,8 +35,9 @@ class LiveSession:
     """A session in progress: its record, its recorder and how to end it."""
 
     def __init__(self, manager: "SessionManager", session: Session, recorder: SessionRecorder,
-                 user: User, connection: Connection, credential: Credential | None) -> None:
+                 user: User, connection: Connection, credential: Credential | None, client_ip: str = "") -> None:
         self.manager = manager
+        self.client_ip = client_ip
         self.session = session
         self.recorder = recorder
         self.user = user
@@ -50,6 +51,11 @@ class LiveSession:
     @property
     def id(self) -> str:
         return self.session.id
+
+    def log_fields(self, **more: Any) -> dict[str, Any]:
+        """The fields of this session's log lines: who, where from, on what."""
+        return {"session_id": self.id, "connection": self.connection.name, "user": self.user.email,
+                "client": self.client_ip, **more}
 
     def on_kill(self, callback: KillCallback) -> None:
         """Register how the proxy tears the connection down when the gateway ends the session."""
@@ -75,6 +81,8 @@ class LiveSession:
         if error:
             self.recorder.error(error)
         self.manager.live.pop(self.id, None)
+        log.info("session closed", extra=self.log_fields(
+            outcome="error" if error else "ok", exit_code=exit_code, reason=error or ""))
         try:
             await self.manager.recording.close(self.recorder, status="done", end_date=rfc3339(utcnow()),
                                                exit_code=exit_code)
@@ -109,7 +117,8 @@ class SessionManager:
 
     async def open(self, user: User, connection: Connection, *, credential: Credential | None = None,
                    verb: str = "connect", script: str | None = None, metadata: dict[str, Any] | None = None,
-                   batch_id: str | None = None, existing: Session | None = None) -> LiveSession:
+                   batch_id: str | None = None, existing: Session | None = None,
+                   client_ip: str = "") -> LiveSession:
         """Open a session; a credential's first connection claims the session issued with it.
 
         ``existing``: a stored ``ready`` session to run now (a reviewed one-time script).
@@ -147,13 +156,15 @@ class SessionManager:
                                   review_id=credential.review_id if credential else None)
             await self.store.create_session(session)
         recorder = await self.recording.recorder(session.id, started=time.monotonic())
-        live = LiveSession(self, session, recorder, user, connection, credential)
+        live = LiveSession(self, session, recorder, user, connection, credential, client_ip)
         self.live[session.id] = live
+        log.info("session opened", extra=live.log_fields(verb=verb))
         if credential is not None:
             self._arm_expiry(live, credential)
         return live
 
-    async def resume(self, user: User, connection: Connection, credential: Credential) -> LiveSession | None:
+    async def resume(self, user: User, connection: Connection, credential: Credential,
+                     client_ip: str = "") -> LiveSession | None:
         """The credential's own session, live or claimed now; None once it is done (one session per credential)."""
         live = self.live.get(credential.session_id)
         if live is not None:
@@ -161,7 +172,7 @@ class SessionManager:
         issued = await self.store.get_session(credential.session_id)
         if issued is None or issued.status not in ("ready", "open"):  # open: jit credentials handed out
             return None
-        return await self.open(user, connection, credential=credential)
+        return await self.open(user, connection, credential=credential, client_ip=client_ip)
 
     def _arm_expiry(self, live: LiveSession, credential: Credential) -> None:
         expire_at = parse_time(credential.expire_at)

@@ -33,7 +33,8 @@ async def start(gateway: Gateway, host: str, port: int) -> LineListener:
             except AccessDenied as exc:
                 writer.write(f"denied: {exc}\n".encode())
                 return
-            live = await gateway.sessions.open(grant.user, grant.connection, credential=grant.credential)
+            live = await gateway.sessions.open(grant.user, grant.connection, credential=grant.credential,
+                                               client_ip=peer)
 
             def kill(reason: str) -> None:
                 writer.write(f"closed: {reason}\n".encode())

@@ -179,7 +179,7 @@ class HttpListener:
             state.fresh_until = time.monotonic() + self.recheck
             return state
         self._prune()
-        live = await self.gateway.sessions.resume(grant.user, grant.connection, grant.credential)
+        live = await self.gateway.sessions.resume(grant.user, grant.connection, grant.credential, client_ip)
         if live is None:
             message = "the session of this credential was closed"
             await self._audit_refusal(grant, message, client_ip)

@@ -261,13 +261,15 @@ class ClientConnection:
         except UpstreamError as exc:
             log.info("postgres target unreachable", extra={"connection": connection.name, "error": exc.message})
             try:
-                live = await sessions.open(grant.user, grant.connection, credential=grant.credential)
+                live = await sessions.open(grant.user, grant.connection, credential=grant.credential,
+                                                     client_ip=self.client_ip)
                 await live.close(exit_code=BLOCKED_EXIT_CODE, error=exc.message)
             finally:
                 self.send_fatal(exc.sqlstate, exc.message)
             return
         try:
-            self.live = live = await sessions.open(grant.user, grant.connection, credential=grant.credential)
+            self.live = live = await sessions.open(grant.user, grant.connection, credential=grant.credential,
+                                                     client_ip=self.client_ip)
         except RuntimeError as exc:
             terminate(link)
             self.send_fatal("57P03", str(exc))

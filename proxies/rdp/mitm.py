@@ -258,7 +258,8 @@ class GatewayMITM(RDPMITM):
             request.cookie = f"Cookie: mstshash={user}".encode("latin-1", "replace") if user else None
             pdu.payload = parser.write(request)
         try:
-            self.live = live = await self.gateway.sessions.open(grant.user, connection, credential=grant.credential)
+            self.live = live = await self.gateway.sessions.open(grant.user, connection, credential=grant.credential,
+                                                                        client_ip=client_ip)
         except RuntimeError as exc:  # shutting down
             log.info("rdp session refused", extra={"reason": str(exc)})
             self._refuse()

@@ -221,11 +221,11 @@ class GatewayConnection(asyncssh.SSHServer):
         except TargetError as exc:
             self.failure = str(exc)
             log.info("ssh target unreachable", extra={"connection": connection.name, "error": self.failure})
-            live = await sessions.open(grant.user, connection, credential=grant.credential)
+            live = await sessions.open(grant.user, connection, credential=grant.credential, client_ip=self.client_ip)
             await live.close(exit_code=BLOCKED_EXIT_CODE, error=self.failure)
             return
         try:
-            self.live = await sessions.open(grant.user, connection, credential=grant.credential)
+            self.live = await sessions.open(grant.user, connection, credential=grant.credential, client_ip=self.client_ip)
         except RuntimeError as exc:
             self.failure = str(exc)
             self.target.close()
