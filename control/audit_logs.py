@@ -65,3 +65,10 @@ async def list_logs(request: web.Request) -> web.Response:
             "error_message": e.error_message,
         } for e in result.items],
     })
+
+
+@routes.get("/audit/verify", "Whether the organization's audit log was altered: its hash chain re-computed "
+            "(admin only)")
+async def verify(request: web.Request) -> web.Response:
+    admin = require_admin(request)
+    return ok((await gateway_of(request).audit.verify(admin.org_id)).as_json())

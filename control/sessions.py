@@ -167,6 +167,13 @@ async def get(request: web.Request) -> web.Response:
                            await review_of(store, session)))
 
 
+@routes.get("/sessions/{id}/verify", "Whether the session's recording was altered since it was written: its hash "
+            "chain re-computed from the stored events and, once done, the gateway's seal checked")
+async def verify(request: web.Request) -> web.Response:
+    session = await find_session(request)
+    return ok((await gateway_of(request).recording.verify(session)).as_json())
+
+
 @routes.post("/sessions/{id}/kill", "End a running session (admin or its owner)")
 async def kill(request: web.Request) -> web.Response:
     session = await find_session(request)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
+
+from gatewayd.evidence import Verification, verify_audit
 
 from gatewayd.models import AuditEntry, User, new_id, rfc3339, utcnow
 from gatewayd.store import Store
@@ -86,3 +89,8 @@ class AuditLog:
             await self.store.append_audit(entry)
         except Exception:  # an audit failure must be loud but not take the request down
             log.exception("could not write audit entry", extra={"action": action})
+
+    async def verify(self, org_id: str) -> Verification:
+        """Whether an organization's audit chain is as it was written (hashing runs off the event loop)."""
+        rows = await self.store.audit_chain(org_id)
+        return await asyncio.to_thread(verify_audit, org_id, rows)

@@ -88,6 +88,38 @@ def _cmd_user_passwd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _print_verification(result) -> int:  # type: ignore[no-untyped-def]
+    """Say what was checked and what failed; exit 0 when intact, 1 when altered or not verifiable."""
+    state = "intact" if result.verified else "ALTERED OR NOT VERIFIABLE"
+    print(f"{result.subject}: {state} ({result.links} links, {result.entries} entries"
+          f"{', sealed' if result.sealed else ''}; chain head {result.chain_head})")
+    for problem in result.problems:
+        print(f"  - {problem}")
+    return 0 if result.verified else 1
+
+
+def _cmd_sessions_verify(args: argparse.Namespace) -> int:
+    config = _load(args.config)
+
+    async def action(gateway):  # type: ignore[no-untyped-def]
+        session = await gateway.store.get_session(args.session_id)
+        if session is None:
+            raise ConfigError(f"session {args.session_id}: not found in the store at {config.store_path}")
+        return await gateway.recording.verify(session)
+
+    return _print_verification(asyncio.run(_with_core(config, action)))
+
+
+def _cmd_audit_verify(args: argparse.Namespace) -> int:
+    config = _load(args.config)
+
+    async def action(gateway):  # type: ignore[no-untyped-def]
+        org_id = args.org or (await gateway.store.default_org()).id
+        return await gateway.audit.verify(org_id)
+
+    return _print_verification(asyncio.run(_with_core(config, action)))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gatewayd", description="Access gateway for databases and servers.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -113,6 +145,19 @@ def build_parser() -> argparse.ArgumentParser:
     passwd.add_argument("--password-stdin", action="store_true", help="read the password from standard input")
     passwd.add_argument("--config")
     passwd.set_defaults(func=_cmd_user_passwd)
+
+    sessions = sub.add_parser("sessions", help="recorded sessions").add_subparsers(dest="sessions_command",
+                                                                                   required=True)
+    verify = sessions.add_parser("verify", help="tell whether a session's recording was altered since it was written")
+    verify.add_argument("session_id")
+    verify.add_argument("--config")
+    verify.set_defaults(func=_cmd_sessions_verify)
+
+    audit = sub.add_parser("audit", help="the security audit log").add_subparsers(dest="audit_command", required=True)
+    verify = audit.add_parser("verify", help="tell whether an organization's audit log was altered")
+    verify.add_argument("--org", help="organization id (default: the default organization)")
+    verify.add_argument("--config")
+    verify.set_defaults(func=_cmd_audit_verify)
 
     version = sub.add_parser("version", help="print the version")
     version.set_defaults(func=lambda args: print(__version__) or 0)

@@ -27,6 +27,7 @@ from gatewayd.config import PROTOCOLS, Config, ConfigError, split_listen
 from gatewayd.frames import FrameStore
 from gatewayd.guardrails import GuardRailService
 from gatewayd.identity import Identity
+from gatewayd.evidence import Sealer
 from gatewayd.recording import RecordingService
 from gatewayd.reviews import ReviewService
 from gatewayd.scripts import ScriptRunner
@@ -187,7 +188,7 @@ class Gateway:
         self.identity = Identity(self.config, self.store)
         self.access = AccessService(self.store, self.audit)
         self.recording = RecordingService(self.store, self.config["sessions.recording_cap_bytes"],
-                                          self.config["sessions.flush_interval"])
+                                          self.config["sessions.flush_interval"], await Sealer.load(self.store))
         self.sessions = SessionManager(self.store, self.recording, self.audit)
         self.guardrails = GuardRailService(self.store)
         self.reviews = ReviewService(self)

@@ -156,6 +156,9 @@ class GuardRail:
     updated_at: str = ""
 
 
+CHAIN_GENESIS = "0" * 64  # the "previous hash" of a hash chain's first link
+
+
 @dataclass(slots=True)
 class Session:
     id: str
@@ -184,6 +187,8 @@ class Session:
     ai_analysis: dict[str, Any] | None = None
     review_id: str | None = None
     credential_id: str | None = None
+    chain_head: str = CHAIN_GENESIS  # the hash of the recording's last stored batch (gatewayd.evidence)
+    seal: str | None = None  # the gateway's signature over the chain head and closing fields, set at close
 
 
 @dataclass(slots=True)
@@ -212,6 +217,8 @@ class AuditEntry:
     client_ip: str = ""
     request_payload_redacted: Any = None
     error_message: str = ""
+    prev_hash: str = ""  # the organization's audit chain (gatewayd.evidence), set by the store
+    hash: str = ""
 
 
 @dataclass(slots=True)

@@ -4,7 +4,9 @@ A proxy calls ``recorder.input/output/error`` on its hot path (no I/O, no
 await); the ``RecordingService`` writes every pending batch in one
 transaction at least every ``flush_interval``, sooner when a session has a
 lot pending, and at close. Memory is bounded: past ``HIGH_WATER`` pending
-bytes, ``await recorder.drain()`` waits for the flush.
+bytes, ``await recorder.drain()`` waits for the flush. Each flushed batch is a
+link of the session's hash chain and the close signs a seal over it
+(``gatewayd.evidence``), so a recording altered afterwards is told.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import logging
 import time
 from typing import Any
 
-from gatewayd.models import SessionEvent
+from gatewayd.evidence import EventBatch, Sealer, Verification, batch_hash, seal_statement, verify_recording
+from gatewayd.models import CHAIN_GENESIS, Session, SessionEvent
 from gatewayd.store import Store
 
 log = logging.getLogger("gatewayd.recording")
@@ -28,10 +31,11 @@ class SessionRecorder:
     """The event stream of one session, as it happens."""
 
     __slots__ = ("service", "session_id", "started", "next_seq", "cap", "recorded", "truncated",
-                 "pending", "pending_bytes", "closed", "metrics")
+                 "pending", "pending_bytes", "closed", "metrics", "chain_head")
 
     def __init__(self, service: "RecordingService", session_id: str, started: float, next_seq: int = 0,
-                 recorded: int = 0, metrics: dict[str, Any] | None = None) -> None:
+                 recorded: int = 0, metrics: dict[str, Any] | None = None,
+                 chain_head: str = CHAIN_GENESIS) -> None:
         self.service = service
         self.session_id = session_id
         self.started = started
@@ -43,6 +47,7 @@ class SessionRecorder:
         self.pending: list[SessionEvent] = []
         self.pending_bytes = 0
         self.closed = False
+        self.chain_head = chain_head
 
     def offset_ms(self) -> int:
         return int((time.monotonic() - self.started) * 1000)
@@ -83,21 +88,33 @@ class SessionRecorder:
         if self.pending_bytes >= HIGH_WATER:
             await self.service.flush()
 
-    def take_batch(self) -> tuple[str, int, list[SessionEvent], dict[str, Any]] | None:
+    def take_batch(self) -> EventBatch | None:
+        """The pending events as the next link of the chain (the chain head moves on with it)."""
         if not self.pending:
             return None
         events, self.pending, self.pending_bytes = self.pending, [], 0
         first = self.next_seq
         self.next_seq += len(events)
         self.metrics["event_size"] = self.recorded
-        return self.session_id, first, events, {"event_size": self.recorded, "metrics": dict(self.metrics)}
+        previous, self.chain_head = self.chain_head, batch_hash(self.chain_head, self.session_id, first, events)
+        return EventBatch(self.session_id, first, events,
+                          {"event_size": self.recorded, "metrics": dict(self.metrics), "chain_head": self.chain_head},
+                          previous, self.chain_head)
+
+    def untake(self, batch: EventBatch) -> None:
+        """Put a batch that could not be stored back in front, as it was (a later flush retries it)."""
+        self.pending[:0] = batch.events
+        self.pending_bytes += sum(len(e.data) for e in batch.events)
+        self.next_seq = batch.first_seq
+        self.chain_head = batch.previous_hash
 
 
 class RecordingService:
     """Owns the live recorders and the background flusher."""
 
-    def __init__(self, store: Store, cap: int, flush_interval: float) -> None:
+    def __init__(self, store: Store, cap: int, flush_interval: float, sealer: Sealer) -> None:
         self.store = store
+        self.sealer = sealer
         self.cap = cap
         self.flush_interval = flush_interval
         self._recorders: dict[str, SessionRecorder] = {}
@@ -125,7 +142,8 @@ class RecordingService:
         recorded = session.event_size if session else 0
         if started is None:
             started = time.monotonic() - last_offset / 1000
-        rec = SessionRecorder(self, session_id, started, next_seq, recorded, session.metrics if session else None)
+        rec = SessionRecorder(self, session_id, started, next_seq, recorded, session.metrics if session else None,
+                              (session.chain_head or CHAIN_GENESIS) if session else CHAIN_GENESIS)
         self._recorders[session_id] = rec
         return rec
 
@@ -151,24 +169,33 @@ class RecordingService:
                 try:
                     await self.store.append_events(batches)
                 except Exception:
-                    for session_id, first, events, _ in batches:  # put them back, in order, for the next try
-                        rec = self._recorders.get(session_id)
+                    for batch in batches:  # put them back, in order, for the next try
+                        rec = self._recorders.get(batch.session_id)
                         if rec is not None:
-                            rec.pending[:0] = events
-                            rec.pending_bytes += sum(len(e.data) for e in events)
-                            rec.next_seq = first
+                            rec.untake(batch)
                     raise
 
     async def close(self, recorder: SessionRecorder, **session_fields: Any) -> None:
-        """Flush a recorder's last events together with the session's final fields."""
+        """Flush a recorder's last events together with the session's final fields and its seal."""
         async with self._flush_lock:
             recorder.closed = True
             self._recorders.pop(recorder.session_id, None)
             batch = recorder.take_batch()
             recorder.metrics["event_size"] = recorder.recorded
-            fields = {"event_size": recorder.recorded, "metrics": dict(recorder.metrics), **session_fields}
+            fields = {"event_size": recorder.recorded, "metrics": dict(recorder.metrics),
+                      "chain_head": recorder.chain_head, **session_fields}
+            fields["seal"] = self.sealer.sign(seal_statement(
+                recorder.session_id, recorder.chain_head, recorder.next_seq, recorder.recorded,
+                fields.get("exit_code"), fields.get("end_date")))
             if batch is None:
-                batch = (recorder.session_id, recorder.next_seq, [], fields)
+                batch = EventBatch(recorder.session_id, recorder.next_seq, [], fields)
             else:
-                batch[3].update(fields)
+                batch.session_fields.update(fields)
             await self.store.append_events([batch])
+
+    async def verify(self, session: Session) -> Verification:
+        """Whether ``session``'s stored recording is as it was written (hashing runs off the event loop)."""
+        links, events = await self.store.read_event_chain(session.id)
+        return await asyncio.to_thread(verify_recording, session.id, session.status, session.chain_head, session.seal,
+                                       session.event_size, session.exit_code, session.end_date, links, events,
+                                       self.sealer)

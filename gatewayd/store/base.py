@@ -9,6 +9,7 @@ import abc
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from gatewayd.evidence import BatchLink, EventBatch
 from gatewayd.models import (
     AccessRequestRule,
     AuditEntry,
@@ -181,13 +182,17 @@ class Store(abc.ABC):
     async def update_session(self, session_id: str, **fields: Any) -> None: ...
 
     @abc.abstractmethod
-    async def append_events(self, batches: Iterable[tuple[str, int, list[SessionEvent], dict[str, Any]]]) -> None:
+    async def append_events(self, batches: Iterable[EventBatch]) -> None:
         """Append events of several sessions in one transaction.
 
-        Each batch is ``(session_id, first_seq, events, session_fields)``; the
-        session fields (event_size, metrics...) are updated in the same
-        transaction so a crash never leaves them disagreeing with the events.
+        Each batch carries its session fields (event_size, metrics, chain_head...), updated in the
+        same transaction so a crash never leaves them disagreeing with the events, and its chain
+        link (previous hash, hash), stored beside the events for ``read_event_chain``.
         """
+
+    @abc.abstractmethod
+    async def read_event_chain(self, session_id: str) -> tuple[list[BatchLink], list[tuple[int, SessionEvent]]]:
+        """A session's stored chain links and its events with their sequence numbers, both in order."""
 
     @abc.abstractmethod
     async def read_events(self, session_id: str, kinds: str | None = None) -> list[SessionEvent]: ...
@@ -240,7 +245,16 @@ class Store(abc.ABC):
 
     # audit log
     @abc.abstractmethod
-    async def append_audit(self, entry: AuditEntry) -> None: ...
+    async def append_audit(self, entry: AuditEntry) -> None:
+        """Append an entry, chained to its organization's last one (``prev_hash``/``hash`` set here).
+
+        Reading the last hash and inserting happen in one write transaction, so concurrent
+        writers (threads, processes) never fork the chain.
+        """
+
+    @abc.abstractmethod
+    async def audit_chain(self, org_id: str) -> list[dict[str, Any]]:
+        """An organization's audit entries as stored (JSON fields as text), oldest first."""
 
     @abc.abstractmethod
     async def list_audit(self, query: AuditFilter) -> Page: ...

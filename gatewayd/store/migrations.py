@@ -231,4 +231,19 @@ CREATE TABLE access_request_rules (
     UNIQUE (org_id, name)
 )
 """),
+    (4, """
+ALTER TABLE sessions ADD COLUMN chain_head TEXT NOT NULL DEFAULT '';
+ALTER TABLE sessions ADD COLUMN seal TEXT;
+CREATE TABLE session_event_batches (
+    session_id TEXT NOT NULL,
+    first_seq INTEGER NOT NULL,
+    count INTEGER NOT NULL,
+    prev_hash TEXT NOT NULL,
+    hash TEXT NOT NULL,
+    PRIMARY KEY (session_id, first_seq)
+);
+ALTER TABLE audit_logs ADD COLUMN prev_hash TEXT NOT NULL DEFAULT '';
+ALTER TABLE audit_logs ADD COLUMN hash TEXT NOT NULL DEFAULT '';
+CREATE INDEX audit_by_org ON audit_logs (org_id)
+"""),
 ]

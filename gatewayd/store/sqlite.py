@@ -14,7 +14,9 @@ from typing import Any, Iterable
 import aiosqlite
 
 from gatewayd.crypto import SecretBox
+from gatewayd.evidence import BatchLink, EventBatch, audit_hash
 from gatewayd.models import (
+    CHAIN_GENESIS,
     AccessRequestRule,
     AuditEntry,
     Connection,
@@ -462,15 +464,19 @@ class SQLiteStore(Store):
         await self._write([(f"UPDATE sessions SET {assignments} WHERE id = ?",
                             tuple(_encode(n, v) for n, v in values.items()) + (session_id,))])
 
-    async def append_events(self, batches: Iterable[tuple[str, int, list[SessionEvent], dict[str, Any]]]) -> None:
+    async def append_events(self, batches: Iterable[EventBatch]) -> None:
         statements: list[tuple[str, Any]] = []
-        for session_id, first_seq, events, session_fields in batches:
-            if events:
-                statements += _event_inserts(session_id, first_seq, events)
-            if session_fields:
-                assignments = ", ".join(f"{n} = ?" for n in session_fields)
+        for batch in batches:
+            if batch.events:
+                statements += _event_inserts(batch.session_id, batch.first_seq, batch.events)
+                statements.append(("INSERT INTO session_event_batches (session_id, first_seq, count, prev_hash, "
+                                   "hash) VALUES (?, ?, ?, ?, ?)", (batch.session_id, batch.first_seq,
+                                                                    len(batch.events), batch.previous_hash,
+                                                                    batch.hash)))
+            if batch.session_fields:
+                assignments = ", ".join(f"{n} = ?" for n in batch.session_fields)
                 statements.append((f"UPDATE sessions SET {assignments} WHERE id = ?",
-                                   tuple(_encode(n, v) for n, v in session_fields.items()) + (session_id,)))
+                                   tuple(_encode(n, v) for n, v in batch.session_fields.items()) + (batch.session_id,)))
         if statements:
             await self._write(statements)
 
@@ -478,6 +484,14 @@ class SQLiteStore(Store):
         rows = await self._all(
             "SELECT offset_ms, kind, data FROM session_events WHERE session_id = ? ORDER BY seq", (session_id,))
         return [SessionEvent(r[0], r[1], bytes(r[2])) for r in rows if kinds is None or r[1] in kinds]
+
+    async def read_event_chain(self, session_id: str) -> tuple[list[BatchLink], list[tuple[int, SessionEvent]]]:
+        links = await self._all("SELECT first_seq, count, prev_hash, hash FROM session_event_batches "
+                                "WHERE session_id = ? ORDER BY first_seq", (session_id,))
+        rows = await self._all(
+            "SELECT seq, offset_ms, kind, data FROM session_events WHERE session_id = ? ORDER BY seq", (session_id,))
+        return ([BatchLink(r[0], r[1], r[2], r[3]) for r in links],
+                [(r[0], SessionEvent(r[1], r[2], bytes(r[3]))) for r in rows])
 
     async def last_event_seq(self, session_id: str) -> tuple[int, int]:
         row = await self._one(
@@ -592,7 +606,29 @@ class SQLiteStore(Store):
 
     # ---------------------------------------------------------------- audit log
     async def append_audit(self, entry: AuditEntry) -> None:
-        await self._write([self._insert("audit_logs", entry)])
+        if self._writer is None:
+            raise RuntimeError("store is not open")
+        await self._in_writer(self._append_audit_chained, self._writer, entry)
+
+    @classmethod
+    def _append_audit_chained(cls, db: sqlite3.Connection, entry: AuditEntry) -> None:
+        """In the writer thread: the org's last hash and the insert, in one IMMEDIATE transaction."""
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            row = db.execute("SELECT hash FROM audit_logs WHERE org_id = ? ORDER BY rowid DESC LIMIT 1",
+                             (entry.org_id,)).fetchone()
+            entry.prev_hash = row[0] if row and row[0] else CHAIN_GENESIS
+            stored = {name: _encode(name, getattr(entry, name)) for name in _columns(AuditEntry)}
+            entry.hash = audit_hash(entry.prev_hash, stored)  # over the values as they are stored
+            db.execute(*cls._insert("audit_logs", entry))
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+
+    async def audit_chain(self, org_id: str) -> list[dict[str, Any]]:
+        rows = await self._all("SELECT * FROM audit_logs WHERE org_id = ? ORDER BY rowid", (org_id,))
+        return [dict(zip(r.keys(), tuple(r))) for r in rows]
 
     async def list_audit(self, query: AuditFilter) -> Page:
         where, params = ["1 = 1"], []

@@ -1,0 +1,198 @@
+"""Tamper evidence for recordings and the audit log: hash chains, a signed seal, and their verification.
+
+A session's events are stored in batches; each batch's hash covers the previous batch's hash and
+every event of the batch (sequence number, offset, kind, bytes), so the last hash -- the session's
+``chain_head`` -- stands for the whole recording. At close the gateway signs a seal statement (the
+session id, the chain head, how many events and bytes, the exit code and end date) with its own
+Ed25519 key, which is sealed at rest by the master key. Altering, removing, reordering or adding an
+event, or changing the closing fields, breaks the chain or the seal; rewriting the whole chain also
+needs the key.
+
+The audit log is chained per organization the same way, one entry a link. Pure functions and one
+key holder; the store keeps the links, ``verify_*`` re-computes them.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from gatewayd.models import CHAIN_GENESIS as GENESIS
+from gatewayd.models import SessionEvent
+
+if TYPE_CHECKING:
+    from gatewayd.store import Store
+SEAL_KEY_NAME = "recording-seal"
+_EVENT_HEAD = struct.Struct(">QQ1sQ")  # seq, offset_ms, kind, length
+_AUDIT_FIELDS = ("id", "org_id", "created_at", "actor_subject", "actor_email", "actor_name", "resource_type",
+                 "action", "outcome", "http_method", "http_path", "http_status", "client_ip",
+                 "request_payload_redacted", "error_message")
+
+
+def batch_hash(previous: str, session_id: str, first_seq: int, events: Sequence[SessionEvent]) -> str:
+    """The hash of one stored batch of a session's events, chained to ``previous``."""
+    digest = hashlib.sha256(b"gatewayd-events-v1\0")
+    digest.update(previous.encode())
+    digest.update(session_id.encode() + b"\0")
+    for seq, event in enumerate(events, first_seq):
+        digest.update(_EVENT_HEAD.pack(seq, max(event.offset_ms, 0), event.kind.encode()[:1], len(event.data)))
+        digest.update(event.data)
+    return digest.hexdigest()
+
+
+def seal_statement(session_id: str, chain_head: str, events: int, event_size: int, exit_code: int | None,
+                   end_date: str | None) -> bytes:
+    """What the seal signs: the recording's last hash and the session's closing facts."""
+    return "\n".join(("gatewayd-seal-v1", session_id, chain_head, str(events), str(event_size),
+                      "" if exit_code is None else str(exit_code), end_date or "")).encode()
+
+
+def audit_hash(previous: str, row: dict[str, Any]) -> str:
+    """The hash of one audit entry as stored (``request_payload_redacted`` as its JSON text)."""
+    canonical = json.dumps([row.get(name) for name in _AUDIT_FIELDS], separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(b"gatewayd-audit-v1\0" + previous.encode() + canonical.encode()).hexdigest()
+
+
+class Sealer:
+    """Signs and checks seals with the gateway's recording key (Ed25519)."""
+
+    def __init__(self, private_key: Ed25519PrivateKey) -> None:
+        self._key = private_key
+        self._public = private_key.public_key()
+
+    @classmethod
+    async def load(cls, store: Store) -> "Sealer":
+        """The gateway's recording key, made once and kept sealed by the master key in the store."""
+        material = await store.get_key(SEAL_KEY_NAME)
+        if material is None:
+            material = Ed25519PrivateKey.generate().private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+            await store.put_key(SEAL_KEY_NAME, material)
+            material = await store.get_key(SEAL_KEY_NAME) or material  # a concurrent start may have won
+        key = serialization.load_pem_private_key(material, None)
+        assert isinstance(key, Ed25519PrivateKey)
+        return cls(key)
+
+    def sign(self, statement: bytes) -> str:
+        return base64.b64encode(self._key.sign(statement)).decode()
+
+    def valid(self, statement: bytes, signature: str) -> bool:
+        try:
+            self._public.verify(base64.b64decode(signature, validate=True), statement)
+        except (InvalidSignature, ValueError):
+            return False
+        return True
+
+
+@dataclass(slots=True)
+class EventBatch:
+    """Events of one session to append in one go, with their chain link and the session fields to update."""
+
+    session_id: str
+    first_seq: int
+    events: list[SessionEvent]
+    session_fields: dict[str, Any]
+    previous_hash: str = GENESIS
+    hash: str = GENESIS
+
+
+@dataclass(slots=True)
+class BatchLink:
+    """One stored link of a session's chain."""
+
+    first_seq: int
+    count: int
+    previous_hash: str
+    hash: str
+
+
+@dataclass(slots=True)
+class Verification:
+    """The answer to "was this altered since it was written?"; ``problems`` says where, if so."""
+
+    subject: str
+    verified: bool = True
+    sealed: bool = False
+    links: int = 0
+    entries: int = 0
+    chain_head: str = GENESIS
+    problems: list[str] = field(default_factory=list)
+
+    def problem(self, text: str) -> None:
+        self.verified = False
+        self.problems.append(text)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"subject": self.subject, "verified": self.verified, "sealed": self.sealed, "links": self.links,
+                "entries": self.entries, "chain_head": self.chain_head, "problems": list(self.problems)}
+
+
+def verify_recording(session_id: str, status: str, chain_head: str, seal: str | None, event_size: int,
+                     exit_code: int | None, end_date: str | None, links: Sequence[BatchLink],
+                     events: Sequence[tuple[int, SessionEvent]], sealer: Sealer) -> Verification:
+    """Re-compute a session's chain from its stored events and check the seal. ``events``: (seq, event)."""
+    result = Verification(subject=f"session {session_id}", links=len(links), entries=len(events))
+    if not chain_head:
+        result.problem("recorded before this gateway chained recordings: it cannot be verified")
+        return result
+    by_seq = dict(events)
+    if len(by_seq) != len(events):
+        result.problem("two events have the same sequence number")
+    previous, expected_seq = GENESIS, 0
+    for number, link in enumerate(links, 1):
+        where = f"batch {number} (events {link.first_seq}-{link.first_seq + link.count - 1})"
+        if link.first_seq != expected_seq:
+            result.problem(f"{where}: starts at event {link.first_seq}, expected {expected_seq} (a batch is missing)")
+        if link.previous_hash != previous:
+            result.problem(f"{where}: does not chain to the batch before it")
+        batch = [by_seq.get(seq) for seq in range(link.first_seq, link.first_seq + link.count)]
+        if any(event is None for event in batch):
+            result.problem(f"{where}: events are missing")
+        elif batch_hash(link.previous_hash, session_id, link.first_seq, batch) != link.hash:  # type: ignore[arg-type]
+            result.problem(f"{where}: its events were altered")
+        previous, expected_seq = link.hash, link.first_seq + link.count
+    extra = sorted(seq for seq in by_seq if seq >= expected_seq)
+    if extra:
+        result.problem(f"events {extra[0]}-{extra[-1]} are not covered by the chain (added afterwards)")
+    result.chain_head = previous
+    if chain_head != previous:
+        result.problem("the session's chain head does not match its last batch")
+    if seal:
+        result.sealed = True
+        statement = seal_statement(session_id, chain_head, len(events), event_size, exit_code, end_date)
+        if not sealer.valid(statement, seal):
+            result.problem("the seal does not match: the recording or its closing fields were changed after close")
+    elif status == "done":
+        result.problem("the session is done but has no seal")
+    return result
+
+
+def verify_audit(org_id: str, rows: Iterable[dict[str, Any]]) -> Verification:
+    """Re-compute an organization's audit chain from its stored entries, oldest first."""
+    result = Verification(subject=f"audit log of organization {org_id}")
+    previous, chained, legacy = GENESIS, False, 0
+    for row in rows:
+        result.entries += 1
+        if not row["hash"] and not chained:  # written before this gateway chained its audit log
+            legacy += 1
+            continue
+        chained = True
+        if row["prev_hash"] != previous:
+            result.problem(f"entry {row['id']}: does not chain to the entry before it (one was removed or inserted)")
+        if audit_hash(row["prev_hash"], row) != row["hash"]:
+            result.problem(f"entry {row['id']}: it was altered")
+        previous = row["hash"]
+    result.links = result.entries - legacy
+    result.chain_head = previous
+    if legacy:
+        result.problems.append(f"{legacy} entries from before the chain began cannot be verified (not counted as "
+                               "altered)")
+    return result

@@ -1,0 +1,214 @@
+"""Tamper evidence: recordings and the audit log are hash chains, a closed recording is sealed, and
+``GET /sessions/{id}/verify``, ``GET /audit/verify``, ``gatewayd sessions verify`` and
+``gatewayd audit verify`` tell whether what is stored was altered since it was written.
+
+The chain functions are checked alone; then a real gateway (the line proxy of the daemon tests)
+records a session, the SQLite file is edited the way an intruder would, and the API and the CLI
+must notice.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+
+import aiohttp
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from gatewayd.evidence import GENESIS, BatchLink, Sealer, batch_hash, seal_statement, verify_audit, verify_recording
+from gatewayd.models import SessionEvent
+from tests.conftest import BIN, ROOT
+from tests.test_daemon import Api, connect, credential, make_gateway, wait_done
+
+SEALER = Sealer(Ed25519PrivateKey.generate())
+
+
+def recorded(batches: list[list[SessionEvent]], session_id: str = "s1", exit_code: int | None = 0,
+             end_date: str | None = "2026-11-23T07:00:00Z"):
+    """Links, numbered events, chain head and seal of a session stored as ``batches``."""
+    links, events, previous, seq = [], [], GENESIS, 0
+    for batch in batches:
+        link_hash = batch_hash(previous, session_id, seq, batch)
+        links.append(BatchLink(seq, len(batch), previous, link_hash))
+        events += [(seq + i, event) for i, event in enumerate(batch)]
+        previous, seq = link_hash, seq + len(batch)
+    size = sum(len(e.data) for _, e in events)
+    seal = SEALER.sign(seal_statement(session_id, previous, len(events), size, exit_code, end_date))
+    return links, events, previous, seal, size
+
+
+def check(links, events, head, seal, size, exit_code=0, end_date="2026-11-23T07:00:00Z", status="done",
+          sealer=SEALER):
+    return verify_recording("s1", status, head, seal, size, exit_code, end_date, links, events, sealer)
+
+
+BATCHES = [[SessionEvent(0, "i", b"select 1\n"), SessionEvent(3, "o", b"1\n")],
+           [SessionEvent(9, "i", b"drop table t\n")], [SessionEvent(12, "e", b"blocked\n")]]
+
+
+def test_an_untouched_recording_verifies_and_is_sealed():
+    result = check(*recorded(BATCHES))
+    assert result.verified and result.sealed and result.problems == []
+    assert (result.links, result.entries) == (3, 4)
+
+
+def test_every_kind_of_edit_is_told_with_its_place():
+    links, events, head, seal, size = recorded(BATCHES)
+    altered = list(events)
+    altered[2] = (2, SessionEvent(9, "i", b"select 2\n"))  # same size, other text
+    result = check(links, altered, head, seal, size)
+    assert not result.verified and result.problems == ["batch 2 (events 2-2): its events were altered"]
+
+    result = check(links, [e for e in events if e[0] != 2], head, seal, size)  # an event removed
+    assert "batch 2 (events 2-2): events are missing" in result.problems
+
+    result = check(links, events + [(4, SessionEvent(20, "o", b"added\n"))], head, seal, size)
+    assert any("not covered by the chain" in p for p in result.problems)
+
+    swapped = [events[1], events[0]] + events[2:]  # the same events, their kinds exchanged by renumbering
+    result = check(links, [(i, e) for i, (_, e) in enumerate(swapped)], head, seal, size)
+    assert "batch 1 (events 0-1): its events were altered" in result.problems
+
+    result = check(links[:1] + links[2:], events, head, seal, size)  # a whole link dropped
+    assert any("a batch is missing" in p for p in result.problems)
+
+    result = check(links, events, head, seal, size, exit_code=1)  # the closing facts changed
+    assert result.problems == ["the seal does not match: the recording or its closing fields were changed "
+                               "after close"]
+
+    other_key = Sealer(Ed25519PrivateKey.generate())  # a chain re-computed and signed by someone else
+    assert not check(links, events, head, seal, size, sealer=other_key).verified
+    assert check(links, events, head, None, size).problems == ["the session is done but has no seal"]
+    open_result = check(links, events, head, None, size, status="open")
+    assert open_result.verified and not open_result.sealed  # an open session is not sealed yet
+
+
+def test_a_recording_from_before_the_chain_is_not_verifiable():
+    links, events, head, seal, size = recorded(BATCHES)
+    result = check([], events, "", None, size)
+    assert not result.verified and "recorded before" in result.problems[0]
+
+
+def test_the_audit_chain_tells_an_altered_removed_or_inserted_entry():
+    from gatewayd.evidence import audit_hash
+
+    rows, previous = [], GENESIS
+    for number in range(4):
+        row = {"id": f"e{number}", "org_id": "o", "created_at": f"2026-11-23T07:00:0{number}Z",
+               "actor_subject": "a", "actor_email": "a@example.com", "actor_name": "A", "resource_type": "api",
+               "action": "x", "outcome": "success", "http_method": "POST", "http_path": "/api/x",
+               "http_status": 200, "client_ip": "127.0.0.1", "request_payload_redacted": "null",
+               "error_message": "", "prev_hash": previous}
+        row["hash"] = previous = audit_hash(previous, row)
+        rows.append(row)
+    assert verify_audit("o", rows).verified
+    assert verify_audit("o", rows[:1] + rows[2:]).problems == [
+        "entry e2: does not chain to the entry before it (one was removed or inserted)"]
+    edited = [dict(r) for r in rows]
+    edited[1]["outcome"] = "failure"
+    assert verify_audit("o", edited).problems == ["entry e1: it was altered"]
+
+
+# --------------------------------------------------------------------------- a real gateway and its store
+
+
+@pytest.fixture
+async def env(tmp_path):
+    gateway = await make_gateway(tmp_path)
+    admin = await gateway.identity.ensure_local_user("admin@example.com", "Admin", ["admin"])
+    async with aiohttp.ClientSession() as http:
+        api = Api(gateway, http, gateway.identity.issue_token(admin))
+        status, _ = await api("POST", "/connections", {
+            "name": "line", "type": "custom", "subtype": "ssh", "secret": {"envvar:HOST": "MTI3LjAuMC4x"}})
+        assert status == 201
+        yield gateway, api
+        await gateway.stop()
+
+
+def cli(gateway, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAYD_")}
+    env["GATEWAYD_DATA_DIR"] = str(gateway.config.data_dir)
+    return subprocess.run([str(BIN / "gatewayd"), *args], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+
+
+async def test_a_recording_edited_in_the_store_is_caught_by_the_api_and_the_cli(env):
+    gateway, api = env
+    cred = await credential(api)
+    reader, writer, first = await connect(gateway, cred["connection_credentials"]["password"])
+    session_id = first.split()[1]
+    for line in (b"select secret from vault\n", b"rm -rf /tmp/evidence\n"):
+        writer.write(line)
+        await reader.readline()
+        await gateway.recording.flush()  # one stored batch per line: several links
+    writer.close()
+    await wait_done(api, session_id)
+
+    status, result = await api("GET", f"/sessions/{session_id}/verify")
+    assert status == 200 and result["verified"] and result["sealed"] and result["links"] >= 2, result
+    done = cli(gateway, "sessions", "verify", session_id)
+    assert done.returncode == 0 and "intact" in done.stdout, done
+
+    with sqlite3.connect(gateway.config.store_path) as db:  # the intruder rewrites what was typed
+        db.execute("UPDATE session_events SET data = CAST('ls -l /tmp/evidence\n' AS BLOB) "
+                   "WHERE session_id = ? AND CAST(data AS TEXT) LIKE 'rm -rf%'", (session_id,))
+    status, result = await api("GET", f"/sessions/{session_id}/verify")
+    assert status == 200 and not result["verified"]
+    assert any("its events were altered" in p for p in result["problems"]), result
+    done = cli(gateway, "sessions", "verify", session_id)
+    assert done.returncode == 1 and "its events were altered" in done.stdout, done
+
+    with sqlite3.connect(gateway.config.store_path) as db:  # ...then makes the session look cleaner
+        db.execute("UPDATE session_events SET data = CAST('rm -rf /tmp/evidence\n' AS BLOB) "
+                   "WHERE session_id = ? AND CAST(data AS TEXT) LIKE 'ls -l%'", (session_id,))
+        db.execute("UPDATE sessions SET exit_code = 0 WHERE id = ?", (session_id,))
+        db.execute("UPDATE sessions SET exit_code = 3 WHERE id = ?", (session_id,))
+    status, result = await api("GET", f"/sessions/{session_id}/verify")
+    assert result["problems"] == ["the seal does not match: the recording or its closing fields were changed "
+                                  "after close"]
+    assert cli(gateway, "sessions", "verify", "no-such-session").returncode == 2
+
+
+async def test_an_audit_entry_edited_or_removed_in_the_store_is_caught(env):
+    gateway, api = env
+    for number in range(3):
+        status, _ = await api("POST", "/connections", {"name": f"audited-{number}", "type": "custom",
+                                                       "subtype": "ssh", "secret": {"envvar:HOST": "MTI3LjAuMC4x"}})
+        assert status == 201
+    status, result = await api("GET", "/audit/verify")
+    assert status == 200 and result["verified"] and result["entries"] >= 4, result
+    assert cli(gateway, "audit", "verify").returncode == 0
+
+    with sqlite3.connect(gateway.config.store_path) as db:
+        (entry_id,) = db.execute("SELECT id FROM audit_logs WHERE http_path = '/api/connections' "
+                                 "ORDER BY rowid LIMIT 1 OFFSET 1").fetchone()
+        db.execute("UPDATE audit_logs SET outcome = 'failure' WHERE id = ?", (entry_id,))
+    status, result = await api("GET", "/audit/verify")
+    assert not result["verified"] and f"entry {entry_id}: it was altered" in result["problems"]
+
+    with sqlite3.connect(gateway.config.store_path) as db:
+        db.execute("UPDATE audit_logs SET outcome = 'success' WHERE id = ?", (entry_id,))
+        db.execute("DELETE FROM audit_logs WHERE id = ?", (entry_id,))
+    status, result = await api("GET", "/audit/verify")
+    assert not result["verified"] and any("was removed or inserted" in p for p in result["problems"]), result
+    done = cli(gateway, "audit", "verify")
+    assert done.returncode == 1 and "removed or inserted" in done.stdout
+    status, _ = await api("GET", "/audit/verify", token=gateway.identity.issue_token(
+        await gateway.identity.ensure_local_user("user@example.com", "User", [])))
+    assert status == 403
+
+
+def test_audit_entries_from_before_the_chain_are_named_but_cannot_hide_an_edit():
+    from gatewayd.evidence import audit_hash
+
+    legacy = {"id": "old", "org_id": "o", "prev_hash": "", "hash": ""}
+    row = {"id": "new", "org_id": "o", "outcome": "success", "prev_hash": GENESIS}
+    row["hash"] = audit_hash(GENESIS, row)
+    result = verify_audit("o", [legacy, row])
+    assert result.verified and result.links == 1 and "1 entries from before the chain" in result.problems[0]
+    stripped = dict(row, hash="")  # an edited entry whose hash was blanked after the chain began
+    later = {"id": "later", "org_id": "o", "outcome": "success", "prev_hash": row["hash"]}
+    later["hash"] = audit_hash(row["hash"], later)
+    assert not verify_audit("o", [row, dict(stripped, id="x", prev_hash=row["hash"]), later]).verified
