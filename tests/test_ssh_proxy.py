@@ -16,11 +16,13 @@ import json
 import os
 import pty
 import select
+import shutil
 import signal
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import termios
 import threading
 import time
@@ -568,6 +570,239 @@ async def test_local_port_forwarding_allowed_per_connection_and_refused_by_defau
         assert status == 200 and any(e["error_message"] == message for e in logs["data"])
     finally:
         echo.close()
+
+
+# --------------------------------------------------------------------------- OpenSSH multiplexing
+
+
+class Master:
+    """An OpenSSH ``ControlMaster`` through the gateway: later ssh and scp runs share its one connection."""
+
+    def __init__(self, gateway: Daemon, secret: str) -> None:
+        self.gateway = gateway
+        self.secret = secret
+        self.dir = Path(tempfile.mkdtemp(prefix="gwmux-"))  # a unix socket path must stay short
+        self.options = ["-o", f"ControlPath={self.dir / 'cm'}"]
+        self.process = subprocess.Popen(["ssh", "-M", "-N", *self.options, *ssh_args(gateway, secret)[1:]],
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 60
+        while self.control("check").returncode != 0:
+            assert self.process.poll() is None, self.process.communicate()[1]
+            assert time.monotonic() < deadline, "the master never came up"
+            time.sleep(0.05)
+
+    def control(self, command: str) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run(["ssh", "-O", command, *self.options, *ssh_args(self.gateway, self.secret)[1:]],
+                              capture_output=True, stdin=subprocess.DEVNULL, timeout=60)
+
+    def ssh_args(self, *args: str) -> list[str]:
+        return ["ssh", *self.options, *ssh_args(self.gateway, self.secret, *args)[1:]]
+
+    def ssh(self, command: str, stdin: Path | None = None) -> subprocess.CompletedProcess[bytes]:
+        with open(stdin or os.devnull, "rb") as handle:
+            return subprocess.run(self.ssh_args(command), stdin=handle, capture_output=True, timeout=60)
+
+    def scp(self, *args: str) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run(["scp", *self.options, *CLIENT_OPTIONS, "-P", str(self.gateway.ssh_port), *args],
+                              capture_output=True, stdin=subprocess.DEVNULL, timeout=60)
+
+    def close(self) -> None:
+        self.control("exit")
+        try:
+            self.process.wait(20)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+async def test_multiplexed_commands_and_scp_keep_their_exit_status(gateway, api, target, tmp_path):
+    """The target's eof, exit-status and close reach a multiplexing client in that order, every time.
+
+    The client has sent its EOF first (stdin from a file): had the gateway passed the target's EOF on before the
+    exit status, the master would answer it with CLOSE and the status would be lost (exit 255) in some runs.
+    """
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+    payload = tmp_path / "payload.bin"
+    payload.write_bytes(os.urandom(64 << 10))
+    remote = f"/tmp/gatewayd-mux-{uuid.uuid4().hex[:8]}.bin"
+    master = Master(gateway, secret)
+    try:
+        runs = [master.ssh("cat >/dev/null; exit 3", stdin=payload) for _ in range(30)]
+        assert [run.returncode for run in runs] == [3] * 30, [run.stderr for run in runs if run.returncode != 3]
+        copies = [master.scp(str(payload), f"{secret}@127.0.0.1:{remote}") for _ in range(20)]
+        assert [copy.returncode for copy in copies] == [0] * 20, [c.stderr for c in copies if c.returncode]
+    finally:
+        master.close()
+    assert on_target(target, f"sha256sum < {remote}; rm {remote}").split()[0] == sha256(payload)
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 0  # the last channel's: an scp
+    ended = of_kind(session, "e")
+    assert ended.count("exit 3 of the channel that ran: cat >/dev/null; exit 3") == 30
+    assert ended.count("exit 0 of the sftp channel") == 20
+
+
+async def test_multiplexed_channels_each_record_their_command_and_exit(gateway, api):
+    """One session, several channels: each channel's end names its command, in the order they ended."""
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+    master = Master(gateway, secret)
+    try:
+        assert master.ssh("echo first").returncode == 0
+        slow = subprocess.Popen(master.ssh_args("echo ready; cat; exit 3"), stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert slow.stdout is not None and slow.stdout.readline() == b"ready\n"  # its channel is open
+        assert master.ssh("echo second; exit 5").returncode == 5
+        out, err = slow.communicate(b"to the slow one\n", timeout=60)
+        assert slow.returncode == 3 and out == b"to the slow one\n", err
+        assert master.ssh("kill -TERM $$").returncode == 255
+    finally:
+        master.close()
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 128 + signal.SIGTERM  # still the last channel's
+    assert of_kind(session, "e") == ["exit 0 of the channel that ran: echo first",
+                                     "exit 5 of the channel that ran: echo second; exit 5",
+                                     "exit 3 of the channel that ran: echo ready; cat; exit 3",
+                                     "signal TERM of the channel that ran: kill -TERM $$"]
+
+
+# --------------------------------------------------------------------------- clients that leave at once, paramiko
+
+
+def connections_to(port: int) -> int:
+    """Established TCP connections to ``port`` on this machine (/proc/net/tcp, the clients' side)."""
+    count = 0
+    with open("/proc/net/tcp") as handle:
+        next(handle)
+        for line in handle:
+            fields = line.split()
+            if fields[3] == "01" and int(fields[2].split(":")[1], 16) == port:
+                count += 1
+    return count
+
+
+async def no_connections_to(port: int, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while connections_to(port):
+        assert time.monotonic() < deadline, f"{connections_to(port)} connection(s) to port {port} remain"
+        await asyncio.sleep(0.05)
+
+
+class HeldDoor:
+    """A TCP door to a target that holds each connection until ``release`` is set, then passes bytes both ways."""
+
+    def __init__(self, target_port: int, release: asyncio.Event) -> None:
+        self.target_port = target_port
+        self.release = release
+        self.passed = 0
+        self.server: asyncio.Server | None = None
+        self.port = 0
+
+    @classmethod
+    async def open(cls, target_port: int, release: asyncio.Event) -> HeldDoor:
+        door = cls(target_port, release)
+        door.server = await asyncio.start_server(door._serve, "127.0.0.1", 0)
+        door.port = door.server.sockets[0].getsockname()[1]
+        return door
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await self.release.wait()
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self.passed += 1
+
+        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            try:
+                while data := await source.read(65536):
+                    sink.write(data)
+                    await sink.drain()
+            finally:
+                sink.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer), return_exceptions=True)
+
+    def close(self) -> None:
+        assert self.server is not None
+        self.server.close()
+
+
+async def test_a_client_leaving_right_after_login_closes_its_session_and_the_target_connection(gateway, api):
+    """``ssh -R`` with ExitOnForwardFailure, and a paramiko transport closed right after authentication."""
+    import paramiko
+
+    own = SshTarget().start()  # a target of this test's own: every connection to it is the gateway's for this test
+    try:
+        role = await api.role(port=own.port, key=own.private_key_text)
+        secret, session_id = await api.credential(role)
+        result = subprocess.run(ssh_args(gateway, secret, "-o", "ExitOnForwardFailure=yes", "-N", "-R",
+                                         "127.0.0.1:0:127.0.0.1:80"), capture_output=True, stdin=subprocess.DEVNULL,
+                                timeout=60)
+        assert result.returncode == 255 and b"remote port forwarding failed" in result.stderr, result.stderr
+        session = await api.done_session(session_id)
+        message = "remote port forwarding from 127.0.0.1:0 refused: the gateway does not offer it"
+        assert session["end_date"] and of_kind(session, "e") == [message]
+        status, logs = await api("GET", "/audit/logs?action=ssh.port_forward&outcome=failure")
+        assert status == 200 and any(e["error_message"] == message and e["request_payload_redacted"]["session_id"]
+                                     == session_id for e in logs["data"])
+        await no_connections_to(own.port)
+
+        # the target login is held until the client has left: the race of a client that leaves at once, every time
+        left = asyncio.Event()
+        door = await HeldDoor.open(own.port, left)
+        held = await api.role(port=door.port, key=own.private_key_text)
+        secret, session_id = await api.credential(held)
+
+        def log_in_and_leave() -> None:
+            transport = paramiko.Transport(("127.0.0.1", gateway.ssh_port))
+            try:
+                transport.connect()
+                transport.auth_password("anyone", secret)
+                transport.sock.shutdown(socket.SHUT_RDWR)  # the socket closes at once, as a client that crashed
+            finally:
+                transport.close()
+
+        await asyncio.to_thread(log_in_and_leave)
+        left.set()
+        session = await api.done_session(session_id)
+        assert session["end_date"] and session["exit_code"] is None
+        await no_connections_to(own.port)
+        await no_connections_to(door.port)
+        assert door.passed == 1  # the gateway did log in to the target, after the client had left
+        door.close()
+    finally:
+        own.destroy()
+
+
+async def test_paramiko_logs_in_with_the_secret_as_password(gateway, api):
+    """paramiko never tries the ``none`` method: the secret as user name alone is not enough (README)."""
+    import paramiko
+
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+
+    def run() -> tuple[bytes, int]:
+        client = paramiko.SSHClient()
+        client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
+        try:
+            with pytest.raises(paramiko.SSHException, match="No authentication methods available"):
+                client.connect("127.0.0.1", gateway.ssh_port, username=secret, look_for_keys=False,
+                               allow_agent=False, timeout=30)
+        finally:
+            client.close()
+        client = paramiko.SSHClient()
+        client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
+        try:
+            client.connect("127.0.0.1", gateway.ssh_port, username="anyone", password=secret, look_for_keys=False,
+                           allow_agent=False, timeout=30)
+            _, stdout, _ = client.exec_command("echo via-paramiko-$((6*7)); exit 4", timeout=30)
+            return stdout.read(), stdout.channel.recv_exit_status()
+        finally:
+            client.close()
+
+    assert await asyncio.to_thread(run) == (b"via-paramiko-42\n", 4)
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 4
 
 
 # --------------------------------------------------------------------------- credentials

@@ -13,11 +13,14 @@ One ``GatewayConnection`` per client SSH connection:
    the ``sftp`` subsystem) is mirrored by a channel to the target
    (``SessionRelay``); ``direct-tcpip`` (``ssh -L``) is relayed when the
    connection's ``settings.ssh.allow_port_forwarding`` is true and refused
-   otherwise (``ForwardRelay``); agent and X11 forwarding and remote
-   forwarding are refused;
-4. the end -- the session is closed when the client goes away, with the last
-   exit status; a kill or the credential's expiry tells every channel why on
-   stderr and closes the connection.
+   otherwise (``ForwardRelay``); agent and X11 forwarding are refused, and
+   so is remote forwarding (``ssh -R``), with an ``e`` event and an audit entry;
+4. the end -- the session is closed when the client goes away (even while
+   the target login is still running), with the last exit status; once a
+   connection carries more than one session channel (OpenSSH multiplexing),
+   each channel's end is an ``e`` event naming what it ran; a kill or the
+   credential's expiry tells every channel why on stderr and closes the
+   connection.
 """
 
 from __future__ import annotations
@@ -143,6 +146,8 @@ class GatewayConnection(asyncssh.SSHServer):
         self.live: LiveSession | None = None
         self.rules: RuleSet | None = None
         self.channels: set[SessionRelay] = set()
+        self.opened = 0  # session channels relayed so far
+        self.first_end: str | None = None  # how the first one ended, recorded once a second one opens
         self.exit_code: int | None = None
         self.gone = False
         self.cut_short = False
@@ -157,7 +162,9 @@ class GatewayConnection(asyncssh.SSHServer):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.gone = True
-        _background(self._finish())
+        if self.ready is None or self.ready.done():
+            _background(self._finish())
+        # else the target login is still running: _open finishes the job when it is done
 
     async def begin_auth(self, username: str) -> bool:
         """No authentication needed when the user name is a valid secret."""
@@ -183,8 +190,11 @@ class GatewayConnection(asyncssh.SSHServer):
     def connection_requested(self, dest_host: str, dest_port: int, orig_host: str, orig_port: int) -> Any:
         return self._forward(dest_host, dest_port, orig_host, orig_port)
 
-    def server_requested(self, listen_host: str, listen_port: int) -> bool:
-        return False  # remote forwarding (ssh -R) is not offered
+    def server_requested(self, listen_host: str, listen_port: int) -> Any:
+        return self._refuse_remote(f"{listen_host}:{listen_port}")
+
+    def unix_server_requested(self, listen_path: str) -> Any:
+        return self._refuse_remote(listen_path)
 
     # -- login and target
 
@@ -232,7 +242,7 @@ class GatewayConnection(asyncssh.SSHServer):
             return
         self.live.on_kill(self._kill)
         self.rules = await self.gateway.guardrails.rules_for(connection.org_id, connection.id)
-        if self.gone:
+        if self.gone:  # the client left while the target login ran (connection_lost left this to us)
             await self._finish()
 
     async def _ready(self) -> bool:
@@ -257,7 +267,17 @@ class GatewayConnection(asyncssh.SSHServer):
             return RefusedSession(self.failure or self.ending or "the session is closed")
         relay = SessionRelay(self)
         self.channels.add(relay)
+        self.opened += 1
+        if self.opened == 2 and self.first_end is not None:
+            relay.recorder.error(self.first_end)
         return relay
+
+    def channel_ended(self, line: str) -> None:
+        """A session channel ended (``exit 3 of the channel that ran: ...``): an ``e`` event once multiplexed."""
+        if self.opened > 1 and self.live is not None:
+            self.live.recorder.error(line)
+        else:
+            self.first_end = line  # a single-channel session records no such line: its exit_code says it
 
     # -- port forwarding
 
@@ -286,6 +306,16 @@ class GatewayConnection(asyncssh.SSHServer):
         live.recorder.error(f"port forwarding to {where} opened")
         await self._audit("ssh.port_forward", "success", "", where)
         return relay
+
+    async def _refuse_remote(self, where: str) -> bool:
+        """Remote forwarding (``ssh -R``) is not offered: an ``e`` event and an ``ssh.port_forward`` audit entry."""
+        if not await self._ready():
+            return False
+        message = f"remote port forwarding from {where} refused: the gateway does not offer it"
+        assert self.live is not None
+        self.live.recorder.error(message)
+        await self._audit("ssh.port_forward", "failure", message, where)
+        return False
 
     async def _audit(self, action: str, outcome: str, message: str, where: str) -> None:
         live = self.live
@@ -320,8 +350,6 @@ class GatewayConnection(asyncssh.SSHServer):
 
     async def _finish(self) -> None:
         """The client went away: close the target and the session."""
-        if self.ready is not None and not self.ready.done():
-            return  # _open finishes the job when it is done
         if self.target is not None:
             self.target.close()
         live = self.live
@@ -369,8 +397,14 @@ class _Upstream(asyncssh.SSHClientSession):  # type: ignore[type-arg]
         self.relay.from_target(data, datatype)
 
     def eof_received(self) -> bool:
-        if not self.relay.client_closed:
-            self.relay.chan.write_eof()
+        relay = self.relay
+        if relay.client_eof:
+            # the client is done sending: hold the EOF and send it with the exit status and close, back to back
+            # as sshd does; a multiplexing client that has seen both EOFs closes the channel at once, and an
+            # exit status that comes after that is lost
+            relay.held_eof = True
+        elif not relay.client_closed:
+            relay.chan.write_eof()
         return True
 
     def exit_status_received(self, status: int) -> None:
@@ -404,11 +438,14 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         self.chan: asyncssh.SSHServerChannel[bytes] = None  # type: ignore[assignment]
         self.upchan: asyncssh.SSHClientChannel[bytes] | None = None
         self.kind = ""
+        self.command = ""
         self.pty = False
         self.shell: ShellInput | None = None
         self.sftp: SftpObserver | None = None
         self.pending: list[bytes] = []
         self.pending_eof = False
+        self.client_eof = False  # the client sent EOF: it sends nothing more on this channel
+        self.held_eof = False  # the target's EOF, sent to the client with the exit status
         self.injections: list[bytes] = []  # SFTP answers of the gateway waiting for a packet boundary
         self.exit_status: int | None = None
         self.exit_signal: tuple[str, bool, str, str] | None = None
@@ -440,6 +477,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
 
     def exec_requested(self, command: str) -> bool:
         self.kind = "exec"
+        self.command = command
         return self._start(command, None)
 
     def subsystem_requested(self, subsystem: str) -> bool:
@@ -458,6 +496,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         self._check_drain()
 
     def eof_received(self) -> bool:
+        self.client_eof = True
         if self.upchan is None:
             self.pending_eof = True
         else:
@@ -503,6 +542,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         self.client_closed = True
         if self.active and not self.ended:
             self.owner.cut_short = True  # the client went away while the target was still at work
+            self._ended_as("no exit status")
         if self.upchan is not None:
             self.upchan.close()
         self.owner.channel_closed(self)
@@ -683,12 +723,16 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         chan = self.chan
         if self.client_closed:
             return
+        if self.held_eof and (self.exit_signal is not None or self.exit_status is not None):
+            chan.write_eof()
         if self.exit_signal is not None:
             signal, core_dumped, msg, lang = self.exit_signal
             self.owner.exit_code = signal_exit_code(signal)
+            self._ended_as(f"signal {signal}")
             chan.exit_with_signal(signal, core_dumped, msg, lang)
         elif self.exit_status is not None:
             self.owner.exit_code = self.exit_status
+            self._ended_as(f"exit {self.exit_status}")
             chan.exit(self.exit_status)
         else:  # the target went away (or closed the channel) without saying how it ended
             name = self.live.connection.name
@@ -704,11 +748,19 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             return
         self.ended = True
         self.owner.exit_code = BLOCKED_EXIT_CODE
+        self._ended_as(f"exit {BLOCKED_EXIT_CODE}")
         if self.upchan is not None:
             self.upchan.close()
         if not self.client_closed:
             self._tell(message)
             self.chan.exit(BLOCKED_EXIT_CODE)
+
+    def _ended_as(self, outcome: str) -> None:
+        """Tell the connection how this channel ended and what it ran (``exit 3 of the channel that ran: ...``)."""
+        if self.kind == "exec":
+            self.owner.channel_ended(f"{outcome} of the channel that ran: {self.command}")
+        elif self.kind:
+            self.owner.channel_ended(f"{outcome} of the {self.kind} channel")
 
 
 class _ForwardUpstream(asyncssh.SSHTCPSession):  # type: ignore[type-arg]
