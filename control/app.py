@@ -13,6 +13,7 @@ from control import (
     connections,
     guardrails,
     health,
+    integrations,
     openapi,
     rdp_frames,
     resources,
@@ -40,7 +41,8 @@ from gatewayd.logs import REQUEST_ID, request_id_from
 
 log = logging.getLogger("gatewayd.api")
 
-AREAS = (health, auth, users, serverconfig, resources, connections, guardrails, sessions, rdp_frames, reviews, audit_logs, openapi)
+AREAS = (health, auth, users, serverconfig, resources, connections, guardrails, sessions, rdp_frames, reviews, audit_logs,
+         integrations, openapi)
 MUTATING = {"POST", "PUT", "PATCH", "DELETE"}
 ROUTE_DOC = web.AppKey("route_doc_by_handler", dict)
 REQUEST_ID_KEY = web.RequestKey("request_id", str)

@@ -127,6 +127,11 @@ SETTINGS: dict[str, Setting] = {
     "sessions.flush_interval": Setting("duration", "1s"),
     "sessions.max_credential_duration": Setting("duration", "48h"),
     "sessions.exec_wait": Setting("duration", "50s"),
+    "integrations.aws.use_instance_role": Setting("bool", False),
+    "integrations.aws.regions": Setting("list", []),
+    "integrations.aws.assume_role_name": Setting("str", "OrganizationAccountAccessRole"),
+    "integrations.aws.endpoint_url": Setting("str", ""),
+    "integrations.aws.timeout": Setting("duration", "20s"),
 }
 
 

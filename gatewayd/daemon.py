@@ -27,6 +27,7 @@ from gatewayd.config import PROTOCOLS, Config, ConfigError, split_listen
 from gatewayd.frames import FrameStore
 from gatewayd.guardrails import GuardRailService
 from gatewayd.identity import Identity
+from gatewayd.discovery import AwsDiscovery, AwsSettings
 from gatewayd.evidence import Sealer
 from gatewayd.recording import RecordingService
 from gatewayd.reviews import ReviewService
@@ -173,6 +174,7 @@ class Gateway:
         self.sessions: SessionManager = None  # type: ignore[assignment]
         self.guardrails: GuardRailService = None  # type: ignore[assignment]
         self.reviews: ReviewService = None  # type: ignore[assignment]
+        self.discovery: AwsDiscovery = None  # type: ignore[assignment]
         self.frames: FrameStore = None  # type: ignore[assignment]
         self.listeners = Listeners(self, listener_factories or {})
         self.server_config: dict[str, Any] = {}
@@ -192,6 +194,11 @@ class Gateway:
         self.sessions = SessionManager(self.store, self.recording, self.audit)
         self.guardrails = GuardRailService(self.store)
         self.reviews = ReviewService(self)
+        self.discovery = AwsDiscovery(self.store, AwsSettings(
+            use_instance_role=self.config["integrations.aws.use_instance_role"],
+            regions=tuple(self.config["integrations.aws.regions"]),
+            assume_role_name=self.config["integrations.aws.assume_role_name"],
+            endpoint_url=self.config["integrations.aws.endpoint_url"], timeout=self.config["integrations.aws.timeout"]))
         self.frames = FrameStore(self.config.data_dir / "rdp-frames", self.config["rdp.frames_cap_bytes"])
         await self.identity.start()
 

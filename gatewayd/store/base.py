@@ -272,3 +272,7 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def put_key(self, name: str, material: bytes) -> None: ...
+
+    @abc.abstractmethod
+    async def delete_key(self, name: str) -> bool:
+        """Forget a sealed key; True when there was one."""

@@ -676,3 +676,8 @@ class SQLiteStore(Store):
             "INSERT INTO signing_keys (name, material, created_at) VALUES (?, ?, ?) "
             "ON CONFLICT (name) DO UPDATE SET material = excluded.material",
             (name, self.box.seal(material, name.encode()), rfc3339(utcnow())))])
+
+    async def delete_key(self, name: str) -> bool:
+        existed = await self._one("SELECT 1 FROM signing_keys WHERE name = ?", (name,)) is not None
+        await self._write([("DELETE FROM signing_keys WHERE name = ?", (name,))])
+        return existed
