@@ -146,9 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     passwd.add_argument("--config")
     passwd.set_defaults(func=_cmd_user_passwd)
 
-    sessions = sub.add_parser("sessions", help="recorded sessions").add_subparsers(dest="sessions_command",
-                                                                                   required=True)
-    verify = sessions.add_parser("verify", help="tell whether a session's recording was altered since it was written")
+    sessions_parser = sub.add_parser("sessions", help="recorded sessions (a table; show, replay, export, verify)")
+    sessions = sessions_parser.add_subparsers(dest="sessions_command")
+    verify = sessions.add_parser("verify", help="tell whether a session's recording was altered since it was written "
+                                                "(on the gateway's host, from its store)")
     verify.add_argument("session_id")
     verify.add_argument("--config")
     verify.set_defaults(func=_cmd_sessions_verify)
@@ -159,13 +160,22 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--config")
     verify.set_defaults(func=_cmd_audit_verify)
 
+    from gatewayd.client import commands as people
+
+    people.register(sub, sessions_parser, sessions)
+
     version = sub.add_parser("version", help="print the version")
     version.set_defaults(func=lambda args: print(__version__) or 0)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from gatewayd.client.commands import split_client_args
+
+    argv, client_args = split_client_args(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
+    if client_args:
+        args.client_args = client_args
     try:
         return int(args.func(args) or 0)
     except ConfigError as exc:

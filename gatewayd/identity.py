@@ -293,12 +293,17 @@ class Identity:
         return self.issue_token(user)
 
     def allowed_redirect(self, redirect: str) -> bool:
-        """Tokens are only handed to the gateway's own origin or to configured prefixes."""
+        """Tokens are only handed to the gateway's own origin, to configured prefixes, or to a loopback
+        ``http://127.0.0.1:PORT/callback`` of the command line (a native app's redirect, RFC 8252 7.3:
+        only a program on the user's own machine can listen there)."""
         if redirect.startswith("/") and not redirect.startswith("//"):
             return True
         own = urlsplit(self.config.public_url)
         target = urlsplit(redirect)
         if (target.scheme, target.netloc) == (own.scheme, own.netloc):
+            return True
+        if (target.scheme == "http" and target.hostname in ("127.0.0.1", "::1") and target.port
+                and target.path == "/callback" and not target.query and not target.username):
             return True
         return any(redirect.startswith(prefix) for prefix in self.config["auth.oidc.allowed_redirects"] if prefix)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from typing import Any, AsyncIterator, Callable
 from urllib.parse import parse_qs, urlsplit
@@ -383,3 +384,33 @@ async def test_an_email_claim_cannot_take_over_another_account(http, gw, provide
     await asyncio.to_thread(gw.token, "unverified@example.com", "admin")
     unverified = provider.mint("sneaky-sub", "unverified@example.com", "Sneaky", None, email_verified=False)
     assert await userinfo(http, gw, unverified) == (401, {"message": "access denied"})
+
+
+async def test_the_command_line_logs_in_through_the_browser(http, gw, provider, tmp_path):
+    """``gatewayd login --oidc``: a loopback listener of the CLI receives the token (RFC 8252 redirect)."""
+    import subprocess
+
+    from tests.conftest import BIN
+
+    provider.set_user("cli-sub", "cli@example.com", "Cli User", ["dev"])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAYD_")}
+    env["GATEWAYD_CLIENT_CONFIG"] = str(tmp_path / "login.json")
+    process = subprocess.Popen([str(BIN / "gatewayd"), "login", "--oidc", "--no-browser", "--url",
+                                gw.url.removesuffix("/api")], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        await asyncio.to_thread(process.stderr.readline)  # "Open this address to log in ..."
+        login_url = (await asyncio.to_thread(process.stderr.readline)).strip()
+        assert login_url.startswith(f"{provider.url}/authorize?")
+        status, _, headers = await call(http, "GET", login_url)  # the browser, at the provider
+        assert status == 302
+        status, _, headers = await call(http, "GET", headers["Location"])  # back at the gateway
+        assert status == 302 and headers["Location"].startswith("http://127.0.0.1:")
+        async with http.get(headers["Location"]) as landing:  # the CLI's loopback page
+            assert landing.status == 200 and "Logged in" in await landing.text()
+        assert await asyncio.to_thread(process.wait, 30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    saved = json.loads((tmp_path / "login.json").read_text())
+    status, me = await userinfo(http, gw, saved["token"])
+    assert status == 200 and me["email"] == "cli@example.com"

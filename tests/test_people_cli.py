@@ -1,0 +1,192 @@
+"""The people's command line end to end: the real ``gatewayd`` CLI as a subprocess against a real
+daemon (postgres listener) and a real PostgreSQL, with a real psql launched by ``gatewayd connect``.
+
+Each person has their own login file (``GATEWAYD_CLIENT_CONFIG``); the tests check exit codes, that a
+failure is one line (never a traceback), and what the API then shows.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from gatewayd.client.commands import play
+from tests.apiclient import Api, postgres_env
+from tests.conftest import BIN, ROOT, Daemon, free_port, proxy_daemon
+from tests.pgpeer import PgCluster, unavailable_reason
+
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
+
+PASSWORDS = {"ada@example.com": "ada's long passphrase", "rita@example.com": "rita's long passphrase"}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    target = PgCluster().start()
+    yield target
+    target.destroy()
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    daemon = proxy_daemon(tmp_path_factory, "peoplecli", "postgres", {"sessions.exec_wait": "2s"})
+    daemon.cli("user", "passwd", "--email", "ada@example.com", "--groups", "admin,dba", "--password-stdin",
+               input=PASSWORDS["ada@example.com"] + "\n")
+    daemon.cli("user", "passwd", "--email", "rita@example.com", "--groups", "dev", "--password-stdin",
+               input=PASSWORDS["rita@example.com"] + "\n")
+    yield daemon
+    assert daemon.stop() == 0
+
+
+class Person:
+    """One person at a terminal: the CLI with their own login file."""
+
+    def __init__(self, gateway: Daemon, folder: Path, email: str) -> None:
+        self.gateway = gateway
+        self.email = email
+        self.login_file = folder / f"{email}.json"
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("GATEWAYD_", "PG"))}
+        env["GATEWAYD_CLIENT_CONFIG"] = str(self.login_file)
+        return env
+
+    def run(self, *args: str, input: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(BIN / "gatewayd"), *args], env=self.env(), cwd=ROOT, capture_output=True,
+                              text=True, input=input, timeout=timeout)
+
+    def start(self, *args: str) -> subprocess.Popen[str]:
+        return subprocess.Popen([str(BIN / "gatewayd"), *args], env=self.env(), cwd=ROOT, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def login(self) -> None:
+        done = self.run("login", "--url", self.gateway.url.removesuffix("/api"), "--email", self.email,
+                        "--password-stdin", input=PASSWORDS[self.email] + "\n")
+        assert done.returncode == 0, done.stderr
+
+
+def one_line_failure(done: subprocess.CompletedProcess[str], code: int, needle: str) -> None:
+    assert done.returncode == code, (done.returncode, done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert done.stderr.startswith("gatewayd: ") and needle in done.stderr, done.stderr
+
+
+@pytest.fixture(scope="module")
+def people(gateway, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("logins")
+    ada, rita = Person(gateway, folder, "ada@example.com"), Person(gateway, folder, "rita@example.com")
+    ada.login()
+    rita.login()
+    return ada, rita
+
+
+@pytest.fixture(scope="module")
+async def connections(gateway, cluster, people):
+    async with aiohttp.ClientSession() as http:
+        admin = Api(gateway, http, gateway.token("ada@example.com", groups="admin,dba"))
+        plain = await admin.connection("pg", "database", "postgres", postgres_env(cluster))
+        reviewed = await admin.connection("pgrev", "database", "postgres", postgres_env(cluster),
+                                          {"reviewers": ["dba"], "jit_review": False})
+        yield plain["name"], reviewed["name"]
+
+
+def test_login_keeps_a_private_token_and_failures_are_one_line(gateway, people, tmp_path):
+    ada, _ = people
+    assert stat.S_IMODE(ada.login_file.stat().st_mode) == 0o600
+    assert json.loads(ada.login_file.read_text())["token"]
+    stranger = Person(gateway, tmp_path, "ada@example.com")
+    done = stranger.run("login", "--url", gateway.url.removesuffix("/api"), "--email", "ada@example.com",
+                        "--password-stdin", input="not the password\n")
+    one_line_failure(done, 4, "wrong e-mail or password")
+    assert not stranger.login_file.exists()
+    one_line_failure(stranger.run("connections"), 4, "not logged in")
+    dead = f"http://127.0.0.1:{free_port()}"
+    one_line_failure(stranger.run("login", "--url", dead, "--email", "ada@example.com", "--password-stdin",
+                                  input="whatever\n"), 3, "cannot reach the gateway")
+    stranger.login_file.write_text(json.dumps({"url": dead, "token": "a-token"}))
+    one_line_failure(stranger.run("sessions"), 3, f"cannot reach the gateway at {dead}")
+
+    expired = Person(gateway, tmp_path, "short@example.com")
+    expired.login_file.write_text(json.dumps({"url": gateway.url.removesuffix("/api"),
+                                              "token": gateway.token("short@example.com", ttl="1s")}))
+    time.sleep(1.5)
+    one_line_failure(expired.run("connections"), 4, "gatewayd login")
+    assert expired.run("logout").returncode == 0 and not expired.login_file.exists()
+
+
+async def test_connections_connect_with_real_psql_and_sessions(gateway, people, connections):
+    ada, rita = people
+    plain, reviewed = connections
+    listed = rita.run("connections", "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert {plain, reviewed} <= {c["name"] for c in json.loads(listed.stdout)}
+    table = rita.run("connections").stdout
+    assert table.splitlines()[0].split()[:3] == ["NAME", "TYPE", "REVIEW"] and reviewed in table and "dba" in table
+
+    printed = rita.run("connect", plain, "--print", "--duration", "10m")
+    assert printed.returncode == 0 and printed.stdout.startswith('psql "postgres://pg-'), printed
+
+    connected = rita.run("connect", plain, "--", "-At", "-c", "select 6 * 7 as answer")
+    assert connected.returncode == 0, connected.stderr
+    assert connected.stdout.strip() == "42"
+
+    listing = rita.run("sessions", "--connection", plain, "--json")
+    sessions = json.loads(listing.stdout)["data"]
+    used = next(s for s in sessions if s["status"] == "done" and s["verb"] == "connect")
+    shown = rita.run("sessions", "show", used["id"])
+    assert shown.returncode == 0 and "select 6 * 7 as answer" in shown.stdout and "42" in shown.stdout, shown
+    exported = rita.run("sessions", "export", used["id"], "--format", "csv")
+    rows = list(csv.DictReader(io.StringIO(exported.stdout)))
+    assert any("select 6 * 7" in r["statement"] and "42" in r["output"] for r in rows), rows
+
+
+async def test_exec_exit_codes_and_a_reviewed_script_approved_from_the_cli(gateway, people, connections):
+    ada, rita = people
+    plain, reviewed = connections
+    done = rita.run("exec", plain, "-c", "select 'from a script' as said")
+    assert done.returncode == 0 and "from a script" in done.stdout, done
+    failed = rita.run("exec", plain, "-c", "select 1/0")
+    assert failed.returncode != 0 and "division by zero" in failed.stdout + failed.stderr
+
+    waiting = rita.start("exec", reviewed, "-c", "select 'approved by dora' as note")
+    deadline = time.monotonic() + 60
+    pending: list = []
+    while not pending and time.monotonic() < deadline:
+        listed = ada.run("reviews", "--json")
+        pending = [r for r in json.loads(listed.stdout) if r["review_owner"]["email"] == "rita@example.com"]
+        time.sleep(0.2)
+    assert pending, "the script's review never showed up in ada's queue"
+    assert pending[0]["id"] in ada.run("reviews").stdout
+    decided = ada.run("reviews", "approve", pending[0]["id"])
+    assert decided.returncode == 0 and "APPROVED" in decided.stdout, decided
+    out, err = waiting.communicate(timeout=120)
+    assert waiting.returncode == 0 and "approved by dora" in out, (out, err)
+    assert f"review {pending[0]['id']}" in err  # the live status line said what it waited for
+
+    rejected = rita.start("exec", reviewed, "-c", "select 'never' as note")
+    pending = []
+    while not pending and time.monotonic() < deadline + 60:
+        pending = [r for r in json.loads(ada.run("reviews", "--json").stdout)
+                   if r["review_owner"]["email"] == "rita@example.com"]
+        time.sleep(0.2)
+    assert ada.run("reviews", "reject", pending[0]["id"]).returncode == 0
+    out, err = rejected.communicate(timeout=120)
+    assert rejected.returncode == 1 and "REJECTED" in err and "never" not in out
+
+
+def test_replay_writes_the_output_at_its_own_pace():
+    cast = "\n".join([json.dumps({"version": 2, "width": 80, "height": 24}), json.dumps([0.5, "o", "$ ls\r\n"]),
+                      json.dumps([0.6, "i", "ls\r"]), json.dumps([5.0, "o", "a  b\r\n"])])
+    out, pauses = io.StringIO(), []
+    play(cast, speed=2.0, idle_limit=3.0, out=out, sleep=pauses.append)
+    assert out.getvalue() == "$ ls\r\na  b\r\n"
+    assert pauses == [0.25, 1.5]  # 0.5 s at twice the speed; a 4.5 s gap capped at 3 s, then halved
