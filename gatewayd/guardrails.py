@@ -1,15 +1,39 @@
-"""Guard rails: input and output rules compiled once per rule version, checked per message."""
+"""Guard rails: input and output rules compiled once per rule version, checked per message.
+
+Every pattern runs on RE2, whose time is linear in the text: no rule an admin
+writes can stall the event loop that every proxy shares, and what RE2 cannot
+run (backreferences, lookaround...) is refused when the rule is defined.  SQL
+input (the PostgreSQL proxy asks with ``sql=True``) is read the way
+PostgreSQL's own scanner reads it (``normalize_sql``); text from the other
+protocols (shell lines, SFTP requests, HTTP requests) is matched as plain text.
+"""
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Any
+
+import re2
+from pglast import parser as pg_scanner
 
 from gatewayd.models import GuardRail
 from gatewayd.store import Store
 
 RULE_TYPES = ("deny_words_list", "pattern_match")
+AUDIT_INPUT_CHARS = 2000  # a blocked input is kept this long in its verdict (and so in the audit entry)
+MAX_SCAN_CHARS = 1 << 20  # longer SQL is matched as plain text only (still comment-aware: see _SQL_GAP)
+SCAN_CACHE_CHARS = 16 * 1024  # scanned statements up to this size are remembered by text
+SCAN_CACHE_SIZE = 4096
+MAX_LITERAL_DEPTH = 3  # a literal's content is read as SQL again, this deep
+
+_RE2_OPTIONS = re2.Options()
+_RE2_OPTIONS.log_errors = False  # a bad pattern is the admin's 400, not a line on the daemon's stderr
+_SPACE = "[\\t\\n\\v\\f\\r ]+"
+# between two words of a deny word, in raw SQL: whitespace or anything PostgreSQL could read as a comment
+# (nested block comments included: the lazy ``.*?`` extends to a later ``*/`` when it must)
+_SQL_GAP = "(?:[\\t\\n\\v\\f\\r ]|/\\*(?s:.*?)\\*/|--[^\\n]*)+"
 
 
 class RuleError(ValueError):
@@ -18,29 +42,200 @@ class RuleError(ValueError):
 
 @dataclass(slots=True, frozen=True)
 class GuardVerdict:
-    """The outcome of checking one message: allowed, or blocked with the message to show."""
+    """The outcome of checking one message: allowed, or blocked with the message to show.
+
+    ``text``: for an input block, what was blocked (at most AUDIT_INPUT_CHARS), for the audit entry.
+    """
 
     allowed: bool
     message: str = ""
     direction: str = ""
     rule_type: str = ""
     guardrail: str = ""
+    text: str = ""
 
 
 ALLOWED = GuardVerdict(True)
 
-_SQL_COMMENTS = re.compile(r"--[^\n]*|/\*.*?\*/", re.S)
 
+# --------------------------------------------------------------------------- SQL as PostgreSQL reads it
 
-def normalize_sql(text: str) -> str:
-    """Comments removed and whitespace collapsed, so ``DROP /**/ TABLE`` reads ``DROP TABLE``."""
-    if "--" in text or "/*" in text:
-        text = _SQL_COMMENTS.sub(" ", text)
-    return " ".join(text.split())  # str.split() and re's \s agree on what whitespace is
+# text without quotes, comments or dollar quotes scans to the same words: no need to call the scanner
+_NEEDS_SCAN = re.compile(r"['\"]|--|/\*|\$(?![0-9])")
+_COMMENTS = frozenset(("C_COMMENT", "SQL_COMMENT"))
+_BETWEEN_SEGMENTS = re.compile(r"(?:\s|--[^\n]*)*")  # what may separate the parts of a continued literal
+_PLAIN_SEGMENT = re.compile(r"'((?:[^']|'')*)'")
+_ESCAPE_SEGMENT = re.compile(r"'((?:[^'\\]|''|\\.)*)'", re.S)
+_E_ESCAPE = re.compile(r"''|\\(?:([0-7]{1,3})|x([0-9A-Fa-f]{1,2})|u([0-9A-Fa-f]{4})|U([0-9A-Fa-f]{8})|(.))", re.S)
+_E_CHARS = {"b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
 
 
 def _collapse(text: str) -> str:
     return " ".join(text.split())
+
+
+def _segments(body: str, segment: re.Pattern[str]) -> str:
+    """The content of a quoted literal, continued over lines (``'a'\\n'b'`` is ``ab``)."""
+    parts = []
+    pos = 0
+    while (match := segment.match(body, pos)) is not None:
+        parts.append(match.group(1))
+        pos = _BETWEEN_SEGMENTS.match(body, match.end()).end()  # type: ignore[union-attr]
+    return "".join(parts)
+
+
+def _e_escape(match: re.Match[str]) -> str:
+    octal, hex2, hex4, hex8, other = match.groups()
+    if match.group(0) == "''":
+        return "'"
+    if other is not None:
+        return _E_CHARS.get(other, other)
+    try:
+        return chr(int(octal, 8) if octal else int(hex2 or hex4 or hex8, 16))
+    except (ValueError, OverflowError):
+        return ""
+
+
+def _pairs(text: str) -> str:
+    """Surrogate pairs written as two escapes joined into one character."""
+    try:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16")
+    except UnicodeDecodeError:
+        return text
+
+
+def _string_constant(raw: str) -> str:
+    """An SCONST token's value: dollar quoted, ``E''`` with backslash escapes, or standard ``''``."""
+    if raw[0] == "$":
+        tag = raw[:raw.index("$", 1) + 1]
+        return raw[len(tag):len(raw) - len(tag)]
+    if raw[0] in "eE":
+        return _pairs(_E_ESCAPE.sub(_e_escape, _segments(raw[1:], _ESCAPE_SEGMENT)))
+    return _segments(raw, _PLAIN_SEGMENT).replace("''", "'")
+
+
+def _unicode_escapes(raw: str, quote: str, escape: str) -> str:
+    """A ``U&'...'`` / ``U&"..."`` token's value, with ``escape`` (``\\`` unless UESCAPE says otherwise)."""
+    body = raw[2:]
+    if quote == "'":
+        content = _segments(body, _PLAIN_SEGMENT).replace("''", "'")
+    else:
+        content = body[1:-1].replace('""', '"')
+    if len(escape) != 1:
+        return content
+    e = re.escape(escape)
+    codes = re.compile(f"{e}(?:({e})|\\+([0-9A-Fa-f]{{6}})|([0-9A-Fa-f]{{4}}))")
+
+    def character(match: re.Match[str]) -> str:
+        if match.group(1):
+            return escape
+        try:
+            return chr(int(match.group(2) or match.group(3), 16))
+        except (ValueError, OverflowError):
+            return ""
+
+    return _pairs(codes.sub(character, content))
+
+
+def _literal(content: str, depth: int) -> str:
+    """A literal's value, itself read as SQL (a ``DO`` body, a string given to EXECUTE), this deep."""
+    if depth >= MAX_LITERAL_DEPTH or not _NEEDS_SCAN.search(content):
+        return _collapse(content)
+    return _scanned(content, depth + 1)
+
+
+def _scanned(text: str, depth: int = 0) -> str:
+    try:
+        tokens = [t for t in pg_scanner.scan(text) if t.name not in _COMMENTS]
+    except pg_scanner.ParseError:  # PostgreSQL refuses it too; the raw text is still matched (_SQL_GAP)
+        return _collapse(text)
+    parts: list[str] = []
+    end = -2
+    skip = 0
+    for i, token in enumerate(tokens):
+        if skip:
+            skip -= 1
+            continue
+        name = token.name
+        raw = text[token.start:token.end + 1]
+        spaced = False
+        if name == "SCONST":
+            piece = _literal(_string_constant(raw), depth)
+            spaced = True
+        elif name in ("USCONST", "UIDENT"):
+            escape = "\\"
+            if i + 2 < len(tokens) and tokens[i + 1].name == "UESCAPE" and tokens[i + 2].name == "SCONST":
+                after = tokens[i + 2]
+                escape = _string_constant(text[after.start:after.end + 1])
+                skip = 2
+            piece = _unicode_escapes(raw, raw[2], escape)
+            if name == "USCONST":
+                piece = _literal(piece, depth)
+                spaced = True
+        elif name == "IDENT" and raw[0] == '"':
+            piece = raw[1:-1].replace('""', '"')
+        else:
+            piece = raw
+        if spaced or token.start > end + 1:
+            parts.append(" ")
+        parts.append(piece)
+        if spaced:
+            parts.append(" ")
+        end = tokens[i + skip].end
+    return _collapse("".join(parts))
+
+
+_scanned_cached = functools.lru_cache(maxsize=SCAN_CACHE_SIZE)(_scanned)
+
+
+def normalize_sql(text: str) -> str:
+    """SQL as PostgreSQL's scanner reads it: comments out, literals and quoted identifiers by their value.
+
+    ``DROP /**/ TABLE`` reads ``DROP TABLE``; ``select '/*'; drop/**/table t`` reads
+    ``select /* ; drop table t`` (a comment marker inside a literal is only text);
+    ``E'drop\\x20table'`` and ``U&'drop\\0020table'`` read ``drop table``.  Text the
+    scanner refuses (PostgreSQL refuses it too) and text over MAX_SCAN_CHARS come
+    back with whitespace collapsed only.
+    """
+    if len(text) > MAX_SCAN_CHARS or not _NEEDS_SCAN.search(text):
+        return _collapse(text)
+    if len(text) <= SCAN_CACHE_CHARS:
+        return _scanned_cached(text)
+    return _scanned(text)
+
+
+# --------------------------------------------------------------------------- patterns on RE2
+
+_UNSUPPORTED = (  # constructs RE2 cannot run in linear time, named for the admin
+    (re.compile(r"\\[1-9]|\(\?P=|\\k<"), "backreferences"),
+    (re.compile(r"\(\?<[=!]"), "lookbehind"),
+    (re.compile(r"\(\?[=!]"), "lookahead"),
+    (re.compile(r"\(\?>"), "atomic groups"),
+    (re.compile(r"(?:[*+?}])\+"), "possessive quantifiers"),
+    (re.compile(r"\(\?\("), "conditional groups"),
+    (re.compile(r"\\Z"), "\\Z (write \\z)"),
+)
+
+
+def _re2_compile(pattern: str) -> Any:
+    """``pattern`` on RE2 (linear time); RuleError names what RE2 refuses."""
+    try:
+        return re2.compile(pattern.encode(), _RE2_OPTIONS)
+    except re2.error as exc:
+        reason = exc.args[0].decode("utf-8", "replace") if exc.args and isinstance(exc.args[0], bytes) else str(exc)
+        for finder, construct in _UNSUPPORTED:
+            if finder.search(pattern):
+                raise RuleError(f"{construct} not supported: patterns run on a linear-time engine (RE2), "
+                                f"which has no {construct.split(' (')[0]} ({reason})") from None
+        raise RuleError(f"invalid regular expression ({reason})") from None
+
+
+def _words_pattern(words: tuple[str, ...], gap: str) -> str:
+    """One group per word, its parts joined by ``gap``, case-insensitive."""
+    return "(?i)" + "|".join("(" + gap.join(re2.escape(part) for part in word.split()) + ")" for word in words)
+
+
+_EVERYTHING = re2.compile(b"", _RE2_OPTIONS)
 
 
 @dataclass(slots=True)
@@ -48,7 +243,8 @@ class _CompiledRule:
     guardrail: str
     direction: str
     type: str
-    regex: re.Pattern[str]
+    regex: Any  # RE2 on UTF-8 bytes
+    sql_regex: Any  # the same, for raw SQL: a deny word's parts may be separated by comments
     words: tuple[str, ...] = ()
     pattern: str = ""
     message: str = ""
@@ -56,16 +252,17 @@ class _CompiledRule:
     def _prefix(self) -> str:
         return f"validation error, match guard rails {self.direction} rule, type={self.type}"
 
-    def verdict(self, matched: str) -> GuardVerdict:
+    def verdict(self, match: Any, text: str) -> GuardVerdict:
         if self.message:
-            text = self.message
+            message = self.message
         elif self.type == "deny_words_list":
-            lowered = _collapse(matched).lower()
-            word = next((w for w in self.words if _collapse(w).lower() == lowered), matched)
-            text = f"{self._prefix()}, words=[{word}]"
+            groups = match.groups()
+            word = next((w for w, g in zip(self.words, groups) if g is not None), self.words[0])
+            message = f"{self._prefix()}, words=[{word}]"
         else:
-            text = f"{self._prefix()}, pattern={self.pattern}"
-        return GuardVerdict(False, text, self.direction, self.type, self.guardrail)
+            message = f"{self._prefix()}, pattern={self.pattern}"
+        kept = text[:AUDIT_INPUT_CHARS] if self.direction == "input" else ""
+        return GuardVerdict(False, message, self.direction, self.type, self.guardrail, kept)
 
 
 def _compile_side(guardrail: str, direction: str, side: dict[str, Any]) -> list[_CompiledRule]:
@@ -87,21 +284,33 @@ def _compile_side(guardrail: str, direction: str, side: dict[str, Any]) -> list[
             words = rule.get("words")
             if not isinstance(words, list) or not words or not all(isinstance(w, str) and w.strip() for w in words):
                 raise RuleError(f"{where}.words: expected a non-empty array of non-empty strings")
-            alternatives = "|".join(r"\s+".join(map(re.escape, w.split())) for w in words)
-            regex = re.compile(f"(?:{alternatives})", re.I)
-            compiled.append(_CompiledRule(guardrail, direction, kind, regex, words=tuple(words), message=message))
+            words_t = tuple(words)
+            regex = re2.compile(_words_pattern(words_t, _SPACE).encode(), _RE2_OPTIONS)
+            sql_regex = re2.compile(_words_pattern(words_t, _SQL_GAP).encode(), _RE2_OPTIONS)
+            compiled.append(_CompiledRule(guardrail, direction, kind, regex, sql_regex, words=words_t,
+                                          message=message))
         elif kind == "pattern_match":
             pattern = rule.get("pattern_regex")
             if not isinstance(pattern, str) or not pattern:
                 raise RuleError(f"{where}.pattern_regex: expected a regular expression")
             try:
-                regex = re.compile(pattern)
-            except re.error as exc:
-                raise RuleError(f"{where}.pattern_regex: invalid regular expression ({exc})") from None
-            compiled.append(_CompiledRule(guardrail, direction, kind, regex, pattern=pattern, message=message))
+                regex = _re2_compile(pattern)
+            except RuleError as exc:
+                raise RuleError(f"{where}.pattern_regex: {exc}") from None
+            compiled.append(_CompiledRule(guardrail, direction, kind, regex, regex, pattern=pattern, message=message))
         else:
             raise RuleError(f"{where}.type: must be one of {', '.join(RULE_TYPES)}, got {kind!r}")
     return compiled
+
+
+def _compile_or_refuse(rail: GuardRail, direction: str, side: dict[str, Any]) -> list[_CompiledRule]:
+    """A stored side that no longer compiles (say, a pattern from before RE2) refuses everything: fail closed."""
+    try:
+        return _compile_side(rail.name, direction, side)
+    except RuleError as exc:
+        message = (f"guard rail {rail.name!r} cannot be applied ({exc}): "
+                   f"everything is refused until an admin corrects it")
+        return [_CompiledRule(rail.name, direction, "invalid", _EVERYTHING, _EVERYTHING, message=message)]
 
 
 def validate_guardrail(input_rules: dict[str, Any], output_rules: dict[str, Any]) -> None:
@@ -119,8 +328,8 @@ class RuleSet:
         self.input_rules: list[_CompiledRule] = []
         self.output_rules: list[_CompiledRule] = []
         for rail in guardrails:
-            self.input_rules += _compile_side(rail.name, "input", rail.input)
-            self.output_rules += _compile_side(rail.name, "output", rail.output)
+            self.input_rules += _compile_or_refuse(rail, "input", rail.input)
+            self.output_rules += _compile_or_refuse(rail, "output", rail.output)
 
     @property
     def empty(self) -> bool:
@@ -131,22 +340,28 @@ class RuleSet:
         return bool(self.output_rules)
 
     def check_input(self, text: str, sql: bool = False) -> GuardVerdict:
+        """``sql``: PostgreSQL input, matched as its scanner reads it and, raw, with comments between words."""
         if not self.input_rules:
             return ALLOWED
-        return self._check(self.input_rules, text, normalize_sql(text) if sql else _collapse(text))
+        return self._check(self.input_rules, text, normalize_sql(text) if sql else _collapse(text), sql)
 
     def check_output(self, text: str) -> GuardVerdict:
         if not self.output_rules:
             return ALLOWED
-        return self._check(self.output_rules, text, text)
+        return self._check(self.output_rules, text, text, False)
 
     @staticmethod
-    def _check(rules: list[_CompiledRule], raw: str, normalized: str) -> GuardVerdict:
-        twice = normalized != raw
+    def _check(rules: list[_CompiledRule], raw: str, normalized: str, sql: bool) -> GuardVerdict:
+        data = normalized.encode("utf-8", "replace")
+        raw_data = data if normalized == raw else raw.encode("utf-8", "replace")
         for rule in rules:
-            match = rule.regex.search(normalized) or (rule.regex.search(raw) if twice else None)
-            if match:
-                return rule.verdict(match.group(0))
+            match = rule.regex.search(data)
+            if match is None:
+                second = rule.sql_regex if sql else rule.regex
+                if raw_data is not data or second is not rule.regex:  # the raw text: what else could be read
+                    match = second.search(raw_data)
+            if match is not None:
+                return rule.verdict(match, raw)
         return ALLOWED
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from gatewayd.guardrails import RuleError, RuleSet, normalize_sql, validate_guardrail
+from gatewayd.guardrails import AUDIT_INPUT_CHARS, RuleError, RuleSet, normalize_sql, validate_guardrail
 from gatewayd.models import GuardRail
 
 
@@ -72,3 +72,125 @@ def test_words_are_literal_not_regex():
 
 def test_normalize_sql():
     assert normalize_sql("SELECT  /* x */ 1 -- tail\n FROM\tt") == "SELECT 1 FROM t"
+
+
+# --------------------------------------------------------------------------- SQL read as PostgreSQL reads it
+
+DROP = {"type": "deny_words_list", "words": ["drop table"]}
+
+
+@pytest.mark.parametrize("attempt", [
+    # the four bypasses of issue 13: a comment marker inside a literal or quoted identifier
+    "select '/*'; drop/**/table t; select '*/'",
+    "select '--' as c; drop/**/table t",
+    "select $$/*$$; drop/**/table t",
+    "select 1 as \"--\"; drop/**/table t",
+    # the same with every other quoting form PostgreSQL has
+    "select 'it''s /*'; drop/**/table t; select '*/'",
+    "select E'\\'/*'; drop/**/table t; select '*/'",
+    "select $tag$ $$ /* $tag$; drop/**/table t; select '*/'",
+    "select U&'\\0027/*'; drop/**/table t; select '*/'",
+    "select U&\"/*\"; drop/**/table t; select '*/'",
+    "select \"a\"\"/*\"; drop/**/table t; select '*/'",
+    "select 'a' /* outer /* nested */ still a comment */; drop/* x /* y */ z */table t",
+    "select 1 -- '\ndrop table t",
+    # words hidden in a literal's escapes: a string that may become SQL (EXECUTE, DO)
+    "select E'drop\\x20table t'",
+    "select E'drop\\040table t'",
+    "select E'drop\\u0020table t'",
+    "select U&'drop\\0020table t'",
+    "select U&'drop!0020table t' UESCAPE '!'",
+    "select U&'drop\\+000020table t'",
+    "do $f$ begin execute 'drop/**/table t'; end $f$",
+    "select 'drop' 'x'; drop\n--comment\ntable t",
+    "DROP TABLE t",
+    "select 1 as \"DROP TABLE\"",  # a quoted identifier compares by its value
+])
+def test_deny_words_see_sql_as_postgresql_does(attempt):
+    verdict = rails([DROP]).check_input(attempt, sql=True)
+    assert not verdict.allowed, attempt
+    assert verdict.message.endswith("words=[drop table]") and verdict.text == attempt
+
+
+@pytest.mark.parametrize("attempt", [
+    "select 'a\\''; drop/**/table t; --'",  # standard_conforming_strings=off reads this differently
+    "select 'unterminated; drop/**/table t",
+    "select $a$ unterminated; drop/* */table t",
+    "select /* unterminated drop table",
+    "select \"unterminated; drop\n-- x\ntable t",
+])
+def test_text_the_scanner_refuses_is_still_matched(attempt):
+    assert not rails([DROP]).check_input(attempt, sql=True).allowed, attempt
+
+
+@pytest.mark.parametrize("statement", [
+    "select 1", "select 'drop', 'table'", "select droptable from t", "select 1 -- drop\n, 2 as \"table\"",
+    "UPDATE pgbench_accounts SET abalance = abalance + -4410 WHERE aid = 51234;",
+])
+def test_harmless_sql_is_allowed(statement):
+    assert rails([DROP]).check_input(statement, sql=True).allowed, statement
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("SELECT  /* x */ 1 -- tail\n FROM\tt", "SELECT 1 FROM t"),
+    ("select 'it''s'", "select it's"),
+    ("select 'a'\n  'b'", "select ab"),  # a literal continued on the next line
+    ("select E'a\\'b\\\\c\\n'", "select a'b\\c"),
+    ("select E'\\x41\\101\\u0041\\U00000041'", "select AAAA"),
+    ("select 'back\\slash'", "select back\\slash"),  # standard_conforming_strings: a backslash is a backslash
+    ("select $$ x $$, $t$ $$ y $t$", "select x , $$ y"),
+    ("select U&'d\\0061t\\+000061'", "select data"),
+    ("select U&'d!0061t' UESCAPE '!'", "select dat"),
+    ("select U&'\\D83D\\DE00'", "select \U0001F600"),  # a surrogate pair
+    ("select \"Quoted\"\"Name\", U&\"d\\0061t\"", 'select Quoted"Name, dat'),
+    ("select 1 /* a /* b */ c */ + 2", "select 1 + 2"),
+    ("select pg_sleep(1)", "select pg_sleep(1)"),
+    ("select 'x''--' , '/* y */z'", "select x'-- , z"),
+    ("select 'é' || \"ü\"", "select é || ü"),  # offsets are characters, not bytes
+])
+def test_normalize_sql(text, expected):
+    assert normalize_sql(text) == expected
+
+
+def test_ssh_and_http_text_is_not_read_as_sql():
+    rules = rails([{"type": "deny_words_list", "words": ["rm -rf"]}])
+    assert not rules.check_input("echo '--'; rm   -rf /").allowed
+    assert rails([DROP]).check_input("echo drop/**/table").allowed  # a shell has no SQL comments
+
+
+# --------------------------------------------------------------------------- patterns on a linear-time engine
+
+
+@pytest.mark.parametrize("pattern, construct", [
+    (r"(a)\1", "backreferences"), (r"(?P<x>a)(?P=x)", "backreferences"), (r"a(?=b)", "lookahead"),
+    (r"a(?!b)", "lookahead"), (r"(?<=a)b", "lookbehind"), (r"(?<!a)b", "lookbehind"),
+    (r"(?>a+)b", "atomic groups"), (r"a++b", "possessive quantifiers"), (r"(a)?(?(1)b|c)", "conditional groups"),
+])
+def test_patterns_re2_cannot_run_are_refused_with_the_construct_named(pattern, construct):
+    with pytest.raises(RuleError, match=rf"pattern_regex: {construct} not supported.*linear-time"):
+        validate_guardrail({"rules": [{"type": "pattern_match", "pattern_regex": pattern}]}, {"rules": []})
+
+
+@pytest.mark.parametrize("pattern", [r"(a+)+$", r"(a|aa)+$", r"(a|a?)+$", r"(\w+\s?)+$", r"(.*a){20}",
+                                     r"^(([a-z])+.)+[A-Z]([a-z])+$"])
+def test_catastrophic_patterns_run_in_linear_time(pattern):
+    rules = rails([{"type": "pattern_match", "pattern_regex": pattern}],
+                  [{"type": "pattern_match", "pattern_regex": pattern}])
+    evil = "a" * 5000 + "!"  # hours with a backtracking engine
+    assert rules.check_input(evil, sql=True).allowed in (True, False)
+    assert rules.check_output(evil).allowed in (True, False)
+
+
+def test_a_stored_pattern_that_no_longer_compiles_refuses_everything():
+    rail = GuardRail(id="1", org_id="o", name="old", input={"rules": [{"type": "pattern_match",
+                                                                       "pattern_regex": r"(a)\1"}]})
+    verdict = RuleSet([rail]).check_input("select 1", sql=True)
+    assert not verdict.allowed and "guard rail 'old' cannot be applied" in verdict.message
+    assert RuleSet([rail]).check_output("anything").allowed
+
+
+def test_an_input_block_keeps_what_was_blocked_and_an_output_block_does_not():
+    rules = rails([DROP], [PATTERN])
+    long = "drop table t; " + "x" * 10_000
+    assert rules.check_input(long, sql=True).text == long[:AUDIT_INPUT_CHARS]
+    assert rules.check_output("123-45-6789").text == ""
