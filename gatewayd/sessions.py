@@ -62,13 +62,20 @@ class LiveSession:
         self._kill = callback
 
     async def blocked(self, verdict: GuardVerdict, client_ip: str = "") -> None:
-        """Record a guard-rail block as an ``e`` event and an audit entry."""
+        """Record a guard-rail block as an ``e`` event and an audit entry.
+
+        The proxy has recorded the blocked input as ``i`` already; the audit entry names it too
+        (``input``: the verdict's text, cut at AUDIT_INPUT_CHARS).  Output that was blocked is not copied.
+        """
         self.recorder.error(verdict.message)
+        payload = {"session_id": self.id, "connection": self.connection.name, "guardrail": verdict.guardrail,
+                   "direction": verdict.direction, "rule_type": verdict.rule_type}
+        if verdict.text:
+            payload["input"] = verdict.text
         await self.manager.audit.record(
             org_id=self.session.org_id, actor=self.user, action="guardrail.block",
             resource_type="session", outcome="failure", error_message=verdict.message, client_ip=client_ip,
-            payload={"session_id": self.id, "connection": self.connection.name, "guardrail": verdict.guardrail,
-                     "direction": verdict.direction, "rule_type": verdict.rule_type},
+            payload=payload,
         )
 
     async def close(self, exit_code: int | None = None, error: str | None = None) -> None:

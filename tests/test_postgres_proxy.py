@@ -456,7 +456,8 @@ async def test_input_guard_rail_blocks_simple_and_extended_statements(gateway, a
     result = psql(gateway, secret, "-A", "-t", "-c", "DROP /* sneaky */  TABLE keep_me", "-c", "select 5")
     assert DROP_MESSAGE in result.stderr and result.stdout.strip() == "5"
     session = await api.done_session(session_id)
-    assert of_kind(session, "e") == [DROP_MESSAGE] and of_kind(session, "i") == ["select 5"]
+    assert of_kind(session, "e") == [DROP_MESSAGE]
+    assert of_kind(session, "i") == ["DROP /* sneaky */  TABLE keep_me", "select 5"]  # the blocked one too
 
     connection = await connect(gateway, secret)
     try:
@@ -498,6 +499,45 @@ async def test_input_guard_rail_blocks_simple_and_extended_statements(gateway, a
     assert await admin.fetchval("select count(*) from keep_me") == 1  # never reached the target
     status, logs = await api("GET", "/audit/logs?action=guardrail.block")
     assert status == 200 and logs["pages"]["total"] >= 7
+
+
+BYPASSES = [  # issue 13: a comment marker inside a literal once hid the DROP from the deny word
+    "select '/*'; drop/**/table bypass_me; select '*/'",
+    "select '--' as c; drop/**/table bypass_me",
+    "select $$/*$$; drop/**/table bypass_me",
+    'select 1 as "--"; drop/**/table bypass_me',
+]
+
+
+async def test_comment_markers_inside_literals_do_not_bypass_deny_words(gateway, api, admin):
+    await admin.execute("create table bypass_me (id int); insert into bypass_me values (1)")
+    role = await api.role()
+    await api.guardrail(role, input_rules=DROP_RULE)
+    secret, session_id = await api.credential(role)
+    args = [arg for sql in ["select 1 as before", *BYPASSES, "select 2 as after"] for arg in ("-c", sql)]
+    result = psql(gateway, secret, "-A", "-t", *args)
+    assert result.stderr.count(DROP_MESSAGE) == len(BYPASSES), result.stderr
+    assert result.stdout.split() == ["1", "2"]
+    assert await admin.fetchval("select count(*) from bypass_me") == 1  # the table survived
+
+    # each blocked statement is on the record as ``i``, then the block as ``e``; the exports give it its own row
+    session = await api.done_session(session_id)
+    assert events(session)[2:] == [kind_text for sql in BYPASSES for kind_text in (("i", sql), ("e", DROP_MESSAGE))] \
+        + [("i", "select 2 as after"), ("o", "after\n2\nSELECT 1\n")]
+    _, document = await api("GET", f"/sessions/{session_id}?format=json")
+    rows = document["statements"]
+    assert [(r["statement"], r["output"], r["error"]) for r in rows] == [
+        ("select 1 as before", "before\n1\nSELECT 1\n", ""),
+        *[(sql, "", DROP_MESSAGE) for sql in BYPASSES],
+        ("select 2 as after", "after\n2\nSELECT 1\n", "")]
+    _, text = await api("GET", f"/sessions/{session_id}?format=csv")
+    assert [(r["statement"], r["error"]) for r in csv.DictReader(io.StringIO(text))][1:-1] == \
+        [(sql, DROP_MESSAGE) for sql in BYPASSES]
+    # the audit entry names what was blocked
+    _, logs = await api("GET", "/audit/logs?action=guardrail.block&page_size=100")
+    mine = [e for e in logs["data"] if (e["request_payload_redacted"] or {}).get("session_id") == session_id]
+    assert sorted(e["request_payload_redacted"]["input"] for e in mine) == sorted(BYPASSES)
+    assert all(e["request_payload_redacted"]["rule_type"] == "deny_words_list" for e in mine)
 
 
 async def test_output_guard_rail_cuts_results_in_both_protocols(gateway, api, admin):

@@ -89,7 +89,7 @@ def test_blocked_parse_in_a_pipeline_answers_in_order() -> None:
     target = [pg.encode_parse_complete(), pg.encode_bind_complete(), pg.encode_data_row([b"1"]),
               pg.encode_command_complete("SELECT 1"), pg.encode_close_complete(), pg.encode_ready_for_query("I")]
     assert answer(server, *target) == [*target[:4], error, target[5]]
-    assert recorder.events[-1] == ("o", "1\nSELECT 1\n")
+    assert recorder.events == [("i", "select 1"), ("i", "DROP  TABLE t"), ("o", "1\nSELECT 1\n")]
 
 
 def test_marker_is_dropped_when_the_target_already_failed_the_batch() -> None:
@@ -102,8 +102,9 @@ def test_marker_is_dropped_when_the_target_already_failed_the_batch() -> None:
 
 
 def test_blocked_simple_query_becomes_a_sync_and_keeps_the_transaction_status() -> None:
-    client, server, _ = sides(rules(["drop table"]))
+    client, server, recorder = sides(rules(["drop table"]))
     assert client.on_message(frontend(pg.encode_query("drop table t"))[0]) == BLOCK
+    assert recorder.events == [("i", "drop table t")]  # on the record; the session adds the block's ``e``
     assert client.substitute == pg.encode_sync()
     error = pg.encode_error_response("ERROR", "42501", client.verdict.message)  # type: ignore[union-attr]
     assert answer(server, pg.encode_ready_for_query("T")) == [error, pg.encode_ready_for_query("T")]

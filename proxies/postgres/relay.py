@@ -203,7 +203,10 @@ TERMINATE = 3
 
 
 class ClientSide:
-    """Client-to-target decisions: input guard rails on Query and Parse SQL, ``i`` events."""
+    """Client-to-target decisions: input guard rails on Query and Parse SQL, ``i`` events.
+
+    A blocked statement is recorded as ``i`` like any other; the block's ``e`` follows it.
+    """
 
     __slots__ = (
         "_verdicts",
@@ -281,6 +284,8 @@ class ClientSide:
         sql = query.sql
         verdict = self.rules.check_input(sql, sql=True) if self.rules.input_rules else None
         if verdict is not None and not verdict.allowed:
+            if not self.recorder.truncated:
+                self.recorder.input(sql)  # what was blocked is on the record: ``i``, then the block's ``e``
             self.verdict = verdict
             self.substitute = SYNC  # answered by ReadyForQuery with the true transaction status
             self.pending.append(Pending(SYNC_POINT, error=blocked_error(verdict)))
@@ -299,6 +304,8 @@ class ClientSide:
                     self._verdicts.clear()
                 verdict = self._verdicts[sql] = self.rules.check_input(sql, sql=True)
             if not verdict.allowed:
+                if not self.recorder.truncated:
+                    self.recorder.input(sql)
                 self.verdict = verdict
                 self.discarding = True
                 self.substitute = BLOCKED_PARSE_MARKER
