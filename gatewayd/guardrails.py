@@ -23,13 +23,14 @@ from gatewayd.store import Store
 
 RULE_TYPES = ("deny_words_list", "pattern_match")
 AUDIT_INPUT_CHARS = 2000  # a blocked input is kept this long in its verdict (and so in the audit entry)
-MAX_SCAN_CHARS = 1 << 20  # longer SQL is matched as plain text only (still comment-aware: see _SQL_GAP)
+MAX_SCAN_CHARS = 64 * 1024  # longer SQL (bulk loads) is matched raw only, comment-aware: see _SQL_GAP
 SCAN_CACHE_CHARS = 16 * 1024  # scanned statements up to this size are remembered by text
 SCAN_CACHE_SIZE = 4096
 MAX_LITERAL_DEPTH = 3  # a literal's content is read as SQL again, this deep
 
 _RE2_OPTIONS = re2.Options()
 _RE2_OPTIONS.log_errors = False  # a bad pattern is the admin's 400, not a line on the daemon's stderr
+_RE2_OPTIONS.never_capture = True  # whether it matches is all a check needs: RE2 stays on its fast DFA
 _SPACE = "[\\t\\n\\v\\f\\r ]+"
 # between two words of a deny word, in raw SQL: whitespace or anything PostgreSQL could read as a comment
 # (nested block comments included: the lazy ``.*?`` extends to a later ``*/`` when it must)
@@ -61,7 +62,15 @@ ALLOWED = GuardVerdict(True)
 # --------------------------------------------------------------------------- SQL as PostgreSQL reads it
 
 # text without quotes, comments or dollar quotes scans to the same words: no need to call the scanner
-_NEEDS_SCAN = re.compile(r"['\"]|--|/\*|\$(?![0-9])")
+_DOLLAR_QUOTE = re.compile(r"\$(?![0-9])")  # $tag$ or $$, not a $1 parameter
+
+
+def _needs_scan(text: str) -> bool:
+    """Whether ``text`` has a quote, a comment or a dollar quote (else it scans to the same words)."""
+    return ("'" in text or '"' in text or "--" in text or "/*" in text
+            or ("$" in text and _DOLLAR_QUOTE.search(text) is not None))
+
+
 _COMMENTS = frozenset(("C_COMMENT", "SQL_COMMENT"))
 _BETWEEN_SEGMENTS = re.compile(r"(?:\s|--[^\n]*)*")  # what may separate the parts of a continued literal
 _PLAIN_SEGMENT = re.compile(r"'((?:[^']|'')*)'")
@@ -139,7 +148,7 @@ def _unicode_escapes(raw: str, quote: str, escape: str) -> str:
 
 def _literal(content: str, depth: int) -> str:
     """A literal's value, itself read as SQL (a ``DO`` body, a string given to EXECUTE), this deep."""
-    if depth >= MAX_LITERAL_DEPTH or not _NEEDS_SCAN.search(content):
+    if depth >= MAX_LITERAL_DEPTH or not _needs_scan(content):
         return _collapse(content)
     return _scanned(content, depth + 1)
 
@@ -197,7 +206,7 @@ def normalize_sql(text: str) -> str:
     scanner refuses (PostgreSQL refuses it too) and text over MAX_SCAN_CHARS come
     back with whitespace collapsed only.
     """
-    if len(text) > MAX_SCAN_CHARS or not _NEEDS_SCAN.search(text):
+    if len(text) > MAX_SCAN_CHARS or not _needs_scan(text):
         return _collapse(text)
     if len(text) <= SCAN_CACHE_CHARS:
         return _scanned_cached(text)
@@ -230,9 +239,13 @@ def _re2_compile(pattern: str) -> Any:
         raise RuleError(f"invalid regular expression ({reason})") from None
 
 
-def _words_pattern(words: tuple[str, ...], gap: str) -> str:
-    """One group per word, its parts joined by ``gap``, case-insensitive."""
-    return "(?i)" + "|".join("(" + gap.join(re2.escape(part) for part in word.split()) + ")" for word in words)
+def _word_pattern(word: str, gap: str) -> str:
+    """A deny word, its parts joined by ``gap``, case-insensitive."""
+    return "(?i)" + gap.join(re2.escape(part) for part in word.split())
+
+
+def _words_regexes(words: tuple[str, ...], gap: str) -> Any:
+    return re2.compile("|".join(_word_pattern(w, gap) for w in words).encode(), _RE2_OPTIONS)
 
 
 _EVERYTHING = re2.compile(b"", _RE2_OPTIONS)
@@ -256,8 +269,9 @@ class _CompiledRule:
         if self.message:
             message = self.message
         elif self.type == "deny_words_list":
-            groups = match.groups()
-            word = next((w for w, g in zip(self.words, groups) if g is not None), self.words[0])
+            matched = match.group(0)
+            word = next((w for w in self.words if re2.search(_word_pattern(w, _SQL_GAP).encode(), matched,
+                                                             _RE2_OPTIONS)), self.words[0])
             message = f"{self._prefix()}, words=[{word}]"
         else:
             message = f"{self._prefix()}, pattern={self.pattern}"
@@ -285,8 +299,8 @@ def _compile_side(guardrail: str, direction: str, side: dict[str, Any]) -> list[
             if not isinstance(words, list) or not words or not all(isinstance(w, str) and w.strip() for w in words):
                 raise RuleError(f"{where}.words: expected a non-empty array of non-empty strings")
             words_t = tuple(words)
-            regex = re2.compile(_words_pattern(words_t, _SPACE).encode(), _RE2_OPTIONS)
-            sql_regex = re2.compile(_words_pattern(words_t, _SQL_GAP).encode(), _RE2_OPTIONS)
+            regex = _words_regexes(words_t, _SPACE)
+            sql_regex = _words_regexes(words_t, _SQL_GAP)
             compiled.append(_CompiledRule(guardrail, direction, kind, regex, sql_regex, words=words_t,
                                           message=message))
         elif kind == "pattern_match":
@@ -343,25 +357,32 @@ class RuleSet:
         """``sql``: PostgreSQL input, matched as its scanner reads it and, raw, with comments between words."""
         if not self.input_rules:
             return ALLOWED
-        return self._check(self.input_rules, text, normalize_sql(text) if sql else _collapse(text), sql)
+        if not sql:
+            return self._check(self.input_rules, text, _collapse(text), text, False)
+        if not _needs_scan(text):  # no quote, comment or dollar quote: one reading says it all
+            return self._check(self.input_rules, text, _collapse(text), None, True)
+        return self._check(self.input_rules, text, normalize_sql(text), text, True)
 
     def check_output(self, text: str) -> GuardVerdict:
         if not self.output_rules:
             return ALLOWED
-        return self._check(self.output_rules, text, text, False)
+        return self._check(self.output_rules, text, text, None, False)
 
     @staticmethod
-    def _check(rules: list[_CompiledRule], raw: str, normalized: str, sql: bool) -> GuardVerdict:
+    def _check(rules: list[_CompiledRule], text: str, normalized: str, raw: str | None, sql: bool) -> GuardVerdict:
+        """First rule matching ``normalized``, or ``raw`` (when given and different, or read as SQL)."""
         data = normalized.encode("utf-8", "replace")
-        raw_data = data if normalized == raw else raw.encode("utf-8", "replace")
+        raw_data = None
+        if raw is not None and (sql or raw != normalized):
+            raw_data = data if raw == normalized else raw.encode("utf-8", "replace")
         for rule in rules:
             match = rule.regex.search(data)
-            if match is None:
+            if match is None and raw_data is not None:
                 second = rule.sql_regex if sql else rule.regex
-                if raw_data is not data or second is not rule.regex:  # the raw text: what else could be read
+                if raw_data is not data or second is not rule.regex:
                     match = second.search(raw_data)
             if match is not None:
-                return rule.verdict(match, raw)
+                return rule.verdict(match, text)
         return ALLOWED
 
 
