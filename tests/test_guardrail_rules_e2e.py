@@ -1,0 +1,195 @@
+"""End to end: guard rail patterns that would freeze a backtracking engine, and blocks on the record, through
+psql, OpenSSH ssh and curl of one real gatewayd (all three listeners) to a real PostgreSQL, sshd and HTTP app.
+
+The daemon runs every proxy on one event loop: a pattern that backtracks for
+minutes on one session stalls every other one.  Each test makes its own
+connections (roles), so rules never leak between tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import time
+
+import asyncpg
+import pytest
+
+from tests.apiclient import PostgresApi, SshApi, admin_http, events
+from tests.conftest import free_port, proxy_daemon
+from tests.pgpeer import PgCluster
+from tests.pgpeer import unavailable_reason as pg_unavailable
+from tests.sshpeer import CLIENT_OPTIONS, SshTarget
+from tests.sshpeer import unavailable_reason as ssh_unavailable
+from tests.test_http_proxy import HttpApi, start_target
+
+pytestmark = pytest.mark.skipif(pg_unavailable() is not None or ssh_unavailable() is not None,
+                                reason=pg_unavailable() or ssh_unavailable() or "")
+
+EVIL = "x" * 30 + "!"  # 30 characters: hours for a backtracking engine with the patterns below
+CATASTROPHIC = [r"(x+)+$", r"(x|xx)+$", r"(.*x){40}", r"^(([a-z])+.)+[A-Z]([a-z])+$"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    target = PgCluster().start()
+    yield target
+    target.destroy()
+
+
+@pytest.fixture(scope="module")
+def sshd():
+    peer = SshTarget().start()
+    yield peer
+    peer.destroy()
+
+
+@pytest.fixture(scope="module")
+def web_target():
+    process, port = start_target()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    ssh_port, http_port = free_port(), free_port()
+    daemon = proxy_daemon(tmp_path_factory, "rails", "postgres", {
+        "listeners.ssh": f"127.0.0.1:{ssh_port}", "listeners.http": f"127.0.0.1:{http_port}"}, wait=True)
+    daemon.pg_port, daemon.ssh_port, daemon.http_url = daemon.proxy_port, ssh_port, f"http://127.0.0.1:{http_port}"
+    yield daemon
+    assert daemon.stop() == 0
+
+
+@pytest.fixture(scope="module")
+async def apis(gateway, cluster, sshd, web_target):
+    async with admin_http(gateway) as http:
+        yield PostgresApi(gateway, http, cluster), SshApi(gateway, http, sshd), HttpApi(gateway, http, web_target)
+
+
+def psql(gateway, secret: str, sql: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+    env.update(PGHOST="127.0.0.1", PGPORT=str(gateway.pg_port), PGUSER=secret, PGDATABASE="postgres",
+               PGSSLMODE="disable", PGPASSWORD="any", PGCONNECT_TIMEOUT="10")
+    return subprocess.run(["psql", "-X", "-A", "-t", "-c", sql], capture_output=True, text=True, env=env,
+                          timeout=120, check=False)
+
+
+def ssh(gateway, secret: str, command: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ssh", *CLIENT_OPTIONS, "-p", str(gateway.ssh_port), f"{secret}@127.0.0.1", command],
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL, check=False)
+
+
+def curl(gateway, secret: str, path: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["curl", "-sS", "-w", "\n%{http_code}", "-H", f"Authorization: {secret}", *args,
+                           gateway.http_url + path], capture_output=True, text=True, timeout=120, check=False)
+
+
+async def test_patterns_re2_cannot_run_are_refused_with_400(apis):
+    pg_api, _, _ = apis
+    role = await pg_api.role()
+    body = {"name": "lookaround", "connection_ids": [role["id"]],
+            "input": {"rules": [{"type": "pattern_match", "pattern_regex": r"(a)\1"}]}}
+    status, error = await pg_api("POST", "/guardrails", body)
+    assert status == 400 and "backreferences not supported" in error["message"], error
+    assert "input.rules[0].pattern_regex" in error["message"]
+    rail = await pg_api.guardrail(role, input_rules=[{"type": "pattern_match", "pattern_regex": "ok"}])
+    body["output"] = {"rules": [{"type": "pattern_match", "pattern_regex": r"(?<=secret-)\d+"}]}
+    body["input"] = {"rules": []}
+    status, error = await pg_api("PUT", f"/guardrails/{rail['id']}", body)
+    assert status == 400 and "lookbehind not supported" in error["message"], error
+    status, kept = await pg_api("GET", f"/guardrails/{rail['id']}")
+    assert status == 200 and kept["input"]["rules"][0]["pattern_regex"] == "ok"
+
+
+async def test_catastrophic_patterns_cannot_stall_the_daemon(apis, gateway):
+    pg_api, ssh_api, http_api = apis
+    rules = [{"type": "pattern_match", "pattern_regex": p} for p in CATASTROPHIC]
+    roles = [await pg_api.role(), await ssh_api.role(), await http_api.role()]
+    for role in roles:
+        await pg_api.guardrail(role, input_rules=rules, output_rules=rules)
+    (pg_secret, _), (ssh_secret, _), (http_secret, _) = [await api.credential(role) for api, role in
+                                                         zip(apis, roles)]
+
+    # another session keeps working meanwhile; its latencies are printed, never asserted
+    bystander_role = await pg_api.role()
+    bystander_secret, _ = await pg_api.credential(bystander_role)
+    bystander = await asyncpg.connect(host="127.0.0.1", port=gateway.pg_port, user=bystander_secret,
+                                      password="any", database="postgres", timeout=15, command_timeout=120)
+    latencies: dict[str, list[float]] = {"bystander select": [], "api healthz": []}
+    done = asyncio.Event()
+
+    async def keep_working() -> None:
+        while not done.is_set():
+            start = time.perf_counter()
+            assert await bystander.fetchval("select 1") == 1
+            latencies["bystander select"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            status, _ = await pg_api("GET", "/healthz")
+            assert status == 200
+            latencies["api healthz"].append(time.perf_counter() - start)
+            await asyncio.sleep(0.02)
+
+    worker = asyncio.create_task(keep_working())
+    try:
+        timings = {}
+        start = time.perf_counter()
+        result = await asyncio.to_thread(psql, gateway, pg_secret, f"select '{EVIL}' as evil")
+        timings["psql"] = time.perf_counter() - start
+        assert result.returncode == 0 and result.stdout.strip() == EVIL, result.stderr
+        start = time.perf_counter()
+        result = await asyncio.to_thread(ssh, gateway, ssh_secret, f"echo '{EVIL}'")
+        timings["ssh"] = time.perf_counter() - start
+        assert result.returncode == 0 and result.stdout.strip() == EVIL, result.stderr
+        start = time.perf_counter()
+        result = await asyncio.to_thread(curl, gateway, http_secret, f"/text?say={EVIL}")
+        timings["http"] = time.perf_counter() - start
+        assert result.stdout.split("\n") == [EVIL, "200"], (result.stdout, result.stderr)
+    finally:
+        done.set()
+        await worker
+        await bystander.close()
+    for name, seconds in timings.items():
+        print(f"{name}: {seconds * 1000:.0f} ms for {EVIL!r} against {len(CATASTROPHIC)} patterns in and out")
+    for name, values in latencies.items():
+        assert values, name  # it kept working
+        print(f"{name}: {len(values)} calls, max {max(values) * 1000:.0f} ms")
+
+
+async def test_blocked_input_is_recorded_then_blocked_in_every_protocol(apis):
+    """``i`` (what was tried), then ``e`` (the block), and the audit entry names the input."""
+    pg_api, ssh_api, http_api = apis
+    words = [{"type": "deny_words_list", "words": ["forbidden thing"]}]
+    message = "validation error, match guard rails input rule, type=deny_words_list, words=[forbidden thing]"
+    roles = [await pg_api.role(), await ssh_api.role(), await http_api.role()]
+    for role in roles:
+        await pg_api.guardrail(role, input_rules=words)
+    (pg_secret, pg_session), (ssh_secret, ssh_session), (http_secret, http_session) = [
+        await api.credential(role) for api, role in zip(apis, roles)]
+
+    sql = "select 'forbidden/**/thing'"
+    result = await asyncio.to_thread(psql, pg_api.daemon, pg_secret, sql)
+    assert message in result.stderr
+    result = await asyncio.to_thread(ssh, ssh_api.daemon, ssh_secret, "echo forbidden   thing")
+    assert result.returncode == 254 and message in result.stderr
+    result = await asyncio.to_thread(curl, http_api.daemon, http_secret, "/echo/a", "-H", "X-Note: forbidden thing")
+    assert result.stdout.endswith("403") and message in result.stdout
+
+    session = await pg_api.done_session(pg_session)
+    assert events(session) == [("i", sql), ("e", message)]
+    session = await ssh_api.done_session(ssh_session)
+    assert events(session) == [("i", "echo forbidden   thing"), ("e", message)]
+    session = await http_api.session(http_session, until=lambda s: any(k == "e" for k, _ in events(s)))
+    (kind, head), block = events(session)
+    assert kind == "i" and head.startswith("GET /echo/a HTTP/1.1") and "X-Note: forbidden thing" in head
+    assert block == ("e", message)
+    status, logs = await pg_api("GET", "/audit/logs?action=guardrail.block&page_size=100")
+    assert status == 200
+    inputs = {e["request_payload_redacted"]["session_id"]: e["request_payload_redacted"].get("input")
+              for e in logs["data"]}
+    assert inputs[pg_session] == sql and inputs[ssh_session] == "echo forbidden   thing"
+    assert "X-Note: forbidden thing" in inputs[http_session] and http_secret not in inputs[http_session]
