@@ -24,8 +24,8 @@ from gatewayd.store import Store
 RULE_TYPES = ("deny_words_list", "pattern_match")
 AUDIT_INPUT_CHARS = 2000  # a blocked input is kept this long in its verdict (and so in the audit entry)
 MAX_SCAN_CHARS = 64 * 1024  # longer SQL (bulk loads) is matched raw only, comment-aware: see _SQL_GAP
-SCAN_CACHE_CHARS = 16 * 1024  # scanned statements up to this size are remembered by text
-SCAN_CACHE_SIZE = 4096
+SCAN_CACHE_CHARS = 4096  # scanned statements up to this size are remembered by text (per process)
+SCAN_CACHE_SIZE = 2048
 MAX_LITERAL_DEPTH = 3  # a literal's content is read as SQL again, this deep
 
 _RE2_OPTIONS = re2.Options()
@@ -239,13 +239,10 @@ def _re2_compile(pattern: str) -> Any:
         raise RuleError(f"invalid regular expression ({reason})") from None
 
 
-def _word_pattern(word: str, gap: str) -> str:
-    """A deny word, its parts joined by ``gap``, case-insensitive."""
-    return "(?i)" + gap.join(re2.escape(part) for part in word.split())
-
-
-def _words_regexes(words: tuple[str, ...], gap: str) -> Any:
-    return re2.compile("|".join(_word_pattern(w, gap) for w in words).encode(), _RE2_OPTIONS)
+def _words_regex(words: tuple[str, ...], gap: str) -> Any:
+    """Any of ``words``, case-insensitive, the parts of each joined by ``gap``."""
+    alternatives = "|".join(gap.join(re2.escape(part) for part in word.split()) for word in words)
+    return re2.compile(f"(?i)(?:{alternatives})".encode(), _RE2_OPTIONS)
 
 
 _EVERYTHING = re2.compile(b"", _RE2_OPTIONS)
@@ -269,9 +266,8 @@ class _CompiledRule:
         if self.message:
             message = self.message
         elif self.type == "deny_words_list":
-            matched = match.group(0)
-            word = next((w for w in self.words if re2.search(_word_pattern(w, _SQL_GAP).encode(), matched,
-                                                             _RE2_OPTIONS)), self.words[0])
+            matched = match.group(0)  # which word: asked again of the matched text alone (a block is rare)
+            word = next((w for w in self.words if _words_regex((w,), _SQL_GAP).search(matched)), self.words[0])
             message = f"{self._prefix()}, words=[{word}]"
         else:
             message = f"{self._prefix()}, pattern={self.pattern}"
@@ -299,8 +295,8 @@ def _compile_side(guardrail: str, direction: str, side: dict[str, Any]) -> list[
             if not isinstance(words, list) or not words or not all(isinstance(w, str) and w.strip() for w in words):
                 raise RuleError(f"{where}.words: expected a non-empty array of non-empty strings")
             words_t = tuple(words)
-            regex = _words_regexes(words_t, _SPACE)
-            sql_regex = _words_regexes(words_t, _SQL_GAP)
+            regex = _words_regex(words_t, _SPACE)
+            sql_regex = _words_regex(words_t, _SQL_GAP)
             compiled.append(_CompiledRule(guardrail, direction, kind, regex, sql_regex, words=words_t,
                                           message=message))
         elif kind == "pattern_match":
