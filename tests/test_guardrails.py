@@ -70,9 +70,6 @@ def test_words_are_literal_not_regex():
     assert not rules.check_input("A.B").allowed
 
 
-def test_normalize_sql():
-    assert normalize_sql("SELECT  /* x */ 1 -- tail\n FROM\tt") == "SELECT 1 FROM t"
-
 
 # --------------------------------------------------------------------------- SQL read as PostgreSQL reads it
 

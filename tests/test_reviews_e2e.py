@@ -18,7 +18,7 @@ from datetime import UTC, datetime, timedelta
 import aiohttp
 import pytest
 
-from tests.apiclient import Api, of_kind, postgres_env
+from tests.apiclient import Api, events, of_kind, postgres_env
 from tests.conftest import Daemon, proxy_daemon
 from tests.pgpeer import PgCluster, unavailable_reason
 
@@ -137,7 +137,9 @@ async def test_script_without_review_runs_through_guard_rails_and_is_recorded(as
     assert status == 200 and body["exit_code"] == 254
     assert "validation error, match guard rails input rule" in body["output"]
     blocked = await as_["rita"].done_session(body["session_id"], 15)
-    assert blocked["exit_code"] == 254 and of_kind(blocked, "i") == []
+    assert blocked["exit_code"] == 254  # what was blocked is recorded (i), then the block (e), as in psql
+    assert [k for k, _ in events(blocked)] == ["i", "e"]
+    assert of_kind(blocked, "i") == ["create table keepme (i int); DROP  TABLE keepme"]
     assert "drop table" in "".join(of_kind(blocked, "e"))
 
 
