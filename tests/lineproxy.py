@@ -1,7 +1,7 @@
 """A minimal line-protocol proxy for daemon tests: it uses the core exactly as a real proxy must.
 
-First line: the credential secret. Then each line is checked by the input
-guard rails, recorded as ``i``, and answered with ``echo: <line>`` (recorded
+First line: the credential secret. Then each line is recorded as ``i``,
+checked by the input guard rails (a block follows as ``e``), and answered with ``echo: <line>`` (recorded
 as ``o``, checked by the output rules). The gateway can end the session
 (kill, expiry, shutdown): the client then reads ``closed: <reason>``.
 """
@@ -52,9 +52,9 @@ async def start(gateway: Gateway, host: str, port: int) -> LineListener:
 
             while line := await reader.readline():
                 text = line.decode().rstrip("\n")
+                live.recorder.input(line)  # blocked or not: what was sent is on the record
                 if await refused(rules.check_input(text)):
                     continue
-                live.recorder.input(line)
                 answer = f"echo: {text}\n"
                 if await refused(rules.check_output(answer)):
                     continue

@@ -143,7 +143,9 @@ async def test_guard_rail_block_is_an_e_event_and_an_audit_entry(env):
     writer.close()
     body = await wait_done(api, first.split()[1])
     kinds = decoded(body["event_stream"])
-    assert ("i", "DROP  TABLE users\n") not in kinds  # a blocked line is not recorded as sent
+    blocked = kinds.index(("i", "DROP  TABLE users\n"))  # a blocked line is recorded, then its block
+    assert kinds[blocked + 1] == ("e", "validation error, match guard rails input rule, type=deny_words_list, "
+                                       "words=[drop table]")
     assert [k for k, _ in kinds].count("e") == 2
     status, logs = await api("GET", "/audit/logs?action=guardrail.block")
     assert logs["pages"]["total"] == 2 and {e["outcome"] for e in logs["data"]} == {"failure"}
