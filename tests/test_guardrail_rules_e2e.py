@@ -176,7 +176,8 @@ async def test_blocked_input_is_recorded_then_blocked_in_every_protocol(apis):
     assert message in result.stderr
     result = await asyncio.to_thread(ssh, ssh_api.daemon, ssh_secret, "echo forbidden   thing")
     assert result.returncode == 254 and message in result.stderr
-    result = await asyncio.to_thread(curl, http_api.daemon, http_secret, "/echo/a", "-H", "X-Note: forbidden thing")
+    result = await asyncio.to_thread(curl, http_api.daemon, http_secret, "/echo/a", "-H", "X-Note: forbidden thing",
+                                     "-H", "Cookie: target_session=target-secret-42")
     assert result.stdout.endswith("403") and message in result.stdout
 
     session = await pg_api.done_session(pg_session)
@@ -193,3 +194,4 @@ async def test_blocked_input_is_recorded_then_blocked_in_every_protocol(apis):
               for e in logs["data"]}
     assert inputs[pg_session] == sql and inputs[ssh_session] == "echo forbidden   thing"
     assert "X-Note: forbidden thing" in inputs[http_session] and http_secret not in inputs[http_session]
+    assert "target-secret-42" not in inputs[http_session]  # the audit entry holds the redacted head, as recorded

@@ -564,7 +564,10 @@ async def test_websocket_messages_go_through_guard_rails(api, gateway, client):
         message = await ws.receive(timeout=10)
         assert message.type == aiohttp.WSMsgType.CLOSE and message.data == 1008
         assert "rm -rf" in message.extra
-    await api.session(session_id, has_event("e", "words=[rm -rf]"))
+    session = await api.session(session_id, has_event("e", "words=[rm -rf]"))
+    recorded = events(session)
+    blocked = recorded.index(("i", "rm   -rf /"))  # the blocked message is on the record, then its block
+    assert recorded[blocked + 1][0] == "e" and recorded[blocked + 1][1].endswith("words=[rm -rf]")
 
 
 async def test_dot_segments_cannot_leave_the_base_path(api, gateway, target):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, AsyncIterator
 
 import aiohttp
@@ -23,6 +23,7 @@ from yarl import URL
 
 from gatewayd.access import AccessDenied
 from gatewayd.crypto import hash_secret
+from gatewayd.guardrails import AUDIT_INPUT_CHARS
 from gatewayd.models import parse_time
 from gatewayd.sessions import BLOCKED_EXIT_CODE
 from proxies.http.front import Front, FrontRequest, FrontStream
@@ -245,7 +246,13 @@ class HttpListener:
                 return await self._websocket(request, state, presented.source, client_ip)
         return await self._forward(request, state, presented.source, client_ip)
 
-    async def _blocked(self, state: CredentialState, verdict: GuardVerdict, client_ip: str) -> web.Response:
+    async def _blocked(self, state: CredentialState, verdict: GuardVerdict, client_ip: str,
+                       recorded: bytes = b"") -> web.Response:
+        """403 for a block; ``recorded``: the blocked request as recorded (credential headers redacted),
+        which the audit entry names instead of the text the rules read."""
+        if recorded:
+            verdict = replace(verdict, text=recorded[:AUDIT_INPUT_CHARS * 4].decode("utf-8", "replace")
+                              [:AUDIT_INPUT_CHARS])
         await state.live.blocked(verdict, client_ip)
         return json_error(403, verdict.message, **{"X-Gateway-Guardrails": "blocked"})
 
@@ -280,8 +287,9 @@ class HttpListener:
         if rules.input_rules:
             verdict = rules.check_input(guard_text(first_line, up_headers))
             if not verdict.allowed:
-                recorder.input(head_bytes(first_line, headers.items()))
-                return await self._blocked(state, verdict, client_ip)
+                head = head_bytes(first_line, headers.items())
+                recorder.input(head)
+                return await self._blocked(state, verdict, client_ip, head)
 
         # the request body: a bounded prefix is read first (recording, guard rails), the rest streams
         data: bytes | AsyncIterator[bytes] | None = None
@@ -303,8 +311,9 @@ class HttpListener:
             if guarded:
                 verdict = rules.check_input(guard_text(first_line, up_headers, body[:self.guard_cap]))
                 if not verdict.allowed:
-                    recorder.input(head_bytes(first_line, headers.items()) + body[:self.record_cap])
-                    return await self._blocked(state, verdict, client_ip)
+                    recorded = head_bytes(first_line, headers.items()) + body[:self.record_cap]
+                    recorder.input(recorded)
+                    return await self._blocked(state, verdict, client_ip, recorded)
             if complete:
                 data = body
                 if total is None:  # a chunked upload that fitted in the prefix: sent with its length
@@ -451,11 +460,12 @@ class HttpListener:
         first_line = f"{request.method} {request.raw_path} HTTP/1.1"
         up_headers = [(k, v) for k, v in upstream_request_headers(headers.items(), source, client_ip, "http",
                                                                   request.host) if k.lower() not in _WS_HEADERS]
-        recorder.input(head_bytes(first_line, headers.items()))
+        head = head_bytes(first_line, headers.items())
+        recorder.input(head)
         if rules.input_rules:
             verdict = rules.check_input(guard_text(first_line, up_headers))
             if not verdict.allowed:
-                return await self._blocked(state, verdict, client_ip)
+                return await self._blocked(state, verdict, client_ip, head)
         protocols = [p.strip() for p in headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()]
         url = state.target.url_for(request.raw_path)
         url = "ws" + url[4:] if url.startswith("http") else url
@@ -486,13 +496,16 @@ class HttpListener:
                 has_rules = bool(rules.input_rules if inbound else rules.output_rules)
                 async for message in source_ws:
                     if message.type == WSMsgType.TEXT:
+                        if inbound:  # a blocked message is on the record too (i, then the block's e)
+                            record(message.data)
                         if has_rules:
                             verdict = check(message.data)
                             if not verdict.allowed:
                                 await state.live.blocked(verdict, client_ip)
                                 closing["blocked"] = (1008, verdict.message[:120])
                                 return
-                        record(message.data)
+                        if not inbound:
+                            record(message.data)
                         await sink.send_str(message.data)
                     elif message.type == WSMsgType.BINARY:
                         record(message.data)
