@@ -154,9 +154,11 @@ def _literal(content: str, depth: int) -> str:
 
 
 def _scanned(text: str, depth: int = 0) -> str:
+    if "\x00" in text:  # the scanner reads a C string: a NUL (from a literal's escapes) would end it early
+        text = text.replace("\x00", " ")
     try:
         tokens = [t for t in pg_scanner.scan(text) if t.name not in _COMMENTS]
-    except pg_scanner.ParseError:  # PostgreSQL refuses it too; the raw text is still matched (_SQL_GAP)
+    except (pg_scanner.ParseError, UnicodeError):  # PostgreSQL refuses it too; the raw text is matched (_SQL_GAP)
         return _collapse(text)
     parts: list[str] = []
     end = -2

@@ -120,6 +120,14 @@ def test_text_the_scanner_refuses_is_still_matched(attempt):
     assert not rails([DROP]).check_input(attempt, sql=True).allowed, attempt
 
 
+def test_what_the_scanner_cannot_take_falls_back_instead_of_failing():
+    rules = rails([DROP])
+    assert not rules.check_input("select '\udcff', 'drop/**/table'", sql=True).allowed  # a lone surrogate
+    assert normalize_sql("select '\udcff' -- x") == "select '\udcff' -- x"
+    assert not rules.check_input("select E'a\\x00'' drop/**/table t; --'", sql=True).allowed
+    assert normalize_sql("select 'a\x00b' /* c */, 1") == "select a b , 1"  # a NUL does not end the text early
+
+
 @pytest.mark.parametrize("statement", [
     "select 1", "select 'drop', 'table'", "select droptable from t", "select 1 -- drop\n, 2 as \"table\"",
     "UPDATE pgbench_accounts SET abalance = abalance + -4410 WHERE aid = 51234;",
