@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import struct
 
 import pytest
@@ -197,3 +198,90 @@ async def test_capture_reports_why_it_stopped_once_and_still_closes(tmp_path) ->
     capture.slowpath(0, b"\x01\x00")
     await capture.close()  # does not raise: the session's end goes on
     assert notes == ["the screen recording stopped: ValueError while decoding a screen update"]
+
+
+# --------------------------------------------------------------------------- what the recorder cannot decode
+
+NSCODEC_GUID = bytes.fromhex("b96b7cca3d51444fa1d9da1e7fbdd4a9")  # CODEC_GUID_NSCODEC, as xfreerdp offers it
+
+
+def test_the_clients_codecs_and_surface_commands_are_not_offered_to_the_target() -> None:
+    from pyrdp.enum import CapabilityType
+    from pyrdp.parser import SlowPathParser
+    from pyrdp.pdu import Capability, ConfirmActivePDU, SurfaceCommandsCapability
+
+    from proxies.rdp.codec import offer_only_bitmaps
+
+    codecs = Capability(CapabilityType.CAPSETTYPE_BITMAP_CODECS, b"\x01" + NSCODEC_GUID + b"\x01\x03\x00\x01\x01\x03")
+    surface = SurfaceCommandsCapability(0x52, 0)  # surface bits, frame marker, stream surface bits
+    pdu = ConfirmActivePDU(None, 0x1000, 0x3EA, b"MSTSC\x00", 2,
+                           {CapabilityType.CAPSETTYPE_BITMAP_CODECS: codecs,
+                            CapabilityType.CAPSETTYPE_SURFACE_COMMANDS: surface}, b"")
+    offer_only_bitmaps(pdu)
+    written = io.BytesIO()
+    SlowPathParser().writeCapabilitySets(pdu.parsedCapabilitySets.values(), written)
+    # TS_BITMAPCODECS_CAPABILITYSET with bitmapCodecCount 0 (present: a server reads an absent one as its own
+    # defaults), TS_SURFCMDS_CAPABILITYSET with cmdFlags 0
+    assert written.getvalue() == struct.pack("<HHB", 0x1D, 5, 0) + struct.pack("<HHII", 0x1C, 12, 0, 0)
+
+
+def surface_bits(codec_id: int, data: bytes) -> bytes:
+    """One TS_SURFCMD_SET_SURF_BITS with its TS_BITMAP_DATA_EX."""
+    return struct.pack("<HHHHHBBBBHHI", 0x1, 0, 0, 64, 64, 32, 0, 0, codec_id, 64, 64, len(data)) + data
+
+
+FRAME_MARKER = struct.pack("<HHI", 0x4, 0, 7)
+
+
+def test_surface_bits_orders_and_compressed_updates_are_named_not_frame_markers() -> None:
+    from pyrdp.pdu import FastPathOutputEvent
+
+    from proxies.rdp.codec import UpdateDecoder
+
+    decoder = UpdateDecoder()
+    decoder.fastpath([FastPathOutputEvent(0x04, None, FRAME_MARKER + FRAME_MARKER)])
+    decoder.fastpath([FastPathOutputEvent(0x03, None, b"")])  # synchronize
+    assert decoder.unrecorded is None and decoder.skipped == 0
+    payload = FRAME_MARKER + surface_bits(1, b"\x00" * 40) + FRAME_MARKER
+    assert decoder.fastpath([FastPathOutputEvent(0x04 | 2 << 4, None, payload[:20]),
+                             FastPathOutputEvent(0x04 | 1 << 4, None, payload[20:])]) == []
+    assert decoder.unrecorded == ("the target sends surface bits of a codec (RemoteFX, NSCodec, ...), "
+                                  "which the gateway cannot decode") and decoder.skipped == 1
+
+    orders = UpdateDecoder()
+    orders.fastpath([FastPathOutputEvent(0x00, None, b"\x01\x00\x00")])
+    assert orders.unrecorded == "the target sends drawing orders, which the gateway cannot decode"
+    slow = UpdateDecoder()
+    slow.slowpath_other(2)  # palette: no screen content of its own
+    assert slow.unrecorded is None
+    slow.slowpath_other(0)
+    assert slow.unrecorded == orders.unrecorded
+    compressed = UpdateDecoder()
+    compressed.fastpath([FastPathOutputEvent(0x01 | 2 << 6, None, b"\x00" * 8)])
+    assert compressed.unrecorded == ("the target sends bulk-compressed screen updates, which the gateway "
+                                     "cannot decode")
+    bad = UpdateDecoder()
+    bad.slowpath(struct.pack("<H9H", 1, 0, 0, 0, 0, 1, 1, 12, 0, 2) + b"\x00\x00")
+    assert bad.unrecorded == "some of its bitmaps cannot be decoded (unsupported colour depth 12 bpp)"
+
+
+async def test_capture_tells_once_that_the_screen_is_not_recorded(tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+    from pyrdp.pdu import FastPathOutputEvent
+
+    from gatewayd.frames import FrameStore
+    from proxies.rdp.capture import FrameCapture
+
+    notes: list[str] = []
+    told = asyncio.Event()
+    capture = FrameCapture(FrameStore(tmp_path), "s5", on_stop=lambda note: (notes.append(note), told.set()))
+    with caplog.at_level("WARNING", logger="gatewayd.rdp"):
+        capture.fastpath(0, [FastPathOutputEvent(0x04, None, surface_bits(3, b"\x00" * 40))])
+        await asyncio.wait_for(told.wait(), 60)  # told while the session goes on, not at its end
+        assert notes == ["the screen is not being recorded: the target sends surface bits of a codec "
+                         "(RemoteFX, NSCodec, ...), which the gateway cannot decode"]  # before the session ends
+        capture.slowpath_other(0)
+        capture.fastpath(1, [FastPathOutputEvent(0x04, None, surface_bits(3, b"\x00" * 40))])
+        capture.fastpath(2, [FastPathBitmapEvent(0x01, None, [], update_payload((0, 0, 1, 1, pixels16(RED16))))])
+        await capture.close()
+    assert len(notes) == 1 and capture.count == 1  # once per session; bitmaps still recorded
+    assert caplog.text.count("rdp screen updates are not recorded") == 1

@@ -297,6 +297,60 @@ async def test_composed_screen_shows_the_desktop(api: RdpApi, recorded: dict) ->
     assert status == 400, bad
 
 
+async def watch_desktop(api: RdpApi, gateway: Daemon, peers: Peers, *options: str) -> tuple[dict, int, bytes]:
+    """A real session with xfreerdp's own options (no ``/bpp``): the done session, its frame count, its last screen."""
+    connection = await api.role(peers.shadow_port)
+    secret, session_id = await api.credential(connection)
+    process = await asyncio.create_subprocess_exec(
+        "xfreerdp", f"/v:127.0.0.1:{gateway.rdp_port}", f"/u:{secret}", f"/p:{secret}", "/cert:ignore", *options,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        env={"PATH": os.environ["PATH"], "HOME": str(peers.home), "DISPLAY": f":{peers.client_display}"})
+    try:
+        deadline = time.monotonic() + 45
+        while process.returncode is None and time.monotonic() < deadline:  # a wait, not a timing assertion
+            status, page = await api("GET", f"/sessions/{session_id}/rdp-frames?limit=1")
+            if status == 200 and page["total_frames"] >= 100:
+                break
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(1)
+    finally:
+        if process.returncode is None:
+            process.terminate()
+        output = (await process.communicate())[0].decode(errors="replace")
+    session = await api.done_session(session_id)
+    status, page = await api("GET", f"/sessions/{session_id}/rdp-frames?limit=1")
+    assert status == 200, page
+    total = page["total_frames"]
+    screen = b""
+    if total:
+        status, screen = await api("GET", f"/sessions/{session_id}/rdp-frames/{total - 1}.png")
+        assert status == 200
+    session["client_output"] = output
+    return session, total, screen
+
+
+def assert_shows_the_desktop(png: bytes) -> None:
+    """The composed screen is the target's -retro pattern, not a blank or one-colour picture."""
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(png))
+    image.load()
+    colours = image.getcolors(maxcolors=1 << 16)
+    assert colours is not None and len(colours) >= 2, "the composed screen is blank"
+    assert max(count for count, _ in colours) < 0.9 * image.width * image.height
+
+
+@pytest.mark.parametrize("options", [(), ("/rfx",), ("/gfx",), ("/bpp:32", "-nsc")],
+                         ids=["defaults", "rfx", "gfx", "32bpp-nsc"])
+async def test_every_client_choice_of_codec_is_recorded(api: RdpApi, gateway: Daemon, peers: Peers,
+                                                       options: tuple[str, ...]) -> None:
+    """xfreerdp's defaults (32 bpp, NSCodec) and /rfx offer codecs the recorder cannot read: the target sends bitmaps."""
+    session, total, screen = await watch_desktop(api, gateway, peers, *options)
+    assert total > 0, (events(session), session["client_output"][-2000:])
+    assert_shows_the_desktop(screen)
+    assert session["exit_code"] == 0 and events(session) == [], events(session)
+
+
 async def test_frames_of_a_non_rdp_session_are_a_400(api: RdpApi, gateway: Daemon) -> None:
     connection = await api.role(5432, subtype="postgres")
     _, session_id = await api.credential(connection)

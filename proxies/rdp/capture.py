@@ -25,9 +25,11 @@ class FrameCapture:
     """
 
     def __init__(self, frames: FrameStore, session_id: str, on_stop: Callable[[str], None] | None = None) -> None:
-        """``on_stop`` hears, once and when it happens, why the recording stopped (cap reached, write error)."""
+        """``on_stop`` hears, once each and when it happens, why the recording stopped (cap reached, write
+        error) and that screen content passed which the decoder cannot read (``unrecorded``)."""
         self.frames = frames
         self.on_stop = on_stop
+        self._told_unrecorded = False
         self.session_id = session_id
         self.decoder = UpdateDecoder()
         self.writer: FrameWriter | None = None
@@ -57,6 +59,21 @@ class FrameCapture:
     def slowpath(self, timestamp: int, update_data: bytes) -> None:
         self._put("slow", timestamp, update_data, len(update_data))
 
+    def slowpath_other(self, update_type: int) -> None:
+        """A slow-path update that is not a bitmap (drawing orders are told as unrecorded, at once)."""
+        self.decoder.slowpath_other(update_type)
+        self._tell_unrecorded()
+
+    def _tell_unrecorded(self) -> None:
+        """The first screen content that passed undecoded: an ``e`` event and a log line, once per session."""
+        reason = self.decoder.unrecorded
+        if reason is None or self._told_unrecorded:
+            return
+        self._told_unrecorded = True
+        log.warning("rdp screen updates are not recorded", extra={"session_id": self.session_id, "reason": reason})
+        if self.on_stop is not None:
+            self.on_stop(f"the screen is not being recorded: {reason}")
+
     def resize(self, width: int, height: int) -> None:
         """The desktop size the client and target agreed on."""
         if width > 0 and height > 0:
@@ -80,6 +97,7 @@ class FrameCapture:
                 except Exception as exc:  # a decoder bug must not take close() (and the session's end) with it
                     self.failed = f"{type(exc).__name__} while decoding a screen update"
                     log.exception("rdp frames cannot be decoded", extra={"session_id": self.session_id})
+                self._tell_unrecorded()
                 if self.failed and self.on_stop is not None:
                     self.on_stop(f"the screen recording stopped: {self.failed}")
                     self.on_stop = None

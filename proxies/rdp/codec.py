@@ -4,7 +4,10 @@
 (reassembling fragments) and slow-path bitmap updates -- and returns each
 bitmap as a top-down RGB rectangle clipped to its destination, decoded with
 pyrdp's parsers, the ``rle`` interleaved-RLE decoder and Pillow's raw pixel
-unpackers. ``KeyboardText`` turns key presses into the text recorded as ``i``
+unpackers; what carries screen content it cannot decode (surface bits of a
+codec, drawing orders, bulk-compressed updates) it names in ``unrecorded``.
+``offer_only_bitmaps`` trims the client's capabilities so that a target sends
+only what the decoder reads. ``KeyboardText`` turns key presses into the text recorded as ``i``
 events when keyboard recording is on.
 
 Importing pyrdp's parsers imports Twisted's reactor: in the daemon this module
@@ -13,15 +16,17 @@ is imported only after ``proxies.rdp.reactor.ensure_reactor``.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from typing import Iterable
 
 import rle
 from PIL import Image
-from pyrdp.enum import scancode
+from pyrdp.enum import CapabilityType, scancode
 from pyrdp.parser import BitmapParser
 from pyrdp.pdu import (
     BitmapUpdateData,
+    ConfirmActivePDU,
     FastPathOutputEvent,
     FastPathScanCodeEvent,
     FastPathUnicodeEvent,
@@ -31,7 +36,16 @@ from pyrdp.pdu import (
 BITMAP_COMPRESSION = 0x0001
 NO_BITMAP_COMPRESSION_HDR = 0x0400
 COMPRESSION_HEADER = 8  # TS_CD_HEADER before compressed data unless NO_BITMAP_COMPRESSION_HDR
-FASTPATH_UPDATETYPE_BITMAP = 0x1
+FASTPATH_UPDATETYPE_ORDERS, FASTPATH_UPDATETYPE_BITMAP, FASTPATH_UPDATETYPE_SURFCMDS = 0x0, 0x1, 0x4
+SCREEN_UPDATE_TYPES = (FASTPATH_UPDATETYPE_ORDERS, FASTPATH_UPDATETYPE_BITMAP, FASTPATH_UPDATETYPE_SURFCMDS)
+CMDTYPE_SET_SURFACE_BITS, CMDTYPE_FRAME_MARKER, CMDTYPE_STREAM_SURFACE_BITS = 0x1, 0x4, 0x6
+SURFACE_BITS_HEADER = 22  # cmdType, destLeft..destBottom, then TS_BITMAP_DATA_EX up to bitmapDataLength (incl.)
+FRAME_MARKER_SIZE = 8
+UPDATETYPE_ORDERS = 0x0  # slow-path TS_UPDATE_ORDERS
+UNDECODABLE = "the target sends {}, which the gateway cannot decode"
+SURFACE_BITS = UNDECODABLE.format("surface bits of a codec (RemoteFX, NSCodec, ...)")
+DRAWING_ORDERS = UNDECODABLE.format("drawing orders")
+COMPRESSED = UNDECODABLE.format("bulk-compressed screen updates")
 FRAGMENT_SINGLE, FRAGMENT_LAST, FRAGMENT_FIRST, FRAGMENT_NEXT = 0, 1, 2, 3
 FASTPATH_OUTPUT_COMPRESSION_USED = 0x2
 KBDFLAGS_EXTENDED = 0x02
@@ -87,21 +101,66 @@ def decode_bitmap(bitmap: BitmapUpdateData) -> Rectangle:
     return Rectangle(bitmap.destLeft, bitmap.destTop, image.width, image.height, image.tobytes())
 
 
+def offer_only_bitmaps(pdu: ConfirmActivePDU) -> None:
+    """The client's confirm-active, trimmed so that the target answers with bitmap updates only.
+
+    No bitmap codecs (an empty TS_BITMAPCODECS_CAPABILITYSET: a server reads an
+    absent one as "use my defaults", FreeRDP's shadow server then picks
+    RemoteFX) and no surface commands (neither surface bits nor frame
+    markers). Drawing orders, the bitmap cache, the graphics pipeline (GFX)
+    and colour depths above 16 bpp are pyrdp's own downgrade (``config.downgrade``).
+    """
+    capabilities = pdu.parsedCapabilitySets
+    codecs = capabilities.get(CapabilityType.CAPSETTYPE_BITMAP_CODECS)
+    if codecs is not None:
+        codecs.rawData = b"\x00"  # bitmapCodecCount = 0
+    surface = capabilities.get(CapabilityType.CAPSETTYPE_SURFACE_COMMANDS)
+    if surface is not None:
+        surface.cmdFlags = 0
+
+
+def surface_command_kinds(data: bytes) -> set[int]:
+    """The cmdTypes of a fast-path surface commands update (TS_SURFCMD list, after the update's size)."""
+    kinds, offset = set(), 0
+    while offset + 2 <= len(data):
+        (kind,) = struct.unpack_from("<H", data, offset)
+        kinds.add(kind)
+        if kind == CMDTYPE_FRAME_MARKER:
+            offset += FRAME_MARKER_SIZE
+        elif kind in (CMDTYPE_SET_SURFACE_BITS, CMDTYPE_STREAM_SURFACE_BITS) and offset + SURFACE_BITS_HEADER <= len(data):
+            (length,) = struct.unpack_from("<I", data, offset + SURFACE_BITS_HEADER - 4)
+            offset += SURFACE_BITS_HEADER + length
+        else:
+            break  # unknown or truncated: what is known so far
+    return kinds
+
+
 class UpdateDecoder:
-    """The target's screen updates, one connection's worth (it holds fast-path fragments between calls)."""
+    """The target's screen updates, one connection's worth (it holds fast-path fragments between calls).
+
+    ``unrecorded`` says why the first screen content that passed undecoded
+    was not decoded (a kind of update the decoder does not read, or a bitmap
+    it could not decode); ``skipped`` counts them.
+    """
 
     def __init__(self) -> None:
         self._parser = BitmapParser()
         self._fragments: bytearray | None = None
         self.skipped = 0  # updates that could not be decoded
+        self.unrecorded: str | None = None
+
+    def _skip(self, reason: str) -> None:
+        self.skipped += 1
+        if self.unrecorded is None:
+            self.unrecorded = reason
 
     def _bitmaps(self, bitmaps: Iterable[BitmapUpdateData]) -> list[Rectangle]:
         rectangles = []
         for bitmap in bitmaps:
             try:
                 rectangles.append(decode_bitmap(bitmap))
-            except DecodeError:
-                self.skipped += 1
+            except DecodeError as exc:
+                self._skip(f"some of its bitmaps cannot be decoded ({exc})")
         return rectangles
 
     def _bitmap_update(self, data: bytes) -> list[Rectangle]:
@@ -109,7 +168,7 @@ class UpdateDecoder:
         try:
             bitmaps = self._parser.parseBitmapUpdateData(data)
         except Exception:  # pyrdp's parsers raise struct/IO errors on truncated input
-            self.skipped += 1
+            self._skip("some of its bitmap updates cannot be parsed")
             return []
         return self._bitmaps(bitmaps)
 
@@ -121,8 +180,10 @@ class UpdateDecoder:
                 continue
             header = event.header
             fragmentation = (header >> 4) & 0b11
+            update_type = header & 0x0F
             if (header >> 6) & FASTPATH_OUTPUT_COMPRESSION_USED:
-                self.skipped += 1  # bulk-compressed: the gateway asks targets not to do this
+                if update_type in SCREEN_UPDATE_TYPES:  # the gateway asks targets not to compress
+                    self._skip(COMPRESSED)
                 self._fragments = None
                 continue
             payload = bytes(event.payload)
@@ -136,13 +197,22 @@ class UpdateDecoder:
                 if fragmentation == FRAGMENT_NEXT:
                     continue
                 payload, self._fragments = bytes(self._fragments), None
-            if header & 0x0F == FASTPATH_UPDATETYPE_BITMAP and len(payload) >= 2:
+            if update_type == FASTPATH_UPDATETYPE_BITMAP and len(payload) >= 2:
                 rectangles += self._bitmap_update(payload[2:])  # after the updateType
+            elif update_type == FASTPATH_UPDATETYPE_ORDERS:
+                self._skip(DRAWING_ORDERS)
+            elif update_type == FASTPATH_UPDATETYPE_SURFCMDS and surface_command_kinds(payload) != {CMDTYPE_FRAME_MARKER}:
+                self._skip(SURFACE_BITS)  # frame markers alone carry no pixels
         return rectangles
 
     def slowpath(self, update_data: bytes) -> list[Rectangle]:
         """Rectangles from a slow-path bitmap update's data (starting with numberRectangles)."""
         return self._bitmap_update(bytes(update_data))
+
+    def slowpath_other(self, update_type: int) -> None:
+        """A slow-path update that is not a bitmap: drawing orders are screen content it cannot decode."""
+        if update_type == UPDATETYPE_ORDERS:
+            self._skip(DRAWING_ORDERS)
 
 
 class KeyboardText:

@@ -14,7 +14,10 @@ What the gateway adds to pyrdp's man-in-the-middle:
 3. recording -- pyrdp's replay file is not written (it holds the client's
    password in clear): ``GatewayRecorder`` receives pyrdp's recording calls
    and keeps only the target's bitmap updates (as frames, ``FrameCapture``)
-   and, when ``rdp.record_keyboard`` is on, key presses as ``i`` events;
+   and, when ``rdp.record_keyboard`` is on, key presses as ``i`` events. The
+   client's capabilities are trimmed to what the recorder decodes (no bitmap
+   codecs, no surface commands: ``codec.offer_only_bitmaps``); screen content
+   that passes undecoded all the same is an ``e`` event, once;
 4. lifecycle -- the session is ``done`` when either side goes away (exit 0
    when the client left or the target logged the user off, 254 with an ``e``
    event when the target dropped the connection), or when the gateway kills
@@ -50,7 +53,7 @@ from gatewayd.access import AccessDenied, looks_like_secret
 from gatewayd.models import target_port
 from gatewayd.sessions import BLOCKED_EXIT_CODE
 from proxies.rdp.capture import FrameCapture
-from proxies.rdp.codec import KeyboardText
+from proxies.rdp.codec import KeyboardText, offer_only_bitmaps
 
 if TYPE_CHECKING:
     from gatewayd.daemon import Gateway
@@ -175,6 +178,8 @@ class GatewayMITM(RDPMITM):
         self._observe_first(self.client.tcp, onConnection=self._client_connected,
                             onDisconnection=lambda reason: self._side_closed(CLIENT))
         self._observe_first(self.server.tcp, onDisconnection=lambda reason: self._side_closed(TARGET))
+        # ahead of pyrdp's slow-path MITM, which forwards the confirm-active after its own downgrade
+        self._observe_first(self.client.slowPath, onConfirmActive=offer_only_bitmaps)
         self.server.mcs.createObserver(onDisconnectProviderUltimatum=self._target_logged_off)
         self.client.mcs.createObserver(onDisconnectProviderUltimatum=self._client_logged_off)
         # pyrdp's X.224 handlers, wrapped: admission before the request, NLA refusal on the confirm
@@ -343,6 +348,8 @@ class GatewayMITM(RDPMITM):
         elif kind == PlayerPDUType.SLOW_PATH_PDU:
             if isinstance(pdu, UpdatePDU) and pdu.updateType == SlowPathUpdateType.SLOWPATH_UPDATETYPE_BITMAP:
                 capture.slowpath(live.recorder.offset_ms(), bytes(pdu.updateData))
+            elif isinstance(pdu, UpdatePDU):
+                capture.slowpath_other(pdu.updateType)
             elif isinstance(pdu, ConfirmActivePDU):
                 bitmap = pdu.parsedCapabilitySets.get(CapabilityType.CAPSTYPE_BITMAP)
                 if bitmap is not None:
