@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
+# The RDP proxy's man-in-the-middle, installed without its dependency pins (cryptography<42): the rdp
+# extra in pyproject.toml lists what it really needs. docs/decisions.md (RDP proxy) says why.
+PYRDP := pyrdp-mitm==2.1.0
 
 .PHONY: run test peers bench clean
 
@@ -11,6 +14,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[test,rdp]'
+	$(BIN)/pip install --quiet --no-deps '$(PYRDP)'
 	@touch $@
 
 ## Start the daemon on its embedded defaults (or CONFIG=file.toml).

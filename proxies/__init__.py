@@ -24,7 +24,8 @@ def available_listeners() -> dict[str, Any]:
         listeners["rdp"] = start_rdp
     else:
         logging.getLogger("gatewayd.rdp").warning(
-            "RDP proxy unavailable: install the rdp extra (pip install 'gatewayd[rdp]')",
+            "RDP proxy unavailable: install the rdp extra (make does; by hand: pip install 'gatewayd[rdp]' "
+            "and pip install --no-deps pyrdp-mitm==2.1.0)",
             extra={"missing": ", ".join(rdp.missing_modules())})
     return listeners
 

@@ -8,6 +8,8 @@ import struct
 
 import pytest
 
+import proxies.rdp  # noqa: E402,F401  (its compatibility shim before any pyrdp import)
+
 pytest.importorskip("pyrdp", reason="the rdp extra (pyrdp-mitm) is not installed")
 pytest.importorskip("PIL", reason="the rdp extra (Pillow) is not installed")
 
@@ -116,6 +118,22 @@ def test_keyboard_text() -> None:
               FastPathUnicodeEvent("é", False), FastPathUnicodeEvent("é", True)]
     assert keys.fastpath(events) == "Hi<Return>é"
     assert keys.slowpath([KeyboardEvent(0, 0x4000, 0x1E), KeyboardEvent(0, 0x8000, 0x1E)]) == "a"
+
+
+def test_the_rdp_install_leaves_the_daemon_on_a_current_cryptography() -> None:
+    """pyrdp-mitm's pins (cryptography<42, pyopenssl<24) are not what the daemon's environment runs on."""
+    import tomllib
+    from importlib.metadata import version
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    floor = next(Requirement(r) for r in project["dependencies"] if r.startswith("cryptography"))
+    assert not floor.specifier.contains("41.0.7")  # the newest release pyrdp-mitm's pin allows
+    assert floor.specifier.contains(version("cryptography")), (version("cryptography"), str(floor))
+    assert Version(version("pyopenssl")) >= Version("24") and version("pyrdp-mitm") == "2.1.0"
 
 
 def test_the_secret_is_read_from_the_x224_cookie() -> None:

@@ -35,6 +35,8 @@ from tests.conftest import BIN, Daemon, free_port, proxy_daemon, wait_port
 TARGET_USER = "alice"
 TARGET_PASSWORD = "Tgt-pass-7c1e9d"
 PEER_TOOLS = ("Xvfb", "freerdp-shadow-cli", "xfreerdp")
+# pyrdp's own pyrdp-mitm command, after proxies.rdp's compatibility shim (Python 3.13 removed typing.io)
+PYRDP_MITM = "import sys, proxies.rdp; from pyrdp.bin.mitm import main; sys.argv[0] = 'pyrdp-mitm'; sys.exit(main())"
 
 
 class Peers:
@@ -88,7 +90,7 @@ class Peers:
 
     def observer(self, target_port: int) -> int:
         port = free_port()
-        process = self.spawn([str(BIN / "pyrdp-mitm"), f"127.0.0.1:{target_port}", "-a", "127.0.0.1", "-l", str(port),
+        process = self.spawn([str(BIN / "python"), "-c", PYRDP_MITM, f"127.0.0.1:{target_port}", "-a", "127.0.0.1", "-l", str(port),
                               "-o", str(self.root / "observer")], "observer")
         wait_port(port, process, "pyrdp-mitm (observer)", timeout=30)
         return port
@@ -114,7 +116,7 @@ def peers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Peers]:
             pytest.fail(message)
         pytest.skip(message)
     if not (BIN / "pyrdp-mitm").exists():
-        pytest.skip("the rdp extra is not installed (pip install -e '.[test,rdp]')")
+        pytest.skip("pyrdp-mitm is not installed (make installs it: pip install --no-deps pyrdp-mitm==2.1.0)")
     found = Peers(tmp_path_factory.mktemp("rdp-peers"))
     try:
         found.desktop = desktop = found.display("xvfb-target", "1024x768x24", "-retro")

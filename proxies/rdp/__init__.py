@@ -1,12 +1,17 @@
 """RDP proxy: pyrdp's man-in-the-middle on the daemon's loop, credentials injected, screens recorded as frames.
 
-Needs the ``rdp`` extra (pyrdp-mitm, Pillow); ``available()`` tells without
+Needs the ``rdp`` extra (pyrdp's dependencies, Pillow) and pyrdp-mitm 2.1.0
+installed without its pins (``make`` does both); ``available()`` tells without
 importing pyrdp (which would install Twisted's default reactor).
 """
 
 from __future__ import annotations
 
 import importlib.util
+
+from proxies.rdp import compat
+
+compat.apply()  # before anything imports pyrdp (Python 3.13 removed typing.io, which pyrdp imports)
 
 REQUIRED_MODULES = ("pyrdp", "rle", "twisted", "PIL")
 
