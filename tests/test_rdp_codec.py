@@ -280,7 +280,7 @@ def test_surface_bits_orders_and_compressed_updates_are_named_not_frame_markers(
                                      "cannot decode")
     bad = UpdateDecoder()
     bad.slowpath(struct.pack("<H9H", 1, 0, 0, 0, 0, 1, 1, 12, 0, 2) + b"\x00\x00")
-    assert bad.unrecorded == "some of its bitmaps cannot be decoded (unsupported colour depth 12 bpp)"
+    assert bad.unrecorded == "some of the target's bitmaps cannot be decoded (unsupported colour depth 12 bpp)"
 
 
 async def test_capture_tells_once_that_the_screen_is_not_recorded(tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]

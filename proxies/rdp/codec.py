@@ -40,6 +40,7 @@ FASTPATH_UPDATETYPE_ORDERS, FASTPATH_UPDATETYPE_BITMAP, FASTPATH_UPDATETYPE_SURF
 SCREEN_UPDATE_TYPES = (FASTPATH_UPDATETYPE_ORDERS, FASTPATH_UPDATETYPE_BITMAP, FASTPATH_UPDATETYPE_SURFCMDS)
 CMDTYPE_SET_SURFACE_BITS, CMDTYPE_FRAME_MARKER, CMDTYPE_STREAM_SURFACE_BITS = 0x1, 0x4, 0x6
 SURFACE_BITS_HEADER = 22  # cmdType, destLeft..destBottom, then TS_BITMAP_DATA_EX up to bitmapDataLength (incl.)
+COMPRESSED_BITMAP_HEADER_EX = 24  # after bitmapDataLength when flags has EX_COMPRESSED_BITMAP_HEADER_PRESENT
 FRAME_MARKER_SIZE = 8
 UPDATETYPE_ORDERS = 0x0  # slow-path TS_UPDATE_ORDERS
 UNDECODABLE = "the target sends {}, which the gateway cannot decode"
@@ -120,7 +121,7 @@ def offer_only_bitmaps(pdu: ConfirmActivePDU) -> None:
 
 
 def surface_command_kinds(data: bytes) -> set[int]:
-    """The cmdTypes of a fast-path surface commands update (TS_SURFCMD list, after the update's size)."""
+    """The cmdTypes in a fast-path surface commands update's data (a list of TS_SURFCMD)."""
     kinds, offset = set(), 0
     while offset + 2 <= len(data):
         (kind,) = struct.unpack_from("<H", data, offset)
@@ -128,8 +129,9 @@ def surface_command_kinds(data: bytes) -> set[int]:
         if kind == CMDTYPE_FRAME_MARKER:
             offset += FRAME_MARKER_SIZE
         elif kind in (CMDTYPE_SET_SURFACE_BITS, CMDTYPE_STREAM_SURFACE_BITS) and offset + SURFACE_BITS_HEADER <= len(data):
+            flags = data[offset + 11]
             (length,) = struct.unpack_from("<I", data, offset + SURFACE_BITS_HEADER - 4)
-            offset += SURFACE_BITS_HEADER + length
+            offset += SURFACE_BITS_HEADER + length + (COMPRESSED_BITMAP_HEADER_EX if flags & 0x01 else 0)
         else:
             break  # unknown or truncated: what is known so far
     return kinds
@@ -160,7 +162,7 @@ class UpdateDecoder:
             try:
                 rectangles.append(decode_bitmap(bitmap))
             except DecodeError as exc:
-                self._skip(f"some of its bitmaps cannot be decoded ({exc})")
+                self._skip(f"some of the target's bitmaps cannot be decoded ({exc})")
         return rectangles
 
     def _bitmap_update(self, data: bytes) -> list[Rectangle]:
@@ -168,7 +170,7 @@ class UpdateDecoder:
         try:
             bitmaps = self._parser.parseBitmapUpdateData(data)
         except Exception:  # pyrdp's parsers raise struct/IO errors on truncated input
-            self._skip("some of its bitmap updates cannot be parsed")
+            self._skip("some of the target's bitmap updates cannot be parsed")
             return []
         return self._bitmaps(bitmaps)
 
