@@ -157,8 +157,10 @@ def native_access(gateway: Any, conn: Connection, secret: str) -> dict[str, Any]
     if conn.subtype == "rdp":
         return {"hostname": host, "port": str(port), "username": secret, "password": secret,
                 "command": f"xfreerdp /v:{host}:{port} /u:{secret} /p:{secret}"}
-    return {"hostname": host, "port": str(port), "proxy_token": secret,
-            "url": f"http://{host}:{port}/{secret}/", "header": f"Authorization: {secret}"}
+    domain = gateway.config["http.apps_domain"]  # each connection's app on its own origin (docs/decisions.md)
+    origin = f"http://{conn.app_label}.{domain}:{port}" if domain else f"http://{host}:{port}"
+    return {"hostname": host, "port": str(port), "proxy_token": secret, "url": f"{origin}/{secret}/",
+            "origin": origin, "header": f"Authorization: {secret}"}
 
 
 @routes.post("/connections/{name}/credentials", "Short-lived credentials for native access", body=CREDENTIALS,

@@ -78,6 +78,17 @@ def _choice(*allowed: str) -> Callable[[Any, str], Any]:
     return check
 
 
+_DOMAIN = re.compile(r"^(?:[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?\.)*[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$")
+
+
+def _domain(value: Any, key: str) -> Any:
+    """A DNS domain (``*.`` or a leading dot allowed and dropped), lowered; empty allowed."""
+    domain = value.strip().lower().removeprefix("*.").strip(".")
+    if domain and not _DOMAIN.match(domain):
+        raise ConfigError(f"{key}: expected a domain such as 'apps.example.com', got {value!r}")
+    return domain
+
+
 def _positive(value: Any, key: str) -> Any:
     if value <= 0:
         raise ConfigError(f"{key}: must be positive")
@@ -122,6 +133,7 @@ SETTINGS: dict[str, Setting] = {
     "http.record_body_bytes": Setting("int", 64 * 1024, _positive),
     "http.guard_body_bytes": Setting("int", 1024 * 1024, _positive),
     "http.credential_recheck": Setting("duration", "5s"),
+    "http.apps_domain": Setting("str", "localhost", _domain),
     "sessions.shutdown_grace": Setting("duration", "10s"),
     "sessions.recording_cap_bytes": Setting("int", 64 * 1024 * 1024, _positive),
     "sessions.flush_interval": Setting("duration", "1s"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -110,6 +111,18 @@ class Connection:
     settings: dict[str, Any] = field(default_factory=dict)
     created_at: str = ""
     updated_at: str = ""
+
+    @property
+    def app_label(self) -> str:
+        """The DNS label of this connection's own web origin on the HTTP proxy (``<label>.<http.apps_domain>``).
+
+        Its name made DNS-safe, then the first 8 hex digits of its id: names
+        repeat across organizations and may differ only in case or punctuation,
+        and two connections sharing a label would share a browser origin.
+        """
+        slug = re.sub(r"[^a-z0-9]+", "-", self.name.lower()).strip("-")[:54].rstrip("-")
+        short = re.sub(r"[^a-z0-9]", "", self.id.lower())[:8]
+        return f"{slug}-{short}" if slug else short
 
     def target(self) -> dict[str, str]:
         """Decoded ``envvar:KEY`` settings of the role secret (``HOST``, ``PORT``...)."""

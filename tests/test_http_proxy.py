@@ -77,6 +77,13 @@ class HttpApi(Api):
     async def role(self, remote_url: str | None = None) -> dict:
         return await self.connection("web", "httpproxy", "httpproxy", {"REMOTE_URL": remote_url or self.target})
 
+    async def access(self, connection: dict, seconds: int = 600) -> dict:
+        """The access hint of a fresh credential (``connection_credentials``) with its ``session_id``."""
+        status, body = await self("POST", f"/connections/{connection['name']}/credentials",
+                                  {"access_duration_seconds": seconds})
+        assert status == 201, body
+        return {**body["connection_credentials"], "session_id": body["session_id"]}
+
     async def audit(self, action: str) -> list[dict]:
         status, body = await self("GET", f"/audit/logs?action={action}&page_size=100")
         assert status == 200, body
@@ -168,24 +175,71 @@ async def test_cookie_credential_lets_the_targets_authorization_through(api, gat
 
 async def test_browser_flow_with_curl_cookie_jar(api, gateway, tmp_path):
     connection = await api.role()
-    secret, session_id = await api.credential(connection)
+    access = await api.access(connection)
+    secret, session_id = access["proxy_token"], access["session_id"]
+    port = gateway.proxy_port
+    origin = access["origin"]  # the connection's own origin under http.apps_domain (default: localhost)
+    assert origin.startswith("http://web-") and origin.endswith(f".localhost:{port}")
+    assert access["url"] == f"{origin}/{secret}/"
     jar = tmp_path / "jar.txt"
+    # the listener's shared address sends the link on to the connection's own address, secret and all
     first = curl("-D", "-", "-o", "/dev/null", "-c", str(jar), f"{gateway.http_url}/{secret}/echo/page?q=1")
     head = first.stdout.decode()
     assert head.startswith("HTTP/1.1 302"), head
+    assert f"Location: {origin}/{secret}/echo/page?q=1\r\n" in head
+    assert "set-cookie" not in head.lower()
+    # there (curl resolves *.localhost to loopback as browsers do) the cookie is set for that host only
+    second = curl("-D", "-", "-o", "/dev/null", "-c", str(jar), f"{origin}/{secret}/echo/page?q=1")
+    head = second.stdout.decode()
+    assert head.startswith("HTTP/1.1 302"), head
     assert "Location: /echo/page?q=1\r\n" in head
     cookie = next(line for line in head.splitlines() if line.lower().startswith("set-cookie:"))
-    assert "HttpOnly" in cookie and "SameSite=Lax" in cookie and "Path=/" in cookie
-    assert "#HttpOnly_127.0.0.1\tFALSE\t/\tFALSE" in jar.read_text()
-    # the browser follows the redirect with its cookie, and goes on using it
+    assert "HttpOnly" in cookie and "SameSite=Lax" in cookie and "Path=/" in cookie and "Domain" not in cookie
+    host = origin.split("//")[1].split(":")[0]
+    assert f"#HttpOnly_{host}\tFALSE\t/\tFALSE" in jar.read_text()
+    # the browser follows the redirects with its cookie, and goes on using it
     followed = curl("-L", "-b", str(jar), "-c", str(jar), f"{gateway.http_url}/{secret}/echo/page?q=1")
     seen = json.loads(followed.stdout)
     assert seen["path"] == "/echo/page" and seen["query"] == "q=1"
     assert header_value(seen["headers"], "Cookie") == []
-    again = curl("-b", str(jar), f"{gateway.http_url}/json")
+    assert header_value(seen["headers"], "X-Forwarded-Host") == [f"{host}:{port}"]
+    again = curl("-b", str(jar), f"{origin}/json")
     assert json.loads(again.stdout)["ok"] is True
     session = await api.session(session_id, has_event("i", "GET /json"))
     assert secret not in json.dumps(events(session))
+
+
+async def test_a_credential_on_another_apps_address_is_refused_with_a_page(api, gateway, client):
+    first, second = await api.role(), await api.role()
+    mine, theirs = await api.access(first), await api.access(second)
+    marker = uuid.uuid4().hex
+    # the second credential sent to the first connection's address (header or cookie): refused, never forwarded
+    for headers in ({"Authorization": theirs["proxy_token"]},
+                    {"Cookie": f"gatewayd_proxy_token={theirs['proxy_token']}"}):
+        async with client.get(f"{gateway.http_url}/echo/{marker}", headers={
+                "Host": mine["origin"].split("//")[1], **headers}) as response:
+            assert response.status == 403
+            message = (await response.json())["message"]
+        assert f'"{second["name"]}"' in message and theirs["origin"] in message
+        assert theirs["proxy_token"] not in message
+    async with client.get(f"{gateway.http_url}/echo/{marker}", headers={
+            "Host": mine["origin"].split("//")[1], "Authorization": theirs["proxy_token"],
+            "Accept": "text/html,application/xhtml+xml"}) as response:
+        assert response.status == 403 and response.content_type == "text/html"
+        page = await response.text()
+    assert "<h1>Wrong address for this app</h1>" in page and f'href="{theirs["origin"]}/"' in page
+    async with client.get(f"{api.target}/seen") as response:
+        assert not [p for p in await response.json() if marker in p]
+    await api.session(theirs["session_id"], has_event("e", "the address of another connection"))
+    # a path link opened on the wrong address goes on to its own (nothing is set on the wrong one)
+    async with client.get(f"{gateway.http_url}/{theirs['proxy_token']}/x?y=1", allow_redirects=False,
+                          headers={"Host": mine["origin"].split("//")[1]}) as response:
+        assert response.status == 302 and "Set-Cookie" not in response.headers
+        assert response.headers["Location"] == f"{theirs['origin']}/{theirs['proxy_token']}/x?y=1"
+    # and on its own address the credential works as a header too
+    async with client.get(f"{gateway.http_url}/json", headers={
+            "Host": mine["origin"].split("//")[1], "Authorization": mine["proxy_token"]}) as response:
+        assert response.status == 200
 
 
 async def test_wrong_missing_and_expired_credentials(api, gateway, client, target):

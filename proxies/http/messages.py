@@ -6,6 +6,7 @@ lists or strings out), so each rule is a unit test; ``server.py`` does the I/O.
 
 from __future__ import annotations
 
+import html
 import re
 from dataclasses import dataclass
 from typing import Iterable
@@ -27,6 +28,7 @@ _SECRET_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie", "
                              "x-auth-token", "x-csrf-token", "x-xsrf-token"})
 _TEXT_TYPES = re.compile(r"^\s*(?:text/|application/(?:[\w.+-]*\+)?(?:json|xml|javascript|x-www-form-urlencoded|"
                          r"graphql|x-ndjson|yaml|x-yaml|sql)\b)", re.I)
+_LINK_PART = re.compile(r'"(?:[^"\\]|\\.)*"?|<([^>]*)>')  # a quoted parameter (kept), or a <target URI>
 _SECRET_TEXT = re.compile(r"httpproxy-[A-Za-z0-9_-]{43}")  # no \b: a secret may end in "-" or "_"
 
 Headers = list[tuple[str, str]]
@@ -152,6 +154,8 @@ def downstream_response_headers(headers: Iterable[tuple[str, str]], target: "Tar
             continue
         if lower == "location" or lower == "content-location":
             value = rewrite_location(value, target, gateway_origin)
+        elif lower == "link":
+            value = rewrite_link(value, target, gateway_origin)
         out.append((name, value))
     return out
 
@@ -250,6 +254,61 @@ def rewrite_location(location: str, target: TargetUrl, gateway_origin: str) -> s
         if mapped is not None:
             return mapped + (sep + rest if sep else "")
     return location
+
+
+def rewrite_link(value: str, target: TargetUrl, gateway_origin: str) -> str:
+    """A ``Link`` header (RFC 8288: ``<uri>; rel=...`` entries, comma-separated) with each ``<uri>`` turned
+    into the same place on the gateway as ``rewrite_location`` does; parameters pass unchanged, quoted
+    strings included (a ``<`` inside one is not a URI)."""
+    if "<" not in value:
+        return value
+    return _LINK_PART.sub(lambda found: found[0] if found[1] is None else
+                          f"<{rewrite_location(found[1], target, gateway_origin)}>", value)
+
+
+def split_host(host: str) -> tuple[str, str]:
+    """A ``Host`` value as (name lowered, ``:port`` or ""); an IPv6 literal keeps its brackets."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        name, _, rest = host.partition("]")
+        return name + "]", rest if rest.startswith(":") else ""
+    name, sep, port = host.rpartition(":")
+    return (name, sep + port) if sep else (host, "")
+
+
+def app_host_label(host: str, apps_domain: str) -> str | None:
+    """The label of an app origin's ``Host`` (``<label>.<apps_domain>``, any port), else None.
+
+    Every name under the domain is an app host: a deeper one gives a label
+    no connection has (refused), never the shared address.
+    """
+    if not apps_domain:
+        return None
+    name = split_host(host)[0].rstrip(".")
+    suffix = "." + apps_domain
+    if len(name) > len(suffix) and name.endswith(suffix):
+        return name[:-len(suffix)]
+    return None
+
+
+def app_origin(label: str, apps_domain: str, scheme: str, host: str) -> str:
+    """The origin of a connection's app host, on the port of the ``Host`` the request came to."""
+    return f"{scheme}://{label}.{apps_domain}{split_host(host)[1]}"
+
+
+def wants_html(accept: str | None) -> bool:
+    """Whether the client is a browser loading a page (its ``Accept`` names ``text/html``)."""
+    return accept is not None and "text/html" in accept.lower()
+
+
+def refusal_page(status: int, message: str, link: str | None = None) -> str:
+    """The gateway's own answer for a browser: a small HTML page saying why (``link``: where to go instead)."""
+    title = {401: "Access needed", 403: "Wrong address for this app", 409: "Another app is open here"}.get(
+        status, "Refused by the gateway")
+    go = f'\n<p><a href="{html.escape(link)}">{html.escape(link)}</a></p>' if link else ""
+    return (f'<!doctype html>\n<html><head><meta charset="utf-8"><title>{title}</title></head>\n'
+            f"<body><h1>{title}</h1>\n<p>{html.escape(message)}</p>{go}\n"
+            f"<p><small>gatewayd HTTP proxy, status {status}</small></p></body></html>\n")
 
 
 def is_text(content_type: str | None) -> bool:

@@ -30,6 +30,8 @@ from proxies.http.front import Front, FrontRequest, FrontStream
 from proxies.http.messages import (
     CredentialSource,
     TargetUrl,
+    app_host_label,
+    app_origin,
     body_note,
     credential_cookie,
     downstream_response_headers,
@@ -40,9 +42,11 @@ from proxies.http.messages import (
     is_event_stream,
     is_text,
     is_websocket_upgrade,
+    refusal_page,
     request_head,
     scrub,
     upstream_request_headers,
+    wants_html,
 )
 from proxies.http.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 
@@ -93,6 +97,15 @@ def json_error(status: int, message: str, **headers: str) -> web.Response:
     return web.json_response({"message": message}, status=status, headers=headers or None)
 
 
+def refusal(request: web.BaseRequest | FrontRequest, status: int, message: str,
+            link: str | None = None) -> web.Response:
+    """The gateway's own refusal: a page saying why for a browser loading one, ``{"message"}`` otherwise."""
+    if wants_html(request.headers.get("Accept")):
+        return web.Response(status=status, text=refusal_page(status, message, link), content_type="text/html",
+                            headers={"Cache-Control": "no-store"})
+    return json_error(status, message)
+
+
 class HttpListener:
     """A started HTTP proxy listener; ``close`` stops it (and its pooled target connections)."""
 
@@ -102,6 +115,7 @@ class HttpListener:
         self.record_cap: int = config["http.record_body_bytes"]
         self.guard_cap: int = config["http.guard_body_bytes"]
         self.recheck: float = config["http.credential_recheck"]
+        self.apps_domain: str = config["http.apps_domain"]  # "": one shared origin for every connection
         self.states: dict[str, CredentialState] = {}  # by secret hash
         self._fresh: dict[str, CredentialState] = {}  # by secret: the per-request fast path, no hashing
         self._locks: dict[str, _KeyLock] = {}  # by secret hash, only while a request resolves it
@@ -226,18 +240,28 @@ class HttpListener:
         presented = extract_credential(headers.get("Authorization"), headers.get("Cookie"), request.raw_path)
         if presented is None:
             await self._refuse("", client_ip)
-            return json_error(401, "missing credential: send it as 'Authorization: <secret>', as the cookie "
-                                   "gatewayd_proxy_token, or as the first path segment")
+            return refusal(request, 401, "missing credential: send it as 'Authorization: <secret>', as the "
+                                         "cookie gatewayd_proxy_token, or as the first path segment")
         try:
             state = await self.state_for(presented.secret, client_ip)
         except Refused as exc:
-            return json_error(exc.status, str(exc))
+            return refusal(request, exc.status, str(exc))
+        label = app_host_label(request.host, self.apps_domain)
+        connection = state.grant.connection
         if presented.source == CredentialSource.PATH:
-            response = web.HTTPFound(presented.rest_path)
+            if self.apps_domain and label != connection.app_label:  # each app on its own origin
+                origin = app_origin(connection.app_label, self.apps_domain, request.scheme, request.host)
+                return _redirect(f"{origin}/{presented.secret}{presented.rest_path}")
+            if label is None:
+                switched = await self._switch_refused(request, presented.secret, state, client_ip)
+                if switched is not None:
+                    return switched
+            response = _redirect(presented.rest_path)
             lifetime = int(min(state.expires - time.time(), 172800))
             response.headers["Set-Cookie"] = credential_cookie(presented.secret, lifetime)
-            response.headers["Cache-Control"] = "no-store"
             return response
+        if label is not None and label != connection.app_label:
+            return self._misdirected(request, state, label)
         if state.target.base_path and has_dot_segments(request.raw_path):
             state.live.recorder.error(f"refused a path with '..' segments: {scrub(request.raw_path)}")
             return json_error(400, "a path with '..' segments is refused: it could leave the target's base path")
@@ -245,6 +269,41 @@ class HttpListener:
             with _in_flight(state):
                 return await self._websocket(request, state, presented.source, client_ip)
         return await self._forward(request, state, presented.source, client_ip)
+
+    def _misdirected(self, request: web.BaseRequest | FrontRequest, state: CredentialState,
+                     label: str) -> web.Response:
+        """A credential on another connection's app host: refused, never forwarded (403 and an ``e`` event)."""
+        connection = state.grant.connection
+        own = app_origin(connection.app_label, self.apps_domain, request.scheme, request.host)
+        message = (f"{scrub(request.host)} is the address of another app than this credential's connection "
+                   f'"{connection.name}" (its address is {own}/): each connection has its own address so that '
+                   f"apps open in one browser never reach each other")
+        state.live.recorder.error(f"refused {request.method} {scrub(request.raw_path)}: sent to {scrub(request.host)}, "
+                                  f"the address of another connection than this one")
+        return refusal(request, 403, message, own + "/")
+
+    async def _switch_refused(self, request: web.BaseRequest | FrontRequest, secret: str, state: CredentialState,
+                              client_ip: str) -> web.Response | None:
+        """On the shared origin (``http.apps_domain`` empty): opening an app while the browser's cookie holds
+        another connection's live credential is refused, since the first app's open pages would reach this one."""
+        held = extract_credential(None, request.headers.get("Cookie"), "/")
+        if held is None or held.secret == secret:
+            return None
+        try:
+            other = await self.state_for(held.secret, client_ip)
+        except Refused:
+            return None  # the credential held is over: its pages reach nothing anyway
+        first, second = other.grant.connection, state.grant.connection
+        if first.id == second.id:
+            return None
+        until = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(other.expires)) if other.expires < 1e11 else "it ends"
+        state.live.recorder.error(f'refused to open "{second.name}" in a browser that has "{first.name}" open '
+                                  f"on the same address")
+        return refusal(request, 409, f'connection "{first.name}" is open in this browser at this address until '
+                                     f'{until}; opening "{second.name}" here too would send the open pages of '
+                                     f'"{first.name}" to "{second.name}". Open it in a private window or another '
+                                     f"browser, or once the first access ends; the gateway's operator can give each "
+                                     f"connection its own address (setting http.apps_domain).")
 
     async def _blocked(self, state: CredentialState, verdict: GuardVerdict, client_ip: str,
                        recorded: bytes = b"") -> web.Response:
@@ -527,6 +586,13 @@ class HttpListener:
         finally:
             await upstream.close()
         return downstream
+
+
+def _redirect(location: str) -> web.Response:
+    """A 302 the gateway answers itself (never cached: it may carry or set a credential)."""
+    response = web.HTTPFound(location)
+    response.headers["Cache-Control"] = "no-store"
+    return response
 
 
 @dataclass(slots=True, eq=False)
