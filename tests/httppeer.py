@@ -3,7 +3,8 @@
 Endpoints: ``/json`` (small JSON), ``/echo/...`` (what arrived: method, path,
 query, headers, body), ``/upload`` (streamed SHA-256 of the body),
 ``/download?size=N[&chunked=1]`` (deterministic bytes, see ``pattern``),
-``/redirect?to=...``, ``/text?say=...``, ``/big-text?size=N&needle=W&at=K``, ``/ws`` (echo), ``/sse?n=N`` and
+``/redirect?to=...``, ``/links`` (a ``Link`` header naming the app's own URLs), ``/page`` (an HTML page with a
+form that posts to ``/echo/posted``), ``/text?say=...``, ``/big-text?size=N&needle=W&at=K``, ``/ws`` (echo), ``/sse?n=N`` and
 ``/sse-hold`` (an event, then waits until ``/release``), ``/seen`` (paths
 received so far).
 """
@@ -93,6 +94,18 @@ def make_app() -> web.Application:
     async def redirect(request: web.Request) -> web.Response:
         raise web.HTTPFound(request.query.get("to", "/json"))
 
+    async def links(request: web.Request) -> web.Response:
+        own = f"http://{request.host}"  # the target's own origin, as a misconfigured app would name it
+        return web.Response(text="links", headers={"Link": f'<{own}/style.css>; rel=preload; as=style, '
+                                                           f'</next?p=2>; rel="next", <https://cdn.example/x.js>; '
+                                                           f'rel=preload; title="a, <b>"'})
+
+    async def page(request: web.Request) -> web.Response:
+        return web.Response(content_type="text/html", text=(
+            "<!doctype html><html><head><title>app page</title></head><body>"
+            '<form method="post" action="/echo/posted"><input name="note" value="from the page">'
+            '<button type="submit">send</button></form></body></html>'))
+
     async def text(request: web.Request) -> web.Response:
         return web.Response(text=request.query.get("say", "hello"), content_type="text/plain")
 
@@ -137,6 +150,8 @@ def make_app() -> web.Application:
     app.router.add_get("/redirect", redirect)
     app.router.add_get("/big-text", big_text)
     app.router.add_get("/text", text)
+    app.router.add_get("/links", links)
+    app.router.add_get("/page", page)
     app.router.add_get("/ws", websocket)
     app.router.add_get("/sse", sse)
     app.router.add_get("/sse-hold", sse_hold)

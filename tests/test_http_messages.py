@@ -181,3 +181,76 @@ def test_scrub_finds_secrets_ending_in_punctuation():
     secret = "httpproxy-" + "x" * 42 + "-"
     assert m.scrub(f"Referer: http://gw/{secret}/page") == "Referer: http://gw/[REDACTED]/page"
     assert m.scrub(f"?t={secret}") == "?t=[REDACTED]"
+
+
+@pytest.mark.parametrize(("link", "expected"), [
+    ("<http://app.internal:8080/style.css>; rel=preload; as=style", "<http://gw/style.css>; rel=preload; as=style"),
+    ('<http://app.internal:8080/a>; rel="next", </b?x=1>; rel=prev, <https://cdn.example/c.js>; rel=preload',
+     '<http://gw/a>; rel="next", </b?x=1>; rel=prev, <https://cdn.example/c.js>; rel=preload'),
+    ('<http://app.internal:8080/x,y>;rel=a,<//app.internal:8080/z>;rel=b', "<http://gw/x,y>;rel=a,<http://gw/z>;rel=b"),
+    ('<relative>; title="see <http://app.internal:8080/q>, \\"quoted\\""',
+     '<relative>; title="see <http://app.internal:8080/q>, \\"quoted\\""'),  # inside a quoted string: text
+    ("no brackets at all", "no brackets at all"),
+    ("<http://app.internal:8080/unterminated", "<http://app.internal:8080/unterminated"),
+])
+def test_link_headers_are_rewritten_to_the_gateway(link, expected):
+    assert m.rewrite_link(link, TARGET, "http://gw") == expected
+
+
+def test_link_under_a_base_path_and_in_response_headers():
+    assert m.rewrite_link("</base/api>; rel=api, </other>; rel=x, <https://app.internal/base>; rel=home",
+                          BASED, "http://gw") == "</api>; rel=api, </other>; rel=x, <http://gw/>; rel=home"
+    headers = [("Link", "<http://app.internal:8080/a>; rel=preload"), ("link", "</b>; rel=next")]
+    assert m.downstream_response_headers(headers, TARGET, "http://gw") == [
+        ("Link", "<http://gw/a>; rel=preload"), ("link", "</b>; rel=next")]
+
+
+@given(st.text())
+def test_rewrite_link_never_raises_and_keeps_links_elsewhere(value):
+    assert isinstance(m.rewrite_link(value, TARGET, "http://gw"), str)
+    if "app.internal" not in value.lower() and "/base" not in value:
+        assert m.rewrite_link(value, BASED, "http://gw") == value
+
+
+@pytest.mark.parametrize(("host", "label"), [
+    ("grafana-1a2b3c4d.localhost:18888", "grafana-1a2b3c4d"), ("GRAFANA-1A2B3C4D.LocalHost", "grafana-1a2b3c4d"),
+    ("x.localhost.:80", "x"), ("a.b.localhost", "a.b"), ("localhost:18888", None), ("127.0.0.1:18888", None),
+    ("evil-localhost", None), (".localhost", None), ("[::1]:18888", None), ("", None),
+])
+def test_app_host_labels(host, label):
+    assert m.app_host_label(host, "localhost") == label
+    assert m.app_host_label(host, "") is None
+
+
+def test_app_origins_keep_the_port_the_request_came_to():
+    assert m.app_origin("a-1", "apps.example.com", "http", "gw.example.com:18888") == "http://a-1.apps.example.com:18888"
+    assert m.app_origin("a-1", "localhost", "https", "gw") == "https://a-1.localhost"
+    assert m.app_origin("a-1", "localhost", "http", "[::1]:8080") == "http://a-1.localhost:8080"
+    assert m.split_host("[::1]") == ("[::1]", "") and m.split_host("H:1") == ("h", ":1")
+
+
+def test_connection_app_labels_are_dns_labels_unique_per_connection():
+    from gatewayd.models import Connection
+
+    def label(name: str, id: str = "3F2A9C1D-0000-4000-8000-000000000000") -> str:
+        return Connection(id=id, org_id="o", name=name, resource_name=name, type="httpproxy",
+                          subtype="httpproxy").app_label
+
+    assert label("Grafana") == "grafana-3f2a9c1d"
+    assert label("my_app (prod)") == "my-app-prod-3f2a9c1d"
+    assert label("日本") == "3f2a9c1d"
+    assert len(label("x" * 200)) <= 63
+    assert label("grafana") != label("grafana", "77aa0011-0000-4000-8000-000000000000")
+
+
+def test_refusal_pages_escape_what_they_show():
+    page = m.refusal_page(403, 'connection "<b>"', "http://a.localhost/?x=<y>")
+    assert "<title>Wrong address for this app</title>" in page
+    assert "connection &quot;&lt;b&gt;&quot;" in page and 'href="http://a.localhost/?x=&lt;y&gt;"' in page
+    assert m.wants_html("text/html,application/xhtml+xml;q=0.9") and not m.wants_html("application/json")
+    assert not m.wants_html(None)
+
+
+def test_links_to_other_hosts_are_left_exactly_as_written():
+    assert m.rewrite_location("//cdn.example/x", TARGET, "http://gw") == "//cdn.example/x"
+    assert m.rewrite_link("<//cdn.example/x>; rel=preload", TARGET, "http://gw") == "<//cdn.example/x>; rel=preload"

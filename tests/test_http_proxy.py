@@ -320,6 +320,17 @@ async def test_redirects_stay_on_the_gateway(api, gateway, client, target):
     assert seen["path"] == "/echo/sub" and seen["query"] == "k=v"
 
 
+async def test_link_headers_stay_on_the_gateway(api, gateway, client, target):
+    connection = await api.role()
+    secret, _ = await api.credential(connection)
+    async with client.get(f"{gateway.http_url}/links", headers={"Authorization": secret}) as response:
+        assert response.status == 200
+        link = response.headers["Link"]
+    assert link == (f'<{gateway.http_url}/style.css>; rel=preload; as=style, </next?p=2>; rel="next", '
+                    f'<https://cdn.example/x.js>; rel=preload; title="a, <b>"')
+    assert target.split("//")[1] not in link
+
+
 async def test_websocket_echo_both_ways(api, gateway, client):
     connection = await api.role()
     secret, session_id = await api.credential(connection)

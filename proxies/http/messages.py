@@ -234,9 +234,7 @@ def rewrite_location(location: str, target: TargetUrl, gateway_origin: str) -> s
     under the base path lose it; other hosts are left alone (an external
     redirect is the target's choice).
     """
-    if location.startswith("//"):
-        location = f"{target.scheme}:{location}"
-    parts = urlsplit(location)
+    parts = urlsplit(f"{target.scheme}:{location}" if location.startswith("//") else location)
     if parts.scheme or parts.netloc:
         try:
             same = (parts.scheme == target.scheme and (parts.hostname or "").lower() == target.host.lower()
@@ -244,7 +242,7 @@ def rewrite_location(location: str, target: TargetUrl, gateway_origin: str) -> s
         except ValueError:
             return location
         if not same:
-            return location
+            return location  # as the target wrote it (a scheme-relative one stays so)
         path = target.gateway_path(parts.path) or parts.path or "/"
         rest = path + (f"?{parts.query}" if parts.query else "") + (f"#{parts.fragment}" if parts.fragment else "")
         return gateway_origin + rest
