@@ -58,6 +58,8 @@ def test_environment_overrides_file(tmp_path):
     ('[sessions]\nrecording_cap_bytes = "big"\n', "sessions.recording_cap_bytes"),
     ('[sessions]\nshutdown_grace = "soon"\n', "sessions.shutdown_grace"),
     ('[auth]\nissuer = "oidc"\n', "auth.oidc.issuer_url"),
+    ('[http]\napps_domain = "http://apps.example.com"\n', "http.apps_domain"),
+    ('[http]\napps_domain = "apps.example.com:8080"\n', "http.apps_domain"),
 ])
 def test_bad_values_name_the_key(tmp_path, content, key):
     path = tmp_path / "bad.toml"
@@ -65,6 +67,11 @@ def test_bad_values_name_the_key(tmp_path, content, key):
     with pytest.raises(ConfigError) as err:
         load_config(path, environ={})
     assert str(err.value).startswith(key)
+
+
+def test_the_http_apps_domain_is_normalized():
+    for given, kept in (("*.Apps.Example.com", "apps.example.com"), (".localhost", "localhost"), ("", "")):
+        assert load_config(None, environ={"GATEWAYD_HTTP_APPS_DOMAIN": given})["http.apps_domain"] == kept
 
 
 def test_unreadable_and_invalid_files(tmp_path):
