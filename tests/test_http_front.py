@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 import subprocess
 import sys
 
@@ -204,7 +205,17 @@ async def test_refusals_on_the_plain_path(gateway, credential):
     assert status == 401 and "missing credential" in json.loads(body)["message"]
     writer.write(b"GET /" + credential[0].encode() + b"/json?a=1 HTTP/1.1\r\nHost: gw.test\r\n\r\n")
     status, headers, body = await read_response(reader)
+    app_host, _, rest = headers["location"].removeprefix("http://").partition("/")
+    assert status == 302 and re.fullmatch(r"front-[0-9a-f]{8}-[0-9a-f]{8}\.localhost", app_host)
+    assert rest == f"{credential[0]}/json?a=1" and "set-cookie" not in headers
+    writer.write(b"GET /" + credential[0].encode() + b"/json?a=1 HTTP/1.1\r\nHost: " + app_host.encode()
+                 + b"\r\nAccept: text/html\r\n\r\n")
+    status, headers, body = await read_response(reader)
     assert status == 302 and headers["location"] == "/json?a=1" and "HttpOnly" in headers["set-cookie"]
+    writer.write(b"GET /json HTTP/1.1\r\nHost: other-1.localhost\r\nAuthorization: " + credential[0].encode()
+                 + b"\r\nAccept: text/html\r\n\r\n")
+    status, headers, body = await read_response(reader)
+    assert status == 403 and headers["content-type"].startswith("text/html") and b"<h1>" in body
     writer.close()
 
 

@@ -227,6 +227,8 @@ def test_app_origins_keep_the_port_the_request_came_to():
     assert m.app_origin("a-1", "localhost", "https", "gw") == "https://a-1.localhost"
     assert m.app_origin("a-1", "localhost", "http", "[::1]:8080") == "http://a-1.localhost:8080"
     assert m.split_host("[::1]") == ("[::1]", "") and m.split_host("H:1") == ("h", ":1")
+    assert m.app_origin("a-1", "localhost", "http", "gw:80@evil.example/x") == "http://a-1.localhost"
+    assert m.split_host("[::1]x") == ("[::1]", "") and m.split_host("gw:") == ("gw", "")
 
 
 def test_connection_app_labels_are_dns_labels_unique_per_connection():

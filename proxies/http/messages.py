@@ -265,13 +265,17 @@ def rewrite_link(value: str, target: TargetUrl, gateway_origin: str) -> str:
 
 
 def split_host(host: str) -> tuple[str, str]:
-    """A ``Host`` value as (name lowered, ``:port`` or ""); an IPv6 literal keeps its brackets."""
+    """A ``Host`` value as (name lowered, ``:port`` or ""); an IPv6 literal keeps its brackets, a port that is
+    not digits is dropped (a redirect never leaves for a place the ``Host`` smuggled in)."""
     host = host.strip().lower()
     if host.startswith("["):
         name, _, rest = host.partition("]")
-        return name + "]", rest if rest.startswith(":") else ""
-    name, sep, port = host.rpartition(":")
-    return (name, sep + port) if sep else (host, "")
+        name, sep, port = name + "]", rest[:1], rest[1:]
+    else:
+        name, sep, port = host.rpartition(":")
+        if not sep:
+            return host, ""
+    return name, f":{port}" if sep == ":" and port.isdigit() and port.isascii() else ""
 
 
 def app_host_label(host: str, apps_domain: str) -> str | None:
