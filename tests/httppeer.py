@@ -3,10 +3,10 @@
 Endpoints: ``/json`` (small JSON), ``/echo/...`` (what arrived: method, path,
 query, headers, body), ``/upload`` (streamed SHA-256 of the body),
 ``/download?size=N[&chunked=1]`` (deterministic bytes, see ``pattern``),
-``/redirect?to=...``, ``/links`` (a ``Link`` header naming the app's own URLs), ``/page`` (an HTML page with a
-form that posts to ``/echo/posted``), ``/text?say=...``, ``/big-text?size=N&needle=W&at=K``, ``/ws`` (echo), ``/sse?n=N`` and
-``/sse-hold`` (an event, then waits until ``/release``), ``/seen`` (paths
-received so far).
+``/redirect?to=...``, ``/links`` (a ``Link`` header naming the app's own URLs), ``/page`` (an
+HTML page with a form that posts to ``/echo/posted``), ``/text?say=...``,
+``/big-text?size=N&needle=W&at=K``, ``/ws`` (echo), ``/sse?n=N`` and ``/sse-hold``
+(an event, then waits until ``/release``), ``/seen`` (paths received so far).
 """
 
 from __future__ import annotations

@@ -223,7 +223,8 @@ def test_app_host_labels(host, label):
 
 
 def test_app_origins_keep_the_port_the_request_came_to():
-    assert m.app_origin("a-1", "apps.example.com", "http", "gw.example.com:18888") == "http://a-1.apps.example.com:18888"
+    assert m.app_origin("a-1", "apps.example.com", "http", "gw.example.com:18888") == \
+        "http://a-1.apps.example.com:18888"
     assert m.app_origin("a-1", "localhost", "https", "gw") == "https://a-1.localhost"
     assert m.app_origin("a-1", "localhost", "http", "[::1]:8080") == "http://a-1.localhost:8080"
     assert m.split_host("[::1]") == ("[::1]", "") and m.split_host("H:1") == ("h", ":1")
