@@ -257,3 +257,11 @@ def test_refusal_pages_escape_what_they_show():
 def test_links_to_other_hosts_are_left_exactly_as_written():
     assert m.rewrite_location("//cdn.example/x", TARGET, "http://gw") == "//cdn.example/x"
     assert m.rewrite_link("<//cdn.example/x>; rel=preload", TARGET, "http://gw") == "<//cdn.example/x>; rel=preload"
+
+
+@given(st.text(), st.sampled_from(["localhost", "apps.example.com", ""]))
+def test_app_hosts_never_raise_and_stay_under_the_domain(host, domain):
+    label = m.app_host_label(host, domain)
+    assert label is None or (domain and label and m.split_host(host)[0].rstrip(".").endswith(f"{label}.{domain}"))
+    origin = m.app_origin("a-1", domain or "localhost", "http", host)
+    assert origin.startswith(f"http://a-1.{domain or 'localhost'}") and "/" not in origin[7:]

@@ -261,7 +261,7 @@ class HttpListener:
             response.headers["Set-Cookie"] = credential_cookie(presented.secret, lifetime)
             return response
         if label is not None and label != connection.app_label:
-            return self._misdirected(request, state, label)
+            return self._misdirected(request, state)
         if state.target.base_path and has_dot_segments(request.raw_path):
             state.live.recorder.error(f"refused a path with '..' segments: {scrub(request.raw_path)}")
             return json_error(400, "a path with '..' segments is refused: it could leave the target's base path")
@@ -270,16 +270,15 @@ class HttpListener:
                 return await self._websocket(request, state, presented.source, client_ip)
         return await self._forward(request, state, presented.source, client_ip)
 
-    def _misdirected(self, request: web.BaseRequest | FrontRequest, state: CredentialState,
-                     label: str) -> web.Response:
+    def _misdirected(self, request: web.BaseRequest | FrontRequest, state: CredentialState) -> web.Response:
         """A credential on another connection's app host: refused, never forwarded (403 and an ``e`` event)."""
         connection = state.grant.connection
         own = app_origin(connection.app_label, self.apps_domain, request.scheme, request.host)
         message = (f"{scrub(request.host)} is the address of another app than this credential's connection "
                    f'"{connection.name}" (its address is {own}/): each connection has its own address so that '
                    f"apps open in one browser never reach each other")
-        state.live.recorder.error(f"refused {request.method} {scrub(request.raw_path)}: sent to {scrub(request.host)}, "
-                                  f"the address of another connection than this one")
+        state.live.recorder.error(f"refused {request.method} {scrub(request.raw_path)}: sent to "
+                                  f"{scrub(request.host)}, the address of another connection than this one")
         return refusal(request, 403, message, own + "/")
 
     async def _switch_refused(self, request: web.BaseRequest | FrontRequest, secret: str, state: CredentialState,
@@ -296,7 +295,8 @@ class HttpListener:
         first, second = other.grant.connection, state.grant.connection
         if first.id == second.id:
             return None
-        until = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(other.expires)) if other.expires < 1e11 else "it ends"
+        until = (time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(other.expires)) if other.expires != float("inf")
+                 else "it ends")
         state.live.recorder.error(f'refused to open "{second.name}" in a browser that has "{first.name}" open '
                                   f"on the same address")
         return refusal(request, 409, f'connection "{first.name}" is open in this browser at this address until '
