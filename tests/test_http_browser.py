@@ -23,8 +23,9 @@ from tests.conftest import proxy_daemon
 from tests.test_http_proxy import HttpApi, start_target
 
 CHROMIUM = "/usr/bin/chromium"
+APPS_TEST = "apps.test"  # a wildcard domain of our own, as an operator would set up: apps under it are one site
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run",
-                 "--no-proxy-server"]
+                 "--no-proxy-server", f"--host-resolver-rules=MAP *.{APPS_TEST} 127.0.0.1"]
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +58,14 @@ def gateway(tmp_path_factory):
 def shared_gateway(tmp_path_factory):
     """A gateway with ``http.apps_domain`` empty: every app on the listener's one origin."""
     daemon = _gateway(tmp_path_factory, "httpshared", {"http.apps_domain": ""})
+    yield daemon
+    assert daemon.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def site_gateway(tmp_path_factory):
+    """A gateway whose apps live under a real-looking wildcard domain (``*.apps.test``): one site for them all."""
+    daemon = _gateway(tmp_path_factory, "httpsite", {"http.apps_domain": APPS_TEST})
     yield daemon
     assert daemon.stop() == 0
 
@@ -134,6 +143,47 @@ async def test_two_apps_in_two_tabs_each_reach_their_own(gateway, targets, brows
         fetched = await tab_b.evaluate("path => fetch(path).then(r => r.json())", f"/echo/fetched-{other}")
         assert fetched["path"] == f"/echo/fetched-{other}"
         assert await seen(targets["B"], other) == [f"/echo/fetched-{other}"] and await seen(targets["A"], other) == []
+    finally:
+        await context.close()
+
+
+async def test_a_page_of_one_app_cannot_send_to_another_on_the_same_site(site_gateway, targets, browser):
+    """Apps under one domain are one site, so a SameSite=Lax cookie would go along: the gateway refuses."""
+    async with admin_http(site_gateway) as http:
+        api = HttpApi(site_gateway, http, targets["A"])
+        first = await api.access(await api.role(targets["A"]))
+        second = await api.access(await api.role(targets["B"]))
+    assert first["origin"].split("//")[1].split(":")[0].endswith(f".{APPS_TEST}")
+    context = await browser.new_context()
+    try:
+        tab_a, response = await open_app(context, f"{first['url']}page")
+        assert response.status == 200 and tab_a.url == f"{first['origin']}/page"
+        tab_b, response = await open_app(context, f"{second['url']}page")
+        assert response.status == 200 and tab_b.url == f"{second['origin']}/page"
+
+        await tab_a.bring_to_front()
+        marker = uuid.uuid4().hex
+        # A's page posts a form to B's address and fires a request at it: B never sees either
+        await tab_a.evaluate("""async ([origin, marker]) => {
+            await fetch(origin + "/echo/fetched-" + marker, {method: "POST", mode: "no-cors", credentials: "include"});
+            const form = document.querySelector("form");
+            form.action = origin + "/echo/posted-" + marker;
+            form.querySelector("input").value = marker;
+        }""", [second["origin"], marker])
+        async with tab_a.expect_navigation():
+            await tab_a.click("button[type=submit]")
+        assert tab_a.url == f"{second['origin']}/echo/posted-{marker}"
+        assert await seen(targets["B"], marker) == [] and await seen(targets["A"], marker) == []
+        assert "Refused: a request from another app" in await tab_a.inner_text("body")
+
+        # A's own requests still reach A, B's tab still reaches B
+        await tab_a.go_back()
+        fetched, posted = await fetch_and_post(tab_a, marker)
+        assert fetched["path"] == f"/echo/fetched-{marker}" and posted["body"] == f"note={marker}"
+        assert await seen(targets["A"], marker) == [f"/echo/fetched-{marker}"]
+        assert await seen(targets["B"], marker) == []
+        fetched = await tab_b.evaluate("path => fetch(path).then(r => r.json())", f"/echo/fetched-{marker}")
+        assert await seen(targets["B"], marker) == [f"/echo/fetched-{marker}"]
     finally:
         await context.close()
 

@@ -247,7 +247,7 @@ def test_connection_app_labels_are_dns_labels_unique_per_connection():
 
 
 def test_refusal_pages_escape_what_they_show():
-    page = m.refusal_page(403, 'connection "<b>"', "http://a.localhost/?x=<y>")
+    page = m.refusal_page(403, 'connection "<b>"', "http://a.localhost/?x=<y>", "Wrong address for this app")
     assert "<title>Wrong address for this app</title>" in page
     assert "connection &quot;&lt;b&gt;&quot;" in page and 'href="http://a.localhost/?x=&lt;y&gt;"' in page
     assert m.wants_html("text/html,application/xhtml+xml;q=0.9") and not m.wants_html("application/json")
@@ -265,3 +265,18 @@ def test_app_hosts_never_raise_and_stay_under_the_domain(host, domain):
     assert label is None or (domain and label and m.split_host(host)[0].rstrip(".").endswith(f"{label}.{domain}"))
     origin = m.app_origin("a-1", domain or "localhost", "http", host)
     assert origin.startswith(f"http://a-1.{domain or 'localhost'}") and "/" not in origin[7:]
+
+
+@pytest.mark.parametrize(("method", "origin", "site", "mode", "refused"), [
+    ("POST", "http://b-2.apps.test:8080", None, None, True),  # a form of app B posted to app A
+    ("GET", "http://b-2.apps.test", "same-site", "cors", True),  # B's script fetching from A
+    ("GET", None, "same-site", "no-cors", True),  # B's <img> or <script> pointing at A
+    ("POST", None, "same-site", "navigate", True),
+    ("GET", None, "same-site", "navigate", False),  # a link in B followed: lands in A's own tab
+    ("POST", "http://a-1.apps.test:8080", "same-origin", "navigate", False),  # A's own form
+    ("GET", None, "same-origin", "cors", False), ("GET", None, None, None, False),  # curl, an old browser
+    ("POST", "null", None, None, False), ("POST", "http://gw.example.com", None, None, False),
+    ("POST", "http://a-1.apps.test", "cross-site", "navigate", False),  # Lax keeps the cookie home anyway
+])
+def test_requests_from_another_apps_pages(method, origin, site, mode, refused):
+    assert m.from_another_app("a-1", "apps.test", method, origin, site, mode) is refused

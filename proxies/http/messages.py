@@ -298,15 +298,35 @@ def app_origin(label: str, apps_domain: str, scheme: str, host: str) -> str:
     return f"{scheme}://{label}.{apps_domain}{split_host(host)[1]}"
 
 
+def from_another_app(label: str, apps_domain: str, method: str, origin: str | None, fetch_site: str | None,
+                     fetch_mode: str | None) -> bool:
+    """Whether a browser sent this request to app ``label`` from another app's page.
+
+    App hosts under one domain are one *site*, so ``SameSite=Lax`` lets a
+    page of one app send (forms, scripts, images) to another with that one's
+    cookie. Such a request names the other app in ``Origin`` (every POST and
+    cross-origin fetch), or says ``Sec-Fetch-Site: same-site`` (browsers send
+    it to https and localhost); only a plain link followed (a GET navigation)
+    passes, and it lands in the other app's own tab.
+    """
+    if origin and origin != "null":
+        sender = app_host_label(urlsplit(origin).netloc, apps_domain) if "://" in origin else None
+        if sender is not None and sender != label:
+            return True
+    if fetch_site is not None and fetch_site.strip().lower() == "same-site":
+        return not (fetch_mode == "navigate" and method in ("GET", "HEAD"))
+    return False
+
+
 def wants_html(accept: str | None) -> bool:
     """Whether the client is a browser loading a page (its ``Accept`` names ``text/html``)."""
     return accept is not None and "text/html" in accept.lower()
 
 
-def refusal_page(status: int, message: str, link: str | None = None) -> str:
+def refusal_page(status: int, message: str, link: str | None = None, title: str | None = None) -> str:
     """The gateway's own answer for a browser: a small HTML page saying why (``link``: where to go instead)."""
-    title = {401: "Access needed", 403: "Wrong address for this app", 409: "Another app is open here"}.get(
-        status, "Refused by the gateway")
+    title = html.escape(title or {401: "Access needed", 409: "Another app is open here"}.get(
+        status, "Refused by the gateway"))
     go = f'\n<p><a href="{html.escape(link)}">{html.escape(link)}</a></p>' if link else ""
     return (f'<!doctype html>\n<html><head><meta charset="utf-8"><title>{title}</title></head>\n'
             f"<body><h1>{title}</h1>\n<p>{html.escape(message)}</p>{go}\n"

@@ -36,6 +36,7 @@ from proxies.http.messages import (
     credential_cookie,
     downstream_response_headers,
     extract_credential,
+    from_another_app,
     guard_text,
     has_dot_segments,
     head_bytes,
@@ -98,11 +99,11 @@ def json_error(status: int, message: str, **headers: str) -> web.Response:
 
 
 def refusal(request: web.BaseRequest | FrontRequest, status: int, message: str,
-            link: str | None = None) -> web.Response:
+            link: str | None = None, title: str | None = None) -> web.Response:
     """The gateway's own refusal: a page saying why for a browser loading one, ``{"message"}`` otherwise."""
     if wants_html(request.headers.get("Accept")):
-        return web.Response(status=status, text=refusal_page(status, message, link), content_type="text/html",
-                            headers={"Cache-Control": "no-store"})
+        return web.Response(status=status, text=refusal_page(status, message, link, title),
+                            content_type="text/html", headers={"Cache-Control": "no-store"})
     return json_error(status, message)
 
 
@@ -260,8 +261,13 @@ class HttpListener:
             lifetime = int(min(state.expires - time.time(), 172800))
             response.headers["Set-Cookie"] = credential_cookie(presented.secret, lifetime)
             return response
-        if label is not None and label != connection.app_label:
-            return self._misdirected(request, state)
+        if label is not None:
+            if label != connection.app_label:
+                return self._misdirected(request, state)
+            if presented.source == CredentialSource.COOKIE and from_another_app(
+                    label, self.apps_domain, request.method, headers.get("Origin"), headers.get("Sec-Fetch-Site"),
+                    headers.get("Sec-Fetch-Mode")):
+                return self._from_another_app(request, state)
         if state.target.base_path and has_dot_segments(request.raw_path):
             state.live.recorder.error(f"refused a path with '..' segments: {scrub(request.raw_path)}")
             return json_error(400, "a path with '..' segments is refused: it could leave the target's base path")
@@ -279,7 +285,17 @@ class HttpListener:
                    f"apps open in one browser never reach each other")
         state.live.recorder.error(f"refused {request.method} {scrub(request.raw_path)}: sent to "
                                   f"{scrub(request.host)}, the address of another connection than this one")
-        return refusal(request, 403, message, own + "/")
+        return refusal(request, 403, message, own + "/", "Wrong address for this app")
+
+    def _from_another_app(self, request: web.BaseRequest | FrontRequest, state: CredentialState) -> web.Response:
+        """A request another app's page made with this app's cookie: refused, never forwarded (403, ``e`` event)."""
+        sender = scrub(request.headers.get("Origin") or "a page of another site")
+        state.live.recorder.error(f"refused {request.method} {scrub(request.raw_path)}: sent by {sender}, "
+                                  f"not by a page of this app")
+        return refusal(request, 403, f'this request to connection "{state.grant.connection.name}" came from '
+                                     f"{sender}, not from one of its own pages: one app's pages never reach "
+                                     f"another through the gateway (follow a link to open it instead)",
+                       title="Refused: a request from another app")
 
     async def _switch_refused(self, request: web.BaseRequest | FrontRequest, secret: str, state: CredentialState,
                               client_ip: str) -> web.Response | None:
