@@ -92,6 +92,7 @@ class CredentialState:
     fresh_until: float  # time.monotonic() until which the grant is not re-checked
     closed: str | None = None
     tasks: set[asyncio.Task[object]] = field(default_factory=set)
+    label: str = ""  # the connection's app host label (``Connection.app_label``, computed once)
 
 
 def json_error(status: int, message: str, **headers: str) -> web.Response:
@@ -209,7 +210,8 @@ class HttpListener:
         expires = parse_time(grant.credential.expire_at)
         state = CredentialState(
             grant, live, target, settings.get("INSECURE", "").strip().lower() in ("1", "true", "yes", "on"),
-            expires.timestamp() if expires else float("inf"), time.monotonic() + self.recheck)
+            expires.timestamp() if expires else float("inf"), time.monotonic() + self.recheck,
+            label=grant.connection.app_label)
         live.on_kill(lambda reason: self._killed(state, reason))
         self.states[key] = state
         return state
@@ -248,10 +250,9 @@ class HttpListener:
         except Refused as exc:
             return refusal(request, exc.status, str(exc))
         label = app_host_label(request.host, self.apps_domain)
-        connection = state.grant.connection
         if presented.source == CredentialSource.PATH:
-            if self.apps_domain and label != connection.app_label:  # each app on its own origin
-                origin = app_origin(connection.app_label, self.apps_domain, request.scheme, request.host)
+            if self.apps_domain and label != state.label:  # each app on its own origin
+                origin = app_origin(state.label, self.apps_domain, request.scheme, request.host)
                 return _redirect(f"{origin}/{presented.secret}{presented.rest_path}")
             if label is None:
                 switched = await self._switch_refused(request, presented.secret, state, client_ip)
@@ -262,7 +263,7 @@ class HttpListener:
             response.headers["Set-Cookie"] = credential_cookie(presented.secret, lifetime)
             return response
         if label is not None:
-            if label != connection.app_label:
+            if label != state.label:
                 return self._misdirected(request, state)
             if presented.source == CredentialSource.COOKIE and from_another_app(
                     label, self.apps_domain, request.method, headers.get("Origin"), headers.get("Sec-Fetch-Site"),
@@ -279,7 +280,7 @@ class HttpListener:
     def _misdirected(self, request: web.BaseRequest | FrontRequest, state: CredentialState) -> web.Response:
         """A credential on another connection's app host: refused, never forwarded (403 and an ``e`` event)."""
         connection = state.grant.connection
-        own = app_origin(connection.app_label, self.apps_domain, request.scheme, request.host)
+        own = app_origin(state.label, self.apps_domain, request.scheme, request.host)
         message = (f"{scrub(request.host)} is the address of another app than this credential's connection "
                    f'"{connection.name}" (its address is {own}/): each connection has its own address so that '
                    f"apps open in one browser never reach each other")
