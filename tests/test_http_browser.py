@@ -212,3 +212,20 @@ async def test_on_one_shared_origin_a_second_app_is_refused_with_a_page(shared_g
         assert await seen(targets["B"], marker) == []
     finally:
         await context.close()
+
+
+async def test_on_one_shared_origin_a_cookie_whose_access_ended_is_simply_replaced(shared_gateway, targets):
+    async with admin_http(shared_gateway) as http:
+        api = HttpApi(shared_gateway, http, targets["A"])
+        first = await api.access(await api.role(targets["A"]), seconds=2)
+        second = await api.access(await api.role(targets["B"]))
+        held = {"Cookie": f"gatewayd_proxy_token={first['proxy_token']}"}
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as client:
+            opening = f"{second['url']}page"
+            async with client.get(opening, headers=held, allow_redirects=False) as response:
+                assert response.status == 409 and "Set-Cookie" not in response.headers
+                assert "is open in this browser" in (await response.json())["message"]
+            await api.session(first["session_id"], lambda s: s["status"] == "done", timeout=15)
+            async with client.get(opening, headers=held, allow_redirects=False) as response:
+                assert response.status == 302 and response.headers["Location"] == "/page"
+                assert second["proxy_token"] in response.headers["Set-Cookie"]
