@@ -144,6 +144,9 @@ SETTINGS: dict[str, Setting] = {
     "integrations.aws.assume_role_name": Setting("str", "OrganizationAccountAccessRole"),
     "integrations.aws.endpoint_url": Setting("str", ""),
     "integrations.aws.timeout": Setting("duration", "20s"),
+    "ai.timeout": Setting("duration", "15s", _positive),
+    "ai.on_failure": Setting("str", "closed", _choice("closed", "open")),
+    "ai.max_input_chars": Setting("int", 32768, _positive),
 }
 
 

@@ -22,6 +22,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from gatewayd import __version__
 from gatewayd.access import AccessService
+from gatewayd.analysis import AnalysisService
 from gatewayd.audit import AuditLog
 from gatewayd.config import PROTOCOLS, Config, ConfigError, split_listen
 from gatewayd.frames import FrameStore
@@ -176,6 +177,7 @@ class Gateway:
         self.reviews: ReviewService = None  # type: ignore[assignment]
         self.discovery: AwsDiscovery = None  # type: ignore[assignment]
         self.frames: FrameStore = None  # type: ignore[assignment]
+        self.analysis: AnalysisService = None  # type: ignore[assignment]
         self.listeners = Listeners(self, listener_factories or {})
         self.server_config: dict[str, Any] = {}
         self.started_at = time.time()
@@ -200,6 +202,7 @@ class Gateway:
             assume_role_name=self.config["integrations.aws.assume_role_name"],
             endpoint_url=self.config["integrations.aws.endpoint_url"], timeout=self.config["integrations.aws.timeout"]))
         self.frames = FrameStore(self.config.data_dir / "rdp-frames", self.config["rdp.frames_cap_bytes"])
+        self.analysis = AnalysisService(self.store, self.audit, self.config)
         await self.identity.start()
 
     async def start(self) -> None:
@@ -272,6 +275,8 @@ class Gateway:
             await self._runner.cleanup()
         if self.identity is not None:
             await self.identity.stop()
+        if self.analysis is not None:
+            await self.analysis.close()
         if self.store is not None:
             await self.store.close()
         log.info("gatewayd stopped")
@@ -279,5 +284,7 @@ class Gateway:
     async def close_core(self) -> None:
         if self.identity is not None:
             await self.identity.stop()
+        if self.analysis is not None:
+            await self.analysis.close()
         if self.store is not None:
             await self.store.close()

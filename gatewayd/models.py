@@ -297,3 +297,33 @@ class AccessRequestRule:
     access_max_duration: int | None = None  # seconds
     created_at: str = ""
     updated_at: str = ""
+
+
+@dataclass(slots=True)
+class AIProvider:
+    """The organization's model for session analysis; ``api_key`` is clear here and sealed in the store."""
+
+    id: str
+    org_id: str
+    provider: str  # openai | anthropic | azure-openai | custom
+    model: str
+    api_url: str = ""
+    api_key: str = ""
+    created_at: str = ""
+    updated_at: str = ""
+
+
+@dataclass(slots=True)
+class AIAnalyzerRule:
+    """Which connections are analysed and what each risk level does (``allow_execution``/``block_execution``)."""
+
+    id: str
+    org_id: str
+    name: str
+    description: str = ""
+    connection_names: list[str] = field(default_factory=list)
+    risk_evaluation: dict[str, str] = field(default_factory=dict)  # low_risk_action, medium_..., high_...
+    on_failure: str | None = None  # closed | open; None: the configured default
+    timeout: float | None = None  # seconds; None: the configured default
+    created_at: str = ""
+    updated_at: str = ""
