@@ -12,6 +12,8 @@ from typing import Any, Iterable
 from gatewayd.evidence import BatchLink, EventBatch
 from gatewayd.models import (
     AccessRequestRule,
+    AIAnalyzerRule,
+    AIProvider,
     AuditEntry,
     Connection,
     Credential,
@@ -242,6 +244,33 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def delete_access_rule(self, org_id: str, name: str) -> None: ...
+
+    # AI session analysis
+    @abc.abstractmethod
+    async def get_ai_provider(self, org_id: str) -> AIProvider | None:
+        """The organization's provider with its API key in clear (sealed at rest), or None."""
+
+    @abc.abstractmethod
+    async def save_ai_provider(self, provider: AIProvider) -> None:
+        """Insert or replace the organization's one provider."""
+
+    @abc.abstractmethod
+    async def delete_ai_provider(self, org_id: str) -> bool:
+        """True if there was one."""
+
+    @abc.abstractmethod
+    async def save_ai_rule(self, rule: AIAnalyzerRule, *, create: bool) -> None: ...
+
+    @abc.abstractmethod
+    async def get_ai_rule(self, org_id: str, name: str) -> AIAnalyzerRule | None:
+        """By name or id."""
+
+    @abc.abstractmethod
+    async def list_ai_rules(self, org_id: str) -> list[AIAnalyzerRule]:
+        """By name."""
+
+    @abc.abstractmethod
+    async def delete_ai_rule(self, org_id: str, name: str) -> None: ...
 
     # audit log
     @abc.abstractmethod

@@ -246,4 +246,29 @@ ALTER TABLE audit_logs ADD COLUMN prev_hash TEXT NOT NULL DEFAULT '';
 ALTER TABLE audit_logs ADD COLUMN hash TEXT NOT NULL DEFAULT '';
 CREATE INDEX audit_by_org ON audit_logs (org_id)
 """),
+    (5, """
+CREATE TABLE ai_providers (
+    id TEXT PRIMARY KEY,
+    org_id TEXT NOT NULL UNIQUE,
+    provider TEXT NOT NULL,
+    model TEXT NOT NULL,
+    api_url TEXT NOT NULL DEFAULT '',
+    api_key BLOB,
+    created_at TEXT NOT NULL,
+    updated_at TEXT NOT NULL
+);
+CREATE TABLE ai_analyzer_rules (
+    id TEXT PRIMARY KEY,
+    org_id TEXT NOT NULL,
+    name TEXT NOT NULL,
+    description TEXT NOT NULL DEFAULT '',
+    connection_names TEXT NOT NULL DEFAULT '[]',
+    risk_evaluation TEXT NOT NULL DEFAULT '{}',
+    on_failure TEXT,
+    timeout REAL,
+    created_at TEXT NOT NULL,
+    updated_at TEXT NOT NULL,
+    UNIQUE (org_id, name)
+)
+"""),
 ]

@@ -18,6 +18,8 @@ from gatewayd.evidence import BatchLink, EventBatch, audit_hash
 from gatewayd.models import (
     CHAIN_GENESIS,
     AccessRequestRule,
+    AIAnalyzerRule,
+    AIProvider,
     AuditEntry,
     Connection,
     Credential,
@@ -40,7 +42,7 @@ from gatewayd.store.migrations import MIGRATIONS
 _JSON_FIELDS = {
     "env_vars", "command", "tags", "settings", "attributes", "input", "output", "metadata",
     "metrics", "labels", "integrations_metadata", "ai_analysis", "request_payload_redacted",
-    "force_approval_groups", "time_window", "connection_names", "reviewers_groups",
+    "force_approval_groups", "time_window", "connection_names", "reviewers_groups", "risk_evaluation",
 }
 DEFAULT_ORG_NAME = "default"
 # Session events go in as multi-row INSERTs: one sqlite3_step, so one GIL hand-over between the
@@ -602,6 +604,52 @@ class SQLiteStore(Store):
 
     async def delete_access_rule(self, org_id: str, name: str) -> None:
         await self._write([("DELETE FROM access_request_rules WHERE org_id = ? AND (name = ? OR id = ?)",
+                            (org_id, name, name))])
+
+    # ---------------------------------------------------------------- AI session analysis
+    @staticmethod
+    def _provider_context(org_id: str) -> bytes:
+        return f"ai-provider:{org_id}".encode()
+
+    async def get_ai_provider(self, org_id: str) -> AIProvider | None:
+        row = await self._one("SELECT * FROM ai_providers WHERE org_id = ?", (org_id,))
+        if row is None:
+            return None
+        key = self.box.open(row["api_key"], self._provider_context(org_id)).decode() if row["api_key"] else ""
+        return self._build(AIProvider, row, api_key=key)
+
+    async def save_ai_provider(self, provider: AIProvider) -> None:
+        sealed = self.box.seal(provider.api_key.encode(), self._provider_context(provider.org_id))
+        await self._write([(
+            "INSERT INTO ai_providers (id, org_id, provider, model, api_url, api_key, created_at, updated_at) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (org_id) DO UPDATE SET provider = excluded.provider, "
+            "model = excluded.model, api_url = excluded.api_url, api_key = excluded.api_key, "
+            "updated_at = excluded.updated_at",
+            (provider.id, provider.org_id, provider.provider, provider.model, provider.api_url, sealed,
+             provider.created_at, provider.updated_at))])
+
+    async def delete_ai_provider(self, org_id: str) -> bool:
+        if not await self._one("SELECT 1 FROM ai_providers WHERE org_id = ?", (org_id,)):
+            return False
+        await self._write([("DELETE FROM ai_providers WHERE org_id = ?", (org_id,))])
+        return True
+
+    async def save_ai_rule(self, rule: AIAnalyzerRule, *, create: bool) -> None:
+        statement = self._insert("ai_analyzer_rules", rule) if create else \
+            self._update("ai_analyzer_rules", rule, skip=("created_at",))
+        await self._write([statement])
+
+    async def get_ai_rule(self, org_id: str, name: str) -> AIAnalyzerRule | None:
+        row = await self._one("SELECT * FROM ai_analyzer_rules WHERE org_id = ? AND (name = ? OR id = ?)",
+                              (org_id, name, name))
+        return self._build(AIAnalyzerRule, row) if row else None
+
+    async def list_ai_rules(self, org_id: str) -> list[AIAnalyzerRule]:
+        rows = await self._all("SELECT * FROM ai_analyzer_rules WHERE org_id = ? ORDER BY name", (org_id,))
+        return [self._build(AIAnalyzerRule, r) for r in rows]
+
+    async def delete_ai_rule(self, org_id: str, name: str) -> None:
+        await self._write([("DELETE FROM ai_analyzer_rules WHERE org_id = ? AND (name = ? OR id = ?)",
                             (org_id, name, name))])
 
     # ---------------------------------------------------------------- audit log
