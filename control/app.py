@@ -8,6 +8,7 @@ from typing import Any
 from aiohttp import web
 
 from control import (
+    ai,
     audit_logs,
     auth,
     connections,
@@ -41,8 +42,8 @@ from gatewayd.logs import REQUEST_ID, request_id_from
 
 log = logging.getLogger("gatewayd.api")
 
-AREAS = (health, auth, users, serverconfig, resources, connections, guardrails, sessions, rdp_frames, reviews, audit_logs,
-         integrations, openapi)
+AREAS = (health, auth, users, serverconfig, resources, connections, guardrails, sessions, rdp_frames, reviews, ai,
+         audit_logs, integrations, openapi)
 MUTATING = {"POST", "PUT", "PATCH", "DELETE"}
 ROUTE_DOC = web.AppKey("route_doc_by_handler", dict)
 REQUEST_ID_KEY = web.RequestKey("request_id", str)
