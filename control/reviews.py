@@ -189,7 +189,11 @@ async def _run(request: web.Request, live: LiveSession, script: str, review: Rev
 
     async def job() -> ScriptResult:
         try:
-            result = await runner(gateway, live, script)
+            verdict = await gateway.analysis.check_script(live, script)
+            if verdict is not None and verdict.blocked:
+                result = ScriptResult(verdict.message() + "\n", BLOCKED_EXIT_CODE)
+            else:
+                result = await runner(gateway, live, script)
         except Exception:
             log.exception("script runner failed", extra={"session_id": live.id})
             result = ScriptResult("the gateway could not run the script\n", BLOCKED_EXIT_CODE)
@@ -206,10 +210,12 @@ async def _run(request: web.Request, live: LiveSession, script: str, review: Rev
         return ok({"session_id": live.id, "has_review": review is not None, "output": "",
                    "output_status": "running", "exit_code": None,
                    "execution_time": int((time.monotonic() - started) * 1000), "truncated": False}, status=202)
-    return ok({"session_id": live.id, "has_review": review is not None, "output": result.output,
-               "output_status": result.output_status, "exit_code": result.exit_code,
-               "execution_time": int((time.monotonic() - started) * 1000),
-               "truncated": live.recorder.truncated})
+    answer = {"session_id": live.id, "has_review": review is not None, "output": result.output,
+              "output_status": result.output_status, "exit_code": result.exit_code,
+              "execution_time": int((time.monotonic() - started) * 1000), "truncated": live.recorder.truncated}
+    if live.session.ai_analysis:
+        answer["ai_analysis"] = live.session.ai_analysis
+    return ok(answer)
 
 
 @routes.post("/sessions", "Run a script on a connection (one-time execution); 202 when it needs a review",
