@@ -198,6 +198,7 @@ async def create_rule(request: web.Request) -> web.Response:
         await gateway_of(request).store.save_ai_rule(rule, create=True)
     except Conflict:
         raise ApiError(409, f"AI session analyzer rule {rule.name!r} already exists") from None
+    gateway_of(request).analysis.invalidate()
     return ok(rule_json(rule), status=201)
 
 
@@ -215,6 +216,7 @@ async def update_rule(request: web.Request) -> web.Response:
         await gateway_of(request).store.save_ai_rule(rule, create=False)
     except Conflict:
         raise ApiError(409, f"AI session analyzer rule {rule.name!r} already exists") from None
+    gateway_of(request).analysis.invalidate()
     return ok(rule_json(rule))
 
 
@@ -223,6 +225,7 @@ async def delete_rule(request: web.Request) -> web.Response:
     admin = require_admin(request)
     rule = await _find_rule(request)
     await gateway_of(request).store.delete_ai_rule(admin.org_id, rule.id)
+    gateway_of(request).analysis.invalidate()
     return web.Response(status=204)
 
 

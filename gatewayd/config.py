@@ -146,6 +146,8 @@ SETTINGS: dict[str, Setting] = {
     "integrations.aws.timeout": Setting("duration", "20s"),
     "ai.timeout": Setting("duration", "15s", _positive),
     "ai.on_failure": Setting("str", "closed", _choice("closed", "open")),
+    "ai.native_on_failure": Setting("str", "open", _choice("closed", "open")),
+    "ai.max_pending": Setting("int", 64, _positive),
     "ai.max_input_chars": Setting("int", 32768, _positive),
 }
 

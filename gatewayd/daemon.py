@@ -203,6 +203,7 @@ class Gateway:
             endpoint_url=self.config["integrations.aws.endpoint_url"], timeout=self.config["integrations.aws.timeout"]))
         self.frames = FrameStore(self.config.data_dir / "rdp-frames", self.config["rdp.frames_cap_bytes"])
         self.analysis = AnalysisService(self.store, self.audit, self.config)
+        self.guardrails.observers = self.analysis.observer_for
         await self.identity.start()
 
     async def start(self) -> None:

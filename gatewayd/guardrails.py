@@ -13,13 +13,20 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import re2
 from pglast import parser as pg_scanner
 
 from gatewayd.models import GuardRail
 from gatewayd.store import Store
+
+if TYPE_CHECKING:
+    from gatewayd.sessions import LiveSession
+
+InputObserver = Callable[[str], None]
+"""Sees each input text (statement, command, shell line) a session's guard rails let through; never awaits."""
+ObserverFactory = Callable[["LiveSession"], Awaitable[InputObserver | None]]
 
 RULE_TYPES = ("deny_words_list", "pattern_match")
 AUDIT_INPUT_CHARS = 2000  # a blocked input is kept this long in its verdict (and so in the audit entry)
@@ -384,6 +391,48 @@ class RuleSet:
         return ALLOWED
 
 
+_OBSERVED = (None,)  # a non-empty ``input_rules``: proxies check (and so show) every input of an observed session
+
+
+class ObservedRules:
+    """A connection's RuleSet as one session sees it: what the input rules let through is also observed.
+
+    Proxies hold it where they hold a RuleSet; ``input_rules`` is never empty, so
+    that every statement, command and shell line reaches ``check_input``.
+    """
+
+    __slots__ = ("rules", "observe")
+
+    def __init__(self, rules: RuleSet, observe: InputObserver) -> None:
+        self.rules = rules
+        self.observe = observe
+
+    @property
+    def input_rules(self) -> Any:
+        return self.rules.input_rules or _OBSERVED
+
+    @property
+    def output_rules(self) -> list[_CompiledRule]:
+        return self.rules.output_rules
+
+    @property
+    def empty(self) -> bool:
+        return False
+
+    @property
+    def has_output_rules(self) -> bool:
+        return self.rules.has_output_rules
+
+    def check_input(self, text: str, sql: bool = False) -> GuardVerdict:
+        verdict = self.rules.check_input(text, sql)
+        if verdict.allowed:
+            self.observe(text)
+        return verdict
+
+    def check_output(self, text: str) -> GuardVerdict:
+        return self.rules.check_output(text)
+
+
 class GuardRailService:
     """Compiled rule sets per connection, rebuilt only when a guard rail changes."""
 
@@ -391,6 +440,7 @@ class GuardRailService:
         self.store = store
         self._cache: dict[str, RuleSet] = {}
         self._generation = 0  # bumped by invalidate: a load begun before it is not cached
+        self.observers: ObserverFactory | None = None  # set by the daemon: AI session analysis of native input
 
     def invalidate(self) -> None:
         """Called by the API after any guard rail create, update or delete."""
@@ -401,11 +451,17 @@ class GuardRailService:
         """The connection's rules when they are compiled already: a per-request path skips the await."""
         return self._cache.get(connection_id)
 
-    async def rules_for(self, org_id: str, connection_id: str) -> RuleSet:
+    async def rules_for(self, org_id: str, connection_id: str,
+                        live: "LiveSession | None" = None) -> RuleSet | ObservedRules:
+        """The connection's rules; for a native ``live`` session whose input is observed, an ObservedRules."""
         rules = self._cache.get(connection_id)
         if rules is None:
             generation = self._generation
             rules = RuleSet(await self.store.list_guardrails(org_id, connection_id))
             if generation == self._generation:  # else a guard rail changed during the load: may be stale
                 self._cache[connection_id] = rules
+        if live is not None and self.observers is not None:
+            observe = await self.observers(live)
+            if observe is not None:
+                return ObservedRules(rules, observe)
         return rules

@@ -47,6 +47,8 @@ class LiveSession:
         self._expiry: asyncio.TimerHandle | None = None
         self.done = asyncio.Event()
         self.end_reason: str | None = None
+        # awaited by close before the recording closes (each hook bounds its own wait: AI analysis still running)
+        self.before_close: list[Callable[[], Awaitable[None]]] = []
 
     @property
     def id(self) -> str:
@@ -85,6 +87,11 @@ class LiveSession:
         self.done.set()
         if self._expiry is not None:
             self._expiry.cancel()
+        for hook in self.before_close:
+            try:
+                await hook()
+            except Exception:
+                log.exception("a close hook failed", extra={"session_id": self.id})
         if error:
             self.recorder.error(error)
         self.manager.live.pop(self.id, None)

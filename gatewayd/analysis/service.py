@@ -8,19 +8,29 @@ see), the rule maps the risk to an action, and the verdict becomes the
 session's ``ai_analysis``.  A block is an ``e`` event and an audit entry; an
 analyzer failure always is, and then the rule's failure policy decides:
 ``closed`` blocks, ``open`` lets the built-in rules' rating stand in.
+
+Native sessions (PostgreSQL statements, SSH exec commands and shell lines) are
+analysed after the fact, in the background (``SessionAnalysis``): the proxy
+hands each input its guard rails let through to ``observer_for``'s callback
+(through ``GuardRailService.rules_for``), without waiting; a verdict that is
+not low lands in the recording as an ``e`` event, the riskiest one is the
+session's ``ai_analysis``, and a blocking verdict kills the live session so
+that nothing after it runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from typing import TYPE_CHECKING
+from collections import deque
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
 from gatewayd.analysis.offline import language_of, rate
 from gatewayd.analysis.providers import AnalyzerError, classify, describe_input
-from gatewayd.analysis.verdict import BLOCK, Rating, Verdict, higher, verdict_for
+from gatewayd.analysis.verdict import BLOCK, LOW, Rating, Verdict, higher, severity, verdict_for
 from gatewayd.audit import AuditLog
 from gatewayd.config import Config
 from gatewayd.models import AIAnalyzerRule, Connection
@@ -34,6 +44,8 @@ log = logging.getLogger("gatewayd.analysis")
 CLOSED, OPEN = "closed", "open"
 FAILURE_POLICIES = (CLOSED, OPEN)
 OFFLINE_INLINE_CHARS = 16 * 1024  # longer texts are parsed in a thread, off the event loop
+NATIVE_SUBTYPES = ("postgres", "ssh")  # whose native input is statements or commands
+SEEN_CAP = 1024  # a session's inputs already analysed (the same statement again is not asked twice)
 
 
 def rule_for(rules: list[AIAnalyzerRule], connection: Connection) -> AIAnalyzerRule | None:
@@ -52,8 +64,26 @@ class AnalysisService:
         self.audit = audit
         self.config = config
         self._http: aiohttp.ClientSession | None = None
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self._rules: dict[str, list[AIAnalyzerRule]] = {}  # per organization, until a rule changes
+        self._generation = 0
+
+    def invalidate(self) -> None:
+        """Called by the API after any rule create, update or delete."""
+        self._generation += 1
+        self._rules.clear()
+
+    def spawn(self, coroutine: Any) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coroutine)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
 
     async def close(self) -> None:
+        for task in list(self.tasks):
+            task.cancel()
+        if self.tasks:
+            await asyncio.wait(set(self.tasks), timeout=5)
         if self._http is not None:
             await self._http.close()
             self._http = None
@@ -64,20 +94,27 @@ class AnalysisService:
         return self._http
 
     async def rule_for(self, connection: Connection) -> AIAnalyzerRule | None:
-        return rule_for(await self.store.list_ai_rules(connection.org_id), connection)
+        rules = self._rules.get(connection.org_id)
+        if rules is None:
+            generation = self._generation
+            rules = await self.store.list_ai_rules(connection.org_id)
+            if generation == self._generation:  # else a rule changed during the load: may be stale
+                self._rules[connection.org_id] = rules
+        return rule_for(rules, connection)
 
     def timeout_of(self, rule: AIAnalyzerRule) -> float:
         return rule.timeout if rule.timeout else self.config["ai.timeout"]
 
-    def failure_policy_of(self, rule: AIAnalyzerRule) -> str:
-        return rule.on_failure or self.config["ai.on_failure"]
+    def failure_policy_of(self, rule: AIAnalyzerRule, native: bool = False) -> str:
+        return rule.on_failure or self.config["ai.native_on_failure" if native else "ai.on_failure"]
 
     async def rate_offline(self, text: str, subtype: str) -> Rating:
         if len(text) > OFFLINE_INLINE_CHARS:
             return await asyncio.to_thread(rate, text, language_of(subtype))
         return rate(text, language_of(subtype))
 
-    async def evaluate(self, rule: AIAnalyzerRule, connection: Connection, text: str) -> tuple[Verdict, str]:
+    async def evaluate(self, rule: AIAnalyzerRule, connection: Connection, text: str,
+                       native: bool = False) -> tuple[Verdict, str]:
         """The verdict on ``text`` and, when the provider failed, why (else an empty string)."""
         offline = await self.rate_offline(text, connection.subtype)
         provider = await self.store.get_ai_provider(connection.org_id)
@@ -88,9 +125,9 @@ class AnalysisService:
             rating = await classify(self._client(), provider, message, self.timeout_of(rule))
         except AnalyzerError as exc:
             error = str(exc)
-            if self.failure_policy_of(rule) == CLOSED:
+            if self.failure_policy_of(rule, native) == CLOSED:
                 return Verdict(BLOCK, offline.risk_level, "Analyzer unavailable",
-                               f"The AI provider failed and rule {rule.name} fails closed, so nothing ran. "
+                               f"The AI provider failed and rule {rule.name} fails closed, so it is blocked. "
                                f"The built-in rules rate it {offline.risk_level}.",
                                f"{provider.provider}:{provider.model}", rule.name), error
             return verdict_for(offline, rule.risk_evaluation, rule.name), error
@@ -110,12 +147,27 @@ class AnalysisService:
         live.session.ai_analysis = verdict.as_json()
         await self.store.update_session(live.id, ai_analysis=live.session.ai_analysis)
         if verdict.blocked:
-            await self._blocked(live, verdict)
+            live.recorder.error(verdict.message())
+            await self._audit_block(live, verdict)
         return verdict
 
-    async def _failed(self, live: "LiveSession", rule: AIAnalyzerRule, error: str) -> None:
-        policy = self.failure_policy_of(rule)
-        then = "the script was not run" if policy == CLOSED else "the built-in rules' rating stands in"
+    async def observer_for(self, live: "LiveSession") -> "SessionAnalysis | None":
+        """The background analysis of a native session's input, when a rule names its connection."""
+        if live.connection.subtype not in NATIVE_SUBTYPES or live.session.verb != "connect":
+            return None
+        rule = await self.rule_for(live.connection)
+        if rule is None:
+            return None
+        analysis = SessionAnalysis(self, live, rule)
+        live.before_close.append(analysis.finish)
+        return analysis
+
+    async def _failed(self, live: "LiveSession", rule: AIAnalyzerRule, error: str, native: bool = False) -> None:
+        policy = self.failure_policy_of(rule, native)
+        if native:
+            then = "the session is ended" if policy == CLOSED else "the built-in rules' rating stands in"
+        else:
+            then = "the script was not run" if policy == CLOSED else "the built-in rules' rating stands in"
         live.recorder.error(f"AI session analysis failed: {error}; rule {rule.name!r} fails {policy}: {then}")
         log.warning("AI session analysis failed", extra=live.log_fields(rule=rule.name, reason=error,
                                                                           policy=policy))
@@ -125,11 +177,85 @@ class AnalysisService:
             payload={"session_id": live.id, "connection": live.connection.name, "rule": rule.name,
                      "on_failure": policy})
 
-    async def _blocked(self, live: "LiveSession", verdict: Verdict) -> None:
+    async def _audit_block(self, live: "LiveSession", verdict: Verdict) -> None:
         message = verdict.message()
-        live.recorder.error(message)
         await self.audit.record(
             org_id=live.session.org_id, actor=live.user, action="ai.block", resource_type="sessions",
             outcome="failure", error_message=message, client_ip=live.client_ip,
             payload={"session_id": live.id, "connection": live.connection.name, "rule": verdict.rule,
                      "risk_level": verdict.risk_level, "title": verdict.title, "analyzer": verdict.analyzer})
+
+
+class SessionAnalysis:
+    """One native session's input, analysed in order in the background; called on the proxy's path, never waits.
+
+    At most ``ai.max_pending`` inputs wait; past that an input is rated by the
+    built-in rules alone, at once.  A close that is not a kill waits (up to the
+    rule's timeout) for what is still being analysed, so that its verdict lands
+    in the recording before the seal.
+    """
+
+    def __init__(self, service: AnalysisService, live: "LiveSession", rule: AIAnalyzerRule) -> None:
+        self.service = service
+        self.live = live
+        self.rule = rule
+        self.queue: deque[str] = deque()
+        self.seen: set[str] = set()
+        self.task: asyncio.Task[Any] | None = None
+        self.last_error = ""
+        self.worst: tuple[bool, int] | None = None  # (blocked, severity) of the session's ai_analysis
+        self.max_pending: int = service.config["ai.max_pending"]
+
+    def __call__(self, text: str) -> None:
+        text = text.strip()
+        if not text or text in self.seen or self.live.done.is_set():
+            return
+        if len(self.seen) >= SEEN_CAP:
+            self.seen.clear()
+        self.seen.add(text)
+        if len(self.queue) >= self.max_pending:
+            rating = rate(text, language_of(self.live.connection.subtype))
+            self.service.spawn(self._apply(verdict_for(rating, self.rule.risk_evaluation, self.rule.name)))
+            return
+        self.queue.append(text)
+        if self.task is None or self.task.done():
+            self.task = self.service.spawn(self._run())
+
+    async def _run(self) -> None:
+        while self.queue:
+            text = self.queue.popleft()
+            try:
+                verdict, error = await self.service.evaluate(self.rule, self.live.connection, text, native=True)
+                if error and error != self.last_error:  # an outage is told once, not once per statement
+                    await self.service._failed(self.live, self.rule, error, native=True)
+                self.last_error = error
+                await self._apply(verdict)
+            except Exception:
+                log.exception("AI session analysis of a statement failed", extra=self.live.log_fields())
+            if self.live.end_reason is not None:
+                self.queue.clear()
+
+    async def _apply(self, verdict: Verdict) -> None:
+        live = self.live
+        rank = (verdict.blocked, severity(verdict.risk_level))
+        if self.worst is None or rank > self.worst:
+            self.worst = rank
+            live.session.ai_analysis = verdict.as_json()
+            await self.service.store.update_session(live.id, ai_analysis=live.session.ai_analysis)
+        if verdict.risk_level != LOW or verdict.blocked:
+            live.recorder.error(f"AI session analysis (rule {verdict.rule!r}): {verdict.risk_level} risk, "
+                                f"{verdict.title}: {verdict.explanation}")
+        if not verdict.blocked:
+            return
+        await self.service._audit_block(live, verdict)
+        if live.end_reason is None and not live.done.is_set():  # ended already: nothing left to stop
+            await live.kill(f"the session was ended by AI session analysis (rule {verdict.rule!r}): "
+                            f"{verdict.risk_level} risk, {verdict.title}")
+
+    async def finish(self) -> None:
+        """Wait for the analysis in flight when the session ends on its own (a kill does not wait)."""
+        task = self.task
+        if task is None or task.done() or task is asyncio.current_task() or self.live.end_reason is not None:
+            return
+        with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(task), self.service.timeout_of(self.rule) + 1)

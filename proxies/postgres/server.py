@@ -278,7 +278,7 @@ class ClientConnection:
                                                            link.secret_key))
         try:
             live.on_kill(self._kill)
-            rules = await self.gateway.guardrails.rules_for(connection.org_id, connection.id)
+            rules = await self.gateway.guardrails.rules_for(connection.org_id, connection.id, live=live)
             self.stream.write(b"".join([encode_authentication_ok(), *link.startup_frames,
                                         encode_backend_key_data(*key), encode_ready_for_query(link.status)]))
             exit_code, error = await self._relay(link, live, rules)

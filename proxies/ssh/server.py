@@ -241,7 +241,7 @@ class GatewayConnection(asyncssh.SSHServer):
             self.target.close()
             return
         self.live.on_kill(self._kill)
-        self.rules = await self.gateway.guardrails.rules_for(connection.org_id, connection.id)
+        self.rules = await self.gateway.guardrails.rules_for(connection.org_id, connection.id, live=self.live)
         if self.gone:  # the client left while the target login ran (connection_lost left this to us)
             await self._finish()
 
