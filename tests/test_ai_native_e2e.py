@@ -193,3 +193,27 @@ async def test_a_risky_ssh_command_is_ended_before_it_deletes_anything(api, gate
         assert await audit_of(api, "ai.block", session_id)
     finally:
         subprocess.run(["rm", "-rf", victim], check=False)
+
+
+async def test_a_risky_shell_line_ends_an_interactive_ssh_session(api, gateway, sshd):
+    await api("DELETE", "/ai/session-analyzer/providers")
+    victim = f"/tmp/ai-victim-{uuid.uuid4().hex[:8]}"
+    os.makedirs(victim, mode=0o777)
+    os.chmod(victim, 0o777)
+    with open(f"{victim}/keep.txt", "w") as handle:
+        handle.write("keep me\n")
+    try:
+        conn = await api.role()
+        rule = await analysed(api, conn)
+        secret, session_id = await api.credential(conn)
+        result = await asyncio.to_thread(
+            subprocess.run, ["ssh", *CLIENT_OPTIONS, "-tt", "-p", str(gateway.ssh_port), f"{secret}@127.0.0.1"],
+            input=f"echo shell-ok\nsleep 60; rm -rf {victim}\nexit\n", capture_output=True, text=True, timeout=120,
+            check=False)
+        assert result.returncode == 254, (result.stdout, result.stderr)
+        assert os.path.exists(f"{victim}/keep.txt")
+        session = await api.done_session(session_id, 30)
+        assert session["ai_analysis"]["action"] == "block_execution"
+        assert any(f"(rule '{rule}'): high risk, Recursive forced delete" in e for e in of_kind(session, "e"))
+    finally:
+        subprocess.run(["rm", "-rf", victim], check=False)
