@@ -1,4 +1,4 @@
-"""AI session analysis in process: the offline analyzer, the provider clients against the fake LLM server, the service."""
+"""AI session analysis in process: the offline analyzer, the provider clients against the fake LLM, the service."""
 
 from __future__ import annotations
 

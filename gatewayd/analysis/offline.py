@@ -109,8 +109,8 @@ def _node_finding(node: Any) -> Rating | None:
         what = kind.removeprefix("OBJECT_").lower().replace("_", " ")
         level = HIGH if kind in _HIGH_DROPS else MEDIUM
         article = "an" if what[:1] in ("a", "e", "i", "o", "u") else "a"
-        return _finding(level, f"Drops {article} {what}", f"DROP {what.upper()} removes the object and everything in it; "
-                                                  "it cannot be undone without a backup.")
+        return _finding(level, f"Drops {article} {what}", f"DROP {what.upper()} removes the object and everything "
+                                                          "in it; it cannot be undone without a backup.")
     if isinstance(node, ast.DropdbStmt):
         return _finding(HIGH, "Drops a database", f"DROP DATABASE {node.dbname} removes the whole database.")
     if isinstance(node, ast.DropRoleStmt):

@@ -143,12 +143,12 @@ class AnalysisService:
             return None
         verdict, error = await self.evaluate(rule, live.connection, script)
         if error:
-            await self._failed(live, rule, error)
+            await self.record_failure(live, rule, error)
         live.session.ai_analysis = verdict.as_json()
         await self.store.update_session(live.id, ai_analysis=live.session.ai_analysis)
         if verdict.blocked:
             live.recorder.error(verdict.message())
-            await self._audit_block(live, verdict)
+            await self.audit_block(live, verdict)
         return verdict
 
     async def observer_for(self, live: "LiveSession") -> "SessionAnalysis | None":
@@ -162,7 +162,9 @@ class AnalysisService:
         live.before_close.append(analysis.finish)
         return analysis
 
-    async def _failed(self, live: "LiveSession", rule: AIAnalyzerRule, error: str, native: bool = False) -> None:
+    async def record_failure(self, live: "LiveSession", rule: AIAnalyzerRule, error: str,
+                             native: bool = False) -> None:
+        """An analyzer failure: an ``e`` event, a log line and an audit entry, with the policy that applies."""
         policy = self.failure_policy_of(rule, native)
         if native:
             then = "the session is ended" if policy == CLOSED else "the built-in rules' rating stands in"
@@ -177,7 +179,8 @@ class AnalysisService:
             payload={"session_id": live.id, "connection": live.connection.name, "rule": rule.name,
                      "on_failure": policy})
 
-    async def _audit_block(self, live: "LiveSession", verdict: Verdict) -> None:
+    async def audit_block(self, live: "LiveSession", verdict: Verdict) -> None:
+        """Every blocking verdict is audited (``ai.block``)."""
         message = verdict.message()
         await self.audit.record(
             org_id=live.session.org_id, actor=live.user, action="ai.block", resource_type="sessions",
@@ -227,7 +230,7 @@ class SessionAnalysis:
             try:
                 verdict, error = await self.service.evaluate(self.rule, self.live.connection, text, native=True)
                 if error and error != self.last_error:  # an outage is told once, not once per statement
-                    await self.service._failed(self.live, self.rule, error, native=True)
+                    await self.service.record_failure(self.live, self.rule, error, native=True)
                 self.last_error = error
                 await self._apply(verdict)
             except Exception:
@@ -247,7 +250,7 @@ class SessionAnalysis:
                                 f"{verdict.title}: {verdict.explanation}")
         if not verdict.blocked:
             return
-        await self.service._audit_block(live, verdict)
+        await self.service.audit_block(live, verdict)
         if live.end_reason is None and not live.done.is_set():  # ended already: nothing left to stop
             await live.kill(f"the session was ended by AI session analysis (rule {verdict.rule!r}): "
                             f"{verdict.risk_level} risk, {verdict.title}")
