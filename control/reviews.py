@@ -239,6 +239,7 @@ async def create_session(request: web.Request) -> web.Response:
         session = session_for(user, connection, verb="exec", status="ready", script=script, metadata=metadata,
                               session_batch_id=batch_id)
         review = await gateway.reviews.request(policy, user, connection, session, ONETIME)
+        gateway.reviews.spawn(gateway.analysis.preview(session, connection, script))  # for the reviewers to see
         request[AUDIT_PAYLOAD] = {"connection": connection.name, "session_id": session.id, "review_id": review.id,
                                   "type": ONETIME, "reviewers": policy.reviewers}
         return ok({"session_id": session.id, "review_id": review.id, "has_review": True,

@@ -348,6 +348,8 @@ def review_json(review: Review, session: Session | None = None, full: bool = Fal
         })
         if session is not None:
             data["input"] = session.script or ""
+            if session.ai_analysis:  # the AI verdict on the script, for the reviewers (gatewayd.analysis)
+                data["ai_analysis"] = session.ai_analysis
     return data
 
 

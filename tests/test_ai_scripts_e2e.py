@@ -6,7 +6,9 @@ this process on a free port, which the daemon reaches like any provider.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
 import aiohttp
 import asyncpg
@@ -168,6 +170,17 @@ async def test_a_reviewed_script_is_analysed_when_it_runs(as_, cluster):
                                                            "script": "update pg_catalog.pg_authid set rolsuper = true"})
     assert status == 202 and body["has_review"], body
     session_id, review_id = body["session_id"], body["review_id"]
+    # the reviewers see the verdict before they decide; nothing ran
+    deadline = time.monotonic() + 20
+    while True:
+        status, review = await as_["dora"]("GET", f"/reviews/{review_id}")
+        assert status == 200, review
+        if review.get("ai_analysis") or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    assert review["ai_analysis"]["action"] == "block_execution" and review["status"] == "PENDING"
+    assert (await as_["rita"].session(session_id))["status"] == "ready"
+    assert not await audit_of(as_, "ai.block", session_id)
     status, body = await as_["dora"]("PUT", f"/reviews/{review_id}", {"status": "APPROVED"})
     assert status == 200 and body["status"] == "APPROVED", body
     status, answer = await as_["rita"]("POST", f"/sessions/{session_id}/exec")

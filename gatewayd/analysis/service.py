@@ -33,7 +33,7 @@ from gatewayd.analysis.providers import AnalyzerError, classify, describe_input
 from gatewayd.analysis.verdict import BLOCK, LOW, Rating, Verdict, higher, severity, verdict_for
 from gatewayd.audit import AuditLog
 from gatewayd.config import Config
-from gatewayd.models import AIAnalyzerRule, Connection
+from gatewayd.models import AIAnalyzerRule, Connection, Session
 from gatewayd.store import Store
 
 if TYPE_CHECKING:
@@ -149,6 +149,22 @@ class AnalysisService:
         if verdict.blocked:
             live.recorder.error(verdict.message())
             await self.audit_block(live, verdict)
+        return verdict
+
+    async def preview(self, session: Session, connection: Connection, script: str) -> Verdict | None:
+        """The verdict a reviewed script would get, stored as its ``ai_analysis`` for the reviewers to see.
+
+        Nothing runs and nothing is blocked here: the script is analysed again when it runs.
+        """
+        rule = await self.rule_for(connection)
+        if rule is None:
+            return None
+        verdict, error = await self.evaluate(rule, connection, script)
+        if error:
+            log.warning("AI preview of a reviewed script failed", extra={
+                "session_id": session.id, "connection": connection.name, "rule": rule.name, "reason": error})
+        session.ai_analysis = verdict.as_json()
+        await self.store.update_session(session.id, ai_analysis=session.ai_analysis)
         return verdict
 
     async def observer_for(self, live: "LiveSession") -> "SessionAnalysis | None":
