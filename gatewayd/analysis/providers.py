@@ -73,7 +73,7 @@ def _openai_request(provider: AIProvider, message: str) -> tuple[str, dict[str, 
         "tools": [{"type": "function", "function": {"name": TOOL_NAME, "description": TOOL_DESCRIPTION,
                                                     "parameters": TOOL_PARAMETERS}}],
         "tool_choice": {"type": "function", "function": {"name": TOOL_NAME}},
-        "temperature": 0,
+        # no "temperature": OpenAI's reasoning models refuse any value but their default
     }
     base = (provider.api_url or OPENAI_URL).rstrip("/")
     if provider.provider == "azure-openai":
