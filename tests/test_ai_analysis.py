@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import aiohttp
@@ -12,6 +13,7 @@ from gatewayd.analysis.providers import describe_input
 from gatewayd.analysis.service import rule_for
 from gatewayd.analysis.verdict import BLOCK, Verdict, action_for, verdict_for
 from gatewayd.models import AIAnalyzerRule, AIProvider, Connection, new_id
+from gatewayd.store import AuditFilter
 from tests.conftest import core_gateway
 from tests.llmpeer import API_KEY, FakeLLM
 
@@ -271,3 +273,37 @@ async def test_the_service_takes_the_riskier_rating_and_applies_the_failure_poli
         llm.answer("timeout")
         verdict, error = await service.evaluate(rule, conn, "select 1")
         assert not verdict.blocked and "did not answer within 0.5s" in error
+
+
+async def test_native_input_past_max_pending_is_rated_by_the_built_in_rules_and_a_block_kills(tmp_path, llm) -> None:
+    from gatewayd.models import User
+
+    async with core_gateway(tmp_path) as gateway:
+        org = (await gateway.store.default_org()).id
+        conn = Connection(id=new_id(), org_id=org, name="pg-native", resource_name="r", type="database",
+                          subtype="postgres")
+        user = User(id=new_id(), org_id=org, subject="s-1", email="nat@example.com")
+        await gateway.store.save_ai_rule(AIAnalyzerRule(
+            id=new_id(), org_id=org, name="native", connection_names=["pg-native"], risk_evaluation={},
+            timeout=30, created_at="t", updated_at="t"), create=True)
+        await gateway.store.save_ai_provider(AIProvider(id=new_id(), org_id=org, provider="anthropic",
+                                                        model="judge-1", api_url=llm.url, api_key=API_KEY))
+        llm.answer("timeout")  # the provider holds the first statement: the rest queue up
+        live = await gateway.sessions.open(user, conn)
+        observe = await gateway.analysis.observer_for(live)
+        assert observe is not None
+        observe.max_pending = 1  # type: ignore[attr-defined]
+        killed: list[str] = []
+        live.on_kill(killed.append)
+        observe("select 1")  # with the provider (stalled)
+        observe("select 2")  # queued
+        observe("select 2")  # the same text again: not asked twice
+        observe("drop table accounts")  # past max_pending: the built-in rules alone, at once
+        await asyncio.wait_for(live.done.wait(), 30)
+        assert killed and "AI session analysis" in killed[0] and "Drops a table" in killed[0]
+        session = await gateway.store.get_session(live.id)
+        assert session.exit_code == 254 and session.ai_analysis["action"] == BLOCK  # type: ignore[union-attr]
+        assert session.ai_analysis["risk_level"] == "high"  # type: ignore[union-attr]
+        page = await gateway.store.list_audit(AuditFilter(org_id=org, action="ai.block"))
+        assert [e.request_payload_redacted["session_id"] for e in page.items] == [live.id]
+        llm.answer("verdict")
