@@ -228,6 +228,21 @@ async def test_an_unreachable_provider_is_an_analyzer_error(http) -> None:
         await classify(http, dead, MESSAGE, 5)
 
 
+@pytest.mark.parametrize(("text", "subtype", "secret"), [
+    ("ALTER ROLE app PASSWORD 'hunter2''s'; select 1", "postgres", "hunter2"),
+    ("create user bob with login password E'p@ss'", "postgres", "p@ss"),
+    ("alter role x password $pw$dollar-secret$pw$", "postgres", "dollar-secret"),
+    ("PGPASSWORD=s3cr3t psql -h db -c 'select 1'", "ssh", "s3cr3t"),
+    ("export API_TOKEN='tok en' && curl -H x", "ssh", "tok en"),
+    ("mysql --password=pw123 -e 'show tables'", "ssh", "pw123"),
+    ("sshpass -p letmein ssh host", "ssh", "letmein"),
+])
+def test_secrets_typed_in_the_input_are_not_sent_to_the_model(text: str, subtype: str, secret: str) -> None:
+    message = describe_input(text, "database" if subtype == "postgres" else "custom", subtype, 10_000)
+    assert secret not in message and "[REDACTED]" in message
+    assert rate(text, "sql" if subtype == "postgres" else "shell").risk_level  # the built-in rules see it all
+
+
 def test_the_model_gets_the_input_and_the_connection_kind_cut_to_size() -> None:
     text = "select 1;\n" + "x" * 5000 + "\ndrop table t;"
     message = describe_input(text, "database", "postgres", 200)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any
 
 import aiohttp
@@ -57,9 +58,29 @@ def required_api_url(provider: str) -> bool:
     return provider in ("azure-openai", "custom")
 
 
+_SQL_PASSWORD = re.compile(r"(\bpassword\s+)(E?'(?:[^']|'')*'|\$\w*\$.*?\$\w*\$)", re.I | re.S)
+_SHELL_SECRETS = (
+    re.compile(r"\b(\w*(?:PASSWORD|PASSWD|PASSPHRASE|SECRET|TOKEN|API_?KEY)\w*=)(\"[^\"]*\"|'[^']*'|\S+)", re.I),
+    re.compile(r"(--(?:password|passwd|token|secret|api-key)[= ])(\"[^\"]*\"|'[^']*'|\S+)", re.I),
+    re.compile(r"(\bsshpass\s+-p\s*)(\S+)"),
+)
+REDACTED = "[REDACTED]"
+
+
+def redact_input(text: str, subtype: str) -> str:
+    """``text`` without the secrets a user may type in it: SQL ``PASSWORD '...'`` literals; shell
+    ``*PASSWORD*=``/``*TOKEN*=`` assignments, ``--password`` options and ``sshpass -p``."""
+    if subtype == "postgres":
+        return _SQL_PASSWORD.sub(lambda m: m.group(1) + f"'{REDACTED}'", text)
+    for pattern in _SHELL_SECRETS:
+        text = pattern.sub(lambda m: m.group(1) + REDACTED, text)
+    return text
+
+
 def describe_input(text: str, connection_type: str, subtype: str, max_chars: int) -> str:
-    """The user message: the connection's kind and the input, cut to ``max_chars`` (head and tail kept)."""
+    """The user message: the connection's kind and the input without typed secrets, cut to ``max_chars``."""
     language = "PostgreSQL SQL" if subtype == "postgres" else "shell commands"
+    text = redact_input(text, subtype)
     if len(text) > max_chars:
         half = max_chars // 2
         text = f"{text[:half]}\n[... {len(text) - 2 * half} characters left out ...]\n{text[-half:]}"
