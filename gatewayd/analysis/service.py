@@ -163,6 +163,9 @@ class AnalysisService:
         if error:
             log.warning("AI preview of a reviewed script failed", extra={
                 "session_id": session.id, "connection": connection.name, "rule": rule.name, "reason": error})
+        current = await self.store.get_session(session.id)
+        if current is None or current.status != "ready":  # it ran meanwhile: its own verdict stands
+            return verdict
         session.ai_analysis = verdict.as_json()
         await self.store.update_session(session.id, ai_analysis=session.ai_analysis)
         return verdict
