@@ -33,7 +33,7 @@ SIGNUP = Schema("Signup", {"org_name": Field("string", True), "profile_name": Fi
 def user_json(user: User, org_name: str = "") -> dict:
     return {
         "id": user.id, "email": user.email, "name": user.name, "subject": user.subject, "status": user.status,
-        "groups": user.groups, "is_admin": user.is_admin, "is_auditor": user.is_auditor, "org_id": user.org_id,
+        "groups": user.groups, "is_admin": user.is_admin, "is_auditor": user.is_auditor, "is_operator": user.operator, "org_id": user.org_id,
         "org_name": org_name, "picture": user.picture, "slack_id": user.slack_id,
         "created_at": user.created_at, "updated_at": user.updated_at,
     }
@@ -114,8 +114,9 @@ async def signup(request: web.Request) -> web.Response:
     user.org_id = org.id
     user.name = body.get("profile_name") or user.name
     user.picture = body.get("profile_picture") or user.picture
-    if "admin" not in user.groups:
-        user.groups = sorted(set(user.groups) | {"admin"})  # the founder administers the new organization
+    # the founder administers the new organization: a grant of the gateway, kept when the provider syncs groups
+    user.granted_groups = sorted(set(user.granted_groups) | {"admin"})
+    user.groups = sorted(set(user.groups) | {"admin"})
     await gateway.store.save_user(user)
     return ok({"org_id": org.id, "org_name": org.name, "profile_name": user.name,
                "profile_picture": user.picture}, status=201)

@@ -190,5 +190,14 @@ def require_admin(request: web.Request) -> User:
     return user
 
 
+def require_operator(request: web.Request) -> User:
+    """The caller, when it may change gateway-wide settings (listeners, the SSH host key); else 403."""
+    user = user_of(request)
+    if not gateway_of(request).identity.is_operator(user):
+        raise ApiError(403, "access denied: gateway-wide settings need an operator "
+                            "(made on the gateway's host: gatewayd token create --operator)")
+    return user
+
+
 def ok(data: Any, status: int = 200) -> web.Response:
     return web.json_response(data, status=status, dumps=lambda d: json.dumps(d, separators=(",", ":")))

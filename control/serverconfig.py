@@ -9,7 +9,7 @@ import time
 from aiohttp import web
 from cryptography.hazmat.primitives import serialization
 
-from control.http import ApiError, Field, RouteSet, Schema, gateway_of, json_body, ok, require_admin, user_of
+from control.http import ApiError, Field, RouteSet, Schema, gateway_of, json_body, ok, require_operator, user_of
 
 routes = RouteSet("Server Management", audit="serverconfig")
 
@@ -65,21 +65,21 @@ async def serverinfo(request: web.Request) -> web.Response:
         "product_analytics": gateway.server_config.get("product_analytics", "inactive"),
         "uptime_seconds": int(time.time() - gateway.started_at),
     }
-    if user.is_admin:
+    if gateway.identity.is_operator(user):
         info["listeners"] = gateway.listeners.summary()
     return ok(info)
 
 
-@routes.get("/serverconfig/misc", "Listener addresses, SSH host key and analytics setting (admin)")
+@routes.get("/serverconfig/misc", "Listener addresses, SSH host key and analytics setting (operator)")
 async def get_misc(request: web.Request) -> web.Response:
-    require_admin(request)
+    require_operator(request)
     return ok(gateway_of(request).server_config)
 
 
-@routes.put("/serverconfig/misc", "Persist the configuration and start, restart or stop listeners live (admin)",
+@routes.put("/serverconfig/misc", "Persist the configuration and start, restart or stop listeners live (operator)",
             body=MISC)
 async def put_misc(request: web.Request) -> web.Response:
-    require_admin(request)
+    require_operator(request)
     body = await json_body(request, MISC)
     gateway = gateway_of(request)
     document = {k: (dict(v) if isinstance(v, dict) else v) for k, v in gateway.server_config.items()}

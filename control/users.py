@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from aiohttp import web
 
 from control.auth import user_json
 from control.http import ApiError, Field, RouteSet, Schema, gateway_of, json_body, ok, require_admin
 from gatewayd.crypto import hash_password
-from gatewayd.models import User, new_id
+from gatewayd.models import User, email_problem, new_id
 from gatewayd.store import Conflict
 
 routes = RouteSet("User Management", audit="users")
@@ -32,12 +34,29 @@ async def _find(request: web.Request) -> User:
     return user
 
 
+def _check_email(body: dict) -> None:
+    if body.get("email") is not None and (problem := email_problem(body["email"])):
+        raise ApiError(422, f"field 'email': {problem}")
+
+
+async def _keep_an_admin(request: web.Request, user: User, after: User | None) -> None:
+    """409 when ``user`` is the last active admin of its organization and ``after`` (None: deleted) is not."""
+    if not (user.is_admin and user.status == "active") or (after and after.is_admin and after.status == "active"):
+        return
+    others = [u for u in await gateway_of(request).store.list_users(user.org_id or "")
+              if u.id != user.id and u.is_admin and u.status == "active"]
+    if not others:
+        what = "delete" if after is None else "deactivate or demote"
+        raise ApiError(409, f"cannot {what} {user.email}: the last active admin of the organization "
+                            "(make another user an admin first)")
+
+
 def _apply(user: User, body: dict) -> None:
     for name in ("email", "name", "status", "slack_id", "picture"):
         if body.get(name) is not None:
             setattr(user, name, body[name])
     if body.get("groups") is not None:
-        user.groups = sorted(set(body["groups"]))
+        user.grant_groups(body["groups"])
     if body.get("password"):
         if len(body["password"]) < 8:
             raise ApiError(422, "field 'password': at least 8 characters")
@@ -54,6 +73,7 @@ async def list_users(request: web.Request) -> web.Response:
 async def create(request: web.Request) -> web.Response:
     admin = require_admin(request)
     body = await json_body(request, USER_CREATE)
+    _check_email(body)
     store = gateway_of(request).store
     if await store.get_user(email=body["email"]):
         raise ApiError(409, f"a user with email {body['email']!r} already exists")
@@ -107,7 +127,10 @@ async def get(request: web.Request) -> web.Response:
 async def update(request: web.Request) -> web.Response:
     user = await _find(request)
     body = await json_body(request, USER_UPDATE)
+    _check_email(body)
+    before = dataclasses.replace(user, groups=list(user.groups))
     _apply(user, body)
+    await _keep_an_admin(request, before, user)
     try:
         await gateway_of(request).store.save_user(user)
     except Conflict:
@@ -118,5 +141,6 @@ async def update(request: web.Request) -> web.Response:
 @routes.delete("/users/{id}", "Delete a user", status=204)
 async def delete(request: web.Request) -> web.Response:
     user = await _find(request)
+    await _keep_an_admin(request, user, None)
     await gateway_of(request).store.delete_user(user.id)
     return web.Response(status=204)

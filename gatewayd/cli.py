@@ -25,9 +25,23 @@ def _run_loop(coro) -> None:  # type: ignore[no-untyped-def]
         uvloop.run(coro)
 
 
+def _where(config: Config) -> str:
+    """Where the configuration came from, to say where a command looked."""
+    source = f"--config {config.source}" if config.source else "the embedded defaults"
+    if os.environ.get("GATEWAYD_DATA_DIR"):
+        source += " and $GATEWAYD_DATA_DIR"
+    return source
+
+
 async def _with_core(config: Config, action):  # type: ignore[no-untyped-def]
+    """Run ``action`` on the core services of the gateway whose store the configuration names. A command never
+    creates a store: a token minted into a new one would be refused by the running daemon."""
     from gatewayd.daemon import Gateway
 
+    if not config.store_path.is_file():
+        raise ConfigError(f"no gateway store at {config.store_path.resolve()} (data_dir from {_where(config)}): "
+                          "run this on the gateway's host with its --config or GATEWAYD_DATA_DIR, "
+                          "after `gatewayd run` has started once")
     gateway = Gateway(config)
     await gateway.open_core()
     try:
@@ -46,7 +60,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_email(email: str) -> None:
+    from gatewayd.models import email_problem
+
+    if problem := email_problem(email):
+        raise ConfigError(f"--email {email!r}: {problem}")
+
+
 def _cmd_token_create(args: argparse.Namespace) -> int:
+    _check_email(args.email)
     config = _load(args.config)
     ttl = parse_duration(args.ttl, "--ttl") if args.ttl else config["auth.token_ttl"]
     if ttl <= 0:
@@ -54,11 +76,12 @@ def _cmd_token_create(args: argparse.Namespace) -> int:
     groups = [g.strip() for g in args.groups.split(",") if g.strip()] if args.groups is not None else None
 
     async def action(gateway):  # type: ignore[no-untyped-def]
-        user = await gateway.identity.ensure_local_user(args.email, args.name or "", groups)
+        user = await gateway.identity.ensure_local_user(args.email, args.name or "", groups, args.operator)
         if user.status != "active":
             raise ConfigError(f"user {args.email} is inactive")
         await gateway.audit.record(org_id=user.org_id, actor=user, action="token.create", resource_type="token",
                                    outcome="success", payload={"email": args.email, "groups": groups,
+                                                               "operator": user.operator,
                                                                "ttl_seconds": ttl, "via": "cli"})
         return gateway.identity.issue_token(user, ttl)
 
@@ -69,22 +92,49 @@ def _cmd_token_create(args: argparse.Namespace) -> int:
 def _cmd_user_passwd(args: argparse.Namespace) -> int:
     from gatewayd.crypto import hash_password
 
+    _check_email(args.email)
     config = _load(args.config)
     if args.password_stdin:
         password = sys.stdin.readline().rstrip("\n")
+    elif not sys.stdin.isatty():
+        raise ConfigError("no terminal to ask for the password: use --password-stdin and pipe it in")
     else:
-        password = getpass.getpass("new password: ")
+        try:
+            password = getpass.getpass("new password: ")
+        except EOFError:
+            raise ConfigError("no password given: use --password-stdin and pipe it in") from None
     if len(password) < 8:
         raise ConfigError("password: at least 8 characters")
 
     async def action(gateway):  # type: ignore[no-untyped-def]
         user = await gateway.identity.ensure_local_user(args.email, args.name or "",
-                                                        [g for g in (args.groups or "").split(",") if g] or None)
+                                                        [g for g in (args.groups or "").split(",") if g] or None,
+                                                        args.operator)
         user.password_hash = hash_password(password)
         await gateway.store.save_user(user)
 
     asyncio.run(_with_core(config, action))
     print(f"password set for {args.email}", file=sys.stderr)
+    return 0
+
+
+def _cmd_user_operator(args: argparse.Namespace) -> int:
+    _check_email(args.email)
+    config = _load(args.config)
+
+    async def action(gateway):  # type: ignore[no-untyped-def]
+        user = await gateway.store.get_user(email=args.email)
+        if user is None:
+            raise ConfigError(f"--email {args.email}: no such user in the store at {config.store_path}")
+        user.operator = not args.revoke
+        await gateway.store.save_user(user)
+        await gateway.audit.record(org_id=user.org_id or (await gateway.store.default_org()).id, actor=None,
+                                   actor_hint="gatewayd user operator (host)", action="user.operator",
+                                   resource_type="users", outcome="success",
+                                   payload={"email": user.email, "operator": user.operator, "via": "cli"})
+
+    asyncio.run(_with_core(config, action))
+    print(f"{args.email} is {'no longer ' if args.revoke else ''}an operator", file=sys.stderr)
     return 0
 
 
@@ -134,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--name")
     create.add_argument("--groups", help="comma-separated groups; replaces the user's groups")
     create.add_argument("--ttl", help="lifetime such as 30m or 12h (default: auth.token_ttl)")
+    create.add_argument("--operator", action="store_true",
+                        help="also make the user an operator: gateway-wide settings (listeners, SSH host key)")
     create.add_argument("--config")
     create.set_defaults(func=_cmd_token_create)
 
@@ -143,8 +195,15 @@ def build_parser() -> argparse.ArgumentParser:
     passwd.add_argument("--name")
     passwd.add_argument("--groups", help="comma-separated groups for a new user")
     passwd.add_argument("--password-stdin", action="store_true", help="read the password from standard input")
+    passwd.add_argument("--operator", action="store_true", help="also make the user an operator of the gateway")
     passwd.add_argument("--config")
     passwd.set_defaults(func=_cmd_user_passwd)
+    operator = user.add_parser("operator", help="make an existing user an operator of the whole gateway "
+                                                "(listeners, SSH host key), or --revoke it")
+    operator.add_argument("--email", required=True)
+    operator.add_argument("--revoke", action="store_true")
+    operator.add_argument("--config")
+    operator.set_defaults(func=_cmd_user_operator)
 
     sessions_parser = sub.add_parser("sessions", help="recorded sessions (a table; show, replay, export, verify)")
     sessions = sessions_parser.add_subparsers(dest="sessions_command")

@@ -7,6 +7,7 @@ loader refuses unknown keys and bad values with a message naming the key, and
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import tomllib
@@ -115,6 +116,7 @@ SETTINGS: dict[str, Setting] = {
     "auth.oidc.audience": Setting("str", ""),
     "auth.oidc.scopes": Setting("list", ["openid", "profile", "email"]),
     "auth.oidc.groups_claim": Setting("str", "groups"),
+    "auth.oidc.link_unverified_email": Setting("bool", False),
     "auth.oidc.redirect_url": Setting("str", ""),
     "auth.oidc.allowed_redirects": Setting("list", []),
     "auth.oidc.algorithms": Setting("list", ["RS256", "RS384", "RS512", "ES256", "ES384", "PS256", "EdDSA"]),
@@ -150,6 +152,11 @@ SETTINGS: dict[str, Setting] = {
     "ai.max_pending": Setting("int", 64, _positive),
     "ai.max_input_chars": Setting("int", 32768, _positive),
 }
+
+
+# GATEWAYD_* variables that are not settings: the configuration file, and the people's command line (its
+# login file, the gateway it talks to). Any other GATEWAYD_* variable is a typo and stops the daemon.
+OTHER_VARIABLES = frozenset({"GATEWAYD_CONFIG", "GATEWAYD_CLIENT_CONFIG", "GATEWAYD_URL"})
 
 
 def _env_name(key: str) -> str:
@@ -256,6 +263,12 @@ def load_config(
         env_value = environ.get(_env_name(key))
         if env_value is not None:
             values[key] = _coerce(key, setting, env_value, True)
+    known = {_env_name(key) for key in SETTINGS} | OTHER_VARIABLES
+    for name in sorted(environ):
+        if name.startswith("GATEWAYD_") and name not in known:
+            close = difflib.get_close_matches(name, sorted(known), 1)
+            raise ConfigError(f"environment variable {name}: unknown setting"
+                              + (f" (did you mean {close[0]}?)" if close else ""))
     for key, value in (overrides or {}).items():
         if key not in SETTINGS:
             raise ConfigError(f"{key}: unknown setting")

@@ -69,8 +69,10 @@ class LocalIssuer:
         return cls(key, hashlib.sha256(public).hexdigest()[:16])
 
     def issue(self, user: User, ttl: float) -> str:
+        """A token naming the user by its id, which is never reused: deleting the user ends its tokens for good,
+        even when the e-mail comes back as a new user."""
         now = int(time.time())
-        claims = {"iss": LOCAL_ISSUER, "aud": LOCAL_AUDIENCE, "sub": user.subject, "email": user.email,
+        claims = {"iss": LOCAL_ISSUER, "aud": LOCAL_AUDIENCE, "sub": user.id, "email": user.email,
                   "name": user.name, "iat": now, "nbf": now, "exp": now + int(ttl), "jti": new_id()}
         return jwt.encode(claims, self._private, algorithm="EdDSA", headers={"kid": self.kid})
 
@@ -232,7 +234,7 @@ class Identity:
             raise AuthError("malformed token") from None
         if issuer == LOCAL_ISSUER:
             payload = self.local.verify(token)
-            user = await self.store.get_user(subject=str(payload["sub"]))
+            user = await self.store.get_user(id=str(payload["sub"]))
         elif self.oidc is not None:
             claims = self.oidc.claims(await self.oidc.verify(token))
             user = await self.sign_in(claims)
@@ -244,16 +246,26 @@ class Identity:
             raise AuthError("inactive user")
         return user
 
+    def _check_link(self, user: User, claims: Claims) -> None:
+        """May the provider identity of ``claims`` take over ``user``, a user created by e-mail (CLI,
+        POST /users) that no identity claimed yet? AuthError when not."""
+        if self.config["auth.multi_tenant"]:
+            # the user was made by some organization's admin: linking would put the person in that organization
+            raise AuthError("multi-tenant mode never links a sign-in to a user by e-mail")
+        if user.subject != user.email.lower() or claims.email.lower() != user.email.lower():
+            raise AuthError("this email belongs to another identity")
+        if claims.email_verified is not True and not self.config["auth.oidc.link_unverified_email"]:
+            raise AuthError("the identity provider does not say this email is verified (email_verified)")
+
     async def sign_in(self, claims: Claims) -> User:
-        """Find or create the user of ``claims``; sync groups when the token carries them."""
+        """Find or create the user of ``claims``; merge the token's groups over the gateway's grants."""
         user = await self.store.get_user(subject=claims.subject)
-        if user is None:
+        if user is not None and user.subject == user.email.lower():
+            self._check_link(user, claims)  # a provider subject equal to a local user's e-mail is a link too
+        if user is None and not self.config["auth.multi_tenant"]:
             user = await self.store.get_user(email=claims.email)
             if user is not None:
-                # Link only a user created by email (CLI, POST /users) that no identity claimed yet,
-                # and only on a verified email: otherwise any account could take another's place.
-                if user.subject != user.email.lower() or claims.email_verified is False:
-                    raise AuthError("this email belongs to another identity")
+                self._check_link(user, claims)
                 user.subject = claims.subject
                 await self.store.save_user(user)
         if user is None:
@@ -261,28 +273,36 @@ class Identity:
             user = User(id=new_id(), org_id=org_id, subject=claims.subject, email=claims.email,
                         name=claims.name, picture=claims.picture, groups=sorted(set(claims.groups or [])))
             return await self.store.save_user(user)
-        changed = False
-        if claims.groups is not None and sorted(set(claims.groups)) != sorted(user.groups):
-            user.groups, changed = sorted(set(claims.groups)), True
+        changed = claims.groups is not None and user.sync_provider_groups(claims.groups)
         if claims.name and claims.name != user.name:
             user.name, changed = claims.name, True
         if changed:
             await self.store.save_user(user)
         return user
 
-    async def ensure_local_user(self, email: str, name: str = "", groups: list[str] | None = None) -> User:
-        """The local user with ``email``, created if needed; ``groups`` replace its groups when given."""
+    async def ensure_local_user(self, email: str, name: str = "", groups: list[str] | None = None,
+                                operator: bool = False) -> User:
+        """The local user with ``email``, created if needed (on the host, by the CLI); ``groups`` replace its
+        granted groups when given; ``operator`` makes it an operator of the whole gateway."""
         user = await self.store.get_user(email=email)
         if user is None:
             org = await self.store.default_org()
             user = User(id=new_id(), org_id=org.id, subject=email.lower(), email=email, name=name,
-                        groups=sorted(set(groups or [])))
+                        operator=operator)
+            user.grant_groups(groups or [])
             return await self.store.save_user(user)
-        if groups is not None or (name and name != user.name):
-            user.groups = sorted(set(groups)) if groups is not None else user.groups
+        if groups is not None or (name and name != user.name) or (operator and not user.operator):
+            if groups is not None:
+                user.grant_groups(groups)
             user.name = name or user.name
+            user.operator = user.operator or operator
             await self.store.save_user(user)
         return user
+
+    def is_operator(self, user: User) -> bool:
+        """May ``user`` change gateway-wide settings? Operators are made on the host; in single-tenant mode the
+        admins of the one organization are operators too."""
+        return user.operator or (not self.config["auth.multi_tenant"] and user.is_admin)
 
     async def local_login(self, email: str, password: str) -> str:
         user = await self.store.get_user(email=email)

@@ -48,6 +48,26 @@ class Organization:
     created_at: str
 
 
+_EMAIL_FORBIDDEN = set(' "(),:;<>[\\]') | {chr(c) for c in range(32)} | {chr(127)}
+
+
+def email_problem(email: str) -> str:
+    """Why ``email`` cannot name a user ('' when it can): one ``@`` between a local part and a domain, no
+    spaces, quotes or control characters, at most 254 characters (RFC 5321's path limit)."""
+    if not email:
+        return "must not be empty"
+    if len(email) > 254:
+        return "at most 254 characters"
+    if any(c in _EMAIL_FORBIDDEN for c in email):
+        return "must not contain spaces, quotes, brackets or control characters"
+    local, at, domain = email.rpartition("@")
+    if not at or not local or not domain or "@" in local:
+        return "expected one address such as name@example.com"
+    if len(local) > 64 or any(not label for label in domain.split(".")) or domain.startswith("-"):
+        return "expected one address such as name@example.com"
+    return ""
+
+
 @dataclass(slots=True)
 class User:
     id: str
@@ -62,10 +82,26 @@ class User:
     slack_id: str = ""
     created_at: str = ""
     updated_at: str = ""
+    # Gateway-wide settings (listeners, SSH host key): granted only on the host (``gatewayd ... --operator``).
+    operator: bool = False
+    # The groups the gateway gave (CLI, API, /signup); an identity provider's groups are merged over them,
+    # never in place of them.
+    granted_groups: list[str] = field(default_factory=list)
 
     @property
     def is_admin(self) -> bool:
         return ADMIN_GROUP in self.groups
+
+    def grant_groups(self, groups: list[str]) -> None:
+        """Groups given by the gateway (CLI, API, sign-up): they replace the previous grants."""
+        self.granted_groups = sorted(set(groups))
+        self.groups = list(self.granted_groups)
+
+    def sync_provider_groups(self, groups: list[str]) -> bool:
+        """The identity provider's groups merged over the gateway's grants; True when they changed."""
+        merged = sorted(set(groups) | set(self.granted_groups))
+        changed, self.groups = merged != sorted(self.groups), merged
+        return changed
 
     @property
     def is_auditor(self) -> bool:

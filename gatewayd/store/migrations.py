@@ -271,4 +271,8 @@ CREATE TABLE ai_analyzer_rules (
     UNIQUE (org_id, name)
 )
 """),
+    (6, """
+ALTER TABLE users ADD COLUMN operator INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE users ADD COLUMN granted_groups TEXT NOT NULL DEFAULT '[]'
+"""),
 ]

@@ -43,6 +43,7 @@ _JSON_FIELDS = {
     "env_vars", "command", "tags", "settings", "attributes", "input", "output", "metadata",
     "metrics", "labels", "integrations_metadata", "ai_analysis", "request_payload_redacted",
     "force_approval_groups", "time_window", "connection_names", "reviewers_groups", "risk_evaluation",
+    "granted_groups",
 }
 DEFAULT_ORG_NAME = "default"
 # Session events go in as multi-row INSERTs: one sqlite3_step, so one GIL hand-over between the
@@ -242,7 +243,7 @@ class SQLiteStore(Store):
             return None
         groups = [r[0] for r in await self._all(
             "SELECT group_name FROM user_groups WHERE user_id = ? ORDER BY group_name", (row["id"],))]
-        return self._build(User, row, groups=groups)
+        return self._build(User, row, groups=groups, operator=bool(row["operator"]))
 
     async def get_user(self, *, id: str | None = None, subject: str | None = None,
                        email: str | None = None) -> User | None:
@@ -262,7 +263,7 @@ class SQLiteStore(Store):
             "SELECT ug.user_id, ug.group_name FROM user_groups ug JOIN users u ON u.id = ug.user_id "
             "WHERE u.org_id = ? ORDER BY ug.group_name", (org_id,)):
             memberships.setdefault(r[0], []).append(r[1])
-        return [self._build(User, r, groups=memberships.get(r["id"], [])) for r in rows]
+        return [self._build(User, r, groups=memberships.get(r["id"], []), operator=bool(r["operator"])) for r in rows]
 
     async def save_user(self, user: User) -> User:
         now = rfc3339(utcnow())
@@ -297,6 +298,9 @@ class SQLiteStore(Store):
         await self._write([
             ("DELETE FROM user_groups WHERE group_name = ? AND user_id IN (SELECT id FROM users WHERE org_id = ?)",
              (name, org_id)),
+            ("UPDATE users SET granted_groups = (SELECT json_group_array(value) FROM json_each(users.granted_groups) "
+             "WHERE value != ?) WHERE org_id = ? AND EXISTS (SELECT 1 FROM json_each(users.granted_groups) "
+             "WHERE value = ?)", (name, org_id, name)),
             ("DELETE FROM groups WHERE org_id = ? AND name = ?", (org_id, name)),
         ])
 
