@@ -1,0 +1,242 @@
+"""Hostile tenants and identities (issue 12, items 5-11): attacks through a plain HTTP client against a real
+``gatewayd run`` in multi-tenant and single-tenant OIDC mode, with the test identity provider.
+
+Each test replays the attack as it was found and asserts the refusal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from typing import Any, AsyncIterator
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from tests.conftest import Daemon, free_port, wait_port
+from tests.oidc_provider import OIDCProvider
+
+DENIED = (401, {"message": "access denied"})
+
+
+@pytest_asyncio.fixture(scope="module")
+async def provider() -> AsyncIterator[OIDCProvider]:
+    idp = await OIDCProvider().start()
+    yield idp
+    await idp.stop()
+
+
+def _oidc(provider: OIDCProvider) -> dict[str, Any]:
+    return {"auth.issuer": "oidc", "auth.oidc.issuer_url": provider.url, "auth.oidc.client_id": provider.client_id,
+            "auth.oidc.client_secret": provider.client_secret}
+
+
+@pytest_asyncio.fixture(scope="module")
+async def saas(provider: OIDCProvider, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Daemon]:
+    """A multi-tenant gateway with a PostgreSQL listener every tenant shares."""
+    daemon = Daemon(tmp_path_factory.mktemp("saas") / "data", {
+        **_oidc(provider), "auth.multi_tenant": True, "listeners.postgres": f"127.0.0.1:{free_port()}"})
+    await asyncio.to_thread(daemon.start)
+    daemon.pg_port = int(daemon.settings["listeners.postgres"].rsplit(":", 1)[1])
+    await asyncio.to_thread(wait_port, daemon.pg_port, daemon.process, "gatewayd")
+    yield daemon
+    await asyncio.to_thread(daemon.stop)
+
+
+@pytest_asyncio.fixture(scope="module")
+async def single(provider: OIDCProvider, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Daemon]:
+    """A single-tenant gateway in OIDC mode."""
+    daemon = Daemon(tmp_path_factory.mktemp("single") / "data", _oidc(provider))
+    await asyncio.to_thread(daemon.start)
+    yield daemon
+    await asyncio.to_thread(daemon.stop)
+
+
+@pytest_asyncio.fixture(scope="module")
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        yield session
+
+
+async def call(http: aiohttp.ClientSession, gw: Daemon, method: str, path: str, token: str | None = None,
+               body: Any = None) -> tuple[int, Any]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with http.request(method, f"{gw.url}{path}", headers=headers, json=body) as response:
+        text = await response.text()
+        return response.status, json.loads(text) if text else None
+
+
+async def cli_token(gw: Daemon, email: str, groups: str | None = None, *extra: str) -> str:
+    args = ["token", "create", "--email", email, *(["--groups", groups] if groups is not None else []), *extra]
+    return (await asyncio.to_thread(gw.cli, *args)).stdout.strip()
+
+
+async def found_org(http, gw: Daemon, provider: OIDCProvider, sub: str, groups: list[str] | None = None,
+                    org: str = "") -> tuple[str, str]:
+    """A self-service tenant: an identity-provider user signs up and founds an organization. (token, org id)"""
+    token = provider.mint(sub, f"{sub}@tenant.example", sub.title(), groups, email_verified=True)
+    status, body = await call(http, gw, "POST", "/signup", token, {"org_name": org or f"org of {sub}"})
+    assert status == 201, body
+    return token, body["org_id"]
+
+
+def accepts(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(5)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+# --- 5. gateway-wide settings belong to operators ------------------------------------------------------------
+
+
+async def test_a_signed_up_admin_cannot_read_or_change_gateway_settings(http, saas, provider):
+    founder, _ = await found_org(http, saas, provider, "mallory")
+    status, body = await call(http, saas, "GET", "/serverconfig/misc", founder)
+    assert status == 403 and "operator" in body["message"], body
+    assert "hosts_key" not in json.dumps(body)
+    status, body = await call(http, saas, "PUT", "/serverconfig/misc", founder,
+                              {"postgres_server_config": {"listen_address": ""}})
+    assert status == 403, body
+    assert accepts(saas.pg_port), "a tenant stopped the PostgreSQL listener of every tenant"
+    status, info = await call(http, saas, "GET", "/serverinfo", founder)
+    assert status == 200 and "listeners" not in info
+    status, me = await call(http, saas, "GET", "/userinfo", founder)
+    assert status == 200 and me["is_admin"] and not me["is_operator"]
+
+    # an admin of the default organization is no operator either in multi-tenant mode ...
+    host_admin = await cli_token(saas, "host-admin@ops.example", "admin")
+    assert (await call(http, saas, "GET", "/serverconfig/misc", host_admin))[0] == 403
+    # ... an operator is made on the host, and may be unmade there
+    operator = await cli_token(saas, "root@ops.example", "", "--operator")
+    status, me = await call(http, saas, "GET", "/userinfo", operator)
+    assert status == 200 and me["is_operator"] and not me["is_admin"]
+    status, misc = await call(http, saas, "GET", "/serverconfig/misc", operator)
+    assert status == 200 and misc["ssh_server_config"]["hosts_key"]
+    status, info = await call(http, saas, "GET", "/serverinfo", operator)
+    assert info["listeners"]["postgres"]["status"] == "running"
+    await asyncio.to_thread(saas.cli, "user", "operator", "--email", "root@ops.example", "--revoke")
+    assert (await call(http, saas, "GET", "/serverconfig/misc", operator))[0] == 403
+    await asyncio.to_thread(saas.cli, "user", "operator", "--email", "host-admin@ops.example")
+    assert (await call(http, saas, "GET", "/serverconfig/misc", host_admin))[0] == 200
+
+
+async def test_the_api_cannot_grant_the_operator_role(http, saas, provider):
+    founder, _ = await found_org(http, saas, provider, "grabby")
+    status, body = await call(http, saas, "POST", "/users", founder,
+                              {"email": "crony@tenant.example", "operator": True})
+    assert status == 422 and "operator" in body["message"], body
+    status, me = await call(http, saas, "GET", "/userinfo", founder)
+    status, body = await call(http, saas, "PUT", f"/users/{me['id']}", founder, {"operator": True})
+    assert status == 422, body
+
+
+# --- 6. no capture into an organization by e-mail ------------------------------------------------------------
+
+
+async def test_an_org_admin_cannot_capture_a_person_by_email(http, saas, provider):
+    attacker, attacker_org = await found_org(http, saas, provider, "trapper")
+    status, body = await call(http, saas, "POST", "/users", attacker, {"email": "victim@corp.example"})
+    assert status == 201, body
+
+    # the victim's first sign-in, with a verified e-mail: a person of their own, in no organization yet
+    victim = provider.mint("victim-sub", "victim@corp.example", "Vic", ["dev"], email_verified=True)
+    status, me = await call(http, saas, "GET", "/userinfo", victim)
+    assert status == 200, me
+    assert me["org_id"] != attacker_org and me["org_id"] is None and me["subject"] == "victim-sub"
+    status, users = await call(http, saas, "GET", "/users", attacker)
+    assert "victim-sub" not in [u["subject"] for u in users]
+    # the victim founds an organization of their own
+    status, body = await call(http, saas, "POST", "/signup", victim, {"org_name": "victim's"})
+    assert status == 201 and body["org_id"] != attacker_org
+
+
+# --- 7. the founder's admin survives the provider's groups ---------------------------------------------------
+
+
+async def test_a_founder_keeps_admin_when_the_token_carries_groups(http, saas, provider):
+    founder, org = await found_org(http, saas, provider, "founder", groups=["dev"])
+    status, me = await call(http, saas, "GET", "/userinfo", founder)  # the next request: groups are synced
+    assert status == 200 and me["is_admin"] and me["groups"] == ["admin", "dev"], me
+    assert (await call(http, saas, "GET", "/users", founder))[0] == 200
+
+    # the provider still decides its own groups: dev goes, ops comes, the organization's admin stays
+    moved = provider.mint("founder", "founder@tenant.example", "Founder", ["ops"], email_verified=True)
+    status, me = await call(http, saas, "GET", "/userinfo", moved)
+    assert me["groups"] == ["admin", "ops"] and me["org_id"] == org
+
+
+# --- 8. linking by e-mail needs email_verified ---------------------------------------------------------------
+
+
+async def test_an_unverified_email_does_not_take_over_an_admin(http, single, provider):
+    admin = await cli_token(single, "boss@corp.example", "admin")
+    for claims in ({}, {"email_verified": False}, {"email_verified": "true"}):
+        impostor = provider.mint("impostor-sub", "boss@corp.example", "Impostor", None, **claims)
+        assert await call(http, single, "GET", "/userinfo", impostor) == DENIED, claims
+    # a provider subject that happens to be the e-mail is no way around it
+    assert await call(http, single, "GET", "/userinfo",
+                      provider.mint("boss@corp.example", "boss@corp.example", "Impostor", None)) == DENIED
+    status, me = await call(http, single, "GET", "/userinfo", admin)
+    assert status == 200 and me["subject"] == "boss@corp.example"
+
+    # the real person, verified by the provider, claims the account
+    real = provider.mint("boss-real-sub", "boss@corp.example", "Boss", None, email_verified=True)
+    status, me = await call(http, single, "GET", "/userinfo", real)
+    assert status == 200 and me["subject"] == "boss-real-sub" and me["is_admin"]
+
+
+# --- 9. a deleted user's token stays dead ---------------------------------------------------------------------
+
+
+async def test_a_deleted_users_token_does_not_come_back_with_the_email(http, single):
+    admin = await cli_token(single, "keeper@corp.example", "admin")
+    old = await cli_token(single, "leaver@corp.example", "admin")
+    assert (await call(http, single, "GET", "/users", old))[0] == 200
+    assert (await call(http, single, "DELETE", "/users/leaver@corp.example", admin))[0] == 204
+    assert await call(http, single, "GET", "/userinfo", old) == DENIED
+
+    # the e-mail is reused for a new, unprivileged person: the old token still names the deleted user
+    status, body = await call(http, single, "POST", "/users", admin, {"email": "leaver@corp.example"})
+    assert status == 201, body
+    assert await call(http, single, "GET", "/userinfo", old) == DENIED
+    assert await call(http, single, "GET", "/users", old) == DENIED
+
+
+# --- 10. the last active admin stays --------------------------------------------------------------------------
+
+
+async def test_the_last_admin_of_an_organization_cannot_lock_it_out(http, saas, provider):
+    founder, org = await found_org(http, saas, provider, "solo")
+    status, me = await call(http, saas, "GET", "/userinfo", founder)
+    for method, body in (("DELETE", None), ("PUT", {"groups": ["dev"]}), ("PUT", {"status": "inactive"})):
+        status, answer = await call(http, saas, method, f"/users/{me['id']}", founder, body)
+        assert status == 409 and "last active admin" in answer["message"], (method, body, answer)
+    status, me = await call(http, saas, "GET", "/userinfo", founder)
+    assert status == 200 and me["is_admin"] and me["status"] == "active"
+
+    # once another active admin exists, stepping down is allowed
+    status, body = await call(http, saas, "POST", "/users", founder,
+                              {"email": "deputy@tenant.example", "groups": ["admin"]})
+    assert status == 201, body
+    status, body = await call(http, saas, "PUT", f"/users/{me['id']}", founder, {"groups": ["dev"]})
+    assert status == 200 and not body["is_admin"], body
+
+
+# --- 11. e-mails are validated ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("email", ["", " ", "not-an-email", "a@", "@example.com", "two@at@example.com",
+                                   "space @example.com", "line\n@example.com"])
+async def test_malformed_emails_are_refused(http, single, email):
+    admin = await cli_token(single, "validator@corp.example", "admin")
+    status, body = await call(http, single, "POST", "/users", admin, {"email": email})
+    assert status == 422 and body["message"].startswith("field 'email': "), body
+    status, body = await call(http, single, "PUT", "/users/validator@corp.example", admin, {"email": email})
+    assert status == 422, body
+
+    result = await asyncio.to_thread(single.cli, "token", "create", "--email", email, "--groups", "admin",
+                                     check=False)
+    assert result.returncode == 2 and "--email" in result.stderr and not result.stdout, result
+    assert "Traceback" not in result.stderr
