@@ -49,14 +49,15 @@ def test_sigterm_stops_cleanly_and_logs_without_secrets(tmp_path):
 
 
 def test_cli_token_create_prints_one_token(tmp_path):
-    gw = Daemon(tmp_path / "data")
+    gw = Daemon(tmp_path / "data").start()  # the CLI works on the store the daemon made; it never makes one
+    assert gw.stop() == 0
     result = gw.cli("token", "create", "--email", "ops@example.com", "--groups", "admin,auditor", "--ttl", "5m")
     lines = result.stdout.strip().splitlines()
     assert len(lines) == 1 and lines[0].count(".") == 2
     import jwt
 
     claims = jwt.decode(lines[0], options={"verify_signature": False})
-    assert claims["sub"] == "ops@example.com" and claims["exp"] - claims["iat"] == 300
+    assert claims["email"] == "ops@example.com" and claims["exp"] - claims["iat"] == 300
     bad = gw.cli("token", "create", "--email", "ops@example.com", "--ttl", "soon", check=False)
     assert bad.returncode == 2 and "--ttl" in bad.stderr
 

@@ -368,15 +368,16 @@ async def test_login_accepts_a_path_on_the_gateway_itself(http, gw, provider):
 
 
 async def test_an_email_claim_cannot_take_over_another_account(http, gw, provider, admin):
-    victim = await asyncio.to_thread(gw.token, "boss@example.com", "admin")  # created by email, unclaimed
-    claimed = provider.mint("boss-real-sub", "boss@example.com", "Boss", None)
+    before = await asyncio.to_thread(gw.token, "boss@example.com", "admin")  # created by email, unclaimed
+    claimed = provider.mint("boss-real-sub", "boss@example.com", "Boss", None, email_verified=True)
     status, me = await userinfo(http, gw, claimed)
     assert status == 200 and me["subject"] == "boss-real-sub" and me["is_admin"]  # the first claim links it
-    thief = provider.mint("thief-sub", "boss@example.com", "Thief", None)
+    thief = provider.mint("thief-sub", "boss@example.com", "Thief", None, email_verified=True)
     assert await userinfo(http, gw, thief) == (401, {"message": "access denied"})
     assert (await userinfo(http, gw, claimed))[0] == 200
-    # the link is one-time: the CLI token minted before it named the old subject, a new one names the linked user
-    assert (await userinfo(http, gw, victim))[0] == 401
+    # the link is one-time and keeps the user: CLI tokens name the user's id, before the link and after it
+    status, me = await userinfo(http, gw, before)
+    assert status == 200 and me["subject"] == "boss-real-sub"
     fresh = await asyncio.to_thread(gw.token, "boss@example.com", "admin")
     status, me = await userinfo(http, gw, fresh)
     assert status == 200 and me["subject"] == "boss-real-sub"

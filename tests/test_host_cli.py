@@ -1,0 +1,98 @@
+"""The host's command line on a bad day (issue 12, item 14): a mistyped GATEWAYD_ variable, a command run
+outside the data dir, a password prompt without a terminal. Real ``gatewayd`` subprocesses, a real daemon."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import aiohttp
+import pytest
+
+from gatewayd.config import ConfigError, load_config
+from tests.conftest import BIN, Daemon, free_port
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAYD_")}
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_path_factory: pytest.TempPathFactory):
+    daemon = Daemon(tmp_path_factory.mktemp("hostcli") / "data").start()
+    yield daemon
+    assert daemon.stop() == 0
+
+
+def test_a_mistyped_variable_stops_the_daemon_like_a_mistyped_key(tmp_path):
+    data = tmp_path / "data"
+    env = clean_env(GATEWAYD_DATA_DIR=str(data), GATEWAYD_API_LISTEN=f"127.0.0.1:{free_port()}",
+                    GATEWAYD_LISTENERS_POSTGRES="", GATEWAYD_LISTENERS_SSH="", GATEWAYD_LISTENERS_RDP="",
+                    GATEWAYD_LISTENERS_HTTP="", GATEWAYD_LISTENER_POSTGRES="127.0.0.1:1")  # the typo: LISTENER
+    try:
+        result = subprocess.run([str(BIN / "gatewayd"), "run"], env=env, capture_output=True, text=True,
+                                timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("gatewayd ran with an unknown GATEWAYD_ variable")
+    assert result.returncode == 2, result.stderr
+    assert "GATEWAYD_LISTENER_POSTGRES: unknown setting (did you mean GATEWAYD_LISTENERS_POSTGRES?)" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not data.exists()
+
+
+def test_variables_that_are_not_settings_stay_accepted(tmp_path):
+    environ = {"GATEWAYD_CONFIG": "/etc/gatewayd/config.toml", "GATEWAYD_DATA_DIR": str(tmp_path),
+               "GATEWAYD_CLIENT_CONFIG": "/home/x/login.json", "GATEWAYD_URL": "https://gw.example",
+               "GATEWAYD_AUTH_OIDC_LINK_UNVERIFIED_EMAIL": "false"}
+    assert load_config(None, environ=environ).data_dir == tmp_path
+    with pytest.raises(ConfigError, match="GATEWAYD_DATADIR: unknown setting"):
+        load_config(None, environ={**environ, "GATEWAYD_DATADIR": "/x"})
+
+
+def test_a_cli_command_outside_the_data_dir_makes_no_store(gw, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    result = subprocess.run([str(BIN / "gatewayd"), "token", "create", "--email", "ops@example.com",
+                             "--groups", "admin"], env=clean_env(), cwd=elsewhere, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2 and not result.stdout, result
+    looked = elsewhere / "gatewayd-data" / "gatewayd.db"
+    assert f"no gateway store at {looked}" in result.stderr and "embedded defaults" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert list(elsewhere.iterdir()) == [], "the command created a store"
+
+    # GATEWAYD_DATA_DIR (as the systemd unit says) finds the daemon's store, and its token works there
+    result = subprocess.run([str(BIN / "gatewayd"), "token", "create", "--email", "ops@example.com",
+                             "--groups", "admin"], env=clean_env(GATEWAYD_DATA_DIR=str(gw.data_dir)),
+                            cwd=elsewhere, capture_output=True, text=True, timeout=60, check=True)
+    token = result.stdout.strip()
+
+    async def userinfo() -> int:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{gw.url}/userinfo", headers={"Authorization": f"Bearer {token}"}) as response:
+                return response.status
+
+    import asyncio
+
+    assert asyncio.run(userinfo()) == 200
+
+
+def test_user_passwd_without_a_terminal_says_use_password_stdin(gw):
+    result = subprocess.run([str(BIN / "gatewayd"), "user", "passwd", "--email", "ops@example.com",
+                             "--config", str(gw.config_path)], env=gw.env(), stdin=subprocess.DEVNULL,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result
+    assert "use --password-stdin" in result.stderr and "Traceback" not in result.stderr
+    ok = gw.cli("user", "passwd", "--email", "ops@example.com", "--password-stdin", input="long enough pw\n")
+    assert "password set" in ok.stderr
+
+
+def test_python_m_gatewayd_reaches_the_same_checks(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "gatewayd", "token", "create", "--email", "a@example.com"],
+                            env=clean_env(GATEWAYD_DATA_DIR=str(tmp_path / "none")), cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "no gateway store at" in result.stderr
+    assert "$GATEWAYD_DATA_DIR" in result.stderr and not (tmp_path / "none").exists()
