@@ -9,7 +9,7 @@ from aiohttp import web
 from control.auth import user_json
 from control.http import ApiError, Field, RouteSet, Schema, gateway_of, json_body, ok, require_admin
 from gatewayd.crypto import hash_password
-from gatewayd.models import User, email_problem, new_id
+from gatewayd.models import ADMIN_GROUP, User, email_problem, new_id
 from gatewayd.store import Conflict
 
 routes = RouteSet("User Management", audit="users")
@@ -111,6 +111,8 @@ async def delete_group(request: web.Request) -> web.Response:
     admin = require_admin(request)
     from gatewayd.store import NotFound
 
+    if request.match_info["name"] == ADMIN_GROUP:
+        raise ApiError(409, "the admin group cannot be deleted: it would demote every admin of the organization")
     try:
         await gateway_of(request).store.delete_group(admin.org_id, request.match_info["name"])
     except NotFound:

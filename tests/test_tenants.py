@@ -187,6 +187,21 @@ async def test_an_unverified_email_does_not_take_over_an_admin(http, single, pro
     assert status == 200 and me["subject"] == "boss-real-sub" and me["is_admin"]
 
 
+async def test_an_operator_may_allow_unverified_links_for_a_provider(http, provider, tmp_path):
+    """auth.oidc.link_unverified_email: for a provider that lets nobody register an address they do not own."""
+    daemon = Daemon(tmp_path / "data", {**_oidc(provider), "auth.oidc.link_unverified_email": True})
+    await asyncio.to_thread(daemon.start)
+    try:
+        await cli_token(daemon, "lead@corp.example", "admin")
+        token = provider.mint("lead-sub", "lead@corp.example", "Lead", None)
+        status, me = await call(http, daemon, "GET", "/userinfo", token)
+        assert status == 200 and me["subject"] == "lead-sub" and me["is_admin"]
+        # still a one-time link: another identity with the same e-mail is refused
+        assert await call(http, daemon, "GET", "/userinfo", provider.mint("other-sub", "lead@corp.example")) == DENIED
+    finally:
+        await asyncio.to_thread(daemon.stop)
+
+
 # --- 9. a deleted user's token stays dead ---------------------------------------------------------------------
 
 
@@ -215,6 +230,11 @@ async def test_the_last_admin_of_an_organization_cannot_lock_it_out(http, saas, 
         assert status == 409 and "last active admin" in answer["message"], (method, body, answer)
     status, me = await call(http, saas, "GET", "/userinfo", founder)
     assert status == 200 and me["is_admin"] and me["status"] == "active"
+
+    # nor by deleting the admin group, which would demote every admin at once
+    status, answer = await call(http, saas, "DELETE", "/users/groups/admin", founder)
+    assert status == 409 and "admin group" in answer["message"], answer
+    assert (await call(http, saas, "GET", "/users", founder))[0] == 200
 
     # once another active admin exists, stepping down is allowed
     status, body = await call(http, saas, "POST", "/users", founder,
