@@ -252,7 +252,7 @@ class Identity:
         if self.config["auth.multi_tenant"]:
             # the user was made by some organization's admin: linking would put the person in that organization
             raise AuthError("multi-tenant mode never links a sign-in to a user by e-mail")
-        if user.subject != user.email.lower() or claims.email.lower() != user.email.lower():
+        if user.federated or user.subject != user.email.lower() or claims.email.lower() != user.email.lower():
             raise AuthError("this email belongs to another identity")
         if claims.email_verified is not True and not self.config["auth.oidc.link_unverified_email"]:
             raise AuthError("the identity provider does not say this email is verified (email_verified)")
@@ -260,18 +260,20 @@ class Identity:
     async def sign_in(self, claims: Claims) -> User:
         """Find or create the user of ``claims``; merge the token's groups over the gateway's grants."""
         user = await self.store.get_user(subject=claims.subject)
-        if user is not None and user.subject == user.email.lower():
+        if user is not None and not user.federated and user.subject == user.email.lower():
             self._check_link(user, claims)  # a provider subject equal to a local user's e-mail is a link too
+            user.federated = True
+            await self.store.save_user(user)
         if user is None and not self.config["auth.multi_tenant"]:
             user = await self.store.get_user(email=claims.email)
             if user is not None:
                 self._check_link(user, claims)
-                user.subject = claims.subject
+                user.subject, user.federated = claims.subject, True
                 await self.store.save_user(user)
         if user is None:
             org_id = None if self.config["auth.multi_tenant"] else (await self.store.default_org()).id
-            user = User(id=new_id(), org_id=org_id, subject=claims.subject, email=claims.email,
-                        name=claims.name, picture=claims.picture, groups=sorted(set(claims.groups or [])))
+            user = User(id=new_id(), org_id=org_id, subject=claims.subject, email=claims.email, name=claims.name,
+                        picture=claims.picture, groups=sorted(set(claims.groups or [])), federated=True)
             return await self.store.save_user(user)
         changed = claims.groups is not None and user.sync_provider_groups(claims.groups)
         if claims.name and claims.name != user.name:

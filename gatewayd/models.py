@@ -87,6 +87,8 @@ class User:
     # The groups the gateway gave (CLI, API, /signup); an identity provider's groups are merged over them,
     # never in place of them.
     granted_groups: list[str] = field(default_factory=list)
+    # The subject is an identity provider's (signed up or linked by a sign-in), not an e-mail the gateway set.
+    federated: bool = False
 
     @property
     def is_admin(self) -> bool:

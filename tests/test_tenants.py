@@ -152,6 +152,23 @@ async def test_an_org_admin_cannot_capture_a_person_by_email(http, saas, provide
     assert status == 201 and body["org_id"] != attacker_org
 
 
+async def test_a_provider_using_emails_as_subjects_neither_captures_nor_locks_out(http, saas, provider):
+    # a person whose provider subject is their e-mail signs in again and again, and founds an organization
+    person = provider.mint("self@tenant.example", "self@tenant.example", "Self", None, email_verified=True)
+    for _ in range(2):
+        status, me = await call(http, saas, "GET", "/userinfo", person)
+        assert status == 200 and me["subject"] == "self@tenant.example", me
+    assert (await call(http, saas, "POST", "/signup", person, {"org_name": "self's"}))[0] == 201
+    assert (await call(http, saas, "GET", "/users", person))[0] == 200
+
+    # a user an admin created by e-mail is not taken through a subject equal to that e-mail
+    attacker, attacker_org = await found_org(http, saas, provider, "subjecttrap")
+    assert (await call(http, saas, "POST", "/users", attacker, {"email": "mark@corp.example"}))[0] == 201
+    mark = provider.mint("mark@corp.example", "mark@corp.example", "Mark", None, email_verified=True)
+    status, me = await call(http, saas, "GET", "/userinfo", mark)
+    assert status == 401 or me["org_id"] != attacker_org, me
+
+
 # --- 7. the founder's admin survives the provider's groups ---------------------------------------------------
 
 

@@ -273,6 +273,7 @@ CREATE TABLE ai_analyzer_rules (
 """),
     (6, """
 ALTER TABLE users ADD COLUMN operator INTEGER NOT NULL DEFAULT 0;
-ALTER TABLE users ADD COLUMN granted_groups TEXT NOT NULL DEFAULT '[]'
+ALTER TABLE users ADD COLUMN granted_groups TEXT NOT NULL DEFAULT '[]';
+ALTER TABLE users ADD COLUMN federated INTEGER NOT NULL DEFAULT 0
 """),
 ]

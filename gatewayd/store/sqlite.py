@@ -243,7 +243,7 @@ class SQLiteStore(Store):
             return None
         groups = [r[0] for r in await self._all(
             "SELECT group_name FROM user_groups WHERE user_id = ? ORDER BY group_name", (row["id"],))]
-        return self._build(User, row, groups=groups, operator=bool(row["operator"]))
+        return self._build(User, row, groups=groups, operator=bool(row["operator"]), federated=bool(row["federated"]))
 
     async def get_user(self, *, id: str | None = None, subject: str | None = None,
                        email: str | None = None) -> User | None:
@@ -263,7 +263,8 @@ class SQLiteStore(Store):
             "SELECT ug.user_id, ug.group_name FROM user_groups ug JOIN users u ON u.id = ug.user_id "
             "WHERE u.org_id = ? ORDER BY ug.group_name", (org_id,)):
             memberships.setdefault(r[0], []).append(r[1])
-        return [self._build(User, r, groups=memberships.get(r["id"], []), operator=bool(r["operator"])) for r in rows]
+        return [self._build(User, r, groups=memberships.get(r["id"], []), operator=bool(r["operator"]),
+                            federated=bool(r["federated"])) for r in rows]
 
     async def save_user(self, user: User) -> User:
         now = rfc3339(utcnow())
