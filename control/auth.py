@@ -33,7 +33,8 @@ SIGNUP = Schema("Signup", {"org_name": Field("string", True), "profile_name": Fi
 def user_json(user: User, org_name: str = "") -> dict:
     return {
         "id": user.id, "email": user.email, "name": user.name, "subject": user.subject, "status": user.status,
-        "groups": user.groups, "is_admin": user.is_admin, "is_auditor": user.is_auditor, "is_operator": user.operator, "org_id": user.org_id,
+        "groups": user.groups, "is_admin": user.is_admin, "is_auditor": user.is_auditor,
+        "is_operator": user.operator, "org_id": user.org_id,
         "org_name": org_name, "picture": user.picture, "slack_id": user.slack_id,
         "created_at": user.created_at, "updated_at": user.updated_at,
     }

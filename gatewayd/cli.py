@@ -119,13 +119,16 @@ def _cmd_user_passwd(args: argparse.Namespace) -> int:
 
 
 def _cmd_user_operator(args: argparse.Namespace) -> int:
-    _check_email(args.email)
+    if args.email:
+        _check_email(args.email)
     config = _load(args.config)
+    named = f"--email {args.email}" if args.email else f"--subject {args.subject}"
 
     async def action(gateway):  # type: ignore[no-untyped-def]
-        user = await gateway.store.get_user(email=args.email)
+        user = await (gateway.store.get_user(email=args.email) if args.email
+                      else gateway.store.get_user(subject=args.subject))
         if user is None:
-            raise ConfigError(f"--email {args.email}: no such user in the store at {config.store_path}")
+            raise ConfigError(f"{named}: no such user in the store at {config.store_path}")
         user.operator = not args.revoke
         await gateway.store.save_user(user)
         await gateway.audit.record(org_id=user.org_id or (await gateway.store.default_org()).id, actor=None,
@@ -134,7 +137,7 @@ def _cmd_user_operator(args: argparse.Namespace) -> int:
                                    payload={"email": user.email, "operator": user.operator, "via": "cli"})
 
     asyncio.run(_with_core(config, action))
-    print(f"{args.email} is {'no longer ' if args.revoke else ''}an operator", file=sys.stderr)
+    print(f"{args.email or args.subject} is {'no longer ' if args.revoke else ''}an operator", file=sys.stderr)
     return 0
 
 
@@ -200,7 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     passwd.set_defaults(func=_cmd_user_passwd)
     operator = user.add_parser("operator", help="make an existing user an operator of the whole gateway "
                                                 "(listeners, SSH host key), or --revoke it")
-    operator.add_argument("--email", required=True)
+    who = operator.add_mutually_exclusive_group(required=True)
+    who.add_argument("--email")
+    who.add_argument("--subject", help="the identity provider's subject, where one e-mail has several users "
+                                       "(multi-tenant mode)")
     operator.add_argument("--revoke", action="store_true")
     operator.add_argument("--config")
     operator.set_defaults(func=_cmd_user_operator)

@@ -120,6 +120,12 @@ async def test_a_signed_up_admin_cannot_read_or_change_gateway_settings(http, sa
     assert (await call(http, saas, "GET", "/serverconfig/misc", operator))[0] == 403
     await asyncio.to_thread(saas.cli, "user", "operator", "--email", "host-admin@ops.example")
     assert (await call(http, saas, "GET", "/serverconfig/misc", host_admin))[0] == 200
+    # an identity-provider user, named by its subject, made an operator on the host
+    assert (await call(http, saas, "GET", "/serverconfig/misc", founder))[0] == 403
+    await asyncio.to_thread(saas.cli, "user", "operator", "--subject", "mallory")
+    assert (await call(http, saas, "GET", "/serverconfig/misc", founder))[0] == 200
+    await asyncio.to_thread(saas.cli, "user", "operator", "--subject", "mallory", "--revoke")
+    assert (await call(http, saas, "GET", "/serverconfig/misc", founder))[0] == 403
 
 
 async def test_the_api_cannot_grant_the_operator_role(http, saas, provider):
