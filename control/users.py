@@ -7,7 +7,7 @@ import dataclasses
 from aiohttp import web
 
 from control.auth import user_json
-from control.http import ApiError, Field, RouteSet, Schema, gateway_of, json_body, ok, require_admin
+from control.http import ApiError, Field, RouteSet, Schema, gateway_of, json_body, ok, require_admin, user_of
 from gatewayd.crypto import hash_password
 from gatewayd.models import ADMIN_GROUP, User, email_problem, new_id
 from gatewayd.store import Conflict
@@ -37,6 +37,14 @@ async def _find(request: web.Request) -> User:
 def _check_email(body: dict) -> None:
     if body.get("email") is not None and (problem := email_problem(body["email"])):
         raise ApiError(422, f"field 'email': {problem}")
+
+
+def _guard_operator(request: web.Request, user: User) -> None:
+    """An operator's account (password, e-mail, status, deletion) is changed by operators only: an organization
+    admin who could reset it would log in as the operator."""
+    if user.operator and not gateway_of(request).identity.is_operator(user_of(request)):
+        raise ApiError(403, f"access denied: {user.email} is an operator of the gateway; only an operator may "
+                            "change or delete that account")
 
 
 async def _keep_an_admin(request: web.Request, user: User, after: User | None) -> None:
@@ -129,6 +137,7 @@ async def get(request: web.Request) -> web.Response:
 async def update(request: web.Request) -> web.Response:
     user = await _find(request)
     body = await json_body(request, USER_UPDATE)
+    _guard_operator(request, user)
     _check_email(body)
     before = dataclasses.replace(user, groups=list(user.groups))
     _apply(user, body)
@@ -143,6 +152,7 @@ async def update(request: web.Request) -> web.Response:
 @routes.delete("/users/{id}", "Delete a user", status=204)
 async def delete(request: web.Request) -> web.Response:
     user = await _find(request)
+    _guard_operator(request, user)
     await _keep_an_admin(request, user, None)
     await gateway_of(request).store.delete_user(user.id)
     return web.Response(status=204)

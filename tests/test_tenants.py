@@ -116,6 +116,13 @@ async def test_a_signed_up_admin_cannot_read_or_change_gateway_settings(http, sa
     assert status == 200 and misc["ssh_server_config"]["hosts_key"]
     status, info = await call(http, saas, "GET", "/serverinfo", operator)
     assert info["listeners"]["postgres"]["status"] == "running"
+    # an admin of the operator's organization cannot take the operator's account over (password, e-mail) nor delete it
+    for method, body in (("PUT", {"password": "taken-over-now"}), ("PUT", {"email": "mine@ops.example"}),
+                         ("DELETE", None)):
+        status, answer = await call(http, saas, method, "/users/root@ops.example", host_admin, body)
+        assert status == 403 and "operator" in answer["message"], (method, answer)
+    assert (await call(http, saas, "POST", "/localauth/login", None,
+                       {"email": "root@ops.example", "password": "taken-over-now"}))[0] == 401
     await asyncio.to_thread(saas.cli, "user", "operator", "--email", "root@ops.example", "--revoke")
     assert (await call(http, saas, "GET", "/serverconfig/misc", operator))[0] == 403
     await asyncio.to_thread(saas.cli, "user", "operator", "--email", "host-admin@ops.example")
