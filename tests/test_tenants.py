@@ -290,3 +290,22 @@ async def test_malformed_emails_are_refused(http, single, email):
                                      check=False)
     assert result.returncode == 2 and "--email" in result.stderr and not result.stdout, result
     assert "Traceback" not in result.stderr
+
+
+# --- grants and deleted groups ----------------------------------------------------------------------------------
+
+
+async def test_a_deleted_group_is_no_grant_any_more(tmp_path):
+    """Deleting a group also withdraws it from the grants, so the next provider sync does not bring it back."""
+    from gatewayd.identity import Claims
+    from tests.conftest import core_gateway
+
+    async with core_gateway(tmp_path) as gateway:
+        user = await gateway.identity.sign_in(Claims("g-sub", "g@corp.example", "G", ["ops"], email_verified=True))
+        user.grant_groups(["dev", "oncall"])
+        await gateway.store.save_user(user)
+        await gateway.store.delete_group(user.org_id, "oncall")
+        user = await gateway.identity.sign_in(Claims("g-sub", "g@corp.example", "G", ["ops"], email_verified=True))
+        assert (user.groups, user.granted_groups) == (["dev", "ops"], ["dev"])
+        stored = await gateway.store.get_user(id=user.id)
+        assert (stored.groups, stored.granted_groups, stored.federated) == (["dev", "ops"], ["dev"], True)
