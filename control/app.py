@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from control import (
     ai,
@@ -82,13 +83,26 @@ async def _echo_request_id(request: web.Request, response: web.StreamResponse) -
 
 
 @web.middleware
+async def body_size_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """A body declared larger than ``api.max_body_bytes`` is refused from its header, before any of it
+    is read (aiohttp would wait for the bytes to arrive first)."""
+    limit = request.app[GATEWAY].config["api.max_body_bytes"]
+    if request.content_length is not None and request.content_length > limit:
+        request[ERROR_MESSAGE] = f"request body too large: at most {limit} bytes"
+        response = web.json_response({"message": request[ERROR_MESSAGE]}, status=413)
+        response.force_close()
+        return response
+    return await handler(request)
+
+
+@web.middleware
 async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     """Every error leaves as ``{"message": ...}``."""
     try:
         return await handler(request)
     except ApiError as exc:
         request[ERROR_MESSAGE] = exc.message
-        return web.json_response({"message": exc.message}, status=exc.status)
+        return web.json_response({"message": exc.message}, status=exc.status, headers=exc.headers)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -97,6 +111,10 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         request[ERROR_MESSAGE] = message
         return web.json_response({"message": message}, status=exc.status, headers={
             k: v for k, v in exc.headers.items() if k.lower() == "allow"})
+    except (HttpProcessingError, ConnectionResetError) as exc:  # a body that broke off or does not parse
+        message = f"malformed request: {type(exc).__name__}"  # the client's fault: no traceback, no echo
+        request[ERROR_MESSAGE] = message
+        return web.json_response({"message": message}, status=400)
     except Exception:
         log.exception("unhandled API error", extra={"path": request.path, "method": request.method})
         request[ERROR_MESSAGE] = "internal server error"
@@ -163,7 +181,7 @@ def make_app(gateway: Gateway) -> web.Application:
     api[ROUTES] = docs
     api[ROUTE_DOC] = {doc.handler: doc for doc in docs}
 
-    root = web.Application(middlewares=[request_log_middleware, error_middleware],
+    root = web.Application(middlewares=[request_log_middleware, body_size_middleware, error_middleware],
                            client_max_size=gateway.config["api.max_body_bytes"])
     root[GATEWAY] = gateway
     root.on_response_prepare.append(_echo_request_id)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from aiohttp import web
@@ -20,7 +21,7 @@ from control.http import (
     ok,
     user_of,
 )
-from gatewayd.identity import AuthError
+from gatewayd.identity import AuthError, Throttled
 from gatewayd.models import User
 
 routes = RouteSet("Authentication", audit="auth")
@@ -83,9 +84,18 @@ async def local_login(request: web.Request) -> web.Response:
     body = await json_body(request, LOCAL_LOGIN)
     request[AUDIT_ACTOR_HINT] = body["email"]
     request[AUDIT_ACTION] = "auth.local_login"
+    gateway = gateway_of(request)
     try:
-        token = await gateway_of(request).identity.local_login(body["email"], body["password"])
-    except AuthError:
+        token = await gateway.identity.local_login(body["email"], body["password"], request.remote or "")
+    except Throttled as exc:
+        raise ApiError(429, str(exc), {"Retry-After": str(math.ceil(exc.retry_after))}) from None
+    except AuthError as exc:
+        if exc.blocked:  # throttling starts now: one entry per account or address and window, not one per try
+            await gateway.audit.record(
+                org_id=(await gateway.store.default_org()).id, actor=None, action="auth.throttle",
+                resource_type="auth", outcome="failure", actor_hint=body["email"], client_ip=request.remote or "",
+                error_message=f"too many refused logins: refused for {int(gateway.config['throttle.login_window'])} s",
+                payload={"throttled": exc.blocked})
         raise ApiError(401, "access denied") from None
     return ok({"token": token})
 

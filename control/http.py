@@ -26,10 +26,11 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 class ApiError(Exception):
     """An error answered as ``{"message": ...}`` with its status (by the error middleware)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.headers = headers or {}
 
 
 @dataclass(slots=True)

@@ -8,7 +8,6 @@ from aiohttp import web
 
 from control.auth import user_json
 from control.http import ApiError, Field, RouteSet, Schema, gateway_of, json_body, ok, require_admin, user_of
-from gatewayd.crypto import hash_password
 from gatewayd.models import ADMIN_GROUP, User, email_problem, new_id
 from gatewayd.store import Conflict
 
@@ -59,7 +58,8 @@ async def _keep_an_admin(request: web.Request, user: User, after: User | None) -
                             "(make another user an admin first)")
 
 
-def _apply(user: User, body: dict) -> None:
+async def _apply(request: web.Request, user: User, body: dict) -> None:
+    """Copy the body's fields onto ``user``; a new password is hashed off the event loop."""
     for name in ("email", "name", "status", "slack_id", "picture"):
         if body.get(name) is not None:
             setattr(user, name, body[name])
@@ -68,7 +68,7 @@ def _apply(user: User, body: dict) -> None:
     if body.get("password"):
         if len(body["password"]) < 8:
             raise ApiError(422, "field 'password': at least 8 characters")
-        user.password_hash = hash_password(body["password"])
+        user.password_hash = await gateway_of(request).identity.passwords.hash(body["password"])
 
 
 @routes.get("/users", "List the organization's users")
@@ -86,7 +86,7 @@ async def create(request: web.Request) -> web.Response:
     if await store.get_user(email=body["email"]):
         raise ApiError(409, f"a user with email {body['email']!r} already exists")
     user = User(id=new_id(), org_id=admin.org_id, subject=body["email"].lower(), email=body["email"])
-    _apply(user, body)
+    await _apply(request, user, body)
     try:
         await store.save_user(user)
     except Conflict:
@@ -140,7 +140,7 @@ async def update(request: web.Request) -> web.Response:
     _guard_operator(request, user)
     _check_email(body)
     before = dataclasses.replace(user, groups=list(user.groups))
-    _apply(user, body)
+    await _apply(request, user, body)
     await _keep_an_admin(request, before, user)
     try:
         await gateway_of(request).store.save_user(user)

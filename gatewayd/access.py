@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -10,6 +11,7 @@ from gatewayd.crypto import hash_secret, new_credential_secret
 from gatewayd.models import CONNECTION_KINDS, Connection, Credential, Session, User, new_id, parse_time, rfc3339, utcnow
 from gatewayd.sessions import session_for
 from gatewayd.store import Store
+from gatewayd.throttle import Throttle
 
 
 class AccessDenied(Exception):
@@ -47,9 +49,10 @@ def looks_like_secret(value: str) -> bool:
 class AccessService:
     """Issues credentials (stored only as SHA-256) and turns a presented secret into a grant."""
 
-    def __init__(self, store: Store, audit: AuditLog) -> None:
+    def __init__(self, store: Store, audit: AuditLog, throttle: Throttle | None = None) -> None:
         self.store = store
         self.audit = audit
+        self.throttle = throttle or Throttle(0, 0)  # refused secrets per client address
 
     async def issue(self, user: User, connection: Connection, duration_seconds: float,
                     review_id: str | None = None, session: Session | None = None,
@@ -78,6 +81,10 @@ class AccessService:
         Refusals and successes are audited as protocol logins; ``audit_success=False``
         is for a proxy re-checking a credential it already let in (refusals are still audited).
         """
+        address = f"address:{client_ip}" if client_ip else ""
+        wait = self.throttle.retry_after(address) if address else 0.0
+        if wait:  # refused without a lookup and without an audit entry each: one was written when it began
+            raise AccessDenied(f"too many refused credentials from this address: try again in {math.ceil(wait)} s")
         org = await self.store.default_org()
         credential = await self.store.get_credential(hash_secret(secret)) if secret else None
         user = await self.store.get_user(id=credential.user_id) if credential else None
@@ -102,6 +109,12 @@ class AccessService:
         await self._audit_login(credential.org_id if credential else org.id, user, credential, protocol,
                                 reason, client_ip)
         if reason:
+            if address and self.throttle.failed(address):
+                await self.audit.record(
+                    org_id=org.id, actor=None, action=f"{protocol}.throttle", resource_type="connection",
+                    outcome="failure", client_ip=client_ip,
+                    error_message=f"too many refused credentials from {client_ip}: refused for "
+                                  f"{int(self.throttle.window)} s", payload={"throttled": [address]})
             raise AccessDenied(reason)
         return AccessGrant(credential, user, connection)  # type: ignore[arg-type]
 

@@ -90,6 +90,12 @@ def _domain(value: Any, key: str) -> Any:
     return domain
 
 
+def _not_negative(value: Any, key: str) -> Any:
+    if value < 0:
+        raise ConfigError(f"{key}: must not be negative")
+    return value
+
+
 def _positive(value: Any, key: str) -> Any:
     if value <= 0:
         raise ConfigError(f"{key}: must be positive")
@@ -141,6 +147,10 @@ SETTINGS: dict[str, Setting] = {
     "sessions.flush_interval": Setting("duration", "1s"),
     "sessions.max_credential_duration": Setting("duration", "48h"),
     "sessions.exec_wait": Setting("duration", "50s"),
+    "throttle.login_failures": Setting("int", 10, _not_negative),
+    "throttle.login_window": Setting("duration", "5m"),
+    "throttle.credential_failures": Setting("int", 30, _not_negative),
+    "throttle.credential_window": Setting("duration", "1m"),
     "integrations.aws.use_instance_role": Setting("bool", False),
     "integrations.aws.regions": Setting("list", []),
     "integrations.aws.assume_role_name": Setting("str", "OrganizationAccountAccessRole"),

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import functools
 import hashlib
 import hmac
 import os
@@ -95,3 +97,30 @@ def verify_password(password: str, encoded: str | None) -> bool:
     except (ValueError, TypeError):
         return False
     return hmac.compare_digest(actual, expected)
+
+
+@functools.cache
+def _decoy_hash() -> str:
+    """A real scrypt hash of nothing anyone knows: an unknown e-mail is checked against it, so that it
+    costs what a known one costs (no timing oracle)."""
+    return hash_password(base64.b64encode(os.urandom(24)).decode())
+
+
+class PasswordWork:
+    """scrypt (about 50 ms of CPU each) in worker threads, at most ``limit`` at once: a login flood waits
+    here instead of stalling the event loop that every proxy shares."""
+
+    def __init__(self, limit: int = 2) -> None:
+        self._slots = asyncio.Semaphore(limit)
+
+    async def verify(self, password: str, encoded: str | None) -> bool:
+        """Whether ``password`` matches; a missing hash is checked against a decoy at the same cost."""
+        async with self._slots:
+            if not encoded:
+                await asyncio.to_thread(verify_password, password, await asyncio.to_thread(_decoy_hash))
+                return False
+            return await asyncio.to_thread(verify_password, password, encoded)
+
+    async def hash(self, password: str) -> str:
+        async with self._slots:
+            return await asyncio.to_thread(hash_password, password)

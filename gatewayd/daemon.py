@@ -31,6 +31,7 @@ from gatewayd.identity import Identity
 from gatewayd.discovery import AwsDiscovery, AwsSettings
 from gatewayd.evidence import Sealer
 from gatewayd.recording import RecordingService
+from gatewayd.throttle import Throttle
 from gatewayd.reviews import ReviewService
 from gatewayd.scripts import ScriptRunner
 from gatewayd.sessions import SessionManager
@@ -190,7 +191,8 @@ class Gateway:
         self.store = await open_store(self.config)
         self.audit = AuditLog(self.store)
         self.identity = Identity(self.config, self.store)
-        self.access = AccessService(self.store, self.audit)
+        self.access = AccessService(self.store, self.audit, Throttle(
+            self.config["throttle.credential_failures"], self.config["throttle.credential_window"]))
         self.recording = RecordingService(self.store, self.config["sessions.recording_cap_bytes"],
                                           self.config["sessions.flush_interval"], await Sealer.load(self.store))
         self.sessions = SessionManager(self.store, self.recording, self.audit)

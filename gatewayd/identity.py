@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import math
 import logging
 import secrets
 import time
@@ -18,7 +19,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from gatewayd.config import Config
-from gatewayd.crypto import verify_password
+from gatewayd.crypto import PasswordWork
+from gatewayd.throttle import Throttle
 from gatewayd.models import User, new_id
 from gatewayd.store import Store
 
@@ -33,7 +35,20 @@ _JWKS_MAX_AGE = 600
 
 
 class AuthError(Exception):
-    """Authentication failed; the API answers 401 ``access denied``."""
+    """Authentication failed; the API answers 401 ``access denied``. ``blocked``: throttle keys this
+    refusal blocked (``account:...``, ``address:...``), for one audit entry when throttling starts."""
+
+    def __init__(self, message: str, blocked: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.blocked = blocked or []
+
+
+class Throttled(AuthError):
+    """Too many refused logins for this account or address: try again in ``retry_after`` seconds."""
+
+    def __init__(self, retry_after: float) -> None:
+        super().__init__(f"too many refused logins: try again in {math.ceil(retry_after)} s")
+        self.retry_after = retry_after
 
 
 @dataclass(slots=True)
@@ -206,6 +221,8 @@ class Identity:
         self.oidc: OIDCProvider | None = None
         self._http: aiohttp.ClientSession | None = None
         self._pending: dict[str, _PendingLogin] = {}
+        self.passwords = PasswordWork()
+        self.login_throttle = Throttle(config["throttle.login_failures"], config["throttle.login_window"])
 
     async def start(self) -> None:
         self.local = await LocalIssuer.load(self.store)
@@ -306,11 +323,18 @@ class Identity:
         admins of the one organization are operators too."""
         return user.operator or (not self.config["auth.multi_tenant"] and user.is_admin)
 
-    async def local_login(self, email: str, password: str) -> str:
+    async def local_login(self, email: str, password: str, client_ip: str = "") -> str:
+        """A token for a right password. Refusals are counted per account and per client address: past
+        the limit both are refused (``Throttled``) without a password check until their window ends."""
+        keys = [f"account:{email.strip().lower()}"] + ([f"address:{client_ip}"] if client_ip else [])
+        wait = self.login_throttle.retry_after(*keys)
+        if wait:
+            raise Throttled(wait)
         user = await self.store.get_user(email=email)
-        if user is None or not verify_password(password, user.password_hash):
-            raise AuthError("wrong email or password")
-        if user.status != "active":
+        if not await self.passwords.verify(password, user.password_hash if user is not None else None):
+            raise AuthError("wrong email or password", blocked=self.login_throttle.failed(*keys))
+        self.login_throttle.succeeded(keys[0])
+        if user is None or user.status != "active":
             raise AuthError("inactive user")
         return self.issue_token(user)
 

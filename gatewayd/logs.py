@@ -10,6 +10,8 @@ import sys
 import uuid
 from datetime import datetime, timezone
 
+from aiohttp.http_exceptions import HttpProcessingError
+
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
 _SECRETS = re.compile(
     r"\b(?:pg|ssh|rdp|httpproxy)-[A-Za-z0-9_-]{43}(?![A-Za-z0-9_-])"  # connection credentials (may end in - or _)
@@ -73,6 +75,23 @@ class PlainFormatter(logging.Formatter):
         return scrub(line)
 
 
+class BriefBadRequests(logging.Filter):
+    """aiohttp logs a malformed request (bad bytes, an oversized line) at error level with a traceback;
+    anyone can send those, so they would flood the log: one short info line instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        while exc is not None and not isinstance(exc, HttpProcessingError):
+            exc = exc.__cause__ or exc.__context__
+        if exc is None:
+            return True
+        record.exc_info = record.exc_text = None
+        record.msg, record.args = "malformed HTTP request refused", ()
+        record.levelno, record.levelname = logging.INFO, "INFO"
+        record.reason = type(exc).__name__  # its message quotes the client's bytes: not for the log
+        return logging.getLogger().isEnabledFor(logging.INFO)
+
+
 def configure(fmt: str = "plain", level: str = "info") -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JSONFormatter() if fmt == "json" else PlainFormatter())
@@ -81,3 +100,5 @@ def configure(fmt: str = "plain", level: str = "info") -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    server = logging.getLogger("aiohttp.server")
+    server.filters[:] = [f for f in server.filters if not isinstance(f, BriefBadRequests)] + [BriefBadRequests()]
