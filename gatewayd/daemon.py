@@ -44,7 +44,13 @@ HOST_KEY_NAME = "ssh-host-key"
 
 
 class Listener(Protocol):
-    """A started protocol server; ``close`` stops accepting new connections."""
+    """A started protocol server; ``close`` stops accepting new connections.
+
+    ``close`` returns once the listening socket is closed and leaves the connections in progress
+    alone (a stopped listener does not cut its sessions; shutdown ends them through the session
+    manager).  It must not await ``asyncio.Server.wait_closed()``: since Python 3.12 that waits for
+    every accepted connection to end, which would hang a live restart and the shutdown.
+    """
 
     async def close(self) -> None: ...
 

@@ -19,8 +19,9 @@ class LineListener:
         self.server = server
 
     async def close(self) -> None:
+        # Stop accepting only.  No ``wait_closed()``: since Python 3.12 it waits for every connection
+        # accepted by this server to end, so a listener restart with sessions open would never return.
         self.server.close()
-        await self.server.wait_closed()
 
 
 async def start(gateway: Gateway, host: str, port: int) -> LineListener:
