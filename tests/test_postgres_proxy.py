@@ -579,11 +579,16 @@ async def test_target_backend_terminated_mid_query(gateway, api, admin):
     secret, session_id = await api.credential(role)
     connection = await connect(gateway, secret, server_settings={"application_name": "doomed"})
     query = asyncio.ensure_future(connection.fetchval("select pg_sleep(60)"))
-    for _ in range(100):
+    # Mid-query means inside pg_sleep: `query` shows the text from the Parse on, while asyncpg is still
+    # between its prepare and its execute; a FATAL landing there is asyncpg's own race (it fails with
+    # InternalClientError "cannot switch to state 12" straight to PostgreSQL too).
+    for _ in range(200):
         if await admin.fetchval("select count(*) from pg_stat_activity where application_name = 'doomed' "
-                                "and query = 'select pg_sleep(60)'"):
+                                "and wait_event = 'PgSleep'"):
             break
         await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("the query never started sleeping on the target")
     await admin.execute("select pg_terminate_backend(pid) from pg_stat_activity where application_name = 'doomed'")
     with pytest.raises((asyncpg.AdminShutdownError, asyncpg.ConnectionDoesNotExistError)):
         await asyncio.wait_for(query, 10)
@@ -593,6 +598,29 @@ async def test_target_backend_terminated_mid_query(gateway, api, admin):
     errors = of_kind(session, "e")
     assert errors[0] == "FATAL: terminating connection due to administrator command"
     assert errors[-1] == f'the target of connection "{role["name"]}" closed the connection unexpectedly'
+
+
+async def test_target_backend_terminated_between_prepare_and_execute(gateway, api, admin):
+    """The client idles after Parse/Describe/Flush (asyncpg's prepare): it gets the target's FATAL, then EOF."""
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+    client = await RawClient.open(gateway)
+    client.send(pg.encode_startup_message({"user": secret, "database": "postgres",
+                                           "application_name": "doomed-idle"}))
+    assert kinds(await client.until_ready())[-1] == "ReadyForQuery"
+    client.send(pg.encode_parse("", "select pg_sleep(60)"), pg.encode_describe("S"), pg.encode_flush())
+    answers = [await client.message() for _ in range(3)]
+    assert kinds(answers) == ["ParseComplete", "ParameterDescription", "RowDescription"]
+    await admin.execute("select pg_terminate_backend(pid) from pg_stat_activity "
+                        "where application_name = 'doomed-idle'")
+    messages = await client.rest()
+    client.close()
+    assert kinds(messages) == ["ErrorResponse"]  # as PostgreSQL itself: one FATAL, then the socket closes
+    assert (messages[0].severity, messages[0].sqlstate) == ("FATAL", "57P01")
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 254
+    assert of_kind(session, "e") == ["FATAL: terminating connection due to administrator command",
+                                     f'the target of connection "{role["name"]}" closed the connection unexpectedly']
 
 
 async def test_target_cluster_dying_mid_query_ends_the_session(gateway, api):
