@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 # extra in pyproject.toml lists what it really needs. docs/decisions.md (RDP proxy) says why.
 PYRDP := pyrdp-mitm==2.1.0
 
-.PHONY: run test peers bench clean
+.PHONY: run test test-matrix peers bench clean
 
 $(STAMP): pyproject.toml
 	@scripts/ensure-python.sh "$(PYTHON)"
@@ -25,6 +25,11 @@ run: $(STAMP)
 test: $(STAMP) peers
 	$(BIN)/pytest $(PYTEST_ARGS)
 
+## The whole suite once per supported Python (3.11, 3.12, 3.13: pyenv builds or python3.X on PATH),
+## each in its own .venv-3.X; says which versions ran and which are missing (REQUIRE_ALL=1: a failure).
+test-matrix:
+	@MAKE="$(MAKE)" scripts/test-matrix.sh
+
 peers:
 	@scripts/install-peers.sh
 
@@ -37,4 +42,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/rdp/bench_rdp.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-3.* build *.egg-info .pytest_cache
