@@ -6,8 +6,9 @@ STAMP := $(VENV)/.installed-stamp
 # The RDP proxy's man-in-the-middle, installed without its dependency pins (cryptography<42): the rdp
 # extra in pyproject.toml lists what it really needs. docs/decisions.md (RDP proxy) says why.
 PYRDP := pyrdp-mitm==2.1.0
+CONSOLE := control/console_static/vendor/.built-stamp
 
-.PHONY: run test test-matrix peers bench clean
+.PHONY: run test test-matrix peers bench clean console
 
 $(STAMP): pyproject.toml
 	@scripts/ensure-python.sh "$(PYTHON)"
@@ -17,12 +18,19 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --no-deps '$(PYRDP)'
 	@touch $@
 
+## The web console's terminal player from the npm registry (npm ci), beside the console's sources.
+## Without npm (and not root to install it) the daemon still runs; `/` then says how to build it.
+$(CONSOLE): console/package.json console/package-lock.json scripts/build-console.sh
+	@if scripts/build-console.sh; then touch $@; else echo "warning: web console not built (see above)" >&2; fi
+
+console: $(CONSOLE)
+
 ## Start the daemon on its embedded defaults (or CONFIG=file.toml).
-run: $(STAMP)
+run: $(STAMP) $(CONSOLE)
 	$(BIN)/gatewayd run $(if $(CONFIG),--config $(CONFIG))
 
 ## Install the real peers the suite needs (when root), then run the whole suite.
-test: $(STAMP) peers
+test: $(STAMP) $(CONSOLE) peers
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 ## The whole suite once per supported Python (3.11, 3.12, 3.13: pyenv builds or python3.X on PATH),
@@ -42,4 +50,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/rdp/bench_rdp.py
 
 clean:
-	rm -rf $(VENV) .venv-3.* build *.egg-info .pytest_cache
+	rm -rf $(VENV) .venv-3.* build *.egg-info .pytest_cache console/node_modules control/console_static/vendor

@@ -24,6 +24,7 @@ from control import (
     sessions,
     users,
 )
+from control.console import add_console
 from control.http import (
     AUDIT_ACTION,
     AUDIT_ACTOR_HINT,
@@ -169,7 +170,7 @@ async def audit_middleware(request: web.Request, handler: Any) -> web.StreamResp
 
 
 def make_app(gateway: Gateway) -> web.Application:
-    """The root application; every route lives under ``/api``."""
+    """The root application; every API route lives under ``/api``, the web console at ``/``."""
     api = web.Application(middlewares=[audit_middleware, error_middleware, auth_middleware],
                           client_max_size=gateway.config["api.max_body_bytes"])
     api[GATEWAY] = gateway
@@ -186,4 +187,5 @@ def make_app(gateway: Gateway) -> web.Application:
     root[GATEWAY] = gateway
     root.on_response_prepare.append(_echo_request_id)
     root.add_subapp("/api", api)
+    add_console(root)
     return root

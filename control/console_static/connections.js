@@ -1,0 +1,73 @@
+// Connections: get access (a credential and the command to paste), waiting for a jit review when one is needed.
+import {api} from "./api.js";
+import {h, mount, when, notice, select} from "./dom.js";
+
+const DURATIONS = [["900", "15 min"], ["1800", "30 min"], ["3600", "1 h"], ["14400", "4 h"]];
+
+export async function connectionsView({main}) {
+  const connections = await api("GET", "/connections");
+  mount(main, h("h1", {}, "Connections"),
+    h("table", {class: "grid", id: "connections"},
+      h("thead", {}, h("tr", {}, ["Name", "Protocol", "Review", "Access"].map((t) => h("th", {}, t)))),
+      h("tbody", {}, connections.map(row))));
+}
+
+function row(conn) {
+  const out = h("div", {class: "access"});
+  const length = select("duration", DURATIONS, "1800");
+  const button = h("button", {type: "button", class: "primary get-access", onclick: getAccess}, "Get access");
+  async function getAccess() {
+    button.disabled = true;
+    try {
+      const {status, body} = await api("POST", `/connections/${encodeURIComponent(conn.name)}/credentials`,
+        {body: {access_duration_seconds: parseInt(length.value, 10)}, as: "full"});
+      if (status === 202) pending(body);
+      else show(body);
+    } catch (err) {
+      mount(out, notice(err.message, "error"));
+    } finally {
+      button.disabled = false;
+    }
+  }
+  function pending(body) {
+    const check = h("button", {type: "button", class: "check-access", onclick: async () => {
+      try {
+        const {status, body: got} = await api("POST",
+          `/connections/${encodeURIComponent(conn.name)}/credentials/${encodeURIComponent(body.session_id)}`,
+          {body: {}, as: "full"});
+        if (status === 202) mount(waiting, notice(`Still waiting for review ${body.review_id}.`, "info"));
+        else show(got);
+      } catch (err) {
+        mount(waiting, notice(err.message, "error"));
+      }
+    }}, "Check again");
+    const waiting = h("div");
+    mount(out, notice(`Access needs a review: ${body.review_id} is pending (reviewers: ` +
+      `${(conn.reviewers || []).join(", ") || "their groups"}).`, "info"), check, waiting);
+  }
+  function show(cred) {
+    const c = cred.connection_credentials || {};
+    const command = c.connection_string ? `psql "${c.connection_string}"` : c.command || c.url || "";
+    const copy = h("button", {type: "button", class: "copy", onclick: async () => {
+      try {
+        await navigator.clipboard.writeText(command);
+        copy.textContent = "Copied";
+      } catch {
+        text.focus();
+        text.select();
+        copy.textContent = "Press Ctrl+C";
+      }
+    }}, "Copy");
+    const text = h("input", {class: "command mono", readonly: true, value: command, size: 60});
+    const extra = [["Host", c.hostname], ["Port", c.port], ["User", c.username], ["Header", c.header]]
+      .filter(([, v]) => v);
+    mount(out, h("div", {class: "credential"}, h("div", {class: "controls"}, text, copy),
+      h("p", {class: "muted"}, extra.map(([k, v]) => `${k}: ${v}`).join(" · "),
+        cred.expire_at ? ` · valid until ${when(cred.expire_at)}` : "")));
+  }
+  return h("tr", {dataset: {connection: conn.name}},
+    h("td", {}, conn.name),
+    h("td", {}, `${conn.subtype || conn.type}`),
+    h("td", {}, (conn.reviewers || []).length ? `by ${conn.reviewers.join(", ")}` : "none"),
+    h("td", {}, h("div", {class: "controls"}, length, button), out));
+}
