@@ -49,7 +49,7 @@ async function sshPlayer(el, session) {
   const screen = h("div", {id: "terminal", class: "terminal"});
   const playButton = h("button", {type: "button", id: "play"}, "Play");
   const speed = select("speed", SPEEDS, "1", {id: "speed"});
-  const seek = h("input", {type: "range", id: "seek", min: "0", max: "0", step: "0.01", value: "0"});
+  const seek = h("input", {type: "range", id: "seek", min: "0", max: "0", step: "any", value: "0"});
   const time = h("span", {id: "time", class: "mono"}, "0:00.000");
   let player = null;
   let playing = false;

@@ -1,0 +1,384 @@
+"""The web console in a real browser: Debian's headless Chromium driven by Playwright, against a real daemon
+with real PostgreSQL and SSH targets, sessions made by real psql and ssh clients through the gateway.
+
+Each page checks the browser log: no script error, no Content-Security-Policy violation. Screenshots go to
+the test's tmp dir, and to ``$GATEWAYD_TEST_SCREENSHOTS`` when that is set (for a person to look at).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import aiohttp
+import pytest
+
+from control.console import console_built
+from tests.apiclient import Api, postgres_env
+from tests.conftest import Daemon, free_port, wait_port
+from tests.pgpeer import PgCluster
+from tests.pgpeer import unavailable_reason as pg_unavailable
+from tests.sshpeer import CLIENT_OPTIONS, SshTarget
+from tests.sshpeer import unavailable_reason as ssh_unavailable
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run"]
+PASSWORDS = {"ada@example.com": "ada's console passphrase", "rita@example.com": "rita's console passphrase"}
+STATEMENTS = 40  # more than a page (25) of the statement table
+
+
+def _unavailable() -> str | None:
+    try:
+        import playwright.async_api  # noqa: F401
+    except ImportError:
+        return "playwright is not installed (pip install -e '.[test]')"
+    if not CHROMIUM.exists():
+        return "Debian's chromium is not installed (/usr/bin/chromium; tests/peers.txt)"
+    if not console_built():
+        return "the web console is not built (make console)"
+    return pg_unavailable() or ssh_unavailable()
+
+
+pytestmark = pytest.mark.skipif(_unavailable() is not None, reason=_unavailable() or "")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    target = PgCluster().start()
+    yield target
+    target.destroy()
+
+
+@pytest.fixture(scope="module")
+def sshd():
+    target = SshTarget().start()
+    yield target
+    target.destroy()
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    pg_port, ssh_port = free_port(), free_port()
+    daemon = Daemon(tmp_path_factory.mktemp("webconsole") / "data", {
+        "listeners.postgres": f"127.0.0.1:{pg_port}", "listeners.ssh": f"127.0.0.1:{ssh_port}",
+        "sessions.flush_interval": "100ms"}).start()
+    daemon.pg_port, daemon.ssh_port = pg_port, ssh_port
+    wait_port(pg_port, daemon.process, "gatewayd")
+    wait_port(ssh_port, daemon.process, "gatewayd")
+    daemon.cli("user", "passwd", "--email", "ada@example.com", "--groups", "admin,dba", "--password-stdin",
+               input=PASSWORDS["ada@example.com"] + "\n")
+    daemon.cli("user", "passwd", "--email", "rita@example.com", "--groups", "dev", "--password-stdin",
+               input=PASSWORDS["rita@example.com"] + "\n")
+    daemon.base = daemon.url.removesuffix("/api")
+    yield daemon
+    assert daemon.stop() == 0
+
+
+def psql(gateway: Daemon, secret: str, script: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+    return subprocess.run(["psql", "-X", "-At", "-v", "ON_ERROR_STOP=0",
+                           f"postgres://{secret}:any@127.0.0.1:{gateway.pg_port}/postgres?sslmode=disable"],
+                          input=script, capture_output=True, text=True, timeout=120, env=env)
+
+
+@pytest.fixture(scope="module")
+async def world(gateway, cluster, sshd) -> AsyncIterator[dict[str, Any]]:
+    """Connections and recorded sessions: rita's psql session (many statements, one error) and ada's ssh session
+    (one line, a pause, another line)."""
+    async with aiohttp.ClientSession() as http:
+        ada = Api(gateway, http, gateway.token("ada@example.com", groups="admin,dba"))
+        rita_token = gateway.token("rita@example.com", groups="dev")
+        pg = await ada.connection("pg", "database", "postgres", postgres_env(cluster))
+        jit = await ada.connection("pgjit", "database", "postgres", postgres_env(cluster), {"reviewers": ["dba"]})
+        ssh = await ada.connection("ssh", "custom", "ssh", {
+            "HOST": "127.0.0.1", "PORT": str(sshd.port), "USER": sshd.user, "PRIVATE_KEY": sshd.private_key_text},
+            {})
+
+        secret, pg_session = await ada.credential(pg, token=rita_token)
+        script = "".join(f"select {n} * 10 as value_{n};\n" for n in range(1, STATEMENTS)) + "select 1/0;\n"
+        done = psql(gateway, secret, script)
+        assert "division by zero" in done.stderr, done
+        await ada.done_session(pg_session)
+
+        secret, ssh_session = await ada.credential(ssh)
+        done = subprocess.run(["ssh", *CLIENT_OPTIONS, "-p", str(gateway.ssh_port), f"{secret}@127.0.0.1",
+                               "echo first-line; sleep 3; echo later-line"], capture_output=True, timeout=60,
+                              stdin=subprocess.DEVNULL)
+        assert done.returncode == 0 and b"later-line" in done.stdout, done
+        await ada.done_session(ssh_session)
+        yield {"pg": pg, "jit": jit, "ssh": ssh, "pg_session": pg_session, "ssh_session": ssh_session,
+                "ada": ada}
+
+
+@pytest.fixture(scope="module")
+async def browser():
+    from playwright.async_api import async_playwright
+
+    async with async_playwright() as playwright:
+        chromium = await playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield chromium
+        await chromium.close()
+
+
+class Screen:
+    """One person's browser window: a fresh context (own storage), its log, screenshots."""
+
+    def __init__(self, page: Any, gateway: Daemon, shots: Path) -> None:
+        self.page = page
+        self.gateway = gateway
+        self.shots = shots
+        self.log: list[str] = []
+        page.on("console", lambda m: self.log.append(f"{m.type}: {m.text}") if m.type in ("error", "warning")
+                else None)
+        page.on("pageerror", lambda e: self.log.append(f"pageerror: {e}"))
+
+    async def open(self, route: str = "") -> Any:
+        return await self.page.goto(f"{self.gateway.base}/{route}")
+
+    async def sign_in(self, email: str) -> None:
+        await self.open()
+        await self.page.fill("#sign-in input[name=email]", email)
+        await self.page.fill("#sign-in input[name=password]", PASSWORDS[email])
+        await self.page.click("#sign-in button[type=submit]")
+        await self.page.wait_for_selector("#me")
+
+    async def shot(self, name: str) -> None:
+        path = self.shots / f"{name}.png"
+        await self.page.screenshot(path=str(path), full_page=True)
+        if os.environ.get("GATEWAYD_TEST_SCREENSHOTS"):
+            folder = Path(os.environ["GATEWAYD_TEST_SCREENSHOTS"])
+            folder.mkdir(parents=True, exist_ok=True)
+            shutil.copy(path, folder / path.name)
+
+    def assert_clean_log(self, allowed: tuple[str, ...] = ()) -> None:
+        """No script error and no CSP violation; ``allowed``: expected failed loads (a refusal the page shows)."""
+        bad = [line for line in self.log if not any(a in line for a in allowed)]
+        assert not bad, bad
+
+
+@pytest.fixture
+async def screens(browser, gateway, tmp_path):
+    contexts = []
+
+    async def screen() -> Screen:
+        context = await browser.new_context(viewport={"width": 1280, "height": 860})
+        contexts.append(context)
+        return Screen(await context.new_page(), gateway, tmp_path)
+
+    yield screen
+    for context in contexts:
+        await context.close()
+
+
+async def test_page_is_served_with_a_strict_policy_and_assets_stay_in_their_folder(gateway):
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{gateway.base}/") as page:
+            assert page.status == 200 and "text/html" in page.headers["Content-Type"]
+            policy = page.headers["Content-Security-Policy"]
+            assert "default-src 'self'" in policy and "frame-ancestors 'none'" in policy
+            assert "unsafe-inline" not in policy and "'unsafe-eval'" not in policy
+            assert page.headers["X-Content-Type-Options"] == "nosniff"
+            html = await page.text()
+        assert "<script>" not in html and "style=" not in html and "http" not in html.replace("http-equiv", "")
+        async with http.get(f"{gateway.base}/console/vendor/asciinema-player.min.js") as player:
+            assert player.status == 200 and player.headers["Content-Type"].startswith("text/javascript")
+        for path in ("/console/../control/app.py", "/console/%2e%2e/control/app.py", "/console/../../etc/passwd",
+                     "/console/app.py"):
+            async with http.get(f"{gateway.base}{path}") as refused:
+                assert refused.status == 404, path
+        async with http.get(f"{gateway.url}/healthz") as health:  # the API is untouched
+            assert health.status == 200
+
+
+async def test_sign_in_find_a_session_and_sign_out(gateway, world, screens):
+    ada = await screens()
+    response = await ada.open()
+    assert response.headers["content-security-policy"].startswith("default-src 'self'")
+    await ada.page.fill("#sign-in input[name=email]", "ada@example.com")
+    await ada.page.fill("#sign-in input[name=password]", "not the password")
+    await ada.page.click("#sign-in button[type=submit]")
+    await ada.page.wait_for_selector("text=Wrong e-mail or password.")
+    await ada.sign_in("ada@example.com")
+    rows = ada.page.locator("#sessions tbody tr")
+    await rows.first.wait_for()
+    ids = await rows.evaluate_all("rows => rows.map(r => r.dataset.session)")
+    assert {world["pg_session"], world["ssh_session"]} <= set(ids)
+    await ada.shot("sessions")
+
+    await ada.page.fill("#session-filters input[name=connection]", world["ssh"]["name"])
+    await ada.page.click("#session-filters button[type=submit]")
+    await ada.page.wait_for_function("() => document.querySelectorAll('#sessions tbody tr').length === 1")
+    assert await rows.evaluate_all("rows => rows.map(r => r.dataset.session)") == [world["ssh_session"]]
+    assert f"connection={world['ssh']['name']}" in ada.page.url
+
+    await ada.page.reload()  # the token is kept across a reload
+    await ada.page.wait_for_selector(f"#sessions tr[data-session='{world['ssh_session']}']")
+    await ada.page.click("#sign-out")
+    await ada.page.wait_for_selector("#sign-in")
+    await ada.page.reload()
+    await ada.page.wait_for_selector("#sign-in")
+    ada.assert_clean_log(allowed=("status of 401",))
+
+
+async def test_a_token_from_the_oidc_callback_is_kept_and_taken_out_of_the_address(gateway, screens):
+    token = gateway.token("ada@example.com", groups="admin,dba")
+    ada = await screens()
+    await ada.open(f"?token={token}")  # where GET /api/callback sends the browser
+    await ada.page.wait_for_selector("#me")
+    assert await ada.page.text_content("#me") == "ada@example.com"
+    assert "token" not in ada.page.url and ada.page.url.endswith("/#/sessions")
+    await ada.page.reload()
+    await ada.page.wait_for_selector("#me")
+    ada.assert_clean_log()
+
+
+async def test_ssh_replay_shows_the_recorded_text_at_its_moment(gateway, world, screens):
+    status, cast = await world["ada"]("GET", f"/sessions/{world['ssh_session']}?event_stream=asciicast")
+    assert status == 200
+    events = [json.loads(line) for line in cast.splitlines()[1:]]
+    later = next(t for t, kind, text in events if kind == "o" and "later-line" in text)
+    first = next(t for t, kind, text in events if kind == "o" and "first-line" in text)
+    assert later - first > 2  # the pause of the recorded session
+
+    ada = await screens()
+    await ada.sign_in("ada@example.com")
+    await ada.open(f"#/sessions/{world['ssh_session']}")
+    terminal = ada.page.locator("#terminal")
+    await terminal.locator(".ap-term").wait_for()
+    await ada.page.wait_for_function("() => Number(document.querySelector('#seek').max) > 2")
+
+    async def seek(seconds: float) -> None:
+        await ada.page.eval_on_selector("#seek", "(el, v) => { el.value = v; el.dispatchEvent(new Event('input')); }",
+                                        str(seconds))
+
+    await seek((first + later) / 2)  # between the two lines: only the first is on the screen
+    await ada.page.wait_for_function(
+        "() => document.querySelector('#terminal').innerText.includes('first-line')")
+    assert "later-line" not in await terminal.inner_text()
+    await ada.shot("ssh-replay-between")
+    await seek(later + 0.2)
+    await ada.page.wait_for_function(
+        "() => document.querySelector('#terminal').innerText.includes('later-line')")
+    await ada.shot("ssh-replay-after")
+
+    await seek(0)  # played from the start at 8x, the second line comes by itself
+    await ada.page.select_option("#speed", "8")
+    await ada.page.click("#play")
+    await ada.page.wait_for_function(
+        "() => document.querySelector('#terminal').innerText.includes('later-line')")
+    ada.assert_clean_log()
+
+
+async def test_page_through_and_search_a_postgres_session(gateway, world, screens):
+    ada = await screens()
+    await ada.sign_in("ada@example.com")
+    await ada.open(f"#/sessions/{world['pg_session']}")
+    info = ada.page.locator("#statement-info")
+    await info.wait_for()
+    assert await info.text_content() == f"statements 1–25 of {STATEMENTS}"
+    first_page = await ada.page.locator("#statements tbody").inner_text()
+    assert "select 1 * 10 as value_1" in first_page and "10" in first_page and "value_26" not in first_page
+    await ada.shot("postgres-page-1")
+    await ada.page.click("#statement-next")
+    assert await info.text_content() == f"statements 26–{STATEMENTS} of {STATEMENTS}"
+    second_page = await ada.page.locator("#statements tbody").inner_text()
+    assert "select 26 * 10 as value_26" in second_page and "260" in second_page
+    assert await ada.page.is_disabled("#statement-next")
+
+    await ada.page.fill("#statement-search", "division")
+    assert await info.text_content() == f"statements 1–1 of 1 ({STATEMENTS} in all)"
+    row = ada.page.locator("#statements tbody tr.failed")
+    assert "select 1/0" in await row.inner_text() and "division by zero" in await row.inner_text()
+    await ada.shot("postgres-search")
+    ada.assert_clean_log()
+
+
+async def test_approving_a_review_makes_the_requesters_credential_usable(gateway, world, screens):
+    rita, ada = await screens(), await screens()
+    await rita.sign_in("rita@example.com")
+    await rita.open("#/connections")
+    row = rita.page.locator(f"#connections tr[data-connection='{world['jit']['name']}']")
+    await row.locator(".get-access").click()
+    await row.locator("text=Access needs a review").wait_for()
+    await row.locator(".check-access").click()
+    await row.locator("text=Still waiting for review").wait_for()
+    await rita.shot("access-pending")
+
+    await ada.sign_in("ada@example.com")
+    await ada.open("#/reviews")
+    card = ada.page.locator("article.review", has_text="rita@example.com")
+    await card.wait_for()
+    assert world["jit"]["name"] in await card.inner_text()
+    await ada.shot("review-queue")
+    await card.locator(".approve").click()
+    await card.locator("text=Review approved.").wait_for()
+    assert await card.locator(".revoke").count() == 1
+
+    await row.locator(".check-access").click()
+    command = row.locator("input.command")
+    await command.wait_for()
+    text = await command.input_value()
+    await rita.shot("access-granted")
+    secret = re.search(r"postgres://([^:]+):any@", text).group(1)
+    done = psql(gateway, secret, "select 'granted' || 6 * 7;\n")
+    assert done.returncode == 0 and done.stdout.strip() == "granted42", done
+    rita.assert_clean_log()
+    ada.assert_clean_log()
+
+
+async def test_a_regular_user_cannot_see_another_users_session(gateway, world, screens):
+    rita = await screens()
+    await rita.sign_in("rita@example.com")
+    rows = rita.page.locator("#sessions tbody tr")
+    await rows.first.wait_for()
+    ids = await rows.evaluate_all("rows => rows.map(r => r.dataset.session)")
+    assert world["pg_session"] in ids and world["ssh_session"] not in ids
+    assert await rita.page.locator("nav a", has_text="Audit log").count() == 0
+    await rita.open(f"#/sessions/{world['ssh_session']}")
+    await rita.page.wait_for_selector("text=access denied: this session belongs to another user")
+    await rita.shot("someone-elses-session")
+    await rita.open("#/audit")  # no link, and the API refuses it anyway
+    await rita.page.wait_for_selector("text=access denied")
+    rita.assert_clean_log(allowed=("status of 403",))
+
+
+async def test_guard_rail_regex_checked_as_you_type_and_saved_through_the_api(gateway, world, screens):
+    ada = await screens()
+    await ada.sign_in("ada@example.com")
+    await ada.open("#/guardrails/new")
+    await ada.page.fill("#guardrail-form input[name=name]", "no-secrets-web")
+    await ada.page.select_option("#guardrail-form select[name=connections]", world["pg"]["id"])
+    await ada.page.click("#input-rules + .add-rule")
+    value = ada.page.locator("#input-rules .rule-value")
+    check = ada.page.locator("#input-rules .rule-check")
+    await value.fill("(?<=x)y")
+    assert "not supported by RE2" in await check.text_content()
+    await value.fill("secret[0-9")
+    assert (await check.text_content()).startswith("✗")
+    await ada.shot("guardrail-invalid")
+    await value.fill(r"secret\d+")
+    assert await check.text_content() == "✓ valid syntax"
+    await ada.page.click("#guardrail-form button[type=submit]")
+    await ada.page.wait_for_selector("#guardrails tr[data-guardrail='no-secrets-web']")
+    status, rails = await world["ada"]("GET", "/guardrails")
+    saved = next(r for r in rails if r["name"] == "no-secrets-web")
+    assert saved["input"]["rules"] == [{"type": "pattern_match", "pattern_regex": r"secret\d+"}]
+    assert saved["connection_ids"] == [world["pg"]["id"]]
+    ada.assert_clean_log()
+
+
+async def test_audit_log_lists_what_happened_with_its_filters(gateway, world, screens):
+    ada = await screens()
+    await ada.sign_in("ada@example.com")
+    await ada.open("#/audit?outcome=failure")
+    table = ada.page.locator("#audit tbody")
+    await table.wait_for()
+    text = await table.inner_text()
+    assert "failure" in text and "success" not in text
+    await ada.shot("audit")
+    ada.assert_clean_log()
