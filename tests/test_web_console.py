@@ -95,6 +95,8 @@ async def world(gateway, cluster, sshd) -> AsyncIterator[dict[str, Any]]:
         rita_token = gateway.token("rita@example.com", groups="dev")
         pg = await ada.connection("pg", "database", "postgres", postgres_env(cluster))
         jit = await ada.connection("pgjit", "database", "postgres", postgres_env(cluster), {"reviewers": ["dba"]})
+        scripted = await ada.connection("pgrev", "database", "postgres", postgres_env(cluster),
+                                        {"reviewers": ["dba"], "jit_review": False})
         ssh = await ada.connection("ssh", "custom", "ssh", {
             "HOST": "127.0.0.1", "PORT": str(sshd.port), "USER": sshd.user, "PRIVATE_KEY": sshd.private_key_text},
             {})
@@ -111,7 +113,7 @@ async def world(gateway, cluster, sshd) -> AsyncIterator[dict[str, Any]]:
                               stdin=subprocess.DEVNULL)
         assert done.returncode == 0 and b"later-line" in done.stdout, done
         await ada.done_session(ssh_session)
-        yield {"pg": pg, "jit": jit, "ssh": ssh, "pg_session": pg_session, "ssh_session": ssh_session,
+        yield {"pg": pg, "jit": jit, "scripted": scripted, "rita_token": rita_token, "ssh": ssh, "pg_session": pg_session, "ssh_session": ssh_session,
                 "ada": ada}
 
 
@@ -327,6 +329,11 @@ async def test_approving_a_review_makes_the_requesters_credential_usable(gateway
     secret = re.search(r"postgres://([^:]+):any@", text).group(1)
     done = psql(gateway, secret, "select 'granted' || 6 * 7;\n")
     assert done.returncode == 0 and done.stdout.strip() == "granted42", done
+
+    await card.locator(".revoke").click()  # revoked: the same credential no longer gets in
+    await card.locator("text=Review revoked.").wait_for()
+    done = psql(gateway, secret, "select 'still in';\n")
+    assert done.returncode != 0 and "still in" not in done.stdout, done
     rita.assert_clean_log()
     ada.assert_clean_log()
 
@@ -382,3 +389,54 @@ async def test_audit_log_lists_what_happened_with_its_filters(gateway, world, sc
     assert "failure" in text and "success" not in text
     await ada.shot("audit")
     ada.assert_clean_log()
+
+
+async def test_a_script_review_shows_the_script_and_is_approved_with_a_time_window(gateway, world, screens):
+    status, asked = await world["ada"]("POST", "/sessions", {
+        "connection": world["scripted"]["name"], "script": "update accounts set frozen = true where id = 7;"},
+        token=world["rita_token"])
+    assert status == 202, asked
+    ada = await screens()
+    await ada.sign_in("ada@example.com")
+    await ada.open("#/reviews")
+    card = ada.page.locator(f"article.review[data-review='{asked['review_id']}']")
+    await card.locator("pre.script", has_text="update accounts set frozen = true where id = 7;").wait_for()
+    await card.locator("input[name=start_time]").fill("00:00")
+    await card.locator("input[name=end_time]").fill("23:59")
+    await ada.shot("script-review")
+    await card.locator(".approve").click()
+    await card.locator("text=Review approved.").wait_for()
+    status, review = await world["ada"]("GET", f"/reviews/{asked['review_id']}")
+    assert review["status"] == "APPROVED"
+    assert review["time_window"]["configuration"] == {"start_time": "00:00", "end_time": "23:59"}
+    assert await card.locator(".revoke").count() == 0  # the API revokes jit access only
+    ada.assert_clean_log()
+
+
+async def test_a_live_session_is_marked_and_its_owner_kills_it(gateway, world, screens):
+    status, body = await world["ada"]("POST", f"/connections/{world['ssh']['name']}/credentials",
+                                      {"access_duration_seconds": 600}, token=world["rita_token"])
+    assert status == 201, body
+    secret, session_id = body["connection_credentials"]["username"], body["session_id"]
+    held = subprocess.Popen(["ssh", *CLIENT_OPTIONS, "-p", str(gateway.ssh_port), f"{secret}@127.0.0.1",
+                             "echo held-open; sleep 300"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL)
+    try:
+        assert held.stdout.readline() == b"held-open\n"
+        rita = await screens()
+        await rita.sign_in("rita@example.com")
+        row = rita.page.locator(f"#sessions tr[data-session='{session_id}']")
+        await row.locator(".badge.live").wait_for()
+        await rita.open(f"#/sessions/{session_id}")
+        rita.page.on("dialog", lambda dialog: dialog.accept())
+        await rita.page.click("#kill")
+        await rita.page.wait_for_selector("text=Session killed.")
+        await rita.shot("session-killed")
+        assert held.wait(60) != 0
+        session = await world["ada"].done_session(session_id, timeout=30)
+        assert session["status"] == "done"
+        rita.assert_clean_log()
+    finally:
+        if held.poll() is None:
+            held.kill()
+            held.wait()

@@ -44,7 +44,7 @@ function reviewCard(review, me) {
       statusBadge.textContent = updated.status;
       statusBadge.className = `badge ${updated.status.toLowerCase()}`;
       mount(messages, notice(`Review ${updated.status.toLowerCase()}.`, "ok"));
-      mount(buttons, updated.status === "APPROVED" ? revoke() : null);
+      mount(buttons, updated.status === "APPROVED" && review.type === "jit" ? revoke() : null);
     } catch (err) {
       mount(messages, notice(err.message, "error"));
     }
@@ -57,7 +57,7 @@ function reviewCard(review, me) {
       review.type !== "jit" ? h("span", {class: "window"}, "Time window (UTC, optional) ", from, " – ", to) : null,
       h("button", {type: "button", class: "primary approve", onclick: () => decide("APPROVED")}, "Approve"),
       h("button", {type: "button", class: "reject", onclick: () => decide("REJECTED")}, "Reject"));
-  } else if (review.status === "APPROVED") {
+  } else if (review.status === "APPROVED" && review.type === "jit") {  // the API revokes jit access only
     mount(buttons, revoke());
   }
   const groups = review.review_groups_data.map((g) =>
