@@ -43,8 +43,9 @@ without it.</p></body></html>
 """
 
 
-def console_built(static: Path = STATIC) -> bool:
+def console_built(static: Path | None = None) -> bool:
     """Whether the console's files and its player are all there."""
+    static = static or STATIC
     return (static / "index.html").is_file() and all((static / "vendor" / name).is_file() for name in VENDOR_FILES)
 
 

@@ -7,6 +7,7 @@ the test's tmp dir, and to ``$GATEWAYD_TEST_SCREENSHOTS`` when that is set (for 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -20,7 +21,7 @@ import pytest
 
 from control.console import console_built
 from tests.apiclient import Api, postgres_env
-from tests.conftest import Daemon, free_port, wait_port
+from tests.conftest import BIN, Daemon, free_port, wait_port
 from tests.pgpeer import PgCluster
 from tests.pgpeer import unavailable_reason as pg_unavailable
 from tests.sshpeer import CLIENT_OPTIONS, SshTarget
@@ -63,11 +64,11 @@ def sshd():
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
-    pg_port, ssh_port = free_port(), free_port()
+    pg_port, ssh_port, rdp_port = free_port(), free_port(), free_port()
     daemon = Daemon(tmp_path_factory.mktemp("webconsole") / "data", {
         "listeners.postgres": f"127.0.0.1:{pg_port}", "listeners.ssh": f"127.0.0.1:{ssh_port}",
-        "sessions.flush_interval": "100ms"}).start()
-    daemon.pg_port, daemon.ssh_port = pg_port, ssh_port
+        "listeners.rdp": f"127.0.0.1:{rdp_port}", "sessions.flush_interval": "100ms"}).start()
+    daemon.pg_port, daemon.ssh_port, daemon.rdp_port = pg_port, ssh_port, rdp_port
     wait_port(pg_port, daemon.process, "gatewayd")
     wait_port(ssh_port, daemon.process, "gatewayd")
     daemon.cli("user", "passwd", "--email", "ada@example.com", "--groups", "admin,dba", "--password-stdin",
@@ -440,3 +441,67 @@ async def test_a_live_session_is_marked_and_its_owner_kills_it(gateway, world, s
         if held.poll() is None:
             held.kill()
             held.wait()
+
+
+@pytest.fixture(scope="module")
+def rdp_peers(tmp_path_factory):
+    """An Xvfb desktop (the -retro pattern) shared by freerdp-shadow-cli, and a display for xfreerdp."""
+    from tests.test_rdp_proxy import PEER_TOOLS, Peers
+
+    missing = [tool for tool in PEER_TOOLS if shutil.which(tool) is None]
+    if missing or not (BIN / "pyrdp-mitm").exists():
+        pytest.skip(f"RDP peers or the rdp extra missing ({', '.join(missing) or 'pyrdp-mitm'})")
+    found = Peers(tmp_path_factory.mktemp("webconsole-rdp"))
+    try:
+        desktop = found.display("xvfb-target", "1024x768x24", "-retro")
+        found.client_display = found.display("xvfb-client", "1280x800x24")
+        found.shadow_port = found.shadow(desktop, "shadow", "-auth", "/sec:tls")
+        yield found
+    finally:
+        found.stop()
+
+
+async def test_step_play_and_seek_through_rdp_frames(gateway, world, rdp_peers, screens):
+    ada_api = world["ada"]
+    wait_port(gateway.rdp_port, gateway.process, "gatewayd (rdp)")
+    connection = await ada_api.connection("rdp", "custom", "rdp", {
+        "HOST": "127.0.0.1", "PORT": str(rdp_peers.shadow_port), "USER": "alice", "PASS": "Tgt-pass-7c1e9d"})
+    secret, session_id = await ada_api.credential(connection)
+    client = subprocess.Popen(
+        ["xfreerdp", f"/v:127.0.0.1:{gateway.rdp_port}", "/cert:ignore", f"/u:{secret}", f"/p:{secret}",
+         "/size:1024x768", "/bpp:16"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={"PATH": os.environ["PATH"], "HOME": str(rdp_peers.home), "DISPLAY": f":{rdp_peers.client_display}"})
+    try:
+        for _ in range(600):  # until a screenful is recorded (a wait, not a timing assertion)
+            status, page = await ada_api("GET", f"/sessions/{session_id}/rdp-frames?limit=1")
+            if status == 200 and page["total_frames"] >= 60:
+                break
+            assert client.poll() is None, "xfreerdp ended early"
+            await asyncio.sleep(0.1)
+    finally:
+        client.terminate()
+        client.wait(30)
+    await ada_api.done_session(session_id, timeout=30)
+    status, page = await ada_api("GET", f"/sessions/{session_id}/rdp-frames?limit=1")
+    total = page["total_frames"]
+
+    ada = await screens()
+    await ada.sign_in("ada@example.com")
+    await ada.open(f"#/sessions/{session_id}")
+    image = ada.page.locator("#frame[data-frame='0']")
+    await image.wait_for()
+    assert (await ada.page.text_content("#frame-info")).startswith(f"frame 1 of {total} at ")
+    await ada.page.click("#frame-next")
+    await ada.page.locator("#frame[data-frame='1']").wait_for()
+    await ada.page.eval_on_selector("#frame-seek", "(el, v) => { el.value = v; el.dispatchEvent(new Event('input')); }",
+                                    str(total - 1))
+    await ada.page.locator(f"#frame[data-frame='{total - 1}']").wait_for()
+    size = await ada.page.eval_on_selector("#frame", "img => [img.naturalWidth, img.naturalHeight]")
+    assert size == [1024, 768]  # the whole composed screen, fetched with the token and shown as a blob
+    await ada.shot("rdp-last-frame")
+    await ada.page.eval_on_selector("#frame-seek", "(el) => { el.value = 0; el.dispatchEvent(new Event('input')); }")
+    await ada.page.locator("#frame[data-frame='0']").wait_for()
+    await ada.page.select_option("#frame-speed", "8")
+    await ada.page.click("#frame-play")  # plays on by itself, frame after frame
+    await ada.page.wait_for_function("() => Number(document.querySelector('#frame').dataset.frame) >= 5")
+    ada.assert_clean_log()
