@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 
 from control.console import console_built
-from tests.apiclient import Api, postgres_env
+from tests.apiclient import Api, events, postgres_env
 from tests.conftest import BIN, Daemon, free_port, wait_port
 from tests.pgpeer import PgCluster
 from tests.pgpeer import unavailable_reason as pg_unavailable
@@ -64,13 +64,15 @@ def sshd():
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
-    pg_port, ssh_port, rdp_port = free_port(), free_port(), free_port()
+    pg_port, ssh_port, rdp_port, http_port = free_port(), free_port(), free_port(), free_port()
     daemon = Daemon(tmp_path_factory.mktemp("webconsole") / "data", {
         "listeners.postgres": f"127.0.0.1:{pg_port}", "listeners.ssh": f"127.0.0.1:{ssh_port}",
-        "listeners.rdp": f"127.0.0.1:{rdp_port}", "sessions.flush_interval": "100ms"}).start()
-    daemon.pg_port, daemon.ssh_port, daemon.rdp_port = pg_port, ssh_port, rdp_port
+        "listeners.rdp": f"127.0.0.1:{rdp_port}", "listeners.http": f"127.0.0.1:{http_port}",
+        "sessions.flush_interval": "100ms"}).start()
+    daemon.pg_port, daemon.ssh_port, daemon.rdp_port, daemon.http_port = pg_port, ssh_port, rdp_port, http_port
     wait_port(pg_port, daemon.process, "gatewayd")
     wait_port(ssh_port, daemon.process, "gatewayd")
+    wait_port(http_port, daemon.process, "gatewayd")
     daemon.cli("user", "passwd", "--email", "ada@example.com", "--groups", "admin,dba", "--password-stdin",
                input=PASSWORDS["ada@example.com"] + "\n")
     daemon.cli("user", "passwd", "--email", "rita@example.com", "--groups", "dev", "--password-stdin",
@@ -228,16 +230,32 @@ async def test_sign_in_find_a_session_and_sign_out(gateway, world, screens):
     ada.assert_clean_log(allowed=("status of 401",))
 
 
-async def test_a_token_from_the_oidc_callback_is_kept_and_taken_out_of_the_address(gateway, screens):
-    token = gateway.token("ada@example.com", groups="admin,dba")
-    ada = await screens()
-    await ada.open(f"?token={token}")  # where GET /api/callback sends the browser
-    await ada.page.wait_for_selector("#me")
-    assert await ada.page.text_content("#me") == "ada@example.com"
-    assert "token" not in ada.page.url and ada.page.url.endswith("/#/sessions")
-    await ada.page.reload()
-    await ada.page.wait_for_selector("#me")
-    ada.assert_clean_log()
+async def test_single_sign_on_keeps_the_token_and_takes_it_out_of_the_address(tmp_path_factory, screens):
+    from tests.oidc_provider import OIDCProvider
+
+    provider = await OIDCProvider().start()
+    sso = Daemon(tmp_path_factory.mktemp("webconsole-sso") / "data", {
+        "auth.issuer": "oidc", "auth.oidc.issuer_url": provider.url, "auth.oidc.client_id": provider.client_id,
+        "auth.oidc.client_secret": provider.client_secret})
+    try:
+        await asyncio.to_thread(sso.start)  # the provider answers on this loop meanwhile
+        sso.base = sso.url.removesuffix("/api")
+        provider.set_user("olga-sub", "olga@example.com", "Olga", ["auditor"])
+        olga = await screens()
+        olga.gateway = sso
+        await olga.open()
+        await olga.page.click("#sso")  # the gateway's /api/login, the provider, /api/callback, then /?token=
+        await olga.page.wait_for_selector("#me")
+        assert await olga.page.text_content("#me") == "olga@example.com"
+        assert "token" not in olga.page.url and olga.page.url == f"{sso.base}/#/sessions"
+        assert "auditor" in await olga.page.text_content("#whoami")
+        await olga.page.reload()  # kept across a reload
+        await olga.page.wait_for_selector("#me")
+        await olga.shot("signed-in-with-sso")
+        olga.assert_clean_log()
+    finally:
+        await asyncio.to_thread(sso.stop)
+        await provider.stop()
 
 
 async def test_ssh_replay_shows_the_recorded_text_at_its_moment(gateway, world, screens):
@@ -504,4 +522,41 @@ async def test_step_play_and_seek_through_rdp_frames(gateway, world, rdp_peers, 
     await ada.page.select_option("#frame-speed", "8")
     await ada.page.click("#frame-play")  # plays on by itself, frame after frame
     await ada.page.wait_for_function("() => Number(document.querySelector('#frame').dataset.frame) >= 5")
+    ada.assert_clean_log()
+
+
+async def test_an_http_session_lists_its_exchanges(gateway, world, screens):
+    from tests.test_http_proxy import start_target
+
+    target, port = start_target()
+    try:
+        ada_api = world["ada"]
+        connection = await ada_api.connection("web", "httpproxy", "httpproxy",
+                                              {"REMOTE_URL": f"http://127.0.0.1:{port}"})
+        status, body = await ada_api("POST", f"/connections/{connection['name']}/credentials",
+                                     {"access_duration_seconds": 600})
+        assert status == 201, body
+        access, session_id = body["connection_credentials"], body["session_id"]
+        base = f"http://127.0.0.1:{gateway.http_port}"
+        for args in ([f"{base}/text?say=hello-from-curl"],
+                     ["-X", "POST", "--data-binary", "posted-body-text", f"{base}/echo/form"]):
+            done = subprocess.run(["curl", "-sS", "-f", "-o", "/dev/null", "-H", access["header"], *args],
+                                  capture_output=True, timeout=60)
+            assert done.returncode == 0, done
+        await ada_api.session(session_id, until=lambda s: sum(k == "o" for k, _ in events(s)) == 2)
+    finally:
+        target.terminate()
+        target.wait(10)
+    ada = await screens()
+    await ada.sign_in("ada@example.com")
+    await ada.open(f"#/sessions/{session_id}")
+    exchanges = ada.page.locator("#exchanges > li")
+    await exchanges.first.wait_for()
+    assert await exchanges.count() == 2
+    first, second = exchanges.nth(0), exchanges.nth(1)
+    assert "GET /text?say=hello-from-curl" in await first.locator("summary").inner_text()
+    assert "200" in await first.locator("summary").inner_text()
+    await second.locator("summary").click()
+    assert "posted-body-text" in await second.locator("pre").first.inner_text()
+    await ada.shot("http-exchanges")
     ada.assert_clean_log()
