@@ -200,6 +200,19 @@ async def test_page_is_served_with_a_strict_policy_and_assets_stay_in_their_fold
             assert health.status == 200
 
 
+async def test_the_policy_refuses_inline_scripts_and_the_log_shows_it(gateway, screens):
+    """The page's CSP is enforced by the browser, and a violation reaches the log these tests check."""
+    page = await screens()
+    await page.open()
+    await page.page.wait_for_selector("#sign-in")
+    page.assert_clean_log()
+    async with page.page.expect_console_message(lambda m: "Content Security Policy" in m.text):
+        await page.page.evaluate("""() => { const s = document.createElement('script');
+            s.textContent = 'window.injected = 1'; document.body.append(s); }""")
+    assert await page.page.evaluate("() => window.injected") is None
+    assert any("Content Security Policy" in line for line in page.log), page.log
+
+
 async def test_sign_in_find_a_session_and_sign_out(gateway, world, screens):
     ada = await screens()
     response = await ada.open()
