@@ -342,6 +342,13 @@ async def test_approving_a_review_makes_the_requesters_credential_usable(gateway
     await row.locator(".check-access").click()
     await row.locator("text=Still waiting for review").wait_for()
     await rita.shot("access-pending")
+    await rita.open("#/reviews")  # her own request: listed, nothing for her to decide
+    mine = rita.page.locator("article.review", has_text=world["jit"]["name"])
+    await mine.locator("text=Waiting for its reviewers.").wait_for()
+    assert await mine.locator(".approve").count() == 0
+    await rita.open("#/connections")  # the pending request is found again (GET /reviews), not forgotten
+    row = rita.page.locator(f"#connections tr[data-connection='{world['jit']['name']}']")
+    await row.locator("text=Access needs a review").wait_for()
 
     await ada.sign_in("ada@example.com")
     await ada.open("#/reviews")

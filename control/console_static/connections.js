@@ -4,15 +4,22 @@ import {h, mount, when, notice, select} from "./dom.js";
 
 const DURATIONS = [["900", "15 min"], ["1800", "30 min"], ["3600", "1 h"], ["14400", "4 h"]];
 
-export async function connectionsView({main}) {
-  const connections = await api("GET", "/connections");
+export async function connectionsView({me, main}) {
+  const [connections, reviews] = await Promise.all([api("GET", "/connections"), api("GET", "/reviews",
+    {query: {type: "jit"}})]);
+  // my newest jit request per connection that may still give access: shown again after a reload
+  const asked = new Map();
+  for (const r of reviews) {
+    if (r.review_owner.id === me.id && ["PENDING", "APPROVED"].includes(r.status) &&
+        !asked.has(r.review_connection.name)) asked.set(r.review_connection.name, r);
+  }
   mount(main, h("h1", {}, "Connections"),
     h("table", {class: "grid", id: "connections"},
       h("thead", {}, h("tr", {}, ["Name", "Protocol", "Review", "Access"].map((t) => h("th", {}, t)))),
-      h("tbody", {}, connections.map(row))));
+      h("tbody", {}, connections.map((conn) => row(conn, asked.get(conn.name))))));
 }
 
-function row(conn) {
+function row(conn, request) {
   const out = h("div", {class: "access"});
   const length = select("duration", DURATIONS, "1800");
   const button = h("button", {type: "button", class: "primary get-access", onclick: getAccess}, "Get access");
@@ -42,7 +49,9 @@ function row(conn) {
       }
     }}, "Check again");
     const waiting = h("div");
-    mount(out, notice(`Access needs a review: ${body.review_id} is pending (reviewers: ` +
+    const approved = body.review && body.review.status === "APPROVED";
+    mount(out, notice(approved ? `Your access request ${body.review_id} is approved: get its credential.` :
+      `Access needs a review: ${body.review_id} is pending (reviewers: ` +
       `${(conn.reviewers || []).join(", ") || "their groups"}).`, "info"), check, waiting);
   }
   function show(cred) {
@@ -65,6 +74,7 @@ function row(conn) {
       h("p", {class: "muted"}, extra.map(([k, v]) => `${k}: ${v}`).join(" · "),
         cred.expire_at ? ` · valid until ${when(cred.expire_at)}` : "")));
   }
+  if (request) pending({session_id: request.session_id, review_id: request.id, review: request});
   return h("tr", {dataset: {connection: conn.name}},
     h("td", {}, conn.name),
     h("td", {}, `${conn.subtype || conn.type}`),

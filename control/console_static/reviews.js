@@ -52,7 +52,9 @@ function reviewCard(review, me) {
   const revoke = () => h("button", {type: "button", class: "danger revoke", onclick: () => decide("REVOKED")}, "Revoke");
   const buttons = h("div", {class: "actions"});
   const mine = review.review_owner.id === me.id;
-  if (review.status === "PENDING") {
+  if (review.status === "PENDING" && mine && !me.is_admin) {  // the API refuses to let you approve your own
+    mount(buttons, h("span", {class: "muted"}, "Waiting for its reviewers."));
+  } else if (review.status === "PENDING") {
     mount(buttons,
       review.type !== "jit" ? h("span", {class: "window"}, "Time window (UTC, optional) ", from, " – ", to) : null,
       h("button", {type: "button", class: "primary approve", onclick: () => decide("APPROVED")}, "Approve"),
