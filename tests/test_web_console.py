@@ -393,6 +393,22 @@ async def test_a_regular_user_cannot_see_another_users_session(gateway, world, s
     rita.assert_clean_log(allowed=("status of 403",))
 
 
+async def test_an_auditor_reads_every_session_but_changes_nothing(gateway, world, screens):
+    audrey = await screens()
+    await audrey.open(f"?token={gateway.token('audrey@example.com', groups='auditor')}")
+    rows = audrey.page.locator("#sessions tbody tr")
+    await rows.first.wait_for()
+    ids = await rows.evaluate_all("rows => rows.map(r => r.dataset.session)")
+    assert {world["pg_session"], world["ssh_session"]} <= set(ids)  # everyone's sessions
+    await audrey.open(f"#/sessions/{world['pg_session']}")
+    await audrey.page.locator("#statement-info").wait_for()
+    assert await audrey.page.locator("nav a", has_text="Audit log").count() == 0  # the audit log is admins'
+    await audrey.open("#/guardrails")
+    await audrey.page.locator("#guardrails").wait_for()
+    assert await audrey.page.locator("#new-guardrail").count() == 0
+    audrey.assert_clean_log()
+
+
 async def test_guard_rail_regex_checked_as_you_type_and_saved_through_the_api(gateway, world, screens):
     ada = await screens()
     await ada.sign_in("ada@example.com")
