@@ -2,7 +2,7 @@
 with real PostgreSQL and SSH targets, sessions made by real psql and ssh clients through the gateway.
 
 Each page checks the browser log: no script error, no Content-Security-Policy violation. Screenshots go to
-the test's tmp dir, and to ``$GATEWAYD_TEST_SCREENSHOTS`` when that is set (for a person to look at).
+the test's tmp dir, and to ``$TEST_SCREENSHOTS_DIR`` when that is set (for a person to look at).
 """
 
 from __future__ import annotations
@@ -155,8 +155,8 @@ class Screen:
     async def shot(self, name: str) -> None:
         path = self.shots / f"{name}.png"
         await self.page.screenshot(path=str(path), full_page=True)
-        if os.environ.get("GATEWAYD_TEST_SCREENSHOTS"):
-            folder = Path(os.environ["GATEWAYD_TEST_SCREENSHOTS"])
+        if os.environ.get("TEST_SCREENSHOTS_DIR"):
+            folder = Path(os.environ["TEST_SCREENSHOTS_DIR"])
             folder.mkdir(parents=True, exist_ok=True)
             shutil.copy(path, folder / path.name)
 
