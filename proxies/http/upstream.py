@@ -40,7 +40,9 @@ class TargetProtocol(BaseProtocol):
     resume that follows no pause costs nothing. The answer to a HEAD is its
     head alone: some servers (aiohttp's own ``StreamResponse`` among them)
     send a body after it, which the parser would read as a malformed next
-    response; those bytes are dropped and the connection is not reused.
+    response; those bytes are dropped, and a connection that answered a HEAD
+    is never reused (the body may come in a later segment, after the answer
+    was handed on, where nothing can tell it from the next answer).
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -71,8 +73,11 @@ class TargetProtocol(BaseProtocol):
         await self._drain_helper()
 
     def expect(self, head_only: bool) -> None:
-        """Get ready for the next answer (``head_only``: the answer to a HEAD, no body)."""
+        """Get ready for the next answer (``head_only``: the answer to a HEAD, no body; the connection
+        goes once that answer is done)."""
         self.head_only = head_only
+        if head_only:
+            self.should_close = True
         if self._with_body is not (not head_only):
             self._parser = HttpResponseParser(
                 self, self._loop, READ_BUFSIZE, payload_exception=ClientPayloadError,
