@@ -36,6 +36,7 @@ from control.http import (
     USER,
     ApiError,
     RouteDoc,
+    check_parameters,
     gateway_of,
 )
 from gatewayd.daemon import Gateway
@@ -144,6 +145,15 @@ async def auth_middleware(request: web.Request, handler: Any) -> web.StreamRespo
 
 
 @web.middleware
+async def parameters_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """The route's query and path parameters, checked against its declaration (types, bounds, enums)."""
+    doc = _route_doc(request)
+    if doc is not None:
+        check_parameters(request, doc)
+    return await handler(request)
+
+
+@web.middleware
 async def audit_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     """One audit entry per mutating call, and one per refusal (401/403) of any call."""
     response = await handler(request)
@@ -171,7 +181,7 @@ async def audit_middleware(request: web.Request, handler: Any) -> web.StreamResp
 
 def make_app(gateway: Gateway) -> web.Application:
     """The root application; every API route lives under ``/api``, the web console at ``/``."""
-    api = web.Application(middlewares=[audit_middleware, error_middleware, auth_middleware],
+    api = web.Application(middlewares=[audit_middleware, error_middleware, auth_middleware, parameters_middleware],
                           client_max_size=gateway.config["api.max_body_bytes"])
     api[GATEWAY] = gateway
     docs: list[RouteDoc] = []

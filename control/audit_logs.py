@@ -6,13 +6,22 @@ from datetime import datetime, timezone
 
 from aiohttp import web
 
-from control.http import ApiError, Param, RouteSet, gateway_of, ok, query_int, require_admin
+from control.http import ApiError, Field, Param, RouteSet, Schema, gateway_of, ok, query_int, require_admin
+from control.schemas import OPT_TEXT, TEXT
 from gatewayd.models import rfc3339
 from gatewayd.store import AuditFilter
 
 routes = RouteSet("Audit Logs", audit="audit")
 
 OUTCOMES = ("success", "failure")
+MAX_PAGE = 10**12  # page * page_size stays far below what the store can count to
+ENTRY_OUT = Schema("AuditEntry", {
+    "id": TEXT, "org_id": TEXT, "actor_subject": OPT_TEXT, "actor_email": OPT_TEXT, "actor_name": OPT_TEXT,
+    "created_at": TEXT, "resource_type": TEXT, "action": TEXT, "http_method": TEXT, "http_path": TEXT,
+    "http_status": Field("integer", True, minimum=0, maximum=999), "client_ip": TEXT,
+    "request_payload_redacted": Field("any", True), "outcome": Field("string", True, enum=OUTCOMES),
+    "error_message": TEXT,
+})
 
 
 def parse_moment(raw: str | None, name: str, end_of_day: bool = False) -> str | None:
@@ -33,20 +42,19 @@ def parse_moment(raw: str | None, name: str, end_of_day: bool = False) -> str | 
 
 
 @routes.get("/audit/logs", "Security audit log, newest first (admin only)", query=[
-    Param("page", "integer"), Param("page_size", "integer"), Param("actor", description="subject or email"),
-    Param("resource_type"), Param("action"), Param("outcome", description="success or failure"),
-    Param("created_after"), Param("created_before")])
+    Param("page", "integer", minimum=1, maximum=MAX_PAGE), Param("page_size", "integer", minimum=1, maximum=100),
+    Param("actor", description="subject or email"), Param("resource_type"), Param("action"),
+    Param("outcome", description="success or failure", enum=OUTCOMES),
+    Param("created_after"), Param("created_before")], response=Schema("AuditPage", {
+        "pages": Field("object", True, schema=Schema("AuditPages", {
+            "total": Field("integer", True, minimum=0), "page": Field("integer", True, minimum=1, maximum=MAX_PAGE),
+            "size": Field("integer", True, minimum=1, maximum=100)})),
+        "data": Field("array", True, items=ENTRY_OUT)}))
 async def list_logs(request: web.Request) -> web.Response:
     admin = require_admin(request)
     page = query_int(request, "page", 1)
     size = query_int(request, "page_size", 50)
-    if page < 1:
-        raise ApiError(422, "query parameter 'page': must be 1 or more")
-    if not 1 <= size <= 100:
-        raise ApiError(422, "query parameter 'page_size': must be between 1 and 100")
     outcome = request.query.get("outcome") or None
-    if outcome and outcome not in OUTCOMES:
-        raise ApiError(422, "query parameter 'outcome': must be success or failure")
     query = AuditFilter(
         org_id=admin.org_id, actor=request.query.get("actor") or None,
         resource_type=request.query.get("resource_type") or None, action=request.query.get("action") or None,

@@ -30,6 +30,17 @@ LOCAL_LOGIN = Schema("LocalLogin", {"email": Field("string", True), "password": 
 SIGNUP = Schema("Signup", {"org_name": Field("string", True), "profile_name": Field("string"),
                            "profile_picture": Field("string")})
 
+_TEXT = Field("string", True)
+USER_FIELDS_OUT = {
+    "id": _TEXT, "email": _TEXT, "name": _TEXT, "subject": _TEXT, "status": _TEXT,
+    "groups": Field("array", True, items="string"), "is_admin": Field("boolean", True),
+    "is_auditor": Field("boolean", True), "org_id": Field("string", True, nullable=True), "org_name": _TEXT,
+    "picture": _TEXT, "slack_id": _TEXT, "created_at": _TEXT, "updated_at": _TEXT,
+}
+USER_OUT = Schema("User", USER_FIELDS_OUT)
+USERINFO_OUT = Schema("UserInfo", {**USER_FIELDS_OUT, "tenancy_type": Field("string", True,
+                                                                            enum=("multitenant", "selfhosted"))})
+
 
 def user_json(user: User, org_name: str = "") -> dict:
     return {
@@ -48,7 +59,8 @@ def _with_token(url: str, token: str) -> str:
 
 
 @routes.get("/login", "Authorization URL of the identity provider (state and PKCE)", public=True,
-            query=[Param("redirect", description="where to send the browser with ?token= after login")])
+            query=[Param("redirect", description="where to send the browser with ?token= after login")],
+            response=Schema("LoginUrl", {"login_url": _TEXT}))
 async def login(request: web.Request) -> web.Response:
     gateway = gateway_of(request)
     redirect = request.query.get("redirect") or f"{gateway.config.public_url}/"
@@ -60,7 +72,7 @@ async def login(request: web.Request) -> web.Response:
 
 
 @routes.get("/callback", "Receives the authorization code and redirects with a token", public=True,
-            query=[Param("code"), Param("state"), Param("error")])
+            query=[Param("code"), Param("state"), Param("error")], status=302)
 async def callback(request: web.Request) -> web.StreamResponse:
     gateway = gateway_of(request)
     if request.query.get("error"):
@@ -79,7 +91,8 @@ async def callback(request: web.Request) -> web.StreamResponse:
     raise web.HTTPFound(_with_token(redirect, token))
 
 
-@routes.post("/localauth/login", "Local login with email and password", body=LOCAL_LOGIN, public=True)
+@routes.post("/localauth/login", "Local login with email and password", body=LOCAL_LOGIN, public=True,
+             response=Schema("Token", {"token": _TEXT}))
 async def local_login(request: web.Request) -> web.Response:
     body = await json_body(request, LOCAL_LOGIN)
     request[AUDIT_ACTOR_HINT] = body["email"]
@@ -100,7 +113,7 @@ async def local_login(request: web.Request) -> web.Response:
     return ok({"token": token})
 
 
-@routes.get("/userinfo", "The authenticated user")
+@routes.get("/userinfo", "The authenticated user", response=USERINFO_OUT)
 async def userinfo(request: web.Request) -> web.Response:
     user = user_of(request)
     org = await gateway_of(request).store.get_org(user.org_id) if user.org_id else None
@@ -110,7 +123,8 @@ async def userinfo(request: web.Request) -> web.Response:
 
 
 @routes.post("/signup", "Create an organization for an authenticated user without one (multi-tenant only)",
-             body=SIGNUP, status=201)
+             body=SIGNUP, status=201, response=Schema("SignupResult", {
+                 "org_id": _TEXT, "org_name": _TEXT, "profile_name": _TEXT, "profile_picture": _TEXT}))
 async def signup(request: web.Request) -> web.Response:
     gateway = gateway_of(request)
     if not gateway.config["auth.multi_tenant"]:

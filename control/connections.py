@@ -13,12 +13,14 @@ from control.http import (
     Field,
     RouteSet,
     Schema,
+    array_of,
     gateway_of,
     json_body,
     ok,
     require_admin,
     user_of,
 )
+from control.schemas import JIT_PENDING_OUT
 from gatewayd.access import credential_prefix
 from gatewayd.config import split_listen
 from gatewayd.models import Connection, User, new_id, rfc3339, utcnow
@@ -35,9 +37,28 @@ CONNECTION_FIELDS = {
     "reviewers": Field("array", items="string", description="groups that review access (settings.reviewers)"),
 }
 CONNECTION = Schema("Connection", CONNECTION_FIELDS)
-CREDENTIALS = Schema("CredentialsRequest", {"access_duration_seconds": Field("integer")})
+MAX_DURATION_SECONDS = 10 * 366 * 86400  # ten years: the longest access anyone may ask for or configure
+CREDENTIALS = Schema("CredentialsRequest", {"access_duration_seconds": Field(
+    "integer", minimum=1, maximum=MAX_DURATION_SECONDS,
+    description="seconds; at most sessions.max_credential_duration, or the connection's longest jit access")})
 DEFAULT_ACCESS_SECONDS = 3600
 DEFAULT_JIT_SECONDS = 1800  # the spec's default jit access_duration (30 minutes)
+
+_TEXT = Field("string", True)
+_STRINGS = Field("array", True, items="string")
+CONNECTION_OUT = Schema("ConnectionOut", {
+    "id": _TEXT, "name": _TEXT, "type": _TEXT, "subtype": _TEXT, "resource_name": _TEXT, "agent_id": _TEXT,
+    "command": _STRINGS, "tags": Field("object", True), "settings": Field("object", True), "reviewers": _STRINGS,
+    "created_at": _TEXT, "updated_at": _TEXT, "secret": Field("object", description="admins only"),
+})
+NATIVE_ACCESS = Schema("ConnectionCredentials", {
+    name: Field("string") for name in ("hostname", "port", "username", "password", "database_name",
+                                       "connection_string", "command", "proxy_token", "url", "header")})
+CREDENTIALS_OUT = Schema("Credentials", {
+    "id": _TEXT, "connection_name": _TEXT, "connection_type": _TEXT, "connection_subtype": _TEXT,
+    "session_id": _TEXT, "review_id": Field("string"), "expire_at": _TEXT, "created_at": _TEXT,
+    "has_review": Field("boolean", True), "connection_credentials": Field("object", True, schema=NATIVE_ACCESS),
+})
 
 
 def connection_json(conn: Connection, viewer: User) -> dict[str, Any]:
@@ -89,14 +110,14 @@ async def find_connection(request: web.Request) -> Connection:
     return conn
 
 
-@routes.get("/connections", "List connections")
+@routes.get("/connections", "List connections", response=array_of(CONNECTION_OUT))
 async def list_connections(request: web.Request) -> web.Response:
     user = user_of(request)
     conns = await gateway_of(request).store.list_connections(user.org_id)
     return ok([connection_json(c, user) for c in conns])
 
 
-@routes.post("/connections", "Create a connection", body=CONNECTION, status=201)
+@routes.post("/connections", "Create a connection", body=CONNECTION, status=201, response=CONNECTION_OUT)
 async def create(request: web.Request) -> web.Response:
     admin = require_admin(request)
     body = await json_body(request, CONNECTION)
@@ -108,12 +129,12 @@ async def create(request: web.Request) -> web.Response:
     return ok(connection_json(conn, admin), status=201)
 
 
-@routes.get("/connections/{name}", "A connection by name or id")
+@routes.get("/connections/{name}", "A connection by name or id", response=CONNECTION_OUT)
 async def get(request: web.Request) -> web.Response:
     return ok(connection_json(await find_connection(request), user_of(request)))
 
 
-@routes.put("/connections/{name}", "Replace a connection", body=CONNECTION)
+@routes.put("/connections/{name}", "Replace a connection", body=CONNECTION, response=CONNECTION_OUT)
 async def update(request: web.Request) -> web.Response:
     admin = require_admin(request)
     existing = await find_connection(request)
@@ -164,7 +185,7 @@ def native_access(gateway: Any, conn: Connection, secret: str) -> dict[str, Any]
 
 
 @routes.post("/connections/{name}/credentials", "Short-lived credentials for native access", body=CREDENTIALS,
-             status=201, audit="credentials")
+             status=201, audit="credentials", response=CREDENTIALS_OUT, other_responses={202: JIT_PENDING_OUT})
 async def create_credentials(request: web.Request) -> web.Response:
     user = user_of(request)
     conn = await find_connection(request)

@@ -6,7 +6,19 @@ from typing import Any
 
 from aiohttp import web
 
-from control.http import ApiError, Field, RouteSet, Schema, gateway_of, json_body, ok, require_admin, user_of
+from control.http import (
+    ApiError,
+    Field,
+    RouteSet,
+    Schema,
+    array_of,
+    gateway_of,
+    json_body,
+    ok,
+    require_admin,
+    user_of,
+)
+from control.schemas import OBJECT, STRINGS, TEXT
 from gatewayd.guardrails import RuleError, validate_guardrail
 from gatewayd.models import GuardRail, new_id, rfc3339, utcnow
 from gatewayd.store import Conflict
@@ -24,6 +36,11 @@ GUARDRAIL = Schema("GuardRail", {
     "connection_ids": Field("array", items="string"), "input": Field("object", schema=RULES),
     "output": Field("object", schema=RULES),
 })
+
+
+GUARDRAIL_OUT = Schema("GuardRailOut", {
+    "id": TEXT, "name": TEXT, "description": TEXT, "attributes": STRINGS, "connection_ids": STRINGS,
+    "input": OBJECT, "output": OBJECT, "created_at": TEXT, "updated_at": TEXT})
 
 
 def guardrail_json(rule: GuardRail) -> dict[str, Any]:
@@ -57,13 +74,13 @@ async def _find(request: web.Request) -> GuardRail:
     return rule
 
 
-@routes.get("/guardrails", "List guard rail rules")
+@routes.get("/guardrails", "List guard rail rules", response=array_of(GUARDRAIL_OUT))
 async def list_guardrails(request: web.Request) -> web.Response:
     rules = await gateway_of(request).store.list_guardrails(user_of(request).org_id)
     return ok([guardrail_json(r) for r in rules])
 
 
-@routes.post("/guardrails", "Create a guard rail rule", body=GUARDRAIL, status=201)
+@routes.post("/guardrails", "Create a guard rail rule", body=GUARDRAIL, status=201, response=GUARDRAIL_OUT)
 async def create(request: web.Request) -> web.Response:
     admin = require_admin(request)
     body = await _checked(request, admin.org_id)
@@ -82,12 +99,13 @@ async def create(request: web.Request) -> web.Response:
     return ok(guardrail_json(rule), status=201)
 
 
-@routes.get("/guardrails/{id}", "A guard rail rule")
+@routes.get("/guardrails/{id}", "A guard rail rule", response=GUARDRAIL_OUT)
 async def get(request: web.Request) -> web.Response:
     return ok(guardrail_json(await _find(request)))
 
 
-@routes.put("/guardrails/{id}", "Replace a guard rail rule and its connection list", body=GUARDRAIL)
+@routes.put("/guardrails/{id}", "Replace a guard rail rule and its connection list", body=GUARDRAIL,
+            response=GUARDRAIL_OUT)
 async def update(request: web.Request) -> web.Response:
     admin = require_admin(request)
     rule = await _find(request)

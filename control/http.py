@@ -19,6 +19,7 @@ AUDIT_ACTION = web.RequestKey("audit_action", str)
 AUDIT_ACTOR_HINT = web.RequestKey("audit_actor_hint", str)
 ERROR_MESSAGE = web.RequestKey("error_message", str)
 AUTH_FAILURE = web.RequestKey("auth_failure", str)
+PARAMETERS = web.RequestKey("parameters", dict)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -35,7 +36,11 @@ class ApiError(Exception):
 
 @dataclass(slots=True)
 class Field:
-    """One JSON field: its type (``string``, ``integer``, ``boolean``, ``object``, ``array``)."""
+    """One JSON field: its type (``string``, ``integer``, ``boolean``, ``object``, ``array``) and bounds.
+
+    Every ``integer`` field names its ``minimum`` and ``maximum`` (the OpenAPI document shows them and a test
+    checks that none is missing); ``min_length`` bounds strings and arrays.
+    """
 
     type: str
     required: bool = False
@@ -44,6 +49,10 @@ class Field:
     description: str = ""
     enum: tuple[str, ...] = ()
     schema: "Schema | None" = None  # for objects with known fields
+    minimum: int | None = None
+    maximum: int | None = None
+    min_length: int | None = None
+    any_of: tuple["Schema", ...] = ()  # a response that is one of these objects
 
 
 @dataclass(slots=True)
@@ -55,9 +64,14 @@ class Schema:
 
 @dataclass(slots=True)
 class Param:
+    """A query (or path) parameter, checked before the handler runs: integers within bounds, strings in ``enum``."""
+
     name: str
     type: str = "string"
     description: str = ""
+    minimum: int | None = None
+    maximum: int | None = None
+    enum: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)
@@ -74,6 +88,9 @@ class RouteDoc:
     status: int = 200
     public: bool = False
     audit: str = ""  # resource type for the audit log; default: the tag
+    response: "Field | None" = None  # the success body; None for 204 and non-JSON answers
+    path_params: list[Param] = field(default_factory=list)  # those not named here are strings
+    other_responses: dict[int, "Field"] = field(default_factory=dict)  # e.g. a 202 beside the 201
 
 
 class RouteSet:
@@ -86,10 +103,12 @@ class RouteSet:
 
     def route(self, method: str, path: str, summary: str, *, body: Schema | None = None,
               query: list[Param] | None = None, status: int = 200, public: bool = False,
-              audit: str = "") -> Callable[[Handler], Handler]:
+              audit: str = "", response: "Field | Schema | None" = None, path_params: list[Param] | None = None,
+              other_responses: dict[int, "Field | Schema"] | None = None) -> Callable[[Handler], Handler]:
         def register(handler: Handler) -> Handler:
             self.routes.append(RouteDoc(method, path, summary, self.tag, handler, body, query or [], status,
-                                        public, audit or self.audit))
+                                        public, audit or self.audit, as_field(response), path_params or [],
+                                        {k: as_field(v) for k, v in (other_responses or {}).items()}))
             return handler
 
         return register
@@ -105,6 +124,16 @@ class RouteSet:
 
     def delete(self, path: str, summary: str, **kw: Any) -> Callable[[Handler], Handler]:
         return self.route("DELETE", path, summary, **kw)
+
+
+def as_field(value: "Field | Schema | None") -> "Field | None":
+    """A response described by a schema is an object field of that schema."""
+    return Field("object", True, schema=value) if isinstance(value, Schema) else value
+
+
+def array_of(item: "Schema | str") -> Field:
+    """A response (or field) that is a JSON array of ``item``."""
+    return Field("array", True, items=item)
 
 
 _PY_TYPES: dict[str, tuple[type, ...]] = {
@@ -123,6 +152,11 @@ def _check(value: Any, spec: Field, where: str) -> None:
         raise ApiError(422, f"field '{where}': expected {spec.type}, got {type(value).__name__}")
     if spec.enum and value not in spec.enum:
         raise ApiError(422, f"field '{where}': must be one of {', '.join(spec.enum)}")
+    if spec.type == "integer":
+        _check_bounds(value, spec.minimum, spec.maximum, f"field '{where}'")
+    if spec.min_length is not None and spec.type in ("string", "array") and len(value) < spec.min_length:
+        unit = "character" if spec.type == "string" else "item"
+        raise ApiError(422, f"field '{where}': at least {spec.min_length} {unit}{'s' if spec.min_length > 1 else ''}")
     if spec.type == "array" and spec.items is not None:
         for index, item in enumerate(value):
             if isinstance(spec.items, Schema):
@@ -131,6 +165,19 @@ def _check(value: Any, spec: Field, where: str) -> None:
                 _check(item, Field(spec.items), f"{where}[{index}]")
     if spec.type == "object" and spec.schema is not None:
         validate(value, spec.schema, where)
+
+
+INT64_MAX = 2**63 - 1  # what the store (SQLite, PostgreSQL bigint) can hold
+MAX_JSON_DEPTH = 32  # deeper request bodies are refused before anything walks them
+
+
+def _check_bounds(value: int, minimum: int | None, maximum: int | None, what: str) -> None:
+    low = -INT64_MAX - 1 if minimum is None else minimum
+    high = INT64_MAX if maximum is None else maximum
+    if value < low:
+        raise ApiError(422, f"{what}: must be {low} or more")
+    if value > high:
+        raise ApiError(422, f"{what}: must be {high} or less")
 
 
 def validate(data: Any, schema: Schema, where: str = "") -> dict[str, Any]:
@@ -152,28 +199,89 @@ def validate(data: Any, schema: Schema, where: str = "") -> dict[str, Any]:
     return data
 
 
+def _depth(data: Any) -> int:
+    """How deeply ``data`` nests arrays and objects (iteratively: a deep document must not recurse here)."""
+    deepest, stack = 0, [(data, 1)]
+    while stack:
+        value, level = stack.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, level)
+        if deepest > MAX_JSON_DEPTH:
+            break
+        stack.extend((child, level + 1) for child in children)
+    return deepest
+
+
+def parse_json(raw: bytes) -> Any:
+    """A request body parsed as JSON: 400 when it is not JSON or nests deeper than ``MAX_JSON_DEPTH``.
+
+    The standard parser recurses once per level and ends a very deep document with a RecursionError; what
+    it does parse is then walked (without recursion) so that nothing after it meets more than the limit.
+    """
+    try:
+        data = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        data = None
+        too_deep = True
+    except (ValueError, UnicodeDecodeError):
+        raise ApiError(400, "malformed JSON body") from None
+    else:
+        too_deep = _depth(data) > MAX_JSON_DEPTH
+    if too_deep:
+        raise ApiError(400, f"malformed JSON body: nested deeper than {MAX_JSON_DEPTH} levels")
+    return data
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
 async def json_body(request: web.Request, schema: Schema) -> dict[str, Any]:
     """The request's JSON body, validated; also kept for the audit middleware (redacted there)."""
     raw = await request.read()
-    if not raw.strip():
-        data: Any = {}
-    else:
-        try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            raise ApiError(400, "malformed JSON body") from None
+    data = parse_json(raw) if raw.strip() else {}
     request[AUDIT_PAYLOAD] = data
     return validate(data, schema)
 
 
+def _param_value(param: Param, raw: str, where: str, status: int) -> Any:
+    if param.type == "integer":
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ApiError(status, f"{where}: expected an integer") from None
+        try:
+            _check_bounds(value, param.minimum, param.maximum, where)
+        except ApiError as exc:
+            raise ApiError(status, exc.message) from None
+        return value
+    if param.enum and raw not in param.enum:
+        raise ApiError(status, f"{where}: expected one of {', '.join(param.enum)}")
+    return raw
+
+
+def check_parameters(request: web.Request, doc: RouteDoc) -> None:
+    """The route's declared query and path parameters, checked in one place before its handler runs.
+
+    A query parameter out of its type or bounds is a 422; a path segment that cannot name anything, a 400.
+    Checked values are kept on the request for ``query_int``.
+    """
+    values: dict[str, Any] = {}
+    for param in doc.query:
+        raw = request.query.get(param.name)
+        if raw is not None and raw != "":
+            values[param.name] = _param_value(param, raw, f"query parameter '{param.name}'", 422)
+    for param in doc.path_params:
+        values[param.name] = _param_value(param, request.match_info[param.name], param.name, 400)
+    request[PARAMETERS] = values
+
+
+
 def query_int(request: web.Request, name: str, default: int) -> int:
-    raw = request.query.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ApiError(422, f"query parameter '{name}': expected an integer") from None
+    """An integer query parameter the route declared (checked by ``check_parameters``), or ``default``."""
+    return request.get(PARAMETERS, {}).get(name, default)
 
 
 def gateway_of(request: web.Request) -> Gateway:

@@ -7,7 +7,7 @@ from typing import Any
 
 from aiohttp import web
 
-from control.http import ROUTES, Field, RouteDoc, RouteSet, Schema, gateway_of, ok
+from control.http import INT64_MAX, ROUTES, Field, Param, RouteDoc, RouteSet, Schema, gateway_of, ok
 
 routes = RouteSet("Meta")
 ERROR = {"type": "object", "properties": {"message": {"type": "string"}}, "required": ["message"]}
@@ -20,17 +20,46 @@ def _field_schema(spec: Field, components: dict[str, Any]) -> dict[str, Any]:
         else:
             items = {"type": spec.items} if spec.items else {}
         out: dict[str, Any] = {"type": "array", "items": items}
+    elif spec.type == "any":
+        return {"description": spec.description} if spec.description else {}
+    elif spec.type == "object" and spec.any_of:
+        out = {"anyOf": [_ref(schema, components) for schema in spec.any_of]}
     elif spec.type == "object" and spec.schema is not None:
         out = _ref(spec.schema, components)
     else:
         out = {"type": spec.type}
     if spec.enum:
         out["enum"] = list(spec.enum)
+    if spec.type == "integer":
+        out.update(_bounds(spec.minimum, spec.maximum))
+    if spec.min_length is not None:
+        out["minLength" if spec.type == "string" else "minItems"] = spec.min_length
     if spec.nullable:
         out = {"anyOf": [out, {"type": "null"}]}
     if spec.description:
         out["description"] = spec.description
     return out
+
+
+def _bounds(minimum: int | None, maximum: int | None) -> dict[str, int]:
+    """An integer's bounds; without its own, what the store can hold."""
+    return {"minimum": -INT64_MAX - 1 if minimum is None else minimum,
+            "maximum": INT64_MAX if maximum is None else maximum}
+
+
+def _param_schema(param: Param) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": param.type}
+    if param.type == "integer":
+        out.update(_bounds(param.minimum, param.maximum))
+    if param.enum:
+        out["enum"] = list(param.enum)
+    return out
+
+
+def _response(status: int, spec: Field | None, components: dict[str, Any]) -> dict[str, Any]:
+    if spec is None:
+        return {"description": "success"}
+    return {"description": "success", "content": {"application/json": {"schema": _field_schema(spec, components)}}}
 
 
 def _ref(schema: Schema, components: dict[str, Any]) -> dict[str, Any]:
@@ -57,17 +86,21 @@ def build_document(docs: list[RouteDoc], version: str) -> dict[str, Any]:
             "summary": doc.summary, "tags": [doc.tag],
             "operationId": f"{doc.audit}_{doc.handler.__name__}",
             "responses": {
-                str(doc.status): {"description": "success"} if doc.status == 204 else
-                {"description": "success", "content": {"application/json": {"schema": {}}}},
+                str(doc.status): _response(doc.status, doc.response, components),
+                **{str(status): _response(status, spec, components) for status, spec in doc.other_responses.items()},
                 "default": {"description": "error",
                             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}},
             },
         }
         if not doc.public:
             operation["security"] = [{"bearer": []}]
-        parameters = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+        declared = {p.name: p for p in doc.path_params}
+        parameters = [{"name": name, "in": "path", "required": True,
+                       "schema": _param_schema(declared.get(name, Param(name))),
+                       **({"description": declared[name].description} if name in declared and
+                          declared[name].description else {})}
                       for name in re.findall(r"{(\w+)}", doc.path)]
-        parameters += [{"name": p.name, "in": "query", "required": False, "schema": {"type": p.type},
+        parameters += [{"name": p.name, "in": "query", "required": False, "schema": _param_schema(p),
                         **({"description": p.description} if p.description else {})} for p in doc.query]
         if parameters:
             operation["parameters"] = parameters
@@ -85,6 +118,7 @@ def build_document(docs: list[RouteDoc], version: str) -> dict[str, Any]:
     }
 
 
-@routes.get("/openapi.json", "This document", public=True)
+@routes.get("/openapi.json", "This document", public=True,
+            response=Schema("OpenApiDocument", {}, additional=True))
 async def openapi_json(request: web.Request) -> web.Response:
     return ok(build_document(request.app[ROUTES], gateway_of(request).version))

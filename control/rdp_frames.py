@@ -6,7 +6,7 @@ import asyncio
 
 from aiohttp import web
 
-from control.http import ApiError, Param, RouteSet, gateway_of, query_int
+from control.http import INT64_MAX, ApiError, Field, Param, RouteSet, Schema, gateway_of, query_int
 from control.sessions import find_session
 from gatewayd.frames import FrameError, FramePage
 from gatewayd.models import Session
@@ -35,15 +35,23 @@ def page_json(page: FramePage, offset: int, limit: int) -> bytes:
 
 
 @routes.get("/sessions/{id}/rdp-frames", "Decoded screen updates of an RDP session, paged in recording order",
-            query=[Param("offset", "integer", "first frame index (default 0)"),
-                   Param("limit", "integer", "frames per page, clamped to 1-200 (default 50)")])
+            query=[Param("offset", "integer", "first frame index (default 0)", minimum=0, maximum=INT64_MAX),
+                   Param("limit", "integer", "frames per page, clamped to 1-200 (default 50)",
+                         minimum=-INT64_MAX - 1, maximum=INT64_MAX)],
+            response=Schema("RdpFramePage", {
+                "frames": Field("array", True, items=Schema("RdpFrame", {
+                    name: Field("integer", True, minimum=0, maximum=INT64_MAX)
+                    for name in ("index", "timestamp", "x", "y", "width", "height")} | {
+                    "bitmap": Field("array", True, items="integer", description="the PNG, one byte per item")})),
+                "has_more": Field("boolean", True), "limit": Field("integer", True, minimum=1, maximum=MAX_LIMIT),
+                "offset": Field("integer", True, minimum=0, maximum=INT64_MAX),
+                "total_duration": Field("integer", True, minimum=0, maximum=INT64_MAX),
+                "total_frames": Field("integer", True, minimum=0, maximum=INT64_MAX)}))
 async def list_frames(request: web.Request) -> web.Response:
     session = await find_session(request)
     _rdp_session(session)
     offset = query_int(request, "offset", 0)
     limit = min(max(query_int(request, "limit", DEFAULT_LIMIT), 1), MAX_LIMIT)
-    if offset < 0:
-        raise ApiError(422, "query parameter 'offset': must be 0 or more")
     try:
         page = await gateway_of(request).frames.page(session.id, offset, limit)
         body = await asyncio.to_thread(page_json, page, offset, limit)
@@ -53,17 +61,16 @@ async def list_frames(request: web.Request) -> web.Response:
 
 
 @routes.get("/sessions/{id}/rdp-frames/{index}.png",
-            "The whole screen of an RDP session as it was right after frame {index}, as a PNG")
+            "The whole screen of an RDP session as it was right after frame {index}, as a PNG",
+            path_params=[Param("index", "integer", "frame index", minimum=0, maximum=INT64_MAX)])
 async def composed_frame(request: web.Request) -> web.Response:
     session = await find_session(request)
     _rdp_session(session)
-    raw = request.match_info["index"]
-    if not raw.isdigit():
-        raise ApiError(400, f"frame index {raw!r}: expected a non-negative integer")
+    index = query_int(request, "index", 0)  # checked against path_params: 0 or more
     try:
-        png = await gateway_of(request).frames.composed_png(session.id, int(raw))
+        png = await gateway_of(request).frames.composed_png(session.id, index)
     except FrameError as exc:
         raise ApiError(500, f"the recording of session {session.id!r} cannot be read: {exc}") from None
     if png is None:
-        raise ApiError(404, f"session {session.id!r} has no frame {raw}")
+        raise ApiError(404, f"session {session.id!r} has no frame {index}")
     return web.Response(body=png, content_type="image/png")

@@ -6,8 +6,20 @@ from typing import Any
 
 from aiohttp import web
 
-from control.connections import build_connection, connection_json
-from control.http import ApiError, Field, RouteSet, Schema, gateway_of, json_body, ok, require_admin, user_of
+from control.connections import CONNECTION_OUT, build_connection, connection_json
+from control.http import (
+    ApiError,
+    Field,
+    RouteSet,
+    Schema,
+    array_of,
+    gateway_of,
+    json_body,
+    ok,
+    require_admin,
+    user_of,
+)
+from control.schemas import OBJECT, TEXT
 from gatewayd.models import Resource, new_id, rfc3339, utcnow
 from gatewayd.store import Conflict
 
@@ -22,6 +34,13 @@ RESOURCE = Schema("Resource", {
     "name": Field("string", True), "type": Field("string", True), "subtype": Field("string"),
     "agent_id": Field("string"), "env_vars": Field("object"), "roles": Field("array", items=ROLE),
 })
+
+
+_RESOURCE_OUT_FIELDS = {"id": TEXT, "name": TEXT, "type": TEXT, "subtype": TEXT, "agent_id": TEXT,
+                        "env_vars": OBJECT, "created_at": TEXT, "updated_at": TEXT}
+RESOURCE_OUT = Schema("ResourceOut", _RESOURCE_OUT_FIELDS)
+RESOURCE_ROLES_OUT = Schema("ResourceWithRoles", {**_RESOURCE_OUT_FIELDS,
+                                                  "roles": Field("array", True, items=CONNECTION_OUT)})
 
 
 def resource_json(res: Resource) -> dict[str, Any]:
@@ -49,13 +68,14 @@ def _roles(body: dict[str, Any], org_id: str, resource: str, existing: dict[str,
     return roles
 
 
-@routes.get("/resources", "List resources")
+@routes.get("/resources", "List resources", response=array_of(RESOURCE_OUT))
 async def list_resources(request: web.Request) -> web.Response:
     resources = await gateway_of(request).store.list_resources(user_of(request).org_id)
     return ok([resource_json(r) for r in resources])
 
 
-@routes.post("/resources", "Create a resource and its roles (connections)", body=RESOURCE, status=201)
+@routes.post("/resources", "Create a resource and its roles (connections)", body=RESOURCE, status=201,
+             response=RESOURCE_ROLES_OUT)
 async def create(request: web.Request) -> web.Response:
     admin = require_admin(request)
     body = await json_body(request, RESOURCE)
@@ -76,7 +96,7 @@ async def create(request: web.Request) -> web.Response:
     return ok(data, status=201)
 
 
-@routes.get("/resources/{name}", "A resource with its roles")
+@routes.get("/resources/{name}", "A resource with its roles", response=RESOURCE_ROLES_OUT)
 async def get(request: web.Request) -> web.Response:
     res = await _find(request)
     user = user_of(request)
@@ -86,7 +106,8 @@ async def get(request: web.Request) -> web.Response:
     return ok(data)
 
 
-@routes.put("/resources/{name}", "Update a resource; roles, when given, replace its connections", body=RESOURCE)
+@routes.put("/resources/{name}", "Update a resource; roles, when given, replace its connections", body=RESOURCE,
+            response=RESOURCE_OUT)
 async def update(request: web.Request) -> web.Response:
     admin = require_admin(request)
     res = await _find(request)

@@ -9,20 +9,25 @@ from typing import Any
 
 from aiohttp import web
 
+from control.connections import CREDENTIALS_OUT, MAX_DURATION_SECONDS
 from control.http import (
     AUDIT_ACTION,
     AUDIT_PAYLOAD,
+    INT64_MAX,
     ApiError,
     Field,
     Param,
     RouteSet,
     Schema,
+    array_of,
     gateway_of,
     json_body,
     ok,
+    query_int,
     require_admin,
     user_of,
 )
+from control.schemas import JIT_PENDING_OUT, REVIEW_FULL_OUT, SCRIPT_RESULT_OUT, TEXT
 from control.sessions import session_in_org
 from gatewayd.access import credential_prefix
 from gatewayd.daemon import Gateway
@@ -49,6 +54,7 @@ log = logging.getLogger("gatewayd.api.reviews")
 
 routes = RouteSet("Reviews", audit="reviews")
 
+MAX_APPROVALS = 1000  # more approvals than any organization has reviewers
 DECISION = Schema("ReviewDecision", {
     "status": Field("string", True, enum=DECISIONS), "time_window": Field("object", nullable=True),
     "force_review": Field("boolean"),
@@ -61,8 +67,18 @@ RULE = Schema("AccessRequestRule", {
     "name": Field("string", True), "description": Field("string"),
     "access_type": Field("string", True, enum=("jit", "command")),
     "connection_names": Field("array", items="string"), "reviewers_groups": Field("array", True, items="string"),
-    "force_approval_groups": Field("array", items="string"), "min_approvals": Field("integer", nullable=True),
-    "access_max_duration": Field("integer", nullable=True, description="seconds (jit)"),
+    "force_approval_groups": Field("array", items="string"),
+    "min_approvals": Field("integer", nullable=True, minimum=1, maximum=MAX_APPROVALS),
+    "access_max_duration": Field("integer", nullable=True, minimum=1, maximum=MAX_DURATION_SECONDS,
+                                 description="seconds (jit)"),
+})
+RULE_OUT = Schema("AccessRequestRuleOut", {
+    "id": TEXT, "name": TEXT, "description": TEXT, "access_type": Field("string", True, enum=("jit", "command")),
+    "connection_names": Field("array", True, items="string"), "reviewers_groups": Field("array", True, items="string"),
+    "force_approval_groups": Field("array", True, items="string"),
+    "min_approvals": Field("integer", True, nullable=True, minimum=1, maximum=MAX_APPROVALS),
+    "access_max_duration": Field("integer", True, nullable=True, minimum=1, maximum=MAX_DURATION_SECONDS),
+    "created_at": TEXT, "updated_at": TEXT,
 })
 
 
@@ -100,8 +116,12 @@ async def _review_document(gateway: Gateway, review: Review) -> dict[str, Any]:
 
 
 @routes.get("/reviews", "Reviews the caller requested or may review, newest first", query=[
-    Param("status"), Param("type", description="onetime or jit"), Param("limit", "integer"),
-    Param("offset", "integer")])
+    Param("status", description=f"one of {', '.join(STATUSES)} (any case)"),
+    Param("type", description="onetime or jit", enum=(ONETIME, JIT)),
+    Param("limit", "integer", "reviews per page, clamped to 1-100 (default 100)", minimum=-INT64_MAX - 1,
+          maximum=INT64_MAX),
+    Param("offset", "integer", "negative counts as 0", minimum=-INT64_MAX - 1, maximum=INT64_MAX)],
+    response=array_of(REVIEW_FULL_OUT))
 async def list_reviews(request: web.Request) -> web.Response:
     user = user_of(request)
     gateway = gateway_of(request)
@@ -109,13 +129,8 @@ async def list_reviews(request: web.Request) -> web.Response:
     if status is not None and status.upper() not in STATUSES:
         raise ApiError(422, f"query parameter 'status': expected one of {', '.join(STATUSES)}")
     kind = request.query.get("type") or None
-    if kind is not None and kind not in (ONETIME, JIT):
-        raise ApiError(422, "query parameter 'type': expected onetime or jit")
-    try:
-        limit = min(max(int(request.query.get("limit", 100)), 1), 100)
-        offset = max(int(request.query.get("offset", 0)), 0)
-    except ValueError:
-        raise ApiError(422, "query parameters 'limit' and 'offset': expected integers") from None
+    limit = min(max(query_int(request, "limit", 100), 1), 100)
+    offset = max(query_int(request, "offset", 0), 0)
     everything = user.is_admin or user.is_auditor
     page = await gateway.store.list_reviews(user.org_id, status=status.upper() if status else None, type=kind,
                                             visible_to=None if everything else (user.id, list(user.groups)),
@@ -123,7 +138,7 @@ async def list_reviews(request: web.Request) -> web.Response:
     return ok([review_json(r, full=True) for r in page.items])
 
 
-@routes.get("/reviews/{id}", "A review")
+@routes.get("/reviews/{id}", "A review", response=REVIEW_FULL_OUT)
 async def get_review(request: web.Request) -> web.Response:
     key = request.match_info["id"]
     gateway = gateway_of(request)
@@ -150,7 +165,7 @@ async def _decide(request: web.Request, review: Review) -> web.Response:
     return ok(await _review_document(gateway, review))
 
 
-@routes.put("/reviews/{id}", "Approve, reject or revoke a review", body=DECISION)
+@routes.put("/reviews/{id}", "Approve, reject or revoke a review", body=DECISION, response=REVIEW_FULL_OUT)
 async def update_review(request: web.Request) -> web.Response:
     key = request.match_info["id"]
     review = _review_in_org(request, await gateway_of(request).store.get_review(key), key)
@@ -158,7 +173,7 @@ async def update_review(request: web.Request) -> web.Response:
 
 
 @routes.put("/sessions/{id}/review", "Approve, reject or revoke the review of a session", body=DECISION,
-            audit="reviews")
+            audit="reviews", response=REVIEW_FULL_OUT)
 async def update_session_review(request: web.Request) -> web.Response:
     key = request.match_info["id"]
     gateway = gateway_of(request)
@@ -219,7 +234,8 @@ async def _run(request: web.Request, live: LiveSession, script: str, review: Rev
 
 
 @routes.post("/sessions", "Run a script on a connection (one-time execution); 202 when it needs a review",
-             body=EXEC, audit="sessions")
+             body=EXEC, audit="sessions", response=SCRIPT_RESULT_OUT,
+             other_responses={202: SCRIPT_RESULT_OUT})
 async def create_session(request: web.Request) -> web.Response:
     user = user_of(request)
     gateway = gateway_of(request)
@@ -256,7 +272,7 @@ async def create_session(request: web.Request) -> web.Response:
 
 
 @routes.post("/sessions/{id}/exec", "Run a reviewed script once its review is approved (inside its time window)",
-             audit="sessions")
+             audit="sessions", response=SCRIPT_RESULT_OUT, other_responses={202: SCRIPT_RESULT_OUT})
 async def exec_session(request: web.Request) -> web.Response:
     user = user_of(request)
     gateway = gateway_of(request)
@@ -290,7 +306,7 @@ async def exec_session(request: web.Request) -> web.Response:
 
 @routes.post("/connections/{name}/credentials/{session_id}",
              "Credentials of an approved jit review: 202 pending, 403 rejected, 410 revoked or expired",
-             status=201, audit="credentials")
+             status=201, audit="credentials", response=CREDENTIALS_OUT, other_responses={202: JIT_PENDING_OUT})
 async def jit_credentials(request: web.Request) -> web.Response:
     from control.connections import native_access  # the connection area owns the credential format
 
@@ -374,14 +390,15 @@ async def _find_rule(request: web.Request) -> AccessRequestRule:
     return rule
 
 
-@routes.get("/access-requests/rules", "Access request rules")
+@routes.get("/access-requests/rules", "Access request rules",
+            response=Schema("AccessRequestRules", {"data": Field("array", True, items=RULE_OUT)}))
 async def list_rules(request: web.Request) -> web.Response:
     rules = await gateway_of(request).store.list_access_rules(user_of(request).org_id)
     return ok({"data": [rule_json(r) for r in rules]})
 
 
 @routes.post("/access-requests/rules", "Create an access request rule", body=RULE, status=201,
-             audit="access_request_rules")
+             audit="access_request_rules", response=RULE_OUT)
 async def create_rule(request: web.Request) -> web.Response:
     admin = require_admin(request)
     rule = _rule_from(await json_body(request, RULE), admin.org_id, None)
@@ -392,13 +409,13 @@ async def create_rule(request: web.Request) -> web.Response:
     return ok(rule_json(rule), status=201)
 
 
-@routes.get("/access-requests/rules/{name}", "An access request rule")
+@routes.get("/access-requests/rules/{name}", "An access request rule", response=RULE_OUT)
 async def get_rule(request: web.Request) -> web.Response:
     return ok(rule_json(await _find_rule(request)))
 
 
 @routes.put("/access-requests/rules/{name}", "Replace an access request rule", body=RULE,
-            audit="access_request_rules")
+            audit="access_request_rules", response=RULE_OUT)
 async def update_rule(request: web.Request) -> web.Response:
     admin = require_admin(request)
     existing = await _find_rule(request)

@@ -23,6 +23,15 @@ MISC = Schema("ServerMiscConfig", {
     "ssh_server_config": Field("object", schema=SSH_LISTEN),
     "product_analytics": Field("string", enum=("active", "inactive")),
 })
+_TEXT = Field("string", True)
+SERVERINFO_OUT = Schema("ServerInfo", {
+    "version": _TEXT, "gateway_commit": _TEXT, "tenancy_type": Field("string", True, enum=("multitenant", "selfhosted")),
+    "auth_method": _TEXT, "api_url": _TEXT, "grpc_url": _TEXT, "has_idp_audience": Field("boolean", True),
+    "has_idp_custom_scopes": Field("boolean", True), "product_analytics": _TEXT,
+    "uptime_seconds": Field("integer", True, minimum=0),
+    "listeners": Field("object", description="per protocol: listen_address, status, error (admins only)"),
+})
+MISC_OUT = Schema("ServerMiscDocument", {}, additional=True)
 LISTENER_KEYS = ("http_proxy_server_config", "postgres_server_config", "rdp_server_config", "ssh_server_config")
 
 
@@ -48,7 +57,7 @@ def _check_host_key(encoded: str) -> None:
     raise ApiError(400, "ssh_server_config.hosts_key: not an unencrypted PEM or OpenSSH private key")
 
 
-@routes.get("/serverinfo", "Current server information")
+@routes.get("/serverinfo", "Current server information", response=SERVERINFO_OUT)
 async def serverinfo(request: web.Request) -> web.Response:
     gateway = gateway_of(request)
     config = gateway.config
@@ -70,14 +79,15 @@ async def serverinfo(request: web.Request) -> web.Response:
     return ok(info)
 
 
-@routes.get("/serverconfig/misc", "Listener addresses, SSH host key and analytics setting (operator)")
+@routes.get("/serverconfig/misc", "Listener addresses, SSH host key and analytics setting (operator)",
+            response=MISC_OUT)
 async def get_misc(request: web.Request) -> web.Response:
     require_operator(request)
     return ok(gateway_of(request).server_config)
 
 
 @routes.put("/serverconfig/misc", "Persist the configuration and start, restart or stop listeners live (operator)",
-            body=MISC)
+            body=MISC, response=MISC_OUT)
 async def put_misc(request: web.Request) -> web.Response:
     require_operator(request)
     body = await json_body(request, MISC)

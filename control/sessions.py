@@ -13,7 +13,8 @@ from aiohttp import web
 from control.asciicast import CONTENT_TYPE as ASCIICAST
 from control.asciicast import render_asciicast
 from control.audit_logs import parse_moment
-from control.http import ApiError, Param, RouteSet, gateway_of, ok, query_int, user_of
+from control.http import INT64_MAX, ApiError, Field, Param, RouteSet, Schema, gateway_of, ok, query_int, user_of
+from control.schemas import SESSION_OUT
 from gatewayd.models import Review, Session, SessionEvent, User
 from gatewayd.reviews import review_json
 from gatewayd.store import SessionFilter
@@ -53,14 +54,16 @@ def session_json(session: Session, events: list[SessionEvent] | None = None,
 @routes.get("/sessions", "List sessions, newest first", query=[
     Param("user", description="subject id"), Param("connection"), Param("type"), Param("review.approver"),
     Param("review.status"), Param("tracker_issue_key"), Param("start_date"), Param("end_date"),
-    Param("limit", "integer"), Param("offset", "integer")])
+    Param("limit", "integer", f"sessions per page (default 20, more than {MAX_LIMIT} counts as {MAX_LIMIT})",
+          minimum=1, maximum=INT64_MAX), Param("offset", "integer", minimum=0, maximum=INT64_MAX)],
+             response=Schema("SessionPage", {"data": Field("array", True, items=SESSION_OUT),
+                                            "has_next_page": Field("boolean", True),
+                                            "total": Field("integer", True, minimum=0)}))
 async def list_sessions(request: web.Request) -> web.Response:
     user = user_of(request)
     q = request.query
     limit = min(query_int(request, "limit", 20), MAX_LIMIT)
     offset = query_int(request, "offset", 0)
-    if limit < 1 or offset < 0:
-        raise ApiError(422, "query parameters 'limit' and 'offset': limit must be 1 or more, offset 0 or more")
     query = SessionFilter(
         org_id=user.org_id, user_id=q.get("user") or None,
         only_user_id=None if user.is_admin or user.is_auditor else user.subject,
@@ -133,8 +136,16 @@ def statements_response(session: Session, events: list[SessionEvent], rendering:
 
 @routes.get("/sessions/{id}", "A session; its event stream with ?expand=event_stream or ?event_stream=utf8|base64",
             query=[Param("expand"), Param("event_stream", description="utf8 or base64: output concatenated; "
-                                          "asciicast: an ssh session as an asciicast v2 file"),
-                   Param("format", description="csv or json: a database session's statements and results")])
+                                          "asciicast: an ssh session as an asciicast v2 file",
+                         enum=("utf8", "utf-8", "base64", "asciicast")),
+                   Param("format", description="csv or json: a database session's statements and results",
+                         enum=("csv", "json"))],
+            response=Field("object", True, any_of=(SESSION_OUT, Schema("SessionStatements", {
+                "id": Field("string", True), "connection": Field("string", True), "user": Field("string", True),
+                "start_date": Field("string", True), "end_date": Field("string", True, nullable=True),
+                "statements": Field("array", True, items=Schema("Statement", {
+                    "offset_ms": Field("integer", True, minimum=0), "statement": Field("string", True),
+                    "output": Field("string", True), "error": Field("string", True)}))}))))
 async def get(request: web.Request) -> web.Response:
     session = await find_session(request)
     store = gateway_of(request).store
@@ -174,7 +185,7 @@ async def verify(request: web.Request) -> web.Response:
     return ok((await gateway_of(request).recording.verify(session)).as_json())
 
 
-@routes.post("/sessions/{id}/kill", "End a running session (admin or its owner)")
+@routes.post("/sessions/{id}/kill", "End a running session (admin or its owner)", response=SESSION_OUT)
 async def kill(request: web.Request) -> web.Response:
     session = await find_session(request)
     user = user_of(request)

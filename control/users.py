@@ -6,8 +6,19 @@ import dataclasses
 
 from aiohttp import web
 
-from control.auth import user_json
-from control.http import ApiError, Field, RouteSet, Schema, gateway_of, json_body, ok, require_admin, user_of
+from control.auth import USER_OUT, user_json
+from control.http import (
+    ApiError,
+    Field,
+    RouteSet,
+    Schema,
+    array_of,
+    gateway_of,
+    json_body,
+    ok,
+    require_admin,
+    user_of,
+)
 from gatewayd.models import ADMIN_GROUP, User, email_problem, new_id
 from gatewayd.store import Conflict
 
@@ -71,13 +82,13 @@ async def _apply(request: web.Request, user: User, body: dict) -> None:
         user.password_hash = await gateway_of(request).identity.passwords.hash(body["password"])
 
 
-@routes.get("/users", "List the organization's users")
+@routes.get("/users", "List the organization's users", response=array_of(USER_OUT))
 async def list_users(request: web.Request) -> web.Response:
     admin = require_admin(request)
     return ok([user_json(u) for u in await gateway_of(request).store.list_users(admin.org_id)])
 
 
-@routes.post("/users", "Create a user", body=USER_CREATE, status=201)
+@routes.post("/users", "Create a user", body=USER_CREATE, status=201, response=USER_OUT)
 async def create(request: web.Request) -> web.Response:
     admin = require_admin(request)
     body = await json_body(request, USER_CREATE)
@@ -94,13 +105,14 @@ async def create(request: web.Request) -> web.Response:
     return ok(user_json(user), status=201)
 
 
-@routes.get("/users/groups", "List groups")
+@routes.get("/users/groups", "List groups", response=array_of("string"))
 async def list_groups(request: web.Request) -> web.Response:
     admin = require_admin(request)
     return ok(await gateway_of(request).store.list_groups(admin.org_id))
 
 
-@routes.post("/users/groups", "Create a group", body=GROUP_CREATE, status=201)
+@routes.post("/users/groups", "Create a group", body=GROUP_CREATE, status=201,
+             response=Schema("Group", {"name": Field("string", True)}))
 async def create_group(request: web.Request) -> web.Response:
     admin = require_admin(request)
     body = await json_body(request, GROUP_CREATE)
@@ -128,12 +140,12 @@ async def delete_group(request: web.Request) -> web.Response:
     return web.Response(status=204)
 
 
-@routes.get("/users/{id}", "A user by id, email or subject")
+@routes.get("/users/{id}", "A user by id, email or subject", response=USER_OUT)
 async def get(request: web.Request) -> web.Response:
     return ok(user_json(await _find(request)))
 
 
-@routes.put("/users/{id}", "Update a user (status, groups, password...)", body=USER_UPDATE)
+@routes.put("/users/{id}", "Update a user (status, groups, password...)", body=USER_UPDATE, response=USER_OUT)
 async def update(request: web.Request) -> web.Response:
     user = await _find(request)
     body = await json_body(request, USER_UPDATE)
