@@ -44,7 +44,7 @@ class Field:
 
     type: str
     required: bool = False
-    items: str | "Schema" | None = None
+    items: "str | Schema | Field | None" = None  # an array's items: a type name, an object or a field
     nullable: bool = False
     description: str = ""
     enum: tuple[str, ...] = ()
@@ -162,7 +162,7 @@ def _check(value: Any, spec: Field, where: str) -> None:
             if isinstance(spec.items, Schema):
                 validate(item, spec.items, f"{where}[{index}]")
             else:
-                _check(item, Field(spec.items), f"{where}[{index}]")
+                _check(item, spec.items if isinstance(spec.items, Field) else Field(spec.items), f"{where}[{index}]")
     if spec.type == "object" and spec.schema is not None:
         validate(value, spec.schema, where)
 

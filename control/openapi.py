@@ -17,6 +17,8 @@ def _field_schema(spec: Field, components: dict[str, Any]) -> dict[str, Any]:
     if spec.type == "array":
         if isinstance(spec.items, Schema):
             items: dict[str, Any] = _ref(spec.items, components)
+        elif isinstance(spec.items, Field):
+            items = _field_schema(spec.items, components)
         else:
             items = {"type": spec.items} if spec.items else {}
         out: dict[str, Any] = {"type": "array", "items": items}

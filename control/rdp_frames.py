@@ -42,7 +42,8 @@ def page_json(page: FramePage, offset: int, limit: int) -> bytes:
                 "frames": Field("array", True, items=Schema("RdpFrame", {
                     name: Field("integer", True, minimum=0, maximum=INT64_MAX)
                     for name in ("index", "timestamp", "x", "y", "width", "height")} | {
-                    "bitmap": Field("array", True, items="integer", description="the PNG, one byte per item")})),
+                    "bitmap": Field("array", True, items=Field("integer", minimum=0, maximum=255),
+                                    description="the PNG, one byte per item")})),
                 "has_more": Field("boolean", True), "limit": Field("integer", True, minimum=1, maximum=MAX_LIMIT),
                 "offset": Field("integer", True, minimum=0, maximum=INT64_MAX),
                 "total_duration": Field("integer", True, minimum=0, maximum=INT64_MAX),

@@ -111,6 +111,111 @@ async def test_bad_bodies_get_a_clear_message(api, admin_token, raw, status, mes
     assert await api("POST", "/resources", admin_token, raw=raw) == (status, {"message": message})
 
 
+async def _targets(api: Client, token: str) -> dict[str, str]:
+    """Path parameter values naming real objects, so that each route reaches its body."""
+    resource, role = await make_resource(api, token)
+    status, rule = await api("POST", "/guardrails", token, {"name": unique("gr")})
+    assert status == 201, rule
+    name = unique("rule")
+    status, body = await api("POST", "/access-requests/rules", token, {
+        "name": name, "access_type": "jit", "reviewers_groups": ["admin"]})
+    assert status == 201, body
+    return {"/users/{id}": "admin@example.com", "/resources/{name}": resource, "/connections/{name}": role,
+            "/guardrails/{id}": rule["id"], "/access-requests/rules/{name}": name}
+
+
+async def test_deeply_nested_json_is_a_400_on_every_route_with_a_body(api, admin_token):
+    status, doc = await api("GET", "/openapi.json")
+    targets = await _targets(api, admin_token)
+    checked = []
+    for path, operations in doc["paths"].items():
+        for method, operation in operations.items():
+            if "requestBody" not in operation:
+                continue
+            route = path.removeprefix("/api")
+            for template, value in targets.items():
+                route = route.replace(template, template.split("{")[0] + value)
+            for raw in (b"[" * 50_000, b'{"a":' * 100 + b"1" + b"}" * 100, b"[" * 33 + b"]" * 33):
+                status, body = await api(method.upper(), route, admin_token, raw=raw)
+                if "{" in route:  # a review of nothing: no such object, before any body is read
+                    assert status == 404, (method, route, status, body)
+                    continue
+                if route == "/signup":  # refused outside multi-tenant mode before any body is read
+                    assert status == 403, body
+                    continue
+                assert (status, body) == (400, {"message": "malformed JSON body: nested deeper than 32 levels"}), \
+                    (method, route)
+            checked.append((method, route))
+    assert ("post", "/localauth/login") in checked and len(checked) >= 18, checked
+    # 32 levels are still a body (a free-form object may nest)
+    nested: dict = {}
+    for _ in range(30):
+        nested = {"k": nested}
+    status, body = await api("POST", "/resources", admin_token, {"name": unique("deep"), "type": "database",
+                                                                  "env_vars": nested})
+    assert status == 201, body
+
+
+@pytest.mark.parametrize("path", [
+    "/sessions?offset=18446744073709551616", "/sessions?limit=18446744073709551616",
+    "/sessions?offset=-1", "/audit/logs?page=18446744073709551616", "/audit/logs?page_size=9223372036854775808",
+    "/reviews?offset=18446744073709551616", "/reviews?limit=-18446744073709551616",
+    "/sessions/x/rdp-frames?offset=18446744073709551616", "/sessions?offset=1e3",
+])
+async def test_huge_integers_in_query_parameters_are_a_422(api, admin_token, path):
+    status, body = await api("GET", path, admin_token)
+    name = path.split("?")[1].split("=")[0]
+    assert status == 422 and body["message"].startswith(f"query parameter '{name}': "), (status, body)
+
+
+async def test_huge_integers_in_bodies_and_paths_are_refused(api, admin_token):
+    big = 2**64
+    for field in ("min_approvals", "access_max_duration"):
+        status, body = await api("POST", "/access-requests/rules", admin_token, {
+            "name": unique("rule"), "access_type": "jit", "reviewers_groups": ["admin"], field: big})
+        assert (status, body) == (422, {"message": f"field '{field}': must be "
+                                        f"{1000 if field == 'min_approvals' else 316224000} or less"})
+    _, role = await make_resource(api, admin_token)
+    status, body = await api("POST", f"/connections/{role}/credentials", admin_token,
+                             {"access_duration_seconds": big})
+    assert status == 422, body
+    status, body = await api("GET", f"/sessions/x/rdp-frames/{big}.png", admin_token)
+    assert (status, body) == (400, {"message": "index: must be 9223372036854775807 or less"})
+
+
+def _integers(node: object, where: str = "") -> list[tuple[str, dict]]:
+    if isinstance(node, dict):
+        found = [(where, node)] if node.get("type") == "integer" else []
+        for key, value in node.items():
+            found += _integers(value, f"{where}/{key}")
+        return found
+    if isinstance(node, list):
+        return [hit for index, item in enumerate(node) for hit in _integers(item, f"{where}/{index}")]
+    return []
+
+
+async def test_openapi_bounds_every_integer_and_describes_every_answer(api):
+    status, doc = await api("GET", "/openapi.json")
+    integers = _integers(doc)
+    assert len(integers) > 20
+    for where, schema in integers:
+        assert isinstance(schema.get("minimum"), int) and isinstance(schema.get("maximum"), int), where
+        assert -2**63 <= schema["minimum"] <= schema["maximum"] <= 2**63 - 1, where
+    params = {p["name"]: p["schema"] for p in doc["paths"]["/api/audit/logs"]["get"]["parameters"]}
+    assert params["page_size"] == {"type": "integer", "minimum": 1, "maximum": 100}
+    assert params["outcome"] == {"type": "string", "enum": ["success", "failure"]}
+    for path, operations in doc["paths"].items():
+        for method, operation in operations.items():
+            answers = {k: v for k, v in operation["responses"].items() if k != "default"}
+            for status, answer in answers.items():
+                if status in ("204", "302") or path.endswith(".png"):
+                    assert "content" not in answer, (method, path)
+                else:
+                    assert answer["content"]["application/json"]["schema"], (method, path, status)
+    user = doc["components"]["schemas"]["User"]
+    assert user["additionalProperties"] is False and "is_admin" in user["required"]
+
+
 # ------------------------------------------------------------------ identity
 
 
