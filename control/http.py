@@ -194,6 +194,7 @@ def validate(data: Any, schema: Schema, where: str = "") -> dict[str, Any]:
         if name not in data or data[name] is None and not spec.nullable:
             if spec.required:
                 raise ApiError(400, f"field '{prefix}{name}' is required")
+            data.pop(name, None)  # null where null means nothing: absent, so no handler meets a None it did not expect
             continue
         _check(data[name], spec, f"{prefix}{name}")
     return data
