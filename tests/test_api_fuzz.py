@@ -22,7 +22,7 @@ import requests
 
 from tests.conftest import BIN, Daemon
 
-EXAMPLES = 4  # per operation and phase: a bounded run
+EXAMPLES = 15  # per operation and phase: a bounded run
 SEED = 20261123  # a fixed seed: the same requests at every run
 LOCKOUTS = [("PUT", "/api/users/{id}"), ("DELETE", "/api/users/{id}"), ("DELETE", "/api/users/groups/{name}"),
             ("PUT", "/api/serverconfig/misc")]
