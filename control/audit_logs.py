@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 from aiohttp import web
 
 from control.http import ApiError, Field, Param, RouteSet, Schema, gateway_of, ok, query_int, require_admin
-from control.schemas import OPT_TEXT, TEXT
+from control.schemas import OPT_TEXT, TEXT, VERIFICATION_OUT
 from gatewayd.models import rfc3339
 from gatewayd.store import AuditFilter
 
@@ -76,7 +76,7 @@ async def list_logs(request: web.Request) -> web.Response:
 
 
 @routes.get("/audit/verify", "Whether the organization's audit log was altered: its hash chain re-computed "
-            "(admin only)")
+            "(admin only)", response=VERIFICATION_OUT)
 async def verify(request: web.Request) -> web.Response:
     admin = require_admin(request)
     return ok((await gateway_of(request).audit.verify(admin.org_id)).as_json())

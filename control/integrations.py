@@ -7,8 +7,9 @@ import re
 
 from aiohttp import web
 
-from control.connections import build_connection, connection_json
+from control.connections import CONNECTION_OUT, build_connection, connection_json
 from control.http import AUDIT_PAYLOAD, ApiError, Field, RouteSet, Schema, gateway_of, json_body, ok, require_admin
+from control.schemas import STRINGS, TEXT
 from gatewayd.discovery import ARN_TAG, POSTGRES_ENGINES, AwsAccessKey, DiscoveryError
 from gatewayd.discovery import ACCOUNT_ID as ACCOUNT_ID_SHAPE
 from gatewayd.store import Conflict
@@ -27,6 +28,15 @@ FROM_INSTANCE = Schema("ConnectionFromDbInstance", {
     "sslmode": Field("string", description="the gateway's TLS to the instance; default require"),
     "reviewers": Field("array", items="string"), "tags": Field("object"),
 })
+_MASKED = {"access_key_id": TEXT, "region": TEXT, "session_token": Field("boolean", True)}
+KEY_SET_OUT = Schema("AwsAccessKeySet", {"account_id": TEXT, **_MASKED})
+KEY_OUT = Schema("AwsAccessKeyState", {
+    "configured": Field("boolean", True), **{k: Field(v.type) for k, v in _MASKED.items()},
+    "use_instance_role": Field("boolean", True), "regions": STRINGS})
+INSTANCES_OUT = Schema("DbInstances", {"items": Field("array", True, items=Schema("DbInstance", {
+    "account_id": TEXT, "arn": TEXT, "name": TEXT, "engine": TEXT, "status": TEXT, "availability_zone": TEXT,
+    "vpc_id": TEXT, "connection_resources": STRINGS, "error": TEXT, "region": TEXT, "endpoint": TEXT,
+    "port": Field("integer", True, minimum=0, maximum=65535)}))})
 KEY_ID = re.compile(r"^[A-Z0-9]{16,128}$")
 REGION = re.compile(r"^[a-z]{2}(-[a-z]+)+-\d{1,2}$")
 MAX_ACCOUNTS = 100
@@ -37,7 +47,7 @@ def _discovery_error(exc: DiscoveryError) -> ApiError:
 
 
 @routes.put("/integrations/aws/iam/accesskeys", "Set the organization's AWS access key (checked with STS, "
-            "sealed at rest; the secret is never shown again)", body=ACCESS_KEY)
+            "sealed at rest; the secret is never shown again)", body=ACCESS_KEY, response=KEY_SET_OUT)
 async def put_access_key(request: web.Request) -> web.Response:
     admin = require_admin(request)
     body = await json_body(request, ACCESS_KEY)
@@ -60,7 +70,8 @@ async def put_access_key(request: web.Request) -> web.Response:
     return ok({"account_id": account, **key.masked()})
 
 
-@routes.get("/integrations/aws/iam/accesskeys", "Whether the organization has an AWS access key (never its secret)")
+@routes.get("/integrations/aws/iam/accesskeys", "Whether the organization has an AWS access key (never its secret)",
+            response=KEY_OUT)
 async def get_access_key(request: web.Request) -> web.Response:
     admin = require_admin(request)
     discovery = gateway_of(request).discovery
@@ -99,13 +110,14 @@ async def _describe(request: web.Request) -> web.Response:
 
 @routes.post("/integrations/aws/rds/describe-db-instances", "RDS instances of the given AWS accounts, in every "
              "configured region; an account that fails is one item with its error (the answer is still 200)",
-             body=DESCRIBE)
+             body=DESCRIBE, response=INSTANCES_OUT)
 async def describe_rds(request: web.Request) -> web.Response:
     return await _describe(request)
 
 
 @routes.post("/integrations/cloud/managed-db/describe-db-instances", "The specification's path: AWS RDS "
-             "(same as /integrations/aws/rds/describe-db-instances)", body=DESCRIBE)
+             "(same as /integrations/aws/rds/describe-db-instances)", body=DESCRIBE,
+             response=INSTANCES_OUT)
 async def describe_managed_db(request: web.Request) -> web.Response:
     return await _describe(request)
 
@@ -115,7 +127,8 @@ def _b64(text: str) -> str:
 
 
 @routes.post("/integrations/aws/rds/instances/{arn}/connection", "Create a PostgreSQL connection from a "
-             "discovered RDS instance (its endpoint, port and database filled in)", body=FROM_INSTANCE, status=201)
+             "discovered RDS instance (its endpoint, port and database filled in)", body=FROM_INSTANCE, status=201,
+             response=CONNECTION_OUT)
 async def connection_from_instance(request: web.Request) -> web.Response:
     admin = require_admin(request)
     body = await json_body(request, FROM_INSTANCE)

@@ -42,6 +42,11 @@ SESSION_OUT = Schema("Session", {
     "integrations_metadata": OBJECT, "ai_analysis": Field("object"),
     "event_stream": Field("array", description="[offset_ms, kind, base64] per event, or the output as one string"),
 })
+VERIFICATION_OUT = Schema("Verification", {
+    "subject": TEXT, "verified": Field("boolean", True), "sealed": Field("boolean", True),
+    "links": Field("integer", True, minimum=0), "entries": Field("integer", True, minimum=0), "chain_head": TEXT,
+    "problems": STRINGS,
+})
 SCRIPT_RESULT_OUT = Schema("ScriptResult", {
     "session_id": TEXT, "has_review": Field("boolean", True), "output": TEXT, "output_status": TEXT,
     "exit_code": Field("integer", True, nullable=True), "execution_time": Field("integer", True, minimum=0),

@@ -14,7 +14,7 @@ from control.asciicast import CONTENT_TYPE as ASCIICAST
 from control.asciicast import render_asciicast
 from control.audit_logs import parse_moment
 from control.http import INT64_MAX, ApiError, Field, Param, RouteSet, Schema, gateway_of, ok, query_int, user_of
-from control.schemas import SESSION_OUT
+from control.schemas import SESSION_OUT, VERIFICATION_OUT
 from gatewayd.models import Review, Session, SessionEvent, User
 from gatewayd.reviews import review_json
 from gatewayd.store import SessionFilter
@@ -179,7 +179,8 @@ async def get(request: web.Request) -> web.Response:
 
 
 @routes.get("/sessions/{id}/verify", "Whether the session's recording was altered since it was written: its hash "
-            "chain re-computed from the stored events and, once done, the gateway's seal checked")
+            "chain re-computed from the stored events and, once done, the gateway's seal checked",
+            response=VERIFICATION_OUT)
 async def verify(request: web.Request) -> web.Response:
     session = await find_session(request)
     return ok((await gateway_of(request).recording.verify(session)).as_json())
