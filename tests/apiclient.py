@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 import aiohttp
 
+from tests.openapi_check import check_answer
+
 if TYPE_CHECKING:
     from tests.conftest import Daemon
     from tests.pgpeer import PgCluster
@@ -56,7 +58,10 @@ class Api:
         """(status, body) of one request; ``token`` speaks as another user for this one."""
         headers = {"Authorization": f"Bearer {token}"} if token else self.headers
         async with self.http.request(method, self.daemon.url + path, json=body, headers=headers) as response:
-            return response.status, await self.decode(response)
+            data = await self.decode(response)
+            if response.content_type == "application/json":
+                check_answer(self.daemon.url, method, path, response.status, data)
+            return response.status, data
 
     async def decode(self, response: aiohttp.ClientResponse) -> Any:
         """The body: JSON where it parses, else the text (None when empty)."""

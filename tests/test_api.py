@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 
 from tests.conftest import Daemon
+from tests.openapi_check import check_answer
 
 
 class Client:
@@ -29,7 +30,9 @@ class Client:
         async with self.http.request(method, self.daemon.url + path, headers=headers, data=raw,
                                      json=body if raw is None else None, allow_redirects=False) as response:
             text = await response.text()
-            return response.status, json.loads(text) if text else None
+            data = json.loads(text) if text else None
+            check_answer(self.daemon.url, method, path, response.status, data)
+            return response.status, data
 
 
 @pytest.fixture
