@@ -259,7 +259,8 @@ def _param_value(param: Param, raw: str, where: str, status: int) -> Any:
             raise ApiError(status, exc.message) from None
         return value
     if param.enum and raw not in param.enum:
-        raise ApiError(status, f"{where}: expected one of {', '.join(param.enum)}")
+        choices = f"{', '.join(param.enum[:-1])} or {param.enum[-1]}" if len(param.enum) > 1 else param.enum[0]
+        raise ApiError(status, f"{where}: expected {choices}")
     return raw
 
 

@@ -11,14 +11,15 @@ would lock the test out of its own daemon (changing or deleting users, deleting 
 from __future__ import annotations
 
 import base64
+import json
 import subprocess
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-import requests
 
 from tests.conftest import BIN, Daemon
 
@@ -42,13 +43,12 @@ def _unique(prefix: str) -> str:
 
 def _seed(url: str, token: str) -> dict[str, str]:
     """Objects for the path parameters: a resource with two roles, a guard rail, a jit rule and its review."""
-    http = requests.Session()
-    http.headers["Authorization"] = f"Bearer {token}"
-
     def call(method: str, path: str, body: Any, expected: int) -> Any:
-        response = http.request(method, url + path, json=body, timeout=30)
-        assert response.status_code == expected, (path, response.status_code, response.text)
-        return response.json()
+        request = urllib.request.Request(url + path, data=json.dumps(body).encode(), method=method, headers={
+            "Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert response.status == expected, (path, response.status)
+            return json.load(response)
 
     secret = {"envvar:HOST": _b64("127.0.0.1"), "envvar:PORT": _b64("5432"), "envvar:USER": _b64("app"),
               "envvar:PASS": _b64("secret-42"), "envvar:DB": _b64("appdb")}
@@ -76,7 +76,7 @@ def fuzz_target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
     try:
         yield {"daemon": daemon, "token": token, "seeded": _seed(daemon.url, token)}
     finally:
-        daemon.stop()
+        assert daemon.stop() == 0
         assert "unhandled API error" not in daemon.log_text()
 
 
