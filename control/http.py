@@ -91,6 +91,7 @@ class RouteDoc:
     response: "Field | None" = None  # the success body; None for 204 and non-JSON answers
     path_params: list[Param] = field(default_factory=list)  # those not named here are strings
     other_responses: dict[int, "Field"] = field(default_factory=dict)  # e.g. a 202 beside the 201
+    media: tuple[str, ...] = ()  # other media types of the success answer (files: PNG, CSV, asciicast)
 
 
 class RouteSet:
@@ -104,11 +105,12 @@ class RouteSet:
     def route(self, method: str, path: str, summary: str, *, body: Schema | None = None,
               query: list[Param] | None = None, status: int = 200, public: bool = False,
               audit: str = "", response: "Field | Schema | None" = None, path_params: list[Param] | None = None,
-              other_responses: dict[int, "Field | Schema"] | None = None) -> Callable[[Handler], Handler]:
+              other_responses: dict[int, "Field | Schema"] | None = None,
+              media: tuple[str, ...] = ()) -> Callable[[Handler], Handler]:
         def register(handler: Handler) -> Handler:
             self.routes.append(RouteDoc(method, path, summary, self.tag, handler, body, query or [], status,
                                         public, audit or self.audit, as_field(response), path_params or [],
-                                        {k: as_field(v) for k, v in (other_responses or {}).items()}))
+                                        {k: as_field(v) for k, v in (other_responses or {}).items()}, media))
             return handler
 
         return register

@@ -58,10 +58,10 @@ def _param_schema(param: Param) -> dict[str, Any]:
     return out
 
 
-def _response(status: int, spec: Field | None, components: dict[str, Any]) -> dict[str, Any]:
-    if spec is None:
-        return {"description": "success"}
-    return {"description": "success", "content": {"application/json": {"schema": _field_schema(spec, components)}}}
+def _response(spec: Field | None, components: dict[str, Any], media: tuple[str, ...] = ()) -> dict[str, Any]:
+    content = {"application/json": {"schema": _field_schema(spec, components)}} if spec is not None else {}
+    content |= {kind: {"schema": {"type": "string", "format": "binary"}} for kind in media}
+    return {"description": "success", "content": content} if content else {"description": "success"}
 
 
 def _ref(schema: Schema, components: dict[str, Any]) -> dict[str, Any]:
@@ -88,8 +88,8 @@ def build_document(docs: list[RouteDoc], version: str) -> dict[str, Any]:
             "summary": doc.summary, "tags": [doc.tag],
             "operationId": f"{doc.audit}_{doc.handler.__name__}",
             "responses": {
-                str(doc.status): _response(doc.status, doc.response, components),
-                **{str(status): _response(status, spec, components) for status, spec in doc.other_responses.items()},
+                str(doc.status): _response(doc.response, components, doc.media),
+                **{str(status): _response(spec, components) for status, spec in doc.other_responses.items()},
                 "default": {"description": "error",
                             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}},
             },

@@ -63,7 +63,7 @@ async def list_frames(request: web.Request) -> web.Response:
 
 @routes.get("/sessions/{id}/rdp-frames/{index}.png",
             "The whole screen of an RDP session as it was right after frame {index}, as a PNG",
-            path_params=[Param("index", "integer", "frame index", minimum=0, maximum=INT64_MAX)])
+            path_params=[Param("index", "integer", "frame index", minimum=0, maximum=INT64_MAX)], media=("image/png",))
 async def composed_frame(request: web.Request) -> web.Response:
     session = await find_session(request)
     _rdp_session(session)

@@ -25,7 +25,8 @@ MISC = Schema("ServerMiscConfig", {
 })
 _TEXT = Field("string", True)
 SERVERINFO_OUT = Schema("ServerInfo", {
-    "version": _TEXT, "gateway_commit": _TEXT, "tenancy_type": Field("string", True, enum=("multitenant", "selfhosted")),
+    "version": _TEXT, "gateway_commit": _TEXT,
+    "tenancy_type": Field("string", True, enum=("multitenant", "selfhosted")),
     "auth_method": _TEXT, "api_url": _TEXT, "grpc_url": _TEXT, "has_idp_audience": Field("boolean", True),
     "has_idp_custom_scopes": Field("boolean", True), "product_analytics": _TEXT,
     "uptime_seconds": Field("integer", True, minimum=0),

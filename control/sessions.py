@@ -145,7 +145,8 @@ def statements_response(session: Session, events: list[SessionEvent], rendering:
                 "start_date": Field("string", True), "end_date": Field("string", True, nullable=True),
                 "statements": Field("array", True, items=Schema("Statement", {
                     "offset_ms": Field("integer", True, minimum=0), "statement": Field("string", True),
-                    "output": Field("string", True), "error": Field("string", True)}))}))))
+                    "output": Field("string", True), "error": Field("string", True)}))}))),
+            media=("text/csv", ASCIICAST))
 async def get(request: web.Request) -> web.Response:
     session = await find_session(request)
     store = gateway_of(request).store

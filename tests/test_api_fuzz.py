@@ -117,7 +117,8 @@ def test_api_answers_every_generated_request_as_documented(fuzz_target: dict[str
     config.write_text(_operations(fuzz_target["seeded"]))
     command = [str(BIN / "st"), "--config-file", str(config), "run", f"{daemon.url}/openapi.json",
                "--url", daemon.url.removesuffix("/api"), "-H", f"Authorization: Bearer {fuzz_target['token']}",
-               "--checks", "not_a_server_error,response_schema_conformance", "--mode", "all",
+               "--checks", "not_a_server_error,response_schema_conformance,content_type_conformance",
+               "--mode", "all",
                "--max-examples", str(EXAMPLES), "--seed", str(SEED), "--generation-database", "none",
                "--workers", "1", "--no-color", "--request-timeout", "30",
                "--report", "junit", "--report-dir", str(tmp_path / "report")]
