@@ -20,7 +20,7 @@ ACCESS_KEY = Schema("AwsAccessKey", {
     "access_key_id": Field("string", True), "secret_access_key": Field("string", True),
     "session_token": Field("string"), "region": Field("string", description="e.g. eu-west-1"),
 })
-DESCRIBE = Schema("DescribeDbInstances", {"account_ids": Field("array", True, items="string")})
+DESCRIBE = Schema("DescribeDbInstances", {"account_ids": Field("array", True, items="string", min_length=1)})
 FROM_INSTANCE = Schema("ConnectionFromDbInstance", {
     "name": Field("string", description="default: the instance identifier"),
     "user": Field("string", description="default: the instance's master user name"),

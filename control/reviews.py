@@ -60,13 +60,13 @@ DECISION = Schema("ReviewDecision", {
     "force_review": Field("boolean"),
 })
 EXEC = Schema("SessionExec", {
-    "connection": Field("string", True), "script": Field("string", True),
+    "connection": Field("string", True), "script": Field("string", True, min_length=1),
     "session_batch_id": Field("string", nullable=True), "metadata": Field("object", nullable=True),
 })
 RULE = Schema("AccessRequestRule", {
     "name": Field("string", True), "description": Field("string"),
     "access_type": Field("string", True, enum=("jit", "command")),
-    "connection_names": Field("array", items="string"), "reviewers_groups": Field("array", True, items="string"),
+    "connection_names": Field("array", items="string"), "reviewers_groups": Field("array", True, items="string", min_length=1),
     "force_approval_groups": Field("array", items="string"),
     "min_approvals": Field("integer", nullable=True, minimum=1, maximum=MAX_APPROVALS),
     "access_max_duration": Field("integer", nullable=True, minimum=1, maximum=MAX_DURATION_SECONDS,

@@ -204,6 +204,8 @@ async def test_openapi_bounds_every_integer_and_describes_every_answer(api):
     for where, schema in integers:
         assert isinstance(schema.get("minimum"), int) and isinstance(schema.get("maximum"), int), where
         assert -2**63 <= schema["minimum"] <= schema["maximum"] <= 2**63 - 1, where
+    rule = doc["components"]["schemas"]["AccessRequestRule"]["properties"]
+    assert rule["reviewers_groups"]["minItems"] == 1 and rule["min_approvals"]["anyOf"][0]["maximum"] == 1000
     params = {p["name"]: p["schema"] for p in doc["paths"]["/api/audit/logs"]["get"]["parameters"]}
     assert params["page_size"] == {"type": "integer", "minimum": 1, "maximum": 100}
     assert params["outcome"] == {"type": "string", "enum": ["success", "failure"]}
