@@ -21,6 +21,9 @@ ERROR_MESSAGE = web.RequestKey("error_message", str)
 AUTH_FAILURE = web.RequestKey("auth_failure", str)
 PARAMETERS = web.RequestKey("parameters", dict)
 
+INT64_MAX = 2**63 - 1  # what the store (SQLite, PostgreSQL bigint) can hold
+MAX_JSON_DEPTH = 32  # deeper request bodies are refused before anything walks them
+
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -38,8 +41,8 @@ class ApiError(Exception):
 class Field:
     """One JSON field: its type (``string``, ``integer``, ``boolean``, ``object``, ``array``) and bounds.
 
-    Every ``integer`` field names its ``minimum`` and ``maximum`` (the OpenAPI document shows them and a test
-    checks that none is missing); ``min_length`` bounds strings and arrays.
+    An ``integer`` has ``minimum`` and ``maximum``; without its own, the store's (a 64-bit integer). Both are
+    checked and shown in the OpenAPI document; ``min_length`` bounds strings and arrays.
     """
 
     type: str
@@ -169,10 +172,6 @@ def _check(value: Any, spec: Field, where: str) -> None:
         validate(value, spec.schema, where)
 
 
-INT64_MAX = 2**63 - 1  # what the store (SQLite, PostgreSQL bigint) can hold
-MAX_JSON_DEPTH = 32  # deeper request bodies are refused before anything walks them
-
-
 def _check_bounds(value: int, minimum: int | None, maximum: int | None, what: str) -> None:
     low = -INT64_MAX - 1 if minimum is None else minimum
     high = INT64_MAX if maximum is None else maximum
@@ -282,9 +281,8 @@ def check_parameters(request: web.Request, doc: RouteDoc) -> None:
     request[PARAMETERS] = values
 
 
-
 def query_int(request: web.Request, name: str, default: int) -> int:
-    """An integer query parameter the route declared (checked by ``check_parameters``), or ``default``."""
+    """An integer query or path parameter the route declared (checked by ``check_parameters``), or ``default``."""
     return request.get(PARAMETERS, {}).get(name, default)
 
 

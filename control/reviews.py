@@ -66,7 +66,8 @@ EXEC = Schema("SessionExec", {
 RULE = Schema("AccessRequestRule", {
     "name": Field("string", True), "description": Field("string"),
     "access_type": Field("string", True, enum=("jit", "command")),
-    "connection_names": Field("array", items="string"), "reviewers_groups": Field("array", True, items="string", min_length=1),
+    "connection_names": Field("array", items="string"),
+    "reviewers_groups": Field("array", True, items="string", min_length=1),
     "force_approval_groups": Field("array", items="string"),
     "min_approvals": Field("integer", nullable=True, minimum=1, maximum=MAX_APPROVALS),
     "access_max_duration": Field("integer", nullable=True, minimum=1, maximum=MAX_DURATION_SECONDS,
