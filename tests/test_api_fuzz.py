@@ -3,9 +3,9 @@
 Every route of ``/api/openapi.json`` gets a few generated requests (valid and invalid, with an admin
 token) from schemathesis's coverage and fuzzing phases; a run fails on any 5xx and on any answer that does
 not match the response schema the document gives for its status. Path parameters are pointed at real
-objects seeded first, so that success answers are checked too, not only 404s. Left out: the routes that
-would lock the test out of its own daemon (changing or deleting users, deleting a group such as
-``admin``, moving or stopping listeners through the server configuration) and the one that asks AWS.
+objects seeded first, so that success answers are checked too, not only 404s; changes and deletions of
+users and groups only ever name a seeded user and group, never the admin the test speaks as. Left out:
+moving or stopping listeners through the server configuration, and the one route that asks AWS.
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ from tests.conftest import BIN, Daemon
 EXAMPLES = 15  # per operation and phase: a bounded run
 SEED = 20261123  # a fixed seed: the same requests at every run
 LEFT_OUT = [
-    # they would lock the test out of its own daemon: the admin demoted, deleted or stripped of its group
-    ("PUT", "/api/users/{id}"), ("DELETE", "/api/users/{id}"), ("DELETE", "/api/users/groups/{name}"),
     ("PUT", "/api/serverconfig/misc"),  # listeners started or stopped on generated addresses
     ("PUT", "/api/integrations/aws/iam/accesskeys"),  # asks AWS STS: outside the test, 502 when unreachable
 ]
@@ -43,7 +41,9 @@ def _unique(prefix: str) -> str:
 
 
 def _seed(url: str, token: str) -> dict[str, str]:
-    """Objects for the path parameters: a resource with two roles, a guard rail, a jit rule and its review."""
+    """Objects for the path parameters: a resource with two roles, a guard rail, a jit rule and its review,
+    and a user and a group that changes and deletions may hit (never the admin nor its group: that would lock
+    the test out of its own daemon)."""
     def call(method: str, path: str, body: Any, expected: int) -> Any:
         request = urllib.request.Request(url + path, data=json.dumps(body).encode(), method=method, headers={
             "Authorization": f"Bearer {token}", "Content-Type": "application/json"})
@@ -62,11 +62,14 @@ def _seed(url: str, token: str) -> dict[str, str]:
     access_rule = _unique("rule")
     call("POST", "/access-requests/rules", {"name": access_rule, "access_type": "jit",
                                             "connection_names": [jit_role], "reviewers_groups": ["admin"]}, 201)
+    user = call("POST", "/users", {"email": f"{_unique('victim')}@example.com", "groups": ["victims"]}, 201)
+    group = _unique("group")
+    call("POST", "/users/groups", {"name": group}, 201)
     session = call("POST", f"/connections/{role}/credentials", {}, 201)
     pending = call("POST", f"/connections/{jit_role}/credentials", {"access_duration_seconds": 600}, 202)
     return {"resource": resource, "role": role, "jit_role": jit_role, "guardrail": rule["id"],
             "access_rule": access_rule, "session": session["session_id"], "jit_session": pending["session_id"],
-            "review": pending["review_id"]}
+            "review": pending["review_id"], "user": user["id"], "group": group}
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +87,8 @@ def fuzz_target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
 def _operations(seeded: dict[str, str]) -> str:
     """schemathesis.toml ``[[operations]]``: ``LEFT_OUT`` disabled, path parameters naming seeded objects.
 
-    Deletions keep generated names (the seeded objects must stay for the other operations).
+    Deletions keep generated names (the seeded objects must stay for the other operations), but for the
+    seeded user and group: generated names could hit the admin or its group.
     """
     known = [
         ("/api/resources/{name}", "GET|PUT", {"name": seeded["resource"]}),
@@ -100,7 +104,8 @@ def _operations(seeded: dict[str, str]) -> str:
         ("/api/sessions/{id}", "GET", {"id": seeded["session"]}),
         ("/api/sessions/{id}/kill", "POST", {"id": seeded["session"]}),
         ("/api/sessions/{id}/rdp-frames", "GET", {"id": seeded["session"]}),
-        ("/api/users/{id}", "GET", {"id": "admin@example.com"}),
+        ("/api/users/{id}", "GET|PUT|DELETE", {"id": seeded["user"]}),
+        ("/api/users/groups/{name}", "DELETE", {"name": seeded["group"]}),
     ]
     lines = []
     for method, path in LEFT_OUT:  # one filter per entry: several would match any of them
