@@ -53,7 +53,7 @@ CONNECTION_OUT = Schema("ConnectionOut", {
 })
 NATIVE_ACCESS = Schema("ConnectionCredentials", {
     name: Field("string") for name in ("hostname", "port", "username", "password", "database_name",
-                                       "connection_string", "command", "proxy_token", "url", "header")})
+                                       "connection_string", "command", "proxy_token", "url", "origin", "header")})
 CREDENTIALS_OUT = Schema("Credentials", {
     "id": _TEXT, "connection_name": _TEXT, "connection_type": _TEXT, "connection_subtype": _TEXT,
     "session_id": _TEXT, "review_id": Field("string"), "expire_at": _TEXT, "created_at": _TEXT,
