@@ -8,11 +8,13 @@ from aiohttp import web
 from yarl import URL
 
 from control.http import (
+    INT64_MAX,
     ApiError,
     Field,
     Param,
     RouteSet,
     Schema,
+    array_of,
     gateway_of,
     json_body,
     ok,
@@ -44,6 +46,17 @@ RULE = Schema("AISessionAnalyzerRule", {
     "timeout": Field("number", nullable=True, description="seconds the provider may take"),
 })
 MAX_RULE_TIMEOUT = 600
+
+_TEXT = Field("string", True)
+PROVIDER_OUT = Schema("AIProviderOut", {
+    "id": _TEXT, "provider": Field("string", True, enum=PROVIDERS), "api_url": Field("string", True, nullable=True),
+    "api_key": Field("string", True, description="masked"), "model": _TEXT, "created_at": _TEXT,
+    "updated_at": _TEXT})
+RULE_OUT = Schema("AISessionAnalyzerRuleOut", {
+    "id": _TEXT, "name": _TEXT, "description": _TEXT, "connection_names": array_of("string"),
+    "risk_evaluation": Field("object", True, schema=RISK_EVALUATION),
+    "on_failure": Field("string", True, nullable=True, enum=FAILURE_POLICIES),
+    "timeout": Field("number", True, nullable=True), "created_at": _TEXT, "updated_at": _TEXT})
 
 
 def masked(key: str) -> str:
@@ -83,7 +96,8 @@ def _api_url(value: Any, provider: str) -> str:
     return url
 
 
-@routes.get("/ai/session-analyzer/providers", "The organization's AI provider (its key masked); 404 when none")
+@routes.get("/ai/session-analyzer/providers", "The organization's AI provider (its key masked); 404 when none",
+            response=PROVIDER_OUT)
 async def get_provider(request: web.Request) -> web.Response:
     admin = require_admin(request)
     provider = await gateway_of(request).store.get_ai_provider(admin.org_id)
@@ -115,12 +129,13 @@ async def _save_provider(request: web.Request) -> web.Response:
 
 
 @routes.put("/ai/session-analyzer/providers", "Set the organization's AI provider (one per organization)",
-            body=PROVIDER)
+            body=PROVIDER, response=PROVIDER_OUT)
 async def put_provider(request: web.Request) -> web.Response:
     return await _save_provider(request)
 
 
-@routes.post("/ai/session-analyzer/providers", "Set the organization's AI provider (as PUT)", body=PROVIDER)
+@routes.post("/ai/session-analyzer/providers", "Set the organization's AI provider (as PUT)", body=PROVIDER,
+             response=PROVIDER_OUT)
 async def post_provider(request: web.Request) -> web.Response:
     return await _save_provider(request)
 
@@ -176,7 +191,13 @@ async def _find_rule(request: web.Request) -> AIAnalyzerRule:
 
 @routes.get("/ai/session-analyzer/rules", "AI session analyzer rules, by name", query=[
     Param("connection_names", description="only rules naming one of these (repeatable)"),
-    Param("page", "integer"), Param("page_size", "integer", description="0 (default): all, else at most 100")])
+    Param("page", "integer", minimum=1, maximum=INT64_MAX),
+    Param("page_size", "integer", description="0 (default): all, else at most 100", minimum=0, maximum=INT64_MAX)],
+    response=Schema("AISessionAnalyzerRules", {
+        "pages": Field("object", True, schema=Schema("AIRulePages", {
+            "total": Field("integer", True, minimum=0), "page": Field("integer", True, minimum=1),
+            "size": Field("integer", True, minimum=0, maximum=100)})),
+        "data": Field("array", True, items=RULE_OUT)}))
 async def list_rules(request: web.Request) -> web.Response:
     rules = await gateway_of(request).store.list_ai_rules(user_of(request).org_id)
     wanted = set(request.query.getall("connection_names", []))
@@ -190,7 +211,8 @@ async def list_rules(request: web.Request) -> web.Response:
     return ok({"pages": {"total": len(rules), "page": page, "size": size}, "data": [rule_json(r) for r in shown]})
 
 
-@routes.post("/ai/session-analyzer/rules", "Create an AI session analyzer rule", body=RULE, status=201)
+@routes.post("/ai/session-analyzer/rules", "Create an AI session analyzer rule", body=RULE, status=201,
+             response=RULE_OUT)
 async def create_rule(request: web.Request) -> web.Response:
     admin = require_admin(request)
     rule = await _rule_from(request, admin.org_id, None)
@@ -202,12 +224,13 @@ async def create_rule(request: web.Request) -> web.Response:
     return ok(rule_json(rule), status=201)
 
 
-@routes.get("/ai/session-analyzer/rules/{name}", "An AI session analyzer rule")
+@routes.get("/ai/session-analyzer/rules/{name}", "An AI session analyzer rule", response=RULE_OUT)
 async def get_rule(request: web.Request) -> web.Response:
     return ok(rule_json(await _find_rule(request)))
 
 
-@routes.put("/ai/session-analyzer/rules/{name}", "Replace an AI session analyzer rule", body=RULE)
+@routes.put("/ai/session-analyzer/rules/{name}", "Replace an AI session analyzer rule", body=RULE,
+            response=RULE_OUT)
 async def update_rule(request: web.Request) -> web.Response:
     admin = require_admin(request)
     existing = await _find_rule(request)
@@ -229,7 +252,8 @@ async def delete_rule(request: web.Request) -> web.Response:
     return web.Response(status=204)
 
 
-@routes.get("/connections/{name}/ai-session-analyzer-rule", "The AI session analyzer rule of a connection")
+@routes.get("/connections/{name}/ai-session-analyzer-rule", "The AI session analyzer rule of a connection",
+            response=RULE_OUT)
 async def connection_rule(request: web.Request) -> web.Response:
     name = request.match_info["name"]
     store = gateway_of(request).store

@@ -34,7 +34,7 @@ _TEXT = Field("string", True)
 USER_FIELDS_OUT = {
     "id": _TEXT, "email": _TEXT, "name": _TEXT, "subject": _TEXT, "status": _TEXT,
     "groups": Field("array", True, items="string"), "is_admin": Field("boolean", True),
-    "is_auditor": Field("boolean", True), "org_id": Field("string", True, nullable=True), "org_name": _TEXT,
+    "is_auditor": Field("boolean", True), "is_operator": Field("boolean", True), "org_id": Field("string", True, nullable=True), "org_name": _TEXT,
     "picture": _TEXT, "slack_id": _TEXT, "created_at": _TEXT, "updated_at": _TEXT,
 }
 USER_OUT = Schema("User", USER_FIELDS_OUT)
