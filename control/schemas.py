@@ -26,6 +26,7 @@ REVIEW_FULL_OUT = Schema("ReviewDetail", {
     **_REVIEW_FIELDS, "org_id": TEXT, "session": TEXT, "session_id": TEXT, "updated_at": TEXT,
     "review_connection": Field("object", True, schema=Schema("ReviewConnection", {"id": TEXT, "name": TEXT})),
     "review_owner": Field("object", True, schema=PERSON), "input": Field("string"),
+    "ai_analysis": Field("object", description="the AI verdict on the script"),
 })
 JIT_PENDING_OUT = Schema("ReviewPending", {
     "session_id": TEXT, "review_id": TEXT, "has_review": Field("boolean", True), "status": Field("string"),
@@ -52,4 +53,5 @@ SCRIPT_RESULT_OUT = Schema("ScriptResult", {
     "session_id": TEXT, "has_review": Field("boolean", True), "output": TEXT, "output_status": TEXT,
     "exit_code": Field("integer", True, nullable=True), "execution_time": Field("integer", True, minimum=0),
     "truncated": Field("boolean"), "review_id": Field("string"), "review": Field("object", schema=REVIEW_OUT),
+    "ai_analysis": Field("object", description="the AI verdict on the script"),
 })
