@@ -204,9 +204,29 @@ def client_command(subtype: str, access: dict[str, Any]) -> tuple[list[str], dic
         return (["ssh", "-p", access["port"], f"{access['username']}@{access['hostname']}"], {},
                 access.get("command", ""))
     if subtype == "rdp":
-        return ([ "xfreerdp", f"/v:{access['hostname']}:{access['port']}", f"/u:{access['username']}",
+        return (["xfreerdp", f"/v:{access['hostname']}:{access['port']}", f"/u:{access['username']}",
                   f"/p:{access['password']}"], {}, access.get("command", ""))
     return [], {}, access.get("url", "")
+
+
+SSH_OPTIONS_WITH_VALUE = set("BbcDEeFIiJLlmOoPpQRSWw")  # ssh(1) options that take an argument
+
+
+def with_client_args(argv: list[str], extra: list[str]) -> list[str]:
+    """The client's command line with the user's arguments: for ssh, its options go before the
+    destination and the rest (the remote command) after it, as ssh(1) reads them."""
+    if argv[:1] != ["ssh"]:
+        return argv + extra
+    options, index = [], 0
+    while index < len(extra) and extra[index].startswith("-") and extra[index] != "--":
+        token = extra[index]
+        options.append(token)
+        if len(token) == 2 and token[1] in SSH_OPTIONS_WITH_VALUE and index + 1 < len(extra):
+            options.append(extra[index + 1])
+            index += 1
+        index += 1
+    command = extra[index + 1:] if extra[index:index + 1] == ["--"] else extra[index:]
+    return argv[:-1] + options + argv[-1:] + command
 
 
 def cmd_connect(args: argparse.Namespace) -> int:
@@ -229,7 +249,7 @@ def cmd_connect(args: argparse.Namespace) -> int:
         return 0
     if shutil.which(argv[0]) is None:
         raise ClientError(f"{argv[0]} is not installed here; connect with: {shown}")
-    return subprocess.call(argv + list(args.client_args), env={**os.environ, **env})
+    return subprocess.call(with_client_args(argv, list(args.client_args)), env={**os.environ, **env})
 
 
 # --------------------------------------------------------------------------- one-time scripts
