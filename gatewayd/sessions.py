@@ -45,7 +45,8 @@ class LiveSession:
         self.credential = credential
         self._kill: KillCallback | None = None
         self._expiry: asyncio.TimerHandle | None = None
-        self.done = asyncio.Event()
+        self.done = asyncio.Event()  # set as the session starts to end (no more input is taken)
+        self.finished = asyncio.Event()  # set once its end is stored (status done, exit code, seal)
         self.end_reason: str | None = None
         # awaited by close before the recording closes (each hook bounds its own wait: AI analysis still running)
         self.before_close: list[Callable[[], Awaitable[None]]] = []
@@ -102,6 +103,8 @@ class LiveSession:
                                                exit_code=exit_code)
         except Exception:
             log.exception("could not close session", extra={"session_id": self.id})
+        finally:
+            self.finished.set()
 
     async def kill(self, reason: str) -> None:
         """End the session from the gateway side: tell the proxy, then close with ``reason``."""

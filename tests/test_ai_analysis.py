@@ -314,7 +314,7 @@ async def test_native_input_past_max_pending_is_rated_by_the_built_in_rules_and_
         observe("select 2")  # queued
         observe("select 2")  # the same text again: not asked twice
         observe("drop table accounts")  # past max_pending: the built-in rules alone, at once
-        await asyncio.wait_for(live.done.wait(), 30)
+        await asyncio.wait_for(live.finished.wait(), 30)  # its end stored, not only begun
         assert killed and "AI session analysis" in killed[0] and "Drops a table" in killed[0]
         session = await gateway.store.get_session(live.id)
         assert session.exit_code == 254 and session.ai_analysis["action"] == BLOCK  # type: ignore[union-attr]
