@@ -17,17 +17,7 @@ import pytest
 
 from tests.apiclient import Api, admin_http
 from tests.conftest import Daemon, proxy_daemon
-from tests.test_http_proxy import start_target
-
-
-@pytest.fixture(scope="module")
-def target():
-    process, port = start_target()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        process.wait(10)
+from tests.test_http_proxy import target  # noqa: F401 (the target app fixture, one per module)
 
 
 @pytest.fixture(scope="module")
