@@ -11,6 +11,7 @@ protocols (shell lines, SFTP requests, HTTP requests) is matched as plain text.
 from __future__ import annotations
 
 import functools
+import json
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
@@ -28,7 +29,11 @@ InputObserver = Callable[[str], None]
 """Sees each input text (statement, command, shell line) a session's guard rails let through; never awaits."""
 ObserverFactory = Callable[["LiveSession"], Awaitable[InputObserver | None]]
 
-RULE_TYPES = ("deny_words_list", "pattern_match")
+STATEMENT_RULE_TYPES = ("statement_kinds", "require_where")  # PostgreSQL only, decided on pglast's parse tree
+RULE_TYPES = ("deny_words_list", "pattern_match") + STATEMENT_RULE_TYPES
+WHERE_STATEMENTS = {"delete": "DeleteStmt", "update": "UpdateStmt"}
+PARSE_CACHE_SIZE = 4096  # parsed statements remembered by text (per process)
+MAX_BODY_DEPTH = 3  # a function or DO body is parsed as SQL (or PL/pgSQL) this deep
 AUDIT_INPUT_CHARS = 2000  # a blocked input is kept this long in its verdict (and so in the audit entry)
 MAX_SCAN_CHARS = 64 * 1024  # longer SQL (bulk loads) is matched raw only, comment-aware: see _SQL_GAP
 SCAN_CACHE_CHARS = 4096  # scanned statements up to this size are remembered by text (per process)
@@ -222,6 +227,135 @@ def normalize_sql(text: str) -> str:
     return _scanned(text)
 
 
+# --------------------------------------------------------------------------- statements as PostgreSQL parses them
+
+
+@functools.cache
+def statement_node_names() -> tuple[str, ...]:
+    """pglast's statement node names (``DropStmt``, ``TruncateStmt``...): what a statement_kinds rule may deny."""
+    from pglast import ast
+    return tuple(sorted(name for name in dir(ast) if name.endswith("Stmt") and isinstance(getattr(ast, name), type)))
+
+
+@dataclass(slots=True, frozen=True)
+class ParsedStatement:
+    """One statement of a query text: every statement node in it (nested ones, bodies included).
+
+    ``unqualified``: the DeleteStmt/UpdateStmt nodes in it that have no WHERE clause.
+    """
+
+    kinds: frozenset[str]
+    unqualified: frozenset[str]
+
+
+class _Unparsed(Exception):
+    pass
+
+
+def _plpgsql_queries(body: str) -> list[str]:
+    """The SQL statements a PL/pgSQL body runs (static ones: EXECUTE of a built string is not readable)."""
+    tag = "$gw$"
+    while tag in body:
+        tag = tag[:-1] + "x$"
+    try:
+        found = json.loads(pg_scanner.parse_plpgsql_json(
+            f"CREATE FUNCTION gw() RETURNS void LANGUAGE plpgsql AS {tag}{body}{tag}"))
+    except (pg_scanner.ParseError, UnicodeError, ValueError):
+        return []
+    queries: list[str] = []
+
+    def walk(node: Any, dynamic: bool) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "PLpgSQL_expr" and isinstance(value, dict) and not dynamic:
+                    if isinstance(value.get("query"), str) and value.get("parseMode") == 0:
+                        queries.append(value["query"])
+                walk(value, dynamic or key == "PLpgSQL_stmt_dynexecute")
+        elif isinstance(node, list):
+            for item in node:
+                walk(item, dynamic)
+    walk(found, False)
+    return queries
+
+
+def _body_strings(node: dict[str, Any]) -> tuple[str | None, list[str]]:
+    """A DoStmt's or CreateFunctionStmt's language and body strings."""
+    language = None
+    bodies: list[str] = []
+    for option in node.get("options", []) + node.get("args", []):
+        elem = option.get("DefElem", {})
+        arg = elem.get("arg", {})
+        if elem.get("defname") == "language" and "String" in arg:
+            language = arg["String"].get("sval", "").lower()
+        elif elem.get("defname") == "as":
+            items = arg.get("List", {}).get("items", []) if "List" in arg else [arg]
+            bodies += [item["String"]["sval"] for item in items if "String" in item and "sval" in item["String"]]
+    return language, bodies
+
+
+def _collect(node: Any, kinds: set[str], unqualified: set[str], depth: int) -> None:
+    if isinstance(node, list):
+        for item in node:
+            _collect(item, kinds, unqualified, depth)
+        return
+    if not isinstance(node, dict):
+        return
+    for key, value in node.items():
+        if key.endswith("Stmt") and isinstance(value, dict) and key[0].isupper():
+            kinds.add(key)
+            if key in ("DeleteStmt", "UpdateStmt") and "whereClause" not in value:
+                unqualified.add(key)
+            if key in ("DoStmt", "CreateFunctionStmt") and depth < MAX_BODY_DEPTH:
+                language, bodies = _body_strings(value)
+                if key == "DoStmt":
+                    language = language or "plpgsql"
+                for body in bodies:
+                    texts = _plpgsql_queries(body) if language == "plpgsql" else [body] if language == "sql" else []
+                    for text in texts:
+                        try:
+                            _collect(json.loads(pg_scanner.parse_sql_json(text)), kinds, unqualified, depth + 1)
+                        except (pg_scanner.ParseError, UnicodeError, ValueError):
+                            pass  # a body PostgreSQL itself would refuse when the function runs
+        _collect(value, kinds, unqualified, depth)
+
+
+def _parse_statements(text: str) -> tuple[ParsedStatement, ...] | None:
+    """Each statement of ``text`` as PostgreSQL's parser reads it; None when it does not parse."""
+    if "\x00" in text:
+        return None
+    try:
+        tree = json.loads(pg_scanner.parse_sql_json(text))
+    except (pg_scanner.ParseError, UnicodeError, ValueError):
+        return None
+    statements = []
+    for raw in tree.get("stmts", []):
+        kinds: set[str] = set()
+        unqualified: set[str] = set()
+        _collect(raw.get("stmt", {}), kinds, unqualified, 0)
+        statements.append(ParsedStatement(frozenset(kinds), frozenset(unqualified)))
+    return tuple(statements)
+
+
+_parse_cached = functools.lru_cache(maxsize=PARSE_CACHE_SIZE)(_parse_statements)
+
+
+def parse_statements(text: str) -> tuple[ParsedStatement, ...] | None:
+    """``_parse_statements``, remembered by text (bounded): a repeated statement costs a dict lookup."""
+    if len(text) <= SCAN_CACHE_CHARS:
+        return _parse_cached(text)
+    if len(text) > MAX_SCAN_CHARS:
+        return None
+    return _parse_statements(text)
+
+
+def split_statements(text: str) -> list[str]:
+    """The statements of a multi-statement query text, as PostgreSQL splits them (the text whole if it cannot)."""
+    try:
+        return list(pg_scanner.split(text, with_parser=False)) or [text]
+    except (pg_scanner.ParseError, UnicodeError, ValueError):
+        return [text]
+
+
 # --------------------------------------------------------------------------- patterns on RE2
 
 _UNSUPPORTED = (  # constructs RE2 cannot run in linear time, named for the admin
@@ -267,6 +401,7 @@ class _CompiledRule:
     words: tuple[str, ...] = ()
     pattern: str = ""
     message: str = ""
+    kinds: frozenset[str] = frozenset()  # statement_kinds: denied nodes; require_where: DeleteStmt/UpdateStmt
 
     def _prefix(self) -> str:
         return f"validation error, match guard rails {self.direction} rule, type={self.type}"
@@ -282,6 +417,32 @@ class _CompiledRule:
             message = f"{self._prefix()}, pattern={self.pattern}"
         kept = text[:AUDIT_INPUT_CHARS] if self.direction == "input" else ""
         return GuardVerdict(False, message, self.direction, self.type, self.guardrail, kept)
+
+    def statement_verdict(self, statement: ParsedStatement | None, index: int, count: int,
+                          text: str) -> GuardVerdict | None:
+        """A statement rule's block of statement ``index`` (1-based) of ``count``; None when it passes.
+
+        ``statement`` None: the text does not parse.  Fail closed: PostgreSQL's parser
+        is the same, so it would refuse the text as well (at worst the error differs),
+        and a parser version behind the server's must not become a way around the rule.
+        """
+        where = f"statement {index} of {count}" if count > 1 else ""
+        if statement is None:
+            found = "unparsable SQL (a statement rule cannot read it)"
+        elif self.type == "statement_kinds":
+            denied = sorted(statement.kinds & self.kinds)
+            if not denied:
+                return None
+            found = f"statement={denied[0]}"
+        else:
+            missing = sorted(statement.unqualified & self.kinds)
+            if not missing:
+                return None
+            found = f"{missing[0][:-4].lower()} without WHERE"
+        message = self.message or f"{self._prefix()}, {found}"
+        if where:
+            message = f"{message} ({where})"
+        return GuardVerdict(False, message, self.direction, self.type, self.guardrail, text[:AUDIT_INPUT_CHARS])
 
 
 def _compile_side(guardrail: str, direction: str, side: dict[str, Any]) -> list[_CompiledRule]:
@@ -317,6 +478,27 @@ def _compile_side(guardrail: str, direction: str, side: dict[str, Any]) -> list[
             except RuleError as exc:
                 raise RuleError(f"{where}.pattern_regex: {exc}") from None
             compiled.append(_CompiledRule(guardrail, direction, kind, regex, regex, pattern=pattern, message=message))
+        elif kind in STATEMENT_RULE_TYPES:
+            if direction != "input":
+                raise RuleError(f"{where}.type: {kind} is an input rule (it reads the statements sent)")
+            key = "deny" if kind == "statement_kinds" else "statements"
+            names = rule.get(key)
+            if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+                raise RuleError(f"{where}.{key}: expected a non-empty array of strings")
+            if kind == "statement_kinds":
+                valid = statement_node_names()
+                unknown = [n for n in names if n not in valid]
+                if unknown:
+                    raise RuleError(f"{where}.deny: unknown statement node {', '.join(map(repr, unknown))}: "
+                                    f"use pglast's node names (pglast.ast), one of {', '.join(valid)}")
+                kinds = frozenset(names)
+            else:
+                unknown = [n for n in names if n.lower() not in WHERE_STATEMENTS]
+                if unknown:
+                    raise RuleError(f"{where}.statements: unknown statement {', '.join(map(repr, unknown))}: "
+                                    f"one of {', '.join(WHERE_STATEMENTS)}")
+                kinds = frozenset(WHERE_STATEMENTS[n.lower()] for n in names)
+            compiled.append(_CompiledRule(guardrail, direction, kind, None, None, message=message, kinds=kinds))
         else:
             raise RuleError(f"{where}.type: must be one of {', '.join(RULE_TYPES)}, got {kind!r}")
     return compiled
@@ -341,7 +523,7 @@ def validate_guardrail(input_rules: dict[str, Any], output_rules: dict[str, Any]
 class RuleSet:
     """Every rule of every guard rail attached to one connection."""
 
-    __slots__ = ("input_rules", "output_rules")
+    __slots__ = ("input_rules", "output_rules", "text_rules", "statement_rules")
 
     def __init__(self, guardrails: list[GuardRail]) -> None:
         self.input_rules: list[_CompiledRule] = []
@@ -349,6 +531,8 @@ class RuleSet:
         for rail in guardrails:
             self.input_rules += _compile_or_refuse(rail, "input", rail.input)
             self.output_rules += _compile_or_refuse(rail, "output", rail.output)
+        self.statement_rules = [r for r in self.input_rules if r.type in STATEMENT_RULE_TYPES]
+        self.text_rules = [r for r in self.input_rules if r.type not in STATEMENT_RULE_TYPES]
 
     @property
     def empty(self) -> bool:
@@ -362,11 +546,41 @@ class RuleSet:
         """``sql``: PostgreSQL input, matched as its scanner reads it and, raw, with comments between words."""
         if not self.input_rules:
             return ALLOWED
-        if not sql:
-            return self._check(self.input_rules, text, _collapse(text), text, False)
+        if not sql:  # statement rules read PostgreSQL only: on other protocols they are ignored
+            return self._check(self.text_rules, text, _collapse(text), text, False) if self.text_rules else ALLOWED
+        if self.statement_rules:
+            verdict = self._check_statements(text)
+            if not verdict.allowed:
+                return verdict
+        if not self.text_rules:
+            return ALLOWED
+        verdict = self._check_sql(text)
+        if verdict.allowed:
+            return verdict
+        statements = split_statements(text)  # a block is rare: say which statement of several it was
+        if len(statements) > 1:
+            for index, statement in enumerate(statements, 1):
+                if not self._check_sql(statement).allowed:
+                    message = f"{verdict.message} (statement {index} of {len(statements)})"
+                    return GuardVerdict(False, message, verdict.direction, verdict.rule_type, verdict.guardrail,
+                                        verdict.text)
+        return verdict
+
+    def _check_sql(self, text: str) -> GuardVerdict:
         if not _needs_scan(text):  # no quote, comment or dollar quote: one reading says it all
-            return self._check(self.input_rules, text, _collapse(text), None, True)
-        return self._check(self.input_rules, text, normalize_sql(text), text, True)
+            return self._check(self.text_rules, text, _collapse(text), None, True)
+        return self._check(self.text_rules, text, normalize_sql(text), text, True)
+
+    def _check_statements(self, text: str) -> GuardVerdict:
+        """The statement rules, on each statement of ``text`` as PostgreSQL's parser reads it."""
+        parsed = parse_statements(text)
+        statements: tuple[ParsedStatement | None, ...] = (None,) if parsed is None else parsed
+        for index, statement in enumerate(statements, 1):
+            for rule in self.statement_rules:
+                verdict = rule.statement_verdict(statement, index, len(statements), text)
+                if verdict is not None:
+                    return verdict
+        return ALLOWED
 
     def check_output(self, text: str) -> GuardVerdict:
         if not self.output_rules:

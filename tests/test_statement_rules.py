@@ -1,0 +1,138 @@
+"""Statement-kind rules (statement_kinds, require_where) on pglast's parse tree, and per-statement deny words."""
+
+from __future__ import annotations
+
+import pytest
+
+from gatewayd.guardrails import RuleError, RuleSet, parse_statements, validate_guardrail
+from gatewayd.models import GuardRail
+
+
+def rules(*rules: dict) -> RuleSet:
+    return RuleSet([GuardRail(id="g1", org_id="o", name="rail", input={"rules": list(rules)})])
+
+
+WHERE = {"type": "require_where", "statements": ["delete", "update"]}
+KINDS = {"type": "statement_kinds", "deny": ["DropStmt", "TruncateStmt", "GrantStmt"]}
+
+UNQUALIFIED = [
+    "DELETE FROM t",
+    "delete from t;",
+    "DeLeTe FrOm ONLY t",
+    'delete from "T" as x',
+    "delete from public.t t2 returning *",
+    "with gone as (delete from t returning *) select * from gone",
+    "with x as (select 1) delete from t",
+    "select 1; delete from t; select 2",
+    "explain analyze delete from t",
+    "explain (analyze, buffers) update t set a = 1",
+    "prepare p as delete from t",
+    "update only t set a = a + 1",
+    "update t set a = 1 from u",
+    "delete /* where */ from t -- where a = 1",
+    "delete from t using u",
+    "do $$ begin delete from t; end $$",
+    "do $x$ begin update t set a = 1; end $x$ language plpgsql",
+    "create function f() returns void language sql as $$ delete from t $$",
+    "create function f() returns void language plpgsql as $$ begin delete from t; end $$",
+    "create function f() returns void language sql begin atomic delete from t; end",
+    "create procedure p() language sql as 'delete from t'",
+]
+
+QUALIFIED = [
+    "delete from t where a = 1",
+    "DELETE FROM t WHERE true",
+    "update t set a = 1 where id = $1",
+    "select 'delete from t'",
+    "select * from t",
+    "insert into t values (1)",
+    "with gone as (delete from t where a = 1 returning *) select * from gone",
+    "delete from t where current_of_like = 1",
+    "do $$ begin delete from t where a = 1; end $$",
+    "-- delete from t\nselect 1",
+]
+
+
+@pytest.mark.parametrize("sql", UNQUALIFIED)
+def test_require_where_blocks_every_spelling(sql: str) -> None:
+    verdict = rules(WHERE).check_input(sql, sql=True)
+    assert not verdict.allowed
+    assert "without WHERE" in verdict.message and verdict.rule_type == "require_where"
+
+
+@pytest.mark.parametrize("sql", QUALIFIED)
+def test_require_where_lets_qualified_statements_through(sql: str) -> None:
+    assert rules(WHERE).check_input(sql, sql=True).allowed
+
+
+@pytest.mark.parametrize("sql", [
+    "drop table t", "DROP TABLE IF EXISTS a, b CASCADE", "truncate t", "truncate table only t",
+    "grant all on t to public", "select 1; drop/**/table t", "explain select 1; truncate t",
+    "do $$ begin truncate t; end $$", "prepare q as select 1; drop index i",
+])
+def test_statement_kinds_denied(sql: str) -> None:
+    verdict = rules(KINDS).check_input(sql, sql=True)
+    assert not verdict.allowed and "statement=" in verdict.message
+
+
+@pytest.mark.parametrize("sql", ["select 'drop table t'", "create table t (a int)", "delete from t",
+                                 "select $$truncate t$$", 'select 1 as "drop"'])
+def test_statement_kinds_allowed(sql: str) -> None:
+    assert rules(KINDS).check_input(sql, sql=True).allowed
+
+
+def test_multi_statement_names_the_statement() -> None:
+    verdict = rules(WHERE).check_input("select 1; select 2; delete from t", sql=True)
+    assert "(statement 3 of 3)" in verdict.message
+    verdict = rules({"type": "deny_words_list", "words": ["drop table"]}).check_input(
+        "select 1; drop table t; select 3", sql=True)
+    assert not verdict.allowed and "(statement 2 of 3)" in verdict.message
+    verdict = rules({"type": "pattern_match", "pattern_regex": "(?i)truncate"}).check_input(
+        "select 1; truncate t", sql=True)
+    assert not verdict.allowed and verdict.message.endswith("(statement 2 of 2)")
+    single = rules({"type": "deny_words_list", "words": ["drop table"]}).check_input("drop table t", sql=True)
+    assert "statement" not in single.message.split("words=")[1]
+
+
+def test_unparsable_sql_fails_closed() -> None:
+    verdict = rules(WHERE).check_input("delete frm t", sql=True)
+    assert not verdict.allowed and "unparsable" in verdict.message
+
+
+def test_statement_rules_ignored_on_other_protocols() -> None:
+    assert rules(WHERE, KINDS).check_input("rm -rf / ; delete from t", sql=False).allowed
+    both = rules(WHERE, {"type": "deny_words_list", "words": ["rm -rf"]})
+    assert not both.check_input("rm -rf /", sql=False).allowed
+
+
+def test_spec_rule_types_unchanged_beside_statement_rules() -> None:
+    mixed = rules(KINDS, {"type": "deny_words_list", "words": ["pg_sleep"]})
+    assert not mixed.check_input("select pg_sleep(1)", sql=True).allowed
+    assert mixed.check_input("select 1", sql=True).allowed
+
+
+def test_custom_message() -> None:
+    verdict = rules({**WHERE, "message": "add a WHERE"}).check_input("delete from t", sql=True)
+    assert verdict.message == "add a WHERE"
+
+
+def test_parse_cache_by_text() -> None:
+    first = parse_statements("delete from cached_t")
+    assert parse_statements("delete from cached_t") is first
+
+
+@pytest.mark.parametrize("rule, says", [
+    ({"type": "statement_kinds", "deny": ["DropTable"]}, "pglast"),
+    ({"type": "statement_kinds", "deny": []}, "non-empty"),
+    ({"type": "require_where", "statements": ["insert"]}, "delete, update"),
+    ({"type": "require_where"}, "non-empty"),
+])
+def test_validation(rule: dict, says: str) -> None:
+    with pytest.raises(RuleError, match=says):
+        validate_guardrail({"rules": [rule]}, {"rules": []})
+
+
+def test_statement_rules_are_input_rules() -> None:
+    with pytest.raises(RuleError, match="input rule"):
+        validate_guardrail({"rules": []}, {"rules": [WHERE]})
+    validate_guardrail({"rules": [WHERE, KINDS]}, {"rules": []})
