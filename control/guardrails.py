@@ -28,6 +28,7 @@ routes = RouteSet("Guard Rails", audit="guardrails")
 RULE = Schema("GuardRailRule", {
     "type": Field("string", True), "words": Field("array", items="string"), "pattern_regex": Field("string"),
     "name": Field("string"), "description": Field("string"), "message": Field("string"),
+    "deny": Field("array", items="string"), "statements": Field("array", items="string"),
 })
 RULES = Schema("GuardRailRules", {"rules": Field("array", items=RULE), "name": Field("string"),
                                   "description": Field("string")})

@@ -195,3 +195,49 @@ async def test_blocked_input_is_recorded_then_blocked_in_every_protocol(apis):
     assert inputs[pg_session] == sql and inputs[ssh_session] == "echo forbidden   thing"
     assert "X-Note: forbidden thing" in inputs[http_session] and http_secret not in inputs[http_session]
     assert "target-secret-42" not in inputs[http_session]  # the audit entry holds the redacted head, as recorded
+
+
+async def test_statement_rules_keep_the_table_through_psql_and_asyncpg(apis, cluster, gateway):
+    """require_where / statement_kinds: simple Query (psql) and Parse (asyncpg) refused; the table survives."""
+    pg_api, _, _ = apis
+    status, error = await pg_api("POST", "/guardrails", {
+        "name": "bad-kind", "input": {"rules": [{"type": "statement_kinds", "deny": ["DropTable"]}]}})
+    assert status == 400 and "unknown statement node 'DropTable'" in error["message"] and "DropStmt" in error["message"]
+    status, error = await pg_api("POST", "/guardrails", {
+        "name": "bad-where", "input": {"rules": [{"type": "require_where", "statements": ["merge"]}]}})
+    assert status == 400 and "one of delete, update" in error["message"], error
+
+    table = f"keep_{os.urandom(4).hex()}"
+    direct = await asyncpg.connect(host="127.0.0.1", port=cluster.port, user="postgres", password=cluster.password,
+                                   database="postgres", ssl=False)
+    try:
+        await direct.execute(f"create table {table} (a int); insert into {table} values (1), (2)")
+        role = await pg_api.role()
+        await pg_api.guardrail(role, input_rules=[{"type": "require_where", "statements": ["delete", "update"]},
+                                                  {"type": "statement_kinds", "deny": ["DropStmt", "TruncateStmt"]}])
+        secret, session_id = await pg_api.credential(role)
+        for sql in [f"DELETE FROM {table}", f'with x as (delete from only "{table}" t returning *) select 1',
+                    f"select 1; explain analyze update {table} set a = 0", f"drop/**/table {table}",
+                    f"do $$ begin delete from {table}; end $$"]:
+            result = await asyncio.to_thread(psql, gateway, secret, sql)
+            assert result.returncode != 0 and "guard rails input rule" in result.stderr, (sql, result.stderr)
+        result = await asyncio.to_thread(psql, gateway, secret, f"select 1; truncate {table}")
+        assert "statement=TruncateStmt (statement 2 of 2)" in result.stderr, result.stderr
+        result = await asyncio.to_thread(psql, gateway, secret,
+                                         f"delete from {table} where a = 2; select count(*) from {table}")
+        assert result.returncode == 0 and result.stdout.split() == ["DELETE", "1", "1"], result.stderr
+
+        client = await asyncpg.connect(host="127.0.0.1", port=gateway.pg_port, user=secret, password="any",
+                                       database="postgres", ssl=False, timeout=15)
+        try:
+            with pytest.raises(asyncpg.PostgresError, match="delete without WHERE"):
+                await client.prepare(f"delete from {table}")  # refused at Parse
+            with pytest.raises(asyncpg.PostgresError, match="update without WHERE"):
+                await client.fetch(f"update {table} set a = $1 returning a", 0)
+            assert await client.fetchval(f"select count(*) from {table} where a = $1", 1) == 1  # still usable
+        finally:
+            await client.close()
+        assert await direct.fetch(f"select a from {table}") == [(1,)]
+    finally:
+        await direct.execute(f"drop table if exists {table}")
+        await direct.close()
