@@ -319,14 +319,41 @@ def _collect(node: Any, kinds: set[str], unqualified: set[str], depth: int) -> N
         _collect(value, kinds, unqualified, depth)
 
 
+# a node in pglast's JSON: ``"DeleteStmt":{`` (inside a JSON string a quote is escaped, so never a false node)
+_STATEMENT_NODE = re.compile(r'"([A-Z][A-Za-z]*Stmt)":\{')
+_BODIES = ('"DoStmt":', '"CreateFunctionStmt":')
+
+
+def _node_names(tree_json: str) -> frozenset[str]:
+    """The statement nodes named in pglast's JSON (``_STATEMENT_NODE``, split in C rather than searched)."""
+    pieces = tree_json.split('Stmt":{')
+    return frozenset(piece[piece.rfind('"') + 1:] + "Stmt" for piece in pieces[:-1])
+
+
+def _unqualified_hook(found: set[str]) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    def hook(node: dict[str, Any]) -> dict[str, Any]:
+        for key in ("DeleteStmt", "UpdateStmt"):
+            if key in node and "whereClause" not in node[key]:
+                found.add(key)
+        return node
+    return hook
+
+
 def _parse_statements(text: str) -> tuple[ParsedStatement, ...] | None:
     """Each statement of ``text`` as PostgreSQL's parser reads it; None when it does not parse."""
     if "\x00" in text:
         return None
     try:
-        tree = json.loads(pg_scanner.parse_sql_json(text))
+        tree_json = pg_scanner.parse_sql_json(text)
     except (pg_scanner.ParseError, UnicodeError, ValueError):
         return None
+    if tree_json.count('{"stmt":') == 1 and not any(body in tree_json for body in _BODIES):
+        # one statement, no body to read: its nodes from the text; the JSON decoded only for a WHERE
+        unqualified: set[str] = set()
+        if '"DeleteStmt":' in tree_json or '"UpdateStmt":' in tree_json:
+            json.loads(tree_json, object_hook=_unqualified_hook(unqualified))
+        return (ParsedStatement(_node_names(tree_json), frozenset(unqualified)),)
+    tree = json.loads(tree_json)
     statements = []
     for raw in tree.get("stmts", []):
         kinds: set[str] = set()

@@ -19,7 +19,13 @@ user: it refuses root), and a real ``gatewayd run`` subprocess.  It is a
 benchmark, not a test: it exits 0 whether the target is met or not, non-zero
 only when it could not measure.
 
+``--rules`` adds a ``gateway+rules`` column: the same gateway, a second
+connection that also carries the statement-kind rules (``statement_kinds``
+denying DropStmt/TruncateStmt/GrantStmt, ``require_where`` on delete and
+update), and prints the CPU per transaction they add.
+
     .venv/bin/python bench/postgres/bench_postgres.py [--seconds 10] [--clients 4] [--scale 10] [--rounds 1]
+        [--rules]
 """
 
 from __future__ import annotations
@@ -142,25 +148,32 @@ def median(values: list[float]) -> float:
     return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
-async def gateway_credential(daemon: Daemon, cluster: PgCluster) -> str:
-    """A role to the cluster with two input guard rails, and a credential for it."""
+STATEMENT_RULES = [{"type": "statement_kinds", "deny": ["DropStmt", "TruncateStmt", "GrantStmt"]},
+                   {"type": "require_where", "statements": ["delete", "update"]}]
+
+
+async def gateway_credential(daemon: Daemon, cluster: PgCluster, name: str = "bench",
+                             statement_rules: bool = False) -> str:
+    """A role to the cluster with two input guard rails (and the statement rules), and a credential for it."""
     token = daemon.token("bench@example.com", groups="admin")
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as http:
         secret = {"envvar:HOST": b64("127.0.0.1"), "envvar:PORT": b64(str(cluster.port)),
                   "envvar:USER": b64("postgres"), "envvar:PASS": b64(cluster.password), "envvar:DB": b64("postgres"),
                   "envvar:SSLMODE": b64("disable")}  # like the direct and pgbouncer runs
         async with http.post(daemon.url + "/connections", json={
-                "name": "bench", "type": "database", "subtype": "postgres", "secret": secret}) as response:
+                "name": name, "type": "database", "subtype": "postgres", "secret": secret}) as response:
             connection = await response.json()
             assert response.status == 201, connection
-        for name, rule in (("no-drop", {"type": "deny_words_list", "words": ["drop table", "truncate"]}),
-                           ("no-bulk-delete", {"type": "pattern_match",
-                                               "pattern_regex": r"(?i)delete\s+from\s+\w+\s*;?\s*$"})):
+        rails = [("no-drop", {"type": "deny_words_list", "words": ["drop table", "truncate"]}),
+                 ("no-bulk-delete", {"type": "pattern_match", "pattern_regex": r"(?i)delete\s+from\s+\w+\s*;?\s*$"})]
+        if statement_rules:
+            rails += [(f"statement-rule-{i}", rule) for i, rule in enumerate(STATEMENT_RULES)]
+        for rail, rule in rails:
             async with http.post(daemon.url + "/guardrails", json={
-                    "name": name, "connection_ids": [connection["id"]], "input": {"rules": [rule]},
+                    "name": f"{name}-{rail}", "connection_ids": [connection["id"]], "input": {"rules": [rule]},
                     "output": {"rules": []}}) as response:
                 assert response.status == 201, await response.text()
-        async with http.post(daemon.url + "/connections/bench/credentials",
+        async with http.post(daemon.url + f"/connections/{name}/credentials",
                              json={"access_duration_seconds": 7200}) as response:
             body = await response.json()
             assert response.status == 201, body
@@ -175,6 +188,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every target this many times, interleaved; medians are printed (steadier ratios "
                              "on a machine that is busy with other work)")
+    parser.add_argument("--rules", action="store_true",
+                        help="also run 'gateway+rules': the same gateway with statement-kind rules (statement_kinds, "
+                             "require_where) added, and print the proxy CPU per transaction they add")
     args = parser.parse_args()
     reason = unavailable_reason()
     if reason or shutil.which("pgbench") is None:
@@ -195,6 +211,9 @@ def main() -> int:
         targets: dict[str, tuple[int, str, str, int | None]] = {
             "direct": (cluster.port, "postgres", cluster.password, None),
             "gateway": (gateway_port, secret, "any", daemon.process.pid if daemon.process else None)}
+        if args.rules:
+            ruled = asyncio.run(gateway_credential(daemon, cluster, "bench-rules", statement_rules=True))
+            targets["gateway+rules"] = (gateway_port, ruled, "any", targets["gateway"][3])
         forwarder_port = free_port()
         forwarder = subprocess.Popen([sys.executable, str(Path(__file__).with_name("forwarder.py")),
                                       str(forwarder_port), str(cluster.port)])
@@ -211,7 +230,7 @@ def main() -> int:
                 ("-S -M extended", ["-S", "-M", "extended"], args.clients),
                 ("-S -M prepared", ["-S", "-M", "prepared"], args.clients),
                 ("-S -c 1 (latency)", ["-S", "-M", "simple"], 1)]
-        order = [name for name in ("direct", "pgbouncer", "forwarder", "gateway") if name in targets]
+        order = [name for name in ("direct", "pgbouncer", "forwarder", "gateway", "gateway+rules") if name in targets]
         rounds = max(1, args.rounds)
         print(f"pgbench -T {args.seconds} -j 2, scale {args.scale}; gateway: 2 input guard rails, recording on"
               + (f"; {rounds} interleaved rounds, medians" if rounds > 1 else "") + "\n")
@@ -247,6 +266,9 @@ def main() -> int:
             if cpu:
                 print(f"{'':<20}proxy CPU per transaction: "
                       + ", ".join(f"{n} {median(cpu[n]):.0f} us" for n in order if n in cpu))
+                if "gateway+rules" in cpu and "gateway" in cpu:
+                    print(f"{'':<20}statement-kind rules add "
+                          f"{median(cpu['gateway+rules']) - median(cpu['gateway']):+.1f} us CPU per transaction")
             if clients == 1:
                 direct_ms, gateway_ms = median(latency["direct"]), median(latency["gateway"])
                 print(f"{'':<20}latency: direct {direct_ms:.3f} ms, gateway {gateway_ms:.3f} ms"
