@@ -136,3 +136,10 @@ def test_statement_rules_are_input_rules() -> None:
     with pytest.raises(RuleError, match="input rule"):
         validate_guardrail({"rules": []}, {"rules": [WHERE]})
     validate_guardrail({"rules": [WHERE, KINDS]}, {"rules": []})
+
+
+def test_long_statements_are_parsed_too() -> None:
+    values = ", ".join(f"({i}, 'row {i}')" for i in range(8000))  # well over the 4 KiB cache and 64 KiB scan limits
+    assert len(values) > 64 * 1024
+    assert rules(WHERE, KINDS).check_input(f"insert into t values {values}", sql=True).allowed
+    assert not rules(WHERE).check_input(f"insert into t values {values}; delete from t", sql=True).allowed
