@@ -241,3 +241,17 @@ async def test_statement_rules_keep_the_table_through_psql_and_asyncpg(apis, clu
     finally:
         await direct.execute(f"drop table if exists {table}")
         await direct.close()
+
+
+async def test_statement_rules_are_ignored_on_ssh(apis):
+    """A rail mixing deny words and statement rules attaches to an ssh connection: only the words apply there."""
+    _, ssh_api, _ = apis
+    role = await ssh_api.role()
+    await ssh_api.guardrail(role, input_rules=[{"type": "require_where", "statements": ["delete"]},
+                                               {"type": "deny_words_list", "words": ["forbidden thing"]}])
+    secret, _ = await ssh_api.credential(role)
+    result = await asyncio.to_thread(ssh, ssh_api.daemon, secret, "echo delete from t")
+    assert result.returncode == 0 and result.stdout.strip() == "delete from t", result.stderr
+    secret, _ = await ssh_api.credential(role)
+    result = await asyncio.to_thread(ssh, ssh_api.daemon, secret, "echo forbidden thing")
+    assert result.returncode == 254 and "words=[forbidden thing]" in result.stderr
