@@ -322,12 +322,13 @@ def _collect(node: Any, kinds: set[str], unqualified: set[str], depth: int) -> N
 # a node in pglast's JSON: ``"DeleteStmt":{`` (inside a JSON string a quote is escaped, so never a false node)
 _STATEMENT_NODE = re.compile(r'"([A-Z][A-Za-z]*Stmt)":\{')
 _BODIES = ('"DoStmt":', '"CreateFunctionStmt":')
+_WHERE_NODES = frozenset(("DeleteStmt", "UpdateStmt"))
 
 
 def _node_names(tree_json: str) -> frozenset[str]:
     """The statement nodes named in pglast's JSON (``_STATEMENT_NODE``, split in C rather than searched)."""
-    pieces = tree_json.split('Stmt":{')
-    return frozenset(piece[piece.rfind('"') + 1:] + "Stmt" for piece in pieces[:-1])
+    names = (piece[piece.rfind('"') + 1:] for piece in tree_json.split('Stmt":{')[:-1])
+    return frozenset(name + "Stmt" for name in names if name[:1].isupper())  # not a field (``selectStmt``)
 
 
 def _unqualified_hook(found: set[str]) -> Callable[[dict[str, Any]], dict[str, Any]]:
@@ -349,10 +350,15 @@ def _parse_statements(text: str) -> tuple[ParsedStatement, ...] | None:
         return None
     if tree_json.count('{"stmt":') == 1 and not any(body in tree_json for body in _BODIES):
         # one statement, no body to read: its nodes from the text; the JSON decoded only for a WHERE
+        kinds = _node_names(tree_json)
         unqualified: set[str] = set()
-        if '"DeleteStmt":' in tree_json or '"UpdateStmt":' in tree_json:
+        if len(kinds) == 1 and kinds <= _WHERE_NODES and tree_json.count('Stmt":{') == 1:
+            # a lone DELETE/UPDATE (no subquery, CTE or other statement node): the only WHERE is its own
+            if '"whereClause":' not in tree_json:
+                unqualified = set(kinds)
+        elif not kinds.isdisjoint(_WHERE_NODES):
             json.loads(tree_json, object_hook=_unqualified_hook(unqualified))
-        return (ParsedStatement(_node_names(tree_json), frozenset(unqualified)),)
+        return (ParsedStatement(kinds, frozenset(unqualified)),)
     tree = json.loads(tree_json)
     statements = []
     for raw in tree.get("stmts", []):

@@ -143,3 +143,31 @@ def test_long_statements_are_parsed_too() -> None:
     assert len(values) > 64 * 1024
     assert rules(WHERE, KINDS).check_input(f"insert into t values {values}", sql=True).allowed
     assert not rules(WHERE).check_input(f"insert into t values {values}; delete from t", sql=True).allowed
+
+
+@pytest.mark.parametrize("sql", [
+    "update t set a = (select 1 from u where u.id = 2)",
+    "delete from t where false; delete from t",
+    "update t set a = 1 from (select * from u where b) s",
+    "delete from t where a in (select 1); update u set b = 1",
+    "update t set a = exists (select 1 where true)",
+])
+def test_a_where_elsewhere_is_not_the_statements_own(sql: str) -> None:
+    assert not rules(WHERE).check_input(sql, sql=True).allowed
+
+
+def test_statement_shape_by_json_matches_the_full_walk() -> None:
+    import json
+
+    from gatewayd import guardrails
+    from pglast import parser as pg
+
+    for sql in UNQUALIFIED + QUALIFIED + ["update t set a = (select 1 from u where u.id = 2)"]:
+        fast = guardrails._parse_statements(sql)
+        kinds: set[str] = set()
+        unqualified: set[str] = set()
+        for raw in json.loads(pg.parse_sql_json(sql))["stmts"]:
+            guardrails._collect(raw["stmt"], kinds, unqualified, 0)
+        assert fast is not None
+        assert set().union(*(s.kinds for s in fast)) == kinds, sql
+        assert set().union(*(s.unqualified for s in fast)) == unqualified, sql
