@@ -507,6 +507,7 @@ BYPASSES = [  # issue 13: a comment marker inside a literal once hid the DROP fr
     "select $$/*$$; drop/**/table bypass_me",
     'select 1 as "--"; drop/**/table bypass_me',
 ]
+BYPASS_BLOCKS = [f"{DROP_MESSAGE} (statement 2 of {n})" for n in (3, 2, 2, 2)]  # the block names the statement
 
 
 async def test_comment_markers_inside_literals_do_not_bypass_deny_words(gateway, api, admin):
@@ -522,17 +523,18 @@ async def test_comment_markers_inside_literals_do_not_bypass_deny_words(gateway,
 
     # each blocked statement is on the record as ``i``, then the block as ``e``; the exports give it its own row
     session = await api.done_session(session_id)
-    assert events(session)[2:] == [kind_text for sql in BYPASSES for kind_text in (("i", sql), ("e", DROP_MESSAGE))] \
+    assert events(session)[2:] == [kind_text for sql, block in zip(BYPASSES, BYPASS_BLOCKS)
+                                   for kind_text in (("i", sql), ("e", block))] \
         + [("i", "select 2 as after"), ("o", "after\n2\nSELECT 1\n")]
     _, document = await api("GET", f"/sessions/{session_id}?format=json")
     rows = document["statements"]
     assert [(r["statement"], r["output"], r["error"]) for r in rows] == [
         ("select 1 as before", "before\n1\nSELECT 1\n", ""),
-        *[(sql, "", DROP_MESSAGE) for sql in BYPASSES],
+        *[(sql, "", block) for sql, block in zip(BYPASSES, BYPASS_BLOCKS)],
         ("select 2 as after", "after\n2\nSELECT 1\n", "")]
     _, text = await api("GET", f"/sessions/{session_id}?format=csv")
     assert [(r["statement"], r["error"]) for r in csv.DictReader(io.StringIO(text))][1:-1] == \
-        [(sql, DROP_MESSAGE) for sql in BYPASSES]
+        list(zip(BYPASSES, BYPASS_BLOCKS))
     # the audit entry names what was blocked
     _, logs = await api("GET", "/audit/logs?action=guardrail.block&page_size=100")
     mine = [e for e in logs["data"] if (e["request_payload_redacted"] or {}).get("session_id") == session_id]
