@@ -25,6 +25,7 @@ from gatewayd.access import AccessService
 from gatewayd.analysis import AnalysisService
 from gatewayd.audit import AuditLog
 from gatewayd.config import PROTOCOLS, Config, ConfigError, split_listen
+from gatewayd.dialer import Dialer, DirectDialer
 from gatewayd.frames import FrameStore
 from gatewayd.guardrails import GuardRailService
 from gatewayd.identity import Identity
@@ -170,8 +171,9 @@ class Gateway:
 
     def __init__(self, config: Config, app_factory: AppFactory | None = None,
                  listener_factories: dict[str, ListenerFactory] | None = None,
-                 script_runners: dict[str, ScriptRunner] | None = None) -> None:
+                 script_runners: dict[str, ScriptRunner] | None = None, dialer: Dialer | None = None) -> None:
         self.config = config
+        self.dialer: Dialer = dialer or DirectDialer()  # how every proxy and script runner reaches targets
         self.script_runners: dict[str, ScriptRunner] = dict(script_runners or {})  # by connection subtype
         self.app_factory = app_factory
         self.store: Store = None  # type: ignore[assignment]

@@ -49,7 +49,7 @@ from proxies.http.messages import (
     upstream_request_headers,
     wants_html,
 )
-from proxies.http.upstream import UpstreamError, UpstreamPool, UpstreamResponse
+from proxies.http.upstream import DialerConnector, UpstreamError, UpstreamPool, UpstreamResponse
 
 if TYPE_CHECKING:
     from gatewayd.access import AccessGrant
@@ -121,9 +121,9 @@ class HttpListener:
         self.states: dict[str, CredentialState] = {}  # by secret hash
         self._fresh: dict[str, CredentialState] = {}  # by secret: the per-request fast path, no hashing
         self._locks: dict[str, _KeyLock] = {}  # by secret hash, only while a request resolves it
-        self.pool = UpstreamPool()
+        self.pool = UpstreamPool(gateway.dialer)
         self.client = aiohttp.ClientSession(  # websockets only
-            connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=60, keepalive_timeout=30),
+            connector=DialerConnector(gateway.dialer, limit=0, ttl_dns_cache=60, keepalive_timeout=30),
             auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
             skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=15), read_bufsize=256 * 1024,

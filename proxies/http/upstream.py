@@ -15,14 +15,16 @@ import ssl
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
-from aiohttp import ClientConnectionError, ClientPayloadError, ServerDisconnectedError
+from aiohttp import ClientConnectionError, ClientConnectorError, ClientPayloadError, ServerDisconnectedError, TCPConnector
 from aiohttp.base_protocol import BaseProtocol
 from aiohttp.helpers import EMPTY_BODY_STATUS_CODES, set_exception
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.http_parser import HttpResponseParser, RawResponseMessage
 from aiohttp.streams import EMPTY_PAYLOAD, StreamReader
+
+from gatewayd.dialer import DialError, Dialer, direct
 
 READ_BUFSIZE = 256 * 1024
 WRITE_HIGH_WATER = 256 * 1024
@@ -206,10 +208,37 @@ class UpstreamResponse:
         self.connection.close()
 
 
+class DialerConnector(TCPConnector):
+    """aiohttp's connector (websockets) reaching targets through the gateway's ``Dialer``.
+
+    aiohttp has no public hook for an asynchronous dial, so this overrides the one
+    method that opens the socket (aiohttp is pinned below 4 in pyproject.toml).
+    """
+
+    def __init__(self, dialer: Dialer = direct, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.dialer = dialer
+
+    async def _wrap_create_connection(self, *args: Any, addr_infos: Any, req: Any, timeout: Any,
+                                      client_error: type[Exception] = ClientConnectorError, **kwargs: Any) -> Any:
+        host, port = req.url.raw_host or "", req.url.port or 0
+        try:
+            sock = await self.dialer.open_socket(host, port, connection=f"{host}:{port}",
+                                                 timeout=timeout.sock_connect or CONNECT_TIMEOUT)
+        except DialError as exc:
+            raise client_error(req.connection_key, OSError(None, exc.reason)) from None
+        try:
+            return await self._loop.create_connection(*args, **kwargs, sock=sock)
+        except BaseException:
+            sock.close()
+            raise
+
+
 class UpstreamPool:
     """Idle keep-alive connections per (scheme, host, port, insecure)."""
 
-    def __init__(self) -> None:
+    def __init__(self, dialer: Dialer = direct) -> None:
+        self.dialer = dialer
         self.idle: dict[tuple[str, str, int, bool], list[UpstreamConnection]] = {}
         self._insecure = ssl.create_default_context()
         self._insecure.check_hostname = False
@@ -222,8 +251,15 @@ class UpstreamPool:
         context = (self._insecure if insecure else self._verified) if scheme == "https" else None
         try:
             async with asyncio.timeout(CONNECT_TIMEOUT):
-                _, protocol = await loop.create_connection(lambda: TargetProtocol(loop), host, port, ssl=context,
-                                                           server_hostname=host if context else None)
+                sock = await self.dialer.open_socket(host, port, connection=f"{host}:{port}", timeout=CONNECT_TIMEOUT)
+                try:
+                    _, protocol = await loop.create_connection(lambda: TargetProtocol(loop), sock=sock, ssl=context,
+                                                               server_hostname=host if context else None)
+                except BaseException:
+                    sock.close()
+                    raise
+        except DialError as exc:
+            raise UpstreamError(exc.reason) from None
         except TimeoutError:
             raise UpstreamError(f"connection timed out after {CONNECT_TIMEOUT:.0f} s") from None
         except ssl.SSLError as exc:

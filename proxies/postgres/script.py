@@ -98,7 +98,8 @@ async def run_script(gateway: Gateway, live: LiveSession, script: str) -> Script
         return ScriptResult(client.verdict.message + "\n", BLOCKED_EXIT_CODE)  # type: ignore[union-attr]
     settings = TargetSettings.from_role(connection.target())
     try:
-        link = await connect_target(settings, {"application_name": "gatewayd-exec"}, connection.name)
+        link = await connect_target(settings, {"application_name": "gatewayd-exec"}, connection.name,
+                                  dialer=gateway.dialer)
     except UpstreamError as exc:
         transcript.error(exc.message)
         return ScriptResult(transcript.text(), BLOCKED_EXIT_CODE)

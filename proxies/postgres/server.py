@@ -231,7 +231,8 @@ class ClientConnection:
     async def _cancel(self, request: CancelRequest) -> None:
         target = self.listener.cancel_keys.get(request.process_id, request.secret_key)
         if target is not None:
-            await send_cancel(target.host, target.port, target.process_id, target.secret_key)
+            await send_cancel(target.host, target.port, target.process_id, target.secret_key,
+                              dialer=self.gateway.dialer)
 
     async def _secret(self, startup: StartupMessage) -> str | None:
         """The credential secret: the start-up user, or else the password we ask for."""
@@ -257,7 +258,7 @@ class ClientConnection:
         settings = TargetSettings.from_role(connection.target(), database)
         sessions = self.gateway.sessions
         try:
-            self.link = link = await connect_target(settings, parameters, connection.name)
+            self.link = link = await connect_target(settings, parameters, connection.name, dialer=self.gateway.dialer)
         except UpstreamError as exc:
             log.info("postgres target unreachable", extra={"connection": connection.name, "error": exc.message})
             try:

@@ -14,6 +14,7 @@ import asyncio
 import ssl
 from dataclasses import dataclass, field
 
+from gatewayd.dialer import DialError, Dialer, direct
 from gatewayd.models import target_port
 
 from proxies.postgres.codec import (
@@ -160,13 +161,15 @@ async def _negotiate_tls(stream: FrameStream, settings: TargetSettings, name: st
 
 
 async def connect_target(settings: TargetSettings, client_parameters: dict[str, str], name: str,
-                         timeout: float = CONNECT_TIMEOUT) -> TargetLink:
-    """Open, secure and authenticate a connection to the target; raise UpstreamError when it fails."""
+                         timeout: float = CONNECT_TIMEOUT, dialer: Dialer = direct) -> TargetLink:
+    """Open (through ``dialer``), secure and authenticate a connection to the target; raise UpstreamError."""
     if not settings.port:  # a typo in the role's PORT is told, not replaced by 5432
         raise UpstreamError(f'could not connect to the target of connection "{name}": its PORT is not a port number')
     try:
         async with asyncio.timeout(timeout):
-            return await _connect(settings, client_parameters, name)
+            return await _connect(settings, client_parameters, name, dialer, timeout)
+    except DialError as exc:
+        raise UpstreamError(exc.message) from None
     except TimeoutError:
         raise UpstreamError(f'could not connect to the target of connection "{name}": '
                             f"no answer within {timeout:g} seconds") from None
@@ -180,9 +183,11 @@ async def connect_target(settings: TargetSettings, client_parameters: dict[str, 
         raise UpstreamError(f'could not connect to the target of connection "{name}": {reason}') from None
 
 
-async def _connect(settings: TargetSettings, client_parameters: dict[str, str], name: str) -> TargetLink:
+async def _connect(settings: TargetSettings, client_parameters: dict[str, str], name: str, dialer: Dialer,
+                   timeout: float) -> TargetLink:
     loop = asyncio.get_running_loop()
-    _, stream = await loop.create_connection(lambda: FrameStream(BackendReader()), settings.host, settings.port)
+    sock = await dialer.open_socket(settings.host, settings.port, connection=name, timeout=timeout)
+    _, stream = await loop.create_connection(lambda: FrameStream(BackendReader()), sock=sock)
     try:
         if settings.sslmode not in ("disable", "allow"):
             await _negotiate_tls(stream, settings, name)
@@ -248,16 +253,17 @@ async def _authenticate(link: TargetLink, settings: TargetSettings, name: str) -
                                 f"unsupported authentication method ({message.kind})")
 
 
-async def send_cancel(host: str, port: int, process_id: int, secret_key: bytes, timeout: float = 5.0) -> None:
+async def send_cancel(host: str, port: int, process_id: int, secret_key: bytes, timeout: float = 5.0,
+                      dialer: Dialer = direct, connection: str = "") -> None:
     """Ask the target to cancel the query running on one of its backends (best effort)."""
     try:
         async with asyncio.timeout(timeout):
-            reader, writer = await asyncio.open_connection(host, port)
+            reader, writer = await dialer.open_stream(host, port, connection=connection, timeout=timeout)
             writer.write(encode_cancel_request(process_id, secret_key))
             await writer.drain()
             await reader.read(1)  # the target closes once it has read the request
             writer.close()
-    except (OSError, TimeoutError):
+    except (OSError, TimeoutError, DialError):
         pass
 
 

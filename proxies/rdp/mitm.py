@@ -50,6 +50,7 @@ from twisted.internet import reactor
 from twisted.internet.protocol import ClientFactory, ServerFactory
 
 from gatewayd.access import AccessDenied, looks_like_secret
+from gatewayd.dialer import DialError
 from gatewayd.models import target_port
 from gatewayd.sessions import BLOCKED_EXIT_CODE
 from proxies.rdp.capture import FrameCapture
@@ -123,20 +124,13 @@ def base_config(out_dir: Path) -> MITMConfig:
 
 
 class TargetConnector(ClientFactory):
-    """Connects pyrdp's target-side TCP layer; ``result`` resolves on connect and fails on error."""
+    """Hands pyrdp's target-side TCP layer to the socket the gateway's dialer connected."""
 
     def __init__(self, protocol: Any) -> None:
         self.layer = protocol
-        self.result: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def buildProtocol(self, addr: Any) -> Any:
-        if not self.result.done():
-            self.result.set_result(None)
         return self.layer
-
-    def clientConnectionFailed(self, connector: Any, reason: Any) -> None:
-        if not self.result.done():
-            self.result.set_exception(ConnectionError(reason.getErrorMessage()))
 
 
 class GatewayRecorder(MITMRecorder):
@@ -277,13 +271,19 @@ class GatewayMITM(RDPMITM):
         if not 0 < port < 65536:
             await self._fail(f'connection "{connection.name}": its PORT is not a port number')
             return
-        connector = TargetConnector(self.server.tcp)
-        reactor.connectTCP(host, port, connector, timeout=CONNECT_TIMEOUT)
         try:
-            await connector.result
-        except ConnectionError as exc:
-            await self._fail(f'the target of connection "{connection.name}" is unreachable: {exc}')
+            sock = await self.gateway.dialer.open_socket(host, port, connection=connection.name,
+                                                         timeout=CONNECT_TIMEOUT)
+        except DialError as exc:
+            await self._fail(f'the target of connection "{connection.name}" is unreachable: {exc.reason}')
             return
+        try:  # Twisted takes over a duplicate of the dialed socket's descriptor
+            transport = reactor.adoptStreamConnection(sock.fileno(), sock.family, TargetConnector(self.server.tcp))
+        finally:
+            sock.close()
+        # An adopted socket is a Twisted "server" transport, whose startTLS would play the TLS server;
+        # towards the target the gateway is the client (Twisted's own client transports set this flag).
+        transport._tlsClientDefault = True
         if self.ended is not None:  # the client left (or the session was killed) while we connected
             self.server.tcp.disconnect(True)
             return

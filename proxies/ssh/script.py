@@ -26,7 +26,8 @@ async def run_script(gateway: Gateway, live: LiveSession, script: str) -> Script
         await live.blocked(verdict)
         return ScriptResult(verdict.message, BLOCKED_EXIT_CODE)
     try:
-        target = await connect_target(TargetSettings.from_role(connection.target()), connection.name)
+        target = await connect_target(TargetSettings.from_role(connection.target()), connection.name,
+                                      dialer=gateway.dialer)
     except TargetError as exc:
         recorder.error(str(exc))
         return ScriptResult(str(exc), BLOCKED_EXIT_CODE)

@@ -227,7 +227,8 @@ class GatewayConnection(asyncssh.SSHServer):
         sessions = self.gateway.sessions
         try:
             settings = TargetSettings.from_role(connection.target())
-            self.target = await connect_target(settings, connection.name, lambda: TargetWatch(self))
+            self.target = await connect_target(settings, connection.name, lambda: TargetWatch(self),
+                                               dialer=self.gateway.dialer)
         except TargetError as exc:
             self.failure = str(exc)
             log.info("ssh target unreachable", extra={"connection": connection.name, "error": self.failure})

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import asyncssh
 
+from gatewayd.dialer import DialError, Dialer, direct
 from gatewayd.models import target_port
 
 CONNECT_TIMEOUT = 15.0
@@ -96,15 +97,22 @@ def signal_exit_code(name: str) -> int:
 
 
 async def connect_target(settings: TargetSettings, name: str, client_factory: Callable[[], asyncssh.SSHClient]
-                         | None = None) -> asyncssh.SSHClientConnection:
-    """Log in to the target of connection ``name``; ``client_factory`` watches the connection."""
+                         | None = None, dialer: Dialer = direct) -> asyncssh.SSHClientConnection:
+    """Log in to the target of connection ``name`` over a socket from ``dialer``; ``client_factory`` watches it."""
     options = settings.options(name)
     if client_factory is not None:
         options["client_factory"] = client_factory
     prefix = f'could not connect to the target of connection "{name}"'
     try:
         async with asyncio.timeout(CONNECT_TIMEOUT):
-            return await asyncssh.connect(**options)
+            sock = await dialer.open_socket(settings.host, settings.port, connection=name, timeout=CONNECT_TIMEOUT)
+            try:
+                return await asyncssh.connect(sock=sock, **options)
+            except BaseException:
+                sock.close()
+                raise
+    except DialError as exc:
+        raise TargetError(exc.message) from None
     except asyncssh.HostKeyNotVerifiable:
         raise TargetError(f"{prefix}: its host key does not match the connection's HOST_KEY") from None
     except asyncssh.PermissionDenied:
