@@ -31,6 +31,7 @@ from gatewayd.guardrails import GuardRailService
 from gatewayd.identity import Identity
 from gatewayd.discovery import AwsDiscovery, AwsSettings
 from gatewayd.evidence import Sealer
+from gatewayd.pipeline import ProxyContext, SessionPipeline
 from gatewayd.recording import RecordingService
 from gatewayd.throttle import Throttle
 from gatewayd.reviews import ReviewService
@@ -145,6 +146,10 @@ def _notify(message: str) -> None:
         log.warning("sd_notify failed", extra={"message": message})
 
 
+SERVER_CONFIG_PARTS = {"postgres": "postgres_server_config", "ssh": "ssh_server_config",
+                       "rdp": "rdp_server_config", "http": "http_proxy_server_config"}
+
+
 def server_config_from(config: Config, host_key: str) -> dict[str, Any]:
     """The ``serverconfig/misc`` document implied by the configuration file."""
     return {
@@ -187,6 +192,7 @@ class Gateway:
         self.discovery: AwsDiscovery = None  # type: ignore[assignment]
         self.frames: FrameStore = None  # type: ignore[assignment]
         self.analysis: AnalysisService = None  # type: ignore[assignment]
+        self.pipeline: SessionPipeline = None  # type: ignore[assignment]
         self.listeners = Listeners(self, listener_factories or {})
         self.server_config: dict[str, Any] = {}
         self.started_at = time.time()
@@ -214,6 +220,7 @@ class Gateway:
         self.frames = FrameStore(self.config.data_dir / "rdp-frames", self.config["rdp.frames_cap_bytes"])
         self.analysis = AnalysisService(self.store, self.audit, self.config)
         self.guardrails.observers = self.analysis.observer_for
+        self.pipeline = SessionPipeline(self.access, self.sessions, self.guardrails, self.dialer, self.audit)
         await self.identity.start()
 
     async def start(self) -> None:
@@ -245,6 +252,14 @@ class Gateway:
             if not document["ssh_server_config"].get("hosts_key"):
                 document["ssh_server_config"]["hosts_key"] = host_key
         return document
+
+    def proxy_context(self, name: str) -> ProxyContext:
+        """What the ``name`` proxy gets: the pipeline, its own settings and serverconfig part, its services."""
+        prefix = f"{name}."
+        settings = {key[len(prefix):]: value for key, value in self.config.as_dict().items() if key.startswith(prefix)}
+        part = SERVER_CONFIG_PARTS.get(name, f"{name}_server_config")
+        return ProxyContext(self.pipeline, settings, dict(self.server_config.get(part, {})), self.config.data_dir,
+                            frames=self.frames, host_key=self.host_key_pem)
 
     async def host_key_pem(self) -> bytes:
         """The SSH host key (OpenSSH PEM), generated as ed25519 on first start."""

@@ -12,11 +12,19 @@ from gatewayd.guardrails import GuardVerdict
 from gatewayd.models import CONNECTION_KINDS, Connection, Credential, Session, User, new_id, parse_time, rfc3339, utcnow
 from gatewayd.recording import RecordingService, SessionRecorder
 from gatewayd.store import Store
+from gatewayd.tasks import BackgroundTasks
 
 log = logging.getLogger("gatewayd.sessions")
 
 BLOCKED_EXIT_CODE = 254
 KillCallback = Callable[[str], Awaitable[None] | None]
+
+
+class GatewayClosing(RuntimeError):
+    """The gateway is shutting down: no new session is opened (a proxy says so in its protocol's words)."""
+
+    def __init__(self) -> None:
+        super().__init__("the gateway is shutting down")
 
 
 def session_for(user: User, connection: Connection, *, verb: str = "connect", status: str = "open",
@@ -131,6 +139,7 @@ class SessionManager:
         self.live: dict[str, LiveSession] = {}
         self._claiming: set[str] = set()  # issued sessions a connection is claiming right now
         self.accepting = True
+        self.tasks = BackgroundTasks("sessions")  # expiry kills
 
     async def open(self, user: User, connection: Connection, *, credential: Credential | None = None,
                    verb: str = "connect", script: str | None = None, metadata: dict[str, Any] | None = None,
@@ -143,7 +152,7 @@ class SessionManager:
         is claimed by the first connection that is not already running it.
         """
         if not self.accepting:
-            raise RuntimeError("the gateway is shutting down")
+            raise GatewayClosing()
         session: Session | None = existing
         if existing is not None:
             existing.status = "open"
@@ -198,7 +207,7 @@ class SessionManager:
         delay = (expire_at - utcnow()).total_seconds()
         loop = asyncio.get_running_loop()
         live._expiry = loop.call_later(
-            max(delay, 0), lambda: asyncio.ensure_future(live.kill("credential expired: the session was closed")))
+            max(delay, 0), lambda: self.tasks.spawn(live.kill("credential expired: the session was closed")))
 
     async def kill(self, session_id: str, reason: str) -> bool:
         """End a live session; a stale ``open`` row (no live proxy) is closed too. True if it was running."""
@@ -239,3 +248,4 @@ class SessionManager:
         while self.live and time.monotonic() < deadline:
             await asyncio.sleep(min(0.1, max(deadline - time.monotonic(), 0)))
         await self.kill_where(lambda s: True, "gateway shutting down: the session was closed")
+        await self.tasks.wait()

@@ -1,8 +1,12 @@
-"""A minimal line-protocol proxy for daemon tests: it uses the core exactly as a real proxy must.
+"""A minimal line-protocol proxy: the reference of how a proxy uses the core (the session pipeline).
 
-First line: the credential secret. Then each line is recorded as ``i``,
-checked by the input guard rails (a block follows as ``e``), and answered with ``echo: <line>`` (recorded
-as ``o``, checked by the output rules). The gateway can end the session
+First line: the credential secret.  When the connection's target names a
+``PORT``, the proxy dials ``HOST:PORT`` through the pipeline (an unreachable
+target is ``unreachable: <reason>``); each later line is the user's input and
+goes through the session's policy chain (recorded as ``i``, checked by the
+input rules: a block is answered ``blocked: <why>``).  The answer -- the
+target's line, or ``echo: <line>`` without a target -- is the output (checked
+by the output rules, recorded as ``o``).  The gateway can end the session
 (kill, expiry, shutdown): the client then reads ``closed: <reason>``.
 """
 
@@ -10,8 +14,11 @@ from __future__ import annotations
 
 import asyncio
 
-from gatewayd.access import AccessDenied
 from gatewayd.daemon import Gateway
+from gatewayd.dialer import Dialer
+from gatewayd.pipeline import AccessDenied, GatewayClosing, TargetUnreachable
+
+Target = tuple[asyncio.StreamReader, asyncio.StreamWriter] | None
 
 
 class LineListener:
@@ -25,50 +32,68 @@ class LineListener:
 
 
 async def start(gateway: Gateway, host: str, port: int) -> LineListener:
+    pipeline = gateway.proxy_context("ssh").pipeline
+
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")[0]
+
+        def say(line: str) -> None:
+            if not writer.is_closing():
+                writer.write(f"{line}\n".encode())
+
         try:
             secret = (await reader.readline()).decode().strip()
             try:
-                grant = await gateway.access.resolve(secret, "ssh", client_ip=peer)
+                grant = await pipeline.admit(secret, "ssh", peer)
             except AccessDenied as exc:
-                writer.write(f"denied: {exc}\n".encode())
-                return
-            live = await gateway.sessions.open(grant.user, grant.connection, credential=grant.credential,
-                                               client_ip=peer)
+                return say(f"denied: {exc}")
+            address = grant.connection.target()
+
+            async def dial(dialer: Dialer) -> Target:
+                if not address.get("PORT"):
+                    return None
+                return await dialer.open_stream(address.get("HOST") or "127.0.0.1", int(address["PORT"]),
+                                                connection=grant.connection.name)
 
             def kill(reason: str) -> None:
-                writer.write(f"closed: {reason}\n".encode())
+                say(f"closed: {reason}")
                 writer.close()
 
-            live.on_kill(kill)
-            rules = await gateway.guardrails.rules_for(grant.connection.org_id, grant.connection.id)
-            writer.write(f"session {live.id}\n".encode())
-            async def refused(verdict) -> bool:  # type: ignore[no-untyped-def]
-                if verdict.allowed:
-                    return False
-                await live.blocked(verdict, peer)
-                writer.write(f"blocked: {verdict.message}\n".encode())
-                return True
-
-            while line := await reader.readline():
-                text = line.decode().rstrip("\n")
-                live.recorder.input(line)  # blocked or not: what was sent is on the record
-                if await refused(rules.check_input(text)):
-                    continue
-                answer = f"echo: {text}\n"
-                if await refused(rules.check_output(answer)):
-                    continue
-                live.recorder.output(answer)
-                writer.write(answer.encode())
-                await writer.drain()
-                await live.recorder.drain()
-            await live.close(exit_code=0)
+            try:
+                run = await pipeline.start(grant, peer, dial=dial, drop=lambda t: t and t[1].close(), on_kill=kill)
+            except TargetUnreachable as exc:
+                return say(f"unreachable: {exc.message}")
+            except GatewayClosing as exc:
+                return say(f"closed: {exc}")
+            async with run:
+                say(f"session {run.id}")
+                policy, target = run.policy, run.target
+                while line := await reader.readline():
+                    text = line.decode().rstrip("\n")
+                    if verdict := policy.input(line, text):  # blocked or not: what was sent is on the record
+                        await policy.blocked(verdict)
+                        say(f"blocked: {verdict.message}")
+                        continue
+                    if target is None:
+                        answer = f"echo: {text}\n"
+                    else:
+                        target[1].write(line)
+                        answer = (await target[0].readline()).decode()
+                    if verdict := policy.output(answer):
+                        await policy.blocked(verdict)
+                        say(f"blocked: {verdict.message}")
+                        continue
+                    writer.write(answer.encode())
+                    await writer.drain()
+                    await policy.drain()
+                await run.close(exit_code=0)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
-            if "live" in locals():
-                await live.close(exit_code=0)
+            if "run" in locals():
+                await run.close(exit_code=0)
+                if run.target is not None:
+                    run.target[1].close()
             writer.close()
 
     return LineListener(await asyncio.start_server(handle, host, port))

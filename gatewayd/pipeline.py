@@ -1,0 +1,258 @@
+"""The session pipeline: the one lifecycle every protocol's session goes through.
+
+::
+
+    admit      secret -> credential -> user and connection   (refusals audited, throttled per address)
+    dial       the target, through the gateway's Dialer       (unreachable: a session with an ``e``, exit 254)
+    open       claim the session issued with the credential, or open a new one
+    arm        how the proxy is told to end it (kill, expiry, shutdown); the guard rails it runs under
+    relay      the proxy's own work: wire messages become reports to the session's policy chain
+    close      status done, exit code, the last ``e``; the recording sealed
+
+A proxy calls ``admit`` and ``start`` and gets a ``SessionRun``: the live
+session, its ``SessionPolicy`` (gatewayd.policy) and the dialed target.  It
+never opens a session, loads rules or dials by itself.  Where protocols really
+differ, ``start`` has an explicit option:
+
+* ``open_first`` -- RDP opens the session before dialing (its screen capture
+  needs the session id while pyrdp connects);
+* ``resume`` -- HTTP keeps one session per credential, resumed by each request;
+* ``existing`` -- a reviewed one-time script runs in the session stored with its review.
+
+Errors a proxy translates into its protocol's words: ``AccessDenied`` (admit),
+``TargetUnreachable`` (dial, the session is already closed and recorded) and
+``GatewayClosing`` (the gateway is shutting down; no session was opened).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Generic, TypeVar
+
+from gatewayd.access import AccessDenied, AccessGrant
+from gatewayd.dialer import DialError, Dialer
+from gatewayd.policy import SessionPolicy
+from gatewayd.sessions import BLOCKED_EXIT_CODE, GatewayClosing, KillCallback, LiveSession
+from gatewayd.tasks import BackgroundTasks
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from gatewayd.access import AccessService
+    from gatewayd.audit import AuditLog
+    from gatewayd.frames import FrameStore
+    from gatewayd.guardrails import GuardRailService
+    from gatewayd.models import Session
+    from gatewayd.sessions import SessionManager
+
+__all__ = ["AccessDenied", "AccessGrant", "BLOCKED_EXIT_CODE", "GatewayClosing", "ProxyContext", "SessionPipeline",
+           "SessionRun", "TargetUnreachable"]
+
+log = logging.getLogger("gatewayd.pipeline")
+
+T = TypeVar("T")
+
+INTERNAL_ERROR = "the gateway ended the session on an internal error"
+
+
+class TargetUnreachable(Exception):
+    """The target could not be reached (or refused the gateway's login); the session is closed already.
+
+    ``message`` is safe to show the client; ``cause`` is the proxy's own error, for its protocol's
+    details (a PostgreSQL SQLSTATE).
+    """
+
+    def __init__(self, message: str, cause: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.cause = cause
+
+
+class SessionRun(Generic[T]):
+    """One session from its open to its close, as a proxy holds it.
+
+    As an async context manager it closes the session with exit code 254 and
+    an ``e`` event if the proxy's work raises (the error is not swallowed).
+    """
+
+    __slots__ = ("live", "policy", "target")
+
+    def __init__(self, live: LiveSession, policy: SessionPolicy, target: T) -> None:
+        self.live = live
+        self.policy = policy
+        self.target = target
+
+    @property
+    def id(self) -> str:
+        return self.live.id
+
+    @property
+    def ended(self) -> bool:
+        """The session is ending or ended (killed, expired, closed): take no more input."""
+        return self.live.done.is_set()
+
+    @property
+    def end_reason(self) -> str | None:
+        """Why the gateway ended it (kill, expiry, shutdown), once it did."""
+        return self.live.end_reason
+
+    async def close(self, exit_code: int | None = 0, error: str | None = None) -> None:
+        """Status done with ``exit_code``, an ``e`` event when ``error``; idempotent."""
+        await self.live.close(exit_code=exit_code, error=error)
+
+    async def __aenter__(self) -> SessionRun[T]:
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: Any) -> None:
+        if kind is not None and not self.live.done.is_set():
+            await self.live.close(exit_code=BLOCKED_EXIT_CODE, error=INTERNAL_ERROR)
+
+
+def _client_message(error: BaseException) -> str:
+    message = getattr(error, "message", None)
+    return message if isinstance(message, str) and message else str(error) or type(error).__name__
+
+
+class SessionPipeline:
+    """admit -> dial -> open/claim -> arm -> (relay) -> close, for every proxy and script runner."""
+
+    def __init__(self, access: AccessService, sessions: SessionManager, guardrails: GuardRailService,
+                 dialer: Dialer, audit: AuditLog) -> None:
+        self.access = access
+        self.sessions = sessions
+        self.guardrails = guardrails
+        self.dialer = dialer
+        self.audit_log = audit
+        self.tasks = BackgroundTasks("pipeline")  # sessions' expiry kills and what proxies hand over
+
+    # -- admit
+
+    async def admit(self, secret: str, protocol: str, client_ip: str = "", *,
+                    audit_success: bool = True) -> AccessGrant:
+        """The grant of ``secret`` on a ``protocol`` connection; raises AccessDenied (audited, throttled).
+
+        ``audit_success=False``: a proxy re-checking a credential it let in already (HTTP's requests).
+        """
+        return await self.access.resolve(secret, protocol, client_ip, audit_success=audit_success)
+
+    async def refuse(self, grant: AccessGrant, protocol: str, reason: str, client_ip: str = "") -> None:
+        """Audit a refusal the proxy decided after ``admit`` (the credential's one session is closed)."""
+        await self.access.refused(grant, protocol, reason, client_ip)
+
+    # -- dial, open, arm
+
+    async def start(self, grant: AccessGrant, client_ip: str = "", *,
+                    dial: Callable[[Dialer], Awaitable[T]] | None = None,
+                    unreachable: tuple[type[BaseException], ...] = (DialError,),
+                    drop: Callable[[T], Any] | None = None,
+                    on_kill: KillCallback | None = None,
+                    open_first: bool = False, observe: bool = True,
+                    existing: Session | None = None, verb: str = "connect",
+                    script: str | None = None) -> SessionRun[T]:
+        """Dial the target and open (or claim) the session; the run the proxy relays in.
+
+        ``dial`` gets the gateway's dialer and returns the proxy's target (a link, a client
+        connection); what it raises of ``unreachable`` (DialError always) closes the session
+        with that message and exit code 254, then raises TargetUnreachable.  ``drop`` releases a
+        dialed target when no session can be opened (GatewayClosing).  ``on_kill`` is how the
+        gateway tells the proxy to end the session.  ``observe``: native input is offered to AI
+        analysis (scripts are analysed as a whole instead).
+        """
+        live = None
+        if open_first:
+            live = await self._open(grant, client_ip, existing, verb, script)
+        target: Any = None
+        if dial is not None:
+            try:
+                target = await dial(self.dialer)
+            except (DialError, *unreachable) as exc:
+                message = _client_message(exc)
+                log.info("target unreachable", extra={"connection": grant.connection.name, "error": message})
+                if live is None:
+                    live = await self._open(grant, client_ip, existing, verb, script)
+                await live.close(exit_code=BLOCKED_EXIT_CODE, error=message)
+                raise TargetUnreachable(message, exc) from None
+            except BaseException:
+                if live is not None:
+                    await live.close(exit_code=BLOCKED_EXIT_CODE, error=INTERNAL_ERROR)
+                raise
+        if live is None:
+            try:
+                live = await self._open(grant, client_ip, existing, verb, script)
+            except BaseException:
+                if drop is not None and target is not None:
+                    drop(target)
+                raise
+        return await self._arm(live, target, on_kill, observe, client_ip)
+
+    async def resume(self, grant: AccessGrant, client_ip: str = "", *,
+                     on_kill: KillCallback | None = None) -> SessionRun[None] | None:
+        """HTTP's one session per credential: the live one, or claimed now; None once it is done.
+
+        The run's policy holds the rules of the moment: a proxy that keeps the session across
+        requests asks ``policy_for`` per request.
+        """
+        live = self.sessions.live.get(grant.credential.session_id)
+        fresh = live is None
+        if fresh:
+            live = await self.sessions.resume(grant.user, grant.connection, grant.credential, client_ip)
+            if live is None:
+                return None
+        assert live is not None
+        if not fresh:
+            return SessionRun(live, await self.policy_for(live, client_ip), None)
+        return await self._arm(live, None, on_kill, False, client_ip)
+
+    async def policy_for(self, live: LiveSession, client_ip: str = "", *, observe: bool = False) -> SessionPolicy:
+        """The session's policy chain under its connection's rules as they are now."""
+        connection = live.connection
+        rules = self.guardrails.cached(connection.id) if not observe else None
+        if rules is None:
+            rules = await self.guardrails.rules_for(connection.org_id, connection.id,
+                                                    live=live if observe else None)
+        return SessionPolicy(live, rules, client_ip)
+
+    async def _open(self, grant: AccessGrant, client_ip: str, existing: Session | None, verb: str,
+                    script: str | None) -> LiveSession:
+        if existing is not None:
+            return await self.sessions.open(grant.user, grant.connection, existing=existing, client_ip=client_ip)
+        return await self.sessions.open(grant.user, grant.connection, credential=grant.credential, verb=verb,
+                                        script=script, client_ip=client_ip)
+
+    async def _arm(self, live: LiveSession, target: T, on_kill: KillCallback | None, observe: bool,
+                   client_ip: str) -> SessionRun[T]:
+        if on_kill is not None:
+            live.on_kill(on_kill)
+        try:
+            policy = await self.policy_for(live, client_ip, observe=observe)
+        except BaseException:
+            await live.close(exit_code=BLOCKED_EXIT_CODE, error=INTERNAL_ERROR)
+            raise
+        return SessionRun(live, policy, target)
+
+    # -- what proxies audit beyond sessions and blocks
+
+    async def audit(self, live: LiveSession, action: str, message: str, *, outcome: str = "failure",
+                    client_ip: str = "", **payload: Any) -> None:
+        """An audit entry about ``live`` (a refused port forwarding): who, which session and connection."""
+        await self.audit_log.record(
+            org_id=live.session.org_id, actor=live.user, action=action, resource_type="session", outcome=outcome,
+            error_message=message, client_ip=client_ip or live.client_ip,
+            payload={"session_id": live.id, "connection": live.connection.name, **payload})
+
+
+@dataclass(slots=True)
+class ProxyContext:
+    """What a protocol proxy gets from the daemon: the pipeline, its own settings, the few services it uses.
+
+    ``settings`` are the proxy's own configuration keys without their section (``ssh.ciphers`` is
+    ``settings["ciphers"]``); ``server_config`` is its part of the serverconfig document.
+    """
+
+    pipeline: SessionPipeline
+    settings: dict[str, Any]
+    server_config: dict[str, Any]
+    data_dir: Path
+    frames: FrameStore | None = None  # RDP's screen captures
+    host_key: Callable[[], Awaitable[bytes]] | None = None  # SSH's host key (OpenSSH PEM)

@@ -1,0 +1,140 @@
+"""The session policy chain: what a proxy reports passes guard rails, recording and audit in one order.
+
+A proxy turns wire messages into three kinds of report and nothing else:
+
+* ``input``  -- what the user sent (a statement, a command, a shell line, a request head);
+* ``output`` -- what the target answered (rows, a command's output, a response);
+* ``error``  -- something that went wrong or was refused, said in plain words.
+
+The chain is fixed here, once, for every protocol:
+
+1. **guard rails** read the text (input rules on input, output rules on output);
+2. **recording**: input is recorded whether or not it is blocked -- what was
+   tried is on the record as ``i``; output is recorded only when it is let
+   through (blocked output never reaches the client, so it is not copied);
+3. **a block** (``blocked``) is recorded as an ``e`` event naming the rule,
+   right after the input it refused, and written to the audit log as
+   ``guardrail.block`` with the input.
+
+The proxy only turns a verdict into its protocol's answer (an ErrorResponse
+42501, stderr and exit status 254, a 403, a websocket close).  Masking and
+per-statement review plug in here, as links of the same chain, so that no
+proxy learns about them.
+
+``input`` and ``output`` never await: they sit on the PostgreSQL hot path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from gatewayd.guardrails import GuardVerdict
+
+if TYPE_CHECKING:
+    from gatewayd.guardrails import ObservedRules, RuleSet
+    from gatewayd.recording import SessionRecorder
+    from gatewayd.sessions import LiveSession
+
+VERDICT_CACHE_SIZE = 512  # SQL verdicts remembered per session: drivers parse the same statements again and again
+
+
+class SessionPolicy:
+    """One session's chain, for the rule set it was built with (HTTP builds one per request: rules can change)."""
+
+    __slots__ = ("live", "rules", "recorder", "client_ip", "checks_input", "checks_output", "_sql_verdicts")
+
+    def __init__(self, live: LiveSession, rules: RuleSet | ObservedRules, client_ip: str = "") -> None:
+        self.live = live
+        self.rules = rules
+        self.recorder: SessionRecorder = live.recorder
+        self.client_ip = client_ip or live.client_ip
+        self.checks_input = bool(rules.input_rules)  # False: input is only recorded
+        self.checks_output = bool(rules.output_rules)
+        self._sql_verdicts: dict[str, GuardVerdict] = {}
+
+    # -- what the proxy reports
+
+    def input(self, data: bytes | str, text: str | None = None, *, sql: bool = False,
+              cache: bool = False) -> GuardVerdict | None:
+        """Check and record what the user sent; the verdict that blocks it, or None to forward it.
+
+        ``data`` is recorded as sent; ``text`` (default: ``data``) is what the rules read; ``sql``:
+        PostgreSQL input, read by its scanner.  ``cache``: remember the verdict for this exact SQL
+        (a driver's repeated Parse); an observed session's observer then sees it once.
+        """
+        verdict = None
+        if self.checks_input:
+            verdict = self._check_input(data if text is None else text, sql, cache)
+        recorder = self.recorder
+        if not recorder.truncated:
+            recorder.input(data)
+        return verdict
+
+    def check_input(self, text: str, *, sql: bool = False) -> GuardVerdict | None:
+        """Only the guard rails' reading of input the proxy records itself later, whole (an HTTP body it streams)."""
+        return self._check_input(text, sql, False) if self.checks_input else None
+
+    def output(self, data: bytes | str, text: str | None = None) -> GuardVerdict | None:
+        """Check what the target answered and record it when it is let through; the blocking verdict or None."""
+        if self.checks_output:
+            verdict = self.rules.check_output(data if text is None else text)  # type: ignore[arg-type]
+            if not verdict.allowed:
+                return verdict
+        recorder = self.recorder
+        if not recorder.truncated:
+            recorder.output(data)
+        return None
+
+    def check_output(self, text: str) -> GuardVerdict | None:
+        """Only the output rules, for output recorded later in one piece (a streamed body, a row set)."""
+        if not self.checks_output:
+            return None
+        verdict = self.rules.check_output(text)
+        return None if verdict.allowed else verdict
+
+    def record_input(self, data: bytes | str) -> None:
+        """Record input checked by ``check_input`` (or that no rule reads: an RDP key, an upload's bytes)."""
+        if not self.recorder.truncated:
+            self.recorder.input(data)
+
+    def record_output(self, data: bytes | str) -> None:
+        """Record output checked by ``check_output`` (or that no rule reads: an SSH channel's stderr)."""
+        if not self.recorder.truncated:
+            self.recorder.output(data)
+
+    def error(self, message: bytes | str) -> None:
+        """An ``e`` event: a refusal, a target error, how a channel ended."""
+        self.recorder.error(message)
+
+    async def blocked(self, verdict: GuardVerdict) -> None:
+        """A guard rail blocked: its ``e`` event and its ``guardrail.block`` audit entry (with the input)."""
+        await self.live.blocked(verdict, self.client_ip)
+
+    # -- recording back-pressure
+
+    @property
+    def needs_drain(self) -> bool:
+        """Too much is waiting to be stored: stop reading until ``drain`` returns."""
+        return self.recorder.needs_drain
+
+    async def drain(self) -> None:
+        await self.recorder.drain()
+
+    @property
+    def recording(self) -> bool:
+        """False once the recording reached its cap: a proxy may skip rendering what would be recorded."""
+        return not self.recorder.truncated
+
+    # --
+
+    def _check_input(self, text: Any, sql: bool, cache: bool) -> GuardVerdict | None:
+        if cache:
+            verdicts = self._sql_verdicts
+            verdict = verdicts.get(text)
+            if verdict is None:
+                if len(verdicts) >= VERDICT_CACHE_SIZE:
+                    verdicts.clear()
+                verdict = verdicts[text] = self.rules.check_input(text, sql)
+        else:
+            verdict = self.rules.check_input(text, sql)
+        return None if verdict.allowed else verdict

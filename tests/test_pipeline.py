@@ -1,0 +1,156 @@
+"""The session pipeline and policy chain on their own: a real core (store, sessions, rules), no proxy."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+
+import pytest
+
+from gatewayd.config import load_config
+from gatewayd.daemon import Gateway
+from gatewayd.dialer import Dialer
+from gatewayd.models import Connection, GuardRail, new_id, rfc3339, utcnow
+from gatewayd.pipeline import BLOCKED_EXIT_CODE, GatewayClosing, TargetUnreachable
+from gatewayd.store.base import AuditFilter
+from gatewayd.tasks import BackgroundTasks
+from tests.conftest import free_port
+
+
+@pytest.fixture
+async def core(tmp_path):
+    config = load_config(None, environ={}, overrides={"data_dir": str(tmp_path / "data"),
+                                                      "sessions.flush_interval": "100ms"})
+    gateway = Gateway(config)
+    await gateway.open_core()
+    await gateway.recording.start()
+    try:
+        yield gateway
+    finally:
+        await gateway.recording.stop()
+        await gateway.close_core()
+
+
+async def grant_for(gateway: Gateway, port: int, seconds: int = 600):
+    org = await gateway.store.default_org()
+    user = await gateway.identity.ensure_local_user("ann@example.com", "Ann", ["admin"])
+    secret = {"envvar:HOST": base64.b64encode(b"127.0.0.1").decode(),
+              "envvar:PORT": base64.b64encode(str(port).encode()).decode()}
+    connection = Connection(id=new_id(), org_id=org.id, name="line", resource_name="line", type="custom", subtype="ssh", secret=secret,
+                            created_at=rfc3339(utcnow()), updated_at=rfc3339(utcnow()))
+    await gateway.store.create_connection(connection)
+    issued = await gateway.access.issue(user, connection, seconds)
+    return await gateway.pipeline.admit(issued.secret, "ssh", "127.0.0.9")
+
+
+async def events_of(gateway: Gateway, session_id: str) -> list[tuple[str, bytes]]:
+    await gateway.recording.flush()
+    return [(e.kind, e.data) for e in await gateway.store.read_events(session_id)]
+
+
+async def dial_stream(dialer: Dialer, port: int):
+    return await dialer.open_stream("127.0.0.1", port, connection="line")
+
+
+async def test_an_unreachable_target_is_a_closed_session_with_an_e_event_and_254(core):
+    port = free_port()  # nothing listens there
+    grant = await grant_for(core, port)
+    with pytest.raises(TargetUnreachable) as caught:
+        await core.pipeline.start(grant, "127.0.0.9", dial=lambda dialer: dial_stream(dialer, port))
+    assert caught.value.message.startswith('could not connect to the target of connection "line"')
+    session = await core.store.get_session(grant.credential.session_id)
+    assert session.status == "done" and session.exit_code == BLOCKED_EXIT_CODE
+    assert await events_of(core, session.id) == [("e", caught.value.message.encode())]
+
+
+async def test_open_first_opens_the_session_before_dialing(core):
+    port = free_port()
+    grant = await grant_for(core, port)
+    seen = []
+
+    async def dial(dialer: Dialer):
+        seen.append(list(core.sessions.live))  # the session is live while the proxy dials
+        return await dial_stream(dialer, port)
+
+    with pytest.raises(TargetUnreachable):
+        await core.pipeline.start(grant, dial=dial, open_first=True)
+    assert seen == [[grant.credential.session_id]]
+    assert not core.sessions.live
+
+
+async def test_a_closing_gateway_opens_no_session_and_drops_the_dialed_target(core):
+    server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    grant = await grant_for(core, port)
+    await core.sessions.shutdown(0)
+    dropped = []
+    with pytest.raises(GatewayClosing):
+        await core.pipeline.start(grant, dial=lambda dialer: dial_stream(dialer, port),
+                                  drop=lambda target: dropped.append(target[1].close()))
+    assert len(dropped) == 1
+    server.close()
+
+
+async def test_an_internal_error_in_the_relay_closes_the_session_with_254(core):
+    grant = await grant_for(core, 1)
+    with pytest.raises(ZeroDivisionError):
+        async with await core.pipeline.start(grant) as run:
+            run.policy.input(b"select 1\n", "select 1")
+            1 / 0
+    session = await core.store.get_session(run.id)
+    assert session.exit_code == BLOCKED_EXIT_CODE
+    assert await events_of(core, run.id) == [
+        ("i", b"select 1\n"), ("e", b"the gateway ended the session on an internal error")]
+
+
+async def test_the_policy_chain_records_blocked_input_then_its_block_and_audits_it(core):
+    grant = await grant_for(core, 1)
+    now = rfc3339(utcnow())
+    await core.store.save_guardrail(GuardRail(
+        id=new_id(), org_id=grant.connection.org_id, name="no-drop", description="",
+        input={"rules": [{"type": "deny_words_list", "words": ["drop table"]}]},
+        output={"rules": [{"type": "deny_words_list", "words": ["secret"]}]},
+        connection_ids=[grant.connection.id], created_at=now, updated_at=now), create=True)
+    core.guardrails.invalidate()
+    run = await core.pipeline.start(grant, "127.0.0.9")
+    policy = run.policy
+    assert policy.input("select 1") is None
+    verdict = policy.input("drop table t", sql=True)
+    assert verdict is not None and not verdict.allowed
+    await policy.blocked(verdict)
+    assert policy.output("a secret row") is not None  # blocked output is not recorded
+    assert policy.output("a public row") is None
+    await run.close()
+    events = await events_of(core, run.id)
+    assert [kind for kind, _ in events] == ["i", "i", "e", "o"]
+    assert events[1] == ("i", b"drop table t") and b"words=[drop table]" in events[2][1]
+    entries = (await core.store.list_audit(AuditFilter(org_id=grant.connection.org_id, page_size=500))).items
+    block = [e for e in entries if e.action == "guardrail.block"]
+    assert len(block) == 1 and block[0].payload["input"] == "drop table t"
+    assert block[0].client_ip == "127.0.0.9"
+
+
+async def test_a_kill_reaches_the_proxy_and_ends_the_session_with_its_reason(core):
+    grant = await grant_for(core, 1)
+    told = []
+    run = await core.pipeline.start(grant, on_kill=told.append)
+    assert await core.sessions.kill(run.id, "killed by the test")
+    assert told == ["killed by the test"] and run.ended
+    session = await core.store.get_session(run.id)
+    assert session.exit_code == BLOCKED_EXIT_CODE
+    assert await events_of(core, run.id) == [("e", b"killed by the test")]
+
+
+async def test_background_task_failures_are_logged_not_lost(caplog):
+    tasks = BackgroundTasks("test-owner", session_id="s1")
+
+    async def fail():
+        raise ValueError("boom")
+
+    with caplog.at_level(logging.ERROR, logger="gatewayd.tasks"):
+        tasks.spawn(fail())
+        await tasks.wait()
+    assert len(tasks) == 0
+    [record] = [r for r in caplog.records if r.name == "gatewayd.tasks"]
+    assert record.owner == "test-owner" and record.session_id == "s1" and "boom" in str(record.exc_info[1])
