@@ -127,7 +127,7 @@ async def test_the_policy_chain_records_blocked_input_then_its_block_and_audits_
     assert events[1] == ("i", b"drop table t") and b"words=[drop table]" in events[2][1]
     entries = (await core.store.list_audit(AuditFilter(org_id=grant.connection.org_id, page_size=500))).items
     block = [e for e in entries if e.action == "guardrail.block"]
-    assert len(block) == 1 and block[0].payload["input"] == "drop table t"
+    assert len(block) == 1 and block[0].request_payload_redacted["input"] == "drop table t"
     assert block[0].client_ip == "127.0.0.9"
 
 
