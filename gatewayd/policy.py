@@ -43,10 +43,12 @@ class SessionPolicy:
 
     __slots__ = ("live", "rules", "recorder", "client_ip", "checks_input", "checks_output", "_sql_verdicts")
 
-    def __init__(self, live: LiveSession, rules: RuleSet | ObservedRules, client_ip: str = "") -> None:
+    def __init__(self, live: LiveSession, rules: RuleSet | ObservedRules, client_ip: str = "",
+                 recorder: SessionRecorder | None = None) -> None:
+        """``recorder``: where events go, the session's own by default (a script runner's transcript keeps a copy)."""
         self.live = live
         self.rules = rules
-        self.recorder: SessionRecorder = live.recorder
+        self.recorder: SessionRecorder = recorder if recorder is not None else live.recorder
         self.client_ip = client_ip or live.client_ip
         self.checks_input = bool(rules.input_rules)  # False: input is only recorded
         self.checks_output = bool(rules.output_rules)
@@ -70,9 +72,12 @@ class SessionPolicy:
             recorder.input(data)
         return verdict
 
-    def check_input(self, text: str, *, sql: bool = False) -> GuardVerdict | None:
-        """Only the guard rails' reading of input the proxy records itself later, whole (an HTTP body it streams)."""
-        return self._check_input(text, sql, False) if self.checks_input else None
+    def check_input(self, text: str, *, sql: bool = False, cache: bool = False) -> GuardVerdict | None:
+        """Only the guard rails' reading of input the proxy records itself (``record_input``) or later.
+
+        For example a streamed HTTP body, or a PostgreSQL Parse whose SQL is recorded with its Bind.
+        """
+        return self._check_input(text, sql, cache) if self.checks_input else None
 
     def output(self, data: bytes | str, text: str | None = None) -> GuardVerdict | None:
         """Check what the target answered and record it when it is let through; the blocking verdict or None."""

@@ -6,11 +6,13 @@ import struct
 import uuid
 from collections import deque
 from decimal import Decimal
+from types import SimpleNamespace
 
 import pytest
 
 from gatewayd.guardrails import RuleSet
 from gatewayd.models import GuardRail
+from gatewayd.policy import SessionPolicy
 from proxies.postgres import codec as pg
 from proxies.postgres.relay import (
     BLOCK,
@@ -24,7 +26,7 @@ from proxies.postgres.relay import (
 
 
 class FakeRecorder:
-    """What the relay needs of a SessionRecorder: the three kinds of events and the cap flag."""
+    """What the policy chain needs of a SessionRecorder: the three kinds of events and the cap flag."""
 
     def __init__(self, truncated: bool = False) -> None:
         self.truncated = truncated
@@ -52,8 +54,8 @@ def sides(ruleset: RuleSet, recorder: FakeRecorder | None = None) -> tuple[Clien
     recorder = recorder or FakeRecorder()
     pending: deque = deque()
     columns: dict = {}
-    return (ClientSide(ruleset, recorder, pending, columns), ServerSide(ruleset, recorder, pending, columns),  # type: ignore[arg-type]
-            recorder)
+    policy = SessionPolicy(SimpleNamespace(recorder=recorder, client_ip=""), ruleset)  # type: ignore[arg-type]
+    return ClientSide(policy, pending, columns), ServerSide(policy, pending, columns), recorder
 
 
 def frontend(*frames: bytes) -> list[pg.Message]:

@@ -1,8 +1,10 @@
 """What the relay does with each message, as pure state: forward, block, record, inject.
 
-No sockets here.  ``ClientSide`` decides about client messages (input guard
-rails, ``i`` events), ``ServerSide`` about target messages (output guard rails,
-``o``/``e`` events).  They share one ordered queue of ``Pending`` requests: the
+No sockets here.  ``ClientSide`` decides about client messages (what is
+reported to the session's policy chain as input: statements, binds, COPY
+data), ``ServerSide`` about target messages (rows and errors reported as
+output and errors).  The chain (gatewayd.policy) checks, records and audits;
+the relay only turns its verdicts into the protocol's answers.  They share one ordered queue of ``Pending`` requests: the
 client side appends an entry for every request whose answer ends in a known
 way (a Query or Sync ends with ReadyForQuery, an Execute with its completion),
 before the request goes upstream; the server side pops them as the answers
@@ -66,13 +68,12 @@ from proxies.postgres.codec import (
 )
 
 if TYPE_CHECKING:
-    from gatewayd.guardrails import GuardVerdict, RuleSet
-    from gatewayd.recording import SessionRecorder
+    from gatewayd.guardrails import GuardVerdict
+    from gatewayd.policy import SessionPolicy
 
 BLOCKED_SQLSTATE = "42501"  # insufficient_privilege
 OUTPUT_FLUSH_CHARS = 64 * 1024  # an ``o`` event is cut at about this size
 MAX_PARAM_CHARS = 1024  # longer bind parameters are shortened in the recording
-VERDICT_CACHE_SIZE = 512  # input verdicts remembered per session, by Parse SQL
 DESCRIPTION_CACHE_SIZE = 64  # RowDescriptions remembered per session, by frame
 SYNC = encode_sync()
 
@@ -203,28 +204,24 @@ TERMINATE = 3
 
 
 class ClientSide:
-    """Client-to-target decisions: input guard rails on Query and Parse SQL, ``i`` events.
+    """Client-to-target decisions: Query and Parse SQL, Binds and COPY data reported as input.
 
-    A blocked statement is recorded as ``i`` like any other; the block's ``e`` follows it.
+    A blocked statement is recorded as ``i`` like any other (the policy chain does); the block's ``e`` follows it.
     """
 
     __slots__ = (
-        "_verdicts",
         "columns",
         "discarding",
         "pending",
+        "policy",
         "portals",
-        "recorder",
-        "rules",
         "statements",
         "substitute",
         "verdict",
     )
 
-    def __init__(self, rules: RuleSet, recorder: SessionRecorder, pending: deque[Pending],
-                 columns: dict[str, tuple[int, ...]]) -> None:
-        self.rules = rules
-        self.recorder = recorder
+    def __init__(self, policy: SessionPolicy, pending: deque[Pending], columns: dict[str, tuple[int, ...]]) -> None:
+        self.policy = policy
         self.pending = pending
         self.columns = columns  # statement -> result column type OIDs, shared with the ServerSide
         self.statements: dict[str, str] = {}  # prepared statement name -> SQL (for recording Binds)
@@ -232,7 +229,6 @@ class ClientSide:
         self.discarding = False  # after a blocked Parse: skip messages until Sync
         self.verdict: GuardVerdict | None = None  # why the last BLOCK
         self.substitute = b""  # what goes upstream instead of the last blocked message
-        self._verdicts: dict[str, GuardVerdict] = {}  # Parse SQL -> verdict, for this session's rule set
 
     def on_message(self, message: Message) -> int:
         """What to do with one client message: FORWARD, DROP, BLOCK or TERMINATE."""
@@ -262,8 +258,7 @@ class ClientSide:
         if kind is Parse:
             return self._parse(message)  # type: ignore[arg-type]
         if kind is CopyData:
-            if not self.recorder.truncated:
-                self.recorder.input(message.data)  # type: ignore[attr-defined]
+            self.policy.record_input(message.data)  # type: ignore[attr-defined]
             return FORWARD
         if kind is Close:
             if message.kind == "S":  # type: ignore[attr-defined]
@@ -281,31 +276,22 @@ class ClientSide:
         return FORWARD  # Describe, Flush, CopyDone, CopyFail, and anything the target will judge
 
     def _query(self, query: Query) -> int:
-        sql = query.sql
-        verdict = self.rules.check_input(sql, sql=True) if self.rules.input_rules else None
-        if verdict is not None and not verdict.allowed:
-            if not self.recorder.truncated:
-                self.recorder.input(sql)  # what was blocked is on the record: ``i``, then the block's ``e``
+        verdict = self.policy.input(query.sql, sql=True)  # recorded, blocked or not
+        if verdict is not None:
             self.verdict = verdict
             self.substitute = SYNC  # answered by ReadyForQuery with the true transaction status
             self.pending.append(Pending(SYNC_POINT, error=blocked_error(verdict)))
             return BLOCK
-        if not self.recorder.truncated:
-            self.recorder.input(sql)
         self.pending.append(_UNTIL_READY)
         return FORWARD
 
     def _parse(self, parse: Parse) -> int:
         sql = parse.sql
-        if self.rules.input_rules:
-            verdict = self._verdicts.get(sql)
-            if verdict is None:  # drivers parse the same statements again and again
-                if len(self._verdicts) >= VERDICT_CACHE_SIZE:
-                    self._verdicts.clear()
-                verdict = self._verdicts[sql] = self.rules.check_input(sql, sql=True)
-            if not verdict.allowed:
-                if not self.recorder.truncated:
-                    self.recorder.input(sql)
+        policy = self.policy
+        if policy.checks_input:  # an allowed Parse is recorded with its Bind's parameters
+            verdict = policy.check_input(sql, sql=True, cache=True)  # drivers parse the same SQL again and again
+            if verdict is not None:
+                policy.record_input(sql)
                 self.verdict = verdict
                 self.discarding = True
                 self.substitute = BLOCKED_PARSE_MARKER
@@ -313,23 +299,24 @@ class ClientSide:
                 return BLOCK
         name = parse.name
         self.columns.pop(name, None)
-        if not self.recorder.truncated:
+        if policy.recording:
             self.statements[name] = sql
         return FORWARD
 
     def _bind(self, bind: Bind) -> int:
-        recorder = self.recorder
-        if not recorder.truncated:
+        policy = self.policy
+        recording = policy.recording
+        if recording:
             sql = self.statements.get(bind.statement)
             if sql is not None:
-                recorder.input(render_bind(sql, bind))
-        if not recorder.truncated or self.rules.output_rules:  # rows will be rendered: keep their formats
+                policy.record_input(render_bind(sql, bind))
+        if recording or policy.checks_output:  # rows will be rendered: keep their formats
             self.portals[bind.portal] = Pending(EXECUTE, bind.result_formats, statement=bind.statement)
         return FORWARD
 
 
 class ServerSide:
-    """Target-to-client decisions: output guard rails on rows, ``o`` and ``e`` events, injected errors."""
+    """Target-to-client decisions: rows reported as output, target errors as errors, injected errors."""
 
     __slots__ = (
         "_desc_formats",
@@ -345,16 +332,13 @@ class ServerSide:
         "out",
         "out_chars",
         "pending",
-        "recorder",
+        "policy",
         "replies",
-        "rules",
         "target_fatal",
     )
 
-    def __init__(self, rules: RuleSet, recorder: SessionRecorder, pending: deque[Pending],
-                 columns: dict[str, tuple[int, ...]]) -> None:
-        self.rules = rules
-        self.recorder = recorder
+    def __init__(self, policy: SessionPolicy, pending: deque[Pending], columns: dict[str, tuple[int, ...]]) -> None:
+        self.policy = policy
         self.pending = pending
         self.columns = columns
         self.oids: tuple[int, ...] = ()  # column type OIDs of the current result
@@ -377,7 +361,7 @@ class ServerSide:
 
         Stops early after an output block (``blocks`` is then not empty): call again once it is audited.
         """
-        render = self.rules.has_output_rules or not self.recorder.truncated
+        render = self.policy.checks_output or self.policy.recording
         add = batch.add
         for message in reader:
             kind = type(message)
@@ -418,12 +402,13 @@ class ServerSide:
             text = render_typed_row(row, formats, self.oids)
         else:
             text = render_row(None, row, formats=formats)
-        if self.rules.output_rules:
-            verdict = self.rules.check_output(text)
-            if not verdict.allowed:
+        policy = self.policy
+        if policy.checks_output:
+            verdict = policy.check_output(text)
+            if verdict is not None:
                 self._cut(verdict, batch)
                 return False
-        if not self.recorder.truncated:
+        if policy.recording:
             if self.header is not None:
                 self._emit(self.header)
                 self.header = None
@@ -440,7 +425,7 @@ class ServerSide:
         """Record what was built of the current result as one ``o`` event."""
         if self.out:
             self.out.append("")
-            self.recorder.output("\n".join(self.out))
+            self.policy.record_output("\n".join(self.out))
             self.out = []
             self.out_chars = 0
 
@@ -478,7 +463,7 @@ class ServerSide:
                 header, self._desc_oids, self._desc_formats = self._describe(message)  # type: ignore[arg-type]
                 if head is not None and head.statement is not None:
                     self.columns[head.statement] = self._desc_oids
-                if not self.recorder.truncated:
+                if self.policy.recording:
                     self.header = header
         elif kind is NoData:
             if self.pending and self.pending[0].kind == DESCRIBE:
@@ -490,14 +475,14 @@ class ServerSide:
             severity = message.severity  # type: ignore[attr-defined]
             if severity in ("FATAL", "PANIC"):
                 self.target_fatal = True
-            self.recorder.error(f"{severity}: {message.message}")  # type: ignore[attr-defined]
+            self.policy.error(f"{severity}: {message.message}")  # type: ignore[attr-defined]
             self._end_result()
         elif message.TYPE in _RESULT_ENDS:  # EmptyQueryResponse, PortalSuspended
             self.flush_output()
             self._end_result()
 
     def _command_complete(self, message: CommandComplete) -> None:
-        if not self.recorder.truncated:
+        if self.policy.recording:
             if self.header is not None:
                 self._emit(self.header)
                 self.header = None
@@ -519,12 +504,13 @@ class ServerSide:
     def _copy_out(self, message: CopyData, batch: FrameBatch) -> bool:
         """Check and record one COPY TO STDOUT row; False when it is cut."""
         text = bytes(message.data).decode("utf-8", "replace")
-        if self.rules.output_rules:
-            verdict = self.rules.check_output(text)
-            if not verdict.allowed:
+        policy = self.policy
+        if policy.checks_output:
+            verdict = policy.check_output(text)
+            if verdict is not None:
                 self._cut(verdict, batch)
                 return False
-        if not self.recorder.truncated:
+        if policy.recording:
             self._emit(text.rstrip("\n"))
         return True
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from gatewayd.policy import SessionPolicy
 from gatewayd.scripts import ScriptResult
 from gatewayd.sessions import BLOCKED_EXIT_CODE
 from proxies.postgres.codec import FrameBatch, FrontendReader, encode_copy_fail, encode_query
@@ -88,8 +89,9 @@ async def run_script(gateway: Gateway, live: LiveSession, script: str) -> Script
     rules = await gateway.guardrails.rules_for(connection.org_id, connection.id)
     pending: deque[Pending] = deque()
     columns: dict[str, tuple[int, ...]] = {}
-    client = ClientSide(rules, transcript, pending, columns)  # type: ignore[arg-type]
-    server = ServerSide(rules, transcript, pending, columns)  # type: ignore[arg-type]
+    policy = SessionPolicy(live, rules, recorder=transcript)  # type: ignore[arg-type]
+    client = ClientSide(policy, pending, columns)
+    server = ServerSide(policy, pending, columns)
     frontend = FrontendReader(expect_startup=False)
     frontend.feed(encode_query(script))
     query = frontend.next_message()

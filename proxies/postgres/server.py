@@ -5,13 +5,16 @@ One ``ClientConnection`` per accepted socket:
 1. start-up -- SSLRequest (TLS terminated here), GSSENCRequest (declined),
    CancelRequest (mapped to the target's backend), StartupMessage;
 2. the credential -- the start-up ``user`` is the secret, or any user with
-   the secret as the (cleartext) password; refusals are ``FATAL 28P01``;
-3. the target -- ``upstream.connect_target`` with the role's settings; a
-   failure is ``FATAL 08001`` and a session closed with an ``e`` event;
+   the secret as the (cleartext) password; the session pipeline admits it,
+   refusals are ``FATAL 28P01``;
+3. the target -- the pipeline dials it with ``upstream.connect_target`` and
+   the role's settings, then opens the session; a failure is ``FATAL 08001``
+   (the pipeline has closed the session with an ``e`` event);
 4. the relay -- ``session.RelaySession`` takes both transports over and
    forwards raw frames in batches with flow control, asking ``relay`` what to
-   block, record and inject; when it ends, the client is told why (FATAL) and
-   the session is closed with its exit code.
+   block and inject (``relay`` reports to the session's policy chain); when it
+   ends, the client is told why (FATAL) and the session is closed with its
+   exit code.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ import socket
 import ssl
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from gatewayd.access import AccessDenied, looks_like_secret
-from gatewayd.sessions import BLOCKED_EXIT_CODE
+from gatewayd.access import looks_like_secret
+from gatewayd.pipeline import BLOCKED_EXIT_CODE, AccessDenied, GatewayClosing, ProxyContext, TargetUnreachable
+from gatewayd.tasks import BackgroundTasks
 from proxies.postgres import tls
 from proxies.postgres.codec import (
     CancelRequest,
@@ -58,9 +62,8 @@ from proxies.postgres.upstream import (
 
 if TYPE_CHECKING:
     from gatewayd.access import AccessGrant
-    from gatewayd.daemon import Gateway
-    from gatewayd.guardrails import RuleSet
-    from gatewayd.sessions import LiveSession
+    from gatewayd.dialer import Dialer
+    from gatewayd.policy import SessionPolicy
 
 log = logging.getLogger("gatewayd.postgres")
 
@@ -108,18 +111,16 @@ def fatal(sqlstate: str, message: str) -> bytes:
 class PostgresListener:
     """A started PostgreSQL listener; ``close`` stops accepting (sessions in progress go on)."""
 
-    def __init__(self, gateway: Gateway, tls_context: ssl.SSLContext | None) -> None:
-        self.gateway = gateway
+    def __init__(self, context: ProxyContext, tls_context: ssl.SSLContext | None) -> None:
+        self.pipeline = context.pipeline
         self.tls_context = tls_context
         self.server: asyncio.base_events.Server | None = None
         self.cancel_keys = CANCEL_KEYS
-        self._tasks: set[asyncio.Task[None]] = set()
+        self.connections = BackgroundTasks("postgres listener")
 
     def accept(self, stream: FrameStream) -> None:
         """A client connected: its connection runs as a task of its own."""
-        task = asyncio.get_running_loop().create_task(self.handle(stream))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.connections.spawn(self.handle(stream))
 
     async def handle(self, stream: FrameStream) -> None:
         connection = ClientConnection(self, stream)
@@ -135,12 +136,13 @@ class PostgresListener:
             self.server.close()  # the listening socket closes now; connections go on
 
 
-async def start(gateway: Gateway, host: str, port: int) -> PostgresListener:
+async def start(gateway: Any, host: str, port: int) -> PostgresListener:
     """Listener factory registered as ``postgres``."""
-    config = gateway.config
-    context = await asyncio.to_thread(tls.server_context, config.data_dir, config["postgres.tls_cert"],
-                                      config["postgres.tls_key"])
-    listener = PostgresListener(gateway, context)
+    context: ProxyContext = gateway.proxy_context("postgres")
+    settings = context.settings
+    tls_context = await asyncio.to_thread(tls.server_context, context.data_dir, settings["tls_cert"],
+                                          settings["tls_key"])
+    listener = PostgresListener(context, tls_context)
     listener.server = await asyncio.get_running_loop().create_server(
         lambda: FrameStream(FrontendReader(), listener.accept), host, port, reuse_address=True)
     return listener
@@ -151,14 +153,13 @@ class ClientConnection:
 
     def __init__(self, listener: PostgresListener, stream: FrameStream) -> None:
         self.listener = listener
-        self.gateway = listener.gateway
+        self.pipeline = listener.pipeline
         self.stream = stream
         transport = stream.transport
         peer = transport.get_extra_info("peername")
         self.client_ip = peer[0] if isinstance(peer, tuple) else ""
         self.frontend: FrontendReader = stream.reader  # type: ignore[assignment]
         self.link: TargetLink | None = None
-        self.live: LiveSession | None = None
         self.killed: str | None = None
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -188,7 +189,7 @@ class ClientConnection:
                 secret = await self._secret(startup)
                 if secret is None:
                     return
-                grant = await self.gateway.access.resolve(secret, "postgres", self.client_ip)
+                grant = await self.pipeline.admit(secret, "postgres", self.client_ip)
         except AccessDenied as exc:
             self.send_fatal("28P01", str(exc))
             return
@@ -232,7 +233,7 @@ class ClientConnection:
         target = self.listener.cancel_keys.get(request.process_id, request.secret_key)
         if target is not None:
             await send_cancel(target.host, target.port, target.process_id, target.secret_key,
-                              dialer=self.gateway.dialer)
+                              dialer=self.pipeline.dialer)
 
     async def _secret(self, startup: StartupMessage) -> str | None:
         """The credential secret: the start-up user, or else the password we ask for."""
@@ -256,40 +257,32 @@ class ClientConnection:
         if not database or database == parameters.get("user"):
             database = None  # libpq sends the user name when none is given: take the role's DB
         settings = TargetSettings.from_role(connection.target(), database)
-        sessions = self.gateway.sessions
+
+        async def dial(dialer: Dialer) -> TargetLink:
+            return await connect_target(settings, parameters, connection.name, dialer=dialer)
+
         try:
-            self.link = link = await connect_target(settings, parameters, connection.name, dialer=self.gateway.dialer)
-        except UpstreamError as exc:
-            log.info("postgres target unreachable", extra={"connection": connection.name, "error": exc.message})
-            try:
-                live = await sessions.open(grant.user, grant.connection, credential=grant.credential,
-                                                     client_ip=self.client_ip)
-                await live.close(exit_code=BLOCKED_EXIT_CODE, error=exc.message)
-            finally:
-                self.send_fatal(exc.sqlstate, exc.message)
+            run = await self.pipeline.start(grant, self.client_ip, dial=dial, unreachable=(UpstreamError,),
+                                            drop=terminate, on_kill=self._kill)
+        except TargetUnreachable as exc:
+            cause = exc.cause
+            self.send_fatal(cause.sqlstate if isinstance(cause, UpstreamError) else "08001", exc.message)
             return
-        try:
-            self.live = live = await sessions.open(grant.user, grant.connection, credential=grant.credential,
-                                                     client_ip=self.client_ip)
-        except RuntimeError as exc:
-            terminate(link)
+        except GatewayClosing as exc:
             self.send_fatal("57P03", str(exc))
             return
+        self.link = link = run.target
         key = self.listener.cancel_keys.issue(CancelTarget(settings.host, settings.port, link.process_id,
                                                            link.secret_key))
-        try:
-            live.on_kill(self._kill)
-            rules = await self.gateway.guardrails.rules_for(connection.org_id, connection.id, live=live)
-            self.stream.write(b"".join([encode_authentication_ok(), *link.startup_frames,
-                                        encode_backend_key_data(*key), encode_ready_for_query(link.status)]))
-            exit_code, error = await self._relay(link, live, rules)
-        except BaseException:
-            await live.close(exit_code=BLOCKED_EXIT_CODE, error="the gateway ended the session on an internal error")
-            raise
-        finally:
-            self.listener.cancel_keys.pop(key)
-            terminate(link)
-        await live.close(exit_code=exit_code, error=error)
+        async with run:
+            try:
+                self.stream.write(b"".join([encode_authentication_ok(), *link.startup_frames,
+                                            encode_backend_key_data(*key), encode_ready_for_query(link.status)]))
+                exit_code, error = await self._relay(link, run.policy, connection.name)
+            finally:
+                self.listener.cancel_keys.pop(key)
+                terminate(link)
+            await run.close(exit_code=exit_code, error=error)
 
     def _kill(self, reason: str) -> None:
         """The gateway ends the session (kill, expiry, shutdown): FATAL 57P01, then both sockets close."""
@@ -300,13 +293,13 @@ class ClientConnection:
 
     # -- relay
 
-    async def _relay(self, link: TargetLink, live: LiveSession, rules: RuleSet) -> tuple[int, str | None]:
+    async def _relay(self, link: TargetLink, policy: SessionPolicy, name: str) -> tuple[int, str | None]:
         """Relay until one side goes away; the session's exit code and error."""
         pending: deque[Pending] = deque()
         columns: dict[str, tuple[int, ...]] = {}
-        server = ServerSide(rules, live.recorder, pending, columns)
+        server = ServerSide(policy, pending, columns)
         relay = RelaySession(self.stream.transport, link.transport, self.frontend, link.backend,
-                             ClientSide(rules, live.recorder, pending, columns), server, live, self.client_ip)
+                             ClientSide(policy, pending, columns), server, policy)
         self.stream.release()
         link.stream.release()
         relay.start()  # what start-up had read beyond its last message is in the readers: processed first
@@ -316,7 +309,6 @@ class ClientConnection:
             relay.finish(TARGET)
         side, error = await relay.wait()
         server.flush_output()
-        name = live.connection.name
         if self.killed is not None:
             return BLOCKED_EXIT_CODE, None
         if error is not None:

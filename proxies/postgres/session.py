@@ -14,7 +14,9 @@ A guard-rail block pauses its direction while the block is audited, so the
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from gatewayd.tasks import BackgroundTasks
 
 from proxies.postgres.codec import (
     BackendReader,
@@ -26,7 +28,7 @@ from proxies.postgres.relay import BLOCK, DROP, FORWARD, ClientSide, ServerSide
 
 if TYPE_CHECKING:
     from gatewayd.guardrails import GuardVerdict
-    from gatewayd.sessions import LiveSession
+    from gatewayd.policy import SessionPolicy
 
 WRITE_HIGH_WATER = 512 * 1024
 CLIENT = "client"
@@ -63,21 +65,19 @@ class RelaySession:
     """
 
     def __init__(self, client: asyncio.Transport, target: asyncio.Transport, frontend: FrontendReader,
-                 backend: BackendReader, client_side: ClientSide, server_side: ServerSide, live: LiveSession,
-                 client_ip: str) -> None:
+                 backend: BackendReader, client_side: ClientSide, server_side: ServerSide,
+                 policy: SessionPolicy) -> None:
         self.client = client
         self.target = target
         self.frontend = frontend
         self.backend = backend
         self.client_side = client_side
         self.server_side = server_side
-        self.live = live
-        self.recorder = live.recorder
-        self.client_ip = client_ip
+        self.policy = policy
         self.finished: asyncio.Future[tuple[str, ProtocolError | None]] = asyncio.get_running_loop().create_future()
         self._paused: dict[str, set[str]] = {CLIENT: set(), TARGET: set()}
         self._busy = {CLIENT: False, TARGET: False}  # auditing a block: process nothing more for now
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks = BackgroundTasks("postgres relay", session_id=policy.live.id)
         self._client_batch = FrameBatch()
         self._target_batch = FrameBatch()
 
@@ -101,8 +101,7 @@ class RelaySession:
         try:
             return await self.finished
         finally:
-            if self._tasks:
-                await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self._tasks.wait()
 
     def finish(self, side: str, error: ProtocolError | None = None) -> None:
         if not self.finished.done():
@@ -133,20 +132,15 @@ class RelaySession:
                 except (RuntimeError, AttributeError):
                     pass
 
-    def _spawn(self, coroutine: Any) -> None:
-        task = asyncio.ensure_future(coroutine)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     def _check_recorder(self) -> None:
-        if self.recorder.needs_drain and "recording" not in self._paused[CLIENT]:
+        if self.policy.needs_drain and "recording" not in self._paused[CLIENT]:
             self.pause(CLIENT, "recording")
             self.pause(TARGET, "recording")
-            self._spawn(self._drain_recorder())
+            self._tasks.spawn(self._drain_recorder())
 
     async def _drain_recorder(self) -> None:
         try:
-            await self.recorder.drain()
+            await self.policy.drain()
         finally:
             self.resume(CLIENT, "recording")
             self.resume(TARGET, "recording")
@@ -233,12 +227,12 @@ class RelaySession:
         """Record and audit blocks before this side's next message is looked at."""
         self._busy[side] = True
         self.pause(side, "audit")
-        self._spawn(self._audited(side, verdicts))
+        self._tasks.spawn(self._audited(side, verdicts))
 
     async def _audited(self, side: str, verdicts: list[GuardVerdict]) -> None:
         try:
             for verdict in verdicts:
-                await self.live.blocked(verdict, self.client_ip)
+                await self.policy.blocked(verdict)
         finally:
             self._busy[side] = False
             self.resume(side, "audit")
