@@ -14,7 +14,7 @@ the proxy checks its text, then forwards ``line.allowed`` or ``line.refused``).
   newline and a refused line never reaches the target.
 
 ``OutputWatch`` is the output side: the target's stdout and stderr chunks
-checked against the output rules.
+checked against the output rules (a rule set, or the session's policy chain).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from gatewayd.guardrails import GuardVerdict, RuleSet
+    from gatewayd.policy import SessionPolicy
 
 OUTPUT_OVERLAP = 1024  # characters of an output chunk checked again with the next one
 KILL_LINE = b"\x15"  # ^U: erases the current input line in a tty or readline
@@ -162,14 +163,14 @@ class OutputWatch:
 
     __slots__ = ("rules", "_decoders", "_tails")
 
-    def __init__(self, rules: RuleSet) -> None:
+    def __init__(self, rules: RuleSet | SessionPolicy) -> None:
         self.rules = rules
         decoder = codecs.getincrementaldecoder("utf-8")
         self._decoders = (decoder("replace"), decoder("replace"))
         self._tails = ["", ""]
 
-    def check(self, data: bytes, stream: int) -> GuardVerdict:
-        """``stream``: 0 stdout, 1 stderr."""
+    def check(self, data: bytes, stream: int) -> GuardVerdict | None:
+        """``stream``: 0 stdout, 1 stderr; the rules' verdict (a policy says None for allowed)."""
         text = self._decoders[stream].decode(data)
         tail = self._tails[stream]
         checked = tail + text if tail else text

@@ -3,18 +3,20 @@
 One ``GatewayConnection`` per client SSH connection:
 
 1. the credential -- the SSH user name is the secret (no prompt), or any user
-   name with the secret as the password; refusals look like a wrong password
-   and are audited by ``gateway.access``;
-2. the target -- ``target.connect_target`` logs in with the role's settings
-   while the client finishes authenticating; a failure is told on the
-   client's first channel (stderr, exit 254) and the session is closed with
-   an ``e`` event;
+   name with the secret as the password; the session pipeline admits it,
+   refusals look like a wrong password (the pipeline audits them);
+2. the target -- while the client finishes authenticating, the pipeline dials
+   the target with ``target.connect_target`` (the role's settings), then opens
+   the session; a failure is told on the client's first channel (stderr,
+   exit 254), the pipeline having closed the session with an ``e`` event;
 3. channels -- each ``session`` channel (exec, shell with or without pty,
    the ``sftp`` subsystem) is mirrored by a channel to the target
-   (``SessionRelay``); ``direct-tcpip`` (``ssh -L``) is relayed when the
-   connection's ``settings.ssh.allow_port_forwarding`` is true and refused
-   otherwise (``ForwardRelay``); agent and X11 forwarding are refused, and
-   so is remote forwarding (``ssh -R``), with an ``e`` event and an audit entry;
+   (``SessionRelay``), what passes reported to the session's policy chain
+   (guard rails, recording, audit of blocks); ``direct-tcpip`` (``ssh -L``)
+   is relayed when the connection's ``settings.ssh.allow_port_forwarding`` is
+   true and refused otherwise (``ForwardRelay``); agent and X11 forwarding are
+   refused, and so is remote forwarding (``ssh -R``), with an ``e`` event and
+   an audit entry;
 4. the end -- the session is closed when the client goes away (even while
    the target login is still running), with the last exit status; once a
    connection carries more than one session channel (OpenSSH multiplexing),
@@ -28,38 +30,36 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-from typing import TYPE_CHECKING, Any, Coroutine
+from typing import TYPE_CHECKING, Any
 
 import asyncssh
 
-from gatewayd.access import AccessDenied, looks_like_secret
-from gatewayd.guardrails import GuardVerdict
-from gatewayd.sessions import BLOCKED_EXIT_CODE
+from gatewayd.access import looks_like_secret
+from gatewayd.pipeline import (
+    BLOCKED_EXIT_CODE,
+    AccessDenied,
+    GatewayClosing,
+    ProxyContext,
+    SessionPipeline,
+    SessionRun,
+    TargetUnreachable,
+)
+from gatewayd.tasks import BackgroundTasks
 from proxies.ssh.lines import Chunk, OutputWatch, ShellInput
 from proxies.ssh.sftp import SftpObserver, status_packet
 from proxies.ssh.target import MAX_PACKET, WINDOW, TargetError, TargetSettings, connect_target, signal_exit_code
 
 if TYPE_CHECKING:
     from gatewayd.access import AccessGrant
-    from gatewayd.daemon import Gateway
-    from gatewayd.guardrails import RuleSet
-    from gatewayd.sessions import LiveSession
+    from gatewayd.dialer import Dialer
+    from gatewayd.guardrails import GuardVerdict
+    from gatewayd.policy import SessionPolicy
 
 log = logging.getLogger("gatewayd.ssh")
 
 STDERR = asyncssh.EXTENDED_DATA_STDERR
 LOGIN_TIMEOUT = 60.0
 CLOSE_GRACE = 5.0  # after a kill, how long channels may take to flush the message before the disconnect
-
-
-_TASKS: set[asyncio.Task[Any]] = set()  # tasks started from asyncssh's callbacks, until they are done
-
-
-def _background(coroutine: Coroutine[Any, Any, Any]) -> None:
-    """Run ``coroutine`` as a task held until it is done (the event loop keeps only a weak reference)."""
-    task = asyncio.ensure_future(coroutine)
-    _TASKS.add(task)
-    task.add_done_callback(_TASKS.discard)
 
 
 def allows_port_forwarding(settings: dict[str, Any]) -> bool:
@@ -69,23 +69,30 @@ def allows_port_forwarding(settings: dict[str, Any]) -> bool:
 
 
 class SSHListener:
-    """A started SSH listener; ``close`` stops accepting (connections in progress go on)."""
+    """A started SSH listener; ``close`` stops accepting (connections in progress go on).
 
-    def __init__(self, acceptor: asyncssh.SSHAcceptor) -> None:
+    ``tasks`` holds what its connections start from asyncssh's callbacks (a target login, a session's
+    close, a block's audit entry) until it is done.
+    """
+
+    def __init__(self, acceptor: asyncssh.SSHAcceptor, tasks: BackgroundTasks) -> None:
         self.acceptor = acceptor
+        self.tasks = tasks
 
     async def close(self) -> None:
         self.acceptor.close()
 
 
-async def host_key(gateway: Gateway) -> asyncssh.SSHKey:
+async def host_key(context: ProxyContext) -> asyncssh.SSHKey:
     """The listener's host key: ``serverconfig/misc`` ``ssh_server_config.hosts_key`` (base64 of PEM).
 
-    An empty one means the key the gateway generated on its first start.
+    An empty one means the key the gateway generated on its first start (``context.host_key``).
     """
-    encoded = gateway.server_config.get("ssh_server_config", {}).get("hosts_key") or ""
+    encoded = context.server_config.get("hosts_key") or ""
+    if not encoded and context.host_key is None:
+        raise ValueError("the SSH listener has no host key (ssh_server_config.hosts_key is empty)")
     try:
-        pem = base64.b64decode(encoded, validate=True) if encoded else await gateway.host_key_pem()
+        pem = base64.b64decode(encoded, validate=True) if encoded else await context.host_key()  # type: ignore[misc]
         return asyncssh.import_private_key(pem)
     except (ValueError, asyncssh.KeyImportError):
         raise ValueError("ssh_server_config.hosts_key is not base64 of a PEM/OpenSSH private key") from None
@@ -107,19 +114,23 @@ def hide_user_names() -> None:
         logger.addFilter(HideUserNames())
 
 
-async def start(gateway: Gateway, host: str, port: int) -> SSHListener:
+async def start(gateway: Any, host: str, port: int) -> SSHListener:
     """Listener factory registered as ``ssh``."""
+    context: ProxyContext = gateway.proxy_context("ssh")
     hide_user_names()
     if not log.isEnabledFor(logging.DEBUG):
         # asyncssh logs every connection, channel and command at INFO: the session recording is the record
         logging.getLogger("asyncssh").setLevel(logging.WARNING)
+    pipeline = context.pipeline
+    tasks = BackgroundTasks("ssh listener")
+    key = await host_key(context)
     acceptor = await asyncssh.listen(
-        host, port, server_factory=lambda: GatewayConnection(gateway), server_host_keys=[await host_key(gateway)],
+        host, port, server_factory=lambda: GatewayConnection(pipeline, tasks), server_host_keys=[key],
         reuse_address=True, login_timeout=LOGIN_TIMEOUT, encoding=None, line_editor=False,
         agent_forwarding=False, x11_forwarding=False, allow_scp=False, compression_algs=None,
-        encryption_algs=list(gateway.config["ssh.ciphers"]),
+        encryption_algs=list(context.settings["ciphers"]),
         window=WINDOW, max_pktsize=MAX_PACKET, keepalive_interval=60)
-    return SSHListener(acceptor)
+    return SSHListener(acceptor, tasks)
 
 
 class TargetWatch(asyncssh.SSHClient):
@@ -133,18 +144,18 @@ class TargetWatch(asyncssh.SSHClient):
 
 
 class GatewayConnection(asyncssh.SSHServer):
-    """One client SSH connection: its credential, its target connection, its session and channels."""
+    """One client SSH connection: its credential, its session run (the target connection) and channels."""
 
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
+    def __init__(self, pipeline: SessionPipeline, tasks: BackgroundTasks) -> None:
+        self.pipeline = pipeline
+        self.tasks = tasks
         self.conn: asyncssh.SSHServerConnection | None = None
         self.client_ip = ""
         self.grant: AccessGrant | None = None
-        self.ready: asyncio.Future[None] | None = None
+        self.ready: asyncio.Task[None] | None = None
         self.failure: str | None = None
+        self.run: SessionRun[asyncssh.SSHClientConnection] | None = None
         self.target: asyncssh.SSHClientConnection | None = None
-        self.live: LiveSession | None = None
-        self.rules: RuleSet | None = None
         self.channels: set[SessionRelay] = set()
         self.opened = 0  # session channels relayed so far
         self.first_end: str | None = None  # how the first one ended, recorded once a second one opens
@@ -163,7 +174,7 @@ class GatewayConnection(asyncssh.SSHServer):
     def connection_lost(self, exc: Exception | None) -> None:
         self.gone = True
         if self.ready is None or self.ready.done():
-            _background(self._finish())
+            self.tasks.spawn(self._finish())
         # else the target login is still running: _open finishes the job when it is done
 
     async def begin_auth(self, username: str) -> bool:
@@ -202,10 +213,10 @@ class GatewayConnection(asyncssh.SSHServer):
         if self.grant is not None:
             return True
         try:
-            self.grant = await self.gateway.access.resolve(secret, "ssh", self.client_ip)
+            self.grant = await self.pipeline.admit(secret, "ssh", self.client_ip)
         except AccessDenied:
             return False
-        self.ready = asyncio.ensure_future(self._open_guarded())
+        self.ready = self.tasks.spawn(self._open_guarded())
         return True
 
     async def _open_guarded(self) -> None:
@@ -216,34 +227,30 @@ class GatewayConnection(asyncssh.SSHServer):
             self.failure = "the gateway could not open the session (internal error)"
             if self.target is not None:
                 self.target.close()
-            if self.live is not None:
-                await self.live.close(exit_code=BLOCKED_EXIT_CODE, error=self.failure)
+            if self.run is not None:
+                await self.run.close(exit_code=BLOCKED_EXIT_CODE, error=self.failure)
 
     async def _open(self) -> None:
-        """Log in to the target, then open the session (a failed target is a closed session with an ``e``)."""
+        """Log in to the target, then open the session (the pipeline's order; a failed target is a closed session)."""
         grant = self.grant
         assert grant is not None
         connection = grant.connection
-        sessions = self.gateway.sessions
-        try:
+
+        async def dial(dialer: Dialer) -> asyncssh.SSHClientConnection:
             settings = TargetSettings.from_role(connection.target())
-            self.target = await connect_target(settings, connection.name, lambda: TargetWatch(self),
-                                               dialer=self.gateway.dialer)
-        except TargetError as exc:
-            self.failure = str(exc)
-            log.info("ssh target unreachable", extra={"connection": connection.name, "error": self.failure})
-            live = await sessions.open(grant.user, connection, credential=grant.credential, client_ip=self.client_ip)
-            await live.close(exit_code=BLOCKED_EXIT_CODE, error=self.failure)
-            return
+            return await connect_target(settings, connection.name, lambda: TargetWatch(self), dialer=dialer)
+
         try:
-            self.live = await sessions.open(grant.user, connection, credential=grant.credential, client_ip=self.client_ip)
-        except RuntimeError as exc:
-            self.failure = str(exc)
-            self.target.close()
+            self.run = run = await self.pipeline.start(grant, self.client_ip, dial=dial, unreachable=(TargetError,),
+                                                       drop=lambda target: target.close(), on_kill=self._kill)
+        except TargetUnreachable as exc:  # the pipeline closed the session with its e event and 254
+            self.failure = exc.message
             return
-        self.live.on_kill(self._kill)
-        self.rules = await self.gateway.guardrails.rules_for(connection.org_id, connection.id, live=self.live)
-        if self.gone:  # the client left while the target login ran (connection_lost left this to us)
+        except GatewayClosing as exc:
+            self.failure = str(exc)
+            return
+        self.target = run.target
+        if self.gone or run.ended:  # the client left (connection_lost left this to us) or a kill came meanwhile
             await self._finish()
 
     async def _ready(self) -> bool:
@@ -251,14 +258,14 @@ class GatewayConnection(asyncssh.SSHServer):
             self.failure = self.failure or "not authenticated"
             return False
         await asyncio.shield(self.ready)
-        return self.failure is None and self.live is not None and not self.live.done.is_set()
+        return self.failure is None and self.run is not None and not self.run.ended
 
     def target_lost(self) -> None:
         """The target's connection dropped: channels are closing; end the client connection too."""
-        if self.ending is None and not self.gone and self.live is not None:
-            name = self.live.connection.name
-            self.ending = f'the target of connection "{name}" closed the connection'
-            self.live.recorder.error(self.ending)
+        run = self.run
+        if self.ending is None and not self.gone and run is not None:
+            self.ending = f'the target of connection "{run.live.connection.name}" closed the connection'
+            run.policy.error(self.ending)
             asyncio.get_running_loop().call_later(CLOSE_GRACE, self._disconnect)
 
     # -- session channels
@@ -270,13 +277,13 @@ class GatewayConnection(asyncssh.SSHServer):
         self.channels.add(relay)
         self.opened += 1
         if self.opened == 2 and self.first_end is not None:
-            relay.recorder.error(self.first_end)
+            relay.policy.error(self.first_end)
         return relay
 
     def channel_ended(self, line: str) -> None:
         """A session channel ended (``exit 3 of the channel that ran: ...``): an ``e`` event once multiplexed."""
-        if self.opened > 1 and self.live is not None:
-            self.live.recorder.error(line)
+        if self.opened > 1 and self.run is not None:
+            self.run.policy.error(line)
         else:
             self.first_end = line  # a single-channel session records no such line: its exit_code says it
 
@@ -286,26 +293,26 @@ class GatewayConnection(asyncssh.SSHServer):
                        orig_port: int) -> asyncssh.SSHTCPSession[bytes]:
         if not await self._ready():
             raise asyncssh.ChannelOpenError(asyncssh.OPEN_CONNECT_FAILED, self.failure or "the session is closed")
-        live = self.live
-        assert live is not None and self.target is not None
+        run = self.run
+        assert run is not None and self.target is not None
+        policy, connection = run.policy, run.live.connection
         where = f"{dest_host}:{dest_port}"
-        name = live.connection.name
-        if not allows_port_forwarding(live.connection.settings):
-            message = (f'port forwarding to {where} refused: connection "{name}" does not allow it '
+        if not allows_port_forwarding(connection.settings):
+            message = (f'port forwarding to {where} refused: connection "{connection.name}" does not allow it '
                        "(settings.ssh.allow_port_forwarding)")
-            live.recorder.error(message)
-            await self._audit("ssh.port_forward", "failure", message, where)
+            policy.error(message)
+            await self._audit("failure", message, where)
             raise asyncssh.ChannelOpenError(asyncssh.OPEN_ADMINISTRATIVELY_PROHIBITED, message)
-        relay = ForwardRelay(live, where)
+        relay = ForwardRelay(policy, where)
         try:
             await self.target.create_connection(relay.upstream_session, dest_host, dest_port, orig_host, orig_port,
                                                 window=WINDOW, max_pktsize=MAX_PACKET)
         except asyncssh.ChannelOpenError as exc:
             message = f"port forwarding to {where} failed: the target answered: {exc.reason}"
-            live.recorder.error(message)
+            policy.error(message)
             raise asyncssh.ChannelOpenError(exc.code, message) from None
-        live.recorder.error(f"port forwarding to {where} opened")
-        await self._audit("ssh.port_forward", "success", "", where)
+        policy.error(f"port forwarding to {where} opened")
+        await self._audit("success", "", where)
         return relay
 
     async def _refuse_remote(self, where: str) -> bool:
@@ -313,18 +320,16 @@ class GatewayConnection(asyncssh.SSHServer):
         if not await self._ready():
             return False
         message = f"remote port forwarding from {where} refused: the gateway does not offer it"
-        assert self.live is not None
-        self.live.recorder.error(message)
-        await self._audit("ssh.port_forward", "failure", message, where)
+        assert self.run is not None
+        self.run.policy.error(message)
+        await self._audit("failure", message, where)
         return False
 
-    async def _audit(self, action: str, outcome: str, message: str, where: str) -> None:
-        live = self.live
-        assert live is not None
-        await self.gateway.audit.record(
-            org_id=live.session.org_id, actor=live.user, action=action, resource_type="session", outcome=outcome,
-            error_message=message, client_ip=self.client_ip,
-            payload={"session_id": live.id, "connection": live.connection.name, "destination": where})
+    async def _audit(self, outcome: str, message: str, where: str) -> None:
+        """An ``ssh.port_forward`` audit entry about this session, naming the destination."""
+        assert self.run is not None
+        await self.pipeline.audit(self.run.live, "ssh.port_forward", message, outcome=outcome,
+                                  client_ip=self.client_ip, destination=where)
 
     # -- the end
 
@@ -350,14 +355,14 @@ class GatewayConnection(asyncssh.SSHServer):
             self.conn.disconnect(asyncssh.DISC_BY_APPLICATION, self.ending or "session closed")
 
     async def _finish(self) -> None:
-        """The client went away: close the target and the session."""
+        """The client went away (or the session ended before it could start): close the target and the session."""
         if self.target is not None:
             self.target.close()
-        live = self.live
-        if live is None or live.done.is_set():
+        run = self.run
+        if run is None or run.ended:
             return
         error = "the client disconnected with a channel still open" if self.cut_short else None
-        await live.close(exit_code=self.exit_code, error=error)
+        await run.close(exit_code=self.exit_code, error=error)
 
 
 class RefusedSession(asyncssh.SSHServerSession):  # type: ignore[type-arg]
@@ -427,14 +432,14 @@ class _Upstream(asyncssh.SSHClientSession):  # type: ignore[type-arg]
 
 
 class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
-    """One client ``session`` channel mirrored to a channel on the target, through rules and recorder."""
+    """One client ``session`` channel mirrored to a channel on the target, reported to the session's policy chain."""
 
     def __init__(self, owner: GatewayConnection) -> None:
-        assert owner.live is not None and owner.target is not None and owner.rules is not None
+        assert owner.run is not None and owner.target is not None
         self.owner = owner
-        self.live = owner.live
-        self.recorder = owner.live.recorder
-        self.rules = owner.rules
+        self.policy: SessionPolicy = owner.run.policy
+        self.name = owner.run.live.connection.name
+        self.tasks = owner.tasks
         self.target = owner.target
         self.chan: asyncssh.SSHServerChannel[bytes] = None  # type: ignore[assignment]
         self.upchan: asyncssh.SSHClientChannel[bytes] | None = None
@@ -452,11 +457,11 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         self.exit_signal: tuple[str, bool, str, str] | None = None
         self.active = False  # a command, shell or subsystem is running
         self.ended = False
-        self.draining = False  # waiting for the recorder to flush
+        self.draining = False  # waiting for the recording to flush
         self.client_full = False  # the client channel's send buffer is full: stop reading the target
         self.target_full = False  # the target channel's send buffer is full: stop reading the client
         self.client_closed = False
-        self.watch = OutputWatch(owner.rules) if owner.rules.output_rules else None  # None: no output rules
+        self.watch = OutputWatch(self.policy) if self.policy.checks_output else None  # None: no output rules
 
     # -- client side callbacks
 
@@ -465,7 +470,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
 
     def pty_requested(self, term_type: str, term_size: tuple[int, int, int, int], term_modes: Any) -> bool:
         self.pty = True
-        metrics = self.recorder.metrics
+        metrics = self.policy.recorder.metrics  # the recording's description, not an event
         if "terminal" not in metrics:
             metrics["terminal"] = {"type": term_type, "width": term_size[0], "height": term_size[1]}
         return True
@@ -473,7 +478,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
     def shell_requested(self) -> bool:
         self.kind = "shell"
         # without input rules there is nothing to check: no per-byte line assembly, keystrokes pass as they come
-        self.shell = ShellInput(self.pty) if self.rules.input_rules else None
+        self.shell = ShellInput(self.pty) if self.policy.checks_input else None
         return self._start(None, None)
 
     def exec_requested(self, command: str) -> bool:
@@ -527,7 +532,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         self.sync_reading()
 
     def sync_reading(self) -> None:
-        """Flow control: read each side only while the other can take more and the recorder keeps up."""
+        """Flow control: read each side only while the other can take more and the recording keeps up."""
         if self.upchan is None:
             return
         if self.client_full or self.draining:
@@ -552,17 +557,14 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
 
     def _start(self, command: str | None, subsystem: str | None) -> bool:
         self.active = True
-        _background(self._open_target(command, subsystem))
+        self.tasks.spawn(self._open_target(command, subsystem))
         return True
 
     async def _open_target(self, command: str | None, subsystem: str | None) -> None:
         chan = self.chan
-        if command is not None:
-            self.recorder.input(command)
-            verdict = self.rules.check_input(command)
-            if not verdict.allowed:
-                await self._refuse(verdict)
-                return
+        if command is not None and (verdict := self.policy.input(command)):  # recorded, then checked
+            await self._refuse(verdict)
+            return
         options: dict[str, Any] = {"command": command, "subsystem": subsystem, "env": chan.get_environment(),
                                    "encoding": None, "window": WINDOW, "max_pktsize": MAX_PACKET}
         if self.pty:
@@ -572,8 +574,8 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             self.upchan, _ = await self.target.create_session(lambda: _Upstream(self), **options)
         except (asyncssh.ChannelOpenError, asyncssh.Error, OSError) as exc:
             reason = getattr(exc, "reason", "") or str(exc) or type(exc).__name__
-            message = f'the target of connection "{self.live.connection.name}" refused the channel: {reason}'
-            self.recorder.error(message)
+            message = f'the target of connection "{self.name}" refused the channel: {reason}'
+            self.policy.error(message)
             self.end(message)
             return
         if self.ended:
@@ -590,7 +592,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         """An exec the input rules block: message on stderr, exit 254, the target never sees it."""
         self.owner.exit_code = BLOCKED_EXIT_CODE
         self.end(verdict.message)
-        await self.live.blocked(verdict, self.owner.client_ip)
+        await self.policy.blocked(verdict)
 
     # -- client to target
 
@@ -600,7 +602,8 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         if self.sftp is not None:
             self._sftp_to_target(self.sftp, upchan, data)
             return
-        self.recorder.input(data)
+        policy = self.policy
+        policy.record_input(data)  # keystrokes as typed; the rules read the lines they make up
         if self.shell is None:
             upchan.write(data)
             return
@@ -608,34 +611,49 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             if isinstance(piece, Chunk):
                 upchan.write(piece.data)
                 continue
-            verdict = self.rules.check_input(piece.text) if piece.text.strip() else GuardVerdict(True)
-            if verdict.allowed:
+            verdict = policy.check_input(piece.text) if piece.text.strip() else None
+            if verdict is None:
                 upchan.write(piece.allowed)
             else:
                 upchan.write(piece.refused)
                 self._tell(verdict.message)
-                _background(self.live.blocked(verdict, self.owner.client_ip))
+                self.tasks.spawn(policy.blocked(verdict))
 
     def _sftp_to_target(self, sftp: SftpObserver, upchan: asyncssh.SSHClientChannel[bytes], data: bytes) -> None:
         """SFTP requests: recorded as lines; the input rules may refuse an operation (permission denied)."""
-        recorder = self.recorder
+        policy = self.policy
         for piece in sftp.client(data):
             if isinstance(piece, bytes):
                 upchan.write(piece)
             elif isinstance(piece, tuple):
-                recorder.record(*piece)
-            else:
-                verdict = self.rules.check_input(piece.line) if self.rules.input_rules else GuardVerdict(True)
-                if verdict.allowed:
+                self._record(*piece)
+            elif piece.deferred:  # recorded later, with what the target answers (put and get sizes)
+                verdict = policy.check_input(piece.line)
+                if verdict is None:
                     upchan.write(piece.raw)
-                    if not piece.deferred:
-                        recorder.input(piece.line)
-                    continue
-                recorder.input(piece.line)
-                sftp.refused(piece.request_id)
-                self._to_client_at_boundary(status_packet(piece.request_id, verdict.message))
-                self._tell(verdict.message)  # sftp clients show a status code only: the reason goes to stderr
-                _background(self.live.blocked(verdict, self.owner.client_ip))
+                else:
+                    policy.record_input(piece.line)
+                    self._refuse_sftp(sftp, piece.request_id, verdict)
+            elif verdict := policy.input(piece.line):
+                self._refuse_sftp(sftp, piece.request_id, verdict)
+            else:
+                upchan.write(piece.raw)
+
+    def _refuse_sftp(self, sftp: SftpObserver, request_id: int, verdict: GuardVerdict) -> None:
+        """An SFTP request the input rules block: a permission-denied status, the reason on stderr, the block."""
+        sftp.refused(request_id)
+        self._to_client_at_boundary(status_packet(request_id, verdict.message))
+        self._tell(verdict.message)  # sftp clients show a status code only: the reason goes to stderr
+        self.tasks.spawn(self.policy.blocked(verdict))
+
+    def _record(self, kind: str, line: str) -> None:
+        """One of the SFTP observer's records (``i`` an operation, ``o`` an answer, ``e`` a failure)."""
+        if kind == "i":
+            self.policy.record_input(line)
+        elif kind == "o":
+            self.policy.record_output(line)
+        else:
+            self.policy.error(line)
 
     def _to_client_at_boundary(self, packet: bytes) -> None:
         """Answer the client between two of the target's SFTP packets."""
@@ -653,12 +671,12 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         assert upchan is not None
         if self.shell is not None:
             for piece in self.shell.feed_eof():
-                verdict = self.rules.check_input(piece.text) if piece.text.strip() else GuardVerdict(True)
-                if verdict.allowed:
+                verdict = self.policy.check_input(piece.text) if piece.text.strip() else None
+                if verdict is None:
                     upchan.write(piece.allowed)  # type: ignore[union-attr]
                 else:
                     self._tell(verdict.message)
-                    _background(self.live.blocked(verdict, self.owner.client_ip))
+                    self.tasks.spawn(self.policy.blocked(verdict))
         upchan.write_eof()
 
     def _tell(self, message: str) -> None:
@@ -681,36 +699,36 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             return
         if self.sftp is not None and datatype is None:
             for kind, line in self.sftp.server(data):
-                self.recorder.record(kind, line)
+                self._record(kind, line)
             self.chan.write(data)
             if self.injections and self.sftp.server_at_boundary:
                 self._flush_injections()
             return
+        policy = self.policy
         if self.watch is not None:  # no decoding at all without output rules
             verdict = self.watch.check(data, 1 if datatype == STDERR else 0)
-            if not verdict.allowed:
+            if verdict is not None and not verdict.allowed:
                 self.owner.exit_code = BLOCKED_EXIT_CODE
                 self.end(verdict.message)
-                _background(self.live.blocked(verdict, self.owner.client_ip))
+                self.tasks.spawn(policy.blocked(verdict))
                 return
-        recorder = self.recorder
         if datatype == STDERR:
-            recorder.error(data)
+            policy.error(data)  # the target's stderr is on the record as e events
             self.chan.write_stderr(data)
         else:
-            recorder.output(data)
+            policy.record_output(data)
             self.chan.write(data)
         self._check_drain()
 
     def _check_drain(self) -> None:
-        if self.recorder.needs_drain and not self.draining and self.upchan is not None:
+        if self.policy.needs_drain and not self.draining and self.upchan is not None:
             self.draining = True
             self.sync_reading()
-            _background(self._drain())
+            self.tasks.spawn(self._drain())
 
     async def _drain(self) -> None:
         try:
-            await self.recorder.drain()
+            await self.policy.drain()
         finally:
             self.draining = False
             self.sync_reading()
@@ -736,9 +754,8 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             self._ended_as(f"exit {self.exit_status}")
             chan.exit(self.exit_status)
         else:  # the target went away (or closed the channel) without saying how it ended
-            name = self.live.connection.name
-            message = f'the target of connection "{name}" closed the channel without an exit status'
-            self.recorder.error(message)
+            message = f'the target of connection "{self.name}" closed the channel without an exit status'
+            self.policy.error(message)
             self.ended = False
             self.end(message)
 
@@ -803,8 +820,8 @@ class ForwardRelay(asyncssh.SSHTCPSession):  # type: ignore[type-arg]
     The bytes are not recorded; the session gets an ``e`` event with the byte counts when it closes.
     """
 
-    def __init__(self, live: LiveSession, where: str) -> None:
-        self.live = live
+    def __init__(self, policy: SessionPolicy, where: str) -> None:
+        self.policy = policy
         self.where = where
         self.chan: asyncssh.SSHTCPChannel[bytes] | None = None
         self.upchan: asyncssh.SSHTCPChannel[bytes] | None = None
@@ -850,5 +867,5 @@ class ForwardRelay(asyncssh.SSHTCPSession):  # type: ignore[type-arg]
         for chan in (self.chan, self.upchan):
             if chan is not None:
                 chan.close()
-        self.live.recorder.error(f"port forwarding to {self.where} closed: {self.sent} bytes sent, "
+        self.policy.error(f"port forwarding to {self.where} closed: {self.sent} bytes sent, "
                                  f"{self.received} bytes received")
