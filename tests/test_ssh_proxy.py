@@ -1084,3 +1084,63 @@ async def test_listener_restarts_live_on_a_new_address_and_host_key(gateway, api
         assert status == 200, body
     secret, _ = await api.credential(role)
     assert ssh(gateway, secret, "echo back").stdout == b"back\n"
+
+
+# --------------------------------------------------------------------------- the narrow interface
+
+
+class OnlyProxyContext:
+    """All a proxy may use of the daemon: its ProxyContext (anything else is an AttributeError)."""
+
+    __slots__ = ("context",)
+
+    def __init__(self, context) -> None:
+        self.context = context
+
+    def proxy_context(self, name: str):
+        assert name == "ssh"
+        return self.context
+
+
+async def test_the_listener_needs_nothing_but_its_proxy_context(tmp_path, target):
+    """An in-process core hands the SSH proxy only its ProxyContext: a real ssh exec runs, recorded and closed."""
+    from gatewayd.config import load_config
+    from gatewayd.daemon import Gateway
+    from gatewayd.models import Connection, new_id, rfc3339, utcnow
+    from proxies.ssh.server import start
+
+    core = Gateway(load_config(None, environ={}, overrides={"data_dir": str(tmp_path / "data"),
+                                                              "sessions.flush_interval": "100ms"}))
+    await core.open_core()
+    await core.recording.start()
+    listener = None
+    try:
+        org = await core.store.default_org()
+        user = await core.identity.ensure_local_user("ann@example.com", "Ann", ["admin"])
+        env = {"HOST": "127.0.0.1", "PORT": str(target.port), "USER": target.user,
+               "PRIVATE_KEY": target.private_key_text}
+        connection = Connection(id=new_id(), org_id=org.id, name="narrow", resource_name="narrow", type="custom",
+                                subtype="ssh", secret={f"envvar:{k}": b64(v) for k, v in env.items()},
+                                created_at=rfc3339(utcnow()), updated_at=rfc3339(utcnow()))
+        await core.store.create_connection(connection)
+        issued = await core.access.issue(user, connection, 600)
+        port = free_port()
+        listener = await start(OnlyProxyContext(core.proxy_context("ssh")), "127.0.0.1", port)
+        command = ["ssh", *CLIENT_OPTIONS, "-p", str(port), f"{issued.secret}@127.0.0.1", "echo narrow-$((6*7))"]
+        result = await asyncio.to_thread(subprocess.run, command, capture_output=True, stdin=subprocess.DEVNULL,
+                                         timeout=60)
+        assert result.returncode == 0 and result.stdout == b"narrow-42\n", result.stderr
+        session_id = issued.credential.session_id
+        async with asyncio.timeout(60):  # a guard against a hang, not a measure
+            while (session := await core.store.get_session(session_id)).status != "done":
+                await asyncio.sleep(0.05)
+        assert session.exit_code == 0
+        await core.recording.flush()
+        assert [(e.kind, e.data) for e in await core.store.read_events(session_id)] == [
+            ("i", b"echo narrow-$((6*7))"), ("o", b"narrow-42\n")]
+    finally:
+        if listener is not None:
+            await listener.close()
+            await listener.tasks.wait()
+        await core.recording.stop()
+        await core.close_core()
