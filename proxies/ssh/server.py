@@ -238,7 +238,9 @@ class GatewayConnection(asyncssh.SSHServer):
 
         async def dial(dialer: Dialer) -> asyncssh.SSHClientConnection:
             settings = TargetSettings.from_role(connection.target())
-            return await connect_target(settings, connection.name, lambda: TargetWatch(self), dialer=dialer)
+            # held at once: an error (or a kill) before ``start`` returns closes it
+            self.target = await connect_target(settings, connection.name, lambda: TargetWatch(self), dialer=dialer)
+            return self.target
 
         try:
             self.run = run = await self.pipeline.start(grant, self.client_ip, dial=dial, unreachable=(TargetError,),
@@ -249,7 +251,6 @@ class GatewayConnection(asyncssh.SSHServer):
         except GatewayClosing as exc:
             self.failure = str(exc)
             return
-        self.target = run.target
         if self.gone or run.ended:  # the client left (connection_lost left this to us) or a kill came meanwhile
             await self._finish()
 
