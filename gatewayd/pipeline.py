@@ -184,7 +184,12 @@ class SessionPipeline:
                 if drop is not None and target is not None:
                     drop(target)
                 raise
-        return await self._arm(live, target, on_kill, observe, client_ip)
+        try:
+            return await self._arm(live, target, on_kill, observe, client_ip)
+        except BaseException:
+            if drop is not None and target is not None:
+                drop(target)
+            raise
 
     async def resume(self, grant: AccessGrant, client_ip: str = "", *,
                      on_kill: KillCallback | None = None) -> SessionRun[None] | None:

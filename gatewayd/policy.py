@@ -103,9 +103,13 @@ class SessionPolicy:
             self.recorder.input(data)
 
     def record_output(self, data: bytes | str) -> None:
-        """Record output checked by ``check_output`` (or that no rule reads: an SSH channel's stderr)."""
+        """Record output checked by ``check_output`` (or that no rule reads: the lines an observer assembled)."""
         if not self.recorder.truncated:
             self.recorder.output(data)
+
+    def describe(self, name: str, value: Any) -> None:
+        """Describe the recording (its metrics, e.g. an SSH terminal's size), once: a first value is kept."""
+        self.recorder.metrics.setdefault(name, value)
 
     def error(self, message: bytes | str) -> None:
         """An ``e`` event: a refusal, a target error, how a channel ended."""

@@ -471,9 +471,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
 
     def pty_requested(self, term_type: str, term_size: tuple[int, int, int, int], term_modes: Any) -> bool:
         self.pty = True
-        metrics = self.policy.recorder.metrics  # the recording's description, not an event
-        if "terminal" not in metrics:
-            metrics["terminal"] = {"type": term_type, "width": term_size[0], "height": term_size[1]}
+        self.policy.describe("terminal", {"type": term_type, "width": term_size[0], "height": term_size[1]})
         return True
 
     def shell_requested(self) -> bool:
