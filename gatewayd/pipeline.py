@@ -101,6 +101,10 @@ class SessionRun(Generic[T]):
         """Status done with ``exit_code``, an ``e`` event when ``error``; idempotent."""
         await self.live.close(exit_code=exit_code, error=error)
 
+    async def kill(self, reason: str) -> None:
+        """End it from the gateway side (a credential revoked meanwhile): ``on_kill``, then 254 and ``reason``."""
+        await self.live.kill(reason)
+
     async def __aenter__(self) -> SessionRun[T]:
         return self
 
@@ -196,7 +200,8 @@ class SessionPipeline:
         """HTTP's one session per credential: the live one, or claimed now; None once it is done.
 
         The run's policy holds the rules of the moment: a proxy that keeps the session across
-        requests asks ``policy_for`` per request.
+        requests asks ``policy_for`` per request.  ``on_kill`` replaces the one of an earlier
+        resume (a listener started again takes over its live sessions).
         """
         live = self.sessions.live.get(grant.credential.session_id)
         fresh = live is None
@@ -206,6 +211,8 @@ class SessionPipeline:
                 return None
         assert live is not None
         if not fresh:
+            if on_kill is not None:
+                live.on_kill(on_kill)
             return SessionRun(live, await self.policy_for(live, client_ip), None)
         return await self._arm(live, None, on_kill, False, client_ip)
 

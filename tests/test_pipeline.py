@@ -142,6 +142,21 @@ async def test_a_kill_reaches_the_proxy_and_ends_the_session_with_its_reason(cor
     assert await events_of(core, run.id) == [("e", b"killed by the test")]
 
 
+async def test_resume_hands_the_live_session_to_the_latest_kill_callback(core):
+    """HTTP's one session per credential: a listener started again resumes the live session and takes over its kill."""
+    grant = await grant_for(core, 1)
+    before, after = [], []
+    run = await core.pipeline.resume(grant, "127.0.0.9", on_kill=before.append)
+    again = await core.pipeline.resume(grant, "127.0.0.9", on_kill=after.append)
+    assert again.live is run.live
+    await again.kill("credential revoked: the session was closed")
+    assert before == [] and after == ["credential revoked: the session was closed"] and run.ended
+    assert await core.pipeline.resume(grant) is None  # done: the credential has no session any more
+    session = await core.store.get_session(run.id)
+    assert session.exit_code == BLOCKED_EXIT_CODE
+    assert await events_of(core, run.id) == [("e", b"credential revoked: the session was closed")]
+
+
 async def test_background_task_failures_are_logged_not_lost(caplog):
     tasks = BackgroundTasks("test-owner", session_id="s1")
 

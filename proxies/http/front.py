@@ -32,6 +32,8 @@ from aiohttp.streams import EMPTY_PAYLOAD
 from aiohttp.tcp_helpers import tcp_keepalive
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from gatewayd.tasks import BackgroundTasks
+
 log = logging.getLogger("gatewayd.http")
 
 KEEPALIVE_SECONDS = 75.0  # aiohttp's default: an idle keep-alive connection is closed after this
@@ -178,6 +180,7 @@ class Front:
         self.handler = handler
         self.fallback = fallback
         self.connections: set[FrontProtocol] = set()
+        self.runners = BackgroundTasks("http front")  # each connection's task serving its requests
         self.closing = False
         self._sweeper: asyncio.TimerHandle | None = None
 
@@ -282,7 +285,7 @@ class FrontProtocol(asyncio.Protocol):
         if self._next is not None:
             self._next.set_result(request)
         else:
-            self.runner = self._loop.create_task(self._run(request))
+            self.runner = self.front.runners.spawn(self._run(request))
 
     # -- serving
 

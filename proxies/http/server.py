@@ -1,10 +1,11 @@
 """The HTTP proxy listener: aiohttp server in front, a pooled aiohttp client to each role's ``REMOTE_URL``.
 
 Per request: find the credential (header, cookie or first path segment), map
-it to its live session (``CredentialState``, cached per secret hash), check
-the input guard rails, stream the request to the target and the answer back,
-and record both. The pure rules (headers, cookies, redirects, recording
-text) live in ``messages.py``.
+it to its live session (``CredentialState``, cached per secret hash: the
+pipeline's ``resume``, one session per credential), take the session's policy
+chain under the rules of the moment, check the input guard rails, stream the
+request to the target and the answer back, and record both. The pure rules
+(headers, cookies, redirects, recording text) live in ``messages.py``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import aiohttp
 from aiohttp import WSMsgType, web
@@ -21,11 +22,10 @@ from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict
 from yarl import URL
 
-from gatewayd.access import AccessDenied
 from gatewayd.crypto import hash_secret
 from gatewayd.guardrails import AUDIT_INPUT_CHARS
 from gatewayd.models import parse_time
-from gatewayd.sessions import BLOCKED_EXIT_CODE
+from gatewayd.pipeline import BLOCKED_EXIT_CODE, AccessDenied, GatewayClosing, ProxyContext, SessionRun
 from proxies.http.front import Front, FrontRequest, FrontStream
 from proxies.http.messages import (
     CredentialSource,
@@ -53,9 +53,8 @@ from proxies.http.upstream import DialerConnector, UpstreamError, UpstreamPool, 
 
 if TYPE_CHECKING:
     from gatewayd.access import AccessGrant
-    from gatewayd.daemon import Gateway
-    from gatewayd.guardrails import GuardVerdict, RuleSet
-    from gatewayd.sessions import LiveSession
+    from gatewayd.guardrails import GuardVerdict
+    from gatewayd.policy import SessionPolicy
 
 log = logging.getLogger("gatewayd.http")
 
@@ -85,13 +84,13 @@ class CredentialState:
     """One credential's live session and target, shared by every request that presents it."""
 
     grant: AccessGrant
-    live: LiveSession
+    run: SessionRun[None]  # the credential's one session (its ``policy`` is taken anew per request)
     target: TargetUrl
     insecure: bool
     expires: float  # time.time() of the credential's expiry
     fresh_until: float  # time.monotonic() until which the grant is not re-checked
     closed: str | None = None
-    tasks: set[asyncio.Task[object]] = field(default_factory=set)
+    in_flight: set[asyncio.Task[object]] = field(default_factory=set)  # what a kill cuts (see ``_in_flight``)
     label: str = ""  # the connection's app host label (``Connection.app_label``, computed once)
 
 
@@ -111,19 +110,19 @@ def refusal(request: web.BaseRequest | FrontRequest, status: int, message: str,
 class HttpListener:
     """A started HTTP proxy listener; ``close`` stops it (and its pooled target connections)."""
 
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
-        config = gateway.config
-        self.record_cap: int = config["http.record_body_bytes"]
-        self.guard_cap: int = config["http.guard_body_bytes"]
-        self.recheck: float = config["http.credential_recheck"]
-        self.apps_domain: str = config["http.apps_domain"]  # "": one shared origin for every connection
+    def __init__(self, context: ProxyContext) -> None:
+        self.pipeline = context.pipeline
+        settings = context.settings
+        self.record_cap: int = settings["record_body_bytes"]
+        self.guard_cap: int = settings["guard_body_bytes"]
+        self.recheck: float = settings["credential_recheck"]
+        self.apps_domain: str = settings["apps_domain"]  # "": one shared origin for every connection
         self.states: dict[str, CredentialState] = {}  # by secret hash
         self._fresh: dict[str, CredentialState] = {}  # by secret: the per-request fast path, no hashing
         self._locks: dict[str, _KeyLock] = {}  # by secret hash, only while a request resolves it
-        self.pool = UpstreamPool(gateway.dialer)
+        self.pool = UpstreamPool(self.pipeline.dialer)
         self.client = aiohttp.ClientSession(  # websockets only
-            connector=DialerConnector(gateway.dialer, limit=0, ttl_dns_cache=60, keepalive_timeout=30),
+            connector=DialerConnector(self.pipeline.dialer, limit=0, ttl_dns_cache=60, keepalive_timeout=30),
             auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
             skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=15), read_bufsize=256 * 1024,
@@ -153,12 +152,15 @@ class HttpListener:
     async def _refuse(self, secret: str, client_ip: str) -> None:
         """Audit a refusal the cache decided (resolve audits the ones it decides itself)."""
         try:
-            await self.gateway.access.resolve(secret, PROTOCOL, client_ip)
+            await self.pipeline.admit(secret, PROTOCOL, client_ip)
         except AccessDenied:
             pass
 
     async def state_for(self, secret: str, client_ip: str) -> CredentialState:
-        """The credential's state: from the cache, or resolved (and its session claimed) now."""
+        """The credential's state: from the cache, or resolved (and its session claimed) now.
+
+        Raises Refused, or GatewayClosing when its session would be claimed while the gateway shuts down.
+        """
         state = self._fresh.get(secret)
         if state is not None:
             if state.closed is None and time.time() < state.expires and time.monotonic() < state.fresh_until:
@@ -187,17 +189,23 @@ class HttpListener:
         if state is not None and time.time() < state.expires and time.monotonic() < state.fresh_until:
             return state  # another request re-checked it while this one waited
         try:
-            grant = await self.gateway.access.resolve(secret, PROTOCOL, client_ip, audit_success=state is None)
+            grant = await self.pipeline.admit(secret, PROTOCOL, client_ip, audit_success=state is None)
         except AccessDenied as exc:
             if state is not None:  # revoked or expired since: the session ends with it
-                await state.live.kill(f"{exc}: the session was closed")
+                await state.run.kill(f"{exc}: the session was closed")
             raise Refused(str(exc)) from None
         if state is not None:
             state.fresh_until = time.monotonic() + self.recheck
             return state
         self._prune()
-        live = await self.gateway.sessions.resume(grant.user, grant.connection, grant.credential, client_ip)
-        if live is None:
+        created: list[CredentialState] = []  # the state made below, for the kill callback
+
+        def killed(reason: str) -> None:
+            if created:
+                self._killed(created[0], reason)
+
+        run = await self.pipeline.resume(grant, client_ip, on_kill=killed)
+        if run is None:
             message = "the session of this credential was closed"
             await self._audit_refusal(grant, message, client_ip)
             raise Refused(message)
@@ -205,20 +213,22 @@ class HttpListener:
         try:
             target = TargetUrl.parse(settings.get("REMOTE_URL", ""))
         except ValueError as exc:
-            await live.close(exit_code=BLOCKED_EXIT_CODE, error=f'connection "{grant.connection.name}": {exc}')
+            await run.close(exit_code=BLOCKED_EXIT_CODE, error=f'connection "{grant.connection.name}": {exc}')
             raise Misconfigured(f'connection "{grant.connection.name}" is misconfigured: {exc}') from None
         expires = parse_time(grant.credential.expire_at)
         state = CredentialState(
-            grant, live, target, settings.get("INSECURE", "").strip().lower() in ("1", "true", "yes", "on"),
+            grant, run, target, settings.get("INSECURE", "").strip().lower() in ("1", "true", "yes", "on"),
             expires.timestamp() if expires else float("inf"), time.monotonic() + self.recheck,
             label=grant.connection.app_label)
-        live.on_kill(lambda reason: self._killed(state, reason))
+        created.append(state)
+        if run.ended:  # killed while it was being resumed
+            self._killed(state, run.end_reason or "the session of this credential was closed")
         self.states[key] = state
         return state
 
     async def _audit_refusal(self, grant: AccessGrant, message: str, client_ip: str) -> None:
         """A refusal of a credential that is valid in itself (its session is closed)."""
-        await self.gateway.access.refused(grant, PROTOCOL, message, client_ip)
+        await self.pipeline.refuse(grant, PROTOCOL, message, client_ip)
 
     def _prune(self) -> None:
         """Forget states whose credential expired a while ago (their sessions are closed)."""
@@ -232,7 +242,7 @@ class HttpListener:
     def _killed(self, state: CredentialState, reason: str) -> None:
         """The session ended from the gateway side: refuse what comes next, cut what is in flight."""
         state.closed = reason if "session was closed" in reason else f"the session was closed: {reason}"
-        for task in list(state.tasks):
+        for task in list(state.in_flight):
             task.cancel()
 
     # -- requests
@@ -249,13 +259,16 @@ class HttpListener:
             state = await self.state_for(presented.secret, client_ip)
         except Refused as exc:
             return refusal(request, exc.status, str(exc))
+        except GatewayClosing:
+            return refusal(request, 503, "the gateway is shutting down: no new session is opened")
+        policy = await self.pipeline.policy_for(state.run.live, client_ip)  # the rules as they are now
         label = app_host_label(request.host, self.apps_domain)
         if presented.source == CredentialSource.PATH:
             if self.apps_domain and label != state.label:  # each app on its own origin
                 origin = app_origin(state.label, self.apps_domain, request.scheme, request.host)
                 return _redirect(f"{origin}/{presented.secret}{presented.rest_path}")
             if label is None:
-                switched = await self._switch_refused(request, presented.secret, state, client_ip)
+                switched = await self._switch_refused(request, presented.secret, state, policy, client_ip)
                 if switched is not None:
                     return switched
             response = _redirect(presented.rest_path)
@@ -264,34 +277,36 @@ class HttpListener:
             return response
         if label is not None:
             if label != state.label:
-                return self._misdirected(request, state)
+                return self._misdirected(request, state, policy)
             if presented.source == CredentialSource.COOKIE and from_another_app(
                     label, self.apps_domain, request.method, headers.get("Origin"), headers.get("Sec-Fetch-Site"),
                     headers.get("Sec-Fetch-Mode")):
-                return self._from_another_app(request, state)
+                return self._from_another_app(request, state, policy)
         if state.target.base_path and has_dot_segments(request.raw_path):
-            state.live.recorder.error(f"refused a path with '..' segments: {scrub(request.raw_path)}")
+            policy.error(f"refused a path with '..' segments: {scrub(request.raw_path)}")
             return json_error(400, "a path with '..' segments is refused: it could leave the target's base path")
         if "Upgrade" in headers and is_websocket_upgrade(headers.items()):
             with _in_flight(state):
-                return await self._websocket(request, state, presented.source, client_ip)
-        return await self._forward(request, state, presented.source, client_ip)
+                return await self._websocket(request, state, policy, presented.source, client_ip)
+        return await self._forward(request, state, policy, presented.source, client_ip)
 
-    def _misdirected(self, request: web.BaseRequest | FrontRequest, state: CredentialState) -> web.Response:
+    def _misdirected(self, request: web.BaseRequest | FrontRequest, state: CredentialState,
+                     policy: SessionPolicy) -> web.Response:
         """A credential on another connection's app host: refused, never forwarded (403 and an ``e`` event)."""
         connection = state.grant.connection
         own = app_origin(state.label, self.apps_domain, request.scheme, request.host)
         message = (f"{scrub(request.host)} is the address of another app than this credential's connection "
                    f'"{connection.name}" (its address is {own}/): each connection has its own address so that '
                    f"apps open in one browser never reach each other")
-        state.live.recorder.error(f"refused {request.method} {scrub(request.raw_path)}: sent to "
+        policy.error(f"refused {request.method} {scrub(request.raw_path)}: sent to "
                                   f"{scrub(request.host)}, the address of another connection than this one")
         return refusal(request, 403, message, own + "/", "Wrong address for this app")
 
-    def _from_another_app(self, request: web.BaseRequest | FrontRequest, state: CredentialState) -> web.Response:
+    def _from_another_app(self, request: web.BaseRequest | FrontRequest, state: CredentialState,
+                          policy: SessionPolicy) -> web.Response:
         """A request another app's page made with this app's cookie: refused, never forwarded (403, ``e`` event)."""
         sender = scrub(request.headers.get("Origin") or "a page of another site")
-        state.live.recorder.error(f"refused {request.method} {scrub(request.raw_path)}: sent by {sender}, "
+        policy.error(f"refused {request.method} {scrub(request.raw_path)}: sent by {sender}, "
                                   f"not by a page of this app")
         return refusal(request, 403, f'this request to connection "{state.grant.connection.name}" came from '
                                      f"{sender}, not from one of its own pages: one app's pages never reach "
@@ -299,7 +314,7 @@ class HttpListener:
                        title="Refused: a request from another app")
 
     async def _switch_refused(self, request: web.BaseRequest | FrontRequest, secret: str, state: CredentialState,
-                              client_ip: str) -> web.Response | None:
+                              policy: SessionPolicy, client_ip: str) -> web.Response | None:
         """On the shared origin (``http.apps_domain`` empty): opening an app while the browser's cookie holds
         another connection's live credential is refused, since the first app's open pages would reach this one."""
         held = extract_credential(None, request.headers.get("Cookie"), "/")
@@ -307,14 +322,14 @@ class HttpListener:
             return None
         try:
             other = await self.state_for(held.secret, client_ip)
-        except Refused:
+        except (Refused, GatewayClosing):
             return None  # the credential held is over: its pages reach nothing anyway
         first, second = other.grant.connection, state.grant.connection
         if first.id == second.id:
             return None
         until = (time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(other.expires)) if other.expires != float("inf")
                  else "it ends")
-        state.live.recorder.error(f'refused to open "{second.name}" in a browser that has "{first.name}" open '
+        policy.error(f'refused to open "{second.name}" in a browser that has "{first.name}" open '
                                   f"on the same address")
         return refusal(request, 409, f'connection "{first.name}" is open in this browser at this address until '
                                      f'{until}; opening "{second.name}" here too would send the open pages of '
@@ -322,50 +337,47 @@ class HttpListener:
                                      f"browser, or once the first access ends; the gateway's operator can give each "
                                      f"connection its own address (setting http.apps_domain).")
 
-    async def _blocked(self, state: CredentialState, verdict: GuardVerdict, client_ip: str,
-                       recorded: bytes = b"") -> web.Response:
+    async def _blocked(self, policy: SessionPolicy, verdict: GuardVerdict, recorded: bytes = b"") -> web.Response:
         """403 for a block; ``recorded``: the blocked request as recorded (credential headers redacted),
         which the audit entry names instead of the text the rules read."""
         if recorded:
             verdict = replace(verdict, text=recorded[:AUDIT_INPUT_CHARS * 4].decode("utf-8", "replace")
                               [:AUDIT_INPUT_CHARS])
-        await state.live.blocked(verdict, client_ip)
+        await policy.blocked(verdict)
         return json_error(403, verdict.message, **{"X-Gateway-Guardrails": "blocked"})
 
-    async def _unreachable(self, state: CredentialState, detail: str, what: str = "is unreachable") -> web.Response:
-        """502 and an ``e`` event; the message names the target's host and port, never its URL."""
+    def _unreachable(self, state: CredentialState, policy: SessionPolicy, detail: str,
+                     what: str = "is unreachable") -> web.Response:
+        """502 and an ``e`` event; the message names the target's host and port, never its URL.
+
+        The session stays open: the credential's next request may find the target again.
+        """
         message = f'the target of connection "{state.grant.connection.name}" ({state.target.where}) {what}: {detail}'
-        state.live.recorder.error(message)
+        policy.error(message)
         log.info("http target unreachable", extra={"connection": state.grant.connection.name,
                                                    "target": state.target.where})
         return json_error(502, message)
 
-    def _client_broke_off(self, state: CredentialState, first_line: str, exc: BaseException | None) -> web.Response:
+    def _client_broke_off(self, policy: SessionPolicy, first_line: str, exc: BaseException | None) -> web.Response:
         """The client's request body ended early or was malformed: recorded, answered 400 (if anyone listens)."""
         reason = getattr(exc, "message", None) or type(exc).__name__
-        state.live.recorder.error(f"the client broke off the request body of {scrub(first_line)} ({reason})")
+        policy.error(f"the client broke off the request body of {scrub(first_line)} ({reason})")
         return json_error(400, f"the request body could not be read ({reason})")
 
-    async def _forward(self, request: web.BaseRequest | FrontRequest, state: CredentialState, source: str,
-                       client_ip: str) -> web.StreamResponse | FrontStream | bytes:
-        live = state.live
-        recorder = live.recorder
-        connection = state.grant.connection
-        rules = self.gateway.guardrails.cached(connection.id)
-        if rules is None:
-            rules = await self.gateway.guardrails.rules_for(connection.org_id, connection.id)
+    async def _forward(self, request: web.BaseRequest | FrontRequest, state: CredentialState, policy: SessionPolicy,
+                       source: str, client_ip: str) -> web.StreamResponse | FrontStream | bytes:
         headers = request.headers
         method = request.method
         raw_path = request.raw_path
         version = request.version
         first_line = f"{method} {raw_path} HTTP/{version.major}.{version.minor}"
         up_headers = upstream_request_headers(headers.items(), source, client_ip, "http", request.host)
-        if rules.input_rules:
-            verdict = rules.check_input(guard_text(first_line, up_headers))
-            if not verdict.allowed:
+        if policy.checks_input:
+            verdict = policy.check_input(guard_text(first_line, up_headers))
+            if verdict is not None:
                 head = head_bytes(first_line, headers.items())
-                recorder.input(head)
-                return await self._blocked(state, verdict, client_ip, head)
+                policy.record_input(head)  # blocked or not: what was sent is on the record
+                return await self._blocked(policy, verdict, head)
 
         # the request body: a bounded prefix is read first (recording, guard rails), the rest streams
         data: bytes | AsyncIterator[bytes] | None = None
@@ -378,18 +390,18 @@ class HttpListener:
         if request.body_exists:
             if headers.get("Expect", "").lower() == "100-continue":
                 await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            guarded = bool(rules.input_rules) and is_text(headers.get("Content-Type"))
+            guarded = policy.checks_input and is_text(headers.get("Content-Type"))
             try:
                 body, complete = await _read_prefix(request.content, max(self.record_cap, self.guard_cap)
                                                     if guarded else self.record_cap)
             except (ConnectionError, HttpProcessingError, aiohttp.ClientError) as exc:
-                return self._client_broke_off(state, first_line, exc)
+                return self._client_broke_off(policy, first_line, exc)
             if guarded:
-                verdict = rules.check_input(guard_text(first_line, up_headers, body[:self.guard_cap]))
-                if not verdict.allowed:
+                verdict = policy.check_input(guard_text(first_line, up_headers, body[:self.guard_cap]))
+                if verdict is not None:
                     recorded = head_bytes(first_line, headers.items()) + body[:self.record_cap]
-                    recorder.input(recorded)
-                    return await self._blocked(state, verdict, client_ip, recorded)
+                    policy.record_input(recorded)
+                    return await self._blocked(policy, verdict, recorded)
             if complete:
                 data = body
                 if total is None:  # a chunked upload that fitted in the prefix: sent with its length
@@ -398,7 +410,7 @@ class HttpListener:
                 data = _chain(body, request.content)
                 chunked = total is None
         recorded_body = body[:self.record_cap]
-        recorder.input(head_bytes(first_line, headers.items()) + recorded_body
+        policy.record_input(head_bytes(first_line, headers.items()) + recorded_body
                        + body_note(len(recorded_body), total if total is not None else
                                    (len(body) if complete else None), complete).encode())
 
@@ -408,21 +420,19 @@ class HttpListener:
                 target.scheme, target.host, target.port, state.insecure,
                 request_head(method, target, raw_path, up_headers, chunked), data, chunked, method == "HEAD")
         except UpstreamError as exc:
-            return await self._unreachable(state, str(exc))
+            return self._unreachable(state, policy, str(exc))
         except RequestBodyError as exc:
-            return self._client_broke_off(state, first_line, exc.__cause__)
+            return self._client_broke_off(policy, first_line, exc.__cause__)
         except HttpProcessingError as exc:
             reason = (exc.message or type(exc).__name__).splitlines()[0][:80]  # never the target's bytes at length
-            return await self._unreachable(state, f"malformed response ({reason!r})", "answered badly")
+            return self._unreachable(state, policy, f"malformed response ({reason!r})", "answered badly")
         try:
-            return await self._respond(request, state, upstream, rules, client_ip)
+            return await self._respond(request, state, policy, upstream)
         finally:
             upstream.release()
 
-    async def _respond(self, request: web.BaseRequest | FrontRequest, state: CredentialState,
-                       upstream: UpstreamResponse, rules: RuleSet,
-                       client_ip: str) -> web.StreamResponse | FrontStream | bytes:
-        recorder = state.live.recorder
+    async def _respond(self, request: web.BaseRequest | FrontRequest, state: CredentialState, policy: SessionPolicy,
+                       upstream: UpstreamResponse) -> web.StreamResponse | FrontStream | bytes:
         message = upstream.message
         up_headers = message.headers
         status = message.code
@@ -431,7 +441,7 @@ class HttpListener:
                                                f"{request.scheme}://{request.host}")
         status_line = f"HTTP/{message.version.major}.{message.version.minor} {status} {message.reason}"
         head = head_bytes(status_line, up_headers.items())
-        text = bool(rules.output_rules) and is_text(content_type)
+        text = policy.checks_output and is_text(content_type)
         sse = content_type is not None and is_event_stream(content_type)
         length_header = up_headers.get("Content-Length")
         length = int(length_header) if length_header is not None and length_header.isdigit() else None
@@ -442,11 +452,11 @@ class HttpListener:
                 content = upstream.content
                 body = b"" if no_body else content.read_nowait() if content.is_eof() else await content.read()
                 if text and body:
-                    verdict = rules.check_output(body[:self.guard_cap].decode("utf-8", "replace"))
-                    if not verdict.allowed:
-                        return await self._blocked(state, verdict, client_ip)
+                    verdict = policy.check_output(body[:self.guard_cap].decode("utf-8", "replace"))
+                    if verdict is not None:
+                        return await self._blocked(policy, verdict)
                 recorded = body[:self.record_cap]
-                recorder.output(head + recorded + body_note(len(recorded), len(body), True).encode())
+                policy.record_output(head + recorded + body_note(len(recorded), len(body), True).encode())
                 if isinstance(request, FrontRequest):
                     return request.answer(status, message.reason, out_list, body, length if no_body else None)
                 response = web.Response(status=status, reason=message.reason, headers=CIMultiDict(out_list),
@@ -459,22 +469,21 @@ class HttpListener:
             eof = False
             if text and not sse:
                 prefix, eof = await _read_prefix(upstream.content, self.guard_cap)
-                verdict = rules.check_output(prefix[:self.guard_cap].decode("utf-8", "replace"))
-                if not verdict.allowed:
-                    return await self._blocked(state, verdict, client_ip)
+                verdict = policy.check_output(prefix[:self.guard_cap].decode("utf-8", "replace"))
+                if verdict is not None:
+                    return await self._blocked(policy, verdict)
         except _CLIENT_ERRORS as exc:
-            return await self._unreachable(state, f"it broke off the response ({type(exc).__name__})",
+            return self._unreachable(state, policy, f"it broke off the response ({type(exc).__name__})",
                                            "answered badly")
 
         with _in_flight(state):
-            return await self._stream(request, state, upstream, CIMultiDict(out_list), head, length, prefix, eof,
-                                      sse and text, rules, client_ip)
+            return await self._stream(request, policy, upstream, CIMultiDict(out_list), head, length, prefix, eof,
+                                      sse and text)
 
-    async def _stream(self, request: web.BaseRequest | FrontRequest, state: CredentialState, upstream: UpstreamResponse,
+    async def _stream(self, request: web.BaseRequest | FrontRequest, policy: SessionPolicy, upstream: UpstreamResponse,
                       out_headers: CIMultiDict[str], head: bytes, length: int | None, prefix: bytes, eof: bool,
-                      check_chunks: bool, rules: RuleSet, client_ip: str) -> web.StreamResponse | FrontStream | bytes:
-        """Send a body as it arrives (a kill of the session cuts it)."""
-        recorder = state.live.recorder
+                      check_chunks: bool) -> web.StreamResponse | FrontStream | bytes:
+        """Send a body as it arrives (a kill of the session cuts it); recorded in one piece when it ends."""
         message = upstream.message
         response: web.StreamResponse | FrontStream
         if isinstance(request, FrontRequest):
@@ -497,10 +506,10 @@ class HttpListener:
                         continue
                     if check_chunks:  # with the end of the previous piece: a match may straddle two
                         text = chunk.decode("utf-8", "replace")
-                        verdict = rules.check_output(overlap + text)
+                        verdict = policy.check_output(overlap + text)
                         overlap = text[-STREAM_OVERLAP:]
-                        if not verdict.allowed:
-                            await state.live.blocked(verdict, client_ip)
+                        if verdict is not None:
+                            await policy.blocked(verdict)
                             error = "output blocked mid-stream: the connection was cut"
                             break
                     await response.write(chunk)
@@ -515,33 +524,28 @@ class HttpListener:
             error = f"the target broke off the response ({type(exc).__name__})"
         finally:
             complete = error is None and (length is None or sent >= length)
-            recorder.output(head + bytes(kept) + body_note(len(kept), sent if length is None else length,
+            policy.record_output(head + bytes(kept) + body_note(len(kept), sent if length is None else length,
                                                            complete).encode())
         if error is not None:
-            recorder.error(error)
+            policy.error(error)
             upstream.close()
             if request.transport is not None:
                 request.transport.close()
-        await recorder.drain()
+        await policy.drain()
         return response
 
     # -- websockets
 
-    async def _websocket(self, request: web.BaseRequest, state: CredentialState, source: str,
+    async def _websocket(self, request: web.BaseRequest, state: CredentialState, policy: SessionPolicy, source: str,
                          client_ip: str) -> web.StreamResponse:
-        recorder = state.live.recorder
-        connection = state.grant.connection
-        rules = await self.gateway.guardrails.rules_for(connection.org_id, connection.id)
+        """Relay a websocket; its messages are ``i``/``o`` under the rules of its upgrade request."""
         headers = request.headers
         first_line = f"{request.method} {request.raw_path} HTTP/1.1"
         up_headers = [(k, v) for k, v in upstream_request_headers(headers.items(), source, client_ip, "http",
                                                                   request.host) if k.lower() not in _WS_HEADERS]
         head = head_bytes(first_line, headers.items())
-        recorder.input(head)
-        if rules.input_rules:
-            verdict = rules.check_input(guard_text(first_line, up_headers))
-            if not verdict.allowed:
-                return await self._blocked(state, verdict, client_ip, head)
+        if verdict := policy.input(head, guard_text(first_line, up_headers)):
+            return await self._blocked(policy, verdict, head)
         protocols = [p.strip() for p in headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()]
         url = state.target.url_for(request.raw_path)
         url = "ws" + url[4:] if url.startswith("http") else url
@@ -552,46 +556,39 @@ class HttpListener:
                                                     autoping=True)
         except aiohttp.WSServerHandshakeError as exc:
             message = f"the target refused the websocket upgrade ({exc.status})"
-            recorder.error(message)
+            policy.error(message)
             return json_error(502, message)
         except _CLIENT_ERRORS as exc:
             detail = str(exc) if isinstance(exc, aiohttp.ClientConnectorError) else type(exc).__name__
-            return await self._unreachable(state, detail.replace(state.target.origin, state.target.where))
+            return self._unreachable(state, policy, detail.replace(state.target.origin, state.target.where))
         downstream = web.WebSocketResponse(protocols=[upstream.protocol] if upstream.protocol else (),
                                            max_msg_size=0, autoping=True)
         try:
             await downstream.prepare(request)
             chosen = f", {upstream.protocol}" if upstream.protocol else ""
-            recorder.output(f"HTTP/1.1 101 Switching Protocols (websocket{chosen})\r\n")
+            policy.record_output(f"HTTP/1.1 101 Switching Protocols (websocket{chosen})\r\n")
             closing: dict[str, tuple[int, str]] = {}
 
             async def pump(source_ws: web.WebSocketResponse | aiohttp.ClientWebSocketResponse,
                            sink: web.WebSocketResponse | aiohttp.ClientWebSocketResponse, inbound: bool) -> None:
-                record = recorder.input if inbound else recorder.output
-                check = rules.check_input if inbound else rules.check_output
-                has_rules = bool(rules.input_rules if inbound else rules.output_rules)
+                report = policy.input if inbound else policy.output  # a blocked input message is on the record
+                record = policy.record_input if inbound else policy.record_output
                 async for message in source_ws:
                     if message.type == WSMsgType.TEXT:
-                        if inbound:  # a blocked message is on the record too (i, then the block's e)
-                            record(message.data)
-                        if has_rules:
-                            verdict = check(message.data)
-                            if not verdict.allowed:
-                                await state.live.blocked(verdict, client_ip)
-                                closing["blocked"] = (1008, verdict.message[:120])
-                                return
-                        if not inbound:
-                            record(message.data)
+                        if verdict := report(message.data):
+                            await policy.blocked(verdict)
+                            closing["blocked"] = (1008, verdict.message[:120])
+                            return
                         await sink.send_str(message.data)
                     elif message.type == WSMsgType.BINARY:
                         record(message.data)
                         await sink.send_bytes(message.data)
                     elif message.type in (WSMsgType.ERROR, WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
                         break
-                    await recorder.drain()
+                    await policy.drain()
 
-            tasks = [asyncio.ensure_future(pump(downstream, upstream, True)),
-                     asyncio.ensure_future(pump(upstream, downstream, False))]
+            tasks = [asyncio.create_task(pump(downstream, upstream, True)),  # both awaited below
+                     asyncio.create_task(pump(upstream, downstream, False))]
             try:
                 await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             finally:
@@ -630,10 +627,10 @@ class _in_flight:
         self.task = asyncio.current_task()
 
     def __enter__(self) -> None:
-        self.state.tasks.add(self.task)  # type: ignore[arg-type]
+        self.state.in_flight.add(self.task)  # type: ignore[arg-type]
 
     def __exit__(self, *exc: object) -> None:
-        self.state.tasks.discard(self.task)  # type: ignore[arg-type]
+        self.state.in_flight.discard(self.task)  # type: ignore[arg-type]
 
 
 async def _read_prefix(content: aiohttp.StreamReader, limit: int) -> tuple[bytes, bool]:
@@ -667,9 +664,10 @@ async def _chain(prefix: bytes, content: aiohttp.StreamReader) -> AsyncIterator[
         yield chunk
 
 
-async def start(gateway: Gateway, host: str, port: int) -> HttpListener:
+async def start(gateway: Any, host: str, port: int) -> HttpListener:
     """Listener factory registered as ``http``."""
-    listener = HttpListener(gateway)
+    context: ProxyContext = gateway.proxy_context("http")
+    listener = HttpListener(context)
     try:
         await listener.start(host, port)
     except BaseException:
