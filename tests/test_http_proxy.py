@@ -547,6 +547,30 @@ async def test_listener_stops_and_starts_live(api, gateway, client):
     assert session["status"] == "open" and has_event("i", "GET /echo/before")(session)
 
 
+async def test_a_kill_after_a_listener_restart_still_ends_the_credential(api, gateway, client):
+    """The restarted listener takes over the live session: a kill reaches it, and the credential is refused."""
+    connection = await api.role()
+    secret, session_id = await api.credential(connection)
+    headers = {"Authorization": secret}
+    async with client.get(f"{gateway.http_url}/echo/before", headers=headers) as response:
+        assert response.status == 200
+    status, document = await api("GET", "/serverconfig/misc")
+    address = document["http_proxy_server_config"]["listen_address"]
+    for listen in ("", address):  # stopped, then started again
+        document["http_proxy_server_config"]["listen_address"] = listen
+        status, body = await api("PUT", "/serverconfig/misc", document)
+        assert status == 200, body
+    async with client.get(f"{gateway.http_url}/echo/after", headers=headers) as response:
+        assert response.status == 200
+    status, body = await api("POST", f"/sessions/{session_id}/kill")
+    assert status == 200, body
+    async with client.get(f"{gateway.http_url}/echo/killed", headers=headers) as response:
+        assert response.status == 401
+        assert "session killed by admin@example.com" in (await response.json())["message"]
+    session = await api.session(session_id, lambda s: s["status"] == "done")
+    assert not has_event("i", "/echo/killed")(session)
+
+
 async def test_raw_targets_eof_bodies_and_silently_closed_connections(api, gateway, client):
     """A target that ends bodies by closing, or closes a kept-alive connection without saying so."""
     served: list[bytes] = []
