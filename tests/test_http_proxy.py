@@ -21,6 +21,10 @@ from typing import Any
 import aiohttp
 import pytest
 
+from gatewayd.config import load_config
+from gatewayd.daemon import Gateway
+from gatewayd.models import Connection, new_id, rfc3339, utcnow
+from proxies.http.server import start as start_http
 from tests.apiclient import Api, admin_http, b64, events
 from tests.conftest import ROOT, Daemon, free_port, proxy_daemon, wait_port
 from tests.httppeer import BLOCK, pattern_sha256
@@ -517,6 +521,34 @@ async def test_target_down_is_a_502_and_an_error_event(api, gateway, client):
     secret, _ = await api.credential(other)
     async with client.get(f"{gateway.http_url}/json", headers={"Authorization": secret}) as response:
         assert response.status == 200
+
+
+async def test_a_shutting_down_gateway_answers_503_and_claims_no_session(tmp_path, client):
+    """A listener on an in-process core (it needs only its ProxyContext): no session is opened while it closes."""
+    config = load_config(None, environ={}, overrides={"data_dir": str(tmp_path / "data")})
+    core = Gateway(config)
+    await core.open_core()
+    await core.recording.start()
+    port = free_port()
+    listener = await start_http(core, "127.0.0.1", port)
+    try:
+        org = await core.store.default_org()
+        user = await core.identity.ensure_local_user("ann@example.com", "Ann", ["admin"])
+        connection = Connection(id=new_id(), org_id=org.id, name="web", resource_name="web", type="httpproxy",
+                                subtype="httpproxy", secret={"envvar:REMOTE_URL": b64(f"http://127.0.0.1:{free_port()}")},
+                                created_at=rfc3339(utcnow()), updated_at=rfc3339(utcnow()))
+        await core.store.create_connection(connection)
+        issued = await core.access.issue(user, connection, 600)
+        await core.sessions.shutdown(0)
+        async with client.get(f"http://127.0.0.1:{port}/json", headers={"Authorization": issued.secret}) as response:
+            assert response.status == 503
+            assert "shutting down" in (await response.json())["message"]
+        session = await core.store.get_session(issued.credential.session_id)
+        assert session.status == "ready"
+    finally:
+        await listener.close()
+        await core.recording.stop()
+        await core.close_core()
 
 
 async def test_listener_stops_and_starts_live(api, gateway, client):
