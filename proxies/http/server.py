@@ -221,9 +221,12 @@ class HttpListener:
             expires.timestamp() if expires else float("inf"), time.monotonic() + self.recheck,
             label=grant.connection.app_label)
         created.append(state)
-        if run.ended:  # killed while it was being resumed
-            self._killed(state, run.end_reason or "the session of this credential was closed")
         self.states[key] = state
+        if run.ended:  # killed while it was being resumed: refused like any request after the kill
+            self._killed(state, run.end_reason or "the session of this credential was closed")
+            assert state.closed is not None
+            await self._audit_refusal(grant, state.closed, client_ip)
+            raise Refused(state.closed)
         return state
 
     async def _audit_refusal(self, grant: AccessGrant, message: str, client_ip: str) -> None:
@@ -411,8 +414,8 @@ class HttpListener:
                 chunked = total is None
         recorded_body = body[:self.record_cap]
         policy.record_input(head_bytes(first_line, headers.items()) + recorded_body
-                       + body_note(len(recorded_body), total if total is not None else
-                                   (len(body) if complete else None), complete).encode())
+                            + body_note(len(recorded_body), total if total is not None else
+                                        (len(body) if complete else None), complete).encode())
 
         target = state.target
         try:
@@ -525,7 +528,7 @@ class HttpListener:
         finally:
             complete = error is None and (length is None or sent >= length)
             policy.record_output(head + bytes(kept) + body_note(len(kept), sent if length is None else length,
-                                                           complete).encode())
+                                                                complete).encode())
         if error is not None:
             policy.error(error)
             upstream.close()
