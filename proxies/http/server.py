@@ -150,7 +150,7 @@ class HttpListener:
     # -- credentials
 
     async def _refuse(self, secret: str, client_ip: str) -> None:
-        """Audit a refusal the cache decided (resolve audits the ones it decides itself)."""
+        """Audit a refusal the listener decided (a missing credential) the way admit audits its own."""
         try:
             await self.pipeline.admit(secret, PROTOCOL, client_ip)
         except AccessDenied:
