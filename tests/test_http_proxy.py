@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -530,7 +531,8 @@ async def test_a_shutting_down_gateway_answers_503_and_claims_no_session(tmp_pat
     await core.open_core()
     await core.recording.start()
     port = free_port()
-    listener = await start_http(core, "127.0.0.1", port)
+    only_context = SimpleNamespace(proxy_context={"http": core.proxy_context("http")}.__getitem__)  # nothing else
+    listener = await start_http(only_context, "127.0.0.1", port)
     try:
         org = await core.store.default_org()
         user = await core.identity.ensure_local_user("ann@example.com", "Ann", ["admin"])
