@@ -342,7 +342,7 @@ async def jit_credentials(request: web.Request) -> web.Response:
     issued = await gateway.access.issue(user, connection, remaining, review_id=review.id, session=session,
                                         session_stored=True)
     if session.status == "ready":
-        await gateway.store.update_session(session.id, status="open", start_date=rfc3339(utcnow()))
+        await gateway.store.start_session(session.id, rfc3339(utcnow()))
     request[AUDIT_PAYLOAD] = {"session_id": session.id, "review_id": review.id, "connection": connection.name}
     cred = issued.credential
     return ok({

@@ -679,31 +679,46 @@ class ObservedRules:
 
 
 class GuardRailService:
-    """Compiled rule sets per connection, rebuilt only when a guard rail changes."""
+    """Compiled rule sets per connection, rebuilt only when a guard rail changes.
+
+    The cache holds for one store generation (``Store.guardrail_generation``, bumped with every
+    guard-rail change in the same transaction): ``rules_for`` reads it (one cheap query) and drops
+    the cache when it moved, so a rule changed by another process is seen by the next session.
+    ``invalidate`` drops it at once in this process (the API calls it after a change).
+    """
 
     def __init__(self, store: Store) -> None:
         self.store = store
         self._cache: dict[str, RuleSet] = {}
-        self._generation = 0  # bumped by invalidate: a load begun before it is not cached
+        self._stored: int | None = None  # the store generation the cache holds for
+        self._local = 0  # bumped by invalidate: a load begun before it is not cached
         self.observers: ObserverFactory | None = None  # set by the daemon: AI session analysis of native input
 
     def invalidate(self) -> None:
         """Called by the API after any guard rail create, update or delete."""
-        self._generation += 1
+        self._local += 1
         self._cache.clear()
 
     def cached(self, connection_id: str) -> RuleSet | None:
-        """The connection's rules when they are compiled already: a per-request path skips the await."""
+        """The connection's rules when they are compiled already: a per-request path skips the await.
+
+        As current as this process knows: a change made by another process shows at the next
+        ``rules_for``.
+        """
         return self._cache.get(connection_id)
 
     async def rules_for(self, org_id: str, connection_id: str,
                         live: "LiveSession | None" = None) -> RuleSet | ObservedRules:
         """The connection's rules; for a native ``live`` session whose input is observed, an ObservedRules."""
+        stored = await self.store.guardrail_generation()  # read before the rules: they are at least as new
+        if self._stored is None or stored > self._stored:  # (a slower concurrent read may see an older one)
+            self._cache.clear()
+            self._stored = stored
         rules = self._cache.get(connection_id)
         if rules is None:
-            generation = self._generation
+            local = self._local
             rules = RuleSet(await self.store.list_guardrails(org_id, connection_id))
-            if generation == self._generation:  # else a guard rail changed during the load: may be stale
+            if local == self._local and stored == self._stored:  # else a rail changed during the load
                 self._cache[connection_id] = rules
         if live is not None and self.observers is not None:
             observe = await self.observers(live)

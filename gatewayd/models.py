@@ -240,6 +240,9 @@ class Session:
     credential_id: str | None = None
     chain_head: str = CHAIN_GENESIS  # the hash of the recording's last stored batch (gatewayd.evidence)
     seal: str | None = None  # the gateway's signature over the chain head and closing fields, set at close
+    claimed_at: str | None = None  # when a connection claimed this issued session (Store.claim_session)
+    kill_requested_at: str | None = None  # when a kill was asked for (Store.request_kill), with its reason
+    kill_reason: str | None = None
 
 
 @dataclass(slots=True)

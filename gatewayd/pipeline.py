@@ -216,10 +216,15 @@ class SessionPipeline:
             return SessionRun(live, await self.policy_for(live, client_ip), None)
         return await self._arm(live, None, on_kill, False, client_ip)
 
-    async def policy_for(self, live: LiveSession, client_ip: str = "", *, observe: bool = False) -> SessionPolicy:
-        """The session's policy chain under its connection's rules as they are now."""
+    async def policy_for(self, live: LiveSession, client_ip: str = "", *, observe: bool = False,
+                         fresh: bool = False) -> SessionPolicy:
+        """The session's policy chain under its connection's rules as they are now.
+
+        ``fresh`` (a session starting): the rules as the store has them, whichever process changed
+        them last; else (per request) this process's compiled rules when it has them.
+        """
         connection = live.connection
-        rules = self.guardrails.cached(connection.id) if not observe else None
+        rules = self.guardrails.cached(connection.id) if not (observe or fresh) else None
         if rules is None:
             rules = await self.guardrails.rules_for(connection.org_id, connection.id,
                                                     live=live if observe else None)
@@ -237,7 +242,7 @@ class SessionPipeline:
         if on_kill is not None:
             live.on_kill(on_kill)
         try:
-            policy = await self.policy_for(live, client_ip, observe=observe)
+            policy = await self.policy_for(live, client_ip, observe=observe, fresh=True)
         except BaseException:
             await live.close(exit_code=BLOCKED_EXIT_CODE, error=INTERNAL_ERROR)
             raise

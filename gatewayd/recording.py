@@ -175,23 +175,22 @@ class RecordingService:
                             rec.untake(batch)
                     raise
 
-    async def close(self, recorder: SessionRecorder, **session_fields: Any) -> None:
-        """Flush a recorder's last events together with the session's final fields and its seal."""
+    async def close(self, recorder: SessionRecorder, *, end_date: str, exit_code: int | None) -> None:
+        """Flush a recorder's last events together with the session's end (status done) and its seal."""
         async with self._flush_lock:
             recorder.closed = True
             self._recorders.pop(recorder.session_id, None)
             batch = recorder.take_batch()
             recorder.metrics["event_size"] = recorder.recorded
             fields = {"event_size": recorder.recorded, "metrics": dict(recorder.metrics),
-                      "chain_head": recorder.chain_head, **session_fields}
-            fields["seal"] = self.sealer.sign(seal_statement(
-                recorder.session_id, recorder.chain_head, recorder.next_seq, recorder.recorded,
-                fields.get("exit_code"), fields.get("end_date")))
+                      "chain_head": recorder.chain_head}
+            seal = self.sealer.sign(seal_statement(
+                recorder.session_id, recorder.chain_head, recorder.next_seq, recorder.recorded, exit_code, end_date))
             if batch is None:
                 batch = EventBatch(recorder.session_id, recorder.next_seq, [], fields)
             else:
                 batch.session_fields.update(fields)
-            await self.store.append_events([batch])
+            await self.store.close_session(batch, end_date=end_date, exit_code=exit_code, seal=seal)
 
     async def verify(self, session: Session) -> Verification:
         """Whether ``session``'s stored recording is as it was written (hashing runs off the event loop)."""

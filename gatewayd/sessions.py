@@ -20,6 +20,10 @@ BLOCKED_EXIT_CODE = 254
 KillCallback = Callable[[str], Awaitable[None] | None]
 
 
+class SessionUnavailable(RuntimeError):
+    """A stored session asked to run cannot be claimed: it ran, ended or was killed already."""
+
+
 class GatewayClosing(RuntimeError):
     """The gateway is shutting down: no new session is opened (a proxy says so in its protocol's words)."""
 
@@ -107,7 +111,7 @@ class LiveSession:
         log.info("session closed", extra=self.log_fields(
             outcome="error" if error else "ok", exit_code=exit_code, reason=error or ""))
         try:
-            await self.manager.recording.close(self.recorder, status="done", end_date=rfc3339(utcnow()),
+            await self.manager.recording.close(self.recorder, end_date=rfc3339(utcnow()),
                                                exit_code=exit_code)
         except Exception:
             log.exception("could not close session", extra={"session_id": self.id})
@@ -137,7 +141,6 @@ class SessionManager:
         self.recording = recording
         self.audit = audit
         self.live: dict[str, LiveSession] = {}
-        self._claiming: set[str] = set()  # issued sessions a connection is claiming right now
         self.accepting = True
         self.tasks = BackgroundTasks("sessions")  # expiry kills
 
@@ -147,32 +150,22 @@ class SessionManager:
                    client_ip: str = "") -> LiveSession:
         """Open a session; a credential's first connection claims the session issued with it.
 
-        ``existing``: a stored ``ready`` session to run now (a reviewed one-time script).
+        ``existing``: a stored ``ready`` session to run now (a reviewed one-time script), claimed
+        here (``SessionUnavailable`` if it was claimed, ended or killed meanwhile).
         A session issued ``ready``, or moved to ``open`` when its jit credentials were handed out,
-        is claimed by the first connection that is not already running it.
+        is claimed by exactly one connection (``Store.claim_session``, atomic across processes);
+        the others open sessions of their own.
         """
         if not self.accepting:
             raise GatewayClosing()
-        session: Session | None = existing
+        session: Session | None = None
         if existing is not None:
-            existing.status = "open"
-            existing.start_date = rfc3339(utcnow())
-            await self.store.update_session(existing.id, status="open", start_date=existing.start_date)
+            session = await self.store.claim_session(existing.id, rfc3339(utcnow()))
+            if session is None:
+                raise SessionUnavailable(f"session {existing.id} was run, ended or killed already")
         claim = credential.session_id if credential is not None else None
-        if claim is not None and (claim in self.live or claim in self._claiming):
-            claim = None
-        if claim is not None and credential is not None:
-            self._claiming.add(claim)
-            try:
-                issued = await self.store.get_session(claim)
-                if issued is not None and (issued.status == "ready" or
-                                           issued.status == "open" and issued.end_date is None):
-                    issued.status = "open"
-                    issued.start_date = rfc3339(utcnow())
-                    await self.store.update_session(issued.id, status="open", start_date=issued.start_date)
-                    session = issued
-            finally:
-                self._claiming.discard(claim)
+        if session is None and claim is not None and claim not in self.live:
+            session = await self.store.claim_session(claim, rfc3339(utcnow()))
         if credential is not None:
             batch_id = batch_id or credential.id
         if session is None:
@@ -210,16 +203,22 @@ class SessionManager:
             max(delay, 0), lambda: self.tasks.spawn(live.kill("credential expired: the session was closed")))
 
     async def kill(self, session_id: str, reason: str) -> bool:
-        """End a live session; a stale ``open`` row (no live proxy) is closed too. True if it was running."""
+        """End a session; True if it was not done.
+
+        A session live here is killed here. Otherwise the kill is recorded on the row
+        (``Store.request_kill``: it can no longer be claimed) and, since no process holds it here,
+        the row is closed now with ``reason`` as its ``e`` event and exit code 254. (With several
+        processes sharing a store, reaching the one that holds the session is the scale-out bus's.)
+        """
         live = self.live.get(session_id)
         if live is not None:
             await live.kill(reason)
             return True
-        session = await self.store.get_session(session_id)
-        if session is not None and session.status != "done":
+        session = await self.store.request_kill(session_id, reason, rfc3339(utcnow()))
+        if session is not None:
             recorder = await self.recording.recorder(session_id)
             recorder.error(reason)
-            await self.recording.close(recorder, status="done", end_date=rfc3339(utcnow()),
+            await self.recording.close(recorder, end_date=rfc3339(utcnow()),
                                        exit_code=BLOCKED_EXIT_CODE)
             return True
         return False
@@ -235,7 +234,7 @@ class SessionManager:
         for session in stale:
             recorder = await self.recording.recorder(session.id)
             recorder.error("session closed on gateway restart: the gateway stopped while it was open")
-            await self.recording.close(recorder, status="done", end_date=rfc3339(utcnow()),
+            await self.recording.close(recorder, end_date=rfc3339(utcnow()),
                                        exit_code=BLOCKED_EXIT_CODE)
         if stale:
             log.warning("closed sessions left open by a previous run", extra={"count": len(stale)})

@@ -145,7 +145,7 @@ class AnalysisService:
         if error:
             await self.record_failure(live, rule, error)
         live.session.ai_analysis = verdict.as_json()
-        await self.store.update_session(live.id, ai_analysis=live.session.ai_analysis)
+        await self.store.set_ai_analysis(live.id, live.session.ai_analysis)
         if verdict.blocked:
             live.recorder.error(verdict.message())
             await self.audit_block(live, verdict)
@@ -163,11 +163,8 @@ class AnalysisService:
         if error:
             log.warning("AI preview of a reviewed script failed", extra={
                 "session_id": session.id, "connection": connection.name, "rule": rule.name, "reason": error})
-        current = await self.store.get_session(session.id)
-        if current is None or current.status != "ready":  # it ran meanwhile: its own verdict stands
-            return verdict
-        session.ai_analysis = verdict.as_json()
-        await self.store.update_session(session.id, ai_analysis=session.ai_analysis)
+        if await self.store.set_ai_analysis(session.id, verdict.as_json(), status="ready"):
+            session.ai_analysis = verdict.as_json()  # else it ran meanwhile: its own verdict stands
         return verdict
 
     async def observer_for(self, live: "LiveSession") -> "SessionAnalysis | None":
@@ -267,7 +264,7 @@ class SessionAnalysis:
         if self.worst is None or rank > self.worst:
             self.worst = rank
             live.session.ai_analysis = verdict.as_json()
-            await self.service.store.update_session(live.id, ai_analysis=live.session.ai_analysis)
+            await self.service.store.set_ai_analysis(live.id, live.session.ai_analysis)
         if verdict.risk_level != LOW or verdict.blocked:
             live.recorder.error(f"AI session analysis (rule {verdict.rule!r}): {verdict.risk_level} risk, "
                                 f"{verdict.title}: {verdict.explanation}")

@@ -1,6 +1,10 @@
 """The store interface every backend implements (SQLite now, PostgreSQL later).
 
-Callers speak only in records and filters; no SQL leaves a backend.
+Callers speak only in records, filters and intents (claim, close, request a kill); no SQL
+leaves a backend, and no caller writes a session column it has no intent for. The SQL
+backends share their queries (``gatewayd.store.queries``) and differ in a dialect and a
+connector (``gatewayd.store.sql``); ``tests/test_store_contract.py`` holds every backend to
+the same behaviour.
 """
 
 from __future__ import annotations
@@ -170,6 +174,11 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def delete_guardrail(self, org_id: str, rule_id: str) -> None: ...
 
+    @abc.abstractmethod
+    async def guardrail_generation(self) -> int:
+        """A number bumped in the same transaction as every guard-rail create, update and delete:
+        rules cached at generation N are current while it is still N, whichever process changed them."""
+
     # sessions and recordings
     @abc.abstractmethod
     async def create_session(self, session: Session) -> None: ...
@@ -181,13 +190,45 @@ class Store(abc.ABC):
     async def list_sessions(self, query: SessionFilter) -> Page: ...
 
     @abc.abstractmethod
-    async def update_session(self, session_id: str, **fields: Any) -> None: ...
+    async def claim_session(self, session_id: str, start_date: str) -> Session | None:
+        """Claim an issued session for the connection about to run it, atomically (one UPDATE ... RETURNING).
+
+        Claimable: ``ready`` (issued with its credential, or a reviewed script), or ``open`` with no end
+        (its jit credentials were handed out), never claimed, no kill requested. The claim sets
+        ``open``, ``start_date`` and ``claimed_at``; of concurrent claims, in any process, exactly one
+        gets the session, the others None.
+        """
+
+    @abc.abstractmethod
+    async def start_session(self, session_id: str, start_date: str) -> bool:
+        """Move a ``ready`` session to ``open`` without claiming it (jit credentials handed out); True if it moved."""
+
+    @abc.abstractmethod
+    async def close_session(self, batch: EventBatch, *, end_date: str, exit_code: int | None,
+                            seal: str | None) -> None:
+        """The session's last events and recording fields (``batch``, maybe with no events) and its end
+        (status ``done``, end date, exit code, seal), in one transaction."""
+
+    @abc.abstractmethod
+    async def request_kill(self, session_id: str, reason: str, requested_at: str) -> Session | None:
+        """Record on the row that the session is to be ended (the first request and reason stay).
+
+        The session as it is now, or None when there is nothing to end (no such session, or done).
+        A session with a kill requested can no longer be claimed or started; whoever holds it ends it
+        (``SessionManager.kill``: in this process at once; a session held elsewhere is the scale-out
+        bus's to reach).
+        """
+
+    @abc.abstractmethod
+    async def set_ai_analysis(self, session_id: str, analysis: dict[str, Any] | None, *,
+                              status: str | None = None) -> bool:
+        """Store a session's AI verdict; with ``status``, only while the session has it. True if stored."""
 
     @abc.abstractmethod
     async def append_events(self, batches: Iterable[EventBatch]) -> None:
         """Append events of several sessions in one transaction.
 
-        Each batch carries its session fields (event_size, metrics, chain_head...), updated in the
+        Each batch carries its recording fields (event_size, metrics, chain_head; no other), updated in the
         same transaction so a crash never leaves them disagreeing with the events, and its chain
         link (previous hash, hash), stored beside the events for ``read_event_chain``.
         """

@@ -276,4 +276,14 @@ ALTER TABLE users ADD COLUMN operator INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE users ADD COLUMN granted_groups TEXT NOT NULL DEFAULT '[]';
 ALTER TABLE users ADD COLUMN federated INTEGER NOT NULL DEFAULT 0
 """),
+    (7, """
+ALTER TABLE sessions ADD COLUMN claimed_at TEXT;
+ALTER TABLE sessions ADD COLUMN kill_requested_at TEXT;
+ALTER TABLE sessions ADD COLUMN kill_reason TEXT;
+CREATE TABLE store_counters (
+    name TEXT PRIMARY KEY,
+    value INTEGER NOT NULL
+);
+INSERT INTO store_counters (name, value) VALUES ('guardrails', 0)
+"""),
 ]

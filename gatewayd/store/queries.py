@@ -1,0 +1,688 @@
+"""The queries of every SQL backend, written once; a backend brings a ``Dialect`` and a ``Connector``.
+
+See ``gatewayd.store.sql`` for the seams and how the PostgreSQL backend plugs in. Reads go
+through ``Connector.fetch``; every write is one ``Work`` driven by ``Connector.transact``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterable
+
+from gatewayd.crypto import SecretBox
+from gatewayd.evidence import BatchLink, EventBatch, audit_hash
+from gatewayd.models import (
+    CHAIN_GENESIS,
+    AccessRequestRule,
+    AIAnalyzerRule,
+    AIProvider,
+    AuditEntry,
+    Connection,
+    Credential,
+    GuardRail,
+    Organization,
+    Page,
+    Resource,
+    Review,
+    ReviewGroup,
+    Session,
+    SessionEvent,
+    User,
+    new_id,
+    rfc3339,
+    utcnow,
+)
+from gatewayd.store.base import AuditFilter, Conflict, NotFound, SessionFilter, Store
+from gatewayd.store.migrations import MIGRATIONS
+from gatewayd.store.sql import (
+    Connector,
+    Row,
+    Statement,
+    Work,
+    build,
+    columns,
+    decode,
+    encode,
+    assign,
+    insert,
+    statements,
+    update,
+)
+
+DEFAULT_ORG_NAME = "default"
+GUARDRAILS = "guardrails"  # the store_counters row of the guard-rail generation
+# Session columns a recording flush may write beside its events (its progress, not its state).
+RECORDING_FIELDS = frozenset({"event_size", "metrics", "chain_head"})
+# A session a connection may claim: issued ready, or open with its jit credentials handed out, not
+# ended, not claimed, no kill asked for.
+CLAIMABLE = ("claimed_at IS NULL AND kill_requested_at IS NULL AND end_date IS NULL "
+             "AND status IN ('ready', 'open')")
+
+
+class SQLStore(Store):
+    """The Store over any SQL database: the shared queries on a backend's connector and dialect."""
+
+    def __init__(self, connector: Connector, box: SecretBox) -> None:
+        self.db = connector
+        self.dialect = connector.dialect
+        self.box = box
+        self._default_org: Organization | None = None
+        sort = self.dialect.sort
+        self._by_name, self._by_email = sort("name", text=True), sort("email", text=True)
+        self._by_group, self._by_user_group = sort("group_name", text=True), sort("ug.group_name", text=True)
+
+    # ---------------------------------------------------------------- lifecycle
+    async def open(self) -> None:
+        await self.db.connect()
+        try:
+            await self.db.transact(self._migration_table())
+            for version, script in MIGRATIONS:
+                await self.db.transact(self._migrate(version, script))
+        except BaseException:
+            await self.db.close()
+            raise
+
+    async def close(self) -> None:
+        await self.db.close()
+
+    @staticmethod
+    def _migration_table() -> Work[None]:
+        yield ("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, applied_at TEXT NOT NULL)",
+               ())
+
+    def _migrate(self, version: int, script: str) -> Work[bool]:
+        """Apply one migration unless it is applied already (checked under the migration lock: several
+        processes may start at once)."""
+        lock = self.dialect.lock("schema_migrations")
+        if lock is not None:
+            yield lock
+        done = yield ("SELECT 1 FROM schema_migrations WHERE version = ?", (version,))
+        if done.rows:
+            return False
+        for statement in filter(None, (s.strip() for s in self.dialect.ddl(script).split(";"))):
+            yield statement, ()
+        yield "INSERT INTO schema_migrations (version, applied_at) VALUES (?, ?)", (version, rfc3339(utcnow()))
+        return True
+
+    async def _write(self, batch: list[Statement]) -> None:
+        """Run statements in one transaction (unique violations become Conflict)."""
+        await self.db.transact(statements(batch))
+
+    async def _one(self, sql: str, params: tuple = ()) -> Any:
+        rows = await self.db.fetch(sql, params)
+        return rows[0] if rows else None
+
+    async def _all(self, sql: str, params: tuple = ()) -> list[Any]:
+        return list(await self.db.fetch(sql, params))
+
+    async def _count(self, sql: str, params: Any) -> int:
+        return (await self.db.fetch(sql, tuple(params)))[0][0]
+
+    _insert = staticmethod(insert)  # kept for bench/api's bulk loader
+
+    # ---------------------------------------------------------------- organizations
+    async def default_org(self) -> Organization:
+        if self._default_org is None:
+            row = await self._one("SELECT * FROM orgs ORDER BY created_at LIMIT 1")
+            if row is None:
+                await self.create_org(DEFAULT_ORG_NAME)
+                row = await self._one("SELECT * FROM orgs ORDER BY created_at LIMIT 1")
+            self._default_org = build(Organization, row)
+        return self._default_org
+
+    async def create_org(self, name: str) -> Organization:
+        org = Organization(id=new_id(), name=name, created_at=rfc3339(utcnow()))
+        await self._write([insert("orgs", org)])
+        return org
+
+    async def get_org(self, org_id: str) -> Organization | None:
+        row = await self._one("SELECT * FROM orgs WHERE id = ?", (org_id,))
+        return build(Organization, row) if row else None
+
+    # ---------------------------------------------------------------- users and groups
+    async def _user_from(self, row: Row | None) -> User | None:
+        if row is None:
+            return None
+        groups = [r[0] for r in await self._all(
+            f"SELECT group_name FROM user_groups WHERE user_id = ? ORDER BY {self._by_group}", (row["id"],))]
+        return build(User, row, groups=groups, operator=bool(row["operator"]), federated=bool(row["federated"]))
+
+    async def get_user(self, *, id: str | None = None, subject: str | None = None,
+                       email: str | None = None) -> User | None:
+        if id is not None:
+            return await self._user_from(await self._one("SELECT * FROM users WHERE id = ?", (id,)))
+        if subject is not None:
+            return await self._user_from(await self._one("SELECT * FROM users WHERE subject = ?", (subject,)))
+        if email is not None:
+            return await self._user_from(
+                await self._one("SELECT * FROM users WHERE lower(email) = lower(?)", (email,)))
+        raise ValueError("get_user needs id, subject or email")
+
+    async def list_users(self, org_id: str) -> list[User]:
+        rows = await self._all(f"SELECT * FROM users WHERE org_id = ? ORDER BY {self._by_email}", (org_id,))
+        memberships: dict[str, list[str]] = {}
+        for r in await self._all(
+            "SELECT ug.user_id, ug.group_name FROM user_groups ug JOIN users u ON u.id = ug.user_id "
+            f"WHERE u.org_id = ? ORDER BY {self._by_user_group}", (org_id,)):
+            memberships.setdefault(r[0], []).append(r[1])
+        return [build(User, r, groups=memberships.get(r["id"], []), operator=bool(r["operator"]),
+                            federated=bool(r["federated"])) for r in rows]
+
+    async def save_user(self, user: User) -> User:
+        now = rfc3339(utcnow())
+        user.updated_at = now
+        exists = await self._one("SELECT 1 FROM users WHERE id = ?", (user.id,))
+        if not exists:
+            user.created_at = user.created_at or now
+        statement = update("users", user, skip=("groups",)) if exists else \
+            insert("users", user, skip=("groups",))
+        group_rows = [(user.org_id, g, now) for g in user.groups] if user.org_id else []
+        await self._write([
+            statement,
+            ("DELETE FROM user_groups WHERE user_id = ?", (user.id,)),
+            (self.dialect.upsert("groups", ("org_id", "name", "created_at"), ("org_id", "name"), ()), group_rows),
+            ("INSERT INTO user_groups (user_id, group_name) VALUES (?, ?)", [(user.id, g) for g in user.groups]),
+        ])
+        return user
+
+    async def delete_user(self, user_id: str) -> None:
+        await self._write([("DELETE FROM users WHERE id = ?", (user_id,))])
+
+    async def list_groups(self, org_id: str) -> list[str]:
+        rows = await self._all(f"SELECT name FROM groups WHERE org_id = ? ORDER BY {self._by_name}", (org_id,))
+        return [r[0] for r in rows]
+
+    async def create_group(self, org_id: str, name: str) -> None:
+        await self._write([("INSERT INTO groups (org_id, name, created_at) VALUES (?, ?, ?)",
+                            (org_id, name, rfc3339(utcnow())))])
+
+    async def delete_group(self, org_id: str, name: str) -> None:
+        if not await self._one("SELECT 1 FROM groups WHERE org_id = ? AND name = ?", (org_id, name)):
+            raise NotFound(name)
+        await self._write([
+            ("DELETE FROM user_groups WHERE group_name = ? AND user_id IN (SELECT id FROM users WHERE org_id = ?)",
+             (name, org_id)),
+            (f"UPDATE users SET granted_groups = {self.dialect.json_without('users.granted_groups')} "
+             f"WHERE org_id = ? AND {self.dialect.json_has_any('users.granted_groups', 1)}", (name, org_id, name)),
+            ("DELETE FROM groups WHERE org_id = ? AND name = ?", (org_id, name)),
+        ])
+
+    # ---------------------------------------------------------------- resources and connections
+    def _connection_row(self, conn: Connection) -> Connection:
+        sealed = self.box.seal(json.dumps(conn.secret).encode(), conn.id.encode())
+        clone = Connection(**{n: getattr(conn, n) for n in columns(Connection)})
+        clone.secret = sealed  # type: ignore[assignment]
+        return clone
+
+    def _connection_from(self, row: Row | None) -> Connection | None:
+        if row is None:
+            return None
+        secret = json.loads(self.box.open(row["secret"], row["id"].encode())) if row["secret"] else {}
+        values = {n: decode(n, row[n]) for n in columns(Connection) if n != "secret"}
+        return Connection(secret=secret, **values)
+
+    async def create_resource(self, resource: Resource, connections: list[Connection]) -> None:
+        await self._write([insert("resources", resource)] +
+                          [insert("connections", self._connection_row(c)) for c in connections])
+
+    async def update_resource(self, resource: Resource, connections: list[Connection] | None) -> None:
+        statements = [update("resources", resource, skip=("created_at",))]
+        if connections is not None:
+            statements.append(("DELETE FROM connections WHERE org_id = ? AND resource_name = ?",
+                               (resource.org_id, resource.name)))
+            statements += [insert("connections", self._connection_row(c)) for c in connections]
+        await self._write(statements)
+
+    async def get_resource(self, org_id: str, name: str) -> Resource | None:
+        row = await self._one("SELECT * FROM resources WHERE org_id = ? AND name = ?", (org_id, name))
+        return build(Resource, row) if row else None
+
+    async def list_resources(self, org_id: str) -> list[Resource]:
+        rows = await self._all(f"SELECT * FROM resources WHERE org_id = ? ORDER BY {self._by_name}", (org_id,))
+        return [build(Resource, r) for r in rows]
+
+    async def delete_resource(self, org_id: str, name: str) -> None:
+        await self._write([
+            ("DELETE FROM connections WHERE org_id = ? AND resource_name = ?", (org_id, name)),
+            ("DELETE FROM resources WHERE org_id = ? AND name = ?", (org_id, name)),
+        ])
+
+    async def create_connection(self, connection: Connection) -> None:
+        await self._write([insert("connections", self._connection_row(connection))])
+
+    async def update_connection(self, connection: Connection) -> None:
+        await self._write([update("connections", self._connection_row(connection), skip=("created_at",))])
+
+    async def get_connection(self, org_id: str, name_or_id: str) -> Connection | None:
+        row = await self._one("SELECT * FROM connections WHERE org_id = ? AND (name = ? OR id = ?)",
+                              (org_id, name_or_id, name_or_id))
+        return self._connection_from(row)
+
+    async def list_connections(self, org_id: str, resource_name: str | None = None) -> list[Connection]:
+        if resource_name is None:
+            rows = await self._all(f"SELECT * FROM connections WHERE org_id = ? ORDER BY {self._by_name}", (org_id,))
+        else:
+            rows = await self._all("SELECT * FROM connections WHERE org_id = ? AND resource_name = ? "
+                                   f"ORDER BY {self._by_name}",
+                                   (org_id, resource_name))
+        return [self._connection_from(r) for r in rows]  # type: ignore[misc]
+
+    async def delete_connection(self, org_id: str, name_or_id: str) -> None:
+        await self._write([("DELETE FROM connections WHERE org_id = ? AND (name = ? OR id = ?)",
+                            (org_id, name_or_id, name_or_id))])
+
+    # ---------------------------------------------------------------- credentials
+    async def create_credential(self, credential: Credential, session: Session | None) -> None:
+        statements = [insert("sessions", session)] if session is not None else []
+        await self._write(statements + [insert("credentials", credential)])
+
+    async def get_credential(self, secret_hash: str) -> Credential | None:
+        row = await self._one("SELECT * FROM credentials WHERE secret_hash = ?", (secret_hash,))
+        return build(Credential, row) if row else None
+
+    async def revoke_credentials(self, *, session_id: str | None = None, review_id: str | None = None,
+                                 revoked_at: str) -> int:
+        column, value = ("session_id", session_id) if session_id else ("review_id", review_id)
+        count = await self._count(f"SELECT COUNT(*) FROM credentials WHERE {column} = ? AND revoked_at IS NULL",
+                                  (value,))
+        await self._write([(f"UPDATE credentials SET revoked_at = ? WHERE {column} = ? AND revoked_at IS NULL",
+                            (revoked_at, value))])
+        return count
+
+    # ---------------------------------------------------------------- guard rails
+    _BUMP_GUARDRAILS: Statement = ("UPDATE store_counters SET value = value + 1 WHERE name = ?", (GUARDRAILS,))
+
+    async def save_guardrail(self, rule: GuardRail, *, create: bool) -> None:
+        statement = insert("guardrails", rule, skip=("connection_ids",)) if create else \
+            update("guardrails", rule, skip=("connection_ids", "created_at"))
+        await self._write([
+            statement,
+            ("DELETE FROM guardrail_connections WHERE guardrail_id = ?", (rule.id,)),
+            ("INSERT INTO guardrail_connections (guardrail_id, connection_id) VALUES (?, ?)",
+             [(rule.id, c) for c in dict.fromkeys(rule.connection_ids)]),
+            self._BUMP_GUARDRAILS,
+        ])
+
+    async def _guardrails_from(self, rows: list[Row]) -> list[GuardRail]:
+        result = []
+        for row in rows:
+            ids = [r[0] for r in await self._all(
+                "SELECT connection_id FROM guardrail_connections WHERE guardrail_id = ? "
+                f"ORDER BY {self.dialect.row_order}", (row["id"],))]
+            result.append(build(GuardRail, row, connection_ids=ids))
+        return result
+
+    async def get_guardrail(self, org_id: str, rule_id: str) -> GuardRail | None:
+        rows = await self._all("SELECT * FROM guardrails WHERE org_id = ? AND (id = ? OR name = ?)",
+                               (org_id, rule_id, rule_id))
+        found = await self._guardrails_from(rows)
+        return found[0] if found else None
+
+    async def list_guardrails(self, org_id: str, connection_id: str | None = None) -> list[GuardRail]:
+        order = self.dialect.sort("g.name", text=True)
+        if connection_id is None:
+            rows = await self._all(f"SELECT * FROM guardrails g WHERE g.org_id = ? ORDER BY {order}", (org_id,))
+        else:
+            rows = await self._all(
+                "SELECT g.* FROM guardrails g JOIN guardrail_connections gc ON gc.guardrail_id = g.id "
+                f"WHERE g.org_id = ? AND gc.connection_id = ? ORDER BY {order}", (org_id, connection_id))
+        return await self._guardrails_from(rows)
+
+    async def delete_guardrail(self, org_id: str, rule_id: str) -> None:
+        await self._write([
+            ("DELETE FROM guardrail_connections WHERE guardrail_id = ?", (rule_id,)),
+            ("DELETE FROM guardrails WHERE org_id = ? AND id = ?", (org_id, rule_id)),
+            self._BUMP_GUARDRAILS,
+        ])
+
+    async def guardrail_generation(self) -> int:
+        row = await self._one("SELECT value FROM store_counters WHERE name = ?", (GUARDRAILS,))
+        return int(row[0]) if row else 0
+
+    # ---------------------------------------------------------------- sessions
+    async def create_session(self, session: Session) -> None:
+        await self._write([insert("sessions", session)])
+
+    async def get_session(self, session_id: str) -> Session | None:
+        row = await self._one("SELECT * FROM sessions WHERE id = ?", (session_id,))
+        return build(Session, row) if row else None
+
+    async def list_sessions(self, query: SessionFilter) -> Page:
+        where, params = ["org_id = ?"], [query.org_id]
+        for column, value in (("user_id", query.user_id), ("user_id", query.only_user_id),
+                              ("connection", query.connection), ("type", query.type),
+                              ("status", query.status), ("tracker_issue_key", query.tracker_issue_key)):
+            if value is not None:
+                where.append(f"{column} = ?")
+                params.append(value)
+        if query.start_date:
+            where.append("start_date >= ?")
+            params.append(query.start_date)
+        if query.end_date:
+            where.append("start_date <= ?")
+            params.append(query.end_date)
+        if query.review_status:
+            where.append("review_id IN (SELECT id FROM reviews WHERE status = ?)")
+            params.append(query.review_status)
+        if query.review_approver:
+            where.append("review_id IN (SELECT review_id FROM review_groups WHERE lower(reviewed_by_email) = lower(?))")
+            params.append(query.review_approver)
+        clause = " AND ".join(where)
+        total = await self._count(f"SELECT COUNT(*) FROM sessions WHERE {clause}", params)
+        names = ", ".join(n for n in columns(Session) if n != "script")
+        order = f"{self.dialect.sort('start_date', descending=True)}, {self.dialect.sort('id', text=True)}"
+        rows = await self._all(
+            f"SELECT {names}, script FROM sessions WHERE {clause} ORDER BY {order} LIMIT ? OFFSET ?",
+            tuple(params) + (query.limit, query.offset))
+        return Page(items=[build(Session, r) for r in rows], total=total)
+
+    def _returning(self, statement: Statement, key: str) -> Work[Session | None]:
+        """An UPDATE of one session, and the session as it is after it (None when no row matched).
+
+        ``RETURNING *`` where the dialect has it; else the UPDATE and a SELECT in the same write
+        transaction, which holds the row.
+        """
+        sql, params = statement
+        if self.dialect.returning:
+            done = yield sql + " RETURNING *", params
+            return build(Session, done.rows[0]) if done.rows else None
+        done = yield sql, params
+        if done.rowcount != 1:
+            return None
+        row = yield "SELECT * FROM sessions WHERE id = ?", (key,)
+        return build(Session, row.rows[0]) if row.rows else None
+
+    async def claim_session(self, session_id: str, start_date: str) -> Session | None:
+        return await self.db.transact(self._returning((
+            f"UPDATE sessions SET status = 'open', start_date = ?, claimed_at = ? WHERE id = ? AND {CLAIMABLE}",
+            (start_date, rfc3339(utcnow()), session_id)), session_id))
+
+    async def start_session(self, session_id: str, start_date: str) -> bool:
+        done = await self.db.transact(self._returning((
+            "UPDATE sessions SET status = 'open', start_date = ? WHERE id = ? AND status = 'ready' "
+            "AND kill_requested_at IS NULL", (start_date, session_id)), session_id))
+        return done is not None
+
+    async def request_kill(self, session_id: str, reason: str, requested_at: str) -> Session | None:
+        return await self.db.transact(self._returning((
+            "UPDATE sessions SET kill_requested_at = COALESCE(kill_requested_at, ?), "
+            "kill_reason = COALESCE(kill_reason, ?) WHERE id = ? AND status != 'done'",
+            (requested_at, reason, session_id)), session_id))
+
+    async def set_ai_analysis(self, session_id: str, analysis: dict[str, Any] | None, *,
+                              status: str | None = None) -> bool:
+        where, params = "id = ?", [session_id]
+        if status is not None:
+            where += " AND status = ?"
+            params.append(status)
+        done = await self.db.transact(self._returning(
+            ("UPDATE sessions SET ai_analysis = ? WHERE " + where, (encode("ai_analysis", analysis), *params)),
+            session_id))
+        return done is not None
+
+    def _batch_statements(self, batch: EventBatch) -> list[Statement]:
+        unknown = set(batch.session_fields) - RECORDING_FIELDS
+        if unknown:
+            raise ValueError(f"a recording batch may not write session fields {sorted(unknown)}")
+        found: list[Statement] = []
+        if batch.events:
+            found += self.dialect.event_inserts(batch.session_id, batch.first_seq, batch.events)
+            found.append(("INSERT INTO session_event_batches (session_id, first_seq, count, prev_hash, hash) "
+                          "VALUES (?, ?, ?, ?, ?)", (batch.session_id, batch.first_seq, len(batch.events),
+                                                     batch.previous_hash, batch.hash)))
+        if batch.session_fields:
+            found.append(assign("sessions", batch.session_fields, "id = ?", (batch.session_id,)))
+        return found
+
+    async def append_events(self, batches: Iterable[EventBatch]) -> None:
+        found = [s for batch in batches for s in self._batch_statements(batch)]
+        if found:
+            await self._write(found)
+
+    async def close_session(self, batch: EventBatch, *, end_date: str, exit_code: int | None,
+                            seal: str | None) -> None:
+        await self._write(self._batch_statements(batch) + [assign(
+            "sessions", {"status": "done", "end_date": end_date, "exit_code": exit_code, "seal": seal},
+            "id = ?", (batch.session_id,))])
+
+    async def read_events(self, session_id: str, kinds: str | None = None) -> list[SessionEvent]:
+        rows = await self._all(
+            "SELECT offset_ms, kind, data FROM session_events WHERE session_id = ? ORDER BY seq", (session_id,))
+        return [SessionEvent(r[0], r[1], bytes(r[2])) for r in rows if kinds is None or r[1] in kinds]
+
+    async def read_event_chain(self, session_id: str) -> tuple[list[BatchLink], list[tuple[int, SessionEvent]]]:
+        links = await self._all("SELECT first_seq, count, prev_hash, hash FROM session_event_batches "
+                                "WHERE session_id = ? ORDER BY first_seq", (session_id,))
+        rows = await self._all(
+            "SELECT seq, offset_ms, kind, data FROM session_events WHERE session_id = ? ORDER BY seq", (session_id,))
+        return ([BatchLink(r[0], r[1], r[2], r[3]) for r in links],
+                [(r[0], SessionEvent(r[1], r[2], bytes(r[3]))) for r in rows])
+
+    async def last_event_seq(self, session_id: str) -> tuple[int, int]:
+        row = await self._one(
+            "SELECT seq, offset_ms FROM session_events WHERE session_id = ? ORDER BY seq DESC LIMIT 1", (session_id,))
+        return (row[0] + 1, row[1]) if row else (0, 0)
+
+    async def sessions_with_status(self, status: str) -> list[Session]:
+        rows = await self._all("SELECT * FROM sessions WHERE status = ?", (status,))
+        return [build(Session, r) for r in rows]
+
+    # ---------------------------------------------------------------- reviews
+    def _review_statements(self, review: Review) -> list[tuple[str, Any]]:
+        return [
+            ("DELETE FROM review_groups WHERE review_id = ?", (review.id,)),
+            ("INSERT INTO review_groups (id, review_id, group_name, forced_review, status, review_date, "
+             "reviewed_by_id, reviewed_by_email, reviewed_by_name) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+             [(g.id, review.id, g.group_name, int(g.forced_review), g.status, g.review_date, g.reviewed_by_id,
+               g.reviewed_by_email, g.reviewed_by_name) for g in review.groups]),
+        ]
+
+    async def create_review(self, review: Review, session: Session | None = None) -> None:
+        statements = [insert("sessions", session)] if session is not None else []
+        statements.append(insert("reviews", review, skip=("groups",)))
+        await self._write(statements + self._review_statements(review))
+
+    async def _reviews_from(self, rows: list[Row]) -> list[Review]:
+        if not rows:
+            return []
+        ids = [r["id"] for r in rows]
+        groups: dict[str, list[ReviewGroup]] = {}
+        marks = ", ".join("?" * len(ids))
+        for g in await self._all(f"SELECT * FROM review_groups WHERE review_id IN ({marks}) "
+                                 f"ORDER BY {self.dialect.row_order}", tuple(ids)):
+            group = build(ReviewGroup, g)
+            group.forced_review = bool(group.forced_review)
+            groups.setdefault(g["review_id"], []).append(group)
+        return [build(Review, r, groups=groups.get(r["id"], [])) for r in rows]
+
+    async def get_review(self, review_id: str) -> Review | None:
+        found = await self._reviews_from(await self._all("SELECT * FROM reviews WHERE id = ?", (review_id,)))
+        return found[0] if found else None
+
+    async def get_review_by_session(self, session_id: str) -> Review | None:
+        found = await self._reviews_from(await self._all(
+            "SELECT * FROM reviews WHERE session_id = ? ORDER BY created_at DESC LIMIT 1", (session_id,)))
+        return found[0] if found else None
+
+    async def reviews_by_ids(self, review_ids: Iterable[str]) -> dict[str, Review]:
+        ids = list(dict.fromkeys(i for i in review_ids if i))
+        if not ids:
+            return {}
+        rows = await self._all(f"SELECT * FROM reviews WHERE id IN ({', '.join('?' * len(ids))})", tuple(ids))
+        return {r.id: r for r in await self._reviews_from(rows)}
+
+    async def list_reviews(self, org_id: str, *, status: str | None = None, type: str | None = None,
+                           visible_to: tuple[str, list[str]] | None = None, limit: int = 100,
+                           offset: int = 0) -> Page:
+        where, params = ["org_id = ?"], [org_id]
+        for column, value in (("status", status), ("type", type)):
+            if value:
+                where.append(f"{column} = ?")
+                params.append(value)
+        if visible_to is not None:
+            owner, groups = visible_to
+            clause = "owner_id = ?"
+            params.append(owner)
+            if groups:
+                marks = ", ".join("?" * len(groups))
+                clause += (f" OR id IN (SELECT review_id FROM review_groups WHERE group_name IN ({marks}))"
+                           f" OR {self.dialect.json_has_any('reviews.force_approval_groups', len(groups))}")
+                params += list(groups) * 2
+            where.append(f"({clause})")
+        sql = " AND ".join(where)
+        total = await self._count(f"SELECT COUNT(*) FROM reviews WHERE {sql}", params)
+        rows = await self._all(f"SELECT * FROM reviews WHERE {sql} ORDER BY created_at DESC, "
+                               f"{self.dialect.sort('id', text=True)} LIMIT ? OFFSET ?",
+                               tuple(params) + (limit, offset))
+        return Page(items=await self._reviews_from(rows), total=total)
+
+    async def save_review(self, review: Review) -> None:
+        await self._write([(
+            "UPDATE reviews SET status = ?, time_window = ?, revoke_at = ?, updated_at = ?, "
+            "force_approval_groups = ? WHERE id = ?",
+            (review.status, encode("time_window", review.time_window), review.revoke_at, review.updated_at,
+             encode("force_approval_groups", review.force_approval_groups), review.id),
+        )] + self._review_statements(review))
+
+    async def reviews_with_status(self, status: str, type: str | None = None) -> list[Review]:
+        if type is None:
+            rows = await self._all("SELECT * FROM reviews WHERE status = ?", (status,))
+        else:
+            rows = await self._all("SELECT * FROM reviews WHERE status = ? AND type = ?", (status, type))
+        return await self._reviews_from(rows)
+
+    async def save_access_rule(self, rule: AccessRequestRule, *, create: bool) -> None:
+        statement = insert("access_request_rules", rule) if create else \
+            update("access_request_rules", rule, skip=("created_at",))
+        await self._write([statement])
+
+    async def get_access_rule(self, org_id: str, name: str) -> AccessRequestRule | None:
+        row = await self._one("SELECT * FROM access_request_rules WHERE org_id = ? AND (name = ? OR id = ?)",
+                              (org_id, name, name))
+        return build(AccessRequestRule, row) if row else None
+
+    async def list_access_rules(self, org_id: str) -> list[AccessRequestRule]:
+        rows = await self._all(f"SELECT * FROM access_request_rules WHERE org_id = ? ORDER BY {self._by_name}",
+                               (org_id,))
+        return [build(AccessRequestRule, r) for r in rows]
+
+    async def delete_access_rule(self, org_id: str, name: str) -> None:
+        await self._write([("DELETE FROM access_request_rules WHERE org_id = ? AND (name = ? OR id = ?)",
+                            (org_id, name, name))])
+
+    # ---------------------------------------------------------------- AI session analysis
+    @staticmethod
+    def _provider_context(org_id: str) -> bytes:
+        return f"ai-provider:{org_id}".encode()
+
+    async def get_ai_provider(self, org_id: str) -> AIProvider | None:
+        row = await self._one("SELECT * FROM ai_providers WHERE org_id = ?", (org_id,))
+        if row is None:
+            return None
+        key = self.box.open(row["api_key"], self._provider_context(org_id)).decode() if row["api_key"] else ""
+        return build(AIProvider, row, api_key=key)
+
+    async def save_ai_provider(self, provider: AIProvider) -> None:
+        sealed = self.box.seal(provider.api_key.encode(), self._provider_context(provider.org_id))
+        await self._write([(
+            self.dialect.upsert("ai_providers", ("id", "org_id", "provider", "model", "api_url", "api_key",
+                                                 "created_at", "updated_at"), ("org_id",),
+                                ("provider", "model", "api_url", "api_key", "updated_at")),
+            (provider.id, provider.org_id, provider.provider, provider.model, provider.api_url, sealed,
+             provider.created_at, provider.updated_at))])
+
+    async def delete_ai_provider(self, org_id: str) -> bool:
+        if not await self._one("SELECT 1 FROM ai_providers WHERE org_id = ?", (org_id,)):
+            return False
+        await self._write([("DELETE FROM ai_providers WHERE org_id = ?", (org_id,))])
+        return True
+
+    async def save_ai_rule(self, rule: AIAnalyzerRule, *, create: bool) -> None:
+        statement = insert("ai_analyzer_rules", rule) if create else \
+            update("ai_analyzer_rules", rule, skip=("created_at",))
+        await self._write([statement])
+
+    async def get_ai_rule(self, org_id: str, name: str) -> AIAnalyzerRule | None:
+        row = await self._one("SELECT * FROM ai_analyzer_rules WHERE org_id = ? AND (name = ? OR id = ?)",
+                              (org_id, name, name))
+        return build(AIAnalyzerRule, row) if row else None
+
+    async def list_ai_rules(self, org_id: str) -> list[AIAnalyzerRule]:
+        rows = await self._all(f"SELECT * FROM ai_analyzer_rules WHERE org_id = ? ORDER BY {self._by_name}", (org_id,))
+        return [build(AIAnalyzerRule, r) for r in rows]
+
+    async def delete_ai_rule(self, org_id: str, name: str) -> None:
+        await self._write([("DELETE FROM ai_analyzer_rules WHERE org_id = ? AND (name = ? OR id = ?)",
+                            (org_id, name, name))])
+
+    # ---------------------------------------------------------------- audit log
+    async def append_audit(self, entry: AuditEntry) -> None:
+        await self.db.transact(self._append_audit(entry))
+
+    def _append_audit(self, entry: AuditEntry) -> Work[None]:
+        """The org's last hash and the insert in one write transaction, under the audit chain's lock."""
+        lock = self.dialect.lock("audit_logs")
+        if lock is not None:
+            yield lock
+        last = yield (f"SELECT hash FROM audit_logs WHERE org_id = ? ORDER BY {self.dialect.row_order} DESC LIMIT 1",
+                      (entry.org_id,))
+        entry.prev_hash = last.rows[0][0] if last.rows and last.rows[0][0] else CHAIN_GENESIS
+        stored = {name: encode(name, getattr(entry, name)) for name in columns(AuditEntry)}
+        entry.hash = audit_hash(entry.prev_hash, stored)  # over the values as they are stored
+        yield insert("audit_logs", entry)
+
+    async def audit_chain(self, org_id: str) -> list[dict[str, Any]]:
+        rows = await self._all(f"SELECT * FROM audit_logs WHERE org_id = ? ORDER BY {self.dialect.row_order}",
+                               (org_id,))
+        return [dict(zip(r.keys(), tuple(r))) for r in rows]
+
+    async def list_audit(self, query: AuditFilter) -> Page:
+        where, params = ["1 = 1"], []
+        if query.org_id:
+            where.append("org_id = ?")
+            params.append(query.org_id)
+        if query.actor:
+            where.append("(actor_subject = ? OR lower(actor_email) = lower(?))")
+            params += [query.actor, query.actor]
+        for column, value in (("resource_type", query.resource_type), ("action", query.action),
+                              ("outcome", query.outcome)):
+            if value:
+                where.append(f"{column} = ?")
+                params.append(value)
+        if query.created_after:
+            where.append("created_at >= ?")
+            params.append(query.created_after)
+        if query.created_before:
+            where.append("created_at <= ?")
+            params.append(query.created_before)
+        clause = " AND ".join(where)
+        total = await self._count(f"SELECT COUNT(*) FROM audit_logs WHERE {clause}", params)
+        rows = await self._all(
+            f"SELECT * FROM audit_logs WHERE {clause} ORDER BY created_at DESC, "
+            f"{self.dialect.row_order} DESC LIMIT ? OFFSET ?",
+            tuple(params) + (query.page_size, (query.page - 1) * query.page_size))
+        return Page(items=[build(AuditEntry, r) for r in rows], total=total)
+
+    # ---------------------------------------------------------------- settings and keys
+    async def get_setting(self, key: str) -> Any:
+        row = await self._one("SELECT value FROM server_settings WHERE key = ?", (key,))
+        return json.loads(row[0]) if row else None
+
+    async def put_setting(self, key: str, value: Any) -> None:
+        await self._write([(
+            self.dialect.upsert("server_settings", ("key", "value", "updated_at"), ("key",), ("value", "updated_at")),
+            (key, json.dumps(value), rfc3339(utcnow())))])
+
+    async def get_key(self, name: str) -> bytes | None:
+        row = await self._one("SELECT material FROM signing_keys WHERE name = ?", (name,))
+        return self.box.open(row[0], name.encode()) if row else None
+
+    async def put_key(self, name: str, material: bytes) -> None:
+        await self._write([(
+            self.dialect.upsert("signing_keys", ("name", "material", "created_at"), ("name",), ("material",)),
+            (name, self.box.seal(material, name.encode()), rfc3339(utcnow())))])
+
+    async def delete_key(self, name: str) -> bool:
+        existed = await self._one("SELECT 1 FROM signing_keys WHERE name = ?", (name,)) is not None
+        await self._write([("DELETE FROM signing_keys WHERE name = ?", (name,))])
+        return existed

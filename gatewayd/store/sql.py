@@ -1,0 +1,212 @@
+"""What every SQL backend shares: record<->row mapping, the dialect seam and the connection seam.
+
+A backend is three things:
+
+- a ``Dialect``: the few spellings that differ between databases (placeholders, JSON-array
+  tests, NULL ordering and collation, bulk insert of session events, schema types, RETURNING,
+  the lock that serialises a read-then-write such as the audit chain);
+- a ``Connector``: the driver adapter, which runs a read (``fetch``) or drives one write
+  transaction (``transact``) and turns a unique violation into ``Conflict``;
+- the queries, written once in ``gatewayd.store.queries.SQLStore`` with ``?`` placeholders.
+
+A write transaction is written once as a generator (``Work``): it yields statements and
+receives each one's ``Result``; the connector drives it inside one transaction (the SQLite
+connector in its writer thread, synchronously; an asyncpg connector with ``await`` per
+statement). So the claim, the audit chain's read-then-insert and the migrations carry their
+logic to every backend unchanged, sans I/O, the way the codecs do.
+
+How the PostgreSQL backend (the scale-out issue) plugs in: a ``PostgresDialect`` (``$n``
+placeholders via ``render``, ``jsonb_exists_any`` for JSON-array tests, ``COLLATE "C"`` and
+explicit NULLS placement in ``sort``, BYTEA/DOUBLE PRECISION and an identity ``row_order``
+column in ``ddl``, ``unnest`` or ``executemany`` in ``event_inserts``,
+``pg_advisory_xact_lock`` in ``lock``) and an asyncpg ``Connector`` (a pool; ``transact``
+runs the work in ``conn.transaction()``), then ``SQLStore(connector, dialect, box)``. It must
+pass ``tests/test_store_contract.py`` unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass, fields
+from typing import Any, Generator, Iterable, Protocol, Sequence, TypeVar
+
+from gatewayd.models import SessionEvent
+
+T = TypeVar("T")
+
+# Record fields stored as JSON text.
+JSON_FIELDS = frozenset({
+    "env_vars", "command", "tags", "settings", "attributes", "input", "output", "metadata",
+    "metrics", "labels", "integrations_metadata", "ai_analysis", "request_payload_redacted",
+    "force_approval_groups", "time_window", "connection_names", "reviewers_groups", "risk_evaluation",
+    "granted_groups",
+})
+
+# A statement: SQL with ``?`` placeholders, and its parameters (a tuple) or rows of them (a list:
+# executed once per row).
+Statement = tuple[str, Any]
+
+
+class Row(Protocol):
+    """A result row as both drivers give it (sqlite3.Row, asyncpg.Record): by name and by position."""
+
+    def keys(self) -> Any: ...
+
+    def __getitem__(self, key: Any) -> Any: ...
+
+
+@dataclass(slots=True)
+class Result:
+    """What one statement of a write transaction gave back: its rows (RETURNING, SELECT) and row count."""
+
+    rows: list[Any]
+    rowcount: int
+
+
+# A write transaction: yields statements, is sent each one's Result, returns its answer.
+Work = Generator[Statement, Result, T]
+
+
+class Connector(Protocol):
+    """The driver adapter a backend brings (aiosqlite and a writer thread; an asyncpg pool)."""
+
+    dialect: "Dialect"
+
+    async def connect(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+        """Run a read outside any write transaction; rows as ``Row``."""
+
+    async def transact(self, work: Work[T]) -> T:
+        """Drive ``work`` inside one write transaction, committed when it returns, rolled back if it raises.
+
+        The transaction completes even if the awaiting task is cancelled (a write is never half
+        done); a unique violation is raised as ``Conflict``.
+        """
+
+
+class Dialect:
+    """The spellings that differ between databases; this base speaks SQLite (and standard SQL).
+
+    Queries are written with ``?`` placeholders and the fragments below; ``render`` turns them
+    into the driver's placeholders. No fragment contains a literal ``?`` (PostgreSQL's jsonb
+    operators are spelled as functions), so ``render`` may number every ``?`` it sees.
+    """
+
+    name = "sqlite"
+    returning = True  # UPDATE ... RETURNING (SQLite >= 3.35, PostgreSQL)
+    row_order = "rowid"  # a column that grows with insertion order
+
+    def render(self, sql: str) -> str:
+        """The SQL in the driver's placeholder style (``?`` here)."""
+        return sql
+
+    def ddl(self, script: str) -> str:
+        """A migration script in this database's types (written portable, with BLOB and REAL)."""
+        return script
+
+    def sort(self, column: str, descending: bool = False, text: bool = False) -> str:
+        """An ORDER BY term ordered the same in every backend: NULLs are the smallest value, and
+        text compares by code point (SQLite's BINARY collation)."""
+        return f"{column} DESC" if descending else column
+
+    def json_has_any(self, column: str, count: int) -> str:
+        """True when the JSON array of text in ``column`` holds any of ``count`` ``?`` values."""
+        marks = ", ".join("?" * count)
+        return f"EXISTS (SELECT 1 FROM json_each({column}) WHERE json_each.value IN ({marks}))"
+
+    def json_without(self, column: str) -> str:
+        """The JSON array of text in ``column`` less the value ``?``."""
+        return f"(SELECT json_group_array(value) FROM json_each({column}) WHERE value != ?)"
+
+    def upsert(self, table: str, columns: Sequence[str], key: Sequence[str], update: Sequence[str]) -> str:
+        """INSERT of one row that updates ``update`` (or does nothing, when empty) if ``key`` exists."""
+        sql = (f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))}) "
+               f"ON CONFLICT ({', '.join(key)}) DO ")
+        if not update:
+            return sql + "NOTHING"
+        return sql + "UPDATE SET " + ", ".join(f"{c} = excluded.{c}" for c in update)
+
+    def lock(self, name: str) -> Statement | None:
+        """A statement that serialises the transactions taking lock ``name`` (None: every write
+        transaction is serialised already, as SQLite's BEGIN IMMEDIATE does)."""
+        return None
+
+    def event_inserts(self, session_id: str, first_seq: int, events: list[SessionEvent]) -> list[Statement]:
+        """The statements that insert a session's events numbered from ``first_seq``, in bulk."""
+        return [("INSERT INTO session_events (session_id, seq, offset_ms, kind, data) VALUES (?, ?, ?, ?, ?)",
+                 [(session_id, seq, e.offset_ms, e.kind, e.data) for seq, e in enumerate(events, first_seq)])]
+
+
+_PLACEHOLDER = re.compile(r"\?")
+
+
+def numbered(sql: str) -> str:
+    """``?`` placeholders as ``$1, $2, ...`` (for a PostgreSQL dialect's ``render``)."""
+    counter = iter(range(1, 1 << 30))
+    return _PLACEHOLDER.sub(lambda _: f"${next(counter)}", sql)
+
+
+# ---------------------------------------------------------------------------- record <-> row
+
+def encode(name: str, value: Any) -> Any:
+    """A field's value as stored."""
+    return json.dumps(value) if name in JSON_FIELDS else value
+
+
+def decode(name: str, value: Any) -> Any:
+    """A stored value as the field's."""
+    if name in JSON_FIELDS and value is not None:
+        return json.loads(value)
+    return value
+
+
+@functools.cache
+def columns(cls: type) -> tuple[str, ...]:
+    """The stored columns of a record type: its fields, in order."""
+    return tuple(f.name for f in fields(cls))
+
+
+@functools.cache
+def _plan(cls: type, keys: tuple[str, ...]) -> tuple[tuple[int, str, bool], ...]:
+    """Which row positions fill which fields of ``cls``, and which are JSON: computed once per query shape."""
+    wanted = set(columns(cls))
+    return tuple((i, name, name in JSON_FIELDS) for i, name in enumerate(keys) if name in wanted)
+
+
+def build(cls: type[T], row: Any, **extra: Any) -> T:
+    """A record from a row; columns the record does not have are left out, ``extra`` fills the rest."""
+    values = {name: (json.loads(row[i]) if is_json and row[i] is not None else row[i])
+              for i, name, is_json in _plan(cls, tuple(row.keys()))}
+    values.update(extra)
+    return cls(**values)
+
+
+def insert(table: str, record: Any, skip: tuple[str, ...] = ()) -> Statement:
+    """The INSERT of a record's fields (less ``skip``)."""
+    names = [n for n in columns(type(record)) if n not in skip]
+    sql = f"INSERT INTO {table} ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})"
+    return sql, tuple(encode(n, getattr(record, n)) for n in names)
+
+
+def update(table: str, record: Any, key: str = "id", skip: tuple[str, ...] = ()) -> Statement:
+    """The UPDATE of a record's fields (less ``skip``) by ``key``."""
+    names = [n for n in columns(type(record)) if n not in skip and n != key]
+    sql = f"UPDATE {table} SET {', '.join(f'{n} = ?' for n in names)} WHERE {key} = ?"
+    return sql, tuple(encode(n, getattr(record, n)) for n in names) + (getattr(record, key),)
+
+
+def assign(table: str, values: dict[str, Any], where: str, params: Iterable[Any]) -> Statement:
+    """``UPDATE table SET <values> WHERE <where>`` with the values encoded."""
+    sql = f"UPDATE {table} SET {', '.join(f'{n} = ?' for n in values)} WHERE {where}"
+    return sql, tuple(encode(n, v) for n, v in values.items()) + tuple(params)
+
+
+def statements(batch: list[Statement]) -> Work[None]:
+    """The work of running ``batch`` in order, in one transaction."""
+    for statement in batch:
+        yield statement
