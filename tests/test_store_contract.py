@@ -1,0 +1,599 @@
+"""The store contract: every backend passes this suite unchanged.
+
+Backends come from one fixture, ``backend`` (``params=["sqlite"]``; the PostgreSQL backend of
+the scale-out issue adds ``"postgres"``). A ``Backend`` is one database: ``open()`` gives a
+new, migrated handle on it, as another process would get; tests that need two processes (the
+claim, the guard-rail generation) open two. Real databases, no mocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator, Callable
+
+import pytest
+
+from gatewayd.crypto import SecretBox
+from gatewayd.evidence import EventBatch
+from gatewayd.guardrails import GuardRailService
+from gatewayd.models import (
+    CHAIN_GENESIS,
+    AccessRequestRule,
+    AIAnalyzerRule,
+    AIProvider,
+    AuditEntry,
+    Connection,
+    Credential,
+    GuardRail,
+    Resource,
+    Review,
+    ReviewGroup,
+    Session,
+    SessionEvent,
+    User,
+    new_id,
+)
+from gatewayd.store import AuditFilter, Conflict, NotFound, SessionFilter, Store
+from gatewayd.store import queries
+from gatewayd.store.migrations import MIGRATIONS
+
+NOW = "2026-01-02T03:04:05Z"
+
+
+@dataclass
+class Backend:
+    """One database of a backend; ``open`` gives another migrated handle on it."""
+
+    name: str
+    make: Callable[[], Store]
+    handles: list[Store] = field(default_factory=list)
+
+    async def open(self) -> Store:
+        store = self.make()
+        await store.open()
+        self.handles.append(store)
+        return store
+
+
+def _sqlite(tmp_path: Path, box: SecretBox) -> Callable[[], Store]:
+    from gatewayd.store.sqlite import SQLiteStore
+
+    return lambda: SQLiteStore(tmp_path / "contract" / "gatewayd.db", box)
+
+
+BACKENDS = {"sqlite": _sqlite}
+
+
+@pytest.fixture(params=sorted(BACKENDS))
+async def backend(request, tmp_path) -> AsyncIterator[Backend]:
+    box = SecretBox(os.urandom(32))
+    found = Backend(request.param, BACKENDS[request.param](tmp_path, box))
+    yield found
+    for store in reversed(found.handles):
+        await store.close()
+
+
+@pytest.fixture
+async def store(backend: Backend) -> Store:
+    return await backend.open()
+
+
+# ---------------------------------------------------------------------------- helpers
+
+async def an_org(store: Store) -> str:
+    return (await store.default_org()).id
+
+
+def a_session(org_id: str, *, status: str = "open", start: str = NOW, user: str = "sub-alice",
+              connection: str = "pg", type: str = "database", **extra) -> Session:
+    return Session(id=new_id(), org_id=org_id, user_id=user, user_email=f"{user}@example.com", user_name=user,
+                   connection=connection, connection_id=f"id-{connection}", resource_name="res", type=type,
+                   subtype="postgres", status=status, start_date=start, tags={"team": "a"},
+                   metadata={"k": [1, 2]}, **extra)
+
+
+def a_connection(org_id: str, name: str, resource: str = "res") -> Connection:
+    return Connection(id=new_id(), org_id=org_id, name=name, resource_name=resource, type="database",
+                      subtype="postgres", command=["psql"], secret={"HOST": "127.0.0.1", "PASS": "s3cret"},
+                      tags={"env": "prod"}, settings={"x": 1}, created_at=NOW, updated_at=NOW)
+
+
+def a_rail(org_id: str, name: str, connection_ids: list[str]) -> GuardRail:
+    return GuardRail(id=new_id(), org_id=org_id, name=name, description="d", connection_ids=connection_ids,
+                     input={"rules": [{"type": "deny_words_list", "words": ["drop"]}]}, output={},
+                     created_at=NOW, updated_at=NOW)
+
+
+def events(n: int, start: int = 0) -> list[SessionEvent]:
+    return [SessionEvent(start + i, "io"[i % 2], f"event {start + i}".encode() + b"\x00\xff") for i in range(n)]
+
+
+# ---------------------------------------------------------------------------- migrations
+
+async def test_migrations_run_on_an_empty_database_and_reopening_is_idempotent(backend: Backend):
+    store = await backend.open()
+    versions = [r[0] for r in await store.db.fetch("SELECT version FROM schema_migrations ORDER BY version")]
+    assert versions == [v for v, _ in MIGRATIONS]
+    org = await an_org(store)
+    session = a_session(org)
+    await store.create_session(session)
+    await store.close()
+    backend.handles.remove(store)
+    again = await backend.open()  # applies nothing twice, loses nothing
+    assert [r[0] for r in await again.db.fetch("SELECT version FROM schema_migrations ORDER BY version")] == versions
+    assert (await again.get_session(session.id)).metadata == {"k": [1, 2]}
+    assert await again.guardrail_generation() == 0
+    assert (await again.default_org()).id == org
+
+
+async def test_a_store_of_the_previous_version_is_migrated_with_its_data(backend: Backend, monkeypatch):
+    monkeypatch.setattr(queries, "MIGRATIONS", [m for m in MIGRATIONS if m[0] < 7])
+    old = await backend.open()
+    org = await an_org(old)
+    await old.db.transact(queries.statements([(
+        "INSERT INTO sessions (id, org_id, user_id, user_email, connection, connection_id, type, subtype, verb, "
+        "status, start_date) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        ("s-old", org, "u", "u@example.com", "pg", "c", "database", "postgres", "connect", "ready", NOW))]))
+    await old.close()
+    backend.handles.remove(old)
+    monkeypatch.setattr(queries, "MIGRATIONS", MIGRATIONS)
+    store = await backend.open()
+    session = await store.get_session("s-old")
+    assert session.status == "ready" and session.claimed_at is None and session.kill_requested_at is None
+    assert (await store.claim_session("s-old", NOW)).status == "open"
+    assert await store.guardrail_generation() == 0
+
+
+# ---------------------------------------------------------------------------- people
+
+async def test_users_and_groups_round_trip(store: Store):
+    org = await an_org(store)
+    alice = await store.save_user(User(id=new_id(), org_id=org, subject="sub-a", email="Alice@Example.com",
+                                       name="Alice", groups=["dba", "admin"], operator=True,
+                                       granted_groups=["dba", "admin"], federated=True))
+    bob = await store.save_user(User(id=new_id(), org_id=org, subject="sub-b", email="bob@example.com",
+                                     groups=["dba"], granted_groups=["dba"]))
+    got = await store.get_user(email="alice@example.COM")
+    assert (got.id, got.groups, got.operator, got.federated, got.granted_groups) == \
+        (alice.id, ["admin", "dba"], True, True, ["dba", "admin"])
+    assert (await store.get_user(subject="sub-b")).id == bob.id
+    assert (await store.get_user(id=bob.id)).operator is False
+    assert [u.email for u in await store.list_users(org)] == ["Alice@Example.com", "bob@example.com"]
+    assert await store.list_groups(org) == ["admin", "dba"]
+    alice.name, alice.groups = "Alice A", ["admin"]
+    await store.save_user(alice)
+    assert ((await store.get_user(id=alice.id)).name, (await store.get_user(id=alice.id)).groups) == \
+        ("Alice A", ["admin"])
+    with pytest.raises(Conflict):
+        await store.save_user(User(id=new_id(), org_id=org, subject="sub-a", email="other@example.com"))
+    await store.delete_group(org, "dba")
+    assert (await store.get_user(id=bob.id)).groups == []
+    assert (await store.get_user(id=bob.id)).granted_groups == []
+    assert (await store.get_user(id=alice.id)).granted_groups == ["admin"]
+    with pytest.raises(NotFound):
+        await store.delete_group(org, "dba")
+    await store.create_group(org, "ops")
+    with pytest.raises(Conflict):
+        await store.create_group(org, "ops")
+    await store.delete_user(bob.id)
+    assert await store.get_user(id=bob.id) is None
+    other = await store.create_org("second")
+    assert (await store.get_org(other.id)).name == "second"
+    assert await store.list_users(other.id) == []
+
+
+async def test_resources_and_connections_round_trip_with_sealed_secrets(store: Store):
+    org = await an_org(store)
+    res = Resource(id=new_id(), org_id=org, name="res", type="database", subtype="postgres",
+                   env_vars={"A": "1"}, created_at=NOW, updated_at=NOW)
+    b, a = a_connection(org, "b-role"), a_connection(org, "A-role")
+    await store.create_resource(res, [b, a])
+    assert (await store.get_resource(org, "res")).env_vars == {"A": "1"}
+    got = await store.get_connection(org, a.id)
+    assert got == a  # the secret comes back in clear, every field as written
+    assert (await store.get_connection(org, "b-role")).id == b.id
+    assert [c.name for c in await store.list_connections(org)] == ["A-role", "b-role"]  # by code point
+    raw = await store.db.fetch("SELECT secret FROM connections WHERE id = ?", (a.id,))
+    assert b"s3cret" not in bytes(raw[0][0])
+    with pytest.raises(Conflict):
+        await store.create_connection(a_connection(org, "A-role"))
+    a.settings = {"x": 2}
+    await store.update_connection(a)
+    assert (await store.get_connection(org, a.id)).settings == {"x": 2}
+    res.env_vars = {}
+    c = a_connection(org, "c-role")
+    await store.update_resource(res, [c])
+    assert [x.name for x in await store.list_connections(org, "res")] == ["c-role"]
+    await store.create_resource(Resource(id=new_id(), org_id=org, name="other", type="database",
+                                         subtype="postgres", created_at=NOW, updated_at=NOW),
+                                [a_connection(org, "d-role", "other")])
+    assert [r.name for r in await store.list_resources(org)] == ["other", "res"]
+    await store.delete_connection(org, "d-role")
+    assert await store.list_connections(org, "other") == []
+    await store.delete_resource(org, "res")
+    assert await store.get_resource(org, "res") is None and await store.get_connection(org, c.id) is None
+
+
+async def test_credentials_are_stored_with_their_session_and_revoked_once(store: Store):
+    org = await an_org(store)
+    session = a_session(org, status="ready")
+    cred = Credential(id=new_id(), org_id=org, user_id="u", connection_id="c", connection_name="pg",
+                      secret_hash="h1", session_id=session.id, expire_at=NOW, created_at=NOW, review_id="r1")
+    await store.create_credential(cred, session)
+    assert await store.get_credential("h1") == cred
+    assert (await store.get_session(session.id)).status == "ready"
+    with pytest.raises(Conflict):  # nothing half stored: the second session is not there either
+        await store.create_credential(Credential(**{**vars_of(cred), "id": new_id()}), a_session(org, user="zed"))
+    assert (await store.list_sessions(SessionFilter(org_id=org, user_id="zed"))).total == 0
+    second = Credential(**{**vars_of(cred), "id": new_id(), "secret_hash": "h2"})
+    await store.create_credential(second, None)
+    assert await store.revoke_credentials(session_id=session.id, revoked_at=NOW) == 2
+    assert await store.revoke_credentials(review_id="r1", revoked_at=NOW) == 0
+    assert (await store.get_credential("h2")).revoked_at == NOW
+
+
+def vars_of(record) -> dict:
+    from dataclasses import fields
+
+    return {f.name: getattr(record, f.name) for f in fields(record)}
+
+
+# ---------------------------------------------------------------------------- guard rails
+
+async def test_guardrails_round_trip_and_every_change_bumps_the_generation(store: Store):
+    org = await an_org(store)
+    start = await store.guardrail_generation()
+    zeta, alpha = a_rail(org, "zeta", ["c1", "c2"]), a_rail(org, "Alpha", ["c2"])
+    await store.save_guardrail(zeta, create=True)
+    assert await store.guardrail_generation() == start + 1
+    await store.save_guardrail(alpha, create=True)
+    assert await store.get_guardrail(org, zeta.id) == zeta
+    assert (await store.get_guardrail(org, "Alpha")).id == alpha.id
+    assert [r.name for r in await store.list_guardrails(org)] == ["Alpha", "zeta"]
+    assert [r.name for r in await store.list_guardrails(org, "c1")] == ["zeta"]
+    assert [r.name for r in await store.list_guardrails(org, "c2")] == ["Alpha", "zeta"]
+    with pytest.raises(Conflict):
+        await store.save_guardrail(a_rail(org, "zeta", []), create=True)
+    assert await store.guardrail_generation() == start + 2  # a refused change bumps nothing
+    zeta.connection_ids, zeta.version, zeta.output = ["c3"], 2, {"rules": []}
+    await store.save_guardrail(zeta, create=False)
+    assert await store.guardrail_generation() == start + 3
+    assert await store.get_guardrail(org, zeta.id) == zeta
+    await store.delete_guardrail(org, zeta.id)
+    assert await store.guardrail_generation() == start + 4
+    assert await store.get_guardrail(org, zeta.id) is None and await store.list_guardrails(org, "c3") == []
+
+
+async def test_a_rule_changed_through_another_handle_reaches_the_rule_cache(backend: Backend):
+    mine, theirs = await backend.open(), await backend.open()  # two processes on one database
+    org = await an_org(mine)
+    service = GuardRailService(mine)
+    assert (await service.rules_for(org, "c1")).empty
+    rail = a_rail(org, "no-drop", ["c1"])
+    await theirs.save_guardrail(rail, create=True)  # no invalidate() in this process
+    assert not (await service.rules_for(org, "c1")).check_input("drop table t").allowed
+    await theirs.delete_guardrail(org, rail.id)
+    assert (await service.rules_for(org, "c1")).empty
+
+
+# ---------------------------------------------------------------------------- sessions
+
+async def test_sessions_list_newest_first_with_filters_and_pages(store: Store):
+    org = await an_org(store)
+    made = [a_session(org, start=f"2026-01-0{d}T00:00:00Z", user=u, connection=c, type=t, status=s)
+            for d, u, c, t, s in [(1, "ann", "pg", "database", "done"), (2, "bob", "pg", "database", "open"),
+                                  (3, "ann", "ssh", "application", "done"), (4, "ann", "pg", "database", "open"),
+                                  (5, "bob", "ssh", "application", "ready")]]
+    twin = a_session(org, start=made[3].start_date, user="cy")  # same start: ordered by id
+    for s in [*made, twin]:
+        await store.create_session(s)
+    await store.create_session(a_session((await store.create_org("other")).id))
+
+    async def ids(**query) -> tuple[list[str], int]:
+        page = await store.list_sessions(SessionFilter(org_id=org, **query))
+        return [s.id for s in page.items], page.total
+
+    newest = [made[4].id, *sorted([made[3].id, twin.id]), made[2].id, made[1].id, made[0].id]
+    assert await ids() == (newest, 6)
+    assert await ids(limit=2, offset=1) == (newest[1:3], 6)
+    assert await ids(user_id="ann") == ([made[3].id, made[2].id, made[0].id], 3)
+    assert await ids(only_user_id="bob", connection="ssh") == ([made[4].id], 1)
+    assert (await ids(type="application"))[1] == 2 and (await ids(status="open"))[1] == 3
+    assert await ids(start_date="2026-01-02T00:00:00Z", end_date="2026-01-03T00:00:00Z") == \
+        ([made[2].id, made[1].id], 2)
+    full = (await store.list_sessions(SessionFilter(org_id=org, user_id="bob", status="ready"))).items[0]
+    assert full == made[4]
+    # reviews filter the listing too
+    review = Review(id=new_id(), org_id=org, session_id=made[0].id, connection_id="c", type="onetime",
+                    status="APPROVED", owner_id="ann", created_at=NOW,
+                    groups=[ReviewGroup(id=new_id(), review_id="", group_name="dba", status="APPROVED",
+                                        reviewed_by_email="Boss@example.com")])
+    await store.create_review(review)
+    reviewed = a_session(org, start=NOW, review_id=review.id)
+    await store.create_session(reviewed)
+    assert await ids(review_status="APPROVED") == ([reviewed.id], 1)
+    assert await ids(review_approver="boss@EXAMPLE.com") == ([reviewed.id], 1)
+    assert (await store.sessions_with_status("ready")) == [made[4]]
+
+
+async def test_events_go_in_bulk_and_read_back_in_order(store: Store):
+    org = await an_org(store)
+    session = a_session(org)
+    await store.create_session(session)
+    first, second = events(341), events(7, start=341)  # 341 = 256 + 64 + 16 + 4 + 1: every chunk size
+    await store.append_events([
+        EventBatch(session.id, 0, first, {"event_size": 100, "metrics": {"a": 1}, "chain_head": "h1"},
+                   CHAIN_GENESIS, "h1"),
+        EventBatch(session.id, 341, second, {"event_size": 120, "chain_head": "h2"}, "h1", "h2"),
+    ])
+    assert await store.read_events(session.id) == first + second
+    assert await store.read_events(session.id, "o") == [e for e in first + second if e.kind == "o"]
+    links, numbered = await store.read_event_chain(session.id)
+    assert [(x.first_seq, x.count, x.previous_hash, x.hash) for x in links] == \
+        [(0, 341, CHAIN_GENESIS, "h1"), (341, 7, "h1", "h2")]
+    assert numbered == list(enumerate(first + second))
+    assert await store.last_event_seq(session.id) == (348, 347)
+    assert await store.last_event_seq("none") == (0, 0)
+    stored = await store.get_session(session.id)
+    assert (stored.event_size, stored.metrics, stored.chain_head, stored.status) == (120, {"a": 1}, "h2", "open")
+    with pytest.raises(ValueError):  # a recording flush writes its progress, not the session's state
+        await store.append_events([EventBatch(session.id, 348, [], {"status": "done"})])
+    with pytest.raises(Conflict):  # a sequence number is never written twice
+        await store.append_events([EventBatch(session.id, 0, events(1), {}, "x", "y")])
+    assert len(await store.read_events(session.id)) == 348
+
+
+async def test_close_stores_the_last_events_and_the_end_together(store: Store):
+    org = await an_org(store)
+    session = a_session(org)
+    await store.create_session(session)
+    await store.close_session(EventBatch(session.id, 0, events(3), {"event_size": 30, "chain_head": "h"},
+                                         CHAIN_GENESIS, "h"), end_date=NOW, exit_code=254, seal="sig")
+    stored = await store.get_session(session.id)
+    assert (stored.status, stored.end_date, stored.exit_code, stored.seal, stored.event_size, stored.chain_head) \
+        == ("done", NOW, 254, "sig", 30, "h")
+    assert await store.read_events(session.id) == events(3)
+    assert await store.claim_session(session.id, NOW) is None  # done: nobody claims it
+    empty = a_session(org)
+    await store.create_session(empty)
+    await store.close_session(EventBatch(empty.id, 0, [], {}), end_date=NOW, exit_code=None, seal=None)
+    assert (await store.get_session(empty.id)).status == "done"
+
+
+async def test_exactly_one_of_concurrent_claims_wins(backend: Backend):
+    one, two = await backend.open(), await backend.open()  # as two processes would
+    org = await an_org(one)
+    issued = [a_session(org, status="ready") for _ in range(8)] + \
+        [a_session(org, status="open") for _ in range(4)]  # open: jit credentials handed out, not ended
+    for s in issued:
+        await one.create_session(s)
+    for s in issued:
+        won = await asyncio.gather(one.claim_session(s.id, "2026-02-01T00:00:00Z"),
+                                   two.claim_session(s.id, "2026-02-01T00:00:01Z"),
+                                   one.claim_session(s.id, "2026-02-01T00:00:02Z"))
+        winners = [w for w in won if w is not None]
+        assert len(winners) == 1, won
+        claimed = winners[0]
+        assert claimed.id == s.id and claimed.status == "open" and claimed.claimed_at
+        assert claimed.start_date.startswith("2026-02-01") and claimed.metadata == s.metadata
+        assert await two.get_session(s.id) == claimed
+        assert await two.claim_session(s.id, NOW) is None  # and once claimed, never again
+
+
+async def test_what_cannot_be_claimed(store: Store):
+    org = await an_org(store)
+    done = a_session(org, status="done", end_date=NOW)
+    ended = a_session(org, status="open", end_date=NOW)
+    for s in (done, ended):
+        await store.create_session(s)
+    assert await store.claim_session(done.id, NOW) is None
+    assert await store.claim_session(ended.id, NOW) is None
+    assert await store.claim_session("no-such-session", NOW) is None
+    assert (await store.get_session(done.id)).claimed_at is None
+
+
+async def test_start_moves_a_ready_session_to_open_without_claiming_it(store: Store):
+    org = await an_org(store)
+    ready = a_session(org, status="ready")
+    await store.create_session(ready)
+    assert await store.start_session(ready.id, "2026-03-01T00:00:00Z") is True
+    started = await store.get_session(ready.id)
+    assert (started.status, started.start_date, started.claimed_at) == ("open", "2026-03-01T00:00:00Z", None)
+    assert await store.start_session(ready.id, NOW) is False  # open already
+    assert (await store.claim_session(ready.id, NOW)).status == "open"  # still claimable once
+
+
+async def test_request_kill_marks_the_row_and_stops_a_claim(store: Store):
+    org = await an_org(store)
+    ready, live, done = a_session(org, status="ready"), a_session(org), a_session(org, status="done")
+    for s in (ready, live, done):
+        await store.create_session(s)
+    killed = await store.request_kill(ready.id, "revoked by an admin", NOW)
+    assert (killed.id, killed.kill_reason, killed.kill_requested_at, killed.status) == \
+        (ready.id, "revoked by an admin", NOW, "ready")
+    again = await store.request_kill(ready.id, "second reason", "2027-01-01T00:00:00Z")
+    assert (again.kill_reason, again.kill_requested_at) == ("revoked by an admin", NOW)  # the first one stays
+    assert await store.claim_session(ready.id, NOW) is None
+    assert await store.start_session(ready.id, NOW) is False
+    assert (await store.request_kill(live.id, "why", NOW)).status == "open"
+    assert await store.request_kill(done.id, "why", NOW) is None
+    assert await store.request_kill("no-such-session", "why", NOW) is None
+
+
+async def test_ai_analysis_is_stored_and_may_depend_on_the_status(store: Store):
+    org = await an_org(store)
+    ready, running = a_session(org, status="ready"), a_session(org)
+    for s in (ready, running):
+        await store.create_session(s)
+    verdict = {"risk_level": "high", "blocked": True}
+    assert await store.set_ai_analysis(ready.id, verdict, status="ready") is True
+    assert await store.set_ai_analysis(running.id, verdict, status="ready") is False
+    assert (await store.get_session(running.id)).ai_analysis is None
+    assert await store.set_ai_analysis(running.id, verdict) is True
+    assert (await store.get_session(ready.id)).ai_analysis == verdict
+    assert (await store.get_session(running.id)).ai_analysis == verdict
+
+
+# ---------------------------------------------------------------------------- reviews and rules
+
+async def test_reviews_round_trip_and_list_what_one_may_see(store: Store):
+    org = await an_org(store)
+
+    def review(owner: str, status: str, created: str, groups: list[str], forced: list[str] = ()) -> Review:
+        rid = new_id()
+        return Review(id=rid, org_id=org, session_id=new_id(), connection_id="c", type="jit", status=status,
+                      owner_id=owner, created_at=created, access_duration=60_000_000_000,
+                      force_approval_groups=list(forced), time_window={"type": "time_range"},
+                      groups=[ReviewGroup(id=new_id(), review_id=rid, group_name=g) for g in groups])
+
+    mine = review("ann", "PENDING", "2026-01-01T00:00:00Z", ["dba", "sec"])
+    theirs = review("bob", "PENDING", "2026-01-02T00:00:00Z", ["sec"])
+    forced = review("bob", "APPROVED", "2026-01-03T00:00:00Z", [], forced=["dba"])
+    session = a_session(org, status="ready", verb="exec", script="select 1")
+    mine.session_id = session.id
+    await store.create_review(mine, session)
+    for r in (theirs, forced):
+        await store.create_review(r)
+    assert await store.get_review(mine.id) == mine
+    assert (await store.get_session(session.id)).script == "select 1"
+    assert await store.get_review_by_session(session.id) == mine
+    assert set(await store.reviews_by_ids([mine.id, forced.id, mine.id, ""])) == {mine.id, forced.id}
+
+    async def listed(**kw) -> tuple[list[str], int]:
+        page = await store.list_reviews(org, **kw)
+        return [r.id for r in page.items], page.total
+
+    assert await listed() == ([forced.id, theirs.id, mine.id], 3)
+    assert await listed(limit=1, offset=1) == ([theirs.id], 3)
+    assert await listed(status="PENDING", type="jit") == ([theirs.id, mine.id], 2)
+    assert await listed(visible_to=("ann", [])) == ([mine.id], 1)
+    assert await listed(visible_to=("cy", ["dba"])) == ([forced.id, mine.id], 2)
+    assert await listed(visible_to=("cy", ["sec", "ops"])) == ([theirs.id, mine.id], 2)
+    mine.status, mine.revoke_at, mine.updated_at = "APPROVED", NOW, NOW
+    mine.groups[0].status, mine.groups[0].reviewed_by_email = "APPROVED", "boss@example.com"
+    mine.groups = mine.groups[:1]
+    await store.save_review(mine)
+    assert await store.get_review(mine.id) == mine
+    assert {r.id for r in await store.reviews_with_status("APPROVED")} == {mine.id, forced.id}
+    assert await store.reviews_with_status("APPROVED", "onetime") == []
+
+
+async def test_access_rules_ai_rules_and_the_ai_provider(store: Store):
+    org = await an_org(store)
+    rule = AccessRequestRule(id=new_id(), org_id=org, name="prod", access_type="jit", connection_names=["pg"],
+                             reviewers_groups=["dba"], min_approvals=2, created_at=NOW, updated_at=NOW)
+    await store.save_access_rule(rule, create=True)
+    with pytest.raises(Conflict):
+        await store.save_access_rule(AccessRequestRule(id=new_id(), org_id=org, name="prod", access_type="jit"),
+                                     create=True)
+    rule.description = "changed"
+    await store.save_access_rule(rule, create=False)
+    assert await store.get_access_rule(org, rule.id) == rule
+    await store.save_access_rule(AccessRequestRule(id=new_id(), org_id=org, name="Dev", access_type="command"),
+                                 create=True)
+    assert [r.name for r in await store.list_access_rules(org)] == ["Dev", "prod"]
+    await store.delete_access_rule(org, "prod")
+    assert await store.get_access_rule(org, "prod") is None
+
+    ai = AIAnalyzerRule(id=new_id(), org_id=org, name="watch", connection_names=["pg"],
+                        risk_evaluation={"high_risk_action": "block"}, on_failure="closed", timeout=2.5,
+                        created_at=NOW, updated_at=NOW)
+    await store.save_ai_rule(ai, create=True)
+    assert await store.get_ai_rule(org, "watch") == ai
+    ai.timeout = None
+    await store.save_ai_rule(ai, create=False)
+    assert [r.timeout for r in await store.list_ai_rules(org)] == [None]
+    await store.delete_ai_rule(org, ai.id)
+    assert await store.list_ai_rules(org) == []
+
+    assert await store.get_ai_provider(org) is None
+    provider = AIProvider(id=new_id(), org_id=org, provider="openai", model="m1", api_key="sk-secret",
+                          created_at=NOW, updated_at=NOW)
+    await store.save_ai_provider(provider)
+    await store.save_ai_provider(AIProvider(id=new_id(), org_id=org, provider="anthropic", model="m2",
+                                            api_key="sk-other", created_at=NOW, updated_at="later"))
+    got = await store.get_ai_provider(org)
+    assert (got.id, got.provider, got.model, got.api_key, got.updated_at) == \
+        (provider.id, "anthropic", "m2", "sk-other", "later")  # one per org: upserted in place
+    raw = await store.db.fetch("SELECT api_key FROM ai_providers WHERE org_id = ?", (org,))
+    assert b"sk-other" not in bytes(raw[0][0])
+    assert await store.delete_ai_provider(org) is True
+    assert await store.delete_ai_provider(org) is False
+
+
+# ---------------------------------------------------------------------------- audit, settings, keys
+
+async def test_the_audit_log_chains_per_org_and_filters(store: Store):
+    org = await an_org(store)
+    other = (await store.create_org("other")).id
+
+    def entry(org_id: str, action: str, when: str, outcome: str = "success") -> AuditEntry:
+        return AuditEntry(id=new_id(), org_id=org_id, created_at=when, actor_subject="sub-a",
+                          actor_email="Ann@example.com", actor_name="Ann", resource_type="session", action=action,
+                          outcome=outcome, request_payload_redacted={"k": "v"})
+
+    written = [entry(org, "a", "2026-01-01T00:00:00Z"), entry(other, "x", "2026-01-01T00:00:01Z"),
+               entry(org, "b", "2026-01-02T00:00:00Z", "failure"), entry(org, "c", "2026-01-02T00:00:00Z")]
+    for e in written:
+        await store.append_audit(e)
+    chain = await store.audit_chain(org)
+    assert [c["action"] for c in chain] == ["a", "b", "c"]
+    assert chain[0]["prev_hash"] == CHAIN_GENESIS
+    assert [c["prev_hash"] for c in chain[1:]] == [c["hash"] for c in chain[:-1]]
+    assert (await store.audit_chain(other))[0]["prev_hash"] == CHAIN_GENESIS
+    page = await store.list_audit(AuditFilter(org_id=org))
+    assert ([e.action for e in page.items], page.total) == (["c", "b", "a"], 3)  # newest, then last written
+    assert page.items[0].request_payload_redacted == {"k": "v"} and page.items[0].hash == chain[2]["hash"]
+    assert [e.action for e in (await store.list_audit(AuditFilter(org_id=org, page=2, page_size=2))).items] == ["a"]
+    assert (await store.list_audit(AuditFilter(actor="ann@EXAMPLE.com"))).total == 4
+    assert [e.action for e in (await store.list_audit(AuditFilter(org_id=org, outcome="failure"))).items] == ["b"]
+    assert (await store.list_audit(AuditFilter(created_after="2026-01-01T00:00:01Z",
+                                               created_before="2026-01-01T23:00:00Z"))).total == 1
+
+
+async def test_audit_appends_from_two_handles_never_fork_the_chain(backend: Backend):
+    one, two = await backend.open(), await backend.open()
+    org = await an_org(one)
+    await asyncio.gather(*(s.append_audit(AuditEntry(
+        id=new_id(), org_id=org, created_at=NOW, actor_subject="s", actor_email="e", actor_name="n",
+        resource_type="r", action=str(i), outcome="success")) for i, s in enumerate([one, two] * 10)))
+    chain = await one.audit_chain(org)
+    assert len(chain) == 20
+    assert [c["prev_hash"] for c in chain] == [CHAIN_GENESIS] + [c["hash"] for c in chain[:-1]]
+
+
+async def test_settings_and_keys_are_upserted(store: Store):
+    assert await store.get_setting("listeners") is None
+    await store.put_setting("listeners", {"postgres": 15432})
+    await store.put_setting("listeners", {"postgres": 25432, "ssh": [1, 2]})
+    assert await store.get_setting("listeners") == {"postgres": 25432, "ssh": [1, 2]}
+    assert await store.get_key("host") is None
+    await store.put_key("host", b"\x00material")
+    await store.put_key("host", b"\x01other")
+    assert await store.get_key("host") == b"\x01other"
+    assert await store.delete_key("host") is True
+    assert await store.delete_key("host") is False and await store.get_key("host") is None
+
+
+# ---------------------------------------------------------------------------- backend specifics
+
+async def test_sqlite_without_returning_claims_and_kills_the_same_way(tmp_path):
+    """An SQLite older than 3.35 has no RETURNING: the UPDATE and a SELECT in one write transaction."""
+    from gatewayd.store.sqlite import SQLiteStore
+
+    store = SQLiteStore(tmp_path / "old.db", SecretBox(os.urandom(32)))
+    store.dialect.returning = False
+    await store.open()
+    try:
+        org = await an_org(store)
+        ready = a_session(org, status="ready")
+        await store.create_session(ready)
+        won = await asyncio.gather(*(store.claim_session(ready.id, NOW) for _ in range(3)))
+        assert [w is not None for w in won].count(True) == 1
+        assert (await store.request_kill(ready.id, "why", NOW)).kill_reason == "why"
+        assert await store.set_ai_analysis(ready.id, {"a": 1}, status="ready") is False
+    finally:
+        await store.close()
