@@ -178,3 +178,27 @@ def test_target_port_defaults_and_refuses_typos():
     assert target_port({}, 5432) == 5432
     assert target_port({"PORT": " 2222 "}, 22) == 2222
     assert [target_port({"PORT": bad}, 22) for bad in ("54x32", "0", "65536", "-1")] == [0, 0, 0, 0]
+
+
+async def test_two_processes_claim_a_credential_s_issued_session_once(tmp_path):
+    """Two gateways on one store (as two processes): one connection claims the issued session, the other
+    gets a session of its own; the claim is the store's, not an in-memory set's."""
+    from gatewayd.models import Credential
+    from gatewayd.sessions import session_for
+
+    async with core_gateway(tmp_path) as one, core_gateway(tmp_path) as two:
+        conn = await a_connection(one)
+        org = await one.store.default_org()
+        user = User(id=new_id(), org_id=org.id, subject="sub-claim", email="claim@example.com")
+        issued = session_for(user, conn, status="ready")
+        now = rfc3339(utcnow())
+        cred = Credential(id=new_id(), org_id=org.id, user_id=user.subject, connection_id=conn.id,
+                          connection_name=conn.name, secret_hash=new_id(), session_id=issued.id,
+                          expire_at="2999-01-01T00:00:00Z", created_at=now)
+        await one.store.create_credential(cred, issued)
+        lives = await asyncio.gather(one.sessions.open(user, conn, credential=cred),
+                                     two.sessions.open(user, conn, credential=cred))
+        assert sorted(live.id == issued.id for live in lives) == [False, True]
+        for live in lives:
+            await live.close(exit_code=0)
+        assert (await one.store.get_session(issued.id)).status == "done"
