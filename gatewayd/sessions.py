@@ -163,6 +163,7 @@ class SessionManager:
             session = await self.store.claim_session(existing.id, rfc3339(utcnow()))
             if session is None:
                 raise SessionUnavailable(f"session {existing.id} was run, ended or killed already")
+            existing.status, existing.start_date = session.status, session.start_date
         claim = credential.session_id if credential is not None else None
         if session is None and claim is not None and claim not in self.live:
             session = await self.store.claim_session(claim, rfc3339(utcnow()))

@@ -202,3 +202,25 @@ async def test_two_processes_claim_a_credential_s_issued_session_once(tmp_path):
         for live in lives:
             await live.close(exit_code=0)
         assert (await one.store.get_session(issued.id)).status == "done"
+
+
+async def test_killing_a_session_no_process_runs_records_the_request_and_closes_it(core):
+    from gatewayd.models import Credential
+    from gatewayd.sessions import session_for
+
+    conn = await a_connection(core)
+    org = await core.store.default_org()
+    user = User(id=new_id(), org_id=org.id, subject="sub-kill", email="kill@example.com")
+    issued = session_for(user, conn, status="ready")
+    cred = Credential(id=new_id(), org_id=org.id, user_id=user.subject, connection_id=conn.id,
+                      connection_name=conn.name, secret_hash=new_id(), session_id=issued.id,
+                      expire_at="2999-01-01T00:00:00Z", created_at=rfc3339(utcnow()))
+    await core.store.create_credential(cred, issued)
+    assert await core.sessions.kill(issued.id, "killed by admin@example.com") is True
+    stored = await core.store.get_session(issued.id)
+    assert (stored.status, stored.exit_code, stored.kill_reason) == ("done", 254, "killed by admin@example.com")
+    assert [e.data for e in await core.store.read_events(issued.id, "e")] == [b"killed by admin@example.com"]
+    assert await core.sessions.kill(issued.id, "again") is False
+    live = await core.sessions.open(user, conn, credential=cred)  # the killed session is never claimed
+    assert live.id != issued.id
+    await live.close(exit_code=0)

@@ -597,3 +597,9 @@ async def test_sqlite_without_returning_claims_and_kills_the_same_way(tmp_path):
         assert await store.set_ai_analysis(ready.id, {"a": 1}, status="ready") is False
     finally:
         await store.close()
+
+
+def test_numbered_placeholders_for_a_dollar_dialect():
+    from gatewayd.store.sql import numbered
+
+    assert numbered("UPDATE t SET a = ? WHERE b IN (?, ?)") == "UPDATE t SET a = $1 WHERE b IN ($2, $3)"
