@@ -133,7 +133,7 @@ async def test_a_store_of_the_previous_version_is_migrated_with_its_data(backend
     monkeypatch.setattr(queries, "MIGRATIONS", [m for m in MIGRATIONS if m[0] < 7])
     old = await backend.open()
     org = await an_org(old)
-    await old.db.transact(queries.statements([(
+    await old.db.transact(queries.in_order([(
         "INSERT INTO sessions (id, org_id, user_id, user_email, connection, connection_id, type, subtype, verb, "
         "status, start_date) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         ("s-old", org, "u", "u@example.com", "pg", "c", "database", "postgres", "connect", "ready", NOW))]))

@@ -39,13 +39,13 @@ from gatewayd.store.sql import (
     Row,
     Statement,
     Work,
+    assign,
     build,
     columns,
     decode,
     encode,
-    assign,
+    in_order,
     insert,
-    statements,
     update,
 )
 
@@ -106,7 +106,7 @@ class SQLStore(Store):
 
     async def _write(self, batch: list[Statement]) -> None:
         """Run statements in one transaction (unique violations become Conflict)."""
-        await self.db.transact(statements(batch))
+        await self.db.transact(in_order(batch))
 
     async def _one(self, sql: str, params: tuple = ()) -> Any:
         rows = await self.db.fetch(sql, params)

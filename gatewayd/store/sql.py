@@ -206,7 +206,7 @@ def assign(table: str, values: dict[str, Any], where: str, params: Iterable[Any]
     return sql, tuple(encode(n, v) for n, v in values.items()) + tuple(params)
 
 
-def statements(batch: list[Statement]) -> Work[None]:
+def in_order(batch: list[Statement]) -> Work[None]:
     """The work of running ``batch`` in order, in one transaction."""
     for statement in batch:
         yield statement
