@@ -3,7 +3,9 @@
 Backends come from one fixture, ``backend`` (``params=["sqlite"]``; the PostgreSQL backend of
 the scale-out issue adds ``"postgres"``). A ``Backend`` is one database: ``open()`` gives a
 new, migrated handle on it, as another process would get; tests that need two processes (the
-claim, the guard-rail generation) open two. Real databases, no mocks.
+claim, the guard-rail generation) open two. Real databases, no mocks. A few checks read
+the database itself (schema versions, that secrets are sealed) through ``store.db``, the
+connector every ``SQLStore`` backend has.
 """
 
 from __future__ import annotations
