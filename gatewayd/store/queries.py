@@ -108,6 +108,15 @@ class SQLStore(Store):
         """Run statements in one transaction (unique violations become Conflict)."""
         await self.db.transact(in_order(batch))
 
+    async def _changed(self, statement: Statement) -> int:
+        """Run one UPDATE or DELETE in its own transaction; how many rows it changed."""
+        return await self.db.transact(self._rowcount(statement))
+
+    @staticmethod
+    def _rowcount(statement: Statement) -> Work[int]:
+        done = yield statement
+        return done.rowcount
+
     async def _one(self, sql: str, params: tuple = ()) -> Any:
         rows = await self.db.fetch(sql, params)
         return rows[0] if rows else None
@@ -283,11 +292,8 @@ class SQLStore(Store):
     async def revoke_credentials(self, *, session_id: str | None = None, review_id: str | None = None,
                                  revoked_at: str) -> int:
         column, value = ("session_id", session_id) if session_id else ("review_id", review_id)
-        count = await self._count(f"SELECT COUNT(*) FROM credentials WHERE {column} = ? AND revoked_at IS NULL",
-                                  (value,))
-        await self._write([(f"UPDATE credentials SET revoked_at = ? WHERE {column} = ? AND revoked_at IS NULL",
-                            (revoked_at, value))])
-        return count
+        return await self._changed((f"UPDATE credentials SET revoked_at = ? WHERE {column} = ? AND revoked_at IS NULL",
+                                    (revoked_at, value)))
 
     # ---------------------------------------------------------------- guard rails
     _BUMP_GUARDRAILS: Statement = ("UPDATE store_counters SET value = value + 1 WHERE name = ?", (GUARDRAILS,))
@@ -592,10 +598,7 @@ class SQLStore(Store):
              provider.created_at, provider.updated_at))])
 
     async def delete_ai_provider(self, org_id: str) -> bool:
-        if not await self._one("SELECT 1 FROM ai_providers WHERE org_id = ?", (org_id,)):
-            return False
-        await self._write([("DELETE FROM ai_providers WHERE org_id = ?", (org_id,))])
-        return True
+        return await self._changed(("DELETE FROM ai_providers WHERE org_id = ?", (org_id,))) > 0
 
     async def save_ai_rule(self, rule: AIAnalyzerRule, *, create: bool) -> None:
         statement = insert("ai_analyzer_rules", rule) if create else \
@@ -683,6 +686,4 @@ class SQLStore(Store):
             (name, self.box.seal(material, name.encode()), rfc3339(utcnow())))])
 
     async def delete_key(self, name: str) -> bool:
-        existed = await self._one("SELECT 1 FROM signing_keys WHERE name = ?", (name,)) is not None
-        await self._write([("DELETE FROM signing_keys WHERE name = ?", (name,))])
-        return existed
+        return await self._changed(("DELETE FROM signing_keys WHERE name = ?", (name,))) > 0

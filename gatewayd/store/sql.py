@@ -59,7 +59,8 @@ class Row(Protocol):
 
 @dataclass(slots=True)
 class Result:
-    """What one statement of a write transaction gave back: its rows (RETURNING, SELECT) and row count."""
+    """What one statement of a write transaction gave back: its rows (RETURNING, SELECT) and the rows
+    it changed (sqlite3's ``rowcount``; asyncpg's command status, ``UPDATE 3``)."""
 
     rows: list[Any]
     rowcount: int
