@@ -107,6 +107,10 @@ class SessionPolicy:
         if not self.recorder.truncated:
             self.recorder.output(data)
 
+    def offset_ms(self) -> int:
+        """Milliseconds into the session's recording: the clock of what a proxy stores beside it (RDP's frames)."""
+        return self.recorder.offset_ms()
+
     def describe(self, name: str, value: Any) -> None:
         """Describe the recording (its metrics, e.g. an SSH terminal's size), once: a first value is kept."""
         self.recorder.metrics.setdefault(name, value)

@@ -131,6 +131,20 @@ async def test_the_policy_chain_records_blocked_input_then_its_block_and_audits_
     assert block[0].client_ip == "127.0.0.9"
 
 
+async def test_the_policy_tells_the_recordings_clock_for_what_a_proxy_stores_beside_it(core):
+    """RDP's frames are stamped on the session's clock: an event recorded between two readings lies between them."""
+    grant = await grant_for(core, 1)
+    run = await core.pipeline.start(grant)
+    await asyncio.sleep(0.05)  # so that the clock has moved from zero (a wait, not a measure)
+    before = run.policy.offset_ms()
+    run.policy.record_input("typed")
+    after = run.policy.offset_ms()
+    await run.close()
+    await core.recording.flush()
+    [event] = await core.store.read_events(run.id)
+    assert 0 < before <= event.offset_ms <= after
+
+
 async def test_a_kill_reaches_the_proxy_and_ends_the_session_with_its_reason(core):
     grant = await grant_for(core, 1)
     told = []
