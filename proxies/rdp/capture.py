@@ -7,6 +7,7 @@ import logging
 from typing import Any, Callable
 
 from gatewayd.frames import FrameCapReached, FrameError, FrameStore, FrameWriter
+from gatewayd.tasks import BackgroundTasks
 from proxies.rdp.codec import Rectangle, UpdateDecoder
 
 log = logging.getLogger("gatewayd.rdp")
@@ -24,9 +25,11 @@ class FrameCapture:
     session's ``FrameWriter``, in arrival order.
     """
 
-    def __init__(self, frames: FrameStore, session_id: str, on_stop: Callable[[str], None] | None = None) -> None:
+    def __init__(self, frames: FrameStore, session_id: str, on_stop: Callable[[str], None] | None = None,
+                 tasks: BackgroundTasks | None = None) -> None:
         """``on_stop`` hears, once each and when it happens, why the recording stopped (cap reached, write
-        error) and that screen content passed which the decoder cannot read (``unrecorded``)."""
+        error) and that screen content passed which the decoder cannot read (``unrecorded``).  ``tasks``
+        holds the worker task (the listener's; one of the capture's own by default)."""
         self.frames = frames
         self.on_stop = on_stop
         self._told_unrecorded = False
@@ -40,7 +43,9 @@ class FrameCapture:
         self._closed = False
         self.dropped = 0
         self.failed: str | None = None
-        self._task = asyncio.ensure_future(self._run())
+        if tasks is None:
+            tasks = BackgroundTasks("rdp screen capture", session_id=session_id)
+        self._task = tasks.spawn(self._run())
 
     def _put(self, kind: str, timestamp: int, item: Any, size: int) -> None:
         if self._closed or self.failed:

@@ -3,18 +3,21 @@
 What the gateway adds to pyrdp's man-in-the-middle:
 
 1. admission -- the X.224 connection request's cookie (``mstshash=<secret>``,
-   which xfreerdp fills from ``/u:``) names the credential; it is resolved
-   (and audited) before pyrdp sees the request. An unknown, expired or
+   which xfreerdp fills from ``/u:``) names the credential; the session
+   pipeline admits it (audited) before pyrdp sees the request. An unknown, expired or
    revoked secret closes the connection. The role's ``HOST``/``PORT`` is the
    target, its ``USER``/``PASS`` (and optional ``DOMAIN``) replace what the
    client sent in its client info, with auto-logon;
-2. the target connection -- a failure is an ``e`` event and exit code 254; a
-   target that insists on NLA (CredSSP) gets its refusal passed to the client
-   and the session closed with an ``e`` event saying NLA is not supported;
+2. the target connection -- the pipeline opens the session, then dials
+   (``open_first``: the screen capture is the session's); a failure is an
+   ``e`` event and exit code 254 (``TargetError``); a target that insists on
+   NLA (CredSSP) gets its refusal passed to the client and the session
+   closed with an ``e`` event saying NLA is not supported;
 3. recording -- pyrdp's replay file is not written (it holds the client's
    password in clear): ``GatewayRecorder`` receives pyrdp's recording calls
    and keeps only the target's bitmap updates (as frames, ``FrameCapture``)
-   and, when ``rdp.record_keyboard`` is on, key presses as ``i`` events. The
+   and, when ``rdp.record_keyboard`` is on, key presses as ``i`` events
+   (through the session's policy chain, stamped on its clock). The
    client's capabilities are trimmed to what the recorder decodes (no bitmap
    codecs, no surface commands: ``codec.offer_only_bitmaps``); screen content
    that passes undecoded all the same is an ``e`` event, once;
@@ -34,8 +37,9 @@ import copy
 import logging
 import re
 import secrets
+import socket
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Coroutine
+from typing import TYPE_CHECKING, Any
 
 import pyrdp.mitm.state as pyrdp_state
 from Crypto.PublicKey import RSA
@@ -49,16 +53,17 @@ from pyrdp.pdu import ConfirmActivePDU, InputPDU, NegotiationFailurePDU, UpdateP
 from twisted.internet import reactor
 from twisted.internet.protocol import ClientFactory, ServerFactory
 
-from gatewayd.access import AccessDenied, looks_like_secret
-from gatewayd.dialer import DialError
+from gatewayd.access import looks_like_secret
+from gatewayd.dialer import DialError, Dialer
 from gatewayd.models import target_port
-from gatewayd.sessions import BLOCKED_EXIT_CODE
+from gatewayd.pipeline import AccessDenied, BLOCKED_EXIT_CODE, GatewayClosing, TargetUnreachable
+from gatewayd.tasks import BackgroundTasks
 from proxies.rdp.capture import FrameCapture
 from proxies.rdp.codec import KeyboardText, offer_only_bitmaps
 
 if TYPE_CHECKING:
-    from gatewayd.daemon import Gateway
-    from gatewayd.sessions import LiveSession
+    from gatewayd.frames import FrameStore
+    from gatewayd.pipeline import ProxyContext, SessionPipeline, SessionPolicy, SessionRun
 
 log = logging.getLogger("gatewayd.rdp")
 
@@ -69,6 +74,14 @@ NLA_MESSAGE = ('the target of connection "{name}" requires Network Level Authent
                "the gateway does not support: allow TLS or standard RDP security on the target")
 _SECRET = re.compile(r"[a-z]+-[A-Za-z0-9_-]{43}")  # any credential shape; resolve() says if it is not for rdp
 CLIENT, TARGET = "client", "target"
+
+
+class TargetError(Exception):
+    """The target of a connection cannot be dialed (no port number, unreachable); ``message`` is client-safe."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
 
 
 class PyrdpLogBridge(logging.Handler):
@@ -155,8 +168,12 @@ class GatewayMITM(RDPMITM):
 
     def __init__(self, factory: "GatewayMITMFactory", config: MITMConfig, state: RDPMITMState) -> None:
         self.factory = factory
-        self.gateway: Gateway = factory.gateway
-        self.live: LiveSession | None = None
+        self.pipeline: SessionPipeline = factory.pipeline
+        self.tasks: BackgroundTasks = factory.tasks
+        self.admitted = False
+        self.run: SessionRun[socket.socket] | None = None
+        self.policy: SessionPolicy | None = None
+        self.connection_name = "?"
         self.capture: FrameCapture | None = None
         self.keyboard = KeyboardText() if factory.record_keyboard else None
         self.ended: str | None = None
@@ -164,7 +181,6 @@ class GatewayMITM(RDPMITM):
         self.refused = False
         self.domain: str | None = None
         self._certificate_ready = False
-        self._tasks: set[asyncio.Future[Any]] = set()
         main = SessionLogger(logging.getLogger(LOGGER_NAMES.MITM_CONNECTIONS), state.sessionID)
         crawler = SessionLogger(logging.getLogger(LOGGER_NAMES.CRAWLER), state.sessionID)
         super().__init__(main, crawler, config, state=state, recorder=GatewayRecorder(self, state))
@@ -200,12 +216,7 @@ class GatewayMITM(RDPMITM):
 
     @property
     def session_id(self) -> str | None:
-        return self.live.id if self.live is not None else None
-
-    def _spawn(self, coroutine: Coroutine[Any, Any, Any]) -> None:
-        task = asyncio.ensure_future(coroutine)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        return self.run.id if self.run is not None else None
 
     # -- admission
 
@@ -213,7 +224,7 @@ class GatewayMITM(RDPMITM):
         asyncio.get_running_loop().call_later(STARTUP_TIMEOUT, self._startup_timeout)
 
     def _startup_timeout(self) -> None:
-        if self.live is None and self.ended is None and not self.refused:
+        if not self.admitted and self.ended is None and not self.refused:
             self.refused = True
             self.client.tcp.disconnect(True)
 
@@ -222,7 +233,7 @@ class GatewayMITM(RDPMITM):
         self.client.tcp.disconnect()
 
     def _admit(self, pdu: Any) -> None:
-        self._spawn(self._admission(pdu))
+        self.tasks.spawn(self._admission(pdu))
 
     async def _admission(self, pdu: Any) -> None:
         client_ip = self.state.clientIp or ""
@@ -233,7 +244,7 @@ class GatewayMITM(RDPMITM):
         except Exception:
             request, secret = None, None
         try:
-            grant = await self.gateway.access.resolve(secret or "", "rdp", client_ip)
+            grant = await self.pipeline.admit(secret or "", "rdp", client_ip)
         except AccessDenied as exc:
             log.info("rdp login refused", extra={"client_ip": client_ip, "reason": str(exc)})
             self._refuse()
@@ -242,12 +253,14 @@ class GatewayMITM(RDPMITM):
             log.exception("rdp admission failed", extra={"client_ip": client_ip})
             self._refuse()
             return
+        self.admitted = True
         if self.ended is not None:
             return
         connection = grant.connection
+        self.connection_name = name = connection.name
         target = connection.target()
         host = target.get("HOST") or "127.0.0.1"
-        port = target_port(target, 3389)  # 0 for a typo: told below, not replaced by 3389
+        port = target_port(target, 3389)  # 0 for a typo: told by dial, not replaced by 3389
         self.config.replacementUsername = target.get("USER") or ""
         self.config.replacementPassword = target.get("PASS") or ""
         self.domain = target.get("DOMAIN")
@@ -256,37 +269,54 @@ class GatewayMITM(RDPMITM):
             user = self.config.replacementUsername
             request.cookie = f"Cookie: mstshash={user}".encode("latin-1", "replace") if user else None
             pdu.payload = parser.write(request)
-        try:
-            self.live = live = await self.gateway.sessions.open(grant.user, connection, credential=grant.credential,
-                                                                        client_ip=client_ip)
-        except RuntimeError as exc:  # shutting down
+
+        async def dial(dialer: Dialer) -> socket.socket:
+            if not 0 < port < 65536:
+                raise TargetError(f'connection "{name}": its PORT is not a port number')
+            try:
+                return await dialer.open_socket(host, port, connection=name, timeout=CONNECT_TIMEOUT)
+            except DialError as exc:
+                raise TargetError(f'the target of connection "{name}" is unreachable: {exc.reason}') from None
+
+        try:  # the session first: the screen capture is the session's, the target's failure is on its record
+            run = await self.pipeline.start(grant, client_ip, dial=dial, unreachable=(TargetError,),
+                                            drop=lambda sock: sock.close(), on_kill=self._kill, open_first=True)
+        except TargetUnreachable:  # the pipeline closed the session with its e event and 254
+            self.ended = self.ended or "error"
+            self.client.tcp.disconnect()
+            return
+        except GatewayClosing as exc:
             log.info("rdp session refused", extra={"reason": str(exc)})
             self._refuse()
             return
-        if self.ended is not None:  # the client left while the session was being opened
-            await live.close(exit_code=0)
+        except Exception:
+            log.exception("rdp session could not be opened", extra={"client_ip": client_ip})
+            self._refuse()
             return
-        live.on_kill(self._kill)
-        self.capture = FrameCapture(self.gateway.frames, live.id, on_stop=live.recorder.error)
-        if not 0 < port < 65536:
-            await self._fail(f'connection "{connection.name}": its PORT is not a port number')
-            return
-        try:
-            sock = await self.gateway.dialer.open_socket(host, port, connection=connection.name,
-                                                         timeout=CONNECT_TIMEOUT)
-        except DialError as exc:
-            await self._fail(f'the target of connection "{connection.name}" is unreachable: {exc.reason}')
-            return
-        try:  # Twisted takes over a duplicate of the dialed socket's descriptor
-            transport = reactor.adoptStreamConnection(sock.fileno(), sock.family, TargetConnector(self.server.tcp))
-        finally:
+        sock = run.target
+        if self.ended is not None or run.ended:  # the client left, or a kill came, while the target was dialed
             sock.close()
-        # An adopted socket is a Twisted "server" transport, whose startTLS would play the TLS server;
-        # towards the target the gateway is the client (Twisted's own client transports set this flag).
-        transport._tlsClientDefault = True
-        if self.ended is not None:  # the client left (or the session was killed) while we connected
-            self.server.tcp.disconnect(True)
+            self.ended = self.ended or "gateway"
+            self.client.tcp.disconnect(True)
+            await run.close(exit_code=0)  # the client left (a kill closed it already)
             return
+        self.run, self.policy = run, run.policy
+        try:
+            async with run:  # an error from here on closes the session with 254
+                self.capture = FrameCapture(self.factory.frames, run.id, on_stop=run.policy.error, tasks=self.tasks)
+                try:  # Twisted takes over a duplicate of the dialed socket's descriptor
+                    transport = reactor.adoptStreamConnection(sock.fileno(), sock.family,
+                                                              TargetConnector(self.server.tcp))
+                finally:
+                    sock.close()
+                # An adopted socket is a Twisted "server" transport, whose startTLS would play the TLS server;
+                # towards the target the gateway is the client (Twisted's own client transports set this flag).
+                transport._tlsClientDefault = True
+        except BaseException:
+            self.ended = self.ended or "error"
+            self.client.tcp.disconnect(True)
+            self.server.tcp.disconnect(True)
+            raise
         self._pyrdp_connection_request(pdu)  # pyrdp forwards the request; its connector is connectToServer
 
     async def connectToServer(self) -> None:
@@ -301,8 +331,7 @@ class GatewayMITM(RDPMITM):
         if (isinstance(response, NegotiationFailurePDU)
                 and response.failureCode == NegotiationFailureCode.HYBRID_REQUIRED_BY_SERVER):
             self.client.x224.sendConnectionConfirm(pdu.payload, source=0x1234)  # the client hears why
-            name = self.live.connection.name if self.live else "?"
-            self._spawn(self._fail(NLA_MESSAGE.format(name=name)))
+            self.tasks.spawn(self._fail(NLA_MESSAGE.format(name=self.connection_name)))
             return
         self._pyrdp_connection_confirm(pdu)
 
@@ -320,7 +349,7 @@ class GatewayMITM(RDPMITM):
         if not cert or self.certs is None or self._certificate_ready:
             super().doClientTls()
             return
-        self._spawn(self._clone_certificate(cert))
+        self.tasks.spawn(self._clone_certificate(cert))
 
     async def _clone_certificate(self, cert: Any) -> None:
         try:
@@ -336,18 +365,18 @@ class GatewayMITM(RDPMITM):
     # -- recording
 
     def on_recorded(self, pdu: Any, kind: PlayerPDUType) -> None:
-        live, capture = self.live, self.capture
-        if live is None or capture is None:
+        policy, capture = self.policy, self.capture
+        if policy is None or capture is None:
             return
         if kind == PlayerPDUType.CLIENT_INFO:
             if self.domain is not None:  # seen before pyrdp replaces user and password
                 pdu.domain = self.domain
             return
         if kind == PlayerPDUType.FAST_PATH_OUTPUT:
-            capture.fastpath(live.recorder.offset_ms(), list(pdu.events))
+            capture.fastpath(policy.offset_ms(), list(pdu.events))
         elif kind == PlayerPDUType.SLOW_PATH_PDU:
             if isinstance(pdu, UpdatePDU) and pdu.updateType == SlowPathUpdateType.SLOWPATH_UPDATETYPE_BITMAP:
-                capture.slowpath(live.recorder.offset_ms(), bytes(pdu.updateData))
+                capture.slowpath(policy.offset_ms(), bytes(pdu.updateData))
             elif isinstance(pdu, UpdatePDU):
                 capture.slowpath_other(pdu.updateType)
             elif isinstance(pdu, ConfirmActivePDU):
@@ -363,8 +392,8 @@ class GatewayMITM(RDPMITM):
             capture.resize(core.desktopWidth, core.desktopHeight)
 
     def _keys(self, text: str) -> None:
-        if text and self.live is not None:
-            self.live.recorder.input(text)
+        if text and self.policy is not None:
+            self.policy.record_input(text)  # no input rule reads keystrokes
 
     # -- lifecycle
 
@@ -392,26 +421,26 @@ class GatewayMITM(RDPMITM):
         await self._close(BLOCKED_EXIT_CODE, message)
 
     def _side_closed(self, side: str) -> None:
-        if self.ended is not None or self.live is None:
+        if self.ended is not None or self.run is None:
             self.ended = self.ended or side
             return
         self.ended = side
         if side == CLIENT or self.closed_by_target_logoff:
-            self._spawn(self._close(0, None))
+            self.tasks.spawn(self._close(0, None))
         else:
-            name = self.live.connection.name
-            self._spawn(self._close(BLOCKED_EXIT_CODE, f'the target of connection "{name}" closed the connection'))
+            self.tasks.spawn(self._close(BLOCKED_EXIT_CODE,
+                                         f'the target of connection "{self.connection_name}" closed the connection'))
 
     async def _close(self, exit_code: int, error: str | None) -> None:
-        live, capture = self.live, self.capture
-        if live is None:
+        run, capture = self.run, self.capture
+        if run is None:
             return
         if capture is not None:
             await capture.close()
             if capture.dropped:
-                live.recorder.error(f"{capture.dropped} screen updates were not recorded: the target sent "
-                                    "them faster than the gateway could store them")
-        await live.close(exit_code=exit_code, error=error)
+                run.policy.error(f"{capture.dropped} screen updates were not recorded: the target sent "
+                                 "them faster than the gateway could store them")
+        await run.close(exit_code=exit_code, error=error)
 
 
 class SharedRc4Key:
@@ -438,10 +467,14 @@ pyrdp_state.RSA = SharedRc4Key  # the only use of RSA in pyrdp's state module is
 class GatewayMITMFactory(ServerFactory):
     """Builds one ``GatewayMITM`` per accepted connection."""
 
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
-        self.base = base_config(gateway.config.data_dir / "rdp")
-        self.record_keyboard = bool(gateway.config["rdp.record_keyboard"])
+    def __init__(self, context: ProxyContext) -> None:
+        if context.frames is None:
+            raise RuntimeError("the RDP proxy needs the frame store (ProxyContext.frames)")
+        self.pipeline = context.pipeline
+        self.frames: FrameStore = context.frames
+        self.tasks = BackgroundTasks("rdp listener")  # admissions, closes, certificate clones, screen captures
+        self.base = base_config(context.data_dir / "rdp")
+        self.record_keyboard = bool(context.settings["record_keyboard"])
         self._making_key: asyncio.Task[None] | None = None
         self.clone_lock = asyncio.Lock()  # one certificate clone at a time (pyrdp's cache is not thread-safe)
         quiet_pyrdp()
@@ -455,7 +488,7 @@ class GatewayMITMFactory(ServerFactory):
         """Create the output directory; make the RC4 key in a worker thread while the listener starts."""
         await asyncio.to_thread(self.base.outDir.mkdir, parents=True, exist_ok=True)
         if SharedRc4Key.key is None and self._making_key is None:
-            self._making_key = asyncio.ensure_future(self._make_key())
+            self._making_key = self.tasks.spawn(self._make_key())
 
     @staticmethod
     async def _make_key() -> None:

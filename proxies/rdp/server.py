@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 from proxies.rdp.reactor import ensure_reactor
 
 if TYPE_CHECKING:
-    from gatewayd.daemon import Gateway
+    from gatewayd.pipeline import ProxyContext
+    from gatewayd.tasks import BackgroundTasks
 
 log = logging.getLogger("gatewayd.rdp")
 
@@ -23,9 +24,9 @@ log = logging.getLogger("gatewayd.rdp")
 class RDPListener:
     """A started RDP listener; ``close`` stops accepting (sessions in progress go on)."""
 
-    def __init__(self, gateway: Gateway, port: Any) -> None:
-        self.gateway = gateway
+    def __init__(self, port: Any, tasks: BackgroundTasks) -> None:
         self.port = port
+        self.tasks = tasks  # its connections' background work (admissions, closes, screen captures)
 
     async def close(self) -> None:
         from twisted.internet.defer import Deferred
@@ -35,12 +36,13 @@ class RDPListener:
             await Deferred.asFuture(result, asyncio.get_running_loop())
 
 
-async def start(gateway: Gateway, host: str, port: int) -> RDPListener:
-    """Listener factory registered as ``rdp``."""
+async def start(gateway: Any, host: str, port: int) -> RDPListener:
+    """Listener factory registered as ``rdp``; of ``gateway`` it uses only its ProxyContext."""
+    context: ProxyContext = gateway.proxy_context("rdp")
     reactor = ensure_reactor()
     from proxies.rdp.mitm import GatewayMITMFactory
 
-    factory = GatewayMITMFactory(gateway)
+    factory = GatewayMITMFactory(context)
     await factory.prepare()
     listening = reactor.listenTCP(port, factory, interface=host)
-    return RDPListener(gateway, listening)
+    return RDPListener(listening, factory.tasks)
