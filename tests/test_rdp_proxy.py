@@ -608,3 +608,35 @@ async def test_concurrent_logons_each_get_their_own_role(api: RdpApi, gateway: D
     for i, password in enumerate(passwords):
         matching = [line for line in infos if f"username = 'user{i}" in line]
         assert len(matching) == 1 and f"password = '{password}" in matching[0], infos
+
+
+# --------------------------------------------------------------------------- the narrow interface
+
+
+async def test_the_listener_needs_nothing_but_its_proxy_context(tmp_path: Path, peers: Peers) -> None:
+    """An in-process core hands the RDP listener only its ProxyContext: a real session is recorded and killed.
+
+    The core runs in a child process (tests/rdp_narrow.py): Twisted's reactor is one per process.
+    """
+    errors = tmp_path / "narrow.log"
+    with open(errors, "wb") as log:
+        child = await asyncio.create_subprocess_exec(
+            str(BIN / "python"), "-m", "tests.rdp_narrow", str(tmp_path / "data"), str(peers.shadow_port),
+            stdout=asyncio.subprocess.PIPE, stderr=log, cwd=Path(__file__).resolve().parent.parent)
+    try:
+        line = await asyncio.wait_for(child.stdout.readline(), 60)
+        assert line, errors.read_text(errors="replace")
+        started = json.loads(line)
+        client = asyncio.ensure_future(xfreerdp(peers, started["port"], started["secret"], timeout=150))
+        line = await asyncio.wait_for(child.stdout.readline(), 150)
+        assert line, errors.read_text(errors="replace")
+        ended = json.loads(line)
+        await client
+        assert await asyncio.wait_for(child.wait(), 60) == 0, errors.read_text(errors="replace")
+    finally:
+        if child.returncode is None:
+            child.kill()
+            await child.wait()
+    assert ended["exit_code"] == 254, ended
+    assert ended["events"] == [["e", "killed by the narrow test"]], ended
+    assert ended["frames"] > 0 and ended["first_ms"] > 0, ended  # stamped on the session's clock
