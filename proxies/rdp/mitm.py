@@ -4,10 +4,11 @@ What the gateway adds to pyrdp's man-in-the-middle:
 
 1. admission -- the X.224 connection request's cookie (``mstshash=<secret>``,
    which xfreerdp fills from ``/u:``) names the credential; the session
-   pipeline admits it (audited) before pyrdp sees the request. An unknown, expired or
-   revoked secret closes the connection. The role's ``HOST``/``PORT`` is the
-   target, its ``USER``/``PASS`` (and optional ``DOMAIN``) replace what the
-   client sent in its client info, with auto-logon;
+   pipeline admits it (audited) before pyrdp sees the request. An unknown,
+   expired or revoked secret closes the connection. The role's
+   ``HOST``/``PORT`` is the target, its ``USER``/``PASS`` (and optional
+   ``DOMAIN``) replace what the client sent in its client info, with
+   auto-logon;
 2. the target connection -- the pipeline opens the session, then dials
    (``open_first``: the screen capture is the session's); a failure is an
    ``e`` event and exit code 254 (``TargetError``); a target that insists on
