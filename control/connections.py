@@ -21,6 +21,7 @@ from control.http import (
     user_of,
 )
 from control.schemas import JIT_PENDING_OUT
+from gatewayd import protocols
 from gatewayd.access import credential_prefix
 from gatewayd.config import split_listen
 from gatewayd.models import Connection, User, new_id, rfc3339, utcnow
@@ -160,28 +161,15 @@ async def delete(request: web.Request) -> web.Response:
 
 
 def native_access(gateway: Any, conn: Connection, secret: str) -> dict[str, Any]:
-    """What the user types to reach ``conn`` through the gateway with ``secret``."""
-    listener = {"postgres": "postgres_server_config", "ssh": "ssh_server_config", "rdp": "rdp_server_config",
-                "httpproxy": "http_proxy_server_config"}[conn.subtype]
-    address = gateway.server_config.get(listener, {}).get("listen_address", "")
+    """What the user types to reach ``conn`` through the gateway with ``secret``, in its protocol's words."""
+    description = protocols.by_subtype(conn.subtype)
+    if description is None:
+        raise ApiError(400, f"connection subtype {conn.subtype!r} has no native access")
+    address = gateway.server_config.get(description.server_config_key, {}).get("listen_address", "")
     host, port = split_listen(address) if address else ("", 0)
     if host in ("", "0.0.0.0", "::"):
         host = gateway.config.public_url.split("://", 1)[-1].rsplit(":", 1)[0]
-    if conn.subtype == "postgres":
-        database = conn.target().get("DB", "postgres")
-        return {"hostname": host, "port": str(port), "username": secret, "password": "any",
-                "database_name": database,
-                "connection_string": f"postgres://{secret}:any@{host}:{port}/{database}?sslmode=prefer"}
-    if conn.subtype == "ssh":
-        return {"hostname": host, "port": str(port), "username": secret, "password": secret,
-                "command": f"ssh -p {port} {secret}@{host}"}
-    if conn.subtype == "rdp":
-        return {"hostname": host, "port": str(port), "username": secret, "password": secret,
-                "command": f"xfreerdp /v:{host}:{port} /u:{secret} /p:{secret}"}
-    domain = gateway.config["http.apps_domain"]  # each connection's app on its own origin (docs/decisions.md)
-    origin = f"http://{conn.app_label}.{domain}:{port}" if domain else f"http://{host}:{port}"
-    return {"hostname": host, "port": str(port), "proxy_token": secret, "url": f"{origin}/{secret}/",
-            "origin": origin, "header": f"Authorization: {secret}"}
+    return description.access_hints(conn, secret, host, port, gateway.config.section(description.name))
 
 
 @routes.post("/connections/{name}/credentials", "Short-lived credentials for native access", body=CREDENTIALS,

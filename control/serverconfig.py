@@ -10,19 +10,29 @@ from aiohttp import web
 from cryptography.hazmat.primitives import serialization
 
 from control.http import ApiError, Field, RouteSet, Schema, gateway_of, json_body, ok, require_operator, user_of
+from gatewayd import protocols
 
 routes = RouteSet("Server Management", audit="serverconfig")
 
 LISTEN = Schema("ListenConfig", {"listen_address": Field("string", True)})
 SSH_LISTEN = Schema("SSHServerConfig", {"listen_address": Field("string", True), "hosts_key": Field("string")})
-MISC = Schema("ServerMiscConfig", {
-    "grpc_server_url": Field("string"),
-    "http_proxy_server_config": Field("object", schema=LISTEN),
-    "postgres_server_config": Field("object", schema=LISTEN),
-    "rdp_server_config": Field("object", schema=LISTEN),
-    "ssh_server_config": Field("object", schema=SSH_LISTEN),
-    "product_analytics": Field("string", enum=("active", "inactive")),
-})
+
+
+def listener_keys() -> tuple[str, ...]:
+    """The serverconfig part of every registered protocol (``http_proxy_server_config``, ...), sorted."""
+    return tuple(sorted(description.server_config_key for description in protocols.registered()))
+
+
+def misc_schema() -> Schema:
+    """The PUT body: a listener part per registered protocol (SSH's with its host key)."""
+    fields: dict[str, Field] = {"grpc_server_url": Field("string")}
+    for key in listener_keys():
+        fields[key] = Field("object", schema=SSH_LISTEN if key == "ssh_server_config" else LISTEN)
+    fields["product_analytics"] = Field("string", enum=("active", "inactive"))
+    return Schema("ServerMiscConfig", fields)
+
+
+MISC = misc_schema()  # as registered when the API module is imported (the OpenAPI document); put_misc asks again
 _TEXT = Field("string", True)
 SERVERINFO_OUT = Schema("ServerInfo", {
     "version": _TEXT, "gateway_commit": _TEXT,
@@ -33,7 +43,6 @@ SERVERINFO_OUT = Schema("ServerInfo", {
     "listeners": Field("object", description="per protocol: listen_address, status, error (admins only)"),
 })
 MISC_OUT = Schema("ServerMiscDocument", {}, additional=True)
-LISTENER_KEYS = ("http_proxy_server_config", "postgres_server_config", "rdp_server_config", "ssh_server_config")
 
 
 def _check_listen(value: str, key: str) -> None:
@@ -91,10 +100,10 @@ async def get_misc(request: web.Request) -> web.Response:
             body=MISC, response=MISC_OUT)
 async def put_misc(request: web.Request) -> web.Response:
     require_operator(request)
-    body = await json_body(request, MISC)
+    body = await json_body(request, misc_schema())
     gateway = gateway_of(request)
     document = {k: (dict(v) if isinstance(v, dict) else v) for k, v in gateway.server_config.items()}
-    for key in LISTENER_KEYS:
+    for key in listener_keys():
         if key in body:
             _check_listen(body[key]["listen_address"], key)
             document[key] = {**document.get(key, {}), **body[key]}

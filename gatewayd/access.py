@@ -8,7 +8,8 @@ from datetime import timedelta
 
 from gatewayd.audit import AuditLog
 from gatewayd.crypto import hash_secret, new_credential_secret
-from gatewayd.models import CONNECTION_KINDS, Connection, Credential, Session, User, new_id, parse_time, rfc3339, utcnow
+from gatewayd import protocols
+from gatewayd.models import Connection, Credential, Session, User, new_id, parse_time, rfc3339, utcnow
 from gatewayd.sessions import session_for
 from gatewayd.store import Store
 from gatewayd.throttle import Throttle
@@ -35,15 +36,17 @@ class IssuedCredential:
 
 
 def credential_prefix(connection: Connection) -> str:
-    kind = CONNECTION_KINDS.get(connection.subtype)
-    if kind is None:
+    """The prefix of ``connection``'s secrets: its protocol's; ValueError when no proxy serves its subtype."""
+    description = protocols.by_subtype(connection.subtype)
+    if description is None:
         raise ValueError(f"connection subtype {connection.subtype!r} has no native access")
-    return kind[1]
+    return description.prefix
 
 
 def looks_like_secret(value: str) -> bool:
+    """Whether ``value`` has the shape of a credential secret of a registered protocol (``<prefix>-`` + 43)."""
     prefix, sep, rest = value.partition("-")
-    return bool(sep) and prefix in {k[1] for k in CONNECTION_KINDS.values()} and len(rest) == 43
+    return bool(sep) and protocols.by_prefix(prefix) is not None and len(rest) == 43
 
 
 class AccessService:

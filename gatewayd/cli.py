@@ -1,4 +1,8 @@
-"""The ``gatewayd`` command: run the daemon, mint tokens, manage local passwords."""
+"""The ``gatewayd`` command's host commands: mint tokens, manage local users, verify recordings and the audit log.
+
+The command itself is ``launcher.cli:main`` (the composition root): it
+registers the protocols and adds ``run``, then hands over to ``main`` here.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +11,17 @@ import asyncio
 import getpass
 import os
 import sys
+from typing import Callable
 
 from gatewayd import __version__
 from gatewayd.config import Config, ConfigError, load_config, parse_duration
 
 
-def _load(path: str | None) -> Config:
+def load(path: str | None) -> Config:
     return load_config(path or os.environ.get("GATEWAYD_CONFIG") or None)
 
 
-def _run_loop(coro) -> None:  # type: ignore[no-untyped-def]
+def run_loop(coro) -> None:  # type: ignore[no-untyped-def]
     try:
         import uvloop
     except ImportError:
@@ -50,16 +55,6 @@ async def _with_core(config: Config, action):  # type: ignore[no-untyped-def]
         await gateway.close_core()
 
 
-def _cmd_run(args: argparse.Namespace) -> int:
-    config = _load(args.config)
-    from gatewayd import logs
-    from gatewayd.root import run
-
-    logs.configure(config["log.format"], config["log.level"])
-    _run_loop(run(config))
-    return 0
-
-
 def _check_email(email: str) -> None:
     from gatewayd.models import email_problem
 
@@ -69,7 +64,7 @@ def _check_email(email: str) -> None:
 
 def _cmd_token_create(args: argparse.Namespace) -> int:
     _check_email(args.email)
-    config = _load(args.config)
+    config = load(args.config)
     ttl = parse_duration(args.ttl, "--ttl") if args.ttl else config["auth.token_ttl"]
     if ttl <= 0:
         raise ConfigError("--ttl: must be positive")
@@ -93,7 +88,7 @@ def _cmd_user_passwd(args: argparse.Namespace) -> int:
     from gatewayd.crypto import hash_password
 
     _check_email(args.email)
-    config = _load(args.config)
+    config = load(args.config)
     if args.password_stdin:
         password = sys.stdin.readline().rstrip("\n")
     elif not sys.stdin.isatty():
@@ -121,7 +116,7 @@ def _cmd_user_passwd(args: argparse.Namespace) -> int:
 def _cmd_user_operator(args: argparse.Namespace) -> int:
     if args.email:
         _check_email(args.email)
-    config = _load(args.config)
+    config = load(args.config)
     named = f"--email {args.email}" if args.email else f"--subject {args.subject}"
 
     async def action(gateway):  # type: ignore[no-untyped-def]
@@ -152,7 +147,7 @@ def _print_verification(result) -> int:  # type: ignore[no-untyped-def]
 
 
 def _cmd_sessions_verify(args: argparse.Namespace) -> int:
-    config = _load(args.config)
+    config = load(args.config)
 
     async def action(gateway):  # type: ignore[no-untyped-def]
         session = await gateway.store.get_session(args.session_id)
@@ -164,7 +159,7 @@ def _cmd_sessions_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_audit_verify(args: argparse.Namespace) -> int:
-    config = _load(args.config)
+    config = load(args.config)
 
     async def action(gateway):  # type: ignore[no-untyped-def]
         org_id = args.org or (await gateway.store.default_org()).id
@@ -173,13 +168,19 @@ def _cmd_audit_verify(args: argparse.Namespace) -> int:
     return _print_verification(asyncio.run(_with_core(config, action)))
 
 
-def build_parser() -> argparse.ArgumentParser:
+Command = Callable[[argparse.Namespace], int]
+
+
+def build_parser(run: Command | None = None) -> argparse.ArgumentParser:
+    """The command line; ``run`` (the daemon) is the composition root's to give (launcher.cli)."""
     parser = argparse.ArgumentParser(prog="gatewayd", description="Access gateway for databases and servers.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="run the daemon")
-    run.add_argument("--config", help="TOML configuration file (default: $GATEWAYD_CONFIG or embedded defaults)")
-    run.set_defaults(func=_cmd_run)
+    if run is not None:
+        run_parser = sub.add_parser("run", help="run the daemon")
+        run_parser.add_argument("--config",
+                                help="TOML configuration file (default: $GATEWAYD_CONFIG or embedded defaults)")
+        run_parser.set_defaults(func=run)
 
     token = sub.add_parser("token", help="bearer tokens").add_subparsers(dest="token_command", required=True)
     create = token.add_parser("create", help="print a bearer token for a user, creating the user if needed")
@@ -234,11 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, run: Command | None = None) -> int:
     from gatewayd.client.commands import split_client_args
 
     argv, client_args = split_client_args(list(sys.argv[1:] if argv is None else argv))
-    args = build_parser().parse_args(argv)
+    args = build_parser(run).parse_args(argv)
     if client_args:
         args.client_args = client_args
     try:
@@ -249,6 +250,3 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
 
-
-if __name__ == "__main__":
-    sys.exit(main())

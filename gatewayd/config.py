@@ -1,8 +1,11 @@
 """Daemon configuration: a TOML file, embedded defaults and GATEWAYD_* overrides.
 
-Every key is declared once in ``SETTINGS`` with its type and default; the
-loader refuses unknown keys and bad values with a message naming the key, and
-``config.example.toml`` documents the same keys (a test keeps them in step).
+Every key is declared once with its type and default: the core's in
+``SETTINGS``, each protocol's (``[listeners] <name>`` and its own ``[<name>]``
+section) in its registered description (gatewayd.protocols); ``all_settings()``
+joins them.  The loader refuses unknown keys and bad values with a message
+naming the key, and ``config.example.toml`` documents the same keys (a test
+keeps them in step).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-PROTOCOLS = ("postgres", "ssh", "rdp", "http")
+from gatewayd import protocols
 
 
 class ConfigError(Exception):
@@ -82,7 +85,7 @@ def _choice(*allowed: str) -> Callable[[Any, str], Any]:
 _DOMAIN = re.compile(r"^(?:[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?\.)*[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$")
 
 
-def _domain(value: Any, key: str) -> Any:
+def domain_setting(value: Any, key: str) -> Any:
     """A DNS domain (``*.`` or a leading dot allowed and dropped), lowered; empty allowed."""
     domain = value.strip().lower().removeprefix("*.").strip(".")
     if domain and not _DOMAIN.match(domain):
@@ -96,10 +99,13 @@ def _not_negative(value: Any, key: str) -> Any:
     return value
 
 
-def _positive(value: Any, key: str) -> Any:
+def positive(value: Any, key: str) -> Any:
     if value <= 0:
         raise ConfigError(f"{key}: must be positive")
     return value
+
+
+_positive = positive
 
 
 SETTINGS: dict[str, Setting] = {
@@ -126,22 +132,8 @@ SETTINGS: dict[str, Setting] = {
     "auth.oidc.redirect_url": Setting("str", ""),
     "auth.oidc.allowed_redirects": Setting("list", []),
     "auth.oidc.algorithms": Setting("list", ["RS256", "RS384", "RS512", "ES256", "ES384", "PS256", "EdDSA"]),
-    "listeners.postgres": Setting("listen", "127.0.0.1:15432", parse_listen),
-    "listeners.ssh": Setting("listen", "127.0.0.1:12222", parse_listen),
-    "listeners.rdp": Setting("listen", "127.0.0.1:13389", parse_listen),
-    "listeners.http": Setting("listen", "127.0.0.1:18888", parse_listen),
     "server.grpc_server_url": Setting("str", ""),
     "server.product_analytics": Setting("str", "inactive", _choice("active", "inactive")),
-    "ssh.hosts_key": Setting("str", ""),
-    "ssh.ciphers": Setting("list", ["aes128-gcm@openssh.com", "aes256-gcm@openssh.com"]),
-    "postgres.tls_cert": Setting("str", ""),
-    "postgres.tls_key": Setting("str", ""),
-    "rdp.record_keyboard": Setting("bool", False),
-    "rdp.frames_cap_bytes": Setting("int", 1024 * 1024 * 1024, _positive),
-    "http.record_body_bytes": Setting("int", 64 * 1024, _positive),
-    "http.guard_body_bytes": Setting("int", 1024 * 1024, _positive),
-    "http.credential_recheck": Setting("duration", "5s"),
-    "http.apps_domain": Setting("str", "localhost", _domain),
     "sessions.shutdown_grace": Setting("duration", "10s"),
     "sessions.recording_cap_bytes": Setting("int", 64 * 1024 * 1024, _positive),
     "sessions.flush_interval": Setting("duration", "1s"),
@@ -162,6 +154,16 @@ SETTINGS: dict[str, Setting] = {
     "ai.max_pending": Setting("int", 64, _positive),
     "ai.max_input_chars": Setting("int", 32768, _positive),
 }
+
+
+def all_settings() -> dict[str, Setting]:
+    """The core's settings, then each registered protocol's listener and own section."""
+    table = dict(SETTINGS)
+    for description in protocols.registered():
+        table[f"listeners.{description.name}"] = Setting("listen", description.default_listen, parse_listen)
+        for name, setting in description.settings.items():
+            table[f"{description.name}.{name}"] = setting
+    return table
 
 
 # GATEWAYD_* variables that are not settings: the configuration file, and the people's command line (its
@@ -205,12 +207,12 @@ def _coerce(key: str, setting: Setting, value: Any, from_env: bool) -> Any:
     return value
 
 
-def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def _flatten(table: dict[str, Any], settings: dict[str, Setting], prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for name, value in table.items():
         key = f"{prefix}{name}"
-        if isinstance(value, dict) and key not in SETTINGS:
-            flat.update(_flatten(value, key + "."))
+        if isinstance(value, dict) and key not in settings:
+            flat.update(_flatten(value, settings, key + "."))
         else:
             flat[key] = value
     return flat
@@ -226,8 +228,17 @@ class Config:
     def __getitem__(self, key: str) -> Any:
         return self._values[key]
 
+    def get(self, key: str, default: Any = None) -> Any:
+        """A key that may be absent (a protocol's, when it is not registered)."""
+        return self._values.get(key, default)
+
     def as_dict(self) -> dict[str, Any]:
         return dict(self._values)
+
+    def section(self, name: str) -> dict[str, Any]:
+        """The keys of ``[name]`` without their section (``section("ssh")["ciphers"]``)."""
+        prefix = f"{name}."
+        return {key[len(prefix):]: value for key, value in self._values.items() if key.startswith(prefix)}
 
     @property
     def data_dir(self) -> Path:
@@ -263,26 +274,27 @@ def load_config(
             raise ConfigError(f"config file {path}: cannot read it ({exc.strerror})") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path}: not valid TOML ({exc})") from None
-    values = {key: _coerce(key, s, s.default, False) for key, s in SETTINGS.items()}
-    for key, value in _flatten(raw).items():
-        setting = SETTINGS.get(key)
+    settings = all_settings()
+    values = {key: _coerce(key, s, s.default, False) for key, s in settings.items()}
+    for key, value in _flatten(raw, settings).items():
+        setting = settings.get(key)
         if setting is None:
             raise ConfigError(f"{key}: unknown setting")
         values[key] = _coerce(key, setting, value, False)
-    for key, setting in SETTINGS.items():
+    for key, setting in settings.items():
         env_value = environ.get(_env_name(key))
         if env_value is not None:
             values[key] = _coerce(key, setting, env_value, True)
-    known = {_env_name(key) for key in SETTINGS} | OTHER_VARIABLES
+    known = {_env_name(key) for key in settings} | OTHER_VARIABLES
     for name in sorted(environ):
         if name.startswith("GATEWAYD_") and name not in known:
             close = difflib.get_close_matches(name, sorted(known), 1)
             raise ConfigError(f"environment variable {name}: unknown setting"
                               + (f" (did you mean {close[0]}?)" if close else ""))
     for key, value in (overrides or {}).items():
-        if key not in SETTINGS:
+        if key not in settings:
             raise ConfigError(f"{key}: unknown setting")
-        values[key] = _coerce(key, SETTINGS[key], value, False)
+        values[key] = _coerce(key, settings[key], value, False)
     if values["auth.issuer"] == "oidc":
         for key in ("auth.oidc.issuer_url", "auth.oidc.client_id"):
             if not values[key]:

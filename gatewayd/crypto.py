@@ -13,9 +13,6 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-CREDENTIAL_PREFIXES = {"postgres": "pg", "ssh": "ssh", "rdp": "rdp", "httpproxy": "httpproxy"}
-
-
 class SecretBox:
     """Encrypts small values (role secrets, signing keys) with AES-256-GCM."""
 

@@ -1,8 +1,9 @@
 """The running gateway: core services, the API site and the protocol listeners.
 
 ``Gateway`` knows no protocol and no API module: the composition root
-(``gatewayd.root``) hands it an API application factory and one listener
-factory per protocol.
+(``launcher.root``) hands it an API application factory and one listener
+factory per protocol; the listeners and the serverconfig document follow the
+registered protocol descriptions (gatewayd.protocols).
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from aiohttp import web
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from gatewayd import __version__
+from gatewayd import __version__, protocols
 from gatewayd.access import AccessService
 from gatewayd.analysis import AnalysisService
 from gatewayd.audit import AuditLog
-from gatewayd.config import PROTOCOLS, Config, ConfigError, split_listen
+from gatewayd.config import Config, ConfigError, split_listen
 from gatewayd.dialer import Dialer, DirectDialer
 from gatewayd.frames import FrameStore
 from gatewayd.guardrails import GuardRailService
@@ -83,14 +84,14 @@ class Listeners:
     def __init__(self, gateway: "Gateway", factories: dict[str, ListenerFactory]) -> None:
         self.gateway = gateway
         self.factories = factories
-        self.states: dict[str, ListenerState] = {name: ListenerState() for name in PROTOCOLS}
+        self.states: dict[str, ListenerState] = {name: ListenerState() for name in protocols.names()}
         self._lock = asyncio.Lock()
 
     async def apply(self, wanted: dict[str, str]) -> None:
         async with self._lock:
-            for name in PROTOCOLS:
+            for name in protocols.names():
                 address = wanted.get(name, "")
-                state = self.states[name]
+                state = self.states.setdefault(name, ListenerState())
                 if state.address == address and (state.listener is not None or not address):
                     continue
                 if state.listener is not None:
@@ -146,29 +147,21 @@ def _notify(message: str) -> None:
         log.warning("sd_notify failed", extra={"message": message})
 
 
-SERVER_CONFIG_PARTS = {"postgres": "postgres_server_config", "ssh": "ssh_server_config",
-                       "rdp": "rdp_server_config", "http": "http_proxy_server_config"}
-
-
 def server_config_from(config: Config, host_key: str) -> dict[str, Any]:
-    """The ``serverconfig/misc`` document implied by the configuration file."""
-    return {
-        "grpc_server_url": config["server.grpc_server_url"],
-        "http_proxy_server_config": {"listen_address": config["listeners.http"]},
-        "postgres_server_config": {"listen_address": config["listeners.postgres"]},
-        "rdp_server_config": {"listen_address": config["listeners.rdp"]},
-        "ssh_server_config": {"listen_address": config["listeners.ssh"], "hosts_key": host_key},
-        "product_analytics": config["server.product_analytics"],
-    }
+    """The ``serverconfig/misc`` document implied by the configuration file: a part per registered protocol."""
+    document: dict[str, Any] = {"grpc_server_url": config["server.grpc_server_url"]}
+    for description in protocols.registered():
+        document[description.server_config_key] = {"listen_address": config[f"listeners.{description.name}"]}
+    if "ssh_server_config" in document:
+        document["ssh_server_config"]["hosts_key"] = host_key
+    document["product_analytics"] = config["server.product_analytics"]
+    return document
 
 
 def listen_addresses(server_config: dict[str, Any]) -> dict[str, str]:
-    return {
-        "postgres": server_config["postgres_server_config"]["listen_address"],
-        "ssh": server_config["ssh_server_config"]["listen_address"],
-        "rdp": server_config["rdp_server_config"]["listen_address"],
-        "http": server_config["http_proxy_server_config"]["listen_address"],
-    }
+    """Each registered protocol's listen address in ``server_config`` ("" when it has none)."""
+    return {description.name: server_config.get(description.server_config_key, {}).get("listen_address", "")
+            for description in protocols.registered()}
 
 
 class Gateway:
@@ -217,7 +210,7 @@ class Gateway:
             regions=tuple(self.config["integrations.aws.regions"]),
             assume_role_name=self.config["integrations.aws.assume_role_name"],
             endpoint_url=self.config["integrations.aws.endpoint_url"], timeout=self.config["integrations.aws.timeout"]))
-        self.frames = FrameStore(self.config.data_dir / "rdp-frames", self.config["rdp.frames_cap_bytes"])
+        self.frames = FrameStore(self.config.data_dir / "rdp-frames", self.config.get("rdp.frames_cap_bytes"))
         self.analysis = AnalysisService(self.store, self.audit, self.config)
         self.guardrails.observers = self.analysis.observer_for
         self.pipeline = SessionPipeline(self.access, self.sessions, self.guardrails, self.dialer, self.audit)
@@ -245,21 +238,20 @@ class Gateway:
 
     async def _load_server_config(self) -> dict[str, Any]:
         stored = await self.store.get_setting(SERVER_CONFIG_KEY)
-        host_key = self.config["ssh.hosts_key"] or base64.b64encode(await self.host_key_pem()).decode()
+        host_key = self.config.get("ssh.hosts_key") or base64.b64encode(await self.host_key_pem()).decode()
         document = server_config_from(self.config, host_key)
         if stored:
             document.update({k: v for k, v in stored.items() if k in document})
-            if not document["ssh_server_config"].get("hosts_key"):
+            if "ssh_server_config" in document and not document["ssh_server_config"].get("hosts_key"):
                 document["ssh_server_config"]["hosts_key"] = host_key
         return document
 
     def proxy_context(self, name: str) -> ProxyContext:
         """What the ``name`` proxy gets: the pipeline, its own settings and serverconfig part, its services."""
-        prefix = f"{name}."
-        settings = {key[len(prefix):]: value for key, value in self.config.as_dict().items() if key.startswith(prefix)}
-        part = SERVER_CONFIG_PARTS.get(name, f"{name}_server_config")
-        return ProxyContext(self.pipeline, settings, dict(self.server_config.get(part, {})), self.config.data_dir,
-                            frames=self.frames, host_key=self.host_key_pem)
+        description = protocols.by_name(name)
+        part = description.server_config_key if description is not None else f"{name}_server_config"
+        return ProxyContext(self.pipeline, self.config.section(name), dict(self.server_config.get(part, {})),
+                            self.config.data_dir, frames=self.frames, host_key=self.host_key_pem)
 
     async def host_key_pem(self) -> bytes:
         """The SSH host key (OpenSSH PEM), generated as ed25519 on first start."""
@@ -274,7 +266,8 @@ class Gateway:
         """Persist the document and bring the listeners in line with it, live."""
         await self.store.put_setting(SERVER_CONFIG_KEY, document)
         previous, self.server_config = self.server_config, document
-        if previous.get("ssh_server_config", {}).get("hosts_key") != document["ssh_server_config"].get("hosts_key"):
+        if previous.get("ssh_server_config", {}).get("hosts_key") != document.get("ssh_server_config", {}).get(
+                "hosts_key"):
             await self.listeners.reset("ssh")  # the listener reads the host key when it starts
         await self.listeners.apply(listen_addresses(document))
 

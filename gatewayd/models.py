@@ -11,15 +11,6 @@ from typing import Any
 ADMIN_GROUP = "admin"
 AUDITOR_GROUP = "auditor"
 
-CONNECTION_KINDS: dict[str, tuple[str, str]] = {
-    # subtype -> (session type, credential prefix)
-    "postgres": ("database", "pg"),
-    "ssh": ("custom", "ssh"),
-    "rdp": ("custom", "rdp"),
-    "httpproxy": ("httpproxy", "httpproxy"),
-}
-
-
 def new_id() -> str:
     return str(uuid.uuid4())
 

@@ -9,7 +9,8 @@ from typing import Any, Awaitable, Callable
 
 from gatewayd.audit import AuditLog
 from gatewayd.guardrails import GuardVerdict
-from gatewayd.models import CONNECTION_KINDS, Connection, Credential, Session, User, new_id, parse_time, rfc3339, utcnow
+from gatewayd import protocols
+from gatewayd.models import Connection, Credential, Session, User, new_id, parse_time, rfc3339, utcnow
 from gatewayd.recording import RecordingService, SessionRecorder
 from gatewayd.store import Store
 from gatewayd.tasks import BackgroundTasks
@@ -34,7 +35,8 @@ class GatewayClosing(RuntimeError):
 def session_for(user: User, connection: Connection, *, verb: str = "connect", status: str = "open",
                 session_id: str | None = None, **extra: Any) -> Session:
     """A new session record of ``user`` on ``connection``."""
-    session_type = CONNECTION_KINDS.get(connection.subtype, (connection.type, ""))[0]
+    description = protocols.by_subtype(connection.subtype)
+    session_type = description.session_type if description is not None else connection.type
     return Session(
         id=session_id or new_id(), org_id=connection.org_id, user_id=user.subject, user_email=user.email,
         user_name=user.name, connection=connection.name, connection_id=connection.id,

@@ -1,7 +1,8 @@
 """Protocol proxies: one package per protocol, each with a pure codec and a thin asyncio server.
 
-``available_listeners`` maps a listener name (postgres, ssh, rdp, http) to the
-start function of the proxies present in this installation.
+Each package declares its ``ProtocolDescription`` (gatewayd.protocols); importing
+this package registers them, one line per protocol.  The core, the API and the
+configuration know the protocols only through the registry.
 """
 
 from __future__ import annotations
@@ -9,30 +10,32 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from gatewayd.protocols import register, registered
+from proxies import http, postgres, rdp, ssh
+
+register(postgres.DESCRIPTION)
+register(ssh.DESCRIPTION)
+register(rdp.DESCRIPTION)
+register(http.DESCRIPTION)
+
 
 def available_listeners() -> dict[str, Any]:
-    from proxies.http.server import start as start_http
-    from proxies.postgres.server import start as start_postgres
-    from proxies.ssh.server import start as start_ssh
-
-    listeners = {"postgres": start_postgres, "http": start_http, "ssh": start_ssh}
-    from proxies import rdp
-
-    if rdp.available():
-        from proxies.rdp.server import start as start_rdp
-
-        listeners["rdp"] = start_rdp
-    else:
-        logging.getLogger("gatewayd.rdp").warning(
-            "RDP proxy unavailable: install the rdp extra (make does; by hand: pip install 'gatewayd[rdp]' "
-            "and pip install --no-deps pyrdp-mitm==2.1.0)",
-            extra={"missing": ", ".join(rdp.missing_modules())})
+    """The listener factory of every registered protocol whose modules are installed, by listener name."""
+    listeners = {}
+    for description in registered():
+        if description.available():
+            listeners[description.name] = description.start
+        else:
+            logging.getLogger(f"gatewayd.{description.name}").warning(
+                description.install_hint or f"{description.name} proxy unavailable: modules missing",
+                extra={"missing": ", ".join(description.missing_modules())})
     return listeners
 
 
 def available_script_runners() -> dict[str, Any]:
     """One-time script runners (``gatewayd.scripts.ScriptRunner``) by connection subtype."""
-    from proxies.postgres.script import run_script as run_postgres
-    from proxies.ssh.script import run_script as run_ssh
-
-    return {"postgres": run_postgres, "ssh": run_ssh}
+    runners = {}
+    for description in registered():
+        if description.load_script_runner is not None and description.available():
+            runners[description.subtype] = description.script_runner()
+    return runners

@@ -14,6 +14,8 @@ from typing import Any, AsyncIterator, Iterator
 
 import pytest
 
+import proxies  # noqa: F401  the test run's composition root: registers every protocol, as launcher.cli does
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gatewayd.config import SETTINGS, ConfigError, load_config, parse_duration
+from gatewayd.config import ConfigError, all_settings, load_config, parse_duration
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "config.example.toml"
@@ -17,7 +17,7 @@ def test_example_file_documents_every_key_with_its_default():
     text = EXAMPLE.read_text()
     defaults = load_config(None, environ={})
     assert load_config(EXAMPLE, environ={}).as_dict() == defaults.as_dict()
-    for key in SETTINGS:
+    for key in all_settings():
         section, _, name = key.rpartition(".")
         if section:
             assert f"[{section}]" in text, f"section of {key} missing"
@@ -95,7 +95,7 @@ def test_durations():
 def test_cli_exits_non_zero_naming_the_key(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text('[listeners]\nssh = "127.0.0.1:70000"\n')
-    result = subprocess.run([sys.executable, "-m", "gatewayd", "run", "--config", str(path)],
+    result = subprocess.run([sys.executable, "-m", "launcher", "run", "--config", str(path)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "listeners.ssh" in result.stderr and "70000" in result.stderr
@@ -104,7 +104,7 @@ def test_cli_exits_non_zero_naming_the_key(tmp_path):
 def test_cli_version():
     from gatewayd import __version__
 
-    result = subprocess.run([sys.executable, "-m", "gatewayd", "version"], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "launcher", "version"], capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.strip() == __version__
 
 
@@ -117,7 +117,7 @@ def test_cli_says_which_address_is_taken(tmp_path):
         port = taken.getsockname()[1]
         env = {"GATEWAYD_DATA_DIR": str(tmp_path / "data"), "GATEWAYD_API_LISTEN": f"127.0.0.1:{port}",
                "GATEWAYD_LISTENERS_POSTGRES": "", "PATH": "/usr/bin:/bin"}
-        result = subprocess.run([sys.executable, "-m", "gatewayd", "run"], capture_output=True, text=True,
+        result = subprocess.run([sys.executable, "-m", "launcher", "run"], capture_output=True, text=True,
                                 timeout=60, env=env)
     assert result.returncode == 2
     assert f"api.listen: cannot listen on 127.0.0.1:{port}" in result.stderr

@@ -91,7 +91,7 @@ def test_user_passwd_without_a_terminal_says_use_password_stdin(gw):
 
 
 def test_python_m_gatewayd_reaches_the_same_checks(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "gatewayd", "token", "create", "--email", "a@example.com"],
+    result = subprocess.run([sys.executable, "-m", "launcher", "token", "create", "--email", "a@example.com"],
                             env=clean_env(GATEWAYD_DATA_DIR=str(tmp_path / "none")), cwd=tmp_path,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "no gateway store at" in result.stderr

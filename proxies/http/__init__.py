@@ -1,1 +1,40 @@
-"""HTTP proxy: internal web apps and APIs through the gateway (``messages`` pure logic, ``server`` I/O)."""
+"""HTTP proxy: internal web apps and APIs through the gateway (``messages`` pure logic, ``server`` I/O).
+
+Its names on the API are fixed by the hoop.dev contract: connections of subtype
+``httpproxy``, credentials ``httpproxy-...``, ``http_proxy_server_config`` in
+serverconfig; its listener and configuration section are ``http``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from gatewayd.config import Setting, domain_setting, positive
+from gatewayd.protocols import ProtocolDescription
+
+if TYPE_CHECKING:
+    from gatewayd.models import Connection
+
+
+async def _start(gateway: Any, host: str, port: int) -> Any:
+    from proxies.http.server import start
+
+    return await start(gateway, host, port)
+
+
+def access_hints(conn: Connection, secret: str, host: str, port: int, settings: dict[str, Any]) -> dict[str, str]:
+    """A browser's words: the credential link on the app's own origin, or the header for API clients."""
+    domain = settings["apps_domain"]  # each connection's app on its own origin (docs/decisions.md)
+    origin = f"http://{conn.app_label}.{domain}:{port}" if domain else f"http://{host}:{port}"
+    return {"hostname": host, "port": str(port), "proxy_token": secret, "url": f"{origin}/{secret}/",
+            "origin": origin, "header": f"Authorization: {secret}"}
+
+
+DESCRIPTION = ProtocolDescription(
+    name="http", subtype="httpproxy", session_type="httpproxy", prefix="httpproxy",
+    server_config_key="http_proxy_server_config", default_port=18888, access_hints=access_hints, start=_start,
+    settings={"record_body_bytes": Setting("int", 64 * 1024, positive),
+              "guard_body_bytes": Setting("int", 1024 * 1024, positive),
+              "credential_recheck": Setting("duration", "5s"),
+              "apps_domain": Setting("str", "localhost", domain_setting)},
+)

@@ -3,3 +3,41 @@
 The codec turns bytes into message objects and back without touching a
 socket, so every edge case is a unit test and the framers can be fuzzed.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from gatewayd.config import Setting
+from gatewayd.protocols import ProtocolDescription
+
+if TYPE_CHECKING:
+    from gatewayd.models import Connection
+    from gatewayd.scripts import ScriptRunner
+
+
+async def _start(gateway: Any, host: str, port: int) -> Any:
+    from proxies.postgres.server import start
+
+    return await start(gateway, host, port)
+
+
+def _script_runner() -> ScriptRunner:
+    from proxies.postgres.script import run_script
+
+    return run_script
+
+
+def access_hints(conn: Connection, secret: str, host: str, port: int, settings: dict[str, Any]) -> dict[str, str]:
+    """psql's words: the secret is the user name, any password, the connection's database."""
+    database = conn.target().get("DB", "postgres")
+    return {"hostname": host, "port": str(port), "username": secret, "password": "any", "database_name": database,
+            "connection_string": f"postgres://{secret}:any@{host}:{port}/{database}?sslmode=prefer"}
+
+
+DESCRIPTION = ProtocolDescription(
+    name="postgres", subtype="postgres", session_type="database", prefix="pg",
+    server_config_key="postgres_server_config", default_port=15432, access_hints=access_hints, start=_start,
+    load_script_runner=_script_runner,
+    settings={"tls_cert": Setting("str", ""), "tls_key": Setting("str", "")},
+)

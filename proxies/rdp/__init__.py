@@ -2,24 +2,52 @@
 
 Needs the ``rdp`` extra (pyrdp's dependencies, Pillow) and pyrdp-mitm 2.1.0
 installed without its pins (``make`` does both); ``available()`` tells without
-importing pyrdp (which would install Twisted's default reactor).
+importing pyrdp (which would install Twisted's default reactor).  Without them
+the protocol still describes itself (its settings, its hints), as unavailable.
 """
 
 from __future__ import annotations
 
-import importlib.util
+from typing import TYPE_CHECKING, Any
 
+from gatewayd.config import Setting, positive
+from gatewayd.protocols import ProtocolDescription
 from proxies.rdp import compat
 
 compat.apply()  # before anything imports pyrdp (Python 3.13 removed typing.io, which pyrdp imports)
 
+if TYPE_CHECKING:
+    from gatewayd.models import Connection
+
 REQUIRED_MODULES = ("pyrdp", "rle", "twisted", "PIL")
+
+
+async def _start(gateway: Any, host: str, port: int) -> Any:
+    from proxies.rdp.server import start
+
+    return await start(gateway, host, port)
+
+
+def access_hints(conn: Connection, secret: str, host: str, port: int, settings: dict[str, Any]) -> dict[str, str]:
+    """An RDP client's words: the secret as user name and password."""
+    return {"hostname": host, "port": str(port), "username": secret, "password": secret,
+            "command": f"xfreerdp /v:{host}:{port} /u:{secret} /p:{secret}"}
+
+
+DESCRIPTION = ProtocolDescription(
+    name="rdp", subtype="rdp", session_type="custom", prefix="rdp", server_config_key="rdp_server_config",
+    default_port=13389, access_hints=access_hints, start=_start, required_modules=REQUIRED_MODULES,
+    install_hint="RDP proxy unavailable: install the rdp extra (make does; by hand: pip install 'gatewayd[rdp]' "
+                 "and pip install --no-deps pyrdp-mitm==2.1.0)",
+    settings={"record_keyboard": Setting("bool", False),
+              "frames_cap_bytes": Setting("int", 1024 * 1024 * 1024, positive)},
+)
 
 
 def missing_modules() -> list[str]:
     """The modules of the ``rdp`` extra that are not installed."""
-    return [name for name in REQUIRED_MODULES if importlib.util.find_spec(name) is None]
+    return DESCRIPTION.missing_modules()
 
 
 def available() -> bool:
-    return not missing_modules()
+    return DESCRIPTION.available()

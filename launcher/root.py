@@ -1,4 +1,10 @@
-"""The composition root: the one module that wires the API and the protocol proxies to the core."""
+"""The composition root: the one module that wires the API and the protocol proxies to the core.
+
+It lives outside the core package (``gatewayd`` imports neither ``proxies`` nor
+``control``; tests/test_layers.py keeps it so).  Importing ``proxies``
+registers every protocol's description (gatewayd.protocols); the gateway gets
+the listener factory and script runner of each one that is installed.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,8 @@ import asyncio
 import logging
 import signal
 
+import proxies
+from control.app import make_app
 from gatewayd import logs
 from gatewayd.config import Config, ConfigError, load_config
 from gatewayd.daemon import Gateway, ListenerFactory
@@ -15,22 +23,16 @@ log = logging.getLogger("gatewayd")
 
 
 def listener_factories() -> dict[str, ListenerFactory]:
-    """The start function of every protocol proxy present in this installation."""
-    from proxies import available_listeners
-
-    return available_listeners()
+    """The start function of every registered protocol proxy present in this installation."""
+    return proxies.available_listeners()
 
 
 def script_runners() -> dict[str, ScriptRunner]:
     """The one-time script runner of every proxy that has one, by connection subtype."""
-    from proxies import available_script_runners
-
-    return available_script_runners()
+    return proxies.available_script_runners()
 
 
 def build_gateway(config: Config) -> Gateway:
-    from control.app import make_app
-
     return Gateway(config, app_factory=make_app, listener_factories=listener_factories(),
                    script_runners=script_runners())
 

@@ -1,5 +1,0 @@
-import sys
-
-from gatewayd.cli import main
-
-sys.exit(main())

@@ -1,0 +1,123 @@
+"""Protocol descriptions: what the core, the API and the configuration know of each protocol proxy.
+
+Each package under ``proxies/`` declares one ``ProtocolDescription`` and the
+composition root registers it (``proxies/__init__.py``: one line per protocol).
+The core never names a protocol: the session types, the credential prefixes,
+the ``[listeners]`` keys and each proxy's own ``[section]``, the serverconfig
+document, the listeners and the access hints all come from iterating over
+``registered()``.  A new protocol is its package plus one registration line.
+
+The names that the hoop.dev API contract fixes (the ``httpproxy`` subtype, the
+``http_proxy_server_config`` key, the ``httpproxy-`` prefix) are written once,
+in the HTTP package's description.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+if TYPE_CHECKING:
+    from gatewayd.config import Setting
+    from gatewayd.models import Connection
+    from gatewayd.scripts import ScriptRunner
+
+# (connection, secret, host, port, the protocol's settings) -> what the user types (the API's connection_credentials)
+AccessHints = Callable[["Connection", str, str, int, dict[str, Any]], dict[str, str]]
+Start = Callable[[Any, str, int], Awaitable[Any]]  # (gateway, host, port) -> a started daemon.Listener
+
+
+@dataclass(slots=True, frozen=True)
+class ProtocolDescription:
+    """One protocol proxy as the rest of the gateway sees it.
+
+    ``name`` names its listener (``[listeners] <name>``) and its configuration section
+    (``[<name>]``, keys in ``settings`` without the section); ``subtype`` is the connection
+    subtype it serves (and the ``<subtype>.login`` audit action); ``session_type`` the type of
+    its sessions; ``prefix`` starts its credential secrets (``<prefix>-...``).  ``start`` (the
+    listener factory) and ``load_script_runner`` import the proxy's server modules only when
+    called, so that describing a protocol costs nothing and a protocol whose extra is missing
+    still describes itself (``available()`` is then false and ``missing_modules()`` names what to
+    install).
+    """
+
+    name: str
+    subtype: str
+    session_type: str
+    prefix: str
+    server_config_key: str
+    default_port: int
+    access_hints: AccessHints
+    start: Start
+    settings: dict[str, Setting] = field(default_factory=dict)
+    load_script_runner: Callable[[], ScriptRunner] | None = None  # one-time scripts (POST /sessions), if any
+    required_modules: tuple[str, ...] = ()
+    install_hint: str = ""  # said in the log when ``required_modules`` are missing
+
+    @property
+    def default_listen(self) -> str:
+        return f"127.0.0.1:{self.default_port}"
+
+    def missing_modules(self) -> list[str]:
+        """The modules this proxy needs that are not installed (an optional extra)."""
+        return [name for name in self.required_modules if importlib.util.find_spec(name) is None]
+
+    def available(self) -> bool:
+        return not self.missing_modules()
+
+    def script_runner(self) -> ScriptRunner | None:
+        return self.load_script_runner() if self.load_script_runner is not None else None
+
+
+_REGISTRY: dict[str, ProtocolDescription] = {}
+
+
+def register(description: ProtocolDescription) -> ProtocolDescription:
+    """Add a protocol; registering the same description again is a no-op, a clashing one an error."""
+    if "-" in description.prefix or not description.prefix:
+        raise ValueError(f"protocol {description.name!r}: a credential prefix is a word without '-'")
+    current = _REGISTRY.get(description.name)
+    if current == description:
+        return description
+    if current is not None:
+        raise ValueError(f"protocol {description.name!r} is registered already")
+    for other in _REGISTRY.values():
+        for attribute in ("subtype", "prefix", "server_config_key"):
+            if getattr(other, attribute) == getattr(description, attribute):
+                raise ValueError(f"protocol {description.name!r}: {attribute} {getattr(description, attribute)!r} "
+                                 f"is {other.name!r}'s already")
+    _REGISTRY[description.name] = description
+    return description
+
+
+def unregister(name: str) -> None:
+    """Remove a protocol (tests that register one of their own)."""
+    _REGISTRY.pop(name, None)
+
+
+def registered() -> tuple[ProtocolDescription, ...]:
+    """Every registered protocol, in registration order."""
+    return tuple(_REGISTRY.values())
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+def by_name(name: str) -> ProtocolDescription | None:
+    return _REGISTRY.get(name)
+
+
+def by_subtype(subtype: str) -> ProtocolDescription | None:
+    for description in _REGISTRY.values():
+        if description.subtype == subtype:
+            return description
+    return None
+
+
+def by_prefix(prefix: str) -> ProtocolDescription | None:
+    for description in _REGISTRY.values():
+        if description.prefix == prefix:
+            return description
+    return None
