@@ -31,8 +31,9 @@ class LineListener:
         self.server.close()
 
 
-async def start(gateway: Gateway, host: str, port: int) -> LineListener:
-    pipeline = gateway.proxy_context("ssh").pipeline
+async def start(gateway: Gateway, host: str, port: int, *, name: str = "ssh", subtype: str = "ssh") -> LineListener:
+    """Serve ``subtype`` connections with the ``name`` proxy's context (tests/test_protocols.py: its own protocol)."""
+    pipeline = gateway.proxy_context(name).pipeline
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")[0]
@@ -44,7 +45,7 @@ async def start(gateway: Gateway, host: str, port: int) -> LineListener:
         try:
             secret = (await reader.readline()).decode().strip()
             try:
-                grant = await pipeline.admit(secret, "ssh", peer)
+                grant = await pipeline.admit(secret, subtype, peer)
             except AccessDenied as exc:
                 return say(f"denied: {exc}")
             address = grant.connection.target()

@@ -1,0 +1,151 @@
+"""Protocol descriptions: a new protocol is its package plus one registration line.
+
+The ``line`` protocol below is tests/lineproxy.py described once and
+registered: nothing else in the core, the API or the configuration names it,
+yet its configuration section is accepted, serverconfig lists and moves its
+listener, its credentials carry its prefix and resolve, and the composition
+root starts its listener.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from typing import Any
+
+import aiohttp
+import pytest
+
+from gatewayd import protocols
+from gatewayd.access import credential_prefix, looks_like_secret
+from gatewayd.config import ConfigError, Setting, load_config, positive
+from gatewayd.models import Connection
+from launcher.root import build_gateway
+from tests import lineproxy
+from tests.conftest import free_port
+
+
+async def _start(gateway: Any, host: str, port: int) -> Any:
+    return await lineproxy.start(gateway, host, port, name="line", subtype="line")
+
+
+def _hints(conn: Connection, secret: str, host: str, port: int, settings: dict[str, Any]) -> dict[str, str]:
+    return {"hostname": host, "port": str(port), "command": f"printf '{secret}\\n{settings['greeting']}\\n' | "
+                                                            f"nc {host} {port}"}
+
+
+LINE = protocols.ProtocolDescription(
+    name="line", subtype="line", session_type="custom", prefix="line", server_config_key="line_server_config",
+    default_port=17777, access_hints=_hints, start=_start,
+    settings={"greeting": Setting("str", "hello"), "max_lines": Setting("int", 10, positive)})
+
+
+@pytest.fixture
+def line_protocol():
+    protocols.register(LINE)  # the one registration line
+    try:
+        yield LINE
+    finally:
+        protocols.unregister("line")
+
+
+def test_the_four_proxies_are_registered_under_the_api_contract_names():
+    described = {(d.name, d.subtype, d.prefix, d.server_config_key, d.session_type) for d in protocols.registered()}
+    assert described == {("postgres", "postgres", "pg", "postgres_server_config", "database"),
+                         ("ssh", "ssh", "ssh", "ssh_server_config", "custom"),
+                         ("rdp", "rdp", "rdp", "rdp_server_config", "custom"),
+                         ("http", "httpproxy", "httpproxy", "http_proxy_server_config", "httpproxy")}
+    assert protocols.by_prefix("httpproxy") is protocols.by_subtype("httpproxy") is protocols.by_name("http")
+
+
+def test_a_clashing_registration_is_refused(line_protocol):
+    protocols.register(LINE)  # the same description again: a no-op
+    with pytest.raises(ValueError, match="prefix 'pg'"):
+        protocols.register(protocols.ProtocolDescription(
+            name="other", subtype="other", session_type="custom", prefix="pg", server_config_key="other_config",
+            default_port=1, access_hints=_hints, start=_start))
+    with pytest.raises(ValueError, match="without '-'"):
+        protocols.register(protocols.ProtocolDescription(
+            name="dash", subtype="dash", session_type="custom", prefix="da-sh", server_config_key="dash_config",
+            default_port=1, access_hints=_hints, start=_start))
+
+
+def test_config_accepts_a_registered_protocols_section_and_validates_it(line_protocol, tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[listeners]\nline = "127.0.0.1:7000"\n[line]\ngreeting = "hi"\n')
+    config = load_config(path, environ={"GATEWAYD_LINE_MAX_LINES": "3"})
+    assert (config["listeners.line"], config["line.greeting"], config["line.max_lines"]) == ("127.0.0.1:7000", "hi", 3)
+    assert load_config(None, environ={})["listeners.line"] == "127.0.0.1:17777"  # its default port
+    with pytest.raises(ConfigError, match="line.max_lines: must be positive"):
+        load_config(None, environ={}, overrides={"line.max_lines": 0})
+    with pytest.raises(ConfigError, match="line.colour: unknown setting"):
+        load_config(None, environ={}, overrides={"line.colour": "red"})
+
+
+def test_without_its_registration_the_section_is_unknown(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[line]\ngreeting = "hi"\n')
+    with pytest.raises(ConfigError, match="line.greeting: unknown setting"):
+        load_config(path, environ={})
+
+
+async def test_a_registered_protocol_is_listed_started_and_its_credentials_resolve(line_protocol, tmp_path):
+    address = f"127.0.0.1:{free_port()}"
+    config = load_config(None, environ={}, overrides={
+        "data_dir": str(tmp_path / "data"), "api.listen": f"127.0.0.1:{free_port()}", "listeners.postgres": "",
+        "listeners.ssh": "", "listeners.rdp": "", "listeners.http": "", "listeners.line": address,
+        "line.greeting": "hi there"})
+    gateway = build_gateway(config)  # the composition root, as `gatewayd run` builds it
+    await gateway.start()
+    try:
+        admin = await gateway.identity.ensure_local_user("admin@example.com", "Admin", ["admin"])
+        headers = {"Authorization": f"Bearer {gateway.identity.issue_token(admin)}"}
+        base = f"http://{config['api.listen']}/api"
+        async with aiohttp.ClientSession(headers=headers) as http:
+            async with http.get(f"{base}/serverconfig/misc") as response:
+                document = await response.json()
+            assert document["line_server_config"] == {"listen_address": address}
+            async with http.get(f"{base}/serverinfo") as response:
+                assert (await response.json())["listeners"]["line"]["status"] == "running"
+
+            async with http.post(f"{base}/connections", json={
+                    "name": "lines", "type": "custom", "subtype": "line",
+                    "secret": {"envvar:HOST": base64.b64encode(b"127.0.0.1").decode()}}) as response:
+                assert response.status == 201
+            async with http.post(f"{base}/connections/lines/credentials", json={}) as response:
+                assert response.status == 201
+                issued = await response.json()
+            secret = issued["connection_credentials"]["command"].split("'")[1].split("\\n")[0]
+            assert secret.startswith("line-") and looks_like_secret(secret)
+            port = address.rsplit(":", 1)[1]
+            assert issued["connection_credentials"]["command"].endswith(f"\\nhi there\\n' | nc 127.0.0.1 {port}")
+
+            reader, writer = await asyncio.open_connection("127.0.0.1", int(port))
+            writer.write(f"{secret}\nhello\n".encode())
+            assert (await reader.readline()).decode() == f"session {issued['session_id']}\n"
+            assert await reader.readline() == b"echo: hello\n"
+            writer.close()
+
+            moved = f"127.0.0.1:{free_port()}"
+            async with http.put(f"{base}/serverconfig/misc",
+                                json={"line_server_config": {"listen_address": moved}}) as response:
+                assert response.status == 200, await response.text()
+            assert gateway.listeners.summary()["line"] == {"listen_address": moved, "status": "running", "error": ""}
+            reader, writer = await asyncio.open_connection(*moved.rsplit(":", 1))
+            writer.write(b"line-" + b"x" * 43 + b"\n")
+            assert (await reader.readline()).startswith(b"denied: invalid credential")
+            writer.close()
+        for _ in range(100):
+            session = await gateway.store.get_session(issued["session_id"])
+            if session.status == "done":
+                break
+            await asyncio.sleep(0.05)
+        assert (session.type, session.subtype) == ("custom", "line")
+    finally:
+        await gateway.stop()
+
+
+def test_a_subtype_no_protocol_serves_has_no_native_access():
+    conn = Connection(id="c", org_id="o", name="n", resource_name="n", type="custom", subtype="line")
+    with pytest.raises(ValueError, match="has no native access"):
+        credential_prefix(conn)
