@@ -149,3 +149,23 @@ def test_a_subtype_no_protocol_serves_has_no_native_access():
     conn = Connection(id="c", org_id="o", name="n", resource_name="n", type="custom", subtype="line")
     with pytest.raises(ValueError, match="has no native access"):
         credential_prefix(conn)
+
+
+def test_rdp_without_its_extra_still_describes_itself(monkeypatch, caplog):
+    """Its settings load and its hints render; only its listener is left out, the log naming what is missing."""
+    import importlib.util
+
+    import proxies
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pyrdp" else real(name, *a))
+    rdp = protocols.by_name("rdp")
+    assert rdp is not None and not rdp.available() and rdp.missing_modules() == ["pyrdp"]
+    config = load_config(None, environ={}, overrides={"rdp.record_keyboard": True})
+    assert config.section("rdp") == {"record_keyboard": True, "frames_cap_bytes": 1024 ** 3}
+    conn = Connection(id="c", org_id="o", name="desk", resource_name="desk", type="custom", subtype="rdp")
+    assert rdp.access_hints(conn, "rdp-s", "gw", 13389, config.section("rdp"))["command"] == \
+        "xfreerdp /v:gw:13389 /u:rdp-s /p:rdp-s"
+    with caplog.at_level("WARNING", logger="gatewayd.rdp"):
+        assert "rdp" not in proxies.available_listeners()
+    assert "pyrdp" in caplog.records[-1].missing
