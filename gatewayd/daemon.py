@@ -58,7 +58,7 @@ class Listener(Protocol):
     async def close(self) -> None: ...
 
 
-ListenerFactory = Callable[["Gateway", str, int], Awaitable[Listener]]
+ListenerFactory = Callable[[ProxyContext, str, int], Awaitable[Listener]]  # a proxy gets its context only
 AppFactory = Callable[["Gateway"], web.Application]
 
 
@@ -108,7 +108,7 @@ class Listeners:
                     continue
                 host, port = split_listen(address)
                 try:
-                    state.listener = await factory(self.gateway, host, port)
+                    state.listener = await factory(self.gateway.proxy_context(name), host, port)
                     log.info("listener started", extra={"listener": name, "address": address})
                 except Exception as exc:  # a bad port or a missing extra must not stop the daemon
                     state.error = str(exc) or type(exc).__name__

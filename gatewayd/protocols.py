@@ -21,11 +21,12 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 if TYPE_CHECKING:
     from gatewayd.config import Setting
     from gatewayd.models import Connection
+    from gatewayd.pipeline import ProxyContext
     from gatewayd.scripts import ScriptRunner
 
 # (connection, secret, host, port, the protocol's settings) -> what the user types (the API's connection_credentials)
 AccessHints = Callable[["Connection", str, str, int, dict[str, Any]], dict[str, str]]
-Start = Callable[[Any, str, int], Awaitable[Any]]  # (gateway, host, port) -> a started daemon.Listener
+Start = Callable[["ProxyContext", str, int], Awaitable[Any]]  # (its context, host, port) -> a started Listener
 
 
 @dataclass(slots=True, frozen=True)

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import asyncio
 
-from gatewayd.daemon import Gateway
 from gatewayd.dialer import Dialer
-from gatewayd.pipeline import AccessDenied, GatewayClosing, TargetUnreachable
+from gatewayd.pipeline import AccessDenied, GatewayClosing, ProxyContext, TargetUnreachable
 
 Target = tuple[asyncio.StreamReader, asyncio.StreamWriter] | None
 
@@ -31,9 +30,9 @@ class LineListener:
         self.server.close()
 
 
-async def start(gateway: Gateway, host: str, port: int, *, name: str = "ssh", subtype: str = "ssh") -> LineListener:
-    """Serve ``subtype`` connections with the ``name`` proxy's context (tests/test_protocols.py: its own protocol)."""
-    pipeline = gateway.proxy_context(name).pipeline
+async def start(context: ProxyContext, host: str, port: int, *, subtype: str = "ssh") -> LineListener:
+    """Serve ``subtype`` connections (tests/test_protocols.py: a protocol of its own) with the pipeline of ``context``."""
+    pipeline = context.pipeline
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")[0]

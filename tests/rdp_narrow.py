@@ -3,7 +3,7 @@
 Twisted's reactor is one per process, bound to one loop: this runs in a
 process of its own (``python -m tests.rdp_narrow DATA_DIR TARGET_PORT``).
 It issues a credential for an RDP role on ``TARGET_PORT``, starts the
-listener with ``OnlyProxyContext`` and prints ``{"port", "secret"}`` as one
+listener with ``core.proxy_context("rdp")`` only and prints ``{"port", "secret"}`` as one
 JSON line; once the session has frames it kills it through the core and
 prints ``{"exit_code", "events", "frames"}`` when the session is done.
 """
@@ -14,24 +14,10 @@ import asyncio
 import base64
 import json
 import sys
-from typing import Any
 
 from tests.conftest import free_port
 
 GUARD_S = 120  # against a hang, not a measure
-
-
-class OnlyProxyContext:
-    """All a proxy may use of the daemon: its ProxyContext (anything else is an AttributeError)."""
-
-    __slots__ = ("context",)
-
-    def __init__(self, context: Any) -> None:
-        self.context = context
-
-    def proxy_context(self, name: str) -> Any:
-        assert name == "rdp", name
-        return self.context
 
 
 async def main(data_dir: str, target_port: int) -> None:
@@ -56,7 +42,7 @@ async def main(data_dir: str, target_port: int) -> None:
         await core.store.create_connection(connection)
         issued = await core.access.issue(user, connection, 600)
         port = free_port()
-        listener = await start(OnlyProxyContext(core.proxy_context("rdp")), "127.0.0.1", port)
+        listener = await start(core.proxy_context("rdp"), "127.0.0.1", port)
         print(json.dumps({"port": port, "secret": issued.secret}), flush=True)
         session_id = issued.credential.session_id
         async with asyncio.timeout(GUARD_S):

@@ -16,7 +16,6 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -531,8 +530,7 @@ async def test_a_shutting_down_gateway_answers_503_and_claims_no_session(tmp_pat
     await core.open_core()
     await core.recording.start()
     port = free_port()
-    only_context = SimpleNamespace(proxy_context={"http": core.proxy_context("http")}.__getitem__)  # nothing else
-    listener = await start_http(only_context, "127.0.0.1", port)
+    listener = await start_http(core.proxy_context("http"), "127.0.0.1", port)  # nothing else of the daemon
     try:
         org = await core.store.default_org()
         user = await core.identity.ensure_local_user("ann@example.com", "Ann", ["admin"])

@@ -25,8 +25,8 @@ from tests import lineproxy
 from tests.conftest import free_port
 
 
-async def _start(gateway: Any, host: str, port: int) -> Any:
-    return await lineproxy.start(gateway, host, port, name="line", subtype="line")
+async def _start(context: Any, host: str, port: int) -> Any:
+    return await lineproxy.start(context, host, port, subtype="line")
 
 
 def _hints(conn: Connection, secret: str, host: str, port: int, settings: dict[str, Any]) -> dict[str, str]:

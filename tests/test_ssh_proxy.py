@@ -1089,19 +1089,6 @@ async def test_listener_restarts_live_on_a_new_address_and_host_key(gateway, api
 # --------------------------------------------------------------------------- the narrow interface
 
 
-class OnlyProxyContext:
-    """All a proxy may use of the daemon: its ProxyContext (anything else is an AttributeError)."""
-
-    __slots__ = ("context",)
-
-    def __init__(self, context) -> None:
-        self.context = context
-
-    def proxy_context(self, name: str):
-        assert name == "ssh"
-        return self.context
-
-
 async def test_the_listener_needs_nothing_but_its_proxy_context(tmp_path, target):
     """An in-process core hands the SSH proxy only its ProxyContext: a real ssh exec runs, recorded and closed."""
     from gatewayd.config import load_config
@@ -1125,7 +1112,7 @@ async def test_the_listener_needs_nothing_but_its_proxy_context(tmp_path, target
         await core.store.create_connection(connection)
         issued = await core.access.issue(user, connection, 600)
         port = free_port()
-        listener = await start(OnlyProxyContext(core.proxy_context("ssh")), "127.0.0.1", port)
+        listener = await start(core.proxy_context("ssh"), "127.0.0.1", port)
         command = ["ssh", *CLIENT_OPTIONS, "-p", str(port), f"{issued.secret}@127.0.0.1", "echo narrow-$((6*7))"]
         result = await asyncio.to_thread(subprocess.run, command, capture_output=True, stdin=subprocess.DEVNULL,
                                          timeout=60)

@@ -32,7 +32,7 @@ from gatewayd.models import (
     rfc3339,
     utcnow,
 )
-from gatewayd.store.base import AuditFilter, Conflict, NotFound, SessionFilter, Store
+from gatewayd.store.base import AuditFilter, NotFound, SessionFilter, Store
 from gatewayd.store.migrations import MIGRATIONS
 from gatewayd.store.sql import (
     Connector,

@@ -13,13 +13,14 @@ from gatewayd.config import Setting, domain_setting, positive
 from gatewayd.protocols import ProtocolDescription
 
 if TYPE_CHECKING:
+    from gatewayd.pipeline import ProxyContext
     from gatewayd.models import Connection
 
 
-async def _start(gateway: Any, host: str, port: int) -> Any:
+async def _start(context: ProxyContext, host: str, port: int) -> Any:
     from proxies.http.server import start
 
-    return await start(gateway, host, port)
+    return await start(context, host, port)
 
 
 def access_hints(conn: Connection, secret: str, host: str, port: int, settings: dict[str, Any]) -> dict[str, str]:

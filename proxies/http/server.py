@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 import aiohttp
 from aiohttp import WSMsgType, web
@@ -667,9 +667,8 @@ async def _chain(prefix: bytes, content: aiohttp.StreamReader) -> AsyncIterator[
         yield chunk
 
 
-async def start(gateway: Any, host: str, port: int) -> HttpListener:
+async def start(context: ProxyContext, host: str, port: int) -> HttpListener:
     """Listener factory registered as ``http``."""
-    context: ProxyContext = gateway.proxy_context("http")
     listener = HttpListener(context)
     try:
         await listener.start(host, port)

@@ -26,7 +26,7 @@ import socket
 import ssl
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from gatewayd.access import looks_like_secret
 from gatewayd.pipeline import BLOCKED_EXIT_CODE, AccessDenied, GatewayClosing, ProxyContext, TargetUnreachable
@@ -136,9 +136,8 @@ class PostgresListener:
             self.server.close()  # the listening socket closes now; connections go on
 
 
-async def start(gateway: Any, host: str, port: int) -> PostgresListener:
+async def start(context: ProxyContext, host: str, port: int) -> PostgresListener:
     """Listener factory registered as ``postgres``."""
-    context: ProxyContext = gateway.proxy_context("postgres")
     settings = context.settings
     tls_context = await asyncio.to_thread(tls.server_context, context.data_dir, settings["tls_cert"],
                                           settings["tls_key"])

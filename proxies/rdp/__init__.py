@@ -17,15 +17,16 @@ from proxies.rdp import compat
 compat.apply()  # before anything imports pyrdp (Python 3.13 removed typing.io, which pyrdp imports)
 
 if TYPE_CHECKING:
+    from gatewayd.pipeline import ProxyContext
     from gatewayd.models import Connection
 
 REQUIRED_MODULES = ("pyrdp", "rle", "twisted", "PIL")
 
 
-async def _start(gateway: Any, host: str, port: int) -> Any:
+async def _start(context: ProxyContext, host: str, port: int) -> Any:
     from proxies.rdp.server import start
 
-    return await start(gateway, host, port)
+    return await start(context, host, port)
 
 
 def access_hints(conn: Connection, secret: str, host: str, port: int, settings: dict[str, Any]) -> dict[str, str]:

@@ -36,9 +36,8 @@ class RDPListener:
             await Deferred.asFuture(result, asyncio.get_running_loop())
 
 
-async def start(gateway: Any, host: str, port: int) -> RDPListener:
+async def start(context: ProxyContext, host: str, port: int) -> RDPListener:
     """Listener factory registered as ``rdp``; of ``gateway`` it uses only its ProxyContext."""
-    context: ProxyContext = gateway.proxy_context("rdp")
     reactor = ensure_reactor()
     from proxies.rdp.mitm import GatewayMITMFactory
 

@@ -8,14 +8,15 @@ from gatewayd.config import Setting
 from gatewayd.protocols import ProtocolDescription
 
 if TYPE_CHECKING:
+    from gatewayd.pipeline import ProxyContext
     from gatewayd.models import Connection
     from gatewayd.scripts import ScriptRunner
 
 
-async def _start(gateway: Any, host: str, port: int) -> Any:
+async def _start(context: ProxyContext, host: str, port: int) -> Any:
     from proxies.ssh.server import start
 
-    return await start(gateway, host, port)
+    return await start(context, host, port)
 
 
 def _script_runner() -> ScriptRunner:

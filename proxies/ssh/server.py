@@ -114,9 +114,8 @@ def hide_user_names() -> None:
         logger.addFilter(HideUserNames())
 
 
-async def start(gateway: Any, host: str, port: int) -> SSHListener:
+async def start(context: ProxyContext, host: str, port: int) -> SSHListener:
     """Listener factory registered as ``ssh``."""
-    context: ProxyContext = gateway.proxy_context("ssh")
     hide_user_names()
     if not log.isEnabledFor(logging.DEBUG):
         # asyncssh logs every connection, channel and command at INFO: the session recording is the record
