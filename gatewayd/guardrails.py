@@ -13,12 +13,14 @@ from __future__ import annotations
 import functools
 import json
 import re
+import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import re2
 from pglast import parser as pg_scanner
 
+from gatewayd.masking import MaskError, Masker, MaskRule, compile_mask_rule
 from gatewayd.models import GuardRail
 from gatewayd.store import Store
 
@@ -30,7 +32,9 @@ InputObserver = Callable[[str], None]
 ObserverFactory = Callable[["LiveSession"], Awaitable[InputObserver | None]]
 
 STATEMENT_RULE_TYPES = ("statement_kinds", "require_where")  # PostgreSQL only, decided on pglast's parse tree
-RULE_TYPES = ("deny_words_list", "pattern_match") + STATEMENT_RULE_TYPES
+MASK_RULE_TYPE = "mask"  # an output rule that masks what it finds and lets the answer through (gatewayd.masking)
+RULE_TYPES = ("deny_words_list", "pattern_match") + STATEMENT_RULE_TYPES + (MASK_RULE_TYPE,)
+MASKING_KEY_NAME = "masking.hmac"  # the gateway's key for the ``hash`` mask style (sealed in the store)
 WHERE_STATEMENTS = {"delete": "DeleteStmt", "update": "UpdateStmt"}
 PARSE_CACHE_SIZE = 4096  # parsed statements remembered by text (per process)
 MAX_BODY_DEPTH = 3  # a function or DO body is parsed as SQL (or PL/pgSQL) this deep
@@ -476,7 +480,9 @@ class _CompiledRule:
         return GuardVerdict(False, message, self.direction, self.type, self.guardrail, text[:AUDIT_INPUT_CHARS])
 
 
-def _compile_side(guardrail: str, direction: str, side: dict[str, Any]) -> list[_CompiledRule]:
+def _compile_side(guardrail: str, direction: str, side: dict[str, Any],
+                  masks: list[MaskRule] | None = None) -> list[_CompiledRule]:
+    """The side's blocking rules; its ``mask`` rules go to ``masks``."""
     if not isinstance(side, dict):
         raise RuleError(f"{direction}: expected an object with 'rules'")
     rules = side.get("rules") or []
@@ -509,6 +515,15 @@ def _compile_side(guardrail: str, direction: str, side: dict[str, Any]) -> list[
             except RuleError as exc:
                 raise RuleError(f"{where}.pattern_regex: {exc}") from None
             compiled.append(_CompiledRule(guardrail, direction, kind, regex, regex, pattern=pattern, message=message))
+        elif kind == MASK_RULE_TYPE:
+            if direction != "output":
+                raise RuleError(f"{where}.type: mask is an output rule (it masks what the target answers)")
+            try:
+                mask = compile_mask_rule(guardrail, rule, where, _re2_compile)
+            except MaskError as exc:
+                raise RuleError(str(exc)) from None
+            if masks is not None:
+                masks.append(mask)
         elif kind in STATEMENT_RULE_TYPES:
             if direction != "input":
                 raise RuleError(f"{where}.type: {kind} is an input rule (it reads the statements sent)")
@@ -535,10 +550,15 @@ def _compile_side(guardrail: str, direction: str, side: dict[str, Any]) -> list[
     return compiled
 
 
-def _compile_or_refuse(rail: GuardRail, direction: str, side: dict[str, Any]) -> list[_CompiledRule]:
+def _compile_or_refuse(rail: GuardRail, direction: str, side: dict[str, Any],
+                       masks: list[MaskRule] | None = None) -> list[_CompiledRule]:
     """A stored side that no longer compiles (say, a pattern from before RE2) refuses everything: fail closed."""
     try:
-        return _compile_side(rail.name, direction, side)
+        found: list[MaskRule] = []
+        compiled = _compile_side(rail.name, direction, side, found)
+        if masks is not None:
+            masks += found
+        return compiled
     except RuleError as exc:
         message = (f"guard rail {rail.name!r} cannot be applied ({exc}): "
                    f"everything is refused until an admin corrects it")
@@ -552,22 +572,28 @@ def validate_guardrail(input_rules: dict[str, Any], output_rules: dict[str, Any]
 
 
 class RuleSet:
-    """Every rule of every guard rail attached to one connection."""
+    """Every rule of every guard rail attached to one connection.
 
-    __slots__ = ("input_rules", "output_rules", "text_rules", "statement_rules")
+    ``masker``: its ``mask`` output rules compiled together (None when it has none); ``mask_key`` is
+    the gateway's masking key (the ``hash`` style's HMAC key).
+    """
 
-    def __init__(self, guardrails: list[GuardRail]) -> None:
+    __slots__ = ("input_rules", "output_rules", "text_rules", "statement_rules", "masker")
+
+    def __init__(self, guardrails: list[GuardRail], mask_key: bytes = b"") -> None:
         self.input_rules: list[_CompiledRule] = []
         self.output_rules: list[_CompiledRule] = []
+        masks: list[MaskRule] = []
         for rail in guardrails:
             self.input_rules += _compile_or_refuse(rail, "input", rail.input)
-            self.output_rules += _compile_or_refuse(rail, "output", rail.output)
+            self.output_rules += _compile_or_refuse(rail, "output", rail.output, masks)
+        self.masker: Masker | None = Masker(masks, mask_key) if masks else None
         self.statement_rules = [r for r in self.input_rules if r.type in STATEMENT_RULE_TYPES]
         self.text_rules = [r for r in self.input_rules if r.type not in STATEMENT_RULE_TYPES]
 
     @property
     def empty(self) -> bool:
-        return not self.input_rules and not self.output_rules
+        return not self.input_rules and not self.output_rules and self.masker is None
 
     @property
     def has_output_rules(self) -> bool:
@@ -661,6 +687,10 @@ class ObservedRules:
         return self.rules.output_rules
 
     @property
+    def masker(self) -> Masker | None:
+        return self.rules.masker
+
+    @property
     def empty(self) -> bool:
         return False
 
@@ -693,6 +723,7 @@ class GuardRailService:
         self._stored: int | None = None  # the store generation the cache holds for
         self._local = 0  # bumped by invalidate: a load begun before it is not cached
         self.observers: ObserverFactory | None = None  # set by the daemon: AI session analysis of native input
+        self._mask_key: bytes | None = None
 
     def invalidate(self) -> None:
         """Called by the API after any guard rail create, update or delete."""
@@ -717,7 +748,9 @@ class GuardRailService:
         rules = self._cache.get(connection_id)
         if rules is None:
             local = self._local
-            rules = RuleSet(await self.store.list_guardrails(org_id, connection_id))
+            rails = await self.store.list_guardrails(org_id, connection_id)
+            key = await self.mask_key() if any(_has_mask_rule(rail) for rail in rails) else b""
+            rules = RuleSet(rails, key)
             if local == self._local and stored == self._stored:  # else a rail changed during the load
                 self._cache[connection_id] = rules
         if live is not None and self.observers is not None:
@@ -725,3 +758,18 @@ class GuardRailService:
             if observe is not None:
                 return ObservedRules(rules, observe)
         return rules
+
+    async def mask_key(self) -> bytes:
+        """The gateway's masking key: made once, sealed in the store, shared by every worker and node."""
+        if self._mask_key is None:
+            key = await self.store.get_key(MASKING_KEY_NAME)
+            if key is None:
+                await self.store.put_key(MASKING_KEY_NAME, secrets.token_bytes(32))
+                key = await self.store.get_key(MASKING_KEY_NAME)  # another node's, if it was quicker
+            self._mask_key = key or b""
+        return self._mask_key
+
+
+def _has_mask_rule(rail: GuardRail) -> bool:
+    rules = rail.output.get("rules") if isinstance(rail.output, dict) else None
+    return isinstance(rules, list) and any(isinstance(r, dict) and r.get("type") == MASK_RULE_TYPE for r in rules)

@@ -21,6 +21,13 @@ The proxy only turns a verdict into its protocol's answer (an ErrorResponse
 per-statement review plug in here, as links of the same chain, so that no
 proxy learns about them.
 
+4. **masking** (``mask`` output rules, gatewayd.masking): output that the
+   blocking rules let through is masked before it is recorded and sent; the
+   proxy sends what ``output_masked`` / ``mask_output`` return, and the number
+   of masked values is counted in the session's metrics (``masked``).  The
+   PostgreSQL relay masks per cell with ``masker`` itself (column names and
+   types are its protocol's) and reports the count with ``count_masked``.
+
 ``input`` and ``output`` never await: they sit on the PostgreSQL hot path.
 """
 
@@ -32,6 +39,7 @@ from gatewayd.guardrails import GuardVerdict
 
 if TYPE_CHECKING:
     from gatewayd.guardrails import ObservedRules, RuleSet
+    from gatewayd.masking import Masker
     from gatewayd.recording import SessionRecorder
     from gatewayd.sessions import LiveSession
 
@@ -41,7 +49,8 @@ VERDICT_CACHE_SIZE = 512  # SQL verdicts remembered per session: drivers parse t
 class SessionPolicy:
     """One session's chain, for the rule set it was built with (HTTP builds one per request: rules can change)."""
 
-    __slots__ = ("live", "rules", "recorder", "client_ip", "checks_input", "checks_output", "_sql_verdicts")
+    __slots__ = ("live", "rules", "recorder", "client_ip", "checks_input", "checks_output", "_sql_verdicts",
+                 "masker")
 
     def __init__(self, live: LiveSession, rules: RuleSet | ObservedRules, client_ip: str = "",
                  recorder: SessionRecorder | None = None) -> None:
@@ -53,6 +62,7 @@ class SessionPolicy:
         self.checks_input = bool(rules.input_rules)  # False: input is only recorded
         self.checks_output = bool(rules.output_rules)
         self._sql_verdicts: dict[str, GuardVerdict] = {}
+        self.masker: Masker | None = getattr(rules, "masker", None)  # None: no mask rule, nothing to mask
 
     # -- what the proxy reports
 
@@ -114,6 +124,36 @@ class SessionPolicy:
     def describe(self, name: str, value: Any) -> None:
         """Describe the recording (its metrics, e.g. an SSH terminal's size), once: a first value is kept."""
         self.recorder.metrics.setdefault(name, value)
+
+    # -- masking
+
+    def output_masked(self, data: str) -> tuple[GuardVerdict | None, str]:
+        """``output`` with masking: (the blocking verdict, or None and the text to send, masked and recorded).
+
+        The blocking rules read the target's text as it came; what they let through is masked,
+        then recorded as masked (an auditor sees what the user saw).
+        """
+        verdict = self.check_output(data)
+        if verdict is not None:
+            return verdict, data
+        text = self.mask_output(data)
+        self.record_output(text)
+        return None, text
+
+    def mask_output(self, text: str) -> str:
+        """``text`` with what the mask rules find masked (counted in the metrics); unchanged without rules."""
+        masker = self.masker
+        if masker is None:
+            return text
+        masked, count = masker.mask_text(text)
+        if count:
+            self.count_masked(count)
+        return masked
+
+    def count_masked(self, count: int) -> None:
+        """``count`` more values were masked: the session's ``masked`` metric."""
+        metrics = self.recorder.metrics
+        metrics["masked"] = metrics.get("masked", 0) + count
 
     def error(self, message: bytes | str) -> None:
         """An ``e`` event: a refusal, a target error, how a channel ended."""

@@ -22,11 +22,19 @@ arrive.  That is how a block is answered in the right place of a pipeline:
   batch, it ignores the marker and the client sees only the target's error;
 * an output rule matching a row cuts the result: the ErrorResponse goes out in
   place of the row and the rest of the answer is swallowed up to
-  ReadyForQuery, which is forwarded.
+  ReadyForQuery, which is forwarded;
+* a ``mask`` output rule re-encodes the row instead (``ServerSide._mask_row``):
+  per cell, by the column's name (from the RowDescription) or by what the
+  rule's patterns find, in text and binary formats, the lengths rewritten;
+  a non-text cell whose masked text its type could not parse becomes NULL.
+  COPY TO STDOUT rows in text/CSV format are masked by pattern; a binary COPY,
+  or any COPY under a rule by column name (COPY data carries no names), is
+  cut like a blocked row.
 """
 
 from __future__ import annotations
 
+import json
 import secrets
 import struct
 import uuid
@@ -43,7 +51,9 @@ from proxies.postgres.codec import (
     Close,
     CloseComplete,
     CommandComplete,
+    CopyBothResponse,
     CopyData,
+    CopyOutResponse,
     DataRow,
     Describe,
     ErrorResponse,
@@ -59,7 +69,9 @@ from proxies.postgres.codec import (
     Sync,
     Terminate,
     encode_close,
+    encode_copy_data,
     encode_copy_fail,
+    encode_data_row,
     encode_error_response,
     encode_flush,
     encode_sync,
@@ -67,8 +79,10 @@ from proxies.postgres.codec import (
     resolve_formats,
 )
 
+from gatewayd.guardrails import GuardVerdict
+
 if TYPE_CHECKING:
-    from gatewayd.guardrails import GuardVerdict
+    from gatewayd.masking import Masker
     from gatewayd.policy import SessionPolicy
 
 BLOCKED_SQLSTATE = "42501"  # insufficient_privilege
@@ -168,6 +182,89 @@ def render_typed_row(row: DataRow, formats: Sequence[int], oids: Sequence[int]) 
         else:
             parts.append(value.decode("utf-8", "replace"))
     return "\t".join(parts)
+
+
+# -- masking: what a masked cell becomes, by its column's type
+
+# text-format columns whose masked text the type still reads: anything not listed here (text, varchar,
+# names, enums, composite and user types, text arrays...); these take NULL instead
+_NOT_TEXT_OIDS = frozenset((
+    16, 17, 18, 20, 21, 22, 23, 26, 27, 28, 29, 30, 650, 700, 701, 774, 790, 829, 869, 1082, 1083, 1114, 1184,
+    1186, 1266, 1560, 1562, 1700, 2950, 3220, 3614, 3615, 3904, 3906, 3908, 3910, 3912, 3926, 4451, 4532,
+    # arrays of the above
+    1000, 1001, 1002, 1005, 1006, 1007, 1016, 1021, 1022, 1028, 1115, 1182, 1183, 1185, 1187, 1231, 1270, 2951,
+    651, 1040, 1041, 775, 791,
+))
+_BINARY_TEXT_OIDS = frozenset((19, 25, 142, 705, 1042, 1043, 114, 3802))  # binary format that is UTF-8 text
+_JSON_OIDS = frozenset((114, 3802))
+MaskColumns = "tuple[tuple[int, str], ...] | None"  # (column index, style) masked whole; None: names unknown
+_ROW_PASSED, _ROW_CUT, _ROW_REPLACED = 0, 1, 2
+
+
+def payload_of(value: bytes, jsonb: bool) -> bytes:
+    return value[1:] if jsonb else value
+
+
+def _valid_json(data: bytes) -> bool:
+    try:
+        json.loads(data)
+    except ValueError:
+        return False
+    return True
+
+
+def mask_row(masker: Masker, row: DataRow, formats: Sequence[int], oids: Sequence[int],
+             whole: tuple[tuple[int, str], ...] | None) -> tuple[list[bytes | None], int] | None:
+    """The row's values with what ``masker`` masks masked, and how many; None when nothing was.
+
+    ``whole``: columns masked whole by name, with their style; None when the column names are not
+    known and the masker has rules by name: every value is masked whole (fail closed).
+    """
+    values = row.columns
+    nformats = len(formats)
+    noids = len(oids)
+    if whole is None:
+        style = next(iter(masker.columns.values()))
+        by_column: dict[int, str] = {i: style for i in range(len(values))}
+    else:
+        by_column = dict(whole)
+    out: list[bytes | None] = list(values)
+    count = 0
+    for i, value in enumerate(values):
+        if value is None:
+            continue
+        binary = i < nformats and formats[i] == FORMAT_BINARY
+        oid = oids[i] if i < noids else 0
+        textual = oid in _BINARY_TEXT_OIDS if binary else oid not in _NOT_TEXT_OIDS
+        jsonb = binary and oid == 3802
+        style = by_column.get(i)
+        if style is not None:
+            if oid in _JSON_OIDS and textual:  # a JSON string of the masked value: still JSON
+                data = json.dumps(masker.mask_whole(payload_of(value, jsonb), style).decode()).encode()
+                out[i] = b"\x01" + data if jsonb else data
+            elif textual:
+                out[i] = masker.mask_whole(value, style)
+            else:
+                out[i] = None
+            count += 1
+            continue
+        if textual:
+            payload = value[1:] if jsonb else value
+            masked = masker.mask(payload)
+            if masked is None:
+                continue
+            data, n = masked
+            count += n
+            if oid in _JSON_OIDS and not _valid_json(data):
+                out[i] = None
+            else:
+                out[i] = b"\x01" + data if jsonb else data
+        else:
+            data = render_binary(oid, value).encode() if binary else value
+            if masker.mask(data) is not None:
+                out[i] = None
+                count += 1
+    return (out, count) if count else None
 
 
 def blocked_error(verdict: GuardVerdict) -> bytes:
@@ -319,7 +416,9 @@ class ServerSide:
     """Target-to-client decisions: rows reported as output, target errors as errors, injected errors."""
 
     __slots__ = (
+        "_copy_binary",
         "_desc_formats",
+        "_desc_masks",
         "_desc_oids",
         "_descriptions",
         "batch_error",
@@ -328,6 +427,9 @@ class ServerSide:
         "cut",
         "formats",
         "header",
+        "masker",
+        "masks",
+        "masks_now",
         "oids",
         "out",
         "out_chars",
@@ -341,6 +443,11 @@ class ServerSide:
         self.policy = policy
         self.pending = pending
         self.columns = columns
+        self.masker: Masker | None = policy.masker  # the session's mask rules (None: nothing to mask)
+        # statement -> (its type OIDs in ``columns`` when described, its columns masked by name): valid while
+        # ``columns`` holds that same tuple (the client side drops it when the statement is parsed again)
+        self.masks: dict[str, tuple[tuple[int, ...], tuple[tuple[int, str], ...]]] = {}
+        self.masks_now: tuple[tuple[int, str], ...] | None = None  # columns masked by name in the current result
         self.oids: tuple[int, ...] = ()  # column type OIDs of the current result
         self.cut = False  # an output rule matched: swallow until ReadyForQuery
         self.batch_error = False  # an ErrorResponse went to the client since the last ReadyForQuery
@@ -353,23 +460,29 @@ class ServerSide:
         self.target_fatal = False  # the target sent a FATAL/PANIC error (it is about to close)
         self._desc_formats: tuple[int, ...] = ()
         self._desc_oids: tuple[int, ...] = ()
-        # RowDescription frame -> (header line, type OIDs, formats): a session sees the same few again and again
-        self._descriptions: dict[bytes, tuple[str, tuple[int, ...], tuple[int, ...]]] = {}
+        self._desc_masks: tuple[tuple[int, str], ...] | None = None  # None: no RowDescription seen yet
+        self._copy_binary = False  # the current COPY TO STDOUT is in binary format
+        # RowDescription frame -> (header line, type OIDs, formats, columns masked by name)
+        self._descriptions: dict[bytes, tuple[str, tuple[int, ...], tuple[int, ...], tuple[tuple[int, str], ...]]] = {}
 
     def process(self, reader: BackendReader, batch: FrameBatch) -> None:
         """The complete messages in ``reader``: forwardable frames and injected errors go to ``batch``.
 
         Stops early after an output block (``blocks`` is then not empty): call again once it is audited.
         """
-        render = self.policy.checks_output or self.policy.recording
+        render = self.policy.checks_output or self.policy.recording or self.masker is not None
         add = batch.add
         for message in reader:
             kind = type(message)
             if kind is DataRow:
                 if self.cut:
                     continue
-                if render and not self._row(message, batch):  # type: ignore[arg-type]
-                    return  # cut: the caller audits the block before the rest is looked at
+                if render:
+                    done = self._row(message, batch)  # type: ignore[arg-type]
+                    if done == _ROW_CUT:
+                        return  # cut: the caller audits the block before the rest is looked at
+                    if done == _ROW_REPLACED:
+                        continue
                 add(message)
             elif kind is ReadyForQuery:
                 self._ready(message, batch)  # type: ignore[arg-type]
@@ -387,16 +500,21 @@ class ServerSide:
 
     # -- rows
 
-    def _row(self, row: DataRow, batch: FrameBatch) -> bool:
+    def _row(self, row: DataRow, batch: FrameBatch) -> int:
+        """_ROW_PASSED (forward the row as is), _ROW_CUT, or _ROW_REPLACED (its masked frame is in ``batch``)."""
         formats = self.formats
         if formats is None:
-            formats, self.oids = self._desc_formats, self._desc_oids
+            formats, self.oids, self.masks_now = self._desc_formats, self._desc_oids, self._desc_masks
             head = self.pending[0] if self.pending else None
             if head is not None and head.kind == EXECUTE:
                 if head.formats is not None:
                     formats = resolve_formats(head.formats, row.column_count)
                 if head.statement is not None:
-                    self.oids = self.columns.get(head.statement, self.oids)
+                    oids = self.columns.get(head.statement)
+                    if oids is not None:
+                        self.oids = oids
+                        known = self.masks.get(head.statement)
+                        self.masks_now = known[1] if known is not None and known[0] is oids else None
             self.formats = formats
         if FORMAT_BINARY in formats:
             text = render_typed_row(row, formats, self.oids)
@@ -404,16 +522,32 @@ class ServerSide:
             text = render_row(None, row, formats=formats)
         policy = self.policy
         if policy.checks_output:
-            verdict = policy.check_output(text)
+            verdict = policy.check_output(text)  # the blocking rules read the target's clear text
             if verdict is not None:
                 self._cut(verdict, batch)
-                return False
+                return _ROW_CUT
+        done = _ROW_PASSED
+        masker = self.masker
+        if masker is not None:
+            whole = self.masks_now
+            if masker.columns and whole is None or whole or not masker.row_prefilter \
+                    or masker.may_match(text.encode("utf-8", "surrogateescape")):
+                masked = mask_row(masker, row, formats, self.oids, None if masker.columns and whole is None
+                                  else whole or ())
+                if masked is not None:
+                    values, count = masked
+                    policy.count_masked(count)
+                    frame = encode_data_row(values)
+                    batch.add_bytes(frame)
+                    done = _ROW_REPLACED
+                    if policy.recording:
+                        text = render_typed_row(DataRow(frame), formats, self.oids)
         if policy.recording:
             if self.header is not None:
                 self._emit(self.header)
                 self.header = None
             self._emit(text)
-        return True
+        return done
 
     def _emit(self, line: str) -> None:
         self.out.append(line)
@@ -447,11 +581,13 @@ class ServerSide:
     def _other(self, message: Message, batch: FrameBatch, render: bool) -> None:
         kind = type(message)
         if kind is CopyData:
-            if render and not self._copy_out(message, batch):  # type: ignore[arg-type]
-                return
-            batch.add(message)
+            if not render or self._copy_out(message, batch) == _ROW_PASSED:  # type: ignore[arg-type]
+                batch.add(message)
             return
         batch.add(message)
+        if kind is CopyOutResponse or kind is CopyBothResponse:
+            self._copy_binary = kind is CopyBothResponse or message.format == 1  # type: ignore[attr-defined]
+            return
         if kind is CommandComplete:
             self._command_complete(message)  # type: ignore[arg-type]
         elif kind is RowDescription:
@@ -460,9 +596,14 @@ class ServerSide:
             if head is not None:
                 self.pending.popleft()
             if render:
-                header, self._desc_oids, self._desc_formats = self._describe(message)  # type: ignore[arg-type]
+                header, self._desc_oids, self._desc_formats, self._desc_masks = \
+                    self._describe(message)  # type: ignore[arg-type]
                 if head is not None and head.statement is not None:
                     self.columns[head.statement] = self._desc_oids
+                    if self.masker is not None:
+                        if len(self.masks) >= DESCRIPTION_CACHE_SIZE * 64:
+                            self.masks.clear()
+                        self.masks[head.statement] = (self._desc_oids, self._desc_masks)
                 if self.policy.recording:
                     self.header = header
         elif kind is NoData:
@@ -490,29 +631,51 @@ class ServerSide:
             self.flush_output()
         self._end_result()
 
-    def _describe(self, message: RowDescription) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
-        """(header line, type OIDs, formats) of a RowDescription, remembered by its frame."""
+    def _describe(self, message: RowDescription
+                  ) -> tuple[str, tuple[int, ...], tuple[int, ...], tuple[tuple[int, str], ...]]:
+        """(header line, type OIDs, formats, columns masked by name) of a RowDescription, remembered by its frame."""
         key = bytes(message)
         described = self._descriptions.get(key)
         if described is None:
             names, oids, formats = message.summary()
             if len(self._descriptions) >= DESCRIPTION_CACHE_SIZE:
                 self._descriptions.clear()
-            described = self._descriptions[key] = ("\t".join(names), oids, formats)
+            masked: tuple[tuple[int, str], ...] = ()
+            masker = self.masker
+            if masker is not None and masker.columns:
+                masked = tuple((i, style) for i, name in enumerate(names)
+                               if (style := masker.column_style(name)) is not None)
+            described = self._descriptions[key] = ("\t".join(names), oids, formats, masked)
         return described
 
-    def _copy_out(self, message: CopyData, batch: FrameBatch) -> bool:
-        """Check and record one COPY TO STDOUT row; False when it is cut."""
-        text = bytes(message.data).decode("utf-8", "replace")
+    def _copy_out(self, message: CopyData, batch: FrameBatch) -> int:
+        """Check, mask and record one COPY TO STDOUT row: _ROW_PASSED, _ROW_CUT or _ROW_REPLACED."""
+        data = bytes(message.data)
+        text = data.decode("utf-8", "replace")
         policy = self.policy
         if policy.checks_output:
             verdict = policy.check_output(text)
             if verdict is not None:
                 self._cut(verdict, batch)
-                return False
+                return _ROW_CUT
+        done = _ROW_PASSED
+        masker = self.masker
+        if masker is not None:
+            if masker.columns or self._copy_binary:
+                reason = ("a masking rule by column name cannot read COPY output (it names no columns)"
+                          if masker.columns else "binary COPY output cannot be masked")
+                self._cut(GuardVerdict(False, f"result withheld: {reason}; use SELECT", "output", "mask"), batch)
+                return _ROW_CUT
+            masked = masker.mask(data)
+            if masked is not None:
+                data, count = masked
+                policy.count_masked(count)
+                batch.add_bytes(encode_copy_data(data))
+                text = data.decode("utf-8", "replace")
+                done = _ROW_REPLACED
         if policy.recording:
             self._emit(text.rstrip("\n"))
-        return True
+        return done
 
     def _swallow(self, message: Message, batch: FrameBatch) -> None:
         """After a cut: only what keeps the session sane goes through."""

@@ -1,0 +1,299 @@
+"""Masking: output rules that replace sensitive text instead of cutting the answer.
+
+A ``mask`` output rule names built-in detectors (``patterns``), an admin's RE2
+regex (``pattern_regex``) and/or column names (``columns``), and a ``style``:
+
+* ``fixed``  -- the matched text becomes ``****``;
+* ``last4``  -- every character but the last four becomes ``*`` (the length is kept);
+* ``hash``   -- ``#`` and 16 hex digits of HMAC-SHA256 under the gateway's own
+  masking key: the same value always gives the same token (rows can still be
+  joined or counted) but nobody without the key can test a guess.  Never a
+  plain hash of the value, which anyone could recompute for every card number.
+
+Built-in detectors (each a linear-time RE2 pattern, then a check in Python
+on the few candidates it finds):
+
+=============  ======================================================  ==========================
+name           what                                                    check
+=============  ======================================================  ==========================
+card_number    13-19 digits, optionally grouped by spaces or dashes    Luhn
+email          ``local@domain.tld`` (ASCII)                            --
+iban           2 letters, 2 digits, 11-30 letters/digits (spaces ok)   ISO 13616 mod-97 = 1
+us_ssn         US Social Security number ``AAA-GG-SSSS``               no 000/666/9xx area, 00, 0000
+uk_nino        UK National Insurance number ``AB 12 34 56 C``          the prefixes HMRC never issues
+fr_nir         French NIR (sécu), 15 digits (2A/2B for Corsica)        its key: 97 - (number mod 97)
+=============  ======================================================  ==========================
+
+Everything is compiled once per rule set (``Masker``), like the guard rails.
+``may_match`` is the fast path: one RE2 search over a whole row (or chunk) that
+says whether any cell of it can need masking; most rows stop there.  Proxies
+never use this module directly: they ask the session's policy chain
+(``SessionPolicy.masker`` / ``mask_output``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import re2
+
+__all__ = ["DETECTORS", "MASK_STYLES", "MaskError", "MaskRule", "Masker", "compile_mask_rule", "iban_valid",
+           "luhn_valid"]
+
+MASK_STYLES = ("fixed", "last4", "hash")
+FIXED = b"****"
+HASH_HEX_DIGITS = 16
+
+
+class MaskError(ValueError):
+    """A mask rule that cannot be compiled (the guard rail's 400)."""
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def luhn_valid(digits: str) -> bool:
+    """The Luhn checksum of a card number (digits only)."""
+    total = 0
+    for i, ch in enumerate(reversed(digits)):
+        d = ord(ch) - 48
+        if i & 1:
+            d *= 2
+            if d > 9:
+                d -= 9
+        total += d
+    return total % 10 == 0
+
+
+def iban_valid(iban: str) -> bool:
+    """ISO 13616: the IBAN with its first four characters moved to the end, letters as 10..35, mod 97 is 1."""
+    iban = iban.replace(" ", "").upper()
+    if not 15 <= len(iban) <= 34 or not iban.isalnum():
+        return False
+    moved = iban[4:] + iban[:4]
+    return int("".join(str(int(ch, 36)) for ch in moved)) % 97 == 1
+
+
+def _digits(raw: bytes) -> str:
+    return "".join(chr(b) for b in raw if 48 <= b <= 57)
+
+
+def _card(raw: bytes) -> bool:
+    digits = _digits(raw)
+    return 13 <= len(digits) <= 19 and luhn_valid(digits)
+
+
+def _iban(raw: bytes) -> bool:
+    return iban_valid(raw.decode("ascii", "replace"))
+
+
+def _ssn(raw: bytes) -> bool:
+    area, group, serial = raw[:3], raw[4:6], raw[7:11]
+    return area not in (b"000", b"666") and area[:1] != b"9" and group != b"00" and serial != b"0000"
+
+
+_NINO_NEVER = frozenset((b"BG", b"GB", b"NK", b"KN", b"TN", b"NT", b"ZZ"))
+
+
+def _nino(raw: bytes) -> bool:
+    return raw[:2].upper() not in _NINO_NEVER
+
+
+def _nir(raw: bytes) -> bool:
+    text = raw.decode("ascii", "replace").replace(" ", "").upper()
+    if len(text) != 15:
+        return False
+    body, key = text[:13], text[13:]
+    if body[5:7] in ("2A", "2B"):  # Corsica: 2A counts as 19, 2B as 18
+        body = body[:5] + ("19" if body[6] == "A" else "18") + body[7:]
+    if body.isdigit():
+        number = int(body)
+    else:
+        return False
+    return key.isdigit() and int(key) == 97 - number % 97
+
+
+@dataclass(slots=True, frozen=True)
+class Detector:
+    """A built-in pattern: an RE2 expression and the check its candidates must pass."""
+
+    regex: str
+    check: Callable[[bytes], bool] | None
+    description: str
+
+
+DETECTORS: dict[str, Detector] = {
+    "card_number": Detector(r"\b(?:\d[ -]?){12,18}\d\b", _card, "payment card numbers (Luhn checked)"),
+    "email": Detector(r"[A-Za-z0-9._%+\-]+@[A-Za-z0-9](?:[A-Za-z0-9\-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9\-]+)*"
+                      r"\.[A-Za-z]{2,}", None, "e-mail addresses"),
+    "iban": Detector(r"\b[A-Z]{2}\d{2}(?: ?[A-Z0-9]){11,30}\b", _iban, "IBANs (mod-97 checked)"),
+    "us_ssn": Detector(r"\b\d{3}-\d{2}-\d{4}\b", _ssn, "US Social Security numbers"),
+    "uk_nino": Detector(r"\b[A-CEGHJ-PR-TW-Za-ceghj-pr-tw-z][A-CEGHJ-NPR-TW-Za-ceghj-npr-tw-z] ?\d{2} ?\d{2} ?\d{2}"
+                        r" ?[A-Da-d]\b", _nino, "UK National Insurance numbers"),
+    "fr_nir": Detector(r"\b[12] ?\d{2} ?\d{2} ?(?:\d{2}|2[ABab]) ?\d{3} ?\d{3} ?\d{2}\b", _nir,
+                       "French social security numbers (NIR, key checked)"),
+}
+
+
+# --------------------------------------------------------------------------- rules
+
+_OPTIONS = re2.Options()
+_OPTIONS.log_errors = False
+_PREFILTER_OPTIONS = re2.Options()
+_PREFILTER_OPTIONS.log_errors = False
+_PREFILTER_OPTIONS.never_capture = True  # whether anything can match is all the fast path asks: RE2's DFA
+
+
+@dataclass(slots=True)
+class _Finder:
+    regex: Any  # RE2 on UTF-8 bytes
+    check: Callable[[bytes], bool] | None
+    style: str
+
+
+@dataclass(slots=True)
+class MaskRule:
+    """One compiled ``mask`` rule: what it finds (detectors, a regex, columns) and how it masks."""
+
+    guardrail: str
+    style: str
+    finders: list[_Finder]
+    sources: list[str]  # RE2 sources of the finders, for the combined fast path
+    columns: frozenset[str]  # lower-case column names (or JSON keys) masked whole
+    anchored: bool  # the admin's regex uses ^, $, \A or \z: a row's text cannot stand for its cells
+
+
+def _strings(rule: dict[str, Any], key: str, where: str) -> list[str]:
+    value = rule.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) and v.strip() for v in value):
+        raise MaskError(f"{where}.{key}: expected an array of non-empty strings")
+    return value
+
+
+def compile_mask_rule(guardrail: str, rule: dict[str, Any], where: str,
+                      compile_regex: Callable[[str], Any]) -> MaskRule:
+    """A ``{"type": "mask", ...}`` rule compiled; MaskError names what is wrong.
+
+    ``compile_regex`` is the guard rails' RE2 compiler (it names what RE2 refuses).
+    """
+    style = rule.get("style", "fixed")
+    if style not in MASK_STYLES:
+        raise MaskError(f"{where}.style: must be one of {', '.join(MASK_STYLES)}, got {style!r}")
+    patterns = _strings(rule, "patterns", where)
+    unknown = [p for p in patterns if p not in DETECTORS]
+    if unknown:
+        raise MaskError(f"{where}.patterns: unknown pattern {', '.join(map(repr, unknown))}: "
+                        f"one of {', '.join(DETECTORS)}")
+    columns = _strings(rule, "columns", where)
+    regex = rule.get("pattern_regex")
+    if regex is not None and (not isinstance(regex, str) or not regex):
+        raise MaskError(f"{where}.pattern_regex: expected a regular expression")
+    if not patterns and not columns and not regex:
+        raise MaskError(f"{where}: a mask rule needs 'patterns', 'pattern_regex' or 'columns'")
+    finders: list[_Finder] = []
+    sources: list[str] = []
+    for name in dict.fromkeys(patterns):
+        detector = DETECTORS[name]
+        finders.append(_Finder(re2.compile(detector.regex.encode(), _OPTIONS), detector.check, style))
+        sources.append(detector.regex)
+    anchored = False
+    if regex:
+        try:
+            compile_regex(regex)  # refused with the construct named
+        except ValueError as exc:
+            raise MaskError(f"{where}.pattern_regex: {exc}") from None
+        finders.append(_Finder(re2.compile(regex.encode(), _OPTIONS), None, style))
+        sources.append(regex)
+        anchored = any(mark in regex for mark in ("^", "$", "\\A", "\\z"))
+    return MaskRule(guardrail, style, finders, sources, frozenset(c.strip().lower() for c in columns), anchored)
+
+
+# --------------------------------------------------------------------------- the masker
+
+
+class Masker:
+    """Every mask rule of a connection, compiled into one fast path and the finders behind it.
+
+    ``key`` is the gateway's masking key (the ``hash`` style's HMAC key).
+    """
+
+    __slots__ = ("columns", "finders", "_key", "_prefilter", "row_prefilter")
+
+    def __init__(self, rules: list[MaskRule], key: bytes = b"") -> None:
+        self.finders = [f for rule in rules for f in rule.finders]
+        sources = [s for rule in rules for s in rule.sources]
+        self._prefilter = (re2.compile("|".join(f"(?:{s})" for s in sources).encode(), _PREFILTER_OPTIONS)
+                           if sources else None)
+        self.columns: dict[str, str] = {}  # column name (lower case) -> style
+        for rule in rules:
+            for column in rule.columns:
+                self.columns.setdefault(column, rule.style)
+        # a row's text (cells joined by tabs) may be searched once for all its cells: a tab, like the
+        # ends of a cell, is no word character; only anchors tell a cell's ends from the row's
+        self.row_prefilter = not any(rule.anchored for rule in rules)
+        self._key = key
+
+    def may_match(self, data: bytes) -> bool:
+        """Whether ``data`` can contain anything a pattern masks (False: nothing to do, the fast path)."""
+        prefilter = self._prefilter
+        return prefilter is not None and prefilter.search(data) is not None
+
+    def mask(self, data: bytes) -> tuple[bytes, int] | None:
+        """``data`` with every match masked and how many; None when nothing matched (or passed its check)."""
+        if self._prefilter is None or self._prefilter.search(data) is None:
+            return None
+        spans: list[tuple[int, int, str]] = []
+        for finder in self.finders:
+            check = finder.check
+            for match in finder.regex.finditer(data):
+                start, end = match.span()
+                if end > start and (check is None or check(data[start:end])):
+                    spans.append((start, end, finder.style))
+        if not spans:
+            return None
+        spans.sort()
+        merged: list[list[Any]] = []
+        for start, end, style in spans:  # overlapping matches are masked as one (their union)
+            if merged and start < merged[-1][1]:
+                if end > merged[-1][1]:
+                    merged[-1][1] = end
+                continue
+            merged.append([start, end, style])
+        out: list[bytes] = []
+        pos = 0
+        for start, end, style in merged:
+            out.append(data[pos:start])
+            out.append(self._masked(data[start:end], style))
+            pos = end
+        out.append(data[pos:])
+        return b"".join(out), len(merged)
+
+    def mask_whole(self, data: bytes, style: str) -> bytes:
+        """A whole value (a masked column's cell) in ``style``."""
+        return self._masked(data, style)
+
+    def mask_text(self, text: str) -> tuple[str, int]:
+        """``mask`` for text (terminal output, a response body): the masked text and the count."""
+        data = text.encode("utf-8", "surrogateescape")
+        masked = self.mask(data)
+        if masked is None:
+            return text, 0
+        return masked[0].decode("utf-8", "surrogateescape"), masked[1]
+
+    def column_style(self, name: str) -> str | None:
+        """The style a column (or JSON key) named ``name`` is masked in whole, or None."""
+        return self.columns.get(name.lower()) if self.columns else None
+
+    def _masked(self, value: bytes, style: str) -> bytes:
+        if style == "fixed":
+            return FIXED
+        if style == "hash":
+            digest = hmac.new(self._key, value, hashlib.sha256).hexdigest()
+            return b"#" + digest[:HASH_HEX_DIGITS].encode()
+        text = value.decode("utf-8", "replace")  # last4: characters, not bytes
+        return ("*" * max(len(text) - 4, 0) + text[-4:] if len(text) > 4 else "*" * len(text)).encode()

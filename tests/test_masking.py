@@ -1,0 +1,251 @@
+"""Unit tests of masking: the detectors and their checks, the styles, rule validation, and the relay's cells."""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections import deque
+from types import SimpleNamespace
+
+import pytest
+
+from gatewayd.guardrails import RuleError, RuleSet, validate_guardrail
+from gatewayd.masking import Masker, iban_valid, luhn_valid
+from gatewayd.models import GuardRail
+from gatewayd.policy import SessionPolicy
+from proxies.postgres import codec as pg
+from proxies.postgres.relay import ClientSide, ServerSide
+
+KEY = b"k" * 32
+
+
+def masker(*rules: dict, key: bytes = KEY) -> Masker:
+    rail = GuardRail(id="g", org_id="o", name="rail", input={"rules": []}, output={"rules": list(rules)})
+    found = RuleSet([rail], key).masker
+    assert found is not None
+    return found
+
+
+def mask(text: str, *rules: dict) -> str:
+    return masker(*rules).mask_text(text)[0]
+
+
+# -- detectors and their checks
+
+
+@pytest.mark.parametrize("number", ["4111111111111111", "5500005555555559", "378282246310005", "6011111111111117",
+                                    "4111 1111 1111 1111", "4111-1111-1111-1111"])
+def test_card_numbers_with_a_valid_luhn_check_are_masked(number: str) -> None:
+    assert mask(f"paid with {number} today", {"type": "mask", "patterns": ["card_number"]}) == "paid with **** today"
+
+
+@pytest.mark.parametrize("number", ["4111111111111112", "1234567890123", "5500005555555550",
+                                    "41111111111111111111111"])  # bad checksum, or a digit run too long for a card
+def test_digit_runs_that_fail_luhn_are_left_alone(number: str) -> None:
+    assert mask(f"id {number}", {"type": "mask", "patterns": ["card_number"]}) == f"id {number}"
+
+
+def test_luhn_and_iban_checks() -> None:
+    assert luhn_valid("79927398713") and not luhn_valid("79927398710")
+    assert iban_valid("GB82 WEST 1234 5698 7654 32") and iban_valid("DE89370400440532013000")
+    assert iban_valid("FR1420041010050500013M02606")
+    assert not iban_valid("GB82 WEST 1234 5698 7654 33") and not iban_valid("DE89370400440532013001")
+
+
+def test_ibans_emails_and_national_ids() -> None:
+    rule = {"type": "mask", "patterns": ["iban", "email", "us_ssn", "uk_nino", "fr_nir"]}
+    assert mask("iban DE89370400440532013000 / DE89370400440532013001", rule) == \
+        "iban **** / DE89370400440532013001"
+    assert mask("write to jane.doe+x@mail.example.co.uk please", rule) == "write to **** please"
+    assert mask("ssn 078-05-1120, not 000-12-3456 nor 666-12-3456 nor 900-12-3456", rule) == \
+        "ssn ****, not 000-12-3456 nor 666-12-3456 nor 900-12-3456"
+    assert mask("nino AB 12 34 56 C, never GB123456A", rule) == "nino ****, never GB123456A"
+    # NIR: 1 84 12 76 451 089 key 46 (97 - 1841276451089 mod 97); a wrong key is left alone
+    assert mask("nir 1 84 12 76 451 089 46 / 184127645108947", rule) == "nir **** / 184127645108947"
+    assert mask("nir 2 69 05 2A 135 002 85", rule) == "nir ****"  # Corsica: 2A counts as 19
+
+
+def test_custom_regex_and_overlaps() -> None:
+    rule = {"type": "mask", "pattern_regex": "secret-[0-9]+", "patterns": ["email"]}
+    assert mask("a secret-42 and secret-7@x.io", rule) == "a **** and ****"
+
+
+# -- styles
+
+
+def test_styles() -> None:
+    assert mask("card 4111111111111111", {"type": "mask", "patterns": ["card_number"], "style": "last4"}) == \
+        "card ************1111"
+    one = mask("a@b.io", {"type": "mask", "patterns": ["email"], "style": "hash"})
+    assert one.startswith("#") and len(one) == 17 and "a@b.io" not in one
+    assert mask("x a@b.io y a@b.io", {"type": "mask", "patterns": ["email"], "style": "hash"}) == f"x {one} y {one}"
+    other_key = masker({"type": "mask", "patterns": ["email"], "style": "hash"}, key=b"o" * 32)
+    assert other_key.mask_text("a@b.io")[0] != one  # keyed: not a plain hash anyone could recompute
+    import hashlib
+    assert hashlib.sha256(b"a@b.io").hexdigest()[:16] not in one
+
+
+def test_fast_path_says_no_without_a_candidate() -> None:
+    m = masker({"type": "mask", "patterns": ["card_number", "email"]})
+    assert not m.may_match(b"1\tplain text\t2024-01-01")
+    assert m.may_match(b"1\tx@y.io") and m.mask(b"plain") is None
+
+
+# -- rule validation (the API's 400)
+
+
+@pytest.mark.parametrize("rule, named", [
+    ({"type": "mask"}, "needs 'patterns', 'pattern_regex' or 'columns'"),
+    ({"type": "mask", "patterns": ["phone"]}, "unknown pattern 'phone'"),
+    ({"type": "mask", "patterns": ["email"], "style": "blur"}, "output.rules[0].style"),
+    ({"type": "mask", "pattern_regex": "(a)\\1"}, "backreferences"),
+    ({"type": "mask", "columns": [""]}, "output.rules[0].columns"),
+])
+def test_bad_mask_rules_are_refused_with_the_problem_named(rule: dict, named: str) -> None:
+    with pytest.raises(RuleError, match=named.replace("(", "\\(").replace(")", "\\)").replace("[", "\\[")
+                       .replace("]", "\\]")):
+        validate_guardrail({"rules": []}, {"rules": [rule]})
+
+
+def test_a_mask_rule_is_an_output_rule() -> None:
+    with pytest.raises(RuleError, match="mask is an output rule"):
+        validate_guardrail({"rules": [{"type": "mask", "patterns": ["email"]}]}, {"rules": []})
+
+
+# -- the policy chain
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.truncated = False
+        self.events: list[tuple[str, str]] = []
+        self.metrics: dict = {}
+
+    def input(self, data):
+        self.events.append(("i", data if isinstance(data, str) else bytes(data).decode()))
+
+    def output(self, data):
+        self.events.append(("o", data if isinstance(data, str) else bytes(data).decode()))
+
+    def error(self, data):
+        self.events.append(("e", data))
+
+
+def policy_for(*rules: dict, recorder: Recorder | None = None) -> tuple[SessionPolicy, Recorder]:
+    recorder = recorder or Recorder()
+    rail = GuardRail(id="g", org_id="o", name="rail", input={"rules": []}, output={"rules": list(rules)})
+    live = SimpleNamespace(recorder=recorder, client_ip="")
+    return SessionPolicy(live, RuleSet([rail], KEY)), recorder  # type: ignore[arg-type]
+
+
+def test_output_masked_records_and_counts_the_masked_text() -> None:
+    policy, recorder = policy_for({"type": "mask", "patterns": ["email"]})
+    verdict, text = policy.output_masked("mail a@b.io and c@d.io")
+    assert verdict is None and text == "mail **** and ****"
+    assert recorder.events == [("o", "mail **** and ****")] and recorder.metrics["masked"] == 2
+
+
+def test_a_deny_rule_still_cuts_beside_a_mask_rule() -> None:
+    policy, recorder = policy_for({"type": "mask", "patterns": ["email"]},
+                                  {"type": "pattern_match", "pattern_regex": "TOPSECRET"})
+    verdict, _ = policy.output_masked("TOPSECRET a@b.io")
+    assert verdict is not None and not verdict.allowed and recorder.events == []
+
+
+# -- the PostgreSQL relay, per cell
+
+
+def relay(*rules: dict) -> tuple[ClientSide, ServerSide, Recorder]:
+    policy, recorder = policy_for(*rules)
+    pending: deque = deque()
+    columns: dict = {}
+    return ClientSide(policy, pending, columns), ServerSide(policy, pending, columns), recorder
+
+
+def answer(server: ServerSide, *frames: bytes) -> list[pg.Message]:
+    reader = pg.BackendReader()
+    reader.feed(b"".join(frames))
+    batch = pg.FrameBatch()
+    while True:
+        server.process(reader, batch)
+        if not server.blocks:
+            break
+        server.blocks.clear()
+    out = pg.BackendReader()
+    out.feed(b"".join(bytes(part) for part in batch.take()))
+    return list(out)
+
+
+def field(name: str, oid: int, fmt: int = 0) -> pg.FieldDescription:
+    return pg.FieldDescription(name, type_oid=oid, format=fmt)
+
+
+def rows_of(messages: list[pg.Message]) -> list[list[bytes | None]]:
+    return [m.columns for m in messages if isinstance(m, pg.DataRow)]
+
+
+def test_text_rows_are_masked_per_cell_by_pattern_and_by_column() -> None:
+    _, server, recorder = relay({"type": "mask", "patterns": ["card_number", "email"]},
+                                {"type": "mask", "columns": ["SSN"], "style": "last4"})
+    out = answer(server,
+                 pg.encode_row_description([field("id", 23), field("note", 25), field("ssn", 1043),
+                                            field("amount", 1700)]),
+                 pg.encode_data_row([b"1", b"card 4111111111111111", b"078-05-1120", b"4111111111111111"]),
+                 pg.encode_data_row([b"2", b"nothing here", None, b"12.50"]),
+                 pg.encode_command_complete("SELECT 2"), pg.encode_ready_for_query())
+    assert rows_of(out) == [[b"1", b"card ****", b"*******1120", None], [b"2", b"nothing here", None, b"12.50"]]
+    recorded = "".join(data for kind, data in recorder.events if kind == "o")
+    assert "4111111111111111" not in recorded and "078-05-1120" not in recorded and "card ****" in recorded
+    assert recorder.metrics["masked"] == 3
+
+
+def test_binary_rows_keep_valid_values() -> None:
+    _, server, _ = relay({"type": "mask", "patterns": ["card_number", "email"]},
+                         {"type": "mask", "columns": ["secret_int", "doc"]})
+    binary = 1
+    out = answer(server,
+                 pg.encode_row_description([field("mail", 25, binary), field("big", 20, binary),
+                                            field("secret_int", 23, binary), field("doc", 3802, binary),
+                                            field("j", 3802, binary)]),
+                 pg.encode_data_row([b"a@b.io", struct.pack("!q", 4111111111111111), struct.pack("!i", 7),
+                                     b"\x01" + json.dumps({"k": 1}).encode(),
+                                     b"\x01" + json.dumps({"m": "x@y.io", "n": 4111111111111111}).encode()]),
+                 pg.encode_command_complete("SELECT 1"), pg.encode_ready_for_query())
+    [row] = rows_of(out)
+    assert row[0] == b"****" and row[1] is None and row[2] is None
+    assert row[3] == b'\x01"****"'  # a masked jsonb column is still jsonb: a JSON string
+    assert row[4] is None  # the card was a JSON number: masked text would not be JSON
+
+
+def test_extended_protocol_masks_columns_by_the_statement_description() -> None:
+    client, server, _ = relay({"type": "mask", "columns": ["email"]})
+    for message in [pg.Parse(pg.encode_parse("s1", "select email, id from users")),
+                    pg.Describe(pg.encode_describe("S", "s1")), pg.Sync(pg.encode_sync())]:
+        client.on_message(message)
+    answer(server, pg.encode_parse_complete(), pg.encode_parameter_description([]),
+           pg.encode_row_description([field("email", 25), field("id", 23)]), pg.encode_ready_for_query())
+    for message in [pg.Bind(pg.encode_bind("", "s1", result_formats=[1])), pg.Execute(pg.encode_execute("")),
+                    pg.Sync(pg.encode_sync())]:
+        client.on_message(message)
+    out = answer(server, pg.encode_bind_complete(), pg.encode_data_row([b"x@y.io", struct.pack("!i", 5)]),
+                 pg.encode_command_complete("SELECT 1"), pg.encode_ready_for_query())
+    assert rows_of(out) == [[b"****", struct.pack("!i", 5)]]
+
+
+def test_rows_without_a_known_description_are_masked_whole_under_a_column_rule() -> None:
+    _, server, _ = relay({"type": "mask", "columns": ["email"]})
+    out = answer(server, pg.encode_data_row([b"x@y.io", b"5"]), pg.encode_command_complete("SELECT 1"),
+                 pg.encode_ready_for_query())
+    assert rows_of(out) == [[b"****", b"****"]]
+
+
+def test_copy_out_is_masked_in_text_and_cut_in_binary() -> None:
+    _, server, recorder = relay({"type": "mask", "patterns": ["email"]})
+    out = answer(server, pg.encode_copy_out_response(0, [0, 0]), pg.encode_copy_data(b"1\ta@b.io\n"),
+                 pg.encode_copy_done(), pg.encode_command_complete("COPY 1"), pg.encode_ready_for_query())
+    assert [bytes(m.data) for m in out if isinstance(m, pg.CopyData)] == [b"1\t****\n"]
+    out = answer(server, pg.encode_copy_out_response(1, [1, 1]), pg.encode_copy_data(b"PGCOPY\n\xff..."),
+                 pg.encode_copy_done(), pg.encode_command_complete("COPY 1"), pg.encode_ready_for_query())
+    assert not any(isinstance(m, pg.CopyData) for m in out)
+    assert any(isinstance(m, pg.ErrorResponse) and "binary COPY" in m.message for m in out)
+    assert "a@b.io" not in "".join(data for _, data in recorder.events)
