@@ -13,6 +13,7 @@ from control import (
     audit_logs,
     auth,
     connections,
+    datamasking,
     guardrails,
     health,
     integrations,
@@ -45,7 +46,7 @@ from gatewayd.logs import REQUEST_ID, request_id_from
 
 log = logging.getLogger("gatewayd.api")
 
-AREAS = (health, auth, users, serverconfig, resources, connections, guardrails, sessions, rdp_frames, reviews, ai,
+AREAS = (health, auth, users, serverconfig, resources, connections, guardrails, datamasking, sessions, rdp_frames, reviews, ai,
          audit_logs, integrations, openapi)
 MUTATING = {"POST", "PUT", "PATCH", "DELETE"}
 ROUTE_DOC = web.AppKey("route_doc_by_handler", dict)

@@ -19,7 +19,7 @@ from control.http import (
     user_of,
 )
 from control.schemas import OBJECT, STRINGS, TEXT
-from gatewayd.guardrails import RuleError, validate_guardrail
+from gatewayd.guardrails import DATAMASKING_PREFIX, RuleError, validate_guardrail
 from gatewayd.models import GuardRail, new_id, rfc3339, utcnow
 from gatewayd.store import Conflict
 
@@ -29,6 +29,9 @@ RULE = Schema("GuardRailRule", {
     "type": Field("string", True), "words": Field("array", items="string"), "pattern_regex": Field("string"),
     "name": Field("string"), "description": Field("string"), "message": Field("string"),
     "deny": Field("array", items="string"), "statements": Field("array", items="string"),
+    "patterns": Field("array", items="string", description="mask: built-in detectors"),
+    "columns": Field("array", items="string", description="mask: column names (or JSON keys) masked whole"),
+    "style": Field("string", description="mask: fixed, last4 or hash"),
 })
 RULES = Schema("GuardRailRules", {"rules": Field("array", items=RULE), "name": Field("string"),
                                   "description": Field("string")})
@@ -54,6 +57,8 @@ async def _checked(request: web.Request, org_id: str) -> dict[str, Any]:
     body = await json_body(request, GUARDRAIL)
     if not body["name"].strip():
         raise ApiError(400, "field 'name' is required")
+    if body["name"].strip().startswith(DATAMASKING_PREFIX):
+        raise ApiError(400, f"field 'name': {DATAMASKING_PREFIX!r} names data masking rules (/api/datamasking-rules)")
     body.setdefault("input", {"rules": []})
     body.setdefault("output", {"rules": []})
     try:
@@ -70,7 +75,7 @@ async def _checked(request: web.Request, org_id: str) -> dict[str, Any]:
 async def _find(request: web.Request) -> GuardRail:
     rule_id = request.match_info["id"]
     rule = await gateway_of(request).store.get_guardrail(user_of(request).org_id, rule_id)
-    if rule is None:
+    if rule is None or rule.name.startswith(DATAMASKING_PREFIX):  # a data masking rule: /api/datamasking-rules
         raise ApiError(404, f"guard rail {rule_id!r} not found")
     return rule
 
@@ -78,7 +83,7 @@ async def _find(request: web.Request) -> GuardRail:
 @routes.get("/guardrails", "List guard rail rules", response=array_of(GUARDRAIL_OUT))
 async def list_guardrails(request: web.Request) -> web.Response:
     rules = await gateway_of(request).store.list_guardrails(user_of(request).org_id)
-    return ok([guardrail_json(r) for r in rules])
+    return ok([guardrail_json(r) for r in rules if not r.name.startswith(DATAMASKING_PREFIX)])
 
 
 @routes.post("/guardrails", "Create a guard rail rule", body=GUARDRAIL, status=201, response=GUARDRAIL_OUT)

@@ -1,0 +1,232 @@
+"""End to end: masking rules through a real gatewayd to a real PostgreSQL 15, read by psql, asyncpg and pgjdbc.
+
+Each test checks that the clear value reaches neither the client, the recording
+(the session's event stream) nor the daemon's log.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from tests.apiclient import PostgresApi, admin_http, of_kind
+from tests.conftest import proxy_daemon
+from tests.pgpeer import PgCluster, unavailable_reason
+
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
+
+CARD = "4111111111111111"
+BAD_CARD = "4111111111111112"  # fails Luhn: left alone
+EMAIL = "jane.doe@example.com"
+SSN = "078-05-1120"
+CLEAR = (CARD, EMAIL, SSN)
+JDBC_JAR = Path.home() / ".m2/repository/org/postgresql/postgresql/42.7.13/postgresql-42.7.13.jar"
+
+DETECTORS = {"type": "mask", "patterns": ["card_number", "email"]}
+BY_COLUMN = {"type": "mask", "columns": ["ssn", "salary"], "style": "last4"}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    target = PgCluster().start()
+    yield target
+    target.destroy()
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    daemon = proxy_daemon(tmp_path_factory, "masking", "postgres")
+    daemon.pg_port = daemon.proxy_port
+    yield daemon
+    assert daemon.stop() == 0
+
+
+@pytest.fixture(scope="module")
+async def api(gateway, cluster):
+    async with admin_http(gateway) as http:
+        yield PostgresApi(gateway, http, cluster)
+
+
+@pytest.fixture(scope="module")
+async def table(cluster):
+    """``people``: a note with a card number, an e-mail, an SSN, a salary (int), a card number as bigint."""
+    name = f"people_{uuid.uuid4().hex[:6]}"
+    connection = await asyncpg.connect(cluster.dsn())
+    await connection.execute(f"""
+        CREATE TABLE {name} (id int, note text, email varchar(80), ssn text, salary int, card bigint, doc jsonb);
+        INSERT INTO {name} VALUES
+          (1, 'paid with {CARD}', '{EMAIL}', '{SSN}', 98765, {CARD}, '{{"mail": "{EMAIL}"}}'),
+          (2, 'not a card {BAD_CARD}', 'none', NULL, 1, {BAD_CARD}, '{{}}')""")
+    await connection.close()
+    return name
+
+
+async def masked_role(api: PostgresApi, *rules: dict) -> tuple[dict, str, str]:
+    role = await api.role()
+    await api.guardrail(role, output_rules=list(rules))
+    secret, session_id = await api.credential(role)
+    return role, secret, session_id
+
+
+def psql(gateway, secret: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+    env.update(PGHOST="127.0.0.1", PGPORT=str(gateway.pg_port), PGUSER=secret, PGDATABASE="postgres",
+               PGSSLMODE="disable", PGPASSWORD="any", PGCONNECT_TIMEOUT="10")
+    return subprocess.run(["psql", "-X", "-At", *args], capture_output=True, text=True, env=env, timeout=60,
+                          check=False)
+
+
+async def assert_nowhere_in_clear(api: PostgresApi, session_id: str, *seen_by_client: str) -> dict:
+    """The clear values are in none of the client's output, the recording or the daemon's log."""
+    session = await api.done_session(session_id)
+    status, utf8 = await api("GET", f"/sessions/{session_id}?event_stream=utf8")
+    assert status == 200
+    recorded = "".join(of_kind(session, "o")) + str(utf8["event_stream"])
+    log = api.daemon.log_path.read_text(errors="replace")
+    for clear in CLEAR:
+        for text in (*seen_by_client, recorded, log):
+            assert clear not in text
+    assert "****" in recorded
+    return session
+
+
+async def test_psql_text_rows_are_masked_and_flow_on(api, gateway, table):
+    _, secret, session_id = await masked_role(api, DETECTORS, BY_COLUMN)
+    done = psql(gateway, secret, "-c", f"select id, note, email, ssn, salary, card, doc from {table} order by id")
+    assert done.returncode == 0 and "42501" not in done.stderr, done.stderr
+    lines = done.stdout.splitlines()
+    # salary (int4) masked by name: NULL (empty in -A); card bigint matched by detector: NULL
+    assert lines[0] == '1|paid with ****|****|*******1120|||{"mail": "****"}'
+    assert lines[1] == f"2|not a card {BAD_CARD}|none|||{BAD_CARD}|{{}}"
+    session = await assert_nowhere_in_clear(api, session_id, done.stdout, done.stderr)
+    assert session["metrics"]["masked"] == 7  # note, email, ssn, salary, card, doc; salary of row 2
+
+
+async def test_psql_copy_to_stdout_is_masked_by_pattern(api, gateway, table):
+    _, secret, session_id = await masked_role(api, DETECTORS)
+    done = psql(gateway, secret, "-c", f"copy (select id, note, email from {table} order by id) to stdout")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["1\tpaid with ****\t****", f"2\tnot a card {BAD_CARD}\tnone"]
+    await assert_nowhere_in_clear(api, session_id, done.stdout)
+
+
+async def test_copy_under_a_column_rule_is_withheld(api, gateway, table):
+    _, secret, session_id = await masked_role(api, BY_COLUMN)
+    done = psql(gateway, secret, "-c", f"copy (select ssn from {table}) to stdout")
+    assert "cannot read COPY output" in done.stderr and SSN not in done.stdout
+    await api.done_session(session_id)
+
+
+async def test_asyncpg_binary_results_and_a_prepared_statement(api, gateway, table):
+    _, secret, session_id = await masked_role(api, DETECTORS, BY_COLUMN)
+    connection = await asyncpg.connect(host="127.0.0.1", port=gateway.pg_port, user=secret, password="any",
+                                       database="postgres", timeout=15)
+    try:
+        rows = await connection.fetch(f"select id, note, email, ssn, salary, card, doc from {table} order by id")
+        statement = await connection.prepare(f"select email, salary, note from {table} where id = $1")
+        prepared = [await statement.fetchrow(1) for _ in range(3)]  # the same named statement, executed again
+    finally:
+        await connection.close()
+    first = dict(rows[0])
+    assert first == {"id": 1, "note": "paid with ****", "email": "****", "ssn": "*******1120", "salary": None,
+                     "card": None, "doc": '{"mail": "****"}'}
+    assert dict(rows[1])["card"] == int(BAD_CARD) and dict(rows[1])["salary"] is None
+    assert all(dict(row) == {"email": "****", "salary": None, "note": "paid with ****"} for row in prepared)
+    await assert_nowhere_in_clear(api, session_id, repr([dict(r) for r in rows]), repr(prepared))
+
+
+JAVA = """
+import java.sql.*;
+public class Masked {
+    public static void main(String[] args) throws Exception {
+        try (Connection c = DriverManager.getConnection(args[0])) {
+            PreparedStatement s = c.prepareStatement("select email, salary, ssn from " + args[1] + " where id = ?");
+            for (int i = 0; i < 3; i++) {
+                s.setInt(1, 1);
+                try (ResultSet r = s.executeQuery()) {
+                    while (r.next()) System.out.println(r.getString(1) + "|" + r.getObject(2) + "|" + r.getString(3));
+                }
+            }
+        }
+    }
+}
+"""
+
+
+async def test_jdbc_extended_protocol_prepared_statement(api, gateway, table, tmp_path):
+    if shutil.which("java") is None or not JDBC_JAR.exists():
+        pytest.skip("pgjdbc needs java and the driver in the Maven cache (tests/peers.txt)")
+    _, secret, session_id = await masked_role(api, DETECTORS, BY_COLUMN)
+    source = tmp_path / "Masked.java"
+    source.write_text(JAVA)
+    url = (f"jdbc:postgresql://127.0.0.1:{gateway.pg_port}/postgres?user={secret}&password=any&sslmode=disable"
+           f"&prepareThreshold=1")  # a named server-side statement from the first run, binary ints
+    done = subprocess.run(["java", "-cp", str(JDBC_JAR), str(source), url, table], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["****|null|*******1120"] * 3
+    await assert_nowhere_in_clear(api, session_id, done.stdout, done.stderr)
+
+
+async def test_a_deny_output_rule_still_cuts_beside_a_mask(api, gateway, table):
+    _, secret, session_id = await masked_role(api, DETECTORS, {"type": "pattern_match", "pattern_regex": "98765"})
+    done = psql(gateway, secret, "-c", f"select note, salary from {table} order by id")
+    assert "42501" in done.stderr or "validation error" in done.stderr
+    await api.done_session(session_id)
+
+
+async def test_guardrail_api_validates_mask_rules(api):
+    role = await api.role()
+    for rule, named in [({"type": "mask"}, "needs 'patterns'"), ({"type": "mask", "patterns": ["phone"]}, "phone"),
+                        ({"type": "mask", "pattern_regex": "(?=x)"}, "lookahead"),
+                        ({"type": "mask", "columns": ["a"], "style": "blur"}, "style")]:
+        status, body = await api("POST", "/guardrails", {"name": f"m-{uuid.uuid4().hex[:6]}",
+                                                          "connection_ids": [role["id"]],
+                                                          "output": {"rules": [rule]}})
+        assert status == 400 and named in body["message"], body
+
+
+async def test_datamasking_rules_crud_and_masking(api, gateway, table):
+    role = await api.role()
+    name = f"dm-{uuid.uuid4().hex[:6]}"
+    body = {"name": name, "description": "cards and mail", "connection_ids": [role["id"]],
+            "supported_entity_types": [{"name": "PII", "entity_types": ["CREDIT_CARD", "EMAIL_ADDRESS"]}],
+            "custom_entity_types": [{"name": "SSN_ISH", "regex": r"\d{3}-\d{2}-\d{4}", "score": 0.9}],
+            "score_threshold": 0.5}
+    status, rule = await api("POST", "/datamasking-rules", body)
+    assert status == 201, rule
+    assert rule["name"] == name and rule["connection_ids"] == [role["id"]] and rule["score_threshold"] == 0.5
+    assert (await api("POST", "/datamasking-rules", body))[0] == 409
+    assert rule["id"] in [r["id"] for r in (await api("GET", "/datamasking-rules"))[1]]
+    assert rule["id"] not in [r["id"] for r in (await api("GET", "/guardrails"))[1]]
+    assert (await api("GET", f"/guardrails/{rule['id']}"))[0] == 404
+    status, bad = await api("POST", "/datamasking-rules", {**body, "name": "x",
+                                                             "supported_entity_types": [
+                                                                 {"name": "p", "entity_types": ["PERSON"]}]})
+    assert status == 400 and "PERSON" in bad["message"]
+    status, bad = await api("POST", "/datamasking-rules", {**body, "name": "y", "custom_entity_types": [
+        {"name": "c", "regex": "(a)\\1"}]})
+    assert status == 400 and "backreferences" in bad["message"]
+
+    secret, session_id = await api.credential(role)
+    done = psql(gateway, secret, "-c", f"select note, email, ssn from {table} where id = 1")
+    assert done.stdout.strip() == "paid with ****|****|****", done.stderr
+    await assert_nowhere_in_clear(api, session_id, done.stdout)
+
+    status, put = await api("PUT", f"/datamasking-rules/{rule['id']}", {**body, "custom_entity_types": []})
+    assert status == 200 and put["custom_entity_types"] == []
+    assert (await api("GET", f"/datamasking-rules/{rule['id']}"))[1]["custom_entity_types"] == []
+    secret, session_id = await api.credential(role)
+    done = psql(gateway, secret, "-c", f"select ssn from {table} where id = 1")
+    assert done.stdout.strip() == SSN  # the custom entity is gone
+    await api.done_session(session_id)
+    assert (await api("DELETE", f"/datamasking-rules/{rule['id']}"))[0] == 204
+    assert (await api("GET", f"/datamasking-rules/{rule['id']}"))[0] == 404
+    status, logs = await api("GET", "/audit/logs?action=datamasking.create")
+    assert status == 200 and logs["data"], logs
