@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -243,9 +244,40 @@ class Masker:
         prefilter = self._prefilter
         return prefilter is not None and prefilter.search(data) is not None
 
-    def mask(self, data: bytes) -> tuple[bytes, int] | None:
-        """``data`` with every match masked and how many; None when nothing matched (or passed its check)."""
-        if self._prefilter is None or self._prefilter.search(data) is None:
+    def candidate_cells(self, cells: list[bytes]) -> list[int]:
+        """The indexes of ``cells`` a pattern may match: one search over them joined by tabs (a row's text).
+
+        A superset: a match in a cell is a match in the joined text too (a tab, like a cell's ends, is no
+        word character), so every cell it overlaps is listed; an admin's anchored regex lists them all.
+        """
+        if self._prefilter is None:
+            return []
+        if not self.row_prefilter:
+            return list(range(len(cells)))
+        ends = []  # where each cell ends in the joined text
+        pos = -1
+        for cell in cells:
+            pos += len(cell) + 1
+            ends.append(pos)
+        found: list[int] = []
+        last = -1
+        for match in self._prefilter.finditer(b"\t".join(cells)):
+            start, end = match.span()
+            if end == start:  # a pattern that matches nothing at all: every cell
+                return list(range(len(cells)))
+            i = max(bisect_right(ends, start), last + 1)
+            while i < len(cells) and ends[i] - len(cells[i]) < end:
+                found.append(i)
+                last = i
+                i += 1
+        return found
+
+    def mask(self, data: bytes, searched: bool = False) -> tuple[bytes, int] | None:
+        """``data`` with every match masked and how many; None when nothing matched (or passed its check).
+
+        ``searched``: the fast path said yes already (``candidate_cells``): go straight to the finders.
+        """
+        if not searched and (self._prefilter is None or self._prefilter.search(data) is None):
             return None
         spans: list[tuple[int, int, str]] = []
         for finder in self.finders:

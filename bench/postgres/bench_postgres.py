@@ -22,7 +22,9 @@ only when it could not measure.
 ``--rules`` adds a ``gateway+rules`` column: the same gateway, a second
 connection that also carries the statement-kind rules (``statement_kinds``
 denying DropStmt/TruncateStmt/GrantStmt, ``require_where`` on delete and
-update), and prints the CPU per transaction they add.
+update) and a masking rule (card numbers and e-mail addresses, by pattern),
+and prints the CPU per transaction they add.  The masking rule's cost per row
+of 10 cells alone: ``bench_masking.py``.
 
     .venv/bin/python bench/postgres/bench_postgres.py [--seconds 10] [--clients 4] [--scale 10] [--rounds 1]
         [--rules]
@@ -150,11 +152,12 @@ def median(values: list[float]) -> float:
 
 STATEMENT_RULES = [{"type": "statement_kinds", "deny": ["DropStmt", "TruncateStmt", "GrantStmt"]},
                    {"type": "require_where", "statements": ["delete", "update"]}]
+MASK_RULE = {"type": "mask", "patterns": ["card_number", "email"]}
 
 
 async def gateway_credential(daemon: Daemon, cluster: PgCluster, name: str = "bench",
                              statement_rules: bool = False) -> str:
-    """A role to the cluster with two input guard rails (and the statement rules), and a credential for it."""
+    """A role to the cluster with two input guard rails (and the statement and masking rules), and a credential."""
     token = daemon.token("bench@example.com", groups="admin")
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as http:
         secret = {"envvar:HOST": b64("127.0.0.1"), "envvar:PORT": b64(str(cluster.port)),
@@ -168,10 +171,13 @@ async def gateway_credential(daemon: Daemon, cluster: PgCluster, name: str = "be
                  ("no-bulk-delete", {"type": "pattern_match", "pattern_regex": r"(?i)delete\s+from\s+\w+\s*;?\s*$"})]
         if statement_rules:
             rails += [(f"statement-rule-{i}", rule) for i, rule in enumerate(STATEMENT_RULES)]
+            rails.append(("mask", MASK_RULE))
         for rail, rule in rails:
+            output = rule["type"] == "mask"
             async with http.post(daemon.url + "/guardrails", json={
-                    "name": f"{name}-{rail}", "connection_ids": [connection["id"]], "input": {"rules": [rule]},
-                    "output": {"rules": []}}) as response:
+                    "name": f"{name}-{rail}", "connection_ids": [connection["id"]],
+                    "input": {"rules": [] if output else [rule]},
+                    "output": {"rules": [rule] if output else []}}) as response:
                 assert response.status == 201, await response.text()
         async with http.post(daemon.url + f"/connections/{name}/credentials",
                              json={"access_duration_seconds": 7200}) as response:
@@ -190,7 +196,7 @@ def main() -> int:
                              "on a machine that is busy with other work)")
     parser.add_argument("--rules", action="store_true",
                         help="also run 'gateway+rules': the same gateway with statement-kind rules (statement_kinds, "
-                             "require_where) added, and print the proxy CPU per transaction they add")
+                             "require_where) and a masking rule added, and print the proxy CPU per transaction they add")
     args = parser.parse_args()
     reason = unavailable_reason()
     if reason or shutil.which("pgbench") is None:
@@ -267,7 +273,7 @@ def main() -> int:
                 print(f"{'':<20}proxy CPU per transaction: "
                       + ", ".join(f"{n} {median(cpu[n]):.0f} us" for n in order if n in cpu))
                 if "gateway+rules" in cpu and "gateway" in cpu:
-                    print(f"{'':<20}statement-kind rules add "
+                    print(f"{'':<20}statement-kind and masking rules add "
                           f"{median(cpu['gateway+rules']) - median(cpu['gateway']):+.1f} us CPU per transaction")
             if clients == 1:
                 direct_ms, gateway_ms = median(latency["direct"]), median(latency["gateway"])

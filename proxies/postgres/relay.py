@@ -171,10 +171,15 @@ def render_binary(oid: int, raw: bytes) -> str:
 
 def render_typed_row(row: DataRow, formats: Sequence[int], oids: Sequence[int]) -> str:
     """A row with binary columns as text (tab-separated, NULL for nulls), decoding by column type."""
+    return render_values(row.columns, formats, oids)
+
+
+def render_values(values: Sequence[bytes | None], formats: Sequence[int], oids: Sequence[int]) -> str:
+    """``render_typed_row`` of a row's values."""
     parts = []
     noids = len(oids)
     nformats = len(formats)
-    for i, value in enumerate(row.columns):
+    for i, value in enumerate(values):
         if value is None:
             parts.append("NULL")
         elif i < nformats and formats[i] == FORMAT_BINARY:
@@ -201,6 +206,53 @@ MaskColumns = "tuple[tuple[int, str], ...] | None"  # (column index, style) mask
 _ROW_PASSED, _ROW_CUT, _ROW_REPLACED = 0, 1, 2
 
 
+_I32 = struct.Struct("!i").unpack_from
+
+
+def _cells(row: DataRow) -> tuple[list[bytes | None], list[int]]:
+    """A row's values and where each one's length field is, read straight from its frame.
+
+    The row was rendered first (``render_row``/``render_typed_row``), which checked its lengths.
+    """
+    buf, pos = row._buf, row._start + 7
+    out: list[bytes | None] = []
+    at: list[int] = []
+    for _ in range(row.column_count):
+        at.append(pos)
+        n = _I32(buf, pos)[0]
+        pos += 4
+        if n < 0:
+            out.append(None)
+        else:
+            out.append(buf[pos:pos + n])
+            pos += n
+    return out, at
+
+
+_LENGTH = struct.Struct("!i").pack
+_HEADER = struct.Struct("!ci").pack
+
+
+def splice_row(row: DataRow, values: list[bytes | None], changed: list[int], at: list[int]) -> bytes:
+    """The row's frame with the ``changed`` values replaced, every other byte copied as it was."""
+    buf = row._buf
+    parts: list[bytes] = []
+    pos = row._start + 5
+    for i in changed:
+        parts.append(buf[pos:at[i]])
+        value = values[i]
+        if value is None:
+            parts.append(b"\xff\xff\xff\xff")
+        else:
+            parts.append(_LENGTH(len(value)))
+            parts.append(value)
+        n = _I32(buf, at[i])[0]
+        pos = at[i] + 4 + max(n, 0)
+    parts.append(buf[pos:row._end])
+    body = b"".join(parts)
+    return _HEADER(b"D", len(body) + 4) + body
+
+
 def payload_of(value: bytes, jsonb: bool) -> bytes:
     return value[1:] if jsonb else value
 
@@ -214,13 +266,14 @@ def _valid_json(data: bytes) -> bool:
 
 
 def mask_row(masker: Masker, row: DataRow, formats: Sequence[int], oids: Sequence[int],
-             whole: tuple[tuple[int, str], ...] | None) -> tuple[list[bytes | None], int] | None:
-    """The row's values with what ``masker`` masks masked, and how many; None when nothing was.
+             whole: tuple[tuple[int, str], ...] | None) -> tuple[bytes, list[bytes | None], int] | None:
+    """(the masked row's frame, its values, how many values were masked); None when nothing was.
 
     ``whole``: columns masked whole by name, with their style; None when the column names are not
     known and the masker has rules by name: every value is masked whole (fail closed).
     """
-    values = row.columns
+    values, at = _cells(row)
+    changed: list[int] = []
     nformats = len(formats)
     noids = len(oids)
     if whole is None:
@@ -230,14 +283,24 @@ def mask_row(masker: Masker, row: DataRow, formats: Sequence[int], oids: Sequenc
         by_column = dict(whole)
     out: list[bytes | None] = list(values)
     count = 0
+    if masker.finders:  # the cells as text, searched once together: only those a pattern may match are masked
+        texts = [b"" if value is None else
+                 render_binary(oids[i] if i < noids else 0, value).encode()
+                 if i < nformats and formats[i] == FORMAT_BINARY else value
+                 for i, value in enumerate(values)]
+        candidates = set(masker.candidate_cells(texts))
+    else:
+        candidates = set()
     for i, value in enumerate(values):
         if value is None:
+            continue
+        style = by_column.get(i)
+        if style is None and i not in candidates:
             continue
         binary = i < nformats and formats[i] == FORMAT_BINARY
         oid = oids[i] if i < noids else 0
         textual = oid in _BINARY_TEXT_OIDS if binary else oid not in _NOT_TEXT_OIDS
         jsonb = binary and oid == 3802
-        style = by_column.get(i)
         if style is not None:
             if oid in _JSON_OIDS and textual:  # a JSON string of the masked value: still JSON
                 data = json.dumps(masker.mask_whole(payload_of(value, jsonb), style).decode()).encode()
@@ -247,10 +310,11 @@ def mask_row(masker: Masker, row: DataRow, formats: Sequence[int], oids: Sequenc
             else:
                 out[i] = None
             count += 1
+            changed.append(i)
             continue
         if textual:
             payload = value[1:] if jsonb else value
-            masked = masker.mask(payload)
+            masked = masker.mask(payload, searched=True)
             if masked is None:
                 continue
             data, n = masked
@@ -259,12 +323,12 @@ def mask_row(masker: Masker, row: DataRow, formats: Sequence[int], oids: Sequenc
                 out[i] = None
             else:
                 out[i] = b"\x01" + data if jsonb else data
-        else:
-            data = render_binary(oid, value).encode() if binary else value
-            if masker.mask(data) is not None:
-                out[i] = None
-                count += 1
-    return (out, count) if count else None
+            changed.append(i)
+        elif masker.mask(texts[i], searched=True) is not None:
+            out[i] = None
+            count += 1
+            changed.append(i)
+    return (splice_row(row, out, changed, at), out, count) if count else None
 
 
 def blocked_error(verdict: GuardVerdict) -> bytes:
@@ -535,13 +599,12 @@ class ServerSide:
                 masked = mask_row(masker, row, formats, self.oids, None if masker.columns and whole is None
                                   else whole or ())
                 if masked is not None:
-                    values, count = masked
+                    frame, values, count = masked
                     policy.count_masked(count)
-                    frame = encode_data_row(values)
                     batch.add_bytes(frame)
                     done = _ROW_REPLACED
                     if policy.recording:
-                        text = render_typed_row(DataRow(frame), formats, self.oids)
+                        text = render_values(values, formats, self.oids)
         if policy.recording:
             if self.header is not None:
                 self._emit(self.header)
