@@ -244,25 +244,36 @@ class Masker:
         prefilter = self._prefilter
         return prefilter is not None and prefilter.search(data) is not None
 
-    def candidate_cells(self, cells: list[bytes]) -> list[int]:
-        """The indexes of ``cells`` a pattern may match: one search over them joined by tabs (a row's text).
+    def row_spans(self, row_text: bytes) -> list[tuple[int, int]]:
+        """Where the fast path matches in a row's text (its cells joined by tabs); empty: nothing to mask.
 
-        A superset: a match in a cell is a match in the joined text too (a tab, like a cell's ends, is no
-        word character), so every cell it overlaps is listed; an admin's anchored regex lists them all.
+        A match in a cell is a match in the row's text too (a tab, like a cell's ends, is no word
+        character); an admin's anchored regex cannot be read so, and gives one span over everything.
         """
-        if self._prefilter is None:
+        prefilter = self._prefilter
+        if prefilter is None:
             return []
         if not self.row_prefilter:
-            return list(range(len(cells)))
+            return [(0, len(row_text) + 1)]
+        return [match.span() for match in prefilter.finditer(row_text)]
+
+    def candidate_cells(self, cells: list[bytes], spans: list[tuple[int, int]] | None = None,
+                        total: int = -1) -> list[int]:
+        """The indexes of ``cells`` a pattern may match: those the ``spans`` of ``row_spans`` overlap.
+
+        ``spans`` and ``total`` come from the row's text as rendered when it is ``cells`` joined by tabs
+        (``total`` its length); otherwise (or without them) the cells are joined and searched here.
+        """
         ends = []  # where each cell ends in the joined text
         pos = -1
         for cell in cells:
             pos += len(cell) + 1
             ends.append(pos)
+        if spans is None or pos != total:
+            spans = self.row_spans(b"\t".join(cells))
         found: list[int] = []
         last = -1
-        for match in self._prefilter.finditer(b"\t".join(cells)):
-            start, end = match.span()
+        for start, end in spans:
             if end == start:  # a pattern that matches nothing at all: every cell
                 return list(range(len(cells)))
             i = max(bisect_right(ends, start), last + 1)

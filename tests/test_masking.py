@@ -249,3 +249,22 @@ def test_copy_out_is_masked_in_text_and_cut_in_binary() -> None:
     assert not any(isinstance(m, pg.CopyData) for m in out)
     assert any(isinstance(m, pg.ErrorResponse) and "binary COPY" in m.message for m in out)
     assert "a@b.io" not in "".join(data for _, data in recorder.events)
+
+
+def test_cells_found_through_invalid_utf8_and_anchored_regexes() -> None:
+    _, server, _ = relay({"type": "mask", "patterns": ["email"]}, {"type": "mask", "pattern_regex": "^k[0-9]+$"})
+    out = answer(server,
+                 pg.encode_row_description([field("a", 25), field("b", 25), field("c", 25), field("d", 25)]),
+                 pg.encode_data_row([b"\xff\xfe bad bytes", b"k42", b"x k42", b"mail a@b.io"]),
+                 pg.encode_data_row([b"a@b.io\tc@d.io", None, b"k7", b"plain"]),
+                 pg.encode_command_complete("SELECT 2"), pg.encode_ready_for_query())
+    # the first row's text is not its bytes (invalid UTF-8 replaced): the cells are searched themselves
+    assert rows_of(out) == [[b"\xff\xfe bad bytes", b"****", b"x k42", b"mail ****"],
+                            [b"****\t****", None, b"****", b"plain"]]
+
+
+def test_cells_spanned_by_one_match_are_all_checked() -> None:
+    m = masker({"type": "mask", "pattern_regex": "a[^z]*b"})
+    cells = [b"xa", b"yb", b"ab"]  # the row's text "xa\tyb\tab" matches once, over all three cells
+    assert m.candidate_cells(cells) == [0, 1, 2]
+    assert [m.mask(c) for c in cells] == [None, None, (b"****", 1)]

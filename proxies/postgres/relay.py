@@ -266,11 +266,13 @@ def _valid_json(data: bytes) -> bool:
 
 
 def mask_row(masker: Masker, row: DataRow, formats: Sequence[int], oids: Sequence[int],
-             whole: tuple[tuple[int, str], ...] | None) -> tuple[bytes, list[bytes | None], int] | None:
+             whole: tuple[tuple[int, str], ...] | None, spans: list[tuple[int, int]] | None = None,
+             total: int = -1) -> tuple[bytes, list[bytes | None], int] | None:
     """(the masked row's frame, its values, how many values were masked); None when nothing was.
 
     ``whole``: columns masked whole by name, with their style; None when the column names are not
-    known and the masker has rules by name: every value is masked whole (fail closed).
+    known and the masker has rules by name: every value is masked whole (fail closed).  ``spans``:
+    where the fast path matched the row's text as rendered (``total`` bytes long), if it was searched.
     """
     values, at = _cells(row)
     changed: list[int] = []
@@ -284,11 +286,11 @@ def mask_row(masker: Masker, row: DataRow, formats: Sequence[int], oids: Sequenc
     out: list[bytes | None] = list(values)
     count = 0
     if masker.finders:  # the cells as text, searched once together: only those a pattern may match are masked
-        texts = [b"" if value is None else
+        texts = [b"NULL" if value is None else  # as the row's text renders them
                  render_binary(oids[i] if i < noids else 0, value).encode()
                  if i < nformats and formats[i] == FORMAT_BINARY else value
                  for i, value in enumerate(values)]
-        candidates = set(masker.candidate_cells(texts))
+        candidates = set(masker.candidate_cells(texts, spans, total))
     else:
         candidates = set()
     for i, value in enumerate(values):
@@ -594,10 +596,11 @@ class ServerSide:
         masker = self.masker
         if masker is not None:
             whole = self.masks_now
-            if masker.columns and whole is None or whole or not masker.row_prefilter \
-                    or masker.may_match(text.encode("utf-8", "surrogateescape")):
+            data = text.encode("utf-8", "surrogateescape")
+            spans = masker.row_spans(data)
+            if spans or whole or masker.columns and whole is None:
                 masked = mask_row(masker, row, formats, self.oids, None if masker.columns and whole is None
-                                  else whole or ())
+                                  else whole or (), spans, len(data))
                 if masked is not None:
                     frame, values, count = masked
                     policy.count_masked(count)
