@@ -152,7 +152,7 @@ class SessionPolicy:
 
     def count_masked(self, count: int) -> None:
         """``count`` more values were masked: the session's ``masked`` metric."""
-        metrics = self.recorder.metrics
+        metrics = self.live.recorder.metrics  # the session's own recorder (``recorder`` may be a transcript)
         metrics["masked"] = metrics.get("masked", 0) + count
 
     def error(self, message: bytes | str) -> None:

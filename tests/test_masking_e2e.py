@@ -243,3 +243,13 @@ async def test_hash_style_is_keyed_and_stable_across_sessions(api, gateway, tabl
     import hashlib
     assert hashlib.sha256(EMAIL.encode()).hexdigest()[:16] != first[1:]  # keyed, not a plain hash
     await assert_nowhere_in_clear(api, session_id, first)
+
+
+async def test_a_one_time_script_answer_is_masked(api, table):
+    role, _, _ = await masked_role(api, DETECTORS, BY_COLUMN)
+    status, body = await api("POST", "/sessions", {"connection": role["name"],
+                                                    "script": f"select note, email, ssn from {table} where id = 1"})
+    assert status in (200, 201), body
+    assert "paid with ****" in body["output"] and "*******1120" in body["output"], body
+    session = await assert_nowhere_in_clear(api, body["session_id"], body["output"])
+    assert session["metrics"]["masked"] == 3
