@@ -268,3 +268,16 @@ def test_cells_spanned_by_one_match_are_all_checked() -> None:
     cells = [b"xa", b"yb", b"ab"]  # the row's text "xa\tyb\tab" matches once, over all three cells
     assert m.candidate_cells(cells) == [0, 1, 2]
     assert [m.mask(c) for c in cells] == [None, None, (b"****", 1)]
+
+
+def test_errors_notices_and_notifications_are_masked() -> None:
+    _, server, recorder = relay({"type": "mask", "patterns": ["email"]})
+    error = pg.encode_error_response("ERROR", "22P02", 'invalid input syntax for type integer: "a@b.io"',
+                                     {"D": "Key (email)=(c@d.io) already exists."})
+    out = answer(server, pg.encode_notice_response("NOTICE", "00000", "hello e@f.io"),
+                 pg.encode_notification_response(7, "chan", "g@h.io"), error, pg.encode_ready_for_query())
+    notice, notification, err, _ = out
+    assert notice.message == "hello ****" and notification.payload == "****"
+    assert err.message == 'invalid input syntax for type integer: "****"' and err.detail == "Key (email)=(****) already exists."
+    assert err.sqlstate == "22P02"
+    assert all("@" not in data for _, data in recorder.events) and recorder.metrics["masked"] == 4

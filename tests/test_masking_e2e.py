@@ -253,3 +253,12 @@ async def test_a_one_time_script_answer_is_masked(api, table):
     assert "paid with ****" in body["output"] and "*******1120" in body["output"], body
     session = await assert_nowhere_in_clear(api, body["session_id"], body["output"])
     assert session["metrics"]["masked"] == 3
+
+
+async def test_a_value_quoted_in_an_error_is_masked(api, gateway, table):
+    _, secret, session_id = await masked_role(api, DETECTORS)
+    done = psql(gateway, secret, "-c", f"select email::int from {table} where id = 1",
+                "-c", f"do $$ begin raise notice 'mail %', (select email from {table} where id = 1); end $$")
+    assert 'invalid input syntax for type integer: "****"' in done.stderr, done.stderr
+    assert "NOTICE:  mail ****" in done.stderr, done.stderr
+    await assert_nowhere_in_clear(api, session_id, done.stdout, done.stderr)

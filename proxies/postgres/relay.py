@@ -62,12 +62,15 @@ from proxies.postgres.codec import (
     FunctionCall,
     Message,
     NoData,
+    NoticeResponse,
+    NotificationResponse,
     Parse,
     Query,
     ReadyForQuery,
     RowDescription,
     Sync,
     Terminate,
+    decode_backend,
     encode_close,
     encode_copy_data,
     encode_copy_fail,
@@ -331,6 +334,41 @@ def mask_row(masker: Masker, row: DataRow, formats: Sequence[int], oids: Sequenc
             count += 1
             changed.append(i)
     return (splice_row(row, out, changed, at), out, count) if count else None
+
+
+_TEXT_FIELDS = frozenset(b"MDHWq")  # error and notice fields that may quote data: message, detail, hint, where, query
+
+
+def mask_notice(masker: Masker, message: Message) -> tuple[bytes, int] | None:
+    """An ErrorResponse/NoticeResponse with its text fields masked, or a NotificationResponse with its
+    payload masked, and how many values; None when nothing was.
+
+    A value quoted in an error (``invalid input syntax for type integer: "jane@example.com"``, a
+    unique violation's ``Key (email)=(...)``) or sent by ``RAISE NOTICE``/``pg_notify`` is data too.
+    """
+    body = bytes(message.body)
+    if not masker.may_match(body):
+        return None
+    count = 0
+    if message.TYPE == b"A":
+        nul = body.index(b"\0", 4)
+        payload = body[nul + 1:-1]
+        masked = masker.mask(payload)
+        if masked is None:
+            return None
+        body, count = body[:nul + 1] + masked[0] + b"\0", masked[1]
+    else:
+        fields = body.split(b"\0")
+        for i, field in enumerate(fields):
+            if field and field[0] in _TEXT_FIELDS:
+                masked = masker.mask(field[1:])
+                if masked is not None:
+                    fields[i] = field[:1] + masked[0].replace(b"\0", b"")
+                    count += masked[1]
+        if not count:
+            return None
+        body = b"\0".join(fields)
+    return message.TYPE + struct.pack("!i", len(body) + 4) + body, count
 
 
 def blocked_error(verdict: GuardVerdict) -> bytes:
@@ -650,7 +688,18 @@ class ServerSide:
             if not render or self._copy_out(message, batch) == _ROW_PASSED:  # type: ignore[arg-type]
                 batch.add(message)
             return
-        batch.add(message)
+        if self.masker is not None and (kind is ErrorResponse or kind is NoticeResponse
+                                        or kind is NotificationResponse):
+            masked = mask_notice(self.masker, message)
+            if masked is not None:
+                frame, count = masked
+                self.policy.count_masked(count)
+                batch.add_bytes(frame)
+                message = decode_backend(frame) if kind is ErrorResponse else message
+            else:
+                batch.add(message)
+        else:
+            batch.add(message)
         if kind is CopyOutResponse or kind is CopyBothResponse:
             self._copy_binary = kind is CopyBothResponse or message.format == 1  # type: ignore[attr-defined]
             return
@@ -747,7 +796,12 @@ class ServerSide:
         """After a cut: only what keeps the session sane goes through."""
         code = message.TYPE
         if code in _ALWAYS_FORWARDED:
-            batch.add(message)
+            masked = mask_notice(self.masker, message) if self.masker is not None and code == b"A" else None
+            if masked is None:
+                batch.add(message)
+            else:
+                self.policy.count_masked(masked[1])
+                batch.add_bytes(masked[0])
         elif code in _COPY_IN:  # the target waits for COPY data the client will never send
             self.replies.append(encode_copy_fail("result withheld by a guard rail"))
         elif code in _EXECUTE_ENDS:
