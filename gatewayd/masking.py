@@ -332,6 +332,46 @@ class Masker:
         """The style a column (or JSON key) named ``name`` is masked in whole, or None."""
         return self.columns.get(name.lower()) if self.columns else None
 
+    def mask_json(self, value: Any) -> tuple[Any, int]:
+        """A decoded JSON document with its values masked, and how many (for HTTP bodies).
+
+        A value under a key named in ``columns`` (at any depth) is masked whole; any other string is
+        masked by the patterns.  As in a PostgreSQL cell, what would change type becomes null: a number
+        or boolean under a masked key, a number the patterns match (a card number written as a number).
+        Objects and arrays under a masked key are masked value by value.
+        """
+        return self._json(value, None)
+
+    def _json(self, value: Any, style: str | None) -> tuple[Any, int]:
+        if isinstance(value, dict):
+            out: dict[str, Any] = {}
+            total = 0
+            for key, item in value.items():
+                out[key], n = self._json(item, (self.column_style(key) if isinstance(key, str) else None) or style)
+                total += n
+            return out, total
+        if isinstance(value, list):
+            items = []
+            total = 0
+            for item in value:
+                masked, n = self._json(item, style)
+                items.append(masked)
+                total += n
+            return items, total
+        if value is None:
+            return None, 0
+        if style is not None:
+            if isinstance(value, str):
+                return self._masked(value.encode("utf-8", "surrogateescape"), style).decode(), 1
+            return None, 1
+        if isinstance(value, str):
+            masked, n = self.mask_text(value)
+            return masked, n
+        if isinstance(value, (int, float)) and not isinstance(value, bool) \
+                and self.mask(str(value).encode()) is not None:
+            return None, 1
+        return value, 0
+
     def _masked(self, value: bytes, style: str) -> bytes:
         if style == "fixed":
             return FIXED

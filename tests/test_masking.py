@@ -281,3 +281,15 @@ def test_errors_notices_and_notifications_are_masked() -> None:
     assert err.message == 'invalid input syntax for type integer: "****"' and err.detail == "Key (email)=(****) already exists."
     assert err.sqlstate == "22P02"
     assert all("@" not in data for _, data in recorder.events) and recorder.metrics["masked"] == 4
+
+
+def test_json_documents_by_key_and_by_pattern() -> None:
+    m = masker({"type": "mask", "patterns": ["card_number", "email"]}, {"type": "mask", "columns": ["ssn", "card"]})
+    doc = {"user": {"SSN": "078-05-1120", "mail": "write a@b.io", "age": 41, "card": {"number": 4111111111111111,
+                                                                                     "holder": "J"}},
+           "list": [4111111111111111, 4111111111111112, True, None]}
+    masked, count = m.mask_json(doc)
+    assert masked == {"user": {"SSN": "****", "mail": "write ****", "age": 41,
+                               "card": {"number": None, "holder": "****"}},
+                      "list": [None, 4111111111111112, True, None]}
+    assert count == 5
