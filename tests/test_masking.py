@@ -293,3 +293,9 @@ def test_json_documents_by_key_and_by_pattern() -> None:
                                "card": {"number": None, "holder": "****"}},
                       "list": [None, 4111111111111112, True, None]}
     assert count == 5
+
+
+def test_a_malformed_notification_is_a_protocol_error() -> None:
+    _, server, _ = relay({"type": "mask", "patterns": ["email"]})
+    with pytest.raises(pg.ProtocolError):
+        answer(server, pg.encode_message(b"A", b"\x00\x00\x00\x07a@b.io"))  # no NUL after the channel

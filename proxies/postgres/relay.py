@@ -346,6 +346,7 @@ def mask_notice(masker: Masker, message: Message) -> tuple[bytes, int] | None:
     A value quoted in an error (``invalid input syntax for type integer: "jane@example.com"``, a
     unique violation's ``Key (email)=(...)``) or sent by ``RAISE NOTICE``/``pg_notify`` is data too.
     """
+    message.validate()  # a malformed one is the target's protocol error, as anywhere else
     body = bytes(message.body)
     if not masker.may_match(body):
         return None
