@@ -6,10 +6,15 @@ connections it applies to.  It is stored as a guard rail of its own
 (``datamasking:<name>``, hidden from ``/api/guardrails``) whose output side holds
 the ``mask`` rules it compiles to, with the rule as written beside them: the
 sessions of its connections mask through the same policy chain as any guard rail.
+
+``POST /api/sessions/{id}/unmasked`` gives an admin the clear text that a
+``mask`` rule with ``record_clear`` kept, sealed, beside a session's recording
+(a POST: every reading is on the audit log).
 """
 
 from __future__ import annotations
 
+import base64
 import math
 from typing import Any
 
@@ -21,6 +26,7 @@ from control.http import ApiError, Field, RouteSet, Schema, array_of, gateway_of
 from control.schemas import STRINGS, TEXT
 from gatewayd.guardrails import DATAMASKING_KEY, DATAMASKING_PREFIX, RuleError, validate_guardrail
 from gatewayd.models import GuardRail, new_id, rfc3339, utcnow
+from gatewayd.policy import CLEAR_SUFFIX
 from gatewayd.store import Conflict
 
 routes = RouteSet("Data Masking", audit="datamasking")
@@ -183,3 +189,26 @@ async def delete(request: web.Request) -> web.Response:
     await gateway_of(request).store.delete_guardrail(admin.org_id, rail.id)
     gateway_of(request).guardrails.invalidate()
     return web.Response(status=204)
+
+
+UNMASKED_OUT = Schema("UnmaskedOutput", {
+    "session_id": TEXT,
+    "event_stream": Field("array", True, items=Field("array"),
+                          description="[offset_ms, 'o', base64 of the clear text] per masked row or text"),
+})
+
+
+@routes.post("/sessions/{id}/unmasked", "The clear text masked in a session, as a record_clear mask rule kept it "
+             "(admins; audited)", response=UNMASKED_OUT, audit="sessions")
+async def unmasked(request: web.Request) -> web.Response:
+    admin = require_admin(request)
+    session_id = request.match_info["id"]
+    store = gateway_of(request).store
+    session = await store.get_session(session_id)
+    if session is None or session.org_id != admin.org_id:
+        raise ApiError(404, f"session {session_id!r} not found")
+    side = session_id + CLEAR_SUFFIX
+    box = getattr(store, "box")
+    stream = [[e.offset_ms, e.kind, base64.b64encode(box.open(e.data, side.encode())).decode()]
+              for e in await store.read_events(side)]
+    return ok({"session_id": session_id, "event_stream": stream})

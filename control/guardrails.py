@@ -32,6 +32,8 @@ RULE = Schema("GuardRailRule", {
     "patterns": Field("array", items="string", description="mask: built-in detectors"),
     "columns": Field("array", items="string", description="mask: column names (or JSON keys) masked whole"),
     "style": Field("string", description="mask: fixed, last4 or hash"),
+    "record_clear": Field("boolean", description="mask: also keep the clear text, sealed, for admins "
+                                                 "(POST /sessions/{id}/unmasked)"),
 })
 RULES = Schema("GuardRailRules", {"rules": Field("array", items=RULE), "name": Field("string"),
                                   "description": Field("string")})

@@ -582,14 +582,15 @@ class RuleSet:
 
     __slots__ = ("input_rules", "output_rules", "text_rules", "statement_rules", "masker")
 
-    def __init__(self, guardrails: list[GuardRail], mask_key: bytes = b"") -> None:
+    def __init__(self, guardrails: list[GuardRail], mask_key: bytes = b"",
+                 seal: Callable[[bytes, bytes], bytes] | None = None) -> None:
         self.input_rules: list[_CompiledRule] = []
         self.output_rules: list[_CompiledRule] = []
         masks: list[MaskRule] = []
         for rail in guardrails:
             self.input_rules += _compile_or_refuse(rail, "input", rail.input)
             self.output_rules += _compile_or_refuse(rail, "output", rail.output, masks)
-        self.masker: Masker | None = Masker(masks, mask_key) if masks else None
+        self.masker: Masker | None = Masker(masks, mask_key, seal) if masks else None
         self.statement_rules = [r for r in self.input_rules if r.type in STATEMENT_RULE_TYPES]
         self.text_rules = [r for r in self.input_rules if r.type not in STATEMENT_RULE_TYPES]
 
@@ -752,7 +753,8 @@ class GuardRailService:
             local = self._local
             rails = await self.store.list_guardrails(org_id, connection_id)
             key = await self.mask_key() if any(_has_mask_rule(rail) for rail in rails) else b""
-            rules = RuleSet(rails, key)
+            box = getattr(self.store, "box", None)  # the store's secret key: a clear text recorded is sealed
+            rules = RuleSet(rails, key, box.seal if box is not None else None)
             if local == self._local and stored == self._stored:  # else a rail changed during the load
                 self._cache[connection_id] = rules
         if live is not None and self.observers is not None:

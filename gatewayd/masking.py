@@ -165,6 +165,7 @@ class MaskRule:
     sources: list[str]  # RE2 sources of the finders, for the combined fast path
     columns: frozenset[str]  # lower-case column names (or JSON keys) masked whole
     anchored: bool  # the admin's regex uses ^, $, \A or \z: a row's text cannot stand for its cells
+    record_clear: bool = False  # also record the clear text, sealed, for admins (``SessionPolicy.record_clear``)
 
 
 def _strings(rule: dict[str, Any], key: str, where: str) -> list[str]:
@@ -196,6 +197,9 @@ def compile_mask_rule(guardrail: str, rule: dict[str, Any], where: str,
         raise MaskError(f"{where}.pattern_regex: expected a regular expression")
     if not patterns and not columns and not regex:
         raise MaskError(f"{where}: a mask rule needs 'patterns', 'pattern_regex' or 'columns'")
+    record_clear = rule.get("record_clear", False)
+    if not isinstance(record_clear, bool):
+        raise MaskError(f"{where}.record_clear: expected a boolean")
     finders: list[_Finder] = []
     sources: list[str] = []
     for name in dict.fromkeys(patterns):
@@ -211,7 +215,8 @@ def compile_mask_rule(guardrail: str, rule: dict[str, Any], where: str,
         finders.append(_Finder(re2.compile(regex.encode(), _OPTIONS), None, style))
         sources.append(regex)
         anchored = any(mark in regex for mark in ("^", "$", "\\A", "\\z"))
-    return MaskRule(guardrail, style, finders, sources, frozenset(c.strip().lower() for c in columns), anchored)
+    return MaskRule(guardrail, style, finders, sources, frozenset(c.strip().lower() for c in columns), anchored,
+                    record_clear)
 
 
 # --------------------------------------------------------------------------- the masker
@@ -220,12 +225,14 @@ def compile_mask_rule(guardrail: str, rule: dict[str, Any], where: str,
 class Masker:
     """Every mask rule of a connection, compiled into one fast path and the finders behind it.
 
-    ``key`` is the gateway's masking key (the ``hash`` style's HMAC key).
+    ``key`` is the gateway's masking key (the ``hash`` style's HMAC key); ``seal`` encrypts with the
+    store's secret key (``SecretBox.seal``): kept as ``seal`` when a rule asks to record the clear text.
     """
 
-    __slots__ = ("columns", "finders", "_key", "_prefilter", "row_prefilter")
+    __slots__ = ("columns", "finders", "_key", "_prefilter", "row_prefilter", "seal")
 
-    def __init__(self, rules: list[MaskRule], key: bytes = b"") -> None:
+    def __init__(self, rules: list[MaskRule], key: bytes = b"",
+                 seal: Callable[[bytes, bytes], bytes] | None = None) -> None:
         self.finders = [f for rule in rules for f in rule.finders]
         sources = [s for rule in rules for s in rule.sources]
         self._prefilter = (re2.compile("|".join(f"(?:{s})" for s in sources).encode(), _PREFILTER_OPTIONS)
@@ -238,6 +245,7 @@ class Masker:
         # ends of a cell, is no word character; only anchors tell a cell's ends from the row's
         self.row_prefilter = not any(rule.anchored for rule in rules)
         self._key = key
+        self.seal = seal if any(rule.record_clear for rule in rules) else None
 
     def may_match(self, data: bytes) -> bool:
         """Whether ``data`` can contain anything a pattern masks (False: nothing to do, the fast path)."""

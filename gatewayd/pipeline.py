@@ -228,7 +228,9 @@ class SessionPipeline:
         if rules is None:
             rules = await self.guardrails.rules_for(connection.org_id, connection.id,
                                                     live=live if observe else None)
-        return SessionPolicy(live, rules, client_ip)
+        policy = SessionPolicy(live, rules, client_ip)
+        await policy.open_clear_recording()  # only under a mask rule that records the clear text
+        return policy
 
     async def _open(self, grant: AccessGrant, client_ip: str, existing: Session | None, verb: str,
                     script: str | None) -> LiveSession:

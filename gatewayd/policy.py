@@ -41,8 +41,10 @@ if TYPE_CHECKING:
     from gatewayd.guardrails import ObservedRules, RuleSet
     from gatewayd.masking import Masker
     from gatewayd.recording import SessionRecorder
+    from gatewayd.recording import SessionRecorder
     from gatewayd.sessions import LiveSession
 
+CLEAR_SUFFIX = "/clear"  # a session's sealed clear-text stream: ``<session id>/clear`` (mask rules' record_clear)
 VERDICT_CACHE_SIZE = 512  # SQL verdicts remembered per session: drivers parse the same statements again and again
 
 
@@ -50,7 +52,7 @@ class SessionPolicy:
     """One session's chain, for the rule set it was built with (HTTP builds one per request: rules can change)."""
 
     __slots__ = ("live", "rules", "recorder", "client_ip", "checks_input", "checks_output", "_sql_verdicts",
-                 "masker")
+                 "masker", "_clear")
 
     def __init__(self, live: LiveSession, rules: RuleSet | ObservedRules, client_ip: str = "",
                  recorder: SessionRecorder | None = None) -> None:
@@ -63,6 +65,7 @@ class SessionPolicy:
         self.checks_output = bool(rules.output_rules)
         self._sql_verdicts: dict[str, GuardVerdict] = {}
         self.masker: Masker | None = getattr(rules, "masker", None)  # None: no mask rule, nothing to mask
+        self._clear: SessionRecorder | None = None  # the sealed clear text's stream (``open_clear_recording``)
 
     # -- what the proxy reports
 
@@ -148,7 +151,31 @@ class SessionPolicy:
         masked, count = masker.mask_text(text)
         if count:
             self.count_masked(count)
+            if self._clear is not None:
+                self.record_clear(text)
         return masked
+
+    async def open_clear_recording(self) -> None:
+        """When a mask rule says ``record_clear``: open the session's sealed side stream (once per session).
+
+        The pipeline calls it as it builds the policy; it does nothing for every other rule set.
+        """
+        masker = self.masker
+        if masker is None or masker.seal is None or self._clear is not None:
+            return
+        recorder = self.live.recorder
+        self._clear, new = await recorder.service.side_recorder(self.live.id, CLEAR_SUFFIX, recorder.started)
+        if new:
+            clear = self._clear
+            self.live.before_close.append(lambda: recorder.service.close_side(clear))
+
+    def record_clear(self, data: bytes | str) -> None:
+        """The clear text of what was masked, sealed with the store's key, when a rule asked for it."""
+        clear = self._clear
+        if clear is None or clear.truncated:
+            return
+        raw = data.encode() if isinstance(data, str) else bytes(data)
+        clear.output(self.masker.seal(raw, clear.session_id.encode()))  # type: ignore[union-attr]
 
     def count_masked(self, count: int) -> None:
         """``count`` more values were masked: the session's ``masked`` metric."""

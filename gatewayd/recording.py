@@ -147,6 +147,28 @@ class RecordingService:
         self._recorders[session_id] = rec
         return rec
 
+    async def side_recorder(self, session_id: str, suffix: str, started: float) -> tuple[SessionRecorder, bool]:
+        """A second event stream of a session (``<id><suffix>``, no session row of its own); True when new.
+
+        The masking rules' sealed clear text goes there, out of every reader of the recording.
+        """
+        side = session_id + suffix
+        rec = self._recorders.get(side)
+        if rec is not None:
+            return rec, False
+        rec = await self.recorder(side, started)
+        return rec, True
+
+    async def close_side(self, recorder: SessionRecorder) -> None:
+        """Store a side stream's last events and stop flushing it."""
+        async with self._flush_lock:
+            recorder.closed = True
+            self._recorders.pop(recorder.session_id, None)
+            batch = recorder.take_batch()
+            if batch is not None:
+                batch.session_fields.clear()  # no session row has this id
+                await self.store.append_events([batch])
+
     def wake(self) -> None:
         self._wake.set()
 

@@ -100,6 +100,7 @@ def test_fast_path_says_no_without_a_candidate() -> None:
     ({"type": "mask", "patterns": ["email"], "style": "blur"}, "output.rules[0].style"),
     ({"type": "mask", "pattern_regex": "(a)\\1"}, "backreferences"),
     ({"type": "mask", "columns": [""]}, "output.rules[0].columns"),
+    ({"type": "mask", "columns": ["a"], "record_clear": "yes"}, "output.rules[0].record_clear"),
 ])
 def test_bad_mask_rules_are_refused_with_the_problem_named(rule: dict, named: str) -> None:
     with pytest.raises(RuleError, match=named.replace("(", "\\(").replace(")", "\\)").replace("[", "\\[")

@@ -6,6 +6,7 @@ Each test checks that the clear value reaches neither the client, the recording
 
 from __future__ import annotations
 
+import base64
 import os
 import shutil
 import subprocess
@@ -262,3 +263,22 @@ async def test_a_value_quoted_in_an_error_is_masked(api, gateway, table):
     assert 'invalid input syntax for type integer: "****"' in done.stderr, done.stderr
     assert "NOTICE:  mail ****" in done.stderr, done.stderr
     await assert_nowhere_in_clear(api, session_id, done.stdout, done.stderr)
+
+
+async def test_record_clear_keeps_the_clear_text_sealed_for_admins(api, gateway, table):
+    rule = {**DETECTORS, "record_clear": True}
+    _, secret, session_id = await masked_role(api, rule)
+    done = psql(gateway, secret, "-c", f"select note, email from {table} where id = 1")
+    assert done.stdout.strip() == "paid with ****|****", done.stderr
+    await assert_nowhere_in_clear(api, session_id, done.stdout)  # the recording and the log stay masked
+    for path in gateway.data_dir.rglob("*"):  # in the store, only sealed
+        if path.is_file():
+            assert EMAIL.encode() not in path.read_bytes(), path
+    status, unmasked = await api("POST", f"/sessions/{session_id}/unmasked")
+    assert status == 200, unmasked
+    clear = [base64.b64decode(data).decode() for _, kind, data in unmasked["event_stream"]]
+    assert clear == [f"paid with {CARD}\t{EMAIL}"]
+    user = gateway.token("someone@example.com", groups="dev")
+    assert (await api("POST", f"/sessions/{session_id}/unmasked", token=user))[0] == 403
+    _, logs = await api("GET", "/audit/logs?action=sessions.unmasked")
+    assert any(entry["outcome"] == "success" for entry in logs["data"]), logs

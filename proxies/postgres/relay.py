@@ -643,6 +643,8 @@ class ServerSide:
                 if masked is not None:
                     frame, values, count = masked
                     policy.count_masked(count)
+                    if masker.seal is not None:
+                        policy.record_clear(text)
                     batch.add_bytes(frame)
                     done = _ROW_REPLACED
                     if policy.recording:
@@ -784,6 +786,8 @@ class ServerSide:
                 return _ROW_CUT
             masked = masker.mask(data)
             if masked is not None:
+                if masker.seal is not None:
+                    policy.record_clear(text)
                 data, count = masked
                 policy.count_masked(count)
                 batch.add_bytes(encode_copy_data(data))

@@ -90,6 +90,7 @@ async def run_script(gateway: Gateway, live: LiveSession, script: str) -> Script
     pending: deque[Pending] = deque()
     columns: dict[str, tuple[int, ...]] = {}
     policy = SessionPolicy(live, rules, recorder=transcript)  # type: ignore[arg-type]
+    await policy.open_clear_recording()
     client = ClientSide(policy, pending, columns)
     server = ServerSide(policy, pending, columns)
     frontend = FrontendReader(expect_startup=False)
