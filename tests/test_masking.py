@@ -300,3 +300,16 @@ def test_a_malformed_notification_is_a_protocol_error() -> None:
     _, server, _ = relay({"type": "mask", "patterns": ["email"]})
     with pytest.raises(pg.ProtocolError):
         answer(server, pg.encode_message(b"A", b"\x00\x00\x00\x07a@b.io"))  # no NUL after the channel
+
+
+def test_an_execute_of_a_statement_never_described_is_masked_whole_under_a_column_rule() -> None:
+    client, server, _ = relay({"type": "mask", "columns": ["email"]})
+    answer(server, pg.encode_row_description([field("id", 23)]), pg.encode_data_row([b"1"]),
+           pg.encode_command_complete("SELECT 1"), pg.encode_ready_for_query())  # another result, described
+    for message in [pg.Parse(pg.encode_parse("s2", "select email from users")),
+                    pg.Bind(pg.encode_bind("", "s2")), pg.Execute(pg.encode_execute("")), pg.Sync(pg.encode_sync())]:
+        client.on_message(message)
+    out = answer(server, pg.encode_parse_complete(), pg.encode_bind_complete(), pg.encode_data_row([b"x@y.io"]),
+                 pg.encode_command_complete("SELECT 1"), pg.encode_ready_for_query())
+    # the last description (id int) does not stand for this statement's columns: masked whole (fail closed)
+    assert rows_of(out) in ([[b"****"]], [[None]])

@@ -23,10 +23,11 @@ arrive.  That is how a block is answered in the right place of a pipeline:
 * an output rule matching a row cuts the result: the ErrorResponse goes out in
   place of the row and the rest of the answer is swallowed up to
   ReadyForQuery, which is forwarded;
-* a ``mask`` output rule re-encodes the row instead (``ServerSide._mask_row``):
-  per cell, by the column's name (from the RowDescription) or by what the
-  rule's patterns find, in text and binary formats, the lengths rewritten;
-  a non-text cell whose masked text its type could not parse becomes NULL.
+* a ``mask`` output rule rewrites the row instead (``mask_row``): per cell, by
+  the column's name (from the RowDescription) or by what the rule's patterns
+  find, in text and binary formats, the lengths rewritten; a non-text cell
+  whose masked text its type could not parse becomes NULL.  Errors, notices
+  and notifications quoting data are masked by pattern (``mask_notice``).
   COPY TO STDOUT rows in text/CSV format are masked by pattern; a binary COPY,
   or any COPY under a rule by column name (COPY data carries no names), is
   cut like a blocked row.
@@ -74,7 +75,6 @@ from proxies.postgres.codec import (
     encode_close,
     encode_copy_data,
     encode_copy_fail,
-    encode_data_row,
     encode_error_response,
     encode_flush,
     encode_sync,
@@ -205,7 +205,6 @@ _NOT_TEXT_OIDS = frozenset((
 ))
 _BINARY_TEXT_OIDS = frozenset((19, 25, 142, 705, 1042, 1043, 114, 3802))  # binary format that is UTF-8 text
 _JSON_OIDS = frozenset((114, 3802))
-MaskColumns = "tuple[tuple[int, str], ...] | None"  # (column index, style) masked whole; None: names unknown
 _ROW_PASSED, _ROW_CUT, _ROW_REPLACED = 0, 1, 2
 
 
@@ -512,7 +511,7 @@ class ClientSide:
             sql = self.statements.get(bind.statement)
             if sql is not None:
                 policy.record_input(render_bind(sql, bind))
-        if recording or policy.checks_output:  # rows will be rendered: keep their formats
+        if recording or policy.checks_output or policy.masker is not None:  # rows will be read: keep their formats
             self.portals[bind.portal] = Pending(EXECUTE, bind.result_formats, statement=bind.statement)
         return FORWARD
 
@@ -618,8 +617,8 @@ class ServerSide:
                     oids = self.columns.get(head.statement)
                     if oids is not None:
                         self.oids = oids
-                        known = self.masks.get(head.statement)
-                        self.masks_now = known[1] if known is not None and known[0] is oids else None
+                    known = self.masks.get(head.statement)  # a statement never described: names unknown
+                    self.masks_now = known[1] if known is not None and known[0] is oids else None
             self.formats = formats
         if FORMAT_BINARY in formats:
             text = render_typed_row(row, formats, self.oids)
