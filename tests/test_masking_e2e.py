@@ -27,7 +27,8 @@ BAD_CARD = "4111111111111112"  # fails Luhn: left alone
 EMAIL = "jane.doe@example.com"
 SSN = "078-05-1120"
 CLEAR = (CARD, EMAIL, SSN)
-JDBC_JAR = Path.home() / ".m2/repository/org/postgresql/postgresql/42.7.13/postgresql-42.7.13.jar"
+JDBC_JARS = [Path("/usr/share/java/postgresql.jar"),  # Debian's libpostgresql-jdbc-java (tests/peers.txt)
+             *sorted(Path.home().glob(".m2/repository/org/postgresql/postgresql/*/postgresql-*.jar"))]
 
 DETECTORS = {"type": "mask", "patterns": ["card_number", "email"]}
 BY_COLUMN = {"type": "mask", "columns": ["ssn", "salary"], "style": "last4"}
@@ -161,14 +162,15 @@ public class Masked {
 
 
 async def test_jdbc_extended_protocol_prepared_statement(api, gateway, table, tmp_path):
-    if shutil.which("java") is None or not JDBC_JAR.exists():
-        pytest.skip("pgjdbc needs java and the driver in the Maven cache (tests/peers.txt)")
+    jar = next((path for path in JDBC_JARS if path.exists()), None)
+    if shutil.which("java") is None or jar is None:
+        pytest.skip("pgjdbc needs java and its driver (default-jre-headless, libpostgresql-jdbc-java: tests/peers.txt)")
     _, secret, session_id = await masked_role(api, DETECTORS, BY_COLUMN)
     source = tmp_path / "Masked.java"
     source.write_text(JAVA)
     url = (f"jdbc:postgresql://127.0.0.1:{gateway.pg_port}/postgres?user={secret}&password=any&sslmode=disable"
            f"&prepareThreshold=1")  # a named server-side statement from the first run, binary ints
-    done = subprocess.run(["java", "-cp", str(JDBC_JAR), str(source), url, table], capture_output=True, text=True,
+    done = subprocess.run(["java", "-cp", str(jar), str(source), url, table], capture_output=True, text=True,
                           timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["****|null|*******1120"] * 3
