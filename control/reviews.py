@@ -35,7 +35,6 @@ from gatewayd.models import AccessRequestRule, Connection, Review, User, new_id,
 from gatewayd.reviews import (
     APPROVED,
     DECISIONS,
-    EXECUTED,
     JIT,
     ONETIME,
     PENDING,
@@ -43,11 +42,11 @@ from gatewayd.reviews import (
     REVOKED,
     STATUSES,
     ReviewError,
+    ScriptJob,
     jit_ended,
     review_json,
 )
-from gatewayd.scripts import ScriptResult
-from gatewayd.sessions import BLOCKED_EXIT_CODE, LiveSession, session_for
+from gatewayd.sessions import session_for
 from gatewayd.store import Conflict
 
 log = logging.getLogger("gatewayd.api.reviews")
@@ -197,40 +196,21 @@ def _runner_for(gateway: Gateway, connection: Connection) -> Any:
     return runner
 
 
-async def _run(request: web.Request, live: LiveSession, script: str, review: Review | None = None) -> web.Response:
-    """Run the script in the background; answer with its result, or 202 once the wait limit passes."""
+async def _answer(request: web.Request, job: ScriptJob, review: Review | None = None, *,
+                  started: float) -> web.Response:
+    """The script's result, or 202 once the wait limit passes (it runs on in the background)."""
     gateway = gateway_of(request)
-    runner = _runner_for(gateway, live.connection)
-    started = time.monotonic()
-
-    async def job() -> ScriptResult:
-        try:
-            verdict = await gateway.analysis.check_script(live, script)
-            if verdict is not None and verdict.blocked:
-                result = ScriptResult(verdict.message() + "\n", BLOCKED_EXIT_CODE)
-            else:
-                result = await runner(gateway, live, script)
-        except Exception:
-            log.exception("script runner failed", extra={"session_id": live.id})
-            result = ScriptResult("the gateway could not run the script\n", BLOCKED_EXIT_CODE)
-            live.recorder.error(result.output.strip())
-        await live.close(exit_code=result.exit_code)
-        if review is not None:
-            await gateway.reviews.set_status(review.id, EXECUTED)
-        return result
-
-    task = gateway.reviews.spawn(job())
     try:
-        result = await asyncio.wait_for(asyncio.shield(task), gateway.config["sessions.exec_wait"])
+        result = await asyncio.wait_for(asyncio.shield(job.result), gateway.config["sessions.exec_wait"])
     except TimeoutError:
-        return ok({"session_id": live.id, "has_review": review is not None, "output": "",
+        return ok({"session_id": job.session_id, "has_review": review is not None, "output": "",
                    "output_status": "running", "exit_code": None,
                    "execution_time": int((time.monotonic() - started) * 1000), "truncated": False}, status=202)
-    answer = {"session_id": live.id, "has_review": review is not None, "output": result.output,
+    answer = {"session_id": job.session_id, "has_review": review is not None, "output": result.output,
               "output_status": result.output_status, "exit_code": result.exit_code,
-              "execution_time": int((time.monotonic() - started) * 1000), "truncated": live.recorder.truncated}
-    if live.session.ai_analysis:
-        answer["ai_analysis"] = live.session.ai_analysis
+              "execution_time": int((time.monotonic() - started) * 1000), "truncated": job.truncated}
+    if job.ai_analysis:
+        answer["ai_analysis"] = job.ai_analysis
     return ok(answer)
 
 
@@ -263,13 +243,13 @@ async def create_session(request: web.Request) -> web.Response:
                    "review": review_json(review), "output": "", "output_status": "",
                    "exit_code": None, "execution_time": 0}, status=202)
     request[AUDIT_ACTION] = "session.exec"
+    started = time.monotonic()
     try:
-        live = await gateway.sessions.open(user, connection, verb="exec", script=script, metadata=metadata,
-                                           batch_id=batch_id)
+        job = await gateway.reviews.run_script(user, connection, script, metadata=metadata, batch_id=batch_id)
     except RuntimeError as exc:
         raise ApiError(503, str(exc)) from None
-    request[AUDIT_PAYLOAD] = {"connection": connection.name, "session_id": live.id}
-    return await _run(request, live, script)
+    request[AUDIT_PAYLOAD] = {"connection": connection.name, "session_id": job.session_id}
+    return await _answer(request, job, started=started)
 
 
 @routes.post("/sessions/{id}/exec", "Run a reviewed script once its review is approved (inside its time window)",
@@ -294,12 +274,13 @@ async def exec_session(request: web.Request) -> web.Response:
     except ReviewError as exc:
         raise _error(exc) from None
     request[AUDIT_PAYLOAD] = {"session_id": key, "review_id": review.id, "connection": connection.name}
+    started = time.monotonic()
     try:
-        live = await gateway.sessions.open(user, connection, verb="exec", existing=session)
+        job = await gateway.reviews.run_script(user, connection, session.script or "", session=session,
+                                               review=review)
     except RuntimeError as exc:  # shutting down: the approval still stands
-        await gateway.reviews.set_status(review.id, APPROVED)
         raise ApiError(503, str(exc)) from None
-    return await _run(request, live, session.script or "", review)
+    return await _answer(request, job, review, started=started)
 
 
 # --------------------------------------------------------------------------- jit credentials

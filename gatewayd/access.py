@@ -21,9 +21,9 @@ class AccessDenied(Exception):
 
 @dataclass(slots=True)
 class AccessGrant:
-    """What a valid secret unlocks."""
+    """What a valid secret unlocks (no credential: a signed-in API user's one-time script)."""
 
-    credential: Credential
+    credential: Credential | None
     user: User
     connection: Connection
 
@@ -126,7 +126,7 @@ class AccessService:
 
         For example its one session is already closed; ``reason`` is shown to the client too, so no secret.
         """
-        await self._audit_login(grant.credential.org_id, grant.user, grant.credential, protocol, reason, client_ip)
+        await self._audit_login(grant.connection.org_id, grant.user, grant.credential, protocol, reason, client_ip)
 
     async def _audit_login(self, org_id: str, user: User | None, credential: Credential | None, protocol: str,
                            reason: str | None, client_ip: str) -> None:

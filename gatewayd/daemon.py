@@ -204,7 +204,6 @@ class Gateway:
                                           self.config["sessions.flush_interval"], await Sealer.load(self.store))
         self.sessions = SessionManager(self.store, self.recording, self.audit)
         self.guardrails = GuardRailService(self.store)
-        self.reviews = ReviewService(self)
         self.discovery = AwsDiscovery(self.store, AwsSettings(
             use_instance_role=self.config["integrations.aws.use_instance_role"],
             regions=tuple(self.config["integrations.aws.regions"]),
@@ -214,6 +213,9 @@ class Gateway:
         self.analysis = AnalysisService(self.store, self.audit, self.config)
         self.guardrails.observers = self.analysis.observer_for
         self.pipeline = SessionPipeline(self.access, self.sessions, self.guardrails, self.dialer, self.audit)
+        self.reviews = ReviewService(self.store, self.audit, self.sessions, self.pipeline, self.analysis,
+                                     self.script_runners,
+                                     admins_can_self_approve=self.config["auth.admins_can_self_approve"])
         await self.identity.start()
 
     async def start(self) -> None:

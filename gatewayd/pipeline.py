@@ -63,10 +63,11 @@ class TargetUnreachable(Exception):
     details (a PostgreSQL SQLSTATE).
     """
 
-    def __init__(self, message: str, cause: BaseException | None = None) -> None:
+    def __init__(self, message: str, cause: BaseException | None = None, session_id: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.cause = cause
+        self.session_id = session_id  # the closed session (a one-time script answers with it)
 
 
 class SessionRun(Generic[T]):
@@ -153,7 +154,8 @@ class SessionPipeline:
                     on_kill: KillCallback | None = None,
                     open_first: bool = False, observe: bool = True,
                     existing: Session | None = None, verb: str = "connect",
-                    script: str | None = None) -> SessionRun[T]:
+                    script: str | None = None, metadata: dict[str, Any] | None = None,
+                    batch_id: str | None = None) -> SessionRun[T]:
         """Dial the target and open (or claim) the session; the run the proxy relays in.
 
         ``dial`` gets the gateway's dialer and returns the proxy's target (a link, a client
@@ -161,11 +163,13 @@ class SessionPipeline:
         with that message and exit code 254, then raises TargetUnreachable.  ``drop`` releases a
         dialed target when no session can be opened (GatewayClosing).  ``on_kill`` is how the
         gateway tells the proxy to end the session.  ``observe``: native input is offered to AI
-        analysis (scripts are analysed as a whole instead).
+        analysis (scripts are analysed as a whole instead).  A grant without a credential (an API
+        user's one-time script) opens a new session with ``verb``, ``script``, ``metadata`` and
+        ``batch_id``.
         """
         live = None
         if open_first:
-            live = await self._open(grant, client_ip, existing, verb, script)
+            live = await self._open(grant, client_ip, existing, verb, script, metadata, batch_id)
         target: Any = None
         if dial is not None:
             try:
@@ -174,16 +178,16 @@ class SessionPipeline:
                 message = _client_message(exc)
                 log.info("target unreachable", extra={"connection": grant.connection.name, "error": message})
                 if live is None:
-                    live = await self._open(grant, client_ip, existing, verb, script)
+                    live = await self._open(grant, client_ip, existing, verb, script, metadata, batch_id)
                 await live.close(exit_code=BLOCKED_EXIT_CODE, error=message)
-                raise TargetUnreachable(message, exc) from None
+                raise TargetUnreachable(message, exc, live.id) from None
             except BaseException:
                 if live is not None:
                     await live.close(exit_code=BLOCKED_EXIT_CODE, error=INTERNAL_ERROR)
                 raise
         if live is None:
             try:
-                live = await self._open(grant, client_ip, existing, verb, script)
+                live = await self._open(grant, client_ip, existing, verb, script, metadata, batch_id)
             except BaseException:
                 if drop is not None and target is not None:
                     drop(target)
@@ -203,6 +207,7 @@ class SessionPipeline:
         requests asks ``policy_for`` per request.  ``on_kill`` replaces the one of an earlier
         resume (a listener started again takes over its live sessions).
         """
+        assert grant.credential is not None, "resume takes a credential's grant"
         live = self.sessions.live.get(grant.credential.session_id)
         fresh = live is None
         if fresh:
@@ -233,11 +238,11 @@ class SessionPipeline:
         return policy
 
     async def _open(self, grant: AccessGrant, client_ip: str, existing: Session | None, verb: str,
-                    script: str | None) -> LiveSession:
+                    script: str | None, metadata: dict[str, Any] | None, batch_id: str | None) -> LiveSession:
         if existing is not None:
             return await self.sessions.open(grant.user, grant.connection, existing=existing, client_ip=client_ip)
         return await self.sessions.open(grant.user, grant.connection, credential=grant.credential, verb=verb,
-                                        script=script, client_ip=client_ip)
+                                        script=script, metadata=metadata, batch_id=batch_id, client_ip=client_ip)
 
     async def _arm(self, live: LiveSession, target: T, on_kill: KillCallback | None, observe: bool,
                    client_ip: str) -> SessionRun[T]:

@@ -67,6 +67,15 @@ class SessionPolicy:
         self.masker: Masker | None = getattr(rules, "masker", None)  # None: no mask rule, nothing to mask
         self._clear: SessionRecorder | None = None  # the sealed clear text's stream (``open_clear_recording``)
 
+    def recording_to(self, recorder: SessionRecorder) -> SessionPolicy:
+        """The same chain (rules, masking, session, client) with events going to ``recorder`` (a script's transcript).
+
+        The sealed clear-text stream this policy opened is shared.
+        """
+        policy = SessionPolicy(self.live, self.rules, self.client_ip, recorder)
+        policy._clear = self._clear
+        return policy
+
     # -- what the proxy reports
 
     def input(self, data: bytes | str, text: str | None = None, *, sql: bool = False,

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, time, timedelta
 from typing import TYPE_CHECKING, Any
 
+from gatewayd.access import AccessGrant
 from gatewayd.models import (
     AccessRequestRule,
     Connection,
@@ -30,9 +31,18 @@ from gatewayd.models import (
     rfc3339,
     utcnow,
 )
+from gatewayd.pipeline import GatewayClosing, TargetUnreachable
+from gatewayd.scripts import ScriptResult
+from gatewayd.sessions import BLOCKED_EXIT_CODE, LiveSession
+from gatewayd.tasks import BackgroundTasks
 
 if TYPE_CHECKING:
-    from gatewayd.daemon import Gateway
+    from gatewayd.analysis import AnalysisService
+    from gatewayd.audit import AuditLog
+    from gatewayd.pipeline import SessionPipeline, SessionRun
+    from gatewayd.scripts import ScriptRunner
+    from gatewayd.sessions import SessionManager
+    from gatewayd.store import Store
 
 log = logging.getLogger("gatewayd.reviews")
 
@@ -356,14 +366,46 @@ def review_json(review: Review, session: Session | None = None, full: bool = Fal
 # --------------------------------------------------------------------------- the service
 
 
-class ReviewService:
-    """Decisions with their side effects: audit, jit expiry timers, revocation of credentials and live sessions."""
+@dataclass(slots=True)
+class ScriptJob:
+    """A one-time script started: its session and the task that ends with its result (the session closed)."""
 
-    def __init__(self, gateway: "Gateway") -> None:
-        self.gateway = gateway
-        self._timers: dict[str, asyncio.TimerHandle] = {}
+    session_id: str
+    result: asyncio.Future[ScriptResult]
+    live: LiveSession | None = None  # None: the target was unreachable, the session is closed already
+
+    @property
+    def truncated(self) -> bool:
+        """The recording reached its cap (the answer's output is cut too)."""
+        return self.live is not None and self.live.recorder.truncated
+
+    @property
+    def ai_analysis(self) -> dict[str, Any] | None:
+        """The AI verdict on the script, once it was analysed."""
+        return self.live.session.ai_analysis if self.live is not None else None
+
+
+class ReviewService:
+    """Decisions with their side effects: audit, jit expiry, revocation of credentials and live sessions.
+
+    It also runs one-time scripts (reviewed or not) through the session pipeline,
+    with the runner registered for the connection's subtype.
+    """
+
+    def __init__(self, store: Store, audit: AuditLog, sessions: SessionManager, pipeline: SessionPipeline,
+                 analysis: AnalysisService, runners: dict[str, ScriptRunner], *,
+                 admins_can_self_approve: bool = True) -> None:
+        self.store = store
+        self.audit = audit
+        self.sessions = sessions
+        self.pipeline = pipeline
+        self.analysis = analysis
+        self.runners = runners  # by connection subtype
+        self.admins_can_self_approve = admins_can_self_approve
+        self._timers: dict[str, asyncio.Task[Any]] = {}  # review id -> the task that ends its jit access
         self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}  # review id -> (lock, [holders + waiters])
-        self.tasks: set[asyncio.Task[Any]] = set()
+        self.tasks = BackgroundTasks("reviews")  # scripts running, AI previews
+        self.timers = BackgroundTasks("review-expiry")
 
     @contextlib.asynccontextmanager
     async def lock(self, review_id: str) -> AsyncIterator[None]:
@@ -383,24 +425,22 @@ class ReviewService:
 
     async def start(self) -> None:
         """Arm the expiry of every approved jit review (those already over end now)."""
-        for review in await self.gateway.store.reviews_with_status(APPROVED, JIT):
+        for review in await self.store.reviews_with_status(APPROVED, JIT):
             self.arm(review)
 
     def stop(self) -> None:
-        for handle in self._timers.values():
-            handle.cancel()
+        for task in self._timers.values():
+            task.cancel()
         self._timers.clear()
 
     async def finish(self, timeout: float = 5.0) -> None:
         """Let background jobs (a script's end and its EXECUTED, an expiry) reach the store before it closes."""
-        if self.tasks:
-            await asyncio.wait(set(self.tasks), timeout=timeout)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self.tasks.wait()), timeout)
 
     def spawn(self, coroutine: Any) -> asyncio.Task[Any]:
-        task = asyncio.ensure_future(coroutine)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-        return task
+        """Run ``coroutine`` in the background, held (and awaited by ``finish``) until it ends."""
+        return self.tasks.spawn(coroutine)
 
     def arm(self, review: Review) -> None:
         """Schedule the end of an approved jit review's access."""
@@ -410,41 +450,44 @@ class ReviewService:
         old = self._timers.pop(review.id, None)
         if old is not None:
             old.cancel()
-        delay = max((end - utcnow()).total_seconds(), 0)
-        self._timers[review.id] = asyncio.get_running_loop().call_later(
-            delay, lambda: self.spawn(self.expire(review.id)))
+        self._timers[review.id] = self.timers.spawn(self._expire_at(review.id, end))
+
+    async def _expire_at(self, review_id: str, end: datetime) -> None:
+        await asyncio.sleep(max((end - utcnow()).total_seconds(), 0))
+        self._timers.pop(review_id, None)
+        self.spawn(self.expire(review_id))  # not this task: a later arm or stop must not cancel the expiry midway
 
     async def apply(self, review_id: str, actor: User, status: str, *, force: bool = False,
                     time_window: Any = None) -> tuple[Review, Decision]:
         """Decide (see ``decide``) on the stored review, store it, and carry out a revocation."""
         async with self.lock(review_id):
-            review = await self.gateway.store.get_review(review_id)
+            review = await self.store.get_review(review_id)
             if review is None:
                 raise ReviewError(404, f"review {review_id!r} not found")
             if jit_ended(review, utcnow()):
                 await self.expire(review.id, locked=True)
                 review.status = REVOKED
             decision = decide(review, actor, status, utcnow(), force=force, time_window=time_window,
-                              admins_can_self_approve=self.gateway.config["auth.admins_can_self_approve"])
-            await self.gateway.store.save_review(review)
+                              admins_can_self_approve=self.admins_can_self_approve)
+            await self.store.save_review(review)
         if review.status == APPROVED and decision.completed:
             self.arm(review)
         if decision.status == REJECTED and decision.completed:  # it will never run: the session is done
-            await self.gateway.sessions.kill(review.session_id, f"the review was rejected by {actor.email}: "
+            await self.sessions.kill(review.session_id, f"the review was rejected by {actor.email}: "
                                                                 "the session did not run")
         if decision.status == REVOKED:
-            handle = self._timers.pop(review.id, None)
-            if handle is not None:
-                handle.cancel()
+            timer = self._timers.pop(review.id, None)
+            if timer is not None:
+                timer.cancel()
             await self.end_access(review, f"just-in-time access revoked by {actor.email}: the session was closed")
         return review, decision
 
     async def end_access(self, review: Review, reason: str) -> int:
         """Refuse the review's credentials from now on and close every live session opened with them."""
-        await self.gateway.store.revoke_credentials(review_id=review.id, revoked_at=rfc3339(utcnow()))
-        closed = await self.gateway.sessions.kill_where(
+        await self.store.revoke_credentials(review_id=review.id, revoked_at=rfc3339(utcnow()))
+        closed = await self.sessions.kill_where(
             lambda s: s.credential is not None and s.credential.review_id == review.id, reason)
-        await self.gateway.sessions.kill(review.session_id, reason)  # its session, if no client ever used it
+        await self.sessions.kill(review.session_id, reason)  # its session, if no client ever used it
         if closed:
             log.info("closed sessions of a jit review", extra={"review_id": review.id, "count": closed})
         return closed
@@ -461,54 +504,116 @@ class ReviewService:
             return
         await self.end_access(review, "just-in-time access expired: the review's access duration is over, "
                                       "the session was closed")
-        await self.gateway.audit.record(
+        await self.audit.record(
             org_id=review.org_id, actor=None, action="review.expire", resource_type="reviews", outcome="success",
             payload={"review_id": review.id, "session_id": review.session_id, "connection": review.connection_name},
             actor_hint="gatewayd")
 
     async def _revoke_if_over(self, review_id: str) -> Review | None:
         """Store REVOKED on a jit review whose access is over and return it; else None (re-armed if still on)."""
-        review = await self.gateway.store.get_review(review_id)
+        review = await self.store.get_review(review_id)
         if review is None or not jit_ended(review, utcnow()):
             if review is not None:
                 self.arm(review)  # approved again later or clock drift: check again at the new end
             return None
         review.status = REVOKED
         review.updated_at = rfc3339(utcnow())
-        await self.gateway.store.save_review(review)
+        await self.store.save_review(review)
         return review
 
     async def policy(self, connection: Connection, kind: str) -> ReviewPolicy | None:
         """The review ``kind`` of access to ``connection`` needs (rules first, then its settings), or None."""
-        return policy_for(connection, kind, await self.gateway.store.list_access_rules(connection.org_id))
+        return policy_for(connection, kind, await self.store.list_access_rules(connection.org_id))
 
     async def request(self, policy: ReviewPolicy, owner: User, connection: Connection, session: Session,
                       kind: str, access_duration: int | None = None) -> Review:
         """Store a PENDING review together with the (``ready``) session it reviews."""
         review = new_review(policy, owner, connection, session.id, kind, utcnow(), access_duration)
         session.review_id = review.id
-        await self.gateway.store.create_review(review, session)
+        await self.store.create_review(review, session)
         return review
 
     async def set_status(self, review_id: str, status: str) -> Review | None:
         """PROCESSING / EXECUTED of a one-time review (not a reviewer's decision)."""
         async with self.lock(review_id):
-            review = await self.gateway.store.get_review(review_id)
+            review = await self.store.get_review(review_id)
             if review is None:
                 return None
             review.status = status
             review.updated_at = rfc3339(utcnow())
-            await self.gateway.store.save_review(review)
+            await self.store.save_review(review)
             return review
 
     async def begin_execution(self, review_id: str) -> Review:
         """Check that a one-time review lets its script run now and mark it PROCESSING (once)."""
         async with self.lock(review_id):
-            review = await self.gateway.store.get_review(review_id)
+            review = await self.store.get_review(review_id)
             if review is None:
                 raise ReviewError(404, f"review {review_id!r} not found")
             check_executable(review, utcnow())
             review.status = PROCESSING
             review.updated_at = rfc3339(utcnow())
-            await self.gateway.store.save_review(review)
+            await self.store.save_review(review)
             return review
+
+    # -- one-time scripts
+
+    async def run_script(self, user: User, connection: Connection, script: str, *, session: Session | None = None,
+                         review: Review | None = None, metadata: dict[str, Any] | None = None,
+                         batch_id: str | None = None, client_ip: str = "") -> ScriptJob:
+        """Start ``script`` on ``connection`` through the session pipeline, with the runner of its subtype.
+
+        ``session``: the stored ``ready`` session of an approved ``review`` (marked EXECUTED once the
+        script ended); else a new session is opened.  The target is dialed before this returns: an
+        unreachable one gives a finished job (the session closed with its ``e`` and exit code 254).
+        Raises KeyError when no runner serves the subtype, GatewayClosing when the gateway is
+        shutting down (nothing ran; an approval still stands).
+        """
+        runner = self.runners[connection.subtype]
+        dialed: list[Any] = []
+
+        async def dial(dialer: Any) -> Any:
+            target = await runner.dial(dialer, connection)
+            dialed.append(target)
+            return target
+
+        def kill(reason: str) -> Any:  # a kill, an expiry, the shutdown: stop what runs on the target
+            return runner.stop(dialed[0]) if dialed else None
+
+        try:
+            run = await self.pipeline.start(
+                AccessGrant(None, user, connection), client_ip, dial=dial, unreachable=runner.unreachable,
+                drop=runner.stop, on_kill=kill, observe=False, existing=session, verb="exec", script=script,
+                metadata=metadata, batch_id=batch_id)
+        except GatewayClosing:
+            if review is not None:
+                await self.set_status(review.id, APPROVED)
+            raise
+        except TargetUnreachable as exc:
+            if review is not None:
+                await self.set_status(review.id, EXECUTED)
+            done: asyncio.Future[ScriptResult] = asyncio.get_running_loop().create_future()
+            done.set_result(ScriptResult(exc.message + "\n", BLOCKED_EXIT_CODE))
+            return ScriptJob(exc.session_id or "", done)
+        return ScriptJob(run.id, self.spawn(self._run_script(run, runner, script, review)), run.live)
+
+    async def _run_script(self, run: SessionRun[Any], runner: ScriptRunner, script: str,
+                          review: Review | None) -> ScriptResult:
+        """The AI analysis of the whole script, then the runner; the session closed with the script's exit code."""
+        async with run:
+            try:
+                verdict = await self.analysis.check_script(run.live, script)
+                if verdict is not None and verdict.blocked:
+                    result = ScriptResult(verdict.message() + "\n", BLOCKED_EXIT_CODE)
+                else:
+                    result = await runner.run(run, script)
+            except Exception:
+                log.exception("script runner failed", extra={"session_id": run.id})
+                result = ScriptResult("the gateway could not run the script\n", BLOCKED_EXIT_CODE)
+                run.policy.error(result.output.strip())
+            finally:
+                runner.stop(run.target)
+            await run.close(exit_code=result.exit_code)
+        if review is not None:
+            await self.set_status(review.id, EXECUTED)
+        return result

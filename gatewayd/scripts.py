@@ -1,20 +1,25 @@
 """One-time scripts: the interface a protocol proxy offers to run a script (SQL, a command) on its target.
 
 A runner is registered per connection subtype (``postgres``, ``ssh``) by the
-composition root. It runs ``script`` against ``live.connection``'s target,
-through the same guard rails as native traffic, records input, output and
-errors on ``live.recorder``, and returns the result; the caller closes the
-session.
+composition root.  It does not dial, open sessions or load rules: the review
+service starts the script's session through the session pipeline, which dials
+with the runner's ``dial`` (what it raises of ``unreachable`` closes the
+session with an ``e`` and exit code 254), arms ``stop`` as the session's kill,
+and hands ``run`` the SessionRun.  ``run`` sends the script to ``run.target``,
+reports input, output and errors to ``run.policy`` (guard rails, recording,
+audit) and returns the result; the caller releases the target (``stop``) and
+closes the session with the result's exit code.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 if TYPE_CHECKING:
-    from gatewayd.daemon import Gateway
-    from gatewayd.sessions import LiveSession
+    from gatewayd.dialer import Dialer
+    from gatewayd.models import Connection
+    from gatewayd.pipeline import SessionRun
 
 
 @dataclass(slots=True)
@@ -29,4 +34,11 @@ class ScriptResult:
         return "success" if self.exit_code == 0 else "failed"
 
 
-ScriptRunner = Callable[["Gateway", "LiveSession", str], Awaitable[ScriptResult]]
+@dataclass(frozen=True, slots=True)
+class ScriptRunner:
+    """How one protocol runs one-time scripts; the session pipeline does the rest of the lifecycle."""
+
+    dial: Callable[[Dialer, Connection], Awaitable[Any]]  # the connection's target, logged in, through the dialer
+    run: Callable[[SessionRun[Any], str], Awaitable[ScriptResult]]  # the script on run.target, reported to run.policy
+    stop: Callable[[Any], Any]  # release the target; on a kill this ends what runs there
+    unreachable: tuple[type[BaseException], ...] = ()  # what ``dial`` raises when the target cannot be used

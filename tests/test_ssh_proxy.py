@@ -27,7 +27,9 @@ import termios
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -953,19 +955,45 @@ async def script_session(core, target: SshTarget, rules: dict | None = None, por
         await core.store.save_guardrail(GuardRail(id=new_id(), org_id=user.org_id, name=f"rail-{connection.name}",
                                                   connection_ids=[connection.id], **rules), create=True)
         core.guardrails.invalidate()
-    return await core.sessions.open(user, connection, verb="exec", script="(script)")
+    return ScriptSession(user, connection)
+
+
+@dataclass
+class ScriptSession:
+    """A connection to run one script on, and (once started) its job."""
+
+    user: Any
+    connection: Any
+    job: Any = None
+
+    @property
+    def id(self) -> str:
+        return self.job.session_id
+
+    @property
+    def done(self) -> asyncio.Event:
+        return self.job.live.done
+
+
+async def run_script(core, live: ScriptSession, script: str):
+    """The SSH runner, as the API runs it: through the review service and the session pipeline."""
+    from proxies.ssh.script import run_script as runner
+
+    core.reviews.runners["ssh"] = runner
+    live.job = await core.reviews.run_script(live.user, live.connection, script)
+    return await live.job.result
 
 
 async def recorded(core, live) -> list[tuple[str, str]]:
-    await live.close(exit_code=0)
+    await live.job.result  # the session is closed with the script's exit code
     return [(e.kind, e.data.decode()) for e in await core.store.read_events(live.id)]
 
 
 async def test_script_runner_runs_one_exec_with_guard_rails_and_recording(core, target):
     from proxies import available_script_runners
-    from proxies.ssh.script import run_script
+    from proxies.ssh.script import run_script as runner
 
-    assert available_script_runners()["ssh"] is run_script
+    assert available_script_runners()["ssh"] is runner
     live = await script_session(core, target)
     result = await run_script(core, live, "echo out-$((2*21)); echo err >&2; exit 3")
     assert (result.output, result.exit_code, result.output_status) == ("out-42\nerr\n", 3, "failed")
@@ -998,8 +1026,6 @@ async def test_script_runner_runs_one_exec_with_guard_rails_and_recording(core, 
 
 
 async def test_killing_a_script_session_stops_the_command_on_the_target(core, target):
-    from proxies.ssh.script import run_script
-
     live = await script_session(core, target)
     started, finished = (Path(f"/tmp/gw-script-{uuid.uuid4().hex}-{name}") for name in ("started", "finished"))
     task = asyncio.ensure_future(run_script(core, live, f"touch {started}; sleep 20; touch {finished}"))

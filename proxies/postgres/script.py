@@ -1,9 +1,10 @@
 """One-time SQL scripts (``POST /sessions`` on a postgres connection), through the relay's own rules.
 
-The script is sent as one simple Query on a fresh connection to the target,
-made the way the proxy makes them (``upstream.connect_target``).  The relay's
-``ClientSide`` checks the input guard rails and records the ``i`` event; its
-``ServerSide`` renders every result as text, checks the output guard rails and
+The session pipeline dials a fresh connection to the target, made the way
+the proxy makes them (``dial``: ``upstream.connect_target``), and arms
+``terminate`` as the session's kill; the script is sent on it as one simple
+Query.  The relay's ``ClientSide`` checks the input guard rails and records
+the ``i`` event; its ``ServerSide`` renders every result as text, checks the output guard rails and
 records ``o``/``e`` events -- exactly what a psql session running the same
 text would leave.  Exit code: 0, 1 when the target reported an error, 254
 when a guard rail blocked the script or the target could not be reached.
@@ -14,17 +15,17 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from gatewayd.policy import SessionPolicy
-from gatewayd.scripts import ScriptResult
+from gatewayd.scripts import ScriptResult, ScriptRunner
 from gatewayd.sessions import BLOCKED_EXIT_CODE
 from proxies.postgres.codec import FrameBatch, FrontendReader, encode_copy_fail, encode_query
 from proxies.postgres.relay import BLOCK, ClientSide, Pending, ServerSide
-from proxies.postgres.upstream import TargetSettings, UpstreamError, connect_target, terminate
+from proxies.postgres.upstream import TargetLink, TargetSettings, UpstreamError, connect_target, terminate
 
 if TYPE_CHECKING:
-    from gatewayd.daemon import Gateway
+    from gatewayd.dialer import Dialer
+    from gatewayd.models import Connection
+    from gatewayd.pipeline import SessionRun
     from gatewayd.recording import SessionRecorder
-    from gatewayd.sessions import LiveSession
 
 SQL_ERROR_EXIT_CODE = 1
 OUTPUT_CAP_CHARS = 1 << 20  # the API answer carries this much output; the recording keeps the rest
@@ -82,31 +83,27 @@ class _Transcript:
         return "".join(self.parts)
 
 
-async def run_script(gateway: Gateway, live: LiveSession, script: str) -> ScriptResult:
-    """Run ``script`` on ``live.connection``'s target; see the module docstring for what is recorded."""
-    connection = live.connection
-    transcript = _Transcript(live.recorder)
-    rules = await gateway.guardrails.rules_for(connection.org_id, connection.id)
+async def dial(dialer: Dialer, connection: Connection) -> TargetLink:
+    """A fresh connection to ``connection``'s target, made the way the proxy makes them (UpstreamError if not)."""
+    return await connect_target(TargetSettings.from_role(connection.target()), {"application_name": "gatewayd-exec"},
+                                connection.name, dialer=dialer)
+
+
+async def run(run: SessionRun[TargetLink], script: str) -> ScriptResult:
+    """Run ``script`` on ``run.target``; see the module docstring for what is recorded."""
+    link, name = run.target, run.live.connection.name
+    transcript = _Transcript(run.policy.recorder)
     pending: deque[Pending] = deque()
     columns: dict[str, tuple[int, ...]] = {}
-    policy = SessionPolicy(live, rules, recorder=transcript)  # type: ignore[arg-type]
-    await policy.open_clear_recording()
+    policy = run.policy.recording_to(transcript)  # type: ignore[arg-type]
     client = ClientSide(policy, pending, columns)
     server = ServerSide(policy, pending, columns)
     frontend = FrontendReader(expect_startup=False)
     frontend.feed(encode_query(script))
     query = frontend.next_message()
     if client.on_message(query) == BLOCK:  # type: ignore[arg-type]
-        await live.blocked(client.verdict)  # type: ignore[arg-type]
+        await policy.blocked(client.verdict)  # type: ignore[arg-type]
         return ScriptResult(client.verdict.message + "\n", BLOCKED_EXIT_CODE)  # type: ignore[union-attr]
-    settings = TargetSettings.from_role(connection.target())
-    try:
-        link = await connect_target(settings, {"application_name": "gatewayd-exec"}, connection.name,
-                                  dialer=gateway.dialer)
-    except UpstreamError as exc:
-        transcript.error(exc.message)
-        return ScriptResult(transcript.text(), BLOCKED_EXIT_CODE)
-    live.on_kill(lambda reason: terminate(link))
     blocked = False
     try:
         link.stream.write(encode_query(script))
@@ -115,13 +112,13 @@ async def run_script(gateway: Gateway, live: LiveSession, script: str) -> Script
             server.process(link.backend, batch)
             if asks_for_copy_data(batch.take()):  # nobody to forward to: the transcript is the client
                 transcript.keep(NO_COPY_IN + "\n")
-                live.recorder.error(NO_COPY_IN)
+                run.policy.error(NO_COPY_IN)
                 link.stream.write(encode_copy_fail(NO_COPY_IN))
             if server.blocks:
                 blocked = True
                 for verdict in server.blocks:
                     transcript.keep(verdict.message + "\n")
-                    await live.blocked(verdict)
+                    await policy.blocked(verdict)
                 server.blocks.clear()
                 continue
             if server.replies:
@@ -130,18 +127,19 @@ async def run_script(gateway: Gateway, live: LiveSession, script: str) -> Script
             if not pending:
                 break
             if link.stream.closed:
-                if live.end_reason is None:
-                    transcript.error(f'the target of connection "{connection.name}" closed the connection')
+                if run.end_reason is None:
+                    transcript.error(f'the target of connection "{name}" closed the connection')
                 return ScriptResult(transcript.text(), BLOCKED_EXIT_CODE)
-            await live.recorder.drain()  # a large result: let the recording catch up (bounded memory)
+            await run.policy.drain()  # a large result: let the recording catch up (bounded memory)
             await link.stream.more()  # what arrives is framed into link.backend
         server.flush_output()
     except (OSError, ConnectionError) as exc:
-        transcript.error(f'the connection to the target of "{connection.name}" failed: '
+        transcript.error(f'the connection to the target of "{name}" failed: '
                          f"{getattr(exc, 'strerror', None) or type(exc).__name__}")
         return ScriptResult(transcript.text(), BLOCKED_EXIT_CODE)
-    finally:
-        terminate(link)
     if blocked:
         return ScriptResult(transcript.text(), BLOCKED_EXIT_CODE)
     return ScriptResult(transcript.text(), SQL_ERROR_EXIT_CODE if transcript.errors else 0)
+
+
+run_script = ScriptRunner(dial=dial, run=run, stop=terminate, unreachable=(UpstreamError,))
