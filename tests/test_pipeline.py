@@ -8,6 +8,7 @@ import logging
 
 import pytest
 
+from gatewayd.access import AccessGrant
 from gatewayd.config import load_config
 from gatewayd.daemon import Gateway
 from gatewayd.dialer import Dialer
@@ -183,3 +184,64 @@ async def test_background_task_failures_are_logged_not_lost(caplog):
     assert len(tasks) == 0
     [record] = [r for r in caplog.records if r.name == "gatewayd.tasks"]
     assert record.owner == "test-owner" and record.session_id == "s1" and "boom" in str(record.exc_info[1])
+
+
+async def test_a_grant_without_credential_opens_a_new_session_and_an_unreachable_one_is_named(core):
+    """An API user's one-time script: no credential, its verb, script, metadata and batch id on a new session."""
+    grant = await grant_for(core, 1)
+    port = free_port()
+    script_grant = AccessGrant(None, grant.user, grant.connection)
+    run = await core.pipeline.start(script_grant, verb="exec", script="select 1", metadata={"ticket": "T-7"},
+                                    batch_id="batch-7", observe=False)
+    await run.close(exit_code=0)
+    session = await core.store.get_session(run.id)
+    assert run.id != grant.credential.session_id and session.credential_id is None
+    assert (session.verb, session.script, session.metadata, session.session_batch_id) == (
+        "exec", "select 1", {"ticket": "T-7"}, "batch-7")
+    with pytest.raises(TargetUnreachable) as caught:
+        await core.pipeline.start(script_grant, dial=lambda dialer: dial_stream(dialer, port), verb="exec",
+                                  script="select 2")
+    session = await core.store.get_session(caught.value.session_id)
+    assert session.script == "select 2" and session.status == "done" and session.exit_code == BLOCKED_EXIT_CODE
+    assert await events_of(core, session.id) == [("e", caught.value.message.encode())]
+
+
+async def test_recording_to_sends_the_chain_to_another_recorder_under_the_same_rules(core):
+    grant = await grant_for(core, 1)
+    now = rfc3339(utcnow())
+    await core.store.save_guardrail(GuardRail(
+        id=new_id(), org_id=grant.connection.org_id, name="no-drop", description="",
+        input={"rules": [{"type": "deny_words_list", "words": ["drop table"]}]}, output={"rules": []},
+        connection_ids=[grant.connection.id], created_at=now, updated_at=now), create=True)
+    core.guardrails.invalidate()
+    run = await core.pipeline.start(grant)
+
+    class Copy:
+        """A transcript: keeps what it is given, then passes it to the session's recorder."""
+
+        def __init__(self, recorder) -> None:
+            self.recorder, self.kept = recorder, []
+            self.truncated = False
+
+        def input(self, data) -> None:
+            self.kept.append(("i", data))
+            self.recorder.input(data)
+
+        def output(self, data) -> None:
+            self.kept.append(("o", data))
+            self.recorder.output(data)
+
+        def error(self, data) -> None:
+            self.kept.append(("e", data))
+            self.recorder.error(data)
+
+    copy = Copy(run.policy.recorder)
+    policy = run.policy.recording_to(copy)
+    assert policy.live is run.live and policy.rules is run.policy.rules
+    assert policy.input("select 1") is None and policy.output("1") is None
+    verdict = policy.input("drop table t")
+    assert verdict is not None
+    await policy.blocked(verdict)
+    assert copy.kept == [("i", "select 1"), ("o", "1"), ("i", "drop table t")]
+    await run.close()
+    assert [kind for kind, _ in await events_of(core, run.id)] == ["i", "o", "i", "e"]

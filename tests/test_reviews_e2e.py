@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 
 from tests.apiclient import Api, events, of_kind, postgres_env
-from tests.conftest import Daemon, proxy_daemon
+from tests.conftest import Daemon, free_port, proxy_daemon
 from tests.pgpeer import PgCluster, unavailable_reason
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
@@ -179,6 +179,18 @@ async def test_scripts_need_a_runner_and_a_known_connection(as_):
     assert status == 400 and "script" in body["message"]
 
 
+async def test_killing_a_running_script_ends_its_session_with_the_reason(as_, cluster):
+    conn = await make_connection(as_, cluster)
+    status, body = await as_["rita"]("POST", "/sessions", {"connection": conn["name"],
+                                                           "script": "select pg_sleep(30), 'never' as word"})
+    assert status == 202, body
+    status, killed = await as_["admin"]("POST", f"/sessions/{body['session_id']}/kill")
+    assert status == 200, killed
+    session = await as_["rita"].done_session(body["session_id"], 15)
+    assert session["exit_code"] == 254 and "never" not in "".join(of_kind(session, "o"))
+    assert of_kind(session, "e")[-1] == "session killed by ada@example.com"
+
+
 # --------------------------------------------------------------------------- one-time scripts with review
 
 
@@ -270,6 +282,23 @@ async def test_onetime_review_partial_full_approval_time_window_and_execution(as
     assert session_id in [s["id"] for s in page["data"]]
     status, page = await as_["admin"]("GET", "/sessions?review.approver=lea@example.com&limit=100")
     assert session_id not in [s["id"] for s in page["data"]]
+
+
+async def test_a_reviewed_script_on_an_unreachable_target_is_executed_with_its_error(as_, cluster):
+    conn = await as_["admin"].connection("pg", "database", "postgres", postgres_env(cluster, port=free_port()),
+                                         {"reviewers": ["dba"]})
+    status, body = await as_["rita"]("POST", "/sessions", {"connection": conn["name"], "script": "select 1"})
+    assert status == 202, body
+    session_id, review_id = body["session_id"], body["review_id"]
+    status, body = await as_["dora"]("PUT", f"/reviews/{review_id}", {"status": "APPROVED"})
+    assert status == 200 and body["status"] == "APPROVED", body
+    status, body = await as_["rita"]("POST", f"/sessions/{session_id}/exec")
+    assert status == 200, body
+    assert body["exit_code"] == 254 and body["session_id"] == session_id
+    assert f'could not connect to the target of connection "{conn["name"]}"' in body["output"]
+    session = await as_["rita"].done_session(session_id, 15)
+    assert session["exit_code"] == 254 and session["review"]["status"] == "EXECUTED"
+    assert of_kind(session, "e") == [body["output"].strip()] and not of_kind(session, "i")
 
 
 async def test_rejection_is_final(as_, cluster):
