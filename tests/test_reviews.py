@@ -375,3 +375,36 @@ async def test_finish_waits_for_background_jobs_before_the_store_closes(core):
     await core.reviews.finish()
     assert task.done() and not core.reviews.tasks
     assert (await core.store.get_review(review.id)).status == "EXECUTED"
+
+
+def test_the_review_service_and_the_script_runners_take_no_daemon():
+    """Issue 14 item 5: they get what they use (no ``Gateway``, no import of gatewayd.daemon, even for typing)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    for path in ("gatewayd/reviews.py", "gatewayd/scripts.py", "proxies/postgres/script.py", "proxies/ssh/script.py"):
+        tree = ast.parse((root / path).read_text())
+        modules = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        modules |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        assert "gatewayd.daemon" not in modules, path
+        assert "Gateway" not in {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}, path
+
+
+async def test_a_review_service_built_from_its_collaborators_applies_the_self_approval_flag(core):
+    from gatewayd.reviews import ReviewError, ReviewService
+
+    conn, owner, reviewer, session, review = await _jit_setup(core, 60)
+    owner.groups = ["admin"]
+    assert owner.is_admin
+    service = ReviewService(core.store, core.audit, core.sessions, core.pipeline, core.analysis, {},
+                            admins_can_self_approve=False)
+    with pytest.raises(ReviewError, match="cannot approve your own request"):
+        await service.apply(review.id, owner, APPROVED)
+    service = ReviewService(core.store, core.audit, core.sessions, core.pipeline, core.analysis, {},
+                            admins_can_self_approve=True)
+    approved, _ = await service.apply(review.id, owner, APPROVED)
+    assert approved.status == APPROVED and len(service.timers) == 1  # its jit expiry is armed
+    service.stop()
+    await service.timers.wait()
+    assert len(service.timers) == 0
