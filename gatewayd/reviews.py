@@ -4,7 +4,8 @@ The first half is pure logic (no store, no clock of its own: ``now`` is passed
 in), so every transition is a unit test.  ``ReviewService`` at the end wires it
 to the store, the audit log, the credentials and the live sessions: a jit
 review that is revoked or reaches the end of its duration closes every live
-proxy session opened with it, in every protocol.
+proxy session opened with it, in every protocol.  It also runs one-time
+scripts, reviewed or not, through the session pipeline (``run_script``).
 """
 
 from __future__ import annotations
