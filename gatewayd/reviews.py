@@ -34,7 +34,7 @@ from gatewayd.models import (
 )
 from gatewayd.pipeline import GatewayClosing, TargetUnreachable
 from gatewayd.scripts import ScriptResult
-from gatewayd.sessions import BLOCKED_EXIT_CODE, LiveSession
+from gatewayd.sessions import BLOCKED_EXIT_CODE
 from gatewayd.tasks import BackgroundTasks
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from gatewayd.audit import AuditLog
     from gatewayd.pipeline import SessionPipeline, SessionRun
     from gatewayd.scripts import ScriptRunner
-    from gatewayd.sessions import SessionManager
+    from gatewayd.sessions import LiveSession, SessionManager
     from gatewayd.store import Store
 
 log = logging.getLogger("gatewayd.reviews")
