@@ -35,6 +35,7 @@ from gatewayd.audit import AuditLog
 from gatewayd.config import Config
 from gatewayd.models import AIAnalyzerRule, Connection, Session
 from gatewayd.store import Store
+from gatewayd.tasks import BackgroundTasks
 
 if TYPE_CHECKING:
     from gatewayd.sessions import LiveSession
@@ -64,7 +65,7 @@ class AnalysisService:
         self.audit = audit
         self.config = config
         self._http: aiohttp.ClientSession | None = None
-        self.tasks: set[asyncio.Task[Any]] = set()
+        self.tasks = BackgroundTasks("ai analysis")  # native input rated off the relay's path
         self._rules: dict[str, list[AIAnalyzerRule]] = {}  # per organization, until a rule changes
         self._generation = 0
 
@@ -74,16 +75,13 @@ class AnalysisService:
         self._rules.clear()
 
     def spawn(self, coroutine: Any) -> asyncio.Task[Any]:
-        task = asyncio.ensure_future(coroutine)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-        return task
+        return self.tasks.spawn(coroutine)
 
     async def close(self) -> None:
-        for task in list(self.tasks):
-            task.cancel()
-        if self.tasks:
-            await asyncio.wait(set(self.tasks), timeout=5)
+        try:
+            await asyncio.wait_for(self.tasks.cancel(), timeout=5)
+        except TimeoutError:
+            pass
         if self._http is not None:
             await self._http.close()
             self._http = None
