@@ -190,3 +190,54 @@ def user_token(daemon: Daemon) -> str:
 @pytest.fixture(scope="session")
 def auditor_token(daemon: Daemon) -> str:
     return daemon.token("auditor@example.com", groups="auditor", name="Audrey Auditor")
+
+
+@pytest.fixture(scope="session")
+def rdp_peers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The RDP desktop, shadow servers and observer of tests/rdppeer.py, started once for every module using them.
+
+    Missing peers fail the run as root (scripts/install-peers.sh installs them) and skip otherwise.
+    """
+    from tests.rdppeer import start_peers, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        if os.geteuid() == 0 and "pyrdp-mitm" not in reason:
+            pytest.fail(reason)
+        pytest.skip(reason)
+    found = start_peers(tmp_path_factory.mktemp("rdp-peers"))
+    yield found
+    found.stop()
+
+
+@pytest.fixture(scope="session")
+def pg_target() -> Iterator[Any]:
+    """A PostgreSQL 15 cluster (tests/pgpeer.py) shared by the modules that only need one."""
+    from tests.pgpeer import PgCluster
+
+    cluster = PgCluster().start()
+    yield cluster
+    cluster.destroy()
+
+
+@pytest.fixture(scope="session")
+def ssh_target() -> Iterator[Any]:
+    """An OpenSSH sshd (tests/sshpeer.py) shared by the modules that only need one."""
+    from tests.sshpeer import SshTarget
+
+    peer = SshTarget().start()
+    yield peer
+    peer.destroy()
+
+
+@pytest.fixture(scope="session")
+def http_target() -> Iterator[str]:
+    """The URL of the aiohttp target app (tests/httppeer.py) shared by the modules that only need one."""
+    from tests.test_http_proxy import start_target
+
+    process, port = start_target()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        process.wait(10)

@@ -1,0 +1,118 @@
+"""The RDP peers for tests: Xvfb displays, FreeRDP shadow servers and an observing pyrdp-mitm, as subprocesses.
+
+``Peers`` starts them on free ports and X displays and stops them by process
+group.  ``start_peers`` is what the session-scoped ``rdp_peers`` fixture of
+conftest.py starts once for every module that needs them: an Xvfb desktop
+with the ``-retro`` pattern shared by ``freerdp-shadow-cli`` (TLS security,
+no authentication), a second shadow server that insists on NLA, an Xvfb
+display for the client, and ``pyrdp-mitm`` in front of the first shadow
+server (its log shows what reached the target).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from tests.conftest import BIN, free_port, wait_port
+
+PEER_TOOLS = ("Xvfb", "freerdp-shadow-cli", "xfreerdp")
+# pyrdp's own pyrdp-mitm command, after proxies.rdp's compatibility shim (Python 3.13 removed typing.io)
+PYRDP_MITM = "import sys, proxies.rdp; from pyrdp.bin.mitm import main; sys.argv[0] = 'pyrdp-mitm'; sys.exit(main())"
+
+
+class Peers:
+    """Xvfb displays, shadow servers and the observing pyrdp-mitm, as subprocesses."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.home = root / "home"
+        self.home.mkdir()
+        self.processes: list[subprocess.Popen[bytes]] = []
+
+    def spawn(self, args: list[str], name: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        log = open(self.root / f"{name}.log", "ab")
+        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=self.root,
+                                   env={"PATH": os.environ["PATH"], "HOME": str(self.home), **(env or {})},
+                                   start_new_session=True)
+        log.close()
+        self.processes.append(process)
+        return process
+
+    def log(self, name: str) -> str:
+        path = self.root / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def display(self, name: str, size: str, *extra: str) -> int:
+        for number in range(150, 400):
+            if not Path(f"/tmp/.X{number}-lock").exists() and not Path(f"/tmp/.X11-unix/X{number}").exists():
+                break
+        process = self.spawn(["Xvfb", f":{number}", "-screen", "0", size, "-nolisten", "tcp", *extra], name)
+        deadline = time.monotonic() + 20
+        while not Path(f"/tmp/.X11-unix/X{number}").exists():
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"Xvfb :{number} did not start:\n{self.log(name)}")
+            time.sleep(0.05)
+        return number
+
+    def shadow(self, display: int, name: str, *security: str) -> int:
+        for attempt in range(2):  # right after Xvfb the shadow server can fail to open the display
+            port = free_port()
+            process = self.spawn(["freerdp-shadow-cli", f"/port:{port}", "/bind-address:127.0.0.1", *security],
+                                 name, {"DISPLAY": f":{display}"})
+            try:
+                wait_port(port, process, "freerdp-shadow-cli")
+                return port
+            except RuntimeError:
+                if attempt:
+                    raise RuntimeError(f"freerdp-shadow-cli did not start:\n{self.log(name)}") from None
+                process.kill()
+                time.sleep(1)
+        raise AssertionError("unreachable")
+
+    def observer(self, target_port: int) -> int:
+        port = free_port()
+        process = self.spawn([str(BIN / "python"), "-c", PYRDP_MITM, f"127.0.0.1:{target_port}", "-a", "127.0.0.1", "-l", str(port),
+                              "-o", str(self.root / "observer")], "observer")
+        wait_port(port, process, "pyrdp-mitm (observer)", timeout=30)
+        return port
+
+    def stop(self) -> None:
+        for process in reversed(self.processes):
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in self.processes:
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+
+def unavailable_reason() -> str | None:
+    """Why the RDP peers cannot run here, or None."""
+    missing = [tool for tool in PEER_TOOLS if shutil.which(tool) is None]
+    if missing:
+        return f"RDP peers not installed ({', '.join(missing)}): run scripts/install-peers.sh"
+    if not (BIN / "pyrdp-mitm").exists():
+        return "pyrdp-mitm is not installed (make installs it: pip install --no-deps pyrdp-mitm==2.1.0)"
+    return None
+
+
+def start_peers(root: Path) -> Peers:
+    """The desktop, the client display, the shadow servers (TLS, NLA) and the observer; stopped on failure."""
+    found = Peers(root)
+    try:
+        found.desktop = desktop = found.display("xvfb-target", "1024x768x24", "-retro")
+        found.client_display = found.display("xvfb-client", "1280x800x24")
+        found.shadow_port = found.shadow(desktop, "shadow", "-auth", "/sec:tls")
+        found.nla_port = found.shadow(desktop, "shadow-nla", "/sec:nla")
+        found.observer_port = found.observer(found.shadow_port)
+    except BaseException:
+        found.stop()
+        raise
+    return found
