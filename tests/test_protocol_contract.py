@@ -30,6 +30,7 @@ import asyncio
 import base64
 import contextlib
 import os
+import re
 import subprocess
 import uuid
 from dataclasses import dataclass
@@ -243,21 +244,23 @@ class PostgresDriver(Driver):
             await connection.close()
 
     async def hold(self, secret: str) -> Held:
-        connection = await self._connect(secret)
-        query = asyncio.ensure_future(connection.execute("select pg_sleep(600)"))
+        """psql, which shows the FATAL's SQLSTATE as it is disconnected (asyncpg reports its own 08003)."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+        env.update(PGHOST="127.0.0.1", PGPORT=str(self.port), PGUSER=secret, PGPASSWORD="any",
+                   PGDATABASE="postgres", PGSSLMODE="disable", PGCONNECT_TIMEOUT="30")
+        process = await asyncio.create_subprocess_exec(
+            "psql", "-X", "-v", "VERBOSITY=verbose", "-c", "select pg_sleep(600)", env=env,
+            stdin=subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
 
         async def ended() -> Answer:
-            try:
-                await query
-            except asyncpg.PostgresError as exc:
-                return self._error(exc)
-            except (asyncpg.InterfaceError, ConnectionError) as exc:
-                return Answer(None, f"{type(exc).__name__}: {exc}")
-            return Answer(None, "the query finished")
+            out, err = await process.communicate()
+            text = (out + err).decode(errors="replace")
+            fatal = re.search(r"FATAL:  (\w{5}): (.*)", text)
+            return Answer(fatal[1], f"FATAL {fatal[1]} {fatal[2]}") if fatal else Answer(process.returncode, text)
 
         def stop() -> None:
-            query.cancel()
-            connection.terminate()
+            if process.returncode is None:
+                process.kill()
 
         return Held(ended, stop)
 
