@@ -78,7 +78,8 @@ class Held:
     def __init__(self, ended: Callable[[], Any], stop: Callable[[], Any]) -> None:
         self._ended, self._stop = ended, stop
 
-    async def ended(self, timeout: float = 60) -> Answer:
+    async def ended(self, timeout: float = 30) -> Answer:
+        """What the client showed once disconnected; TimeoutError when it is still connected after ``timeout``."""
         try:
             return await asyncio.wait_for(self._ended(), timeout)
         finally:
@@ -117,10 +118,6 @@ class Driver:
     async def hold(self, secret: str) -> Held:
         """Connect and keep the session open until the gateway ends it."""
         raise NotImplementedError
-
-    async def in_session(self, session_id: str) -> None:
-        """Wait until the held session is open (RDP: until its screen is up)."""
-        await self.api.session(session_id, until=lambda s: s["status"] == "open", timeout=60)
 
     # how the protocol says it (assertions)
 
@@ -438,16 +435,6 @@ class RdpDriver(Driver):
 
         return Held(lambda: self._result(process), stop)
 
-    async def in_session(self, session_id: str) -> None:
-        """RDP opens its session before dialing: wait for the first screen update instead."""
-        deadline = asyncio.get_running_loop().time() + 60
-        while asyncio.get_running_loop().time() < deadline:  # a wait, not a timing assertion
-            status, page = await self.api("GET", f"/sessions/{session_id}/rdp-frames?limit=1")
-            if status == 200 and page["total_frames"] > 0:
-                return
-            await asyncio.sleep(0.2)
-        raise AssertionError(f"session {session_id} never showed a screen")
-
     def refused(self, answer: Answer, reason: str) -> None:
         assert answer.code != 0 and "ERRCONNECT_CONNECT_TRANSPORT_FAILED" in answer.text, answer
 
@@ -597,13 +584,16 @@ async def test_an_unreachable_target_is_an_error_in_the_protocols_words_an_e_eve
 # --------------------------------------------------------------------------- 3. kill and expiry
 
 
-@pytest.mark.parametrize("proto", protocols(), indirect=True)
+@pytest.mark.parametrize("proto", protocols(
+    rdp="a kill while xfreerdp is still logging on (the session is open, RDP opens it before dialing, and no "
+        "screen is up yet) is recorded (done, 254, e) but leaves xfreerdp connected: it never exits; a kill once "
+        "the screen is up disconnects it"), indirect=True)
 async def test_a_kill_through_the_api_ends_the_session_with_its_reason_and_254(proto: Driver) -> None:
     role = await proto.role()
     secret, session_id = await proto.api.credential(role)
     held = await proto.hold(secret)
     try:
-        await proto.in_session(session_id)
+        await proto.api.session(session_id, until=lambda s: s["status"] == "open", timeout=60)
         status, body = await proto.api("POST", f"/sessions/{session_id}/kill")
         assert status == 200 and body["exit_code"] == 254, body
         proto.ended(await held.ended(), KILLED)
