@@ -18,11 +18,10 @@ import pytest
 
 from tests.apiclient import PostgresApi, SshApi, admin_http, events
 from tests.conftest import free_port, proxy_daemon
-from tests.pgpeer import PgCluster
 from tests.pgpeer import unavailable_reason as pg_unavailable
-from tests.sshpeer import CLIENT_OPTIONS, SshTarget
+from tests.sshpeer import CLIENT_OPTIONS
 from tests.sshpeer import unavailable_reason as ssh_unavailable
-from tests.test_http_proxy import HttpApi, start_target
+from tests.test_http_proxy import HttpApi
 
 pytestmark = pytest.mark.skipif(pg_unavailable() is not None or ssh_unavailable() is not None,
                                 reason=pg_unavailable() or ssh_unavailable() or "")
@@ -32,27 +31,18 @@ CATASTROPHIC = [r"(x+)+$", r"(x|xx)+$", r"(.*x){40}", r"^(([a-z])+.)+[A-Z]([a-z]
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    target = PgCluster().start()
-    yield target
-    target.destroy()
+def cluster(pg_target):
+    return pg_target  # conftest's, shared with the other modules that need one cluster
 
 
 @pytest.fixture(scope="module")
-def sshd():
-    peer = SshTarget().start()
-    yield peer
-    peer.destroy()
+def sshd(ssh_target):
+    return ssh_target
 
 
 @pytest.fixture(scope="module")
-def web_target():
-    process, port = start_target()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        process.wait(10)
+def web_target(http_target):
+    return http_target
 
 
 @pytest.fixture(scope="module")
