@@ -32,7 +32,6 @@ import contextlib
 import os
 import re
 import subprocess
-import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
@@ -472,7 +471,6 @@ class InProcess:
     """What ``Api`` needs of a daemon, for the in-process gateway."""
 
     def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
         self.url = f"http://{gateway.config['api.listen']}/api"
 
 
@@ -506,7 +504,7 @@ def proto(request: pytest.FixtureRequest) -> Driver:
     if name == "line":
         gateway = request.getfixturevalue("line_gateway")
         api = Api(InProcess(gateway), request.getfixturevalue("line_http"), gateway.admin_token)  # type: ignore
-        host, port = gateway.server_config["ssh_server_config"]["listen_address"].rsplit(":", 1)
+        _, port = gateway.server_config["ssh_server_config"]["listen_address"].rsplit(":", 1)
         return LineDriver(api, int(port))
     reason = {"postgres": pg_unavailable, "ssh": ssh_unavailable}.get(name, lambda: None)()
     if reason:
@@ -566,9 +564,9 @@ async def test_unknown_and_expired_secrets_are_refused_in_the_protocols_words_an
 
 
 @pytest.mark.parametrize("proto", protocols(
-    http="the session stays open (one session per credential) instead of done with exit code 254; its e event and "
-         "the 502 say 'the target of connection \"X\" (HOST:PORT) is unreachable: connection refused', not the "
-         "dialer's message",
+    http="the session stays open (one per credential), each refused request adding an i (its head) and an e, "
+         "instead of a session done with exit code 254 and one e; that e and the 502 say 'the target of "
+         "connection \"X\" (HOST:PORT) is unreachable: connection refused', not the dialer's message",
     rdp="the e event says 'the target of connection \"X\" is unreachable: connection refused', not the dialer's "
         "message"), indirect=True)
 async def test_an_unreachable_target_is_an_error_in_the_protocols_words_an_e_event_and_254(proto: Driver) -> None:
