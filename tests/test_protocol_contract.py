@@ -348,7 +348,7 @@ class HttpDriver(Driver):
     async def _get(self, secret: str, path: str, **headers: str) -> Answer:
         async with self.client.get(self.url + path, headers={"Authorization": secret, **headers}) as response:
             body = await response.text()
-            with contextlib.suppress(ValueError):
+            with contextlib.suppress(ValueError, KeyError, TypeError):  # a JSON error page: its message
                 body = (await response.json(content_type=None))["message"]
             return Answer(response.status, body)
 
@@ -553,8 +553,10 @@ async def test_unknown_and_expired_secrets_are_refused_in_the_protocols_words_an
 
     failures = [e for e in await proto.audit(proto.login_action) if e["outcome"] == "failure"]
     assert any(e["error_message"] == UNKNOWN for e in failures), failures
-    assert any(e["error_message"] == EXPIRED_SECRET and e["request_payload_redacted"]["connection"] == role["name"]
-               for e in failures), failures
+    [entry] = [e for e in failures if e["request_payload_redacted"]["connection"] == role["name"]]
+    assert entry["error_message"] == EXPIRED_SECRET and entry["actor_email"] == "admin@example.com", entry
+    assert entry["client_ip"] == "127.0.0.1" and entry["resource_type"] == "connection", entry
+    assert set(entry["request_payload_redacted"]) == {"connection", "credential_id"}, entry
     assert not any(secret in str(e) for e in failures for secret in (expired, proto.unknown_secret))
     status, session = await proto.api("GET", f"/sessions/{session_id}")
     assert status == 200 and session["status"] == "ready", session  # a refused secret opens no session
@@ -620,7 +622,7 @@ async def test_a_blocked_input_is_answered_recorded_then_blocked_and_audited(pro
         pytest.skip(f"{proto.name} carries no text input for guard rails to read (RDP sends key scan codes and "
                     "bitmaps; keys are recorded only with rdp.record_keyboard and no rule reads them)")
     role = await proto.role()
-    await proto.api.guardrail(role, input_rules=DENY)
+    rail = await proto.api.guardrail(role, input_rules=DENY)
     secret, session_id = await proto.api.credential(role)
     proto.blocked(await proto.send(secret, proto.block_input), BLOCKED)
 
@@ -631,5 +633,9 @@ async def test_a_blocked_input_is_answered_recorded_then_blocked_and_audited(pro
     blocks = [e for e in await proto.audit("guardrail.block")
               if e["request_payload_redacted"].get("session_id") == session_id]
     assert len(blocks) == 1 and blocks[0]["outcome"] == "failure" and blocks[0]["error_message"] == BLOCKED
+    assert blocks[0]["actor_email"] == "admin@example.com" and blocks[0]["client_ip"] == "127.0.0.1", blocks
+    assert blocks[0]["request_payload_redacted"] == {
+        "session_id": session_id, "connection": role["name"], "guardrail": rail["name"], "direction": "input",
+        "rule_type": "deny_words_list", "input": blocks[0]["request_payload_redacted"]["input"]}, blocks
     assert blocks[0]["request_payload_redacted"]["input"].rstrip("\r\n") == sent.rstrip("\r\n")
     assert secret not in str(blocks[0])
