@@ -30,7 +30,7 @@ import aiohttp
 import pytest
 
 from tests.apiclient import Api, admin_http, events
-from tests.conftest import Daemon, free_port, proxy_daemon, wait_port
+from tests.conftest import BIN, Daemon, free_port, proxy_daemon, wait_port
 from tests.rdppeer import Peers
 
 TARGET_USER = "alice"
