@@ -334,7 +334,8 @@ async def test_target_down_is_an_error_event(api: RdpApi, gateway: Daemon, peers
     assert code != 0, output
     session = await api.done_session(session_id)
     assert session["exit_code"] == 254
-    assert any(k == "e" and "is unreachable" in text for k, text in events(session)), events(session)
+    assert any(k == "e" and "could not connect to the target of connection" in text and "connection refused" in text
+               for k, text in events(session)), events(session)
 
 
 

@@ -23,6 +23,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from gatewayd.crypto import hash_secret
+from gatewayd.dialer import DialError
 from gatewayd.guardrails import AUDIT_INPUT_CHARS
 from gatewayd.models import parse_time
 from gatewayd.pipeline import BLOCKED_EXIT_CODE, AccessDenied, GatewayClosing, ProxyContext, SessionRun
@@ -49,7 +50,7 @@ from proxies.http.messages import (
     upstream_request_headers,
     wants_html,
 )
-from proxies.http.upstream import DialerConnector, UpstreamError, UpstreamPool, UpstreamResponse
+from proxies.http.upstream import ConnectFailed, DialerConnector, UpstreamError, UpstreamPool, UpstreamResponse
 
 if TYPE_CHECKING:
     from gatewayd.access import AccessGrant
@@ -349,9 +350,20 @@ class HttpListener:
         await policy.blocked(verdict)
         return json_error(403, verdict.message, **{"X-Gateway-Guardrails": "blocked"})
 
+    def _not_connected(self, state: CredentialState, policy: SessionPolicy, reason: str) -> web.Response:
+        """502 and an ``e`` event in the dialer's words, as every proxy says it (no host, no port, no URL).
+
+        The session stays open: the credential's next request may find the target again.
+        """
+        message = DialError(state.grant.connection.name, reason).message
+        policy.error(message)
+        log.info("http target unreachable", extra={"connection": state.grant.connection.name,
+                                                   "target": state.target.where})
+        return json_error(502, message)
+
     def _unreachable(self, state: CredentialState, policy: SessionPolicy, detail: str,
                      what: str = "is unreachable") -> web.Response:
-        """502 and an ``e`` event; the message names the target's host and port, never its URL.
+        """502 and an ``e`` event for a target that broke the exchange; it names its host and port, never its URL.
 
         The session stays open: the credential's next request may find the target again.
         """
@@ -422,6 +434,8 @@ class HttpListener:
             upstream = await self.pool.request(
                 target.scheme, target.host, target.port, state.insecure,
                 request_head(method, target, raw_path, up_headers, chunked), data, chunked, method == "HEAD")
+        except ConnectFailed as exc:
+            return self._not_connected(state, policy, str(exc))
         except UpstreamError as exc:
             return self._unreachable(state, policy, str(exc))
         except RequestBodyError as exc:
@@ -561,9 +575,10 @@ class HttpListener:
             message = f"the target refused the websocket upgrade ({exc.status})"
             policy.error(message)
             return json_error(502, message)
+        except aiohttp.ClientConnectorError as exc:  # the DialerConnector's: the dialer's reason
+            return self._not_connected(state, policy, exc.os_error.strerror or type(exc.os_error).__name__)
         except _CLIENT_ERRORS as exc:
-            detail = str(exc) if isinstance(exc, aiohttp.ClientConnectorError) else type(exc).__name__
-            return self._unreachable(state, policy, detail.replace(state.target.origin, state.target.where))
+            return self._unreachable(state, policy, type(exc).__name__)
         downstream = web.WebSocketResponse(protocols=[upstream.protocol] if upstream.protocol else (),
                                            max_msg_size=0, autoping=True)
         try:

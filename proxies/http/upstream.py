@@ -166,6 +166,10 @@ class UpstreamError(Exception):
     """The target could not be reached or broke the exchange before answering."""
 
 
+class ConnectFailed(UpstreamError):
+    """No connection to the target (refused, no answer, TLS failed): ``str()`` is the reason alone."""
+
+
 @dataclass(slots=True, eq=False)
 class UpstreamConnection:
     """One keep-alive connection to a target."""
@@ -259,13 +263,13 @@ class UpstreamPool:
                     sock.close()
                     raise
         except DialError as exc:
-            raise UpstreamError(exc.reason) from None
+            raise ConnectFailed(exc.reason) from None
         except TimeoutError:
-            raise UpstreamError(f"connection timed out after {CONNECT_TIMEOUT:.0f} s") from None
+            raise ConnectFailed(f"no answer within {CONNECT_TIMEOUT:.0f} seconds") from None
         except ssl.SSLError as exc:
-            raise UpstreamError(f"TLS handshake failed ({exc.reason or exc})") from None
+            raise ConnectFailed(f"TLS handshake failed ({exc.reason or exc})") from None
         except OSError as exc:
-            raise UpstreamError(exc.strerror or str(exc) or type(exc).__name__) from None
+            raise ConnectFailed(exc.strerror or str(exc) or type(exc).__name__) from None
         return UpstreamConnection(key, protocol)
 
     def _take(self, key: tuple[str, str, int, bool]) -> UpstreamConnection | None:

@@ -55,7 +55,7 @@ from twisted.internet import reactor
 from twisted.internet.protocol import ClientFactory, ServerFactory
 
 from gatewayd.access import looks_like_secret
-from gatewayd.dialer import DialError, Dialer
+from gatewayd.dialer import Dialer
 from gatewayd.models import target_port
 from gatewayd.pipeline import AccessDenied, BLOCKED_EXIT_CODE, GatewayClosing, TargetUnreachable
 from gatewayd.tasks import BackgroundTasks
@@ -274,10 +274,7 @@ class GatewayMITM(RDPMITM):
         async def dial(dialer: Dialer) -> socket.socket:
             if not 0 < port < 65536:
                 raise TargetError(f'connection "{name}": its PORT is not a port number')
-            try:
-                return await dialer.open_socket(host, port, connection=name, timeout=CONNECT_TIMEOUT)
-            except DialError as exc:
-                raise TargetError(f'the target of connection "{name}" is unreachable: {exc.reason}') from None
+            return await dialer.open_socket(host, port, connection=name, timeout=CONNECT_TIMEOUT)  # DialError
 
         try:  # the session first: the screen capture is the session's, the target's failure is on its record
             run = await self.pipeline.start(grant, client_ip, dial=dial, unreachable=(TargetError,),
