@@ -34,7 +34,6 @@ from gatewayd.access import AccessDenied, AccessGrant
 from gatewayd.dialer import DialError, Dialer
 from gatewayd.policy import SessionPolicy
 from gatewayd.sessions import BLOCKED_EXIT_CODE, GatewayClosing, KillCallback, LiveSession
-from gatewayd.tasks import BackgroundTasks
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -129,7 +128,7 @@ class SessionPipeline:
         self.guardrails = guardrails
         self.dialer = dialer
         self.audit_log = audit
-        self.tasks = BackgroundTasks("pipeline")  # sessions' expiry kills and what proxies hand over
+        self.tasks = sessions.tasks  # expiry kills and what proxies hand over; shutdown waits for them
 
     # -- admit
 
