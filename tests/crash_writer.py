@@ -7,6 +7,7 @@ import time
 from gatewayd.config import load_config
 from gatewayd.daemon import Gateway
 from gatewayd.models import Connection, new_id
+import proxies  # noqa: F401  (registers the protocols, whose settings the configuration holds)
 
 
 async def main(config_path: str) -> None:

@@ -21,7 +21,7 @@ import pytest
 
 from control.console import console_built
 from tests.apiclient import Api, events, postgres_env
-from tests.conftest import BIN, Daemon, free_port, wait_port
+from tests.conftest import Daemon, free_port, wait_port
 from tests.pgpeer import PgCluster
 from tests.pgpeer import unavailable_reason as pg_unavailable
 from tests.sshpeer import CLIENT_OPTIONS, SshTarget
@@ -498,24 +498,6 @@ async def test_a_live_session_is_marked_and_its_owner_kills_it(gateway, world, s
         if held.poll() is None:
             held.kill()
             held.wait()
-
-
-@pytest.fixture(scope="module")
-def rdp_peers(tmp_path_factory):
-    """An Xvfb desktop (the -retro pattern) shared by freerdp-shadow-cli, and a display for xfreerdp."""
-    from tests.test_rdp_proxy import PEER_TOOLS, Peers
-
-    missing = [tool for tool in PEER_TOOLS if shutil.which(tool) is None]
-    if missing or not (BIN / "pyrdp-mitm").exists():
-        pytest.skip(f"RDP peers or the rdp extra missing ({', '.join(missing) or 'pyrdp-mitm'})")
-    found = Peers(tmp_path_factory.mktemp("webconsole-rdp"))
-    try:
-        desktop = found.display("xvfb-target", "1024x768x24", "-retro")
-        found.client_display = found.display("xvfb-client", "1280x800x24")
-        found.shadow_port = found.shadow(desktop, "shadow", "-auth", "/sec:tls")
-        yield found
-    finally:
-        found.stop()
 
 
 async def test_step_play_and_seek_through_rdp_frames(gateway, world, rdp_peers, screens):
