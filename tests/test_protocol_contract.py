@@ -588,10 +588,7 @@ async def test_an_unreachable_target_is_an_error_in_the_protocols_words_an_e_eve
 # --------------------------------------------------------------------------- 3. kill and expiry
 
 
-@pytest.mark.parametrize("proto", protocols(
-    rdp="a kill while xfreerdp is still logging on (the session is open, RDP opens it before dialing, and no "
-        "screen is up yet) is recorded (done, 254, e) but leaves xfreerdp connected: it never exits; a kill once "
-        "the screen is up disconnects it"), indirect=True)
+@pytest.mark.parametrize("proto", protocols(), indirect=True)
 async def test_a_kill_through_the_api_ends_the_session_with_its_reason_and_254(proto: Driver) -> None:
     role = await proto.role()
     secret, session_id = await proto.api.credential(role)

@@ -25,7 +25,11 @@ What the gateway adds to pyrdp's man-in-the-middle:
 4. lifecycle -- the session is ``done`` when either side goes away (exit 0
    when the client left or the target logged the user off, 254 with an ``e``
    event when the target dropped the connection), or when the gateway kills
-   it (expiry, API kill, shutdown).
+   it (expiry, API kill, shutdown). A kill before the first screen update
+   (the client still logging on) also refuses the client's retry: FreeRDP
+   answers a connection dropped during its logon by connecting once more at
+   once, with the same cookie, which would open a new session of the
+   credential (``GatewayMITMFactory.logon_killed``).
 
 pyrdp's own loggers log credentials and TLS secrets at INFO: ``quiet_pyrdp``
 keeps only its warnings and silences the secret-bearing ones.
@@ -35,10 +39,12 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import hashlib
 import logging
 import re
 import secrets
 import socket
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +76,8 @@ log = logging.getLogger("gatewayd.rdp")
 
 CONNECT_TIMEOUT = 10.0
 STARTUP_TIMEOUT = 20.0  # from TCP accept to an admitted X.224 connection request (clients send it at once)
+RETRY_WINDOW = 10.0  # how long a killed logon's retry is awaited (FreeRDP's comes within milliseconds)
+RETRY_REFUSED = "{reason} while its client was logging on: the client's reconnection is refused"
 RC4_KEY_BITS = 2048
 NLA_MESSAGE = ('the target of connection "{name}" requires Network Level Authentication (NLA/CredSSP), which '
                "the gateway does not support: allow TLS or standard RDP security on the target")
@@ -181,6 +189,8 @@ class GatewayMITM(RDPMITM):
         self.closed_by_target_logoff = False
         self.refused = False
         self.domain: str | None = None
+        self.logon_key: tuple[bytes, str] | None = None  # the secret's digest and the client's address
+        self.screen_up = False  # the target sent screen content: the client's logon is over
         self._certificate_ready = False
         main = SessionLogger(logging.getLogger(LOGGER_NAMES.MITM_CONNECTIONS), state.sessionID)
         crawler = SessionLogger(logging.getLogger(LOGGER_NAMES.CRAWLER), state.sessionID)
@@ -244,8 +254,11 @@ class GatewayMITM(RDPMITM):
             secret = secret_from_cookie(request.cookie)
         except Exception:
             request, secret = None, None
+        if secret:
+            self.logon_key = (hashlib.sha256(secret.encode()).digest(), client_ip)
+        killed = self.factory.retry_of_killed_logon(self.logon_key) if self.logon_key else None
         try:
-            grant = await self.pipeline.admit(secret or "", "rdp", client_ip)
+            grant = await self.pipeline.admit(secret or "", "rdp", client_ip, audit_success=killed is None)
         except AccessDenied as exc:
             log.info("rdp login refused", extra={"client_ip": client_ip, "reason": str(exc)})
             self._refuse()
@@ -253,6 +266,12 @@ class GatewayMITM(RDPMITM):
         except Exception:
             log.exception("rdp admission failed", extra={"client_ip": client_ip})
             self._refuse()
+            return
+        if killed is not None:  # the client's own retry of a logon the gateway killed: the kill stands
+            message = RETRY_REFUSED.format(reason=killed)
+            log.info("rdp login refused", extra={"client_ip": client_ip, "reason": message})
+            self._refuse()
+            await self.pipeline.refuse(grant, "rdp", message, client_ip)
             return
         self.admitted = True
         if self.ended is not None:
@@ -294,6 +313,8 @@ class GatewayMITM(RDPMITM):
         sock = run.target
         if self.ended is not None or run.ended:  # the client left, or a kill came, while the target was dialed
             sock.close()
+            if run.end_reason is not None and self.ended is None:  # killed before on_kill was armed
+                self._logon_killed(run.end_reason)
             self.ended = self.ended or "gateway"
             self.client.tcp.disconnect(True)
             await run.close(exit_code=0)  # the client left (a kill closed it already)
@@ -370,6 +391,9 @@ class GatewayMITM(RDPMITM):
             if self.domain is not None:  # seen before pyrdp replaces user and password
                 pdu.domain = self.domain
             return
+        if kind == PlayerPDUType.FAST_PATH_OUTPUT or (kind == PlayerPDUType.SLOW_PATH_PDU
+                                                      and isinstance(pdu, UpdatePDU)):
+            self.screen_up = True
         if kind == PlayerPDUType.FAST_PATH_OUTPUT:
             capture.fastpath(policy.offset_ms(), list(pdu.events))
         elif kind == PlayerPDUType.SLOW_PATH_PDU:
@@ -404,11 +428,18 @@ class GatewayMITM(RDPMITM):
 
     async def _kill(self, reason: str) -> None:
         """The gateway ends the session (kill, expiry, shutdown): both connections dropped, frames stored."""
+        if self.ended is None and not self.screen_up:
+            self._logon_killed(reason)
         self.ended = self.ended or "gateway"
         self.client.tcp.disconnect(True)
         self.server.tcp.disconnect(True)
         if self.capture is not None:
             await self.capture.close()
+
+    def _logon_killed(self, reason: str) -> None:
+        """A kill while the client logs on: told to the factory before the client's connection drops."""
+        if self.logon_key is not None:
+            self.factory.logon_killed(self.logon_key, reason)
 
     async def _fail(self, message: str) -> None:
         """A gateway-side end: the ``e`` event, exit code 254, both sides dropped."""
@@ -475,7 +506,34 @@ class GatewayMITMFactory(ServerFactory):
         self.record_keyboard = bool(context.settings["record_keyboard"])
         self._making_key: asyncio.Task[None] | None = None
         self.clone_lock = asyncio.Lock()  # one certificate clone at a time (pyrdp's cache is not thread-safe)
+        self.killed_logons: dict[tuple[bytes, str], tuple[float, str]] = {}  # logon key: (deadline, kill reason)
         quiet_pyrdp()
+
+    def logon_killed(self, key: tuple[bytes, str], reason: str) -> None:
+        """The gateway killed a session whose client was still logging on: refuse that client's retry.
+
+        A connection dropped before the logon is over is, to FreeRDP, a transport
+        failure, which it answers by connecting once more at once
+        (``freerdp_connect``: ``FREERDP_ERROR_CONNECT_TRANSPORT_FAILED`` ->
+        ``freerdp_reconnect``); no RDP message sent before the X.224 confirm
+        prevents it (a negotiation failure makes it retry with the next security
+        protocol). The same secret from the same address within ``RETRY_WINDOW``
+        is that retry: refused once, as any refused login (the connection closed).
+        """
+        now = time.monotonic()
+        self._forget_stale(now)
+        self.killed_logons[key] = (now + RETRY_WINDOW, reason)
+
+    def retry_of_killed_logon(self, key: tuple[bytes, str]) -> str | None:
+        """The kill's reason when ``key`` is the retry of a logon the gateway killed (taken: once)."""
+        now = time.monotonic()
+        self._forget_stale(now)
+        entry = self.killed_logons.pop(key, None)
+        return entry[1] if entry is not None else None
+
+    def _forget_stale(self, now: float) -> None:
+        for key in [k for k, (deadline, _) in self.killed_logons.items() if deadline <= now]:
+            del self.killed_logons[key]
 
     def _new_state(self) -> RDPMITMState:
         """A connection's pyrdp state with its own copy of the configuration (with the shared RC4 key)."""
