@@ -386,6 +386,69 @@ async def test_a_credential_expiring_mid_session_ends_it(api: RdpApi, gateway: D
     assert page["total_frames"] > 0  # what was shown until then is kept
 
 
+async def test_a_kill_during_the_logon_also_refuses_the_clients_retry(api: RdpApi, gateway: Daemon,
+                                                                       peers: Peers) -> None:
+    """A kill before the first screen ends the session and xfreerdp: FreeRDP's retry of its dropped logon is refused.
+
+    The target takes the X.224 request and never answers it, so the client is
+    logging on when the kill comes; FreeRDP then connects once more at once,
+    with the same secret, which must neither open a second session nor stay.
+    """
+    dialed: list[asyncio.StreamWriter] = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        dialed.append(writer)
+        await reader.read()
+
+    target = await asyncio.start_server(silent, "127.0.0.1", 0)
+    try:
+        connection = await api.role(target.sockets[0].getsockname()[1])
+        secret, session_id = await api.credential(connection)
+        client = asyncio.ensure_future(xfreerdp(peers, gateway.rdp_port, secret, timeout=60))
+        deadline = time.monotonic() + 60
+        while not dialed and time.monotonic() < deadline:  # the gateway dialed: the request is with the target
+            await asyncio.sleep(0.05)
+        status, body = await api("POST", f"/sessions/{session_id}/kill")
+        assert status == 200 and body["exit_code"] == 254, body
+        code, output = await client
+    finally:
+        target.close()
+        for writer in dialed:
+            writer.close()
+    assert code != 0, output
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 254, session
+    [(kind, reason)] = events(session)
+    assert kind == "e" and reason.startswith("session killed by "), events(session)
+    assert [s["id"] for s in await api.sessions_of(connection)] == [session_id]  # the retry opened none
+    status, logs = await api("GET", "/audit/logs?action=rdp.login&outcome=failure")
+    refusals = [e["error_message"] for e in logs["data"]
+                if e["request_payload_redacted"].get("connection") == connection["name"]]
+    assert refusals == [f"{reason} while its client was logging on: the client's reconnection is refused"], refusals
+
+
+async def test_a_kill_once_the_screen_is_up_leaves_the_credential_to_connect_again(api: RdpApi, gateway: Daemon,
+                                                                                  peers: Peers) -> None:
+    """Only a logon's retry is refused: after a kill of a session on screen, the credential logs on again at once."""
+    connection = await api.role(peers.shadow_port)
+    secret, session_id = await api.credential(connection)
+    client = asyncio.ensure_future(xfreerdp(peers, gateway.rdp_port, secret, timeout=60))
+    deadline = time.monotonic() + 60
+    while True:  # until the desktop is on screen
+        status, page = await api("GET", f"/sessions/{session_id}/rdp-frames?limit=1")
+        if status == 200 and page["total_frames"] > 0 or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.2)
+    status, body = await api("POST", f"/sessions/{session_id}/kill")
+    assert status == 200 and body["exit_code"] == 254, body
+    code, output = await client
+    assert code != 0, output
+    code, output = await xfreerdp(peers, gateway.rdp_port, secret, "+auth-only")
+    assert code == 0, output
+    sessions = await api.sessions_of(connection)
+    assert len(sessions) == 2 and {s["session_batch_id"] for s in sessions} == {sessions[0]["session_batch_id"]}
+
+
 async def test_a_target_dropping_the_connection_is_an_error_event(api: RdpApi, gateway: Daemon, peers: Peers) -> None:
     port = peers.shadow(peers.desktop, "shadow-dropped", "-auth", "/sec:tls")
     shadow = peers.processes[-1]
