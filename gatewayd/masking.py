@@ -41,8 +41,8 @@ from typing import Any, Callable
 
 import re2
 
-__all__ = ["DETECTORS", "MASK_STYLES", "MaskError", "MaskRule", "Masker", "compile_mask_rule", "iban_valid",
-           "luhn_valid"]
+__all__ = ["DETECTORS", "LineHold", "MASK_STYLES", "MaskError", "MaskRule", "Masker", "compile_mask_rule",
+           "iban_valid", "luhn_valid"]
 
 MASK_STYLES = ("fixed", "last4", "hash")
 FIXED = b"****"
@@ -388,3 +388,48 @@ class Masker:
             return b"#" + digest[:HASH_HEX_DIGITS].encode()
         text = value.decode("utf-8", "replace")  # last4: characters, not bytes
         return ("*" * max(len(text) - 4, 0) + text[-4:] if len(text) > 4 else "*" * len(text)).encode()
+
+
+# --------------------------------------------------------------------------- streams
+
+MAX_HELD_LINE = 64 * 1024  # an unfinished line longer than this is masked and passed on as it is
+
+
+class LineHold:
+    """A byte stream held back to its line ends, so that a match is never split between two pieces.
+
+    ``feed`` returns the complete lines received so far (up to the last ``\\n`` or ``\\r``) and keeps
+    the unfinished last line; ``flush`` gives that line up (the stream's end, an idle prompt).  An
+    unfinished line that reaches ``MAX_HELD_LINE`` bytes is given up as it is (bounded memory): a
+    match straddling that cut is not found.  Bytes only: a UTF-8 character is never split at a line end.
+    """
+
+    __slots__ = ("_held", "limit")
+
+    def __init__(self, limit: int = MAX_HELD_LINE) -> None:
+        self._held = bytearray()
+        self.limit = limit
+
+    @property
+    def pending(self) -> bool:
+        """Whether an unfinished line is held."""
+        return bool(self._held)
+
+    def feed(self, data: bytes) -> bytes:
+        """The complete lines now ready to be masked and sent (``b""``: none yet)."""
+        held = self._held
+        cut = max(data.rfind(b"\n"), data.rfind(b"\r"))
+        if cut < 0:
+            held += data
+            return self.flush() if len(held) >= self.limit else b""
+        ready = bytes(held) + data[:cut + 1] if held else data[:cut + 1]
+        held[:] = data[cut + 1:]
+        if len(held) >= self.limit:
+            return ready + self.flush()
+        return ready
+
+    def flush(self) -> bytes:
+        """The unfinished line, given up (``b""`` when none is held)."""
+        data = bytes(self._held)
+        self._held.clear()
+        return data

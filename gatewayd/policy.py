@@ -183,7 +183,7 @@ class SessionPolicy:
         clear = self._clear
         if clear is None or clear.truncated:
             return
-        raw = data.encode() if isinstance(data, str) else bytes(data)
+        raw = data.encode("utf-8", "surrogateescape") if isinstance(data, str) else bytes(data)
         clear.output(self.masker.seal(raw, clear.session_id.encode()))  # type: ignore[union-attr]
 
     def count_masked(self, count: int) -> None:

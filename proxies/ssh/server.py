@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import asyncssh
 
 from gatewayd.access import looks_like_secret
+from gatewayd.masking import LineHold
 from gatewayd.pipeline import (
     BLOCKED_EXIT_CODE,
     AccessDenied,
@@ -60,6 +61,8 @@ log = logging.getLogger("gatewayd.ssh")
 STDERR = asyncssh.EXTENDED_DATA_STDERR
 LOGIN_TIMEOUT = 60.0
 CLOSE_GRACE = 5.0  # after a kill, how long channels may take to flush the message before the disconnect
+HOLD_IDLE = 1.0  # under a mask rule, an unfinished output line waits this long for more (exec: a prompt)
+HOLD_IDLE_PTY = 0.1  # the same with a pty: echoed keystrokes and prompts must show at once
 
 
 def allows_port_forwarding(settings: dict[str, Any]) -> bool:
@@ -404,6 +407,7 @@ class _Upstream(asyncssh.SSHClientSession):  # type: ignore[type-arg]
 
     def eof_received(self) -> bool:
         relay = self.relay
+        relay.flush_held()  # the target's output is over: an unfinished last line goes now
         if relay.client_eof:
             # the client is done sending: hold the EOF and send it with the exit status and close, back to back
             # as sshd does; a multiplexing client that has seen both EOFs closes the channel at once, and an
@@ -462,6 +466,10 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         self.target_full = False  # the target channel's send buffer is full: stop reading the client
         self.client_closed = False
         self.watch = OutputWatch(self.policy) if self.policy.checks_output else None  # None: no output rules
+        # under a mask rule, stdout and stderr are held to their line ends (a match is never split between two
+        # chunks); None: no mask rule, bytes pass as they come
+        self.held: tuple[LineHold, LineHold] | None = (LineHold(), LineHold()) if self.policy.masker else None
+        self.hold_timer: asyncio.TimerHandle | None = None
 
     # -- client side callbacks
 
@@ -544,6 +552,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.client_closed = True
+        self._drop_held()
         if self.active and not self.ended:
             self.owner.cut_short = True  # the client went away while the target was still at work
             self._ended_as("no exit status")
@@ -710,13 +719,67 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
                 self.end(verdict.message)
                 self.tasks.spawn(policy.blocked(verdict))
                 return
-        if datatype == STDERR:
+        if self.held is not None:
+            self._hold(data, 1 if datatype == STDERR else 0)
+        elif datatype == STDERR:
             policy.error(data)  # the target's stderr is on the record as e events
             self.chan.write_stderr(data)
         else:
             policy.record_output(data)
             self.chan.write(data)
         self._check_drain()
+
+    def _hold(self, data: bytes, stream: int) -> None:
+        """Under a mask rule: the complete lines are masked and sent, an unfinished one waits (``HOLD_IDLE``)."""
+        held = self.held
+        assert held is not None
+        ready = held[stream].feed(data)
+        if ready:
+            self._send_masked(ready, stream)
+        if self.hold_timer is not None:
+            self.hold_timer.cancel()
+            self.hold_timer = None
+        if held[0].pending or held[1].pending:
+            self.hold_timer = asyncio.get_running_loop().call_later(HOLD_IDLE_PTY if self.pty else HOLD_IDLE,
+                                                                    self._idle_flush)
+
+    def _send_masked(self, data: bytes, stream: int) -> None:
+        """Output masked, then recorded (stdout ``o``, stderr ``e``) and sent as masked."""
+        policy = self.policy
+        masked = policy.mask_output(data.decode("utf-8", "surrogateescape")).encode("utf-8", "surrogateescape")
+        if stream:
+            policy.error(masked)
+            self.chan.write_stderr(masked)
+        else:
+            policy.record_output(masked)
+            self.chan.write(masked)
+
+    def _idle_flush(self) -> None:
+        self.hold_timer = None
+        if not self.ended and not self.client_closed:
+            self.flush_held()
+
+    def flush_held(self) -> None:
+        """The target's output ended or paused: unfinished lines are masked and sent as they are."""
+        held = self.held
+        if held is None:
+            return
+        if self.hold_timer is not None:
+            self.hold_timer.cancel()
+            self.hold_timer = None
+        for stream in (0, 1):
+            data = held[stream].flush()
+            if data and not self.client_closed:
+                self._send_masked(data, stream)
+
+    def _drop_held(self) -> None:
+        """The channel ends from the gateway's side: what is held is not sent."""
+        if self.held is not None:
+            for hold in self.held:
+                hold.flush()
+            if self.hold_timer is not None:
+                self.hold_timer.cancel()
+                self.hold_timer = None
 
     def _check_drain(self) -> None:
         if self.policy.needs_drain and not self.draining and self.upchan is not None:
@@ -736,6 +799,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         self.active = False
         if self.ended:
             return
+        self.flush_held()
         self.ended = True
         chan = self.chan
         if self.client_closed:
@@ -760,6 +824,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
     def end(self, message: str) -> None:
         """The gateway closes this channel: ``message`` on stderr, exit 254, the target's channel closed."""
         self.active = False
+        self._drop_held()
         if self.ended:
             return
         self.ended = True
