@@ -6,13 +6,16 @@ query, headers, body), ``/upload`` (streamed SHA-256 of the body),
 ``/redirect?to=...``, ``/links`` (a ``Link`` header naming the app's own URLs), ``/page`` (an
 HTML page with a form that posts to ``/echo/posted``), ``/text?say=...``,
 ``/big-text?size=N&needle=W&at=K``, ``/ws`` (echo), ``/sse?n=N`` and ``/sse-hold``
-(an event, then waits until ``/release``), ``/seen`` (paths received so far).
+(an event, then waits until ``/release``), ``/seen`` (paths received so far),
+``/pii/{json,text,chunked,gzip,sse,ws}`` (personal data for the masking tests, ``PII_*``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import hashlib
+import json
 import sys
 from collections import deque
 
@@ -36,6 +39,12 @@ def pattern_sha256(size: int) -> str:
 
 
 SMALL = b'{"ok":true,"service":"target","items":[1,2,3]}'
+PII_CARD = "4111 1111 1111 1111"  # Luhn-valid test card number
+PII_EMAIL = "jane.doe@example.com"
+PII_SSN = "078-05-1120"
+PII_JSON = {"customer": {"name": "Jane", "contact": {"email": PII_EMAIL}, "ssn": PII_SSN, "cards": [PII_CARD]},
+            "total": 12}
+PII_TEXT = f"paid with {PII_CARD} by {PII_EMAIL}\n"
 
 
 def make_app() -> web.Application:
@@ -139,6 +148,33 @@ def make_app() -> web.Application:
         held.set()
         return web.json_response({"released": True})
 
+    async def pii(request: web.Request) -> web.StreamResponse:
+        """Personal data: JSON, text, chunked text split inside a card number, gzip JSON, an event stream, a websocket."""
+        kind = request.match_info["kind"]
+        if kind == "json":
+            return web.json_response(PII_JSON)
+        if kind == "text":
+            return web.Response(text=PII_TEXT, content_type="text/plain")
+        if kind == "gzip":  # sent gzip whatever the request accepts, as some servers do
+            return web.Response(body=gzip.compress(json.dumps(PII_JSON).encode()), content_type="application/json",
+                                headers={"Content-Encoding": "gzip"})
+        if kind == "ws":
+            ws = web.WebSocketResponse()
+            await ws.prepare(request)
+            await ws.send_str(PII_TEXT)
+            await ws.close()
+            return ws
+        sse = kind == "sse"
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream" if sse else "text/plain"})
+        await response.prepare(request)
+        text = f"data: {PII_TEXT}\n" if sse else PII_TEXT
+        cut = text.index(PII_CARD) + 9  # inside the card number: "4111 1111" | " 1111 1111"
+        for piece in (text[:cut], text[cut:]):
+            await response.write(piece.encode())
+            await asyncio.sleep(0.05)  # two chunks on the wire
+        await response.write_eof()
+        return response
+
     async def seen_paths(request: web.Request) -> web.Response:
         return web.json_response(list(seen))
 
@@ -157,6 +193,7 @@ def make_app() -> web.Application:
     app.router.add_get("/sse-hold", sse_hold)
     app.router.add_get("/release", release)
     app.router.add_get("/seen", seen_paths)
+    app.router.add_get("/pii/{kind}", pii)
     return app
 
 

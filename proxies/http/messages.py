@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import html
 import re
+import zlib
 from dataclasses import dataclass
 from typing import Iterable
 from urllib.parse import unquote, urlsplit
@@ -28,6 +29,7 @@ _SECRET_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie", "
                              "x-auth-token", "x-csrf-token", "x-xsrf-token"})
 _TEXT_TYPES = re.compile(r"^\s*(?:text/|application/(?:[\w.+-]*\+)?(?:json|xml|javascript|x-www-form-urlencoded|"
                          r"graphql|x-ndjson|yaml|x-yaml|sql)\b)", re.I)
+_JSON_TYPE = re.compile(r"^\s*application/(?:[\w.+-]*\+)?json\s*(?:;|$)", re.I)
 _LINK_PART = re.compile(r'"(?:[^"\\]|\\.)*"?|<([^>]*)>')  # a quoted parameter (kept), or a <target URI>
 _SECRET_TEXT = re.compile(r"httpproxy-[A-Za-z0-9_-]{43}")  # no \b: a secret may end in "-" or "_"
 
@@ -336,6 +338,39 @@ def refusal_page(status: int, message: str, link: str | None = None, title: str 
 def is_text(content_type: str | None) -> bool:
     """Whether a body of this content type is text the guard rails read (JSON, XML, forms, text/*)."""
     return bool(content_type) and _TEXT_TYPES.match(content_type) is not None  # type: ignore[arg-type]
+
+
+def is_json(content_type: str | None) -> bool:
+    """Whether a body of this content type is one JSON document (``application/json``, ``...+json``)."""
+    return bool(content_type) and _JSON_TYPE.match(content_type) is not None  # type: ignore[arg-type]
+
+
+def decoded_body(body: bytes, encoding: str, limit: int) -> bytes | None:
+    """A ``Content-Encoding: gzip`` / ``deflate`` body decoded, at most ``limit`` bytes of it.
+
+    None: an encoding the gateway cannot decode (``br``, ``zstd``, several), a corrupt body, or one that
+    decodes to more than ``limit`` bytes (a compression bomb is never inflated past it).
+    """
+    encoding = encoding.strip().lower()
+    if encoding in ("", "identity"):
+        return body
+    if encoding in ("gzip", "x-gzip"):
+        tries = [16 + zlib.MAX_WBITS]
+    elif encoding == "deflate":  # zlib-wrapped as the RFC says, or raw deflate as some servers send it
+        tries = [zlib.MAX_WBITS, -zlib.MAX_WBITS]
+    else:
+        return None
+    for wbits in tries:
+        decoder = zlib.decompressobj(wbits)
+        try:
+            out = decoder.decompress(body, limit + 1)
+        except zlib.error:
+            continue
+        if len(out) > limit or decoder.unconsumed_tail:
+            return None
+        if decoder.eof:
+            return out
+    return None
 
 
 def is_event_stream(content_type: str | None) -> bool:

@@ -11,6 +11,7 @@ request to the target and the answer back, and record both. The pure rules
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -25,6 +26,7 @@ from yarl import URL
 from gatewayd.crypto import hash_secret
 from gatewayd.dialer import DialError
 from gatewayd.guardrails import AUDIT_INPUT_CHARS
+from gatewayd.masking import LineHold
 from gatewayd.models import parse_time
 from gatewayd.pipeline import BLOCKED_EXIT_CODE, AccessDenied, GatewayClosing, ProxyContext, SessionRun
 from proxies.http.front import Front, FrontRequest, FrontStream
@@ -35,6 +37,7 @@ from proxies.http.messages import (
     app_origin,
     body_note,
     credential_cookie,
+    decoded_body,
     downstream_response_headers,
     extract_credential,
     from_another_app,
@@ -42,6 +45,7 @@ from proxies.http.messages import (
     has_dot_segments,
     head_bytes,
     is_event_stream,
+    is_json,
     is_text,
     is_websocket_upgrade,
     refusal_page,
@@ -55,6 +59,7 @@ from proxies.http.upstream import ConnectFailed, DialerConnector, UpstreamError,
 if TYPE_CHECKING:
     from gatewayd.access import AccessGrant
     from gatewayd.guardrails import GuardVerdict
+    from gatewayd.masking import Masker
     from gatewayd.policy import SessionPolicy
 
 log = logging.getLogger("gatewayd.http")
@@ -387,6 +392,9 @@ class HttpListener:
         version = request.version
         first_line = f"{method} {raw_path} HTTP/{version.major}.{version.minor}"
         up_headers = upstream_request_headers(headers.items(), source, client_ip, "http", request.host)
+        if policy.masker is not None:  # a body to mask is read as text: asked for without a content coding
+            up_headers = [(k, v) for k, v in up_headers if k.lower() != "accept-encoding"]
+            up_headers.append(("Accept-Encoding", "identity"))
         if policy.checks_input:
             verdict = policy.check_input(guard_text(first_line, up_headers))
             if verdict is not None:
@@ -463,8 +471,13 @@ class HttpListener:
         length_header = up_headers.get("Content-Length")
         length = int(length_header) if length_header is not None and length_header.isdigit() else None
         no_body = request.method == "HEAD" or status in (204, 304)
+        masked = policy.masker is not None and is_text(content_type)
+        if masked and no_body:  # a HEAD's length is the unmasked body's: not told
+            length, masked = None, False
 
         try:
+            if masked and not sse:
+                return await self._masked(request, state, policy, upstream, out_list, head)
             if no_body or (length is not None and length <= SMALL_BODY and not sse):
                 content = upstream.content
                 body = b"" if no_body else content.read_nowait() if content.is_eof() else await content.read()
@@ -493,14 +506,61 @@ class HttpListener:
             return self._unreachable(state, policy, f"it broke off the response ({type(exc).__name__})",
                                            "answered badly")
 
+        hold = None
+        if masked:  # an event stream under a mask rule: masked line by line as it streams
+            encoding = up_headers.get("Content-Encoding", "identity").strip().lower()
+            if encoding != "identity":
+                return self._withheld(policy, f"an event stream in Content-Encoding {encoding!r} cannot be masked")
+            hold = LineHold()
+            length = None  # masking changes the length: chunked
         with _in_flight(state):
             return await self._stream(request, policy, upstream, CIMultiDict(out_list), head, length, prefix, eof,
-                                      sse and text)
+                                      sse and text, hold)
+
+    async def _masked(self, request: web.BaseRequest | FrontRequest, state: CredentialState, policy: SessionPolicy,
+                      upstream: UpstreamResponse, out_list: list[tuple[str, str]],
+                      head: bytes) -> web.StreamResponse | bytes:
+        """A text body under a mask rule: read whole (up to ``http.guard_body_bytes``), decoded, masked, sent
+        with its new ``Content-Length`` and no content coding; one it cannot mask is withheld (502)."""
+        message = upstream.message
+        up_headers = message.headers
+        body, complete = await _read_prefix(upstream.content, self.guard_cap + 1)
+        if not complete or len(body) > self.guard_cap:
+            return self._withheld(policy, f"a text body over http.guard_body_bytes ({self.guard_cap} bytes) "
+                                          f"cannot be masked")
+        encoding = up_headers.get("Content-Encoding", "")
+        if encoding:
+            decoded = decoded_body(body, encoding, self.guard_cap)
+            if decoded is None:
+                return self._withheld(policy, f"a body in Content-Encoding {encoding.strip()[:40]!r} that the gateway "
+                                              f"cannot decode within http.guard_body_bytes cannot be masked")
+            body = decoded
+            out_list = [(k, v) for k, v in out_list if k.lower() != "content-encoding"]
+        if policy.checks_output:  # the blocking rules read the target's clear text
+            verdict = policy.check_output(body.decode("utf-8", "replace"))
+            if verdict is not None:
+                return await self._blocked(policy, verdict)
+        body = _mask_body(policy, body, is_json(up_headers.get("Content-Type")))
+        recorded = body[:self.record_cap]
+        policy.record_output(head + recorded + body_note(len(recorded), len(body), True).encode())
+        if isinstance(request, FrontRequest):
+            return request.answer(message.code, message.reason, out_list, body, None)
+        return web.Response(status=message.code, reason=message.reason, headers=CIMultiDict(out_list),
+                            body=body or None)
+
+    def _withheld(self, policy: SessionPolicy, why: str) -> web.Response:
+        """A response a mask rule applies to but that cannot be masked: 502 and an ``e`` event, never sent unmasked."""
+        message = f"response withheld: {why}"
+        policy.error(message)
+        return json_error(502, message, **{"X-Gateway-Guardrails": "withheld"})
 
     async def _stream(self, request: web.BaseRequest | FrontRequest, policy: SessionPolicy, upstream: UpstreamResponse,
                       out_headers: CIMultiDict[str], head: bytes, length: int | None, prefix: bytes, eof: bool,
-                      check_chunks: bool) -> web.StreamResponse | FrontStream | bytes:
-        """Send a body as it arrives (a kill of the session cuts it); recorded in one piece when it ends."""
+                      check_chunks: bool, hold: LineHold | None = None) -> web.StreamResponse | FrontStream | bytes:
+        """Send a body as it arrives (a kill of the session cuts it); recorded in one piece when it ends.
+
+        ``hold``: under a mask rule (an event stream), the body is held to its line ends and masked line by line.
+        """
         message = upstream.message
         response: web.StreamResponse | FrontStream
         if isinstance(request, FrontRequest):
@@ -529,11 +589,20 @@ class HttpListener:
                             await policy.blocked(verdict)
                             error = "output blocked mid-stream: the connection was cut"
                             break
+                    if hold is not None:
+                        chunk = _mask_bytes(policy, hold.feed(chunk))
+                        if not chunk:
+                            continue
                     await response.write(chunk)
                     sent += len(chunk)
                     if len(kept) < self.record_cap:
                         kept += chunk[:self.record_cap - len(kept)]
             if error is None:
+                if hold is not None and (rest := _mask_bytes(policy, hold.flush())):
+                    await response.write(rest)
+                    sent += len(rest)
+                    if len(kept) < self.record_cap:
+                        kept += rest[:self.record_cap - len(kept)]
                 await response.write_eof()
         except _DISCONNECTED:
             error = "the client went away mid-response"
@@ -591,13 +660,19 @@ class HttpListener:
                            sink: web.WebSocketResponse | aiohttp.ClientWebSocketResponse, inbound: bool) -> None:
                 report = policy.input if inbound else policy.output  # a blocked input message is on the record
                 record = policy.record_input if inbound else policy.record_output
+                masking = not inbound and policy.masker is not None
                 async for message in source_ws:
                     if message.type == WSMsgType.TEXT:
-                        if verdict := report(message.data):
+                        data = message.data
+                        if masking:  # the target's message, masked and recorded as masked
+                            verdict, data = policy.output_masked(data)
+                        else:
+                            verdict = report(data)
+                        if verdict:
                             await policy.blocked(verdict)
                             closing["blocked"] = (1008, verdict.message[:120])
                             return
-                        await sink.send_str(message.data)
+                        await sink.send_str(data)
                     elif message.type == WSMsgType.BINARY:
                         record(message.data)
                         await sink.send_bytes(message.data)
@@ -649,6 +724,37 @@ class _in_flight:
 
     def __exit__(self, *exc: object) -> None:
         self.state.in_flight.discard(self.task)  # type: ignore[arg-type]
+
+
+def _mask_bytes(policy: SessionPolicy, data: bytes) -> bytes:
+    """Text bytes with what the mask rules find masked (any ASCII-compatible charset: other bytes kept as they are)."""
+    if not data:
+        return data
+    return policy.mask_output(data.decode("utf-8", "surrogateescape")).encode("utf-8", "surrogateescape")
+
+
+def _mask_body(policy: SessionPolicy, body: bytes, as_json: bool) -> bytes:
+    """A whole text body masked: a JSON document value by value (keys named in ``columns`` at any depth),
+    then as text for what no value holds (an object key); anything else, or JSON that does not parse, as text."""
+    masker: Masker | None = policy.masker
+    if masker is None or not body:
+        return body
+    if as_json:
+        try:
+            document = json.loads(body)
+        except ValueError:
+            return _mask_bytes(policy, body)
+        document, count = masker.mask_json(document)
+        out = json.dumps(document, ensure_ascii=False, separators=(",", ":")).encode() if count else body
+        again = masker.mask(out)
+        if again is not None:
+            out, more = again
+            count += more
+        if count:
+            policy.count_masked(count)
+            policy.record_clear(body)
+        return out
+    return _mask_bytes(policy, body)
 
 
 async def _read_prefix(content: aiohttp.StreamReader, limit: int) -> tuple[bytes, bool]:
