@@ -149,7 +149,7 @@ def make_app() -> web.Application:
         return web.json_response({"released": True})
 
     async def pii(request: web.Request) -> web.StreamResponse:
-        """Personal data: JSON, text, chunked text split inside a card number, gzip JSON, an event stream, a websocket."""
+        """Personal data: JSON, text, chunked text split inside a card number, gzip JSON, an event stream, a ws."""
         kind = request.match_info["kind"]
         if kind == "json":
             return web.json_response(PII_JSON)

@@ -142,6 +142,16 @@ async def test_ssh_interactive_pty_shell_is_masked(gateway, ssh_api):
     assert_clear_nowhere(gateway, out, await recorded(ssh_api, session_id))
 
 
+async def test_ssh_a_one_time_script_answer_is_masked(gateway, ssh_api):
+    role = await ssh_api.role()
+    await ssh_api.guardrail(role, output_rules=[DETECTORS])
+    status, body = await ssh_api("POST", "/sessions", {"connection": role["name"], "script": (
+        "c=4111; printf 'card %s %s\\n' \"$c 1111\" '1111 1111'; echo jane.doe@exa\"\"mple.com >&2")})
+    assert status in (200, 201), body
+    assert body["output"] == "card ****\n****\n", body
+    assert_clear_nowhere(gateway, body["output"], await recorded(ssh_api, body["session_id"]))
+
+
 async def test_ssh_without_a_mask_rule_passes_output_as_it_is(gateway, ssh_api):
     role = await ssh_api.role()
     secret, session_id = await ssh_api.credential(role)

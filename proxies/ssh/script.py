@@ -57,6 +57,10 @@ async def run(run: SessionRun[asyncssh.SSHClientConnection], script: str) -> Scr
     if verdict is not None:
         await policy.blocked(verdict)
         return ScriptResult(verdict.message, BLOCKED_EXIT_CODE)
+    if policy.masker is not None:  # a mask rule: the answer and its recording are masked
+        stdout, stderr = (policy.mask_output(data.decode("utf-8", "surrogateescape")).encode("utf-8", "surrogateescape")
+                          for data in (stdout, stderr))
+        output = (stdout + stderr).decode("utf-8", "replace")
     if stdout:
         policy.record_output(stdout)
     if stderr:
