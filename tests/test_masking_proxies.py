@@ -152,6 +152,17 @@ async def test_ssh_a_one_time_script_answer_is_masked(gateway, ssh_api):
     assert_clear_nowhere(gateway, body["output"], await recorded(ssh_api, body["session_id"]))
 
 
+async def test_ssh_a_legacy_scp_download_is_refused_not_leaked(gateway, ssh_api, ssh_target, tmp_path):
+    secret, session_id = await masked_ssh(ssh_api, DETECTORS)
+    name = f"/tmp/masked-{session_id[:8]}.txt"
+    ssh_target.ssh(f"c=4111; printf 'card %s 1111 1111\\n' \"$c 1111\" > {name}")
+    done = subprocess.run(["scp", "-O", *CLIENT_OPTIONS, "-P", str(gateway.ssh_port), f"{secret}@127.0.0.1:{name}",
+                           str(tmp_path / "got")], capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert done.returncode != 0 and b"scp download cannot be masked" in done.stderr, done
+    got = (tmp_path / "got").read_text() if (tmp_path / "got").exists() else ""
+    assert_clear_nowhere(gateway, got, await recorded(ssh_api, session_id))
+
+
 async def test_ssh_without_a_mask_rule_passes_output_as_it_is(gateway, ssh_api):
     role = await ssh_api.role()
     secret, session_id = await ssh_api.credential(role)
@@ -251,3 +262,4 @@ async def test_http_without_a_mask_rule_passes_bodies_as_they_are(gateway, http_
     secret, _ = await http_api.credential(role)
     _, body = fetch(gateway, secret, "/pii/text")
     assert body.decode() == f"paid with {PII_CARD} by {PII_EMAIL}\n"
+

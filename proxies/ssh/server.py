@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import re
 from typing import TYPE_CHECKING, Any
 
 import asyncssh
@@ -63,6 +64,9 @@ LOGIN_TIMEOUT = 60.0
 CLOSE_GRACE = 5.0  # after a kill, how long channels may take to flush the message before the disconnect
 HOLD_IDLE = 1.0  # under a mask rule, an unfinished output line waits this long for more (exec: a prompt)
 HOLD_IDLE_PTY = 0.1  # the same with a pty: echoed keystrokes and prompts must show at once
+
+
+_SCP_DOWNLOAD = re.compile(r"^\s*(?:\S*/)?scp\s+(?:-\S+\s+)*-[A-Za-z]*f\b")  # the target's end of ``scp -O`` get
 
 
 def allows_port_forwarding(settings: dict[str, Any]) -> bool:
@@ -571,6 +575,12 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         chan = self.chan
         if command is not None and (verdict := self.policy.input(command)):  # recorded, then checked
             await self._refuse(verdict)
+            return
+        if command is not None and self.held is not None and _SCP_DOWNLOAD.match(command):
+            # the file goes out as one sized block: masking it would break the transfer, passing it would leak
+            message = "an scp download cannot be masked: refused under this connection's mask rules"
+            self.policy.error(message)
+            self.end(message)
             return
         options: dict[str, Any] = {"command": command, "subsystem": subsystem, "env": chan.get_environment(),
                                    "encoding": None, "window": WINDOW, "max_pktsize": MAX_PACKET}
