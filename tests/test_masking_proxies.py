@@ -158,9 +158,26 @@ async def test_ssh_a_legacy_scp_download_is_refused_not_leaked(gateway, ssh_api,
     ssh_target.ssh(f"c=4111; printf 'card %s 1111 1111\\n' \"$c 1111\" > {name}")
     done = subprocess.run(["scp", "-O", *CLIENT_OPTIONS, "-P", str(gateway.ssh_port), f"{secret}@127.0.0.1:{name}",
                            str(tmp_path / "got")], capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
-    assert done.returncode != 0 and b"scp download cannot be masked" in done.stderr, done
+    assert done.returncode != 0 and b"file download cannot be masked" in done.stderr, done
     got = (tmp_path / "got").read_text() if (tmp_path / "got").exists() else ""
     assert_clear_nowhere(gateway, got, await recorded(ssh_api, session_id))
+
+
+async def test_ssh_an_sftp_download_is_refused_an_upload_and_listing_pass(gateway, ssh_api, ssh_target, tmp_path):
+    secret, session_id = await masked_ssh(ssh_api, DETECTORS)
+    directory = f"/tmp/masked-sftp-{session_id[:8]}"
+    ssh_target.ssh(f"mkdir {directory} && c=4111; printf 'card %s 1111 1111\\n' \"$c 1111\" > {directory}/card.txt")
+    (tmp_path / "up.txt").write_text("uploaded\n")
+    batch = tmp_path / "batch"
+    batch.write_text(f"-get {directory}/card.txt {tmp_path}/card.txt\nput {tmp_path}/up.txt {directory}/up.txt\n"
+                     f"ls {directory}\n")
+    done = subprocess.run(["sftp", *CLIENT_OPTIONS, "-P", str(gateway.ssh_port), "-b", str(batch),
+                           f"{secret}@127.0.0.1"], capture_output=True, stdin=subprocess.DEVNULL, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert b"Permission denied" in done.stderr and b"file download cannot be masked" in done.stderr
+    assert not (tmp_path / "card.txt").exists() and b"up.txt" in done.stdout
+    assert ssh_target.ssh(f"cat {directory}/up.txt && rm -r {directory}").stdout == b"uploaded\n"
+    assert_clear_nowhere(gateway, done.stdout.decode(), await recorded(ssh_api, session_id))
 
 
 async def test_ssh_without_a_mask_rule_passes_output_as_it_is(gateway, ssh_api):

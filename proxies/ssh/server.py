@@ -66,6 +66,7 @@ HOLD_IDLE = 1.0  # under a mask rule, an unfinished output line waits this long 
 HOLD_IDLE_PTY = 0.1  # the same with a pty: echoed keystrokes and prompts must show at once
 
 
+UNMASKABLE_DOWNLOAD = "a file download cannot be masked: refused under this connection's mask rules"
 _SCP_DOWNLOAD = re.compile(r"^\s*(?:\S*/)?scp\s+(?:-\S+\s+)*-[A-Za-z]*f\b")  # the target's end of ``scp -O`` get
 
 
@@ -578,7 +579,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             return
         if command is not None and self.held is not None and _SCP_DOWNLOAD.match(command):
             # the file goes out as one sized block: masking it would break the transfer, passing it would leak
-            message = "an scp download cannot be masked: refused under this connection's mask rules"
+            message = UNMASKABLE_DOWNLOAD
             self.policy.error(message)
             self.end(message)
             return
@@ -646,7 +647,10 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
                 self._record(*piece)
             elif piece.deferred:  # recorded later, with what the target answers (put and get sizes)
                 verdict = policy.check_input(piece.line)
-                if verdict is None:
+                if verdict is None and self.held is not None and piece.line.startswith("get "):
+                    policy.record_input(piece.line)
+                    self._refuse_unmaskable(sftp, piece.request_id)
+                elif verdict is None:
                     upchan.write(piece.raw)
                 else:
                     policy.record_input(piece.line)
@@ -662,6 +666,14 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         self._to_client_at_boundary(status_packet(request_id, verdict.message))
         self._tell(verdict.message)  # sftp clients show a status code only: the reason goes to stderr
         self.tasks.spawn(self.policy.blocked(verdict))
+
+    def _refuse_unmaskable(self, sftp: SftpObserver, request_id: int) -> None:
+        """Under a mask rule a file download is refused: its bytes cannot be masked without changing the file."""
+        message = UNMASKABLE_DOWNLOAD
+        sftp.refused(request_id)
+        self._to_client_at_boundary(status_packet(request_id, message))
+        self._tell(message)
+        self.policy.error(message)
 
     def _record(self, kind: str, line: str) -> None:
         """One of the SFTP observer's records (``i`` an operation, ``o`` an answer, ``e`` a failure)."""
