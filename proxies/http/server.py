@@ -4,8 +4,10 @@ Per request: find the credential (header, cookie or first path segment), map
 it to its live session (``CredentialState``, cached per secret hash: the
 pipeline's ``resume``, one session per credential), take the session's policy
 chain under the rules of the moment, check the input guard rails, stream the
-request to the target and the answer back, and record both. The pure rules
-(headers, cookies, redirects, recording text) live in ``messages.py``.
+request to the target and the answer back, and record both. Under a mask
+rule a text answer is read whole (bounded), masked and sent with its new
+length (``_masked``). The pure rules (headers, cookies, redirects, recording
+text, content codings) live in ``messages.py``.
 """
 
 from __future__ import annotations

@@ -12,11 +12,12 @@ One ``GatewayConnection`` per client SSH connection:
 3. channels -- each ``session`` channel (exec, shell with or without pty,
    the ``sftp`` subsystem) is mirrored by a channel to the target
    (``SessionRelay``), what passes reported to the session's policy chain
-   (guard rails, recording, audit of blocks); ``direct-tcpip`` (``ssh -L``)
-   is relayed when the connection's ``settings.ssh.allow_port_forwarding`` is
-   true and refused otherwise (``ForwardRelay``); agent and X11 forwarding are
-   refused, and so is remote forwarding (``ssh -R``), with an ``e`` event and
-   an audit entry;
+   (guard rails, recording, audit of blocks; under a mask rule, stdout and
+   stderr held to their line ends and masked, file downloads refused);
+   ``direct-tcpip`` (``ssh -L``) is relayed when the connection's
+   ``settings.ssh.allow_port_forwarding`` is true and refused otherwise
+   (``ForwardRelay``); agent and X11 forwarding are refused, and so is remote
+   forwarding (``ssh -R``), with an ``e`` event and an audit entry;
 4. the end -- the session is closed when the client goes away (even while
    the target login is still running), with the last exit status; once a
    connection carries more than one session channel (OpenSSH multiplexing),
