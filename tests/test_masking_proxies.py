@@ -10,6 +10,7 @@ daemon's log.
 from __future__ import annotations
 
 import asyncio
+import base64
 import gzip
 import json
 import subprocess
@@ -280,3 +281,28 @@ async def test_http_without_a_mask_rule_passes_bodies_as_they_are(gateway, http_
     _, body = fetch(gateway, secret, "/pii/text")
     assert body.decode() == f"paid with {PII_CARD} by {PII_EMAIL}\n"
 
+
+
+async def test_record_clear_keeps_the_clear_text_sealed_for_admins(gateway, ssh_api, http_api):
+    rule = {**DETECTORS, "record_clear": True}
+    secret, session_id = await masked_ssh(ssh_api, rule)
+    done = ssh(gateway, secret, "c=4111; printf 'card %s %s\\n' \"$c 1111\" '1111 1111'")
+    assert done.stdout == b"card ****\n", done.stderr
+    assert_clear_nowhere(gateway, done.stdout.decode(), await recorded(ssh_api, session_id))
+    status, unmasked = await ssh_api("POST", f"/sessions/{session_id}/unmasked")
+    assert status == 200, unmasked
+    assert [base64.b64decode(data).decode() for _, _, data in unmasked["event_stream"]] == [f"card {PII_CARD}\n"]
+
+    secret, session_id = await masked_http(http_api, rule, BY_KEY)
+    _, body = fetch(gateway, secret, "/pii/json")
+    assert json.loads(body)["customer"]["contact"]["email"] == "****"
+    assert_clear_nowhere(gateway, body.decode(), await recorded(http_api, session_id, has_output("****")))
+    for _ in range(200):  # the side stream is flushed with the recording (every 100 ms)
+        status, unmasked = await http_api("POST", f"/sessions/{session_id}/unmasked")
+        if unmasked["event_stream"]:
+            break
+        await asyncio.sleep(0.05)
+    assert status == 200 and PII_EMAIL in base64.b64decode(unmasked["event_stream"][0][2]).decode(), unmasked
+    for path in gateway.data_dir.rglob("*"):  # in the store, only sealed
+        if path.is_file():
+            assert PII_EMAIL.encode() not in path.read_bytes(), path
