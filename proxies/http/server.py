@@ -71,6 +71,8 @@ SMALL_BODY = 64 * 1024  # a response this small (with a Content-Length) is read 
 STREAM_OVERLAP = 4096  # characters of an event stream's previous piece checked again with the next
 _WS_HEADERS = frozenset({"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
                          "sec-websocket-protocol", "sec-websocket-accept"})
+# under a mask rule: a coding the gateway may not decode, and ranges (a value fetched in pieces is never found)
+_MASKED_REQUEST_DROP = frozenset({"accept-encoding", "range", "if-range"})
 _CLIENT_ERRORS = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
 _DISCONNECTED = (ConnectionError, aiohttp.ClientConnectionResetError)
 
@@ -394,8 +396,8 @@ class HttpListener:
         version = request.version
         first_line = f"{method} {raw_path} HTTP/{version.major}.{version.minor}"
         up_headers = upstream_request_headers(headers.items(), source, client_ip, "http", request.host)
-        if policy.masker is not None:  # a body to mask is read as text: asked for without a content coding
-            up_headers = [(k, v) for k, v in up_headers if k.lower() != "accept-encoding"]
+        if policy.masker is not None:  # a body to mask is read as text, whole: no content coding, no ranges
+            up_headers = [(k, v) for k, v in up_headers if k.lower() not in _MASKED_REQUEST_DROP]
             up_headers.append(("Accept-Encoding", "identity"))
         if policy.checks_input:
             verdict = policy.check_input(guard_text(first_line, up_headers))
