@@ -63,7 +63,7 @@ log = logging.getLogger("gatewayd.ssh")
 STDERR = asyncssh.EXTENDED_DATA_STDERR
 LOGIN_TIMEOUT = 60.0
 CLOSE_GRACE = 5.0  # after a kill, how long channels may take to flush the message before the disconnect
-HOLD_IDLE = 1.0  # under a mask rule, an unfinished output line waits this long for more (exec: a prompt)
+HOLD_IDLE = 5.0  # under a mask rule, an unfinished output line waits this long for more (exec, no pty)
 HOLD_IDLE_PTY = 0.1  # the same with a pty: echoed keystrokes and prompts must show at once
 
 
