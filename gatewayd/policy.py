@@ -23,8 +23,9 @@ proxy learns about them.
 
 4. **masking** (``mask`` output rules, gatewayd.masking): output that the
    blocking rules let through is masked before it is recorded and sent; the
-   proxy sends what ``output_masked`` / ``mask_output`` return, and the number
-   of masked values is counted in the session's metrics (``masked``).  The
+   proxy sends what ``output_masked`` / ``mask_output`` / ``mask_bytes``
+   return, and the number of masked values is counted in the session's
+   metrics (``masked``).  The
    PostgreSQL relay masks per cell with ``masker`` itself (column names and
    types are its protocol's) and reports the count with ``count_masked``.
 
@@ -163,6 +164,13 @@ class SessionPolicy:
             if self._clear is not None:
                 self.record_clear(text)
         return masked
+
+    def mask_bytes(self, data: bytes) -> bytes:
+        """``mask_output`` for raw output (a terminal's bytes, a body in any ASCII-compatible charset):
+        bytes that are not UTF-8 pass unchanged, masked values become the style's ASCII."""
+        if self.masker is None or not data:
+            return data
+        return self.mask_output(data.decode("utf-8", "surrogateescape")).encode("utf-8", "surrogateescape")
 
     async def open_clear_recording(self) -> None:
         """When a mask rule says ``record_clear``: open the session's sealed side stream (once per session).

@@ -594,7 +594,7 @@ class HttpListener:
                             error = "output blocked mid-stream: the connection was cut"
                             break
                     if hold is not None:
-                        chunk = _mask_bytes(policy, hold.feed(chunk))
+                        chunk = policy.mask_bytes(hold.feed(chunk))
                         if not chunk:
                             continue
                     await response.write(chunk)
@@ -602,7 +602,7 @@ class HttpListener:
                     if len(kept) < self.record_cap:
                         kept += chunk[:self.record_cap - len(kept)]
             if error is None:
-                if hold is not None and (rest := _mask_bytes(policy, hold.flush())):
+                if hold is not None and (rest := policy.mask_bytes(hold.flush())):
                     await response.write(rest)
                     sent += len(rest)
                     if len(kept) < self.record_cap:
@@ -730,13 +730,6 @@ class _in_flight:
         self.state.in_flight.discard(self.task)  # type: ignore[arg-type]
 
 
-def _mask_bytes(policy: SessionPolicy, data: bytes) -> bytes:
-    """Text bytes with what the mask rules find masked (any ASCII-compatible charset: other bytes kept as they are)."""
-    if not data:
-        return data
-    return policy.mask_output(data.decode("utf-8", "surrogateescape")).encode("utf-8", "surrogateescape")
-
-
 def _mask_body(policy: SessionPolicy, body: bytes, as_json: bool) -> bytes:
     """A whole text body masked: a JSON document value by value (keys named in ``columns`` at any depth),
     then as text for what no value holds (an object key); anything else, or JSON that does not parse, as text."""
@@ -747,7 +740,7 @@ def _mask_body(policy: SessionPolicy, body: bytes, as_json: bool) -> bytes:
         try:
             document = json.loads(body)
         except ValueError:
-            return _mask_bytes(policy, body)
+            return policy.mask_bytes(body)
         document, count = masker.mask_json(document)
         out = json.dumps(document, ensure_ascii=False, separators=(",", ":")).encode() if count else body
         again = masker.mask(out)
@@ -758,7 +751,7 @@ def _mask_body(policy: SessionPolicy, body: bytes, as_json: bool) -> bytes:
             policy.count_masked(count)
             policy.record_clear(body)
         return out
-    return _mask_bytes(policy, body)
+    return policy.mask_bytes(body)
 
 
 async def _read_prefix(content: aiohttp.StreamReader, limit: int) -> tuple[bytes, bool]:

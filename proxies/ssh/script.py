@@ -58,8 +58,7 @@ async def run(run: SessionRun[asyncssh.SSHClientConnection], script: str) -> Scr
         await policy.blocked(verdict)
         return ScriptResult(verdict.message, BLOCKED_EXIT_CODE)
     if policy.masker is not None:  # a mask rule: the answer and its recording are masked
-        stdout, stderr = (policy.mask_output(data.decode("utf-8", "surrogateescape")).encode("utf-8", "surrogateescape")
-                          for data in (stdout, stderr))
+        stdout, stderr = policy.mask_bytes(stdout), policy.mask_bytes(stderr)
         output = (stdout + stderr).decode("utf-8", "replace")
     if stdout:
         policy.record_output(stdout)

@@ -769,7 +769,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
     def _send_masked(self, data: bytes, stream: int) -> None:
         """Output masked, then recorded (stdout ``o``, stderr ``e``) and sent as masked."""
         policy = self.policy
-        masked = policy.mask_output(data.decode("utf-8", "surrogateescape")).encode("utf-8", "surrogateescape")
+        masked = policy.mask_bytes(data)
         if stream:
             policy.error(masked)
             self.chan.write_stderr(masked)
