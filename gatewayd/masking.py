@@ -291,10 +291,13 @@ class Masker:
                 i += 1
         return found
 
-    def mask(self, data: bytes, searched: bool = False) -> tuple[bytes, int] | None:
+    def mask(self, data: bytes, searched: bool = False, after: int = 0) -> tuple[bytes, int] | None:
         """``data`` with every match masked and how many; None when nothing matched (or passed its check).
 
         ``searched``: the fast path said yes already (``candidate_cells``): go straight to the finders.
+        ``after``: the first ``after`` bytes were sent already (the start of a line a stream gave up):
+        they are searched, not returned; ``data[after:]`` comes back masked, a match that began in
+        them masked from ``after`` on.
         """
         if not searched and (self._prefilter is None or self._prefilter.search(data) is None):
             return None
@@ -315,8 +318,12 @@ class Masker:
                     merged[-1][1] = end
                 continue
             merged.append([start, end, style])
+        if after:
+            merged = [[max(start, after), end, style] for start, end, style in merged if end > after]
+            if not merged:
+                return None
         out: list[bytes] = []
-        pos = 0
+        pos = after
         for start, end, style in merged:
             out.append(data[pos:start])
             out.append(self._masked(data[start:end], style))
@@ -393,43 +400,58 @@ class Masker:
 # --------------------------------------------------------------------------- streams
 
 MAX_HELD_LINE = 64 * 1024  # an unfinished line longer than this is masked and passed on as it is
+SHOWN_CONTEXT = 1024  # bytes of a line given up unfinished that are searched again with its rest
 
 
 class LineHold:
     """A byte stream held back to its line ends, so that a match is never split between two pieces.
 
-    ``feed`` returns the complete lines received so far (up to the last ``\\n`` or ``\\r``) and keeps
-    the unfinished last line; ``flush`` gives that line up (the stream's end, an idle prompt).  An
-    unfinished line that reaches ``MAX_HELD_LINE`` bytes is given up as it is (bounded memory): a
-    match straddling that cut is not found.  Bytes only: a UTF-8 character is never split at a line end.
+    ``take`` returns the complete lines received so far (up to the last ``\\n`` or ``\\r``) and keeps
+    the unfinished last line; ``give_up`` gives that line up (the stream's end, an idle prompt), as
+    ``take`` does once the line reaches ``MAX_HELD_LINE`` bytes (bounded memory).  Both return the
+    bytes and their context: the last bytes of their line given up before (``shown``), to be searched
+    with them (``SessionPolicy.mask_bytes``), so the rest of a value cut there is still masked.
+    Bytes only: a UTF-8 character is never split at a line end.
     """
 
-    __slots__ = ("_held", "limit")
+    __slots__ = ("_held", "limit", "shown")
 
     def __init__(self, limit: int = MAX_HELD_LINE) -> None:
         self._held = bytearray()
         self.limit = limit
+        self.shown = b""  # what was given up of the unfinished line: the context of its rest
 
     @property
     def pending(self) -> bool:
         """Whether an unfinished line is held."""
         return bool(self._held)
 
-    def feed(self, data: bytes) -> bytes:
-        """The complete lines now ready to be masked and sent (``b""``: none yet)."""
+    def take(self, data: bytes) -> tuple[bytes, bytes]:
+        """The complete lines now ready to be masked and sent (``b""``: none yet), and their context."""
+        context = self.shown
+        return self._feed(data), context
+
+    def give_up(self) -> tuple[bytes, bytes]:
+        """The unfinished line (``b""`` when none is held) and its context."""
+        context = self.shown
+        return self._flush(), context
+
+    def _feed(self, data: bytes) -> bytes:
         held = self._held
         cut = max(data.rfind(b"\n"), data.rfind(b"\r"))
         if cut < 0:
             held += data
-            return self.flush() if len(held) >= self.limit else b""
+            return self._flush() if len(held) >= self.limit else b""
         ready = bytes(held) + data[:cut + 1] if held else data[:cut + 1]
         held[:] = data[cut + 1:]
+        self.shown = b""
         if len(held) >= self.limit:
-            return ready + self.flush()
+            return ready + self._flush()
         return ready
 
-    def flush(self) -> bytes:
-        """The unfinished line, given up (``b""`` when none is held)."""
+    def _flush(self) -> bytes:
         data = bytes(self._held)
         self._held.clear()
+        if data:
+            self.shown = (self.shown + data)[-SHOWN_CONTEXT:]
         return data

@@ -165,12 +165,20 @@ class SessionPolicy:
                 self.record_clear(text)
         return masked
 
-    def mask_bytes(self, data: bytes) -> bytes:
+    def mask_bytes(self, data: bytes, context: bytes = b"") -> bytes:
         """``mask_output`` for raw output (a terminal's bytes, a body in any ASCII-compatible charset):
-        bytes that are not UTF-8 pass unchanged, masked values become the style's ASCII."""
-        if self.masker is None or not data:
+        other bytes pass unchanged.  ``context``: what was sent just before, unfinished (``LineHold.shown``):
+        searched with ``data`` so that the rest of a value it began is masked too."""
+        masker = self.masker
+        if masker is None or not data:
             return data
-        return self.mask_output(data.decode("utf-8", "surrogateescape")).encode("utf-8", "surrogateescape")
+        masked = masker.mask(context + data, after=len(context)) if context else masker.mask(data)
+        if masked is None:
+            return data
+        self.count_masked(masked[1])
+        if self._clear is not None:
+            self.record_clear(data)
+        return masked[0]
 
     async def open_clear_recording(self) -> None:
         """When a mask rule says ``record_clear``: open the session's sealed side stream (once per session).

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from gatewayd.guardrails import RuleError, RuleSet, validate_guardrail
-from gatewayd.masking import Masker, iban_valid, luhn_valid
+from gatewayd.masking import MAX_HELD_LINE, LineHold, Masker, iban_valid, luhn_valid
 from gatewayd.models import GuardRail
 from gatewayd.policy import SessionPolicy
 from proxies.postgres import codec as pg
@@ -144,6 +144,24 @@ def test_output_masked_records_and_counts_the_masked_text() -> None:
     verdict, text = policy.output_masked("mail a@b.io and c@d.io")
     assert verdict is None and text == "mail **** and ****"
     assert recorder.events == [("o", "mail **** and ****")] and recorder.metrics["masked"] == 2
+
+
+def test_streams_are_held_to_line_ends_and_masked_after_what_was_shown() -> None:
+    """SSH output and event streams: a value cut between two pieces is found whole; once a pause gave up
+    an unfinished line, the rest of a value it began is still masked."""
+    policy, _ = policy_for({"type": "mask", "patterns": ["card_number"]})
+    hold = LineHold()
+    assert hold.take(b"paid 4111 1111") == (b"", b"") and hold.pending
+    ready, context = hold.take(b" 1111 1111 ok\r\nnext ")
+    assert policy.mask_bytes(ready, context) == b"paid **** ok\r\n" and hold.pending
+    assert hold.give_up() == (b"next ", b"")  # a pause: the unfinished line goes as it is
+    assert hold.take(b"4111 1111") == (b"", b"next ")
+    assert hold.give_up() == (b"4111 1111", b"next ")
+    ready, context = hold.take(b" 1111 1111\n")
+    assert context == b"next 4111 1111" and policy.mask_bytes(ready, context) == b"****\n"
+    assert policy.live.recorder.metrics["masked"] == 2
+    assert hold.take(b"x" * (MAX_HELD_LINE + 1))[0] == b"x" * (MAX_HELD_LINE + 1)  # bounded: given up
+    assert policy.mask_bytes(b"\xff card 4111111111111111 \xfe") == b"\xff card **** \xfe"  # not UTF-8: kept
 
 
 def test_a_deny_rule_still_cuts_beside_a_mask_rule() -> None:

@@ -145,6 +145,15 @@ async def test_ssh_interactive_pty_shell_is_masked(gateway, ssh_api):
     assert_clear_nowhere(gateway, out, await recorded(ssh_api, session_id))
 
 
+async def test_ssh_pty_the_rest_of_a_value_after_a_pause_is_masked(gateway, ssh_api):
+    secret, session_id = await masked_ssh(ssh_api, DETECTORS)
+    # the unfinished line "4111 1111" is shown after a pause (a pty echoes at once); the rest is masked after it
+    done = ssh(gateway, secret, tty=True, stdin=b"printf '4111 1111'; sleep 0.5; printf ' 1111 1111\\n'; exit\n")
+    out = done.stdout.decode(errors="replace")
+    assert "****" in out, out
+    assert_clear_nowhere(gateway, out, await recorded(ssh_api, session_id))
+
+
 async def test_ssh_a_one_time_script_answer_is_masked(gateway, ssh_api):
     role = await ssh_api.role()
     await ssh_api.guardrail(role, output_rules=[DETECTORS])

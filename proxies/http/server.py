@@ -594,7 +594,7 @@ class HttpListener:
                             error = "output blocked mid-stream: the connection was cut"
                             break
                     if hold is not None:
-                        chunk = policy.mask_bytes(hold.feed(chunk))
+                        chunk = policy.mask_bytes(*hold.take(chunk))
                         if not chunk:
                             continue
                     await response.write(chunk)
@@ -602,7 +602,7 @@ class HttpListener:
                     if len(kept) < self.record_cap:
                         kept += chunk[:self.record_cap - len(kept)]
             if error is None:
-                if hold is not None and (rest := policy.mask_bytes(hold.flush())):
+                if hold is not None and (rest := policy.mask_bytes(*hold.give_up())):
                     await response.write(rest)
                     sent += len(rest)
                     if len(kept) < self.record_cap:

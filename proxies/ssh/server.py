@@ -756,9 +756,9 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         """Under a mask rule: the complete lines are masked and sent, an unfinished one waits (``HOLD_IDLE``)."""
         held = self.held
         assert held is not None
-        ready = held[stream].feed(data)
+        ready, context = held[stream].take(data)
         if ready:
-            self._send_masked(ready, stream)
+            self._send_masked(ready, stream, context)
         if self.hold_timer is not None:
             self.hold_timer.cancel()
             self.hold_timer = None
@@ -766,10 +766,11 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             self.hold_timer = asyncio.get_running_loop().call_later(HOLD_IDLE_PTY if self.pty else HOLD_IDLE,
                                                                     self._idle_flush)
 
-    def _send_masked(self, data: bytes, stream: int) -> None:
-        """Output masked, then recorded (stdout ``o``, stderr ``e``) and sent as masked."""
+    def _send_masked(self, data: bytes, stream: int, context: bytes) -> None:
+        """Output masked (after ``context``, its line's start already sent), recorded (stdout ``o``, stderr
+        ``e``) and sent as masked."""
         policy = self.policy
-        masked = policy.mask_bytes(data)
+        masked = policy.mask_bytes(data, context)
         if stream:
             policy.error(masked)
             self.chan.write_stderr(masked)
@@ -791,15 +792,15 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             self.hold_timer.cancel()
             self.hold_timer = None
         for stream in (0, 1):
-            data = held[stream].flush()
+            data, context = held[stream].give_up()
             if data and not self.client_closed:
-                self._send_masked(data, stream)
+                self._send_masked(data, stream, context)
 
     def _drop_held(self) -> None:
         """The channel ends from the gateway's side: what is held is not sent."""
         if self.held is not None:
             for hold in self.held:
-                hold.flush()
+                hold.give_up()
             if self.hold_timer is not None:
                 self.hold_timer.cancel()
                 self.hold_timer = None
