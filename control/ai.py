@@ -22,7 +22,7 @@ from control.http import (
     require_admin,
     user_of,
 )
-from gatewayd.analysis import ACTIONS, FAILURE_POLICIES, PROVIDERS, RISK_KEYS, rule_for
+from gatewayd.analysis import ACTIONS, FAILURE_POLICIES, NATIVE_ASYNC, NATIVE_MODES, PROVIDERS, RISK_KEYS, rule_for
 from gatewayd.analysis.providers import required_api_url
 from gatewayd.analysis.verdict import DEFAULT_RISK_EVALUATION
 from gatewayd.models import AIAnalyzerRule, AIProvider, new_id, rfc3339, utcnow
@@ -44,6 +44,9 @@ RULE = Schema("AISessionAnalyzerRule", {
     "on_failure": Field("string", nullable=True, enum=FAILURE_POLICIES,
                         description="when the provider fails: closed blocks, open lets the built-in rules decide"),
     "timeout": Field("number", nullable=True, description="seconds the provider may take"),
+    "native_mode": Field("string", nullable=True, enum=NATIVE_MODES,
+                         description="native sessions' statements and commands: async (default) is analysed in "
+                                     "the background; sync waits for the verdict, at most timeout, then on_failure"),
 })
 MAX_RULE_TIMEOUT = 600
 
@@ -56,7 +59,8 @@ RULE_OUT = Schema("AISessionAnalyzerRuleOut", {
     "id": _TEXT, "name": _TEXT, "description": _TEXT, "connection_names": array_of("string"),
     "risk_evaluation": Field("object", True, schema=RISK_EVALUATION),
     "on_failure": Field("string", True, nullable=True, enum=FAILURE_POLICIES),
-    "timeout": Field("number", True, nullable=True), "created_at": _TEXT, "updated_at": _TEXT})
+    "timeout": Field("number", True, nullable=True), "native_mode": Field("string", True, enum=NATIVE_MODES),
+    "created_at": _TEXT, "updated_at": _TEXT})
 
 
 def masked(key: str) -> str:
@@ -77,7 +81,7 @@ def rule_json(rule: AIAnalyzerRule) -> dict[str, Any]:
             "connection_names": rule.connection_names,
             "risk_evaluation": {key: rule.risk_evaluation.get(key) or DEFAULT_RISK_EVALUATION[key]
                                 for key in RISK_KEYS.values()},
-            "on_failure": rule.on_failure, "timeout": rule.timeout,
+            "on_failure": rule.on_failure, "timeout": rule.timeout, "native_mode": rule.native_mode,
             "created_at": rule.created_at, "updated_at": rule.updated_at}
 
 
@@ -178,7 +182,7 @@ async def _rule_from(request: web.Request, org_id: str, existing: AIAnalyzerRule
         description=body.get("description") or "", connection_names=names,
         risk_evaluation={key: evaluation.get(key) or DEFAULT_RISK_EVALUATION[key] for key in RISK_KEYS.values()},
         on_failure=body.get("on_failure"), timeout=float(timeout) if timeout is not None else None,
-        created_at=existing.created_at if existing else now, updated_at=now)
+        native_mode=body.get("native_mode") or NATIVE_ASYNC, created_at=existing.created_at if existing else now, updated_at=now)
 
 
 async def _find_rule(request: web.Request) -> AIAnalyzerRule:

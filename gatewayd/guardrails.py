@@ -28,7 +28,11 @@ if TYPE_CHECKING:
     from gatewayd.sessions import LiveSession
 
 InputObserver = Callable[[str], None]
-"""Sees each input text (statement, command, shell line) a session's guard rails let through; never awaits."""
+"""Sees each input text (statement, command, shell line) a session's guard rails let through; never awaits.
+
+One whose ``sync`` is true also decides (gatewayd.analysis.SessionAnalysis): ``needs_wait(text)``,
+``await decide(text, ask)``, then ``ruling(text)`` says the verdict without waiting.
+"""
 ObserverFactory = Callable[["LiveSession"], Awaitable[InputObserver | None]]
 
 STATEMENT_RULE_TYPES = ("statement_kinds", "require_where")  # PostgreSQL only, decided on pglast's parse tree
@@ -64,6 +68,7 @@ class GuardVerdict:
     """The outcome of checking one message: allowed, or blocked with the message to show.
 
     ``text``: for an input block, what was blocked (at most AUDIT_INPUT_CHARS), for the audit entry.
+    ``analysis``: for a block by a synchronous AI rule, its verdict (gatewayd.analysis.Verdict).
     """
 
     allowed: bool
@@ -72,6 +77,7 @@ class GuardVerdict:
     rule_type: str = ""
     guardrail: str = ""
     text: str = ""
+    analysis: Any = None
 
 
 ALLOWED = GuardVerdict(True)
@@ -673,13 +679,16 @@ class ObservedRules:
 
     Proxies hold it where they hold a RuleSet; ``input_rules`` is never empty, so
     that every statement, command and shell line reaches ``check_input``.
+    Under an observer that decides (``waits``), what the guard rails let through
+    gets the observer's ruling, once a proxy held it for ``decide``.
     """
 
-    __slots__ = ("rules", "observe")
+    __slots__ = ("rules", "observe", "waits")
 
     def __init__(self, rules: RuleSet, observe: InputObserver) -> None:
         self.rules = rules
         self.observe = observe
+        self.waits: bool = getattr(observe, "sync", False) is True
 
     @property
     def input_rules(self) -> Any:
@@ -704,11 +713,20 @@ class ObservedRules:
     def check_input(self, text: str, sql: bool = False) -> GuardVerdict:
         verdict = self.rules.check_input(text, sql)
         if verdict.allowed:
+            if self.waits:
+                return self.observe.ruling(text)  # type: ignore[attr-defined]
             self.observe(text)
         return verdict
 
     def check_output(self, text: str) -> GuardVerdict:
         return self.rules.check_output(text)
+
+    def needs_wait(self, text: str) -> bool:
+        return self.waits and self.observe.needs_wait(text)  # type: ignore[attr-defined]
+
+    async def decide(self, text: str, sql: bool = False) -> None:
+        """The observer's verdict on ``text``; not asked for what the guard rails refuse anyway."""
+        await self.observe.decide(text, self.rules.check_input(text, sql).allowed)  # type: ignore[attr-defined]
 
 
 class GuardRailService:

@@ -359,3 +359,4 @@ class AIAnalyzerRule:
     timeout: float | None = None  # seconds; None: the configured default
     created_at: str = ""
     updated_at: str = ""
+    native_mode: str = "async"  # native input: async (analysed in the background) | sync (waits for the verdict)

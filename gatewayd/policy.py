@@ -29,6 +29,14 @@ proxy learns about them.
    PostgreSQL relay masks per cell with ``masker`` itself (column names and
    types are its protocol's) and reports the count with ``count_masked``.
 
+5. **a verdict to wait for** (an AI rule in ``sync`` mode, gatewayd.analysis):
+   before reporting a statement or command, the proxy asks ``needs_wait``;
+   when true it holds that input (and what follows it) until ``await
+   decide`` returns, then reports it as usual: ``input`` / ``check_input``
+   say the decided verdict like a guard rail's block, and ``blocked`` audits
+   it as ``ai.block``.  ``waits`` is False for every other rule set, so a
+   proxy can skip the question altogether.
+
 ``input`` and ``output`` never await: they sit on the PostgreSQL hot path.
 """
 
@@ -53,7 +61,7 @@ class SessionPolicy:
     """One session's chain, for the rule set it was built with (HTTP builds one per request: rules can change)."""
 
     __slots__ = ("live", "rules", "recorder", "client_ip", "checks_input", "checks_output", "_sql_verdicts",
-                 "masker", "_clear")
+                 "masker", "_clear", "waits")
 
     def __init__(self, live: LiveSession, rules: RuleSet | ObservedRules, client_ip: str = "",
                  recorder: SessionRecorder | None = None) -> None:
@@ -67,6 +75,7 @@ class SessionPolicy:
         self._sql_verdicts: dict[str, GuardVerdict] = {}
         self.masker: Masker | None = getattr(rules, "masker", None)  # None: no mask rule, nothing to mask
         self._clear: SessionRecorder | None = None  # the sealed clear text's stream (``open_clear_recording``)
+        self.waits: bool = getattr(rules, "waits", False)  # an input may have to wait for a verdict (``needs_wait``)
 
     def recording_to(self, recorder: SessionRecorder) -> SessionPolicy:
         """The same chain (rules, masking, session, client) with events going to ``recorder`` (a script's transcript).
@@ -212,8 +221,28 @@ class SessionPolicy:
         self.recorder.error(message)
 
     async def blocked(self, verdict: GuardVerdict) -> None:
-        """A guard rail blocked: its ``e`` event and its ``guardrail.block`` audit entry (with the input)."""
+        """A guard rail blocked: its ``e`` event and its ``guardrail.block`` audit entry (with the input).
+
+        A synchronous AI verdict's block: its ``e`` event and its ``ai.block`` audit entry.
+        """
+        if verdict.analysis is not None:
+            self.recorder.error(verdict.message)
+            await self.rules.observe.blocked(verdict.analysis)  # type: ignore[union-attr]
+            return
         await self.live.blocked(verdict, self.client_ip)
+
+    # -- verdicts to wait for
+
+    def needs_wait(self, text: str, *, sql: bool = False) -> bool:
+        """Whether the proxy must hold this input and ``await decide(text)`` before reporting it."""
+        return self.waits and self.rules.needs_wait(text)  # type: ignore[union-attr]
+
+    async def decide(self, text: str, *, sql: bool = False) -> None:
+        """Wait (at most the rule's timeout) for the verdict on ``text``; ``input`` / ``check_input`` then say it."""
+        if not self.waits:
+            return
+        await self.rules.decide(text, sql)  # type: ignore[union-attr]
+        self._sql_verdicts.pop(text, None)  # a Parse's cached verdict from an earlier decision is not this one
 
     # -- recording back-pressure
 

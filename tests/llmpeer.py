@@ -12,6 +12,9 @@ What it answers is set per test on ``FakeLLM.mode``:
 * ``bad_arguments``: a tool call whose arguments are not JSON;
 * ``bad_level``: a tool call with a risk level outside low/medium/high.
 
+``delay`` (seconds) holds every answer that long: a slow provider.  ``answer_for``
+gives the inputs that contain a text a verdict of their own (the rest get ``answer``'s).
+
 Every request is kept in ``requests`` (path, headers, JSON body) for the tests to inspect.
 """
 
@@ -46,15 +49,23 @@ class FakeLLM:
         self.title = "Routine query"
         self.explanation = "Reads data only."
         self.status = 500
+        self.delay = 0.0
+        self.verdicts: dict[str, tuple[str, str, str]] = {}  # text in the input -> (risk_level, title, explanation)
         self.requests: list[Received] = []
         self._runner: web.AppRunner | None = None
         self.port = 0
         self._stopping = asyncio.Event()
 
     def answer(self, mode: str = "verdict", risk_level: str = "low", title: str = "Routine query",
-               explanation: str = "Reads data only.", status: int = 500) -> None:
+               explanation: str = "Reads data only.", status: int = 500, delay: float = 0.0) -> None:
         self.mode, self.risk_level, self.title, self.explanation, self.status = (
             mode, risk_level, title, explanation, status)
+        self.delay = delay
+        self.verdicts = {}
+
+    def answer_for(self, text: str, risk_level: str, title: str, explanation: str) -> None:
+        """Inputs containing ``text`` get this verdict (in ``verdict`` mode); set after ``answer``."""
+        self.verdicts[text] = (risk_level, title, explanation)
 
     @property
     def url(self) -> str:
@@ -87,7 +98,11 @@ class FakeLLM:
         self.requests.append(Received(request.path, dict(request.headers), body, dict(request.query)))
         return body
 
-    def _arguments(self) -> dict[str, Any]:
+    def _arguments(self, body: Any = None) -> dict[str, Any]:
+        asked = json.dumps(body.get("messages")) if isinstance(body, dict) else ""
+        for text, (level, title, explanation) in self.verdicts.items():
+            if text in asked:
+                return {"risk_level": level, "title": title, "explanation": explanation}
         return {"risk_level": self.risk_level, "title": self.title, "explanation": self.explanation}
 
     async def _stall(self) -> None:
@@ -130,6 +145,8 @@ class FakeLLM:
                                       "invalid_request_error")
         if self.mode == "timeout":
             await self._stall()
+        if self.delay:
+            await asyncio.sleep(self.delay)
         if self.mode == "error":
             return self._openai_error(self.status, "The server had an error while processing your request.",
                                       "server_error")
@@ -140,7 +157,7 @@ class FakeLLM:
             finish = "stop"
         else:
             arguments = "{'risk_level': low" if self.mode == "bad_arguments" else json.dumps(
-                {**self._arguments(), **({"risk_level": "catastrophic"} if self.mode == "bad_level" else {})})
+                {**self._arguments(body), **({"risk_level": "catastrophic"} if self.mode == "bad_level" else {})})
             message["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                                       "function": {"name": name, "arguments": arguments}}]
         return web.json_response({
@@ -170,6 +187,8 @@ class FakeLLM:
             return self._anthropic_error(400, "invalid_request_error", "tool_choice.name must name a tool")
         if self.mode == "timeout":
             await self._stall()
+        if self.delay:
+            await asyncio.sleep(self.delay)
         if self.mode == "error":
             return self._anthropic_error(self.status if self.status != 500 else 529, "overloaded_error",
                                          "Overloaded")
@@ -177,7 +196,7 @@ class FakeLLM:
             content: list[dict[str, Any]] = [{"type": "text", "text": "This looks fine to me."}]
             stop = "end_turn"
         else:
-            arguments: Any = self._arguments()
+            arguments: Any = self._arguments(body)
             if self.mode == "bad_level":
                 arguments = {**arguments, "risk_level": "catastrophic"}
             if self.mode == "bad_arguments":

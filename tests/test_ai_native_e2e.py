@@ -10,6 +10,7 @@ the destructive part never runs.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import uuid
@@ -18,7 +19,7 @@ import aiohttp
 import asyncpg
 import pytest
 
-from tests.apiclient import Api, SshApi, of_kind, postgres_env
+from tests.apiclient import Api, SshApi, events, of_kind, postgres_env
 from tests.conftest import free_port, proxy_daemon
 from tests.llmpeer import API_KEY, FakeLLM
 from tests.pgpeer import PgCluster
@@ -226,3 +227,149 @@ async def test_a_risky_shell_line_ends_an_interactive_ssh_session(api, gateway, 
         assert any(f"(rule '{rule}'): high risk, Recursive forced delete" in e for e in of_kind(session, "e"))
     finally:
         subprocess.run(["rm", "-rf", victim], check=False)
+
+
+# ---------------------------------------------------------------------------- synchronous mode
+# A rule with ``native_mode: sync`` holds each statement or command until its verdict is known.
+# The provider below answers slowly and rates "high" what the built-in rules rate low (creating a
+# table or a file): under the asynchronous mode those would run before the verdict lands; here the
+# effect that did not happen is the proof that the statement waited.
+
+
+def psql(gateway, secret: str, script: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+    env.update(PGHOST="127.0.0.1", PGPORT=str(gateway.proxy_port), PGUSER=secret, PGDATABASE="postgres",
+               PGSSLMODE="disable", PGPASSWORD="any", PGCONNECT_TIMEOUT="10")
+    return subprocess.run(["psql", "-X", "-At", "-f", "-"], input=script, capture_output=True, text=True, env=env,
+                          timeout=120, check=False)
+
+
+async def exists(cluster, table: str) -> bool:
+    direct = await asyncpg.connect(cluster.dsn())
+    try:
+        return await direct.fetchval("select to_regclass($1) is not null", table)
+    finally:
+        await direct.close()
+
+
+@pytest.fixture
+async def provider(api, llm):
+    status, body = await api("PUT", "/ai/session-analyzer/providers", {
+        "provider": "openai", "model": "judge-1", "api_url": f"{llm.url}/v1", "api_key": API_KEY})
+    assert status == 200, body
+    llm.answer("verdict", "low", "Routine query", "Reads data only.", delay=0.5)
+    llm.requests.clear()
+    yield llm
+    llm.answer()
+    await api("DELETE", "/ai/session-analyzer/providers")
+
+
+async def test_sync_a_psql_statement_waits_for_its_verdict_and_is_refused_before_it_runs(
+        api, gateway, cluster, provider):
+    table = f"secret_{uuid.uuid4().hex[:8]}"
+    provider.answer_for(f"create table {table}", "high", "Creates a secret table",
+                        "The statement creates a table the rule forbids.")
+    conn = await api.connection("pg", "database", "postgres", postgres_env(cluster))
+    rule = await analysed(api, conn, native_mode="sync", timeout=60)
+    secret, session_id = await api.credential(conn)
+    done = await asyncio.to_thread(psql, gateway, secret,
+                                   f"select 'before';\ncreate table {table} (i int);\nselect 'after';\n")
+    assert "before" in done.stdout and "after" in done.stdout, (done.stdout, done.stderr)
+    message = (f"blocked by AI session analysis (rule '{rule}'): high risk, Creates a secret table: "
+               "The statement creates a table the rule forbids.")
+    assert message in done.stderr, done.stderr
+    assert not await exists(cluster, table)  # refused before PostgreSQL saw it
+    session = await api.done_session(session_id, 30)
+    assert session["exit_code"] != 254  # a refused statement, not a killed session
+    assert session["ai_analysis"] == {"action": "block_execution", "risk_level": "high",
+                                      "title": "Creates a secret table",
+                                      "explanation": "The statement creates a table the rule forbids."}
+    stream = [(kind, text) for kind, text in events(session) if kind in "ie"]
+    at = stream.index(("i", f"create table {table} (i int);"))
+    assert stream[at + 1] == ("e", message), stream
+    assert ("i", "select 'after';") in stream[at + 2:]
+    (entry,) = await audit_of(api, "ai.block", session_id)
+    assert entry["request_payload_redacted"]["rule"] == rule
+    assert entry["request_payload_redacted"]["risk_level"] == "high"
+    assert not await audit_of(api, "guardrail.block", session_id)
+    asked = [json.dumps(r.body) for r in provider.requests]
+    assert any(f"create table {table}" in a for a in asked) and any("select 'after'" in a for a in asked)
+
+
+async def test_sync_asyncpg_parse_is_refused_and_what_was_pipelined_after_it_follows(api, gateway, cluster, provider):
+    table = f"ledger_{uuid.uuid4().hex[:8]}"
+    direct = await asyncpg.connect(cluster.dsn())
+    await direct.execute(f"create table {table} (i int); insert into {table} values (1)")
+    provider.answer_for(f"insert into {table}", "high", "Writes the ledger", "Adds rows to the ledger.")
+    conn = await api.connection("pg", "database", "postgres", postgres_env(cluster))
+    await analysed(api, conn, native_mode="sync", timeout=60)
+    secret, session_id = await api.credential(conn)
+    client = await through_gateway(gateway, secret)
+    try:
+        assert await client.fetchval(f"select count(*) from {table} where i = $1", 1) == 1
+        with pytest.raises(asyncpg.exceptions.InsufficientPrivilegeError, match="Writes the ledger"):
+            await client.execute(f"insert into {table} values ($1)", 2)  # Parse, Describe, Sync in one write
+        with pytest.raises(asyncpg.exceptions.InsufficientPrivilegeError):
+            await client.fetchval(f"insert into {table} values ($1) returning i", 3)
+        assert await client.fetchval("select $1::int + 1", 41) == 42  # the session goes on
+    finally:
+        await client.close(timeout=10)
+    assert await direct.fetchval(f"select count(*) from {table}") == 1
+    await direct.close()
+    session = await api.done_session(session_id, 30)
+    assert session["exit_code"] != 254 and session["ai_analysis"]["action"] == "block_execution"
+    assert len(await audit_of(api, "ai.block", session_id)) == 2
+
+
+@pytest.mark.parametrize("on_failure", ["closed", "open"])
+async def test_sync_a_provider_that_does_not_answer_in_time_fails_as_the_rule_says(
+        api, gateway, cluster, provider, on_failure):
+    table = f"slow_{on_failure}_{uuid.uuid4().hex[:8]}"
+    provider.answer("timeout")  # never answers: the rule's timeout ends the wait
+    conn = await api.connection("pg", "database", "postgres", postgres_env(cluster))
+    rule = await analysed(api, conn, native_mode="sync", timeout=1, on_failure=on_failure)
+    secret, session_id = await api.credential(conn)
+    done = await asyncio.to_thread(psql, gateway, secret, f"create table {table} (i int);\n")
+    session = await api.done_session(session_id, 30)
+    failures = [e for e in of_kind(session, "e") if "AI session analysis failed" in e]
+    assert len(failures) == 1 and f"rule '{rule}' fails {on_failure}" in failures[0], failures
+    assert len(await audit_of(api, "ai.analysis_failed", session_id)) == 1
+    if on_failure == "closed":
+        assert "Analyzer unavailable" in done.stderr, done.stderr
+        assert not await exists(cluster, table)
+        assert "the statement is refused" in failures[0]
+        assert len(await audit_of(api, "ai.block", session_id)) == 1
+    else:
+        assert done.returncode == 0 and "ERROR" not in done.stderr, done.stderr
+        assert await exists(cluster, table)  # the built-in rules rate it low: it ran
+        assert not await audit_of(api, "ai.block", session_id)
+        stream = [(kind, text) for kind, text in events(session) if kind in "ie"]
+        failed = next(i for i, (kind, text) in enumerate(stream) if "AI session analysis failed" in text)
+        assert failed < stream.index(("i", f"create table {table} (i int);")), stream  # it waited for the outcome
+
+
+async def test_sync_an_ssh_exec_command_is_refused_before_it_runs(api, gateway, sshd, provider):
+    marker = f"/tmp/ai-sync-{uuid.uuid4().hex[:8]}"
+    provider.answer_for(f"touch {marker}", "high", "Plants a file", "Creates a file the rule forbids.")
+    conn = await api.role()
+    rule = await analysed(api, conn, native_mode="sync", timeout=60)
+    secret, session_id = await api.credential(conn)
+    try:
+        result = await asyncio.to_thread(
+            subprocess.run, ["ssh", *CLIENT_OPTIONS, "-p", str(gateway.ssh_port), f"{secret}@127.0.0.1",
+                             f"touch {marker}"], capture_output=True, text=True, timeout=120,
+            stdin=subprocess.DEVNULL, check=False)
+        assert result.returncode == 254, result.stderr
+        assert f"blocked by AI session analysis (rule '{rule}'): high risk, Plants a file" in result.stderr
+        assert not os.path.exists(marker)
+        session = await api.done_session(session_id, 30)
+        assert session["ai_analysis"]["title"] == "Plants a file"
+        assert (await audit_of(api, "ai.block", session_id))[0]["request_payload_redacted"]["rule"] == rule
+        secret, session_id = await api.credential(conn)
+        result = await asyncio.to_thread(
+            subprocess.run, ["ssh", *CLIENT_OPTIONS, "-p", str(gateway.ssh_port), f"{secret}@127.0.0.1",
+                             "echo sync-ok"], capture_output=True, text=True, timeout=120,
+            stdin=subprocess.DEVNULL, check=False)
+        assert result.returncode == 0 and result.stdout.strip() == "sync-ok", result.stderr
+    finally:
+        subprocess.run(["rm", "-f", marker], check=False)

@@ -16,6 +16,12 @@ hands each input its guard rails let through to ``observer_for``'s callback
 not low lands in the recording as an ``e`` event, the riskiest one is the
 session's ``ai_analysis``, and a blocking verdict kills the live session so
 that nothing after it runs.
+
+A rule with ``native_mode: sync`` holds each statement or command until its
+verdict is known instead (``SessionAnalysis.decide``, called by the session
+policy when a proxy asks ``needs_wait``): a block is then refused like a guard
+rail's, before the target sees it, and the session goes on.  The wait is
+bounded by the rule's timeout; past it the failure policy decides.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from gatewayd.analysis.providers import AnalyzerError, classify, describe_input
 from gatewayd.analysis.verdict import BLOCK, LOW, Rating, Verdict, higher, severity, verdict_for
 from gatewayd.audit import AuditLog
 from gatewayd.config import Config
+from gatewayd.guardrails import ALLOWED, AUDIT_INPUT_CHARS, GuardVerdict
 from gatewayd.models import AIAnalyzerRule, Connection, Session
 from gatewayd.store import Store
 from gatewayd.tasks import BackgroundTasks
@@ -44,6 +51,9 @@ log = logging.getLogger("gatewayd.analysis")
 
 CLOSED, OPEN = "closed", "open"
 FAILURE_POLICIES = (CLOSED, OPEN)
+NATIVE_ASYNC, NATIVE_SYNC = "async", "sync"  # a rule's native_mode: analysed in the background, or waited for
+NATIVE_MODES = (NATIVE_ASYNC, NATIVE_SYNC)
+AI_RULE_TYPE = "ai_analysis"  # the rule_type of the GuardVerdict a synchronous AI block is said with
 OFFLINE_INLINE_CHARS = 1024  # longer texts are rated in a thread (about 4 ms of parsing per KiB of SQL)
 NATIVE_SUBTYPES = ("postgres", "ssh")  # whose native input is statements or commands
 SEEN_CAP = 1024  # a session's inputs already analysed (the same statement again is not asked twice)
@@ -122,14 +132,16 @@ class AnalysisService:
         try:
             rating = await classify(self._client(), provider, message, self.timeout_of(rule))
         except AnalyzerError as exc:
-            error = str(exc)
-            if self.failure_policy_of(rule, native) == CLOSED:
-                return Verdict(BLOCK, offline.risk_level, "Analyzer unavailable",
-                               f"The AI provider failed and rule {rule.name} fails closed, so it is blocked. "
-                               f"The built-in rules rate it {offline.risk_level}.",
-                               f"{provider.provider}:{provider.model}", rule.name), error
-            return verdict_for(offline, rule.risk_evaluation, rule.name), error
+            return self.failed(rule, offline, f"{provider.provider}:{provider.model}", native), str(exc)
         return verdict_for(higher(rating, offline), rule.risk_evaluation, rule.name), ""
+
+    def failed(self, rule: AIAnalyzerRule, offline: Rating, analyzer: str, native: bool = False) -> Verdict:
+        """The verdict when the provider failed: blocked (``closed``) or the built-in rules' (``open``)."""
+        if self.failure_policy_of(rule, native) == CLOSED:
+            return Verdict(BLOCK, offline.risk_level, "Analyzer unavailable",
+                           f"The AI provider failed and rule {rule.name} fails closed, so it is blocked. "
+                           f"The built-in rules rate it {offline.risk_level}.", analyzer, rule.name)
+        return verdict_for(offline, rule.risk_evaluation, rule.name)
 
     async def check_script(self, live: "LiveSession", script: str) -> Verdict | None:
         """Analyse a one-time script before it runs; the verdict (None: no rule) is the session's ``ai_analysis``.
@@ -180,7 +192,9 @@ class AnalysisService:
                              native: bool = False) -> None:
         """An analyzer failure: an ``e`` event, a log line and an audit entry, with the policy that applies."""
         policy = self.failure_policy_of(rule, native)
-        if native:
+        if native and rule.native_mode == NATIVE_SYNC:
+            then = "the statement is refused" if policy == CLOSED else "the built-in rules' rating stands in"
+        elif native:
             then = "the session is ended" if policy == CLOSED else "the built-in rules' rating stands in"
         else:
             then = "the script was not run" if policy == CLOSED else "the built-in rules' rating stands in"
@@ -210,6 +224,13 @@ class SessionAnalysis:
     built-in rules alone, at once.  A close that is not a kill waits (up to the
     rule's timeout) for what is still being analysed, so that its verdict lands
     in the recording before the seal.
+
+    Under a ``sync`` rule (``sync`` True) the proxy holds an input while
+    ``decide`` gets its verdict; ``ruling`` then says it on the proxy's path.
+    A verdict is kept for the same text for the rest of the session, except
+    one that came from an analyzer failure (the next time, the provider is
+    asked again).  An input nobody held for (a shell line) is analysed in the
+    background as under an ``async`` rule.
     """
 
     def __init__(self, service: AnalysisService, live: "LiveSession", rule: AIAnalyzerRule) -> None:
@@ -222,6 +243,8 @@ class SessionAnalysis:
         self.last_error = ""
         self.worst: tuple[bool, int] | None = None  # (blocked, severity) of the session's ai_analysis
         self.max_pending: int = service.config["ai.max_pending"]
+        self.sync = rule.native_mode == NATIVE_SYNC
+        self.decided: dict[str, tuple[Verdict | None, bool]] = {}  # text -> (verdict or None: not asked, kept)
 
     def __call__(self, text: str) -> None:
         text = text.strip()
@@ -256,16 +279,21 @@ class SessionAnalysis:
         rating = await self.service.rate_offline(text, self.live.connection.subtype)
         await self._apply(verdict_for(rating, self.rule.risk_evaluation, self.rule.name))
 
-    async def _apply(self, verdict: Verdict) -> None:
+    async def _note(self, verdict: Verdict, event: bool = True) -> None:
+        """The session's ``ai_analysis`` (its riskiest verdict) and, for a verdict above low, an ``e`` event."""
         live = self.live
         rank = (verdict.blocked, severity(verdict.risk_level))
         if self.worst is None or rank > self.worst:
             self.worst = rank
             live.session.ai_analysis = verdict.as_json()
             await self.service.store.set_ai_analysis(live.id, live.session.ai_analysis)
-        if verdict.risk_level != LOW or verdict.blocked:
+        if event and (verdict.risk_level != LOW or verdict.blocked):
             live.recorder.error(f"AI session analysis (rule {verdict.rule!r}): {verdict.risk_level} risk, "
                                 f"{verdict.title}: {verdict.explanation}")
+
+    async def _apply(self, verdict: Verdict) -> None:
+        live = self.live
+        await self._note(verdict)
         if not verdict.blocked:
             return
         await self.service.audit_block(live, verdict)
@@ -280,3 +308,64 @@ class SessionAnalysis:
             return
         with contextlib.suppress(TimeoutError, asyncio.CancelledError):
             await asyncio.wait_for(asyncio.shield(task), self.service.timeout_of(self.rule) + 1)
+
+    # -- synchronous mode: the proxy holds the input until ``decide`` returns
+
+    def needs_wait(self, text: str) -> bool:
+        """Whether ``text`` must wait for ``decide`` before ``ruling`` can say its verdict."""
+        key = text.strip()
+        return bool(key) and key not in self.decided and not self.live.done.is_set()
+
+    async def decide(self, text: str, ask: bool = True) -> None:
+        """Get ``text``'s verdict, within the rule's timeout (``ask`` False: the guard rails refuse it anyway)."""
+        key = text.strip()
+        if not key or key in self.decided:
+            return
+        verdict: Verdict | None = None
+        kept = True
+        try:
+            if ask and not self.live.done.is_set():
+                verdict, error = await self._judge(key)
+                if error:
+                    kept = False
+                    if error != self.last_error:  # an outage is told once, not once per statement
+                        await self.service.record_failure(self.live, self.rule, error, native=True)
+                self.last_error = error
+                await self._note(verdict, event=not verdict.blocked)  # a block's e follows its i (``blocked``)
+        finally:
+            if len(self.decided) >= SEEN_CAP:
+                self.decided.clear()
+            self.decided[key] = (verdict, kept)
+
+    async def _judge(self, text: str) -> tuple[Verdict, str]:
+        """``evaluate`` bounded by the rule's timeout; any failure is an analyzer failure (its policy decides)."""
+        service, rule, connection = self.service, self.rule, self.live.connection
+        timeout = service.timeout_of(rule)
+        try:
+            return await asyncio.wait_for(service.evaluate(rule, connection, text, native=True), timeout + 1)
+        except TimeoutError:
+            error = f"no verdict within {timeout:g} s"
+        except Exception:
+            log.exception("AI session analysis of a statement failed", extra=self.live.log_fields())
+            error = "the analysis failed on an internal error"
+        offline = await service.rate_offline(text, connection.subtype)
+        return service.failed(rule, offline, "ai", native=True), error
+
+    def ruling(self, text: str) -> GuardVerdict:
+        """The decided verdict on ``text`` as a guard rail's (an input no one held for is analysed in the background)."""
+        key = text.strip()
+        decision = self.decided.get(key)
+        if decision is None:
+            self(text)
+            return ALLOWED
+        verdict, kept = decision
+        if not kept:
+            del self.decided[key]
+        if verdict is None or not verdict.blocked:
+            return ALLOWED
+        return GuardVerdict(False, verdict.message(), "input", AI_RULE_TYPE, verdict.rule, text[:AUDIT_INPUT_CHARS],
+                            verdict)
+
+    async def blocked(self, verdict: Verdict) -> None:
+        """A held input refused on its verdict: audited (``ai.block``); the session goes on."""
+        await self.service.audit_block(self.live, verdict)

@@ -286,4 +286,7 @@ CREATE TABLE store_counters (
 );
 INSERT INTO store_counters (name, value) VALUES ('guardrails', 0)
 """),
+    (8, """
+ALTER TABLE ai_analyzer_rules ADD COLUMN native_mode TEXT NOT NULL DEFAULT 'async'
+"""),
 ]

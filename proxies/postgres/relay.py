@@ -402,6 +402,7 @@ FORWARD = 0
 DROP = 1
 BLOCK = 2  # send ``ClientSide.substitute`` upstream instead; ``ClientSide.verdict`` says why
 TERMINATE = 3
+WAIT = 4  # hold this message (nothing was done with it): its verdict is decided first, then it comes again
 
 
 class ClientSide:
@@ -514,6 +515,34 @@ class ClientSide:
         if recording or policy.checks_output or policy.masker is not None:  # rows will be read: keep their formats
             self.portals[bind.portal] = Pending(EXECUTE, bind.result_formats, statement=bind.statement)
         return FORWARD
+
+
+class WaitingClientSide(ClientSide):
+    """A ClientSide whose Query and Parse statements may have to wait for a verdict (an AI rule in sync mode).
+
+    A statement whose verdict is not decided yet is answered WAIT before anything
+    is recorded or queued; ``waiting`` is its SQL.  The relay holds the message,
+    awaits ``policy.decide(waiting)`` and hands it in again: the policy then says
+    the decided verdict, and it is forwarded or blocked as any other.
+    """
+
+    __slots__ = ("waiting",)
+
+    def __init__(self, policy: SessionPolicy, pending: deque[Pending], columns: dict[str, tuple[int, ...]]) -> None:
+        super().__init__(policy, pending, columns)
+        self.waiting = ""
+
+    def _query(self, query: Query) -> int:
+        if self.policy.needs_wait(query.sql, sql=True):
+            self.waiting = query.sql
+            return WAIT
+        return ClientSide._query(self, query)
+
+    def _parse(self, parse: Parse) -> int:
+        if self.policy.needs_wait(parse.sql, sql=True):
+            self.waiting = parse.sql
+            return WAIT
+        return ClientSide._parse(self, parse)
 
 
 class ServerSide:

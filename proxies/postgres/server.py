@@ -48,7 +48,7 @@ from proxies.postgres.codec import (
     encode_negotiate_protocol_version,
     encode_ready_for_query,
 )
-from proxies.postgres.relay import ClientSide, Pending, ServerSide
+from proxies.postgres.relay import ClientSide, Pending, ServerSide, WaitingClientSide
 from proxies.postgres.session import CLIENT, TARGET, RelaySession
 from proxies.postgres.stream import FrameStream
 from proxies.postgres.upstream import (
@@ -298,7 +298,8 @@ class ClientConnection:
         columns: dict[str, tuple[int, ...]] = {}
         server = ServerSide(policy, pending, columns)
         relay = RelaySession(self.stream.transport, link.transport, self.frontend, link.backend,
-                             ClientSide(policy, pending, columns), server, policy)
+                             (WaitingClientSide if policy.waits else ClientSide)(policy, pending, columns), server,
+                             policy)
         self.stream.release()
         link.stream.release()
         relay.start()  # what start-up had read beyond its last message is in the readers: processed first

@@ -8,12 +8,16 @@ received chunk.  Flow control is the transports' own: when one side's
 write buffer fills (``pause_writing``), the other side stops being read until
 it drains; a recorder with too much pending pauses both until it is flushed.
 A guard-rail block pauses its direction while the block is audited, so the
-``e`` event lands in order.
+``e`` event lands in order.  A statement that must wait for its verdict (an AI
+rule in sync mode, ``WAIT``) is held the same way: the client side is not read
+or processed while ``policy.decide`` runs, then the held message is processed
+again, before what the client pipelined after it.
 """
 
 from __future__ import annotations
 
 import asyncio
+from itertools import chain
 from typing import TYPE_CHECKING
 
 from gatewayd.tasks import BackgroundTasks
@@ -24,9 +28,11 @@ from proxies.postgres.codec import (
     FrontendReader,
     ProtocolError,
 )
-from proxies.postgres.relay import BLOCK, DROP, FORWARD, ClientSide, ServerSide
+from proxies.postgres.relay import BLOCK, DROP, FORWARD, WAIT, ClientSide, ServerSide
 
 if TYPE_CHECKING:
+    from proxies.postgres.codec import Message
+
     from gatewayd.guardrails import GuardVerdict
     from gatewayd.policy import SessionPolicy
 
@@ -161,13 +167,13 @@ class RelaySession:
         self.frontend.feed(data)
         self._client_work()
 
-    def _client_work(self) -> None:
+    def _client_work(self, held: Message | None = None) -> None:
         if self._busy[CLIENT] or self.finished.done():
             return
         batch = self._client_batch
         on_message = self.client_side.on_message
         try:
-            for message in self.frontend:
+            for message in (self.frontend if held is None else chain((held,), self.frontend)):
                 action = on_message(message)
                 if action == FORWARD:
                     batch.add(message)
@@ -177,6 +183,11 @@ class RelaySession:
                     batch.add_bytes(self.client_side.substitute)
                     self._send(self.target, batch)
                     self._audit(CLIENT, [self.client_side.verdict])  # type: ignore[list-item]
+                    return
+                elif action == WAIT:
+                    if batch:
+                        self._send(self.target, batch)
+                    self._hold(message)
                     return
                 else:  # Terminate
                     batch.add(message)
@@ -220,6 +231,23 @@ class RelaySession:
             self._audit(TARGET, blocks)
             return
         self._check_recorder()
+
+    # -- statements waiting for a verdict
+
+    def _hold(self, message: Message) -> None:
+        """Process nothing more from the client until ``message``'s verdict is decided."""
+        self._busy[CLIENT] = True
+        self.pause(CLIENT, "verdict")
+        self._tasks.spawn(self._decided(message, self.client_side.waiting))  # type: ignore[attr-defined]
+
+    async def _decided(self, message: Message, sql: str) -> None:
+        try:
+            await self.policy.decide(sql, sql=True)
+        finally:
+            self._busy[CLIENT] = False
+            self.resume(CLIENT, "verdict")
+            if not self.finished.done():
+                self._client_work(message)
 
     # -- blocks
 

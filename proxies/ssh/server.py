@@ -575,6 +575,8 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
 
     async def _open_target(self, command: str | None, subsystem: str | None) -> None:
         chan = self.chan
+        if command is not None and self.policy.needs_wait(command):  # an AI rule in sync mode: its verdict first
+            await self.policy.decide(command)
         if command is not None and (verdict := self.policy.input(command)):  # recorded, then checked
             await self._refuse(verdict)
             return
