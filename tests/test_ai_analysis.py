@@ -322,3 +322,50 @@ async def test_native_input_past_max_pending_is_rated_by_the_built_in_rules_and_
         page = await gateway.store.list_audit(AuditFilter(org_id=org, action="ai.block"))
         assert [e.request_payload_redacted["session_id"] for e in page.items] == [live.id]
         llm.answer("verdict")
+
+
+async def test_sync_native_input_is_decided_once_per_text_and_a_failure_is_asked_again(tmp_path, llm) -> None:
+    """The policy chain under a ``sync`` rule: ``needs_wait`` until ``decide``, then the verdict on the sync path."""
+    from gatewayd.models import User
+    from gatewayd.policy import SessionPolicy
+
+    async with core_gateway(tmp_path) as gateway:
+        org = (await gateway.store.default_org()).id
+        conn = Connection(id=new_id(), org_id=org, name="pg-sync", resource_name="r", type="database",
+                          subtype="postgres")
+        user = User(id=new_id(), org_id=org, subject="s-2", email="sync@example.com")
+        await gateway.store.save_ai_rule(AIAnalyzerRule(
+            id=new_id(), org_id=org, name="waits", connection_names=["pg-sync"], risk_evaluation={},
+            timeout=0.5, on_failure="closed", native_mode="sync", created_at="t", updated_at="t"), create=True)
+        await gateway.store.save_ai_provider(AIProvider(id=new_id(), org_id=org, provider="openai",
+                                                        model="judge-1", api_url=f"{llm.url}/v1", api_key=API_KEY))
+        live = await gateway.sessions.open(user, conn)
+        policy = SessionPolicy(live, await gateway.guardrails.rules_for(org, conn.id, live=live))
+        assert policy.waits and policy.needs_wait("select 1", sql=True)
+
+        llm.requests.clear()
+        llm.answer("verdict", "high", "Reads salaries", "Every salary.")
+        await policy.decide("select salary from staff", sql=True)
+        verdict = policy.input("select salary from staff", sql=True)
+        assert verdict is not None and verdict.analysis is not None and verdict.rule_type == "ai_analysis"
+        assert verdict.message == ("blocked by AI session analysis (rule 'waits'): high risk, Reads salaries: "
+                                   "Every salary.")
+        assert not policy.needs_wait("select salary from staff", sql=True)  # kept for the session
+        assert policy.check_input("select salary from staff", sql=True, cache=True) is not None
+        assert len(llm.requests) == 1
+
+        llm.answer("timeout")  # closed: blocked once, then the provider is asked again
+        await policy.decide("select 2", sql=True)
+        blocked = policy.check_input("select 2", sql=True, cache=True)
+        assert blocked is not None and "Analyzer unavailable" in blocked.message
+        assert policy.needs_wait("select 2", sql=True)
+        llm.answer("verdict", "low")
+        await policy.decide("select 2", sql=True)
+        assert policy.check_input("select 2", sql=True, cache=True) is None  # not the cached failure
+
+        await policy.blocked(verdict)
+        page = await gateway.store.list_audit(AuditFilter(org_id=org, action="ai.block"))
+        assert [e.request_payload_redacted["rule"] for e in page.items] == ["waits"]
+        assert not (await gateway.store.list_audit(AuditFilter(org_id=org, action="guardrail.block"))).items
+        assert live.session.ai_analysis["action"] == BLOCK
+        await live.close(0)

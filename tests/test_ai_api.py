@@ -82,6 +82,7 @@ async def test_rules_are_listed_by_anyone_changed_by_admins_and_one_per_connecti
     status, created = await as_admin("POST", "/ai/session-analyzer/rules", body)
     assert status == 201, created
     assert created["risk_evaluation"] == body["risk_evaluation"] and created["on_failure"] is None
+    assert created["native_mode"] == "async"  # the default: native input is analysed in the background
     assert (await as_admin("POST", "/ai/session-analyzer/rules", body))[0] == 409
 
     twin = {**body, "name": unique("twin")}
@@ -97,6 +98,9 @@ async def test_rules_are_listed_by_anyone_changed_by_admins_and_one_per_connecti
     status, bad = await as_admin("POST", "/ai/session-analyzer/rules", {**twin, "connection_names": [],
                                                                          "timeout": 0})
     assert status == 422 and "timeout" in bad["message"]
+    status, bad = await as_admin("POST", "/ai/session-analyzer/rules", {**twin, "connection_names": [],
+                                                                         "native_mode": "later"})
+    assert status == 422 and "native_mode" in bad["message"]
 
     status, listed = await as_admin("GET", f"/ai/session-analyzer/rules?connection_names={conn['name']}",
                                     token=user_token)
@@ -113,12 +117,15 @@ async def test_rules_are_listed_by_anyone_changed_by_admins_and_one_per_connecti
     assert (await as_admin("GET", "/connections/no-such-connection/ai-session-analyzer-rule"))[0] == 404
 
     status, updated = await as_admin("PUT", f"/ai/session-analyzer/rules/{name}", {
-        **body, "connection_names": [other["name"]], "risk_evaluation": {}, "on_failure": "open", "timeout": 2.5})
+        **body, "connection_names": [other["name"]], "risk_evaluation": {}, "on_failure": "open", "timeout": 2.5,
+        "native_mode": "sync"})
     assert status == 200, updated
     assert updated["risk_evaluation"] == {"low_risk_action": "allow_execution",
                                           "medium_risk_action": "allow_execution",
                                           "high_risk_action": "block_execution"}  # the defaults
     assert updated["on_failure"] == "open" and updated["timeout"] == 2.5 and updated["id"] == created["id"]
+    assert updated["native_mode"] == "sync"
+    assert (await as_admin("GET", f"/connections/{other['name']}/ai-session-analyzer-rule"))[1]["native_mode"] == "sync"
     assert (await as_admin("GET", f"/connections/{conn['name']}/ai-session-analyzer-rule"))[0] == 404
     assert (await as_admin("GET", f"/connections/{other['name']}/ai-session-analyzer-rule"))[0] == 200
 
