@@ -373,3 +373,26 @@ async def test_sync_an_ssh_exec_command_is_refused_before_it_runs(api, gateway, 
         assert result.returncode == 0 and result.stdout.strip() == "sync-ok", result.stderr
     finally:
         subprocess.run(["rm", "-f", marker], check=False)
+
+
+async def test_sync_a_shell_lines_enter_waits_for_its_verdict_and_a_refused_line_is_not_run(
+        api, gateway, sshd, provider):
+    marker = f"/tmp/ai-sync-shell-{uuid.uuid4().hex[:8]}"
+    provider.answer_for(f"touch {marker}", "high", "Plants a file", "Creates a file the rule forbids.")
+    conn = await api.role()
+    rule = await analysed(api, conn, native_mode="sync", timeout=60)
+    secret, session_id = await api.credential(conn)
+    try:
+        result = await asyncio.to_thread(
+            subprocess.run, ["ssh", *CLIENT_OPTIONS, "-tt", "-p", str(gateway.ssh_port), f"{secret}@127.0.0.1"],
+            input=f"echo shell-ok\ntouch {marker}\necho after-$((40 + 2))\nexit\n", capture_output=True, text=True,
+            timeout=120, check=False)
+        assert result.returncode == 0, (result.stdout, result.stderr)  # the session went on to its exit
+        assert "shell-ok" in result.stdout and "after-42" in result.stdout, result.stdout
+        assert f"blocked by AI session analysis (rule '{rule}'): high risk, Plants a file" in result.stdout
+        assert not os.path.exists(marker)
+        session = await api.done_session(session_id, 30)
+        assert session["ai_analysis"]["title"] == "Plants a file"
+        assert len(await audit_of(api, "ai.block", session_id)) == 1
+    finally:
+        subprocess.run(["rm", "-f", marker], check=False)

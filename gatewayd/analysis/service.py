@@ -229,8 +229,8 @@ class SessionAnalysis:
     ``decide`` gets its verdict; ``ruling`` then says it on the proxy's path.
     A verdict is kept for the same text for the rest of the session, except
     one that came from an analyzer failure (the next time, the provider is
-    asked again).  An input nobody held for (a shell line) is analysed in the
-    background as under an ``async`` rule.
+    asked again).  An input nobody held for (a shell line at the client's
+    EOF) is analysed in the background as under an ``async`` rule.
     """
 
     def __init__(self, service: AnalysisService, live: "LiveSession", rule: AIAnalyzerRule) -> None:

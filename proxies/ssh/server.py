@@ -48,7 +48,7 @@ from gatewayd.pipeline import (
     TargetUnreachable,
 )
 from gatewayd.tasks import BackgroundTasks
-from proxies.ssh.lines import Chunk, OutputWatch, ShellInput
+from proxies.ssh.lines import Chunk, Line, OutputWatch, ShellInput
 from proxies.ssh.sftp import SftpObserver, status_packet
 from proxies.ssh.target import MAX_PACKET, WINDOW, TargetError, TargetSettings, connect_target, signal_exit_code
 
@@ -458,8 +458,9 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         self.pty = False
         self.shell: ShellInput | None = None
         self.sftp: SftpObserver | None = None
-        self.pending: list[bytes] = []
+        self.pending: list[bytes] = []  # client data waiting for the target's channel, or for a held line's verdict
         self.pending_eof = False
+        self.holding = False  # a shell line's Enter waits for its verdict (an AI rule in sync mode)
         self.client_eof = False  # the client sent EOF: it sends nothing more on this channel
         self.held_eof = False  # the target's EOF, sent to the client with the exit status
         self.injections: list[bytes] = []  # SFTP answers of the gateway waiting for a packet boundary
@@ -506,7 +507,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         return self._start(None, subsystem)
 
     def data_received(self, data: bytes, datatype: int | None) -> None:  # type: ignore[override]
-        if self.upchan is None:
+        if self.upchan is None or self.holding:
             self.pending.append(data)
             self.chan.pause_reading()
             return
@@ -515,7 +516,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
 
     def eof_received(self) -> bool:
         self.client_eof = True
-        if self.upchan is None:
+        if self.upchan is None or self.holding:
             self.pending_eof = True
         else:
             self._eof_to_target()
@@ -551,7 +552,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             self.upchan.pause_reading()
         else:
             self.upchan.resume_reading()
-        if self.target_full or self.draining:
+        if self.target_full or self.draining or self.holding:
             self.chan.pause_reading()
         else:
             self.chan.resume_reading()
@@ -605,7 +606,8 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         pending, self.pending = self.pending, []
         for data in pending:
             self.to_target(data)
-        if self.pending_eof:
+        if self.pending_eof and not self.holding:  # else the held line's verdict sends it
+            self.pending_eof = False
             self._eof_to_target()
         self.sync_reading()
 
@@ -618,6 +620,9 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
     # -- client to target
 
     def to_target(self, data: bytes) -> None:
+        if self.holding:  # behind a shell line waiting for its verdict
+            self.pending.append(data)
+            return
         upchan = self.upchan
         assert upchan is not None
         if self.sftp is not None:
@@ -628,10 +633,19 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         if self.shell is None:
             upchan.write(data)
             return
-        for piece in self.shell.feed(data):
+        self._shell_to_target(upchan, self.shell.feed(data))
+
+    def _shell_to_target(self, upchan: asyncssh.SSHClientChannel[bytes], pieces: list[Chunk | Line]) -> None:
+        policy = self.policy
+        for at, piece in enumerate(pieces):
             if isinstance(piece, Chunk):
                 upchan.write(piece.data)
                 continue
+            if policy.waits and policy.needs_wait(piece.text):  # hold the Enter, and what follows, for the verdict
+                self.holding = True
+                self.sync_reading()
+                self.tasks.spawn(self._decide_line(piece.text, pieces[at:]))
+                return
             verdict = policy.check_input(piece.text) if piece.text.strip() else None
             if verdict is None:
                 upchan.write(piece.allowed)
@@ -639,6 +653,22 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
                 upchan.write(piece.refused)
                 self._tell(verdict.message)
                 self.tasks.spawn(policy.blocked(verdict))
+
+    async def _decide_line(self, text: str, pieces: list[Chunk | Line]) -> None:
+        """A held shell line's verdict; then the line and what the client sent meanwhile go on, in order."""
+        try:
+            await self.policy.decide(text)
+        finally:
+            self.holding = False
+            upchan = self.upchan
+            if upchan is not None and not self.ended:
+                self._shell_to_target(upchan, pieces)
+                while self.pending and not self.holding:
+                    self.to_target(self.pending.pop(0))
+                if self.pending_eof and not self.holding:
+                    self.pending_eof = False
+                    self._eof_to_target()
+                self.sync_reading()
 
     def _sftp_to_target(self, sftp: SftpObserver, upchan: asyncssh.SSHClientChannel[bytes], data: bytes) -> None:
         """SFTP requests: recorded as lines; the input rules may refuse an operation (permission denied)."""
