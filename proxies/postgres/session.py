@@ -84,6 +84,7 @@ class RelaySession:
         self._paused: dict[str, set[str]] = {CLIENT: set(), TARGET: set()}
         self._busy = {CLIENT: False, TARGET: False}  # auditing a block: process nothing more for now
         self._tasks = BackgroundTasks("postgres relay", session_id=policy.live.id)
+        self._deciding: asyncio.Task[None] | None = None  # a held statement's verdict being decided
         self._client_batch = FrameBatch()
         self._target_batch = FrameBatch()
 
@@ -107,6 +108,8 @@ class RelaySession:
         try:
             return await self.finished
         finally:
+            if self._deciding is not None:
+                self._deciding.cancel()  # the relay is over: no one waits for that verdict any more
             await self._tasks.wait()
 
     def finish(self, side: str, error: ProtocolError | None = None) -> None:
@@ -238,12 +241,13 @@ class RelaySession:
         """Process nothing more from the client until ``message``'s verdict is decided."""
         self._busy[CLIENT] = True
         self.pause(CLIENT, "verdict")
-        self._tasks.spawn(self._decided(message, self.client_side.waiting))  # type: ignore[attr-defined]
+        self._deciding = self._tasks.spawn(self._decided(message, self.client_side.waiting))  # type: ignore[attr-defined]
 
     async def _decided(self, message: Message, sql: str) -> None:
         try:
             await self.policy.decide(sql, sql=True)
         finally:
+            self._deciding = None
             self._busy[CLIENT] = False
             self.resume(CLIENT, "verdict")
             if not self.finished.done():
