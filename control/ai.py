@@ -182,7 +182,8 @@ async def _rule_from(request: web.Request, org_id: str, existing: AIAnalyzerRule
         description=body.get("description") or "", connection_names=names,
         risk_evaluation={key: evaluation.get(key) or DEFAULT_RISK_EVALUATION[key] for key in RISK_KEYS.values()},
         on_failure=body.get("on_failure"), timeout=float(timeout) if timeout is not None else None,
-        native_mode=body.get("native_mode") or NATIVE_ASYNC, created_at=existing.created_at if existing else now, updated_at=now)
+        native_mode=body.get("native_mode") or NATIVE_ASYNC, created_at=existing.created_at if existing else now,
+        updated_at=now)
 
 
 async def _find_rule(request: web.Request) -> AIAnalyzerRule:

@@ -234,7 +234,10 @@ class SessionPolicy:
     # -- verdicts to wait for
 
     def needs_wait(self, text: str, *, sql: bool = False) -> bool:
-        """Whether the proxy must hold this input and ``await decide(text)`` before reporting it."""
+        """Whether the proxy must hold this input and ``await decide(text)`` before reporting it.
+
+        ``sql``: as for ``input``.
+        """
         return self.waits and self.rules.needs_wait(text)  # type: ignore[union-attr]
 
     async def decide(self, text: str, *, sql: bool = False) -> None:

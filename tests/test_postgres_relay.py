@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from gatewayd.guardrails import RuleSet
+from gatewayd.guardrails import ALLOWED, GuardVerdict, ObservedRules, RuleSet
 from gatewayd.models import GuardRail
 from gatewayd.policy import SessionPolicy
 from proxies.postgres import codec as pg
@@ -18,8 +18,10 @@ from proxies.postgres.relay import (
     BLOCK,
     DROP,
     FORWARD,
+    WAIT,
     ClientSide,
     ServerSide,
+    WaitingClientSide,
     render_binary,
     render_bind,
 )
@@ -110,6 +112,57 @@ def test_blocked_simple_query_becomes_a_sync_and_keeps_the_transaction_status() 
     assert client.substitute == pg.encode_sync()
     error = pg.encode_error_response("ERROR", "42501", client.verdict.message)  # type: ignore[union-attr]
     assert answer(server, pg.encode_ready_for_query("T")) == [error, pg.encode_ready_for_query("T")]
+
+
+class Decider:
+    """The decider side of a sync AI rule's session analysis: a verdict per text, known once ``decide`` ran."""
+
+    sync = True
+
+    def __init__(self, refuse: str) -> None:
+        self.refuse = refuse
+        self.decided: set[str] = set()
+        self.observed: list[str] = []
+
+    def __call__(self, text: str) -> None:
+        self.observed.append(text)
+
+    def needs_wait(self, text: str) -> bool:
+        return text not in self.decided
+
+    async def decide(self, text: str, ask: bool) -> None:
+        self.decided.add(text)
+
+    def ruling(self, text: str) -> GuardVerdict:
+        if self.refuse in text:
+            return GuardVerdict(False, "blocked by AI session analysis (rule 'r'): high risk, X: Y", "input",
+                                "ai_analysis", "r", text, analysis=object())
+        return ALLOWED
+
+
+async def test_a_statement_waiting_for_its_verdict_is_held_untouched_then_forwarded_or_blocked() -> None:
+    recorder = FakeRecorder()
+    pending: deque = deque()
+    policy = SessionPolicy(SimpleNamespace(recorder=recorder, client_ip=""),  # type: ignore[arg-type]
+                           ObservedRules(rules(["drop table"]), Decider("secret")))
+    assert policy.waits
+    client, server = WaitingClientSide(policy, pending, {}), ServerSide(policy, pending, {})
+    query, parse, bind, execute, sync = frontend(
+        pg.encode_query("select 1"), pg.encode_parse("", "select secret"), pg.encode_bind("", ""),
+        pg.encode_execute(), pg.encode_sync())
+    assert client.on_message(query) == WAIT and client.waiting == "select 1"
+    assert not pending and not recorder.events  # nothing recorded or queued for a held message
+    await policy.decide("select 1", sql=True)
+    assert client.on_message(query) == FORWARD and recorder.events == [("i", "select 1")]
+    assert client.on_message(parse) == WAIT and client.waiting == "select secret"
+    await policy.decide("select secret", sql=True)
+    assert [client.on_message(m) for m in (parse, bind, execute, sync)] == [BLOCK, DROP, DROP, FORWARD]
+    error = pg.encode_error_response("ERROR", "42501", client.verdict.message)  # type: ignore[union-attr]
+    target = [pg.encode_command_complete("SELECT 1"), pg.encode_ready_for_query("I"), pg.encode_close_complete(),
+              pg.encode_ready_for_query("I")]
+    assert answer(server, *target) == [*target[:2], error, target[3]]
+    assert client.on_message(parse) == BLOCK  # the same SQL again: decided, not held
+    assert ClientSide(policy, pending, {}).on_message(query) == FORWARD  # the ordinary side never waits
 
 
 def test_output_rule_cuts_the_result_and_swallows_until_ready() -> None:

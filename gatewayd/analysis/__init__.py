@@ -12,5 +12,6 @@ from gatewayd.analysis.service import (
 )
 from gatewayd.analysis.verdict import ACTIONS, ALLOW, BLOCK, RISK_KEYS, RISK_LEVELS, Rating, Verdict
 
-__all__ = ["ACTIONS", "ALLOW", "BLOCK", "FAILURE_POLICIES", "NATIVE_ASYNC", "NATIVE_MODES", "NATIVE_SYNC", "PROVIDERS", "RISK_KEYS", "RISK_LEVELS",
-           "AnalysisService", "AnalyzerError", "Rating", "Verdict", "classify", "language_of", "rate", "rule_for"]
+__all__ = ["ACTIONS", "ALLOW", "BLOCK", "FAILURE_POLICIES", "NATIVE_ASYNC", "NATIVE_MODES", "NATIVE_SYNC", "PROVIDERS",
+           "RISK_KEYS", "RISK_LEVELS", "AnalysisService", "AnalyzerError", "Rating", "Verdict", "classify",
+           "language_of", "rate", "rule_for"]

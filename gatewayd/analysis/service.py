@@ -352,7 +352,7 @@ class SessionAnalysis:
         return service.failed(rule, offline, "ai", native=True), error
 
     def ruling(self, text: str) -> GuardVerdict:
-        """The decided verdict on ``text`` as a guard rail's (an input no one held for is analysed in the background)."""
+        """The decided verdict on ``text``, said as a guard rail's; an input no one held for is analysed later."""
         key = text.strip()
         decision = self.decided.get(key)
         if decision is None:

@@ -241,7 +241,8 @@ class RelaySession:
         """Process nothing more from the client until ``message``'s verdict is decided."""
         self._busy[CLIENT] = True
         self.pause(CLIENT, "verdict")
-        self._deciding = self._tasks.spawn(self._decided(message, self.client_side.waiting))  # type: ignore[attr-defined]
+        sql: str = self.client_side.waiting  # type: ignore[attr-defined]
+        self._deciding = self._tasks.spawn(self._decided(message, sql))
 
     async def _decided(self, message: Message, sql: str) -> None:
         try:
