@@ -505,9 +505,9 @@ async def test_access_rules_ai_rules_and_the_ai_provider(store: Store):
                         created_at=NOW, updated_at=NOW)
     await store.save_ai_rule(ai, create=True)
     assert await store.get_ai_rule(org, "watch") == ai
-    ai.timeout = None
+    ai.timeout, ai.native_mode = None, "sync"
     await store.save_ai_rule(ai, create=False)
-    assert [r.timeout for r in await store.list_ai_rules(org)] == [None]
+    assert [(r.timeout, r.native_mode) for r in await store.list_ai_rules(org)] == [(None, "sync")]
     await store.delete_ai_rule(org, ai.id)
     assert await store.list_ai_rules(org) == []
 
