@@ -15,6 +15,7 @@ from typing import Callable
 
 from gatewayd import __version__
 from gatewayd.config import Config, ConfigError, load_config, parse_duration
+from gatewayd.store import StoreError, describe
 
 
 def load(path: str | None) -> Config:
@@ -43,7 +44,7 @@ async def _with_core(config: Config, action):  # type: ignore[no-untyped-def]
     creates a store: a token minted into a new one would be refused by the running daemon."""
     from gatewayd.daemon import Gateway
 
-    if not config.store_path.is_file():
+    if config["store.driver"] == "sqlite" and not config.store_path.is_file():
         raise ConfigError(f"no gateway store at {config.store_path.resolve()} (data_dir from {_where(config)}): "
                           "run this on the gateway's host with its --config or GATEWAYD_DATA_DIR, "
                           "after `gatewayd run` has started once")
@@ -123,7 +124,7 @@ def _cmd_user_operator(args: argparse.Namespace) -> int:
         user = await (gateway.store.get_user(email=args.email) if args.email
                       else gateway.store.get_user(subject=args.subject))
         if user is None:
-            raise ConfigError(f"{named}: no such user in the store at {config.store_path}")
+            raise ConfigError(f"{named}: no such user in {describe(config)}")
         user.operator = not args.revoke
         await gateway.store.save_user(user)
         await gateway.audit.record(org_id=user.org_id or (await gateway.store.default_org()).id, actor=None,
@@ -152,7 +153,7 @@ def _cmd_sessions_verify(args: argparse.Namespace) -> int:
     async def action(gateway):  # type: ignore[no-untyped-def]
         session = await gateway.store.get_session(args.session_id)
         if session is None:
-            raise ConfigError(f"session {args.session_id}: not found in the store at {config.store_path}")
+            raise ConfigError(f"session {args.session_id}: not found in {describe(config)}")
         return await gateway.recording.verify(session)
 
     return _print_verification(asyncio.run(_with_core(config, action)))
@@ -247,6 +248,9 @@ def main(argv: list[str] | None = None, run: Command | None = None) -> int:
     except ConfigError as exc:
         print(f"gatewayd: configuration error: {exc}", file=sys.stderr)
         return 2
+    except StoreError as exc:  # the store cannot be opened (its message holds no password)
+        print(f"gatewayd: store error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

@@ -108,6 +108,14 @@ def positive(value: Any, key: str) -> Any:
 _positive = positive
 
 
+def _store_url(value: Any, key: str) -> Any:
+    """A PostgreSQL URL (empty allowed); the message never quotes it: it may hold a password."""
+    if value and not value.startswith(("postgresql://", "postgres://")):
+        raise ConfigError(f"{key}: expected a URL such as 'postgresql://user:password@host:5432/gatewayd' "
+                          "(the value is not shown: it may hold a password)")
+    return value
+
+
 SETTINGS: dict[str, Setting] = {
     "data_dir": Setting("str", "./gatewayd-data"),
     "log.format": Setting("str", "plain", _choice("plain", "json")),
@@ -115,8 +123,9 @@ SETTINGS: dict[str, Setting] = {
     "api.listen": Setting("listen", "127.0.0.1:8009", lambda v, k: parse_listen(v, k, False)),
     "api.public_url": Setting("str", ""),
     "api.max_body_bytes": Setting("int", 1048576, _positive),
-    "store.driver": Setting("str", "sqlite", _choice("sqlite")),
+    "store.driver": Setting("str", "sqlite", _choice("sqlite", "postgres")),
     "store.path": Setting("str", ""),
+    "store.url": Setting("str", "", _store_url),
     "secrets.key": Setting("str", ""),
     "auth.issuer": Setting("str", "local", _choice("local", "oidc")),
     "auth.token_ttl": Setting("duration", "12h"),
@@ -295,6 +304,8 @@ def load_config(
         if key not in settings:
             raise ConfigError(f"{key}: unknown setting")
         values[key] = _coerce(key, settings[key], value, False)
+    if values["store.driver"] == "postgres" and not values["store.url"]:
+        raise ConfigError("store.url: required when store.driver = 'postgres' (or GATEWAYD_STORE_URL)")
     if values["auth.issuer"] == "oidc":
         for key in ("auth.oidc.issuer_url", "auth.oidc.client_id"):
             if not values[key]:

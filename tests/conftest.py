@@ -221,6 +221,31 @@ def pg_target() -> Iterator[Any]:
 
 
 @pytest.fixture(scope="session")
+def pg_store() -> Iterator[Any]:
+    """A PostgreSQL 15 cluster for the gateway's own store (not a target): tests make a database each in it."""
+    from tests.pgpeer import PgCluster
+
+    cluster = PgCluster(tls=False).start()
+    yield cluster
+    cluster.destroy()
+
+
+async def new_store_database(cluster: Any) -> str:
+    """A fresh, empty database in ``cluster`` (CREATE DATABASE from template0: cheap); its URL."""
+    import asyncpg
+
+    import uuid
+
+    name = f"gw_{uuid.uuid4().hex}"
+    conn = await asyncpg.connect(cluster.dsn())
+    try:
+        await conn.execute(f'CREATE DATABASE "{name}" TEMPLATE template0')
+    finally:
+        await conn.close()
+    return cluster.dsn(database=name)
+
+
+@pytest.fixture(scope="session")
 def ssh_target() -> Iterator[Any]:
     """An OpenSSH sshd (tests/sshpeer.py) shared by the modules that only need one."""
     from tests.sshpeer import SshTarget

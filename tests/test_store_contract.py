@@ -1,7 +1,7 @@
 """The store contract: every backend passes this suite unchanged.
 
-Backends come from one fixture, ``backend`` (``params=["sqlite"]``; the PostgreSQL backend of
-the scale-out issue adds ``"postgres"``). A ``Backend`` is one database: ``open()`` gives a
+Backends come from one fixture, ``backend`` (``params`` ``"postgres"`` and ``"sqlite"``; a
+PostgreSQL backend gets a fresh database of the session's store cluster per test). A ``Backend`` is one database: ``open()`` gives a
 new, migrated handle on it, as another process would get; tests that need two processes (the
 claim, the guard-rail generation) open two. Real databases, no mocks. A few checks read
 the database itself (schema versions, that secrets are sealed) through ``store.db``, the
@@ -66,13 +66,26 @@ def _sqlite(tmp_path: Path, box: SecretBox) -> Callable[[], Store]:
     return lambda: SQLiteStore(tmp_path / "contract" / "gatewayd.db", box)
 
 
-BACKENDS = {"sqlite": _sqlite}
+async def _postgres(request, box: SecretBox) -> Callable[[], Store]:
+    """A fresh database in the session's store cluster (tests/conftest.py pg_store)."""
+    from gatewayd.store.postgres import PostgresStore
+    from tests.conftest import new_store_database
+
+    url = await new_store_database(request.getfixturevalue("pg_store"))
+    return lambda: PostgresStore(url, box)
+
+
+async def _sqlite_backend(request, box: SecretBox) -> Callable[[], Store]:
+    return _sqlite(request.getfixturevalue("tmp_path"), box)
+
+
+BACKENDS = {"sqlite": _sqlite_backend, "postgres": _postgres}
 
 
 @pytest.fixture(params=sorted(BACKENDS))
-async def backend(request, tmp_path) -> AsyncIterator[Backend]:
+async def backend(request) -> AsyncIterator[Backend]:
     box = SecretBox(os.urandom(32))
-    found = Backend(request.param, BACKENDS[request.param](tmp_path, box))
+    found = Backend(request.param, await BACKENDS[request.param](request, box))
     yield found
     for store in reversed(found.handles):
         await store.close()

@@ -6,15 +6,30 @@ from gatewayd.config import Config
 from gatewayd.crypto import SecretBox, load_or_create_key
 from gatewayd.store.base import AuditFilter, Conflict, NotFound, SessionFilter, Store, StoreError
 
-__all__ = ["AuditFilter", "Conflict", "NotFound", "SessionFilter", "Store", "StoreError", "open_store"]
+__all__ = ["AuditFilter", "Conflict", "NotFound", "SessionFilter", "Store", "StoreError", "describe", "open_store"]
 
 
 async def open_store(config: Config) -> Store:
     """Create the data dir and master key if needed, open and migrate the store."""
     config.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     box = SecretBox(load_or_create_key(config["secrets.key"], config.data_dir))
-    from gatewayd.store.sqlite import SQLiteStore
+    store: Store
+    if config["store.driver"] == "postgres":
+        from gatewayd.store.postgres import PostgresStore
 
-    store = SQLiteStore(config.store_path, box)
+        store = PostgresStore(config["store.url"], box)
+    else:
+        from gatewayd.store.sqlite import SQLiteStore
+
+        store = SQLiteStore(config.store_path, box)
     await store.open()
     return store
+
+
+def describe(config: Config) -> str:
+    """Where the configured store is, fit for a message (a PostgreSQL URL without its password)."""
+    if config["store.driver"] == "postgres":
+        from gatewayd.store.postgres import redact
+
+        return f"the PostgreSQL store {redact(config['store.url'])}"
+    return f"the store at {config.store_path}"

@@ -85,8 +85,12 @@ class SQLStore(Store):
     async def close(self) -> None:
         await self.db.close()
 
-    @staticmethod
-    def _migration_table() -> Work[None]:
+    def _migration_table(self) -> Work[None]:
+        """The table of applied migrations, made under the migration lock (a concurrent CREATE TABLE IF NOT
+        EXISTS can fail in PostgreSQL)."""
+        lock = self.dialect.lock("schema_migrations")
+        if lock is not None:
+            yield lock
         yield ("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, applied_at TEXT NOT NULL)",
                ())
 

@@ -1,0 +1,198 @@
+"""The PostgreSQL store (asyncpg): the shared queries on a PostgreSQL dialect and an asyncpg pool.
+
+Several gateways may share one database: every write is one transaction on a pooled connection;
+what SQLite gets from its single writer (the audit chain's read-then-insert, the migrations) is
+taken here with a transaction-scoped advisory lock, and the claim is one conditional
+``UPDATE ... RETURNING`` (see docs/decisions.md, "The store").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import re
+from typing import Any, Sequence, TypeVar
+from urllib.parse import unquote, urlsplit
+
+import asyncpg
+
+from gatewayd.crypto import SecretBox
+from gatewayd.models import SessionEvent
+from gatewayd.store.base import Conflict, StoreError
+from gatewayd.store.queries import SQLStore
+from gatewayd.store.sql import Dialect, Result, Statement, Work, numbered
+
+T = TypeVar("T")
+
+SCHEMES = ("postgresql", "postgres")
+POOL_SIZE = 10  # connections per process; a transaction holds one only while it runs
+
+# The portable migration scripts in PostgreSQL's types (see PostgresDialect.ddl).
+_DDL = (
+    (re.compile(r"\bCREATE TABLE (\w+) \("), r"CREATE TABLE \1 (\n    row_order BIGINT GENERATED ALWAYS AS IDENTITY,"),
+    (re.compile(r"\bBLOB\b"), "BYTEA"),
+    (re.compile(r"\bREAL\b"), "DOUBLE PRECISION"),
+    (re.compile(r"\bINTEGER\b"), "BIGINT"),
+    (re.compile(r"\bTEXT\b"), 'TEXT COLLATE "C"'),
+)
+# Statements whose rows are wanted (the others are run for their command status, ``UPDATE 3``).
+_ROWS = re.compile(r"^\s*(SELECT|WITH|VALUES)\b|\bRETURNING\b", re.IGNORECASE)
+
+
+def redact(url: str) -> str:
+    """A store URL fit for a log line or an error: the password replaced by ``***``."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable store URL>"
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rpartition("@")
+    userinfo = netloc[0].partition(":")[0]
+    return parts._replace(netloc=f"{userinfo}:***@{netloc[2]}").geturl()
+
+
+def _scrub(text: str, url: str) -> str:
+    """``text`` without the URL's password in any spelling (a driver message may quote the DSN)."""
+    try:
+        password = urlsplit(url).password
+    except ValueError:
+        password = None
+    if url:
+        text = text.replace(url, redact(url))
+    for secret in {password, unquote(password)} if password else ():
+        text = text.replace(secret, "***")
+    return text
+
+
+@functools.lru_cache(maxsize=4096)
+def _render(sql: str) -> str:
+    return numbered(sql)
+
+
+class PostgresDialect(Dialect):
+    """PostgreSQL's spellings. Text columns are ``COLLATE "C"`` (code point order and comparison, as
+    SQLite's BINARY, whatever the database's locale); JSON stays TEXT (the audit chain hashes the
+    stored text, which ``jsonb`` would re-key); every table has an identity ``row_order``."""
+
+    name = "postgres"
+    returning = True
+    row_order = "row_order"
+
+    def render(self, sql: str) -> str:
+        return _render(sql)
+
+    def ddl(self, script: str) -> str:
+        for pattern, replacement in _DDL:
+            script = pattern.sub(replacement, script)
+        return script
+
+    def sort(self, column: str, descending: bool = False, text: bool = False) -> str:
+        collate = ' COLLATE "C"' if text else ""
+        return f"{column}{collate} DESC NULLS LAST" if descending else f"{column}{collate} ASC NULLS FIRST"
+
+    def json_has_any(self, column: str, count: int) -> str:
+        marks = ", ".join("?" * count)
+        return f"jsonb_exists_any(CAST({column} AS jsonb), ARRAY[{marks}]::text[])"
+
+    def json_without(self, column: str) -> str:
+        return (f"(SELECT COALESCE(jsonb_agg(e.value ORDER BY e.n), '[]'::jsonb)::text "
+                f"FROM jsonb_array_elements_text(CAST({column} AS jsonb)) WITH ORDINALITY AS e(value, n) "
+                "WHERE e.value <> ?)")
+
+    def lock(self, name: str) -> Statement | None:
+        key = int.from_bytes(hashlib.sha256(f"gatewayd:{name}".encode()).digest()[:8], "big", signed=True)
+        return f"SELECT pg_advisory_xact_lock({key})", ()
+
+    def event_inserts(self, session_id: str, first_seq: int, events: list[SessionEvent]) -> list[Statement]:
+        """One INSERT of every event, the columns as arrays (one round trip, one plan)."""
+        return [("INSERT INTO session_events (session_id, seq, offset_ms, kind, data) "
+                 "SELECT ?::text, * FROM unnest(?::bigint[], ?::bigint[], ?::text[], ?::bytea[])",
+                 (session_id, list(range(first_seq, first_seq + len(events))), [e.offset_ms for e in events],
+                  [e.kind for e in events], [e.data for e in events]))]
+
+
+def _rowcount(status: str) -> int:
+    """The rows a command changed, from its status (``UPDATE 3``, ``INSERT 0 1``)."""
+    last = status.rpartition(" ")[2]
+    return int(last) if last.isdigit() else 0
+
+
+class AsyncpgConnector:
+    """An asyncpg pool: reads on any pooled connection, each write transaction on one."""
+
+    def __init__(self, url: str, dialect: Dialect | None = None, pool_size: int = POOL_SIZE) -> None:
+        self.url = url
+        self.dialect = dialect or PostgresDialect()
+        self.pool_size = pool_size
+        self._pool: asyncpg.Pool | None = None
+        self._running: set[asyncio.Task[Any]] = set()
+
+    async def connect(self) -> None:
+        try:
+            self._pool = await asyncpg.create_pool(self.url, min_size=1, max_size=self.pool_size)
+        except (OSError, asyncio.TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError, ValueError) as exc:
+            # from None: the driver's exception may quote the DSN; the message is scrubbed of the password
+            raise StoreError(_scrub(f"cannot open the PostgreSQL store {redact(self.url)}: "
+                                    f"{type(exc).__name__}: {exc}", self.url)) from None
+
+    async def close(self) -> None:
+        if self._running:
+            await asyncio.gather(*self._running, return_exceptions=True)
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            await pool.close()
+
+    def _open_pool(self) -> asyncpg.Pool:
+        if self._pool is None:
+            raise RuntimeError("store is not open")
+        return self._pool
+
+    async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+        return await self._open_pool().fetch(self.dialect.render(sql), *params)
+
+    async def transact(self, work: Work[T]) -> T:
+        # a task of its own, shielded: the transaction completes even when the awaiting task is cancelled
+        task = asyncio.ensure_future(self._drive(self._open_pool(), work))
+        self._running.add(task)
+        task.add_done_callback(self._finished)
+        return await asyncio.shield(task)
+
+    def _finished(self, task: asyncio.Task[Any]) -> None:
+        self._running.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a cancelled caller's write that failed is not "never retrieved"
+
+    async def _drive(self, pool: asyncpg.Pool, work: Work[T]) -> T:
+        """``work`` inside one READ COMMITTED transaction on one pooled connection."""
+        try:
+            async with pool.acquire() as conn, conn.transaction():
+                result: Result | None = None
+                while True:
+                    try:
+                        sql, params = work.send(result)  # type: ignore[arg-type]
+                    except StopIteration as stop:
+                        return stop.value
+                    result = await self._run(conn, self.dialect.render(sql), params)
+        except asyncpg.UniqueViolationError as exc:
+            raise Conflict(str(exc)) from None
+
+    @staticmethod
+    async def _run(conn: asyncpg.Connection, sql: str, params: Any) -> Result:
+        if isinstance(params, list):  # one statement, once per row
+            if params:
+                await conn.executemany(sql, params)
+            return Result([], len(params))
+        if _ROWS.search(sql):
+            rows = await conn.fetch(sql, *params)
+            return Result(rows, len(rows))
+        return Result([], _rowcount(await conn.execute(sql, *params)))
+
+
+class PostgresStore(SQLStore):
+    """Store backed by a PostgreSQL database (several gateways may share it)."""
+
+    def __init__(self, url: str, box: SecretBox) -> None:
+        super().__init__(AsyncpgConnector(url), box)
+        self.url = url
