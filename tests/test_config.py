@@ -122,3 +122,38 @@ def test_cli_says_which_address_is_taken(tmp_path):
     assert result.returncode == 2
     assert f"api.listen: cannot listen on 127.0.0.1:{port}" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_postgres_store_is_named_by_a_url_and_the_url_is_never_shown(tmp_path):
+    path = tmp_path / "pg.toml"
+    path.write_text('[store]\ndriver = "postgres"\nurl = "postgresql://gw:file-secret@db.example:5432/gw"\n')
+    assert load_config(path, environ={})["store.url"] == "postgresql://gw:file-secret@db.example:5432/gw"
+    from_env = load_config(path, environ={"GATEWAYD_STORE_URL": "postgres://gw:env-secret@db2/gw"})
+    assert (from_env["store.driver"], from_env["store.url"]) == ("postgres", "postgres://gw:env-secret@db2/gw")
+    with pytest.raises(ConfigError, match=r"^store\.url: required when store\.driver = 'postgres'"):
+        load_config(None, environ={"GATEWAYD_STORE_DRIVER": "postgres"})
+    with pytest.raises(ConfigError, match=r"^store\.url: expected a URL") as err:
+        load_config(path, environ={"GATEWAYD_STORE_URL": "mysql://gw:env-secret@db2/gw"})
+    assert "env-secret" not in str(err.value)
+    assert load_config(None, environ={})["store.driver"] == "sqlite"  # the embedded default stays
+
+
+def test_cli_says_the_postgres_store_cannot_be_opened_without_its_password(tmp_path):
+    import socket
+
+    from tests.conftest import free_port
+
+    with socket.socket() as closed:  # nothing listens on this port
+        closed.bind(("127.0.0.1", 0))
+        url = f"postgresql://gw:pa%24%24-hunter2@127.0.0.1:{closed.getsockname()[1]}/gw"
+        env = {"GATEWAYD_DATA_DIR": str(tmp_path / "data"), "GATEWAYD_API_LISTEN": f"127.0.0.1:{free_port()}",
+               "GATEWAYD_LISTENERS_POSTGRES": "", "GATEWAYD_LISTENERS_SSH": "", "GATEWAYD_LISTENERS_RDP": "",
+               "GATEWAYD_LISTENERS_HTTP": "", "GATEWAYD_STORE_DRIVER": "postgres", "GATEWAYD_STORE_URL": url,
+               "PATH": "/usr/bin:/bin"}
+        for command in (["run"], ["token", "create", "--email", "a@example.com"]):
+            result = subprocess.run([sys.executable, "-m", "launcher", *command], capture_output=True, text=True,
+                                    timeout=60, env=env)
+            assert result.returncode == 1, result.stderr
+            assert "store error: cannot open the PostgreSQL store postgresql://gw:***@127.0.0.1" in result.stderr
+            assert "hunter2" not in result.stderr and "pa$$" not in result.stderr
+            assert "Traceback" not in result.stderr

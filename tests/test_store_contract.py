@@ -618,3 +618,48 @@ def test_numbered_placeholders_for_a_dollar_dialect():
     from gatewayd.store.sql import numbered
 
     assert numbered("UPDATE t SET a = ? WHERE b IN (?, ?)") == "UPDATE t SET a = $1 WHERE b IN ($2, $3)"
+
+
+async def test_postgres_store_errors_never_show_the_url_s_password(pg_store):
+    from gatewayd.store import StoreError
+    from gatewayd.store.postgres import PostgresStore
+
+    url = pg_store.dsn(password="wrong-hunter2")
+    store = PostgresStore(url, SecretBox(os.urandom(32)))
+    with pytest.raises(StoreError) as err:
+        await store.open()
+    message = str(err.value)
+    assert "password authentication failed" in message and ":***@127.0.0.1" in message
+    assert "hunter2" not in message and err.value.__cause__ is None and err.value.__suppress_context__
+
+
+async def test_a_postgres_write_completes_when_its_caller_is_cancelled(pg_store):
+    """As the SQLite writer thread does: a transaction under way is committed, not rolled back, when the task
+    that awaits it is cancelled (a recording flush cancelled at shutdown loses nothing)."""
+    from gatewayd.store.postgres import PostgresStore
+    from tests.conftest import new_store_database
+
+    url, box = await new_store_database(pg_store), SecretBox(os.urandom(32))
+    store = PostgresStore(url, box)
+    await store.open()
+    org = await an_org(store)
+    session = a_session(org)
+    under_way = asyncio.Event()
+
+    def work():
+        under_way.set()
+        yield "SELECT pg_sleep(0.2)", ()  # the caller is cancelled while this runs
+        yield queries.insert("sessions", session)
+
+    caller = asyncio.create_task(store.db.transact(work()))
+    await under_way.wait()
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    await store.close()  # waits for the transactions under way
+    again = PostgresStore(url, box)
+    await again.open()
+    try:
+        assert await again.get_session(session.id) == session
+    finally:
+        await again.close()
