@@ -155,13 +155,15 @@ def proxy_daemon(tmp_path_factory: pytest.TempPathFactory, name: str, listener: 
 
 
 @contextlib.asynccontextmanager
-async def core_gateway(tmp_path: Path) -> AsyncIterator[Any]:
-    """The core services of a Gateway in process (store, recording; no listeners), closed at the end."""
+async def core_gateway(tmp_path: Path, settings: dict[str, Any] | None = None) -> AsyncIterator[Any]:
+    """The core services of a Gateway in process (store, recording; no listeners), closed at the end.
+
+    ``settings``: more configuration (``store_settings`` gives the store's)."""
     from gatewayd.config import load_config
     from gatewayd.daemon import Gateway
 
     gateway = Gateway(load_config(None, environ={}, overrides={
-        "data_dir": str(tmp_path / "data"), "sessions.flush_interval": "100ms"}))
+        "data_dir": str(tmp_path / "data"), "sessions.flush_interval": "100ms", **(settings or {})}))
     await gateway.open_core()
     await gateway.recording.start()
     yield gateway
@@ -228,6 +230,14 @@ def pg_store() -> Iterator[Any]:
     cluster = PgCluster(tls=False).start()
     yield cluster
     cluster.destroy()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def store_settings(request) -> dict[str, Any]:
+    """The configuration of each store backend: the embedded SQLite, or a fresh database of ``pg_store``."""
+    if request.param == "sqlite":
+        return {"store.driver": "sqlite"}
+    return {"store.driver": "postgres", "store.url": await new_store_database(request.getfixturevalue("pg_store"))}
 
 
 async def new_store_database(cluster: Any) -> str:

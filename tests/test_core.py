@@ -17,8 +17,9 @@ from tests.conftest import core_gateway, free_port
 
 
 @pytest.fixture
-async def core(tmp_path):
-    async with core_gateway(tmp_path) as gateway:
+async def core(tmp_path, store_settings):
+    """The core services on each store backend."""
+    async with core_gateway(tmp_path, store_settings) as gateway:
         yield gateway
 
 
@@ -180,13 +181,13 @@ def test_target_port_defaults_and_refuses_typos():
     assert [target_port({"PORT": bad}, 22) for bad in ("54x32", "0", "65536", "-1")] == [0, 0, 0, 0]
 
 
-async def test_two_processes_claim_a_credential_s_issued_session_once(tmp_path):
+async def test_two_processes_claim_a_credential_s_issued_session_once(tmp_path, store_settings):
     """Two gateways on one store (as two processes): one connection claims the issued session, the other
     gets a session of its own; the claim is the store's, not an in-memory set's."""
     from gatewayd.models import Credential
     from gatewayd.sessions import session_for
 
-    async with core_gateway(tmp_path) as one, core_gateway(tmp_path) as two:
+    async with core_gateway(tmp_path, store_settings) as one, core_gateway(tmp_path, store_settings) as two:
         conn = await a_connection(one)
         org = await one.store.default_org()
         user = User(id=new_id(), org_id=org.id, subject="sub-claim", email="claim@example.com")
