@@ -38,7 +38,7 @@ from gatewayd.throttle import Throttle
 from gatewayd.reviews import ReviewService
 from gatewayd.scripts import ScriptRunner
 from gatewayd.sessions import SessionManager
-from gatewayd.store import Store, open_store
+from gatewayd.store import Store, describe, open_store
 
 log = logging.getLogger("gatewayd")
 
@@ -235,6 +235,7 @@ class Gateway:
         await self.listeners.apply(listen_addresses(self.server_config))
         log.info("gatewayd started", extra={"version": self.version, "api": self.config["api.listen"],
                                             "data_dir": str(self.config.data_dir),
+                                            "store": describe(self.config),  # a URL's password as ***
                                             "recovered_sessions": recovered})
         _notify("READY=1")
 

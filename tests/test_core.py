@@ -225,3 +225,28 @@ async def test_killing_a_session_no_process_runs_records_the_request_and_closes_
     live = await core.sessions.open(user, conn, credential=cred)  # the killed session is never claimed
     assert live.id != issued.id
     await live.close(exit_code=0)
+
+
+
+def test_a_daemon_and_its_host_commands_on_a_postgres_store(tmp_path, pg_store):
+    """``gatewayd run`` on a PostgreSQL store: a token minted by the host command (no SQLite file anywhere)
+    works on the API; the start line names the store with its password as ***."""
+    import json
+    import urllib.request
+
+    from tests.conftest import Daemon, new_store_database
+
+    url = asyncio.run(new_store_database(pg_store))
+    daemon = Daemon(tmp_path / "data", {"store.driver": "postgres", "store.url": url}).start()
+    try:
+        token = daemon.token("pg-store@example.com", groups="admin")
+        request = urllib.request.Request(f"{daemon.url}/userinfo", headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert json.loads(response.read())["email"] == "pg-store@example.com"
+    finally:
+        assert daemon.stop() == 0
+    assert not (tmp_path / "data" / "gatewayd.db").exists()
+    log = daemon.log_text()
+    assert pg_store.password not in log
+    started = next(json.loads(line) for line in log.splitlines() if "gatewayd started" in line)
+    assert started["store"] == f"the PostgreSQL store {url.replace(pg_store.password, '***')}"

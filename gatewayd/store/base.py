@@ -1,4 +1,4 @@
-"""The store interface every backend implements (SQLite now, PostgreSQL later).
+"""The store interface every backend implements (SQLite, PostgreSQL).
 
 Callers speak only in records, filters and intents (claim, close, request a kill); no SQL
 leaves a backend, and no caller writes a session column it has no intent for. The SQL

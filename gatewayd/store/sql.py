@@ -15,13 +15,13 @@ connector in its writer thread, synchronously; an asyncpg connector with ``await
 statement). So the claim, the audit chain's read-then-insert and the migrations carry their
 logic to every backend unchanged, sans I/O, the way the codecs do.
 
-How the PostgreSQL backend (the scale-out issue) plugs in: a ``PostgresDialect`` (``$n``
+The PostgreSQL backend (``gatewayd.store.postgres``) is a ``PostgresDialect`` (``$n``
 placeholders via ``render``, ``jsonb_exists_any`` for JSON-array tests, ``COLLATE "C"`` and
 explicit NULLS placement in ``sort``, BYTEA/DOUBLE PRECISION and an identity ``row_order``
-column in ``ddl``, ``unnest`` or ``executemany`` in ``event_inserts``,
+column in ``ddl``, ``unnest`` in ``event_inserts``,
 ``pg_advisory_xact_lock`` in ``lock``) and an asyncpg ``Connector`` (a pool; ``transact``
-runs the work in ``conn.transaction()``), then ``SQLStore(connector, dialect, box)``. It must
-pass ``tests/test_store_contract.py`` unchanged.
+runs the work in ``conn.transaction()``), under ``SQLStore(connector, box)``. Every backend
+passes ``tests/test_store_contract.py`` unchanged.
 """
 
 from __future__ import annotations
