@@ -240,8 +240,10 @@ async def store_settings(request) -> dict[str, Any]:
     return {"store.driver": "postgres", "store.url": await new_store_database(request.getfixturevalue("pg_store"))}
 
 
-async def new_store_database(cluster: Any) -> str:
-    """A fresh, empty database in ``cluster`` (CREATE DATABASE from template0: cheap); its URL."""
+async def new_store_database(cluster: Any, options: str = "") -> str:
+    """A fresh, empty database in ``cluster`` (CREATE DATABASE from template0: cheap); its URL.
+
+    ``options``: more of CREATE DATABASE (a locale)."""
     import asyncpg
 
     import uuid
@@ -249,7 +251,7 @@ async def new_store_database(cluster: Any) -> str:
     name = f"gw_{uuid.uuid4().hex}"
     conn = await asyncpg.connect(cluster.dsn())
     try:
-        await conn.execute(f'CREATE DATABASE "{name}" TEMPLATE template0')
+        await conn.execute(f'CREATE DATABASE "{name}" TEMPLATE template0 {options}')
     finally:
         await conn.close()
     return cluster.dsn(database=name)

@@ -663,3 +663,28 @@ async def test_a_postgres_write_completes_when_its_caller_is_cancelled(pg_store)
         assert await again.get_session(session.id) == session
     finally:
         await again.close()
+
+
+async def test_postgres_orders_text_by_code_point_whatever_the_database_locale(pg_store):
+    """A database made with a linguistic locale (ICU en-US sorts "a" before "B") lists as SQLite does."""
+    from gatewayd.store.postgres import PostgresStore
+    from tests.conftest import new_store_database
+
+    url = await new_store_database(pg_store, "LOCALE_PROVIDER icu ICU_LOCALE 'en-US' LOCALE 'C.UTF-8'")
+    store = PostgresStore(url, SecretBox(os.urandom(32)))
+    await store.open()
+    try:
+        assert [r[0] for r in await store.db.fetch("SELECT x FROM (VALUES ('a'), ('B')) v(x) ORDER BY x")] == \
+            ["a", "B"]  # the database's own order
+        org = await an_org(store)
+        await store.create_resource(Resource(id=new_id(), org_id=org, name="res", type="database", subtype="postgres",
+                                             created_at=NOW, updated_at=NOW),
+                                    [a_connection(org, "a-role"), a_connection(org, "B-role")])
+        assert [c.name for c in await store.list_connections(org)] == ["B-role", "a-role"]
+        for name in ("b-rail", "A-rail"):
+            await store.save_guardrail(a_rail(org, name, ["c1"]), create=True)
+        assert [r.name for r in await store.list_guardrails(org, "c1")] == ["A-rail", "b-rail"]
+        assert [r[0] for r in await store.db.fetch("SELECT name FROM connections WHERE name > ? ORDER BY name",
+                                                   ("Z",))] == ["a-role"]  # comparisons too, not only ORDER BY
+    finally:
+        await store.close()
