@@ -157,3 +157,16 @@ def test_cli_says_the_postgres_store_cannot_be_opened_without_its_password(tmp_p
             assert "store error: cannot open the PostgreSQL store postgresql://gw:***@127.0.0.1" in result.stderr
             assert "hunter2" not in result.stderr and "pa$$" not in result.stderr
             assert "Traceback" not in result.stderr
+
+
+def test_a_store_url_s_password_is_redacted_in_every_spelling():
+    from gatewayd.store.postgres import _scrub, redact
+
+    assert redact("postgresql://gw:p%40ss@db:5432/gw?sslmode=require") == \
+        "postgresql://gw:***@db:5432/gw?sslmode=require"
+    assert redact("postgresql://gw@db/gw?sslmode=require&PASSWORD=q%26w") == \
+        "postgresql://gw@db/gw?sslmode=require&PASSWORD=***"
+    assert redact("postgresql://gw@db/gw") == "postgresql://gw@db/gw"
+    said = _scrub("failed for postgresql://gw:p%40ss@db/gw?password=q%26w (p@ss, q&w)",
+                  "postgresql://gw:p%40ss@db/gw?password=q%26w")
+    assert said == "failed for postgresql://gw:***@db/gw?password=*** (***, ***)"

@@ -13,7 +13,7 @@ import functools
 import hashlib
 import re
 from typing import Any, Sequence, TypeVar
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import asyncpg
 
@@ -36,32 +36,42 @@ _DDL = (
     (re.compile(r"\bINTEGER\b"), "BIGINT"),
     (re.compile(r"\bTEXT\b"), 'TEXT COLLATE "C"'),
 )
+_QUERY_PASSWORD = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
 # Statements whose rows are wanted (the others are run for their command status, ``UPDATE 3``).
 _ROWS = re.compile(r"^\s*(SELECT|WITH|VALUES)\b|\bRETURNING\b", re.IGNORECASE)
 
 
 def redact(url: str) -> str:
-    """A store URL fit for a log line or an error: the password replaced by ``***``."""
+    """A store URL fit for a log line or an error: the password (``user:password@`` or ``?password=``)
+    replaced by ``***``."""
     try:
         parts = urlsplit(url)
     except ValueError:
         return "<unparsable store URL>"
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rpartition("@")
-    userinfo = netloc[0].partition(":")[0]
-    return parts._replace(netloc=f"{userinfo}:***@{netloc[2]}").geturl()
+    if parts.password is not None:
+        netloc = parts.netloc.rpartition("@")
+        parts = parts._replace(netloc=f"{netloc[0].partition(':')[0]}:***@{netloc[2]}")
+    return _QUERY_PASSWORD.sub(r"\1***", parts.geturl())
+
+
+def _passwords(url: str) -> set[str]:
+    """Every spelling of the URL's passwords."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return set()
+    found = {v for k, v in parse_qsl(parts.query) if k.lower() == "password"}  # decoded
+    found |= set(re.findall(r"(?:^|&)password=([^&#]*)", parts.query, re.IGNORECASE))  # as written
+    if parts.password:
+        found |= {parts.password, unquote(parts.password)}
+    return {p for p in found if p and p != "***"}
 
 
 def _scrub(text: str, url: str) -> str:
     """``text`` without the URL's password in any spelling (a driver message may quote the DSN)."""
-    try:
-        password = urlsplit(url).password
-    except ValueError:
-        password = None
     if url:
         text = text.replace(url, redact(url))
-    for secret in {password, unquote(password)} if password else ():
+    for secret in sorted(_passwords(url), key=len, reverse=True):
         text = text.replace(secret, "***")
     return text
 
