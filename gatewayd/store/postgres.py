@@ -141,7 +141,8 @@ class AsyncpgConnector:
 
     async def connect(self) -> None:
         try:
-            self._pool = await asyncpg.create_pool(self.url, min_size=1, max_size=self.pool_size)
+            self._pool = await asyncpg.create_pool(self.url, min_size=1, max_size=self.pool_size,
+                                                   server_settings={"application_name": "gatewayd"})
         except (OSError, asyncio.TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError, ValueError) as exc:
             # from None: the driver's exception may quote the DSN; the message is scrubbed of the password
             raise StoreError(_scrub(f"cannot open the PostgreSQL store {redact(self.url)}: "
