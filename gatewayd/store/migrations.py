@@ -1,8 +1,11 @@
 """Versioned schema migrations, applied in order at start.
 
-Plain, portable SQL (TEXT timestamps in RFC 3339 UTC, JSON kept as TEXT) so a
-PostgreSQL backend can carry the same schema. Never edit a released
-migration: append a new one.
+Plain, portable SQL (TEXT timestamps in RFC 3339 UTC, JSON kept as TEXT) that
+both backends carry: the PostgreSQL dialect's ``ddl`` rewrites the type words
+(TEXT, INTEGER, REAL, BLOB: upper case, as types only; never in a literal) and
+gives each CREATE TABLE an identity ``row_order``. A statement is split at
+``;``, so none holds one in a literal. Never edit a released migration: append
+a new one.
 """
 
 MIGRATIONS: list[tuple[int, str]] = [

@@ -25,10 +25,10 @@ from gatewayd.store.sql import Dialect, Result, Statement, Work, numbered
 
 T = TypeVar("T")
 
-SCHEMES = ("postgresql", "postgres")
 POOL_SIZE = 10  # connections per process; a transaction holds one only while it runs
 
-# The portable migration scripts in PostgreSQL's types (see PostgresDialect.ddl).
+# The portable migration scripts in PostgreSQL's types (see PostgresDialect.ddl): whole upper-case words,
+# as the migrations spell their types (gatewayd/store/migrations.py).
 _DDL = (
     (re.compile(r"\bCREATE TABLE (\w+) \("), r"CREATE TABLE \1 (\n    row_order BIGINT GENERATED ALWAYS AS IDENTITY,"),
     (re.compile(r"\bBLOB\b"), "BYTEA"),
