@@ -688,3 +688,16 @@ async def test_postgres_orders_text_by_code_point_whatever_the_database_locale(p
                                                    ("Z",))] == ["a-role"]  # comparisons too, not only ORDER BY
     finally:
         await store.close()
+
+
+def test_postgres_ddl_rewrites_types_and_never_a_literal():
+    import re
+
+    from gatewayd.store.postgres import PostgresDialect
+
+    literals = re.compile(r"'[^']*'")
+    for version, script in MIGRATIONS:
+        translated = PostgresDialect().ddl(script)
+        assert literals.findall(translated) == literals.findall(script), version
+        assert not re.search(r"\b(BLOB|REAL|INTEGER)\b", translated), version
+        assert translated.count("row_order BIGINT GENERATED ALWAYS AS IDENTITY") == script.count("CREATE TABLE ")
