@@ -21,7 +21,7 @@ from aiohttp import web
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from gatewayd import __version__, protocols
+from gatewayd import __version__, metrics, protocols
 from gatewayd.access import AccessService
 from gatewayd.analysis import AnalysisService
 from gatewayd.audit import AuditLog
@@ -191,6 +191,7 @@ class Gateway:
         self.started_at = time.time()
         self.version = __version__
         self._runner: web.AppRunner | None = None
+        self._metrics_runner: web.AppRunner | None = None  # GET /metrics on ``metrics.listen``
         self._stopping = asyncio.Event()
 
     async def open_core(self) -> None:
@@ -232,12 +233,24 @@ class Gateway:
                 await web.TCPSite(self._runner, host, port, reuse_address=True).start()
             except OSError as exc:
                 raise ConfigError(f"api.listen: cannot listen on {host}:{port} ({exc.strerror or exc})") from None
+        await self._serve_metrics()
         await self.listeners.apply(listen_addresses(self.server_config))
         log.info("gatewayd started", extra={"version": self.version, "api": self.config["api.listen"],
                                             "data_dir": str(self.config.data_dir),
                                             "store": describe(self.config),  # a URL's password as ***
                                             "recovered_sessions": recovered})
         _notify("READY=1")
+
+    async def _serve_metrics(self) -> None:
+        """The Prometheus endpoint; an address already taken is logged and the daemon goes on (as a listener)."""
+        address = self.config["metrics.listen"]
+        if not address:
+            return
+        host, port = split_listen(address)
+        try:
+            self._metrics_runner = await metrics.serve(host, port)
+        except OSError as exc:
+            log.error("metrics listener failed to start", extra={"address": address, "error": exc.strerror or str(exc)})
 
     async def _load_server_config(self) -> dict[str, Any]:
         stored = await self.store.get_setting(SERVER_CONFIG_KEY)
@@ -295,6 +308,8 @@ class Gateway:
             await self.recording.stop()
         if self._runner is not None:
             await self._runner.cleanup()
+        if self._metrics_runner is not None:
+            await self._metrics_runner.cleanup()
         if self.identity is not None:
             await self.identity.stop()
         if self.analysis is not None:

@@ -30,6 +30,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Generic, TypeVar
 
+from gatewayd import metrics
 from gatewayd.access import AccessDenied, AccessGrant
 from gatewayd.dialer import DialError, Dialer
 from gatewayd.policy import SessionPolicy
@@ -138,10 +139,15 @@ class SessionPipeline:
 
         ``audit_success=False``: a proxy re-checking a credential it let in already (HTTP's requests).
         """
-        return await self.access.resolve(secret, protocol, client_ip, audit_success=audit_success)
+        try:
+            return await self.access.resolve(secret, protocol, client_ip, audit_success=audit_success)
+        except AccessDenied:
+            metrics.login_refused(protocol)
+            raise
 
     async def refuse(self, grant: AccessGrant, protocol: str, reason: str, client_ip: str = "") -> None:
         """Audit a refusal the proxy decided after ``admit`` (the credential's one session is closed)."""
+        metrics.login_refused(protocol)
         await self.access.refused(grant, protocol, reason, client_ip)
 
     # -- dial, open, arm
@@ -245,6 +251,7 @@ class SessionPipeline:
 
     async def _arm(self, live: LiveSession, target: T, on_kill: KillCallback | None, observe: bool,
                    client_ip: str) -> SessionRun[T]:
+        metrics.track_session(live)  # open until it closes, whatever closes it
         if on_kill is not None:
             live.on_kill(on_kill)
         try:

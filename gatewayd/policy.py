@@ -44,6 +44,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from gatewayd import metrics
 from gatewayd.guardrails import GuardVerdict
 
 if TYPE_CHECKING:
@@ -229,6 +230,7 @@ class SessionPolicy:
             self.recorder.error(verdict.message)
             await self.rules.observe.blocked(verdict.analysis)  # type: ignore[union-attr]
             return
+        metrics.blocked(verdict.direction)
         await self.live.blocked(verdict, self.client_ip)
 
     # -- verdicts to wait for

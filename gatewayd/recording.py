@@ -16,6 +16,7 @@ import logging
 import time
 from typing import Any
 
+from gatewayd import metrics
 from gatewayd.evidence import EventBatch, Sealer, Verification, batch_hash, seal_statement, verify_recording
 from gatewayd.models import CHAIN_GENESIS, Session, SessionEvent
 from gatewayd.store import Store
@@ -188,14 +189,17 @@ class RecordingService:
         async with self._flush_lock:
             batches = [b for b in (r.take_batch() for r in list(self._recorders.values())) if b is not None]
             if batches:
+                began = _monotonic()
                 try:
                     await self.store.append_events(batches)
                 except Exception:
+                    metrics.flush_failed()
                     for batch in batches:  # put them back, in order, for the next try
                         rec = self._recorders.get(batch.session_id)
                         if rec is not None:
                             rec.untake(batch)
                     raise
+                metrics.flushed(batches, self._recorders, _monotonic() - began)
 
     async def close(self, recorder: SessionRecorder, *, end_date: str, exit_code: int | None) -> None:
         """Flush a recorder's last events together with the session's end (status done) and its seal."""
@@ -212,7 +216,9 @@ class RecordingService:
                 batch = EventBatch(recorder.session_id, recorder.next_seq, [], fields)
             else:
                 batch.session_fields.update(fields)
+            began = _monotonic()
             await self.store.close_session(batch, end_date=end_date, exit_code=exit_code, seal=seal)
+            metrics.flushed((batch,), {recorder.session_id: recorder}, _monotonic() - began, "close")
 
     async def verify(self, session: Session) -> Verification:
         """Whether ``session``'s stored recording is as it was written (hashing runs off the event loop)."""

@@ -78,6 +78,7 @@ class Daemon:
             "sessions.shutdown_grace": "1s",
             # no proxy is bound unless a test asks for it
             "listeners.postgres": "", "listeners.ssh": "", "listeners.rdp": "", "listeners.http": "",
+            "metrics.listen": "",  # no Prometheus listener on its fixed default port either
             **(settings or {}),
         }
         self.config_path = write_config(data_dir.parent / f"{data_dir.name}.toml", self.settings)

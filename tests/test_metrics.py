@@ -1,0 +1,231 @@
+"""Operations: ``/api/readyz`` and the Prometheus endpoint of a real ``gatewayd run``.
+
+Real psql, ssh and curl go through the daemon's proxies to real targets; then ``/metrics`` is scraped
+(on its own ``[metrics] listen`` address) and the counters must have moved: sessions opened and closed
+per protocol, refused logins, a guard-rail block, recorded bytes, the flusher's lag and store latency.
+Readiness answers 200 naming what it checked, and 503 naming a listener whose port was taken.
+Multi-process mode (``PROMETHEUS_MULTIPROC_DIR``) merges what other processes counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.apiclient import Api, PostgresApi, SshApi, admin_http
+from tests.conftest import ROOT, Daemon, free_port, wait_port
+from tests.sshpeer import CLIENT_OPTIONS
+
+
+class Samples(dict):
+    """One scrape: (sample name, sorted labels) -> value."""
+
+    def get_value(self, name: str, **labels: str) -> float:
+        return self.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+async def scrape(daemon: Daemon) -> Samples:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"http://127.0.0.1:{daemon.metrics_port}/metrics") as response:
+            assert response.status == 200
+            assert response.headers["Content-Type"].startswith("text/plain")
+            text = await response.text()
+    samples = Samples()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+async def scrape_until(daemon: Daemon, predicate, what: str, timeout: float = 30) -> Samples:
+    """The first scrape for which ``predicate`` holds (the flusher and session closes are asynchronous)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        samples = await scrape(daemon)
+        if predicate(samples):
+            return samples
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the metrics never showed {what}: "
+                                 f"{ {k: v for k, v in samples.items() if k[0].startswith('gatewayd_')} }")
+        await asyncio.sleep(0.1)
+
+
+def start_daemon(tmp_path_factory: pytest.TempPathFactory, name: str, settings: dict,
+                 env: dict[str, str] | None = None) -> Daemon:
+    daemon = Daemon(tmp_path_factory.mktemp(name) / "data", {
+        "metrics.listen": f"127.0.0.1:{free_port()}", "sessions.flush_interval": "100ms", **settings})
+    daemon.metrics_port = int(daemon.settings["metrics.listen"].rsplit(":", 1)[1])
+    if env:
+        base = daemon.env
+        daemon.env = lambda: {**base(), **env}  # type: ignore[method-assign]
+    daemon.start()
+    wait_port(daemon.metrics_port, daemon.process, "the metrics listener")
+    return daemon
+
+
+@pytest.fixture(scope="module")
+def http_peer():
+    from tests.test_http_proxy import start_target
+
+    process, port = start_target()
+    yield f"http://127.0.0.1:{port}"
+    process.terminate()
+    process.wait(10)
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory, pg_target, ssh_target, http_peer):
+    ports = {name: free_port() for name in ("postgres", "ssh", "http")}
+    daemon = start_daemon(tmp_path_factory, "metrics", {
+        f"listeners.{name}": f"127.0.0.1:{port}" for name, port in ports.items()})
+    for name, port in ports.items():
+        wait_port(port, daemon.process, f"the {name} listener")
+    daemon.ports = ports
+    yield daemon
+    assert daemon.stop() == 0
+
+
+def psql(daemon: Daemon, secret: str, sql: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+    env.update(PGHOST="127.0.0.1", PGPORT=str(daemon.ports["postgres"]), PGUSER=secret, PGDATABASE="postgres",
+               PGSSLMODE="disable", PGPASSWORD="any", PGCONNECT_TIMEOUT="10")
+    return subprocess.run(["psql", "-X", "-At", "-c", sql], capture_output=True, text=True, env=env, timeout=60)
+
+
+def curl(url: str, secret: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "-H", f"Authorization: {secret}",
+                           url], capture_output=True, text=True, timeout=60)
+
+
+async def test_sessions_refusals_blocks_and_bytes_move_the_counters(gateway, pg_target, ssh_target, http_peer):
+    before = await scrape(gateway)
+    async with admin_http(gateway) as http:
+        pg = PostgresApi(gateway, http, pg_target)
+        connection = await pg.role()
+        await pg.guardrail(connection, input_rules=[{"type": "deny_words_list", "words": ["forbidden_word"]}])
+        secret, session_id = await pg.credential(connection)
+        result = await asyncio.to_thread(psql, gateway, secret, "select 'metrics-' || 42")
+        assert result.returncode == 0 and result.stdout.strip() == "metrics-42", result.stderr
+        await pg.done_session(session_id)
+        secret, blocked_id = await pg.credential(connection)
+        result = await asyncio.to_thread(psql, gateway, secret, "select 'forbidden_word'")
+        assert "forbidden_word" in result.stderr, result.stderr
+        await pg.done_session(blocked_id)
+        refused = await asyncio.to_thread(psql, gateway, "pg-" + "A" * 43, "select 1")
+        assert refused.returncode != 0
+
+        ssh = SshApi(gateway, http, ssh_target)
+        secret, ssh_session = await ssh.credential(await ssh.role())
+        result = await asyncio.to_thread(subprocess.run, [
+            "ssh", *CLIENT_OPTIONS, "-p", str(gateway.ports["ssh"]), f"{secret}@127.0.0.1", "echo relayed-by-ssh"],
+            capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0 and "relayed-by-ssh" in result.stdout, result.stderr
+        await ssh.done_session(ssh_session)
+
+        web = Api(gateway, http)
+        web.secret_field = "proxy_token"
+        secret, _ = await web.credential(await web.connection("web", "httpproxy", "httpproxy",
+                                                              {"REMOTE_URL": http_peer}))
+        proxy = f"http://127.0.0.1:{gateway.ports['http']}/json"
+        assert (await asyncio.to_thread(curl, proxy, secret)).stdout == "200"
+        assert (await asyncio.to_thread(curl, proxy, "httpproxy-" + "B" * 43)).stdout == "401"
+
+    def moved(name: str, by: float = 1, **labels: str):
+        return lambda now: now.get_value(name, **labels) - before.get_value(name, **labels) >= by
+
+    checks = {
+        "two postgres sessions opened": moved("gatewayd_sessions_opened_total", 2, protocol="postgres"),
+        "two postgres sessions closed": moved("gatewayd_sessions_closed_total", 2, protocol="postgres"),
+        "an ssh session opened and closed": lambda now: moved("gatewayd_sessions_opened_total", protocol="ssh")(now)
+        and moved("gatewayd_sessions_closed_total", protocol="ssh")(now),
+        "the http session open (one per credential)": moved("gatewayd_sessions_open", protocol="http"),
+        "a refused postgres login": moved("gatewayd_logins_refused_total", protocol="postgres"),
+        "a refused http request": moved("gatewayd_logins_refused_total", protocol="http"),
+        "an input block": moved("gatewayd_guardrail_blocks_total", direction="input"),
+        "postgres input recorded": moved("gatewayd_recorded_bytes_total", len("select 'metrics-' || 42"),
+                                         protocol="postgres", direction="input"),
+        "ssh output recorded": moved("gatewayd_recorded_bytes_total", len("relayed-by-ssh"), protocol="ssh",
+                                     direction="output"),
+        "a refusal recorded as an error event": moved("gatewayd_recorded_bytes_total", protocol="postgres",
+                                                      direction="error"),
+        "flushes timed": moved("gatewayd_store_write_seconds_count", operation="append"),
+        "closes timed": moved("gatewayd_store_write_seconds_count", 3, operation="close"),
+        "flush lag observed": moved("gatewayd_recording_flush_lag_seconds_count"),
+    }
+    after = await scrape_until(gateway, lambda now: all(check(now) for check in checks.values()),
+                               ", ".join(what for what, check in checks.items()))
+    assert after.get_value("gatewayd_sessions_open", protocol="postgres") == 0
+    assert after.get_value("gatewayd_sessions_open", protocol="ssh") == 0
+    assert after.get_value("gatewayd_recording_flush_failures_total") == 0
+    assert not any(name == "gatewayd_logins_refused_total" and dict(labels).get("protocol") == "ssh"
+                   and value > before.get_value(name, **dict(labels)) for (name, labels), value in after.items())
+
+
+async def test_readyz_names_what_it_checked(gateway):
+    async with aiohttp.ClientSession() as http:
+        api = Api(gateway, http)
+        status, body = await api("GET", "/readyz")  # checked against the OpenAPI document
+        assert status == 200, body
+        assert body["status"] == "ready" and body["store"]["status"] == "ok"
+        assert {name: body["listeners"][name]["status"] for name in gateway.ports} == dict.fromkeys(
+            gateway.ports, "running")
+        assert await api("GET", "/healthz") == (200, {"status": "ok", "version": body.get("version", "0.1.0")})
+
+
+async def test_readyz_is_503_when_a_listener_could_not_start(tmp_path_factory):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        daemon = start_daemon(tmp_path_factory, "notready", {"listeners.ssh": f"127.0.0.1:{port}"})
+        try:
+            async with aiohttp.ClientSession() as http:
+                api = Api(daemon, http)
+                status, body = await api("GET", "/readyz")
+                while body["listeners"]["ssh"]["status"] == "stopped":  # the daemon is still starting it
+                    assert status == 503 and "ssh listener" in body["message"], body
+                    await asyncio.sleep(0.05)
+                    status, body = await api("GET", "/readyz")
+                assert status == 503, body
+                assert body["status"] == "not ready" and body["store"]["status"] == "ok"
+                assert body["listeners"]["ssh"]["status"] == "error"
+                assert f"ssh listener on 127.0.0.1:{port} failed" in body["message"]
+                assert await api("GET", "/healthz") == (200, {"status": "ok", "version": "0.1.0"})  # still alive
+        finally:
+            assert daemon.stop() == 0
+
+
+WORKER = """
+import sys
+from gatewayd import metrics
+for _ in range(int(sys.argv[1])):
+    metrics.login_refused("rdp")
+"""
+
+
+async def test_multiprocess_mode_merges_every_process(tmp_path_factory, tmp_path):
+    """With PROMETHEUS_MULTIPROC_DIR, what another process (a worker) counted is in this node's scrape."""
+    shared = tmp_path / "prometheus"
+    shared.mkdir()
+    env = {"PROMETHEUS_MULTIPROC_DIR": str(shared)}
+    daemon = start_daemon(tmp_path_factory, "multiproc", {}, env)
+    try:
+        worker = subprocess.run([sys.executable, "-c", WORKER, "3"], env={**os.environ, **env}, cwd=ROOT,
+                                capture_output=True, text=True, timeout=60)
+        assert worker.returncode == 0, worker.stderr
+        samples = await scrape(daemon)
+        assert samples.get_value("gatewayd_logins_refused_total", protocol="rdp") == 3
+        async with aiohttp.ClientSession() as http:  # and the daemon's own counts are merged in too
+            async with http.get(f"{daemon.url}/readyz") as response:
+                assert response.status == 200
+        assert any(path.name.startswith("counter_") for path in shared.iterdir())
+    finally:
+        assert daemon.stop() == 0
