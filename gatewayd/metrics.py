@@ -2,6 +2,7 @@
 
 The core calls one function per event, never per wire message:
 
+* ``connection_opened`` / ``connection_closed`` -- a proxy's client connection (PostgreSQL, SSH);
 * ``track_session`` -- a session armed by the pipeline (open sessions per protocol, opened/closed counts);
 * ``login_refused`` -- a credential refused (unknown, expired, wrong protocol, throttled, refused after admit);
 * ``blocked``       -- a guard rail blocked input or output;
@@ -45,6 +46,9 @@ LAG_BUCKETS = (.01, .05, .1, .25, .5, 1, 2, 5, 10, 30, 60)
 
 SESSIONS_OPEN = Gauge("gatewayd_sessions_open", "Sessions in progress on this node, per protocol",
                       ["protocol"], multiprocess_mode="livesum")
+CONNECTIONS_OPEN = Gauge("gatewayd_connections_open", "Client connections in progress on this node, per protocol "
+                         "(from accept to close, refused ones included)", ["protocol"], multiprocess_mode="livesum")
+CONNECTIONS = Counter("gatewayd_connections", "Client connections accepted, per protocol", ["protocol"])
 SESSIONS_OPENED = Counter("gatewayd_sessions_opened", "Sessions opened (or claimed), per protocol", ["protocol"])
 SESSIONS_CLOSED = Counter("gatewayd_sessions_closed", "Sessions closed, per protocol", ["protocol"])
 LOGINS_REFUSED = Counter("gatewayd_logins_refused", "Connections refused at login (credential unknown, expired, "
@@ -91,6 +95,16 @@ def track_session(live: LiveSession) -> None:
         SESSIONS_CLOSED.labels(protocol).inc()
 
     live.before_close.append(closed)
+
+
+def connection_opened(protocol: str) -> None:
+    """A proxy accepted a client connection (call ``connection_closed`` exactly once when it ends)."""
+    CONNECTIONS.labels(protocol).inc()
+    CONNECTIONS_OPEN.labels(protocol).inc()
+
+
+def connection_closed(protocol: str) -> None:
+    CONNECTIONS_OPEN.labels(protocol).dec()
 
 
 def login_refused(protocol: str) -> None:

@@ -2,7 +2,7 @@
 
 Real psql, ssh and curl go through the daemon's proxies to real targets; then ``/metrics`` is scraped
 (on its own ``[metrics] listen`` address) and the counters must have moved: sessions opened and closed
-per protocol, refused logins, a guard-rail block, recorded bytes, the flusher's lag and store latency.
+and connections per protocol, refused logins, a guard-rail block, recorded bytes, the flusher's lag and store latency.
 Readiness answers 200 naming what it checked, and 503 naming a listener whose port was taken.
 Multi-process mode (``PROMETHEUS_MULTIPROC_DIR``) merges what other processes counted.
 """
@@ -147,6 +147,8 @@ async def test_sessions_refusals_blocks_and_bytes_move_the_counters(gateway, pg_
         "an ssh session opened and closed": lambda now: moved("gatewayd_sessions_opened_total", protocol="ssh")(now)
         and moved("gatewayd_sessions_closed_total", protocol="ssh")(now),
         "the http session open (one per credential)": moved("gatewayd_sessions_open", protocol="http"),
+        "three postgres connections (one refused)": moved("gatewayd_connections_total", 3, protocol="postgres"),
+        "an ssh connection": moved("gatewayd_connections_total", protocol="ssh"),
         "a refused postgres login": moved("gatewayd_logins_refused_total", protocol="postgres"),
         "a refused http request": moved("gatewayd_logins_refused_total", protocol="http"),
         "an input block": moved("gatewayd_guardrail_blocks_total", direction="input"),
@@ -164,6 +166,9 @@ async def test_sessions_refusals_blocks_and_bytes_move_the_counters(gateway, pg_
                                ", ".join(what for what, check in checks.items()))
     assert after.get_value("gatewayd_sessions_open", protocol="postgres") == 0
     assert after.get_value("gatewayd_sessions_open", protocol="ssh") == 0
+    after = await scrape_until(gateway, lambda now: now.get_value("gatewayd_connections_open", protocol="postgres")
+                               == now.get_value("gatewayd_connections_open", protocol="ssh") == 0,
+                               "every postgres and ssh connection closed")
     assert after.get_value("gatewayd_recording_flush_failures_total") == 0
     assert not any(name == "gatewayd_logins_refused_total" and dict(labels).get("protocol") == "ssh"
                    and value > before.get_value(name, **dict(labels)) for (name, labels), value in after.items())

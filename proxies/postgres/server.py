@@ -28,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from gatewayd import metrics
 from gatewayd.access import looks_like_secret
 from gatewayd.pipeline import BLOCKED_EXIT_CODE, AccessDenied, GatewayClosing, ProxyContext, TargetUnreachable
 from gatewayd.tasks import BackgroundTasks
@@ -124,12 +125,14 @@ class PostgresListener:
 
     async def handle(self, stream: FrameStream) -> None:
         connection = ClientConnection(self, stream)
+        metrics.connection_opened("postgres")
         try:
             await connection.run()
         except Exception:
             log.exception("postgres connection failed", extra={"client_ip": connection.client_ip})
         finally:
             connection.stream.close()
+            metrics.connection_closed("postgres")
 
     async def close(self) -> None:
         if self.server is not None:

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import asyncssh
 
+from gatewayd import metrics
 from gatewayd.access import looks_like_secret
 from gatewayd.masking import LineHold
 from gatewayd.pipeline import (
@@ -176,10 +177,12 @@ class GatewayConnection(asyncssh.SSHServer):
 
     def connection_made(self, conn: asyncssh.SSHServerConnection) -> None:
         self.conn = conn
+        metrics.connection_opened("ssh")
         peer = conn.get_extra_info("peername")
         self.client_ip = peer[0] if isinstance(peer, tuple) else ""
 
     def connection_lost(self, exc: Exception | None) -> None:
+        metrics.connection_closed("ssh")
         self.gone = True
         if self.ready is None or self.ready.done():
             self.tasks.spawn(self._finish())
