@@ -45,15 +45,16 @@ async def scrape(daemon: Daemon) -> Samples:
     return samples
 
 
-async def scrape_until(daemon: Daemon, predicate, what: str, timeout: float = 30) -> Samples:
-    """The first scrape for which ``predicate`` holds (the flusher and session closes are asynchronous)."""
+async def scrape_until(daemon: Daemon, checks: dict, timeout: float = 30) -> Samples:
+    """The first scrape that passes every check (what -> predicate): flushes and closes are asynchronous."""
     deadline = time.monotonic() + timeout
     while True:
         samples = await scrape(daemon)
-        if predicate(samples):
+        missing = [what for what, check in checks.items() if not check(samples)]
+        if not missing:
             return samples
         if time.monotonic() > deadline:
-            raise AssertionError(f"the metrics never showed {what}: "
+            raise AssertionError(f"the metrics never showed {', '.join(missing)}: "
                                  f"{ {k: v for k, v in samples.items() if k[0].startswith('gatewayd_')} }")
         await asyncio.sleep(0.1)
 
@@ -162,13 +163,12 @@ async def test_sessions_refusals_blocks_and_bytes_move_the_counters(gateway, pg_
         "closes timed": moved("gatewayd_store_write_seconds_count", 3, operation="close"),
         "flush lag observed": moved("gatewayd_recording_flush_lag_seconds_count"),
     }
-    after = await scrape_until(gateway, lambda now: all(check(now) for check in checks.values()),
-                               ", ".join(what for what, check in checks.items()))
+    after = await scrape_until(gateway, checks)
     assert after.get_value("gatewayd_sessions_open", protocol="postgres") == 0
     assert after.get_value("gatewayd_sessions_open", protocol="ssh") == 0
-    after = await scrape_until(gateway, lambda now: now.get_value("gatewayd_connections_open", protocol="postgres")
-                               == now.get_value("gatewayd_connections_open", protocol="ssh") == 0,
-                               "every postgres and ssh connection closed")
+    await scrape_until(gateway, {"every postgres and ssh connection closed": lambda now: now.get_value(
+        "gatewayd_connections_open", protocol="postgres") == now.get_value(
+        "gatewayd_connections_open", protocol="ssh") == 0})
     assert after.get_value("gatewayd_recording_flush_failures_total") == 0
     assert not any(name == "gatewayd_logins_refused_total" and dict(labels).get("protocol") == "ssh"
                    and value > before.get_value(name, **dict(labels)) for (name, labels), value in after.items())
