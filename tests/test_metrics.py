@@ -234,3 +234,22 @@ async def test_multiprocess_mode_merges_every_process(tmp_path_factory, tmp_path
         assert any(path.name.startswith("counter_") for path in shared.iterdir())
     finally:
         assert daemon.stop() == 0
+
+
+async def test_readyz_is_503_when_the_store_does_not_answer(tmp_path):
+    """The API of a gateway whose store went away (closed under it): not ready, naming the store."""
+    from aiohttp.test_utils import TestServer
+
+    from control.app import make_app
+    from tests.conftest import core_gateway
+
+    async with core_gateway(tmp_path) as gateway:
+        gateway.server_config = {}  # no listener asked for
+        async with TestServer(make_app(gateway)) as server, aiohttp.ClientSession() as http:
+            async with http.get(server.make_url("/api/readyz")) as response:
+                assert response.status == 200, await response.text()
+            await gateway.store.close()
+            async with http.get(server.make_url("/api/readyz")) as response:
+                body = await response.json()
+            assert response.status == 503, body
+            assert body["store"]["status"] == "error" and body["message"].startswith("not ready: store unreachable")
