@@ -253,3 +253,29 @@ async def test_readyz_is_503_when_the_store_does_not_answer(tmp_path):
                 body = await response.json()
             assert response.status == 503, body
             assert body["store"]["status"] == "error" and body["message"].startswith("not ready: store unreachable")
+
+
+def sample(name: str, **labels: str) -> float:
+    """A value of this process's own registry (the in-process gateway's)."""
+    from gatewayd import metrics
+
+    for family in text_string_to_metric_families(metrics.exposition().decode()):
+        for found in family.samples:
+            if found.name == name and found.labels == labels:
+                return found.value
+    return 0.0
+
+
+async def test_a_flush_the_store_refuses_is_counted_and_kept(tmp_path):
+    from tests.conftest import core_gateway
+
+    async with core_gateway(tmp_path) as gateway:
+        recorder = await gateway.recording.recorder("metrics-flush-failure")
+        recorder.input(b"select 1")
+        failures = sample("gatewayd_recording_flush_failures_total")
+        await gateway.store.close()  # the store goes away under the flusher
+        with pytest.raises(RuntimeError):
+            await gateway.recording.flush()
+        assert sample("gatewayd_recording_flush_failures_total") == failures + 1
+        assert [e.data for e in recorder.pending] == [b"select 1"]  # kept for the next try
+        recorder.pending.clear()  # nothing left to store when the gateway stops
