@@ -36,7 +36,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 from bisect import bisect_right
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import re2
@@ -148,11 +148,46 @@ _PREFILTER_OPTIONS.log_errors = False
 _PREFILTER_OPTIONS.never_capture = True  # whether anything can match is all the fast path asks: RE2's DFA
 
 
+_UNANCHORED = re2._Anchor.UNANCHORED if hasattr(re2, "_Anchor") else None
+
+
+def _spans_of(regex: Any) -> Callable[[bytes], list[tuple[int, int]]]:
+    """A function giving where ``regex`` (an RE2 on bytes) matches in its argument, as ``finditer`` would.
+
+    The hot path (every row's text, every candidate cell): google-re2's compiled expression is called
+    directly (``_regexp.Match``: one C++ call per match, no generator nor match object), with the very
+    steps of its ``finditer`` over bytes; ``finditer`` itself when a release no longer has it.
+    """
+    raw = getattr(regex, "_regexp", None)
+    run = getattr(raw, "Match", None)
+    if run is None or _UNANCHORED is None:
+        return lambda data: [match.span() for match in regex.finditer(data)]
+
+    def spans(data: bytes) -> list[tuple[int, int]]:
+        found: list[tuple[int, int]] = []
+        pos = 0
+        end = len(data)
+        while True:
+            span = run(_UNANCHORED, data, pos, end)[0]
+            if span[0] < 0:  # RE2's no match: (-1, -1)
+                return found
+            found.append(span)
+            if pos == end:
+                return found
+            pos = pos + 1 if pos == span[1] else span[1]  # an empty match at pos: step on
+
+    return spans
+
+
 @dataclass(slots=True)
 class _Finder:
     regex: Any  # RE2 on UTF-8 bytes
     check: Callable[[bytes], bool] | None
     style: str
+    spans: Callable[[bytes], list[tuple[int, int]]] = field(init=False)  # where it matches (``_spans_of``)
+
+    def __post_init__(self) -> None:
+        self.spans = _spans_of(self.regex)
 
 
 @dataclass(slots=True)
@@ -229,7 +264,7 @@ class Masker:
     store's secret key (``SecretBox.seal``): kept as ``seal`` when a rule asks to record the clear text.
     """
 
-    __slots__ = ("columns", "finders", "_key", "_prefilter", "row_prefilter", "seal")
+    __slots__ = ("columns", "finders", "_key", "_prefilter", "_prefilter_spans", "row_prefilter", "seal")
 
     def __init__(self, rules: list[MaskRule], key: bytes = b"",
                  seal: Callable[[bytes, bytes], bytes] | None = None) -> None:
@@ -237,6 +272,7 @@ class Masker:
         sources = [s for rule in rules for s in rule.sources]
         self._prefilter = (re2.compile("|".join(f"(?:{s})" for s in sources).encode(), _PREFILTER_OPTIONS)
                            if sources else None)
+        self._prefilter_spans = _spans_of(self._prefilter) if self._prefilter is not None else None
         self.columns: dict[str, str] = {}  # column name (lower case) -> style
         for rule in rules:
             for column in rule.columns:
@@ -258,12 +294,12 @@ class Masker:
         A match in a cell is a match in the row's text too (a tab, like a cell's ends, is no word
         character); an admin's anchored regex cannot be read so, and gives one span over everything.
         """
-        prefilter = self._prefilter
-        if prefilter is None:
+        spans = self._prefilter_spans
+        if spans is None:
             return []
         if not self.row_prefilter:
             return [(0, len(row_text) + 1)]
-        return [match.span() for match in prefilter.finditer(row_text)]
+        return spans(row_text)
 
     def candidate_cells(self, cells: list[bytes], spans: list[tuple[int, int]] | None = None,
                         total: int = -1) -> list[int]:
@@ -304,8 +340,7 @@ class Masker:
         spans: list[tuple[int, int, str]] = []
         for finder in self.finders:
             check = finder.check
-            for match in finder.regex.finditer(data):
-                start, end = match.span()
+            for start, end in finder.spans(data):
                 if end > start and (check is None or check(data[start:end])):
                     spans.append((start, end, finder.style))
         if not spans:

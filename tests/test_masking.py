@@ -331,3 +331,15 @@ def test_an_execute_of_a_statement_never_described_is_masked_whole_under_a_colum
                  pg.encode_command_complete("SELECT 1"), pg.encode_ready_for_query())
     # the last description (id int) does not stand for this statement's columns: masked whole (fail closed)
     assert rows_of(out) in ([[b"****"]], [[None]])
+
+
+@pytest.mark.parametrize(("pattern", "data"), [(b"a*", b"xaay"), (b"a*", b""), (b"x", b"xyx"), (b"", b"abc"),
+                                               (b"\\b", b"ab cd"), (b"[0-9]+", b"12 ab 345"), (b"z", b"abc")])
+def test_the_raw_match_spans_are_those_of_finditer(pattern: bytes, data: bytes) -> None:
+    """The finders' fast loop over google-re2's compiled expression finds what its ``finditer`` finds."""
+    import re2
+
+    from gatewayd.masking import _spans_of
+
+    regex = re2.compile(pattern)
+    assert _spans_of(regex)(data) == [match.span() for match in regex.finditer(data)]
