@@ -308,20 +308,34 @@ class Masker:
         ``spans`` and ``total`` come from the row's text as rendered when it is ``cells`` joined by tabs
         (``total`` its length); otherwise (or without them) the cells are joined and searched here.
         """
+        found = self.cells_spanned([len(cell) for cell in cells], spans, total)
+        if found is None:
+            found = self.cells_spanned([len(cell) for cell in cells], self.row_spans(b"\t".join(cells)))
+        return found  # type: ignore[return-value]
+
+    @staticmethod
+    def cells_spanned(lengths: list[int], spans: list[tuple[int, int]] | None,
+                      total: int | None = None) -> list[int] | None:
+        """The indexes (increasing) of the cells of these ``lengths``, joined by tabs, that ``spans`` overlap.
+
+        None when ``spans`` is None or ``total`` (the searched text's length, if given) is not the length
+        of those cells joined: the spans were not found in that text.
+        """
         ends = []  # where each cell ends in the joined text
         pos = -1
-        for cell in cells:
-            pos += len(cell) + 1
+        for n in lengths:
+            pos += n + 1
             ends.append(pos)
-        if spans is None or pos != total:
-            spans = self.row_spans(b"\t".join(cells))
+        if spans is None or total is not None and pos != total:
+            return None
         found: list[int] = []
         last = -1
+        count = len(lengths)
         for start, end in spans:
             if end == start:  # a pattern that matches nothing at all: every cell
-                return list(range(len(cells)))
+                return list(range(count))
             i = max(bisect_right(ends, start), last + 1)
-            while i < len(cells) and ends[i] - len(cells[i]) < end:
+            while i < count and ends[i] - lengths[i] < end:
                 found.append(i)
                 last = i
                 i += 1

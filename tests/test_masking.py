@@ -343,3 +343,37 @@ def test_the_raw_match_spans_are_those_of_finditer(pattern: bytes, data: bytes) 
 
     regex = re2.compile(pattern)
     assert _spans_of(regex)(data) == [match.span() for match in regex.finditer(data)]
+
+
+def test_the_recorded_text_of_a_masked_row_is_the_rendering_of_the_masked_row() -> None:
+    """The recording renders only the masked cells again: the same text as rendering the whole masked row."""
+    from proxies.postgres.relay import render_values
+
+    _, server, recorder = relay({"type": "mask", "patterns": ["card_number", "email"]},
+                                {"type": "mask", "columns": ["secret"], "style": "last4"})
+    fields = [field("id", 23), field("note", 25), field("secret", 25), field("mail", 25), field("n", 701)]
+    rows = [[b"1", b"card 4111111111111111", b"078-05-1120", b"a@b.io", b"1.5"],
+            [b"2", b"tab\tin a@b.io cell", None, b"x\ty@z.io", None],  # tabs in cells: rendered whole again
+            [b"3", b"\xff bad bytes c@d.io", b"k", None, b"2"],  # invalid UTF-8: the cells searched themselves
+            [b"4", b"caf\xc3\xa9 e@f.io", b"\xc3\xa9t\xc3\xa9", b"", b"3"]]
+    out = answer(server, pg.encode_row_description(fields), *(pg.encode_data_row(r) for r in rows),
+                 pg.encode_command_complete("SELECT 4"), pg.encode_ready_for_query())
+    masked = rows_of(out)
+    assert masked[0][1:4] == [b"card ****", b"*******1120", b"****"] and masked[1][3] == b"x\t****"
+    recorded = "".join(data for kind, data in recorder.events if kind == "o").split("\n")
+    assert recorded[1:5] == [render_values(r, (0,) * 5, (23, 25, 25, 25, 701)) for r in masked]
+
+
+def test_the_recorded_text_of_a_masked_binary_row_is_the_rendering_of_the_masked_row() -> None:
+    from proxies.postgres.relay import render_values
+
+    _, server, recorder = relay({"type": "mask", "patterns": ["email"]}, {"type": "mask", "columns": ["k"]})
+    binary = 1
+    fields = [field("id", 23, binary), field("note", 25, binary), field("k", 23, binary), field("t", 25)]
+    row = [struct.pack("!i", 7), b"mail a@b.io", struct.pack("!i", 42), b"x c@d.io"]
+    out = answer(server, pg.encode_row_description(fields), pg.encode_data_row(row),
+                 pg.encode_command_complete("SELECT 1"), pg.encode_ready_for_query())
+    masked = rows_of(out)[0]
+    assert masked == [struct.pack("!i", 7), b"mail ****", None, b"x ****"]
+    recorded = "".join(data for kind, data in recorder.events if kind == "o").split("\n")
+    assert recorded[1] == render_values(masked, (binary, binary, binary, 0), (23, 25, 23, 25))

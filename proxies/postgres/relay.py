@@ -211,38 +211,38 @@ _ROW_PASSED, _ROW_CUT, _ROW_REPLACED = 0, 1, 2
 _I32 = struct.Struct("!i").unpack_from
 
 
-def _cells(row: DataRow) -> tuple[list[bytes | None], list[int]]:
-    """A row's values and where each one's length field is, read straight from its frame.
+def _layout(row: DataRow) -> tuple[list[int], list[int]]:
+    """Where each value's length field is in the row's frame, and that length (-1: NULL); nothing copied.
 
     The row was rendered first (``render_row``/``render_typed_row``), which checked its lengths.
     """
     buf, pos = row._buf, row._start + 7
-    out: list[bytes | None] = []
     at: list[int] = []
+    sizes: list[int] = []
     for _ in range(row.column_count):
         at.append(pos)
         n = _I32(buf, pos)[0]
-        pos += 4
-        if n < 0:
-            out.append(None)
-        else:
-            out.append(buf[pos:pos + n])
-            pos += n
-    return out, at
+        sizes.append(n)
+        pos += 4 if n < 0 else 4 + n
+    return at, sizes
+
+
+def _value(row: DataRow, at: list[int], sizes: list[int], i: int) -> bytes | None:
+    n = sizes[i]
+    return None if n < 0 else row._buf[at[i] + 4:at[i] + 4 + n]
 
 
 _LENGTH = struct.Struct("!i").pack
 _HEADER = struct.Struct("!ci").pack
 
 
-def splice_row(row: DataRow, values: list[bytes | None], changed: list[int], at: list[int]) -> bytes:
-    """The row's frame with the ``changed`` values replaced, every other byte copied as it was."""
+def splice_row(row: DataRow, masked: dict[int, bytes | None], at: list[int]) -> bytes:
+    """The row's frame with the ``masked`` values (by index, in increasing order) replaced, every other byte copied."""
     buf = row._buf
     parts: list[bytes] = []
     pos = row._start + 5
-    for i in changed:
+    for i, value in masked.items():
         parts.append(buf[pos:at[i]])
-        value = values[i]
         if value is None:
             parts.append(b"\xff\xff\xff\xff")
         else:
@@ -253,6 +253,25 @@ def splice_row(row: DataRow, values: list[bytes | None], changed: list[int], at:
     parts.append(buf[pos:row._end])
     body = b"".join(parts)
     return _HEADER(b"D", len(body) + 4) + body
+
+
+def render_masked(text: str, row: DataRow, masked: dict[int, bytes | None], formats: Sequence[int],
+                  oids: Sequence[int]) -> str:
+    """The masked row's text (``render_values`` of its values), from ``text``, the row's own rendering.
+
+    Only the masked cells are rendered again: the others are ``text``'s, split at its tabs when no cell
+    holds a tab (as many pieces as cells); otherwise the whole row is rendered again.
+    """
+    parts = text.split("\t")
+    if len(parts) != row.column_count:
+        at, sizes = _layout(row)
+        values = [_value(row, at, sizes, i) for i in range(len(at))]
+        for i, value in masked.items():
+            values[i] = value
+        return render_values(values, formats, oids)
+    for i, value in masked.items():
+        parts[i] = render_values((value,), formats[i:i + 1], oids[i:i + 1])
+    return "\t".join(parts)
 
 
 def payload_of(value: bytes, jsonb: bool) -> bytes:
@@ -269,38 +288,49 @@ def _valid_json(data: bytes) -> bool:
 
 def mask_row(masker: Masker, row: DataRow, formats: Sequence[int], oids: Sequence[int],
              whole: tuple[tuple[int, str], ...] | None, spans: list[tuple[int, int]] | None = None,
-             total: int = -1) -> tuple[bytes, list[bytes | None], int] | None:
-    """(the masked row's frame, its values, how many values were masked); None when nothing was.
+             total: int = -1) -> tuple[bytes, dict[int, bytes | None], int] | None:
+    """(the masked row's frame, its masked values by index, how many values were masked); None when nothing was.
 
     ``whole``: columns masked whole by name, with their style; None when the column names are not
     known and the masker has rules by name: every value is masked whole (fail closed).  ``spans``:
     where the fast path matched the row's text as rendered (``total`` bytes long), if it was searched.
+    Only the cells a pattern may match or a name masks are read out of the frame.
     """
-    values, at = _cells(row)
-    changed: list[int] = []
+    at, sizes = _layout(row)
+    ncells = len(at)
     nformats = len(formats)
     noids = len(oids)
     if whole is None:
         style = next(iter(masker.columns.values()))
-        by_column: dict[int, str] = {i: style for i in range(len(values))}
+        by_column: dict[int, str] = {i: style for i in range(ncells)}
     else:
         by_column = dict(whole)
-    out: list[bytes | None] = list(values)
-    count = 0
-    if masker.finders:  # the cells as text, searched once together: only those a pattern may match are masked
-        texts = [b"NULL" if value is None else  # as the row's text renders them
+    texts: list[bytes] | None = None
+    if not masker.finders:
+        candidates: list[int] = []
+    elif FORMAT_BINARY in formats:  # the cells as text, as the row's text renders them
+        texts = [b"NULL" if value is None else
                  render_binary(oids[i] if i < noids else 0, value).encode()
                  if i < nformats and formats[i] == FORMAT_BINARY else value
-                 for i, value in enumerate(values)]
-        candidates = set(masker.candidate_cells(texts, spans, total))
+                 for i, value in ((i, _value(row, at, sizes, i)) for i in range(ncells))]
+        candidates = masker.candidate_cells(texts, spans, total)
+    else:  # text cells: their lengths are the frame's (b"NULL" for a null)
+        found = masker.cells_spanned([4 if n < 0 else n for n in sizes], spans, total)
+        if found is None:  # the row's text is not its bytes (invalid UTF-8 replaced): search the cells
+            found = masker.candidate_cells([b"NULL" if n < 0 else row._buf[at[i] + 4:at[i] + 4 + n]
+                                            for i, n in enumerate(sizes)])
+        candidates = found
+    if by_column:
+        todo: Sequence[int] = sorted({*candidates, *by_column}) if candidates else sorted(by_column)
     else:
-        candidates = set()
-    for i, value in enumerate(values):
+        todo = candidates  # increasing, each once
+    masked: dict[int, bytes | None] = {}
+    count = 0
+    for i in todo:
+        value = _value(row, at, sizes, i)
         if value is None:
             continue
         style = by_column.get(i)
-        if style is None and i not in candidates:
-            continue
         binary = i < nformats and formats[i] == FORMAT_BINARY
         oid = oids[i] if i < noids else 0
         textual = oid in _BINARY_TEXT_OIDS if binary else oid not in _NOT_TEXT_OIDS
@@ -308,31 +338,28 @@ def mask_row(masker: Masker, row: DataRow, formats: Sequence[int], oids: Sequenc
         if style is not None:
             if oid in _JSON_OIDS and textual:  # a JSON string of the masked value: still JSON
                 data = json.dumps(masker.mask_whole(payload_of(value, jsonb), style).decode()).encode()
-                out[i] = b"\x01" + data if jsonb else data
+                masked[i] = b"\x01" + data if jsonb else data
             elif textual:
-                out[i] = masker.mask_whole(value, style)
+                masked[i] = masker.mask_whole(value, style)
             else:
-                out[i] = None
+                masked[i] = None
             count += 1
-            changed.append(i)
             continue
         if textual:
             payload = value[1:] if jsonb else value
-            masked = masker.mask(payload, searched=True)
-            if masked is None:
+            found_masked = masker.mask(payload, searched=True)
+            if found_masked is None:
                 continue
-            data, n = masked
+            data, n = found_masked
             count += n
             if oid in _JSON_OIDS and not _valid_json(data):
-                out[i] = None
+                masked[i] = None
             else:
-                out[i] = b"\x01" + data if jsonb else data
-            changed.append(i)
-        elif masker.mask(texts[i], searched=True) is not None:
-            out[i] = None
+                masked[i] = b"\x01" + data if jsonb else data
+        elif masker.mask(texts[i] if texts is not None else value, searched=True) is not None:
+            masked[i] = None
             count += 1
-            changed.append(i)
-    return (splice_row(row, out, changed, at), out, count) if count else None
+    return (splice_row(row, masked, at), masked, count) if count else None
 
 
 _TEXT_FIELDS = frozenset(b"MDHWq")  # error and notice fields that may quote data: message, detail, hint, where, query
@@ -676,7 +703,7 @@ class ServerSide:
                     batch.add_bytes(frame)
                     done = _ROW_REPLACED
                     if policy.recording:
-                        text = render_values(values, formats, self.oids)
+                        text = render_masked(text, row, values, formats, self.oids)
         if policy.recording:
             if self.header is not None:
                 self._emit(self.header)
