@@ -359,6 +359,9 @@ class Masker:
                     spans.append((start, end, finder.style))
         if not spans:
             return None
+        if len(spans) == 1 and not after:  # the usual case: one match, nothing to merge
+            start, end, style = spans[0]
+            return data[:start] + self._masked(data[start:end], style) + data[end:], 1
         spans.sort()
         merged: list[list[Any]] = []
         for start, end, style in spans:  # overlapping matches are masked as one (their union)

@@ -239,20 +239,23 @@ _HEADER = struct.Struct("!ci").pack
 def splice_row(row: DataRow, masked: dict[int, bytes | None], at: list[int]) -> bytes:
     """The row's frame with the ``masked`` values (by index, in increasing order) replaced, every other byte copied."""
     buf = row._buf
-    parts: list[bytes] = []
+    parts: list[bytes] = [b""]  # the header, once the length is known
     pos = row._start + 5
+    size = row._end - pos + 4
     for i, value in masked.items():
         parts.append(buf[pos:at[i]])
+        n = max(_I32(buf, at[i])[0], 0)
         if value is None:
             parts.append(b"\xff\xff\xff\xff")
+            size -= n
         else:
             parts.append(_LENGTH(len(value)))
             parts.append(value)
-        n = _I32(buf, at[i])[0]
-        pos = at[i] + 4 + max(n, 0)
+            size += len(value) - n
+        pos = at[i] + 4 + n
     parts.append(buf[pos:row._end])
-    body = b"".join(parts)
-    return _HEADER(b"D", len(body) + 4) + body
+    parts[0] = _HEADER(b"D", size)
+    return b"".join(parts)
 
 
 def render_masked(text: str, row: DataRow, masked: dict[int, bytes | None], formats: Sequence[int],
@@ -269,8 +272,14 @@ def render_masked(text: str, row: DataRow, masked: dict[int, bytes | None], form
         for i, value in masked.items():
             values[i] = value
         return render_values(values, formats, oids)
+    nformats = len(formats)
     for i, value in masked.items():
-        parts[i] = render_values((value,), formats[i:i + 1], oids[i:i + 1])
+        if value is None:
+            parts[i] = "NULL"
+        elif i < nformats and formats[i] == FORMAT_BINARY:
+            parts[i] = render_binary(oids[i] if i < len(oids) else 0, value)
+        else:
+            parts[i] = value.decode("utf-8", "replace")
     return "\t".join(parts)
 
 
