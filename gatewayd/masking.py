@@ -151,9 +151,11 @@ _PREFILTER_OPTIONS.never_capture = True  # whether anything can match is all the
 _UNANCHORED = re2._Anchor.UNANCHORED if hasattr(re2, "_Anchor") else None
 
 
-def _spans_of(regex: Any) -> Callable[[bytes], list[tuple[int, int]]]:
+def _spans_of(regex: Any, nonempty: bool = False) -> Callable[[bytes], list[tuple[int, int]]]:
     """A function giving where ``regex`` (an RE2 on bytes) matches in its argument, as ``finditer`` would.
 
+    ``nonempty``: only the matches of some length are wanted (a finder's): the search stops at a match
+    that ends where the data does, after which only an empty one could be found.
     The hot path (every row's text, every candidate cell): google-re2's compiled expression is called
     directly (``_regexp.Match``: one C++ call per match, no generator nor match object), with the very
     steps of its ``finditer`` over bytes; ``finditer`` itself when a release no longer has it.
@@ -172,7 +174,7 @@ def _spans_of(regex: Any) -> Callable[[bytes], list[tuple[int, int]]]:
             if span[0] < 0:  # RE2's no match: (-1, -1)
                 return found
             found.append(span)
-            if pos == end:
+            if pos == end or nonempty and span[1] == end:
                 return found
             pos = pos + 1 if pos == span[1] else span[1]  # an empty match at pos: step on
 
@@ -184,10 +186,10 @@ class _Finder:
     regex: Any  # RE2 on UTF-8 bytes
     check: Callable[[bytes], bool] | None
     style: str
-    spans: Callable[[bytes], list[tuple[int, int]]] = field(init=False)  # where it matches (``_spans_of``)
+    spans: Callable[[bytes], list[tuple[int, int]]] = field(init=False)  # where it matches (``_spans_of``, nonempty)
 
     def __post_init__(self) -> None:
-        self.spans = _spans_of(self.regex)
+        self.spans = _spans_of(self.regex, nonempty=True)
 
 
 @dataclass(slots=True)
@@ -308,34 +310,26 @@ class Masker:
         ``spans`` and ``total`` come from the row's text as rendered when it is ``cells`` joined by tabs
         (``total`` its length); otherwise (or without them) the cells are joined and searched here.
         """
-        found = self.cells_spanned([len(cell) for cell in cells], spans, total)
-        if found is None:
-            found = self.cells_spanned([len(cell) for cell in cells], self.row_spans(b"\t".join(cells)))
-        return found  # type: ignore[return-value]
-
-    @staticmethod
-    def cells_spanned(lengths: list[int], spans: list[tuple[int, int]] | None,
-                      total: int | None = None) -> list[int] | None:
-        """The indexes (increasing) of the cells of these ``lengths``, joined by tabs, that ``spans`` overlap.
-
-        None when ``spans`` is None or ``total`` (the searched text's length, if given) is not the length
-        of those cells joined: the spans were not found in that text.
-        """
         ends = []  # where each cell ends in the joined text
         pos = -1
-        for n in lengths:
-            pos += n + 1
+        for cell in cells:
+            pos += len(cell) + 1
             ends.append(pos)
-        if spans is None or total is not None and pos != total:
-            return None
+        if spans is None or pos != total:
+            spans = self.row_spans(b"\t".join(cells))
+        return self.cells_spanned(ends, spans)
+
+    @staticmethod
+    def cells_spanned(ends: list[int], spans: list[tuple[int, int]]) -> list[int]:
+        """The indexes (increasing) of the cells joined by tabs that ``spans`` overlap; ``ends``: where each ends."""
         found: list[int] = []
         last = -1
-        count = len(lengths)
+        count = len(ends)
         for start, end in spans:
             if end == start:  # a pattern that matches nothing at all: every cell
                 return list(range(count))
             i = max(bisect_right(ends, start), last + 1)
-            while i < count and ends[i] - lengths[i] < end:
+            while i < count and (ends[i - 1] + 1 if i else 0) < end:
                 found.append(i)
                 last = i
                 i += 1

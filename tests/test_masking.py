@@ -334,7 +334,8 @@ def test_an_execute_of_a_statement_never_described_is_masked_whole_under_a_colum
 
 
 @pytest.mark.parametrize(("pattern", "data"), [(b"a*", b"xaay"), (b"a*", b""), (b"x", b"xyx"), (b"", b"abc"),
-                                               (b"\\b", b"ab cd"), (b"[0-9]+", b"12 ab 345"), (b"z", b"abc")])
+                                               (b"\\b", b"ab cd"), (b"[0-9]+", b"12 ab 345"), (b"z", b"abc"),
+                                               (b"x|$", b"ax"), (b"[a-z]+", b"ab cd")])
 def test_the_raw_match_spans_are_those_of_finditer(pattern: bytes, data: bytes) -> None:
     """The finders' fast loop over google-re2's compiled expression finds what its ``finditer`` finds."""
     import re2
@@ -343,6 +344,9 @@ def test_the_raw_match_spans_are_those_of_finditer(pattern: bytes, data: bytes) 
 
     regex = re2.compile(pattern)
     assert _spans_of(regex)(data) == [match.span() for match in regex.finditer(data)]
+    # a finder's: the same matches of some length
+    assert [s for s in _spans_of(regex, nonempty=True)(data) if s[1] > s[0]] == \
+        [match.span() for match in regex.finditer(data) if match.end() > match.start()]
 
 
 def test_the_recorded_text_of_a_masked_row_is_the_rendering_of_the_masked_row() -> None:

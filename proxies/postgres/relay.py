@@ -211,20 +211,29 @@ _ROW_PASSED, _ROW_CUT, _ROW_REPLACED = 0, 1, 2
 _I32 = struct.Struct("!i").unpack_from
 
 
-def _layout(row: DataRow) -> tuple[list[int], list[int]]:
-    """Where each value's length field is in the row's frame, and that length (-1: NULL); nothing copied.
+def _layout(row: DataRow) -> tuple[list[int], list[int], list[int]]:
+    """Where each value's length field is in the row's frame, that length (-1: NULL), and where the value
+    ends in the row's text if that is its values joined by tabs (``NULL`` for a null); nothing copied.
 
     The row was rendered first (``render_row``/``render_typed_row``), which checked its lengths.
     """
     buf, pos = row._buf, row._start + 7
     at: list[int] = []
     sizes: list[int] = []
+    ends: list[int] = []
+    end = -1
     for _ in range(row.column_count):
         at.append(pos)
         n = _I32(buf, pos)[0]
         sizes.append(n)
-        pos += 4 if n < 0 else 4 + n
-    return at, sizes
+        if n < 0:
+            pos += 4
+            end += 5
+        else:
+            pos += 4 + n
+            end += n + 1
+        ends.append(end)
+    return at, sizes, ends
 
 
 def _value(row: DataRow, at: list[int], sizes: list[int], i: int) -> bytes | None:
@@ -267,7 +276,7 @@ def render_masked(text: str, row: DataRow, masked: dict[int, bytes | None], form
     """
     parts = text.split("\t")
     if len(parts) != row.column_count:
-        at, sizes = _layout(row)
+        at, sizes, _ = _layout(row)
         values = [_value(row, at, sizes, i) for i in range(len(at))]
         for i, value in masked.items():
             values[i] = value
@@ -305,7 +314,7 @@ def mask_row(masker: Masker, row: DataRow, formats: Sequence[int], oids: Sequenc
     where the fast path matched the row's text as rendered (``total`` bytes long), if it was searched.
     Only the cells a pattern may match or a name masks are read out of the frame.
     """
-    at, sizes = _layout(row)
+    at, sizes, ends = _layout(row)
     ncells = len(at)
     nformats = len(formats)
     noids = len(oids)
@@ -316,29 +325,28 @@ def mask_row(masker: Masker, row: DataRow, formats: Sequence[int], oids: Sequenc
         by_column = dict(whole)
     texts: list[bytes] | None = None
     if not masker.finders:
-        candidates: list[int] = []
+        todo: Sequence[int] = ()
     elif FORMAT_BINARY in formats:  # the cells as text, as the row's text renders them
         texts = [b"NULL" if value is None else
                  render_binary(oids[i] if i < noids else 0, value).encode()
                  if i < nformats and formats[i] == FORMAT_BINARY else value
                  for i, value in ((i, _value(row, at, sizes, i)) for i in range(ncells))]
-        candidates = masker.candidate_cells(texts, spans, total)
-    else:  # text cells: their lengths are the frame's (b"NULL" for a null)
-        found = masker.cells_spanned([4 if n < 0 else n for n in sizes], spans, total)
-        if found is None:  # the row's text is not its bytes (invalid UTF-8 replaced): search the cells
-            found = masker.candidate_cells([b"NULL" if n < 0 else row._buf[at[i] + 4:at[i] + 4 + n]
-                                            for i, n in enumerate(sizes)])
-        candidates = found
-    if by_column:
-        todo: Sequence[int] = sorted({*candidates, *by_column}) if candidates else sorted(by_column)
-    else:
-        todo = candidates  # increasing, each once
+        todo = masker.candidate_cells(texts, spans, total)
+    elif spans is not None and ends and ends[-1] == total:  # text cells: the row's text is their bytes
+        todo = masker.cells_spanned(ends, spans)
+    else:  # not searched, or the row's text is not its bytes (invalid UTF-8 replaced): search the cells
+        todo = masker.candidate_cells([b"NULL" if n < 0 else row._buf[at[i] + 4:at[i] + 4 + n]
+                                       for i, n in enumerate(sizes)])
+    if by_column:  # increasing, each once
+        todo = sorted({*todo, *by_column}) if todo else sorted(by_column)
     masked: dict[int, bytes | None] = {}
     count = 0
+    buf = row._buf
     for i in todo:
-        value = _value(row, at, sizes, i)
-        if value is None:
+        n = sizes[i]
+        if n < 0:
             continue
+        value = buf[at[i] + 4:at[i] + 4 + n]
         style = by_column.get(i)
         binary = i < nformats and formats[i] == FORMAT_BINARY
         oid = oids[i] if i < noids else 0
