@@ -381,3 +381,32 @@ def test_the_recorded_text_of_a_masked_binary_row_is_the_rendering_of_the_masked
     assert masked == [struct.pack("!i", 7), b"mail ****", None, b"x ****"]
     recorded = "".join(data for kind, data in recorder.events if kind == "o").split("\n")
     assert recorded[1] == render_values(masked, (binary, binary, binary, 0), (23, 25, 23, 25))
+
+
+@pytest.mark.parametrize("values", [
+    [b"1", b"a@b.io", b"x", b"c@d.io k"],
+    [b"a@b.io", b"", b"e@f.io"],
+    [b"", b"", b"a@b.io", b""],
+    [b"caf\xc3\xa9 a@b.io", b"x"],
+    [b"\xf0\x90\x80 a@b.io", b"y"],  # invalid UTF-8 replaced by as many bytes: lengths kept
+    [b"\xff a@b.io", b"y"],  # replaced by more bytes: not the row's bytes
+    [b"a@b.io", None, b"c@d.io"],  # NULL: not the row's bytes
+    [b"a\tb@c.io", b"d@e.io"],  # a tab in a cell
+])
+def test_cells_found_from_the_rows_text_are_those_of_its_layout(values: list[bytes | None]) -> None:
+    """The text rows' fast path finds the cells, and their places in the frame, that the walk over the frame finds."""
+    from proxies.postgres.codec import render_row
+    from proxies.postgres.relay import _layout, _spanned_cells
+
+    m = masker({"type": "mask", "pattern_regex": "[a-z]@|\\t[a-z]|o\\t"})
+    reader = pg.BackendReader()
+    reader.feed(pg.encode_data_row(values))
+    row = next(iter(reader))
+    text = render_row(None, row, formats=(0,) * len(values)).encode("utf-8", "surrogateescape")
+    spans = m.row_spans(text)
+    at, sizes, ends = _layout(row)
+    found = _spanned_cells(row, text, spans)
+    simple = None not in values and all(b"\t" not in v for v in values) and ends[-1] == len(text)
+    assert (found is not None) == simple
+    if found is not None:
+        assert found == [(i, at[i], sizes[i]) for i in m.cells_spanned(ends, spans)] and found

@@ -245,7 +245,7 @@ _LENGTH = struct.Struct("!i").pack
 _HEADER = struct.Struct("!ci").pack
 
 
-def splice_row(row: DataRow, masked: dict[int, bytes | None], at: list[int]) -> bytes:
+def splice_row(row: DataRow, masked: dict[int, bytes | None], at: Sequence[int] | dict[int, int]) -> bytes:
     """The row's frame with the ``masked`` values (by index, in increasing order) replaced, every other byte copied."""
     buf = row._buf
     parts: list[bytes] = [b""]  # the header, once the length is known
@@ -304,20 +304,64 @@ def _valid_json(data: bytes) -> bool:
     return True
 
 
+def _spanned_cells(row: DataRow, text: bytes, spans: list[tuple[int, int]]) -> list[tuple[int, int, int]] | None:
+    """(index, where its length field is, its length) of the cells that ``spans`` overlap, from the row's text.
+
+    Only when ``text`` is the row's values joined by tabs byte for byte (as many tabs as cells, and the
+    frame's size says so: no NULL, no invalid UTF-8 replaced by longer text): a cell's place in the text
+    then gives its place in the frame, with no walk over the other cells; otherwise None.
+    """
+    count = row.column_count
+    size = len(text)
+    if not count or text.count(b"\t") != count - 1 or row._end - row._start - 7 - 4 * count != size - count + 1:
+        return None
+    base = row._start + 7
+    buf = row._buf
+    found: list[tuple[int, int, int]] = []
+    last = -1
+    following = 0  # where the cell after the last one found starts
+    for start, end in spans:
+        if end == start:  # a pattern that matches nothing at all: every cell
+            return None
+        i = text.count(b"\t", 0, start + 1)
+        if i <= last:
+            i, cell = last + 1, following
+        else:
+            cell = text.rfind(b"\t", 0, start + 1) + 1
+        while i < count and cell < end:
+            stop = text.find(b"\t", cell)
+            if stop < 0:
+                stop = size
+            at = base + 3 * i + cell
+            if _I32(buf, at)[0] != stop - cell:  # cannot be, by the sizes checked above: the walk, then
+                return None
+            found.append((i, at, stop - cell))
+            last = i
+            i += 1
+            cell = stop + 1
+        following = cell
+    return found
+
+
 def mask_row(masker: Masker, row: DataRow, formats: Sequence[int], oids: Sequence[int],
              whole: tuple[tuple[int, str], ...] | None, spans: list[tuple[int, int]] | None = None,
-             total: int = -1) -> tuple[bytes, dict[int, bytes | None], int] | None:
+             total: int = -1, text: bytes | None = None) -> tuple[bytes, dict[int, bytes | None], int] | None:
     """(the masked row's frame, its masked values by index, how many values were masked); None when nothing was.
 
     ``whole``: columns masked whole by name, with their style; None when the column names are not
     known and the masker has rules by name: every value is masked whole (fail closed).  ``spans``:
-    where the fast path matched the row's text as rendered (``total`` bytes long), if it was searched.
-    Only the cells a pattern may match or a name masks are read out of the frame.
+    where the fast path matched the row's text as rendered (``total`` bytes long), if it was searched;
+    ``text``: that text, if the formats are all text.  Only the cells a pattern may match or a name
+    masks are read out of the frame.
     """
-    at, sizes, ends = _layout(row)
-    ncells = len(at)
     nformats = len(formats)
     noids = len(oids)
+    cells = _spanned_cells(row, text, spans) if text is not None and spans and not whole and whole is not None \
+        and masker.finders else None
+    if cells is not None:
+        return _mask_cells(masker, row, formats, oids, {}, cells, None)
+    at, sizes, ends = _layout(row)
+    ncells = len(at)
     if whole is None:
         style = next(iter(masker.columns.values()))
         by_column: dict[int, str] = {i: style for i in range(ncells)}
@@ -339,14 +383,24 @@ def mask_row(masker: Masker, row: DataRow, formats: Sequence[int], oids: Sequenc
                                        for i, n in enumerate(sizes)])
     if by_column:  # increasing, each once
         todo = sorted({*todo, *by_column}) if todo else sorted(by_column)
+    return _mask_cells(masker, row, formats, oids, by_column, [(i, at[i], sizes[i]) for i in todo], texts)
+
+
+def _mask_cells(masker: Masker, row: DataRow, formats: Sequence[int], oids: Sequence[int],
+                by_column: dict[int, str], cells: list[tuple[int, int, int]],
+                texts: list[bytes] | None) -> tuple[bytes, dict[int, bytes | None], int] | None:
+    """``mask_row`` of these ``cells``: (index, where its length field is, its length), in increasing order."""
     masked: dict[int, bytes | None] = {}
+    where: dict[int, int] = {}
     count = 0
     buf = row._buf
-    for i in todo:
-        n = sizes[i]
+    nformats = len(formats)
+    noids = len(oids)
+    for i, at, n in cells:
         if n < 0:
             continue
-        value = buf[at[i] + 4:at[i] + 4 + n]
+        where[i] = at
+        value = buf[at + 4:at + 4 + n]
         style = by_column.get(i)
         binary = i < nformats and formats[i] == FORMAT_BINARY
         oid = oids[i] if i < noids else 0
@@ -376,7 +430,7 @@ def mask_row(masker: Masker, row: DataRow, formats: Sequence[int], oids: Sequenc
         elif masker.mask(texts[i] if texts is not None else value, searched=True) is not None:
             masked[i] = None
             count += 1
-    return (splice_row(row, masked, at), masked, count) if count else None
+    return (splice_row(row, masked, where), masked, count) if count else None
 
 
 _TEXT_FIELDS = frozenset(b"MDHWq")  # error and notice fields that may quote data: message, detail, hint, where, query
@@ -711,7 +765,7 @@ class ServerSide:
             spans = masker.row_spans(data)
             if spans or whole or masker.columns and whole is None:
                 masked = mask_row(masker, row, formats, self.oids, None if masker.columns and whole is None
-                                  else whole or (), spans, len(data))
+                                  else whole or (), spans, len(data), None if FORMAT_BINARY in formats else data)
                 if masked is not None:
                     frame, values, count = masked
                     policy.count_masked(count)
