@@ -396,7 +396,7 @@ def test_the_recorded_text_of_a_masked_binary_row_is_the_rendering_of_the_masked
 def test_cells_found_from_the_rows_text_are_those_of_its_layout(values: list[bytes | None]) -> None:
     """The text rows' fast path finds the cells, and their places in the frame, that the walk over the frame finds."""
     from proxies.postgres.codec import render_row
-    from proxies.postgres.relay import _layout, _spanned_cells
+    from proxies.postgres.relay import _layout, _text_cells
 
     m = masker({"type": "mask", "pattern_regex": "[a-z]@|\\t[a-z]|o\\t"})
     reader = pg.BackendReader()
@@ -405,8 +405,10 @@ def test_cells_found_from_the_rows_text_are_those_of_its_layout(values: list[byt
     text = render_row(None, row, formats=(0,) * len(values)).encode("utf-8", "surrogateescape")
     spans = m.row_spans(text)
     at, sizes, ends = _layout(row)
-    found = _spanned_cells(row, text, spans)
     simple = None not in values and all(b"\t" not in v for v in values) and ends[-1] == len(text)
-    assert (found is not None) == simple
-    if found is not None:
-        assert found == [(i, at[i], sizes[i]) for i in m.cells_spanned(ends, spans)] and found
+    for named in [(), (0,), (1,), (0, len(values) - 1), tuple(range(len(values)))]:  # and the cells masked by name
+        found = _text_cells(row, text, spans, named)
+        assert (found is not None) == simple
+        if found is not None:
+            assert found == [(i, at[i], sizes[i]) for i in sorted({*m.cells_spanned(ends, spans), *named})]
+            assert found

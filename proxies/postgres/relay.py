@@ -304,8 +304,10 @@ def _valid_json(data: bytes) -> bool:
     return True
 
 
-def _spanned_cells(row: DataRow, text: bytes, spans: list[tuple[int, int]]) -> list[tuple[int, int, int]] | None:
-    """(index, where its length field is, its length) of the cells that ``spans`` overlap, from the row's text.
+def _text_cells(row: DataRow, text: bytes, spans: list[tuple[int, int]],
+                named: Sequence[int] = ()) -> list[tuple[int, int, int]] | None:
+    """(index, where its length field is, its length) of the cells that ``spans`` overlap and the ``named``
+    ones (increasing, each once), from the row's text.
 
     Only when ``text`` is the row's values joined by tabs byte for byte (as many tabs as cells, and the
     frame's size says so: no NULL, no invalid UTF-8 replaced by longer text): a cell's place in the text
@@ -332,14 +334,28 @@ def _spanned_cells(row: DataRow, text: bytes, spans: list[tuple[int, int]]) -> l
             stop = text.find(b"\t", cell)
             if stop < 0:
                 stop = size
-            at = base + 3 * i + cell
-            if _I32(buf, at)[0] != stop - cell:  # cannot be, by the sizes checked above: the walk, then
-                return None
-            found.append((i, at, stop - cell))
+            found.append((i, base + 3 * i + cell, stop - cell))
             last = i
             i += 1
             cell = stop + 1
         following = cell
+    if named:
+        have = {i for i, _, _ in found}
+        cell = i = 0
+        for index in named:
+            if index in have or index >= count:
+                continue
+            while i < index:  # on to that cell's start
+                cell = text.find(b"\t", cell) + 1
+                i += 1
+            stop = text.find(b"\t", cell)
+            if stop < 0:
+                stop = size
+            found.append((index, base + 3 * index + cell, stop - cell))
+        found.sort()
+    for i, at, n in found:
+        if _I32(buf, at)[0] != n:  # cannot be, by the sizes checked above: the walk, then
+            return None
     return found
 
 
@@ -356,10 +372,10 @@ def mask_row(masker: Masker, row: DataRow, formats: Sequence[int], oids: Sequenc
     """
     nformats = len(formats)
     noids = len(oids)
-    cells = _spanned_cells(row, text, spans) if text is not None and spans and not whole and whole is not None \
-        and masker.finders else None
-    if cells is not None:
-        return _mask_cells(masker, row, formats, oids, {}, cells, None)
+    if text is not None and whole is not None and spans is not None and (whole or spans and masker.finders):
+        cells = _text_cells(row, text, spans if masker.finders else [], sorted(i for i, _ in whole))
+        if cells is not None:
+            return _mask_cells(masker, row, formats, oids, dict(whole), cells, None)
     at, sizes, ends = _layout(row)
     ncells = len(at)
     if whole is None:
@@ -382,7 +398,7 @@ def mask_row(masker: Masker, row: DataRow, formats: Sequence[int], oids: Sequenc
         todo = masker.candidate_cells([b"NULL" if n < 0 else row._buf[at[i] + 4:at[i] + 4 + n]
                                        for i, n in enumerate(sizes)])
     if by_column:  # increasing, each once
-        todo = sorted({*todo, *by_column}) if todo else sorted(by_column)
+        todo = sorted({*todo, *(i for i in by_column if i < ncells)})
     return _mask_cells(masker, row, formats, oids, by_column, [(i, at[i], sizes[i]) for i in todo], texts)
 
 
