@@ -40,7 +40,7 @@ import secrets
 import struct
 import uuid
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import TYPE_CHECKING
@@ -305,9 +305,9 @@ def _valid_json(data: bytes) -> bool:
 
 
 def _text_cells(row: DataRow, text: bytes, spans: list[tuple[int, int]],
-                named: Sequence[int] = ()) -> list[tuple[int, int, int]] | None:
+                named: Iterable[int] = ()) -> list[tuple[int, int, int]] | None:
     """(index, where its length field is, its length) of the cells that ``spans`` overlap and the ``named``
-    ones (increasing, each once), from the row's text.
+    ones (in any order), increasing, each once, from the row's text.
 
     Only when ``text`` is the row's values joined by tabs byte for byte (as many tabs as cells, and the
     frame's size says so: no NULL, no invalid UTF-8 replaced by longer text): a cell's place in the text
@@ -341,17 +341,15 @@ def _text_cells(row: DataRow, text: bytes, spans: list[tuple[int, int]],
         following = cell
     if named:
         have = {i for i, _, _ in found}
-        cell = i = 0
         for index in named:
             if index in have or index >= count:
                 continue
-            while i < index:  # on to that cell's start
-                cell = text.find(b"\t", cell) + 1
-                i += 1
+            cell = size - len(text.split(b"\t", index)[-1])  # that cell's start: after the index-th tab
             stop = text.find(b"\t", cell)
             if stop < 0:
                 stop = size
             found.append((index, base + 3 * index + cell, stop - cell))
+            have.add(index)
         found.sort()
     for i, at, n in found:
         if _I32(buf, at)[0] != n:  # cannot be, by the sizes checked above: the walk, then
@@ -373,9 +371,10 @@ def mask_row(masker: Masker, row: DataRow, formats: Sequence[int], oids: Sequenc
     nformats = len(formats)
     noids = len(oids)
     if text is not None and whole is not None and spans is not None and (whole or spans and masker.finders):
-        cells = _text_cells(row, text, spans if masker.finders else [], sorted(i for i, _ in whole))
+        by_name = dict(whole)
+        cells = _text_cells(row, text, spans if masker.finders else [], by_name)
         if cells is not None:
-            return _mask_cells(masker, row, formats, oids, dict(whole), cells, None)
+            return _mask_cells(masker, row, formats, oids, by_name, cells, None)
     at, sizes, ends = _layout(row)
     ncells = len(at)
     if whole is None:
