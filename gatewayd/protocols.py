@@ -14,6 +14,7 @@ in the HTTP package's description.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
@@ -28,6 +29,21 @@ if TYPE_CHECKING:
 AccessHints = Callable[["Connection", str, str, int, dict[str, Any]], dict[str, str]]
 Start = Callable[["ProxyContext", str, int], Awaitable[Any]]  # (its context, host, port) -> a started Listener
 
+
+def lazy_start(module: str) -> Start:
+    """The ``start`` of the server ``module`` a package names, imported when its listener first starts.
+
+    A description stays cheap to import (and RDP's describes itself without pyrdp).
+    """
+    async def start(context: ProxyContext, host: str, port: int) -> Any:
+        return await importlib.import_module(module).start(context, host, port)
+
+    return start
+
+
+def lazy_script_runner(module: str) -> Callable[[], ScriptRunner]:
+    """A loader of the ``run_script`` of ``module``, imported when a one-time script first runs."""
+    return lambda: importlib.import_module(module).run_script
 
 @dataclass(slots=True, frozen=True)
 class ProtocolDescription:

@@ -10,17 +10,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gatewayd.config import Setting, domain_setting, positive
-from gatewayd.protocols import ProtocolDescription
+from gatewayd.protocols import ProtocolDescription, lazy_start
 
 if TYPE_CHECKING:
-    from gatewayd.pipeline import ProxyContext
     from gatewayd.models import Connection
 
-
-async def _start(context: ProxyContext, host: str, port: int) -> Any:
-    from proxies.http.server import start
-
-    return await start(context, host, port)
 
 
 def access_hints(conn: Connection, secret: str, host: str, port: int, settings: dict[str, Any]) -> dict[str, str]:
@@ -33,7 +27,8 @@ def access_hints(conn: Connection, secret: str, host: str, port: int, settings: 
 
 DESCRIPTION = ProtocolDescription(
     name="http", subtype="httpproxy", session_type="httpproxy", prefix="httpproxy",
-    server_config_key="http_proxy_server_config", default_port=18888, access_hints=access_hints, start=_start,
+    server_config_key="http_proxy_server_config", default_port=18888, access_hints=access_hints,
+    start=lazy_start("proxies.http.server"),
     settings={"record_body_bytes": Setting("int", 64 * 1024, positive),
               "guard_body_bytes": Setting("int", 1024 * 1024, positive),
               "credential_recheck": Setting("duration", "5s"),

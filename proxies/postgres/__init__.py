@@ -9,24 +9,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gatewayd.config import Setting
-from gatewayd.protocols import ProtocolDescription
+from gatewayd.protocols import ProtocolDescription, lazy_start, lazy_script_runner
 
 if TYPE_CHECKING:
-    from gatewayd.pipeline import ProxyContext
     from gatewayd.models import Connection
-    from gatewayd.scripts import ScriptRunner
 
 
-async def _start(context: ProxyContext, host: str, port: int) -> Any:
-    from proxies.postgres.server import start
-
-    return await start(context, host, port)
-
-
-def _script_runner() -> ScriptRunner:
-    from proxies.postgres.script import run_script
-
-    return run_script
 
 
 def access_hints(conn: Connection, secret: str, host: str, port: int, settings: dict[str, Any]) -> dict[str, str]:
@@ -38,7 +26,8 @@ def access_hints(conn: Connection, secret: str, host: str, port: int, settings: 
 
 DESCRIPTION = ProtocolDescription(
     name="postgres", subtype="postgres", session_type="database", prefix="pg",
-    server_config_key="postgres_server_config", default_port=15432, access_hints=access_hints, start=_start,
-    load_script_runner=_script_runner,
+    server_config_key="postgres_server_config", default_port=15432, access_hints=access_hints,
+    start=lazy_start("proxies.postgres.server"),
+    load_script_runner=lazy_script_runner("proxies.postgres.script"),
     settings={"tls_cert": Setting("str", ""), "tls_key": Setting("str", "")},
 )

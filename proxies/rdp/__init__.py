@@ -11,22 +11,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gatewayd.config import Setting, positive
-from gatewayd.protocols import ProtocolDescription
+from gatewayd.protocols import ProtocolDescription, lazy_start
 from proxies.rdp import compat
 
 compat.apply()  # before anything imports pyrdp (Python 3.13 removed typing.io, which pyrdp imports)
 
 if TYPE_CHECKING:
-    from gatewayd.pipeline import ProxyContext
     from gatewayd.models import Connection
 
 REQUIRED_MODULES = ("pyrdp", "rle", "twisted", "PIL")
 
-
-async def _start(context: ProxyContext, host: str, port: int) -> Any:
-    from proxies.rdp.server import start
-
-    return await start(context, host, port)
 
 
 def access_hints(conn: Connection, secret: str, host: str, port: int, settings: dict[str, Any]) -> dict[str, str]:
@@ -37,7 +31,8 @@ def access_hints(conn: Connection, secret: str, host: str, port: int, settings: 
 
 DESCRIPTION = ProtocolDescription(
     name="rdp", subtype="rdp", session_type="custom", prefix="rdp", server_config_key="rdp_server_config",
-    default_port=13389, access_hints=access_hints, start=_start, required_modules=REQUIRED_MODULES,
+    default_port=13389, access_hints=access_hints,
+    start=lazy_start("proxies.rdp.server"), required_modules=REQUIRED_MODULES,
     install_hint="RDP proxy unavailable: install the rdp extra (make does; by hand: pip install 'gatewayd[rdp]' "
                  "and pip install --no-deps pyrdp-mitm==2.1.0)",
     settings={"record_keyboard": Setting("bool", False),

@@ -5,24 +5,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gatewayd.config import Setting
-from gatewayd.protocols import ProtocolDescription
+from gatewayd.protocols import ProtocolDescription, lazy_start, lazy_script_runner
 
 if TYPE_CHECKING:
-    from gatewayd.pipeline import ProxyContext
     from gatewayd.models import Connection
-    from gatewayd.scripts import ScriptRunner
 
 
-async def _start(context: ProxyContext, host: str, port: int) -> Any:
-    from proxies.ssh.server import start
-
-    return await start(context, host, port)
-
-
-def _script_runner() -> ScriptRunner:
-    from proxies.ssh.script import run_script
-
-    return run_script
 
 
 def access_hints(conn: Connection, secret: str, host: str, port: int, settings: dict[str, Any]) -> dict[str, str]:
@@ -33,7 +21,9 @@ def access_hints(conn: Connection, secret: str, host: str, port: int, settings: 
 
 DESCRIPTION = ProtocolDescription(
     name="ssh", subtype="ssh", session_type="custom", prefix="ssh", server_config_key="ssh_server_config",
-    default_port=12222, access_hints=access_hints, start=_start, load_script_runner=_script_runner,
+    default_port=12222, access_hints=access_hints,
+    start=lazy_start("proxies.ssh.server"),
+    load_script_runner=lazy_script_runner("proxies.ssh.script"),
     settings={"hosts_key": Setting("str", ""),
               "ciphers": Setting("list", ["aes128-gcm@openssh.com", "aes256-gcm@openssh.com"])},
 )
