@@ -434,6 +434,29 @@ async def test_guard_rail_regex_checked_as_you_type_and_saved_through_the_api(ga
     ada.assert_clean_log()
 
 
+async def test_a_page_still_loading_when_the_user_moves_on_never_replaces_the_next_one(gateway, world, screens):
+    """The sessions list answers late, after the user opened another page: that page stays (it was replaced)."""
+    ada = await screens()
+    await ada.sign_in("ada@example.com")
+    release = asyncio.Event()
+
+    async def late(route: Any) -> None:
+        await release.wait()
+        await route.continue_()
+
+    await ada.page.route("**/api/sessions?**", late)
+    await ada.page.evaluate("location.hash = '#/sessions?offset=0'")  # its list is held back
+    await ada.page.evaluate("location.hash = '#/guardrails/new'")
+    await ada.page.wait_for_selector("#guardrail-form")
+    async with ada.page.expect_response("**/api/sessions?**"):
+        release.set()
+    # the late view has had its answer: let the page run what it scheduled, then look
+    await ada.page.evaluate("new Promise((done) => requestAnimationFrame(() => requestAnimationFrame(done)))")
+    assert await ada.page.locator("#guardrail-form").count() == 1
+    assert await ada.page.locator("#session-filters").count() == 0
+    ada.assert_clean_log()
+
+
 async def test_audit_log_lists_what_happened_with_its_filters(gateway, world, screens):
     from playwright.async_api import expect
 

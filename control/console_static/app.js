@@ -104,20 +104,24 @@ async function route() {
   if (!state.me) return;
   renderNav();
   const {path, params} = current();
-  const ctx = {me: state.me, params, go, main};
+  // each navigation renders into a part of the page of its own: a view still loading when the user
+  // moves on renders into its detached part, never over the page that followed it
+  const page = h("div", {class: "view"});
+  mount(main, page);
+  const ctx = {me: state.me, params, go, main: page};
   for (const [pattern, view] of ROUTES) {
     const match = path.match(pattern);
     if (match) {
-      mount(main, h("p", {class: "muted"}, "Loading…"));
+      mount(page, h("p", {class: "muted"}, "Loading…"));
       try {
         await view(ctx, ...match.slice(1));
       } catch (err) {
-        mount(main, h("h1", {}, "Error"), notice(err.message, "error"));
+        mount(page, h("h1", {}, "Error"), notice(err.message, "error"));
       }
       return;
     }
   }
-  mount(main, h("h1", {}, "Not found"), notice(`No page at ${path}.`, "error"));
+  mount(page, h("h1", {}, "Not found"), notice(`No page at ${path}.`, "error"));
 }
 
 async function start() {
