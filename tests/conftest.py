@@ -267,9 +267,16 @@ async def new_store_database(cluster: Any, options: str = "") -> str:
 
 @pytest.fixture(scope="session")
 def ssh_target() -> Iterator[Any]:
-    """An OpenSSH sshd (tests/sshpeer.py) shared by the modules that only need one."""
-    from tests.sshpeer import SshTarget
+    """An OpenSSH sshd (tests/sshpeer.py) shared by the modules that only need one.
 
+    It needs root (a dedicated OS user): the run fails without it as root, and skips otherwise."""
+    from tests.sshpeer import SshTarget, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        if os.geteuid() == 0:
+            pytest.fail(reason)
+        pytest.skip(reason)
     peer = SshTarget().start()
     yield peer
     peer.destroy()

@@ -18,7 +18,7 @@ import pytest
 
 from tests.apiclient import PostgresApi, admin_http, of_kind
 from tests.conftest import proxy_daemon
-from tests.pgpeer import PgCluster, unavailable_reason
+from tests.pgpeer import unavailable_reason
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
 
@@ -35,10 +35,9 @@ BY_COLUMN = {"type": "mask", "columns": ["ssn", "salary"], "style": "last4"}
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    target = PgCluster().start()
-    yield target
-    target.destroy()
+def cluster(pg_target):
+    """The session's PostgreSQL target (conftest): this module's tables have names of their own."""
+    return pg_target
 
 
 @pytest.fixture(scope="module")

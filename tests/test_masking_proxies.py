@@ -23,34 +23,14 @@ from gatewayd.masking import luhn_valid
 from tests.apiclient import SshApi, admin_http, events, of_kind
 from tests.conftest import free_port, proxy_daemon, wait_port
 from tests.httppeer import PII_CARD, PII_EMAIL, PII_SSN
-from tests.sshpeer import CLIENT_OPTIONS, SshTarget, unavailable_reason
-from tests.test_http_proxy import HttpApi, curl, start_target
+from tests.sshpeer import CLIENT_OPTIONS
+from tests.test_http_proxy import HttpApi, curl
 
 CARD = "4111111111111111"
 CLEAR = (PII_CARD, CARD, PII_EMAIL, PII_SSN, "4111 1111 1111")
 DETECTORS = {"type": "mask", "patterns": ["card_number", "email"]}
 BY_KEY = {"type": "mask", "columns": ["ssn"], "style": "last4"}
 GUARD_CAP = 65536
-
-
-@pytest.fixture(scope="module")
-def http_target():
-    process, port = start_target()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        process.wait(10)
-
-
-@pytest.fixture(scope="module")
-def ssh_target():
-    reason = unavailable_reason()
-    if reason is not None:
-        pytest.skip(reason)
-    peer = SshTarget().start()
-    yield peer
-    peer.destroy()
 
 
 @pytest.fixture(scope="module")

@@ -73,13 +73,9 @@ def start_daemon(tmp_path_factory: pytest.TempPathFactory, name: str, settings: 
 
 
 @pytest.fixture(scope="module")
-def http_peer():
-    from tests.test_http_proxy import start_target
-
-    process, port = start_target()
-    yield f"http://127.0.0.1:{port}"
-    process.terminate()
-    process.wait(10)
+def http_peer(http_target):
+    """The session's HTTP target (conftest)."""
+    return http_target
 
 
 @pytest.fixture(scope="module")

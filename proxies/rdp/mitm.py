@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import hashlib
 import logging
 import re
 import secrets
@@ -61,6 +60,7 @@ from twisted.internet import reactor
 from twisted.internet.protocol import ClientFactory, ServerFactory
 
 from gatewayd.access import looks_like_secret
+from gatewayd.crypto import hash_secret
 from gatewayd.dialer import Dialer
 from gatewayd.models import target_port
 from gatewayd.pipeline import AccessDenied, BLOCKED_EXIT_CODE, GatewayClosing, TargetUnreachable
@@ -189,7 +189,7 @@ class GatewayMITM(RDPMITM):
         self.closed_by_target_logoff = False
         self.refused = False
         self.domain: str | None = None
-        self.logon_key: tuple[bytes, str] | None = None  # the secret's digest and the client's address
+        self.logon_key: tuple[str, str] | None = None  # the secret as stored (hash_secret) and the client's address
         self.screen_up = False  # the target sent screen content: the client's logon is over
         self._certificate_ready = False
         main = SessionLogger(logging.getLogger(LOGGER_NAMES.MITM_CONNECTIONS), state.sessionID)
@@ -255,7 +255,7 @@ class GatewayMITM(RDPMITM):
         except Exception:
             request, secret = None, None
         if secret:
-            self.logon_key = (hashlib.sha256(secret.encode()).digest(), client_ip)
+            self.logon_key = (hash_secret(secret), client_ip)
         killed = self.factory.retry_of_killed_logon(self.logon_key) if self.logon_key else None
         try:
             grant = await self.pipeline.admit(secret or "", "rdp", client_ip, audit_success=killed is None)
@@ -506,10 +506,10 @@ class GatewayMITMFactory(ServerFactory):
         self.record_keyboard = bool(context.settings["record_keyboard"])
         self._making_key: asyncio.Task[None] | None = None
         self.clone_lock = asyncio.Lock()  # one certificate clone at a time (pyrdp's cache is not thread-safe)
-        self.killed_logons: dict[tuple[bytes, str], tuple[float, str]] = {}  # logon key: (deadline, kill reason)
+        self.killed_logons: dict[tuple[str, str], tuple[float, str]] = {}  # logon key: (deadline, kill reason)
         quiet_pyrdp()
 
-    def logon_killed(self, key: tuple[bytes, str], reason: str) -> None:
+    def logon_killed(self, key: tuple[str, str], reason: str) -> None:
         """The gateway killed a session whose client was still logging on: refuse that client's retry.
 
         A connection dropped before the logon is over is, to FreeRDP, a transport
@@ -524,7 +524,7 @@ class GatewayMITMFactory(ServerFactory):
         self._forget_stale(now)
         self.killed_logons[key] = (now + RETRY_WINDOW, reason)
 
-    def retry_of_killed_logon(self, key: tuple[bytes, str]) -> str | None:
+    def retry_of_killed_logon(self, key: tuple[str, str]) -> str | None:
         """The kill's reason when ``key`` is the retry of a logon the gateway killed (taken: once)."""
         now = time.monotonic()
         self._forget_stale(now)
