@@ -123,7 +123,7 @@ SETTINGS: dict[str, Setting] = {
     "api.listen": Setting("listen", "127.0.0.1:8009", lambda v, k: parse_listen(v, k, False)),
     "api.public_url": Setting("str", ""),
     "api.max_body_bytes": Setting("int", 1048576, _positive),
-    "metrics.listen": Setting("listen", "127.0.0.1:8010", parse_listen),
+    "metrics.listen": Setting("listen", "127.0.0.1:9464", parse_listen),
     "store.driver": Setting("str", "sqlite", _choice("sqlite", "postgres")),
     "store.path": Setting("str", ""),
     "store.url": Setting("str", "", _store_url),
