@@ -143,10 +143,12 @@ async def update(request: web.Request) -> web.Response:
     if "secret" not in body:
         body["secret"] = existing.secret  # an update without a secret keeps the stored one
     conn = build_connection(body, admin.org_id, body.get("resource_name") or existing.resource_name, existing)
+    gateway = gateway_of(request)
     try:
-        await gateway_of(request).store.update_connection(conn)
+        await gateway.store.update_connection(conn)
     except Conflict:
         raise ApiError(409, f"connection {conn.name!r} already exists") from None
+    await gateway.sessions.connection_changed(conn.id)  # its live sessions, on every node, take the change
     return ok(connection_json(conn, admin))
 
 
@@ -156,7 +158,8 @@ async def delete(request: web.Request) -> web.Response:
     conn = await find_connection(request)
     gateway = gateway_of(request)
     await gateway.store.delete_connection(admin.org_id, conn.id)
-    gateway.guardrails.invalidate()
+    gateway.guardrails.invalidate(announce=False)
+    await gateway.sessions.connection_changed(conn.id, deleted_by=admin.email)  # its live sessions end
     return web.Response(status=204)
 
 

@@ -128,6 +128,8 @@ SETTINGS: dict[str, Setting] = {
     "store.path": Setting("str", ""),
     "store.url": Setting("str", "", _store_url),
     "secrets.key": Setting("str", ""),
+    "cluster.node_name": Setting("str", ""),
+    "cluster.lease": Setting("duration", "30s", _positive),
     "auth.issuer": Setting("str", "local", _choice("local", "oidc")),
     "auth.token_ttl": Setting("duration", "12h"),
     "auth.multi_tenant": Setting("bool", False),

@@ -25,6 +25,7 @@ from gatewayd import __version__, metrics, protocols
 from gatewayd.access import AccessService
 from gatewayd.analysis import AnalysisService
 from gatewayd.audit import AuditLog
+from gatewayd.cluster import Cluster, default_node_name
 from gatewayd.config import Config, ConfigError, split_listen
 from gatewayd.dialer import Dialer, DirectDialer
 from gatewayd.frames import FrameStore
@@ -43,6 +44,7 @@ from gatewayd.store import Store, describe, open_store
 log = logging.getLogger("gatewayd")
 
 SERVER_CONFIG_KEY = "serverconfig.misc"
+SERVER_CONFIG_CHANGED = "serverconfig.changed"  # the bus topic: a PUT /serverconfig/misc on any node
 HOST_KEY_NAME = "ssh-host-key"
 
 
@@ -186,6 +188,7 @@ class Gateway:
         self.frames: FrameStore = None  # type: ignore[assignment]
         self.analysis: AnalysisService = None  # type: ignore[assignment]
         self.pipeline: SessionPipeline = None  # type: ignore[assignment]
+        self.cluster: Cluster = None  # type: ignore[assignment]
         self.listeners = Listeners(self, listener_factories or {})
         self.server_config: dict[str, Any] = {}
         self.started_at = time.time()
@@ -203,8 +206,13 @@ class Gateway:
             self.config["throttle.credential_failures"], self.config["throttle.credential_window"]))
         self.recording = RecordingService(self.store, self.config["sessions.recording_cap_bytes"],
                                           self.config["sessions.flush_interval"], await Sealer.load(self.store))
-        self.sessions = SessionManager(self.store, self.recording, self.audit)
+        self.cluster = Cluster(self.store, self.node_name(), lease=self.config["cluster.lease"],
+                               version=self.version, api_address=self.config["api.listen"])
+        self.sessions = SessionManager(self.store, self.recording, self.audit, self.cluster)
         self.guardrails = GuardRailService(self.store)
+        self.guardrails.changed = lambda: self.sessions.tasks.spawn(self.sessions.rules_changed())
+        self.cluster.on(SessionManager.RULES, lambda _message: self.guardrails.invalidate(announce=False))
+        self.cluster.on(SERVER_CONFIG_CHANGED, self._server_config_changed)
         self.discovery = AwsDiscovery(self.store, AwsSettings(
             use_instance_role=self.config["integrations.aws.use_instance_role"],
             regions=tuple(self.config["integrations.aws.regions"]),
@@ -219,12 +227,20 @@ class Gateway:
                                      admins_can_self_approve=self.config["auth.admins_can_self_approve"])
         await self.identity.start()
 
+    def node_name(self) -> str:
+        """This process's name among the nodes: ``cluster.node_name``, or host and API port (and its worker)."""
+        worker = os.environ.get("GATEWAYD_WORKER_INDEX")
+        name = self.config["cluster.node_name"]
+        if name:
+            return f"{name}/w{worker}" if worker is not None else name
+        return default_node_name(self.config["api.listen"], int(worker) if worker is not None else None)
+
     async def start(self) -> None:
         await self.open_core()
-        recovered = await self.sessions.recover()
-        await self.reviews.start()
         await self.recording.start()
         self.server_config = await self._load_server_config()
+        await self.cluster.start(listen_addresses(self.server_config))  # closes what a dead run left open
+        await self.reviews.start()
         if self.app_factory is not None:
             self._runner = web.AppRunner(self.app_factory(self), access_log=None, handle_signals=False)
             await self._runner.setup()
@@ -238,7 +254,7 @@ class Gateway:
         log.info("gatewayd started", extra={"version": self.version, "api": self.config["api.listen"],
                                             "data_dir": str(self.config.data_dir),
                                             "store": describe(self.config),  # a URL's password as ***
-                                            "recovered_sessions": recovered})
+                                            "node": self.cluster.node.name})
         _notify("READY=1")
 
     async def _serve_metrics(self) -> None:
@@ -267,7 +283,8 @@ class Gateway:
         description = protocols.by_name(name)
         part = description.server_config_key if description is not None else f"{name}_server_config"
         return ProxyContext(self.pipeline, self.config.section(name), dict(self.server_config.get(part, {})),
-                            self.config.data_dir, frames=self.frames, host_key=self.host_key_pem)
+                            self.config.data_dir, frames=self.frames, host_key=self.host_key_pem,
+                            cluster=self.cluster)
 
     async def host_key_pem(self) -> bytes:
         """The SSH host key (OpenSSH PEM), generated as ed25519 on first start."""
@@ -279,8 +296,18 @@ class Gateway:
         return material
 
     async def update_server_config(self, document: dict[str, Any]) -> None:
-        """Persist the document and bring the listeners in line with it, live."""
+        """Persist the document and bring the listeners in line with it, live, here and on every other node."""
         await self.store.put_setting(SERVER_CONFIG_KEY, document)
+        await self._apply_server_config(document)
+        await self.cluster.publish(SERVER_CONFIG_CHANGED)
+
+    async def _server_config_changed(self, _message: dict[str, Any]) -> None:
+        """Another process changed the document: take it from the store (this process changed it already)."""
+        document = await self._load_server_config()
+        if document != self.server_config:
+            await self._apply_server_config(document)
+
+    async def _apply_server_config(self, document: dict[str, Any]) -> None:
         previous, self.server_config = self.server_config, document
         if previous.get("ssh_server_config", {}).get("hosts_key") != document.get("ssh_server_config", {}).get(
                 "hosts_key"):
@@ -304,6 +331,8 @@ class Gateway:
             await self.sessions.shutdown(self.config["sessions.shutdown_grace"])
         if self.reviews is not None:
             await self.reviews.finish()  # scripts just killed store their outcome while the store is open
+        if self.cluster is not None:
+            await self.cluster.stop()  # after its sessions closed: no other node closes them as lost
         if self.recording is not None:
             await self.recording.stop()
         if self._runner is not None:
@@ -319,6 +348,8 @@ class Gateway:
         log.info("gatewayd stopped")
 
     async def close_core(self) -> None:
+        if self.cluster is not None:
+            await self.cluster.stop()
         if self.identity is not None:
             await self.identity.stop()
         if self.analysis is not None:

@@ -745,11 +745,18 @@ class GuardRailService:
         self._local = 0  # bumped by invalidate: a load begun before it is not cached
         self.observers: ObserverFactory | None = None  # set by the daemon: AI session analysis of native input
         self._mask_key: bytes | None = None
+        self.changed: Callable[[], None] | None = None  # a rule changed here: tell every process
 
-    def invalidate(self) -> None:
-        """Called by the API after any guard rail create, update or delete."""
+    def invalidate(self, *, announce: bool = True) -> None:
+        """Called by the API after any guard rail create, update or delete.
+
+        ``announce``: tell every process (``changed``, set by the daemon: the bus), so that the
+        live sessions everywhere adopt the new rules; a process told so invalidates with False.
+        """
         self._local += 1
         self._cache.clear()
+        if announce and self.changed is not None:
+            self.changed()
 
     def cached(self, connection_id: str) -> RuleSet | None:
         """The connection's rules when they are compiled already: a per-request path skips the await.

@@ -234,6 +234,31 @@ class Session:
     claimed_at: str | None = None  # when a connection claimed this issued session (Store.claim_session)
     kill_requested_at: str | None = None  # when a kill was asked for (Store.request_kill), with its reason
     kill_reason: str | None = None
+    node_id: str | None = None  # the node (gateway process) that holds the session while it is open
+
+
+@dataclass(slots=True)
+class Node:
+    """One gateway process (a node, or one worker of a node) in the cluster's registry.
+
+    ``id`` is this run's own (a restarted process is a new node); ``name`` is what people see
+    (``host:api-port``, ``/wN`` for a worker); ``slot`` is the small number the PostgreSQL cancel keys
+    it hands out carry, unique among the nodes that are up.
+    """
+
+    id: str
+    name: str
+    slot: int
+    host: str
+    pid: int
+    started_at: str
+    heartbeat_at: str
+    version: str = ""
+    api_address: str = ""
+    listeners: dict[str, str] = field(default_factory=dict)
+    status: str = "up"  # up | stopped (left in order) | lost (its lease ran out: another node closed its sessions)
+    stopped_at: str | None = None
+    stop_reason: str | None = None
 
 
 @dataclass(slots=True)

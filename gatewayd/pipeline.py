@@ -26,13 +26,15 @@ Errors a proxy translates into its protocol's words: ``AccessDenied`` (admit),
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Generic, Protocol, TypeVar
 
 from gatewayd import metrics
 from gatewayd.access import AccessDenied, AccessGrant
 from gatewayd.dialer import DialError, Dialer
+from gatewayd.guardrails import ObservedRules
 from gatewayd.policy import SessionPolicy
 from gatewayd.sessions import BLOCKED_EXIT_CODE, GatewayClosing, KillCallback, LiveSession
 
@@ -259,7 +261,18 @@ class SessionPipeline:
         except BaseException:
             await live.close(exit_code=BLOCKED_EXIT_CODE, error=INTERNAL_ERROR)
             raise
+        live.reload_rules = functools.partial(self._reload_rules, live, policy)
         return SessionRun(live, policy, target)
+
+    async def _reload_rules(self, live: LiveSession, policy: SessionPolicy) -> None:
+        """A rule of the session's connection changed (here or on another node): its policy adopts the new rules.
+
+        An observed session keeps its observer (what AI analysis saw and decided stays)."""
+        connection = live.connection
+        rules: Any = await self.guardrails.rules_for(connection.org_id, connection.id)
+        if isinstance(policy.rules, ObservedRules):
+            rules = ObservedRules(rules, policy.rules.observe)
+        policy.adopt(rules)
 
     # -- what proxies audit beyond sessions and blocks
 
@@ -270,6 +283,17 @@ class SessionPipeline:
             org_id=live.session.org_id, actor=live.user, action=action, resource_type="session", outcome=outcome,
             error_message=message, client_ip=client_ip or live.client_ip,
             payload={"session_id": live.id, "connection": live.connection.name, **payload})
+
+
+class ClusterLink(Protocol):
+    """What a proxy may use of the cluster: this node's slot and the bus (gatewayd.cluster.Cluster)."""
+
+    @property
+    def slot(self) -> int: ...
+
+    def on(self, topic: str, handler: Callable[[dict[str, Any]], Awaitable[None] | None]) -> None: ...
+
+    async def publish(self, topic: str, **payload: Any) -> None: ...
 
 
 @dataclass(slots=True)
@@ -286,3 +310,4 @@ class ProxyContext:
     data_dir: Path
     frames: FrameStore | None = None  # RDP's screen captures
     host_key: Callable[[], Awaitable[bytes]] | None = None  # SSH's host key (OpenSSH PEM)
+    cluster: ClusterLink | None = None  # this process among the others: its slot, the bus (PostgreSQL's cancels)

@@ -51,7 +51,6 @@ if TYPE_CHECKING:
     from gatewayd.guardrails import ObservedRules, RuleSet
     from gatewayd.masking import Masker
     from gatewayd.recording import SessionRecorder
-    from gatewayd.recording import SessionRecorder
     from gatewayd.sessions import LiveSession
 
 CLEAR_SUFFIX = "/clear"  # a session's sealed clear-text stream: ``<session id>/clear`` (mask rules' record_clear)
@@ -77,6 +76,15 @@ class SessionPolicy:
         self.masker: Masker | None = getattr(rules, "masker", None)  # None: no mask rule, nothing to mask
         self._clear: SessionRecorder | None = None  # the sealed clear text's stream (``open_clear_recording``)
         self.waits: bool = getattr(rules, "waits", False)  # an input may have to wait for a verdict (``needs_wait``)
+
+    def adopt(self, rules: RuleSet | ObservedRules) -> None:
+        """Go on under ``rules`` (the connection's rules changed while the session runs): from the next input on."""
+        self.rules = rules
+        self.checks_input = bool(rules.input_rules)
+        self.checks_output = bool(rules.output_rules)
+        self._sql_verdicts = {}
+        self.masker = getattr(rules, "masker", None)
+        self.waits = getattr(rules, "waits", False)
 
     def recording_to(self, recorder: SessionRecorder) -> SessionPolicy:
         """The same chain (rules, masking, session, client) with events going to ``recorder`` (a script's transcript).

@@ -386,6 +386,9 @@ class ScriptJob:
         return self.live.session.ai_analysis if self.live is not None else None
 
 
+ARMED = "review.armed"  # the bus topic: a jit review was approved, every node arms the end of its access
+
+
 class ReviewService:
     """Decisions with their side effects: audit, jit expiry, revocation of credentials and live sessions.
 
@@ -407,6 +410,12 @@ class ReviewService:
         self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}  # review id -> (lock, [holders + waiters])
         self.tasks = BackgroundTasks("reviews")  # scripts running, AI previews
         self.timers = BackgroundTasks("review-expiry")
+        sessions.cluster.on(ARMED, self._on_armed)
+
+    async def _on_armed(self, message: dict[str, Any]) -> None:
+        review = await self.store.get_review(str(message.get("review_id")))
+        if review is not None:
+            self.arm(review)
 
     @contextlib.asynccontextmanager
     async def lock(self, review_id: str) -> AsyncIterator[None]:
@@ -472,7 +481,7 @@ class ReviewService:
                               admins_can_self_approve=self.admins_can_self_approve)
             await self.store.save_review(review)
         if review.status == APPROVED and decision.completed:
-            self.arm(review)
+            await self.sessions.cluster.publish(ARMED, review_id=review.id)  # every node arms its end
         if decision.status == REJECTED and decision.completed:  # it will never run: the session is done
             await self.sessions.kill(review.session_id, f"the review was rejected by {actor.email}: "
                                                                 "the session did not run")
@@ -483,15 +492,11 @@ class ReviewService:
             await self.end_access(review, f"just-in-time access revoked by {actor.email}: the session was closed")
         return review, decision
 
-    async def end_access(self, review: Review, reason: str) -> int:
-        """Refuse the review's credentials from now on and close every live session opened with them."""
+    async def end_access(self, review: Review, reason: str) -> None:
+        """Refuse the review's credentials from now on and close every live session opened with them, on every node."""
         await self.store.revoke_credentials(review_id=review.id, revoked_at=rfc3339(utcnow()))
-        closed = await self.sessions.kill_where(
-            lambda s: s.credential is not None and s.credential.review_id == review.id, reason)
+        await self.sessions.end(reason, review_id=review.id)
         await self.sessions.kill(review.session_id, reason)  # its session, if no client ever used it
-        if closed:
-            log.info("closed sessions of a jit review", extra={"review_id": review.id, "count": closed})
-        return closed
 
     async def expire(self, review_id: str, locked: bool = False) -> None:
         """The access duration of a jit review is over: REVOKED (at its scheduled time), sessions closed."""
@@ -511,15 +516,20 @@ class ReviewService:
             actor_hint="gatewayd")
 
     async def _revoke_if_over(self, review_id: str) -> Review | None:
-        """Store REVOKED on a jit review whose access is over and return it; else None (re-armed if still on)."""
+        """Store REVOKED on a jit review whose access is over and return it; else None (re-armed if still on).
+
+        Every node arms the timer of every approved jit review (a node may die); the move to REVOKED is
+        one conditional UPDATE, so exactly one of them ends the access and writes ``review.expire``.
+        """
         review = await self.store.get_review(review_id)
         if review is None or not jit_ended(review, utcnow()):
             if review is not None:
                 self.arm(review)  # approved again later or clock drift: check again at the new end
             return None
-        review.status = REVOKED
-        review.updated_at = rfc3339(utcnow())
-        await self.store.save_review(review)
+        now = rfc3339(utcnow())
+        if not await self.store.transition_review(review.id, APPROVED, REVOKED, now):
+            return None  # another node expired it, or it was revoked meanwhile
+        review.status, review.updated_at = REVOKED, now
         return review
 
     async def policy(self, connection: Connection, kind: str) -> ReviewPolicy | None:

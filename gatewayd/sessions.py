@@ -8,9 +8,10 @@ import time
 from typing import Any, Awaitable, Callable
 
 from gatewayd.audit import AuditLog
+from gatewayd.cluster import Cluster
 from gatewayd.guardrails import GuardVerdict
 from gatewayd import protocols
-from gatewayd.models import Connection, Credential, Session, User, new_id, parse_time, rfc3339, utcnow
+from gatewayd.models import Connection, Credential, Node, Session, User, new_id, parse_time, rfc3339, utcnow
 from gatewayd.recording import RecordingService, SessionRecorder
 from gatewayd.store import Store
 from gatewayd.tasks import BackgroundTasks
@@ -18,6 +19,7 @@ from gatewayd.tasks import BackgroundTasks
 log = logging.getLogger("gatewayd.sessions")
 
 BLOCKED_EXIT_CODE = 254
+REMOTE_KILL_WAIT = 5.0  # seconds a kill of a session held by another node waits to see it done
 KillCallback = Callable[[str], Awaitable[None] | None]
 
 
@@ -64,6 +66,8 @@ class LiveSession:
         self.end_reason: str | None = None
         # awaited by close before the recording closes (each hook bounds its own wait: AI analysis still running)
         self.before_close: list[Callable[[], Awaitable[None]]] = []
+        # loads the connection's rules again into the session's policy (set by the pipeline; a rule changed)
+        self.reload_rules: Callable[[], Awaitable[None]] | None = None
 
     @property
     def id(self) -> str:
@@ -136,15 +140,33 @@ class LiveSession:
 
 
 class SessionManager:
-    """Creates sessions, tracks the live ones, and ends them on kill, expiry or shutdown."""
+    """Creates sessions, tracks the live ones, and ends them on kill, expiry or shutdown.
 
-    def __init__(self, store: Store, recording: RecordingService, audit: AuditLog) -> None:
+    A session is held by the process that opened it (its ``node_id``); a kill or an end asked
+    anywhere reaches that process through the cluster's bus (topics ``session.kill`` and
+    ``sessions.end``), and the sessions of a node that died are closed by the cluster (``close_orphans``).
+    """
+
+    KILL = "session.kill"
+    END = "sessions.end"
+    RULES = "guardrails.changed"
+    CONNECTION = "connection.changed"
+
+    def __init__(self, store: Store, recording: RecordingService, audit: AuditLog,
+                 cluster: Cluster | None = None) -> None:
         self.store = store
         self.recording = recording
         self.audit = audit
+        self.cluster = cluster or Cluster(store, "local")
         self.live: dict[str, LiveSession] = {}
         self.accepting = True
         self.tasks = BackgroundTasks("sessions")  # expiry kills
+        self.cluster.on(self.KILL, self._on_kill)
+        self.cluster.on(self.END, self._on_end)
+        self.cluster.on(self.RULES, self._on_rules)
+        self.cluster.on(self.CONNECTION, self._on_connection)
+        self.cluster.on_node_lost = self.close_orphans
+        self.cluster.on_fenced = self._fenced
 
     async def open(self, user: User, connection: Connection, *, credential: Credential | None = None,
                    verb: str = "connect", script: str | None = None, metadata: dict[str, Any] | None = None,
@@ -156,26 +178,27 @@ class SessionManager:
         here (``SessionUnavailable`` if it was claimed, ended or killed meanwhile).
         A session issued ``ready``, or moved to ``open`` when its jit credentials were handed out,
         is claimed by exactly one connection (``Store.claim_session``, atomic across processes);
-        the others open sessions of their own.
+        the others open sessions of their own. The session is held by this node (``node_id``).
         """
         if not self.accepting:
             raise GatewayClosing()
+        node_id = self.cluster.node_id
         session: Session | None = None
         if existing is not None:
-            session = await self.store.claim_session(existing.id, rfc3339(utcnow()))
+            session = await self.store.claim_session(existing.id, rfc3339(utcnow()), node_id)
             if session is None:
                 raise SessionUnavailable(f"session {existing.id} was run, ended or killed already")
             existing.status, existing.start_date = session.status, session.start_date
         claim = credential.session_id if credential is not None else None
         if session is None and claim is not None and claim not in self.live:
-            session = await self.store.claim_session(claim, rfc3339(utcnow()))
+            session = await self.store.claim_session(claim, rfc3339(utcnow()), node_id)
         if credential is not None:
             batch_id = batch_id or credential.id
         if session is None:
             session = session_for(user, connection, verb=verb, script=script, metadata=metadata or {},
                                   session_batch_id=batch_id,
                                   credential_id=credential.id if credential else None,
-                                  review_id=credential.review_id if credential else None)
+                                  review_id=credential.review_id if credential else None, node_id=node_id)
             await self.store.create_session(session)
         recorder = await self.recording.recorder(session.id, started=time.monotonic())
         live = LiveSession(self, session, recorder, user, connection, credential, client_ip)
@@ -206,42 +229,125 @@ class SessionManager:
             max(delay, 0), lambda: self.tasks.spawn(live.kill("credential expired: the session was closed")))
 
     async def kill(self, session_id: str, reason: str) -> bool:
-        """End a session; True if it was not done.
+        """End a session wherever it is held; True if it was not done.
 
         A session live here is killed here. Otherwise the kill is recorded on the row
-        (``Store.request_kill``: it can no longer be claimed) and, since no process holds it here,
-        the row is closed now with ``reason`` as its ``e`` event and exit code 254. (With several
-        processes sharing a store, reaching the one that holds the session is the scale-out bus's.)
+        (``Store.request_kill``: it can no longer be claimed); a session held by another node that
+        is up is ended by that node (the bus carries the kill; it closes the session with
+        ``reason``); one that no live node holds is closed now, with ``reason`` as its ``e`` event
+        and exit code 254.
         """
         live = self.live.get(session_id)
         if live is not None:
             await live.kill(reason)
             return True
         session = await self.store.request_kill(session_id, reason, rfc3339(utcnow()))
-        if session is not None:
-            recorder = await self.recording.recorder(session_id)
-            recorder.error(reason)
-            await self.recording.close(recorder, end_date=rfc3339(utcnow()),
-                                       exit_code=BLOCKED_EXIT_CODE)
+        if session is None:
+            return False
+        holder = session.node_id
+        if session.status == "open" and holder and holder != self.cluster.node_id \
+                and await self.cluster.alive(holder):
+            await self.cluster.publish(self.KILL, session_id=session_id, reason=reason, node=holder)
+            await self._until_done(session_id, REMOTE_KILL_WAIT)
             return True
-        return False
+        await self._close_stored(session_id, reason)
+        return True
+
+    async def _until_done(self, session_id: str, timeout: float) -> None:
+        """Wait (bounded) for the node holding a session to store its end, so that the caller sees it done."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            stored = await self.store.get_session(session_id)
+            if stored is None or stored.status == "done":
+                return
+            await asyncio.sleep(0.05)
+
+    async def _close_stored(self, session_id: str, reason: str) -> None:
+        """Close a session no process holds: ``reason`` as its last ``e`` event, exit code 254."""
+        recorder = await self.recording.recorder(session_id)
+        recorder.error(reason)
+        await self.recording.close(recorder, end_date=rfc3339(utcnow()), exit_code=BLOCKED_EXIT_CODE)
+
+    async def _on_kill(self, message: dict[str, Any]) -> None:
+        live = self.live.get(str(message.get("session_id")))
+        if live is not None:
+            await live.kill(str(message.get("reason") or "session killed"))
+
+    async def end(self, reason: str, *, review_id: str | None = None, connection_id: str | None = None) -> None:
+        """End the live sessions of a review's credentials or of a connection, on every node."""
+        await self.cluster.publish(self.END, reason=reason, review_id=review_id, connection_id=connection_id)
+
+    async def _on_end(self, message: dict[str, Any]) -> None:
+        review_id, connection_id = message.get("review_id"), message.get("connection_id")
+        reason = str(message.get("reason") or "session closed")
+
+        def matches(s: LiveSession) -> bool:
+            if review_id is not None and not (s.credential is not None and s.credential.review_id == review_id):
+                return False
+            return connection_id is None or s.connection.id == connection_id
+
+        if review_id is None and connection_id is None:
+            return
+        closed = await self.kill_where(matches, reason)
+        if closed:
+            log.info("closed sessions", extra={"review_id": review_id or "", "connection_id": connection_id or "",
+                                               "count": closed})
+
+    async def connection_changed(self, connection_id: str, *, deleted_by: str | None = None) -> None:
+        """A connection was changed (its live sessions take its new record and rules) or deleted (they end)."""
+        await self.cluster.publish(self.CONNECTION, connection_id=connection_id, deleted_by=deleted_by)
+
+    async def _on_connection(self, message: dict[str, Any]) -> None:
+        connection_id, deleted_by = message.get("connection_id"), message.get("deleted_by")
+        mine = [s for s in list(self.live.values()) if s.connection.id == connection_id]
+        if not mine:
+            return
+        if deleted_by is not None:
+            await self.kill_where(lambda s: s.connection.id == connection_id,
+                                  f"the connection {mine[0].connection.name} was deleted by {deleted_by}: "
+                                  "the session was closed")
+            return
+        fresh = await self.store.get_connection(mine[0].connection.org_id, str(connection_id))
+        for live in mine:
+            if fresh is not None:
+                live.connection = fresh
+        await self._on_rules({"connection_id": connection_id})
+
+    async def rules_changed(self, connection_id: str | None = None) -> None:
+        """Guard rails changed (of one connection, or any): live sessions on every node load theirs again."""
+        await self.cluster.publish(self.RULES, connection_id=connection_id)
+
+    async def _on_rules(self, message: dict[str, Any]) -> None:
+        connection_id = message.get("connection_id")
+        for live in list(self.live.values()):
+            if live.reload_rules is None or live.done.is_set():
+                continue
+            if connection_id is not None and live.connection.id != connection_id:
+                continue
+            try:
+                await live.reload_rules()
+            except Exception:
+                log.exception("reloading a session's rules failed", extra=live.log_fields())
 
     async def kill_where(self, predicate: Callable[[LiveSession], bool], reason: str) -> int:
+        """End the sessions live in this process that match ``predicate``."""
         targets = [s for s in list(self.live.values()) if predicate(s)]
         await asyncio.gather(*(s.kill(reason) for s in targets))
         return len(targets)
 
-    async def recover(self) -> int:
-        """After a crash: close sessions left ``open`` with an ``e`` event; flushed events stay."""
-        stale = await self.store.sessions_with_status("open")
+    async def close_orphans(self, node: Node, reason: str) -> int:
+        """Close the sessions left ``open`` by a node that is gone (``node.id`` empty: by no node)."""
+        stale = await self.store.open_sessions_of([node.id or None])
         for session in stale:
-            recorder = await self.recording.recorder(session.id)
-            recorder.error("session closed on gateway restart: the gateway stopped while it was open")
-            await self.recording.close(recorder, end_date=rfc3339(utcnow()),
-                                       exit_code=BLOCKED_EXIT_CODE)
+            await self._close_stored(session.id, reason)
         if stale:
-            log.warning("closed sessions left open by a previous run", extra={"count": len(stale)})
+            log.warning("closed sessions left open by a node that is gone",
+                        extra={"count": len(stale), "node": node.name or "-"})
         return len(stale)
+
+    async def _fenced(self, reason: str) -> None:
+        """This node was declared lost: the others closed its sessions in the store, end them here too."""
+        await self.kill_where(lambda s: True, reason)
 
     async def shutdown(self, grace: float) -> None:
         """Stop opening sessions, let live ones finish for ``grace`` seconds, then close the rest."""

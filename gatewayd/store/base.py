@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from gatewayd.evidence import BatchLink, EventBatch
 from gatewayd.models import (
@@ -22,6 +22,7 @@ from gatewayd.models import (
     Connection,
     Credential,
     GuardRail,
+    Node,
     Organization,
     Page,
     Resource,
@@ -30,6 +31,9 @@ from gatewayd.models import (
     SessionEvent,
     User,
 )
+
+if TYPE_CHECKING:
+    from gatewayd.store.bus import BusTransport
 
 
 class StoreError(Exception):
@@ -190,13 +194,13 @@ class Store(abc.ABC):
     async def list_sessions(self, query: SessionFilter) -> Page: ...
 
     @abc.abstractmethod
-    async def claim_session(self, session_id: str, start_date: str) -> Session | None:
+    async def claim_session(self, session_id: str, start_date: str, node_id: str | None = None) -> Session | None:
         """Claim an issued session for the connection about to run it, atomically (one UPDATE ... RETURNING).
 
         Claimable: ``ready`` (issued with its credential, or a reviewed script), or ``open`` with no end
         (its jit credentials were handed out), never claimed, no kill requested. The claim sets
-        ``open``, ``start_date`` and ``claimed_at``; of concurrent claims, in any process, exactly one
-        gets the session, the others None.
+        ``open``, ``start_date``, ``claimed_at`` and the holding ``node_id``; of concurrent claims, in
+        any process, exactly one gets the session, the others None.
         """
 
     @abc.abstractmethod
@@ -247,6 +251,57 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def sessions_with_status(self, status: str) -> list[Session]: ...
 
+    @abc.abstractmethod
+    async def open_sessions_of(self, node_ids: Iterable[str | None]) -> list[Session]:
+        """The sessions still ``open`` held by these nodes (None: sessions no node holds, from before nodes)."""
+
+    # the cluster: nodes and the bus between them
+    @abc.abstractmethod
+    async def register_node(self, node: Node) -> Node:
+        """Store a node that has just started, with a ``slot`` free among the nodes up (set on ``node``)."""
+
+    @abc.abstractmethod
+    async def node_heartbeat(self, node_id: str, at: str) -> bool:
+        """Renew a node's lease; False when it is no longer ``up`` (another node declared it lost)."""
+
+    @abc.abstractmethod
+    async def stop_node(self, node_id: str, at: str, *, status: str = "stopped", reason: str = "",
+                        heartbeat_before: str | None = None) -> bool:
+        """Move an ``up`` node to ``status`` (stopped, lost); with ``heartbeat_before`` only when its last
+        heartbeat is older. True for the one caller that moved it (exactly once, whatever the number of nodes)."""
+
+    @abc.abstractmethod
+    async def list_nodes(self, *, up_only: bool = False) -> list[Node]:
+        """Nodes by start time, newest first."""
+
+    @abc.abstractmethod
+    async def open_sessions_by_node(self) -> dict[str | None, int]:
+        """How many ``open`` sessions each node holds."""
+
+    @abc.abstractmethod
+    async def forget_nodes(self, before: str) -> int:
+        """Delete nodes no longer up whose end is older than ``before`` and that hold no open session."""
+
+    @abc.abstractmethod
+    def bus(self) -> "BusTransport":
+        """The transport of the bus between the processes sharing this store (gatewayd.store.bus)."""
+
+    @abc.abstractmethod
+    async def bus_publish(self, topic: str, payload: str, origin: str, at: str) -> int:
+        """Append a bus message (the SQLite bus's table); its sequence number."""
+
+    @abc.abstractmethod
+    async def bus_read(self, after: int, limit: int = 500) -> list[tuple[int, str, str, str]]:
+        """Bus messages after sequence ``after``: (seq, topic, payload, origin), in order."""
+
+    @abc.abstractmethod
+    async def bus_last(self) -> int:
+        """The last bus message's sequence number (0 when none)."""
+
+    @abc.abstractmethod
+    async def bus_prune(self, before: str) -> int:
+        """Delete bus messages older than ``before``."""
+
     # reviews and access request rules
     @abc.abstractmethod
     async def create_review(self, review: Review, session: Session | None = None) -> None:
@@ -270,6 +325,10 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def save_review(self, review: Review) -> None:
         """Update a review's status, window, revoke time and groups (replaced as a whole)."""
+
+    @abc.abstractmethod
+    async def transition_review(self, review_id: str, from_status: str, to_status: str, at: str) -> bool:
+        """Move a review from one status to another; True for the one caller that moved it (atomic)."""
 
     @abc.abstractmethod
     async def reviews_with_status(self, status: str, type: str | None = None) -> list[Review]: ...

@@ -292,4 +292,30 @@ INSERT INTO store_counters (name, value) VALUES ('guardrails', 0)
     (8, """
 ALTER TABLE ai_analyzer_rules ADD COLUMN native_mode TEXT NOT NULL DEFAULT 'async'
 """),
+    (9, """
+ALTER TABLE sessions ADD COLUMN node_id TEXT;
+CREATE INDEX sessions_node ON sessions (node_id, status);
+CREATE TABLE nodes (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    slot INTEGER NOT NULL,
+    host TEXT NOT NULL,
+    pid INTEGER NOT NULL,
+    version TEXT NOT NULL DEFAULT '',
+    api_address TEXT NOT NULL DEFAULT '',
+    listeners TEXT NOT NULL DEFAULT '{}',
+    status TEXT NOT NULL DEFAULT 'up',
+    started_at TEXT NOT NULL,
+    heartbeat_at TEXT NOT NULL,
+    stopped_at TEXT,
+    stop_reason TEXT
+);
+CREATE TABLE bus_events (
+    seq INTEGER PRIMARY KEY,
+    topic TEXT NOT NULL,
+    payload TEXT NOT NULL,
+    origin TEXT NOT NULL,
+    created_at TEXT NOT NULL
+)
+"""),
 ]

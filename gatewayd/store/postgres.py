@@ -20,6 +20,7 @@ import asyncpg
 from gatewayd.crypto import SecretBox
 from gatewayd.models import SessionEvent
 from gatewayd.store.base import Conflict, StoreError
+from gatewayd.store.bus import CHANNEL, BusTransport, NotifyBus
 from gatewayd.store.queries import SQLStore
 from gatewayd.store.sql import Dialect, Result, Statement, Work, numbered
 
@@ -207,3 +208,7 @@ class PostgresStore(SQLStore):
     def __init__(self, url: str, box: SecretBox) -> None:
         super().__init__(AsyncpgConnector(url), box)
         self.url = url
+
+    def bus(self) -> BusTransport:
+        """LISTEN/NOTIFY: every node hears a change at once, without polling a table."""
+        return NotifyBus(self.url, lambda message: self.db.fetch("SELECT pg_notify(?, ?)", (CHANNEL, message)))

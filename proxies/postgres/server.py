@@ -26,7 +26,7 @@ import socket
 import ssl
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gatewayd import metrics
 from gatewayd.access import looks_like_secret
@@ -81,18 +81,31 @@ class CancelTarget:
     secret_key: bytes
 
 
+SLOT_SHIFT = 20  # a key's process id is (node slot << 20) | 20 random bits: it says which node holds the session
+CANCEL_TOPIC = "postgres.cancel"  # the bus topic: a CancelRequest that reached another node than the session's
+
+
 class CancelKeys:
-    """The BackendKeyData the gateway handed out, mapped to the target backends'."""
+    """The BackendKeyData the gateway handed out, mapped to the target backends'.
+
+    A key's process id carries the slot of the node that issued it (``slot_of``): a CancelRequest
+    reaching another node or worker is sent on the bus to the one holding the session.
+    """
 
     def __init__(self) -> None:
         self._keys: dict[tuple[int, bytes], CancelTarget] = {}
 
-    def issue(self, target: CancelTarget) -> tuple[int, bytes]:
+    def issue(self, target: CancelTarget, slot: int = 0) -> tuple[int, bytes]:
         while True:
-            key = (secrets.randbelow(2**31 - 2) + 1, secrets.token_bytes(4))
+            low = secrets.randbelow((1 << SLOT_SHIFT) - 1) + 1
+            key = (((slot % 2048) << SLOT_SHIFT) | low, secrets.token_bytes(4))
             if key not in self._keys:
                 self._keys[key] = target
                 return key
+
+    @staticmethod
+    def slot_of(process_id: int) -> int:
+        return (process_id >> SLOT_SHIFT) & 0x7FF
 
     def pop(self, key: tuple[int, bytes]) -> None:
         self._keys.pop(key, None)
@@ -103,6 +116,7 @@ class CancelKeys:
 
 # Keys outlive a listener restart: sessions opened through the old listener stay cancellable.
 CANCEL_KEYS = CancelKeys()
+_CANCEL_ROUTES: set[int] = set()  # the clusters whose cancel topic a listener of this process answers already
 
 
 def fatal(sqlstate: str, message: str) -> bytes:
@@ -117,7 +131,27 @@ class PostgresListener:
         self.tls_context = tls_context
         self.server: asyncio.base_events.Server | None = None
         self.cancel_keys = CANCEL_KEYS
+        self.cluster = context.cluster
         self.connections = BackgroundTasks("postgres listener")
+        if self.cluster is not None and id(self.cluster) not in _CANCEL_ROUTES:  # once per process, not per listener
+            _CANCEL_ROUTES.add(id(self.cluster))
+            self.cluster.on(CANCEL_TOPIC, self._on_cancel)
+
+    async def _on_cancel(self, message: dict[str, Any]) -> None:
+        """A CancelRequest another node received for a session of this one."""
+        if self.cluster is None or message.get("slot") != self.cluster.slot:
+            return
+        try:
+            await self.cancel_here(int(message["process_id"]), bytes.fromhex(str(message["secret_key"])))
+        except (KeyError, ValueError, TypeError):
+            log.warning("a malformed cancel message was ignored")
+
+    async def cancel_here(self, process_id: int, secret_key: bytes) -> None:
+        """Cancel the query of a session held by this process (unknown keys are ignored, as PostgreSQL does)."""
+        target = self.cancel_keys.get(process_id, secret_key)
+        if target is not None:
+            await send_cancel(target.host, target.port, target.process_id, target.secret_key,
+                              dialer=self.pipeline.dialer)
 
     def accept(self, stream: FrameStream) -> None:
         """A client connected: its connection runs as a task of its own."""
@@ -232,10 +266,12 @@ class ClientConnection:
                 return message
 
     async def _cancel(self, request: CancelRequest) -> None:
-        target = self.listener.cancel_keys.get(request.process_id, request.secret_key)
-        if target is not None:
-            await send_cancel(target.host, target.port, target.process_id, target.secret_key,
-                              dialer=self.pipeline.dialer)
+        cluster, slot = self.listener.cluster, CancelKeys.slot_of(request.process_id)
+        if cluster is not None and slot not in (0, cluster.slot):  # the session lives on another node or worker
+            await cluster.publish(CANCEL_TOPIC, slot=slot, process_id=request.process_id,
+                                  secret_key=bytes(request.secret_key).hex())
+            return
+        await self.listener.cancel_here(request.process_id, bytes(request.secret_key))
 
     async def _secret(self, startup: StartupMessage) -> str | None:
         """The credential secret: the start-up user, or else the password we ask for."""
@@ -274,8 +310,9 @@ class ClientConnection:
             self.send_fatal("57P03", str(exc))
             return
         self.link = link = run.target
+        cluster = self.listener.cluster
         key = self.listener.cancel_keys.issue(CancelTarget(settings.host, settings.port, link.process_id,
-                                                           link.secret_key))
+                                                           link.secret_key), cluster.slot if cluster else 0)
         async with run:
             try:
                 self.stream.write(b"".join([encode_authentication_ok(), *link.startup_frames,
