@@ -137,6 +137,53 @@ def _cmd_user_operator(args: argparse.Namespace) -> int:
     return 0
 
 
+def _age(moment: str | None) -> str:
+    from gatewayd.models import parse_time, utcnow
+
+    when = parse_time(moment) if moment else None
+    if when is None:
+        return "-"
+    seconds = max((utcnow() - when).total_seconds(), 0)
+    return f"{seconds:.0f}s ago" if seconds < 120 else f"{seconds / 60:.0f}m ago" if seconds < 7200 \
+        else f"{seconds / 3600:.0f}h ago"
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    """The cluster as its store sees it: every node, its state and lease, and the sessions it holds."""
+    import json
+
+    async def action(gateway) -> int:  # type: ignore[no-untyped-def]
+        nodes = await gateway.store.list_nodes()
+        held = await gateway.store.open_sessions_by_node()
+        if not args.all:
+            nodes = [n for n in nodes if n.status == "up" or held.get(n.id)]
+        if args.json:
+            print(json.dumps({"nodes": [
+                {"id": n.id, "name": n.name, "status": n.status, "slot": n.slot, "host": n.host, "pid": n.pid,
+                 "version": n.version, "api_address": n.api_address, "listeners": n.listeners,
+                 "started_at": n.started_at, "heartbeat_at": n.heartbeat_at, "stopped_at": n.stopped_at,
+                 "stop_reason": n.stop_reason, "open_sessions": held.get(n.id, 0)} for n in nodes],
+                "open_sessions": sum(held.values()), "store": describe(gateway.config)}, indent=2))
+            return 0
+        lease = gateway.config["cluster.lease"]
+        print(f"{describe(gateway.config)}; lease {lease:g}s")
+        rows = [("NODE", "STATUS", "SLOT", "PID", "VERSION", "API", "STARTED", "HEARTBEAT", "SESSIONS")]
+        for n in sorted(nodes, key=lambda n: (n.status != "up", n.name)):
+            rows.append((n.name, n.status, str(n.slot), str(n.pid), n.version, n.api_address, _age(n.started_at),
+                         _age(n.heartbeat_at) if n.status == "up" else _age(n.stopped_at),
+                         str(held.get(n.id, 0))))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        for row in rows:
+            print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        up = sum(1 for n in nodes if n.status == "up")
+        print(f"{up} node{'s' if up != 1 else ''} up, {sum(held.values())} open session"
+              f"{'s' if sum(held.values()) != 1 else ''}" + (f" ({held[None]} held by no node)" if held.get(None)
+                                                             else ""))
+        return 0
+
+    return asyncio.run(_with_core(load(args.config), action))
+
+
 def _print_verification(result) -> int:  # type: ignore[no-untyped-def]
     """Say what was checked and what failed; exit 0 when intact, 1 when altered or not verifiable."""
     state = "intact" if result.verified else "ALTERED OR NOT VERIFIABLE"
@@ -230,6 +277,13 @@ def build_parser(run: Command | None = None) -> argparse.ArgumentParser:
     from gatewayd.client import commands as people
 
     people.register(sub, sessions_parser, sessions)
+
+    status = sub.add_parser("status", help="the cluster: every gateway node (and worker) sharing the store, "
+                                           "its lease and its open sessions")
+    status.add_argument("--all", action="store_true", help="also nodes that stopped or were lost")
+    status.add_argument("--json", action="store_true")
+    status.add_argument("--config")
+    status.set_defaults(func=_cmd_status)
 
     version = sub.add_parser("version", help="print the version")
     version.set_defaults(func=lambda args: print(__version__) or 0)

@@ -226,7 +226,7 @@ class Cluster:
                     and not _pid_alive(node.pid):
                 await self._lose(node, "session closed on gateway restart: the gateway stopped while it was open")
         others = [n for n in await self.store.list_nodes(up_only=True) if n.id != self.node.id]
-        if not others and self.on_node_lost is not None:  # alone: sessions no node holds are orphans
+        if not others and self.on_node_lost is not None:  # alone: what no node up holds is an orphan
             orphan = Node(id="", name="", slot=0, host="", pid=0, started_at="", heartbeat_at="")
             await self.on_node_lost(orphan, "session closed on gateway restart: the gateway stopped while it "
                                             "was open")

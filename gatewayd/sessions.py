@@ -337,11 +337,11 @@ class SessionManager:
 
     async def close_orphans(self, node: Node, reason: str) -> int:
         """Close the sessions left ``open`` by a node that is gone (``node.id`` empty: by no node)."""
-        stale = await self.store.open_sessions_of([node.id or None])
+        stale = await (self.store.open_sessions_of([node.id]) if node.id else self.store.open_sessions_unheld())
         for session in stale:
             await self._close_stored(session.id, reason)
         if stale:
-            log.warning("closed sessions left open by a node that is gone",
+            log.warning("closed sessions left open by a previous run",  # of this node, or of one lost
                         extra={"count": len(stale), "node": node.name or "-"})
         return len(stale)
 

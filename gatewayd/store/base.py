@@ -252,8 +252,12 @@ class Store(abc.ABC):
     async def sessions_with_status(self, status: str) -> list[Session]: ...
 
     @abc.abstractmethod
-    async def open_sessions_of(self, node_ids: Iterable[str | None]) -> list[Session]:
-        """The sessions still ``open`` held by these nodes (None: sessions no node holds, from before nodes)."""
+    async def open_sessions_of(self, node_ids: Iterable[str]) -> list[Session]:
+        """The sessions still ``open`` held by these nodes."""
+
+    @abc.abstractmethod
+    async def open_sessions_unheld(self) -> list[Session]:
+        """The sessions still ``open`` that no node up holds (from before nodes, or a process that never registered)."""
 
     # the cluster: nodes and the bus between them
     @abc.abstractmethod

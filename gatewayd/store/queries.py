@@ -479,18 +479,17 @@ class SQLStore(Store):
         rows = await self._all("SELECT * FROM sessions WHERE status = ?", (status,))
         return [build(Session, r) for r in rows]
 
-    async def open_sessions_of(self, node_ids: Iterable[str | None]) -> list[Session]:
+    async def open_sessions_of(self, node_ids: Iterable[str]) -> list[Session]:
         wanted = list(node_ids)
-        named = [n for n in wanted if n is not None]
-        where = []
-        if named:
-            where.append(f"node_id IN ({', '.join('?' * len(named))})")
-        if None in wanted:
-            where.append("node_id IS NULL")
-        if not where:
+        if not wanted:
             return []
-        rows = await self._all(f"SELECT * FROM sessions WHERE status = 'open' AND ({' OR '.join(where)})",
-                               tuple(named))
+        rows = await self._all(f"SELECT * FROM sessions WHERE status = 'open' AND node_id IN "
+                               f"({', '.join('?' * len(wanted))})", tuple(wanted))
+        return [build(Session, r) for r in rows]
+
+    async def open_sessions_unheld(self) -> list[Session]:
+        rows = await self._all("SELECT * FROM sessions WHERE status = 'open' AND (node_id IS NULL OR node_id NOT IN "
+                               "(SELECT id FROM nodes WHERE status = 'up'))")
         return [build(Session, r) for r in rows]
 
     # ---------------------------------------------------------------- the cluster
