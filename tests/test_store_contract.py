@@ -30,6 +30,7 @@ from gatewayd.models import (
     Connection,
     Credential,
     GuardRail,
+    Node,
     Resource,
     Review,
     ReviewGroup,
@@ -396,6 +397,92 @@ async def test_exactly_one_of_concurrent_claims_wins(backend: Backend):
         assert claimed.start_date.startswith("2026-02-01") and claimed.metadata == s.metadata
         assert await two.get_session(s.id) == claimed
         assert await two.claim_session(s.id, NOW) is None  # and once claimed, never again
+
+
+def a_node(name: str, beat: str = NOW, pid: int = 4242) -> Node:
+    return Node(id=new_id(), name=name, slot=0, host="host-1", pid=pid, started_at=NOW, heartbeat_at=beat,
+                listeners={"postgres": "0.0.0.0:15432"})
+
+
+async def test_nodes_get_distinct_slots_at_once_and_reuse_those_freed(backend: Backend):
+    one, two = await backend.open(), await backend.open()  # as two processes would
+    nodes = [a_node(f"n{i}") for i in range(6)]
+    await asyncio.gather(*((one if i % 2 else two).register_node(n) for i, n in enumerate(nodes)))
+    assert sorted(n.slot for n in nodes) == [1, 2, 3, 4, 5, 6]
+    stored = {n.id: n for n in await two.list_nodes()}
+    assert stored[nodes[0].id] == nodes[0] and stored[nodes[0].id].listeners == {"postgres": "0.0.0.0:15432"}
+    freed = nodes[2].slot
+    assert await one.stop_node(nodes[2].id, NOW, reason="stopped") is True
+    assert await one.stop_node(nodes[2].id, NOW) is False  # once
+    late = a_node("late")
+    await two.register_node(late)
+    assert late.slot == freed
+    assert {n.id for n in await one.list_nodes(up_only=True)} == {n.id for n in nodes if n is not nodes[2]} | {late.id}
+
+
+async def test_a_node_is_declared_lost_exactly_once_and_only_when_its_lease_ran_out(backend: Backend):
+    one, two = await backend.open(), await backend.open()
+    node = a_node("quiet", beat="2026-01-01T00:00:00.000000Z")
+    await one.register_node(node)
+    assert await one.stop_node(node.id, NOW, status="lost", heartbeat_before="2025-12-31T00:00:00.000000Z") is False
+    assert await one.node_heartbeat(node.id, "2026-01-01T00:00:10.000000Z") is True
+    won = await asyncio.gather(*(handle.stop_node(node.id, NOW, status="lost", reason="lease",
+                                                  heartbeat_before="2026-01-01T00:01:00.000000Z")
+                                 for handle in (one, two, one, two)))
+    assert won.count(True) == 1
+    [lost] = [n for n in await two.list_nodes() if n.id == node.id]
+    assert (lost.status, lost.stop_reason, lost.stopped_at) == ("lost", "lease", NOW)
+    assert await one.node_heartbeat(node.id, NOW) is False  # a node declared lost learns it at its next beat
+
+
+async def test_open_sessions_by_holder_and_those_no_node_up_holds(store: Store):
+    org = await an_org(store)
+    up, gone = a_node("up"), a_node("gone")
+    for node in (up, gone):
+        await store.register_node(node)
+    await store.stop_node(gone.id, NOW, status="lost")
+    held, orphaned, legacy = a_session(org, node_id=up.id), a_session(org, node_id=gone.id), a_session(org)
+    ended = a_session(org, status="done", node_id=gone.id)
+    ready = a_session(org, status="ready")
+    for s in (held, orphaned, legacy, ended, ready):
+        await store.create_session(s)
+    assert [s.id for s in await store.open_sessions_of([gone.id])] == [orphaned.id]
+    assert {s.id for s in await store.open_sessions_unheld()} == {orphaned.id, legacy.id}
+    counts = await store.open_sessions_by_node()
+    assert counts[up.id] == 1 and counts[gone.id] == 1 and counts[None] == 1
+    claimed = await store.claim_session(ready.id, NOW, up.id)
+    assert claimed.node_id == up.id and (await store.open_sessions_by_node())[up.id] == 2
+    assert await store.forget_nodes("2030-01-01T00:00:00Z") == 0  # it still holds an open session
+    await store.request_kill(orphaned.id, "x", NOW)
+    await store.close_session(EventBatch(orphaned.id, 0, [], {}), end_date=NOW, exit_code=254, seal=None)
+    assert await store.forget_nodes("2030-01-01T00:00:00Z") == 1
+    assert [n.id for n in await store.list_nodes()] == [up.id]
+
+
+async def test_the_bus_table_keeps_order_across_handles_and_prunes_old_messages(backend: Backend):
+    one, two = await backend.open(), await backend.open()
+    start = await two.bus_last()
+    sent = await asyncio.gather(*((one if i % 2 else two).bus_publish("t", f'{{"n": {i}}}', f"o{i % 2}", NOW)
+                                  for i in range(10)))
+    assert sorted(sent) == list(range(start + 1, start + 11))
+    read = await one.bus_read(start)
+    assert [r[0] for r in read] == sorted(sent) and {r[2] for r in read} == {f'{{"n": {i}}}' for i in range(10)}
+    assert await one.bus_read(start, limit=3) == read[:3]
+    assert await two.bus_prune("2030-01-01T00:00:00Z") == 9  # the last one stays: numbering never restarts
+    assert await one.bus_last() == start + 10
+    assert (await two.bus_publish("t", "{}", "o", NOW)) == start + 11
+
+
+async def test_a_review_transition_happens_once(backend: Backend):
+    one, two = await backend.open(), await backend.open()
+    org = await an_org(one)
+    review = Review(id=new_id(), org_id=org, session_id=new_id(), connection_id="c", type="jit", status="APPROVED",
+                    owner_id="ann", created_at=NOW, access_duration=60_000_000_000)
+    await one.create_review(review)
+    won = await asyncio.gather(*(h.transition_review(review.id, "APPROVED", "REVOKED", NOW) for h in (one, two, one)))
+    assert won.count(True) == 1
+    assert (await two.get_review(review.id)).status == "REVOKED"
+    assert await one.transition_review(review.id, "APPROVED", "REVOKED", NOW) is False
 
 
 async def test_what_cannot_be_claimed(store: Store):
