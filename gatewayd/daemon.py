@@ -15,6 +15,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Awaitable, Callable, Protocol
 
 from aiohttp import web
@@ -218,7 +219,9 @@ class Gateway:
             regions=tuple(self.config["integrations.aws.regions"]),
             assume_role_name=self.config["integrations.aws.assume_role_name"],
             endpoint_url=self.config["integrations.aws.endpoint_url"], timeout=self.config["integrations.aws.timeout"]))
-        self.frames = FrameStore(self.config.data_dir / "rdp-frames", self.config.get("rdp.frames_cap_bytes"))
+        frames_dir = self.config.get("rdp.frames_dir")  # several nodes: a path they all share
+        self.frames = FrameStore(Path(frames_dir) if frames_dir else self.config.data_dir / "rdp-frames",
+                                 self.config.get("rdp.frames_cap_bytes"))
         self.analysis = AnalysisService(self.store, self.audit, self.config)
         self.guardrails.observers = self.analysis.observer_for
         self.pipeline = SessionPipeline(self.access, self.sessions, self.guardrails, self.dialer, self.audit)

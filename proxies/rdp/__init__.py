@@ -36,7 +36,8 @@ DESCRIPTION = ProtocolDescription(
     install_hint="RDP proxy unavailable: install the rdp extra (make does; by hand: pip install 'gatewayd[rdp]' "
                  "and pip install --no-deps pyrdp-mitm==2.1.0)",
     settings={"record_keyboard": Setting("bool", False),
-              "frames_cap_bytes": Setting("int", 1024 * 1024 * 1024, positive)},
+              "frames_cap_bytes": Setting("int", 1024 * 1024 * 1024, positive),
+              "frames_dir": Setting("str", "")},
 )
 
 
