@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import json
 import math
 import logging
 import secrets
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
@@ -21,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from gatewayd.config import Config
 from gatewayd.crypto import PasswordWork
 from gatewayd.throttle import Throttle
-from gatewayd.models import User, new_id
+from gatewayd.models import User, new_id, rfc3339, utcnow
 from gatewayd.store import Store
 
 log = logging.getLogger("gatewayd.identity")
@@ -204,6 +206,14 @@ class OIDCProvider:
             return body
 
 
+_LOGIN_KEY_PREFIX = "oidc-login:"
+
+
+def _login_key(state: str) -> str:
+    """The store's name of a pending login: a hash of its state (the state itself is not kept)."""
+    return _LOGIN_KEY_PREFIX + hashlib.sha256(state.encode()).hexdigest()
+
+
 @dataclass(slots=True)
 class _PendingLogin:
     verifier: str
@@ -220,7 +230,6 @@ class Identity:
         self.local: LocalIssuer | None = None
         self.oidc: OIDCProvider | None = None
         self._http: aiohttp.ClientSession | None = None
-        self._pending: dict[str, _PendingLogin] = {}
         self.passwords = PasswordWork()
         self.login_throttle = Throttle(config["throttle.login_failures"], config["throttle.login_window"])
 
@@ -360,20 +369,30 @@ class Identity:
             raise AuthError("redirect: not an allowed address (api.public_url's origin or auth.oidc.allowed_redirects)")
         if redirect.startswith("/"):
             redirect = self.config.public_url + redirect
-        now = time.monotonic()
-        self._pending = {k: v for k, v in self._pending.items() if v.expires > now}
         state = secrets.token_urlsafe(24)
         verifier = secrets.token_urlsafe(48)
         challenge = base64.urlsafe_b64encode(hashlib.sha256(verifier.encode()).digest()).rstrip(b"=").decode()
-        self._pending[state] = _PendingLogin(verifier, redirect, now + _STATE_TTL)
+        # in the store, sealed: the callback may reach another worker or node than the login did
+        await self.store.put_key(_login_key(state), json.dumps(
+            {"verifier": verifier, "redirect": redirect, "expires": time.time() + _STATE_TTL}).encode())
+        await self.store.prune_keys(_LOGIN_KEY_PREFIX, rfc3339(utcnow() - timedelta(seconds=_STATE_TTL)))
         return await self.oidc.authorization_url(state, challenge, self.callback_url)
+
+    async def _take_pending(self, state: str) -> _PendingLogin | None:
+        """The login ``state`` was issued for, once: of two callbacks with it, on any node, one gets it."""
+        name = _login_key(state)
+        material = await self.store.get_key(name)
+        if material is None or not await self.store.delete_key(name):
+            return None
+        stored = json.loads(material)
+        return _PendingLogin(stored["verifier"], stored["redirect"], float(stored["expires"]))
 
     async def callback(self, code: str, state: str) -> tuple[str, str, User]:
         """Exchange the code; returns (id token, where to redirect, user)."""
         if self.oidc is None:
             raise AuthError("OIDC login is not configured")
-        pending = self._pending.pop(state, None)
-        if pending is None or pending.expires < time.monotonic():
+        pending = await self._take_pending(state)
+        if pending is None or pending.expires < time.time():
             raise AuthError("unknown or expired login state")
         tokens = await self.oidc.exchange(code, pending.verifier, self.callback_url)
         id_token = tokens["id_token"]

@@ -20,7 +20,7 @@ import pytest
 import pytest_asyncio
 from cryptography.hazmat.primitives import serialization
 
-from tests.conftest import Daemon
+from tests.conftest import Daemon, write_config
 from tests.oidc_provider import OIDCProvider, forge_hs256, forge_unsigned, new_rsa_key
 
 DENIED = {"message": "access denied"}
@@ -415,3 +415,25 @@ async def test_the_command_line_logs_in_through_the_browser(http, gw, provider, 
     saved = json.loads((tmp_path / "login.json").read_text())
     status, me = await userinfo(http, gw, saved["token"])
     assert status == 200 and me["email"] == "cli@example.com"
+
+
+async def test_a_login_begun_on_one_process_completes_on_another(http, gw, provider, tmp_path_factory):
+    """Workers and nodes share the store, not memory: the callback may reach another process than /login did."""
+    settings = {k: v for k, v in gw.settings.items() if k not in ("api.listen", "data_dir")}
+    other = Daemon(tmp_path_factory.mktemp("oidc-other") / "data", settings)
+    other.settings["data_dir"] = gw.settings["data_dir"]  # the same SQLite store, as a sibling worker has
+    other.settings["api.public_url"] = f"http://127.0.0.1:{gw.api_port}"  # one address in front of both
+    write_config(other.config_path, other.settings)
+    await asyncio.to_thread(other.start)
+    try:
+        provider.set_user("gus-sub", "gus@example.com", "Gus Across", ["dev"])
+        status, body, _ = await call(http, "GET", f"{gw.url}/login", params={"redirect": DONE})
+        assert status == 200, body
+        _, _, headers = await call(http, "GET", body["login_url"])
+        callback = headers["Location"].replace(f":{gw.api_port}/", f":{other.api_port}/")
+        status, _, headers = await call(http, "GET", callback)
+        assert status == 302 and headers["Location"].startswith(DONE), headers
+        status, _, _ = await call(http, "GET", callback)  # and still once only
+        assert status == 401
+    finally:
+        await asyncio.to_thread(other.stop)

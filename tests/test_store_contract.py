@@ -667,6 +667,18 @@ async def test_audit_appends_from_two_handles_never_fork_the_chain(backend: Back
     assert [c["prev_hash"] for c in chain] == [CHAIN_GENESIS] + [c["hash"] for c in chain[:-1]]
 
 
+async def test_short_lived_keys_are_taken_once_and_pruned_by_prefix_and_age(backend: Backend):
+    one, two = await backend.open(), await backend.open()
+    await one.put_key("oidc-login:a", b"pending-a")
+    await one.put_key("other-key", b"kept")
+    taken = await asyncio.gather(one.delete_key("oidc-login:a"), two.delete_key("oidc-login:a"))
+    assert sorted(taken) == [False, True]
+    await one.put_key("oidc-login:b", b"pending-b")
+    assert await two.prune_keys("oidc-login:", "2000-01-01T00:00:00Z") == 0  # none that old
+    assert await two.prune_keys("oidc-login:", "2999-01-01T00:00:00Z") == 1
+    assert await one.get_key("oidc-login:b") is None and await one.get_key("other-key") == b"kept"
+
+
 async def test_settings_and_keys_are_upserted(store: Store):
     assert await store.get_setting("listeners") is None
     await store.put_setting("listeners", {"postgres": 15432})

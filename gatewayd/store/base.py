@@ -408,4 +408,8 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def delete_key(self, name: str) -> bool:
-        """Forget a sealed key; True when there was one."""
+        """Forget a sealed key; True when there was one (for exactly one of concurrent callers)."""
+
+    @abc.abstractmethod
+    async def prune_keys(self, prefix: str, before: str) -> int:
+        """Forget the sealed keys named ``prefix...`` stored before ``before`` (short-lived ones: pending logins)."""

@@ -781,3 +781,7 @@ class SQLStore(Store):
 
     async def delete_key(self, name: str) -> bool:
         return await self._changed(("DELETE FROM signing_keys WHERE name = ?", (name,))) > 0
+
+    async def prune_keys(self, prefix: str, before: str) -> int:
+        return await self._changed(("DELETE FROM signing_keys WHERE substr(name, 1, ?) = ? AND created_at < ?",
+                                    (len(prefix), prefix, before)))
