@@ -45,7 +45,7 @@ from gatewayd.config import load_config
 from gatewayd.daemon import Gateway
 from tests import lineproxy, openapi_check
 from tests.apiclient import Api, PostgresApi, SshApi, admin_http, events
-from tests.conftest import free_port, proxy_daemon
+from tests.conftest import free_port, new_store_database, proxy_daemon
 from tests.pgpeer import unavailable_reason as pg_unavailable
 from tests.sshpeer import CLIENT_OPTIONS
 from tests.sshpeer import unavailable_reason as ssh_unavailable
@@ -478,12 +478,18 @@ class InProcess:
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """One ``gatewayd run`` with the postgres, ssh, http and rdp listeners."""
+def gateway(tmp_path_factory: pytest.TempPathFactory, pg_store: Any) -> Any:
+    """One ``gatewayd run`` with the postgres, ssh, http and rdp listeners, on the PostgreSQL store.
+
+    The proxies' own end-to-end modules run on the embedded SQLite store; here every proxy's contract
+    runs on the PostgreSQL store (and the line proxy's, in process, on SQLite): each store carries
+    every protocol's sessions, kills, expiries and blocks without running the whole suite twice.
+    """
     ports = {name: free_port() for name in ("ssh", "http", "rdp")}
     daemon = proxy_daemon(tmp_path_factory, "contract", "postgres", {
         **{f"listeners.{name}": f"127.0.0.1:{port}" for name, port in ports.items()},
         "throttle.credential_failures": 0,  # every refusal here is on purpose: none may be throttled
+        "store.driver": "postgres", "store.url": asyncio.run(new_store_database(pg_store)),
     }, wait=True)
     daemon.ports = {"postgres": daemon.proxy_port, **ports}
     yield daemon
