@@ -1,0 +1,117 @@
+"""The cluster's own logic in process: two ``Cluster`` objects on one real SQLite store, as two workers have.
+
+The bus between them (the table bus), the lease (a node that stops beating is lost once, and the
+one declared lost learns it at its next beat and registers again) and what a start does with the
+runs its name left behind. End-to-end behaviour through real clients is tests/test_cluster.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from gatewayd.cluster import Cluster
+from gatewayd.crypto import SecretBox
+from gatewayd.models import Node
+from gatewayd.store.sqlite import SQLiteStore
+
+
+@pytest.fixture
+async def stores(tmp_path: Path):
+    box = SecretBox(os.urandom(32))
+    opened = [SQLiteStore(tmp_path / "gatewayd.db", box) for _ in range(2)]
+    for store in opened:
+        await store.open()
+    yield opened
+    for store in opened:
+        await store.close()
+
+
+async def until(check, timeout: float = 10) -> None:
+    """Poll ``check()`` (a bound, not a timing assertion)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "never happened"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_message_runs_here_at_once_and_on_the_other_process_once(stores):
+    one, two = Cluster(stores[0], "w0", lease=5), Cluster(stores[1], "w1", lease=5)
+    heard: dict[str, list] = {"w0": [], "w1": []}
+    one.on("t", lambda message: heard["w0"].append(message))
+    two.on("t", lambda message: heard["w1"].append(message))
+    await one.start()
+    await two.start()
+    try:
+        assert one.slot != two.slot and {one.slot, two.slot} == {1, 2}
+        await one.publish("t", n=1)
+        assert heard["w0"] == [{"n": 1}]  # before publish returns
+        await until(lambda: heard["w1"] == [{"n": 1}])
+        await two.publish("t", n=2)
+        await until(lambda: heard["w0"] == [{"n": 1}, {"n": 2}])
+        await asyncio.sleep(0.5)  # several polls later: nothing is delivered twice
+        assert heard == {"w0": [{"n": 1}, {"n": 2}], "w1": [{"n": 1}, {"n": 2}]}
+        assert await one.alive(two.node_id) and not await one.alive("no-such-node")
+    finally:
+        await two.stop()
+        await one.stop()
+    assert {n.status for n in await stores[0].list_nodes()} == {"stopped"}
+
+
+async def test_a_node_that_stops_beating_is_lost_once_and_registers_again_when_it_learns_it(stores):
+    one, two = Cluster(stores[0], "w0", lease=0.6), Cluster(stores[1], "w1", lease=0.6)
+    lost: list[tuple[str, str]] = []
+    fenced: list[str] = []
+
+    async def on_lost(node: Node, reason: str) -> None:
+        lost.append((node.name, reason))
+
+    async def on_fenced(reason: str) -> None:
+        fenced.append(reason)
+
+    await one.start()  # alone at start: its orphan sweep (nothing here) is not what this test watches
+    one.on_node_lost = on_lost
+    two.on_fenced = on_fenced
+    await two.start()
+    first_id = two.node_id
+    try:
+        beating = two._loops[0]
+        beating.cancel()  # a long pause: no beat, while the process itself goes on
+        await until(lambda: bool(lost))
+        assert lost == [("w1", "node w1 stopped answering (no heartbeat for 0.6 s): the session was closed by node w0")]
+        two._loops[0] = asyncio.create_task(two._heartbeat())  # the pause ends
+        await until(lambda: bool(fenced))
+        assert fenced == ["node w1 lost its lease (no heartbeat for 0.6 s): the session was closed"]
+        assert two.node_id != first_id
+        await asyncio.sleep(1.0)  # beating again: not lost a second time
+        assert len(lost) == 1
+        statuses = {n.id: n.status for n in await stores[0].list_nodes()}
+        assert statuses[first_id] == "lost" and statuses[two.node_id] == "up"
+    finally:
+        await two.stop()
+        await one.stop()
+
+
+async def test_a_restart_loses_its_own_dead_runs_at_once_and_leaves_live_ones(stores):
+    dead = Node(id="dead-run", name="w0", slot=0, host=Cluster(stores[0], "x").node.host, pid=2**22 + 17,
+                started_at="2026-01-01T00:00:00.000000Z", heartbeat_at="2999-01-01T00:00:00.000000Z")
+    await stores[0].register_node(dead)  # its lease has not run out, but its pid is gone
+    other = Cluster(stores[1], "w1", lease=30)
+    await other.start()
+    lost: list[str] = []
+
+    async def on_lost(node: Node, reason: str) -> None:
+        lost.append(node.id)
+
+    restarted = Cluster(stores[0], "w0", lease=30)
+    restarted.on_node_lost = on_lost
+    await restarted.start()
+    try:
+        assert lost == ["dead-run"]  # not the sibling that is up, and no orphan sweep: w1 is up
+        assert await restarted.alive(other.node_id)
+    finally:
+        await restarted.stop()
+        await other.stop()
