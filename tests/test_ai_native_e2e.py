@@ -22,7 +22,6 @@ import pytest
 from tests.apiclient import Api, SshApi, events, of_kind, postgres_env
 from tests.conftest import free_port, proxy_daemon
 from tests.llmpeer import API_KEY, FakeLLM
-from tests.pgpeer import PgCluster
 from tests.pgpeer import unavailable_reason as pg_unavailable
 from tests.sshpeer import CLIENT_OPTIONS, SshTarget
 from tests.sshpeer import unavailable_reason as ssh_unavailable
@@ -35,10 +34,9 @@ BLOCK_HIGH = {"low_risk_action": "allow_execution", "medium_risk_action": "allow
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    target = PgCluster().start()
-    yield target
-    target.destroy()
+def cluster(pg_target):
+    """The session's PostgreSQL target (conftest): started once for every module."""
+    return pg_target
 
 
 @pytest.fixture(scope="module")

@@ -28,10 +28,9 @@ BLOCK_HIGH = {"low_risk_action": "allow_execution", "medium_risk_action": "allow
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    target = PgCluster().start()
-    yield target
-    target.destroy()
+def cluster(pg_target):
+    """The session's PostgreSQL target (conftest): started once for every module."""
+    return pg_target
 
 
 @pytest.fixture(scope="module")

@@ -77,6 +77,12 @@ def psql(node: Daemon, secret: str, sql: str) -> subprocess.CompletedProcess[str
                           env=psql_env(node, secret), timeout=60)
 
 
+def sleeping_psql(node: Daemon, secret: str, seconds: int = 60) -> subprocess.Popen[str]:
+    """psql held in ``select pg_sleep(seconds)`` through ``node``."""
+    return subprocess.Popen(["psql", "-X", "-At", "-c", f"select pg_sleep({seconds})"], env=psql_env(node, secret),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 async def connect(node: Daemon, secret: str) -> asyncpg.Connection:
     return await asyncpg.connect(host="127.0.0.1", port=node.ports["postgres"], user=secret, password="any",
                                  database="postgres", ssl=False, statement_cache_size=0)
@@ -125,8 +131,7 @@ async def test_a_kill_through_a_ends_a_psql_session_held_by_b_on_one_sqlite_stor
     async with admin_http(a) as http:
         api = PostgresApi(a, http, pg_target)
         secret, session_id = await api.credential(await api.role())
-        sleeper = subprocess.Popen(["psql", "-X", "-At", "-c", "select pg_sleep(60)"], env=psql_env(b, secret),
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        sleeper = sleeping_psql(b, secret, 60)
         await open_session(api, session_id, "pg_sleep(60)")
         started = time.monotonic()
         status, body = await api("POST", f"/sessions/{session_id}/kill")
@@ -141,8 +146,7 @@ async def test_a_kill_through_a_ends_psql_and_ssh_sessions_held_by_b(nodes, pg_t
     async with admin_http(a) as http:
         api = PostgresApi(a, http, pg_target)
         secret, session_id = await api.credential(await api.role())
-        sleeper = subprocess.Popen(["psql", "-X", "-At", "-c", "select pg_sleep(60)"], env=psql_env(b, secret),
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        sleeper = sleeping_psql(b, secret, 60)
         await open_session(api, session_id, "pg_sleep(60)")
         started = time.monotonic()
         status, body = await api("POST", f"/sessions/{session_id}/kill")
@@ -181,9 +185,7 @@ async def test_a_review_revoked_through_a_ends_the_jit_session_held_by_b(nodes, 
         assert status == 200 and body["status"] == "APPROVED", body
         status, body = await admin("POST", f"/connections/{connection['name']}/credentials/{session_id}", token=rita)
         assert status == 201, body
-        sleeper = subprocess.Popen(["psql", "-X", "-At", "-c", "select pg_sleep(60)"],
-                                   env=psql_env(b, body["connection_credentials"]["username"]),
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        sleeper = sleeping_psql(b, body["connection_credentials"]["username"], 60)
         await open_session(admin, session_id, "pg_sleep(60)")
         started = time.monotonic()
         status, body = await admin("PUT", f"/sessions/{session_id}/review", {"status": "REVOKED"}, token=dora)
@@ -272,8 +274,7 @@ async def test_a_node_killed_has_its_sessions_closed_by_the_other_after_the_leas
     async with admin_http(a) as http:
         api = PostgresApi(a, http, pg_target)
         secret, session_id = await api.credential(await api.role())
-        sleeper = subprocess.Popen(["psql", "-X", "-At", "-c", "select pg_sleep(120)"], env=psql_env(b, secret),
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        sleeper = sleeping_psql(b, secret, 120)
         try:
             await open_session(api, session_id, "pg_sleep(120)")
             started = time.monotonic()

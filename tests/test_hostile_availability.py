@@ -16,7 +16,7 @@ import pytest
 
 from tests.apiclient import Api, admin_http, postgres_env
 from tests.conftest import Daemon, free_port, proxy_daemon, wait_port
-from tests.pgpeer import PgCluster, unavailable_reason
+from tests.pgpeer import unavailable_reason
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
 
@@ -24,10 +24,9 @@ PASSWORD = "a long and right passphrase"
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    target = PgCluster().start()
-    yield target
-    target.destroy()
+def cluster(pg_target):
+    """The session's PostgreSQL target (conftest): started once for every module."""
+    return pg_target
 
 
 def start(tmp_path_factory, name: str, **settings) -> Daemon:

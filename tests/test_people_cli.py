@@ -22,7 +22,7 @@ import pytest
 from gatewayd.client.commands import play
 from tests.apiclient import Api, postgres_env
 from tests.conftest import BIN, ROOT, Daemon, free_port, proxy_daemon
-from tests.pgpeer import PgCluster, unavailable_reason
+from tests.pgpeer import unavailable_reason
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
 
@@ -30,10 +30,9 @@ PASSWORDS = {"ada@example.com": "ada's long passphrase", "rita@example.com": "ri
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    target = PgCluster().start()
-    yield target
-    target.destroy()
+def cluster(pg_target):
+    """The session's PostgreSQL target (conftest): started once for every module."""
+    return pg_target
 
 
 @pytest.fixture(scope="module")

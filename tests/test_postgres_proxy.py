@@ -41,10 +41,9 @@ RECORDING_CAP = 1 << 20  # small enough for the 1,000,000-row test to hit it
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    target = PgCluster().start()
-    yield target
-    target.destroy()
+def cluster(pg_target):
+    """The session's PostgreSQL target (conftest): started once for every module."""
+    return pg_target
 
 
 @pytest.fixture(scope="module")

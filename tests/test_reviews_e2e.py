@@ -20,7 +20,7 @@ import pytest
 
 from tests.apiclient import Api, events, of_kind, postgres_env
 from tests.conftest import Daemon, free_port, proxy_daemon
-from tests.pgpeer import PgCluster, unavailable_reason
+from tests.pgpeer import unavailable_reason
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
 
@@ -37,10 +37,9 @@ USERS = {
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    target = PgCluster().start()
-    yield target
-    target.destroy()
+def cluster(pg_target):
+    """The session's PostgreSQL target (conftest): started once for every module."""
+    return pg_target
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,6 @@ import pytest
 from control.console import console_built
 from tests.apiclient import Api, events, postgres_env
 from tests.conftest import Daemon, free_port, wait_port
-from tests.pgpeer import PgCluster
 from tests.pgpeer import unavailable_reason as pg_unavailable
 from tests.sshpeer import CLIENT_OPTIONS, SshTarget
 from tests.sshpeer import unavailable_reason as ssh_unavailable
@@ -49,10 +48,9 @@ pytestmark = pytest.mark.skipif(_unavailable() is not None, reason=_unavailable(
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    target = PgCluster().start()
-    yield target
-    target.destroy()
+def cluster(pg_target):
+    """The session's PostgreSQL target (conftest): started once for every module."""
+    return pg_target
 
 
 @pytest.fixture(scope="module")
