@@ -7,6 +7,8 @@ STAMP := $(VENV)/.installed-stamp
 # extra in pyproject.toml lists what it really needs. docs/decisions.md (RDP proxy) says why.
 PYRDP := pyrdp-mitm==2.1.0
 CONSOLE := control/console_static/vendor/.built-stamp
+# The slowest tests are named at the end of each run: the suite must stay under 10 minutes on 2 cores.
+PYTEST_ARGS ?= --durations=15
 
 .PHONY: run test test-matrix peers bench clean console
 
