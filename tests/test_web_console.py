@@ -602,3 +602,46 @@ async def test_an_http_session_lists_its_exchanges(gateway, world, screens):
     assert "posted-body-text" in await second.locator("pre").first.inner_text()
     await ada.shot("http-exchanges")
     ada.assert_clean_log()
+
+
+async def test_every_rule_type_is_edited_and_an_existing_rail_survives_a_save_untouched(gateway, world, screens):
+    """Masks and statement rules have fields of their own; saving a rail unchanged sends back what it holds."""
+    rules = {"input": {"rules": [{"type": "statement_kinds", "deny": ["DropStmt", "TruncateStmt"], "message": "no"},
+                                 {"type": "require_where", "statements": ["delete"]}]},
+             "output": {"rules": [{"type": "mask", "patterns": ["email"], "columns": ["ssn"], "style": "last4"},
+                                  {"type": "deny_words_list", "words": ["topsecret"]}]}}
+    status, rail = await world["ada"]("POST", "/guardrails", {"name": "every-kind-web", "description": "before",
+                                                              "connection_ids": [world["pg"]["id"]], **rules})
+    assert status == 201, rail
+    ada = await screens()
+    await ada.sign_in("ada@example.com")
+    await ada.open(f"#/guardrails/{rail['id']}")
+    await ada.page.wait_for_selector("#guardrail-form")
+    mask = ada.page.locator("#output-rules .rule").first
+    assert await mask.locator(".mask-patterns").input_value() == "email"
+    assert await mask.locator(".mask-columns").input_value() == "ssn"
+    assert await mask.locator(".mask-style").input_value() == "last4"
+    assert await mask.locator(".mask-fields").is_visible()
+    await ada.page.fill("#guardrail-form input[name=description]", "after")
+    await ada.page.click("#guardrail-form button[type=submit]")
+    await ada.page.wait_for_selector("#guardrails tr[data-guardrail='every-kind-web']")
+    status, saved = await world["ada"]("GET", f"/guardrails/{rail['id']}")
+    assert saved["description"] == "after"
+    assert (saved["input"], saved["output"]) == (rules["input"], rules["output"])  # nothing turned into deny words
+
+    await ada.open("#/guardrails/new")
+    await ada.page.fill("#guardrail-form input[name=name]", "mask-made-web")
+    await ada.page.click("#output-rules + .add-rule")
+    row = ada.page.locator("#output-rules .rule").last
+    await row.locator(".rule-type").select_option("mask")
+    assert "needs built-in patterns" in await row.locator(".rule-check").text_content()
+    await row.locator(".mask-patterns").fill("email, card_number")
+    await row.locator(".mask-style").select_option("hash")
+    assert await row.locator(".rule-check").text_content() == ""
+    await ada.shot("guardrail-mask")
+    await ada.page.click("#guardrail-form button[type=submit]")
+    await ada.page.wait_for_selector("#guardrails tr[data-guardrail='mask-made-web']")
+    status, rails = await world["ada"]("GET", "/guardrails")
+    made = next(r for r in rails if r["name"] == "mask-made-web")
+    assert made["output"]["rules"] == [{"type": "mask", "patterns": ["email", "card_number"], "style": "hash"}]
+    ada.assert_clean_log()

@@ -2,7 +2,14 @@
 import {api} from "./api.js";
 import {h, mount, notice, select, field} from "./dom.js";
 
-const KINDS = [["deny_words_list", "deny words"], ["pattern_match", "pattern (regex)"]];
+// Each rule type the editor knows, and the sides it belongs to (the API says which side takes which).
+const KINDS = [["deny_words_list", "deny words"], ["pattern_match", "pattern (regex)"],
+  ["statement_kinds", "deny statement kinds (PostgreSQL)"], ["require_where", "require WHERE (PostgreSQL)"],
+  ["mask", "mask"]];
+const SIDES = {input: ["deny_words_list", "pattern_match", "statement_kinds", "require_where"],
+  output: ["deny_words_list", "pattern_match", "mask"]};
+const MASK_STYLES = [["fixed", "****"], ["last4", "keep the last four"], ["hash", "stable hash"]];
+const list = (text) => text.split(",").map((w) => w.trim()).filter(Boolean);
 
 export async function guardrailsView({me, main}) {
   const [rails, connections] = await Promise.all([api("GET", "/guardrails"), api("GET", "/connections")]);
@@ -36,48 +43,72 @@ export function patternProblem(pattern) {
   return "";
 }
 
-function ruleRow(rule, onRemove) {
-  const kind = select("type", KINDS, rule.type || "deny_words_list", {class: "rule-type"});
-  const value = h("input", {class: "rule-value", size: 40,
-    value: rule.type === "pattern_match" ? rule.pattern_regex || "" : (rule.words || []).join(", ")});
+/** One rule's row: its kind (those of its side) and that kind's fields, read back as the API takes them. */
+function ruleRow(rule, sideName) {
+  const kinds = KINDS.filter(([k]) => SIDES[sideName].includes(k));
+  const kind = select("type", kinds, rule.type || "deny_words_list", {class: "rule-type"});
+  const initial = {deny_words_list: (rule.words || []).join(", "), pattern_match: rule.pattern_regex || "",
+    statement_kinds: (rule.deny || []).join(", "), require_where: (rule.statements || []).join(", "),
+    mask: rule.pattern_regex || ""};
+  const value = h("input", {class: "rule-value", size: 40, value: initial[kind.value] || ""});
+  const patterns = h("input", {class: "mask-patterns", size: 24, placeholder: "built-in: email, card_number, iban…",
+    value: (rule.patterns || []).join(", ")});
+  const columns = h("input", {class: "mask-columns", size: 20, placeholder: "columns or JSON keys",
+    value: (rule.columns || []).join(", ")});
+  const style = select("style", MASK_STYLES, rule.style || "fixed", {class: "mask-style"});
+  const clear = h("input", {type: "checkbox", class: "mask-record-clear", checked: !!rule.record_clear});
+  const maskFields = h("span", {class: "mask-fields"}, patterns, columns, style,
+    h("label", {title: "also record the clear text, sealed, for admins"}, clear, " record clear"));
   const message = h("input", {class: "rule-message", placeholder: "message (optional)", value: rule.message || ""});
   const check = h("span", {class: "rule-check", role: "status"});
+  const placeholders = {deny_words_list: "words, comma separated", pattern_match: "regular expression (RE2 syntax)",
+    statement_kinds: "DropStmt, TruncateStmt, GrantStmt…", require_where: "delete, update",
+    mask: "regular expression (optional)"};
   function validate() {
-    if (kind.value !== "pattern_match") {
-      value.placeholder = "words, comma separated";
-      check.textContent = "";
-      check.className = "rule-check";
-      value.setCustomValidity("");
-      return;
-    }
-    value.placeholder = "regular expression (RE2 syntax)";
-    const problem = patternProblem(value.value);
-    check.textContent = problem ? `✗ ${problem}` : "✓ valid syntax";
-    check.className = `rule-check ${problem ? "bad" : "good"}`;
+    const regex = kind.value === "pattern_match" || (kind.value === "mask" && value.value);
+    value.placeholder = placeholders[kind.value];
+    maskFields.hidden = kind.value !== "mask";
+    message.hidden = kind.value === "mask";  // a mask answers nothing: the result flows on
+    let problem = "";
+    if (regex) problem = patternProblem(value.value);
+    else if (kind.value === "mask" && !list(patterns.value).length && !list(columns.value).length)
+      problem = "a mask needs built-in patterns, a regular expression or columns";
+    check.textContent = problem ? `✗ ${problem}` : regex ? "✓ valid syntax" : "";
+    check.className = `rule-check ${problem ? "bad" : regex ? "good" : ""}`;
     value.setCustomValidity(problem);
   }
+  for (const control of [kind, value, patterns, columns]) control.addEventListener("input", validate);
   kind.addEventListener("change", validate);
-  value.addEventListener("input", validate);
   validate();
-  const el = h("div", {class: "rule"}, kind, value, message,
-    h("button", {type: "button", class: "remove-rule", onclick: () => { el.remove(); onRemove(); }}, "Remove"), check);
+  const el = h("div", {class: "rule"}, kind, value, maskFields, message,
+    h("button", {type: "button", class: "remove-rule", onclick: () => el.remove()}, "Remove"), check);
   el.read = () => {
     const out = {type: kind.value};
     if (kind.value === "pattern_match") out.pattern_regex = value.value;
-    else out.words = value.value.split(",").map((w) => w.trim()).filter(Boolean);
+    else if (kind.value === "deny_words_list") out.words = list(value.value);
+    else if (kind.value === "statement_kinds") out.deny = list(value.value);
+    else if (kind.value === "require_where") out.statements = list(value.value);
+    else {
+      if (list(patterns.value).length) out.patterns = list(patterns.value);
+      if (value.value) out.pattern_regex = value.value;
+      if (list(columns.value).length) out.columns = list(columns.value);
+      out.style = style.value;
+      if (clear.checked) out.record_clear = true;
+      return out;
+    }
     if (message.value.trim()) out.message = message.value.trim();
     return out;
   };
   return el;
 }
 
-function side(title, rules, id) {
-  const list = h("div", {class: "rules", id});
-  const add = (rule = {}) => list.append(ruleRow(rule, () => {}));
+function side(title, rules, id, sideName) {
+  const rows = h("div", {class: "rules", id});
+  const add = (rule = {}) => rows.append(ruleRow(rule, sideName));
   (rules || []).forEach(add);
-  const el = h("fieldset", {}, h("legend", {}, title), list,
+  const el = h("fieldset", {}, h("legend", {}, title), rows,
     h("button", {type: "button", class: "add-rule", onclick: () => add({type: "pattern_match"})}, "Add rule"));
-  el.read = () => ({rules: [...list.children].map((r) => r.read())});
+  el.read = () => ({rules: [...rows.children].map((r) => r.read())});
   return el;
 }
 
@@ -90,8 +121,8 @@ export async function guardrailEditView({go, main}, id) {
   const description = h("input", {name: "description", value: current.description, size: 50});
   const conns = h("select", {name: "connections", multiple: true, size: Math.min(6, Math.max(2, connections.length))},
     connections.map((c) => h("option", {value: c.id, selected: chosen.has(c.id)}, c.name)));
-  const input = side("Input rules (what people send)", current.input.rules, "input-rules");
-  const output = side("Output rules (what targets answer)", current.output.rules, "output-rules");
+  const input = side("Input rules (what people send)", current.input.rules, "input-rules", "input");
+  const output = side("Output rules (what targets answer)", current.output.rules, "output-rules", "output");
   const messages = h("div", {class: "messages"});
   const form = h("form", {class: "card", id: "guardrail-form"},
     h("h1", {}, rail ? `Guard rail ${rail.name}` : "New guard rail"),
