@@ -45,8 +45,9 @@ def peers(rdp_peers: Peers) -> Peers:
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory, peers: Peers) -> Iterator[Daemon]:
-    daemon = proxy_daemon(tmp_path_factory, "rdpproxy", "rdp")
+    daemon = proxy_daemon(tmp_path_factory, "rdpproxy", "rdp", {"metrics.listen": f"127.0.0.1:{free_port()}"})
     daemon.rdp_port = daemon.proxy_port
+    daemon.metrics_port = int(daemon.settings["metrics.listen"].rsplit(":", 1)[1])
     yield daemon
     assert daemon.stop() == 0
 
@@ -130,6 +131,20 @@ async def test_logon_injects_the_roles_credentials(api: RdpApi, gateway: Daemon,
     status, logs = await api("GET", "/audit/logs?action=rdp.login&outcome=success")
     assert status == 200 and any(e["request_payload_redacted"].get("connection") == connection["name"]
                                  for e in logs["data"]), logs
+
+
+async def test_client_connections_are_counted_and_closed_in_the_metrics(api: RdpApi, gateway: Daemon,
+                                                                        peers: Peers) -> None:
+    from tests.test_metrics import scrape, scrape_until
+
+    before = await scrape(gateway)
+    secret, _ = await api.credential(await api.role(peers.observer_port))
+    code, output = await xfreerdp(peers, gateway.rdp_port, secret, "+auth-only")
+    assert code == 0, output
+    await scrape_until(gateway, {
+        "an rdp connection counted": lambda now: now.get_value("gatewayd_connections_total", protocol="rdp")
+        > before.get_value("gatewayd_connections_total", protocol="rdp"),
+        "and closed": lambda now: now.get_value("gatewayd_connections_open", protocol="rdp") == 0})
 
 
 # --------------------------------------------------------------------------- frames

@@ -59,6 +59,7 @@ from pyrdp.pdu import ConfirmActivePDU, InputPDU, NegotiationFailurePDU, UpdateP
 from twisted.internet import reactor
 from twisted.internet.protocol import ClientFactory, ServerFactory
 
+from gatewayd import metrics
 from gatewayd.access import looks_like_secret
 from gatewayd.crypto import hash_secret
 from gatewayd.dialer import Dialer
@@ -191,13 +192,14 @@ class GatewayMITM(RDPMITM):
         self.domain: str | None = None
         self.logon_key: tuple[str, str] | None = None  # the secret as stored (hash_secret) and the client's address
         self.screen_up = False  # the target sent screen content: the client's logon is over
+        self._counted = False  # the client's connection is in the connection metrics
         self._certificate_ready = False
         main = SessionLogger(logging.getLogger(LOGGER_NAMES.MITM_CONNECTIONS), state.sessionID)
         crawler = SessionLogger(logging.getLogger(LOGGER_NAMES.CRAWLER), state.sessionID)
         super().__init__(main, crawler, config, state=state, recorder=GatewayRecorder(self, state))
         # ahead of pyrdp's own TCP observers, which close the other side as soon as one side goes
         self._observe_first(self.client.tcp, onConnection=self._client_connected,
-                            onDisconnection=lambda reason: self._side_closed(CLIENT))
+                            onDisconnection=lambda reason: self._client_gone())
         self._observe_first(self.server.tcp, onDisconnection=lambda reason: self._side_closed(TARGET))
         # ahead of pyrdp's slow-path MITM, which forwards the confirm-active after its own downgrade
         self._observe_first(self.client.slowPath, onConfirmActive=offer_only_bitmaps)
@@ -232,7 +234,15 @@ class GatewayMITM(RDPMITM):
     # -- admission
 
     def _client_connected(self) -> None:
+        metrics.connection_opened("rdp")
+        self._counted = True
         asyncio.get_running_loop().call_later(STARTUP_TIMEOUT, self._startup_timeout)
+
+    def _client_gone(self) -> None:
+        if self._counted:  # once, whatever ends the connection
+            self._counted = False
+            metrics.connection_closed("rdp")
+        self._side_closed(CLIENT)
 
     def _startup_timeout(self) -> None:
         if not self.admitted and self.ended is None and not self.refused:
