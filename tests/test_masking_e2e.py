@@ -109,6 +109,19 @@ async def test_psql_text_rows_are_masked_and_flow_on(api, gateway, table):
     assert session["metrics"]["masked"] == 7  # note, email, ssn, salary, card, doc; salary of row 2
 
 
+async def test_a_column_masked_by_name_stays_masked_under_an_alias_a_subquery_and_a_cte(api, gateway, table):
+    """The RowDescription names what the query calls a column; its source (table OID, column number) is the column."""
+    _, secret, session_id = await masked_role(api, BY_COLUMN)
+    queries = [f"select ssn as x, salary as pay from {table} where id = 1",
+               f"select y from (select ssn as y from {table} where id = 1) sub",
+               f"with c as (select ssn as z from {table} where id = 1) select z as w from c",
+               f'select "SSN" from (select ssn as "SSN" from {table} where id = 1) q']
+    done = psql(gateway, secret, *[arg for query in queries for arg in ("-c", query)])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["*******1120|", "*******1120", "*******1120", "*******1120"]
+    await assert_nowhere_in_clear(api, session_id, done.stdout, done.stderr)
+
+
 async def test_psql_copy_to_stdout_is_masked_by_pattern(api, gateway, table):
     _, secret, session_id = await masked_role(api, DETECTORS)
     done = psql(gateway, secret, "-c", f"copy (select id, note, email from {table} order by id) to stdout")

@@ -230,3 +230,26 @@ def test_tls_certificate_is_generated_once_or_taken_from_the_configuration(tmp_p
         elsewhere / "a.crt", elsewhere / "a.key")
     with pytest.raises(ValueError, match="set both or neither"):
         tls.server_context(tmp_path, str(elsewhere / "a.crt"), "")
+
+
+def test_a_column_masked_by_name_is_found_by_its_source_and_unknown_sources_mask_everything() -> None:
+    rail = GuardRail(id="g", org_id="o", name="rail", input={"rules": []},
+                     output={"rules": [{"type": "mask", "columns": ["ssn"], "style": "last4"}]})
+    frames = (pg.encode_row_description([pg.FieldDescription("x", table_oid=16384, column=3),
+                                         pg.FieldDescription("note", table_oid=16384, column=2)]),
+              pg.encode_data_row([b"078-05-1120", b"hello"]), pg.encode_command_complete("SELECT 1"),
+              pg.encode_ready_for_query("I"))
+
+    def cells(sources) -> list[bytes | None]:
+        recorder = FakeRecorder()
+        recorder.metrics = {}  # the masked-value count
+        _, server, _ = sides(RuleSet([rail]), recorder)
+        server.sources = sources
+        reader = pg.BackendReader()
+        reader.feed(b"".join(answer(server, *frames)))
+        [row] = [m for m in reader if isinstance(m, pg.DataRow)]
+        return row.columns
+
+    assert cells({(16384, 3): "ssn"}) == [b"*******1120", b"hello"]  # the alias "x" is the column ssn
+    assert cells({(16384, 9): "ssn"}) == [b"078-05-1120", b"hello"]  # another table's column: not this one
+    assert cells(None) == [b"*******1120", b"*ello"]  # the catalog could not be read: every value masked

@@ -682,6 +682,7 @@ class ServerSide:
         "pending",
         "policy",
         "replies",
+        "sources",
         "target_fatal",
     )
 
@@ -690,6 +691,9 @@ class ServerSide:
         self.pending = pending
         self.columns = columns
         self.masker: Masker | None = policy.masker  # the session's mask rules (None: nothing to mask)
+        # (table OID, column number) -> the column name a mask rule names (proxies/postgres/catalog.py): a column
+        # masked by name stays masked under an alias; None: the catalog could not be read (fail closed)
+        self.sources: dict[tuple[int, int], str] | None = {}
         # statement -> (its type OIDs in ``columns`` when described, its columns masked by name): valid while
         # ``columns`` holds that same tuple (the client side drops it when the statement is parsed again)
         self.masks: dict[str, tuple[tuple[int, ...], tuple[tuple[int, str], ...]]] = {}
@@ -709,7 +713,8 @@ class ServerSide:
         self._desc_masks: tuple[tuple[int, str], ...] | None = None  # None: no RowDescription seen yet
         self._copy_binary = False  # the current COPY TO STDOUT is in binary format
         # RowDescription frame -> (header line, type OIDs, formats, columns masked by name)
-        self._descriptions: dict[bytes, tuple[str, tuple[int, ...], tuple[int, ...], tuple[tuple[int, str], ...]]] = {}
+        self._descriptions: dict[bytes, tuple[str, tuple[int, ...], tuple[int, ...],
+                                              tuple[tuple[int, str], ...] | None]] = {}
 
     def process(self, reader: BackendReader, batch: FrameBatch) -> None:
         """The complete messages in ``reader``: forwardable frames and injected errors go to ``batch``.
@@ -891,7 +896,7 @@ class ServerSide:
         self._end_result()
 
     def _describe(self, message: RowDescription
-                  ) -> tuple[str, tuple[int, ...], tuple[int, ...], tuple[tuple[int, str], ...]]:
+                  ) -> tuple[str, tuple[int, ...], tuple[int, ...], tuple[tuple[int, str], ...] | None]:
         """(header line, type OIDs, formats, columns masked by name) of a RowDescription, remembered by its frame."""
         key = bytes(message)
         described = self._descriptions.get(key)
@@ -899,13 +904,29 @@ class ServerSide:
             names, oids, formats = message.summary()
             if len(self._descriptions) >= DESCRIPTION_CACHE_SIZE:
                 self._descriptions.clear()
-            masked: tuple[tuple[int, str], ...] = ()
+            masked: tuple[tuple[int, str], ...] | None = ()
             masker = self.masker
             if masker is not None and masker.columns:
-                masked = tuple((i, style) for i, name in enumerate(names)
-                               if (style := masker.column_style(name)) is not None)
+                masked = self._masked_columns(masker, message, names)
             described = self._descriptions[key] = ("\t".join(names), oids, formats, masked)
         return described
+
+    def _masked_columns(self, masker: Masker, message: RowDescription,
+                        names: list[str]) -> tuple[tuple[int, str], ...] | None:
+        """The columns masked whole, by their name or their source column's; None (all) when sources are unknown."""
+        sources = self.sources
+        if sources is None:
+            return None
+        masked = []
+        fields = message.fields if sources else ()
+        for i, name in enumerate(names):
+            style = masker.column_style(name)
+            if style is None and sources:
+                source = sources.get((fields[i].table_oid, fields[i].column))
+                style = masker.column_style(source) if source is not None else None
+            if style is not None:
+                masked.append((i, style))
+        return tuple(masked)
 
     def _copy_out(self, message: CopyData, batch: FrameBatch) -> int:
         """Check, mask and record one COPY TO STDOUT row: _ROW_PASSED, _ROW_CUT or _ROW_REPLACED."""

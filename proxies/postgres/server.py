@@ -33,6 +33,7 @@ from gatewayd.access import looks_like_secret
 from gatewayd.pipeline import BLOCKED_EXIT_CODE, AccessDenied, GatewayClosing, ProxyContext, TargetUnreachable
 from gatewayd.tasks import BackgroundTasks
 from proxies.postgres import tls
+from proxies.postgres.catalog import Sources, column_sources
 from proxies.postgres.codec import (
     CancelRequest,
     FrontendReader,
@@ -317,7 +318,8 @@ class ClientConnection:
             try:
                 self.stream.write(b"".join([encode_authentication_ok(), *link.startup_frames,
                                             encode_backend_key_data(*key), encode_ready_for_query(link.status)]))
-                exit_code, error = await self._relay(link, run.policy, connection.name)
+                sources = await self._column_sources(run.policy, settings, connection.name)
+                exit_code, error = await self._relay(link, run.policy, connection.name, sources)
             finally:
                 self.listener.cancel_keys.pop(key)
                 terminate(link)
@@ -332,11 +334,27 @@ class ClientConnection:
 
     # -- relay
 
-    async def _relay(self, link: TargetLink, policy: SessionPolicy, name: str) -> tuple[int, str | None]:
+    async def _column_sources(self, policy: SessionPolicy, settings: TargetSettings,
+                              name: str) -> Sources | None:
+        """Where the columns the mask rules name are (catalog.py), so an alias does not unmask them; {} without
+        such rules; None when the catalog cannot be read (every value of a result is then masked: fail closed)."""
+        masker = policy.masker
+        if masker is None or not masker.columns:
+            return {}
+        try:
+            return await column_sources(settings, name, self.pipeline.dialer, masker.columns)
+        except UpstreamError as exc:
+            log.warning("the columns of the mask rules could not be looked up: results are masked whole",
+                        extra={"connection": name, "error": exc.message})
+            return None
+
+    async def _relay(self, link: TargetLink, policy: SessionPolicy, name: str,
+                     sources: Sources | None) -> tuple[int, str | None]:
         """Relay until one side goes away; the session's exit code and error."""
         pending: deque[Pending] = deque()
         columns: dict[str, tuple[int, ...]] = {}
         server = ServerSide(policy, pending, columns)
+        server.sources = sources
         relay = RelaySession(self.stream.transport, link.transport, self.frontend, link.backend,
                              (WaitingClientSide if policy.waits else ClientSide)(policy, pending, columns), server,
                              policy)
