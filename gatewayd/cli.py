@@ -22,13 +22,13 @@ def load(path: str | None) -> Config:
     return load_config(path or os.environ.get("GATEWAYD_CONFIG") or None)
 
 
-def run_loop(coro) -> None:  # type: ignore[no-untyped-def]
+def run_loop(coro):  # type: ignore[no-untyped-def]
     try:
         import uvloop
     except ImportError:
-        asyncio.run(coro)
+        return asyncio.run(coro)
     else:
-        uvloop.run(coro)
+        return uvloop.run(coro)
 
 
 def _where(config: Config) -> str:

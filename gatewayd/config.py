@@ -116,8 +116,29 @@ def _store_url(value: Any, key: str) -> Any:
     return value
 
 
+def cpu_count() -> int:
+    """The CPUs this process may run on (its affinity, e.g. a container's cpuset), at least 1."""
+    if hasattr(os, "process_cpu_count"):  # Python 3.13
+        return os.process_cpu_count() or 1
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
+def worker_count(value: Any, key: str) -> int:
+    """``"auto"`` (one worker per CPU) or a whole number >= 1, as a number."""
+    if value == "auto":
+        return cpu_count()
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{key}: expected \"auto\" or a number of worker processes >= 1, got {value!r}")
+    return value
+
+
 SETTINGS: dict[str, Setting] = {
     "data_dir": Setting("str", "./gatewayd-data"),
+    "daemon.workers": Setting("workers", "auto", worker_count),
     "log.format": Setting("str", "plain", _choice("plain", "json")),
     "log.level": Setting("str", "info", _choice("debug", "info", "warning", "error")),
     "api.listen": Setting("listen", "127.0.0.1:8009", lambda v, k: parse_listen(v, k, False)),
@@ -180,7 +201,9 @@ def all_settings() -> dict[str, Setting]:
 
 # GATEWAYD_* variables that are not settings: the configuration file, and the people's command line (its
 # login file, the gateway it talks to). Any other GATEWAYD_* variable is a typo and stops the daemon.
-OTHER_VARIABLES = frozenset({"GATEWAYD_CONFIG", "GATEWAYD_CLIENT_CONFIG", "GATEWAYD_URL"})
+# GATEWAYD_WORKER_INDEX is set by `gatewayd run`'s supervisor on the workers it starts (launcher.supervisor).
+WORKER_INDEX_VARIABLE = "GATEWAYD_WORKER_INDEX"
+OTHER_VARIABLES = frozenset({"GATEWAYD_CONFIG", "GATEWAYD_CLIENT_CONFIG", "GATEWAYD_URL", WORKER_INDEX_VARIABLE})
 
 
 def _env_name(key: str) -> str:

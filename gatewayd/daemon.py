@@ -135,7 +135,7 @@ class Listeners:
                 for name, s in self.states.items()}
 
 
-def _notify(message: str) -> None:
+def sd_notify(message: str) -> None:
     """sd_notify(3) without libsystemd: a datagram to $NOTIFY_SOCKET."""
     address = os.environ.get("NOTIFY_SOCKET")
     if not address:
@@ -172,8 +172,12 @@ class Gateway:
 
     def __init__(self, config: Config, app_factory: AppFactory | None = None,
                  listener_factories: dict[str, ListenerFactory] | None = None,
-                 script_runners: dict[str, ScriptRunner] | None = None, dialer: Dialer | None = None) -> None:
+                 script_runners: dict[str, ScriptRunner] | None = None, dialer: Dialer | None = None,
+                 worker_index: int | None = None) -> None:
         self.config = config
+        # which worker of a `gatewayd run` supervisor this is (launcher.supervisor); None: the only process
+        self.supervised = worker_index is not None
+        self.worker_index = worker_index or 0
         self.dialer: Dialer = dialer or DirectDialer()  # how every proxy and script runner reaches targets
         self.script_runners: dict[str, ScriptRunner] = dict(script_runners or {})  # by connection subtype
         self.app_factory = app_factory
@@ -232,11 +236,11 @@ class Gateway:
 
     def node_name(self) -> str:
         """This process's name among the nodes: ``cluster.node_name``, or host and API port (and its worker)."""
-        worker = os.environ.get("GATEWAYD_WORKER_INDEX")
+        worker = self.worker_index if self.supervised else None
         name = self.config["cluster.node_name"]
         if name:
             return f"{name}/w{worker}" if worker is not None else name
-        return default_node_name(self.config["api.listen"], int(worker) if worker is not None else None)
+        return default_node_name(self.config["api.listen"], worker)
 
     async def start(self) -> None:
         await self.open_core()
@@ -249,7 +253,8 @@ class Gateway:
             await self._runner.setup()
             host, port = split_listen(self.config["api.listen"])
             try:
-                await web.TCPSite(self._runner, host, port, reuse_address=True).start()
+                await web.TCPSite(self._runner, host, port, reuse_address=True,
+                                  reuse_port=self.supervised or None).start()
             except OSError as exc:
                 raise ConfigError(f"api.listen: cannot listen on {host}:{port} ({exc.strerror or exc})") from None
         await self._serve_metrics()
@@ -258,7 +263,7 @@ class Gateway:
                                             "data_dir": str(self.config.data_dir),
                                             "store": describe(self.config),  # a URL's password as ***
                                             "node": self.cluster.node.name})
-        _notify("READY=1")
+        sd_notify("READY=1")
 
     async def _serve_metrics(self) -> None:
         """The Prometheus endpoint; an address already taken is logged and the daemon goes on (as a listener)."""
@@ -267,9 +272,19 @@ class Gateway:
             return
         host, port = split_listen(address)
         try:
-            self._metrics_runner = await metrics.serve(host, port)
+            self._metrics_runner = await metrics.serve(host, port, reuse_port=self.supervised)
         except OSError as exc:
             log.error("metrics listener failed to start", extra={"address": address, "error": exc.strerror or str(exc)})
+
+    async def prepare(self) -> None:
+        """What a start does once for the store, for a supervisor before its workers start (they would race):
+        ``open_core`` migrated it and made the master, sealing and issuer keys; this makes the SSH host key
+        and the masking key, loads the server configuration, and closes what a dead run left open (the
+        cluster's start: sessions of this name's dead predecessor, and of no node when none is up)."""
+        self.server_config = await self._load_server_config()
+        await self.guardrails.mask_key()
+        await self.cluster.start(listen_addresses(self.server_config))
+        await self.cluster.stop()
 
     async def _load_server_config(self) -> dict[str, Any]:
         stored = await self.store.get_setting(SERVER_CONFIG_KEY)
@@ -287,7 +302,7 @@ class Gateway:
         part = description.server_config_key if description is not None else f"{name}_server_config"
         return ProxyContext(self.pipeline, self.config.section(name), dict(self.server_config.get(part, {})),
                             self.config.data_dir, frames=self.frames, host_key=self.host_key_pem,
-                            cluster=self.cluster)
+                            cluster=self.cluster, reuse_port=self.supervised)
 
     async def host_key_pem(self) -> bytes:
         """The SSH host key (OpenSSH PEM), generated as ed25519 on first start."""
@@ -325,7 +340,7 @@ class Gateway:
 
     async def stop(self) -> None:
         """Stop accepting, give sessions their grace period, close them, flush, close the store."""
-        _notify("STOPPING=1")
+        sd_notify("STOPPING=1")
         log.info("gatewayd stopping")
         await self.listeners.stop_all()
         if self.reviews is not None:

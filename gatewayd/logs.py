@@ -45,6 +45,19 @@ class RequestContext(logging.Filter):
         return True
 
 
+WORKER: int | None = None  # which worker of a `gatewayd run` supervisor this process is (launcher.supervisor)
+
+
+class WorkerTag(logging.Filter):
+    """Names the worker process in every record it logs (``worker=1``), so that the workers' lines sharing one
+    output can be told apart."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if WORKER is not None and not hasattr(record, "worker"):
+            record.worker = WORKER
+        return True
+
+
 def _fields(record: logging.LogRecord) -> dict[str, object]:
     return {k: v for k, v in vars(record).items() if k not in _STANDARD and not k.startswith("_")}
 
@@ -96,6 +109,7 @@ def configure(fmt: str = "plain", level: str = "info") -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JSONFormatter() if fmt == "json" else PlainFormatter())
     handler.addFilter(RequestContext())
+    handler.addFilter(WorkerTag())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -311,3 +311,4 @@ class ProxyContext:
     frames: FrameStore | None = None  # RDP's screen captures
     host_key: Callable[[], Awaitable[bytes]] | None = None  # SSH's host key (OpenSSH PEM)
     cluster: ClusterLink | None = None  # this process among the others: its slot, the bus (PostgreSQL's cancels)
+    reuse_port: bool = False  # listen with SO_REUSEPORT: the workers of one `gatewayd run` share the address

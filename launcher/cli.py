@@ -14,12 +14,19 @@ from gatewayd import cli
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    """One gateway process, or with ``[daemon] workers`` above 1 the supervisor of that many (launcher.supervisor)."""
     from gatewayd import logs
+    from launcher import supervisor
     from launcher.root import run
 
     config = cli.load(args.config)
     logs.configure(config["log.format"], config["log.level"])
-    cli.run_loop(run(config))
+    index = supervisor.worker_index()
+    if index is None and config["daemon.workers"] > 1:
+        return supervisor.supervise(config, config["daemon.workers"], args.config)
+    if index is not None:
+        supervisor.become_worker(index)
+    cli.run_loop(run(config, worker_index=index))
     return 0
 
 

@@ -32,9 +32,10 @@ def script_runners() -> dict[str, ScriptRunner]:
     return proxies.available_script_runners()
 
 
-def build_gateway(config: Config) -> Gateway:
+def build_gateway(config: Config, worker_index: int | None = None) -> Gateway:
+    """The gateway with the API and every installed proxy; ``worker_index``: a supervisor's worker (None: alone)."""
     return Gateway(config, app_factory=make_app, listener_factories=listener_factories(),
-                   script_runners=script_runners())
+                   script_runners=script_runners(), worker_index=worker_index)
 
 
 RELOADABLE = ("log.format", "log.level")
@@ -59,9 +60,9 @@ def reload_config(config: Config) -> None:
                                                  "restart_needed_for": ",".join(pending) or "-"})
 
 
-async def run(config: Config) -> None:
+async def run(config: Config, worker_index: int | None = None) -> None:
     """Run until SIGTERM or SIGINT, then stop in order; SIGHUP reloads the log settings."""
-    gateway = build_gateway(config)
+    gateway = build_gateway(config, worker_index)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, gateway.request_stop)

@@ -7,6 +7,7 @@ transaction is one trip to that thread) and reads through an aiosqlite connectio
 from __future__ import annotations
 
 import asyncio
+import logging
 import sqlite3
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,6 +22,7 @@ from gatewayd.store.queries import SQLStore
 from gatewayd.store.sql import Dialect, Result, Statement, Work
 
 T = TypeVar("T")
+log = logging.getLogger("gatewayd.store")
 
 # Session events go in as multi-row INSERTs: one sqlite3_step, so one GIL hand-over between the
 # writer thread and the event loop, per chunk rather than per event.  Few chunk sizes: each
@@ -29,7 +31,6 @@ _EVENT_CHUNKS = (256, 64, 16, 4, 1)
 _EVENT_INSERTS = {n: "INSERT INTO session_events (session_id, seq, offset_ms, kind, data) VALUES "
                      + ",".join(["(?, ?, ?, ?, ?)"] * n) for n in _EVENT_CHUNKS}
 _PRAGMAS = (
-    "PRAGMA busy_timeout = 10000",
     "PRAGMA journal_mode = WAL",
     "PRAGMA synchronous = NORMAL",
     "PRAGMA foreign_keys = ON",
@@ -58,7 +59,15 @@ class SQLiteDialect(Dialect):
 
 
 class SQLiteConnector:
-    """aiosqlite for reads; one writer thread, with its own connection, drives every write transaction."""
+    """aiosqlite for reads; one writer thread, with its own connection, drives every write transaction.
+
+    Several processes (the workers of one ``gatewayd run``) may write the same file: a write transaction
+    takes the write lock first (BEGIN IMMEDIATE), waiting ``busy_timeout_ms`` for it, and tries that again up
+    to ``busy_retries`` times before it fails, so a sibling's long write never loses recorded events.
+    """
+
+    busy_timeout_ms = 10_000
+    busy_retries = 6
 
     def __init__(self, path: Path, dialect: Dialect | None = None) -> None:
         self.path = path
@@ -72,15 +81,18 @@ class SQLiteConnector:
         self._writer = await self._in_writer(self._open_writer)
         self._reader = await aiosqlite.connect(self.path, isolation_level=None)
         self._reader.row_factory = sqlite3.Row
-        for pragma in _PRAGMAS:
+        for pragma in self._pragmas():
             await self._reader.execute(pragma)
 
     def _open_writer(self) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         conn.row_factory = sqlite3.Row
-        for pragma in _PRAGMAS:
+        for pragma in self._pragmas():
             conn.execute(pragma)
         return conn
+
+    def _pragmas(self) -> tuple[str, ...]:
+        return (f"PRAGMA busy_timeout = {int(self.busy_timeout_ms)}", *_PRAGMAS)
 
     async def close(self) -> None:
         if self._reader is not None:
@@ -103,11 +115,23 @@ class SQLiteConnector:
         # run_in_executor's future completes in the thread even when the awaiting task is cancelled
         return await self._in_writer(self._drive, self._writer, work)
 
-    @staticmethod
-    def _drive(db: sqlite3.Connection, work: Work[T]) -> T:
+    def _begin(self, db: sqlite3.Connection) -> None:
+        """BEGIN IMMEDIATE: the write lock, waited for (busy_timeout) and asked again while another process
+        holds it. Nothing of the transaction ran yet, so asking again is safe."""
+        for attempt in range(1, self.busy_retries + 1):
+            try:
+                db.execute("BEGIN IMMEDIATE")
+                return
+            except sqlite3.OperationalError as exc:
+                if getattr(exc, "sqlite_errorcode", None) != sqlite3.SQLITE_BUSY or attempt == self.busy_retries:
+                    raise
+                log.warning("store busy: another process holds the write lock; waiting again",
+                            extra={"store": str(self.path), "attempt": attempt})
+
+    def _drive(self, db: sqlite3.Connection, work: Work[T]) -> T:
         """In the writer thread: ``work`` inside BEGIN IMMEDIATE (the write lock is taken first, so a
         read it makes holds until COMMIT)."""
-        db.execute("BEGIN IMMEDIATE")
+        self._begin(db)
         try:
             result: Result | None = None
             while True:

@@ -142,10 +142,10 @@ class HttpListener:
         self.front = Front(self.handle, self.server)  # plain requests; the rest goes to self.server
         self.tcp: asyncio.AbstractServer | None = None
 
-    async def start(self, host: str, port: int) -> None:
+    async def start(self, host: str, port: int, reuse_port: bool = False) -> None:
         await self.runner.setup()
         self.tcp = await asyncio.get_running_loop().create_server(
-            self.front.protocol, host or None, port, reuse_address=True, backlog=1024)
+            self.front.protocol, host or None, port, reuse_address=True, reuse_port=reuse_port or None, backlog=1024)
 
     async def close(self) -> None:
         try:
@@ -789,7 +789,7 @@ async def start(context: ProxyContext, host: str, port: int) -> HttpListener:
     """Listener factory registered as ``http``."""
     listener = HttpListener(context)
     try:
-        await listener.start(host, port)
+        await listener.start(host, port, context.reuse_port)
     except BaseException:
         await listener.close()
         raise

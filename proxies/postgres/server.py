@@ -181,7 +181,8 @@ async def start(context: ProxyContext, host: str, port: int) -> PostgresListener
                                           settings["tls_key"])
     listener = PostgresListener(context, tls_context)
     listener.server = await asyncio.get_running_loop().create_server(
-        lambda: FrameStream(FrontendReader(), listener.accept), host, port, reuse_address=True)
+        lambda: FrameStream(FrontendReader(), listener.accept), host, port, reuse_address=True,
+        reuse_port=context.reuse_port or None)
     return listener
 
 

@@ -3,13 +3,16 @@
 ``start`` is the listener factory registered as ``rdp``. It puts the reactor
 on the running loop first (``reactor.ensure_reactor``), and only then imports
 pyrdp (``proxies.rdp.mitm``), which would otherwise install a reactor of its
-own. Each accepted connection is one ``mitm.GatewayMITM``.
+own. Each accepted connection is one ``mitm.GatewayMITM``. The workers of one
+``gatewayd run`` share the address: the socket is made here with SO_REUSEPORT
+and handed to the reactor.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from typing import TYPE_CHECKING, Any
 
 from proxies.rdp.reactor import ensure_reactor
@@ -43,5 +46,26 @@ async def start(context: ProxyContext, host: str, port: int) -> RDPListener:
 
     factory = GatewayMITMFactory(context)
     await factory.prepare()
-    listening = reactor.listenTCP(port, factory, interface=host)
+    if context.reuse_port:  # Twisted's listenTCP has no SO_REUSEPORT: it adopts a socket made here instead
+        with shared_socket(host, port) as sock:
+            listening = reactor.adoptStreamPort(sock.fileno(), sock.family, factory)  # it keeps a duplicate
+    else:
+        listening = reactor.listenTCP(port, factory, interface=host)
     return RDPListener(listening, factory.tasks)
+
+
+def shared_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` with SO_REUSEPORT, so that every worker can bind the address."""
+    family, kind, proto, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock

@@ -135,8 +135,8 @@ async def start(context: ProxyContext, host: str, port: int) -> SSHListener:
     key = await host_key(context)
     acceptor = await asyncssh.listen(
         host, port, server_factory=lambda: GatewayConnection(pipeline, tasks), server_host_keys=[key],
-        reuse_address=True, login_timeout=LOGIN_TIMEOUT, encoding=None, line_editor=False,
-        agent_forwarding=False, x11_forwarding=False, allow_scp=False, compression_algs=None,
+        reuse_address=True, reuse_port=context.reuse_port or None, login_timeout=LOGIN_TIMEOUT, encoding=None,
+        line_editor=False, agent_forwarding=False, x11_forwarding=False, allow_scp=False, compression_algs=None,
         encryption_algs=list(context.settings["ciphers"]),
         window=WINDOW, max_pktsize=MAX_PACKET, keepalive_interval=60)
     return SSHListener(acceptor, tasks)
