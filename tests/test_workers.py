@@ -1,0 +1,455 @@
+"""One ``gatewayd run`` with several workers (``[daemon] workers``): a supervisor and N gateways on shared ports.
+
+A real ``gatewayd run`` subprocess with ``workers = 2`` on SQLite serves the module; real psql, ssh and curl
+reach the session's PostgreSQL, sshd and HTTP target through it on one port each.  Every worker names itself
+in its log lines (``worker``), which is how a test sees where a connection landed: it connects until both
+workers have opened sessions.  The supervisor speaks sd_notify to the test's socket (READY=1 once every worker
+is up).  Statements run over concurrent psql sessions are all recorded; a SIGKILLed worker is restarted while
+the port keeps serving and without closing its sibling's sessions; SIGTERM stops every worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import aiohttp
+import asyncpg
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gatewayd.config import ConfigError, cpu_count, load_config
+from tests.apiclient import Api, PostgresApi, SshApi, admin_http, of_kind
+from tests.conftest import BIN, ROOT, Daemon, free_port, wait_port
+from tests.sshpeer import CLIENT_OPTIONS
+
+WORKERS = 2
+PATIENCE = 60.0  # how long a poll waits for something the daemon does on its own (a bound, not a measure)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+class Notifications:
+    """A NOTIFY_SOCKET of the test's own: what the supervisor tells systemd."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.settimeout(PATIENCE)
+
+    def next(self) -> bytes:
+        return self.sock.recv(4096)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def workers_daemon(root: Path, settings: dict[str, Any], notify: Notifications | None = None) -> Daemon:
+    """A ``gatewayd run`` with ``workers = 2`` (not started), its log in JSON."""
+    daemon = Daemon(root / "data", {"daemon.workers": WORKERS, "sessions.flush_interval": "100ms", **settings})
+    if notify is not None:
+        base = daemon.env
+        daemon.env = lambda: {**base(), "NOTIFY_SOCKET": str(notify.path)}  # type: ignore[method-assign]
+    return daemon
+
+
+def entries(daemon: Daemon) -> list[dict[str, Any]]:
+    """The daemon's log lines (supervisor and workers share the file), parsed."""
+    found = []
+    for line in daemon.log_text().splitlines():
+        if line.startswith("{"):
+            try:
+                found.append(json.loads(line))
+            except ValueError:  # a line being written
+                pass
+    return found
+
+
+def sessions_by_worker(daemon: Daemon, connection: str) -> dict[str, int]:
+    """session id -> the worker that opened it, for one connection."""
+    return {e["session_id"]: e["worker"] for e in entries(daemon)
+            if e["message"] == "session opened" and e.get("connection") == connection}
+
+
+def ready_pids(daemon: Daemon) -> dict[int, int]:
+    """worker index -> pid of its latest incarnation that said READY=1 (the supervisor's lines)."""
+    pids: dict[int, int] = {}
+    for e in entries(daemon):
+        if e["logger"] == "gatewayd.supervisor" and e["message"] == "worker ready":
+            pids[e["worker"]] = e["pid"]
+    return pids
+
+
+async def until(what: str, check: Callable[[], Any], timeout: float = PATIENCE) -> Any:
+    """Poll ``check`` until it returns something true; AssertionError naming ``what`` past ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not (found := check()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never happened: {what}")
+        await asyncio.sleep(0.05)
+    return found
+
+
+async def reach_every_worker(daemon: Daemon, connection: str, connect: Callable[[], Awaitable[None]],
+                             tries: int = 40) -> int:
+    """Connect (a new session each time) until sessions of ``connection`` were opened on every worker."""
+    for attempt in range(1, tries + 1):
+        await connect()
+        if set(sessions_by_worker(daemon, connection).values()) == set(range(WORKERS)):
+            return attempt
+    raise AssertionError(f"{tries} connections never reached every worker: {sessions_by_worker(daemon, connection)}")
+
+
+def pg_env(daemon: Daemon, secret: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+    env.update(PGHOST="127.0.0.1", PGPORT=str(daemon.ports["postgres"]), PGUSER=secret, PGDATABASE="postgres",
+               PGSSLMODE="disable", PGPASSWORD="any", PGCONNECT_TIMEOUT="10")
+    return env
+
+
+async def psql(daemon: Daemon, secret: str, sql: str = "select 1", stdin: str | None = None) -> str:
+    """psql through the gateway (``-c sql``, or the script on stdin); its output, asserting it succeeded."""
+    args = ["psql", "-X", "-At", "-v", "ON_ERROR_STOP=1"] + ([] if stdin is not None else ["-c", sql])
+    process = await asyncio.create_subprocess_exec(*args, env=pg_env(daemon, secret), stdin=asyncio.subprocess.PIPE,
+                                                   stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(process.communicate(stdin.encode() if stdin is not None else None), 120)
+    assert process.returncode == 0, err.decode()
+    return out.decode()
+
+
+async def run(*args: str) -> subprocess.CompletedProcess[bytes]:
+    process = await asyncio.create_subprocess_exec(*args, stdin=asyncio.subprocess.DEVNULL,
+                                                   stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(process.communicate(), 120)
+    return subprocess.CompletedProcess(args, process.returncode or 0, out, err)
+
+
+async def scrape(daemon: Daemon) -> dict[tuple[str, tuple], float]:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"http://127.0.0.1:{daemon.ports['metrics']}/metrics") as response:
+            assert response.status == 200
+            text = await response.text()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------- the module's gateway
+
+
+@pytest.fixture(scope="module")
+def notify(tmp_path_factory: pytest.TempPathFactory):
+    sock = Notifications(tmp_path_factory.mktemp("notify") / "notify.sock")
+    yield sock
+    sock.close()
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory, notify, pg_target, ssh_target, http_target):
+    ports = {name: free_port() for name in ("postgres", "ssh", "http", "metrics")}
+    daemon = workers_daemon(tmp_path_factory.mktemp("workers"), {
+        **{f"listeners.{name}": f"127.0.0.1:{ports[name]}" for name in ("postgres", "ssh", "http")},
+        "metrics.listen": f"127.0.0.1:{ports['metrics']}"}, notify)
+    daemon.ports = ports
+    daemon.start()
+    assert notify.next() == b"READY=1", daemon.log_text()
+    yield daemon
+    daemon.stop()
+
+
+@pytest.fixture(scope="module")
+async def http(gateway):
+    async with admin_http(gateway) as session:
+        yield session
+
+
+# --------------------------------------------------------------------------- the tests
+
+
+async def test_every_worker_is_up_before_ready_and_serves_every_listener(gateway):
+    pids = ready_pids(gateway)
+    assert sorted(pids) == list(range(WORKERS)) and all(alive(pid) for pid in pids.values())
+    started = [e for e in entries(gateway) if e["message"] == "gatewayd started"]
+    assert sorted(e["worker"] for e in started) == list(range(WORKERS))
+    # each worker bound every listener on the same address; none failed
+    listeners = [e for e in entries(gateway) if e["message"] in ("listener started", "listener failed to start")]
+    assert {(e["message"], e["listener"], e["worker"]) for e in listeners} == {
+        ("listener started", name, worker) for name in ("postgres", "ssh", "http") for worker in range(WORKERS)}
+    supervisor = next(e for e in entries(gateway) if e["message"] == "gatewayd supervisor started")
+    assert supervisor["workers"] == WORKERS and "worker" not in supervisor
+
+
+async def test_psql_ssh_and_curl_on_the_shared_ports_land_on_both_workers(gateway, http, pg_target, ssh_target,
+                                                                           http_target):
+    pg = PostgresApi(gateway, http, pg_target)
+    role = await pg.role()
+    secret, _ = await pg.credential(role)
+
+    async def one_psql() -> None:
+        assert await psql(gateway, secret, "select 40 + 2") == "42\n"
+
+    tries = await reach_every_worker(gateway, role["name"], one_psql)
+    print(f"psql: both workers reached after {tries} connections")
+
+    ssh_api = SshApi(gateway, http, ssh_target)
+    ssh_role = await ssh_api.role()
+    ssh_secret, _ = await ssh_api.credential(ssh_role)
+
+    async def one_ssh() -> None:
+        done = await run("ssh", *CLIENT_OPTIONS, "-p", str(gateway.ports["ssh"]), f"{ssh_secret}@127.0.0.1",
+                         "echo through-$((6*7))")
+        assert done.returncode == 0 and done.stdout == b"through-42\n", done.stderr
+
+    tries = await reach_every_worker(gateway, ssh_role["name"], one_ssh)
+    print(f"ssh: both workers reached after {tries} connections")
+
+    web = Api(gateway, http)
+    web.secret_field = "proxy_token"
+    web_role = await web.connection("web", "httpproxy", "httpproxy", {"REMOTE_URL": http_target})
+    web_secret, _ = await web.credential(web_role)
+
+    async def one_curl() -> None:  # curl opens a new TCP connection each time
+        done = await run("curl", "-sS", "-H", f"Authorization: {web_secret}", "-w", " %{http_code}",
+                         f"http://127.0.0.1:{gateway.ports['http']}/json")
+        assert done.returncode == 0 and done.stdout.endswith(b" 200"), done.stderr
+
+    tries = await reach_every_worker(gateway, web_role["name"], one_curl)
+    print(f"curl: both workers reached after {tries} connections")
+
+
+async def test_statements_over_concurrent_psql_sessions_on_both_workers_are_all_recorded(gateway, http, pg_target):
+    pg = PostgresApi(gateway, http, pg_target)
+    role = await pg.role()
+    secret, _ = await pg.credential(role)
+    clients, statements = 4, 100
+    sent: list[int] = []
+    rounds = 0
+    while set(sessions_by_worker(gateway, role["name"]).values()) != set(range(WORKERS)):
+        rounds += 1
+        assert rounds <= 10, "ten rounds of concurrent sessions never reached both workers"
+        scripts = []
+        for client in range(clients):
+            numbers = [rounds * 1_000_000 + client * 1_000 + n for n in range(statements)]
+            sent += numbers
+            scripts.append("".join(f"select {n};\n" for n in numbers))
+        outputs = await asyncio.gather(*(psql(gateway, secret, stdin=script) for script in scripts))
+        for script, output in zip(scripts, outputs):
+            assert output.split() == re.findall(r"select (\d+);", script)
+    placed = sessions_by_worker(gateway, role["name"])
+    recorded: list[int] = []
+    for session_id in placed:
+        session = await pg.done_session(session_id, timeout=PATIENCE)
+        recorded += [int(n) for text in of_kind(session, "i") for n in re.findall(r"^select (\d+)", text)]
+    per_worker = {w: sum(1 for s in placed.values() if s == w) for w in range(WORKERS)}
+    print(f"{len(sent)} statements in {rounds} round(s) of {clients} concurrent psql; sessions per worker: "
+          f"{per_worker}; recorded {len(recorded)}")
+    assert sorted(recorded) == sorted(sent)
+
+
+async def test_every_worker_s_scrape_answers_for_the_whole_group(gateway, http, pg_target):
+    pg = PostgresApi(gateway, http, pg_target)
+    role = await pg.role()
+    secret, _ = await pg.credential(role)
+    await reach_every_worker(gateway, role["name"], lambda: psql(gateway, secret))
+    key = ("gatewayd_connections_total", (("protocol", "postgres"),))
+    answers = [(await scrape(gateway))[key] for _ in range(8)]  # the scrapes land on either worker, too
+    # every answer counts both workers' connections: a worker counting alone would say less than the other
+    assert len(set(answers)) == 1 and answers[0] >= len(sessions_by_worker(gateway, role["name"])), answers
+
+
+async def test_a_sigkilled_worker_is_restarted_the_port_keeps_serving_and_its_sibling_s_sessions_stay(
+        gateway, http, pg_target):
+    pg = PostgresApi(gateway, http, pg_target)
+    role = await pg.role()
+    secret, _ = await pg.credential(role)
+    held = await asyncpg.connect(host="127.0.0.1", port=gateway.ports["postgres"], user=secret, password="any",
+                                 database="postgres", timeout=30)
+    try:
+        (held_session, holder), = (await until("the held session's log line",
+                                               lambda: sessions_by_worker(gateway, role["name"]))).items()
+        victim = 1 - holder
+        pid = ready_pids(gateway)[victim]
+        os.kill(pid, signal.SIGKILL)
+        exited = await until("the supervisor saw the worker die", lambda: [
+            e for e in entries(gateway) if e["message"] == "worker exited; restarting it" and e["pid"] == pid])
+        assert exited[0]["signal"] == "SIGKILL" and exited[0]["worker"] == victim
+        for _ in range(5):  # the survivor alone serves the port meanwhile
+            assert await psql(gateway, secret, "select 7") == "7\n"
+        new_pid = await until("the worker is back", lambda: ready_pids(gateway).get(victim) not in (None, pid)
+                              and ready_pids(gateway)[victim])
+        assert alive(new_pid) and not alive(pid)
+        # the restarted worker did not close the session its sibling holds (a start closes stale sessions
+        # only without a supervisor)
+        status, body = await pg("GET", f"/sessions/{held_session}")
+        assert status == 200 and body["status"] == "open", body
+        assert await held.fetchval("select 42") == 42
+        await reach_every_worker(gateway, role["name"], lambda: psql(gateway, secret))
+    finally:
+        await held.close()
+    session = await pg.done_session(held_session, timeout=PATIENCE)
+    assert "select 42" in "".join(of_kind(session, "i"))
+    assert not [text for text in of_kind(session, "e") if "gateway restart" in text]
+
+
+async def test_sigterm_stops_every_worker_cleanly(gateway, notify):
+    pids = ready_pids(gateway)
+    assert gateway.stop(signal.SIGTERM) == 0
+    assert notify.next() == b"STOPPING=1"
+    assert not [pid for pid in pids.values() if alive(pid)]
+    stopped = [e for e in entries(gateway) if e["message"] == "gatewayd stopped"]
+    assert {e["worker"] for e in stopped} == set(range(WORKERS))
+    assert entries(gateway)[-1]["message"] == "gatewayd supervisor stopped"
+    assert entries(gateway)[-1]["exit_code"] == 0
+    assert not [e for e in entries(gateway) if e["level"] == "error" and e["message"] != "worker exited; restarting it"]
+
+
+# --------------------------------------------------------------------------- start-up
+
+
+def test_the_workers_setting():
+    assert load_config(None, environ={})["daemon.workers"] == cpu_count()  # "auto"
+    assert load_config(None, environ={"GATEWAYD_DAEMON_WORKERS": "3"})["daemon.workers"] == 3
+    assert load_config(None, environ={"GATEWAYD_DAEMON_WORKERS": "auto"})["daemon.workers"] == cpu_count()
+    assert load_config(None, environ={}, overrides={"daemon.workers": 1})["daemon.workers"] == 1
+    for bad in (0, -2, "many", True, 1.5):
+        with pytest.raises(ConfigError, match=r"^daemon\.workers: expected \"auto\" or a number"):
+            load_config(None, environ={}, overrides={"daemon.workers": bad})
+
+
+async def test_a_listener_on_port_0_is_refused_with_several_workers(tmp_path):
+    daemon = workers_daemon(tmp_path, {"listeners.postgres": "127.0.0.1:0"})
+    done = await run(str(BIN / "gatewayd"), "run", "--config", str(daemon.config_path))
+    assert done.returncode == 2
+    assert ("listeners.postgres: port 0 cannot be shared by 2 workers (each would get a port of its own): name a "
+            "port, or set [daemon] workers = 1") in done.stderr.decode()
+
+
+async def test_a_worker_that_cannot_start_stops_the_group_with_its_error(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        daemon = workers_daemon(tmp_path, {"api.listen": f"127.0.0.1:{port}", "log.format": "plain"})
+        process = await asyncio.create_subprocess_exec(
+            str(BIN / "gatewayd"), "run", "--config", str(daemon.config_path), env=daemon.env(), cwd=ROOT,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        _, err = await asyncio.wait_for(process.communicate(), 120)
+    text = err.decode()
+    assert process.returncode == 2, text
+    assert f"api.listen: cannot listen on 127.0.0.1:{port}" in text
+    assert "worker failed to start; stopping" in text and "gatewayd supervisor stopped exit_code=2" in text
+    assert "Traceback" not in text
+
+
+async def test_the_supervisor_closes_a_previous_run_s_open_session_once(tmp_path):
+    daemon = workers_daemon(tmp_path, {})
+    writer = subprocess.Popen([sys.executable, str(ROOT / "tests" / "crash_writer.py"), str(daemon.config_path)],
+                              stdout=subprocess.PIPE, text=True, cwd=ROOT, env=daemon.env())
+    session_id = writer.stdout.readline().strip()
+    assert session_id, "crash writer did not start"
+    writer.send_signal(signal.SIGKILL)
+    writer.wait(10)
+    daemon.start()
+    try:
+        await until("every worker started", lambda: len(ready_pids(daemon)) == WORKERS)
+        async with admin_http(daemon) as http:
+            session = await Api(daemon, http).session(session_id)
+        assert session["status"] == "done" and session["exit_code"] == 254
+        assert of_kind(session, "e") == ["session closed on gateway restart: the gateway stopped while it was open"]
+        supervisor = next(e for e in entries(daemon) if e["message"] == "gatewayd supervisor started")
+        assert supervisor["recovered_sessions"] == 1
+        assert [e["recovered_sessions"] for e in entries(daemon) if e["message"] == "gatewayd started"] == [0, 0]
+    finally:
+        assert daemon.stop() == 0
+
+
+# --------------------------------------------------------------------------- SQLite with several writers
+
+
+HOLD_WRITE_LOCK = """
+import sqlite3, sys
+db = sqlite3.connect(sys.argv[1], isolation_level=None)
+db.execute("BEGIN IMMEDIATE")
+print("locked", flush=True)
+sys.stdin.readline()
+db.execute("COMMIT")
+"""
+
+
+async def test_a_write_waits_for_another_process_holding_the_sqlite_write_lock(tmp_path, monkeypatch, caplog):
+    """A sibling worker's long write transaction makes a store write wait again, not fail 'database is locked'."""
+    from gatewayd.crypto import SecretBox
+    from gatewayd.store.sqlite import SQLiteConnector, SQLiteStore
+
+    monkeypatch.setattr(SQLiteConnector, "busy_timeout_ms", 50)
+    monkeypatch.setattr(SQLiteConnector, "busy_retries", 10_000)
+    store = SQLiteStore(tmp_path / "gatewayd.db", SecretBox(os.urandom(32)))
+    await store.open()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_WRITE_LOCK, str(tmp_path / "gatewayd.db")],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        with caplog.at_level("WARNING", logger="gatewayd.store"):
+            write = asyncio.create_task(store.put_setting("workers.test", {"written": True}))
+            await until("the write was refused the lock once", lambda: write.done() or any(
+                "another process holds the write lock" in r.getMessage() for r in caplog.records))
+            assert not write.done(), write.exception()
+            holder.stdin.write("\n")
+            holder.stdin.flush()
+            assert holder.wait(30) == 0
+            await write
+        assert await store.get_setting("workers.test") == {"written": True}
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait(10)
+        await store.close()
+
+
+# --------------------------------------------------------------------------- RDP
+
+
+async def test_rdp_shares_its_port_between_the_workers(tmp_path, rdp_peers):
+    rdp_port = free_port()
+    daemon = workers_daemon(tmp_path, {"listeners.rdp": f"127.0.0.1:{rdp_port}"})
+    daemon.start()
+    try:
+        await until("every worker started", lambda: len(ready_pids(daemon)) == WORKERS)
+        wait_port(rdp_port, daemon.process, "gatewayd")
+        async with admin_http(daemon) as http:
+            api = Api(daemon, http)
+            role = await api.connection("rdp", "custom", "rdp", {"HOST": "127.0.0.1", "PORT": str(rdp_peers.shadow_port),
+                                                                 "USER": "alice", "PASS": "Tgt-pass-7c1e9d"})
+            secret, _ = await api.credential(role)
+
+            async def logon() -> None:
+                process = await asyncio.create_subprocess_exec(
+                    "xfreerdp", f"/v:127.0.0.1:{rdp_port}", "/cert:ignore", f"/u:{secret}", f"/p:{secret}",
+                    "/size:1024x768", "/bpp:16", "+auth-only", stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.STDOUT, env={"PATH": os.environ["PATH"], "HOME": str(rdp_peers.home),
+                                                           "DISPLAY": f":{rdp_peers.client_display}"})
+                out, _ = await asyncio.wait_for(process.communicate(), 120)
+                assert process.returncode == 0, out.decode(errors="replace")
+
+            tries = await reach_every_worker(daemon, role["name"], logon, tries=20)
+            print(f"xfreerdp: both workers reached after {tries} logons")
+    finally:
+        assert daemon.stop() == 0
