@@ -147,7 +147,7 @@ def sd_notify(message: str) -> None:
             sock.connect(address)
             sock.sendall(message.encode())
     except OSError:
-        log.warning("sd_notify failed", extra={"message": message})
+        log.warning("sd_notify failed", extra={"notification": message})
 
 
 def server_config_from(config: Config, host_key: str) -> dict[str, Any]:

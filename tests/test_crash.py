@@ -79,3 +79,15 @@ def test_sd_notify_ready_and_stopping(tmp_path):
         assert listener.recv(256) == b"STOPPING=1"
     finally:
         listener.close()
+
+
+def test_an_unreachable_notify_socket_is_logged_and_the_daemon_runs_on(tmp_path):
+    """A NOTIFY_SOCKET nobody listens on (a supervisor gone, a stale variable) costs a warning, not the daemon."""
+    gw = Daemon(tmp_path / "data")
+    original_env = gw.env
+    gw.env = lambda: {**original_env(), "NOTIFY_SOCKET": str(tmp_path / "nobody.sock")}
+    gw.start()  # the API answers
+    assert gw.stop() == 0
+    log = gw.log_text()
+    assert log.count('"message": "sd_notify failed", "notification": "READY=1"') == 1
+    assert '"notification": "STOPPING=1"' in log and "Traceback" not in log
