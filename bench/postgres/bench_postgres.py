@@ -26,8 +26,15 @@ update) and a masking rule (card numbers and e-mail addresses, by pattern),
 and prints the CPU per transaction they add.  The masking rule's cost per row
 of 10 cells alone: ``bench_masking.py``.
 
+``--workers 1,2,4`` starts one gateway per count of ``[daemon] workers`` and
+runs each beside the others (columns ``gw 1w``, ``gw 2w``...); its CPU per
+transaction is the supervisor's and all its workers'.  The ratio columns then
+compare the gateway with the most workers, and ``Nw/1w`` each count's TPS
+with the fewest workers' (the issue's target: 4 workers at least 3x 1 worker
+at ``-c 16`` on 8 cores or more, and at least pgbouncer's TPS).
+
     .venv/bin/python bench/postgres/bench_postgres.py [--seconds 10] [--clients 4] [--scale 10] [--rounds 1]
-        [--rules]
+        [--rules] [--workers 1]
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import platform
 import pwd
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -135,6 +143,43 @@ def cpu_seconds(pid: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def tree_cpu_seconds(pid: int | None) -> float:
+    """``cpu_seconds`` of a process and of every live process under it (a supervisor and its workers)."""
+    if pid is None:
+        return 0.0
+    total, pending = 0.0, [pid]
+    while pending:
+        current = pending.pop()
+        total += cpu_seconds(current)
+        try:
+            tasks = [task.name for task in Path(f"/proc/{current}/task").iterdir()]
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                pending += [int(child) for child in Path(f"/proc/{current}/task/{task}/children").read_text().split()]
+            except OSError:
+                pass
+    return total
+
+
+def start_gateway(workers: int) -> tuple[Daemon, int]:
+    """A ``gatewayd run`` with ``workers`` workers, once every worker is ready (sd_notify); it and its pg port."""
+    port = free_port()
+    daemon = Daemon(Path(tempfile.mkdtemp(prefix="gatewayd-bench-")) / "data",
+                    {"listeners.postgres": f"127.0.0.1:{port}", "log.level": "warning", "daemon.workers": workers})
+    path = daemon.data_dir.parent / "notify.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
+        notify.bind(str(path))
+        notify.settimeout(120)
+        base = daemon.env
+        daemon.env = lambda: {**base(), "NOTIFY_SOCKET": str(path)}  # type: ignore[method-assign]
+        daemon.start()
+        if notify.recv(256) != b"READY=1":
+            raise RuntimeError(f"gatewayd with {workers} workers did not get ready:\n{daemon.log_text()}")
+    return daemon, port
+
+
 def child_pid(pid: int) -> int | None:
     """The first child of a process (pgbouncer under runuser)."""
     try:
@@ -197,7 +242,15 @@ def main() -> int:
     parser.add_argument("--rules", action="store_true",
                         help="also run 'gateway+rules': the same gateway with statement-kind rules (statement_kinds, "
                              "require_where) and a masking rule added, and print the proxy CPU per transaction they add")
+    parser.add_argument("--workers", default="1",
+                        help="comma-separated [daemon] workers counts, e.g. 1,2,4: one gateway each, run side by side")
     args = parser.parse_args()
+    try:
+        counts = sorted({int(count) for count in args.workers.split(",") if count.strip()})
+    except ValueError:
+        parser.error(f"--workers: expected counts such as 1,2,4, got {args.workers!r}")
+    if not counts or counts[0] < 1:
+        parser.error("--workers: counts of at least 1")
     reason = unavailable_reason()
     if reason or shutil.which("pgbench") is None:
         print(f"cannot run: {reason or 'pgbench not found'}", file=sys.stderr)
@@ -205,21 +258,25 @@ def main() -> int:
     cluster = PgCluster(tls=False).start()
     bouncer: Pgbouncer | None = None
     forwarder: subprocess.Popen[bytes] | None = None
-    daemon = Daemon(Path(tempfile.mkdtemp(prefix="gatewayd-bench-")) / "data",
-                    {"listeners.postgres": f"127.0.0.1:{free_port()}", "log.level": "warning"})
+    daemons: list[Daemon] = []
+    # one gateway per workers count: "gateway" alone, else "gw <n>w"; the ratios use the one with the most
+    gateways = {("gateway" if len(counts) == 1 else f"gw {count}w"): count for count in counts}
+    gateway = list(gateways)[-1]
     try:
         print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
         pgbench(cluster.port, "postgres", cluster.password, "-i", "-q", "-s", str(args.scale))
-        daemon.start()
-        gateway_port = int(daemon.settings["listeners.postgres"].rsplit(":", 1)[1])
-        secret = asyncio.run(gateway_credential(daemon, cluster))
-        # name -> (port, user, password, pid whose CPU time is the proxy's)
+        # name -> (port, user, password, pid whose CPU time, with its children's, is the proxy's)
         targets: dict[str, tuple[int, str, str, int | None]] = {
-            "direct": (cluster.port, "postgres", cluster.password, None),
-            "gateway": (gateway_port, secret, "any", daemon.process.pid if daemon.process else None)}
-        if args.rules:
-            ruled = asyncio.run(gateway_credential(daemon, cluster, "bench-rules", statement_rules=True))
-            targets["gateway+rules"] = (gateway_port, ruled, "any", targets["gateway"][3])
+            "direct": (cluster.port, "postgres", cluster.password, None)}
+        for name, count in gateways.items():
+            daemon, gateway_port = start_gateway(count)
+            daemons.append(daemon)
+            secret = asyncio.run(gateway_credential(daemon, cluster))
+            targets[name] = (gateway_port, secret, "any", daemon.process.pid if daemon.process else None)
+        if args.rules:  # on the gateway with the fewest workers
+            ruled = asyncio.run(gateway_credential(daemons[0], cluster, "bench-rules", statement_rules=True))
+            first = targets[list(gateways)[0]]
+            targets["gateway+rules"] = (first[0], ruled, "any", first[3])
         forwarder_port = free_port()
         forwarder = subprocess.Popen([sys.executable, str(Path(__file__).with_name("forwarder.py")),
                                       str(forwarder_port), str(cluster.port)])
@@ -236,38 +293,47 @@ def main() -> int:
                 ("-S -M extended", ["-S", "-M", "extended"], args.clients),
                 ("-S -M prepared", ["-S", "-M", "prepared"], args.clients),
                 ("-S -c 1 (latency)", ["-S", "-M", "simple"], 1)]
-        order = [name for name in ("direct", "pgbouncer", "forwarder", "gateway", "gateway+rules") if name in targets]
+        order = [name for name in ("direct", "pgbouncer", "forwarder", *gateways, "gateway+rules") if name in targets]
+        scaling = list(gateways)[1:]  # an Nw/1w column each
         rounds = max(1, args.rounds)
         print(f"pgbench -T {args.seconds} -j 2, scale {args.scale}; gateway: 2 input guard rails, recording on"
+              + (f", {counts[0]} worker(s)" if len(counts) == 1 and counts[0] > 1 else "")
+              + (f"; gw/...: {gateway}" if len(counts) > 1 else "")
               + (f"; {rounds} interleaved rounds, medians" if rounds > 1 else "") + "\n")
         print(f"{'run':<20}" + "".join(f"{name + ' TPS':>16}" for name in order)
-              + f"{'gw/direct':>11}{'bouncer/direct':>16}{'gw/fwd':>8}")
+              + f"{'gw/direct':>11}{'bouncer/direct':>16}{'gw/fwd':>8}{'gw/bouncer':>12}"
+              + "".join(f"{f'{gateways[n]}w/{counts[0]}w':>8}" for n in scaling))
         for label, extra, clients in runs:
             tps: dict[str, list[float]] = {}
             latency: dict[str, list[float]] = {}
             cpu: dict[str, list[float]] = {}  # proxy CPU microseconds per transaction
-            ratios: dict[str, list[float]] = {"gw/direct": [], "bouncer/direct": [], "gw/fwd": []}
+            ratios: dict[str, list[float]] = {"gw/direct": [], "bouncer/direct": [], "gw/fwd": [], "gw/bouncer": [],
+                                              **{name: [] for name in scaling}}
             for _ in range(rounds):
                 for name in order:
                     port, user, password, pid = targets[name]
                     if name == "pgbouncer" and "prepared" in label:
                         continue  # named prepared statements need pgbouncer 1.21+ in transaction pooling
-                    before = cpu_seconds(pid)
+                    before = tree_cpu_seconds(pid)
                     output = pgbench(port, user, password, *extra, "-n", "-c", str(clients), "-j",
                                      str(min(clients, 2)), "-T", str(args.seconds))
-                    used = cpu_seconds(pid) - before
+                    used = tree_cpu_seconds(pid) - before
                     result = figures(output)
                     tps.setdefault(name, []).append(result[0])
                     latency.setdefault(name, []).append(result[1])
                     if pid is not None and used > 0:
                         cpu.setdefault(name, []).append(used / max(1, transactions(output)) * 1e6)
-                ratios["gw/direct"].append(tps["gateway"][-1] / tps["direct"][-1])
-                ratios["gw/fwd"].append(tps["gateway"][-1] / tps["forwarder"][-1])
+                ratios["gw/direct"].append(tps[gateway][-1] / tps["direct"][-1])
+                ratios["gw/fwd"].append(tps[gateway][-1] / tps["forwarder"][-1])
                 if "pgbouncer" in tps and len(tps["pgbouncer"]) == len(tps["direct"]):
                     ratios["bouncer/direct"].append(tps["pgbouncer"][-1] / tps["direct"][-1])
+                    ratios["gw/bouncer"].append(tps[gateway][-1] / tps["pgbouncer"][-1])
+                for name in scaling:
+                    ratios[name].append(tps[name][-1] / tps[list(gateways)[0]][-1])
             line = f"{label:<20}" + "".join(f"{median(tps[n]):>16,.0f}" if n in tps else f"{'-':>16}" for n in order)
             line += "".join(f"{median(ratios[k]):>{w}.2f}" if ratios[k] else f"{'-':>{w}}"
-                            for k, w in (("gw/direct", 11), ("bouncer/direct", 16), ("gw/fwd", 8)))
+                            for k, w in (("gw/direct", 11), ("bouncer/direct", 16), ("gw/fwd", 8), ("gw/bouncer", 12),
+                                         *((name, 8) for name in scaling)))
             print(line, flush=True)
             if cpu:
                 print(f"{'':<20}proxy CPU per transaction: "
@@ -276,12 +342,13 @@ def main() -> int:
                     print(f"{'':<20}statement-kind and masking rules add "
                           f"{median(cpu['gateway+rules']) - median(cpu['gateway']):+.1f} us CPU per transaction")
             if clients == 1:
-                direct_ms, gateway_ms = median(latency["direct"]), median(latency["gateway"])
+                direct_ms, gateway_ms = median(latency["direct"]), median(latency[gateway])
                 print(f"{'':<20}latency: direct {direct_ms:.3f} ms, gateway {gateway_ms:.3f} ms"
                       f" (+{(gateway_ms - direct_ms) * 1000:.0f} us per transaction)")
         return 0
     finally:
-        daemon.stop()
+        for daemon in daemons:
+            daemon.stop()
         if forwarder is not None:
             forwarder.terminate()
             forwarder.wait(10)
