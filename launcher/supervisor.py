@@ -1,7 +1,8 @@
 """``gatewayd run`` with ``[daemon] workers`` above 1: one supervisor process and N gateway workers.
 
 The supervisor does, once, what every start would otherwise race to do on the shared store (migrations, the
-generated keys, closing the sessions a previous run left open: ``Gateway.prepare``), then starts the workers:
+generated keys, closing what a dead earlier run of its name left open: ``Gateway.prepare``), then starts the
+workers (each a node of its own for gatewayd.cluster, ``<name>/w<i>``):
 fresh interpreters running ``gatewayd run`` with ``GATEWAYD_WORKER_INDEX`` set, each a whole gateway on its
 own event loop whose listeners (the API, metrics and every protocol) bind with SO_REUSEPORT, so the kernel
 spreads the connections over them.  It speaks sd_notify to systemd for the whole group: each worker's
