@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -273,6 +274,77 @@ async def test_every_worker_s_scrape_answers_for_the_whole_group(gateway, http, 
     answers = [(await scrape(gateway))[key] for _ in range(8)]  # the scrapes land on either worker, too
     # every answer counts both workers' connections: a worker counting alone would say less than the other
     assert len(set(answers)) == 1 and answers[0] >= len(sessions_by_worker(gateway, role["name"])), answers
+
+
+async def running(api: Api, session_id: str, text: str) -> None:
+    """Until the session's recording holds ``text`` as input (the statement reached the target)."""
+    await api.session(session_id, until=lambda s: any(text in t for t in of_kind(s, "i")), timeout=PATIENCE)
+
+
+async def test_a_kill_through_the_api_reaches_the_worker_holding_the_session(gateway, http, pg_target):
+    pg = PostgresApi(gateway, http, pg_target)
+    role = await pg.role()
+    secret, _ = await pg.credential(role)
+    sleepers: dict[str, asyncio.subprocess.Process] = {}
+    try:
+        while set(sessions_by_worker(gateway, role["name"]).values()) != set(range(WORKERS)):  # one on each
+            assert len(sleepers) < 20, "20 connections never reached both workers"
+            sleeper = await asyncio.create_subprocess_exec(
+                "psql", "-X", "-At", "-c", "select pg_sleep(60)", env=pg_env(gateway, secret),
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            opened = await until("the sleeper's session", lambda: set(sessions_by_worker(gateway, role["name"]))
+                                 - set(sleepers))
+            sleepers[opened.pop()] = sleeper
+        for session_id, worker in sessions_by_worker(gateway, role["name"]).items():
+            await running(pg, session_id, "pg_sleep(60)")
+            started = time.monotonic()
+            status, body = await pg("POST", f"/sessions/{session_id}/kill")  # answered by either worker
+            assert status == 200 and body["status"] == "done", body
+            _, err = await asyncio.wait_for(sleepers[session_id].communicate(), PATIENCE)
+            print(f"a kill through the API ended psql on worker {worker} in {time.monotonic() - started:.2f} s")
+            assert sleepers[session_id].returncode != 0 and b"session killed by admin@example.com" in err, err
+    finally:
+        for sleeper in sleepers.values():
+            if sleeper.returncode is None:
+                sleeper.kill()
+                await sleeper.wait()
+
+
+def cancel_request(port: int, process_id: int, secret_key: int) -> None:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(struct.pack("!iiii", 16, 80877102, process_id, secret_key))
+        sock.recv(1)  # the gateway closes the connection once it has passed the cancel on
+
+
+async def test_a_cancel_request_reaches_the_worker_holding_the_query(gateway, http, pg_target):
+    """CancelRequests come on connections of their own, which land on either worker."""
+    pg = PostgresApi(gateway, http, pg_target)
+    role = await pg.role()
+    secret, _ = await pg.credential(role)
+    held: dict[str, asyncpg.Connection] = {}
+    try:
+        while set(sessions_by_worker(gateway, role["name"]).values()) != set(range(WORKERS)):  # one on each
+            assert len(held) < 40, "40 connections never reached both workers"
+            connection = await asyncpg.connect(host="127.0.0.1", port=gateway.ports["postgres"], user=secret,
+                                               password="any", database="postgres", timeout=30)
+            opened = await until("the session's log line", lambda: set(sessions_by_worker(gateway, role["name"]))
+                                 - set(held))
+            held[opened.pop()] = connection
+        placed = sessions_by_worker(gateway, role["name"])
+        for round_ in range(4):  # 8 cancels on connections the kernel spreads: some cross to the other worker
+            for session_id, connection in held.items():
+                keys = connection._protocol  # the BackendKeyData the gateway handed out
+                query = asyncio.create_task(connection.fetchval(f"select pg_sleep(60), 'round {round_}'"))
+                await running(pg, session_id, f"'round {round_}'")
+                await asyncio.to_thread(cancel_request, gateway.ports["postgres"], keys.backend_pid,
+                                        keys.backend_secret)
+                with pytest.raises(asyncpg.QueryCanceledError):
+                    await asyncio.wait_for(query, PATIENCE)
+                assert await connection.fetchval("select 'still-open'") == "still-open"
+        print(f"8 cancels reached their sessions on workers {sorted(set(placed[s] for s in held))}")
+    finally:
+        for connection in held.values():
+            connection.terminate()
 
 
 async def test_a_sigkilled_worker_is_restarted_the_port_keeps_serving_and_only_its_sessions_are_closed(
