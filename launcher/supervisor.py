@@ -34,6 +34,7 @@ from pathlib import Path
 from gatewayd import logs, metrics
 from gatewayd.config import WORKER_INDEX_VARIABLE, Config, ConfigError, split_listen
 from gatewayd.daemon import listen_addresses, sd_notify
+from gatewayd.tasks import BackgroundTasks
 from launcher.root import build_gateway, reload_config
 
 log = logging.getLogger("gatewayd.supervisor")
@@ -113,6 +114,7 @@ class Supervisor:
         self.workers = [Worker(index) for index in range(count)]
         self.events: asyncio.Queue[tuple[str, Worker | None, int]] = asyncio.Queue()
         self.by_pid: dict[int, Worker] = {}
+        self.watchers = BackgroundTasks("supervisor")  # one task a worker process, until it exits
         self.notify: socket.socket | None = None
         self.run_dir: Path | None = None
 
@@ -178,7 +180,7 @@ class Supervisor:
         worker.process, worker.ready, worker.started = process, False, time.monotonic()
         self.by_pid[process.pid] = worker
         log.info("worker started", extra={"worker": worker.index, "pid": process.pid})
-        asyncio.create_task(self._watch(worker, process), name=f"worker-{worker.index}")
+        self.watchers.spawn(self._watch(worker, process))
 
     async def _watch(self, worker: Worker, process: asyncio.subprocess.Process) -> None:
         await process.wait()
@@ -215,10 +217,9 @@ class Supervisor:
         metrics.process_exited(pid)
         process, was_ready = worker.process, worker.ready
         worker.process, worker.ready = None, False
-        returncode = process.returncode if process is not None else None
-        how = {"exit_code": returncode} if returncode is None or returncode >= 0 else \
-            {"signal": signal.Signals(-returncode).name}
-        status = returncode if returncode and returncode > 0 else 1
+        returncode = process.returncode if process is not None and process.returncode is not None else 1
+        how = {"exit_code": returncode} if returncode >= 0 else {"signal": signal.Signals(-returncode).name}
+        status = returncode if returncode > 0 else 1  # a worker killed by a signal, or one that gave up
         if not announced:  # the first start: the same configuration would fail the same way again
             log.error("worker failed to start; stopping", extra={"worker": worker.index, "pid": pid, **how})
             return await self._stop_all(status)
@@ -261,5 +262,6 @@ class Supervisor:
                 await waiting
         for process in live:
             metrics.process_exited(process.pid)
+        await self.watchers.wait()
         log.info("gatewayd supervisor stopped", extra={"exit_code": status})
         return status
