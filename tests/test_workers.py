@@ -411,6 +411,16 @@ async def test_a_sigkilled_worker_is_restarted_the_port_keeps_serving_and_only_i
             connection.terminate()
 
 
+async def test_sighup_reaches_every_worker(gateway):
+    supervisor = gateway.process.pid
+    before = len([e for e in entries(gateway) if e["message"] == "configuration reloaded"])
+    os.kill(supervisor, signal.SIGHUP)
+    reloaded = await until("every process reloaded its log settings", lambda: (
+        found := [e for e in entries(gateway) if e["message"] == "configuration reloaded"][before:])
+        and len(found) == WORKERS + 1 and found)
+    assert sorted(str(e.get("worker", "supervisor")) for e in reloaded) == ["0", "1", "supervisor"]
+
+
 async def test_sigterm_stops_every_worker_cleanly(gateway, notify):
     pids = ready_pids(gateway)
     assert gateway.stop(signal.SIGTERM) == 0
@@ -459,6 +469,27 @@ async def test_a_worker_that_cannot_start_stops_the_group_with_its_error(tmp_pat
     assert f"api.listen: cannot listen on 127.0.0.1:{port}" in text
     assert "worker failed to start; stopping" in text and "gatewayd supervisor stopped exit_code=2" in text
     assert "Traceback" not in text
+
+
+async def test_a_worker_that_keeps_failing_to_start_again_stops_the_group(tmp_path):
+    """Running fine, then the configuration file is broken and a worker dies: its restarts fail (with back-off)
+    until the supervisor gives up, stops the other worker gracefully and exits with the worker's status."""
+    daemon = workers_daemon(tmp_path, {})
+    daemon.start()
+    try:
+        pids = await until("every worker started", lambda: len(ready_pids(daemon)) == WORKERS and ready_pids(daemon))
+        daemon.config_path.write_text(daemon.config_path.read_text() + "\n[nonsense]\nkey = 1\n")
+        os.kill(pids[1], signal.SIGKILL)
+        assert await asyncio.to_thread(daemon.process.wait, 120) == 2
+    finally:
+        daemon.stop()
+    failures = [e for e in entries(daemon) if e["message"] in ("worker exited; restarting it",
+                                                                  "worker keeps failing to start; stopping")]
+    assert [e["worker"] for e in failures] == [1] * 6 and failures[-1]["failures"] == 5
+    assert [e.get("exit_code") for e in failures[1:]] == [2] * 5  # the restarts: a configuration error each
+    assert "nonsense.key: unknown setting" in daemon.log_text()
+    assert [e["worker"] for e in entries(daemon) if e["message"] == "gatewayd stopped"] == [0]
+    assert entries(daemon)[-1]["message"] == "gatewayd supervisor stopped" and entries(daemon)[-1]["exit_code"] == 2
 
 
 async def test_workers_on_the_postgres_store_after_a_sigkilled_single_process_run(tmp_path, pg_store, pg_target):
