@@ -124,6 +124,9 @@ SETTINGS: dict[str, Setting] = {
     "api.public_url": Setting("str", ""),
     "api.max_body_bytes": Setting("int", 1048576, _positive),
     "metrics.listen": Setting("listen", "127.0.0.1:9464", parse_listen),
+    "grpc.listen": Setting("listen", "127.0.0.1:8010", parse_listen),
+    "grpc.tls_cert": Setting("str", ""),
+    "grpc.tls_key": Setting("str", ""),
     "store.driver": Setting("str", "sqlite", _choice("sqlite", "postgres")),
     "store.path": Setting("str", ""),
     "store.url": Setting("str", "", _store_url),
@@ -180,7 +183,7 @@ def all_settings() -> dict[str, Setting]:
 
 # GATEWAYD_* variables that are not settings: the configuration file, and the people's command line (its
 # login file, the gateway it talks to). Any other GATEWAYD_* variable is a typo and stops the daemon.
-OTHER_VARIABLES = frozenset({"GATEWAYD_CONFIG", "GATEWAYD_CLIENT_CONFIG", "GATEWAYD_URL"})
+OTHER_VARIABLES = frozenset({"GATEWAYD_CONFIG", "GATEWAYD_CLIENT_CONFIG", "GATEWAYD_URL", "GATEWAYD_AGENT_TOKEN"})
 
 
 def _env_name(key: str) -> str:

@@ -16,7 +16,7 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 
 from aiohttp import web
 from cryptography.hazmat.primitives import serialization
@@ -28,6 +28,7 @@ from gatewayd.analysis import AnalysisService
 from gatewayd.audit import AuditLog
 from gatewayd.cluster import Cluster, default_node_name
 from gatewayd.config import Config, ConfigError, split_listen
+from gatewayd.agent.registry import AgentRegistry
 from gatewayd.dialer import Dialer, DirectDialer
 from gatewayd.frames import FrameStore
 from gatewayd.guardrails import GuardRailService
@@ -41,6 +42,9 @@ from gatewayd.reviews import ReviewService
 from gatewayd.scripts import ScriptRunner
 from gatewayd.sessions import SessionManager
 from gatewayd.store import Store, describe, open_store
+
+if TYPE_CHECKING:
+    from gatewayd.agent.server import GrpcServer
 
 log = logging.getLogger("gatewayd")
 
@@ -190,6 +194,9 @@ class Gateway:
         self.analysis: AnalysisService = None  # type: ignore[assignment]
         self.pipeline: SessionPipeline = None  # type: ignore[assignment]
         self.cluster: Cluster = None  # type: ignore[assignment]
+        self.agents: AgentRegistry = None  # type: ignore[assignment]
+        self.grpc: GrpcServer | None = None  # agents' and proxy managers' channel on ``grpc.listen``
+        self.grpc_services: list[Any] = []  # more gRPC services the composition root adds (the proxy manager)
         self.listeners = Listeners(self, listener_factories or {})
         self.server_config: dict[str, Any] = {}
         self.started_at = time.time()
@@ -224,7 +231,9 @@ class Gateway:
                                  self.config.get("rdp.frames_cap_bytes"))
         self.analysis = AnalysisService(self.store, self.audit, self.config)
         self.guardrails.observers = self.analysis.observer_for
-        self.pipeline = SessionPipeline(self.access, self.sessions, self.guardrails, self.dialer, self.audit)
+        self.agents = AgentRegistry(self.store, self.audit, self.sessions, peers=self.grpc_peers)
+        self.pipeline = SessionPipeline(self.access, self.sessions, self.guardrails, self.dialer, self.audit,
+                                        agents=self.agents)
         self.reviews = ReviewService(self.store, self.audit, self.sessions, self.pipeline, self.analysis,
                                      self.script_runners,
                                      admins_can_self_approve=self.config["auth.admins_can_self_approve"])
@@ -254,6 +263,7 @@ class Gateway:
                 raise ConfigError(f"api.listen: cannot listen on {host}:{port} ({exc.strerror or exc})") from None
         await self._serve_metrics()
         await self.listeners.apply(listen_addresses(self.server_config))
+        await self._serve_grpc()
         log.info("gatewayd started", extra={"version": self.version, "api": self.config["api.listen"],
                                             "data_dir": str(self.config.data_dir),
                                             "store": describe(self.config),  # a URL's password as ***
@@ -270,6 +280,41 @@ class Gateway:
             self._metrics_runner = await metrics.serve(host, port)
         except OSError as exc:
             log.error("metrics listener failed to start", extra={"address": address, "error": exc.strerror or str(exc)})
+
+    def grpc_peers(self) -> list[str]:
+        """The gRPC URLs of the other nodes of this gateway, said to each agent (none yet: one node)."""
+        return []
+
+    def grpc_url(self) -> str:
+        """The gRPC server's URL as agents and proxy managers reach it (``grpc_server_url``, else its listen address)."""
+        url = self.server_config.get("grpc_server_url") or self.config["server.grpc_server_url"]
+        if url:
+            return url
+        address = self.config["grpc.listen"]
+        if self.grpc is not None and address.endswith(":0"):
+            address = f"{address.rpartition(':')[0]}:{self.grpc.port}"
+        return f"grpcs://{address}" if address else ""
+
+    async def _serve_grpc(self) -> None:
+        """The gRPC server for agents and proxy managers; an address already taken is logged and the daemon goes on."""
+        from urllib.parse import urlsplit
+
+        from gatewayd.agent.server import AgentService, GrpcServer
+
+        address = self.config["grpc.listen"]
+        if not address:
+            return
+        host, port = split_listen(address)
+        names = tuple(n for n in {host, urlsplit(self.config["server.grpc_server_url"]).hostname or ""}
+                      if n and n not in ("0.0.0.0", "::"))
+        server = GrpcServer(AgentService(self.agents, self.store, self.audit, *self.grpc_services[:1]))
+        try:
+            await server.start(host, port, self.config.data_dir, self.config["grpc.tls_cert"],
+                               self.config["grpc.tls_key"], names)
+        except (OSError, ValueError) as exc:
+            log.error("grpc listener failed to start", extra={"address": address, "error": str(exc)})
+            return
+        self.grpc = server
 
     async def _load_server_config(self) -> dict[str, Any]:
         stored = await self.store.get_setting(SERVER_CONFIG_KEY)
@@ -332,6 +377,8 @@ class Gateway:
             self.reviews.stop()
         if self.sessions is not None:
             await self.sessions.shutdown(self.config["sessions.shutdown_grace"])
+        if self.grpc is not None:
+            await self.grpc.stop()  # agents reconnect to the next start
         if self.reviews is not None:
             await self.reviews.finish()  # scripts just killed store their outcome while the store is open
         if self.cluster is not None:

@@ -18,7 +18,10 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from gatewayd.models import Connection
 
 DIAL_TIMEOUT = 10.0
 
@@ -47,8 +50,18 @@ class Dialer(Protocol):
         ...
 
 
+class Routes(Protocol):
+    """Where connections that name an agent are dialled from (gatewayd.agent.registry.AgentRegistry)."""
+
+    def dialer_for(self, connection: Connection) -> Dialer:
+        """The dialer that reaches ``connection``'s target through its agent."""
+        ...
+
+
 class DirectDialer:
     """Reaches targets with a direct TCP connection from this process."""
+
+    route = ""  # what pools key idle connections by besides the address (an agent's dialer: its agent)
 
     async def open_socket(self, host: str, port: int, *, connection: str,
                           timeout: float = DIAL_TIMEOUT) -> socket.socket:

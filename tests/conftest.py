@@ -79,6 +79,7 @@ class Daemon:
             # no proxy is bound unless a test asks for it
             "listeners.postgres": "", "listeners.ssh": "", "listeners.rdp": "", "listeners.http": "",
             "metrics.listen": "",  # no Prometheus listener on its fixed default port either
+            "grpc.listen": "",  # nor a gRPC server for agents
             **(settings or {}),
         }
         self.config_path = write_config(data_dir.parent / f"{data_dir.name}.toml", self.settings)
