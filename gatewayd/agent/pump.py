@@ -29,9 +29,14 @@ class StreamFailed(Exception):
 
 
 async def socket_to_call(reader: asyncio.StreamReader, write: WriteFrame) -> None:
-    """Bytes read from the socket as frames; an ``eof`` frame when the socket's reading side ends."""
+    """Bytes read from the socket as frames; an ``eof`` frame when the socket's reading side ends, an
+    ``error`` frame when it fails."""
     while True:
-        data = await reader.read(CHUNK)
+        try:
+            data = await reader.read(CHUNK)
+        except (ConnectionError, OSError, RuntimeError) as exc:
+            await write(pb.Frame(error=f"the connection failed ({type(exc).__name__})"))
+            return
         if not data:
             await write(pb.Frame(eof=True))
             return
@@ -50,25 +55,42 @@ async def call_to_socket(read: ReadFrame, writer: asyncio.StreamWriter) -> None:
             writer.write(frame.data)
             await writer.drain()
         if frame.eof:
-            if writer.can_write_eof():
+            if not writer.is_closing() and writer.can_write_eof():
                 writer.write_eof()
             return
 
 
 async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, read: ReadFrame,
                write: WriteFrame) -> None:
-    """Both directions until both ended; the first failure of either cancels the other and is raised."""
+    """Both directions until both ended.
+
+    Nothing here cancels a gRPC ``read`` or ``write`` in progress (grpc.aio cancels the whole call
+    with it, which the other end would take for a lost link): to stop the direction that reads the
+    socket, the socket is closed, and that direction ends by saying ``eof``.  When this side's
+    socket fails, the peer is told (an ``error`` or ``eof`` frame) and its frames are dropped until
+    it is done.  StreamBroken when the call ended without the peer saying it was done.
+    """
     up = asyncio.ensure_future(socket_to_call(reader, write))
-    down = asyncio.ensure_future(call_to_socket(read, writer))
     try:
-        pending: set[asyncio.Future[None]] = {up, down}
-        while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
-            for task in done:
-                if task.exception() is not None:
-                    raise task.exception()  # type: ignore[misc]
+        try:
+            await call_to_socket(read, writer)
+        except StreamFailed:  # the peer's socket failed: ours closes, ``up`` says eof (the acknowledgement)
+            writer.close()
+        except (ConnectionError, OSError, RuntimeError):  # our socket refused the peer's bytes (closed meanwhile)
+            writer.close()
+            await up
+            await _until_end(read)
+            return
+        await up
     finally:
-        for task in (up, down):
-            if not task.done():
-                task.cancel()
-        await asyncio.gather(up, down, return_exceptions=True)
+        if not up.done():  # only when this coroutine itself is cancelled: the call is ending anyway
+            up.cancel()
+            await asyncio.gather(up, return_exceptions=True)
+
+
+async def _until_end(read: ReadFrame) -> None:
+    """The peer's frames, dropped, until it says it is done (eof or error) or the call ends."""
+    while True:
+        frame = await read()
+        if frame is grpc.aio.EOF or frame.eof or frame.error:
+            return

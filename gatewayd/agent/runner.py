@@ -22,7 +22,7 @@ from gatewayd import __version__
 from gatewayd.agent import agent_pb2 as pb
 from gatewayd.agent import agent_pb2_grpc as pb_grpc
 from gatewayd.agent.channel import ChannelError, open_channel
-from gatewayd.agent.pump import StreamBroken, StreamFailed, pump
+from gatewayd.agent.pump import StreamBroken, pump
 
 log = logging.getLogger("gatewayd.agent")
 
@@ -136,17 +136,9 @@ class AgentProcess:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             try:
                 await call.write(pb.Frame(stream_id=request.stream_id, connected=True))
-                await pump(reader, writer, call.read, call.write)
+                await pump(reader, writer, call.read, call.write)  # a target's reset ends this stream only
                 await call.done_writing()
-            except (OSError, StreamFailed) as exc:  # the target reset: this stream ends, the others go on
-                log.info("stream ended", extra={"connection": request.connection, "reason": type(exc).__name__})
-                try:
-                    await call.write(pb.Frame(error=f"the target's connection failed ({type(exc).__name__})"))
-                    await call.done_writing()
-                    while await call.read() is not grpc.aio.EOF:  # until the gateway ends the call
-                        pass
-                except Exception:
-                    pass
+                await call.code()  # the gateway ends the call; cancelling it would look like a lost link
             except (StreamBroken, grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
                 log.info("stream ended by the gateway", extra={"connection": request.connection,
                                                                "reason": type(exc).__name__})
@@ -155,5 +147,5 @@ class AgentProcess:
         except grpc.aio.AioRpcError as exc:
             log.info("stream refused", extra={"connection": request.connection, "reason": exc.details()})
         finally:
-            if not call.done():
+            if not call.done():  # only on a failure of our own: the gateway takes it for a broken link
                 call.cancel()

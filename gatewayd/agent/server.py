@@ -167,7 +167,7 @@ class AgentService(pb_grpc.AgentGatewayServicer):
                 raise
         except StreamFailed:
             pass  # the target's connection failed at the agent: this stream ends here
-        except (ConnectionError, OSError) as exc:  # the proxy's end failed: the agent closes the target's
+        except (ConnectionError, OSError, RuntimeError) as exc:  # the proxy's end failed: the agent closes the target's
             try:
                 await context.write(pb.Frame(error=f"the gateway's end failed ({type(exc).__name__})"))
             except Exception:
