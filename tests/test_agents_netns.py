@@ -306,3 +306,50 @@ async def test_killing_the_agent_ends_its_session_naming_it_and_a_restart_serves
     code, page = await api("GET", "/audit/logs?resource_type=agents&page_size=100")
     actions = [(e["action"], e["outcome"]) for e in page["data"]]
     assert ("agent.disconnect", "failure") in actions and actions.count(("agent.connect", "success")) >= 2
+
+
+# ---------------------------------------------------------------------------------------------- organizations
+
+
+async def other_org_admin(gateway: Daemon) -> str:
+    """A bearer token of an admin of a second organization of the same gateway (its store, as a host command)."""
+    from gatewayd.config import load_config
+    from gatewayd.daemon import Gateway
+    from gatewayd.models import User, new_id
+
+    core = Gateway(load_config(str(gateway.config_path), environ={}))
+    await core.open_core()
+    try:
+        org = await core.store.create_org(f"other-{uuid.uuid4().hex[:6]}")
+        email = f"boss@{org.name}.example.com"
+        user = User(id=new_id(), org_id=org.id, subject=email, email=email, name="Other Admin", groups=["admin"])
+        await core.store.save_user(user)
+        return core.identity.issue_token(user, 3600)
+    finally:
+        await core.close_core()
+
+
+async def test_another_organization_s_agent_cannot_serve_these_connections(api, gateway, peers, agent, netns,
+                                                                          tmp_path):
+    other = await other_org_admin(gateway)
+    code, theirs = await api("POST", "/agents", {"name": "vpc"}, token=other)  # the same name, their organization
+    assert code == 201, theirs
+    intruder = AgentProcess(theirs["command"], tmp_path / "intruder.log", netns["name"]).start()
+    try:
+        await until_agent(api, "vpc", "online", token=other)
+        ours = await pg_connection(api, peers)
+        agent.stop()  # ours is offline; theirs, of the same name, is online
+        await until_agent(api, "vpc", "offline")
+        secret, _ = await credential(api, ours, "username")
+        result = psql(gateway, secret, "select 1")
+        assert 'agent "vpc" is offline' in result.stderr, result.stderr
+        # their connection naming our agent by id finds no agent of theirs
+        code, mine = await api("GET", "/agents/vpc")
+        connection = await pg_connection(api, peers, agent_id=mine["id"], token=other)
+        secret, _ = await credential(api, connection, "username", token=other)
+        result = psql(gateway, secret, "select 1")
+        assert f'no agent "{mine["id"]}" in this organization' in result.stderr, result.stderr
+    finally:
+        intruder.stop()
+        agent.start()
+        await until_agent(api, "vpc", "online")
