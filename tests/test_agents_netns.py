@@ -18,6 +18,7 @@ import json
 import os
 import secrets
 import shlex
+import shutil
 import socket
 import subprocess
 import time
@@ -34,6 +35,7 @@ from tests.conftest import BIN, ROOT, Daemon, free_port, wait_port
 from tests.sshpeer import CLIENT_OPTIONS
 
 
+PRIVATE_NAME = "targets.private.internal"  # resolves inside the namespace only
 DROP_RULE = [{"type": "deny_words_list", "words": ["drop table"]}]
 
 
@@ -52,7 +54,10 @@ def netns() -> Iterator[dict[str, str]]:
     probe = _run("ip", "netns", "add", name, check=False)
     if probe.returncode != 0:
         pytest.skip(f"cannot make a network namespace here: {probe.stderr.strip()}")
+    etc = Path("/etc/netns") / name  # `ip netns exec` mounts its files over /etc: a name only the network knows
     try:
+        etc.mkdir(parents=True)
+        (etc / "hosts").write_text(f"127.0.0.1 localhost\n127.0.0.1 {PRIVATE_NAME}\n")
         _run("ip", "link", "add", outside, "type", "veth", "peer", "name", inside)
         _run("ip", "link", "set", inside, "netns", name)
         _run("ip", "addr", "add", f"{subnet}.1/30", "dev", outside)
@@ -64,6 +69,7 @@ def netns() -> Iterator[dict[str, str]]:
     finally:
         _run("ip", "netns", "del", name, check=False)
         _run("ip", "link", "del", outside, check=False)
+        shutil.rmtree(etc, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +232,7 @@ async def test_psql_through_the_agent_with_guard_rails_and_a_complete_recording(
 async def test_ssh_and_scp_through_the_agent(api, gateway, peers, agent, netns, tmp_path):
     body = {"name": f"ssh-{uuid.uuid4().hex[:8]}", "type": "custom", "subtype": "ssh", "agent_id": "vpc",
             "secret": {f"envvar:{k}": b64(v) for k, v in {
-                "HOST": "127.0.0.1", "PORT": str(peers["ssh_port"]), "USER": peers["ssh_user"],
+                "HOST": PRIVATE_NAME, "PORT": str(peers["ssh_port"]), "USER": peers["ssh_user"],
                 "PRIVATE_KEY": peers["ssh_key"], "HOST_KEY": peers["ssh_host_key"]}.items()}}
     code, connection = await api("POST", "/connections", body)
     assert code == 201, connection
@@ -257,7 +263,7 @@ async def test_ssh_and_scp_through_the_agent(api, gateway, peers, agent, netns, 
 
 async def test_curl_and_a_websocket_through_the_agent(api, gateway, peers, agent):
     body = {"name": f"web-{uuid.uuid4().hex[:8]}", "type": "httpproxy", "subtype": "httpproxy", "agent_id": "vpc",
-            "secret": {"envvar:REMOTE_URL": b64(f"http://127.0.0.1:{peers['http_port']}")}}
+            "secret": {"envvar:REMOTE_URL": b64(f"http://{PRIVATE_NAME}:{peers['http_port']}")}}
     code, connection = await api("POST", "/connections", body)
     assert code == 201, connection
     secret, session_id = await credential(api, connection, "proxy_token")

@@ -56,7 +56,14 @@ from proxies.http.messages import (
     upstream_request_headers,
     wants_html,
 )
-from proxies.http.upstream import ConnectFailed, DialerConnector, UpstreamError, UpstreamPool, UpstreamResponse
+from proxies.http.upstream import (
+    ConnectFailed,
+    DialerConnector,
+    UnresolvedNames,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+)
 
 if TYPE_CHECKING:
     from gatewayd.access import AccessGrant
@@ -646,7 +653,8 @@ class HttpListener:
         url = "ws" + url[4:] if url.startswith("http") else url
         client = self.client
         if state.grant.connection.agent_id:  # through its agent: a client of its own, closed with the websocket
-            client = self._client(DialerConnector(self.pipeline.dialer_for(state.grant.connection), limit=0))
+            client = self._client(DialerConnector(self.pipeline.dialer_for(state.grant.connection), limit=0,
+                                                  resolver=UnresolvedNames()))
         try:
             try:
                 upstream = await client.ws_connect(URL(url, encoded=True), headers=CIMultiDict(up_headers),

@@ -11,6 +11,7 @@ parser turn the answer into a ``(message, StreamReader)`` just as
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
 import time
 from collections import deque
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from aiohttp import ClientConnectionError, ClientConnectorError, ClientPayloadError, ServerDisconnectedError, TCPConnector
+from aiohttp.abc import AbstractResolver
 from aiohttp.base_protocol import BaseProtocol
 from aiohttp.helpers import EMPTY_BODY_STATUS_CODES, set_exception
 from aiohttp.http_exceptions import HttpProcessingError
@@ -210,6 +212,16 @@ class UpstreamResponse:
     def close(self) -> None:
         self.released = True
         self.connection.close()
+
+
+class UnresolvedNames(AbstractResolver):
+    """Hands the host name on as it is: a target behind an agent is resolved by the agent, in its own network."""
+
+    async def resolve(self, host: str, port: int = 0, family: int = socket.AF_INET) -> list[dict[str, Any]]:
+        return [{"hostname": host, "host": host, "port": port, "family": family, "proto": 0, "flags": 0}]
+
+    async def close(self) -> None:
+        pass
 
 
 class DialerConnector(TCPConnector):
