@@ -322,6 +322,8 @@ class Gateway:
         document = server_config_from(self.config, host_key)
         if stored:
             document.update({k: v for k, v in stored.items() if k in document})
+        if not document.get("grpc_server_url") and self.config["grpc.listen"]:
+            document["grpc_server_url"] = f"grpcs://{self.config['grpc.listen']}"  # what agents are told
             if "ssh_server_config" in document and not document["ssh_server_config"].get("hosts_key"):
                 document["ssh_server_config"]["hosts_key"] = host_key
         return document
