@@ -183,7 +183,7 @@ def all_settings() -> dict[str, Setting]:
 
 # GATEWAYD_* variables that are not settings: the configuration file, and the people's command line (its
 # login file, the gateway it talks to). Any other GATEWAYD_* variable is a typo and stops the daemon.
-OTHER_VARIABLES = frozenset({"GATEWAYD_CONFIG", "GATEWAYD_CLIENT_CONFIG", "GATEWAYD_URL", "GATEWAYD_AGENT_TOKEN"})
+OTHER_VARIABLES = frozenset({"GATEWAYD_CONFIG", "GATEWAYD_CLIENT_CONFIG", "GATEWAYD_URL", "GATEWAYD_AGENT_TOKEN", "GATEWAYD_TOKEN"})
 
 
 def _env_name(key: str) -> str:

@@ -28,6 +28,7 @@ from gatewayd.analysis import AnalysisService
 from gatewayd.audit import AuditLog
 from gatewayd.cluster import Cluster, default_node_name
 from gatewayd.config import Config, ConfigError, split_listen
+from gatewayd.agent.manager import ManagerService
 from gatewayd.agent.registry import AgentRegistry
 from gatewayd.dialer import Dialer, DirectDialer
 from gatewayd.frames import FrameStore
@@ -196,7 +197,7 @@ class Gateway:
         self.cluster: Cluster = None  # type: ignore[assignment]
         self.agents: AgentRegistry = None  # type: ignore[assignment]
         self.grpc: GrpcServer | None = None  # agents' and proxy managers' channel on ``grpc.listen``
-        self.grpc_services: list[Any] = []  # more gRPC services the composition root adds (the proxy manager)
+        self.proxy_manager: ManagerService = None  # type: ignore[assignment]  # users' gatewayd proxy-manager
         self.listeners = Listeners(self, listener_factories or {})
         self.server_config: dict[str, Any] = {}
         self.started_at = time.time()
@@ -232,6 +233,7 @@ class Gateway:
         self.analysis = AnalysisService(self.store, self.audit, self.config)
         self.guardrails.observers = self.analysis.observer_for
         self.agents = AgentRegistry(self.store, self.audit, self.sessions, peers=self.grpc_peers)
+        self.proxy_manager = ManagerService(self.identity, self.access, lambda: self.server_config)
         self.pipeline = SessionPipeline(self.access, self.sessions, self.guardrails, self.dialer, self.audit,
                                         agents=self.agents)
         self.reviews = ReviewService(self.store, self.audit, self.sessions, self.pipeline, self.analysis,
@@ -307,7 +309,7 @@ class Gateway:
         host, port = split_listen(address)
         names = tuple(n for n in {host, urlsplit(self.config["server.grpc_server_url"]).hostname or ""}
                       if n and n not in ("0.0.0.0", "::"))
-        server = GrpcServer(AgentService(self.agents, self.store, self.audit, *self.grpc_services[:1]))
+        server = GrpcServer(AgentService(self.agents, self.store, self.audit, self.proxy_manager))
         try:
             await server.start(host, port, self.config.data_dir, self.config["grpc.tls_cert"],
                                self.config["grpc.tls_key"], names)

@@ -43,12 +43,12 @@ def test_the_committed_stubs_are_those_of_agent_proto(tmp_path):
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory) -> Iterator[Daemon]:
-    http_port = free_port()
+    http_port, pg_port = free_port(), free_port()
     daemon = Daemon(tmp_path_factory.mktemp("agents-api") / "data", {
         "grpc.listen": f"127.0.0.1:{free_port()}", "listeners.http": f"127.0.0.1:{http_port}",
-        "sessions.flush_interval": "100ms"}).start()
+        "listeners.postgres": f"127.0.0.1:{pg_port}", "sessions.flush_interval": "100ms"}).start()
     wait_port(http_port, daemon.process, "gatewayd")
-    daemon.http_port = http_port
+    daemon.http_port, daemon.pg_port = http_port, pg_port
     yield daemon
     daemon.stop()
 
@@ -210,3 +210,57 @@ async def test_a_slow_stream_does_not_stall_the_others(gateway, api, http_target
     result = subprocess.run(["curl", "-sS", "-w", "%{http_code}", "-H", f"Authorization: {secret}",
                              f"http://127.0.0.1:{gateway.http_port}/json"], capture_output=True, text=True, timeout=60)
     assert result.stdout.endswith("502") and f'agent \\"{created["name"]}\\" is offline' in result.stdout
+
+
+# ---------------------------------------------------------------------------------------------- proxy manager
+
+
+async def test_the_proxy_manager_opens_a_local_port_that_psql_uses_with_the_user_s_own_credential(
+        gateway, api, pg_target, tmp_path):
+    created = await new_agent(api)  # its start command says the gRPC URL and the certificate's fingerprint
+    url = created["command"].split("--url ")[1].split()[0]
+    fingerprint = created["command"].rsplit("--tls-fingerprint ", 1)[1]
+    user = gateway.token("dev@example.com", groups="", name="Dev")
+    code, connection = await api("POST", "/connections", {
+        "name": f"pg-{uuid.uuid4().hex[:8]}", "type": "database", "subtype": "postgres",
+        "secret": {f"envvar:{k}": b64(v) for k, v in {"HOST": "127.0.0.1", "PORT": str(pg_target.port),
+                                                       "USER": "postgres", "PASS": pg_target.password,
+                                                       "DB": "postgres"}.items()}})
+    assert code == 201, connection
+    assert (await api("GET", "/proxymanager/status", token=user))[1]["status"] == "disconnected"
+    code, refused = await api("POST", "/proxymanager/connect", {"connection_name": connection["name"], "port": 1},
+                              token=user)
+    assert code == 409 and "gatewayd proxy-manager" in refused["message"]
+    manager = AgentProcess(f"gatewayd proxy-manager --url {url} --token {user} --tls-fingerprint {fingerprint}",
+                           tmp_path / "manager.log", None).start()
+    try:
+        deadline = time.monotonic() + 30
+        while (await api("GET", "/proxymanager/status", token=user))[1]["status"] != "connected":
+            assert time.monotonic() < deadline, (tmp_path / "manager.log").read_text()
+            await asyncio.sleep(0.05)
+        port = free_port()
+        code, opened = await api("POST", "/proxymanager/connect",
+                                 {"connection_name": connection["name"], "port": port}, token=user)
+        assert code == 201, opened
+        assert (opened["connection_name"], opened["port"]) == (connection["name"], port)
+        code, status = await api("GET", "/proxymanager/status", token=user)
+        assert status["forwardings"] == [opened] and status["forwardings"][0]["since"]
+        result = subprocess.run(["psql", f"host=127.0.0.1 port={port} user=whoever dbname=whoever",
+                                 "-X", "-At", "-c", "select 'via the proxy manager as ' || current_user"],
+                                capture_output=True, text=True, timeout=60)
+        assert result.stdout.strip() == "via the proxy manager as postgres", result.stderr
+        code, sessions = await api("GET", f"/sessions?connection={connection['name']}")
+        assert sessions["data"] and sessions["data"][0]["user"] == "dev@example.com"
+        code, status = await api("POST", "/proxymanager/disconnect", {"connection_name": connection["name"]},
+                                 token=user)
+        assert code == 200 and status["forwardings"] == []
+        deadline = time.monotonic() + 30
+        while True:  # the local port closes once the proxy manager hears of it
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=5).close()
+            except OSError:
+                break
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+    finally:
+        manager.stop()
