@@ -291,22 +291,6 @@ INSERT INTO store_counters (name, value) VALUES ('guardrails', 0)
 """),
     (8, """
 ALTER TABLE ai_analyzer_rules ADD COLUMN native_mode TEXT NOT NULL DEFAULT 'async'
-"""),    (9, """
-CREATE TABLE agents (
-    id TEXT PRIMARY KEY,
-    org_id TEXT NOT NULL,
-    name TEXT NOT NULL,
-    mode TEXT NOT NULL DEFAULT 'standard',
-    token_hash TEXT NOT NULL UNIQUE,
-    status TEXT NOT NULL DEFAULT 'offline',
-    hostname TEXT NOT NULL DEFAULT '',
-    version TEXT NOT NULL DEFAULT '',
-    connected_at TEXT NOT NULL DEFAULT '',
-    disconnected_at TEXT NOT NULL DEFAULT '',
-    created_at TEXT NOT NULL,
-    updated_at TEXT NOT NULL,
-    UNIQUE (org_id, name)
-)
 """),
     (9, """
 ALTER TABLE sessions ADD COLUMN node_id TEXT;
@@ -332,6 +316,23 @@ CREATE TABLE bus_events (
     payload TEXT NOT NULL,
     origin TEXT NOT NULL,
     created_at TEXT NOT NULL
+)
+"""),
+    (10, """
+CREATE TABLE agents (
+    id TEXT PRIMARY KEY,
+    org_id TEXT NOT NULL,
+    name TEXT NOT NULL,
+    mode TEXT NOT NULL DEFAULT 'standard',
+    token_hash TEXT NOT NULL UNIQUE,
+    status TEXT NOT NULL DEFAULT 'offline',
+    hostname TEXT NOT NULL DEFAULT '',
+    version TEXT NOT NULL DEFAULT '',
+    connected_at TEXT NOT NULL DEFAULT '',
+    disconnected_at TEXT NOT NULL DEFAULT '',
+    created_at TEXT NOT NULL,
+    updated_at TEXT NOT NULL,
+    UNIQUE (org_id, name)
 )
 """),
 ]
