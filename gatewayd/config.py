@@ -127,6 +127,7 @@ SETTINGS: dict[str, Setting] = {
     "grpc.listen": Setting("listen", "127.0.0.1:8010", parse_listen),
     "grpc.tls_cert": Setting("str", ""),
     "grpc.tls_key": Setting("str", ""),
+    "grpc.node_url": Setting("str", ""),
     "store.driver": Setting("str", "sqlite", _choice("sqlite", "postgres")),
     "store.path": Setting("str", ""),
     "store.url": Setting("str", "", _store_url),

@@ -253,7 +253,7 @@ class Gateway:
         await self.open_core()
         await self.recording.start()
         self.server_config = await self._load_server_config()
-        await self.cluster.start(listen_addresses(self.server_config))  # closes what a dead run left open
+        await self.cluster.start({**listen_addresses(self.server_config), "grpc": self.node_grpc_url()})  # closes what a dead run left open
         await self.reviews.start()
         if self.app_factory is not None:
             self._runner = web.AppRunner(self.app_factory(self), access_log=None, handle_signals=False)
@@ -283,9 +283,28 @@ class Gateway:
         except OSError as exc:
             log.error("metrics listener failed to start", extra={"address": address, "error": exc.strerror or str(exc)})
 
-    def grpc_peers(self) -> list[str]:
-        """The gRPC URLs of the other nodes of this gateway, said to each agent (none yet: one node)."""
-        return []
+    def node_grpc_url(self) -> str:
+        """This node's own gRPC URL as agents reach it (``grpc.node_url``, else from ``grpc.listen``)."""
+        if self.config["grpc.node_url"]:
+            return self.config["grpc.node_url"]
+        address = self.config["grpc.listen"]
+        if not address:
+            return ""
+        host, port = split_listen(address)
+        if host in ("", "0.0.0.0", "::"):
+            host = socket.getfqdn()
+        return f"grpcs://[{host}]:{port}" if ":" in host else f"grpcs://{host}:{port}"
+
+    async def grpc_peers(self) -> list[str]:
+        """The gRPC URLs of the other nodes up (the node registry), said to each agent: it connects to every one."""
+        own = self.node_grpc_url()
+        try:
+            nodes = await self.store.list_nodes(up_only=True)
+        except Exception:
+            log.exception("could not list the nodes for an agent")
+            return []
+        urls = {node.listeners.get("grpc", "") for node in nodes if node.id != self.cluster.node.id}
+        return sorted(url for url in urls if url and url != own)
 
     def grpc_url(self) -> str:
         """The gRPC server's URL as agents and proxy managers reach it (``grpc_server_url``, else its listen address)."""

@@ -19,7 +19,7 @@ import logging
 import secrets
 import socket
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from gatewayd.agent import agent_pb2 as pb
 from gatewayd.dialer import DIAL_TIMEOUT, DialError
@@ -76,15 +76,19 @@ def matches(agent: Agent, reference: str) -> bool:
     return reference in (agent.id, agent.name)
 
 
+async def _no_peers() -> list[str]:
+    return []
+
+
 class AgentRegistry:
     """The agents connected to this node: presence, stream opening, and loss handling."""
 
     def __init__(self, store: Store, audit: AuditLog, sessions: SessionManager,
-                 peers: Callable[[], list[str]] | None = None) -> None:
+                 peers: Callable[[], Awaitable[list[str]]] | None = None) -> None:
         self.store = store
         self.audit = audit
         self.sessions = sessions
-        self.peers = peers or (lambda: [])  # the other nodes' gRPC URLs, said to each agent in Welcome
+        self.peers = peers or _no_peers  # the other nodes' gRPC URLs, said to each agent in Welcome
         self.links: dict[str, list[AgentLink]] = {}  # by agent id
         self.pending: dict[str, PendingStream] = {}  # by stream id
 

@@ -101,7 +101,7 @@ class AgentService(pb_grpc.AgentGatewayServicer):
         closed = asyncio.ensure_future(link.closed.wait())
         try:
             await context.write(pb.GatewayMessage(welcome=pb.Welcome(
-                agent_id=agent.id, agent_name=agent.name, org_id=agent.org_id, peers=self.registry.peers())))
+                agent_id=agent.id, agent_name=agent.name, org_id=agent.org_id, peers=await self.registry.peers())))
             while True:
                 getter = asyncio.ensure_future(link.outbox.get())
                 done, _ = await asyncio.wait({getter, closed, reader}, return_when=asyncio.FIRST_COMPLETED)
