@@ -172,6 +172,20 @@ async def test_token_rotation_ends_the_old_token_s_connection(gateway, api, tmp_
     await until_agent(api, created["name"], "offline")
 
 
+async def test_the_agent_reconnects_after_a_gateway_restart(gateway, api, tmp_path):
+    created = await new_agent(api)
+    agent = start(created, tmp_path)
+    try:
+        await until_agent(api, created["name"], "online")
+        gateway.stop()
+        gateway.start()  # same ports, same store: the agent's backoff finds it again
+        wait_port(gateway.http_port, gateway.process, "gatewayd")
+        await until_agent(api, created["name"], "online")
+        assert agent.process.poll() is None
+    finally:
+        agent.stop()
+
+
 async def test_a_slow_stream_does_not_stall_the_others(gateway, api, http_target, tmp_path):
     """One download through the agent that nobody reads; another through the same agent completes meanwhile."""
     created = await new_agent(api)

@@ -210,6 +210,16 @@ async def test_an_offline_agent_is_refused_at_once_in_the_protocol_s_words(api, 
     session = await api.done_session(session_id)
     assert session["exit_code"] == 254 and any('agent "never-started" is offline' in e for e in of_kind(session, "e"))
 
+    body = {"name": f"ssh-{uuid.uuid4().hex[:8]}", "type": "custom", "subtype": "ssh", "agent_id": "never-started",
+            "secret": {f"envvar:{k}": b64(v) for k, v in {"HOST": "127.0.0.1", "PORT": "22", "USER": "x",
+                                                          "PASS": "y"}.items()}}
+    code, ssh_connection = await api("POST", "/connections", body)
+    assert code == 201, ssh_connection
+    secret, _ = await credential(api, ssh_connection, "username")
+    result = subprocess.run(["ssh", *CLIENT_OPTIONS, "-p", str(gateway.ports["ssh"]), f"{secret}@127.0.0.1", "true"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 254 and 'agent "never-started" is offline' in result.stderr, result.stderr
+
 
 # ---------------------------------------------------------------------------------------------- every protocol
 
@@ -227,6 +237,13 @@ async def test_psql_through_the_agent_with_guard_rails_and_a_complete_recording(
     assert "select 'reached ' || inet_server_port()" in of_kind(session, "i")
     assert any(f"reached {peers['pg_port']}" in text for text in of_kind(session, "o"))
     assert any("match guard rails" in text for text in of_kind(session, "e"))
+
+
+async def test_a_one_time_script_runs_through_the_agent(api, gateway, peers, agent):
+    connection = await pg_connection(api, peers)
+    code, answer = await api("POST", "/sessions", {"connection": connection["name"],
+                                                   "script": "select 'script at ' || inet_server_port()"})
+    assert code in (200, 201) and f"script at {peers['pg_port']}" in answer["output"], answer
 
 
 async def test_ssh_and_scp_through_the_agent(api, gateway, peers, agent, netns, tmp_path):
