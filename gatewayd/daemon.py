@@ -253,7 +253,8 @@ class Gateway:
         await self.open_core()
         await self.recording.start()
         self.server_config = await self._load_server_config()
-        await self.cluster.start({**listen_addresses(self.server_config), "grpc": self.node_grpc_url()})  # closes what a dead run left open
+        # closes what a dead run left open; the gRPC URL is what agents are told of this node
+        await self.cluster.start({**listen_addresses(self.server_config), "grpc": self.node_grpc_url()})
         await self.reviews.start()
         if self.app_factory is not None:
             self._runner = web.AppRunner(self.app_factory(self), access_log=None, handle_signals=False)
@@ -343,10 +344,10 @@ class Gateway:
         document = server_config_from(self.config, host_key)
         if stored:
             document.update({k: v for k, v in stored.items() if k in document})
-        if not document.get("grpc_server_url") and self.config["grpc.listen"]:
-            document["grpc_server_url"] = f"grpcs://{self.config['grpc.listen']}"  # what agents are told
             if "ssh_server_config" in document and not document["ssh_server_config"].get("hosts_key"):
                 document["ssh_server_config"]["hosts_key"] = host_key
+        if not document.get("grpc_server_url") and self.config["grpc.listen"]:
+            document["grpc_server_url"] = f"grpcs://{self.config['grpc.listen']}"  # what agents are told
         return document
 
     def proxy_context(self, name: str) -> ProxyContext:
