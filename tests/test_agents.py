@@ -124,7 +124,9 @@ async def test_an_agent_cannot_open_a_stream_towards_the_gateway(gateway, api, t
             assert "only the gateway opens streams" in refused.value.details()
         finally:
             await channel.close()
-        assert [e for e in await audit(api, "agent.stream_refused") if e["actor_name"] or True]
+        refusals = [e for e in await audit(api, "agent.stream_refused") if created["name"] in e["actor_email"]]
+        assert refusals and refusals[0]["outcome"] == "failure" and "only the gateway opens streams" in \
+            refusals[0]["error_message"]
     finally:
         agent.stop()
 
