@@ -103,9 +103,10 @@ class AgentProcess:
             async for message in call:
                 kind = message.WhichOneof("kind")
                 if kind == "welcome":
+                    if not welcomed:
+                        log.info("connected to the gateway", extra={"url": url, "agent": message.welcome.agent_name})
                     welcomed = True
                     self.welcomed.set()
-                    log.info("connected to the gateway", extra={"url": url, "agent": message.welcome.agent_name})
                     for peer in message.welcome.peers:
                         if peer and peer not in self.connections:
                             self.connections[peer] = asyncio.ensure_future(self.keep_connected(peer))

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("gatewayd.grpc")
 
 HELLO_TIMEOUT = 15.0
+PEERS_REFRESH = 30.0  # how often an agent's channel is told the nodes up again (Welcome)
 CERT_BASE = "grpc-tls"
 # Dead links are found within about 30 s (network cut); a killed agent's link closes at once (its TCP connection).
 SERVER_OPTIONS = [
@@ -100,15 +101,18 @@ class AgentService(pb_grpc.AgentGatewayServicer):
         reader = asyncio.ensure_future(self._until_eof(context))
         closed = asyncio.ensure_future(link.closed.wait())
         try:
-            await context.write(pb.GatewayMessage(welcome=pb.Welcome(
-                agent_id=agent.id, agent_name=agent.name, org_id=agent.org_id, peers=await self.registry.peers())))
+            await context.write(await self._welcome(agent))
             while True:
                 getter = asyncio.ensure_future(link.outbox.get())
-                done, _ = await asyncio.wait({getter, closed, reader}, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait({getter, closed, reader}, timeout=PEERS_REFRESH,
+                                             return_when=asyncio.FIRST_COMPLETED)
                 if getter in done:
                     await context.write(getter.result())
                     continue
                 getter.cancel()
+                if not done:  # a node that joined since is said to the agent, which connects to it too
+                    await context.write(await self._welcome(agent))
+                    continue
                 break
             if link.closing:
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, link.closing)
@@ -123,6 +127,10 @@ class AgentService(pb_grpc.AgentGatewayServicer):
             reader.cancel()
             closed.cancel()
             await self.registry.detach(link, reason)
+
+    async def _welcome(self, agent: Any) -> pb.GatewayMessage:
+        return pb.GatewayMessage(welcome=pb.Welcome(agent_id=agent.id, agent_name=agent.name, org_id=agent.org_id,
+                                                    peers=await self.registry.peers()))
 
     @staticmethod
     async def _until_eof(context: grpc.aio.ServicerContext) -> None:
