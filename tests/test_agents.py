@@ -280,3 +280,16 @@ async def test_the_proxy_manager_opens_a_local_port_that_psql_uses_with_the_user
             await asyncio.sleep(0.05)
     finally:
         manager.stop()
+
+
+async def test_a_second_grpc_server_on_the_same_address_is_refused(tmp_path):
+    """grpc binds with SO_REUSEPORT by default: two processes would share the agents between them, silently."""
+    from gatewayd.agent.server import AgentService, GrpcServer
+
+    first = GrpcServer(AgentService(None, None, None))  # type: ignore[arg-type]
+    await first.start("127.0.0.1", 0, tmp_path)
+    try:
+        with pytest.raises(OSError, match="cannot listen"):
+            await GrpcServer(AgentService(None, None, None)).start("127.0.0.1", first.port, tmp_path)  # type: ignore[arg-type]
+    finally:
+        await first.stop()

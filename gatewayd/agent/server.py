@@ -41,6 +41,9 @@ SERVER_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.max_receive_message_length", 4 * 1024 * 1024),
+    # grpc binds with SO_REUSEPORT by default: a second process on the same address would take a share of
+    # the agents silently, and a session on one could not reach an agent held by the other. Refused instead.
+    ("grpc.so_reuseport", 0),
 ]
 
 
