@@ -232,7 +232,8 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     except ChannelError as exc:
         raise ConfigError(str(exc)) from None
     logs.configure(args.log_format, args.log_level)
-    process = AgentProcess(args.url, token, fingerprint=args.tls_fingerprint or "", ca_file=args.ca_file or "")
+    process = AgentProcess(args.url, token, fingerprint=args.tls_fingerprint or "", ca_file=args.ca_file or "",
+                           keepalive=args.keepalive)
 
     async def main() -> int:
         task = asyncio.ensure_future(process.run())
@@ -342,6 +343,8 @@ def build_parser(run: Command | None = None) -> argparse.ArgumentParser:
     agent.add_argument("--token", help="the agent's token (default: $GATEWAYD_AGENT_TOKEN)")
     agent.add_argument("--tls-fingerprint", help="SHA-256 of the gateway's certificate (hex), for a self-signed one")
     agent.add_argument("--ca-file", help="PEM file of the authority that signed the gateway's certificate")
+    agent.add_argument("--keepalive", type=float, default=10.0,
+                       help="seconds between pings to the gateway: a cut network is noticed within about twice that")
     agent.add_argument("--log-format", default="plain", choices=("plain", "json"))
     agent.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     agent.set_defaults(func=_cmd_agent)

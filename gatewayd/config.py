@@ -128,6 +128,7 @@ SETTINGS: dict[str, Setting] = {
     "grpc.tls_cert": Setting("str", ""),
     "grpc.tls_key": Setting("str", ""),
     "grpc.node_url": Setting("str", ""),
+    "grpc.keepalive": Setting("duration", "20s", _positive),
     "store.driver": Setting("str", "sqlite", _choice("sqlite", "postgres")),
     "store.path": Setting("str", ""),
     "store.url": Setting("str", "", _store_url),

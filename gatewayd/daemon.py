@@ -332,7 +332,7 @@ class Gateway:
         server = GrpcServer(AgentService(self.agents, self.store, self.audit, self.proxy_manager))
         try:
             await server.start(host, port, self.config.data_dir, self.config["grpc.tls_cert"],
-                               self.config["grpc.tls_key"], names)
+                               self.config["grpc.tls_key"], names, self.config["grpc.keepalive"])
         except (OSError, ValueError) as exc:
             log.error("grpc listener failed to start", extra={"address": address, "error": str(exc)})
             return

@@ -65,7 +65,7 @@ def netns() -> Iterator[dict[str, str]]:
         _run("ip", "netns", "exec", name, "ip", "addr", "add", f"{subnet}.2/30", "dev", inside)
         _run("ip", "netns", "exec", name, "ip", "link", "set", inside, "up")
         _run("ip", "netns", "exec", name, "ip", "link", "set", "lo", "up")
-        yield {"name": name, "host_ip": f"{subnet}.1", "ns_ip": f"{subnet}.2"}
+        yield {"name": name, "host_ip": f"{subnet}.1", "ns_ip": f"{subnet}.2", "link": outside}
     finally:
         _run("ip", "netns", "del", name, check=False)
         _run("ip", "link", "del", outside, check=False)
@@ -97,6 +97,7 @@ def gateway(netns, tmp_path_factory) -> Iterator[Daemon]:
     ports = {name: free_port() for name in ("postgres", "ssh", "http")}
     daemon = Daemon(tmp_path_factory.mktemp("agents") / "data", {
         "grpc.listen": f"{netns['host_ip']}:{free_port()}", "sessions.flush_interval": "100ms",
+        "grpc.keepalive": "1s",  # a cut network is found within seconds (the network-cut test)
         **{f"listeners.{name}": f"127.0.0.1:{port}" for name, port in ports.items()}}).start()
     for port in ports.values():
         wait_port(port, daemon.process, "gatewayd")
@@ -156,7 +157,8 @@ async def agent(api, netns, peers, tmp_path_factory) -> Any:
     """The agent "vpc" of the default organization, running inside the namespace."""
     code, created = await api("POST", "/agents", {"name": "vpc", "mode": "standard"})
     assert code == 201, created
-    process = AgentProcess(created["command"], tmp_path_factory.mktemp("agent") / "agent.log", netns["name"]).start()
+    process = AgentProcess(created["command"] + " --keepalive 1", tmp_path_factory.mktemp("agent") / "agent.log",
+                           netns["name"]).start()
     await until_agent(api, "vpc", "online")
     process.record = created
     yield process
@@ -329,6 +331,28 @@ async def test_killing_the_agent_ends_its_session_naming_it_and_a_restart_serves
     code, page = await api("GET", "/audit/logs?resource_type=agents&page_size=100")
     actions = [(e["action"], e["outcome"]) for e in page["data"]]
     assert ("agent.disconnect", "failure") in actions and actions.count(("agent.connect", "success")) >= 2
+
+
+async def test_a_network_cut_ends_the_agent_s_sessions_and_it_comes_back_after(api, gateway, peers, agent, netns):
+    connection = await pg_connection(api, peers)
+    secret, session_id = await credential(api, connection, "username")
+    client = await asyncpg.connect(host="127.0.0.1", port=gateway.ports["postgres"], user=secret, password="any",
+                                   database="postgres", ssl=False)
+    try:
+        assert await client.fetchval("select 1") == 1
+        _run("ip", "link", "set", netns["link"], "down")  # the cable is cut; both processes live on
+        try:
+            await until_agent(api, "vpc", "offline", timeout=60)  # the gateway's keepalive found it
+            session = await api.done_session(session_id, timeout=30)
+            assert any('agent "vpc" went offline' in text for text in of_kind(session, "e")), events(session)
+        finally:
+            _run("ip", "link", "set", netns["link"], "up")
+    finally:
+        client.terminate()
+    await until_agent(api, "vpc", "online", timeout=90)  # the agent's backoff found the gateway again
+    assert agent.process.poll() is None
+    secret, _ = await credential(api, connection, "username")
+    assert psql(gateway, secret, "select 'after the cut'").stdout.strip() == "after the cut"
 
 
 # ---------------------------------------------------------------------------------------------- organizations

@@ -11,8 +11,6 @@ from urllib.parse import urlsplit
 import grpc
 
 CLIENT_OPTIONS = [
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.max_receive_message_length", 4 * 1024 * 1024),
@@ -79,12 +77,18 @@ def _first_name(pem: bytes) -> str | None:
     return names[0] if names else None
 
 
-async def open_channel(url: str, fingerprint: str = "", ca_file: str = "") -> grpc.aio.Channel:
-    """A channel to the gateway: TLS verified against ``ca_file``, the system's roots, or a pinned certificate."""
+async def open_channel(url: str, fingerprint: str = "", ca_file: str = "",
+                       keepalive: float = 10.0) -> grpc.aio.Channel:
+    """A channel to the gateway: TLS verified against ``ca_file``, the system's roots, or a pinned certificate.
+
+    ``keepalive``: seconds between pings; an unanswered one (within min(keepalive, 10 s)) ends the channel.
+    """
     target = Target.parse(url)
+    milliseconds = max(int(keepalive * 1000), 1000)
+    options = [*CLIENT_OPTIONS, ("grpc.keepalive_time_ms", milliseconds),
+               ("grpc.keepalive_timeout_ms", min(milliseconds, 10_000))]
     if not target.tls:
-        return grpc.aio.insecure_channel(target.address, options=CLIENT_OPTIONS)
-    options = list(CLIENT_OPTIONS)
+        return grpc.aio.insecure_channel(target.address, options=options)
     if fingerprint:
         pem = await pinned_certificate(target, fingerprint)
         name = _first_name(pem)

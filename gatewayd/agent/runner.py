@@ -43,6 +43,7 @@ class AgentProcess:
     token: str
     fingerprint: str = ""
     ca_file: str = ""
+    keepalive: float = 10.0  # seconds between pings: a cut link is found within about twice that
     hostname: str = field(default_factory=socket.gethostname)
     connections: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # by URL
     streams: set[asyncio.Task[None]] = field(default_factory=set)
@@ -94,7 +95,7 @@ class AgentProcess:
 
     async def session(self, url: str) -> bool:
         """Connect, hello, then serve Opens until the channel ends; whether the gateway welcomed us."""
-        channel = await open_channel(url, self.fingerprint, self.ca_file)
+        channel = await open_channel(url, self.fingerprint, self.ca_file, self.keepalive)
         welcomed = False
         try:
             stub = pb_grpc.AgentGatewayStub(channel)

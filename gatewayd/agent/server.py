@@ -33,11 +33,8 @@ log = logging.getLogger("gatewayd.grpc")
 HELLO_TIMEOUT = 15.0
 PEERS_REFRESH = 30.0  # how often an agent's channel is told the nodes up again (Welcome)
 CERT_BASE = "grpc-tls"
-# Dead links are found within about 30 s (network cut); a killed agent's link closes at once (its TCP connection).
 SERVER_OPTIONS = [
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 1_000),  # agents may ping this often (their --keepalive)
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.max_receive_message_length", 4 * 1024 * 1024),
@@ -45,6 +42,15 @@ SERVER_OPTIONS = [
     # the agents silently, and a session on one could not reach an agent held by the other. Refused instead.
     ("grpc.so_reuseport", 0),
 ]
+
+
+def keepalive_options(interval: float) -> list[tuple[str, int]]:
+    """Ping every ``interval`` seconds; a link whose ping is not answered within min(interval, 10 s) is dead.
+
+    A killed agent's link closes at once (its TCP connection); a network cut is found this way.
+    """
+    milliseconds = max(int(interval * 1000), 1000)
+    return [("grpc.keepalive_time_ms", milliseconds), ("grpc.keepalive_timeout_ms", min(milliseconds, 10_000))]
 
 
 def bearer(context: grpc.aio.ServicerContext) -> str:
@@ -210,12 +216,12 @@ class GrpcServer:
         self.fingerprint = ""  # of the certificate it presents (what a generated one's agents pin)
 
     async def start(self, host: str, port: int, data_dir: Path, cert: str = "", key: str = "",
-                    names: tuple[str, ...] = ()) -> None:
+                    names: tuple[str, ...] = (), keepalive: float = 20.0) -> None:
         cert_path, key_path = await asyncio.to_thread(
             tls.certificate_paths, data_dir, cert, key, CERT_BASE, "grpc.tls_cert and grpc.tls_key", names)
         cert_pem, key_pem = cert_path.read_bytes(), key_path.read_bytes()
         self.fingerprint = tls.fingerprint(cert_pem)
-        server = grpc.aio.server(options=SERVER_OPTIONS)
+        server = grpc.aio.server(options=SERVER_OPTIONS + keepalive_options(keepalive))
         pb_grpc.add_AgentGatewayServicer_to_server(self.service, server)
         credentials = grpc.ssl_server_credentials([(key_pem, cert_pem)])
         try:
