@@ -107,10 +107,15 @@ class DirectDialer:
             raise DialError(connection, _reason(exc)) from None
 
 
-def _reason(exc: OSError) -> str:
+def reason_of(exc: OSError) -> str:
     """The system's words for a failed connect ("connection refused"), never the address asyncio adds."""
+    if isinstance(exc, socket.gaierror):
+        return f"unknown host ({exc.strerror or exc})"
     text = os.strerror(exc.errno) if exc.errno else type(exc).__name__
     return text[:1].lower() + text[1:]
+
+
+_reason = reason_of
 
 
 direct = DirectDialer()

@@ -241,6 +241,17 @@ async def test_psql_through_the_agent_with_guard_rails_and_a_complete_recording(
     assert any("match guard rails" in text for text in of_kind(session, "e"))
 
 
+async def test_a_target_the_agent_cannot_reach_is_said_in_the_agent_s_words(api, gateway, peers, agent):
+    dead = dict(peers, pg_port=free_port())  # nothing listens there inside the namespace
+    connection = await pg_connection(api, dead)
+    secret, session_id = await credential(api, connection, "username")
+    result = psql(gateway, secret, "select 1")
+    assert 'through agent "vpc": connection refused' in result.stderr, result.stderr
+    assert str(dead["pg_port"]) not in result.stderr  # the address is not told
+    code, shown = await api("GET", "/agents/vpc")
+    assert shown["status"] == "online"  # one stream failed; the agent's link stands
+
+
 async def test_a_one_time_script_runs_through_the_agent(api, gateway, peers, agent):
     connection = await pg_connection(api, peers)
     code, answer = await api("POST", "/sessions", {"connection": connection["name"],

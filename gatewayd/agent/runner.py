@@ -23,6 +23,7 @@ from gatewayd.agent import agent_pb2 as pb
 from gatewayd.agent import agent_pb2_grpc as pb_grpc
 from gatewayd.agent.channel import ChannelError, open_channel
 from gatewayd.agent.pump import StreamBroken, pump
+from gatewayd.dialer import reason_of
 
 log = logging.getLogger("gatewayd.agent")
 
@@ -127,9 +128,9 @@ class AgentProcess:
                 async with asyncio.timeout(request.timeout or 10.0):
                     reader, writer = await asyncio.open_connection(request.host, request.port, limit=256 * 1024)
             except (OSError, TimeoutError) as exc:
-                reason = "no answer" if isinstance(exc, TimeoutError) else \
-                    (exc.strerror or str(exc) or type(exc).__name__)
-                await call.write(pb.Frame(stream_id=request.stream_id, error=reason[:1].lower() + reason[1:]))
+                reason = f"no answer within {request.timeout or 10.0:g} seconds" if isinstance(exc, TimeoutError) \
+                    else reason_of(exc)  # the system's words, never the address
+                await call.write(pb.Frame(stream_id=request.stream_id, error=reason))
                 await call.done_writing()
                 log.info("target unreachable", extra={"connection": request.connection, "reason": reason})
                 return
