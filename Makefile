@@ -10,7 +10,7 @@ CONSOLE := control/console_static/vendor/.built-stamp
 # The slowest tests are named at the end of each run: the suite must stay under 10 minutes on 2 cores.
 PYTEST_ARGS ?= --durations=15
 
-.PHONY: run test test-matrix peers bench clean console
+.PHONY: run test test-matrix peers bench clean console proto
 
 $(STAMP): pyproject.toml
 	@scripts/ensure-python.sh "$(PYTHON)"
@@ -39,6 +39,11 @@ test: $(STAMP) $(CONSOLE) peers
 ## each in its own .venv-3.X; says which versions ran and which are missing (REQUIRE_ALL=1: a failure).
 test-matrix:
 	@MAKE="$(MAKE)" scripts/test-matrix.sh
+
+## The gRPC stubs of the agents' and proxy managers' channel, from gatewayd/agent/agent.proto (committed;
+## tests/test_agents.py checks they match the .proto).
+proto: $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. gatewayd/agent/agent.proto
 
 peers:
 	@scripts/install-peers.sh

@@ -9,6 +9,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from control import (
+    agents,
     ai,
     audit_logs,
     auth,
@@ -18,6 +19,7 @@ from control import (
     health,
     integrations,
     openapi,
+    proxymanager,
     rdp_frames,
     resources,
     reviews,
@@ -46,7 +48,7 @@ from gatewayd.logs import REQUEST_ID, request_id_from
 
 log = logging.getLogger("gatewayd.api")
 
-AREAS = (health, auth, users, serverconfig, resources, connections, guardrails, datamasking, sessions, rdp_frames, reviews, ai,
+AREAS = (health, auth, users, serverconfig, resources, connections, agents, guardrails, datamasking, sessions, rdp_frames, reviews, ai, proxymanager,
          audit_logs, integrations, openapi)
 MUTATING = {"POST", "PUT", "PATCH", "DELETE"}
 ROUTE_DOC = web.AppKey("route_doc_by_handler", dict)

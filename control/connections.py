@@ -51,6 +51,8 @@ CONNECTION_OUT = Schema("ConnectionOut", {
     "id": _TEXT, "name": _TEXT, "type": _TEXT, "subtype": _TEXT, "resource_name": _TEXT, "agent_id": _TEXT,
     "command": _STRINGS, "tags": Field("object", True), "settings": Field("object", True), "reviewers": _STRINGS,
     "created_at": _TEXT, "updated_at": _TEXT, "secret": Field("object", description="admins only"),
+    "status": Field("string", description="online or offline: a connection served by an agent is online while "
+                                          "its agent is connected; one the gateway reaches itself is online"),
 })
 NATIVE_ACCESS = Schema("ConnectionCredentials", {
     name: Field("string") for name in ("hostname", "port", "username", "password", "database_name",
@@ -62,7 +64,15 @@ CREDENTIALS_OUT = Schema("Credentials", {
 })
 
 
-def connection_json(conn: Connection, viewer: User) -> dict[str, Any]:
+def connection_status(gateway: Any, conn: Connection) -> str:
+    """``online`` or ``offline``, from its agent's presence (a connection without an agent is online)."""
+    if not conn.agent_id:
+        return "online"
+    return "online" if gateway.agents is not None and gateway.agents.online(conn.org_id, conn.agent_id) else "offline"
+
+
+def connection_json(conn: Connection, viewer: User, gateway: Any = None) -> dict[str, Any]:
+    """A connection as the API shows it; with ``gateway``, its ``status`` too."""
     data: dict[str, Any] = {
         "id": conn.id, "name": conn.name, "type": conn.type, "subtype": conn.subtype,
         "resource_name": conn.resource_name, "agent_id": conn.agent_id, "command": conn.command,
@@ -71,6 +81,8 @@ def connection_json(conn: Connection, viewer: User) -> dict[str, Any]:
     }
     if viewer.is_admin:
         data["secret"] = conn.secret
+    if gateway is not None:
+        data["status"] = connection_status(gateway, conn)
     return data
 
 
@@ -115,7 +127,7 @@ async def find_connection(request: web.Request) -> Connection:
 async def list_connections(request: web.Request) -> web.Response:
     user = user_of(request)
     conns = await gateway_of(request).store.list_connections(user.org_id)
-    return ok([connection_json(c, user) for c in conns])
+    return ok([connection_json(c, user, gateway_of(request)) for c in conns])
 
 
 @routes.post("/connections", "Create a connection", body=CONNECTION, status=201, response=CONNECTION_OUT)
@@ -127,12 +139,12 @@ async def create(request: web.Request) -> web.Response:
         await gateway_of(request).store.create_connection(conn)
     except Conflict:
         raise ApiError(409, f"connection {conn.name!r} already exists") from None
-    return ok(connection_json(conn, admin), status=201)
+    return ok(connection_json(conn, admin, gateway_of(request)), status=201)
 
 
 @routes.get("/connections/{name}", "A connection by name or id", response=CONNECTION_OUT)
 async def get(request: web.Request) -> web.Response:
-    return ok(connection_json(await find_connection(request), user_of(request)))
+    return ok(connection_json(await find_connection(request), user_of(request), gateway_of(request)))
 
 
 @routes.put("/connections/{name}", "Replace a connection", body=CONNECTION, response=CONNECTION_OUT)
@@ -149,7 +161,7 @@ async def update(request: web.Request) -> web.Response:
     except Conflict:
         raise ApiError(409, f"connection {conn.name!r} already exists") from None
     await gateway.sessions.connection_changed(conn.id)  # its live sessions, on every node, take the change
-    return ok(connection_json(conn, admin))
+    return ok(connection_json(conn, admin, gateway))
 
 
 @routes.delete("/connections/{name}", "Delete a connection", status=204)

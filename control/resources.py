@@ -61,6 +61,7 @@ def _roles(body: dict[str, Any], org_id: str, resource: str, existing: dict[str,
     seen = set()
     for index, role in enumerate(body.get("roles") or []):
         conn = build_connection(role, org_id, resource, existing.get(role["name"]), f"roles[{index}].")
+        conn.agent_id = conn.agent_id or body.get("agent_id") or ""  # a role without its own agent: the resource's
         if conn.name in seen:
             raise ApiError(422, f"field 'roles[{index}].name': duplicate role {conn.name!r}")
         seen.add(conn.name)
@@ -116,7 +117,7 @@ async def update(request: web.Request) -> web.Response:
         raise ApiError(422, "field 'name': renaming a resource is not supported")
     res.type = body["type"]
     res.subtype = body.get("subtype") or body["type"]
-    res.agent_id = body.get("agent_id") or ""
+    previous_agent, res.agent_id = res.agent_id, body.get("agent_id") or ""
     res.env_vars = body.get("env_vars") or {}
     res.updated_at = rfc3339(utcnow())
     store = gateway_of(request).store
@@ -127,6 +128,11 @@ async def update(request: web.Request) -> web.Response:
             if "secret" not in role and role["name"] in existing:
                 role["secret"] = existing[role["name"]].secret
         roles = _roles(body, admin.org_id, res.name, existing)
+    elif res.agent_id != previous_agent:  # the roles that followed the resource's agent follow it still
+        roles = await store.list_connections(admin.org_id, res.name)
+        for conn in roles:
+            if conn.agent_id == previous_agent:
+                conn.agent_id = res.agent_id
     try:
         await store.update_resource(res, roles)
     except Conflict:

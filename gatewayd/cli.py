@@ -216,6 +216,69 @@ def _cmd_audit_verify(args: argparse.Namespace) -> int:
     return _print_verification(asyncio.run(_with_core(config, action)))
 
 
+def _cmd_agent(args: argparse.Namespace) -> int:
+    """``gatewayd agent``: run an agent until stopped (or its token is refused: exit 3)."""
+    import signal
+
+    from gatewayd import logs
+    from gatewayd.agent.channel import ChannelError, Target
+    from gatewayd.agent.runner import AgentProcess
+
+    token = args.token or os.environ.get("GATEWAYD_AGENT_TOKEN", "")
+    if not token:
+        raise ConfigError("--token (or $GATEWAYD_AGENT_TOKEN): the token POST /api/agents answered")
+    try:
+        Target.parse(args.url)
+    except ChannelError as exc:
+        raise ConfigError(str(exc)) from None
+    logs.configure(args.log_format, args.log_level)
+    process = AgentProcess(args.url, token, fingerprint=args.tls_fingerprint or "", ca_file=args.ca_file or "",
+                           keepalive=args.keepalive)
+
+    async def main() -> int:
+        task = asyncio.ensure_future(process.run())
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            return 0
+
+    return asyncio.run(main())
+
+
+def _cmd_proxy_manager(args: argparse.Namespace) -> int:
+    """``gatewayd proxy-manager``: open the local ports the gateway asks for until stopped."""
+    import signal
+
+    from gatewayd import logs
+    from gatewayd.agent.channel import ChannelError, Target
+    from gatewayd.agent.manager_client import ProxyManagerProcess
+
+    token = args.token or os.environ.get("GATEWAYD_TOKEN", "")
+    if not token:
+        raise ConfigError("--token (or $GATEWAYD_TOKEN): your bearer token (gatewayd login)")
+    try:
+        Target.parse(args.url)
+    except ChannelError as exc:
+        raise ConfigError(str(exc)) from None
+    logs.configure(args.log_format, args.log_level)
+    process = ProxyManagerProcess(args.url, token, args.tls_fingerprint or "", args.ca_file or "")
+
+    async def main() -> int:
+        task = asyncio.ensure_future(process.run())
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            return 0
+
+    return asyncio.run(main())
+
+
 Command = Callable[[argparse.Namespace], int]
 
 
@@ -273,6 +336,28 @@ def build_parser(run: Command | None = None) -> argparse.ArgumentParser:
     verify.add_argument("--org", help="organization id (default: the default organization)")
     verify.add_argument("--config")
     verify.set_defaults(func=_cmd_audit_verify)
+
+    agent = sub.add_parser("agent", help="run an agent inside a private network: it connects out to the gateway "
+                                          "and carries the gateway's connections to targets only it reaches")
+    agent.add_argument("--url", required=True, help="the gateway's gRPC URL, grpcs://host:port (grpc_server_url)")
+    agent.add_argument("--token", help="the agent's token (default: $GATEWAYD_AGENT_TOKEN)")
+    agent.add_argument("--tls-fingerprint", help="SHA-256 of the gateway's certificate (hex), for a self-signed one")
+    agent.add_argument("--ca-file", help="PEM file of the authority that signed the gateway's certificate")
+    agent.add_argument("--keepalive", type=float, default=10.0,
+                       help="seconds between pings to the gateway: a cut network is noticed within about twice that")
+    agent.add_argument("--log-format", default="plain", choices=("plain", "json"))
+    agent.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    agent.set_defaults(func=_cmd_agent)
+
+    manager = sub.add_parser("proxy-manager", help="on your machine: open the local ports that "
+                                                   "POST /api/proxymanager/connect asks for, forwarded through the gateway")
+    manager.add_argument("--url", required=True, help="the gateway's gRPC URL, grpcs://host:port (grpc_server_url)")
+    manager.add_argument("--token", help="your bearer token (default: $GATEWAYD_TOKEN)")
+    manager.add_argument("--tls-fingerprint", help="SHA-256 of the gateway's certificate (hex), for a self-signed one")
+    manager.add_argument("--ca-file", help="PEM file of the authority that signed the gateway's certificate")
+    manager.add_argument("--log-format", default="plain", choices=("plain", "json"))
+    manager.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    manager.set_defaults(func=_cmd_proxy_manager)
 
     from gatewayd.client import commands as people
 

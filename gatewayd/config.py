@@ -145,6 +145,11 @@ SETTINGS: dict[str, Setting] = {
     "api.public_url": Setting("str", ""),
     "api.max_body_bytes": Setting("int", 1048576, _positive),
     "metrics.listen": Setting("listen", "127.0.0.1:9464", parse_listen),
+    "grpc.listen": Setting("listen", "127.0.0.1:8010", parse_listen),
+    "grpc.tls_cert": Setting("str", ""),
+    "grpc.tls_key": Setting("str", ""),
+    "grpc.node_url": Setting("str", ""),
+    "grpc.keepalive": Setting("duration", "20s", _positive),
     "store.driver": Setting("str", "sqlite", _choice("sqlite", "postgres")),
     "store.path": Setting("str", ""),
     "store.url": Setting("str", "", _store_url),
@@ -203,7 +208,8 @@ def all_settings() -> dict[str, Setting]:
 # login file, the gateway it talks to). Any other GATEWAYD_* variable is a typo and stops the daemon.
 # GATEWAYD_WORKER_INDEX is set by `gatewayd run`'s supervisor on the workers it starts (launcher.supervisor).
 WORKER_INDEX_VARIABLE = "GATEWAYD_WORKER_INDEX"
-OTHER_VARIABLES = frozenset({"GATEWAYD_CONFIG", "GATEWAYD_CLIENT_CONFIG", "GATEWAYD_URL", WORKER_INDEX_VARIABLE})
+OTHER_VARIABLES = frozenset({"GATEWAYD_CONFIG", "GATEWAYD_CLIENT_CONFIG", "GATEWAYD_URL", "GATEWAYD_AGENT_TOKEN",
+                             "GATEWAYD_TOKEN", WORKER_INDEX_VARIABLE})
 
 
 def _env_name(key: str) -> str:

@@ -16,7 +16,8 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
+from urllib.parse import urlsplit
 
 from aiohttp import web
 from cryptography.hazmat.primitives import serialization
@@ -28,6 +29,8 @@ from gatewayd.analysis import AnalysisService
 from gatewayd.audit import AuditLog
 from gatewayd.cluster import Cluster, default_node_name
 from gatewayd.config import Config, ConfigError, split_listen
+from gatewayd.agent.manager import ManagerService
+from gatewayd.agent.registry import AgentRegistry
 from gatewayd.dialer import Dialer, DirectDialer
 from gatewayd.frames import FrameStore
 from gatewayd.guardrails import GuardRailService
@@ -41,6 +44,9 @@ from gatewayd.reviews import ReviewService
 from gatewayd.scripts import ScriptRunner
 from gatewayd.sessions import SessionManager
 from gatewayd.store import Store, describe, open_store
+
+if TYPE_CHECKING:
+    from gatewayd.agent.server import GrpcServer
 
 log = logging.getLogger("gatewayd")
 
@@ -194,6 +200,9 @@ class Gateway:
         self.analysis: AnalysisService = None  # type: ignore[assignment]
         self.pipeline: SessionPipeline = None  # type: ignore[assignment]
         self.cluster: Cluster = None  # type: ignore[assignment]
+        self.agents: AgentRegistry = None  # type: ignore[assignment]
+        self.grpc: GrpcServer | None = None  # agents' and proxy managers' channel on ``grpc.listen``
+        self.proxy_manager: ManagerService = None  # type: ignore[assignment]  # users' gatewayd proxy-manager
         self.listeners = Listeners(self, listener_factories or {})
         self.server_config: dict[str, Any] = {}
         self.started_at = time.time()
@@ -228,7 +237,10 @@ class Gateway:
                                  self.config.get("rdp.frames_cap_bytes"))
         self.analysis = AnalysisService(self.store, self.audit, self.config)
         self.guardrails.observers = self.analysis.observer_for
-        self.pipeline = SessionPipeline(self.access, self.sessions, self.guardrails, self.dialer, self.audit)
+        self.agents = AgentRegistry(self.store, self.audit, self.sessions, peers=self.grpc_peers)
+        self.proxy_manager = ManagerService(self.identity, self.access, lambda: self.server_config)
+        self.pipeline = SessionPipeline(self.access, self.sessions, self.guardrails, self.dialer, self.audit,
+                                        agents=self.agents)
         self.reviews = ReviewService(self.store, self.audit, self.sessions, self.pipeline, self.analysis,
                                      self.script_runners,
                                      admins_can_self_approve=self.config["auth.admins_can_self_approve"])
@@ -246,7 +258,8 @@ class Gateway:
         await self.open_core()
         await self.recording.start()
         self.server_config = await self._load_server_config()
-        await self.cluster.start(listen_addresses(self.server_config))  # closes what a dead run left open
+        # closes what a dead run left open; the gRPC URL is what agents are told of this node
+        await self.cluster.start({**listen_addresses(self.server_config), "grpc": self.node_grpc_url()})
         await self.reviews.start()
         if self.app_factory is not None:
             self._runner = web.AppRunner(self.app_factory(self), access_log=None, handle_signals=False)
@@ -259,6 +272,7 @@ class Gateway:
                 raise ConfigError(f"api.listen: cannot listen on {host}:{port} ({exc.strerror or exc})") from None
         await self._serve_metrics()
         await self.listeners.apply(listen_addresses(self.server_config))
+        await self._serve_grpc()
         log.info("gatewayd started", extra={"version": self.version, "api": self.config["api.listen"],
                                             "data_dir": str(self.config.data_dir),
                                             "store": describe(self.config),  # a URL's password as ***
@@ -286,6 +300,75 @@ class Gateway:
         await self.cluster.start(listen_addresses(self.server_config))
         await self.cluster.stop()
 
+    def _worker_port(self, port: int) -> int:
+        """The gRPC port of this process: ``grpc.listen``'s for a single process and worker 0, then one more per
+        worker (a gRPC server cannot share its port: each worker is a node agents connect to, told by Welcome)."""
+        return port + self.worker_index if self.supervised and port else port
+
+    def grpc_listen(self) -> str:
+        """``grpc.listen`` with this worker's own port."""
+        address = self.config["grpc.listen"]
+        if not address:
+            return ""
+        host, port = split_listen(address)
+        port = self._worker_port(port)
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def node_grpc_url(self) -> str:
+        """This node's own gRPC URL as agents reach it (``grpc.node_url``, else from ``grpc.listen``; per worker)."""
+        if self.config["grpc.node_url"]:
+            url = urlsplit(self.config["grpc.node_url"])
+            if self.supervised and url.port:
+                return url._replace(netloc=url.netloc.rsplit(":", 1)[0] + f":{self._worker_port(url.port)}").geturl()
+            return self.config["grpc.node_url"]
+        address = self.grpc_listen()
+        if not address:
+            return ""
+        host, port = split_listen(address)
+        if host in ("", "0.0.0.0", "::"):
+            host = socket.getfqdn()
+        return f"grpcs://[{host}]:{port}" if ":" in host else f"grpcs://{host}:{port}"
+
+    async def grpc_peers(self) -> list[str]:
+        """The gRPC URLs of the other nodes up (the node registry), said to each agent: it connects to every one."""
+        own = self.node_grpc_url()
+        try:
+            nodes = await self.store.list_nodes(up_only=True)
+        except Exception:
+            log.exception("could not list the nodes for an agent")
+            return []
+        urls = {node.listeners.get("grpc", "") for node in nodes if node.id != self.cluster.node.id}
+        return sorted(url for url in urls if url and url != own)
+
+    def grpc_url(self) -> str:
+        """The gRPC server's URL as agents and proxy managers reach it (``grpc_server_url``, else its listen address)."""
+        url = self.server_config.get("grpc_server_url") or self.config["server.grpc_server_url"]
+        if url:
+            return url
+        address = self.config["grpc.listen"]
+        if self.grpc is not None and address.endswith(":0"):
+            address = f"{address.rpartition(':')[0]}:{self.grpc.port}"
+        return f"grpcs://{address}" if address else ""
+
+    async def _serve_grpc(self) -> None:
+        """The gRPC server for agents and proxy managers; an address already taken is logged and the daemon goes on."""
+        from gatewayd.agent.server import AgentService, GrpcServer
+
+        address = self.grpc_listen()
+        if not address:
+            return
+        host, port = split_listen(address)
+        names = tuple(n for n in {host, urlsplit(self.config["server.grpc_server_url"]).hostname or ""}
+                      if n and n not in ("0.0.0.0", "::"))
+        server = GrpcServer(AgentService(self.agents, self.store, self.audit, self.proxy_manager))
+        try:
+            await server.start(host, port, self.config.data_dir, self.config["grpc.tls_cert"],
+                               self.config["grpc.tls_key"], names, self.config["grpc.keepalive"])
+        except (OSError, ValueError) as exc:
+            log.error("grpc listener failed to start", extra={"address": address, "error": str(exc)})
+            return
+        self.grpc = server
+
     async def _load_server_config(self) -> dict[str, Any]:
         stored = await self.store.get_setting(SERVER_CONFIG_KEY)
         host_key = self.config.get("ssh.hosts_key") or base64.b64encode(await self.host_key_pem()).decode()
@@ -294,6 +377,8 @@ class Gateway:
             document.update({k: v for k, v in stored.items() if k in document})
             if "ssh_server_config" in document and not document["ssh_server_config"].get("hosts_key"):
                 document["ssh_server_config"]["hosts_key"] = host_key
+        if not document.get("grpc_server_url") and self.config["grpc.listen"]:
+            document["grpc_server_url"] = f"grpcs://{self.config['grpc.listen']}"  # what agents are told
         return document
 
     def proxy_context(self, name: str) -> ProxyContext:
@@ -347,6 +432,8 @@ class Gateway:
             self.reviews.stop()
         if self.sessions is not None:
             await self.sessions.shutdown(self.config["sessions.shutdown_grace"])
+        if self.grpc is not None:
+            await self.grpc.stop()  # agents reconnect to the next start
         if self.reviews is not None:
             await self.reviews.finish()  # scripts just killed store their outcome while the store is open
         if self.cluster is not None:

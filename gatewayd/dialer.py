@@ -18,7 +18,10 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from gatewayd.models import Connection
 
 DIAL_TIMEOUT = 10.0
 
@@ -47,8 +50,18 @@ class Dialer(Protocol):
         ...
 
 
+class Routes(Protocol):
+    """Where connections that name an agent are dialled from (gatewayd.agent.registry.AgentRegistry)."""
+
+    def dialer_for(self, connection: Connection) -> Dialer:
+        """The dialer that reaches ``connection``'s target through its agent."""
+        ...
+
+
 class DirectDialer:
     """Reaches targets with a direct TCP connection from this process."""
+
+    route = ""  # what pools key idle connections by besides the address (an agent's dialer: its agent)
 
     async def open_socket(self, host: str, port: int, *, connection: str,
                           timeout: float = DIAL_TIMEOUT) -> socket.socket:
@@ -94,10 +107,15 @@ class DirectDialer:
             raise DialError(connection, _reason(exc)) from None
 
 
-def _reason(exc: OSError) -> str:
+def reason_of(exc: OSError) -> str:
     """The system's words for a failed connect ("connection refused"), never the address asyncio adds."""
+    if isinstance(exc, socket.gaierror):
+        return f"unknown host ({exc.strerror or exc})"
     text = os.strerror(exc.errno) if exc.errno else type(exc).__name__
     return text[:1].lower() + text[1:]
+
+
+_reason = reason_of
 
 
 direct = DirectDialer()

@@ -357,6 +357,28 @@ class AccessRequestRule:
 
 
 @dataclass(slots=True)
+class Agent:
+    """A process inside a private network that carries the gateway's connections to targets only it reaches.
+
+    ``token_hash`` is the SHA-256 of its token (``agt-...``, shown once); ``status`` and the ``last_*``
+    fields are its presence as the gateway last saw it (``online`` while a node holds its channel).
+    """
+
+    id: str
+    org_id: str
+    name: str
+    mode: str = "standard"  # standard | embedded (said to the agent; both serve streams the same way)
+    token_hash: str = ""
+    status: str = "offline"  # online | offline
+    hostname: str = ""
+    version: str = ""
+    connected_at: str = ""
+    disconnected_at: str = ""
+    created_at: str = ""
+    updated_at: str = ""
+
+
+@dataclass(slots=True)
 class AIProvider:
     """The organization's model for session analysis; ``api_key`` is clear here and sealed in the store."""
 

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Generic, Protocol, T
 
 from gatewayd import metrics
 from gatewayd.access import AccessDenied, AccessGrant
-from gatewayd.dialer import DialError, Dialer
+from gatewayd.dialer import DialError, Dialer, Routes
 from gatewayd.guardrails import ObservedRules
 from gatewayd.policy import SessionPolicy
 from gatewayd.sessions import BLOCKED_EXIT_CODE, GatewayClosing, KillCallback, LiveSession
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from gatewayd.audit import AuditLog
     from gatewayd.frames import FrameStore
     from gatewayd.guardrails import GuardRailService
-    from gatewayd.models import Session
+    from gatewayd.models import Connection, Session
     from gatewayd.sessions import SessionManager
 
 __all__ = ["AccessDenied", "AccessGrant", "BLOCKED_EXIT_CODE", "GatewayClosing", "ProxyContext", "SessionPipeline",
@@ -125,11 +125,12 @@ class SessionPipeline:
     """admit -> dial -> open/claim -> arm -> (relay) -> close, for every proxy and script runner."""
 
     def __init__(self, access: AccessService, sessions: SessionManager, guardrails: GuardRailService,
-                 dialer: Dialer, audit: AuditLog) -> None:
+                 dialer: Dialer, audit: AuditLog, agents: Routes | None = None) -> None:
         self.access = access
         self.sessions = sessions
         self.guardrails = guardrails
         self.dialer = dialer
+        self.agents = agents  # connections that name an agent are dialled through it
         self.audit_log = audit
         self.tasks = sessions.tasks  # expiry kills and what proxies hand over; shutdown waits for them
 
@@ -153,6 +154,13 @@ class SessionPipeline:
         await self.access.refused(grant, protocol, reason, client_ip)
 
     # -- dial, open, arm
+
+    def dialer_for(self, connection: Connection) -> Dialer:
+        """What reaches ``connection``'s target: its agent when it names one (refused at once when offline),
+        else the gateway's own dialer."""
+        if connection.agent_id and self.agents is not None:
+            return self.agents.dialer_for(connection)
+        return self.dialer
 
     async def start(self, grant: AccessGrant, client_ip: str = "", *,
                     dial: Callable[[Dialer], Awaitable[T]] | None = None,
@@ -180,7 +188,7 @@ class SessionPipeline:
         target: Any = None
         if dial is not None:
             try:
-                target = await dial(self.dialer)
+                target = await dial(self.dialer_for(grant.connection))
             except (DialError, *unreachable) as exc:
                 message = _client_message(exc)
                 log.info("target unreachable", extra={"connection": grant.connection.name, "error": message})

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 # (connection, secret, host, port, the protocol's settings) -> what the user types (the API's connection_credentials)
 AccessHints = Callable[["Connection", str, str, int, dict[str, Any]], dict[str, str]]
 Start = Callable[["ProxyContext", str, int], Awaitable[Any]]  # (its context, host, port) -> a started Listener
+# (the local client's reader and writer, the credential secret) -> the client's opening bytes with the secret in
+# place, to send to the gateway's own listener: how the proxy manager forwards a local client (gatewayd.agent.manager)
+ForwardOpening = Callable[[Any, Any, str], Awaitable[bytes]]
 
 
 def lazy_start(module: str) -> Start:
@@ -71,6 +74,7 @@ class ProtocolDescription:
     load_script_runner: Callable[[], ScriptRunner] | None = None  # one-time scripts (POST /sessions), if any
     required_modules: tuple[str, ...] = ()
     install_hint: str = ""  # said in the log when ``required_modules`` are missing
+    forward_opening: ForwardOpening | None = None  # the proxy manager forwards this protocol's local clients
 
     @property
     def default_listen(self) -> str:

@@ -80,6 +80,7 @@ class Daemon:
             "listeners.postgres": "", "listeners.ssh": "", "listeners.rdp": "", "listeners.http": "",
             "metrics.listen": "",  # no Prometheus listener on its fixed default port either
             "daemon.workers": 1,  # one process, as the tests expect (tests/test_workers.py runs several)
+            "grpc.listen": "",  # nor a gRPC server for agents
             **(settings or {}),
         }
         self.config_path = write_config(data_dir.parent / f"{data_dir.name}.toml", self.settings)

@@ -67,7 +67,8 @@ def _seed(url: str, token: str) -> dict[str, str]:
     call("POST", "/users/groups", {"name": group}, 201)
     session = call("POST", f"/connections/{role}/credentials", {}, 201)
     pending = call("POST", f"/connections/{jit_role}/credentials", {"access_duration_seconds": 600}, 202)
-    return {"resource": resource, "role": role, "jit_role": jit_role, "guardrail": rule["id"],
+    agent = call("POST", "/agents", {"name": _unique("agent")}, 201)
+    return {"agent": agent["name"], "resource": resource, "role": role, "jit_role": jit_role, "guardrail": rule["id"],
             "access_rule": access_rule, "session": session["session_id"], "jit_session": pending["session_id"],
             "review": pending["review_id"], "user": user["id"], "group": group}
 
@@ -97,6 +98,8 @@ def _operations(seeded: dict[str, str]) -> str:
         ("/api/connections/{name}/credentials/{session_id}", "POST",
          {"name": seeded["jit_role"], "session_id": seeded["jit_session"]}),
         ("/api/guardrails/{id}", "GET|PUT", {"id": seeded["guardrail"]}),
+        ("/api/agents/{name}", "GET", {"name": seeded["agent"]}),
+        ("/api/agents/{name}/token", "POST", {"name": seeded["agent"]}),
         ("/api/access-requests/rules/{name}", "GET|PUT", {"name": seeded["access_rule"]}),
         ("/api/reviews/{id}", "GET|PUT", {"id": seeded["review"]}),
         ("/api/sessions/{id}/review", "PUT", {"id": seeded["jit_session"]}),

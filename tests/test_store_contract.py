@@ -24,6 +24,7 @@ from gatewayd.guardrails import GuardRailService
 from gatewayd.models import (
     CHAIN_GENESIS,
     AccessRequestRule,
+    Agent,
     AIAnalyzerRule,
     AIProvider,
     AuditEntry,
@@ -624,6 +625,33 @@ async def test_access_rules_ai_rules_and_the_ai_provider(store: Store):
     assert b"sk-other" not in bytes(raw[0][0])
     assert await store.delete_ai_provider(org) is True
     assert await store.delete_ai_provider(org) is False
+
+
+async def test_agents_round_trip_found_by_name_id_or_token_hash_within_their_org(store: Store):
+    org, other = await an_org(store), (await store.create_org("other")).id
+    agent = Agent(id=new_id(), org_id=org, name="vpc-a", mode="standard", token_hash="h1", created_at=NOW,
+                  updated_at=NOW)
+    await store.create_agent(agent)
+    with pytest.raises(Conflict):  # one name per organization
+        await store.create_agent(Agent(id=new_id(), org_id=org, name="vpc-a", token_hash="h2", created_at=NOW,
+                                       updated_at=NOW))
+    with pytest.raises(Conflict):  # a token hash is one agent's
+        await store.create_agent(Agent(id=new_id(), org_id=other, name="x", token_hash="h1", created_at=NOW,
+                                       updated_at=NOW))
+    await store.create_agent(Agent(id=new_id(), org_id=other, name="vpc-a", token_hash="h3", created_at=NOW,
+                                   updated_at=NOW))
+    await store.create_agent(Agent(id=new_id(), org_id=org, name="Lab", token_hash="h4", created_at=NOW,
+                                   updated_at=NOW))
+    assert await store.get_agent(org, "vpc-a") == agent == await store.get_agent(org, agent.id)
+    assert await store.get_agent(other, agent.id) is None  # never another organization's
+    assert await store.agent_by_token("h1") == agent and await store.agent_by_token("nope") is None
+    assert [a.name for a in await store.list_agents(org)] == ["Lab", "vpc-a"]
+    agent.token_hash, agent.status, agent.hostname, agent.connected_at = "h5", "online", "box", NOW
+    await store.save_agent(agent)
+    assert await store.agent_by_token("h1") is None and await store.agent_by_token("h5") == agent
+    assert await store.delete_agent(org, "vpc-a") is True and await store.delete_agent(org, "vpc-a") is False
+    assert await store.get_agent(org, agent.id) is None
+    assert [a.name for a in await store.list_agents(other)] == ["vpc-a"]
 
 
 # ---------------------------------------------------------------------------- audit, settings, keys

@@ -3,6 +3,11 @@
 Target (from the issue): ``pgbench -S -T 10 -c 4`` through the gateway -- with
 two input guard rails and recording on -- reaches at least 0.6 of the direct
 TPS (pgbouncer in transaction pooling reaches about 0.71 on a 2-core machine).
+
+``--via-agent`` adds a ``gateway+agent`` column: the same gateway reaching the cluster through a
+``gatewayd agent`` on this machine (gRPC over TLS on loopback), its ratio to the direct gateway path
+(``agent/gw``) and, at ``-c 1``, the latency the agent adds per transaction.
+
 Also printed: ``-M extended`` and ``-M prepared``, the ``-c 1`` latency
 overhead, and ``forwarder`` -- ``forwarder.py``, a uvloop byte forwarder that
 looks at nothing: the floor of any asyncio proxy on this machine, so the
@@ -163,11 +168,14 @@ def tree_cpu_seconds(pid: int | None) -> float:
     return total
 
 
-def start_gateway(workers: int) -> tuple[Daemon, int]:
-    """A ``gatewayd run`` with ``workers`` workers, once every worker is ready (sd_notify); it and its pg port."""
+def start_gateway(workers: int, grpc: bool = False) -> tuple[Daemon, int]:
+    """A ``gatewayd run`` with ``workers`` workers, once every worker is ready (sd_notify); it and its pg port.
+
+    ``grpc``: with its gRPC server for agents (``--via-agent``)."""
     port = free_port()
     daemon = Daemon(Path(tempfile.mkdtemp(prefix="gatewayd-bench-")) / "data",
-                    {"listeners.postgres": f"127.0.0.1:{port}", "log.level": "warning", "daemon.workers": workers})
+                    {"listeners.postgres": f"127.0.0.1:{port}", "log.level": "warning", "daemon.workers": workers,
+                     "grpc.listen": f"127.0.0.1:{free_port()}" if grpc else ""})
     path = daemon.data_dir.parent / "notify.sock"
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
         notify.bind(str(path))
@@ -201,7 +209,7 @@ MASK_RULE = {"type": "mask", "patterns": ["card_number", "email"]}
 
 
 async def gateway_credential(daemon: Daemon, cluster: PgCluster, name: str = "bench",
-                             statement_rules: bool = False) -> str:
+                             statement_rules: bool = False, agent_id: str = "") -> str:
     """A role to the cluster with two input guard rails (and the statement and masking rules), and a credential."""
     token = daemon.token("bench@example.com", groups="admin")
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as http:
@@ -209,7 +217,8 @@ async def gateway_credential(daemon: Daemon, cluster: PgCluster, name: str = "be
                   "envvar:USER": b64("postgres"), "envvar:PASS": b64(cluster.password), "envvar:DB": b64("postgres"),
                   "envvar:SSLMODE": b64("disable")}  # like the direct and pgbouncer runs
         async with http.post(daemon.url + "/connections", json={
-                "name": name, "type": "database", "subtype": "postgres", "secret": secret}) as response:
+                "name": name, "type": "database", "subtype": "postgres", "secret": secret,
+                "agent_id": agent_id}) as response:
             connection = await response.json()
             assert response.status == 201, connection
         rails = [("no-drop", {"type": "deny_words_list", "words": ["drop table", "truncate"]}),
@@ -231,6 +240,33 @@ async def gateway_credential(daemon: Daemon, cluster: PgCluster, name: str = "be
         return body["connection_credentials"]["username"]
 
 
+def start_agent(daemon: Daemon) -> subprocess.Popen[bytes]:
+    """The agent "bench" registered through the API and started from the command it answered; once it is online."""
+    token = daemon.token("bench@example.com", groups="admin")
+
+    async def register() -> str:
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as http:
+            async with http.post(daemon.url + "/agents", json={"name": "bench"}) as response:
+                body = await response.json()
+                assert response.status == 201, body
+                return body["command"]
+
+    command = asyncio.run(register()).split()
+    process = subprocess.Popen([str(Path(sys.executable).with_name("gatewayd")), *command[1:], "--log-level", "warning"])
+
+    async def online() -> bool:
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as http:
+            async with http.get(daemon.url + "/agents/bench") as response:
+                return (await response.json())["status"] == "online"
+
+    deadline = time.monotonic() + 30
+    while not asyncio.run(online()):
+        if time.monotonic() > deadline or process.poll() is not None:
+            raise RuntimeError("the agent did not come online")
+        time.sleep(0.1)
+    return process
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=int, default=10)
@@ -239,6 +275,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every target this many times, interleaved; medians are printed (steadier ratios "
                              "on a machine that is busy with other work)")
+    parser.add_argument("--via-agent", action="store_true",
+                        help="also run 'gateway+agent': the same gateway reaching the cluster through a `gatewayd agent` "
+                             "(gRPC over TLS on loopback), and print the latency it adds")
     parser.add_argument("--rules", action="store_true",
                         help="also run 'gateway+rules': the same gateway with statement-kind rules (statement_kinds, "
                              "require_where) and a masking rule added, and print the proxy CPU per transaction they add")
@@ -262,20 +301,25 @@ def main() -> int:
     # one gateway per workers count: "gateway" alone, else "gw <n>w"; the ratios use the one with the most
     gateways = {("gateway" if len(counts) == 1 else f"gw {count}w"): count for count in counts}
     gateway = list(gateways)[-1]
+    agent: subprocess.Popen[bytes] | None = None
     try:
         print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
         pgbench(cluster.port, "postgres", cluster.password, "-i", "-q", "-s", str(args.scale))
         # name -> (port, user, password, pid whose CPU time, with its children's, is the proxy's)
         targets: dict[str, tuple[int, str, str, int | None]] = {
             "direct": (cluster.port, "postgres", cluster.password, None)}
-        for name, count in gateways.items():
-            daemon, gateway_port = start_gateway(count)
+        for index, (name, count) in enumerate(gateways.items()):
+            daemon, gateway_port = start_gateway(count, grpc=args.via_agent and index == 0)
             daemons.append(daemon)
             secret = asyncio.run(gateway_credential(daemon, cluster))
             targets[name] = (gateway_port, secret, "any", daemon.process.pid if daemon.process else None)
+        first = targets[list(gateways)[0]]
+        if args.via_agent:  # through the gateway with the fewest workers
+            agent = start_agent(daemons[0])
+            via = asyncio.run(gateway_credential(daemons[0], cluster, "bench-agent", agent_id="bench"))
+            targets["gateway+agent"] = (first[0], via, "any", first[3])
         if args.rules:  # on the gateway with the fewest workers
             ruled = asyncio.run(gateway_credential(daemons[0], cluster, "bench-rules", statement_rules=True))
-            first = targets[list(gateways)[0]]
             targets["gateway+rules"] = (first[0], ruled, "any", first[3])
         forwarder_port = free_port()
         forwarder = subprocess.Popen([sys.executable, str(Path(__file__).with_name("forwarder.py")),
@@ -293,22 +337,24 @@ def main() -> int:
                 ("-S -M extended", ["-S", "-M", "extended"], args.clients),
                 ("-S -M prepared", ["-S", "-M", "prepared"], args.clients),
                 ("-S -c 1 (latency)", ["-S", "-M", "simple"], 1)]
-        order = [name for name in ("direct", "pgbouncer", "forwarder", *gateways, "gateway+rules") if name in targets]
+        order = [name for name in ("direct", "pgbouncer", "forwarder", *gateways, "gateway+agent", "gateway+rules")
+                 if name in targets]
         scaling = list(gateways)[1:]  # an Nw/1w column each
         rounds = max(1, args.rounds)
         print(f"pgbench -T {args.seconds} -j 2, scale {args.scale}; gateway: 2 input guard rails, recording on"
               + (f", {counts[0]} worker(s)" if len(counts) == 1 and counts[0] > 1 else "")
               + (f"; gw/...: {gateway}" if len(counts) > 1 else "")
               + (f"; {rounds} interleaved rounds, medians" if rounds > 1 else "") + "\n")
-        print(f"{'run':<20}" + "".join(f"{name + ' TPS':>16}" for name in order)
+        print(f"{'run':<20}" + "".join(f"{name + ' TPS':>{max(16, len(name) + 6)}}" for name in order)
               + f"{'gw/direct':>11}{'bouncer/direct':>16}{'gw/fwd':>8}{'gw/bouncer':>12}"
-              + "".join(f"{f'{gateways[n]}w/{counts[0]}w':>8}" for n in scaling))
+              + "".join(f"{f'{gateways[n]}w/{counts[0]}w':>8}" for n in scaling)
+              + (f"{'agent/gw':>10}" if "gateway+agent" in targets else ""))
         for label, extra, clients in runs:
             tps: dict[str, list[float]] = {}
             latency: dict[str, list[float]] = {}
             cpu: dict[str, list[float]] = {}  # proxy CPU microseconds per transaction
             ratios: dict[str, list[float]] = {"gw/direct": [], "bouncer/direct": [], "gw/fwd": [], "gw/bouncer": [],
-                                              **{name: [] for name in scaling}}
+                                              "agent/gw": [], **{name: [] for name in scaling}}
             for _ in range(rounds):
                 for name in order:
                     port, user, password, pid = targets[name]
@@ -325,28 +371,40 @@ def main() -> int:
                         cpu.setdefault(name, []).append(used / max(1, transactions(output)) * 1e6)
                 ratios["gw/direct"].append(tps[gateway][-1] / tps["direct"][-1])
                 ratios["gw/fwd"].append(tps[gateway][-1] / tps["forwarder"][-1])
+                if "gateway+agent" in tps:
+                    ratios["agent/gw"].append(tps["gateway+agent"][-1] / tps[list(gateways)[0]][-1])
                 if "pgbouncer" in tps and len(tps["pgbouncer"]) == len(tps["direct"]):
                     ratios["bouncer/direct"].append(tps["pgbouncer"][-1] / tps["direct"][-1])
                     ratios["gw/bouncer"].append(tps[gateway][-1] / tps["pgbouncer"][-1])
                 for name in scaling:
                     ratios[name].append(tps[name][-1] / tps[list(gateways)[0]][-1])
-            line = f"{label:<20}" + "".join(f"{median(tps[n]):>16,.0f}" if n in tps else f"{'-':>16}" for n in order)
+            line = f"{label:<20}" + "".join(f"{median(tps[n]):>{max(16, len(n) + 6)},.0f}" if n in tps
+                                            else f"{'-':>{max(16, len(n) + 6)}}" for n in order)
             line += "".join(f"{median(ratios[k]):>{w}.2f}" if ratios[k] else f"{'-':>{w}}"
                             for k, w in (("gw/direct", 11), ("bouncer/direct", 16), ("gw/fwd", 8), ("gw/bouncer", 12),
                                          *((name, 8) for name in scaling)))
+            if "gateway+agent" in targets:
+                line += f"{median(ratios['agent/gw']):>10.2f}"
             print(line, flush=True)
             if cpu:
                 print(f"{'':<20}proxy CPU per transaction: "
                       + ", ".join(f"{n} {median(cpu[n]):.0f} us" for n in order if n in cpu))
-                if "gateway+rules" in cpu and "gateway" in cpu:
+                if "gateway+rules" in cpu and list(gateways)[0] in cpu:
                     print(f"{'':<20}statement-kind and masking rules add "
-                          f"{median(cpu['gateway+rules']) - median(cpu['gateway']):+.1f} us CPU per transaction")
+                          f"{median(cpu['gateway+rules']) - median(cpu[list(gateways)[0]]):+.1f} us CPU per transaction")
             if clients == 1:
                 direct_ms, gateway_ms = median(latency["direct"]), median(latency[gateway])
                 print(f"{'':<20}latency: direct {direct_ms:.3f} ms, gateway {gateway_ms:.3f} ms"
                       f" (+{(gateway_ms - direct_ms) * 1000:.0f} us per transaction)")
+                if "gateway+agent" in latency:
+                    agent_ms = median(latency["gateway+agent"])
+                    print(f"{'':<20}through the agent: {agent_ms:.3f} ms"
+                          f" (+{(agent_ms - gateway_ms) * 1000:.0f} us per transaction over the direct gateway path)")
         return 0
     finally:
+        if agent is not None:
+            agent.terminate()
+            agent.wait(10)
         for daemon in daemons:
             daemon.stop()
         if forwarder is not None:

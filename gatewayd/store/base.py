@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from gatewayd.evidence import BatchLink, EventBatch
 from gatewayd.models import (
     AccessRequestRule,
+    Agent,
     AIAnalyzerRule,
     AIProvider,
     AuditEntry,
@@ -375,6 +376,30 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def delete_ai_rule(self, org_id: str, name: str) -> None: ...
+
+    # agents
+    @abc.abstractmethod
+    async def create_agent(self, agent: Agent) -> None:
+        """Conflict when the organization has an agent of that name."""
+
+    @abc.abstractmethod
+    async def get_agent(self, org_id: str, name_or_id: str) -> Agent | None: ...
+
+    @abc.abstractmethod
+    async def agent_by_token(self, token_hash: str) -> Agent | None:
+        """The agent whose token hashes to ``token_hash``, whatever its organization."""
+
+    @abc.abstractmethod
+    async def list_agents(self, org_id: str) -> list[Agent]:
+        """By name."""
+
+    @abc.abstractmethod
+    async def save_agent(self, agent: Agent) -> None:
+        """Store every field of an existing agent (a new token hash, its presence)."""
+
+    @abc.abstractmethod
+    async def delete_agent(self, org_id: str, name_or_id: str) -> bool:
+        """True if there was one."""
 
     # audit log
     @abc.abstractmethod

@@ -318,4 +318,21 @@ CREATE TABLE bus_events (
     created_at TEXT NOT NULL
 )
 """),
+    (10, """
+CREATE TABLE agents (
+    id TEXT PRIMARY KEY,
+    org_id TEXT NOT NULL,
+    name TEXT NOT NULL,
+    mode TEXT NOT NULL DEFAULT 'standard',
+    token_hash TEXT NOT NULL UNIQUE,
+    status TEXT NOT NULL DEFAULT 'offline',
+    hostname TEXT NOT NULL DEFAULT '',
+    version TEXT NOT NULL DEFAULT '',
+    connected_at TEXT NOT NULL DEFAULT '',
+    disconnected_at TEXT NOT NULL DEFAULT '',
+    created_at TEXT NOT NULL,
+    updated_at TEXT NOT NULL,
+    UNIQUE (org_id, name)
+)
+"""),
 ]

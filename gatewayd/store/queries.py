@@ -14,6 +14,7 @@ from gatewayd.evidence import BatchLink, EventBatch, audit_hash
 from gatewayd.models import (
     CHAIN_GENESIS,
     AccessRequestRule,
+    Agent,
     AIAnalyzerRule,
     AIProvider,
     AuditEntry,
@@ -711,6 +712,30 @@ class SQLStore(Store):
     async def delete_ai_rule(self, org_id: str, name: str) -> None:
         await self._write([("DELETE FROM ai_analyzer_rules WHERE org_id = ? AND (name = ? OR id = ?)",
                             (org_id, name, name))])
+
+    # ---------------------------------------------------------------- agents
+    async def create_agent(self, agent: Agent) -> None:
+        await self._write([insert("agents", agent)])
+
+    async def get_agent(self, org_id: str, name_or_id: str) -> Agent | None:
+        row = await self._one("SELECT * FROM agents WHERE org_id = ? AND (name = ? OR id = ?)",
+                              (org_id, name_or_id, name_or_id))
+        return build(Agent, row) if row else None
+
+    async def agent_by_token(self, token_hash: str) -> Agent | None:
+        row = await self._one("SELECT * FROM agents WHERE token_hash = ?", (token_hash,))
+        return build(Agent, row) if row else None
+
+    async def list_agents(self, org_id: str) -> list[Agent]:
+        rows = await self._all(f"SELECT * FROM agents WHERE org_id = ? ORDER BY {self._by_name}", (org_id,))
+        return [build(Agent, r) for r in rows]
+
+    async def save_agent(self, agent: Agent) -> None:
+        await self._write([update("agents", agent, skip=("created_at", "org_id"))])
+
+    async def delete_agent(self, org_id: str, name_or_id: str) -> bool:
+        return await self._changed(("DELETE FROM agents WHERE org_id = ? AND (name = ? OR id = ?)",
+                                    (org_id, name_or_id, name_or_id))) > 0
 
     # ---------------------------------------------------------------- audit log
     async def append_audit(self, entry: AuditEntry) -> None:

@@ -56,7 +56,14 @@ from proxies.http.messages import (
     upstream_request_headers,
     wants_html,
 )
-from proxies.http.upstream import ConnectFailed, DialerConnector, UpstreamError, UpstreamPool, UpstreamResponse
+from proxies.http.upstream import (
+    ConnectFailed,
+    DialerConnector,
+    UnresolvedNames,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+)
 
 if TYPE_CHECKING:
     from gatewayd.access import AccessGrant
@@ -131,16 +138,20 @@ class HttpListener:
         self._fresh: dict[str, CredentialState] = {}  # by secret: the per-request fast path, no hashing
         self._locks: dict[str, _KeyLock] = {}  # by secret hash, only while a request resolves it
         self.pool = UpstreamPool(self.pipeline.dialer)
-        self.client = aiohttp.ClientSession(  # websockets only
-            connector=DialerConnector(self.pipeline.dialer, limit=0, ttl_dns_cache=60, keepalive_timeout=30),
-            auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
-            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=15), read_bufsize=256 * 1024,
-        )
+        self.client = self._client(  # websockets only
+            DialerConnector(self.pipeline.dialer, limit=0, ttl_dns_cache=60, keepalive_timeout=30))
         self.server = web.Server(self.handle, access_log=None, auto_decompress=False, read_bufsize=256 * 1024)
         self.runner = web.ServerRunner(self.server, handle_signals=False, shutdown_timeout=1.0)
         self.front = Front(self.handle, self.server)  # plain requests; the rest goes to self.server
         self.tcp: asyncio.AbstractServer | None = None
+
+    @staticmethod
+    def _client(connector: DialerConnector) -> aiohttp.ClientSession:
+        """The websocket client over ``connector``."""
+        return aiohttp.ClientSession(
+            connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
+            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=15), read_bufsize=256 * 1024)
 
     async def start(self, host: str, port: int, reuse_port: bool = False) -> None:
         await self.runner.setup()
@@ -445,7 +456,8 @@ class HttpListener:
         try:
             upstream = await self.pool.request(
                 target.scheme, target.host, target.port, state.insecure,
-                request_head(method, target, raw_path, up_headers, chunked), data, chunked, method == "HEAD")
+                request_head(method, target, raw_path, up_headers, chunked), data, chunked, method == "HEAD",
+                dialer=self.pipeline.dialer_for(state.grant.connection))
         except ConnectFailed as exc:
             return self._not_connected(state, policy, str(exc))
         except UpstreamError as exc:
@@ -639,19 +651,32 @@ class HttpListener:
         protocols = [p.strip() for p in headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()]
         url = state.target.url_for(request.raw_path)
         url = "ws" + url[4:] if url.startswith("http") else url
+        client = self.client
+        if state.grant.connection.agent_id:  # through its agent: a client of its own, closed with the websocket
+            client = self._client(DialerConnector(self.pipeline.dialer_for(state.grant.connection), limit=0,
+                                                  resolver=UnresolvedNames()))
         try:
-            upstream = await self.client.ws_connect(URL(url, encoded=True), headers=CIMultiDict(up_headers),
-                                                    protocols=protocols,
-                                                    ssl=False if state.insecure else True, max_msg_size=0,
-                                                    autoping=True)
-        except aiohttp.WSServerHandshakeError as exc:
-            message = f"the target refused the websocket upgrade ({exc.status})"
-            policy.error(message)
-            return json_error(502, message)
-        except aiohttp.ClientConnectorError as exc:  # the DialerConnector's: the dialer's reason
-            return self._not_connected(state, policy, exc.os_error.strerror or type(exc.os_error).__name__)
-        except _CLIENT_ERRORS as exc:
-            return self._unreachable(state, policy, type(exc).__name__)
+            try:
+                upstream = await client.ws_connect(URL(url, encoded=True), headers=CIMultiDict(up_headers),
+                                                   protocols=protocols,
+                                                   ssl=False if state.insecure else True, max_msg_size=0,
+                                                   autoping=True)
+            except aiohttp.WSServerHandshakeError as exc:
+                message = f"the target refused the websocket upgrade ({exc.status})"
+                policy.error(message)
+                return json_error(502, message)
+            except aiohttp.ClientConnectorError as exc:  # the DialerConnector's: the dialer's reason
+                return self._not_connected(state, policy, exc.os_error.strerror or type(exc.os_error).__name__)
+            except _CLIENT_ERRORS as exc:
+                return self._unreachable(state, policy, type(exc).__name__)
+            return await self._relay_websocket(request, policy, upstream)
+        finally:
+            if client is not self.client:
+                await client.close()
+
+    async def _relay_websocket(self, request: web.BaseRequest, policy: SessionPolicy,
+                               upstream: aiohttp.ClientWebSocketResponse) -> web.StreamResponse:
+        """Both directions of an upgraded websocket until either side closes."""
         downstream = web.WebSocketResponse(protocols=[upstream.protocol] if upstream.protocol else (),
                                            max_msg_size=0, autoping=True)
         try:

@@ -11,6 +11,7 @@ parser turn the answer into a ``(message, StreamReader)`` just as
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
 import time
 from collections import deque
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from aiohttp import ClientConnectionError, ClientConnectorError, ClientPayloadError, ServerDisconnectedError, TCPConnector
+from aiohttp.abc import AbstractResolver
 from aiohttp.base_protocol import BaseProtocol
 from aiohttp.helpers import EMPTY_BODY_STATUS_CODES, set_exception
 from aiohttp.http_exceptions import HttpProcessingError
@@ -174,7 +176,7 @@ class ConnectFailed(UpstreamError):
 class UpstreamConnection:
     """One keep-alive connection to a target."""
 
-    key: tuple[str, str, int, bool]
+    key: tuple[str, str, int, bool, str]  # scheme, host, port, insecure, the dialer's route
     protocol: TargetProtocol
     idle_since: float = 0.0
     reused: bool = False
@@ -212,6 +214,16 @@ class UpstreamResponse:
         self.connection.close()
 
 
+class UnresolvedNames(AbstractResolver):
+    """Hands the host name on as it is: a target behind an agent is resolved by the agent, in its own network."""
+
+    async def resolve(self, host: str, port: int = 0, family: int = socket.AF_INET) -> list[dict[str, Any]]:
+        return [{"hostname": host, "host": host, "port": port, "family": family, "proto": 0, "flags": 0}]
+
+    async def close(self) -> None:
+        pass
+
+
 class DialerConnector(TCPConnector):
     """aiohttp's connector (websockets) reaching targets through the gateway's ``Dialer``.
 
@@ -239,23 +251,24 @@ class DialerConnector(TCPConnector):
 
 
 class UpstreamPool:
-    """Idle keep-alive connections per (scheme, host, port, insecure)."""
+    """Idle keep-alive connections per (scheme, host, port, insecure, route): a connection dialled through an
+    agent is kept apart from a direct one to the same address (two networks may use the same addresses)."""
 
     def __init__(self, dialer: Dialer = direct) -> None:
         self.dialer = dialer
-        self.idle: dict[tuple[str, str, int, bool], list[UpstreamConnection]] = {}
+        self.idle: dict[tuple[str, str, int, bool, str], list[UpstreamConnection]] = {}
         self._insecure = ssl.create_default_context()
         self._insecure.check_hostname = False
         self._insecure.verify_mode = ssl.CERT_NONE
         self._verified = ssl.create_default_context()
 
-    async def _connect(self, key: tuple[str, str, int, bool]) -> UpstreamConnection:
-        scheme, host, port, insecure = key
+    async def _connect(self, key: tuple[str, str, int, bool, str], dialer: Dialer) -> UpstreamConnection:
+        scheme, host, port, insecure, _ = key
         loop = asyncio.get_running_loop()
         context = (self._insecure if insecure else self._verified) if scheme == "https" else None
         try:
             async with asyncio.timeout(CONNECT_TIMEOUT):
-                sock = await self.dialer.open_socket(host, port, connection=f"{host}:{port}", timeout=CONNECT_TIMEOUT)
+                sock = await dialer.open_socket(host, port, connection=f"{host}:{port}", timeout=CONNECT_TIMEOUT)
                 try:
                     _, protocol = await loop.create_connection(lambda: TargetProtocol(loop), sock=sock, ssl=context,
                                                                server_hostname=host if context else None)
@@ -272,7 +285,7 @@ class UpstreamPool:
             raise ConnectFailed(exc.strerror or str(exc) or type(exc).__name__) from None
         return UpstreamConnection(key, protocol)
 
-    def _take(self, key: tuple[str, str, int, bool]) -> UpstreamConnection | None:
+    def _take(self, key: tuple[str, str, int, bool, str]) -> UpstreamConnection | None:
         idle = self.idle.get(key)
         now = time.monotonic()
         while idle:
@@ -297,16 +310,18 @@ class UpstreamPool:
         self.idle.clear()
 
     async def request(self, scheme: str, host: str, port: int, insecure: bool, head: bytes,
-                      body: bytes | AsyncIterator[bytes] | None, chunked: bool, skip_body: bool) -> UpstreamResponse:
+                      body: bytes | AsyncIterator[bytes] | None, chunked: bool, skip_body: bool,
+                      dialer: Dialer | None = None) -> UpstreamResponse:
         """Send ``head`` (request line and headers, CRLF-terminated) and the body; the parsed answer.
 
         A request whose body is replayable is retried once on a fresh
         connection when a pooled one turns out closed by the target.
         """
-        key = (scheme, host, port, insecure)
+        dialer = dialer or self.dialer
+        key = (scheme, host, port, insecure, getattr(dialer, "route", ""))
         replayable = body is None or isinstance(body, bytes)
         while True:
-            connection = self._take(key) or await self._connect(key)
+            connection = self._take(key) or await self._connect(key, dialer)
             try:
                 return await self._exchange(connection, head, body, chunked, skip_body)
             except (ServerDisconnectedError, ClientConnectionError, ConnectionError) as exc:

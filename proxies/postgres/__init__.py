@@ -30,4 +30,11 @@ DESCRIPTION = ProtocolDescription(
     start=lazy_start("proxies.postgres.server"),
     load_script_runner=lazy_script_runner("proxies.postgres.script"),
     settings={"tls_cert": Setting("str", ""), "tls_key": Setting("str", "")},
+    forward_opening=lambda reader, writer, secret: _forward_opening(reader, writer, secret),
 )
+
+
+async def _forward_opening(reader: Any, writer: Any, secret: str) -> bytes:
+    from proxies.postgres.forward import opening
+
+    return await opening(reader, writer, secret)

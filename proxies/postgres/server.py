@@ -80,6 +80,7 @@ class CancelTarget:
     port: int
     process_id: int
     secret_key: bytes
+    dialer: Dialer | None = None  # the session's (its agent's, for a connection behind one)
 
 
 SLOT_SHIFT = 20  # a key's process id is (node slot << 20) | 20 random bits: it says which node holds the session
@@ -152,7 +153,7 @@ class PostgresListener:
         target = self.cancel_keys.get(process_id, secret_key)
         if target is not None:
             await send_cancel(target.host, target.port, target.process_id, target.secret_key,
-                              dialer=self.pipeline.dialer)
+                              dialer=target.dialer or self.pipeline.dialer)
 
     def accept(self, stream: FrameStream) -> None:
         """A client connected: its connection runs as a task of its own."""
@@ -314,7 +315,8 @@ class ClientConnection:
         self.link = link = run.target
         cluster = self.listener.cluster
         key = self.listener.cancel_keys.issue(CancelTarget(settings.host, settings.port, link.process_id,
-                                                           link.secret_key), cluster.slot if cluster else 0)
+                                                           link.secret_key, self.pipeline.dialer_for(connection)),
+                                                           cluster.slot if cluster else 0)
         async with run:
             try:
                 self.stream.write(b"".join([encode_authentication_ok(), *link.startup_frames,

@@ -1,0 +1,77 @@
+"""Proxy manager: open a connection on a local port of the user's own ``gatewayd proxy-manager``, close it, status."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from control.connections import DEFAULT_ACCESS_SECONDS
+from control.http import ApiError, Field, RouteSet, Schema, gateway_of, json_body, ok, user_of
+from control.schemas import TEXT
+from gatewayd.agent.manager import ManagerError
+from gatewayd.reviews import JIT
+
+routes = RouteSet("Proxy Manager", audit="proxymanager")
+
+CONNECT = Schema("ProxyManagerConnect", {
+    "connection_name": Field("string", True),
+    "port": Field("integer", True, minimum=1, maximum=65535, description="the local port to open"),
+    "bind": Field("string", description="the local address (default 127.0.0.1)"),
+    "access_duration_seconds": Field("integer", minimum=1, description="the credential's lifetime (default 3600)"),
+})
+DISCONNECT = Schema("ProxyManagerDisconnect", {
+    "connection_name": Field("string", description="the connection to close; none: every one"),
+})
+FORWARDING = Schema("ProxyManagerForwarding", {
+    "connection_name": TEXT, "connection_subtype": TEXT, "port": Field("integer", True), "bind": TEXT,
+    "since": TEXT})
+STATUS = Schema("ProxyManagerStatus", {
+    "status": Field("string", True, description="connected while your proxy manager holds its channel"),
+    "hostname": TEXT, "connected_at": TEXT,
+    "forwardings": Field("array", True, items=FORWARDING),
+})
+
+
+def _error(exc: ManagerError) -> ApiError:
+    return ApiError(exc.status, exc.message)
+
+
+@routes.post("/proxymanager/connect", "Open a connection on a local port of your proxy manager", body=CONNECT,
+             status=201, response=FORWARDING)
+async def connect(request: web.Request) -> web.Response:
+    user = user_of(request)
+    body = await json_body(request, CONNECT)
+    gateway = gateway_of(request)
+    connection = await gateway.store.get_connection(user.org_id, body["connection_name"])
+    if connection is None:
+        raise ApiError(404, f"connection {body['connection_name']!r} not found")
+    if await gateway.reviews.policy(connection, JIT) is not None:
+        raise ApiError(422, "this connection needs a just-in-time review first: ask through "
+                            f"POST /api/connections/{connection.name}/credentials")
+    duration = body.get("access_duration_seconds", DEFAULT_ACCESS_SECONDS)
+    if duration > int(gateway.config["sessions.max_credential_duration"]):
+        raise ApiError(422, "field 'access_duration_seconds': above sessions.max_credential_duration")
+    try:
+        forwarding = await gateway.proxy_manager.connect(user, connection, body["port"],
+                                                         body.get("bind") or "127.0.0.1", duration)
+    except ManagerError as exc:
+        raise _error(exc) from None
+    return ok(forwarding.json(), status=201)
+
+
+@routes.post("/proxymanager/disconnect", "Close a connection's local port (or all of them)", body=DISCONNECT,
+             response=STATUS)
+async def disconnect(request: web.Request) -> web.Response:
+    user = user_of(request)
+    body = await json_body(request, DISCONNECT)
+    gateway = gateway_of(request)
+    try:
+        await gateway.proxy_manager.disconnect(user, body.get("connection_name"))
+    except ManagerError as exc:
+        raise _error(exc) from None
+    return ok(gateway.proxy_manager.status(user))
+
+
+@routes.get("/proxymanager/status", "Your proxy manager: connected or not, which connection on which port since when",
+            response=STATUS)
+async def status(request: web.Request) -> web.Response:
+    return ok(gateway_of(request).proxy_manager.status(user_of(request)))

@@ -1,0 +1,103 @@
+"""The client side of a gRPC channel to the gateway (agents and proxy managers): URL, TLS and pinning."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import ssl
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import grpc
+
+CLIENT_OPTIONS = [
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", 4 * 1024 * 1024),
+    ("grpc.initial_reconnect_backoff_ms", 500),
+]
+
+
+class ChannelError(Exception):
+    """A URL or certificate that cannot work; said once, the process exits."""
+
+
+@dataclass(slots=True, frozen=True)
+class Target:
+    """Where the gateway's gRPC server is: ``grpcs://host:port`` (TLS) or ``grpc://`` (plain, tests only)."""
+
+    host: str
+    port: int
+    tls: bool
+
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    @classmethod
+    def parse(cls, url: str) -> "Target":
+        parts = urlsplit(url if "://" in url else f"grpcs://{url}")
+        if parts.scheme not in ("grpcs", "grpc") or not parts.hostname:
+            raise ChannelError(f"--url {url!r}: expected grpcs://host:port")
+        try:
+            port = parts.port or 8010
+        except ValueError:
+            raise ChannelError(f"--url {url!r}: bad port") from None
+        return cls(parts.hostname, port, parts.scheme == "grpcs")
+
+
+async def pinned_certificate(target: Target, fingerprint: str, timeout: float = 10.0) -> bytes:
+    """The gateway's certificate (PEM), when its SHA-256 is ``fingerprint``; ChannelError otherwise."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE  # trust comes from the fingerprint, checked below
+    context.set_alpn_protocols(["h2"])
+    async with asyncio.timeout(timeout):
+        _, writer = await asyncio.open_connection(target.host, target.port, ssl=context)
+    try:
+        der = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+    finally:
+        writer.close()
+    actual = hashlib.sha256(der).hexdigest()
+    wanted = fingerprint.lower().replace(":", "").removeprefix("sha256")
+    if actual != wanted:
+        raise ChannelError(f"the gateway's certificate is not the pinned one (its SHA-256 is {actual})")
+    return ssl.DER_cert_to_PEM_cert(der).encode()
+
+
+def _first_name(pem: bytes) -> str | None:
+    from cryptography import x509
+
+    certificate = x509.load_pem_x509_certificate(pem)
+    try:
+        alternatives = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return None
+    names = alternatives.get_values_for_type(x509.DNSName)
+    return names[0] if names else None
+
+
+async def open_channel(url: str, fingerprint: str = "", ca_file: str = "",
+                       keepalive: float = 10.0) -> grpc.aio.Channel:
+    """A channel to the gateway: TLS verified against ``ca_file``, the system's roots, or a pinned certificate.
+
+    ``keepalive``: seconds between pings; an unanswered one (within min(keepalive, 10 s)) ends the channel.
+    """
+    target = Target.parse(url)
+    milliseconds = max(int(keepalive * 1000), 1000)
+    options = [*CLIENT_OPTIONS, ("grpc.keepalive_time_ms", milliseconds),
+               ("grpc.keepalive_timeout_ms", min(milliseconds, 10_000))]
+    if not target.tls:
+        return grpc.aio.insecure_channel(target.address, options=options)
+    if fingerprint:
+        pem = await pinned_certificate(target, fingerprint)
+        name = _first_name(pem)
+        if name:  # the pinned certificate is the identity; its own name stands for the address
+            options.append(("grpc.ssl_target_name_override", name))
+        credentials = grpc.ssl_channel_credentials(root_certificates=pem)
+    elif ca_file:
+        with open(ca_file, "rb") as handle:
+            credentials = grpc.ssl_channel_credentials(root_certificates=handle.read())
+    else:
+        credentials = grpc.ssl_channel_credentials()
+    return grpc.aio.secure_channel(target.address, credentials, options=options)

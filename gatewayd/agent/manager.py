@@ -1,0 +1,239 @@
+"""The proxy manager: a user's local client (``gatewayd proxy-manager``) that opens local ports for connections.
+
+The user's process holds a ``Manage`` channel, authenticated with the user's own bearer token.
+``POST /api/proxymanager/connect`` issues a credential of that user on the connection and sends
+``Listen {port, secret}``; the process opens ``127.0.0.1:port`` and forwards each local client
+over a ``Forward`` call.  The gateway reads the client's opening with the protocol's
+``forward_opening`` (the credential put in place: PostgreSQL's start-up user), then relays it to
+its own listener of that protocol, so the session is the user's, recorded and guarded as any.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import grpc
+
+from gatewayd import protocols
+from gatewayd.agent import agent_pb2 as pb
+from gatewayd.agent.pump import pump
+from gatewayd.config import split_listen
+from gatewayd.models import rfc3339, utcnow
+
+if TYPE_CHECKING:
+    from gatewayd.access import AccessService
+    from gatewayd.identity import Identity
+    from gatewayd.models import Connection, User
+
+log = logging.getLogger("gatewayd.proxymanager")
+
+LISTEN_TIMEOUT = 15.0
+
+
+class ManagerError(Exception):
+    """What the API answers when a connect or disconnect cannot be done (``status``, ``message``)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(slots=True, eq=False)
+class Forwarding:
+    """One open local port of a user's proxy manager."""
+
+    listen_id: str
+    connection: Connection
+    port: int
+    bind: str
+    secret: str
+    credential_id: str
+    since: str
+
+    def json(self) -> dict[str, Any]:
+        return {"connection_name": self.connection.name, "connection_subtype": self.connection.subtype,
+                "port": self.port, "bind": self.bind, "since": self.since}
+
+
+@dataclass(slots=True, eq=False)
+class ManagerLink:
+    """One user's connected proxy manager."""
+
+    user: User
+    hostname: str
+    connected_at: str
+    outbox: asyncio.Queue[pb.ManagerCommand] = field(default_factory=asyncio.Queue)
+    results: dict[str, asyncio.Future[pb.ListenResult]] = field(default_factory=dict)
+    forwardings: dict[str, Forwarding] = field(default_factory=dict)  # by connection name
+
+
+def _bearer(context: grpc.aio.ServicerContext) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            scheme, _, token = str(value).partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else ""
+    return ""
+
+
+class ManagerService:
+    """The gateway's side: users' Manage channels, the API's connect/disconnect/status, Forward calls."""
+
+    def __init__(self, identity: Identity, access: AccessService, server_config: Callable[[], dict[str, Any]]) -> None:
+        self.identity = identity
+        self.access = access
+        self.server_config = server_config
+        self.links: dict[str, ManagerLink] = {}  # by user id
+
+    async def _user(self, context: grpc.aio.ServicerContext) -> User:
+        try:
+            return await self.identity.authenticate(_bearer(context))
+        except Exception:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "access denied: a user's bearer token is needed")
+            raise
+
+    # -- the user's channel
+
+    async def manage(self, context: grpc.aio.ServicerContext) -> None:
+        user = await self._user(context)
+        first = await context.read()
+        if first is grpc.aio.EOF or not first.HasField("hello"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a proxy manager says hello first")
+        link = ManagerLink(user, first.hello.hostname, rfc3339(utcnow()))
+        self.links[user.id] = link  # the newest process of a user is the one the API drives
+        log.info("proxy manager connected", extra={"user": user.email, "hostname": link.hostname})
+        reader = asyncio.ensure_future(self._results(context, link))
+        try:
+            while True:
+                getter = asyncio.ensure_future(link.outbox.get())
+                done, _ = await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:
+                    getter.cancel()
+                    break
+                await context.write(getter.result())
+        finally:
+            reader.cancel()
+            if self.links.get(user.id) is link:
+                del self.links[user.id]
+            for future in link.results.values():
+                if not future.done():
+                    future.set_exception(ManagerError(502, "the proxy manager went away"))
+            log.info("proxy manager disconnected", extra={"user": user.email})
+
+    @staticmethod
+    async def _results(context: grpc.aio.ServicerContext, link: ManagerLink) -> None:
+        while (message := await context.read()) is not grpc.aio.EOF:
+            if message.HasField("result"):
+                future = link.results.get(message.result.listen_id)
+                if future is not None and not future.done():
+                    future.set_result(message.result)
+
+    # -- what the API asks
+
+    def status(self, user: User) -> dict[str, Any]:
+        link = self.links.get(user.id)
+        if link is None:
+            return {"status": "disconnected", "hostname": "", "connected_at": "", "forwardings": []}
+        return {"status": "connected", "hostname": link.hostname, "connected_at": link.connected_at,
+                "forwardings": [f.json() for f in link.forwardings.values()]}
+
+    async def connect(self, user: User, connection: Connection, port: int, bind: str, duration: float) -> Forwarding:
+        link = self.links.get(user.id)
+        if link is None:
+            raise ManagerError(409, "no proxy manager of yours is connected: run `gatewayd proxy-manager --url "
+                                    "<grpc_server_url> --token <your token>` on your machine")
+        description = protocols.by_subtype(connection.subtype)
+        if description is None or description.forward_opening is None:
+            raise ManagerError(422, f"the proxy manager does not forward {connection.subtype} connections yet")
+        if connection.name in link.forwardings:
+            raise ManagerError(409, f"connection {connection.name!r} is open already on port "
+                                    f"{link.forwardings[connection.name].port}")
+        if any(f.port == port for f in link.forwardings.values()):
+            raise ManagerError(409, f"port {port} is in use by another connection")
+        issued = await self.access.issue(user, connection, duration)
+        forwarding = Forwarding(secrets.token_urlsafe(18), connection, port, bind, issued.secret,
+                                issued.credential.id, rfc3339(utcnow()))
+        answer: asyncio.Future[pb.ListenResult] = asyncio.get_running_loop().create_future()
+        link.results[forwarding.listen_id] = answer
+        link.outbox.put_nowait(pb.ManagerCommand(listen=pb.Listen(
+            listen_id=forwarding.listen_id, connection_name=connection.name, connection_subtype=connection.subtype,
+            port=port, bind=bind, secret=issued.secret)))
+        try:
+            async with asyncio.timeout(LISTEN_TIMEOUT):
+                result = await answer
+        except TimeoutError:
+            raise ManagerError(504, "the proxy manager did not answer") from None
+        finally:
+            link.results.pop(forwarding.listen_id, None)
+        if not result.ok:
+            raise ManagerError(502, f"the proxy manager could not open port {port}: {result.error}")
+        link.forwardings[connection.name] = forwarding
+        return forwarding
+
+    async def disconnect(self, user: User, connection_name: str | None) -> list[Forwarding]:
+        link = self.links.get(user.id)
+        if link is None:
+            raise ManagerError(409, "no proxy manager of yours is connected")
+        names = [connection_name] if connection_name else list(link.forwardings)
+        if connection_name and connection_name not in link.forwardings:
+            raise ManagerError(404, f"connection {connection_name!r} is not open in your proxy manager")
+        closed = [link.forwardings.pop(name) for name in names]
+        for forwarding in closed:
+            link.outbox.put_nowait(pb.ManagerCommand(unlisten=pb.Unlisten(listen_id=forwarding.listen_id)))
+        return closed
+
+    # -- one local client
+
+    async def forward(self, context: grpc.aio.ServicerContext) -> None:
+        user = await self._user(context)
+        first = await context.read()
+        link = self.links.get(user.id)
+        forwarding = None
+        if first is not grpc.aio.EOF and link is not None:
+            forwarding = next((f for f in link.forwardings.values() if f.listen_id == first.stream_id), None)
+        if forwarding is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "no such open port of your proxy manager")
+            return
+        description = protocols.by_subtype(forwarding.connection.subtype)
+        address = self.server_config().get(description.server_config_key, {}).get("listen_address", "")
+        if not address:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the gateway's {description.name} listener is stopped")
+        host, port = split_listen(address)
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        theirs.setblocking(False)
+        bridge_reader, bridge_writer = await asyncio.open_connection(sock=ours)
+        client_reader, client_writer = await asyncio.open_connection(sock=theirs)
+        bridge = asyncio.ensure_future(pump(bridge_reader, bridge_writer, context.read, context.write))
+        try:
+            try:
+                opening = await description.forward_opening(client_reader, client_writer, forwarding.secret)
+                target_reader, target_writer = await asyncio.open_connection(
+                    "127.0.0.1" if host in ("", "0.0.0.0", "::") else host, port)
+            except (ValueError, OSError, asyncio.IncompleteReadError) as exc:
+                log.info("proxy manager client refused", extra={"user": user.email, "reason": str(exc)})
+                client_writer.close()
+                return
+            target_writer.write(opening)
+            await asyncio.gather(_copy(client_reader, target_writer), _copy(target_reader, client_writer))
+        finally:
+            client_writer.close()
+            await asyncio.gather(bridge, return_exceptions=True)
+
+
+async def _copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """One direction of a local relay, half-closing the other side at its end."""
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+        if not writer.is_closing() and writer.can_write_eof():
+            writer.write_eof()
+    except (ConnectionError, OSError, RuntimeError):
+        writer.close()

@@ -1,0 +1,260 @@
+"""Which agents are connected to this node, the streams they carry, and the dialer that goes through them.
+
+An agent holds one control channel (``Connect``) per gateway node; ``AgentLink`` is one of
+them.  To reach a target through an agent, the gateway sends ``Open`` on the link with a new
+stream id; the agent dials the target inside its network and opens a ``Tunnel`` naming that
+id (the only way a tunnel is accepted: an agent cannot open a stream the gateway did not ask
+for).  The tunnel's bytes are relayed to one end of a ``socket.socketpair()``; the other end is
+what the proxy gets from ``AgentDialer.open_socket``, as it would get a TCP socket.
+
+When a link is lost, the sessions of the agent's connections are killed first, with an ``e``
+event naming the agent (when the agent has no other link left), then the link's streams close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import secrets
+import socket
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+from gatewayd.agent import agent_pb2 as pb
+from gatewayd.dialer import DIAL_TIMEOUT, DialError
+from gatewayd.models import Agent, rfc3339, utcnow
+
+if TYPE_CHECKING:
+    from gatewayd.audit import AuditLog
+    from gatewayd.models import Connection
+    from gatewayd.sessions import LiveSession, SessionManager
+    from gatewayd.store import Store
+
+log = logging.getLogger("gatewayd.agents")
+
+TOKEN_PREFIX = "agt"
+
+
+def offline_reason(name: str) -> str:
+    return f'agent "{name}" is offline'
+
+
+def lost_reason(name: str) -> str:
+    return f'agent "{name}" went offline: its connection to the gateway was lost'
+
+
+@dataclass(slots=True, eq=False)
+class AgentLink:
+    """One control channel of one agent to this node."""
+
+    agent: Agent
+    client_ip: str
+    hostname: str = ""
+    version: str = ""
+    outbox: asyncio.Queue[pb.GatewayMessage] = field(default_factory=asyncio.Queue)
+    streams: set[asyncio.StreamWriter] = field(default_factory=set)  # the gateway's ends of its tunnels
+    closing: str = ""  # why the gateway is closing it (deleted, token rotated), "" while it serves
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+    lost: asyncio.Future[None] | None = None  # the loss handling, once started (idempotent)
+
+    def close(self, reason: str) -> None:
+        """Ask the control channel to end (its handler sees ``closing``)."""
+        self.closing = reason
+        self.closed.set()
+
+
+@dataclass(slots=True, eq=False)
+class PendingStream:
+    link: AgentLink
+    connection: str
+    answer: asyncio.Future[socket.socket]
+
+
+def matches(agent: Agent, reference: str) -> bool:
+    """A connection's ``agent_id`` names its agent by id or by name."""
+    return reference in (agent.id, agent.name)
+
+
+async def _no_peers() -> list[str]:
+    return []
+
+
+class AgentRegistry:
+    """The agents connected to this node: presence, stream opening, and loss handling."""
+
+    def __init__(self, store: Store, audit: AuditLog, sessions: SessionManager,
+                 peers: Callable[[], Awaitable[list[str]]] | None = None) -> None:
+        self.store = store
+        self.audit = audit
+        self.sessions = sessions
+        self.peers = peers or _no_peers  # the other nodes' gRPC URLs, said to each agent in Welcome
+        self.links: dict[str, list[AgentLink]] = {}  # by agent id
+        self.pending: dict[str, PendingStream] = {}  # by stream id
+
+    # -- presence
+
+    def links_of(self, org_id: str, reference: str) -> list[AgentLink]:
+        for links in self.links.values():
+            if links and links[0].agent.org_id == org_id and matches(links[0].agent, reference):
+                return links
+        return []
+
+    def online(self, org_id: str, reference: str) -> bool:
+        return bool(self.links_of(org_id, reference))
+
+    async def attach(self, agent: Agent, client_ip: str, hostname: str, version: str) -> AgentLink:
+        """A new control channel: audited; a second live one of the same agent is reported and audited."""
+        link = AgentLink(agent, client_ip, hostname, version)
+        others = self.links.setdefault(agent.id, [])
+        others.append(link)
+        payload = {"agent": agent.name, "agent_id": agent.id, "hostname": hostname, "version": version}
+        await self._audit(agent, "agent.connect", "success", client_ip=client_ip, payload=payload)
+        if len(others) > 1:
+            addresses = sorted({other.client_ip for other in others})
+            message = (f'agent "{agent.name}" has {len(others)} live connections (from {", ".join(addresses)}): '
+                       "its token may be in use by another process")
+            log.warning("agent connected twice", extra={"agent": agent.name, "connections": len(others),
+                                                        "addresses": ",".join(addresses)})
+            await self._audit(agent, "agent.duplicate", "failure", client_ip=client_ip, error=message,
+                              payload={**payload, "connections": len(others), "addresses": addresses})
+        agent.status, agent.hostname, agent.version = "online", hostname, version
+        agent.connected_at = agent.updated_at = rfc3339(utcnow())
+        await self._save(agent)
+        log.info("agent connected", extra={"agent": agent.name, "client": client_ip, "hostname": hostname})
+        return link
+
+    async def detach(self, link: AgentLink, reason: str) -> None:
+        """The control channel ended: sessions killed (last link), streams closed, presence and audit. Idempotent."""
+        if link.lost is None:
+            link.lost = asyncio.ensure_future(self._detach(link, reason))
+        await asyncio.shield(link.lost)
+
+    async def _detach(self, link: AgentLink, reason: str) -> None:
+        agent = link.agent
+        links = self.links.get(agent.id, [])
+        if link in links:
+            links.remove(link)
+        if not links:
+            self.links.pop(agent.id, None)
+        link.closed.set()
+        for stream_id, pending in list(self.pending.items()):
+            if pending.link is link and not pending.answer.done():
+                pending.answer.set_exception(DialError(pending.connection, lost_reason(agent.name)))
+        if not links and not link.closing:
+            await self.sessions.kill_where(lambda live: self._through(live, agent), lost_reason(agent.name))
+        for writer in list(link.streams):
+            writer.close()
+        link.streams.clear()
+        await self._audit(agent, "agent.disconnect", "success" if link.closing else "failure",
+                          client_ip=link.client_ip, error=link.closing or reason,
+                          payload={"agent": agent.name, "agent_id": agent.id, "reason": link.closing or reason})
+        if not links:
+            current = await self.store.get_agent(agent.org_id, agent.id)
+            if current is not None and current.token_hash == agent.token_hash:
+                current.status, current.disconnected_at = "offline", rfc3339(utcnow())
+                current.updated_at = current.disconnected_at
+                await self._save(current)
+        log.info("agent disconnected", extra={"agent": agent.name, "client": link.client_ip,
+                                              "reason": link.closing or reason})
+
+    @staticmethod
+    def _through(live: LiveSession, agent: Agent) -> bool:
+        connection = live.connection
+        return connection.org_id == agent.org_id and bool(connection.agent_id) and matches(agent, connection.agent_id)
+
+    async def drop(self, agent: Agent, reason: str) -> int:
+        """Disconnect every link of ``agent`` (deleted, token rotated); its sessions end with ``reason``."""
+        links = list(self.links.get(agent.id, []))
+        for link in links:
+            link.close(reason)
+        await self.sessions.kill_where(lambda live: self._through(live, agent), reason)
+        for link in links:
+            await self.detach(link, reason)
+        return len(links)
+
+    # -- streams
+
+    def dialer_for(self, connection: Connection) -> AgentDialer:
+        return AgentDialer(self, connection.org_id, connection.agent_id)
+
+    async def open(self, org_id: str, reference: str, host: str, port: int, connection: str,
+                   timeout: float) -> socket.socket:
+        """A socket whose bytes go to ``host:port`` through the agent; DialError at once when it is offline."""
+        links = self.links_of(org_id, reference)
+        if not links:
+            agent = await self.store.get_agent(org_id, reference)
+            if agent is None:
+                raise DialError(connection, f'no agent "{reference}" in this organization')
+            raise DialError(connection, offline_reason(agent.name))
+        link = links[-1]  # the newest: an agent that reconnected serves on its new channel
+        stream_id = secrets.token_urlsafe(18)
+        answer: asyncio.Future[socket.socket] = asyncio.get_running_loop().create_future()
+        self.pending[stream_id] = PendingStream(link, connection, answer)
+        try:
+            link.outbox.put_nowait(pb.GatewayMessage(open=pb.Open(
+                stream_id=stream_id, host=host, port=port, connection=connection, timeout=timeout)))
+            try:
+                async with asyncio.timeout(timeout + 2):  # the agent's own dial timeout, and its way back
+                    return await answer
+            except TimeoutError:
+                raise DialError(connection, f'agent "{link.agent.name}" did not answer within {timeout:g} seconds') \
+                    from None
+        finally:
+            self.pending.pop(stream_id, None)  # a tunnel answering after this finds its answer cancelled
+
+    def claim(self, stream_id: str, token_hash: str) -> PendingStream | None:
+        """The pending stream a tunnel names, if the gateway asked this agent for it (token checked)."""
+        pending = self.pending.get(stream_id)
+        if pending is None or pending.answer.done():
+            return None
+        if not hmac.compare_digest(pending.link.agent.token_hash, token_hash):
+            return None
+        return pending
+
+    # -- records
+
+    async def _audit(self, agent: Agent, action: str, outcome: str, *, client_ip: str = "", error: str = "",
+                     payload: dict[str, Any] | None = None) -> None:
+        try:
+            await self.audit.record(org_id=agent.org_id, actor=None, actor_hint=f"agent {agent.name}", action=action,
+                                    resource_type="agents", outcome=outcome, error_message=error,
+                                    client_ip=client_ip, payload=payload)
+        except Exception:
+            log.exception("could not audit an agent event", extra={"agent": agent.name, "action": action})
+
+    async def _save(self, agent: Agent) -> None:
+        try:
+            if await self.store.get_agent(agent.org_id, agent.id) is not None:
+                await self.store.save_agent(agent)
+        except Exception:
+            log.exception("could not store an agent's presence", extra={"agent": agent.name})
+
+
+class AgentDialer:
+    """The Dialer of one connection whose target is reached through its agent (gatewayd.dialer)."""
+
+    __slots__ = ("registry", "org_id", "reference")
+
+    def __init__(self, registry: AgentRegistry, org_id: str, reference: str) -> None:
+        self.registry = registry
+        self.org_id = org_id
+        self.reference = reference
+
+    @property
+    def route(self) -> str:
+        """What pools key their idle connections by besides the address (two networks may share addresses)."""
+        return f"agent:{self.org_id}:{self.reference}"
+
+    async def open_socket(self, host: str, port: int, *, connection: str,
+                          timeout: float = DIAL_TIMEOUT) -> socket.socket:
+        return await self.registry.open(self.org_id, self.reference, host, port, connection, timeout)
+
+    async def open_stream(self, host: str, port: int, *, connection: str,
+                          timeout: float = DIAL_TIMEOUT) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        sock = await self.open_socket(host, port, connection=connection, timeout=timeout)
+        try:
+            return await asyncio.open_connection(sock=sock)
+        except OSError as exc:
+            sock.close()
+            raise DialError(connection, exc.strerror or type(exc).__name__) from None

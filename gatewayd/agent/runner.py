@@ -1,0 +1,154 @@
+"""``gatewayd agent``: the process inside a private network that carries the gateway's connections.
+
+It connects out to the gateway's gRPC server, says hello, and serves each ``Open`` the gateway
+sends: it dials the named target inside its own network and relays the bytes over a ``Tunnel``
+of their own (HTTP/2 flow control per stream).  It never opens a stream by itself.  A lost
+connection (network cut, gateway restart) is retried with exponential backoff and jitter; a
+refused token ends the process (exit code 3).  The gateway's ``Welcome`` names its other nodes:
+the agent keeps one connection to each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import socket
+from dataclasses import dataclass, field
+
+import grpc
+
+from gatewayd import __version__
+from gatewayd.agent import agent_pb2 as pb
+from gatewayd.agent import agent_pb2_grpc as pb_grpc
+from gatewayd.agent.channel import ChannelError, open_channel
+from gatewayd.agent.pump import StreamBroken, pump
+from gatewayd.dialer import reason_of
+
+log = logging.getLogger("gatewayd.agent")
+
+BACKOFF_FIRST = 0.5
+BACKOFF_MAX = 30.0
+REFUSED_EXIT = 3
+
+
+class TokenRefused(Exception):
+    """The gateway does not accept this agent's token (deleted, rotated, never issued)."""
+
+
+@dataclass(slots=True)
+class AgentProcess:
+    """One agent: its token, and one connection per gateway node (the first URL, then the peers)."""
+
+    url: str
+    token: str
+    fingerprint: str = ""
+    ca_file: str = ""
+    keepalive: float = 10.0  # seconds between pings: a cut link is found within about twice that
+    hostname: str = field(default_factory=socket.gethostname)
+    connections: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # by URL
+    streams: set[asyncio.Task[None]] = field(default_factory=set)
+    welcomed: asyncio.Event = field(default_factory=asyncio.Event)  # set at the first Welcome (tests, logs)
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),)
+
+    async def run(self) -> int:
+        """Until the token is refused (REFUSED_EXIT) or the process is stopped."""
+        self.connections[self.url] = asyncio.ensure_future(self.keep_connected(self.url))
+        try:
+            while True:
+                done, _ = await asyncio.wait(set(self.connections.values()), return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if isinstance(task.exception(), TokenRefused):
+                        log.error("the gateway refused this agent's token", extra={"reason": str(task.exception())})
+                        return REFUSED_EXIT
+                    if isinstance(task.exception(), ChannelError):
+                        log.error("cannot reach the gateway", extra={"reason": str(task.exception())})
+                        return 2
+                for url in [u for u, t in self.connections.items() if t in done]:
+                    del self.connections[url]
+                if not self.connections:
+                    return 0
+        finally:
+            for task in [*self.connections.values(), *self.streams]:
+                task.cancel()
+            await asyncio.gather(*self.connections.values(), *self.streams, return_exceptions=True)
+
+    async def keep_connected(self, url: str) -> None:
+        """One gateway node's connection, made again after each loss, with backoff."""
+        delay = BACKOFF_FIRST
+        while True:
+            welcomed = False
+            try:
+                welcomed = await self.session(url)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                    raise TokenRefused(exc.details() or exc.code().name) from None
+                log.warning("gateway connection lost", extra={"url": url, "reason": exc.details() or exc.code().name})
+            except (OSError, TimeoutError) as exc:
+                log.warning("gateway unreachable", extra={"url": url, "reason": str(exc) or type(exc).__name__})
+            if welcomed:
+                delay = BACKOFF_FIRST
+            await asyncio.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, BACKOFF_MAX)
+
+    async def session(self, url: str) -> bool:
+        """Connect, hello, then serve Opens until the channel ends; whether the gateway welcomed us."""
+        channel = await open_channel(url, self.fingerprint, self.ca_file, self.keepalive)
+        welcomed = False
+        try:
+            stub = pb_grpc.AgentGatewayStub(channel)
+            call = stub.Connect(metadata=self.metadata)
+            await call.write(pb.AgentMessage(hello=pb.Hello(version=__version__, hostname=self.hostname, url=url)))
+            async for message in call:
+                kind = message.WhichOneof("kind")
+                if kind == "welcome":
+                    if not welcomed:
+                        log.info("connected to the gateway", extra={"url": url, "agent": message.welcome.agent_name})
+                    welcomed = True
+                    self.welcomed.set()
+                    for peer in message.welcome.peers:
+                        if peer and peer not in self.connections:
+                            self.connections[peer] = asyncio.ensure_future(self.keep_connected(peer))
+                elif kind == "open":
+                    task = asyncio.ensure_future(self.serve(stub, message.open))
+                    self.streams.add(task)
+                    task.add_done_callback(self.streams.discard)
+            return welcomed
+        finally:
+            await channel.close(grace=None)
+
+    async def serve(self, stub: pb_grpc.AgentGatewayStub, request: pb.Open) -> None:
+        """Dial the target the gateway names, then relay its bytes on a Tunnel of its own."""
+        call = stub.Tunnel(metadata=self.metadata)
+        try:
+            try:
+                async with asyncio.timeout(request.timeout or 10.0):
+                    reader, writer = await asyncio.open_connection(request.host, request.port, limit=256 * 1024)
+            except (OSError, TimeoutError) as exc:
+                reason = f"no answer within {request.timeout or 10.0:g} seconds" if isinstance(exc, TimeoutError) \
+                    else reason_of(exc)  # the system's words, never the address
+                await call.write(pb.Frame(stream_id=request.stream_id, error=reason))
+                await call.done_writing()
+                log.info("target unreachable", extra={"connection": request.connection, "reason": reason})
+                return
+            sock = writer.get_extra_info("socket")
+            if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                await call.write(pb.Frame(stream_id=request.stream_id, connected=True))
+                await pump(reader, writer, call.read, call.write)  # a target's reset ends this stream only
+                await call.done_writing()
+                await call.code()  # the gateway ends the call; cancelling it would look like a lost link
+            except (StreamBroken, grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
+                log.info("stream ended by the gateway", extra={"connection": request.connection,
+                                                               "reason": type(exc).__name__})
+            finally:
+                writer.close()
+        except grpc.aio.AioRpcError as exc:
+            log.info("stream refused", extra={"connection": request.connection, "reason": exc.details()})
+        finally:
+            if not call.done():  # only on a failure of our own: the gateway takes it for a broken link
+                call.cancel()

@@ -1,0 +1,241 @@
+"""The gateway's gRPC server (``[grpc] listen``, TLS): agents' control channels and tunnels.
+
+``AgentService`` implements agent.proto's ``AgentGateway`` on grpc.aio.  Every refusal (an
+unknown or revoked token, a tunnel the gateway did not ask for) is an audit entry; connects and
+disconnects are audited by the registry.  The proxy manager's two calls are served by the
+``ManagerService`` the server is given (gatewayd.agent.manager), when it has one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from gatewayd import __version__, tls
+from gatewayd.agent import agent_pb2 as pb
+from gatewayd.agent import agent_pb2_grpc as pb_grpc
+from gatewayd.agent.pump import StreamBroken, StreamFailed, pump
+from gatewayd.agent.registry import TOKEN_PREFIX, AgentRegistry
+from gatewayd.crypto import hash_secret
+from gatewayd.dialer import DialError
+
+if TYPE_CHECKING:
+    from gatewayd.audit import AuditLog
+    from gatewayd.store import Store
+
+log = logging.getLogger("gatewayd.grpc")
+
+HELLO_TIMEOUT = 15.0
+PEERS_REFRESH = 30.0  # how often an agent's channel is told the nodes up again (Welcome)
+CERT_BASE = "grpc-tls"
+SERVER_OPTIONS = [
+    ("grpc.http2.min_ping_interval_without_data_ms", 1_000),  # agents may ping this often (their --keepalive)
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", 4 * 1024 * 1024),
+    # grpc binds with SO_REUSEPORT by default: a second process on the same address would take a share of
+    # the agents silently, and a session on one could not reach an agent held by the other. Refused instead.
+    ("grpc.so_reuseport", 0),
+]
+
+
+def keepalive_options(interval: float) -> list[tuple[str, int]]:
+    """Ping every ``interval`` seconds; a link whose ping is not answered within min(interval, 10 s) is dead.
+
+    A killed agent's link closes at once (its TCP connection); a network cut is found this way.
+    """
+    milliseconds = max(int(interval * 1000), 1000)
+    return [("grpc.keepalive_time_ms", milliseconds), ("grpc.keepalive_timeout_ms", min(milliseconds, 10_000))]
+
+
+def bearer(context: grpc.aio.ServicerContext) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            scheme, _, token = str(value).partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else ""
+    return ""
+
+
+def peer_ip(context: grpc.aio.ServicerContext) -> str:
+    """``ipv4:1.2.3.4:5`` / ``ipv6:[::1]:5`` as the address alone."""
+    peer = context.peer() or ""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv6":
+        return rest.rpartition(":")[0].strip("[]")
+    if kind == "ipv4":
+        return rest.rpartition(":")[0]
+    return rest
+
+
+class AgentService(pb_grpc.AgentGatewayServicer):
+    """The AgentGateway service: ``Connect`` and ``Tunnel`` for agents; ``Manage``/``Forward`` handed on."""
+
+    def __init__(self, registry: AgentRegistry, store: Store, audit: AuditLog, manager: Any = None) -> None:
+        self.registry = registry
+        self.store = store
+        self.audit = audit
+        self.manager = manager
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, action: str,
+                      org_id: str = "", actor_hint: str = "agent (unknown token)", **payload: Any) -> None:
+        await self.audit.record(org_id=org_id or (await self.store.default_org()).id, actor=None,
+                                actor_hint=actor_hint, action=action, resource_type="agents", outcome="failure",
+                                error_message=message, client_ip=peer_ip(context), payload=payload or None)
+        log.warning("agent refused", extra={"client": peer_ip(context), "reason": message})
+        await context.abort(code, message)
+
+    async def Connect(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+        token = bearer(context)
+        agent = await self.store.agent_by_token(hash_secret(token)) if token.startswith(f"{TOKEN_PREFIX}-") else None
+        if agent is None:
+            await self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, "the gateway refused this agent's token",
+                               "agent.refused")
+            return
+        try:
+            async with asyncio.timeout(HELLO_TIMEOUT):
+                first = await context.read()
+        except TimeoutError:
+            first = grpc.aio.EOF
+        if first is grpc.aio.EOF or not first.HasField("hello"):
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "an agent says hello first",
+                               "agent.refused", agent.org_id, f"agent {agent.name}", agent=agent.name)
+            return
+        link = await self.registry.attach(agent, peer_ip(context), first.hello.hostname, first.hello.version)
+        reason = "the agent closed its connection"
+        reader = asyncio.ensure_future(self._until_eof(context))
+        closed = asyncio.ensure_future(link.closed.wait())
+        try:
+            await context.write(await self._welcome(agent))
+            while True:
+                getter = asyncio.ensure_future(link.outbox.get())
+                done, _ = await asyncio.wait({getter, closed, reader}, timeout=PEERS_REFRESH,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if getter in done:
+                    await context.write(getter.result())
+                    continue
+                getter.cancel()
+                if not done:  # a node that joined since is said to the agent, which connects to it too
+                    await context.write(await self._welcome(agent))
+                    continue
+                break
+            if link.closing:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, link.closing)
+        except asyncio.CancelledError:
+            reason = "the connection to the agent was lost"
+            raise
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            reason = f"the connection to the agent failed ({type(exc).__name__})"
+        finally:
+            reader.cancel()
+            closed.cancel()
+            await self.registry.detach(link, reason)
+
+    async def _welcome(self, agent: Any) -> pb.GatewayMessage:
+        return pb.GatewayMessage(welcome=pb.Welcome(agent_id=agent.id, agent_name=agent.name, org_id=agent.org_id,
+                                                    peers=await self.registry.peers()))
+
+    @staticmethod
+    async def _until_eof(context: grpc.aio.ServicerContext) -> None:
+        """Read what the agent sends after its hello (nothing yet) until its side ends."""
+        while await context.read() is not grpc.aio.EOF:
+            pass
+
+    async def Tunnel(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+        token = bearer(context)
+        token_hash = hash_secret(token)
+        first = await context.read()
+        pending = None if first is grpc.aio.EOF else self.registry.claim(first.stream_id, token_hash)
+        if pending is None:
+            agent = await self.store.agent_by_token(token_hash) if token else None
+            await self._refuse(context, grpc.StatusCode.PERMISSION_DENIED,
+                               "no stream of that id was asked of this agent: only the gateway opens streams",
+                               "agent.stream_refused", agent.org_id if agent else "",
+                               f"agent {agent.name}" if agent else "agent (unknown token)")
+            return
+        link, name = pending.link, pending.link.agent.name
+        if not first.connected:
+            if not pending.answer.done():
+                pending.answer.set_exception(DialError(pending.connection,
+                                                       f'through agent "{name}": {first.error or "refused"}'))
+            return
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        theirs.setblocking(False)
+        reader, writer = await asyncio.open_connection(sock=ours, limit=256 * 1024)
+        if pending.answer.done():  # the dial gave up meanwhile
+            writer.close()
+            theirs.close()
+            return
+        pending.answer.set_result(theirs)
+        link.streams.add(writer)
+        broken = ""
+        try:
+            await pump(reader, writer, context.read, context.write)
+        except (StreamBroken, asyncio.CancelledError) as exc:
+            broken = str(exc) or "the stream was cut"
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        except StreamFailed:
+            pass  # the target's connection failed at the agent: this stream ends here
+        except (ConnectionError, OSError, RuntimeError) as exc:  # the proxy's end failed: the agent closes the target's
+            try:
+                await context.write(pb.Frame(error=f"the gateway's end failed ({type(exc).__name__})"))
+            except Exception:
+                pass
+        finally:
+            if broken:  # the agent or its link went away: the sessions end naming it before their sockets close
+                await self.registry.detach(link, f"a stream broke off ({broken})")
+            link.streams.discard(writer)
+            writer.close()
+
+    async def Manage(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+        if self.manager is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this gateway has no proxy manager service")
+        await self.manager.manage(context)
+
+    async def Forward(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+        if self.manager is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this gateway has no proxy manager service")
+        await self.manager.forward(context)
+
+
+class GrpcServer:
+    """The started gRPC listener; ``stop`` ends its calls (agents reconnect to the next start)."""
+
+    def __init__(self, service: AgentService) -> None:
+        self.service = service
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+        self.fingerprint = ""  # of the certificate it presents (what a generated one's agents pin)
+
+    async def start(self, host: str, port: int, data_dir: Path, cert: str = "", key: str = "",
+                    names: tuple[str, ...] = (), keepalive: float = 20.0) -> None:
+        cert_path, key_path = await asyncio.to_thread(
+            tls.certificate_paths, data_dir, cert, key, CERT_BASE, "grpc.tls_cert and grpc.tls_key", names)
+        cert_pem, key_pem = cert_path.read_bytes(), key_path.read_bytes()
+        self.fingerprint = tls.fingerprint(cert_pem)
+        server = grpc.aio.server(options=SERVER_OPTIONS + keepalive_options(keepalive))
+        pb_grpc.add_AgentGatewayServicer_to_server(self.service, server)
+        credentials = grpc.ssl_server_credentials([(key_pem, cert_pem)])
+        try:
+            bound = server.add_secure_port(f"[{host}]:{port}" if ":" in host else f"{host or '0.0.0.0'}:{port}",
+                                           credentials)
+        except RuntimeError:
+            bound = 0
+        if not bound:
+            raise OSError(f"cannot listen on {host}:{port}")
+        await server.start()
+        self.server, self.port = server, bound
+        log.info("grpc listener started", extra={"address": f"{host}:{bound}", "version": __version__})
+
+    async def stop(self, grace: float | None = 1.0) -> None:
+        if self.server is not None:
+            await self.server.stop(grace)
+            self.server = None

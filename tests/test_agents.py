@@ -1,0 +1,295 @@
+"""Agents: the API (token once, rotation, delete), the gRPC channel's refusals and audit, flow control per stream.
+
+A real gatewayd with its gRPC server on 127.0.0.1 and real ``gatewayd agent`` processes (on the
+host's own network: tests/test_agents_netns.py has the private network). The HTTP target app
+is reached through the agent; a connection whose agent is offline answers 502.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import aiohttp
+import grpc
+import pytest
+
+from gatewayd.agent import agent_pb2 as pb
+from gatewayd.agent import agent_pb2_grpc as pb_grpc
+from gatewayd.agent.channel import open_channel
+from tests.apiclient import Api, b64
+from tests.conftest import ROOT, Daemon, free_port, wait_port
+from tests.test_agents_netns import AgentProcess, until_agent
+
+
+def test_the_committed_stubs_are_those_of_agent_proto(tmp_path):
+    """``make proto`` was run after the last edit of agent.proto."""
+    (tmp_path / "gatewayd" / "agent").mkdir(parents=True)
+    shutil.copy(ROOT / "gatewayd" / "agent" / "agent.proto", tmp_path / "gatewayd" / "agent")
+    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I.", "--python_out=.", "--grpc_python_out=.",
+                    "gatewayd/agent/agent.proto"], cwd=tmp_path, check=True, capture_output=True)
+    for name in ("agent_pb2.py", "agent_pb2_grpc.py"):
+        assert (tmp_path / "gatewayd" / "agent" / name).read_text() == \
+            (ROOT / "gatewayd" / "agent" / name).read_text(), f"{name} is stale: run make proto"
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory) -> Iterator[Daemon]:
+    http_port, pg_port = free_port(), free_port()
+    daemon = Daemon(tmp_path_factory.mktemp("agents-api") / "data", {
+        "grpc.listen": f"127.0.0.1:{free_port()}", "listeners.http": f"127.0.0.1:{http_port}",
+        "listeners.postgres": f"127.0.0.1:{pg_port}", "sessions.flush_interval": "100ms"}).start()
+    wait_port(http_port, daemon.process, "gatewayd")
+    daemon.http_port, daemon.pg_port = http_port, pg_port
+    yield daemon
+    daemon.stop()
+
+
+@pytest.fixture(scope="module")
+async def api(gateway) -> Any:
+    token = gateway.token("admin@example.com", groups="admin", name="Ada Admin")
+    async with aiohttp.ClientSession() as http:
+        yield Api(gateway, http, token)
+
+
+async def new_agent(api: Api, name: str | None = None) -> dict:
+    code, created = await api("POST", "/agents", {"name": name or f"agent-{uuid.uuid4().hex[:8]}"})
+    assert code == 201, created
+    return created
+
+
+def start(created: dict, tmp_path: Path, command: str | None = None) -> AgentProcess:
+    return AgentProcess(command or created["command"], tmp_path / f"agent-{uuid.uuid4().hex[:6]}.log", None).start()
+
+
+async def audit(api: Api, action: str) -> list[dict]:
+    code, page = await api("GET", f"/audit/logs?action={action}&page_size=100")
+    assert code == 200, page
+    return page["data"]
+
+
+async def test_register_list_show_and_the_token_shown_once(api, gateway):
+    created = await new_agent(api, "lab")
+    assert created["token"].startswith("agt-") and created["status"] == "offline"
+    assert f"--token {created['token']}" in created["command"] and "--tls-fingerprint" in created["command"]
+    assert created["command"].startswith("gatewayd agent --url grpcs://127.0.0.1:")
+    code, shown = await api("GET", "/agents/lab")
+    assert code == 200 and "token" not in shown and shown["id"] == created["id"]
+    assert (await api("GET", f"/agents/{created['id']}"))[1]["name"] == "lab"
+    assert "lab" in [a["name"] for a in (await api("GET", "/agents"))[1]]
+    assert (await api("POST", "/agents", {"name": "lab"}))[0] == 409
+    assert (await api("POST", "/agents", {"name": "x", "mode": "weird"}))[0] == 422
+    assert (await api("GET", "/agents/nope"))[0] == 404
+    user = gateway.token("user@example.com", groups="")
+    assert (await api("POST", "/agents", {"name": "mine"}, token=user))[0] == 403
+    assert created["token"] not in gateway.log_text()  # never logged; only its hash is stored
+    audited = await audit(api, "agents.create")
+    assert audited and created["token"] not in str(audited)
+
+
+async def test_an_unknown_token_is_refused_and_audited(gateway, api, tmp_path):
+    url = f"grpcs://127.0.0.1:{gateway.settings['grpc.listen'].rsplit(':', 1)[1]}"
+    created = await new_agent(api)
+    fingerprint = created["command"].rsplit("--tls-fingerprint ", 1)[1]
+    forged = AgentProcess(f"gatewayd agent --url {url} --token agt-forged --tls-fingerprint {fingerprint}",
+                          tmp_path / "forged.log", None).start()
+    assert forged.wait_exit() == 3  # the process says so and stops
+    assert "refused this agent's token" in (tmp_path / "forged.log").read_text()
+    refusals = await audit(api, "agent.refused")
+    assert refusals and refusals[0]["outcome"] == "failure" and "agt-forged" not in str(refusals[0])
+
+
+async def test_an_agent_cannot_open_a_stream_towards_the_gateway(gateway, api, tmp_path):
+    created = await new_agent(api)
+    agent = start(created, tmp_path)
+    try:
+        await until_agent(api, created["name"], "online")
+        url = created["command"].split("--url ")[1].split()[0]
+        channel = await open_channel(url, created["command"].rsplit("--tls-fingerprint ", 1)[1])
+        try:
+            call = pb_grpc.AgentGatewayStub(channel).Tunnel(
+                metadata=(("authorization", f"Bearer {created['token']}"),))
+            await call.write(pb.Frame(stream_id="made-up-by-the-agent", connected=True))
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call.read()
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "only the gateway opens streams" in refused.value.details()
+        finally:
+            await channel.close()
+        refusals = [e for e in await audit(api, "agent.stream_refused") if created["name"] in e["actor_email"]]
+        assert refusals and refusals[0]["outcome"] == "failure" and "only the gateway opens streams" in \
+            refusals[0]["error_message"]
+    finally:
+        agent.stop()
+
+
+async def test_two_live_connections_of_one_agent_are_reported_and_audited(gateway, api, tmp_path):
+    created = await new_agent(api)
+    first, second = start(created, tmp_path), None
+    try:
+        await until_agent(api, created["name"], "online", connections=1)
+        second = start(created, tmp_path)  # the same token from a second process
+        await until_agent(api, created["name"], "online", connections=2)
+        duplicates = [e for e in await audit(api, "agent.duplicate")
+                      if e["request_payload_redacted"].get("agent") == created["name"]]
+        assert duplicates and "may be in use by another process" in duplicates[0]["error_message"]
+        assert "agent connected twice" in gateway.log_text()
+    finally:
+        first.stop()
+        if second is not None:
+            second.stop()
+
+
+async def test_delete_disconnects_the_agent_and_refuses_its_token(gateway, api, tmp_path):
+    created = await new_agent(api)
+    agent = start(created, tmp_path)
+    await until_agent(api, created["name"], "online")
+    assert (await api("DELETE", f"/agents/{created['name']}"))[0] == 204
+    assert agent.wait_exit() == 3  # disconnected, then its token refused
+    assert (await api("GET", f"/agents/{created['name']}"))[0] == 404
+    again = start(created, tmp_path)
+    assert again.wait_exit() == 3
+
+
+async def test_token_rotation_ends_the_old_token_s_connection(gateway, api, tmp_path):
+    created = await new_agent(api)
+    old = start(created, tmp_path)
+    await until_agent(api, created["name"], "online")
+    code, rotated = await api("POST", f"/agents/{created['name']}/token")
+    assert code == 200 and rotated["token"] != created["token"] and rotated["id"] == created["id"]
+    assert old.wait_exit() == 3
+    new = start(rotated, tmp_path)
+    try:
+        await until_agent(api, created["name"], "online")
+    finally:
+        new.stop()
+    await until_agent(api, created["name"], "offline")
+
+
+async def test_the_agent_reconnects_after_a_gateway_restart(gateway, api, tmp_path):
+    created = await new_agent(api)
+    agent = start(created, tmp_path)
+    try:
+        await until_agent(api, created["name"], "online")
+        gateway.stop()
+        gateway.start()  # same ports, same store: the agent's backoff finds it again
+        wait_port(gateway.http_port, gateway.process, "gatewayd")
+        await until_agent(api, created["name"], "online")
+        assert agent.process.poll() is None
+    finally:
+        agent.stop()
+
+
+async def test_a_slow_stream_does_not_stall_the_others(gateway, api, http_target, tmp_path):
+    """One download through the agent that nobody reads; another through the same agent completes meanwhile."""
+    created = await new_agent(api)
+    agent = start(created, tmp_path)
+    try:
+        await until_agent(api, created["name"], "online")
+        code, connection = await api("POST", "/connections", {
+            "name": f"web-{uuid.uuid4().hex[:8]}", "type": "httpproxy", "subtype": "httpproxy",
+            "agent_id": created["id"], "secret": {"envvar:REMOTE_URL": b64(http_target)}})
+        assert code == 201, connection
+        code, access = await api("POST", f"/connections/{connection['name']}/credentials",
+                                 {"access_duration_seconds": 600})
+        secret = access["connection_credentials"]["proxy_token"]
+        stalled = socket.create_connection(("127.0.0.1", gateway.http_port))
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stalled.sendall(f"GET /download?size={512 * 1024 * 1024} HTTP/1.1\r\nHost: x\r\n"
+                        f"Authorization: {secret}\r\n\r\n".encode())
+        assert stalled.recv(16).startswith(b"HTTP/1.1 200")  # it flows, then nobody reads it
+        try:
+            size = 20 * 1024 * 1024
+            result = subprocess.run(["curl", "-sS", "-o", str(tmp_path / "d.bin"), "-w", "%{http_code}",
+                                     "-H", f"Authorization: {secret}",
+                                     f"http://127.0.0.1:{gateway.http_port}/download?size={size}"],
+                                    capture_output=True, text=True, timeout=120)
+            assert result.stdout == "200", result.stderr
+            from tests.httppeer import pattern
+
+            assert hashlib.sha256((tmp_path / "d.bin").read_bytes()).digest() == hashlib.sha256(pattern(size)).digest()
+        finally:
+            stalled.close()
+    finally:
+        agent.stop()
+    await until_agent(api, created["name"], "offline")  # its sessions ended with it; a new one is refused
+    code, access = await api("POST", f"/connections/{connection['name']}/credentials", {"access_duration_seconds": 60})
+    secret = access["connection_credentials"]["proxy_token"]
+    result = subprocess.run(["curl", "-sS", "-w", "%{http_code}", "-H", f"Authorization: {secret}",
+                             f"http://127.0.0.1:{gateway.http_port}/json"], capture_output=True, text=True, timeout=60)
+    assert result.stdout.endswith("502") and f'agent \\"{created["name"]}\\" is offline' in result.stdout
+
+
+# ---------------------------------------------------------------------------------------------- proxy manager
+
+
+async def test_the_proxy_manager_opens_a_local_port_that_psql_uses_with_the_user_s_own_credential(
+        gateway, api, pg_target, tmp_path):
+    created = await new_agent(api)  # its start command says the gRPC URL and the certificate's fingerprint
+    url = created["command"].split("--url ")[1].split()[0]
+    fingerprint = created["command"].rsplit("--tls-fingerprint ", 1)[1]
+    user = gateway.token("dev@example.com", groups="", name="Dev")
+    code, connection = await api("POST", "/connections", {
+        "name": f"pg-{uuid.uuid4().hex[:8]}", "type": "database", "subtype": "postgres",
+        "secret": {f"envvar:{k}": b64(v) for k, v in {"HOST": "127.0.0.1", "PORT": str(pg_target.port),
+                                                       "USER": "postgres", "PASS": pg_target.password,
+                                                       "DB": "postgres"}.items()}})
+    assert code == 201, connection
+    assert (await api("GET", "/proxymanager/status", token=user))[1]["status"] == "disconnected"
+    code, refused = await api("POST", "/proxymanager/connect", {"connection_name": connection["name"], "port": 1},
+                              token=user)
+    assert code == 409 and "gatewayd proxy-manager" in refused["message"]
+    manager = AgentProcess(f"gatewayd proxy-manager --url {url} --token {user} --tls-fingerprint {fingerprint}",
+                           tmp_path / "manager.log", None).start()
+    try:
+        deadline = time.monotonic() + 30
+        while (await api("GET", "/proxymanager/status", token=user))[1]["status"] != "connected":
+            assert time.monotonic() < deadline, (tmp_path / "manager.log").read_text()
+            await asyncio.sleep(0.05)
+        port = free_port()
+        code, opened = await api("POST", "/proxymanager/connect",
+                                 {"connection_name": connection["name"], "port": port}, token=user)
+        assert code == 201, opened
+        assert (opened["connection_name"], opened["port"]) == (connection["name"], port)
+        code, status = await api("GET", "/proxymanager/status", token=user)
+        assert status["forwardings"] == [opened] and status["forwardings"][0]["since"]
+        result = subprocess.run(["psql", f"host=127.0.0.1 port={port} user=whoever dbname=whoever",
+                                 "-X", "-At", "-c", "select 'via the proxy manager as ' || current_user"],
+                                capture_output=True, text=True, timeout=60)
+        assert result.stdout.strip() == "via the proxy manager as postgres", result.stderr
+        code, sessions = await api("GET", f"/sessions?connection={connection['name']}")
+        assert sessions["data"] and sessions["data"][0]["user"] == "dev@example.com"
+        code, status = await api("POST", "/proxymanager/disconnect", {"connection_name": connection["name"]},
+                                 token=user)
+        assert code == 200 and status["forwardings"] == []
+        deadline = time.monotonic() + 30
+        while True:  # the local port closes once the proxy manager hears of it
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=5).close()
+            except OSError:
+                break
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+    finally:
+        manager.stop()
+
+
+async def test_a_second_grpc_server_on_the_same_address_is_refused(tmp_path):
+    """grpc binds with SO_REUSEPORT by default: two processes would share the agents between them, silently."""
+    from gatewayd.agent.server import AgentService, GrpcServer
+
+    first = GrpcServer(AgentService(None, None, None))  # type: ignore[arg-type]
+    await first.start("127.0.0.1", 0, tmp_path)
+    try:
+        with pytest.raises(OSError, match="cannot listen"):
+            await GrpcServer(AgentService(None, None, None)).start("127.0.0.1", first.port, tmp_path)  # type: ignore[arg-type]
+    finally:
+        await first.stop()
