@@ -80,3 +80,68 @@ async def test_an_agent_told_of_one_node_serves_sessions_arriving_at_the_other(n
                 assert result.stdout.strip() == "served through the agent", result.stderr
         finally:
             agent.stop()
+
+
+def two_free_ports() -> int:
+    """A port P such that P and P + 1 are free (a gRPC server per worker: P + the worker's index)."""
+    import socket
+
+    while True:
+        base = free_port()
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", base + 1))
+            except OSError:
+                continue
+        return base
+
+
+async def test_every_worker_of_a_node_is_a_node_the_agent_serves(tmp_path_factory, pg_target, tmp_path):
+    """With workers, each worker serves gRPC on a port of its own; an agent told of one reaches them all."""
+    from tests.test_workers import reach_every_worker, workers_daemon
+
+    grpc_port, pg_port = two_free_ports(), free_port()
+    daemon = workers_daemon(tmp_path_factory.mktemp("agent-workers"), {
+        "grpc.listen": f"127.0.0.1:{grpc_port}", "listeners.postgres": f"127.0.0.1:{pg_port}",
+        "log.format": "json"})
+    daemon.start(timeout=60)
+    wait_port(pg_port, daemon.process, "the postgres listener")
+    wait_port(grpc_port + 1, daemon.process, "worker 1's gRPC server")
+    daemon.ports = {"postgres": pg_port}
+    agent = None
+    try:
+        token = daemon.token("admin@example.com", groups="admin")
+        async with aiohttp.ClientSession() as http:
+            api = Api(daemon, http, token)
+            code, created = await api("POST", "/agents", {"name": "vpc"})
+            assert code == 201, created
+            assert f"--url grpcs://127.0.0.1:{grpc_port} " in created["command"]
+            agent = AgentProcess(created["command"], tmp_path / "agent.log", None).start()
+            code, connection = await api("POST", "/connections", {
+                "name": f"pg-{uuid.uuid4().hex[:8]}", "type": "database", "subtype": "postgres", "agent_id": "vpc",
+                "secret": {f"envvar:{k}": b64(v) for k, v in {
+                    "HOST": "127.0.0.1", "PORT": str(pg_target.port), "USER": "postgres",
+                    "PASS": pg_target.password, "DB": "postgres"}.items()}})
+            assert code == 201, connection
+            await until_agent(api, "vpc", "online", connections=1)
+
+            async def through_the_agent() -> None:
+                code, access = await api("POST", f"/connections/{connection['name']}/credentials",
+                                         {"access_duration_seconds": 600})
+                assert code == 201, access
+                secret = access["connection_credentials"]["username"]
+                for _ in range(100):  # until the worker this connection lands on has the agent's link too
+                    result = subprocess.run(
+                        ["psql", f"postgres://{secret}:any@127.0.0.1:{pg_port}/postgres?sslmode=disable", "-X",
+                         "-At", "-c", "select 'served through the agent'"], capture_output=True, text=True,
+                        timeout=60)
+                    if result.returncode == 0 or "offline" not in result.stderr:
+                        break
+                    await asyncio.sleep(0.1)  # the agent learns of worker 1 from worker 0's Welcome
+                assert result.stdout.strip() == "served through the agent", result.stderr
+
+            await reach_every_worker(daemon, connection["name"], through_the_agent)
+    finally:
+        if agent is not None:
+            agent.stop()
+        daemon.stop()
