@@ -412,3 +412,51 @@ def test_cells_found_from_the_rows_text_are_those_of_its_layout(values: list[byt
         if found is not None:
             assert found == [(i, at[i], sizes[i]) for i in sorted({*m.cells_spanned(ends, spans), *named})]
             assert found
+
+
+_CELLS = [b"", b"x", b"jane.doe@example.com", b"4111111111111111", b"4111 1111 1111 1111 a@b.io", b"a@b.io c@d.org",
+          b"card 4111111111111112", b"id 12345", b"o", b"ab", b"caf\xc3\xa9 e@f.io", b"\xf0\x90\x80 a@b.io",
+          b"x@y", b"4111111111111111@example.com", b"a@b.io4111111111111111", b"@@", b"none"]
+_RULES = [
+    [{"type": "mask", "patterns": ["card_number", "email"]}],
+    [{"type": "mask", "patterns": ["email"]}],
+    [{"type": "mask", "patterns": ["email", "card_number"], "style": "last4"}],
+    [{"type": "mask", "patterns": ["card_number"]}, {"type": "mask", "pattern_regex": "o\\t|\\tx|b\\.io", "style": "hash"}],
+    [{"type": "mask", "pattern_regex": "[a-z]+@"}],
+    [{"type": "mask", "pattern_regex": "@.*"}],
+]
+
+
+@pytest.mark.parametrize("rules", _RULES)
+def test_the_text_rows_fused_path_masks_and_records_as_the_general_path(rules: list[dict]) -> None:
+    """``mask_text_row`` (one pass, row spans reused when one finder alone can match a cell) gives the frame,
+    the recorded text and the count of ``mask_row`` + ``render_masked``, or steps aside (``_FALLBACK``)."""
+    import random
+
+    from proxies.postgres.codec import render_row
+    from proxies.postgres.relay import _FALLBACK, mask_row, mask_text_row, render_masked
+
+    m = masker(*rules)
+    chance = random.Random(13)
+    fused = 0
+    for _ in range(1500):
+        values = [chance.choice(_CELLS) for _ in range(chance.randint(1, 5))]
+        oids = tuple(chance.choice((25, 25, 25, 1043, 20, 0)) for _ in values)
+        reader = pg.BackendReader()
+        reader.feed(pg.encode_data_row(values))
+        row = next(iter(reader))
+        text = render_row(None, row, formats=(0,) * len(values))
+        data = text.encode("utf-8", "surrogateescape")
+        spans = m.row_spans(data)
+        general = mask_row(m, row, (0,) * len(values), oids, (), spans, len(data), data)
+        expected = None if general is None else (general[0], render_masked(text, row, general[1], (), oids),
+                                                 general[2])
+        if not spans:
+            assert expected is None
+            continue
+        got = mask_text_row(m, row, text, data, spans, oids)
+        if got is _FALLBACK:
+            continue
+        fused += 1
+        assert got == expected, (values, oids)
+    assert fused > 300

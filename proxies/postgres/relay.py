@@ -357,6 +357,128 @@ def _text_cells(row: DataRow, text: bytes, spans: list[tuple[int, int]],
     return found
 
 
+_FALLBACK = object()  # ``mask_text_row``: this row takes the general path
+
+
+def mask_text_row(masker: Masker, row: DataRow, text: str, data: bytes, spans: list[tuple[int, int]],
+                  oids: Sequence[int]) -> tuple[bytes, str, int] | None | object:
+    """``mask_row`` then ``render_masked`` in one pass, for the usual row: (masked frame, recorded text, count).
+
+    None when nothing was masked; ``_FALLBACK`` when the row is not the usual one, for the general path:
+    the usual one has its formats all text, no column masked by name, ``data`` (``text`` encoded) its
+    cells joined by tabs byte for byte (``_text_cells``' test), and only plain text or non-text cells
+    where the ``spans`` of the row's search fall (a JSON cell goes the general way).  A masked cell's
+    new text goes into ``text`` at the same place when ``text`` is ASCII (one character a byte).
+    """
+    count = row.column_count
+    size = len(data)
+    start = row._start
+    if not count or row._end - start - 7 - 4 * count != size - count + 1 or data.count(b"\t") != count - 1:
+        return _FALLBACK
+    base = start + 7
+    buf = row._buf
+    noids = len(oids)
+    # the cells the spans overlap, in increasing order: [index, start, end in data, the spans wholly inside
+    # it, relative to it (None when a span crosses it: its finders search it)]
+    cells: list[list] = []
+    if len(spans) == 1 and spans[0][0] < spans[0][1]:  # the usual case: one match, in one cell
+        begin, end = spans[0]
+        cell = data.rfind(b"\t", 0, begin + 1) + 1
+        stop = data.find(b"\t", cell)
+        if stop < 0:
+            stop = size
+        if begin >= cell and end <= stop:
+            cells.append([data.count(b"\t", 0, cell), cell, stop, [(begin - cell, end - cell)]])
+            spans = ()
+    for begin, end in spans:
+        if end == begin:  # a pattern that matches nothing at all: every cell
+            return _FALLBACK
+        i = data.count(b"\t", 0, begin + 1)
+        cell = data.rfind(b"\t", 0, begin + 1) + 1
+        while i < count and cell < end:
+            stop = data.find(b"\t", cell)
+            if stop < 0:
+                stop = size
+            inside = begin >= cell and end <= stop
+            if cells and cells[-1][0] == i:  # a span after another in the same cell
+                entry = cells[-1]
+                if entry[3] is not None:
+                    if inside:
+                        entry[3].append((begin - cell, end - cell))
+                    else:
+                        entry[3] = None
+            else:
+                cells.append([i, cell, stop, [(begin - cell, end - cell)] if inside else None])
+            i += 1
+            cell = stop + 1
+    found: list[tuple[int, int, int, bytes | None]] = []  # (index, cell start, cell end, masked value) in data
+    total = 0
+    for i, cell, stop, inside in cells:
+        oid = oids[i] if i < noids else 0
+        if oid in _JSON_OIDS:
+            return _FALLBACK
+        at = base + 3 * i + cell  # the cell's length field in the frame: its bytes follow
+        value = buf[at + 4:at + 4 + stop - cell]
+        masked = masker.mask(value, searched=True) if inside is None else masker.mask_found(value, inside)
+        if masked is not None:
+            if oid in _NOT_TEXT_OIDS:
+                found.append((i, cell, stop, None))
+                total += 1
+            else:
+                found.append((i, cell, stop, masked[0]))
+                total += masked[1]
+    if not total:
+        return None
+    ascii_text = len(text) == size
+    if len(found) == 1:  # the usual case: one cell
+        i, cell, stop, value = found[0]
+        at = base + 3 * i + cell
+        n = stop - cell
+        if value is None:
+            middle = b"\xff\xff\xff\xff"
+            length = row._end - start - 1 - n
+            shown = "NULL"
+        else:
+            middle = _LENGTH(len(value)) + value
+            length = row._end - start - 1 + len(value) - n
+            shown = value.decode("utf-8", "replace")
+        frame = b"".join((_HEADER(b"D", length), buf[start + 5:at], middle, buf[at + 4 + n:row._end]))
+        if ascii_text:
+            return frame, text[:cell] + shown + text[stop:], total
+        return frame, render_masked(text, row, {i: value}, (), oids), total
+    parts: list[bytes] = [b""]  # the header, once the length is known
+    pos = start + 5
+    length = row._end - pos + 4
+    pieces: list[str] = []
+    done = 0  # where ``text`` was copied up to
+    for i, cell, stop, value in found:
+        at = base + 3 * i + cell
+        parts.append(buf[pos:at])
+        n = stop - cell
+        if value is None:
+            parts.append(b"\xff\xff\xff\xff")
+            length -= n
+            shown = "NULL"
+        else:
+            parts.append(_LENGTH(len(value)))
+            parts.append(value)
+            length += len(value) - n
+            shown = value.decode("utf-8", "replace")
+        pos = at + 4 + n
+        if ascii_text:
+            pieces.append(text[done:cell])
+            pieces.append(shown)
+            done = stop
+    parts.append(buf[pos:row._end])
+    parts[0] = _HEADER(b"D", length)
+    if ascii_text:
+        pieces.append(text[done:])
+        recorded = "".join(pieces)
+    else:
+        recorded = render_masked(text, row, {i: value for i, _, _, value in found}, (), oids)
+    return b"".join(parts), recorded, total
+
+
 def mask_row(masker: Masker, row: DataRow, formats: Sequence[int], oids: Sequence[int],
              whole: tuple[tuple[int, str], ...] | None, spans: list[tuple[int, int]] | None = None,
              total: int = -1, text: bytes | None = None) -> tuple[bytes, dict[int, bytes | None], int] | None:
@@ -783,7 +905,19 @@ class ServerSide:
             whole = self.masks_now
             data = text.encode("utf-8", "surrogateescape")
             spans = masker.row_spans(data)
-            if spans or whole or masker.columns and whole is None:
+            if spans and not whole and not masker.columns and FORMAT_BINARY not in formats:
+                fast = mask_text_row(masker, row, text, data, spans, self.oids)
+                if fast is None:
+                    spans = None  # searched: nothing to mask
+                elif fast is not _FALLBACK:
+                    frame, masked_text, count = fast  # type: ignore[misc]
+                    policy.count_masked(count)
+                    if masker.seal is not None:
+                        policy.record_clear(text)
+                    batch.add_bytes(frame)
+                    done = _ROW_REPLACED
+                    text = masked_text
+            if done == _ROW_PASSED and (spans or whole or masker.columns and whole is None):
                 masked = mask_row(masker, row, formats, self.oids, None if masker.columns and whole is None
                                   else whole or (), spans, len(data), None if FORMAT_BINARY in formats else data)
                 if masked is not None:
