@@ -104,6 +104,9 @@ _E_CHARS = {"b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
 
 
 def _collapse(text: str) -> str:
+    """Whitespace runs as one space, none at the ends (``text`` itself when it has none: the usual statement)."""
+    if text.isprintable() and "  " not in text and text[:1] != " " and text[-1:] != " ":
+        return text  # every whitespace but the ASCII space is unprintable: nothing to collapse
     return " ".join(text.split())
 
 
@@ -579,6 +582,24 @@ def validate_guardrail(input_rules: dict[str, Any], output_rules: dict[str, Any]
     _compile_side("", "output", output_rules)
 
 
+_UNANCHORED = re2._Anchor.UNANCHORED if hasattr(re2, "_Anchor") else None
+
+
+def _any_of(regexes: list[Any]) -> Callable[[bytes], bool] | None:
+    """One RE2 search saying whether any of ``regexes`` matches its argument (the usual answer: none);
+    None when they cannot be put together (the rules are then searched one by one, as always)."""
+    if not regexes or any(r is None for r in regexes):
+        return None
+    try:
+        combined = re2.compile(b"|".join(b"(?:" + r.pattern + b")" for r in regexes), _RE2_OPTIONS)
+    except Exception:  # too large a program, say: the one-by-one search decides alone
+        return None
+    run = getattr(getattr(combined, "_regexp", None), "Match", None)
+    if run is None or _UNANCHORED is None:
+        return lambda data: combined.search(data) is not None
+    return lambda data: run(_UNANCHORED, data, 0, len(data))[0][0] >= 0  # google-re2's compiled call: (-1, -1)
+
+
 class RuleSet:
     """Every rule of every guard rail attached to one connection.
 
@@ -586,7 +607,8 @@ class RuleSet:
     the gateway's masking key (the ``hash`` style's HMAC key).
     """
 
-    __slots__ = ("input_rules", "output_rules", "text_rules", "statement_rules", "masker")
+    __slots__ = ("input_rules", "output_rules", "text_rules", "statement_rules", "masker", "_text_any",
+                 "_text_any_sql", "_output_any")
 
     def __init__(self, guardrails: list[GuardRail], mask_key: bytes = b"",
                  seal: Callable[[bytes, bytes], bytes] | None = None) -> None:
@@ -599,6 +621,10 @@ class RuleSet:
         self.masker: Masker | None = Masker(masks, mask_key, seal) if masks else None
         self.statement_rules = [r for r in self.input_rules if r.type in STATEMENT_RULE_TYPES]
         self.text_rules = [r for r in self.input_rules if r.type not in STATEMENT_RULE_TYPES]
+        # the usual input and output match no rule: one search of all of them together says so
+        self._text_any = _any_of([r.regex for r in self.text_rules])
+        self._text_any_sql = _any_of([r.sql_regex for r in self.text_rules])
+        self._output_any = _any_of([r.regex for r in self.output_rules])
 
     @property
     def empty(self) -> bool:
@@ -613,7 +639,8 @@ class RuleSet:
         if not self.input_rules:
             return ALLOWED
         if not sql:  # statement rules read PostgreSQL only: on other protocols they are ignored
-            return self._check(self.text_rules, text, _collapse(text), text, False) if self.text_rules else ALLOWED
+            return self._check(self.text_rules, text, _collapse(text), text, False, self._text_any,
+                               self._text_any) if self.text_rules else ALLOWED
         if self.statement_rules:
             verdict = self._check_statements(text)
             if not verdict.allowed:
@@ -634,8 +661,9 @@ class RuleSet:
 
     def _check_sql(self, text: str) -> GuardVerdict:
         if not _needs_scan(text):  # no quote, comment or dollar quote: one reading says it all
-            return self._check(self.text_rules, text, _collapse(text), None, True)
-        return self._check(self.text_rules, text, normalize_sql(text), text, True)
+            return self._check(self.text_rules, text, _collapse(text), None, True, self._text_any)
+        return self._check(self.text_rules, text, normalize_sql(text), text, True, self._text_any,
+                           self._text_any_sql)
 
     def _check_statements(self, text: str) -> GuardVerdict:
         """The statement rules, on each statement of ``text`` as PostgreSQL's parser reads it."""
@@ -651,15 +679,24 @@ class RuleSet:
     def check_output(self, text: str) -> GuardVerdict:
         if not self.output_rules:
             return ALLOWED
-        return self._check(self.output_rules, text, text, None, False)
+        return self._check(self.output_rules, text, text, None, False, self._output_any)
 
     @staticmethod
-    def _check(rules: list[_CompiledRule], text: str, normalized: str, raw: str | None, sql: bool) -> GuardVerdict:
-        """First rule matching ``normalized``, or ``raw`` (when given and different, or read as SQL)."""
+    def _check(rules: list[_CompiledRule], text: str, normalized: str, raw: str | None, sql: bool,
+               any_plain: Callable[[bytes], bool] | None = None,
+               any_second: Callable[[bytes], bool] | None = None) -> GuardVerdict:
+        """First rule matching ``normalized``, or ``raw`` (when given and different, or read as SQL).
+
+        ``any_plain`` / ``any_second``: whether any rule's ``regex`` / second regex (``sql_regex`` when
+        ``sql``) matches (``_any_of``): when neither does, no rule is searched on its own.
+        """
         data = normalized.encode("utf-8", "replace")
         raw_data = None
         if raw is not None and (sql or raw != normalized):
             raw_data = data if raw == normalized else raw.encode("utf-8", "replace")
+        if any_plain is not None and not any_plain(data) and (
+                raw_data is None or any_second is not None and not any_second(raw_data)):
+            return ALLOWED
         for rule in rules:
             match = rule.regex.search(data)
             if match is None and raw_data is not None:

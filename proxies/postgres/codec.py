@@ -1654,8 +1654,9 @@ class _FrameBuffer:
         """Every complete typed message buffered so far: the relay's hot loop.
 
         Frames wholly inside the first chunk are cut straight from it, with the
-        state updated before each is handed out; anything else (the chunk's last
-        frame, a frame across chunks, a bad header) goes through ``_typed``.
+        state updated before each is handed out (the chunk's last frame drops the
+        chunk); anything else (a frame across chunks, a bad header) goes through
+        ``_typed``.
         """
         while True:
             if self._error is not None:
@@ -1664,10 +1665,18 @@ class _FrameBuffer:
             if chunks and type(first := chunks[0]) is bytes:
                 size = len(first)
                 pos = self._pos
+                last = False
                 while pos + 5 <= size:
                     length = _i32(first, pos + 1)[0]
                     end = pos + 1 + length
-                    if length < 4 or length > limit or end >= size:
+                    if length < 4 or length > limit or end > size:
+                        break
+                    if end == size:  # the chunk's last frame: the chunk is done with
+                        chunks.popleft()
+                        self._pos = 0
+                        self._available -= end - pos
+                        last = True
+                        yield table[first[pos]](first, pos, end)
                         break
                     self._pos = end
                     self._available -= end - pos
@@ -1675,6 +1684,8 @@ class _FrameBuffer:
                     if self._pos != end or not chunks or chunks[0] is not first:
                         break
                     pos = end
+                if last:
+                    continue
             message = self._typed(table, limit)
             if message is None:
                 return
