@@ -214,3 +214,32 @@ _SQL_BITS = st.sampled_from(["'", '"', "$$", "$t$", "--", "/*", "*/", "\n", " ",
 def test_whatever_comes_before_a_deny_word_cannot_hide_it(prefix):
     verdict = rails([DROP]).check_input(prefix + " drop/* x */table t", sql=True)  # never raises either
     assert not verdict.allowed
+
+
+_SEVERAL = [{"type": "deny_words_list", "words": ["drop table", "truncate"]},
+            {"type": "pattern_match", "pattern_regex": "SECRET"},
+            {"type": "pattern_match", "pattern_regex": "^select 1$"},
+            {"type": "pattern_match", "pattern_regex": "(?i)delete\\s+from\\s+\\w+\\s*;"},
+            {"type": "pattern_match", "pattern_regex": "\\Qa|b\\E"}]
+
+
+@pytest.mark.parametrize("text", ["DROP   TABLE t", "drop/**/table t", "secret", "SECRET", "select 1", "xselect 1",
+                                  "DELETE FROM t;", "a|b", "a", "b", "select 'drop table'", "--x\ntruncate t",
+                                  "select $$SECRET$$", "select 2"])
+@pytest.mark.parametrize("sql", [True, False])
+def test_rules_searched_together_decide_as_each_rule_alone(text: str, sql: bool) -> None:
+    """The rules' combined search (one RE2 call for the usual input) lets through only what no rule blocks alone."""
+    together = RuleSet([GuardRail(id="g", org_id="o", name="all", input={"rules": _SEVERAL}, output={"rules": []})])
+    alone = [RuleSet([GuardRail(id="g", org_id="o", name="all", input={"rules": [rule]}, output={"rules": []})])
+             for rule in _SEVERAL]
+    verdicts = [rules.check_input(text, sql) for rules in alone]
+    verdict = together.check_input(text, sql)
+    first = next((v for v in verdicts if not v.allowed), None)
+    assert verdict.allowed == (first is None)
+    if first is not None:
+        assert verdict.message == first.message
+    output = RuleSet([GuardRail(id="g", org_id="o", name="out", input={"rules": []},
+                                output={"rules": _SEVERAL[1:]})]).check_output(text)
+    assert output.allowed == all(RuleSet([GuardRail(id="g", org_id="o", name="out", input={"rules": []},
+                                                    output={"rules": [rule]})]).check_output(text).allowed
+                                 for rule in _SEVERAL[1:])
