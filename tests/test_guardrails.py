@@ -229,17 +229,16 @@ _SEVERAL = [{"type": "deny_words_list", "words": ["drop table", "truncate"]},
 @pytest.mark.parametrize("sql", [True, False])
 def test_rules_searched_together_decide_as_each_rule_alone(text: str, sql: bool) -> None:
     """The rules' combined search (one RE2 call for the usual input) lets through only what no rule blocks alone."""
-    together = RuleSet([GuardRail(id="g", org_id="o", name="all", input={"rules": _SEVERAL}, output={"rules": []})])
-    alone = [RuleSet([GuardRail(id="g", org_id="o", name="all", input={"rules": [rule]}, output={"rules": []})])
-             for rule in _SEVERAL]
-    verdicts = [rules.check_input(text, sql) for rules in alone]
-    verdict = together.check_input(text, sql)
-    first = next((v for v in verdicts if not v.allowed), None)
-    assert verdict.allowed == (first is None)
-    if first is not None:
-        assert verdict.message == first.message
-    output = RuleSet([GuardRail(id="g", org_id="o", name="out", input={"rules": []},
-                                output={"rules": _SEVERAL[1:]})]).check_output(text)
-    assert output.allowed == all(RuleSet([GuardRail(id="g", org_id="o", name="out", input={"rules": []},
-                                                    output={"rules": [rule]})]).check_output(text).allowed
-                                 for rule in _SEVERAL[1:])
+    def rule_set(inputs: list[dict], outputs: list[dict], together: bool = True) -> RuleSet:
+        rules = RuleSet([GuardRail(id="g", org_id="o", name="all", input={"rules": inputs},
+                                   output={"rules": outputs})])
+        if not together:  # the reference: every rule searched on its own
+            rules._text_any = rules._text_any_sql = rules._output_any = None
+        return rules
+
+    verdict = rule_set(_SEVERAL, []).check_input(text, sql)
+    reference = rule_set(_SEVERAL, [], together=False).check_input(text, sql)
+    assert (verdict.allowed, verdict.message) == (reference.allowed, reference.message)
+    output = rule_set([], _SEVERAL[1:]).check_output(text)
+    reference = rule_set([], _SEVERAL[1:], together=False).check_output(text)
+    assert (output.allowed, output.message) == (reference.allowed, reference.message)
