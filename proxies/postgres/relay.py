@@ -49,6 +49,7 @@ from proxies.postgres.codec import (
     FORMAT_BINARY,
     BackendReader,
     Bind,
+    BindComplete,
     Close,
     CloseComplete,
     CommandComplete,
@@ -66,6 +67,7 @@ from proxies.postgres.codec import (
     NoticeResponse,
     NotificationResponse,
     Parse,
+    ParseComplete,
     Query,
     ReadyForQuery,
     RowDescription,
@@ -624,10 +626,16 @@ def _quote(value: bytes | None, binary: bool) -> str:
 
 def render_bind(sql: str, bind: Bind) -> str:
     """A Bind as recorded: the statement's SQL, then its parameters as text on a comment line."""
-    params = bind.params
+    return render_params(sql, bind.params, bind.param_formats)
+
+
+def render_params(sql: str, params: list[bytes | None], param_formats: list[int]) -> str:
+    """``render_bind`` of a Bind's decoded parameters and their format codes."""
     if not params:
         return sql
-    formats = resolve_formats(bind.param_formats, len(params))
+    if len(params) == 1:  # the usual prepared statement of a benchmark or a lookup: one parameter
+        return f"{sql}\n-- parameters: $1 = {_quote(params[0], bool(param_formats) and param_formats[0] == FORMAT_BINARY)}"
+    formats = resolve_formats(param_formats, len(params))
     rendered = ", ".join(f"${i} = {_quote(v, f == FORMAT_BINARY)}" for i, (v, f) in enumerate(zip(params, formats), 1))
     return f"{sql}\n-- parameters: {rendered}"
 
@@ -742,13 +750,14 @@ class ClientSide:
 
     def _bind(self, bind: Bind) -> int:
         policy = self.policy
-        recording = policy.recording
+        recording = not policy.recorder.truncated  # ``policy.recording``
+        portal, statement, param_formats, params, result_formats = bind._decoded()  # one decoding, every field
         if recording:
-            sql = self.statements.get(bind.statement)
+            sql = self.statements.get(statement)
             if sql is not None:
-                policy.record_input(render_bind(sql, bind))
+                policy.record_input(render_params(sql, params, param_formats))
         if recording or policy.checks_output or policy.masker is not None:  # rows will be read: keep their formats
-            self.portals[bind.portal] = Pending(EXECUTE, bind.result_formats, statement=bind.statement)
+            self.portals[portal] = Pending(EXECUTE, result_formats, statement=statement)
         return FORWARD
 
 
@@ -864,6 +873,8 @@ class ServerSide:
                 self._command_complete(message)  # type: ignore[arg-type]
             elif kind is CloseComplete:
                 self._close_complete(message, batch)  # type: ignore[arg-type]
+            elif (kind is BindComplete or kind is ParseComplete) and not self.cut:
+                add(message)  # what ``_other`` does with them, without asking what else they might be
             elif self.cut:
                 self._swallow(message, batch)
             else:
