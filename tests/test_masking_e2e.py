@@ -296,3 +296,26 @@ async def test_record_clear_keeps_the_clear_text_sealed_for_admins(api, gateway,
     assert (await api("POST", f"/sessions/{session_id}/unmasked", token=user))[0] == 403
     _, logs = await api("GET", "/audit/logs?action=sessions.unmasked")
     assert any(entry["outcome"] == "success" for entry in logs["data"]), logs
+
+
+async def test_a_mask_rule_added_while_a_session_runs_masks_its_next_results(api, gateway, table):
+    """A rule change reaches live sessions (the bus): the relay masks by the rules the session now has."""
+    import asyncio
+    import time
+
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+    connection = await asyncpg.connect(host="127.0.0.1", port=gateway.pg_port, user=secret, password="any",
+                                       database="postgres", ssl=False)
+    try:
+        query = f"select ssn from {table} where id = 1"
+        assert await connection.fetchval(query) == SSN  # no rule yet
+        await api.guardrail(role, output_rules=[BY_COLUMN])
+        deadline = time.monotonic() + 20
+        while (seen := await connection.fetchval(query)) == SSN and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert seen == "*******1120"
+        row = await connection.fetchrow(f"select ssn, id::text as other from {table} where id = 1")
+        assert (row["ssn"], row["other"]) == ("*******1120", "1")  # by the rule, not failing closed
+    finally:
+        await connection.close()

@@ -852,6 +852,8 @@ class ServerSide:
 
         Stops early after an output block (``blocks`` is then not empty): call again once it is audited.
         """
+        if self.policy.masker is not self.masker:
+            self._adopt_masker()
         render = self.policy.checks_output or self.policy.recording or self.masker is not None
         add = batch.add
         for message in reader:
@@ -881,6 +883,13 @@ class ServerSide:
                 self._other(message, batch, render)
                 if self.blocks:
                     return
+
+    def _adopt_masker(self) -> None:
+        """The session's rules changed while it runs (``SessionPolicy.adopt``): mask by the new ones from the next
+        result on; what was worked out from the old ones (columns masked by name) is dropped."""
+        self.masker = self.policy.masker
+        self._descriptions.clear()
+        self.masks.clear()
 
     # -- rows
 
