@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 if TYPE_CHECKING:
+    import socket
+
     from gatewayd.config import Setting
     from gatewayd.models import Connection
     from gatewayd.pipeline import ProxyContext
@@ -31,6 +33,7 @@ Start = Callable[["ProxyContext", str, int], Awaitable[Any]]  # (its context, ho
 # (the local client's reader and writer, the credential secret) -> the client's opening bytes with the secret in
 # place, to send to the gateway's own listener: how the proxy manager forwards a local client (gatewayd.agent.manager)
 ForwardOpening = Callable[[Any, Any, str], Awaitable[bytes]]
+ForwardServe = Callable[["socket.socket", str], Awaitable[None]]  # (a connected socket, the credential's secret)
 
 
 def lazy_start(module: str) -> Start:
@@ -75,6 +78,8 @@ class ProtocolDescription:
     required_modules: tuple[str, ...] = ()
     install_hint: str = ""  # said in the log when ``required_modules`` are missing
     forward_opening: ForwardOpening | None = None  # the proxy manager forwards this protocol's local clients
+    # ... or hands each one to the running proxy with the credential (SSH: the client's own login is encrypted)
+    forward_serve: ForwardServe | None = None
 
     @property
     def default_listen(self) -> str:

@@ -43,12 +43,14 @@ def test_the_committed_stubs_are_those_of_agent_proto(tmp_path):
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory) -> Iterator[Daemon]:
-    http_port, pg_port = free_port(), free_port()
+    http_port, pg_port, ssh_port = free_port(), free_port(), free_port()
     daemon = Daemon(tmp_path_factory.mktemp("agents-api") / "data", {
         "grpc.listen": f"127.0.0.1:{free_port()}", "listeners.http": f"127.0.0.1:{http_port}",
-        "listeners.postgres": f"127.0.0.1:{pg_port}", "sessions.flush_interval": "100ms"}).start()
+        "listeners.postgres": f"127.0.0.1:{pg_port}", "listeners.ssh": f"127.0.0.1:{ssh_port}",
+        "sessions.flush_interval": "100ms"}).start()
     wait_port(http_port, daemon.process, "gatewayd")
-    daemon.http_port, daemon.pg_port = http_port, pg_port
+    wait_port(ssh_port, daemon.process, "gatewayd's ssh listener")
+    daemon.http_port, daemon.pg_port, daemon.ssh_port = http_port, pg_port, ssh_port
     yield daemon
     daemon.stop()
 
@@ -278,6 +280,45 @@ async def test_the_proxy_manager_opens_a_local_port_that_psql_uses_with_the_user
                 break
             assert time.monotonic() < deadline
             await asyncio.sleep(0.05)
+    finally:
+        manager.stop()
+
+
+async def test_the_proxy_manager_forwards_ssh_logged_in_with_the_user_s_credential(gateway, api, ssh_target,
+                                                                                   tmp_path):
+    """ssh's login is encrypted end to end: the gateway's SSH proxy serves the forwarded client itself, as the
+    forwarding's credential, whatever user name and password the local client has."""
+    from tests.sshpeer import CLIENT_OPTIONS
+
+    created = await new_agent(api)
+    url = created["command"].split("--url ")[1].split()[0]
+    fingerprint = created["command"].rsplit("--tls-fingerprint ", 1)[1]
+    user = gateway.token("sshdev@example.com", groups="", name="Dev")
+    code, connection = await api("POST", "/connections", {
+        "name": f"ssh-{uuid.uuid4().hex[:8]}", "type": "custom", "subtype": "ssh",
+        "secret": {f"envvar:{k}": b64(v) for k, v in {"HOST": "127.0.0.1", "PORT": str(ssh_target.port),
+                                                       "USER": ssh_target.user,
+                                                       "PRIVATE_KEY": ssh_target.private_key_text}.items()}})
+    assert code == 201, connection
+    manager = AgentProcess(f"gatewayd proxy-manager --url {url} --token {user} --tls-fingerprint {fingerprint}",
+                           tmp_path / "manager.log", None).start()
+    try:
+        deadline = time.monotonic() + 30
+        while (await api("GET", "/proxymanager/status", token=user))[1]["status"] != "connected":
+            assert time.monotonic() < deadline, (tmp_path / "manager.log").read_text()
+            await asyncio.sleep(0.05)
+        port = free_port()
+        code, opened = await api("POST", "/proxymanager/connect",
+                                 {"connection_name": connection["name"], "port": port}, token=user)
+        assert code == 201, opened
+        result = subprocess.run(["ssh", *CLIENT_OPTIONS, "-p", str(port), "whoever@127.0.0.1",
+                                 "echo via the proxy manager as $(whoami)"],
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == f"via the proxy manager as {ssh_target.user}"
+        code, sessions = await api("GET", f"/sessions?connection={connection['name']}&expand=event_stream")
+        [session] = sessions["data"]
+        assert session["user"] == "sshdev@example.com" and session["status"] in ("open", "done")
     finally:
         manager.stop()
 

@@ -14,7 +14,6 @@ import asyncio
 import logging
 import secrets
 import socket
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -149,7 +148,7 @@ class ManagerService:
             raise ManagerError(409, "no proxy manager of yours is connected: run `gatewayd proxy-manager --url "
                                     "<grpc_server_url> --token <your token>` on your machine")
         description = protocols.by_subtype(connection.subtype)
-        if description is None or description.forward_opening is None:
+        if description is None or description.forward_opening is None and description.forward_serve is None:
             raise ManagerError(422, f"the proxy manager does not forward {connection.subtype} connections yet")
         if connection.name in link.forwardings:
             raise ManagerError(409, f"connection {connection.name!r} is open already on port "
@@ -190,6 +189,19 @@ class ManagerService:
 
     # -- one local client
 
+    async def _serve(self, context: grpc.aio.ServicerContext, serve: Any, forwarding: Forwarding, user: User) -> None:
+        """A forwarded client the protocol's proxy serves itself, logged in with the forwarding's credential."""
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        theirs.setblocking(False)
+        bridge_reader, bridge_writer = await asyncio.open_connection(sock=ours)
+        bridge = asyncio.ensure_future(pump(bridge_reader, bridge_writer, context.read, context.write))
+        try:
+            await _serve_socket(serve, theirs, forwarding, user)
+        finally:
+            bridge_writer.close()
+            await asyncio.gather(bridge, return_exceptions=True)
+
     async def forward(self, context: grpc.aio.ServicerContext) -> None:
         user = await self._user(context)
         first = await context.read()
@@ -201,6 +213,9 @@ class ManagerService:
             await context.abort(grpc.StatusCode.NOT_FOUND, "no such open port of your proxy manager")
             return
         description = protocols.by_subtype(forwarding.connection.subtype)
+        if description.forward_serve is not None:
+            await self._serve(context, description.forward_serve, forwarding, user)
+            return
         address = self.server_config().get(description.server_config_key, {}).get("listen_address", "")
         if not address:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the gateway's {description.name} listener is stopped")
@@ -225,6 +240,15 @@ class ManagerService:
         finally:
             client_writer.close()
             await asyncio.gather(bridge, return_exceptions=True)
+
+
+async def _serve_socket(serve: Any, sock: socket.socket, forwarding: Forwarding, user: User) -> None:
+    try:
+        await serve(sock, forwarding.secret)
+    except (ValueError, OSError, asyncio.IncompleteReadError, ConnectionError) as exc:
+        log.info("proxy manager client refused", extra={"user": user.email, "reason": str(exc)})
+    finally:
+        sock.close()
 
 
 async def _copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

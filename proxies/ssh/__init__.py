@@ -26,4 +26,11 @@ DESCRIPTION = ProtocolDescription(
     load_script_runner=lazy_script_runner("proxies.ssh.script"),
     settings={"hosts_key": Setting("str", ""),
               "ciphers": Setting("list", ["aes128-gcm@openssh.com", "aes256-gcm@openssh.com"])},
+    forward_serve=lambda sock, secret: _forward_serve(sock, secret),
 )
+
+
+async def _forward_serve(sock: Any, secret: str) -> None:
+    from proxies.ssh.server import serve_forwarded
+
+    await serve_forwarded(sock, secret)

@@ -32,6 +32,7 @@ import asyncio
 import base64
 import logging
 import re
+import socket
 from typing import TYPE_CHECKING, Any
 
 import asyncssh
@@ -85,12 +86,35 @@ class SSHListener:
     close, a block's audit entry) until it is done.
     """
 
-    def __init__(self, acceptor: asyncssh.SSHAcceptor, tasks: BackgroundTasks) -> None:
+    def __init__(self, acceptor: asyncssh.SSHAcceptor, tasks: BackgroundTasks, pipeline: SessionPipeline,
+                 options: dict[str, Any]) -> None:
         self.acceptor = acceptor
         self.tasks = tasks
+        self.pipeline = pipeline
+        self.options = options  # asyncssh's server options, for a connection served off the listening socket
 
     async def close(self) -> None:
+        global RUNNING
         self.acceptor.close()
+        if RUNNING is self:
+            RUNNING = None
+
+    async def serve(self, sock: socket.socket, secret: str) -> None:
+        """One client on an already-connected socket, logged in with ``secret`` (the proxy manager's forwarding):
+        its own user name and password are not asked for. Returns when the connection ends."""
+        conn = await asyncssh.run_server(
+            sock, server_factory=lambda: GatewayConnection(self.pipeline, self.tasks, secret), **self.options)
+        await conn.wait_closed()
+
+
+RUNNING: SSHListener | None = None  # the listener started last (the proxy manager hands it forwarded clients)
+
+
+async def serve_forwarded(sock: socket.socket, secret: str) -> None:
+    """A proxy manager's local ssh client, served by the running listener as the credential ``secret``."""
+    if RUNNING is None:
+        raise ValueError("the gateway's ssh listener is stopped")
+    await RUNNING.serve(sock, secret)
 
 
 async def host_key(context: ProxyContext) -> asyncssh.SSHKey:
@@ -133,13 +157,17 @@ async def start(context: ProxyContext, host: str, port: int) -> SSHListener:
     pipeline = context.pipeline
     tasks = BackgroundTasks("ssh listener")
     key = await host_key(context)
+    options: dict[str, Any] = dict(
+        server_host_keys=[key], login_timeout=LOGIN_TIMEOUT, encoding=None, line_editor=False,
+        agent_forwarding=False, x11_forwarding=False, allow_scp=False, compression_algs=None,
+        encryption_algs=list(context.settings["ciphers"]), window=WINDOW, max_pktsize=MAX_PACKET,
+        keepalive_interval=60)
     acceptor = await asyncssh.listen(
-        host, port, server_factory=lambda: GatewayConnection(pipeline, tasks), server_host_keys=[key],
-        reuse_address=True, reuse_port=context.reuse_port or None, login_timeout=LOGIN_TIMEOUT, encoding=None,
-        line_editor=False, agent_forwarding=False, x11_forwarding=False, allow_scp=False, compression_algs=None,
-        encryption_algs=list(context.settings["ciphers"]),
-        window=WINDOW, max_pktsize=MAX_PACKET, keepalive_interval=60)
-    return SSHListener(acceptor, tasks)
+        host, port, server_factory=lambda: GatewayConnection(pipeline, tasks), reuse_address=True,
+        reuse_port=context.reuse_port or None, **options)
+    global RUNNING
+    RUNNING = SSHListener(acceptor, tasks, pipeline, options)
+    return RUNNING
 
 
 class TargetWatch(asyncssh.SSHClient):
@@ -155,9 +183,10 @@ class TargetWatch(asyncssh.SSHClient):
 class GatewayConnection(asyncssh.SSHServer):
     """One client SSH connection: its credential, its session run (the target connection) and channels."""
 
-    def __init__(self, pipeline: SessionPipeline, tasks: BackgroundTasks) -> None:
+    def __init__(self, pipeline: SessionPipeline, tasks: BackgroundTasks, preset: str | None = None) -> None:
         self.pipeline = pipeline
         self.tasks = tasks
+        self.preset = preset  # the credential of a proxy manager's forwarded client: its own login is not asked
         self.conn: asyncssh.SSHServerConnection | None = None
         self.client_ip = ""
         self.grant: AccessGrant | None = None
@@ -189,7 +218,9 @@ class GatewayConnection(asyncssh.SSHServer):
         # else the target login is still running: _open finishes the job when it is done
 
     async def begin_auth(self, username: str) -> bool:
-        """No authentication needed when the user name is a valid secret."""
+        """No authentication needed when the user name is a valid secret (or the forwarding's credential is)."""
+        if self.preset is not None:
+            return not await self._login(self.preset)
         if looks_like_secret(username) and await self._login(username):
             return False
         return True
@@ -198,7 +229,7 @@ class GatewayConnection(asyncssh.SSHServer):
         return True
 
     async def validate_password(self, username: str, password: str) -> bool:
-        return await self._login(password)
+        return self.preset is None and await self._login(password)
 
     def public_key_auth_supported(self) -> bool:
         return False
