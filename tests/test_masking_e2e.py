@@ -319,3 +319,16 @@ async def test_a_mask_rule_added_while_a_session_runs_masks_its_next_results(api
         assert (row["ssn"], row["other"]) == ("*******1120", "1")  # by the rule, not failing closed
     finally:
         await connection.close()
+
+
+async def test_asyncpg_without_its_statement_cache_gets_columns_masked_by_name_only(api, gateway, table):
+    """It parses each statement twice (prepare, then execute): the second Parse keeps what Describe said."""
+    _, secret, session_id = await masked_role(api, BY_COLUMN)
+    connection = await asyncpg.connect(host="127.0.0.1", port=gateway.pg_port, user=secret, password="any",
+                                       database="postgres", ssl=False, statement_cache_size=0)
+    try:
+        row = await connection.fetchrow(f"select ssn as renamed, id::text as other, note from {table} where id = 1")
+    finally:
+        await connection.close()
+    assert (row["renamed"], row["other"]) == ("*******1120", "1")  # not every value masked (failing closed)
+    assert row["note"] == f"paid with {CARD}"  # no pattern rule here

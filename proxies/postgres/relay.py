@@ -657,6 +657,7 @@ class ClientSide:
     __slots__ = (
         "columns",
         "discarding",
+        "parsed",
         "pending",
         "policy",
         "portals",
@@ -669,6 +670,9 @@ class ClientSide:
         self.policy = policy
         self.pending = pending
         self.columns = columns  # statement -> result column type OIDs, shared with the ServerSide
+        # statement -> its SQL as last parsed: parsing the same SQL again (asyncpg without its statement cache
+        # parses in its prepare and again in its execute) keeps what its Describe said of its columns
+        self.parsed: dict[str, str] = {}
         self.statements: dict[str, str] = {}  # prepared statement name -> SQL (for recording Binds)
         self.portals: dict[str, Pending] = {}  # portal -> the EXECUTE entry for it (statement, result formats)
         self.discarding = False  # after a blocked Parse: skip messages until Sync
@@ -709,6 +713,7 @@ class ClientSide:
             if message.kind == "S":  # type: ignore[attr-defined]
                 self.statements.pop(message.name, None)  # type: ignore[attr-defined]
                 self.columns.pop(message.name, None)  # type: ignore[attr-defined]
+                self.parsed.pop(message.name, None)  # type: ignore[attr-defined]
             else:
                 self.portals.pop(message.name, None)  # type: ignore[attr-defined]
             self.pending.append(_CLOSE)
@@ -743,7 +748,9 @@ class ClientSide:
                 self.pending.append(Pending(MARKER, error=blocked_error(verdict)))
                 return BLOCK
         name = parse.name
-        self.columns.pop(name, None)
+        if self.parsed.get(name) != sql:
+            self.columns.pop(name, None)
+            self.parsed[name] = sql
         if policy.recording:
             self.statements[name] = sql
         return FORWARD
