@@ -139,6 +139,7 @@ def worker_count(value: Any, key: str) -> int:
 SETTINGS: dict[str, Setting] = {
     "data_dir": Setting("str", "./gatewayd-data"),
     "daemon.workers": Setting("workers", "auto", worker_count),
+    "daemon.restart_delay": Setting("duration", "250ms", _positive),
     "log.format": Setting("str", "plain", _choice("plain", "json")),
     "log.level": Setting("str", "info", _choice("debug", "info", "warning", "error")),
     "api.listen": Setting("listen", "127.0.0.1:8009", lambda v, k: parse_listen(v, k, False)),

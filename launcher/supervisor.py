@@ -229,7 +229,7 @@ class Supervisor:
             log.error("worker keeps failing to start; stopping",
                       extra={"worker": worker.index, "pid": pid, "failures": worker.failures, **how})
             return await self._stop_all(status)
-        delay = min(30.0, 0.25 * 2 ** worker.failures)
+        delay = min(30.0, self.config["daemon.restart_delay"] * 2 ** worker.failures)
         log.error("worker exited; restarting it", extra={"worker": worker.index, "pid": pid, "restart_in": delay,
                                                          "uptime": round(time.monotonic() - worker.started, 1),
                                                          **how})

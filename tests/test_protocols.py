@@ -162,7 +162,8 @@ def test_rdp_without_its_extra_still_describes_itself(monkeypatch, caplog):
     rdp = protocols.by_name("rdp")
     assert rdp is not None and not rdp.available() and rdp.missing_modules() == ["pyrdp"]
     config = load_config(None, environ={}, overrides={"rdp.record_keyboard": True})
-    assert config.section("rdp") == {"record_keyboard": True, "frames_cap_bytes": 1024 ** 3, "frames_dir": ""}
+    assert config.section("rdp") == {"record_keyboard": True, "frames_cap_bytes": 1024 ** 3, "frames_dir": "",
+                                     "startup_timeout": 20.0}
     conn = Connection(id="c", org_id="o", name="desk", resource_name="desk", type="custom", subtype="rdp")
     assert rdp.access_hints(conn, "rdp-s", "gw", 13389, config.section("rdp"))["command"] == \
         "xfreerdp /v:gw:13389 /u:rdp-s /p:rdp-s"

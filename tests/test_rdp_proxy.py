@@ -45,7 +45,8 @@ def peers(rdp_peers: Peers) -> Peers:
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory, peers: Peers) -> Iterator[Daemon]:
-    daemon = proxy_daemon(tmp_path_factory, "rdpproxy", "rdp", {"metrics.listen": f"127.0.0.1:{free_port()}"})
+    daemon = proxy_daemon(tmp_path_factory, "rdpproxy", "rdp", {"metrics.listen": f"127.0.0.1:{free_port()}",
+                                                                 "rdp.startup_timeout": "2s"})
     daemon.rdp_port = daemon.proxy_port
     daemon.metrics_port = int(daemon.settings["metrics.listen"].rsplit(":", 1)[1])
     yield daemon

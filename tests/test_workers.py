@@ -474,7 +474,7 @@ async def test_a_worker_that_cannot_start_stops_the_group_with_its_error(tmp_pat
 async def test_a_worker_that_keeps_failing_to_start_again_stops_the_group(tmp_path):
     """Running fine, then the configuration file is broken and a worker dies: its restarts fail (with back-off)
     until the supervisor gives up, stops the other worker gracefully and exits with the worker's status."""
-    daemon = workers_daemon(tmp_path, {})
+    daemon = workers_daemon(tmp_path, {"daemon.restart_delay": "10ms"})
     daemon.start()
     try:
         pids = await until("every worker started", lambda: len(ready_pids(daemon)) == WORKERS and ready_pids(daemon))

@@ -37,7 +37,8 @@ DESCRIPTION = ProtocolDescription(
                  "and pip install --no-deps pyrdp-mitm==2.1.0)",
     settings={"record_keyboard": Setting("bool", False),
               "frames_cap_bytes": Setting("int", 1024 * 1024 * 1024, positive),
-              "frames_dir": Setting("str", "")},
+              "frames_dir": Setting("str", ""),
+              "startup_timeout": Setting("duration", "20s", positive)},
 )
 
 

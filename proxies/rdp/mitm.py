@@ -76,7 +76,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("gatewayd.rdp")
 
 CONNECT_TIMEOUT = 10.0
-STARTUP_TIMEOUT = 20.0  # from TCP accept to an admitted X.224 connection request (clients send it at once)
 RETRY_WINDOW = 10.0  # how long a killed logon's retry is awaited (FreeRDP's comes within milliseconds)
 RETRY_REFUSED = "{reason} while its client was logging on: the client's reconnection is refused"
 RC4_KEY_BITS = 2048
@@ -236,7 +235,7 @@ class GatewayMITM(RDPMITM):
     def _client_connected(self) -> None:
         metrics.connection_opened("rdp")
         self._counted = True
-        asyncio.get_running_loop().call_later(STARTUP_TIMEOUT, self._startup_timeout)
+        asyncio.get_running_loop().call_later(self.factory.startup_timeout, self._startup_timeout)
 
     def _client_gone(self) -> None:
         if self._counted:  # once, whatever ends the connection
@@ -514,6 +513,8 @@ class GatewayMITMFactory(ServerFactory):
         self.tasks = BackgroundTasks("rdp listener")  # admissions, closes, certificate clones, screen captures
         self.base = base_config(context.data_dir / "rdp")
         self.record_keyboard = bool(context.settings["record_keyboard"])
+        # from TCP accept to an admitted X.224 connection request (clients send it at once)
+        self.startup_timeout = float(context.settings["startup_timeout"])
         self._making_key: asyncio.Task[None] | None = None
         self.clone_lock = asyncio.Lock()  # one certificate clone at a time (pyrdp's cache is not thread-safe)
         self.killed_logons: dict[tuple[str, str], tuple[float, str]] = {}  # logon key: (deadline, kill reason)
