@@ -155,8 +155,8 @@ def make_app() -> web.Application:
             return web.json_response(PII_JSON)
         if kind == "text":
             return web.Response(text=PII_TEXT, content_type="text/plain")
-        if kind == "gzip":  # sent gzip whatever the request accepts, as some servers do
-            return web.Response(body=gzip.compress(json.dumps(PII_JSON).encode()), content_type="application/json",
+        if kind == "gzip":  # sent gzip whatever the request accepts, as some servers do (the same bytes each time)
+            return web.Response(body=gzip.compress(json.dumps(PII_JSON).encode(), mtime=0), content_type="application/json",
                                 headers={"Content-Encoding": "gzip"})
         if kind == "ws":
             ws = web.WebSocketResponse()
