@@ -148,6 +148,31 @@ async def rails_workload(url: str, secret: str) -> list[Any]:
     return seen
 
 
+async def repeated_workload(api: HttpApi, connection: dict, url: str, secret: str) -> list[Any]:
+    """The same requests again on one keep-alive connection, then a rule change between two of them: what the
+    gateway remembers of a connection's last request and answer never outlives the rules it was made under."""
+    auth = {"Authorization": secret, **UA}
+    seen: list[Any] = []
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False,
+                                     connector=aiohttp.TCPConnector(limit=1)) as client:
+        async def call(method: str, path: str) -> None:
+            async with client.request(method, url + path, headers=auth) as response:
+                seen.append([method, path, response.status, response.headers.get("X-Gateway-Guardrails"),
+                             (await response.read()).decode("utf-8", "replace")[:200]])
+
+        for method, path in (("GET", "/json"), ("HEAD", "/json"), ("GET", "/text?say=loud"),
+                             ("GET", "/text?say=quiet")):
+            for _ in range(3):  # the same request three times in a row
+                await call(method, path)
+        await api.guardrail(connection, input_rules=[{"type": "deny_words_list", "words": ["loud"]}],
+                            output_rules=[{"type": "deny_words_list", "words": ["quiet"]}])
+        for method, path in (("GET", "/text?say=quiet"), ("GET", "/json"), ("GET", "/text?say=loud")):
+            for _ in range(2):  # the first: the request just before the change again, now blocked on its way back
+                await call(method, path)
+        await call("GET", "/json?last=1")
+    return seen
+
+
 async def masked_workload(url: str, secret: str) -> list[Any]:
     auth = {"Authorization": secret, **UA}
     seen: list[Any] = []
@@ -259,6 +284,13 @@ async def test_what_an_auditor_sees_matches_the_golden_file(api, gateway):
     result["rails_client"] = normal.deep(await rails_workload(url, secret))
     result["rails"] = await auditor_view(api, rails_session, "last=1", normal)
     result["rails_audit"] = audit_view(await api.audit("guardrail.block"), rails_session, normal)
+
+    again = await named_role(api, "golden-again")
+    secret, again_session = await api.credential(again)
+    normal.replacements[secret] = "<secret>"
+    normal.replacements[again_session] = "<session>"
+    result["again_client"] = normal.deep(await repeated_workload(api, again, url, secret))
+    result["again"] = await auditor_view(api, again_session, "last=1", normal)
 
     masked = await named_role(api, "golden-masked")
     await api.guardrail(masked, output_rules=[{"type": "mask", "patterns": ["card_number", "email"]},
