@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 from aiohttp.helpers import EMPTY_BODY_STATUS_CODES, rfc822_formatted_time
@@ -62,12 +62,24 @@ class FrontRequest:
         return self._protocol.remote
 
     @property
+    def protocol(self) -> FrontProtocol:
+        """The connection it came on (``complete`` / ``serve_later`` end a request taken over by ``fast``)."""
+        return self._protocol
+
+    @property
     def transport(self) -> asyncio.Transport | None:
         return self._protocol.transport
 
     def answer(self, status: int, reason: str, headers: list[tuple[str, str]], body: bytes,
                head_length: int | None) -> bytes:
         """A whole answer on the wire, as ``web.Response`` would write it (``head_length``: a HEAD's length)."""
+        head, body, _ = self.answer_parts(status, reason, headers, body, head_length)
+        return head + body
+
+    def answer_parts(self, status: int, reason: str, headers: list[tuple[str, str]], body: bytes,
+                     head_length: int | None) -> tuple[bytes, bytes, bool]:
+        """``answer`` as its head and the body sent after it, and whether the head is the same for the same
+        arguments at any time (False: the gateway dated it, as the headers have no ``Date``)."""
         lines = [f"HTTP/1.1 {status} {reason}"]
         present = set()
         for name, value in headers:
@@ -75,7 +87,8 @@ class FrontRequest:
                 raise ValueError("a newline in a header value")
             present.add(name.lower())
             lines.append(f"{name}: {value}")
-        if "date" not in present:
+        dated = "date" not in present
+        if dated:
             lines.append(f"Date: {rfc822_formatted_time()}")
         if "server" not in present:
             lines.append(f"Server: {SERVER_SOFTWARE}")
@@ -90,7 +103,7 @@ class FrontRequest:
             if body and "content-type" not in present:
                 lines.append("Content-Type: application/octet-stream")
         lines.append("\r\n")
-        return "\r\n".join(lines).encode("utf-8", "surrogateescape") + body
+        return "\r\n".join(lines).encode("utf-8", "surrogateescape"), body, not dated
 
     def start_stream(self, status: int, reason: str, headers: CIMultiDict[str], length: int | None) -> FrontStream:
         """A streamed answer: ``prepare`` sends its head, ``write`` and ``write_eof`` its body."""
@@ -170,15 +183,22 @@ def serialize(response: web.Response, method: str) -> bytes:
     return _head(status, response.reason, headers) + body
 
 
-Handler = Callable[[FrontRequest], Awaitable[web.StreamResponse | FrontStream | bytes]]
+Answer = web.StreamResponse | FrontStream | bytes
+Handler = Callable[[FrontRequest], Awaitable[Answer]]
+Fast = Callable[[FrontRequest], bool]
 
 
 class Front:
-    """The listener's front end: serves plain requests with ``handler``, hands the rest to ``fallback``."""
+    """The listener's front end: serves plain requests with ``handler``, hands the rest to ``fallback``.
 
-    def __init__(self, handler: Handler, fallback: web.Server) -> None:
+    ``fast``: tried first for each plain request; True when it took the request over without a task
+    (it then ends it with ``FrontProtocol.complete`` or ``serve_later``), False to leave it to ``handler``.
+    """
+
+    def __init__(self, handler: Handler, fallback: web.Server, fast: Fast | None = None) -> None:
         self.handler = handler
         self.fallback = fallback
+        self.fast = fast
         self.connections: set[FrontProtocol] = set()
         self.runners = BackgroundTasks("http front")  # each connection's task serving its requests
         self.closing = False
@@ -201,18 +221,26 @@ class Front:
         self.closing = True
         if self._sweeper is not None:
             self._sweeper.cancel()
-        busy = []
+        busy: list[asyncio.Future[Any]] = []
+        later: dict[asyncio.Future[Any], asyncio.Task[None] | None] = {}
         for connection in list(self.connections):
-            if connection.busy and connection.runner is not None:
-                busy.append(connection.runner)
-            else:
+            if not connection.busy:
                 connection.close()
+            elif connection.runner is not None and not connection.runner.done() and connection._next is None:
+                busy.append(connection.runner)  # its runner serves the request
+            else:  # taken over by ``fast`` (perhaps with a task after all): its end is awaited the same way
+                connection.ended = asyncio.get_running_loop().create_future()
+                busy.append(connection.ended)
+                later[connection.ended] = connection.later
         if busy:
             _, pending = await asyncio.wait(busy, timeout=grace)
-            for task in pending:
-                task.cancel()
+            for waiter in pending:
+                waiter.cancel()
+                task = later.get(waiter)
+                if task is not None:
+                    task.cancel()
             if pending:
-                await asyncio.wait(pending)
+                await asyncio.wait([*pending, *(t for w in pending if (t := later.get(w)) is not None)])
         for connection in list(self.connections):
             connection.close()
 
@@ -233,6 +261,10 @@ class FrontProtocol(asyncio.Protocol):
         self._pending = b""
         self._paused = False
         self._drained: asyncio.Future[None] | None = None
+        self.ended: asyncio.Future[None] | None = None  # set when the gateway closes while a fast request runs
+        self.later: asyncio.Task[None] | None = None  # the task of a fast request that needed one (``serve_later``)
+        self.sent: Any = None  # what ``fast`` made of this connection's last request and answer (its own memo)
+        self.answered: Any = None
 
     # -- asyncio.Protocol
 
@@ -282,6 +314,9 @@ class FrontProtocol(asyncio.Protocol):
             return
         request = FrontRequest(message, self)
         self.busy = True
+        fast = self.front.fast
+        if fast is not None and fast(request):
+            return  # answered from the target's protocol (``complete``), no task woken
         if self._next is not None:
             self._next.set_result(request)
         else:
@@ -293,32 +328,65 @@ class FrontProtocol(asyncio.Protocol):
         """Serve requests as they come (one task per connection, not one per request)."""
         while True:
             keep = await self._serve(request)
-            self.busy = False
-            self.idle_since = time.monotonic()
-            if not keep or self.front.closing or self.transport is None:
-                self.close()
+            if not self._done(keep):
                 return
             self._next = self._loop.create_future()
             try:
-                if self._pending:
-                    data, self._pending = self._pending, b""
-                    self.transport.resume_reading()
-                    self.data_received(data)
+                self._go_on()
                 request = await self._next
             except asyncio.CancelledError:
                 return  # the connection closed, or went to aiohttp
             finally:
                 self._next = None
 
+    def _done(self, keep: bool) -> bool:
+        """A request was answered: whether the connection serves the next (else it is closed)."""
+        self.busy = False
+        self.idle_since = time.monotonic()
+        ended, self.ended = self.ended, None
+        if ended is not None and not ended.done():
+            ended.set_result(None)
+        if not keep or self.front.closing or self.transport is None:
+            self.close()
+            return False
+        return True
+
+    def _go_on(self) -> None:
+        """Serve what arrived while the last answer was being sent."""
+        if self._pending and self.transport is not None:
+            data, self._pending = self._pending, b""
+            self.transport.resume_reading()
+            self.data_received(data)
+
+    def complete(self, data: bytes) -> None:
+        """End a request ``fast`` took over with the whole answer ``data`` (its connection goes on)."""
+        try:
+            self.send(data)
+        except ConnectionError:
+            self._done(False)
+            return
+        if self._done(True):
+            self._go_on()
+
+    def serve_later(self, request: FrontRequest, work: Awaitable[Answer]) -> None:
+        """End a request ``fast`` took over with a task after all: ``work`` gives its answer, as ``handler`` would."""
+        async def serve() -> None:
+            keep = await self._serve(request, work)
+            self.later = None
+            if self._done(keep):
+                self._go_on()
+
+        self.later = self.front.runners.spawn(serve())
+
     def _stop_runner(self) -> None:
         if self._next is not None and not self._next.done():
             self._next.cancel()
 
-    async def _serve(self, request: FrontRequest) -> bool:
-        """Answer one request; whether the connection can serve the next."""
+    async def _serve(self, request: FrontRequest, work: Awaitable[Answer] | None = None) -> bool:
+        """Answer one request (``work``: its answer, when not the handler's); whether the connection goes on."""
         keep = False
         try:
-            response = await self.front.handler(request)
+            response = await (self.front.handler(request) if work is None else work)
             if isinstance(response, bytes):
                 self.send(response)
                 keep = True

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, AsyncIterator
 
 import aiohttp
-from aiohttp import WSMsgType, web
+from aiohttp import ClientConnectionError, ServerDisconnectedError, WSMsgType, web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.http_parser import RawResponseMessage
 from multidict import CIMultiDict
 from yarl import URL
 
@@ -60,6 +61,7 @@ from proxies.http.upstream import (
     ConnectFailed,
     DialerConnector,
     UnresolvedNames,
+    UpstreamConnection,
     UpstreamError,
     UpstreamPool,
     UpstreamResponse,
@@ -109,6 +111,7 @@ class CredentialState:
     closed: str | None = None
     in_flight: set[asyncio.Task[object]] = field(default_factory=set)  # what a kill cuts (see ``_in_flight``)
     label: str = ""  # the connection's app host label (``Connection.app_label``, computed once)
+    policy: SessionPolicy | None = None  # the policy chain of the last request (``HttpListener.policy``)
 
 
 def json_error(status: int, message: str, **headers: str) -> web.Response:
@@ -142,7 +145,7 @@ class HttpListener:
             DialerConnector(self.pipeline.dialer, limit=0, ttl_dns_cache=60, keepalive_timeout=30))
         self.server = web.Server(self.handle, access_log=None, auto_decompress=False, read_bufsize=256 * 1024)
         self.runner = web.ServerRunner(self.server, handle_signals=False, shutdown_timeout=1.0)
-        self.front = Front(self.handle, self.server)  # plain requests; the rest goes to self.server
+        self.front = Front(self.handle, self.server, self.fast)  # plain requests; the rest goes to self.server
         self.tcp: asyncio.AbstractServer | None = None
 
     @staticmethod
@@ -285,7 +288,7 @@ class HttpListener:
             return refusal(request, exc.status, str(exc))
         except GatewayClosing:
             return refusal(request, 503, "the gateway is shutting down: no new session is opened")
-        policy = await self.pipeline.policy_for(state.run.live, client_ip)  # the rules as they are now
+        policy = self._policy(state, client_ip) or await self._new_policy(state, client_ip)
         label = app_host_label(request.host, self.apps_domain)
         if presented.source == CredentialSource.PATH:
             if self.apps_domain and label != state.label:  # each app on its own origin
@@ -313,6 +316,117 @@ class HttpListener:
             with _in_flight(state):
                 return await self._websocket(request, state, policy, presented.source, client_ip)
         return await self._forward(request, state, policy, presented.source, client_ip)
+
+    def _policy(self, state: CredentialState, client_ip: str) -> SessionPolicy | None:
+        """The session's policy chain of the last request while its rules are still this process's current
+        ones (the same compiled rule set) and the client is the same; else None (``_new_policy``)."""
+        policy = state.policy
+        if (policy is not None and policy.client_ip == (client_ip or policy.live.client_ip)
+                and policy.rules is self.pipeline.guardrails.cached(policy.live.connection.id)):
+            return policy
+        return None
+
+    async def _new_policy(self, state: CredentialState, client_ip: str) -> SessionPolicy:
+        """The session's policy chain under the rules as they are now (the pipeline's ``policy_for``), kept."""
+        policy = state.policy = await self.pipeline.policy_for(state.run.live, client_ip)
+        return policy
+
+    def fast(self, request: FrontRequest) -> bool:
+        """Serve a plain request without a task when all it needs is at hand; False: ``handle`` serves it.
+
+        At hand: a credential in the header or cookie that was checked lately (``_fresh``), its policy
+        (``_policy``) without mask rules, nothing to refuse, and an idle connection to the target. The
+        request is checked and recorded as ``_forward`` does and sent; ``_answered`` takes the answer
+        when it arrives. Whatever else can happen (a refusal, a block, a large or streamed answer, a
+        target that went away) is left to the task path, which does it again from where it stands.
+        """
+        headers = request.headers
+        client_ip = request.remote or ""
+        key = (request.method, request.raw_path, tuple(headers.items()))
+        sent: _Sent | None = request.protocol.sent
+        if sent is None or sent.key != key or not self._still(sent, client_ip):  # not the last request again
+            sent = self._outbound_fast(request, key, client_ip)
+            if sent is None:
+                return False
+            request.protocol.sent = sent
+        state, policy = sent.state, sent.policy
+        target = state.target
+        connection = self.pool.take(target.scheme, target.host, target.port, state.insecure,
+                                    self.pipeline.dialer_for(state.grant.connection))
+        if connection is None:
+            return False
+        policy.record_input(sent.recorded)
+        first_line, head = sent.first_line, sent.head
+        if not self.pool.send(connection, head, request.method == "HEAD",
+                              lambda: self._answered(request, state, policy, first_line, head, connection)):
+            request.protocol.serve_later(request, self._exchange(request, state, policy, first_line, head, None,
+                                                                 False))
+        return True
+
+    def _still(self, sent: _Sent, client_ip: str) -> bool:
+        """Whether what ``fast`` made of a request still holds: same credential state, current, same policy."""
+        state = self._fresh.get(sent.secret)
+        return state is sent.state and self._current(state) and self._policy(state, client_ip) is sent.policy
+
+    @staticmethod
+    def _current(state: CredentialState) -> bool:
+        """Whether a credential's state may serve a request without a look at the store."""
+        return state.closed is None and time.time() < state.expires and time.monotonic() < state.fresh_until
+
+    def _outbound_fast(self, request: FrontRequest, key: tuple[object, ...], client_ip: str) -> _Sent | None:
+        """What ``fast`` sends for a request and records of it, or None when ``handle`` must serve it."""
+        headers = request.headers
+        presented = extract_credential(headers.get("Authorization"), headers.get("Cookie"), request.raw_path)
+        if presented is None or presented.source == CredentialSource.PATH:
+            return None
+        state = self._fresh.get(presented.secret)
+        if state is None or not self._current(state):
+            return None
+        policy = self._policy(state, client_ip)
+        if policy is None or policy.masker is not None or policy.waits:
+            return None
+        if self.apps_domain:
+            label = app_host_label(request.host, self.apps_domain)
+            if label is not None and (label != state.label or presented.source == CredentialSource.COOKIE):
+                return None  # the checks of ``handle`` (on its own address, from its own pages)
+        if "Upgrade" in headers or (state.target.base_path and has_dot_segments(request.raw_path)):
+            return None
+        first_line, up_headers = self._outbound(request, policy, presented.source, client_ip)
+        if policy.checks_input and policy.check_input(guard_text(first_line, up_headers)) is not None:
+            return None  # refused by ``handle``, which records it
+        return _Sent(key, presented.secret, state, policy, first_line, head_bytes(first_line, headers.items()),
+                     request_head(request.method, state.target, request.raw_path, up_headers))
+
+    def _answered(self, request: FrontRequest, state: CredentialState, policy: SessionPolicy, first_line: str,
+                  head: bytes, connection: UpstreamConnection) -> None:
+        """The target's answer to a request ``fast`` sent: a small whole one is answered here, else by a task."""
+        protocol = connection.protocol
+        try:
+            answer = protocol.answer()
+        except (ServerDisconnectedError, ClientConnectionError, ConnectionError):
+            connection.close()  # closed by the target while idle: once more on another, as ``pool.request`` does
+            request.protocol.serve_later(request, self._exchange(request, state, policy, first_line, head, None,
+                                                                 False))
+            return
+        except Exception as exc:  # a malformed answer: 502 as the task path says it
+            connection.close()
+            request.protocol.serve_later(request, _answer(self._upstream_error(state, policy, first_line, exc), exc))
+            return
+        if answer is None:  # an interim answer (1xx) only: the final one comes later
+            protocol.on_answer = lambda: self._answered(request, state, policy, first_line, head, connection)
+            return
+        upstream = UpstreamResponse(answer[0], answer[1], connection, self.pool)
+        try:
+            data = self._small(request, state, policy, upstream)
+        except Exception as exc:  # a bug: logged and answered 500 by the front end, as on the task path
+            upstream.close()
+            request.protocol.serve_later(request, _answer(None, exc))
+            return
+        if data is None:
+            request.protocol.serve_later(request, self._respond_released(request, state, policy, upstream))
+            return
+        upstream.release()
+        request.protocol.complete(data)
 
     def _misdirected(self, request: web.BaseRequest | FrontRequest, state: CredentialState,
                      policy: SessionPolicy) -> web.Response:
@@ -399,17 +513,22 @@ class HttpListener:
         policy.error(f"the client broke off the request body of {scrub(first_line)} ({reason})")
         return json_error(400, f"the request body could not be read ({reason})")
 
+    def _outbound(self, request: web.BaseRequest | FrontRequest, policy: SessionPolicy, source: str,
+                  client_ip: str) -> tuple[str, list[tuple[str, str]]]:
+        """The request line as recorded and the headers sent to the target (a mask rule's drops applied)."""
+        version = request.version
+        first_line = f"{request.method} {request.raw_path} HTTP/{version.major}.{version.minor}"
+        up_headers = upstream_request_headers(request.headers.items(), source, client_ip, "http", request.host)
+        if policy.masker is not None:  # a body to mask is read as text, whole: no content coding, no ranges
+            up_headers = [(k, v) for k, v in up_headers if k.lower() not in _MASKED_REQUEST_DROP]
+            up_headers.append(("Accept-Encoding", "identity"))
+        return first_line, up_headers
+
     async def _forward(self, request: web.BaseRequest | FrontRequest, state: CredentialState, policy: SessionPolicy,
                        source: str, client_ip: str) -> web.StreamResponse | FrontStream | bytes:
         headers = request.headers
         method = request.method
-        raw_path = request.raw_path
-        version = request.version
-        first_line = f"{method} {raw_path} HTTP/{version.major}.{version.minor}"
-        up_headers = upstream_request_headers(headers.items(), source, client_ip, "http", request.host)
-        if policy.masker is not None:  # a body to mask is read as text, whole: no content coding, no ranges
-            up_headers = [(k, v) for k, v in up_headers if k.lower() not in _MASKED_REQUEST_DROP]
-            up_headers.append(("Accept-Encoding", "identity"))
+        first_line, up_headers = self._outbound(request, policy, source, client_ip)
         if policy.checks_input:
             verdict = policy.check_input(guard_text(first_line, up_headers))
             if verdict is not None:
@@ -451,26 +570,109 @@ class HttpListener:
         policy.record_input(head_bytes(first_line, headers.items()) + recorded_body
                             + body_note(len(recorded_body), total if total is not None else
                                         (len(body) if complete else None), complete).encode())
+        head = request_head(method, state.target, request.raw_path, up_headers, chunked)
+        return await self._exchange(request, state, policy, first_line, head, data, chunked)
 
+    async def _exchange(self, request: web.BaseRequest | FrontRequest, state: CredentialState,
+                        policy: SessionPolicy, first_line: str, head: bytes, data: bytes | AsyncIterator[bytes] | None,
+                        chunked: bool) -> web.StreamResponse | FrontStream | bytes:
+        """Send the request (``head`` and its body) to the target and answer with what it answers."""
         target = state.target
         try:
-            upstream = await self.pool.request(
-                target.scheme, target.host, target.port, state.insecure,
-                request_head(method, target, raw_path, up_headers, chunked), data, chunked, method == "HEAD",
-                dialer=self.pipeline.dialer_for(state.grant.connection))
-        except ConnectFailed as exc:
+            upstream = await self.pool.request(target.scheme, target.host, target.port, state.insecure, head, data,
+                                               chunked, request.method == "HEAD",
+                                               dialer=self.pipeline.dialer_for(state.grant.connection))
+        except (UpstreamError, RequestBodyError, HttpProcessingError) as exc:
+            response = self._upstream_error(state, policy, first_line, exc)
+            assert response is not None
+            return response
+        return await self._respond_released(request, state, policy, upstream)
+
+    def _upstream_error(self, state: CredentialState, policy: SessionPolicy, first_line: str,
+                        exc: BaseException) -> web.Response | None:
+        """The answer to a request the target could not be asked (502, or 400 for the client's body), or None."""
+        if isinstance(exc, ConnectFailed):
             return self._not_connected(state, policy, str(exc))
-        except UpstreamError as exc:
+        if isinstance(exc, UpstreamError):
             return self._unreachable(state, policy, str(exc))
-        except RequestBodyError as exc:
+        if isinstance(exc, RequestBodyError):
             return self._client_broke_off(policy, first_line, exc.__cause__)
-        except HttpProcessingError as exc:
+        if isinstance(exc, HttpProcessingError):
             reason = (exc.message or type(exc).__name__).splitlines()[0][:80]  # never the target's bytes at length
             return self._unreachable(state, policy, f"malformed response ({reason!r})", "answered badly")
+        return None
+
+    async def _respond_released(self, request: web.BaseRequest | FrontRequest, state: CredentialState,
+                                policy: SessionPolicy, upstream: UpstreamResponse
+                                ) -> web.StreamResponse | FrontStream | bytes:
+        """``_respond``, the target's connection handed back (or closed) after."""
         try:
             return await self._respond(request, state, policy, upstream)
         finally:
             upstream.release()
+
+    def _answer_head(self, request: web.BaseRequest | FrontRequest, state: CredentialState,
+                     message: RawResponseMessage) -> tuple[list[tuple[str, str]], bytes]:
+        """The target's headers for the client, and its status line and headers as recorded."""
+        up_headers = message.headers
+        out_list = downstream_response_headers(up_headers.items(), state.target,
+                                               f"{request.scheme}://{request.host}")
+        status_line = f"HTTP/{message.version.major}.{message.version.minor} {message.code} {message.reason}"
+        return out_list, head_bytes(status_line, up_headers.items())
+
+    def _small(self, request: FrontRequest, state: CredentialState, policy: SessionPolicy,
+               upstream: UpstreamResponse) -> bytes | None:
+        """The whole answer to a plain request when the target's has arrived whole, is small, and no rule reads
+        or masks it (``_respond`` would answer it so, with no await): recorded; else None, nothing read.
+
+        What was made of an answer is kept per client connection (``_Answered``): the same status and headers
+        again (``Date`` included: at most a second apart), under the same policy, are sent and recorded with
+        the heads made then."""
+        message = upstream.message
+        up_headers = message.headers
+        content = upstream.content
+        key = (request.method, request.host, message.code, message.reason, message.version, tuple(up_headers.items()))
+        memo: _Answered | None = request.protocol.answered
+        if memo is not None and memo.key == key and memo.policy is policy:
+            if memo.no_body:
+                body = b""
+            elif content.is_eof():
+                body = content.read_nowait()
+            else:
+                return None
+        else:
+            content_type = up_headers.get("Content-Type")
+            if policy.checks_output and is_text(content_type):
+                return None
+            no_body = request.method == "HEAD" or message.code in (204, 304)
+            length_header = up_headers.get("Content-Length")
+            length = int(length_header) if length_header is not None and length_header.isdigit() else None
+            if not no_body and (length is None or length > SMALL_BODY or not content.is_eof()
+                                or (content_type is not None and is_event_stream(content_type))):
+                return None
+            body = b"" if no_body else content.read_nowait()
+            out_list, head = self._answer_head(request, state, message)
+            wire, sends, timeless = request.answer_parts(message.code, message.reason, out_list, body,
+                                                         length if no_body else None)
+            memo = _Answered(key, policy, no_body, head, wire, bool(sends))
+            request.protocol.answered = memo if timeless else None  # dated by the gateway: made anew each time
+        recorded = body[:self.record_cap]
+        policy.record_output(memo.recorded + recorded + body_note(len(recorded), len(body), True).encode())
+        return memo.wire + body if memo.sends else memo.wire
+
+    def _whole(self, request: web.BaseRequest | FrontRequest, policy: SessionPolicy, message: RawResponseMessage,
+               out_list: list[tuple[str, str]], head: bytes, body: bytes,
+               head_length: int | None) -> web.Response | bytes:
+        """A whole small answer, recorded (``head_length``: a HEAD's or a 304's ``Content-Length``)."""
+        recorded = body[:self.record_cap]
+        policy.record_output(head + recorded + body_note(len(recorded), len(body), True).encode())
+        if isinstance(request, FrontRequest):
+            return request.answer(message.code, message.reason, out_list, body, head_length)
+        response = web.Response(status=message.code, reason=message.reason, headers=CIMultiDict(out_list),
+                                body=body or None)
+        if head_length is not None:
+            response.headers["Content-Length"] = str(head_length)
+        return response
 
     async def _respond(self, request: web.BaseRequest | FrontRequest, state: CredentialState, policy: SessionPolicy,
                        upstream: UpstreamResponse) -> web.StreamResponse | FrontStream | bytes:
@@ -478,10 +680,7 @@ class HttpListener:
         up_headers = message.headers
         status = message.code
         content_type = up_headers.get("Content-Type")
-        out_list = downstream_response_headers(up_headers.items(), state.target,
-                                               f"{request.scheme}://{request.host}")
-        status_line = f"HTTP/{message.version.major}.{message.version.minor} {status} {message.reason}"
-        head = head_bytes(status_line, up_headers.items())
+        out_list, head = self._answer_head(request, state, message)
         text = policy.checks_output and is_text(content_type)
         sse = content_type is not None and is_event_stream(content_type)
         length_header = up_headers.get("Content-Length")
@@ -501,15 +700,7 @@ class HttpListener:
                     verdict = policy.check_output(body[:self.guard_cap].decode("utf-8", "replace"))
                     if verdict is not None:
                         return await self._blocked(policy, verdict)
-                recorded = body[:self.record_cap]
-                policy.record_output(head + recorded + body_note(len(recorded), len(body), True).encode())
-                if isinstance(request, FrontRequest):
-                    return request.answer(status, message.reason, out_list, body, length if no_body else None)
-                response = web.Response(status=status, reason=message.reason, headers=CIMultiDict(out_list),
-                                        body=body or None)
-                if no_body and length is not None:
-                    response.headers["Content-Length"] = str(length)
-                return response
+                return self._whole(request, policy, message, out_list, head, body, length if no_body else None)
 
             prefix = b""
             eof = False
@@ -724,11 +915,46 @@ class HttpListener:
         return downstream
 
 
+async def _answer(response: web.Response | None, exc: BaseException) -> web.Response:
+    """``response`` as the answer of a task, or ``exc`` raised in it when there is none."""
+    if response is None:
+        raise exc
+    return response
+
+
 def _redirect(location: str) -> web.Response:
     """A 302 the gateway answers itself (never cached: it may carry or set a credential)."""
     response = web.HTTPFound(location)
     response.headers["Cache-Control"] = "no-store"
     return response
+
+
+@dataclass(slots=True, eq=False)
+class _Sent:
+    """What ``fast`` made of a client connection's last request: the same request again on it (same bytes,
+    same credential state, same policy chain) is recorded and sent as it was, without working it out anew."""
+
+    key: tuple[object, ...]  # method, path and headers as they came
+    secret: str
+    state: CredentialState
+    policy: SessionPolicy
+    first_line: str
+    recorded: bytes  # the request as recorded (credentials redacted)
+    head: bytes  # the request head sent to the target
+
+
+@dataclass(slots=True, eq=False)
+class _Answered:
+    """A small answer ``fast`` gave on a client connection: the same answer again (same status and headers,
+    ``Date`` and ``Content-Length`` included, under the same policy) is recorded and sent with the heads made
+    then."""
+
+    key: tuple[object, ...]  # method, Host, status, reason, version and the target's headers as they came
+    policy: SessionPolicy  # the chain it was answered under (its session's: the target's address too)
+    no_body: bool
+    recorded: bytes  # the target's status line and headers as recorded
+    wire: bytes  # the head sent to the client
+    sends: bool  # whether the body follows it (not for a HEAD, a 204 or a 304)
 
 
 @dataclass(slots=True, eq=False)

@@ -16,7 +16,7 @@ import ssl
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from aiohttp import ClientConnectionError, ClientConnectorError, ClientPayloadError, ServerDisconnectedError, TCPConnector
 from aiohttp.abc import AbstractResolver
@@ -60,6 +60,7 @@ class TargetProtocol(BaseProtocol):
         self._waiter: asyncio.Future[None] | None = None
         self._payload: StreamReader | None = None
         self._error: BaseException | None = None
+        self.on_answer: Callable[[], None] | None = None  # called (once) when an answer or an error arrives
 
     def is_connected(self) -> bool:
         return self.transport is not None and not self.transport.is_closing()
@@ -88,6 +89,22 @@ class TargetProtocol(BaseProtocol):
                 response_with_body=not head_only, read_until_eof=True, auto_decompress=False,
                 max_line_size=16384, max_field_size=16384)
             self._with_body = not head_only
+
+    def answer(self) -> tuple[RawResponseMessage, StreamReader] | None:
+        """The next final answer if it has arrived (interim 1xx answers skipped), else None; raises a failure."""
+        answers = self._answers
+        while answers:
+            message, payload = answers.popleft()
+            if not 100 <= message.code < 200 or message.code == 101:
+                return message, payload
+        if self._error is not None:
+            raise self._error
+        return None
+
+    def _tell(self) -> None:
+        callback, self.on_answer = self.on_answer, None
+        if callback is not None:
+            callback()
 
     async def read(self) -> tuple[RawResponseMessage, StreamReader]:
         """The next answer's head and its body as a stream."""
@@ -141,8 +158,11 @@ class TargetProtocol(BaseProtocol):
             self._answers.append((message, payload))
         if upgraded:
             self.should_close = True
-        if messages and self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        if messages:
+            if self._waiter is not None and not self._waiter.done():
+                self._waiter.set_result(None)
+            elif self.on_answer is not None:
+                self._tell()
 
     def _fail(self, error: BaseException, body_error: BaseException) -> None:
         self.should_close = True
@@ -152,6 +172,8 @@ class TargetProtocol(BaseProtocol):
             set_exception(payload, body_error)
         if self._waiter is not None and not self._waiter.done():
             set_exception(self._waiter, error)
+        elif self.on_answer is not None:
+            self._tell()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         payload = self._payload
@@ -285,6 +307,29 @@ class UpstreamPool:
             raise ConnectFailed(exc.strerror or str(exc) or type(exc).__name__) from None
         return UpstreamConnection(key, protocol)
 
+    def take(self, scheme: str, host: str, port: int, insecure: bool,
+             dialer: Dialer | None = None) -> UpstreamConnection | None:
+        """An idle connection to the target (reached through ``dialer``) that is still usable, or None."""
+        return self._take(self._key(scheme, host, port, insecure, dialer or self.dialer))
+
+    @staticmethod
+    def _key(scheme: str, host: str, port: int, insecure: bool, dialer: Dialer) -> tuple[str, str, int, bool, str]:
+        return scheme, host, port, insecure, getattr(dialer, "route", "")
+
+    def send(self, connection: UpstreamConnection, head: bytes, skip_body: bool,
+             on_answer: Callable[[], None]) -> bool:
+        """Send a request without a body on ``connection``; ``on_answer`` is called when its answer (or a failure)
+        arrives: ``connection.protocol.answer()`` then gives it. False when the connection is gone already."""
+        protocol = connection.protocol
+        transport = protocol.transport
+        if transport is None or transport.is_closing():
+            connection.close()
+            return False
+        protocol.expect(skip_body)
+        protocol.on_answer = on_answer
+        transport.write(head)
+        return True
+
     def _take(self, key: tuple[str, str, int, bool, str]) -> UpstreamConnection | None:
         idle = self.idle.get(key)
         now = time.monotonic()
@@ -318,7 +363,7 @@ class UpstreamPool:
         connection when a pooled one turns out closed by the target.
         """
         dialer = dialer or self.dialer
-        key = (scheme, host, port, insecure, getattr(dialer, "route", ""))
+        key = self._key(scheme, host, port, insecure, dialer)
         replayable = body is None or isinstance(body, bytes)
         while True:
             connection = self._take(key) or await self._connect(key, dialer)
