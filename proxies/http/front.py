@@ -43,14 +43,15 @@ _END = b"\r\n\r\n"
 class FrontRequest:
     """A plain request served by the front end: the attributes of ``web.BaseRequest`` the proxy reads."""
 
-    __slots__ = ("_protocol", "headers", "method", "raw_path", "version", "host")
+    __slots__ = ("_protocol", "headers", "method", "raw_path", "version", "host", "raw")
 
     scheme = "http"
     content_length = None
     body_exists = False
 
-    def __init__(self, message: RawRequestMessage, protocol: FrontProtocol) -> None:
+    def __init__(self, message: RawRequestMessage, protocol: FrontProtocol, raw: bytes = b"") -> None:
         self._protocol = protocol
+        self.raw = raw  # the request's head as it came, whole: it alone says what the message is
         self.headers: CIMultiDictProxy[str] = message.headers
         self.method: str = message.method
         self.raw_path: str = message.path
@@ -312,7 +313,7 @@ class FrontProtocol(asyncio.Protocol):
                 or "Expect" in headers or "Upgrade" in headers):
             self._hand_over(data)
             return
-        request = FrontRequest(message, self)
+        request = FrontRequest(message, self, data)
         self.busy = True
         fast = self.front.fast
         if fast is not None and fast(request):

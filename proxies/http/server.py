@@ -340,15 +340,14 @@ class HttpListener:
         when it arrives. Whatever else can happen (a refusal, a block, a large or streamed answer, a
         target that went away) is left to the task path, which does it again from where it stands.
         """
-        headers = request.headers
-        client_ip = request.remote or ""
-        key = (request.method, request.raw_path, tuple(headers.items()))
-        sent: _Sent | None = request.protocol.sent
-        if sent is None or sent.key != key or not self._still(sent, client_ip):  # not the last request again
-            sent = self._outbound_fast(request, key, client_ip)
+        front = request.protocol
+        client_ip = front.remote or ""
+        sent: _Sent | None = front.sent
+        if sent is None or sent.raw != request.raw or not self._still(sent, client_ip):  # not the last one again
+            sent = self._outbound_fast(request, client_ip)
             if sent is None:
                 return False
-            request.protocol.sent = sent
+            front.sent = sent
         state, policy = sent.state, sent.policy
         target = state.target
         connection = self.pool.take(target.scheme, target.host, target.port, state.insecure,
@@ -359,8 +358,7 @@ class HttpListener:
         first_line, head = sent.first_line, sent.head
         if not self.pool.send(connection, head, request.method == "HEAD",
                               lambda: self._answered(request, state, policy, first_line, head, connection)):
-            request.protocol.serve_later(request, self._exchange(request, state, policy, first_line, head, None,
-                                                                 False))
+            front.serve_later(request, self._exchange(request, state, policy, first_line, head, None, False))
         return True
 
     def _still(self, sent: _Sent, client_ip: str) -> bool:
@@ -373,7 +371,7 @@ class HttpListener:
         """Whether a credential's state may serve a request without a look at the store."""
         return state.closed is None and time.time() < state.expires and time.monotonic() < state.fresh_until
 
-    def _outbound_fast(self, request: FrontRequest, key: tuple[object, ...], client_ip: str) -> _Sent | None:
+    def _outbound_fast(self, request: FrontRequest, client_ip: str) -> _Sent | None:
         """What ``fast`` sends for a request and records of it, or None when ``handle`` must serve it."""
         headers = request.headers
         presented = extract_credential(headers.get("Authorization"), headers.get("Cookie"), request.raw_path)
@@ -394,7 +392,7 @@ class HttpListener:
         first_line, up_headers = self._outbound(request, policy, presented.source, client_ip)
         if policy.checks_input and policy.check_input(guard_text(first_line, up_headers)) is not None:
             return None  # refused by ``handle``, which records it
-        return _Sent(key, presented.secret, state, policy, first_line, head_bytes(first_line, headers.items()),
+        return _Sent(request.raw, presented.secret, state, policy, first_line, head_bytes(first_line, headers.items()),
                      request_head(request.method, state.target, request.raw_path, up_headers))
 
     def _answered(self, request: FrontRequest, state: CredentialState, policy: SessionPolicy, first_line: str,
@@ -656,8 +654,11 @@ class HttpListener:
                                                          length if no_body else None)
             memo = _Answered(key, policy, no_body, head, wire, bool(sends))
             request.protocol.answered = memo if timeless else None  # dated by the gateway: made anew each time
-        recorded = body[:self.record_cap]
-        policy.record_output(memo.recorded + recorded + body_note(len(recorded), len(body), True).encode())
+        if len(body) <= self.record_cap:
+            policy.record_output(memo.recorded + body)
+        else:
+            recorded = body[:self.record_cap]
+            policy.record_output(memo.recorded + recorded + body_note(len(recorded), len(body), True).encode())
         return memo.wire + body if memo.sends else memo.wire
 
     def _whole(self, request: web.BaseRequest | FrontRequest, policy: SessionPolicy, message: RawResponseMessage,
@@ -934,7 +935,7 @@ class _Sent:
     """What ``fast`` made of a client connection's last request: the same request again on it (same bytes,
     same credential state, same policy chain) is recorded and sent as it was, without working it out anew."""
 
-    key: tuple[object, ...]  # method, path and headers as they came
+    raw: bytes  # the request's head as it came (the front end's parser starts afresh with each plain request)
     secret: str
     state: CredentialState
     policy: SessionPolicy
