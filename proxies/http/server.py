@@ -28,7 +28,7 @@ from yarl import URL
 
 from gatewayd.crypto import hash_secret
 from gatewayd.dialer import DialError
-from gatewayd.guardrails import AUDIT_INPUT_CHARS
+from gatewayd.guardrails import AUDIT_INPUT_CHARS, GuardVerdict
 from gatewayd.masking import LineHold
 from gatewayd.models import parse_time
 from gatewayd.pipeline import BLOCKED_EXIT_CODE, AccessDenied, GatewayClosing, ProxyContext, SessionRun
@@ -69,7 +69,6 @@ from proxies.http.upstream import (
 
 if TYPE_CHECKING:
     from gatewayd.access import AccessGrant
-    from gatewayd.guardrails import GuardVerdict
     from gatewayd.masking import Masker
     from gatewayd.policy import SessionPolicy
 
@@ -424,6 +423,9 @@ class HttpListener:
             request.protocol.serve_later(request, self._respond_released(request, state, policy, upstream))
             return
         upstream.release()
+        if isinstance(data, GuardVerdict):  # blocked on its way back: 403, its e event and audit entry
+            request.protocol.serve_later(request, self._blocked(policy, data))
+            return
         request.protocol.complete(data)
 
     def _misdirected(self, request: web.BaseRequest | FrontRequest, state: CredentialState,
@@ -619,9 +621,10 @@ class HttpListener:
         return out_list, head_bytes(status_line, up_headers.items())
 
     def _small(self, request: FrontRequest, state: CredentialState, policy: SessionPolicy,
-               upstream: UpstreamResponse) -> bytes | None:
-        """The whole answer to a plain request when the target's has arrived whole, is small, and no rule reads
-        or masks it (``_respond`` would answer it so, with no await): recorded; else None, nothing read.
+               upstream: UpstreamResponse) -> bytes | GuardVerdict | None:
+        """The whole answer to a plain request when the target's has arrived whole and is small (``_respond``
+        would answer it so, with no await): checked by the output rules, recorded; the verdict when they block
+        it (nothing recorded: ``_blocked`` says it); None when ``_respond`` must, nothing read.
 
         What was made of an answer is kept per client connection (``_Answered``): the same status and headers
         again (``Date`` included: at most a second apart), under the same policy, are sent and recorded with
@@ -640,8 +643,6 @@ class HttpListener:
                 return None
         else:
             content_type = up_headers.get("Content-Type")
-            if policy.checks_output and is_text(content_type):
-                return None
             no_body = request.method == "HEAD" or message.code in (204, 304)
             length_header = up_headers.get("Content-Length")
             length = int(length_header) if length_header is not None and length_header.isdigit() else None
@@ -652,8 +653,13 @@ class HttpListener:
             out_list, head = self._answer_head(request, state, message)
             wire, sends, timeless = request.answer_parts(message.code, message.reason, out_list, body,
                                                          length if no_body else None)
-            memo = _Answered(key, policy, no_body, head, wire, bool(sends))
+            memo = _Answered(key, policy, no_body, policy.checks_output and is_text(content_type), head, wire,
+                             bool(sends))
             request.protocol.answered = memo if timeless else None  # dated by the gateway: made anew each time
+        if memo.text and body:
+            verdict = policy.check_output(body[:self.guard_cap].decode("utf-8", "replace"))
+            if verdict is not None:
+                return verdict
         if len(body) <= self.record_cap:
             policy.record_output(memo.recorded + body)
         else:
@@ -953,6 +959,7 @@ class _Answered:
     key: tuple[object, ...]  # method, Host, status, reason, version and the target's headers as they came
     policy: SessionPolicy  # the chain it was answered under (its session's: the target's address too)
     no_body: bool
+    text: bool  # a body the output rules read
     recorded: bytes  # the target's status line and headers as recorded
     wire: bytes  # the head sent to the client
     sends: bool  # whether the body follows it (not for a HEAD, a 204 or a 304)
