@@ -51,7 +51,9 @@ def gateway(tmp_path_factory):
 @pytest.fixture(scope="module")
 async def api(gateway, http_target):
     async with admin_http(gateway) as http:
-        yield HttpApi(gateway, http, http_target)
+        api = HttpApi(gateway, http, http_target)
+        api.session_timeout = 120  # a deadline for the recording to be stored, generous on a loaded machine
+        yield api
 
 
 async def named_role(api: HttpApi, name: str, remote_url: str | None = None) -> dict:
@@ -111,9 +113,9 @@ async def plain_workload(url: str, secret: str) -> list[Any]:
         await call("GET", "/echo/..%2f..%2fetc")
         async with client.ws_connect(url + "/ws", headers=auth, protocols=("chat",)) as ws:
             await ws.send_str("hello")
-            seen.append(await ws.receive_str(timeout=10))
+            seen.append(await ws.receive_str(timeout=120))
             await ws.send_bytes(b"\x01\x02\x03")
-            seen.append(list(await ws.receive_bytes(timeout=10)))
+            seen.append(list(await ws.receive_bytes(timeout=120)))
         await call("GET", "/json?last=1")
     seen.append(len(curl("-H", f"Authorization: {secret}", f"{url}/json?curl=1")))
     seen.append(len(curl("-H", f"Authorization: {secret}", "-d", "curl=posted", f"{url}/echo/curl")))
@@ -140,9 +142,9 @@ async def rails_workload(url: str, secret: str) -> list[Any]:
         await call("GET", "/download?size=1000")  # binary: the output rule does not read it
         async with client.ws_connect(url + "/ws", headers=auth, protocols=("chat",)) as ws:
             await ws.send_str("hello")
-            seen.append(await ws.receive_str(timeout=10))
+            seen.append(await ws.receive_str(timeout=120))
             await ws.send_str("please drop table t")
-            closing = await ws.receive(timeout=10)
+            closing = await ws.receive(timeout=120)
             seen.append([closing.type.name, closing.data, closing.extra])
         await call("GET", "/json?last=1")
     return seen
