@@ -363,7 +363,8 @@ class HttpListener:
     def _still(self, sent: _Sent, client_ip: str) -> bool:
         """Whether what ``fast`` made of a request still holds: same credential state, current, same policy."""
         state = self._fresh.get(sent.secret)
-        return state is sent.state and self._current(state) and self._policy(state, client_ip) is sent.policy
+        return (state is sent.state and self._current(state) and self._policy(state, client_ip) is sent.policy
+                and sent.policy.rules is sent.rules)
 
     @staticmethod
     def _current(state: CredentialState) -> bool:
@@ -391,7 +392,8 @@ class HttpListener:
         first_line, up_headers = self._outbound(request, policy, presented.source, client_ip)
         if policy.checks_input and policy.check_input(guard_text(first_line, up_headers)) is not None:
             return None  # refused by ``handle``, which records it
-        return _Sent(request.raw, presented.secret, state, policy, first_line, head_bytes(first_line, headers.items()),
+        return _Sent(request.raw, presented.secret, state, policy, policy.rules, first_line,
+                     head_bytes(first_line, headers.items()),
                      request_head(request.method, state.target, request.raw_path, up_headers))
 
     def _answered(self, request: FrontRequest, state: CredentialState, policy: SessionPolicy, first_line: str,
@@ -634,7 +636,7 @@ class HttpListener:
         content = upstream.content
         key = (request.method, request.host, message.code, message.reason, message.version, tuple(up_headers.items()))
         memo: _Answered | None = request.protocol.answered
-        if memo is not None and memo.key == key and memo.policy is policy:
+        if memo is not None and memo.key == key and memo.policy is policy and memo.rules is policy.rules:
             if memo.no_body:
                 body = b""
             elif content.is_eof():
@@ -653,8 +655,8 @@ class HttpListener:
             out_list, head = self._answer_head(request, state, message)
             wire, sends, timeless = request.answer_parts(message.code, message.reason, out_list, body,
                                                          length if no_body else None)
-            memo = _Answered(key, policy, no_body, policy.checks_output and is_text(content_type), head, wire,
-                             bool(sends))
+            memo = _Answered(key, policy, policy.rules, no_body, policy.checks_output and is_text(content_type), head,
+                             wire, bool(sends))
             request.protocol.answered = memo if timeless else None  # dated by the gateway: made anew each time
         if memo.text and body:
             verdict = policy.check_output(body[:self.guard_cap].decode("utf-8", "replace"))
@@ -945,6 +947,7 @@ class _Sent:
     secret: str
     state: CredentialState
     policy: SessionPolicy
+    rules: object  # the policy's rules it was checked under (a policy may adopt others)
     first_line: str
     recorded: bytes  # the request as recorded (credentials redacted)
     head: bytes  # the request head sent to the target
@@ -958,6 +961,7 @@ class _Answered:
 
     key: tuple[object, ...]  # method, Host, status, reason, version and the target's headers as they came
     policy: SessionPolicy  # the chain it was answered under (its session's: the target's address too)
+    rules: object  # and that chain's rules then
     no_body: bool
     text: bool  # a body the output rules read
     recorded: bytes  # the target's status line and headers as recorded
