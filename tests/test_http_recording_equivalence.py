@@ -223,7 +223,8 @@ async def auditor_view(api: HttpApi, session_id: str, last: str, normal: Normali
         texts = [base64.b64decode(data).decode("utf-8", "replace") for _, _, data in session["event_stream"]]
         return any(last in text for text in texts[:-1])
 
-    session = await api.session(session_id, ended)
+    await api.session(session_id, ended)
+    session = await api.session(session_id)  # read again: the session row may have been read before the last flush
     raw = [(kind, base64.b64decode(data)) for _, kind, data in session["event_stream"]]
     assert session["event_size"] == sum(len(d) for _, d in raw)  # nothing recorded that the stream does not hold
     view: dict[str, Any] = {
