@@ -223,6 +223,13 @@ def main() -> int:
             nginx_us, gateway_us = (sorted(cpu[(label, n)])[len(cpu[(label, n)]) // 2] for n in proxies)
             print(f"CPU per request, {label}: nginx {nginx_us:.0f} us, gateway {gateway_us:.0f} us "
                   "(the proxy process alone; the gateway's includes its recording thread)")
+        # the data-path issue's targets: CPU per small request at most twice nginx's, the download at 0.9 of it
+        small_cpu = [sorted(cpu[("small JSON", n)])[len(cpu[("small JSON", n)]) // 2] for n in proxies]
+        cpu_ratio = small_cpu[1] / small_cpu[0] if small_cpu[0] else 0.0
+        download = results[("1 MB download", "gateway")][1] / (results[("1 MB download", "nginx")][1] or 1)
+        print(f"data path: CPU per small request gateway/nginx {cpu_ratio:.2f} (target <= 2.0) "
+              f"{'PASS' if cpu_ratio <= 2.0 else 'MISS'}; 1 MB download gateway/nginx {download:.2f} "
+              f"(target >= 0.9) {'PASS' if download >= 0.9 else 'MISS'}")
         small = results[("small JSON", "gateway")][0] / results[("small JSON", "direct")][0]
         big = results[("1 MB download", "gateway")][1] / results[("1 MB download", "direct")][1]
         print(f"(gw/direct: small JSON {small:.2f}, 1 MB download {big:.2f})")
