@@ -275,3 +275,59 @@ async def test_guard_rails_and_recording_alike_on_the_plain_and_the_aiohttp_path
     assert sum(1 for k, t in recorded if k == "e" and "words=[forbidden]" in t) == 2
     assert sum(1 for k, t in recorded if k == "e" and "top secret" in t) == 2
     assert all(secret not in text for _, text in recorded)
+
+
+async def test_repeated_plain_requests_skip_the_handler_and_are_recorded_alike(tmp_path, http_target):
+    """After a connection's first request, plain requests with a fresh credential are served by ``fast``
+    (no handler, no task): each answered and recorded as the first one was, a 404 and a HEAD included."""
+    from gatewayd.models import Connection, new_id, rfc3339, utcnow
+    from proxies.http.server import start as start_http
+    from tests.apiclient import b64
+    from tests.conftest import core_gateway
+
+    async with core_gateway(tmp_path) as core:
+        port = free_port()
+        listener = await start_http(core.proxy_context("http"), "127.0.0.1", port)
+        handled: list[str] = []
+        handle = listener.front.handler
+
+        async def counting(request):  # the task path's entry
+            handled.append(request.raw_path)
+            return await handle(request)
+
+        listener.front.handler = counting
+        try:
+            org = await core.store.default_org()
+            user = await core.identity.ensure_local_user("ann@example.com", "Ann", ["admin"])
+            connection = Connection(id=new_id(), org_id=org.id, name="web", resource_name="web", type="httpproxy",
+                                    subtype="httpproxy", secret={"envvar:REMOTE_URL": b64(http_target)},
+                                    created_at=rfc3339(utcnow()), updated_at=rfc3339(utcnow()))
+            await core.store.create_connection(connection)
+            issued = await core.access.issue(user, connection, 600)
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            answers = []
+            # a HEAD last: a target connection that answered one is not used again (see TargetProtocol)
+            for method, path in [("GET", "/json")] * 4 + [("GET", "/missing")] * 2 + [("HEAD", "/json")]:
+                writer.write(request(method, path, issued.secret))
+                if method == "HEAD":
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    answers.append((int(head.split()[1]), b""))
+                else:
+                    status, _, body = await read_response(reader)
+                    answers.append((status, body))
+            writer.close()
+            assert [status for status, _ in answers] == [200] * 4 + [404] * 2 + [200]
+            assert len({body for _, body in answers[:4]}) == 1 and json.loads(answers[0][1])["ok"] is True
+            assert handled == ["/json"]  # the first request resolved the credential; the rest never needed a task
+            await core.recording.flush()
+            recorded = await core.store.read_events(issued.credential.session_id)
+            inputs = [e.data for e in recorded if e.kind == "i"]
+            outputs = [e.data for e in recorded if e.kind == "o"]
+            assert len(inputs) == len(outputs) == 7 and len(set(inputs[:4])) == 1
+            assert all(issued.secret.encode() not in e.data for e in recorded)
+            dated = [re.sub(rb"Date: [^\r]*", b"Date: -", o) for o in outputs]
+            assert len(set(dated[:4])) == 1 and dated[0].endswith(answers[0][1])
+            assert dated[4] == dated[5] and dated[4].startswith(b"HTTP/1.1 404 Not Found\r\n")
+            assert dated[6].startswith(b"HTTP/1.1 200 OK\r\n") and dated[6].endswith(b"\r\n\r\n")
+        finally:
+            await listener.close()
