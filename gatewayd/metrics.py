@@ -2,7 +2,7 @@
 
 The core calls one function per event, never per wire message:
 
-* ``connection_opened`` / ``connection_closed`` -- a proxy's client connection (PostgreSQL, SSH, RDP);
+* ``connection_opened`` / ``connection_closed`` -- a proxy's client connection (PostgreSQL, SSH, HTTP, RDP);
 * ``track_session`` -- a session armed by the pipeline (open sessions per protocol, opened/closed counts);
 * ``login_refused`` -- a credential refused (unknown, expired, wrong protocol, throttled, refused after admit);
 * ``blocked``       -- a guard rail blocked input or output;

@@ -146,6 +146,7 @@ async def test_sessions_refusals_blocks_and_bytes_move_the_counters(gateway, pg_
         "the http session open (one per credential)": moved("gatewayd_sessions_open", protocol="http"),
         "three postgres connections (one refused)": moved("gatewayd_connections_total", 3, protocol="postgres"),
         "an ssh connection": moved("gatewayd_connections_total", protocol="ssh"),
+        "two http connections (one refused)": moved("gatewayd_connections_total", 2, protocol="http"),
         "a refused postgres login": moved("gatewayd_logins_refused_total", protocol="postgres"),
         "a refused http request": moved("gatewayd_logins_refused_total", protocol="http"),
         "an input block": moved("gatewayd_guardrail_blocks_total", direction="input"),
@@ -162,9 +163,10 @@ async def test_sessions_refusals_blocks_and_bytes_move_the_counters(gateway, pg_
     after = await scrape_until(gateway, checks)
     assert after.get_value("gatewayd_sessions_open", protocol="postgres") == 0
     assert after.get_value("gatewayd_sessions_open", protocol="ssh") == 0
-    await scrape_until(gateway, {"every postgres and ssh connection closed": lambda now: now.get_value(
+    await scrape_until(gateway, {"every postgres, ssh and http connection closed": lambda now: now.get_value(
         "gatewayd_connections_open", protocol="postgres") == now.get_value(
-        "gatewayd_connections_open", protocol="ssh") == 0})
+        "gatewayd_connections_open", protocol="ssh") == now.get_value(
+        "gatewayd_connections_open", protocol="http") == 0})
     assert after.get_value("gatewayd_recording_flush_failures_total") == 0
     assert not any(name == "gatewayd_logins_refused_total" and dict(labels).get("protocol") == "ssh"
                    and value > before.get_value(name, **dict(labels)) for (name, labels), value in after.items())

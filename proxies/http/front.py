@@ -32,6 +32,7 @@ from aiohttp.streams import EMPTY_PAYLOAD
 from aiohttp.tcp_helpers import tcp_keepalive
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from gatewayd import metrics
 from gatewayd.tasks import BackgroundTasks
 
 log = logging.getLogger("gatewayd.http")
@@ -275,10 +276,12 @@ class FrontProtocol(asyncio.Protocol):
         self.remote = str(peer[0]) if isinstance(peer, (list, tuple)) else str(peer or "")
         tcp_keepalive(self.transport)  # type: ignore[arg-type]
         self.front.connections.add(self)
+        metrics.connection_opened("http")
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.transport = None
         self.front.connections.discard(self)
+        metrics.connection_closed("http")
         self._wake_writer(ConnectionResetError("the client closed the connection"))
         self._stop_runner()
 
