@@ -11,7 +11,7 @@ import asyncio
 import getpass
 import os
 import sys
-from typing import Callable
+from typing import Awaitable, Callable
 
 from gatewayd import __version__
 from gatewayd.config import Config, ConfigError, load_config, parse_duration
@@ -218,8 +218,6 @@ def _cmd_audit_verify(args: argparse.Namespace) -> int:
 
 def _cmd_agent(args: argparse.Namespace) -> int:
     """``gatewayd agent``: run an agent until stopped (or its token is refused: exit 3)."""
-    import signal
-
     from gatewayd import logs
     from gatewayd.agent.channel import ChannelError, Target
     from gatewayd.agent.runner import AgentProcess
@@ -234,24 +232,11 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     logs.configure(args.log_format, args.log_level)
     process = AgentProcess(args.url, token, fingerprint=args.tls_fingerprint or "", ca_file=args.ca_file or "",
                            keepalive=args.keepalive)
-
-    async def main() -> int:
-        task = asyncio.ensure_future(process.run())
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, task.cancel)
-        try:
-            return await task
-        except asyncio.CancelledError:
-            return 0
-
-    return asyncio.run(main())
+    return _until_stopped(process.run)
 
 
 def _cmd_proxy_manager(args: argparse.Namespace) -> int:
     """``gatewayd proxy-manager``: open the local ports the gateway asks for until stopped."""
-    import signal
-
     from gatewayd import logs
     from gatewayd.agent.channel import ChannelError, Target
     from gatewayd.agent.manager_client import ProxyManagerProcess
@@ -265,9 +250,15 @@ def _cmd_proxy_manager(args: argparse.Namespace) -> int:
         raise ConfigError(str(exc)) from None
     logs.configure(args.log_format, args.log_level)
     process = ProxyManagerProcess(args.url, token, args.tls_fingerprint or "", args.ca_file or "")
+    return _until_stopped(process.run)
+
+
+def _until_stopped(run: Callable[[], Awaitable[int]]) -> int:
+    """Run a long-lived client (an agent, a proxy manager) until it ends (its exit code) or SIGTERM/SIGINT (0)."""
+    import signal
 
     async def main() -> int:
-        task = asyncio.ensure_future(process.run())
+        task = asyncio.ensure_future(run())
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, task.cancel)

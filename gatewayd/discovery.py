@@ -17,8 +17,6 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
-from aiobotocore.config import AioConfig
-from aiobotocore.session import get_session
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
 from gatewayd.models import Connection, target_port
@@ -148,9 +146,7 @@ class AwsDiscovery:
     def __init__(self, store: Store, settings: AwsSettings) -> None:
         self.store = store
         self.settings = settings
-        self._session = get_session()
-        self._config = AioConfig(connect_timeout=settings.timeout, read_timeout=settings.timeout,
-                                 retries={"max_attempts": 3, "mode": "standard"})
+        self._aws: tuple[Any, Any] | None = None  # aiobotocore's session and config, made on first use
 
     # -- the organization's key
 
@@ -190,7 +186,15 @@ class AwsDiscovery:
 
     def _client(self, service: str, region: str, credentials: dict[str, str]) -> Any:
         extra = {"endpoint_url": self.settings.endpoint_url} if self.settings.endpoint_url else {}
-        return self._session.create_client(service, region_name=region, config=self._config, **credentials, **extra)
+        if self._aws is None:  # aiobotocore is imported here: the CLI and a daemon that never asks AWS skip it
+            from aiobotocore.config import AioConfig
+            from aiobotocore.session import get_session
+
+            self._aws = get_session(), AioConfig(connect_timeout=self.settings.timeout,
+                                                    read_timeout=self.settings.timeout,
+                                                    retries={"max_attempts": 3, "mode": "standard"})
+        session, config = self._aws
+        return session.create_client(service, region_name=region, config=config, **credentials, **extra)
 
     async def _caller_account(self, credentials: dict[str, str], region: str) -> str:
         try:

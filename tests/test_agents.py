@@ -233,6 +233,19 @@ async def test_a_slow_stream_does_not_stall_the_others(gateway, api, http_target
 # ---------------------------------------------------------------------------------------------- proxy manager
 
 
+async def start_manager(api: Any, user: str, url: str, fingerprint: str, tmp_path: Path) -> AgentProcess:
+    """``gatewayd proxy-manager`` with the user's token, once the gateway sees it connected."""
+    manager = AgentProcess(f"gatewayd proxy-manager --url {url} --token {user} --tls-fingerprint {fingerprint}",
+                           tmp_path / "manager.log", None).start()
+    deadline = time.monotonic() + 30
+    while (await api("GET", "/proxymanager/status", token=user))[1]["status"] != "connected":
+        if time.monotonic() > deadline:
+            manager.stop()
+            raise AssertionError((tmp_path / "manager.log").read_text())
+        await asyncio.sleep(0.05)
+    return manager
+
+
 async def test_the_proxy_manager_opens_a_local_port_that_psql_uses_with_the_user_s_own_credential(
         gateway, api, pg_target, tmp_path):
     created = await new_agent(api)  # its start command says the gRPC URL and the certificate's fingerprint
@@ -249,13 +262,8 @@ async def test_the_proxy_manager_opens_a_local_port_that_psql_uses_with_the_user
     code, refused = await api("POST", "/proxymanager/connect", {"connection_name": connection["name"], "port": 1},
                               token=user)
     assert code == 409 and "gatewayd proxy-manager" in refused["message"]
-    manager = AgentProcess(f"gatewayd proxy-manager --url {url} --token {user} --tls-fingerprint {fingerprint}",
-                           tmp_path / "manager.log", None).start()
+    manager = await start_manager(api, user, url, fingerprint, tmp_path)
     try:
-        deadline = time.monotonic() + 30
-        while (await api("GET", "/proxymanager/status", token=user))[1]["status"] != "connected":
-            assert time.monotonic() < deadline, (tmp_path / "manager.log").read_text()
-            await asyncio.sleep(0.05)
         port = free_port()
         code, opened = await api("POST", "/proxymanager/connect",
                                  {"connection_name": connection["name"], "port": port}, token=user)
@@ -300,13 +308,8 @@ async def test_the_proxy_manager_forwards_ssh_logged_in_with_the_user_s_credenti
                                                        "USER": ssh_target.user,
                                                        "PRIVATE_KEY": ssh_target.private_key_text}.items()}})
     assert code == 201, connection
-    manager = AgentProcess(f"gatewayd proxy-manager --url {url} --token {user} --tls-fingerprint {fingerprint}",
-                           tmp_path / "manager.log", None).start()
+    manager = await start_manager(api, user, url, fingerprint, tmp_path)
     try:
-        deadline = time.monotonic() + 30
-        while (await api("GET", "/proxymanager/status", token=user))[1]["status"] != "connected":
-            assert time.monotonic() < deadline, (tmp_path / "manager.log").read_text()
-            await asyncio.sleep(0.05)
         port = free_port()
         code, opened = await api("POST", "/proxymanager/connect",
                                  {"connection_name": connection["name"], "port": port}, token=user)
