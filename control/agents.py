@@ -102,7 +102,7 @@ async def delete(request: web.Request) -> web.Response:
     agent = await _find(request)
     gateway = gateway_of(request)
     await gateway.store.delete_agent(admin.org_id, agent.id)
-    await gateway.agents.drop(agent, f'agent "{agent.name}" was deleted')
+    await gateway.agents.drop_everywhere(agent, f'agent "{agent.name}" was deleted')
     return web.Response(status=204)
 
 
@@ -115,5 +115,5 @@ async def rotate(request: web.Request) -> web.Response:
     token = new_credential_secret(TOKEN_PREFIX)
     agent.token_hash, agent.updated_at = hash_secret(token), rfc3339(utcnow())
     await gateway.store.save_agent(agent)
-    await gateway.agents.drop(agent, f'the token of agent "{agent.name}" was rotated')
+    await gateway.agents.drop_everywhere(agent, f'the token of agent "{agent.name}" was rotated')
     return ok(_with_token(gateway, agent, token))

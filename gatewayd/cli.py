@@ -267,7 +267,7 @@ def _until_stopped(run: Callable[[], Awaitable[int]]) -> int:
         except asyncio.CancelledError:
             return 0
 
-    return asyncio.run(main())
+    return run_loop(main())
 
 
 Command = Callable[[argparse.Namespace], int]

@@ -22,6 +22,7 @@ import grpc
 from gatewayd import protocols
 from gatewayd.agent import agent_pb2 as pb
 from gatewayd.agent.pump import pump
+from gatewayd.agent.server import bearer
 from gatewayd.config import split_listen
 from gatewayd.models import rfc3339, utcnow
 
@@ -73,14 +74,6 @@ class ManagerLink:
     forwardings: dict[str, Forwarding] = field(default_factory=dict)  # by connection name
 
 
-def _bearer(context: grpc.aio.ServicerContext) -> str:
-    for key, value in context.invocation_metadata() or ():
-        if key == "authorization":
-            scheme, _, token = str(value).partition(" ")
-            return token.strip() if scheme.lower() == "bearer" else ""
-    return ""
-
-
 class ManagerService:
     """The gateway's side: users' Manage channels, the API's connect/disconnect/status, Forward calls."""
 
@@ -92,7 +85,7 @@ class ManagerService:
 
     async def _user(self, context: grpc.aio.ServicerContext) -> User:
         try:
-            return await self.identity.authenticate(_bearer(context))
+            return await self.identity.authenticate(bearer(context))
         except Exception:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "access denied: a user's bearer token is needed")
             raise

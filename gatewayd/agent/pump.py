@@ -51,8 +51,9 @@ async def call_to_socket(read: ReadFrame, writer: asyncio.StreamWriter) -> None:
             raise StreamBroken("the stream ended without its end of data")
         if frame.error:
             raise StreamFailed(frame.error)
-        if frame.data:
-            writer.write(frame.data)
+        data = frame.data  # each read of a bytes field copies it (upb)
+        if data:
+            writer.write(data)
             await writer.drain()
         if frame.eof:
             if not writer.is_closing() and writer.can_write_eof():

@@ -44,6 +44,9 @@ def lost_reason(name: str) -> str:
     return f'agent "{name}" went offline: its connection to the gateway was lost'
 
 
+DROP = "agent.drop"  # the bus topic: an agent deleted or its token rotated, on any node: every node cuts its links
+
+
 @dataclass(slots=True, eq=False)
 class AgentLink:
     """One control channel of one agent to this node."""
@@ -91,6 +94,7 @@ class AgentRegistry:
         self.peers = peers or _no_peers  # the other nodes' gRPC URLs, said to each agent in Welcome
         self.links: dict[str, list[AgentLink]] = {}  # by agent id
         self.pending: dict[str, PendingStream] = {}  # by stream id
+        sessions.cluster.on(DROP, self._on_drop)
 
     # -- presence
 
@@ -163,8 +167,17 @@ class AgentRegistry:
         connection = live.connection
         return connection.org_id == agent.org_id and bool(connection.agent_id) and matches(agent, connection.agent_id)
 
+    async def drop_everywhere(self, agent: Agent, reason: str) -> None:
+        """``drop`` on every worker and node (an agent holds a link to each): the bus carries it to the others."""
+        await self.sessions.cluster.publish(DROP, agent_id=agent.id, org_id=agent.org_id, name=agent.name,
+                                            reason=reason)
+
+    async def _on_drop(self, message: dict[str, Any]) -> None:
+        agent = Agent(id=str(message.get("agent_id")), org_id=str(message.get("org_id")), name=str(message.get("name")))
+        await self.drop(agent, str(message.get("reason") or "the agent was disconnected"))
+
     async def drop(self, agent: Agent, reason: str) -> int:
-        """Disconnect every link of ``agent`` (deleted, token rotated); its sessions end with ``reason``."""
+        """Disconnect every link of ``agent`` here (deleted, token rotated); its sessions end with ``reason``."""
         links = list(self.links.get(agent.id, []))
         for link in links:
             link.close(reason)

@@ -821,6 +821,7 @@ class ServerSide:
         "policy",
         "replies",
         "sources",
+        "sources_for",
         "target_fatal",
     )
 
@@ -832,9 +833,12 @@ class ServerSide:
         # (table OID, column number) -> the column name a mask rule names (proxies/postgres/catalog.py): a column
         # masked by name stays masked under an alias; None: the catalog could not be read (fail closed)
         self.sources: dict[tuple[int, int], str] | None = {}
+        self.sources_for: frozenset[str] = frozenset()  # the column names ``sources`` was looked up for
         # statement -> (its type OIDs in ``columns`` when described, its columns masked by name): valid while
         # ``columns`` holds that same tuple (the client side drops it when the statement is parsed again)
-        self.masks: dict[str, tuple[tuple[int, ...], tuple[tuple[int, str], ...]]] = {}
+        # (and the RowDescription it was worked out from: the masked columns are worked out again when the rules
+        # or the column sources change, for a statement executed again without a new Describe)
+        self.masks: dict[str, tuple[tuple[int, ...], tuple[tuple[int, str], ...] | None, RowDescription]] = {}
         self.masks_now: tuple[tuple[int, str], ...] | None = None  # columns masked by name in the current result
         self.oids: tuple[int, ...] = ()  # column type OIDs of the current result
         self.cut = False  # an output rule matched: swallow until ReadyForQuery
@@ -893,10 +897,25 @@ class ServerSide:
 
     def _adopt_masker(self) -> None:
         """The session's rules changed while it runs (``SessionPolicy.adopt``): mask by the new ones from the next
-        result on; what was worked out from the old ones (columns masked by name) is dropped."""
-        self.masker = self.policy.masker
+        result on; what was worked out from the old ones (columns masked by name) is dropped. Column names the
+        catalog was not asked about mask every value (fail closed) until ``set_sources`` has them."""
+        masker = self.masker = self.policy.masker
+        if masker is not None and self.sources is not None and not set(masker.columns) <= self.sources_for:
+            self.sources = None
+        self._redescribe()
+
+    def set_sources(self, sources: dict[tuple[int, int], str] | None, names: Iterable[str]) -> None:
+        """Where the columns ``names`` are (proxies/postgres/catalog.py; None: unknown, fail closed)."""
+        self.sources, self.sources_for = sources, frozenset(names)
+        self._redescribe()
+
+    def _redescribe(self) -> None:
+        """Work out again which columns are masked, for every statement described so far (they may run again)."""
         self._descriptions.clear()
-        self.masks.clear()
+        masker = self.masker
+        for statement, (oids, _, message) in list(self.masks.items()):
+            masked = self._masked_columns(masker, message, message.names) if masker and masker.columns else ()
+            self.masks[statement] = (oids, masked, message)
 
     # -- rows
 
@@ -1028,7 +1047,7 @@ class ServerSide:
                     if self.masker is not None:
                         if len(self.masks) >= DESCRIPTION_CACHE_SIZE * 64:
                             self.masks.clear()
-                        self.masks[head.statement] = (self._desc_oids, self._desc_masks)
+                        self.masks[head.statement] = (self._desc_oids, self._desc_masks, message)
                 if self.policy.recording:
                     self.header = header
         elif kind is NoData:

@@ -65,6 +65,8 @@ from proxies.postgres.upstream import (
 if TYPE_CHECKING:
     from gatewayd.access import AccessGrant
     from gatewayd.dialer import Dialer
+    from gatewayd.models import Connection
+    from gatewayd.pipeline import SessionRun
     from gatewayd.policy import SessionPolicy
 
 log = logging.getLogger("gatewayd.postgres")
@@ -321,8 +323,7 @@ class ClientConnection:
             try:
                 self.stream.write(b"".join([encode_authentication_ok(), *link.startup_frames,
                                             encode_backend_key_data(*key), encode_ready_for_query(link.status)]))
-                sources = await self._column_sources(run.policy, settings, connection.name)
-                exit_code, error = await self._relay(link, run.policy, connection.name, sources)
+                exit_code, error = await self._relay(link, run, settings, connection)
             finally:
                 self.listener.cancel_keys.pop(key)
                 terminate(link)
@@ -337,27 +338,41 @@ class ClientConnection:
 
     # -- relay
 
+    @staticmethod
+    def _column_names(policy: SessionPolicy) -> tuple[str, ...]:
+        return tuple(policy.masker.columns) if policy.masker is not None else ()
+
     async def _column_sources(self, policy: SessionPolicy, settings: TargetSettings,
-                              name: str) -> Sources | None:
+                              connection: Connection) -> Sources | None:
         """Where the columns the mask rules name are (catalog.py), so an alias does not unmask them; {} without
         such rules; None when the catalog cannot be read (every value of a result is then masked: fail closed)."""
         masker = policy.masker
         if masker is None or not masker.columns:
             return {}
         try:
-            return await column_sources(settings, name, self.pipeline.dialer, masker.columns)
+            return await column_sources(settings, connection.name, self.pipeline.dialer_for(connection),
+                                        masker.columns)
         except UpstreamError as exc:
             log.warning("the columns of the mask rules could not be looked up: results are masked whole",
-                        extra={"connection": name, "error": exc.message})
+                        extra={"connection": connection.name, "error": exc.message})
             return None
 
-    async def _relay(self, link: TargetLink, policy: SessionPolicy, name: str,
-                     sources: Sources | None) -> tuple[int, str | None]:
+    async def _relay(self, link: TargetLink, run: SessionRun[TargetLink], settings: TargetSettings,
+                     connection: Connection) -> tuple[int, str | None]:
         """Relay until one side goes away; the session's exit code and error."""
+        policy, name = run.policy, connection.name
         pending: deque[Pending] = deque()
         columns: dict[str, tuple[int, ...]] = {}
         server = ServerSide(policy, pending, columns)
-        server.sources = sources
+        server.set_sources(await self._column_sources(policy, settings, connection), self._column_names(policy))
+        reload = run.live.reload_rules
+        if reload is not None:  # rules changed mid-session: column names the catalog was not asked about, asked now
+            async def reload_and_look_up() -> None:
+                await reload()
+                if not set(self._column_names(policy)) <= server.sources_for:
+                    server.set_sources(await self._column_sources(policy, settings, connection),
+                                       self._column_names(policy))
+            run.live.reload_rules = reload_and_look_up
         relay = RelaySession(self.stream.transport, link.transport, self.frontend, link.backend,
                              (WaitingClientSide if policy.waits else ClientSide)(policy, pending, columns), server,
                              policy)

@@ -33,6 +33,7 @@ import base64
 import logging
 import re
 import socket
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import asyncssh
@@ -492,7 +493,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         self.pty = False
         self.shell: ShellInput | None = None
         self.sftp: SftpObserver | None = None
-        self.pending: list[bytes] = []  # client data waiting for the target's channel, or for a held line's verdict
+        self.pending: deque[bytes] = deque()  # client data waiting for the target's channel, or for a held line's verdict
         self.pending_eof = False
         self.holding = False  # a shell line's Enter waits for its verdict (an AI rule in sync mode)
         self.client_eof = False  # the client sent EOF: it sends nothing more on this channel
@@ -637,7 +638,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         if self.ended:
             self.upchan.close()
             return
-        pending, self.pending = self.pending, []
+        pending, self.pending = self.pending, deque()
         for data in pending:
             self.to_target(data)
         if self.pending_eof and not self.holding:  # else the held line's verdict sends it
@@ -698,7 +699,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             if upchan is not None and not self.ended:
                 self._shell_to_target(upchan, pieces)
                 while self.pending and not self.holding:
-                    self.to_target(self.pending.pop(0))
+                    self.to_target(self.pending.popleft())
                 if self.pending_eof and not self.holding:
                     self.pending_eof = False
                     self._eof_to_target()
