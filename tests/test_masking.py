@@ -424,6 +424,7 @@ _RULES = [
     [{"type": "mask", "patterns": ["card_number"]}, {"type": "mask", "pattern_regex": "o\\t|\\tx|b\\.io", "style": "hash"}],
     [{"type": "mask", "pattern_regex": "[a-z]+@"}],
     [{"type": "mask", "pattern_regex": "@.*"}],
+    [{"type": "mask", "patterns": ["email"]}, {"type": "mask", "columns": ["contact"], "style": "hash"}],
 ]
 
 
@@ -460,3 +461,44 @@ def test_the_text_rows_fused_path_masks_and_records_as_the_general_path(rules: l
         fused += 1
         assert got == expected, (values, oids)
     assert fused > 300
+
+
+@pytest.mark.parametrize("style", ["fixed", "last4", "hash"])
+def test_the_rows_masked_by_column_name_alone_as_the_general_path(style: str) -> None:
+    """``mask_named_row`` (the columns masked whole found from the row's text, one pass, the recorded text
+    patched) gives the frame, the recorded text and the count of ``mask_row`` + ``render_masked`` for a row
+    the patterns found nothing in, or steps aside (``_FALLBACK``: NULLs, tabs, non-ASCII text, JSON)."""
+    import random
+
+    from proxies.postgres.codec import render_row
+    from proxies.postgres.relay import _FALLBACK, mask_named_row, mask_row, render_masked
+
+    m = masker({"type": "mask", "patterns": ["email"]}, {"type": "mask", "columns": ["c"], "style": style})
+    chance = random.Random(7)
+    cells = [b"", b"x", b"id 12345", b"Lyon", b"renewal due", b"0.8125"] * 4 + [b"caf\xc3\xa9", b"\xff", b"a\tb", None]
+    named = 0
+    # first a NULL before the masked cell, 4 two-byte characters after it: the text as long as the frame says,
+    # its places not the frame's (the text is not ASCII)
+    for attempt in range(3001):
+        if attempt:
+            count = chance.randint(1, 12)
+            values = [chance.choice(cells) for _ in range(count)]
+            oids = tuple(chance.choice((25, 25, 25, 1043, 20, 1700, 0) * 3 + (114, 3802)) for _ in range(count))
+            whole = tuple((i, style) for i in sorted(chance.sample(range(count + 2), chance.randint(1, 3))))
+        else:
+            values, count, oids, whole = [None, b"x", b"\xc3\xa9" * 4], 3, (25, 25, 25), ((1, style),)
+        reader = pg.BackendReader()
+        reader.feed(pg.encode_data_row(values))
+        row = next(iter(reader))
+        text = render_row(None, row, formats=(0,) * count)
+        data = text.encode("utf-8", "surrogateescape")
+        assert not m.row_spans(data)
+        general = mask_row(m, row, (0,) * count, oids, whole, [], len(data), data)
+        expected = None if general is None else (general[0], render_masked(text, row, general[1], (), oids),
+                                                 general[2])
+        got = mask_named_row(m, row, text, whole, oids)
+        if got is _FALLBACK:
+            continue
+        named += 1
+        assert got == expected, (values, oids, whole)
+    assert named > 500

@@ -211,6 +211,7 @@ _ROW_PASSED, _ROW_CUT, _ROW_REPLACED = 0, 1, 2
 
 
 _I32 = struct.Struct("!i").unpack_from
+_U16 = struct.Struct("!H").unpack_from
 
 
 def _layout(row: DataRow) -> tuple[list[int], list[int], list[int]]:
@@ -479,6 +480,88 @@ def mask_text_row(masker: Masker, row: DataRow, text: str, data: bytes, spans: l
     else:
         recorded = render_masked(text, row, {i: value for i, _, _, value in found}, (), oids)
     return b"".join(parts), recorded, total
+
+
+_FIXED_CELL = _LENGTH(4) + b"****"  # a cell masked whole in the ``fixed`` style, its length field first
+
+
+def mask_named_row(masker: Masker, row: DataRow, text: str, whole: tuple[tuple[int, str], ...],
+                   oids: Sequence[int]) -> tuple[bytes, str, int] | None | object:
+    """``mask_row`` then ``render_masked`` in one pass for a text row masked by column name alone:
+    (masked frame, recorded text, count), None when no such column is in the row.
+
+    ``whole``: the columns masked whole (increasing, not empty), for a row the patterns found nothing
+    in.  ``_FALLBACK`` unless the row is the usual one: formats all text (the caller's test), ``text``
+    ASCII with as many tabs as cells, and the frame's size saying so (then no NULL: a character of
+    ``text`` is a byte of the frame, and where a cell is in ``text`` says where it is in the frame,
+    with no walk over the other cells), and no JSON column masked.
+    """
+    buf = row._buf
+    start = row._start
+    count = _U16(buf, start + 5)[0]
+    size = len(text)
+    if not text.isascii() or row._end - start - 7 - 4 * count != size - count + 1 or text.count("\t") != count - 1:
+        return _FALLBACK
+    base = start + 7
+    parts: list[bytes] = [b""]  # the header, once the length is known
+    pieces: list[str] = []
+    length = row._end - start - 1
+    pos = start + 5  # copied up to there in the frame
+    done = 0  # and in ``text``
+    total = 0
+    j = -1  # the cell whose start is ``cell``
+    cell = 0
+    for i, style in whole:
+        if i >= count:
+            break
+        if j < 0 and 2 * i >= count:  # nearer the row's end: its tabs counted from there
+            tab = size
+            for _ in range(count - i):
+                tab = text.rfind("\t", 0, tab)
+            cell = tab + 1
+        else:
+            if j < 0:
+                j = 0
+            while j < i:
+                cell = text.find("\t", cell) + 1
+                j += 1
+        j = i
+        stop = text.find("\t", cell)
+        if stop < 0:
+            stop = size
+        oid = oids[i] if i < len(oids) else 0
+        at = base + 3 * i + cell  # the cell's length field in the frame: its bytes follow
+        n = stop - cell
+        parts.append(buf[pos:at])
+        if oid in _NOT_TEXT_OIDS:
+            parts.append(b"\xff\xff\xff\xff")
+            length -= n
+            shown = "NULL"
+        elif oid in _JSON_OIDS:
+            return _FALLBACK
+        elif style == "fixed":
+            parts.append(_FIXED_CELL)
+            length += 4 - n
+            shown = "****"
+        else:
+            value = masker.mask_whole(buf[at + 4:at + 4 + n], style)
+            parts.append(_LENGTH(len(value)))
+            parts.append(value)
+            length += len(value) - n
+            shown = value.decode("utf-8", "replace")
+        pieces.append(text[done:cell])
+        pieces.append(shown)
+        pos = at + 4 + n
+        done = stop
+        total += 1
+        cell = stop + 1
+        j += 1
+    if not total:
+        return None
+    parts.append(buf[pos:row._end])
+    parts[0] = _HEADER(b"D", length)
+    pieces.append(text[done:])
+    return b"".join(parts), "".join(pieces), total
 
 
 def mask_row(masker: Masker, row: DataRow, formats: Sequence[int], oids: Sequence[int],
@@ -951,30 +1034,34 @@ class ServerSide:
             whole = self.masks_now
             data = text.encode("utf-8", "surrogateescape")
             spans = masker.row_spans(data)
-            if spans and not whole and not masker.columns and FORMAT_BINARY not in formats:
-                fast = mask_text_row(masker, row, text, data, spans, self.oids)
-                if fast is None:
-                    spans = None  # searched: nothing to mask
-                elif fast is not _FALLBACK:
-                    frame, masked_text, count = fast  # type: ignore[misc]
-                    policy.count_masked(count)
-                    if masker.seal is not None:
-                        policy.record_clear(text)
-                    batch.add_bytes(frame)
-                    done = _ROW_REPLACED
-                    text = masked_text
-            if done == _ROW_PASSED and (spans or whole or masker.columns and whole is None):
-                masked = mask_row(masker, row, formats, self.oids, None if masker.columns and whole is None
-                                  else whole or (), spans, len(data), None if FORMAT_BINARY in formats else data)
-                if masked is not None:
-                    frame, values, count = masked
-                    policy.count_masked(count)
-                    if masker.seal is not None:
-                        policy.record_clear(text)
-                    batch.add_bytes(frame)
-                    done = _ROW_REPLACED
-                    if policy.recording:
-                        text = render_masked(text, row, values, formats, self.oids)
+            fast = _FALLBACK
+            if FORMAT_BINARY not in formats:
+                if whole:
+                    if not spans:  # by column name alone
+                        fast = mask_named_row(masker, row, text, whole, self.oids)
+                elif spans and (whole is not None or not masker.columns):  # by pattern alone
+                    fast = mask_text_row(masker, row, text, data, spans, self.oids)
+            if fast is _FALLBACK:
+                if spans or whole or masker.columns and whole is None:
+                    masked = mask_row(masker, row, formats, self.oids, None if masker.columns and whole is None
+                                      else whole or (), spans, len(data), None if FORMAT_BINARY in formats else data)
+                    if masked is not None:
+                        frame, values, count = masked
+                        policy.count_masked(count)
+                        if masker.seal is not None:
+                            policy.record_clear(text)
+                        batch.add_bytes(frame)
+                        done = _ROW_REPLACED
+                        if policy.recording:
+                            text = render_masked(text, row, values, formats, self.oids)
+            elif fast is not None:  # None: worked out, nothing to mask
+                frame, masked_text, count = fast  # type: ignore[misc]
+                policy.count_masked(count)
+                if masker.seal is not None:
+                    policy.record_clear(text)
+                batch.add_bytes(frame)
+                done = _ROW_REPLACED
+                text = masked_text
         if policy.recording:
             if self.header is not None:
                 self._emit(self.header)
