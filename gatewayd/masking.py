@@ -123,7 +123,7 @@ def _has_13_digits(data: bytes) -> bool:
 
 
 def _has_at(data: bytes) -> bool:
-    return b"@" in data
+    return 64 in data  # ``@`` as an int: one memchr, a fraction of the cost of a bytes needle
 
 
 @dataclass(slots=True, frozen=True)
@@ -425,7 +425,10 @@ class Masker:
         style = live.style
         if len(spans) == 1:
             start, end = spans[0]
-            return data[:start] + self._masked(data[start:end], style) + data[end:], 1
+            masked = FIXED if style == "fixed" else self._masked(data[start:end], style)
+            if start == 0 and end == len(data):  # the usual case: the cell is the value (an e-mail column)
+                return masked, 1
+            return data[:start] + masked + data[end:], 1
         out: list[bytes] = []
         pos = 0
         for start, end in spans:

@@ -373,26 +373,50 @@ def mask_text_row(masker: Masker, row: DataRow, text: str, data: bytes, spans: l
     where the ``spans`` of the row's search fall (a JSON cell goes the general way).  A masked cell's
     new text goes into ``text`` at the same place when ``text`` is ASCII (one character a byte).
     """
-    count = row.column_count
-    size = len(data)
+    buf = row._buf
     start = row._start
-    if not count or row._end - start - 7 - 4 * count != size - count + 1 or data.count(b"\t") != count - 1:
+    count = _U16(buf, start + 5)[0]
+    size = len(data)
+    # (no column: the frame's 0 bytes of values are not the empty text's 1)
+    if row._end - start - 7 - 4 * count != size - count + 1 or data.count(b"\t") != count - 1:
         return _FALLBACK
     base = start + 7
-    buf = row._buf
     noids = len(oids)
+    if len(spans) == 1:  # the usual case: one match, in one cell, straight through
+        begin, end = spans[0]
+        cell = data.rfind(b"\t", 0, begin + 1) + 1
+        stop = data.find(b"\t", begin)
+        if stop < 0:
+            stop = size
+        if cell <= begin < end <= stop:
+            i = count - 1 if stop == size else data.count(b"\t", 0, cell)
+            oid = oids[i] if i < noids else 0
+            if oid in _JSON_OIDS:
+                return _FALLBACK
+            at = base + 3 * i + cell  # the cell's length field in the frame: its bytes follow
+            n = stop - cell
+            masked = masker.mask_found(buf[at + 4:at + 4 + n], [(begin - cell, end - cell)])
+            if masked is None:
+                return None
+            end = row._end
+            if oid in _NOT_TEXT_OIDS:
+                value = None
+                frame = b"".join((_HEADER(b"D", end - start - 1 - n), buf[start + 5:at], b"\xff\xff\xff\xff",
+                                  buf[at + 4 + n:end]))
+                shown = "NULL"
+                total = 1
+            else:
+                value, total = masked
+                width = len(value)
+                frame = b"".join((_HEADER(b"D", end - start - 1 + width - n), buf[start + 5:at], _LENGTH(width), value,
+                                  buf[at + 4 + n:end]))
+                shown = value.decode("utf-8", "replace")
+            if len(text) == size:  # ASCII: one character a byte
+                return frame, text[:cell] + shown + text[stop:], total
+            return frame, render_masked(text, row, {i: value}, (), oids), total
     # the cells the spans overlap, in increasing order: [index, start, end in data, the spans wholly inside
     # it, relative to it (None when a span crosses it: its finders search it)]
     cells: list[list] = []
-    if len(spans) == 1 and spans[0][0] < spans[0][1]:  # the usual case: one match, in one cell
-        begin, end = spans[0]
-        cell = data.rfind(b"\t", 0, begin + 1) + 1
-        stop = data.find(b"\t", cell)
-        if stop < 0:
-            stop = size
-        if begin >= cell and end <= stop:
-            cells.append([data.count(b"\t", 0, cell), cell, stop, [(begin - cell, end - cell)]])
-            spans = ()
     for begin, end in spans:
         if end == begin:  # a pattern that matches nothing at all: every cell
             return _FALLBACK
@@ -1034,15 +1058,15 @@ class ServerSide:
             whole = self.masks_now
             data = text.encode("utf-8", "surrogateescape")
             spans = masker.row_spans(data)
-            fast = _FALLBACK
-            if FORMAT_BINARY not in formats:
-                if whole:
-                    if not spans:  # by column name alone
-                        fast = mask_named_row(masker, row, text, whole, self.oids)
-                elif spans and (whole is not None or not masker.columns):  # by pattern alone
-                    fast = mask_text_row(masker, row, text, data, spans, self.oids)
-            if fast is _FALLBACK:
-                if spans or whole or masker.columns and whole is None:
+            if spans or whole or masker.columns and whole is None:  # something may be masked
+                fast = _FALLBACK
+                if FORMAT_BINARY not in formats:
+                    if whole:
+                        if not spans:  # by column name alone
+                            fast = mask_named_row(masker, row, text, whole, self.oids)
+                    elif spans and (whole is not None or not masker.columns):  # by pattern alone
+                        fast = mask_text_row(masker, row, text, data, spans, self.oids)
+                if fast is _FALLBACK:
                     masked = mask_row(masker, row, formats, self.oids, None if masker.columns and whole is None
                                       else whole or (), spans, len(data), None if FORMAT_BINARY in formats else data)
                     if masked is not None:
@@ -1054,14 +1078,14 @@ class ServerSide:
                         done = _ROW_REPLACED
                         if policy.recording:
                             text = render_masked(text, row, values, formats, self.oids)
-            elif fast is not None:  # None: worked out, nothing to mask
-                frame, masked_text, count = fast  # type: ignore[misc]
-                policy.count_masked(count)
-                if masker.seal is not None:
-                    policy.record_clear(text)
-                batch.add_bytes(frame)
-                done = _ROW_REPLACED
-                text = masked_text
+                elif fast is not None:  # None: worked out, nothing to mask
+                    frame, masked_text, count = fast  # type: ignore[misc]
+                    policy.count_masked(count)
+                    if masker.seal is not None:
+                        policy.record_clear(text)
+                    batch.add_bytes(frame)
+                    done = _ROW_REPLACED
+                    text = masked_text
         if policy.recording:
             if self.header is not None:
                 self._emit(self.header)
