@@ -276,6 +276,14 @@ def compile_mask_rule(guardrail: str, rule: dict[str, Any], where: str,
 # --------------------------------------------------------------------------- the masker
 
 
+def _no_spans(row_text: bytes) -> list[tuple[int, int]]:
+    return []  # ``Masker.row_spans`` without patterns
+
+
+def _everything(row_text: bytes) -> list[tuple[int, int]]:
+    return [(0, len(row_text) + 1)]  # ``Masker.row_spans`` of an anchored regex: every cell
+
+
 class Masker:
     """Every mask rule of a connection, compiled into one fast path and the finders behind it.
 
@@ -283,17 +291,16 @@ class Masker:
     store's secret key (``SecretBox.seal``): kept as ``seal`` when a rule asks to record the clear text.
     """
 
-    __slots__ = ("columns", "finders", "_key", "_prefilter", "_prefilter_spans", "row_prefilter", "seal")
+    __slots__ = ("columns", "finders", "_heads", "_key", "_last", "_prefilter", "row_prefilter", "row_spans", "seal")
 
     def __init__(self, rules: list[MaskRule], key: bytes = b"",
                  seal: Callable[[bytes, bytes], bytes] | None = None) -> None:
         self.finders = [f for rule in rules for f in rule.finders]
+        self._heads = tuple(self.finders[:-1])  # ``mask_found``: every finder but the last, and the last
+        self._last = self.finders[-1] if self.finders else None
         sources = [s for rule in rules for s in rule.sources]
         self._prefilter = (re2.compile("|".join(f"(?:{s})" for s in sources).encode(), _PREFILTER_OPTIONS)
                            if sources else None)
-        # nonempty: after a match ending where the row does, only an empty one could follow, and the cells
-        # the search gave are those it would give with it (an empty match makes them all cells)
-        self._prefilter_spans = _spans_of(self._prefilter, nonempty=True) if self._prefilter is not None else None
         self.columns: dict[str, str] = {}  # column name (lower case) -> style
         for rule in rules:
             for column in rule.columns:
@@ -301,6 +308,15 @@ class Masker:
         # a row's text (cells joined by tabs) may be searched once for all its cells: a tab, like the
         # ends of a cell, is no word character; only anchors tell a cell's ends from the row's
         self.row_prefilter = not any(rule.anchored for rule in rules)
+        # ``row_spans(row_text)``: where the fast path matches in a row's text (its cells joined by tabs); empty:
+        # nothing to mask.  A match in a cell is a match in the row's text too; an admin's anchored regex
+        # cannot be read so, and gives one span over everything.  A function chosen here, not a method: it
+        # runs for every row.  nonempty: after a match ending where the row does, only an empty one could
+        # follow, and the cells the search gave are those it would give with it (an empty match makes them
+        # all cells)
+        self.row_spans: Callable[[bytes], list[tuple[int, int]]] = (
+            _no_spans if self._prefilter is None else
+            _spans_of(self._prefilter, nonempty=True) if self.row_prefilter else _everything)
         self._key = key
         self.seal = seal if any(rule.record_clear for rule in rules) else None
 
@@ -308,19 +324,6 @@ class Masker:
         """Whether ``data`` can contain anything a pattern masks (False: nothing to do, the fast path)."""
         prefilter = self._prefilter
         return prefilter is not None and prefilter.search(data) is not None
-
-    def row_spans(self, row_text: bytes) -> list[tuple[int, int]]:
-        """Where the fast path matches in a row's text (its cells joined by tabs); empty: nothing to mask.
-
-        A match in a cell is a match in the row's text too (a tab, like a cell's ends, is no word
-        character); an admin's anchored regex cannot be read so, and gives one span over everything.
-        """
-        spans = self._prefilter_spans
-        if spans is None:
-            return []
-        if not self.row_prefilter:
-            return [(0, len(row_text) + 1)]
-        return spans(row_text)
 
     def candidate_cells(self, cells: list[bytes], spans: list[tuple[int, int]] | None = None,
                         total: int = -1) -> list[int]:
@@ -403,19 +406,23 @@ class Masker:
         """``mask(data, searched=True)`` of a cell whose row was searched as a whole (``row_spans``):
         ``spans`` are the row's matches that lie wholly inside the cell, in order, made relative to it.
 
-        When one finder alone can match the cell (the others' ``hint`` rules it out), those spans are its
+        When one finder alone can match the cell (the others' ``hint`` rules it out; the last finder's is not
+        asked when every other one is ruled out: the row matched there, so it must), those spans are its
         own matches there (without anchors, which keep a row from being searched whole, a match does not
         depend on what is around the cell but for ``\\b``, which a tab and the cell's ends read alike):
         they are masked with no search again.  Otherwise the finders search the cell.
         """
         live = None
-        for finder in self.finders:
+        for finder in self._heads:
             hint = finder.hint
             if hint is None or hint(data):
                 if live is not None:
                     return self.mask(data, searched=True)
                 live = finder
-        if live is None:
+        last = self._last
+        if live is None:  # the others ruled out: the matches are the last finder's (it needs no test)
+            live = last
+        elif last.hint is None or last.hint(data):
             return self.mask(data, searched=True)
         check = live.check
         if check is not None:
