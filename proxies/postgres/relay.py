@@ -344,10 +344,15 @@ def _text_cells(row: DataRow, text: bytes, spans: list[tuple[int, int]],
         following = cell
     if named:
         have = {i for i, _, _ in found}
-        for index in named:
-            if index in have or index >= count:
+        j = cell = 0  # the start of cell j: the named cells found walking the tabs once, left to right
+        for index in sorted(named):
+            if index >= count:
+                break
+            while j < index:
+                cell = text.find(b"\t", cell) + 1
+                j += 1
+            if index in have:
                 continue
-            cell = size - len(text.split(b"\t", index)[-1])  # that cell's start: after the index-th tab
             stop = text.find(b"\t", cell)
             if stop < 0:
                 stop = size
