@@ -297,7 +297,7 @@ class Masker:
                  seal: Callable[[bytes, bytes], bytes] | None = None) -> None:
         self.finders = [f for rule in rules for f in rule.finders]
         self._heads = tuple(self.finders[:-1])  # ``mask_found``: every finder but the last, and the last
-        self._last = self.finders[-1] if self.finders else None
+        self._last: _Finder | None = self.finders[-1] if self.finders else None
         sources = [s for rule in rules for s in rule.sources]
         self._prefilter = (re2.compile("|".join(f"(?:{s})" for s in sources).encode(), _PREFILTER_OPTIONS)
                            if sources else None)
@@ -419,7 +419,7 @@ class Masker:
                 if live is not None:
                     return self.mask(data, searched=True)
                 live = finder
-        last = self._last
+        last: _Finder = self._last  # type: ignore[assignment]  # spans were found: there are finders
         if live is None:  # the others ruled out: the matches are the last finder's (it needs no test)
             live = last
         elif last.hint is None or last.hint(data):

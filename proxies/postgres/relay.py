@@ -382,8 +382,7 @@ def mask_text_row(masker: Masker, row: DataRow, text: str, data: bytes, spans: l
     start = row._start
     count = _U16(buf, start + 5)[0]
     size = len(data)
-    # (no column: the frame's 0 bytes of values are not the empty text's 1)
-    if row._end - start - 7 - 4 * count != size - count + 1 or data.count(b"\t") != count - 1:
+    if not count or row._end - start - 7 - 4 * count != size - count + 1 or data.count(b"\t") != count - 1:
         return _FALLBACK
     base = start + 7
     noids = len(oids)
@@ -538,23 +537,19 @@ def mask_named_row(masker: Masker, row: DataRow, text: str, whole: tuple[tuple[i
     pos = start + 5  # copied up to there in the frame
     done = 0  # and in ``text``
     total = 0
-    j = -1  # the cell whose start is ``cell``
-    cell = 0
+    j = cell = 0  # cell j starts at ``cell`` in ``text``
     for i, style in whole:
         if i >= count:
             break
-        if j < 0 and 2 * i >= count:  # nearer the row's end: its tabs counted from there
+        if not total and 2 * i >= count:  # the first one, nearer the row's end: the tabs counted from there
             tab = size
             for _ in range(count - i):
                 tab = text.rfind("\t", 0, tab)
             cell = tab + 1
         else:
-            if j < 0:
-                j = 0
             while j < i:
                 cell = text.find("\t", cell) + 1
                 j += 1
-        j = i
         stop = text.find("\t", cell)
         if stop < 0:
             stop = size
@@ -584,7 +579,7 @@ def mask_named_row(masker: Masker, row: DataRow, text: str, whole: tuple[tuple[i
         done = stop
         total += 1
         cell = stop + 1
-        j += 1
+        j = i + 1
     if not total:
         return None
     parts.append(buf[pos:row._end])
