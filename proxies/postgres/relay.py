@@ -85,6 +85,7 @@ from proxies.postgres.codec import (
 )
 
 from gatewayd.guardrails import GuardVerdict
+from gatewayd.masking import FIXED
 
 if TYPE_CHECKING:
     from gatewayd.masking import Masker
@@ -510,7 +511,8 @@ def mask_text_row(masker: Masker, row: DataRow, text: str, data: bytes, spans: l
     return b"".join(parts), recorded, total
 
 
-_FIXED_CELL = _LENGTH(4) + b"****"  # a cell masked whole in the ``fixed`` style, its length field first
+_FIXED_CELL = _LENGTH(len(FIXED)) + FIXED  # a cell masked whole in the ``fixed`` style, its length field first
+_FIXED_TEXT = FIXED.decode()
 
 
 def mask_named_row(masker: Masker, row: DataRow, text: str, whole: tuple[tuple[int, str], ...],
@@ -565,8 +567,8 @@ def mask_named_row(masker: Masker, row: DataRow, text: str, whole: tuple[tuple[i
             return _FALLBACK
         elif style == "fixed":
             parts.append(_FIXED_CELL)
-            length += 4 - n
-            shown = "****"
+            length += len(FIXED) - n
+            shown = _FIXED_TEXT
         else:
             value = masker.mask_whole(buf[at + 4:at + 4 + n], style)
             parts.append(_LENGTH(len(value)))
