@@ -394,7 +394,7 @@ def mask_text_row(masker: Masker, row: DataRow, text: str, data: bytes, spans: l
         if stop < 0:
             stop = size
         if cell <= begin < end <= stop:
-            i = count - 1 if stop == size else data.count(b"\t", 0, cell)
+            i = count - 1 if stop == size else data.count(b"\t", 0, cell)  # the last cell: every tab before it
             oid = oids[i] if i < noids else 0
             if oid in _JSON_OIDS:
                 return _FALLBACK
@@ -403,18 +403,18 @@ def mask_text_row(masker: Masker, row: DataRow, text: str, data: bytes, spans: l
             masked = masker.mask_found(buf[at + 4:at + 4 + n], [(begin - cell, end - cell)])
             if masked is None:
                 return None
-            end = row._end
+            frame_end = row._end
             if oid in _NOT_TEXT_OIDS:
                 value = None
-                frame = b"".join((_HEADER(b"D", end - start - 1 - n), buf[start + 5:at], b"\xff\xff\xff\xff",
-                                  buf[at + 4 + n:end]))
+                frame = b"".join((_HEADER(b"D", frame_end - start - 1 - n), buf[start + 5:at], b"\xff\xff\xff\xff",
+                                  buf[at + 4 + n:frame_end]))
                 shown = "NULL"
                 total = 1
             else:
                 value, total = masked
                 width = len(value)
-                frame = b"".join((_HEADER(b"D", end - start - 1 + width - n), buf[start + 5:at], _LENGTH(width), value,
-                                  buf[at + 4 + n:end]))
+                frame = b"".join((_HEADER(b"D", frame_end - start - 1 + width - n), buf[start + 5:at], _LENGTH(width),
+                                  value, buf[at + 4 + n:frame_end]))
                 shown = value.decode("utf-8", "replace")
             if len(text) == size:  # ASCII: one character a byte
                 return frame, text[:cell] + shown + text[stop:], total
