@@ -367,6 +367,8 @@ def _text_cells(row: DataRow, text: bytes, spans: list[tuple[int, int]],
 
 
 _FALLBACK = object()  # ``mask_text_row``: this row takes the general path
+_FIXED_CELL = _LENGTH(len(FIXED)) + FIXED  # a cell masked whole in the ``fixed`` style, its length field first
+_FIXED_TEXT = FIXED.decode()
 
 
 def mask_text_row(masker: Masker, row: DataRow, text: str, data: bytes, spans: list[tuple[int, int]],
@@ -412,10 +414,12 @@ def mask_text_row(masker: Masker, row: DataRow, text: str, data: bytes, spans: l
                 total = 1
             else:
                 value, total = masked
-                width = len(value)
-                frame = b"".join((_HEADER(b"D", frame_end - start - 1 + width - n), buf[start + 5:at], _LENGTH(width),
-                                  value, buf[at + 4 + n:frame_end]))
-                shown = value.decode("utf-8", "replace")
+                if value is FIXED:  # the usual mask: its bytes in the frame and its text made once
+                    middle, shown = _FIXED_CELL, _FIXED_TEXT
+                else:
+                    middle, shown = _LENGTH(len(value)) + value, value.decode("utf-8", "replace")
+                frame = b"".join((_HEADER(b"D", frame_end - start - 5 + len(middle) - n), buf[start + 5:at], middle,
+                                  buf[at + 4 + n:frame_end]))
             if len(text) == size:  # ASCII: one character a byte
                 return frame, text[:cell] + shown + text[stop:], total
             return frame, render_masked(text, row, {i: value}, (), oids), total
@@ -509,10 +513,6 @@ def mask_text_row(masker: Masker, row: DataRow, text: str, data: bytes, spans: l
     else:
         recorded = render_masked(text, row, {i: value for i, _, _, value in found}, (), oids)
     return b"".join(parts), recorded, total
-
-
-_FIXED_CELL = _LENGTH(len(FIXED)) + FIXED  # a cell masked whole in the ``fixed`` style, its length field first
-_FIXED_TEXT = FIXED.decode()
 
 
 def mask_named_row(masker: Masker, row: DataRow, text: str, whole: tuple[tuple[int, str], ...],
