@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
+# The compiled hot path (gatewayd/hotpath.py): rebuilt when a source changes; only what is stale compiles.
+HOTPATH := $(VENV)/.hotpath-stamp
 # The RDP proxy's man-in-the-middle, installed without its dependency pins (cryptography<42): the rdp
 # extra in pyproject.toml lists what it really needs. docs/decisions.md (RDP proxy) says why.
 PYRDP := pyrdp-mitm==2.1.0
@@ -10,15 +12,23 @@ CONSOLE := control/console_static/vendor/.built-stamp
 # The slowest tests are named at the end of each run: the suite must stay under 10 minutes on 2 cores.
 PYTEST_ARGS ?= --durations=15
 
-.PHONY: run test test-matrix peers bench clean console proto
+.PHONY: run test test-matrix peers bench clean console proto hotpath
 
 $(STAMP): pyproject.toml
 	@scripts/ensure-python.sh "$(PYTHON)"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test,rdp]'
+	$(BIN)/pip install --quiet -e '.[test,rdp,hotpath]'
 	$(BIN)/pip install --quiet --no-deps '$(PYRDP)'
 	@touch $@
+
+## The hot path compiled with Cython beside its sources; without a C compiler everything runs from the
+## Python source (a warning says so, and the next make tries again).
+$(HOTPATH): $(STAMP) $(wildcard gatewayd/*.py proxies/*/*.py)
+	@if $(BIN)/python -c 'import sys; from gatewayd import hotpath; sys.exit(hotpath.main(["build"]))'; then \
+		touch $@; else echo "warning: the hot path was not compiled (see above); it runs from the Python source" >&2; fi
+
+hotpath: $(HOTPATH)
 
 ## The web console's terminal player from the npm registry (npm ci), beside the console's sources.
 ## Without npm (and not root to install it) the daemon still runs; `/` then says how to build it.
@@ -28,11 +38,11 @@ $(CONSOLE): console/package.json console/package-lock.json scripts/build-console
 console: $(CONSOLE)
 
 ## Start the daemon on its embedded defaults (or CONFIG=file.toml).
-run: $(STAMP) $(CONSOLE)
+run: $(STAMP) $(CONSOLE) $(HOTPATH)
 	$(BIN)/gatewayd run $(if $(CONFIG),--config $(CONFIG))
 
 ## Install the real peers the suite needs (when root), then run the whole suite.
-test: $(STAMP) $(CONSOLE) peers
+test: $(STAMP) $(CONSOLE) peers $(HOTPATH)
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 ## The whole suite once per supported Python (3.11, 3.12, 3.13: pyenv builds or python3.X on PATH),
@@ -58,3 +68,4 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .venv-3.* build *.egg-info .pytest_cache console/node_modules control/console_static/vendor
+	find gatewayd proxies -name '*.so' -delete

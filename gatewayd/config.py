@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from gatewayd import protocols
+from gatewayd import hotpath, protocols
 
 
 class ConfigError(Exception):
@@ -207,10 +207,11 @@ def all_settings() -> dict[str, Setting]:
 
 # GATEWAYD_* variables that are not settings: the configuration file, and the people's command line (its
 # login file, the gateway it talks to). Any other GATEWAYD_* variable is a typo and stops the daemon.
-# GATEWAYD_WORKER_INDEX is set by `gatewayd run`'s supervisor on the workers it starts (launcher.supervisor).
+# GATEWAYD_WORKER_INDEX is set by `gatewayd run`'s supervisor on the workers it starts (launcher.supervisor);
+# GATEWAYD_PURE_PYTHON runs the hot path from its Python source (gatewayd.hotpath).
 WORKER_INDEX_VARIABLE = "GATEWAYD_WORKER_INDEX"
 OTHER_VARIABLES = frozenset({"GATEWAYD_CONFIG", "GATEWAYD_CLIENT_CONFIG", "GATEWAYD_URL", "GATEWAYD_AGENT_TOKEN",
-                             "GATEWAYD_TOKEN", WORKER_INDEX_VARIABLE})
+                             "GATEWAYD_TOKEN", WORKER_INDEX_VARIABLE, hotpath.PURE_ENV})
 
 
 def _env_name(key: str) -> str:

@@ -23,7 +23,7 @@ from aiohttp import web
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from gatewayd import __version__, metrics, protocols
+from gatewayd import __version__, hotpath, metrics, protocols
 from gatewayd.access import AccessService
 from gatewayd.analysis import AnalysisService
 from gatewayd.audit import AuditLog
@@ -276,7 +276,8 @@ class Gateway:
         log.info("gatewayd started", extra={"version": self.version, "api": self.config["api.listen"],
                                             "data_dir": str(self.config.data_dir),
                                             "store": describe(self.config),  # a URL's password as ***
-                                            "node": self.cluster.node.name})
+                                            "node": self.cluster.node.name,
+                                            "hot_path": hotpath.summary()})
         sd_notify("READY=1")
 
     async def _serve_metrics(self) -> None:

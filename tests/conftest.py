@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -15,6 +16,7 @@ from typing import Any, AsyncIterator, Iterator
 import pytest
 
 import proxies  # noqa: F401  the test run's composition root: registers every protocol, as launcher.cli does
+from gatewayd.hotpath import PURE_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -86,15 +88,17 @@ class Daemon:
         self.config_path = write_config(data_dir.parent / f"{data_dir.name}.toml", self.settings)
         self.process: subprocess.Popen[bytes] | None = None
         self.log_path = data_dir.parent / f"{data_dir.name}.log"
+        self.extra_env: dict[str, str] = {}  # more environment for the process (e.g. GATEWAYD_PURE_PYTHON)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.api_port}/api"
 
     def env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAYD_")}
+        # GATEWAYD_PURE_PYTHON passes: `GATEWAYD_PURE_PYTHON=1 make test` runs every daemon from source
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAYD_") or k == PURE_ENV}
         env["GATEWAYD_CONFIG"] = str(self.config_path)
-        return env
+        return {**env, **self.extra_env}
 
     def start(self, timeout: float = 20) -> "Daemon":
         self.log = open(self.log_path, "ab")
@@ -139,18 +143,40 @@ class Daemon:
         return self.cli(*args).stdout.strip()
 
 
+HOT_PATH_RUNS = {"as built": {}, "from source": {PURE_ENV: "1"}}  # a daemon's environment for each
+
+
+def hot_path_logged(daemon: Daemon, env: dict[str, str]) -> None:
+    """The daemon started with ``env`` logged the hot path it runs, and it is the one ``env`` asks for."""
+    from gatewayd import hotpath
+
+    pure = bool(env.get(PURE_ENV)) or hotpath.pure_wanted()
+    kinds = {hotpath.choice(*hotpath.paths(name), pure=pure) for name in hotpath.MODULES}
+    wanted = kinds.pop() if len(kinds) == 1 else None
+    started = [json.loads(line) for line in daemon.log_text().splitlines()
+               if '"gatewayd started"' in line]
+    assert started, daemon.log_text()
+    if wanted is None:  # some modules built, some not: the log names each
+        assert "=" in started[-1]["hot_path"], started[-1]
+    else:
+        assert started[-1]["hot_path"] == wanted, started[-1]
+
+
 def proxy_daemon(tmp_path_factory: pytest.TempPathFactory, name: str, listener: str,
-                 settings: dict[str, Any] | None = None, wait: bool = False) -> Daemon:
+                 settings: dict[str, Any] | None = None, wait: bool = False,
+                 env: dict[str, str] | None = None) -> Daemon:
     """A started daemon whose ``listener`` proxy is on a free port (``daemon.proxy_port``), flushing every 100ms.
 
-    ``wait``: also wait until the proxy's port accepts, not only the API's.
+    ``wait``: also wait until the proxy's port accepts, not only the API's.  ``env``: more environment.
     """
     port = free_port()
     daemon = Daemon(tmp_path_factory.mktemp(name) / "data", {
         f"listeners.{listener}": f"127.0.0.1:{port}",
         "sessions.flush_interval": "100ms",
         **(settings or {}),
-    }).start()
+    })
+    daemon.extra_env.update(env or {})
+    daemon.start()
     daemon.proxy_port = port
     if wait:
         wait_port(port, daemon.process, "gatewayd")

@@ -29,7 +29,7 @@ import aiohttp
 import pytest
 
 from tests.apiclient import admin_http
-from tests.conftest import free_port, proxy_daemon
+from tests.conftest import HOT_PATH_RUNS, free_port, hot_path_logged, proxy_daemon
 from tests.test_http_proxy import HttpApi
 
 GOLDEN = Path(__file__).parent / "golden" / "http_recording.json"
@@ -37,12 +37,15 @@ RECORD_CAP = 1024
 UA = {"User-Agent": "golden-client/1"}
 
 
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory):
+@pytest.fixture(scope="module", params=list(HOT_PATH_RUNS))
+def gateway(request, tmp_path_factory):
+    """Once on the hot path as built (compiled after make), once from the Python source (gatewayd/hotpath.py)."""
+    env = HOT_PATH_RUNS[request.param]
     daemon = proxy_daemon(tmp_path_factory, "httpgolden", "http", {
         "http.record_body_bytes": RECORD_CAP,
         "http.guard_body_bytes": 65536,
-    }, wait=True)
+    }, wait=True, env=env)
+    hot_path_logged(daemon, env)
     daemon.http_url = f"http://127.0.0.1:{daemon.proxy_port}"
     yield daemon
     assert daemon.stop() == 0

@@ -37,7 +37,7 @@ import asyncpg
 import pytest
 
 from tests.apiclient import PostgresApi, admin_http
-from tests.conftest import proxy_daemon
+from tests.conftest import HOT_PATH_RUNS, hot_path_logged, proxy_daemon
 from tests.pgpeer import unavailable_reason
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
@@ -177,9 +177,12 @@ async def auditor_view(api: PostgresApi, session_id: str, normal: Normal) -> dic
     return view
 
 
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory):
-    daemon = proxy_daemon(tmp_path_factory, "equivalence", "postgres")
+@pytest.fixture(scope="module", params=list(HOT_PATH_RUNS))
+def gateway(request, tmp_path_factory):
+    """Once on the hot path as built (compiled after make), once from the Python source (gatewayd/hotpath.py)."""
+    env = HOT_PATH_RUNS[request.param]
+    daemon = proxy_daemon(tmp_path_factory, "equivalence", "postgres", env=env)
+    hot_path_logged(daemon, env)
     yield daemon
     assert daemon.stop() == 0
 

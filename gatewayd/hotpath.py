@@ -1,0 +1,149 @@
+"""The hot path compiled: the per-message modules built with Cython from their unchanged Python source.
+
+``make`` builds them in place (``hotpath.main(["build"])``: one extension module beside each ``.py``).
+Python imports an extension before a source of the same name, so a compiled module runs wherever it
+was built; the finder that ``install`` puts first (from ``gatewayd/__init__``) imports the ``.py``
+instead when ``GATEWAYD_PURE_PYTHON`` is set (the tests run the relay's suites and a daemon that way)
+or when the source is newer than its build (an edit not yet rebuilt never runs stale code).  Without
+a C compiler or Cython nothing is built and everything runs from source, as before.
+
+Cython compiles these modules with ``annotation_typing=False``: type hints stay hints, so a compiled
+module behaves as its source does (with them, a ``list`` hint refuses a tuple at run time).
+docs/decisions.md (Compiled hot path) says why Cython and what was checked.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Sequence
+
+PURE_ENV = "GATEWAYD_PURE_PYTHON"
+
+# What every PostgreSQL message, HTTP request and recorded event goes through.
+MODULES = (
+    "gatewayd.evidence",
+    "gatewayd.guardrails",
+    "gatewayd.masking",
+    "gatewayd.policy",
+    "gatewayd.recording",
+    "proxies.postgres.codec",
+    "proxies.postgres.relay",
+    "proxies.postgres.session",
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]  # this interpreter's, e.g. .cpython-311-x86_64-linux-gnu.so
+DIRECTIVES = {"language_level": 3, "annotation_typing": False}
+
+
+def pure_wanted() -> bool:
+    """Whether ``GATEWAYD_PURE_PYTHON`` asks for the Python source of every hot-path module."""
+    return os.environ.get(PURE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+
+
+def paths(name: str) -> tuple[Path, Path]:
+    """A hot-path module's source and the extension this interpreter would build of it."""
+    base = ROOT.joinpath(*name.split("."))
+    return base.with_suffix(".py"), base.parent / (base.name + SUFFIX)
+
+
+def choice(source: Path, extension: Path, pure: bool) -> str:
+    """``compiled`` when ``extension`` is built and not older than ``source`` and ``pure`` is not asked,
+    else ``python``."""
+    if pure:
+        return "python"
+    try:
+        return "compiled" if extension.stat().st_mtime >= source.stat().st_mtime else "python"
+    except OSError:
+        return "python"
+
+
+class _SourceFinder(importlib.abc.MetaPathFinder):
+    """Imports a hot-path module from its ``.py`` where ``choice`` says so; leaves every other import alone."""
+
+    def __init__(self, pure: bool) -> None:
+        self.pure = pure
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in _NAMES:
+            return None
+        source, extension = paths(fullname)
+        if not source.exists() or choice(source, extension, self.pure) == "compiled":
+            return None  # the path's own finders: the extension first
+        return importlib.util.spec_from_file_location(fullname, source)
+
+
+_NAMES = frozenset(MODULES)
+
+
+def install() -> None:
+    """Put the finder first on ``sys.meta_path`` (once), before any hot-path module is imported."""
+    if not any(isinstance(finder, _SourceFinder) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _SourceFinder(pure_wanted()))
+
+
+def loaded() -> dict[str, str]:
+    """Each hot-path module imported so far: ``compiled`` or ``python`` (what ran, not what is on disk)."""
+    found = {}
+    for name in MODULES:
+        module = sys.modules.get(name)
+        if module is not None:
+            origin = getattr(module, "__file__", "") or ""
+            found[name] = "python" if origin.endswith(".py") else "compiled"
+    return found
+
+
+def summary() -> str:
+    """``compiled``, ``python``, or which module runs how when they differ (the daemon logs it at start)."""
+    kinds = loaded()
+    if len(set(kinds.values())) == 1:
+        return next(iter(kinds.values()))
+    return ", ".join(f"{name}={kind}" for name, kind in kinds.items()) or "not loaded"
+
+
+def build(jobs: int = 0) -> list[str]:
+    """Compile every hot-path module in place (needs Cython and a C compiler); the names built.
+
+    Only what is missing or older than its source is compiled again."""
+    from Cython.Build import cythonize  # a build-time dependency (the ``hotpath`` extra)
+    from setuptools import Distribution, Extension
+
+    stale = [name for name in MODULES if choice(*paths(name), pure=False) == "python"]
+    if not stale:
+        return []
+    extensions = [Extension(name, [str(paths(name)[0].relative_to(ROOT))]) for name in stale]
+    cwd = os.getcwd()
+    os.chdir(ROOT)  # setuptools places in-place builds relative to the working directory
+    try:
+        compiled = cythonize(extensions, compiler_directives=DIRECTIVES, build_dir="build/hotpath",
+                             nthreads=jobs or (os.cpu_count() or 1), quiet=True)
+        distribution = Distribution({"name": "gatewayd-hotpath", "ext_modules": compiled})
+        command = distribution.get_command_obj("build_ext")
+        command.inplace = True
+        command.parallel = jobs or (os.cpu_count() or 1)
+        command.build_temp = "build/hotpath/temp"
+        distribution.run_command("build_ext")
+    finally:
+        os.chdir(cwd)
+    return stale
+
+
+def main(argv: list[str]) -> int:
+    """``build`` or ``status`` (the Makefile: ``python -c 'from gatewayd import hotpath; hotpath.main(["build"])'``)."""
+    if argv[:1] == ["build"]:
+        built = build()
+        print("hot path: " + (f"compiled {', '.join(built)}" if built else "up to date"))
+        return 0
+    if argv[:1] == ["status"]:
+        for name in MODULES:
+            print(f"{name}: {choice(*paths(name), pure=pure_wanted())}")
+        return 0
+    print("usage: hotpath.main(['build' | 'status'])", file=sys.stderr)
+    return 2

@@ -1,0 +1,93 @@
+"""The compiled hot path (gatewayd/hotpath.py): built by make, used where it is fresh, and the Python
+source still passing the same suites.
+
+The rest of the suite runs on whatever the checkout has: compiled after ``make test``.  Here the relay's,
+codec's, guard rails' and masking's own suites run again in a pytest of their own with
+``GATEWAYD_PURE_PYTHON=1`` (every hot-path module from its ``.py``), and the golden-file tests
+(tests/test_recording_equivalence.py, tests/test_http_recording_equivalence.py) run a daemon each way.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gatewayd import hotpath
+
+ROOT = Path(__file__).resolve().parent.parent
+STAMP = Path(sys.prefix) / ".hotpath-stamp"  # make's: written once every module compiled
+# the suites of what the hot path holds, run once more from source
+SUITES = ["tests/test_postgres_codec.py", "tests/test_postgres_relay.py", "tests/test_masking.py",
+          "tests/test_guardrails.py", "tests/test_evidence.py", "tests/test_frames.py",
+          "tests/test_statement_rules.py", "tests/test_hotpath.py::test_modules_run_as_the_switch_says"]
+
+
+def imported_kinds(env: dict[str, str]) -> dict[str, str]:
+    """Every hot-path module imported by a fresh interpreter with ``env``: compiled or python."""
+    code = ("import json, importlib, proxies, gatewayd.hotpath as h; "
+            "[importlib.import_module(n) for n in h.MODULES]; print(json.dumps(h.loaded()))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=120, check=True)
+    return json.loads(done.stdout)
+
+
+def test_an_extension_is_used_only_when_fresh_and_not_switched_off(tmp_path):
+    source, extension = tmp_path / "relay.py", tmp_path / ("relay" + hotpath.SUFFIX)
+    source.write_text("x = 1\n")
+    assert hotpath.choice(source, extension, pure=False) == "python"  # nothing built
+    extension.write_bytes(b"\0")
+    os.utime(source, (1_000, 1_000))
+    os.utime(extension, (2_000, 2_000))
+    assert hotpath.choice(source, extension, pure=False) == "compiled"
+    assert hotpath.choice(source, extension, pure=True) == "python"  # GATEWAYD_PURE_PYTHON
+    os.utime(source, (3_000, 3_000))  # edited after the build: the source runs, never a stale build
+    assert hotpath.choice(source, extension, pure=False) == "python"
+
+
+def test_the_switch_reads_the_environment(monkeypatch):
+    for value, pure in (("1", True), ("yes", True), ("", False), ("0", False), ("false", False)):
+        monkeypatch.setenv(hotpath.PURE_ENV, value)
+        assert hotpath.pure_wanted() is pure, value
+
+
+def test_modules_run_as_the_switch_says():
+    """In this very process (also run from source by the test below): what ran is what ``choice`` says."""
+    for name in hotpath.MODULES:
+        importlib.import_module(name)
+    wanted = {name: hotpath.choice(*hotpath.paths(name), pure=hotpath.pure_wanted()) for name in hotpath.MODULES}
+    assert hotpath.loaded() == wanted
+    if hotpath.pure_wanted():
+        assert set(wanted.values()) == {"python"}
+
+
+def test_make_compiled_every_module_where_it_could():
+    """Where Cython and a C compiler are at hand, make's build leaves every module compiled and used."""
+    if importlib.util.find_spec("Cython") is None or shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("no Cython or no C compiler here: the hot path runs from source")
+    if hotpath.pure_wanted():
+        pytest.skip(f"{hotpath.PURE_ENV} is set")
+    sources = [hotpath.paths(name)[0] for name in hotpath.MODULES]
+    if STAMP.exists() and max(p.stat().st_mtime for p in sources) > STAMP.stat().st_mtime:
+        pytest.skip("a hot-path source changed since make built it (make hotpath)")
+    assert STAMP.exists(), f"make did not build the hot path into {sys.prefix} (make hotpath says why)"
+    env = {k: v for k, v in os.environ.items() if k != hotpath.PURE_ENV}
+    assert imported_kinds(env) == dict.fromkeys(hotpath.MODULES, "compiled")
+    assert imported_kinds({**env, hotpath.PURE_ENV: "1"}) == dict.fromkeys(hotpath.MODULES, "python")
+
+
+def test_the_python_source_passes_the_hot_path_suites():
+    """The relay's, codec's, guard rails' and masking's suites once more with every module from source."""
+    if "compiled" not in {hotpath.choice(*hotpath.paths(n), pure=False) for n in hotpath.MODULES}:
+        pytest.skip("nothing is compiled here: the whole suite already ran on the Python source")
+    env = {**os.environ, hotpath.PURE_ENV: "1"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *SUITES],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=900, check=False)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and " failed" not in done.stdout
