@@ -25,7 +25,7 @@ from typing import Sequence
 
 PURE_ENV = "GATEWAYD_PURE_PYTHON"
 
-# What every PostgreSQL message, HTTP request and recorded event goes through.
+# What every PostgreSQL message, HTTP request, SSH line and recorded event goes through.
 MODULES = (
     "gatewayd.evidence",
     "gatewayd.guardrails",
@@ -35,6 +35,9 @@ MODULES = (
     "proxies.postgres.codec",
     "proxies.postgres.relay",
     "proxies.postgres.session",
+    "proxies.http.front",
+    "proxies.http.messages",
+    "proxies.ssh.lines",
 )
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,9 +1,9 @@
 """The compiled hot path (gatewayd/hotpath.py): built by make, used where it is fresh, and the Python
 source still passing the same suites.
 
-The rest of the suite runs on whatever the checkout has: compiled after ``make test``.  Here the relay's,
-codec's, guard rails' and masking's own suites run again in a pytest of their own with
-``GATEWAYD_PURE_PYTHON=1`` (every hot-path module from its ``.py``), and the golden-file tests
+The rest of the suite runs on whatever the checkout has: compiled after ``make test``.  Here the hot path's
+modules' own suites (PostgreSQL codec and relay, HTTP messages and front end, SSH lines, guard rails,
+masking, evidence) run again in a pytest of their own with ``GATEWAYD_PURE_PYTHON=1`` (every hot-path module from its ``.py``), and the golden-file tests
 (tests/test_recording_equivalence.py, tests/test_http_recording_equivalence.py) run a daemon each way.
 """
 
@@ -26,7 +26,8 @@ STAMP = Path(sys.prefix) / ".hotpath-stamp"  # make's: written once every module
 # the suites of what the hot path holds, run once more from source
 SUITES = ["tests/test_postgres_codec.py", "tests/test_postgres_relay.py", "tests/test_masking.py",
           "tests/test_guardrails.py", "tests/test_evidence.py", "tests/test_frames.py",
-          "tests/test_statement_rules.py", "tests/test_hotpath.py::test_modules_run_as_the_switch_says"]
+          "tests/test_statement_rules.py", "tests/test_http_messages.py", "tests/test_http_front.py",
+          "tests/test_ssh_logic.py", "tests/test_hotpath.py::test_modules_run_as_the_switch_says"]
 
 
 def imported_kinds(env: dict[str, str]) -> dict[str, str]:
@@ -83,7 +84,8 @@ def test_make_compiled_every_module_where_it_could():
 
 
 def test_the_python_source_passes_the_hot_path_suites():
-    """The relay's, codec's, guard rails' and masking's suites once more with every module from source."""
+    """The suites of the hot path's modules (PostgreSQL, HTTP, SSH lines, guard rails, masking) once more,
+    every module from source."""
     if "compiled" not in {hotpath.choice(*hotpath.paths(n), pure=False) for n in hotpath.MODULES}:
         pytest.skip("nothing is compiled here: the whole suite already ran on the Python source")
     env = {**os.environ, hotpath.PURE_ENV: "1"}
