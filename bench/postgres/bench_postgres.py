@@ -396,6 +396,10 @@ def main() -> int:
                 direct_ms, gateway_ms = median(latency["direct"]), median(latency[gateway])
                 print(f"{'':<20}latency: direct {direct_ms:.3f} ms, gateway {gateway_ms:.3f} ms"
                       f" (+{(gateway_ms - direct_ms) * 1000:.0f} us per transaction)")
+                if "forwarder" in latency:  # the extra hop alone: what is the gateway's own is above it
+                    forwarder_ms = median(latency["forwarder"])
+                    print(f"{'':<20}forwarder {forwarder_ms:.3f} ms (+{(forwarder_ms - direct_ms) * 1000:.0f} us):"
+                          f" the gateway's own work adds {(gateway_ms - forwarder_ms) * 1000:+.0f} us over the hop")
                 if "gateway+agent" in latency:
                     agent_ms = median(latency["gateway+agent"])
                     print(f"{'':<20}through the agent: {agent_ms:.3f} ms"
