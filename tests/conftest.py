@@ -153,8 +153,10 @@ def hot_path_logged(daemon: Daemon, env: dict[str, str]) -> None:
     pure = bool(env.get(PURE_ENV)) or hotpath.pure_wanted()
     kinds = {hotpath.choice(*hotpath.paths(name), pure=pure) for name in hotpath.MODULES}
     wanted = kinds.pop() if len(kinds) == 1 else None
-    started = [json.loads(line) for line in daemon.log_text().splitlines()
-               if '"gatewayd started"' in line]
+    deadline = time.monotonic() + 60  # the API answers before the listeners are up and the line is written
+    while not (started := [json.loads(line) for line in daemon.log_text().splitlines()
+                           if '"gatewayd started"' in line]) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert started, daemon.log_text()
     if wanted is None:  # some modules built, some not: the log names each
         assert "=" in started[-1]["hot_path"], started[-1]
