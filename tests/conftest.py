@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
@@ -41,6 +45,86 @@ def wait_port(port: int, process: subprocess.Popen[bytes] | None = None, what: s
         except OSError:
             time.sleep(interval)
     raise RuntimeError(f"{what} is not listening on {port}")
+
+
+class _CommandZygote:
+    """tests/clizygote.py, started on first use and stopped when the test process exits."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.process: subprocess.Popen[bytes] | None = None
+        self.dir = ""
+
+    def socket_path(self) -> str:
+        with self.lock:
+            if self.process is None or self.process.poll() is not None:
+                self.dir = tempfile.mkdtemp(prefix="gatewayd-cli-")
+                env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAYD_")}
+                self.process = subprocess.Popen([sys.executable, "-m", "tests.clizygote", f"{self.dir}/sock"],
+                                                cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                if self.process.stdout.readline() != b"ready\n":  # type: ignore[union-attr]
+                    raise RuntimeError(f"tests.clizygote did not start ({self.process.wait(10)})")
+                atexit.register(self.stop)
+            return f"{self.dir}/sock"
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stdin.close()  # type: ignore[union-attr]
+            self.process.wait(10)
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.process = None
+
+
+_ZYGOTE = _CommandZygote()
+
+
+def gatewayd_command(argv: list[str], env: dict[str, str], input: str | None = None, check: bool = True,
+                     timeout: float = 60, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(argv, capture_output=True, text=True, ...)`` for a ``gatewayd`` host command, ~1 s faster.
+
+    The command's ``launcher.cli.main`` runs in a child forked from tests/clizygote.py, which has done the
+    imports a new process would do (most of that second); argv, environment, working directory, stdin,
+    stdout, stderr and exit status are the command's own. ``TESTS_CLI_FORK=0`` runs a real process instead.
+    """
+    if os.environ.get("TESTS_CLI_FORK") == "0":
+        return subprocess.run(argv, env=env, capture_output=True, text=True, input=input, check=check,
+                              timeout=timeout, cwd=cwd)
+    with tempfile.TemporaryDirectory(prefix="gatewayd-call-") as scratch:
+        stdin = os.devnull
+        if input is not None:
+            stdin = f"{scratch}/stdin"
+            Path(stdin).write_text(input)
+        out, err = Path(scratch, "stdout"), Path(scratch, "stderr")
+        out.touch()
+        err.touch()
+        request = {"argv": argv, "env": env, "cwd": str(cwd), "stdin": stdin, "stdout": str(out), "stderr": str(err)}
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(timeout)
+            conn.connect(_ZYGOTE.socket_path())
+            conn.sendall(json.dumps(request).encode() + b"\n")
+            answers = conn.makefile("r")
+            pid = 0
+            try:
+                for line in answers:
+                    word, _, value = line.partition(" ")
+                    if word == "pid":
+                        pid = int(value)
+                    elif word == "exit":
+                        returncode = int(value)
+                        break
+                else:  # the child died without answering: killed by a signal
+                    returncode = -1
+            except TimeoutError:
+                if pid:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                raise subprocess.TimeoutExpired(argv, timeout, out.read_text(errors="replace"),
+                                                err.read_text(errors="replace")) from None
+        done = subprocess.CompletedProcess(argv, returncode, out.read_text(errors="replace"),
+                                           err.read_text(errors="replace"))
+    if check:
+        done.check_returncode()
+    return done
 
 
 def toml_value(value: Any) -> str:
@@ -129,8 +213,9 @@ class Daemon:
         return code
 
     def cli(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([str(BIN / "gatewayd"), *args, "--config", str(self.config_path)], env=self.env(),
-                              capture_output=True, text=True, input=input, check=check, timeout=60)
+        """``gatewayd ARGS --config …`` on this daemon's store (run by ``gatewayd_command``)."""
+        return gatewayd_command([str(BIN / "gatewayd"), *args, "--config", str(self.config_path)], env=self.env(),
+                                input=input, check=check, timeout=60)
 
     def token(self, email: str, groups: str | None = None, name: str | None = None, ttl: str | None = None) -> str:
         args = ["token", "create", "--email", email]

@@ -165,20 +165,42 @@ def notify(tmp_path_factory: pytest.TempPathFactory):
     sock.close()
 
 
-@pytest.fixture(scope="module")
-def gateway(tmp_path_factory, notify, pg_target, ssh_target, http_target):
-    ports = {name: free_port() for name in ("postgres", "ssh", "http", "rdp", "metrics")}
-    daemon = workers_daemon(tmp_path_factory.mktemp("workers"), {
-        **{f"listeners.{name}": f"127.0.0.1:{ports[name]}" for name in ("postgres", "ssh", "http", "rdp")},
-        "metrics.listen": f"127.0.0.1:{ports['metrics']}"}, notify)
-    daemon.ports = ports
-    daemon.start()
-    assert notify.next() == b"READY=1", daemon.log_text()
-    yield daemon
-    daemon.stop()
+class ModuleGateway:
+    """The module's ``workers = 2`` daemon, started again (fresh data dir and log) if a test stopped it."""
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory, notify: Notifications) -> None:
+        self.tmp_path_factory, self.notify = tmp_path_factory, notify
+        self.ports = {name: free_port() for name in ("postgres", "ssh", "http", "rdp", "metrics")}
+        self.daemon: Daemon | None = None
+
+    def running(self) -> Daemon:
+        if self.daemon is None or self.daemon.process is None:
+            ports = self.ports
+            daemon = workers_daemon(self.tmp_path_factory.mktemp("workers"), {
+                **{f"listeners.{name}": f"127.0.0.1:{ports[name]}" for name in ("postgres", "ssh", "http", "rdp")},
+                "metrics.listen": f"127.0.0.1:{ports['metrics']}"}, self.notify)
+            daemon.ports = ports
+            daemon.start()
+            assert self.notify.next() == b"READY=1", daemon.log_text()
+            self.daemon = daemon
+        return self.daemon
 
 
 @pytest.fixture(scope="module")
+def module_gateway(tmp_path_factory, notify, pg_target, ssh_target, http_target):
+    holder = ModuleGateway(tmp_path_factory, notify)
+    yield holder
+    if holder.daemon is not None:
+        holder.daemon.stop()
+
+
+@pytest.fixture
+def gateway(module_gateway):
+    """The module's daemon, running (test_sigterm_stops_every_worker_cleanly stops it: any order works)."""
+    return module_gateway.running()
+
+
+@pytest.fixture
 async def http(gateway):
     async with admin_http(gateway) as session:
         yield session
@@ -190,7 +212,9 @@ async def http(gateway):
 async def test_every_worker_is_up_before_ready_and_serves_every_listener(gateway):
     pids = ready_pids(gateway)
     assert sorted(pids) == list(range(WORKERS)) and all(alive(pid) for pid in pids.values())
-    started = [e for e in entries(gateway) if e["message"] == "gatewayd started"]
+    logged = entries(gateway)
+    ready = next(i for i, e in enumerate(logged) if e["message"] == "gatewayd workers ready")
+    started = [e for e in logged[:ready] if e["message"] == "gatewayd started"]  # a restarted worker comes later
     assert sorted(e["worker"] for e in started) == list(range(WORKERS))
     # each worker bound every listener on the same address; none failed
     assert not [e for e in entries(gateway) if e["message"] == "listener failed to start"]
