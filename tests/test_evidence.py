@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from gatewayd.evidence import GENESIS, BatchLink, Sealer, batch_hash, seal_statement, verify_audit, verify_recording
 from gatewayd.models import SessionEvent
-from tests.conftest import BIN, ROOT
+from tests.conftest import BIN, ROOT, gatewayd_command
 from tests.test_daemon import Api, connect, credential, make_gateway, wait_done
 
 SEALER = Sealer(Ed25519PrivateKey.generate())
@@ -130,8 +130,7 @@ async def env(tmp_path):
 def cli(gateway, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAYD_")}
     env["GATEWAYD_DATA_DIR"] = str(gateway.config.data_dir)
-    return subprocess.run([str(BIN / "gatewayd"), *args], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)
+    return gatewayd_command([str(BIN / "gatewayd"), *args], env=env, cwd=ROOT, check=False, timeout=60)
 
 
 async def test_a_recording_edited_in_the_store_is_caught_by_the_api_and_the_cli(env):

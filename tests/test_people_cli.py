@@ -21,7 +21,7 @@ import pytest
 
 from gatewayd.client.commands import play
 from tests.apiclient import Api, postgres_env
-from tests.conftest import BIN, ROOT, Daemon, free_port, proxy_daemon
+from tests.conftest import BIN, ROOT, Daemon, free_port, gatewayd_command, proxy_daemon
 from tests.pgpeer import unavailable_reason
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
@@ -60,8 +60,8 @@ class Person:
         return env
 
     def run(self, *args: str, input: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([str(BIN / "gatewayd"), *args], env=self.env(), cwd=ROOT, capture_output=True,
-                              text=True, input=input, timeout=timeout)
+        return gatewayd_command([str(BIN / "gatewayd"), *args], env=self.env(), cwd=ROOT, input=input, check=False,
+                                timeout=timeout)
 
     def start(self, *args: str) -> subprocess.Popen[str]:
         return subprocess.Popen([str(BIN / "gatewayd"), *args], env=self.env(), cwd=ROOT, text=True,
