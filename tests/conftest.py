@@ -1,4 +1,9 @@
-"""Shared fixtures: a real ``gatewayd run`` subprocess and tokens minted by the real CLI."""
+"""Shared fixtures: a real ``gatewayd run`` subprocess and tokens minted by the real CLI.
+
+The host commands (``Daemon.cli``: tokens, local users, status) run the command's own ``main`` in a process
+forked from one that has done its imports already (``gatewayd_command``, tests/clizygote.py): the same
+program, without a second of start-up per call. tests/test_host_cli.py runs the command as a new process.
+"""
 
 from __future__ import annotations
 
