@@ -64,13 +64,24 @@ class _CommandZygote:
         with self.lock:
             if self.process is None or self.process.poll() is not None:
                 self.dir = tempfile.mkdtemp(prefix="gatewayd-cli-")
-                env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAYD_")}
+                env = self.environment()
                 self.process = subprocess.Popen([sys.executable, "-m", "tests.clizygote", f"{self.dir}/sock"],
                                                 cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
                 if self.process.stdout.readline() != b"ready\n":  # type: ignore[union-attr]
                     raise RuntimeError(f"tests.clizygote did not start ({self.process.wait(10)})")
                 atexit.register(self.stop)
             return f"{self.dir}/sock"
+
+    @staticmethod
+    def environment() -> dict[str, str]:
+        """The zygote's own environment, as ``Daemon.env`` passes it on (no GATEWAYD_* but GATEWAYD_PURE_PYTHON)."""
+        return {k: v for k, v in os.environ.items() if not k.startswith("GATEWAYD_") or k == PURE_ENV}
+
+    @staticmethod
+    def serves(env: dict[str, str]) -> bool:
+        """Whether a command with ``env`` imports what the zygote imported: the hot path is chosen at import
+        (compiled, or from source with GATEWAYD_PURE_PYTHON), so a command asking otherwise runs as a process."""
+        return env.get(PURE_ENV) == _CommandZygote.environment().get(PURE_ENV)
 
     def stop(self) -> None:
         if self.process is not None:
@@ -89,9 +100,10 @@ def gatewayd_command(argv: list[str], env: dict[str, str], input: str | None = N
 
     The command's ``launcher.cli.main`` runs in a child forked from tests/clizygote.py, which has done the
     imports a new process would do (most of that second); argv, environment, working directory, stdin,
-    stdout, stderr and exit status are the command's own. ``TESTS_CLI_FORK=0`` runs a real process instead.
+    stdout, stderr and exit status are the command's own. ``TESTS_CLI_FORK=0`` runs a real process instead, and
+    so does a command whose environment asks for another hot path than the zygote's (``_CommandZygote.serves``).
     """
-    if os.environ.get("TESTS_CLI_FORK") == "0":
+    if os.environ.get("TESTS_CLI_FORK") == "0" or not _ZYGOTE.serves(env):
         return subprocess.run(argv, env=env, capture_output=True, text=True, input=input, check=check,
                               timeout=timeout, cwd=cwd)
     with tempfile.TemporaryDirectory(prefix="gatewayd-call-") as scratch:
