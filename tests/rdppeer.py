@@ -12,6 +12,7 @@ server (its log shows what reached the target).
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -34,11 +35,12 @@ class Peers:
         self.home.mkdir()
         self.processes: list[subprocess.Popen[bytes]] = []
 
-    def spawn(self, args: list[str], name: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    def spawn(self, args: list[str], name: str, env: dict[str, str] | None = None,
+              pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
         log = open(self.root / f"{name}.log", "ab")
         process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=self.root,
                                    env={"PATH": os.environ["PATH"], "HOME": str(self.home), **(env or {})},
-                                   start_new_session=True)
+                                   start_new_session=True, pass_fds=pass_fds)
         log.close()
         self.processes.append(process)
         return process
@@ -48,16 +50,30 @@ class Peers:
         return path.read_text(errors="replace") if path.exists() else ""
 
     def display(self, name: str, size: str, *extra: str) -> int:
-        for number in range(150, 400):
-            if not Path(f"/tmp/.X{number}-lock").exists() and not Path(f"/tmp/.X11-unix/X{number}").exists():
-                break
-        process = self.spawn(["Xvfb", f":{number}", "-screen", "0", size, "-nolisten", "tcp", *extra], name)
+        """A new Xvfb display; its number, once it accepts clients.
+
+        Xvfb picks a free number itself (``-displayfd``, under its own lock files) and writes it when ready:
+        a number chosen here from the lock files could be taken meanwhile by another test run's Xvfb."""
+        read, write = os.pipe()
+        try:
+            process = self.spawn(["Xvfb", "-displayfd", str(write), "-screen", "0", size, "-nolisten", "tcp", *extra],
+                                 name, pass_fds=(write,))
+        finally:
+            os.close(write)
+        answer = b""
         deadline = time.monotonic() + 20
-        while not Path(f"/tmp/.X11-unix/X{number}").exists():
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"Xvfb :{number} did not start:\n{self.log(name)}")
-            time.sleep(0.05)
-        return number
+        try:
+            while not answer.endswith(b"\n"):
+                ready, _, _ = select.select([read], [], [], max(deadline - time.monotonic(), 0))
+                chunk = os.read(read, 16) if ready else b""
+                if not chunk:  # Xvfb exited (end of file) or time ran out
+                    raise RuntimeError(f"Xvfb did not start:\n{self.log(name)}")
+                answer += chunk
+        finally:
+            os.close(read)
+        if process.poll() is not None:
+            raise RuntimeError(f"Xvfb :{answer.decode().strip()} exited:\n{self.log(name)}")
+        return int(answer)
 
     def shadow(self, display: int, name: str, *security: str) -> int:
         for attempt in range(2):  # right after Xvfb the shadow server can fail to open the display
