@@ -42,8 +42,10 @@ run: $(STAMP) $(CONSOLE) $(HOTPATH)
 	$(BIN)/gatewayd run $(if $(CONFIG),--config $(CONFIG))
 
 ## Install the real peers the suite needs (when root), then run the whole suite.
+## (Bytecode is cached: with PYTHONDONTWRITEBYTECODE set, every daemon and command a test starts would
+## compile the project's modules again, about a second each.)
 test: $(STAMP) $(CONSOLE) peers $(HOTPATH)
-	$(BIN)/pytest $(PYTEST_ARGS)
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/pytest $(PYTEST_ARGS)
 
 ## The whole suite once per supported Python (3.11, 3.12, 3.13: pyenv builds or python3.X on PATH),
 ## each in its own .venv-3.X; says which versions ran and which are missing (REQUIRE_ALL=1: a failure).
