@@ -101,6 +101,7 @@ class ManagerService:
         self.links[user.id] = link  # the newest process of a user is the one the API drives
         log.info("proxy manager connected", extra={"user": user.email, "hostname": link.hostname})
         reader = asyncio.ensure_future(self._results(context, link))
+        getter: asyncio.Future[Any] | None = None
         try:
             while True:
                 getter = asyncio.ensure_future(link.outbox.get())
@@ -111,6 +112,8 @@ class ManagerService:
                 await context.write(getter.result())
         finally:
             reader.cancel()
+            if getter is not None:  # cancelled mid-wait: its pending get must not outlive the link
+                getter.cancel()
             if self.links.get(user.id) is link:
                 del self.links[user.id]
             for future in link.results.values():

@@ -109,6 +109,7 @@ class AgentService(pb_grpc.AgentGatewayServicer):
         reason = "the agent closed its connection"
         reader = asyncio.ensure_future(self._until_eof(context))
         closed = asyncio.ensure_future(link.closed.wait())
+        getter: asyncio.Future[Any] | None = None
         try:
             await context.write(await self._welcome(agent))
             while True:
@@ -135,6 +136,8 @@ class AgentService(pb_grpc.AgentGatewayServicer):
         finally:
             reader.cancel()
             closed.cancel()
+            if getter is not None:  # cancelled mid-wait: its pending get must not outlive the link
+                getter.cancel()
             await self.registry.detach(link, reason)
 
     async def _welcome(self, agent: Any) -> pb.GatewayMessage:
