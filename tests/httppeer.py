@@ -24,6 +24,14 @@ from aiohttp import WSMsgType, web
 BLOCK = hashlib.sha256(b"gatewayd").digest() * 2048  # 64 KiB
 
 
+def gzip_bytes(data: bytes) -> bytes:
+    """``data`` gzipped the same on every Python: no time, and the header's OS byte fixed at 3 (Unix),
+    which Python 3.13's gzip writes as 255 (golden-file tests compare these bytes)."""
+    packed = bytearray(gzip.compress(data, mtime=0))
+    packed[9] = 3
+    return bytes(packed)
+
+
 def pattern(size: int) -> bytes:
     """The first ``size`` bytes the download endpoint sends."""
     return (BLOCK * (size // len(BLOCK) + 1))[:size]
@@ -156,7 +164,7 @@ def make_app() -> web.Application:
         if kind == "text":
             return web.Response(text=PII_TEXT, content_type="text/plain")
         if kind == "gzip":  # sent gzip whatever the request accepts, as some servers do (the same bytes each time)
-            return web.Response(body=gzip.compress(json.dumps(PII_JSON).encode(), mtime=0), content_type="application/json",
+            return web.Response(body=gzip_bytes(json.dumps(PII_JSON).encode()), content_type="application/json",
                                 headers={"Content-Encoding": "gzip"})
         if kind == "ws":
             ws = web.WebSocketResponse()

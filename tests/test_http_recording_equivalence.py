@@ -16,7 +16,6 @@ ids and times.
 from __future__ import annotations
 
 import base64
-import gzip
 import hashlib
 import json
 import os
@@ -30,6 +29,7 @@ import pytest
 
 from tests.apiclient import admin_http
 from tests.conftest import HOT_PATH_RUNS, free_port, hot_path_logged, proxy_daemon
+from tests.httppeer import gzip_bytes
 from tests.test_http_proxy import HttpApi
 
 GOLDEN = Path(__file__).parent / "golden" / "http_recording.json"
@@ -101,7 +101,7 @@ async def plain_workload(url: str, secret: str) -> list[Any]:
         await call("PUT", "/echo/json", json={"q": "select 1", "n": [1, 2, 3]})
         await call("POST", "/upload", data=chunks(bytes(range(256)) * 4096, 16384),
                    headers={"Content-Type": "application/octet-stream"})  # chunked, streamed past the record cap
-        await call("POST", "/upload", data=gzip.compress(b"squeeze me " * 100, mtime=0),
+        await call("POST", "/upload", data=gzip_bytes(b"squeeze me " * 100),
                    headers={"Content-Encoding": "gzip"})
         await call("GET", "/pii/gzip")  # a gzip body passes as it came
         await call("GET", "/download?size=3000&chunked=1")  # chunked, whole in the record
