@@ -589,7 +589,7 @@ class ReviewService:
             return target
 
         def kill(reason: str) -> Any:  # a kill, an expiry, the shutdown: stop what runs on the target
-            return runner.stop(dialed[0]) if dialed else None
+            return (runner.kill or runner.stop)(dialed[0]) if dialed else None
 
         try:
             run = await self.pipeline.start(

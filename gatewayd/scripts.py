@@ -42,3 +42,4 @@ class ScriptRunner:
     run: Callable[[SessionRun[Any], str], Awaitable[ScriptResult]]  # the script on run.target, reported to run.policy
     stop: Callable[[Any], Any]  # release the target; on a kill this ends what runs there
     unreachable: tuple[type[BaseException], ...] = ()  # what ``dial`` raises when the target cannot be used
+    kill: Callable[[Any], Any] | None = None  # a kill, when ``stop`` alone would leave work running there

@@ -104,3 +104,23 @@ class PgCluster:
         """Environment for libpq tools connecting directly as postgres."""
         return {**os.environ, "PGHOST": "127.0.0.1", "PGPORT": str(self.port), "PGUSER": "postgres",
                 "PGPASSWORD": self.password, "PGDATABASE": "postgres"}
+
+
+async def wait_for_backends(dsn: str, query: str, running: bool, attempts: int = 200) -> None:
+    """Until the target has (``running``) or has no longer a backend whose current query is ``query``,
+    checked every 50 ms; AssertionError after ``attempts`` checks (10 s by default)."""
+    import asyncio
+
+    import asyncpg
+
+    connection = await asyncpg.connect(dsn)
+    try:
+        for _ in range(attempts):
+            count = await connection.fetchval("select count(*) from pg_stat_activity where query = $1 "
+                                              "and state = 'active'", query)
+            if bool(count) == running:
+                return
+            await asyncio.sleep(0.05)
+    finally:
+        await connection.close()
+    raise AssertionError(f"the target {'never ran' if running else 'still runs'} {query!r}")

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from proxies.postgres import codec as pg
 from tests.apiclient import PostgresApi, admin_http, events, of_kind
 from tests.conftest import Daemon, free_port, proxy_daemon
-from tests.pgpeer import PgCluster, unavailable_reason
+from tests.pgpeer import PgCluster, unavailable_reason, wait_for_backends
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
 
@@ -657,6 +657,22 @@ async def test_kill_from_the_api_sends_fatal_57P01(gateway, api):
     client.close()
     assert len(messages) == 1 and messages[0].severity == "FATAL" and messages[0].sqlstate == "57P01"
     assert messages[0].message == "session killed by admin@example.com"
+
+
+async def test_a_kill_cancels_the_query_running_on_the_target(gateway, api, cluster):
+    """PostgreSQL notices a closed client only when its query ends: the kill cancels it as well."""
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+    connection = await connect(gateway, secret)
+    query = "select pg_sleep(30) as killed_mid_sleep"
+    running = asyncio.ensure_future(connection.execute(query))
+    await wait_for_backends(cluster.dsn(), query, running=True)
+    status, body = await api("POST", f"/sessions/{session_id}/kill")
+    assert status == 200 and body["exit_code"] == 254
+    with pytest.raises((asyncpg.AdminShutdownError, asyncpg.ConnectionDoesNotExistError)):
+        await asyncio.wait_for(running, 10)
+    await wait_for_backends(cluster.dsn(), query, running=False)  # not left to sleep its 30 s
+    connection.terminate()
 
 
 async def test_credential_expiring_mid_session_ends_it_with_57P01(gateway, api):

@@ -20,7 +20,7 @@ import pytest
 
 from tests.apiclient import Api, events, of_kind, postgres_env
 from tests.conftest import Daemon, free_port, proxy_daemon
-from tests.pgpeer import unavailable_reason
+from tests.pgpeer import unavailable_reason, wait_for_backends
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
 
@@ -179,15 +179,18 @@ async def test_scripts_need_a_runner_and_a_known_connection(as_):
 
 
 async def test_killing_a_running_script_ends_its_session_with_the_reason(as_, cluster):
+    """...and the query it was running on the target: PostgreSQL would sleep on after a mere close."""
     conn = await make_connection(as_, cluster)
-    status, body = await as_["rita"]("POST", "/sessions", {"connection": conn["name"],
-                                                           "script": "select pg_sleep(30), 'never' as word"})
+    script = "select pg_sleep(30), 'never' as word"
+    status, body = await as_["rita"]("POST", "/sessions", {"connection": conn["name"], "script": script})
     assert status == 202, body
+    await wait_for_backends(cluster.dsn(), script, running=True)
     status, killed = await as_["admin"]("POST", f"/sessions/{body['session_id']}/kill")
     assert status == 200, killed
     session = await as_["rita"].done_session(body["session_id"], 15)
     assert session["exit_code"] == 254 and "never" not in "".join(of_kind(session, "o"))
     assert of_kind(session, "e")[-1] == "session killed by ada@example.com"
+    await wait_for_backends(cluster.dsn(), script, running=False)  # cancelled, not left to run its 30 s
 
 
 # --------------------------------------------------------------------------- one-time scripts with review

@@ -19,7 +19,8 @@ from gatewayd.scripts import ScriptResult, ScriptRunner
 from gatewayd.sessions import BLOCKED_EXIT_CODE
 from proxies.postgres.codec import FrameBatch, FrontendReader, encode_copy_fail, encode_query
 from proxies.postgres.relay import BLOCK, ClientSide, Pending, ServerSide
-from proxies.postgres.upstream import TargetLink, TargetSettings, UpstreamError, connect_target, terminate
+from proxies.postgres.upstream import (TargetLink, TargetSettings, UpstreamError, connect_target, end_on_target,
+                                       terminate)
 
 if TYPE_CHECKING:
     from gatewayd.dialer import Dialer
@@ -142,4 +143,4 @@ async def run(run: SessionRun[TargetLink], script: str) -> ScriptResult:
     return ScriptResult(transcript.text(), SQL_ERROR_EXIT_CODE if transcript.errors else 0)
 
 
-run_script = ScriptRunner(dial=dial, run=run, stop=terminate, unreachable=(UpstreamError,))
+run_script = ScriptRunner(dial=dial, run=run, stop=terminate, unreachable=(UpstreamError,), kill=end_on_target)

@@ -59,6 +59,7 @@ from proxies.postgres.upstream import (
     UpstreamError,
     connect_target,
     send_cancel,
+    end_on_target,
     terminate,
 )
 
@@ -330,11 +331,12 @@ class ClientConnection:
             await run.close(exit_code=exit_code, error=error)
 
     def _kill(self, reason: str) -> None:
-        """The gateway ends the session (kill, expiry, shutdown): FATAL 57P01, then both sockets close."""
+        """The gateway ends the session (kill, expiry, shutdown): FATAL 57P01, both sockets close, and the
+        query the target may still be running is cancelled."""
         self.killed = reason
         self.send_fatal("57P01", reason)
         if self.link is not None:
-            terminate(self.link)
+            end_on_target(self.link)
 
     # -- relay
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import ssl
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Awaitable, Callable
 
 from gatewayd.dialer import DialError, Dialer, direct
 from gatewayd.models import target_port
@@ -94,6 +96,8 @@ class TargetLink:
     process_id: int = 0
     secret_key: bytes = b""
     status: str = "I"
+    # a CancelRequest for what runs on this backend (set by ``connect_target``: it knows where and how to dial)
+    cancel: Callable[[], Awaitable[None]] | None = None
 
     @property
     def backend(self) -> BackendReader:
@@ -199,6 +203,9 @@ async def _connect(settings: TargetSettings, client_parameters: dict[str, str], 
             message = await _next_message(link, name)
             if isinstance(message, ReadyForQuery):
                 link.status = message.status
+                if link.process_id:
+                    link.cancel = partial(send_cancel, settings.host, settings.port, link.process_id, link.secret_key,
+                                          dialer=dialer, connection=name)
                 return link
             if isinstance(message, BackendKeyData):
                 link.process_id, link.secret_key = message.process_id, message.secret_key
@@ -274,3 +281,17 @@ def terminate(link: TargetLink) -> None:
     except (OSError, RuntimeError):
         pass
     link.stream.close()
+
+
+def end_on_target(link: TargetLink) -> None:
+    """A kill: close, and cancel the query the backend may still be running (PostgreSQL does not notice a
+    closed client until the query ends: a killed ``pg_sleep(3600)`` would otherwise sleep on).  The cancel is
+    sent in the background: the session ends at once, with its reason, whatever the target does."""
+    terminate(link)
+    if link.cancel is not None:
+        task = asyncio.get_running_loop().create_task(link.cancel())
+        _CANCELS.add(task)
+        task.add_done_callback(_CANCELS.discard)
+
+
+_CANCELS: set[asyncio.Task[None]] = set()  # cancels on their way (a task nobody holds may be collected)
