@@ -331,3 +331,78 @@ async def test_repeated_plain_requests_skip_the_handler_and_are_recorded_alike(t
             assert dated[6].startswith(b"HTTP/1.1 200 OK\r\n") and dated[6].endswith(b"\r\n\r\n")
         finally:
             await listener.close()
+
+
+async def test_a_repeated_answer_head_with_another_body_is_checked_recorded_and_sent_as_it_came(gateway, credential,
+                                                                                               target):
+    """The same request again gets the same answer head with another body (``fast`` takes it unparsed, see
+    ``TargetProtocol.again``): each body reaches the client and the recording as the target sent it, and one
+    the output rules block is blocked."""
+    api = credential[2]
+    role = await api.connection("front-count", "httpproxy", "httpproxy", {"REMOTE_URL": target})
+    await api.guardrail(role, output_rules=[{"type": "deny_words_list", "words": ["stop"]}])
+    secret, session_id = await api.credential(role)
+    reader, writer = await connect(gateway)
+    answers = []
+    for _ in range(7):
+        writer.write(request("GET", "/count", secret))
+        answers.append(await read_response(reader))
+    writer.close()
+    sent = [body for status, _, body in answers if status == 200]
+    blocked = [body for status, headers, body in answers if status == 403]
+    assert len(sent) == 5 and len(blocked) == 2 and len(set(sent)) == 5, answers
+    assert all(re.fullmatch(rb"\d{8} fine", body) for body in sent)
+    assert all("stop" in json.loads(body)["message"] for body in blocked)
+    session = await api.session(session_id, lambda s: sum(k == "o" for k, _ in events(s)) >= 5
+                                and sum(k == "e" for k, _ in events(s)) >= 2)
+    outputs = [text for kind, text in events(session) if kind == "o"]
+    assert [text[-13:].encode() for text in outputs] == sent  # each as it came, none the one before again
+    assert all(text.startswith("HTTP/1.1 200 OK\r\n") and "Content-Length: 13\r\n" in text for text in outputs)
+
+
+def _answer(body: bytes, date: str = "Mon, 23 Nov 2026 16:00:00 GMT", space: bytes = b" ") -> bytes:
+    return (b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length:" + space + str(len(body)).encode()
+            + b"\r\nDate: " + date.encode() + b"\r\n\r\n" + body)
+
+
+async def test_target_protocol_takes_a_repeated_head_unparsed_only_after_whole_reads():
+    """``TargetProtocol``: an answer that is the head of a whole earlier one and a body of the same length is
+    handed on unparsed (``repeated``); another length, another head, or any connection whose reads were not
+    each one whole answer is parsed."""
+    from proxies.http.upstream import TargetProtocol
+
+    loop = asyncio.get_running_loop()
+    protocol = TargetProtocol(loop)
+    told: list[int] = []
+
+    def exchange(data: bytes, again: bytes | None = None, length: int = 0) -> None:
+        protocol.expect(False)
+        protocol.on_answer = lambda: told.append(1)
+        protocol.again, protocol.again_length = again, length
+        protocol.data_received(data)
+
+    first = _answer(b"00000001 fine")
+    exchange(first)
+    head = protocol.whole
+    assert head is not None and first == head + b"00000001 fine" and protocol.answer()[0].code == 200
+    exchange(_answer(b"00000002 fine"), head, len(first))
+    assert protocol.repeated == _answer(b"00000002 fine") and protocol.answer() is None and told == [1, 1]
+    protocol.repeated = None
+    for other in (_answer(b"00000003 fine!"), _answer(b"00000004 fine", "Mon, 23 Nov 2026 16:00:01 GMT")):
+        exchange(other, head, len(first))  # not the same: parsed
+        assert protocol.repeated is None and protocol.answer()[0].code == 200
+    exchange(_answer(b"00000005 fine", space=b""))  # a head not written as the parser reads it back: never kept
+    assert protocol.whole is None and protocol.answer() is not None
+    exchange(first, head, len(first))  # and the connection is parsed from then on
+    assert protocol.repeated is None and protocol.answer() is not None
+
+    split = TargetProtocol(loop)
+    split.expect(False)
+    split.data_received(first[:20])
+    split.data_received(first[20:])
+    assert split.whole is None and split.answer() is not None
+    split.expect(False)
+    split.on_answer = lambda: None
+    split.again, split.again_length = head, len(first)
+    split.data_received(first)
+    assert split.repeated is None and split.answer() is not None
