@@ -358,8 +358,7 @@ class HttpListener:
         policy.record_input(sent.recorded)
         first_line, head = sent.first_line, sent.head
         memo: _Answered | None = front.answered
-        again = (memo.target_head if memo is not None and memo.key[0] == request.method
-                 and memo.key[1] == request.host else None)  # what it made depends on these and the policy only
+        again = memo.target_head if memo is not None and memo.request is request.raw else None
         if not self.pool.send(connection, head, request.method == "HEAD",
                               partial(self._answered, request, state, policy, first_line, head, connection),
                               again, memo.target_length if again is not None else 0):  # type: ignore[union-attr]
@@ -685,7 +684,7 @@ class HttpListener:
             if no_body or target_head is None or protocol.whole_length != len(target_head) + len(body):
                 target_head = None
             memo = _Answered(key, policy, policy.rules, no_body, policy.checks_output and is_text(content_type), head,
-                             wire, bool(sends), target_head, protocol.whole_length)
+                             wire, bool(sends), request.raw, target_head, protocol.whole_length)
             request.protocol.answered = memo if timeless else None  # dated by the gateway: made anew each time
         return self._give(policy, memo, body)
 
@@ -1004,9 +1003,10 @@ class _Answered:
     recorded: bytes  # the target's status line and headers as recorded
     wire: bytes  # the head sent to the client
     sends: bool  # whether the body follows it (not for a HEAD, a 204 or a 304)
+    request: bytes  # the request it answered, as it came (its method and Host are in ``key``)
     target_head: bytes | None  # the target's status line and headers as they came, when they came whole with the
-    # body in one read: an answer (to a request of the same method and Host) that is these bytes and a body of
-    # the same length is this answer again, and is not parsed (``TargetProtocol.again``)
+    # body in one read: an answer to the same request that is these bytes and a body of the same length is
+    # this answer again, and is not parsed (``TargetProtocol.again``)
     target_length: int  # the length of that read
     passed: bytes | None = None  # the last body (up to PASSED_KEPT bytes) the output rules let through under ``rules``
 
