@@ -77,7 +77,6 @@ log = logging.getLogger("gatewayd.http")
 
 PROTOCOL = "httpproxy"
 SMALL_BODY = 64 * 1024  # a response this small (with a Content-Length) is read whole and sent in one write
-PASSED_KEPT = 4096  # a small answer's body the output rules passed is kept this long, to pass it again unread
 STREAM_OVERLAP = 4096  # characters of an event stream's previous piece checked again with the next
 _WS_HEADERS = frozenset({"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
                          "sec-websocket-protocol", "sec-websocket-accept"})
@@ -691,12 +690,10 @@ class HttpListener:
     def _give(self, policy: SessionPolicy, memo: _Answered, body: bytes) -> bytes | GuardVerdict:
         """A small answer made as ``memo`` says, with ``body``: checked by the output rules and recorded; the
         verdict when they block it (nothing recorded)."""
-        if memo.text and body and body != memo.passed:  # (the rules are pure: a body they passed passes again)
+        if memo.text and body:
             verdict = policy.check_output(body[:self.guard_cap].decode("utf-8", "replace"))
             if verdict is not None:
                 return verdict
-            if len(body) <= PASSED_KEPT:
-                memo.passed = body
         if len(body) <= self.record_cap:
             policy.record_output(memo.recorded + body)
         else:
@@ -1008,7 +1005,6 @@ class _Answered:
     # body in one read: an answer to the same request that is these bytes and a body of the same length is
     # this answer again, and is not parsed (``TargetProtocol.again``)
     target_length: int  # the length of that read
-    passed: bytes | None = None  # the last body (up to PASSED_KEPT bytes) the output rules let through under ``rules``
 
 
 @dataclass(slots=True, eq=False)
