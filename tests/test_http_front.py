@@ -406,20 +406,3 @@ async def test_target_protocol_takes_a_repeated_head_unparsed_only_after_whole_r
     split.again, split.again_length = head, len(first)
     split.data_received(first)
     assert split.repeated is None and split.answer() is not None
-
-    ended = TargetProtocol(loop)  # a read that is the end of a body and nothing else: between answers again
-    for cut in (len(first) - 5, len(first) - 4):  # the second read ends the body and holds one byte more
-        ended.expect(False)
-        ended.data_received(first[:cut])
-        ended.data_received(first[cut:] + (b"H" if cut == len(first) - 4 else b""))
-        assert ended.answer() is not None and ended.whole is None
-    ended.expect(False)
-    ended.data_received(first)
-    assert ended.whole is None and ended._clean is False  # the byte more holds it unparsed for good
-    ended = TargetProtocol(loop)
-    ended.expect(False)
-    ended.data_received(first[:-5])
-    ended.data_received(first[-5:])
-    ended.expect(False)
-    ended.data_received(first)
-    assert ended.answer() is not None and ended.whole == head

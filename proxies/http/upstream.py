@@ -51,9 +51,8 @@ class TargetProtocol(BaseProtocol):
 
     An answer whose bytes repeat a head seen before on this connection (``again``, set by the sender from
     what it made of that head) is not parsed: ``repeated`` holds it for ``on_answer``. That holds only
-    while every read since the parser was last seen between answers was one whole answer (``whole``), so it
-    has nothing of an answer buffered that the skipped bytes would have continued (seen between answers: new,
-    or after a read that held the end of a body and nothing else).
+    while every read so far was one whole answer (``whole``), so the parser has nothing of an answer
+    buffered that the skipped bytes would have continued.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -169,8 +168,6 @@ class TargetProtocol(BaseProtocol):
                 self.should_close = True
                 self._discard = True
         assert self._parser is not None
-        going = None if self._clean else self._payload  # a body this read may end
-        before = going.total_bytes if going is not None else 0
         try:
             messages, upgraded, _ = self._parser.feed_data(data)
         except BaseException as exc:
@@ -196,8 +193,6 @@ class TargetProtocol(BaseProtocol):
             self.whole = _whole_head(data, messages) if len(messages) == 1 and self._with_body else None
             self._clean = self.whole is not None
             self.whole_length = len(data)
-        elif going is not None and not messages and going.is_eof() and going.total_bytes - before == len(data):
-            self._clean = True  # this read was the end of a body and nothing else: the parser is between answers
         if messages:
             if self._waiter is not None and not self._waiter.done():
                 self._waiter.set_result(None)
