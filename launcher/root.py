@@ -9,7 +9,6 @@ the listener factory and script runner of each one that is installed.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import signal
 
@@ -73,10 +72,6 @@ async def run(config: Config, worker_index: int | None = None) -> None:
     except BaseException:
         await gateway.stop()
         raise
-    # what the start built (modules, settings, compiled rules...) lives as long as the process: out of the
-    # collector's passes, which a busy data path triggers often (its per-request records reach the old generation)
-    gc.collect()
-    gc.freeze()
     try:
         await gateway.wait_stopped()
     finally:

@@ -44,15 +44,14 @@ _END = b"\r\n\r\n"
 class FrontRequest:
     """A plain request served by the front end: the attributes of ``web.BaseRequest`` the proxy reads."""
 
-    __slots__ = ("protocol", "headers", "method", "raw_path", "version", "host", "raw")
+    __slots__ = ("_protocol", "headers", "method", "raw_path", "version", "host", "raw")
 
     scheme = "http"
     content_length = None
     body_exists = False
 
     def __init__(self, message: RawRequestMessage, protocol: FrontProtocol, raw: bytes = b"") -> None:
-        self.protocol = protocol  # the connection it came on (``complete`` / ``serve_later`` end a request
-        # taken over by ``fast``)
+        self._protocol = protocol
         self.raw = raw  # the request's head as it came, whole: it alone says what the message is
         self.headers: CIMultiDictProxy[str] = message.headers
         self.method: str = message.method
@@ -62,11 +61,16 @@ class FrontRequest:
 
     @property
     def remote(self) -> str:
-        return self.protocol.remote
+        return self._protocol.remote
+
+    @property
+    def protocol(self) -> FrontProtocol:
+        """The connection it came on (``complete`` / ``serve_later`` end a request taken over by ``fast``)."""
+        return self._protocol
 
     @property
     def transport(self) -> asyncio.Transport | None:
-        return self.protocol.transport
+        return self._protocol.transport
 
     def answer(self, status: int, reason: str, headers: list[tuple[str, str]], body: bytes,
                head_length: int | None) -> bytes:
@@ -105,7 +109,7 @@ class FrontRequest:
 
     def start_stream(self, status: int, reason: str, headers: CIMultiDict[str], length: int | None) -> FrontStream:
         """A streamed answer: ``prepare`` sends its head, ``write`` and ``write_eof`` its body."""
-        return FrontStream(self.protocol, status, reason, headers, length)
+        return FrontStream(self._protocol, status, reason, headers, length)
 
 
 class FrontStream:
@@ -372,12 +376,12 @@ class FrontProtocol(asyncio.Protocol):
 
     def complete(self, data: bytes) -> None:
         """End a request ``fast`` took over with the whole answer ``data`` (its connection goes on)."""
-        transport = self.transport
-        if transport is None or transport.is_closing():  # the client went away
+        try:
+            self.send(data)
+        except ConnectionError:
             self._done(False)
             return
-        transport.write(data)
-        if self._done(True) and self._pending:
+        if self._done(True):
             self._go_on()
 
     def serve_later(self, request: FrontRequest, work: Awaitable[Answer]) -> None:

@@ -17,7 +17,6 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from functools import partial
 from typing import TYPE_CHECKING, AsyncIterator
 
 import aiohttp
@@ -350,8 +349,8 @@ class HttpListener:
             front.sent = sent
         state, policy = sent.state, sent.policy
         target = state.target
-        connection = self.pool.take_at(sent.pool_key or self.pool.key(
-            target.scheme, target.host, target.port, state.insecure, self.pipeline.dialer_for(state.grant.connection)))
+        connection = self.pool.take(target.scheme, target.host, target.port, state.insecure,
+                                    self.pipeline.dialer_for(state.grant.connection))
         if connection is None:
             return False
         policy.record_input(sent.recorded)
@@ -359,7 +358,7 @@ class HttpListener:
         memo: _Answered | None = front.answered
         again = memo.target_head if memo is not None and memo.request is request.raw else None
         if not self.pool.send(connection, head, request.method == "HEAD",
-                              partial(self._answered, request, state, policy, first_line, head, connection),
+                              lambda: self._answered(request, state, policy, first_line, head, connection),
                               again, memo.target_length if again is not None else 0):  # type: ignore[union-attr]
             front.serve_later(request, self._exchange(request, state, policy, first_line, head, None, False))
         return True
@@ -396,12 +395,9 @@ class HttpListener:
         first_line, up_headers = self._outbound(request, policy, presented.source, client_ip)
         if policy.checks_input and policy.check_input(guard_text(first_line, up_headers)) is not None:
             return None  # refused by ``handle``, which records it
-        target, connection = state.target, state.grant.connection
-        pool_key = None if connection.agent_id else self.pool.key(  # an agent's route may change: not kept
-            target.scheme, target.host, target.port, state.insecure, self.pipeline.dialer_for(connection))
         return _Sent(request.raw, presented.secret, state, policy, policy.rules, first_line,
                      head_bytes(first_line, headers.items()),
-                     request_head(request.method, target, request.raw_path, up_headers), pool_key)
+                     request_head(request.method, state.target, request.raw_path, up_headers))
 
     def _answered(self, request: FrontRequest, state: CredentialState, policy: SessionPolicy, first_line: str,
                   head: bytes, connection: UpstreamConnection) -> None:
@@ -983,7 +979,6 @@ class _Sent:
     first_line: str
     recorded: bytes  # the request as recorded (credentials redacted)
     head: bytes  # the request head sent to the target
-    pool_key: tuple[str, str, int, bool, str] | None  # the pool's key for its target (None: through an agent)
 
 
 @dataclass(slots=True, eq=False)

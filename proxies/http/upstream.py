@@ -141,11 +141,10 @@ class TargetProtocol(BaseProtocol):
         again = self.again
         if again is not None:
             self.again = None
-            callback = self.on_answer
-            if len(data) == self.again_length and self._clean and callback is not None and data.startswith(again):
+            if (len(data) == self.again_length and self._clean and self.on_answer is not None
+                    and data.startswith(again)):
                 self.repeated = data
-                self.on_answer = None
-                callback()
+                self._tell()
                 return
         self._parse(data)
 
@@ -261,9 +260,7 @@ class UpstreamConnection:
 
     @property
     def usable(self) -> bool:
-        protocol = self.protocol
-        transport = protocol.transport
-        return transport is not None and not transport.is_closing() and not protocol.should_close
+        return self.protocol.is_connected() and not self.protocol.should_close
 
     def close(self) -> None:
         self.protocol.close()
@@ -368,15 +365,10 @@ class UpstreamPool:
     def take(self, scheme: str, host: str, port: int, insecure: bool,
              dialer: Dialer | None = None) -> UpstreamConnection | None:
         """An idle connection to the target (reached through ``dialer``) that is still usable, or None."""
-        return self._take(self.key(scheme, host, port, insecure, dialer or self.dialer))
-
-    def take_at(self, key: tuple[str, str, int, bool, str]) -> UpstreamConnection | None:
-        """``take`` by the pool's key for the target (``key``)."""
-        return self._take(key)
+        return self._take(self._key(scheme, host, port, insecure, dialer or self.dialer))
 
     @staticmethod
-    def key(scheme: str, host: str, port: int, insecure: bool, dialer: Dialer) -> tuple[str, str, int, bool, str]:
-        """The pool's key for a target: the address and how it is reached (a dialer's ``route``)."""
+    def _key(scheme: str, host: str, port: int, insecure: bool, dialer: Dialer) -> tuple[str, str, int, bool, str]:
         return scheme, host, port, insecure, getattr(dialer, "route", "")
 
     def send(self, connection: UpstreamConnection, head: bytes, skip_body: bool,
@@ -430,7 +422,7 @@ class UpstreamPool:
         connection when a pooled one turns out closed by the target.
         """
         dialer = dialer or self.dialer
-        key = self.key(scheme, host, port, insecure, dialer)
+        key = self._key(scheme, host, port, insecure, dialer)
         replayable = body is None or isinstance(body, bytes)
         while True:
             connection = self._take(key) or await self._connect(key, dialer)
