@@ -6,7 +6,7 @@ query, headers, body), ``/upload`` (streamed SHA-256 of the body),
 ``/redirect?to=...``, ``/links`` (a ``Link`` header naming the app's own URLs), ``/page`` (an
 HTML page with a form that posts to ``/echo/posted``), ``/text?say=...``,
 ``/big-text?size=N&needle=W&at=K``, ``/ws`` (echo), ``/sse?n=N`` and ``/sse-hold``
-(an event, then waits until ``/release``), ``/seen`` (paths received so far), ``/count`` (the same head, another body of the same length each time),
+(an event, then waits until ``/release``), ``/seen`` (paths received so far),
 ``/pii/{json,text,chunked,gzip,sse,ws}`` (personal data for the masking tests, ``PII_*``).
 """
 
@@ -183,13 +183,6 @@ def make_app() -> web.Application:
         await response.write_eof()
         return response
 
-    counted = [0]
-
-    async def count(request: web.Request) -> web.Response:
-        """A body of the same length each time that is never the same: ``00000001 fine``, every third ``... stop``."""
-        counted[0] += 1
-        return web.Response(text=f"{counted[0]:08d} {'stop' if counted[0] % 3 == 0 else 'fine'}")
-
     async def seen_paths(request: web.Request) -> web.Response:
         return web.json_response(list(seen))
 
@@ -208,7 +201,6 @@ def make_app() -> web.Application:
     app.router.add_get("/sse-hold", sse_hold)
     app.router.add_get("/release", release)
     app.router.add_get("/seen", seen_paths)
-    app.router.add_get("/count", count)
     app.router.add_get("/pii/{kind}", pii)
     return app
 
