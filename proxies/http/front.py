@@ -265,7 +265,6 @@ class FrontProtocol(asyncio.Protocol):
         self._drained: asyncio.Future[None] | None = None
         self.ended: asyncio.Future[None] | None = None  # set when the gateway closes while a fast request runs
         self.later: asyncio.Task[None] | None = None  # the task of a fast request that needed one (``serve_later``)
-        self._last: FrontRequest | None = None  # the last plain request (its bytes again are that request again)
         self.sent: Any = None  # what ``fast`` made of this connection's last request and answer (its own memo)
         self.answered: Any = None
 
@@ -299,11 +298,25 @@ class FrontProtocol(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.pause_reading()
             return
-        request = self._last
-        if request is None or data != request.raw:
-            request = self._parse(data)
-            if request is None:
-                return
+        if data.find(_END) != len(data) - 4:  # not exactly one whole head
+            self._hand_over(data)
+            return
+        try:
+            messages, upgraded, _ = self._parser.feed_data(data)
+        except Exception:
+            self._hand_over(data)  # aiohttp answers it with its own 400
+            return
+        if len(messages) != 1 or upgraded:
+            self._hand_over(data)
+            return
+        message, payload = messages[0]
+        headers = message.headers
+        if (payload is not EMPTY_PAYLOAD or message.version != HttpVersion11 or message.should_close
+                or message.upgrade or message.method == "CONNECT" or "Host" not in headers
+                or "Expect" in headers or "Upgrade" in headers):
+            self._hand_over(data)
+            return
+        request = FrontRequest(message, self, data)
         self.busy = True
         fast = self.front.fast
         if fast is not None and fast(request):
@@ -312,31 +325,6 @@ class FrontProtocol(asyncio.Protocol):
             self._next.set_result(request)
         else:
             self.runner = self.front.runners.spawn(self._run(request))
-
-    def _parse(self, data: bytes) -> FrontRequest | None:
-        """The plain request ``data`` is, kept as the last one; None when it is not one (the connection went to
-        aiohttp). The same bytes again are the same request: not parsed again (the parser is between requests
-        after each plain one, as it read it whole)."""
-        if data.find(_END) != len(data) - 4:  # not exactly one whole head
-            self._hand_over(data)
-            return None
-        try:
-            messages, upgraded, _ = self._parser.feed_data(data)
-        except Exception:
-            self._hand_over(data)  # aiohttp answers it with its own 400
-            return None
-        if len(messages) != 1 or upgraded:
-            self._hand_over(data)
-            return None
-        message, payload = messages[0]
-        headers = message.headers
-        if (payload is not EMPTY_PAYLOAD or message.version != HttpVersion11 or message.should_close
-                or message.upgrade or message.method == "CONNECT" or "Host" not in headers
-                or "Expect" in headers or "Upgrade" in headers):
-            self._hand_over(data)
-            return None
-        request = self._last = FrontRequest(message, self, data)
-        return request
 
     # -- serving
 

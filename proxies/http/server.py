@@ -355,11 +355,8 @@ class HttpListener:
             return False
         policy.record_input(sent.recorded)
         first_line, head = sent.first_line, sent.head
-        memo: _Answered | None = front.answered
-        again = memo.target_head if memo is not None and memo.request is request.raw else None
         if not self.pool.send(connection, head, request.method == "HEAD",
-                              lambda: self._answered(request, state, policy, first_line, head, connection),
-                              again, memo.target_length if again is not None else 0):  # type: ignore[union-attr]
+                              lambda: self._answered(request, state, policy, first_line, head, connection)):
             front.serve_later(request, self._exchange(request, state, policy, first_line, head, None, False))
         return True
 
@@ -403,22 +400,6 @@ class HttpListener:
                   head: bytes, connection: UpstreamConnection) -> None:
         """The target's answer to a request ``fast`` sent: a small whole one is answered here, else by a task."""
         protocol = connection.protocol
-        repeated = protocol.repeated
-        if repeated is not None:  # the head of the connection's last answer again, and a body (``_Answered``)
-            protocol.repeated = None
-            memo: _Answered | None = request.protocol.answered
-            if (memo is not None and memo.target_head is not None and memo.policy is policy
-                    and memo.rules is policy.rules):
-                done = self._give(policy, memo, repeated[len(memo.target_head):])
-                self.pool.put(connection)
-                if isinstance(done, GuardVerdict):
-                    request.protocol.serve_later(request, self._blocked(policy, done))
-                else:
-                    request.protocol.complete(done)
-                return
-            protocol.on_answer = lambda: self._answered(request, state, policy, first_line, head, connection)
-            protocol.unrepeat()  # the policy changed meanwhile: parsed and answered as any other
-            return
         try:
             answer = protocol.answer()
         except (ServerDisconnectedError, ClientConnectionError, ConnectionError):
@@ -674,18 +655,9 @@ class HttpListener:
             out_list, head = self._answer_head(request, state, message)
             wire, sends, timeless = request.answer_parts(message.code, message.reason, out_list, body,
                                                          length if no_body else None)
-            protocol = upstream.connection.protocol
-            target_head = protocol.whole  # the target's head as it came, when it came whole with its body in one read
-            if no_body or target_head is None or protocol.whole_length != len(target_head) + len(body):
-                target_head = None
             memo = _Answered(key, policy, policy.rules, no_body, policy.checks_output and is_text(content_type), head,
-                             wire, bool(sends), request.raw, target_head, protocol.whole_length)
+                             wire, bool(sends))
             request.protocol.answered = memo if timeless else None  # dated by the gateway: made anew each time
-        return self._give(policy, memo, body)
-
-    def _give(self, policy: SessionPolicy, memo: _Answered, body: bytes) -> bytes | GuardVerdict:
-        """A small answer made as ``memo`` says, with ``body``: checked by the output rules and recorded; the
-        verdict when they block it (nothing recorded)."""
         if memo.text and body:
             verdict = policy.check_output(body[:self.guard_cap].decode("utf-8", "replace"))
             if verdict is not None:
@@ -995,11 +967,6 @@ class _Answered:
     recorded: bytes  # the target's status line and headers as recorded
     wire: bytes  # the head sent to the client
     sends: bool  # whether the body follows it (not for a HEAD, a 204 or a 304)
-    request: bytes  # the request it answered, as it came (its method and Host are in ``key``)
-    target_head: bytes | None  # the target's status line and headers as they came, when they came whole with the
-    # body in one read: an answer to the same request that is these bytes and a body of the same length is
-    # this answer again, and is not parsed (``TargetProtocol.again``)
-    target_length: int  # the length of that read
 
 
 @dataclass(slots=True, eq=False)

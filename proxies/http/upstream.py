@@ -22,7 +22,6 @@ from aiohttp import ClientConnectionError, ClientConnectorError, ClientPayloadEr
 from aiohttp.abc import AbstractResolver
 from aiohttp.base_protocol import BaseProtocol
 from aiohttp.helpers import EMPTY_BODY_STATUS_CODES, set_exception
-from aiohttp.http import HttpVersion11
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.http_parser import HttpResponseParser, RawResponseMessage
 from aiohttp.streams import EMPTY_PAYLOAD, StreamReader
@@ -48,11 +47,6 @@ class TargetProtocol(BaseProtocol):
     response; those bytes are dropped, and a connection that answered a HEAD
     is never reused (the body may come in a later segment, after the answer
     was handed on, where nothing can tell it from the next answer).
-
-    An answer whose bytes repeat a head seen before on this connection (``again``, set by the sender from
-    what it made of that head) is not parsed: ``repeated`` holds it for ``on_answer``. That holds only
-    while every read so far was one whole answer (``whole``), so the parser has nothing of an answer
-    buffered that the skipped bytes would have continued.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -67,12 +61,6 @@ class TargetProtocol(BaseProtocol):
         self._payload: StreamReader | None = None
         self._error: BaseException | None = None
         self.on_answer: Callable[[], None] | None = None  # called (once) when an answer or an error arrives
-        self.whole: bytes | None = None  # the head of the answer just read, when it came alone and whole in one read
-        self.whole_length = 0  # and that read's length
-        self._clean = True  # every read so far was one whole answer: the parser holds nothing between them
-        self.again: bytes | None = None  # the next answer's head if it repeats one (set per request, see above)
-        self.again_length = 0  # and its whole length (head and body)
-        self.repeated: bytes | None = None  # an answer taken as a repeat of ``again``, not parsed
 
     def is_connected(self) -> bool:
         return self.transport is not None and not self.transport.is_closing()
@@ -92,7 +80,6 @@ class TargetProtocol(BaseProtocol):
     def expect(self, head_only: bool) -> None:
         """Get ready for the next answer (``head_only``: the answer to a HEAD, no body; the connection
         goes once that answer is done)."""
-        self.again = None
         self.head_only = head_only
         if head_only:
             self.should_close = True
@@ -138,23 +125,6 @@ class TargetProtocol(BaseProtocol):
     def data_received(self, data: bytes) -> None:
         if self._discard:
             return
-        again = self.again
-        if again is not None:
-            self.again = None
-            if (len(data) == self.again_length and self._clean and self.on_answer is not None
-                    and data.startswith(again)):
-                self.repeated = data
-                self._tell()
-                return
-        self._parse(data)
-
-    def unrepeat(self) -> None:
-        """Parse an answer taken as a repeat after all (its receiver sets ``on_answer`` again first)."""
-        data, self.repeated = self.repeated, None
-        if data is not None:
-            self._parse(data)
-
-    def _parse(self, data: bytes) -> None:
         if self.head_only and data:
             self._head += data
             end = self._head.find(b"\r\n\r\n")
@@ -188,10 +158,6 @@ class TargetProtocol(BaseProtocol):
             self._answers.append((message, payload))
         if upgraded:
             self.should_close = True
-        if self._clean:
-            self.whole = _whole_head(data, messages) if len(messages) == 1 and self._with_body else None
-            self._clean = self.whole is not None
-            self.whole_length = len(data)
         if messages:
             if self._waiter is not None and not self._waiter.done():
                 self._waiter.set_result(None)
@@ -218,27 +184,6 @@ class TargetProtocol(BaseProtocol):
                 pass
         self._fail(ServerDisconnectedError(), ClientPayloadError("Response payload is not completed"))
         super().connection_lost(exc)
-
-
-def _whole_head(data: bytes, messages: list[tuple[RawResponseMessage, StreamReader]]) -> bytes | None:
-    """The head of the one answer in ``data`` when ``data`` is that answer exactly (HTTP/1.1, kept alive, its
-    ``Content-Length`` of body, written ``Name: value`` as the parser read it), else None."""
-    message, payload = messages[0]
-    if (message.version != HttpVersion11 or message.should_close or message.upgrade or message.chunked
-            or payload is EMPTY_PAYLOAD or not payload.is_eof()):
-        return None
-    end = data.find(b"\r\n\r\n") + 4
-    length = message.headers.get("Content-Length")
-    if end < 4 or length is None or not length.isdigit() or int(length) != len(data) - end:
-        return None
-    try:
-        start = b"HTTP/1.1 %d %b\r\n" % (message.code, message.reason.encode("ascii"))
-    except UnicodeEncodeError:
-        return None
-    head = data[:end]
-    if head != start + b"".join(b"%b: %b\r\n" % pair for pair in message.raw_headers) + b"\r\n":
-        return None
-    return head
 
 
 class UpstreamError(Exception):
@@ -372,11 +317,9 @@ class UpstreamPool:
         return scheme, host, port, insecure, getattr(dialer, "route", "")
 
     def send(self, connection: UpstreamConnection, head: bytes, skip_body: bool,
-             on_answer: Callable[[], None], again: bytes | None = None, again_length: int = 0) -> bool:
+             on_answer: Callable[[], None]) -> bool:
         """Send a request without a body on ``connection``; ``on_answer`` is called when its answer (or a failure)
-        arrives: ``connection.protocol.repeated`` (an answer that is the head ``again`` and a body, ``again_length``
-        bytes in all) or else ``connection.protocol.answer()`` then gives it. False when the connection is gone
-        already."""
+        arrives: ``connection.protocol.answer()`` then gives it. False when the connection is gone already."""
         protocol = connection.protocol
         transport = protocol.transport
         if transport is None or transport.is_closing():
@@ -384,8 +327,6 @@ class UpstreamPool:
             return False
         protocol.expect(skip_body)
         protocol.on_answer = on_answer
-        protocol.again = again
-        protocol.again_length = again_length
         transport.write(head)
         return True
 
