@@ -47,6 +47,7 @@ from tests import lineproxy, openapi_check
 from tests.apiclient import Api, PostgresApi, SshApi, admin_http, events
 from tests.conftest import free_port, new_store_database, proxy_daemon
 from tests.pgpeer import unavailable_reason as pg_unavailable
+from tests.pgpeer import wait_for_backends
 from tests.sshpeer import CLIENT_OPTIONS
 from tests.sshpeer import unavailable_reason as ssh_unavailable
 from tests.test_http_proxy import HttpApi
@@ -119,6 +120,10 @@ class Driver:
     async def hold(self, secret: str) -> Held:
         """Connect and keep the session open until the gateway ends it."""
         raise NotImplementedError
+
+    async def settled(self) -> None:
+        """Until the client ``hold`` started is past its login (the session is open before the client has
+        heard it is logged on); nothing to wait for where the session's opening says it already."""
 
     # how the protocol says it (assertions)
 
@@ -265,6 +270,10 @@ class PostgresDriver(Driver):
                 process.kill()
 
         return Held(ended, stop)
+
+    async def settled(self) -> None:
+        """psql's query runs on the target: psql is logged on (a FATAL before that reads as a failed login)."""
+        await wait_for_backends(self.api.cluster.dsn(), "select pg_sleep(600)", running=True)  # type: ignore[attr-defined]
 
     def refused(self, answer: Answer, reason: str) -> None:
         assert answer.code == "28P01" and answer.text == f"FATAL 28P01 {reason}", answer
@@ -601,6 +610,7 @@ async def test_a_kill_through_the_api_ends_the_session_with_its_reason_and_254(p
     held = await proto.hold(secret)
     try:
         await proto.api.session(session_id, until=lambda s: s["status"] == "open", timeout=60)
+        await proto.settled()
         status, body = await proto.api("POST", f"/sessions/{session_id}/kill")
         assert status == 200 and body["exit_code"] == 254, body
         proto.ended(await held.ended(), KILLED)
