@@ -38,8 +38,11 @@ compare the gateway with the most workers, and ``Nw/1w`` each count's TPS
 with the fewest workers' (the issue's target: 4 workers at least 3x 1 worker
 at ``-c 16`` on 8 cores or more, and at least pgbouncer's TPS).
 
+``--from-source`` adds ``gw source``: the same gateway with its hot path run from the Python source
+(``GATEWAYD_PURE_PYTHON=1``), so a compiled and a source gateway are measured in the same rounds.
+
     .venv/bin/python bench/postgres/bench_postgres.py [--seconds 10] [--clients 4] [--scale 10] [--rounds 1]
-        [--rules] [--workers 1]
+        [--rules] [--workers 1] [--from-source]
 """
 
 from __future__ import annotations
@@ -168,14 +171,15 @@ def tree_cpu_seconds(pid: int | None) -> float:
     return total
 
 
-def start_gateway(workers: int, grpc: bool = False) -> tuple[Daemon, int]:
+def start_gateway(workers: int, grpc: bool = False, env: dict[str, str] | None = None) -> tuple[Daemon, int]:
     """A ``gatewayd run`` with ``workers`` workers, once every worker is ready (sd_notify); it and its pg port.
 
-    ``grpc``: with its gRPC server for agents (``--via-agent``)."""
+    ``grpc``: with its gRPC server for agents (``--via-agent``); ``env``: more environment."""
     port = free_port()
     daemon = Daemon(Path(tempfile.mkdtemp(prefix="gatewayd-bench-")) / "data",
                     {"listeners.postgres": f"127.0.0.1:{port}", "log.level": "warning", "daemon.workers": workers,
                      "grpc.listen": f"127.0.0.1:{free_port()}" if grpc else ""})
+    daemon.extra_env.update(env or {})
     path = daemon.data_dir.parent / "notify.sock"
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
         notify.bind(str(path))
@@ -281,6 +285,9 @@ def main() -> int:
     parser.add_argument("--rules", action="store_true",
                         help="also run 'gateway+rules': the same gateway with statement-kind rules (statement_kinds, "
                              "require_where) and a masking rule added, and print the proxy CPU per transaction they add")
+    parser.add_argument("--from-source", action="store_true",
+                        help="also run 'gw source': the same gateway with its hot path from the Python source "
+                             "(GATEWAYD_PURE_PYTHON=1; the 'gateway' column runs it as make compiled it)")
     parser.add_argument("--workers", default="1",
                         help="comma-separated [daemon] workers counts, e.g. 1,2,4: one gateway each, run side by side")
     args = parser.parse_args()
@@ -318,6 +325,11 @@ def main() -> int:
             agent = start_agent(daemons[0])
             via = asyncio.run(gateway_credential(daemons[0], cluster, "bench-agent", agent_id="bench"))
             targets["gateway+agent"] = (first[0], via, "any", first[3])
+        if args.from_source:  # the same gateway once more, its hot path run from the Python source
+            source, source_port = start_gateway(counts[0], env={"GATEWAYD_PURE_PYTHON": "1"})
+            daemons.append(source)
+            targets["gw source"] = (source_port, asyncio.run(gateway_credential(source, cluster)), "any",
+                                    source.process.pid if source.process else None)
         if args.rules:  # on the gateway with the fewest workers
             ruled = asyncio.run(gateway_credential(daemons[0], cluster, "bench-rules", statement_rules=True))
             targets["gateway+rules"] = (first[0], ruled, "any", first[3])
@@ -337,7 +349,8 @@ def main() -> int:
                 ("-S -M extended", ["-S", "-M", "extended"], args.clients),
                 ("-S -M prepared", ["-S", "-M", "prepared"], args.clients),
                 ("-S -c 1 (latency)", ["-S", "-M", "simple"], 1)]
-        order = [name for name in ("direct", "pgbouncer", "forwarder", *gateways, "gateway+agent", "gateway+rules")
+        order = [name for name in ("direct", "pgbouncer", "forwarder", *gateways, "gw source", "gateway+agent",
+                                   "gateway+rules")
                  if name in targets]
         scaling = list(gateways)[1:]  # an Nw/1w column each
         rounds = max(1, args.rounds)
