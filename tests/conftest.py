@@ -249,7 +249,8 @@ HOT_PATH_RUNS = {"as built": {}, "from source": {PURE_ENV: "1"}}  # a daemon's e
 
 
 def hot_path_logged(daemon: Daemon, env: dict[str, str]) -> None:
-    """The daemon started with ``env`` logged the hot path it runs, and it is the one ``env`` asks for."""
+    """The daemon started with ``env`` logged the hot path it runs, and it is the one ``env`` asks for
+    (else the daemon is stopped and AssertionError raised)."""
     from gatewayd import hotpath
 
     pure = bool(env.get(PURE_ENV)) or hotpath.pure_wanted()
@@ -259,11 +260,15 @@ def hot_path_logged(daemon: Daemon, env: dict[str, str]) -> None:
     while not (started := [json.loads(line) for line in daemon.log_text().splitlines()
                            if '"gatewayd started"' in line]) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert started, daemon.log_text()
-    if wanted is None:  # some modules built, some not: the log names each
-        assert "=" in started[-1]["hot_path"], started[-1]
-    else:
-        assert started[-1]["hot_path"] == wanted, started[-1]
+    try:
+        assert started, daemon.log_text()
+        if wanted is None:  # some modules built, some not: the log names each
+            assert "=" in started[-1]["hot_path"], started[-1]
+        else:
+            assert started[-1]["hot_path"] == wanted, started[-1]
+    except AssertionError:
+        daemon.stop()  # a module fixture that fails here never reaches its teardown: not left running
+        raise
 
 
 def proxy_daemon(tmp_path_factory: pytest.TempPathFactory, name: str, listener: str,

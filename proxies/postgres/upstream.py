@@ -18,6 +18,7 @@ from typing import Awaitable, Callable
 
 from gatewayd.dialer import DialError, Dialer, direct
 from gatewayd.models import target_port
+from gatewayd.tasks import BackgroundTasks
 
 from proxies.postgres.codec import (
     AUTH_CLEARTEXT_PASSWORD,
@@ -289,9 +290,7 @@ def end_on_target(link: TargetLink) -> None:
     sent in the background: the session ends at once, with its reason, whatever the target does."""
     terminate(link)
     if link.cancel is not None:
-        task = asyncio.get_running_loop().create_task(link.cancel())
-        _CANCELS.add(task)
-        task.add_done_callback(_CANCELS.discard)
+        _CANCELS.spawn(link.cancel())
 
 
-_CANCELS: set[asyncio.Task[None]] = set()  # cancels on their way (a task nobody holds may be collected)
+_CANCELS = BackgroundTasks("postgres kill cancels")  # cancels on their way, held until sent
