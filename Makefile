@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
-# The compiled hot path (gatewayd/hotpath.py): rebuilt when a source changes; only what is stale compiles.
+# The compiled hot path (gatewayd/hotpath.py): rebuilt, every module, when a source or a .pxd changes.
 HOTPATH := $(VENV)/.hotpath-stamp
 # The RDP proxy's man-in-the-middle, installed without its dependency pins (cryptography<42): the rdp
 # extra in pyproject.toml lists what it really needs. docs/decisions.md (RDP proxy) says why.
@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 
 ## The hot path compiled with Cython beside its sources; without a C compiler everything runs from the
 ## Python source (a warning says so, and the next make tries again).
-$(HOTPATH): $(STAMP) $(wildcard gatewayd/*.py proxies/*/*.py)
+$(HOTPATH): $(STAMP) $(wildcard gatewayd/*.py gatewayd/*.pxd proxies/*/*.py proxies/*/*.pxd)
 	@if $(BIN)/python -c 'import sys; from gatewayd import hotpath; sys.exit(hotpath.main(["build"]))'; then \
 		touch $@; else echo "warning: the hot path was not compiled (see above); it runs from the Python source" >&2; fi
 

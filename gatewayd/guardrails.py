@@ -437,6 +437,65 @@ def _words_regex(words: tuple[str, ...], gap: str) -> Any:
 _EVERYTHING = re2.compile(b"", _RE2_OPTIONS)
 
 
+# -- literals a rule cannot match without (a cheap look before RE2, for ASCII text: see ``RuleSet._check_sql``)
+
+# patterns read the same by Python's parser and by RE2: plain characters, the shorthand classes and
+# anchors, ``.``, repetition without counts, alternation and groups (``(?i)`` first); no ``[...]``, ``{n}``,
+# other escapes or group syntax, where the two may differ (``[[:alpha:]]``, ``\\Q...\\E``, ``a{,3}``)
+_PLAIN_PATTERN = re.compile(r"(?:\(\?i\))?(?:[A-Za-z0-9_ ;:,=<>!%'\"@#&/-]|\\[sSwWdDbB.*+?()|^$\\;]|[.*+?|)^$]|\((?!\?)|\(\?:)*")
+
+
+def _pattern_literals(pattern: str) -> tuple[str, ...] | None:
+    """Lower-case ASCII strings of which every match of ``pattern`` holds one; None when not known."""
+    if not pattern.isascii() or _PLAIN_PATTERN.fullmatch(pattern) is None:
+        return None
+    try:
+        parsed = re._parser.parse(pattern)  # type: ignore[attr-defined]
+    except Exception:
+        return None
+    return _required(list(parsed))
+
+
+def _required(items: list[Any]) -> tuple[str, ...] | None:
+    """The best literal alternatives a sequence of parsed items cannot match without (None: none)."""
+    constants = re._constants  # type: ignore[attr-defined]
+    best: tuple[str, ...] | None = None
+    run: list[str] = []
+
+    def consider(found: tuple[str, ...] | None) -> None:
+        nonlocal best
+        if found and (best is None or min(map(len, found)) > min(map(len, best))):
+            best = found
+
+    for op, value in items + [(None, None)]:
+        if op is constants.LITERAL and value < 128:
+            run.append(chr(value).lower())
+            continue
+        if run:
+            consider(("".join(run),))
+            run = []
+        if op is constants.SUBPATTERN:
+            consider(_required(list(value[-1])))
+        elif op in (constants.MAX_REPEAT, constants.MIN_REPEAT) and value[0] >= 1:
+            consider(_required(list(value[2])))
+        elif op is constants.BRANCH:
+            branches = [_required(list(branch)) for branch in value[1]]
+            if all(branches):
+                consider(tuple(sorted({literal for found in branches for literal in found})))  # type: ignore[union-attr]
+    return best
+
+
+def _words_literals(words: tuple[str, ...]) -> tuple[str, ...] | None:
+    """For a deny-words rule: the longest ASCII part of each word (lower case); None when a word has none."""
+    found = []
+    for word in words:
+        parts = [part.lower() for part in word.split() if part.isascii()]
+        if not parts:
+            return None  # RE2's case folding may match a non-ASCII part to ASCII text (``ſ`` and ``s``)
+        found.append(max(parts, key=len))
+    return tuple(sorted(set(found)))
+
+
 @dataclass(slots=True)
 class _CompiledRule:
     guardrail: str
@@ -448,6 +507,7 @@ class _CompiledRule:
     pattern: str = ""
     message: str = ""
     kinds: frozenset[str] = frozenset()  # statement_kinds: denied nodes; require_where: DeleteStmt/UpdateStmt
+    literals: tuple[str, ...] | None = None  # ``regex`` matches no ASCII text without one of these (lower case)
 
     def _prefix(self) -> str:
         return f"validation error, match guard rails {self.direction} rule, type={self.type}"
@@ -516,7 +576,7 @@ def _compile_side(guardrail: str, direction: str, side: dict[str, Any],
             regex = _words_regex(words_t, _SPACE)
             sql_regex = _words_regex(words_t, _SQL_GAP)
             compiled.append(_CompiledRule(guardrail, direction, kind, regex, sql_regex, words=words_t,
-                                          message=message))
+                                          message=message, literals=_words_literals(words_t)))
         elif kind == "pattern_match":
             pattern = rule.get("pattern_regex")
             if not isinstance(pattern, str) or not pattern:
@@ -525,7 +585,8 @@ def _compile_side(guardrail: str, direction: str, side: dict[str, Any],
                 regex = _re2_compile(pattern)
             except RuleError as exc:
                 raise RuleError(f"{where}.pattern_regex: {exc}") from None
-            compiled.append(_CompiledRule(guardrail, direction, kind, regex, regex, pattern=pattern, message=message))
+            compiled.append(_CompiledRule(guardrail, direction, kind, regex, regex, pattern=pattern, message=message,
+                                          literals=_pattern_literals(pattern)))
         elif kind == MASK_RULE_TYPE:
             if direction != "output":
                 raise RuleError(f"{where}.type: mask is an output rule (it masks what the target answers)")
@@ -608,7 +669,7 @@ class RuleSet:
     """
 
     __slots__ = ("input_rules", "output_rules", "text_rules", "statement_rules", "masker", "_text_any",
-                 "_text_any_sql", "_output_any")
+                 "_text_any_sql", "_output_any", "_text_literals")
 
     def __init__(self, guardrails: list[GuardRail], mask_key: bytes = b"",
                  seal: Callable[[bytes, bytes], bytes] | None = None) -> None:
@@ -625,6 +686,11 @@ class RuleSet:
         self._text_any = _any_of([r.regex for r in self.text_rules])
         self._text_any_sql = _any_of([r.sql_regex for r in self.text_rules])
         self._output_any = _any_of([r.regex for r in self.output_rules])
+        # every literal some input text rule needs (None: a rule needs none known): ASCII SQL holding none of
+        # them is let through without RE2 (the usual statement)
+        literals = [r.literals for r in self.text_rules]
+        self._text_literals = (tuple(sorted({lit for found in literals for lit in found}))  # type: ignore[union-attr]
+                               if literals and all(literals) else None)
 
     @property
     def empty(self) -> bool:
@@ -661,7 +727,16 @@ class RuleSet:
 
     def _check_sql(self, text: str) -> GuardVerdict:
         if not _needs_scan(text):  # no quote, comment or dollar quote: one reading says it all
-            return self._check(self.text_rules, text, _collapse(text), None, True, self._text_any)
+            collapsed = _collapse(text)
+            literals = self._text_literals
+            if literals is not None and collapsed.isascii():
+                lowered = collapsed.lower()  # ASCII: RE2's case-insensitive match is exactly this
+                for literal in literals:
+                    if literal in lowered:
+                        break
+                else:
+                    return ALLOWED  # no rule can match without one of its literals
+            return self._check(self.text_rules, text, collapsed, None, True, self._text_any)
         return self._check(self.text_rules, text, normalize_sql(text), text, True, self._text_any,
                            self._text_any_sql)
 

@@ -56,15 +56,25 @@ def paths(name: str) -> tuple[Path, Path]:
     return base.with_suffix(".py"), base.parent / (base.name + SUFFIX)
 
 
-def choice(source: Path, extension: Path, pure: bool) -> str:
-    """``compiled`` when ``extension`` is built and not older than ``source`` and ``pure`` is not asked,
-    else ``python``."""
+def choice(source: Path, extension: Path, pure: bool, shared: Sequence[Path] = ()) -> str:
+    """``compiled`` when ``extension`` is built and not older than ``source`` nor any of ``shared`` (see
+    ``shared_sources``) and ``pure`` is not asked, else ``python``."""
     if pure:
         return "python"
     try:
-        return "compiled" if extension.stat().st_mtime >= source.stat().st_mtime else "python"
+        built = extension.stat().st_mtime
+        newest = max([source.stat().st_mtime] + [path.stat().st_mtime for path in shared if path.exists()])
     except OSError:
         return "python"
+    return "compiled" if built >= newest else "python"
+
+
+def shared_sources() -> list[Path]:
+    """Every hot-path source and declaration file (``.pxd``): compiled modules use each other's typed classes
+    (the ``.pxd`` beside a module declares them), so an edit to any of them makes every build stale, and
+    the hot path then runs from source as one piece until it is built again."""
+    found = [paths(name)[0] for name in MODULES]
+    return found + [path.with_suffix(".pxd") for path in found if path.with_suffix(".pxd").exists()]
 
 
 class _SourceFinder(importlib.abc.MetaPathFinder):
@@ -78,7 +88,7 @@ class _SourceFinder(importlib.abc.MetaPathFinder):
         if fullname not in _NAMES:
             return None
         source, extension = paths(fullname)
-        if not source.exists() or choice(source, extension, self.pure) == "compiled":
+        if not source.exists() or choice(source, extension, self.pure, shared_sources()) == "compiled":
             return None  # the path's own finders: the extension first
         return importlib.util.spec_from_file_location(fullname, source)
 
@@ -114,19 +124,20 @@ def summary() -> str:
 def build(jobs: int = 0) -> list[str]:
     """Compile every hot-path module in place (needs Cython and a C compiler); the names built.
 
-    Only what is missing or older than its source is compiled again."""
+    Nothing when every module is built and fresh; else all of them (see ``shared_sources``)."""
     from Cython.Build import cythonize  # a build-time dependency (the ``hotpath`` extra)
     from setuptools import Distribution, Extension
 
-    stale = [name for name in MODULES if choice(*paths(name), pure=False) == "python"]
-    if not stale:
+    shared = shared_sources()
+    if all(choice(*paths(name), pure=False, shared=shared) == "compiled" for name in MODULES):
         return []
+    stale = list(MODULES)  # the typed classes' layouts may have changed: every module is built again
     extensions = [Extension(name, [str(paths(name)[0].relative_to(ROOT))]) for name in stale]
     cwd = os.getcwd()
     os.chdir(ROOT)  # setuptools places in-place builds relative to the working directory
     try:
         compiled = cythonize(extensions, compiler_directives=DIRECTIVES, build_dir="build/hotpath",
-                             nthreads=jobs or (os.cpu_count() or 1), quiet=True)
+                             nthreads=jobs or (os.cpu_count() or 1), quiet=True, force=True)
         distribution = Distribution({"name": "gatewayd-hotpath", "ext_modules": compiled})
         command = distribution.get_command_obj("build_ext")
         command.inplace = True
@@ -146,7 +157,7 @@ def main(argv: list[str]) -> int:
         return 0
     if argv[:1] == ["status"]:
         for name in MODULES:
-            print(f"{name}: {choice(*paths(name), pure=pure_wanted())}")
+            print(f"{name}: {choice(*paths(name), pure=pure_wanted(), shared=shared_sources())}")
         return 0
     print("usage: hotpath.main(['build' | 'status'])", file=sys.stderr)
     return 2

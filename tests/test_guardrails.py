@@ -242,3 +242,62 @@ def test_rules_searched_together_decide_as_each_rule_alone(text: str, sql: bool)
     output = rule_set([], _SEVERAL[1:]).check_output(text)
     reference = rule_set([], _SEVERAL[1:], together=False).check_output(text)
     assert (output.allowed, output.message) == (reference.allowed, reference.message)
+
+
+# -- the literal look before RE2 (``RuleSet._check_sql``): ASCII SQL without any literal a rule needs passes
+
+_LITERAL_RULES = [{"type": "deny_words_list", "words": ["drop table", "truncate"]},
+                  {"type": "pattern_match", "pattern_regex": "(?i)delete\\s+from\\s+\\w+\\s*;?\\s*$"},
+                  {"type": "pattern_match", "pattern_regex": "(?i)(grant|revoke)\\s+all"},
+                  {"type": "pattern_match", "pattern_regex": "SECRET"},
+                  {"type": "pattern_match", "pattern_regex": "^select 1$"},
+                  {"type": "pattern_match", "pattern_regex": "x*yz+"}]
+_TOKENS = ["select", "SELECT", "1", "from", "FROM", "t", "where", "aid", "=", "42", ";", "delete", "DeLeTe", "delet",
+           "drop", "DROP", "table", "Table", "truncate", "TRUNCAT", "grant", "Revoke", "all", "ALL", "secret", "SECRET",
+           "yz", "Yzz", "xyz", "  ", "\t", "\n", "x"]
+
+
+@pytest.mark.parametrize(("pattern", "literals"), [
+    ("(?i)delete\\s+from\\s+\\w+\\s*;", ("delete",)),
+    ("(?i)(drop|truncate)\\s+table", ("table",)),
+    ("(foo|b)", ("b", "foo")),
+    ("(?:ab)?cde", ("cde",)),
+    ("x*yz+", ("y",)),
+    ("a.b", ("a",)),
+    ("(a|b*)", None),  # one alternative needs nothing
+    ("[[:alpha:]]bcd", None),  # a class Python and RE2 read differently: no literal is trusted
+    ("a{,3}xyz", None),  # RE2: a literal "{,3}"; Python: a repeat
+    ("\\Qa|b\\E", None),
+    ("\\x41BC", None),
+    ("(?s)abc", None),
+    ("ſelect", None),
+])
+def test_what_a_pattern_cannot_match_without(pattern, literals):
+    from gatewayd.guardrails import _pattern_literals
+    assert _pattern_literals(pattern) == literals
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(_TOKENS), max_size=12), st.sampled_from([" ", "", "  "]))
+def test_the_literal_look_decides_as_re2_alone(tokens: list[str], joiner: str) -> None:
+    """Text the look lets through is text no rule matches: the same verdicts as every rule searched alone."""
+    text = joiner.join(tokens)
+    rules = rails(_LITERAL_RULES)
+    assert rules._text_literals is not None  # every rule has literals: the look is on
+    reference = rails(_LITERAL_RULES)
+    reference._text_literals = reference._text_any = reference._text_any_sql = None
+    verdict, expected = rules.check_input(text, sql=True), reference.check_input(text, sql=True)
+    assert (verdict.allowed, verdict.message) == (expected.allowed, expected.message), text
+
+
+def test_the_literal_look_leaves_non_ascii_to_re2():
+    """RE2's case folding matches ``ſ`` (long s) to ``s``: non-ASCII text, or a word with no ASCII part, is not
+    judged by the look."""
+    rules = rails([{"type": "deny_words_list", "words": ["select"]}])
+    assert rules._text_literals == ("select",)
+    assert not rules.check_input("ſelect 1", sql=True).allowed
+    assert not rules.check_input("SELECT 1", sql=True).allowed
+    assert rules.check_input("show all", sql=True).allowed
+    folded = rails([{"type": "deny_words_list", "words": ["ſelect"]}])
+    assert folded._text_literals is None
+    assert not folded.check_input("select 1", sql=True).allowed

@@ -50,6 +50,23 @@ def test_an_extension_is_used_only_when_fresh_and_not_switched_off(tmp_path):
     assert hotpath.choice(source, extension, pure=True) == "python"  # GATEWAYD_PURE_PYTHON
     os.utime(source, (3_000, 3_000))  # edited after the build: the source runs, never a stale build
     assert hotpath.choice(source, extension, pure=False) == "python"
+    os.utime(source, (1_000, 1_000))
+    declared = tmp_path / "codec.pxd"  # another module's typed classes, which this build was compiled against
+    declared.write_text("cdef class Message:\n    pass\n")
+    os.utime(declared, (1_500, 1_500))
+    assert hotpath.choice(source, extension, pure=False, shared=[declared]) == "compiled"
+    os.utime(declared, (3_000, 3_000))  # changed since: this build may disagree with it, so the source runs
+    assert hotpath.choice(source, extension, pure=False, shared=[declared]) == "python"
+
+
+def test_an_edit_to_any_hot_path_source_or_declaration_counts_for_every_module():
+    shared = hotpath.shared_sources()
+    for name in hotpath.MODULES:
+        source, _ = hotpath.paths(name)
+        assert source in shared
+        if source.with_suffix(".pxd").exists():
+            assert source.with_suffix(".pxd") in shared
+    assert any(path.suffix == ".pxd" for path in shared)  # the typed classes (codec, relay, session...)
 
 
 def test_the_switch_reads_the_environment(monkeypatch):
@@ -62,7 +79,9 @@ def test_modules_run_as_the_switch_says():
     """In this very process (also run from source by the test below): what ran is what ``choice`` says."""
     for name in hotpath.MODULES:
         importlib.import_module(name)
-    wanted = {name: hotpath.choice(*hotpath.paths(name), pure=hotpath.pure_wanted()) for name in hotpath.MODULES}
+    shared = hotpath.shared_sources()
+    wanted = {name: hotpath.choice(*hotpath.paths(name), pure=hotpath.pure_wanted(), shared=shared)
+              for name in hotpath.MODULES}
     assert hotpath.loaded() == wanted
     if hotpath.pure_wanted():
         assert set(wanted.values()) == {"python"}
@@ -74,7 +93,7 @@ def test_make_compiled_every_module_where_it_could():
         pytest.skip("no Cython or no C compiler here: the hot path runs from source")
     if hotpath.pure_wanted():
         pytest.skip(f"{hotpath.PURE_ENV} is set")
-    sources = [hotpath.paths(name)[0] for name in hotpath.MODULES]
+    sources = hotpath.shared_sources()
     if STAMP.exists() and max(p.stat().st_mtime for p in sources) > STAMP.stat().st_mtime:
         pytest.skip("a hot-path source changed since make built it (make hotpath)")
     assert STAMP.exists(), f"make did not build the hot path into {sys.prefix} (make hotpath says why)"

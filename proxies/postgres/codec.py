@@ -1458,6 +1458,17 @@ class FunctionCallResponse(Message):
         return self._decoded()[0]
 
 
+def _framed(cls: type[Message], buf: bytes, start: int, end: int) -> Message:
+    """A ``cls`` message over ``buf[start:end]``: what the readers make of each frame (``Message.__init__``
+    without its argument handling; compiled, a C call that fills the typed fields)."""
+    message = cls.__new__(cls)
+    message._buf = buf
+    message._start = start
+    message._end = end
+    message._cache = None
+    return message
+
+
 def _table(*classes: type[Message]) -> tuple[type[Message], ...]:
     table: list[type[Message]] = [UnknownMessage] * 256
     for cls in classes:
@@ -1641,9 +1652,9 @@ class _FrameBuffer:
         if end < len(first) and type(first) is bytes:  # fast path: inside one immutable chunk
             self._pos = end
             self._available = available - total
-            return table[kind[0]](first, pos, end)
+            return _framed(table[kind[0]], first, pos, end)
         buf, start, stop = self._take(total)
-        return table[buf[start]](buf, start, stop)
+        return _framed(table[buf[start]], buf, start, stop)
 
     def __iter__(self) -> Iterator[Message]:
         """Every complete message buffered so far."""
@@ -1676,11 +1687,11 @@ class _FrameBuffer:
                         self._pos = 0
                         self._available -= end - pos
                         last = True
-                        yield table[first[pos]](first, pos, end)
+                        yield _framed(table[first[pos]], first, pos, end)
                         break
                     self._pos = end
                     self._available -= end - pos
-                    yield table[first[pos]](first, pos, end)
+                    yield _framed(table[first[pos]], first, pos, end)
                     if self._pos != end or not chunks or chunks[0] is not first:
                         break
                     pos = end

@@ -835,7 +835,7 @@ class ClientSide:
         return FORWARD  # Describe, Flush, CopyDone, CopyFail, and anything the target will judge
 
     def _query(self, query: Query) -> int:
-        verdict = self.policy.input(query.sql, sql=True)  # recorded, blocked or not
+        verdict = self.policy.input(query.sql, None, sql=True)  # recorded, blocked or not
         if verdict is not None:
             self.verdict = verdict
             self.substitute = SYNC  # answered by ReadyForQuery with the true transaction status
@@ -975,7 +975,6 @@ class ServerSide:
         if self.policy.masker is not self.masker:
             self._adopt_masker()
         render = self.policy.checks_output or self.policy.recording or self.masker is not None
-        add = batch.add
         for message in reader:
             kind = type(message)
             if kind is DataRow:
@@ -987,16 +986,16 @@ class ServerSide:
                         return  # cut: the caller audits the block before the rest is looked at
                     if done == _ROW_REPLACED:
                         continue
-                add(message)
+                batch.add(message)
             elif kind is ReadyForQuery:
                 self._ready(message, batch)  # type: ignore[arg-type]
             elif kind is CommandComplete and not self.cut:
-                add(message)
+                batch.add(message)
                 self._command_complete(message)  # type: ignore[arg-type]
             elif kind is CloseComplete:
                 self._close_complete(message, batch)  # type: ignore[arg-type]
             elif (kind is BindComplete or kind is ParseComplete) and not self.cut:
-                add(message)  # what ``_other`` does with them, without asking what else they might be
+                batch.add(message)  # what ``_other`` does with them, without asking what else they might be
             elif self.cut:
                 self._swallow(message, batch)
             else:

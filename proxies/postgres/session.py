@@ -174,10 +174,10 @@ class RelaySession:
         if self._busy[CLIENT] or self.finished.done():
             return
         batch = self._client_batch
-        on_message = self.client_side.on_message
+        client_side = self.client_side
         try:
             for message in (self.frontend if held is None else chain((held,), self.frontend)):
-                action = on_message(message)
+                action = client_side.on_message(message)
                 if action == FORWARD:
                     batch.add(message)
                 elif action == DROP:
@@ -270,4 +270,7 @@ class RelaySession:
             self._busy[side] = False
             self.resume(side, "audit")
             if not self.finished.done():
-                (self._client_work if side == CLIENT else self._target_work)()
+                if side == CLIENT:
+                    self._client_work()
+                else:
+                    self._target_work()

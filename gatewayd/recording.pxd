@@ -1,0 +1,20 @@
+# Cython declarations for recording.py (augmenting: Python ignores this file; make hotpath compiles with it).
+
+cdef class SessionRecorder:
+    cdef public object service
+    cdef public str session_id
+    cdef public double started
+    cdef public Py_ssize_t next_seq
+    cdef public object cap
+    cdef public object recorded
+    cdef public bint truncated
+    cdef public list pending
+    cdef public Py_ssize_t pending_bytes
+    cdef public bint closed
+    cdef public dict metrics
+    cdef public str chain_head
+    cpdef input(self, data)
+    cpdef output(self, data)
+    cpdef error(self, data)
+    cpdef record(self, str kind, data)
+

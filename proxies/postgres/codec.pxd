@@ -1,0 +1,177 @@
+# Cython declarations for codec.py (augmenting: Python ignores this file; make hotpath compiles with it).
+cimport cython
+
+cdef class Message:
+    cdef public object _buf
+    cdef public Py_ssize_t _start
+    cdef public Py_ssize_t _end
+    cdef public object _cache
+    cpdef _decoded(self)
+    cpdef _decode(self)
+
+cdef class _Empty(Message):
+    cpdef _decode(self)
+
+cdef class UnknownMessage(Message):
+    pass
+
+cdef class _Untyped(Message):
+    pass
+
+cdef class StartupMessage(_Untyped):
+    cpdef _decode(self)
+
+cdef class SSLRequest(_Untyped):
+    cpdef _decode(self)
+
+cdef class GSSENCRequest(SSLRequest):
+    pass
+
+cdef class CancelRequest(_Untyped):
+    cpdef _decode(self)
+
+cdef class Query(Message):
+    cpdef _decode(self)
+
+cdef class Parse(Message):
+    cpdef _decode(self)
+
+cdef class Bind(Message):
+    cpdef _decode(self)
+
+cdef class _KindName(Message):
+    cpdef _decode(self)
+
+cdef class Describe(_KindName):
+    pass
+
+cdef class Close(_KindName):
+    pass
+
+cdef class Execute(Message):
+    cpdef _decode(self)
+
+cdef class Sync(_Empty):
+    pass
+
+cdef class Flush(_Empty):
+    pass
+
+cdef class Terminate(_Empty):
+    pass
+
+cdef class CopyData(Message):
+    pass
+
+cdef class CopyDone(_Empty):
+    pass
+
+cdef class CopyFail(Message):
+    cpdef _decode(self)
+
+cdef class FunctionCall(Message):
+    cpdef _decode(self)
+
+cdef class PasswordMessage(Message):
+    cpdef _decode(self)
+
+cdef class Authentication(Message):
+    cpdef _decode(self)
+
+cdef class ParameterStatus(Message):
+    cpdef _decode(self)
+
+cdef class BackendKeyData(Message):
+    cpdef _decode(self)
+
+cdef class ReadyForQuery(Message):
+    cpdef _decode(self)
+
+cdef class RowDescription(Message):
+    cpdef _decode(self)
+
+cdef class DataRow(Message):
+    cpdef _decode(self)
+
+cdef class CommandComplete(Message):
+    cpdef _decode(self)
+
+cdef class _ErrorOrNotice(Message):
+    cpdef _decode(self)
+
+cdef class ErrorResponse(_ErrorOrNotice):
+    pass
+
+cdef class NoticeResponse(_ErrorOrNotice):
+    pass
+
+cdef class NotificationResponse(Message):
+    cpdef _decode(self)
+
+cdef class _CopyResponse(Message):
+    cpdef _decode(self)
+
+cdef class CopyInResponse(_CopyResponse):
+    pass
+
+cdef class CopyOutResponse(_CopyResponse):
+    pass
+
+cdef class CopyBothResponse(_CopyResponse):
+    pass
+
+cdef class ParseComplete(_Empty):
+    pass
+
+cdef class BindComplete(_Empty):
+    pass
+
+cdef class CloseComplete(_Empty):
+    pass
+
+cdef class NoData(_Empty):
+    pass
+
+cdef class PortalSuspended(_Empty):
+    pass
+
+cdef class EmptyQueryResponse(_Empty):
+    pass
+
+cdef class ParameterDescription(Message):
+    cpdef _decode(self)
+
+cdef class NegotiateProtocolVersion(Message):
+    cpdef _decode(self)
+
+cdef class FunctionCallResponse(Message):
+    cpdef _decode(self)
+
+@cython.locals(message=Message)
+cdef Message _framed(type cls, object buf, Py_ssize_t start, Py_ssize_t end)
+
+cdef class _FrameBuffer:
+    cdef public object _chunks
+    cdef public Py_ssize_t _pos
+    cdef public Py_ssize_t _available
+    cdef public bint _eof
+    cdef public object _error
+    cdef public Py_ssize_t bytes_copied
+
+cdef class FrontendReader(_FrameBuffer):
+    cdef public Py_ssize_t max_message_size
+    cdef public Py_ssize_t max_startup_size
+    cdef public str phase
+
+cdef class BackendReader(_FrameBuffer):
+    cdef public Py_ssize_t max_message_size
+
+cdef class FrameBatch:
+    cdef public list parts
+    cdef public object _buf
+    cdef public Py_ssize_t _start
+    cdef public Py_ssize_t _end
+    cpdef add(self, Message message)
+    cpdef add_bytes(self, data)
+    cpdef list take(self)
+

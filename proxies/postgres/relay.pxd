@@ -1,0 +1,69 @@
+# Cython declarations for relay.py (augmenting: Python ignores this file; make hotpath compiles with it).
+from gatewayd.policy cimport SessionPolicy
+from proxies.postgres.codec cimport (BackendReader, Bind, CloseComplete, CommandComplete, CopyData, DataRow, FrameBatch, Message,
+                                     Parse, Query, ReadyForQuery, RowDescription)
+
+cdef class Pending:
+    cdef public object error
+    cdef public object formats
+    cdef public Py_ssize_t kind
+    cdef public object statement
+
+cdef class ClientSide:
+    cdef public dict columns
+    cdef public bint discarding
+    cdef public dict parsed
+    cdef public object pending
+    cdef public SessionPolicy policy
+    cdef public dict portals
+    cdef public dict statements
+    cdef public object substitute
+    cdef public object verdict
+    cpdef int on_message(self, Message message)
+    cpdef int _query(self, Query query)
+    cpdef int _parse(self, Parse parse)
+    cpdef int _bind(self, Bind bind)
+
+cdef class WaitingClientSide(ClientSide):
+    cdef public object waiting
+    cpdef int _query(self, Query query)
+    cpdef int _parse(self, Parse parse)
+
+cdef class ServerSide:
+    cdef public bint _copy_binary
+    cdef public object _desc_formats
+    cdef public object _desc_masks
+    cdef public object _desc_oids
+    cdef public dict _descriptions
+    cdef public bint batch_error
+    cdef public list blocks
+    cdef public dict columns
+    cdef public bint cut
+    cdef public object formats
+    cdef public object header
+    cdef public object masker
+    cdef public dict masks
+    cdef public object masks_now
+    cdef public object oids
+    cdef public list out
+    cdef public Py_ssize_t out_chars
+    cdef public object pending
+    cdef public SessionPolicy policy
+    cdef public list replies
+    cdef public object sources
+    cdef public object sources_for
+    cdef public bint target_fatal
+    cpdef process(self, BackendReader reader, FrameBatch batch)
+    cpdef int _row(self, DataRow row, FrameBatch batch)
+    cpdef _emit(self, str line)
+    cpdef flush_output(self)
+    cpdef _cut(self, verdict, FrameBatch batch)
+    cpdef _end_result(self)
+    cpdef _other(self, Message message, FrameBatch batch, bint render)
+    cpdef _command_complete(self, CommandComplete message)
+    cpdef tuple _describe(self, RowDescription message)
+    cpdef _close_complete(self, CloseComplete message, FrameBatch batch)
+    cpdef _ready(self, ReadyForQuery message, FrameBatch batch)
+    cpdef _swallow(self, Message message, FrameBatch batch)
+    cpdef int _copy_out(self, CopyData message, FrameBatch batch)
+
