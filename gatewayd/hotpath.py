@@ -4,7 +4,8 @@
 Python imports an extension before a source of the same name, so a compiled module runs wherever it
 was built; the finder that ``install`` puts first (from ``gatewayd/__init__``) imports the ``.py``
 instead when ``GATEWAYD_PURE_PYTHON`` is set (the tests run the relay's suites and a daemon that way)
-or when the source is newer than its build (an edit not yet rebuilt never runs stale code).  Without
+or when any hot-path source or ``.pxd`` is newer than any build (an edit not yet rebuilt never runs
+stale code; the modules share typed classes, so they run compiled or from source together: ``runs``).  Without
 a C compiler or Cython nothing is built and everything runs from source, as before.
 
 Cython compiles these modules with ``annotation_typing=False``: type hints stay hints, so a compiled
@@ -77,6 +78,19 @@ def shared_sources() -> list[Path]:
     return found + [path.with_suffix(".pxd") for path in found if path.with_suffix(".pxd").exists()]
 
 
+def runs(pure: bool) -> str:
+    """How the hot path runs, as one piece: ``compiled`` only when every module's build is fresh.
+
+    Compiled modules import each other's typed classes, so a build left half done (one module failed to
+    compile, the build was interrupted) must not run beside the source of another: then all run from source.
+    """
+    if pure:
+        return "python"
+    shared = shared_sources()
+    fresh = all(choice(*paths(name), pure=False, shared=shared) == "compiled" for name in MODULES)
+    return "compiled" if fresh else "python"
+
+
 class _SourceFinder(importlib.abc.MetaPathFinder):
     """Imports a hot-path module from its ``.py`` where ``choice`` says so; leaves every other import alone."""
 
@@ -87,8 +101,8 @@ class _SourceFinder(importlib.abc.MetaPathFinder):
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         if fullname not in _NAMES:
             return None
-        source, extension = paths(fullname)
-        if not source.exists() or choice(source, extension, self.pure, shared_sources()) == "compiled":
+        source, _ = paths(fullname)
+        if not source.exists() or runs(self.pure) == "compiled":
             return None  # the path's own finders: the extension first
         return importlib.util.spec_from_file_location(fullname, source)
 
@@ -128,8 +142,7 @@ def build(jobs: int = 0) -> list[str]:
     from Cython.Build import cythonize  # a build-time dependency (the ``hotpath`` extra)
     from setuptools import Distribution, Extension
 
-    shared = shared_sources()
-    if all(choice(*paths(name), pure=False, shared=shared) == "compiled" for name in MODULES):
+    if runs(pure=False) == "compiled":
         return []
     stale = list(MODULES)  # the typed classes' layouts may have changed: every module is built again
     extensions = [Extension(name, [str(paths(name)[0].relative_to(ROOT))]) for name in stale]
@@ -156,8 +169,7 @@ def main(argv: list[str]) -> int:
         print("hot path: " + (f"compiled {', '.join(built)}" if built else "up to date"))
         return 0
     if argv[:1] == ["status"]:
-        for name in MODULES:
-            print(f"{name}: {choice(*paths(name), pure=pure_wanted(), shared=shared_sources())}")
+        print(f"hot path: {runs(pure_wanted())}")
         return 0
     print("usage: hotpath.main(['build' | 'status'])", file=sys.stderr)
     return 2

@@ -69,6 +69,28 @@ def test_an_edit_to_any_hot_path_source_or_declaration_counts_for_every_module()
     assert any(path.suffix == ".pxd" for path in shared)  # the typed classes (codec, relay, session...)
 
 
+def test_a_build_left_half_done_runs_from_source_as_a_whole(tmp_path, monkeypatch):
+    """Modules compiled against each other's classes never run beside another's source: one stale or
+    missing build (a module that failed to compile) and every module runs from source."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    monkeypatch.setattr(hotpath, "ROOT", tmp_path)
+    monkeypatch.setattr(hotpath, "MODULES", ("pkg.codec", "pkg.relay"))
+    for name in hotpath.MODULES:
+        source, extension = hotpath.paths(name)
+        source.write_text("x = 1\n")
+        os.utime(source, (1_000, 1_000))
+        extension.write_bytes(b"\0")
+        os.utime(extension, (2_000, 2_000))
+    assert hotpath.runs(pure=False) == "compiled"
+    assert hotpath.runs(pure=True) == "python"
+    os.utime(hotpath.paths("pkg.relay")[1], (500, 500))  # relay's build is older than the sources
+    assert hotpath.choice(*hotpath.paths("pkg.codec"), pure=False) == "compiled"  # codec's own is fresh...
+    assert hotpath.runs(pure=False) == "python"  # ...but it does not run beside relay's source
+    hotpath.paths("pkg.relay")[1].unlink()  # never built
+    assert hotpath.runs(pure=False) == "python"
+
+
 def test_the_switch_reads_the_environment(monkeypatch):
     for value, pure in (("1", True), ("yes", True), ("", False), ("0", False), ("false", False)):
         monkeypatch.setenv(hotpath.PURE_ENV, value)
@@ -76,12 +98,10 @@ def test_the_switch_reads_the_environment(monkeypatch):
 
 
 def test_modules_run_as_the_switch_says():
-    """In this very process (also run from source by the test below): what ran is what ``choice`` says."""
+    """In this very process (also run from source by the test below): what ran is what ``runs`` says."""
     for name in hotpath.MODULES:
         importlib.import_module(name)
-    shared = hotpath.shared_sources()
-    wanted = {name: hotpath.choice(*hotpath.paths(name), pure=hotpath.pure_wanted(), shared=shared)
-              for name in hotpath.MODULES}
+    wanted = dict.fromkeys(hotpath.MODULES, hotpath.runs(hotpath.pure_wanted()))
     assert hotpath.loaded() == wanted
     if hotpath.pure_wanted():
         assert set(wanted.values()) == {"python"}
@@ -105,7 +125,7 @@ def test_make_compiled_every_module_where_it_could():
 def test_the_python_source_passes_the_hot_path_suites():
     """The suites of the hot path's modules (PostgreSQL, HTTP, SSH lines, guard rails, masking) once more,
     every module from source."""
-    if "compiled" not in {hotpath.choice(*hotpath.paths(n), pure=False) for n in hotpath.MODULES}:
+    if hotpath.runs(pure=False) != "compiled":
         pytest.skip("nothing is compiled here: the whole suite already ran on the Python source")
     env = {**os.environ, hotpath.PURE_ENV: "1"}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", *SUITES],
