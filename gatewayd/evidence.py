@@ -31,21 +31,48 @@ from gatewayd.models import SessionEvent
 if TYPE_CHECKING:
     from gatewayd.store import Store
 SEAL_KEY_NAME = "recording-seal"
-_EVENT_HEAD = struct.Struct(">QQ1sQ")  # seq, offset_ms, kind, length
+EVENT_HEAD = struct.Struct(">QQ1sQ")  # a stored event's head: seq, offset_ms, kind, length
 _AUDIT_FIELDS = ("id", "org_id", "created_at", "actor_subject", "actor_email", "actor_name", "resource_type",
                  "action", "outcome", "http_method", "http_path", "http_status", "client_ip",
                  "request_payload_redacted", "error_message")
 
 
-def batch_hash(previous: str, session_id: str, first_seq: int, events: Sequence[SessionEvent]) -> str:
-    """The hash of one stored batch of a session's events, chained to ``previous``."""
+def pack_events(first_seq: int, events: Iterable[SessionEvent]) -> bytes:
+    """Events as a batch stores them: per event its head (sequence number, offset, kind, length), then its bytes.
+
+    The recorder writes this form as events come (``gatewayd.recording``); ``chain_hash`` hashes it as it is.
+    """
+    return b"".join(EVENT_HEAD.pack(seq, max(event.offset_ms, 0), event.kind.encode()[:1], len(event.data))
+                    + bytes(event.data) for seq, event in enumerate(events, first_seq))
+
+
+def unpack_events(packed: bytes) -> list[tuple[int, SessionEvent]]:
+    """A stored batch's (sequence number, event) pairs, in order; reading stops where the bytes stop making sense
+    (an altered batch: its hash says so)."""
+    found: list[tuple[int, SessionEvent]] = []
+    at, end, head = 0, len(packed), EVENT_HEAD.size
+    while at + head <= end:
+        seq, offset_ms, kind, size = EVENT_HEAD.unpack_from(packed, at)
+        at += head
+        if at + size > end:
+            break
+        found.append((seq, SessionEvent(offset_ms, kind.decode("latin-1"), packed[at:at + size])))
+        at += size
+    return found
+
+
+def chain_hash(previous: str, session_id: str, packed: bytes) -> str:
+    """The hash of one stored batch (its events packed, ``pack_events``), chained to ``previous``."""
     digest = hashlib.sha256(b"gatewayd-events-v1\0")
     digest.update(previous.encode())
     digest.update(session_id.encode() + b"\0")
-    for seq, event in enumerate(events, first_seq):
-        digest.update(_EVENT_HEAD.pack(seq, max(event.offset_ms, 0), event.kind.encode()[:1], len(event.data)))
-        digest.update(event.data)
+    digest.update(packed)
     return digest.hexdigest()
+
+
+def batch_hash(previous: str, session_id: str, first_seq: int, events: Sequence[SessionEvent]) -> str:
+    """The hash of one batch of a session's events numbered from ``first_seq``, chained to ``previous``."""
+    return chain_hash(previous, session_id, pack_events(first_seq, events))
 
 
 def seal_statement(session_id: str, chain_head: str, events: int, event_size: int, exit_code: int | None,
@@ -94,14 +121,35 @@ class Sealer:
 
 @dataclass(slots=True)
 class EventBatch:
-    """Events of one session to append in one go, with their chain link and the session fields to update."""
+    """Events of one session to append in one go (packed, ``pack_events``), with their chain link, the session
+    fields to update, and the bytes per kind (``i``/``o``/``e``) for the metrics."""
 
     session_id: str
     first_seq: int
-    events: list[SessionEvent]
+    count: int
+    packed: bytes
     session_fields: dict[str, Any]
     previous_hash: str = GENESIS
     hash: str = GENESIS
+    sizes: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, session_id: str, first_seq: int, events: Sequence[SessionEvent], session_fields: dict[str, Any],
+           previous_hash: str = GENESIS, hash: str = GENESIS) -> "EventBatch":
+        """A batch of these events (the recorder packs as it records; this is for everything else)."""
+        sizes: dict[str, int] = {}
+        for event in events:
+            sizes[event.kind] = sizes.get(event.kind, 0) + len(event.data)
+        return cls(session_id, first_seq, len(events), pack_events(first_seq, events), session_fields,
+                   previous_hash, hash, sizes)
+
+    @property
+    def events(self) -> list[SessionEvent]:
+        return [event for _, event in unpack_events(self.packed)]
+
+    def first_offset_ms(self) -> int:
+        """The first event's offset from the session's start (0 for an empty batch)."""
+        return EVENT_HEAD.unpack_from(self.packed)[1] if self.packed else 0
 
 
 @dataclass(slots=True)

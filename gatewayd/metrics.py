@@ -126,19 +126,15 @@ def flushed(batches: Iterable[EventBatch], recorders: Mapping[str, SessionRecord
     oldest = -1.0
     final = operation == "close"
     for batch in batches:
-        events = batch.events
-        if not events:
+        if not batch.count:
             continue
         recorder = recorders.get(batch.session_id)
         if recorder is not None:
-            oldest = max(oldest, now - (recorder.started + events[0].offset_ms / 1000))
+            oldest = max(oldest, now - (recorder.started + batch.first_offset_ms() / 1000))
         protocol = _protocol_of.pop(batch.session_id, None) if final else _protocol_of.get(batch.session_id)
         if protocol is None:  # a side stream (sealed clear text) is not relayed traffic
             continue
-        sizes = {"i": 0, "o": 0, "e": 0}
-        for event in events:
-            sizes[event.kind] += len(event.data)
-        for kind, size in sizes.items():
+        for kind, size in batch.sizes.items():
             if size:
                 RELAYED_BYTES.labels(protocol, DIRECTIONS[kind]).inc(size)
     if oldest >= 0:

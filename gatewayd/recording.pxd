@@ -8,8 +8,9 @@ cdef class SessionRecorder:
     cdef public object cap
     cdef public object recorded
     cdef public bint truncated
-    cdef public list pending
-    cdef public Py_ssize_t pending_bytes
+    cdef public bytearray pending
+    cdef public Py_ssize_t pending_count
+    cdef public dict pending_sizes
     cdef public bint closed
     cdef public dict metrics
     cdef public str chain_head
@@ -17,4 +18,3 @@ cdef class SessionRecorder:
     cpdef output(self, data)
     cpdef error(self, data)
     cpdef record(self, str kind, data)
-

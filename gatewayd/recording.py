@@ -17,22 +17,28 @@ import time
 from typing import Any
 
 from gatewayd import metrics
-from gatewayd.evidence import EventBatch, Sealer, Verification, batch_hash, seal_statement, verify_recording
-from gatewayd.models import CHAIN_GENESIS, Session, SessionEvent
+from gatewayd.evidence import EVENT_HEAD, EventBatch, Sealer, Verification, chain_hash, seal_statement, verify_recording
+from gatewayd.models import CHAIN_GENESIS, Session
 from gatewayd.store import Store
 
 log = logging.getLogger("gatewayd.recording")
 
 _monotonic = time.monotonic
+_pack_head = EVENT_HEAD.pack
+_KINDS = {"i": b"i", "o": b"o", "e": b"e"}
 FLUSH_AT = 1 << 20  # wake the flusher early once a session has this much pending
 HIGH_WATER = 8 << 20  # drain() blocks the producer past this
 
 
 class SessionRecorder:
-    """The event stream of one session, as it happens."""
+    """The event stream of one session, as it happens.
+
+    Events are packed as they come, in the form a batch is stored and hashed in (``evidence.pack_events``):
+    one head and the bytes per event appended to ``pending``, no object per event.
+    """
 
     __slots__ = ("service", "session_id", "started", "next_seq", "cap", "recorded", "truncated",
-                 "pending", "pending_bytes", "closed", "metrics", "chain_head")
+                 "pending", "pending_count", "pending_sizes", "closed", "metrics", "chain_head")
 
     def __init__(self, service: "RecordingService", session_id: str, started: float, next_seq: int = 0,
                  recorded: int = 0, metrics: dict[str, Any] | None = None,
@@ -45,8 +51,9 @@ class SessionRecorder:
         self.recorded = recorded
         self.metrics: dict[str, Any] = dict(metrics or {})
         self.truncated = bool(self.metrics.get("truncated"))
-        self.pending: list[SessionEvent] = []
-        self.pending_bytes = 0
+        self.pending = bytearray()
+        self.pending_count = 0
+        self.pending_sizes: dict[str, int] = {}
         self.closed = False
         self.chain_head = chain_head
 
@@ -65,7 +72,7 @@ class SessionRecorder:
     def record(self, kind: str, data: bytes | str) -> None:
         if self.closed or self.truncated:
             return
-        payload = data.encode() if isinstance(data, str) else bytes(data)
+        payload = data.encode() if isinstance(data, str) else data
         size = len(payload)
         if self.recorded + size > self.cap:
             self.truncated = True
@@ -74,38 +81,51 @@ class SessionRecorder:
             payload = note.encode()
             size = len(payload)
             kind = "e"
-        self.pending.append(SessionEvent(int((_monotonic() - self.started) * 1000), kind, payload))
+        offset = int((_monotonic() - self.started) * 1000)
+        pending = self.pending
+        pending += _pack_head(self.next_seq + self.pending_count, offset if offset > 0 else 0, _KINDS[kind], size)
+        pending += payload
+        self.pending_count += 1
+        sizes = self.pending_sizes
+        sizes[kind] = sizes.get(kind, 0) + size
         self.recorded += size
-        self.pending_bytes = pending = self.pending_bytes + size
-        if pending >= FLUSH_AT:
+        if len(pending) >= FLUSH_AT:
             self.service.wake()
 
     @property
+    def pending_bytes(self) -> int:
+        """How much waits for the store (events' heads included)."""
+        return len(self.pending)
+
+    @property
     def needs_drain(self) -> bool:
-        return self.pending_bytes >= HIGH_WATER
+        return len(self.pending) >= HIGH_WATER
 
     async def drain(self) -> None:
         """Wait for a flush when too much is pending (back-pressure for fast producers)."""
-        if self.pending_bytes >= HIGH_WATER:
+        if len(self.pending) >= HIGH_WATER:
             await self.service.flush()
 
     def take_batch(self) -> EventBatch | None:
         """The pending events as the next link of the chain (the chain head moves on with it)."""
-        if not self.pending:
+        if not self.pending_count:
             return None
-        events, self.pending, self.pending_bytes = self.pending, [], 0
+        packed, count, sizes = bytes(self.pending), self.pending_count, self.pending_sizes
+        self.pending, self.pending_count, self.pending_sizes = bytearray(), 0, {}
         first = self.next_seq
-        self.next_seq += len(events)
+        self.next_seq += count
         self.metrics["event_size"] = self.recorded
-        previous, self.chain_head = self.chain_head, batch_hash(self.chain_head, self.session_id, first, events)
-        return EventBatch(self.session_id, first, events,
+        previous, self.chain_head = self.chain_head, chain_hash(self.chain_head, self.session_id, packed)
+        return EventBatch(self.session_id, first, count, packed,
                           {"event_size": self.recorded, "metrics": dict(self.metrics), "chain_head": self.chain_head},
-                          previous, self.chain_head)
+                          previous, self.chain_head, sizes)
 
     def untake(self, batch: EventBatch) -> None:
         """Put a batch that could not be stored back in front, as it was (a later flush retries it)."""
-        self.pending[:0] = batch.events
-        self.pending_bytes += sum(len(e.data) for e in batch.events)
+        self.pending[:0] = batch.packed
+        self.pending_count += batch.count
+        for kind, size in batch.sizes.items():
+            self.pending_sizes[kind] = self.pending_sizes.get(kind, 0) + size
         self.next_seq = batch.first_seq
         self.chain_head = batch.previous_hash
 
@@ -213,7 +233,7 @@ class RecordingService:
             seal = self.sealer.sign(seal_statement(
                 recorder.session_id, recorder.chain_head, recorder.next_seq, recorder.recorded, exit_code, end_date))
             if batch is None:
-                batch = EventBatch(recorder.session_id, recorder.next_seq, [], fields)
+                batch = EventBatch(recorder.session_id, recorder.next_seq, 0, b"", fields)
             else:
                 batch.session_fields.update(fields)
             began = _monotonic()

@@ -15,10 +15,14 @@ import subprocess
 
 import aiohttp
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from gatewayd.evidence import GENESIS, BatchLink, Sealer, batch_hash, seal_statement, verify_audit, verify_recording
+from gatewayd.evidence import (GENESIS, BatchLink, Sealer, batch_hash, pack_events, seal_statement, unpack_events,
+                               verify_audit, verify_recording)
 from gatewayd.models import SessionEvent
+from gatewayd.recording import RecordingService, SessionRecorder
 from tests.conftest import BIN, ROOT, gatewayd_command
 from tests.test_daemon import Api, connect, credential, make_gateway, wait_done
 
@@ -91,6 +95,53 @@ def test_a_recording_from_before_the_chain_is_not_verifiable():
     assert not result.verified and "recorded before" in result.problems[0]
 
 
+def test_a_batch_hash_is_the_one_recordings_were_chained_with():
+    """Recordings stored before events were packed per batch verify still: the hash of a batch is pinned."""
+    assert batch_hash(GENESIS, "s1", 0, BATCHES[0]) == \
+        "3c1789eb8a44d044f70274e3537f08cc05c50c12d30d5125557bcc11001e934f"
+
+
+EVENTS = st.lists(st.tuples(st.sampled_from("ioe"), st.binary(max_size=64)), max_size=12)  # (kind, bytes)
+
+
+@settings(max_examples=200, deadline=None)
+@given(before=EVENTS, after=EVENTS, first_seq=st.integers(0, 1 << 20))
+def test_the_recorder_packs_as_a_batch_is_stored_and_hashed(before, after, first_seq):
+    """What the recorder appends per event is ``pack_events`` of the events, its hash ``batch_hash`` of them, and
+    a batch the store refused comes back in front of what was recorded since, numbered on."""
+    service = RecordingService(store=None, cap=1 << 30, flush_interval=1, sealer=SEALER)  # type: ignore[arg-type]
+    recorder = SessionRecorder(service, "s1", started=0.0, next_seq=first_seq)
+    for kind, data in before:
+        recorder.record(kind, data)
+    if not before:
+        assert recorder.take_batch() is None
+        return
+    taken = recorder.take_batch()
+    assert [(e.kind, e.data) for e in taken.events] == before and (taken.first_seq, taken.count) == (first_seq,
+                                                                                                      len(before))
+    assert taken.packed == pack_events(first_seq, taken.events)
+    assert taken.hash == batch_hash(GENESIS, "s1", first_seq, taken.events) == recorder.chain_head
+    assert [seq for seq, _ in unpack_events(taken.packed)] == list(range(first_seq, first_seq + len(before)))
+    assert {kind: taken.sizes.get(kind, 0) for kind in "ioe"} == \
+        {kind: sum(len(data) for k, data in before if k == kind) for kind in "ioe"}
+    for kind, data in after:
+        recorder.record(kind, data)
+    recorder.untake(taken)
+    again = recorder.take_batch()
+    assert [(e.kind, e.data) for e in again.events] == before + after
+    assert again.first_seq == first_seq and again.previous_hash == GENESIS
+    assert again.hash == batch_hash(GENESIS, "s1", first_seq, again.events)
+
+
+def test_a_packed_batch_cut_or_padded_reads_as_far_as_it_makes_sense_and_does_not_verify():
+    links, events, head, seal, size = recorded(BATCHES)
+    packed = pack_events(0, BATCHES[0])
+    assert [e for _, e in unpack_events(packed[:-1])] == BATCHES[0][:1]  # the last event's bytes cut short
+    assert [e for _, e in unpack_events(packed + b"\x00" * 7)] == BATCHES[0]  # not even a head more
+    cut = unpack_events(packed[:-1]) + events[2:]
+    assert "batch 1 (events 0-1): events are missing" in check(links, cut, head, seal, size).problems
+
+
 def test_the_audit_chain_tells_an_altered_removed_or_inserted_entry():
     from gatewayd.evidence import audit_hash
 
@@ -133,6 +184,21 @@ def cli(gateway, *args: str) -> subprocess.CompletedProcess[str]:
     return gatewayd_command([str(BIN / "gatewayd"), *args], env=env, cwd=ROOT, check=False, timeout=60)
 
 
+def rewrite_event(db: sqlite3.Connection, session_id: str, typed: bytes, instead: bytes) -> None:
+    """What an intruder who knows the store's format does: the event whose bytes start with ``typed`` gets
+    ``instead``, and its batch is packed again (heads and lengths right)."""
+    rows = db.execute("SELECT first_seq, events FROM session_event_batches WHERE session_id = ?", (session_id,))
+    for first_seq, packed in rows.fetchall():
+        numbered = unpack_events(packed)
+        if any(event.data.startswith(typed) for _, event in numbered):
+            events = [SessionEvent(e.offset_ms, e.kind, instead if e.data.startswith(typed) else e.data)
+                      for _, e in numbered]
+            db.execute("UPDATE session_event_batches SET events = ? WHERE session_id = ? AND first_seq = ?",
+                       (pack_events(first_seq, events), session_id, first_seq))
+            return
+    raise AssertionError(f"no stored event starts with {typed!r}")
+
+
 async def test_a_recording_edited_in_the_store_is_caught_by_the_api_and_the_cli(env):
     gateway, api = env
     cred = await credential(api)
@@ -151,8 +217,7 @@ async def test_a_recording_edited_in_the_store_is_caught_by_the_api_and_the_cli(
     assert done.returncode == 0 and "intact" in done.stdout, done
 
     with sqlite3.connect(gateway.config.store_path) as db:  # the intruder rewrites what was typed
-        db.execute("UPDATE session_events SET data = CAST('ls -l /tmp/evidence\n' AS BLOB) "
-                   "WHERE session_id = ? AND CAST(data AS TEXT) LIKE 'rm -rf%'", (session_id,))
+        rewrite_event(db, session_id, b"rm -rf", b"ls -l /tmp/evidence\n")
     status, result = await api("GET", f"/sessions/{session_id}/verify")
     assert status == 200 and not result["verified"]
     assert any("its events were altered" in p for p in result["problems"]), result
@@ -160,8 +225,7 @@ async def test_a_recording_edited_in_the_store_is_caught_by_the_api_and_the_cli(
     assert done.returncode == 1 and "its events were altered" in done.stdout, done
 
     with sqlite3.connect(gateway.config.store_path) as db:  # ...then makes the session look cleaner
-        db.execute("UPDATE session_events SET data = CAST('rm -rf /tmp/evidence\n' AS BLOB) "
-                   "WHERE session_id = ? AND CAST(data AS TEXT) LIKE 'ls -l%'", (session_id,))
+        rewrite_event(db, session_id, b"ls -l", b"rm -rf /tmp/evidence\n")
         db.execute("UPDATE sessions SET exit_code = 0 WHERE id = ?", (session_id,))
         db.execute("UPDATE sessions SET exit_code = 3 WHERE id = ?", (session_id,))
     status, result = await api("GET", f"/sessions/{session_id}/verify")

@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import AsyncIterator, Callable
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from gatewayd.crypto import SecretBox
-from gatewayd.evidence import EventBatch
+from gatewayd.evidence import EventBatch, Sealer, batch_hash, verify_recording
 from gatewayd.guardrails import GuardRailService
 from gatewayd.models import (
     CHAIN_GENESIS,
@@ -340,11 +341,11 @@ async def test_events_go_in_bulk_and_read_back_in_order(store: Store):
     org = await an_org(store)
     session = a_session(org)
     await store.create_session(session)
-    first, second = events(341), events(7, start=341)  # 341 = 256 + 64 + 16 + 4 + 1: every chunk size
+    first, second = events(341), events(7, start=341)
     await store.append_events([
-        EventBatch(session.id, 0, first, {"event_size": 100, "metrics": {"a": 1}, "chain_head": "h1"},
+        EventBatch.of(session.id, 0, first, {"event_size": 100, "metrics": {"a": 1}, "chain_head": "h1"},
                    CHAIN_GENESIS, "h1"),
-        EventBatch(session.id, 341, second, {"event_size": 120, "chain_head": "h2"}, "h1", "h2"),
+        EventBatch.of(session.id, 341, second, {"event_size": 120, "chain_head": "h2"}, "h1", "h2"),
     ])
     assert await store.read_events(session.id) == first + second
     assert await store.read_events(session.id, "o") == [e for e in first + second if e.kind == "o"]
@@ -357,17 +358,42 @@ async def test_events_go_in_bulk_and_read_back_in_order(store: Store):
     stored = await store.get_session(session.id)
     assert (stored.event_size, stored.metrics, stored.chain_head, stored.status) == (120, {"a": 1}, "h2", "open")
     with pytest.raises(ValueError):  # a recording flush writes its progress, not the session's state
-        await store.append_events([EventBatch(session.id, 348, [], {"status": "done"})])
+        await store.append_events([EventBatch.of(session.id, 348, [], {"status": "done"})])
     with pytest.raises(Conflict):  # a sequence number is never written twice
-        await store.append_events([EventBatch(session.id, 0, events(1), {}, "x", "y")])
+        await store.append_events([EventBatch.of(session.id, 0, events(1), {}, "x", "y")])
     assert len(await store.read_events(session.id)) == 348
+
+
+async def test_a_recording_stored_an_event_a_row_reads_verifies_and_goes_on_in_packed_batches(store: Store):
+    """Recordings stored before batches held their events (one ``session_events`` row each) read back in order
+    with the packed batches written since, verify as one chain, and a recorder resumes after their last."""
+    org = await an_org(store)
+    session = a_session(org)
+    await store.create_session(session)
+    old, new = events(3), events(2, start=3)
+    old_hash = batch_hash(CHAIN_GENESIS, session.id, 0, old)
+    await store.db.transact(queries.in_order(
+        [("INSERT INTO session_events (session_id, seq, offset_ms, kind, data) VALUES (?, ?, ?, ?, ?)",
+          (session.id, seq, e.offset_ms, e.kind, e.data)) for seq, e in enumerate(old)]
+        + [("INSERT INTO session_event_batches (session_id, first_seq, count, prev_hash, hash) VALUES (?, ?, ?, ?, ?)",
+            (session.id, 0, 3, CHAIN_GENESIS, old_hash))]))
+    assert await store.last_event_seq(session.id) == (3, 2)
+    new_hash = batch_hash(old_hash, session.id, 3, new)
+    await store.append_events([EventBatch.of(session.id, 3, new, {"chain_head": new_hash}, old_hash, new_hash)])
+    assert await store.read_events(session.id) == old + new
+    assert await store.read_events(session.id, "o") == [e for e in old + new if e.kind == "o"]
+    links, numbered = await store.read_event_chain(session.id)
+    assert numbered == list(enumerate(old + new)) and [link.count for link in links] == [3, 2]
+    assert verify_recording(session.id, "open", new_hash, None, 0, None, None, links, numbered,
+                            Sealer(Ed25519PrivateKey.generate())).verified
+    assert await store.last_event_seq(session.id) == (5, 4)
 
 
 async def test_close_stores_the_last_events_and_the_end_together(store: Store):
     org = await an_org(store)
     session = a_session(org)
     await store.create_session(session)
-    await store.close_session(EventBatch(session.id, 0, events(3), {"event_size": 30, "chain_head": "h"},
+    await store.close_session(EventBatch.of(session.id, 0, events(3), {"event_size": 30, "chain_head": "h"},
                                          CHAIN_GENESIS, "h"), end_date=NOW, exit_code=254, seal="sig")
     stored = await store.get_session(session.id)
     assert (stored.status, stored.end_date, stored.exit_code, stored.seal, stored.event_size, stored.chain_head) \
@@ -376,7 +402,7 @@ async def test_close_stores_the_last_events_and_the_end_together(store: Store):
     assert await store.claim_session(session.id, NOW) is None  # done: nobody claims it
     empty = a_session(org)
     await store.create_session(empty)
-    await store.close_session(EventBatch(empty.id, 0, [], {}), end_date=NOW, exit_code=None, seal=None)
+    await store.close_session(EventBatch.of(empty.id, 0, [], {}), end_date=NOW, exit_code=None, seal=None)
     assert (await store.get_session(empty.id)).status == "done"
 
 
@@ -455,7 +481,7 @@ async def test_open_sessions_by_holder_and_those_no_node_up_holds(store: Store):
     assert claimed.node_id == up.id and (await store.open_sessions_by_node())[up.id] == 2
     assert await store.forget_nodes("2030-01-01T00:00:00Z") == 0  # it still holds an open session
     await store.request_kill(orphaned.id, "x", NOW)
-    await store.close_session(EventBatch(orphaned.id, 0, [], {}), end_date=NOW, exit_code=254, seal=None)
+    await store.close_session(EventBatch.of(orphaned.id, 0, [], {}), end_date=NOW, exit_code=254, seal=None)
     assert await store.forget_nodes("2030-01-01T00:00:00Z") == 1
     assert [n.id for n in await store.list_nodes()] == [up.id]
 

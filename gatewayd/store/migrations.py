@@ -335,4 +335,7 @@ CREATE TABLE agents (
     UNIQUE (org_id, name)
 )
 """),
+    (11, """
+ALTER TABLE session_event_batches ADD COLUMN events BLOB
+"""),
 ]

@@ -18,7 +18,6 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import asyncpg
 
 from gatewayd.crypto import SecretBox
-from gatewayd.models import SessionEvent
 from gatewayd.store.base import Conflict, StoreError
 from gatewayd.store.bus import CHANNEL, BusTransport, NotifyBus
 from gatewayd.store.queries import SQLStore
@@ -115,13 +114,6 @@ class PostgresDialect(Dialect):
     def lock(self, name: str) -> Statement | None:
         key = int.from_bytes(hashlib.sha256(f"gatewayd:{name}".encode()).digest()[:8], "big", signed=True)
         return f"SELECT pg_advisory_xact_lock({key})", ()
-
-    def event_inserts(self, session_id: str, first_seq: int, events: list[SessionEvent]) -> list[Statement]:
-        """One INSERT of every event, the columns as arrays (one round trip, one plan)."""
-        return [("INSERT INTO session_events (session_id, seq, offset_ms, kind, data) "
-                 "SELECT ?::text, * FROM unnest(?::bigint[], ?::bigint[], ?::text[], ?::bytea[])",
-                 (session_id, list(range(first_seq, first_seq + len(events))), [e.offset_ms for e in events],
-                  [e.kind for e in events], [e.data for e in events]))]
 
 
 def _rowcount(status: str) -> int:

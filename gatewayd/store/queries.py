@@ -7,10 +7,11 @@ through ``Connector.fetch``; every write is one ``Work`` driven by ``Connector.t
 from __future__ import annotations
 
 import json
+from operator import itemgetter
 from typing import Any, Iterable
 
 from gatewayd.crypto import SecretBox
-from gatewayd.evidence import BatchLink, EventBatch, audit_hash
+from gatewayd.evidence import BatchLink, EventBatch, audit_hash, unpack_events
 from gatewayd.models import (
     CHAIN_GENESIS,
     AccessRequestRule,
@@ -56,6 +57,7 @@ DEFAULT_ORG_NAME = "default"
 GUARDRAILS = "guardrails"  # the store_counters row of the guard-rail generation
 # Session columns a recording flush may write beside its events (its progress, not its state).
 RECORDING_FIELDS = frozenset({"event_size", "metrics", "chain_head"})
+_seq_of = itemgetter(0)
 # A session a connection may claim: issued ready, or open with its jit credentials handed out, not
 # ended, not claimed, no kill asked for.
 CLAIMABLE = ("claimed_at IS NULL AND kill_requested_at IS NULL AND end_date IS NULL "
@@ -438,11 +440,10 @@ class SQLStore(Store):
         if unknown:
             raise ValueError(f"a recording batch may not write session fields {sorted(unknown)}")
         found: list[Statement] = []
-        if batch.events:
-            found += self.dialect.event_inserts(batch.session_id, batch.first_seq, batch.events)
-            found.append(("INSERT INTO session_event_batches (session_id, first_seq, count, prev_hash, hash) "
-                          "VALUES (?, ?, ?, ?, ?)", (batch.session_id, batch.first_seq, len(batch.events),
-                                                     batch.previous_hash, batch.hash)))
+        if batch.count:
+            found.append(("INSERT INTO session_event_batches (session_id, first_seq, count, prev_hash, hash, events) "
+                          "VALUES (?, ?, ?, ?, ?, ?)", (batch.session_id, batch.first_seq, batch.count,
+                                                        batch.previous_hash, batch.hash, batch.packed)))
         if batch.session_fields:
             found.append(assign("sessions", batch.session_fields, "id = ?", (batch.session_id,)))
         return found
@@ -458,20 +459,34 @@ class SQLStore(Store):
             "sessions", {"status": "done", "end_date": end_date, "exit_code": exit_code, "seal": seal},
             "id = ?", (batch.session_id,))])
 
-    async def read_events(self, session_id: str, kinds: str | None = None) -> list[SessionEvent]:
+    async def _numbered_events(self, session_id: str) -> list[tuple[int, SessionEvent]]:
+        """A session's (sequence number, event) pairs in order: packed per batch, and before that (recordings
+        stored before batches held their events) one row each."""
         rows = await self._all(
-            "SELECT offset_ms, kind, data FROM session_events WHERE session_id = ? ORDER BY seq", (session_id,))
-        return [SessionEvent(r[0], r[1], bytes(r[2])) for r in rows if kinds is None or r[1] in kinds]
+            "SELECT seq, offset_ms, kind, data FROM session_events WHERE session_id = ? ORDER BY seq", (session_id,))
+        found = [(r[0], SessionEvent(r[1], r[2], bytes(r[3]))) for r in rows]
+        for (packed,) in await self._all("SELECT events FROM session_event_batches WHERE session_id = ? "
+                                         "AND events IS NOT NULL ORDER BY first_seq", (session_id,)):
+            found += unpack_events(bytes(packed))
+        if rows and len(found) > len(rows):
+            found.sort(key=_seq_of)
+        return found
+
+    async def read_events(self, session_id: str, kinds: str | None = None) -> list[SessionEvent]:
+        return [event for _, event in await self._numbered_events(session_id) if kinds is None or event.kind in kinds]
 
     async def read_event_chain(self, session_id: str) -> tuple[list[BatchLink], list[tuple[int, SessionEvent]]]:
         links = await self._all("SELECT first_seq, count, prev_hash, hash FROM session_event_batches "
                                 "WHERE session_id = ? ORDER BY first_seq", (session_id,))
-        rows = await self._all(
-            "SELECT seq, offset_ms, kind, data FROM session_events WHERE session_id = ? ORDER BY seq", (session_id,))
-        return ([BatchLink(r[0], r[1], r[2], r[3]) for r in links],
-                [(r[0], SessionEvent(r[1], r[2], bytes(r[3]))) for r in rows])
+        return [BatchLink(r[0], r[1], r[2], r[3]) for r in links], await self._numbered_events(session_id)
 
     async def last_event_seq(self, session_id: str) -> tuple[int, int]:
+        last = await self._one("SELECT events FROM session_event_batches WHERE session_id = ? "
+                               "AND events IS NOT NULL ORDER BY first_seq DESC LIMIT 1", (session_id,))
+        if last is not None:
+            numbered = unpack_events(bytes(last[0]))
+            if numbered:
+                return numbered[-1][0] + 1, numbered[-1][1].offset_ms
         row = await self._one(
             "SELECT seq, offset_ms FROM session_events WHERE session_id = ? ORDER BY seq DESC LIMIT 1", (session_id,))
         return (row[0] + 1, row[1]) if row else (0, 0)

@@ -32,8 +32,6 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any, Generator, Iterable, Protocol, Sequence, TypeVar
 
-from gatewayd.models import SessionEvent
-
 T = TypeVar("T")
 
 # Record fields stored as JSON text.
@@ -136,11 +134,6 @@ class Dialect:
         """A statement that serialises the transactions taking lock ``name`` (None: every write
         transaction is serialised already, as SQLite's BEGIN IMMEDIATE does)."""
         return None
-
-    def event_inserts(self, session_id: str, first_seq: int, events: list[SessionEvent]) -> list[Statement]:
-        """The statements that insert a session's events numbered from ``first_seq``, in bulk."""
-        return [("INSERT INTO session_events (session_id, seq, offset_ms, kind, data) VALUES (?, ?, ?, ?, ?)",
-                 [(session_id, seq, e.offset_ms, e.kind, e.data) for seq, e in enumerate(events, first_seq)])]
 
 
 _PLACEHOLDER = re.compile(r"\?")

@@ -16,20 +16,13 @@ from typing import Any, Sequence, TypeVar
 import aiosqlite
 
 from gatewayd.crypto import SecretBox
-from gatewayd.models import SessionEvent
 from gatewayd.store.base import Conflict
 from gatewayd.store.queries import SQLStore
-from gatewayd.store.sql import Dialect, Result, Statement, Work
+from gatewayd.store.sql import Dialect, Result, Work
 
 T = TypeVar("T")
 log = logging.getLogger("gatewayd.store")
 
-# Session events go in as multi-row INSERTs: one sqlite3_step, so one GIL hand-over between the
-# writer thread and the event loop, per chunk rather than per event.  Few chunk sizes: each
-# statement is prepared once and stays in the connection's statement cache.
-_EVENT_CHUNKS = (256, 64, 16, 4, 1)
-_EVENT_INSERTS = {n: "INSERT INTO session_events (session_id, seq, offset_ms, kind, data) VALUES "
-                     + ",".join(["(?, ?, ?, ?, ?)"] * n) for n in _EVENT_CHUNKS}
 _PRAGMAS = (
     "PRAGMA journal_mode = WAL",
     "PRAGMA synchronous = NORMAL",
@@ -40,22 +33,9 @@ _PRAGMAS = (
 
 
 class SQLiteDialect(Dialect):
-    """SQLite's spellings: the base dialect, with chunked multi-row event inserts and RETURNING
-    only where the linked SQLite has it (3.35)."""
+    """SQLite's spellings: the base dialect, with RETURNING only where the linked SQLite has it (3.35)."""
 
     returning = sqlite3.sqlite_version_info >= (3, 35)
-
-    def event_inserts(self, session_id: str, first_seq: int, events: list[SessionEvent]) -> list[Statement]:
-        found: list[Statement] = []
-        start, count = 0, len(events)
-        for size in _EVENT_CHUNKS:
-            while count - start >= size:
-                params: list[Any] = []
-                for seq, event in enumerate(events[start : start + size], first_seq + start):
-                    params += (session_id, seq, event.offset_ms, event.kind, event.data)
-                found.append((_EVENT_INSERTS[size], tuple(params)))
-                start += size
-        return found
 
 
 class SQLiteConnector:
