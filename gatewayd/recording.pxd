@@ -1,12 +1,13 @@
 # Cython declarations for recording.py (augmenting: Python ignores this file; make hotpath compiles with it).
+cimport cython
 
 cdef class SessionRecorder:
     cdef public object service
     cdef public str session_id
     cdef public double started
     cdef public Py_ssize_t next_seq
-    cdef public object cap
-    cdef public object recorded
+    cdef public Py_ssize_t cap
+    cdef public Py_ssize_t recorded
     cdef public bint truncated
     cdef public bytearray pending
     cdef public Py_ssize_t pending_count
@@ -17,4 +18,5 @@ cdef class SessionRecorder:
     cpdef input(self, data)
     cpdef output(self, data)
     cpdef error(self, data)
+    @cython.locals(size=Py_ssize_t, offset=Py_ssize_t, pending=bytearray)
     cpdef record(self, str kind, data)

@@ -26,6 +26,7 @@ log = logging.getLogger("gatewayd.recording")
 _monotonic = time.monotonic
 _pack_head = EVENT_HEAD.pack
 _KINDS = {"i": b"i", "o": b"o", "e": b"e"}
+_NO_SIZES = {"i": 0, "o": 0, "e": 0}  # bytes pending per kind (for the metrics)
 FLUSH_AT = 1 << 20  # wake the flusher early once a session has this much pending
 HIGH_WATER = 8 << 20  # drain() blocks the producer past this
 
@@ -53,7 +54,7 @@ class SessionRecorder:
         self.truncated = bool(self.metrics.get("truncated"))
         self.pending = bytearray()
         self.pending_count = 0
-        self.pending_sizes: dict[str, int] = {}
+        self.pending_sizes = dict(_NO_SIZES)
         self.closed = False
         self.chain_head = chain_head
 
@@ -86,8 +87,7 @@ class SessionRecorder:
         pending += _pack_head(self.next_seq + self.pending_count, offset if offset > 0 else 0, _KINDS[kind], size)
         pending += payload
         self.pending_count += 1
-        sizes = self.pending_sizes
-        sizes[kind] = sizes.get(kind, 0) + size
+        self.pending_sizes[kind] += size
         self.recorded += size
         if len(pending) >= FLUSH_AT:
             self.service.wake()
@@ -111,7 +111,7 @@ class SessionRecorder:
         if not self.pending_count:
             return None
         packed, count, sizes = bytes(self.pending), self.pending_count, self.pending_sizes
-        self.pending, self.pending_count, self.pending_sizes = bytearray(), 0, {}
+        self.pending, self.pending_count, self.pending_sizes = bytearray(), 0, dict(_NO_SIZES)
         first = self.next_seq
         self.next_seq += count
         self.metrics["event_size"] = self.recorded
@@ -125,7 +125,7 @@ class SessionRecorder:
         self.pending[:0] = batch.packed
         self.pending_count += batch.count
         for kind, size in batch.sizes.items():
-            self.pending_sizes[kind] = self.pending_sizes.get(kind, 0) + size
+            self.pending_sizes[kind] += size
         self.next_seq = batch.first_seq
         self.chain_head = batch.previous_hash
 

@@ -388,6 +388,21 @@ def test_bad_typed_lengths(length: int) -> None:
         assert info.value.sqlstate == "08P01"
 
 
+def test_a_length_read_in_place_is_big_endian_and_signed() -> None:
+    """Every byte of the length counts, high bits included (the hot path reads them one by one)."""
+    frame = pg.encode_data_row([b"\x80" * 0x808080])
+    assert all(byte >= 0x80 for byte in frame[2:5])
+    reader = BackendReader(max_message_size=1 << 25)
+    reader.feed(frame + pg.encode_data_row([b"x"]))
+    row = reader.next_message()
+    assert isinstance(row, pg.DataRow) and len(row) == len(frame) and row.columns == [b"\x80" * 0x808080]
+    assert reader.next_message().columns == [b"x"] and reader.next_message() is None
+    for reader in (BackendReader(), FrontendReader(expect_startup=False)):
+        reader.feed(b"D\x80\x80\x80\x80" + b"\0" * 8)
+        with pytest.raises(ProtocolError, match="invalid message length -2139062144 for message type b'D'"):
+            reader.next_message()
+
+
 def test_oversized_messages_are_rejected_before_buffering() -> None:
     reader = FrontendReader(expect_startup=False)
     reader.feed(b"Q" + struct.pack("!i", pg.DEFAULT_MAX_FRONTEND_MESSAGE + 1))

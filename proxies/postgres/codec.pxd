@@ -157,14 +157,20 @@ cdef class _FrameBuffer:
     cdef public bint _eof
     cdef public object _error
     cdef public Py_ssize_t bytes_copied
+    @cython.locals(available=Py_ssize_t, pos=Py_ssize_t, size=Py_ssize_t, kind=Py_ssize_t, length=Py_ssize_t,
+                   total=Py_ssize_t, end=Py_ssize_t, first=bytes)
+    cpdef Message _typed(self, tuple table, Py_ssize_t limit)
+    cpdef Message next_message(self)
 
 cdef class FrontendReader(_FrameBuffer):
     cdef public Py_ssize_t max_message_size
     cdef public Py_ssize_t max_startup_size
     cdef public str phase
+    cpdef Message next_message(self)
 
 cdef class BackendReader(_FrameBuffer):
     cdef public Py_ssize_t max_message_size
+    cpdef Message next_message(self)
 
 cdef class FrameBatch:
     cdef public list parts

@@ -1628,78 +1628,55 @@ class _FrameBuffer:
         return self._error
 
     def _typed(self, table: tuple[type[Message], ...], limit: int) -> Message | None:
+        """The next complete typed message, None when more bytes are needed: the relay's hot loop.
+
+        A frame wholly inside the first chunk, when that is ``bytes``, is cut straight from it (the chunk's
+        last frame drops the chunk); anything else (a frame across chunks, one in the accumulator) is copied
+        once by ``_take``.
+        """
         available = self._available
         if available < 5:
             if self._eof and available:
                 raise self._fail(f"connection closed in the middle of a message ({available} bytes left)")
             return None
-        first = self._chunks[0]
+        chunk = self._chunks[0]
         pos = self._pos
-        if len(first) - pos >= 5:
-            kind, length = _HEADER.unpack_from(first, pos)
+        size = 0  # of the first chunk when it is bytes holding the whole header, else 0
+        if type(chunk) is bytes and len(chunk) - pos >= 5:
+            first = chunk
+            size = len(first)
+            kind = first[pos]
+            # big-endian and signed, so garbage shows as negative (the top byte sign-extended)
+            length = ((first[pos + 1] ^ 0x80) - 0x80) * 0x1000000 + (
+                (first[pos + 2] << 16) | (first[pos + 3] << 8) | first[pos + 4])
         else:
-            kind, length = _HEADER.unpack(self._peek(5))
+            first = None
+            head, length = _HEADER.unpack(self._peek(5))
+            kind = head[0]
         if length < 4:
-            raise self._fail(f"invalid message length {length} for message type {kind!r}")
+            raise self._fail(f"invalid message length {length} for message type {bytes((kind,))!r}")
         if length > limit:
-            raise self._fail(f"message of type {kind!r} is {length} bytes, more than the limit of {limit}")
+            raise self._fail(f"message of type {bytes((kind,))!r} is {length} bytes, more than the limit of {limit}")
         total = length + 1
         if available < total:
             if self._eof:
                 raise self._fail(f"connection closed in the middle of a message ({available} of {total} bytes)")
             return None
         end = pos + total
-        if end < len(first) and type(first) is bytes:  # fast path: inside one immutable chunk
-            self._pos = end
+        if end <= size:
+            if end == size:
+                self._chunks.popleft()
+                self._pos = 0
+            else:
+                self._pos = end
             self._available = available - total
-            return _framed(table[kind[0]], first, pos, end)
+            return _framed(table[kind], first, pos, end)
         buf, start, stop = self._take(total)
         return _framed(table[buf[start]], buf, start, stop)
 
     def __iter__(self) -> Iterator[Message]:
         """Every complete message buffered so far."""
         while (message := self.next_message()) is not None:
-            yield message
-
-    def _typed_frames(self, table: tuple[type[Message], ...], limit: int) -> Iterator[Message]:
-        """Every complete typed message buffered so far: the relay's hot loop.
-
-        Frames wholly inside the first chunk are cut straight from it, with the
-        state updated before each is handed out (the chunk's last frame drops the
-        chunk); anything else (a frame across chunks, a bad header) goes through
-        ``_typed``.
-        """
-        while True:
-            if self._error is not None:
-                raise self._error
-            chunks = self._chunks
-            if chunks and type(first := chunks[0]) is bytes:
-                size = len(first)
-                pos = self._pos
-                last = False
-                while pos + 5 <= size:
-                    length = _i32(first, pos + 1)[0]
-                    end = pos + 1 + length
-                    if length < 4 or length > limit or end > size:
-                        break
-                    if end == size:  # the chunk's last frame: the chunk is done with
-                        chunks.popleft()
-                        self._pos = 0
-                        self._available -= end - pos
-                        last = True
-                        yield _framed(table[first[pos]], first, pos, end)
-                        break
-                    self._pos = end
-                    self._available -= end - pos
-                    yield _framed(table[first[pos]], first, pos, end)
-                    if self._pos != end or not chunks or chunks[0] is not first:
-                        break
-                    pos = end
-                if last:
-                    continue
-            message = self._typed(table, limit)
-            if message is None:
-                return
             yield message
 
     def next_message(self) -> Message | None:  # pragma: no cover - overridden
@@ -1731,12 +1708,6 @@ class FrontendReader(_FrameBuffer):
         self.phase = "startup" if expect_startup else "messages"
         self.max_message_size = max_message_size
         self.max_startup_size = max_startup_size
-
-    def __iter__(self) -> Iterator[Message]:
-        """Every complete message buffered so far."""
-        if self.phase == "messages":
-            return self._typed_frames(FRONTEND_TYPES, self.max_message_size)
-        return super().__iter__()
 
     def next_message(self) -> Message | None:
         """The next complete message, or None when more bytes are needed."""
@@ -1809,10 +1780,6 @@ class BackendReader(_FrameBuffer):
     def __init__(self, *, max_message_size: int = DEFAULT_MAX_BACKEND_MESSAGE) -> None:
         super().__init__()
         self.max_message_size = max_message_size
-
-    def __iter__(self) -> Iterator[Message]:
-        """Every complete message buffered so far."""
-        return self._typed_frames(BACKEND_TYPES, self.max_message_size)
 
     def next_message(self) -> Message | None:
         """The next complete message, or None when more bytes are needed."""

@@ -975,7 +975,7 @@ class ServerSide:
         if self.policy.masker is not self.masker:
             self._adopt_masker()
         render = self.policy.checks_output or self.policy.recording or self.masker is not None
-        for message in reader:
+        while (message := reader.next_message()) is not None:
             kind = type(message)
             if kind is DataRow:
                 if self.cut:

@@ -17,7 +17,6 @@ again, before what the client pipelined after it.
 from __future__ import annotations
 
 import asyncio
-from itertools import chain
 from typing import TYPE_CHECKING
 
 from gatewayd.tasks import BackgroundTasks
@@ -175,13 +174,15 @@ class RelaySession:
             return
         batch = self._client_batch
         client_side = self.client_side
+        frontend = self.frontend
         try:
-            for message in (self.frontend if held is None else chain((held,), self.frontend)):
+            message = held if held is not None else frontend.next_message()
+            while message is not None:
                 action = client_side.on_message(message)
                 if action == FORWARD:
                     batch.add(message)
                 elif action == DROP:
-                    continue
+                    pass
                 elif action == BLOCK:
                     batch.add_bytes(self.client_side.substitute)
                     self._send(self.target, batch)
@@ -197,6 +198,7 @@ class RelaySession:
                     self._send(self.target, batch)
                     self.finish(CLIENT)
                     return
+                message = frontend.next_message()
         except ProtocolError as exc:
             if batch:
                 self._send(self.target, batch)
