@@ -150,6 +150,10 @@ cdef class FunctionCallResponse(Message):
 @cython.locals(message=Message)
 cdef Message _framed(type cls, object buf, Py_ssize_t start, Py_ssize_t end)
 
+@cython.locals(buf=bytes, pos=Py_ssize_t, end=Py_ssize_t, count=Py_ssize_t, nformats=Py_ssize_t, i=Py_ssize_t,
+               n=Py_ssize_t, stop=Py_ssize_t, parts=list)
+cpdef str render_text_row(Message data_row, object formats, str null, str separator, Py_ssize_t max_column_bytes)
+
 cdef class _FrameBuffer:
     cdef public object _chunks
     cdef public Py_ssize_t _pos

@@ -178,6 +178,7 @@ __all__ = [
     "md5_password",
     # helpers
     "render_row",
+    "render_text_row",
     "resolve_formats",
     "saslprep",
 ]
@@ -2225,26 +2226,34 @@ def render_row(
             formats = row_description.formats
         else:
             formats = tuple(f.format for f in row_description)
+    return render_text_row(data_row, formats, null, separator, -1 if max_column_bytes is None else max_column_bytes)
+
+
+def render_text_row(data_row: DataRow, formats: Sequence[int], null: str, separator: str,
+                    max_column_bytes: int) -> str:
+    """``render_row`` with every argument given (``max_column_bytes`` -1: values whole): the relay's call."""
     buf = data_row._buf
+    if type(buf) is not bytes:
+        buf = bytes(buf)  # the same offsets
     pos = data_row._start + 5
     end = data_row._end
     if pos + 2 > end:
         raise ProtocolError("malformed DataRow message: unexpected end of message")
-    count = _u16(buf, pos)[0]
+    count = (buf[pos] << 8) | buf[pos + 1]
     pos += 2
     nformats = len(formats)
     parts = []
     for i in range(count):
         if pos + 4 > end:
             raise ProtocolError("malformed DataRow message: unexpected end of message")
-        n = _i32(buf, pos)[0]
+        n = ((buf[pos] ^ 0x80) - 0x80) * 0x1000000 + ((buf[pos + 1] << 16) | (buf[pos + 2] << 8) | buf[pos + 3])
         pos += 4
         if n == -1:
             parts.append(null)
             continue
         if n < 0 or pos + n > end:
             raise ProtocolError("malformed DataRow message: bad column length")
-        stop = pos + n if max_column_bytes is None else pos + min(n, max_column_bytes)
+        stop = pos + n if max_column_bytes < 0 or n <= max_column_bytes else pos + max_column_bytes
         if i < nformats and formats[i] == FORMAT_BINARY:
             parts.append("\\x" + buf[pos:stop].hex())
         else:

@@ -1,7 +1,7 @@
 # Cython declarations for relay.py (augmenting: Python ignores this file; make hotpath compiles with it).
 from gatewayd.policy cimport SessionPolicy
 from proxies.postgres.codec cimport (BackendReader, Bind, CloseComplete, CommandComplete, CopyData, DataRow, FrameBatch, Message,
-                                     Parse, Query, ReadyForQuery, RowDescription)
+                                     Parse, Query, ReadyForQuery, RowDescription, render_text_row)
 
 cdef class Pending:
     cdef public object error

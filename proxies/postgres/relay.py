@@ -80,7 +80,7 @@ from proxies.postgres.codec import (
     encode_error_response,
     encode_flush,
     encode_sync,
-    render_row,
+    render_text_row,
     resolve_formats,
 )
 
@@ -219,7 +219,7 @@ def _layout(row: DataRow) -> tuple[list[int], list[int], list[int]]:
     """Where each value's length field is in the row's frame, that length (-1: NULL), and where the value
     ends in the row's text if that is its values joined by tabs (``NULL`` for a null); nothing copied.
 
-    The row was rendered first (``render_row``/``render_typed_row``), which checked its lengths.
+    The row was rendered first (``render_text_row``/``render_typed_row``), which checked its lengths.
     """
     buf, pos = row._buf, row._start + 7
     at: list[int] = []
@@ -1046,7 +1046,7 @@ class ServerSide:
         if FORMAT_BINARY in formats:
             text = render_typed_row(row, formats, self.oids)
         else:
-            text = render_row(None, row, formats=formats)
+            text = render_text_row(row, formats, "NULL", "\t", -1)
         policy = self.policy
         if policy.checks_output:
             verdict = policy.check_output(text)  # the blocking rules read the target's clear text
