@@ -34,10 +34,15 @@ cdef class Query(Message):
     cpdef _decode(self)
 
 cdef class Parse(Message):
+    @cython.locals(buf=bytes, start=Py_ssize_t, end=Py_ssize_t, nul=Py_ssize_t, nul2=Py_ssize_t, n=Py_ssize_t,
+                   at=Py_ssize_t)
     cpdef _decode(self)
 
 cdef class Bind(Message):
     cpdef _decode(self)
+    @cython.locals(buf=bytes, start=Py_ssize_t, end=Py_ssize_t, nul=Py_ssize_t, nul2=Py_ssize_t, pos=Py_ssize_t,
+                   n=Py_ssize_t, at=Py_ssize_t, count=Py_ssize_t, size=Py_ssize_t, formats=list, params=list)
+    cpdef _decode_fast(self)
 
 cdef class _KindName(Message):
     cpdef _decode(self)
@@ -49,6 +54,7 @@ cdef class Close(_KindName):
     pass
 
 cdef class Execute(Message):
+    @cython.locals(buf=bytes, start=Py_ssize_t, end=Py_ssize_t, nul=Py_ssize_t)
     cpdef _decode(self)
 
 cdef class Sync(_Empty):
@@ -149,6 +155,12 @@ cdef class FunctionCallResponse(Message):
 
 @cython.locals(message=Message)
 cdef Message _framed(type cls, object buf, Py_ssize_t start, Py_ssize_t end)
+
+cpdef str _text(raw)
+cdef Py_ssize_t _int32_at(bytes buf, Py_ssize_t pos)
+cdef Py_ssize_t _uint32_at(bytes buf, Py_ssize_t pos)
+cdef Py_ssize_t _int16_at(bytes buf, Py_ssize_t pos)
+cdef Py_ssize_t _uint16_at(bytes buf, Py_ssize_t pos)
 
 @cython.locals(buf=bytes, pos=Py_ssize_t, end=Py_ssize_t, count=Py_ssize_t, nformats=Py_ssize_t, i=Py_ssize_t,
                n=Py_ssize_t, stop=Py_ssize_t, parts=list)

@@ -266,6 +266,23 @@ def _text(raw: bytes) -> str:
     return raw.decode("utf-8", "replace")
 
 
+# Integers read in place from a frame whose length the caller checked (compiled, each is a few C operations).
+def _int32_at(buf: bytes, pos: int) -> int:
+    return ((buf[pos] ^ 0x80) - 0x80) * 0x1000000 + ((buf[pos + 1] << 16) | (buf[pos + 2] << 8) | buf[pos + 3])
+
+
+def _uint32_at(buf: bytes, pos: int) -> int:
+    return (buf[pos] << 24) | (buf[pos + 1] << 16) | (buf[pos + 2] << 8) | buf[pos + 3]
+
+
+def _int16_at(buf: bytes, pos: int) -> int:
+    return ((buf[pos] ^ 0x80) - 0x80) * 0x100 + buf[pos + 1]
+
+
+def _uint16_at(buf: bytes, pos: int) -> int:
+    return (buf[pos] << 8) | buf[pos + 1]
+
+
 # --------------------------------------------------------------------------- field cursor
 
 
@@ -602,14 +619,16 @@ class Parse(Message):
     _FIELDS = ("name", "sql", "param_types")
 
     def _decode(self) -> tuple[str, str, list[int]]:
-        buf, start, end = self._buf, self._start + 5, self._end
-        nul = buf.find(b"\0", start, end)
-        nul2 = buf.find(b"\0", nul + 1, end) if nul >= 0 else -1
-        if nul2 >= 0 and nul2 + 3 <= end:  # fast path, falling back to the cursor for its errors
-            n = _u16(buf, nul2 + 1)[0]
-            if nul2 + 3 + 4 * n == end:
-                types = list(struct.unpack_from(f"!{n}I", buf, nul2 + 3)) if n else []
-                return _text(buf[start:nul]), _text(buf[nul + 1 : nul2]), types
+        raw, start, end = self._buf, self._start + 5, self._end
+        if type(raw) is bytes:  # fast path, falling back to the cursor for its errors
+            buf = raw
+            nul = buf.find(b"\0", start, end)
+            nul2 = buf.find(b"\0", nul + 1, end) if nul >= 0 else -1
+            if nul2 >= 0 and nul2 + 3 <= end:
+                n = _uint16_at(buf, nul2 + 1)
+                if nul2 + 3 + 4 * n == end:
+                    types = [_uint32_at(buf, at) for at in range(nul2 + 3, end, 4)]
+                    return _text(buf[start:nul]), _text(buf[nul + 1 : nul2]), types
         cur = self._cursor()
         name = cur.cstring()
         sql = cur.cstring()
@@ -663,7 +682,10 @@ class Bind(Message):
 
     def _decode_fast(self) -> tuple[str, str, list[int], list[bytes | None], list[int]] | None:
         """The fields of a well-formed Bind without a cursor; None for anything odd (the cursor then says why)."""
-        buf, start, end = self._buf, self._start + 5, self._end
+        raw, start, end = self._buf, self._start + 5, self._end
+        if type(raw) is not bytes:
+            return None
+        buf = raw
         nul = buf.find(b"\0", start, end)
         if nul < 0:
             return None
@@ -673,19 +695,19 @@ class Bind(Message):
         pos = nul2 + 1
         if pos + 2 > end:
             return None
-        n = _u16(buf, pos)[0]
+        n = _uint16_at(buf, pos)
         pos += 2
         if pos + 2 * n + 2 > end:
             return None
-        formats = list(struct.unpack_from(f"!{n}h", buf, pos)) if n else []
+        formats = [_int16_at(buf, at) for at in range(pos, pos + 2 * n, 2)]
         pos += 2 * n
-        count = _u16(buf, pos)[0]
+        count = _uint16_at(buf, pos)
         pos += 2
         params: list[bytes | None] = []
         for _ in range(count):
             if pos + 4 > end:
                 return None
-            size = _i32(buf, pos)[0]
+            size = _int32_at(buf, pos)
             pos += 4
             if size == -1:
                 params.append(None)
@@ -696,11 +718,11 @@ class Bind(Message):
             pos += size
         if pos + 2 > end:
             return None
-        n = _u16(buf, pos)[0]
+        n = _uint16_at(buf, pos)
         pos += 2
         if pos + 2 * n != end or (len(formats) > 1 and len(formats) != count):
             return None
-        results = list(struct.unpack_from(f"!{n}h", buf, pos)) if n else []
+        results = [_int16_at(buf, at) for at in range(pos, end, 2)]
         return _text(buf[start:nul]), _text(buf[nul + 1 : nul2]), formats, params, results
 
     @property
@@ -778,10 +800,12 @@ class Execute(Message):
     _FIELDS = ("portal", "max_rows")
 
     def _decode(self) -> tuple[str, int]:
-        buf, start, end = self._buf, self._start + 5, self._end
-        nul = buf.find(b"\0", start, end)
-        if nul >= 0 and nul + 5 == end:
-            return _text(buf[start:nul]), _i32(buf, nul + 1)[0]
+        raw, start, end = self._buf, self._start + 5, self._end
+        if type(raw) is bytes:
+            buf = raw
+            nul = buf.find(b"\0", start, end)
+            if nul >= 0 and nul + 5 == end:
+                return _text(buf[start:nul]), _int32_at(buf, nul + 1)
         cur = self._cursor()
         portal = cur.cstring()
         rows = cur.int32()
@@ -1647,9 +1671,7 @@ class _FrameBuffer:
             first = chunk
             size = len(first)
             kind = first[pos]
-            # big-endian and signed, so garbage shows as negative (the top byte sign-extended)
-            length = ((first[pos + 1] ^ 0x80) - 0x80) * 0x1000000 + (
-                (first[pos + 2] << 16) | (first[pos + 3] << 8) | first[pos + 4])
+            length = _int32_at(first, pos + 1)  # signed, so garbage shows as negative
         else:
             first = None
             head, length = _HEADER.unpack(self._peek(5))
@@ -2239,14 +2261,14 @@ def render_text_row(data_row: DataRow, formats: Sequence[int], null: str, separa
     end = data_row._end
     if pos + 2 > end:
         raise ProtocolError("malformed DataRow message: unexpected end of message")
-    count = (buf[pos] << 8) | buf[pos + 1]
+    count = _uint16_at(buf, pos)
     pos += 2
     nformats = len(formats)
     parts = []
     for i in range(count):
         if pos + 4 > end:
             raise ProtocolError("malformed DataRow message: unexpected end of message")
-        n = ((buf[pos] ^ 0x80) - 0x80) * 0x1000000 + ((buf[pos + 1] << 16) | (buf[pos + 2] << 8) | buf[pos + 3])
+        n = _int32_at(buf, pos)
         pos += 4
         if n == -1:
             parts.append(null)
