@@ -45,6 +45,7 @@ cdef class Bind(Message):
     cpdef _decode_fast(self)
 
 cdef class _KindName(Message):
+    @cython.locals(buf=bytes, start=Py_ssize_t, end=Py_ssize_t)
     cpdef _decode(self)
 
 cdef class Describe(_KindName):
@@ -100,6 +101,7 @@ cdef class DataRow(Message):
     cpdef _decode(self)
 
 cdef class CommandComplete(Message):
+    @cython.locals(buf=bytes, start=Py_ssize_t, end=Py_ssize_t)
     cpdef _decode(self)
 
 cdef class _ErrorOrNotice(Message):
@@ -156,6 +158,7 @@ cdef class FunctionCallResponse(Message):
 @cython.locals(message=Message)
 cdef Message _framed(type cls, object buf, Py_ssize_t start, Py_ssize_t end)
 
+@cython.locals(data=bytes)
 cpdef str _text(raw)
 cdef Py_ssize_t _int32_at(bytes buf, Py_ssize_t pos)
 cdef Py_ssize_t _uint32_at(bytes buf, Py_ssize_t pos)

@@ -263,7 +263,10 @@ _FIELD = struct.Struct("!IhIhih")  # a RowDescription field after its name
 
 
 def _text(raw: bytes) -> str:
-    return raw.decode("utf-8", "replace")
+    if type(raw) is bytes:
+        data = raw  # typed when compiled: decoded by a C call
+        return data.decode("utf-8", "replace")
+    return bytes(raw).decode("utf-8", "replace")
 
 
 # Integers read in place from a frame whose length the caller checked (compiled, each is a few C operations).
@@ -757,9 +760,11 @@ class _KindName(Message):
     _FIELDS = ("kind", "name")
 
     def _decode(self) -> tuple[str, str]:
-        buf, start, end = self._buf, self._start + 5, self._end
-        if end - start >= 2 and buf[start] in (0x53, 0x50) and buf.find(b"\0", start + 1, end) == end - 1:
-            return chr(buf[start]), _text(buf[start + 1 : end - 1])
+        raw, start, end = self._buf, self._start + 5, self._end
+        if type(raw) is bytes:
+            buf = raw
+            if end - start >= 2 and buf[start] in (0x53, 0x50) and buf.find(b"\0", start + 1, end) == end - 1:
+                return chr(buf[start]), buf[start + 1 : end - 1].decode("utf-8", "replace")
         cur = self._cursor()
         kind = cur.byte()
         if kind not in (0x53, 0x50):  # 'S' statement, 'P' portal
@@ -1223,9 +1228,11 @@ class CommandComplete(Message):
     _FIELDS = ("tag",)
 
     def _decode(self) -> str:
-        buf, start, end = self._buf, self._start + 5, self._end
-        if end > start and buf.find(b"\0", start, end) == end - 1:
-            return _text(buf[start : end - 1])
+        raw, start, end = self._buf, self._start + 5, self._end
+        if type(raw) is bytes:
+            buf = raw
+            if end > start and buf.find(b"\0", start, end) == end - 1:
+                return buf[start : end - 1].decode("utf-8", "replace")
         cur = self._cursor()
         tag = cur.cstring()
         cur.finish()

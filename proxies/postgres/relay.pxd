@@ -1,4 +1,5 @@
 # Cython declarations for relay.py (augmenting: Python ignores this file; make hotpath compiles with it).
+cimport cython
 from gatewayd.policy cimport SessionPolicy
 from proxies.postgres.codec cimport (BackendReader, Bind, CloseComplete, CommandComplete, CopyData, DataRow, FrameBatch, Message,
                                      Parse, Query, ReadyForQuery, RowDescription, render_text_row)
@@ -67,3 +68,6 @@ cdef class ServerSide:
     cpdef _swallow(self, Message message, FrameBatch batch)
     cpdef int _copy_out(self, CopyData message, FrameBatch batch)
 
+@cython.locals(text=str)
+cpdef str _quote(object value, bint binary)
+cpdef str render_params(str sql, list params, object param_formats)

@@ -745,8 +745,10 @@ def render_params(sql: str, params: list[bytes | None], param_formats: list[int]
     if len(params) == 1:  # the usual prepared statement of a benchmark or a lookup: one parameter
         return f"{sql}\n-- parameters: $1 = {_quote(params[0], bool(param_formats) and param_formats[0] == FORMAT_BINARY)}"
     formats = resolve_formats(param_formats, len(params))
-    rendered = ", ".join(f"${i} = {_quote(v, f == FORMAT_BINARY)}" for i, (v, f) in enumerate(zip(params, formats), 1))
-    return f"{sql}\n-- parameters: {rendered}"
+    rendered = []
+    for i in range(len(params)):
+        rendered.append(f"${i + 1} = {_quote(params[i], formats[i] == FORMAT_BINARY)}")
+    return f"{sql}\n-- parameters: {', '.join(rendered)}"
 
 
 # Client-side actions
