@@ -808,7 +808,7 @@ class ClientSide:
             name = message.name  # type: ignore[attr-defined]
             if message.kind == "P":  # type: ignore[attr-defined]
                 name = self.portals.get(name, _EXECUTE).statement  # type: ignore[assignment]
-            self.pending.append(Pending(DESCRIBE, statement=name))
+            self.pending.append(Pending(DESCRIBE, None, None, name))
             return FORWARD
         if kind is Sync:
             self.pending.append(_SYNC_POINT)
@@ -875,7 +875,7 @@ class ClientSide:
             if sql is not None:
                 policy.record_input(render_params(sql, params, param_formats))
         if recording or policy.checks_output or policy.masker is not None:  # rows will be read: keep their formats
-            self.portals[portal] = Pending(EXECUTE, result_formats, statement=statement)
+            self.portals[portal] = Pending(EXECUTE, result_formats, None, statement)
         return FORWARD
 
 
