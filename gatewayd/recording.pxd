@@ -18,5 +18,5 @@ cdef class SessionRecorder:
     cpdef input(self, data)
     cpdef output(self, data)
     cpdef error(self, data)
-    @cython.locals(size=Py_ssize_t, offset=Py_ssize_t, pending=bytearray)
+    @cython.locals(size=Py_ssize_t, offset=Py_ssize_t, pending=bytearray, text=str)
     cpdef record(self, str kind, data)

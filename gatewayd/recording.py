@@ -73,7 +73,11 @@ class SessionRecorder:
     def record(self, kind: str, data: bytes | str) -> None:
         if self.closed or self.truncated:
             return
-        payload = data.encode() if isinstance(data, str) else data
+        if type(data) is str:
+            text = data  # typed when compiled: encoded by a C call
+            payload = text.encode("utf-8")
+        else:
+            payload = data.encode() if isinstance(data, str) else data
         size = len(payload)
         if self.recorded + size > self.cap:
             self.truncated = True
