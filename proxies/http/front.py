@@ -44,14 +44,15 @@ _END = b"\r\n\r\n"
 class FrontRequest:
     """A plain request served by the front end: the attributes of ``web.BaseRequest`` the proxy reads."""
 
-    __slots__ = ("_protocol", "headers", "method", "raw_path", "version", "host", "raw")
+    __slots__ = ("protocol", "headers", "method", "raw_path", "version", "host", "raw")
 
     scheme = "http"
     content_length = None
     body_exists = False
 
     def __init__(self, message: RawRequestMessage, protocol: FrontProtocol, raw: bytes = b"") -> None:
-        self._protocol = protocol
+        self.protocol = protocol  # the connection it came on (``complete`` / ``serve_later`` end a request
+        # taken over by ``fast``)
         self.raw = raw  # the request's head as it came, whole: it alone says what the message is
         self.headers: CIMultiDictProxy[str] = message.headers
         self.method: str = message.method
@@ -61,16 +62,11 @@ class FrontRequest:
 
     @property
     def remote(self) -> str:
-        return self._protocol.remote
-
-    @property
-    def protocol(self) -> FrontProtocol:
-        """The connection it came on (``complete`` / ``serve_later`` end a request taken over by ``fast``)."""
-        return self._protocol
+        return self.protocol.remote
 
     @property
     def transport(self) -> asyncio.Transport | None:
-        return self._protocol.transport
+        return self.protocol.transport
 
     def answer(self, status: int, reason: str, headers: list[tuple[str, str]], body: bytes,
                head_length: int | None) -> bytes:
@@ -109,7 +105,7 @@ class FrontRequest:
 
     def start_stream(self, status: int, reason: str, headers: CIMultiDict[str], length: int | None) -> FrontStream:
         """A streamed answer: ``prepare`` sends its head, ``write`` and ``write_eof`` its body."""
-        return FrontStream(self._protocol, status, reason, headers, length)
+        return FrontStream(self.protocol, status, reason, headers, length)
 
 
 class FrontStream:
@@ -364,12 +360,12 @@ class FrontProtocol(asyncio.Protocol):
 
     def complete(self, data: bytes) -> None:
         """End a request ``fast`` took over with the whole answer ``data`` (its connection goes on)."""
-        try:
-            self.send(data)
-        except ConnectionError:
+        transport = self.transport
+        if transport is None or transport.is_closing():  # the client went away
             self._done(False)
             return
-        if self._done(True):
+        transport.write(data)
+        if self._done(True) and self._pending:
             self._go_on()
 
     def serve_later(self, request: FrontRequest, work: Awaitable[Answer]) -> None:

@@ -17,6 +17,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import TYPE_CHECKING, AsyncIterator
 
 import aiohttp
@@ -349,14 +350,14 @@ class HttpListener:
             front.sent = sent
         state, policy = sent.state, sent.policy
         target = state.target
-        connection = self.pool.take(target.scheme, target.host, target.port, state.insecure,
-                                    self.pipeline.dialer_for(state.grant.connection))
+        connection = self.pool.take_at(sent.pool_key or self.pool.key(
+            target.scheme, target.host, target.port, state.insecure, self.pipeline.dialer_for(state.grant.connection)))
         if connection is None:
             return False
         policy.record_input(sent.recorded)
         first_line, head = sent.first_line, sent.head
         if not self.pool.send(connection, head, request.method == "HEAD",
-                              lambda: self._answered(request, state, policy, first_line, head, connection)):
+                              partial(self._answered, request, state, policy, first_line, head, connection)):
             front.serve_later(request, self._exchange(request, state, policy, first_line, head, None, False))
         return True
 
@@ -392,9 +393,12 @@ class HttpListener:
         first_line, up_headers = self._outbound(request, policy, presented.source, client_ip)
         if policy.checks_input and policy.check_input(guard_text(first_line, up_headers)) is not None:
             return None  # refused by ``handle``, which records it
+        target, connection = state.target, state.grant.connection
+        pool_key = None if connection.agent_id else self.pool.key(  # an agent's route may change: not kept
+            target.scheme, target.host, target.port, state.insecure, self.pipeline.dialer_for(connection))
         return _Sent(request.raw, presented.secret, state, policy, policy.rules, first_line,
                      head_bytes(first_line, headers.items()),
-                     request_head(request.method, state.target, request.raw_path, up_headers))
+                     request_head(request.method, target, request.raw_path, up_headers), pool_key)
 
     def _answered(self, request: FrontRequest, state: CredentialState, policy: SessionPolicy, first_line: str,
                   head: bytes, connection: UpstreamConnection) -> None:
@@ -412,7 +416,7 @@ class HttpListener:
             request.protocol.serve_later(request, _answer(self._upstream_error(state, policy, first_line, exc), exc))
             return
         if answer is None:  # an interim answer (1xx) only: the final one comes later
-            protocol.on_answer = lambda: self._answered(request, state, policy, first_line, head, connection)
+            protocol.on_answer = partial(self._answered, request, state, policy, first_line, head, connection)
             return
         upstream = UpstreamResponse(answer[0], answer[1], connection, self.pool)
         try:
@@ -634,7 +638,7 @@ class HttpListener:
         message = upstream.message
         up_headers = message.headers
         content = upstream.content
-        key = (request.method, request.host, message.code, message.reason, message.version, tuple(up_headers.items()))
+        key = (request.method, request.host, message.code, message.reason, message.version, message.raw_headers)
         memo: _Answered | None = request.protocol.answered
         if memo is not None and memo.key == key and memo.policy is policy and memo.rules is policy.rules:
             if memo.no_body:
@@ -951,6 +955,7 @@ class _Sent:
     first_line: str
     recorded: bytes  # the request as recorded (credentials redacted)
     head: bytes  # the request head sent to the target
+    pool_key: tuple[str, str, int, bool, str] | None  # the pool's key for its target (None: through an agent)
 
 
 @dataclass(slots=True, eq=False)

@@ -205,7 +205,9 @@ class UpstreamConnection:
 
     @property
     def usable(self) -> bool:
-        return self.protocol.is_connected() and not self.protocol.should_close
+        protocol = self.protocol
+        transport = protocol.transport
+        return transport is not None and not transport.is_closing() and not protocol.should_close
 
     def close(self) -> None:
         self.protocol.close()
@@ -310,10 +312,15 @@ class UpstreamPool:
     def take(self, scheme: str, host: str, port: int, insecure: bool,
              dialer: Dialer | None = None) -> UpstreamConnection | None:
         """An idle connection to the target (reached through ``dialer``) that is still usable, or None."""
-        return self._take(self._key(scheme, host, port, insecure, dialer or self.dialer))
+        return self._take(self.key(scheme, host, port, insecure, dialer or self.dialer))
+
+    def take_at(self, key: tuple[str, str, int, bool, str]) -> UpstreamConnection | None:
+        """``take`` by the pool's key for the target (``key``)."""
+        return self._take(key)
 
     @staticmethod
-    def _key(scheme: str, host: str, port: int, insecure: bool, dialer: Dialer) -> tuple[str, str, int, bool, str]:
+    def key(scheme: str, host: str, port: int, insecure: bool, dialer: Dialer) -> tuple[str, str, int, bool, str]:
+        """The pool's key for a target: the address and how it is reached (a dialer's ``route``)."""
         return scheme, host, port, insecure, getattr(dialer, "route", "")
 
     def send(self, connection: UpstreamConnection, head: bytes, skip_body: bool,
@@ -363,7 +370,7 @@ class UpstreamPool:
         connection when a pooled one turns out closed by the target.
         """
         dialer = dialer or self.dialer
-        key = self._key(scheme, host, port, insecure, dialer)
+        key = self.key(scheme, host, port, insecure, dialer)
         replayable = body is None or isinstance(body, bytes)
         while True:
             connection = self._take(key) or await self._connect(key, dialer)
