@@ -24,6 +24,7 @@ import aiohttp
 from aiohttp import ClientConnectionError, ServerDisconnectedError, WSMsgType, web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.http_parser import RawResponseMessage
+from aiohttp.streams import StreamReader
 from multidict import CIMultiDict
 from yarl import URL
 
@@ -418,17 +419,18 @@ class HttpListener:
         if answer is None:  # an interim answer (1xx) only: the final one comes later
             protocol.on_answer = partial(self._answered, request, state, policy, first_line, head, connection)
             return
-        upstream = UpstreamResponse(answer[0], answer[1], connection, self.pool)
+        message, content = answer
         try:
-            data = self._small(request, state, policy, upstream)
+            data = self._small(request, state, policy, message, content)
         except Exception as exc:  # a bug: logged and answered 500 by the front end, as on the task path
-            upstream.close()
+            connection.close()
             request.protocol.serve_later(request, _answer(None, exc))
             return
         if data is None:
+            upstream = UpstreamResponse(message, content, connection, self.pool)
             request.protocol.serve_later(request, self._respond_released(request, state, policy, upstream))
             return
-        upstream.release()
+        self.pool.release(connection, message, content)
         if isinstance(data, GuardVerdict):  # blocked on its way back: 403, its e event and audit entry
             request.protocol.serve_later(request, self._blocked(policy, data))
             return
@@ -627,7 +629,7 @@ class HttpListener:
         return out_list, head_bytes(status_line, up_headers.items())
 
     def _small(self, request: FrontRequest, state: CredentialState, policy: SessionPolicy,
-               upstream: UpstreamResponse) -> bytes | GuardVerdict | None:
+               message: RawResponseMessage, content: StreamReader) -> bytes | GuardVerdict | None:
         """The whole answer to a plain request when the target's has arrived whole and is small (``_respond``
         would answer it so, with no await): checked by the output rules, recorded; the verdict when they block
         it (nothing recorded: ``_blocked`` says it); None when ``_respond`` must, nothing read.
@@ -635,9 +637,7 @@ class HttpListener:
         What was made of an answer is kept per client connection (``_Answered``): the same status and headers
         again (``Date`` included: at most a second apart), under the same policy, are sent and recorded with
         the heads made then."""
-        message = upstream.message
         up_headers = message.headers
-        content = upstream.content
         key = (request.method, request.host, message.code, message.reason, message.version, message.raw_headers)
         memo: _Answered | None = request.protocol.answered
         if memo is not None and memo.key == key and memo.policy is policy and memo.rules is policy.rules:

@@ -228,10 +228,7 @@ class UpstreamResponse:
         if self.released:
             return
         self.released = True
-        if self.content.is_eof() and not self.message.should_close:
-            self.pool.put(self.connection)
-        else:
-            self.connection.close()
+        self.pool.release(self.connection, self.message, self.content)
 
     def close(self) -> None:
         self.released = True
@@ -348,12 +345,24 @@ class UpstreamPool:
             connection.close()
         return None
 
+    def release(self, connection: UpstreamConnection, message: RawResponseMessage, content: StreamReader) -> None:
+        """A connection whose answer was taken: back to the pool when its body was read to the end and it may
+        be reused, else closed."""
+        if content.is_eof() and not message.should_close:
+            self.put(connection)
+        else:
+            connection.close()
+
     def put(self, connection: UpstreamConnection) -> None:
         if not connection.usable:
             connection.close()
             return
         connection.idle_since = time.monotonic()
-        self.idle.setdefault(connection.key, []).append(connection)
+        idle = self.idle.get(connection.key)
+        if idle is None:
+            self.idle[connection.key] = [connection]
+        else:
+            idle.append(connection)
 
     def close(self) -> None:
         for connections in self.idle.values():
