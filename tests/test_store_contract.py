@@ -20,7 +20,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from gatewayd.crypto import SecretBox
-from gatewayd.evidence import EventBatch, Sealer, batch_hash, verify_recording
+from gatewayd.evidence import EventBatch, Sealer, batch_hash, pack_events, verify_recording
 from gatewayd.guardrails import GuardRailService
 from gatewayd.models import (
     CHAIN_GENESIS,
@@ -387,6 +387,10 @@ async def test_a_recording_stored_an_event_a_row_reads_verifies_and_goes_on_in_p
     assert verify_recording(session.id, "open", new_hash, None, 0, None, None, links, numbered,
                             Sealer(Ed25519PrivateKey.generate())).verified
     assert await store.last_event_seq(session.id) == (5, 4)
+    await store.db.transact(queries.in_order([(  # an intruder cuts the last batch short
+        "UPDATE session_event_batches SET events = ? WHERE session_id = ? AND first_seq = ?",
+        (pack_events(3, new)[:-1], session.id, 3))]))
+    assert await store.last_event_seq(session.id) == (5, 0)  # a resumed recorder never reuses a number
 
 
 async def test_close_stores_the_last_events_and_the_end_together(store: Store):

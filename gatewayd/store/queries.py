@@ -481,12 +481,13 @@ class SQLStore(Store):
         return [BatchLink(r[0], r[1], r[2], r[3]) for r in links], await self._numbered_events(session_id)
 
     async def last_event_seq(self, session_id: str) -> tuple[int, int]:
-        last = await self._one("SELECT events FROM session_event_batches WHERE session_id = ? "
+        last = await self._one("SELECT first_seq, count, events FROM session_event_batches WHERE session_id = ? "
                                "AND events IS NOT NULL ORDER BY first_seq DESC LIMIT 1", (session_id,))
         if last is not None:
-            numbered = unpack_events(bytes(last[0]))
-            if numbered:
+            numbered = unpack_events(bytes(last[2]))
+            if numbered and numbered[-1][0] == last[0] + last[1] - 1:
                 return numbered[-1][0] + 1, numbered[-1][1].offset_ms
+            return last[0] + last[1], 0  # an altered batch (verification says so): numbered on after its link
         row = await self._one(
             "SELECT seq, offset_ms FROM session_events WHERE session_id = ? ORDER BY seq DESC LIMIT 1", (session_id,))
         return (row[0] + 1, row[1]) if row else (0, 0)

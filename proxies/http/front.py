@@ -360,12 +360,12 @@ class FrontProtocol(asyncio.Protocol):
 
     def complete(self, data: bytes) -> None:
         """End a request ``fast`` took over with the whole answer ``data`` (its connection goes on)."""
-        transport = self.transport
-        if transport is None or transport.is_closing():  # the client went away
+        try:
+            self.send(data)
+        except ConnectionError:  # the client went away
             self._done(False)
             return
-        transport.write(data)
-        if self._done(True) and self._pending:
+        if self._done(True):
             self._go_on()
 
     def serve_later(self, request: FrontRequest, work: Awaitable[Answer]) -> None:

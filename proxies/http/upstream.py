@@ -205,9 +205,7 @@ class UpstreamConnection:
 
     @property
     def usable(self) -> bool:
-        protocol = self.protocol
-        transport = protocol.transport
-        return transport is not None and not transport.is_closing() and not protocol.should_close
+        return self.protocol.is_connected() and not self.protocol.should_close
 
     def close(self) -> None:
         self.protocol.close()

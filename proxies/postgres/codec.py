@@ -269,7 +269,8 @@ def _text(raw: bytes) -> str:
     return bytes(raw).decode("utf-8", "replace")
 
 
-# Integers read in place from a frame whose length the caller checked (compiled, each is a few C operations).
+# Integers read in place from a ``bytes`` frame whose length the caller checked (compiled, each is a few C
+# operations): the fast paths' readers. ``_Cursor`` and the ``_i32``-style struct readers take any buffer.
 def _int32_at(buf: bytes, pos: int) -> int:
     return ((buf[pos] ^ 0x80) - 0x80) * 0x1000000 + ((buf[pos + 1] << 16) | (buf[pos + 2] << 8) | buf[pos + 3])
 
