@@ -81,7 +81,10 @@ def main() -> int:
             length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
                           if line.lower().startswith(b"content-length:"))
             while len(body) < length:
-                body += sock.recv(65536)
+                chunk = sock.recv(65536)
+                if not chunk:
+                    raise RuntimeError("the gateway closed the connection in the middle of an answer")
+                body += chunk
 
         def drive(count: int) -> None:
             for i in range(count):
