@@ -9,8 +9,10 @@ HOTPATH := $(VENV)/.hotpath-stamp
 # extra in pyproject.toml lists what it really needs. docs/decisions.md (RDP proxy) says why.
 PYRDP := pyrdp-mitm==2.1.0
 CONSOLE := control/console_static/vendor/.built-stamp
-# The slowest tests are named at the end of each run: the suite must stay under 10 minutes on 2 cores.
-PYTEST_ARGS ?= --durations=15
+# The suite must stay under 10 minutes on 2 cores: it runs in PYTEST_WORKERS processes (pytest-xdist), each
+# test module whole in one of them (its module fixtures started once), and names the slowest tests at the end.
+PYTEST_WORKERS ?= 2
+PYTEST_ARGS ?= -n $(PYTEST_WORKERS) --dist loadfile --durations=15
 
 .PHONY: run test test-matrix peers bench clean console proto hotpath
 

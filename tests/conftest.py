@@ -26,15 +26,11 @@ import pytest
 
 import proxies  # noqa: F401  the test run's composition root: registers every protocol, as launcher.cli does
 from gatewayd.hotpath import PURE_ENV
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_port(port: int, process: subprocess.Popen[bytes] | None = None, what: str = "something",

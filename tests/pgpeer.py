@@ -10,10 +10,11 @@ from __future__ import annotations
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 from pathlib import Path
+
+from tests.ports import free_port
 
 PG_BIN = Path(os.environ.get("GATEWAYD_PG_BIN", "/usr/lib/postgresql/15/bin"))
 PASSWORD = "pg-target-secret-7"
@@ -24,11 +25,6 @@ host all md5user 127.0.0.1/32 md5
 host all plainuser 127.0.0.1/32 password
 """
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def unavailable_reason() -> str | None:

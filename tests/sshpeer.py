@@ -20,16 +20,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from tests.ports import free_port
+
 SSHD = Path("/usr/sbin/sshd")
 USER = "gatewayd-sshtest"
 CLIENT_OPTIONS = ["-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
                   "-o", "LogLevel=ERROR", "-o", "ConnectTimeout=15", "-F", "/dev/null"]
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def unavailable_reason() -> str | None:
