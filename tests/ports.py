@@ -35,16 +35,34 @@ _TURN = itertools.count(random.randrange(len(_SPAN))) if len(_SPAN) > 100 else N
 
 
 def free_port() -> int:
-    """A port on 127.0.0.1 that nothing listens on now (and that this process has not picked before)."""
+    """A port on 127.0.0.1 that nothing listens on now (and that this process has not picked lately)."""
+    return free_ports(1)
+
+
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive ports on 127.0.0.1 that nothing listens on now (a daemon whose workers
+    each listen on the port after the one before)."""
     if _TURN is not None:
         for _ in range(len(_SPAN)):
-            port = _SPAN[next(_TURN) % len(_SPAN)]
-            with socket.socket() as sock:
-                try:
-                    sock.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
-                return port
-    with socket.socket() as sock:  # an unusual kernel range: the kernel's pick
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+            first = next(_TURN) % len(_SPAN)
+            if first + count > len(_SPAN):
+                continue
+            if all(_bindable(_SPAN[first + n]) for n in range(count)):
+                for _ in range(count - 1):
+                    next(_TURN)  # the rest of the run is not handed out again
+                return _SPAN[first]
+    while True:  # an unusual kernel range: the kernel's pick
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            first = sock.getsockname()[1]
+        if all(_bindable(first + n) for n in range(1, count)):
+            return first
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

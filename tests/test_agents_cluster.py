@@ -19,6 +19,7 @@ import pytest
 from gatewayd.tls import generate_self_signed
 from tests.apiclient import Api, b64
 from tests.conftest import Daemon, free_port, new_store_database, wait_port
+from tests.ports import free_ports
 from tests.test_agents_netns import AgentProcess, until_agent
 
 
@@ -82,25 +83,11 @@ async def test_an_agent_told_of_one_node_serves_sessions_arriving_at_the_other(n
             agent.stop()
 
 
-def two_free_ports() -> int:
-    """A port P such that P and P + 1 are free (a gRPC server per worker: P + the worker's index)."""
-    import socket
-
-    while True:
-        base = free_port()
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", base + 1))
-            except OSError:
-                continue
-        return base
-
-
 async def test_every_worker_of_a_node_is_a_node_the_agent_serves(tmp_path_factory, pg_target, tmp_path):
     """With workers, each worker serves gRPC on a port of its own; an agent told of one reaches them all."""
     from tests.test_workers import reach_every_worker, workers_daemon
 
-    grpc_port, pg_port = two_free_ports(), free_port()
+    grpc_port, pg_port = free_ports(2), free_port()  # gRPC: a port per worker, the first's + its index
     daemon = workers_daemon(tmp_path_factory.mktemp("agent-workers"), {
         "grpc.listen": f"127.0.0.1:{grpc_port}", "listeners.postgres": f"127.0.0.1:{pg_port}",
         "log.format": "json"})

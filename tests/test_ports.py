@@ -34,3 +34,11 @@ def test_a_port_something_listens_on_is_passed_over():
     finally:
         for sock in taken:
             sock.close()
+
+
+def test_a_run_of_ports_is_free_and_none_of_it_is_handed_out_again():
+    first = ports.free_ports(3)
+    assert not {first, first + 1, first + 2} & {ports.free_port() for _ in range(5)}
+    for port in range(first, first + 3):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
