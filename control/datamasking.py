@@ -21,8 +21,8 @@ from typing import Any
 import re2
 from aiohttp import web
 
-from control.http import ApiError, Field, RouteSet, Schema, array_of, gateway_of, json_body, ok, require_admin, \
-    user_of
+from control.http import (ApiError, Field, RouteSet, Schema, array_of, gateway_of, json_body, off_loop, ok,
+                          require_admin, user_of)
 from control.schemas import STRINGS, TEXT
 from gatewayd.guardrails import DATAMASKING_KEY, DATAMASKING_PREFIX, RuleError, validate_guardrail
 from gatewayd.models import GuardRail, new_id, rfc3339, utcnow
@@ -209,6 +209,6 @@ async def unmasked(request: web.Request) -> web.Response:
         raise ApiError(404, f"session {session_id!r} not found")
     side = session_id + CLEAR_SUFFIX
     box = getattr(store, "box")
-    stream = [[e.offset_ms, e.kind, base64.b64encode(box.open(e.data, side.encode())).decode()]
-              for e in await store.read_events(side)]
-    return ok({"session_id": session_id, "event_stream": stream})
+    events = await store.read_events(side)
+    return await off_loop(lambda: ok({"session_id": session_id, "event_stream": [
+        [e.offset_ms, e.kind, base64.b64encode(box.open(e.data, side.encode())).decode()] for e in events]}))

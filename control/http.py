@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Iterator
 
 from aiohttp import web
 
@@ -312,3 +313,49 @@ def require_operator(request: web.Request) -> User:
 
 def ok(data: Any, status: int = 200) -> web.Response:
     return web.json_response(data, status=status, dumps=lambda d: json.dumps(d, separators=(",", ":")))
+
+
+SLICE = 2000  # list items (or string characters, times 500) one json.dumps call encodes in ``ok_in_slices``
+_COMPACT = (",", ":")
+
+
+def ok_in_slices(data: dict[str, Any], key: str) -> web.Response:
+    """``ok(data)`` for an answer whose ``key`` holds a long list (or string, or strings): encoded a slice at a
+    time, so that a thread encoding it (``off_loop``) lets the event loop run between slices (one json.dumps call
+    holds the interpreter throughout). ``key`` comes last in the object."""
+    rest = json.dumps({k: v for k, v in data.items() if k != key}, separators=_COMPACT)
+    parts = [rest[:-1], "," if len(rest) > 2 else "", json.dumps(key), ":", *_sliced(data[key]), "}"]
+    return web.Response(body="".join(parts).encode(), content_type="application/json", charset="utf-8")
+
+
+def _sliced(value: Any) -> Iterator[str]:
+    """``value`` as JSON, a slice per json.dumps call: a string, or a list (its long strings sliced too)."""
+    step = SLICE * 500
+    if isinstance(value, str):
+        yield '"'
+        for at in range(0, len(value), step):
+            yield json.dumps(value[at:at + step])[1:-1]
+        yield '"'
+        return
+    if not isinstance(value, list):
+        yield json.dumps(value, separators=_COMPACT)
+        return
+    yield "["
+    for at in range(0, len(value), SLICE):
+        chunk = value[at:at + SLICE]
+        if at:
+            yield ","
+        if any(isinstance(item, str) and len(item) > step for item in chunk):
+            for n, item in enumerate(chunk):
+                if n:
+                    yield ","
+                yield from _sliced(item) if isinstance(item, str) else (json.dumps(item, separators=_COMPACT),)
+        else:
+            yield json.dumps(chunk, separators=_COMPACT)[1:-1]
+    yield "]"
+
+
+async def off_loop(build: Callable[[], web.Response]) -> web.Response:
+    """The answer ``build`` makes, made in a thread: for answers that run to megabytes (a session's recording
+    rendered or encoded), which would otherwise hold up the event loop every proxy is served on."""
+    return await asyncio.to_thread(build)

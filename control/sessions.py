@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import csv
 import io
@@ -13,7 +12,8 @@ from aiohttp import web
 from control.asciicast import CONTENT_TYPE as ASCIICAST
 from control.asciicast import render_asciicast
 from control.audit_logs import parse_moment
-from control.http import INT64_MAX, ApiError, Field, Param, RouteSet, Schema, gateway_of, ok, query_int, user_of
+from control.http import (INT64_MAX, SLICE, ApiError, Field, Param, RouteSet, Schema, gateway_of, off_loop, ok,
+                          ok_in_slices, query_int, user_of)
 from control.schemas import SESSION_OUT, VERIFICATION_OUT
 from gatewayd.models import Review, Session, SessionEvent, User
 from gatewayd.reviews import review_json
@@ -124,12 +124,14 @@ def statements_of(events: list[SessionEvent]) -> list[dict[str, Any]]:
 def statements_response(session: Session, events: list[SessionEvent], rendering: str) -> web.Response:
     rows = statements_of(events)
     if rendering == "json":
-        return ok({"id": session.id, "connection": session.connection, "user": session.user_email,
-                   "start_date": session.start_date, "end_date": session.end_date, "statements": rows})
+        return ok_in_slices({"id": session.id, "connection": session.connection, "user": session.user_email,
+                             "start_date": session.start_date, "end_date": session.end_date, "statements": rows},
+                            "statements")
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=["offset_ms", "statement", "output", "error"], lineterminator="\r\n")
     writer.writeheader()
-    writer.writerows(rows)
+    for at in range(0, len(rows), SLICE):  # a slice per call: a thread writing it lets the event loop run between
+        writer.writerows(rows[at:at + SLICE])
     return web.Response(text=buffer.getvalue(), content_type="text/csv", charset="utf-8", headers={
         "Content-Disposition": f'attachment; filename="session-{session.id}.csv"'})
 
@@ -156,27 +158,31 @@ async def get(request: web.Request) -> web.Response:
             raise ApiError(422, "query parameter 'format': expected csv or json")
         if session.subtype != "postgres":
             raise ApiError(422, "query parameter 'format': csv and json render database (postgres) sessions only")
-        return statements_response(session, await store.read_events(session.id), rendering)
+        events = await store.read_events(session.id)
+        return await off_loop(lambda: statements_response(session, events, rendering))
     rendering = request.query.get("event_stream")
     if rendering == "asciicast":
         if session.subtype != "ssh":
             raise ApiError(422, "query parameter 'event_stream': asciicast renders ssh sessions only")
         events = await store.read_events(session.id)
-        # a long recording takes a while to render: off the event loop, which serves every proxy
-        return web.Response(text=await asyncio.to_thread(render_asciicast, session, events),
-                            content_type=ASCIICAST, charset="utf-8",
-                            headers={"Content-Disposition": f'attachment; filename="session-{session.id}.cast"'})
+        return await off_loop(lambda: web.Response(
+            text=render_asciicast(session, events), content_type=ASCIICAST, charset="utf-8",
+            headers={"Content-Disposition": f'attachment; filename="session-{session.id}.cast"'}))
     if rendering:
         if rendering not in ("utf8", "utf-8", "base64"):
             raise ApiError(422, "query parameter 'event_stream': expected utf8, base64 or asciicast")
-        output = b"".join(e.data for e in await store.read_events(session.id, kinds="oe"))
-        data = session_json(session, review=await review_of(store, session))
-        text = base64.b64encode(output).decode() if rendering == "base64" else output.decode("utf-8", "replace")
-        data["event_stream"] = [text]
-        return ok(data)
-    expand = "event_stream" in request.query.get("expand", "").split(",")
-    return ok(session_json(session, await store.read_events(session.id) if expand else None,
-                           await review_of(store, session)))
+        events, review = await store.read_events(session.id, kinds="oe"), await review_of(store, session)
+
+        def concatenated() -> web.Response:
+            output = b"".join(e.data for e in events)
+            text = base64.b64encode(output).decode() if rendering == "base64" else output.decode("utf-8", "replace")
+            return ok_in_slices({**session_json(session, review=review), "event_stream": [text]}, "event_stream")
+
+        return await off_loop(concatenated)
+    if "event_stream" not in request.query.get("expand", "").split(","):
+        return ok(session_json(session, None, await review_of(store, session)))
+    events, review = await store.read_events(session.id), await review_of(store, session)
+    return await off_loop(lambda: ok_in_slices(session_json(session, events, review), "event_stream"))
 
 
 @routes.get("/sessions/{id}/verify", "Whether the session's recording was altered since it was written: its hash "

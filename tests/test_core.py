@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import threading
 
 import aiohttp
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gatewayd.access import AccessDenied
 from gatewayd.config import load_config
@@ -250,3 +254,72 @@ def test_a_daemon_and_its_host_commands_on_a_postgres_store(tmp_path, pg_store):
     assert pg_store.password not in log
     started = next(json.loads(line) for line in log.splitlines() if "gatewayd started" in line)
     assert started["store"] == f"the PostgreSQL store {url.replace(pg_store.password, '***')}"
+
+
+async def test_a_recording_is_unpacked_and_rendered_off_the_event_loop(core, monkeypatch):
+    """Reading a session's recording through the API (its events, as text, as csv/json statements, verified):
+    the events are unpacked and the answers rendered in threads, never on the loop every proxy is served on."""
+    from aiohttp.test_utils import TestServer
+
+    import control.sessions
+    import gatewayd.store.queries
+    from control.app import make_app
+
+    ran_on: dict[str, set[int]] = {}
+
+    def spy(module: object, name: str) -> None:
+        real = getattr(module, name)
+
+        def watched(*args, **kwargs):
+            ran_on.setdefault(name, set()).add(threading.get_ident())
+            return real(*args, **kwargs)
+        monkeypatch.setattr(module, name, watched)
+
+    spy(gatewayd.store.queries, "unpack_events")
+    spy(control.sessions, "session_json")
+    spy(control.sessions, "statements_of")
+    user = await core.identity.ensure_local_user("reader@example.com", groups=["admin"])
+    live = await core.sessions.open(user, await a_connection(core))
+    for n in range(3000):
+        live.recorder.input(f"SELECT {n};")
+        live.recorder.output(f"?column?\n{n}\n")
+    await live.close(exit_code=0)
+    loop_thread = threading.get_ident()
+    headers = {"Authorization": f"Bearer {core.identity.issue_token(user)}"}
+    async with TestServer(make_app(core)) as server, aiohttp.ClientSession(headers=headers) as http:
+        last = {"expand=event_stream": base64.b64encode(b"SELECT 2999;"), "event_stream=utf8": b"\\n2999\\n",
+                "format=csv": b"SELECT 2999;", "format=json": b"SELECT 2999;"}
+        for query, expected in last.items():
+            async with http.get(server.make_url(f"/api/sessions/{live.id}?{query}")) as response:
+                assert response.status == 200, await response.text()
+                body = await response.read()
+            assert expected in body, query
+        async with http.get(server.make_url(f"/api/sessions/{live.id}/verify")) as response:
+            assert response.status == 200 and (await response.json())["verified"] is True
+    assert set(ran_on) == {"unpack_events", "session_json", "statements_of"}
+    assert all(loop_thread not in threads for threads in ran_on.values()), ran_on
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.text(max_size=5), st.one_of(st.none(), st.integers(), st.text(max_size=8)), max_size=4),
+       st.text(max_size=5),
+       st.one_of(st.text(max_size=2500), st.lists(st.text(max_size=2500), max_size=3),
+                 st.lists(st.one_of(st.text(max_size=4), st.lists(st.integers(), max_size=3)), max_size=4500)),
+       st.integers(min_value=1, max_value=7))
+def test_an_answer_encoded_in_slices_reads_as_the_answer_encoded_whole(rest, key, long, slice_size):
+    """``ok_in_slices`` (an answer's long list or string encoded a slice at a time, off the event loop) gives the
+    JSON ``ok`` gives, whatever the slices cut through: escapes, characters beyond the BMP, empty values."""
+    import json
+
+    import control.http
+    from control.http import ok, ok_in_slices
+
+    data = {**rest, key: long}
+    saved = control.http.SLICE
+    control.http.SLICE = slice_size  # small slices: many cuts, through every kind of character
+    try:
+        sliced = ok_in_slices(data, key)
+    finally:
+        control.http.SLICE = saved
+    assert sliced.headers["Content-Type"] == ok(data).headers["Content-Type"] == "application/json; charset=utf-8"
+    assert json.loads(sliced.body) == json.loads(ok(data).text) == data

@@ -6,6 +6,7 @@ through ``Connector.fetch``; every write is one ``Work`` driven by ``Connector.t
 
 from __future__ import annotations
 
+import asyncio
 import json
 from operator import itemgetter
 from typing import Any, Iterable
@@ -58,10 +59,22 @@ GUARDRAILS = "guardrails"  # the store_counters row of the guard-rail generation
 # Session columns a recording flush may write beside its events (its progress, not its state).
 RECORDING_FIELDS = frozenset({"event_size", "metrics", "chain_head"})
 _seq_of = itemgetter(0)
+
 # A session a connection may claim: issued ready, or open with its jit credentials handed out, not
 # ended, not claimed, no kill asked for.
 CLAIMABLE = ("claimed_at IS NULL AND kill_requested_at IS NULL AND end_date IS NULL "
              "AND status IN ('ready', 'open')")
+
+
+def _number_events(rows: list[Any], batches: list[Any], kinds: str | None) -> list[tuple[int, SessionEvent]]:
+    """A session's (sequence number, event) pairs from its rows of one event each and its packed batches (of
+    ``kinds`` only, when given)."""
+    found = [(r[0], SessionEvent(r[1], r[2], bytes(r[3]))) for r in rows]
+    for (packed,) in batches:
+        found += unpack_events(bytes(packed))
+    if rows and len(found) > len(rows):
+        found.sort(key=_seq_of)
+    return found if kinds is None else [pair for pair in found if pair[1].kind in kinds]
 
 
 class SQLStore(Store):
@@ -459,21 +472,18 @@ class SQLStore(Store):
             "sessions", {"status": "done", "end_date": end_date, "exit_code": exit_code, "seal": seal},
             "id = ?", (batch.session_id,))])
 
-    async def _numbered_events(self, session_id: str) -> list[tuple[int, SessionEvent]]:
-        """A session's (sequence number, event) pairs in order: packed per batch, and before that (recordings
-        stored before batches held their events) one row each."""
+    async def _numbered_events(self, session_id: str, kinds: str | None = None) -> list[tuple[int, SessionEvent]]:
+        """A session's (sequence number, event) pairs in order (of ``kinds`` only, when given): packed per batch,
+        and before that (recordings stored before batches held their events) one row each."""
         rows = await self._all(
             "SELECT seq, offset_ms, kind, data FROM session_events WHERE session_id = ? ORDER BY seq", (session_id,))
-        found = [(r[0], SessionEvent(r[1], r[2], bytes(r[3]))) for r in rows]
-        for (packed,) in await self._all("SELECT events FROM session_event_batches WHERE session_id = ? "
-                                         "AND events IS NOT NULL ORDER BY first_seq", (session_id,)):
-            found += unpack_events(bytes(packed))
-        if rows and len(found) > len(rows):
-            found.sort(key=_seq_of)
-        return found
+        batches = await self._all("SELECT events FROM session_event_batches WHERE session_id = ? "
+                                  "AND events IS NOT NULL ORDER BY first_seq", (session_id,))
+        # a recording runs to tens of megabytes: unpacked off the event loop, which serves every proxy
+        return await asyncio.to_thread(_number_events, rows, batches, kinds)
 
     async def read_events(self, session_id: str, kinds: str | None = None) -> list[SessionEvent]:
-        return [event for _, event in await self._numbered_events(session_id) if kinds is None or event.kind in kinds]
+        return [event for _, event in await self._numbered_events(session_id, kinds)]
 
     async def read_event_chain(self, session_id: str) -> tuple[list[BatchLink], list[tuple[int, SessionEvent]]]:
         links = await self._all("SELECT first_seq, count, prev_hash, hash FROM session_event_batches "
