@@ -46,11 +46,13 @@ def agent_json(gateway: Any, agent: Agent) -> dict[str, Any]:
 
 
 def start_command(gateway: Any, token: str) -> str:
-    """``gatewayd agent --url ... --token ...``, with the certificate's fingerprint when the gateway made its own."""
-    words = ["gatewayd", "agent", "--url", gateway.grpc_url(), "--token", token]
+    """``GATEWAYD_AGENT_TOKEN=... gatewayd agent --url ...``, with the certificate's fingerprint when the gateway
+    made its own. The token goes in the agent's environment, not its arguments, which every local user can read
+    (``ps``)."""
+    words = ["gatewayd", "agent", "--url", gateway.grpc_url()]
     if gateway.grpc is not None and not gateway.config["grpc.tls_cert"] and gateway.grpc.fingerprint:
         words += ["--tls-fingerprint", gateway.grpc.fingerprint]
-    return " ".join(shlex.quote(word) for word in words)
+    return f"GATEWAYD_AGENT_TOKEN={shlex.quote(token)} " + " ".join(shlex.quote(word) for word in words)
 
 
 def _with_token(gateway: Any, agent: Agent, token: str) -> dict[str, Any]:

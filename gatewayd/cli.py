@@ -331,7 +331,8 @@ def build_parser(run: Command | None = None) -> argparse.ArgumentParser:
     agent = sub.add_parser("agent", help="run an agent inside a private network: it connects out to the gateway "
                                           "and carries the gateway's connections to targets only it reaches")
     agent.add_argument("--url", required=True, help="the gateway's gRPC URL, grpcs://host:port (grpc_server_url)")
-    agent.add_argument("--token", help="the agent's token (default: $GATEWAYD_AGENT_TOKEN)")
+    agent.add_argument("--token", help="the agent's token; better $GATEWAYD_AGENT_TOKEN, which other local users "
+                                       "cannot read (they can read a process's arguments)")
     agent.add_argument("--tls-fingerprint", help="SHA-256 of the gateway's certificate (hex), for a self-signed one")
     agent.add_argument("--ca-file", help="PEM file of the authority that signed the gateway's certificate")
     agent.add_argument("--keepalive", type=float, default=10.0,
@@ -343,7 +344,8 @@ def build_parser(run: Command | None = None) -> argparse.ArgumentParser:
     manager = sub.add_parser("proxy-manager", help="on your machine: open the local ports that "
                                                    "POST /api/proxymanager/connect asks for, forwarded through the gateway")
     manager.add_argument("--url", required=True, help="the gateway's gRPC URL, grpcs://host:port (grpc_server_url)")
-    manager.add_argument("--token", help="your bearer token (default: $GATEWAYD_TOKEN)")
+    manager.add_argument("--token", help="your bearer token; better $GATEWAYD_TOKEN, which other local users cannot "
+                                         "read (they can read a process's arguments)")
     manager.add_argument("--tls-fingerprint", help="SHA-256 of the gateway's certificate (hex), for a self-signed one")
     manager.add_argument("--ca-file", help="PEM file of the authority that signed the gateway's certificate")
     manager.add_argument("--log-format", default="plain", choices=("plain", "json"))

@@ -81,8 +81,9 @@ async def audit(api: Api, action: str) -> list[dict]:
 async def test_register_list_show_and_the_token_shown_once(api, gateway):
     created = await new_agent(api, "lab")
     assert created["token"].startswith("agt-") and created["status"] == "offline"
-    assert f"--token {created['token']}" in created["command"] and "--tls-fingerprint" in created["command"]
-    assert created["command"].startswith("gatewayd agent --url grpcs://127.0.0.1:")
+    # the token goes in the agent's environment: a process's arguments are every local user's to read (ps)
+    assert created["command"].startswith(f"GATEWAYD_AGENT_TOKEN={created['token']} gatewayd agent --url grpcs://")
+    assert "--token" not in created["command"] and "--tls-fingerprint" in created["command"]
     code, shown = await api("GET", "/agents/lab")
     assert code == 200 and "token" not in shown and shown["id"] == created["id"]
     assert (await api("GET", f"/agents/{created['id']}"))[1]["name"] == "lab"
@@ -113,7 +114,8 @@ async def test_an_agent_cannot_open_a_stream_towards_the_gateway(gateway, api, t
     created = await new_agent(api)
     agent = start(created, tmp_path)
     try:
-        await until_agent(api, created["name"], "online")
+        await until_agent(api, created["name"], "online")  # the token reached it, from the command's environment
+        assert created["token"] not in Path(f"/proc/{agent.process.pid}/cmdline").read_text()
         url = created["command"].split("--url ")[1].split()[0]
         channel = await open_channel(url, created["command"].rsplit("--tls-fingerprint ", 1)[1])
         try:
@@ -235,7 +237,7 @@ async def test_a_slow_stream_does_not_stall_the_others(gateway, api, http_target
 
 async def start_manager(api: Any, user: str, url: str, fingerprint: str, tmp_path: Path) -> AgentProcess:
     """``gatewayd proxy-manager`` with the user's token, once the gateway sees it connected."""
-    manager = AgentProcess(f"gatewayd proxy-manager --url {url} --token {user} --tls-fingerprint {fingerprint}",
+    manager = AgentProcess(f"GATEWAYD_TOKEN={user} gatewayd proxy-manager --url {url} --tls-fingerprint {fingerprint}",
                            tmp_path / "manager.log", None).start()
     deadline = time.monotonic() + 30
     while (await api("GET", "/proxymanager/status", token=user))[1]["status"] != "connected":

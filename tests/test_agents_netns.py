@@ -110,13 +110,18 @@ class AgentProcess:
     """``gatewayd agent`` started from the command the API answered, inside the namespace (or not)."""
 
     def __init__(self, command: str, log: Path, netns: str | None) -> None:
-        self.argv = [*(["ip", "netns", "exec", netns] if netns else []), str(BIN / "gatewayd"),
-                     *shlex.split(command)[1:]]
+        words = shlex.split(command)
+        self.env = {**os.environ}
+        while words and "=" in words[0] and words[0] != "gatewayd":  # NAME=value: the command's environment
+            name, _, value = words.pop(0).partition("=")
+            self.env[name] = value
+        self.argv = [*(["ip", "netns", "exec", netns] if netns else []), str(BIN / "gatewayd"), *words[1:]]
         self.log_path = log
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> "AgentProcess":
-        self.process = subprocess.Popen(self.argv, stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(self.argv, stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT,
+                                        env=self.env)
         return self
 
     def kill(self) -> None:
