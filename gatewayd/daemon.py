@@ -361,7 +361,7 @@ class Gateway:
         host, port = split_listen(address)
         names = tuple(n for n in {host, urlsplit(self.config["server.grpc_server_url"]).hostname or ""}
                       if n and n not in ("0.0.0.0", "::"))
-        server = GrpcServer(AgentService(self.agents, self.store, self.audit, self.proxy_manager))
+        server = GrpcServer(AgentService(self.agents, self.store, self.audit, self.proxy_manager, self.access.throttle))
         try:
             await server.start(host, port, self.config.data_dir, self.config["grpc.tls_cert"],
                                self.config["grpc.tls_key"], names, self.config["grpc.keepalive"])

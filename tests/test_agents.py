@@ -339,3 +339,36 @@ async def test_a_second_grpc_server_on_the_same_address_is_refused(tmp_path):
             await GrpcServer(AgentService(None, None, None)).start("127.0.0.1", first.port, tmp_path)  # type: ignore[arg-type]
     finally:
         await first.stop()
+
+
+async def test_a_flood_of_refused_tokens_from_one_address_is_throttled_and_audited_once(tmp_path):
+    """Forged agent tokens from one address: each refused and audited up to the proxies' limit of refused
+    credentials per address, then refused at once (RESOURCE_EXHAUSTED: no token lookup, no entry each) with one
+    ``agent.throttle`` entry; the audit log does not grow with the flood."""
+    grpc_port = free_port()
+    daemon = Daemon(tmp_path / "data", {"grpc.listen": f"127.0.0.1:{grpc_port}",
+                                        "throttle.credential_failures": 3}).start()
+    try:
+        wait_port(grpc_port, daemon.process, "the gRPC listener")
+        async with aiohttp.ClientSession() as http:
+            api = Api(daemon, http, daemon.token("admin@example.com", groups="admin"))
+            created = await new_agent(api)
+            url = created["command"].split("--url ")[1].split()[0]
+            channel = await open_channel(url, created["command"].rsplit("--tls-fingerprint ", 1)[1])
+            codes = []
+            try:
+                for n in range(6):
+                    call = pb_grpc.AgentGatewayStub(channel).Connect(
+                        metadata=(("authorization", f"Bearer agt-forged-{n}"),))
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        await call.read()
+                    codes.append(refused.value.code())
+            finally:
+                await channel.close()
+            assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 3 + [grpc.StatusCode.RESOURCE_EXHAUSTED] * 3
+            assert len(await audit(api, "agent.refused")) == 3
+            throttled = await audit(api, "agent.throttle")
+            assert len(throttled) == 1 and "too many refused calls from 127.0.0.1" in throttled[0]["error_message"]
+            assert "agt-forged" not in str(await audit(api, "agent.refused") + throttled)
+    finally:
+        daemon.stop()

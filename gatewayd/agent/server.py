@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,7 @@ from gatewayd.agent.pump import StreamBroken, StreamFailed, pump
 from gatewayd.agent.registry import TOKEN_PREFIX, AgentRegistry
 from gatewayd.crypto import hash_secret
 from gatewayd.dialer import DialError
+from gatewayd.throttle import Throttle
 
 if TYPE_CHECKING:
     from gatewayd.audit import AuditLog
@@ -75,21 +77,42 @@ def peer_ip(context: grpc.aio.ServicerContext) -> str:
 class AgentService(pb_grpc.AgentGatewayServicer):
     """The AgentGateway service: ``Connect`` and ``Tunnel`` for agents; ``Manage``/``Forward`` handed on."""
 
-    def __init__(self, registry: AgentRegistry, store: Store, audit: AuditLog, manager: Any = None) -> None:
+    def __init__(self, registry: AgentRegistry, store: Store, audit: AuditLog, manager: Any = None,
+                 throttle: Throttle | None = None) -> None:
         self.registry = registry
         self.store = store
         self.audit = audit
         self.manager = manager
+        self.throttle = throttle or Throttle(0, 0)  # refused calls per client address (the proxies' own)
+
+    async def _throttled(self, context: grpc.aio.ServicerContext) -> bool:
+        """Refuse a call from an address past its refusals (no token lookup, no audit entry each: one was
+        written when the throttle began), as the proxies refuse its credentials."""
+        wait = self.throttle.retry_after(f"address:{peer_ip(context)}")
+        if wait:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"too many refused calls from this address: try again in {math.ceil(wait)} s")
+        return bool(wait)
 
     async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, action: str,
                       org_id: str = "", actor_hint: str = "agent (unknown token)", **payload: Any) -> None:
-        await self.audit.record(org_id=org_id or (await self.store.default_org()).id, actor=None,
-                                actor_hint=actor_hint, action=action, resource_type="agents", outcome="failure",
-                                error_message=message, client_ip=peer_ip(context), payload=payload or None)
-        log.warning("agent refused", extra={"client": peer_ip(context), "reason": message})
+        client_ip = peer_ip(context)
+        org_id = org_id or (await self.store.default_org()).id
+        await self.audit.record(org_id=org_id, actor=None, actor_hint=actor_hint, action=action,
+                                resource_type="agents", outcome="failure", error_message=message, client_ip=client_ip,
+                                payload=payload or None)
+        log.warning("agent refused", extra={"client": client_ip, "reason": message})
+        address = f"address:{client_ip}"
+        if self.throttle.failed(address):
+            await self.audit.record(
+                org_id=org_id, actor=None, action="agent.throttle", resource_type="agents", outcome="failure",
+                client_ip=client_ip, error_message=f"too many refused calls from {client_ip}: refused for "
+                                                   f"{int(self.throttle.window)} s", payload={"throttled": [address]})
         await context.abort(code, message)
 
     async def Connect(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+        if await self._throttled(context):
+            return
         token = bearer(context)
         agent = await self.store.agent_by_token(hash_secret(token)) if token.startswith(f"{TOKEN_PREFIX}-") else None
         if agent is None:
@@ -151,6 +174,8 @@ class AgentService(pb_grpc.AgentGatewayServicer):
             pass
 
     async def Tunnel(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
+        if await self._throttled(context):
+            return
         token = bearer(context)
         token_hash = hash_secret(token)
         first = await context.read()
