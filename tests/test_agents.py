@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import shutil
 import socket
+import sqlite3
 import subprocess
 import sys
 import time
@@ -279,9 +280,11 @@ async def test_the_proxy_manager_opens_a_local_port_that_psql_uses_with_the_user
         assert result.stdout.strip() == "via the proxy manager as postgres", result.stderr
         code, sessions = await api("GET", f"/sessions?connection={connection['name']}")
         assert sessions["data"] and sessions["data"][0]["user"] == "dev@example.com"
+        assert revoked(gateway, connection["name"]) == [False]
         code, status = await api("POST", "/proxymanager/disconnect", {"connection_name": connection["name"]},
                                  token=user)
         assert code == 200 and status["forwardings"] == []
+        assert revoked(gateway, connection["name"]) == [True]  # the secret the proxy manager held is dead
         deadline = time.monotonic() + 30
         while True:  # the local port closes once the proxy manager hears of it
             try:
@@ -290,8 +293,23 @@ async def test_the_proxy_manager_opens_a_local_port_that_psql_uses_with_the_user
                 break
             assert time.monotonic() < deadline
             await asyncio.sleep(0.05)
+        code, opened = await api("POST", "/proxymanager/connect",
+                                 {"connection_name": connection["name"], "port": free_port()}, token=user)
+        assert code == 201, opened
+        assert revoked(gateway, connection["name"]) == [True, False]
     finally:
         manager.stop()
+    deadline = time.monotonic() + 30
+    while revoked(gateway, connection["name"]) != [True, True]:  # the proxy manager gone, its ports with it
+        assert time.monotonic() < deadline, revoked(gateway, connection["name"])
+        await asyncio.sleep(0.05)
+
+
+def revoked(gateway: Daemon, connection_name: str) -> list[bool]:
+    """Whether each credential issued for ``connection_name`` (oldest first) is revoked, as the store says."""
+    with sqlite3.connect(gateway.data_dir / "gatewayd.db") as db:
+        return [bool(at) for at, in db.execute("SELECT revoked_at FROM credentials WHERE connection_name = ? "
+                                                "ORDER BY created_at, rowid", (connection_name,))]
 
 
 async def test_the_proxy_manager_forwards_ssh_logged_in_with_the_user_s_credential(gateway, api, ssh_target,

@@ -55,6 +55,7 @@ class Forwarding:
     bind: str
     secret: str
     credential_id: str
+    session_id: str  # the credential's (what revokes it)
     since: str
 
     def json(self) -> dict[str, Any]:
@@ -120,6 +121,8 @@ class ManagerService:
                 if not future.done():
                     future.set_exception(ManagerError(502, "the proxy manager went away"))
             log.info("proxy manager disconnected", extra={"user": user.email})
+            # its ports are gone with it: the secrets it held for them must not outlive them
+            await asyncio.shield(self._revoke(list(link.forwardings.values())))
 
     @staticmethod
     async def _results(context: grpc.aio.ServicerContext, link: ManagerLink) -> None:
@@ -141,8 +144,8 @@ class ManagerService:
     async def connect(self, user: User, connection: Connection, port: int, bind: str, duration: float) -> Forwarding:
         link = self.links.get(user.id)
         if link is None:
-            raise ManagerError(409, "no proxy manager of yours is connected: run `gatewayd proxy-manager --url "
-                                    "<grpc_server_url> --token <your token>` on your machine")
+            raise ManagerError(409, "no proxy manager of yours is connected: run `GATEWAYD_TOKEN=<your token> "
+                                    "gatewayd proxy-manager --url <grpc_server_url>` on your machine")
         description = protocols.by_subtype(connection.subtype)
         if description is None or description.forward_opening is None and description.forward_serve is None:
             raise ManagerError(422, f"the proxy manager does not forward {connection.subtype} connections yet")
@@ -153,7 +156,7 @@ class ManagerService:
             raise ManagerError(409, f"port {port} is in use by another connection")
         issued = await self.access.issue(user, connection, duration)
         forwarding = Forwarding(secrets.token_urlsafe(18), connection, port, bind, issued.secret,
-                                issued.credential.id, rfc3339(utcnow()))
+                                issued.credential.id, issued.credential.session_id, rfc3339(utcnow()))
         answer: asyncio.Future[pb.ListenResult] = asyncio.get_running_loop().create_future()
         link.results[forwarding.listen_id] = answer
         link.outbox.put_nowait(pb.ManagerCommand(listen=pb.Listen(
@@ -162,12 +165,15 @@ class ManagerService:
         try:
             async with asyncio.timeout(LISTEN_TIMEOUT):
                 result = await answer
-        except TimeoutError:
-            raise ManagerError(504, "the proxy manager did not answer") from None
+            if not result.ok:
+                raise ManagerError(502, f"the proxy manager could not open port {port}: {result.error}")
+        except BaseException as exc:  # the secret was sent: revoked, as no port carries it
+            await asyncio.shield(self._revoke([forwarding]))
+            if isinstance(exc, TimeoutError):
+                raise ManagerError(504, "the proxy manager did not answer") from None
+            raise
         finally:
             link.results.pop(forwarding.listen_id, None)
-        if not result.ok:
-            raise ManagerError(502, f"the proxy manager could not open port {port}: {result.error}")
         link.forwardings[connection.name] = forwarding
         return forwarding
 
@@ -181,7 +187,19 @@ class ManagerService:
         closed = [link.forwardings.pop(name) for name in names]
         for forwarding in closed:
             link.outbox.put_nowait(pb.ManagerCommand(unlisten=pb.Unlisten(listen_id=forwarding.listen_id)))
+        await self._revoke(closed)
         return closed
+
+    async def _revoke(self, closed: list[Forwarding]) -> None:
+        """The credentials of forwardings closed: refused from now on, to the proxy manager that held them and to
+        anyone who read them from it."""
+        for forwarding in closed:
+            try:
+                await self.access.store.revoke_credentials(session_id=forwarding.session_id,
+                                                           revoked_at=rfc3339(utcnow()))
+            except Exception:  # the store is down: they end with their duration
+                log.exception("could not revoke a closed forwarding's credential",
+                              extra={"connection": forwarding.connection.name})
 
     # -- one local client
 
