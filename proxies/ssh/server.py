@@ -630,6 +630,8 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         try:
             self.upchan, _ = await self.target.create_session(lambda: _Upstream(self), **options)
         except (asyncssh.ChannelOpenError, asyncssh.Error, OSError) as exc:
+            if self.ended:  # killed (or expired) while the channel was being opened: the kill's reason stays the last
+                return
             reason = getattr(exc, "reason", "") or str(exc) or type(exc).__name__
             message = f'the target of connection "{self.name}" refused the channel: {reason}'
             self.policy.error(message)
