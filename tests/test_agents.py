@@ -136,6 +136,37 @@ async def test_an_agent_cannot_open_a_stream_towards_the_gateway(gateway, api, t
         agent.stop()
 
 
+async def test_an_agent_gone_while_its_arrival_is_still_being_recorded_leaves_no_live_connection(gateway, api):
+    """The agent's control channel cancelled after its hello while the gateway still records its arrival (the
+    store's write lock held here, as a slow disk would): the link goes with the channel, it is not left counting
+    as a live connection for good (a terminated agent once read "online with 1 links" from then on)."""
+    created = await new_agent(api)
+    url = created["command"].split("--url ")[1].split()[0]
+    channel = await open_channel(url, created["command"].rsplit("--tls-fingerprint ", 1)[1])
+    store = sqlite3.connect(gateway.data_dir / "gatewayd.db", isolation_level=None)
+    try:
+        store.execute("BEGIN IMMEDIATE")  # the gateway's writes wait for this lock
+        try:
+            call = pb_grpc.AgentGatewayStub(channel).Connect(
+                metadata=(("authorization", f"Bearer {created['token']}"),))
+            await call.write(pb.AgentMessage(hello=pb.Hello(version="test", hostname="gone")))
+            await until_agent(api, created["name"], "online", connections=1)  # counted, its arrival not yet stored
+            call.cancel()
+            gone = await until_agent(api, created["name"], "offline", timeout=8)  # the lock is still held
+            assert gone["connections"] == 0
+        finally:
+            store.execute("ROLLBACK")
+    finally:
+        store.close()
+        await channel.close()
+    for _ in range(100):  # its disconnect is audited once the lock is let go
+        disconnects = [e for e in await audit(api, "agent.disconnect") if created["name"] in e["actor_email"]]
+        if disconnects:
+            break
+        await asyncio.sleep(0.05)
+    assert disconnects and "lost" in disconnects[0]["error_message"]
+
+
 async def test_two_live_connections_of_one_agent_are_reported_and_audited(gateway, api, tmp_path):
     created = await new_agent(api)
     first, second = start(created, tmp_path), None

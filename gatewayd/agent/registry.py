@@ -108,10 +108,21 @@ class AgentRegistry:
         return bool(self.links_of(org_id, reference))
 
     async def attach(self, agent: Agent, client_ip: str, hostname: str, version: str) -> AgentLink:
-        """A new control channel: audited; a second live one of the same agent is reported and audited."""
+        """A new control channel: audited; a second live one of the same agent is reported and audited. Its
+        link counts from the start; a channel lost before this returns (the agent gone mid-hello) is detached
+        here, since its handler never gets to."""
         link = AgentLink(agent, client_ip, hostname, version)
         others = self.links.setdefault(agent.id, [])
         others.append(link)
+        try:
+            await self._announce(link, others)
+        except BaseException:
+            await self.detach(link, "the connection to the agent was lost")
+            raise
+        return link
+
+    async def _announce(self, link: AgentLink, others: list[AgentLink]) -> None:
+        agent, client_ip, hostname, version = link.agent, link.client_ip, link.hostname, link.version
         payload = {"agent": agent.name, "agent_id": agent.id, "hostname": hostname, "version": version}
         await self._audit(agent, "agent.connect", "success", client_ip=client_ip, payload=payload)
         if len(others) > 1:
@@ -126,7 +137,6 @@ class AgentRegistry:
         agent.connected_at = agent.updated_at = rfc3339(utcnow())
         await self._save(agent)
         log.info("agent connected", extra={"agent": agent.name, "client": client_ip, "hostname": hostname})
-        return link
 
     async def detach(self, link: AgentLink, reason: str) -> None:
         """The control channel ended: sessions killed (last link), streams closed, presence and audit. Idempotent."""
