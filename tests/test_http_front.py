@@ -331,3 +331,125 @@ async def test_repeated_plain_requests_skip_the_handler_and_are_recorded_alike(t
             assert dated[6].startswith(b"HTTP/1.1 200 OK\r\n") and dated[6].endswith(b"\r\n\r\n")
         finally:
             await listener.close()
+
+
+async def test_the_same_request_and_answer_bytes_again_are_not_parsed_again_and_a_byte_apart_are(
+        gateway, credential):
+    """The front end takes a plain request that repeats the last one's bytes as the message parsed then, and the
+    target's protocol an answer that repeats the last one's head (as long) as that head with the new body. A
+    request or an answer one byte apart (same length) is parsed anew: each answer is the target's own, and
+    recorded as such."""
+    secret, session_id, api = credential
+    reader, writer = await connect(gateway)
+    paths = ["/echo/aaaa", "/echo/aaaa", "/echo/bbbb", "/echo/aaaa", "/echo/aaaaa", "/echo/aaaa"]
+    answered = []
+    try:
+        for path in paths:
+            writer.write(request("GET", path, secret))
+            async with asyncio.timeout(60):  # a wrong framing would leave the client waiting: a failure, not a hang
+                status, headers, body = await read_response(reader)
+            assert status == 200, body
+            answered.append(json.loads(body)["path"])
+    finally:
+        writer.close()
+    assert answered == paths  # /echo/bbbb's request and answer are the same length as /echo/aaaa's
+    session = await api.session_events(session_id, "/echo/aaaaa")
+    recorded = [(kind, text) for kind, text in events(session)]
+    inputs = [text.split(" ")[1] for kind, text in recorded if kind == "i" and "/echo/" in text]
+    outputs = [json.loads(text.partition("\r\n\r\n")[2])["path"] for kind, text in recorded
+               if kind == "o" and '"/echo/' in text]
+    assert inputs[-6:] == paths and outputs[-6:] == paths
+
+
+async def test_a_repeated_answer_head_split_over_reads_or_of_another_length_is_parsed(tmp_path):
+    """A target whose answers repeat one head: the same head with a new body of the same length is that answer;
+    one that arrives over two reads, or whose length differs, goes through aiohttp's parser, and every body is
+    the target's own."""
+    from gatewayd.models import Connection, new_id, rfc3339, utcnow
+    from proxies.http.server import start as start_http
+    from tests.apiclient import b64
+    from tests.conftest import core_gateway
+
+    served = 0
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal served
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                break
+            path = head.split()[1].decode()
+            served += 1
+            body = f"{served:05d}".encode() if path != "/longer" else f"{served:07d}".encode()
+            kind = b"b" if path == "/other" else b"a"  # a head one byte apart, as long
+            whole = b"HTTP/1.1 200 OK\r\nX-Kind: %b\r\nContent-Length: %d\r\n\r\n%b" % (kind, len(body), body)
+            if path == "/split":  # the head and half the body, then the rest
+                writer.write(whole[:-3])
+                await writer.drain()
+                await asyncio.sleep(0.05)
+                writer.write(whole[-3:])
+            else:
+                writer.write(whole)
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    target = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    async with core_gateway(tmp_path) as core:
+        port = free_port()
+        listener = await start_http(core.proxy_context("http"), "127.0.0.1", port)
+        try:
+            org = await core.store.default_org()
+            user = await core.identity.ensure_local_user("bo@example.com", "Bo", ["admin"])
+            connection = Connection(id=new_id(), org_id=org.id, name="same-head", resource_name="same-head",
+                                    type="httpproxy", subtype="httpproxy", secret={"envvar:REMOTE_URL": b64(target)},
+                                    created_at=rfc3339(utcnow()), updated_at=rfc3339(utcnow()))
+            await core.store.create_connection(connection)
+            issued = await core.access.issue(user, connection, 600)
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            paths = ["/a", "/a", "/a", "/other", "/a", "/split", "/a", "/longer", "/a", "/a"]
+            bodies, kinds = [], []
+            for path in paths:
+                writer.write(request("GET", path, issued.secret))
+                async with asyncio.timeout(60):  # a wrong framing would leave the client waiting: fail, not hang
+                    status, headers, body = await read_response(reader)
+                assert status == 200, body
+                bodies.append(body)
+                kinds.append(headers["x-kind"])
+            writer.close()
+            assert kinds == ["b" if path == "/other" else "a" for path in paths]
+            assert bodies == [f"{n:05d}".encode() if path != "/longer" else f"{n:07d}".encode()
+                              for n, path in enumerate(paths, 1)]
+            await core.recording.flush()
+            outputs = [e.data for e in await core.store.read_events(issued.credential.session_id) if e.kind == "o"]
+            assert [o.partition(b"\r\n\r\n")[2] for o in outputs] == bodies
+        finally:
+            await listener.close()
+            server.close()
+
+
+async def test_a_download_the_client_reads_slowly_leaves_its_target_connection_fit_for_the_next_request(
+        gateway, credential):
+    """A client slower than the target pauses the target's connection and resumes it (aiohttp's resume feeds the
+    protocol no bytes, which is no answer); that pooled connection then serves the next request."""
+    secret = credential[0]
+    reader, writer = await connect(gateway)
+    size = 16 << 20
+    try:
+        for _ in range(2):
+            writer.write(request("GET", f"/download?size={size}", secret))
+            async with asyncio.timeout(120):
+                head = await reader.readuntil(b"\r\n\r\n")
+                assert head.startswith(b"HTTP/1.1 200"), head
+                await asyncio.sleep(0.5)  # the gateway's buffers fill: it pauses the target's connection
+                got = 0
+                while got < size:
+                    got += len(await reader.read(min(1 << 16, size - got)))
+                    await asyncio.sleep(0)
+            writer.write(request("GET", "/json", secret))
+            async with asyncio.timeout(60):
+                status, _, body = await read_response(reader)
+            assert status == 200 and json.loads(body)["ok"] is True, body
+    finally:
+        writer.close()

@@ -7,9 +7,10 @@ app, with one credential and recording on (as ``bench_http.py``); a raw-socket c
 connections. Counting is switched on after a warm-up, and two windows are dumped (400 and 2,000
 requests); their difference over 1,600 is the figure, so start-up and dump costs cancel.
 
-    .venv/bin/python bench/http/callgrind_http.py [--guardrails] [--pure]
+    .venv/bin/python bench/http/callgrind_http.py [--guardrails] [--pure] [--vary]
 
-Needs valgrind. ``--pure`` runs the hot path from source (``GATEWAYD_PURE_PYTHON=1``).
+``--vary`` makes every request different (``GET /json?n=<counter>``), so nothing made of a request or an
+answer before applies to the next: the figure for clients that do not repeat themselves. Needs valgrind. ``--pure`` runs the hot path from source (``GATEWAYD_PURE_PYTHON=1``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--guardrails", action="store_true", help="attach bench_http's input and output rule")
     parser.add_argument("--pure", action="store_true", help="the hot path from source")
+    parser.add_argument("--vary", action="store_true",
+                        help="every request different (GET /json?n=<counter>): no two heads alike on a connection")
     args = parser.parse_args()
     out = Path(tempfile.mkdtemp(prefix="gatewayd-callgrind-"))
     target_port = free_port()
@@ -64,11 +67,14 @@ def main() -> int:
         wait_port(http_port, process, "gatewayd", timeout=300)
         secret, _ = asyncio.run(bench_http.gateway_credential(daemon, f"http://127.0.0.1:{target_port}",
                                                               args.guardrails))
-        request = f"GET /json HTTP/1.1\r\nHost: 127.0.0.1:{http_port}\r\nAuthorization: {secret}\r\n\r\n".encode()
+        after_path = f" HTTP/1.1\r\nHost: 127.0.0.1:{http_port}\r\nAuthorization: {secret}\r\n\r\n".encode()
         sockets = [socket.create_connection(("127.0.0.1", http_port)) for _ in range(CONNECTIONS)]
+        sent = 0
 
         def exchange(sock: socket.socket) -> None:
-            sock.sendall(request)
+            nonlocal sent
+            sent += 1
+            sock.sendall((b"GET /json?n=%d" % sent if args.vary else b"GET /json") + after_path)
             data = b""
             while b"\r\n\r\n" not in data:
                 chunk = sock.recv(65536)
@@ -106,7 +112,7 @@ def main() -> int:
         drive(100)
         small, large = window(400), window(2000)
         print(json.dumps({"instructions_per_request": round((large - small) / 1600), "guardrails": args.guardrails,
-                          "pure": args.pure, "dumps": str(out)}))
+                          "pure": args.pure, "vary": args.vary, "dumps": str(out)}))
         return 0
     finally:
         if process is not None:

@@ -263,6 +263,10 @@ class FrontProtocol(asyncio.Protocol):
         self.later: asyncio.Task[None] | None = None  # the task of a fast request that needed one (``serve_later``)
         self.sent: Any = None  # what ``fast`` made of this connection's last request and answer (its own memo)
         self.answered: Any = None
+        # the last plain request's head and what the parser made of it: the same bytes again are that message
+        # (the parser is between messages after a plain request, and parsing is a function of the bytes)
+        self._last_raw = b""
+        self._last_message: RawRequestMessage | None = None
 
     # -- asyncio.Protocol
 
@@ -294,24 +298,11 @@ class FrontProtocol(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.pause_reading()
             return
-        if data.find(_END) != len(data) - 4:  # not exactly one whole head
-            self._hand_over(data)
-            return
-        try:
-            messages, upgraded, _ = self._parser.feed_data(data)
-        except Exception:
-            self._hand_over(data)  # aiohttp answers it with its own 400
-            return
-        if len(messages) != 1 or upgraded:
-            self._hand_over(data)
-            return
-        message, payload = messages[0]
-        headers = message.headers
-        if (payload is not EMPTY_PAYLOAD or message.version != HttpVersion11 or message.should_close
-                or message.upgrade or message.method == "CONNECT" or "Host" not in headers
-                or "Expect" in headers or "Upgrade" in headers):
-            self._hand_over(data)
-            return
+        message = self._last_message
+        if message is None or data != self._last_raw:
+            message = self._plain(data)
+            if message is None:
+                return
         request = FrontRequest(message, self, data)
         self.busy = True
         fast = self.front.fast
@@ -321,6 +312,30 @@ class FrontProtocol(asyncio.Protocol):
             self._next.set_result(request)
         else:
             self.runner = self.front.runners.spawn(self._run(request))
+
+    def _plain(self, data: bytes) -> RawRequestMessage | None:
+        """``data`` parsed when it is one whole plain request (kept for the same bytes again); else None, and the
+        connection is aiohttp's from ``data`` on."""
+        if data.find(_END) != len(data) - 4:  # not exactly one whole head
+            self._hand_over(data)
+            return None
+        try:
+            messages, upgraded, _ = self._parser.feed_data(data)
+        except Exception:
+            self._hand_over(data)  # aiohttp answers it with its own 400
+            return None
+        if len(messages) != 1 or upgraded:
+            self._hand_over(data)
+            return None
+        message, payload = messages[0]
+        headers = message.headers
+        if (payload is not EMPTY_PAYLOAD or message.version != HttpVersion11 or message.should_close
+                or message.upgrade or message.method == "CONNECT" or "Host" not in headers
+                or "Expect" in headers or "Upgrade" in headers):
+            self._hand_over(data)
+            return None
+        self._last_raw, self._last_message = data, message
+        return message
 
     # -- serving
 

@@ -427,6 +427,8 @@ class HttpListener:
             request.protocol.serve_later(request, _answer(None, exc))
             return
         if data is None:
+            if type(content) is bytes:  # a repeated head's whole body: the task path reads answers as streams
+                content = protocol.whole(content)
             upstream = UpstreamResponse(message, content, connection, self.pool)
             request.protocol.serve_later(request, self._respond_released(request, state, policy, upstream))
             return
@@ -629,10 +631,11 @@ class HttpListener:
         return out_list, head_bytes(status_line, up_headers.items())
 
     def _small(self, request: FrontRequest, state: CredentialState, policy: SessionPolicy,
-               message: RawResponseMessage, content: StreamReader) -> bytes | GuardVerdict | None:
+               message: RawResponseMessage, content: StreamReader | bytes) -> bytes | GuardVerdict | None:
         """The whole answer to a plain request when the target's has arrived whole and is small (``_respond``
         would answer it so, with no await): checked by the output rules, recorded; the verdict when they block
-        it (nothing recorded: ``_blocked`` says it); None when ``_respond`` must, nothing read.
+        it (nothing recorded: ``_blocked`` says it); None when ``_respond`` must, nothing read. ``content``: the
+        body's stream, or the whole body (``TargetProtocol.answer``).
 
         What was made of an answer is kept per client connection (``_Answered``): the same status and headers
         again (``Date`` included: at most a second apart), under the same policy, are sent and recorded with
@@ -640,11 +643,14 @@ class HttpListener:
         up_headers = message.headers
         key = (request.method, request.host, message.code, message.reason, message.version, message.raw_headers)
         memo: _Answered | None = request.protocol.answered
+        whole = type(content) is bytes
         if memo is not None and memo.key == key and memo.policy is policy and memo.rules is policy.rules:
             if memo.no_body:
                 body = b""
-            elif content.is_eof():
-                body = content.read_nowait()
+            elif whole:
+                body = content  # type: ignore[assignment]
+            elif content.is_eof():  # type: ignore[union-attr]
+                body = content.read_nowait()  # type: ignore[union-attr]
             else:
                 return None
         else:
@@ -652,10 +658,14 @@ class HttpListener:
             no_body = request.method == "HEAD" or message.code in (204, 304)
             length_header = up_headers.get("Content-Length")
             length = int(length_header) if length_header is not None and length_header.isdigit() else None
-            if not no_body and (length is None or length > SMALL_BODY or not content.is_eof()
+            ended = whole or content.is_eof()  # type: ignore[union-attr]
+            if not no_body and (length is None or length > SMALL_BODY or not ended
                                 or (content_type is not None and is_event_stream(content_type))):
                 return None
-            body = b"" if no_body else content.read_nowait()
+            if no_body:
+                body = b""
+            else:
+                body = content if whole else content.read_nowait()  # type: ignore[assignment,union-attr]
             out_list, head = self._answer_head(request, state, message)
             wire, sends, timeless = request.answer_parts(message.code, message.reason, out_list, body,
                                                          length if no_body else None)

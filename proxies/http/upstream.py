@@ -61,6 +61,12 @@ class TargetProtocol(BaseProtocol):
         self._payload: StreamReader | None = None
         self._error: BaseException | None = None
         self.on_answer: Callable[[], None] | None = None  # called (once) when an answer or an error arrives
+        # the last answer when it was a whole Content-Length answer in one read: its head bytes, its message and
+        # its size; the same head again, as long, is that message with this body (the parser is between messages
+        # after it, and parsing is a function of the bytes): no parse, no StreamReader (``answer``)
+        self._again_head = b""
+        self._again_message: RawResponseMessage | None = None
+        self._again_size = 0
 
     def is_connected(self) -> bool:
         return self.transport is not None and not self.transport.is_closing()
@@ -90,8 +96,11 @@ class TargetProtocol(BaseProtocol):
                 max_line_size=16384, max_field_size=16384)
             self._with_body = not head_only
 
-    def answer(self) -> tuple[RawResponseMessage, StreamReader] | None:
-        """The next final answer if it has arrived (interim 1xx answers skipped), else None; raises a failure."""
+    def answer(self) -> tuple[RawResponseMessage, StreamReader | bytes] | None:
+        """The next final answer if it has arrived (interim 1xx answers skipped), else None; raises a failure.
+
+        Its body is a StreamReader, or the whole body as bytes when the answer repeated the last one's head
+        (``whole`` makes it a stream)."""
         answers = self._answers
         while answers:
             message, payload = answers.popleft()
@@ -116,7 +125,16 @@ class TargetProtocol(BaseProtocol):
                 await self._waiter
             finally:
                 self._waiter = None
-        return self._answers.popleft()
+        message, payload = self._answers.popleft()
+        return message, self.whole(payload) if type(payload) is bytes else payload
+
+    def whole(self, body: bytes) -> StreamReader:
+        """A body that arrived whole, as the stream the parser would have made of it."""
+        stream = StreamReader(self, READ_BUFSIZE, loop=self._loop)
+        if body:
+            stream.feed_data(body)
+        stream.feed_eof()
+        return stream
 
     def resume_reading(self, resume_parser: bool = True) -> None:
         if self._reading_paused:  # every body read calls this; only a real pause needs the work
@@ -125,6 +143,13 @@ class TargetProtocol(BaseProtocol):
     def data_received(self, data: bytes) -> None:
         if self._discard:
             return
+        # (``resume_reading`` calls this with no bytes: never a repeated answer)
+        if self._again_size and len(data) == self._again_size and not self.head_only and data.startswith(
+                self._again_head):
+            self._answers.append((self._again_message, data[len(self._again_head):]))  # type: ignore[arg-type]
+            self._arrived()
+            return
+        self._again_size = 0
         if self.head_only and data:
             self._head += data
             end = self._head.find(b"\r\n\r\n")
@@ -158,11 +183,25 @@ class TargetProtocol(BaseProtocol):
             self._answers.append((message, payload))
         if upgraded:
             self.should_close = True
+        elif len(messages) == 1 and payload is not EMPTY_PAYLOAD and not message.should_close:
+            self._keep_for_again(data, message, payload)
         if messages:
-            if self._waiter is not None and not self._waiter.done():
-                self._waiter.set_result(None)
-            elif self.on_answer is not None:
-                self._tell()
+            self._arrived()
+
+    def _keep_for_again(self, data: bytes, message: RawResponseMessage, payload: StreamReader) -> None:
+        """Keep an answer that was ``data`` whole, framed by its Content-Length, for the same head again."""
+        length = message.headers.get("Content-Length")
+        end = data.find(b"\r\n\r\n") + 4
+        if (length is not None and length.isdigit() and end >= 4 and len(data) - end == int(length)
+                and not message.chunked and payload.is_eof() and not 100 <= message.code < 200):
+            self._again_head, self._again_message, self._again_size = data[:end], message, len(data)
+
+    def _arrived(self) -> None:
+        """Answers were queued: wake their reader."""
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+        elif self.on_answer is not None:
+            self._tell()
 
     def _fail(self, error: BaseException, body_error: BaseException) -> None:
         self.should_close = True
@@ -343,10 +382,11 @@ class UpstreamPool:
             connection.close()
         return None
 
-    def release(self, connection: UpstreamConnection, message: RawResponseMessage, content: StreamReader) -> None:
-        """A connection whose answer was taken: back to the pool when its body was read to the end and it may
-        be reused, else closed."""
-        if content.is_eof() and not message.should_close:
+    def release(self, connection: UpstreamConnection, message: RawResponseMessage,
+                content: StreamReader | bytes) -> None:
+        """A connection whose answer was taken: back to the pool when its body was read to the end (or came whole,
+        as bytes) and it may be reused, else closed."""
+        if (type(content) is bytes or content.is_eof()) and not message.should_close:  # type: ignore[union-attr]
             self.put(connection)
         else:
             connection.close()
