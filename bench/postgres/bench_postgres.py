@@ -41,8 +41,12 @@ at ``-c 16`` on 8 cores or more, and at least pgbouncer's TPS).
 ``--from-source`` adds ``gw source``: the same gateway with its hot path run from the Python source
 (``GATEWAYD_PURE_PYTHON=1``), so a compiled and a source gateway are measured in the same rounds.
 
+``--baseline DIR`` adds ``baseline``: the gateway of another checkout of the project (``git worktree add DIR
+<commit>``, its hot path built there), run with ``PYTHONPATH=DIR``, so a change's before and after are measured
+in the same rounds. ``--runs latency`` (or ``simple,extended,prepared,latency``) runs only those rows.
+
     .venv/bin/python bench/postgres/bench_postgres.py [--seconds 10] [--clients 4] [--scale 10] [--rounds 1]
-        [--rules] [--workers 1] [--from-source]
+        [--rules] [--workers 1] [--from-source] [--baseline DIR] [--runs simple,extended,prepared,latency]
 """
 
 from __future__ import annotations
@@ -288,6 +292,10 @@ def main() -> int:
     parser.add_argument("--from-source", action="store_true",
                         help="also run 'gw source': the same gateway with its hot path from the Python source "
                              "(GATEWAYD_PURE_PYTHON=1; the 'gateway' column runs it as make compiled it)")
+    parser.add_argument("--baseline", default="",
+                        help="also run 'baseline': the gateway of the checkout in this directory (PYTHONPATH=DIR)")
+    parser.add_argument("--runs", default="simple,extended,prepared,latency",
+                        help="which rows to run, comma-separated: simple, extended, prepared, latency")
     parser.add_argument("--workers", default="1",
                         help="comma-separated [daemon] workers counts, e.g. 1,2,4: one gateway each, run side by side")
     args = parser.parse_args()
@@ -297,6 +305,12 @@ def main() -> int:
         parser.error(f"--workers: expected counts such as 1,2,4, got {args.workers!r}")
     if not counts or counts[0] < 1:
         parser.error("--workers: counts of at least 1")
+    wanted = {run.strip() for run in args.runs.split(",") if run.strip()}
+    if not wanted or wanted - {"simple", "extended", "prepared", "latency"}:
+        parser.error(f"--runs: some of simple, extended, prepared, latency, got {args.runs!r}")
+    baseline = Path(args.baseline).resolve() if args.baseline else None
+    if baseline is not None and not (baseline / "gatewayd" / "__init__.py").is_file():
+        parser.error(f"--baseline: {baseline} is not a checkout of gatewayd")
     reason = unavailable_reason()
     if reason or shutil.which("pgbench") is None:
         print(f"cannot run: {reason or 'pgbench not found'}", file=sys.stderr)
@@ -330,6 +344,11 @@ def main() -> int:
             daemons.append(source)
             targets["gw source"] = (source_port, asyncio.run(gateway_credential(source, cluster)), "any",
                                     source.process.pid if source.process else None)
+        if baseline is not None:  # another checkout's gateway, in the same rounds
+            base, base_port = start_gateway(counts[0], env={"PYTHONPATH": str(baseline)})
+            daemons.append(base)
+            targets["baseline"] = (base_port, asyncio.run(gateway_credential(base, cluster)), "any",
+                                   base.process.pid if base.process else None)
         if args.rules:  # on the gateway with the fewest workers
             ruled = asyncio.run(gateway_credential(daemons[0], cluster, "bench-rules", statement_rules=True))
             targets["gateway+rules"] = (first[0], ruled, "any", first[3])
@@ -345,12 +364,13 @@ def main() -> int:
             targets["pgbouncer"] = (bouncer.port, "postgres", cluster.password, bouncer_pid)
         else:
             print("pgbouncer not installed: its column is skipped (apt-get install pgbouncer)")
-        runs = [("-S -M simple", ["-S", "-M", "simple"], args.clients),
-                ("-S -M extended", ["-S", "-M", "extended"], args.clients),
-                ("-S -M prepared", ["-S", "-M", "prepared"], args.clients),
-                ("-S -c 1 (latency)", ["-S", "-M", "simple"], 1)]
-        order = [name for name in ("direct", "pgbouncer", "forwarder", *gateways, "gw source", "gateway+agent",
-                                   "gateway+rules")
+        runs = [run for key, run in (("simple", ("-S -M simple", ["-S", "-M", "simple"], args.clients)),
+                                     ("extended", ("-S -M extended", ["-S", "-M", "extended"], args.clients)),
+                                     ("prepared", ("-S -M prepared", ["-S", "-M", "prepared"], args.clients)),
+                                     ("latency", ("-S -c 1 (latency)", ["-S", "-M", "simple"], 1)))
+                if key in wanted]
+        order = [name for name in ("direct", "pgbouncer", "forwarder", *gateways, "gw source", "baseline",
+                                   "gateway+agent", "gateway+rules")
                  if name in targets]
         scaling = list(gateways)[1:]  # an Nw/1w column each
         rounds = max(1, args.rounds)
@@ -413,6 +433,10 @@ def main() -> int:
                     forwarder_ms = median(latency["forwarder"])
                     print(f"{'':<20}forwarder {forwarder_ms:.3f} ms (+{(forwarder_ms - direct_ms) * 1000:.0f} us):"
                           f" the gateway's own work adds {(gateway_ms - forwarder_ms) * 1000:+.0f} us over the hop")
+                if "baseline" in latency:
+                    baseline_ms = median(latency["baseline"])
+                    print(f"{'':<20}baseline {baseline_ms:.3f} ms (+{(baseline_ms - direct_ms) * 1000:.0f} us over"
+                          f" direct): this checkout's gateway {(gateway_ms - baseline_ms) * 1000:+.0f} us against it")
                 if "gateway+agent" in latency:
                     agent_ms = median(latency["gateway+agent"])
                     print(f"{'':<20}through the agent: {agent_ms:.3f} ms"
