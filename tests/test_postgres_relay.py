@@ -9,6 +9,8 @@ from decimal import Decimal
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gatewayd.guardrails import ALLOWED, GuardVerdict, ObservedRules, RuleSet
 from gatewayd.models import GuardRail
@@ -253,3 +255,71 @@ def test_a_column_masked_by_name_is_found_by_its_source_and_unknown_sources_mask
     assert cells({(16384, 3): "ssn"}) == [b"*******1120", b"hello"]  # the alias "x" is the column ssn
     assert cells({(16384, 9): "ssn"}) == [b"078-05-1120", b"hello"]  # another table's column: not this one
     assert cells(None) == [b"*******1120", b"*ello"]  # the catalog could not be read: every value masked
+
+
+_CELL = st.one_of(st.none(), st.text(max_size=12).map(lambda text: text.encode("utf-8", "surrogatepass")))
+_RESULT = st.tuples(st.integers(1, 3), st.integers(0, 4), st.data())
+
+
+def _target_answer(draw_results: list, data) -> list[bytes]:
+    """Frames a target might answer a simple query with: results, an error, notices, an empty query."""
+    frames: list[bytes] = []
+    for columns, rows, _ in draw_results:
+        kind = data.draw(st.sampled_from(["rows", "rows", "error", "notice", "empty"]))
+        if kind == "error":
+            frames.append(pg.encode_error_response("ERROR", "42P01", data.draw(st.text(max_size=20))))
+            break  # the target skips the rest of the query string
+        if kind == "notice":
+            frames.append(pg.encode_notice_response("NOTICE", "00000", data.draw(st.text(max_size=20))))
+        elif kind == "empty":
+            frames.append(pg.encode_empty_query_response())
+            continue
+        frames.append(pg.encode_row_description([f"c{i}" for i in range(columns)]))
+        frames += [pg.encode_data_row([data.draw(_CELL) for _ in range(columns)]) for _ in range(rows)]
+        frames.append(pg.encode_command_complete(f"SELECT {rows}"))
+    frames.append(pg.encode_ready_for_query("I"))
+    return frames
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(_RESULT, min_size=1, max_size=4), st.data())
+def test_recording_after_the_send_records_what_recording_before_it_did(results, data) -> None:
+    """``records_later`` (what a relay session uses when only the recording reads the rows): the client gets the
+    same frames and the recording the same events, in the same order, whatever the reads' boundaries."""
+    frames = _target_answer(results, data)
+    wire = b"".join(frames)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(wire)), max_size=4)))
+    seen = {}
+    for later in (False, True):
+        client, server, recorder = sides(rules(["drop table"]))
+        server.records_later = later
+        client.on_message(frontend(pg.encode_query("select 1; select 2; select 3; select 4"))[0])
+        reader, batch, sent = pg.BackendReader(), pg.FrameBatch(), b""
+        for start, end in zip([0, *cuts], [*cuts, len(wire)]):
+            reader.feed(wire[start:end])
+            recorded = len(recorder.events)
+            server.process(reader, batch)
+            sent += b"".join(bytes(part) for part in batch.take())
+            if later:
+                assert len(recorder.events) == recorded, "nothing is recorded before the send"
+                server.record_later()
+        server.flush_output()
+        seen[later] = (sent, recorder.events)
+    assert seen[True] == seen[False] and seen[True][0] == wire
+
+
+def test_a_malformed_row_seen_after_the_send_ends_the_relay_with_a_protocol_error() -> None:
+    """Recording after the send: the row's frame went out as it came; rendering it raises, as before the change
+    reading it did, and the rows before it are recorded."""
+    client, server, recorder = sides(rules())
+    server.records_later = True
+    client.on_message(frontend(pg.encode_query("select v from t"))[0])
+    bad = pg.encode_message(b"D", struct.pack("!hi", 1, 10) + b"abc")  # says 10 bytes, has 3
+    reader, batch = pg.BackendReader(), pg.FrameBatch()
+    reader.feed(pg.encode_row_description(["v"]) + pg.encode_data_row([b"ok"]) + bad)
+    server.process(reader, batch)
+    assert b"".join(bytes(part) for part in batch.take()).endswith(bad)
+    with pytest.raises(pg.ProtocolError):
+        server.record_later()
+    server.flush_output()
+    assert recorder.events == [("i", "select v from t"), ("o", "v\nok\n")]

@@ -54,10 +54,14 @@ cdef class ServerSide:
     cdef public object sources
     cdef public object sources_for
     cdef public bint target_fatal
+    cdef public bint records_later
+    cdef public bint deferring
+    cdef public list later
     cpdef process(self, BackendReader reader, FrameBatch batch)
     cpdef int _row(self, DataRow row, FrameBatch batch)
     cpdef _emit(self, str line)
     cpdef flush_output(self)
+    cpdef record_later(self)
     cpdef _cut(self, verdict, FrameBatch batch)
     cpdef _end_result(self)
     cpdef _other(self, Message message, FrameBatch batch, bint render)

@@ -209,6 +209,8 @@ _NOT_TEXT_OIDS = frozenset((
 _BINARY_TEXT_OIDS = frozenset((19, 25, 142, 705, 1042, 1043, 114, 3802))  # binary format that is UTF-8 text
 _JSON_OIDS = frozenset((114, 3802))
 _ROW_PASSED, _ROW_CUT, _ROW_REPLACED = 0, 1, 2
+# in ``ServerSide.later``: what follows it is an error to record (``policy.error``), or the output so far is one event
+_LATER_ERROR, _LATER_FLUSH = object(), object()
 
 
 _I32 = struct.Struct("!i").unpack_from
@@ -920,8 +922,10 @@ class ServerSide:
         "blocks",
         "columns",
         "cut",
+        "deferring",
         "formats",
         "header",
+        "later",
         "masker",
         "masks",
         "masks_now",
@@ -930,6 +934,7 @@ class ServerSide:
         "out_chars",
         "pending",
         "policy",
+        "records_later",
         "replies",
         "sources",
         "sources_for",
@@ -968,6 +973,13 @@ class ServerSide:
         # RowDescription frame -> (header line, type OIDs, formats, columns masked by name)
         self._descriptions: dict[bytes, tuple[str, tuple[int, ...], tuple[int, ...],
                                               tuple[tuple[int, str], ...] | None]] = {}
+        # the recording after the send: set by a relay that calls ``record_later`` once it has sent what
+        # ``process`` put in its batch. When the recording is all that reads the rows (no output rule, no mask),
+        # ``process`` then only notes what it would record (``later``: lines, rows with their formats and type
+        # OIDs, flushes, errors, in order); the client has its answer before the rows are rendered
+        self.records_later = False
+        self.deferring = False
+        self.later: list[object] = []
 
     def process(self, reader: BackendReader, batch: FrameBatch) -> None:
         """The complete messages in ``reader``: forwardable frames and injected errors go to ``batch``.
@@ -976,7 +988,9 @@ class ServerSide:
         """
         if self.policy.masker is not self.masker:
             self._adopt_masker()
-        render = self.policy.checks_output or self.policy.recording or self.masker is not None
+        policy = self.policy
+        render = policy.checks_output or policy.recording or self.masker is not None
+        self.deferring = self.records_later and not policy.checks_output and self.masker is None
         while (message := reader.next_message()) is not None:
             kind = type(message)
             if kind is DataRow:
@@ -1045,6 +1059,15 @@ class ServerSide:
                     known = self.masks.get(head.statement)  # a statement never described: names unknown
                     self.masks_now = known[1] if known is not None and known[0] is oids else None
             self.formats = formats
+        if self.deferring:  # only the recording reads it: rendered in ``record_later``
+            later = self.later
+            if self.header is not None:
+                later.append(self.header)
+                self.header = None
+            later.append(row)
+            later.append(formats)
+            later.append(self.oids)
+            return _ROW_PASSED
         if FORMAT_BINARY in formats:
             text = render_typed_row(row, formats, self.oids)
         else:
@@ -1097,6 +1120,9 @@ class ServerSide:
         return done
 
     def _emit(self, line: str) -> None:
+        if self.deferring:
+            self.later.append(line)
+            return
         self.out.append(line)
         self.out_chars += len(line) + 1
         if self.out_chars >= OUTPUT_FLUSH_CHARS:
@@ -1104,11 +1130,46 @@ class ServerSide:
 
     def flush_output(self) -> None:
         """Record what was built of the current result as one ``o`` event."""
+        if self.deferring:
+            self.later.append(_LATER_FLUSH)
+            return
         if self.out:
             self.out.append("")
             self.policy.record_output("\n".join(self.out))
             self.out = []
             self.out_chars = 0
+
+    def record_later(self) -> None:
+        """Record what the last ``process`` left for after the send (``records_later``), in its order; a row
+        that turns out malformed ends it with a ProtocolError (the frames were sent as they came)."""
+        self.deferring = False
+        later = self.later
+        if not later:
+            return
+        self.later = []
+        count = len(later)
+        i = 0
+        while i < count:
+            item = later[i]
+            i += 1
+            if type(item) is DataRow:
+                row: DataRow = item  # type: ignore[assignment]
+                formats = later[i]
+                oids = later[i + 1]
+                i += 2
+                if FORMAT_BINARY in formats:  # type: ignore[operator]
+                    self._emit(render_typed_row(row, formats, oids))  # type: ignore[arg-type]
+                else:
+                    self._emit(render_text_row(row, formats, "NULL", "\t", -1))  # type: ignore[arg-type]
+            elif item is _LATER_FLUSH:
+                self.flush_output()
+            elif type(item) is CommandComplete:
+                self._emit(item.tag)  # type: ignore[attr-defined]
+            elif item is _LATER_ERROR:
+                self.policy.error(later[i])  # type: ignore[arg-type]
+                i += 1
+            else:
+                self._emit(item)  # type: ignore[arg-type]
 
     def _cut(self, verdict: GuardVerdict, batch: FrameBatch) -> None:
         self.flush_output()
@@ -1174,7 +1235,12 @@ class ServerSide:
             severity = message.severity  # type: ignore[attr-defined]
             if severity in ("FATAL", "PANIC"):
                 self.target_fatal = True
-            self.policy.error(f"{severity}: {message.message}")  # type: ignore[attr-defined]
+            text = f"{severity}: {message.message}"  # type: ignore[attr-defined]
+            if self.deferring:
+                self.later.append(_LATER_ERROR)
+                self.later.append(text)
+            else:
+                self.policy.error(text)
             self._end_result()
         elif message.TYPE in _RESULT_ENDS:  # EmptyQueryResponse, PortalSuspended
             self.flush_output()
@@ -1185,8 +1251,12 @@ class ServerSide:
             if self.header is not None:
                 self._emit(self.header)
                 self.header = None
-            self._emit(message.tag)
-            self.flush_output()
+            if self.deferring:
+                self.later.append(message)  # its tag is decoded in ``record_later``
+                self.later.append(_LATER_FLUSH)
+            else:
+                self._emit(message.tag)
+                self.flush_output()
         self._end_result()
 
     def _describe(self, message: RowDescription

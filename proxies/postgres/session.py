@@ -86,6 +86,7 @@ class RelaySession:
         self._deciding: asyncio.Task[None] | None = None  # a held statement's verdict being decided
         self._client_batch = FrameBatch()
         self._target_batch = FrameBatch()
+        server_side.records_later = True  # ``_target_work`` records after each send
 
     def start(self, client_pending: bytes = b"", target_pending: bytes = b"") -> None:
         """Take over both transports; bytes the streams had already read are processed first."""
@@ -220,13 +221,15 @@ class RelaySession:
         server = self.server_side
         batch = self._target_batch
         try:
-            server.process(self.backend, batch)
+            try:
+                server.process(self.backend, batch)
+            finally:
+                if batch:
+                    self._send(self.client, batch)
+                server.record_later()  # the client has its answer: what only the recording reads is worked out
         except ProtocolError as exc:
             self.finish(TARGET, exc)
             return
-        finally:
-            if batch:
-                self._send(self.client, batch)
         if server.replies:
             if not self.target.is_closing():
                 self.target.writelines(server.replies)
