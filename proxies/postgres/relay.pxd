@@ -74,4 +74,5 @@ cdef class ServerSide:
 
 @cython.locals(text=str)
 cpdef str _quote(object value, bint binary)
+cpdef str render_row(DataRow row, object formats, object oids)
 cpdef str render_params(str sql, list params, object param_formats)

@@ -180,6 +180,14 @@ def render_typed_row(row: DataRow, formats: Sequence[int], oids: Sequence[int]) 
     return render_values(row.columns, formats, oids)
 
 
+def render_row(row: DataRow, formats: Sequence[int], oids: Sequence[int]) -> str:
+    """A row as the recording and the output rules read it: tab-separated, NULL for nulls, binary columns
+    decoded by type."""
+    if FORMAT_BINARY in formats:
+        return render_typed_row(row, formats, oids)
+    return render_text_row(row, formats, "NULL", "\t", -1)
+
+
 def render_values(values: Sequence[bytes | None], formats: Sequence[int], oids: Sequence[int]) -> str:
     """``render_typed_row`` of a row's values."""
     parts = []
@@ -1068,10 +1076,7 @@ class ServerSide:
             later.append(formats)
             later.append(self.oids)
             return _ROW_PASSED
-        if FORMAT_BINARY in formats:
-            text = render_typed_row(row, formats, self.oids)
-        else:
-            text = render_text_row(row, formats, "NULL", "\t", -1)
+        text = render_row(row, formats, self.oids)
         policy = self.policy
         if policy.checks_output:
             verdict = policy.check_output(text)  # the blocking rules read the target's clear text
@@ -1153,14 +1158,8 @@ class ServerSide:
             item = later[i]
             i += 1
             if type(item) is DataRow:
-                row: DataRow = item  # type: ignore[assignment]
-                formats = later[i]
-                oids = later[i + 1]
+                self._emit(render_row(item, later[i], later[i + 1]))  # type: ignore[arg-type]
                 i += 2
-                if FORMAT_BINARY in formats:  # type: ignore[operator]
-                    self._emit(render_typed_row(row, formats, oids))  # type: ignore[arg-type]
-                else:
-                    self._emit(render_text_row(row, formats, "NULL", "\t", -1))  # type: ignore[arg-type]
             elif item is _LATER_FLUSH:
                 self.flush_output()
             elif type(item) is CommandComplete:
