@@ -167,6 +167,44 @@ async def test_an_agent_gone_while_its_arrival_is_still_being_recorded_leaves_no
     assert disconnects and "lost" in disconnects[0]["error_message"]
 
 
+async def test_an_agent_s_answer_that_it_cannot_reach_a_target_is_read_before_it_lets_go_of_the_stream():
+    """The agent says on a Tunnel of its own that the target refused, then waits for the gateway to end the call:
+    a cancel sent before that raced the answer, and a gateway slow to read it (a busy loop) lost it, so psql
+    waited out its 10 s dial instead of hearing "connection refused" (tests/test_agents_netns.py flaked so).
+    The gateway here is a gRPC server of the same service that reads the stream half a second late."""
+    from gatewayd.agent.runner import AgentProcess as Agent
+
+    read: list[pb.Frame] = []
+    ended = asyncio.Event()
+
+    class LateGateway(pb_grpc.AgentGatewayServicer):
+        async def Tunnel(self, request_iterator, context):  # noqa: N802
+            try:
+                await asyncio.sleep(0.5)
+                first = await context.read()
+                if first is not grpc.aio.EOF:
+                    read.append(first)
+            finally:
+                ended.set()
+
+    server = grpc.aio.server()
+    pb_grpc.add_AgentGatewayServicer_to_server(LateGateway(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        agent = Agent(url=f"grpc://127.0.0.1:{port}", token="agt-test")
+        dead = free_port()  # nothing listens there: refused at once
+        await agent.serve(pb_grpc.AgentGatewayStub(channel),
+                          pb.Open(stream_id="s-1", host="127.0.0.1", port=dead, connection="pg-x", timeout=5))
+        await asyncio.wait_for(ended.wait(), 10)
+        assert [(frame.stream_id, frame.connected, frame.error) for frame in read] == \
+            [("s-1", False, "connection refused")]
+    finally:
+        await channel.close()
+        await server.stop(None)
+
+
 async def test_two_live_connections_of_one_agent_are_reported_and_audited(gateway, api, tmp_path):
     created = await new_agent(api)
     first, second = start(created, tmp_path), None

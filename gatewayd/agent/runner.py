@@ -11,6 +11,7 @@ the agent keeps one connection to each.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import socket
@@ -133,6 +134,11 @@ class AgentProcess:
                 await call.write(pb.Frame(stream_id=request.stream_id, error=reason))
                 await call.done_writing()
                 log.info("target unreachable", extra={"connection": request.connection, "reason": reason})
+                # the gateway ends the call once it has read the answer: a cancel sent before that races the
+                # answer, and a gateway slow to read it would lose it (its client then waits out the dial)
+                with contextlib.suppress(TimeoutError):  # past that, the finally below lets go of it
+                    async with asyncio.timeout(request.timeout or 10.0):
+                        await call.code()
                 return
             sock = writer.get_extra_info("socket")
             if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
