@@ -305,6 +305,24 @@ async def core_gateway(tmp_path: Path, settings: dict[str, Any] | None = None) -
     await gateway.close_core()
 
 
+async def issued_in_core(core: Any, name: str, kind: str, env: dict[str, str], email: str = "ann@example.com") -> Any:
+    """A ``kind`` connection (``httpproxy``, or a ``custom`` subtype: ``ssh``, ``rdp``...) made in ``core``'s store
+    with ``env`` as its secret, and a credential of an admin ``email`` for it (``AccessService.issue``'s answer)."""
+    import base64
+
+    from gatewayd.models import Connection, new_id, rfc3339, utcnow
+
+    org = await core.store.default_org()
+    user = await core.identity.ensure_local_user(email, email.split("@")[0].title(), ["admin"])
+    now = rfc3339(utcnow())
+    connection = Connection(id=new_id(), org_id=org.id, name=name, resource_name=name,
+                            type="httpproxy" if kind == "httpproxy" else "custom", subtype=kind,
+                            secret={f"envvar:{k}": base64.b64encode(v.encode()).decode() for k, v in env.items()},
+                            created_at=now, updated_at=now)
+    await core.store.create_connection(connection)
+    return await core.access.issue(user, connection, 600)
+
+
 @pytest.fixture(scope="session")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """One real daemon for the API suites (session-scoped: started once)."""

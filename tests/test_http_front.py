@@ -280,10 +280,8 @@ async def test_guard_rails_and_recording_alike_on_the_plain_and_the_aiohttp_path
 async def test_repeated_plain_requests_skip_the_handler_and_are_recorded_alike(tmp_path, http_target):
     """After a connection's first request, plain requests with a fresh credential are served by ``fast``
     (no handler, no task): each answered and recorded as the first one was, a 404 and a HEAD included."""
-    from gatewayd.models import Connection, new_id, rfc3339, utcnow
     from proxies.http.server import start as start_http
-    from tests.apiclient import b64
-    from tests.conftest import core_gateway
+    from tests.conftest import core_gateway, issued_in_core
 
     async with core_gateway(tmp_path) as core:
         port = free_port()
@@ -297,13 +295,7 @@ async def test_repeated_plain_requests_skip_the_handler_and_are_recorded_alike(t
 
         listener.front.handler = counting
         try:
-            org = await core.store.default_org()
-            user = await core.identity.ensure_local_user("ann@example.com", "Ann", ["admin"])
-            connection = Connection(id=new_id(), org_id=org.id, name="web", resource_name="web", type="httpproxy",
-                                    subtype="httpproxy", secret={"envvar:REMOTE_URL": b64(http_target)},
-                                    created_at=rfc3339(utcnow()), updated_at=rfc3339(utcnow()))
-            await core.store.create_connection(connection)
-            issued = await core.access.issue(user, connection, 600)
+            issued = await issued_in_core(core, "web", "httpproxy", {"REMOTE_URL": http_target})
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             answers = []
             # a HEAD last: a target connection that answered one is not used again (see TargetProtocol)
@@ -365,10 +357,8 @@ async def test_a_repeated_answer_head_split_over_reads_or_of_another_length_is_p
     """A target whose answers repeat one head: the same head with a new body of the same length is that answer;
     one that arrives over two reads, or whose length differs, goes through aiohttp's parser, and every body is
     the target's own."""
-    from gatewayd.models import Connection, new_id, rfc3339, utcnow
     from proxies.http.server import start as start_http
-    from tests.apiclient import b64
-    from tests.conftest import core_gateway
+    from tests.conftest import core_gateway, issued_in_core
 
     served = 0
 
@@ -400,13 +390,7 @@ async def test_a_repeated_answer_head_split_over_reads_or_of_another_length_is_p
         port = free_port()
         listener = await start_http(core.proxy_context("http"), "127.0.0.1", port)
         try:
-            org = await core.store.default_org()
-            user = await core.identity.ensure_local_user("bo@example.com", "Bo", ["admin"])
-            connection = Connection(id=new_id(), org_id=org.id, name="same-head", resource_name="same-head",
-                                    type="httpproxy", subtype="httpproxy", secret={"envvar:REMOTE_URL": b64(target)},
-                                    created_at=rfc3339(utcnow()), updated_at=rfc3339(utcnow()))
-            await core.store.create_connection(connection)
-            issued = await core.access.issue(user, connection, 600)
+            issued = await issued_in_core(core, "same-head", "httpproxy", {"REMOTE_URL": target}, "bo@example.com")
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             paths = ["/a", "/a", "/a", "/other", "/a", "/split", "/a", "/longer", "/a", "/a"]
             bodies, kinds = [], []

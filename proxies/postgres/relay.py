@@ -1151,24 +1151,26 @@ class ServerSide:
         later = self.later
         if not later:
             return
-        self.later = []
         count = len(later)
         i = 0
-        while i < count:
-            item = later[i]
-            i += 1
-            if type(item) is DataRow:
-                self._emit(render_row(item, later[i], later[i + 1]))  # type: ignore[arg-type]
-                i += 2
-            elif item is _LATER_FLUSH:
-                self.flush_output()
-            elif type(item) is CommandComplete:
-                self._emit(item.tag)  # type: ignore[attr-defined]
-            elif item is _LATER_ERROR:
-                self.policy.error(later[i])  # type: ignore[arg-type]
+        try:
+            while i < count:
+                item = later[i]
                 i += 1
-            else:
-                self._emit(item)  # type: ignore[arg-type]
+                if type(item) is DataRow:
+                    self._emit(render_row(item, later[i], later[i + 1]))  # type: ignore[arg-type]
+                    i += 2
+                elif item is _LATER_FLUSH:
+                    self.flush_output()
+                elif type(item) is CommandComplete:
+                    self._emit(item.tag)  # type: ignore[attr-defined]
+                elif item is _LATER_ERROR:
+                    self.policy.error(later[i])  # type: ignore[arg-type]
+                    i += 1
+                else:
+                    self._emit(item)  # type: ignore[arg-type]
+        finally:
+            later.clear()  # the same list for the next read: nothing is noted while this runs (``deferring``)
 
     def _cut(self, verdict: GuardVerdict, batch: FrameBatch) -> None:
         self.flush_output()
