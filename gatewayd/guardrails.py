@@ -11,7 +11,6 @@ protocols (shell lines, SFTP requests, HTTP requests) is matched as plain text.
 from __future__ import annotations
 
 import functools
-import json
 import re
 import secrets
 from dataclasses import dataclass
@@ -22,6 +21,13 @@ from pglast import parser as pg_scanner
 
 from gatewayd.masking import MaskError, Masker, MaskRule, compile_mask_rule
 from gatewayd.models import GuardRail
+from gatewayd.statements import (
+    WHERE_STATEMENTS,
+    ParsedStatement,
+    parse_statements,
+    split_statements,
+    statement_node_names,
+)
 from gatewayd.store import Store
 
 if TYPE_CHECKING:
@@ -41,9 +47,6 @@ RULE_TYPES = ("deny_words_list", "pattern_match") + STATEMENT_RULE_TYPES + (MASK
 DATAMASKING_PREFIX = "datamasking:"  # a data masking rule (control/datamasking) is stored as a guard rail so named
 DATAMASKING_KEY = "datamasking"  # ... its output side keeps the rule as written under this key, beside its rules
 MASKING_KEY_NAME = "masking.hmac"  # the gateway's key for the ``hash`` mask style (sealed in the store)
-WHERE_STATEMENTS = {"delete": "DeleteStmt", "update": "UpdateStmt"}
-PARSE_CACHE_SIZE = 4096  # parsed statements remembered by text (per process)
-MAX_BODY_DEPTH = 3  # a function or DO body is parsed as SQL (or PL/pgSQL) this deep
 AUDIT_INPUT_CHARS = 2000  # a blocked input is kept this long in its verdict (and so in the audit entry)
 MAX_SCAN_CHARS = 64 * 1024  # longer SQL (bulk loads) is matched raw only, comment-aware: see _SQL_GAP
 SCAN_CACHE_CHARS = 4096  # scanned statements up to this size are remembered by text (per process)
@@ -242,166 +245,6 @@ def normalize_sql(text: str) -> str:
     return _scanned(text)
 
 
-# --------------------------------------------------------------------------- statements as PostgreSQL parses them
-
-
-@functools.cache
-def statement_node_names() -> tuple[str, ...]:
-    """pglast's statement node names (``DropStmt``, ``TruncateStmt``...): what a statement_kinds rule may deny."""
-    from pglast import ast
-    return tuple(sorted(name for name in dir(ast) if name.endswith("Stmt") and isinstance(getattr(ast, name), type)))
-
-
-@dataclass(slots=True, frozen=True)
-class ParsedStatement:
-    """One statement of a query text: every statement node in it (nested ones, bodies included).
-
-    ``unqualified``: the DeleteStmt/UpdateStmt nodes in it that have no WHERE clause.
-    """
-
-    kinds: frozenset[str]
-    unqualified: frozenset[str]
-
-
-class _Unparsed(Exception):
-    pass
-
-
-def _plpgsql_queries(body: str) -> list[str]:
-    """The SQL statements a PL/pgSQL body runs (static ones: EXECUTE of a built string is not readable)."""
-    tag = "$gw$"
-    while tag in body:
-        tag = tag[:-1] + "x$"
-    try:
-        found = json.loads(pg_scanner.parse_plpgsql_json(
-            f"CREATE FUNCTION gw() RETURNS void LANGUAGE plpgsql AS {tag}{body}{tag}"))
-    except (pg_scanner.ParseError, UnicodeError, ValueError):
-        return []
-    queries: list[str] = []
-
-    def walk(node: Any, dynamic: bool) -> None:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                if key == "PLpgSQL_expr" and isinstance(value, dict) and not dynamic:
-                    if isinstance(value.get("query"), str) and value.get("parseMode") == 0:
-                        queries.append(value["query"])
-                walk(value, dynamic or key == "PLpgSQL_stmt_dynexecute")
-        elif isinstance(node, list):
-            for item in node:
-                walk(item, dynamic)
-    walk(found, False)
-    return queries
-
-
-def _body_strings(node: dict[str, Any]) -> tuple[str | None, list[str]]:
-    """A DoStmt's or CreateFunctionStmt's language and body strings."""
-    language = None
-    bodies: list[str] = []
-    for option in node.get("options", []) + node.get("args", []):
-        elem = option.get("DefElem", {})
-        arg = elem.get("arg", {})
-        if elem.get("defname") == "language" and "String" in arg:
-            language = arg["String"].get("sval", "").lower()
-        elif elem.get("defname") == "as":
-            items = arg.get("List", {}).get("items", []) if "List" in arg else [arg]
-            bodies += [item["String"]["sval"] for item in items if "String" in item and "sval" in item["String"]]
-    return language, bodies
-
-
-def _collect(node: Any, kinds: set[str], unqualified: set[str], depth: int) -> None:
-    if isinstance(node, list):
-        for item in node:
-            _collect(item, kinds, unqualified, depth)
-        return
-    if not isinstance(node, dict):
-        return
-    for key, value in node.items():
-        if key.endswith("Stmt") and isinstance(value, dict) and key[0].isupper():
-            kinds.add(key)
-            if key in ("DeleteStmt", "UpdateStmt") and "whereClause" not in value:
-                unqualified.add(key)
-            if key in ("DoStmt", "CreateFunctionStmt") and depth < MAX_BODY_DEPTH:
-                language, bodies = _body_strings(value)
-                if key == "DoStmt":
-                    language = language or "plpgsql"
-                for body in bodies:
-                    texts = _plpgsql_queries(body) if language == "plpgsql" else [body] if language == "sql" else []
-                    for text in texts:
-                        try:
-                            _collect(json.loads(pg_scanner.parse_sql_json(text)), kinds, unqualified, depth + 1)
-                        except (pg_scanner.ParseError, UnicodeError, ValueError):
-                            pass  # a body PostgreSQL itself would refuse when the function runs
-        _collect(value, kinds, unqualified, depth)
-
-
-# a node in pglast's JSON: ``"DeleteStmt":{`` (inside a JSON string a quote is escaped, so never a false node)
-_STATEMENT_NODE = re.compile(r'"([A-Z][A-Za-z]*Stmt)":\{')
-_BODIES = ('"DoStmt":', '"CreateFunctionStmt":')
-_WHERE_NODES = frozenset(("DeleteStmt", "UpdateStmt"))
-
-
-def _node_names(tree_json: str) -> frozenset[str]:
-    """The statement nodes named in pglast's JSON (``_STATEMENT_NODE``, split in C rather than searched)."""
-    names = (piece[piece.rfind('"') + 1:] for piece in tree_json.split('Stmt":{')[:-1])
-    return frozenset(name + "Stmt" for name in names if name[:1].isupper())  # not a field (``selectStmt``)
-
-
-def _unqualified_hook(found: set[str]) -> Callable[[dict[str, Any]], dict[str, Any]]:
-    def hook(node: dict[str, Any]) -> dict[str, Any]:
-        for key in ("DeleteStmt", "UpdateStmt"):
-            if key in node and "whereClause" not in node[key]:
-                found.add(key)
-        return node
-    return hook
-
-
-def _parse_statements(text: str) -> tuple[ParsedStatement, ...] | None:
-    """Each statement of ``text`` as PostgreSQL's parser reads it; None when it does not parse."""
-    if "\x00" in text:
-        return None
-    try:
-        tree_json = pg_scanner.parse_sql_json(text)
-    except (pg_scanner.ParseError, UnicodeError, ValueError):
-        return None
-    if tree_json.count('{"stmt":') == 1 and not any(body in tree_json for body in _BODIES):
-        # one statement, no body to read: its nodes from the text; the JSON decoded only for a WHERE
-        kinds = _node_names(tree_json)
-        unqualified: set[str] = set()
-        if len(kinds) == 1 and kinds <= _WHERE_NODES and tree_json.count('Stmt":{') == 1:
-            # a lone DELETE/UPDATE (no subquery, CTE or other statement node): the only WHERE is its own
-            if '"whereClause":' not in tree_json:
-                unqualified = set(kinds)
-        elif not kinds.isdisjoint(_WHERE_NODES):
-            json.loads(tree_json, object_hook=_unqualified_hook(unqualified))
-        return (ParsedStatement(kinds, frozenset(unqualified)),)
-    tree = json.loads(tree_json)
-    statements = []
-    for raw in tree.get("stmts", []):
-        kinds: set[str] = set()
-        unqualified: set[str] = set()
-        _collect(raw.get("stmt", {}), kinds, unqualified, 0)
-        statements.append(ParsedStatement(frozenset(kinds), frozenset(unqualified)))
-    return tuple(statements)
-
-
-_parse_cached = functools.lru_cache(maxsize=PARSE_CACHE_SIZE)(_parse_statements)
-
-
-def parse_statements(text: str) -> tuple[ParsedStatement, ...] | None:
-    """``_parse_statements``, remembered by text (bounded): a repeated statement costs a dict lookup."""
-    if len(text) <= SCAN_CACHE_CHARS:
-        return _parse_cached(text)
-    return _parse_statements(text)  # linear in the text, like PostgreSQL's own parse of it
-
-
-def split_statements(text: str) -> list[str]:
-    """The statements of a multi-statement query text, as PostgreSQL splits them (the text whole if it cannot)."""
-    try:
-        return list(pg_scanner.split(text, with_parser=False)) or [text]
-    except (pg_scanner.ParseError, UnicodeError, ValueError):
-        return [text]
-
-
 # --------------------------------------------------------------------------- patterns on RE2
 
 _UNSUPPORTED = (  # constructs RE2 cannot run in linear time, named for the admin
@@ -525,26 +368,37 @@ class _CompiledRule:
         return GuardVerdict(False, message, self.direction, self.type, self.guardrail, kept)
 
     def statement_verdict(self, statement: ParsedStatement | None, index: int, count: int,
-                          text: str) -> GuardVerdict | None:
+                          text: str, effects: bool = True) -> GuardVerdict | None:
         """A statement rule's block of statement ``index`` (1-based) of ``count``; None when it passes.
 
         ``statement`` None: the text does not parse.  Fail closed: PostgreSQL's parser
         is the same, so it would refuse the text as well (at worst the error differs),
         and a parser version behind the server's must not become a way around the rule.
+        So is a statement with a part the gateway cannot read (``unreadable``).  A node with
+        the effect of a denied kind is denied with it (``effects``, ``whole``); ``effects`` False
+        asks about the denied kinds themselves only (a first pass, so a block names the kind it denies).
         """
         where = f"statement {index} of {count}" if count > 1 else ""
         if statement is None:
             found = "unparsable SQL (a statement rule cannot read it)"
+        elif statement.unreadable:
+            found = f"{statement.unreadable} (a statement rule cannot read it)"
         elif self.type == "statement_kinds":
             denied = sorted(statement.kinds & self.kinds)
-            if not denied:
-                return None
-            found = f"statement={denied[0]}"
+            if denied:
+                found = f"statement={denied[0]}"
+            else:
+                named = sorted((node, kind) for kind, node in statement.effects if kind in self.kinds) if effects else []
+                if not named:
+                    return None
+                found = f"statement={named[0][0]} (it has the effect of {named[0][1]})"
         else:
-            missing = sorted(statement.unqualified & self.kinds)
+            missing = sorted((kind, node) for kind, node in statement.whole
+                             if kind in self.kinds and (effects or node == kind))
             if not missing:
                 return None
-            found = f"{missing[0][:-4].lower()} without WHERE"
+            kind, node = missing[0]
+            found = f"{kind[:-4].lower()} without WHERE" + (f" ({node})" if node != kind else "")
         message = self.message or f"{self._prefix()}, {found}"
         if where:
             message = f"{message} ({where})"
@@ -669,7 +523,7 @@ class RuleSet:
     """
 
     __slots__ = ("input_rules", "output_rules", "text_rules", "statement_rules", "masker", "_text_any",
-                 "_text_any_sql", "_output_any", "_text_literals")
+                 "_text_any_sql", "_output_any", "_text_literals", "_statement_kinds")
 
     def __init__(self, guardrails: list[GuardRail], mask_key: bytes = b"",
                  seal: Callable[[bytes, bytes], bytes] | None = None) -> None:
@@ -681,6 +535,10 @@ class RuleSet:
             self.output_rules += _compile_or_refuse(rail, "output", rail.output, masks)
         self.masker: Masker | None = Masker(masks, mask_key, seal) if masks else None
         self.statement_rules = [r for r in self.input_rules if r.type in STATEMENT_RULE_TYPES]
+        # (every kind a statement_kinds rule denies, every kind a require_where rule asks a WHERE of)
+        self._statement_kinds = (
+            frozenset().union(*(r.kinds for r in self.statement_rules if r.type == "statement_kinds")),
+            frozenset().union(*(r.kinds for r in self.statement_rules if r.type != "statement_kinds")))
         self.text_rules = [r for r in self.input_rules if r.type not in STATEMENT_RULE_TYPES]
         # the usual input and output match no rule: one search of all of them together says so
         self._text_any = _any_of([r.regex for r in self.text_rules])
@@ -697,11 +555,37 @@ class RuleSet:
         return not self.input_rules and not self.output_rules and self.masker is None
 
     @property
+    def plain(self) -> RuleSet:
+        """The rules alone (pure, safe to run in a worker thread: ``policy.check_input_later``)."""
+        return self
+
+    def settle(self, text: str, verdict: GuardVerdict) -> GuardVerdict:
+        """``plain``'s verdict on ``text``, as ``check_input`` would have said it (nothing observes a RuleSet)."""
+        return verdict
+
+    @property
     def has_output_rules(self) -> bool:
         return bool(self.output_rules)
 
-    def check_input(self, text: str, sql: bool = False) -> GuardVerdict:
-        """``sql``: PostgreSQL input, matched as its scanner reads it and, raw, with comments between words."""
+    def check_input(self, text: str, sql: bool = False, readings: tuple[str, ...] | None = None) -> GuardVerdict:
+        """``sql``: PostgreSQL input, matched as its scanner reads it and, raw, with comments between words.
+
+        ``readings``: the SQL as the server may read it (a session setting that changes the reading,
+        proxies/postgres/reading.py), when that is not ``text`` alone: blocked when any reading is; the
+        verdict quotes ``text``.
+        """
+        if readings is None:
+            return self._check_input(text, sql)
+        for reading in readings:
+            verdict = self._check_input(reading, sql)
+            if not verdict.allowed:
+                if reading is not text:
+                    verdict = GuardVerdict(False, verdict.message, verdict.direction, verdict.rule_type,
+                                           verdict.guardrail, text[:AUDIT_INPUT_CHARS])
+                return verdict
+        return ALLOWED
+
+    def _check_input(self, text: str, sql: bool) -> GuardVerdict:
         if not self.input_rules:
             return ALLOWED
         if not sql:  # statement rules read PostgreSQL only: on other protocols they are ignored
@@ -741,14 +625,20 @@ class RuleSet:
                            self._text_any_sql)
 
     def _check_statements(self, text: str) -> GuardVerdict:
-        """The statement rules, on each statement of ``text`` as PostgreSQL's parser reads it."""
+        """The statement rules, on each statement of ``text`` as PostgreSQL's parser reads it: a rule denying
+        a statement's own kind is named before one denying what it has the effect of."""
         parsed = parse_statements(text)
         statements: tuple[ParsedStatement | None, ...] = (None,) if parsed is None else parsed
+        denied, whole = self._statement_kinds
         for index, statement in enumerate(statements, 1):
-            for rule in self.statement_rules:
-                verdict = rule.statement_verdict(statement, index, len(statements), text)
-                if verdict is not None:
-                    return verdict
+            if (statement is not None and not statement.unreadable and statement.counts_as.isdisjoint(denied)
+                    and statement.unqualified.isdisjoint(whole)):
+                continue  # the usual statement: no rule denies anything it is or does
+            for effects in (False, True):
+                for rule in self.statement_rules:
+                    verdict = rule.statement_verdict(statement, index, len(statements), text, effects)
+                    if verdict is not None:
+                        return verdict
         return ALLOWED
 
     def check_output(self, text: str) -> GuardVerdict:
@@ -822,8 +712,15 @@ class ObservedRules:
     def has_output_rules(self) -> bool:
         return self.rules.has_output_rules
 
-    def check_input(self, text: str, sql: bool = False) -> GuardVerdict:
-        verdict = self.rules.check_input(text, sql)
+    @property
+    def plain(self) -> RuleSet:
+        return self.rules
+
+    def check_input(self, text: str, sql: bool = False, readings: tuple[str, ...] | None = None) -> GuardVerdict:
+        return self.settle(text, self.rules.check_input(text, sql, readings))
+
+    def settle(self, text: str, verdict: GuardVerdict) -> GuardVerdict:
+        """What the observer makes of input the rules let through (it sees it; a deciding one rules on it)."""
         if verdict.allowed:
             if self.waits:
                 return self.observe.ruling(text)  # type: ignore[attr-defined]
