@@ -103,6 +103,9 @@ def build_connection(body: dict[str, Any], org_id: str, resource_name: str, exis
     if body.get("reviewers") is not None:
         settings["reviewers"] = list(body["reviewers"])
     problem = check_review_settings(settings)
+    description = protocols.by_subtype(body.get("subtype") or body["type"])
+    if problem is None and description is not None and description.check_settings is not None:
+        problem = description.check_settings(settings)
     if problem:
         raise ApiError(422, problem.replace("field '", f"field '{where}", 1))
     return Connection(

@@ -42,6 +42,7 @@ proxy learns about them.
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 
 from gatewayd import metrics
@@ -55,6 +56,19 @@ if TYPE_CHECKING:
 
 CLEAR_SUFFIX = "/clear"  # a session's sealed clear-text stream: ``<session id>/clear`` (mask rules' record_clear)
 VERDICT_CACHE_SIZE = 512  # SQL verdicts remembered per session: drivers parse the same statements again and again
+
+
+async def check_input_later(policy: SessionPolicy, text: str, *, sql: bool = False,
+                            readings: tuple[str, ...] | None = None) -> GuardVerdict | None:
+    """``policy.check_input`` for a long input: the rules (pure, linear in the text) read it in a worker thread,
+    so the event loop every session shares goes on meanwhile; an observer of the session's input sees it after,
+    on the loop.  The proxy holds the input (and what follows it) until this returns."""
+    if not policy.checks_input:
+        return None
+    rules = policy.rules
+    verdict = await asyncio.to_thread(rules.plain.check_input, text, sql, readings)
+    verdict = rules.settle(text, verdict)
+    return None if verdict.allowed else verdict
 
 
 class SessionPolicy:
@@ -98,27 +112,29 @@ class SessionPolicy:
     # -- what the proxy reports
 
     def input(self, data: bytes | str, text: str | None = None, *, sql: bool = False,
-              cache: bool = False) -> GuardVerdict | None:
+              cache: bool = False, readings: tuple[str, ...] | None = None) -> GuardVerdict | None:
         """Check and record what the user sent; the verdict that blocks it, or None to forward it.
 
         ``data`` is recorded as sent; ``text`` (default: ``data``) is what the rules read; ``sql``:
         PostgreSQL input, read by its scanner.  ``cache``: remember the verdict for this exact SQL
-        (a driver's repeated Parse); an observed session's observer then sees it once.
+        (a driver's repeated Parse); an observed session's observer then sees it once.  ``readings``:
+        the SQL as the server may read it under a session setting, when not ``text`` alone (all are read).
         """
         verdict = None
         if self.checks_input:
-            verdict = self._check_input(data if text is None else text, sql, cache)
+            verdict = self._check_input(data if text is None else text, sql, cache, readings)
         recorder = self.recorder
         if not recorder.truncated:
             recorder.input(data)
         return verdict
 
-    def check_input(self, text: str, *, sql: bool = False, cache: bool = False) -> GuardVerdict | None:
+    def check_input(self, text: str, *, sql: bool = False, cache: bool = False,
+                    readings: tuple[str, ...] | None = None) -> GuardVerdict | None:
         """Only the guard rails' reading of input the proxy records itself (``record_input``) or later.
 
         For example a streamed HTTP body, or a PostgreSQL Parse whose SQL is recorded with its Bind.
         """
-        return self._check_input(text, sql, cache) if self.checks_input else None
+        return self._check_input(text, sql, cache, readings) if self.checks_input else None
 
     def output(self, data: bytes | str, text: str | None = None) -> GuardVerdict | None:
         """Check what the target answered and record it when it is let through; the blocking verdict or None."""
@@ -274,8 +290,11 @@ class SessionPolicy:
 
     # --
 
-    def _check_input(self, text: Any, sql: bool, cache: bool) -> GuardVerdict | None:
-        if cache:
+    def _check_input(self, text: Any, sql: bool, cache: bool,
+                     readings: tuple[str, ...] | None = None) -> GuardVerdict | None:
+        if readings is not None:
+            verdict = self.rules.check_input(text, sql, readings)
+        elif cache:
             verdicts = self._sql_verdicts
             verdict = verdicts.get(text)
             if verdict is None:

@@ -34,6 +34,7 @@ Start = Callable[["ProxyContext", str, int], Awaitable[Any]]  # (its context, ho
 # place, to send to the gateway's own listener: how the proxy manager forwards a local client (gatewayd.agent.manager)
 ForwardOpening = Callable[[Any, Any, str], Awaitable[bytes]]
 ForwardServe = Callable[["socket.socket", str], Awaitable[None]]  # (a connected socket, the credential's secret)
+CheckSettings = Callable[[dict[str, Any]], "str | None"]  # a connection's settings -> what is wrong with them, or None
 
 
 def lazy_start(module: str) -> Start:
@@ -80,6 +81,8 @@ class ProtocolDescription:
     forward_opening: ForwardOpening | None = None  # the proxy manager forwards this protocol's local clients
     # ... or hands each one to the running proxy with the credential (SSH: the client's own login is encrypted)
     forward_serve: ForwardServe | None = None
+    # what is wrong with a connection's ``settings`` for this protocol (its own keys), said as a 422; None: fine
+    check_settings: CheckSettings | None = None
 
     @property
     def default_listen(self) -> str:

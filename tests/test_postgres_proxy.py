@@ -322,7 +322,7 @@ async def test_unreachable_or_refusing_target_is_fatal_08001(gateway, api):
     session = await api.done_session(session_id)
     assert session["exit_code"] == 254 and "its PORT is not a port number" in of_kind(session, "e")[0]
 
-    missing_db = await api.role()
+    missing_db = await api.role(db="no_such_db")  # the role's own database: the target says it is missing
     secret, _ = await api.credential(missing_db)
     result = psql(gateway, secret, "-c", "select 1", database="no_such_db")
     assert result.returncode != 0 and 'database "no_such_db" does not exist' in result.stderr
@@ -416,7 +416,7 @@ async def test_notice_notify_and_parameter_status_are_relayed(gateway, api, admi
 
 async def test_pgbench_initialises_and_runs_in_every_query_mode(gateway, api, admin):
     await admin.execute("create database bench")
-    role = await api.role()
+    role = await api.role(db="bench")
     secret, _ = await api.credential(role)
     env = {**os.environ, "PGPASSWORD": "any", "PGSSLMODE": "disable"}
     base = ["-h", "127.0.0.1", "-p", str(gateway.pg_port), "-U", secret]

@@ -649,6 +649,13 @@ class Parse(Message):
         return self._decoded()[1]
 
     @property
+    def sql_bytes(self) -> bytes:
+        """The statement's bytes as sent (``sql`` is their UTF-8 reading)."""
+        cur = self._cursor()
+        cur.cbytes()
+        return cur.cbytes()
+
+    @property
     def param_types(self) -> list[int]:
         return self._decoded()[2]
 

@@ -11,15 +11,21 @@ cdef class Pending:
     cdef public object statement
 
 cdef class ClientSide:
+    cdef public bint bound
     cdef public dict columns
     cdef public bint discarding
+    cdef public object functions
+    cdef public Py_ssize_t limit
     cdef public dict parsed
     cdef public object pending
     cdef public SessionPolicy policy
     cdef public dict portals
+    cdef public object prepared
+    cdef public object reading
     cdef public dict statements
     cdef public object substitute
     cdef public object verdict
+    cdef public object work
     cpdef int on_message(self, Message message)
     cpdef int _query(self, Query query)
     cpdef int _parse(self, Parse parse)
@@ -50,6 +56,7 @@ cdef class ServerSide:
     cdef public Py_ssize_t out_chars
     cdef public object pending
     cdef public SessionPolicy policy
+    cdef public object reading
     cdef public list replies
     cdef public object sources
     cdef public object sources_for

@@ -35,6 +35,8 @@ arrive.  That is how a block is answered in the right place of a pipeline:
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import secrets
 import struct
@@ -43,7 +45,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 from proxies.postgres.codec import (
     FORMAT_BINARY,
@@ -62,10 +64,12 @@ from proxies.postgres.codec import (
     Execute,
     FrameBatch,
     FunctionCall,
+    FunctionCallResponse,
     Message,
     NoData,
     NoticeResponse,
     NotificationResponse,
+    ParameterStatus,
     Parse,
     ParseComplete,
     Query,
@@ -79,19 +83,26 @@ from proxies.postgres.codec import (
     encode_copy_fail,
     encode_error_response,
     encode_flush,
+    encode_function_call_response,
     encode_sync,
     render_text_row,
     resolve_formats,
 )
 
-from gatewayd.guardrails import GuardVerdict
+from gatewayd.guardrails import AUDIT_INPUT_CHARS, GuardVerdict
 from gatewayd.masking import FIXED
+from gatewayd.policy import check_input_later
+from proxies.postgres.fastpath import SETTING as FUNCTION_CALLS_SETTING
+from proxies.postgres.fastpath import call_sql, function_name
+from proxies.postgres.reading import SessionReading, StatementText
 
 if TYPE_CHECKING:
     from gatewayd.masking import Masker
     from gatewayd.policy import SessionPolicy
 
 BLOCKED_SQLSTATE = "42501"  # insufficient_privilege
+OFF_LOOP_BYTES = 64 * 1024  # a longer statement is read by the rules in a worker thread while the relay holds it
+DEFAULT_MAX_STATEMENT_BYTES = 1024 * 1024  # postgres.max_statement_bytes: a longer one is refused under input rules
 OUTPUT_FLUSH_CHARS = 64 * 1024  # an ``o`` event is cut at about this size
 MAX_PARAM_CHARS = 1024  # longer bind parameters are shortened in the recording
 DESCRIPTION_CACHE_SIZE = 64  # RowDescriptions remembered per session, by frame
@@ -776,20 +787,36 @@ class ClientSide:
     """
 
     __slots__ = (
+        "bound",
         "columns",
         "discarding",
+        "functions",
+        "limit",
         "parsed",
         "pending",
         "policy",
         "portals",
+        "prepared",
+        "reading",
         "statements",
         "substitute",
         "verdict",
+        "work",
     )
 
-    def __init__(self, policy: SessionPolicy, pending: deque[Pending], columns: dict[str, tuple[int, ...]]) -> None:
+    def __init__(self, policy: SessionPolicy, pending: deque[Pending], columns: dict[str, tuple[int, ...]],
+                 reading: SessionReading | None = None, functions: frozenset[int] = frozenset()) -> None:
         self.policy = policy
         self.pending = pending
+        # the settings that change how the target reads SQL, as it reported them (the ServerSide keeps it current)
+        self.reading = reading if reading is not None else SessionReading()
+        self.bound = False  # a Bind ran since the last Sync or Query: it may have changed those settings
+        self.functions = functions  # the FunctionCall OIDs the connection allows under input rules (fastpath.py)
+        self.limit = DEFAULT_MAX_STATEMENT_BYTES  # the longest statement the rules read (postgres.max_statement_bytes)
+        # a held statement (WAIT): ``work`` decides about it; ``prepared`` is (message, text, verdict) once a long
+        # statement was read off the loop, taken when the message comes again
+        self.work: Callable[[], Awaitable[None]] | None = None
+        self.prepared: tuple[Message, str, GuardVerdict | None] | None = None
         self.columns = columns  # statement -> result column type OIDs, shared with the ServerSide
         # statement -> its SQL as last parsed: parsing the same SQL again (asyncpg without its statement cache
         # parses in its prepare and again in its execute) keeps what its Describe said of its columns
@@ -810,6 +837,7 @@ class ClientSide:
                 return FORWARD
             return TERMINATE if kind is Terminate else DROP
         if kind is Bind:
+            self.bound = True
             return self._bind(message)  # type: ignore[arg-type]
         if kind is Execute:
             self.pending.append(self.portals.get(message.portal, _EXECUTE))  # type: ignore[attr-defined]
@@ -821,10 +849,14 @@ class ClientSide:
             self.pending.append(Pending(DESCRIBE, None, None, name))
             return FORWARD
         if kind is Sync:
+            self.bound = False
             self.pending.append(_SYNC_POINT)
             return FORWARD
         if kind is Query:
-            return self._query(message)  # type: ignore[arg-type]
+            action = self._query(message)  # type: ignore[arg-type]
+            if action != WAIT:
+                self.bound = False
+            return action
         if kind is Parse:
             return self._parse(message)  # type: ignore[arg-type]
         if kind is CopyData:
@@ -840,17 +872,107 @@ class ClientSide:
             self.pending.append(_CLOSE)
             return FORWARD
         if kind is FunctionCall:
-            self.pending.append(_UNTIL_READY)
-            return FORWARD
+            return self._function_call(message)  # type: ignore[arg-type]
         if kind is Terminate:
             return TERMINATE
         return FORWARD  # Describe, Flush, CopyDone, CopyFail, and anything the target will judge
 
+    def _read(self, message: Query | Parse) -> StatementText | None:
+        """The statement as the target will read it, when that is not the codec's UTF-8 text alone (None).
+
+        Read under the reported settings when nothing is in flight; else under every setting an
+        answer not yet seen may have changed to (proxies/postgres/reading.py)."""
+        reading = self.reading
+        certain = not self.pending and not self.bound
+        if reading.plain and certain:
+            return None
+        raw = message.sql_bytes
+        if reading.plain and raw.isascii() and b"\\" not in raw:
+            return None
+        return reading.read(raw, certain)
+
+    def _refuse(self, statement: StatementText) -> GuardVerdict:
+        """A statement the gateway cannot read as the target will: recorded, then refused (fail closed)."""
+        self.policy.record_input(statement.text)
+        return self._unreadable(statement)
+
+    @staticmethod
+    def _unreadable(statement: StatementText) -> GuardVerdict:
+        return GuardVerdict(False, f"validation error, the gateway cannot read this statement the way the server "
+                                   f"will: {statement.refusal}", "input", "reading", "",
+                            statement.text[:AUDIT_INPUT_CHARS])
+
+    def _judged(self, message: Query | Parse) -> tuple[str, GuardVerdict | None] | None:
+        """The verdict on a long statement under input rules, when it has one; None after arranging for it: the
+        rules read it in a worker thread (``work``, the relay holds the message meanwhile) or it is too long."""
+        prepared = self.prepared
+        if prepared is not None and prepared[0] is message:
+            self.prepared = None
+            return prepared[1], prepared[2]
+        size = len(message.sql_bytes)
+        if size > self.limit:
+            text = message.sql
+            return text, GuardVerdict(
+                False, f"validation error, a statement of {size} bytes is longer than the gateway reads under input "
+                       f"rules (postgres.max_statement_bytes = {self.limit})", "input", "size", "",
+                text[:AUDIT_INPUT_CHARS])
+        self.work = functools.partial(self._read_later, message, not self.pending and not self.bound,
+                                      self.reading.snapshot())
+        return None
+
+    async def _read_later(self, message: Query | Parse, certain: bool, reading: SessionReading) -> None:
+        """Read a long statement off the loop (``_judged``): decoded, its readings, the rules' verdict."""
+        statement = await asyncio.to_thread(reading.read, message.sql_bytes, certain)
+        if statement.refusal is not None:
+            verdict: GuardVerdict | None = self._unreadable(statement)
+        else:
+            verdict = await check_input_later(self.policy, statement.text, sql=True, readings=statement.readings)
+        self.prepared = (message, statement.text, verdict)
+
     def _query(self, query: Query) -> int:
-        verdict = self.policy.input(query.sql, None, sql=True)  # recorded, blocked or not
+        policy = self.policy
+        if not policy.checks_input:
+            verdict = policy.input(query.sql, None, sql=True)  # recorded
+        elif len(query) > OFF_LOOP_BYTES:
+            judged = self._judged(query)
+            if judged is None:
+                return WAIT
+            text, verdict = judged
+            policy.record_input(text)
+        else:
+            statement = self._read(query)
+            if statement is None:
+                verdict = policy.input(query.sql, None, sql=True)  # recorded, blocked or not
+            elif statement.refusal is not None:
+                verdict = self._refuse(statement)
+            else:
+                verdict = policy.input(statement.text, None, sql=True, cache=False, readings=statement.readings)
         if verdict is not None:
             self.verdict = verdict
             self.substitute = SYNC  # answered by ReadyForQuery with the true transaction status
+            self.pending.append(Pending(SYNC_POINT, error=blocked_error(verdict)))
+            return BLOCK
+        self.pending.append(_UNTIL_READY)
+        return FORWARD
+
+    def _function_call(self, call: FunctionCall) -> int:
+        """A fast-path FunctionCall: always recorded as the call it is; under input rules refused unless the
+        connection allows its function (``fastpath.py``), and then read by the rules like a query."""
+        policy = self.policy
+        oid, formats, args, _ = call._decoded()
+        text = render_params(call_sql(oid, len(args)), args, formats)
+        if policy.checks_input and oid not in self.functions:
+            policy.record_input(text)
+            verdict: GuardVerdict | None = GuardVerdict(
+                False, f"validation error, a fast-path function call of {function_name(oid)} is refused on a "
+                       f"connection with input rules (the connection may allow it: {FUNCTION_CALLS_SETTING})",
+                "input", "function_call", "", text[:AUDIT_INPUT_CHARS])
+        else:
+            verdict = policy.input(text, None, sql=True)
+        self.bound = False
+        if verdict is not None:
+            self.verdict = verdict
+            self.substitute = SYNC  # answered by ReadyForQuery, as the FunctionCall would have been
             self.pending.append(Pending(SYNC_POINT, error=blocked_error(verdict)))
             return BLOCK
         self.pending.append(_UNTIL_READY)
@@ -860,7 +982,20 @@ class ClientSide:
         sql = parse.sql
         policy = self.policy
         if policy.checks_input:  # an allowed Parse is recorded with its Bind's parameters
-            verdict = policy.check_input(sql, sql=True, cache=True)  # drivers parse the same SQL again and again
+            if len(parse) > OFF_LOOP_BYTES:
+                judged = self._judged(parse)
+                if judged is None:
+                    return WAIT
+                sql, verdict = judged
+            else:
+                statement = self._read(parse)
+                if statement is None:
+                    verdict = policy.check_input(sql, sql=True, cache=True)  # drivers parse the same SQL again and again
+                elif statement.refusal is not None:
+                    verdict, sql = self._unreadable(statement), statement.text
+                else:
+                    sql = statement.text
+                    verdict = policy.check_input(sql, sql=True, cache=False, readings=statement.readings)
             if verdict is not None:
                 policy.record_input(sql)
                 self.verdict = verdict
@@ -900,21 +1035,26 @@ class WaitingClientSide(ClientSide):
 
     __slots__ = ("waiting",)
 
-    def __init__(self, policy: SessionPolicy, pending: deque[Pending], columns: dict[str, tuple[int, ...]]) -> None:
-        super().__init__(policy, pending, columns)
+    def __init__(self, policy: SessionPolicy, pending: deque[Pending], columns: dict[str, tuple[int, ...]],
+                 reading: SessionReading | None = None, functions: frozenset[int] = frozenset()) -> None:
+        super().__init__(policy, pending, columns, reading, functions)
         self.waiting = ""
 
     def _query(self, query: Query) -> int:
         if self.policy.needs_wait(query.sql, sql=True):
-            self.waiting = query.sql
+            self._wait(query.sql)
             return WAIT
         return ClientSide._query(self, query)
 
     def _parse(self, parse: Parse) -> int:
         if self.policy.needs_wait(parse.sql, sql=True):
-            self.waiting = parse.sql
+            self._wait(parse.sql)
             return WAIT
         return ClientSide._parse(self, parse)
+
+    def _wait(self, sql: str) -> None:
+        self.waiting = sql
+        self.work = functools.partial(self.policy.decide, sql, sql=True)
 
 
 class ServerSide:
@@ -942,6 +1082,7 @@ class ServerSide:
         "out_chars",
         "pending",
         "policy",
+        "reading",
         "records_later",
         "replies",
         "sources",
@@ -988,6 +1129,9 @@ class ServerSide:
         self.records_later = False
         self.deferring = False
         self.later: list[object] = []
+        # the settings that change how the target reads SQL: kept current from its ParameterStatus (the client side
+        # reads statements with it)
+        self.reading: SessionReading | None = None
 
     def process(self, reader: BackendReader, batch: FrameBatch) -> None:
         """The complete messages in ``reader``: forwardable frames and injected errors go to ``batch``.
@@ -1020,6 +1164,16 @@ class ServerSide:
                 self._close_complete(message, batch)  # type: ignore[arg-type]
             elif (kind is BindComplete or kind is ParseComplete) and not self.cut:
                 batch.add(message)  # what ``_other`` does with them, without asking what else they might be
+            elif kind is ParameterStatus and self.reading is not None:
+                self.reading.observe(message.name, message.value)  # type: ignore[attr-defined]
+                if self.cut:
+                    self._swallow(message, batch)
+                else:
+                    self._other(message, batch, render)
+            elif kind is FunctionCallResponse and not self.cut:
+                self._function_result(message, batch)  # type: ignore[arg-type]
+                if self.blocks:
+                    return
             elif self.cut:
                 self._swallow(message, batch)
             else:
@@ -1246,6 +1400,46 @@ class ServerSide:
         elif message.TYPE in _RESULT_ENDS:  # EmptyQueryResponse, PortalSuspended
             self.flush_output()
             self._end_result()
+
+    def _function_result(self, message: FunctionCallResponse, batch: FrameBatch) -> None:
+        """A fast-path function's result: checked, masked and recorded like a row of one value.
+
+        A rule masking by column name cannot place it (it has no column): the result is withheld (fail closed)."""
+        value = message.result
+        policy = self.policy
+        masker = self.masker
+        if value is None:
+            text = "NULL"
+        else:
+            try:
+                text = value.decode("utf-8")
+            except UnicodeDecodeError:
+                text = "\\x" + value.hex()
+        if policy.checks_output:
+            verdict = policy.check_output(text)
+            if verdict is not None:
+                self._cut(verdict, batch)
+                return
+        if masker is not None and value is not None:
+            if masker.columns:
+                self._cut(GuardVerdict(False, "result withheld: a masking rule by column name cannot read a fast-path "
+                                              "function call's result (it names no column)", "output", "mask"), batch)
+                return
+            masked = masker.mask(value)
+            if masked is not None:
+                if masker.seal is not None:
+                    policy.record_clear(text)
+                value, count = masked
+                policy.count_masked(count)
+                batch.add_bytes(encode_function_call_response(value))
+                text = value.decode("utf-8", "replace")
+            else:
+                batch.add(message)
+        else:
+            batch.add(message)
+        if policy.recording:
+            self._emit(text)
+            self.flush_output()
 
     def _command_complete(self, message: CommandComplete) -> None:
         if self.policy.recording:

@@ -39,10 +39,12 @@ from proxies.postgres.codec import (
     FrontendReader,
     GSSENCRequest,
     Message,
+    ParameterStatus,
     PasswordMessage,
     ProtocolError,
     SSLRequest,
     StartupMessage,
+    decode_backend,
     encode_authentication_cleartext_password,
     encode_authentication_ok,
     encode_backend_key_data,
@@ -50,6 +52,8 @@ from proxies.postgres.codec import (
     encode_negotiate_protocol_version,
     encode_ready_for_query,
 )
+from proxies.postgres.fastpath import allowed_functions
+from proxies.postgres.reading import SessionReading
 from proxies.postgres.relay import ClientSide, Pending, ServerSide, WaitingClientSide
 from proxies.postgres.session import CLIENT, TARGET, RelaySession
 from proxies.postgres.stream import FrameStream
@@ -124,6 +128,19 @@ CANCEL_KEYS = CancelKeys()
 _CANCEL_ROUTES: set[int] = set()  # the clusters whose cancel topic a listener of this process answers already
 
 
+DATABASES_SETTING = "settings.postgres.databases"
+
+
+def database_allowed(settings: dict[str, Any], database: str, own: str) -> bool:
+    """Whether a client may name ``database`` in its start-up packet: the role's own (``own``), or one the
+    connection lists in ``settings.postgres.databases`` (``"*"``: any)."""
+    if database == own:
+        return True
+    postgres = settings.get("postgres") if isinstance(settings, dict) else None
+    allowed = postgres.get("databases") if isinstance(postgres, dict) else None
+    return isinstance(allowed, list) and ("*" in allowed or database in allowed)
+
+
 def fatal(sqlstate: str, message: str) -> bytes:
     return encode_error_response("FATAL", sqlstate, message)
 
@@ -133,6 +150,7 @@ class PostgresListener:
 
     def __init__(self, context: ProxyContext, tls_context: ssl.SSLContext | None) -> None:
         self.pipeline = context.pipeline
+        self.settings = context.settings
         self.tls_context = tls_context
         self.server: asyncio.base_events.Server | None = None
         self.cancel_keys = CANCEL_KEYS
@@ -301,6 +319,13 @@ class ClientConnection:
         if not database or database == parameters.get("user"):
             database = None  # libpq sends the user name when none is given: take the role's DB
         settings = TargetSettings.from_role(connection.target(), database)
+        if database is not None and not database_allowed(connection.settings, database,
+                                                         TargetSettings.from_role(connection.target()).database):
+            reason = (f'database "{database}" is not reachable through connection "{connection.name}" '
+                      f"(its database is the role's; the connection may allow others: {DATABASES_SETTING})")
+            await self.pipeline.refuse(grant, "postgres", reason, self.client_ip)
+            self.send_fatal("42501", reason)
+            return
 
         async def dial(dialer: Dialer) -> TargetLink:
             return await connect_target(settings, parameters, connection.name, dialer=dialer)
@@ -375,8 +400,16 @@ class ClientConnection:
                     server.set_sources(await self._column_sources(policy, settings, connection),
                                        self._column_names(policy))
             run.live.reload_rules = reload_and_look_up
-        relay = RelaySession(self.stream.transport, link.transport, self.frontend, link.backend,
-                             (WaitingClientSide if policy.waits else ClientSide)(policy, pending, columns), server,
+        reading = SessionReading()
+        for frame in link.startup_frames:  # the settings the target started with (its start-up ParameterStatus)
+            message = decode_backend(frame)
+            if isinstance(message, ParameterStatus):
+                reading.observe(message.name, message.value)
+        server.reading = reading
+        client = (WaitingClientSide if policy.waits else ClientSide)(policy, pending, columns, reading,
+                                                                      allowed_functions(connection.settings))
+        client.limit = self.listener.settings.get("max_statement_bytes") or client.limit
+        relay = RelaySession(self.stream.transport, link.transport, self.frontend, link.backend, client, server,
                              policy)
         self.stream.release()
         link.stream.release()
