@@ -26,6 +26,8 @@ from pathlib import Path
 import asyncpg
 import psycopg
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.apiclient import PostgresApi, admin_http, events
 from tests.conftest import proxy_daemon
@@ -119,11 +121,8 @@ async def api(gateway, oracle):
         yield PostgresApi(gateway, http, oracle)
 
 
-@pytest.fixture
-async def guarded(api, oracle):
-    """A connection to the oracle database as app under the issue's rules; the log emptied, the table whole."""
-    role = await api.role(user="app", password=APP_PASSWORD, db=DB)
-    await api.guardrail(role, input_rules=RULES)
+async def reset_target(oracle) -> None:
+    """The guarded table whole again, the log of what ran empty (the triggers off while it is set up)."""
     admin = await asyncpg.connect(oracle.dsn(database=DB))
     try:
         await admin.execute("ALTER EVENT TRIGGER oracle_ddl DISABLE; ALTER EVENT TRIGGER oracle_drop DISABLE")
@@ -133,6 +132,14 @@ async def guarded(api, oracle):
                             "DELETE FROM executed")
     finally:
         await admin.close()
+
+
+@pytest.fixture
+async def guarded(api, oracle):
+    """A connection to the oracle database as app under the issue's rules; the log emptied, the table whole."""
+    role = await api.role(user="app", password=APP_PASSWORD, db=DB)
+    await api.guardrail(role, input_rules=RULES)
+    await reset_target(oracle)
     return role
 
 
@@ -302,6 +309,7 @@ async def test_a_trigger_function_and_its_trigger(api, gateway, guarded, oracle)
 
 @pytest.mark.parametrize("sql", [
     "MERGE INTO victim v USING (SELECT 1 AS id) s ON true WHEN MATCHED THEN DELETE",
+    "CREATE RULE r AS ON UPDATE TO victim DO ALSO DELETE FROM victim",
     "DROP OWNED BY CURRENT_USER",
     "ALTER TABLE victim DROP COLUMN email",
     "SELECT 1; TRUNCATE victim",
@@ -500,3 +508,43 @@ async def test_postgres_connection_settings_are_checked(api):
             "name": f"pg-bad-{len(says)}", "type": "database", "subtype": "postgres",
             "secret": {"envvar:HOST": "MTI3LjAuMC4x"}, "settings": settings})
         assert status == 422 and says in body["message"], body
+
+
+# -- generated: literals that read differently under the session's settings, then a payload
+
+LITERAL_BODY = st.lists(st.sampled_from(["a", "\\", "''", "\\'", " ", ";", "--", "\n", "/*", "*/", "$$"]),
+                        max_size=5).map("".join)
+LITERAL = st.tuples(st.sampled_from(["", "E", "N"]), LITERAL_BODY).map(lambda p: f"{p[0]}'{p[1]}'")
+ATTACK = st.tuples(st.lists(LITERAL, min_size=1, max_size=3), st.sampled_from(PAYLOAD.split("; ")),
+                   st.sampled_from([" --'", "'", " /*'", ""])).map(
+    lambda p: f"select {', '.join(p[0])}; {p[1]};{p[2]}")
+
+
+@pytest.fixture(scope="module")
+async def fuzzed(api, oracle, gateway):
+    """Two sessions on one guarded connection: the default settings, and standard_conforming_strings off."""
+    role = await api.role(user="app", password=APP_PASSWORD, db=DB)
+    await api.guardrail(role, input_rules=RULES)
+    await reset_target(oracle)
+    sessions = []
+    for options in ({}, {"standard_conforming_strings": "off", "escape_string_warning": "off"}):
+        secret, _ = await api.credential(role)
+        sessions.append(await asyncpg.connect(host="127.0.0.1", port=gateway.proxy_port, user=secret,
+                                              password="any", database=DB, ssl=False, server_settings=options))
+    yield sessions
+    for conn in sessions:
+        await conn.close()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(attack=ATTACK, off=st.booleans(), extended=st.booleans())
+async def test_generated_attacks_never_run_a_denied_statement(fuzzed, oracle, attack, off, extended):
+    conn = fuzzed[off]
+    try:
+        if extended:
+            await conn.fetch(attack)  # Parse: one statement, or the target refuses it
+        else:
+            await conn.execute(attack)  # Query: every statement of it
+    except (asyncpg.PostgresError, asyncpg.InterfaceError):
+        pass
+    await assert_nothing_denied_ran(oracle)

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import asyncpg
 import psycopg
@@ -101,7 +102,11 @@ def _constants(reading: str) -> list[list[str | None]] | None:
 
 
 @pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# a longer run (bench/README.md, "Guard-rail readings"): GATEWAYD_FUZZ_EXAMPLES=20000 pytest tests/test_sql_readings.py
+FUZZ_EXAMPLES = int(os.environ.get("GATEWAYD_FUZZ_EXAMPLES", "300"))
+
+
+@settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=STATEMENT)
 async def test_escape_reading_reads_what_the_server_reads(escaping_server, text: str) -> None:
     try:
