@@ -122,8 +122,8 @@ async def test_an_agent_cannot_open_a_stream_towards_the_gateway(gateway, api, t
         try:
             call = pb_grpc.AgentGatewayStub(channel).Tunnel(
                 metadata=(("authorization", f"Bearer {created['token']}"),))
-            await call.write(pb.Frame(stream_id="made-up-by-the-agent", connected=True))
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:  # refused before its frame is read, or at it
+                await call.write(pb.Frame(stream_id="made-up-by-the-agent", connected=True))
                 await call.read()
             assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
             assert "only the gateway opens streams" in refused.value.details()
@@ -457,5 +457,59 @@ async def test_a_flood_of_refused_tokens_from_one_address_is_throttled_and_audit
             throttled = await audit(api, "agent.throttle")
             assert len(throttled) == 1 and "too many refused calls from 127.0.0.1" in throttled[0]["error_message"]
             assert "agt-forged" not in str(await audit(api, "agent.refused") + throttled)
+    finally:
+        daemon.stop()
+
+
+async def test_calls_that_send_nothing_are_closed_at_once_and_a_flood_of_them_writes_no_row_each(tmp_path):
+    """Tunnel calls that send nothing -- no token, a forged one, an agent's own token for a stream the gateway did
+    not ask for -- are refused before the gateway reads anything of them (they were held open for as long as their
+    client kept them, 20,000 of them 111 MiB), and each refusal is counted against its address before anything is
+    written: the calls of a flood that were admitted before its throttle began end without a row each (they
+    wrote one each when they ended). A message that does not parse ends its call with INVALID_ARGUMENT and one
+    info line, not UNKNOWN and an error-level traceback."""
+    grpc_port = free_port()
+    daemon = Daemon(tmp_path / "data", {"grpc.listen": f"127.0.0.1:{grpc_port}",
+                                        "throttle.credential_failures": 3}).start()
+    try:
+        wait_port(grpc_port, daemon.process, "the gRPC listener")
+        async with aiohttp.ClientSession() as http:
+            api = Api(daemon, http, daemon.token("admin@example.com", groups="admin"))
+            created = await new_agent(api)
+            url = created["command"].split("--url ")[1].split()[0]
+            channel = await open_channel(url, created["command"].rsplit("--tls-fingerprint ", 1)[1])
+            try:
+                stub = pb_grpc.AgentGatewayStub(channel)
+                junk = channel.stream_stream("/gatewayd.agent.v1.AgentGateway/Connect",
+                                             request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw)(
+                    metadata=(("authorization", f"Bearer {created['token']}"),))
+                await junk.write(b"\xff\xff\xff\xff")
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await junk.read()
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
+                assert "does not parse" in refused.value.details()
+
+                tokens = ["", "Bearer agt-forged", f"Bearer {created['token']}"]
+                calls = [stub.Tunnel(metadata=(("authorization", tokens[n % 3]),)) for n in range(300)]
+
+                async def refusal(call: Any) -> grpc.StatusCode:
+                    try:
+                        await call.read()
+                    except grpc.aio.AioRpcError as error:
+                        return error.code()
+                    return grpc.StatusCode.OK
+
+                try:  # nothing is written on these calls: the gateway must end them itself
+                    codes = await asyncio.wait_for(asyncio.gather(*(refusal(call) for call in calls)), 20)
+                finally:
+                    for call in calls:
+                        call.cancel()
+            finally:
+                await channel.close()
+            assert set(codes) <= {grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+            assert len(await audit(api, "agent.stream_refused")) <= 3
+            assert len(await audit(api, "agent.throttle")) == 1
+        log = daemon.log_text()
+        assert "malformed gRPC message" in log and "DecodeError" not in log and "Traceback" not in log
     finally:
         daemon.stop()
