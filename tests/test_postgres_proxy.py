@@ -261,15 +261,38 @@ async def test_tls_with_sslmode_require_and_disable(gateway, api):
         await connection.close()
 
 
-async def test_upstream_md5_and_cleartext_authentication(gateway, api, admin):
+async def test_upstream_md5_and_cleartext_authentication(gateway, api, admin, cluster):
+    """A cleartext or MD5 password goes to the target only over TLS that verified it, or where the role allows it
+    (issue 31: SSLMODE prefer sent it to whoever answered); SCRAM goes anywhere (no password leaves), with channel
+    binding over TLS (the target offers SCRAM-SHA-256-PLUS there, and checks the binding)."""
     await admin.execute("set password_encryption = 'md5'; create role md5user login password 'md5-pass'")
     await admin.execute("reset password_encryption; create role plainuser login password 'plain-pass'")
-    for user, password in (("md5user", "md5-pass"), ("plainuser", "plain-pass")):
-        role = await api.role(user=user, password=password)
+    for user, password, method in (("md5user", "md5-pass", "MD5"), ("plainuser", "plain-pass", "cleartext")):
+        for sslmode in ("prefer", "require"):
+            role = await api.role(user=user, password=password, sslmode=sslmode)
+            secret, _ = await api.credential(role)
+            result = psql(gateway, secret, "-A", "-t", "-c", "select current_user")
+            assert result.returncode != 0 and f"the target asks for a{'n' if method == 'MD5' else ''} {method} " \
+                "password over a link the gateway has not verified, and the password was not sent" in result.stderr
+            assert password not in result.stderr
+        for extra in ({"ALLOW_UNVERIFIED_PASSWORD": "true"}, {"SSLMODE": "verify-full", "SSLROOTCERT": cluster.root_cert()},
+                      {"SSLMODE": "verify-ca", "SSLROOTCERT": cluster.root_cert()}):
+            role = await api.role(user=user, password=password, **extra)
+            secret, _ = await api.credential(role)
+            result = psql(gateway, secret, "-A", "-t", "-c", "select current_user")
+            assert result.returncode == 0, (extra, result.stderr)
+            assert result.stdout.strip() == user
+    for extra in ({}, {"SSLMODE": "verify-full", "SSLROOTCERT": cluster.root_cert()}, {"SSLMODE": "disable"}):
+        role = await api.role(**extra)  # SCRAM: -PLUS over TLS, plain without
         secret, _ = await api.credential(role)
         result = psql(gateway, secret, "-A", "-t", "-c", "select current_user")
-        assert result.returncode == 0, result.stderr
-        assert result.stdout.strip() == user
+        assert result.returncode == 0 and result.stdout.strip() == "postgres", (extra, result.stderr)
+    role = await api.role(sslmode="verify-full")  # the system's CAs do not know the cluster's certificate
+    secret, _ = await api.credential(role)
+    assert "TLS failed" in psql(gateway, secret, "-c", "select 1").stderr
+    role = await api.role(sslmode="verify_full")  # a typo does not fall back to a weaker mode
+    secret, _ = await api.credential(role)
+    assert "its SSLMODE is not one of" in psql(gateway, secret, "-c", "select 1").stderr
 
 
 async def test_upstream_sslmode_of_the_role(gateway, api, admin):
