@@ -295,6 +295,46 @@ async def test_upstream_md5_and_cleartext_authentication(gateway, api, admin, cl
     assert "its SSLMODE is not one of" in psql(gateway, secret, "-c", "select 1").stderr
 
 
+async def test_a_target_that_skips_its_scram_proof_is_refused(gateway, api):
+    """An impostor that asks for SCRAM, takes the client's proof and answers AuthenticationOk without its own proof
+    (AuthenticationSASLFinal: only a server that knows the password can make it) is not taken for the target."""
+    proofs: list[bytes] = []
+
+    async def impostor(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            (length,) = struct.unpack(">i", await reader.readexactly(4))
+            await reader.readexactly(length - 4)  # the start-up message (SSLMODE disable: no SSLRequest)
+            writer.write(pg.encode_message(b"R", struct.pack(">i", 10) + b"SCRAM-SHA-256\0\0"))
+            kind, body = await read_frame(reader)  # SASLInitialResponse: "n,,n=,r=<nonce>"
+            nonce = body.split(b"r=", 1)[1].decode()
+            writer.write(pg.encode_message(b"R", struct.pack(">i", 11) +
+                                           f"r={nonce}impostor,s=c2FsdA==,i=4096".encode()))
+            proofs.append((await read_frame(reader))[1])  # SASLResponse with the proof
+            writer.write(pg.encode_message(b"R", struct.pack(">i", 0)) + pg.encode_message(b"Z", b"I"))
+            await reader.read()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(impostor, "127.0.0.1", 0)
+    try:
+        role = await api.role(port=server.sockets[0].getsockname()[1], sslmode="disable")
+        secret, _ = await api.credential(role)
+        result = await asyncio.to_thread(psql, gateway, secret, "-c", "select 1")
+        assert result.returncode != 0 and "it ended SCRAM without proving that it knows the password" in \
+            result.stderr, result.stderr
+        assert len(proofs) == 1  # it got a proof (bound to this exchange), never the password
+    finally:
+        server.close()
+
+
+async def read_frame(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    kind = await reader.readexactly(1)
+    (length,) = struct.unpack(">i", await reader.readexactly(4))
+    return kind, await reader.readexactly(length - 4)
+
+
 async def test_upstream_sslmode_of_the_role(gateway, api, admin):
     for sslmode, encrypted in (("require", True), ("prefer", True), ("disable", False)):
         role = await api.role(sslmode=sslmode)
