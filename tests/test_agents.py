@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -428,10 +429,10 @@ async def test_a_second_grpc_server_on_the_same_address_is_refused(tmp_path):
         await first.stop()
 
 
-async def test_a_flood_of_refused_tokens_from_one_address_is_throttled_and_audited_once(tmp_path):
-    """Forged agent tokens from one address: each refused and audited up to the proxies' limit of refused
-    credentials per address, then refused at once (RESOURCE_EXHAUSTED: no token lookup, no entry each) with one
-    ``agent.throttle`` entry; the audit log does not grow with the flood."""
+@asynccontextmanager
+async def throttled_gateway(tmp_path: Path) -> Any:
+    """A gateway of its own that throttles an address after 3 refusals, its admin API, an agent of it and a gRPC
+    channel to it (the agent's certificate pinned)."""
     grpc_port = free_port()
     daemon = Daemon(tmp_path / "data", {"grpc.listen": f"127.0.0.1:{grpc_port}",
                                         "throttle.credential_failures": 3}).start()
@@ -442,23 +443,30 @@ async def test_a_flood_of_refused_tokens_from_one_address_is_throttled_and_audit
             created = await new_agent(api)
             url = created["command"].split("--url ")[1].split()[0]
             channel = await open_channel(url, created["command"].rsplit("--tls-fingerprint ", 1)[1])
-            codes = []
             try:
-                for n in range(6):
-                    call = pb_grpc.AgentGatewayStub(channel).Connect(
-                        metadata=(("authorization", f"Bearer agt-forged-{n}"),))
-                    with pytest.raises(grpc.aio.AioRpcError) as refused:
-                        await call.read()
-                    codes.append(refused.value.code())
+                yield daemon, api, created, channel
             finally:
                 await channel.close()
-            assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 3 + [grpc.StatusCode.RESOURCE_EXHAUSTED] * 3
-            assert len(await audit(api, "agent.refused")) == 3
-            throttled = await audit(api, "agent.throttle")
-            assert len(throttled) == 1 and "too many refused calls from 127.0.0.1" in throttled[0]["error_message"]
-            assert "agt-forged" not in str(await audit(api, "agent.refused") + throttled)
     finally:
         daemon.stop()
+
+
+async def test_a_flood_of_refused_tokens_from_one_address_is_throttled_and_audited_once(tmp_path):
+    """Forged agent tokens from one address: each refused and audited up to the proxies' limit of refused
+    credentials per address, then refused at once (RESOURCE_EXHAUSTED: no token lookup, no entry each) with one
+    ``agent.throttle`` entry; the audit log does not grow with the flood."""
+    async with throttled_gateway(tmp_path) as (daemon, api, created, channel):
+        codes = []
+        for n in range(6):
+            call = pb_grpc.AgentGatewayStub(channel).Connect(metadata=(("authorization", f"Bearer agt-forged-{n}"),))
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call.read()
+            codes.append(refused.value.code())
+        assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 3 + [grpc.StatusCode.RESOURCE_EXHAUSTED] * 3
+        assert len(await audit(api, "agent.refused")) == 3
+        throttled = await audit(api, "agent.throttle")
+        assert len(throttled) == 1 and "too many refused calls from 127.0.0.1" in throttled[0]["error_message"]
+        assert "agt-forged" not in str(await audit(api, "agent.refused") + throttled)
 
 
 async def test_calls_that_send_nothing_are_closed_at_once_and_a_flood_of_them_writes_no_row_each(tmp_path):
@@ -468,51 +476,37 @@ async def test_calls_that_send_nothing_are_closed_at_once_and_a_flood_of_them_wr
     written: the calls of a flood that were admitted before its throttle began end without a row each (they
     wrote one each when they ended). A message that does not parse ends its call with INVALID_ARGUMENT and one
     info line, not UNKNOWN and an error-level traceback."""
-    grpc_port = free_port()
-    daemon = Daemon(tmp_path / "data", {"grpc.listen": f"127.0.0.1:{grpc_port}",
-                                        "throttle.credential_failures": 3}).start()
-    try:
-        wait_port(grpc_port, daemon.process, "the gRPC listener")
-        async with aiohttp.ClientSession() as http:
-            api = Api(daemon, http, daemon.token("admin@example.com", groups="admin"))
-            created = await new_agent(api)
-            url = created["command"].split("--url ")[1].split()[0]
-            channel = await open_channel(url, created["command"].rsplit("--tls-fingerprint ", 1)[1])
+    async with throttled_gateway(tmp_path) as (daemon, api, created, channel):
+        stub = pb_grpc.AgentGatewayStub(channel)
+        junk = channel.stream_stream("/gatewayd.agent.v1.AgentGateway/Connect", request_serializer=lambda raw: raw,
+                                     response_deserializer=lambda raw: raw)(
+            metadata=(("authorization", f"Bearer {created['token']}"),))
+        await junk.write(b"\xff\xff\xff\xff")
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await junk.read()
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
+        assert "does not parse" in refused.value.details()
+
+        tokens = ["", "Bearer agt-forged", f"Bearer {created['token']}"]
+        calls = [stub.Tunnel(metadata=(("authorization", tokens[n % 3]),)) for n in range(300)]
+
+        async def refusal(call: Any) -> grpc.StatusCode:
             try:
-                stub = pb_grpc.AgentGatewayStub(channel)
-                junk = channel.stream_stream("/gatewayd.agent.v1.AgentGateway/Connect",
-                                             request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw)(
-                    metadata=(("authorization", f"Bearer {created['token']}"),))
-                await junk.write(b"\xff\xff\xff\xff")
-                with pytest.raises(grpc.aio.AioRpcError) as refused:
-                    await junk.read()
-                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
-                assert "does not parse" in refused.value.details()
+                await call.read()
+            except grpc.aio.AioRpcError as error:
+                return error.code()
+            return grpc.StatusCode.OK
 
-                tokens = ["", "Bearer agt-forged", f"Bearer {created['token']}"]
-                calls = [stub.Tunnel(metadata=(("authorization", tokens[n % 3]),)) for n in range(300)]
-
-                async def refusal(call: Any) -> grpc.StatusCode:
-                    try:
-                        await call.read()
-                    except grpc.aio.AioRpcError as error:
-                        return error.code()
-                    return grpc.StatusCode.OK
-
-                try:  # nothing is written on these calls: the gateway must end them itself
-                    codes = await asyncio.wait_for(asyncio.gather(*(refusal(call) for call in calls)), 20)
-                finally:
-                    for call in calls:
-                        call.cancel()
-            finally:
-                await channel.close()
-            assert set(codes) <= {grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
-            assert len(await audit(api, "agent.stream_refused")) <= 3
-            assert len(await audit(api, "agent.throttle")) == 1
+        try:  # nothing is written on these calls: the gateway must end them itself
+            codes = await asyncio.wait_for(asyncio.gather(*(refusal(call) for call in calls)), 20)
+        finally:
+            for call in calls:
+                call.cancel()
+        assert set(codes) <= {grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+        assert len(await audit(api, "agent.stream_refused")) <= 3
+        assert len(await audit(api, "agent.throttle")) == 1
         log = daemon.log_text()
         assert "malformed gRPC message" in log and "DecodeError" not in log and "Traceback" not in log
-    finally:
-        daemon.stop()
 
 
 # ------------------------------------------------------------------------ an agent that answers as the target
