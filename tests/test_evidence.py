@@ -132,6 +132,7 @@ def test_the_audit_log_s_record_of_the_sealing_tells_a_seal_removed_replaced_or_
     assert not result.verified and result.problems == [
         "it was sealed 2 times (audit log, 2026-11-23T07:00:00Z, 2026-11-24T07:00:00Z): a session is sealed once, so "
         "its recording or its row was altered and it was closed again"]
+    assert check(links, events, head, seal, size, sealings=[first, dict(first, sealed_at="later")]).verified  # again
     result = check(cut_links, cut_events, cut_head, None, cut_size, status="open", sealings=[first])
     assert not result.verified and result.problems == [
         "it was sealed on 2026-11-23T07:00:00Z (audit log) but has no seal now: the seal was removed"]
