@@ -214,12 +214,14 @@ class Gateway:
     async def open_core(self) -> None:
         """Store and core services, without network listeners (also used by the CLI)."""
         self.store = await open_store(self.config)
+        sealer = await Sealer.load(self.store)
+        self.store.audit_key = sealer.audit_key  # the audit chain's links are made and checked with it
         self.audit = AuditLog(self.store)
         self.identity = Identity(self.config, self.store)
         self.access = AccessService(self.store, self.audit, Throttle(
             self.config["throttle.credential_failures"], self.config["throttle.credential_window"]))
         self.recording = RecordingService(self.store, self.config["sessions.recording_cap_bytes"],
-                                          self.config["sessions.flush_interval"], await Sealer.load(self.store))
+                                          self.config["sessions.flush_interval"], sealer)
         self.cluster = Cluster(self.store, self.node_name(), lease=self.config["cluster.lease"],
                                version=self.version, api_address=self.config["api.listen"])
         self.sessions = SessionManager(self.store, self.recording, self.audit, self.cluster)

@@ -107,6 +107,13 @@ class DirectDialer:
             raise DialError(connection, _reason(exc)) from None
 
 
+def through_agent(dialer: object) -> bool:
+    """Whether ``dialer`` reaches its targets through an agent (its ``route`` is not empty): the bytes then cross a
+    process inside the target's network that could answer as the target itself, so a target is verified before
+    any secret is sent to it (proxies/postgres/upstream.py, proxies/ssh/target.py)."""
+    return bool(getattr(dialer, "route", ""))
+
+
 def reason_of(exc: OSError) -> str:
     """The system's words for a failed connect ("connection refused"), never the address asyncio adds."""
     if isinstance(exc, socket.gaierror):

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from gatewayd import metrics
-from gatewayd.evidence import EVENT_HEAD, EventBatch, Sealer, Verification, chain_hash, seal_statement, verify_recording
+from gatewayd.evidence import EVENT_HEAD, EventBatch, Sealer, Verification, chain_hash, verify_recording
 from gatewayd.models import CHAIN_GENESIS, Session
 from gatewayd.store import Store
 
@@ -225,8 +225,10 @@ class RecordingService:
                     raise
                 metrics.flushed(batches, self._recorders, _monotonic() - began)
 
-    async def close(self, recorder: SessionRecorder, *, end_date: str, exit_code: int | None) -> None:
-        """Flush a recorder's last events together with the session's end (status done) and its seal."""
+    async def close(self, recorder: SessionRecorder, session: Session, *, end_date: str, exit_code: int | None) -> str:
+        """Flush a recorder's last events together with the session's end (status done) and its seal; the seal.
+
+        ``session``: the session as stored (its identity is sealed with the recording: ``Sealer.seal``)."""
         async with self._flush_lock:
             recorder.closed = True
             self._recorders.pop(recorder.session_id, None)
@@ -234,8 +236,8 @@ class RecordingService:
             recorder.metrics["event_size"] = recorder.recorded
             fields = {"event_size": recorder.recorded, "metrics": dict(recorder.metrics),
                       "chain_head": recorder.chain_head}
-            seal = self.sealer.sign(seal_statement(
-                recorder.session_id, recorder.chain_head, recorder.next_seq, recorder.recorded, exit_code, end_date))
+            seal = self.sealer.seal(session, recorder.chain_head, recorder.next_seq, recorder.recorded, exit_code,
+                                    end_date)
             if batch is None:
                 batch = EventBatch(recorder.session_id, recorder.next_seq, 0, b"", fields)
             else:
@@ -243,10 +245,11 @@ class RecordingService:
             began = _monotonic()
             await self.store.close_session(batch, end_date=end_date, exit_code=exit_code, seal=seal)
             metrics.flushed((batch,), {recorder.session_id: recorder}, _monotonic() - began, "close")
+            return seal
 
     async def verify(self, session: Session) -> Verification:
-        """Whether ``session``'s stored recording is as it was written (hashing runs off the event loop)."""
+        """Whether ``session``'s stored recording, identity and sealing are as they were written (hashing runs off
+        the event loop)."""
         links, events = await self.store.read_event_chain(session.id)
-        return await asyncio.to_thread(verify_recording, session.id, session.status, session.chain_head, session.seal,
-                                       session.event_size, session.exit_code, session.end_date, links, events,
-                                       self.sealer)
+        sealings = await self.store.sealings(session.id)
+        return await asyncio.to_thread(verify_recording, session, links, events, self.sealer, sealings)

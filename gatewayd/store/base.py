@@ -82,6 +82,10 @@ class AuditFilter:
 class Store(abc.ABC):
     """Persistent state of the gateway."""
 
+    # the key of the audit chain's links (``evidence.Sealer.audit_key``), set once the daemon has loaded it;
+    # None: links are plain hashes (a store opened without the gateway's key, as the contract tests do)
+    audit_key: bytes | None = None
+
     # lifecycle
     @abc.abstractmethod
     async def open(self) -> None: ...
@@ -413,6 +417,11 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def audit_chain(self, org_id: str) -> list[dict[str, Any]]:
         """An organization's audit entries as stored (JSON fields as text), oldest first."""
+
+    @abc.abstractmethod
+    async def sealings(self, session_id: str) -> list[dict[str, Any]]:
+        """The audit log's records of a session's sealing (``session.seal`` successes, in any organization), oldest
+        first: ``{"seal", "sealed_at", "org_id", "entry"}``."""
 
     @abc.abstractmethod
     async def list_audit(self, query: AuditFilter) -> Page: ...

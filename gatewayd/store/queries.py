@@ -12,7 +12,7 @@ from operator import itemgetter
 from typing import Any, Iterable
 
 from gatewayd.crypto import SecretBox
-from gatewayd.evidence import BatchLink, EventBatch, audit_hash, unpack_events
+from gatewayd.evidence import SEALED, BatchLink, EventBatch, audit_hash, unpack_events
 from gatewayd.models import (
     CHAIN_GENESIS,
     AccessRequestRule,
@@ -776,13 +776,28 @@ class SQLStore(Store):
                       (entry.org_id,))
         entry.prev_hash = last.rows[0][0] if last.rows and last.rows[0][0] else CHAIN_GENESIS
         stored = {name: encode(name, getattr(entry, name)) for name in columns(AuditEntry)}
-        entry.hash = audit_hash(entry.prev_hash, stored)  # over the values as they are stored
+        entry.hash = audit_hash(entry.prev_hash, stored, self.audit_key)  # over the values as they are stored
         yield insert("audit_logs", entry)
 
     async def audit_chain(self, org_id: str) -> list[dict[str, Any]]:
         rows = await self._all(f"SELECT * FROM audit_logs WHERE org_id = ? ORDER BY {self.dialect.row_order}",
                                (org_id,))
         return [dict(zip(r.keys(), tuple(r))) for r in rows]
+
+    async def sealings(self, session_id: str) -> list[dict[str, Any]]:
+        # the payload is {"session_id": ..., "seal": ...} as json.dumps writes it: matched by its start
+        start = json.dumps({"session_id": session_id})[:-1] + ","
+        pattern = start.replace("!", "!!").replace("%", "!%").replace("_", "!_") + "%"
+        rows = await self._all(
+            "SELECT id, org_id, created_at, request_payload_redacted FROM audit_logs WHERE action = ? "
+            f"AND outcome = 'success' AND request_payload_redacted LIKE ? ESCAPE '!' ORDER BY {self.dialect.row_order}",
+            (SEALED, pattern))
+        found = []
+        for row in rows:
+            payload = json.loads(row[3])  # SQLite's LIKE ignores case: the id is compared here again
+            if payload.get("session_id") == session_id:
+                found.append({"seal": payload.get("seal"), "sealed_at": row[2], "org_id": row[1], "entry": row[0]})
+        return found
 
     async def list_audit(self, query: AuditFilter) -> Page:
         where, params = ["1 = 1"], []

@@ -32,7 +32,7 @@ from gatewayd.crypto import hash_secret
 from gatewayd.dialer import DialError
 from gatewayd.guardrails import AUDIT_INPUT_CHARS, GuardVerdict
 from gatewayd.masking import LineHold
-from gatewayd.models import parse_time
+from gatewayd.models import flag, parse_time
 from gatewayd.pipeline import BLOCKED_EXIT_CODE, AccessDenied, GatewayClosing, ProxyContext, SessionRun
 from proxies.http.front import Front, FrontRequest, FrontStream
 from proxies.http.messages import (
@@ -242,7 +242,7 @@ class HttpListener:
             raise Misconfigured(f'connection "{grant.connection.name}" is misconfigured: {exc}') from None
         expires = parse_time(grant.credential.expire_at)
         state = CredentialState(
-            grant, run, target, settings.get("INSECURE", "").strip().lower() in ("1", "true", "yes", "on"),
+            grant, run, target, flag(settings.get("INSECURE")),
             expires.timestamp() if expires else float("inf"), time.monotonic() + self.recheck,
             label=grant.connection.app_label)
         created.append(state)
