@@ -19,6 +19,7 @@ from control.http import (
     require_admin,
     user_of,
 )
+from gatewayd.crypto import MIN_PASSWORD_LENGTH
 from gatewayd.models import ADMIN_GROUP, User, email_problem, new_id
 from gatewayd.store import Conflict
 
@@ -26,7 +27,11 @@ routes = RouteSet("User Management", audit="users")
 
 USER_FIELDS = {
     "email": Field("string", True), "name": Field("string"), "status": Field("string", enum=("active", "inactive")),
-    "groups": Field("array", items="string"), "password": Field("string"), "slack_id": Field("string"),
+    "groups": Field("array", items="string"),
+    "password": Field("string", min_length=MIN_PASSWORD_LENGTH,
+                      description="a local password; setting it signs the user out everywhere (existing tokens "
+                                  "are revoked)"),
+    "slack_id": Field("string"),
     "picture": Field("string"),
 }
 USER_CREATE = Schema("UserCreate", USER_FIELDS)
@@ -77,8 +82,6 @@ async def _apply(request: web.Request, user: User, body: dict) -> None:
     if body.get("groups") is not None:
         user.grant_groups(body["groups"])
     if body.get("password"):
-        if len(body["password"]) < 8:
-            raise ApiError(422, "field 'password': at least 8 characters")
         user.password_hash = await gateway_of(request).identity.passwords.hash(body["password"])
 
 

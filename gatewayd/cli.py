@@ -86,7 +86,7 @@ def _cmd_token_create(args: argparse.Namespace) -> int:
 
 
 def _cmd_user_passwd(args: argparse.Namespace) -> int:
-    from gatewayd.crypto import hash_password
+    from gatewayd.crypto import MIN_PASSWORD_LENGTH, hash_password
 
     _check_email(args.email)
     config = load(args.config)
@@ -99,8 +99,8 @@ def _cmd_user_passwd(args: argparse.Namespace) -> int:
             password = getpass.getpass("new password: ")
         except EOFError:
             raise ConfigError("no password given: use --password-stdin and pipe it in") from None
-    if len(password) < 8:
-        raise ConfigError("password: at least 8 characters")
+    if len(password) < MIN_PASSWORD_LENGTH:
+        raise ConfigError(f"password: at least {MIN_PASSWORD_LENGTH} characters")
 
     async def action(gateway):  # type: ignore[no-untyped-def]
         user = await gateway.identity.ensure_local_user(args.email, args.name or "",

@@ -73,6 +73,29 @@ async def test_health_needs_no_auth_and_everything_else_does(api):
     assert await api("GET", "/userinfo", "not-a-token") == (401, {"message": "access denied"})
 
 
+async def test_every_401_names_the_bearer_scheme(api, daemon):
+    """RFC 7235: a 401 carries a challenge; the API's is ``Bearer`` (no token, a bad one, a refused login)."""
+    for headers, method, path, body in (({}, "GET", "/sessions", None),
+                                        ({"Authorization": "Bearer not-a-token"}, "GET", "/userinfo", None),
+                                        ({"Authorization": "Basic dXNlcjpwdw=="}, "GET", "/connections", None),
+                                        ({}, "POST", "/localauth/login", {"email": "no@example.com",
+                                                                          "password": "not the password"})):
+        async with api.http.request(method, daemon.url + path, headers=headers, json=body) as response:
+            assert response.status == 401, path
+            assert response.headers.get("WWW-Authenticate", "").startswith("Bearer"), (path, response.headers)
+
+
+async def test_the_openapi_document_states_the_password_length_the_api_enforces(api, admin_token):
+    status, doc = await api("GET", "/openapi.json")
+    schemas = doc["components"]["schemas"]
+    for name in ("UserCreate", "UserUpdate"):
+        assert schemas[name]["properties"]["password"]["minLength"] == 8, schemas[name]
+    email = f"{unique('short')}@example.com"
+    status, body = await api("POST", "/users", admin_token, {"email": email, "password": "seven77"})
+    assert status == 422 and "at least 8 characters" in body["message"], body
+    assert (await api("POST", "/users", admin_token, {"email": email, "password": "eight888"}))[0] == 201
+
+
 async def test_unknown_routes_and_methods_answer_json(api, admin_token):
     assert await api("GET", "/no/such/route", admin_token) == (404, {"message": "not found"})
     assert (await api("GET", "/../../etc/passwd"))[0] == 404
