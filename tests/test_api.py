@@ -51,6 +51,7 @@ def unique(prefix: str) -> str:
 
 PG_SECRET = {"envvar:HOST": b64("127.0.0.1"), "envvar:PORT": b64("5432"), "envvar:USER": b64("app"),
              "envvar:PASS": b64("pg-target-password-42"), "envvar:DB": b64("appdb")}
+PG_SECRET_SHOWN = {**PG_SECRET, "envvar:PASS": "[REDACTED]"}  # what an admin reads back: never the password
 
 
 async def make_resource(api: Client, token: str, subtype: str = "postgres") -> tuple[str, str]:
@@ -312,7 +313,7 @@ async def test_resource_crud_and_roles_as_connections(api, admin_token, user_tok
     assert status == 200 and res["subtype"] == "postgres" and res["env_vars"] == {"team": "data"}
     assert [r["name"] for r in res["roles"]] == [role]
     status, conn = await api("GET", f"/connections/{role}", admin_token)
-    assert conn["resource_name"] == name and conn["secret"] == PG_SECRET
+    assert conn["resource_name"] == name and conn["secret"] == PG_SECRET_SHOWN
     status, by_id = await api("GET", f"/connections/{conn['id']}", admin_token)
     assert by_id["name"] == role
 
@@ -323,7 +324,7 @@ async def test_resource_crud_and_roles_as_connections(api, admin_token, user_tok
     assert status == 200 and "roles" not in updated and updated["agent_id"] == "agent-1"
     assert set(updated) == {"id", "name", "type", "subtype", "agent_id", "env_vars", "created_at", "updated_at"}
     status, kept = await api("GET", f"/connections/{role}", admin_token)
-    assert kept["id"] == conn["id"] and kept["secret"] == PG_SECRET  # same connection, secret kept
+    assert kept["id"] == conn["id"] and kept["secret"] == PG_SECRET_SHOWN  # same connection, secret kept
     assert (await api("GET", f"/connections/{role}-ro", admin_token))[0] == 200
 
     assert (await api("PUT", f"/resources/{name}", user_token, {"name": name, "type": "database"}))[0] == 403
@@ -360,6 +361,42 @@ async def test_secrets_never_reach_non_admins_nor_the_audit_log(api, daemon, adm
     # and the store holds the role secret only sealed
     db = (daemon.data_dir / "gatewayd.db").read_bytes() + (daemon.data_dir / "gatewayd.db-wal").read_bytes()
     assert b"pg-target-password-42" not in db and PG_SECRET["envvar:PASS"].encode() not in db
+
+
+PRIVATE_KEY = ("-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQAAAAAAAAABAAAAMwAAAAtzc2gtZW\n"
+               "-----END OPENSSH PRIVATE KEY-----\n")
+
+
+async def test_no_answer_carries_a_target_password_or_private_key(api, admin_token):
+    """Issue 31, item 10: POST /connections echoed the private key it was given (and GET showed it again)."""
+    name = unique("keyed")
+    secret = {"envvar:HOST": b64("10.0.0.7"), "envvar:USER": b64("deploy"), "envvar:PRIVATE_KEY": b64(PRIVATE_KEY),
+              "envvar:PASS": b64("ssh-password-77"), "envvar:REMOTE_URL": b64("https://bob:url-password@app.example")}
+    status, made = await api("POST", "/connections", admin_token,
+                             {"name": name, "type": "custom", "subtype": "ssh", "secret": secret})
+    assert status == 201, made
+    shown = {"envvar:HOST": b64("10.0.0.7"), "envvar:USER": b64("deploy"), "envvar:PRIVATE_KEY": "[REDACTED]",
+             "envvar:PASS": "[REDACTED]", "envvar:REMOTE_URL": "[REDACTED]"}
+    assert made["secret"] == shown
+    answers = [made]
+    for method, path in (("GET", f"/connections/{name}"), ("GET", "/connections")):
+        status, body = await api(method, path, admin_token)
+        assert status == 200
+        answers.append(body)
+    # sent back as read (the console's edit, a script's GET-then-PUT), the stored values are kept ...
+    status, updated = await api("PUT", f"/connections/{name}", admin_token,
+                                {**{k: made[k] for k in ("name", "type", "subtype")}, "secret": made["secret"],
+                                 "tags": {"edited": "yes"}})
+    assert status == 200 and updated["secret"] == shown and updated["tags"] == {"edited": "yes"}, updated
+    answers.append(updated)
+    for body in answers:
+        text = json.dumps(body)
+        for value in (PRIVATE_KEY, "ssh-password-77", "url-password"):
+            assert b64(value) not in text and value not in text
+    # ... and [REDACTED] where nothing is stored is no value
+    status, body = await api("PUT", f"/connections/{name}", admin_token, {
+        **{k: made[k] for k in ("name", "type", "subtype")}, "secret": {**made["secret"], "envvar:DB": "[REDACTED]"}})
+    assert status == 422 and "envvar:DB" in body["message"], body
 
 
 async def test_credentials_for_native_access(api, daemon, admin_token, user_token):
