@@ -187,6 +187,7 @@ SETTINGS: dict[str, Setting] = {
     "integrations.aws.assume_role_name": Setting("str", "OrganizationAccountAccessRole"),
     "integrations.aws.endpoint_url": Setting("str", ""),
     "integrations.aws.timeout": Setting("duration", "20s"),
+    "proxy_manager.allowed_binds": Setting("list", []),
     "ai.timeout": Setting("duration", "15s", _positive),
     "ai.on_failure": Setting("str", "closed", _choice("closed", "open")),
     "ai.native_on_failure": Setting("str", "open", _choice("closed", "open")),
