@@ -113,6 +113,13 @@ async def local_login(request: web.Request) -> web.Response:
     return ok({"token": token})
 
 
+@routes.post("/logout", "Sign out: the token of this call is refused from now on, on every node", status=204)
+async def logout(request: web.Request) -> web.Response:
+    token = request.headers.get("Authorization", "").partition(" ")[2].strip()  # the one auth_middleware took
+    await gateway_of(request).identity.revoke(token)
+    return web.Response(status=204)
+
+
 @routes.get("/userinfo", "The authenticated user", response=USERINFO_OUT)
 async def userinfo(request: web.Request) -> web.Response:
     user = user_of(request)

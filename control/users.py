@@ -157,10 +157,13 @@ async def update(request: web.Request) -> web.Response:
     before = dataclasses.replace(user, groups=list(user.groups))
     await _apply(request, user, body)
     await _keep_an_admin(request, before, user)
+    gateway = gateway_of(request)
     try:
-        await gateway_of(request).store.save_user(user)
+        await gateway.store.save_user(user)
     except Conflict:
         raise ApiError(409, f"a user with email {user.email!r} already exists") from None
+    if body.get("password"):  # whoever knew the old password may hold a token: it ends with it
+        await gateway.identity.revoke_tokens_of(user)
     return ok(user_json(user))
 
 

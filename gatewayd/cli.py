@@ -108,6 +108,7 @@ def _cmd_user_passwd(args: argparse.Namespace) -> int:
                                                         args.operator)
         user.password_hash = hash_password(password)
         await gateway.store.save_user(user)
+        await gateway.identity.revoke_tokens_of(user)  # the tokens issued under the old password end with it
 
     asyncio.run(_with_core(config, action))
     print(f"password set for {args.email}", file=sys.stderr)

@@ -285,6 +285,51 @@ async def test_local_login_with_a_password_set_by_an_admin(api, admin_token):
     assert all(e["request_payload_redacted"]["password"] == "[REDACTED]" for e in logs["data"])
 
 
+async def _user_with_password(api, admin_token: str, password: str):
+    """A new user with ``password``, and a function that logs in as them with a password (their token)."""
+    email = f"{unique('out')}@example.com"
+    assert (await api("POST", "/users", admin_token, {"email": email, "password": password}))[0] == 201
+
+    async def login(password: str) -> str:
+        status, body = await api("POST", "/localauth/login", body={"email": email, "password": password})
+        assert status == 200, body
+        return body["token"]
+
+    return email, login
+
+
+async def test_sign_out_ends_the_token_at_the_gateway(api, admin_token):
+    """Issue 31, item 8: a token stayed valid after its sign-out."""
+    email, login = await _user_with_password(api, admin_token, "first passphrase")
+    leaving, staying = await login("first passphrase"), await login("first passphrase")
+    assert (await api("POST", "/logout", leaving))[0] == 204
+    assert await api("GET", "/userinfo", leaving) == (401, {"message": "access denied"})
+    assert await api("POST", "/logout", leaving) == (401, {"message": "access denied"})
+    assert (await api("GET", "/userinfo", staying))[0] == 200  # only the token signed out
+    status, logs = await api("GET", f"/audit/logs?action=auth.logout&actor={email}", admin_token)
+    assert [e["outcome"] for e in logs["data"]] == ["success"]  # the refused second one names no user
+
+
+async def test_a_password_change_ends_the_users_tokens(api, daemon, admin_token):
+    """Issue 31, item 8: a token stayed valid after its user's password changed."""
+    email, login = await _user_with_password(api, admin_token, "first passphrase")
+    one, two = await login("first passphrase"), await login("first passphrase")
+    # a change of anything else ends nothing
+    assert (await api("PUT", f"/users/{email}", admin_token, {"name": "Renamed"}))[0] == 200
+    assert (await api("GET", "/userinfo", one))[0] == 200
+    # an admin sets a new password: every token of the user ends, a login with the new one works
+    status, body = await api("PUT", f"/users/{email}", admin_token, {"password": "second passphrase"})
+    assert status == 200, body
+    for token in (one, two):
+        assert await api("GET", "/userinfo", token) == (401, {"message": "access denied"})
+    fresh = await login("second passphrase")
+    assert (await api("GET", "/userinfo", fresh))[0] == 200
+    # and the host's `gatewayd user passwd` ends them too
+    daemon.cli("user", "passwd", "--email", email, "--password-stdin", input="third passphrase\n")
+    assert await api("GET", "/userinfo", fresh) == (401, {"message": "access denied"})
+    assert (await api("GET", "/userinfo", await login("third passphrase")))[0] == 200
+
+
 async def test_users_and_groups_are_admin_only(api, admin_token, user_token):
     assert await api("GET", "/users", user_token) == (403, {"message": "access denied: this requires the admin group"})
     group = unique("grp")
