@@ -31,6 +31,7 @@ from control.console import add_console
 from control.http import (
     AUDIT_ACTION,
     AUDIT_ACTOR_HINT,
+    AUDIT_ORG,
     AUDIT_PAYLOAD,
     AUTH_FAILURE,
     ERROR_MESSAGE,
@@ -172,7 +173,7 @@ async def audit_middleware(request: web.Request, handler: Any) -> web.StreamResp
         return response
     gateway = gateway_of(request)
     user = request.get(USER)
-    org_id = user.org_id if user and user.org_id else (await gateway.store.default_org()).id
+    org_id = user.org_id if user and user.org_id else request.get(AUDIT_ORG) or (await gateway.store.default_org()).id
     action = request.get(AUDIT_ACTION) or (
         f"{doc.audit}.{doc.handler.__name__}" if doc else f"{request.method.lower()} {request.path}")
     await gateway.audit.record(

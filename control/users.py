@@ -42,11 +42,21 @@ GROUP_CREATE = Schema("GroupCreate", {"name": Field("string", True)})
 async def _find(request: web.Request) -> User:
     gateway = gateway_of(request)
     key = request.match_info["id"]
-    user = await gateway.store.get_user(id=key) or await gateway.store.get_user(email=key) \
-        or await gateway.store.get_user(subject=key)
-    if user is None or user.org_id != require_admin(request).org_id:
-        raise ApiError(404, f"user {key!r} not found")
-    return user
+    org_id = require_admin(request).org_id
+    for user in (await gateway.store.get_user(id=key), await gateway.store.get_user(email=key, org_id=org_id),
+                 await gateway.store.get_user(subject=key)):
+        if user is not None and user.org_id == org_id:
+            return user
+    raise ApiError(404, f"user {key!r} not found")
+
+
+def local_subject(multi_tenant: bool, org_id: str | None, email: str) -> str:
+    """The subject of a user an admin creates by e-mail: the e-mail (single-tenant mode: one organization, and a
+    sign-in may claim it, see Identity); in multi-tenant mode, the e-mail within its organization, so that an
+    organization holding an e-mail neither blocks another from holding it too nor tells that it does, and
+    never stands in the way of a provider whose subjects are e-mails."""
+    lowered = email.lower()
+    return f"{org_id}/{lowered}" if multi_tenant else lowered
 
 
 def _check_email(body: dict) -> None:
@@ -96,10 +106,12 @@ async def create(request: web.Request) -> web.Response:
     admin = require_admin(request)
     body = await json_body(request, USER_CREATE)
     _check_email(body)
-    store = gateway_of(request).store
-    if await store.get_user(email=body["email"]):
+    gateway = gateway_of(request)
+    store = gateway.store
+    if await store.get_user(email=body["email"], org_id=admin.org_id):  # this organization's only: no oracle
         raise ApiError(409, f"a user with email {body['email']!r} already exists")
-    user = User(id=new_id(), org_id=admin.org_id, subject=body["email"].lower(), email=body["email"])
+    user = User(id=new_id(), org_id=admin.org_id, subject=local_subject(gateway.config["auth.multi_tenant"], admin.org_id, body["email"]),
+                email=body["email"])
     await _apply(request, user, body)
     try:
         await store.save_user(user)

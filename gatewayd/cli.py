@@ -122,8 +122,9 @@ def _cmd_user_operator(args: argparse.Namespace) -> int:
     named = f"--email {args.email}" if args.email else f"--subject {args.subject}"
 
     async def action(gateway):  # type: ignore[no-untyped-def]
-        user = await (gateway.store.get_user(email=args.email) if args.email
-                      else gateway.store.get_user(subject=args.subject))
+        # by e-mail, the host's own user (the default organization's): never one a tenant made with that e-mail
+        user = await (gateway.store.get_user(email=args.email, org_id=(await gateway.store.default_org()).id)
+                      if args.email else gateway.store.get_user(subject=args.subject))
         if user is None:
             raise ConfigError(f"{named}: no such user in {describe(config)}")
         user.operator = not args.revoke

@@ -323,7 +323,7 @@ class Identity:
             user.federated = True
             await self.store.save_user(user)
         if user is None and not self.config["auth.multi_tenant"]:
-            user = await self.store.get_user(email=claims.email)
+            user = await self.store.get_user(email=claims.email, org_id=(await self.store.default_org()).id)
             if user is not None:
                 self._check_link(user, claims)
                 user.subject, user.federated = claims.subject, True
@@ -344,9 +344,9 @@ class Identity:
                                 operator: bool = False) -> User:
         """The local user with ``email``, created if needed (on the host, by the CLI); ``groups`` replace its
         granted groups when given; ``operator`` makes it an operator of the whole gateway."""
-        user = await self.store.get_user(email=email)
+        org = await self.store.default_org()  # the host's users: never one an organization made with that e-mail
+        user = await self.store.get_user(email=email, org_id=org.id)
         if user is None:
-            org = await self.store.default_org()
             user = User(id=new_id(), org_id=org.id, subject=email.lower(), email=email, name=name,
                         operator=operator)
             user.grant_groups(groups or [])
@@ -364,20 +364,28 @@ class Identity:
         admins of the one organization are operators too."""
         return user.operator or (not self.config["auth.multi_tenant"] and user.is_admin)
 
-    async def local_login(self, email: str, password: str, client_ip: str = "") -> str:
-        """A token for a right password. Refusals are counted per account and per client address: past
-        the limit both are refused (``Throttled``) without a password check until their window ends."""
-        keys = [f"account:{email.strip().lower()}"] + ([f"address:{client_ip}"] if client_ip else [])
+    async def login_org(self, org_id: str | None) -> str:
+        """The organization a local login is for: the one named, else the default one (the host's users, and
+        everyone's in single-tenant mode). E-mails are unique per organization, so a login names one."""
+        return org_id or (await self.store.default_org()).id
+
+    async def local_login(self, email: str, password: str, client_ip: str = "",
+                          org_id: str | None = None) -> tuple[str, User]:
+        """A token (and its user) for a right password of ``email`` in ``org_id`` (default: the default
+        organization). Refusals are counted per account and per client address: past the limit both are
+        refused (``Throttled``) without a password check until their window ends."""
+        org = await self.login_org(org_id)
+        keys = [f"account:{org}:{email.strip().lower()}"] + ([f"address:{client_ip}"] if client_ip else [])
         wait = self.login_throttle.retry_after(*keys)
         if wait:
             raise Throttled(wait)
-        user = await self.store.get_user(email=email)
+        user = await self.store.get_user(email=email, org_id=org)
         if not await self.passwords.verify(password, user.password_hash if user is not None else None):
             raise AuthError("wrong email or password", blocked=self.login_throttle.failed(*keys))
         self.login_throttle.succeeded(keys[0])
         if user is None or user.status != "active":
             raise AuthError("inactive user")
-        return self.issue_token(user)
+        return self.issue_token(user), user
 
     def allowed_redirect(self, redirect: str) -> bool:
         """Tokens are only handed to the gateway's own origin, to configured prefixes, or to a loopback

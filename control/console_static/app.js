@@ -78,9 +78,12 @@ function renderNav() {
 
 function renderSignIn(message) {
   renderNav();
+  // a self-service organization's own accounts sign in at /?org=<organization id> (e-mails are per organization)
+  const org = new URLSearchParams(location.search).get("org") || "";
   const error = h("div", {class: "messages"}, message ? notice(message, "info") : null);
   const form = h("form", {id: "sign-in", class: "card narrow"},
     h("h1", {}, "Sign in"),
+    org ? h("p", {class: "muted", id: "sign-in-org"}, `Organization ${org}`) : null,
     field("E-mail", h("input", {name: "email", type: "email", autocomplete: "username", required: true})),
     field("Password", h("input", {name: "password", type: "password", autocomplete: "current-password",
       required: true})),
@@ -93,7 +96,7 @@ function renderSignIn(message) {
     const data = new FormData(form);
     try {
       const {token} = await api("POST", "/localauth/login",
-        {body: {email: data.get("email"), password: data.get("password")}});
+        {body: {email: data.get("email"), password: data.get("password"), ...(org ? {org_id: org} : {})}});
       auth.token = token;
       await start();
     } catch (err) {

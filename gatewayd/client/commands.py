@@ -135,8 +135,8 @@ def cmd_login(args: argparse.Namespace) -> int:
     else:
         email = args.email or input("e-mail: ")
         password = sys.stdin.readline().rstrip("\n") if args.password_stdin else getpass.getpass("password: ")
-        answer = api.call("POST", "/localauth/login", {"email": email, "password": password}, anonymous=True,
-                          expect=(200, 401))
+        body = {"email": email, "password": password, **({"org_id": args.org} if args.org else {})}
+        answer = api.call("POST", "/localauth/login", body, anonymous=True, expect=(200, 401))
         if answer.status == 401:
             raise ClientError("wrong e-mail or password", EXIT_LOGIN)
         token = answer.data["token"]
@@ -441,6 +441,8 @@ def register(sub: Any, sessions: argparse.ArgumentParser, sessions_sub: Any) -> 
     _common(login)
     login.add_argument("--email")
     login.add_argument("--password-stdin", action="store_true", help="read the password from standard input")
+    login.add_argument("--org", help="the organization of your account, when it is not the default one "
+                                     "(multi-tenant gateways: your organization's id)")
     login.add_argument("--oidc", action="store_true", help="log in with the identity provider, in the browser")
     login.add_argument("--no-browser", action="store_true", help="only print the address to open")
     login.set_defaults(func=_people(cmd_login))
