@@ -277,6 +277,27 @@ async def test_a_link_carrying_a_token_signs_no_one_in_and_replaces_no_one(gatew
     stranger.assert_clean_log()
 
 
+async def test_the_sign_in_page_of_an_organization_signs_in_to_that_organization(gateway, world, screens):
+    """``/?org=ID``: the sign-in names that organization (e-mails are unique per organization); another one's id
+    finds no such account there."""
+    status, me = await world["ada"]("GET", "/userinfo")
+    rita = await screens()
+    await rita.open(f"?org={me['org_id']}")
+    assert await rita.page.text_content("#sign-in-org") == f"Organization {me['org_id']}"
+    await rita.page.fill("#sign-in input[name=email]", "rita@example.com")
+    await rita.page.fill("#sign-in input[name=password]", PASSWORDS["rita@example.com"])
+    await rita.page.click("#sign-in button[type=submit]")
+    await rita.page.wait_for_selector("#me")
+    other = await screens()
+    await other.open("?org=00000000-0000-4000-8000-000000000000")
+    await other.page.fill("#sign-in input[name=email]", "rita@example.com")
+    await other.page.fill("#sign-in input[name=password]", PASSWORDS["rita@example.com"])
+    await other.page.click("#sign-in button[type=submit]")
+    await other.page.wait_for_selector("text=Wrong e-mail or password.")
+    rita.assert_clean_log()
+    other.assert_clean_log(allowed=("status of 401",))
+
+
 async def test_single_sign_on_keeps_the_token_and_takes_it_out_of_the_address(tmp_path_factory, screens):
     from tests.oidc_provider import OIDCProvider
 
