@@ -32,6 +32,7 @@ from gatewayd.config import Config, ConfigError, split_listen
 from gatewayd.agent.manager import ManagerService
 from gatewayd.agent.registry import AgentRegistry
 from gatewayd.dialer import Dialer, DirectDialer
+from gatewayd.tenancy import Tenancy
 from gatewayd.frames import FrameStore
 from gatewayd.guardrails import GuardRailService
 from gatewayd.identity import Identity
@@ -198,6 +199,7 @@ class Gateway:
         self.discovery: AwsDiscovery = None  # type: ignore[assignment]
         self.frames: FrameStore = None  # type: ignore[assignment]
         self.analysis: AnalysisService = None  # type: ignore[assignment]
+        self.tenancy: Tenancy = None  # type: ignore[assignment]  # which organizations are tenants (multi-tenant)
         self.pipeline: SessionPipeline = None  # type: ignore[assignment]
         self.cluster: Cluster = None  # type: ignore[assignment]
         self.agents: AgentRegistry = None  # type: ignore[assignment]
@@ -237,12 +239,13 @@ class Gateway:
         frames_dir = self.config.get("rdp.frames_dir")  # several nodes: a path they all share
         self.frames = FrameStore(Path(frames_dir) if frames_dir else self.config.data_dir / "rdp-frames",
                                  self.config.get("rdp.frames_cap_bytes"))
-        self.analysis = AnalysisService(self.store, self.audit, self.config)
+        self.tenancy = Tenancy.of(self.config, (await self.store.default_org()).id)
+        self.analysis = AnalysisService(self.store, self.audit, self.config, self.tenancy)
         self.guardrails.observers = self.analysis.observer_for
         self.agents = AgentRegistry(self.store, self.audit, self.sessions, peers=self.grpc_peers)
         self.proxy_manager = ManagerService(self.identity, self.access, lambda: self.server_config)
         self.pipeline = SessionPipeline(self.access, self.sessions, self.guardrails, self.dialer, self.audit,
-                                        agents=self.agents)
+                                        agents=self.agents, tenancy=self.tenancy)
         self.reviews = ReviewService(self.store, self.audit, self.sessions, self.pipeline, self.analysis,
                                      self.script_runners,
                                      admins_can_self_approve=self.config["auth.admins_can_self_approve"])

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from gatewayd.guardrails import GuardRailService
     from gatewayd.models import Connection, Session
     from gatewayd.sessions import SessionManager
+    from gatewayd.tenancy import Tenancy
 
 __all__ = ["AccessDenied", "AccessGrant", "BLOCKED_EXIT_CODE", "GatewayClosing", "ProxyContext", "SessionPipeline",
            "SessionRun", "TargetUnreachable"]
@@ -125,12 +126,14 @@ class SessionPipeline:
     """admit -> dial -> open/claim -> arm -> (relay) -> close, for every proxy and script runner."""
 
     def __init__(self, access: AccessService, sessions: SessionManager, guardrails: GuardRailService,
-                 dialer: Dialer, audit: AuditLog, agents: Routes | None = None) -> None:
+                 dialer: Dialer, audit: AuditLog, agents: Routes | None = None,
+                 tenancy: Tenancy | None = None) -> None:
         self.access = access
         self.sessions = sessions
         self.guardrails = guardrails
         self.dialer = dialer
         self.agents = agents  # connections that name an agent are dialled through it
+        self.tenancy = tenancy  # a tenant's connections are dialled under its address policy
         self.audit_log = audit
         self.tasks = sessions.tasks  # expiry kills and what proxies hand over; shutdown waits for them
 
@@ -157,9 +160,12 @@ class SessionPipeline:
 
     def dialer_for(self, connection: Connection) -> Dialer:
         """What reaches ``connection``'s target: its agent when it names one (refused at once when offline),
-        else the gateway's own dialer."""
+        else the gateway's own dialer -- for a tenant's connection, one that reaches only the addresses the
+        tenancy's policy allows (never the gateway's host or its network)."""
         if connection.agent_id and self.agents is not None:
             return self.agents.dialer_for(connection)
+        if self.tenancy is not None and self.tenancy.is_tenant(connection.org_id):
+            return self.tenancy.dialer
         return self.dialer
 
     async def start(self, grant: AccessGrant, client_ip: str = "", *,

@@ -43,13 +43,16 @@ def test_the_committed_stubs_are_those_of_agent_proto(tmp_path):
             (ROOT / "gatewayd" / "agent" / name).read_text(), f"{name} is stale: run make proto"
 
 
+ALLOWED_BIND = "192.0.2.10"  # an address beside loopback the operator lets proxy managers listen on (TEST-NET-1)
+
+
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory) -> Iterator[Daemon]:
     http_port, pg_port, ssh_port = free_port(), free_port(), free_port()
     daemon = Daemon(tmp_path_factory.mktemp("agents-api") / "data", {
         "grpc.listen": f"127.0.0.1:{free_port()}", "listeners.http": f"127.0.0.1:{http_port}",
         "listeners.postgres": f"127.0.0.1:{pg_port}", "listeners.ssh": f"127.0.0.1:{ssh_port}",
-        "sessions.flush_interval": "100ms"}).start()
+        "sessions.flush_interval": "100ms", "proxy_manager.allowed_binds": [ALLOWED_BIND]}).start()
     wait_port(http_port, daemon.process, "gatewayd")
     wait_port(ssh_port, daemon.process, "gatewayd's ssh listener")
     daemon.http_port, daemon.pg_port, daemon.ssh_port = http_port, pg_port, ssh_port
@@ -319,6 +322,28 @@ async def start_manager(api: Any, user: str, url: str, fingerprint: str, tmp_pat
     return manager
 
 
+def own_address() -> str:
+    """This machine's address toward the outside (no packet is sent), or a documentation address without one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("198.51.100.1", 9))
+            return probe.getsockname()[0]
+        except OSError:
+            return "198.51.100.7"
+
+
+async def test_the_proxy_manager_listens_on_loopback_unless_the_operator_allows_an_address(gateway, api):
+    """Checked before the user's proxy manager is asked anything: an address the operator allows gets as far as
+    'no proxy manager connected' (409), any other than loopback is a 422."""
+    user = gateway.token("binder@example.com", groups="")
+    connection = await api.connection("pm-bind", "database", "postgres", {"HOST": "127.0.0.1", "PORT": "5432"})
+    for bind, expected in (("127.0.0.1", 409), ("::1", 409), ("localhost", 409), ("127.0.0.5", 409),
+                           (ALLOWED_BIND, 409), ("0.0.0.0", 422), ("::", 422), ("192.0.2.11", 422), ("127.1", 422)):
+        code, answer = await api("POST", "/proxymanager/connect",
+                                 {"connection_name": connection["name"], "port": 4000, "bind": bind}, token=user)
+        assert code == expected, (bind, answer)
+
+
 async def test_the_proxy_manager_opens_a_local_port_that_psql_uses_with_the_user_s_own_credential(
         gateway, api, pg_target, tmp_path):
     created = await new_agent(api)  # its start command says the gRPC URL and the certificate's fingerprint
@@ -338,6 +363,15 @@ async def test_the_proxy_manager_opens_a_local_port_that_psql_uses_with_the_user
     manager = await start_manager(api, user, url, fingerprint, tmp_path)
     try:
         port = free_port()
+        # issue 31, item 9: a port on every address let anyone on the network in as this user
+        for everywhere in ("0.0.0.0", "::", ""):
+            code, refused = await api("POST", "/proxymanager/connect", {
+                "connection_name": connection["name"], "port": port, "bind": everywhere or own_address()},
+                token=user)
+            assert code == 422 and "loopback" in refused["message"], (everywhere, refused)
+        assert (await api("GET", "/proxymanager/status", token=user))[1]["forwardings"] == []
+        with socket.socket() as probe:  # nothing listens there: the proxy manager was never asked
+            assert probe.connect_ex(("127.0.0.1", port)) != 0
         code, opened = await api("POST", "/proxymanager/connect",
                                  {"connection_name": connection["name"], "port": port}, token=user)
         assert code == 201, opened

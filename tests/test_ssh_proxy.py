@@ -107,6 +107,22 @@ async def test_exec_output_stderr_exit_code_and_recording(gateway, api, target):
     assert "".join(of_kind(session, "o")) == "HELLO THROUGH THE GATEWAY\n"
 
 
+async def test_the_private_key_is_never_shown_and_a_connection_sent_back_as_read_keeps_it(gateway, api, target):
+    """Issue 31, item 10: POST /connections echoed the private key. The answer withholds it; the console's edit
+    (GET, then PUT what it read) keeps the stored key, and sshd still takes it."""
+    role = await api.role()
+    status, read = await api("GET", f"/connections/{role['name']}")
+    for answer in (role, read):
+        assert answer["secret"]["envvar:PRIVATE_KEY"] == "[REDACTED]", answer["secret"]
+        assert "PRIVATE KEY" not in json.dumps(answer) and b64(target.private_key_text) not in json.dumps(answer)
+    status, updated = await api("PUT", f"/connections/{role['name']}", {
+        **{key: read[key] for key in ("name", "type", "subtype", "secret")}, "tags": {"edited": "yes"}})
+    assert status == 200 and updated["tags"] == {"edited": "yes"}, updated
+    secret, _ = await api.credential(role)
+    result = ssh(gateway, secret, "echo still-the-key")
+    assert result.returncode == 0 and result.stdout == b"still-the-key\n", result.stderr
+
+
 async def test_exit_signal_is_propagated(gateway, api, target):
     role = await api.role()
     direct = target.ssh("kill -TERM $$")

@@ -158,9 +158,19 @@ def rating_from(arguments: Any, analyzer: str) -> Rating:
     return Rating(level, title, explanation, analyzer)
 
 
+MAX_ERROR_CHARS = 300  # of a provider's own words kept in an AnalyzerError
+
+
 def _scrub(text: str, secret: str) -> str:
-    text = " ".join(str(text).split())[:300]
-    return text.replace(secret, "[REDACTED]") if secret else text
+    """A provider's error text on one line, the key taken out *before* it is cut to ``MAX_ERROR_CHARS`` (a cut
+    first could leave the start of a key the replace no longer recognises)."""
+    text = str(text)
+    if secret:
+        text = text.replace(secret, REDACTED)
+    text = " ".join(text.split())
+    if secret:
+        text = text.replace(secret, REDACTED)  # a key the provider wrapped over lines, once they are joined
+    return text[:MAX_ERROR_CHARS]
 
 
 def _error_text(raw: bytes) -> str:

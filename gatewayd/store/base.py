@@ -106,7 +106,9 @@ class Store(abc.ABC):
     # users and groups
     @abc.abstractmethod
     async def get_user(self, *, id: str | None = None, subject: str | None = None,
-                       email: str | None = None) -> User | None: ...
+                       email: str | None = None, org_id: str | None = None) -> User | None:
+        """One user by id, subject or e-mail; by e-mail, ``org_id`` names the organization (e-mails are unique
+        within one organization only: a lookup that should not cross organizations passes it)."""
 
     @abc.abstractmethod
     async def list_users(self, org_id: str) -> list[User]: ...

@@ -179,11 +179,14 @@ class SQLStore(Store):
         return build(User, row, groups=groups, operator=bool(row["operator"]), federated=bool(row["federated"]))
 
     async def get_user(self, *, id: str | None = None, subject: str | None = None,
-                       email: str | None = None) -> User | None:
+                       email: str | None = None, org_id: str | None = None) -> User | None:
         if id is not None:
             return await self._user_from(await self._one("SELECT * FROM users WHERE id = ?", (id,)))
         if subject is not None:
             return await self._user_from(await self._one("SELECT * FROM users WHERE subject = ?", (subject,)))
+        if email is not None and org_id is not None:
+            return await self._user_from(
+                await self._one("SELECT * FROM users WHERE lower(email) = lower(?) AND org_id = ?", (email, org_id)))
         if email is not None:
             return await self._user_from(
                 await self._one("SELECT * FROM users WHERE lower(email) = lower(?)", (email,)))

@@ -29,7 +29,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from gatewayd.crypto import hash_secret
-from gatewayd.dialer import DialError
+from gatewayd.dialer import DialError, DialerConnector, UnresolvedNames
 from gatewayd.guardrails import AUDIT_INPUT_CHARS, GuardVerdict
 from gatewayd.masking import LineHold
 from gatewayd.models import flag, parse_time
@@ -61,8 +61,6 @@ from proxies.http.messages import (
 )
 from proxies.http.upstream import (
     ConnectFailed,
-    DialerConnector,
-    UnresolvedNames,
     UpstreamConnection,
     UpstreamError,
     UpstreamPool,
@@ -866,9 +864,9 @@ class HttpListener:
         url = state.target.url_for(request.raw_path)
         url = "ws" + url[4:] if url.startswith("http") else url
         client = self.client
-        if state.grant.connection.agent_id:  # through its agent: a client of its own, closed with the websocket
-            client = self._client(DialerConnector(self.pipeline.dialer_for(state.grant.connection), limit=0,
-                                                  resolver=UnresolvedNames()))
+        dialer = self.pipeline.dialer_for(state.grant.connection)
+        if dialer is not self.pipeline.dialer:  # its agent, or a tenant's checked dial: a client of its own, closed
+            client = self._client(DialerConnector(dialer, limit=0, resolver=UnresolvedNames()))  # with the websocket
         try:
             try:
                 upstream = await client.ws_connect(URL(url, encoded=True), headers=CIMultiDict(up_headers),
