@@ -574,18 +574,8 @@ class RuleSet:
         proxies/postgres/reading.py), when that is not ``text`` alone: blocked when any reading is; the
         verdict quotes ``text``.
         """
-        if readings is None:
-            return self._check_input(text, sql)
-        for reading in readings:
-            verdict = self._check_input(reading, sql)
-            if not verdict.allowed:
-                if reading is not text:
-                    verdict = GuardVerdict(False, verdict.message, verdict.direction, verdict.rule_type,
-                                           verdict.guardrail, text[:AUDIT_INPUT_CHARS])
-                return verdict
-        return ALLOWED
-
-    def _check_input(self, text: str, sql: bool) -> GuardVerdict:
+        if readings is not None:
+            return self._check_readings(text, sql, readings)
         if not self.input_rules:
             return ALLOWED
         if not sql:  # statement rules read PostgreSQL only: on other protocols they are ignored
@@ -608,6 +598,16 @@ class RuleSet:
                     return GuardVerdict(False, message, verdict.direction, verdict.rule_type, verdict.guardrail,
                                         verdict.text)
         return verdict
+
+    def _check_readings(self, text: str, sql: bool, readings: tuple[str, ...]) -> GuardVerdict:
+        for reading in readings:
+            verdict = self.check_input(reading, sql)
+            if not verdict.allowed:
+                if reading is not text:
+                    verdict = GuardVerdict(False, verdict.message, verdict.direction, verdict.rule_type,
+                                           verdict.guardrail, text[:AUDIT_INPUT_CHARS])
+                return verdict
+        return ALLOWED
 
     def _check_sql(self, text: str) -> GuardVerdict:
         if not _needs_scan(text):  # no quote, comment or dollar quote: one reading says it all

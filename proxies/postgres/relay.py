@@ -940,7 +940,8 @@ class ClientSide:
             text, verdict = judged
             policy.record_input(text)
         else:
-            statement = self._read(query)
+            reading = self.reading  # the usual case inline: the reported settings apply, and they are the default
+            statement = None if reading.plain and not self.pending and not self.bound else self._read(query)
             if statement is None:
                 verdict = policy.input(query.sql, None, sql=True)  # recorded, blocked or not
             elif statement.refusal is not None:
@@ -988,7 +989,8 @@ class ClientSide:
                     return WAIT
                 sql, verdict = judged
             else:
-                statement = self._read(parse)
+                reading = self.reading
+                statement = None if reading.plain and not self.pending and not self.bound else self._read(parse)
                 if statement is None:
                     verdict = policy.check_input(sql, sql=True, cache=True)  # drivers parse the same SQL again and again
                 elif statement.refusal is not None:
