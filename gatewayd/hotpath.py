@@ -33,6 +33,7 @@ MODULES = (
     "gatewayd.masking",
     "gatewayd.policy",
     "gatewayd.recording",
+    "gatewayd.sql.pg_scan",
     "proxies.postgres.codec",
     "proxies.postgres.relay",
     "proxies.postgres.session",

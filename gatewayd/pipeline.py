@@ -31,10 +31,11 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Generic, Protocol, TypeVar
 
-from gatewayd import metrics
+from gatewayd import metrics, protocols
 from gatewayd.access import AccessDenied, AccessGrant
 from gatewayd.dialer import DialError, Dialer, Routes
 from gatewayd.guardrails import ObservedRules
+from gatewayd.languages import NONE
 from gatewayd.policy import SessionPolicy
 from gatewayd.sessions import BLOCKED_EXIT_CODE, GatewayClosing, KillCallback, LiveSession
 
@@ -252,7 +253,7 @@ class SessionPipeline:
         connection = live.connection
         rules = self.guardrails.cached(connection.id) if not (observe or fresh) else None
         if rules is None:
-            rules = await self.guardrails.rules_for(connection.org_id, connection.id,
+            rules = await self.guardrails.rules_for(connection,
                                                     live=live if observe else None)
         policy = SessionPolicy(live, rules, client_ip)
         await policy.open_clear_recording()  # only under a mask rule that records the clear text
@@ -275,6 +276,14 @@ class SessionPipeline:
         except BaseException:
             await live.close(exit_code=BLOCKED_EXIT_CODE, error=INTERNAL_ERROR)
             raise
+        language = protocols.language_of(live.connection.subtype)
+        rules = policy.rules
+        if language.family == NONE and (rules.input_rules or rules.output_rules or rules.masker is not None):
+            # stored before the API refused such rules (422): its proxy reads nothing, so no session starts under them
+            message = (f'connection "{live.connection.name}" has guard rails its protocol cannot apply (its input is '
+                       f"{language.title}): an admin must detach them")
+            await live.close(exit_code=BLOCKED_EXIT_CODE, error=message)
+            raise TargetUnreachable(message, None, live.id)
         live.reload_rules = functools.partial(self._reload_rules, live, policy)
         return SessionRun(live, policy, target)
 
@@ -283,7 +292,7 @@ class SessionPipeline:
 
         An observed session keeps its observer (what AI analysis saw and decided stays)."""
         connection = live.connection
-        rules: Any = await self.guardrails.rules_for(connection.org_id, connection.id)
+        rules: Any = await self.guardrails.rules_for(connection)
         if isinstance(policy.rules, ObservedRules):
             rules = ObservedRules(rules, policy.rules.observe)
         policy.adopt(rules)

@@ -289,12 +289,13 @@ async def test_a_rule_changed_through_another_handle_reaches_the_rule_cache(back
     mine, theirs = await backend.open(), await backend.open()  # two processes on one database
     org = await an_org(mine)
     service = GuardRailService(mine)
-    assert (await service.rules_for(org, "c1")).empty
+    c1 = Connection(id="c1", org_id=org, name="c1", resource_name="c1", type="database", subtype="postgres")
+    assert (await service.rules_for(c1)).empty
     rail = a_rail(org, "no-drop", ["c1"])
     await theirs.save_guardrail(rail, create=True)  # no invalidate() in this process
-    assert not (await service.rules_for(org, "c1")).check_input("drop table t").allowed
+    assert not (await service.rules_for(c1)).check_input("drop table t").allowed
     await theirs.delete_guardrail(org, rail.id)
-    assert (await service.rules_for(org, "c1")).empty
+    assert (await service.rules_for(c1)).empty
 
 
 # ---------------------------------------------------------------------------- sessions

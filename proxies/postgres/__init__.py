@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gatewayd.config import Setting, positive
+from gatewayd.sql.postgresql import POSTGRESQL
 from gatewayd.protocols import ProtocolDescription, lazy_start, lazy_script_runner
 
 if TYPE_CHECKING:
@@ -25,7 +26,7 @@ def access_hints(conn: Connection, secret: str, host: str, port: int, settings: 
 
 
 DESCRIPTION = ProtocolDescription(
-    name="postgres", subtype="postgres", session_type="database", prefix="pg",
+    name="postgres", subtype="postgres", session_type="database", prefix="pg", language=POSTGRESQL,
     server_config_key="postgres_server_config", default_port=15432, access_hints=access_hints,
     start=lazy_start("proxies.postgres.server"),
     load_script_runner=lazy_script_runner("proxies.postgres.script"),

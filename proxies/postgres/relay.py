@@ -926,13 +926,13 @@ class ClientSide:
         if statement.refusal is not None:
             verdict: GuardVerdict | None = self._unreadable(statement)
         else:
-            verdict = await check_input_later(self.policy, statement.text, sql=True, readings=statement.readings)
+            verdict = await check_input_later(self.policy, statement.text, readings=statement.readings)
         self.prepared = (message, statement.text, verdict)
 
     def _query(self, query: Query) -> int:
         policy = self.policy
         if not policy.checks_input:
-            verdict = policy.input(query.sql, None, sql=True)  # recorded
+            verdict = policy.input(query.sql, None)  # recorded
         elif len(query) > OFF_LOOP_BYTES:
             judged = self._judged(query)
             if judged is None:
@@ -943,11 +943,11 @@ class ClientSide:
             reading = self.reading  # the usual case inline: the reported settings apply, and they are the default
             statement = None if reading.plain and not self.pending and not self.bound else self._read(query)
             if statement is None:
-                verdict = policy.input(query.sql, None, sql=True)  # recorded, blocked or not
+                verdict = policy.input(query.sql, None)  # recorded, blocked or not
             elif statement.refusal is not None:
                 verdict = self._refuse(statement)
             else:
-                verdict = policy.input(statement.text, None, sql=True, cache=False, readings=statement.readings)
+                verdict = policy.input(statement.text, None, cache=False, readings=statement.readings)
         if verdict is not None:
             self.verdict = verdict
             self.substitute = SYNC  # answered by ReadyForQuery with the true transaction status
@@ -969,7 +969,7 @@ class ClientSide:
                        f"connection with input rules (the connection may allow it: {FUNCTION_CALLS_SETTING})",
                 "input", "function_call", "", text[:AUDIT_INPUT_CHARS])
         else:
-            verdict = policy.input(text, None, sql=True)
+            verdict = policy.input(text, None)
         self.bound = False
         if verdict is not None:
             self.verdict = verdict
@@ -992,12 +992,12 @@ class ClientSide:
                 reading = self.reading
                 statement = None if reading.plain and not self.pending and not self.bound else self._read(parse)
                 if statement is None:
-                    verdict = policy.check_input(sql, sql=True, cache=True)  # drivers parse the same SQL again and again
+                    verdict = policy.check_input(sql, cache=True)  # drivers parse the same SQL again and again
                 elif statement.refusal is not None:
                     verdict, sql = self._unreadable(statement), statement.text
                 else:
                     sql = statement.text
-                    verdict = policy.check_input(sql, sql=True, cache=False, readings=statement.readings)
+                    verdict = policy.check_input(sql, cache=False, readings=statement.readings)
             if verdict is not None:
                 policy.record_input(sql)
                 self.verdict = verdict
@@ -1043,20 +1043,20 @@ class WaitingClientSide(ClientSide):
         self.waiting = ""
 
     def _query(self, query: Query) -> int:
-        if self.policy.needs_wait(query.sql, sql=True):
+        if self.policy.needs_wait(query.sql):
             self._wait(query.sql)
             return WAIT
         return ClientSide._query(self, query)
 
     def _parse(self, parse: Parse) -> int:
-        if self.policy.needs_wait(parse.sql, sql=True):
+        if self.policy.needs_wait(parse.sql):
             self._wait(parse.sql)
             return WAIT
         return ClientSide._parse(self, parse)
 
     def _wait(self, sql: str) -> None:
         self.waiting = sql
-        self.work = functools.partial(self.policy.decide, sql, sql=True)
+        self.work = functools.partial(self.policy.decide, sql)
 
 
 class ServerSide:
