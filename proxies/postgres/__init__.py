@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gatewayd.config import Setting
+from gatewayd.config import Setting, positive
 from gatewayd.protocols import ProtocolDescription, lazy_start, lazy_script_runner
 
 if TYPE_CHECKING:
@@ -29,7 +29,8 @@ DESCRIPTION = ProtocolDescription(
     server_config_key="postgres_server_config", default_port=15432, access_hints=access_hints,
     start=lazy_start("proxies.postgres.server"),
     load_script_runner=lazy_script_runner("proxies.postgres.script"),
-    settings={"tls_cert": Setting("str", ""), "tls_key": Setting("str", "")},
+    settings={"tls_cert": Setting("str", ""), "tls_key": Setting("str", ""),
+              "mask_row_bytes": Setting("int", 1024 * 1024, positive)},
     forward_opening=lambda reader, writer, secret: _forward_opening(reader, writer, secret),
 )
 
