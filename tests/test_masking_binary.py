@@ -294,3 +294,18 @@ def test_too_many_values_to_mask_on_the_loop_are_withheld() -> None:
         assert "too many" in str(exc)
     else:
         raise AssertionError("an array too long to mask was read")
+
+
+def test_an_execute_error_before_a_simple_query_in_the_same_batch_makes_the_relay_unsure_too() -> None:
+    client, server, _ = _sides({"type": "mask", "columns": ["ssn"]})
+    send(client, pg.encode_parse("s2", "select id from t"), pg.encode_describe("S", "s2"), pg.encode_sync())
+    answer(server, pg.encode_parse_complete(), pg.encode_parameter_description([]),
+           pg.encode_row_description([field("id", 25)]), pg.encode_ready_for_query())
+    send(client, pg.encode_bind("", "s2"), pg.encode_execute(""), pg.encode_query("select 1"), pg.encode_sync())
+    answer(server, pg.encode_bind_complete(), pg.encode_error_response("ERROR", "22012", "division by zero"),
+           pg.encode_ready_for_query())
+    assert server.unsure
+    send(client, pg.encode_bind("", "s2"), pg.encode_execute(""), pg.encode_sync())
+    out = answer(server, pg.encode_bind_complete(), pg.encode_data_row([b"078-05-1120"]),
+                 pg.encode_command_complete("SELECT 1"), pg.encode_ready_for_query())
+    assert rows_of(out) == [[b"****"]] and not server.unsure and not server.pending

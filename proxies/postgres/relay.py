@@ -1503,13 +1503,18 @@ class ServerSide:
             self._end_result()
 
     def _may_skip(self) -> bool:
-        """Whether this error may be an extended-protocol message's while a simple Query waits behind it in the
-        queue: the target then skips that Query up to the next Sync, and answers both with one ReadyForQuery."""
-        pending = self.pending
-        if not pending or pending[0].kind != UNTIL_READY:
-            return False
-        return any(entry.kind != UNTIL_READY and (entry.kind != SYNC_POINT or entry.error is None)
-                   for entry in pending)
+        """Whether this error may be an extended-protocol message's while a simple Query (or FunctionCall) waits
+        in the queue: the target then skips that Query up to the next Sync, and answers both with one
+        ReadyForQuery.  Only a queue that mixes the two protocols can be so (a blocked Query's Sync is simple)."""
+        simple = extended = False
+        for entry in self.pending:
+            if entry.kind == UNTIL_READY:
+                simple = True
+            elif entry.kind != SYNC_POINT or entry.error is None:
+                extended = True
+            if simple and extended:
+                return True
+        return False
 
     def _command_complete(self, message: CommandComplete) -> None:
         self._answering()
