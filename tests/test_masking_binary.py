@@ -309,3 +309,14 @@ def test_an_execute_error_before_a_simple_query_in_the_same_batch_makes_the_rela
     out = answer(server, pg.encode_bind_complete(), pg.encode_data_row([b"078-05-1120"]),
                  pg.encode_command_complete("SELECT 1"), pg.encode_ready_for_query())
     assert rows_of(out) == [[b"****"]] and not server.unsure and not server.pending
+
+
+def test_an_escaped_value_inside_a_container_is_masked_though_the_rows_text_hides_it() -> None:
+    """A container whose values stand as they are in the row's text is skipped when that text matched nowhere;
+    one whose text escapes a value (``"a\\\\"b"``) is walked, so a pattern over the quote still finds it."""
+    policy, _ = policy_for({"type": "mask", "pattern_regex": 'k"9'})
+    server = ServerSide(policy, deque(), {})
+    out = answer(server, pg.encode_row_description([field("a", 1009, BINARY), field("b", 1009, BINARY)]),
+                 pg.encode_data_row([array(25, [b'k"9', b"x"]), array(25, [b"plain"])]),
+                 pg.encode_command_complete("SELECT 1"), pg.encode_ready_for_query())
+    assert rows_of(out) == [[array(25, [b"****", b"x"]), array(25, [b"plain"])]]

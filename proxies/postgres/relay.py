@@ -347,6 +347,17 @@ def _text_cells(row: DataRow, text: bytes, spans: list[tuple[int, int]],
     return found
 
 
+def _unlike_their_values(text: str, deep: tuple[int, ...], count: int) -> tuple[int, ...]:
+    """Of the ``deep`` cells of a row whose text the patterns found nothing in, those that must be walked all
+    the same: the ones whose text may not hold their values as they are -- escaped (``\\"``, ``""``, ``\\\\``
+    inside quotes) or not read at all (``\\x<hex>``: withheld).  In the others every value stands as it is,
+    between separators that are no word characters, as a row's cells stand between tabs: nothing to mask."""
+    pieces = text.split("\t")
+    if len(pieces) != count:  # a cell holds a tab: the pieces are not the cells
+        return deep
+    return tuple(i for i in deep if "\\" in pieces[i] or '""' in pieces[i])
+
+
 _FALLBACK = object()  # ``mask_text_row``: this row takes the general path
 _FIXED_CELL = _LENGTH(len(FIXED)) + FIXED  # a cell masked whole in the ``fixed`` style, its length field first
 _FIXED_TEXT = FIXED.decode()
@@ -584,7 +595,8 @@ def mask_named_row(masker: Masker, row: DataRow, text: str, whole: tuple[tuple[i
 def mask_row(masker: Masker, row: DataRow, formats: Sequence[int], oids: Sequence[int],
              whole: tuple[tuple[int, str], ...] | None, spans: list[tuple[int, int]] | None = None,
              total: int = -1, text: bytes | None = None, shapes: TypeShapes = BUILTIN, deep: Sequence[int] = (),
-             withheld: list[tuple[int, str]] | None = None) -> tuple[bytes, dict[int, bytes | None], int] | None:
+             withheld: list[tuple[int, str]] | None = None,
+             rendered: str | None = None) -> tuple[bytes, dict[int, bytes | None], int] | None:
     """(the masked row's frame, its masked values by index, how many values were masked); None when nothing was.
 
     ``whole``: columns masked whole by name, with their style; None when the column names are not
@@ -593,7 +605,8 @@ def mask_row(masker: Masker, row: DataRow, formats: Sequence[int], oids: Sequenc
     ``text``: that text, if the formats are all text.  Only the cells a pattern may match or a name
     masks are read out of the frame, and the ``deep`` ones: binary cells that are no single value (an
     array, a record, a range...: ``values.mask_binary`` walks them) or of a type ``shapes`` does not know
-    (withheld: NULL, their index and why added to ``withheld``).
+    (withheld: NULL, their index and why added to ``withheld``).  ``rendered``: the row's text (binary cells
+    rendered), the cells' text when it has as many tabs as cells.
     """
     nformats = len(formats)
     noids = len(oids)
@@ -612,11 +625,17 @@ def mask_row(masker: Masker, row: DataRow, formats: Sequence[int], oids: Sequenc
     texts: list[bytes] | None = None
     if not masker.finders:
         todo: Sequence[int] = ()
+    elif FORMAT_BINARY in formats and spans is not None and not spans:  # the row's text matched nowhere
+        todo = [i for i in deep if i < ncells]  # only the containers are walked: their values may still match
     elif FORMAT_BINARY in formats:  # the cells as text, as the row's text renders them
-        texts = [b"NULL" if value is None else
-                 render_binary(oids[i] if i < noids else 0, value, shapes).encode("utf-8", "surrogateescape")
-                 if i < nformats and formats[i] == FORMAT_BINARY else value
-                 for i, value in ((i, _value(row, at, sizes, i)) for i in range(ncells))]
+        pieces = rendered.split("\t") if rendered is not None else ()
+        if len(pieces) == ncells:  # that text, cut at its tabs (no cell holds one): nothing rendered again
+            texts = [piece.encode("utf-8", "surrogateescape") for piece in pieces]
+        else:
+            texts = [b"NULL" if value is None else
+                     render_binary(oids[i] if i < noids else 0, value, shapes).encode("utf-8", "surrogateescape")
+                     if i < nformats and formats[i] == FORMAT_BINARY else value
+                     for i, value in ((i, _value(row, at, sizes, i)) for i in range(ncells))]
         todo = masker.candidate_cells(texts, spans, total)
         if deep:
             todo = sorted({*todo, *(i for i in deep if i < ncells)})
@@ -1225,6 +1244,8 @@ class ServerSide:
             data = text.encode("utf-8", "surrogateescape")
             spans = masker.row_spans(data, MAX_ROW_MATCHES)
             deep = self.deep
+            if deep and spans is not None and not spans:
+                deep = _unlike_their_values(text, deep, row.column_count)
             if spans is None:  # too much to mask on the loop
                 frame, nulls = self._withhold_row(row, batch)
                 batch.add_bytes(frame)
@@ -1242,7 +1263,7 @@ class ServerSide:
                     withheld: list[tuple[int, str]] = []
                     masked = mask_row(masker, row, formats, self.oids, None if blind else whole or (), spans,
                                       len(data), None if FORMAT_BINARY in formats else data, self.shapes, deep,
-                                      withheld)
+                                      withheld, text)
                     if masked is not None:
                         frame, values, count = masked
                         policy.count_masked(count)

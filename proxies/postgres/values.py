@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 import struct
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -72,13 +73,18 @@ _I64 = struct.Struct("!q")
 _U64 = struct.Struct("!Q")
 _F32 = struct.Struct("!f")
 _F64 = struct.Struct("!d")
+_BOOL = struct.Struct("!?")
+_FIELD_HEAD = struct.Struct("!Ii")
+_ARRAY_1 = struct.Struct("!iiIii")  # a one-dimension array's header: dimensions, flags, element type, size, lower bound  # a record field's type and length
 _INT_MAX64, _INT_MIN64 = (1 << 63) - 1, -(1 << 63)
 
 
-def _unpack(packer: struct.Struct, raw: bytes) -> tuple:
-    if len(raw) != packer.size:
-        raise ValueError("not its type's size")
-    return packer.unpack(raw)
+_FLOAT_WORDS = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
+
+
+def _float8(raw: bytes) -> str:
+    text = repr(_F64.unpack(raw)[0])
+    return _FLOAT_WORDS.get(text, text)
 
 
 def _float(value: float) -> str:
@@ -90,7 +96,7 @@ def _float(value: float) -> str:
 
 
 def _float4(raw: bytes) -> str:
-    value = _unpack(_F32, raw)[0]
+    value = _F32.unpack(raw)[0]
     if value != value or value in (float("inf"), float("-inf")):
         return _float(value)
     for digits in range(1, 10):  # the shortest text that reads back as the same float4, as PostgreSQL prints it
@@ -115,7 +121,7 @@ def _numeric(raw: bytes) -> str:
 
 
 def _timestamp(raw: bytes, zoned: bool) -> str:
-    micros = _unpack(_I64, raw)[0]
+    micros = _I64.unpack(raw)[0]
     if micros in (_INT_MAX64, _INT_MIN64):
         return "infinity" if micros > 0 else "-infinity"
     try:
@@ -126,7 +132,7 @@ def _timestamp(raw: bytes, zoned: bool) -> str:
 
 
 def _date(raw: bytes) -> str:
-    days = _unpack(_I32, raw)[0]
+    days = _I32.unpack(raw)[0]
     if days in (0x7FFFFFFF, -0x80000000):
         return "infinity" if days > 0 else "-infinity"
     try:
@@ -258,29 +264,30 @@ def _text(raw: bytes) -> str:
 
 
 def _struct(packer: struct.Struct) -> Callable[[bytes], str]:
-    return lambda raw: str(_unpack(packer, raw)[0])
+    unpack = packer.unpack  # it checks the size: struct.error otherwise
+    return lambda raw: str(unpack(raw)[0])
 
 
 # scalar types that hold no free text: how their binary value reads as text
 _RENDERERS: dict[int, Callable[[bytes], str]] = {
     18: _text,  # "char": one byte, which a masked string would not fit
-    16: lambda raw: "t" if _unpack(struct.Struct("!?"), raw)[0] else "f",
+    16: lambda raw: "t" if _BOOL.unpack(raw)[0] else "f",
     17: lambda raw: "\\x" + raw.hex(),  # bytea, as the server's default bytea_output prints it
     20: _struct(_I64), 21: _struct(_I16), 23: _struct(_I32), 5069: _struct(_U64),
     **{oid: _struct(_U32) for oid in (24, 26, 28, 29, 2202, 2203, 2204, 2205, 2206, 3734, 3769, 4089, 4096, 4191)},
     27: lambda raw: "({},{})".format(*struct.unpack("!IH", raw)) if len(raw) == 6 else _fail("tid size"),
-    700: _float4, 701: lambda raw: _float(_unpack(_F64, raw)[0]),
+    700: _float4, 701: _float8,
     1700: _numeric,
-    1082: _date, 1083: lambda raw: _clock(_unpack(_I64, raw)[0]), 1266: _timetz,
+    1082: _date, 1083: lambda raw: _clock(_I64.unpack(raw)[0]), 1266: _timetz,
     1114: lambda raw: _timestamp(raw, False), 1184: lambda raw: _timestamp(raw, True),
     1186: _interval,
     2950: lambda raw: str(uuid.UUID(bytes=raw)),
-    790: lambda raw: "{}{}.{:02d}".format("-" if (v := _unpack(_I64, raw)[0]) < 0 else "", abs(v) // 100, abs(v) % 100),
+    790: lambda raw: "{}{}.{:02d}".format("-" if (v := _I64.unpack(raw)[0]) < 0 else "", abs(v) // 100, abs(v) % 100),
     650: _inet, 869: _inet,
     829: lambda raw: ":".join(f"{b:02x}" for b in raw) if len(raw) == 6 else _fail("macaddr size"),
     774: lambda raw: ":".join(f"{b:02x}" for b in raw) if len(raw) == 8 else _fail("macaddr8 size"),
     1560: _bits, 1562: _bits,
-    3220: lambda raw: "{:X}/{:X}".format(*divmod(_unpack(_U64, raw)[0], 1 << 32)),
+    3220: lambda raw: "{:X}/{:X}".format(*divmod(_U64.unpack(raw)[0], 1 << 32)),
     600: lambda raw: _points(raw, 1), 601: lambda raw: f"[{_points(raw, 2)}]", 603: lambda raw: _points(raw, 2),
     602: _path, 604: _polygon,
     628: lambda raw: "{{{}}}".format(",".join(_floats(raw, 3))),
@@ -319,6 +326,20 @@ BUILTIN_SHAPES: dict[int, tuple[int, int]] = {
     **{oid: (RECORD, 0) for oid in _BUILTIN_RECORDS},
 }
 _TEXT_SEND = frozenset(("textsend", "varcharsend", "bpcharsend"))  # a type sent as text (citext's send is textsend)
+
+
+def _jsonb_text(raw: bytes) -> str:
+    if raw[:1] != b"\x01":
+        raise ValueError("jsonb version")
+    return raw[1:].decode("utf-8", "replace")
+
+
+# every built-in single value: how its binary format reads as text (the first thing ``render`` tries)
+_LEAVES: dict[int, Callable[[bytes], str]] = {
+    **dict.fromkeys(_TEXT_TYPES, _text), 114: _text, 3802: _jsonb_text, **_RENDERERS}
+
+
+_RAW_TEXT = frozenset((*_TEXT_TYPES, 114))  # their bytes are their text
 
 
 class TypeShapes:
@@ -411,13 +432,47 @@ class _Reader:
             raise Undecodable("bytes after the value")
 
 
+def _items(raw: bytes, pos: int, count: int) -> list[bytes | None]:
+    """``count`` length-prefixed values from ``pos`` on, which must end ``raw``."""
+    items: list[bytes | None] = []
+    end = len(raw)
+    unpack = _I32.unpack_from
+    for _ in range(count):
+        if pos + 4 > end:
+            raise Undecodable("a value ends early")
+        n = unpack(raw, pos)[0]
+        pos += 4
+        if n < 0:
+            if n != -1:
+                raise Undecodable("a negative length")
+            items.append(None)
+        else:
+            if pos + n > end:
+                raise Undecodable("a value ends early")
+            items.append(raw[pos:pos + n])
+            pos += n
+    if pos != end:
+        raise Undecodable("bytes after the value")
+    return items
+
+
 def _array(raw: bytes) -> tuple[int, list[tuple[int, int]], list[bytes | None]]:
     """(element type, [(size, lower bound)] per dimension, elements) of an array_send value."""
-    reader = _Reader(raw)
-    ndim, _, elem = reader.i32(), reader.i32(), reader.u32()
-    if not 0 <= ndim <= 6:
+    if len(raw) >= 20:  # the usual array, of one dimension: its header read at once
+        ndim, _, elem, size, lower = _ARRAY_1.unpack_from(raw)
+        if ndim == 1:
+            if not 0 <= size <= len(raw):  # every element takes 4 bytes at least
+                raise Undecodable("array size")
+            if size > MAX_ITEMS:
+                raise Undecodable(f"more than {MAX_ITEMS} values in an array, too many to mask")
+            return elem, [(size, lower)], _items(raw, 20, size)
+    if len(raw) < 12:
+        raise Undecodable("a value ends early")
+    ndim, _, elem = struct.unpack_from("!iiI", raw)
+    if not 0 <= ndim <= 6 or len(raw) < 12 + 8 * ndim:
         raise Undecodable("array dimensions")
-    dims = [(reader.i32(), reader.i32()) for _ in range(ndim)]
+    flat = struct.unpack_from(f"!{2 * ndim}i", raw, 12)
+    dims = [(flat[i], flat[i + 1]) for i in range(0, 2 * ndim, 2)]
     count = 1 if dims else 0
     for size, _ in dims:
         if size < 0:
@@ -427,9 +482,7 @@ def _array(raw: bytes) -> tuple[int, list[tuple[int, int]], list[bytes | None]]:
         raise Undecodable("array size")
     if count > MAX_ITEMS:
         raise Undecodable(f"more than {MAX_ITEMS} values in an array, too many to mask")
-    items = [reader.value() for _ in range(count)]
-    reader.done()
-    return elem, dims, items
+    return elem, dims, _items(raw, 12 + 8 * ndim, count)
 
 
 def _encode_array(elem: int, dims: list[tuple[int, int]], items: list[bytes | None]) -> bytes:
@@ -441,12 +494,31 @@ def _encode_array(elem: int, dims: list[tuple[int, int]], items: list[bytes | No
 
 
 def _record(raw: bytes) -> list[tuple[int, bytes | None]]:
-    reader = _Reader(raw)
-    count = reader.i32()
+    """(type, value) of each field of a record_send value."""
+    if len(raw) < 4:
+        raise Undecodable("a value ends early")
+    count = _I32.unpack_from(raw)[0]
     if not 0 <= count <= len(raw):
         raise Undecodable("record size")
-    fields = [(reader.u32(), reader.value()) for _ in range(count)]
-    reader.done()
+    fields: list[tuple[int, bytes | None]] = []
+    pos, end = 4, len(raw)
+    unpack = _FIELD_HEAD.unpack_from
+    for _ in range(count):
+        if pos + 8 > end:
+            raise Undecodable("a value ends early")
+        oid, n = unpack(raw, pos)
+        pos += 8
+        if n < 0:
+            if n != -1:
+                raise Undecodable("a negative length")
+            fields.append((oid, None))
+        else:
+            if pos + n > end:
+                raise Undecodable("a value ends early")
+            fields.append((oid, raw[pos:pos + n]))
+            pos += n
+    if pos != end:
+        raise Undecodable("bytes after the value")
     return fields
 
 
@@ -491,20 +563,25 @@ def _multirange(raw: bytes) -> list[bytes]:
 
 # -- rendering: the text the server would send, near enough for a pattern to find what a value holds
 
+_ARRAY_QUOTED = re.compile(r'[{}",\\\s]').search  # what makes the server quote an array element
+_RECORD_QUOTED = re.compile(r'[(),"\\\s]').search  # a record field
+_RANGE_QUOTED = re.compile(r'[\[\](),"\\\s]').search  # a range bound
+
+
 def _quote_array(text: str) -> str:
-    if text == "" or text.upper() == "NULL" or any(ch in text for ch in '{}",\\ \t\n\r\v\f'):
+    if text == "" or _ARRAY_QUOTED(text) is not None or len(text) == 4 and text.upper() == "NULL":
         return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
     return text
 
 
 def _quote_record(text: str) -> str:
-    if text == "" or any(ch in text for ch in '(),"\\ \t\n\r\v\f'):
+    if text == "" or _RECORD_QUOTED(text) is not None:
         return '"' + text.replace('"', '""').replace("\\", "\\\\") + '"'
     return text
 
 
 def _quote_range(text: str) -> str:
-    if text == "" or any(ch in text for ch in '[](),"\\ \t\n\r\v\f'):
+    if text == "" or _RANGE_QUOTED(text) is not None:
         return '"' + text.replace('"', '""').replace("\\", "\\\\") + '"'
     return text
 
@@ -514,21 +591,30 @@ def render(shapes: TypeShapes, oid: int, raw: bytes, depth: int = 0) -> str:
 
     Raises Undecodable for a type ``shapes`` does not know or bytes not in its format.
     """
-    if depth > MAX_DEPTH:
-        raise Undecodable("nested too deep")
-    found = shapes.shape(oid)
-    if found is None:
-        raise Undecodable(f"type {oid} is not known")
-    kind, link = found
+    leaf = _LEAVES.get(oid)
     try:
-        if kind <= SCALAR:
-            return _leaf_text(kind, oid, raw)
+        if leaf is not None:
+            return leaf(raw)
+        if depth > MAX_DEPTH:
+            raise Undecodable("nested too deep")
+        found = shapes.shape(oid)
+        if found is None:
+            raise Undecodable(f"type {oid} is not known")
+        kind, link = found
+        if kind == TEXT:  # the database's own: an enum, citext
+            return _text(raw)
         if kind == DOMAIN:
             return render(shapes, link, raw, depth + 1)
         if kind == ARRAY:
             elem, dims, items = _array(raw)
-            texts = ["NULL" if item is None else _quote_array(render(shapes, elem, item, depth + 1))
-                     for item in items]
+            leaf = _LEAVES.get(elem)
+            if leaf is not None:  # the usual array: of one built-in value each
+                texts = ["NULL" if item is None else _quote_array(leaf(item)) for item in items]
+            else:
+                texts = ["NULL" if item is None else _quote_array(render(shapes, elem, item, depth + 1))
+                         for item in items]
+            if len(dims) == 1 and dims[0][1] == 1:
+                return "{" + ",".join(texts) + "}"
             return _nest(dims, texts)
         if kind == RECORD:
             return "(" + ",".join("" if value is None else _quote_record(render(shapes, field, value, depth + 1))
@@ -545,19 +631,6 @@ def render(shapes: TypeShapes, oid: int, raw: bytes, depth: int = 0) -> str:
             raise
         raise Undecodable(f"a value of type {oid} is not in its binary format") from None
     raise Undecodable(f"type {oid} is not known")
-
-
-def _leaf_text(kind: int, oid: int, raw: bytes) -> str:
-    if kind == TEXT or kind == JSON:
-        return _text(raw)
-    if kind == JSONB:
-        if raw[:1] != b"\x01":
-            raise ValueError("jsonb version")
-        return _text(raw[1:])
-    renderer = _RENDERERS.get(oid)
-    if renderer is None:
-        raise Undecodable(f"type {oid} is not known")
-    return renderer(raw)
 
 
 def _nest(dims: list[tuple[int, int]], texts: list[str]) -> str:
@@ -583,9 +656,10 @@ def _render_range(shapes: TypeShapes, subtype: int, raw: bytes, depth: int) -> s
 def render_binary(oid: int, raw: bytes, shapes: TypeShapes | None = None) -> str:
     """One binary-format value as text (the recording's, the output rules'); a value that cannot be read
     (an unknown type, malformed bytes) as ``\\x<hex>``."""
+    leaf = _LEAVES.get(oid)  # ``render``'s first step, here: it runs for every binary cell of every row
     try:
-        return render(shapes or BUILTIN, oid, raw)
-    except Undecodable:
+        return leaf(raw) if leaf is not None else render(shapes or BUILTIN, oid, raw)
+    except (Undecodable, ValueError, struct.error, IndexError, OverflowError):
         return "\\x" + raw.hex()
 
 
@@ -662,22 +736,39 @@ def _mask_items(masker: Masker, shapes: TypeShapes, items: list[tuple[int, bytes
                 depth: int) -> tuple[list[tuple[int, bytes | None]], int]:
     """Each (type, value) masked; the new list and how many values were masked (0: nothing changed).
 
-    Under patterns, the leaves' texts are searched once together first (joined by tabs, as a row's cells are:
-    ``Masker.row_spans``): most containers hold nothing to mask.
+    Under patterns, when every item is a built-in single value, their texts are searched once together first
+    (joined by tabs, as a row's cells are: ``Masker.row_spans``): most containers hold nothing to mask, and
+    only the items a match falls in are masked.
     """
-    if style is None and masker.row_prefilter and all(shapes.leaf(oid) for oid, _ in items):
-        texts = [render(shapes, oid, value, depth + 1).encode("utf-8", "surrogateescape")
-                 for oid, value in items if value is not None]
-        spans = masker.row_spans(b"\t".join(texts), MAX_MATCHES)
-        if spans is None:
-            raise Undecodable(f"the patterns find more than {MAX_MATCHES} values in it, too many to mask")
-        if not spans:
-            return items, 0
+    todo: set[int] | None = None  # the items to mask (None: every one)
+    if style is None and masker.row_prefilter:
+        texts: list[bytes] = []
+        where: list[int] = []
+        for i, (oid, value) in enumerate(items):
+            if value is None:
+                continue
+            leaf = _LEAVES.get(oid)
+            if leaf is None:  # a container, or a type of the database's own: every item is walked
+                break
+            texts.append(value if oid in _RAW_TEXT else leaf(value).encode("utf-8", "surrogateescape"))
+            where.append(i)
+        else:
+            spans = masker.row_spans(b"\t".join(texts), MAX_MATCHES)
+            if spans is None:
+                raise Undecodable(f"the patterns find more than {MAX_MATCHES} values in it, too many to mask")
+            if not spans:
+                return items, 0
+            ends = []
+            end = -1
+            for text in texts:
+                end += len(text) + 1
+                ends.append(end)
+            todo = {where[j] for j in masker.cells_spanned(ends, spans)}
     out: list[tuple[int, bytes | None]] = []
     total = 0
-    for oid, value in items:
-        if value is None:
-            out.append((oid, None))
+    for i, (oid, value) in enumerate(items):
+        if value is None or todo is not None and i not in todo:
+            out.append((oid, value))
             continue
         masked = _mask(masker, shapes, oid, value, style, depth + 1)
         if masked is None:
