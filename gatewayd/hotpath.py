@@ -35,6 +35,7 @@ MODULES = (
     "gatewayd.recording",
     "proxies.postgres.codec",
     "proxies.postgres.relay",
+    "proxies.postgres.values",  # every binary value a PostgreSQL row records or masks
     "proxies.postgres.session",
     "proxies.http.front",
     "proxies.http.messages",
