@@ -36,6 +36,7 @@ MODULES = (
     "gatewayd.sql.pg_scan",
     "proxies.postgres.codec",
     "proxies.postgres.relay",
+    "proxies.postgres.values",  # every binary value a PostgreSQL row records or masks
     "proxies.postgres.session",
     "proxies.http.front",
     "proxies.http.messages",

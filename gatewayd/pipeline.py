@@ -118,6 +118,10 @@ class SessionRun(Generic[T]):
             await self.live.close(exit_code=BLOCKED_EXIT_CODE, error=INTERNAL_ERROR)
 
 
+def _memory_key(connection: Connection, topic: str) -> str:
+    return f"memory.{topic}.{connection.id}"
+
+
 def _client_message(error: BaseException) -> str:
     message = getattr(error, "message", None)
     return message if isinstance(message, str) and message else str(error) or type(error).__name__
@@ -296,6 +300,18 @@ class SessionPipeline:
         if isinstance(policy.rules, ObservedRules):
             rules = ObservedRules(rules, policy.rules.observe)
         policy.adopt(rules)
+
+    # -- what a proxy remembers of a connection's target from one session to the next
+
+    async def recall(self, connection: Connection, topic: str) -> Any:
+        """What was remembered of ``connection``'s target under ``topic`` (``remember``), or None."""
+        return await self.sessions.store.get_setting(_memory_key(connection, topic))
+
+    async def remember(self, connection: Connection, topic: str, value: Any) -> None:
+        """Keep ``value`` (JSON) for the next sessions of ``connection``, in the store every node shares: a
+        PostgreSQL column masked by name, found by its identity after a rename (proxies/postgres/catalog.py).
+        The last write wins: two sessions writing at once may lose one's news (found again next time)."""
+        await self.sessions.store.put_setting(_memory_key(connection, topic), value)
 
     # -- what proxies audit beyond sessions and blocks
 

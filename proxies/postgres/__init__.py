@@ -32,7 +32,8 @@ DESCRIPTION = ProtocolDescription(
     load_script_runner=lazy_script_runner("proxies.postgres.script"),
     settings={"tls_cert": Setting("str", ""), "tls_key": Setting("str", ""),
               # a statement longer than this is refused on a connection with input rules (the rules must read it)
-              "max_statement_bytes": Setting("int", 1024 * 1024, positive)},
+              "max_statement_bytes": Setting("int", 1024 * 1024, positive),
+              "mask_row_bytes": Setting("int", 1024 * 1024, positive)},
     forward_opening=lambda reader, writer, secret: _forward_opening(reader, writer, secret),
     check_settings=lambda settings: _check_settings(settings),
 )

@@ -33,7 +33,7 @@ from gatewayd.access import looks_like_secret
 from gatewayd.pipeline import BLOCKED_EXIT_CODE, AccessDenied, GatewayClosing, ProxyContext, TargetUnreachable
 from gatewayd.tasks import BackgroundTasks
 from proxies.postgres import tls
-from proxies.postgres.catalog import Sources, column_sources
+from proxies.postgres.catalog import MEMORY_TOPIC, Catalog, Column, merged, read_catalog
 from proxies.postgres.codec import (
     CancelRequest,
     FrontendReader,
@@ -54,7 +54,7 @@ from proxies.postgres.codec import (
 )
 from proxies.postgres.fastpath import allowed_functions
 from proxies.postgres.reading import SessionReading
-from proxies.postgres.relay import ClientSide, Pending, ServerSide, WaitingClientSide
+from proxies.postgres.relay import MASK_ROW_BYTES, ClientSide, Pending, ServerSide, WaitingClientSide, mask_frames
 from proxies.postgres.session import CLIENT, TARGET, RelaySession
 from proxies.postgres.stream import FrameStream
 from proxies.postgres.upstream import (
@@ -156,6 +156,7 @@ class PostgresListener:
         self.cancel_keys = CANCEL_KEYS
         self.cluster = context.cluster
         self.connections = BackgroundTasks("postgres listener")
+        self.mask_row_bytes = int(context.settings.get("mask_row_bytes", MASK_ROW_BYTES))
         if self.cluster is not None and id(self.cluster) not in _CANCEL_ROUTES:  # once per process, not per listener
             _CANCEL_ROUTES.add(id(self.cluster))
             self.cluster.on(CANCEL_TOPIC, self._on_cancel)
@@ -347,8 +348,9 @@ class ClientConnection:
                                                            cluster.slot if cluster else 0)
         async with run:
             try:
-                self.stream.write(b"".join([encode_authentication_ok(), *link.startup_frames,
-                                            encode_backend_key_data(*key), encode_ready_for_query(link.status)]))
+                startup = mask_frames(run.policy, link.startup_frames)  # a setting made from data, masked too
+                self.stream.write(b"".join([encode_authentication_ok(), *startup, encode_backend_key_data(*key),
+                                            encode_ready_for_query(link.status)]))
                 exit_code, error = await self._relay(link, run, settings, connection)
             finally:
                 self.listener.cancel_keys.pop(key)
@@ -369,20 +371,35 @@ class ClientConnection:
     def _column_names(policy: SessionPolicy) -> tuple[str, ...]:
         return tuple(policy.masker.columns) if policy.masker is not None else ()
 
-    async def _column_sources(self, policy: SessionPolicy, settings: TargetSettings,
-                              connection: Connection) -> Sources | None:
-        """Where the columns the mask rules name are (catalog.py), so an alias does not unmask them; {} without
-        such rules; None when the catalog cannot be read (every value of a result is then masked: fail closed)."""
+    async def _catalog(self, policy: SessionPolicy, settings: TargetSettings, connection: Connection,
+                       learned: dict[tuple[int, int], str] | None = None) -> Catalog | None:
+        """What the target's catalog says for the session's mask rules (catalog.py): where the columns they name
+        are -- by name, and by the identity they had when a session last saw them (renamed since, they stay
+        masked) -- and the database's types; an empty Catalog without mask rules; None when the catalog cannot
+        be read (every value of a result is then masked whole, user types withheld: fail closed).  What was
+        found by name, and ``learned`` by the relay, is remembered for the next sessions."""
         masker = policy.masker
-        if masker is None or not masker.columns:
-            return {}
+        if masker is None:
+            return Catalog()
+        names = self._column_names(policy)
+        memory: dict[str, list[Column]] = {}
+        remembered: list[Column] = []
+        if names:
+            memory = await self.pipeline.recall(connection, MEMORY_TOPIC) or {}
+            remembered = [(int(r), int(a), str(c)) for r, a, c in memory.get(settings.database, ())]
         try:
-            return await column_sources(settings, connection.name, self.pipeline.dialer_for(connection),
-                                        masker.columns)
+            found = await read_catalog(settings, connection.name, self.pipeline.dialer_for(connection), names,
+                                       remembered)
         except UpstreamError as exc:
-            log.warning("the columns of the mask rules could not be looked up: results are masked whole",
+            log.warning("the target's catalog could not be read for the mask rules: results are masked whole",
                         extra={"connection": connection.name, "error": exc.message})
             return None
+        if names:
+            update = merged(remembered, {**(learned or {}), **found.sources})
+            if update is not None:
+                memory[settings.database] = update
+                await self.pipeline.remember(connection, MEMORY_TOPIC, memory)
+        return found
 
     async def _relay(self, link: TargetLink, run: SessionRun[TargetLink], settings: TargetSettings,
                      connection: Connection) -> tuple[int, str | None]:
@@ -391,14 +408,39 @@ class ClientConnection:
         pending: deque[Pending] = deque()
         columns: dict[str, tuple[int, ...]] = {}
         server = ServerSide(policy, pending, columns)
-        server.set_sources(await self._column_sources(policy, settings, connection), self._column_names(policy))
+        server.row_limit = self.listener.mask_row_bytes
+
+        def adopt(catalog: Catalog | None) -> None:
+            server.set_sources(None if catalog is None else catalog.sources, self._column_names(policy))
+            if catalog is not None and catalog.shapes is not None:
+                server.set_types(catalog.shapes)
+
+        adopt(await self._catalog(policy, settings, connection))
+        looking: list[asyncio.Task[None]] = []  # the catalog read again (one at a time; once more if asked meanwhile)
+        again = [False]
+
+        async def look_again() -> None:
+            while True:
+                again[0] = False
+                adopt(await self._catalog(policy, settings, connection, dict(server.learned)))
+                if not again[0]:
+                    return
+
+        def wanted() -> None:
+            """The relay met a type the catalog did not say, or a rule's column under a new identity."""
+            if looking and not looking[0].done():
+                again[0] = True
+                return
+            looking[:] = [self.pipeline.tasks.spawn(look_again())]
+
+        server.catalog_wanted = wanted
         reload = run.live.reload_rules
         if reload is not None:  # rules changed mid-session: column names the catalog was not asked about, asked now
             async def reload_and_look_up() -> None:
                 await reload()
-                if not set(self._column_names(policy)) <= server.sources_for:
-                    server.set_sources(await self._column_sources(policy, settings, connection),
-                                       self._column_names(policy))
+                if policy.masker is not None and (not set(self._column_names(policy)) <= server.sources_for
+                                                  or not server.shapes.complete):
+                    adopt(await self._catalog(policy, settings, connection, dict(server.learned)))
             run.live.reload_rules = reload_and_look_up
         reading = SessionReading()
         for frame in link.startup_frames:  # the settings the target started with (its start-up ParameterStatus)
