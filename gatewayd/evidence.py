@@ -302,16 +302,31 @@ def verify_audit(org_id: str, rows: Iterable[dict[str, Any]], key: bytes | None 
 
     With ``key`` (the gateway's: ``Sealer.audit_key``) a link verifies only as its HMAC, and every entry must be
     one: an entry without a hash, or hashed without the key, cannot be told from one whose hash was stripped or
-    re-computed, so it is not verified (named with how many there are). Without a key (a store that never had
-    the gateway's) the links are plain hashes, and entries without one before the first are from before the chain
-    began (named, not counted as altered). A log where no entry verifies is not intact."""
+    re-computed, so it is not verified (named with how many there are).  One exception, for a log begun before
+    the chain was keyed (an upgrade): its oldest entries, linked by plain hashes from the start, count as links
+    when the first keyed entry chains to them -- that entry's HMAC holds the hash of the last of them, so none of
+    them can be changed (and the plain hashes re-computed) without breaking it.  A plain-hash run that no keyed
+    entry follows proves nothing.  Without a key (a store that never had the gateway's) the links are plain
+    hashes, and entries without one before the first are from before the chain began (named, not counted as
+    altered).  A log where no entry verifies is not intact."""
     result = Verification(subject=f"audit log of organization {org_id}")
     previous, good, legacy, linked = GENESIS, 0, 0, True  # linked: the entry before is a link (or there is none)
     loose: list[str] = []  # entries that are not links: no hash, or (with a key) one made without it
+    # with a key: the oldest entries, while they are plain-hash links from the start (anchored by a keyed successor)
+    prekey: list[str] | None = [] if key is not None else None
     for row in rows:
         result.entries += 1
         stored, expected = row["hash"], audit_hash(row["prev_hash"], row, key)
         if stored != expected:
+            if (prekey is not None and stored and row["prev_hash"] == previous
+                    and audit_hash(row["prev_hash"], row) == stored):
+                prekey.append(row["id"])  # a plain-hash link in the run from the start: anchored, or not, later
+                previous = stored
+                continue
+            if prekey:  # the run ends without a keyed entry chaining to it: none of it proves anything
+                loose.extend(prekey)
+                linked = False
+            prekey = None
             if key is None and not stored and not good and not loose:  # written before the chain began
                 legacy += 1
                 continue
@@ -321,6 +336,9 @@ def verify_audit(org_id: str, rows: Iterable[dict[str, Any]], key: bytes | None 
                 result.problem(f"entry {row['id']}: it was altered")
             previous, linked = stored, False
             continue
+        if prekey:
+            good += len(prekey)  # this keyed entry chains to the run of plain-hash links (checked below)
+        prekey = None
         if row["prev_hash"] == previous:
             good += 1
         elif row["prev_hash"] == GENESIS and not linked:
@@ -328,6 +346,8 @@ def verify_audit(org_id: str, rows: Iterable[dict[str, Any]], key: bytes | None 
         else:
             result.problem(f"entry {row['id']}: does not chain to the entry before it (one was removed or inserted)")
         previous, linked = stored, True
+    if prekey:  # plain-hash links to the end, and no keyed entry after them
+        loose.extend(prekey)
     result.links = result.entries - legacy - len(loose)
     result.chain_head = previous
     if loose:

@@ -367,9 +367,21 @@ def test_the_audit_chain_is_keyed_and_an_entry_that_is_not_a_link_is_not_verifie
     assert f"4 {loose}: e0 ... e3" in verify_audit("o", recomputed, key).problems
     tail = rows[:2] + audit_rows(2, None, rows[1]["hash"], start=2)  # the newest re-computed after an edit
     assert verify_audit("o", tail, key).problems == [f"2 {loose}: e2 ... e3"]
-    before = audit_rows(3, None)  # chained before the chain was keyed: named, not verified
-    result = verify_audit("o", before + audit_rows(2, key, before[-1]["hash"], start=3), key)
-    assert not result.verified and result.links == 2 and result.problems == [f"3 {loose}: e0 ... e2"]
+    before = audit_rows(3, None)  # chained before the chain was keyed (an upgrade): anchored by the first keyed entry
+    upgraded = before + audit_rows(2, key, before[-1]["hash"], start=3)
+    result = verify_audit("o", upgraded, key)
+    assert result.verified and result.links == 5, result.problems
+    changed = [dict(row) for row in upgraded]  # an old entry changed and the plain hashes after it re-computed
+    changed[1]["outcome"] = "failure"
+    changed[1:3] = audit_rows(2, None, changed[0]["hash"], start=1)
+    changed[1]["outcome"] = "failure"
+    changed[1]["hash"] = audit_hash(changed[1]["prev_hash"], changed[1])
+    changed[2]["prev_hash"] = changed[1]["hash"]
+    changed[2]["hash"] = audit_hash(changed[2]["prev_hash"], changed[2])
+    result = verify_audit("o", changed, key)
+    assert not result.verified and result.problems == [
+        "entry e3: does not chain to the entry before it (one was removed or inserted)"], result.problems
+    assert f"3 {loose}: e0 ... e2" in verify_audit("o", before, key).problems  # no keyed entry after them
     edited = [dict(row) for row in rows]
     edited[2]["outcome"] = "failure"
     assert verify_audit("o", edited, key).problems == ["entry e2: it was altered"]
