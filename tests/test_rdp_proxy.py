@@ -334,16 +334,72 @@ async def test_a_wrong_stored_password_ends_the_logon_with_a_reason(api: RdpApi,
 
 
 async def test_the_nla_setting_picks_the_mechanism(api: RdpApi, gateway: Daemon, peers: Peers) -> None:
-    """``NLA=kerberos`` goes to pyspnego's Kerberos (python-gssapi, not installed here); a bad value is told."""
+    """``NLA=kerberos`` goes to pyspnego's Kerberos (python-gssapi, not installed here); a bad value is told.
+
+    An admin reads the setting back (it says how the gateway logs on, not with what)."""
     for nla, expected in (("kerberos", "failed: the gateway cannot start kerberos authentication: "),
                           ("sometimes", "its NLA is not one of off, ntlm, kerberos, negotiate")):
         connection = await api.role(peers.nla_port, NLA=nla)
+        status, shown = await api("GET", f"/connections/{connection['name']}")
+        assert status == 200 and shown["secret"]["envvar:NLA"] == base64.b64encode(nla.encode()).decode(), shown
+        assert shown["secret"]["envvar:PASS"] == "[REDACTED]"
         secret, session_id = await api.credential(connection)
         code, output = await xfreerdp(peers, gateway.rdp_port, secret, "+auth-only")
         assert code != 0, output
         session = await api.done_session(session_id)
         assert session["exit_code"] == 254 and any(k == "e" and expected in text for k, text in events(session)), \
             events(session)
+
+
+async def test_a_kill_while_the_gateway_logs_on_with_nla_ends_it_at_once(api: RdpApi, gateway: Daemon, peers: Peers,
+                                                                         tmp_path: Path) -> None:
+    """A target that picks NLA and then says nothing holds the logon (for at most ``NLA_TIMEOUT``); a kill ends it."""
+    import ssl
+    import struct
+
+    from spnego._credssp_structures import TSRequest
+
+    from gatewayd.tls import generate_self_signed
+
+    generate_self_signed(tmp_path / "cert.pem", tmp_path / "key.pem", common_name="stalling-nla-target")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
+    requests: list[bytes] = []
+    writers: list[asyncio.StreamWriter] = []
+
+    async def stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        await reader.read(4096)  # the X.224 connection request
+        response = struct.pack("<BBHI", 2, 0, 8, 2)  # RDP_NEG_RSP: PROTOCOL_HYBRID
+        x224 = bytes([6 + len(response), 0xD0, 0, 0, 0x12, 0x34, 0]) + response
+        writer.write(struct.pack(">BBH", 3, 0, 4 + len(x224)) + x224)
+        await writer.drain()
+        await writer.start_tls(context)
+        requests.append(await reader.read(4096))  # the gateway's first TSRequest, never answered
+        await reader.read()
+
+    target = await asyncio.start_server(stall, "127.0.0.1", 0)
+    try:
+        connection = await api.role(target.sockets[0].getsockname()[1])
+        secret, session_id = await api.credential(connection)
+        client = asyncio.ensure_future(xfreerdp(peers, gateway.rdp_port, secret, timeout=60))
+        deadline = time.monotonic() + 30
+        while not requests and time.monotonic() < deadline:  # the gateway is logging on
+            await asyncio.sleep(0.05)
+        status, body = await api("POST", f"/sessions/{session_id}/kill")
+        assert status == 200 and body["exit_code"] == 254, body
+        code, output = await client
+    finally:
+        target.close()
+        for writer in writers:
+            writer.close()
+    [token] = TSRequest.unpack(requests[0]).nego_tokens
+    assert token.nego_token.startswith(b"NTLMSSP\x00\x01\x00\x00\x00")  # NTLM's negotiate message
+    assert code != 0, output
+    session = await api.done_session(session_id)
+    [(kind, reason)] = events(session)
+    assert session["exit_code"] == 254 and kind == "e" and reason.startswith("session killed by "), events(session)
+    assert [s["id"] for s in await api.sessions_of(connection)] == [session_id]  # the client's retry opened none
 
 
 async def test_frames_of_a_non_rdp_session_are_a_400(api: RdpApi, gateway: Daemon) -> None:

@@ -227,6 +227,11 @@ class GatewayMITM(RDPMITM):
         # what is neither TPKT nor fast-path before the I/O channel: the target's TSRequests (pyrdp's NLA observer
         # comes only with the client's TLS, once the gateway's logon is over)
         self.server.segmentation.createObserver(onUnknownHeader=self._target_credssp)
+        # pyrdp drops the client as soon as the target goes; while the gateway logs on, a target refusing the logon
+        # closes, and the client is to be told why first (_nla_failed)
+        observer = self.tcp.serverObserver
+        pyrdp_target_gone = observer.onDisconnection
+        observer.onDisconnection = lambda reason: None if self.credssp is not None else pyrdp_target_gone(reason)
         self.server.mcs.createObserver(onDisconnectProviderUltimatum=self._target_logged_off)
         self.client.mcs.createObserver(onDisconnectProviderUltimatum=self._client_logged_off)
         # pyrdp's X.224 handlers, wrapped: admission before the request, NLA refusal on the confirm
@@ -412,8 +417,6 @@ class GatewayMITM(RDPMITM):
             # the gateway logs on with CredSSP (doClientTls) before it answers the client: TLS for the client
             self.target_protocol = response.selectedProtocols
             self.credssp = TSRequestReader()
-            # pyrdp drops the client when the target goes: a target refusing the logon closes, the client is told
-            self.tcp.server.removeObserver(self.tcp.serverObserver)
             pdu.payload = NegotiationResponseParser().write(
                 NegotiationResponsePDU(response.type, response.flags, NegotiationProtocols.SSL))
         self._pyrdp_connection_confirm(pdu)
@@ -459,7 +462,6 @@ class GatewayMITM(RDPMITM):
             await self._nla_failed(NLA_FAILED.format(name=self.connection_name, reason=reason), status)
             return
         self.credssp = None
-        self.tcp.server.addObserver(self.tcp.serverObserver)
         if self.ended is None:
             self.doClientTls()
 
@@ -607,9 +609,10 @@ class GatewayMITM(RDPMITM):
         await self._close(BLOCKED_EXIT_CODE, message)
 
     def _side_closed(self, side: str) -> None:
-        if side == TARGET and self.credssp is not None and self.ended is None:
+        if side == TARGET and self.credssp is not None:
             self.credssp.close()  # the target ended CredSSP: the logon's failure, told by _logon_to_target
-            return
+            if self.ended is None:
+                return
         if self.ended is not None or self.run is None:
             self.ended = self.ended or side
             return
