@@ -135,9 +135,10 @@ async def authenticate(credentials: NlaCredentials, send: Callable[[bytes], None
                        public_key: Callable[[], bytes]) -> None:
     """Log on to the target: TSRequests out through ``send``, in from ``reader``; CredSSPError if not.
 
-    ``public_key`` is the target's TLS public key (SubjectPublicKey, as
-    ``spnego.tls.get_certificate_public_key`` gives it), asked once the
-    handshake is certainly over. The caller bounds the time it may take.
+    ``public_key`` gives the target's TLS public key (SubjectPublicKey, as
+    ``spnego.tls.get_certificate_public_key`` reads it from an RSA
+    certificate, which is what RDP servers present), asked once the handshake
+    is certainly over. The caller bounds the time it may take.
     """
     user = f"{credentials.domain}\\{credentials.user}" if credentials.domain else credentials.user
     try:
@@ -163,7 +164,10 @@ async def authenticate(credentials: NlaCredentials, send: Callable[[bytes], None
                                  "authentication")
     version = min(answer.version, CREDSSP_VERSION)
     nonce = os.urandom(32) if version >= 5 else None
-    key = public_key()
+    try:
+        key = public_key()
+    except Exception as exc:  # not an RSA key, or the handshake never finished
+        raise CredSSPError(f"the target's TLS public key cannot be read: {_describe(exc)}") from None
     try:
         proof = context.wrap(binding_hash(key, nonce, client=True)).data
     except Exception as exc:

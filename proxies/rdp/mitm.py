@@ -325,15 +325,15 @@ class GatewayMITM(RDPMITM):
         self.domain = target.get("DOMAIN")
         self.state.effectiveTargetHost, self.state.effectiveTargetPort = host, port
         nla = (target.get("NLA") or "ntlm").strip().lower()
-        if nla in MECHANISMS and self.config.replacementUsername and self.config.replacementPassword:
-            self.nla = NlaCredentials(self.config.replacementUsername, self.config.replacementPassword,
-                                      self.domain or "", host, nla)
         requested = None
         if request is not None:  # the target sees the role's user in the cookie, never the secret
             user = self.config.replacementUsername
             request.cookie = f"Cookie: mstshash={user}".encode("latin-1", "replace") if user else None
             requested = request.requestedProtocols
-            if self.nla is not None and request.tlsSupported:  # TLS to the client, TLS or NLA to the target
+            if (nla in MECHANISMS and request.tlsSupported and self.config.replacementUsername
+                    and self.config.replacementPassword):  # TLS to the client, TLS or NLA to the target
+                self.nla = NlaCredentials(self.config.replacementUsername, self.config.replacementPassword,
+                                          self.domain or "", host, nla)
                 request.requestedProtocols = NegotiationProtocols.SSL | NegotiationProtocols.CRED_SSP
                 self.config.authMethods = NegotiationProtocols.SSL | NegotiationProtocols.CRED_SSP
                 # the gateway gives the target credentials: no client-side restricted admin or remote guard
@@ -442,7 +442,7 @@ class GatewayMITM(RDPMITM):
         transport = self.server.tcp.transport
         cert = transport.getPeerCertificate() if transport is not None else None
         if cert is None:
-            raise CredSSPError("the target's TLS certificate is not known")
+            raise ValueError("no TLS certificate from the target")
         self.target_certificate = cert  # for the client's TLS should the logon fail (the link closes with the TLS)
         return get_certificate_public_key(crypto.dump_certificate(crypto.FILETYPE_ASN1, cert))
 
