@@ -77,7 +77,7 @@ def connection_status(gateway: Any, conn: Connection) -> str:
 
 # Settings of a role secret an admin may read back: where the target is and how it is checked. Anything else (PASS,
 # PRIVATE_KEY, a setting this list does not know yet) is withheld: no answer carries what logs in to a target.
-SHOWN_TARGET_SETTINGS = frozenset({"HOST", "PORT", "USER", "DB", "SSLMODE", "INSECURE", "DOMAIN", "HOST_KEY",
+SHOWN_TARGET_SETTINGS = frozenset({"HOST", "PORT", "USER", "DB", "SSLMODE", "INSECURE", "DOMAIN", "NLA", "HOST_KEY",
                                    "REMOTE_URL"})
 
 

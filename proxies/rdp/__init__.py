@@ -20,7 +20,7 @@ compat.apply()  # before anything imports pyrdp (Python 3.13 removed typing.io, 
 if TYPE_CHECKING:
     from gatewayd.models import Connection
 
-REQUIRED_MODULES = ("pyrdp", "rle", "twisted", "PIL")
+REQUIRED_MODULES = ("pyrdp", "rle", "twisted", "PIL", "spnego")
 
 
 
