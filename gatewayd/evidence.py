@@ -32,6 +32,10 @@ if TYPE_CHECKING:
     from gatewayd.store import Store
 SEAL_KEY_NAME = "recording-seal"
 EVENT_HEAD = struct.Struct(">QQ1sQ")  # a stored event's head: seq, offset_ms, kind, length
+# Links numbered from here hold events stored after the session was closed by another process (kept from the
+# journal of the one that held it, gatewayd.journal): after the sealed recording, named by verification.
+LATE_BASE = 1 << 40
+GAP = b"recording gap: "  # an ``e`` event saying what the recording may miss; verification names each
 _AUDIT_FIELDS = ("id", "org_id", "created_at", "actor_subject", "actor_email", "actor_name", "resource_type",
                  "action", "outcome", "http_method", "http_path", "http_status", "client_ip",
                  "request_payload_redacted", "error_message")
@@ -191,6 +195,10 @@ def verify_recording(session_id: str, status: str, chain_head: str, seal: str | 
     if not chain_head:
         result.problem("recorded before this gateway chained recordings: it cannot be verified")
         return result
+    late_links = [link for link in links if link.first_seq >= LATE_BASE]
+    links = [link for link in links if link.first_seq < LATE_BASE]
+    late_events = [pair for pair in events if pair[0] >= LATE_BASE]
+    events = [pair for pair in events if pair[0] < LATE_BASE]
     by_seq = dict(events)
     if len(by_seq) != len(events):
         result.problem("two events have the same sequence number")
@@ -213,6 +221,11 @@ def verify_recording(session_id: str, status: str, chain_head: str, seal: str | 
     result.chain_head = previous
     if chain_head != previous:
         result.problem("the session's chain head does not match its last batch")
+    for seq, event in events:
+        if event.kind == "e" and bytes(event.data).startswith(GAP):
+            result.problem(f"event {seq}: {bytes(event.data).decode('utf-8', 'replace')}")
+    if late_links:
+        _verify_late(result, session_id, previous, late_links, dict(late_events))
     if seal:
         result.sealed = True
         statement = seal_statement(session_id, chain_head, len(events), event_size, exit_code, end_date)
@@ -221,6 +234,20 @@ def verify_recording(session_id: str, status: str, chain_head: str, seal: str | 
     elif status == "done":
         result.problem("the session is done but has no seal")
     return result
+
+
+def _verify_late(result: Verification, session_id: str, previous: str, links: Sequence[BatchLink],
+                 by_seq: dict[int, SessionEvent]) -> None:
+    """The links kept after the session was closed by another process: chained on, unaltered, and named."""
+    count = 0
+    for link in links:
+        batch = [by_seq.get(seq) for seq in range(link.first_seq, link.first_seq + link.count)]
+        if link.previous_hash != previous or any(event is None for event in batch) or \
+                batch_hash(link.previous_hash, session_id, link.first_seq, batch) != link.hash:  # type: ignore[arg-type]
+            result.problem(f"the events kept after the close (from event {link.first_seq - LATE_BASE}) were altered")
+        previous, count = link.hash, count + link.count
+    result.problem(f"{count} events were stored after the session was closed by another process (kept from the "
+                   "journal of the process that held it): they are not covered by the seal")
 
 
 def verify_audit(org_id: str, rows: Iterable[dict[str, Any]]) -> Verification:

@@ -9,6 +9,7 @@ from typing import Any, Awaitable, Callable
 
 from gatewayd.audit import AuditLog
 from gatewayd.cluster import Cluster
+from gatewayd.evidence import GAP
 from gatewayd.guardrails import GuardVerdict
 from gatewayd import protocols
 from gatewayd.models import Connection, Credential, Node, Session, User, new_id, parse_time, rfc3339, utcnow
@@ -153,11 +154,13 @@ class SessionManager:
     CONNECTION = "connection.changed"
 
     def __init__(self, store: Store, recording: RecordingService, audit: AuditLog,
-                 cluster: Cluster | None = None) -> None:
+                 cluster: Cluster | None = None, recording_mode: str = "async") -> None:
         self.store = store
         self.recording = recording
         self.audit = audit
         self.cluster = cluster or Cluster(store, "local")
+        self.recording_mode = recording_mode  # a connection's settings.recording_mode wins
+        recording.on_undurable = self._undurable
         self.live: dict[str, LiveSession] = {}
         self.accepting = True
         self.tasks = BackgroundTasks("sessions")  # expiry kills
@@ -201,6 +204,7 @@ class SessionManager:
                                   review_id=credential.review_id if credential else None, node_id=node_id)
             await self.store.create_session(session)
         recorder = await self.recording.recorder(session.id, started=time.monotonic())
+        recorder.strict = (connection.settings.get("recording_mode") or self.recording_mode) == "strict"
         live = LiveSession(self, session, recorder, user, connection, credential, client_ip)
         self.live[session.id] = live
         log.info("session opened", extra=live.log_fields(verb=verb))
@@ -262,11 +266,20 @@ class SessionManager:
                 return
             await asyncio.sleep(0.05)
 
-    async def _close_stored(self, session_id: str, reason: str) -> None:
-        """Close a session no process holds: ``reason`` as its last ``e`` event, exit code 254."""
+    async def _close_stored(self, session_id: str, reason: str, gap: str = "") -> None:
+        """Close a session no process holds: ``reason`` as its last ``e`` event (after ``gap``, a ``recording
+        gap`` event, when the process that held it may have recorded more), exit code 254."""
         recorder = await self.recording.recorder(session_id)
+        if gap:
+            recorder.error(GAP + gap.encode())
         recorder.error(reason)
         await self.recording.close(recorder, end_date=rfc3339(utcnow()), exit_code=BLOCKED_EXIT_CODE)
+
+    def _undurable(self, session_id: str, reason: str) -> None:
+        """The recording cannot be kept as the session asks (strict, or closed by another node): it ends."""
+        live = self.live.get(session_id)
+        if live is not None:
+            self.tasks.spawn(live.kill(reason))
 
     async def _on_kill(self, message: dict[str, Any]) -> None:
         live = self.live.get(str(message.get("session_id")))
@@ -338,8 +351,11 @@ class SessionManager:
     async def close_orphans(self, node: Node, reason: str) -> int:
         """Close the sessions left ``open`` by a node that is gone (``node.id`` empty: by no node)."""
         stale = await (self.store.open_sessions_of([node.id]) if node.id else self.store.open_sessions_unheld())
+        gap = (f"the process that held the session ({node.name or 'unknown'}) stopped without closing it: what it "
+               "recorded last may be missing here (its journal, when its host starts it again, brings back what it "
+               "holds, after this close)")
         for session in stale:
-            await self._close_stored(session.id, reason)
+            await self._close_stored(session.id, reason, gap)
         if stale:
             log.warning("closed sessions left open by a previous run",  # of this node, or of one lost
                         extra={"count": len(stale), "node": node.name or "-"})
