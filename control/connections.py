@@ -103,6 +103,8 @@ def build_connection(body: dict[str, Any], org_id: str, resource_name: str, exis
     if body.get("reviewers") is not None:
         settings["reviewers"] = list(body["reviewers"])
     problem = check_review_settings(settings)
+    if settings.get("recording_mode") not in (None, "async", "strict"):
+        problem = "field 'settings.recording_mode': expected \"async\" or \"strict\""
     if problem:
         raise ApiError(422, problem.replace("field '", f"field '{where}", 1))
     return Connection(

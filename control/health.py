@@ -1,14 +1,18 @@
 """Liveness and readiness of this node, without authentication (a load balancer's and an orchestrator's probes).
 
 ``GET /healthz``: the daemon answers (liveness).  ``GET /readyz``: this node can take traffic -- its store
-answers one cheap query within ``READY_STORE_TIMEOUT`` and every protocol listener it is asked to run is up;
-503 names what is not.  Prometheus metrics are served apart (``[metrics] listen``, gatewayd.metrics).
+answers one cheap query within ``READY_STORE_TIMEOUT``, it is not fenced (it holds its lease) and every
+protocol listener it is asked to run is up; 503 names what is not.  Readiness answers within
+``READY_STORE_TIMEOUT`` whatever the store does: the probe is not waited for past it (a query to a hung
+server may take long to give up), and one probe at a time is in flight.  Prometheus metrics are served apart (``[metrics] listen``, gatewayd.metrics).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+import weakref
+from typing import Any
 
 from aiohttp import web
 
@@ -18,6 +22,7 @@ from gatewayd.daemon import SERVER_CONFIG_KEY, listen_addresses
 routes = RouteSet("Health")
 
 READY_STORE_TIMEOUT = 2.0  # seconds: a store slower than this is not ready to serve sessions
+_PROBES: weakref.WeakKeyDictionary[Any, asyncio.Future[Any]] = weakref.WeakKeyDictionary()  # per gateway, in flight
 
 _LISTENER = Schema("ReadinessListener", {
     "listen_address": Field("string", True, description="empty: not asked to listen"),
@@ -50,14 +55,20 @@ async def readyz(request: web.Request) -> web.Response:
     problems: list[str] = []
     began = time.monotonic()
     store_error = ""
-    try:
-        await asyncio.wait_for(gateway.store.get_setting(SERVER_CONFIG_KEY), READY_STORE_TIMEOUT)
-    except TimeoutError:
+    probe = _PROBES.get(gateway)
+    if probe is None or probe.done():
+        probe = _PROBES[gateway] = asyncio.ensure_future(gateway.store.get_setting(SERVER_CONFIG_KEY))
+        probe.add_done_callback(lambda task: task.cancelled() or task.exception())  # retrieved, never lost
+    done, _ = await asyncio.wait({probe}, timeout=READY_STORE_TIMEOUT)
+    if not done:
         store_error = f"no answer within {READY_STORE_TIMEOUT:g}s"
-    except Exception as exc:  # what the store's driver raises when it cannot answer
-        store_error = f"{type(exc).__name__}: {exc}"[:300]
+    elif probe.exception() is not None:  # what the store's driver raises when it cannot answer
+        store_error = f"{type(probe.exception()).__name__}: {probe.exception()}"[:300]
     if store_error:
         problems.append(f"store unreachable ({store_error})")
+    fence = gateway.cluster.fence_reason if gateway.cluster is not None else None
+    if fence is not None:
+        problems.append(fence)
     listeners = gateway.listeners.summary()
     for name, wanted in listen_addresses(gateway.server_config).items():
         state = listeners.get(name)

@@ -228,7 +228,7 @@ class Gateway:
         self.sessions = SessionManager(self.store, self.recording, self.audit, self.cluster,
                                        recording_mode=self.config["sessions.recording_mode"])
         self.guardrails = GuardRailService(self.store)
-        self.guardrails.changed = lambda: self.sessions.tasks.spawn(self.sessions.rules_changed())
+        self.guardrails.changed = self.sessions.rules_changed_soon
         self.cluster.on(SessionManager.RULES, lambda _message: self.guardrails.invalidate(announce=False))
         self.cluster.on(SERVER_CONFIG_CHANGED, self._server_config_changed)
         self.discovery = AwsDiscovery(self.store, AwsSettings(

@@ -528,6 +528,8 @@ async def test_open_sessions_by_holder_and_those_no_node_up_holds(store: Store):
     for s in (held, orphaned, legacy, ended, ready):
         await store.create_session(s)
     assert [s.id for s in await store.open_sessions_of([gone.id])] == [orphaned.id]
+    assert await store.open_session_holders(connection_id="id-pg") == {up.id, gone.id}  # ended: not counted
+    assert await store.open_session_holders(review_id="none") == set()
     assert {s.id for s in await store.open_sessions_unheld()} == {orphaned.id, legacy.id}
     counts = await store.open_sessions_by_node()
     assert counts[up.id] == 1 and counts[gone.id] == 1 and counts[None] == 1

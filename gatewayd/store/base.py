@@ -284,6 +284,10 @@ class Store(abc.ABC):
         """The sessions still ``open`` held by these nodes."""
 
     @abc.abstractmethod
+    async def open_session_holders(self, *, review_id: str | None = None, connection_id: str | None = None) -> set[str]:
+        """The nodes holding an ``open`` session of a review, or of a connection."""
+
+    @abc.abstractmethod
     async def open_sessions_unheld(self) -> list[Session]:
         """The sessions still ``open`` that no node up holds (from before nodes, or a process that never registered)."""
 

@@ -580,6 +580,12 @@ class SQLStore(Store):
                                f"({', '.join('?' * len(wanted))})", tuple(wanted))
         return [build(Session, r) for r in rows]
 
+    async def open_session_holders(self, *, review_id: str | None = None, connection_id: str | None = None) -> set[str]:
+        column, value = ("review_id", review_id) if review_id is not None else ("connection_id", connection_id)
+        rows = await self._all(f"SELECT DISTINCT node_id FROM sessions WHERE status = 'open' AND {column} = ? "
+                               "AND node_id IS NOT NULL", (value,))
+        return {row[0] for row in rows}
+
     async def open_sessions_unheld(self) -> list[Session]:
         rows = await self._all("SELECT * FROM sessions WHERE status = 'open' AND (node_id IS NULL OR node_id NOT IN "
                                "(SELECT id FROM nodes WHERE status = 'up'))")
