@@ -301,11 +301,10 @@ class Cluster:
 
     async def fence(self, waited: float) -> None:
         """Stop serving: end every session held here, naming why; open none until the lease is renewed."""
-        cause = f" ({self._store_error})" if self._store_error else ""
-        self.fence_reason = (f"node {self.node.name} could not renew its lease on the store for {waited:.0f} s"
-                             f"{cause}: it stops serving before the other nodes may take its sessions over")
+        self.fence_reason = (f"node {self.node.name} could not renew its lease on the store for {waited:.0f} s: "
+                             "it stops serving before the other nodes may take its sessions over")
         log.error("this node is fenced: it ends its sessions and opens none until it renews its lease",
-                  extra={"node": self.node.name, "reason": self.fence_reason})
+                  extra={"node": self.node.name, "reason": self.fence_reason, "error": self._store_error})
         if self.on_fence is not None:
             try:
                 await self.on_fence(f"{self.fence_reason}: the session was closed")

@@ -400,8 +400,8 @@ class SessionManager:
         """Close the sessions left ``open`` by a node that is gone (``node.id`` empty: by no node)."""
         stale = await (self.store.open_sessions_of([node.id]) if node.id else self.store.open_sessions_unheld())
         gap = (f"the process that held the session ({node.name or 'unknown'}) stopped without closing it: what it "
-               "recorded last may be missing here (its journal, when its host starts it again, brings back what it "
-               "holds, after this close)")
+               "recorded last may be missing here (what it kept, in memory or in its journal, follows after this "
+               "close once it reaches the store again)")
         for session in stale:
             await self._close_stored(session.id, reason, gap)
         if stale:

@@ -151,8 +151,12 @@ class AsyncpgConnector:
 
     async def connect(self) -> None:
         try:
-            self._pool = await asyncpg.create_pool(self.url, min_size=1, max_size=self.pool_size,
-                                                   timeout=self.timeout, server_settings={"application_name": "gatewayd"})
+            # a transaction left open by a link that froze mid-way is ended by the server, not held (with its
+            # locks: another node closing the sessions of this one would wait on them) for the whole cut
+            self._pool = await asyncpg.create_pool(self.url, min_size=1, max_size=self.pool_size, timeout=self.timeout,
+                                                   server_settings={"application_name": "gatewayd",
+                                                                    "idle_in_transaction_session_timeout":
+                                                                        str(int(self.timeout * 2000))})
         except (OSError, asyncio.TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError, ValueError) as exc:
             # from None: the driver's exception may quote the DSN; the message is scrubbed of the password
             raise StoreError(_scrub(f"cannot open the PostgreSQL store {redact(self.url)}: "
