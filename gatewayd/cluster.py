@@ -276,7 +276,8 @@ class Cluster:
                 raise
             except Exception as exc:
                 if not self._store_error:
-                    log.error("renewing this node's lease failed", extra={"error": f"{type(exc).__name__}: {exc}"[:300]})
+                    log.error("renewing this node's lease failed",
+                              extra={"error": f"{type(exc).__name__}: {exc}"[:300]})
                 self._store_error = f"{exc}"[:300] or type(exc).__name__
                 continue
             if not renewed:

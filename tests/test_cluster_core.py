@@ -170,8 +170,9 @@ async def test_a_node_that_cannot_renew_its_lease_stops_serving_before_another_d
 
 
 async def test_after_an_outage_of_the_store_no_node_declares_another_lost(stores):
-    """Nodes that could not beat while the store was away beat again before any judges the others."""
-    one, two = Cluster(stores[0], "w0", lease=0.6), Cluster(stores[1], "w1", lease=0.6)
+    """Nodes that could not beat while the store was away beat again before any judges the others, even when
+    the store comes back to one of them first."""
+    one, two = Cluster(stores[0], "w0", lease=1.0), Cluster(stores[1], "w1", lease=1.0)
     lost: list[str] = []
 
     async def on_lost(node: Node, reason: str) -> None:
@@ -181,16 +182,17 @@ async def test_after_an_outage_of_the_store_no_node_declares_another_lost(stores
     one.on_node_lost = two.on_node_lost = on_lost
     await two.start()
     try:
-        await asyncio.sleep(0.7)
+        await asyncio.sleep(1.2)  # both have held their lease a whole lease
         for store in stores:
             await store.close()
-        await asyncio.sleep(1.2)  # the outage outlasts the lease
-        for store in stores:
-            await store.open()
-        await until(lambda: not one.fenced and not two.fenced)
-        await asyncio.sleep(1.5)  # a whole lease and more of both beating again
+        await asyncio.sleep(2.0)  # the outage outlasts the lease
+        await stores[0].open()  # back for w0 first: w1's last beat is old, w0 must not take it for a death
+        await asyncio.sleep(0.4)
+        await stores[1].open()
+        await asyncio.sleep(2.5)  # both beat again, for more than a whole lease
         assert lost == []
         assert {n.status for n in await stores[0].list_nodes()} == {"up"}
+        assert not one.fenced and not two.fenced
     finally:
         await two.stop()
         await one.stop()

@@ -92,7 +92,8 @@ async def test_a_dead_process_journal_is_replayed_at_the_next_start_once(store, 
                                                                          b"journaled only", b"journaled too"]
         assert not dead.exists()
         stored = await store.get_session(session_id)
-        assert stored.status == "open" and stored.event_size == len(b"stored before the crashjournaled onlyjournaled too")
+        assert stored.status == "open"
+        assert stored.event_size == len(b"stored before the crash" b"journaled only" b"journaled too")
         assert (await second.verify(stored)).verified
         shutil.copytree(kept, journal / "the-same-run-again")  # replayed twice: nothing twice
         assert await second.recover() == 1
@@ -220,3 +221,36 @@ def test_a_record_cut_short_ends_its_segment(tmp_path):
     segment.write_bytes(segment.read_bytes()[:-2])
     found = read_run(path)
     assert [e.data for e in found.streams["s"].events.values()] == [b"one", b"two"] and found.torn == 1
+
+
+async def test_a_strict_session_the_store_lags_behind_is_ended_and_an_async_one_goes_on(gated, tmp_path):
+    direct, through, gate = gated
+    svc = RecordingService(through, 1 << 30, 0.1, SEALER, journal_dir=tmp_path / "journal", journal_interval=0.02,
+                           strict_bound=0.5)
+    ended: list[tuple[str, str]] = []
+    svc.on_undurable = lambda session_id, reason: ended.append((session_id, reason))
+    await svc.start()
+    try:
+        strict, relaxed = await open_session(through), await open_session(through)
+        strict_rec, relaxed_rec = await svc.recorder(strict), await svc.recorder(relaxed)
+        strict_rec.strict = True
+        strict_rec.input(b"stored")
+        relaxed_rec.input(b"stored")
+        await until_stored(svc)
+        await asyncio.sleep(0.7)  # the store keeps up: nothing is ended
+        assert ended == []
+        gate.freeze()
+        strict_rec.input(b"not stored")
+        relaxed_rec.input(b"not stored")
+        for _ in range(100):
+            if ended:
+                break
+            await asyncio.sleep(0.05)
+        assert ended == [(strict, "the recording could not be stored within 0.5 s (strict recording): "
+                                  "the session was closed")]
+        gate.thaw()
+        await until_stored(svc)
+        assert [e.data for e in await direct.read_events(relaxed)] == [b"stored", b"not stored"]
+    finally:
+        gate.thaw()
+        await svc.stop()

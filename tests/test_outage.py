@@ -48,7 +48,7 @@ def node(tmp_path_factory: pytest.TempPathFactory, name: str, settings: dict[str
     ports = {protocol: free_port() for protocol in listeners}
     daemon = Daemon(tmp_path_factory.mktemp(name) / "data", {
         "cluster.node_name": name, "cluster.lease": f"{LEASE:g}s", "store.timeout": "1s",
-        "sessions.flush_interval": "100ms", **settings,
+        "sessions.flush_interval": "100ms", "sessions.strict_bound": "1s", **settings,
         **{f"listeners.{protocol}": f"127.0.0.1:{port}" for protocol, port in ports.items()}})
     daemon.start(timeout=40)
     for protocol, port in ports.items():
@@ -133,10 +133,11 @@ def processed(output: str) -> int:
     return int(found.group(1))
 
 
-async def target_rows(pg_target: PgCluster, table: str) -> int:
+async def target_rows(pg_target: PgCluster, table: str, src: str = "pgbench") -> int:
+    """Rows ``src`` (pgbench, or another writer) inserted into ``table`` on the target."""
     conn = await asyncpg.connect(pg_target.dsn())
     try:
-        return await conn.fetchval(f"select count(*) from {table}")
+        return await conn.fetchval(f"select count(*) from {table} where src = $1", src)
     finally:
         await conn.close()
 
@@ -321,10 +322,18 @@ async def test_a_node_cut_from_the_store_stops_serving_and_its_recording_arrives
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {outage.token}"}) as http:
         api = PostgresApi(a, http, pg_target)
         role = await api.role()
+        status, refused = await api("POST", "/connections", {
+            "name": f"pg-strict-{uuid.uuid4().hex[:6]}", "type": "database", "subtype": "postgres",
+            "secret": {}, "settings": {"recording_mode": "sometimes"}})
+        assert status == 422 and "recording_mode" in refused["message"], refused
+        strict_role = await api.role(settings={"recording_mode": "strict"})
         bench_secret, bench_session = await api.credential(role)
         writer_secret, writer_session = await api.credential(role)
+        strict_secret, strict_session = await api.credential(strict_role)
         bench = pgbench(b, bench_secret, table, tmp_path)
         writer = await asyncpg.connect(host="127.0.0.1", port=a.ports["postgres"], user=writer_secret,
+                                       password="any", database="postgres", ssl=False)
+        strict = await asyncpg.connect(host="127.0.0.1", port=b.ports["postgres"], user=strict_secret,
                                        password="any", database="postgres", ssl=False)
         await until("pgbench writes", lambda: target_rows(pg_target, table))
         client_session = await running_in_batch(api, bench_session)
@@ -333,6 +342,15 @@ async def test_a_node_cut_from_the_store_stops_serving_and_its_recording_arrives
         began = time.monotonic()
         print("\nnode B's link to the store is frozen")
         try:
+            strict_answered = 0
+            with pytest.raises(asyncpg.PostgresError, match="strict recording") as ended:
+                while True:  # a strict session ends once the store lags behind it strict_bound (1 s, < the fence)
+                    await strict.execute(f"insert into {table} (src) values ('strict')")
+                    strict_answered += 1
+            print(f"the strict session through B ended {time.monotonic() - began:.2f} s into the cut: "
+                  f"{ended.value}")
+            assert bench.poll() is None  # the async one (pgbench) runs on until the fence
+            strict.terminate()
             status, body = await api("POST", f"/sessions/{client_session}/kill")
             print(f"a kill of B's session through A answered {status} after {time.monotonic() - began:.2f} s: "
                   f"{body}")
@@ -358,7 +376,7 @@ async def test_a_node_cut_from_the_store_stops_serving_and_its_recording_arrives
 
         await until("B stored what it recorded after A closed its session", late_kept, timeout=60)
         sessions = await batch_of(api, bench_session)
-        answered, rows = processed(bench_out), await target_rows(pg_target, table) - answered_a
+        answered, rows = processed(bench_out), await target_rows(pg_target, table)
         stored = recorded(sessions, f"insert into {table}")
         print(f"pgbench through B: {answered} answered, {rows} rows on the target, {stored} recorded")
         assert answered <= rows <= stored <= answered + 1
@@ -366,8 +384,13 @@ async def test_a_node_cut_from_the_store_stops_serving_and_its_recording_arrives
         print(f"verify: {verified['problems']}")
         assert not verified["verified"] and any(p.startswith("event ") and "recording gap" in p
                                                 for p in verified["problems"])
+        strict_done = await api.done_session(strict_session, timeout=LEASE * 4)
+        strict_rows = await target_rows(pg_target, table, "strict")
+        assert strict_answered <= strict_rows <= recorded([strict_done], f"insert into {table}") <= strict_answered + 1
+        assert any("strict recording" in e for e in of_kind(strict_done, "e"))
         writer_done = await api.done_session(writer_session)
-        assert recorded([writer_done], f"insert into {table}") == answered_a
+        assert recorded([writer_done], f"insert into {table}") == answered_a == \
+            await target_rows(pg_target, table, "a")
         assert any("cut_forbidden" in e for e in of_kind(writer_done, "e"))
         status, _ = await api("DELETE", f"/guardrails/{rule['id']}")
         assert status == 204
