@@ -30,6 +30,7 @@ import re
 import secrets
 import shutil
 import struct
+import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -64,10 +65,13 @@ class _Segment:
     size: int = 0
     needs: dict[str, int] = field(default_factory=dict)  # session id -> the next number that must be stored
     audits: set[str] = field(default_factory=set)
+    writing: int = 0  # groups of it being written now: it is not deleted meanwhile
 
 
 class Journal:
-    """This process's journal: ``add`` on the loop, ``commit`` (write and fdatasync) in the writer thread."""
+    """This process's journal: ``add`` on the loop; ``commit`` writes in one thread and fdatasyncs in another, so
+    that a group is handed to the kernel (what a SIGKILL cannot take) without waiting for the fdatasync of the
+    group before it (what a power cut can take)."""
 
     def __init__(self, root: Path, name: str) -> None:
         self.root = root
@@ -77,9 +81,11 @@ class Journal:
         self._buffered_needs: dict[str, int] = {}
         self._buffered_audits: set[str] = set()
         self._segments: list[_Segment] = []
-        self._file: Any = None
+        self._file: Any = None  # the current segment's file: opened, written and closed in the writer thread
+        self._file_lock = threading.Lock()  # a segment is not closed while it is being fdatasync'd
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="journal-writer")
-        self._committing = asyncio.Lock()
+        self._syncer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="journal-sync")
+        self._rotate = False  # the next write begins a new segment
         self._stored: dict[str, int] = {}  # session id -> next number the store has (CLOSED once closed)
         self._audited: set[str] = set()
         self.failure: str | None = None  # why the last commit failed (None: it did not)
@@ -94,16 +100,23 @@ class Journal:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.write(fd, f"{os.getpid()}\n".encode())
         self._lock_fd = fd
-        self._new_segment()
+        segment = self._next_segment()
+        self._writer.submit(self._switch, segment.path).result()
         _sync_dir(self.root)
 
-    def _new_segment(self) -> None:
-        if self._file is not None:
-            self._file.close()
+    def _next_segment(self) -> _Segment:
         number = self._segments[-1].number + 1 if self._segments else 1
-        path = self.dir / f"{number:08d}.seg"
-        self._file = open(path, "ab", buffering=0)
-        self._segments.append(_Segment(path, number, time.monotonic()))
+        segment = _Segment(self.dir / f"{number:08d}.seg", number, time.monotonic())
+        self._segments.append(segment)
+        return segment
+
+    def _switch(self, path: Path) -> None:
+        """In the writer thread: the old segment made durable and closed, the new one opened (and its name)."""
+        with self._file_lock:
+            if self._file is not None:
+                os.fdatasync(self._file.fileno())
+                self._file.close()
+            self._file = open(path, "ab", buffering=0)
         _sync_dir(self.dir)
 
     @property
@@ -139,46 +152,57 @@ class Journal:
         self._buffer += body
 
     async def commit(self) -> None:
-        """Write what was added and fdatasync it (one group); OSError when the disk refuses (kept for the next)."""
-        if not self._buffer:
-            return
-        async with self._committing:  # one group at a time: the segments change only between them
-            await self._commit()
-
-    async def _commit(self) -> None:
-        if not self._buffer or self._file is None:
+        """Write what was added (one group), then fdatasync it; OSError when the disk refuses (the group is kept
+        for the next commit, in a new segment: a record torn by the failure ends the old one). Commits may
+        overlap: each takes what was added before it began, writes are done in that order, and replay does not
+        depend on the order of records anyway."""
+        if not self._buffer or self._lock_fd is None:
             return
         data, self._buffer = bytes(self._buffer), bytearray()
         needs, self._buffered_needs = self._buffered_needs, {}
         audits, self._buffered_audits = self._buffered_audits, set()
         segment = self._segments[-1]
+        switch = None
+        if self._rotate or segment.size >= SEGMENT_BYTES or \
+                (segment.size and time.monotonic() - segment.started >= SEGMENT_AGE):
+            self._rotate = False
+            segment = self._next_segment()
+            switch = segment.path
+        segment.size += len(data)  # counted at once: the next commit decides its segment on it
+        segment.writing += 1
+        loop = asyncio.get_running_loop()
         began = time.monotonic()
         try:
-            await asyncio.get_running_loop().run_in_executor(self._writer, self._write, data)
+            await loop.run_in_executor(self._writer, self._write, data, switch)
+            await loop.run_in_executor(self._syncer, self._sync)
         except OSError as exc:
-            self._buffer[:0] = data  # in front, for the next commit; a new segment: a torn record ends the old one
+            segment.writing -= 1
+            self._buffer[:0] = data
             for key, value in needs.items():
                 self._buffered_needs[key] = max(value, self._buffered_needs.get(key, -1))
             self._buffered_audits |= audits
             self.failure = f"{type(exc).__name__}: {exc}"
-            with contextlib.suppress(OSError):
-                self._new_segment()
+            self._rotate = True
             raise
+        segment.writing -= 1
         self.failure = None
         self.last_commit_seconds = time.monotonic() - began
         self.bytes_written += len(data)
-        segment.size += len(data)
         for key, value in needs.items():
             if segment.needs.get(key, -1) < value:
                 segment.needs[key] = value
         segment.audits |= audits
-        if segment.size >= SEGMENT_BYTES or (time.monotonic() - segment.started >= SEGMENT_AGE and segment.size):
-            self._new_segment()
         self._retire()
 
-    def _write(self, data: bytes) -> None:
+    def _write(self, data: bytes, switch: Path | None) -> None:
+        if switch is not None:
+            self._switch(switch)
         self._file.write(data)
-        os.fdatasync(self._file.fileno())
+
+    def _sync(self) -> None:
+        with self._file_lock:
+            if self._file is not None:
+                os.fdatasync(self._file.fileno())
 
     # -- what the store has now
 
@@ -200,7 +224,7 @@ class Journal:
         for segment in self._segments:
             segment.needs = {k: v for k, v in segment.needs.items() if self._stored.get(k, -1) < v}
             segment.audits -= self._audited
-            if segment.needs or segment.audits or segment is self._segments[-1]:
+            if segment.needs or segment.audits or segment.writing or segment is self._segments[-1]:
                 keep.append(segment)
                 continue
             with contextlib.suppress(OSError):
@@ -213,15 +237,21 @@ class Journal:
 
     async def close(self, remove: bool) -> None:
         """Stop writing; ``remove``: the store holds everything, the journal goes (else the next start replays it)."""
-        if self._file is not None:
-            await asyncio.get_running_loop().run_in_executor(self._writer, self._file.close)
-            self._file = None
+        def shut() -> None:
+            with self._file_lock:
+                if self._file is not None:
+                    self._file.close()
+                    self._file = None
+
+        if self._lock_fd is None:
+            return
+        await asyncio.get_running_loop().run_in_executor(self._writer, shut)
         self._writer.shutdown(wait=True)
+        self._syncer.shutdown(wait=True)
         if remove:
             shutil.rmtree(self.dir, ignore_errors=True)
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # the lock goes with it
-            self._lock_fd = None
+        os.close(self._lock_fd)  # the lock goes with it
+        self._lock_fd = None
 
     def holds_unstored(self) -> bool:
         """Whether a segment still holds what the store does not."""

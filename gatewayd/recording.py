@@ -42,6 +42,7 @@ from gatewayd.evidence import (
 from gatewayd.journal import Journal, RecoveredStream, dead_runs
 from gatewayd.models import CHAIN_GENESIS, AuditEntry, Session, SessionEvent
 from gatewayd.store import Store
+from gatewayd.tasks import BackgroundTasks
 
 log = logging.getLogger("gatewayd.recording")
 
@@ -51,6 +52,7 @@ _KINDS = {"i": b"i", "o": b"o", "e": b"e"}
 _NO_SIZES = {"i": 0, "o": 0, "e": 0}  # bytes pending per kind (for the metrics)
 FLUSH_AT = 1 << 20  # wake the flusher early once a session has this much pending
 HIGH_WATER = 8 << 20  # drain() blocks the producer past this
+MAX_COMMITS = 4  # journal groups in flight at once (a disk slower than that lets the next group grow instead)
 
 
 class SessionRecorder:
@@ -211,6 +213,7 @@ class RecordingService:
         self._flush_lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
         self._ticker: asyncio.Task[None] | None = None
+        self._commits = BackgroundTasks("journal commits")
         # how a session is ended when its recording cannot be kept as it asks (set by the session manager)
         self.on_undurable: Callable[[str, str], None] | None = None
 
@@ -231,6 +234,7 @@ class RecordingService:
                 except asyncio.CancelledError:
                     pass
         self._task = self._ticker = None
+        await self._commits.wait()
         stored = await self.flush()
         journal, self.journal = self.journal, None
         if journal is not None:
@@ -306,10 +310,8 @@ class RecordingService:
         the store lags behind for longer than ``strict_bound`` are ended."""
         while True:
             await asyncio.sleep(self.journal_interval)
-            try:
-                await self.journal_now()
-            except Exception:
-                log.exception("the journal tick failed")
+            if len(self._commits) < MAX_COMMITS:  # a group is handed over on time, even while one is being synced
+                self._commits.spawn(self.journal_now())
             self._check_strict()
 
     async def journal_now(self) -> None:

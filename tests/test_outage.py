@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import html
 import os
 import re
 import secrets
@@ -44,7 +45,7 @@ def unavailable(text: str) -> bool:
 
 
 def node(tmp_path_factory: pytest.TempPathFactory, name: str, settings: dict[str, Any],
-         listeners: tuple[str, ...] = ("postgres", "ssh")) -> Daemon:
+         listeners: tuple[str, ...] = ("postgres", "ssh", "http")) -> Daemon:
     ports = {protocol: free_port() for protocol in listeners}
     daemon = Daemon(tmp_path_factory.mktemp(name) / "data", {
         "cluster.node_name": name, "cluster.lease": f"{LEASE:g}s", "store.timeout": "1s",
@@ -193,7 +194,7 @@ async def new_session(daemon: Daemon, secret: str) -> asyncpg.Connection:
 
 
 async def during(outage: Outage, fault: str, http: aiohttp.ClientSession, guarded: asyncpg.Connection,
-                 late_secret: str, ssh_secret: str) -> None:
+                 late_secret: str, ssh_secret: str, web_secret: str) -> None:
     """What clients are told while the store is away (the store is repaired by the caller, whatever happens)."""
     a, b = outage.a, outage.b
     with pytest.raises(asyncpg.InsufficientPrivilegeError):  # the rules in force need no store: blocked
@@ -209,6 +210,14 @@ async def during(outage: Outage, fault: str, http: aiohttp.ClientSession, guarde
                                      capture_output=True, text=True, timeout=60)
     print(f"[{fault}] a new ssh was told in {time.monotonic() - started:.2f} s: {denied.stderr.strip()}")
     assert denied.returncode != 0 and unavailable(denied.stderr), denied.stderr
+    started = time.monotonic()
+    page = await asyncio.to_thread(subprocess.run, [
+        "curl", "-sS", "-H", "Accept: text/html", "-H", f"Authorization: {web_secret}", "-w", "\n%{http_code}",
+        f"http://127.0.0.1:{a.ports['http']}/"], capture_output=True, text=True, timeout=60)
+    print(f"[{fault}] a browser's request through the HTTP proxy got {page.stdout[-3:]} in "
+          f"{time.monotonic() - started:.2f} s")
+    assert page.stdout.endswith("\n503") and "<html" in page.stdout.lower(), page.stdout
+    assert unavailable(html.unescape(page.stdout)), page.stdout
     started = time.monotonic()
     status, body = await Api(a, http)("GET", "/connections")
     print(f"[{fault}] the API answered {status} in {time.monotonic() - started:.2f} s")
@@ -235,7 +244,7 @@ async def during(outage: Outage, fault: str, http: aiohttp.ClientSession, guarde
 
 @pytest.mark.parametrize("fault", ["stop", "hang"])
 async def test_a_store_stopped_or_hung_loses_nothing_says_so_and_kills_nothing_after(
-        outage, fault, pg_target, ssh_target, tmp_path):
+        outage, fault, pg_target, ssh_target, http_target, tmp_path):
     a, b = outage.a, outage.b
     table = f"rows_{fault}_{uuid.uuid4().hex[:6]}"
     admin = await asyncpg.connect(pg_target.dsn())
@@ -249,6 +258,10 @@ async def test_a_store_stopped_or_hung_loses_nothing_says_so_and_kills_nothing_a
         guarded_secret, guarded_session = await api.credential(role)
         late_secret, _ = await api.credential(role)
         ssh_secret, ssh_session = await ssh_api.credential(await ssh_api.role())
+        web = await api.connection("web", "httpproxy", "httpproxy", {"REMOTE_URL": http_target})
+        status, issued = await api("POST", f"/connections/{web['name']}/credentials", {})
+        assert status == 201, issued
+        web_secret = issued["connection_credentials"]["proxy_token"]
 
         bench = pgbench(b, bench_secret, table, tmp_path)
         shell = subprocess.Popen(["ssh", *CLIENT_OPTIONS, "-p", str(b.ports["ssh"]), f"{ssh_secret}@127.0.0.1",
@@ -263,7 +276,7 @@ async def test_a_store_stopped_or_hung_loses_nothing_says_so_and_kills_nothing_a
         outage.fault(fault)
         print(f"\n[{fault}] the store is {'stopped' if fault == 'stop' else 'hung (SIGSTOP)'}")
         try:
-            await during(outage, fault, http, guarded, late_secret, ssh_secret)
+            await during(outage, fault, http, guarded, late_secret, ssh_secret, web_secret)
             bench_out, bench_err = await asyncio.to_thread(bench.communicate, timeout=60)
             ssh_out, ssh_err = await asyncio.to_thread(shell.communicate, timeout=60)
             assert FENCED in bench_err, bench_err
