@@ -245,9 +245,10 @@ class Cluster:
         return False
 
     async def serving(self) -> set[str]:
-        """The nodes that may be serving sessions now: up, and renewed their lease within ``fence_after`` (one
-        that has not is fenced by its own watch, or gone); this one always."""
-        cutoff = utcnow() - timedelta(seconds=self.fence_after)
+        """The nodes that may be serving sessions now: up, and renewed their lease within three quarters of it
+        (one that has not was fenced by its own watch at half of it, the last quarter being the margin for that
+        watch's tick and the ending of its sessions, or it is gone); this one always."""
+        cutoff = utcnow() - timedelta(seconds=self.lease * 0.75)
         found = {self.node.id}
         for node in await self.store.list_nodes(up_only=True):
             beat = parse_time(node.heartbeat_at)

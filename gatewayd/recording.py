@@ -475,7 +475,7 @@ class RecordingService:
                     await journal.commit()
                 except OSError:
                     log.exception("the journal could not be written", extra={"session_id": sid})
-            if self.store.reachable or self._closing.keys() == {sid}:
+            if self.store.reachable:  # else the flusher sends it once the store answers (no timeout waited here)
                 await self._store_close(closing)
             if sid in self._closing:
                 log.warning("the session's end is kept until the store answers", extra={"session_id": sid})
