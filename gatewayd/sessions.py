@@ -282,7 +282,13 @@ class SessionManager:
             stored = await self.store.get_session(session_id)
             if stored is None or stored.status == "done":
                 return True  # else its holder does not run it (it confirmed): closed here
-        await self._close_stored(session_id, reason)
+            await self._close_stored(session_id, reason)
+            return True
+        gap = ""
+        if session.status == "open" and holder and holder != self.cluster.node_id:  # fenced or gone
+            gap = ("the node that held the session was not serving when it was killed: what it recorded last may be "
+                   "missing here (what it kept follows after this close once it reaches the store again)")
+        await self._close_stored(session_id, reason, gap)
         return True
 
     async def _close_stored(self, session_id: str, reason: str, gap: str = "") -> None:
