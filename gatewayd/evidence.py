@@ -32,8 +32,8 @@ if TYPE_CHECKING:
     from gatewayd.store import Store
 SEAL_KEY_NAME = "recording-seal"
 EVENT_HEAD = struct.Struct(">QQ1sQ")  # a stored event's head: seq, offset_ms, kind, length
-# Links numbered from here hold events stored after the session was closed by another process (kept from the
-# journal of the one that held it, gatewayd.journal): after the sealed recording, named by verification.
+# Links numbered from here hold events stored after the session was closed by another process (kept by the
+# process that held it, in memory or in its journal): after the sealed recording, named by verification.
 LATE_BASE = 1 << 40
 GAP = b"recording gap: "  # an ``e`` event saying what the recording may miss; verification names each
 _AUDIT_FIELDS = ("id", "org_id", "created_at", "actor_subject", "actor_email", "actor_name", "resource_type",
@@ -223,7 +223,7 @@ def verify_recording(session_id: str, status: str, chain_head: str, seal: str | 
         result.problem("the session's chain head does not match its last batch")
     for seq, event in events:
         if event.kind == "e" and bytes(event.data).startswith(GAP):
-            result.problem(f"event {seq}: {bytes(event.data).decode('utf-8', 'replace')}")
+            result.problem(f"event {seq}: {bytes(event.data)[:300].decode('utf-8', 'replace')}")
     if late_links:
         _verify_late(result, session_id, previous, late_links, dict(late_events))
     if seal:
@@ -246,8 +246,8 @@ def _verify_late(result: Verification, session_id: str, previous: str, links: Se
                 batch_hash(link.previous_hash, session_id, link.first_seq, batch) != link.hash:  # type: ignore[arg-type]
             result.problem(f"the events kept after the close (from event {link.first_seq - LATE_BASE}) were altered")
         previous, count = link.hash, count + link.count
-    result.problem(f"{count} events were stored after the session was closed by another process (kept from the "
-                   "journal of the process that held it): they are not covered by the seal")
+    result.problem(f"{count} events were stored after the session was closed by another process (kept by the "
+                   "process that held it, in memory or in its journal): they are not covered by the seal")
 
 
 def verify_audit(org_id: str, rows: Iterable[dict[str, Any]]) -> Verification:

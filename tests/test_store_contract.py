@@ -456,8 +456,9 @@ async def test_events_kept_after_a_close_by_another_process_follow_the_sealed_re
     stored = await store.get_session(session.id)
     result = verify_recording(session.id, "done", stored.chain_head, stored.seal, 44, 254, NOW, links, numbered, sealer)
     assert not result.verified and result.sealed
-    assert result.problems == ["5 events were stored after the session was closed by another process (kept from the "
-                               "journal of the process that held it): they are not covered by the seal"], result
+    assert result.problems == ["5 events were stored after the session was closed by another process (kept by the "
+                               "process that held it, in memory or in its journal): they are not covered by the "
+                               "seal"], result
 
 
 async def test_exactly_one_of_concurrent_claims_wins(backend: Backend):
