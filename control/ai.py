@@ -33,7 +33,8 @@ routes = RouteSet("AI", audit="ai_session_analyzer")
 PROVIDER = Schema("AIProvider", {
     "provider": Field("string", True, enum=PROVIDERS), "model": Field("string", True),
     "api_url": Field("string", nullable=True, description="required for azure-openai and custom"),
-    "api_key": Field("string", nullable=True, description="stored encrypted; omit to keep the stored key"),
+    "api_key": Field("string", nullable=True, description="stored encrypted; omit to keep the stored key (only "
+                                                          "while provider and api_url stay the same)"),
 })
 RISK_EVALUATION = Schema("AIRiskEvaluation", {key: Field("string", enum=ACTIONS) for key in RISK_KEYS.values()})
 RULE = Schema("AISessionAnalyzerRule", {
@@ -118,15 +119,19 @@ async def _save_provider(request: web.Request) -> web.Response:
     model = body["model"].strip()
     if not model:
         raise ApiError(422, "field 'model': must not be empty")
+    api_url = _api_url(body.get("api_url"), body["provider"])
     key = (body.get("api_key") or "").strip()
     if not key:
         if existing is None:
             raise ApiError(400, "field 'api_key' is required")
+        if (existing.provider, existing.api_url) != (body["provider"], api_url):
+            # the stored key goes only where it was given for: a new address or kind could be anyone's server
+            raise ApiError(400, "field 'api_key' is required when 'provider' or 'api_url' changes: the stored key is "
+                                "sent only to the provider it was given for")
         key = existing.api_key
     now = rfc3339(utcnow())
     provider = AIProvider(id=existing.id if existing else new_id(), org_id=admin.org_id,
-                          provider=body["provider"], model=model, api_url=_api_url(body.get("api_url"),
-                                                                                   body["provider"]),
+                          provider=body["provider"], model=model, api_url=api_url,
                           api_key=key, created_at=existing.created_at if existing else now, updated_at=now)
     await store.save_ai_provider(provider)
     return ok(provider_json(provider))

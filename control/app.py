@@ -32,6 +32,7 @@ from control.console import add_console
 from control.http import (
     AUDIT_ACTION,
     AUDIT_ACTOR_HINT,
+    AUDIT_ORG,
     AUDIT_PAYLOAD,
     AUTH_FAILURE,
     ERROR_MESSAGE,
@@ -58,6 +59,7 @@ MUTATING = {"POST", "PUT", "PATCH", "DELETE"}
 ROUTE_DOC = web.AppKey("route_doc_by_handler", dict)
 REQUEST_ID_KEY = web.RequestKey("request_id", str)
 REQUEST_ID_HEADER = "X-Request-Id"
+BEARER_CHALLENGE = 'Bearer realm="gatewayd"'  # RFC 6750: every 401 of the API says how to authenticate
 STORE_DOWN = "the gateway's store is unavailable: try again later"
 
 
@@ -124,7 +126,10 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         return web.json_response({"message": str(exc)}, status=503)
     except ApiError as exc:
         request[ERROR_MESSAGE] = exc.message
-        return web.json_response({"message": exc.message}, status=exc.status, headers=exc.headers)
+        headers = exc.headers
+        if exc.status == 401 and "WWW-Authenticate" not in headers:  # RFC 7235: a 401 names its scheme
+            headers = {**headers, "WWW-Authenticate": BEARER_CHALLENGE}
+        return web.json_response({"message": exc.message}, status=exc.status, headers=headers)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -191,7 +196,7 @@ async def audit_middleware(request: web.Request, handler: Any) -> web.StreamResp
         return response
     gateway = gateway_of(request)
     user = request.get(USER)
-    org_id = user.org_id if user and user.org_id else (await gateway.store.default_org()).id
+    org_id = user.org_id if user and user.org_id else request.get(AUDIT_ORG) or (await gateway.store.default_org()).id
     action = request.get(AUDIT_ACTION) or (
         f"{doc.audit}.{doc.handler.__name__}" if doc else f"{request.method.lower()} {request.path}")
     await gateway.audit.record(

@@ -10,7 +10,9 @@ from aiohttp import web
 from control.http import (
     AUDIT_ACTION,
     AUDIT_ACTOR_HINT,
+    AUDIT_ORG,
     AUTH_FAILURE,
+    USER,
     ApiError,
     Field,
     Param,
@@ -26,7 +28,11 @@ from gatewayd.models import User
 
 routes = RouteSet("Authentication", audit="auth")
 
-LOCAL_LOGIN = Schema("LocalLogin", {"email": Field("string", True), "password": Field("string", True)})
+LOCAL_LOGIN = Schema("LocalLogin", {
+    "email": Field("string", True), "password": Field("string", True),
+    "org_id": Field("string", description="the organization of the account (e-mails are unique per organization); "
+                                          "default: the default organization (every account in single-tenant "
+                                          "mode)")})
 SIGNUP = Schema("Signup", {"org_name": Field("string", True), "profile_name": Field("string"),
                            "profile_picture": Field("string")})
 
@@ -98,19 +104,32 @@ async def local_login(request: web.Request) -> web.Response:
     request[AUDIT_ACTOR_HINT] = body["email"]
     request[AUDIT_ACTION] = "auth.local_login"
     gateway = gateway_of(request)
+    org_id = await gateway.identity.login_org(body.get("org_id"))
+    if await gateway.store.get_org(org_id) is not None:
+        request[AUDIT_ORG] = org_id  # a refusal goes to the log of the organization the login was for
     try:
-        token = await gateway.identity.local_login(body["email"], body["password"], request.remote or "")
+        token, user = await gateway.identity.local_login(body["email"], body["password"], request.remote or "",
+                                                         org_id)
     except Throttled as exc:
         raise ApiError(429, str(exc), {"Retry-After": str(math.ceil(exc.retry_after))}) from None
     except AuthError as exc:
         if exc.blocked:  # throttling starts now: one entry per account or address and window, not one per try
             await gateway.audit.record(
-                org_id=(await gateway.store.default_org()).id, actor=None, action="auth.throttle",
+                org_id=request.get(AUDIT_ORG) or (await gateway.store.default_org()).id, actor=None,
+                action="auth.throttle",
                 resource_type="auth", outcome="failure", actor_hint=body["email"], client_ip=request.remote or "",
                 error_message=f"too many refused logins: refused for {int(gateway.config['throttle.login_window'])} s",
                 payload={"throttled": exc.blocked})
         raise ApiError(401, "access denied") from None
+    request[USER] = user  # the audit entry is the user's, in the user's organization's log
     return ok({"token": token})
+
+
+@routes.post("/logout", "Sign out: the token of this call is refused from now on, on every node", status=204)
+async def logout(request: web.Request) -> web.Response:
+    token = request.headers.get("Authorization", "").partition(" ")[2].strip()  # the one auth_middleware took
+    await gateway_of(request).identity.revoke(token)
+    return web.Response(status=204)
 
 
 @routes.get("/userinfo", "The authenticated user", response=USERINFO_OUT)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
@@ -23,6 +24,7 @@ from control.http import (
 from control.schemas import JIT_PENDING_OUT
 from gatewayd import protocols
 from gatewayd.access import credential_prefix
+from gatewayd.audit import REDACTED
 from gatewayd.config import split_listen
 from gatewayd.models import Connection, User, new_id, rfc3339, utcnow
 from gatewayd.reviews import JIT, NS, check_review_settings, review_json
@@ -50,7 +52,9 @@ _STRINGS = Field("array", True, items="string")
 CONNECTION_OUT = Schema("ConnectionOut", {
     "id": _TEXT, "name": _TEXT, "type": _TEXT, "subtype": _TEXT, "resource_name": _TEXT, "agent_id": _TEXT,
     "command": _STRINGS, "tags": Field("object", True), "settings": Field("object", True), "reviewers": _STRINGS,
-    "created_at": _TEXT, "updated_at": _TEXT, "secret": Field("object", description="admins only"),
+    "created_at": _TEXT, "updated_at": _TEXT, "secret": Field(
+        "object", description="admins only: where the target is (HOST, PORT, USER, DB, ...); what logs in to it "
+                              "(PASS, PRIVATE_KEY, ...) is never shown: [REDACTED], and sent back as such, kept"),
     "status": Field("string", description="online or offline: a connection served by an agent is online while "
                                           "its agent is connected; one the gateway reaches itself is online"),
 })
@@ -71,6 +75,41 @@ def connection_status(gateway: Any, conn: Connection) -> str:
     return "online" if gateway.agents is not None and gateway.agents.online(conn.org_id, conn.agent_id) else "offline"
 
 
+# Settings of a role secret an admin may read back: where the target is and how it is checked. Anything else (PASS,
+# PRIVATE_KEY, a setting this list does not know yet) is withheld: no answer carries what logs in to a target.
+SHOWN_TARGET_SETTINGS = frozenset({"HOST", "PORT", "USER", "DB", "SSLMODE", "INSECURE", "DOMAIN", "HOST_KEY",
+                                   "REMOTE_URL"})
+
+
+def _setting_name(key: str) -> str:
+    return key.split(":", 1)[1] if key.startswith("envvar:") else key
+
+
+def shown_secret(conn: Connection) -> dict[str, str]:
+    """The role secret as an admin reads it: the settings of ``SHOWN_TARGET_SETTINGS`` as stored (base64), every
+    other value ``[REDACTED]`` (a ``REMOTE_URL`` with a password in it too)."""
+    target = conn.target()
+    shown = {}
+    for key, value in conn.secret.items():
+        name = _setting_name(key)
+        visible = name in SHOWN_TARGET_SETTINGS and not (name == "REMOTE_URL" and "@" in urlsplit(target[name]).netloc)
+        shown[key] = value if visible else REDACTED
+    return shown
+
+
+def _kept_secret(secret: dict[str, str], existing: Connection | None, where: str) -> dict[str, str]:
+    """``secret`` with each ``[REDACTED]`` value (what an answer showed in place of a stored one) replaced by the
+    stored value, so that a connection read and sent back unchanged keeps its password or key."""
+    kept = dict(secret)
+    for key, value in secret.items():
+        if value != REDACTED:
+            continue
+        if existing is None or key not in existing.secret:
+            raise ApiError(422, f"field '{where}.{key}': {REDACTED} stands for the stored value, and there is none")
+        kept[key] = existing.secret[key]
+    return kept
+
+
 def connection_json(conn: Connection, viewer: User, gateway: Any = None) -> dict[str, Any]:
     """A connection as the API shows it; with ``gateway``, its ``status`` too."""
     data: dict[str, Any] = {
@@ -80,7 +119,7 @@ def connection_json(conn: Connection, viewer: User, gateway: Any = None) -> dict
         "created_at": conn.created_at, "updated_at": conn.updated_at,
     }
     if viewer.is_admin:
-        data["secret"] = conn.secret
+        data["secret"] = shown_secret(conn)
     if gateway is not None:
         data["status"] = connection_status(gateway, conn)
     return data
@@ -105,12 +144,16 @@ def build_connection(body: dict[str, Any], org_id: str, resource_name: str, exis
     problem = check_review_settings(settings)
     if settings.get("recording_mode") not in (None, "async", "strict"):
         problem = "field 'settings.recording_mode': expected \"async\" or \"strict\""
+    description = protocols.by_subtype(body.get("subtype") or body["type"])
+    if problem is None and description is not None and description.check_settings is not None:
+        problem = description.check_settings(settings)
     if problem:
         raise ApiError(422, problem.replace("field '", f"field '{where}", 1))
     return Connection(
         id=existing.id if existing else new_id(), org_id=org_id, name=name, resource_name=resource_name,
         type=body["type"], subtype=body.get("subtype") or body["type"], agent_id=body.get("agent_id") or "",
-        command=list(body.get("command") or []), secret=check_secret(body.get("secret") or {}, f"{where}secret"),
+        command=list(body.get("command") or []),
+        secret=_kept_secret(check_secret(body.get("secret") or {}, f"{where}secret"), existing, f"{where}secret"),
         tags={str(k): str(v) for k, v in (body.get("tags") or {}).items()},
         settings=settings,
         created_at=existing.created_at if existing else now, updated_at=now,

@@ -2,58 +2,51 @@
 
 ``GET /healthz``: the daemon answers (liveness).  ``GET /readyz``: this node can take traffic -- its store
 answers one cheap query within ``READY_STORE_TIMEOUT``, it is not fenced (it holds its lease) and every
-protocol listener it is asked to run is up; 503 names what is not.  Readiness answers within
-``READY_STORE_TIMEOUT`` whatever the store does: the probe is not waited for past it (a query to a hung
-server may take long to give up), and one probe at a time is in flight.  Prometheus metrics are served apart (``[metrics] listen``, gatewayd.metrics).
+protocol listener it is asked to run is up. Both are public, so they say only up or down: what is not ready (a
+listener's address, the store's error, the fence) goes to the operator's log, once per change, never to the
+caller. Readiness answers within ``READY_STORE_TIMEOUT`` whatever the store does: the probe is not waited for
+past it (a query to a hung server may take long to give up), and one probe at a time is in flight. Prometheus
+metrics are served apart (``[metrics] listen``, gatewayd.metrics).
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
+import logging
 import weakref
 from typing import Any
 
 from aiohttp import web
 
 from control.http import Field, RouteSet, Schema, gateway_of, ok
-from gatewayd.daemon import SERVER_CONFIG_KEY, listen_addresses
+from gatewayd.daemon import SERVER_CONFIG_KEY, Gateway, listen_addresses
+
+log = logging.getLogger("gatewayd.health")
 
 routes = RouteSet("Health")
 
 READY_STORE_TIMEOUT = 2.0  # seconds: a store slower than this is not ready to serve sessions
 _PROBES: weakref.WeakKeyDictionary[Any, asyncio.Future[Any]] = weakref.WeakKeyDictionary()  # per gateway, in flight
 
-_LISTENER = Schema("ReadinessListener", {
-    "listen_address": Field("string", True, description="empty: not asked to listen"),
-    "status": Field("string", True, enum=("running", "stopped", "error", "unavailable")),
-    "error": Field("string", True)})
-_CHECKS = {
-    "status": Field("string", True, enum=("ready", "not ready")),
-    "store": Field("object", True, schema=Schema("ReadinessStore", {
-        "status": Field("string", True, enum=("ok", "error")), "error": Field("string", True),
-        "latency_ms": Field("integer", True, minimum=0)})),
-    "listeners": Field("object", True, description="per protocol", schema=Schema(
-        "ReadinessListeners", {}, additional=True)),
-}
-READY = Schema("Readiness", _CHECKS)
-NOT_READY = Schema("NotReady", {"message": Field("string", True, description="what is not ready"), **_CHECKS})
+READY = Schema("Readiness", {"status": Field("string", True, enum=("ready",))})
+NOT_READY = Schema("NotReady", {"status": Field("string", True, enum=("not ready",)),
+                                "message": Field("string", True, enum=("not ready",),
+                                                 description="what is not ready is in the operator's log")})
+_last_logged: "weakref.WeakKeyDictionary[Gateway, str]" = weakref.WeakKeyDictionary()
 
 
-@routes.get("/healthz", "Liveness of the daemon and its store", public=True, response=Schema("Health", {
-    "status": Field("string", True, enum=("ok",)), "version": Field("string", True)}))
+@routes.get("/healthz", "Liveness of the daemon and its store (the version is in /serverinfo, behind a token)",
+            public=True, response=Schema("Health", {"status": Field("string", True, enum=("ok",))}))
 async def healthz(request: web.Request) -> web.Response:
-    gateway = gateway_of(request)
-    await gateway.store.default_org()
-    return ok({"status": "ok", "version": gateway.version})
+    await gateway_of(request).store.default_org()
+    return ok({"status": "ok"})
 
 
-@routes.get("/readyz", "Readiness of this node: store reachable, protocol listeners up (503 names what is not)",
-            public=True, response=READY, other_responses={503: NOT_READY})
+@routes.get("/readyz", "Readiness of this node (store reachable, protocol listeners up): up or down only; "
+            "what is not ready is in the operator's log", public=True, response=READY, other_responses={503: NOT_READY})
 async def readyz(request: web.Request) -> web.Response:
     gateway = gateway_of(request)
     problems: list[str] = []
-    began = time.monotonic()
     store_error = ""
     probe = _PROBES.get(gateway)
     if probe is None or probe.done():
@@ -78,10 +71,13 @@ async def readyz(request: web.Request) -> web.Response:
             problems.append(f"{name} listener on {wanted} failed ({state['error']})")
         elif state["status"] != "running" or state["listen_address"] != wanted:
             problems.append(f"{name} listener on {wanted} not started yet")
-    body = {"status": "not ready" if problems else "ready",
-            "store": {"status": "error" if store_error else "ok", "error": store_error,
-                      "latency_ms": int((time.monotonic() - began) * 1000)},
-            "listeners": listeners}
+    said = "; ".join(problems)
+    if _last_logged.get(gateway, "") != said:  # a probe every few seconds: one line per change, not per probe
+        _last_logged[gateway] = said
+        if problems:
+            log.warning("not ready", extra={"reason": said})
+        else:
+            log.info("ready")
     if problems:
-        return ok({"message": "not ready: " + "; ".join(problems), **body}, status=503)
-    return ok(body)
+        return ok({"status": "not ready", "message": "not ready"}, status=503)
+    return ok({"status": "ready"})

@@ -18,6 +18,7 @@ USER = web.RequestKey("user", User)
 AUDIT_PAYLOAD = web.RequestKey("audit_payload", object)
 AUDIT_ACTION = web.RequestKey("audit_action", str)
 AUDIT_ACTOR_HINT = web.RequestKey("audit_actor_hint", str)
+AUDIT_ORG = web.RequestKey("audit_org", str)  # the organization whose log an unauthenticated call belongs in
 ERROR_MESSAGE = web.RequestKey("error_message", str)
 AUTH_FAILURE = web.RequestKey("auth_failure", str)
 PARAMETERS = web.RequestKey("parameters", dict)

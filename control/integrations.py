@@ -12,6 +12,7 @@ from control.http import AUDIT_PAYLOAD, ApiError, Field, RouteSet, Schema, gatew
 from control.schemas import STRINGS, TEXT
 from gatewayd.discovery import ARN_TAG, POSTGRES_ENGINES, AwsAccessKey, DiscoveryError
 from gatewayd.discovery import ACCOUNT_ID as ACCOUNT_ID_SHAPE
+from gatewayd.models import User
 from gatewayd.store import Conflict
 
 routes = RouteSet("Integrations", audit="integrations")
@@ -100,7 +101,7 @@ async def _describe(request: web.Request) -> web.Response:
     if bad:
         raise ApiError(422, f"field 'account_ids': not a 12-digit AWS account id: {bad[0]!r}")
     try:
-        items = await gateway_of(request).discovery.describe(admin.org_id, accounts)
+        items = await gateway_of(request).discovery.describe(admin.org_id, accounts, _host_identity(request, admin))
     except DiscoveryError as exc:
         raise _discovery_error(exc) from None
     request[AUDIT_PAYLOAD] = {"account_ids": accounts, "instances": sum(1 for i in items if not i.error),
@@ -122,6 +123,13 @@ async def describe_managed_db(request: web.Request) -> web.Response:
     return await _describe(request)
 
 
+def _host_identity(request: web.Request, admin: User) -> bool:
+    """May this caller's discovery use the gateway host's own AWS identity (``use_instance_role``)? Its operators
+    only, in their own organization: a tenant's admin would otherwise list (and connect to) the host's account."""
+    gateway = gateway_of(request)
+    return gateway.identity.is_operator(admin) and not gateway.tenancy.is_tenant(admin.org_id)
+
+
 def _b64(text: str) -> str:
     return base64.b64encode(text.encode()).decode()
 
@@ -135,7 +143,8 @@ async def connection_from_instance(request: web.Request) -> web.Response:
     request[AUDIT_PAYLOAD] = {"arn": request.match_info["arn"], "name": body.get("name")}
     gateway = gateway_of(request)
     try:
-        instance = await gateway.discovery.instance(admin.org_id, request.match_info["arn"])
+        instance = await gateway.discovery.instance(admin.org_id, request.match_info["arn"],
+                                                    _host_identity(request, admin))
     except DiscoveryError as exc:
         raise _discovery_error(exc) from None
     if instance.engine not in POSTGRES_ENGINES:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ipaddress
+
 from aiohttp import web
 
 from control.connections import DEFAULT_ACCESS_SECONDS
@@ -15,7 +17,8 @@ routes = RouteSet("Proxy Manager", audit="proxymanager")
 CONNECT = Schema("ProxyManagerConnect", {
     "connection_name": Field("string", True),
     "port": Field("integer", True, minimum=1, maximum=65535, description="the local port to open"),
-    "bind": Field("string", description="the local address (default 127.0.0.1)"),
+    "bind": Field("string", description="the local address (default 127.0.0.1): a loopback address, or one the "
+                                        "gateway's operator allows ([proxy_manager] allowed_binds)"),
     "access_duration_seconds": Field("integer", minimum=1, description="the credential's lifetime (default 3600)"),
 })
 DISCONNECT = Schema("ProxyManagerDisconnect", {
@@ -35,6 +38,25 @@ def _error(exc: ManagerError) -> ApiError:
     return ApiError(exc.status, exc.message)
 
 
+def _loopback(address: str) -> bool:
+    if address.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(address: str, allowed: list[str]) -> str:
+    """The address a proxy manager may listen on: loopback, or one the operator allows; else 422. A port on any
+    other address takes whoever reaches the user's machine in as that user, with no login of their own."""
+    if _loopback(address) or address in allowed:
+        return address
+    raise ApiError(422, f"field 'bind': {address!r} is not a loopback address, and a port there would let anyone "
+                        "who reaches your machine in as you; the gateway's operator may allow it "
+                        "([proxy_manager] allowed_binds)")
+
+
 @routes.post("/proxymanager/connect", "Open a connection on a local port of your proxy manager", body=CONNECT,
              status=201, response=FORWARDING)
 async def connect(request: web.Request) -> web.Response:
@@ -47,12 +69,12 @@ async def connect(request: web.Request) -> web.Response:
     if await gateway.reviews.policy(connection, JIT) is not None:
         raise ApiError(422, "this connection needs a just-in-time review first: ask through "
                             f"POST /api/connections/{connection.name}/credentials")
+    bind = check_bind((body.get("bind") or "127.0.0.1").strip(), gateway.config["proxy_manager.allowed_binds"])
     duration = body.get("access_duration_seconds", DEFAULT_ACCESS_SECONDS)
     if duration > int(gateway.config["sessions.max_credential_duration"]):
         raise ApiError(422, "field 'access_duration_seconds': above sessions.max_credential_duration")
     try:
-        forwarding = await gateway.proxy_manager.connect(user, connection, body["port"],
-                                                         body.get("bind") or "127.0.0.1", duration)
+        forwarding = await gateway.proxy_manager.connect(user, connection, body["port"], bind, duration)
     except ManagerError as exc:
         raise _error(exc) from None
     return ok(forwarding.json(), status=201)

@@ -19,6 +19,7 @@ from control.http import (
     require_admin,
     user_of,
 )
+from gatewayd.crypto import MIN_PASSWORD_LENGTH
 from gatewayd.models import ADMIN_GROUP, User, email_problem, new_id
 from gatewayd.store import Conflict
 
@@ -26,7 +27,11 @@ routes = RouteSet("User Management", audit="users")
 
 USER_FIELDS = {
     "email": Field("string", True), "name": Field("string"), "status": Field("string", enum=("active", "inactive")),
-    "groups": Field("array", items="string"), "password": Field("string"), "slack_id": Field("string"),
+    "groups": Field("array", items="string"),
+    "password": Field("string", min_length=MIN_PASSWORD_LENGTH,
+                      description="a local password; setting it signs the user out everywhere (existing tokens "
+                                  "are revoked)"),
+    "slack_id": Field("string"),
     "picture": Field("string"),
 }
 USER_CREATE = Schema("UserCreate", USER_FIELDS)
@@ -37,11 +42,21 @@ GROUP_CREATE = Schema("GroupCreate", {"name": Field("string", True)})
 async def _find(request: web.Request) -> User:
     gateway = gateway_of(request)
     key = request.match_info["id"]
-    user = await gateway.store.get_user(id=key) or await gateway.store.get_user(email=key) \
-        or await gateway.store.get_user(subject=key)
-    if user is None or user.org_id != require_admin(request).org_id:
-        raise ApiError(404, f"user {key!r} not found")
-    return user
+    org_id = require_admin(request).org_id
+    for user in (await gateway.store.get_user(id=key), await gateway.store.get_user(email=key, org_id=org_id),
+                 await gateway.store.get_user(subject=key)):
+        if user is not None and user.org_id == org_id:
+            return user
+    raise ApiError(404, f"user {key!r} not found")
+
+
+def local_subject(multi_tenant: bool, org_id: str | None, email: str) -> str:
+    """The subject of a user an admin creates by e-mail: the e-mail (single-tenant mode: one organization, and a
+    sign-in may claim it, see Identity); in multi-tenant mode, the e-mail within its organization, so that an
+    organization holding an e-mail neither blocks another from holding it too nor tells that it does, and
+    never stands in the way of a provider whose subjects are e-mails."""
+    lowered = email.lower()
+    return f"{org_id}/{lowered}" if multi_tenant else lowered
 
 
 def _check_email(body: dict) -> None:
@@ -77,8 +92,6 @@ async def _apply(request: web.Request, user: User, body: dict) -> None:
     if body.get("groups") is not None:
         user.grant_groups(body["groups"])
     if body.get("password"):
-        if len(body["password"]) < 8:
-            raise ApiError(422, "field 'password': at least 8 characters")
         user.password_hash = await gateway_of(request).identity.passwords.hash(body["password"])
 
 
@@ -93,10 +106,12 @@ async def create(request: web.Request) -> web.Response:
     admin = require_admin(request)
     body = await json_body(request, USER_CREATE)
     _check_email(body)
-    store = gateway_of(request).store
-    if await store.get_user(email=body["email"]):
+    gateway = gateway_of(request)
+    store = gateway.store
+    if await store.get_user(email=body["email"], org_id=admin.org_id):  # this organization's only: no oracle
         raise ApiError(409, f"a user with email {body['email']!r} already exists")
-    user = User(id=new_id(), org_id=admin.org_id, subject=body["email"].lower(), email=body["email"])
+    user = User(id=new_id(), org_id=admin.org_id, subject=local_subject(gateway.config["auth.multi_tenant"], admin.org_id, body["email"]),
+                email=body["email"])
     await _apply(request, user, body)
     try:
         await store.save_user(user)
@@ -154,10 +169,13 @@ async def update(request: web.Request) -> web.Response:
     before = dataclasses.replace(user, groups=list(user.groups))
     await _apply(request, user, body)
     await _keep_an_admin(request, before, user)
+    gateway = gateway_of(request)
     try:
-        await gateway_of(request).store.save_user(user)
+        await gateway.store.save_user(user)
     except Conflict:
         raise ApiError(409, f"a user with email {user.email!r} already exists") from None
+    if body.get("password"):  # whoever knew the old password may hold a token: it ends with it
+        await gateway.identity.revoke_tokens_of(user)
     return ok(user_json(user))
 
 

@@ -102,4 +102,4 @@ class AuditLog:
     async def verify(self, org_id: str) -> Verification:
         """Whether an organization's audit chain is as it was written (hashing runs off the event loop)."""
         rows = await self.store.audit_chain(org_id)
-        return await asyncio.to_thread(verify_audit, org_id, rows)
+        return await asyncio.to_thread(verify_audit, org_id, rows, self.store.audit_key)

@@ -86,7 +86,7 @@ def _cmd_token_create(args: argparse.Namespace) -> int:
 
 
 def _cmd_user_passwd(args: argparse.Namespace) -> int:
-    from gatewayd.crypto import hash_password
+    from gatewayd.crypto import MIN_PASSWORD_LENGTH, hash_password
 
     _check_email(args.email)
     config = load(args.config)
@@ -99,8 +99,8 @@ def _cmd_user_passwd(args: argparse.Namespace) -> int:
             password = getpass.getpass("new password: ")
         except EOFError:
             raise ConfigError("no password given: use --password-stdin and pipe it in") from None
-    if len(password) < 8:
-        raise ConfigError("password: at least 8 characters")
+    if len(password) < MIN_PASSWORD_LENGTH:
+        raise ConfigError(f"password: at least {MIN_PASSWORD_LENGTH} characters")
 
     async def action(gateway):  # type: ignore[no-untyped-def]
         user = await gateway.identity.ensure_local_user(args.email, args.name or "",
@@ -108,6 +108,7 @@ def _cmd_user_passwd(args: argparse.Namespace) -> int:
                                                         args.operator)
         user.password_hash = hash_password(password)
         await gateway.store.save_user(user)
+        await gateway.identity.revoke_tokens_of(user)  # the tokens issued under the old password end with it
 
     asyncio.run(_with_core(config, action))
     print(f"password set for {args.email}", file=sys.stderr)
@@ -121,8 +122,9 @@ def _cmd_user_operator(args: argparse.Namespace) -> int:
     named = f"--email {args.email}" if args.email else f"--subject {args.subject}"
 
     async def action(gateway):  # type: ignore[no-untyped-def]
-        user = await (gateway.store.get_user(email=args.email) if args.email
-                      else gateway.store.get_user(subject=args.subject))
+        # by e-mail, the host's own user (the default organization's): never one a tenant made with that e-mail
+        user = await (gateway.store.get_user(email=args.email, org_id=(await gateway.store.default_org()).id)
+                      if args.email else gateway.store.get_user(subject=args.subject))
         if user is None:
             raise ConfigError(f"{named}: no such user in {describe(config)}")
         user.operator = not args.revoke

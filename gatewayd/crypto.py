@@ -70,6 +70,7 @@ def hash_secret(secret: str) -> str:
 
 
 _SCRYPT_N, _SCRYPT_R, _SCRYPT_P = 2**14, 8, 1
+MIN_PASSWORD_LENGTH = 8  # characters of a local password (the API, whose OpenAPI document states it, and the CLI)
 
 
 def hash_password(password: str) -> str:

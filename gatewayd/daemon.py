@@ -32,6 +32,7 @@ from gatewayd.config import Config, ConfigError, split_listen
 from gatewayd.agent.manager import ManagerService
 from gatewayd.agent.registry import AgentRegistry
 from gatewayd.dialer import Dialer, DirectDialer
+from gatewayd.tenancy import Tenancy
 from gatewayd.frames import FrameStore
 from gatewayd.guardrails import GuardRailService
 from gatewayd.identity import Identity
@@ -198,6 +199,7 @@ class Gateway:
         self.discovery: AwsDiscovery = None  # type: ignore[assignment]
         self.frames: FrameStore = None  # type: ignore[assignment]
         self.analysis: AnalysisService = None  # type: ignore[assignment]
+        self.tenancy: Tenancy = None  # type: ignore[assignment]  # which organizations are tenants (multi-tenant)
         self.pipeline: SessionPipeline = None  # type: ignore[assignment]
         self.cluster: Cluster = None  # type: ignore[assignment]
         self.agents: AgentRegistry = None  # type: ignore[assignment]
@@ -214,12 +216,14 @@ class Gateway:
     async def open_core(self) -> None:
         """Store and core services, without network listeners (also used by the CLI)."""
         self.store = await open_store(self.config)
+        sealer = await Sealer.load(self.store)
+        self.store.audit_key = sealer.audit_key  # the audit chain's links are made and checked with it
         self.audit = AuditLog(self.store)
         self.identity = Identity(self.config, self.store)
         self.access = AccessService(self.store, self.audit, Throttle(
             self.config["throttle.credential_failures"], self.config["throttle.credential_window"]))
         self.recording = RecordingService(self.store, self.config["sessions.recording_cap_bytes"],
-                                          self.config["sessions.flush_interval"], await Sealer.load(self.store),
+                                          self.config["sessions.flush_interval"], sealer,
                                           journal_dir=self.config.journal_dir,
                                           journal_interval=self.config["sessions.journal_interval"],
                                           strict_bound=self.config["sessions.strict_bound"], name=self.node_name())
@@ -239,12 +243,13 @@ class Gateway:
         frames_dir = self.config.get("rdp.frames_dir")  # several nodes: a path they all share
         self.frames = FrameStore(Path(frames_dir) if frames_dir else self.config.data_dir / "rdp-frames",
                                  self.config.get("rdp.frames_cap_bytes"))
-        self.analysis = AnalysisService(self.store, self.audit, self.config)
+        self.tenancy = Tenancy.of(self.config, (await self.store.default_org()).id)
+        self.analysis = AnalysisService(self.store, self.audit, self.config, self.tenancy)
         self.guardrails.observers = self.analysis.observer_for
         self.agents = AgentRegistry(self.store, self.audit, self.sessions, peers=self.grpc_peers)
         self.proxy_manager = ManagerService(self.identity, self.access, lambda: self.server_config)
         self.pipeline = SessionPipeline(self.access, self.sessions, self.guardrails, self.dialer, self.audit,
-                                        agents=self.agents)
+                                        agents=self.agents, tenancy=self.tenancy)
         self.reviews = ReviewService(self.store, self.audit, self.sessions, self.pipeline, self.analysis,
                                      self.script_runners,
                                      admins_can_self_approve=self.config["auth.admins_can_self_approve"])

@@ -11,14 +11,23 @@ the other end over its own stream; the proxies do not see the difference.
 
 Every failure is one ``DialError`` whose message is safe to show the client:
 ``could not connect to the target of connection "X": <reason>``.
+
+A ``DirectDialer`` may hold an ``AddressPolicy``: each address a name resolves to is checked before the
+socket connects to that very address (so a name that resolves again differently changes nothing), and an
+address the policy refuses is never connected to. ``DialerConnector`` gives aiohttp clients the same dial.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 import socket
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from aiohttp import ClientConnectorError, TCPConnector
+from aiohttp.abc import AbstractResolver
 
 if TYPE_CHECKING:
     from gatewayd.models import Connection
@@ -58,10 +67,43 @@ class Routes(Protocol):
         ...
 
 
-class DirectDialer:
-    """Reaches targets with a direct TCP connection from this process."""
+_SHARED_ADDRESS_SPACE = ipaddress.ip_network("100.64.0.0/10")  # RFC 6598 (carrier-grade NAT): not in is_private
 
-    route = ""  # what pools key idle connections by besides the address (an agent's dialer: its agent)
+
+@dataclass(slots=True, frozen=True)
+class AddressPolicy:
+    """Where a dial from this host may go: never loopback, link-local (cloud metadata at 169.254.169.254),
+    unspecified, multicast or reserved addresses; private ones (RFC 1918, unique-local, shared address
+    space, documentation ranges) unless ``allow_private``."""
+
+    allow_private: bool = False
+
+    def refusal(self, address: str) -> str | None:
+        """Why ``address`` (an IP address) may not be dialled, or None."""
+        try:
+            ip = ipaddress.ip_address(address.split("%", 1)[0])
+        except ValueError:
+            return "not an IP address"
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        if ip.is_loopback:
+            return "a loopback address"
+        if ip.is_link_local:
+            return "a link-local address"
+        if ip.is_unspecified or ip.is_multicast or ip.is_reserved:
+            return "a reserved address"
+        if not self.allow_private and (ip.is_private or (ip.version == 4 and ip in _SHARED_ADDRESS_SPACE)):
+            return "a private address"
+        return None
+
+
+class DirectDialer:
+    """Reaches targets with a direct TCP connection from this process; with a ``policy``, only the addresses
+    it allows (checked on each resolved address, right before connecting to it)."""
+
+    def __init__(self, policy: AddressPolicy | None = None, route: str = "") -> None:
+        self.policy = policy
+        self.route = route  # what pools key idle connections by besides the address (an agent's dialer: its agent)
 
     async def open_socket(self, host: str, port: int, *, connection: str,
                           timeout: float = DIAL_TIMEOUT) -> socket.socket:
@@ -71,7 +113,11 @@ class DirectDialer:
             async with asyncio.timeout(timeout):
                 infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
                 last: OSError | None = None
+                refused = ""
                 for family, kind, proto, _, address in infos:
+                    if self.policy is not None and (why := self.policy.refusal(str(address[0]))):
+                        refused = refused or why
+                        continue
                     sock = socket.socket(family, kind, proto)
                     sock.setblocking(False)
                     try:
@@ -87,6 +133,9 @@ class DirectDialer:
                         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                     return sock
                 if last is None:
+                    if refused:
+                        raise DialError(connection, f"its host is {refused}, which this organization's "
+                                                    "connections may not reach from the gateway")
                     raise DialError(connection, "its host has no address")
                 raise last
         except TimeoutError:
@@ -107,6 +156,13 @@ class DirectDialer:
             raise DialError(connection, _reason(exc)) from None
 
 
+def through_agent(dialer: object) -> bool:
+    """Whether ``dialer`` reaches its targets through an agent (its ``route`` is not empty): the bytes then cross a
+    process inside the target's network that could answer as the target itself, so a target is verified before
+    any secret is sent to it (proxies/postgres/upstream.py, proxies/ssh/target.py)."""
+    return bool(getattr(dialer, "route", ""))
+
+
 def reason_of(exc: OSError) -> str:
     """The system's words for a failed connect ("connection refused"), never the address asyncio adds."""
     if isinstance(exc, socket.gaierror):
@@ -120,3 +176,40 @@ _reason = reason_of
 
 direct = DirectDialer()
 """The process's default dialer (direct TCP)."""
+
+
+class UnresolvedNames(AbstractResolver):
+    """Hands the host name on as it is, for a ``DialerConnector`` whose dialer resolves it (itself, checking each
+    address; or an agent, in its own network)."""
+
+    async def resolve(self, host: str, port: int = 0, family: int = socket.AF_INET) -> list[dict[str, Any]]:
+        return [{"hostname": host, "host": host, "port": port, "family": family, "proto": 0, "flags": 0}]
+
+    async def close(self) -> None:
+        pass
+
+
+class DialerConnector(TCPConnector):
+    """aiohttp's connector reaching its peers through a ``Dialer`` (the HTTP proxy's websockets, AI providers).
+
+    aiohttp has no public hook for an asynchronous dial, so this overrides the one
+    method that opens the socket (aiohttp is pinned below 4 in pyproject.toml).
+    """
+
+    def __init__(self, dialer: Dialer = direct, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.dialer = dialer
+
+    async def _wrap_create_connection(self, *args: Any, addr_infos: Any, req: Any, timeout: Any,
+                                      client_error: type[Exception] = ClientConnectorError, **kwargs: Any) -> Any:
+        host, port = req.url.raw_host or "", req.url.port or 0
+        try:
+            sock = await self.dialer.open_socket(host, port, connection=f"{host}:{port}",
+                                                 timeout=timeout.sock_connect or DIAL_TIMEOUT)
+        except DialError as exc:
+            raise client_error(req.connection_key, OSError(None, exc.reason)) from None
+        try:
+            return await self._loop.create_connection(*args, **kwargs, sock=sock)
+        except BaseException:
+            sock.close()
+            raise

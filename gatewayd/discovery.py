@@ -165,11 +165,17 @@ class AwsDiscovery:
     async def clear_key(self, org_id: str) -> bool:
         return await self.store.delete_key(_key_name(org_id))
 
-    async def source(self, org_id: str) -> tuple[dict[str, str], list[str]]:
-        """(client credentials, regions) for an organization; a DiscoveryError says what is missing."""
+    async def source(self, org_id: str, host_identity: bool = True) -> tuple[dict[str, str], list[str]]:
+        """(client credentials, regions) for an organization; a DiscoveryError says what is missing.
+        ``host_identity``: whether the caller may use the host's own AWS identity (``use_instance_role``) when the
+        organization has no key -- not a tenant's admin, whose calls would act as the gateway's host."""
         key = await self.key(org_id)
         if key is not None:
             credentials = key.client_args()
+        elif self.settings.use_instance_role and not host_identity:
+            raise DiscoveryError(403, "no AWS credentials for this organization: set them with PUT "
+                                      "/api/integrations/aws/iam/accesskeys (the gateway host's own AWS identity "
+                                      "serves its operators only)")
         elif self.settings.use_instance_role:
             credentials = {}  # the host's default chain: environment, shared files, instance metadata
         else:
@@ -234,9 +240,9 @@ class AwsDiscovery:
 
     # -- what the API asks
 
-    async def describe(self, org_id: str, account_ids: list[str]) -> list[DatabaseInstance]:
+    async def describe(self, org_id: str, account_ids: list[str], host_identity: bool = True) -> list[DatabaseInstance]:
         """Every instance of ``account_ids`` in the configured regions; a failure is an item with ``error``."""
-        credentials, regions = await self.source(org_id)
+        credentials, regions = await self.source(org_id, host_identity)
         own = await self._caller_account(credentials, regions[0])
         limit = asyncio.Semaphore(MAX_PARALLEL)
 
@@ -265,12 +271,12 @@ class AwsDiscovery:
                 item.connection_resources = connections_pointing_at(item, connections)
         return items
 
-    async def instance(self, org_id: str, arn: str) -> DatabaseInstance:
+    async def instance(self, org_id: str, arn: str, host_identity: bool = True) -> DatabaseInstance:
         """The instance an ARN names (for making a connection from it); DiscoveryError when it cannot be read."""
         parts = RDS_ARN.match(arn)
         if parts is None:
             raise DiscoveryError(422, f"not an RDS DB instance ARN: {arn!r} (arn:aws:rds:REGION:ACCOUNT:db:NAME)")
-        credentials, regions = await self.source(org_id)
+        credentials, regions = await self.source(org_id, host_identity)
         own = await self._caller_account(credentials, regions[0])
         try:
             account_credentials = await self._account_credentials(own, parts["account"], credentials,

@@ -2,20 +2,29 @@
 
 A session's events are stored in batches; each batch's hash covers the previous batch's hash and
 every event of the batch (sequence number, offset, kind, bytes), so the last hash -- the session's
-``chain_head`` -- stands for the whole recording. At close the gateway signs a seal statement (the
-session id, the chain head, how many events and bytes, the exit code and end date) with its own
-Ed25519 key, which is sealed at rest by the master key. Altering, removing, reordering or adding an
-event, or changing the closing fields, breaks the chain or the seal; rewriting the whole chain also
-needs the key.
+``chain_head`` -- stands for the whole recording. At close the gateway signs a seal statement with
+its own Ed25519 key, which is sealed at rest by the master key: the session's identity (id,
+organization, user, connection, verb, start, the script's digest), the chain head, how many events
+and bytes, the exit code and end date. Altering, removing, reordering or adding an event, or
+changing who, what, when or how it ended, breaks the chain or the seal; rewriting the whole chain
+also needs the key.
 
-The audit log is chained per organization the same way, one entry a link. Pure functions and one
-key holder; the store keeps the links, ``verify_*`` re-computes them.
+The fact of sealing is kept outside the session's row: a ``session.seal`` entry of the audit log
+(with the seal), so a session once sealed is never sealed again (the sweep of sessions left open
+asks first) and verification tells a seal removed, replaced or made twice.
+
+The audit log is chained per organization the same way, one entry a link; each link is an HMAC
+under a key derived from the seal key (``Sealer.audit_key``), so someone who can write the store
+cannot re-compute it. Pure functions and one key holder; the store keeps the links, ``verify_*``
+re-computes them. What this can and cannot tell is written down in docs/decisions.md (Tamper
+evidence).
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
+import hmac
 import json
 import struct
 from dataclasses import dataclass, field
@@ -31,6 +40,8 @@ from gatewayd.models import SessionEvent
 if TYPE_CHECKING:
     from gatewayd.store import Store
 SEAL_KEY_NAME = "recording-seal"
+SEAL_V2 = "v2:"  # a seal over the session's identity too (``identity_statement``); one without it is older
+SEALED = "session.seal"  # the audit action that records a session's sealing, with its seal
 EVENT_HEAD = struct.Struct(">QQ1sQ")  # a stored event's head: seq, offset_ms, kind, length
 # Links numbered from here hold events stored after the session was closed by another process (kept by the
 # process that held it, in memory or in its journal): after the sealed recording, named by verification.
@@ -81,15 +92,34 @@ def batch_hash(previous: str, session_id: str, first_seq: int, events: Sequence[
 
 def seal_statement(session_id: str, chain_head: str, events: int, event_size: int, exit_code: int | None,
                    end_date: str | None) -> bytes:
-    """What the seal signs: the recording's last hash and the session's closing facts."""
+    """What a seal made before seals covered the session's identity signs (v1: verified still, made no more)."""
     return "\n".join(("gatewayd-seal-v1", session_id, chain_head, str(events), str(event_size),
                       "" if exit_code is None else str(exit_code), end_date or "")).encode()
 
 
-def audit_hash(previous: str, row: dict[str, Any]) -> str:
-    """The hash of one audit entry as stored (``request_payload_redacted`` as its JSON text)."""
+def session_identity(session: Any) -> list[str]:
+    """What a seal covers of a session (a ``Session``) besides its recording: which session, whose, on which
+    connection, how (verb, and the script's SHA-256), and when it started."""
+    return [session.id, session.org_id, session.user_id, session.user_email, session.connection_id or "",
+            session.connection, session.verb, session.start_date or "",
+            hashlib.sha256((session.script or "").encode()).hexdigest()]
+
+
+def identity_statement(identity: Sequence[str], chain_head: str, events: int, event_size: int,
+                       exit_code: int | None, end_date: str | None) -> bytes:
+    """What the seal signs (v2): the session's identity (``session_identity``), the recording's last hash and the
+    session's closing facts, as one JSON list (no field can borrow another's text)."""
+    return json.dumps(["gatewayd-seal-v2", *identity, chain_head, events, event_size, exit_code, end_date or ""],
+                      separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def audit_hash(previous: str, row: dict[str, Any], key: bytes | None = None) -> str:
+    """The hash of one audit entry as stored (``request_payload_redacted`` as its JSON text): with ``key`` an
+    HMAC-SHA256 (v2, what the gateway writes), without one the plain SHA-256 of entries chained before (v1)."""
     canonical = json.dumps([row.get(name) for name in _AUDIT_FIELDS], separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(b"gatewayd-audit-v1\0" + previous.encode() + canonical.encode()).hexdigest()
+    if key is None:
+        return hashlib.sha256(b"gatewayd-audit-v1\0" + previous.encode() + canonical.encode()).hexdigest()
+    return hmac.new(key, b"gatewayd-audit-v2\0" + previous.encode() + canonical.encode(), "sha256").hexdigest()
 
 
 class Sealer:
@@ -114,6 +144,20 @@ class Sealer:
 
     def sign(self, statement: bytes) -> str:
         return base64.b64encode(self._key.sign(statement)).decode()
+
+    def seal(self, session: Any, chain_head: str, events: int, event_size: int, exit_code: int | None,
+             end_date: str | None) -> str:
+        """The seal of a session (a ``Session``, as stored) closing with these facts."""
+        return SEAL_V2 + self.sign(identity_statement(session_identity(session), chain_head, events, event_size,
+                                                      exit_code, end_date))
+
+    @property
+    def audit_key(self) -> bytes:
+        """The key of the audit chain's links: derived from this key, so it is kept as this one is, and a store
+        whose writer lacks the master key cannot re-compute the chain."""
+        raw = self._key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+                                      serialization.NoEncryption())
+        return hashlib.sha256(b"gatewayd-audit-chain-v2\0" + raw).digest()
 
     def valid(self, statement: bytes, signature: str) -> bool:
         try:
@@ -187,10 +231,12 @@ class Verification:
                 "entries": self.entries, "chain_head": self.chain_head, "problems": list(self.problems)}
 
 
-def verify_recording(session_id: str, status: str, chain_head: str, seal: str | None, event_size: int,
-                     exit_code: int | None, end_date: str | None, links: Sequence[BatchLink],
-                     events: Sequence[tuple[int, SessionEvent]], sealer: Sealer) -> Verification:
-    """Re-compute a session's chain from its stored events and check the seal. ``events``: (seq, event)."""
+def verify_recording(session: Any, links: Sequence[BatchLink], events: Sequence[tuple[int, SessionEvent]],
+                     sealer: Sealer, sealings: Sequence[dict[str, Any]] = ()) -> Verification:
+    """Re-compute a session's chain from its stored events and check the seal. ``session``: the stored ``Session``;
+    ``events``: (seq, event); ``sealings``: the audit log's records of its sealing (``Store.sealings``)."""
+    session_id, status, chain_head, seal = session.id, session.status, session.chain_head, session.seal
+    event_size, exit_code, end_date = session.event_size, session.exit_code, session.end_date
     result = Verification(subject=f"session {session_id}", links=len(links), entries=len(events))
     if not chain_head:
         result.problem("recorded before this gateway chained recordings: it cannot be verified")
@@ -228,11 +274,21 @@ def verify_recording(session_id: str, status: str, chain_head: str, seal: str | 
         _verify_late(result, session_id, previous, late_links, dict(late_events))
     if seal:
         result.sealed = True
-        statement = seal_statement(session_id, chain_head, len(events), event_size, exit_code, end_date)
-        if not sealer.valid(statement, seal):
+        if seal.startswith(SEAL_V2):
+            statement = identity_statement(session_identity(session), chain_head, len(events), event_size, exit_code,
+                                           end_date)
+            if not sealer.valid(statement, seal[len(SEAL_V2):]):
+                result.problem("the seal does not match: the recording, the session's user, connection, verb, start "
+                               "or script, or its closing fields were changed after close")
+        elif not sealer.valid(seal_statement(session_id, chain_head, len(events), event_size, exit_code, end_date),
+                              seal):
             result.problem("the seal does not match: the recording or its closing fields were changed after close")
+        else:  # told, not counted as altered
+            result.problems.append("sealed before seals covered who, what and when: the session's user, connection, "
+                                   "verb, start and script are not covered")
     elif status == "done":
         result.problem("the session is done but has no seal")
+    _check_sealings(result, seal, sealings)
     return result
 
 
@@ -250,23 +306,84 @@ def _verify_late(result: Verification, session_id: str, previous: str, links: Se
                    "process that held it, in memory or in its journal): they are not covered by the seal")
 
 
-def verify_audit(org_id: str, rows: Iterable[dict[str, Any]]) -> Verification:
-    """Re-compute an organization's audit chain from its stored entries, oldest first."""
+def _check_sealings(result: Verification, seal: str | None, sealings: Sequence[dict[str, Any]]) -> None:
+    """The seal against the audit log's records of the session's sealing: one seal, this one (a close stored again
+    after an outcome that was not known records the same seal twice: one seal still)."""
+    sealings = list({s.get("seal"): s for s in reversed(sealings)}.values())[::-1]  # the first record of each seal
+    if len(sealings) > 1:
+        result.problem(f"it was sealed {len(sealings)} times (audit log, {', '.join(s['sealed_at'] for s in sealings)})"
+                       ": a session is sealed once, so its recording or its row was altered and it was closed again")
+    if sealings:
+        if not seal:
+            result.problem(f"it was sealed on {sealings[0]['sealed_at']} (audit log) but has no seal now: "
+                           "the seal was removed")
+        elif all(s.get("seal") != seal for s in sealings):
+            result.problem("its seal is not the one the audit log recorded when it was sealed")
+    elif seal and seal.startswith(SEAL_V2):
+        result.problem("the audit log has no record of its sealing (the entry was removed, or the gateway stopped "
+                       "between the two)")
+
+
+def verify_audit(org_id: str, rows: Iterable[dict[str, Any]], key: bytes | None = None) -> Verification:
+    """Re-compute an organization's audit chain from its stored entries, oldest first.
+
+    With ``key`` (the gateway's: ``Sealer.audit_key``) a link verifies only as its HMAC, and every entry must be
+    one: an entry without a hash, or hashed without the key, cannot be told from one whose hash was stripped or
+    re-computed, so it is not verified (named with how many there are).  One exception, for a log begun before
+    the chain was keyed (an upgrade): its oldest entries, linked by plain hashes from the start, count as links
+    when the first keyed entry chains to them -- that entry's HMAC holds the hash of the last of them, so none of
+    them can be changed (and the plain hashes re-computed) without breaking it.  A plain-hash run that no keyed
+    entry follows proves nothing.  Without a key (a store that never had the gateway's) the links are plain
+    hashes, and entries without one before the first are from before the chain began (named, not counted as
+    altered).  A log where no entry verifies is not intact."""
     result = Verification(subject=f"audit log of organization {org_id}")
-    previous, chained, legacy = GENESIS, False, 0
+    previous, good, legacy, linked = GENESIS, 0, 0, True  # linked: the entry before is a link (or there is none)
+    loose: list[str] = []  # entries that are not links: no hash, or (with a key) one made without it
+    # with a key: the oldest entries, while they are plain-hash links from the start (anchored by a keyed successor)
+    prekey: list[str] | None = [] if key is not None else None
     for row in rows:
         result.entries += 1
-        if not row["hash"] and not chained:  # written before this gateway chained its audit log
-            legacy += 1
+        stored, expected = row["hash"], audit_hash(row["prev_hash"], row, key)
+        if stored != expected:
+            if (prekey is not None and stored and row["prev_hash"] == previous
+                    and audit_hash(row["prev_hash"], row) == stored):
+                prekey.append(row["id"])  # a plain-hash link in the run from the start: anchored, or not, later
+                previous = stored
+                continue
+            if prekey:  # the run ends without a keyed entry chaining to it: none of it proves anything
+                loose.extend(prekey)
+                linked = False
+            prekey = None
+            if key is None and not stored and not good and not loose:  # written before the chain began
+                legacy += 1
+                continue
+            if not stored or key is not None and audit_hash(row["prev_hash"], row) == stored:
+                loose.append(row["id"])
+            else:
+                result.problem(f"entry {row['id']}: it was altered")
+            previous, linked = stored, False
             continue
-        chained = True
-        if row["prev_hash"] != previous:
+        if prekey:
+            good += len(prekey)  # this keyed entry chains to the run of plain-hash links (checked below)
+        prekey = None
+        if row["prev_hash"] == previous:
+            good += 1
+        elif row["prev_hash"] == GENESIS and not linked:
+            result.problem(f"entry {row['id']}: the chain starts again here: the entries before it are not its links")
+        else:
             result.problem(f"entry {row['id']}: does not chain to the entry before it (one was removed or inserted)")
-        if audit_hash(row["prev_hash"], row) != row["hash"]:
-            result.problem(f"entry {row['id']}: it was altered")
-        previous = row["hash"]
-    result.links = result.entries - legacy
+        previous, linked = stored, True
+    if prekey:  # plain-hash links to the end, and no keyed entry after them
+        loose.extend(prekey)
+    result.links = result.entries - legacy - len(loose)
     result.chain_head = previous
+    if loose:
+        how = "no hash, or one made without the gateway's key" if key is not None else "no hash"
+        result.problem(f"{len(loose)} entries are not links of the chain ({how}: written before the chain was keyed, "
+                       f"or stripped or re-computed since): {loose[0]}{f' ... {loose[-1]}' if len(loose) > 1 else ''}")
+    if result.entries and not good:
+        result.problem(f"none of its {result.entries} entries verifies: their hashes were removed, or re-computed "
+                       "without the gateway's key")
     if legacy:
         result.problems.append(f"{legacy} entries from before the chain began cannot be verified (not counted as "
                                "altered)")

@@ -88,9 +88,9 @@ class LocalIssuer:
     def issue(self, user: User, ttl: float) -> str:
         """A token naming the user by its id, which is never reused: deleting the user ends its tokens for good,
         even when the e-mail comes back as a new user."""
-        now = int(time.time())
+        now = time.time()  # iat to the microsecond: a password change at second S ends the tokens issued before it
         claims = {"iss": LOCAL_ISSUER, "aud": LOCAL_AUDIENCE, "sub": user.id, "email": user.email,
-                  "name": user.name, "iat": now, "nbf": now, "exp": now + int(ttl), "jti": new_id()}
+                  "name": user.name, "iat": now, "nbf": int(now), "exp": now + int(ttl), "jti": new_id()}
         return jwt.encode(claims, self._private, algorithm="EdDSA", headers={"kid": self.kid})
 
     def verify(self, token: str) -> dict[str, Any]:
@@ -207,6 +207,21 @@ class OIDCProvider:
 
 
 _LOGIN_KEY_PREFIX = "oidc-login:"
+_REVOKED_PREFIX = "revoked-token:"  # + the token's SHA-256: a token signed out (POST /logout), until it expires
+_REVOKED_LONG_PREFIX = "revoked-long-token:"  # the same, for a token meant to live longer than SHORT_LIVED_TOKEN
+_TOKENS_AFTER_PREFIX = "tokens-after:"  # + a user id: tokens issued before this moment (a password change) are dead
+SHORT_LIVED_TOKEN = 48 * 3600.0  # a revoked token of at most this lifetime is forgotten that long after it was revoked
+
+
+def _revoked_key(token: str, payload: dict[str, Any]) -> str:
+    """The store's name of a signed-out token: its hash, under a prefix that says whether it may be forgotten
+    ``SHORT_LIVED_TOKEN`` after (it expired by then) or is kept (a token minted to live longer)."""
+    try:
+        lifetime = float(payload["exp"]) - float(payload["iat"])
+    except (KeyError, TypeError, ValueError):
+        lifetime = float("inf")
+    prefix = _REVOKED_PREFIX if lifetime <= SHORT_LIVED_TOKEN else _REVOKED_LONG_PREFIX
+    return prefix + hashlib.sha256(token.encode()).hexdigest()
 
 
 def _login_key(state: str) -> str:
@@ -252,7 +267,8 @@ class Identity:
         return self.local.issue(user, ttl if ttl is not None else self.config["auth.token_ttl"])
 
     async def authenticate(self, token: str) -> User:
-        """The active user behind a bearer token, or AuthError."""
+        """The active user behind a bearer token, or AuthError (a token signed out or issued before the user's
+        last password change included)."""
         assert self.local is not None
         try:
             issuer = jwt.decode(token, options={"verify_signature": False}).get("iss")
@@ -262,15 +278,31 @@ class Identity:
             payload = self.local.verify(token)
             user = await self.store.get_user(id=str(payload["sub"]))
         elif self.oidc is not None:
-            claims = self.oidc.claims(await self.oidc.verify(token))
-            user = await self.sign_in(claims)
+            payload = await self.oidc.verify(token)
+            user = await self.sign_in(self.oidc.claims(payload))
         else:
             raise AuthError("token from an unknown issuer")
         if user is None:
             raise AuthError("unknown user")
         if user.status != "active":
             raise AuthError("inactive user")
+        if await self.store.get_key(_revoked_key(token, payload)) is not None:
+            raise AuthError("token signed out")
+        cutoff = await self.store.get_key(_TOKENS_AFTER_PREFIX + user.id)
+        if cutoff is not None and float(payload["iat"]) < float(cutoff):
+            raise AuthError("token issued before the user's password last changed")
         return user
+
+    async def revoke(self, token: str) -> None:
+        """Sign ``token`` out (a token ``authenticate`` took): refused from now on, on every node, until it would
+        have expired anyway."""
+        payload = jwt.decode(token, options={"verify_signature": False})
+        await self.store.put_key(_revoked_key(token, payload), str(payload.get("exp", "")).encode())
+        await self.store.prune_keys(_REVOKED_PREFIX, rfc3339(utcnow() - timedelta(seconds=SHORT_LIVED_TOKEN)))
+
+    async def revoke_tokens_of(self, user: User) -> None:
+        """End every token ``user`` holds now (a password changed): those issued from now on are good."""
+        await self.store.put_key(_TOKENS_AFTER_PREFIX + user.id, repr(time.time()).encode())
 
     def _check_link(self, user: User, claims: Claims) -> None:
         """May the provider identity of ``claims`` take over ``user``, a user created by e-mail (CLI,
@@ -291,7 +323,7 @@ class Identity:
             user.federated = True
             await self.store.save_user(user)
         if user is None and not self.config["auth.multi_tenant"]:
-            user = await self.store.get_user(email=claims.email)
+            user = await self.store.get_user(email=claims.email, org_id=(await self.store.default_org()).id)
             if user is not None:
                 self._check_link(user, claims)
                 user.subject, user.federated = claims.subject, True
@@ -312,9 +344,9 @@ class Identity:
                                 operator: bool = False) -> User:
         """The local user with ``email``, created if needed (on the host, by the CLI); ``groups`` replace its
         granted groups when given; ``operator`` makes it an operator of the whole gateway."""
-        user = await self.store.get_user(email=email)
+        org = await self.store.default_org()  # the host's users: never one an organization made with that e-mail
+        user = await self.store.get_user(email=email, org_id=org.id)
         if user is None:
-            org = await self.store.default_org()
             user = User(id=new_id(), org_id=org.id, subject=email.lower(), email=email, name=name,
                         operator=operator)
             user.grant_groups(groups or [])
@@ -332,20 +364,28 @@ class Identity:
         admins of the one organization are operators too."""
         return user.operator or (not self.config["auth.multi_tenant"] and user.is_admin)
 
-    async def local_login(self, email: str, password: str, client_ip: str = "") -> str:
-        """A token for a right password. Refusals are counted per account and per client address: past
-        the limit both are refused (``Throttled``) without a password check until their window ends."""
-        keys = [f"account:{email.strip().lower()}"] + ([f"address:{client_ip}"] if client_ip else [])
+    async def login_org(self, org_id: str | None) -> str:
+        """The organization a local login is for: the one named, else the default one (the host's users, and
+        everyone's in single-tenant mode). E-mails are unique per organization, so a login names one."""
+        return org_id or (await self.store.default_org()).id
+
+    async def local_login(self, email: str, password: str, client_ip: str = "",
+                          org_id: str | None = None) -> tuple[str, User]:
+        """A token (and its user) for a right password of ``email`` in ``org_id`` (default: the default
+        organization). Refusals are counted per account and per client address: past the limit both are
+        refused (``Throttled``) without a password check until their window ends."""
+        org = await self.login_org(org_id)
+        keys = [f"account:{org}:{email.strip().lower()}"] + ([f"address:{client_ip}"] if client_ip else [])
         wait = self.login_throttle.retry_after(*keys)
         if wait:
             raise Throttled(wait)
-        user = await self.store.get_user(email=email)
+        user = await self.store.get_user(email=email, org_id=org)
         if not await self.passwords.verify(password, user.password_hash if user is not None else None):
             raise AuthError("wrong email or password", blocked=self.login_throttle.failed(*keys))
         self.login_throttle.succeeded(keys[0])
         if user is None or user.status != "active":
             raise AuthError("inactive user")
-        return self.issue_token(user)
+        return self.issue_token(user), user
 
     def allowed_redirect(self, redirect: str) -> bool:
         """Tokens are only handed to the gateway's own origin, to configured prefixes, or to a loopback

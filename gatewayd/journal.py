@@ -8,7 +8,9 @@ loses at most that much plus one write, and a SIGKILL at most that much (what ``
 survives the process).  Three kinds of records, each ``length, crc32, kind`` then its body:
 
 * ``E`` -- events of a session as the recorder packed them (``evidence.pack_events``: their final numbers);
-* ``C`` -- a session's end (end date, exit code, recorded bytes, metrics);
+* ``L`` -- a link of a session's chain as it was formed for the store (first number, count, hashes), so that
+  a replay stores the very batches the process would have, and its seal holds;
+* ``C`` -- a session's end (end date, exit code, recorded bytes, metrics, chain head, seal);
 * ``A`` -- an audit entry.
 
 The journal is split in segments; a segment is deleted once the store holds everything in it (the recording
@@ -137,10 +139,16 @@ class Journal:
         if self._buffered_needs.get(session_id, -1) < last_seq + 1:
             self._buffered_needs[session_id] = last_seq + 1
 
+    def add_link(self, session_id: str, first_seq: int, count: int, previous_hash: str, hash: str) -> None:
+        """A batch formed for the store: which events it holds and its link of the chain."""
+        self._add(b"L", json.dumps({"s": session_id, "f": first_seq, "n": count, "p": previous_hash, "h": hash},
+                                   separators=(",", ":")).encode())
+
     def add_close(self, session_id: str, end_date: str, exit_code: int | None, event_size: int,
-                  metrics: dict[str, Any]) -> None:
+                  metrics: dict[str, Any], chain_head: str, seal: str) -> None:
         self._add(b"C", json.dumps({"s": session_id, "end": end_date, "exit": exit_code, "size": event_size,
-                                    "metrics": metrics}, separators=(",", ":")).encode())
+                                    "metrics": metrics, "head": chain_head, "seal": seal},
+                                   separators=(",", ":")).encode())
         self._buffered_needs[session_id] = CLOSED
 
     def add_audit(self, entry: AuditEntry) -> None:
@@ -277,6 +285,7 @@ class RecoveredStream:
 
     side: bool = False
     events: dict[int, SessionEvent] = field(default_factory=dict)
+    links: dict[int, tuple[int, str, str]] = field(default_factory=dict)  # first number -> (count, previous, hash)
     close: dict[str, Any] | None = None
 
 
@@ -360,6 +369,10 @@ def _apply(found: Recovered, kind: bytes, body: bytes) -> None:
         stream.side = bool(flags & SIDE)
         for seq, event in unpack_events(body[_SESSION.size + length:]):
             stream.events.setdefault(seq, event)
+    elif kind == b"L":
+        link = json.loads(body)
+        found.streams.setdefault(link["s"], RecoveredStream()).links[int(link["f"])] = (int(link["n"]), link["p"],
+                                                                                        link["h"])
     elif kind == b"C":
         close = json.loads(body)
         found.streams.setdefault(close["s"], RecoveredStream()).close = close

@@ -123,6 +123,11 @@ def target_port(target: dict[str, str], default: int) -> int:
     return int(text) if text.isdigit() and 0 < int(text) < 65536 else 0
 
 
+def flag(value: str | None) -> bool:
+    """A yes/no setting of a decoded role secret (``1``, ``true``, ``yes``, ``on``: yes; anything else: no)."""
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
 @dataclass(slots=True)
 class Connection:
     """A role of a resource: what a user connects to, with the target's secret."""

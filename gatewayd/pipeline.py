@@ -32,10 +32,11 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Generic, Protocol, TypeVar
 
-from gatewayd import metrics
+from gatewayd import metrics, protocols
 from gatewayd.access import AccessDenied, AccessGrant
 from gatewayd.dialer import DialError, Dialer, Routes
 from gatewayd.guardrails import ObservedRules
+from gatewayd.languages import NONE
 from gatewayd.policy import SessionPolicy
 from gatewayd.sessions import (
     BLOCKED_EXIT_CODE,
@@ -56,6 +57,7 @@ if TYPE_CHECKING:
     from gatewayd.guardrails import GuardRailService
     from gatewayd.models import Connection, Session
     from gatewayd.sessions import SessionManager
+    from gatewayd.tenancy import Tenancy
 
 __all__ = ["AccessDenied", "AccessGrant", "BLOCKED_EXIT_CODE", "GatewayClosing", "GatewayUnavailable", "ProxyContext",
            "SessionPipeline", "SessionRun", "TargetUnreachable"]
@@ -125,6 +127,10 @@ class SessionRun(Generic[T]):
             await self.live.close(exit_code=BLOCKED_EXIT_CODE, error=INTERNAL_ERROR)
 
 
+def _memory_key(connection: Connection, topic: str) -> str:
+    return f"memory.{topic}.{connection.id}"
+
+
 def _client_message(error: BaseException) -> str:
     message = getattr(error, "message", None)
     return message if isinstance(message, str) and message else str(error) or type(error).__name__
@@ -134,12 +140,14 @@ class SessionPipeline:
     """admit -> dial -> open/claim -> arm -> (relay) -> close, for every proxy and script runner."""
 
     def __init__(self, access: AccessService, sessions: SessionManager, guardrails: GuardRailService,
-                 dialer: Dialer, audit: AuditLog, agents: Routes | None = None) -> None:
+                 dialer: Dialer, audit: AuditLog, agents: Routes | None = None,
+                 tenancy: Tenancy | None = None) -> None:
         self.access = access
         self.sessions = sessions
         self.guardrails = guardrails
         self.dialer = dialer
         self.agents = agents  # connections that name an agent are dialled through it
+        self.tenancy = tenancy  # a tenant's connections are dialled under its address policy
         self.audit_log = audit
         self.tasks = sessions.tasks  # expiry kills and what proxies hand over; shutdown waits for them
 
@@ -179,9 +187,12 @@ class SessionPipeline:
 
     def dialer_for(self, connection: Connection) -> Dialer:
         """What reaches ``connection``'s target: its agent when it names one (refused at once when offline),
-        else the gateway's own dialer."""
+        else the gateway's own dialer -- for a tenant's connection, one that reaches only the addresses the
+        tenancy's policy allows (never the gateway's host or its network)."""
         if connection.agent_id and self.agents is not None:
             return self.agents.dialer_for(connection)
+        if self.tenancy is not None and self.tenancy.is_tenant(connection.org_id):
+            return self.tenancy.dialer
         return self.dialer
 
     async def start(self, grant: AccessGrant, client_ip: str = "", *,
@@ -271,7 +282,7 @@ class SessionPipeline:
         connection = live.connection
         rules = self.guardrails.cached(connection.id) if not (observe or fresh) else None
         if rules is None:
-            rules = await self.guardrails.rules_for(connection.org_id, connection.id,
+            rules = await self.guardrails.rules_for(connection,
                                                     live=live if observe else None)
         policy = SessionPolicy(live, rules, client_ip)
         await policy.open_clear_recording()  # only under a mask rule that records the clear text
@@ -304,6 +315,14 @@ class SessionPipeline:
         except BaseException:
             await live.close(exit_code=BLOCKED_EXIT_CODE, error=INTERNAL_ERROR)
             raise
+        language = protocols.language_of(live.connection.subtype)
+        rules = policy.rules
+        if language.family == NONE and (rules.input_rules or rules.output_rules or rules.masker is not None):
+            # stored before the API refused such rules (422): its proxy reads nothing, so no session starts under them
+            message = (f'connection "{live.connection.name}" has guard rails its protocol cannot apply (its input is '
+                       f"{language.title}): an admin must detach them")
+            await live.close(exit_code=BLOCKED_EXIT_CODE, error=message)
+            raise TargetUnreachable(message, None, live.id)
         live.reload_rules = functools.partial(self._reload_rules, live, policy)
         return SessionRun(live, policy, target)
 
@@ -312,10 +331,22 @@ class SessionPipeline:
 
         An observed session keeps its observer (what AI analysis saw and decided stays)."""
         connection = live.connection
-        rules: Any = await self.guardrails.rules_for(connection.org_id, connection.id)
+        rules: Any = await self.guardrails.rules_for(connection)
         if isinstance(policy.rules, ObservedRules):
             rules = ObservedRules(rules, policy.rules.observe)
         policy.adopt(rules)
+
+    # -- what a proxy remembers of a connection's target from one session to the next
+
+    async def recall(self, connection: Connection, topic: str) -> Any:
+        """What was remembered of ``connection``'s target under ``topic`` (``remember``), or None."""
+        return await self.sessions.store.get_setting(_memory_key(connection, topic))
+
+    async def remember(self, connection: Connection, topic: str, value: Any) -> None:
+        """Keep ``value`` (JSON) for the next sessions of ``connection``, in the store every node shares: a
+        PostgreSQL column masked by name, found by its identity after a rename (proxies/postgres/catalog.py).
+        The last write wins: two sessions writing at once may lose one's news (found again next time)."""
+        await self.sessions.store.put_setting(_memory_key(connection, topic), value)
 
     # -- what proxies audit beyond sessions and blocks
 

@@ -24,7 +24,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from gatewayd import metrics
 from gatewayd.evidence import (
@@ -35,7 +35,6 @@ from gatewayd.evidence import (
     Verification,
     chain_hash,
     pack_events,
-    seal_statement,
     unpack_events,
     verify_recording,
 )
@@ -216,6 +215,9 @@ class RecordingService:
         self._commits = BackgroundTasks("journal commits")
         # how a session is ended when its recording cannot be kept as it asks (set by the session manager)
         self.on_undurable: Callable[[str, str], None] | None = None
+        # how a sealing is recorded in the audit chain (the session manager's ``sealed``): a replay that closes
+        # a session the dead process had sealed but not recorded as sealed
+        self.on_sealed: Callable[[Session, str], Awaitable[None]] | None = None
 
     async def start(self) -> None:
         if self.journal_dir is not None:
@@ -366,6 +368,8 @@ class RecordingService:
             if rec.side:
                 batch.session_fields.clear()  # no session row has this id
             rec.keep(batch)
+            if self.journal is not None:
+                self.journal.add_link(rec.session_id, batch.first_seq, batch.count, batch.previous_hash, batch.hash)
 
     def _failed(self, exc: BaseException, what: str) -> None:
         metrics.flush_failed()
@@ -447,10 +451,11 @@ class RecordingService:
             self._leftover.pop(rec.session_id, None)
         return True
 
-    async def close(self, recorder: SessionRecorder, *, end_date: str, exit_code: int | None) -> None:
+    async def close(self, recorder: SessionRecorder, session: Session, *, end_date: str, exit_code: int | None) -> str:
         """The recorder's last events, the session's end (status done) and its seal: journaled at once, then
         stored; what the store cannot take now is kept and sent again until it has it (the session is ended
-        either way)."""
+        either way). ``session``: the session as stored (its identity is sealed with the recording:
+        ``Sealer.seal``); the seal."""
         async with self._flush_lock:
             recorder.closed = True
             sid = recorder.session_id
@@ -459,8 +464,8 @@ class RecordingService:
             recorder.metrics["event_size"] = recorder.recorded
             fields = {"event_size": recorder.recorded, "metrics": dict(recorder.metrics),
                       "chain_head": recorder.chain_head}
-            seal = self.sealer.sign(seal_statement(
-                sid, recorder.chain_head, recorder.next_seq, recorder.recorded, exit_code, end_date))
+            seal = self.sealer.seal(session, recorder.chain_head, recorder.next_seq, recorder.recorded, exit_code,
+                                    end_date)
             batches = list(recorder.unstored)
             if batches:
                 batches[-1].session_fields.update(fields)
@@ -470,7 +475,8 @@ class RecordingService:
             self._closing[sid] = closing
             journal = self.journal
             if journal is not None:
-                journal.add_close(sid, end_date, exit_code, recorder.recorded, dict(recorder.metrics))
+                journal.add_close(sid, end_date, exit_code, recorder.recorded, dict(recorder.metrics),
+                                  recorder.chain_head, seal)
                 try:
                     await journal.commit()
                 except OSError:
@@ -479,6 +485,7 @@ class RecordingService:
                 await self._store_close(closing)
             if sid in self._closing:
                 log.warning("the session's end is kept until the store answers", extra={"session_id": sid})
+            return seal
 
     async def _store_close(self, closing: _Closing) -> bool:
         rec = closing.recorder
@@ -556,11 +563,15 @@ class RecordingService:
         for run in dead_runs(self.journal_dir, own):
             try:
                 found = await asyncio.to_thread(run.read)
-                sessions = 0
+                sealed: list[tuple[Session, str]] = []
                 for sid, stream in found.streams.items():
-                    sessions += await self._replay(sid, stream, run.path.name)
+                    await self._replay(sid, stream, run.path.name, sealed)
                 for entry in found.audits:
                     await self.store.append_audit(entry)
+                for session, seal in sealed:  # a sealing the dead process did not get to record
+                    if self.on_sealed is not None and all(s.get("seal") != seal
+                                                          for s in await self.store.sealings(session.id)):
+                        await self.on_sealed(session, seal)
             except Exception:
                 log.exception("a journal could not be replayed; it is kept for the next start",
                               extra={"journal": str(run.path)})
@@ -569,54 +580,77 @@ class RecordingService:
             run.remove()
             replayed += 1
             log.warning("replayed the journal of a process that stopped",
-                        extra={"journal": run.path.name, "sessions": sessions, "audit_entries": len(found.audits),
-                               "torn_segments": found.torn})
+                        extra={"journal": run.path.name, "sessions": len(found.streams),
+                               "audit_entries": len(found.audits), "torn_segments": found.torn})
         return replayed
 
-    async def _replay(self, sid: str, stream: RecoveredStream, source: str) -> int:
-        """One session's journaled events and end, after what the store has; 1 when it changed anything."""
+    async def _replay(self, sid: str, stream: RecoveredStream, source: str,
+                      sealed: list[tuple[Session, str]]) -> None:
+        """One session's journaled events and end, after what the store has: the batches the dead process formed,
+        as it formed them (so its seal holds), then what it had not formed into one yet."""
         session = None if stream.side else await self.store.get_session(sid)
         if session is None and not stream.side:
-            return 0  # a session the store does not know (deleted since): nothing to add to
+            return  # a session the store does not know (deleted since): nothing to add to
         next_seq, head = await self.store.chain_tail(sid)
         fresh = sorted(((seq, e) for seq, e in stream.events.items() if seq >= next_seq), key=lambda p: p[0])
         note = (f"the session was closed by another node while the process that held it ({source}) was gone: what "
                 "its journal held follows, after the close")
         if session is not None and session.status == "done":
-            return int(bool(fresh) and await self.store.append_late(sid, fresh, note) > 0)
-        events = [event for _, event in fresh]
-        if fresh and [seq for seq, _ in fresh] != list(range(next_seq, next_seq + len(fresh))):
-            gap = GAP + (f"events numbered from {next_seq} by the process that held the session ({source}) were in "
+            if fresh:
+                await self.store.append_late(sid, fresh, note)
+            return
+        batches: list[EventBatch] = []
+        seq = next_seq
+        while seq in stream.links:  # the links it formed, from the store's tail on, while they hold
+            count, previous, link = stream.links[seq]
+            events = [stream.events.get(n) for n in range(seq, seq + count)]
+            if previous != head or any(event is None for event in events):
+                break
+            packed = pack_events(seq, events)  # type: ignore[arg-type]
+            if chain_hash(head, sid, packed) != link:
+                break
+            batches.append(EventBatch(sid, seq, count, packed, {}, head, link))
+            head, seq = link, seq + count
+        rest = [(n, e) for n, e in fresh if n >= seq]
+        events = [event for _, event in rest]
+        if rest and [n for n, _ in rest] != list(range(seq, seq + len(rest))):
+            gap = GAP + (f"events numbered from {seq} by the process that held the session ({source}) were in "
                          "neither the store nor its journal").encode()
             events.insert(0, SessionEvent(events[0].offset_ms, "e", gap))
-        size = (session.event_size if session is not None else 0) + sum(len(e.data) for e in events)
-        close = None if stream.side else stream.close
-        batches: list[EventBatch] = []
         if events:
-            packed = pack_events(next_seq, events)
+            packed = pack_events(seq, events)
             link = chain_hash(head, sid, packed)
-            fields = {} if stream.side else {"event_size": size, "chain_head": link}
-            batches.append(EventBatch(sid, next_seq, len(events), packed, fields, head, link))
-            head, next_seq = link, next_seq + len(events)
-        if close is not None:
-            size = max(size, int(close.get("size") or 0))
+            batches.append(EventBatch(sid, seq, len(events), packed, {}, head, link))
+            head, seq = link, seq + len(events)
+        if not stream.side and batches:
+            size = (session.event_size if session is not None else 0) + sum(
+                len(e.data) for batch in batches for e in batch.events)
+            batches[-1].session_fields.update({"event_size": size, "chain_head": head})
+        close = None if stream.side else stream.close
+        if close is not None and session is not None:
+            size = int(close.get("size") or 0) if close.get("head") == head else \
+                max(int(close.get("size") or 0), session.event_size + sum(len(e.data) for _, e in fresh))
             fields = {"event_size": size, "metrics": dict(close.get("metrics") or {}), "chain_head": head}
             if batches:
                 batches[-1].session_fields.update(fields)
             else:
-                batches.append(EventBatch(sid, next_seq, 0, b"", fields))
-            seal = self.sealer.sign(seal_statement(sid, head, next_seq, size, close.get("exit"), close.get("end")))
-            if not await self.store.close_session(batches, end_date=close["end"], exit_code=close.get("exit"),
-                                                  seal=seal):
+                batches.append(EventBatch(sid, seq, 0, b"", fields))
+            # its own seal when the recording is the one it sealed; else a seal over what is stored now
+            seal = close.get("seal") if close.get("head") == head and close.get("seal") else \
+                self.sealer.seal(session, head, seq, size, close.get("exit"), close.get("end"))
+            if await self.store.close_session(batches, end_date=close["end"], exit_code=close.get("exit"),
+                                              seal=seal):
+                stored = await self.store.get_session(sid)
+                sealed.append((stored or session, seal))
+            else:
                 await self.store.append_late(sid, fresh, note)
-            return 1
+            return
         if batches and sid in await self.store.append_events(batches):
             await self.store.append_late(sid, fresh, note)
-        return int(bool(batches))
 
     async def verify(self, session: Session) -> Verification:
-        """Whether ``session``'s stored recording is as it was written (hashing runs off the event loop)."""
+        """Whether ``session``'s stored recording, identity and sealing are as they were written (hashing runs off
+        the event loop)."""
         links, events = await self.store.read_event_chain(session.id)
-        return await asyncio.to_thread(verify_recording, session.id, session.status, session.chain_head, session.seal,
-                                       session.event_size, session.exit_code, session.end_date, links, events,
-                                       self.sealer)
+        sealings = await self.store.sealings(session.id)
+        return await asyncio.to_thread(verify_recording, session, links, events, self.sealer, sealings)

@@ -10,7 +10,7 @@ from typing import Any, Awaitable, Callable
 
 from gatewayd.audit import AuditLog
 from gatewayd.cluster import Cluster, NotConfirmed
-from gatewayd.evidence import GAP
+from gatewayd.evidence import GAP, SEALED
 from gatewayd.guardrails import GuardVerdict
 from gatewayd import protocols
 from gatewayd.models import Connection, Credential, Node, Session, User, new_id, parse_time, rfc3339, utcnow
@@ -133,8 +133,9 @@ class LiveSession:
         log.info("session closed", extra=self.log_fields(
             outcome="error" if error else "ok", exit_code=exit_code, reason=error or ""))
         try:
-            await self.manager.recording.close(self.recorder, end_date=rfc3339(utcnow()),
-                                               exit_code=exit_code)
+            seal = await self.manager.recording.close(self.recorder, self.session, end_date=rfc3339(utcnow()),
+                                                      exit_code=exit_code)
+            await self.manager.sealed(self.session, seal)
         except Exception:
             log.exception("could not close session", extra={"session_id": self.id})
         finally:
@@ -176,6 +177,7 @@ class SessionManager:
         self.cluster = cluster or Cluster(store, "local")
         self.recording_mode = recording_mode  # a connection's settings.recording_mode wins
         recording.on_undurable = self._undurable
+        recording.on_sealed = self.sealed
         self.live: dict[str, LiveSession] = {}
         self.accepting = True
         self.tasks = BackgroundTasks("sessions")  # expiry kills
@@ -293,12 +295,36 @@ class SessionManager:
 
     async def _close_stored(self, session_id: str, reason: str, gap: str = "") -> None:
         """Close a session no process holds: ``reason`` as its last ``e`` event (after ``gap``, a ``recording
-        gap`` event, when the process that held it may have recorded more), exit code 254."""
+        gap`` event, when the process that held it may have recorded more), exit code 254.
+
+        A session the audit log says was sealed already is left as it is, never sealed again: its row was set
+        back to open (its seal dropped, its recording perhaps cut), which no gateway does. The refusal is said
+        (an error line and a ``session.seal`` failure entry); ``verify`` tells what changed."""
+        session = await self.store.get_session(session_id)
+        if session is None:
+            return
+        sealings = await self.store.sealings(session_id)
+        if sealings:
+            message = (f"session {session_id} was sealed on {sealings[0]['sealed_at']} and is open again: it is not "
+                       "sealed again (its stored record was altered)")
+            log.error("sealed session found open", extra={"session_id": session_id, "reason": message})
+            await self.audit.record(org_id=session.org_id, actor=None, actor_hint="gateway", action=SEALED,
+                                    resource_type="session", outcome="failure", error_message=message,
+                                    payload={"session_id": session_id})
+            return
         recorder = await self.recording.recorder(session_id)
         if gap:
             recorder.error(GAP + gap.encode())
         recorder.error(reason)
-        await self.recording.close(recorder, end_date=rfc3339(utcnow()), exit_code=BLOCKED_EXIT_CODE)
+        seal = await self.recording.close(recorder, session, end_date=rfc3339(utcnow()), exit_code=BLOCKED_EXIT_CODE)
+        await self.sealed(session, seal)
+
+    async def sealed(self, session: Session, seal: str) -> None:
+        """Record that ``session`` was sealed with ``seal`` where the sweep cannot undo it: a ``session.seal`` entry
+        of the audit chain (``Store.sealings`` finds it)."""
+        await self.audit.record(org_id=session.org_id, actor=None, actor_hint="gateway", action=SEALED,
+                                resource_type="session", outcome="success",
+                                payload={"session_id": session.id, "seal": seal})
 
     def _undurable(self, session_id: str, reason: str) -> None:
         """The recording cannot be kept as the session asks (strict, or closed by another node): it ends."""

@@ -125,10 +125,10 @@ class Api:
 
 
 def postgres_env(cluster: PgCluster, user: str = "postgres", password: str | None = None, db: str = "postgres",
-                 port: int | None = None, sslmode: str | None = None) -> dict[str, str]:
-    """The secret of a postgres connection to ``cluster``."""
+                 port: int | None = None, sslmode: str | None = None, **more: str) -> dict[str, str]:
+    """The secret of a postgres connection to ``cluster`` (``more``: other settings, SSLROOTCERT=...)."""
     env = {"HOST": "127.0.0.1", "PORT": str(port or cluster.port), "USER": user,
-           "PASS": password or cluster.password, "DB": db}
+           "PASS": password or cluster.password, "DB": db, **more}
     if sslmode:
         env["SSLMODE"] = sslmode
     return env
@@ -143,10 +143,11 @@ class PostgresApi(Api):
         self.cluster = cluster
 
     async def role(self, user: str = "postgres", password: str | None = None, db: str = "postgres",
-                   port: int | None = None, sslmode: str | None = None, settings: dict | None = None) -> dict:
-        """A new postgres connection to the cluster, with a unique name."""
+                   port: int | None = None, sslmode: str | None = None, settings: dict | None = None,
+                   **more: str) -> dict:
+        """A new postgres connection to the cluster, with a unique name (``more``: other secret settings)."""
         return await self.connection("pg", "database", "postgres",
-                                     postgres_env(self.cluster, user, password, db, port, sslmode), settings)
+                                     postgres_env(self.cluster, user, password, db, port, sslmode, **more), settings)
 
 
 class SshApi(Api):
@@ -160,9 +161,11 @@ class SshApi(Api):
         self.target = target
 
     async def role(self, *, password: bool = False, key: str | None = None, port: int | None = None,
-                   host_key: str | None = None, settings: dict | None = None, **fields: Any) -> dict:
-        """A new ssh connection to the target (key login unless ``password``), with a unique name."""
-        env = {"HOST": "127.0.0.1", "PORT": str(port or self.target.port), "USER": self.target.user}
+                   host_key: str | None = None, settings: dict | None = None, env_more: dict | None = None,
+                   **fields: Any) -> dict:
+        """A new ssh connection to the target (key login unless ``password``), with a unique name (``env_more``:
+        other secret settings)."""
+        env = {"HOST": "127.0.0.1", "PORT": str(port or self.target.port), "USER": self.target.user, **(env_more or {})}
         if password:
             env["PASS"] = self.target.password
         else:

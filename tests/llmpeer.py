@@ -10,7 +10,9 @@ What it answers is set per test on ``FakeLLM.mode``:
 * ``timeout``: never answers (until the server stops);
 * ``no_tool``: a plain text answer, no tool call;
 * ``bad_arguments``: a tool call whose arguments are not JSON;
-* ``bad_level``: a tool call with a risk level outside low/medium/high.
+* ``bad_level``: a tool call with a risk level outside low/medium/high;
+* ``echo_key``: 401 with an error message that quotes the key it was sent in full, 292 characters in (as
+  some OpenAI-compatible proxies do), so that a cut at 300 characters would keep a piece of it.
 
 ``delay`` (seconds) holds every answer that long: a slow provider.  ``answer_for``
 gives the inputs that contain a text a verdict of their own (the rest get ``answer``'s).
@@ -117,6 +119,12 @@ class FakeLLM:
 
     async def _openai(self, request: web.Request) -> web.StreamResponse:
         body = await self._receive(request)
+        if self.mode == "echo_key":
+            given = request.headers.get("Authorization", "").removeprefix("Bearer ")
+            preamble = ("The proxy in front of this model refused the request: the key is not valid for this "
+                        "deployment, or it expired, or it was revoked by an administrator of the project. " * 3)
+            return self._openai_error(401, f"{preamble[:280]} Key given: {given}", "invalid_request_error",
+                                      "invalid_api_key")
         if request.headers.get("Authorization") != f"Bearer {self.api_key}":
             given = request.headers.get("Authorization", "").removeprefix("Bearer ")
             return self._openai_error(401, f"Incorrect API key provided: {given[:3]}***{given[-4:]}.",

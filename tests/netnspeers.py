@@ -27,7 +27,7 @@ def main(out: Path) -> None:
         wait_port(http_port, http, "the HTTP target")
         temporary = out.with_suffix(".tmp")
         temporary.write_text(json.dumps({
-            "pg_port": pg.port, "pg_password": pg.password, "ssh_port": ssh.port, "ssh_user": ssh.user,
+            "pg_port": pg.port, "pg_password": pg.password, "pg_root_cert": pg.root_cert(), "ssh_port": ssh.port, "ssh_user": ssh.user,
             "ssh_key": ssh.private_key_text, "ssh_host_key": ssh.host_public_key, "http_port": http_port}))
         temporary.rename(out)
         sys.stdin.read()  # until the test closes our standard input

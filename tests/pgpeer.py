@@ -93,6 +93,10 @@ class PgCluster:
         self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
 
+    def root_cert(self) -> str:
+        """The cluster's certificate (self-signed, for 127.0.0.1 and localhost), what a role's SSLROOTCERT trusts."""
+        return (self.dir / "server.crt").read_text()
+
     def dsn(self, user: str = "postgres", password: str | None = None, database: str = "postgres") -> str:
         return f"postgresql://{user}:{password or self.password}@127.0.0.1:{self.port}/{database}"
 

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import uuid
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -42,13 +43,16 @@ def test_the_committed_stubs_are_those_of_agent_proto(tmp_path):
             (ROOT / "gatewayd" / "agent" / name).read_text(), f"{name} is stale: run make proto"
 
 
+ALLOWED_BIND = "192.0.2.10"  # an address beside loopback the operator lets proxy managers listen on (TEST-NET-1)
+
+
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory) -> Iterator[Daemon]:
     http_port, pg_port, ssh_port = free_port(), free_port(), free_port()
     daemon = Daemon(tmp_path_factory.mktemp("agents-api") / "data", {
         "grpc.listen": f"127.0.0.1:{free_port()}", "listeners.http": f"127.0.0.1:{http_port}",
         "listeners.postgres": f"127.0.0.1:{pg_port}", "listeners.ssh": f"127.0.0.1:{ssh_port}",
-        "sessions.flush_interval": "100ms"}).start()
+        "sessions.flush_interval": "100ms", "proxy_manager.allowed_binds": [ALLOWED_BIND]}).start()
     wait_port(http_port, daemon.process, "gatewayd")
     wait_port(ssh_port, daemon.process, "gatewayd's ssh listener")
     daemon.http_port, daemon.pg_port, daemon.ssh_port = http_port, pg_port, ssh_port
@@ -122,8 +126,8 @@ async def test_an_agent_cannot_open_a_stream_towards_the_gateway(gateway, api, t
         try:
             call = pb_grpc.AgentGatewayStub(channel).Tunnel(
                 metadata=(("authorization", f"Bearer {created['token']}"),))
-            await call.write(pb.Frame(stream_id="made-up-by-the-agent", connected=True))
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:  # refused before its frame is read, or at it
+                await call.write(pb.Frame(stream_id="made-up-by-the-agent", connected=True))
                 await call.read()
             assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
             assert "only the gateway opens streams" in refused.value.details()
@@ -318,6 +322,28 @@ async def start_manager(api: Any, user: str, url: str, fingerprint: str, tmp_pat
     return manager
 
 
+def own_address() -> str:
+    """This machine's address toward the outside (no packet is sent), or a documentation address without one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("198.51.100.1", 9))
+            return probe.getsockname()[0]
+        except OSError:
+            return "198.51.100.7"
+
+
+async def test_the_proxy_manager_listens_on_loopback_unless_the_operator_allows_an_address(gateway, api):
+    """Checked before the user's proxy manager is asked anything: an address the operator allows gets as far as
+    'no proxy manager connected' (409), any other than loopback is a 422."""
+    user = gateway.token("binder@example.com", groups="")
+    connection = await api.connection("pm-bind", "database", "postgres", {"HOST": "127.0.0.1", "PORT": "5432"})
+    for bind, expected in (("127.0.0.1", 409), ("::1", 409), ("localhost", 409), ("127.0.0.5", 409),
+                           (ALLOWED_BIND, 409), ("0.0.0.0", 422), ("::", 422), ("192.0.2.11", 422), ("127.1", 422)):
+        code, answer = await api("POST", "/proxymanager/connect",
+                                 {"connection_name": connection["name"], "port": 4000, "bind": bind}, token=user)
+        assert code == expected, (bind, answer)
+
+
 async def test_the_proxy_manager_opens_a_local_port_that_psql_uses_with_the_user_s_own_credential(
         gateway, api, pg_target, tmp_path):
     created = await new_agent(api)  # its start command says the gRPC URL and the certificate's fingerprint
@@ -337,6 +363,15 @@ async def test_the_proxy_manager_opens_a_local_port_that_psql_uses_with_the_user
     manager = await start_manager(api, user, url, fingerprint, tmp_path)
     try:
         port = free_port()
+        # issue 31, item 9: a port on every address let anyone on the network in as this user
+        for everywhere in ("0.0.0.0", "::", ""):
+            code, refused = await api("POST", "/proxymanager/connect", {
+                "connection_name": connection["name"], "port": port, "bind": everywhere or own_address()},
+                token=user)
+            assert code == 422 and "loopback" in refused["message"], (everywhere, refused)
+        assert (await api("GET", "/proxymanager/status", token=user))[1]["forwardings"] == []
+        with socket.socket() as probe:  # nothing listens there: the proxy manager was never asked
+            assert probe.connect_ex(("127.0.0.1", port)) != 0
         code, opened = await api("POST", "/proxymanager/connect",
                                  {"connection_name": connection["name"], "port": port}, token=user)
         assert code == 201, opened
@@ -428,10 +463,10 @@ async def test_a_second_grpc_server_on_the_same_address_is_refused(tmp_path):
         await first.stop()
 
 
-async def test_a_flood_of_refused_tokens_from_one_address_is_throttled_and_audited_once(tmp_path):
-    """Forged agent tokens from one address: each refused and audited up to the proxies' limit of refused
-    credentials per address, then refused at once (RESOURCE_EXHAUSTED: no token lookup, no entry each) with one
-    ``agent.throttle`` entry; the audit log does not grow with the flood."""
+@asynccontextmanager
+async def throttled_gateway(tmp_path: Path) -> Any:
+    """A gateway of its own that throttles an address after 3 refusals, its admin API, an agent of it and a gRPC
+    channel to it (the agent's certificate pinned)."""
     grpc_port = free_port()
     daemon = Daemon(tmp_path / "data", {"grpc.listen": f"127.0.0.1:{grpc_port}",
                                         "throttle.credential_failures": 3}).start()
@@ -442,20 +477,217 @@ async def test_a_flood_of_refused_tokens_from_one_address_is_throttled_and_audit
             created = await new_agent(api)
             url = created["command"].split("--url ")[1].split()[0]
             channel = await open_channel(url, created["command"].rsplit("--tls-fingerprint ", 1)[1])
-            codes = []
             try:
-                for n in range(6):
-                    call = pb_grpc.AgentGatewayStub(channel).Connect(
-                        metadata=(("authorization", f"Bearer agt-forged-{n}"),))
-                    with pytest.raises(grpc.aio.AioRpcError) as refused:
-                        await call.read()
-                    codes.append(refused.value.code())
+                yield daemon, api, created, channel
             finally:
                 await channel.close()
-            assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 3 + [grpc.StatusCode.RESOURCE_EXHAUSTED] * 3
-            assert len(await audit(api, "agent.refused")) == 3
-            throttled = await audit(api, "agent.throttle")
-            assert len(throttled) == 1 and "too many refused calls from 127.0.0.1" in throttled[0]["error_message"]
-            assert "agt-forged" not in str(await audit(api, "agent.refused") + throttled)
     finally:
         daemon.stop()
+
+
+async def test_a_flood_of_refused_tokens_from_one_address_is_throttled_and_audited_once(tmp_path):
+    """Forged agent tokens from one address: each refused and audited up to the proxies' limit of refused
+    credentials per address, then refused at once (RESOURCE_EXHAUSTED: no token lookup, no entry each) with one
+    ``agent.throttle`` entry; the audit log does not grow with the flood."""
+    async with throttled_gateway(tmp_path) as (daemon, api, created, channel):
+        codes = []
+        for n in range(6):
+            call = pb_grpc.AgentGatewayStub(channel).Connect(metadata=(("authorization", f"Bearer agt-forged-{n}"),))
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call.read()
+            codes.append(refused.value.code())
+        assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 3 + [grpc.StatusCode.RESOURCE_EXHAUSTED] * 3
+        assert len(await audit(api, "agent.refused")) == 3
+        throttled = await audit(api, "agent.throttle")
+        assert len(throttled) == 1 and "too many refused calls from 127.0.0.1" in throttled[0]["error_message"]
+        assert "agt-forged" not in str(await audit(api, "agent.refused") + throttled)
+
+
+async def test_calls_that_send_nothing_are_closed_at_once_and_a_flood_of_them_writes_no_row_each(tmp_path):
+    """Tunnel calls that send nothing -- no token, a forged one, an agent's own token for a stream the gateway did
+    not ask for -- are refused before the gateway reads anything of them (they were held open for as long as their
+    client kept them, 20,000 of them 111 MiB), and each refusal is counted against its address before anything is
+    written: the calls of a flood that were admitted before its throttle began end without a row each (they
+    wrote one each when they ended). A message that does not parse ends its call with INVALID_ARGUMENT and one
+    info line, not UNKNOWN and an error-level traceback."""
+    async with throttled_gateway(tmp_path) as (daemon, api, created, channel):
+        stub = pb_grpc.AgentGatewayStub(channel)
+        junk = channel.stream_stream("/gatewayd.agent.v1.AgentGateway/Connect", request_serializer=lambda raw: raw,
+                                     response_deserializer=lambda raw: raw)(
+            metadata=(("authorization", f"Bearer {created['token']}"),))
+        await junk.write(b"\xff\xff\xff\xff")
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await junk.read()
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
+        assert "does not parse" in refused.value.details()
+
+        tokens = ["", "Bearer agt-forged", f"Bearer {created['token']}"]
+        calls = [stub.Tunnel(metadata=(("authorization", tokens[n % 3]),)) for n in range(300)]
+
+        async def refusal(call: Any) -> grpc.StatusCode:
+            try:
+                await call.read()
+            except grpc.aio.AioRpcError as error:
+                return error.code()
+            return grpc.StatusCode.OK
+
+        try:  # nothing is written on these calls: the gateway must end them itself
+            codes = await asyncio.wait_for(asyncio.gather(*(refusal(call) for call in calls)), 20)
+        finally:
+            for call in calls:
+                call.cancel()
+        assert set(codes) <= {grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+        assert len(await audit(api, "agent.stream_refused")) <= 3
+        assert len(await audit(api, "agent.throttle")) == 1
+        log = daemon.log_text()
+        assert "malformed gRPC message" in log and "DecodeError" not in log and "Traceback" not in log
+
+
+# ------------------------------------------------------------------------ an agent that answers as the target
+
+
+class Impostor:
+    """An agent that answers the gateway's dials as the target itself: a real gRPC client of the agent protocol,
+    holding its own agent token (Connect, hello, then a Tunnel per Open) that relays each tunnel to its own
+    server, where ``serve`` plays the target."""
+
+    def __init__(self, created: dict, serve: Any) -> None:
+        self.url = created["command"].split("--url ")[1].split()[0]
+        self.fingerprint = created["command"].rsplit("--tls-fingerprint ", 1)[1]
+        self.metadata = (("authorization", f"Bearer {created['token']}"),)
+        self.serve = serve
+        self.opens: list[pb.Open] = []
+        self.tasks: list[asyncio.Task] = []
+
+    async def __aenter__(self) -> "Impostor":
+        self.server = await asyncio.start_server(self.serve, "127.0.0.1", 0)
+        self.channel = await open_channel(self.url, self.fingerprint)
+        self.stub = pb_grpc.AgentGatewayStub(self.channel)
+        self.control = self.stub.Connect(metadata=self.metadata)
+        await self.control.write(pb.AgentMessage(hello=pb.Hello(version="impostor", hostname="impostor")))
+        self.tasks.append(asyncio.ensure_future(self._opens()))
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.channel.close()
+        self.server.close()
+
+    async def _opens(self) -> None:
+        while (message := await self.control.read()) is not grpc.aio.EOF:
+            if message.HasField("open"):
+                self.opens.append(message.open)
+                self.tasks.append(asyncio.ensure_future(self._tunnel(message.open)))
+
+    async def _tunnel(self, opened: pb.Open) -> None:
+        from gatewayd.agent.pump import pump
+
+        call = self.stub.Tunnel(metadata=self.metadata)
+        await call.write(pb.Frame(stream_id=opened.stream_id, connected=True))
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.server.sockets[0].getsockname()[1])
+        try:
+            await pump(reader, writer, call.read, call.write)
+        except Exception:
+            pass
+        finally:
+            writer.close()
+
+
+def pg_impostor(method: int, received: list[bytes], tls: Any = None) -> Any:
+    """A PostgreSQL target that accepts TLS with its own certificate (``tls``, an SSLContext) or declines it, then
+    asks for a password (``method``: 3 cleartext, 5 MD5); what the gateway sends after its start-up goes to
+    ``received`` (a PasswordMessage ends the exchange: the secret has left)."""
+    import struct
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            (length,) = struct.unpack(">i", await reader.readexactly(4))
+            if await reader.readexactly(length - 4) == struct.pack(">i", 80877103):  # SSLRequest
+                if tls is not None:
+                    writer.write(b"S")
+                    await writer.drain()
+                    await writer.start_tls(tls)
+                else:
+                    writer.write(b"N")
+                (length,) = struct.unpack(">i", await reader.readexactly(4))
+                await reader.readexactly(length - 4)  # the start-up message
+            writer.write(b"R" + struct.pack(">ii", 8, 3) if method == 3 else b"R" + struct.pack(">ii", 12, 5) + b"salt")
+            await writer.drain()
+            kind = await reader.readexactly(1)
+            (length,) = struct.unpack(">i", await reader.readexactly(4))
+            received.append(kind + await reader.readexactly(length - 4))
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            pass  # the gateway hung up (ssl.SSLError is an OSError)
+        finally:
+            writer.close()
+
+    return serve
+
+
+async def test_an_agent_answering_as_the_target_never_gets_the_password(gateway, api, tmp_path):
+    """Issue 31: an agent's token holder answered the gateway's dial itself, declined TLS, asked for a cleartext
+    password and got the connection's password. Through an agent the target is verified before a secret leaves:
+    SSLMODE is verify-full unless the role says otherwise, a cleartext or MD5 password goes only over TLS that
+    verified the target (whatever the role allows), and an SSH password only to a pinned HOST_KEY (refused before
+    anything is dialed)."""
+    import ssl
+
+    from gatewayd.tls import generate_self_signed
+
+    generate_self_signed(tmp_path / "impostor.crt", tmp_path / "impostor.key", "impostor")
+    impostor_tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    impostor_tls.load_cert_chain(tmp_path / "impostor.crt", tmp_path / "impostor.key")
+    password = f"pg-secret-{uuid.uuid4().hex}"
+    created = await new_agent(api)
+    received: list[bytes] = []
+    cases = [  # (role's SSLMODE and its allowance, the impostor's TLS, what it asks for, what the client hears)
+        ({}, None, 3, "the target does not accept TLS (SSLMODE=verify-full)"),
+        ({}, impostor_tls, 3, "TLS failed"),
+        ({"SSLMODE": "prefer", "ALLOW_UNVERIFIED_PASSWORD": "true"}, None, 3,
+         "asks for a cleartext password over a link the gateway has not verified"),
+        ({"SSLMODE": "require", "ALLOW_UNVERIFIED_PASSWORD": "true"}, impostor_tls, 3,
+         "asks for a cleartext password over a link the gateway has not verified"),
+        ({"SSLMODE": "disable"}, None, 5, "asks for an MD5 password over a link the gateway has not verified"),
+    ]
+    for settings, tls, method, heard in cases:
+        async with Impostor(created, pg_impostor(method, received, tls)) as impostor:
+            await until_agent(api, created["name"], "online")
+            code, connection = await api("POST", "/connections", {
+                "name": f"pg-{uuid.uuid4().hex[:8]}", "type": "database", "subtype": "postgres",
+                "agent_id": created["name"], "secret": {f"envvar:{k}": b64(v) for k, v in {
+                    "HOST": "10.9.8.7", "PORT": "5432", "USER": "postgres", "PASS": password, "DB": "postgres",
+                    **settings}.items()}})
+            assert code == 201, connection
+            code, issued = await api("POST", f"/connections/{connection['name']}/credentials",
+                                     {"access_duration_seconds": 600})
+            assert code == 201, issued
+            secret = issued["connection_credentials"]["username"]
+            result = await asyncio.to_thread(subprocess.run, [
+                "psql", f"postgres://{secret}:any@127.0.0.1:{gateway.pg_port}/postgres?sslmode=disable", "-X", "-At",
+                "-c", "select 1"], capture_output=True, text=True, timeout=60)
+            assert len(impostor.opens) == 1, (settings, impostor.opens)  # the gateway did dial through it
+        assert result.returncode != 0 and heard in result.stderr, (settings, result.stderr)
+        assert password not in result.stderr
+        assert not [message for message in received if message[:1] == b"p"], (settings, received)
+        await until_agent(api, created["name"], "offline")
+
+    async with Impostor(created, pg_impostor(3, received)) as impostor:  # an SSH password without HOST_KEY
+        await until_agent(api, created["name"], "online")
+        code, connection = await api("POST", "/connections", {
+            "name": f"ssh-{uuid.uuid4().hex[:8]}", "type": "custom", "subtype": "ssh", "agent_id": created["name"],
+            "secret": {f"envvar:{k}": b64(v) for k, v in {"HOST": "10.9.8.7", "USER": "root", "PASS": password,
+                                                          "ALLOW_UNVERIFIED_PASSWORD": "true"}.items()}})
+        assert code == 201, connection
+        code, issued = await api("POST", f"/connections/{connection['name']}/credentials",
+                                 {"access_duration_seconds": 600})
+        from tests.sshpeer import CLIENT_OPTIONS
+
+        result = await asyncio.to_thread(subprocess.run, [
+            "ssh", *CLIENT_OPTIONS, "-p", str(gateway.ssh_port),
+            f"{issued['connection_credentials']['username']}@127.0.0.1", "true"],
+            capture_output=True, text=True, timeout=60)
+        assert result.returncode == 254 and "only to a target whose key is pinned (HOST_KEY)" in result.stderr, \
+            result.stderr
+        assert impostor.opens == []  # refused before anything was dialed

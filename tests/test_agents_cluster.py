@@ -69,7 +69,8 @@ async def test_an_agent_told_of_one_node_serves_sessions_arriving_at_the_other(n
                 "name": f"pg-{uuid.uuid4().hex[:8]}", "type": "database", "subtype": "postgres", "agent_id": "vpc",
                 "secret": {f"envvar:{k}": b64(v) for k, v in {
                     "HOST": "127.0.0.1", "PORT": str(pg_target.port), "USER": "postgres",
-                    "PASS": pg_target.password, "DB": "postgres"}.items()}})
+                    "PASS": pg_target.password, "DB": "postgres",
+                    "SSLROOTCERT": pg_target.root_cert()}.items()}})  # verify-full through an agent
             assert code == 201, connection
             for node, api in ((b, api_b), (a, api_a)):
                 code, access = await api("POST", f"/connections/{connection['name']}/credentials",
@@ -108,7 +109,8 @@ async def test_every_worker_of_a_node_is_a_node_the_agent_serves(tmp_path_factor
                 "name": f"pg-{uuid.uuid4().hex[:8]}", "type": "database", "subtype": "postgres", "agent_id": "vpc",
                 "secret": {f"envvar:{k}": b64(v) for k, v in {
                     "HOST": "127.0.0.1", "PORT": str(pg_target.port), "USER": "postgres",
-                    "PASS": pg_target.password, "DB": "postgres"}.items()}})
+                    "PASS": pg_target.password, "DB": "postgres",
+                    "SSLROOTCERT": pg_target.root_cert()}.items()}})  # verify-full through an agent
             assert code == 201, connection
             await until_agent(api, "vpc", "online", connections=1)
 

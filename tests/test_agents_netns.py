@@ -174,7 +174,8 @@ async def pg_connection(api: Api, peers: dict, agent_id: str = "vpc", token: str
     body = {"name": f"pg-{uuid.uuid4().hex[:8]}", "type": "database", "subtype": "postgres", "agent_id": agent_id,
             "secret": {f"envvar:{k}": b64(v) for k, v in {
                 "HOST": "127.0.0.1", "PORT": str(peers["pg_port"]), "USER": "postgres",
-                "PASS": peers["pg_password"], "DB": "postgres"}.items()}}
+                "PASS": peers["pg_password"], "DB": "postgres",
+                "SSLROOTCERT": peers["pg_root_cert"]}.items()}}  # verify-full: the default through an agent
     code, created = await api("POST", "/connections", body, token=token)
     assert code == 201, created
     return created
@@ -219,7 +220,7 @@ async def test_an_offline_agent_is_refused_at_once_in_the_protocol_s_words(api, 
 
     body = {"name": f"ssh-{uuid.uuid4().hex[:8]}", "type": "custom", "subtype": "ssh", "agent_id": "never-started",
             "secret": {f"envvar:{k}": b64(v) for k, v in {"HOST": "127.0.0.1", "PORT": "22", "USER": "x",
-                                                          "PASS": "y"}.items()}}
+                                                          "PASS": "y", "HOST_KEY": peers["ssh_host_key"]}.items()}}
     code, ssh_connection = await api("POST", "/connections", body)
     assert code == 201, ssh_connection
     secret, _ = await credential(api, ssh_connection, "username")

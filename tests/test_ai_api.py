@@ -45,9 +45,15 @@ async def test_the_provider_is_set_by_admins_kept_encrypted_and_shown_masked(dae
     status, created = await as_admin("PUT", path, {"provider": "openai", "model": "gpt-4o-mini", "api_key": KEY})
     assert status == 200, created
     assert created["api_key"] == "****" + KEY[-4:] and created["provider"] == "openai" and created["api_url"] is None
-    # a change without a key keeps the stored key (a console can send back what it shows)
-    status, changed = await as_admin("POST", path, {"provider": "anthropic", "model": "claude-sonnet-4-5"})
+    # a change of model without a key keeps the stored key (a console can send back what it shows) ...
+    status, changed = await as_admin("POST", path, {"provider": "openai", "model": "gpt-4.1"})
     assert status == 200 and changed["id"] == created["id"] and changed["api_key"] == created["api_key"]
+    # ... a change of kind needs the key again, and with it is made
+    status, body = await as_admin("POST", path, {"provider": "anthropic", "model": "claude-sonnet-4-5"})
+    assert status == 400 and "api_key" in body["message"], body
+    status, changed = await as_admin("POST", path, {"provider": "anthropic", "model": "claude-sonnet-4-5",
+                                                    "api_key": KEY})
+    assert status == 200 and changed["id"] == created["id"]
     status, shown = await as_admin("GET", path)
     assert status == 200 and shown["model"] == "claude-sonnet-4-5" and shown["provider"] == "anthropic"
 
@@ -68,6 +74,26 @@ async def test_the_provider_is_set_by_admins_kept_encrypted_and_shown_masked(dae
 
     assert (await as_admin("DELETE", path))[0] == 204
     assert (await as_admin("DELETE", path))[0] == 404
+
+
+async def test_a_new_address_for_the_provider_needs_the_key_again(as_admin):
+    """Issue 31, item 6: a PUT that changed only api_url kept the stored key, which then went to the new address."""
+    path = "/ai/session-analyzer/providers"
+    status, body = await as_admin("PUT", path, {"provider": "custom", "model": "m", "api_key": KEY,
+                                                "api_url": "https://llm.corp.example/v1"})
+    assert status == 200, body
+    for change in ({"api_url": "https://collector.attacker.example/v1"}, {"provider": "azure-openai"},
+                   {"api_url": "https://llm.corp.example/v1/../v2"}):
+        status, body = await as_admin("PUT", path, {"provider": "custom", "model": "m",
+                                                    "api_url": "https://llm.corp.example/v1", **change})
+        assert status == 400 and "api_key" in body["message"], (change, body)
+    status, shown = await as_admin("GET", path)
+    assert shown["api_url"] == "https://llm.corp.example/v1" and shown["provider"] == "custom"
+    # the same address (the console sending back what it shows) keeps the key
+    status, body = await as_admin("PUT", path, {"provider": "custom", "model": "m2",
+                                                "api_url": "https://llm.corp.example/v1"})
+    assert status == 200 and body["model"] == "m2" and body["api_key"] == "****" + KEY[-4:], body
+    assert (await as_admin("DELETE", path))[0] == 204
 
 
 async def test_rules_are_listed_by_anyone_changed_by_admins_and_one_per_connection(as_admin, user_token):

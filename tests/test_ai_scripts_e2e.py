@@ -162,6 +162,40 @@ async def test_the_providers_verdict_decides_and_a_failing_provider_fails_closed
     await as_["admin"]("DELETE", "/ai/session-analyzer/providers")
 
 
+async def test_a_key_the_provider_echoes_lands_in_no_recording_and_a_new_address_needs_the_key(as_, cluster):
+    """Issue 31, item 6: an error that quoted the key was cut to 300 characters before the key was taken out, so
+    its first characters landed in the user's recording and the audit log; and a PUT changing only api_url sent
+    the stored key to the new address."""
+    key = "sk-proj-" + "Q7w2E9r4" * 5
+    echoing, other = await FakeLLM(api_key=key).start(), await FakeLLM().start()
+    try:
+        status, body = await as_["admin"]("PUT", "/ai/session-analyzer/providers", {
+            "provider": "custom", "model": "judge-1", "api_url": f"{echoing.url}/v1", "api_key": key})
+        assert status == 200, body
+        conn, _ = await analysed_connection(as_, cluster)
+        echoing.answer("echo_key")
+        answer, session = await run(as_, "rita", conn, "select 42 as answer")
+        assert answer["exit_code"] == 254 and any("answered HTTP 401" in e for e in of_kind(session, "e"))
+        (failed,) = await audit_of(as_, "ai.analysis_failed", session["id"])
+        seen = json.dumps([answer, of_kind(session, "e"), failed])  # the recording decoded, the audit entry
+        pieces = [key[at:at + 8] for at in range(len(key) - 7)]
+        assert not [piece for piece in pieces if piece in seen], f"a piece of the key was recorded: {seen}"
+        assert "Key given: [REDACTE" in seen  # the key was taken out where it was, then the text cut
+
+        # the address changes without the key: refused, and the next analysis still asks the provider it was for
+        status, body = await as_["admin"]("PUT", "/ai/session-analyzer/providers", {
+            "provider": "custom", "model": "judge-1", "api_url": f"{other.url}/v1"})
+        assert status == 400 and "api_key" in body["message"], body
+        echoing.answer("verdict")
+        answer, _ = await run(as_, "rita", conn, "select 42 as answer")
+        assert answer["exit_code"] == 0 and echoing.requests[-1].headers["Authorization"] == f"Bearer {key}"
+        assert other.requests == []
+    finally:
+        await as_["admin"]("DELETE", "/ai/session-analyzer/providers")
+        await echoing.stop()
+        await other.stop()
+
+
 async def test_a_reviewed_script_is_analysed_when_it_runs(as_, cluster):
     await as_["admin"]("DELETE", "/ai/session-analyzer/providers")
     conn, _ = await analysed_connection(as_, cluster, reviewers=["dba"])

@@ -51,6 +51,7 @@ def unique(prefix: str) -> str:
 
 PG_SECRET = {"envvar:HOST": b64("127.0.0.1"), "envvar:PORT": b64("5432"), "envvar:USER": b64("app"),
              "envvar:PASS": b64("pg-target-password-42"), "envvar:DB": b64("appdb")}
+PG_SECRET_SHOWN = {**PG_SECRET, "envvar:PASS": "[REDACTED]"}  # what an admin reads back: never the password
 
 
 async def make_resource(api: Client, token: str, subtype: str = "postgres") -> tuple[str, str]:
@@ -67,10 +68,33 @@ async def make_resource(api: Client, token: str, subtype: str = "postgres") -> t
 
 
 async def test_health_needs_no_auth_and_everything_else_does(api):
-    assert await api("GET", "/healthz") == (200, {"status": "ok", "version": "0.1.0"})
+    assert await api("GET", "/healthz") == (200, {"status": "ok"})
     for path in ("/sessions", "/userinfo", "/connections", "/guardrails", "/audit/logs", "/serverinfo"):
         assert await api("GET", path) == (401, {"message": "access denied"}), path
     assert await api("GET", "/userinfo", "not-a-token") == (401, {"message": "access denied"})
+
+
+async def test_every_401_names_the_bearer_scheme(api, daemon):
+    """RFC 7235: a 401 carries a challenge; the API's is ``Bearer`` (no token, a bad one, a refused login)."""
+    for headers, method, path, body in (({}, "GET", "/sessions", None),
+                                        ({"Authorization": "Bearer not-a-token"}, "GET", "/userinfo", None),
+                                        ({"Authorization": "Basic dXNlcjpwdw=="}, "GET", "/connections", None),
+                                        ({}, "POST", "/localauth/login", {"email": "no@example.com",
+                                                                          "password": "not the password"})):
+        async with api.http.request(method, daemon.url + path, headers=headers, json=body) as response:
+            assert response.status == 401, path
+            assert response.headers.get("WWW-Authenticate", "").startswith("Bearer"), (path, response.headers)
+
+
+async def test_the_openapi_document_states_the_password_length_the_api_enforces(api, admin_token):
+    status, doc = await api("GET", "/openapi.json")
+    schemas = doc["components"]["schemas"]
+    for name in ("UserCreate", "UserUpdate"):
+        assert schemas[name]["properties"]["password"]["minLength"] == 8, schemas[name]
+    email = f"{unique('short')}@example.com"
+    status, body = await api("POST", "/users", admin_token, {"email": email, "password": "seven77"})
+    assert status == 422 and "at least 8 characters" in body["message"], body
+    assert (await api("POST", "/users", admin_token, {"email": email, "password": "eight888"}))[0] == 201
 
 
 async def test_unknown_routes_and_methods_answer_json(api, admin_token):
@@ -261,6 +285,51 @@ async def test_local_login_with_a_password_set_by_an_admin(api, admin_token):
     assert all(e["request_payload_redacted"]["password"] == "[REDACTED]" for e in logs["data"])
 
 
+async def _user_with_password(api, admin_token: str, password: str):
+    """A new user with ``password``, and a function that logs in as them with a password (their token)."""
+    email = f"{unique('out')}@example.com"
+    assert (await api("POST", "/users", admin_token, {"email": email, "password": password}))[0] == 201
+
+    async def login(password: str) -> str:
+        status, body = await api("POST", "/localauth/login", body={"email": email, "password": password})
+        assert status == 200, body
+        return body["token"]
+
+    return email, login
+
+
+async def test_sign_out_ends_the_token_at_the_gateway(api, admin_token):
+    """Issue 31, item 8: a token stayed valid after its sign-out."""
+    email, login = await _user_with_password(api, admin_token, "first passphrase")
+    leaving, staying = await login("first passphrase"), await login("first passphrase")
+    assert (await api("POST", "/logout", leaving))[0] == 204
+    assert await api("GET", "/userinfo", leaving) == (401, {"message": "access denied"})
+    assert await api("POST", "/logout", leaving) == (401, {"message": "access denied"})
+    assert (await api("GET", "/userinfo", staying))[0] == 200  # only the token signed out
+    status, logs = await api("GET", f"/audit/logs?action=auth.logout&actor={email}", admin_token)
+    assert [e["outcome"] for e in logs["data"]] == ["success"]  # the refused second one names no user
+
+
+async def test_a_password_change_ends_the_users_tokens(api, daemon, admin_token):
+    """Issue 31, item 8: a token stayed valid after its user's password changed."""
+    email, login = await _user_with_password(api, admin_token, "first passphrase")
+    one, two = await login("first passphrase"), await login("first passphrase")
+    # a change of anything else ends nothing
+    assert (await api("PUT", f"/users/{email}", admin_token, {"name": "Renamed"}))[0] == 200
+    assert (await api("GET", "/userinfo", one))[0] == 200
+    # an admin sets a new password: every token of the user ends, a login with the new one works
+    status, body = await api("PUT", f"/users/{email}", admin_token, {"password": "second passphrase"})
+    assert status == 200, body
+    for token in (one, two):
+        assert await api("GET", "/userinfo", token) == (401, {"message": "access denied"})
+    fresh = await login("second passphrase")
+    assert (await api("GET", "/userinfo", fresh))[0] == 200
+    # and the host's `gatewayd user passwd` ends them too
+    daemon.cli("user", "passwd", "--email", email, "--password-stdin", input="third passphrase\n")
+    assert await api("GET", "/userinfo", fresh) == (401, {"message": "access denied"})
+    assert (await api("GET", "/userinfo", await login("third passphrase")))[0] == 200
+
+
 async def test_users_and_groups_are_admin_only(api, admin_token, user_token):
     assert await api("GET", "/users", user_token) == (403, {"message": "access denied: this requires the admin group"})
     group = unique("grp")
@@ -289,7 +358,7 @@ async def test_resource_crud_and_roles_as_connections(api, admin_token, user_tok
     assert status == 200 and res["subtype"] == "postgres" and res["env_vars"] == {"team": "data"}
     assert [r["name"] for r in res["roles"]] == [role]
     status, conn = await api("GET", f"/connections/{role}", admin_token)
-    assert conn["resource_name"] == name and conn["secret"] == PG_SECRET
+    assert conn["resource_name"] == name and conn["secret"] == PG_SECRET_SHOWN
     status, by_id = await api("GET", f"/connections/{conn['id']}", admin_token)
     assert by_id["name"] == role
 
@@ -300,7 +369,7 @@ async def test_resource_crud_and_roles_as_connections(api, admin_token, user_tok
     assert status == 200 and "roles" not in updated and updated["agent_id"] == "agent-1"
     assert set(updated) == {"id", "name", "type", "subtype", "agent_id", "env_vars", "created_at", "updated_at"}
     status, kept = await api("GET", f"/connections/{role}", admin_token)
-    assert kept["id"] == conn["id"] and kept["secret"] == PG_SECRET  # same connection, secret kept
+    assert kept["id"] == conn["id"] and kept["secret"] == PG_SECRET_SHOWN  # same connection, secret kept
     assert (await api("GET", f"/connections/{role}-ro", admin_token))[0] == 200
 
     assert (await api("PUT", f"/resources/{name}", user_token, {"name": name, "type": "database"}))[0] == 403
@@ -337,6 +406,42 @@ async def test_secrets_never_reach_non_admins_nor_the_audit_log(api, daemon, adm
     # and the store holds the role secret only sealed
     db = (daemon.data_dir / "gatewayd.db").read_bytes() + (daemon.data_dir / "gatewayd.db-wal").read_bytes()
     assert b"pg-target-password-42" not in db and PG_SECRET["envvar:PASS"].encode() not in db
+
+
+PRIVATE_KEY = ("-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQAAAAAAAAABAAAAMwAAAAtzc2gtZW\n"
+               "-----END OPENSSH PRIVATE KEY-----\n")
+
+
+async def test_no_answer_carries_a_target_password_or_private_key(api, admin_token):
+    """Issue 31, item 10: POST /connections echoed the private key it was given (and GET showed it again)."""
+    name = unique("keyed")
+    secret = {"envvar:HOST": b64("10.0.0.7"), "envvar:USER": b64("deploy"), "envvar:PRIVATE_KEY": b64(PRIVATE_KEY),
+              "envvar:PASS": b64("ssh-password-77"), "envvar:REMOTE_URL": b64("https://bob:url-password@app.example")}
+    status, made = await api("POST", "/connections", admin_token,
+                             {"name": name, "type": "custom", "subtype": "ssh", "secret": secret})
+    assert status == 201, made
+    shown = {"envvar:HOST": b64("10.0.0.7"), "envvar:USER": b64("deploy"), "envvar:PRIVATE_KEY": "[REDACTED]",
+             "envvar:PASS": "[REDACTED]", "envvar:REMOTE_URL": "[REDACTED]"}
+    assert made["secret"] == shown
+    answers = [made]
+    for method, path in (("GET", f"/connections/{name}"), ("GET", "/connections")):
+        status, body = await api(method, path, admin_token)
+        assert status == 200
+        answers.append(body)
+    # sent back as read (the console's edit, a script's GET-then-PUT), the stored values are kept ...
+    status, updated = await api("PUT", f"/connections/{name}", admin_token,
+                                {**{k: made[k] for k in ("name", "type", "subtype")}, "secret": made["secret"],
+                                 "tags": {"edited": "yes"}})
+    assert status == 200 and updated["secret"] == shown and updated["tags"] == {"edited": "yes"}, updated
+    answers.append(updated)
+    for body in answers:
+        text = json.dumps(body)
+        for value in (PRIVATE_KEY, "ssh-password-77", "url-password"):
+            assert b64(value) not in text and value not in text
+    # ... and [REDACTED] where nothing is stored is no value
+    status, body = await api("PUT", f"/connections/{name}", admin_token, {
+        **{k: made[k] for k in ("name", "type", "subtype")}, "secret": {**made["secret"], "envvar:DB": "[REDACTED]"}})
+    assert status == 422 and "envvar:DB" in body["message"], body
 
 
 async def test_credentials_for_native_access(api, daemon, admin_token, user_token):
@@ -400,6 +505,35 @@ async def test_guardrail_crud_and_validation(api, admin_token, user_token):
     assert (await api("GET", f"/guardrails/{rail['id']}", admin_token))[1]["description"] == "no drops"
     assert (await api("DELETE", f"/guardrails/{rail['id']}", admin_token))[0] == 204
     assert (await api("GET", f"/guardrails/{rail['id']}", admin_token))[0] == 404
+
+
+async def test_a_rule_its_connections_language_cannot_evaluate_is_refused(api, admin_token):
+    """Never a silent fallback: statement rules on a shell connection, any rule on an RDP one, are a 422."""
+    _, pg = await make_resource(api, admin_token)
+    _, ssh = await make_resource(api, admin_token, subtype="ssh")
+    _, rdp = await make_resource(api, admin_token, subtype="rdp")
+    ids = {}
+    for role in (pg, ssh, rdp):
+        ids[role] = (await api("GET", f"/connections/{role}", admin_token))[1]["id"]
+    statements = {"rules": [{"type": "require_where", "statements": ["delete"]}]}
+    words = {"rules": [{"type": "deny_words_list", "words": ["rm -rf"]}]}
+    status, _ = await api("POST", "/guardrails", admin_token, {"name": unique("sql"), "connection_ids": [ids[pg]],
+                                                               "input": statements})
+    assert status == 201
+    status, err = await api("POST", "/guardrails", admin_token, {
+        "name": unique("sql"), "connection_ids": [ids[pg], ids[ssh]], "input": statements})
+    assert status == 422 and f"connection {ssh!r} cannot apply input.rules[0]: require_where reads SQL statements" \
+        in err["message"] and "shell commands" in err["message"], err
+    status, rail = await api("POST", "/guardrails", admin_token, {"name": unique("sh"), "connection_ids": [ids[ssh]],
+                                                                  "input": words})
+    assert status == 201
+    status, err = await api("PUT", f"/guardrails/{rail['id']}", admin_token, {
+        "name": rail["name"], "connection_ids": [ids[ssh], ids[rdp]], "input": words})
+    assert status == 422 and "key strokes and screen updates" in err["message"], err
+    status, err = await api("POST", "/datamasking-rules", admin_token, {
+        "name": unique("dm"), "connection_ids": [ids[rdp]],
+        "supported_entity_types": [{"name": "PII", "entity_types": ["EMAIL_ADDRESS"]}]})
+    assert status == 422 and f"connection {rdp!r} cannot apply output.rules[0]" in err["message"], err
 
 
 # ------------------------------------------------------------------ sessions

@@ -14,8 +14,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from gatewayd.dialer import DialError, DirectDialer
-from proxies.http.upstream import DialerConnector, UpstreamError, UpstreamPool
+from gatewayd.dialer import AddressPolicy, DialError, DialerConnector, DirectDialer
+from proxies.http.upstream import UpstreamError, UpstreamPool
 from tests.conftest import free_port
 
 
@@ -23,6 +23,7 @@ class CountingDialer(DirectDialer):
     """A direct dialer that remembers every target it was asked for (a second implementation, as agents will be)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.dialed: list[tuple[str, int, str]] = []
 
     async def open_socket(self, host: str, port: int, *, connection: str, timeout: float = 10.0) -> socket.socket:
@@ -119,6 +120,37 @@ async def test_a_websocket_to_a_closed_port_is_aiohttps_connector_error() -> Non
         with pytest.raises(aiohttp.ClientConnectorError) as err:
             await client.ws_connect(f"http://127.0.0.1:{port}/ws")
     assert "connection refused" in str(err.value)
+
+
+@pytest.mark.parametrize(("address", "refused", "private_allowed"), [
+    ("127.0.0.1", "a loopback address", "a loopback address"), ("::1", "a loopback address", "a loopback address"),
+    ("::ffff:127.0.0.1", "a loopback address", "a loopback address"),
+    ("169.254.169.254", "a link-local address", "a link-local address"), ("fe80::1%eth0", "a link-local address",
+                                                                          "a link-local address"),
+    ("0.0.0.0", "a reserved address", "a reserved address"), ("224.0.0.1", "a reserved address", "a reserved address"),
+    ("10.1.2.3", "a private address", None), ("192.168.0.5", "a private address", None),
+    ("172.16.9.9", "a private address", None), ("100.64.0.1", "a private address", None),
+    ("fd00::2", "a private address", None), ("192.0.2.2", "a private address", None),
+    ("93.184.216.34", None, None), ("2606:4700::1111", None, None),
+])
+def test_the_address_policy_of_tenants(address: str, refused: str | None, private_allowed: str | None) -> None:
+    assert AddressPolicy().refusal(address) == refused
+    assert AddressPolicy(allow_private=True).refusal(address) == private_allowed
+
+
+async def test_a_dialer_with_a_policy_never_connects_where_it_may_not(target_app: int) -> None:
+    """Checked on each address the name resolved to, right before connecting to it: a name (localhost) is no way
+    around it, and the refusal names no address."""
+    dialer = DirectDialer(AddressPolicy(), route="tenant")
+    for host in ("127.0.0.1", "localhost", "::1"):
+        with pytest.raises(DialError, match="a loopback address, which this organization") as refused:
+            await dialer.open_socket(host, target_app, connection="probe")
+        assert str(target_app) not in refused.value.message
+    async with aiohttp.ClientSession(connector=DialerConnector(dialer)) as client:
+        with pytest.raises(aiohttp.ClientConnectorError, match="loopback"):
+            await client.get(f"http://localhost:{target_app}/")
+    sock = await DirectDialer().open_socket("localhost", target_app, connection="operators")  # no policy: reached
+    sock.close()
 
 
 def test_no_proxy_dials_a_target_itself() -> None:

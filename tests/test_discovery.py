@@ -8,6 +8,7 @@ page), and a third whose role the key may not assume (AccessDenied).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import urllib.parse
@@ -173,7 +174,8 @@ async def test_connections_are_mapped_and_made_from_an_instance(api, aws):
     assert status == 201, made
     assert made["subtype"] == "postgres" and made["tags"]["aws_arn"] == orders["arn"]
     status, full = await api("GET", "/connections/orders-rds")
-    secret = {k: __import__("base64").b64decode(v).decode() for k, v in full["secret"].items()}
+    assert full["secret"]["envvar:PASS"] == "[REDACTED]"  # the password given is never shown again
+    secret = {k: __import__("base64").b64decode(v).decode() for k, v in full["secret"].items() if k != "envvar:PASS"}
     assert secret["envvar:HOST"] == orders["endpoint"] and secret["envvar:DB"] == "orders"
     assert secret["envvar:USER"] == "master" and secret["envvar:PORT"] == str(orders["port"])
 
@@ -217,3 +219,44 @@ async def test_the_secret_key_is_sealed_and_never_shown_and_can_be_cleared(api, 
     assert status == 400
     status, _ = await api("DELETE", "/integrations/aws/iam/accesskeys")
     assert status == 404
+
+
+async def test_the_hosts_own_aws_identity_serves_operators_only_in_multi_tenant_mode(aws, tmp_path):
+    """Issue 31, item 5: with ``use_instance_role = true``, a self-service organization's discovery ran as the
+    gateway host's own AWS identity (its accounts' instances listed to, and connectable by, any tenant)."""
+    from tests.oidc_provider import OIDCProvider
+
+    endpoint, key = aws
+    idp = await OIDCProvider().start()
+    daemon = Daemon(tmp_path / "data", {
+        "integrations.aws.endpoint_url": endpoint, "integrations.aws.regions": ["us-east-1"],
+        "integrations.aws.timeout": "10s", "integrations.aws.use_instance_role": True, "auth.multi_tenant": True,
+        "auth.issuer": "oidc", "auth.oidc.issuer_url": idp.url, "auth.oidc.client_id": idp.client_id,
+        "auth.oidc.client_secret": idp.client_secret})
+    # the host's identity: the default credential chain's environment variables
+    daemon.extra_env.update({"AWS_ACCESS_KEY_ID": key["access_key_id"], "AWS_SECRET_ACCESS_KEY": key["secret_access_key"],
+                             "AWS_EC2_METADATA_DISABLED": "true"})
+    await asyncio.to_thread(daemon.start)  # the identity provider answers on this loop meanwhile
+    try:
+        async with aiohttp.ClientSession() as http:
+            founder = idp.mint("tenant-founder", "founder@tenant.example", "Founder", None, email_verified=True)
+            api = Api(daemon, http, founder)
+            status, body = await api("POST", "/signup", {"org_name": "a tenant"})
+            assert status == 201, body
+            status, body = await describe(api, OWN)
+            assert status == 403 and "PUT /api/integrations/aws/iam/accesskeys" in body["message"], body
+            arn = urllib.parse.quote(f"arn:aws:rds:us-east-1:{OWN}:db:orders", safe="")
+            status, body = await api("POST", f"/integrations/aws/rds/instances/{arn}/connection", {"password": "x"})
+            assert status == 403, body
+            # an admin of the operators' organization who is no operator neither
+            admin = (await asyncio.to_thread(daemon.cli, "token", "create", "--email", "admin@ops.example",
+                                             "--groups", "admin")).stdout.strip()
+            assert (await describe(Api(daemon, http, admin), OWN))[0] == 403
+            # the operator, on the host's own identity
+            operator = (await asyncio.to_thread(daemon.cli, "token", "create", "--email", "root@ops.example",
+                                                "--groups", "admin", "--operator")).stdout.strip()
+            status, body = await describe(Api(daemon, http, operator), OWN)
+            assert status == 200 and {i["name"] for i in body["items"]} == {"orders", "billing"}, body
+    finally:
+        await asyncio.to_thread(daemon.stop)
+        await idp.stop()

@@ -115,8 +115,9 @@ async def test_password_guessing_is_throttled_per_account_and_audited_once(guard
         unknown = time.monotonic() - started
         throttled = [e for e in await audit(guarded, "auth.throttle")]
         assert len(throttled) == 1 and throttled[0]["client_ip"] == "127.0.0.1"
-        assert sorted(throttled[0]["request_payload_redacted"]["throttled"]) == [
-            "account:victim@example.com", "address:127.0.0.1"]
+        account, address = sorted(throttled[0]["request_payload_redacted"]["throttled"])
+        assert account == f"account:{throttled[0]['org_id']}:victim@example.com"  # per organization and e-mail
+        assert address == "address:127.0.0.1"
         await asyncio.sleep(3.1)  # the window passes: the right password works again
         status, body, _ = await login(http, guarded, "victim@example.com", PASSWORD)
         assert status == 200 and body["token"]

@@ -191,6 +191,11 @@ def test_scrub_finds_secrets_ending_in_punctuation():
     ('<relative>; title="see <http://app.internal:8080/q>, \\"quoted\\""',
      '<relative>; title="see <http://app.internal:8080/q>, \\"quoted\\""'),  # inside a quoted string: text
     ("no brackets at all", "no brackets at all"),
+    # datasette's form: the URI without its brackets (issue 31, item 10)
+    ('http://app.internal:8080/db.json; rel="alternate"; type="application/json+datasette"',
+     'http://gw/db.json; rel="alternate"; type="application/json+datasette"'),
+    ("</a>; rel=x, http://app.internal:8080/b; rel=y, https://cdn.example/c; rel=z",
+     "</a>; rel=x, http://gw/b; rel=y, https://cdn.example/c; rel=z"),
     ("<http://app.internal:8080/unterminated", "<http://app.internal:8080/unterminated"),
 ])
 def test_link_headers_are_rewritten_to_the_gateway(link, expected):
@@ -203,6 +208,16 @@ def test_link_under_a_base_path_and_in_response_headers():
     headers = [("Link", "<http://app.internal:8080/a>; rel=preload"), ("link", "</b>; rel=next")]
     assert m.downstream_response_headers(headers, TARGET, "http://gw") == [
         ("Link", "<http://gw/a>; rel=preload"), ("link", "</b>; rel=next")]
+
+
+def test_no_response_header_names_the_targets_origin():
+    headers = [("Refresh", "5; url=http://app.internal:8080/next"), ("Access-Control-Allow-Origin",
+               "HTTP://APP.INTERNAL:8080"), ("X-Debug", "from http://app.internal:8080/x, not http://app.internal:80801/"),
+               ("X-Elsewhere", "http://app.internal.example/ http://app.internal:9090/")]
+    assert m.downstream_response_headers(headers, TARGET, "http://gw") == [
+        ("Refresh", "5; url=http://gw/next"), ("Access-Control-Allow-Origin", "http://gw"),
+        ("X-Debug", "from http://gw/x, not http://app.internal:80801/"),
+        ("X-Elsewhere", "http://app.internal.example/ http://app.internal:9090/")]
 
 
 @given(st.text())

@@ -335,6 +335,57 @@ async def test_link_headers_stay_on_the_gateway(api, gateway, client, target):
     assert target.split("//")[1] not in link
 
 
+@pytest.fixture(scope="module")
+def datasette(tmp_path_factory):
+    """datasette (a real web app) serving a small SQLite file: its pages send ``Link: http://127.0.0.1:PORT/...``
+    without the brackets RFC 8288 asks for."""
+    program = Path(sys.executable).parent / "datasette"
+    if not program.exists():
+        pytest.skip("datasette is not installed (pip install -e '.[test]')")
+    folder = tmp_path_factory.mktemp("datasette")
+    import sqlite3
+
+    with sqlite3.connect(folder / "fixtures.db") as db:
+        db.execute("create table facts (id integer primary key, fact text)")
+        db.execute("insert into facts (fact) values ('the gateway keeps its targets to itself')")
+    for attempt in range(3):
+        port = free_port()
+        process = subprocess.Popen([str(program), "serve", str(folder / "fixtures.db"), "-h", "127.0.0.1", "-p",
+                                    str(port)], cwd=folder, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_port(port, process, "datasette")
+            break
+        except RuntimeError:
+            process.kill()
+            process.wait(10)
+    else:
+        raise RuntimeError("datasette did not start")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+async def test_no_header_of_a_real_app_names_the_target(api, gateway, client, datasette):
+    """Issue 31, item 10: with the credential sent as Authorization, datasette's Link header (no brackets) reached
+    the client with the target's own address in it."""
+    connection = await api.role(datasette)
+    secret, _ = await api.credential(connection)
+    address = datasette.split("//")[1]
+    async with aiohttp.ClientSession() as direct:  # what datasette itself sends
+        async with direct.get(f"{datasette}/fixtures/facts") as response:
+            assert address in response.headers["Link"] and not response.headers["Link"].startswith("<")
+    for path in ("/fixtures/facts", "/fixtures", "/fixtures/facts/1", "/fixtures/facts.json", "/-/versions"):
+        async with client.get(f"{gateway.http_url}{path}", headers={"Authorization": f"Bearer {secret}"},
+                              allow_redirects=False) as response:
+            assert response.status < 400, (path, response.status)
+            heads = [f"{k.decode('latin-1')}: {v.decode('latin-1')}" for k, v in response.raw_headers]
+            assert not [h for h in heads if address in h], (path, heads)
+            if path == "/fixtures/facts":
+                assert response.headers["Link"].startswith(f"{gateway.http_url}/fixtures/facts.json;"), heads
+
+
 async def test_websocket_echo_both_ways(api, gateway, client):
     connection = await api.role()
     secret, session_id = await api.credential(connection)

@@ -21,8 +21,9 @@ from gatewayd.audit import AuditLog
 from gatewayd.crypto import SecretBox
 from gatewayd.evidence import Sealer
 from gatewayd.journal import read_run
-from gatewayd.models import AuditEntry, SessionEvent, new_id, rfc3339, utcnow
+from gatewayd.models import AuditEntry, Session, SessionEvent, new_id, rfc3339, utcnow
 from gatewayd.recording import RecordingService
+from gatewayd.sessions import SessionManager
 from gatewayd.store import AuditFilter, Store
 from gatewayd.store.postgres import PostgresStore
 from gatewayd.store.sqlite import SQLiteStore
@@ -38,22 +39,38 @@ def service(store: Store, journal: Path, name: str = "w0") -> RecordingService:
     return RecordingService(store, 1 << 30, 3600, SEALER, journal_dir=journal, journal_interval=0.02, name=name)
 
 
+def gateway(store: Store, journal: Path, name: str = "w0") -> tuple[RecordingService, SessionManager]:
+    """The recording service with the session manager and audit log a gateway gives it (sealings audited)."""
+    svc = service(store, journal, name)
+    audit = AuditLog(store)
+    audit.keeper = svc.keep_audit
+    return svc, SessionManager(store, svc, audit)
+
+
+async def close(svc: RecordingService, manager: SessionManager, session: Session, rec, exit_code: int) -> None:
+    """A session's end as ``LiveSession.close`` makes it: the recording closed and sealed, the sealing audited."""
+    seal = await svc.close(rec, session, end_date=rfc3339(utcnow()), exit_code=exit_code)
+    await manager.sealed(session, seal)
+
+
 async def die(svc: RecordingService) -> None:
     """What a SIGKILL leaves: the tasks stop, the journal's lock goes, its files stay."""
     for task in (svc._task, svc._ticker):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+    await svc._commits.wait()
     journal = svc.journal
     journal._file.close()
     os.close(journal._lock_fd)
     journal._writer.shutdown()
+    journal._syncer.shutdown()
 
 
-async def open_session(store: Store) -> str:
+async def open_session(store: Store) -> Session:
     session = a_session((await store.default_org()).id)
     await store.create_session(session)
-    return session.id
+    return session
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -71,7 +88,7 @@ async def test_a_dead_process_journal_is_replayed_at_the_next_start_once(store, 
     journal = tmp_path / "journal"
     first = service(store, journal)
     await first.start()
-    session_id = await open_session(store)
+    session_id = (await open_session(store)).id
     rec = await first.recorder(session_id)
     rec.input(b"stored before the crash")
     assert await first.flush()
@@ -85,7 +102,7 @@ async def test_a_dead_process_journal_is_replayed_at_the_next_start_once(store, 
     assert [e.data for e in read_run(dead).streams[session_id].events.values()] == [
         b"stored before the crash", b"journaled only", b"journaled too"]  # the current segment holds all
 
-    second = service(store, journal, "w0-again")  # the restart: its start replays what the dead one journaled
+    second, manager = gateway(store, journal, "w0-again")  # the restart: its start replays what the dead one journaled
     await second.start()
     try:
         assert [e.data for e in await store.read_events(session_id)] == [b"stored before the crash",
@@ -100,7 +117,7 @@ async def test_a_dead_process_journal_is_replayed_at_the_next_start_once(store, 
         assert len(await store.read_events(session_id)) == 3
         resumed = await second.recorder(session_id)  # the session goes on after the replayed events
         resumed.input(b"after")
-        await second.close(resumed, end_date=rfc3339(utcnow()), exit_code=0)
+        await close(second, manager, stored, resumed, 0)
         done = await store.get_session(session_id)
         result = await second.verify(done)
         assert done.status == "done" and result.verified and result.sealed, result
@@ -137,13 +154,13 @@ async def until_stored(svc: RecordingService, rounds: int = 100) -> None:
 
 async def test_what_a_cut_store_could_not_take_is_kept_and_stored_once_when_it_answers(gated, tmp_path):
     direct, through, gate = gated
-    svc = service(through, tmp_path / "journal")
+    svc, manager = gateway(through, tmp_path / "journal")
     await svc.start()
-    audit = AuditLog(through)
-    audit.keeper = svc.keep_audit
+    audit = manager.audit
     org = (await direct.default_org()).id
     try:
-        session_id = await open_session(through)
+        session = await open_session(through)
+        session_id = session.id
         rec = await svc.recorder(session_id)
         rec.input(b"before")
         assert await svc.flush()
@@ -154,8 +171,8 @@ async def test_what_a_cut_store_could_not_take_is_kept_and_stored_once_when_it_a
         await asyncio.wait_for(audit.record(org_id=org, actor=None, action="guardrail.block", resource_type="session",
                                             outcome="failure", error_message="blocked during the cut"), 1)
         rec.error(b"the end")
-        await asyncio.wait_for(svc.close(rec, end_date=rfc3339(utcnow()), exit_code=0), 1)  # kept, not waited on
-        assert svc.backlog["closes"] == 1 and svc.backlog["audit_entries"] == 1
+        await asyncio.wait_for(close(svc, manager, session, rec, 0), 1)  # kept, not waited on
+        assert svc.backlog["closes"] == 1 and svc.backlog["audit_entries"] == 2  # the block, the sealing
         gate.thaw()
         await until_stored(svc)
     finally:
@@ -172,10 +189,11 @@ async def test_what_a_cut_store_could_not_take_is_kept_and_stored_once_when_it_a
 async def test_a_process_that_dies_while_the_store_is_cut_has_its_end_and_audit_replayed(gated, tmp_path):
     direct, through, gate = gated
     journal = tmp_path / "journal"
-    svc = service(through, journal)
+    svc, manager = gateway(through, journal)
     await svc.start()
     org = (await direct.default_org()).id
-    session_id = await open_session(through)
+    session = await open_session(through)
+    session_id = session.id
     rec = await svc.recorder(session_id)
     rec.input(b"before")
     assert await svc.flush()
@@ -185,16 +203,16 @@ async def test_a_process_that_dies_while_the_store_is_cut_has_its_end_and_audit_
     await svc.keep_audit(AuditEntry(id=entry_id, org_id=org, created_at=rfc3339(utcnow()), actor_subject="",
                                     actor_email="", actor_name="", resource_type="session", action="session.kill",
                                     outcome="success"))
-    await asyncio.wait_for(svc.close(rec, end_date=rfc3339(utcnow()), exit_code=3), 2)
+    await asyncio.wait_for(close(svc, manager, session, rec, 3), 2)
     await die(svc)
     gate.thaw()
-    again = service(direct, journal, "w0-again")
+    again, _ = gateway(direct, journal, "w0-again")
     await again.start()
     await again.stop()
     done = await direct.get_session(session_id)
     assert (done.status, done.exit_code) == ("done", 3)
     assert [e.data for e in await direct.read_events(session_id)] == [b"before", b"during the cut"]
-    result = await again.verify(done)
+    result = await again.verify(done)  # its own seal, the one its journaled audit entry recorded: sealed once
     assert result.verified and result.sealed, result
     assert [e.id for e in (await direct.list_audit(AuditFilter(org_id=org, action="session.kill"))).items] == [entry_id]
     assert list(journal.iterdir()) == []
@@ -231,7 +249,7 @@ async def test_a_strict_session_the_store_lags_behind_is_ended_and_an_async_one_
     svc.on_undurable = lambda session_id, reason: ended.append((session_id, reason))
     await svc.start()
     try:
-        strict, relaxed = await open_session(through), await open_session(through)
+        strict, relaxed = (await open_session(through)).id, (await open_session(through)).id
         strict_rec, relaxed_rec = await svc.recorder(strict), await svc.recorder(relaxed)
         strict_rec.strict = True
         strict_rec.input(b"stored")

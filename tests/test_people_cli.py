@@ -122,6 +122,20 @@ def test_login_keeps_a_private_token_and_failures_are_one_line(gateway, people, 
     assert expired.run("logout").returncode == 0 and not expired.login_file.exists()
 
 
+async def test_logout_signs_the_token_out_at_the_gateway(gateway, tmp_path):
+    """Issue 31, item 8: ``gatewayd logout`` only forgot the file; a copy of the token went on working."""
+    leaver = Person(gateway, tmp_path, "rita@example.com")
+    leaver.login()
+    token = json.loads(leaver.login_file.read_text())["token"]
+    async with aiohttp.ClientSession() as http:
+        api = Api(gateway, http, token)
+        assert (await api("GET", "/userinfo"))[0] == 200
+        done = leaver.run("logout")
+        assert done.returncode == 0 and done.stderr.strip() == "logged out", done.stderr
+        assert not leaver.login_file.exists()
+        assert await api("GET", "/userinfo") == (401, {"message": "access denied"})
+
+
 async def test_connections_connect_with_real_psql_and_sessions(gateway, people, connections):
     ada, rita = people
     plain, reviewed = connections

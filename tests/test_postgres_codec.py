@@ -677,6 +677,15 @@ def test_scram_matches_independent_computation_with_channel_binding() -> None:
     client.verify_server_final(b"v=" + base64.b64encode(server_sig))
 
 
+def test_scram_says_it_could_bind_when_the_server_offered_no_binding_over_tls() -> None:
+    """The gs2 header "y": a server that does offer SCRAM-SHA-256-PLUS (someone in between struck it from the list)
+    then fails the exchange; the header is part of the proof (``c=``)."""
+    client = ScramSha256Client("secret", nonce="NONCE", binding_supported=True)
+    assert client.mechanism == "SCRAM-SHA-256" and client.client_first_message() == b"y,,n=,r=NONCE"
+    final = client.client_final_message(f"r=NONCEserver,s={base64.b64encode(b'salt').decode()},i=16".encode())
+    assert final.startswith(f"c={base64.b64encode(b'y,,').decode()},r=NONCEserver,p=".encode())
+
+
 def test_md5_password() -> None:
     salt = b"\x01\x02\x03\x04"
     inner = hashlib.md5(b"secretalice").hexdigest()

@@ -261,15 +261,78 @@ async def test_tls_with_sslmode_require_and_disable(gateway, api):
         await connection.close()
 
 
-async def test_upstream_md5_and_cleartext_authentication(gateway, api, admin):
+async def test_upstream_md5_and_cleartext_authentication(gateway, api, admin, cluster):
+    """A cleartext or MD5 password goes to the target only over TLS that verified it, or where the role allows it
+    (issue 31: SSLMODE prefer sent it to whoever answered); SCRAM goes anywhere (no password leaves), with channel
+    binding over TLS (the target offers SCRAM-SHA-256-PLUS there, and checks the binding)."""
     await admin.execute("set password_encryption = 'md5'; create role md5user login password 'md5-pass'")
     await admin.execute("reset password_encryption; create role plainuser login password 'plain-pass'")
-    for user, password in (("md5user", "md5-pass"), ("plainuser", "plain-pass")):
-        role = await api.role(user=user, password=password)
+    for user, password, method in (("md5user", "md5-pass", "MD5"), ("plainuser", "plain-pass", "cleartext")):
+        for sslmode in ("prefer", "require"):
+            role = await api.role(user=user, password=password, sslmode=sslmode)
+            secret, _ = await api.credential(role)
+            result = psql(gateway, secret, "-A", "-t", "-c", "select current_user")
+            assert result.returncode != 0 and f"the target asks for a{'n' if method == 'MD5' else ''} {method} " \
+                "password over a link the gateway has not verified, and the password was not sent" in result.stderr
+            assert password not in result.stderr
+        for extra in ({"ALLOW_UNVERIFIED_PASSWORD": "true"}, {"SSLMODE": "verify-full", "SSLROOTCERT": cluster.root_cert()},
+                      {"SSLMODE": "verify-ca", "SSLROOTCERT": cluster.root_cert()}):
+            role = await api.role(user=user, password=password, **extra)
+            secret, _ = await api.credential(role)
+            result = psql(gateway, secret, "-A", "-t", "-c", "select current_user")
+            assert result.returncode == 0, (extra, result.stderr)
+            assert result.stdout.strip() == user
+    for extra in ({}, {"SSLMODE": "verify-full", "SSLROOTCERT": cluster.root_cert()}, {"SSLMODE": "disable"}):
+        role = await api.role(**extra)  # SCRAM: -PLUS over TLS, plain without
         secret, _ = await api.credential(role)
         result = psql(gateway, secret, "-A", "-t", "-c", "select current_user")
-        assert result.returncode == 0, result.stderr
-        assert result.stdout.strip() == user
+        assert result.returncode == 0 and result.stdout.strip() == "postgres", (extra, result.stderr)
+    role = await api.role(sslmode="verify-full")  # the system's CAs do not know the cluster's certificate
+    secret, _ = await api.credential(role)
+    assert "TLS failed" in psql(gateway, secret, "-c", "select 1").stderr
+    role = await api.role(sslmode="verify_full")  # a typo does not fall back to a weaker mode
+    secret, _ = await api.credential(role)
+    assert "its SSLMODE is not one of" in psql(gateway, secret, "-c", "select 1").stderr
+
+
+async def test_a_target_that_skips_its_scram_proof_is_refused(gateway, api):
+    """An impostor that asks for SCRAM, takes the client's proof and answers AuthenticationOk without its own proof
+    (AuthenticationSASLFinal: only a server that knows the password can make it) is not taken for the target."""
+    proofs: list[bytes] = []
+
+    async def impostor(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            (length,) = struct.unpack(">i", await reader.readexactly(4))
+            await reader.readexactly(length - 4)  # the start-up message (SSLMODE disable: no SSLRequest)
+            writer.write(pg.encode_message(b"R", struct.pack(">i", 10) + b"SCRAM-SHA-256\0\0"))
+            kind, body = await read_frame(reader)  # SASLInitialResponse: "n,,n=,r=<nonce>"
+            nonce = body.split(b"r=", 1)[1].decode()
+            writer.write(pg.encode_message(b"R", struct.pack(">i", 11) +
+                                           f"r={nonce}impostor,s=c2FsdA==,i=4096".encode()))
+            proofs.append((await read_frame(reader))[1])  # SASLResponse with the proof
+            writer.write(pg.encode_message(b"R", struct.pack(">i", 0)) + pg.encode_message(b"Z", b"I"))
+            await reader.read()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(impostor, "127.0.0.1", 0)
+    try:
+        role = await api.role(port=server.sockets[0].getsockname()[1], sslmode="disable")
+        secret, _ = await api.credential(role)
+        result = await asyncio.to_thread(psql, gateway, secret, "-c", "select 1")
+        assert result.returncode != 0 and "it ended SCRAM without proving that it knows the password" in \
+            result.stderr, result.stderr
+        assert len(proofs) == 1  # it got a proof (bound to this exchange), never the password
+    finally:
+        server.close()
+
+
+async def read_frame(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    kind = await reader.readexactly(1)
+    (length,) = struct.unpack(">i", await reader.readexactly(4))
+    return kind, await reader.readexactly(length - 4)
 
 
 async def test_upstream_sslmode_of_the_role(gateway, api, admin):
@@ -322,7 +385,7 @@ async def test_unreachable_or_refusing_target_is_fatal_08001(gateway, api):
     session = await api.done_session(session_id)
     assert session["exit_code"] == 254 and "its PORT is not a port number" in of_kind(session, "e")[0]
 
-    missing_db = await api.role()
+    missing_db = await api.role(db="no_such_db")  # the role's own database: the target says it is missing
     secret, _ = await api.credential(missing_db)
     result = psql(gateway, secret, "-c", "select 1", database="no_such_db")
     assert result.returncode != 0 and 'database "no_such_db" does not exist' in result.stderr
@@ -416,7 +479,7 @@ async def test_notice_notify_and_parameter_status_are_relayed(gateway, api, admi
 
 async def test_pgbench_initialises_and_runs_in_every_query_mode(gateway, api, admin):
     await admin.execute("create database bench")
-    role = await api.role()
+    role = await api.role(db="bench")
     secret, _ = await api.credential(role)
     env = {**os.environ, "PGPASSWORD": "any", "PGSSLMODE": "disable"}
     base = ["-h", "127.0.0.1", "-p", str(gateway.pg_port), "-U", secret]

@@ -21,10 +21,12 @@ from proxies.ssh.target import TargetError, TargetSettings
 
 
 def test_target_settings_from_the_role_and_their_clear_errors():
-    settings = TargetSettings.from_role({"HOST": " db.internal ", "PASS": "pw"})
+    settings = TargetSettings.from_role({"HOST": " db.internal ", "PASS": "pw", "ALLOW_UNVERIFIED_PASSWORD": "true"})
     assert (settings.host, settings.port, settings.user) == ("db.internal", 22, "root")
     assert settings.options("c")["port"] == 22 and settings.options("c")["password"] == "pw"
     for role, error in [({"PASS": "pw"}, 'connection "c" has no HOST'),
+                        ({"HOST": "h", "PASS": "pw"}, 'connection "c": its password is sent only to a target whose '
+                         "key is pinned (HOST_KEY), or where the connection allows it (ALLOW_UNVERIFIED_PASSWORD)"),
                         ({"HOST": "h", "PORT": "22x", "PASS": "pw"}, 'connection "c": its PORT is not a port number'),
                         ({"HOST": "h", "PORT": "70000", "PASS": "pw"}, 'connection "c": its PORT is not a port number'),
                         ({"HOST": "h"}, 'connection "c" has neither PASS nor PRIVATE_KEY'),
@@ -36,6 +38,26 @@ def test_target_settings_from_the_role_and_their_clear_errors():
             assert str(exc) == error
         else:
             raise AssertionError(f"{role} was accepted")
+
+
+def test_a_password_goes_only_to_a_pinned_host_key_and_through_an_agent_never_otherwise():
+    """Issue 31: an agent (or anyone answering for the target) got the password of a role without HOST_KEY."""
+    import asyncssh
+
+    key = asyncssh.generate_private_key("ssh-ed25519")
+    pinned = key.export_public_key().decode()
+    role = {"HOST": "h", "PASS": "pw"}
+    assert TargetSettings.from_role({**role, "HOST_KEY": pinned}).options("c", agent=True)["password"] == "pw"
+    relaxed = TargetSettings.from_role({**role, "ALLOW_UNVERIFIED_PASSWORD": "yes"})
+    assert relaxed.options("c")["password"] == "pw"  # direct, allowed by the role
+    try:
+        relaxed.options("c", agent=True)
+    except TargetError as exc:  # through an agent the role cannot allow it
+        assert str(exc) == 'connection "c": its password is sent only to a target whose key is pinned (HOST_KEY)'
+    else:
+        raise AssertionError("a password went unpinned through an agent")
+    both = TargetSettings.from_role({**role, "PRIVATE_KEY": key.export_private_key().decode()})
+    assert both.options("c", agent=True)["password"] is None and both.options("c")["password"] is None  # key only
 
 
 # --------------------------------------------------------------------------- logs

@@ -107,6 +107,22 @@ async def test_exec_output_stderr_exit_code_and_recording(gateway, api, target):
     assert "".join(of_kind(session, "o")) == "HELLO THROUGH THE GATEWAY\n"
 
 
+async def test_the_private_key_is_never_shown_and_a_connection_sent_back_as_read_keeps_it(gateway, api, target):
+    """Issue 31, item 10: POST /connections echoed the private key. The answer withholds it; the console's edit
+    (GET, then PUT what it read) keeps the stored key, and sshd still takes it."""
+    role = await api.role()
+    status, read = await api("GET", f"/connections/{role['name']}")
+    for answer in (role, read):
+        assert answer["secret"]["envvar:PRIVATE_KEY"] == "[REDACTED]", answer["secret"]
+        assert "PRIVATE KEY" not in json.dumps(answer) and b64(target.private_key_text) not in json.dumps(answer)
+    status, updated = await api("PUT", f"/connections/{role['name']}", {
+        **{key: read[key] for key in ("name", "type", "subtype", "secret")}, "tags": {"edited": "yes"}})
+    assert status == 200 and updated["tags"] == {"edited": "yes"}, updated
+    secret, _ = await api.credential(role)
+    result = ssh(gateway, secret, "echo still-the-key")
+    assert result.returncode == 0 and result.stdout == b"still-the-key\n", result.stderr
+
+
 async def test_exit_signal_is_propagated(gateway, api, target):
     role = await api.role()
     direct = target.ssh("kill -TERM $$")
@@ -142,8 +158,17 @@ async def test_signal_requests_and_eof_reach_the_target(gateway, api):
 
 
 async def test_password_login_environment_and_password_role(gateway, api, target, tmp_path):
-    """Any user name with the secret as password; the role logs in to the target with PASS; env requests."""
-    role = await api.role(password=True)
+    """Any user name with the secret as password; the role logs in to the target with PASS (its host key pinned:
+    the password goes to no other, issue 31); env requests."""
+    refused = await api.role(password=True)
+    secret, session_id = await api.credential(refused)
+    result = ssh(gateway, secret, "true")
+    assert result.returncode == 254 and b"its password is sent only to a target whose key is pinned (HOST_KEY), or " \
+        b"where the connection allows it (ALLOW_UNVERIFIED_PASSWORD)" in result.stderr, result.stderr
+    relaxed = await api.role(password=True, env_more={"ALLOW_UNVERIFIED_PASSWORD": "true"})
+    secret, session_id = await api.credential(relaxed)
+    assert ssh(gateway, secret, "true").returncode == 0
+    role = await api.role(password=True, host_key=target.host_public_key)
     secret, session_id = await api.credential(role)
     askpass = tmp_path / "askpass.sh"
     askpass.write_text(f"#!/bin/sh\necho '{secret}'\n")

@@ -20,7 +20,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from gatewayd.crypto import SecretBox
-from gatewayd.evidence import EventBatch, Sealer, batch_hash, pack_events, seal_statement, verify_recording
+from gatewayd.evidence import EventBatch, Sealer, batch_hash, pack_events, verify_recording
 from gatewayd.guardrails import GuardRailService
 from gatewayd.models import (
     CHAIN_GENESIS,
@@ -289,12 +289,13 @@ async def test_a_rule_changed_through_another_handle_reaches_the_rule_cache(back
     mine, theirs = await backend.open(), await backend.open()  # two processes on one database
     org = await an_org(mine)
     service = GuardRailService(mine)
-    assert (await service.rules_for(org, "c1")).empty
+    c1 = Connection(id="c1", org_id=org, name="c1", resource_name="c1", type="database", subtype="postgres")
+    assert (await service.rules_for(c1)).empty
     rail = a_rail(org, "no-drop", ["c1"])
     await theirs.save_guardrail(rail, create=True)  # no invalidate() in this process
-    assert not (await service.rules_for(org, "c1")).check_input("drop table t").allowed
+    assert not (await service.rules_for(c1)).check_input("drop table t").allowed
     await theirs.delete_guardrail(org, rail.id)
-    assert (await service.rules_for(org, "c1")).empty
+    assert (await service.rules_for(c1)).empty
 
 
 # ---------------------------------------------------------------------------- sessions
@@ -393,8 +394,8 @@ async def test_a_recording_stored_an_event_a_row_reads_verifies_and_goes_on_in_p
     assert await store.read_events(session.id, "o") == [e for e in old + new if e.kind == "o"]
     links, numbered = await store.read_event_chain(session.id)
     assert numbered == list(enumerate(old + new)) and [link.count for link in links] == [3, 2]
-    assert verify_recording(session.id, "open", new_hash, None, 0, None, None, links, numbered,
-                            Sealer(Ed25519PrivateKey.generate())).verified
+    session.chain_head = new_hash
+    assert verify_recording(session, links, numbered, Sealer(Ed25519PrivateKey.generate())).verified
     assert await store.last_event_seq(session.id) == (5, 4)
     await store.db.transact(queries.in_order([(  # an intruder cuts the last batch short
         "UPDATE session_event_batches SET events = ? WHERE session_id = ? AND first_seq = ?",
@@ -441,7 +442,7 @@ async def test_events_kept_after_a_close_by_another_process_follow_the_sealed_re
     assert await store.chain_tail(session.id) == (2, head)
     closer = [SessionEvent(9, "e", b"node b stopped answering")]
     sealed = batch_hash(head, session.id, 2, closer)
-    seal = sealer.sign(seal_statement(session.id, sealed, 3, 44, 254, NOW))
+    seal = sealer.seal(session, sealed, 3, 44, 254, NOW)
     assert await store.close_session([EventBatch.of(session.id, 2, closer, {"event_size": 44, "chain_head": sealed},
                                                     head, sealed)], end_date=NOW, exit_code=254, seal=seal)
     held = list(enumerate(events(4, start=2), 2))  # what the holder recorded from its event 2 on
@@ -454,7 +455,7 @@ async def test_events_kept_after_a_close_by_another_process_follow_the_sealed_re
     assert read == mine + closer + [SessionEvent(held[0][1].offset_ms, "e", b"kept late")] + [e for _, e in held]
     links, numbered = await store.read_event_chain(session.id)
     stored = await store.get_session(session.id)
-    result = verify_recording(session.id, "done", stored.chain_head, stored.seal, 44, 254, NOW, links, numbered, sealer)
+    result = verify_recording(stored, links, numbered, sealer, [{"seal": seal, "sealed_at": NOW}])
     assert not result.verified and result.sealed
     assert result.problems == ["5 events were stored after the session was closed by another process (kept by the "
                                "process that held it, in memory or in its journal): they are not covered by the "
@@ -912,3 +913,107 @@ def test_postgres_ddl_rewrites_types_and_never_a_literal():
         assert literals.findall(translated) == literals.findall(script), version
         assert not re.search(r"\b(BLOB|REAL|INTEGER)\b", translated), version
         assert translated.count("row_order BIGINT GENERATED ALWAYS AS IDENTITY") == script.count("CREATE TABLE ")
+
+
+# ---------------------------------------------------------------------------- tamper evidence, as an intruder edits
+
+async def sealing_gateway(store: Store):
+    """The gateway's own services on ``store``: its key loaded, the audit chain keyed with it."""
+    from gatewayd.audit import AuditLog
+    from gatewayd.recording import RecordingService
+    from gatewayd.sessions import SessionManager
+
+    sealer = await Sealer.load(store)
+    store.audit_key = sealer.audit_key
+    recording = RecordingService(store, cap=1 << 20, flush_interval=60, sealer=sealer)
+    return SessionManager(store, recording, AuditLog(store)), recording
+
+
+async def sealed_session(store: Store, manager, recording, batches: int = 3, **fields) -> Session:
+    """A session recorded in ``batches`` flushes and closed as a live one is: sealed, its sealing audited."""
+    session = a_session(await an_org(store), script="select secret from vault", verb="exec", **fields)
+    await store.create_session(session)
+    recorder = await recording.recorder(session.id, started=0.0)
+    for n in range(batches):
+        recorder.input(f"statement {n}\n")
+        recorder.output(f"answer {n}\n")
+        await recording.flush()
+    seal = await recording.close(recorder, session, end_date=NOW, exit_code=0)
+    await manager.sealed(session, seal)
+    return await store.get_session(session.id)
+
+
+async def intrude(store: Store, *statements: tuple[str, tuple]) -> None:
+    await store.db.transact(queries.in_order(list(statements)))
+
+
+async def test_a_sealed_session_set_open_again_is_not_sealed_again_and_verification_tells(store: Store):
+    """Issue 31: remove events from a sealed recording, re-hash the chain, set the session open and drop its seal:
+    the sweep of sessions left open sealed the cut recording and ``verify`` said intact. Its sealing is in the
+    audit chain now: the sweep leaves it as it is (a failure entry says why) and ``verify`` says the seal was
+    removed."""
+    manager, recording = await sealing_gateway(store)
+    session = await sealed_session(store, manager, recording)
+    result = await recording.verify(session)
+    assert result.verified and result.sealed and result.links == 3, result.problems
+    links, numbered = await store.read_event_chain(session.id)
+    kept = [event for seq, event in numbered if seq < links[1].first_seq]  # the last two batches cut
+    head = batch_hash(CHAIN_GENESIS, session.id, 0, kept)
+    await intrude(store,
+                  ("DELETE FROM session_event_batches WHERE session_id = ? AND first_seq > 0", (session.id,)),
+                  ("UPDATE session_event_batches SET count = ?, hash = ?, events = ? WHERE session_id = ?",
+                   (len(kept), head, pack_events(0, kept), session.id)),
+                  ("UPDATE sessions SET status = 'open', seal = NULL, end_date = NULL, exit_code = NULL, chain_head = ?, "
+                   "event_size = ? WHERE id = ?", (head, sum(len(e.data) for e in kept), session.id)))
+    assert await manager.close_orphans(Node(id="", name="", slot=0, host="", pid=0, started_at=NOW,
+                                            heartbeat_at=NOW), "left open by a previous run") == 1
+    found = await store.get_session(session.id)
+    assert (found.status, found.seal) == ("open", None)  # never sealed again
+    refusals = (await store.list_audit(AuditFilter(org_id=session.org_id, action="session.seal",
+                                                   outcome="failure"))).items
+    assert len(refusals) == 1 and "is not sealed again" in refusals[0].error_message
+    assert len(await store.sealings(session.id)) == 1
+    result = await recording.verify(found)
+    assert not result.verified and any("but has no seal now: the seal was removed" in p for p in result.problems)
+    assert (await manager.audit.verify(session.org_id)).verified  # the audit chain itself is whole
+
+
+async def test_a_sealed_session_s_identity_changed_in_the_store_is_told(store: Store):
+    """Issue 31: the seal did not cover who, what and when: a sealed session's user, connection, start, verb or
+    script changed in the store left ``verify`` at intact."""
+    manager, recording = await sealing_gateway(store)
+    session = await sealed_session(store, manager, recording, batches=1)
+    for column, value in (("user_id", "sub-mallory"), ("user_email", "mallory@example.com"), ("connection", "other"),
+                          ("connection_id", "id-other"), ("start_date", "2025-01-01T00:00:00Z"), ("verb", "connect"),
+                          ("script", "select 1")):
+        original = getattr(session, column)
+        await intrude(store, (f"UPDATE sessions SET {column} = ? WHERE id = ?", (value, session.id)))
+        result = await recording.verify(await store.get_session(session.id))
+        assert not result.verified and any(p.startswith("the seal does not match") for p in result.problems), column
+        await intrude(store, (f"UPDATE sessions SET {column} = ? WHERE id = ?", (original, session.id)))
+    assert (await recording.verify(await store.get_session(session.id))).verified
+
+
+async def test_an_audit_log_stripped_or_re_hashed_in_the_store_does_not_verify(store: Store):
+    """Issue 31: ``audit verify`` said intact after every hash was blanked (0 links, 7479 entries), and new entries
+    chained from the start again. Its links are keyed now: blanked or re-computed without the key, none verifies."""
+    from gatewayd.evidence import audit_hash
+
+    manager, _ = await sealing_gateway(store)
+    org = await an_org(store)
+    for number in range(4):
+        await manager.audit.record(org_id=org, actor=None, action=f"test.{number}", resource_type="test",
+                                   outcome="success", payload={"n": number})
+    assert (await manager.audit.verify(org)).verified
+    await intrude(store, ("UPDATE audit_logs SET hash = '', prev_hash = '' WHERE org_id = ?", (org,)))
+    result = await manager.audit.verify(org)
+    assert not result.verified and result.links == 0 and "none of its 4 entries verifies" in result.problems[-1]
+    previous, rehashed = CHAIN_GENESIS, []  # the whole chain re-computed as the store's code would without the key
+    for row in await store.audit_chain(org):
+        row["prev_hash"] = previous
+        row["hash"] = previous = audit_hash(previous, row)
+        rehashed.append(("UPDATE audit_logs SET prev_hash = ?, hash = ? WHERE id = ?",
+                         (row["prev_hash"], row["hash"], row["id"])))
+    await intrude(store, *rehashed)
+    result = await manager.audit.verify(org)
+    assert not result.verified and "none of its 4 entries verifies" in result.problems[-1]

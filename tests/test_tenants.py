@@ -15,7 +15,9 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
+from tests.apiclient import b64
 from tests.conftest import Daemon, free_port, wait_port
+from tests.llmpeer import FakeLLM
 from tests.oidc_provider import OIDCProvider
 
 DENIED = (401, {"message": "access denied"})
@@ -35,12 +37,16 @@ def _oidc(provider: OIDCProvider) -> dict[str, Any]:
 
 @pytest_asyncio.fixture(scope="module")
 async def saas(provider: OIDCProvider, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Daemon]:
-    """A multi-tenant gateway with a PostgreSQL listener every tenant shares."""
+    """A multi-tenant gateway with a PostgreSQL and an HTTP listener every tenant shares, and its metrics."""
     daemon = Daemon(tmp_path_factory.mktemp("saas") / "data", {
-        **_oidc(provider), "auth.multi_tenant": True, "listeners.postgres": f"127.0.0.1:{free_port()}"})
+        **_oidc(provider), "auth.multi_tenant": True, "listeners.postgres": f"127.0.0.1:{free_port()}",
+        "listeners.http": f"127.0.0.1:{free_port()}", "metrics.listen": f"127.0.0.1:{free_port()}"})
     await asyncio.to_thread(daemon.start)
     daemon.pg_port = int(daemon.settings["listeners.postgres"].rsplit(":", 1)[1])
+    daemon.http_port = int(daemon.settings["listeners.http"].rsplit(":", 1)[1])
+    daemon.metrics_port = int(daemon.settings["metrics.listen"].rsplit(":", 1)[1])
     await asyncio.to_thread(wait_port, daemon.pg_port, daemon.process, "gatewayd")
+    await asyncio.to_thread(wait_port, daemon.http_port, daemon.process, "gatewayd")
     yield daemon
     await asyncio.to_thread(daemon.stop)
 
@@ -309,3 +315,123 @@ async def test_a_deleted_group_is_no_grant_any_more(tmp_path):
         assert (user.groups, user.granted_groups) == (["dev", "ops"], ["dev"])
         stored = await gateway.store.get_user(id=user.id)
         assert (stored.groups, stored.granted_groups, stored.federated) == (["dev", "ops"], ["dev"], True)
+
+
+# --- issue 31, item 5: everything tenant-scoped is scoped ----------------------------------------------------
+
+
+async def test_a_tenants_local_logins_are_in_its_own_log(http, saas, provider):
+    """Every organization's local logins, success and failure with the client address, were audited in the
+    default organization's log: the tenant never saw them, the operators saw every tenant's."""
+    founder, org = await found_org(http, saas, provider, "logger")
+    operator = await cli_token(saas, "log-root@ops.example", "admin", "--operator")
+    email = "clerk@logger.example"
+    assert (await call(http, saas, "POST", "/users", founder, {"email": email, "password": "clerk passphrase"}))[0] == 201
+    for password, expected in (("clerk passphrase", 200), ("not the passphrase", 401)):
+        status, body = await call(http, saas, "POST", "/localauth/login", None,
+                                  {"email": email, "password": password, "org_id": org})
+        assert status == expected, body
+    status, logs = await call(http, saas, "GET", "/audit/logs?action=auth.local_login&page_size=100", founder)
+    assert status == 200, logs
+    mine = sorted((e["outcome"], e["org_id"], e["client_ip"]) for e in logs["data"] if e["actor_email"] == email)
+    assert mine == [("failure", org, "127.0.0.1"), ("success", org, "127.0.0.1")], logs["data"]
+    status, logs = await call(http, saas, "GET", f"/audit/logs?actor={email}&page_size=100", operator)
+    assert status == 200 and logs["data"] == [], logs["data"]  # nothing of it in the operators' log
+
+
+async def test_an_email_another_organization_holds_tells_nothing_and_is_no_squat(http, saas, provider):
+    """Creating a user whose e-mail another organization held answered 409 (an oracle, and a squat: the other
+    could never have that person); the host's CLI took a tenant's user for the operator's e-mail."""
+    first, first_org = await found_org(http, saas, provider, "emailer-a")
+    second, second_org = await found_org(http, saas, provider, "emailer-b")
+    answers = []
+    for founder in (first, second):
+        status, made = await call(http, saas, "POST", "/users", founder,
+                                  {"email": "Shared@Corp.example", "password": "the same passphrase"})
+        assert status == 201, made
+        answers.append(sorted(made))
+    assert answers[0] == answers[1]  # the second organization is answered as the first was: nothing to tell
+    status, again = await call(http, saas, "POST", "/users", second, {"email": "shared@corp.example"})
+    assert status == 409  # within one organization an e-mail is still one user
+
+    async def login(org_id: str | None, password: str = "the same passphrase") -> tuple[int, Any]:
+        return await call(http, saas, "POST", "/localauth/login", None, {
+            "email": "shared@corp.example", "password": password, **({"org_id": org_id} if org_id else {})})
+
+    for org_id in (first_org, second_org):  # each organization's person signs in to their own account
+        status, body = await login(org_id)
+        assert status == 200, body
+        status, me = await call(http, saas, "GET", "/userinfo", body["token"])
+        assert me["org_id"] == org_id and me["email"] == "Shared@Corp.example"
+    assert (await login(None))[0] == 401  # without its organization, an account of none
+
+    # a tenant holding the e-mail an operator will be made with gets nothing from it
+    status, made = await call(http, saas, "POST", "/users", first, {"email": "ops-next@ops.example"})
+    assert status == 201
+    await cli_token(saas, "ops-next@ops.example", "", "--operator")
+    status, squatter = await call(http, saas, "GET", "/users/ops-next@ops.example", first)
+    assert status == 200 and not squatter["is_operator"], squatter
+    await asyncio.to_thread(saas.cli, "user", "operator", "--email", "ops-next@ops.example", "--revoke")
+    status, squatter = await call(http, saas, "GET", "/users/ops-next@ops.example", first)
+    assert status == 200 and not squatter["is_operator"]
+
+
+async def test_a_tenants_http_connection_cannot_reach_the_gateways_host(http, saas, provider):
+    """A tenant's HTTP connection to 127.0.0.1 read the gateway's own /metrics and /api/readyz."""
+    founder, _ = await found_org(http, saas, provider, "prober")
+    host_admin = await cli_token(saas, "probe-admin@ops.example", "admin")
+    targets = {"metrics": f"http://127.0.0.1:{saas.metrics_port}", "readyz": f"http://localhost:{saas.api_port}/api",
+               "metadata": "http://169.254.169.254/latest", "mapped": f"http://[::ffff:127.0.0.1]:{saas.api_port}/api"}
+    paths = {"metrics": "/metrics", "readyz": "/readyz", "metadata": "/meta-data/", "mapped": "/readyz"}
+    for name, url in targets.items():
+        status, connection = await call(http, saas, "POST", "/connections", founder, {
+            "name": f"probe-{name}", "type": "httpproxy", "subtype": "httpproxy",
+            "secret": {"envvar:REMOTE_URL": b64(url)}})
+        assert status == 201, connection
+        status, cred = await call(http, saas, "POST", f"/connections/probe-{name}/credentials", founder, {})
+        assert status == 201, cred
+        secret = cred["connection_credentials"]["proxy_token"]
+        async with http.get(f"http://127.0.0.1:{saas.http_port}{paths[name]}",
+                            headers={"Authorization": secret}) as response:
+            text = await response.text()
+        assert response.status == 502, (name, response.status, text[:300])
+        assert "gatewayd_" not in text and '"ready"' not in text and "address" in text, (name, text)
+    # the operators' own organization may point at the host (its admins run it)
+    status, connection = await call(http, saas, "POST", "/connections", host_admin, {
+        "name": "host-metrics", "type": "httpproxy", "subtype": "httpproxy",
+        "secret": {"envvar:REMOTE_URL": b64(targets["metrics"])}})
+    assert status == 201, connection
+    status, cred = await call(http, saas, "POST", "/connections/host-metrics/credentials", host_admin, {})
+    async with http.get(f"http://127.0.0.1:{saas.http_port}/metrics",
+                        headers={"Authorization": cred["connection_credentials"]["proxy_token"]}) as response:
+        assert response.status == 200 and "gatewayd_" in await response.text()
+
+
+async def test_a_tenants_ai_provider_cannot_reach_the_gateways_host(tmp_path):
+    """A tenant's AI provider URL on loopback answered up to 300 characters of internal answers into the tenant's
+    recording, and worked as a port scanner: it is not dialled now (the operators' own organization's is)."""
+    from gatewayd.models import AIAnalyzerRule, AIProvider, Connection, new_id
+    from tests.conftest import core_gateway
+
+    internal = await FakeLLM().start()  # a service on the gateway's host, reachable on loopback only
+    try:
+        async with core_gateway(tmp_path, {"auth.multi_tenant": True}) as gateway:
+            tenant = await gateway.store.create_org("a tenant")
+            operators = await gateway.store.default_org()
+            for org in (tenant, operators):
+                await gateway.store.save_ai_provider(AIProvider(
+                    id=new_id(), org_id=org.id, provider="custom", model="judge-1",
+                    api_url=f"http://localhost:{internal.port}/v1", api_key=internal.api_key))
+            seen = {}
+            for org in (tenant, operators):
+                connection = Connection(id=new_id(), org_id=org.id, name="db", resource_name="db", type="database",
+                                        subtype="postgres")
+                rule = AIAnalyzerRule(id=new_id(), org_id=org.id, name="judge", connection_names=["db"])
+                internal.requests.clear()
+                _, failure = await gateway.analysis.evaluate(rule, connection, "select 1")
+                seen[org.name] = (failure, len(internal.requests))
+            assert seen["a tenant"][1] == 0, "the tenant's provider URL reached a service on the gateway's host"
+            assert "loopback address" in seen["a tenant"][0] and "Reads data" not in seen["a tenant"][0], seen
+            assert seen[operators.name] == ("", 1), seen
+    finally:
+        await internal.stop()

@@ -150,6 +150,15 @@ class Screen:
         await self.page.click("#sign-in button[type=submit]")
         await self.page.wait_for_selector("#me")
 
+    async def use_token(self, token: str) -> None:
+        """Signed in with ``token`` as the page keeps it (a token from the CLI: no link hands one over)."""
+        await self.open()
+        await self.page.evaluate("token => localStorage.setItem('gatewayd.console.token', token)", token)
+        await self.page.reload()
+
+    async def token(self) -> str | None:
+        return await self.page.evaluate("() => localStorage.getItem('gatewayd.console.token')")
+
     async def shot(self, name: str) -> None:
         path = self.shots / f"{name}.png"
         await self.page.screenshot(path=str(path), full_page=True)
@@ -234,11 +243,59 @@ async def test_sign_in_find_a_session_and_sign_out(gateway, world, screens):
 
     await ada.page.reload()  # the token is kept across a reload
     await ada.page.wait_for_selector(f"#sessions tr[data-session='{world['ssh_session']}']")
+    token = await ada.token()
+    assert (await world["ada"]("GET", "/userinfo", token=token))[0] == 200
     await ada.page.click("#sign-out")
     await ada.page.wait_for_selector("#sign-in")
+    await ada.page.wait_for_selector("text=Signed out.")
+    # issue 31, item 8: the gateway refuses the token now, a copy of it too (not only this page forgot it)
+    assert await world["ada"]("GET", "/userinfo", token=token) == (401, {"message": "access denied"})
     await ada.page.reload()
     await ada.page.wait_for_selector("#sign-in")
     ada.assert_clean_log(allowed=("status of 401",))
+
+
+async def test_a_link_carrying_a_token_signs_no_one_in_and_replaces_no_one(gateway, world, screens):
+    """Issue 31, item 8: ``/?token=`` in any link signed the browser in as whoever's token it carried, the
+    signed-in user included, silently. Only the page's own single sign-on may hand it a token."""
+    planted = gateway.token("mallory@example.com", groups="admin")
+    rita = await screens()
+    await rita.sign_in("rita@example.com")
+    mine = await rita.token()
+    await rita.open(f"?token={planted}#/sessions")
+    await rita.page.wait_for_selector("#me")
+    assert await rita.page.text_content("#me") == "rita@example.com"
+    assert await rita.token() == mine and "token" not in rita.page.url
+
+    stranger = await screens()
+    await stranger.open(f"?token={planted}")
+    await stranger.page.wait_for_selector("#sign-in")
+    await stranger.page.wait_for_selector("text=A sign-in link this page did not ask for was ignored")
+    assert await stranger.token() is None and await stranger.page.locator("#me").count() == 0
+    assert "token" not in stranger.page.url
+    rita.assert_clean_log()
+    stranger.assert_clean_log()
+
+
+async def test_the_sign_in_page_of_an_organization_signs_in_to_that_organization(gateway, world, screens):
+    """``/?org=ID``: the sign-in names that organization (e-mails are unique per organization); another one's id
+    finds no such account there."""
+    status, me = await world["ada"]("GET", "/userinfo")
+    rita = await screens()
+    await rita.open(f"?org={me['org_id']}")
+    assert await rita.page.text_content("#sign-in-org") == f"Organization {me['org_id']}"
+    await rita.page.fill("#sign-in input[name=email]", "rita@example.com")
+    await rita.page.fill("#sign-in input[name=password]", PASSWORDS["rita@example.com"])
+    await rita.page.click("#sign-in button[type=submit]")
+    await rita.page.wait_for_selector("#me")
+    other = await screens()
+    await other.open("?org=00000000-0000-4000-8000-000000000000")
+    await other.page.fill("#sign-in input[name=email]", "rita@example.com")
+    await other.page.fill("#sign-in input[name=password]", PASSWORDS["rita@example.com"])
+    await other.page.click("#sign-in button[type=submit]")
+    await other.page.wait_for_selector("text=Wrong e-mail or password.")
+    rita.assert_clean_log()
+    other.assert_clean_log(allowed=("status of 401",))
 
 
 async def test_single_sign_on_keeps_the_token_and_takes_it_out_of_the_address(tmp_path_factory, screens):
@@ -393,7 +450,7 @@ async def test_a_regular_user_cannot_see_another_users_session(gateway, world, s
 
 async def test_an_auditor_reads_every_session_but_changes_nothing(gateway, world, screens):
     audrey = await screens()
-    await audrey.open(f"?token={gateway.token('audrey@example.com', groups='auditor')}")
+    await audrey.use_token(gateway.token('audrey@example.com', groups='auditor'))
     rows = audrey.page.locator("#sessions tbody tr")
     await rows.first.wait_for()
     ids = await rows.evaluate_all("rows => rows.map(r => r.dataset.session)")

@@ -1,6 +1,7 @@
 // The public API under /api with the signed-in user's token: the console has no power of its own.
 
 const TOKEN_KEY = "gatewayd.console.token";
+const LOGIN_KEY = "gatewayd.console.login";  // the sign-in this tab started (sessionStorage: this tab only)
 
 export class ApiError extends Error {
   constructor(status, message) {
@@ -15,16 +16,31 @@ export const auth = {
     if (value) localStorage.setItem(TOKEN_KEY, value);
     else localStorage.removeItem(TOKEN_KEY);
   },
-  /** A token handed back by the OIDC callback (/?token=...): kept, then removed from the address bar. */
+  /** Where a single sign-on started here should come back to: the page, with a fresh random ``login`` value
+   * that only this tab knows (kept until the callback brings it back). */
+  startLogin() {
+    const nonce = Array.from(crypto.getRandomValues(new Uint8Array(16)), (b) => b.toString(16).padStart(2, "0"))
+      .join("");
+    sessionStorage.setItem(LOGIN_KEY, nonce);
+    return `/?login=${nonce}`;
+  },
+  /** A token handed back by the OIDC callback (/?login=...&token=...): kept only when it answers the sign-in
+   * this tab started, so a link carrying someone else's token never signs anyone in or replaces the signed-in
+   * user. Either way it is taken out of the address bar. "taken", "ignored", or "" when there was none. */
   takeFromAddress() {
     const params = new URLSearchParams(location.search);
     const token = params.get("token");
-    if (!token) return false;
-    this.token = token;
+    const login = params.get("login");
+    const expected = sessionStorage.getItem(LOGIN_KEY);
+    if (login && login === expected) sessionStorage.removeItem(LOGIN_KEY);
+    if (!token) return "";
+    const ours = Boolean(login && expected && login === expected);
+    if (ours) this.token = token;
     params.delete("token");
+    params.delete("login");
     const rest = params.toString();
     history.replaceState(null, "", location.pathname + (rest ? `?${rest}` : "") + (location.hash || "#/sessions"));
-    return true;
+    return ours ? "taken" : "ignored";
   },
 };
 

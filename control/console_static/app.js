@@ -45,6 +45,17 @@ function signOut(message) {
 
 whenSignedOut(() => signOut("Your sign-in expired or was revoked: sign in again."));
 
+/** Sign out: the gateway refuses the token from now on (a copy of it included), then the page forgets it. */
+async function signOutHere() {
+  let message = "Signed out.";
+  try {
+    await api("POST", "/logout");
+  } catch (err) {
+    if (err.status !== 401) message = `Signed out of this page; the gateway could not be told (${err.message}).`;
+  }
+  signOut(message);
+}
+
 function renderNav() {
   const me = state.me;
   const nav = document.getElementById("nav");
@@ -62,14 +73,17 @@ function renderNav() {
     h("a", {href: `#${href}`, class: path.startsWith(href) ? "active" : ""}, label)));
   const roles = [me.is_admin && "admin", me.is_auditor && "auditor"].filter(Boolean);
   mount(who, h("span", {id: "me"}, me.email), roles.length ? h("span", {class: "badge"}, roles.join(", ")) : null,
-    h("button", {type: "button", id: "sign-out", onclick: () => signOut("Signed out.")}, "Sign out"));
+    h("button", {type: "button", id: "sign-out", onclick: signOutHere}, "Sign out"));
 }
 
 function renderSignIn(message) {
   renderNav();
+  // a self-service organization's own accounts sign in at /?org=<organization id> (e-mails are per organization)
+  const org = new URLSearchParams(location.search).get("org") || "";
   const error = h("div", {class: "messages"}, message ? notice(message, "info") : null);
   const form = h("form", {id: "sign-in", class: "card narrow"},
     h("h1", {}, "Sign in"),
+    org ? h("p", {class: "muted", id: "sign-in-org"}, `Organization ${org}`) : null,
     field("E-mail", h("input", {name: "email", type: "email", autocomplete: "username", required: true})),
     field("Password", h("input", {name: "password", type: "password", autocomplete: "current-password",
       required: true})),
@@ -82,7 +96,7 @@ function renderSignIn(message) {
     const data = new FormData(form);
     try {
       const {token} = await api("POST", "/localauth/login",
-        {body: {email: data.get("email"), password: data.get("password")}});
+        {body: {email: data.get("email"), password: data.get("password"), ...(org ? {org_id: org} : {})}});
       auth.token = token;
       await start();
     } catch (err) {
@@ -91,7 +105,7 @@ function renderSignIn(message) {
   });
   async function singleSignOn() {
     try {
-      const {login_url: url} = await api("GET", "/login", {query: {redirect: "/"}});
+      const {login_url: url} = await api("GET", "/login", {query: {redirect: auth.startLogin()}});
       location.assign(url);
     } catch (err) {
       mount(error, notice(err.message, "error"));
@@ -124,9 +138,11 @@ async function route() {
   mount(page, h("h1", {}, "Not found"), notice(`No page at ${path}.`, "error"));
 }
 
+const IGNORED_LINK = "A sign-in link this page did not ask for was ignored: sign in here, if you meant to.";
+
 async function start() {
-  auth.takeFromAddress();
-  if (!auth.token) return renderSignIn();
+  const link = auth.takeFromAddress();
+  if (!auth.token) return renderSignIn(link === "ignored" ? IGNORED_LINK : undefined);
   try {
     state.me = await api("GET", "/userinfo");
   } catch (err) {

@@ -15,6 +15,7 @@ import logging
 import secrets
 import socket
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any, Callable
 
 import grpc
@@ -22,7 +23,7 @@ import grpc
 from gatewayd import protocols
 from gatewayd.agent import agent_pb2 as pb
 from gatewayd.agent.pump import pump
-from gatewayd.agent.server import bearer
+from gatewayd.agent.server import bearer, read_message
 from gatewayd.config import split_listen
 from gatewayd.models import rfc3339, utcnow
 
@@ -95,7 +96,7 @@ class ManagerService:
 
     async def manage(self, context: grpc.aio.ServicerContext) -> None:
         user = await self._user(context)
-        first = await context.read()
+        first = await read_message(context)
         if first is grpc.aio.EOF or not first.HasField("hello"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a proxy manager says hello first")
         link = ManagerLink(user, first.hello.hostname, rfc3339(utcnow()))
@@ -126,11 +127,14 @@ class ManagerService:
 
     @staticmethod
     async def _results(context: grpc.aio.ServicerContext, link: ManagerLink) -> None:
-        while (message := await context.read()) is not grpc.aio.EOF:
-            if message.HasField("result"):
-                future = link.results.get(message.result.listen_id)
-                if future is not None and not future.done():
-                    future.set_result(message.result)
+        try:
+            while (message := await read_message(context)) is not grpc.aio.EOF:
+                if message.HasField("result"):
+                    future = link.results.get(message.result.listen_id)
+                    if future is not None and not future.done():
+                        future.set_result(message.result)
+        except grpc.aio.AbortError:  # a message that did not parse ended the call (said by read_message)
+            pass
 
     # -- what the API asks
 
@@ -209,7 +213,7 @@ class ManagerService:
         ours.setblocking(False)
         theirs.setblocking(False)
         bridge_reader, bridge_writer = await asyncio.open_connection(sock=ours)
-        bridge = asyncio.ensure_future(pump(bridge_reader, bridge_writer, context.read, context.write))
+        bridge = asyncio.ensure_future(pump(bridge_reader, bridge_writer, partial(read_message, context), context.write))
         try:
             await _serve_socket(serve, theirs, forwarding, user)
         finally:
@@ -218,7 +222,7 @@ class ManagerService:
 
     async def forward(self, context: grpc.aio.ServicerContext) -> None:
         user = await self._user(context)
-        first = await context.read()
+        first = await read_message(context)
         link = self.links.get(user.id)
         forwarding = None
         if first is not grpc.aio.EOF and link is not None:
@@ -239,7 +243,7 @@ class ManagerService:
         theirs.setblocking(False)
         bridge_reader, bridge_writer = await asyncio.open_connection(sock=ours)
         client_reader, client_writer = await asyncio.open_connection(sock=theirs)
-        bridge = asyncio.ensure_future(pump(bridge_reader, bridge_writer, context.read, context.write))
+        bridge = asyncio.ensure_future(pump(bridge_reader, bridge_writer, partial(read_message, context), context.write))
         try:
             try:
                 opening = await description.forward_opening(client_reader, client_writer, forwarding.secret)

@@ -226,6 +226,12 @@ class AgentRegistry:
         finally:
             self.pending.pop(stream_id, None)  # a tunnel answering after this finds its answer cancelled
 
+    def expects(self, token_hash: str) -> bool:
+        """Whether a dial of this node waits for a tunnel of the agent whose token has this hash (a tunnel of
+        any other caller is refused before the gateway reads anything of it)."""
+        return any(not pending.answer.done() and hmac.compare_digest(pending.link.agent.token_hash, token_hash)
+                   for pending in self.pending.values())
+
     def claim(self, stream_id: str, token_hash: str) -> PendingStream | None:
         """The pending stream a tunnel names, if the gateway asked this agent for it (token checked)."""
         pending = self.pending.get(stream_id)

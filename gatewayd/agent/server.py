@@ -1,8 +1,12 @@
 """The gateway's gRPC server (``[grpc] listen``, TLS): agents' control channels and tunnels.
 
 ``AgentService`` implements agent.proto's ``AgentGateway`` on grpc.aio.  Every refusal (an
-unknown or revoked token, a tunnel the gateway did not ask for) is an audit entry; connects and
-disconnects are audited by the registry.  The proxy manager's two calls are served by the
+unknown or revoked token, a tunnel the gateway did not ask for) is an audit entry, up to the
+address's throttle (counted before anything is written: past it, one ``agent.throttle`` entry and
+no more); connects and disconnects are audited by the registry.  A call is refused before the
+gateway reads from it unless its token is one the gateway waits for, and what it must send first
+comes within a short deadline, so calls that send nothing hold nothing.  A message that does not
+parse ends its call with INVALID_ARGUMENT and one info line.  The proxy manager's two calls are served by the
 ``ManagerService`` the server is given (gatewayd.agent.manager), when it has one.
 """
 
@@ -12,10 +16,12 @@ import asyncio
 import logging
 import math
 import socket
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from gatewayd import __version__, tls
 from gatewayd.agent import agent_pb2 as pb
@@ -32,7 +38,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gatewayd.grpc")
 
-HELLO_TIMEOUT = 15.0
+HELLO_TIMEOUT = 15.0  # an agent's hello comes within this after its Connect
+FIRST_FRAME_TIMEOUT = 10.0  # a Tunnel's first frame (the agent's answer to an Open) comes within this
 PEERS_REFRESH = 30.0  # how often an agent's channel is told the nodes up again (Welcome)
 CERT_BASE = "grpc-tls"
 SERVER_OPTIONS = [
@@ -74,6 +81,17 @@ def peer_ip(context: grpc.aio.ServicerContext) -> str:
     return rest
 
 
+async def read_message(context: grpc.aio.ServicerContext) -> Any:
+    """The call's next message (``grpc.aio.EOF`` at its end). One that does not parse ends the call with
+    INVALID_ARGUMENT and an info line: a peer's junk is not the gateway's error (grpc.aio would log a traceback
+    at error level and answer UNKNOWN)."""
+    try:
+        return await context.read()
+    except DecodeError:
+        log.info("malformed gRPC message", extra={"client": peer_ip(context), "reason": "it does not parse"})
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a message of this call does not parse")
+
+
 class AgentService(pb_grpc.AgentGatewayServicer):
     """The AgentGateway service: ``Connect`` and ``Tunnel`` for agents; ``Manage``/``Forward`` handed on."""
 
@@ -96,14 +114,20 @@ class AgentService(pb_grpc.AgentGatewayServicer):
 
     async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, action: str,
                       org_id: str = "", actor_hint: str = "agent (unknown token)", **payload: Any) -> None:
+        """Refuse the call: an audit entry, unless its address is past its refusals (counted first, so a flood
+        writes one ``agent.throttle`` entry, not a row per call: calls admitted before the throttle began end
+        here too)."""
         client_ip = peer_ip(context)
+        address = f"address:{client_ip}"
+        if self.throttle.retry_after(address):
+            await context.abort(code, message)
+        newly = self.throttle.failed(address)
         org_id = org_id or (await self.store.default_org()).id
         await self.audit.record(org_id=org_id, actor=None, actor_hint=actor_hint, action=action,
                                 resource_type="agents", outcome="failure", error_message=message, client_ip=client_ip,
                                 payload=payload or None)
         log.warning("agent refused", extra={"client": client_ip, "reason": message})
-        address = f"address:{client_ip}"
-        if self.throttle.failed(address):
+        if newly:
             await self.audit.record(
                 org_id=org_id, actor=None, action="agent.throttle", resource_type="agents", outcome="failure",
                 client_ip=client_ip, error_message=f"too many refused calls from {client_ip}: refused for "
@@ -121,7 +145,7 @@ class AgentService(pb_grpc.AgentGatewayServicer):
             return
         try:
             async with asyncio.timeout(HELLO_TIMEOUT):
-                first = await context.read()
+                first = await read_message(context)
         except TimeoutError:
             first = grpc.aio.EOF
         if first is grpc.aio.EOF or not first.HasField("hello"):
@@ -170,7 +194,10 @@ class AgentService(pb_grpc.AgentGatewayServicer):
     @staticmethod
     async def _until_eof(context: grpc.aio.ServicerContext) -> None:
         """Read what the agent sends after its hello (nothing yet) until its side ends."""
-        while await context.read() is not grpc.aio.EOF:
+        try:
+            while await read_message(context) is not grpc.aio.EOF:
+                pass
+        except grpc.aio.AbortError:  # a message that did not parse ended the call (said by read_message)
             pass
 
     async def Tunnel(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
@@ -178,10 +205,16 @@ class AgentService(pb_grpc.AgentGatewayServicer):
             return
         token = bearer(context)
         token_hash = hash_secret(token)
-        first = await context.read()
-        pending = None if first is grpc.aio.EOF else self.registry.claim(first.stream_id, token_hash)
+        pending = None
+        if self.registry.expects(token_hash):  # anyone else is refused before a byte of theirs is read
+            try:
+                async with asyncio.timeout(FIRST_FRAME_TIMEOUT):
+                    first = await read_message(context)
+            except TimeoutError:
+                first = grpc.aio.EOF
+            pending = None if first is grpc.aio.EOF else self.registry.claim(first.stream_id, token_hash)
         if pending is None:
-            agent = await self.store.agent_by_token(token_hash) if token else None
+            agent = await self.store.agent_by_token(token_hash) if token.startswith(f"{TOKEN_PREFIX}-") else None
             await self._refuse(context, grpc.StatusCode.PERMISSION_DENIED,
                                "no stream of that id was asked of this agent: only the gateway opens streams",
                                "agent.stream_refused", agent.org_id if agent else "",
@@ -205,7 +238,7 @@ class AgentService(pb_grpc.AgentGatewayServicer):
         link.streams.add(writer)
         broken = ""
         try:
-            await pump(reader, writer, context.read, context.write)
+            await pump(reader, writer, partial(read_message, context), context.write)
         except (StreamBroken, asyncio.CancelledError) as exc:
             broken = str(exc) or "the stream was cut"
             if isinstance(exc, asyncio.CancelledError):

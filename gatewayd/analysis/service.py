@@ -35,10 +35,12 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from gatewayd.analysis.offline import language_of, rate
+from gatewayd.languages import SHELL, SQL
 from gatewayd.analysis.providers import AnalyzerError, classify, describe_input
 from gatewayd.analysis.verdict import BLOCK, LOW, Rating, Verdict, higher, severity, verdict_for
 from gatewayd.audit import AuditLog
 from gatewayd.config import Config
+from gatewayd.dialer import DialerConnector, UnresolvedNames
 from gatewayd.guardrails import ALLOWED, AUDIT_INPUT_CHARS, GuardVerdict
 from gatewayd.models import AIAnalyzerRule, Connection, Session
 from gatewayd.store import Store
@@ -46,6 +48,7 @@ from gatewayd.tasks import BackgroundTasks
 
 if TYPE_CHECKING:
     from gatewayd.sessions import LiveSession
+    from gatewayd.tenancy import Tenancy
 
 log = logging.getLogger("gatewayd.analysis")
 
@@ -55,7 +58,7 @@ NATIVE_ASYNC, NATIVE_SYNC = "async", "sync"  # a rule's native_mode: analysed in
 NATIVE_MODES = (NATIVE_ASYNC, NATIVE_SYNC)
 AI_RULE_TYPE = "ai_analysis"  # the rule_type of the GuardVerdict a synchronous AI block is said with
 OFFLINE_INLINE_CHARS = 1024  # longer texts are rated in a thread (about 4 ms of parsing per KiB of SQL)
-NATIVE_SUBTYPES = ("postgres", "ssh")  # whose native input is statements or commands
+OBSERVED_FAMILIES = (SQL, SHELL)  # languages whose native input is statements or commands (gatewayd.languages)
 SEEN_CAP = 1024  # a session's inputs already analysed (the same statement again is not asked twice)
 
 
@@ -70,11 +73,13 @@ def rule_for(rules: list[AIAnalyzerRule], connection: Connection) -> AIAnalyzerR
 class AnalysisService:
     """Rates scripts for the rules that name their connection and acts on the verdicts."""
 
-    def __init__(self, store: Store, audit: AuditLog, config: Config) -> None:
+    def __init__(self, store: Store, audit: AuditLog, config: Config, tenancy: Tenancy | None = None) -> None:
         self.store = store
         self.audit = audit
         self.config = config
+        self.tenancy = tenancy  # a tenant's provider is reached only where its address policy allows
         self._http: aiohttp.ClientSession | None = None
+        self._tenant_http: aiohttp.ClientSession | None = None
         self.tasks = BackgroundTasks("ai analysis")  # native input rated off the relay's path
         self._rules: dict[str, list[AIAnalyzerRule]] = {}  # per organization, until a rule changes
         self._generation = 0
@@ -92,11 +97,20 @@ class AnalysisService:
             await asyncio.wait_for(self.tasks.cancel(), timeout=5)
         except TimeoutError:
             pass
-        if self._http is not None:
-            await self._http.close()
-            self._http = None
+        for client in (self._http, self._tenant_http):
+            if client is not None:
+                await client.close()
+        self._http = self._tenant_http = None
 
-    def _client(self) -> aiohttp.ClientSession:
+    def _client(self, org_id: str) -> aiohttp.ClientSession:
+        """The HTTP client for ``org_id``'s provider: a tenant's dials each address its URL resolves to under the
+        tenancy's policy (the gateway's own /metrics, its API or a port scan of its network are out of reach)."""
+        if self.tenancy is not None and self.tenancy.is_tenant(org_id):
+            if self._tenant_http is None or self._tenant_http.closed:
+                self._tenant_http = aiohttp.ClientSession(
+                    timeout=aiohttp.ClientTimeout(total=None),
+                    connector=DialerConnector(self.tenancy.dialer, resolver=UnresolvedNames()))
+            return self._tenant_http
         if self._http is None or self._http.closed:
             self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         return self._http
@@ -130,7 +144,7 @@ class AnalysisService:
             return verdict_for(offline, rule.risk_evaluation, rule.name), ""
         message = describe_input(text, connection.type, connection.subtype, self.config["ai.max_input_chars"])
         try:
-            rating = await classify(self._client(), provider, message, self.timeout_of(rule))
+            rating = await classify(self._client(connection.org_id), provider, message, self.timeout_of(rule))
         except AnalyzerError as exc:
             return self.failed(rule, offline, f"{provider.provider}:{provider.model}", native), str(exc)
         return verdict_for(higher(rating, offline), rule.risk_evaluation, rule.name), ""
@@ -179,7 +193,7 @@ class AnalysisService:
 
     async def observer_for(self, live: "LiveSession") -> "SessionAnalysis | None":
         """The background analysis of a native session's input, when a rule names its connection."""
-        if live.connection.subtype not in NATIVE_SUBTYPES or live.session.verb != "connect":
+        if language_of(live.connection.subtype).family not in OBSERVED_FAMILIES or live.session.verb != "connect":
             return None
         rule = await self.rule_for(live.connection)
         if rule is None:

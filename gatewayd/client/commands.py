@@ -135,8 +135,8 @@ def cmd_login(args: argparse.Namespace) -> int:
     else:
         email = args.email or input("e-mail: ")
         password = sys.stdin.readline().rstrip("\n") if args.password_stdin else getpass.getpass("password: ")
-        answer = api.call("POST", "/localauth/login", {"email": email, "password": password}, anonymous=True,
-                          expect=(200, 401))
+        body = {"email": email, "password": password, **({"org_id": args.org} if args.org else {})}
+        answer = api.call("POST", "/localauth/login", body, anonymous=True, expect=(200, 401))
         if answer.status == 401:
             raise ClientError("wrong e-mail or password", EXIT_LOGIN)
         token = answer.data["token"]
@@ -148,7 +148,15 @@ def cmd_login(args: argparse.Namespace) -> int:
 
 
 def cmd_logout(args: argparse.Namespace) -> int:
-    print("logged out" if Login.forget() else "was not logged in", file=sys.stderr)
+    """Sign the saved token out at the gateway (refused from now on, wherever a copy of it is), then forget it."""
+    login = Login.load()  # the saved login: the gateway that token is for
+    note = ""
+    if login.token:
+        try:
+            Api(login).call("POST", "/logout", expect=(204, 401))
+        except ClientError as exc:  # unreachable: the local copy goes anyway, and the user is told the rest
+            note = f" here; the gateway was not told ({exc}): the token stays valid until it expires"
+    print(("logged out" + note) if Login.forget() else "was not logged in", file=sys.stderr)
     return 0
 
 
@@ -433,11 +441,13 @@ def register(sub: Any, sessions: argparse.ArgumentParser, sessions_sub: Any) -> 
     _common(login)
     login.add_argument("--email")
     login.add_argument("--password-stdin", action="store_true", help="read the password from standard input")
+    login.add_argument("--org", help="the organization of your account, when it is not the default one "
+                                     "(multi-tenant gateways: your organization's id)")
     login.add_argument("--oidc", action="store_true", help="log in with the identity provider, in the browser")
     login.add_argument("--no-browser", action="store_true", help="only print the address to open")
     login.set_defaults(func=_people(cmd_login))
 
-    logout = sub.add_parser("logout", help="forget the saved login")
+    logout = sub.add_parser("logout", help="sign the saved login out at the gateway and forget it")
     logout.set_defaults(func=_people(cmd_logout))
 
     connections = sub.add_parser("connections", help="the connections you can use")

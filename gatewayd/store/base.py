@@ -89,6 +89,9 @@ class Store(abc.ABC):
 
     # False from a failure to reach the store until its next answer (the API and the proxies then say so at once)
     reachable: bool = True
+    # the key of the audit chain's links (``evidence.Sealer.audit_key``), set once the daemon has loaded it;
+    # None: links are plain hashes (a store opened without the gateway's key, as the contract tests do)
+    audit_key: bytes | None = None
 
     # lifecycle
     @abc.abstractmethod
@@ -110,7 +113,9 @@ class Store(abc.ABC):
     # users and groups
     @abc.abstractmethod
     async def get_user(self, *, id: str | None = None, subject: str | None = None,
-                       email: str | None = None) -> User | None: ...
+                       email: str | None = None, org_id: str | None = None) -> User | None:
+        """One user by id, subject or e-mail; by e-mail, ``org_id`` names the organization (e-mails are unique
+        within one organization only: a lookup that should not cross organizations passes it)."""
 
     @abc.abstractmethod
     async def list_users(self, org_id: str) -> list[User]: ...
@@ -445,6 +450,11 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def audit_chain(self, org_id: str) -> list[dict[str, Any]]:
         """An organization's audit entries as stored (JSON fields as text), oldest first."""
+
+    @abc.abstractmethod
+    async def sealings(self, session_id: str) -> list[dict[str, Any]]:
+        """The audit log's records of a session's sealing (``session.seal`` successes, in any organization), oldest
+        first: ``{"seal", "sealed_at", "org_id", "entry"}``."""
 
     @abc.abstractmethod
     async def list_audit(self, query: AuditFilter) -> Page: ...

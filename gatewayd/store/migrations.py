@@ -338,4 +338,7 @@ CREATE TABLE agents (
     (11, """
 ALTER TABLE session_event_batches ADD COLUMN events BLOB
 """),
+    (12, """
+CREATE INDEX audit_by_action ON audit_logs (action)
+"""),
 ]

@@ -12,7 +12,16 @@ from operator import itemgetter
 from typing import Any, Iterable, Sequence
 
 from gatewayd.crypto import SecretBox
-from gatewayd.evidence import LATE_BASE, BatchLink, EventBatch, audit_hash, chain_hash, pack_events, unpack_events
+from gatewayd.evidence import (
+    LATE_BASE,
+    SEALED,
+    BatchLink,
+    EventBatch,
+    audit_hash,
+    chain_hash,
+    pack_events,
+    unpack_events,
+)
 from gatewayd.models import (
     CHAIN_GENESIS,
     AccessRequestRule,
@@ -183,11 +192,14 @@ class SQLStore(Store):
         return build(User, row, groups=groups, operator=bool(row["operator"]), federated=bool(row["federated"]))
 
     async def get_user(self, *, id: str | None = None, subject: str | None = None,
-                       email: str | None = None) -> User | None:
+                       email: str | None = None, org_id: str | None = None) -> User | None:
         if id is not None:
             return await self._user_from(await self._one("SELECT * FROM users WHERE id = ?", (id,)))
         if subject is not None:
             return await self._user_from(await self._one("SELECT * FROM users WHERE subject = ?", (subject,)))
+        if email is not None and org_id is not None:
+            return await self._user_from(
+                await self._one("SELECT * FROM users WHERE lower(email) = lower(?) AND org_id = ?", (email, org_id)))
         if email is not None:
             return await self._user_from(
                 await self._one("SELECT * FROM users WHERE lower(email) = lower(?)", (email,)))
@@ -851,13 +863,28 @@ class SQLStore(Store):
                       (entry.org_id,))
         entry.prev_hash = last.rows[0][0] if last.rows and last.rows[0][0] else CHAIN_GENESIS
         stored = {name: encode(name, getattr(entry, name)) for name in columns(AuditEntry)}
-        entry.hash = audit_hash(entry.prev_hash, stored)  # over the values as they are stored
+        entry.hash = audit_hash(entry.prev_hash, stored, self.audit_key)  # over the values as they are stored
         yield insert("audit_logs", entry)
 
     async def audit_chain(self, org_id: str) -> list[dict[str, Any]]:
         rows = await self._all(f"SELECT * FROM audit_logs WHERE org_id = ? ORDER BY {self.dialect.row_order}",
                                (org_id,))
         return [dict(zip(r.keys(), tuple(r))) for r in rows]
+
+    async def sealings(self, session_id: str) -> list[dict[str, Any]]:
+        # the payload is {"session_id": ..., "seal": ...} as json.dumps writes it: matched by its start
+        start = json.dumps({"session_id": session_id})[:-1] + ","
+        pattern = start.replace("!", "!!").replace("%", "!%").replace("_", "!_") + "%"
+        rows = await self._all(
+            "SELECT id, org_id, created_at, request_payload_redacted FROM audit_logs WHERE action = ? "
+            f"AND outcome = 'success' AND request_payload_redacted LIKE ? ESCAPE '!' ORDER BY {self.dialect.row_order}",
+            (SEALED, pattern))
+        found = []
+        for row in rows:
+            payload = json.loads(row[3])  # SQLite's LIKE ignores case: the id is compared here again
+            if payload.get("session_id") == session_id:
+                found.append({"seal": payload.get("seal"), "sealed_at": row[2], "org_id": row[1], "entry": row[0]})
+        return found
 
     async def list_audit(self, query: AuditFilter) -> Page:
         where, params = ["1 = 1"], []

@@ -30,7 +30,10 @@ _SECRET_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie", "
 _TEXT_TYPES = re.compile(r"^\s*(?:text/|application/(?:[\w.+-]*\+)?(?:json|xml|javascript|x-www-form-urlencoded|"
                          r"graphql|x-ndjson|yaml|x-yaml|sql)\b)", re.I)
 _JSON_TYPE = re.compile(r"^\s*application/(?:[\w.+-]*\+)?json\s*(?:;|$)", re.I)
-_LINK_PART = re.compile(r'"(?:[^"\\]|\\.)*"?|<([^>]*)>')  # a quoted parameter (kept), or a <target URI>
+# In a Link header: a quoted parameter (kept), a <target URI>, or a target written without its brackets at the
+# start of an entry (datasette's ``Link: http://127.0.0.1:8001/db.json; rel="alternate"``, off RFC 8288 but sent).
+_LINK_PART = re.compile(r'"(?:[^"\\]|\\.)*"?|<([^>]*)>|(?:^|(?<=,))(\s*)([A-Za-z][A-Za-z0-9+.-]*://[^\s;,]+|/[^\s;,]*)')
+_REFRESH_URL = re.compile(r"(\burl\s*=\s*['\"]?)([^'\"\s;]+)", re.I)  # Refresh: 5; url=http://target/...
 _SECRET_TEXT = re.compile(r"httpproxy-[A-Za-z0-9_-]{43}")  # no \b: a secret may end in "-" or "_"
 
 Headers = list[tuple[str, str]]
@@ -148,7 +151,8 @@ def upstream_request_headers(headers: Iterable[tuple[str, str]], source: str | N
 
 def downstream_response_headers(headers: Iterable[tuple[str, str]], target: "TargetUrl",
                                  gateway_origin: str) -> Headers:
-    """The target's response headers for the client: hop-by-hop dropped, redirects kept on the gateway."""
+    """The target's response headers for the client: hop-by-hop dropped, redirects kept on the gateway, and the
+    target's own origin (``scheme://host:port``, its address) in no header: a link to it is one to the gateway."""
     rows, drop = _lowered(headers, _RESPONSE_DROP)
     out: Headers = []
     for lower, name, value in rows:
@@ -158,7 +162,10 @@ def downstream_response_headers(headers: Iterable[tuple[str, str]], target: "Tar
             value = rewrite_location(value, target, gateway_origin)
         elif lower == "link":
             value = rewrite_link(value, target, gateway_origin)
-        out.append((name, value))
+        elif lower == "refresh":
+            value = _REFRESH_URL.sub(lambda found: found[1] + rewrite_location(found[2], target, gateway_origin),
+                                     value)
+        out.append((name, target.without_origin(value, gateway_origin)))
     return out
 
 
@@ -184,6 +191,17 @@ class TargetUrl:
         host = f"[{self.host}]" if ":" in self.host else self.host
         default = (self.scheme == "http" and self.port == 80) or (self.scheme == "https" and self.port == 443)
         return f"{self.scheme}://{host}" if default else f"{self.scheme}://{host}:{self.port}"
+
+    def without_origin(self, text: str, gateway_origin: str) -> str:
+        """``text`` with the target's origin, written either way (with or without its default port), in any case,
+        replaced by ``gateway_origin``: a header the gateway does not know still shows no target address."""
+        lowered = text.lower()
+        if self.host.lower() not in lowered:
+            return text
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        for origin in sorted({self.origin, f"{self.scheme}://{host}:{self.port}"}, key=len, reverse=True):
+            text = re.sub(re.escape(origin) + r"(?![\w.:-])", lambda _: gateway_origin, text, flags=re.I)
+        return text
 
     @property
     def host_header(self) -> str:
@@ -259,11 +277,16 @@ def rewrite_location(location: str, target: TargetUrl, gateway_origin: str) -> s
 def rewrite_link(value: str, target: TargetUrl, gateway_origin: str) -> str:
     """A ``Link`` header (RFC 8288: ``<uri>; rel=...`` entries, comma-separated) with each ``<uri>`` turned
     into the same place on the gateway as ``rewrite_location`` does; parameters pass unchanged, quoted
-    strings included (a ``<`` inside one is not a URI)."""
-    if "<" not in value:
-        return value
-    return _LINK_PART.sub(lambda found: found[0] if found[1] is None else
-                          f"<{rewrite_location(found[1], target, gateway_origin)}>", value)
+    strings included (a ``<`` inside one is not a URI). An entry that starts with a bare URI (no brackets,
+    as datasette writes them) is rewritten the same way."""
+    def one(found: re.Match[str]) -> str:
+        if found[1] is not None:
+            return f"<{rewrite_location(found[1], target, gateway_origin)}>"
+        if found[3] is not None:
+            return found[2] + rewrite_location(found[3], target, gateway_origin)
+        return found[0]
+
+    return _LINK_PART.sub(one, value)
 
 
 def split_host(host: str) -> tuple[str, str]:

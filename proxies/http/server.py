@@ -29,10 +29,10 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from gatewayd.crypto import hash_secret
-from gatewayd.dialer import DialError
+from gatewayd.dialer import DialError, DialerConnector, UnresolvedNames
 from gatewayd.guardrails import AUDIT_INPUT_CHARS, GuardVerdict
 from gatewayd.masking import LineHold
-from gatewayd.models import parse_time
+from gatewayd.models import flag, parse_time
 from gatewayd.pipeline import BLOCKED_EXIT_CODE, AccessDenied, GatewayClosing, GatewayUnavailable, ProxyContext, SessionRun
 from proxies.http.front import Front, FrontRequest, FrontStream
 from proxies.http.messages import (
@@ -61,8 +61,6 @@ from proxies.http.messages import (
 )
 from proxies.http.upstream import (
     ConnectFailed,
-    DialerConnector,
-    UnresolvedNames,
     UpstreamConnection,
     UpstreamError,
     UpstreamPool,
@@ -242,7 +240,7 @@ class HttpListener:
             raise Misconfigured(f'connection "{grant.connection.name}" is misconfigured: {exc}') from None
         expires = parse_time(grant.credential.expire_at)
         state = CredentialState(
-            grant, run, target, settings.get("INSECURE", "").strip().lower() in ("1", "true", "yes", "on"),
+            grant, run, target, flag(settings.get("INSECURE")),
             expires.timestamp() if expires else float("inf"), time.monotonic() + self.recheck,
             label=grant.connection.app_label)
         created.append(state)
@@ -868,9 +866,9 @@ class HttpListener:
         url = state.target.url_for(request.raw_path)
         url = "ws" + url[4:] if url.startswith("http") else url
         client = self.client
-        if state.grant.connection.agent_id:  # through its agent: a client of its own, closed with the websocket
-            client = self._client(DialerConnector(self.pipeline.dialer_for(state.grant.connection), limit=0,
-                                                  resolver=UnresolvedNames()))
+        dialer = self.pipeline.dialer_for(state.grant.connection)
+        if dialer is not self.pipeline.dialer:  # its agent, or a tenant's checked dial: a client of its own, closed
+            client = self._client(DialerConnector(dialer, limit=0, resolver=UnresolvedNames()))  # with the websocket
         try:
             try:
                 upstream = await client.ws_connect(URL(url, encoded=True), headers=CIMultiDict(up_headers),

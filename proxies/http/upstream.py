@@ -11,15 +11,13 @@ parser turn the answer into a ``(message, StreamReader)`` just as
 from __future__ import annotations
 
 import asyncio
-import socket
 import ssl
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import AsyncIterator, Callable
 
-from aiohttp import ClientConnectionError, ClientConnectorError, ClientPayloadError, ServerDisconnectedError, TCPConnector
-from aiohttp.abc import AbstractResolver
+from aiohttp import ClientConnectionError, ClientPayloadError, ServerDisconnectedError
 from aiohttp.base_protocol import BaseProtocol
 from aiohttp.helpers import EMPTY_BODY_STATUS_CODES, set_exception
 from aiohttp.http_exceptions import HttpProcessingError
@@ -270,42 +268,6 @@ class UpstreamResponse:
     def close(self) -> None:
         self.released = True
         self.connection.close()
-
-
-class UnresolvedNames(AbstractResolver):
-    """Hands the host name on as it is: a target behind an agent is resolved by the agent, in its own network."""
-
-    async def resolve(self, host: str, port: int = 0, family: int = socket.AF_INET) -> list[dict[str, Any]]:
-        return [{"hostname": host, "host": host, "port": port, "family": family, "proto": 0, "flags": 0}]
-
-    async def close(self) -> None:
-        pass
-
-
-class DialerConnector(TCPConnector):
-    """aiohttp's connector (websockets) reaching targets through the gateway's ``Dialer``.
-
-    aiohttp has no public hook for an asynchronous dial, so this overrides the one
-    method that opens the socket (aiohttp is pinned below 4 in pyproject.toml).
-    """
-
-    def __init__(self, dialer: Dialer = direct, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.dialer = dialer
-
-    async def _wrap_create_connection(self, *args: Any, addr_infos: Any, req: Any, timeout: Any,
-                                      client_error: type[Exception] = ClientConnectorError, **kwargs: Any) -> Any:
-        host, port = req.url.raw_host or "", req.url.port or 0
-        try:
-            sock = await self.dialer.open_socket(host, port, connection=f"{host}:{port}",
-                                                 timeout=timeout.sock_connect or CONNECT_TIMEOUT)
-        except DialError as exc:
-            raise client_error(req.connection_key, OSError(None, exc.reason)) from None
-        try:
-            return await self._loop.create_connection(*args, **kwargs, sock=sock)
-        except BaseException:
-            sock.close()
-            raise
 
 
 class UpstreamPool:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gatewayd.config import Setting
+from gatewayd.config import Setting, positive
+from gatewayd.sql.postgresql import POSTGRESQL
 from gatewayd.protocols import ProtocolDescription, lazy_start, lazy_script_runner
 
 if TYPE_CHECKING:
@@ -25,13 +26,37 @@ def access_hints(conn: Connection, secret: str, host: str, port: int, settings: 
 
 
 DESCRIPTION = ProtocolDescription(
-    name="postgres", subtype="postgres", session_type="database", prefix="pg",
+    name="postgres", subtype="postgres", session_type="database", prefix="pg", language=POSTGRESQL,
     server_config_key="postgres_server_config", default_port=15432, access_hints=access_hints,
     start=lazy_start("proxies.postgres.server"),
     load_script_runner=lazy_script_runner("proxies.postgres.script"),
-    settings={"tls_cert": Setting("str", ""), "tls_key": Setting("str", "")},
+    settings={"tls_cert": Setting("str", ""), "tls_key": Setting("str", ""),
+              # a statement longer than this is refused on a connection with input rules (the rules must read it)
+              "max_statement_bytes": Setting("int", 1024 * 1024, positive),
+              "mask_row_bytes": Setting("int", 1024 * 1024, positive)},
     forward_opening=lambda reader, writer, secret: _forward_opening(reader, writer, secret),
+    check_settings=lambda settings: _check_settings(settings),
 )
+
+
+def _check_settings(settings: dict[str, Any]) -> str | None:
+    """``settings.postgres``: ``databases`` (names, or ``"*"``) and ``function_calls`` (fastpath.py's names)."""
+    from proxies.postgres.fastpath import FunctionCallSettingError, check_settings
+
+    postgres = settings.get("postgres")
+    if postgres is None:
+        return None
+    if not isinstance(postgres, dict):
+        return "field 'settings.postgres': expected an object"
+    databases = postgres.get("databases")
+    if databases is not None and not (isinstance(databases, list) and all(isinstance(d, str) and d
+                                                                          for d in databases)):
+        return "field 'settings.postgres.databases': expected an array of database names (or \"*\")"
+    try:
+        check_settings(settings)
+    except FunctionCallSettingError as exc:
+        return f"field '{exc}"
+    return None
 
 
 async def _forward_opening(reader: Any, writer: Any, secret: str) -> bytes:

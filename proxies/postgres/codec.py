@@ -649,6 +649,13 @@ class Parse(Message):
         return self._decoded()[1]
 
     @property
+    def sql_bytes(self) -> bytes:
+        """The statement's bytes as sent (``sql`` is their UTF-8 reading)."""
+        cur = self._cursor()
+        cur.cbytes()
+        return cur.cbytes()
+
+    @property
     def param_types(self) -> list[int]:
         return self._decoded()[2]
 
@@ -2376,9 +2383,11 @@ class ScramSha256Client:
 
     PostgreSQL ignores the SCRAM user name (it uses the startup ``user``), so
     it defaults to empty like libpq.  Pass ``channel_binding=("tls-server-end-point",
-    hash_of_server_certificate)`` to use SCRAM-SHA-256-PLUS.  PBKDF2 with the
-    server's iteration count is CPU work: run ``client_final_message`` in a
-    thread.
+    hash_of_server_certificate)`` to use SCRAM-SHA-256-PLUS; ``binding_supported``
+    without it says "y" (the client could bind, the server did not offer it: a
+    server that does support it then fails the exchange, as a downgrade by someone
+    in between would be).  PBKDF2 with the server's iteration count is CPU work:
+    run ``client_final_message`` in a thread.
     """
 
     def __init__(
@@ -2388,6 +2397,7 @@ class ScramSha256Client:
         username: str = "",
         nonce: str | None = None,
         channel_binding: tuple[str, bytes] | None = None,
+        binding_supported: bool = False,
         max_iterations: int = 1_000_000,
     ) -> None:
         self._password = _normalize_password(password)
@@ -2398,7 +2408,7 @@ class ScramSha256Client:
         self._binding = channel_binding
         self._max_iterations = max_iterations
         if channel_binding is None:
-            self._gs2_header = "n,,"
+            self._gs2_header = "y,," if binding_supported else "n,,"
         else:
             self._gs2_header = f"p={channel_binding[0]},,"
         self._client_first_bare = f"n={self._username},r={self._nonce}"

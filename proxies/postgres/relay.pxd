@@ -11,15 +11,21 @@ cdef class Pending:
     cdef public object statement
 
 cdef class ClientSide:
+    cdef public bint bound
     cdef public dict columns
     cdef public bint discarding
+    cdef public object functions
+    cdef public Py_ssize_t limit
     cdef public dict parsed
     cdef public object pending
     cdef public SessionPolicy policy
     cdef public dict portals
+    cdef public object prepared
+    cdef public object reading
     cdef public dict statements
     cdef public object substitute
     cdef public object verdict
+    cdef public object work
     cpdef int on_message(self, Message message)
     cpdef int _query(self, Query query)
     cpdef int _parse(self, Parse parse)
@@ -50,6 +56,7 @@ cdef class ServerSide:
     cdef public Py_ssize_t out_chars
     cdef public object pending
     cdef public SessionPolicy policy
+    cdef public object reading
     cdef public list replies
     cdef public object sources
     cdef public object sources_for
@@ -57,6 +64,15 @@ cdef class ServerSide:
     cdef public bint records_later
     cdef public bint deferring
     cdef public list later
+    cdef public object shapes
+    cdef public object deep
+    cdef public set unknown_types
+    cdef public dict learned
+    cdef public object catalog_wanted
+    cdef public Py_ssize_t row_limit
+    cdef public bint unsure
+    cdef public bint _fresh
+    cdef public int _noticed
     cpdef process(self, BackendReader reader, FrameBatch batch)
     cpdef int _row(self, DataRow row, FrameBatch batch)
     cpdef _emit(self, str line)
@@ -74,5 +90,5 @@ cdef class ServerSide:
 
 @cython.locals(text=str)
 cpdef str _quote(object value, bint binary)
-cpdef str render_row(DataRow row, object formats, object oids)
+cpdef str render_row(DataRow row, object formats, object oids, object shapes=*)
 cpdef str render_params(str sql, list params, object param_formats)

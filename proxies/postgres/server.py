@@ -34,16 +34,18 @@ from gatewayd.access import looks_like_secret
 from gatewayd.pipeline import BLOCKED_EXIT_CODE, AccessDenied, GatewayClosing, ProxyContext, TargetUnreachable
 from gatewayd.tasks import BackgroundTasks
 from proxies.postgres import tls
-from proxies.postgres.catalog import Sources, column_sources
+from proxies.postgres.catalog import MEMORY_TOPIC, Catalog, Column, merged, read_catalog
 from proxies.postgres.codec import (
     CancelRequest,
     FrontendReader,
     GSSENCRequest,
     Message,
+    ParameterStatus,
     PasswordMessage,
     ProtocolError,
     SSLRequest,
     StartupMessage,
+    decode_backend,
     encode_authentication_cleartext_password,
     encode_authentication_ok,
     encode_backend_key_data,
@@ -51,7 +53,9 @@ from proxies.postgres.codec import (
     encode_negotiate_protocol_version,
     encode_ready_for_query,
 )
-from proxies.postgres.relay import ClientSide, Pending, ServerSide, WaitingClientSide
+from proxies.postgres.fastpath import allowed_functions
+from proxies.postgres.reading import SessionReading
+from proxies.postgres.relay import MASK_ROW_BYTES, ClientSide, Pending, ServerSide, WaitingClientSide, mask_frames
 from proxies.postgres.session import CLIENT, TARGET, RelaySession
 from proxies.postgres.stream import FrameStream
 from proxies.postgres.upstream import (
@@ -148,6 +152,19 @@ CANCEL_KEYS = CancelKeys()
 _CANCEL_ROUTES: set[int] = set()  # the clusters whose cancel topic a listener of this process answers already
 
 
+DATABASES_SETTING = "settings.postgres.databases"
+
+
+def database_allowed(settings: dict[str, Any], database: str, own: str) -> bool:
+    """Whether a client may name ``database`` in its start-up packet: the role's own (``own``), or one the
+    connection lists in ``settings.postgres.databases`` (``"*"``: any)."""
+    if database == own:
+        return True
+    postgres = settings.get("postgres") if isinstance(settings, dict) else None
+    allowed = postgres.get("databases") if isinstance(postgres, dict) else None
+    return isinstance(allowed, list) and ("*" in allowed or database in allowed)
+
+
 def fatal(sqlstate: str, message: str) -> bytes:
     return encode_error_response("FATAL", sqlstate, message)
 
@@ -157,11 +174,13 @@ class PostgresListener:
 
     def __init__(self, context: ProxyContext, tls_context: ssl.SSLContext | None) -> None:
         self.pipeline = context.pipeline
+        self.settings = context.settings
         self.tls_context = tls_context
         self.server: asyncio.base_events.Server | None = None
         self.cancel_keys = CANCEL_KEYS
         self.cluster = context.cluster
         self.connections = BackgroundTasks("postgres listener")
+        self.mask_row_bytes = int(context.settings.get("mask_row_bytes", MASK_ROW_BYTES))
         if self.cluster is not None and id(self.cluster) not in _CANCEL_ROUTES:  # once per process, not per listener
             _CANCEL_ROUTES.add(id(self.cluster))
             self.cluster.on(CANCEL_TOPIC, self._on_cancel)
@@ -347,6 +366,13 @@ class ClientConnection:
         if not database or database == parameters.get("user"):
             database = None  # libpq sends the user name when none is given: take the role's DB
         settings = TargetSettings.from_role(connection.target(), database)
+        if database is not None and not database_allowed(connection.settings, database,
+                                                         TargetSettings.from_role(connection.target()).database):
+            reason = (f'database "{database}" is not reachable through connection "{connection.name}" '
+                      f"(its database is the role's; the connection may allow others: {DATABASES_SETTING})")
+            await self.pipeline.refuse(grant, "postgres", reason, self.client_ip)
+            self.send_fatal("42501", reason)
+            return
 
         async def dial(dialer: Dialer) -> TargetLink:
             return await connect_target(settings, parameters, connection.name, dialer=dialer)
@@ -369,8 +395,9 @@ class ClientConnection:
                                                            pending), cluster.slot if cluster else 0)
         async with run:
             try:
-                self.stream.write(b"".join([encode_authentication_ok(), *link.startup_frames,
-                                            encode_backend_key_data(*key), encode_ready_for_query(link.status)]))
+                startup = mask_frames(run.policy, link.startup_frames)  # a setting made from data, masked too
+                self.stream.write(b"".join([encode_authentication_ok(), *startup, encode_backend_key_data(*key),
+                                            encode_ready_for_query(link.status)]))
                 exit_code, error = await self._relay(link, run, settings, connection, pending)
             finally:
                 self.listener.cancel_keys.pop(key)
@@ -391,20 +418,35 @@ class ClientConnection:
     def _column_names(policy: SessionPolicy) -> tuple[str, ...]:
         return tuple(policy.masker.columns) if policy.masker is not None else ()
 
-    async def _column_sources(self, policy: SessionPolicy, settings: TargetSettings,
-                              connection: Connection) -> Sources | None:
-        """Where the columns the mask rules name are (catalog.py), so an alias does not unmask them; {} without
-        such rules; None when the catalog cannot be read (every value of a result is then masked: fail closed)."""
+    async def _catalog(self, policy: SessionPolicy, settings: TargetSettings, connection: Connection,
+                       learned: dict[tuple[int, int], str] | None = None) -> Catalog | None:
+        """What the target's catalog says for the session's mask rules (catalog.py): where the columns they name
+        are -- by name, and by the identity they had when a session last saw them (renamed since, they stay
+        masked) -- and the database's types; an empty Catalog without mask rules; None when the catalog cannot
+        be read (every value of a result is then masked whole, user types withheld: fail closed).  What was
+        found by name, and ``learned`` by the relay, is remembered for the next sessions."""
         masker = policy.masker
-        if masker is None or not masker.columns:
-            return {}
+        if masker is None:
+            return Catalog()
+        names = self._column_names(policy)
+        memory: dict[str, list[Column]] = {}
+        remembered: list[Column] = []
+        if names:
+            memory = await self.pipeline.recall(connection, MEMORY_TOPIC) or {}
+            remembered = [(int(r), int(a), str(c)) for r, a, c in memory.get(settings.database, ())]
         try:
-            return await column_sources(settings, connection.name, self.pipeline.dialer_for(connection),
-                                        masker.columns)
+            found = await read_catalog(settings, connection.name, self.pipeline.dialer_for(connection), names,
+                                       remembered)
         except UpstreamError as exc:
-            log.warning("the columns of the mask rules could not be looked up: results are masked whole",
+            log.warning("the target's catalog could not be read for the mask rules: results are masked whole",
                         extra={"connection": connection.name, "error": exc.message})
             return None
+        if names:
+            update = merged(remembered, {**(learned or {}), **found.sources})
+            if update is not None:
+                memory[settings.database] = update
+                await self.pipeline.remember(connection, MEMORY_TOPIC, memory)
+        return found
 
     async def _relay(self, link: TargetLink, run: SessionRun[TargetLink], settings: TargetSettings,
                      connection: Connection, pending: deque[Pending]) -> tuple[int, str | None]:
@@ -412,17 +454,50 @@ class ClientConnection:
         policy, name = run.policy, connection.name
         columns: dict[str, tuple[int, ...]] = {}
         server = ServerSide(policy, pending, columns)
-        server.set_sources(await self._column_sources(policy, settings, connection), self._column_names(policy))
+        server.row_limit = self.listener.mask_row_bytes
+
+        def adopt(catalog: Catalog | None) -> None:
+            server.set_sources(None if catalog is None else catalog.sources, self._column_names(policy))
+            if catalog is not None and catalog.shapes is not None:
+                server.set_types(catalog.shapes)
+
+        adopt(await self._catalog(policy, settings, connection))
+        looking: list[asyncio.Task[None]] = []  # the catalog read again (one at a time; once more if asked meanwhile)
+        again = [False]
+
+        async def look_again() -> None:
+            while True:
+                again[0] = False
+                adopt(await self._catalog(policy, settings, connection, dict(server.learned)))
+                if not again[0]:
+                    return
+
+        def wanted() -> None:
+            """The relay met a type the catalog did not say, or a rule's column under a new identity."""
+            if looking and not looking[0].done():
+                again[0] = True
+                return
+            looking[:] = [self.pipeline.tasks.spawn(look_again())]
+
+        server.catalog_wanted = wanted
         reload = run.live.reload_rules
         if reload is not None:  # rules changed mid-session: column names the catalog was not asked about, asked now
             async def reload_and_look_up() -> None:
                 await reload()
-                if not set(self._column_names(policy)) <= server.sources_for:
-                    server.set_sources(await self._column_sources(policy, settings, connection),
-                                       self._column_names(policy))
+                if policy.masker is not None and (not set(self._column_names(policy)) <= server.sources_for
+                                                  or not server.shapes.complete):
+                    adopt(await self._catalog(policy, settings, connection, dict(server.learned)))
             run.live.reload_rules = reload_and_look_up
-        relay = RelaySession(self.stream.transport, link.transport, self.frontend, link.backend,
-                             (WaitingClientSide if policy.waits else ClientSide)(policy, pending, columns), server,
+        reading = SessionReading()
+        for frame in link.startup_frames:  # the settings the target started with (its start-up ParameterStatus)
+            message = decode_backend(frame)
+            if isinstance(message, ParameterStatus):
+                reading.observe(message.name, message.value)
+        server.reading = reading
+        client = (WaitingClientSide if policy.waits else ClientSide)(policy, pending, columns, reading,
+                                                                      allowed_functions(connection.settings))
+        client.limit = self.listener.settings.get("max_statement_bytes") or client.limit
+        relay = RelaySession(self.stream.transport, link.transport, self.frontend, link.backend, client, server,
                              policy)
         self.stream.release()
         link.stream.release()

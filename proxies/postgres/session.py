@@ -9,15 +9,16 @@ write buffer fills (``pause_writing``), the other side stops being read until
 it drains; a recorder with too much pending pauses both until it is flushed.
 A guard-rail block pauses its direction while the block is audited, so the
 ``e`` event lands in order.  A statement that must wait for its verdict (an AI
-rule in sync mode, ``WAIT``) is held the same way: the client side is not read
-or processed while ``policy.decide`` runs, then the held message is processed
-again, before what the client pipelined after it.
+rule in sync mode, or a long statement the rules read in a worker thread:
+``WAIT``) is held the same way: the client side is not read or processed
+while its ``work`` runs, then the held message is processed again, before what
+the client pipelined after it.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 from gatewayd.tasks import BackgroundTasks
 
@@ -243,15 +244,16 @@ class RelaySession:
     # -- statements waiting for a verdict
 
     def _hold(self, message: Message) -> None:
-        """Process nothing more from the client until ``message``'s verdict is decided."""
+        """Process nothing more from the client until ``message``'s verdict is decided (``client_side.work``)."""
         self._busy[CLIENT] = True
         self.pause(CLIENT, "verdict")
-        sql: str = self.client_side.waiting  # type: ignore[attr-defined]
-        self._deciding = self._tasks.spawn(self._decided(message, sql))
+        work = self.client_side.work
+        self.client_side.work = None
+        self._deciding = self._tasks.spawn(self._decided(message, work))  # type: ignore[arg-type]
 
-    async def _decided(self, message: Message, sql: str) -> None:
+    async def _decided(self, message: Message, work: Callable[[], Awaitable[None]]) -> None:
         try:
-            await self.policy.decide(sql, sql=True)
+            await work()
         finally:
             self._deciding = None
             self._busy[CLIENT] = False

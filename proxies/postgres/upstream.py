@@ -1,11 +1,22 @@
 """The gateway as a client of the target PostgreSQL: TLS negotiation, authentication, start-up.
 
 ``connect_target`` opens the connection a role's secret describes (``HOST``,
-``PORT``, ``USER``, ``PASS``, ``DB``, ``SSLMODE``), answers the target's
-authentication request (SCRAM-SHA-256, MD5 or cleartext) and reads up to the
-first ReadyForQuery.  Every failure is an ``UpstreamError`` whose message names
-the connection and is safe to show the client: it never carries the target's
-host, user or password.
+``PORT``, ``USER``, ``PASS``, ``DB``, ``SSLMODE``, ``SSLROOTCERT``,
+``ALLOW_UNVERIFIED_PASSWORD``), answers the target's authentication request
+(SCRAM-SHA-256, with channel binding over TLS when the target offers it; MD5 or
+cleartext) and reads up to the first ReadyForQuery.
+
+The target is verified before the password leaves: a cleartext or MD5 password
+goes only over TLS whose certificate was verified (``verify-ca``/``verify-full``),
+and through an agent -- a process inside the target's network that carries the
+bytes, and could answer as the target itself -- ``SSLMODE`` is ``verify-full``
+unless the role says otherwise. A direct connection may relax the rule with
+``ALLOW_UNVERIFIED_PASSWORD``; one through an agent may not. SCRAM sends no
+password (only a proof bound to the exchange), and the target must prove it
+knows the password before the gateway takes its ``AuthenticationOk``.
+
+Every failure is an ``UpstreamError`` whose message names the connection and is
+safe to show the client: it never carries the target's host, user or password.
 """
 
 from __future__ import annotations
@@ -16,8 +27,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Awaitable, Callable
 
-from gatewayd.dialer import DialError, Dialer, direct
-from gatewayd.models import target_port
+from gatewayd.dialer import DialError, Dialer, direct, through_agent
+from gatewayd.models import flag, target_port
 from gatewayd.tasks import BackgroundTasks
 
 from proxies.postgres.codec import (
@@ -52,6 +63,7 @@ from proxies.postgres.stream import FrameStream
 CHUNK = 256 * 1024
 CONNECT_TIMEOUT = 10.0
 SSLMODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
+VERIFIED = ("verify-ca", "verify-full")  # the modes whose TLS verifies the target's certificate
 # Start-up parameters a client may not pass on to the target (the gateway decides them).
 _RESERVED_PARAMETERS = frozenset({"user", "database", "replication"})
 # SQLSTATEs of a refused login: the target's own message would name its user, so it is replaced.
@@ -76,16 +88,22 @@ class TargetSettings:
     user: str
     password: str
     database: str
-    sslmode: str = "prefer"
+    sslmode: str = ""  # as the role says; "" is verify-full through an agent, prefer direct (``mode``)
+    sslrootcert: str = ""  # PEM: the certificates verify-ca and verify-full trust (the system's when empty)
+    unverified_password: bool = False  # a direct connection may send a cleartext or MD5 password unverified
 
     @classmethod
     def from_role(cls, target: dict[str, str], database: str | None = None) -> TargetSettings:
         """Settings from ``Connection.target()``; ``database`` (the client's choice) wins over ``DB``."""
-        sslmode = (target.get("SSLMODE") or "prefer").strip().lower()
         return cls(host=target.get("HOST") or "127.0.0.1", port=target_port(target, 5432),
                    user=target.get("USER") or "postgres", password=target.get("PASS") or "",
                    database=database or target.get("DB") or target.get("USER") or "postgres",
-                   sslmode=sslmode if sslmode in SSLMODES else "prefer")
+                   sslmode=(target.get("SSLMODE") or "").strip().lower(), sslrootcert=target.get("SSLROOTCERT") or "",
+                   unverified_password=flag(target.get("ALLOW_UNVERIFIED_PASSWORD")))
+
+    def mode(self, agent: bool) -> str:
+        """The SSLMODE in force: the role's, else ``verify-full`` through an agent and ``prefer`` direct."""
+        return self.sslmode or ("verify-full" if agent else "prefer")
 
 
 @dataclass(slots=True)
@@ -114,13 +132,37 @@ def forwarded_parameters(client_parameters: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in client_parameters.items() if k not in _RESERVED_PARAMETERS and not k.startswith("_pq_.")}
 
 
-def _tls_context(sslmode: str, host: str) -> ssl.SSLContext:
-    context = ssl.create_default_context()
+def _tls_context(sslmode: str, rootcert: str, name: str) -> ssl.SSLContext:
+    try:
+        context = ssl.create_default_context(cadata=rootcert or None)
+    except (ssl.SSLError, ValueError):
+        raise UpstreamError(f'could not connect to the target of connection "{name}": '
+                            "its SSLROOTCERT is not a PEM certificate") from None
     if sslmode != "verify-full":
         context.check_hostname = False
-    if sslmode not in ("verify-ca", "verify-full"):
+    if sslmode not in VERIFIED:
         context.verify_mode = ssl.CERT_NONE
     return context
+
+
+def channel_binding(transport: asyncio.BaseTransport) -> tuple[str, bytes] | None:
+    """``tls-server-end-point`` (RFC 5929) of a TLS link: the hash of the target's certificate, with its signature's
+    hash (SHA-256 for MD5 and SHA-1); None without TLS, or for a certificate whose signature names no hash."""
+    ssl_object = transport.get_extra_info("ssl_object")
+    der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
+    if not der:
+        return None
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+
+    algorithm = x509.load_der_x509_certificate(der).signature_hash_algorithm
+    if algorithm is None:
+        return None
+    if isinstance(algorithm, (hashes.MD5, hashes.SHA1)):
+        algorithm = hashes.SHA256()
+    digest = hashes.Hash(algorithm)
+    digest.update(der)
+    return "tls-server-end-point", digest.finalize()
 
 
 async def _next_message(link: TargetLink, name: str) -> Message:
@@ -139,7 +181,8 @@ def _refusal(name: str, error: ErrorResponse) -> UpstreamError:
     return UpstreamError(f'could not connect to the target of connection "{name}": {detail}')
 
 
-async def _negotiate_tls(stream: FrameStream, settings: TargetSettings, name: str) -> None:
+async def _negotiate_tls(stream: FrameStream, settings: TargetSettings, sslmode: str, name: str) -> bool:
+    """Ask for TLS as ``sslmode`` says; True when the link is now TLS that verified the target."""
     stream.write(encode_ssl_request())
     reader = stream.reader
     while not reader.buffered:
@@ -154,12 +197,14 @@ async def _negotiate_tls(stream: FrameStream, settings: TargetSettings, name: st
         if reader.buffered:  # bytes before the handshake: CVE-2021-23222
             raise UpstreamError(f'could not connect to the target of connection "{name}": '
                                 "it sent unencrypted data after accepting TLS")
-        await stream.start_tls(_tls_context(settings.sslmode, settings.host),
-                               server_hostname=settings.host if settings.sslmode == "verify-full" else None)
+        await stream.start_tls(_tls_context(sslmode, settings.sslrootcert, name),
+                               server_hostname=settings.host if sslmode == "verify-full" else None)
+        return sslmode in VERIFIED
     elif answer == b"N":
-        if settings.sslmode in ("require", "verify-ca", "verify-full"):
+        if sslmode in ("require", *VERIFIED):
             raise UpstreamError(f'could not connect to the target of connection "{name}": '
-                                f"the target does not accept TLS (SSLMODE={settings.sslmode})")
+                                f"the target does not accept TLS (SSLMODE={sslmode})")
+        return False
     else:
         raise UpstreamError(f'could not connect to the target of connection "{name}": '
                             "it answered the TLS request with a protocol error")
@@ -170,6 +215,9 @@ async def connect_target(settings: TargetSettings, client_parameters: dict[str, 
     """Open (through ``dialer``), secure and authenticate a connection to the target; raise UpstreamError."""
     if not settings.port:  # a typo in the role's PORT is told, not replaced by 5432
         raise UpstreamError(f'could not connect to the target of connection "{name}": its PORT is not a port number')
+    if settings.sslmode and settings.sslmode not in SSLMODES:  # a typo must not weaken the link
+        raise UpstreamError(f'could not connect to the target of connection "{name}": its SSLMODE is not one of '
+                            f"{', '.join(SSLMODES)}")
     try:
         async with asyncio.timeout(timeout):
             return await _connect(settings, client_parameters, name, dialer, timeout)
@@ -194,12 +242,15 @@ async def _connect(settings: TargetSettings, client_parameters: dict[str, str], 
     sock = await dialer.open_socket(settings.host, settings.port, connection=name, timeout=timeout)
     _, stream = await loop.create_connection(lambda: FrameStream(BackendReader()), sock=sock)
     try:
-        if settings.sslmode not in ("disable", "allow"):
-            await _negotiate_tls(stream, settings, name)
+        agent = through_agent(dialer)
+        sslmode = settings.mode(agent)
+        verified = False
+        if sslmode not in ("disable", "allow"):
+            verified = await _negotiate_tls(stream, settings, sslmode, name)
         link = TargetLink(stream)
         parameters = {"user": settings.user, "database": settings.database, **forwarded_parameters(client_parameters)}
         stream.write(encode_startup_message(parameters))
-        await _authenticate(link, settings, name)
+        await _authenticate(link, settings, name, verified, agent)
         while True:
             message = await _next_message(link, name)
             if isinstance(message, ReadyForQuery):
@@ -222,8 +273,19 @@ async def _connect(settings: TargetSettings, client_parameters: dict[str, str], 
         raise
 
 
-async def _authenticate(link: TargetLink, settings: TargetSettings, name: str) -> None:
-    """Answer the target's authentication requests until AuthenticationOk."""
+def _unverified(name: str, asked: str, agent: bool) -> UpstreamError:
+    """The refusal to send a password to a target that was not verified."""
+    how = ("through an agent a password goes only to a target verified with TLS (SSLMODE verify-ca or verify-full)"
+           if agent else "it goes only over TLS that verified the target (SSLMODE verify-ca or verify-full), or "
+           "where the connection allows it (ALLOW_UNVERIFIED_PASSWORD)")
+    return UpstreamError(f'could not connect to the target of connection "{name}": the target asks for {asked} '
+                         f"over a link the gateway has not verified, and the password was not sent: {how}")
+
+
+async def _authenticate(link: TargetLink, settings: TargetSettings, name: str, verified: bool = False,
+                        agent: bool = False) -> None:
+    """Answer the target's authentication requests until AuthenticationOk; ``verified``: the link is TLS that
+    verified the target; ``agent``: it goes through an agent (no relaxing the rule)."""
     scram: ScramSha256Client | None = None
     while True:
         message = await _next_message(link, name)
@@ -236,19 +298,30 @@ async def _authenticate(link: TargetLink, settings: TargetSettings, name: str) -
                                 f"unexpected {type(message).__name__} during authentication")
         code = message.code
         if code == AUTH_OK:
+            if scram is not None and not scram.done:  # an impostor skips the proof it cannot make
+                raise UpstreamError(f'could not connect to the target of connection "{name}": '
+                                    "it ended SCRAM without proving that it knows the password")
             return
         if code in (AUTH_CLEARTEXT_PASSWORD, AUTH_MD5_PASSWORD, AUTH_SASL) and not settings.password:
             raise UpstreamError(f'could not connect to the target of connection "{name}": '
                                 "the target asks for a password and the connection has none (PASS)")
+        if code in (AUTH_CLEARTEXT_PASSWORD, AUTH_MD5_PASSWORD) and not verified and \
+                (agent or not settings.unverified_password):
+            raise _unverified(name, "a cleartext password" if code == AUTH_CLEARTEXT_PASSWORD else "an MD5 password",
+                              agent)
         if code == AUTH_CLEARTEXT_PASSWORD:
             link.stream.write(encode_password(settings.password))
         elif code == AUTH_MD5_PASSWORD:
             link.stream.write(encode_password(md5_password(settings.user, settings.password, message.salt)))
         elif code == AUTH_SASL:
-            if "SCRAM-SHA-256" not in message.mechanisms:
+            binding = channel_binding(link.transport)
+            if binding is not None and "SCRAM-SHA-256-PLUS" in message.mechanisms:
+                scram = ScramSha256Client(settings.password, channel_binding=binding)
+            elif "SCRAM-SHA-256" in message.mechanisms:
+                scram = ScramSha256Client(settings.password, binding_supported=binding is not None)
+            else:
                 raise UpstreamError(f'could not connect to the target of connection "{name}": '
                                     f"unsupported SASL mechanisms {', '.join(message.mechanisms)}")
-            scram = ScramSha256Client(settings.password)
             link.stream.write(encode_sasl_initial_response(scram.mechanism, scram.client_first_message()))
         elif code == AUTH_SASL_CONTINUE and scram is not None:
             # PBKDF2 over the server's iteration count is CPU work: keep it off the loop.

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gatewayd.config import Setting, positive
+from gatewayd.languages import KEYSTROKES
 from gatewayd.protocols import ProtocolDescription, lazy_start
 from proxies.rdp import compat
 
@@ -31,6 +32,7 @@ def access_hints(conn: Connection, secret: str, host: str, port: int, settings: 
 
 DESCRIPTION = ProtocolDescription(
     name="rdp", subtype="rdp", session_type="custom", prefix="rdp", server_config_key="rdp_server_config",
+    language=KEYSTROKES,
     default_port=13389, access_hints=access_hints,
     start=lazy_start("proxies.rdp.server"), required_modules=REQUIRED_MODULES,
     install_hint="RDP proxy unavailable: install the rdp extra (make does; by hand: pip install 'gatewayd[rdp]' "

@@ -2,7 +2,11 @@
 
 ``connect_target`` logs in with the role's ``USER`` and ``PASS`` or
 ``PRIVATE_KEY`` and verifies the target's key against ``HOST_KEY`` when it is
-set. Every failure is a ``TargetError`` whose message names the connection
+set. The password goes only to a target whose key is pinned (``HOST_KEY``):
+without it a key login is made, and a password-only role is refused before
+anything is dialed -- through an agent always, directly unless the role allows
+it (``ALLOW_UNVERIFIED_PASSWORD``). A key login sends no secret (its signature
+is bound to the session). Every failure is a ``TargetError`` whose message names the connection
 and is safe to show the client: never the target's address, user, password
 or key.
 """
@@ -16,8 +20,8 @@ from typing import Any, Callable
 
 import asyncssh
 
-from gatewayd.dialer import DialError, Dialer, direct
-from gatewayd.models import target_port
+from gatewayd.dialer import DialError, Dialer, direct, through_agent
+from gatewayd.models import flag, target_port
 
 CONNECT_TIMEOUT = 15.0
 WINDOW = 8 << 20  # per-channel receive window, both sides of the gateway
@@ -41,22 +45,30 @@ class TargetSettings:
     password: str = ""
     private_key: str = ""
     host_key: str = ""
+    unverified_password: bool = False  # a direct connection may log in with the password without HOST_KEY
 
     @classmethod
     def from_role(cls, target: dict[str, str]) -> TargetSettings:
         return cls(host=(target.get("HOST") or "").strip(), port=target_port(target, 22),
                    user=(target.get("USER") or "root").strip(), password=target.get("PASS") or "",
-                   private_key=target.get("PRIVATE_KEY") or "", host_key=(target.get("HOST_KEY") or "").strip())
+                   private_key=target.get("PRIVATE_KEY") or "", host_key=(target.get("HOST_KEY") or "").strip(),
+                   unverified_password=flag(target.get("ALLOW_UNVERIFIED_PASSWORD")))
 
-    def options(self, name: str) -> dict[str, Any]:
-        """Keyword arguments of ``asyncssh.connect``; raises TargetError on unusable settings."""
+    def options(self, name: str, agent: bool = False) -> dict[str, Any]:
+        """Keyword arguments of ``asyncssh.connect``; raises TargetError on unusable settings. ``agent``: the target
+        is reached through an agent (the password goes only to a pinned host key, whatever the role allows)."""
         if not self.host:
             raise TargetError(f'connection "{name}" has no HOST')
         if not 0 < self.port < 65536:  # a typo is told, not replaced by 22
             raise TargetError(f'connection "{name}": its PORT is not a port number')
+        password = self.password if self.host_key or (self.unverified_password and not agent) else ""
+        if self.password and not password and not self.private_key:
+            raise TargetError(
+                f'connection "{name}": its password is sent only to a target whose key is pinned (HOST_KEY)'
+                + ("" if agent else ", or where the connection allows it (ALLOW_UNVERIFIED_PASSWORD)"))
         options: dict[str, Any] = {
             "host": self.host, "port": self.port, "username": self.user, "agent_path": None,
-            "client_keys": [], "password": self.password or None, "preferred_auth": "publickey,password",
+            "client_keys": [], "password": password or None, "preferred_auth": "publickey,password",
             "known_hosts": None, "compression_algs": None, "encryption_algs": ENCRYPTION,
             "login_timeout": CONNECT_TIMEOUT, "config": [], "ignore_encrypted": True,
         }
@@ -99,7 +111,7 @@ def signal_exit_code(name: str) -> int:
 async def connect_target(settings: TargetSettings, name: str, client_factory: Callable[[], asyncssh.SSHClient]
                          | None = None, dialer: Dialer = direct) -> asyncssh.SSHClientConnection:
     """Log in to the target of connection ``name`` over a socket from ``dialer``; ``client_factory`` watches it."""
-    options = settings.options(name)
+    options = settings.options(name, through_agent(dialer))
     if client_factory is not None:
         options["client_factory"] = client_factory
     prefix = f'could not connect to the target of connection "{name}"'
