@@ -142,6 +142,8 @@ def build_connection(body: dict[str, Any], org_id: str, resource_name: str, exis
     if body.get("reviewers") is not None:
         settings["reviewers"] = list(body["reviewers"])
     problem = check_review_settings(settings)
+    if settings.get("recording_mode") not in (None, "async", "strict"):
+        problem = "field 'settings.recording_mode': expected \"async\" or \"strict\""
     description = protocols.by_subtype(body.get("subtype") or body["type"])
     if problem is None and description is not None and description.check_settings is not None:
         problem = description.check_settings(settings)

@@ -21,7 +21,8 @@ differ, ``start`` has an explicit option:
 
 Errors a proxy translates into its protocol's words: ``AccessDenied`` (admit),
 ``TargetUnreachable`` (dial, the session is already closed and recorded) and
-``GatewayClosing`` (the gateway is shutting down; no session was opened).
+``GatewayClosing`` (the gateway is shutting down; no session was opened) or its kind
+``GatewayUnavailable`` (the store does not answer, or this node is fenced: its message says which).
 """
 
 from __future__ import annotations
@@ -37,7 +38,15 @@ from gatewayd.dialer import DialError, Dialer, Routes
 from gatewayd.guardrails import ObservedRules
 from gatewayd.languages import NONE
 from gatewayd.policy import SessionPolicy
-from gatewayd.sessions import BLOCKED_EXIT_CODE, GatewayClosing, KillCallback, LiveSession
+from gatewayd.sessions import (
+    BLOCKED_EXIT_CODE,
+    STORE_UNAVAILABLE,
+    GatewayClosing,
+    GatewayUnavailable,
+    KillCallback,
+    LiveSession,
+)
+from gatewayd.store import StoreUnavailable
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -50,8 +59,8 @@ if TYPE_CHECKING:
     from gatewayd.sessions import SessionManager
     from gatewayd.tenancy import Tenancy
 
-__all__ = ["AccessDenied", "AccessGrant", "BLOCKED_EXIT_CODE", "GatewayClosing", "ProxyContext", "SessionPipeline",
-           "SessionRun", "TargetUnreachable"]
+__all__ = ["AccessDenied", "AccessGrant", "BLOCKED_EXIT_CODE", "GatewayClosing", "GatewayUnavailable", "ProxyContext",
+           "SessionPipeline", "SessionRun", "TargetUnreachable"]
 
 log = logging.getLogger("gatewayd.pipeline")
 
@@ -149,12 +158,25 @@ class SessionPipeline:
         """The grant of ``secret`` on a ``protocol`` connection; raises AccessDenied (audited, throttled).
 
         ``audit_success=False``: a proxy re-checking a credential it let in already (HTTP's requests).
+        GatewayUnavailable when the store does not answer or this node is fenced (nothing is refused: the
+        client is told to come back).
         """
+        fence = self.sessions.cluster.fence_reason
+        if fence is not None:
+            raise GatewayUnavailable(f"{fence}: no session can be opened on it now")
         try:
             return await self.access.resolve(secret, protocol, client_ip, audit_success=audit_success)
         except AccessDenied:
             metrics.login_refused(protocol)
             raise
+        except StoreUnavailable as exc:
+            raise self._unavailable(exc) from None
+
+    @staticmethod
+    def _unavailable(exc: StoreUnavailable) -> GatewayUnavailable:
+        """What a client is told when the store does not answer (the store's address stays in the log)."""
+        log.error("the store did not answer: a client is told to come back", extra={"error": str(exc)})
+        return GatewayUnavailable(STORE_UNAVAILABLE)
 
     async def refuse(self, grant: AccessGrant, protocol: str, reason: str, client_ip: str = "") -> None:
         """Audit a refusal the proxy decided after ``admit`` (the credential's one session is closed)."""
@@ -237,7 +259,10 @@ class SessionPipeline:
         live = self.sessions.live.get(grant.credential.session_id)
         fresh = live is None
         if fresh:
-            live = await self.sessions.resume(grant.user, grant.connection, grant.credential, client_ip)
+            try:
+                live = await self.sessions.resume(grant.user, grant.connection, grant.credential, client_ip)
+            except StoreUnavailable as exc:
+                raise self._unavailable(exc) from None
             if live is None:
                 return None
         assert live is not None
@@ -265,18 +290,28 @@ class SessionPipeline:
 
     async def _open(self, grant: AccessGrant, client_ip: str, existing: Session | None, verb: str,
                     script: str | None, metadata: dict[str, Any] | None, batch_id: str | None) -> LiveSession:
-        if existing is not None:
-            return await self.sessions.open(grant.user, grant.connection, existing=existing, client_ip=client_ip)
-        return await self.sessions.open(grant.user, grant.connection, credential=grant.credential, verb=verb,
-                                        script=script, metadata=metadata, batch_id=batch_id, client_ip=client_ip)
+        try:
+            if existing is not None:
+                return await self.sessions.open(grant.user, grant.connection, existing=existing, client_ip=client_ip)
+            return await self.sessions.open(grant.user, grant.connection, credential=grant.credential, verb=verb,
+                                            script=script, metadata=metadata, batch_id=batch_id, client_ip=client_ip)
+        except StoreUnavailable as exc:
+            raise self._unavailable(exc) from None
 
     async def _arm(self, live: LiveSession, target: T, on_kill: KillCallback | None, observe: bool,
                    client_ip: str) -> SessionRun[T]:
         metrics.track_session(live)  # open until it closes, whatever closes it
         if on_kill is not None:
             live.on_kill(on_kill)
+            if live.done.is_set() and live.end_reason:  # ended before the proxy could be told (a revocation)
+                told = on_kill(live.end_reason)
+                if told is not None:
+                    await told
         try:
             policy = await self.policy_for(live, client_ip, observe=observe, fresh=True)
+        except StoreUnavailable as exc:  # its rules cannot be read: it does not start (fail closed)
+            await live.close(exit_code=BLOCKED_EXIT_CODE, error=STORE_UNAVAILABLE)
+            raise self._unavailable(exc) from None
         except BaseException:
             await live.close(exit_code=BLOCKED_EXIT_CODE, error=INTERNAL_ERROR)
             raise
@@ -333,6 +368,10 @@ class ClusterLink(Protocol):
     def on(self, topic: str, handler: Callable[[dict[str, Any]], Awaitable[None] | None]) -> None: ...
 
     async def publish(self, topic: str, **payload: Any) -> None: ...
+
+    async def request(self, topic: str, targets: Any = None, wait: float = ..., **payload: Any) -> list[str]: ...
+
+    async def node_of_slot(self, slot: int) -> str | None: ...
 
 
 @dataclass(slots=True)

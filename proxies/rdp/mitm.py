@@ -302,6 +302,10 @@ class GatewayMITM(RDPMITM):
             log.info("rdp login refused", extra={"client_ip": client_ip, "reason": str(exc)})
             self._refuse()
             return
+        except GatewayClosing as exc:  # the store does not answer, or this node is fenced
+            log.info("rdp login refused", extra={"client_ip": client_ip, "reason": str(exc)})
+            self._refuse()
+            return
         except Exception:
             log.exception("rdp admission failed", extra={"client_ip": client_ip})
             self._refuse()
