@@ -28,7 +28,7 @@ from gatewayd.audit import REDACTED
 from gatewayd.config import split_listen
 from gatewayd.models import Connection, User, new_id, rfc3339, utcnow
 from gatewayd.reviews import JIT, NS, check_review_settings, review_json
-from gatewayd.sessions import session_for
+from gatewayd.protocols import session_for
 from gatewayd.store import Conflict
 
 routes = RouteSet("Connections", audit="connections")

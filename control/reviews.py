@@ -46,7 +46,7 @@ from gatewayd.reviews import (
     jit_ended,
     review_json,
 )
-from gatewayd.sessions import session_for
+from gatewayd.protocols import session_for
 from gatewayd.store import Conflict
 
 log = logging.getLogger("gatewayd.api.reviews")

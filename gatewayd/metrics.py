@@ -24,7 +24,7 @@ import asyncio
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Iterable, Mapping
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Protocol
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -32,10 +32,29 @@ from prometheus_client import multiprocess
 
 from gatewayd import protocols
 
-if TYPE_CHECKING:
-    from gatewayd.evidence import EventBatch
-    from gatewayd.recording import SessionRecorder
-    from gatewayd.sessions import LiveSession
+
+
+class TrackedSession(Protocol):
+    """What metrics read of a live session (gatewayd.sessions.LiveSession, which the pipeline hands in)."""
+
+    id: str
+    connection: Any  # its ``subtype`` names the protocol
+    before_close: list[Callable[[], Awaitable[None]]]
+
+
+class StoredBatch(Protocol):
+    """What metrics read of a batch the recorder stored (gatewayd.evidence.EventBatch)."""
+
+    session_id: str
+    count: int
+
+    def first_offset_ms(self) -> int: ...
+
+
+class SessionClock(Protocol):
+    """What metrics read of a session's recorder (gatewayd.recording.SessionRecorder): when it started."""
+
+    started: float
 
 log = logging.getLogger("gatewayd.metrics")
 
@@ -79,11 +98,11 @@ def protocol_name(name: str) -> str:
     return description.name if description is not None else (name or "other")
 
 
-def protocol_of(live: LiveSession) -> str:
+def protocol_of(live: TrackedSession) -> str:
     return protocol_name(live.connection.subtype)
 
 
-def track_session(live: LiveSession) -> None:
+def track_session(live: TrackedSession) -> None:
     """A session is armed: count it open until it closes (its close hook counts it closed)."""
     protocol = protocol_of(live)
     _protocol_of[live.id] = protocol
@@ -115,7 +134,7 @@ def blocked(direction: str) -> None:
     GUARDRAIL_BLOCKS.labels(direction or "input").inc()
 
 
-def flushed(batches: Iterable[EventBatch], recorders: Mapping[str, SessionRecorder], seconds: float,
+def flushed(batches: Iterable[StoredBatch], recorders: Mapping[str, SessionClock], seconds: float,
             operation: str = "append") -> None:
     """Batches were stored in ``seconds``: bytes per protocol and direction, how long the oldest event waited.
 
