@@ -101,7 +101,7 @@ class AccessService:
         elif user.status != "active":
             reason = "access denied: the user is inactive"
         connection = None
-        if reason is None:
+        if reason is None and credential is not None:
             connection = await self.store.get_connection(credential.org_id, credential.connection_id)
             if connection is None:
                 reason = "invalid credential: its connection no longer exists"

@@ -14,20 +14,19 @@ import difflib
 import os
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from gatewayd import hotpath, protocols
-from gatewayd.settings import (  # noqa: F401  (Setting, ConfigError and the checks: imported from here too)
-    ConfigError,
-    Setting,
-    _choice,
-    _not_negative,
-    domain_setting,
-    parse_duration,
-    parse_listen,
-    positive,
-    split_listen,
-)
+
+# what a key is and how values are checked (gatewayd.settings), imported from here too
+from gatewayd.settings import ConfigError as ConfigError
+from gatewayd.settings import Setting as Setting
+from gatewayd.settings import _choice, _not_negative
+from gatewayd.settings import domain_setting as domain_setting
+from gatewayd.settings import parse_duration as parse_duration
+from gatewayd.settings import parse_listen as parse_listen
+from gatewayd.settings import positive as positive
+from gatewayd.settings import split_listen as split_listen
 
 _positive = positive
 
@@ -247,7 +246,7 @@ def load_config(
     overrides: dict[str, Any] | None = None,
 ) -> Config:
     """Defaults, then the TOML file, then GATEWAYD_* variables, then ``overrides``."""
-    environ = os.environ if environ is None else environ
+    env: Mapping[str, str] = os.environ if environ is None else environ
     raw: dict[str, Any] = {}
     if path is not None:
         try:
@@ -265,11 +264,11 @@ def load_config(
             raise ConfigError(f"{key}: unknown setting")
         values[key] = _coerce(key, setting, value, False)
     for key, setting in settings.items():
-        env_value = environ.get(_env_name(key))
+        env_value = env.get(_env_name(key))
         if env_value is not None:
             values[key] = _coerce(key, setting, env_value, True)
     known = {_env_name(key) for key in settings} | OTHER_VARIABLES
-    for name in sorted(environ):
+    for name in sorted(env):
         if name.startswith("GATEWAYD_") and name not in known:
             close = difflib.get_close_matches(name, sorted(known), 1)
             raise ConfigError(f"environment variable {name}: unknown setting"

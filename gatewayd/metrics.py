@@ -37,7 +37,9 @@ from gatewayd import protocols
 class TrackedSession(Protocol):
     """What metrics read of a live session (gatewayd.sessions.LiveSession, which the pipeline hands in)."""
 
-    id: str
+    @property
+    def id(self) -> str: ...
+
     connection: Any  # its ``subtype`` names the protocol
     before_close: list[Callable[[], Awaitable[None]]]
 
@@ -47,6 +49,7 @@ class StoredBatch(Protocol):
 
     session_id: str
     count: int
+    sizes: dict[str, int]  # bytes per event kind
 
     def first_offset_ms(self) -> int: ...
 
@@ -168,7 +171,7 @@ def exposition() -> bytes:
     """Every metric in the text format; all worker processes' values merged in multi-process mode."""
     if multiprocess_dir():
         registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)
+        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
         return generate_latest(registry)
     return generate_latest(REGISTRY)
 
@@ -201,4 +204,4 @@ async def serve(host: str, port: int, *, reuse_port: bool = False) -> web.AppRun
 def process_exited(pid: int) -> None:
     """A worker process is gone (called by the process that started it): its live gauges stop counting."""
     if multiprocess_dir():
-        multiprocess.mark_process_dead(pid)
+        multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]

@@ -255,7 +255,9 @@ def _plpgsql(key: str, source: str, body: str) -> Any:
         from pglast.ast import DefElem, String
         from pglast.stream import RawStream
 
-        statement = parse_sql(source)[0].stmt
+        statement: Any = parse_sql(source)[0].stmt  # a CreateFunctionStmt (pglast's nodes are untyped here)
+        if statement is None:
+            return None
         statement.options = tuple(DefElem(defname="as", arg=(String(sval=body),)) if option.defname == "as"
                                   else option for option in statement.options)
         return json.loads(pg_parser.parse_plpgsql_json(RawStream()(statement)))
