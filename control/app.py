@@ -19,10 +19,13 @@ from control import (
     health,
     integrations,
     openapi,
+    orgs,
     proxymanager,
     rdp_frames,
     resources,
     reviews,
+    runbooks,
+    serverauth,
     serverconfig,
     sessions,
     users,
@@ -49,7 +52,7 @@ from gatewayd.logs import REQUEST_ID, request_id_from
 
 log = logging.getLogger("gatewayd.api")
 
-AREAS = (health, auth, users, serverconfig, resources, connections, agents, guardrails, datamasking, sessions, rdp_frames, reviews, ai, proxymanager,
+AREAS = (health, auth, users, serverconfig, serverauth, orgs, resources, connections, agents, guardrails, datamasking, sessions, rdp_frames, reviews, runbooks, ai, proxymanager,
          audit_logs, integrations, openapi)
 MUTATING = {"POST", "PUT", "PATCH", "DELETE"}
 ROUTE_DOC = web.AppKey("route_doc_by_handler", dict)
@@ -139,6 +142,8 @@ async def auth_middleware(request: web.Request, handler: Any) -> web.StreamRespo
         return await handler(request)
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
+    if not header and request.headers.get("Api-Key"):  # hoop.dev's header for API keys
+        scheme, token = "bearer", request.headers["Api-Key"]
     if scheme.lower() != "bearer" or not token.strip():
         raise ApiError(401, "access denied")
     try:

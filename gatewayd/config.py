@@ -194,6 +194,8 @@ SETTINGS: dict[str, Setting] = {
     "ai.native_on_failure": Setting("str", "open", _choice("closed", "open")),
     "ai.max_pending": Setting("int", 64, _positive),
     "ai.max_input_chars": Setting("int", 32768, _positive),
+    "runbooks.refresh_interval": Setting("duration", "5m"),
+    "runbooks.git_timeout": Setting("duration", "60s", _positive),
 }
 
 

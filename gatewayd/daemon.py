@@ -35,13 +35,14 @@ from gatewayd.dialer import Dialer, DirectDialer
 from gatewayd.tenancy import Tenancy
 from gatewayd.frames import FrameStore
 from gatewayd.guardrails import GuardRailService
-from gatewayd.identity import Identity
+from gatewayd.identity import AUTH_CHANGED, Identity
 from gatewayd.discovery import AwsDiscovery, AwsSettings
 from gatewayd.evidence import Sealer
 from gatewayd.pipeline import ProxyContext, SessionPipeline
 from gatewayd.recording import RecordingService
 from gatewayd.throttle import Throttle
 from gatewayd.reviews import ReviewService
+from gatewayd.runbooks import RunbookService
 from gatewayd.scripts import ScriptRunner
 from gatewayd.sessions import SessionManager
 from gatewayd.store import Store, describe, open_store
@@ -201,6 +202,7 @@ class Gateway:
         self.analysis: AnalysisService = None  # type: ignore[assignment]
         self.tenancy: Tenancy = None  # type: ignore[assignment]  # which organizations are tenants (multi-tenant)
         self.pipeline: SessionPipeline = None  # type: ignore[assignment]
+        self.runbooks: RunbookService = None  # type: ignore[assignment]  # runbook repositories, per commit
         self.cluster: Cluster = None  # type: ignore[assignment]
         self.agents: AgentRegistry = None  # type: ignore[assignment]
         self.grpc: GrpcServer | None = None  # agents' and proxy managers' channel on ``grpc.listen``
@@ -241,6 +243,8 @@ class Gateway:
                                  self.config.get("rdp.frames_cap_bytes"))
         self.tenancy = Tenancy.of(self.config, (await self.store.default_org()).id)
         self.analysis = AnalysisService(self.store, self.audit, self.config, self.tenancy)
+        self.runbooks = RunbookService(self.config.data_dir, refresh_interval=self.config["runbooks.refresh_interval"],
+                                       timeout=self.config["runbooks.git_timeout"], tenant_policy=self.tenancy.policy)
         self.guardrails.observers = self.analysis.observer_for
         self.agents = AgentRegistry(self.store, self.audit, self.sessions, peers=self.grpc_peers)
         self.proxy_manager = ManagerService(self.identity, self.access, lambda: self.server_config)
@@ -250,6 +254,7 @@ class Gateway:
                                      self.script_runners,
                                      admins_can_self_approve=self.config["auth.admins_can_self_approve"])
         await self.identity.start()
+        self.cluster.on(AUTH_CHANGED, lambda _message: self.identity.reload_auth())
 
     def node_name(self) -> str:
         """This process's name among the nodes: ``cluster.node_name``, or host and API port (and its worker)."""

@@ -69,6 +69,8 @@ class LiveSession:
         self.before_close: list[Callable[[], Awaitable[None]]] = []
         # loads the connection's rules again into the session's policy (set by the pipeline; a rule changed)
         self.reload_rules: Callable[[], Awaitable[None]] | None = None
+        # secret values the session's script was made with (gatewayd.scripts.Redaction): never recorded
+        self.redaction: Any = None
 
     @property
     def id(self) -> str:
@@ -89,14 +91,16 @@ class LiveSession:
         The proxy has recorded the blocked input as ``i`` already; the audit entry names it too
         (``input``: the verdict's text, cut at AUDIT_INPUT_CHARS).  Output that was blocked is not copied.
         """
-        self.recorder.error(verdict.message)
+        shown = self.redaction.text if self.redaction is not None else str
+        message = shown(verdict.message)
+        self.recorder.error(message)
         payload = {"session_id": self.id, "connection": self.connection.name, "guardrail": verdict.guardrail,
                    "direction": verdict.direction, "rule_type": verdict.rule_type}
         if verdict.text:
-            payload["input"] = verdict.text
+            payload["input"] = shown(verdict.text)
         await self.manager.audit.record(
             org_id=self.session.org_id, actor=self.user, action="guardrail.block",
-            resource_type="session", outcome="failure", error_message=verdict.message, client_ip=client_ip,
+            resource_type="session", outcome="failure", error_message=message, client_ip=client_ip,
             payload=payload,
         )
 

@@ -19,6 +19,7 @@ from gatewayd.models import (
     Agent,
     AIAnalyzerRule,
     AIProvider,
+    ApiKey,
     AuditEntry,
     Connection,
     Credential,
@@ -28,6 +29,8 @@ from gatewayd.models import (
     Page,
     Resource,
     Review,
+    RunbookRepository,
+    RunbookRule,
     Session,
     SessionEvent,
     User,
@@ -449,3 +452,61 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def prune_keys(self, prefix: str, before: str) -> int:
         """Forget the sealed keys named ``prefix...`` stored before ``before`` (short-lived ones: pending logins)."""
+
+    # runbooks
+    @abc.abstractmethod
+    async def list_runbook_repositories(self, org_id: str) -> list[RunbookRepository]:
+        """The organization's runbook repositories (credentials in clear), by repository name."""
+
+    @abc.abstractmethod
+    async def save_runbook_repository(self, repo: RunbookRepository, *, create: bool) -> None:
+        """Insert (Conflict when the organization has that id or repository name) or update one entry."""
+
+    @abc.abstractmethod
+    async def replace_runbook_repositories(self, org_id: str, repos: list[RunbookRepository]) -> None:
+        """The organization's entries become ``repos``, atomically."""
+
+    @abc.abstractmethod
+    async def delete_runbook_repository(self, org_id: str, repo_id: str) -> bool:
+        """True if there was one."""
+
+    @abc.abstractmethod
+    async def save_runbook_rule(self, rule: RunbookRule, *, create: bool) -> None: ...
+
+    @abc.abstractmethod
+    async def get_runbook_rule(self, org_id: str, rule_id: str) -> RunbookRule | None:
+        """By id or name."""
+
+    @abc.abstractmethod
+    async def list_runbook_rules(self, org_id: str) -> list[RunbookRule]:
+        """By name."""
+
+    @abc.abstractmethod
+    async def delete_runbook_rule(self, org_id: str, rule_id: str) -> bool:
+        """True if there was one."""
+
+    # API keys
+    @abc.abstractmethod
+    async def create_api_key(self, key: ApiKey, *, replace_pending: bool = False) -> None:
+        """Store a key (Conflict when its organization has an ``active`` or ``pending`` one of its kind already;
+        ``replace_pending``: a pending one is dropped first)."""
+
+    @abc.abstractmethod
+    async def get_api_key(self, key_hash: str) -> ApiKey | None: ...
+
+    @abc.abstractmethod
+    async def api_keys_of(self, org_id: str, kind: str, status: str) -> list[ApiKey]:
+        """Newest first."""
+
+    @abc.abstractmethod
+    async def revoke_api_keys(self, org_id: str, kind: str, at: str) -> int:
+        """Revoke the organization's active key of ``kind``; how many were."""
+
+    @abc.abstractmethod
+    async def promote_api_key(self, org_id: str, kind: str, key_hash: str, at: str) -> bool:
+        """The pending key hashing to ``key_hash`` replaces the active one, atomically; False when no such key."""
+
+    @abc.abstractmethod
+    async def touch_api_key(self, key_id: str, at: str) -> None:
+        """When the key was last used."""
+

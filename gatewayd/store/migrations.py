@@ -341,4 +341,54 @@ ALTER TABLE session_event_batches ADD COLUMN events BLOB
     (12, """
 CREATE INDEX audit_by_action ON audit_logs (action)
 """),
+    (13, """
+CREATE TABLE runbook_repositories (
+    id TEXT NOT NULL,
+    org_id TEXT NOT NULL,
+    repository TEXT NOT NULL,
+    git_url TEXT NOT NULL,
+    branch TEXT NOT NULL DEFAULT '',
+    folder TEXT NOT NULL DEFAULT '',
+    git_user TEXT NOT NULL DEFAULT '',
+    ssh_user TEXT NOT NULL DEFAULT '',
+    ssh_known_hosts TEXT NOT NULL DEFAULT '',
+    git_hook_ttl INTEGER NOT NULL DEFAULT 0,
+    credentials BLOB,
+    created_at TEXT NOT NULL,
+    updated_at TEXT NOT NULL,
+    PRIMARY KEY (org_id, id),
+    UNIQUE (org_id, repository)
+);
+CREATE TABLE runbook_rules (
+    id TEXT PRIMARY KEY,
+    org_id TEXT NOT NULL,
+    name TEXT NOT NULL,
+    description TEXT NOT NULL DEFAULT '',
+    runbooks TEXT NOT NULL DEFAULT '[]',
+    connections TEXT NOT NULL DEFAULT '[]',
+    user_groups TEXT NOT NULL DEFAULT '[]',
+    created_at TEXT NOT NULL,
+    updated_at TEXT NOT NULL,
+    UNIQUE (org_id, name)
+)
+"""),
+    (14, """
+ALTER TABLE users ADD COLUMN service_account INTEGER NOT NULL DEFAULT 0;
+CREATE TABLE api_keys (
+    id TEXT PRIMARY KEY,
+    org_id TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    key_hash TEXT NOT NULL UNIQUE,
+    prefix TEXT NOT NULL,
+    user_id TEXT NOT NULL,
+    status TEXT NOT NULL,
+    created_by TEXT NOT NULL DEFAULT '',
+    created_at TEXT NOT NULL,
+    revoked_at TEXT,
+    last_used_at TEXT
+);
+CREATE UNIQUE INDEX api_keys_one_active ON api_keys (org_id, kind) WHERE status = 'active';
+CREATE UNIQUE INDEX api_keys_one_pending ON api_keys (org_id, kind) WHERE status = 'pending'
+"""),
 ]
+

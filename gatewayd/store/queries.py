@@ -19,6 +19,7 @@ from gatewayd.models import (
     Agent,
     AIAnalyzerRule,
     AIProvider,
+    ApiKey,
     AuditEntry,
     Connection,
     Credential,
@@ -29,6 +30,8 @@ from gatewayd.models import (
     Resource,
     Review,
     ReviewGroup,
+    RunbookRepository,
+    RunbookRule,
     Session,
     SessionEvent,
     User,
@@ -176,7 +179,8 @@ class SQLStore(Store):
             return None
         groups = [r[0] for r in await self._all(
             f"SELECT group_name FROM user_groups WHERE user_id = ? ORDER BY {self._by_group}", (row["id"],))]
-        return build(User, row, groups=groups, operator=bool(row["operator"]), federated=bool(row["federated"]))
+        return build(User, row, groups=groups, operator=bool(row["operator"]), federated=bool(row["federated"]),
+                     service_account=bool(row["service_account"]))
 
     async def get_user(self, *, id: str | None = None, subject: str | None = None,
                        email: str | None = None, org_id: str | None = None) -> User | None:
@@ -200,7 +204,7 @@ class SQLStore(Store):
             f"WHERE u.org_id = ? ORDER BY {self._by_user_group}", (org_id,)):
             memberships.setdefault(r[0], []).append(r[1])
         return [build(User, r, groups=memberships.get(r["id"], []), operator=bool(r["operator"]),
-                            federated=bool(r["federated"])) for r in rows]
+                      federated=bool(r["federated"]), service_account=bool(r["service_account"])) for r in rows]
 
     async def save_user(self, user: User) -> User:
         now = rfc3339(utcnow())
@@ -854,3 +858,89 @@ class SQLStore(Store):
     async def prune_keys(self, prefix: str, before: str) -> int:
         return await self._changed(("DELETE FROM signing_keys WHERE substr(name, 1, ?) = ? AND created_at < ?",
                                     (len(prefix), prefix, before)))
+
+    # ---------------------------------------------------------------- runbooks
+    def _runbook_repository_row(self, repo: RunbookRepository) -> Statement:
+        sql, params = insert("runbook_repositories", repo)
+        names = columns(RunbookRepository)
+        position = names.index("credentials")
+        sealed = self.box.seal(json.dumps(repo.credentials).encode(), f"runbooks:{repo.org_id}:{repo.id}".encode()) \
+            if repo.credentials else None
+        return sql, params[:position] + (sealed,) + params[position + 1:]
+
+    def _runbook_repository_from(self, row: Row) -> RunbookRepository:
+        values = {n: row[n] for n in columns(RunbookRepository) if n != "credentials"}
+        sealed = row["credentials"]
+        credentials = json.loads(self.box.open(bytes(sealed), f"runbooks:{row['org_id']}:{row['id']}".encode())) \
+            if sealed else {}
+        return RunbookRepository(credentials=credentials, **values)
+
+    async def list_runbook_repositories(self, org_id: str) -> list[RunbookRepository]:
+        rows = await self._all("SELECT * FROM runbook_repositories WHERE org_id = ? ORDER BY "
+                               f"{self.dialect.sort('repository', text=True)}", (org_id,))
+        return [self._runbook_repository_from(r) for r in rows]
+
+    async def save_runbook_repository(self, repo: RunbookRepository, *, create: bool) -> None:
+        statements = [] if create else [("DELETE FROM runbook_repositories WHERE org_id = ? AND id = ?",
+                                         (repo.org_id, repo.id))]
+        await self._write(statements + [self._runbook_repository_row(repo)])
+
+    async def replace_runbook_repositories(self, org_id: str, repos: list[RunbookRepository]) -> None:
+        await self._write([("DELETE FROM runbook_repositories WHERE org_id = ?", (org_id,))] +
+                          [self._runbook_repository_row(r) for r in repos])
+
+    async def delete_runbook_repository(self, org_id: str, repo_id: str) -> bool:
+        return await self._changed(("DELETE FROM runbook_repositories WHERE org_id = ? AND id = ?",
+                                    (org_id, repo_id))) > 0
+
+    async def save_runbook_rule(self, rule: RunbookRule, *, create: bool) -> None:
+        await self._write([insert("runbook_rules", rule) if create else
+                           update("runbook_rules", rule, skip=("created_at", "org_id"))])
+
+    async def get_runbook_rule(self, org_id: str, rule_id: str) -> RunbookRule | None:
+        row = await self._one("SELECT * FROM runbook_rules WHERE org_id = ? AND (id = ? OR name = ?)",
+                              (org_id, rule_id, rule_id))
+        return build(RunbookRule, row) if row else None
+
+    async def list_runbook_rules(self, org_id: str) -> list[RunbookRule]:
+        rows = await self._all(f"SELECT * FROM runbook_rules WHERE org_id = ? ORDER BY {self._by_name}", (org_id,))
+        return [build(RunbookRule, r) for r in rows]
+
+    async def delete_runbook_rule(self, org_id: str, rule_id: str) -> bool:
+        return await self._changed(("DELETE FROM runbook_rules WHERE org_id = ? AND id = ?", (org_id, rule_id))) > 0
+
+    # ---------------------------------------------------------------- API keys
+    async def create_api_key(self, key: ApiKey, *, replace_pending: bool = False) -> None:
+        statements = [("DELETE FROM api_keys WHERE org_id = ? AND kind = ? AND status = 'pending'",
+                       (key.org_id, key.kind))] if replace_pending else []
+        await self._write(statements + [insert("api_keys", key)])
+
+    async def get_api_key(self, key_hash: str) -> ApiKey | None:
+        row = await self._one("SELECT * FROM api_keys WHERE key_hash = ?", (key_hash,))
+        return build(ApiKey, row) if row else None
+
+    async def api_keys_of(self, org_id: str, kind: str, status: str) -> list[ApiKey]:
+        rows = await self._all("SELECT * FROM api_keys WHERE org_id = ? AND kind = ? AND status = ? "
+                               "ORDER BY created_at DESC", (org_id, kind, status))
+        return [build(ApiKey, r) for r in rows]
+
+    async def revoke_api_keys(self, org_id: str, kind: str, at: str) -> int:
+        return await self._changed(("UPDATE api_keys SET status = 'revoked', revoked_at = ? "
+                                    "WHERE org_id = ? AND kind = ? AND status = 'active'", (at, org_id, kind)))
+
+    async def promote_api_key(self, org_id: str, kind: str, key_hash: str, at: str) -> bool:
+        return await self.db.transact(self._promote(org_id, kind, key_hash, at))
+
+    def _promote(self, org_id: str, kind: str, key_hash: str, at: str) -> Work[bool]:
+        """The pending key with ``key_hash`` becomes the active one (the previous one revoked), in one transaction."""
+        found = yield ("SELECT id FROM api_keys WHERE org_id = ? AND kind = ? AND status = 'pending' "
+                       "AND key_hash = ?", (org_id, kind, key_hash))
+        if not found.rows:
+            return False
+        yield ("UPDATE api_keys SET status = 'revoked', revoked_at = ? WHERE org_id = ? AND kind = ? "
+               "AND status = 'active'", (at, org_id, kind))
+        yield ("UPDATE api_keys SET status = 'active' WHERE id = ?", (found.rows[0][0],))
+        return True
+
+    async def touch_api_key(self, key_id: str, at: str) -> None:
+        await self._write([("UPDATE api_keys SET last_used_at = ? WHERE id = ?", (at, key_id))])
