@@ -20,6 +20,7 @@ from control import (
     integrations,
     openapi,
     orgs,
+    plugins,
     proxymanager,
     rdp_frames,
     resources,
@@ -29,6 +30,7 @@ from control import (
     serverconfig,
     sessions,
     users,
+    webhooks,
 )
 from control.console import add_console
 from control.http import (
@@ -52,7 +54,7 @@ from gatewayd.logs import REQUEST_ID, request_id_from
 
 log = logging.getLogger("gatewayd.api")
 
-AREAS = (health, auth, users, serverconfig, serverauth, orgs, resources, connections, agents, guardrails, datamasking, sessions, rdp_frames, reviews, runbooks, ai, proxymanager,
+AREAS = (health, auth, users, serverconfig, serverauth, orgs, resources, connections, agents, guardrails, datamasking, sessions, rdp_frames, reviews, runbooks, plugins, webhooks, ai, proxymanager,
          audit_logs, integrations, openapi)
 MUTATING = {"POST", "PUT", "PATCH", "DELETE"}
 ROUTE_DOC = web.AppKey("route_doc_by_handler", dict)

@@ -348,7 +348,13 @@ class Library:
         self.rules = await store.list_runbook_rules(org_id)
         self.connections = [c for c in await store.list_connections(org_id)
                             if c.subtype in self.gateway.script_runners]
-        self.folders: dict[str, list[str]] = {}
+        self.folders: dict[str, list[str]] = {}  # the runbooks plugin's setting per connection: its folders
+        plugin = await store.get_plugin(org_id, "runbooks")
+        if plugin is not None:
+            names = {c.id: c.name for c in self.connections}
+            for link in await store.list_plugin_connections(org_id, plugin.id):
+                if link.connection_id in names:
+                    self.folders[names[link.connection_id]] = link.config
         return self
 
     def connections_for(self, repository: str, name: str, only: str | None = None) -> list[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from gatewayd.evidence import Verification, verify_audit
 
@@ -44,6 +44,7 @@ class AuditLog:
 
     def __init__(self, store: Store) -> None:
         self.store = store
+        self.listeners: list[Callable[[AuditEntry], None]] = []  # told of every stored entry (webhooks)
 
     async def record(
         self,
@@ -89,6 +90,9 @@ class AuditLog:
             await self.store.append_audit(entry)
         except Exception:  # an audit failure must be loud but not take the request down
             log.exception("could not write audit entry", extra={"action": action})
+            return
+        for listener in self.listeners:
+            listener(entry)
 
     async def verify(self, org_id: str) -> Verification:
         """Whether an organization's audit chain is as it was written (hashing runs off the event loop)."""

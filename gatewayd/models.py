@@ -472,3 +472,64 @@ class ApiKey:
     created_at: str = ""
     revoked_at: str | None = None
     last_used_at: str | None = None
+
+
+@dataclass(slots=True)
+class Plugin:
+    """A plugin an organization turned on (``webhooks``, ``slack``, ``runbooks``); ``config`` holds its settings
+    (``envvars``: name -> value, clear here, sealed in the store)."""
+
+    id: str
+    org_id: str
+    name: str
+    config: dict[str, str] = field(default_factory=dict)
+    created_at: str = ""
+    updated_at: str = ""
+
+
+@dataclass(slots=True)
+class PluginConnection:
+    """A plugin's settings for one connection (Slack: channels; runbooks: the folders it offers)."""
+
+    id: str
+    org_id: str
+    plugin_id: str
+    connection_id: str
+    config: list[str] = field(default_factory=list)
+    updated_at: str = ""
+
+
+@dataclass(slots=True)
+class WebhookEndpoint:
+    """Where an organization's events are posted; ``secret`` (clear here, sealed in the store) signs them."""
+
+    id: str
+    org_id: str
+    url: str
+    secret: str
+    description: str = ""
+    event_types: list[str] = field(default_factory=list)  # empty: every type
+    disabled: bool = False
+    created_at: str = ""
+    updated_at: str = ""
+
+
+@dataclass(slots=True)
+class Delivery:
+    """One event on its way to one endpoint (a webhook, or Slack): the exact body sent, its attempts and outcome."""
+
+    id: str
+    org_id: str
+    endpoint_id: str
+    channel: str  # webhook | slack
+    event_id: str
+    event_type: str
+    body: str
+    status: str  # pending | delivered | failed
+    next_attempt_at: str
+    created_at: str
+    attempts: int = 0
+    claimed_until: str | None = None
+    last_status: int | None = None
+    last_error: str = ""
+    delivered_at: str | None = None

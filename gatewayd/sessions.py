@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import Any, Awaitable, Callable
@@ -94,6 +95,7 @@ class LiveSession:
         shown = self.redaction.text if self.redaction is not None else str
         message = shown(verdict.message)
         self.recorder.error(message)
+        self.recorder.metrics["blocked"] = self.recorder.metrics.get("blocked", 0) + 1  # reports count them
         payload = {"session_id": self.id, "connection": self.connection.name, "guardrail": verdict.guardrail,
                    "direction": verdict.direction, "rule_type": verdict.rule_type}
         if verdict.text:
@@ -122,9 +124,12 @@ class LiveSession:
         log.info("session closed", extra=self.log_fields(
             outcome="error" if error else "ok", exit_code=exit_code, reason=error or ""))
         try:
-            seal = await self.manager.recording.close(self.recorder, self.session, end_date=rfc3339(utcnow()),
+            end_date = rfc3339(utcnow())
+            seal = await self.manager.recording.close(self.recorder, self.session, end_date=end_date,
                                                       exit_code=exit_code)
             await self.manager.sealed(self.session, seal)
+            self.manager.tell("session.close", dataclasses.replace(self.session, status="done", end_date=end_date,
+                                                                   exit_code=exit_code))
         except Exception:
             log.exception("could not close session", extra={"session_id": self.id})
         finally:
@@ -173,6 +178,12 @@ class SessionManager:
         self.cluster.on(self.CONNECTION, self._on_connection)
         self.cluster.on_node_lost = self.close_orphans
         self.cluster.on_fenced = self._fenced
+        self.watchers: list[Callable[[str, Session], None]] = []  # told as sessions open and close (webhooks)
+
+    def tell(self, kind: str, session: Session) -> None:
+        """``session.open`` / ``session.close`` to the watchers (they never wait nor raise)."""
+        for watcher in self.watchers:
+            watcher(kind, session)
 
     async def open(self, user: User, connection: Connection, *, credential: Credential | None = None,
                    verb: str = "connect", script: str | None = None, metadata: dict[str, Any] | None = None,
@@ -210,6 +221,7 @@ class SessionManager:
         live = LiveSession(self, session, recorder, user, connection, credential, client_ip)
         self.live[session.id] = live
         log.info("session opened", extra=live.log_fields(verb=verb))
+        self.tell("session.open", session)
         if credential is not None:
             self._arm_expiry(live, credential)
         return live

@@ -23,10 +23,13 @@ from gatewayd.models import (
     AuditEntry,
     Connection,
     Credential,
+    Delivery,
     GuardRail,
     Node,
     Organization,
     Page,
+    Plugin,
+    PluginConnection,
     Resource,
     Review,
     RunbookRepository,
@@ -34,6 +37,7 @@ from gatewayd.models import (
     Session,
     SessionEvent,
     User,
+    WebhookEndpoint,
 )
 
 if TYPE_CHECKING:
@@ -509,4 +513,66 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def touch_api_key(self, key_id: str, at: str) -> None:
         """When the key was last used."""
+
+    # plugins
+    @abc.abstractmethod
+    async def save_plugin(self, plugin: Plugin, *, create: bool) -> None:
+        """Insert (Conflict when the organization has it) or update its settings (sealed at rest)."""
+
+    @abc.abstractmethod
+    async def get_plugin(self, org_id: str, name: str) -> Plugin | None: ...
+
+    @abc.abstractmethod
+    async def list_plugins(self, org_id: str) -> list[Plugin]: ...
+
+    @abc.abstractmethod
+    async def delete_plugin(self, org_id: str, name: str) -> bool:
+        """The plugin and its connections' settings; True if there was one."""
+
+    @abc.abstractmethod
+    async def list_plugin_connections(self, org_id: str, plugin_id: str | None = None) -> list[PluginConnection]: ...
+
+    @abc.abstractmethod
+    async def save_plugin_connection(self, link: PluginConnection) -> None:
+        """Insert or replace the plugin's settings for one connection."""
+
+    @abc.abstractmethod
+    async def replace_plugin_connections(self, org_id: str, plugin_id: str, links: list[PluginConnection]) -> None: ...
+
+    @abc.abstractmethod
+    async def delete_plugin_connection(self, org_id: str, plugin_id: str, connection_id: str) -> bool: ...
+
+    # webhooks
+    @abc.abstractmethod
+    async def save_webhook_endpoint(self, endpoint: WebhookEndpoint, *, create: bool) -> None:
+        """Insert or replace an endpoint (its secret sealed at rest)."""
+
+    @abc.abstractmethod
+    async def get_webhook_endpoint(self, org_id: str, endpoint_id: str) -> WebhookEndpoint | None: ...
+
+    @abc.abstractmethod
+    async def list_webhook_endpoints(self, org_id: str) -> list[WebhookEndpoint]: ...
+
+    @abc.abstractmethod
+    async def delete_webhook_endpoint(self, org_id: str, endpoint_id: str) -> bool: ...
+
+    @abc.abstractmethod
+    async def add_deliveries(self, deliveries: list[Delivery]) -> None: ...
+
+    @abc.abstractmethod
+    async def claim_deliveries(self, now: str, until: str, limit: int) -> list[Delivery]:
+        """Up to ``limit`` pending deliveries due at ``now`` that no process holds, held until ``until`` by the
+        caller, their attempts counted (of concurrent callers in any process, each delivery goes to one)."""
+
+    @abc.abstractmethod
+    async def finish_delivery(self, delivery: Delivery) -> None:
+        """An attempt's outcome: status, last HTTP status and error, next attempt, delivery time; released."""
+
+    @abc.abstractmethod
+    async def list_deliveries(self, org_id: str, *, endpoint_id: str | None = None, status: str | None = None,
+                              event_type: str | None = None, limit: int = 50, offset: int = 0) -> Page:
+        """Newest first."""
+
+    @abc.abstractmethod
+    async def get_delivery(self, org_id: str, delivery_id: str) -> Delivery | None: ...
 

@@ -390,5 +390,56 @@ CREATE TABLE api_keys (
 CREATE UNIQUE INDEX api_keys_one_active ON api_keys (org_id, kind) WHERE status = 'active';
 CREATE UNIQUE INDEX api_keys_one_pending ON api_keys (org_id, kind) WHERE status = 'pending'
 """),
+    (15, """
+CREATE TABLE plugins (
+    id TEXT PRIMARY KEY,
+    org_id TEXT NOT NULL,
+    name TEXT NOT NULL,
+    config BLOB,
+    created_at TEXT NOT NULL,
+    updated_at TEXT NOT NULL,
+    UNIQUE (org_id, name)
+);
+CREATE TABLE plugin_connections (
+    id TEXT PRIMARY KEY,
+    org_id TEXT NOT NULL,
+    plugin_id TEXT NOT NULL REFERENCES plugins (id) ON DELETE CASCADE,
+    connection_id TEXT NOT NULL,
+    config TEXT NOT NULL DEFAULT '[]',
+    updated_at TEXT NOT NULL,
+    UNIQUE (plugin_id, connection_id)
+);
+CREATE TABLE webhook_endpoints (
+    id TEXT PRIMARY KEY,
+    org_id TEXT NOT NULL,
+    url TEXT NOT NULL,
+    description TEXT NOT NULL DEFAULT '',
+    event_types TEXT NOT NULL DEFAULT '[]',
+    disabled INTEGER NOT NULL DEFAULT 0,
+    secret BLOB NOT NULL,
+    created_at TEXT NOT NULL,
+    updated_at TEXT NOT NULL
+);
+CREATE INDEX webhook_endpoints_by_org ON webhook_endpoints (org_id);
+CREATE TABLE webhook_deliveries (
+    id TEXT PRIMARY KEY,
+    org_id TEXT NOT NULL,
+    endpoint_id TEXT NOT NULL,
+    channel TEXT NOT NULL,
+    event_id TEXT NOT NULL,
+    event_type TEXT NOT NULL,
+    body TEXT NOT NULL,
+    status TEXT NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    next_attempt_at TEXT NOT NULL,
+    claimed_until TEXT,
+    last_status INTEGER,
+    last_error TEXT NOT NULL DEFAULT '',
+    created_at TEXT NOT NULL,
+    delivered_at TEXT
+);
+CREATE INDEX webhook_deliveries_due ON webhook_deliveries (status, next_attempt_at);
+CREATE INDEX webhook_deliveries_by_org ON webhook_deliveries (org_id, created_at DESC)
+"""),
 ]
 

@@ -23,10 +23,13 @@ from gatewayd.models import (
     AuditEntry,
     Connection,
     Credential,
+    Delivery,
     GuardRail,
     Node,
     Organization,
     Page,
+    Plugin,
+    PluginConnection,
     Resource,
     Review,
     ReviewGroup,
@@ -35,6 +38,7 @@ from gatewayd.models import (
     Session,
     SessionEvent,
     User,
+    WebhookEndpoint,
     new_id,
     rfc3339,
     utcnow,
@@ -944,3 +948,145 @@ class SQLStore(Store):
 
     async def touch_api_key(self, key_id: str, at: str) -> None:
         await self._write([("UPDATE api_keys SET last_used_at = ? WHERE id = ?", (at, key_id))])
+
+    # ---------------------------------------------------------------- plugins
+    def _sealed_row(self, table: str, record: Any, name: str, context: bytes) -> Statement:
+        """The INSERT of ``record`` with its field ``name`` (a dict or a string) sealed."""
+        sql, params = insert(table, record)
+        position = columns(type(record)).index(name)
+        value = getattr(record, name)
+        clear = (json.dumps(value) if isinstance(value, dict) else value).encode()
+        return sql, params[:position] + (self.box.seal(clear, context) if value else None,) + params[position + 1:]
+
+    def _opened(self, cls: type, row: Row, name: str, context: bytes, as_json: bool) -> Any:
+        values = {n: decode(n, row[n]) for n in columns(cls) if n != name}
+        sealed = row[name]
+        clear = self.box.open(bytes(sealed), context).decode() if sealed else ""
+        values[name] = (json.loads(clear) if clear else {}) if as_json else clear
+        return cls(**values)
+
+    @staticmethod
+    def _plugin_context(org_id: str, name: str) -> bytes:
+        return f"plugin:{org_id}:{name}".encode()
+
+    async def save_plugin(self, plugin: Plugin, *, create: bool) -> None:
+        sql, params = self._sealed_row("plugins", plugin, "config", self._plugin_context(plugin.org_id, plugin.name))
+        if not create:  # its own row only: a DELETE and INSERT would take its connections with it
+            sql, params = ("UPDATE plugins SET config = ?, updated_at = ? WHERE id = ?",
+                           (params[columns(Plugin).index("config")], plugin.updated_at, plugin.id))
+        await self._write([(sql, params)])
+
+    async def get_plugin(self, org_id: str, name: str) -> Plugin | None:
+        row = await self._one("SELECT * FROM plugins WHERE org_id = ? AND name = ?", (org_id, name))
+        return self._opened(Plugin, row, "config", self._plugin_context(org_id, name), True) if row else None
+
+    async def list_plugins(self, org_id: str) -> list[Plugin]:
+        rows = await self._all(f"SELECT * FROM plugins WHERE org_id = ? ORDER BY {self._by_name}", (org_id,))
+        return [self._opened(Plugin, r, "config", self._plugin_context(org_id, r["name"]), True) for r in rows]
+
+    async def delete_plugin(self, org_id: str, name: str) -> bool:
+        found = await self._one("SELECT id FROM plugins WHERE org_id = ? AND name = ?", (org_id, name))
+        if found is None:
+            return False
+        await self._write([("DELETE FROM plugin_connections WHERE plugin_id = ?", (found[0],)),
+                           ("DELETE FROM plugins WHERE id = ?", (found[0],))])
+        return True
+
+    async def list_plugin_connections(self, org_id: str, plugin_id: str | None = None) -> list[PluginConnection]:
+        if plugin_id is None:
+            rows = await self._all("SELECT * FROM plugin_connections WHERE org_id = ?", (org_id,))
+        else:
+            rows = await self._all("SELECT * FROM plugin_connections WHERE org_id = ? AND plugin_id = ? "
+                                   f"ORDER BY {self.dialect.row_order}", (org_id, plugin_id))
+        return [build(PluginConnection, r) for r in rows]
+
+    async def save_plugin_connection(self, link: PluginConnection) -> None:
+        await self._write([
+            ("DELETE FROM plugin_connections WHERE plugin_id = ? AND connection_id = ?",
+             (link.plugin_id, link.connection_id)), insert("plugin_connections", link)])
+
+    async def replace_plugin_connections(self, org_id: str, plugin_id: str, links: list[PluginConnection]) -> None:
+        await self._write([("DELETE FROM plugin_connections WHERE org_id = ? AND plugin_id = ?", (org_id, plugin_id))]
+                          + [insert("plugin_connections", link) for link in links])
+
+    async def delete_plugin_connection(self, org_id: str, plugin_id: str, connection_id: str) -> bool:
+        return await self._changed(("DELETE FROM plugin_connections WHERE org_id = ? AND plugin_id = ? "
+                                    "AND connection_id = ?", (org_id, plugin_id, connection_id))) > 0
+
+    # ---------------------------------------------------------------- webhooks
+    @staticmethod
+    def _endpoint_context(endpoint_id: str) -> bytes:
+        return f"webhook:{endpoint_id}".encode()
+
+    def _endpoint_from(self, row: Row) -> WebhookEndpoint:
+        endpoint = self._opened(WebhookEndpoint, row, "secret", self._endpoint_context(row["id"]), False)
+        endpoint.disabled = bool(endpoint.disabled)
+        return endpoint
+
+    async def save_webhook_endpoint(self, endpoint: WebhookEndpoint, *, create: bool) -> None:
+        statements = [] if create else [("DELETE FROM webhook_endpoints WHERE org_id = ? AND id = ?",
+                                         (endpoint.org_id, endpoint.id))]
+        sql, params = self._sealed_row("webhook_endpoints", endpoint, "secret", self._endpoint_context(endpoint.id))
+        position = columns(WebhookEndpoint).index("disabled")
+        params = params[:position] + (int(endpoint.disabled),) + params[position + 1:]
+        await self._write(statements + [(sql, params)])
+
+    async def get_webhook_endpoint(self, org_id: str, endpoint_id: str) -> WebhookEndpoint | None:
+        row = await self._one("SELECT * FROM webhook_endpoints WHERE org_id = ? AND id = ?", (org_id, endpoint_id))
+        return self._endpoint_from(row) if row else None
+
+    async def list_webhook_endpoints(self, org_id: str) -> list[WebhookEndpoint]:
+        rows = await self._all("SELECT * FROM webhook_endpoints WHERE org_id = ? ORDER BY created_at, id", (org_id,))
+        return [self._endpoint_from(r) for r in rows]
+
+    async def delete_webhook_endpoint(self, org_id: str, endpoint_id: str) -> bool:
+        return await self._changed(("DELETE FROM webhook_endpoints WHERE org_id = ? AND id = ?",
+                                    (org_id, endpoint_id))) > 0
+
+    async def add_deliveries(self, deliveries: list[Delivery]) -> None:
+        if deliveries:
+            await self._write([insert("webhook_deliveries", d) for d in deliveries])
+
+    async def claim_deliveries(self, now: str, until: str, limit: int) -> list[Delivery]:
+        return await self.db.transact(self._claim_deliveries(now, until, limit))
+
+    def _claim_deliveries(self, now: str, until: str, limit: int) -> Work[list[Delivery]]:
+        """Due deliveries no node holds, held until ``until`` by this one (one attempt more each)."""
+        lock = self.dialect.lock("webhook_deliveries")
+        if lock is not None:
+            yield lock
+        due = yield ("SELECT id FROM webhook_deliveries WHERE status = 'pending' AND next_attempt_at <= ? "
+                     "AND (claimed_until IS NULL OR claimed_until < ?) ORDER BY next_attempt_at LIMIT ?",
+                     (now, now, limit))
+        ids = [r[0] for r in due.rows]
+        if not ids:
+            return []
+        marks = ", ".join("?" * len(ids))
+        yield (f"UPDATE webhook_deliveries SET claimed_until = ?, attempts = attempts + 1 WHERE id IN ({marks})",
+               (until, *ids))
+        rows = yield (f"SELECT * FROM webhook_deliveries WHERE id IN ({marks})", tuple(ids))
+        return [build(Delivery, r) for r in rows.rows]
+
+    async def finish_delivery(self, delivery: Delivery) -> None:
+        await self._write([assign("webhook_deliveries", {
+            "status": delivery.status, "last_status": delivery.last_status, "last_error": delivery.last_error,
+            "next_attempt_at": delivery.next_attempt_at, "delivered_at": delivery.delivered_at,
+            "claimed_until": None}, "id = ?", (delivery.id,))])
+
+    async def list_deliveries(self, org_id: str, *, endpoint_id: str | None = None, status: str | None = None,
+                              event_type: str | None = None, limit: int = 50, offset: int = 0) -> Page:
+        where, params = ["org_id = ?"], [org_id]
+        for column, value in (("endpoint_id", endpoint_id), ("status", status), ("event_type", event_type)):
+            if value:
+                where.append(f"{column} = ?")
+                params.append(value)
+        clause = " AND ".join(where)
+        total = await self._count(f"SELECT COUNT(*) FROM webhook_deliveries WHERE {clause}", params)
+        rows = await self._all(f"SELECT * FROM webhook_deliveries WHERE {clause} ORDER BY created_at DESC, "
+                               f"{self.dialect.sort('id', text=True)} LIMIT ? OFFSET ?", tuple(params) + (limit, offset))
+        return Page(items=[build(Delivery, r) for r in rows], total=total)
+
+    async def get_delivery(self, org_id: str, delivery_id: str) -> Delivery | None:
+        row = await self._one("SELECT * FROM webhook_deliveries WHERE org_id = ? AND id = ?", (org_id, delivery_id))
+        return build(Delivery, row) if row else None
+

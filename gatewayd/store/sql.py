@@ -40,6 +40,7 @@ JSON_FIELDS = frozenset({
     "metrics", "labels", "integrations_metadata", "ai_analysis", "request_payload_redacted",
     "force_approval_groups", "time_window", "connection_names", "reviewers_groups", "risk_evaluation",
     "granted_groups", "listeners", "runbooks", "connections", "user_groups",
+    "config", "event_types",
 })
 
 # A statement: SQL with ``?`` placeholders, and its parameters (a tuple) or rows of them (a list:
