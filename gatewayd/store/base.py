@@ -86,6 +86,26 @@ class AuditFilter:
     page_size: int = 50
 
 
+# what a session report groups by: its column of ``session_rollup`` (hoop.dev's names as well as ours)
+REPORT_GROUPS = {"connection": "connection", "user": "user_email", "user_email": "user_email", "protocol": "subtype",
+                 "connection_type": "subtype", "day": "day"}
+
+
+@dataclass(slots=True)
+class ReportFilter:
+    """The sessions a report counts: an organization's, started from ``start_day`` to ``end_day`` (YYYY-MM-DD, UTC,
+    both included), maybe of one connection, user, protocol (subtype) or verb."""
+
+    org_id: str
+    start_day: str
+    end_day: str
+    group_by: str = "connection"
+    connection: str | None = None
+    user_email: str | None = None
+    subtype: str | None = None
+    verb: str | None = None
+
+
 class Store(abc.ABC):
     """Persistent state of the gateway."""
 
@@ -575,4 +595,15 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def get_delivery(self, org_id: str, delivery_id: str) -> Delivery | None: ...
+
+    # reports
+    @abc.abstractmethod
+    async def session_report(self, query: ReportFilter) -> list[dict[str, Any]]:
+        """Finished sessions grouped by ``query.group_by``: per group ``resource`` and the sums of sessions,
+        duration_ms, bytes, blocks, masked (values) and masked_sessions; by group. Read from the per-day rollup
+        each close adds to (never a scan of the sessions)."""
+
+    @abc.abstractmethod
+    async def session_metrics(self, query: ReportFilter, limit: int, offset: int) -> Page:
+        """Finished sessions of the range, newest first, with their bytes, masked values and blocks."""
 

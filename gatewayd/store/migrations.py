@@ -441,5 +441,23 @@ CREATE TABLE webhook_deliveries (
 CREATE INDEX webhook_deliveries_due ON webhook_deliveries (status, next_attempt_at);
 CREATE INDEX webhook_deliveries_by_org ON webhook_deliveries (org_id, created_at DESC)
 """),
+    (16, """
+CREATE TABLE session_rollup (
+    org_id TEXT NOT NULL,
+    day TEXT NOT NULL,
+    connection TEXT NOT NULL,
+    user_email TEXT NOT NULL,
+    subtype TEXT NOT NULL,
+    verb TEXT NOT NULL,
+    sessions INTEGER NOT NULL DEFAULT 0,
+    duration_ms INTEGER NOT NULL DEFAULT 0,
+    bytes INTEGER NOT NULL DEFAULT 0,
+    blocks INTEGER NOT NULL DEFAULT 0,
+    masked INTEGER NOT NULL DEFAULT 0,
+    masked_sessions INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (org_id, day, connection, user_email, subtype, verb)
+);
+INSERT INTO store_counters (name, value) VALUES ('session_rollup', 0)
+"""),
 ]
 

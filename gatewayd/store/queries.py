@@ -40,10 +40,11 @@ from gatewayd.models import (
     User,
     WebhookEndpoint,
     new_id,
+    parse_time,
     rfc3339,
     utcnow,
 )
-from gatewayd.store.base import AuditFilter, NotFound, SessionFilter, Store
+from gatewayd.store.base import REPORT_GROUPS, AuditFilter, NotFound, ReportFilter, SessionFilter, Store
 from gatewayd.store.bus import BusTransport, TableBus
 from gatewayd.store.migrations import MIGRATIONS
 from gatewayd.store.sql import (
@@ -103,6 +104,7 @@ class SQLStore(Store):
             await self.db.transact(self._migration_table())
             for version, script in MIGRATIONS:
                 await self.db.transact(self._migrate(version, script))
+            await self.db.transact(self._backfill_rollup())
         except BaseException:
             await self.db.close()
             raise
@@ -479,9 +481,55 @@ class SQLStore(Store):
 
     async def close_session(self, batch: EventBatch, *, end_date: str, exit_code: int | None,
                             seal: str | None) -> None:
-        await self._write(self._batch_statements(batch) + [assign(
-            "sessions", {"status": "done", "end_date": end_date, "exit_code": exit_code, "seal": seal},
-            "id = ?", (batch.session_id,))])
+        await self.db.transact(self._close_session(batch, end_date, exit_code, seal))
+
+    def _close_session(self, batch: EventBatch, end_date: str, exit_code: int | None, seal: str | None) -> Work[None]:
+        """The last events and the end, and (the first time it ends) the session counted in ``session_rollup``."""
+        before = yield ("SELECT status, org_id, start_date, connection, user_email, subtype, verb, event_size, "
+                        "metrics FROM sessions WHERE id = ?", (batch.session_id,))
+        for statement in self._batch_statements(batch):
+            yield statement
+        yield assign("sessions", {"status": "done", "end_date": end_date, "exit_code": exit_code, "seal": seal},
+                     "id = ?", (batch.session_id,))
+        if not before.rows or before.rows[0][0] == "done":
+            return
+        status, org_id, start, connection, email, subtype, verb, size, stored_metrics = before.rows[0]
+        metrics = batch.session_fields.get("metrics")
+        if not isinstance(metrics, dict):
+            metrics = json.loads(stored_metrics) if stored_metrics else {}
+        began, ended = parse_time(start), parse_time(end_date)
+        duration = int((ended - began).total_seconds() * 1000) if began and ended and ended > began else 0
+        masked = int(metrics.get("masked") or 0)
+        yield self._ROLLUP_ADD, (org_id, start[:10], connection, email, subtype, verb, 1, duration,
+                                 int(batch.session_fields.get("event_size", size) or 0),
+                                 int(metrics.get("blocked") or 0), masked, 1 if masked else 0)
+
+    _ROLLUP_COLUMNS = ("org_id", "day", "connection", "user_email", "subtype", "verb", "sessions", "duration_ms",
+                       "bytes", "blocks", "masked", "masked_sessions")
+    _ROLLUP_SUMS = ("sessions", "duration_ms", "bytes", "blocks", "masked", "masked_sessions")
+    _ROLLUP_ADD = (f"INSERT INTO session_rollup ({', '.join(_ROLLUP_COLUMNS)}) VALUES "
+                   f"({', '.join('?' * len(_ROLLUP_COLUMNS))}) ON CONFLICT "
+                   "(org_id, day, connection, user_email, subtype, verb) DO UPDATE SET "
+                   + ", ".join(f"{c} = session_rollup.{c} + excluded.{c}" for c in _ROLLUP_SUMS))
+
+    def _backfill_rollup(self) -> Work[bool]:
+        """Count the sessions that ended before ``session_rollup`` existed, once (under the migration lock)."""
+        lock = self.dialect.lock("schema_migrations")
+        if lock is not None:
+            yield lock
+        marker = yield ("SELECT value FROM store_counters WHERE name = 'session_rollup'", ())
+        if not marker.rows or marker.rows[0][0]:
+            return False
+        d = self.dialect
+        masked = d.json_int("metrics", "masked")
+        yield (f"INSERT INTO session_rollup ({', '.join(self._ROLLUP_COLUMNS)}) "
+               "SELECT org_id, substr(start_date, 1, 10), connection, user_email, subtype, verb, COUNT(*), "
+               f"SUM(CASE WHEN end_date > start_date THEN {d.duration_ms('start_date', 'end_date')} ELSE 0 END), "
+               f"SUM(event_size), SUM({d.json_int('metrics', 'blocked')}), SUM({masked}), "
+               f"SUM(CASE WHEN {masked} > 0 THEN 1 ELSE 0 END) FROM sessions WHERE status = 'done' "
+               "GROUP BY org_id, substr(start_date, 1, 10), connection, user_email, subtype, verb", ())
+        yield "UPDATE store_counters SET value = 1 WHERE name = 'session_rollup'", ()
+        return True
 
     async def _numbered_events(self, session_id: str, kinds: str | None = None) -> list[tuple[int, SessionEvent]]:
         """A session's (sequence number, event) pairs in order (of ``kinds`` only, when given): packed per batch,
@@ -1089,4 +1137,43 @@ class SQLStore(Store):
     async def get_delivery(self, org_id: str, delivery_id: str) -> Delivery | None:
         row = await self._one("SELECT * FROM webhook_deliveries WHERE org_id = ? AND id = ?", (org_id, delivery_id))
         return build(Delivery, row) if row else None
+
+    # ---------------------------------------------------------------- reports
+    async def session_report(self, query: ReportFilter) -> list[dict[str, Any]]:
+        column = REPORT_GROUPS[query.group_by]
+        where, params = self._report_where(query)
+        sums = ", ".join(f"CAST(SUM({c}) AS BIGINT)" for c in self._ROLLUP_SUMS)
+        rows = await self._all(f"SELECT {column}, {sums} FROM session_rollup WHERE {where} GROUP BY {column} "
+                               f"ORDER BY {self.dialect.sort(column, text=True)}", params)
+        return [{"resource": r[0], **{name: int(r[i + 1] or 0) for i, name in enumerate(self._ROLLUP_SUMS)}}
+                for r in rows]
+
+    def _report_where(self, query: ReportFilter) -> tuple[str, tuple[Any, ...]]:
+        where, params = ["org_id = ?", "day >= ?", "day <= ?"], [query.org_id, query.start_day, query.end_day]
+        for column, value in (("connection", query.connection), ("user_email", query.user_email),
+                              ("subtype", query.subtype), ("verb", query.verb)):
+            if value:
+                where.append(f"{column} = ?")
+                params.append(value)
+        return " AND ".join(where), tuple(params)
+
+    async def session_metrics(self, query: ReportFilter, limit: int, offset: int) -> Page:
+        """Finished sessions of the range, newest first, with what the report counts of each."""
+        where = ["org_id = ?", "status = 'done'", "start_date >= ?", "start_date < ?"]
+        params: list[Any] = [query.org_id, query.start_day, query.end_day + "\x7f"]
+        for column, value in (("connection", query.connection), ("user_email", query.user_email),
+                              ("subtype", query.subtype), ("verb", query.verb)):
+            if value:
+                where.append(f"{column} = ?")
+                params.append(value)
+        clause = " AND ".join(where)
+        total = await self._count(f"SELECT COUNT(*) FROM sessions WHERE {clause}", params)
+        rows = await self._all(
+            "SELECT id, org_id, type, subtype, connection, user_email, verb, start_date, end_date, event_size, "
+            f"{self.dialect.json_int('metrics', 'masked')}, {self.dialect.json_int('metrics', 'blocked')} "
+            f"FROM sessions WHERE {clause} ORDER BY start_date DESC, {self.dialect.sort('id', text=True)} "
+            "LIMIT ? OFFSET ?", tuple(params) + (limit, offset))
+        return Page(items=[dict(zip(("session_id", "org_id", "connection_type", "connection_subtype",
+                                     "connection_name", "user_email", "verb", "start_date", "end_date", "bytes",
+                                     "count_masked", "blocks"), tuple(r))) for r in rows], total=total)
 

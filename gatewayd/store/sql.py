@@ -136,6 +136,15 @@ class Dialect:
         transaction is serialised already, as SQLite's BEGIN IMMEDIATE does)."""
         return None
 
+    def duration_ms(self, start: str, end: str) -> str:
+        """Milliseconds from the RFC 3339 text in column ``start`` to the one in ``end``, as an integer."""
+        return f"CAST(ROUND((julianday({end}) - julianday({start})) * 86400000) AS INTEGER)"
+
+    def json_int(self, column: str, key: str) -> str:
+        """The integer at top-level ``key`` of the JSON text in ``column`` (0 when absent). ``key`` is a
+        constant of the caller's, never a value from outside."""
+        return f"COALESCE(CAST(json_extract({column}, '$.{key}') AS INTEGER), 0)"
+
 
 _PLACEHOLDER = re.compile(r"\?")
 
