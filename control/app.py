@@ -13,6 +13,7 @@ from control import (
     ai,
     audit_logs,
     auth,
+    catalog,
     connections,
     datamasking,
     guardrails,
@@ -55,7 +56,7 @@ from gatewayd.logs import REQUEST_ID, request_id_from
 
 log = logging.getLogger("gatewayd.api")
 
-AREAS = (health, auth, users, serverconfig, serverauth, orgs, resources, connections, agents, guardrails, datamasking, sessions, rdp_frames, reviews, runbooks, plugins, webhooks, reports, ai, proxymanager,
+AREAS = (health, auth, users, serverconfig, serverauth, orgs, resources, connections, catalog, agents, guardrails, datamasking, sessions, rdp_frames, reviews, runbooks, plugins, webhooks, reports, ai, proxymanager,
          audit_logs, integrations, openapi)
 MUTATING = {"POST", "PUT", "PATCH", "DELETE"}
 ROUTE_DOC = web.AppKey("route_doc_by_handler", dict)

@@ -457,6 +457,23 @@ CREATE TABLE session_rollup (
     masked_sessions INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (org_id, day, connection, user_email, subtype, verb)
 );
+CREATE INDEX session_rollup_by_connection ON session_rollup (org_id, connection, day);
+CREATE INDEX session_rollup_by_user ON session_rollup (org_id, user_email, day);
+CREATE TABLE session_rollup_totals (
+    org_id TEXT NOT NULL,
+    dimension TEXT NOT NULL,
+    day TEXT NOT NULL,
+    value TEXT NOT NULL,
+    subtype TEXT NOT NULL,
+    verb TEXT NOT NULL,
+    sessions INTEGER NOT NULL DEFAULT 0,
+    duration_ms INTEGER NOT NULL DEFAULT 0,
+    bytes INTEGER NOT NULL DEFAULT 0,
+    blocks INTEGER NOT NULL DEFAULT 0,
+    masked INTEGER NOT NULL DEFAULT 0,
+    masked_sessions INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (org_id, dimension, day, value, subtype, verb)
+);
 INSERT INTO store_counters (name, value) VALUES ('session_rollup', 0)
 """),
 ]

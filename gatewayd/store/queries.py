@@ -500,9 +500,11 @@ class SQLStore(Store):
         began, ended = parse_time(start), parse_time(end_date)
         duration = int((ended - began).total_seconds() * 1000) if began and ended and ended > began else 0
         masked = int(metrics.get("masked") or 0)
-        yield self._ROLLUP_ADD, (org_id, start[:10], connection, email, subtype, verb, 1, duration,
-                                 int(batch.session_fields.get("event_size", size) or 0),
-                                 int(metrics.get("blocked") or 0), masked, 1 if masked else 0)
+        sums = (1, duration, int(batch.session_fields.get("event_size", size) or 0), int(metrics.get("blocked") or 0),
+                masked, 1 if masked else 0)
+        yield self._ROLLUP_ADD, (org_id, start[:10], connection, email, subtype, verb, *sums)
+        yield self._TOTALS_ADD, [(org_id, "connection", start[:10], connection, subtype, verb, *sums),
+                                 (org_id, "user", start[:10], email, subtype, verb, *sums)]
 
     _ROLLUP_COLUMNS = ("org_id", "day", "connection", "user_email", "subtype", "verb", "sessions", "duration_ms",
                        "bytes", "blocks", "masked", "masked_sessions")
@@ -511,6 +513,12 @@ class SQLStore(Store):
                    f"({', '.join('?' * len(_ROLLUP_COLUMNS))}) ON CONFLICT "
                    "(org_id, day, connection, user_email, subtype, verb) DO UPDATE SET "
                    + ", ".join(f"{c} = session_rollup.{c} + excluded.{c}" for c in _ROLLUP_SUMS))
+
+    _TOTALS_COLUMNS = ("org_id", "dimension", "day", "value", "subtype", "verb", *_ROLLUP_SUMS)
+    _TOTALS_ADD = (f"INSERT INTO session_rollup_totals ({', '.join(_TOTALS_COLUMNS)}) VALUES "
+                   f"({', '.join('?' * len(_TOTALS_COLUMNS))}) ON CONFLICT "
+                   "(org_id, dimension, day, value, subtype, verb) DO UPDATE SET "
+                   + ", ".join(f"{c} = session_rollup_totals.{c} + excluded.{c}" for c in _ROLLUP_SUMS))
 
     def _backfill_rollup(self) -> Work[bool]:
         """Count the sessions that ended before ``session_rollup`` existed, once (under the migration lock)."""
@@ -528,6 +536,11 @@ class SQLStore(Store):
                f"SUM(event_size), SUM({d.json_int('metrics', 'blocked')}), SUM({masked}), "
                f"SUM(CASE WHEN {masked} > 0 THEN 1 ELSE 0 END) FROM sessions WHERE status = 'done' "
                "GROUP BY org_id, substr(start_date, 1, 10), connection, user_email, subtype, verb", ())
+        sums = ", ".join(f"SUM({c})" for c in self._ROLLUP_SUMS)
+        for dimension, column in (("connection", "connection"), ("user", "user_email")):
+            yield (f"INSERT INTO session_rollup_totals ({', '.join(self._TOTALS_COLUMNS)}) "
+                   f"SELECT org_id, '{dimension}', day, {column}, subtype, verb, {sums} FROM session_rollup "
+                   f"GROUP BY org_id, day, {column}, subtype, verb", ())
         yield "UPDATE store_counters SET value = 1 WHERE name = 'session_rollup'", ()
         return True
 
@@ -1140,22 +1153,30 @@ class SQLStore(Store):
 
     # ---------------------------------------------------------------- reports
     async def session_report(self, query: ReportFilter) -> list[dict[str, Any]]:
+        """From ``session_rollup`` when a connection or a user is named (its indexes find their rows), else from
+        the per-connection or per-user totals (a few rows per day and connection or user, whatever the count)."""
         column = REPORT_GROUPS[query.group_by]
-        where, params = self._report_where(query)
+        where, params = ["org_id = ?", "day >= ?", "day <= ?"], [query.org_id, query.start_day, query.end_day]
+        if query.connection or query.user_email:
+            table = "session_rollup"
+            filters = (("connection", query.connection), ("user_email", query.user_email), ("subtype", query.subtype),
+                       ("verb", query.verb))
+        else:
+            table = "session_rollup_totals"
+            dimension = "user" if column == "user_email" else "connection"
+            where.append("dimension = ?")
+            params.append(dimension)
+            column = "value" if column in ("connection", "user_email") else column
+            filters = (("subtype", query.subtype), ("verb", query.verb))
+        for name, value in filters:
+            if value:
+                where.append(f"{name} = ?")
+                params.append(value)
         sums = ", ".join(f"CAST(SUM({c}) AS BIGINT)" for c in self._ROLLUP_SUMS)
-        rows = await self._all(f"SELECT {column}, {sums} FROM session_rollup WHERE {where} GROUP BY {column} "
-                               f"ORDER BY {self.dialect.sort(column, text=True)}", params)
+        rows = await self._all(f"SELECT {column}, {sums} FROM {table} WHERE {' AND '.join(where)} GROUP BY {column} "
+                               f"ORDER BY {self.dialect.sort(column, text=True)}", tuple(params))
         return [{"resource": r[0], **{name: int(r[i + 1] or 0) for i, name in enumerate(self._ROLLUP_SUMS)}}
                 for r in rows]
-
-    def _report_where(self, query: ReportFilter) -> tuple[str, tuple[Any, ...]]:
-        where, params = ["org_id = ?", "day >= ?", "day <= ?"], [query.org_id, query.start_day, query.end_day]
-        for column, value in (("connection", query.connection), ("user_email", query.user_email),
-                              ("subtype", query.subtype), ("verb", query.verb)):
-            if value:
-                where.append(f"{column} = ?")
-                params.append(value)
-        return " AND ".join(where), tuple(params)
 
     async def session_metrics(self, query: ReportFilter, limit: int, offset: int) -> Page:
         """Finished sessions of the range, newest first, with what the report counts of each."""
