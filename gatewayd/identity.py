@@ -127,10 +127,16 @@ class OIDCProvider:
     async def discovery(self) -> dict[str, Any]:
         if self._discovery is None:
             url = f"{self.issuer}/.well-known/openid-configuration"
-            async with self.http.get(url) as response:
-                if response.status != 200:
-                    raise AuthError(f"identity provider discovery failed with HTTP {response.status}")
-                self._discovery = await response.json(content_type=None)
+            try:
+                async with self.http.get(url) as response:
+                    if response.status != 200:
+                        raise AuthError(f"identity provider discovery failed with HTTP {response.status}")
+                    document = await response.json(content_type=None)
+            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:  # down, or not a provider at all
+                raise AuthError(f"identity provider discovery failed: {type(exc).__name__}") from None
+            if not isinstance(document, dict) or not isinstance(document.get("jwks_uri"), str):
+                raise AuthError("identity provider discovery failed: not a discovery document")
+            self._discovery = document
         return self._discovery
 
     async def _refresh_keys(self) -> None:
@@ -138,10 +144,15 @@ class OIDCProvider:
             if time.monotonic() - self._keys_fetched < 1.0:
                 return  # another task just refreshed
             doc = await self.discovery()
-            async with self.http.get(doc["jwks_uri"]) as response:
-                if response.status != 200:
-                    raise AuthError(f"identity provider JWKS fetch failed with HTTP {response.status}")
-                jwks = await response.json(content_type=None)
+            try:
+                async with self.http.get(doc["jwks_uri"]) as response:
+                    if response.status != 200:
+                        raise AuthError(f"identity provider JWKS fetch failed with HTTP {response.status}")
+                    jwks = await response.json(content_type=None)
+            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                raise AuthError(f"identity provider JWKS fetch failed: {type(exc).__name__}") from None
+            if not isinstance(jwks, dict):
+                raise AuthError("identity provider JWKS fetch failed: not a key set")
             keys = {}
             for item in jwks.get("keys", []):
                 try:
@@ -197,7 +208,10 @@ class OIDCProvider:
                  "code_challenge_method": "S256"}
         if self.audience != self.client_id:
             query["audience"] = self.audience
-        return f"{doc['authorization_endpoint']}?{urlencode(query)}"
+        endpoint = doc.get("authorization_endpoint")
+        if not isinstance(endpoint, str):
+            raise AuthError("the identity provider names no authorization endpoint")
+        return f"{endpoint}?{urlencode(query)}"
 
     async def exchange(self, code: str, verifier: str, redirect_uri: str) -> dict[str, Any]:
         doc = await self.discovery()
@@ -205,11 +219,17 @@ class OIDCProvider:
                 "client_id": self.client_id, "code_verifier": verifier}
         if self.client_secret:
             form["client_secret"] = self.client_secret
-        async with self.http.post(doc["token_endpoint"], data=form) as response:
-            body = await response.json(content_type=None)
-            if response.status != 200 or "id_token" not in body:
-                raise AuthError(f"the identity provider refused the code (HTTP {response.status})")
-            return body
+        endpoint = doc.get("token_endpoint")
+        if not isinstance(endpoint, str):
+            raise AuthError("the identity provider names no token endpoint")
+        try:
+            async with self.http.post(endpoint, data=form) as response:
+                body = await response.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            raise AuthError(f"the identity provider could not be asked for the token: {type(exc).__name__}") from None
+        if response.status != 200 or not isinstance(body, dict) or "id_token" not in body:
+            raise AuthError(f"the identity provider refused the code (HTTP {response.status})")
+        return body
 
 
 _LOGIN_KEY_PREFIX = "oidc-login:"

@@ -217,3 +217,18 @@ async def test_switching_the_ai_analyzer_off_stops_it_for_the_organization(http,
     status, listed = await call(http, gw, "GET", "/orgs/features", gw.dev)
     assert status == 200 and {f["name"]: f["status"] for f in listed} == {"runbooks": "enabled",
                                                                           "ai-session-analyzer": "enabled"}
+
+
+async def test_an_unreachable_identity_provider_is_said_not_a_server_error(http, gw, provider):
+    from tests.ports import free_port
+
+    gone = {"issuer_url": f"http://127.0.0.1:{free_port()}", "client_id": "x", "client_secret": "y"}
+    assert (await call(http, gw, "PUT", "/serverconfig/auth", gw.admin, {"auth_method": "oidc",
+                                                                          "oidc_config": gone}))[0] == 200
+    try:
+        status, refused = await call(http, gw, "GET", "/login?redirect=/")
+        assert status == 400 and "discovery failed" in refused["message"], refused
+        assert (await call(http, gw, "GET", "/userinfo", provider.mint("someone", "s@example.com")))[0] == 401
+        assert (await call(http, gw, "GET", "/userinfo", gw.admin))[0] == 200  # the gateway's own tokens still work
+    finally:
+        assert (await call(http, gw, "PUT", "/serverconfig/auth", gw.admin, {"auth_method": "local"}))[0] == 200
