@@ -68,3 +68,20 @@ async def test_sessions_are_reported_by_connection_user_protocol_and_day(as_, pg
     assert (await as_["dev"]("GET", "/metrics/sessions"))[0] == 403
     assert (await as_["admin"]("GET", "/reports/sessions?start_date=2026-13-01"))[0] == 422
     assert (await as_["admin"]("GET", "/reports/sessions?start_date=2026-02-02&end_date=2026-02-01"))[0] == 422
+
+
+async def test_reports_on_the_command_line(gateway, as_, tmp_path):
+    import asyncio
+    import json
+    import os
+
+    from tests.conftest import BIN, gatewayd_command
+
+    login = tmp_path / "login.json"
+    login.write_text(json.dumps({"url": gateway.url.removesuffix("/api"), "token": gateway.tokens["auditor"]}))
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("GATEWAYD_")},
+           "GATEWAYD_CLIENT_CONFIG": str(login)}
+    shown = await asyncio.to_thread(gatewayd_command, [str(BIN / "gatewayd"), "reports", "--group-by", "user"], env)
+    assert shown.returncode == 0 and "dev@example.com" in shown.stdout and "MASKED VALUES" in shown.stdout, shown
+    as_json = await asyncio.to_thread(gatewayd_command, [str(BIN / "gatewayd"), "reports", "--json"], env)
+    assert json.loads(as_json.stdout)["group_by"] == "connection"

@@ -374,3 +374,34 @@ async def test_rules_and_the_feature_switch_decide_who_runs_runbooks(as_, librar
     finally:
         assert (await as_["admin"]("DELETE", f"/runbooks/rules/{rule['id']}"))[0] == 204
 
+
+
+@pg_only
+async def test_the_command_line_lists_shows_and_runs_runbooks(gateway, library, tmp_path):
+    import asyncio
+    import os
+
+    from tests.conftest import BIN, gatewayd_command
+
+    login = tmp_path / "login.json"
+    login.write_text(json.dumps({"url": gateway.url.removesuffix("/api"), "token": gateway.tokens["dev"]}))
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("GATEWAYD_")},
+           "GATEWAYD_CLIENT_CONFIG": str(login)}
+
+    def cli(*args: str, input: str | None = None):
+        return gatewayd_command([str(BIN / "gatewayd"), *args], env, input=input, check=False)
+
+    listed = await asyncio.to_thread(cli, "runbooks")
+    assert listed.returncode == 0 and "db/fetch.runbook.sql" in listed.stdout and "id*" in listed.stdout, listed
+    shown = await asyncio.to_thread(cli, "runbooks", "show", "db/fetch.runbook.sql")
+    assert shown.returncode == 0 and "id (number, required): the customer's id" in shown.stdout, shown
+    name = library["connection"]["name"]
+    ran = await asyncio.to_thread(cli, "runbooks", "run", "db/fetch.runbook.sql", "--connection", name, "-p", "id=42")
+    assert ran.returncode == 0 and "42" in ran.stdout, ran
+    refused = await asyncio.to_thread(cli, "runbooks", "run", "db/fetch.runbook.sql", "--connection", name,
+                                      "-p", "id=forty-two")
+    assert refused.returncode != 0 and refused.stderr.strip().splitlines()[-1] == \
+        "gatewayd: POST /api/runbooks/exec: 422 parameters: id: expected a number", refused
+    secret = await asyncio.to_thread(cli, "runbooks", "run", "db/secret.runbook.sql", "--connection", name,
+                                     "-p", "role=runbook_victim", "--secret", "password", input="Cl1-S3cret!\n")
+    assert "Cl1-S3cret!" not in secret.stdout and "[REDACTED]" in secret.stdout, secret
