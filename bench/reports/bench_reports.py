@@ -157,6 +157,7 @@ async def bench_store(name: str, store: SQLStore, count: int, repeat: int) -> di
 
 
 def report(results: list[dict[str, Any]]) -> None:
+    print(flush=True)
     print(f"\nhost: {platform.node()} {platform.machine()}, Python {platform.python_version()}, "
           f"{os.cpu_count()} CPUs")
     for figures in results:
@@ -170,7 +171,7 @@ def report(results: list[dict[str, Any]]) -> None:
             print(f"{key[1] + ', ' + key[0]:<44}{fast:>12.1f}{slow:>20.1f}{slow / fast:>9.1f}x{verdict}")
         print(f"GET /metrics/sessions page of 100: {figures['metrics_page_ms']:.1f} ms median")
         print(f"close_session with its rollup update: {figures['close_ms']:.2f} ms median")
-    print(f"\ntarget: a 30-day report under {TARGET_MS:.0f} ms median")
+    print(f"\ntarget: a 30-day report under {TARGET_MS:.0f} ms median", flush=True)
 
 
 async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -184,6 +185,7 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
             try:
                 results.append(await bench_store(name, SQLiteStore(folder / "gatewayd.db", box), args.sessions,
                                                  args.repeat))
+                report(results[-1:])  # as soon as it is known: a long run's first half is not lost
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
         elif name == "postgres":
@@ -193,6 +195,7 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
             cluster = PgCluster(tls=False).start()
             try:
                 results.append(await bench_store(name, PostgresStore(cluster.dsn(), box), args.sessions, args.repeat))
+                report(results[-1:])
             finally:
                 cluster.destroy()
     return results
@@ -205,7 +208,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stores", default="sqlite,postgres")
     args = parser.parse_args(argv)
     results = asyncio.run(main_async(args))
-    report(results)
     print(json.dumps([{**r, "reports": {f"{k[1]} {k[0]}": v for k, v in r["reports"].items()},
                        "naive": {f"{k[1]} {k[0]}": v for k, v in r["naive"].items()}} for r in results]))
     return 0
