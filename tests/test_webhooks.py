@@ -224,3 +224,20 @@ async def test_plugins_are_gatewayds_own_and_admins_only(as_):
     status, listed = await as_["dev"]("GET", "/plugins")
     assert status == 200 and all(set(p["config"]["envvars"].values()) <= {"[REDACTED]"} for p in listed
                                  if p["config"])
+
+
+async def test_a_tenants_endpoint_never_reaches_the_gateways_host(receiver):
+    from gatewayd.config import load_config
+    from gatewayd.tenancy import Tenancy
+    from gatewayd.webhooks import Notifier
+
+    config = load_config(None, environ={}, overrides={"webhooks.ca_file": str(receiver.cert)})
+    notifier = Notifier(None, config, Tenancy(True, "operators"))  # type: ignore[arg-type]
+    try:
+        status, error = await notifier._post("a-tenant", f"{receiver.url}/hooks/tenant", b"{}", {})
+        assert status == -1 and "loopback" in error, error
+        status, _ = await notifier._post("operators", f"{receiver.url}/hooks/tenant", b"{}", {})
+        assert status == 401  # the operators' organization reaches it (and the receiver checks the signature)
+    finally:
+        await notifier.stop()
+    assert len(receiver.of("/hooks/tenant")) == 1  # the operators' only: the tenant's never left the gateway
