@@ -132,3 +132,36 @@ async def test_an_auditor_reads_the_reports(world, screen, gateway):
     assert int(await screen.page.inner_text("#report tfoot td.number >> nth=0")) >= 2
     await screen.shot("reports")
     screen.assert_clean_log()
+
+
+async def test_an_admin_switches_features_makes_the_key_and_adds_a_webhook(world, screen):
+    await screen.sign_in("ada@example.com")
+    await screen.page.click("nav a[href='#/settings']")
+    row = screen.page.locator("#features tr[data-feature='runbooks']")
+    await row.wait_for()
+    await row.locator("button.toggle-feature").click()
+    await screen.page.wait_for_selector("#features tr[data-feature='runbooks'] .badge.rejected")
+    status, features = await world["ada"]("GET", "/orgs/features")
+    assert {f["name"]: f["status"] for f in features}["runbooks"] == "disabled"
+    await screen.page.locator("#features tr[data-feature='runbooks'] button.toggle-feature").click()
+    await screen.page.wait_for_selector("#features tr[data-feature='runbooks'] .badge.approved")
+
+    await screen.page.click("#make-org-key")
+    key = (await screen.page.inner_text("#new-org-key")).strip()
+    assert key.startswith("xorg-")
+    status, me = await world["ada"]("GET", "/userinfo", token=key)
+    assert status == 200 and me["subject"].startswith("gatewayd:org-key:")
+
+    await screen.page.click("#toggle-webhooks")
+    await screen.page.wait_for_selector("#webhooks-plugin.approved")
+    await screen.page.fill("#add-endpoint input[name=url]", "https://127.0.0.1:9/hook")
+    await screen.page.check("#add-endpoint input[value='review.create']")
+    await screen.page.click("#add-endpoint button[type=submit]")
+    assert (await screen.page.inner_text("#endpoint-secret")).startswith("whsec_")
+    status, endpoints = await world["ada"]("GET", "/webhooks/endpoints")
+    assert [(e["url"], e["event_types"]) for e in endpoints] == [("https://127.0.0.1:9/hook", ["review.create"])]
+    await screen.shot("settings")
+    await screen.page.reload()
+    await screen.page.click("#send-ping")
+    await screen.page.wait_for_selector("#deliveries tr[data-delivery]")
+    screen.assert_clean_log(allowed=("404",))  # GET /orgs/keys before there is a key: the page says "No key."

@@ -9,6 +9,7 @@ import {guardrailsView, guardrailEditView} from "./guardrails.js";
 import {auditView} from "./audit.js";
 import {runbooksView, runbookRunView} from "./runbooks.js";
 import {reportsView} from "./reports.js";
+import {settingsView} from "./settings.js";
 
 const main = document.getElementById("main");
 const state = {me: null};
@@ -25,6 +26,7 @@ const ROUTES = [
   [/^\/runbooks\/run$/, (ctx) => runbookRunView(ctx)],
   [/^\/runbooks$/, (ctx) => runbooksView(ctx)],
   [/^\/reports$/, (ctx) => reportsView(ctx)],
+  [/^\/settings$/, (ctx) => settingsView(ctx)],
 ];
 
 /** The current route: path and query of the hash (#/sessions?connection=pg). */
@@ -74,7 +76,7 @@ function renderNav() {
   const links = [["/sessions", "Sessions"], ["/reviews", "Reviews"], ["/connections", "Connections"],
     ["/runbooks", "Runbooks"], ["/guardrails", "Guard rails"]];
   if (me.is_admin || me.is_auditor) links.push(["/reports", "Reports"]);
-  if (me.is_admin) links.push(["/audit", "Audit log"]);
+  if (me.is_admin) links.push(["/audit", "Audit log"], ["/settings", "Settings"]);
   mount(nav, links.map(([href, label]) =>
     h("a", {href: `#${href}`, class: path.startsWith(href) ? "active" : ""}, label)));
   const roles = [me.is_admin && "admin", me.is_auditor && "auditor"].filter(Boolean);
