@@ -300,8 +300,11 @@ class SessionManager:
             return
         recorder = await self.recording.recorder(session_id)
         recorder.error(reason)
-        seal = await self.recording.close(recorder, session, end_date=rfc3339(utcnow()), exit_code=BLOCKED_EXIT_CODE)
+        end_date = rfc3339(utcnow())
+        seal = await self.recording.close(recorder, session, end_date=end_date, exit_code=BLOCKED_EXIT_CODE)
         await self.sealed(session, seal)
+        self.tell("session.close", dataclasses.replace(session, status="done", end_date=end_date,
+                                                       exit_code=BLOCKED_EXIT_CODE))
 
     async def sealed(self, session: Session, seal: str) -> None:
         """Record that ``session`` was sealed with ``seal`` where the sweep cannot undo it: a ``session.seal`` entry

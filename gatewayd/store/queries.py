@@ -64,6 +64,7 @@ from gatewayd.store.sql import (
 
 DEFAULT_ORG_NAME = "default"
 GUARDRAILS = "guardrails"  # the store_counters row of the guard-rail generation
+ROLLUP_MIGRATION = 16  # the migration that makes session_rollup (gatewayd.store.migrations): its backfill follows it
 # Session columns a recording flush may write beside its events (its progress, not its state).
 RECORDING_FIELDS = frozenset({"event_size", "metrics", "chain_head"})
 _seq_of = itemgetter(0)
@@ -525,6 +526,9 @@ class SQLStore(Store):
         lock = self.dialect.lock("schema_migrations")
         if lock is not None:
             yield lock
+        made = yield ("SELECT 1 FROM schema_migrations WHERE version = ?", (ROLLUP_MIGRATION,))
+        if not made.rows:  # a store opened with older migrations only (a test of an upgrade)
+            return False
         marker = yield ("SELECT value FROM store_counters WHERE name = 'session_rollup'", ())
         if not marker.rows or marker.rows[0][0]:
             return False
