@@ -64,6 +64,7 @@ from gatewayd.store.sql import (
 
 DEFAULT_ORG_NAME = "default"
 GUARDRAILS = "guardrails"  # the store_counters row of the guard-rail generation
+ANY = "*"  # a rollup total's protocol or verb when it counts every one
 ROLLUP_MIGRATION = 16  # the migration that makes session_rollup (gatewayd.store.migrations): its backfill follows it
 # Session columns a recording flush may write beside its events (its progress, not its state).
 RECORDING_FIELDS = frozenset({"event_size", "metrics", "chain_head"})
@@ -504,8 +505,9 @@ class SQLStore(Store):
         sums = (1, duration, int(batch.session_fields.get("event_size", size) or 0), int(metrics.get("blocked") or 0),
                 masked, 1 if masked else 0)
         yield self._ROLLUP_ADD, (org_id, start[:10], connection, email, subtype, verb, *sums)
-        yield self._TOTALS_ADD, [(org_id, "connection", start[:10], connection, subtype, verb, *sums),
-                                 (org_id, "user", start[:10], email, subtype, verb, *sums)]
+        yield self._TOTALS_ADD, [(org_id, dimension, start[:10], value, kind, how, *sums)
+                                 for dimension, value in (("connection", connection), ("user", email), ("all", ""))
+                                 for kind in (subtype, ANY) for how in (verb, ANY)]
 
     _ROLLUP_COLUMNS = ("org_id", "day", "connection", "user_email", "subtype", "verb", "sessions", "duration_ms",
                        "bytes", "blocks", "masked", "masked_sessions")
@@ -541,10 +543,13 @@ class SQLStore(Store):
                f"SUM(CASE WHEN {masked} > 0 THEN 1 ELSE 0 END) FROM sessions WHERE status = 'done' "
                "GROUP BY org_id, substr(start_date, 1, 10), connection, user_email, subtype, verb", ())
         sums = ", ".join(f"SUM({c})" for c in self._ROLLUP_SUMS)
-        for dimension, column in (("connection", "connection"), ("user", "user_email")):
-            yield (f"INSERT INTO session_rollup_totals ({', '.join(self._TOTALS_COLUMNS)}) "
-                   f"SELECT org_id, '{dimension}', day, {column}, subtype, verb, {sums} FROM session_rollup "
-                   f"GROUP BY org_id, day, {column}, subtype, verb", ())
+        for dimension, column in (("connection", "connection"), ("user", "user_email"), ("all", None)):
+            for kind in ("subtype", None):
+                for how in ("verb", None):
+                    grouped = ", ".join(c for c in ("org_id", "day", column, kind, how) if c)
+                    yield (f"INSERT INTO session_rollup_totals ({', '.join(self._TOTALS_COLUMNS)}) "
+                           f"SELECT org_id, '{dimension}', day, {column or chr(39) * 2}, {kind or repr(ANY)}, "
+                           f"{how or repr(ANY)}, {sums} FROM session_rollup GROUP BY {grouped}", ())
         yield "UPDATE store_counters SET value = 1 WHERE name = 'session_rollup'", ()
         return True
 
@@ -1163,19 +1168,18 @@ class SQLStore(Store):
         where, params = ["org_id = ?", "day >= ?", "day <= ?"], [query.org_id, query.start_day, query.end_day]
         if query.connection or query.user_email:
             table = "session_rollup"
-            filters = (("connection", query.connection), ("user_email", query.user_email), ("subtype", query.subtype),
-                       ("verb", query.verb))
-        else:
+            for name, value in (("connection", query.connection), ("user_email", query.user_email),
+                                ("subtype", query.subtype), ("verb", query.verb)):
+                if value:
+                    where.append(f"{name} = ?")
+                    params.append(value)
+        else:  # the totals: one row per day and group for "any" protocol and verb (ANY), or the one asked for
             table = "session_rollup_totals"
-            dimension = "user" if column == "user_email" else "connection"
-            where.append("dimension = ?")
-            params.append(dimension)
-            column = "value" if column in ("connection", "user_email") else column
-            filters = (("subtype", query.subtype), ("verb", query.verb))
-        for name, value in filters:
-            if value:
-                where.append(f"{name} = ?")
-                params.append(value)
+            dimension = {"connection": "connection", "user_email": "user"}.get(column, "all")
+            where += ["dimension = ?", "subtype = ?" if query.subtype or column != "subtype" else "subtype <> ?",
+                      "verb = ?"]
+            params += [dimension, query.subtype or ANY, query.verb or ANY]
+            column = "value" if dimension != "all" else column
         sums = ", ".join(f"CAST(SUM({c}) AS BIGINT)" for c in self._ROLLUP_SUMS)
         rows = await self._all(f"SELECT {column}, {sums} FROM {table} WHERE {' AND '.join(where)} GROUP BY {column} "
                                f"ORDER BY {self.dialect.sort(column, text=True)}", tuple(params))
@@ -1192,7 +1196,7 @@ class SQLStore(Store):
                 where.append(f"{column} = ?")
                 params.append(value)
         clause = " AND ".join(where)
-        total = await self._count(f"SELECT COUNT(*) FROM sessions WHERE {clause}", params)
+        total = sum(r["sessions"] for r in await self.session_report(query))  # the rollup counts them already
         rows = await self._all(
             "SELECT id, org_id, type, subtype, connection, user_email, verb, start_date, end_date, event_size, "
             f"{self.dialect.json_int('metrics', 'masked')}, {self.dialect.json_int('metrics', 'blocked')} "
