@@ -487,6 +487,7 @@ class ReviewService:
         if decision.status == REJECTED and decision.completed:  # it will never run: the session is done
             await self.sessions.kill(review.session_id, f"the review was rejected by {actor.email}: "
                                                                 "the session did not run")
+            await self.store.delete_key(_SEALED_SCRIPT + review.session_id)  # a runbook's, made with secrets
         if decision.status == REVOKED:
             timer = self._timers.pop(review.id, None)
             if timer is not None:

@@ -405,3 +405,23 @@ async def test_the_command_line_lists_shows_and_runs_runbooks(gateway, library, 
     secret = await asyncio.to_thread(cli, "runbooks", "run", "db/secret.runbook.sql", "--connection", name,
                                      "-p", "role=runbook_victim", "--secret", "password", input="Cl1-S3cret!\n")
     assert "Cl1-S3cret!" not in secret.stdout and "[REDACTED]" in secret.stdout, secret
+
+
+@pg_only
+async def test_a_rejected_runbook_forgets_the_script_its_secrets_made(as_, library, gateway, pg_target):
+    connection = await as_["admin"].connection("rbreject", "database", "postgres", postgres_env(pg_target),
+                                                {"reviewers": ["dba"]})
+    status, pending = await as_["dev"]("POST", "/runbooks/exec", {
+        "connection_name": connection["name"], "repository": library["repository"],
+        "file_name": "db/secret.runbook.sql", "parameters": {"role": "nobody", "password": "Rej3cted-pw"}})
+    assert status == 202, pending
+    import sqlite3
+
+    def sealed_scripts() -> int:
+        with sqlite3.connect(gateway.data_dir / "gatewayd.db") as db:
+            return db.execute("SELECT COUNT(*) FROM signing_keys WHERE name = ?",
+                              (f"script:{pending['session_id']}",)).fetchone()[0]
+
+    assert sealed_scripts() == 1
+    assert (await as_["dba"]("PUT", f"/reviews/{pending['review_id']}", {"status": "REJECTED"}))[0] == 200
+    assert sealed_scripts() == 0
