@@ -232,3 +232,17 @@ async def test_an_unreachable_identity_provider_is_said_not_a_server_error(http,
         assert (await call(http, gw, "GET", "/userinfo", gw.admin))[0] == 200  # the gateway's own tokens still work
     finally:
         assert (await call(http, gw, "PUT", "/serverconfig/auth", gw.admin, {"auth_method": "local"}))[0] == 200
+
+
+async def test_a_key_s_service_account_never_stands_in_for_the_last_admin(http, gw):
+    status, made = await call(http, gw, "POST", "/orgs/keys", gw.admin)
+    assert status in (201, 409), made
+    status, accounts = await call(http, gw, "GET", "/serviceaccounts", gw.admin)
+    [account] = [a for a in accounts if a["subject"].startswith("gatewayd:org-key:")]
+    await call(http, gw, "PUT", f"/serviceaccounts/{account['subject']}", gw.admin, {"status": "active",
+                                                                                   "groups": ["admin"]})
+    status, users = await call(http, gw, "GET", "/users", gw.admin)
+    admins = [u for u in users if u["is_admin"] and u["status"] == "active"]
+    assert [u["email"] for u in admins] == ["ada@example.com"], admins
+    status, refused = await call(http, gw, "PUT", f"/users/{admins[0]['id']}", gw.admin, {"groups": ["dev"]})
+    assert status == 409 and "last active admin" in refused["message"], refused
