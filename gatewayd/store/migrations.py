@@ -472,7 +472,7 @@ CREATE TABLE session_rollup_totals (
     blocks INTEGER NOT NULL DEFAULT 0,
     masked INTEGER NOT NULL DEFAULT 0,
     masked_sessions INTEGER NOT NULL DEFAULT 0,
-    PRIMARY KEY (org_id, dimension, day, value, subtype, verb)
+    PRIMARY KEY (org_id, dimension, subtype, verb, day, value)
 );
 INSERT INTO store_counters (name, value) VALUES ('session_rollup', 0)
 """),

@@ -520,7 +520,7 @@ class SQLStore(Store):
     _TOTALS_COLUMNS = ("org_id", "dimension", "day", "value", "subtype", "verb", *_ROLLUP_SUMS)
     _TOTALS_ADD = (f"INSERT INTO session_rollup_totals ({', '.join(_TOTALS_COLUMNS)}) VALUES "
                    f"({', '.join('?' * len(_TOTALS_COLUMNS))}) ON CONFLICT "
-                   "(org_id, dimension, day, value, subtype, verb) DO UPDATE SET "
+                   "(org_id, dimension, subtype, verb, day, value) DO UPDATE SET "
                    + ", ".join(f"{c} = session_rollup_totals.{c} + excluded.{c}" for c in _ROLLUP_SUMS))
 
     def _backfill_rollup(self) -> Work[bool]:
