@@ -246,3 +246,27 @@ async def test_a_key_s_service_account_never_stands_in_for_the_last_admin(http, 
     assert [u["email"] for u in admins] == ["ada@example.com"], admins
     status, refused = await call(http, gw, "PUT", f"/users/{admins[0]['id']}", gw.admin, {"groups": ["dev"]})
     assert status == 409 and "last active admin" in refused["message"], refused
+
+
+async def test_the_organizations_key_on_the_command_line(http, gw, tmp_path):
+    import os
+
+    from tests.conftest import BIN, gatewayd_command
+
+    await call(http, gw, "DELETE", "/orgs/keys", gw.admin)
+    login = tmp_path / "login.json"
+    login.write_text(json.dumps({"url": gw.url.removesuffix("/api"), "token": gw.admin}))
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("GATEWAYD_")},
+           "GATEWAYD_CLIENT_CONFIG": str(login)}
+
+    def cli(*args: str):
+        return gatewayd_command([str(BIN / "gatewayd"), "org-key", *args], env, check=False)
+
+    made = await asyncio.to_thread(cli, "create")
+    key = made.stdout.strip()
+    assert made.returncode == 0 and key.startswith("xorg-") and "shown this once" in made.stderr, made
+    assert (await call(http, gw, "GET", "/userinfo", headers={"Api-Key": key}))[0] == 200
+    shown = await asyncio.to_thread(cli, "show")
+    assert shown.returncode == 0 and key[:12] in shown.stdout and key not in shown.stdout, shown
+    assert (await asyncio.to_thread(cli, "revoke")).returncode == 0
+    assert (await call(http, gw, "GET", "/userinfo", headers={"Api-Key": key}))[0] == 401

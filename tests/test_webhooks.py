@@ -241,3 +241,17 @@ async def test_a_tenants_endpoint_never_reaches_the_gateways_host(receiver):
     finally:
         await notifier.stop()
     assert len(receiver.of("/hooks/tenant")) == 1  # the operators' only: the tenant's never left the gateway
+
+
+async def test_the_delivery_log_on_the_command_line(gw, as_, receiver, webhooks_on, tmp_path):
+    import os
+
+    from tests.conftest import BIN, gatewayd_command
+
+    login = tmp_path / "login.json"
+    login.write_text(json.dumps({"url": gw.url.removesuffix("/api"), "token": gw.tokens["admin"]}))
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("GATEWAYD_")},
+           "GATEWAYD_CLIENT_CONFIG": str(login)}
+    shown = await asyncio.to_thread(gatewayd_command, [str(BIN / "gatewayd"), "webhooks", "--status", "delivered"],
+                                    env)
+    assert shown.returncode == 0 and "delivered" in shown.stdout and "access.change" in shown.stdout, shown

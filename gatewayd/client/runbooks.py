@@ -1,4 +1,5 @@
-"""The people's commands for runbooks and reports: list the runbooks, see one's form, run it; session reports.
+"""The people's commands for runbooks and reports (list the runbooks, see one's form, run it; session reports),
+and an admin's for the organization's API key and the webhooks' delivery log.
 
 ``gatewayd runbooks run NAME --connection C -p key=value`` runs a runbook as ``gatewayd exec`` runs a script:
 it waits for the review when the connection asks for one, then prints the output and exits with the script's
@@ -120,6 +121,30 @@ def cmd_reports(args: argparse.Namespace) -> int:
                                      ("masked", "masked values")])
 
 
+def cmd_org_key(args: argparse.Namespace) -> int:
+    api = Api(Login.load(args.url))
+    if args.action == "create":
+        made = api.call("POST", "/orgs/keys", expect=(201,)).data
+        print(made["key"])
+        print("the organization's API key: shown this once (send it as the Api-Key header)", file=sys.stderr)
+        return 0
+    if args.action == "revoke":
+        api.call("DELETE", "/orgs/keys", expect=(204,))
+        print("the organization's API key is revoked", file=sys.stderr)
+        return 0
+    key = api.get("/orgs/keys")
+    return emit(args, key, [key], [("key_prefix", "key"), ("created_at", "made"), ("created_by", "by"),
+                                   ("last_used_at", "last used"), ("service_account", "acts as")])
+
+
+def cmd_webhooks_log(args: argparse.Namespace) -> int:
+    api = Api(Login.load(args.url))
+    page = api.get("/webhooks/messages", status=args.status, limit=args.limit)
+    return emit(args, page, page["data"], [("created_at", "when"), ("event_type", "event"), ("channel", "to"),
+                                           ("status", "status"), ("attempts", "attempts"),
+                                           ("last_error", "last error")])
+
+
 def register(sub: Any) -> None:
     """Add ``runbooks`` (list, show, run) and ``reports`` to the ``gatewayd`` parser."""
     runbooks = sub.add_parser("runbooks", help="the runbooks you may run (show one's form, run one)")
@@ -155,3 +180,15 @@ def register(sub: Any) -> None:
     reports.add_argument("--connection")
     reports.add_argument("--user", help="an e-mail")
     reports.set_defaults(func=_people(cmd_reports))
+
+    key = sub.add_parser("org-key", help="the organization's API key (admins): show, create (shown once), revoke")
+    _common(key, listing=True)
+    key.add_argument("action", nargs="?", default="show", choices=("show", "create", "revoke"))
+    key.set_defaults(func=_people(cmd_org_key))
+
+    hooks = sub.add_parser("webhooks", help="the webhooks' delivery log (admins)")
+    _common(hooks, listing=True)
+    hooks.add_argument("--status", choices=("pending", "delivered", "failed"))
+    hooks.add_argument("--limit", type=int, default=20)
+    hooks.set_defaults(func=_people(cmd_webhooks_log))
+
