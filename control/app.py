@@ -14,19 +14,26 @@ from control import (
     ai,
     audit_logs,
     auth,
+    catalog,
     connections,
     datamasking,
     guardrails,
     health,
     integrations,
     openapi,
+    orgs,
+    plugins,
     proxymanager,
     rdp_frames,
+    reports,
     resources,
     reviews,
+    runbooks,
+    serverauth,
     serverconfig,
     sessions,
     users,
+    webhooks,
 )
 from control.console import add_console
 from control.http import (
@@ -53,7 +60,7 @@ from gatewayd.store import StoreUnavailable
 
 log = logging.getLogger("gatewayd.api")
 
-AREAS = (health, auth, users, serverconfig, resources, connections, agents, guardrails, datamasking, sessions, rdp_frames, reviews, ai, proxymanager,
+AREAS = (health, auth, users, serverconfig, serverauth, orgs, resources, connections, catalog, agents, guardrails, datamasking, sessions, rdp_frames, reviews, runbooks, plugins, webhooks, reports, ai, proxymanager,
          audit_logs, integrations, openapi)
 MUTATING = {"POST", "PUT", "PATCH", "DELETE"}
 ROUTE_DOC = web.AppKey("route_doc_by_handler", dict)
@@ -162,6 +169,8 @@ async def auth_middleware(request: web.Request, handler: Any) -> web.StreamRespo
         return await handler(request)
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
+    if not header and request.headers.get("Api-Key"):  # hoop.dev's header for API keys
+        scheme, token = "bearer", request.headers["Api-Key"]
     if scheme.lower() != "bearer" or not token.strip():
         raise ApiError(401, "access denied")
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -207,6 +208,67 @@ async def update(request: web.Request) -> web.Response:
         raise ApiError(409, f"connection {conn.name!r} already exists") from None
     await gateway.sessions.connection_changed(conn.id)  # its live sessions, on every node, take the change
     return ok(connection_json(conn, admin, gateway))
+
+
+PATCH = Schema("ConnectionPatch", {
+    **{name: Field(spec.type, items=spec.items, description=spec.description)
+       for name, spec in CONNECTION_FIELDS.items()},
+    "secret": Field("object", description="merged into the stored one: a key set to null is removed"),
+    "tags": Field("object", description="merged into the stored ones: a key set to null is removed"),
+    "settings": Field("object", description="merged into the stored ones: a key set to null is removed"),
+})
+
+
+def _merged(stored: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """``stored`` with ``changes`` applied key by key (JSON merge patch, one level): null removes a key."""
+    merged = dict(stored)
+    for key, value in changes.items():
+        if value is None:
+            merged.pop(key, None)
+        else:
+            merged[key] = value
+    return merged
+
+
+@routes.patch("/connections/{name}", "Change some fields of a connection (secret, tags and settings merged)",
+              body=PATCH, response=CONNECTION_OUT)
+async def patch(request: web.Request) -> web.Response:
+    admin = require_admin(request)
+    existing = await find_connection(request)
+    changes = await json_body(request, PATCH)
+    body: dict[str, Any] = {
+        "name": existing.name, "type": existing.type, "subtype": existing.subtype, "agent_id": existing.agent_id,
+        "command": existing.command, "resource_name": existing.resource_name}
+    body.update({k: v for k, v in changes.items() if k not in ("secret", "tags", "settings")})
+    body["secret"] = _merged(existing.secret, changes.get("secret") or {})
+    body["tags"] = _merged(existing.tags, changes.get("tags") or {})
+    body["settings"] = _merged(existing.settings, changes.get("settings") or {})
+    conn = build_connection(body, admin.org_id, body.get("resource_name") or existing.resource_name, existing)
+    gateway = gateway_of(request)
+    try:
+        await gateway.store.update_connection(conn)
+    except Conflict:
+        raise ApiError(409, f"connection {conn.name!r} already exists") from None
+    await gateway.sessions.connection_changed(conn.id)
+    return ok(connection_json(conn, admin, gateway))
+
+
+TAG_OUT = Schema("ConnectionTag", {"id": _TEXT, "key": _TEXT, "value": _TEXT, "created_at": _TEXT,
+                                   "updated_at": _TEXT})
+
+
+@routes.get("/connection-tags", "Every tag (key and value) the organization's connections carry",
+            response=Schema("ConnectionTagList", {"items": Field("array", True, items=TAG_OUT)}))
+async def list_tags(request: web.Request) -> web.Response:
+    found: dict[tuple[str, str], dict[str, Any]] = {}
+    for conn in await gateway_of(request).store.list_connections(user_of(request).org_id):
+        for key, value in conn.tags.items():
+            tag = found.setdefault((key, value), {
+                "id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"connection-tag:{key}={value}")), "key": key,
+                "value": value, "created_at": conn.created_at, "updated_at": conn.updated_at})
+            tag["created_at"] = min(tag["created_at"], conn.created_at)
+            tag["updated_at"] = max(tag["updated_at"], conn.updated_at)
+    return ok({"items": [found[k] for k in sorted(found)]})
 
 
 @routes.delete("/connections/{name}", "Delete a connection", status=204)

@@ -47,6 +47,7 @@ from gatewayd.reviews import (
     review_json,
 )
 from gatewayd.protocols import session_for
+from gatewayd.scripts import Redaction
 from gatewayd.store import Conflict
 
 log = logging.getLogger("gatewayd.api.reviews")
@@ -228,27 +229,42 @@ async def create_session(request: web.Request) -> web.Response:
     script = body["script"]
     if not script.strip():
         raise ApiError(422, "field 'script': must not be empty")
-    metadata = body.get("metadata") or {}
-    batch_id = body.get("session_batch_id") or None
+    return await start_script(request, connection, script, metadata=body.get("metadata") or {},
+                              batch_id=body.get("session_batch_id") or None)
+
+
+async def start_script(request: web.Request, connection: Connection, script: str, *, metadata: dict[str, Any],
+                       batch_id: str | None, secrets: tuple[str, ...] = (),
+                       audit: dict[str, Any] | None = None) -> web.Response:
+    """Run ``script`` on ``connection`` as the caller, or ask for its review first (202): what ``POST /sessions``
+    does, for every way of making a script (a runbook too). ``secrets``: values of the script never recorded
+    (gatewayd.scripts.Redaction); ``audit``: more of the audit entry's payload."""
+    user = user_of(request)
+    gateway = gateway_of(request)
+    _runner_for(gateway, connection)
+    shown = Redaction.of(secrets).text(script)
     policy = await gateway.reviews.policy(connection, ONETIME)
     if policy is not None:
         request[AUDIT_ACTION] = "review.request"
-        session = session_for(user, connection, verb="exec", status="ready", script=script, metadata=metadata,
+        session = session_for(user, connection, verb="exec", status="ready", script=shown, metadata=metadata,
                               session_batch_id=batch_id)
+        if secrets:
+            await gateway.reviews.seal_script(session.id, script, secrets)
         review = await gateway.reviews.request(policy, user, connection, session, ONETIME)
-        gateway.reviews.spawn(gateway.analysis.preview(session, connection, script))  # for the reviewers to see
-        request[AUDIT_PAYLOAD] = {"connection": connection.name, "session_id": session.id, "review_id": review.id,
-                                  "type": ONETIME, "reviewers": policy.reviewers}
+        gateway.reviews.spawn(gateway.analysis.preview(session, connection, shown))  # for the reviewers to see
+        request[AUDIT_PAYLOAD] = {**(audit or {}), "connection": connection.name, "session_id": session.id,
+                                  "review_id": review.id, "type": ONETIME, "reviewers": policy.reviewers}
         return ok({"session_id": session.id, "review_id": review.id, "has_review": True,
                    "review": review_json(review), "output": "", "output_status": "",
                    "exit_code": None, "execution_time": 0}, status=202)
     request[AUDIT_ACTION] = "session.exec"
     started = time.monotonic()
     try:
-        job = await gateway.reviews.run_script(user, connection, script, metadata=metadata, batch_id=batch_id)
+        job = await gateway.reviews.run_script(user, connection, script, metadata=metadata, batch_id=batch_id,
+                                               secrets=secrets)
     except RuntimeError as exc:
         raise ApiError(503, str(exc)) from None
-    request[AUDIT_PAYLOAD] = {"connection": connection.name, "session_id": job.session_id}
+    request[AUDIT_PAYLOAD] = {**(audit or {}), "connection": connection.name, "session_id": job.session_id}
     return await _answer(request, job, started=started)
 
 

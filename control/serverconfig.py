@@ -76,7 +76,7 @@ async def serverinfo(request: web.Request) -> web.Response:
         "version": gateway.version,
         "gateway_commit": "",
         "tenancy_type": "multitenant" if config["auth.multi_tenant"] else "selfhosted",
-        "auth_method": config["auth.issuer"],
+        "auth_method": gateway.identity.config["auth.issuer"],
         "api_url": f"{config.public_url}/api",
         "grpc_url": gateway.server_config.get("grpc_server_url", ""),
         "has_idp_audience": bool(config["auth.oidc.audience"]),

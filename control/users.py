@@ -77,7 +77,7 @@ async def _keep_an_admin(request: web.Request, user: User, after: User | None) -
     if not (user.is_admin and user.status == "active") or (after and after.is_admin and after.status == "active"):
         return
     others = [u for u in await gateway_of(request).store.list_users(user.org_id or "")
-              if u.id != user.id and u.is_admin and u.status == "active"]
+              if u.id != user.id and u.is_admin and u.status == "active" and not u.service_account]
     if not others:
         what = "delete" if after is None else "deactivate or demote"
         raise ApiError(409, f"cannot {what} {user.email}: the last active admin of the organization "
@@ -98,7 +98,8 @@ async def _apply(request: web.Request, user: User, body: dict) -> None:
 @routes.get("/users", "List the organization's users", response=array_of(USER_OUT))
 async def list_users(request: web.Request) -> web.Response:
     admin = require_admin(request)
-    return ok([user_json(u) for u in await gateway_of(request).store.list_users(admin.org_id)])
+    users = await gateway_of(request).store.list_users(admin.org_id)
+    return ok([user_json(u) for u in users if not u.service_account])  # those are in /serviceaccounts
 
 
 @routes.post("/users", "Create a user", body=USER_CREATE, status=201, response=USER_OUT)

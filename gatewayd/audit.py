@@ -50,6 +50,7 @@ class AuditLog:
     def __init__(self, store: Store) -> None:
         self.store = store
         self.keeper: Callable[[AuditEntry], Awaitable[None]] | None = None
+        self.listeners: list[Callable[[AuditEntry], None]] = []  # told of every stored entry (webhooks)
 
     async def record(
         self,
@@ -92,12 +93,15 @@ class AuditLog:
                 "connection": payload_fields.get("connection") or "",
                 "session_id": payload_fields.get("session_id") or ""})
         if self.keeper is not None:
-            await self.keeper(entry)
-            return
-        try:
-            await self.store.append_audit(entry)
-        except Exception:  # an audit failure must be loud but not take the request down
-            log.exception("could not write audit entry", extra={"action": action})
+            await self.keeper(entry)  # journaled, then stored (or kept until the store takes it)
+        else:
+            try:
+                await self.store.append_audit(entry)
+            except Exception:  # an audit failure must be loud but not take the request down
+                log.exception("could not write audit entry", extra={"action": action})
+                return
+        for listener in self.listeners:
+            listener(entry)
 
     async def verify(self, org_id: str) -> Verification:
         """Whether an organization's audit chain is as it was written (hashing runs off the event loop)."""

@@ -360,6 +360,9 @@ def build_parser(run: Command | None = None) -> argparse.ArgumentParser:
     from gatewayd.client import commands as people
 
     people.register(sub, sessions_parser, sessions)
+    from gatewayd.client import runbooks as runbook_commands
+
+    runbook_commands.register(sub)
 
     status = sub.add_parser("status", help="the cluster: every gateway node (and worker) sharing the store, "
                                            "its lease and its open sessions")

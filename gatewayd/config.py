@@ -123,6 +123,16 @@ SETTINGS: dict[str, Setting] = {
     "ai.native_on_failure": Setting("str", "open", _choice("closed", "open")),
     "ai.max_pending": Setting("int", 64, _positive),
     "ai.max_input_chars": Setting("int", 32768, _positive),
+    "runbooks.refresh_interval": Setting("duration", "5m"),
+    "runbooks.git_timeout": Setting("duration", "60s", _positive),
+    "webhooks.allow_http": Setting("bool", False),
+    "webhooks.ca_file": Setting("str", ""),
+    "webhooks.timeout": Setting("duration", "10s", _positive),
+    "webhooks.max_attempts": Setting("int", 8, _positive),
+    "webhooks.retry_base": Setting("duration", "5s", _positive),
+    "webhooks.poll_interval": Setting("duration", "1s", _positive),
+    "webhooks.cache_seconds": Setting("duration", "5s"),
+    "webhooks.slack_api_url": Setting("str", "https://slack.com/api"),
 }
 
 

@@ -35,13 +35,15 @@ from gatewayd.dialer import Dialer, DirectDialer
 from gatewayd.tenancy import Tenancy
 from gatewayd.frames import FrameStore
 from gatewayd.guardrails import GuardRailService
-from gatewayd.identity import Identity
+from gatewayd.identity import AUTH_CHANGED, Identity
 from gatewayd.discovery import AwsDiscovery, AwsSettings
 from gatewayd.evidence import Sealer
 from gatewayd.pipeline import ProxyContext, SessionPipeline
 from gatewayd.recording import RecordingService
 from gatewayd.throttle import Throttle
 from gatewayd.reviews import ReviewService
+from gatewayd.runbooks import RunbookService
+from gatewayd.webhooks import Notifier
 from gatewayd.scripts import ScriptRunner
 from gatewayd.sessions import SessionManager
 from gatewayd.store import Store, describe, open_store
@@ -201,6 +203,8 @@ class Gateway:
         self.analysis: AnalysisService = None  # type: ignore[assignment]
         self.tenancy: Tenancy = None  # type: ignore[assignment]  # which organizations are tenants (multi-tenant)
         self.pipeline: SessionPipeline = None  # type: ignore[assignment]
+        self.runbooks: RunbookService = None  # type: ignore[assignment]  # runbook repositories, per commit
+        self.notifier: Notifier = None  # type: ignore[assignment]  # webhooks and Slack
         self.cluster: Cluster = None  # type: ignore[assignment]
         self.agents: AgentRegistry = None  # type: ignore[assignment]
         self.grpc: GrpcServer | None = None  # agents' and proxy managers' channel on ``grpc.listen``
@@ -245,6 +249,11 @@ class Gateway:
                                  self.config.get("rdp.frames_cap_bytes"))
         self.tenancy = Tenancy.of(self.config, (await self.store.default_org()).id)
         self.analysis = AnalysisService(self.store, self.audit, self.config, self.tenancy)
+        self.notifier = Notifier(self.store, self.config, self.tenancy)
+        self.audit.listeners.append(self.notifier.audited)
+        self.sessions.watchers.append(self.notifier.session_changed)
+        self.runbooks = RunbookService(self.config.data_dir, refresh_interval=self.config["runbooks.refresh_interval"],
+                                       timeout=self.config["runbooks.git_timeout"], tenant_policy=self.tenancy.policy)
         self.guardrails.observers = self.analysis.observer_for
         self.agents = AgentRegistry(self.store, self.audit, self.sessions, peers=self.grpc_peers)
         self.proxy_manager = ManagerService(self.identity, self.access, lambda: self.server_config)
@@ -254,6 +263,7 @@ class Gateway:
                                      self.script_runners,
                                      admins_can_self_approve=self.config["auth.admins_can_self_approve"])
         await self.identity.start()
+        self.cluster.on(AUTH_CHANGED, lambda _message: self.identity.reload_auth())
 
     def node_name(self) -> str:
         """This process's name among the nodes: ``cluster.node_name``, or host and API port (and its worker)."""
@@ -271,6 +281,7 @@ class Gateway:
         # closes what a dead run left open; the gRPC URL is what agents are told of this node
         await self.cluster.start({**listen_addresses(self.server_config), "grpc": self.node_grpc_url()})
         await self.reviews.start()
+        await self.notifier.start()
         if self.app_factory is not None:
             self._runner = web.AppRunner(self.app_factory(self), access_log=None, handle_signals=False)
             await self._runner.setup()
@@ -448,6 +459,8 @@ class Gateway:
             await self.grpc.stop()  # agents reconnect to the next start
         if self.reviews is not None:
             await self.reviews.finish()  # scripts just killed store their outcome while the store is open
+        if self.notifier is not None:
+            await self.notifier.stop()  # the events of the sessions just closed are written
         if self.cluster is not None:
             await self.cluster.stop()  # after its sessions closed: no other node closes them as lost
         if self.recording is not None:
@@ -466,6 +479,8 @@ class Gateway:
         log.info("gatewayd stopped")
 
     async def close_core(self) -> None:
+        if self.notifier is not None:
+            await self.notifier.stop()
         if self.cluster is not None:
             await self.cluster.stop()
         if self.identity is not None:

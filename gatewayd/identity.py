@@ -20,6 +20,7 @@ import jwt
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from gatewayd.apikeys import RESERVED_SUBJECT, ApiKeys, looks_like_key
 from gatewayd.config import Config
 from gatewayd.crypto import PasswordWork
 from gatewayd.throttle import Throttle
@@ -33,6 +34,11 @@ LOCAL_AUDIENCE = "gatewayd-api"
 _ASYMMETRIC = {"RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512", "EdDSA"}
 _KEY_TYPES = {"RS": "RSA", "PS": "RSA", "ES": "EC", "Ed": "OKP"}
 _STATE_TTL = 600
+AUTH_SETTINGS = "serverconfig.auth"  # the store's setting of the sign-in configuration an operator put
+AUTH_CHANGED = "serverconfig.auth.changed"  # the bus topic: every node reloads its sign-in settings
+AUTH_CLIENT_SECRET = "serverconfig.auth.client_secret"  # its OIDC client secret, sealed in the store's keys
+AUTH_KEYS = frozenset({"auth.issuer", "auth.oidc.issuer_url", "auth.oidc.client_id", "auth.oidc.audience",
+                       "auth.oidc.scopes", "auth.oidc.groups_claim"})
 _JWKS_MAX_AGE = 600
 
 
@@ -122,10 +128,16 @@ class OIDCProvider:
     async def discovery(self) -> dict[str, Any]:
         if self._discovery is None:
             url = f"{self.issuer}/.well-known/openid-configuration"
-            async with self.http.get(url) as response:
-                if response.status != 200:
-                    raise AuthError(f"identity provider discovery failed with HTTP {response.status}")
-                self._discovery = await response.json(content_type=None)
+            try:
+                async with self.http.get(url) as response:
+                    if response.status != 200:
+                        raise AuthError(f"identity provider discovery failed with HTTP {response.status}")
+                    document = await response.json(content_type=None)
+            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:  # down, or not a provider at all
+                raise AuthError(f"identity provider discovery failed: {type(exc).__name__}") from None
+            if not isinstance(document, dict) or not isinstance(document.get("jwks_uri"), str):
+                raise AuthError("identity provider discovery failed: not a discovery document")
+            self._discovery = document
         return self._discovery
 
     async def _refresh_keys(self) -> None:
@@ -133,10 +145,15 @@ class OIDCProvider:
             if time.monotonic() - self._keys_fetched < 1.0:
                 return  # another task just refreshed
             doc = await self.discovery()
-            async with self.http.get(doc["jwks_uri"]) as response:
-                if response.status != 200:
-                    raise AuthError(f"identity provider JWKS fetch failed with HTTP {response.status}")
-                jwks = await response.json(content_type=None)
+            try:
+                async with self.http.get(doc["jwks_uri"]) as response:
+                    if response.status != 200:
+                        raise AuthError(f"identity provider JWKS fetch failed with HTTP {response.status}")
+                    jwks = await response.json(content_type=None)
+            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                raise AuthError(f"identity provider JWKS fetch failed: {type(exc).__name__}") from None
+            if not isinstance(jwks, dict):
+                raise AuthError("identity provider JWKS fetch failed: not a key set")
             keys = {}
             for item in jwks.get("keys", []):
                 try:
@@ -192,7 +209,10 @@ class OIDCProvider:
                  "code_challenge_method": "S256"}
         if self.audience != self.client_id:
             query["audience"] = self.audience
-        return f"{doc['authorization_endpoint']}?{urlencode(query)}"
+        endpoint = doc.get("authorization_endpoint")
+        if not isinstance(endpoint, str):
+            raise AuthError("the identity provider names no authorization endpoint")
+        return f"{endpoint}?{urlencode(query)}"
 
     async def exchange(self, code: str, verifier: str, redirect_uri: str) -> dict[str, Any]:
         doc = await self.discovery()
@@ -200,11 +220,17 @@ class OIDCProvider:
                 "client_id": self.client_id, "code_verifier": verifier}
         if self.client_secret:
             form["client_secret"] = self.client_secret
-        async with self.http.post(doc["token_endpoint"], data=form) as response:
-            body = await response.json(content_type=None)
-            if response.status != 200 or "id_token" not in body:
-                raise AuthError(f"the identity provider refused the code (HTTP {response.status})")
-            return body
+        endpoint = doc.get("token_endpoint")
+        if not isinstance(endpoint, str):
+            raise AuthError("the identity provider names no token endpoint")
+        try:
+            async with self.http.post(endpoint, data=form) as response:
+                body = await response.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            raise AuthError(f"the identity provider could not be asked for the token: {type(exc).__name__}") from None
+        if response.status != 200 or not isinstance(body, dict) or "id_token" not in body:
+            raise AuthError(f"the identity provider refused the code (HTTP {response.status})")
+        return body
 
 
 _LOGIN_KEY_PREFIX = "oidc-login:"
@@ -241,6 +267,7 @@ class Identity:
     """Turns bearer tokens into active users; signs users up on first authentication."""
 
     def __init__(self, config: Config, store: Store) -> None:
+        self.base_config = config  # the file's; ``config`` adds what an operator stored (``reload_auth``)
         self.config = config
         self.store = store
         self.local: LocalIssuer | None = None
@@ -248,12 +275,27 @@ class Identity:
         self._http: aiohttp.ClientSession | None = None
         self.passwords = PasswordWork()
         self.login_throttle = Throttle(config["throttle.login_failures"], config["throttle.login_window"])
+        self.keys = ApiKeys(store)
 
     async def start(self) -> None:
         self.local = await LocalIssuer.load(self.store)
+        await self.reload_auth()
+
+    async def reload_auth(self) -> None:
+        """Take the sign-in settings an operator stored (``PUT /serverconfig/auth``) over the file's, and
+        (re)make the OIDC provider they name: at start, and when any node changed them."""
+        stored = await self.store.get_setting(AUTH_SETTINGS) or {}
+        overrides = {key: value for key, value in stored.items() if key in AUTH_KEYS}
+        if stored.get("auth.issuer") == "oidc":
+            secret = await self.store.get_key(AUTH_CLIENT_SECRET)
+            overrides["auth.oidc.client_secret"] = secret.decode() if secret else ""
+        self.config = Config({**self.base_config.as_dict(), **overrides}, self.base_config.source)
         if self.config["auth.issuer"] == "oidc":
-            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15))
+            if self._http is None:
+                self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15))
             self.oidc = OIDCProvider(self.config, self._http)
+        else:
+            self.oidc = None
 
     async def stop(self) -> None:
         if self._http is not None:
@@ -271,6 +313,11 @@ class Identity:
         """The active user behind a bearer token, or AuthError (a token signed out or issued before the user's
         last password change included)."""
         assert self.local is not None
+        if looks_like_key(token):
+            found = await self.keys.authenticate(token)
+            if found is None:
+                raise AuthError("unknown or revoked API key")
+            return found
         try:
             issuer = jwt.decode(token, options={"verify_signature": False}).get("iss")
         except jwt.PyJWTError:
@@ -318,6 +365,8 @@ class Identity:
 
     async def sign_in(self, claims: Claims) -> User:
         """Find or create the user of ``claims``; merge the token's groups over the gateway's grants."""
+        if claims.subject.startswith(RESERVED_SUBJECT):
+            raise AuthError("this subject is reserved for the gateway's API keys")
         user = await self.store.get_user(subject=claims.subject)
         if user is not None and not user.federated and user.subject == user.email.lower():
             self._check_link(user, claims)  # a provider subject equal to a local user's e-mail is a link too

@@ -88,6 +88,8 @@ class User:
     granted_groups: list[str] = field(default_factory=list)
     # The subject is an identity provider's (signed up or linked by a sign-in), not an e-mail the gateway set.
     federated: bool = False
+    # A service account (``/serviceaccounts``, or the identity an API key authenticates as), not a person.
+    service_account: bool = False
 
     @property
     def is_admin(self) -> bool:
@@ -420,3 +422,122 @@ class AIAnalyzerRule:
     created_at: str = ""
     updated_at: str = ""
     native_mode: str = "async"  # native input: async (analysed in the background) | sync (waits for the verdict)
+
+
+@dataclass(slots=True)
+class RunbookRepository:
+    """Where an organization's runbooks are: a git repository (a URL, or a local path on the gateway's host),
+    its branch and the folder that holds them. ``credentials`` (``git_password``, ``ssh_key``,
+    ``ssh_keypass``) are clear here and sealed in the store."""
+
+    id: str
+    org_id: str
+    repository: str  # the normalized name runbooks are known by: host/path of the URL, or local/<path>
+    git_url: str
+    branch: str = ""  # "": the remote's default branch
+    folder: str = ""  # "": the whole repository
+    git_user: str = ""
+    ssh_user: str = ""
+    ssh_known_hosts: str = ""
+    git_hook_ttl: int = 0
+    credentials: dict[str, str] = field(default_factory=dict)
+    created_at: str = ""
+    updated_at: str = ""
+
+
+@dataclass(slots=True)
+class RunbookRule:
+    """Which groups may run which runbooks on which connections (an empty list: any)."""
+
+    id: str
+    org_id: str
+    name: str
+    description: str = ""
+    runbooks: list[dict[str, str]] = field(default_factory=list)  # {"repository": ..., "name": ...}
+    connections: list[str] = field(default_factory=list)
+    user_groups: list[str] = field(default_factory=list)
+    created_at: str = ""
+    updated_at: str = ""
+
+
+@dataclass(slots=True)
+class ApiKey:
+    """An API key: ``org`` (an organization's, ``/orgs/keys``) or ``server`` (the operators', ``/serverconfig/auth``).
+
+    Only its SHA-256 is kept (``key_hash``) and its first characters (``prefix``) to recognise it; it
+    authenticates as ``user_id`` (a service account). ``status``: active, pending (a server key generated
+    for a rollout, not in force yet) or revoked.
+    """
+
+    id: str
+    org_id: str
+    kind: str
+    key_hash: str
+    prefix: str
+    user_id: str
+    status: str = "active"
+    created_by: str = ""
+    created_at: str = ""
+    revoked_at: str | None = None
+    last_used_at: str | None = None
+
+
+@dataclass(slots=True)
+class Plugin:
+    """A plugin an organization turned on (``webhooks``, ``slack``, ``runbooks``); ``config`` holds its settings
+    (``envvars``: name -> value, clear here, sealed in the store)."""
+
+    id: str
+    org_id: str
+    name: str
+    config: dict[str, str] = field(default_factory=dict)
+    created_at: str = ""
+    updated_at: str = ""
+
+
+@dataclass(slots=True)
+class PluginConnection:
+    """A plugin's settings for one connection (Slack: channels; runbooks: the folders it offers)."""
+
+    id: str
+    org_id: str
+    plugin_id: str
+    connection_id: str
+    config: list[str] = field(default_factory=list)
+    updated_at: str = ""
+
+
+@dataclass(slots=True)
+class WebhookEndpoint:
+    """Where an organization's events are posted; ``secret`` (clear here, sealed in the store) signs them."""
+
+    id: str
+    org_id: str
+    url: str
+    secret: str
+    description: str = ""
+    event_types: list[str] = field(default_factory=list)  # empty: every type
+    disabled: bool = False
+    created_at: str = ""
+    updated_at: str = ""
+
+
+@dataclass(slots=True)
+class Delivery:
+    """One event on its way to one endpoint (a webhook, or Slack): the exact body sent, its attempts and outcome."""
+
+    id: str
+    org_id: str
+    endpoint_id: str
+    channel: str  # webhook | slack
+    event_id: str
+    event_type: str
+    body: str
+    status: str  # pending | delivered | failed
+    next_attempt_at: str
+    created_at: str
+    attempts: int = 0
+    claimed_until: str | None = None
+    last_status: int | None = None
+    last_error: str = ""
+    delivered_at: str | None = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import re
 from collections.abc import AsyncIterator
@@ -34,7 +35,7 @@ from gatewayd.models import (
     utcnow,
 )
 from gatewayd.pipeline import GatewayClosing, TargetUnreachable
-from gatewayd.scripts import ScriptResult
+from gatewayd.scripts import RedactingRecorder, Redaction, ScriptResult
 from gatewayd.sessions import BLOCKED_EXIT_CODE
 from gatewayd.tasks import BackgroundTasks
 
@@ -387,6 +388,7 @@ class ScriptJob:
         return self.live.session.ai_analysis if self.live is not None else None
 
 
+_SEALED_SCRIPT = "script:"  # the store's sealed key of a reviewed script made with secrets (``seal_script``)
 ARMED = "review.armed"  # the bus topic: a jit review was approved, every node arms the end of its access
 
 
@@ -486,6 +488,7 @@ class ReviewService:
         if decision.status == REJECTED and decision.completed:  # it will never run: the session is done
             await self.sessions.kill(review.session_id, f"the review was rejected by {actor.email}: "
                                                                 "the session did not run")
+            await self.store.delete_key(_SEALED_SCRIPT + review.session_id)  # a runbook's, made with secrets
         if decision.status == REVOKED:
             timer = self._timers.pop(review.id, None)
             if timer is not None:
@@ -581,17 +584,38 @@ class ReviewService:
 
     # -- one-time scripts
 
+    async def seal_script(self, session_id: str, script: str, secrets: tuple[str, ...]) -> None:
+        """Keep a reviewed script made with secrets (a runbook's passwords) sealed until it runs: its session
+        stores it with ``[REDACTED]`` in their place, and only ``run_script`` opens this copy (then forgets it)."""
+        await self.store.put_key(_SEALED_SCRIPT + session_id, json.dumps({"script": script,
+                                                                         "secrets": list(secrets)}).encode())
+
+    async def _sealed_script(self, session_id: str) -> tuple[str, Redaction] | None:
+        material = await self.store.get_key(_SEALED_SCRIPT + session_id)
+        if material is None:
+            return None
+        sealed = json.loads(material)
+        return sealed["script"], Redaction.of(sealed["secrets"])
+
     async def run_script(self, user: User, connection: Connection, script: str, *, session: Session | None = None,
                          review: Review | None = None, metadata: dict[str, Any] | None = None,
-                         batch_id: str | None = None, client_ip: str = "") -> ScriptJob:
+                         batch_id: str | None = None, client_ip: str = "",
+                         secrets: tuple[str, ...] = ()) -> ScriptJob:
         """Start ``script`` on ``connection`` through the session pipeline, with the runner of its subtype.
 
         ``session``: the stored ``ready`` session of an approved ``review`` (marked EXECUTED once the
-        script ended); else a new session is opened.  The target is dialed before this returns: an
-        unreachable one gives a finished job (the session closed with its ``e`` and exit code 254).
-        Raises KeyError when no runner serves the subtype, GatewayClosing when the gateway is
-        shutting down (nothing ran; an approval still stands).
+        script ended; its sealed script, when ``seal_script`` kept one, runs instead of the stored text);
+        else a new session is opened.  ``secrets``: values of the script never recorded (``Redaction``).
+        The target is dialed before this returns: an unreachable one gives a finished job (the session
+        closed with its ``e`` and exit code 254). Raises KeyError when no runner serves the subtype,
+        GatewayClosing when the gateway is shutting down (nothing ran; an approval still stands).
         """
+        redaction = Redaction.of(secrets)
+        if session is not None:
+            sealed = await self._sealed_script(session.id)
+            if sealed is not None:
+                script, redaction = sealed
+                await self.store.delete_key(_SEALED_SCRIPT + session.id)  # it runs once
         runner = self.runners[connection.subtype]
         dialed: list[Any] = []
 
@@ -606,8 +630,8 @@ class ReviewService:
         try:
             run = await self.pipeline.start(
                 AccessGrant(None, user, connection), client_ip, dial=dial, unreachable=runner.unreachable,
-                drop=runner.stop, on_kill=kill, observe=False, existing=session, verb="exec", script=script,
-                metadata=metadata, batch_id=batch_id)
+                drop=runner.stop, on_kill=kill, observe=False, existing=session, verb="exec",
+                script=redaction.text(script), metadata=metadata, batch_id=batch_id)
         except GatewayClosing:
             if review is not None:
                 await self.set_status(review.id, APPROVED)
@@ -618,14 +642,17 @@ class ReviewService:
             done: asyncio.Future[ScriptResult] = asyncio.get_running_loop().create_future()
             done.set_result(ScriptResult(exc.message + "\n", BLOCKED_EXIT_CODE))
             return ScriptJob(exc.session_id or "", done)
-        return ScriptJob(run.id, self.spawn(self._run_script(run, runner, script, review)), run.live)
+        if redaction.secrets:
+            run.live.redaction = redaction
+            run.policy = run.policy.recording_to(RedactingRecorder(run.policy.recorder, redaction))  # type: ignore[arg-type]
+        return ScriptJob(run.id, self.spawn(self._run_script(run, runner, script, review, redaction)), run.live)
 
     async def _run_script(self, run: SessionRun[Any], runner: ScriptRunner, script: str,
-                          review: Review | None) -> ScriptResult:
+                          review: Review | None, redaction: Redaction) -> ScriptResult:
         """The AI analysis of the whole script, then the runner; the session closed with the script's exit code."""
         async with run:
             try:
-                verdict = await self.analysis.check_script(run.live, script)
+                verdict = await self.analysis.check_script(run.live, redaction.text(script))
                 if verdict is not None and verdict.blocked:
                     result = ScriptResult(verdict.message() + "\n", BLOCKED_EXIT_CODE)
                 else:
@@ -639,4 +666,6 @@ class ReviewService:
             await run.close(exit_code=result.exit_code)
         if review is not None:
             await self.set_status(review.id, EXECUTED)
+        if redaction.secrets:
+            result.output = redaction.text(result.output)
         return result

@@ -43,3 +43,57 @@ class ScriptRunner:
     stop: Callable[[Any], Any]  # release the target; on a kill this ends what runs there
     unreachable: tuple[type[BaseException], ...] = ()  # what ``dial`` raises when the target cannot be used
     kill: Callable[[Any], Any] | None = None  # a kill, when ``stop`` alone would leave work running there
+
+
+REDACTED_TEXT = "[REDACTED]"
+
+
+@dataclass(frozen=True, slots=True)
+class Redaction:
+    """Secret values a script was made with (a runbook's ``password`` parameters): kept out of what is recorded.
+
+    The script runs with them; its stored text, its recorded events, the audit entry of a block and what AI
+    analysis reads carry ``[REDACTED]`` in their place.
+    """
+
+    secrets: tuple[str, ...]  # longest first, so that a secret inside another is not left half shown
+
+    @classmethod
+    def of(cls, secrets: "tuple[str, ...] | list[str]") -> "Redaction":
+        return cls(tuple(sorted({s for s in secrets if s}, key=len, reverse=True)))
+
+    def text(self, value: str) -> str:
+        for secret in self.secrets:
+            value = value.replace(secret, REDACTED_TEXT)
+        return value
+
+    def data(self, value: bytes | str) -> bytes | str:
+        if isinstance(value, str):
+            return self.text(value)
+        raw = bytes(value)
+        for secret in self.secrets:
+            raw = raw.replace(secret.encode(), REDACTED_TEXT.encode())
+        return raw
+
+
+class RedactingRecorder:
+    """A session recorder that records every event with the ``Redaction``'s secrets replaced."""
+
+    def __init__(self, recorder: Any, redaction: Redaction) -> None:
+        self._recorder = recorder
+        self._redaction = redaction
+
+    def __getattr__(self, name: str) -> Any:  # truncated, metrics, offset_ms, needs_drain, drain...
+        return getattr(self._recorder, name)
+
+    def input(self, data: bytes | str) -> None:
+        self._recorder.input(self._redaction.data(data))
+
+    def output(self, data: bytes | str) -> None:
+        self._recorder.output(self._redaction.data(data))
+
+    def error(self, data: bytes | str) -> None:
+        self._recorder.error(self._redaction.data(data))
+
+    def record(self, kind: str, data: bytes | str) -> None:
+        self._recorder.record(kind, self._redaction.data(data))

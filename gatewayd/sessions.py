@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import logging
 import time
 from typing import Any, Awaitable, Callable
@@ -71,6 +72,8 @@ class LiveSession:
         self.before_close: list[Callable[[], Awaitable[None]]] = []
         # loads the connection's rules again into the session's policy (set by the pipeline; a rule changed)
         self.reload_rules: Callable[[], Awaitable[None]] | None = None
+        # secret values the session's script was made with (gatewayd.scripts.Redaction): never recorded
+        self.redaction: Any = None
 
     @property
     def id(self) -> str:
@@ -91,14 +94,17 @@ class LiveSession:
         The proxy has recorded the blocked input as ``i`` already; the audit entry names it too
         (``input``: the verdict's text, cut at AUDIT_INPUT_CHARS).  Output that was blocked is not copied.
         """
-        self.recorder.error(verdict.message)
+        shown = self.redaction.text if self.redaction is not None else str
+        message = shown(verdict.message)
+        self.recorder.error(message)
+        self.recorder.metrics["blocked"] = self.recorder.metrics.get("blocked", 0) + 1  # reports count them
         payload = {"session_id": self.id, "connection": self.connection.name, "guardrail": verdict.guardrail,
                    "direction": verdict.direction, "rule_type": verdict.rule_type}
         if verdict.text:
-            payload["input"] = verdict.text
+            payload["input"] = shown(verdict.text)
         await self.manager.audit.record(
             org_id=self.session.org_id, actor=self.user, action="guardrail.block",
-            resource_type="session", outcome="failure", error_message=verdict.message, client_ip=client_ip,
+            resource_type="session", outcome="failure", error_message=message, client_ip=client_ip,
             payload=payload,
         )
 
@@ -120,9 +126,12 @@ class LiveSession:
         log.info("session closed", extra=self.log_fields(
             outcome="error" if error else "ok", exit_code=exit_code, reason=error or ""))
         try:
-            seal = await self.manager.recording.close(self.recorder, self.session, end_date=rfc3339(utcnow()),
+            end_date = rfc3339(utcnow())
+            seal = await self.manager.recording.close(self.recorder, self.session, end_date=end_date,
                                                       exit_code=exit_code)
             await self.manager.sealed(self.session, seal)
+            self.manager.tell("session.close", dataclasses.replace(self.session, status="done", end_date=end_date,
+                                                                   exit_code=exit_code))
         except Exception:
             log.exception("could not close session", extra={"session_id": self.id})
         finally:
@@ -175,6 +184,12 @@ class SessionManager:
         self.cluster.on_node_lost = self.close_orphans
         self.cluster.on_fenced = self._fenced
         self.cluster.on_fence = self._fenced
+        self.watchers: list[Callable[[str, Session], None]] = []  # told as sessions open and close (webhooks)
+
+    def tell(self, kind: str, session: Session) -> None:
+        """``session.open`` / ``session.close`` to the watchers (they never wait nor raise)."""
+        for watcher in self.watchers:
+            watcher(kind, session)
 
     async def open(self, user: User, connection: Connection, *, credential: Credential | None = None,
                    verb: str = "connect", script: str | None = None, metadata: dict[str, Any] | None = None,
@@ -215,6 +230,7 @@ class SessionManager:
         live = LiveSession(self, session, recorder, user, connection, credential, client_ip)
         self.live[session.id] = live
         log.info("session opened", extra=live.log_fields(verb=verb))
+        self.tell("session.open", session)
         if credential is not None:
             self._arm_expiry(live, credential)
             # a revocation between admit and now found no holder here to tell: read it once the session is live
@@ -303,8 +319,11 @@ class SessionManager:
         if gap:
             recorder.error(GAP + gap.encode())
         recorder.error(reason)
-        seal = await self.recording.close(recorder, session, end_date=rfc3339(utcnow()), exit_code=BLOCKED_EXIT_CODE)
+        end_date = rfc3339(utcnow())
+        seal = await self.recording.close(recorder, session, end_date=end_date, exit_code=BLOCKED_EXIT_CODE)
         await self.sealed(session, seal)
+        self.tell("session.close", dataclasses.replace(session, status="done", end_date=end_date,
+                                                       exit_code=BLOCKED_EXIT_CODE))
 
     async def sealed(self, session: Session, seal: str) -> None:
         """Record that ``session`` was sealed with ``seal`` where the sweep cannot undo it: a ``session.seal`` entry

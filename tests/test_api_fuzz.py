@@ -68,9 +68,17 @@ def _seed(url: str, token: str) -> dict[str, str]:
     session = call("POST", f"/connections/{role}/credentials", {}, 201)
     pending = call("POST", f"/connections/{jit_role}/credentials", {"access_duration_seconds": 600}, 202)
     agent = call("POST", "/agents", {"name": _unique("agent")}, 201)
+    repository = call("POST", "/runbooks/configurations", {"git_url": f"/nonexistent/{_unique('runbooks')}"}, 201)
+    runbook_rule = call("POST", "/runbooks/rules", {"name": _unique("rbrule"), "runbooks": [], "connections": [role],
+                                                    "user_groups": ["admin"]}, 201)
+    call("POST", "/plugins", {"name": "runbooks", "connections": [{"id": role, "config": ["ops"]}]}, 201)
+    call("POST", "/plugins", {"name": "webhooks"}, 201)
+    endpoint = call("POST", "/webhooks/endpoints", {"url": "https://127.0.0.1:1/hook"}, 201)
+    account = call("POST", "/serviceaccounts", {"subject": _unique("robot"), "status": "active"}, 201)
     return {"agent": agent["name"], "resource": resource, "role": role, "jit_role": jit_role, "guardrail": rule["id"],
             "access_rule": access_rule, "session": session["session_id"], "jit_session": pending["session_id"],
-            "review": pending["review_id"], "user": user["id"], "group": group}
+            "review": pending["review_id"], "user": user["id"], "group": group, "repository": repository["id"],
+            "runbook_rule": runbook_rule["id"], "endpoint": endpoint["id"], "account": account["subject"]}
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +117,20 @@ def _operations(seeded: dict[str, str]) -> str:
         ("/api/sessions/{id}/rdp-frames", "GET", {"id": seeded["session"]}),
         ("/api/users/{id}", "GET|PUT|DELETE", {"id": seeded["user"]}),
         ("/api/users/groups/{name}", "DELETE", {"name": seeded["group"]}),
+        ("/api/connections/{name}/databases", "GET", {"name": seeded["role"]}),
+        ("/api/connections/{name}/tables", "GET", {"name": seeded["role"]}),
+        ("/api/connections/{name}/columns", "GET", {"name": seeded["role"]}),
+        ("/api/connections/{name}/test", "GET", {"name": seeded["role"]}),
+        ("/api/runbooks/configurations/{id}", "PUT", {"id": seeded["repository"]}),
+        ("/api/runbooks/rules/{id}", "GET|PUT", {"id": seeded["runbook_rule"]}),
+        ("/api/plugins/{name}", "GET|PUT", {"name": "runbooks"}),
+        ("/api/plugins/{name}/config", "PUT", {"name": "runbooks"}),
+        ("/api/plugins/{name}/conn/{id}", "GET|PUT", {"name": "runbooks", "id": seeded["role"]}),
+        ("/api/plugins/runbooks/connections/{name}/templates", "GET", {"name": seeded["role"]}),
+        ("/api/plugins/runbooks/connections/{name}/exec", "POST", {"name": seeded["role"]}),
+        ("/api/webhooks/endpoints/{id}", "GET|PUT", {"id": seeded["endpoint"]}),
+        ("/api/webhooks/eventtypes/{name}", "GET", {"name": "ping"}),
+        ("/api/serviceaccounts/{subject}", "PUT", {"subject": seeded["account"]}),
     ]
     lines = []
     for method, path in LEFT_OUT:  # one filter per entry: several would match any of them

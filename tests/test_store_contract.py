@@ -1017,3 +1017,159 @@ async def test_an_audit_log_stripped_or_re_hashed_in_the_store_does_not_verify(s
     await intrude(store, *rehashed)
     result = await manager.audit.verify(org)
     assert not result.verified and "none of its 4 entries verifies" in result.problems[-1]
+
+
+# ---------------------------------------------------------------------------- issue 35: runbooks, keys, plugins,
+# webhooks, reports
+
+async def test_runbook_repositories_keep_their_credentials_sealed_and_rules_round_trip(store: Store):
+    from gatewayd.models import RunbookRepository, RunbookRule
+
+    org = await an_org(store)
+    repo = RunbookRepository(id="r1", org_id=org, repository="git.example/ops", git_url="https://git.example/ops",
+                             branch="main", folder="db", git_user="rita", credentials={"git_password": "pw-7x"},
+                             created_at=NOW, updated_at=NOW)
+    await store.save_runbook_repository(repo, create=True)
+    with pytest.raises(Conflict):
+        await store.save_runbook_repository(repo, create=True)
+    assert await store.list_runbook_repositories(org) == [repo]
+    raw = await store.db.fetch("SELECT credentials FROM runbook_repositories")
+    assert b"pw-7x" not in bytes(raw[0][0])
+    other = RunbookRepository(id="r2", org_id=org, repository="git.example/b", git_url="https://git.example/b",
+                              created_at=NOW, updated_at=NOW)
+    await store.replace_runbook_repositories(org, [other])
+    assert [r.id for r in await store.list_runbook_repositories(org)] == ["r2"]
+    assert await store.delete_runbook_repository(org, "r2") and not await store.delete_runbook_repository(org, "r2")
+    rule = RunbookRule(id=new_id(), org_id=org, name="dba", runbooks=[{"repository": "r", "name": "a.runbook.sql"}],
+                       connections=["pg"], user_groups=["dba"], created_at=NOW, updated_at=NOW)
+    await store.save_runbook_rule(rule, create=True)
+    assert await store.get_runbook_rule(org, "dba") == rule == await store.get_runbook_rule(org, rule.id)
+    assert await store.list_runbook_rules(org) == [rule] and await store.get_runbook_rule("other", rule.id) is None
+    assert await store.delete_runbook_rule(org, rule.id) and await store.list_runbook_rules(org) == []
+
+
+async def test_one_active_api_key_per_kind_and_a_pending_one_promoted_atomically(store: Store):
+    from gatewayd.models import ApiKey
+
+    org = await an_org(store)
+
+    def key(status: str, secret_hash: str) -> ApiKey:
+        return ApiKey(id=new_id(), org_id=org, kind="server", key_hash=secret_hash, prefix=secret_hash[:4],
+                      user_id="u", status=status, created_at=NOW)
+
+    first = key("active", "hash-1")
+    await store.create_api_key(first)
+    with pytest.raises(Conflict):
+        await store.create_api_key(key("active", "hash-2"))
+    await store.create_api_key(key("pending", "hash-3"))
+    await store.create_api_key(key("pending", "hash-4"), replace_pending=True)  # the earlier pending one goes
+    assert await store.get_api_key("hash-3") is None
+    assert not await store.promote_api_key(org, "server", "hash-1", NOW)  # not a pending one
+    assert await store.promote_api_key(org, "server", "hash-4", NOW)
+    assert (await store.get_api_key("hash-1")).status == "revoked" and (await store.get_api_key("hash-4")).status \
+        == "active"
+    await store.touch_api_key(first.id, NOW)
+    assert (await store.get_api_key("hash-1")).last_used_at == NOW
+    assert await store.revoke_api_keys(org, "server", NOW) == 1 and await store.api_keys_of(org, "server", "active") \
+        == []
+
+
+async def test_plugins_keep_settings_sealed_and_their_connections(store: Store):
+    from gatewayd.models import Plugin, PluginConnection
+
+    org = await an_org(store)
+    plugin = Plugin(id=new_id(), org_id=org, name="slack", config={"SLACK_BOT_TOKEN": "xoxb-secret"},
+                    created_at=NOW, updated_at=NOW)
+    await store.save_plugin(plugin, create=True)
+    with pytest.raises(Conflict):
+        await store.save_plugin(Plugin(id=new_id(), org_id=org, name="slack", created_at=NOW, updated_at=NOW),
+                                create=True)
+    assert b"xoxb-secret" not in bytes((await store.db.fetch("SELECT config FROM plugins"))[0][0])
+    link = PluginConnection(id=new_id(), org_id=org, plugin_id=plugin.id, connection_id="c1", config=["C1"],
+                            updated_at=NOW)
+    await store.replace_plugin_connections(org, plugin.id, [link])
+    plugin.config = {"SLACK_WEBHOOK_URL": "https://hooks.example/x"}
+    await store.save_plugin(plugin, create=False)  # its connections stay
+    assert (await store.get_plugin(org, "slack")).config == plugin.config
+    assert await store.list_plugin_connections(org, plugin.id) == [link]
+    await store.save_plugin_connection(PluginConnection(id=new_id(), org_id=org, plugin_id=plugin.id,
+                                                        connection_id="c1", config=["C2"], updated_at=NOW))
+    assert [lk.config for lk in await store.list_plugin_connections(org)] == [["C2"]]
+    assert await store.delete_plugin_connection(org, plugin.id, "c1")
+    assert await store.delete_plugin(org, "slack") and await store.list_plugins(org) == []
+
+
+async def test_each_due_delivery_is_claimed_by_one_handle(backend: Backend):
+    from gatewayd.models import Delivery, WebhookEndpoint
+
+    first, second = await backend.open(), await backend.open()
+    org = await an_org(first)
+    endpoint = WebhookEndpoint(id="e1", org_id=org, url="https://x.example/h", secret="whsec_abc", created_at=NOW,
+                               updated_at=NOW, event_types=["ping"])
+    await first.save_webhook_endpoint(endpoint, create=True)
+    assert await second.get_webhook_endpoint(org, "e1") == endpoint
+    assert b"whsec_abc" not in bytes((await first.db.fetch("SELECT secret FROM webhook_endpoints"))[0][0])
+    due = [Delivery(id=f"d{i}", org_id=org, endpoint_id="e1", channel="webhook", event_id=f"evt{i}",
+                    event_type="ping", body="{}", status="pending", next_attempt_at=NOW, created_at=NOW)
+           for i in range(30)]
+    later = Delivery(id="later", org_id=org, endpoint_id="e1", channel="webhook", event_id="x", event_type="ping",
+                     body="{}", status="pending", next_attempt_at="2099-01-01T00:00:00Z", created_at=NOW)
+    await first.add_deliveries(due + [later])
+    claimed = await asyncio.gather(*(s.claim_deliveries(NOW, "2030-01-01T00:00:00Z", 20) for s in (first, second)))
+    ids = [d.id for batch in claimed for d in batch]
+    assert sorted(ids) == sorted(d.id for d in due) and all(d.attempts == 1 for b in claimed for d in b)
+    assert await first.claim_deliveries(NOW, "2030-01-01T00:00:00Z", 20) == []  # held
+    done = claimed[0][0]
+    done.status, done.last_status, done.delivered_at = "delivered", 200, NOW
+    await first.finish_delivery(done)
+    page = await second.list_deliveries(org, status="delivered")
+    assert page.total == 1 and page.items[0].id == done.id and page.items[0].claimed_until is None
+    assert (await second.get_delivery(org, "later")).status == "pending"
+    assert await first.delete_webhook_endpoint(org, "e1") and await first.list_webhook_endpoints(org) == []
+
+
+async def test_closed_sessions_are_counted_once_per_day_connection_user_and_protocol(backend: Backend, monkeypatch):
+    from gatewayd.store.base import ReportFilter
+
+    # sessions that ended before the rollup existed are counted when it is made
+    monkeypatch.setattr(queries, "MIGRATIONS", [m for m in MIGRATIONS if m[0] < 16])
+    old = await backend.open()
+    org = await an_org(old)
+    await old.db.transact(queries.in_order([(
+        "INSERT INTO sessions (id, org_id, user_id, user_email, connection, connection_id, type, subtype, verb, "
+        "status, start_date, end_date, event_size, metrics) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        ("s-earlier", org, "sub-alice", "sub-alice@example.com", "pg", "id-pg", "database", "postgres", "connect",
+         "done", "2026-01-01T10:00:00.000000Z", "2026-01-01T10:00:30.000000Z", 100, '{"masked": 2}'))]))
+    await old.close()
+    backend.handles.remove(old)
+    monkeypatch.setattr(queries, "MIGRATIONS", MIGRATIONS)
+    store = await backend.open()
+    await backend.open()  # a second process opening: nothing is counted twice
+    for start, end, connection, user, metrics in (
+            ("2026-01-01T11:00:00.000000Z", "2026-01-01T11:01:00.000000Z", "pg", "sub-bob", {"blocked": 1}),
+            ("2026-01-02T09:00:00.000000Z", "2026-01-02T09:00:10.500000Z", "ssh", "sub-alice", {})):
+        session = a_session(org, start=start, connection=connection, user=user)
+        await store.create_session(session)
+        batch = EventBatch.of(session.id, 0, [], {"event_size": 10, "metrics": metrics})
+        await store.close_session([batch], end_date=end, exit_code=0, seal=None)
+        await store.close_session([EventBatch.of(session.id, 0, [], {})], end_date=end, exit_code=0, seal=None)
+    await store.create_session(a_session(org, start="2026-01-01T12:00:00.000000Z"))  # still open: not counted
+
+    everything = ReportFilter(org, "2026-01-01", "2026-01-02")
+    by_connection = await store.session_report(everything)
+    assert by_connection == [
+        {"resource": "pg", "sessions": 2, "duration_ms": 90000, "bytes": 110, "blocks": 1, "masked": 2,
+         "masked_sessions": 1},
+        {"resource": "ssh", "sessions": 1, "duration_ms": 10500, "bytes": 10, "blocks": 0, "masked": 0,
+         "masked_sessions": 0}]
+    by_day = await store.session_report(ReportFilter(org, "2026-01-01", "2026-01-02", group_by="day"))
+    assert [(r["resource"], r["sessions"]) for r in by_day] == [("2026-01-01", 2), ("2026-01-02", 1)]
+    by_user = await store.session_report(ReportFilter(org, "2026-01-02", "2026-01-02", group_by="user"))
+    assert [(r["resource"], r["sessions"]) for r in by_user] == [("sub-alice@example.com", 1)]
+    assert await store.session_report(ReportFilter("another-org", "2026-01-01", "2026-01-02")) == []
+    only_pg = await store.session_report(ReportFilter(org, "2026-01-01", "2026-01-02", group_by="protocol",
+                                                      connection="pg"))
+    assert only_pg == [{**by_connection[0], "resource": "postgres"}]
+    listed = await store.session_metrics(ReportFilter(org, "2026-01-01", "2026-01-01"), 10, 0)
+    assert listed.total == 2 and [m["count_masked"] for m in listed.items] == [0, 2]
+    assert listed.items[0]["blocks"] == 1 and listed.items[1]["bytes"] == 100

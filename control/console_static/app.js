@@ -7,6 +7,9 @@ import {reviewsView} from "./reviews.js";
 import {connectionsView} from "./connections.js";
 import {guardrailsView, guardrailEditView} from "./guardrails.js";
 import {auditView} from "./audit.js";
+import {runbooksView, runbookRunView} from "./runbooks.js";
+import {reportsView} from "./reports.js";
+import {settingsView} from "./settings.js";
 
 const main = document.getElementById("main");
 const state = {me: null};
@@ -20,6 +23,10 @@ const ROUTES = [
   [/^\/guardrails\/([^/]+)$/, (ctx, id) => guardrailEditView(ctx, decodeURIComponent(id))],
   [/^\/guardrails$/, (ctx) => guardrailsView(ctx)],
   [/^\/audit$/, (ctx) => auditView(ctx)],
+  [/^\/runbooks\/run$/, (ctx) => runbookRunView(ctx)],
+  [/^\/runbooks$/, (ctx) => runbooksView(ctx)],
+  [/^\/reports$/, (ctx) => reportsView(ctx)],
+  [/^\/settings$/, (ctx) => settingsView(ctx)],
 ];
 
 /** The current route: path and query of the hash (#/sessions?connection=pg). */
@@ -67,8 +74,9 @@ function renderNav() {
   }
   const {path} = current();
   const links = [["/sessions", "Sessions"], ["/reviews", "Reviews"], ["/connections", "Connections"],
-    ["/guardrails", "Guard rails"]];
-  if (me.is_admin) links.push(["/audit", "Audit log"]);
+    ["/runbooks", "Runbooks"], ["/guardrails", "Guard rails"]];
+  if (me.is_admin || me.is_auditor) links.push(["/reports", "Reports"]);
+  if (me.is_admin) links.push(["/audit", "Audit log"], ["/settings", "Settings"]);
   mount(nav, links.map(([href, label]) =>
     h("a", {href: `#${href}`, class: path.startsWith(href) ? "active" : ""}, label)));
   const roles = [me.is_admin && "admin", me.is_auditor && "auditor"].filter(Boolean);
@@ -148,6 +156,15 @@ async function start() {
   } catch (err) {
     if (err.status !== 401) return mount(main, notice(err.message, "error"));
     return;  // whenSignedOut showed the sign-in form
+  }
+  // a link to one review (a Slack review request: /?review=ID) opens that review
+  const review = new URLSearchParams(location.search).get("review");
+  if (review) {
+    const rest = new URLSearchParams(location.search);
+    rest.delete("review");
+    const left = rest.toString();
+    history.replaceState(null, "", `${location.pathname}${left ? `?${left}` : ""}#/reviews?review=` +
+      encodeURIComponent(review));
   }
   if (!location.hash) history.replaceState(null, "", "#/sessions");
   await route();

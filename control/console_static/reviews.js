@@ -11,6 +11,12 @@ function duration(ns) {
 }
 
 export async function reviewsView({me, params, go, main}) {
+  if (params.get("review")) {  // one review, as a link names it (a Slack review request)
+    const one = await api("GET", `/reviews/${encodeURIComponent(params.get("review"))}`);
+    mount(main, h("h1", {}, "Review"), h("div", {id: "reviews"}, reviewCard(one, me)),
+      h("p", {}, h("a", {href: "#/reviews"}, "Every review")));
+    return;
+  }
   const status = params.has("status") ? params.get("status") : "PENDING";
   const reviews = await api("GET", "/reviews", {query: {status}});
   const filter = select("status", STATUSES, status, {id: "review-status",

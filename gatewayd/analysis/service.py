@@ -40,6 +40,7 @@ from gatewayd.analysis.providers import AnalyzerError, classify, describe_input
 from gatewayd.analysis.verdict import BLOCK, LOW, Rating, Verdict, higher, severity, verdict_for
 from gatewayd.audit import AuditLog
 from gatewayd.config import Config
+from gatewayd import features
 from gatewayd.dialer import DialerConnector, UnresolvedNames
 from gatewayd.guardrails import ALLOWED, AUDIT_INPUT_CHARS, GuardVerdict
 from gatewayd.models import AIAnalyzerRule, Connection, Session
@@ -122,7 +123,10 @@ class AnalysisService:
             rules = await self.store.list_ai_rules(connection.org_id)
             if generation == self._generation:  # else a rule changed during the load: may be stale
                 self._rules[connection.org_id] = rules
-        return rule_for(rules, connection)
+        rule = rule_for(rules, connection)
+        if rule is not None and not await features.enabled(self.store, connection.org_id, "ai-session-analyzer"):
+            return None  # the organization switched the analyzer off (PUT /orgs/features)
+        return rule
 
     def timeout_of(self, rule: AIAnalyzerRule) -> float:
         return rule.timeout if rule.timeout else self.config["ai.timeout"]

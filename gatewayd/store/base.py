@@ -19,18 +19,25 @@ from gatewayd.models import (
     Agent,
     AIAnalyzerRule,
     AIProvider,
+    ApiKey,
     AuditEntry,
     Connection,
     Credential,
+    Delivery,
     GuardRail,
     Node,
     Organization,
     Page,
+    Plugin,
+    PluginConnection,
     Resource,
     Review,
+    RunbookRepository,
+    RunbookRule,
     Session,
     SessionEvent,
     User,
+    WebhookEndpoint,
 )
 
 if TYPE_CHECKING:
@@ -82,6 +89,26 @@ class AuditFilter:
     created_before: str | None = None
     page: int = 1
     page_size: int = 50
+
+
+# what a session report groups by: its column of ``session_rollup`` (hoop.dev's names as well as ours)
+REPORT_GROUPS = {"connection": "connection", "user": "user_email", "user_email": "user_email", "protocol": "subtype",
+                 "connection_type": "subtype", "day": "day"}
+
+
+@dataclass(slots=True)
+class ReportFilter:
+    """The sessions a report counts: an organization's, started from ``start_day`` to ``end_day`` (YYYY-MM-DD, UTC,
+    both included), maybe of one connection, user, protocol (subtype) or verb."""
+
+    org_id: str
+    start_day: str
+    end_day: str
+    group_by: str = "connection"
+    connection: str | None = None
+    user_email: str | None = None
+    subtype: str | None = None
+    verb: str | None = None
 
 
 class Store(abc.ABC):
@@ -480,3 +507,134 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def prune_keys(self, prefix: str, before: str) -> int:
         """Forget the sealed keys named ``prefix...`` stored before ``before`` (short-lived ones: pending logins)."""
+
+    # runbooks
+    @abc.abstractmethod
+    async def list_runbook_repositories(self, org_id: str) -> list[RunbookRepository]:
+        """The organization's runbook repositories (credentials in clear), by repository name."""
+
+    @abc.abstractmethod
+    async def save_runbook_repository(self, repo: RunbookRepository, *, create: bool) -> None:
+        """Insert (Conflict when the organization has that id or repository name) or update one entry."""
+
+    @abc.abstractmethod
+    async def replace_runbook_repositories(self, org_id: str, repos: list[RunbookRepository]) -> None:
+        """The organization's entries become ``repos``, atomically."""
+
+    @abc.abstractmethod
+    async def delete_runbook_repository(self, org_id: str, repo_id: str) -> bool:
+        """True if there was one."""
+
+    @abc.abstractmethod
+    async def save_runbook_rule(self, rule: RunbookRule, *, create: bool) -> None: ...
+
+    @abc.abstractmethod
+    async def get_runbook_rule(self, org_id: str, rule_id: str) -> RunbookRule | None:
+        """By id or name."""
+
+    @abc.abstractmethod
+    async def list_runbook_rules(self, org_id: str) -> list[RunbookRule]:
+        """By name."""
+
+    @abc.abstractmethod
+    async def delete_runbook_rule(self, org_id: str, rule_id: str) -> bool:
+        """True if there was one."""
+
+    # API keys
+    @abc.abstractmethod
+    async def create_api_key(self, key: ApiKey, *, replace_pending: bool = False) -> None:
+        """Store a key (Conflict when its organization has an ``active`` or ``pending`` one of its kind already;
+        ``replace_pending``: a pending one is dropped first)."""
+
+    @abc.abstractmethod
+    async def get_api_key(self, key_hash: str) -> ApiKey | None: ...
+
+    @abc.abstractmethod
+    async def api_keys_of(self, org_id: str, kind: str, status: str) -> list[ApiKey]:
+        """Newest first."""
+
+    @abc.abstractmethod
+    async def revoke_api_keys(self, org_id: str, kind: str, at: str) -> int:
+        """Revoke the organization's active key of ``kind``; how many were."""
+
+    @abc.abstractmethod
+    async def promote_api_key(self, org_id: str, kind: str, key_hash: str, at: str) -> bool:
+        """The pending key hashing to ``key_hash`` replaces the active one, atomically; False when no such key."""
+
+    @abc.abstractmethod
+    async def touch_api_key(self, key_id: str, at: str) -> None:
+        """When the key was last used."""
+
+    # plugins
+    @abc.abstractmethod
+    async def save_plugin(self, plugin: Plugin, *, create: bool) -> None:
+        """Insert (Conflict when the organization has it) or update its settings (sealed at rest)."""
+
+    @abc.abstractmethod
+    async def get_plugin(self, org_id: str, name: str) -> Plugin | None: ...
+
+    @abc.abstractmethod
+    async def list_plugins(self, org_id: str) -> list[Plugin]: ...
+
+    @abc.abstractmethod
+    async def delete_plugin(self, org_id: str, name: str) -> bool:
+        """The plugin and its connections' settings; True if there was one."""
+
+    @abc.abstractmethod
+    async def list_plugin_connections(self, org_id: str, plugin_id: str | None = None) -> list[PluginConnection]: ...
+
+    @abc.abstractmethod
+    async def save_plugin_connection(self, link: PluginConnection) -> None:
+        """Insert or replace the plugin's settings for one connection."""
+
+    @abc.abstractmethod
+    async def replace_plugin_connections(self, org_id: str, plugin_id: str, links: list[PluginConnection]) -> None: ...
+
+    @abc.abstractmethod
+    async def delete_plugin_connection(self, org_id: str, plugin_id: str, connection_id: str) -> bool: ...
+
+    # webhooks
+    @abc.abstractmethod
+    async def save_webhook_endpoint(self, endpoint: WebhookEndpoint, *, create: bool) -> None:
+        """Insert or replace an endpoint (its secret sealed at rest)."""
+
+    @abc.abstractmethod
+    async def get_webhook_endpoint(self, org_id: str, endpoint_id: str) -> WebhookEndpoint | None: ...
+
+    @abc.abstractmethod
+    async def list_webhook_endpoints(self, org_id: str) -> list[WebhookEndpoint]: ...
+
+    @abc.abstractmethod
+    async def delete_webhook_endpoint(self, org_id: str, endpoint_id: str) -> bool: ...
+
+    @abc.abstractmethod
+    async def add_deliveries(self, deliveries: list[Delivery]) -> None: ...
+
+    @abc.abstractmethod
+    async def claim_deliveries(self, now: str, until: str, limit: int) -> list[Delivery]:
+        """Up to ``limit`` pending deliveries due at ``now`` that no process holds, held until ``until`` by the
+        caller, their attempts counted (of concurrent callers in any process, each delivery goes to one)."""
+
+    @abc.abstractmethod
+    async def finish_delivery(self, delivery: Delivery) -> None:
+        """An attempt's outcome: status, last HTTP status and error, next attempt, delivery time; released."""
+
+    @abc.abstractmethod
+    async def list_deliveries(self, org_id: str, *, endpoint_id: str | None = None, status: str | None = None,
+                              event_type: str | None = None, limit: int = 50, offset: int = 0) -> Page:
+        """Newest first."""
+
+    @abc.abstractmethod
+    async def get_delivery(self, org_id: str, delivery_id: str) -> Delivery | None: ...
+
+    # reports
+    @abc.abstractmethod
+    async def session_report(self, query: ReportFilter) -> list[dict[str, Any]]:
+        """Finished sessions grouped by ``query.group_by``: per group ``resource`` and the sums of sessions,
+        duration_ms, bytes, blocks, masked (values) and masked_sessions; by group. Read from the per-day rollup
+        each close adds to (never a scan of the sessions)."""
+
+    @abc.abstractmethod
+    async def session_metrics(self, query: ReportFilter, limit: int, offset: int) -> Page:
+        """Finished sessions of the range, newest first, with their bytes, masked values and blocks."""
+

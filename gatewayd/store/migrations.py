@@ -341,4 +341,140 @@ ALTER TABLE session_event_batches ADD COLUMN events BLOB
     (12, """
 CREATE INDEX audit_by_action ON audit_logs (action)
 """),
+    (13, """
+CREATE TABLE runbook_repositories (
+    id TEXT NOT NULL,
+    org_id TEXT NOT NULL,
+    repository TEXT NOT NULL,
+    git_url TEXT NOT NULL,
+    branch TEXT NOT NULL DEFAULT '',
+    folder TEXT NOT NULL DEFAULT '',
+    git_user TEXT NOT NULL DEFAULT '',
+    ssh_user TEXT NOT NULL DEFAULT '',
+    ssh_known_hosts TEXT NOT NULL DEFAULT '',
+    git_hook_ttl INTEGER NOT NULL DEFAULT 0,
+    credentials BLOB,
+    created_at TEXT NOT NULL,
+    updated_at TEXT NOT NULL,
+    PRIMARY KEY (org_id, id),
+    UNIQUE (org_id, repository)
+);
+CREATE TABLE runbook_rules (
+    id TEXT PRIMARY KEY,
+    org_id TEXT NOT NULL,
+    name TEXT NOT NULL,
+    description TEXT NOT NULL DEFAULT '',
+    runbooks TEXT NOT NULL DEFAULT '[]',
+    connections TEXT NOT NULL DEFAULT '[]',
+    user_groups TEXT NOT NULL DEFAULT '[]',
+    created_at TEXT NOT NULL,
+    updated_at TEXT NOT NULL,
+    UNIQUE (org_id, name)
+)
+"""),
+    (14, """
+ALTER TABLE users ADD COLUMN service_account INTEGER NOT NULL DEFAULT 0;
+CREATE TABLE api_keys (
+    id TEXT PRIMARY KEY,
+    org_id TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    key_hash TEXT NOT NULL UNIQUE,
+    prefix TEXT NOT NULL,
+    user_id TEXT NOT NULL,
+    status TEXT NOT NULL,
+    created_by TEXT NOT NULL DEFAULT '',
+    created_at TEXT NOT NULL,
+    revoked_at TEXT,
+    last_used_at TEXT
+);
+CREATE UNIQUE INDEX api_keys_one_active ON api_keys (org_id, kind) WHERE status = 'active';
+CREATE UNIQUE INDEX api_keys_one_pending ON api_keys (org_id, kind) WHERE status = 'pending'
+"""),
+    (15, """
+CREATE TABLE plugins (
+    id TEXT PRIMARY KEY,
+    org_id TEXT NOT NULL,
+    name TEXT NOT NULL,
+    config BLOB,
+    created_at TEXT NOT NULL,
+    updated_at TEXT NOT NULL,
+    UNIQUE (org_id, name)
+);
+CREATE TABLE plugin_connections (
+    id TEXT PRIMARY KEY,
+    org_id TEXT NOT NULL,
+    plugin_id TEXT NOT NULL REFERENCES plugins (id) ON DELETE CASCADE,
+    connection_id TEXT NOT NULL,
+    config TEXT NOT NULL DEFAULT '[]',
+    updated_at TEXT NOT NULL,
+    UNIQUE (plugin_id, connection_id)
+);
+CREATE TABLE webhook_endpoints (
+    id TEXT PRIMARY KEY,
+    org_id TEXT NOT NULL,
+    url TEXT NOT NULL,
+    description TEXT NOT NULL DEFAULT '',
+    event_types TEXT NOT NULL DEFAULT '[]',
+    disabled INTEGER NOT NULL DEFAULT 0,
+    secret BLOB NOT NULL,
+    created_at TEXT NOT NULL,
+    updated_at TEXT NOT NULL
+);
+CREATE INDEX webhook_endpoints_by_org ON webhook_endpoints (org_id);
+CREATE TABLE webhook_deliveries (
+    id TEXT PRIMARY KEY,
+    org_id TEXT NOT NULL,
+    endpoint_id TEXT NOT NULL,
+    channel TEXT NOT NULL,
+    event_id TEXT NOT NULL,
+    event_type TEXT NOT NULL,
+    body TEXT NOT NULL,
+    status TEXT NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    next_attempt_at TEXT NOT NULL,
+    claimed_until TEXT,
+    last_status INTEGER,
+    last_error TEXT NOT NULL DEFAULT '',
+    created_at TEXT NOT NULL,
+    delivered_at TEXT
+);
+CREATE INDEX webhook_deliveries_due ON webhook_deliveries (status, next_attempt_at);
+CREATE INDEX webhook_deliveries_by_org ON webhook_deliveries (org_id, created_at DESC)
+"""),
+    (16, """
+CREATE TABLE session_rollup (
+    org_id TEXT NOT NULL,
+    day TEXT NOT NULL,
+    connection TEXT NOT NULL,
+    user_email TEXT NOT NULL,
+    subtype TEXT NOT NULL,
+    verb TEXT NOT NULL,
+    sessions INTEGER NOT NULL DEFAULT 0,
+    duration_ms INTEGER NOT NULL DEFAULT 0,
+    bytes INTEGER NOT NULL DEFAULT 0,
+    blocks INTEGER NOT NULL DEFAULT 0,
+    masked INTEGER NOT NULL DEFAULT 0,
+    masked_sessions INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (org_id, day, connection, user_email, subtype, verb)
+);
+CREATE INDEX session_rollup_by_connection ON session_rollup (org_id, connection, day);
+CREATE INDEX session_rollup_by_user ON session_rollup (org_id, user_email, day);
+CREATE TABLE session_rollup_totals (
+    org_id TEXT NOT NULL,
+    dimension TEXT NOT NULL,
+    day TEXT NOT NULL,
+    value TEXT NOT NULL,
+    subtype TEXT NOT NULL,
+    verb TEXT NOT NULL,
+    sessions INTEGER NOT NULL DEFAULT 0,
+    duration_ms INTEGER NOT NULL DEFAULT 0,
+    bytes INTEGER NOT NULL DEFAULT 0,
+    blocks INTEGER NOT NULL DEFAULT 0,
+    masked INTEGER NOT NULL DEFAULT 0,
+    masked_sessions INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (org_id, dimension, subtype, verb, day, value)
+);
+INSERT INTO store_counters (name, value) VALUES ('session_rollup', 0)
+"""),
 ]
+

@@ -122,6 +122,13 @@ class PostgresDialect(Dialect):
         key = int.from_bytes(hashlib.sha256(f"gatewayd:{name}".encode()).digest()[:8], "big", signed=True)
         return f"SELECT pg_advisory_xact_lock({key})", ()
 
+    def duration_ms(self, start: str, end: str) -> str:
+        return f"CAST(ROUND(EXTRACT(EPOCH FROM (CAST({end} AS timestamptz) - CAST({start} AS timestamptz))) * 1000) " \
+               "AS BIGINT)"
+
+    def json_int(self, column: str, key: str) -> str:
+        return f"COALESCE(CAST(CAST({column} AS jsonb) ->> '{key}' AS BIGINT), 0)"
+
 
 def _rowcount(status: str) -> int:
     """The rows a command changed, from its status (``UPDATE 3``, ``INSERT 0 1``)."""

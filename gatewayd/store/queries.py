@@ -28,24 +28,32 @@ from gatewayd.models import (
     Agent,
     AIAnalyzerRule,
     AIProvider,
+    ApiKey,
     AuditEntry,
     Connection,
     Credential,
+    Delivery,
     GuardRail,
     Node,
     Organization,
     Page,
+    Plugin,
+    PluginConnection,
     Resource,
     Review,
     ReviewGroup,
+    RunbookRepository,
+    RunbookRule,
     Session,
     SessionEvent,
     User,
+    WebhookEndpoint,
     new_id,
+    parse_time,
     rfc3339,
     utcnow,
 )
-from gatewayd.store.base import AuditFilter, NotFound, SessionFilter, Store
+from gatewayd.store.base import REPORT_GROUPS, AuditFilter, NotFound, ReportFilter, SessionFilter, Store
 from gatewayd.store.bus import BusTransport, TableBus
 from gatewayd.store.migrations import MIGRATIONS
 from gatewayd.store.sql import (
@@ -65,6 +73,8 @@ from gatewayd.store.sql import (
 
 DEFAULT_ORG_NAME = "default"
 GUARDRAILS = "guardrails"  # the store_counters row of the guard-rail generation
+ANY = "*"  # a rollup total's protocol or verb when it counts every one
+ROLLUP_MIGRATION = 16  # the migration that makes session_rollup (gatewayd.store.migrations): its backfill follows it
 # Session columns a recording flush may write beside its events (its progress, not its state).
 RECORDING_FIELDS = frozenset({"event_size", "metrics", "chain_head"})
 _seq_of = itemgetter(0)
@@ -109,6 +119,7 @@ class SQLStore(Store):
             await self.db.transact(self._migration_table())
             for version, script in MIGRATIONS:
                 await self.db.transact(self._migrate(version, script))
+            await self.db.transact(self._backfill_rollup())
         except BaseException:
             await self.db.close()
             raise
@@ -189,7 +200,8 @@ class SQLStore(Store):
             return None
         groups = [r[0] for r in await self._all(
             f"SELECT group_name FROM user_groups WHERE user_id = ? ORDER BY {self._by_group}", (row["id"],))]
-        return build(User, row, groups=groups, operator=bool(row["operator"]), federated=bool(row["federated"]))
+        return build(User, row, groups=groups, operator=bool(row["operator"]), federated=bool(row["federated"]),
+                     service_account=bool(row["service_account"]))
 
     async def get_user(self, *, id: str | None = None, subject: str | None = None,
                        email: str | None = None, org_id: str | None = None) -> User | None:
@@ -213,7 +225,7 @@ class SQLStore(Store):
             f"WHERE u.org_id = ? ORDER BY {self._by_user_group}", (org_id,)):
             memberships.setdefault(r[0], []).append(r[1])
         return [build(User, r, groups=memberships.get(r["id"], []), operator=bool(r["operator"]),
-                            federated=bool(r["federated"])) for r in rows]
+                      federated=bool(r["federated"]), service_account=bool(r["service_account"])) for r in rows]
 
     async def save_user(self, user: User) -> User:
         now = rfc3339(utcnow())
@@ -500,8 +512,11 @@ class SQLStore(Store):
 
     def _close(self, batches: Sequence[EventBatch], end_date: str, exit_code: int | None,
                seal: str | None) -> Work[bool]:
+        """The last events and the end, and (the first time it ends) the session counted in ``session_rollup``."""
         diverged: set[str] = set()
         sid = batches[-1].session_id
+        before = yield ("SELECT status, org_id, start_date, connection, user_email, subtype, verb, event_size, "
+                        "metrics FROM sessions WHERE id = ?", (sid,))
         # the fields first: a close stored already (a retry after an unknown outcome) leaves them as they are
         yield from self._store_batches(batches, diverged)
         if diverged:
@@ -509,6 +524,8 @@ class SQLStore(Store):
         done = yield assign("sessions", {"status": "done", "end_date": end_date, "exit_code": exit_code, "seal": seal},
                             "id = ? AND status != 'done'", (sid,))
         if done.rowcount == 1:
+            if before.rows and before.rows[0][0] != "done":
+                yield from self._counted(before.rows[0], batches[-1], end_date)
             return True
         row = yield ("SELECT seal, end_date FROM sessions WHERE id = ?", (sid,))
         return bool(row.rows) and (row.rows[0][0], row.rows[0][1]) == (seal, end_date)  # this close, stored before
@@ -547,6 +564,66 @@ class SQLStore(Store):
         last = await self._one("SELECT first_seq, count, hash FROM session_event_batches WHERE session_id = ? "
                                "AND first_seq < ? ORDER BY first_seq DESC LIMIT 1", (session_id, LATE_BASE))
         return (int(last[0]) + int(last[1]), last[2]) if last is not None else (0, CHAIN_GENESIS)
+
+    def _counted(self, before: Sequence[Any], batch: EventBatch, end_date: str) -> Work[None]:
+        """A session that ended now, added to ``session_rollup`` and its totals (reports read them)."""
+        status, org_id, start, connection, email, subtype, verb, size, stored_metrics = before
+        metrics = batch.session_fields.get("metrics")
+        if not isinstance(metrics, dict):
+            metrics = json.loads(stored_metrics) if stored_metrics else {}
+        began, ended = parse_time(start), parse_time(end_date)
+        duration = int((ended - began).total_seconds() * 1000) if began and ended and ended > began else 0
+        masked = int(metrics.get("masked") or 0)
+        sums = (1, duration, int(batch.session_fields.get("event_size", size) or 0), int(metrics.get("blocked") or 0),
+                masked, 1 if masked else 0)
+        yield self._ROLLUP_ADD, (org_id, start[:10], connection, email, subtype, verb, *sums)
+        yield self._TOTALS_ADD, [(org_id, dimension, start[:10], value, kind, how, *sums)
+                                 for dimension, value in (("connection", connection), ("user", email), ("all", ""))
+                                 for kind in (subtype, ANY) for how in (verb, ANY)]
+
+    _ROLLUP_COLUMNS = ("org_id", "day", "connection", "user_email", "subtype", "verb", "sessions", "duration_ms",
+                       "bytes", "blocks", "masked", "masked_sessions")
+    _ROLLUP_SUMS = ("sessions", "duration_ms", "bytes", "blocks", "masked", "masked_sessions")
+    _ROLLUP_ADD = (f"INSERT INTO session_rollup ({', '.join(_ROLLUP_COLUMNS)}) VALUES "
+                   f"({', '.join('?' * len(_ROLLUP_COLUMNS))}) ON CONFLICT "
+                   "(org_id, day, connection, user_email, subtype, verb) DO UPDATE SET "
+                   + ", ".join(f"{c} = session_rollup.{c} + excluded.{c}" for c in _ROLLUP_SUMS))
+
+    _TOTALS_COLUMNS = ("org_id", "dimension", "day", "value", "subtype", "verb", *_ROLLUP_SUMS)
+    _TOTALS_ADD = (f"INSERT INTO session_rollup_totals ({', '.join(_TOTALS_COLUMNS)}) VALUES "
+                   f"({', '.join('?' * len(_TOTALS_COLUMNS))}) ON CONFLICT "
+                   "(org_id, dimension, subtype, verb, day, value) DO UPDATE SET "
+                   + ", ".join(f"{c} = session_rollup_totals.{c} + excluded.{c}" for c in _ROLLUP_SUMS))
+
+    def _backfill_rollup(self) -> Work[bool]:
+        """Count the sessions that ended before ``session_rollup`` existed, once (under the migration lock)."""
+        lock = self.dialect.lock("schema_migrations")
+        if lock is not None:
+            yield lock
+        made = yield ("SELECT 1 FROM schema_migrations WHERE version = ?", (ROLLUP_MIGRATION,))
+        if not made.rows:  # a store opened with older migrations only (a test of an upgrade)
+            return False
+        marker = yield ("SELECT value FROM store_counters WHERE name = 'session_rollup'", ())
+        if not marker.rows or marker.rows[0][0]:
+            return False
+        d = self.dialect
+        masked = d.json_int("metrics", "masked")
+        yield (f"INSERT INTO session_rollup ({', '.join(self._ROLLUP_COLUMNS)}) "
+               "SELECT org_id, substr(start_date, 1, 10), connection, user_email, subtype, verb, COUNT(*), "
+               f"SUM(CASE WHEN end_date > start_date THEN {d.duration_ms('start_date', 'end_date')} ELSE 0 END), "
+               f"SUM(event_size), SUM({d.json_int('metrics', 'blocked')}), SUM({masked}), "
+               f"SUM(CASE WHEN {masked} > 0 THEN 1 ELSE 0 END) FROM sessions WHERE status = 'done' "
+               "GROUP BY org_id, substr(start_date, 1, 10), connection, user_email, subtype, verb", ())
+        sums = ", ".join(f"SUM({c})" for c in self._ROLLUP_SUMS)
+        for dimension, column in (("connection", "connection"), ("user", "user_email"), ("all", None)):
+            for kind in ("subtype", None):
+                for how in ("verb", None):
+                    grouped = ", ".join(c for c in ("org_id", "day", column, kind, how) if c)
+                    yield (f"INSERT INTO session_rollup_totals ({', '.join(self._TOTALS_COLUMNS)}) "
+                           f"SELECT org_id, '{dimension}', day, {column or chr(39) * 2}, {kind or repr(ANY)}, "
+                           f"{how or repr(ANY)}, {sums} FROM session_rollup GROUP BY {grouped}", ())
+        yield "UPDATE store_counters SET value = 1 WHERE name = 'session_rollup'", ()
+        return True
 
     async def _numbered_events(self, session_id: str, kinds: str | None = None) -> list[tuple[int, SessionEvent]]:
         """A session's (sequence number, event) pairs in order (of ``kinds`` only, when given): packed per batch,
@@ -938,3 +1015,277 @@ class SQLStore(Store):
     async def prune_keys(self, prefix: str, before: str) -> int:
         return await self._changed(("DELETE FROM signing_keys WHERE substr(name, 1, ?) = ? AND created_at < ?",
                                     (len(prefix), prefix, before)))
+
+    # ---------------------------------------------------------------- runbooks
+    def _runbook_repository_row(self, repo: RunbookRepository) -> Statement:
+        sql, params = insert("runbook_repositories", repo)
+        names = columns(RunbookRepository)
+        position = names.index("credentials")
+        sealed = self.box.seal(json.dumps(repo.credentials).encode(), f"runbooks:{repo.org_id}:{repo.id}".encode()) \
+            if repo.credentials else None
+        return sql, params[:position] + (sealed,) + params[position + 1:]
+
+    def _runbook_repository_from(self, row: Row) -> RunbookRepository:
+        values = {n: row[n] for n in columns(RunbookRepository) if n != "credentials"}
+        sealed = row["credentials"]
+        credentials = json.loads(self.box.open(bytes(sealed), f"runbooks:{row['org_id']}:{row['id']}".encode())) \
+            if sealed else {}
+        return RunbookRepository(credentials=credentials, **values)
+
+    async def list_runbook_repositories(self, org_id: str) -> list[RunbookRepository]:
+        rows = await self._all("SELECT * FROM runbook_repositories WHERE org_id = ? ORDER BY "
+                               f"{self.dialect.sort('repository', text=True)}", (org_id,))
+        return [self._runbook_repository_from(r) for r in rows]
+
+    async def save_runbook_repository(self, repo: RunbookRepository, *, create: bool) -> None:
+        statements = [] if create else [("DELETE FROM runbook_repositories WHERE org_id = ? AND id = ?",
+                                         (repo.org_id, repo.id))]
+        await self._write(statements + [self._runbook_repository_row(repo)])
+
+    async def replace_runbook_repositories(self, org_id: str, repos: list[RunbookRepository]) -> None:
+        await self._write([("DELETE FROM runbook_repositories WHERE org_id = ?", (org_id,))] +
+                          [self._runbook_repository_row(r) for r in repos])
+
+    async def delete_runbook_repository(self, org_id: str, repo_id: str) -> bool:
+        return await self._changed(("DELETE FROM runbook_repositories WHERE org_id = ? AND id = ?",
+                                    (org_id, repo_id))) > 0
+
+    async def save_runbook_rule(self, rule: RunbookRule, *, create: bool) -> None:
+        await self._write([insert("runbook_rules", rule) if create else
+                           update("runbook_rules", rule, skip=("created_at", "org_id"))])
+
+    async def get_runbook_rule(self, org_id: str, rule_id: str) -> RunbookRule | None:
+        row = await self._one("SELECT * FROM runbook_rules WHERE org_id = ? AND (id = ? OR name = ?)",
+                              (org_id, rule_id, rule_id))
+        return build(RunbookRule, row) if row else None
+
+    async def list_runbook_rules(self, org_id: str) -> list[RunbookRule]:
+        rows = await self._all(f"SELECT * FROM runbook_rules WHERE org_id = ? ORDER BY {self._by_name}", (org_id,))
+        return [build(RunbookRule, r) for r in rows]
+
+    async def delete_runbook_rule(self, org_id: str, rule_id: str) -> bool:
+        return await self._changed(("DELETE FROM runbook_rules WHERE org_id = ? AND id = ?", (org_id, rule_id))) > 0
+
+    # ---------------------------------------------------------------- API keys
+    async def create_api_key(self, key: ApiKey, *, replace_pending: bool = False) -> None:
+        statements = [("DELETE FROM api_keys WHERE org_id = ? AND kind = ? AND status = 'pending'",
+                       (key.org_id, key.kind))] if replace_pending else []
+        await self._write(statements + [insert("api_keys", key)])
+
+    async def get_api_key(self, key_hash: str) -> ApiKey | None:
+        row = await self._one("SELECT * FROM api_keys WHERE key_hash = ?", (key_hash,))
+        return build(ApiKey, row) if row else None
+
+    async def api_keys_of(self, org_id: str, kind: str, status: str) -> list[ApiKey]:
+        rows = await self._all("SELECT * FROM api_keys WHERE org_id = ? AND kind = ? AND status = ? "
+                               "ORDER BY created_at DESC", (org_id, kind, status))
+        return [build(ApiKey, r) for r in rows]
+
+    async def revoke_api_keys(self, org_id: str, kind: str, at: str) -> int:
+        return await self._changed(("UPDATE api_keys SET status = 'revoked', revoked_at = ? "
+                                    "WHERE org_id = ? AND kind = ? AND status = 'active'", (at, org_id, kind)))
+
+    async def promote_api_key(self, org_id: str, kind: str, key_hash: str, at: str) -> bool:
+        return await self.db.transact(self._promote(org_id, kind, key_hash, at))
+
+    def _promote(self, org_id: str, kind: str, key_hash: str, at: str) -> Work[bool]:
+        """The pending key with ``key_hash`` becomes the active one (the previous one revoked), in one transaction."""
+        found = yield ("SELECT id FROM api_keys WHERE org_id = ? AND kind = ? AND status = 'pending' "
+                       "AND key_hash = ?", (org_id, kind, key_hash))
+        if not found.rows:
+            return False
+        yield ("UPDATE api_keys SET status = 'revoked', revoked_at = ? WHERE org_id = ? AND kind = ? "
+               "AND status = 'active'", (at, org_id, kind))
+        yield ("UPDATE api_keys SET status = 'active' WHERE id = ?", (found.rows[0][0],))
+        return True
+
+    async def touch_api_key(self, key_id: str, at: str) -> None:
+        await self._write([("UPDATE api_keys SET last_used_at = ? WHERE id = ?", (at, key_id))])
+
+    # ---------------------------------------------------------------- plugins
+    def _sealed_row(self, table: str, record: Any, name: str, context: bytes) -> Statement:
+        """The INSERT of ``record`` with its field ``name`` (a dict or a string) sealed."""
+        sql, params = insert(table, record)
+        position = columns(type(record)).index(name)  # type: ignore[arg-type]
+        value = getattr(record, name)
+        clear = (json.dumps(value) if isinstance(value, dict) else value).encode()
+        return sql, params[:position] + (self.box.seal(clear, context) if value else None,) + params[position + 1:]
+
+    def _opened(self, cls: type, row: Row, name: str, context: bytes, as_json: bool) -> Any:
+        values = {n: decode(n, row[n]) for n in columns(cls) if n != name}
+        sealed = row[name]
+        clear = self.box.open(bytes(sealed), context).decode() if sealed else ""
+        values[name] = (json.loads(clear) if clear else {}) if as_json else clear
+        return cls(**values)
+
+    @staticmethod
+    def _plugin_context(org_id: str, name: str) -> bytes:
+        return f"plugin:{org_id}:{name}".encode()
+
+    async def save_plugin(self, plugin: Plugin, *, create: bool) -> None:
+        sql, params = self._sealed_row("plugins", plugin, "config", self._plugin_context(plugin.org_id, plugin.name))
+        if not create:  # its own row only: a DELETE and INSERT would take its connections with it
+            sql, params = ("UPDATE plugins SET config = ?, updated_at = ? WHERE id = ?",
+                           (params[columns(Plugin).index("config")], plugin.updated_at, plugin.id))
+        await self._write([(sql, params)])
+
+    async def get_plugin(self, org_id: str, name: str) -> Plugin | None:
+        row = await self._one("SELECT * FROM plugins WHERE org_id = ? AND name = ?", (org_id, name))
+        return self._opened(Plugin, row, "config", self._plugin_context(org_id, name), True) if row else None
+
+    async def list_plugins(self, org_id: str) -> list[Plugin]:
+        rows = await self._all(f"SELECT * FROM plugins WHERE org_id = ? ORDER BY {self._by_name}", (org_id,))
+        return [self._opened(Plugin, r, "config", self._plugin_context(org_id, r["name"]), True) for r in rows]
+
+    async def delete_plugin(self, org_id: str, name: str) -> bool:
+        found = await self._one("SELECT id FROM plugins WHERE org_id = ? AND name = ?", (org_id, name))
+        if found is None:
+            return False
+        await self._write([("DELETE FROM plugin_connections WHERE plugin_id = ?", (found[0],)),
+                           ("DELETE FROM plugins WHERE id = ?", (found[0],))])
+        return True
+
+    async def list_plugin_connections(self, org_id: str, plugin_id: str | None = None) -> list[PluginConnection]:
+        if plugin_id is None:
+            rows = await self._all("SELECT * FROM plugin_connections WHERE org_id = ?", (org_id,))
+        else:
+            rows = await self._all("SELECT * FROM plugin_connections WHERE org_id = ? AND plugin_id = ? "
+                                   f"ORDER BY {self.dialect.row_order}", (org_id, plugin_id))
+        return [build(PluginConnection, r) for r in rows]
+
+    async def save_plugin_connection(self, link: PluginConnection) -> None:
+        await self._write([
+            ("DELETE FROM plugin_connections WHERE plugin_id = ? AND connection_id = ?",
+             (link.plugin_id, link.connection_id)), insert("plugin_connections", link)])
+
+    async def replace_plugin_connections(self, org_id: str, plugin_id: str, links: list[PluginConnection]) -> None:
+        await self._write([("DELETE FROM plugin_connections WHERE org_id = ? AND plugin_id = ?", (org_id, plugin_id))]
+                          + [insert("plugin_connections", link) for link in links])
+
+    async def delete_plugin_connection(self, org_id: str, plugin_id: str, connection_id: str) -> bool:
+        return await self._changed(("DELETE FROM plugin_connections WHERE org_id = ? AND plugin_id = ? "
+                                    "AND connection_id = ?", (org_id, plugin_id, connection_id))) > 0
+
+    # ---------------------------------------------------------------- webhooks
+    @staticmethod
+    def _endpoint_context(endpoint_id: str) -> bytes:
+        return f"webhook:{endpoint_id}".encode()
+
+    def _endpoint_from(self, row: Row) -> WebhookEndpoint:
+        endpoint = self._opened(WebhookEndpoint, row, "secret", self._endpoint_context(row["id"]), False)
+        endpoint.disabled = bool(endpoint.disabled)
+        return endpoint
+
+    async def save_webhook_endpoint(self, endpoint: WebhookEndpoint, *, create: bool) -> None:
+        statements = [] if create else [("DELETE FROM webhook_endpoints WHERE org_id = ? AND id = ?",
+                                         (endpoint.org_id, endpoint.id))]
+        sql, params = self._sealed_row("webhook_endpoints", endpoint, "secret", self._endpoint_context(endpoint.id))
+        position = columns(WebhookEndpoint).index("disabled")
+        params = params[:position] + (int(endpoint.disabled),) + params[position + 1:]
+        await self._write(statements + [(sql, params)])
+
+    async def get_webhook_endpoint(self, org_id: str, endpoint_id: str) -> WebhookEndpoint | None:
+        row = await self._one("SELECT * FROM webhook_endpoints WHERE org_id = ? AND id = ?", (org_id, endpoint_id))
+        return self._endpoint_from(row) if row else None
+
+    async def list_webhook_endpoints(self, org_id: str) -> list[WebhookEndpoint]:
+        rows = await self._all("SELECT * FROM webhook_endpoints WHERE org_id = ? ORDER BY created_at, id", (org_id,))
+        return [self._endpoint_from(r) for r in rows]
+
+    async def delete_webhook_endpoint(self, org_id: str, endpoint_id: str) -> bool:
+        return await self._changed(("DELETE FROM webhook_endpoints WHERE org_id = ? AND id = ?",
+                                    (org_id, endpoint_id))) > 0
+
+    async def add_deliveries(self, deliveries: list[Delivery]) -> None:
+        if deliveries:
+            await self._write([insert("webhook_deliveries", d) for d in deliveries])
+
+    async def claim_deliveries(self, now: str, until: str, limit: int) -> list[Delivery]:
+        return await self.db.transact(self._claim_deliveries(now, until, limit))
+
+    def _claim_deliveries(self, now: str, until: str, limit: int) -> Work[list[Delivery]]:
+        """Due deliveries no node holds, held until ``until`` by this one (one attempt more each)."""
+        lock = self.dialect.lock("webhook_deliveries")
+        if lock is not None:
+            yield lock
+        due = yield ("SELECT id FROM webhook_deliveries WHERE status = 'pending' AND next_attempt_at <= ? "
+                     "AND (claimed_until IS NULL OR claimed_until < ?) ORDER BY next_attempt_at LIMIT ?",
+                     (now, now, limit))
+        ids = [r[0] for r in due.rows]
+        if not ids:
+            return []
+        marks = ", ".join("?" * len(ids))
+        yield (f"UPDATE webhook_deliveries SET claimed_until = ?, attempts = attempts + 1 WHERE id IN ({marks})",
+               (until, *ids))
+        rows = yield (f"SELECT * FROM webhook_deliveries WHERE id IN ({marks})", tuple(ids))
+        return [build(Delivery, r) for r in rows.rows]
+
+    async def finish_delivery(self, delivery: Delivery) -> None:
+        await self._write([assign("webhook_deliveries", {
+            "status": delivery.status, "last_status": delivery.last_status, "last_error": delivery.last_error,
+            "next_attempt_at": delivery.next_attempt_at, "delivered_at": delivery.delivered_at,
+            "claimed_until": None}, "id = ?", (delivery.id,))])
+
+    async def list_deliveries(self, org_id: str, *, endpoint_id: str | None = None, status: str | None = None,
+                              event_type: str | None = None, limit: int = 50, offset: int = 0) -> Page:
+        where, params = ["org_id = ?"], [org_id]
+        for column, value in (("endpoint_id", endpoint_id), ("status", status), ("event_type", event_type)):
+            if value:
+                where.append(f"{column} = ?")
+                params.append(value)
+        clause = " AND ".join(where)
+        total = await self._count(f"SELECT COUNT(*) FROM webhook_deliveries WHERE {clause}", params)
+        rows = await self._all(f"SELECT * FROM webhook_deliveries WHERE {clause} ORDER BY created_at DESC, "
+                               f"{self.dialect.sort('id', text=True)} LIMIT ? OFFSET ?", tuple(params) + (limit, offset))
+        return Page(items=[build(Delivery, r) for r in rows], total=total)
+
+    async def get_delivery(self, org_id: str, delivery_id: str) -> Delivery | None:
+        row = await self._one("SELECT * FROM webhook_deliveries WHERE org_id = ? AND id = ?", (org_id, delivery_id))
+        return build(Delivery, row) if row else None
+
+    # ---------------------------------------------------------------- reports
+    async def session_report(self, query: ReportFilter) -> list[dict[str, Any]]:
+        """From ``session_rollup`` when a connection or a user is named (its indexes find their rows), else from
+        the per-connection or per-user totals (a few rows per day and connection or user, whatever the count)."""
+        column = REPORT_GROUPS[query.group_by]
+        where, params = ["org_id = ?", "day >= ?", "day <= ?"], [query.org_id, query.start_day, query.end_day]
+        if query.connection or query.user_email:
+            table = "session_rollup"
+            for name, value in (("connection", query.connection), ("user_email", query.user_email),
+                                ("subtype", query.subtype), ("verb", query.verb)):
+                if value:
+                    where.append(f"{name} = ?")
+                    params.append(value)
+        else:  # the totals: one row per day and group for "any" protocol and verb (ANY), or the one asked for
+            table = "session_rollup_totals"
+            dimension = {"connection": "connection", "user_email": "user"}.get(column, "all")
+            where += ["dimension = ?", "subtype = ?" if query.subtype or column != "subtype" else "subtype <> ?",
+                      "verb = ?"]
+            params += [dimension, query.subtype or ANY, query.verb or ANY]
+            column = "value" if dimension != "all" else column
+        sums = ", ".join(f"CAST(SUM({c}) AS BIGINT)" for c in self._ROLLUP_SUMS)
+        rows = await self._all(f"SELECT {column}, {sums} FROM {table} WHERE {' AND '.join(where)} GROUP BY {column} "
+                               f"ORDER BY {self.dialect.sort(column, text=True)}", tuple(params))
+        return [{"resource": r[0], **{name: int(r[i + 1] or 0) for i, name in enumerate(self._ROLLUP_SUMS)}}
+                for r in rows]
+
+    async def session_metrics(self, query: ReportFilter, limit: int, offset: int) -> Page:
+        """Finished sessions of the range, newest first, with what the report counts of each."""
+        where = ["org_id = ?", "status = 'done'", "start_date >= ?", "start_date < ?"]
+        params: list[Any] = [query.org_id, query.start_day, query.end_day + "\x7f"]
+        for column, value in (("connection", query.connection), ("user_email", query.user_email),
+                              ("subtype", query.subtype), ("verb", query.verb)):
+            if value:
+                where.append(f"{column} = ?")
+                params.append(value)
+        clause = " AND ".join(where)
+        total = sum(r["sessions"] for r in await self.session_report(query))  # the rollup counts them already
+        rows = await self._all(
+            "SELECT id, org_id, type, subtype, connection, user_email, verb, start_date, end_date, event_size, "
+            f"{self.dialect.json_int('metrics', 'masked')}, {self.dialect.json_int('metrics', 'blocked')} "
+            f"FROM sessions WHERE {clause} ORDER BY start_date DESC, {self.dialect.sort('id', text=True)} "
+            "LIMIT ? OFFSET ?", tuple(params) + (limit, offset))
+        return Page(items=[dict(zip(("session_id", "org_id", "connection_type", "connection_subtype",
+                                     "connection_name", "user_email", "verb", "start_date", "end_date", "bytes",
+                                     "count_masked", "blocks"), tuple(r))) for r in rows], total=total)
+

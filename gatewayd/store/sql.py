@@ -39,7 +39,8 @@ JSON_FIELDS = frozenset({
     "env_vars", "command", "tags", "settings", "attributes", "input", "output", "metadata",
     "metrics", "labels", "integrations_metadata", "ai_analysis", "request_payload_redacted",
     "force_approval_groups", "time_window", "connection_names", "reviewers_groups", "risk_evaluation",
-    "granted_groups", "listeners",
+    "granted_groups", "listeners", "runbooks", "connections", "user_groups",
+    "config", "event_types",
 })
 
 # A statement: SQL with ``?`` placeholders, and its parameters (a tuple) or rows of them (a list:
@@ -135,6 +136,15 @@ class Dialect:
         """A statement that serialises the transactions taking lock ``name`` (None: every write
         transaction is serialised already, as SQLite's BEGIN IMMEDIATE does)."""
         return None
+
+    def duration_ms(self, start: str, end: str) -> str:
+        """Milliseconds from the RFC 3339 text in column ``start`` to the one in ``end``, as an integer."""
+        return f"CAST(ROUND((julianday({end}) - julianday({start})) * 86400000) AS INTEGER)"
+
+    def json_int(self, column: str, key: str) -> str:
+        """The integer at top-level ``key`` of the JSON text in ``column`` (0 when absent). ``key`` is a
+        constant of the caller's, never a value from outside."""
+        return f"COALESCE(CAST(json_extract({column}, '$.{key}') AS INTEGER), 0)"
 
 
 _PLACEHOLDER = re.compile(r"\?")
