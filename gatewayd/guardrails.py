@@ -1,8 +1,8 @@
 """Guard rails: input and output rules compiled once per rule version, checked per message.
 
-Every pattern runs on RE2, whose time is linear in the text: no rule an admin
-writes can stall the event loop that every proxy shares, and what RE2 cannot
-run (backreferences, lookaround...) is refused when the rule is defined.  A
+Every pattern runs on RE2 (gatewayd/patterns.py), whose time is linear in
+the text: no rule an admin writes can stall the event loop that every proxy
+shares, and what RE2 cannot run is refused when the rule is defined.  A
 rule set reads its connection's language (gatewayd.languages, declared by the
 protocol): a SQL dialect's input as its own scanner and parser read it
 (``SqlDialect``: PostgreSQL's is gatewayd/sql/postgresql.py); shell lines, SFTP
@@ -13,18 +13,16 @@ evaluate is never applied some other way: it refuses everything on its side
 
 from __future__ import annotations
 
-import re
 import secrets
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-import re2
-
 from gatewayd import protocols
-from gatewayd.languages import STATEMENT_RULES, TEXT, Language, SqlDialect, collapse
+from gatewayd.languages import STATEMENT_RULES, TEXT, Language, ParsedStatement, SqlDialect, collapse
 from gatewayd.masking import MaskError, Masker, MaskRule, compile_mask_rule
 from gatewayd.models import Connection, GuardRail
-from gatewayd.languages import ParsedStatement
+from gatewayd.patterns import EVERYTHING, SPACE, any_of, compile_pattern, pattern_literals, words_literals, words_regex
+from gatewayd.patterns import RuleError as RuleError  # a rule that cannot be compiled: the API's 400
 from gatewayd.sql.pg_statements import WHERE_STATEMENTS, statement_node_names
 from gatewayd.store import Store
 
@@ -46,14 +44,8 @@ DATAMASKING_KEY = "datamasking"  # ... its output side keeps the rule as written
 MASKING_KEY_NAME = "masking.hmac"  # the gateway's key for the ``hash`` mask style (sealed in the store)
 AUDIT_INPUT_CHARS = 2000  # a blocked input is kept this long in its verdict (and so in the audit entry)
 
-_RE2_OPTIONS = re2.Options()
-_RE2_OPTIONS.log_errors = False  # a bad pattern is the admin's 400, not a line on the daemon's stderr
-_RE2_OPTIONS.never_capture = True  # whether it matches is all a check needs: RE2 stays on its fast DFA
-_SPACE = "[\\t\\n\\v\\f\\r ]+"
 
 
-class RuleError(ValueError):
-    """A guard rail definition that cannot be compiled (reported as 400)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -76,100 +68,6 @@ class GuardVerdict:
 ALLOWED = GuardVerdict(True)
 
 
-# --------------------------------------------------------------------------- patterns on RE2
-
-_UNSUPPORTED = (  # constructs RE2 cannot run in linear time, named for the admin
-    (re.compile(r"\\[1-9]|\(\?P=|\\k<"), "backreferences"),
-    (re.compile(r"\(\?<[=!]"), "lookbehind"),
-    (re.compile(r"\(\?[=!]"), "lookahead"),
-    (re.compile(r"\(\?>"), "atomic groups"),
-    (re.compile(r"(?:[*+?}])\+"), "possessive quantifiers"),
-    (re.compile(r"\(\?\("), "conditional groups"),
-    (re.compile(r"\\Z"), "\\Z (write \\z)"),
-)
-
-
-def _re2_compile(pattern: str) -> Any:
-    """``pattern`` on RE2 (linear time); RuleError names what RE2 refuses."""
-    try:
-        return re2.compile(pattern.encode(), _RE2_OPTIONS)
-    except re2.error as exc:
-        reason = exc.args[0].decode("utf-8", "replace") if exc.args and isinstance(exc.args[0], bytes) else str(exc)
-        for finder, construct in _UNSUPPORTED:
-            if finder.search(pattern):
-                raise RuleError(f"{construct} not supported: patterns run on a linear-time engine (RE2), "
-                                f"which has no {construct.split(' (')[0]} ({reason})") from None
-        raise RuleError(f"invalid regular expression ({reason})") from None
-
-
-def _words_regex(words: tuple[str, ...], gap: str) -> Any:
-    """Any of ``words``, case-insensitive, the parts of each joined by ``gap``."""
-    alternatives = "|".join(gap.join(re2.escape(part) for part in word.split()) for word in words)
-    return re2.compile(f"(?i)(?:{alternatives})".encode(), _RE2_OPTIONS)
-
-
-_EVERYTHING = re2.compile(b"", _RE2_OPTIONS)
-
-
-# -- literals a rule cannot match without (a cheap look before RE2, for ASCII text: see ``RuleSet._check_sql``)
-
-# patterns read the same by Python's parser and by RE2: plain characters, the shorthand classes and
-# anchors, ``.``, repetition without counts, alternation and groups (``(?i)`` first); no ``[...]``, ``{n}``,
-# other escapes or group syntax, where the two may differ (``[[:alpha:]]``, ``\\Q...\\E``, ``a{,3}``)
-_PLAIN_PATTERN = re.compile(r"(?:\(\?i\))?(?:[A-Za-z0-9_ ;:,=<>!%'\"@#&/-]|\\[sSwWdDbB.*+?()|^$\\;]|[.*+?|)^$]|\((?!\?)|\(\?:)*")
-
-
-def _pattern_literals(pattern: str) -> tuple[str, ...] | None:
-    """Lower-case ASCII strings of which every match of ``pattern`` holds one; None when not known."""
-    if not pattern.isascii() or _PLAIN_PATTERN.fullmatch(pattern) is None:
-        return None
-    try:
-        parsed = re._parser.parse(pattern)  # type: ignore[attr-defined]
-    except Exception:
-        return None
-    return _required(list(parsed))
-
-
-def _required(items: list[Any]) -> tuple[str, ...] | None:
-    """The best literal alternatives a sequence of parsed items cannot match without (None: none)."""
-    constants = re._constants  # type: ignore[attr-defined]
-    best: tuple[str, ...] | None = None
-    run: list[str] = []
-
-    def consider(found: tuple[str, ...] | None) -> None:
-        nonlocal best
-        if found and (best is None or min(map(len, found)) > min(map(len, best))):
-            best = found
-
-    for op, value in items + [(None, None)]:
-        if op is constants.LITERAL and value < 128:
-            run.append(chr(value).lower())
-            continue
-        if run:
-            consider(("".join(run),))
-            run = []
-        if op is constants.SUBPATTERN:
-            consider(_required(list(value[-1])))
-        elif op in (constants.MAX_REPEAT, constants.MIN_REPEAT) and value[0] >= 1:
-            consider(_required(list(value[2])))
-        elif op is constants.BRANCH:
-            branches = [_required(list(branch)) for branch in value[1]]
-            if all(branches):
-                consider(tuple(sorted({literal for found in branches for literal in found})))  # type: ignore[union-attr]
-    return best
-
-
-def _words_literals(words: tuple[str, ...]) -> tuple[str, ...] | None:
-    """For a deny-words rule: the longest ASCII part of each word (lower case); None when a word has none."""
-    found = []
-    for word in words:
-        parts = [part.lower() for part in word.split() if part.isascii()]
-        if not parts:
-            return None  # RE2's case folding may match a non-ASCII part to ASCII text (``ſ`` and ``s``)
-        found.append(max(parts, key=len))
-    return tuple(sorted(set(found)))
-
-
 @dataclass(slots=True)
 class _CompiledRule:
     guardrail: str
@@ -178,7 +76,7 @@ class _CompiledRule:
     regex: Any  # RE2 on UTF-8 bytes
     sql_regex: Any  # the same, for raw SQL: a deny word's parts may be separated by comments (``gap``)
     words: tuple[str, ...] = ()
-    gap: str = _SPACE  # what may stand between a deny word's words in the raw text
+    gap: str = SPACE  # what may stand between a deny word's words in the raw text
     pattern: str = ""
     message: str = ""
     kinds: frozenset[str] = frozenset()  # statement_kinds: denied nodes; require_where: DeleteStmt/UpdateStmt
@@ -192,7 +90,7 @@ class _CompiledRule:
             message = self.message
         elif self.type == "deny_words_list":
             matched = match.group(0)  # which word: asked again of the matched text alone (a block is rare)
-            word = next((w for w in self.words if _words_regex((w,), self.gap).search(matched)), self.words[0])
+            word = next((w for w in self.words if words_regex((w,), self.gap).search(matched)), self.words[0])
             message = f"{self._prefix()}, words=[{word}]"
         else:
             message = f"{self._prefix()}, pattern={self.pattern}"
@@ -264,26 +162,26 @@ def _compile_side(guardrail: str, direction: str, side: dict[str, Any],
             if not isinstance(words, list) or not words or not all(isinstance(w, str) and w.strip() for w in words):
                 raise RuleError(f"{where}.words: expected a non-empty array of non-empty strings")
             words_t = tuple(words)
-            regex = _words_regex(words_t, _SPACE)
-            gap = language.dialect.comment_gap if language is not None and language.dialect is not None else _SPACE
-            sql_regex = _words_regex(words_t, gap) if gap != _SPACE else regex
+            regex = words_regex(words_t, SPACE)
+            gap = language.dialect.comment_gap if language is not None and language.dialect is not None else SPACE
+            sql_regex = words_regex(words_t, gap) if gap != SPACE else regex
             compiled.append(_CompiledRule(guardrail, direction, kind, regex, sql_regex, words=words_t, gap=gap,
-                                          message=message, literals=_words_literals(words_t)))
+                                          message=message, literals=words_literals(words_t)))
         elif kind == "pattern_match":
             pattern = rule.get("pattern_regex")
             if not isinstance(pattern, str) or not pattern:
                 raise RuleError(f"{where}.pattern_regex: expected a regular expression")
             try:
-                regex = _re2_compile(pattern)
+                regex = compile_pattern(pattern)
             except RuleError as exc:
                 raise RuleError(f"{where}.pattern_regex: {exc}") from None
             compiled.append(_CompiledRule(guardrail, direction, kind, regex, regex, pattern=pattern, message=message,
-                                          literals=_pattern_literals(pattern)))
+                                          literals=pattern_literals(pattern)))
         elif kind == MASK_RULE_TYPE:
             if direction != "output":
                 raise RuleError(f"{where}.type: mask is an output rule (it masks what the target answers)")
             try:
-                mask = compile_mask_rule(guardrail, rule, where, _re2_compile)
+                mask = compile_mask_rule(guardrail, rule, where, compile_pattern)
             except MaskError as exc:
                 raise RuleError(str(exc)) from None
             if masks is not None:
@@ -327,7 +225,7 @@ def _compile_or_refuse(rail: GuardRail, direction: str, side: dict[str, Any],
     except RuleError as exc:
         message = (f"guard rail {rail.name!r} cannot be applied ({exc}): "
                    f"everything is refused until an admin corrects it")
-        return [_CompiledRule(rail.name, direction, "invalid", _EVERYTHING, _EVERYTHING, message=message)]
+        return [_CompiledRule(rail.name, direction, "invalid", EVERYTHING, EVERYTHING, message=message)]
 
 
 def validate_guardrail(input_rules: dict[str, Any], output_rules: dict[str, Any]) -> None:
@@ -346,24 +244,6 @@ def check_language(input_rules: dict[str, Any], output_rules: dict[str, Any], la
             if refusal:
                 return f"{direction}.rules[{index}]: {refusal}"
     return None
-
-
-_UNANCHORED = re2._Anchor.UNANCHORED if hasattr(re2, "_Anchor") else None
-
-
-def _any_of(regexes: list[Any]) -> Callable[[bytes], bool] | None:
-    """One RE2 search saying whether any of ``regexes`` matches its argument (the usual answer: none);
-    None when they cannot be put together (the rules are then searched one by one, as always)."""
-    if not regexes or any(r is None for r in regexes):
-        return None
-    try:
-        combined = re2.compile(b"|".join(b"(?:" + r.pattern + b")" for r in regexes), _RE2_OPTIONS)
-    except Exception:  # too large a program, say: the one-by-one search decides alone
-        return None
-    run = getattr(getattr(combined, "_regexp", None), "Match", None)
-    if run is None or _UNANCHORED is None:
-        return lambda data: combined.search(data) is not None
-    return lambda data: run(_UNANCHORED, data, 0, len(data))[0][0] >= 0  # google-re2's compiled call: (-1, -1)
 
 
 class RuleSet:
@@ -395,9 +275,9 @@ class RuleSet:
             frozenset().union(*(r.kinds for r in self.statement_rules if r.type != "statement_kinds")))
         self.text_rules = [r for r in self.input_rules if r.type not in STATEMENT_RULE_TYPES]
         # the usual input and output match no rule: one search of all of them together says so
-        self._text_any = _any_of([r.regex for r in self.text_rules])
-        self._text_any_sql = _any_of([r.sql_regex for r in self.text_rules])
-        self._output_any = _any_of([r.regex for r in self.output_rules])
+        self._text_any = any_of([r.regex for r in self.text_rules])
+        self._text_any_sql = any_of([r.sql_regex for r in self.text_rules])
+        self._output_any = any_of([r.regex for r in self.output_rules])
         # every literal some input text rule needs (None: a rule needs none known): ASCII SQL holding none of
         # them is let through without RE2 (the usual statement)
         literals = [r.literals for r in self.text_rules]

@@ -31,6 +31,7 @@ MODULES = (
     "gatewayd.evidence",
     "gatewayd.guardrails",
     "gatewayd.masking",
+    "gatewayd.patterns",
     "gatewayd.policy",
     "gatewayd.recording",
     "gatewayd.sql.pg_scan",

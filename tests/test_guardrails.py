@@ -278,7 +278,7 @@ _TOKENS = ["select", "SELECT", "1", "from", "FROM", "t", "where", "aid", "=", "4
     ("ſelect", None),
 ])
 def test_what_a_pattern_cannot_match_without(pattern, literals):
-    from gatewayd.guardrails import _pattern_literals
+    from gatewayd.patterns import pattern_literals as _pattern_literals
     assert _pattern_literals(pattern) == literals
 
 
