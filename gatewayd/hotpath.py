@@ -30,6 +30,7 @@ PURE_ENV = "GATEWAYD_PURE_PYTHON"
 MODULES = (
     "gatewayd.evidence",
     "gatewayd.guardrails",
+    "gatewayd.languages",
     "gatewayd.masking",
     "gatewayd.patterns",
     "gatewayd.policy",
@@ -37,6 +38,8 @@ MODULES = (
     "gatewayd.sql.pg_scan",
     "proxies.postgres.codec",
     "proxies.postgres.relay",
+    "proxies.postgres.rendering",
+    "proxies.postgres.rowmask",
     "proxies.postgres.values",  # every binary value a PostgreSQL row records or masks
     "proxies.postgres.session",
     "proxies.http.front",

@@ -351,7 +351,7 @@ def test_the_raw_match_spans_are_those_of_finditer(pattern: bytes, data: bytes) 
 
 def test_the_recorded_text_of_a_masked_row_is_the_rendering_of_the_masked_row() -> None:
     """The recording renders only the masked cells again: the same text as rendering the whole masked row."""
-    from proxies.postgres.relay import render_values
+    from proxies.postgres.rendering import render_values
 
     _, server, recorder = relay({"type": "mask", "patterns": ["card_number", "email"]},
                                 {"type": "mask", "columns": ["secret"], "style": "last4"})
@@ -369,7 +369,7 @@ def test_the_recorded_text_of_a_masked_row_is_the_rendering_of_the_masked_row() 
 
 
 def test_the_recorded_text_of_a_masked_binary_row_is_the_rendering_of_the_masked_row() -> None:
-    from proxies.postgres.relay import render_values
+    from proxies.postgres.rendering import render_values
 
     _, server, recorder = relay({"type": "mask", "patterns": ["email"]}, {"type": "mask", "columns": ["k"]})
     binary = 1
@@ -396,7 +396,8 @@ def test_the_recorded_text_of_a_masked_binary_row_is_the_rendering_of_the_masked
 def test_cells_found_from_the_rows_text_are_those_of_its_layout(values: list[bytes | None]) -> None:
     """The text rows' fast path finds the cells, and their places in the frame, that the walk over the frame finds."""
     from proxies.postgres.codec import render_row
-    from proxies.postgres.relay import _layout, _text_cells
+    from proxies.postgres.rowmask import _text_cells
+    from proxies.postgres.rowmask import layout as _layout
 
     m = masker({"type": "mask", "pattern_regex": "[a-z]@|\\t[a-z]|o\\t"})
     reader = pg.BackendReader()
@@ -435,7 +436,8 @@ def test_the_text_rows_fused_path_masks_and_records_as_the_general_path(rules: l
     import random
 
     from proxies.postgres.codec import render_row
-    from proxies.postgres.relay import _FALLBACK, mask_row, mask_text_row, render_masked
+    from proxies.postgres.rowmask import FALLBACK as _FALLBACK
+    from proxies.postgres.rowmask import mask_row, mask_text_row, render_masked
 
     m = masker(*rules)
     chance = random.Random(13)
@@ -471,7 +473,8 @@ def test_the_rows_masked_by_column_name_alone_as_the_general_path(style: str) ->
     import random
 
     from proxies.postgres.codec import render_row
-    from proxies.postgres.relay import _FALLBACK, mask_named_row, mask_row, render_masked
+    from proxies.postgres.rowmask import FALLBACK as _FALLBACK
+    from proxies.postgres.rowmask import mask_named_row, mask_row, render_masked
 
     m = masker({"type": "mask", "patterns": ["email"]}, {"type": "mask", "columns": ["c"], "style": style})
     chance = random.Random(7)

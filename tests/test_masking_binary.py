@@ -273,7 +273,7 @@ def send(client: ClientSide, *frames: bytes) -> None:
 def test_too_many_values_to_mask_on_the_loop_are_withheld() -> None:
     """Where the patterns find more values than the relay masks on the loop (a row, a notice, an array), it
     withholds them instead of holding every other session of its worker."""
-    from proxies.postgres.relay import MAX_ROW_MATCHES
+    from proxies.postgres.rowmask import MAX_ROW_MATCHES
 
     policy, recorder = policy_for(PATTERNS)
     server = ServerSide(policy, deque(), {})

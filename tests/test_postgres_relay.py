@@ -25,9 +25,9 @@ from proxies.postgres.relay import (
     ClientSide,
     ServerSide,
     WaitingClientSide,
-    render_binary,
-    render_bind,
 )
+from proxies.postgres.rendering import render_bind
+from proxies.postgres.values import render_binary
 
 
 class FakeRecorder:

@@ -8,6 +8,7 @@ reading under ``standard_conforming_strings = off``).
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 from gatewayd.languages import SQL, Language, ParsedStatement
 from gatewayd.sql import pg_scan, pg_statements
@@ -17,25 +18,21 @@ REDACTED = "[REDACTED]"
 
 
 class PostgresDialect:
-    """PostgreSQL's reading of SQL, through pglast (libpg_query: PostgreSQL's own scanner and parser)."""
+    """PostgreSQL's reading of SQL, through pglast (libpg_query: PostgreSQL's own scanner and parser).
+
+    Its readers are the compiled functions themselves (attributes, not methods): the guard rails call them
+    per statement, and a method around each would cost a Python frame on the hot path."""
 
     name = "postgresql"
     title = "PostgreSQL SQL"
     comment_gap = pg_scan.COMMENT_GAP
-
     kinds = pg_statements.statement_node_names()
 
-    def needs_scan(self, text: str) -> bool:
-        return pg_scan.needs_scan(text)
-
-    def normalize(self, text: str) -> str:
-        return pg_scan.normalize_sql(text)
-
-    def parse(self, text: str) -> tuple[ParsedStatement, ...] | None:
-        return pg_statements.parse_statements(text)
-
-    def split(self, text: str) -> list[str]:
-        return pg_statements.split_statements(text)
+    def __init__(self) -> None:
+        self.needs_scan: Callable[[str], bool] = pg_scan.needs_scan
+        self.normalize: Callable[[str], str] = pg_scan.normalize_sql
+        self.parse: Callable[[str], tuple[ParsedStatement, ...] | None] = pg_statements.parse_statements
+        self.split: Callable[[str], list[str]] = pg_statements.split_statements
 
     def redact(self, text: str) -> str:
         return _PASSWORD.sub(lambda m: m.group(1) + f"'{REDACTED}'", text)

@@ -87,8 +87,3 @@ cdef class ServerSide:
     cpdef _ready(self, ReadyForQuery message, FrameBatch batch)
     cpdef _swallow(self, Message message, FrameBatch batch)
     cpdef int _copy_out(self, CopyData message, FrameBatch batch)
-
-@cython.locals(text=str)
-cpdef str _quote(object value, bint binary)
-cpdef str render_row(DataRow row, object formats, object oids, object shapes=*)
-cpdef str render_params(str sql, list params, object param_formats)

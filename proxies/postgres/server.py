@@ -55,7 +55,8 @@ from proxies.postgres.codec import (
 )
 from proxies.postgres.fastpath import allowed_functions
 from proxies.postgres.reading import SessionReading
-from proxies.postgres.relay import MASK_ROW_BYTES, ClientSide, Pending, ServerSide, WaitingClientSide, mask_frames
+from proxies.postgres.relay import ClientSide, Pending, ServerSide, WaitingClientSide
+from proxies.postgres.rowmask import MASK_ROW_BYTES, mask_frames
 from proxies.postgres.session import CLIENT, TARGET, RelaySession
 from proxies.postgres.stream import FrameStream
 from proxies.postgres.upstream import (
