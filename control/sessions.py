@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import csv
 import io
+import json
+import re
+import time
+from datetime import timedelta
 from typing import Any
 
 from aiohttp import web
@@ -15,9 +20,11 @@ from control.audit_logs import parse_moment
 from control.http import (INT64_MAX, SLICE, ApiError, Field, Param, RouteSet, Schema, gateway_of, off_loop, ok,
                           ok_in_slices, query_int, user_of)
 from control.schemas import SESSION_OUT, VERIFICATION_OUT
-from gatewayd.models import Review, Session, SessionEvent, User
-from gatewayd.reviews import review_json
+from gatewayd.models import Review, Session, SessionEvent, User, parse_time, rfc3339
+from gatewayd.watch import Recorded, Status
+from gatewayd.reviews import review_json, reviews_for
 from gatewayd.store import SessionFilter
+from gatewayd.store.search import MIN_SEARCH
 
 routes = RouteSet("Sessions", audit="sessions")
 
@@ -51,9 +58,20 @@ def session_json(session: Session, events: list[SessionEvent] | None = None,
     return data
 
 
+STATUSES = ("ready", "open", "done")
+
+
 @routes.get("/sessions", "List sessions, newest first", query=[
-    Param("user", description="subject id"), Param("connection"), Param("type"), Param("review.approver"),
-    Param("review.status"), Param("tracker_issue_key"), Param("start_date"), Param("end_date"),
+    Param("user", description="a subject id, or part of a user's e-mail or name (any case)"),
+    Param("connection"), Param("type"),
+    Param("protocol", description="the connection subtype (postgres, ssh, rdp, httpproxy)"),
+    Param("status", description="ready (a credential issued, not used yet), open or done", enum=STATUSES),
+    Param("search", description=f"text typed in the session, anywhere (a statement, a command, a URL; at least "
+                                f"{MIN_SEARCH} characters, any case)"),
+    Param("review.approver"),
+    Param("review.status"), Param("tracker_issue_key"),
+    Param("start_date", description="started at or after: RFC 3339 (to the second) or YYYY-MM-DD"),
+    Param("end_date", description="started at or before: RFC 3339, or YYYY-MM-DD (the whole day)"),
     Param("limit", "integer", f"sessions per page (default 20, more than {MAX_LIMIT} counts as {MAX_LIMIT})",
           minimum=1, maximum=INT64_MAX), Param("offset", "integer", minimum=0, maximum=INT64_MAX)],
              response=Schema("SessionPage", {"data": Field("array", True, items=SESSION_OUT),
@@ -64,10 +82,14 @@ async def list_sessions(request: web.Request) -> web.Response:
     q = request.query
     limit = min(query_int(request, "limit", 20), MAX_LIMIT)
     offset = query_int(request, "offset", 0)
+    search = (q.get("search") or "").strip() or None
+    if search is not None and len(search) < MIN_SEARCH:
+        raise ApiError(422, f"query parameter 'search': at least {MIN_SEARCH} characters")
     query = SessionFilter(
-        org_id=user.org_id, user_id=q.get("user") or None,
+        org_id=user.org_id, user_search=q.get("user") or None,
         only_user_id=None if user.is_admin or user.is_auditor else user.subject,
         connection=q.get("connection") or None, type=q.get("type") or None,
+        protocol=q.get("protocol") or None, status=q.get("status") or None, text=search,
         review_approver=q.get("review.approver") or None,
         review_status=(q.get("review.status") or "").upper() or None,
         tracker_issue_key=q.get("tracker_issue_key") or None,
@@ -85,20 +107,40 @@ async def review_of(store: Any, session: Session) -> Review | None:
     return await store.get_review(session.review_id) if session.review_id else None
 
 
+SHORT_ID = re.compile(r"[0-9a-f][0-9a-f-]{3,34}")  # the start of an id, at least 4 characters
+
+
+async def full_id(request: web.Request, table: str, key: str) -> str:
+    """The id ``key`` is the start of, where only one id of the caller's organization starts so (``5f0afc22``
+    names the session or review ``5f0afc22-...``); else ``key`` as given. 409 when several do."""
+    if not SHORT_ID.fullmatch(key):
+        return key
+    found = await gateway_of(request).store.ids_with_prefix(table, user_of(request).org_id, key, limit=3)
+    if len(found) > 1:
+        raise ApiError(409, f"{key!r} is the start of several ids ({', '.join(found[:2])}, ...): give more of it")
+    return found[0] if found else key
+
+
 async def session_in_org(request: web.Request, session_id: str) -> Session:
-    """The session of the caller's organization, or 404 (visibility is the caller's to check)."""
-    session = await gateway_of(request).store.get_session(session_id)
+    """The session of the caller's organization (by its id or, where it is unambiguous, the start of it), or 404
+    (visibility is the caller's to check)."""
+    store = gateway_of(request).store
+    session = await store.get_session(session_id)
+    if session is None and len(session_id) < 36:
+        session = await store.get_session(await full_id(request, "sessions", session_id))
     if session is None or session.org_id != user_of(request).org_id:
         raise ApiError(404, f"session {session_id!r} not found")
     return session
 
 
 async def find_session(request: web.Request) -> Session:
-    """The session named in the path, if the caller may see it (``can_see``)."""
+    """The session named in the path, if the caller may see it (``can_see``, or a reviewer of its review)."""
     session = await session_in_org(request, request.match_info["id"])
     user = user_of(request)
     if not can_see(user, session):
-        raise ApiError(403, "access denied: this session belongs to another user")
+        review = await review_of(gateway_of(request).store, session)
+        if review is None or not reviews_for(user, review):
+            raise ApiError(403, "access denied: this session belongs to another user")
     return session
 
 
@@ -204,3 +246,90 @@ async def kill(request: web.Request) -> web.Response:
         raise ApiError(409, "the session is already done")
     await gateway.sessions.kill(session.id, f"session killed by {user.email}")
     return ok(session_json(await gateway.store.get_session(session.id)))  # type: ignore[arg-type]
+
+
+KEEPALIVE = 15.0  # seconds of silence after which a stream sends a comment (proxies keep it open)
+STREAM_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-store",
+                  "X-Accel-Buffering": "no"}
+
+
+def sse(event: str, data: Any, event_id: int | None = None) -> bytes:
+    """One server-sent event: its name, its JSON data, and its id (a reconnect sends it back as Last-Event-ID)."""
+    head = f"id: {event_id}\n" if event_id is not None else ""
+    return f"{head}event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+def event_json(session: Session, seq: int, event: SessionEvent) -> dict[str, Any]:
+    """A recorded event as a stream sends it: its sequence number, offset, moment, kind and bytes (base64)."""
+    start = parse_time(session.start_date)
+    moment = rfc3339(start + timedelta(milliseconds=event.offset_ms)) if start is not None else ""
+    return {"seq": seq, "offset_ms": event.offset_ms, "time": moment, "type": event.kind,
+            "payload": base64.b64encode(event.data).decode()}
+
+
+def _after(request: web.Request) -> int:
+    """Where a stream resumes: after ``Last-Event-ID`` (an EventSource reconnecting) or ``?after=``."""
+    raw = request.headers.get("Last-Event-ID", "").strip()
+    if raw:
+        try:
+            return max(int(raw), -1)
+        except ValueError:
+            raise ApiError(400, "Last-Event-ID: expected the sequence number of an event") from None
+    return max(query_int(request, "after", -1), -1)
+
+
+@routes.get("/sessions/{id}/stream", "Follow a session as it happens, as server-sent events (text/event-stream): "
+            "'session' (the session, first and on each change of status), 'event' (each recorded event: seq, "
+            "offset_ms, time, type i/o/e, payload in base64; the SSE id is its seq, so a reconnect with "
+            "Last-Event-ID resumes after it), 'frames' (an RDP session's frame count as it grows), 'end' (the "
+            "session, done: the stream closes). Read-only: nothing sent here reaches the session",
+            query=[Param("after", "integer", "start after this sequence number (default: from the first event)",
+                         minimum=-1, maximum=INT64_MAX)],
+            media=("text/event-stream",))
+async def stream(request: web.Request) -> web.StreamResponse:
+    session = await find_session(request)
+    after = _after(request)
+    gateway = gateway_of(request)
+    user = user_of(request)
+    if session.status != "done":  # someone watches a live session: the audit log says who
+        await gateway.audit.record(org_id=session.org_id, actor=user, action="session.watch",
+                                   resource_type="sessions", outcome="success", http_method=request.method,
+                                   http_path=request.path, http_status=200, client_ip=request.remote or "",
+                                   payload={"session_id": session.id, "connection": session.connection,
+                                            "owner": session.user_email})
+    response = web.StreamResponse(headers=STREAM_HEADERS)
+    await response.prepare(request)
+    await response.write(b": following\n\n")
+    frames = gateway.frames.reader(session.id) if session.subtype == "rdp" else None
+    shown_frames, quiet_since = -1, time.monotonic()
+    review = await review_of(gateway.store, session)
+    try:
+        async for update in gateway.watch.follow(session.id, after):
+            if isinstance(update, Recorded):
+                await response.write(sse("event", event_json(session, update.seq, update.event), update.seq))
+                quiet_since = time.monotonic()
+            elif isinstance(update, Status):
+                session = update.session
+                done = session.status == "done"
+                if frames is not None:
+                    shown_frames = await _frames_grew(response, frames, shown_frames)
+                await response.write(sse("end" if done else "session", session_json(session, review=review)))
+                quiet_since = time.monotonic()
+            else:
+                if frames is not None and (grown := await _frames_grew(response, frames, shown_frames)) != shown_frames:
+                    shown_frames, quiet_since = grown, time.monotonic()
+                if time.monotonic() - quiet_since > KEEPALIVE:
+                    await response.write(b": keep-alive\n\n")
+                    quiet_since = time.monotonic()
+        await response.write_eof()
+    except ConnectionResetError:  # the watcher went away
+        pass
+    return response
+
+
+async def _frames_grew(response: web.StreamResponse, frames: Any, shown: int) -> int:
+    """Send an RDP session's frame count when it changed; the count shown now."""
+    count = await asyncio.to_thread(frames.count)
+    if count != shown:
+        await response.write(sse("frames", {"total_frames": count}))
+    return count

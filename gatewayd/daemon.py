@@ -45,6 +45,7 @@ from gatewayd.reviews import ReviewService
 from gatewayd.scripts import ScriptRunner
 from gatewayd.sessions import SessionManager
 from gatewayd.store import Store, describe, open_store
+from gatewayd.watch import SessionWatch
 
 if TYPE_CHECKING:
     from gatewayd.agent.server import GrpcServer
@@ -196,6 +197,7 @@ class Gateway:
         self.sessions: SessionManager = None  # type: ignore[assignment]
         self.guardrails: GuardRailService = None  # type: ignore[assignment]
         self.reviews: ReviewService = None  # type: ignore[assignment]
+        self.watch: SessionWatch = None  # type: ignore[assignment]
         self.discovery: AwsDiscovery = None  # type: ignore[assignment]
         self.frames: FrameStore = None  # type: ignore[assignment]
         self.analysis: AnalysisService = None  # type: ignore[assignment]
@@ -246,6 +248,7 @@ class Gateway:
         self.proxy_manager = ManagerService(self.identity, self.access, lambda: self.server_config)
         self.pipeline = SessionPipeline(self.access, self.sessions, self.guardrails, self.dialer, self.audit,
                                         agents=self.agents, tenancy=self.tenancy)
+        self.watch = SessionWatch(self.store, self.sessions, self.recording)
         self.reviews = ReviewService(self.store, self.audit, self.sessions, self.pipeline, self.analysis,
                                      self.script_runners,
                                      admins_can_self_approve=self.config["auth.admins_can_self_approve"])
@@ -442,6 +445,8 @@ class Gateway:
             await self.grpc.stop()  # agents reconnect to the next start
         if self.reviews is not None:
             await self.reviews.finish()  # scripts just killed store their outcome while the store is open
+        if self.watch is not None:
+            await self.watch.stop()
         if self.cluster is not None:
             await self.cluster.stop()  # after its sessions closed: no other node closes them as lost
         if self.recording is not None:

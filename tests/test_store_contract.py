@@ -854,6 +854,10 @@ def test_postgres_ddl_rewrites_types_and_never_a_literal():
 
     literals = re.compile(r"'[^']*'")
     for version, script in MIGRATIONS:
+        if callable(script):  # a dialect's own statements (the text index): written for PostgreSQL already
+            assert all("row_order BIGINT GENERATED ALWAYS AS IDENTITY" in s for s in script(PostgresDialect())
+                       if s.startswith("CREATE TABLE")), version
+            continue
         translated = PostgresDialect().ddl(script)
         assert literals.findall(translated) == literals.findall(script), version
         assert not re.search(r"\b(BLOB|REAL|INTEGER)\b", translated), version

@@ -21,6 +21,7 @@ from gatewayd.crypto import SecretBox
 from gatewayd.store.base import Conflict, StoreError
 from gatewayd.store.bus import CHANNEL, BusTransport, NotifyBus
 from gatewayd.store.queries import SQLStore
+from gatewayd.store.search import POSTGRES_SCHEMA, like_pattern
 from gatewayd.store.sql import Dialect, Result, Statement, Work, numbered
 
 T = TypeVar("T")
@@ -114,6 +115,12 @@ class PostgresDialect(Dialect):
     def lock(self, name: str) -> Statement | None:
         key = int.from_bytes(hashlib.sha256(f"gatewayd:{name}".encode()).digest()[:8], "big", signed=True)
         return f"SELECT pg_advisory_xact_lock({key})", ()
+
+    def search_schema(self) -> list[str]:
+        return POSTGRES_SCHEMA
+
+    def text_match(self, text: str) -> tuple[str, str]:
+        return "body ILIKE ? ESCAPE '!'", like_pattern(text)
 
 
 def _rowcount(status: str) -> int:

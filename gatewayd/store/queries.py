@@ -38,7 +38,8 @@ from gatewayd.models import (
 )
 from gatewayd.store.base import AuditFilter, NotFound, SessionFilter, Store
 from gatewayd.store.bus import BusTransport, TableBus
-from gatewayd.store.migrations import MIGRATIONS
+from gatewayd.store.migrations import MIGRATIONS, Migration
+from gatewayd.store.search import MIN_SEARCH, input_text, like_pattern
 from gatewayd.store.sql import (
     Connector,
     Row,
@@ -112,7 +113,7 @@ class SQLStore(Store):
         yield ("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, applied_at TEXT NOT NULL)",
                ())
 
-    def _migrate(self, version: int, script: str) -> Work[bool]:
+    def _migrate(self, version: int, script: Migration) -> Work[bool]:
         """Apply one migration unless it is applied already (checked under the migration lock: several
         processes may start at once)."""
         lock = self.dialect.lock("schema_migrations")
@@ -121,7 +122,8 @@ class SQLStore(Store):
         done = yield ("SELECT 1 FROM schema_migrations WHERE version = ?", (version,))
         if done.rows:
             return False
-        for statement in filter(None, (s.strip() for s in self.dialect.ddl(script).split(";"))):
+        statements = script(self.dialect) if callable(script) else self.dialect.ddl(script).split(";")
+        for statement in filter(None, (s.strip() for s in statements)):
             yield statement, ()
         yield "INSERT INTO schema_migrations (version, applied_at) VALUES (?, ?)", (version, rfc3339(utcnow()))
         return True
@@ -381,11 +383,22 @@ class SQLStore(Store):
     async def list_sessions(self, query: SessionFilter) -> Page:
         where, params = ["org_id = ?"], [query.org_id]
         for column, value in (("user_id", query.user_id), ("user_id", query.only_user_id),
-                              ("connection", query.connection), ("type", query.type),
+                              ("connection", query.connection), ("type", query.type), ("subtype", query.protocol),
                               ("status", query.status), ("tracker_issue_key", query.tracker_issue_key)):
             if value is not None:
                 where.append(f"{column} = ?")
                 params.append(value)
+        if query.user_search:  # the subject itself, or part of an e-mail or name (users: a small table)
+            where.append("(user_id = ? OR user_id IN (SELECT subject FROM users WHERE org_id = ? AND "
+                         "(lower(email) LIKE ? ESCAPE '!' OR lower(name) LIKE ? ESCAPE '!')))")
+            pattern = like_pattern(query.user_search.lower())
+            params += [query.user_search, query.org_id, pattern, pattern]
+        if query.text:
+            if len(query.text) < MIN_SEARCH:
+                raise ValueError(f"a search needs at least {MIN_SEARCH} characters")
+            condition, value = self.dialect.text_match(query.text)
+            where.append(f"id IN (SELECT session_id FROM session_search WHERE {condition})")
+            params.append(value)
         if query.start_date:
             where.append("start_date >= ?")
             params.append(query.start_date)
@@ -460,6 +473,8 @@ class SQLStore(Store):
             found.append(("INSERT INTO session_event_batches (session_id, first_seq, count, prev_hash, hash, events) "
                           "VALUES (?, ?, ?, ?, ?, ?)", (batch.session_id, batch.first_seq, batch.count,
                                                         batch.previous_hash, batch.hash, batch.packed)))
+        if batch.sizes.get("i") and (text := input_text(batch.packed)):  # what was typed, searchable
+            found.append(("INSERT INTO session_search (session_id, body) VALUES (?, ?)", (batch.session_id, text)))
         if batch.session_fields:
             found.append(assign("sessions", batch.session_fields, "id = ?", (batch.session_id,)))
         return found
@@ -487,6 +502,19 @@ class SQLStore(Store):
 
     async def read_events(self, session_id: str, kinds: str | None = None) -> list[SessionEvent]:
         return [event for _, event in await self._numbered_events(session_id, kinds)]
+
+    async def read_events_after(self, session_id: str, after: int) -> list[tuple[int, SessionEvent]]:
+        rows = await self._all("SELECT seq, offset_ms, kind, data FROM session_events WHERE session_id = ? AND seq > ? "
+                               "ORDER BY seq", (session_id, after))
+        # from the batch holding the first event wanted (found on the primary key), not the whole recording
+        batches = await self._all(
+            "SELECT events FROM session_event_batches WHERE session_id = ? AND events IS NOT NULL AND first_seq >= "
+            "COALESCE((SELECT MAX(first_seq) FROM session_event_batches WHERE session_id = ? AND first_seq <= ?), 0) "
+            "ORDER BY first_seq", (session_id, session_id, after + 1))
+        if not rows and not batches:
+            return []
+        found = await asyncio.to_thread(_number_events, rows, batches, None)
+        return [pair for pair in found if pair[0] > after]
 
     async def read_event_chain(self, session_id: str) -> tuple[list[BatchLink], list[tuple[int, SessionEvent]]]:
         links = await self._all("SELECT first_seq, count, prev_hash, hash FROM session_event_batches "
@@ -680,6 +708,28 @@ class SQLStore(Store):
         else:
             rows = await self._all("SELECT * FROM reviews WHERE status = ? AND type = ?", (status, type))
         return await self._reviews_from(rows)
+
+    async def open_review_for(self, request_key: str) -> Review | None:
+        found = await self._reviews_from(await self._all(
+            "SELECT * FROM reviews WHERE request_key = ? AND status IN ('PENDING', 'APPROVED') "
+            "ORDER BY created_at DESC LIMIT 1", (request_key,)))
+        return found[0] if found else None
+
+    async def ids_with_prefix(self, table: str, org_id: str, prefix: str, limit: int = 3) -> list[str]:
+        if table not in ("reviews", "sessions"):
+            raise ValueError(f"no short ids in {table}")
+        # a range on the primary key (code point order in both backends): '~' sorts after every id character
+        rows = await self._all(f"SELECT id FROM {table} WHERE id >= ? AND id < ? AND org_id = ? "
+                               f"ORDER BY {self.dialect.sort('id', text=True)} LIMIT ?",
+                               (prefix, prefix + "~", org_id, limit))
+        return [r[0] for r in rows]
+
+    async def sessions_by_ids(self, session_ids: Iterable[str]) -> dict[str, Session]:
+        ids = list(dict.fromkeys(i for i in session_ids if i))
+        if not ids:
+            return {}
+        rows = await self._all(f"SELECT * FROM sessions WHERE id IN ({', '.join('?' * len(ids))})", tuple(ids))
+        return {r["id"]: build(Session, r) for r in rows}
 
     async def save_access_rule(self, rule: AccessRequestRule, *, create: bool) -> None:
         statement = insert("access_request_rules", rule) if create else \

@@ -135,6 +135,18 @@ class Dialect:
         transaction is serialised already, as SQLite's BEGIN IMMEDIATE does)."""
         return None
 
+    def search_schema(self) -> list[str]:
+        """The statements that make the session text index (``gatewayd.store.search``): FTS5, trigrams."""
+        from gatewayd.store.search import SQLITE_SCHEMA
+
+        return SQLITE_SCHEMA
+
+    def text_match(self, text: str) -> tuple[str, str]:
+        """A condition on ``session_search`` rows whose body holds ``text`` (any case), and its parameter."""
+        from gatewayd.store.search import fts_phrase
+
+        return "session_search MATCH ?", fts_phrase(text)
+
 
 _PLACEHOLDER = re.compile(r"\?")
 
