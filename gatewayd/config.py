@@ -161,6 +161,7 @@ SETTINGS: dict[str, Setting] = {
     "auth.token_ttl": Setting("duration", "12h"),
     "auth.multi_tenant": Setting("bool", False),
     "auth.admins_can_self_approve": Setting("bool", True),
+    "console.idle_timeout": Setting("duration", "30m", _positive),
     "tenants.allow_private_targets": Setting("bool", False),
     "auth.oidc.issuer_url": Setting("str", ""),
     "auth.oidc.client_id": Setting("str", ""),
