@@ -23,6 +23,7 @@ from control import (
     rdp_frames,
     resources,
     reviews,
+    search,
     serverconfig,
     sessions,
     users,
@@ -50,7 +51,7 @@ from gatewayd.logs import REQUEST_ID, request_id_from
 log = logging.getLogger("gatewayd.api")
 
 AREAS = (health, auth, users, serverconfig, resources, connections, agents, guardrails, datamasking, sessions, rdp_frames, reviews, ai, proxymanager,
-         audit_logs, integrations, openapi)
+         audit_logs, integrations, search, openapi)
 MUTATING = {"POST", "PUT", "PATCH", "DELETE"}
 ROUTE_DOC = web.AppKey("route_doc_by_handler", dict)
 REQUEST_ID_KEY = web.RequestKey("request_id", str)

@@ -132,6 +132,9 @@ class RouteSet:
     def delete(self, path: str, summary: str, **kw: Any) -> Callable[[Handler], Handler]:
         return self.route("DELETE", path, summary, **kw)
 
+    def patch(self, path: str, summary: str, **kw: Any) -> Callable[[Handler], Handler]:
+        return self.route("PATCH", path, summary, **kw)
+
 
 def as_field(value: "Field | Schema | None") -> "Field | None":
     """A response described by a schema is an object field of that schema."""

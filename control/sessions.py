@@ -8,6 +8,7 @@ import csv
 import io
 import json
 import re
+import secrets
 import time
 from datetime import timedelta
 from typing import Any
@@ -17,10 +18,11 @@ from aiohttp import web
 from control.asciicast import CONTENT_TYPE as ASCIICAST
 from control.asciicast import render_asciicast
 from control.audit_logs import parse_moment
-from control.http import (INT64_MAX, SLICE, ApiError, Field, Param, RouteSet, Schema, gateway_of, off_loop, ok,
-                          ok_in_slices, query_int, user_of)
+from control.http import (INT64_MAX, SLICE, ApiError, Field, Param, RouteSet, Schema, gateway_of, json_body, off_loop,
+                          ok, ok_in_slices, query_int, user_of)
 from control.schemas import SESSION_OUT, VERIFICATION_OUT
-from gatewayd.models import Review, Session, SessionEvent, User, parse_time, rfc3339
+from gatewayd.crypto import hash_secret
+from gatewayd.models import Review, Session, SessionEvent, User, parse_time, rfc3339, utcnow
 from gatewayd.watch import Recorded, Status
 from gatewayd.reviews import review_json, reviews_for
 from gatewayd.store import SessionFilter
@@ -59,6 +61,8 @@ def session_json(session: Session, events: list[SessionEvent] | None = None,
 
 
 STATUSES = ("ready", "open", "done")
+DOWNLOAD_LINK = Schema("SessionDownloadLink", {"download_url": Field("string", True),
+                                               "expire_at": Field("string", True)})
 
 
 @routes.get("/sessions", "List sessions, newest first", query=[
@@ -183,8 +187,14 @@ def statements_response(session: Session, events: list[SessionEvent], rendering:
                                           "asciicast: an ssh session as an asciicast v2 file",
                          enum=("utf8", "utf-8", "base64", "asciicast")),
                    Param("format", description="csv or json: a database session's statements and results",
-                         enum=("csv", "json"))],
-            response=Field("object", True, any_of=(SESSION_OUT, Schema("SessionStatements", {
+                         enum=("csv", "json")),
+                   Param("extension", description="a download link instead (txt, csv, json...): "
+                                                  "GET /sessions/{id}/download takes it once, within 5 minutes"),
+                   Param("blob-type", description="session_input: the link downloads the input (the script)"),
+                   Param("newline", description="1: a line break after each event (download)"),
+                   Param("event-time", description="1: each event after its time (download)"),
+                   Param("events", description="the kinds of events downloaded: i, o, e (default o,e)")],
+            response=Field("object", True, any_of=(SESSION_OUT, DOWNLOAD_LINK, Schema("SessionStatements", {
                 "id": Field("string", True), "connection": Field("string", True), "user": Field("string", True),
                 "start_date": Field("string", True), "end_date": Field("string", True, nullable=True),
                 "statements": Field("array", True, items=Schema("Statement", {
@@ -194,6 +204,8 @@ def statements_response(session: Session, events: list[SessionEvent], rendering:
 async def get(request: web.Request) -> web.Response:
     session = await find_session(request)
     store = gateway_of(request).store
+    if request.query.get("extension"):
+        return await download_link(request, session)
     rendering = request.query.get("format")
     if rendering:
         if rendering not in ("csv", "json"):
@@ -333,3 +345,158 @@ async def _frames_grew(response: web.StreamResponse, frames: Any, shown: int) ->
     if count != shown:
         await response.write(sse("frames", {"total_frames": count}))
     return count
+
+
+# ------------------------------------------------------------------ downloads, the result as text, metadata
+
+DOWNLOAD_PREFIX = "download:"  # signing_keys rows of the download links: name prefix + SHA-256 of the link's token
+DOWNLOAD_SECONDS = 300
+_EXTENSION = re.compile(r"[a-z0-9]{1,10}")
+EVENT_KINDS = "ioe"
+
+
+def may_download(user: User, session: Session) -> bool:
+    """Its owner, admins and auditors (a reviewer reads a session, and does not take its recording away)."""
+    return user.is_admin or user.is_auditor or session.user_id == user.subject
+
+
+def _kinds(raw: str | None) -> str:
+    """The kinds of events asked for (``i,o,e``); default the output (``o`` and ``e``)."""
+    kinds = "".join(k for k in EVENT_KINDS if k in (raw or "").split(","))
+    return kinds or "oe"
+
+
+async def download_link(request: web.Request, session: Session) -> web.Response:
+    """``GET /sessions/{id}?extension=``: a link that downloads the session once, within DOWNLOAD_SECONDS, without
+    a bearer token (a browser's download). Its token is kept hashed in the store: any node serves it."""
+    user = user_of(request)
+    if not may_download(user, session):
+        raise ApiError(403, "access denied: only the session's owner, an admin or an auditor may download it")
+    extension = request.query["extension"].lower()
+    if not _EXTENSION.fullmatch(extension):
+        raise ApiError(422, "query parameter 'extension': a file extension such as txt, csv or json")
+    q = request.query
+    as_input = q.get("blob-type") == "session_input"
+    token = secrets.token_urlsafe(32)
+    expires = utcnow() + timedelta(seconds=DOWNLOAD_SECONDS)
+    gateway = gateway_of(request)
+    await gateway.store.prune_keys(DOWNLOAD_PREFIX, rfc3339(utcnow() - timedelta(seconds=DOWNLOAD_SECONDS)))
+    await gateway.store.put_key(DOWNLOAD_PREFIX + hash_secret(token), json.dumps({
+        "session_id": session.id, "org_id": session.org_id, "user_id": user.id, "expires": rfc3339(expires),
+        "extension": extension, "input": as_input, "newline": q.get("newline") == "1",
+        "event_time": q.get("event-time") == "1", "events": _kinds(q.get("events"))}).encode())
+    path = f"/api/sessions/{session.id}/download{'/input' if as_input else ''}"
+    return ok({"download_url": f"{gateway.config.public_url}{path}?token={token}", "expire_at": rfc3339(expires)})
+
+
+async def _take_download(request: web.Request, as_input: bool) -> tuple[Session, dict[str, Any]]:
+    """The session and options of a download link, used up here (once): 404 unknown or used, 410 expired."""
+    token = request.query.get("token", "")
+    gateway = gateway_of(request)
+    name = DOWNLOAD_PREFIX + hash_secret(token)
+    raw = await gateway.store.get_key(name) if token else None
+    if raw is None or not await gateway.store.delete_key(name):  # the one call that deletes it downloads
+        raise ApiError(404, "not found: the download link is unknown or was used already")
+    link = json.loads(raw)
+    if link["session_id"] != request.match_info["id"] or link["input"] != as_input:
+        raise ApiError(404, "not found: the download link is unknown or was used already")
+    if (parse_time(link["expires"]) or utcnow()) <= utcnow():
+        raise ApiError(410, "the download link has expired: ask for another")
+    session = await gateway.store.get_session(link["session_id"])
+    if session is None or session.org_id != link["org_id"]:
+        raise ApiError(404, "not found: the session is gone")
+    return session, link
+
+
+def _attachment(session: Session, extension: str, body: bytes) -> web.Response:
+    moment = utcnow().strftime("%Y%m%d-%H%M%S")
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{session.connection}-{session.id}-{moment}.{extension}")
+    return web.Response(body=body, content_type="application/octet-stream", headers={
+        "Content-Disposition": f'attachment; filename="{name}"', "Accept-Length": str(len(body))})
+
+
+def rendered_events(session: Session, events: list[SessionEvent], *, newline: bool, event_time: bool) -> bytes:
+    """Events as one text: each one's bytes, after its time (``event_time``), a line break after each (``newline``)."""
+    start = parse_time(session.start_date)
+    parts: list[bytes] = []
+    for event in events:
+        if event_time and start is not None:
+            parts.append(f"{rfc3339(start + timedelta(milliseconds=event.offset_ms))} ".encode())
+        parts.append(event.data)
+        if newline:
+            parts.append(b"\n")
+    return b"".join(parts)
+
+
+@routes.get("/sessions/{id}/download", "Download a session with the link GET /sessions/{id}?extension= gave (once, "
+            "within 5 minutes; no bearer token): its events as text, csv (a database session's statements) or json",
+            query=[Param("token", description="the link's token")], public=True, media=("application/octet-stream",))
+async def download(request: web.Request) -> web.Response:
+    session, link = await _take_download(request, as_input=False)
+    store = gateway_of(request).store
+    if link["extension"] == "csv" and session.subtype == "postgres":  # the statements, as ?format=csv gives them
+        every = await store.read_events(session.id)
+        answer = await off_loop(lambda: statements_response(session, every, "csv"))
+        return _attachment(session, "csv", answer.body)  # type: ignore[arg-type]
+    events = await store.read_events(session.id, kinds=link["events"])
+    start = parse_time(session.start_date)
+
+    def render() -> bytes:
+        if link["extension"] == "json":
+            return json.dumps([{"time": rfc3339(start + timedelta(milliseconds=e.offset_ms)) if start else "",
+                                "type": e.kind, "stream": e.data.decode("utf-8", "replace")} for e in events]).encode()
+        return rendered_events(session, events, newline=link["newline"], event_time=link["event_time"])
+
+    return _attachment(session, link["extension"], await asyncio.to_thread(render))
+
+
+@routes.get("/sessions/{id}/download/input", "Download a session's input (its script, else what was sent) with the "
+            "link GET /sessions/{id}?extension=txt&blob-type=session_input gave (once, within 5 minutes)",
+            query=[Param("token", description="the link's token")], public=True, media=("application/octet-stream",))
+async def download_input(request: web.Request) -> web.Response:
+    session, _link = await _take_download(request, as_input=True)
+    if session.script is not None:
+        body = session.script.encode()
+    else:
+        events = await gateway_of(request).store.read_events(session.id, kinds="i")
+        body = await asyncio.to_thread(rendered_events, session, events, newline=False, event_time=False)
+    return _attachment(session, "txt", body)
+
+
+@routes.get("/sessions/{id}/result/stream", "A session's output as plain text (chunked), written as it is recorded "
+            "until the session ends (a finished one: at once); its owner, an admin or an auditor",
+            query=[Param("newline", description="1: a line break after each event"),
+                   Param("event-time", description="1: each event after its time (RFC 3339)"),
+                   Param("events", description="the kinds of events: i, o, e (default o,e)")],
+            media=("text/plain",))
+async def result_stream(request: web.Request) -> web.StreamResponse:
+    session = await find_session(request)
+    if not may_download(user_of(request), session):
+        raise ApiError(403, "access denied: only the session's owner, an admin or an auditor may stream its result")
+    kinds, q = _kinds(request.query.get("events")), request.query
+    newline, event_time = q.get("newline") == "1", q.get("event-time") == "1"
+    response = web.StreamResponse(headers={"Content-Type": "text/plain; charset=utf-8",
+                                           "X-Content-Type-Options": "nosniff", "Cache-Control": "no-store"})
+    await response.prepare(request)
+    try:
+        async for update in gateway_of(request).watch.follow(session.id):
+            if isinstance(update, Recorded) and update.event.kind in kinds:
+                await response.write(rendered_events(session, [update.event], newline=newline, event_time=event_time))
+        await response.write_eof()
+    except ConnectionResetError:  # the reader went away
+        pass
+    return response
+
+
+METADATA = Schema("SessionMetadataUpdate", {"metadata": Field("object", True, description="replaces the session's "
+                                                                                          "metadata")})
+
+
+@routes.patch("/sessions/{id}/metadata", "Replace a session's metadata (its owner only)", body=METADATA, status=204)
+async def patch_metadata(request: web.Request) -> web.Response:
+    session = await session_in_org(request, request.match_info["id"])
+    if session.user_id != user_of(request).subject:
+        raise ApiError(404, f"session {request.match_info['id']!r} not found among your sessions")
+    body = await json_body(request, METADATA)
+    await gateway_of(request).store.set_session_metadata(session.id, body["metadata"])
+    return web.Response(status=204)

@@ -320,3 +320,17 @@ async def test_a_jit_request_asked_twice_is_one_request(gateway, cluster, people
     finally:
         if asking.poll() is None:
             asking.kill()
+
+
+def test_an_issued_credential_not_used_yet_is_not_a_live_session(people, connections):
+    """Item 4: issued-but-unused credentials looked like live sessions ("ready", the same dot as "open")."""
+    _, rita = people
+    plain, _ = connections
+    printed = rita.run("connect", plain, "--print", "--output", "json")  # a credential, not used
+    assert printed.returncode == 0, printed.stderr
+    issued = json.loads(printed.stdout)["session_id"]
+    table = rita.run("sessions", "--connection", plain).stdout
+    row = next(line for line in table.splitlines() if issued[:8] in line)
+    assert row.split()[-1] == "issued" or " issued" in row, row
+    found = json.loads(rita.run("sessions", "--status", "issued", "--output", "json").stdout)["data"]
+    assert issued in [s["id"] for s in found] and all(s["status"] == "ready" for s in found)

@@ -730,6 +730,17 @@ def gate() -> Path:
     return Path("/tmp") / f"gatewayd-console-gate-{uuid.uuid4().hex}"
 
 
+async def test_an_issued_credential_not_used_yet_is_not_shown_live(gateway, world, screens):
+    """Item 4: an issued credential's session said "ready" with the dot of a live one."""
+    secret, session_id = await world["ada"].credential(world["pg"], token=world["rita_token"])
+    rita = await screens()
+    await rita.sign_in("rita@example.com")
+    row = rita.page.locator(f"#sessions tr[data-session='{session_id}']")
+    await row.locator(".badge.issued").wait_for()
+    assert await row.locator(".badge.live").count() == 0 and await row.locator(".badge").inner_text() == "issued"
+    rita.assert_clean_log()
+
+
 async def test_a_running_ssh_session_is_followed_live_and_a_kill_shows_at_once(gateway, world, screens):
     """Item 6: the session page was a snapshot and its badge said open after a kill. An admin follows rita's
     session as it happens; typing on the watching page reaches nothing; rita's kill shows on the watcher's page."""

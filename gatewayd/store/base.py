@@ -363,6 +363,10 @@ class Store(abc.ABC):
     async def sessions_by_ids(self, session_ids: Iterable[str]) -> dict[str, Session]: ...
 
     @abc.abstractmethod
+    async def set_session_metadata(self, session_id: str, metadata: dict[str, Any]) -> bool:
+        """Replace a session's metadata (not sealed: people annotate sessions); True when it exists."""
+
+    @abc.abstractmethod
     async def save_access_rule(self, rule: AccessRequestRule, *, create: bool) -> None: ...
 
     @abc.abstractmethod

@@ -731,6 +731,9 @@ class SQLStore(Store):
         rows = await self._all(f"SELECT * FROM sessions WHERE id IN ({', '.join('?' * len(ids))})", tuple(ids))
         return {r["id"]: build(Session, r) for r in rows}
 
+    async def set_session_metadata(self, session_id: str, metadata: dict[str, Any]) -> bool:
+        return await self._changed(assign("sessions", {"metadata": metadata}, "id = ?", (session_id,))) == 1
+
     async def save_access_rule(self, rule: AccessRequestRule, *, create: bool) -> None:
         statement = insert("access_request_rules", rule) if create else \
             update("access_request_rules", rule, skip=("created_at",))
