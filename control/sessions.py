@@ -80,7 +80,10 @@ DOWNLOAD_LINK = Schema("SessionDownloadLink", {"download_url": Field("string", T
           minimum=1, maximum=INT64_MAX), Param("offset", "integer", minimum=0, maximum=INT64_MAX)],
              response=Schema("SessionPage", {"data": Field("array", True, items=SESSION_OUT),
                                             "has_next_page": Field("boolean", True),
-                                            "total": Field("integer", True, minimum=0)}))
+                                            "total": Field("integer", True, minimum=0),
+                                            "total_exact": Field("boolean", description="false: a search for a "
+                                                                 "common text counted its first matches only, "
+                                                                 "total is a lower bound")}))
 async def list_sessions(request: web.Request) -> web.Response:
     user = user_of(request)
     q = request.query
@@ -103,7 +106,8 @@ async def list_sessions(request: web.Request) -> web.Response:
     page = await store.list_sessions(query)
     reviews = await store.reviews_by_ids(s.review_id for s in page.items if s.review_id)
     return ok({"data": [session_json(s, review=reviews.get(s.review_id or "")) for s in page.items],
-               "has_next_page": offset + len(page.items) < page.total, "total": page.total})
+               "has_next_page": offset + len(page.items) < page.total or not page.total_exact, "total": page.total,
+               "total_exact": page.total_exact})
 
 
 async def review_of(store: Any, session: Session) -> Review | None:

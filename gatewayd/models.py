@@ -300,6 +300,7 @@ class AuditEntry:
 class Page:
     items: list[Any]
     total: int
+    total_exact: bool = True  # False: ``total`` is a lower bound (a search counted up to its cap)
 
 
 @dataclass(slots=True)

@@ -378,6 +378,28 @@ async def test_sessions_are_found_by_part_of_a_user_protocol_and_what_was_typed(
         await ids(text="or")
 
 
+async def test_a_common_text_is_found_newest_first_and_counted_up_to_a_cap(store: Store, monkeypatch):
+    """A text with more matches than the probe reads: the sessions newest first, the total a lower bound past the
+    cap (the same path on both stores; the probe and cap made small here)."""
+    org = await an_org(store)
+    made = []
+    for n in range(4):
+        session = a_session(org, start=f"2026-03-0{n + 1}T00:00:00Z")
+        await store.create_session(session)
+        await store.append_events([EventBatch.of(session.id, 0, [SessionEvent(0, "i", b"select now()")], {},
+                                                 CHAIN_GENESIS, "h")])
+        made.append(session.id)
+    monkeypatch.setattr(queries, "TEXT_PROBE", 1)
+    monkeypatch.setattr(queries, "TEXT_COUNT_CAP", 2)
+    page = await store.list_sessions(SessionFilter(org_id=org, text="now()"))
+    assert [s.id for s in page.items] == made[::-1] and (page.total, page.total_exact) == (2, False)
+    page = await store.list_sessions(SessionFilter(org_id=org, text="now()", limit=2, offset=1))
+    assert [s.id for s in page.items] == made[2:0:-1]
+    monkeypatch.setattr(queries, "TEXT_COUNT_CAP", 10)
+    page = await store.list_sessions(SessionFilter(org_id=org, text="NOW()"))
+    assert (page.total, page.total_exact) == (4, True)
+
+
 async def test_short_ids_events_after_a_point_open_requests_and_metadata(store: Store):
     """Issue 34: the start of an id names one session or review; a watcher reads events after the last it saw; one
     PENDING review per request key; a session's metadata is replaced."""

@@ -80,7 +80,7 @@ export async function sessionsView({params, go, main}) {
     h("div", {class: "pager"},
       h("button", {type: "button", id: "prev-page", disabled: offset === 0,
         onclick: () => go("/sessions", {...filters, offset: Math.max(0, offset - PAGE)})}, "← Newer"),
-      h("span", {id: "page-info"}, `${first}–${last} of ${page.total}`),
+      h("span", {id: "page-info"}, `${first}–${last} of ${page.total}${page.total_exact === false ? "+" : ""}`),
       h("button", {type: "button", id: "next-page", disabled: !page.has_next_page,
         onclick: () => go("/sessions", {...filters, offset: offset + PAGE})}, "Older →")));
 }

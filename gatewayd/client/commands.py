@@ -559,7 +559,8 @@ def cmd_sessions(args: argparse.Namespace) -> int:
                                    ("connection", "connection"), ("protocol", "protocol"), ("verb", "verb"),
                                    ("status", "status"), ("exit", "exit")])
     if not as_json(args) and isinstance(page, dict) and page.get("has_next_page"):
-        print(f"{len(items)} of {page['total']}: --offset {args.offset + len(items)} for more", file=sys.stderr)
+        total = f"{page['total']}{'' if page.get('total_exact', True) else '+'}"
+        print(f"{len(items)} of {total}: --offset {args.offset + len(items)} for more", file=sys.stderr)
     return code
 
 

@@ -352,7 +352,9 @@ CREATE INDEX audit_by_action ON audit_logs (action)
 ALTER TABLE reviews ADD COLUMN request_key TEXT;
 ALTER TABLE reviews ADD COLUMN reason TEXT NOT NULL DEFAULT '';
 CREATE UNIQUE INDEX reviews_one_pending ON reviews (request_key) WHERE status = 'PENDING';
-CREATE INDEX reviews_by_request ON reviews (request_key, status)
+CREATE INDEX reviews_by_request ON reviews (request_key, status);
+CREATE INDEX sessions_by_org_subtype ON sessions (org_id, subtype, start_date DESC, id);
+CREATE INDEX sessions_by_org_status ON sessions (org_id, status, start_date DESC, id)
 """),
     (14, lambda dialect: dialect.search_schema()),  # session_search: the input text of the recordings (gatewayd.store.search)
 ]

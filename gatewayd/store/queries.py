@@ -39,7 +39,7 @@ from gatewayd.models import (
 from gatewayd.store.base import AuditFilter, NotFound, SessionFilter, Store
 from gatewayd.store.bus import BusTransport, TableBus
 from gatewayd.store.migrations import MIGRATIONS, Migration
-from gatewayd.store.search import MIN_SEARCH, input_text, like_pattern
+from gatewayd.store.search import MIN_SEARCH, TEXT_COUNT_CAP, TEXT_PROBE, input_text, like_pattern
 from gatewayd.store.sql import (
     Connector,
     Row,
@@ -381,6 +381,10 @@ class SQLStore(Store):
         return build(Session, row) if row else None
 
     async def list_sessions(self, query: SessionFilter) -> Page:
+        """Sessions newest first. A text search first asks the text index for at most TEXT_PROBE matches: fewer
+        (a rare text), and the sessions are those, counted exactly; more (a common one), and the sessions are
+        read newest first, each checked against the text's matches, and counted among its first TEXT_COUNT_CAP
+        index rows only (``total_exact`` False when it has more)."""
         where, params = ["org_id = ?"], [query.org_id]
         for column, value in (("user_id", query.user_id), ("user_id", query.only_user_id),
                               ("connection", query.connection), ("type", query.type), ("subtype", query.protocol),
@@ -389,16 +393,26 @@ class SQLStore(Store):
                 where.append(f"{column} = ?")
                 params.append(value)
         if query.user_search:  # the subject itself, or part of an e-mail or name (users: a small table)
-            where.append("(user_id = ? OR user_id IN (SELECT subject FROM users WHERE org_id = ? AND "
-                         "(lower(email) LIKE ? ESCAPE '!' OR lower(name) LIKE ? ESCAPE '!')))")
+            where.append("user_id IN (SELECT ? UNION SELECT subject FROM users WHERE org_id = ? AND "
+                         "(lower(email) LIKE ? ESCAPE '!' OR lower(name) LIKE ? ESCAPE '!'))")
             pattern = like_pattern(query.user_search.lower())
             params += [query.user_search, query.org_id, pattern, pattern]
+        capped = False
         if query.text:
             if len(query.text) < MIN_SEARCH:
                 raise ValueError(f"a search needs at least {MIN_SEARCH} characters")
-            condition, value = self.dialect.text_match(query.text)
-            where.append(f"id IN (SELECT session_id FROM session_search WHERE {condition})")
-            params.append(value)
+            matches, value = self.dialect.text_matches(query.text)
+            probe = await self._all(f"{matches} LIMIT ?", (value, TEXT_PROBE + 1))
+            if len(probe) <= TEXT_PROBE:  # a rare text: its sessions, by primary key
+                found = list(dict.fromkeys(r[0] for r in probe)) or [""]
+                where[0] = f"{self.dialect.driven_by_text('org_id')} = ?"
+                where.append(f"id IN ({', '.join('?' * len(found))})")
+                params += found
+            else:  # a common one: newest first through the other filters, each session checked
+                capped = True
+                text_at = len(where)
+                where.append(f"id IN ({matches})")
+                params.append(value)
         if query.start_date:
             where.append("start_date >= ?")
             params.append(query.start_date)
@@ -412,13 +426,22 @@ class SQLStore(Store):
             where.append("review_id IN (SELECT review_id FROM review_groups WHERE lower(reviewed_by_email) = lower(?))")
             params.append(query.review_approver)
         clause = " AND ".join(where)
-        total = await self._count(f"SELECT COUNT(*) FROM sessions WHERE {clause}", params)
+        exact = True
+        if capped:  # counted from the text's first TEXT_COUNT_CAP index rows, by primary key
+            bounded = list(where)
+            bounded[0] = f"{self.dialect.driven_by_text('org_id')} = ?"
+            bounded[text_at] = f"id IN ({matches} LIMIT {TEXT_COUNT_CAP})"
+            total = await self._count(f"SELECT COUNT(*) FROM sessions WHERE {' AND '.join(bounded)}", params)
+            exact = await self._count(f"SELECT COUNT(*) FROM ({matches} LIMIT {TEXT_COUNT_CAP + 1}) AS rows_found",
+                                      [value]) <= TEXT_COUNT_CAP
+        else:
+            total = await self._count(f"SELECT COUNT(*) FROM sessions WHERE {clause}", params)
         names = ", ".join(n for n in columns(Session) if n != "script")
         order = f"{self.dialect.sort('start_date', descending=True)}, {self.dialect.sort('id', text=True)}"
         rows = await self._all(
             f"SELECT {names}, script FROM sessions WHERE {clause} ORDER BY {order} LIMIT ? OFFSET ?",
             tuple(params) + (query.limit, query.offset))
-        return Page(items=[build(Session, r) for r in rows], total=total)
+        return Page(items=[build(Session, r) for r in rows], total=total, total_exact=exact)
 
     def _returning(self, statement: Statement, key: str) -> Work[Session | None]:
         """An UPDATE of one session, and the session as it is after it (None when no row matched).
@@ -474,7 +497,7 @@ class SQLStore(Store):
                           "VALUES (?, ?, ?, ?, ?, ?)", (batch.session_id, batch.first_seq, batch.count,
                                                         batch.previous_hash, batch.hash, batch.packed)))
         if batch.sizes.get("i") and (text := input_text(batch.packed)):  # what was typed, searchable
-            found.append(("INSERT INTO session_search (session_id, body) VALUES (?, ?)", (batch.session_id, text)))
+            found += self.dialect.search_insert(batch.session_id, text)
         if batch.session_fields:
             found.append(assign("sessions", batch.session_fields, "id = ?", (batch.session_id,)))
         return found

@@ -13,6 +13,8 @@ from gatewayd.evidence import EVENT_HEAD
 
 INDEXED_PER_BATCH = 16 * 1024  # bytes of one batch's input text indexed (a pasted dump is not the search index)
 MIN_SEARCH = 3
+TEXT_PROBE = 2000  # index rows read first: fewer matches and a search is driven by them (see list_sessions)
+TEXT_COUNT_CAP = 10_000  # a common text's sessions are counted up to this many (the total is then "at least")
 
 _HEAD = EVENT_HEAD.size
 _INPUT = b"i"
@@ -37,9 +39,16 @@ def input_text(packed: bytes) -> str:
     return b"".join(parts).decode("utf-8", "replace").replace("\x00", "")
 
 
+# SQLite: the matches come from a contentless FTS5 index as rowids, which name rows of session_search_rows (their
+# session): reading a rowid costs a fraction of reading a column back from an FTS5 table
 SQLITE_SCHEMA = [
-    "CREATE VIRTUAL TABLE session_search USING fts5(session_id UNINDEXED, body, tokenize = 'trigram')",
+    "CREATE TABLE session_search_rows (id INTEGER PRIMARY KEY, session_id TEXT NOT NULL)",
+    "CREATE VIRTUAL TABLE session_search USING fts5(body, content = '', tokenize = 'trigram')",
 ]
+SQLITE_INSERT = ("INSERT INTO session_search_rows (session_id) VALUES (?)",
+                 "INSERT INTO session_search (rowid, body) VALUES (last_insert_rowid(), ?)")
+SQLITE_MATCHES = ("SELECT session_id FROM session_search_rows WHERE id IN "
+                  "(SELECT rowid FROM session_search WHERE session_search MATCH ?)")
 
 POSTGRES_SCHEMA = [
     # pg_trgm is a trusted extension (PostgreSQL 13+): the database's owner may create it; where it cannot be,
@@ -52,6 +61,8 @@ POSTGRES_SCHEMA = [
     "DO $$ BEGIN IF EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'pg_trgm') THEN "
     "EXECUTE 'CREATE INDEX session_search_body ON session_search USING gin (body gin_trgm_ops)'; END IF; END $$",
 ]
+POSTGRES_INSERT = "INSERT INTO session_search (session_id, body) VALUES (?, ?)"
+POSTGRES_MATCHES = "SELECT session_id FROM session_search WHERE body ILIKE ? ESCAPE '!'"
 
 
 def fts_phrase(text: str) -> str:

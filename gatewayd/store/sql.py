@@ -141,11 +141,23 @@ class Dialect:
 
         return SQLITE_SCHEMA
 
-    def text_match(self, text: str) -> tuple[str, str]:
-        """A condition on ``session_search`` rows whose body holds ``text`` (any case), and its parameter."""
-        from gatewayd.store.search import fts_phrase
+    def search_insert(self, session_id: str, text: str) -> list[Statement]:
+        """The statements that index ``text`` as typed in ``session_id``."""
+        from gatewayd.store.search import SQLITE_INSERT
 
-        return "session_search MATCH ?", fts_phrase(text)
+        return [(SQLITE_INSERT[0], (session_id,)), (SQLITE_INSERT[1], (text,))]
+
+    def text_matches(self, text: str) -> tuple[str, str]:
+        """A query of the session ids whose indexed text holds ``text`` (any case), and its parameter."""
+        from gatewayd.store.search import SQLITE_MATCHES, fts_phrase
+
+        return SQLITE_MATCHES, fts_phrase(text)
+
+    def driven_by_text(self, column: str) -> str:
+        """``column`` in a condition beside a text search, so that the planner starts from the text index (its
+        matches, then the sessions by primary key) rather than scanning an organization's sessions: SQLite's
+        unary ``+`` keeps it off an index."""
+        return f"+{column}"
 
 
 _PLACEHOLDER = re.compile(r"\?")
