@@ -334,3 +334,106 @@ def test_an_issued_credential_not_used_yet_is_not_a_live_session(people, connect
     assert row.split()[-1] == "issued" or " issued" in row, row
     found = json.loads(rita.run("sessions", "--status", "issued", "--output", "json").stdout)["data"]
     assert issued in [s["id"] for s in found] and all(s["status"] == "ready" for s in found)
+
+
+# ------------------------------------------------------------------ issue 34, item 9: the CLI for every day
+
+
+def test_profiles_keep_several_gateways_and_whoami_says_which(gateway, tmp_path):
+    """One login at a time: logging in to http://localhost:PORT forgot the login to http://127.0.0.1:PORT."""
+    ada = Person(gateway, tmp_path, "ada@example.com")
+    numeric = gateway.url.removesuffix("/api")
+    named = numeric.replace("127.0.0.1", "localhost")
+    assert ada.run("login", "--url", numeric, "--email", ada.email, "--password-stdin",
+                   input=PASSWORDS[ada.email] + "\n").returncode == 0
+    done = ada.run("login", "--url", named, "--profile", "local", "--email", ada.email, "--password-stdin",
+                   input=PASSWORDS[ada.email] + "\n")
+    assert done.returncode == 0 and "profile local" in done.stderr, done.stderr
+    listed = json.loads(ada.run("profiles", "--output", "json").stdout)
+    assert listed["default"] == "local" and set(listed["profiles"]) == {"default", "local"}
+    assert listed["profiles"]["default"]["logged_in"] and listed["profiles"]["local"]["logged_in"]
+    assert ada.run("whoami", "--profile", "default").stdout.startswith(f"ada@example.com at {numeric} ")
+    env = {**ada.env(), "GATEWAYD_PROFILE": "default"}
+    picked = gatewayd_command([str(BIN / "gatewayd"), "whoami", "--output", "json"], env=env, cwd=ROOT, check=False)
+    me = json.loads(picked.stdout)
+    assert me["profile"] == "default" and me["url"] == numeric and me["email"] == ada.email
+    assert "admin" in me["groups"] and me["token_expires_at"]
+    by_url = ada.run("whoami", "--url", numeric)  # the profile whose gateway that is
+    assert by_url.returncode == 0 and "(profile default)" in by_url.stdout, by_url
+    assert ada.run("profiles", "--use", "default").returncode == 0
+    assert json.loads(ada.run("profiles", "--output", "json").stdout)["default"] == "default"
+    assert ada.run("logout", "--profile", "local").returncode == 0
+    assert set(json.loads(ada.run("profiles", "--output", "json").stdout)["profiles"]) == {"default"}
+
+
+PEOPLE_COMMANDS = [("login",), ("logout",), ("whoami",), ("profiles",), ("connections",), ("connect",), ("exec",),
+                   ("sessions",), ("sessions", "show"), ("sessions", "replay"), ("sessions", "export"),
+                   ("reviews",), ("reviews", "show"), ("reviews", "approve"), ("reviews", "reject"),
+                   ("reviews", "revoke"), ("status",), ("version",), ("completion",)]
+
+
+@pytest.fixture(scope="module")
+def rita_session(people, connections) -> str:
+    """A session of rita's on the plain connection (a credential issued with `connect --print`)."""
+    _, rita = people
+    printed = rita.run("connect", connections[0], "--print", "--output", "json")
+    assert printed.returncode == 0, printed.stderr
+    return json.loads(printed.stdout)["session_id"]
+
+
+def test_every_command_has_help_with_examples_and_answers_json(gateway, people, connections, rita_session):
+    ada, rita = people
+    session = rita_session
+    for words in PEOPLE_COMMANDS:
+        shown = ada.run(*words, "--help")
+        assert shown.returncode == 0 and "examples:" in shown.stdout, (words, shown.stdout)
+        assert shown.stdout.count("\n") > 5, words
+    for words in (("whoami",), ("profiles",), ("connections",), ("sessions",), ("reviews", "--status", "all"),
+                  ("sessions", "show", session[:8]), ("version",), ("status",)):
+        done = rita.run(*words, "--output", "json")
+        assert done.returncode == 0, (words, done.stderr)
+        json.loads(done.stdout)  # JSON, whole
+
+
+def test_failures_are_one_line_and_say_what_to_do(gateway, people, connections, rita_session, tmp_path):
+    """Item 9: `login < /dev/null` ended in a traceback; `--type ssh` found nothing; exports fit some protocols
+    without saying so; `--duration 100h` was refused in seconds."""
+    ada, rita = people
+    plain, _ = connections
+    nobody = Person(gateway, tmp_path, "nobody@example.com")
+    one_line_failure(nobody.run("login", "--url", gateway.url.removesuffix("/api"), input=""), 2,
+                     "no terminal to ask for your e-mail: use --email")
+    one_line_failure(nobody.run("login", "--url", gateway.url.removesuffix("/api"), "--email", "a@b.c", input=""), 2,
+                     "no terminal to ask for your password")
+    session = rita_session
+    one_line_failure(rita.run("sessions", "export", session[:8], "--format", "asciicast"), 2,
+                     "--format asciicast exports ssh sessions; session")
+    one_line_failure(rita.run("connect", plain, "--duration", "100h", "--print"), 2,
+                     "--duration 100h is longer than this gateway allows for this connection (at most 2d)")
+    one_line_failure(rita.run("sessions", "show", "ffffffff"), 1, "not found")
+    by_type = json.loads(rita.run("sessions", "--type", "postgres", "--output", "json").stdout)["data"]
+    assert by_type and all(s["connection_subtype"] == "postgres" for s in by_type)  # the protocol people meant
+    away = rita.run("status")  # a person's machine: no store here, the gateway's readiness through its API
+    assert away.returncode == 0 and "ready" in away.stdout and "Traceback" not in away.stderr, away
+
+
+def test_bash_completion_completes_commands_options_and_connection_names(gateway, people, connections, tmp_path):
+    ada, _ = people
+    plain, reviewed = connections
+    script = tmp_path / "gatewayd.bash"
+    script.write_text(ada.run("completion", "bash").stdout)
+    probe = f"""source {script}
+complete_words() {{ COMP_WORDS=("$@"); COMP_CWORD=$(( $# - 1 )); _gatewayd_complete; echo "${{COMPREPLY[*]}}"; }}
+complete_words gatewayd rev
+complete_words gatewayd reviews ap
+complete_words gatewayd sessions --since 2h --pro
+complete_words gatewayd connect pg
+"""
+    env = {**ada.env(), "PATH": f"{BIN}:{os.environ['PATH']}"}
+    done = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, env=env, timeout=60)
+    lines = done.stdout.splitlines()
+    assert lines[0] == "reviews" and lines[1] == "approve" and set(lines[2].split()) == {"--protocol", "--profile"}, \
+        (lines, done.stderr)
+    assert {plain, reviewed} <= set(lines[3].split()), lines
+    zsh = ada.run("completion", "zsh").stdout
+    assert zsh.startswith("#compdef gatewayd") and "bashcompinit" in zsh
