@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -44,9 +45,12 @@ from control.http import (
     check_parameters,
     gateway_of,
 )
+from gatewayd.cluster import NotConfirmed
 from gatewayd.daemon import Gateway
 from gatewayd.identity import AuthError
 from gatewayd.logs import REQUEST_ID, request_id_from
+from gatewayd.sessions import CONFIRMATIONS
+from gatewayd.store import StoreUnavailable
 
 log = logging.getLogger("gatewayd.api")
 
@@ -57,6 +61,7 @@ ROUTE_DOC = web.AppKey("route_doc_by_handler", dict)
 REQUEST_ID_KEY = web.RequestKey("request_id", str)
 REQUEST_ID_HEADER = "X-Request-Id"
 BEARER_CHALLENGE = 'Bearer realm="gatewayd"'  # RFC 6750: every 401 of the API says how to authenticate
+STORE_DOWN = "the gateway's store is unavailable: try again later"
 
 
 def _route_doc(request: web.Request) -> RouteDoc | None:
@@ -105,9 +110,21 @@ async def body_size_middleware(request: web.Request, handler: Any) -> web.Stream
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Every error leaves as ``{"message": ...}``."""
+    """Every error leaves as ``{"message": ...}``. A control action the call started (a rule changed) is awaited
+    until every node it concerns confirms it, before the call answers (gatewayd.sessions.CONFIRMATIONS)."""
+    waiting: list[asyncio.Task[None]] = []
+    token = CONFIRMATIONS.set(waiting)
     try:
-        return await handler(request)
+        response = await handler(request)
+        for outcome in await asyncio.gather(*waiting, return_exceptions=True):
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return response
+    except NotConfirmed as exc:  # done, but not known to be in force everywhere: the caller must know
+        log.error("a control action was not confirmed by every node", extra={"path": request.path,
+                                                                               "nodes": ",".join(exc.nodes)})
+        request[ERROR_MESSAGE] = str(exc)
+        return web.json_response({"message": str(exc)}, status=503)
     except ApiError as exc:
         request[ERROR_MESSAGE] = exc.message
         headers = exc.headers
@@ -122,6 +139,10 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         request[ERROR_MESSAGE] = message
         return web.json_response({"message": message}, status=exc.status, headers={
             k: v for k, v in exc.headers.items() if k.lower() == "allow"})
+    except StoreUnavailable as exc:  # the store does not answer (within store.timeout): say so, come back later
+        log.error("the store did not answer an API call", extra={"path": request.path, "error": str(exc)})
+        request[ERROR_MESSAGE] = STORE_DOWN
+        return web.json_response({"message": STORE_DOWN}, status=503, headers={"Retry-After": "5"})
     except (HttpProcessingError, ConnectionResetError) as exc:  # a body that broke off or does not parse
         message = f"malformed request: {type(exc).__name__}"  # the client's fault: no traceback, no echo
         request[ERROR_MESSAGE] = message
@@ -130,6 +151,8 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         log.exception("unhandled API error", extra={"path": request.path, "method": request.method})
         request[ERROR_MESSAGE] = "internal server error"
         return web.json_response({"message": "internal server error"}, status=500)
+    finally:
+        CONFIRMATIONS.reset(token)
 
 
 @web.middleware

@@ -85,7 +85,7 @@ def connection_status(gateway: Any, conn: Connection) -> str:
 
 # Settings of a role secret an admin may read back: where the target is and how it is checked. Anything else (PASS,
 # PRIVATE_KEY, a setting this list does not know yet) is withheld: no answer carries what logs in to a target.
-SHOWN_TARGET_SETTINGS = frozenset({"HOST", "PORT", "USER", "DB", "SSLMODE", "INSECURE", "DOMAIN", "HOST_KEY",
+SHOWN_TARGET_SETTINGS = frozenset({"HOST", "PORT", "USER", "DB", "SSLMODE", "INSECURE", "DOMAIN", "NLA", "HOST_KEY",
                                    "REMOTE_URL"})
 
 
@@ -154,6 +154,8 @@ def build_connection(body: dict[str, Any], org_id: str, resource_name: str, exis
     if body.get("reviewers") is not None:
         settings["reviewers"] = list(body["reviewers"])
     problem = check_review_settings(settings)
+    if settings.get("recording_mode") not in (None, "async", "strict"):
+        problem = "field 'settings.recording_mode': expected \"async\" or \"strict\""
     description = protocols.by_subtype(body.get("subtype") or body["type"])
     if problem is None and description is not None and description.check_settings is not None:
         problem = description.check_settings(settings)

@@ -24,7 +24,8 @@ from aiohttp import web
 from control.http import (ApiError, Field, RouteSet, Schema, array_of, gateway_of, json_body, off_loop, ok,
                           require_admin, user_of)
 from control.schemas import STRINGS, TEXT
-from gatewayd.guardrails import DATAMASKING_KEY, DATAMASKING_PREFIX, RuleError, validate_guardrail
+from gatewayd import protocols
+from gatewayd.guardrails import DATAMASKING_KEY, DATAMASKING_PREFIX, RuleError, check_language, validate_guardrail
 from gatewayd.models import GuardRail, new_id, rfc3339, utcnow
 from gatewayd.policy import CLEAR_SUFFIX
 from gatewayd.store import Conflict
@@ -115,6 +116,9 @@ async def _checked(request: web.Request, org_id: str) -> tuple[dict[str, Any], l
         connection = await store.get_connection(org_id, conn_id)
         if connection is None:
             raise ApiError(422, f"field 'connection_ids': connection {conn_id!r} not found")
+        refusal = check_language({"rules": []}, {"rules": rules}, protocols.language_of(connection.subtype))
+        if refusal:  # an RDP connection: nothing its proxy sends can be masked
+            raise ApiError(422, f"field 'connection_ids': connection {connection.name!r} cannot apply {refusal}")
         ids.append(connection.id)
     return body, rules, ids
 

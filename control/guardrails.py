@@ -20,7 +20,8 @@ from control.http import (
     user_of,
 )
 from control.schemas import OBJECT, STRINGS, TEXT
-from gatewayd.guardrails import DATAMASKING_PREFIX, RuleError, pattern_problem, validate_guardrail
+from gatewayd import protocols
+from gatewayd.guardrails import DATAMASKING_PREFIX, RuleError, check_language, pattern_problem, validate_guardrail
 from gatewayd.models import GuardRail, new_id, rfc3339, utcnow
 from gatewayd.store import Conflict
 
@@ -70,8 +71,12 @@ async def _checked(request: web.Request, org_id: str) -> dict[str, Any]:
         raise ApiError(400, str(exc)) from None
     store = gateway_of(request).store
     for conn_id in body.get("connection_ids") or []:
-        if await store.get_connection(org_id, conn_id) is None:
+        connection = await store.get_connection(org_id, conn_id)
+        if connection is None:
             raise ApiError(422, f"field 'connection_ids': connection {conn_id!r} not found")
+        refusal = check_language(body["input"], body["output"], protocols.language_of(connection.subtype))
+        if refusal:  # never a silent fallback: a rule its connection's language cannot evaluate is refused
+            raise ApiError(422, f"field 'connection_ids': connection {connection.name!r} cannot apply {refusal}")
     return body
 
 

@@ -1,10 +1,12 @@
 """Liveness and readiness of this node, without authentication (a load balancer's and an orchestrator's probes).
 
 ``GET /healthz``: the daemon answers (liveness).  ``GET /readyz``: this node can take traffic -- its store
-answers one cheap query within ``READY_STORE_TIMEOUT`` and every protocol listener it is asked to run is up.
-Both are public, so they say only up or down: what is not ready (a listener's address, the store's error) goes
-to the operator's log, once per change, never to the caller.  Prometheus metrics are served apart
-(``[metrics] listen``, gatewayd.metrics).
+answers one cheap query within ``READY_STORE_TIMEOUT``, it is not fenced (it holds its lease) and every
+protocol listener it is asked to run is up. Both are public, so they say only up or down: what is not ready (a
+listener's address, the store's error, the fence) goes to the operator's log, once per change, never to the
+caller. Readiness answers within ``READY_STORE_TIMEOUT`` whatever the store does: the probe is not waited for
+past it (a query to a hung server may take long to give up), and one probe at a time is in flight. Prometheus
+metrics are served apart (``[metrics] listen``, gatewayd.metrics).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
+from typing import Any
 
 from aiohttp import web
 
@@ -23,6 +26,7 @@ log = logging.getLogger("gatewayd.health")
 routes = RouteSet("Health")
 
 READY_STORE_TIMEOUT = 2.0  # seconds: a store slower than this is not ready to serve sessions
+_PROBES: weakref.WeakKeyDictionary[Any, asyncio.Future[Any]] = weakref.WeakKeyDictionary()  # per gateway, in flight
 
 READY = Schema("Readiness", {"status": Field("string", True, enum=("ready",))})
 NOT_READY = Schema("NotReady", {"status": Field("string", True, enum=("not ready",)),
@@ -44,14 +48,20 @@ async def readyz(request: web.Request) -> web.Response:
     gateway = gateway_of(request)
     problems: list[str] = []
     store_error = ""
-    try:
-        await asyncio.wait_for(gateway.store.get_setting(SERVER_CONFIG_KEY), READY_STORE_TIMEOUT)
-    except TimeoutError:
+    probe = _PROBES.get(gateway)
+    if probe is None or probe.done():
+        probe = _PROBES[gateway] = asyncio.ensure_future(gateway.store.get_setting(SERVER_CONFIG_KEY))
+        probe.add_done_callback(lambda task: task.cancelled() or task.exception())  # retrieved, never lost
+    done, _ = await asyncio.wait({probe}, timeout=READY_STORE_TIMEOUT)
+    if not done:
         store_error = f"no answer within {READY_STORE_TIMEOUT:g}s"
-    except Exception as exc:  # what the store's driver raises when it cannot answer
-        store_error = f"{type(exc).__name__}: {exc}"[:300]
+    elif probe.exception() is not None:  # what the store's driver raises when it cannot answer
+        store_error = f"{type(probe.exception()).__name__}: {probe.exception()}"[:300]
     if store_error:
         problems.append(f"store unreachable ({store_error})")
+    fence = gateway.cluster.fence_reason if gateway.cluster is not None else None
+    if fence is not None:
+        problems.append(fence)
     listeners = gateway.listeners.summary()
     for name, wanted in listen_addresses(gateway.server_config).items():
         state = listeners.get(name)

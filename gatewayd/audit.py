@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from gatewayd.evidence import Verification, verify_audit
 
@@ -40,10 +40,16 @@ def redact(value: Any) -> Any:
 
 
 class AuditLog:
-    """Writes audit entries; never raises into the caller's path."""
+    """Writes audit entries; never raises into the caller's path.
+
+    With a ``keeper`` (the recording service of a running gateway) an entry is journaled first and kept,
+    and sent again, while the store cannot take it (gatewayd.recording); without one (the host commands),
+    a failure is logged.
+    """
 
     def __init__(self, store: Store) -> None:
         self.store = store
+        self.keeper: Callable[[AuditEntry], Awaitable[None]] | None = None
 
     async def record(
         self,
@@ -85,6 +91,9 @@ class AuditLog:
                 "user": entry.actor_email, "client": client_ip,
                 "connection": payload_fields.get("connection") or "",
                 "session_id": payload_fields.get("session_id") or ""})
+        if self.keeper is not None:
+            await self.keeper(entry)
+            return
         try:
             await self.store.append_audit(entry)
         except Exception:  # an audit failure must be loud but not take the request down

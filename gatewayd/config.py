@@ -154,6 +154,7 @@ SETTINGS: dict[str, Setting] = {
     "store.driver": Setting("str", "sqlite", _choice("sqlite", "postgres")),
     "store.path": Setting("str", ""),
     "store.url": Setting("str", "", _store_url),
+    "store.timeout": Setting("duration", "4s", _positive),
     "secrets.key": Setting("str", ""),
     "cluster.node_name": Setting("str", ""),
     "cluster.lease": Setting("duration", "30s", _positive),
@@ -178,6 +179,11 @@ SETTINGS: dict[str, Setting] = {
     "sessions.shutdown_grace": Setting("duration", "10s"),
     "sessions.recording_cap_bytes": Setting("int", 64 * 1024 * 1024, _positive),
     "sessions.flush_interval": Setting("duration", "1s"),
+    "sessions.journal": Setting("bool", True),
+    "sessions.journal_dir": Setting("str", ""),
+    "sessions.journal_interval": Setting("duration", "50ms", _positive),
+    "sessions.recording_mode": Setting("str", "async", _choice("async", "strict")),
+    "sessions.strict_bound": Setting("duration", "5s", _positive),
     "sessions.max_credential_duration": Setting("duration", "48h"),
     "sessions.exec_wait": Setting("duration", "50s"),
     "throttle.login_failures": Setting("int", 10, _not_negative),
@@ -296,6 +302,14 @@ class Config:
     def store_path(self) -> Path:
         path = self._values["store.path"]
         return Path(path).expanduser() if path else self.data_dir / "gatewayd.db"
+
+    @property
+    def journal_dir(self) -> Path | None:
+        """Where this host's processes keep their journals (gatewayd.journal); None when it is turned off."""
+        if not self._values["sessions.journal"]:
+            return None
+        path = self._values["sessions.journal_dir"]
+        return Path(path).expanduser() if path else self.data_dir / "journal"
 
     @property
     def public_url(self) -> str:

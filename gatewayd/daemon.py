@@ -225,12 +225,16 @@ class Gateway:
         self.access = AccessService(self.store, self.audit, Throttle(
             self.config["throttle.credential_failures"], self.config["throttle.credential_window"]))
         self.recording = RecordingService(self.store, self.config["sessions.recording_cap_bytes"],
-                                          self.config["sessions.flush_interval"], sealer)
+                                          self.config["sessions.flush_interval"], sealer,
+                                          journal_dir=self.config.journal_dir,
+                                          journal_interval=self.config["sessions.journal_interval"],
+                                          strict_bound=self.config["sessions.strict_bound"], name=self.node_name())
         self.cluster = Cluster(self.store, self.node_name(), lease=self.config["cluster.lease"],
                                version=self.version, api_address=self.config["api.listen"])
-        self.sessions = SessionManager(self.store, self.recording, self.audit, self.cluster)
+        self.sessions = SessionManager(self.store, self.recording, self.audit, self.cluster,
+                                       recording_mode=self.config["sessions.recording_mode"])
         self.guardrails = GuardRailService(self.store)
-        self.guardrails.changed = lambda: self.sessions.tasks.spawn(self.sessions.rules_changed())
+        self.guardrails.changed = self.sessions.rules_changed_soon
         self.cluster.on(SessionManager.RULES, lambda _message: self.guardrails.invalidate(announce=False))
         self.cluster.on(SERVER_CONFIG_CHANGED, self._server_config_changed)
         self.discovery = AwsDiscovery(self.store, AwsSettings(
@@ -264,7 +268,8 @@ class Gateway:
 
     async def start(self) -> None:
         await self.open_core()
-        await self.recording.start()
+        await self.recording.start()  # replays what processes of this host that are gone journaled
+        self.audit.keeper = self.recording.keep_audit
         self.server_config = await self._load_server_config()
         # closes what a dead run left open; the gRPC URL is what agents are told of this node
         await self.cluster.start({**listen_addresses(self.server_config), "grpc": self.node_grpc_url()})
@@ -306,6 +311,7 @@ class Gateway:
         cluster's start: sessions of this name's dead predecessor, and of no node when none is up)."""
         self.server_config = await self._load_server_config()
         await self.guardrails.mask_key()
+        await self.recording.recover()  # what a dead run journaled goes in before its sessions are closed
         await self.cluster.start(listen_addresses(self.server_config))
         await self.cluster.stop()
 
@@ -450,6 +456,7 @@ class Gateway:
         if self.cluster is not None:
             await self.cluster.stop()  # after its sessions closed: no other node closes them as lost
         if self.recording is not None:
+            self.audit.keeper = None
             await self.recording.stop()
         if self._runner is not None:
             await self._runner.cleanup()

@@ -43,6 +43,10 @@ SEAL_KEY_NAME = "recording-seal"
 SEAL_V2 = "v2:"  # a seal over the session's identity too (``identity_statement``); one without it is older
 SEALED = "session.seal"  # the audit action that records a session's sealing, with its seal
 EVENT_HEAD = struct.Struct(">QQ1sQ")  # a stored event's head: seq, offset_ms, kind, length
+# Links numbered from here hold events stored after the session was closed by another process (kept by the
+# process that held it, in memory or in its journal): after the sealed recording, named by verification.
+LATE_BASE = 1 << 40
+GAP = b"recording gap: "  # an ``e`` event saying what the recording may miss; verification names each
 _AUDIT_FIELDS = ("id", "org_id", "created_at", "actor_subject", "actor_email", "actor_name", "resource_type",
                  "action", "outcome", "http_method", "http_path", "http_status", "client_ip",
                  "request_payload_redacted", "error_message")
@@ -237,6 +241,10 @@ def verify_recording(session: Any, links: Sequence[BatchLink], events: Sequence[
     if not chain_head:
         result.problem("recorded before this gateway chained recordings: it cannot be verified")
         return result
+    late_links = [link for link in links if link.first_seq >= LATE_BASE]
+    links = [link for link in links if link.first_seq < LATE_BASE]
+    late_events = [pair for pair in events if pair[0] >= LATE_BASE]
+    events = [pair for pair in events if pair[0] < LATE_BASE]
     by_seq = dict(events)
     if len(by_seq) != len(events):
         result.problem("two events have the same sequence number")
@@ -259,6 +267,11 @@ def verify_recording(session: Any, links: Sequence[BatchLink], events: Sequence[
     result.chain_head = previous
     if chain_head != previous:
         result.problem("the session's chain head does not match its last batch")
+    for seq, event in events:
+        if event.kind == "e" and bytes(event.data).startswith(GAP):
+            result.problem(f"event {seq}: {bytes(event.data)[:300].decode('utf-8', 'replace')}")
+    if late_links:
+        _verify_late(result, session_id, previous, late_links, dict(late_events))
     if seal:
         result.sealed = True
         if seal.startswith(SEAL_V2):
@@ -277,6 +290,20 @@ def verify_recording(session: Any, links: Sequence[BatchLink], events: Sequence[
         result.problem("the session is done but has no seal")
     _check_sealings(result, seal, sealings)
     return result
+
+
+def _verify_late(result: Verification, session_id: str, previous: str, links: Sequence[BatchLink],
+                 by_seq: dict[int, SessionEvent]) -> None:
+    """The links kept after the session was closed by another process: chained on, unaltered, and named."""
+    count = 0
+    for link in links:
+        batch = [by_seq.get(seq) for seq in range(link.first_seq, link.first_seq + link.count)]
+        if link.previous_hash != previous or any(event is None for event in batch) or \
+                batch_hash(link.previous_hash, session_id, link.first_seq, batch) != link.hash:  # type: ignore[arg-type]
+            result.problem(f"the events kept after the close (from event {link.first_seq - LATE_BASE}) were altered")
+        previous, count = link.hash, count + link.count
+    result.problem(f"{count} events were stored after the session was closed by another process (kept by the "
+                   "process that held it, in memory or in its journal): they are not covered by the seal")
 
 
 def _check_sealings(result: Verification, seal: str | None, sealings: Sequence[dict[str, Any]]) -> None:
@@ -302,16 +329,31 @@ def verify_audit(org_id: str, rows: Iterable[dict[str, Any]], key: bytes | None 
 
     With ``key`` (the gateway's: ``Sealer.audit_key``) a link verifies only as its HMAC, and every entry must be
     one: an entry without a hash, or hashed without the key, cannot be told from one whose hash was stripped or
-    re-computed, so it is not verified (named with how many there are). Without a key (a store that never had
-    the gateway's) the links are plain hashes, and entries without one before the first are from before the chain
-    began (named, not counted as altered). A log where no entry verifies is not intact."""
+    re-computed, so it is not verified (named with how many there are).  One exception, for a log begun before
+    the chain was keyed (an upgrade): its oldest entries, linked by plain hashes from the start, count as links
+    when the first keyed entry chains to them -- that entry's HMAC holds the hash of the last of them, so none of
+    them can be changed (and the plain hashes re-computed) without breaking it.  A plain-hash run that no keyed
+    entry follows proves nothing.  Without a key (a store that never had the gateway's) the links are plain
+    hashes, and entries without one before the first are from before the chain began (named, not counted as
+    altered).  A log where no entry verifies is not intact."""
     result = Verification(subject=f"audit log of organization {org_id}")
     previous, good, legacy, linked = GENESIS, 0, 0, True  # linked: the entry before is a link (or there is none)
     loose: list[str] = []  # entries that are not links: no hash, or (with a key) one made without it
+    # with a key: the oldest entries, while they are plain-hash links from the start (anchored by a keyed successor)
+    prekey: list[str] | None = [] if key is not None else None
     for row in rows:
         result.entries += 1
         stored, expected = row["hash"], audit_hash(row["prev_hash"], row, key)
         if stored != expected:
+            if (prekey is not None and stored and row["prev_hash"] == previous
+                    and audit_hash(row["prev_hash"], row) == stored):
+                prekey.append(row["id"])  # a plain-hash link in the run from the start: anchored, or not, later
+                previous = stored
+                continue
+            if prekey:  # the run ends without a keyed entry chaining to it: none of it proves anything
+                loose.extend(prekey)
+                linked = False
+            prekey = None
             if key is None and not stored and not good and not loose:  # written before the chain began
                 legacy += 1
                 continue
@@ -321,6 +363,9 @@ def verify_audit(org_id: str, rows: Iterable[dict[str, Any]], key: bytes | None 
                 result.problem(f"entry {row['id']}: it was altered")
             previous, linked = stored, False
             continue
+        if prekey:
+            good += len(prekey)  # this keyed entry chains to the run of plain-hash links (checked below)
+        prekey = None
         if row["prev_hash"] == previous:
             good += 1
         elif row["prev_hash"] == GENESIS and not linked:
@@ -328,6 +373,8 @@ def verify_audit(org_id: str, rows: Iterable[dict[str, Any]], key: bytes | None 
         else:
             result.problem(f"entry {row['id']}: does not chain to the entry before it (one was removed or inserted)")
         previous, linked = stored, True
+    if prekey:  # plain-hash links to the end, and no keyed entry after them
+        loose.extend(prekey)
     result.links = result.entries - legacy - len(loose)
     result.chain_head = previous
     if loose:

@@ -2,32 +2,29 @@
 
 Every pattern runs on RE2, whose time is linear in the text: no rule an admin
 writes can stall the event loop that every proxy shares, and what RE2 cannot
-run (backreferences, lookaround...) is refused when the rule is defined.  SQL
-input (the PostgreSQL proxy asks with ``sql=True``) is read the way
-PostgreSQL's own scanner reads it (``normalize_sql``); text from the other
-protocols (shell lines, SFTP requests, HTTP requests) is matched as plain text.
+run (backreferences, lookaround...) is refused when the rule is defined.  A
+rule set reads its connection's language (gatewayd.languages, declared by the
+protocol): a SQL dialect's input as its own scanner and parser read it
+(``SqlDialect``: PostgreSQL's is gatewayd/sql/postgresql.py); shell lines, SFTP
+requests and HTTP requests as plain text.  A rule the language cannot
+evaluate is never applied some other way: it refuses everything on its side
+(``check_language`` says why, for the API's 422).
 """
 
 from __future__ import annotations
 
-import functools
 import re
 import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import re2
-from pglast import parser as pg_scanner
 
+from gatewayd import protocols
+from gatewayd.languages import STATEMENT_RULES, TEXT, Language, SqlDialect, collapse
 from gatewayd.masking import MaskError, Masker, MaskRule, compile_mask_rule
-from gatewayd.models import GuardRail
-from gatewayd.statements import (
-    WHERE_STATEMENTS,
-    ParsedStatement,
-    parse_statements,
-    split_statements,
-    statement_node_names,
-)
+from gatewayd.models import Connection, GuardRail
+from gatewayd.sql.pg_statements import WHERE_STATEMENTS, ParsedStatement, statement_node_names
 from gatewayd.store import Store
 
 if TYPE_CHECKING:
@@ -41,25 +38,18 @@ One whose ``sync`` is true also decides (gatewayd.analysis.SessionAnalysis): ``n
 """
 ObserverFactory = Callable[["LiveSession"], Awaitable[InputObserver | None]]
 
-STATEMENT_RULE_TYPES = ("statement_kinds", "require_where")  # PostgreSQL only, decided on pglast's parse tree
+STATEMENT_RULE_TYPES = STATEMENT_RULES  # a SQL dialect's only, decided on its parse (statement kinds)
 MASK_RULE_TYPE = "mask"  # an output rule that masks what it finds and lets the answer through (gatewayd.masking)
 RULE_TYPES = ("deny_words_list", "pattern_match") + STATEMENT_RULE_TYPES + (MASK_RULE_TYPE,)
 DATAMASKING_PREFIX = "datamasking:"  # a data masking rule (control/datamasking) is stored as a guard rail so named
 DATAMASKING_KEY = "datamasking"  # ... its output side keeps the rule as written under this key, beside its rules
 MASKING_KEY_NAME = "masking.hmac"  # the gateway's key for the ``hash`` mask style (sealed in the store)
 AUDIT_INPUT_CHARS = 2000  # a blocked input is kept this long in its verdict (and so in the audit entry)
-MAX_SCAN_CHARS = 64 * 1024  # longer SQL (bulk loads) is matched raw only, comment-aware: see _SQL_GAP
-SCAN_CACHE_CHARS = 4096  # scanned statements up to this size are remembered by text (per process)
-SCAN_CACHE_SIZE = 2048
-MAX_LITERAL_DEPTH = 3  # a literal's content is read as SQL again, this deep
 
 _RE2_OPTIONS = re2.Options()
 _RE2_OPTIONS.log_errors = False  # a bad pattern is the admin's 400, not a line on the daemon's stderr
 _RE2_OPTIONS.never_capture = True  # whether it matches is all a check needs: RE2 stays on its fast DFA
 _SPACE = "[\\t\\n\\v\\f\\r ]+"
-# between two words of a deny word, in raw SQL: whitespace or anything PostgreSQL could read as a comment
-# (nested block comments included: the lazy ``.*?`` extends to a later ``*/`` when it must)
-_SQL_GAP = "(?:[\\t\\n\\v\\f\\r ]|/\\*(?s:.*?)\\*/|--[^\\n]*)+"
 
 
 class RuleError(ValueError):
@@ -84,165 +74,6 @@ class GuardVerdict:
 
 
 ALLOWED = GuardVerdict(True)
-
-
-# --------------------------------------------------------------------------- SQL as PostgreSQL reads it
-
-# text without quotes, comments or dollar quotes scans to the same words: no need to call the scanner
-_DOLLAR_QUOTE = re.compile(r"\$(?![0-9])")  # $tag$ or $$, not a $1 parameter
-
-
-def _needs_scan(text: str) -> bool:
-    """Whether ``text`` has a quote, a comment or a dollar quote (else it scans to the same words)."""
-    return ("'" in text or '"' in text or "--" in text or "/*" in text
-            or ("$" in text and _DOLLAR_QUOTE.search(text) is not None))
-
-
-_COMMENTS = frozenset(("C_COMMENT", "SQL_COMMENT"))
-_BETWEEN_SEGMENTS = re.compile(r"(?:\s|--[^\n]*)*")  # what may separate the parts of a continued literal
-_PLAIN_SEGMENT = re.compile(r"'((?:[^']|'')*)'")
-_ESCAPE_SEGMENT = re.compile(r"'((?:[^'\\]|''|\\.)*)'", re.S)
-_E_ESCAPE = re.compile(r"''|\\(?:([0-7]{1,3})|x([0-9A-Fa-f]{1,2})|u([0-9A-Fa-f]{4})|U([0-9A-Fa-f]{8})|(.))", re.S)
-_E_CHARS = {"b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
-
-
-def _collapse(text: str) -> str:
-    """Whitespace runs as one space, none at the ends (``text`` itself when it has none: the usual statement)."""
-    if text.isprintable() and "  " not in text and text[:1] != " " and text[-1:] != " ":
-        return text  # every whitespace but the ASCII space is unprintable: nothing to collapse
-    return " ".join(text.split())
-
-
-def _segments(body: str, segment: re.Pattern[str]) -> str:
-    """The content of a quoted literal, continued over lines (``'a'\\n'b'`` is ``ab``)."""
-    parts = []
-    pos = 0
-    while (match := segment.match(body, pos)) is not None:
-        parts.append(match.group(1))
-        pos = _BETWEEN_SEGMENTS.match(body, match.end()).end()  # type: ignore[union-attr]
-    return "".join(parts)
-
-
-def _e_escape(match: re.Match[str]) -> str:
-    octal, hex2, hex4, hex8, other = match.groups()
-    if match.group(0) == "''":
-        return "'"
-    if other is not None:
-        return _E_CHARS.get(other, other)
-    try:
-        return chr(int(octal, 8) if octal else int(hex2 or hex4 or hex8, 16))
-    except (ValueError, OverflowError):
-        return ""
-
-
-def _pairs(text: str) -> str:
-    """Surrogate pairs written as two escapes joined into one character."""
-    try:
-        return text.encode("utf-16", "surrogatepass").decode("utf-16")
-    except UnicodeDecodeError:
-        return text
-
-
-def _string_constant(raw: str) -> str:
-    """An SCONST token's value: dollar quoted, ``E''`` with backslash escapes, or standard ``''``."""
-    if raw[0] == "$":
-        tag = raw[:raw.index("$", 1) + 1]
-        return raw[len(tag):len(raw) - len(tag)]
-    if raw[0] in "eE":
-        return _pairs(_E_ESCAPE.sub(_e_escape, _segments(raw[1:], _ESCAPE_SEGMENT)))
-    return _segments(raw, _PLAIN_SEGMENT).replace("''", "'")
-
-
-def _unicode_escapes(raw: str, quote: str, escape: str) -> str:
-    """A ``U&'...'`` / ``U&"..."`` token's value, with ``escape`` (``\\`` unless UESCAPE says otherwise)."""
-    body = raw[2:]
-    if quote == "'":
-        content = _segments(body, _PLAIN_SEGMENT).replace("''", "'")
-    else:
-        content = body[1:-1].replace('""', '"')
-    if len(escape) != 1:
-        return content
-    e = re.escape(escape)
-    codes = re.compile(f"{e}(?:({e})|\\+([0-9A-Fa-f]{{6}})|([0-9A-Fa-f]{{4}}))")
-
-    def character(match: re.Match[str]) -> str:
-        if match.group(1):
-            return escape
-        try:
-            return chr(int(match.group(2) or match.group(3), 16))
-        except (ValueError, OverflowError):
-            return ""
-
-    return _pairs(codes.sub(character, content))
-
-
-def _literal(content: str, depth: int) -> str:
-    """A literal's value, itself read as SQL (a ``DO`` body, a string given to EXECUTE), this deep."""
-    if depth >= MAX_LITERAL_DEPTH or not _needs_scan(content):
-        return _collapse(content)
-    return _scanned(content, depth + 1)
-
-
-def _scanned(text: str, depth: int = 0) -> str:
-    if "\x00" in text:  # the scanner reads a C string: a NUL (from a literal's escapes) would end it early
-        text = text.replace("\x00", " ")
-    try:
-        tokens = [t for t in pg_scanner.scan(text) if t.name not in _COMMENTS]
-    except (pg_scanner.ParseError, UnicodeError):  # PostgreSQL refuses it too; the raw text is matched (_SQL_GAP)
-        return _collapse(text)
-    parts: list[str] = []
-    end = -2
-    skip = 0
-    for i, token in enumerate(tokens):
-        if skip:
-            skip -= 1
-            continue
-        name = token.name
-        raw = text[token.start:token.end + 1]
-        spaced = False
-        if name == "SCONST":
-            piece = _literal(_string_constant(raw), depth)
-            spaced = True
-        elif name in ("USCONST", "UIDENT"):
-            escape = "\\"
-            if i + 2 < len(tokens) and tokens[i + 1].name == "UESCAPE" and tokens[i + 2].name == "SCONST":
-                after = tokens[i + 2]
-                escape = _string_constant(text[after.start:after.end + 1])
-                skip = 2
-            piece = _unicode_escapes(raw, raw[2], escape)
-            if name == "USCONST":
-                piece = _literal(piece, depth)
-                spaced = True
-        elif name == "IDENT" and raw[0] == '"':
-            piece = raw[1:-1].replace('""', '"')
-        else:
-            piece = raw
-        if spaced or token.start > end + 1:
-            parts.append(" ")
-        parts.append(piece)
-        if spaced:
-            parts.append(" ")
-        end = tokens[i + skip].end
-    return _collapse("".join(parts))
-
-
-_scanned_cached = functools.lru_cache(maxsize=SCAN_CACHE_SIZE)(_scanned)
-
-
-def normalize_sql(text: str) -> str:
-    """SQL as PostgreSQL's scanner reads it: comments out, literals and quoted identifiers by their value.
-
-    ``DROP /**/ TABLE`` reads ``DROP TABLE``; ``select '/*'; drop/**/table t`` reads
-    ``select /* ; drop table t`` (a comment marker inside a literal is only text);
-    ``E'drop\\x20table'`` and ``U&'drop\\0020table'`` read ``drop table``.  Text the
-    scanner refuses (PostgreSQL refuses it too) and text over MAX_SCAN_CHARS come
-    back with whitespace collapsed only.
-    """
-    if len(text) > MAX_SCAN_CHARS or not _needs_scan(text):
-        return _collapse(text)
-    if len(text) <= SCAN_CACHE_CHARS:
-        return _scanned_cached(text)
-    return _scanned(text)
 
 
 # --------------------------------------------------------------------------- patterns on RE2
@@ -345,8 +176,9 @@ class _CompiledRule:
     direction: str
     type: str
     regex: Any  # RE2 on UTF-8 bytes
-    sql_regex: Any  # the same, for raw SQL: a deny word's parts may be separated by comments
+    sql_regex: Any  # the same, for raw SQL: a deny word's parts may be separated by comments (``gap``)
     words: tuple[str, ...] = ()
+    gap: str = _SPACE  # what may stand between a deny word's words in the raw text
     pattern: str = ""
     message: str = ""
     kinds: frozenset[str] = frozenset()  # statement_kinds: denied nodes; require_where: DeleteStmt/UpdateStmt
@@ -360,7 +192,7 @@ class _CompiledRule:
             message = self.message
         elif self.type == "deny_words_list":
             matched = match.group(0)  # which word: asked again of the matched text alone (a block is rare)
-            word = next((w for w in self.words if _words_regex((w,), _SQL_GAP).search(matched)), self.words[0])
+            word = next((w for w in self.words if _words_regex((w,), self.gap).search(matched)), self.words[0])
             message = f"{self._prefix()}, words=[{word}]"
         else:
             message = f"{self._prefix()}, pattern={self.pattern}"
@@ -406,8 +238,10 @@ class _CompiledRule:
 
 
 def _compile_side(guardrail: str, direction: str, side: dict[str, Any],
-                  masks: list[MaskRule] | None = None) -> list[_CompiledRule]:
-    """The side's blocking rules; its ``mask`` rules go to ``masks``."""
+                  masks: list[MaskRule] | None = None, language: Language | None = None) -> list[_CompiledRule]:
+    """The side's blocking rules, read in ``language``; its ``mask`` rules go to ``masks``.  A rule the language
+    cannot evaluate raises RuleError (``_compile_or_refuse`` turns it into a refusal of everything); without a
+    language (``validate_guardrail``) only the definition is checked."""
     if not isinstance(side, dict):
         raise RuleError(f"{direction}: expected an object with 'rules'")
     rules = side.get("rules") or []
@@ -422,14 +256,18 @@ def _compile_side(guardrail: str, direction: str, side: dict[str, Any],
         message = rule.get("message") or ""
         if not isinstance(message, str):
             raise RuleError(f"{where}.message: expected a string")
+        if (language is not None and isinstance(kind, str) and kind in RULE_TYPES
+                and (refusal := language.refusal(kind, direction))):
+            raise RuleError(f"{where}: {refusal}")
         if kind == "deny_words_list":
             words = rule.get("words")
             if not isinstance(words, list) or not words or not all(isinstance(w, str) and w.strip() for w in words):
                 raise RuleError(f"{where}.words: expected a non-empty array of non-empty strings")
             words_t = tuple(words)
             regex = _words_regex(words_t, _SPACE)
-            sql_regex = _words_regex(words_t, _SQL_GAP)
-            compiled.append(_CompiledRule(guardrail, direction, kind, regex, sql_regex, words=words_t,
+            gap = language.dialect.comment_gap if language is not None and language.dialect is not None else _SPACE
+            sql_regex = _words_regex(words_t, gap) if gap != _SPACE else regex
+            compiled.append(_CompiledRule(guardrail, direction, kind, regex, sql_regex, words=words_t, gap=gap,
                                           message=message, literals=_words_literals(words_t)))
         elif kind == "pattern_match":
             pattern = rule.get("pattern_regex")
@@ -477,11 +315,12 @@ def _compile_side(guardrail: str, direction: str, side: dict[str, Any],
 
 
 def _compile_or_refuse(rail: GuardRail, direction: str, side: dict[str, Any],
-                       masks: list[MaskRule] | None = None) -> list[_CompiledRule]:
-    """A stored side that no longer compiles (say, a pattern from before RE2) refuses everything: fail closed."""
+                       masks: list[MaskRule] | None = None, language: Language = TEXT) -> list[_CompiledRule]:
+    """A stored side that no longer compiles (say, a pattern from before RE2, or a rule its connection's language
+    cannot evaluate) refuses everything: fail closed."""
     try:
         found: list[MaskRule] = []
-        compiled = _compile_side(rail.name, direction, side, found)
+        compiled = _compile_side(rail.name, direction, side, found, language)
         if masks is not None:
             masks += found
         return compiled
@@ -495,6 +334,18 @@ def validate_guardrail(input_rules: dict[str, Any], output_rules: dict[str, Any]
     """Raise RuleError when a definition would not compile."""
     _compile_side("", "input", input_rules)
     _compile_side("", "output", output_rules)
+
+
+def check_language(input_rules: dict[str, Any], output_rules: dict[str, Any], language: Language) -> str | None:
+    """Why a (valid) definition cannot be evaluated on a connection of ``language``, or None (the API's 422)."""
+    for direction, side in (("input", input_rules), ("output", output_rules)):
+        rules = side.get("rules") if isinstance(side, dict) else None
+        for index, rule in enumerate(rules if isinstance(rules, list) else []):
+            kind = rule.get("type") if isinstance(rule, dict) else None
+            refusal = language.refusal(kind, direction) if isinstance(kind, str) else None
+            if refusal:
+                return f"{direction}.rules[{index}]: {refusal}"
+    return None
 
 
 _UNANCHORED = re2._Anchor.UNANCHORED if hasattr(re2, "_Anchor") else None
@@ -519,20 +370,23 @@ class RuleSet:
     """Every rule of every guard rail attached to one connection.
 
     ``masker``: its ``mask`` output rules compiled together (None when it has none); ``mask_key`` is
-    the gateway's masking key (the ``hash`` style's HMAC key).
+    the gateway's masking key (the ``hash`` style's HMAC key).  ``language``: what the connection's input is
+    (its protocol's, gatewayd.languages): a SQL dialect's is read by its scanner and parser, any other as text.
     """
 
     __slots__ = ("input_rules", "output_rules", "text_rules", "statement_rules", "masker", "_text_any",
-                 "_text_any_sql", "_output_any", "_text_literals", "_statement_kinds")
+                 "_text_any_sql", "_output_any", "_text_literals", "_statement_kinds", "language", "dialect")
 
     def __init__(self, guardrails: list[GuardRail], mask_key: bytes = b"",
-                 seal: Callable[[bytes, bytes], bytes] | None = None) -> None:
+                 seal: Callable[[bytes, bytes], bytes] | None = None, language: Language = TEXT) -> None:
+        self.language = language
+        self.dialect: SqlDialect | None = language.dialect
         self.input_rules: list[_CompiledRule] = []
         self.output_rules: list[_CompiledRule] = []
         masks: list[MaskRule] = []
         for rail in guardrails:
-            self.input_rules += _compile_or_refuse(rail, "input", rail.input)
-            self.output_rules += _compile_or_refuse(rail, "output", rail.output, masks)
+            self.input_rules += _compile_or_refuse(rail, "input", rail.input, None, language)
+            self.output_rules += _compile_or_refuse(rail, "output", rail.output, masks, language)
         self.masker: Masker | None = Masker(masks, mask_key, seal) if masks else None
         self.statement_rules = [r for r in self.input_rules if r.type in STATEMENT_RULE_TYPES]
         # (every kind a statement_kinds rule denies, every kind a require_where rule asks a WHERE of)
@@ -567,41 +421,43 @@ class RuleSet:
     def has_output_rules(self) -> bool:
         return bool(self.output_rules)
 
-    def check_input(self, text: str, sql: bool = False, readings: tuple[str, ...] | None = None) -> GuardVerdict:
-        """``sql``: PostgreSQL input, matched as its scanner reads it and, raw, with comments between words.
+    def check_input(self, text: str, readings: tuple[str, ...] | None = None) -> GuardVerdict:
+        """The input rules on ``text``: SQL as the dialect's scanner reads it and, raw, with comments between a
+        deny word's words; any other language as plain text (whitespace collapsed).
 
         ``readings``: the SQL as the server may read it (a session setting that changes the reading,
         proxies/postgres/reading.py), when that is not ``text`` alone: blocked when any reading is; the
         verdict quotes ``text``.
         """
         if readings is not None:
-            return self._check_readings(text, sql, readings)
+            return self._check_readings(text, readings)
         if not self.input_rules:
             return ALLOWED
-        if not sql:  # statement rules read PostgreSQL only: on other protocols they are ignored
-            return self._check(self.text_rules, text, _collapse(text), text, False, self._text_any,
+        dialect = self.dialect
+        if dialect is None:
+            return self._check(self.text_rules, text, collapse(text), text, False, self._text_any,
                                self._text_any) if self.text_rules else ALLOWED
         if self.statement_rules:
-            verdict = self._check_statements(text)
+            verdict = self._check_statements(text, dialect)
             if not verdict.allowed:
                 return verdict
         if not self.text_rules:
             return ALLOWED
-        verdict = self._check_sql(text)
+        verdict = self._check_sql(text, dialect)
         if verdict.allowed:
             return verdict
-        statements = split_statements(text)  # a block is rare: say which statement of several it was
+        statements = dialect.split(text)  # a block is rare: say which statement of several it was
         if len(statements) > 1:
             for index, statement in enumerate(statements, 1):
-                if not self._check_sql(statement).allowed:
+                if not self._check_sql(statement, dialect).allowed:
                     message = f"{verdict.message} (statement {index} of {len(statements)})"
                     return GuardVerdict(False, message, verdict.direction, verdict.rule_type, verdict.guardrail,
                                         verdict.text)
         return verdict
 
-    def _check_readings(self, text: str, sql: bool, readings: tuple[str, ...]) -> GuardVerdict:
+    def _check_readings(self, text: str, readings: tuple[str, ...]) -> GuardVerdict:
         for reading in readings:
-            verdict = self.check_input(reading, sql)
+            verdict = self.check_input(reading)
             if not verdict.allowed:
                 if reading is not text:
                     verdict = GuardVerdict(False, verdict.message, verdict.direction, verdict.rule_type,
@@ -609,9 +465,9 @@ class RuleSet:
                 return verdict
         return ALLOWED
 
-    def _check_sql(self, text: str) -> GuardVerdict:
-        if not _needs_scan(text):  # no quote, comment or dollar quote: one reading says it all
-            collapsed = _collapse(text)
+    def _check_sql(self, text: str, dialect: SqlDialect) -> GuardVerdict:
+        if not dialect.needs_scan(text):  # no quote, comment or dollar quote: one reading says it all
+            collapsed = collapse(text)
             literals = self._text_literals
             if literals is not None and collapsed.isascii():
                 lowered = collapsed.lower()  # ASCII: RE2's case-insensitive match is exactly this
@@ -621,13 +477,13 @@ class RuleSet:
                 else:
                     return ALLOWED  # no rule can match without one of its literals
             return self._check(self.text_rules, text, collapsed, None, True, self._text_any)
-        return self._check(self.text_rules, text, normalize_sql(text), text, True, self._text_any,
+        return self._check(self.text_rules, text, dialect.normalize(text), text, True, self._text_any,
                            self._text_any_sql)
 
-    def _check_statements(self, text: str) -> GuardVerdict:
-        """The statement rules, on each statement of ``text`` as PostgreSQL's parser reads it: a rule denying
+    def _check_statements(self, text: str, dialect: SqlDialect) -> GuardVerdict:
+        """The statement rules, on each statement of ``text`` as the dialect's parser reads it: a rule denying
         a statement's own kind is named before one denying what it has the effect of."""
-        parsed = parse_statements(text)
+        parsed = dialect.parse(text)
         statements: tuple[ParsedStatement | None, ...] = (None,) if parsed is None else parsed
         denied, whole = self._statement_kinds
         for index, statement in enumerate(statements, 1):
@@ -716,8 +572,8 @@ class ObservedRules:
     def plain(self) -> RuleSet:
         return self.rules
 
-    def check_input(self, text: str, sql: bool = False, readings: tuple[str, ...] | None = None) -> GuardVerdict:
-        return self.settle(text, self.rules.check_input(text, sql, readings))
+    def check_input(self, text: str, readings: tuple[str, ...] | None = None) -> GuardVerdict:
+        return self.settle(text, self.rules.check_input(text, readings))
 
     def settle(self, text: str, verdict: GuardVerdict) -> GuardVerdict:
         """What the observer makes of input the rules let through (it sees it; a deciding one rules on it)."""
@@ -733,9 +589,9 @@ class ObservedRules:
     def needs_wait(self, text: str) -> bool:
         return self.waits and self.observe.needs_wait(text)  # type: ignore[attr-defined]
 
-    async def decide(self, text: str, sql: bool = False) -> None:
+    async def decide(self, text: str) -> None:
         """The observer's verdict on ``text``; not asked for what the guard rails refuse anyway."""
-        await self.observe.decide(text, self.rules.check_input(text, sql).allowed)  # type: ignore[attr-defined]
+        await self.observe.decide(text, self.rules.check_input(text).allowed)  # type: ignore[attr-defined]
 
 
 class GuardRailService:
@@ -775,9 +631,11 @@ class GuardRailService:
         """
         return self._cache.get(connection_id)
 
-    async def rules_for(self, org_id: str, connection_id: str,
+    async def rules_for(self, connection: Connection,
                         live: "LiveSession | None" = None) -> RuleSet | ObservedRules:
-        """The connection's rules; for a native ``live`` session whose input is observed, an ObservedRules."""
+        """The connection's rules, read in its protocol's language; for a native ``live`` session whose input is
+        observed, an ObservedRules."""
+        org_id, connection_id = connection.org_id, connection.id
         stored = await self.store.guardrail_generation()  # read before the rules: they are at least as new
         if self._stored is None or stored > self._stored:  # (a slower concurrent read may see an older one)
             self._cache.clear()
@@ -788,7 +646,7 @@ class GuardRailService:
             rails = await self.store.list_guardrails(org_id, connection_id)
             key = await self.mask_key() if any(_has_mask_rule(rail) for rail in rails) else b""
             box = getattr(self.store, "box", None)  # the store's secret key: a clear text recorded is sealed
-            rules = RuleSet(rails, key, box.seal if box is not None else None)
+            rules = RuleSet(rails, key, box.seal if box is not None else None, protocols.language_of(connection.subtype))
             if local == self._local and stored == self._stored:  # else a rail changed during the load
                 self._cache[connection_id] = rules
         if live is not None and self.observers is not None:

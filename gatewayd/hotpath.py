@@ -33,8 +33,10 @@ MODULES = (
     "gatewayd.masking",
     "gatewayd.policy",
     "gatewayd.recording",
+    "gatewayd.sql.pg_scan",
     "proxies.postgres.codec",
     "proxies.postgres.relay",
+    "proxies.postgres.values",  # every binary value a PostgreSQL row records or masks
     "proxies.postgres.session",
     "proxies.http.front",
     "proxies.http.messages",

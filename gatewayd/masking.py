@@ -166,8 +166,9 @@ _PREFILTER_OPTIONS.never_capture = True  # whether anything can match is all the
 _UNANCHORED = re2._Anchor.UNANCHORED if hasattr(re2, "_Anchor") else None
 
 
-def _spans_of(regex: Any, nonempty: bool = False) -> Callable[[bytes], list[tuple[int, int]]]:
-    """A function giving where ``regex`` (an RE2 on bytes) matches in its argument, as ``finditer`` would.
+def _spans_of(regex: Any, nonempty: bool = False) -> Callable[..., list[tuple[int, int]] | None]:
+    """A function giving where ``regex`` (an RE2 on bytes) matches in its argument, as ``finditer`` would;
+    given a ``limit`` as well, None as soon as there are more matches than that (the search stops there).
 
     ``nonempty``: only the matches of some length are wanted (a finder's): the search stops at a match
     that ends where the data does, after which only an empty one could be found.
@@ -178,9 +179,12 @@ def _spans_of(regex: Any, nonempty: bool = False) -> Callable[[bytes], list[tupl
     raw = getattr(regex, "_regexp", None)
     run = getattr(raw, "Match", None)
     if run is None or _UNANCHORED is None:
-        return lambda data: [match.span() for match in regex.finditer(data)]
+        def spans_of(data: bytes, limit: int = 0) -> list[tuple[int, int]] | None:
+            found = [match.span() for match in regex.finditer(data)]
+            return None if limit and len(found) > limit else found
+        return spans_of
 
-    def spans(data: bytes) -> list[tuple[int, int]]:
+    def spans(data: bytes, limit: int = 0) -> list[tuple[int, int]] | None:
         found: list[tuple[int, int]] = []
         pos = 0
         end = len(data)
@@ -189,6 +193,8 @@ def _spans_of(regex: Any, nonempty: bool = False) -> Callable[[bytes], list[tupl
             if span[0] < 0:  # RE2's no match: (-1, -1)
                 return found
             found.append(span)
+            if limit and len(found) > limit:
+                return None
             if pos == end or nonempty and span[1] == end:
                 return found
             pos = pos + 1 if pos == span[1] else span[1]  # an empty match at pos: step on
@@ -202,7 +208,7 @@ class _Finder:
     check: Callable[[bytes], bool] | None
     style: str
     hint: tuple[bytes, int] | None = None  # the detector's ``hint``: None, search every text
-    spans: Callable[[bytes], list[tuple[int, int]]] = field(init=False)  # where it matches (``_spans_of``, nonempty)
+    spans: Callable[..., list[tuple[int, int]]] = field(init=False)  # where it matches (``_spans_of``, nonempty)
 
     def __post_init__(self) -> None:
         self.spans = _spans_of(self.regex, nonempty=True)
@@ -276,11 +282,11 @@ def compile_mask_rule(guardrail: str, rule: dict[str, Any], where: str,
 # --------------------------------------------------------------------------- the masker
 
 
-def _no_spans(row_text: bytes) -> list[tuple[int, int]]:
+def _no_spans(row_text: bytes, limit: int = 0) -> list[tuple[int, int]]:
     return []  # ``Masker.row_spans`` without patterns
 
 
-def _everything(row_text: bytes) -> list[tuple[int, int]]:
+def _everything(row_text: bytes, limit: int = 0) -> list[tuple[int, int]]:
     return [(0, len(row_text) + 1)]  # ``Masker.row_spans`` of an anchored regex: every cell
 
 
@@ -308,13 +314,13 @@ class Masker:
         # a row's text (cells joined by tabs) may be searched once for all its cells: a tab, like the
         # ends of a cell, is no word character; only anchors tell a cell's ends from the row's
         self.row_prefilter = not any(rule.anchored for rule in rules)
-        # ``row_spans(row_text)``: where the fast path matches in a row's text (its cells joined by tabs); empty:
-        # nothing to mask.  A match in a cell is a match in the row's text too; an admin's anchored regex
+        # ``row_spans(row_text[, limit])``: where the fast path matches in a row's text (its cells joined by tabs);
+        # empty: nothing to mask; None: more than ``limit`` matches (the search stopped there).  A match in a cell is a match in the row's text too; an admin's anchored regex
         # cannot be read so, and gives one span over everything.  A function chosen here, not a method: it
         # runs for every row.  nonempty: after a match ending where the row does, only an empty one could
         # follow, and the cells the search gave are those it would give with it (an empty match makes them
         # all cells)
-        self.row_spans: Callable[[bytes], list[tuple[int, int]]] = (
+        self.row_spans: Callable[..., list[tuple[int, int]] | None] = (
             _no_spans if self._prefilter is None else
             _spans_of(self._prefilter, nonempty=True) if self.row_prefilter else _everything)
         self._key = key

@@ -21,7 +21,8 @@ differ, ``start`` has an explicit option:
 
 Errors a proxy translates into its protocol's words: ``AccessDenied`` (admit),
 ``TargetUnreachable`` (dial, the session is already closed and recorded) and
-``GatewayClosing`` (the gateway is shutting down; no session was opened).
+``GatewayClosing`` (the gateway is shutting down; no session was opened) or its kind
+``GatewayUnavailable`` (the store does not answer, or this node is fenced: its message says which).
 """
 
 from __future__ import annotations
@@ -31,12 +32,21 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Generic, Protocol, TypeVar
 
-from gatewayd import metrics
+from gatewayd import metrics, protocols
 from gatewayd.access import AccessDenied, AccessGrant
 from gatewayd.dialer import DialError, Dialer, Routes
 from gatewayd.guardrails import ObservedRules
+from gatewayd.languages import NONE
 from gatewayd.policy import SessionPolicy
-from gatewayd.sessions import BLOCKED_EXIT_CODE, GatewayClosing, KillCallback, LiveSession
+from gatewayd.sessions import (
+    BLOCKED_EXIT_CODE,
+    STORE_UNAVAILABLE,
+    GatewayClosing,
+    GatewayUnavailable,
+    KillCallback,
+    LiveSession,
+)
+from gatewayd.store import StoreUnavailable
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -49,8 +59,8 @@ if TYPE_CHECKING:
     from gatewayd.sessions import SessionManager
     from gatewayd.tenancy import Tenancy
 
-__all__ = ["AccessDenied", "AccessGrant", "BLOCKED_EXIT_CODE", "GatewayClosing", "ProxyContext", "SessionPipeline",
-           "SessionRun", "TargetUnreachable"]
+__all__ = ["AccessDenied", "AccessGrant", "BLOCKED_EXIT_CODE", "GatewayClosing", "GatewayUnavailable", "ProxyContext",
+           "SessionPipeline", "SessionRun", "TargetUnreachable"]
 
 log = logging.getLogger("gatewayd.pipeline")
 
@@ -117,6 +127,10 @@ class SessionRun(Generic[T]):
             await self.live.close(exit_code=BLOCKED_EXIT_CODE, error=INTERNAL_ERROR)
 
 
+def _memory_key(connection: Connection, topic: str) -> str:
+    return f"memory.{topic}.{connection.id}"
+
+
 def _client_message(error: BaseException) -> str:
     message = getattr(error, "message", None)
     return message if isinstance(message, str) and message else str(error) or type(error).__name__
@@ -144,12 +158,25 @@ class SessionPipeline:
         """The grant of ``secret`` on a ``protocol`` connection; raises AccessDenied (audited, throttled).
 
         ``audit_success=False``: a proxy re-checking a credential it let in already (HTTP's requests).
+        GatewayUnavailable when the store does not answer or this node is fenced (nothing is refused: the
+        client is told to come back).
         """
+        fence = self.sessions.cluster.fence_reason
+        if fence is not None:
+            raise GatewayUnavailable(f"{fence}: no session can be opened on it now")
         try:
             return await self.access.resolve(secret, protocol, client_ip, audit_success=audit_success)
         except AccessDenied:
             metrics.login_refused(protocol)
             raise
+        except StoreUnavailable as exc:
+            raise self._unavailable(exc) from None
+
+    @staticmethod
+    def _unavailable(exc: StoreUnavailable) -> GatewayUnavailable:
+        """What a client is told when the store does not answer (the store's address stays in the log)."""
+        log.error("the store did not answer: a client is told to come back", extra={"error": str(exc)})
+        return GatewayUnavailable(STORE_UNAVAILABLE)
 
     async def refuse(self, grant: AccessGrant, protocol: str, reason: str, client_ip: str = "") -> None:
         """Audit a refusal the proxy decided after ``admit`` (the credential's one session is closed)."""
@@ -232,7 +259,10 @@ class SessionPipeline:
         live = self.sessions.live.get(grant.credential.session_id)
         fresh = live is None
         if fresh:
-            live = await self.sessions.resume(grant.user, grant.connection, grant.credential, client_ip)
+            try:
+                live = await self.sessions.resume(grant.user, grant.connection, grant.credential, client_ip)
+            except StoreUnavailable as exc:
+                raise self._unavailable(exc) from None
             if live is None:
                 return None
         assert live is not None
@@ -272,7 +302,7 @@ class SessionPipeline:
         connection = live.connection
         rules = self.guardrails.cached(connection.id) if not (observe or fresh) else None
         if rules is None:
-            rules = await self.guardrails.rules_for(connection.org_id, connection.id,
+            rules = await self.guardrails.rules_for(connection,
                                                     live=live if observe else None)
         policy = SessionPolicy(live, rules, client_ip)
         await policy.open_clear_recording()  # only under a mask rule that records the clear text
@@ -280,21 +310,39 @@ class SessionPipeline:
 
     async def _open(self, grant: AccessGrant, client_ip: str, existing: Session | None, verb: str,
                     script: str | None, metadata: dict[str, Any] | None, batch_id: str | None) -> LiveSession:
-        if existing is not None:
-            return await self.sessions.open(grant.user, grant.connection, existing=existing, client_ip=client_ip)
-        return await self.sessions.open(grant.user, grant.connection, credential=grant.credential, verb=verb,
-                                        script=script, metadata=metadata, batch_id=batch_id, client_ip=client_ip)
+        try:
+            if existing is not None:
+                return await self.sessions.open(grant.user, grant.connection, existing=existing, client_ip=client_ip)
+            return await self.sessions.open(grant.user, grant.connection, credential=grant.credential, verb=verb,
+                                            script=script, metadata=metadata, batch_id=batch_id, client_ip=client_ip)
+        except StoreUnavailable as exc:
+            raise self._unavailable(exc) from None
 
     async def _arm(self, live: LiveSession, target: T, on_kill: KillCallback | None, observe: bool,
                    client_ip: str) -> SessionRun[T]:
         metrics.track_session(live)  # open until it closes, whatever closes it
         if on_kill is not None:
             live.on_kill(on_kill)
+            if live.done.is_set() and live.end_reason:  # ended before the proxy could be told (a revocation)
+                told = on_kill(live.end_reason)
+                if told is not None:
+                    await told
         try:
             policy = await self.policy_for(live, client_ip, observe=observe, fresh=True)
+        except StoreUnavailable as exc:  # its rules cannot be read: it does not start (fail closed)
+            await live.close(exit_code=BLOCKED_EXIT_CODE, error=STORE_UNAVAILABLE)
+            raise self._unavailable(exc) from None
         except BaseException:
             await live.close(exit_code=BLOCKED_EXIT_CODE, error=INTERNAL_ERROR)
             raise
+        language = protocols.language_of(live.connection.subtype)
+        rules = policy.rules
+        if language.family == NONE and (rules.input_rules or rules.output_rules or rules.masker is not None):
+            # stored before the API refused such rules (422): its proxy reads nothing, so no session starts under them
+            message = (f'connection "{live.connection.name}" has guard rails its protocol cannot apply (its input is '
+                       f"{language.title}): an admin must detach them")
+            await live.close(exit_code=BLOCKED_EXIT_CODE, error=message)
+            raise TargetUnreachable(message, None, live.id)
         live.reload_rules = functools.partial(self._reload_rules, live, policy)
         return SessionRun(live, policy, target)
 
@@ -303,10 +351,22 @@ class SessionPipeline:
 
         An observed session keeps its observer (what AI analysis saw and decided stays)."""
         connection = live.connection
-        rules: Any = await self.guardrails.rules_for(connection.org_id, connection.id)
+        rules: Any = await self.guardrails.rules_for(connection)
         if isinstance(policy.rules, ObservedRules):
             rules = ObservedRules(rules, policy.rules.observe)
         policy.adopt(rules)
+
+    # -- what a proxy remembers of a connection's target from one session to the next
+
+    async def recall(self, connection: Connection, topic: str) -> Any:
+        """What was remembered of ``connection``'s target under ``topic`` (``remember``), or None."""
+        return await self.sessions.store.get_setting(_memory_key(connection, topic))
+
+    async def remember(self, connection: Connection, topic: str, value: Any) -> None:
+        """Keep ``value`` (JSON) for the next sessions of ``connection``, in the store every node shares: a
+        PostgreSQL column masked by name, found by its identity after a rename (proxies/postgres/catalog.py).
+        The last write wins: two sessions writing at once may lose one's news (found again next time)."""
+        await self.sessions.store.put_setting(_memory_key(connection, topic), value)
 
     # -- what proxies audit beyond sessions and blocks
 
@@ -328,6 +388,10 @@ class ClusterLink(Protocol):
     def on(self, topic: str, handler: Callable[[dict[str, Any]], Awaitable[None] | None]) -> None: ...
 
     async def publish(self, topic: str, **payload: Any) -> None: ...
+
+    async def request(self, topic: str, targets: Any = None, wait: float = ..., **payload: Any) -> list[str]: ...
+
+    async def node_of_slot(self, slot: int) -> str | None: ...
 
 
 @dataclass(slots=True)

@@ -11,8 +11,8 @@ cdef class SessionPolicy:
     cdef public object masker
     cdef public object _clear
     cdef public bint waits
-    cpdef input(self, data, text=*, bint sql=*, bint cache=*, readings=*)
+    cpdef input(self, data, text=*, bint cache=*, readings=*)
     cpdef record_input(self, data)
     cpdef record_output(self, data)
-    cpdef _check_input(self, text, bint sql, bint cache, readings=*)
+    cpdef _check_input(self, text, bint cache, readings=*)
 

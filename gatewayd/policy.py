@@ -2,7 +2,8 @@
 
 A proxy turns wire messages into three kinds of report and nothing else:
 
-* ``input``  -- what the user sent (a statement, a command, a shell line, a request head);
+* ``input``  -- what the user sent (a statement, a command, a shell line, a request head), read by the rules
+  in the connection's language (gatewayd.languages: the protocol declares it);
 * ``output`` -- what the target answered (rows, a command's output, a response);
 * ``error``  -- something that went wrong or was refused, said in plain words.
 
@@ -58,7 +59,7 @@ CLEAR_SUFFIX = "/clear"  # a session's sealed clear-text stream: ``<session id>/
 VERDICT_CACHE_SIZE = 512  # SQL verdicts remembered per session: drivers parse the same statements again and again
 
 
-async def check_input_later(policy: SessionPolicy, text: str, *, sql: bool = False,
+async def check_input_later(policy: SessionPolicy, text: str, *,
                             readings: tuple[str, ...] | None = None) -> GuardVerdict | None:
     """``policy.check_input`` for a long input: the rules (pure, linear in the text) read it in a worker thread,
     so the event loop every session shares goes on meanwhile; an observer of the session's input sees it after,
@@ -66,7 +67,7 @@ async def check_input_later(policy: SessionPolicy, text: str, *, sql: bool = Fal
     if not policy.checks_input:
         return None
     rules = policy.rules
-    verdict = await asyncio.to_thread(rules.plain.check_input, text, sql, readings)
+    verdict = await asyncio.to_thread(rules.plain.check_input, text, readings)
     verdict = rules.settle(text, verdict)
     return None if verdict.allowed else verdict
 
@@ -111,30 +112,31 @@ class SessionPolicy:
 
     # -- what the proxy reports
 
-    def input(self, data: bytes | str, text: str | None = None, *, sql: bool = False,
+    def input(self, data: bytes | str, text: str | None = None, *,
               cache: bool = False, readings: tuple[str, ...] | None = None) -> GuardVerdict | None:
         """Check and record what the user sent; the verdict that blocks it, or None to forward it.
 
-        ``data`` is recorded as sent; ``text`` (default: ``data``) is what the rules read; ``sql``:
-        PostgreSQL input, read by its scanner.  ``cache``: remember the verdict for this exact SQL
-        (a driver's repeated Parse); an observed session's observer then sees it once.  ``readings``:
-        the SQL as the server may read it under a session setting, when not ``text`` alone (all are read).
+        ``data`` is recorded as sent; ``text`` (default: ``data``) is what the rules read, in the
+        connection's language (gatewayd.languages).  ``cache``: remember the verdict for this exact
+        text (a driver's repeated Parse); an observed session's observer then sees it once.
+        ``readings``: the SQL as the server may read it under a session setting, when not ``text``
+        alone (all are read).
         """
         verdict = None
         if self.checks_input:
-            verdict = self._check_input(data if text is None else text, sql, cache, readings)
+            verdict = self._check_input(data if text is None else text, cache, readings)
         recorder = self.recorder
         if not recorder.truncated:
             recorder.input(data)
         return verdict
 
-    def check_input(self, text: str, *, sql: bool = False, cache: bool = False,
+    def check_input(self, text: str, *, cache: bool = False,
                     readings: tuple[str, ...] | None = None) -> GuardVerdict | None:
         """Only the guard rails' reading of input the proxy records itself (``record_input``) or later.
 
         For example a streamed HTTP body, or a PostgreSQL Parse whose SQL is recorded with its Bind.
         """
-        return self._check_input(text, sql, cache, readings) if self.checks_input else None
+        return self._check_input(text, cache, readings) if self.checks_input else None
 
     def output(self, data: bytes | str, text: str | None = None) -> GuardVerdict | None:
         """Check what the target answered and record it when it is let through; the blocking verdict or None."""
@@ -259,18 +261,15 @@ class SessionPolicy:
 
     # -- verdicts to wait for
 
-    def needs_wait(self, text: str, *, sql: bool = False) -> bool:
-        """Whether the proxy must hold this input and ``await decide(text)`` before reporting it.
-
-        ``sql``: as for ``input``.
-        """
+    def needs_wait(self, text: str) -> bool:
+        """Whether the proxy must hold this input and ``await decide(text)`` before reporting it."""
         return self.waits and self.rules.needs_wait(text)  # type: ignore[union-attr]
 
-    async def decide(self, text: str, *, sql: bool = False) -> None:
+    async def decide(self, text: str) -> None:
         """Wait (at most the rule's timeout) for the verdict on ``text``; ``input`` / ``check_input`` then say it."""
         if not self.waits:
             return
-        await self.rules.decide(text, sql)  # type: ignore[union-attr]
+        await self.rules.decide(text)  # type: ignore[union-attr]
         self._sql_verdicts.pop(text, None)  # a Parse's cached verdict from an earlier decision is not this one
 
     # -- recording back-pressure
@@ -290,17 +289,17 @@ class SessionPolicy:
 
     # --
 
-    def _check_input(self, text: Any, sql: bool, cache: bool,
+    def _check_input(self, text: Any, cache: bool,
                      readings: tuple[str, ...] | None = None) -> GuardVerdict | None:
         if readings is not None:
-            verdict = self.rules.check_input(text, sql, readings)
+            verdict = self.rules.check_input(text, readings)
         elif cache:
             verdicts = self._sql_verdicts
             verdict = verdicts.get(text)
             if verdict is None:
                 if len(verdicts) >= VERDICT_CACHE_SIZE:
                     verdicts.clear()
-                verdict = verdicts[text] = self.rules.check_input(text, sql)
+                verdict = verdicts[text] = self.rules.check_input(text)
         else:
-            verdict = self.rules.check_input(text, sql)
+            verdict = self.rules.check_input(text)
         return None if verdict.allowed else verdict

@@ -19,6 +19,8 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
+from gatewayd.languages import TEXT, Language
+
 if TYPE_CHECKING:
     import socket
 
@@ -83,6 +85,8 @@ class ProtocolDescription:
     forward_serve: ForwardServe | None = None
     # what is wrong with a connection's ``settings`` for this protocol (its own keys), said as a 422; None: fine
     check_settings: CheckSettings | None = None
+    # what its input is written in (gatewayd.languages): how guard rails and analysis read it, which rules apply
+    language: Language = TEXT
 
     @property
     def default_listen(self) -> str:
@@ -143,6 +147,12 @@ def by_subtype(subtype: str) -> ProtocolDescription | None:
         if description.subtype == subtype:
             return description
     return None
+
+
+def language_of(subtype: str) -> Language:
+    """The language of a connection's input, from its protocol (plain text for a subtype no protocol serves)."""
+    description = by_subtype(subtype)
+    return description.language if description is not None else TEXT
 
 
 def by_prefix(prefix: str) -> ProtocolDescription | None:

@@ -15,6 +15,12 @@ cdef class SessionRecorder:
     cdef public bint closed
     cdef public dict metrics
     cdef public str chain_head
+    cdef public Py_ssize_t journaled
+    cdef public list unstored
+    cdef public Py_ssize_t unstored_bytes
+    cdef public bint strict
+    cdef public double behind_since
+    cdef public bint side
     cpdef input(self, data)
     cpdef output(self, data)
     cpdef error(self, data)

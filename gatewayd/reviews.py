@@ -21,6 +21,7 @@ from datetime import datetime, time, timedelta
 from typing import TYPE_CHECKING, Any
 
 from gatewayd.access import AccessGrant
+from gatewayd.cluster import NotConfirmed
 from gatewayd.models import (
     AccessRequestRule,
     Connection,
@@ -530,10 +531,17 @@ class ReviewService:
         return review, decision
 
     async def end_access(self, review: Review, reason: str) -> None:
-        """Refuse the review's credentials from now on and close every live session opened with them, on every node."""
+        """Refuse the review's credentials from now on and close every live session opened with them, on every node
+        (NotConfirmed, once all of it was asked, when a node holding one of them did not confirm)."""
         await self.store.revoke_credentials(review_id=review.id, revoked_at=rfc3339(utcnow()))
-        await self.sessions.end(reason, review_id=review.id)
+        unconfirmed: NotConfirmed | None = None
+        try:
+            await self.sessions.end(reason, review_id=review.id)
+        except NotConfirmed as exc:
+            unconfirmed = exc
         await self.sessions.kill(review.session_id, reason)  # its session, if no client ever used it
+        if unconfirmed is not None:
+            raise unconfirmed
 
     async def expire(self, review_id: str, locked: bool = False) -> None:
         """The access duration of a jit review is over: REVOKED (at its scheduled time), sessions closed."""
@@ -545,8 +553,12 @@ class ReviewService:
                 review = await self._revoke_if_over(review_id)
         if review is None:
             return
-        await self.end_access(review, "just-in-time access expired: the review's access duration is over, "
-                                      "the session was closed")
+        try:
+            await self.end_access(review, "just-in-time access expired: the review's access duration is over, "
+                                          "the session was closed")
+        except NotConfirmed as exc:  # nobody waits for an answer: said in the log, the audit entry still written
+            log.error("a jit review expired: not every node confirmed it ended its sessions",
+                      extra={"review_id": review.id, "reason": str(exc)})
         await self.audit.record(
             org_id=review.org_id, actor=None, action="review.expire", resource_type="reviews", outcome="success",
             payload={"review_id": review.id, "session_id": review.session_id, "connection": review.connection_name},

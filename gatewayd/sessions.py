@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from typing import Any, Awaitable, Callable
 
 from gatewayd.audit import AuditLog
-from gatewayd.cluster import Cluster
-from gatewayd.evidence import SEALED
+from gatewayd.cluster import Cluster, NotConfirmed
+from gatewayd.evidence import GAP, SEALED
 from gatewayd.guardrails import GuardVerdict
 from gatewayd import protocols
 from gatewayd.models import Connection, Credential, Node, Session, User, new_id, parse_time, rfc3339, utcnow
@@ -20,8 +21,11 @@ from gatewayd.tasks import BackgroundTasks
 log = logging.getLogger("gatewayd.sessions")
 
 BLOCKED_EXIT_CODE = 254
-REMOTE_KILL_WAIT = 5.0  # seconds a kill of a session held by another node waits to see it done
 KillCallback = Callable[[str], Awaitable[None] | None]
+# The confirmations a control action started in this task waits for before it answers (set by the API for
+# each call: a rule changed through ``GuardRailService.invalidate`` answers once every node applies it).
+CONFIRMATIONS: contextvars.ContextVar[list[asyncio.Task[None]] | None] = contextvars.ContextVar(
+    "gatewayd_confirmations", default=None)
 
 
 class SessionUnavailable(RuntimeError):
@@ -33,6 +37,17 @@ class GatewayClosing(RuntimeError):
 
     def __init__(self) -> None:
         super().__init__("the gateway is shutting down")
+
+
+class GatewayUnavailable(GatewayClosing):
+    """No session can be opened now: the store does not answer, or this node is fenced (it could not renew its
+    lease). A proxy says so in its protocol's words, as for a gateway shutting down; ``str()`` is the reason."""
+
+    def __init__(self, reason: str) -> None:
+        RuntimeError.__init__(self, reason)
+
+
+STORE_UNAVAILABLE = "the gateway's store is unavailable: no session can be opened now, try again later"
 
 
 def session_for(user: User, connection: Connection, *, verb: str = "connect", status: str = "open",
@@ -155,11 +170,14 @@ class SessionManager:
     CONNECTION = "connection.changed"
 
     def __init__(self, store: Store, recording: RecordingService, audit: AuditLog,
-                 cluster: Cluster | None = None) -> None:
+                 cluster: Cluster | None = None, recording_mode: str = "async") -> None:
         self.store = store
         self.recording = recording
         self.audit = audit
         self.cluster = cluster or Cluster(store, "local")
+        self.recording_mode = recording_mode  # a connection's settings.recording_mode wins
+        recording.on_undurable = self._undurable
+        recording.on_sealed = self.sealed
         self.live: dict[str, LiveSession] = {}
         self.accepting = True
         self.tasks = BackgroundTasks("sessions")  # expiry kills
@@ -169,6 +187,7 @@ class SessionManager:
         self.cluster.on(self.CONNECTION, self._on_connection)
         self.cluster.on_node_lost = self.close_orphans
         self.cluster.on_fenced = self._fenced
+        self.cluster.on_fence = self._fenced
 
     async def open(self, user: User, connection: Connection, *, credential: Credential | None = None,
                    verb: str = "connect", script: str | None = None, metadata: dict[str, Any] | None = None,
@@ -184,6 +203,8 @@ class SessionManager:
         """
         if not self.accepting:
             raise GatewayClosing()
+        if self.cluster.fence_reason is not None:
+            raise GatewayUnavailable(f"{self.cluster.fence_reason}: no session can be opened on it now")
         node_id = self.cluster.node_id
         session: Session | None = None
         if existing is not None:
@@ -203,11 +224,16 @@ class SessionManager:
                                   review_id=credential.review_id if credential else None, node_id=node_id)
             await self.store.create_session(session)
         recorder = await self.recording.recorder(session.id, started=time.monotonic())
+        recorder.strict = (connection.settings.get("recording_mode") or self.recording_mode) == "strict"
         live = LiveSession(self, session, recorder, user, connection, credential, client_ip)
         self.live[session.id] = live
         log.info("session opened", extra=live.log_fields(verb=verb))
         if credential is not None:
             self._arm_expiry(live, credential)
+            # a revocation between admit and now found no holder here to tell: read it once the session is live
+            fresh = await self.store.get_credential(credential.secret_hash)
+            if fresh is None or fresh.revoked_at:
+                await live.kill("the credential was revoked while the session opened: the session was closed")
         return live
 
     async def resume(self, user: User, connection: Connection, credential: Credential,
@@ -235,8 +261,10 @@ class SessionManager:
 
         A session live here is killed here. Otherwise the kill is recorded on the row
         (``Store.request_kill``: it can no longer be claimed); a session held by another node that
-        is up is ended by that node (the bus carries the kill; it closes the session with
-        ``reason``); one that no live node holds is closed now, with ``reason`` as its ``e`` event
+        may be serving is ended by that node (the bus carries the kill; it closes the session with
+        ``reason`` and confirms), and ``NotConfirmed`` names it when it does not confirm in time: the
+        answer never says done while the session may run. One that no serving node holds (its
+        holder is gone or fenced: it runs nowhere) is closed now, with ``reason`` as its ``e`` event
         and exit code 254.
         """
         live = self.live.get(session_id)
@@ -248,24 +276,26 @@ class SessionManager:
             return False
         holder = session.node_id
         if session.status == "open" and holder and holder != self.cluster.node_id \
-                and await self.cluster.alive(holder):
-            await self.cluster.publish(self.KILL, session_id=session_id, reason=reason, node=holder)
-            await self._until_done(session_id, REMOTE_KILL_WAIT)
-            return True
-        await self._close_stored(session_id, reason)
-        return True
-
-    async def _until_done(self, session_id: str, timeout: float) -> None:
-        """Wait (bounded) for the node holding a session to store its end, so that the caller sees it done."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+                and holder in await self.cluster.serving():
+            missing = await self.cluster.request(self.KILL, [holder], session_id=session_id, reason=reason,
+                                                 node=holder)
+            if missing:
+                raise NotConfirmed(f"the kill of session {session_id} was sent", missing)
             stored = await self.store.get_session(session_id)
             if stored is None or stored.status == "done":
-                return
-            await asyncio.sleep(0.05)
+                return True  # else its holder does not run it (it confirmed): closed here
+            await self._close_stored(session_id, reason)
+            return True
+        gap = ""
+        if session.status == "open" and holder and holder != self.cluster.node_id:  # fenced or gone
+            gap = ("the node that held the session was not serving when it was killed: what it recorded last may be "
+                   "missing here (what it kept follows after this close once it reaches the store again)")
+        await self._close_stored(session_id, reason, gap)
+        return True
 
-    async def _close_stored(self, session_id: str, reason: str) -> None:
-        """Close a session no process holds: ``reason`` as its last ``e`` event, exit code 254.
+    async def _close_stored(self, session_id: str, reason: str, gap: str = "") -> None:
+        """Close a session no process holds: ``reason`` as its last ``e`` event (after ``gap``, a ``recording
+        gap`` event, when the process that held it may have recorded more), exit code 254.
 
         A session the audit log says was sealed already is left as it is, never sealed again: its row was set
         back to open (its seal dropped, its recording perhaps cut), which no gateway does. The refusal is said
@@ -283,6 +313,8 @@ class SessionManager:
                                     payload={"session_id": session_id})
             return
         recorder = await self.recording.recorder(session_id)
+        if gap:
+            recorder.error(GAP + gap.encode())
         recorder.error(reason)
         seal = await self.recording.close(recorder, session, end_date=rfc3339(utcnow()), exit_code=BLOCKED_EXIT_CODE)
         await self.sealed(session, seal)
@@ -294,14 +326,30 @@ class SessionManager:
                                 resource_type="session", outcome="success",
                                 payload={"session_id": session.id, "seal": seal})
 
+    def _undurable(self, session_id: str, reason: str) -> None:
+        """The recording cannot be kept as the session asks (strict, or closed by another node): it ends."""
+        live = self.live.get(session_id)
+        if live is not None:
+            self.tasks.spawn(live.kill(reason))
+
     async def _on_kill(self, message: dict[str, Any]) -> None:
         live = self.live.get(str(message.get("session_id")))
         if live is not None:
             await live.kill(str(message.get("reason") or "session killed"))
 
     async def end(self, reason: str, *, review_id: str | None = None, connection_id: str | None = None) -> None:
-        """End the live sessions of a review's credentials or of a connection, on every node."""
-        await self.cluster.publish(self.END, reason=reason, review_id=review_id, connection_id=connection_id)
+        """End the live sessions of a review's credentials or of a connection, on every node; NotConfirmed when
+        a node holding one of them does not confirm it ended them."""
+        holders = await self._holders(review_id=review_id, connection_id=connection_id)
+        missing = await self.cluster.request(self.END, holders, reason=reason, review_id=review_id,
+                                             connection_id=connection_id)
+        if missing:
+            raise NotConfirmed("the sessions were asked to end", missing)
+
+    async def _holders(self, *, review_id: str | None = None, connection_id: str | None = None) -> set[str]:
+        """The nodes that may be serving a session of a review or a connection: those that must confirm."""
+        held = await self.store.open_session_holders(review_id=review_id, connection_id=connection_id)
+        return held & await self.cluster.serving() if held else set()
 
     async def _on_end(self, message: dict[str, Any]) -> None:
         review_id, connection_id = message.get("review_id"), message.get("connection_id")
@@ -320,8 +368,14 @@ class SessionManager:
                                                "count": closed})
 
     async def connection_changed(self, connection_id: str, *, deleted_by: str | None = None) -> None:
-        """A connection was changed (its live sessions take its new record and rules) or deleted (they end)."""
-        await self.cluster.publish(self.CONNECTION, connection_id=connection_id, deleted_by=deleted_by)
+        """A connection was changed (its live sessions take its new record and rules) or deleted (they end);
+        NotConfirmed when a node holding one of its sessions does not confirm it."""
+        missing = await self.cluster.request(self.CONNECTION, await self._holders(connection_id=connection_id),
+                                             connection_id=connection_id, deleted_by=deleted_by)
+        if missing:
+            raise NotConfirmed("the connection was " + ("deleted and its sessions asked to end" if deleted_by
+                                                        else "changed and its sessions asked to take the change"),
+                               missing)
 
     async def _on_connection(self, message: dict[str, Any]) -> None:
         connection_id, deleted_by = message.get("connection_id"), message.get("deleted_by")
@@ -340,8 +394,21 @@ class SessionManager:
         await self._on_rules({"connection_id": connection_id})
 
     async def rules_changed(self, connection_id: str | None = None) -> None:
-        """Guard rails changed (of one connection, or any): live sessions on every node load theirs again."""
-        await self.cluster.publish(self.RULES, connection_id=connection_id)
+        """Guard rails changed (of one connection, or any): every node drops its compiled rules and its live
+        sessions load theirs again; NotConfirmed when a node that may be serving does not confirm it (any of
+        them may serve the next statement)."""
+        missing = await self.cluster.request(self.RULES, await self.cluster.serving(), connection_id=connection_id)
+        if missing:
+            raise NotConfirmed("the rule was saved", missing)
+
+    def rules_changed_soon(self) -> None:
+        """``rules_changed`` from a synchronous caller (``GuardRailService.invalidate``): awaited by the API call
+        that made the change before it answers (CONFIRMATIONS), else run in the background."""
+        waiting = CONFIRMATIONS.get()
+        if waiting is None:
+            self.tasks.spawn(self.rules_changed())
+        else:
+            waiting.append(asyncio.ensure_future(self.rules_changed()))
 
     async def _on_rules(self, message: dict[str, Any]) -> None:
         connection_id = message.get("connection_id")
@@ -364,15 +431,19 @@ class SessionManager:
     async def close_orphans(self, node: Node, reason: str) -> int:
         """Close the sessions left ``open`` by a node that is gone (``node.id`` empty: by no node)."""
         stale = await (self.store.open_sessions_of([node.id]) if node.id else self.store.open_sessions_unheld())
+        gap = (f"the process that held the session ({node.name or 'unknown'}) stopped without closing it: what it "
+               "recorded last may be missing here (what it kept, in memory or in its journal, follows after this "
+               "close once it reaches the store again)")
         for session in stale:
-            await self._close_stored(session.id, reason)
+            await self._close_stored(session.id, reason, gap)
         if stale:
             log.warning("closed sessions left open by a previous run",  # of this node, or of one lost
                         extra={"count": len(stale), "node": node.name or "-"})
         return len(stale)
 
     async def _fenced(self, reason: str) -> None:
-        """This node was declared lost: the others closed its sessions in the store, end them here too."""
+        """This node is fenced (it cannot renew its lease) or was declared lost (the others closed its sessions
+        in the store): end them here, with ``reason``."""
         await self.kill_where(lambda s: True, reason)
 
     async def shutdown(self, grace: float) -> None:

@@ -1,4 +1,5 @@
-"""Run by test_crash: records a session through the core, flushes, records more, then waits to be SIGKILLed."""
+"""Run by test_crash: records a session through the core, flushes, records more (journaled only), then waits to be
+SIGKILLed."""
 
 import asyncio
 import sys
@@ -23,8 +24,9 @@ async def main(config_path: str) -> None:
     live.recorder.input(b"before the crash\n")
     live.recorder.output(b"flushed output\n")
     await gateway.recording.flush()
-    gateway.recording.flush_interval = 3600  # what follows stays in memory until the crash
+    gateway.recording.flush_interval = 3600  # what follows never reaches the store before the crash
     live.recorder.input(b"never flushed\n")
+    await gateway.recording.journal_now()  # the journal has it (its own tick would, within 50 ms)
     print(live.id, flush=True)
     time.sleep(3600)
 

@@ -4,9 +4,10 @@
 group.  ``start_peers`` is what the session-scoped ``rdp_peers`` fixture of
 conftest.py starts once for every module that needs them: an Xvfb desktop
 with the ``-retro`` pattern shared by ``freerdp-shadow-cli`` (TLS security,
-no authentication), a second shadow server that insists on NLA, an Xvfb
-display for the client, and ``pyrdp-mitm`` in front of the first shadow
-server (its log shows what reached the target).
+no authentication), a second shadow server that insists on NLA and knows one
+account (``NLA_USER``/``NLA_PASSWORD``, in a SAM file), an Xvfb display for
+the client, and ``pyrdp-mitm`` in front of the first shadow server (its log
+shows what reached the target).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 from tests.conftest import BIN, free_port, wait_port
 
 PEER_TOOLS = ("Xvfb", "freerdp-shadow-cli", "xfreerdp")
+NLA_USER, NLA_PASSWORD = "alice", "Tgt-pass-7c1e9d"  # the one account of the NLA shadow server
 # pyrdp's own pyrdp-mitm command, after proxies.rdp's compatibility shim (Python 3.13 removed typing.io)
 PYRDP_MITM = "import sys, proxies.rdp; from pyrdp.bin.mitm import main; sys.argv[0] = 'pyrdp-mitm'; sys.exit(main())"
 
@@ -126,9 +128,23 @@ def start_peers(root: Path) -> Peers:
         found.desktop = desktop = found.display("xvfb-target", "1024x768x24", "-retro")
         found.client_display = found.display("xvfb-client", "1280x800x24")
         found.shadow_port = found.shadow(desktop, "shadow", "-auth", "/sec:tls")
-        found.nla_port = found.shadow(desktop, "shadow-nla", "/sec:nla")
+        found.nla_port = found.shadow(desktop, "shadow-nla", "/sec:nla", f"-sam-file:{sam_file(root)}")
         found.observer_port = found.observer(found.shadow_port)
     except BaseException:
         found.stop()
         raise
     return found
+
+
+def sam_file(root: Path) -> Path:
+    """The NLA shadow server's accounts, in winpr's SAM: ``user:domain:LM hash:NT hash:::``.
+
+    The NT hash is MD4 of the UTF-16LE password; the domain is empty (a
+    line ``user:::LM:NT:::`` would put the LM hash where the NT hash goes).
+    """
+    from Crypto.Hash import MD4
+
+    path = root / "nla.sam"
+    nt_hash = MD4.new(NLA_PASSWORD.encode("utf-16-le")).hexdigest()
+    path.write_text(f"{NLA_USER}::aad3b435b51404eeaad3b435b51404ee:{nt_hash}:::\n")
+    return path

@@ -12,7 +12,9 @@ from gatewayd.analysis import AnalyzerError, Rating, classify, rate
 from gatewayd.analysis.providers import describe_input
 from gatewayd.analysis.service import rule_for
 from gatewayd.analysis.verdict import BLOCK, Verdict, action_for, verdict_for
+from gatewayd.languages import SHELL_COMMANDS
 from gatewayd.models import AIAnalyzerRule, AIProvider, Connection, new_id
+from gatewayd.sql.postgresql import POSTGRESQL
 from gatewayd.store import AuditFilter
 from tests.conftest import core_gateway
 from tests.llmpeer import API_KEY, FakeLLM
@@ -56,7 +58,7 @@ SQL_CASES = [
 
 @pytest.mark.parametrize(("sql", "level"), SQL_CASES)
 def test_offline_analyzer_rates_sql_from_its_parse_tree(sql: str, level: str) -> None:
-    rating = rate(sql, "sql")
+    rating = rate(sql, POSTGRESQL)
     assert rating.risk_level == level, rating
     assert 1 <= len(rating.title.split()) <= 4 and len(rating.explanation.split()) <= 30
     assert rating.analyzer == "offline"
@@ -70,7 +72,7 @@ def test_offline_analyzer_rates_sql_from_its_parse_tree(sql: str, level: str) ->
     ("this is not sql at all", "low"),
 ])
 def test_offline_analyzer_falls_back_to_keywords_when_sql_does_not_parse(sql: str, level: str) -> None:
-    assert rate(sql, "sql").risk_level == level
+    assert rate(sql, POSTGRESQL).risk_level == level
 
 
 SHELL_CASES = [
@@ -109,7 +111,7 @@ SHELL_CASES = [
 
 @pytest.mark.parametrize(("command", "level"), SHELL_CASES)
 def test_offline_analyzer_rates_shell_commands(command: str, level: str) -> None:
-    rating = rate(command, "shell")
+    rating = rate(command, SHELL_COMMANDS)
     assert rating.risk_level == level, rating
     assert 1 <= len(rating.title.split()) <= 4 and len(rating.explanation.split()) <= 30
 
@@ -240,7 +242,7 @@ async def test_an_unreachable_provider_is_an_analyzer_error(http) -> None:
 def test_secrets_typed_in_the_input_are_not_sent_to_the_model(text: str, subtype: str, secret: str) -> None:
     message = describe_input(text, "database" if subtype == "postgres" else "custom", subtype, 10_000)
     assert secret not in message and "[REDACTED]" in message
-    assert rate(text, "sql" if subtype == "postgres" else "shell").risk_level  # the built-in rules see it all
+    assert rate(text, POSTGRESQL if subtype == "postgres" else SHELL_COMMANDS).risk_level  # the built-in rules see it all
 
 
 def test_the_model_gets_the_input_and_the_connection_kind_cut_to_size() -> None:
@@ -340,28 +342,28 @@ async def test_sync_native_input_is_decided_once_per_text_and_a_failure_is_asked
         await gateway.store.save_ai_provider(AIProvider(id=new_id(), org_id=org, provider="openai",
                                                         model="judge-1", api_url=f"{llm.url}/v1", api_key=API_KEY))
         live = await gateway.sessions.open(user, conn)
-        policy = SessionPolicy(live, await gateway.guardrails.rules_for(org, conn.id, live=live))
-        assert policy.waits and policy.needs_wait("select 1", sql=True)
+        policy = SessionPolicy(live, await gateway.guardrails.rules_for(conn, live=live))
+        assert policy.waits and policy.needs_wait("select 1")
 
         llm.requests.clear()
         llm.answer("verdict", "high", "Reads salaries", "Every salary.")
-        await policy.decide("select salary from staff", sql=True)
-        verdict = policy.input("select salary from staff", sql=True)
+        await policy.decide("select salary from staff")
+        verdict = policy.input("select salary from staff")
         assert verdict is not None and verdict.analysis is not None and verdict.rule_type == "ai_analysis"
         assert verdict.message == ("blocked by AI session analysis (rule 'waits'): high risk, Reads salaries: "
                                    "Every salary.")
-        assert not policy.needs_wait("select salary from staff", sql=True)  # kept for the session
-        assert policy.check_input("select salary from staff", sql=True, cache=True) is not None
+        assert not policy.needs_wait("select salary from staff")  # kept for the session
+        assert policy.check_input("select salary from staff", cache=True) is not None
         assert len(llm.requests) == 1
 
         llm.answer("timeout")  # closed: blocked once, then the provider is asked again
-        await policy.decide("select 2", sql=True)
-        blocked = policy.check_input("select 2", sql=True, cache=True)
+        await policy.decide("select 2")
+        blocked = policy.check_input("select 2", cache=True)
         assert blocked is not None and "Analyzer unavailable" in blocked.message
-        assert policy.needs_wait("select 2", sql=True)
+        assert policy.needs_wait("select 2")
         llm.answer("verdict", "low")
-        await policy.decide("select 2", sql=True)
-        assert policy.check_input("select 2", sql=True, cache=True) is None  # not the cached failure
+        await policy.decide("select 2")
+        assert policy.check_input("select 2", cache=True) is None  # not the cached failure
 
         await policy.blocked(verdict)
         page = await gateway.store.list_audit(AuditFilter(org_id=org, action="ai.block"))

@@ -511,6 +511,35 @@ async def test_guardrail_crud_and_validation(api, admin_token, user_token):
     assert (await api("GET", f"/guardrails/{rail['id']}", admin_token))[0] == 404
 
 
+async def test_a_rule_its_connections_language_cannot_evaluate_is_refused(api, admin_token):
+    """Never a silent fallback: statement rules on a shell connection, any rule on an RDP one, are a 422."""
+    _, pg = await make_resource(api, admin_token)
+    _, ssh = await make_resource(api, admin_token, subtype="ssh")
+    _, rdp = await make_resource(api, admin_token, subtype="rdp")
+    ids = {}
+    for role in (pg, ssh, rdp):
+        ids[role] = (await api("GET", f"/connections/{role}", admin_token))[1]["id"]
+    statements = {"rules": [{"type": "require_where", "statements": ["delete"]}]}
+    words = {"rules": [{"type": "deny_words_list", "words": ["rm -rf"]}]}
+    status, _ = await api("POST", "/guardrails", admin_token, {"name": unique("sql"), "connection_ids": [ids[pg]],
+                                                               "input": statements})
+    assert status == 201
+    status, err = await api("POST", "/guardrails", admin_token, {
+        "name": unique("sql"), "connection_ids": [ids[pg], ids[ssh]], "input": statements})
+    assert status == 422 and f"connection {ssh!r} cannot apply input.rules[0]: require_where reads SQL statements" \
+        in err["message"] and "shell commands" in err["message"], err
+    status, rail = await api("POST", "/guardrails", admin_token, {"name": unique("sh"), "connection_ids": [ids[ssh]],
+                                                                  "input": words})
+    assert status == 201
+    status, err = await api("PUT", f"/guardrails/{rail['id']}", admin_token, {
+        "name": rail["name"], "connection_ids": [ids[ssh], ids[rdp]], "input": words})
+    assert status == 422 and "key strokes and screen updates" in err["message"], err
+    status, err = await api("POST", "/datamasking-rules", admin_token, {
+        "name": unique("dm"), "connection_ids": [ids[rdp]],
+        "supported_entity_types": [{"name": "PII", "entity_types": ["EMAIL_ADDRESS"]}]})
+    assert status == 422 and f"connection {rdp!r} cannot apply output.rules[0]" in err["message"], err
+
+
 # ------------------------------------------------------------------ sessions
 
 

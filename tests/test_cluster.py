@@ -23,6 +23,7 @@ import pytest
 
 from tests.apiclient import Api, PostgresApi, SshApi, admin_http, events, of_kind, postgres_env
 from tests.conftest import Daemon, free_port, new_store_database, wait_port
+from tests.pgpeer import wait_for_backends
 from tests.sshpeer import CLIENT_OPTIONS
 
 LEASE = "3s"
@@ -266,6 +267,53 @@ async def test_a_cancel_request_sent_to_the_other_node_cancels_the_query(request
             print(f"a CancelRequest sent to node A cancelled node B's query in {time.monotonic() - started:.2f} s")
             assert await conn.fetchval("select 'still-open'") == "still-open"  # the session goes on
         finally:
+            await conn.close()
+
+
+@pytest.mark.parametrize("store", ["postgres", "sqlite"])
+async def test_a_cancel_through_the_other_node_answers_once_in_force_and_never_reaches_the_next_statement(
+        request, store, pg_target):
+    """The CancelRequest's connection closes only once the target has the cancel (or it was dropped: the statement
+    it was for had ended), so a client that goes on after it never sees its next statement cancelled."""
+    a, b = request.getfixturevalue("nodes" if store == "postgres" else "sqlite_nodes")
+    async with admin_http(a) as http:
+        api = PostgresApi(a, http, pg_target)
+        secret, session_id = await api.credential(await api.role())
+        conn = await connect(b, secret)
+        outcomes = []
+        try:
+            protocol = conn._protocol
+            for attempt in range(8):
+                first = asyncio.create_task(conn.fetchval(f"select 'first {attempt}', pg_sleep(0.15)"))
+                await wait_for_backends(pg_target.dsn(), f"select 'first {attempt}', pg_sleep(0.15)", running=True)
+                await asyncio.to_thread(cancel_request, a.ports["postgres"], protocol.backend_pid,
+                                        protocol.backend_secret)
+                try:
+                    outcomes.append(await first)
+                except asyncpg.QueryCanceledError:
+                    outcomes.append("cancelled")
+                # the next statement, sent once the cancel's connection closed: never the one cancelled
+                assert await conn.fetchval(f"select 'next {attempt}', pg_sleep(0.15)") == f"next {attempt}"
+        finally:
+            await conn.close()
+        print(f"first statements: {outcomes.count('cancelled')} cancelled, the others ended before the cancel came")
+
+
+async def test_the_process_id_handed_out_never_names_a_server_process(nodes, pg_target):
+    """Above any pid_max (Linux allows 2^22): pg_terminate_backend(conn.info.backend_pid) ends nobody."""
+    a, b = nodes
+    async with admin_http(a) as http:
+        api = PostgresApi(a, http, pg_target)
+        secret, _ = await api.credential(await api.role())
+        conn = await connect(b, secret)
+        admin = await asyncpg.connect(pg_target.dsn())
+        try:
+            handed = conn.get_server_pid()
+            assert handed >= 1 << 30 and handed != await conn.fetchval("select pg_backend_pid()")
+            assert await admin.fetchval("select pg_terminate_backend($1)", handed) is False
+            assert await conn.fetchval("select 'alive'") == "alive"
+        finally:
+            await admin.close()
             await conn.close()
 
 

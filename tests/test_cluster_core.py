@@ -115,3 +115,84 @@ async def test_a_restart_loses_its_own_dead_runs_at_once_and_leaves_live_ones(st
     finally:
         await restarted.stop()
         await other.stop()
+
+
+async def test_a_request_answers_once_the_processes_it_names_ran_their_handlers_and_names_those_that_did_not(stores):
+    one, two = Cluster(stores[0], "w0", lease=5), Cluster(stores[1], "w1", lease=5)
+    done: list[dict] = []
+
+    async def slow(message: dict) -> None:
+        await asyncio.sleep(0.3)  # a kill that takes a while to close its session
+        done.append(message)
+
+    two.on("t", slow)
+    await one.start()
+    await two.start()
+    try:
+        assert await one.request("t", [two.node_id], n=1) == []
+        assert [m["n"] for m in done] == [1]  # ran there before the request answered
+        assert await one.request("t", [], n=2) == []  # nobody to wait for
+        await two._transport.close()  # w1 no longer hears the bus
+        assert await one.request("t", [two.node_id], wait=1.0, n=3) == ["w1"]
+        assert [m["n"] for m in done] == [1]
+    finally:
+        await two.stop()
+        await one.stop()
+
+
+async def test_a_node_that_cannot_renew_its_lease_stops_serving_before_another_declares_it_lost(stores, tmp_path):
+    one, two = Cluster(stores[0], "w0", lease=0.6), Cluster(stores[1], "w1", lease=0.6)
+    events: list[str] = []
+
+    async def on_lost(node: Node, reason: str) -> None:
+        events.append(f"lost {node.name}")
+
+    async def on_fence(reason: str) -> None:
+        events.append(f"fenced: {reason}")
+
+    await one.start()  # alone at start: its orphan sweep (nothing here) is not what this test watches
+    one.on_node_lost = on_lost
+    two.on_fence = on_fence
+    await two.start()
+    try:
+        await asyncio.sleep(0.7)  # one has held its lease a whole lease: it may judge others
+        await stores[1].close()  # w1 loses its store (its process goes on)
+        await until(lambda: len(events) >= 2)
+        assert events[0].startswith("fenced: node w1 could not renew its lease on the store for ")
+        assert events[0].endswith("it stops serving before the other nodes may take its sessions over: "
+                                  "the session was closed")
+        assert events[1] == "lost w1" and two.fenced
+        await stores[1].open()  # back: declared lost meanwhile, w1 registers anew and serves again
+        await until(lambda: not two.fenced)
+    finally:
+        await two.stop()
+        await one.stop()
+
+
+async def test_after_an_outage_of_the_store_no_node_declares_another_lost(stores):
+    """Nodes that could not beat while the store was away beat again before any judges the others, even when
+    the store comes back to one of them first."""
+    one, two = Cluster(stores[0], "w0", lease=1.0), Cluster(stores[1], "w1", lease=1.0)
+    lost: list[str] = []
+
+    async def on_lost(node: Node, reason: str) -> None:
+        lost.append(node.name)
+
+    await one.start()
+    one.on_node_lost = two.on_node_lost = on_lost
+    await two.start()
+    try:
+        await asyncio.sleep(1.2)  # both have held their lease a whole lease
+        for store in stores:
+            await store.close()
+        await asyncio.sleep(2.0)  # the outage outlasts the lease
+        await stores[0].open()  # back for w0 first: w1's last beat is old, w0 must not take it for a death
+        await asyncio.sleep(0.4)
+        await stores[1].open()
+        await asyncio.sleep(2.5)  # both beat again, for more than a whole lease
+        assert lost == []
+        assert {n.status for n in await stores[0].list_nodes()} == {"up"}
+        assert not one.fenced and not two.fenced
+    finally:
+        await two.stop()
+        await one.stop()

@@ -158,7 +158,7 @@ async def test_guard_rail_cache_and_cached_follow_invalidate(core):
     conn = await a_connection(core)
     service = core.guardrails
     assert service.cached(conn.id) is None
-    rules = await service.rules_for(conn.org_id, conn.id)
+    rules = await service.rules_for(conn)
     assert service.cached(conn.id) is rules
     service.invalidate()
     assert service.cached(conn.id) is None  # a proxy holding only cached() falls back to rules_for
@@ -171,7 +171,7 @@ async def test_guard_rail_cache_and_cached_follow_invalidate(core):
 
     service.store.list_guardrails = changed_meanwhile
     try:
-        await service.rules_for(conn.org_id, conn.id)
+        await service.rules_for(conn)
     finally:
         service.store.list_guardrails = real
     assert service.cached(conn.id) is None

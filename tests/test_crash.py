@@ -12,7 +12,9 @@ import aiohttp
 from tests.conftest import ROOT, Daemon
 
 
-async def test_sigkilled_process_sessions_are_closed_on_restart_with_flushed_events_intact(tmp_path):
+async def test_sigkilled_process_sessions_are_closed_on_restart_with_journaled_events_replayed(tmp_path):
+    """What the dead process journaled and never stored reaches the store at the next start (once), before the
+    session is closed; the close says what may still be missing (a gap), so verify does not call it intact."""
     gw = Daemon(tmp_path / "data")
     writer = subprocess.Popen([sys.executable, str(ROOT / "tests" / "crash_writer.py"), str(gw.config_path)],
                               stdout=subprocess.PIPE, text=True, cwd=ROOT, env=gw.env())
@@ -27,11 +29,19 @@ async def test_sigkilled_process_sessions_are_closed_on_restart_with_flushed_eve
         async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as http:
             async with http.get(f"{gw.url}/sessions/{session_id}?expand=event_stream") as response:
                 session = await response.json()
+            async with http.get(f"{gw.url}/sessions/{session_id}/verify") as response:
+                verified = await response.json()
         assert session["status"] == "done" and session["end_date"] and session["exit_code"] == 254
         events = [(kind, base64.b64decode(data)) for _, kind, data in session["event_stream"]]
-        assert events == [("i", b"before the crash\n"), ("o", b"flushed output\n"),
-                          ("e", b"session closed on gateway restart: the gateway stopped while it was open")]
-        assert "closed sessions left open by a previous run" in gw.log_text()
+        assert events[:3] == [("i", b"before the crash\n"), ("o", b"flushed output\n"), ("i", b"never flushed\n")]
+        assert events[3][0] == "e" and events[3][1].startswith(b"recording gap: the process that held the session")
+        assert events[4:] == [("e", b"session closed on gateway restart: the gateway stopped while it was open")]
+        assert verified["sealed"] and not verified["verified"]
+        assert verified["problems"] == [f"event 3: {events[3][1].decode()}"], verified
+        log = gw.log_text()
+        assert "closed sessions left open by a previous run" in log
+        assert '"message": "replayed the journal of a process that stopped"' in log
+        assert len(list((gw.data_dir / "journal").iterdir())) == 1  # the dead run's journal went: this run's is left
     finally:
         assert gw.stop() == 0
 

@@ -162,7 +162,8 @@ EVENTS = st.lists(st.tuples(st.sampled_from("ioe"), st.binary(max_size=64)), max
 @given(before=EVENTS, after=EVENTS, first_seq=st.integers(0, 1 << 20))
 def test_the_recorder_packs_as_a_batch_is_stored_and_hashed(before, after, first_seq):
     """What the recorder appends per event is ``pack_events`` of the events, its hash ``batch_hash`` of them, and
-    a batch the store refused comes back in front of what was recorded since, numbered on."""
+    a batch the store did not take stays as it is (it is sent again unchanged) while what was recorded since
+    forms the next link, numbered and chained on."""
     service = RecordingService(store=None, cap=1 << 30, flush_interval=1, sealer=SEALER)  # type: ignore[arg-type]
     recorder = SessionRecorder(service, "s1", started=0.0, next_seq=first_seq)
     for kind, data in before:
@@ -178,13 +179,18 @@ def test_the_recorder_packs_as_a_batch_is_stored_and_hashed(before, after, first
     assert [seq for seq, _ in unpack_events(taken.packed)] == list(range(first_seq, first_seq + len(before)))
     assert {kind: taken.sizes.get(kind, 0) for kind in "ioe"} == \
         {kind: sum(len(data) for k, data in before if k == kind) for kind in "ioe"}
+    recorder.keep(taken)
     for kind, data in after:
         recorder.record(kind, data)
-    recorder.untake(taken)
+    assert recorder.pending_bytes == len(taken.packed) + sum(25 + len(data) for _, data in after)
     again = recorder.take_batch()
-    assert [(e.kind, e.data) for e in again.events] == before + after
-    assert again.first_seq == first_seq and again.previous_hash == GENESIS
-    assert again.hash == batch_hash(GENESIS, "s1", first_seq, again.events)
+    if not after:
+        assert again is None and recorder.unstored == [taken]
+        return
+    assert [(e.kind, e.data) for e in again.events] == after
+    assert again.first_seq == first_seq + len(before) and again.previous_hash == taken.hash
+    assert again.hash == batch_hash(taken.hash, "s1", again.first_seq, again.events) == recorder.chain_head
+    assert recorder.stored() == [taken] and recorder.pending_bytes == 0
 
 
 def test_a_packed_batch_cut_or_padded_reads_as_far_as_it_makes_sense_and_does_not_verify():
@@ -367,9 +373,21 @@ def test_the_audit_chain_is_keyed_and_an_entry_that_is_not_a_link_is_not_verifie
     assert f"4 {loose}: e0 ... e3" in verify_audit("o", recomputed, key).problems
     tail = rows[:2] + audit_rows(2, None, rows[1]["hash"], start=2)  # the newest re-computed after an edit
     assert verify_audit("o", tail, key).problems == [f"2 {loose}: e2 ... e3"]
-    before = audit_rows(3, None)  # chained before the chain was keyed: named, not verified
-    result = verify_audit("o", before + audit_rows(2, key, before[-1]["hash"], start=3), key)
-    assert not result.verified and result.links == 2 and result.problems == [f"3 {loose}: e0 ... e2"]
+    before = audit_rows(3, None)  # chained before the chain was keyed (an upgrade): anchored by the first keyed entry
+    upgraded = before + audit_rows(2, key, before[-1]["hash"], start=3)
+    result = verify_audit("o", upgraded, key)
+    assert result.verified and result.links == 5, result.problems
+    changed = [dict(row) for row in upgraded]  # an old entry changed and the plain hashes after it re-computed
+    changed[1]["outcome"] = "failure"
+    changed[1:3] = audit_rows(2, None, changed[0]["hash"], start=1)
+    changed[1]["outcome"] = "failure"
+    changed[1]["hash"] = audit_hash(changed[1]["prev_hash"], changed[1])
+    changed[2]["prev_hash"] = changed[1]["hash"]
+    changed[2]["hash"] = audit_hash(changed[2]["prev_hash"], changed[2])
+    result = verify_audit("o", changed, key)
+    assert not result.verified and result.problems == [
+        "entry e3: does not chain to the entry before it (one was removed or inserted)"], result.problems
+    assert f"3 {loose}: e0 ... e2" in verify_audit("o", before, key).problems  # no keyed entry after them
     edited = [dict(row) for row in rows]
     edited[2]["outcome"] = "failure"
     assert verify_audit("o", edited, key).problems == ["entry e2: it was altered"]

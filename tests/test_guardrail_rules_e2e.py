@@ -233,12 +233,17 @@ async def test_statement_rules_keep_the_table_through_psql_and_asyncpg(apis, clu
         await direct.close()
 
 
-async def test_statement_rules_are_ignored_on_ssh(apis):
-    """A rail mixing deny words and statement rules attaches to an ssh connection: only the words apply there."""
+async def test_statement_rules_are_refused_on_ssh_and_the_words_alone_apply(apis):
+    """A rail mixing deny words and statement rules cannot attach to an ssh connection (422: a shell has no
+    statements, and a rule never silently applies some other way); the words alone attach and apply."""
     _, ssh_api, _ = apis
     role = await ssh_api.role()
-    await ssh_api.guardrail(role, input_rules=[{"type": "require_where", "statements": ["delete"]},
-                                               {"type": "deny_words_list", "words": ["forbidden thing"]}])
+    status, body = await ssh_api("POST", "/guardrails", {
+        "name": f"mixed-{role['name']}", "connection_ids": [role["id"]],
+        "input": {"rules": [{"type": "require_where", "statements": ["delete"]},
+                            {"type": "deny_words_list", "words": ["forbidden thing"]}]}})
+    assert status == 422 and "require_where reads SQL statements" in body["message"], body
+    await ssh_api.guardrail(role, input_rules=[{"type": "deny_words_list", "words": ["forbidden thing"]}])
     secret, _ = await ssh_api.credential(role)
     result = await asyncio.to_thread(ssh, ssh_api.daemon, secret, "echo delete from t")
     assert result.returncode == 0 and result.stdout.strip() == "delete from t", result.stderr

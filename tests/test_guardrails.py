@@ -6,13 +6,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gatewayd.guardrails import AUDIT_INPUT_CHARS, RuleError, RuleSet, normalize_sql, validate_guardrail
+from gatewayd.guardrails import AUDIT_INPUT_CHARS, RuleError, RuleSet, validate_guardrail
+from gatewayd.languages import SHELL_COMMANDS, TEXT
 from gatewayd.models import GuardRail
+from gatewayd.sql.pg_scan import normalize_sql
+from gatewayd.sql.postgresql import POSTGRESQL
 
 
-def rails(input_rules=(), output_rules=(), name="g"):
+def rails(input_rules=(), output_rules=(), name="g", language=POSTGRESQL):
     return RuleSet([GuardRail(id="1", org_id="o", name=name, input={"rules": list(input_rules)},
-                              output={"rules": list(output_rules)})])
+                              output={"rules": list(output_rules)})], language=language)
 
 
 DENY = {"type": "deny_words_list", "words": ["drop table", "truncate"]}
@@ -21,10 +24,10 @@ PATTERN = {"type": "pattern_match", "pattern_regex": r"\d{3}-\d{2}-\d{4}"}
 
 def test_deny_words_are_case_insensitive_and_sql_normalized():
     rules = rails([DENY])
-    assert rules.check_input("select 1", sql=True).allowed
+    assert rules.check_input("select 1").allowed
     for attempt in ("DROP TABLE users", "drop   table users", "DROP /* sneaky */ TABLE users",
                     "drop -- comment\n table users", "Drop\tTable users"):
-        verdict = rules.check_input(attempt, sql=True)
+        verdict = rules.check_input(attempt)
         assert not verdict.allowed, attempt
         assert verdict.message == ("validation error, match guard rails input rule, type=deny_words_list, "
                                    "words=[drop table]")
@@ -32,9 +35,10 @@ def test_deny_words_are_case_insensitive_and_sql_normalized():
 
 
 def test_shell_input_keeps_double_dashes():
-    rules = rails([{"type": "deny_words_list", "words": ["rm -rf"]}])
+    rules = rails([{"type": "deny_words_list", "words": ["rm -rf"]}], language=SHELL_COMMANDS)
     assert not rules.check_input("rm   -rf /").allowed
-    assert rails([{"type": "deny_words_list", "words": ["--all"]}]).check_input("ls --all").allowed is False
+    assert rails([{"type": "deny_words_list", "words": ["--all"]}],
+                 language=SHELL_COMMANDS).check_input("ls --all").allowed is False
 
 
 def test_pattern_match_on_output_with_exact_message():
@@ -108,7 +112,7 @@ DROP = {"type": "deny_words_list", "words": ["drop table"]}
     "select 1 as \"DROP TABLE\"",  # a quoted identifier compares by its value
 ])
 def test_deny_words_see_sql_as_postgresql_does(attempt):
-    verdict = rails([DROP]).check_input(attempt, sql=True)
+    verdict = rails([DROP]).check_input(attempt)
     assert not verdict.allowed, attempt
     # a query of several statements names the one blocked: "... words=[drop table] (statement 2 of 3)"
     assert re.search(r"words=\[drop table\]( \(statement \d of \d\))?$", verdict.message) and verdict.text == attempt
@@ -122,14 +126,14 @@ def test_deny_words_see_sql_as_postgresql_does(attempt):
     "select \"unterminated; drop\n-- x\ntable t",
 ])
 def test_text_the_scanner_refuses_is_still_matched(attempt):
-    assert not rails([DROP]).check_input(attempt, sql=True).allowed, attempt
+    assert not rails([DROP]).check_input(attempt).allowed, attempt
 
 
 def test_what_the_scanner_cannot_take_falls_back_instead_of_failing():
     rules = rails([DROP])
-    assert not rules.check_input("select '\udcff', 'drop/**/table'", sql=True).allowed  # a lone surrogate
+    assert not rules.check_input("select '\udcff', 'drop/**/table'").allowed  # a lone surrogate
     assert normalize_sql("select '\udcff' -- x") == "select '\udcff' -- x"
-    assert not rules.check_input("select E'a\\x00'' drop/**/table t; --'", sql=True).allowed
+    assert not rules.check_input("select E'a\\x00'' drop/**/table t; --'").allowed
     assert normalize_sql("select 'a\x00b' /* c */, 1") == "select a b , 1"  # a NUL does not end the text early
 
 
@@ -138,7 +142,7 @@ def test_what_the_scanner_cannot_take_falls_back_instead_of_failing():
     "UPDATE pgbench_accounts SET abalance = abalance + -4410 WHERE aid = 51234;",
 ])
 def test_harmless_sql_is_allowed(statement):
-    assert rails([DROP]).check_input(statement, sql=True).allowed, statement
+    assert rails([DROP]).check_input(statement).allowed, statement
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -163,9 +167,10 @@ def test_normalize_sql(text, expected):
 
 
 def test_ssh_and_http_text_is_not_read_as_sql():
-    rules = rails([{"type": "deny_words_list", "words": ["rm -rf"]}])
+    rules = rails([{"type": "deny_words_list", "words": ["rm -rf"]}], language=SHELL_COMMANDS)
     assert not rules.check_input("echo '--'; rm   -rf /").allowed
-    assert rails([DROP]).check_input("echo drop/**/table").allowed  # a shell has no SQL comments
+    assert rails([DROP], language=SHELL_COMMANDS).check_input("echo drop/**/table").allowed  # no SQL comments
+    assert not rails([DROP]).check_input("echo drop/**/table").allowed  # PostgreSQL's input: a comment
 
 
 # --------------------------------------------------------------------------- patterns on a linear-time engine
@@ -187,14 +192,14 @@ def test_catastrophic_patterns_run_in_linear_time(pattern):
     rules = rails([{"type": "pattern_match", "pattern_regex": pattern}],
                   [{"type": "pattern_match", "pattern_regex": pattern}])
     evil = "a" * 5000 + "!"  # hours with a backtracking engine
-    assert rules.check_input(evil, sql=True).allowed in (True, False)
+    assert rules.check_input(evil).allowed in (True, False)
     assert rules.check_output(evil).allowed in (True, False)
 
 
 def test_a_stored_pattern_that_no_longer_compiles_refuses_everything():
     rail = GuardRail(id="1", org_id="o", name="old", input={"rules": [{"type": "pattern_match",
                                                                        "pattern_regex": r"(a)\1"}]})
-    verdict = RuleSet([rail]).check_input("select 1", sql=True)
+    verdict = RuleSet([rail], language=POSTGRESQL).check_input("select 1")
     assert not verdict.allowed and "guard rail 'old' cannot be applied" in verdict.message
     assert RuleSet([rail]).check_output("anything").allowed
 
@@ -202,7 +207,7 @@ def test_a_stored_pattern_that_no_longer_compiles_refuses_everything():
 def test_an_input_block_keeps_what_was_blocked_and_an_output_block_does_not():
     rules = rails([DROP], [PATTERN])
     long = "drop table t; " + "x" * 10_000
-    assert rules.check_input(long, sql=True).text == long[:AUDIT_INPUT_CHARS]
+    assert rules.check_input(long).text == long[:AUDIT_INPUT_CHARS]
     assert rules.check_output("123-45-6789").text == ""
 
 
@@ -212,7 +217,7 @@ _SQL_BITS = st.sampled_from(["'", '"', "$$", "$t$", "--", "/*", "*/", "\n", " ",
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.one_of(_SQL_BITS, st.text(max_size=4)), max_size=20).map("".join))
 def test_whatever_comes_before_a_deny_word_cannot_hide_it(prefix):
-    verdict = rails([DROP]).check_input(prefix + " drop/* x */table t", sql=True)  # never raises either
+    verdict = rails([DROP]).check_input(prefix + " drop/* x */table t")  # never raises either
     assert not verdict.allowed
 
 
@@ -231,13 +236,13 @@ def test_rules_searched_together_decide_as_each_rule_alone(text: str, sql: bool)
     """The rules' combined search (one RE2 call for the usual input) lets through only what no rule blocks alone."""
     def rule_set(inputs: list[dict], outputs: list[dict], together: bool = True) -> RuleSet:
         rules = RuleSet([GuardRail(id="g", org_id="o", name="all", input={"rules": inputs},
-                                   output={"rules": outputs})])
+                                   output={"rules": outputs})], language=POSTGRESQL if sql else TEXT)
         if not together:  # the reference: every rule searched on its own
             rules._text_any = rules._text_any_sql = rules._output_any = None
         return rules
 
-    verdict = rule_set(_SEVERAL, []).check_input(text, sql)
-    reference = rule_set(_SEVERAL, [], together=False).check_input(text, sql)
+    verdict = rule_set(_SEVERAL, []).check_input(text)
+    reference = rule_set(_SEVERAL, [], together=False).check_input(text)
     assert (verdict.allowed, verdict.message) == (reference.allowed, reference.message)
     output = rule_set([], _SEVERAL[1:]).check_output(text)
     reference = rule_set([], _SEVERAL[1:], together=False).check_output(text)
@@ -286,7 +291,7 @@ def test_the_literal_look_decides_as_re2_alone(tokens: list[str], joiner: str) -
     assert rules._text_literals is not None  # every rule has literals: the look is on
     reference = rails(_LITERAL_RULES)
     reference._text_literals = reference._text_any = reference._text_any_sql = None
-    verdict, expected = rules.check_input(text, sql=True), reference.check_input(text, sql=True)
+    verdict, expected = rules.check_input(text), reference.check_input(text)
     assert (verdict.allowed, verdict.message) == (expected.allowed, expected.message), text
 
 
@@ -295,9 +300,9 @@ def test_the_literal_look_leaves_non_ascii_to_re2():
     judged by the look."""
     rules = rails([{"type": "deny_words_list", "words": ["select"]}])
     assert rules._text_literals == ("select",)
-    assert not rules.check_input("ſelect 1", sql=True).allowed
-    assert not rules.check_input("SELECT 1", sql=True).allowed
-    assert rules.check_input("show all", sql=True).allowed
+    assert not rules.check_input("ſelect 1").allowed
+    assert not rules.check_input("SELECT 1").allowed
+    assert rules.check_input("show all").allowed
     folded = rails([{"type": "deny_words_list", "words": ["ſelect"]}])
     assert folded._text_literals is None
-    assert not folded.check_input("select 1", sql=True).allowed
+    assert not folded.check_input("select 1").allowed

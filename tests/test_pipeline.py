@@ -117,7 +117,7 @@ async def test_the_policy_chain_records_blocked_input_then_its_block_and_audits_
     run = await core.pipeline.start(grant, "127.0.0.9")
     policy = run.policy
     assert policy.input("select 1") is None
-    verdict = policy.input("drop table t", sql=True)
+    verdict = policy.input("drop table t")
     assert verdict is not None and not verdict.allowed
     await policy.blocked(verdict)
     assert policy.output("a secret row") is not None  # blocked output is not recorded

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from gatewayd.guardrails import ALLOWED, GuardVerdict, ObservedRules, RuleSet
 from gatewayd.models import GuardRail
 from gatewayd.policy import SessionPolicy
+from gatewayd.sql.postgresql import POSTGRESQL
 from proxies.postgres import codec as pg
 from proxies.postgres.relay import (
     BLOCK,
@@ -51,7 +52,7 @@ def rules(input_words: list[str] | None = None, output_pattern: str | None = Non
                      input={"rules": [{"type": "deny_words_list", "words": input_words}] if input_words else []},
                      output={"rules": [{"type": "pattern_match", "pattern_regex": output_pattern}]
                              if output_pattern else []})
-    return RuleSet([rail])
+    return RuleSet([rail], language=POSTGRESQL)
 
 
 def sides(ruleset: RuleSet, recorder: FakeRecorder | None = None) -> tuple[ClientSide, ServerSide, FakeRecorder]:
@@ -154,10 +155,10 @@ async def test_a_statement_waiting_for_its_verdict_is_held_untouched_then_forwar
         pg.encode_execute(), pg.encode_sync())
     assert client.on_message(query) == WAIT and client.waiting == "select 1"
     assert not pending and not recorder.events  # nothing recorded or queued for a held message
-    await policy.decide("select 1", sql=True)
+    await policy.decide("select 1")
     assert client.on_message(query) == FORWARD and recorder.events == [("i", "select 1")]
     assert client.on_message(parse) == WAIT and client.waiting == "select secret"
-    await policy.decide("select secret", sql=True)
+    await policy.decide("select secret")
     assert [client.on_message(m) for m in (parse, bind, execute, sync)] == [BLOCK, DROP, DROP, FORWARD]
     error = pg.encode_error_response("ERROR", "42501", client.verdict.message)  # type: ignore[union-attr]
     target = [pg.encode_command_complete("SELECT 1"), pg.encode_ready_for_query("I"), pg.encode_close_complete(),

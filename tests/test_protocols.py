@@ -19,7 +19,9 @@ import pytest
 from gatewayd import protocols
 from gatewayd.access import credential_prefix, looks_like_secret
 from gatewayd.config import ConfigError, Setting, load_config, positive
+from gatewayd.languages import SQL, Language
 from gatewayd.models import Connection
+from gatewayd.sql.postgresql import POSTGRESQL_DIALECT
 from launcher.root import build_gateway
 from tests import lineproxy
 from tests.conftest import free_port
@@ -38,6 +40,52 @@ LINE = protocols.ProtocolDescription(
     name="line", subtype="line", session_type="custom", prefix="line", server_config_key="line_server_config",
     default_port=17777, access_hints=_hints, start=_start,
     settings={"greeting": Setting("str", "hello"), "max_lines": Setting("int", 10, positive)})
+
+
+FAKE_SQL = protocols.ProtocolDescription(  # a second SQL protocol: what it reads is declared, never guessed
+    name="fakesql", subtype="fakesql", session_type="database", prefix="fakesql",
+    server_config_key="fakesql_server_config", default_port=17778, access_hints=_hints, start=_start,
+    language=Language("fakesql", SQL, "fake SQL", POSTGRESQL_DIALECT))
+
+
+@pytest.fixture
+def fake_sql():
+    protocols.register(FAKE_SQL)
+    try:
+        yield FAKE_SQL
+    finally:
+        protocols.unregister("fakesql")
+
+
+async def test_a_second_sql_protocol_is_guarded_and_rated_as_sql_not_as_shell(fake_sql, tmp_path):
+    """A protocol whose description names a SQL language: its guard rails read SQL (comments, statement kinds),
+    its input is rated as SQL and its typed passwords are redacted, by the declaration alone."""
+    from gatewayd.analysis import rate
+    from gatewayd.analysis.offline import language_of
+    from gatewayd.analysis.providers import describe_input
+    from gatewayd.guardrails import GuardRailService, check_language
+    from gatewayd.models import GuardRail, new_id
+    from gatewayd.store import open_store
+
+    store = await open_store(load_config(None, environ={}, overrides={"data_dir": str(tmp_path)}))
+    try:
+        org = (await store.default_org()).id
+        connection = Connection(id=new_id(), org_id=org, name="fake", resource_name="fake", type="database",
+                                subtype="fakesql")
+        rail = GuardRail(id=new_id(), org_id=org, name="rail", connection_ids=[connection.id], input={"rules": [
+            {"type": "deny_words_list", "words": ["drop table"]},
+            {"type": "require_where", "statements": ["delete"]}]}, output={"rules": []})
+        await store.save_guardrail(rail, create=True)
+        rules = await GuardRailService(store).rules_for(connection)
+        assert not rules.check_input("drop/**/table t").allowed  # a SQL comment: shell rules would let it pass
+        assert "delete without WHERE" in rules.check_input("delete from t").message
+    finally:
+        await store.close()
+    assert check_language(rail.input, rail.output, language_of("fakesql")) is None
+    assert "reads SQL statements" in (check_language(rail.input, rail.output, language_of("ssh")) or "")
+    assert rate("ALTER USER app SUPERUSER; DROP DATABASE shop", language_of("fakesql")).risk_level == "high"
+    message = describe_input("ALTER ROLE app PASSWORD 'hunter2-secret'", "database", "fakesql", 1000)
+    assert "hunter2-secret" not in message and "the input is fake SQL" in message
 
 
 @pytest.fixture

@@ -303,3 +303,91 @@ async def test_capture_tells_once_that_the_screen_is_not_recorded(tmp_path, capl
         await capture.close()
     assert len(notes) == 1 and capture.count == 1  # once per session; bitmaps still recorded
     assert caplog.text.count("rdp screen updates are not recorded") == 1
+
+
+# --------------------------------------------------------------------------- NLA (CredSSP) toward the target
+
+
+def test_tsrequests_are_split_from_the_targets_stream_however_it_comes() -> None:
+    from spnego._credssp_structures import NegoData, TSRequest
+
+    from proxies.rdp.credssp import MAX_TSREQUEST, TSRequestReader
+
+    short = TSRequest(6, nego_tokens=NegoData(b"x" * 20)).pack()  # one length byte
+    long = TSRequest(6, nego_tokens=NegoData(b"y" * 3000)).pack()  # 0x82 and two length bytes
+    assert short[1] < 0x80 and long[1] == 0x82
+    reader = TSRequestReader()
+    for byte in short + long:  # a byte at a time
+        reader.feed(bytes([byte]))
+    reader.feed(short + long + short[:3])  # several in one read, the next begun
+    reader.feed(short[3:])
+    got = [reader.messages.get_nowait() for _ in range(reader.messages.qsize())]
+    assert got == [short, long, short, long, short] and reader.broken is None
+    reader.close()
+    assert reader.messages.get_nowait() is None
+    for junk, why in ((b"\x03\x00\x00\x13", "something other than a TSRequest"),
+                      (b"\x30\x85\x00\x00\x00\x00\x10", "malformed length"),
+                      (b"\x30\x83" + (MAX_TSREQUEST + 1).to_bytes(3, "big"), "oversized")):
+        broken = TSRequestReader()
+        broken.feed(junk)
+        assert why in (broken.broken or "") and broken.messages.get_nowait() is None
+        broken.feed(short)  # nothing more is read
+        assert broken.messages.empty()
+
+
+async def test_credssp_logs_on_to_pyspnegos_own_acceptor(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The exchange against another CredSSP implementation (pyspnego's acceptor, its TLS inside its tokens).
+
+    The acceptor checks the NTLM logon and the public-key binding, and decrypts
+    the TSCredentials: what it receives is the role's domain, user and password.
+    """
+    import ssl
+
+    import spnego
+    from spnego.tls import get_certificate_public_key
+
+    from proxies.rdp.credssp import CredSSPError, NlaCredentials, TSRequestReader, authenticate
+
+    users = tmp_path / "ntlm-users"
+    users.write_text("CORP:alice:Tgt-pass-7c1e9d\n")
+    monkeypatch.setenv("NTLM_USER_FILE", str(users))
+
+    async def logon(password: str) -> object:
+        acceptor = spnego.server(protocol="credssp")
+        tls = ssl.create_default_context()
+        tls.check_hostname, tls.verify_mode = False, ssl.CERT_NONE
+        tls.maximum_version = ssl.TLSVersion.TLSv1_2  # as pyrdp's contexts (TLS 1.3 would need the tickets stepped)
+        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        link = tls.wrap_bio(incoming, outgoing)
+        while True:  # the TLS handshake, inside the acceptor's tokens
+            try:
+                link.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                incoming.write(acceptor.step(outgoing.read()) or b"")
+        reader = TSRequestReader()
+
+        def send(data: bytes) -> None:
+            link.write(data)
+            answer = acceptor.step(outgoing.read())
+            if answer:
+                incoming.write(answer)
+                while True:
+                    try:
+                        reader.feed(link.read())
+                    except ssl.SSLWantReadError:
+                        break
+            elif not acceptor.complete:
+                reader.close()  # the acceptor gave up: as a target closing the link
+
+        key = get_certificate_public_key(link.getpeercert(True))
+        credentials = NlaCredentials("alice", password, "CORP", "target.example")
+        await authenticate(credentials, send, reader, lambda: key)
+        assert acceptor.complete
+        return acceptor.get_extra_info("client_credential")
+
+    delegated = await logon("Tgt-pass-7c1e9d")
+    assert (delegated.domain_name, delegated.username, delegated.password) == ("CORP", "alice", "Tgt-pass-7c1e9d")
+    with pytest.raises(CredSSPError) as refused:
+        await logon("wrong")
+    assert "the target refused the stored credentials" in refused.value.message

@@ -3,7 +3,8 @@
 Peers (started once for the module): an Xvfb desktop with the ``-retro``
 pattern shared by ``freerdp-shadow-cli`` (TLS security, no authentication:
 it accepts any logon), a second shadow server on the same desktop that
-insists on NLA, an Xvfb display for the client, and a stand-alone
+insists on NLA and knows one account (``NLA_USER``/``NLA_PASSWORD``, which
+the role's ``USER``/``PASS`` are), an Xvfb display for the client, and a stand-alone
 ``pyrdp-mitm`` in front of the shadow server as the "observed" target: its
 log says which user name and password reached the target, which is how the
 credential injection is proven (the shadow server checks no password).
@@ -31,10 +32,10 @@ import pytest
 
 from tests.apiclient import Api, admin_http, events
 from tests.conftest import BIN, Daemon, free_port, proxy_daemon, wait_port
-from tests.rdppeer import Peers
+from tests.rdppeer import NLA_PASSWORD, NLA_USER, Peers
 
-TARGET_USER = "alice"
-TARGET_PASSWORD = "Tgt-pass-7c1e9d"
+TARGET_USER = NLA_USER  # the roles' account: the one the NLA target knows
+TARGET_PASSWORD = NLA_PASSWORD
 
 
 @pytest.fixture(scope="session")
@@ -66,10 +67,10 @@ class RdpApi(Api):
         return raw
 
     async def role(self, port: int, subtype: str = "rdp", user: str = TARGET_USER,
-                   password: str = TARGET_PASSWORD) -> dict:
+                   password: str = TARGET_PASSWORD, **more: str) -> dict:
         kind = {"rdp": "custom", "postgres": "database"}[subtype]
         return await self.connection(subtype, kind, subtype,
-                                     {"HOST": "127.0.0.1", "PORT": str(port), "USER": user, "PASS": password})
+                                     {"HOST": "127.0.0.1", "PORT": str(port), "USER": user, "PASS": password, **more})
 
     async def sessions_of(self, connection: dict) -> list[dict]:
         status, body = await self("GET", f"/sessions?connection={connection['name']}&limit=100")
@@ -229,9 +230,10 @@ async def test_composed_screen_shows_the_desktop(api: RdpApi, recorded: dict) ->
     assert status == 400, bad
 
 
-async def watch_desktop(api: RdpApi, gateway: Daemon, peers: Peers, *options: str) -> tuple[dict, int, bytes]:
+async def watch_desktop(api: RdpApi, gateway: Daemon, peers: Peers, *options: str,
+                        port: int | None = None) -> tuple[dict, int, bytes]:
     """A real session with xfreerdp's own options (no ``/bpp``): the done session, its frame count, its last screen."""
-    connection = await api.role(peers.shadow_port)
+    connection = await api.role(port or peers.shadow_port)
     secret, session_id = await api.credential(connection)
     process = await asyncio.create_subprocess_exec(
         "xfreerdp", f"/v:127.0.0.1:{gateway.rdp_port}", f"/u:{secret}", f"/p:{secret}", "/cert:ignore", *options,
@@ -281,6 +283,123 @@ async def test_every_client_choice_of_codec_is_recorded(api: RdpApi, gateway: Da
     assert total > 0, (events(session), session["client_output"][-2000:])
     assert_shows_the_desktop(screen)
     assert session["exit_code"] == 0 and events(session) == [], events(session)
+
+
+@pytest.mark.parametrize("options", [(), ("/rfx",), ("/gfx",)], ids=["defaults", "rfx", "gfx"])
+async def test_a_target_that_requires_nla_is_logged_on_with_the_stored_credentials(
+        api: RdpApi, gateway: Daemon, peers: Peers, options: tuple[str, ...]) -> None:
+    """The gateway is the CredSSP client of the target (the role's account); the client keeps TLS and its secret."""
+    failures = peers.log("shadow-nla").count("client authentication failure")
+    session, total, screen = await watch_desktop(api, gateway, peers, *options, port=peers.nla_port)
+    assert total > 0, (events(session), session["client_output"][-2000:])
+    assert_shows_the_desktop(screen)
+    assert session["exit_code"] == 0 and events(session) == [], events(session)
+    assert peers.log("shadow-nla").count("client authentication failure") == failures
+
+
+@pytest.mark.parametrize("tls_only", [False, True], ids=["client-offers-nla", "client-tls-only"])
+async def test_a_wrong_stored_password_ends_the_logon_with_a_reason(api: RdpApi, gateway: Daemon, peers: Peers,
+                                                                   tls_only: bool) -> None:
+    """The target refuses the role's password at NLA: the client told, an ``e`` event and an audit entry.
+
+    A client that offered NLA hears CredSSP's logon failure (FreeRDP:
+    ``ERRCONNECT_LOGON_FAILURE``) and stops; one that did not is closed, and
+    FreeRDP's retry of its dropped logon is refused by the gateway. Either way
+    the target is asked once (a second wrong password could lock a domain account out).
+    """
+    failures = peers.log("shadow-nla").count("client authentication failure")
+    connection = await api.role(peers.nla_port, password="not-" + TARGET_PASSWORD)
+    secret, session_id = await api.credential(connection)
+    code, output = await xfreerdp(peers, gateway.rdp_port, secret, *(["/sec:tls"] if tls_only else []))
+    assert code != 0, output  # a real logon, not auth-only: FreeRDP retries one that drops
+    if not tls_only:
+        assert "ERRCONNECT_LOGON_FAILURE" in output, output
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 254, session
+    message = (f'Network Level Authentication (CredSSP) with the target of connection "{connection["name"]}" '
+               "failed: the target refused the stored credentials (it closed the connection when it checked them)")
+    assert events(session) == [("e", message)], events(session)
+    assert [s["id"] for s in await api.sessions_of(connection)] == [session_id]  # the retry opened none
+    assert peers.log("shadow-nla").count("client authentication failure") == failures + 1
+    status, logs = await api("GET", "/audit/logs?action=rdp.target_login&outcome=failure")
+    assert status == 200, logs
+    [entry] = [e for e in logs["data"] if e["request_payload_redacted"].get("connection") == connection["name"]]
+    assert entry["error_message"] == message and entry["request_payload_redacted"]["session_id"] == session_id
+    status, logs = await api("GET", "/audit/logs?action=rdp.login&outcome=failure")
+    retries = [e["error_message"] for e in logs["data"]
+               if e["request_payload_redacted"].get("connection") == connection["name"]]
+    assert retries == ([f"{message} while its client was logging on: the client's reconnection is refused"]
+                       if tls_only else []), retries
+    assert TARGET_PASSWORD not in gateway.log_text() and secret not in gateway.log_text()
+
+
+async def test_the_nla_setting_picks_the_mechanism(api: RdpApi, gateway: Daemon, peers: Peers) -> None:
+    """``NLA=kerberos`` goes to pyspnego's Kerberos (python-gssapi, not installed here); a bad value is told.
+
+    An admin reads the setting back (it says how the gateway logs on, not with what)."""
+    for nla, expected in (("kerberos", "failed: the gateway cannot start kerberos authentication: "),
+                          ("sometimes", "its NLA is not one of off, ntlm, kerberos, negotiate")):
+        connection = await api.role(peers.nla_port, NLA=nla)
+        status, shown = await api("GET", f"/connections/{connection['name']}")
+        assert status == 200 and shown["secret"]["envvar:NLA"] == base64.b64encode(nla.encode()).decode(), shown
+        assert shown["secret"]["envvar:PASS"] == "[REDACTED]"
+        secret, session_id = await api.credential(connection)
+        code, output = await xfreerdp(peers, gateway.rdp_port, secret, "+auth-only")
+        assert code != 0, output
+        session = await api.done_session(session_id)
+        assert session["exit_code"] == 254 and any(k == "e" and expected in text for k, text in events(session)), \
+            events(session)
+
+
+async def test_a_kill_while_the_gateway_logs_on_with_nla_ends_it_at_once(api: RdpApi, gateway: Daemon, peers: Peers,
+                                                                         tmp_path: Path) -> None:
+    """A target that picks NLA and then says nothing holds the logon (for at most ``NLA_TIMEOUT``); a kill ends it."""
+    import ssl
+    import struct
+
+    from spnego._credssp_structures import TSRequest
+
+    from gatewayd.tls import generate_self_signed
+
+    generate_self_signed(tmp_path / "cert.pem", tmp_path / "key.pem", common_name="stalling-nla-target")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
+    requests: list[bytes] = []
+    writers: list[asyncio.StreamWriter] = []
+
+    async def stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        await reader.read(4096)  # the X.224 connection request
+        response = struct.pack("<BBHI", 2, 0, 8, 2)  # RDP_NEG_RSP: PROTOCOL_HYBRID
+        x224 = bytes([6 + len(response), 0xD0, 0, 0, 0x12, 0x34, 0]) + response
+        writer.write(struct.pack(">BBH", 3, 0, 4 + len(x224)) + x224)
+        await writer.drain()
+        await writer.start_tls(context)
+        requests.append(await reader.read(4096))  # the gateway's first TSRequest, never answered
+        await reader.read()
+
+    target = await asyncio.start_server(stall, "127.0.0.1", 0)
+    try:
+        connection = await api.role(target.sockets[0].getsockname()[1])
+        secret, session_id = await api.credential(connection)
+        client = asyncio.ensure_future(xfreerdp(peers, gateway.rdp_port, secret, timeout=60))
+        deadline = time.monotonic() + 30
+        while not requests and time.monotonic() < deadline:  # the gateway is logging on
+            await asyncio.sleep(0.05)
+        status, body = await api("POST", f"/sessions/{session_id}/kill")
+        assert status == 200 and body["exit_code"] == 254, body
+        code, output = await client
+    finally:
+        target.close()
+        for writer in writers:
+            writer.close()
+    [token] = TSRequest.unpack(requests[0]).nego_tokens
+    assert token.nego_token.startswith(b"NTLMSSP\x00\x01\x00\x00\x00")  # NTLM's negotiate message
+    assert code != 0, output
+    session = await api.done_session(session_id)
+    [(kind, reason)] = events(session)
+    assert session["exit_code"] == 254 and kind == "e" and reason.startswith("session killed by "), events(session)
+    assert [s["id"] for s in await api.sessions_of(connection)] == [session_id]  # the client's retry opened none
 
 
 async def test_frames_of_a_non_rdp_session_are_a_400(api: RdpApi, gateway: Daemon) -> None:
@@ -367,7 +486,8 @@ async def test_a_port_that_is_not_a_number_is_an_error_event(api: RdpApi, gatewa
 
 async def test_a_target_that_insists_on_nla_is_refused_with_a_reason(api: RdpApi, gateway: Daemon,
                                                                     peers: Peers) -> None:
-    connection = await api.role(peers.nla_port)
+    """With ``NLA=off`` the gateway asks the target for TLS only, as it did before it could log on with NLA."""
+    connection = await api.role(peers.nla_port, NLA="off")
     secret, session_id = await api.credential(connection)
     code, output = await xfreerdp(peers, gateway.rdp_port, secret, "+auth-only")
     assert code != 0 and "HYBRID_REQUIRED_BY_SERVER" in output, output  # the client hears the target's answer

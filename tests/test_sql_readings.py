@@ -1,6 +1,6 @@
 """How the guard rails read SQL the way the server will: readings under session settings, held to a real server.
 
-* ``escape_reading`` (gatewayd/sqlreading.py) against PostgreSQL 15 itself with
+* ``escape_reading`` (gatewayd/sql/pg_escapes.py) against PostgreSQL 15 itself with
   ``standard_conforming_strings = off``: hypothesis writes statements of
   literals with quotes, backslashes, prefixes, comments and continuations; where
   the server accepts one, the gateway's reading has the same statements and the
@@ -9,7 +9,7 @@
   a server in SJIS;
 * statement rules on what the server runs later (PL/pgSQL bodies of every return
   type, ``EXECUTE``, a function's SQL argument) and on what has the effect of a
-  denied kind (gatewayd/statements.py);
+  denied kind (gatewayd/sql/pg_statements.py);
 * the fast-path allow list's OIDs against the server's catalog.
 """
 
@@ -26,9 +26,10 @@ from hypothesis import strategies as st
 from pglast import parser as pg
 
 from gatewayd.guardrails import RuleSet
+from gatewayd.sql.postgresql import POSTGRESQL
 from gatewayd.models import GuardRail
-from gatewayd.sqlreading import escape_reading
-from gatewayd.statements import parse_statements
+from gatewayd.sql.pg_escapes import escape_reading
+from gatewayd.sql.pg_statements import parse_statements
 from proxies.postgres.fastpath import FUNCTIONS
 from proxies.postgres.reading import _SJIS, CODECS, SessionReading, _structural, codec_known
 from tests.pgpeer import unavailable_reason
@@ -39,11 +40,11 @@ INSERTS = {"type": "statement_kinds", "deny": ["InsertStmt", "DeleteStmt"]}
 
 
 def rules(*input_rules: dict) -> RuleSet:
-    return RuleSet([GuardRail(id="g", org_id="o", name="rail", input={"rules": list(input_rules)})])
+    return RuleSet([GuardRail(id="g", org_id="o", name="rail", input={"rules": list(input_rules)})], language=POSTGRESQL)
 
 
 def refused(rule: dict, sql: str) -> str:
-    verdict = rules(rule).check_input(sql, sql=True)
+    verdict = rules(rule).check_input(sql)
     assert not verdict.allowed, sql
     return verdict.message
 
@@ -101,11 +102,11 @@ def _constants(reading: str) -> list[list[str | None]] | None:
     return found
 
 
-@pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
 # a longer run (bench/README.md, "Guard-rail readings"): GATEWAYD_FUZZ_EXAMPLES=20000 pytest tests/test_sql_readings.py
 FUZZ_EXAMPLES = int(os.environ.get("GATEWAYD_FUZZ_EXAMPLES", "300"))
 
 
+@pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
 @settings(max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=STATEMENT)
 async def test_escape_reading_reads_what_the_server_reads(escaping_server, text: str) -> None:
@@ -171,9 +172,9 @@ def test_readings_when_settings_may_have_changed() -> None:
 
 def test_a_refused_reading_blocks_with_the_original_text_in_the_verdict() -> None:
     text = "select 'a\\''; delete from t; --'"
-    verdict = rules(WHERE).check_input(text, sql=True, readings=(text, escape_reading(text) or ""))
+    verdict = rules(WHERE).check_input(text, readings=(text, escape_reading(text) or ""))
     assert not verdict.allowed and verdict.text == text
-    assert rules(WHERE).check_input(text, sql=True).allowed  # the default reading alone: one SELECT
+    assert rules(WHERE).check_input(text).allowed  # the default reading alone: one SELECT
 
 
 # -- what the server runs later, and what has a denied kind's effect
@@ -230,7 +231,7 @@ def test_require_where_reads_merge_truncate_and_bodies(sql: str, says: str) -> N
     "CREATE FUNCTION f() RETURNS int LANGUAGE sql BEGIN ATOMIC SELECT 1; END",
 ])
 def test_what_is_only_data_or_qualified_passes(sql: str) -> None:
-    assert rules(KINDS, WHERE).check_input(sql, sql=True).allowed, sql
+    assert rules(KINDS, WHERE).check_input(sql).allowed, sql
 
 
 @pytest.mark.parametrize("sql, says", [

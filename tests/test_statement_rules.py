@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from gatewayd.guardrails import RuleError, RuleSet, parse_statements, validate_guardrail
+from gatewayd.guardrails import RuleError, RuleSet, validate_guardrail
+from gatewayd.languages import SHELL_COMMANDS
+from gatewayd.sql.pg_statements import parse_statements
 from gatewayd.models import GuardRail
+from gatewayd.sql.postgresql import POSTGRESQL
 
 
 def rules(*rules: dict) -> RuleSet:
-    return RuleSet([GuardRail(id="g1", org_id="o", name="rail", input={"rules": list(rules)})])
+    return RuleSet([GuardRail(id="g1", org_id="o", name="rail", input={"rules": list(rules)})], language=POSTGRESQL)
 
 
 WHERE = {"type": "require_where", "statements": ["delete", "update"]}
@@ -55,14 +58,14 @@ QUALIFIED = [
 
 @pytest.mark.parametrize("sql", UNQUALIFIED)
 def test_require_where_blocks_every_spelling(sql: str) -> None:
-    verdict = rules(WHERE).check_input(sql, sql=True)
+    verdict = rules(WHERE).check_input(sql)
     assert not verdict.allowed
     assert "without WHERE" in verdict.message and verdict.rule_type == "require_where"
 
 
 @pytest.mark.parametrize("sql", QUALIFIED)
 def test_require_where_lets_qualified_statements_through(sql: str) -> None:
-    assert rules(WHERE).check_input(sql, sql=True).allowed
+    assert rules(WHERE).check_input(sql).allowed
 
 
 @pytest.mark.parametrize("sql", [
@@ -71,48 +74,54 @@ def test_require_where_lets_qualified_statements_through(sql: str) -> None:
     "do $$ begin truncate t; end $$", "prepare q as select 1; drop index i",
 ])
 def test_statement_kinds_denied(sql: str) -> None:
-    verdict = rules(KINDS).check_input(sql, sql=True)
+    verdict = rules(KINDS).check_input(sql)
     assert not verdict.allowed and "statement=" in verdict.message
 
 
 @pytest.mark.parametrize("sql", ["select 'drop table t'", "create table t (a int)", "delete from t where a = 1",
                                  "select $$truncate t$$", 'select 1 as "drop"'])
 def test_statement_kinds_allowed(sql: str) -> None:
-    assert rules(KINDS).check_input(sql, sql=True).allowed
+    assert rules(KINDS).check_input(sql).allowed
 
 
 def test_multi_statement_names_the_statement() -> None:
-    verdict = rules(WHERE).check_input("select 1; select 2; delete from t", sql=True)
+    verdict = rules(WHERE).check_input("select 1; select 2; delete from t")
     assert "(statement 3 of 3)" in verdict.message
     verdict = rules({"type": "deny_words_list", "words": ["drop table"]}).check_input(
-        "select 1; drop table t; select 3", sql=True)
+        "select 1; drop table t; select 3")
     assert not verdict.allowed and "(statement 2 of 3)" in verdict.message
     verdict = rules({"type": "pattern_match", "pattern_regex": "(?i)truncate"}).check_input(
-        "select 1; truncate t", sql=True)
+        "select 1; truncate t")
     assert not verdict.allowed and verdict.message.endswith("(statement 2 of 2)")
-    single = rules({"type": "deny_words_list", "words": ["drop table"]}).check_input("drop table t", sql=True)
+    single = rules({"type": "deny_words_list", "words": ["drop table"]}).check_input("drop table t")
     assert "statement" not in single.message.split("words=")[1]
 
 
 def test_unparsable_sql_fails_closed() -> None:
-    verdict = rules(WHERE).check_input("delete frm t", sql=True)
+    verdict = rules(WHERE).check_input("delete frm t")
     assert not verdict.allowed and "unparsable" in verdict.message
 
 
-def test_statement_rules_ignored_on_other_protocols() -> None:
-    assert rules(WHERE, KINDS).check_input("rm -rf / ; delete from t", sql=False).allowed
-    both = rules(WHERE, {"type": "deny_words_list", "words": ["rm -rf"]})
-    assert not both.check_input("rm -rf /", sql=False).allowed
+def test_statement_rules_on_a_language_that_is_not_sql_refuse_everything() -> None:
+    """Never a silent fallback: a stored statement rule on a shell connection (the API refuses to attach one, 422)
+    cannot be applied, so its side refuses everything and says why; its deny words beside it still read shell."""
+    shell = RuleSet([GuardRail(id="g1", org_id="o", name="rail", input={"rules": [WHERE]})], language=SHELL_COMMANDS)
+    verdict = shell.check_input("ls")
+    assert not verdict.allowed and "require_where reads SQL statements" in verdict.message
+    assert "shell commands" in verdict.message and "cannot be applied" in verdict.message
+    words = RuleSet([GuardRail(id="g2", org_id="o", name="words", input={"rules": [
+        {"type": "deny_words_list", "words": ["--all"]}]})], language=SHELL_COMMANDS)
+    assert not words.check_input("ls --all").allowed  # ``--`` is no comment in a shell
 
 
 def test_spec_rule_types_unchanged_beside_statement_rules() -> None:
     mixed = rules(KINDS, {"type": "deny_words_list", "words": ["pg_sleep"]})
-    assert not mixed.check_input("select pg_sleep(1)", sql=True).allowed
-    assert mixed.check_input("select 1", sql=True).allowed
+    assert not mixed.check_input("select pg_sleep(1)").allowed
+    assert mixed.check_input("select 1").allowed
 
 
 def test_custom_message() -> None:
-    verdict = rules({**WHERE, "message": "add a WHERE"}).check_input("delete from t", sql=True)
+    verdict = rules({**WHERE, "message": "add a WHERE"}).check_input("delete from t")
     assert verdict.message == "add a WHERE"
 
 
@@ -141,8 +150,8 @@ def test_statement_rules_are_input_rules() -> None:
 def test_long_statements_are_parsed_too() -> None:
     values = ", ".join(f"({i}, 'row {i}')" for i in range(8000))  # well over the 4 KiB cache and 64 KiB scan limits
     assert len(values) > 64 * 1024
-    assert rules(WHERE, KINDS).check_input(f"insert into t values {values}", sql=True).allowed
-    assert not rules(WHERE).check_input(f"insert into t values {values}; delete from t", sql=True).allowed
+    assert rules(WHERE, KINDS).check_input(f"insert into t values {values}").allowed
+    assert not rules(WHERE).check_input(f"insert into t values {values}; delete from t").allowed
 
 
 @pytest.mark.parametrize("sql", [
@@ -153,14 +162,15 @@ def test_long_statements_are_parsed_too() -> None:
     "update t set a = exists (select 1 where true)",
 ])
 def test_a_where_elsewhere_is_not_the_statements_own(sql: str) -> None:
-    assert not rules(WHERE).check_input(sql, sql=True).allowed
+    assert not rules(WHERE).check_input(sql).allowed
 
 
 def test_statement_shape_by_json_matches_the_full_walk() -> None:
     import json
 
-    from gatewayd import statements
     from pglast import parser as pg
+
+    from gatewayd.sql import pg_statements as statements
 
     for sql in UNQUALIFIED + QUALIFIED + ["update t set a = (select 1 from u where u.id = 2)", "truncate t",
                                           "drop owned by current_user", "select 1"]:

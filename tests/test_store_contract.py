@@ -289,12 +289,13 @@ async def test_a_rule_changed_through_another_handle_reaches_the_rule_cache(back
     mine, theirs = await backend.open(), await backend.open()  # two processes on one database
     org = await an_org(mine)
     service = GuardRailService(mine)
-    assert (await service.rules_for(org, "c1")).empty
+    c1 = Connection(id="c1", org_id=org, name="c1", resource_name="c1", type="database", subtype="postgres")
+    assert (await service.rules_for(c1)).empty
     rail = a_rail(org, "no-drop", ["c1"])
     await theirs.save_guardrail(rail, create=True)  # no invalidate() in this process
-    assert not (await service.rules_for(org, "c1")).check_input("drop table t").allowed
+    assert not (await service.rules_for(c1)).check_input("drop table t").allowed
     await theirs.delete_guardrail(org, rail.id)
-    assert (await service.rules_for(org, "c1")).empty
+    assert (await service.rules_for(c1)).empty
 
 
 # ---------------------------------------------------------------------------- sessions
@@ -458,9 +459,18 @@ async def test_events_go_in_bulk_and_read_back_in_order(store: Store):
     assert (stored.event_size, stored.metrics, stored.chain_head, stored.status) == (120, {"a": 1}, "h2", "open")
     with pytest.raises(ValueError):  # a recording flush writes its progress, not the session's state
         await store.append_events([EventBatch.of(session.id, 348, [], {"status": "done"})])
-    with pytest.raises(Conflict):  # a sequence number is never written twice
-        await store.append_events([EventBatch.of(session.id, 0, events(1), {}, "x", "y")])
-    assert len(await store.read_events(session.id)) == 348
+    # a batch sent again (a write whose outcome was unknown) is stored once
+    again = EventBatch.of(session.id, 341, second, {"event_size": 120, "chain_head": "h2"}, "h1", "h2")
+    assert await store.append_events([again]) == set()
+    # other events under numbers stored already: the session diverged, nothing of it is written
+    other = a_session(org)
+    await store.create_session(other)
+    assert await store.append_events([EventBatch.of(session.id, 0, events(1), {"event_size": 1}, "x", "y"),
+                                      EventBatch.of(session.id, 348, events(2), {"event_size": 2}, "y", "z"),
+                                      EventBatch.of(other.id, 0, events(2), {"event_size": 9}, CHAIN_GENESIS, "o")]
+                                     ) == {session.id}
+    assert len(await store.read_events(session.id)) == 348 and (await store.get_session(session.id)).event_size == 120
+    assert len(await store.read_events(other.id)) == 2 and (await store.get_session(other.id)).event_size == 9
 
 
 async def test_a_recording_stored_an_event_a_row_reads_verifies_and_goes_on_in_packed_batches(store: Store):
@@ -496,17 +506,59 @@ async def test_close_stores_the_last_events_and_the_end_together(store: Store):
     org = await an_org(store)
     session = a_session(org)
     await store.create_session(session)
-    await store.close_session(EventBatch.of(session.id, 0, events(3), {"event_size": 30, "chain_head": "h"},
-                                         CHAIN_GENESIS, "h"), end_date=NOW, exit_code=254, seal="sig")
+    last = [EventBatch.of(session.id, 0, events(3), {"event_size": 30, "chain_head": "h"}, CHAIN_GENESIS, "h")]
+    assert await store.close_session(last, end_date=NOW, exit_code=254, seal="sig") is True
     stored = await store.get_session(session.id)
     assert (stored.status, stored.end_date, stored.exit_code, stored.seal, stored.event_size, stored.chain_head) \
         == ("done", NOW, 254, "sig", 30, "h")
     assert await store.read_events(session.id) == events(3)
     assert await store.claim_session(session.id, NOW) is None  # done: nobody claims it
+    # the same close again (its first outcome was unknown): stored once, still true
+    assert await store.close_session(last, end_date=NOW, exit_code=254, seal="sig") is True
+    assert await store.read_events(session.id) == events(3)
+    # another end of a session closed already (by another process): nothing written, false
+    late = [EventBatch.of(session.id, 3, events(1), {"event_size": 40, "chain_head": "i"}, "h", "i")]
+    assert await store.close_session(late, end_date="2030-01-01T00:00:00Z", exit_code=0, seal="other") is False
+    stored = await store.get_session(session.id)
+    assert (stored.end_date, stored.seal, stored.event_size, stored.chain_head) == (NOW, "sig", 30, "h")
     empty = a_session(org)
     await store.create_session(empty)
-    await store.close_session(EventBatch.of(empty.id, 0, [], {}), end_date=NOW, exit_code=None, seal=None)
+    assert await store.close_session([EventBatch.of(empty.id, 0, [], {})], end_date=NOW, exit_code=None, seal=None)
     assert (await store.get_session(empty.id)).status == "done"
+
+
+async def test_events_kept_after_a_close_by_another_process_follow_the_sealed_recording(store: Store):
+    """What the process that held a session recorded while another one closed it goes after the close, numbered
+    apart (LATE_BASE), once whatever the number of times it is sent, and verification names it."""
+    org = await an_org(store)
+    session = a_session(org)
+    await store.create_session(session)
+    sealer = Sealer(Ed25519PrivateKey.generate())
+    mine = events(2)
+    head = batch_hash(CHAIN_GENESIS, session.id, 0, mine)
+    await store.append_events([EventBatch.of(session.id, 0, mine, {"event_size": 20, "chain_head": head},
+                                             CHAIN_GENESIS, head)])
+    assert await store.chain_tail(session.id) == (2, head)
+    closer = [SessionEvent(9, "e", b"node b stopped answering")]
+    sealed = batch_hash(head, session.id, 2, closer)
+    seal = sealer.seal(session, sealed, 3, 44, 254, NOW)
+    assert await store.close_session([EventBatch.of(session.id, 2, closer, {"event_size": 44, "chain_head": sealed},
+                                                    head, sealed)], end_date=NOW, exit_code=254, seal=seal)
+    held = list(enumerate(events(4, start=2), 2))  # what the holder recorded from its event 2 on
+    assert await store.append_late(session.id, held[:2], "kept late") == 2
+    assert await store.append_late(session.id, held, "kept late") == 2  # the first two are there already
+    assert await store.append_late(session.id, held, "kept late") == 0
+    assert await store.chain_tail(session.id) == (3, sealed)  # late links are not the recording's tail
+    assert await store.last_event_seq(session.id) == (3, 9)
+    read = await store.read_events(session.id)
+    assert read == mine + closer + [SessionEvent(held[0][1].offset_ms, "e", b"kept late")] + [e for _, e in held]
+    links, numbered = await store.read_event_chain(session.id)
+    stored = await store.get_session(session.id)
+    result = verify_recording(stored, links, numbered, sealer, [{"seal": seal, "sealed_at": NOW}])
+    assert not result.verified and result.sealed
+    assert result.problems == ["5 events were stored after the session was closed by another process (kept by the "
+                               "process that held it, in memory or in its journal): they are not covered by the "
+                               "seal"], result
 
 
 async def test_exactly_one_of_concurrent_claims_wins(backend: Backend):
@@ -577,6 +629,8 @@ async def test_open_sessions_by_holder_and_those_no_node_up_holds(store: Store):
     for s in (held, orphaned, legacy, ended, ready):
         await store.create_session(s)
     assert [s.id for s in await store.open_sessions_of([gone.id])] == [orphaned.id]
+    assert await store.open_session_holders(connection_id="id-pg") == {up.id, gone.id}  # ended: not counted
+    assert await store.open_session_holders(review_id="none") == set()
     assert {s.id for s in await store.open_sessions_unheld()} == {orphaned.id, legacy.id}
     counts = await store.open_sessions_by_node()
     assert counts[up.id] == 1 and counts[gone.id] == 1 and counts[None] == 1
@@ -584,7 +638,7 @@ async def test_open_sessions_by_holder_and_those_no_node_up_holds(store: Store):
     assert claimed.node_id == up.id and (await store.open_sessions_by_node())[up.id] == 2
     assert await store.forget_nodes("2030-01-01T00:00:00Z") == 0  # it still holds an open session
     await store.request_kill(orphaned.id, "x", NOW)
-    await store.close_session(EventBatch.of(orphaned.id, 0, [], {}), end_date=NOW, exit_code=254, seal=None)
+    await store.close_session([EventBatch.of(orphaned.id, 0, [], {})], end_date=NOW, exit_code=254, seal=None)
     assert await store.forget_nodes("2030-01-01T00:00:00Z") == 1
     assert [n.id for n in await store.list_nodes()] == [up.id]
 
@@ -798,6 +852,7 @@ async def test_the_audit_log_chains_per_org_and_filters(store: Store):
                entry(org, "b", "2026-01-02T00:00:00Z", "failure"), entry(org, "c", "2026-01-02T00:00:00Z")]
     for e in written:
         await store.append_audit(e)
+    await store.append_audit(written[2])  # sent again (kept through an outage): stored once
     chain = await store.audit_chain(org)
     assert [c["action"] for c in chain] == ["a", "b", "c"]
     assert chain[0]["prev_hash"] == CHAIN_GENESIS

@@ -33,7 +33,11 @@ class Rec:
 rail = GuardRail(id="g", org_id="o", name="bench", input={"rules": [
     {"type": "deny_words_list", "words": ["drop table", "truncate"]},
     {"type": "pattern_match", "pattern_regex": "(?i)delete\\s+from\\s+\\w+\\s*;"}]}, output={"rules": []})
-rules = RuleSet([rail])
+try:  # a rule set reads its connection's language (before the dialect seam: the relay asked with sql=True)
+    from gatewayd.sql.postgresql import POSTGRESQL
+    rules = RuleSet([rail], language=POSTGRESQL)
+except ImportError:
+    rules = RuleSet([rail])
 rec = Rec()
 policy = SessionPolicy(SimpleNamespace(recorder=rec, client_ip="", id="s"), rules)  # type: ignore[arg-type]
 

@@ -2,7 +2,7 @@
 
 Target (issue 13): under 15 us per statement uncached; a repeated statement
 (the parse cache by text) about 1 us.  No server is started: this times
-``RuleSet.check_input(sql, sql=True)`` with only the statement rules, the
+``RuleSet.check_input(sql)`` of a PostgreSQL rule set with only the statement rules, the
 exact call the PostgreSQL proxy makes per Query and per Parse.
 
     .venv/bin/python bench/postgres/bench_statement_rules.py [--number 2000]
@@ -24,8 +24,13 @@ from pglast import parser as pg_parser  # noqa: E402
 from gatewayd import guardrails  # noqa: E402
 from gatewayd.models import GuardRail  # noqa: E402
 
-try:  # where the parse cache lives (gatewayd/statements.py since the readings of issue 29; before, guardrails)
-    from gatewayd.statements import _parse_cached  # noqa: E402
+try:  # a rule set reads its connection's language (since the dialect seam of issue 32; before, ``sql=True``)
+    from gatewayd.sql.postgresql import POSTGRESQL  # noqa: E402
+    LANGUAGE, SQL = {"language": POSTGRESQL}, {}
+except ImportError:
+    LANGUAGE, SQL = {}, {"sql": True}
+try:  # where the parse cache lives (gatewayd/sql/pg_statements.py since the readings of issue 29; before, guardrails)
+    from gatewayd.sql.pg_statements import _parse_cached  # noqa: E402
 except ImportError:  # a baseline tree from before (``PYTHONPATH=<old checkout>``)
     _parse_cached = guardrails._parse_cached  # type: ignore[attr-defined]
 
@@ -47,19 +52,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--number", type=int, default=2000)
     args = parser.parse_args()
-    rules = guardrails.RuleSet([GuardRail(id="b", org_id="o", name="bench", input={"rules": RULES})])
+    rules = guardrails.RuleSet([GuardRail(id="b", org_id="o", name="bench", input={"rules": RULES})],
+                               **LANGUAGE)
     for sql in PGBENCH:
-        assert rules.check_input(sql, sql=True).allowed, sql
+        assert rules.check_input(sql, **SQL).allowed, sql
     n = args.number
 
     def uncached() -> None:
         _parse_cached.cache_clear()
         for sql in PGBENCH:
-            rules.check_input(sql, sql=True)
+            rules.check_input(sql, **SQL)
 
     def cached() -> None:
         for sql in PGBENCH:
-            rules.check_input(sql, sql=True)
+            rules.check_input(sql, **SQL)
 
     per = len(PGBENCH) * n
     uncached_us = min(timeit.repeat(uncached, number=n, repeat=3)) / per * 1e6

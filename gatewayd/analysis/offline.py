@@ -15,22 +15,32 @@ import re
 import shlex
 from typing import Any, Iterator
 
+from gatewayd import protocols
 from gatewayd.analysis.verdict import HIGH, LOW, MEDIUM, Rating, severity
-from gatewayd.guardrails import normalize_sql
+from gatewayd.languages import SHELL, SHELL_COMMANDS, SQL, Language
+from gatewayd.sql.pg_scan import normalize_sql
 
-SQL, SHELL = "sql", "shell"
 NOTHING_FOUND = Rating(LOW, "No risky operation", "The built-in rules found no destructive, privileged or "
                                                   "server-level operation in it.")
 
 
-def language_of(subtype: str) -> str:
-    """How a connection's scripts are read: SQL for databases, shell commands for the rest."""
-    return SQL if subtype == "postgres" else SHELL
+def language_of(subtype: str) -> Language:
+    """How a connection's input is read: its protocol's language (gatewayd.languages), never a guess."""
+    return protocols.language_of(subtype)
 
 
-def rate(text: str, language: str) -> Rating:
-    """The riskiest finding of the built-in rules in ``text`` (``sql`` or ``shell``)."""
-    findings = sql_findings(text) if language == SQL else shell_findings(text)
+def rate(text: str, language: Language) -> Rating:
+    """The riskiest finding of the built-in rules in ``text``, read in ``language``: PostgreSQL's SQL by its own
+    rules, another SQL dialect by the statement kinds its parser finds, shell commands by the shell rules; a
+    language with no built-in rules (HTTP, key strokes) is not rated (LOW, saying so)."""
+    if language.family == SQL and language.dialect is not None:
+        findings = (sql_findings(text) if language.dialect.name == "postgresql"
+                    else kind_findings(text, language))
+    elif language.family == SHELL:
+        findings = shell_findings(text)
+    else:
+        return Rating(LOW, "Not rated", f"The built-in rules read SQL and shell commands, not {language.title}.",
+                      "offline")
     best: Rating | None = None
     for finding in findings:
         if best is None or severity(finding.risk_level) > severity(best.risk_level):
@@ -41,6 +51,34 @@ def rate(text: str, language: str) -> Rating:
 
 
 # --------------------------------------------------------------------------- SQL
+
+_KIND_RISKS = (  # a SQL dialect other than PostgreSQL: the statement kinds its parser finds (the shared vocabulary)
+    ({"DropStmt", "DropdbStmt", "DropOwnedStmt", "DropRoleStmt", "DropTableSpaceStmt", "TruncateStmt"}, HIGH,
+     "Drops or empties data", "The statement drops objects or removes every row of a table."),
+    ({"AlterRoleStmt", "CreateRoleStmt", "GrantStmt", "GrantRoleStmt", "RevokeStmt", "AlterSystemStmt"}, HIGH,
+     "Changes privileges or the server", "The statement changes roles, privileges or server settings."),
+    ({"AlterTableStmt", "RenameStmt", "AlterDatabaseStmt", "CreateFunctionStmt", "DoStmt"}, MEDIUM,
+     "Changes the schema or runs code", "The statement changes the schema or defines code that runs later."),
+)
+
+
+def kind_findings(text: str, language: Language) -> list[Rating]:
+    """What a SQL dialect's parse says of ``text`` (every dialect maps its statements onto the shared kinds)."""
+    assert language.dialect is not None
+    parsed = language.dialect.parse(text)
+    if parsed is None:
+        return [_finding(MEDIUM, "Unparsable SQL", f"The text does not parse as {language.title}; it was not read.")]
+    findings = []
+    for statement in parsed:
+        if statement.unreadable:
+            findings.append(_finding(MEDIUM, "Partly unreadable", f"It holds {statement.unreadable}."))
+        for kinds, level, title, explanation in _KIND_RISKS:
+            if not statement.counts_as.isdisjoint(kinds):
+                findings.append(_finding(level, title, explanation))
+        if statement.unqualified:
+            findings.append(_finding(HIGH, "Changes every row", "A DELETE or UPDATE without WHERE (or with its "
+                                                               "effect) touches every row of a table."))
+    return findings
 
 _HIGH_DROPS = {"OBJECT_TABLE", "OBJECT_SCHEMA", "OBJECT_DATABASE", "OBJECT_MATVIEW", "OBJECT_SEQUENCE",
                "OBJECT_TYPE", "OBJECT_EXTENSION", "OBJECT_FOREIGN_TABLE", "OBJECT_TABLESPACE"}
@@ -291,7 +329,7 @@ def _command_finding(argv: list[str]) -> Rating | None:
     flags = _short_flags(args)
     targets = [a for a in args if not a.startswith("-")]
     if name in _SHELLS and "-c" in args[:-1]:  # sh -c 'text': the text is what runs
-        return rate(args[args.index("-c") + 1], SHELL) if args[args.index("-c") + 1].strip() else None
+        return rate(args[args.index("-c") + 1], SHELL_COMMANDS) if args[args.index("-c") + 1].strip() else None
     if name == "rm":
         recursive = bool(flags & {"r", "R", "--recursive"})
         force = bool(flags & {"f", "--force"})

@@ -19,6 +19,7 @@ from typing import Any
 
 import aiohttp
 
+from gatewayd import protocols
 from gatewayd.analysis.verdict import EXPLANATION_WORDS, RISK_LEVELS, TITLE_WORDS, Rating
 from gatewayd.models import AIProvider
 
@@ -58,7 +59,6 @@ def required_api_url(provider: str) -> bool:
     return provider in ("azure-openai", "custom")
 
 
-_SQL_PASSWORD = re.compile(r"(\bpassword\s+)(E?'(?:[^']|'')*'|\$\w*\$.*?\$\w*\$)", re.I | re.S)
 _SHELL_SECRETS = (
     re.compile(r"\b(\w*(?:PASSWORD|PASSWD|PASSPHRASE|SECRET|TOKEN|API_?KEY)\w*=)(\"[^\"]*\"|'[^']*'|\S+)", re.I),
     re.compile(r"(--(?:password|passwd|token|secret|api-key)[= ])(\"[^\"]*\"|'[^']*'|\S+)", re.I),
@@ -68,10 +68,12 @@ REDACTED = "[REDACTED]"
 
 
 def redact_input(text: str, subtype: str) -> str:
-    """``text`` without the secrets a user may type in it: SQL ``PASSWORD '...'`` literals; shell
-    ``*PASSWORD*=``/``*TOKEN*=`` assignments, ``--password`` options and ``sshpass -p``."""
-    if subtype == "postgres":
-        return _SQL_PASSWORD.sub(lambda m: m.group(1) + f"'{REDACTED}'", text)
+    """``text`` without the secrets a user may type in it, read in the connection's language: a SQL dialect's
+    (``PASSWORD '...'`` literals); shell ``*PASSWORD*=``/``*TOKEN*=`` assignments, ``--password`` options and
+    ``sshpass -p``."""
+    language = protocols.language_of(subtype)
+    if language.dialect is not None:
+        return language.dialect.redact(text)
     for pattern in _SHELL_SECRETS:
         text = pattern.sub(lambda m: m.group(1) + REDACTED, text)
     return text
@@ -79,7 +81,7 @@ def redact_input(text: str, subtype: str) -> str:
 
 def describe_input(text: str, connection_type: str, subtype: str, max_chars: int) -> str:
     """The user message: the connection's kind and the input without typed secrets, cut to ``max_chars``."""
-    language = "PostgreSQL SQL" if subtype == "postgres" else "shell commands"
+    language = protocols.language_of(subtype).title
     text = redact_input(text, subtype)
     if len(text) > max_chars:
         half = max_chars // 2

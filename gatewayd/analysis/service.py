@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from gatewayd.analysis.offline import language_of, rate
+from gatewayd.languages import SHELL, SQL
 from gatewayd.analysis.providers import AnalyzerError, classify, describe_input
 from gatewayd.analysis.verdict import BLOCK, LOW, Rating, Verdict, higher, severity, verdict_for
 from gatewayd.audit import AuditLog
@@ -57,7 +58,7 @@ NATIVE_ASYNC, NATIVE_SYNC = "async", "sync"  # a rule's native_mode: analysed in
 NATIVE_MODES = (NATIVE_ASYNC, NATIVE_SYNC)
 AI_RULE_TYPE = "ai_analysis"  # the rule_type of the GuardVerdict a synchronous AI block is said with
 OFFLINE_INLINE_CHARS = 1024  # longer texts are rated in a thread (about 4 ms of parsing per KiB of SQL)
-NATIVE_SUBTYPES = ("postgres", "ssh")  # whose native input is statements or commands
+OBSERVED_FAMILIES = (SQL, SHELL)  # languages whose native input is statements or commands (gatewayd.languages)
 SEEN_CAP = 1024  # a session's inputs already analysed (the same statement again is not asked twice)
 
 
@@ -192,7 +193,7 @@ class AnalysisService:
 
     async def observer_for(self, live: "LiveSession") -> "SessionAnalysis | None":
         """The background analysis of a native session's input, when a rule names its connection."""
-        if live.connection.subtype not in NATIVE_SUBTYPES or live.session.verb != "connect":
+        if language_of(live.connection.subtype).family not in OBSERVED_FAMILIES or live.session.verb != "connect":
             return None
         rule = await self.rule_for(live.connection)
         if rule is None:

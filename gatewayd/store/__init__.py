@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from gatewayd.config import Config
 from gatewayd.crypto import SecretBox, load_or_create_key
-from gatewayd.store.base import AuditFilter, Conflict, NotFound, SessionFilter, Store, StoreError
+from gatewayd.store.base import AuditFilter, Conflict, NotFound, SessionFilter, Store, StoreError, StoreUnavailable
 
-__all__ = ["AuditFilter", "Conflict", "NotFound", "SessionFilter", "Store", "StoreError", "describe", "open_store"]
+__all__ = ["AuditFilter", "Conflict", "NotFound", "SessionFilter", "Store", "StoreError", "StoreUnavailable", "describe", "open_store"]
 
 
 async def open_store(config: Config) -> Store:
@@ -17,7 +17,7 @@ async def open_store(config: Config) -> Store:
     if config["store.driver"] == "postgres":
         from gatewayd.store.postgres import PostgresStore
 
-        store = PostgresStore(config["store.url"], box)
+        store = PostgresStore(config["store.url"], box, timeout=config["store.timeout"])
     else:
         from gatewayd.store.sqlite import SQLiteStore
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from gatewayd.evidence import BatchLink, EventBatch
 from gatewayd.models import (
@@ -47,6 +47,11 @@ class Conflict(StoreError):
 
 class NotFound(StoreError):
     """The record does not exist."""
+
+
+class StoreUnavailable(StoreError):
+    """The store did not answer (down, hung, cut off) within the store's timeout: nothing is known of the
+    operation's outcome (a write may still commit; the writes that are retried are idempotent)."""
 
 
 @dataclass(slots=True)
@@ -85,6 +90,8 @@ class AuditFilter:
 class Store(abc.ABC):
     """Persistent state of the gateway."""
 
+    # False from a failure to reach the store until its next answer (the API and the proxies then say so at once)
+    reachable: bool = True
     # the key of the audit chain's links (``evidence.Sealer.audit_key``), set once the daemon has loaded it;
     # None: links are plain hashes (a store opened without the gateway's key, as the contract tests do)
     audit_key: bytes | None = None
@@ -218,10 +225,14 @@ class Store(abc.ABC):
         """Move a ``ready`` session to ``open`` without claiming it (jit credentials handed out); True if it moved."""
 
     @abc.abstractmethod
-    async def close_session(self, batch: EventBatch, *, end_date: str, exit_code: int | None,
-                            seal: str | None) -> None:
-        """The session's last events and recording fields (``batch``, maybe with no events) and its end
-        (status ``done``, end date, exit code, seal), in one transaction."""
+    async def close_session(self, batches: Sequence[EventBatch], *, end_date: str, exit_code: int | None,
+                            seal: str | None) -> bool:
+        """The session's last events and recording fields (``batches``, the last one with the final fields, maybe
+        with no events) and its end (status ``done``, end date, exit code, seal), in one transaction.
+
+        Idempotent: a close stored already with the same seal is True again. False (nothing written) when the
+        recording diverged: another process closed the session, or stored other events under these numbers.
+        """
 
     @abc.abstractmethod
     async def request_kill(self, session_id: str, reason: str, requested_at: str) -> Session | None:
@@ -239,13 +250,28 @@ class Store(abc.ABC):
         """Store a session's AI verdict; with ``status``, only while the session has it. True if stored."""
 
     @abc.abstractmethod
-    async def append_events(self, batches: Iterable[EventBatch]) -> None:
-        """Append events of several sessions in one transaction.
+    async def append_events(self, batches: Iterable[EventBatch]) -> set[str]:
+        """Append events of several sessions in one transaction; the sessions whose recording diverged.
 
         Each batch carries its recording fields (event_size, metrics, chain_head; no other), updated in the
         same transaction so a crash never leaves them disagreeing with the events, and its chain
-        link (previous hash, hash), stored beside the events for ``read_event_chain``.
+        link (previous hash, hash), stored beside the events for ``read_event_chain``. Idempotent: a batch
+        stored already (same session, first number and hash) is skipped, so a write whose outcome was unknown
+        (a timeout) is simply sent again. A batch whose numbers hold another hash (the session was closed by
+        another process meanwhile) is not written, nor are the later batches of its session: its id is returned.
         """
+
+    @abc.abstractmethod
+    async def append_late(self, session_id: str, events: Sequence[tuple[int, SessionEvent]], note: str) -> int:
+        """Keep events of a session that was closed meanwhile by another process (``events``: as numbered by
+        the process that recorded them), after its sealed recording, as links numbered from
+        ``evidence.LATE_BASE``: verification names them, the seal does not cover them. ``note`` (why they are
+        late) goes first. Idempotent by their numbers; how many events were stored.
+        """
+
+    @abc.abstractmethod
+    async def chain_tail(self, session_id: str) -> tuple[int, str]:
+        """(next sequence number, hash of the last link) of a session's recording, late links left out."""
 
     @abc.abstractmethod
     async def read_event_chain(self, session_id: str) -> tuple[list[BatchLink], list[tuple[int, SessionEvent]]]:
@@ -268,6 +294,10 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def open_sessions_of(self, node_ids: Iterable[str]) -> list[Session]:
         """The sessions still ``open`` held by these nodes."""
+
+    @abc.abstractmethod
+    async def open_session_holders(self, *, review_id: str | None = None, connection_id: str | None = None) -> set[str]:
+        """The nodes holding an ``open`` session of a review, or of a connection."""
 
     @abc.abstractmethod
     async def open_sessions_unheld(self) -> list[Session]:
@@ -435,7 +465,8 @@ class Store(abc.ABC):
         """Append an entry, chained to its organization's last one (``prev_hash``/``hash`` set here).
 
         Reading the last hash and inserting happen in one write transaction, so concurrent
-        writers (threads, processes) never fork the chain.
+        writers (threads, processes) never fork the chain. Idempotent by the entry's id (an entry kept through
+        an outage is sent again until it is stored once).
         """
 
     @abc.abstractmethod

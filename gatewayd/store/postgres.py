@@ -18,7 +18,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import asyncpg
 
 from gatewayd.crypto import SecretBox
-from gatewayd.store.base import Conflict, StoreError
+from gatewayd.store.base import Conflict, StoreError, StoreUnavailable
 from gatewayd.store.bus import CHANNEL, BusTransport, NotifyBus
 from gatewayd.store.queries import SQLStore
 from gatewayd.store.search import POSTGRES_INSERT, POSTGRES_MATCHES, POSTGRES_SCHEMA, like_pattern
@@ -27,6 +27,13 @@ from gatewayd.store.sql import Dialect, Result, Statement, Work, numbered
 T = TypeVar("T")
 
 POOL_SIZE = 10  # connections per process; a transaction holds one only while it runs
+TIMEOUT = 4.0  # seconds a query or transaction may take before the store counts as unavailable
+SLOW_READ = 15  # times that for a read that may take long by itself (a whole recording)
+
+# What the driver raises when the server is not there to answer (down, shutting down, cut off); a query's own
+# failure (a syntax error, a constraint) is not among them.
+_UNREACHABLE = (OSError, asyncio.TimeoutError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError,
+                asyncpg.CannotConnectNowError, asyncpg.AdminShutdownError, asyncpg.CrashShutdownError)
 
 # The portable migration scripts in PostgreSQL's types (see PostgresDialect.ddl): whole upper-case words,
 # as the migrations spell their types (gatewayd/store/migrations.py).
@@ -136,19 +143,33 @@ def _rowcount(status: str) -> int:
 
 
 class AsyncpgConnector:
-    """An asyncpg pool: reads on any pooled connection, each write transaction on one."""
+    """An asyncpg pool: reads on any pooled connection, each write transaction on one.
 
-    def __init__(self, url: str, dialect: Dialect | None = None, pool_size: int = POOL_SIZE) -> None:
+    Every call answers within ``timeout``: a server that is down, hung (SIGSTOP) or cut off is
+    ``StoreUnavailable`` then, not a wait of minutes. The call itself runs on in a task of its own (asyncpg's
+    ``command_timeout`` ends it later); a write whose outcome is therefore unknown may still commit, which
+    is why the writes that are sent again (recordings, ends, audit entries) are idempotent.
+    ``failing_since`` is set from such a failure until the next answer (``Store.reachable``).
+    """
+
+    def __init__(self, url: str, dialect: Dialect | None = None, pool_size: int = POOL_SIZE,
+                 timeout: float = TIMEOUT) -> None:
         self.url = url
         self.dialect = dialect or PostgresDialect()
         self.pool_size = pool_size
+        self.timeout = timeout
+        self.failing_since: float | None = None
         self._pool: asyncpg.Pool | None = None
         self._running: set[asyncio.Task[Any]] = set()
 
     async def connect(self) -> None:
         try:
-            self._pool = await asyncpg.create_pool(self.url, min_size=1, max_size=self.pool_size,
-                                                   server_settings={"application_name": "gatewayd"})
+            # a transaction left open by a link that froze mid-way is ended by the server, not held (with its
+            # locks: another node closing the sessions of this one would wait on them) for the whole cut
+            self._pool = await asyncpg.create_pool(self.url, min_size=1, max_size=self.pool_size, timeout=self.timeout,
+                                                   server_settings={"application_name": "gatewayd",
+                                                                    "idle_in_transaction_session_timeout":
+                                                                        str(int(self.timeout * 2000))})
         except (OSError, asyncio.TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError, ValueError) as exc:
             # from None: the driver's exception may quote the DSN; the message is scrubbed of the password
             raise StoreError(_scrub(f"cannot open the PostgreSQL store {redact(self.url)}: "
@@ -156,25 +177,46 @@ class AsyncpgConnector:
 
     async def close(self) -> None:
         if self._running:
-            await asyncio.gather(*self._running, return_exceptions=True)
+            await asyncio.wait(list(self._running), timeout=self.timeout)
         if self._pool is not None:
             pool, self._pool = self._pool, None
-            await pool.close()
+            try:
+                await asyncio.wait_for(pool.close(), self.timeout)
+            except (asyncio.TimeoutError, *_UNREACHABLE):
+                pool.terminate()
 
     def _open_pool(self) -> asyncpg.Pool:
         if self._pool is None:
             raise RuntimeError("store is not open")
         return self._pool
 
-    async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
-        return await self._open_pool().fetch(self.dialect.render(sql), *params)
+    async def _bounded(self, call: Any, timeout: float | None = None) -> Any:
+        """``call`` in a task of its own, awaited for ``timeout`` at most (it is not waited for past that: a
+        cancelled asyncpg call can itself wait on the server it lost)."""
+        task = asyncio.ensure_future(call)
+        self._running.add(task)
+        task.add_done_callback(self._finished)
+        try:
+            result = await asyncio.wait_for(asyncio.shield(task), timeout or self.timeout)
+        except asyncio.TimeoutError:
+            raise self._unavailable(f"no answer within {timeout or self.timeout:g} s") from None
+        except _UNREACHABLE as exc:
+            raise self._unavailable(f"{type(exc).__name__}: {exc}") from None
+        self.failing_since = None
+        return result
+
+    def _unavailable(self, why: str) -> StoreUnavailable:
+        if self.failing_since is None:
+            self.failing_since = asyncio.get_running_loop().time()
+        return StoreUnavailable(_scrub(f"the PostgreSQL store {redact(self.url)} is unavailable ({why})", self.url))
+
+    async def fetch(self, sql: str, params: Sequence[Any] = (), *, slow: bool = False) -> list[Any]:
+        return await self._bounded(self._open_pool().fetch(self.dialect.render(sql), *params),
+                                   self.timeout * SLOW_READ if slow else self.timeout)
 
     async def transact(self, work: Work[T]) -> T:
         # a task of its own, shielded: the transaction completes even when the awaiting task is cancelled
-        task = asyncio.ensure_future(self._drive(self._open_pool(), work))
-        self._running.add(task)
-        task.add_done_callback(self._finished)
-        return await asyncio.shield(task)
+        return await self._bounded(self._drive(self._open_pool(), work))
 
     def _finished(self, task: asyncio.Task[Any]) -> None:
         self._running.discard(task)
@@ -210,8 +252,8 @@ class AsyncpgConnector:
 class PostgresStore(SQLStore):
     """Store backed by a PostgreSQL database (several gateways may share it)."""
 
-    def __init__(self, url: str, box: SecretBox) -> None:
-        super().__init__(AsyncpgConnector(url), box)
+    def __init__(self, url: str, box: SecretBox, timeout: float = TIMEOUT) -> None:
+        super().__init__(AsyncpgConnector(url, timeout=timeout), box)
         self.url = url
 
     def bus(self) -> BusTransport:

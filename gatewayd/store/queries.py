@@ -9,10 +9,19 @@ from __future__ import annotations
 import asyncio
 import json
 from operator import itemgetter
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from gatewayd.crypto import SecretBox
-from gatewayd.evidence import SEALED, BatchLink, EventBatch, audit_hash, unpack_events
+from gatewayd.evidence import (
+    LATE_BASE,
+    SEALED,
+    BatchLink,
+    EventBatch,
+    audit_hash,
+    chain_hash,
+    pack_events,
+    unpack_events,
+)
 from gatewayd.models import (
     CHAIN_GENESIS,
     AccessRequestRule,
@@ -89,6 +98,10 @@ class SQLStore(Store):
         sort = self.dialect.sort
         self._by_name, self._by_email = sort("name", text=True), sort("email", text=True)
         self._by_group, self._by_user_group = sort("group_name", text=True), sort("ug.group_name", text=True)
+
+    @property
+    def reachable(self) -> bool:  # type: ignore[override]
+        return getattr(self.db, "failing_since", None) is None
 
     # ---------------------------------------------------------------- lifecycle
     async def open(self) -> None:
@@ -487,39 +500,101 @@ class SQLStore(Store):
             session_id))
         return done is not None
 
-    def _batch_statements(self, batch: EventBatch) -> list[Statement]:
-        unknown = set(batch.session_fields) - RECORDING_FIELDS
-        if unknown:
-            raise ValueError(f"a recording batch may not write session fields {sorted(unknown)}")
-        found: list[Statement] = []
-        if batch.count:
-            found.append(("INSERT INTO session_event_batches (session_id, first_seq, count, prev_hash, hash, events) "
-                          "VALUES (?, ?, ?, ?, ?, ?)", (batch.session_id, batch.first_seq, batch.count,
-                                                        batch.previous_hash, batch.hash, batch.packed)))
-        if batch.sizes.get("i") and (text := input_text(batch.packed)):  # what was typed, searchable
-            found += self.dialect.search_insert(batch.session_id, text)
-        if batch.session_fields:
-            found.append(assign("sessions", batch.session_fields, "id = ?", (batch.session_id,)))
-        return found
+    def _store_batches(self, batches: Iterable[EventBatch], diverged: set[str]) -> Work[None]:
+        """Insert each batch unless it is stored already; a session whose numbers hold another hash is
+        ``diverged``: none of its later batches nor its fields are written."""
+        for batch in batches:
+            unknown = set(batch.session_fields) - RECORDING_FIELDS
+            if unknown:
+                raise ValueError(f"a recording batch may not write session fields {sorted(unknown)}")
+            sid = batch.session_id
+            if sid in diverged:
+                continue
+            if batch.count:
+                done = yield ("INSERT INTO session_event_batches (session_id, first_seq, count, prev_hash, hash, events) "
+                              "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (session_id, first_seq) DO NOTHING",
+                              (sid, batch.first_seq, batch.count, batch.previous_hash, batch.hash, batch.packed))
+                if done.rowcount != 1:
+                    there = yield ("SELECT hash FROM session_event_batches WHERE session_id = ? AND first_seq = ?",
+                                   (sid, batch.first_seq))
+                    if not there.rows or there.rows[0][0] != batch.hash:
+                        diverged.add(sid)
+                        continue
+                elif batch.sizes.get("i") and (text := input_text(batch.packed)):  # what was typed, searchable
+                    for statement in self.dialect.search_insert(sid, text):  # once: not again on a replay
+                        yield statement
+            if batch.session_fields:
+                yield assign("sessions", batch.session_fields, "id = ? AND status != 'done'", (sid,))
 
-    async def append_events(self, batches: Iterable[EventBatch]) -> None:
-        found = [s for batch in batches for s in self._batch_statements(batch)]
-        if found:
-            await self._write(found)
+    def _append(self, batches: Iterable[EventBatch]) -> Work[set[str]]:
+        diverged: set[str] = set()
+        yield from self._store_batches(batches, diverged)
+        return diverged
 
-    async def close_session(self, batch: EventBatch, *, end_date: str, exit_code: int | None,
-                            seal: str | None) -> None:
-        await self._write(self._batch_statements(batch) + [assign(
-            "sessions", {"status": "done", "end_date": end_date, "exit_code": exit_code, "seal": seal},
-            "id = ?", (batch.session_id,))])
+    async def append_events(self, batches: Iterable[EventBatch]) -> set[str]:
+        batches = list(batches)
+        if not batches:
+            return set()
+        return await self.db.transact(self._append(batches))
+
+    def _close(self, batches: Sequence[EventBatch], end_date: str, exit_code: int | None,
+               seal: str | None) -> Work[bool]:
+        diverged: set[str] = set()
+        sid = batches[-1].session_id
+        # the fields first: a close stored already (a retry after an unknown outcome) leaves them as they are
+        yield from self._store_batches(batches, diverged)
+        if diverged:
+            return False
+        done = yield assign("sessions", {"status": "done", "end_date": end_date, "exit_code": exit_code, "seal": seal},
+                            "id = ? AND status != 'done'", (sid,))
+        if done.rowcount == 1:
+            return True
+        row = yield ("SELECT seal, end_date FROM sessions WHERE id = ?", (sid,))
+        return bool(row.rows) and (row.rows[0][0], row.rows[0][1]) == (seal, end_date)  # this close, stored before
+
+    async def close_session(self, batches: Sequence[EventBatch], *, end_date: str, exit_code: int | None,
+                            seal: str | None) -> bool:
+        return await self.db.transact(self._close(list(batches), end_date, exit_code, seal))
+
+    def _late(self, session_id: str, events: Sequence[tuple[int, SessionEvent]], note: str) -> Work[int]:
+        last = yield ("SELECT first_seq, count, hash FROM session_event_batches WHERE session_id = ? "
+                      "ORDER BY first_seq DESC LIMIT 1", (session_id,))
+        previous, covered = CHAIN_GENESIS, -1
+        if last.rows:
+            first, count, previous = int(last.rows[0][0]), int(last.rows[0][1]), last.rows[0][2]
+            if first >= LATE_BASE:  # own number n is kept as LATE_BASE + 1 + n (the note before the first)
+                covered = first + count - 1 - LATE_BASE - 1  # the last own number kept late already
+        fresh = sorted(((seq, e) for seq, e in events if seq > covered), key=lambda pair: pair[0])
+        if not fresh:
+            return 0
+        if covered < 0:
+            first_seq = LATE_BASE + fresh[0][0]
+            numbered = [SessionEvent(fresh[0][1].offset_ms, "e", note.encode())] + [e for _, e in fresh]
+        else:
+            first_seq = LATE_BASE + 1 + covered + 1
+            numbered = [e for _, e in fresh]
+        packed = pack_events(first_seq, numbered)
+        link = chain_hash(previous, session_id, packed)
+        yield ("INSERT INTO session_event_batches (session_id, first_seq, count, prev_hash, hash, events) "
+               "VALUES (?, ?, ?, ?, ?, ?)", (session_id, first_seq, len(numbered), previous, link, packed))
+        return len(fresh)
+
+    async def append_late(self, session_id: str, events: Sequence[tuple[int, SessionEvent]], note: str) -> int:
+        return await self.db.transact(self._late(session_id, events, note))
+
+    async def chain_tail(self, session_id: str) -> tuple[int, str]:
+        last = await self._one("SELECT first_seq, count, hash FROM session_event_batches WHERE session_id = ? "
+                               "AND first_seq < ? ORDER BY first_seq DESC LIMIT 1", (session_id, LATE_BASE))
+        return (int(last[0]) + int(last[1]), last[2]) if last is not None else (0, CHAIN_GENESIS)
 
     async def _numbered_events(self, session_id: str, kinds: str | None = None) -> list[tuple[int, SessionEvent]]:
         """A session's (sequence number, event) pairs in order (of ``kinds`` only, when given): packed per batch,
         and before that (recordings stored before batches held their events) one row each."""
-        rows = await self._all(
-            "SELECT seq, offset_ms, kind, data FROM session_events WHERE session_id = ? ORDER BY seq", (session_id,))
-        batches = await self._all("SELECT events FROM session_event_batches WHERE session_id = ? "
-                                  "AND events IS NOT NULL ORDER BY first_seq", (session_id,))
+        rows = await self.db.fetch(
+            "SELECT seq, offset_ms, kind, data FROM session_events WHERE session_id = ? ORDER BY seq", (session_id,),
+            slow=True)
+        batches = await self.db.fetch("SELECT events FROM session_event_batches WHERE session_id = ? "
+                                      "AND events IS NOT NULL ORDER BY first_seq", (session_id,), slow=True)
         # a recording runs to tens of megabytes: unpacked off the event loop, which serves every proxy
         return await asyncio.to_thread(_number_events, rows, batches, kinds)
 
@@ -546,7 +621,8 @@ class SQLStore(Store):
 
     async def last_event_seq(self, session_id: str) -> tuple[int, int]:
         last = await self._one("SELECT first_seq, count, events FROM session_event_batches WHERE session_id = ? "
-                               "AND events IS NOT NULL ORDER BY first_seq DESC LIMIT 1", (session_id,))
+                               "AND events IS NOT NULL AND first_seq < ? ORDER BY first_seq DESC LIMIT 1",
+                               (session_id, LATE_BASE))
         if last is not None:
             numbered = unpack_events(bytes(last[2]))
             if numbered and numbered[-1][0] == last[0] + last[1] - 1:
@@ -567,6 +643,12 @@ class SQLStore(Store):
         rows = await self._all(f"SELECT * FROM sessions WHERE status = 'open' AND node_id IN "
                                f"({', '.join('?' * len(wanted))})", tuple(wanted))
         return [build(Session, r) for r in rows]
+
+    async def open_session_holders(self, *, review_id: str | None = None, connection_id: str | None = None) -> set[str]:
+        column, value = ("review_id", review_id) if review_id is not None else ("connection_id", connection_id)
+        rows = await self._all(f"SELECT DISTINCT node_id FROM sessions WHERE status = 'open' AND {column} = ? "
+                               "AND node_id IS NOT NULL", (value,))
+        return {row[0] for row in rows}
 
     async def open_sessions_unheld(self) -> list[Session]:
         rows = await self._all("SELECT * FROM sessions WHERE status = 'open' AND (node_id IS NULL OR node_id NOT IN "
@@ -851,6 +933,9 @@ class SQLStore(Store):
         lock = self.dialect.lock("audit_logs")
         if lock is not None:
             yield lock
+        there = yield ("SELECT 1 FROM audit_logs WHERE id = ?", (entry.id,))
+        if there.rows:
+            return  # stored already (an entry kept through an outage, sent again)
         last = yield (f"SELECT hash FROM audit_logs WHERE org_id = ? ORDER BY {self.dialect.row_order} DESC LIMIT 1",
                       (entry.org_id,))
         entry.prev_hash = last.rows[0][0] if last.rows and last.rows[0][0] else CHAIN_GENESIS

@@ -77,8 +77,9 @@ class Connector(Protocol):
 
     async def close(self) -> None: ...
 
-    async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
-        """Run a read outside any write transaction; rows as ``Row``."""
+    async def fetch(self, sql: str, params: Sequence[Any] = (), *, slow: bool = False) -> list[Any]:
+        """Run a read outside any write transaction; rows as ``Row``. ``slow``: a read that may take long by
+        itself (a whole recording), given more time than the store's timeout."""
 
     async def transact(self, work: Work[T]) -> T:
         """Drive ``work`` inside one write transaction, committed when it returns, rolled back if it raises.

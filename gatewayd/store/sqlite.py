@@ -16,7 +16,7 @@ from typing import Any, Sequence, TypeVar
 import aiosqlite
 
 from gatewayd.crypto import SecretBox
-from gatewayd.store.base import Conflict
+from gatewayd.store.base import Conflict, StoreUnavailable
 from gatewayd.store.queries import SQLStore
 from gatewayd.store.sql import Dialect, Result, Work
 
@@ -30,6 +30,16 @@ _PRAGMAS = (
     "PRAGMA cache_size = -65536",  # 64 MiB: the session indexes stay in memory
     "PRAGMA mmap_size = 268435456",
 )
+
+
+# The file cannot be used now (another process holds the lock past every retry, the disk fails or is full):
+# the store is unavailable, as a PostgreSQL server that does not answer is. SQL errors are not among them.
+_UNREACHABLE_CODES = frozenset({sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_FULL,
+                                sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_PROTOCOL})
+
+
+def _unreachable(exc: sqlite3.OperationalError) -> bool:
+    return (getattr(exc, "sqlite_errorcode", 0) & 0xFF) in _UNREACHABLE_CODES
 
 
 class SQLiteDialect(Dialect):
@@ -55,6 +65,7 @@ class SQLiteConnector:
         self._writer: sqlite3.Connection | None = None
         self._write_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-writer")
         self._reader: aiosqlite.Connection | None = None
+        self.failing_since: float | None = None  # from a failure of the file (I/O error, lock never got) to a success
 
     async def connect(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -84,16 +95,35 @@ class SQLiteConnector:
     async def _in_writer(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._write_thread, fn, *args)
 
-    async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+    async def fetch(self, sql: str, params: Sequence[Any] = (), *, slow: bool = False) -> list[Any]:
         if self._reader is None:
             raise RuntimeError("store is not open")
-        return list(await self._reader.execute_fetchall(sql, params))  # one worker round trip
+        try:
+            rows = list(await self._reader.execute_fetchall(sql, params))  # one worker round trip
+        except sqlite3.OperationalError as exc:
+            if not _unreachable(exc):
+                raise
+            raise self._unavailable(exc) from None
+        self.failing_since = None
+        return rows
+
+    def _unavailable(self, exc: BaseException) -> StoreUnavailable:
+        if self.failing_since is None:
+            self.failing_since = asyncio.get_running_loop().time()
+        return StoreUnavailable(f"the store at {self.path} is unavailable ({type(exc).__name__}: {exc})")
 
     async def transact(self, work: Work[T]) -> T:
         if self._writer is None:
             raise RuntimeError("store is not open")
         # run_in_executor's future completes in the thread even when the awaiting task is cancelled
-        return await self._in_writer(self._drive, self._writer, work)
+        try:
+            answer = await self._in_writer(self._drive, self._writer, work)
+        except sqlite3.OperationalError as exc:
+            if not _unreachable(exc):
+                raise
+            raise self._unavailable(exc) from None
+        self.failing_since = None
+        return answer
 
     def _begin(self, db: sqlite3.Connection) -> None:
         """BEGIN IMMEDIATE: the write lock, waited for (busy_timeout) and asked again while another process

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gatewayd.config import Setting, domain_setting, positive
+from gatewayd.languages import HTTP_REQUESTS
 from gatewayd.protocols import ProtocolDescription, lazy_start
 
 if TYPE_CHECKING:
@@ -26,7 +27,7 @@ def access_hints(conn: Connection, secret: str, host: str, port: int, settings: 
 
 
 DESCRIPTION = ProtocolDescription(
-    name="http", subtype="httpproxy", session_type="httpproxy", prefix="httpproxy",
+    name="http", subtype="httpproxy", session_type="httpproxy", prefix="httpproxy", language=HTTP_REQUESTS,
     server_config_key="http_proxy_server_config", default_port=18888, access_hints=access_hints,
     start=lazy_start("proxies.http.server"),
     settings={"record_body_bytes": Setting("int", 64 * 1024, positive),

@@ -33,7 +33,7 @@ from gatewayd.dialer import DialError, DialerConnector, UnresolvedNames
 from gatewayd.guardrails import AUDIT_INPUT_CHARS, GuardVerdict
 from gatewayd.masking import LineHold
 from gatewayd.models import flag, parse_time
-from gatewayd.pipeline import BLOCKED_EXIT_CODE, AccessDenied, GatewayClosing, ProxyContext, SessionRun
+from gatewayd.pipeline import BLOCKED_EXIT_CODE, AccessDenied, GatewayClosing, GatewayUnavailable, ProxyContext, SessionRun
 from proxies.http.front import Front, FrontRequest, FrontStream
 from proxies.http.handover import Handover
 from proxies.http.messages import (
@@ -294,6 +294,8 @@ class HttpListener:
             state = await self.state_for(presented.secret, client_ip)
         except Refused as exc:
             return refusal(request, exc.status, str(exc))
+        except GatewayUnavailable as exc:  # the store does not answer, or this node is fenced
+            return refusal(request, 503, str(exc), title="Service unavailable")
         except GatewayClosing:
             return refusal(request, 503, "the gateway is shutting down: no new session is opened")
         policy = self._policy(state, client_ip) or await self._new_policy(state, client_ip)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gatewayd.config import Setting, positive
+from gatewayd.sql.postgresql import POSTGRESQL
 from gatewayd.protocols import ProtocolDescription, lazy_start, lazy_script_runner
 
 if TYPE_CHECKING:
@@ -25,13 +26,14 @@ def access_hints(conn: Connection, secret: str, host: str, port: int, settings: 
 
 
 DESCRIPTION = ProtocolDescription(
-    name="postgres", subtype="postgres", session_type="database", prefix="pg",
+    name="postgres", subtype="postgres", session_type="database", prefix="pg", language=POSTGRESQL,
     server_config_key="postgres_server_config", default_port=15432, access_hints=access_hints,
     start=lazy_start("proxies.postgres.server"),
     load_script_runner=lazy_script_runner("proxies.postgres.script"),
     settings={"tls_cert": Setting("str", ""), "tls_key": Setting("str", ""),
               # a statement longer than this is refused on a connection with input rules (the rules must read it)
-              "max_statement_bytes": Setting("int", 1024 * 1024, positive)},
+              "max_statement_bytes": Setting("int", 1024 * 1024, positive),
+              "mask_row_bytes": Setting("int", 1024 * 1024, positive)},
     forward_opening=lambda reader, writer, secret: _forward_opening(reader, writer, secret),
     check_settings=lambda settings: _check_settings(settings),
 )

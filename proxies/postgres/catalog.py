@@ -1,56 +1,149 @@
-"""What the target's catalog says of the columns a mask rule names: where they are, whatever a query calls them.
+"""What the target's catalog tells the masker: where the columns a rule names are, and what its types are.
 
 A RowDescription names each result column as the query spelled it (``select email as e``), but
 for a column taken from a table it also carries the table's OID and the column's number, which
 PostgreSQL follows through aliases, subqueries and CTEs. One query on a connection of its own,
-when a session whose rules mask columns by name starts, maps those (table OID, column number)
-pairs to the names the rules know; the relay then masks a column by its source as well as by its
-name. What a query computes (``lower(email)``, a view's column) has no source column: pattern
-rules cover it (docs/decisions.md, "Masking").
+when a session under mask rules starts, maps those (table OID, column number) pairs to the names
+the rules know; the relay then masks a column by its source as well as by its name. What a query
+computes (``lower(email)``, a view's column) has no source column: pattern rules cover it
+(docs/decisions.md, "Masking").
+
+A column keeps its (table OID, column number) when it is renamed: the pairs found are remembered
+per connection and database (``SessionPipeline.remember``), and the next sessions look them up
+by that identity as well as by name, so ``ALTER TABLE ... RENAME COLUMN ssn TO s`` does not turn
+the rule off.
+
+The same query reads the database's own types (``TYPES_QUERY``): a binary value of a domain, a
+range, a composite or an enum is known by its type OID only through the catalog
+(proxies/postgres/values.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Iterable
 
 from gatewayd.dialer import Dialer
-from proxies.postgres.codec import DataRow, ErrorResponse, ReadyForQuery, encode_query
+from proxies.postgres.codec import CommandComplete, DataRow, ErrorResponse, ReadyForQuery, decode_backend, encode_query
 from proxies.postgres.upstream import TargetSettings, UpstreamError, connect_target, terminate
+from proxies.postgres.values import TypeShapes
 
 Sources = dict[tuple[int, int], str]  # (table OID, column number) -> the lower-case column name a rule names
+Column = tuple[int, int, str]  # (table OID, column number, the name a rule knows it by)
+MEMORY_TOPIC = "postgres.masked-columns"  # what ``SessionPipeline.remember`` keeps: {database: [Column, ...]}
+MAX_REMEMBERED = 10_000  # columns remembered per connection and database (the oldest are forgotten first)
+
+# the database's types the built-in ones do not cover (values.TypeShapes.from_catalog): table row types, domains,
+# enums, ranges, multiranges, and every type and array type a database made (OIDs from 10000 on are made by initdb
+# or later); ``{multirange}`` is empty before PostgreSQL 14 (no multiranges)
+TYPES_QUERY = (
+    "SELECT t.oid::int8, t.typtype::text, t.typbasetype::int8, coalesce(r.rngsubtype, 0)::int8, {multirange}, "
+    "p.prosrc FROM pg_catalog.pg_type t "
+    "LEFT JOIN pg_catalog.pg_range r ON r.rngtypid = t.oid "
+    "LEFT JOIN pg_catalog.pg_proc p ON p.oid = t.typsend AND p.prolang = 12 "  # an internal send function
+    "WHERE t.oid >= 10000 OR t.typtype IN ('c', 'd', 'e', 'r', 'm')")
+_MULTIRANGE_14 = "coalesce((SELECT m.rngtypid FROM pg_catalog.pg_range m WHERE m.rngmultitypid = t.oid), 0)::int8"
 
 
-def sources_query(names: Iterable[str]) -> str:
-    """The catalog query for ``names`` (lower case), each a quoted literal."""
-    literals = ", ".join("'" + name.replace("'", "''") + "'" for name in sorted(set(names)))
+@dataclass(slots=True)
+class Catalog:
+    """What one look at the catalog found: the rules' columns (``sources``) and the types (``shapes``)."""
+
+    sources: Sources = field(default_factory=dict)
+    shapes: TypeShapes | None = None  # None: not asked
+
+
+def _literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def sources_query(names: Iterable[str], remembered: Iterable[Column] = ()) -> str:
+    """The catalog query for ``names`` (lower case) and the ``remembered`` columns (by identity)."""
+    literals = ", ".join(_literal(name) for name in sorted(set(names)))
+    where = f"lower(attname::text) IN ({literals})"
+    pairs = sorted({(relid, attnum) for relid, attnum, _ in remembered})
+    if pairs:
+        values = ", ".join(f"({int(relid)}::oid, {int(attnum)}::int2)" for relid, attnum in pairs)
+        where = f"({where} OR (attrelid, attnum) IN (VALUES {values}))"
     return ("SELECT attrelid::oid::int8, attnum::int8, lower(attname::text) FROM pg_catalog.pg_attribute "
-            f"WHERE attnum > 0 AND NOT attisdropped AND lower(attname::text) IN ({literals})")
+            f"WHERE attnum > 0 AND NOT attisdropped AND {where}")
 
 
-async def column_sources(settings: TargetSettings, name: str, dialer: Dialer, names: Iterable[str]) -> Sources:
-    """Every column of the target's database named one of ``names``, by (table OID, column number).
+def _major_version(startup_frames: list[bytes]) -> int:
+    for frame in startup_frames:
+        message = decode_backend(frame)
+        if getattr(message, "name", None) == "server_version":
+            try:
+                return int(message.value.split(".")[0].split()[0])  # type: ignore[attr-defined]
+            except ValueError:
+                return 0
+    return 0
+
+
+async def read_catalog(settings: TargetSettings, name: str, dialer: Dialer, names: Iterable[str],
+                       remembered: Iterable[Column] = (), types: bool = True) -> Catalog:
+    """Every column of the target's database named one of ``names`` or ``remembered`` (by identity) still
+    there, by (table OID, column number), under the name the rule knows; and its types when ``types``.
 
     Raises UpstreamError when the target cannot be asked (the relay then fails closed).
     """
+    names = {n.lower() for n in names}
+    known = {(relid, attnum): column for relid, attnum, column in remembered if column in names}
     link = await connect_target(settings, {"application_name": "gatewayd-catalog"}, name, dialer=dialer)
-    found: Sources = {}
+    found = Catalog()
+    queries: list[str] = []
+    if names:
+        queries.append(sources_query(names, [(r, a, c) for (r, a), c in known.items()]))
+    if types:
+        newer = _major_version(link.startup_frames) >= 14
+        queries.append(TYPES_QUERY.format(multirange=_MULTIRANGE_14 if newer else "0::int8"))
+    if not queries:
+        terminate(link)
+        return found
+    type_rows: list[tuple[int, str, int, int, int, str | None]] = []
     try:
-        link.stream.write(encode_query(sources_query(names)))
+        link.stream.write(encode_query("; ".join(queries)))
         error: str | None = None
+        which = 0 if names else 1  # the statement whose rows arrive
         while True:
             message = await link.stream.next_message()
             if message is None:
                 raise UpstreamError(f'the target of connection "{name}" closed the catalog query')
             if isinstance(message, DataRow):
-                relid, attnum, column = message.columns
-                if relid is not None and attnum is not None and column is not None:
-                    found[(int(relid), int(attnum))] = column.decode()
+                values = message.columns
+                if which == 0:
+                    relid, attnum, column = values
+                    if relid is not None and attnum is not None and column is not None:
+                        key = (int(relid), int(attnum))
+                        current = column.decode()
+                        found.sources[key] = current if current in names else known.get(key, current)
+                elif None not in values[:5]:
+                    oid, typtype, base, subtype, range_type, send = values
+                    type_rows.append((int(oid), typtype.decode(), int(base), int(subtype),  # type: ignore[union-attr]
+                                      int(range_type), None if send is None else send.decode()))  # type: ignore[arg-type]
+            elif isinstance(message, CommandComplete):
+                which += 1
             elif isinstance(message, ErrorResponse):
                 error = message.message
             elif isinstance(message, ReadyForQuery):
                 break
         if error is not None:
             raise UpstreamError(f'the target of connection "{name}" refused the catalog query: {error}')
+        if types:
+            found.shapes = TypeShapes.from_catalog(type_rows)
         return found
     finally:
         terminate(link)
+
+
+def merged(remembered: Iterable[Column], sources: Sources, limit: int = MAX_REMEMBERED) -> list[Column] | None:
+    """``remembered`` with the columns of ``sources`` it lacks (the newest last, at most ``limit``); None when
+    nothing is new."""
+    kept = {(relid, attnum): column for relid, attnum, column in remembered}
+    new = [(relid, attnum, column) for (relid, attnum), column in sources.items() if kept.get((relid, attnum)) != column]
+    if not new:
+        return None
+    for relid, attnum, column in new:
+        kept.pop((relid, attnum), None)
+        kept[(relid, attnum)] = column
+    return [(relid, attnum, column) for (relid, attnum), column in kept.items()][-limit:]

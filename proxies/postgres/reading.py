@@ -30,7 +30,7 @@ import codecs
 import re
 from dataclasses import dataclass
 
-from gatewayd.sqlreading import escape_reading
+from gatewayd.sql.pg_escapes import escape_reading
 
 # PostgreSQL's client encodings (the names the server reports) that the gateway decodes, with Python's codec.
 # Each is ASCII-safe: a byte below 0x80 is always that ASCII character.

@@ -64,6 +64,15 @@ cdef class ServerSide:
     cdef public bint records_later
     cdef public bint deferring
     cdef public list later
+    cdef public object shapes
+    cdef public object deep
+    cdef public set unknown_types
+    cdef public dict learned
+    cdef public object catalog_wanted
+    cdef public Py_ssize_t row_limit
+    cdef public bint unsure
+    cdef public bint _fresh
+    cdef public int _noticed
     cpdef process(self, BackendReader reader, FrameBatch batch)
     cpdef int _row(self, DataRow row, FrameBatch batch)
     cpdef _emit(self, str line)
@@ -81,5 +90,5 @@ cdef class ServerSide:
 
 @cython.locals(text=str)
 cpdef str _quote(object value, bint binary)
-cpdef str render_row(DataRow row, object formats, object oids)
+cpdef str render_row(DataRow row, object formats, object oids, object shapes=*)
 cpdef str render_params(str sql, list params, object param_formats)

@@ -40,12 +40,9 @@ import functools
 import json
 import secrets
 import struct
-import uuid
 from collections import deque
-from collections.abc import Iterable, Sequence
-from datetime import UTC, datetime, timedelta
-from decimal import Decimal
-from typing import TYPE_CHECKING, Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from proxies.postgres.codec import (
     FORMAT_BINARY,
@@ -72,6 +69,7 @@ from proxies.postgres.codec import (
     ParameterStatus,
     Parse,
     ParseComplete,
+    ProtocolError,
     Query,
     ReadyForQuery,
     RowDescription,
@@ -84,10 +82,12 @@ from proxies.postgres.codec import (
     encode_error_response,
     encode_flush,
     encode_function_call_response,
+    encode_notice_response,
     encode_sync,
     render_text_row,
     resolve_formats,
 )
+from proxies.postgres.values import BUILTIN, JSON, JSONB, SCALAR, TypeShapes, Undecodable, mask_binary, render_binary
 
 from gatewayd.guardrails import AUDIT_INPUT_CHARS, GuardVerdict
 from gatewayd.masking import FIXED
@@ -106,11 +106,17 @@ DEFAULT_MAX_STATEMENT_BYTES = 1024 * 1024  # postgres.max_statement_bytes: a lon
 OUTPUT_FLUSH_CHARS = 64 * 1024  # an ``o`` event is cut at about this size
 MAX_PARAM_CHARS = 1024  # longer bind parameters are shortened in the recording
 DESCRIPTION_CACHE_SIZE = 64  # RowDescriptions remembered per session, by frame
+MASK_ROW_BYTES = 1 << 20  # under a mask rule, a row's longest values are withheld past this ([postgres] mask_row_bytes)
+MAX_ROW_MATCHES = 1000  # under a mask rule, a row (a COPY line, a notice) where the patterns find more is withheld
+WITHHELD_SQLSTATE = "01000"  # warning: the NoticeResponse saying a value was withheld
 SYNC = encode_sync()
 
 _RESULT_ENDS = frozenset((b"I", b"s"))  # EmptyQueryResponse, PortalSuspended
 _EXECUTE_ENDS = frozenset((b"C", b"I", b"s", b"E"))
 _ALWAYS_FORWARDED = frozenset((b"A", b"S"))  # NotificationResponse, ParameterStatus: even after a cut
+# answers a Sync never gives (it gives ReadyForQuery, or an error or a notice first): with a Sync at the queue's head,
+# that Sync was answered already (``ServerSide._answering``)
+_NOT_FROM_SYNC = frozenset((b"T", b"n", b"t", b"I", b"s", b"G", b"H", b"W", b"V"))
 _COPY_IN = frozenset((b"G", b"W"))
 
 # Pending request kinds
@@ -145,61 +151,22 @@ _EXECUTE = Pending(EXECUTE)
 _CLOSE = Pending(CLOSE)
 
 
-_EPOCH_2000 = datetime(2000, 1, 1, tzinfo=UTC)
-_TEXT_OIDS = frozenset((18, 19, 25, 114, 142, 705, 1042, 1043))  # char, name, text, json, xml, unknown, bpchar, varchar
-_STRUCTS = {16: struct.Struct("!?"), 20: struct.Struct("!q"), 21: struct.Struct("!h"), 23: struct.Struct("!i"),
-            26: struct.Struct("!I"), 700: struct.Struct("!f"), 701: struct.Struct("!d")}
-
-
-def _numeric(raw: bytes) -> str:
-    ndigits, weight, sign, dscale = struct.unpack_from("!hhHh", raw)
-    if sign == 0xC000:
-        return "NaN"
-    value = Decimal(0)
-    for i, digit in enumerate(struct.unpack_from(f"!{ndigits}H", raw, 8)):
-        value += Decimal(digit).scaleb(4 * (weight - i))
-    return f"{-value if sign == 0x4000 else value:.{dscale}f}"
-
-
-def render_binary(oid: int, raw: bytes) -> str:
-    """One binary-format value as text, for the common types; anything else as ``\\x<hex>``."""
-    try:
-        if oid in _TEXT_OIDS:
-            return raw.decode("utf-8", "replace")
-        packer = _STRUCTS.get(oid)
-        if packer is not None:
-            value = packer.unpack(raw)[0]
-            return ("t" if value else "f") if oid == 16 else str(value)
-        if oid == 3802 and raw[:1] == b"\x01":  # jsonb: version byte, then JSON text
-            return raw[1:].decode("utf-8", "replace")
-        if oid == 2950:
-            return str(uuid.UUID(bytes=raw))
-        if oid == 1700:
-            return _numeric(raw)
-        if oid in (1114, 1184):  # timestamp, timestamptz: microseconds since 2000-01-01
-            moment = _EPOCH_2000 + timedelta(microseconds=struct.unpack("!q", raw)[0])
-            return moment.isoformat(sep=" ") if oid == 1184 else moment.replace(tzinfo=None).isoformat(sep=" ")
-        if oid == 1082:
-            return (_EPOCH_2000 + timedelta(days=struct.unpack("!i", raw)[0])).date().isoformat()
-    except (ValueError, OverflowError, struct.error):
-        pass
-    return "\\x" + raw.hex()
-
-
-def render_typed_row(row: DataRow, formats: Sequence[int], oids: Sequence[int]) -> str:
+def render_typed_row(row: DataRow, formats: Sequence[int], oids: Sequence[int],
+                     shapes: TypeShapes | None = None) -> str:
     """A row with binary columns as text (tab-separated, NULL for nulls), decoding by column type."""
-    return render_values(row.columns, formats, oids)
+    return render_values(row.columns, formats, oids, shapes)
 
 
-def render_row(row: DataRow, formats: Sequence[int], oids: Sequence[int]) -> str:
+def render_row(row: DataRow, formats: Sequence[int], oids: Sequence[int], shapes: TypeShapes | None = None) -> str:
     """A row as the recording and the output rules read it: tab-separated, NULL for nulls, binary columns
-    decoded by type."""
+    decoded by type (``values.render_binary``: ``shapes``, the types the session knows; the built-in ones)."""
     if FORMAT_BINARY in formats:
-        return render_typed_row(row, formats, oids)
+        return render_typed_row(row, formats, oids, shapes)
     return render_text_row(row, formats, "NULL", "\t", -1)
 
 
-def render_values(values: Sequence[bytes | None], formats: Sequence[int], oids: Sequence[int]) -> str:
+def render_values(values: Sequence[bytes | None], formats: Sequence[int], oids: Sequence[int],
+                  shapes: TypeShapes | None = None) -> str:
     """``render_typed_row`` of a row's values."""
     parts = []
     noids = len(oids)
@@ -208,7 +175,7 @@ def render_values(values: Sequence[bytes | None], formats: Sequence[int], oids: 
         if value is None:
             parts.append("NULL")
         elif i < nformats and formats[i] == FORMAT_BINARY:
-            parts.append(render_binary(oids[i] if i < noids else 0, value))
+            parts.append(render_binary(oids[i] if i < noids else 0, value, shapes))
         else:
             parts.append(value.decode("utf-8", "replace"))
     return "\t".join(parts)
@@ -225,9 +192,9 @@ _NOT_TEXT_OIDS = frozenset((
     1000, 1001, 1002, 1005, 1006, 1007, 1016, 1021, 1022, 1028, 1115, 1182, 1183, 1185, 1187, 1231, 1270, 2951,
     651, 1040, 1041, 775, 791,
 ))
-_BINARY_TEXT_OIDS = frozenset((19, 25, 142, 705, 1042, 1043, 114, 3802))  # binary format that is UTF-8 text
 _JSON_OIDS = frozenset((114, 3802))
 _ROW_PASSED, _ROW_CUT, _ROW_REPLACED = 0, 1, 2
+_NOTICE_WITHHELD, _NOTICE_UNSURE = 1, 2  # ``ServerSide._noticed``
 # in ``ServerSide.later``: what follows it is an error to record (``policy.error``), or the output so far is one event
 _LATER_ERROR, _LATER_FLUSH = object(), object()
 
@@ -293,7 +260,7 @@ def splice_row(row: DataRow, masked: dict[int, bytes | None], at: Sequence[int] 
 
 
 def render_masked(text: str, row: DataRow, masked: dict[int, bytes | None], formats: Sequence[int],
-                  oids: Sequence[int]) -> str:
+                  oids: Sequence[int], shapes: TypeShapes | None = None) -> str:
     """The masked row's text (``render_values`` of its values), from ``text``, the row's own rendering.
 
     Only the masked cells are rendered again: the others are ``text``'s, split at its tabs when no cell
@@ -305,13 +272,13 @@ def render_masked(text: str, row: DataRow, masked: dict[int, bytes | None], form
         values = [_value(row, at, sizes, i) for i in range(len(at))]
         for i, value in masked.items():
             values[i] = value
-        return render_values(values, formats, oids)
+        return render_values(values, formats, oids, shapes)
     nformats = len(formats)
     for i, value in masked.items():
         if value is None:
             parts[i] = "NULL"
         elif i < nformats and formats[i] == FORMAT_BINARY:
-            parts[i] = render_binary(oids[i] if i < len(oids) else 0, value)
+            parts[i] = render_binary(oids[i] if i < len(oids) else 0, value, shapes)
         else:
             parts[i] = value.decode("utf-8", "replace")
     return "\t".join(parts)
@@ -347,14 +314,17 @@ def _text_cells(row: DataRow, text: bytes, spans: list[tuple[int, int]],
     found: list[tuple[int, int, int]] = []
     last = -1
     following = 0  # where the cell after the last one found starts
+    tabs = counted = 0  # text[:counted] holds ``tabs`` tabs: the spans increase, so each byte is counted once
     for start, end in spans:
         if end == start:  # a pattern that matches nothing at all: every cell
             return None
-        i = text.count(b"\t", 0, start + 1)
+        tabs += text.count(b"\t", counted, start + 1)
+        counted = start + 1
+        i = tabs
         if i <= last:
             i, cell = last + 1, following
         else:
-            cell = text.rfind(b"\t", 0, start + 1) + 1
+            cell = text.rfind(b"\t", following, start + 1) + 1 or following  # not before the last cell found
         while i < count and cell < end:
             stop = text.find(b"\t", cell)
             if stop < 0:
@@ -385,6 +355,17 @@ def _text_cells(row: DataRow, text: bytes, spans: list[tuple[int, int]],
         if _I32(buf, at)[0] != n:  # cannot be, by the sizes checked above: the walk, then
             return None
     return found
+
+
+def _unlike_their_values(text: str, deep: tuple[int, ...], count: int) -> tuple[int, ...]:
+    """Of the ``deep`` cells of a row whose text the patterns found nothing in, those that must be walked all
+    the same: the ones whose text may not hold their values as they are -- escaped (``\\"``, ``""``, ``\\\\``
+    inside quotes) or not read at all (``\\x<hex>``: withheld).  In the others every value stands as it is,
+    between separators that are no word characters, as a row's cells stand between tabs: nothing to mask."""
+    pieces = text.split("\t")
+    if len(pieces) != count:  # a cell holds a tab: the pieces are not the cells
+        return deep
+    return tuple(i for i in deep if "\\" in pieces[i] or '""' in pieces[i])
 
 
 _FALLBACK = object()  # ``mask_text_row``: this row takes the general path
@@ -447,15 +428,25 @@ def mask_text_row(masker: Masker, row: DataRow, text: str, data: bytes, spans: l
     # the cells the spans overlap, in increasing order: [index, start, end in data, the spans wholly inside
     # it, relative to it (None when a span crosses it: its finders search it)]
     cells: list[list] = []
+    # the spans increase: each byte is counted once (data[:counted] holds ``tabs`` tabs), and each cell's ends are
+    # looked for once (the last cell's: ``last``, ``last_cell``, ``last_stop``), however many spans one cell holds
+    tabs = counted = 0
+    last, last_cell, last_stop = -1, 0, 0
     for begin, end in spans:
         if end == begin:  # a pattern that matches nothing at all: every cell
             return _FALLBACK
-        i = data.count(b"\t", 0, begin + 1)
-        cell = data.rfind(b"\t", 0, begin + 1) + 1
+        tabs += data.count(b"\t", counted, begin + 1)
+        counted = begin + 1
+        i = tabs
+        cell = last_cell if i == last else data.rfind(b"\t", last_cell, begin + 1) + 1 or last_cell
         while i < count and cell < end:
-            stop = data.find(b"\t", cell)
-            if stop < 0:
-                stop = size
+            if i == last:
+                stop = last_stop
+            else:
+                stop = data.find(b"\t", cell)
+                if stop < 0:
+                    stop = size
+                last, last_cell, last_stop = i, cell, stop
             inside = begin >= cell and end <= stop
             if cells and cells[-1][0] == i:  # a span after another in the same cell
                 entry = cells[-1]
@@ -613,14 +604,19 @@ def mask_named_row(masker: Masker, row: DataRow, text: str, whole: tuple[tuple[i
 
 def mask_row(masker: Masker, row: DataRow, formats: Sequence[int], oids: Sequence[int],
              whole: tuple[tuple[int, str], ...] | None, spans: list[tuple[int, int]] | None = None,
-             total: int = -1, text: bytes | None = None) -> tuple[bytes, dict[int, bytes | None], int] | None:
+             total: int = -1, text: bytes | None = None, shapes: TypeShapes = BUILTIN, deep: Sequence[int] = (),
+             withheld: list[tuple[int, str]] | None = None,
+             rendered: str | None = None) -> tuple[bytes, dict[int, bytes | None], int] | None:
     """(the masked row's frame, its masked values by index, how many values were masked); None when nothing was.
 
     ``whole``: columns masked whole by name, with their style; None when the column names are not
     known and the masker has rules by name: every value is masked whole (fail closed).  ``spans``:
     where the fast path matched the row's text as rendered (``total`` bytes long), if it was searched;
     ``text``: that text, if the formats are all text.  Only the cells a pattern may match or a name
-    masks are read out of the frame.
+    masks are read out of the frame, and the ``deep`` ones: binary cells that are no single value (an
+    array, a record, a range...: ``values.mask_binary`` walks them) or of a type ``shapes`` does not know
+    (withheld: NULL, their index and why added to ``withheld``).  ``rendered``: the row's text (binary cells
+    rendered), the cells' text when it has as many tabs as cells.
     """
     nformats = len(formats)
     noids = len(oids)
@@ -628,23 +624,31 @@ def mask_row(masker: Masker, row: DataRow, formats: Sequence[int], oids: Sequenc
         by_name = dict(whole)
         cells = _text_cells(row, text, spans if masker.finders else [], by_name)
         if cells is not None:
-            return _mask_cells(masker, row, formats, oids, by_name, cells, None)
+            return _mask_cells(masker, row, formats, oids, by_name, cells, None, shapes, withheld)
     at, sizes, ends = _layout(row)
     ncells = len(at)
     if whole is None:
-        style = next(iter(masker.columns.values()))
+        style = next(iter(masker.columns.values()), "fixed")
         by_column: dict[int, str] = {i: style for i in range(ncells)}
     else:
         by_column = dict(whole)
     texts: list[bytes] | None = None
     if not masker.finders:
         todo: Sequence[int] = ()
+    elif FORMAT_BINARY in formats and spans is not None and not spans:  # the row's text matched nowhere
+        todo = [i for i in deep if i < ncells]  # only the containers are walked: their values may still match
     elif FORMAT_BINARY in formats:  # the cells as text, as the row's text renders them
-        texts = [b"NULL" if value is None else
-                 render_binary(oids[i] if i < noids else 0, value).encode()
-                 if i < nformats and formats[i] == FORMAT_BINARY else value
-                 for i, value in ((i, _value(row, at, sizes, i)) for i in range(ncells))]
+        pieces = rendered.split("\t") if rendered is not None else ()
+        if len(pieces) == ncells:  # that text, cut at its tabs (no cell holds one): nothing rendered again
+            texts = [piece.encode("utf-8", "surrogateescape") for piece in pieces]
+        else:
+            texts = [b"NULL" if value is None else
+                     render_binary(oids[i] if i < noids else 0, value, shapes).encode("utf-8", "surrogateescape")
+                     if i < nformats and formats[i] == FORMAT_BINARY else value
+                     for i, value in ((i, _value(row, at, sizes, i)) for i in range(ncells))]
         todo = masker.candidate_cells(texts, spans, total)
+        if deep:
+            todo = sorted({*todo, *(i for i in deep if i < ncells)})
     elif spans is not None and ends and ends[-1] == total:  # text cells: the row's text is their bytes
         todo = masker.cells_spanned(ends, spans)
     else:  # not searched, or the row's text is not its bytes (invalid UTF-8 replaced): search the cells
@@ -652,12 +656,14 @@ def mask_row(masker: Masker, row: DataRow, formats: Sequence[int], oids: Sequenc
                                        for i, n in enumerate(sizes)])
     if by_column:  # increasing, each once
         todo = sorted({*todo, *(i for i in by_column if i < ncells)})
-    return _mask_cells(masker, row, formats, oids, by_column, [(i, at[i], sizes[i]) for i in todo], texts)
+    return _mask_cells(masker, row, formats, oids, by_column, [(i, at[i], sizes[i]) for i in todo], texts, shapes,
+                       withheld)
 
 
 def _mask_cells(masker: Masker, row: DataRow, formats: Sequence[int], oids: Sequence[int],
                 by_column: dict[int, str], cells: list[tuple[int, int, int]],
-                texts: list[bytes] | None) -> tuple[bytes, dict[int, bytes | None], int] | None:
+                texts: list[bytes] | None, shapes: TypeShapes = BUILTIN,
+                withheld: list[tuple[int, str]] | None = None) -> tuple[bytes, dict[int, bytes | None], int] | None:
     """``mask_row`` of these ``cells``: (index, where its length field is, its length), in increasing order."""
     masked: dict[int, bytes | None] = {}
     where: dict[int, int] = {}
@@ -671,12 +677,30 @@ def _mask_cells(masker: Masker, row: DataRow, formats: Sequence[int], oids: Sequ
         where[i] = at
         value = buf[at + 4:at + 4 + n]
         style = by_column.get(i)
-        binary = i < nformats and formats[i] == FORMAT_BINARY
         oid = oids[i] if i < noids else 0
-        textual = oid in _BINARY_TEXT_OIDS if binary else oid not in _NOT_TEXT_OIDS
-        jsonb = binary and oid == 3802
+        if i < nformats and formats[i] == FORMAT_BINARY:
+            found = shapes.shape(oid)
+            kind = found[0] if found is not None else 0
+            if kind > SCALAR or kind == 0:  # a container, or a type not known: read it, or withhold it
+                try:
+                    done = mask_binary(masker, shapes, oid, value, style)
+                except Undecodable as exc:
+                    done = None, 1
+                    if withheld is not None:
+                        withheld.append((i, str(exc)))
+                if done is not None:
+                    masked[i] = done[0]
+                    count += done[1]
+                continue
+            textual = kind != SCALAR
+            jsonb = kind == JSONB
+            json_cell = jsonb or kind == JSON
+        else:
+            textual = oid not in _NOT_TEXT_OIDS
+            jsonb = False
+            json_cell = oid in _JSON_OIDS
         if style is not None:
-            if oid in _JSON_OIDS and textual:  # a JSON string of the masked value: still JSON
+            if json_cell and textual:  # a JSON string of the masked value: still JSON
                 data = json.dumps(masker.mask_whole(payload_of(value, jsonb), style).decode()).encode()
                 masked[i] = b"\x01" + data if jsonb else data
             elif textual:
@@ -692,7 +716,7 @@ def _mask_cells(masker: Masker, row: DataRow, formats: Sequence[int], oids: Sequ
                 continue
             data, n = found_masked
             count += n
-            if oid in _JSON_OIDS and not _valid_json(data):
+            if json_cell and not _valid_json(data):
                 masked[i] = None
             else:
                 masked[i] = b"\x01" + data if jsonb else data
@@ -702,40 +726,119 @@ def _mask_cells(masker: Masker, row: DataRow, formats: Sequence[int], oids: Sequ
     return (splice_row(row, masked, where), masked, count) if count else None
 
 
-_TEXT_FIELDS = frozenset(b"MDHWq")  # error and notice fields that may quote data: message, detail, hint, where, query
+# error and notice fields that quote no data: severity (twice), SQLSTATE, the positions, the server's source file,
+# line and routine; every other one may (message, detail, hint, where, query, schema, table, column, datatype,
+# constraint, and any field a later server adds)
+_KEPT_FIELDS = frozenset(b"SVCPpFLR")
 
 
-def mask_notice(masker: Masker, message: Message) -> tuple[bytes, int] | None:
-    """An ErrorResponse/NoticeResponse with its text fields masked, or a NotificationResponse with its
-    payload masked, and how many values; None when nothing was.
+def _mask_string(masker: Masker, string: bytes, limit: int) -> tuple[bytes, int] | None:
+    """A protocol string masked by pattern (NULs taken out: they end it), and how many values; None when nothing
+    was.  One longer than ``limit`` bytes, or where the patterns find more than MAX_ROW_MATCHES values, is
+    withheld whole: masking it would hold the loop too long."""
+    if len(string) > limit or masker.row_spans(string, MAX_ROW_MATCHES) is None:
+        return f"[{len(string)} bytes withheld by gatewayd: too long to mask]".encode(), 1
+    masked = masker.mask(string)
+    return None if masked is None else (masked[0].replace(b"\0", b""), masked[1])
+
+
+def _mask_strings(masker: Masker, strings: list[bytes], limit: int) -> tuple[list[bytes], int]:
+    """Each string ``_mask_string``-ed; how many values."""
+    count = 0
+    out = []
+    for string in strings:
+        masked = _mask_string(masker, string, limit) if string else None
+        if masked is None:
+            out.append(string)
+        else:
+            out.append(masked[0])
+            count += masked[1]
+    return out, count
+
+
+def mask_notice(masker: Masker, message: Message, limit: int = MASK_ROW_BYTES) -> tuple[bytes, int] | None:
+    """An ErrorResponse/NoticeResponse with its fields that may quote data masked (all but ``_KEPT_FIELDS``),
+    a NotificationResponse with its channel and payload masked, or a ParameterStatus with its name and
+    value masked, and how many values; None when nothing was.
 
     A value quoted in an error (``invalid input syntax for type integer: "jane@example.com"``, a
-    unique violation's ``Key (email)=(...)``) or sent by ``RAISE NOTICE``/``pg_notify`` is data too.
+    unique violation's ``Key (email)=(...)``, a constraint or column named after data), sent by
+    ``RAISE NOTICE``/``pg_notify`` (its channel too), or set with ``set_config`` is data too.  A string too long
+    to mask (``_mask_string``) is withheld.
     """
     message.validate()  # a malformed one is the target's protocol error, as anywhere else
-    body = bytes(message.body)
-    if not masker.may_match(body):
+    if not masker.finders:  # rules by column name only: nothing here is a column
         return None
-    count = 0
-    if message.TYPE == b"A":
+    body = bytes(message.body)
+    if len(body) <= limit and masker.row_prefilter and not masker.may_match(body):  # NULs end its strings, as
+        return None  # tabs end a row's cells
+    code = message.TYPE
+    if code == b"A":
         nul = body.index(b"\0", 4)
-        payload = body[nul + 1:-1]
-        masked = masker.mask(payload)
-        if masked is None:
-            return None
-        body, count = body[:nul + 1] + masked[0] + b"\0", masked[1]
+        (channel, payload), count = _mask_strings(masker, [body[4:nul], body[nul + 1:-1]], limit)
+        body = body[:4] + channel + b"\0" + payload + b"\0"
+    elif code == b"S":
+        nul = body.index(b"\0")
+        (name, value), count = _mask_strings(masker, [body[:nul], body[nul + 1:-1]], limit)
+        body = name + b"\0" + value + b"\0"
     else:
         fields = body.split(b"\0")
+        count = 0
         for i, field in enumerate(fields):
-            if field and field[0] in _TEXT_FIELDS:
-                masked = masker.mask(field[1:])
+            if field and field[0] not in _KEPT_FIELDS:
+                masked = _mask_string(masker, field[1:], limit)
                 if masked is not None:
-                    fields[i] = field[:1] + masked[0].replace(b"\0", b"")
+                    fields[i] = field[:1] + masked[0]
                     count += masked[1]
-        if not count:
-            return None
         body = b"\0".join(fields)
-    return message.TYPE + struct.pack("!i", len(body) + 4) + body, count
+    if not count:
+        return None
+    return code + struct.pack("!i", len(body) + 4) + body, count
+
+
+def mask_frames(policy: SessionPolicy, frames: Iterable[bytes]) -> list[bytes]:
+    """The target's start-up answer (ParameterStatus, notices) as the client may see it: a setting made from
+    data in an earlier session (``ALTER ROLE ... SET application_name = ...``) is masked like any other."""
+    masker = policy.masker
+    if masker is None:
+        return list(frames)
+    out = []
+    for frame in frames:
+        message = decode_backend(frame)
+        masked = mask_notice(masker, message) if message.TYPE in b"SNEA" else None
+        if masked is None:
+            out.append(frame)
+        else:
+            out.append(masked[0])
+            policy.count_masked(masked[1])
+    return out
+
+
+def mask_names(masker: Masker, message: RowDescription) -> tuple[bytes, list[str], int] | None:
+    """A RowDescription whose column names a pattern matches (a view's column named after data, ``format('%I',
+    ...)``), with those names masked: (its frame, the names, how many); None when no name is masked.
+
+    The rest of each field (its table, column number, type, format) is kept: the rules by column name read the
+    target's own names, the client and the recording the masked ones.
+    """
+    buf, pos, end = message._buf, message._start + 7, message._end
+    names: list[bytes] = []
+    fixed: list[bytes] = []
+    for _ in range(message.column_count):
+        nul = buf.find(b"\0", pos, end)
+        if nul < 0 or nul + 19 > end:
+            raise ProtocolError("malformed RowDescription message: unexpected end of message")
+        names.append(buf[pos:nul])
+        fixed.append(buf[nul + 1:nul + 19])
+        pos = nul + 19
+    if masker.row_prefilter and not masker.row_spans(b"\t".join(names)):
+        return None
+    masked, count = _mask_strings(masker, names, MASK_ROW_BYTES)
+    if not count:
+        return None
+    body = buf[message._start + 5:message._start + 7] + b"".join(name + b"\0" + rest for name, rest in zip(masked, fixed))
+    return (b"T" + struct.pack("!i", len(body) + 4) + body, [name.decode("utf-8", "replace") for name in masked],
+            count)
 
 
 def blocked_error(verdict: GuardVerdict) -> bytes:
@@ -926,13 +1029,13 @@ class ClientSide:
         if statement.refusal is not None:
             verdict: GuardVerdict | None = self._unreadable(statement)
         else:
-            verdict = await check_input_later(self.policy, statement.text, sql=True, readings=statement.readings)
+            verdict = await check_input_later(self.policy, statement.text, readings=statement.readings)
         self.prepared = (message, statement.text, verdict)
 
     def _query(self, query: Query) -> int:
         policy = self.policy
         if not policy.checks_input:
-            verdict = policy.input(query.sql, None, sql=True)  # recorded
+            verdict = policy.input(query.sql, None)  # recorded
         elif len(query) > OFF_LOOP_BYTES:
             judged = self._judged(query)
             if judged is None:
@@ -943,11 +1046,11 @@ class ClientSide:
             reading = self.reading  # the usual case inline: the reported settings apply, and they are the default
             statement = None if reading.plain and not self.pending and not self.bound else self._read(query)
             if statement is None:
-                verdict = policy.input(query.sql, None, sql=True)  # recorded, blocked or not
+                verdict = policy.input(query.sql, None)  # recorded, blocked or not
             elif statement.refusal is not None:
                 verdict = self._refuse(statement)
             else:
-                verdict = policy.input(statement.text, None, sql=True, cache=False, readings=statement.readings)
+                verdict = policy.input(statement.text, None, cache=False, readings=statement.readings)
         if verdict is not None:
             self.verdict = verdict
             self.substitute = SYNC  # answered by ReadyForQuery with the true transaction status
@@ -969,7 +1072,7 @@ class ClientSide:
                        f"connection with input rules (the connection may allow it: {FUNCTION_CALLS_SETTING})",
                 "input", "function_call", "", text[:AUDIT_INPUT_CHARS])
         else:
-            verdict = policy.input(text, None, sql=True)
+            verdict = policy.input(text, None)
         self.bound = False
         if verdict is not None:
             self.verdict = verdict
@@ -992,12 +1095,12 @@ class ClientSide:
                 reading = self.reading
                 statement = None if reading.plain and not self.pending and not self.bound else self._read(parse)
                 if statement is None:
-                    verdict = policy.check_input(sql, sql=True, cache=True)  # drivers parse the same SQL again and again
+                    verdict = policy.check_input(sql, cache=True)  # drivers parse the same SQL again and again
                 elif statement.refusal is not None:
                     verdict, sql = self._unreadable(statement), statement.text
                 else:
                     sql = statement.text
-                    verdict = policy.check_input(sql, sql=True, cache=False, readings=statement.readings)
+                    verdict = policy.check_input(sql, cache=False, readings=statement.readings)
             if verdict is not None:
                 policy.record_input(sql)
                 self.verdict = verdict
@@ -1043,20 +1146,20 @@ class WaitingClientSide(ClientSide):
         self.waiting = ""
 
     def _query(self, query: Query) -> int:
-        if self.policy.needs_wait(query.sql, sql=True):
+        if self.policy.needs_wait(query.sql):
             self._wait(query.sql)
             return WAIT
         return ClientSide._query(self, query)
 
     def _parse(self, parse: Parse) -> int:
-        if self.policy.needs_wait(parse.sql, sql=True):
+        if self.policy.needs_wait(parse.sql):
             self._wait(parse.sql)
             return WAIT
         return ClientSide._parse(self, parse)
 
     def _wait(self, sql: str) -> None:
         self.waiting = sql
-        self.work = functools.partial(self.policy.decide, sql, sql=True)
+        self.work = functools.partial(self.policy.decide, sql)
 
 
 class ServerSide:
@@ -1068,14 +1171,20 @@ class ServerSide:
         "_desc_masks",
         "_desc_oids",
         "_descriptions",
+        "_fresh",
+        "_noticed",
         "batch_error",
         "blocks",
+        "catalog_wanted",
+        "row_limit",
         "columns",
         "cut",
+        "deep",
         "deferring",
         "formats",
         "header",
         "later",
+        "learned",
         "masker",
         "masks",
         "masks_now",
@@ -1087,9 +1196,12 @@ class ServerSide:
         "reading",
         "records_later",
         "replies",
+        "shapes",
         "sources",
         "sources_for",
         "target_fatal",
+        "unknown_types",
+        "unsure",
     )
 
     def __init__(self, policy: SessionPolicy, pending: deque[Pending], columns: dict[str, tuple[int, ...]]) -> None:
@@ -1134,6 +1246,24 @@ class ServerSide:
         # the settings that change how the target reads SQL: kept current from its ParameterStatus (the client side
         # reads statements with it)
         self.reading: SessionReading | None = None
+        # binary values: the types the masker can read (the built-in ones; the target's own once the catalog
+        # was read: ``set_types``), the current result's binary cells that are containers or of a type not known
+        # (``values.mask_binary`` walks them, or they are withheld), and the type OIDs met that it did not know
+        self.shapes: TypeShapes = BUILTIN
+        self.deep: tuple[int, ...] = ()
+        self.unknown_types: set[int] = set()
+        # columns a rule names, met in a RowDescription under a table's identity the catalog did not give
+        # (a table created since): kept here and by the relay for the next sessions (``catalog_wanted``)
+        self.learned: dict[tuple[int, int], str] = {}
+        # called (no argument) when the catalog should be read again or ``learned`` grew: set by the relay
+        self.catalog_wanted: Callable[[], None] | None = None
+        self.row_limit = MASK_ROW_BYTES  # under a mask rule, a row's longest values are withheld past this
+        # the queue of pending requests may not match the target's answers (a simple Query inside an unfinished
+        # extended batch that failed, answers the queue cannot explain): every value is masked whole until an
+        # answer leaves the queue empty
+        self.unsure = False
+        self._fresh = False  # a RowDescription came for the current result
+        self._noticed = 0  # notices sent: _NOTICE_WITHHELD in this result, _NOTICE_UNSURE while unsure
 
     def process(self, reader: BackendReader, batch: FrameBatch) -> None:
         """The complete messages in ``reader``: forwardable frames and injected errors go to ``batch``.
@@ -1173,6 +1303,7 @@ class ServerSide:
                 else:
                     self._other(message, batch, render)
             elif kind is FunctionCallResponse and not self.cut:
+                self._answering()  # (``_other``'s first step for an answer a Sync cannot give)
                 self._function_result(message, batch)  # type: ignore[arg-type]
                 if self.blocks:
                     return
@@ -1193,9 +1324,18 @@ class ServerSide:
         self._redescribe()
 
     def set_sources(self, sources: dict[tuple[int, int], str] | None, names: Iterable[str]) -> None:
-        """Where the columns ``names`` are (proxies/postgres/catalog.py; None: unknown, fail closed)."""
+        """Where the columns ``names`` are (proxies/postgres/catalog.py; None: unknown, fail closed); what the
+        session ``learned`` itself stays."""
+        if sources is not None and self.learned:
+            sources = {**self.learned, **sources}
         self.sources, self.sources_for = sources, frozenset(names)
         self._redescribe()
+
+    def set_types(self, shapes: TypeShapes) -> None:
+        """The types of the target's database (catalog.py): its domains, ranges, composites... read from now on."""
+        self.shapes = shapes
+        self.unknown_types = {oid for oid in self.unknown_types if not shapes.knows(oid)}
+        self._descriptions.clear()
 
     def _redescribe(self) -> None:
         """Work out again which columns are masked, for every statement described so far (they may run again)."""
@@ -1211,8 +1351,8 @@ class ServerSide:
         """_ROW_PASSED (forward the row as is), _ROW_CUT, or _ROW_REPLACED (its masked frame is in ``batch``)."""
         formats = self.formats
         if formats is None:
+            head = self._answering()
             formats, self.oids, self.masks_now = self._desc_formats, self._desc_oids, self._desc_masks
-            head = self.pending[0] if self.pending else None
             if head is not None and head.kind == EXECUTE:
                 if head.formats is not None:
                     formats = resolve_formats(head.formats, row.column_count)
@@ -1222,7 +1362,11 @@ class ServerSide:
                         self.oids = oids
                     known = self.masks.get(head.statement)  # a statement never described: names unknown
                     self.masks_now = known[1] if known is not None and known[0] is oids else None
+            elif not self._fresh or head is not None and head.kind != UNTIL_READY:
+                self._doubt()  # rows that no request in the queue asks for here: what describes them is a guess
             self.formats = formats
+            if self.masker is not None and FORMAT_BINARY in formats:
+                self.deep = self._deep_cells(formats, self.oids)
         if self.deferring:  # only the recording reads it: rendered in ``record_later``
             later = self.later
             if self.header is not None:
@@ -1232,7 +1376,13 @@ class ServerSide:
             later.append(formats)
             later.append(self.oids)
             return _ROW_PASSED
-        text = render_row(row, formats, self.oids)
+        masker = self.masker
+        bounded = None
+        if masker is not None and row._end - row._start > self.row_limit:
+            bounded = self._bound(row, batch)  # larger values withheld before anything reads the row
+            if bounded is not None:
+                row = bounded
+        text = render_row(row, formats, self.oids, self.shapes)
         policy = self.policy
         if policy.checks_output:
             verdict = policy.check_output(text)  # the blocking rules read the target's clear text
@@ -1240,31 +1390,51 @@ class ServerSide:
                 self._cut(verdict, batch)
                 return _ROW_CUT
         done = _ROW_PASSED
-        masker = self.masker
         if masker is not None:
-            whole = self.masks_now
+            unsure = self.unsure
+            if unsure:  # every value masked whole (fail closed)
+                whole, blind = None, True
+            else:
+                whole = self.masks_now
+                blind = whole is None and masker.columns  # column names not known: the same
             data = text.encode("utf-8", "surrogateescape")
-            spans = masker.row_spans(data)
-            if spans or whole or masker.columns and whole is None:  # something may be masked
+            spans = masker.row_spans(data, MAX_ROW_MATCHES)
+            deep = self.deep
+            if deep and spans is not None and not spans:
+                deep = _unlike_their_values(text, deep, row.column_count)
+            if spans is None:  # too much to mask on the loop
+                frame, nulls = self._withhold_row(row, batch)
+                batch.add_bytes(frame)
+                done = _ROW_REPLACED
+                text = render_masked(text, row, nulls, formats, self.oids, self.shapes)
+            elif spans or whole or blind or deep:  # something may be masked
                 fast = _FALLBACK
-                if FORMAT_BINARY not in formats:
+                if FORMAT_BINARY not in formats and not unsure:
                     if whole:
                         if not spans:  # by column name alone
                             fast = mask_named_row(masker, row, text, whole, self.oids)
-                    elif spans and (whole is not None or not masker.columns):  # by pattern alone
+                    elif spans and not blind:  # by pattern alone
                         fast = mask_text_row(masker, row, text, data, spans, self.oids)
                 if fast is _FALLBACK:
-                    masked = mask_row(masker, row, formats, self.oids, None if masker.columns and whole is None
-                                      else whole or (), spans, len(data), None if FORMAT_BINARY in formats else data)
+                    withheld: list[tuple[int, str]] = []
+                    masked = mask_row(masker, row, formats, self.oids, None if blind else whole or (), spans,
+                                      len(data), None if FORMAT_BINARY in formats else data, self.shapes, deep,
+                                      withheld, text)
                     if masked is not None:
                         frame, values, count = masked
                         policy.count_masked(count)
                         if masker.seal is not None:
                             policy.record_clear(text)
+                        if unsure:
+                            self._notice_unsure(batch)
+                        if withheld:
+                            self._withheld(batch, [f"result column {i + 1} (type OID "
+                                                   f"{self.oids[i] if i < len(self.oids) else 0}): {why}"
+                                                   for i, why in withheld])
                         batch.add_bytes(frame)
                         done = _ROW_REPLACED
                         if policy.recording:
-                            text = render_masked(text, row, values, formats, self.oids)
+                            text = render_masked(text, row, values, formats, self.oids, self.shapes)
                 elif fast is not None:  # None: worked out, nothing to mask
                     frame, masked_text, count = fast  # type: ignore[misc]
                     policy.count_masked(count)
@@ -1273,12 +1443,97 @@ class ServerSide:
                     batch.add_bytes(frame)
                     done = _ROW_REPLACED
                     text = masked_text
+            if bounded is not None and done == _ROW_PASSED:
+                batch.add_bytes(bounded._buf)
+                done = _ROW_REPLACED
         if policy.recording:
             if self.header is not None:
                 self._emit(self.header)
                 self.header = None
             self._emit(text)
         return done
+
+    def _deep_cells(self, formats: Sequence[int], oids: Sequence[int]) -> tuple[int, ...]:
+        """The binary cells of the current result that are no single value, or of a type not known."""
+        leaf = self.shapes.leaf
+        noids = len(oids)
+        return tuple(i for i, fmt in enumerate(formats) if fmt == FORMAT_BINARY and not leaf(oids[i] if i < noids else 0))
+
+    def _bound(self, row: DataRow, batch: FrameBatch) -> DataRow | None:
+        """The row with its longest values withheld (NULL; the client told once per result) until what is left
+        holds at most ``row_limit`` bytes, or None when none is withheld: masking more would hold the loop (and
+        every other session on it) too long."""
+        buf, pos, end = row._buf, row._start + 7, row._end
+        at: list[int] = []
+        sizes: list[int] = []
+        for _ in range(row.column_count):  # its lengths checked: nothing read the row yet
+            if pos + 4 > end:
+                raise ProtocolError("malformed DataRow message: unexpected end of message")
+            n = _I32(buf, pos)[0]
+            at.append(pos)
+            sizes.append(n)
+            pos += 4 + max(n, 0)
+            if pos > end:
+                raise ProtocolError("malformed DataRow message: unexpected end of message")
+        limit = self.row_limit
+        left = sum(n for n in sizes if n > 0)
+        over: dict[int, bytes | None] = {}
+        for i in sorted(range(len(sizes)), key=sizes.__getitem__, reverse=True):
+            if left <= limit:
+                break
+            over[i] = None
+            left -= sizes[i]
+        if not over:
+            return None
+        self.policy.count_masked(len(over))
+        self._withheld(batch, [f"result column {i + 1}: {sizes[i]} bytes" for i in sorted(over)]
+                       + [f"a row under a mask rule may hold {limit} bytes ([postgres] mask_row_bytes)"])
+        return DataRow(splice_row(row, dict(sorted(over.items())), at))
+
+    def _withhold_row(self, row: DataRow, batch: FrameBatch) -> tuple[bytes, dict[int, bytes | None]]:
+        """Every value of the row withheld: the patterns find too much in it to mask on the loop."""
+        at, sizes, _ = _layout(row)
+        nulls: dict[int, bytes | None] = {i: None for i, n in enumerate(sizes) if n >= 0}
+        self.policy.count_masked(len(nulls))
+        self._withheld(batch, [f"the patterns find more than {MAX_ROW_MATCHES} values in a row"])
+        return splice_row(row, nulls, at), nulls
+
+    def _withheld(self, batch: FrameBatch, reasons: list[str]) -> None:
+        """Say (once per result) which values were withheld and why: to the client, and as an ``e`` event."""
+        if self._noticed & _NOTICE_WITHHELD:
+            return
+        self._noticed |= _NOTICE_WITHHELD
+        message = "gatewayd withheld values under a mask rule (sent as NULL): " + "; ".join(reasons)
+        batch.add_bytes(encode_notice_response("WARNING", WITHHELD_SQLSTATE, message))
+        self.flush_output()
+        self.policy.error(message)
+
+    def _notice_unsure(self, batch: FrameBatch) -> None:
+        if self._noticed & _NOTICE_UNSURE:
+            return
+        self._noticed |= _NOTICE_UNSURE
+        message = ("gatewayd masks every value until the next Sync: the session's requests and the target's "
+                   "answers may be out of step (a simple query inside an unfinished extended-protocol batch)")
+        batch.add_bytes(encode_notice_response("WARNING", WITHHELD_SQLSTATE, message))
+        self.flush_output()
+        self.policy.error(message)
+
+    def _doubt(self) -> None:
+        """What the queue says of the current answer may be wrong: mask every value until it is provably right."""
+        self.unsure = True
+
+    def _answering(self) -> Pending | None:
+        """The queue's head for an answer that a Sync cannot give (rows, a description, a completion...).
+
+        A Sync at the head was answered already if such an answer comes (the target answers in order, and a
+        Sync only with ReadyForQuery): a simple Query the target skipped after an error in an extended batch
+        took its ReadyForQuery.  Such Syncs leave the queue (and every value is masked until it is in step).
+        """
+        pending = self.pending
+        while pending and pending[0].kind == SYNC_POINT:
+            pending.popleft()
+            self._doubt()
+        return pending[0] if pending else None
 
     def _emit(self, line: str) -> None:
         if self.deferring:
@@ -1340,6 +1595,9 @@ class ServerSide:
 
     def _end_result(self) -> None:
         self.formats = None
+        self.deep = ()
+        self._fresh = False
+        self._noticed &= ~_NOTICE_WITHHELD
         if self.pending and self.pending[0].kind == EXECUTE:
             self.pending.popleft()
 
@@ -1349,9 +1607,14 @@ class ServerSide:
             if not render or self._copy_out(message, batch) == _ROW_PASSED:  # type: ignore[arg-type]
                 batch.add(message)
             return
-        if self.masker is not None and (kind is ErrorResponse or kind is NoticeResponse
-                                        or kind is NotificationResponse):
-            masked = mask_notice(self.masker, message)
+        code = message.TYPE
+        if code in _NOT_FROM_SYNC:
+            self._answering()
+        masker = self.masker
+        described = None
+        if masker is not None and (kind is ErrorResponse or kind is NoticeResponse or kind is NotificationResponse
+                                   or kind is ParameterStatus):
+            masked = mask_notice(masker, message, self.row_limit)
             if masked is not None:
                 frame, count = masked
                 self.policy.count_masked(count)
@@ -1359,6 +1622,12 @@ class ServerSide:
                 message = decode_backend(frame) if kind is ErrorResponse else message
             else:
                 batch.add(message)
+        elif kind is RowDescription and render:
+            described = self._describe(message)  # type: ignore[arg-type]
+            if described[4] is None:
+                batch.add(message)
+            else:
+                batch.add_bytes(described[4])  # column names masked
         else:
             batch.add(message)
         if kind is CopyOutResponse or kind is CopyBothResponse:
@@ -1368,15 +1637,18 @@ class ServerSide:
             self._command_complete(message)  # type: ignore[arg-type]
         elif kind is RowDescription:
             self.formats = None
-            head = self.pending[0] if self.pending and self.pending[0].kind == DESCRIBE else None
+            self._fresh = True
+            pending = self.pending
+            head = pending[0] if pending and pending[0].kind == DESCRIBE else None
             if head is not None:
-                self.pending.popleft()
-            if render:
-                header, self._desc_oids, self._desc_formats, self._desc_masks = \
-                    self._describe(message)  # type: ignore[arg-type]
+                pending.popleft()
+            elif pending and pending[0].kind != UNTIL_READY:
+                self._doubt()  # a description no request asks for here
+            if described is not None:
+                header, self._desc_oids, self._desc_formats, self._desc_masks, _ = described
                 if head is not None and head.statement is not None:
                     self.columns[head.statement] = self._desc_oids
-                    if self.masker is not None:
+                    if masker is not None:
                         if len(self.masks) >= DESCRIPTION_CACHE_SIZE * 64:
                             self.masks.clear()
                         self.masks[head.statement] = (self._desc_oids, self._desc_masks, message)
@@ -1385,6 +1657,8 @@ class ServerSide:
         elif kind is NoData:
             if self.pending and self.pending[0].kind == DESCRIBE:
                 self.pending.popleft()
+            elif self.pending:
+                self._doubt()
         elif kind is ErrorResponse:
             self.flush_output()
             self.header = None
@@ -1398,8 +1672,10 @@ class ServerSide:
                 self.later.append(text)
             else:
                 self.policy.error(text)
+            if self._may_skip():
+                self._doubt()
             self._end_result()
-        elif message.TYPE in _RESULT_ENDS:  # EmptyQueryResponse, PortalSuspended
+        elif code in _RESULT_ENDS:  # EmptyQueryResponse, PortalSuspended
             self.flush_output()
             self._end_result()
 
@@ -1443,7 +1719,22 @@ class ServerSide:
             self._emit(text)
             self.flush_output()
 
+    def _may_skip(self) -> bool:
+        """Whether this error may be an extended-protocol message's while a simple Query (or FunctionCall) waits
+        in the queue: the target then skips that Query up to the next Sync, and answers both with one
+        ReadyForQuery.  Only a queue that mixes the two protocols can be so (a blocked Query's Sync is simple)."""
+        simple = extended = False
+        for entry in self.pending:
+            if entry.kind == UNTIL_READY:
+                simple = True
+            elif entry.kind != SYNC_POINT or entry.error is None:
+                extended = True
+            if simple and extended:
+                return True
+        return False
+
     def _command_complete(self, message: CommandComplete) -> None:
+        self._answering()
         if self.policy.recording:
             if self.header is not None:
                 self._emit(self.header)
@@ -1457,8 +1748,9 @@ class ServerSide:
         self._end_result()
 
     def _describe(self, message: RowDescription
-                  ) -> tuple[str, tuple[int, ...], tuple[int, ...], tuple[tuple[int, str], ...] | None]:
-        """(header line, type OIDs, formats, columns masked by name) of a RowDescription, remembered by its frame."""
+                  ) -> tuple[str, tuple[int, ...], tuple[int, ...], tuple[tuple[int, str], ...] | None, bytes | None]:
+        """(header line, type OIDs, formats, columns masked by name, the frame with names masked or None) of a
+        RowDescription, remembered by its frame."""
         key = bytes(message)
         described = self._descriptions.get(key)
         if described is None:
@@ -1467,30 +1759,61 @@ class ServerSide:
                 self._descriptions.clear()
             masked: tuple[tuple[int, str], ...] | None = ()
             masker = self.masker
-            if masker is not None and masker.columns:
-                masked = self._masked_columns(masker, message, names)
-            described = self._descriptions[key] = ("\t".join(names), oids, formats, masked)
+            frame = None
+            shown = names
+            if masker is not None:
+                if masker.columns:
+                    masked = self._masked_columns(masker, message, names)
+                if masker.finders:
+                    found = mask_names(masker, message)
+                    if found is not None:
+                        frame, shown, count = found
+                        self.policy.count_masked(count)
+                unknown = [oid for oid in oids if not self.shapes.knows(oid) and oid not in self.unknown_types]
+                if unknown:  # a type made since the catalog was read (or one no catalog makes readable)
+                    self.unknown_types.update(unknown)
+                    if self.shapes.complete and self.catalog_wanted is not None:
+                        self.catalog_wanted()
+            described = self._descriptions[key] = ("\t".join(shown), oids, formats, masked, frame)
         return described
 
     def _masked_columns(self, masker: Masker, message: RowDescription,
                         names: list[str]) -> tuple[tuple[int, str], ...] | None:
-        """The columns masked whole, by their name or their source column's; None (all) when sources are unknown."""
+        """The columns masked whole, by their name or their source column's; None (all) when sources are unknown.
+
+        A column a rule names, from a table column the sources lack (a table made after the catalog was read),
+        is learned by its identity: renamed later, it stays masked (this session, and the next: ``learned``).
+        """
         sources = self.sources
         if sources is None:
             return None
         masked = []
-        fields = message.fields if sources else ()
+        fields = message.fields
         for i, name in enumerate(names):
             style = masker.column_style(name)
+            field = fields[i]
+            identity = (field.table_oid, field.column)
             if style is None and sources:
-                source = sources.get((fields[i].table_oid, fields[i].column))
+                source = sources.get(identity)
                 style = masker.column_style(source) if source is not None else None
+            elif style is not None and field.table_oid and identity not in sources:
+                sources[identity] = self.learned[identity] = name.lower()
+                if self.catalog_wanted is not None:
+                    self.catalog_wanted()
             if style is not None:
                 masked.append((i, style))
         return tuple(masked)
 
     def _copy_out(self, message: CopyData, batch: FrameBatch) -> int:
         """Check, mask and record one COPY TO STDOUT row: _ROW_PASSED, _ROW_CUT or _ROW_REPLACED."""
+        masker = self.masker
+        if masker is not None and (len(message) > self.row_limit
+                                   or masker.row_spans(bytes(message.data), MAX_ROW_MATCHES) is None):
+            reason = (f"a COPY row over the {self.row_limit} bytes a row under a mask rule may hold "
+                      "([postgres] mask_row_bytes)" if len(message) > self.row_limit else
+                      f"the patterns find more than {MAX_ROW_MATCHES} values in a COPY row")
+            self._cut(GuardVerdict(False, f"result withheld: {reason}", "output", "mask"), batch)
+            return _ROW_CUT
         data = bytes(message.data)
         text = data.decode("utf-8", "replace")
         policy = self.policy
@@ -1500,7 +1823,6 @@ class ServerSide:
                 self._cut(verdict, batch)
                 return _ROW_CUT
         done = _ROW_PASSED
-        masker = self.masker
         if masker is not None:
             if masker.columns or self._copy_binary:
                 reason = ("a masking rule by column name cannot read COPY output (it names no columns)"
@@ -1524,7 +1846,7 @@ class ServerSide:
         """After a cut: only what keeps the session sane goes through."""
         code = message.TYPE
         if code in _ALWAYS_FORWARDED:
-            masked = mask_notice(self.masker, message) if self.masker is not None and code == b"A" else None
+            masked = mask_notice(self.masker, message, self.row_limit) if self.masker is not None else None
             if masked is None:
                 batch.add(message)
             else:
@@ -1536,6 +1858,7 @@ class ServerSide:
             self._end_result()
 
     def _close_complete(self, message: CloseComplete, batch: FrameBatch) -> None:
+        self._answering()
         pending = self.pending
         while pending and pending[0].kind == EXECUTE:  # not answered: the target skipped them
             pending.popleft()
@@ -1562,7 +1885,13 @@ class ServerSide:
         self.cut = False
         self.batch_error = False
         self.formats = None
+        self.deep = ()
+        self._fresh = False
         self.header = None
+        self._noticed &= ~_NOTICE_WITHHELD
+        if self.unsure and not pending:  # every request answered: the queue is in step again
+            self.unsure = False
+            self._noticed &= ~_NOTICE_UNSURE
         batch.add(message)
 
 

@@ -24,6 +24,7 @@ import logging
 import secrets
 import socket
 import ssl
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -33,7 +34,7 @@ from gatewayd.access import looks_like_secret
 from gatewayd.pipeline import BLOCKED_EXIT_CODE, AccessDenied, GatewayClosing, ProxyContext, TargetUnreachable
 from gatewayd.tasks import BackgroundTasks
 from proxies.postgres import tls
-from proxies.postgres.catalog import Sources, column_sources
+from proxies.postgres.catalog import MEMORY_TOPIC, Catalog, Column, merged, read_catalog
 from proxies.postgres.codec import (
     CancelRequest,
     FrontendReader,
@@ -54,7 +55,7 @@ from proxies.postgres.codec import (
 )
 from proxies.postgres.fastpath import allowed_functions
 from proxies.postgres.reading import SessionReading
-from proxies.postgres.relay import ClientSide, Pending, ServerSide, WaitingClientSide
+from proxies.postgres.relay import MASK_ROW_BYTES, ClientSide, Pending, ServerSide, WaitingClientSide, mask_frames
 from proxies.postgres.session import CLIENT, TARGET, RelaySession
 from proxies.postgres.stream import FrameStream
 from proxies.postgres.upstream import (
@@ -79,6 +80,22 @@ log = logging.getLogger("gatewayd.postgres")
 STARTUP_TIMEOUT = 60.0  # start-up and credential exchange, per client
 
 
+class Statements(deque):  # type: ignore[type-arg]
+    """The relay's requests waiting for the target's answer (``relay.Pending``), noting since when (wall clock) the
+    target has been busy with them: a cancel is sent only for a statement that was running when it was asked."""
+
+    __slots__ = ("since",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.since = 0.0
+
+    def append(self, item: Any) -> None:
+        if not self:
+            self.since = time.time()
+        super().append(item)
+
+
 @dataclass(slots=True, frozen=True)
 class CancelTarget:
     """Where a CancelRequest for one of the gateway's backend keys goes."""
@@ -88,9 +105,16 @@ class CancelTarget:
     process_id: int
     secret_key: bytes
     dialer: Dialer | None = None  # the session's (its agent's, for a connection behind one)
+    running: Statements | None = None  # what the session waits on the target for
 
 
-SLOT_SHIFT = 20  # a key's process id is (node slot << 20) | 20 random bits: it says which node holds the session
+# A key's process id: a marker bit above any server's process id (Linux's pid_max is at most 2^22; other systems
+# stay lower), then the slot of the node that issued it, then random bits. It never names a real server process,
+# so pg_cancel_backend / pg_terminate_backend of it (a client passing conn.info.backend_pid) fail, never hitting
+# another session's backend; and a CancelRequest reaching another node or worker says where the session lives.
+KEY_MARKER = 1 << 30
+SLOT_SHIFT = 19
+SLOT_MASK = 0x7FF  # 2047 nodes
 CANCEL_TOPIC = "postgres.cancel"  # the bus topic: a CancelRequest that reached another node than the session's
 
 
@@ -107,14 +131,14 @@ class CancelKeys:
     def issue(self, target: CancelTarget, slot: int = 0) -> tuple[int, bytes]:
         while True:
             low = secrets.randbelow((1 << SLOT_SHIFT) - 1) + 1
-            key = (((slot % 2048) << SLOT_SHIFT) | low, secrets.token_bytes(4))
+            key = (KEY_MARKER | ((slot & SLOT_MASK) << SLOT_SHIFT) | low, secrets.token_bytes(4))
             if key not in self._keys:
                 self._keys[key] = target
                 return key
 
     @staticmethod
     def slot_of(process_id: int) -> int:
-        return (process_id >> SLOT_SHIFT) & 0x7FF
+        return (process_id >> SLOT_SHIFT) & SLOT_MASK if process_id & KEY_MARKER else -1
 
     def pop(self, key: tuple[int, bytes]) -> None:
         self._keys.pop(key, None)
@@ -156,25 +180,34 @@ class PostgresListener:
         self.cancel_keys = CANCEL_KEYS
         self.cluster = context.cluster
         self.connections = BackgroundTasks("postgres listener")
+        self.mask_row_bytes = int(context.settings.get("mask_row_bytes", MASK_ROW_BYTES))
         if self.cluster is not None and id(self.cluster) not in _CANCEL_ROUTES:  # once per process, not per listener
             _CANCEL_ROUTES.add(id(self.cluster))
             self.cluster.on(CANCEL_TOPIC, self._on_cancel)
 
     async def _on_cancel(self, message: dict[str, Any]) -> None:
-        """A CancelRequest another node received for a session of this one."""
+        """A CancelRequest another node received for a session of this one (it waits for this to confirm)."""
         if self.cluster is None or message.get("slot") != self.cluster.slot:
             return
         try:
-            await self.cancel_here(int(message["process_id"]), bytes.fromhex(str(message["secret_key"])))
+            await self.cancel_here(int(message["process_id"]), bytes.fromhex(str(message["secret_key"])),
+                                   float(message["at"]))
         except (KeyError, ValueError, TypeError):
             log.warning("a malformed cancel message was ignored")
 
-    async def cancel_here(self, process_id: int, secret_key: bytes) -> None:
-        """Cancel the query of a session held by this process (unknown keys are ignored, as PostgreSQL does)."""
+    async def cancel_here(self, process_id: int, secret_key: bytes, at: float) -> None:
+        """Cancel the statement of a session held by this process that was running at ``at`` (when the client
+        asked), and return once the target has the cancel. Unknown keys are ignored, as PostgreSQL does; so is
+        a cancel for a statement that ended meanwhile: it never reaches a later one."""
         target = self.cancel_keys.get(process_id, secret_key)
-        if target is not None:
-            await send_cancel(target.host, target.port, target.process_id, target.secret_key,
-                              dialer=target.dialer or self.pipeline.dialer)
+        if target is None:
+            return
+        running = target.running
+        if running is not None and (not running or running.since > at):
+            log.info("a cancel came for a statement that has ended: not sent on")
+            return
+        await send_cancel(target.host, target.port, target.process_id, target.secret_key,
+                          dialer=target.dialer or self.pipeline.dialer)
 
     def accept(self, stream: FrameStream) -> None:
         """A client connected: its connection runs as a task of its own."""
@@ -253,6 +286,9 @@ class ClientConnection:
         except AccessDenied as exc:
             self.send_fatal("28P01", str(exc))
             return
+        except GatewayClosing as exc:  # the store does not answer, or this node is fenced: come back later
+            self.send_fatal("57P03", str(exc))
+            return
         except ProtocolError as exc:
             self.send_fatal(exc.sqlstate, exc.message)
             return
@@ -290,12 +326,23 @@ class ClientConnection:
                 return message
 
     async def _cancel(self, request: CancelRequest) -> None:
+        """A CancelRequest: its connection closes once the target has the cancel (the client then knows it is
+        in force, as with PostgreSQL itself), or when the node holding the session did not confirm in time."""
+        at = time.time()
         cluster, slot = self.listener.cluster, CancelKeys.slot_of(request.process_id)
+        if slot < 0:
+            return  # not a key this gateway hands out
         if cluster is not None and slot not in (0, cluster.slot):  # the session lives on another node or worker
-            await cluster.publish(CANCEL_TOPIC, slot=slot, process_id=request.process_id,
-                                  secret_key=bytes(request.secret_key).hex())
+            holder = await cluster.node_of_slot(slot)
+            if holder is None:
+                return  # no node holds that slot now: the key is unknown, ignored as PostgreSQL does
+            missing = await cluster.request(CANCEL_TOPIC, [holder], slot=slot, process_id=request.process_id,
+                                            secret_key=bytes(request.secret_key).hex(), at=at)
+            if missing:
+                log.warning("a cancel was not confirmed by the node holding its session",
+                            extra={"nodes": ",".join(missing)})
             return
-        await self.listener.cancel_here(request.process_id, bytes(request.secret_key))
+        await self.listener.cancel_here(request.process_id, bytes(request.secret_key), at)
 
     async def _secret(self, startup: StartupMessage) -> str | None:
         """The credential secret: the start-up user, or else the password we ask for."""
@@ -342,14 +389,16 @@ class ClientConnection:
             return
         self.link = link = run.target
         cluster = self.listener.cluster
+        pending = Statements()
         key = self.listener.cancel_keys.issue(CancelTarget(settings.host, settings.port, link.process_id,
-                                                           link.secret_key, self.pipeline.dialer_for(connection)),
-                                                           cluster.slot if cluster else 0)
+                                                           link.secret_key, self.pipeline.dialer_for(connection),
+                                                           pending), cluster.slot if cluster else 0)
         async with run:
             try:
-                self.stream.write(b"".join([encode_authentication_ok(), *link.startup_frames,
-                                            encode_backend_key_data(*key), encode_ready_for_query(link.status)]))
-                exit_code, error = await self._relay(link, run, settings, connection)
+                startup = mask_frames(run.policy, link.startup_frames)  # a setting made from data, masked too
+                self.stream.write(b"".join([encode_authentication_ok(), *startup, encode_backend_key_data(*key),
+                                            encode_ready_for_query(link.status)]))
+                exit_code, error = await self._relay(link, run, settings, connection, pending)
             finally:
                 self.listener.cancel_keys.pop(key)
                 terminate(link)
@@ -369,36 +418,75 @@ class ClientConnection:
     def _column_names(policy: SessionPolicy) -> tuple[str, ...]:
         return tuple(policy.masker.columns) if policy.masker is not None else ()
 
-    async def _column_sources(self, policy: SessionPolicy, settings: TargetSettings,
-                              connection: Connection) -> Sources | None:
-        """Where the columns the mask rules name are (catalog.py), so an alias does not unmask them; {} without
-        such rules; None when the catalog cannot be read (every value of a result is then masked: fail closed)."""
+    async def _catalog(self, policy: SessionPolicy, settings: TargetSettings, connection: Connection,
+                       learned: dict[tuple[int, int], str] | None = None) -> Catalog | None:
+        """What the target's catalog says for the session's mask rules (catalog.py): where the columns they name
+        are -- by name, and by the identity they had when a session last saw them (renamed since, they stay
+        masked) -- and the database's types; an empty Catalog without mask rules; None when the catalog cannot
+        be read (every value of a result is then masked whole, user types withheld: fail closed).  What was
+        found by name, and ``learned`` by the relay, is remembered for the next sessions."""
         masker = policy.masker
-        if masker is None or not masker.columns:
-            return {}
+        if masker is None:
+            return Catalog()
+        names = self._column_names(policy)
+        memory: dict[str, list[Column]] = {}
+        remembered: list[Column] = []
+        if names:
+            memory = await self.pipeline.recall(connection, MEMORY_TOPIC) or {}
+            remembered = [(int(r), int(a), str(c)) for r, a, c in memory.get(settings.database, ())]
         try:
-            return await column_sources(settings, connection.name, self.pipeline.dialer_for(connection),
-                                        masker.columns)
+            found = await read_catalog(settings, connection.name, self.pipeline.dialer_for(connection), names,
+                                       remembered)
         except UpstreamError as exc:
-            log.warning("the columns of the mask rules could not be looked up: results are masked whole",
+            log.warning("the target's catalog could not be read for the mask rules: results are masked whole",
                         extra={"connection": connection.name, "error": exc.message})
             return None
+        if names:
+            update = merged(remembered, {**(learned or {}), **found.sources})
+            if update is not None:
+                memory[settings.database] = update
+                await self.pipeline.remember(connection, MEMORY_TOPIC, memory)
+        return found
 
     async def _relay(self, link: TargetLink, run: SessionRun[TargetLink], settings: TargetSettings,
-                     connection: Connection) -> tuple[int, str | None]:
+                     connection: Connection, pending: deque[Pending]) -> tuple[int, str | None]:
         """Relay until one side goes away; the session's exit code and error."""
         policy, name = run.policy, connection.name
-        pending: deque[Pending] = deque()
         columns: dict[str, tuple[int, ...]] = {}
         server = ServerSide(policy, pending, columns)
-        server.set_sources(await self._column_sources(policy, settings, connection), self._column_names(policy))
+        server.row_limit = self.listener.mask_row_bytes
+
+        def adopt(catalog: Catalog | None) -> None:
+            server.set_sources(None if catalog is None else catalog.sources, self._column_names(policy))
+            if catalog is not None and catalog.shapes is not None:
+                server.set_types(catalog.shapes)
+
+        adopt(await self._catalog(policy, settings, connection))
+        looking: list[asyncio.Task[None]] = []  # the catalog read again (one at a time; once more if asked meanwhile)
+        again = [False]
+
+        async def look_again() -> None:
+            while True:
+                again[0] = False
+                adopt(await self._catalog(policy, settings, connection, dict(server.learned)))
+                if not again[0]:
+                    return
+
+        def wanted() -> None:
+            """The relay met a type the catalog did not say, or a rule's column under a new identity."""
+            if looking and not looking[0].done():
+                again[0] = True
+                return
+            looking[:] = [self.pipeline.tasks.spawn(look_again())]
+
+        server.catalog_wanted = wanted
         reload = run.live.reload_rules
         if reload is not None:  # rules changed mid-session: column names the catalog was not asked about, asked now
             async def reload_and_look_up() -> None:
                 await reload()
-                if not set(self._column_names(policy)) <= server.sources_for:
-                    server.set_sources(await self._column_sources(policy, settings, connection),
-                                       self._column_names(policy))
+                if policy.masker is not None and (not set(self._column_names(policy)) <= server.sources_for
+                                                  or not server.shapes.complete):
+                    adopt(await self._catalog(policy, settings, connection, dict(server.learned)))
             run.live.reload_rules = reload_and_look_up
         reading = SessionReading()
         for frame in link.startup_frames:  # the settings the target started with (its start-up ParameterStatus)

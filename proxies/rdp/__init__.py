@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gatewayd.config import Setting, positive
+from gatewayd.languages import KEYSTROKES
 from gatewayd.protocols import ProtocolDescription, lazy_start
 from proxies.rdp import compat
 
@@ -19,7 +20,7 @@ compat.apply()  # before anything imports pyrdp (Python 3.13 removed typing.io, 
 if TYPE_CHECKING:
     from gatewayd.models import Connection
 
-REQUIRED_MODULES = ("pyrdp", "rle", "twisted", "PIL")
+REQUIRED_MODULES = ("pyrdp", "rle", "twisted", "PIL", "spnego")
 
 
 
@@ -31,6 +32,7 @@ def access_hints(conn: Connection, secret: str, host: str, port: int, settings: 
 
 DESCRIPTION = ProtocolDescription(
     name="rdp", subtype="rdp", session_type="custom", prefix="rdp", server_config_key="rdp_server_config",
+    language=KEYSTROKES,
     default_port=13389, access_hints=access_hints,
     start=lazy_start("proxies.rdp.server"), required_modules=REQUIRED_MODULES,
     install_hint="RDP proxy unavailable: install the rdp extra (make does; by hand: pip install 'gatewayd[rdp]' "

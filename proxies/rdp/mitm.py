@@ -11,9 +11,14 @@ What the gateway adds to pyrdp's man-in-the-middle:
    auto-logon;
 2. the target connection -- the pipeline opens the session, then dials
    (``open_first``: the screen capture is the session's); a failure is an
-   ``e`` event and exit code 254 (``TargetError``); a target that insists on
-   NLA (CredSSP) gets its refusal passed to the client and the session
-   closed with an ``e`` event saying NLA is not supported;
+   ``e`` event and exit code 254 (``TargetError``). The target is asked for
+   TLS or NLA (CredSSP): when it picks NLA the gateway logs on to it with the
+   role's credentials (``credssp``) before it answers the client, who is told
+   TLS and keeps the gateway's credential; a refusal is an ``e`` event, an
+   ``rdp.target_login`` audit entry, and the client's connection closed
+   during its logon (its retry refused). With ``NLA=off`` in the role, or no
+   ``USER``/``PASS``, only TLS is asked, and a target that insists on NLA gets
+   its refusal passed to the client, the session closed with an ``e`` event;
 3. recording -- pyrdp's replay file is not written (it holds the client's
    password in clear): ``GatewayRecorder`` receives pyrdp's recording calls
    and keeps only the target's bitmap updates (as frames, ``FrameCapture``)
@@ -49,13 +54,17 @@ from typing import TYPE_CHECKING, Any
 
 import pyrdp.mitm.state as pyrdp_state
 from Crypto.PublicKey import RSA
-from pyrdp.enum import CapabilityType, NegotiationFailureCode, PlayerPDUType, SlowPathUpdateType
+from OpenSSL import crypto
+from pyrdp.core.ssl import ServerTLSContext
+from pyrdp.enum import (CapabilityType, NegotiationFailureCode, NegotiationProtocols, NegotiationRequestFlags,
+                        NegotiationType, PlayerPDUType, SlowPathUpdateType)
 from pyrdp.logging import LOGGER_NAMES, SessionLogger
 from pyrdp.mitm import MITMConfig, RDPMITM
 from pyrdp.mitm.MITMRecorder import MITMRecorder
 from pyrdp.mitm.state import RDPMITMState
-from pyrdp.parser import NegotiationRequestParser, NegotiationResponseParser
-from pyrdp.pdu import ConfirmActivePDU, InputPDU, NegotiationFailurePDU, UpdatePDU
+from pyrdp.parser import ClientConnectionParser, GCCParser, NegotiationRequestParser, NegotiationResponseParser
+from pyrdp.pdu import ConfirmActivePDU, InputPDU, NegotiationFailurePDU, NegotiationResponsePDU, UpdatePDU
+from spnego.tls import get_certificate_public_key
 from twisted.internet import reactor
 from twisted.internet.protocol import ClientFactory, ServerFactory
 
@@ -68,6 +77,8 @@ from gatewayd.pipeline import AccessDenied, BLOCKED_EXIT_CODE, GatewayClosing, T
 from gatewayd.tasks import BackgroundTasks
 from proxies.rdp.capture import FrameCapture
 from proxies.rdp.codec import KeyboardText, offer_only_bitmaps
+from proxies.rdp.credssp import (MECHANISMS, STATUS_NO_LOGON_SERVERS, CredSSPError, NlaCredentials, TSRequestReader,
+                                 authenticate, refusal)
 
 if TYPE_CHECKING:
     from gatewayd.frames import FrameStore
@@ -80,7 +91,11 @@ RETRY_WINDOW = 10.0  # how long a killed logon's retry is awaited (FreeRDP's com
 RETRY_REFUSED = "{reason} while its client was logging on: the client's reconnection is refused"
 RC4_KEY_BITS = 2048
 NLA_MESSAGE = ('the target of connection "{name}" requires Network Level Authentication (NLA/CredSSP), which '
-               "the gateway does not support: allow TLS or standard RDP security on the target")
+               "the gateway was not to use with it (NLA=off, or no USER and PASS): allow TLS on the target "
+               "or let the gateway log on with NLA")
+NLA_FAILED = 'Network Level Authentication (CredSSP) with the target of connection "{name}" failed: {reason}'
+NLA_TIMEOUT = 20.0  # the whole CredSSP exchange with the target (a KDC's answers included)
+NLA_SETTINGS = ("off", *MECHANISMS)  # the role's NLA: how the gateway logs on to a target that picks CredSSP
 _SECRET = re.compile(r"[a-z]+-[A-Za-z0-9_-]{43}")  # any credential shape; resolve() says if it is not for rdp
 CLIENT, TARGET = "client", "target"
 
@@ -193,6 +208,11 @@ class GatewayMITM(RDPMITM):
         self.screen_up = False  # the target sent screen content: the client's logon is over
         self._counted = False  # the client's connection is in the connection metrics
         self._certificate_ready = False
+        self.nla: NlaCredentials | None = None  # how the gateway logs on if the target picks NLA (CredSSP)
+        self.target_protocol: int | None = None  # the target's pick (NLA) where the client was told TLS
+        self.credssp: TSRequestReader | None = None  # the target's TSRequests while the gateway logs on
+        self._nla_started = False
+        self.target_certificate: Any = None  # the target's TLS certificate, once CredSSP binds to it
         main = SessionLogger(logging.getLogger(LOGGER_NAMES.MITM_CONNECTIONS), state.sessionID)
         crawler = SessionLogger(logging.getLogger(LOGGER_NAMES.CRAWLER), state.sessionID)
         super().__init__(main, crawler, config, state=state, recorder=GatewayRecorder(self, state))
@@ -202,6 +222,16 @@ class GatewayMITM(RDPMITM):
         self._observe_first(self.server.tcp, onDisconnection=lambda reason: self._side_closed(TARGET))
         # ahead of pyrdp's slow-path MITM, which forwards the confirm-active after its own downgrade
         self._observe_first(self.client.slowPath, onConfirmActive=offer_only_bitmaps)
+        # ahead of pyrdp's MCS MITM, which forwards the client's data: the target sees its own protocol pick
+        self._observe_first(self.client.mcs, onConnectInitial=self._connect_initial)
+        # what is neither TPKT nor fast-path before the I/O channel: the target's TSRequests (pyrdp's NLA observer
+        # comes only with the client's TLS, once the gateway's logon is over)
+        self.server.segmentation.createObserver(onUnknownHeader=self._target_credssp)
+        # pyrdp drops the client as soon as the target goes; while the gateway logs on, a target refusing the logon
+        # closes, and the client is to be told why first (_nla_failed)
+        observer = self.tcp.serverObserver
+        pyrdp_target_gone = observer.onDisconnection
+        observer.onDisconnection = lambda reason: None if self.credssp is not None else pyrdp_target_gone(reason)
         self.server.mcs.createObserver(onDisconnectProviderUltimatum=self._target_logged_off)
         self.client.mcs.createObserver(onDisconnectProviderUltimatum=self._client_logged_off)
         # pyrdp's X.224 handlers, wrapped: admission before the request, NLA refusal on the confirm
@@ -272,6 +302,10 @@ class GatewayMITM(RDPMITM):
             log.info("rdp login refused", extra={"client_ip": client_ip, "reason": str(exc)})
             self._refuse()
             return
+        except GatewayClosing as exc:  # the store does not answer, or this node is fenced
+            log.info("rdp login refused", extra={"client_ip": client_ip, "reason": str(exc)})
+            self._refuse()
+            return
         except Exception:
             log.exception("rdp admission failed", extra={"client_ip": client_ip})
             self._refuse()
@@ -294,14 +328,29 @@ class GatewayMITM(RDPMITM):
         self.config.replacementPassword = target.get("PASS") or ""
         self.domain = target.get("DOMAIN")
         self.state.effectiveTargetHost, self.state.effectiveTargetPort = host, port
+        nla = (target.get("NLA") or "ntlm").strip().lower()
+        requested = None
         if request is not None:  # the target sees the role's user in the cookie, never the secret
             user = self.config.replacementUsername
             request.cookie = f"Cookie: mstshash={user}".encode("latin-1", "replace") if user else None
+            requested = request.requestedProtocols
+            if (nla in MECHANISMS and request.tlsSupported and self.config.replacementUsername
+                    and self.config.replacementPassword):  # TLS to the client, TLS or NLA to the target
+                self.nla = NlaCredentials(self.config.replacementUsername, self.config.replacementPassword,
+                                          self.domain or "", host, nla)
+                request.requestedProtocols = NegotiationProtocols.SSL | NegotiationProtocols.CRED_SSP
+                self.config.authMethods = NegotiationProtocols.SSL | NegotiationProtocols.CRED_SSP
+                # the gateway gives the target credentials: no client-side restricted admin or remote guard
+                request.flags = (request.flags or 0) & ~(
+                    NegotiationRequestFlags.RESTRICTED_ADMIN_MODE_REQUIRED
+                    | NegotiationRequestFlags.REDIRECTED_AUTHENTICATION_MODE_REQUIRED)
             pdu.payload = parser.write(request)
 
         async def dial(dialer: Dialer) -> socket.socket:
             if not 0 < port < 65536:
                 raise TargetError(f'connection "{name}": its PORT is not a port number')
+            if nla not in NLA_SETTINGS:
+                raise TargetError(f'connection "{name}": its NLA is not one of {", ".join(NLA_SETTINGS)}')
             return await dialer.open_socket(host, port, connection=name, timeout=CONNECT_TIMEOUT)  # DialError
 
         try:  # the session first: the screen capture is the session's, the target's failure is on its record
@@ -346,6 +395,8 @@ class GatewayMITM(RDPMITM):
             self.server.tcp.disconnect(True)
             raise
         self._pyrdp_connection_request(pdu)  # pyrdp forwards the request; its connector is connectToServer
+        if requested is not None:  # what the client asked for, as the server data it gets back must say
+            self.state.requestedProtocols = requested
 
     async def connectToServer(self) -> None:
         """pyrdp's connector: the target is already connected by the admission."""
@@ -361,7 +412,105 @@ class GatewayMITM(RDPMITM):
             self.client.x224.sendConnectionConfirm(pdu.payload, source=0x1234)  # the client hears why
             self.tasks.spawn(self._fail(NLA_MESSAGE.format(name=self.connection_name)))
             return
+        if (isinstance(response, NegotiationResponsePDU) and response.selectedProtocols is not None
+                and response.selectedProtocols & NegotiationProtocols.CRED_SSP):
+            if self.nla is None:  # never asked for
+                self.tasks.spawn(self._fail(f'the target of connection "{self.connection_name}" picked NLA, '
+                                            "which the gateway did not offer it"))
+                return
+            # the gateway logs on with CredSSP (doClientTls) before it answers the client: TLS for the client
+            self.target_protocol = response.selectedProtocols
+            self.credssp = TSRequestReader()
+            pdu.payload = NegotiationResponseParser().write(
+                NegotiationResponsePDU(response.type, response.flags, NegotiationProtocols.SSL))
         self._pyrdp_connection_confirm(pdu)
+
+    def _connect_initial(self, pdu: Any) -> None:
+        """The client's connect-initial says the client was given TLS; the target checks for its own pick (NLA)."""
+        if self.target_protocol is None:
+            return
+        gcc, connection = GCCParser(), ClientConnectionParser()
+        request = gcc.parse(pdu.payload)
+        data = connection.parse(request.payload)
+        data.coreData.serverSelectedProtocol = self.target_protocol
+        request.payload = connection.write(data)
+        pdu.payload = gcc.write(request)
+
+    # -- NLA (CredSSP) towards the target
+
+    def _target_credssp(self, header: int, data: bytes) -> None:
+        if self.credssp is not None:
+            self.credssp.feed(data)
+
+    def _target_public_key(self) -> bytes:
+        transport = self.server.tcp.transport
+        cert = transport.getPeerCertificate() if transport is not None else None
+        if cert is None:
+            raise ValueError("no TLS certificate from the target")
+        self.target_certificate = cert  # for the client's TLS should the logon fail (the link closes with the TLS)
+        return get_certificate_public_key(crypto.dump_certificate(crypto.FILETYPE_ASN1, cert))
+
+    async def _logon_to_target(self) -> None:
+        """CredSSP with the target, then the client's TLS; a failure ends the session before the client's logon."""
+        assert self.nla is not None and self.credssp is not None
+        try:
+            async with asyncio.timeout(NLA_TIMEOUT):
+                await authenticate(self.nla, self.server.tcp.sendBytes, self.credssp, self._target_public_key)
+        except (CredSSPError, TimeoutError) as exc:
+            if self.ended is not None:  # the client left or a kill came: that is the session's end
+                return
+            if isinstance(exc, CredSSPError):
+                reason, status = exc.message, exc.status
+            else:
+                reason, status = f"the target did not complete it within {NLA_TIMEOUT:g} s", STATUS_NO_LOGON_SERVERS
+            await self._nla_failed(NLA_FAILED.format(name=self.connection_name, reason=reason), status)
+            return
+        self.credssp = None
+        if self.ended is None:
+            self.doClientTls()
+
+    async def _nla_failed(self, message: str, status: int) -> None:
+        """The logon to the target failed: the client told (``status``), the ``e`` event, an audit entry."""
+        self.ended = "error"  # whatever the client does meanwhile, this is the session's end
+        run = self.run
+        if run is not None:
+            try:
+                await self.pipeline.audit(run.live, "rdp.target_login", message, client_ip=self.state.clientIp or "")
+            except Exception:
+                log.exception("rdp audit failed", extra={"session_id": self.session_id})
+        if not await self._refuse_client_logon(status):
+            # FreeRDP retries a connection dropped during its logon: not to the target again
+            self._logon_killed(message)
+        await self._fail(message)
+
+    async def _refuse_client_logon(self, status: int) -> bool:
+        """Tell the client its logon failed, in CredSSP's words (FreeRDP: ``ERRCONNECT_LOGON_FAILURE``); False if not.
+
+        Only a client that offered NLA can be told so: the gateway picks NLA for
+        it, answers its first TSRequest (which carries no secret) with
+        ``status``, and closes. The client's NTLM tokens are never read. Others
+        are told nothing but a closed connection.
+        """
+        cert = self.target_certificate
+        offered_nla = (self.state.requestedProtocols or 0) & NegotiationProtocols.CRED_SSP
+        if not offered_nla or cert is None or self.certs is None:
+            return False
+        reader = TSRequestReader()
+        self.client.segmentation.createObserver(onUnknownHeader=lambda header, data: reader.feed(data))
+        self.client.tcp.createObserver(onDisconnection=lambda reason: reader.close())
+        try:
+            async with asyncio.timeout(CONNECT_TIMEOUT):
+                async with self.factory.clone_lock:
+                    key_file, cert_file = await asyncio.to_thread(self.certs.lookup, cert)
+                confirm = NegotiationResponsePDU(NegotiationType.TYPE_RDP_NEG_RSP, 0, NegotiationProtocols.CRED_SSP)
+                self.client.x224.sendConnectionConfirm(NegotiationResponseParser().write(confirm), source=0x1234)
+                self.client.tcp.startTLS(ServerTLSContext(key_file, cert_file))
+                if await reader.messages.get() is not None:
+                    self.client.tcp.sendBytes(refusal(status))
+        except Exception as exc:  # the client is closed all the same
+            log.info("rdp client not told of the failed logon", extra={"session_id": self.session_id,
+                                                                        "error_type": type(exc).__name__})
+        return True
 
     # -- TLS towards the client
 
@@ -372,6 +521,11 @@ class GatewayMITM(RDPMITM):
         certificate: the clone is cached in ``<data_dir>/rdp/certs``, so pyrdp's
         own lookup that follows finds it on disk.
         """
+        if self.credssp is not None:  # the target picked NLA: the gateway logs on first
+            if not self._nla_started:
+                self._nla_started = True
+                self.tasks.spawn(self._logon_to_target())
+            return
         transport = self.server.tcp.transport
         cert = transport.getPeerCertificate() if transport is not None else None
         if not cert or self.certs is None or self._certificate_ready:
@@ -459,6 +613,10 @@ class GatewayMITM(RDPMITM):
         await self._close(BLOCKED_EXIT_CODE, message)
 
     def _side_closed(self, side: str) -> None:
+        if side == TARGET and self.credssp is not None:
+            self.credssp.close()  # the target ended CredSSP: the logon's failure, told by _logon_to_target
+            if self.ended is None:
+                return
         if self.ended is not None or self.run is None:
             self.ended = self.ended or side
             return

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gatewayd.config import Setting
+from gatewayd.languages import SHELL_COMMANDS
 from gatewayd.protocols import ProtocolDescription, lazy_start, lazy_script_runner
 
 if TYPE_CHECKING:
@@ -21,6 +22,7 @@ def access_hints(conn: Connection, secret: str, host: str, port: int, settings: 
 
 DESCRIPTION = ProtocolDescription(
     name="ssh", subtype="ssh", session_type="custom", prefix="ssh", server_config_key="ssh_server_config",
+    language=SHELL_COMMANDS,
     default_port=12222, access_hints=access_hints,
     start=lazy_start("proxies.ssh.server"),
     load_script_runner=lazy_script_runner("proxies.ssh.script"),

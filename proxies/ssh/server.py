@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
 import re
 import socket
@@ -259,8 +260,21 @@ class GatewayConnection(asyncssh.SSHServer):
             self.grant = await self.pipeline.admit(secret, "ssh", self.client_ip)
         except AccessDenied:
             return False
+        except GatewayClosing as exc:  # the store does not answer, or this node is fenced: said, then disconnected
+            self._unavailable(str(exc))
+            return False
         self.ready = self.tasks.spawn(self._open_guarded())
         return True
+
+    def _unavailable(self, message: str) -> None:
+        """Tell the client why before the disconnect: a banner (shown by OpenSSH before it authenticates) and
+        the disconnect's own reason."""
+        conn = self.conn
+        if conn is None:
+            return
+        with contextlib.suppress(Exception):
+            conn.send_auth_banner(f"gatewayd: {message}\r\n")
+        conn.disconnect(asyncssh.DISC_SERVICE_NOT_AVAILABLE, message[:200])
 
     async def _open_guarded(self) -> None:
         try:

@@ -35,7 +35,7 @@ from typing import Any
 
 from pglast import parser as pg_parser
 
-from gatewayd.sqlreading import escape_reading, readings_differ
+from gatewayd.sql.pg_escapes import escape_reading, readings_differ
 
 MAX_BODY_DEPTH = 3  # bodies and SQL literals are read this deep
 PARSE_CACHE_SIZE = 4096  # parsed statements remembered by text (per process)

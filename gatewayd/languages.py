@@ -1,0 +1,92 @@
+"""What a protocol's input is written in, declared by the protocol: how guard rails and analysis read it.
+
+Each protocol description (gatewayd.protocols) names its ``Language``; the
+core never guesses one from a protocol's name.  A language says which guard
+rail rule types it can evaluate, and the core refuses the others (a 422 when a
+rule is attached, a session that does not start when a stored one cannot be
+applied): a rule is never silently read the wrong way or skipped.
+
+* ``SQL``: statements of a SQL dialect (``SqlDialect``: its scanner's reading for
+  deny words and patterns, its parser's statement kinds for statement rules,
+  what redacts a typed password).  PostgreSQL is the first
+  (gatewayd/sql/postgresql.py).
+* ``SHELL``: shell lines and commands (SSH), read as plain text.
+* ``HTTP``: request lines, headers and text bodies, read as plain text.
+* ``NONE``: nothing a rule can read (RDP: key scan codes and bitmaps).
+
+Statement kinds are named in one vocabulary, whatever the dialect: pglast's
+node names (``DropStmt``, ``TruncateStmt``...), with the effects table of
+gatewayd/sql/pg_statements.py (what counts as what); a dialect maps its own
+parse onto them and says which it can tell apart (``SqlDialect.kinds``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from gatewayd.sql.pg_statements import ParsedStatement
+
+SQL, SHELL, HTTP, NONE = "sql", "shell", "http", "none"
+TEXT_RULES = ("deny_words_list", "pattern_match")  # read the text of any language that has text
+STATEMENT_RULES = ("statement_kinds", "require_where")  # read a SQL dialect's parse
+MASK_RULE = "mask"  # masks what a target answers (every language whose proxy can rewrite its output)
+
+
+def collapse(text: str) -> str:
+    """Whitespace runs as one space, none at the ends (``text`` itself when it has none: the usual input)."""
+    if text.isprintable() and "  " not in text and text[:1] != " " and text[-1:] != " ":
+        return text  # every whitespace but the ASCII space is unprintable: nothing to collapse
+    return " ".join(text.split())
+
+
+class SqlDialect(Protocol):
+    """A SQL dialect's reading, as guard rails and analysis use it."""
+
+    name: str
+    title: str  # how people call its input ("PostgreSQL SQL")
+    comment_gap: str  # RE2: what may stand between two words of a deny word in the raw text (spaces, comments)
+    kinds: tuple[str, ...]  # the statement kinds it tells apart (statement_kinds may deny these)
+
+    def needs_scan(self, text: str) -> bool:
+        """Whether its scanner could read ``text`` other than as its plain words (a quote, a comment)."""
+
+    def normalize(self, text: str) -> str:
+        """``text`` as its scanner reads it: comments out, literals and quoted names by their value."""
+
+    def parse(self, text: str) -> tuple[ParsedStatement, ...] | None:
+        """Each statement of ``text`` as its parser reads it; None when it does not parse."""
+
+    def split(self, text: str) -> list[str]:
+        """The statements of a text of several (the text whole if it cannot)."""
+
+    def redact(self, text: str) -> str:
+        """``text`` without the secrets a user may type in a statement (``PASSWORD '...'``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Language:
+    """A protocol's input language: its family (SQL, SHELL, HTTP, NONE) and, for SQL, its dialect."""
+
+    name: str
+    family: str
+    title: str
+    dialect: SqlDialect | None = None
+    masks_output: bool = True  # its proxy rewrites what the target answers (mask rules apply)
+
+    def refusal(self, rule_type: str, direction: str) -> str | None:
+        """Why a guard rail rule of ``rule_type`` on ``direction`` cannot be evaluated on this language, or None."""
+        if self.family == NONE:
+            return f"{rule_type} reads text, and this connection's input is {self.title}: no rule can read it"
+        if rule_type in STATEMENT_RULES and self.dialect is None:
+            return f"{rule_type} reads SQL statements, and this connection's input is {self.title}"
+        if rule_type == MASK_RULE and not self.masks_output:
+            return f"mask rewrites what the target answers, and this connection's proxy cannot ({self.title})"
+        return None
+
+
+SHELL_COMMANDS = Language("shell", SHELL, "shell commands")
+HTTP_REQUESTS = Language("http", HTTP, "HTTP requests")
+KEYSTROKES = Language("rdp", NONE, "key strokes and screen updates", masks_output=False)
+TEXT = Language("text", SHELL, "plain text")  # a rule set built with no protocol (tests, tools)

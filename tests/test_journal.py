@@ -1,0 +1,274 @@
+"""The local journal and what the recording service does with it, in process, on real stores.
+
+A process that dies leaves its journal; the next start replays it into the store, once however often it is
+replayed. A store that stops answering (a PostgreSQL store behind a TCP link the test freezes) delays the
+recording, a session's end and the audit entries; nothing is lost and nothing is stored twice when it answers
+again, whether the same process is still there or a new one replays the dead one's journal.
+End-to-end outages with real clients and two nodes are tests/test_outage.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from gatewayd.audit import AuditLog
+from gatewayd.crypto import SecretBox
+from gatewayd.evidence import Sealer
+from gatewayd.journal import read_run
+from gatewayd.models import AuditEntry, Session, SessionEvent, new_id, rfc3339, utcnow
+from gatewayd.recording import RecordingService
+from gatewayd.sessions import SessionManager
+from gatewayd.store import AuditFilter, Store
+from gatewayd.store.postgres import PostgresStore
+from gatewayd.store.sqlite import SQLiteStore
+from tests.conftest import new_store_database
+from tests.tcpgate import TcpGate
+from tests.test_store_contract import a_session
+
+SEALER = Sealer(Ed25519PrivateKey.generate())
+BOX = SecretBox(os.urandom(32))
+
+
+def service(store: Store, journal: Path, name: str = "w0") -> RecordingService:
+    return RecordingService(store, 1 << 30, 3600, SEALER, journal_dir=journal, journal_interval=0.02, name=name)
+
+
+def gateway(store: Store, journal: Path, name: str = "w0") -> tuple[RecordingService, SessionManager]:
+    """The recording service with the session manager and audit log a gateway gives it (sealings audited)."""
+    svc = service(store, journal, name)
+    audit = AuditLog(store)
+    audit.keeper = svc.keep_audit
+    return svc, SessionManager(store, svc, audit)
+
+
+async def close(svc: RecordingService, manager: SessionManager, session: Session, rec, exit_code: int) -> None:
+    """A session's end as ``LiveSession.close`` makes it: the recording closed and sealed, the sealing audited."""
+    seal = await svc.close(rec, session, end_date=rfc3339(utcnow()), exit_code=exit_code)
+    await manager.sealed(session, seal)
+
+
+async def die(svc: RecordingService) -> None:
+    """What a SIGKILL leaves: the tasks stop, the journal's lock goes, its files stay."""
+    for task in (svc._task, svc._ticker):
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    await svc._commits.wait()
+    journal = svc.journal
+    journal._file.close()
+    os.close(journal._lock_fd)
+    journal._writer.shutdown()
+    journal._syncer.shutdown()
+
+
+async def open_session(store: Store) -> Session:
+    session = a_session((await store.default_org()).id)
+    await store.create_session(session)
+    return session
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def store(request, tmp_path):
+    if request.param == "sqlite":
+        opened: Store = SQLiteStore(tmp_path / "gatewayd.db", BOX)
+    else:
+        opened = PostgresStore(await new_store_database(request.getfixturevalue("pg_store")), BOX)
+    await opened.open()
+    yield opened
+    await opened.close()
+
+
+async def test_a_dead_process_journal_is_replayed_at_the_next_start_once(store, tmp_path):
+    journal = tmp_path / "journal"
+    first = service(store, journal)
+    await first.start()
+    session_id = (await open_session(store)).id
+    rec = await first.recorder(session_id)
+    rec.input(b"stored before the crash")
+    assert await first.flush()
+    rec.input(b"journaled only")
+    rec.output(b"journaled too")
+    await first.journal_now()
+    await die(first)
+    [dead] = list(journal.iterdir())
+    kept = tmp_path / "kept"
+    shutil.copytree(dead, kept)
+    assert [e.data for e in read_run(dead).streams[session_id].events.values()] == [
+        b"stored before the crash", b"journaled only", b"journaled too"]  # the current segment holds all
+
+    second, manager = gateway(store, journal, "w0-again")  # the restart: its start replays what the dead one journaled
+    await second.start()
+    try:
+        assert [e.data for e in await store.read_events(session_id)] == [b"stored before the crash",
+                                                                         b"journaled only", b"journaled too"]
+        assert not dead.exists()
+        stored = await store.get_session(session_id)
+        assert stored.status == "open"
+        assert stored.event_size == len(b"stored before the crash" b"journaled only" b"journaled too")
+        assert (await second.verify(stored)).verified
+        shutil.copytree(kept, journal / "the-same-run-again")  # replayed twice: nothing twice
+        assert await second.recover() == 1
+        assert len(await store.read_events(session_id)) == 3
+        resumed = await second.recorder(session_id)  # the session goes on after the replayed events
+        resumed.input(b"after")
+        await close(second, manager, stored, resumed, 0)
+        done = await store.get_session(session_id)
+        result = await second.verify(done)
+        assert done.status == "done" and result.verified and result.sealed, result
+        assert [e.data for e in await store.read_events(session_id)][-1] == b"after"
+    finally:
+        await second.stop()
+    assert list(journal.iterdir()) == []  # everything stored: a clean stop leaves no journal
+
+
+@pytest.fixture
+async def gated(pg_store):
+    """A PostgreSQL store reached through a TCP link the test can freeze (a store timeout of 0.5 s)."""
+    url = await new_store_database(pg_store)
+    direct = PostgresStore(url, BOX)
+    await direct.open()
+    gate = TcpGate(pg_store.port).start()
+    through = PostgresStore(url.replace(f":{pg_store.port}/", f":{gate.port}/"), BOX, timeout=0.5)
+    await through.open()
+    yield direct, through, gate
+    gate.thaw()
+    await through.close()
+    await direct.close()
+    gate.stop()
+
+
+async def until_stored(svc: RecordingService, rounds: int = 100) -> None:
+    """Flush until the store has everything (a bound on tries, not a timing assertion)."""
+    for _ in range(rounds):
+        if await svc.flush():
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"the store never took everything: {svc.backlog}")
+
+
+async def test_what_a_cut_store_could_not_take_is_kept_and_stored_once_when_it_answers(gated, tmp_path):
+    direct, through, gate = gated
+    svc, manager = gateway(through, tmp_path / "journal")
+    await svc.start()
+    audit = manager.audit
+    org = (await direct.default_org()).id
+    try:
+        session = await open_session(through)
+        session_id = session.id
+        rec = await svc.recorder(session_id)
+        rec.input(b"before")
+        assert await svc.flush()
+        gate.freeze()
+        rec.input(b"during the cut")
+        rec.output(b"answered during the cut")
+        assert await svc.flush() is False and not through.reachable
+        await asyncio.wait_for(audit.record(org_id=org, actor=None, action="guardrail.block", resource_type="session",
+                                            outcome="failure", error_message="blocked during the cut"), 1)
+        rec.error(b"the end")
+        await asyncio.wait_for(close(svc, manager, session, rec, 0), 1)  # kept, not waited on
+        assert svc.backlog["closes"] == 1 and svc.backlog["audit_entries"] == 2  # the block, the sealing
+        gate.thaw()
+        await until_stored(svc)
+    finally:
+        await svc.stop()
+    done = await direct.get_session(session_id)
+    assert done.status == "done"
+    assert [e.data for e in await direct.read_events(session_id)] == [b"before", b"during the cut",
+                                                                      b"answered during the cut", b"the end"]
+    assert (await svc.verify(done)).verified
+    entries = (await direct.list_audit(AuditFilter(org_id=org, action="guardrail.block"))).items
+    assert [e.error_message for e in entries] == ["blocked during the cut"]
+
+
+async def test_a_process_that_dies_while_the_store_is_cut_has_its_end_and_audit_replayed(gated, tmp_path):
+    direct, through, gate = gated
+    journal = tmp_path / "journal"
+    svc, manager = gateway(through, journal)
+    await svc.start()
+    org = (await direct.default_org()).id
+    session = await open_session(through)
+    session_id = session.id
+    rec = await svc.recorder(session_id)
+    rec.input(b"before")
+    assert await svc.flush()
+    gate.freeze()
+    rec.input(b"during the cut")
+    entry_id = new_id()
+    await svc.keep_audit(AuditEntry(id=entry_id, org_id=org, created_at=rfc3339(utcnow()), actor_subject="",
+                                    actor_email="", actor_name="", resource_type="session", action="session.kill",
+                                    outcome="success"))
+    await asyncio.wait_for(close(svc, manager, session, rec, 3), 2)
+    await die(svc)
+    gate.thaw()
+    again, _ = gateway(direct, journal, "w0-again")
+    await again.start()
+    await again.stop()
+    done = await direct.get_session(session_id)
+    assert (done.status, done.exit_code) == ("done", 3)
+    assert [e.data for e in await direct.read_events(session_id)] == [b"before", b"during the cut"]
+    result = await again.verify(done)  # its own seal, the one its journaled audit entry recorded: sealed once
+    assert result.verified and result.sealed, result
+    assert [e.id for e in (await direct.list_audit(AuditFilter(org_id=org, action="session.kill"))).items] == [entry_id]
+    assert list(journal.iterdir()) == []
+
+
+def test_a_record_cut_short_ends_its_segment(tmp_path):
+    """A crash in the middle of a write leaves a torn record: what comes before it is read, it is not."""
+    from gatewayd.evidence import pack_events
+    from gatewayd.journal import Journal
+
+    async def write() -> Path:
+        journal = Journal(tmp_path, "w")
+        journal.open()
+        packed = pack_events(0, [SessionEvent(0, "i", b"one"), SessionEvent(1, "o", b"two")])
+        journal.add_events("s", packed, 0, 1)
+        await journal.commit()
+        journal.add_events("s", pack_events(2, [SessionEvent(2, "i", b"three")]), 0, 2)
+        await journal.commit()
+        await journal.close(remove=False)
+        return journal.dir
+
+    path = asyncio.run(write())
+    [segment] = path.glob("*.seg")
+    segment.write_bytes(segment.read_bytes()[:-2])
+    found = read_run(path)
+    assert [e.data for e in found.streams["s"].events.values()] == [b"one", b"two"] and found.torn == 1
+
+
+async def test_a_strict_session_the_store_lags_behind_is_ended_and_an_async_one_goes_on(gated, tmp_path):
+    direct, through, gate = gated
+    svc = RecordingService(through, 1 << 30, 0.1, SEALER, journal_dir=tmp_path / "journal", journal_interval=0.02,
+                           strict_bound=0.5)
+    ended: list[tuple[str, str]] = []
+    svc.on_undurable = lambda session_id, reason: ended.append((session_id, reason))
+    await svc.start()
+    try:
+        strict, relaxed = (await open_session(through)).id, (await open_session(through)).id
+        strict_rec, relaxed_rec = await svc.recorder(strict), await svc.recorder(relaxed)
+        strict_rec.strict = True
+        strict_rec.input(b"stored")
+        relaxed_rec.input(b"stored")
+        await until_stored(svc)
+        await asyncio.sleep(0.7)  # the store keeps up: nothing is ended
+        assert ended == []
+        gate.freeze()
+        strict_rec.input(b"not stored")
+        relaxed_rec.input(b"not stored")
+        for _ in range(100):
+            if ended:
+                break
+            await asyncio.sleep(0.05)
+        assert ended == [(strict, "the recording could not be stored within 0.5 s (strict recording): "
+                                  "the session was closed")]
+        gate.thaw()
+        await until_stored(svc)
+        assert [e.data for e in await direct.read_events(relaxed)] == [b"stored", b"not stored"]
+    finally:
+        gate.thaw()
+        await svc.stop()
