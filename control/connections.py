@@ -27,8 +27,8 @@ from gatewayd.access import credential_prefix
 from gatewayd.audit import REDACTED
 from gatewayd.config import split_listen
 from gatewayd.models import AccessRequestRule, Connection, User, new_id, rfc3339, utcnow
+from gatewayd.protocols import session_for
 from gatewayd.reviews import JIT, NS, check_review_settings, review_json, review_summary
-from gatewayd.sessions import session_for
 from gatewayd.store import Conflict
 
 routes = RouteSet("Connections", audit="connections")

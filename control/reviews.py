@@ -47,7 +47,7 @@ from gatewayd.reviews import (
     review_json,
     reviews_for,
 )
-from gatewayd.sessions import session_for
+from gatewayd.protocols import session_for
 from gatewayd.store import Conflict
 
 log = logging.getLogger("gatewayd.api.reviews")

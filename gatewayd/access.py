@@ -10,7 +10,7 @@ from gatewayd.audit import AuditLog
 from gatewayd.crypto import hash_secret, new_credential_secret
 from gatewayd import protocols
 from gatewayd.models import Connection, Credential, Session, User, new_id, parse_time, rfc3339, utcnow
-from gatewayd.sessions import session_for
+from gatewayd.protocols import session_for
 from gatewayd.store import Store
 from gatewayd.throttle import Throttle
 
@@ -101,7 +101,7 @@ class AccessService:
         elif user.status != "active":
             reason = "access denied: the user is inactive"
         connection = None
-        if reason is None:
+        if reason is None and credential is not None:
             connection = await self.store.get_connection(credential.org_id, credential.connection_id)
             if connection is None:
                 reason = "invalid credential: its connection no longer exists"

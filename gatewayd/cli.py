@@ -12,7 +12,7 @@ import getpass
 import json
 import os
 import sys
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable, Coroutine, TypeVar
 
 from gatewayd import __version__
 from gatewayd.config import Config, ConfigError, load_config, parse_duration
@@ -23,7 +23,10 @@ def load(path: str | None) -> Config:
     return load_config(path or os.environ.get("GATEWAYD_CONFIG") or None)
 
 
-def run_loop(coro):  # type: ignore[no-untyped-def]
+T = TypeVar("T")
+
+
+def run_loop(coro: Coroutine[Any, Any, T]) -> T:
     try:
         import uvloop
     except ImportError:

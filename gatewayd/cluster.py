@@ -45,7 +45,7 @@ from gatewayd.tasks import BackgroundTasks
 log = logging.getLogger("gatewayd.cluster")
 
 Handler = Callable[[dict[str, Any]], Awaitable[None] | None]
-NodeLost = Callable[[Node, str], Awaitable[None]]
+NodeLost = Callable[[Node, str], Awaitable[Any]]
 ACK = "bus.ack"  # a process ran the handlers of a request (its id, the process, whether they all succeeded)
 CONFIRM_WAIT = 5.0  # seconds a control action waits for the processes it concerns to confirm it
 

@@ -12,98 +12,21 @@ from __future__ import annotations
 
 import difflib
 import os
-import re
 import tomllib
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Mapping
 
 from gatewayd import hotpath, protocols
 
-
-class ConfigError(Exception):
-    """A configuration value that cannot be used; the message names the key."""
-
-
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
-_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
-
-
-def parse_duration(value: Any, key: str = "duration") -> float:
-    """Seconds from ``"500ms"``, ``"10s"``, ``"30m"``, ``"12h"``, ``"2d"`` or a number."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{key}: expected a duration such as '10s', got {value!r}")
-    if isinstance(value, (int, float)):
-        if value < 0:
-            raise ConfigError(f"{key}: must not be negative")
-        return float(value)
-    match = _DURATION.match(str(value))
-    if not match:
-        raise ConfigError(f"{key}: expected a duration such as '10s' or '12h', got {value!r}")
-    return float(match.group(1)) * _UNITS[match.group(2)]
-
-
-def parse_listen(value: Any, key: str, allow_empty: bool = True) -> str:
-    """Validate ``host:port`` (empty means disabled when allowed)."""
-    if not isinstance(value, str):
-        raise ConfigError(f"{key}: expected 'host:port', got {value!r}")
-    if value == "":
-        if allow_empty:
-            return value
-        raise ConfigError(f"{key}: must not be empty")
-    host, sep, port = value.rpartition(":")
-    if not sep or not host:
-        raise ConfigError(f"{key}: expected 'host:port', got {value!r}")
-    if not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"{key}: bad port {port!r} (0-65535)")
-    return value
-
-
-def split_listen(value: str) -> tuple[str, int]:
-    host, _, port = value.rpartition(":")
-    return host.strip("[]"), int(port)
-
-
-@dataclass(slots=True, frozen=True)
-class Setting:
-    """One configuration key: its type check and its default."""
-
-    kind: str
-    default: Any
-    check: Callable[[Any, str], Any] | None = None
-
-
-def _choice(*allowed: str) -> Callable[[Any, str], Any]:
-    def check(value: Any, key: str) -> Any:
-        if value not in allowed:
-            raise ConfigError(f"{key}: must be one of {', '.join(allowed)}, got {value!r}")
-        return value
-
-    return check
-
-
-_DOMAIN = re.compile(r"^(?:[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?\.)*[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$")
-
-
-def domain_setting(value: Any, key: str) -> Any:
-    """A DNS domain (``*.`` or a leading dot allowed and dropped), lowered; empty allowed."""
-    domain = value.strip().lower().removeprefix("*.").strip(".")
-    if domain and not _DOMAIN.match(domain):
-        raise ConfigError(f"{key}: expected a domain such as 'apps.example.com', got {value!r}")
-    return domain
-
-
-def _not_negative(value: Any, key: str) -> Any:
-    if value < 0:
-        raise ConfigError(f"{key}: must not be negative")
-    return value
-
-
-def positive(value: Any, key: str) -> Any:
-    if value <= 0:
-        raise ConfigError(f"{key}: must be positive")
-    return value
-
+# what a key is and how values are checked (gatewayd.settings), imported from here too
+from gatewayd.settings import ConfigError as ConfigError
+from gatewayd.settings import Setting as Setting
+from gatewayd.settings import _choice, _not_negative
+from gatewayd.settings import domain_setting as domain_setting
+from gatewayd.settings import parse_duration as parse_duration
+from gatewayd.settings import parse_listen as parse_listen
+from gatewayd.settings import positive as positive
+from gatewayd.settings import split_listen as split_listen
 
 _positive = positive
 
@@ -326,7 +249,7 @@ def load_config(
     overrides: dict[str, Any] | None = None,
 ) -> Config:
     """Defaults, then the TOML file, then GATEWAYD_* variables, then ``overrides``."""
-    environ = os.environ if environ is None else environ
+    env: Mapping[str, str] = os.environ if environ is None else environ
     raw: dict[str, Any] = {}
     if path is not None:
         try:
@@ -344,11 +267,11 @@ def load_config(
             raise ConfigError(f"{key}: unknown setting")
         values[key] = _coerce(key, setting, value, False)
     for key, setting in settings.items():
-        env_value = environ.get(_env_name(key))
+        env_value = env.get(_env_name(key))
         if env_value is not None:
             values[key] = _coerce(key, setting, env_value, True)
     known = {_env_name(key) for key in settings} | OTHER_VARIABLES
-    for name in sorted(environ):
+    for name in sorted(env):
         if name.startswith("GATEWAYD_") and name not in known:
             close = difflib.get_close_matches(name, sorted(known), 1)
             raise ConfigError(f"environment variable {name}: unknown setting"

@@ -42,7 +42,7 @@ def load_or_create_key(configured: str, data_dir: Path) -> bytes:
         except ValueError:
             key = b""
         if len(key) != 32:
-            from gatewayd.config import ConfigError
+            from gatewayd.settings import ConfigError
 
             raise ConfigError("secrets.key: expected base64 of 32 random bytes")
         return key

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import ClientConnectorError, TCPConnector
-from aiohttp.abc import AbstractResolver
+from aiohttp.abc import AbstractResolver, ResolveResult
 
 if TYPE_CHECKING:
     from gatewayd.models import Connection
@@ -182,7 +182,7 @@ class UnresolvedNames(AbstractResolver):
     """Hands the host name on as it is, for a ``DialerConnector`` whose dialer resolves it (itself, checking each
     address; or an agent, in its own network)."""
 
-    async def resolve(self, host: str, port: int = 0, family: int = socket.AF_INET) -> list[dict[str, Any]]:
+    async def resolve(self, host: str, port: int = 0, family: int = socket.AF_INET) -> list[ResolveResult]:
         return [{"hostname": host, "host": host, "port": port, "family": family, "proto": 0, "flags": 0}]
 
     async def close(self) -> None:

@@ -28,7 +28,7 @@ import hmac
 import json
 import struct
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import Any, Iterable, Protocol, Sequence
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
@@ -37,8 +37,15 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from gatewayd.models import CHAIN_GENESIS as GENESIS
 from gatewayd.models import SessionEvent
 
-if TYPE_CHECKING:
-    from gatewayd.store import Store
+
+class KeyStore(Protocol):
+    """Where the sealer keeps its key (the store, which seals it with the master key): two calls, no more."""
+
+    async def get_key(self, name: str) -> bytes | None: ...
+
+    async def put_key(self, name: str, material: bytes) -> None: ...
+
+
 SEAL_KEY_NAME = "recording-seal"
 SEAL_V2 = "v2:"  # a seal over the session's identity too (``identity_statement``); one without it is older
 SEALED = "session.seal"  # the audit action that records a session's sealing, with its seal
@@ -130,7 +137,7 @@ class Sealer:
         self._public = private_key.public_key()
 
     @classmethod
-    async def load(cls, store: Store) -> "Sealer":
+    async def load(cls, store: KeyStore) -> "Sealer":
         """The gateway's recording key, made once and kept sealed by the master key in the store."""
         material = await store.get_key(SEAL_KEY_NAME)
         if material is None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 import secrets
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 import re2
 
@@ -24,11 +24,10 @@ from gatewayd import protocols
 from gatewayd.languages import STATEMENT_RULES, TEXT, Language, SqlDialect, collapse
 from gatewayd.masking import MaskError, Masker, MaskRule, compile_mask_rule
 from gatewayd.models import Connection, GuardRail
-from gatewayd.sql.pg_statements import WHERE_STATEMENTS, ParsedStatement, statement_node_names
+from gatewayd.languages import ParsedStatement
+from gatewayd.sql.pg_statements import WHERE_STATEMENTS, statement_node_names
 from gatewayd.store import Store
 
-if TYPE_CHECKING:
-    from gatewayd.sessions import LiveSession
 
 InputObserver = Callable[[str], None]
 """Sees each input text (statement, command, shell line) a session's guard rails let through; never awaits.
@@ -36,7 +35,8 @@ InputObserver = Callable[[str], None]
 One whose ``sync`` is true also decides (gatewayd.analysis.SessionAnalysis): ``needs_wait(text)``,
 ``await decide(text, ask)``, then ``ruling(text)`` says the verdict without waiting.
 """
-ObserverFactory = Callable[["LiveSession"], Awaitable[InputObserver | None]]
+# (a native gatewayd.sessions.LiveSession, from the session runtime above) -> its observer, or None
+ObserverFactory = Callable[[Any], Awaitable[InputObserver | None]]
 
 STATEMENT_RULE_TYPES = STATEMENT_RULES  # a SQL dialect's only, decided on its parse (statement kinds)
 MASK_RULE_TYPE = "mask"  # an output rule that masks what it finds and lets the answer through (gatewayd.masking)
@@ -632,7 +632,7 @@ class GuardRailService:
         return self._cache.get(connection_id)
 
     async def rules_for(self, connection: Connection,
-                        live: "LiveSession | None" = None) -> RuleSet | ObservedRules:
+                        live: Any = None) -> RuleSet | ObservedRules:
         """The connection's rules, read in its protocol's language; for a native ``live`` session whose input is
         observed, an ObservedRules."""
         org_id, connection_id = connection.org_id, connection.id

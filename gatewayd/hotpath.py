@@ -151,8 +151,9 @@ def build(jobs: int = 0) -> list[str]:
     cwd = os.getcwd()
     os.chdir(ROOT)  # setuptools places in-place builds relative to the working directory
     try:
-        compiled = cythonize(extensions, compiler_directives=DIRECTIVES, build_dir="build/hotpath",
-                             nthreads=jobs or (os.cpu_count() or 1), quiet=True, force=True)
+        compiled = cythonize(  # type: ignore[no-untyped-call]
+            extensions, compiler_directives=DIRECTIVES, build_dir="build/hotpath",
+            nthreads=jobs or (os.cpu_count() or 1), quiet=True, force=True)
         distribution = Distribution({"name": "gatewayd-hotpath", "ext_modules": compiled})
         command = distribution.get_command_obj("build_ext")
         command.inplace = True

@@ -80,8 +80,9 @@ class LocalIssuer:
                                          serialization.NoEncryption())
             await store.put_key("local-issuer", material)
             material = await store.get_key("local-issuer") or material  # a concurrent start may have won
-        key = serialization.load_pem_private_key(material, None)
-        assert isinstance(key, Ed25519PrivateKey)
+        loaded = serialization.load_pem_private_key(material, None)
+        assert isinstance(loaded, Ed25519PrivateKey)
+        key = loaded
         public = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
         return cls(key, hashlib.sha256(public).hexdigest()[:16])
 
@@ -163,7 +164,7 @@ class OIDCProvider:
         except jwt.PyJWTError:
             raise AuthError("malformed token") from None
         alg = header.get("alg")
-        if alg not in self.algorithms:
+        if not isinstance(alg, str) or alg not in self.algorithms:
             raise AuthError(f"token algorithm {alg!r} is not allowed")
         key = await self._key_for(header.get("kid", ""))
         if _KEY_TYPES[alg[:2]] != key.key_type:

@@ -23,10 +23,7 @@ parse onto them and says which it can tell apart (``SqlDialect.kinds``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
-
-if TYPE_CHECKING:
-    from gatewayd.sql.pg_statements import ParsedStatement
+from typing import Protocol
 
 SQL, SHELL, HTTP, NONE = "sql", "shell", "http", "none"
 TEXT_RULES = ("deny_words_list", "pattern_match")  # read the text of any language that has text
@@ -39,6 +36,25 @@ def collapse(text: str) -> str:
     if text.isprintable() and "  " not in text and text[:1] != " " and text[-1:] != " ":
         return text  # every whitespace but the ASCII space is unprintable: nothing to collapse
     return " ".join(text.split())
+
+
+@dataclass(slots=True, frozen=True)
+class ParsedStatement:
+    """One statement of a query text as a SQL dialect's parser read it, in the shared vocabulary: every statement
+    node in it (nested ones, bodies included).
+
+    ``unqualified``: DeleteStmt/UpdateStmt when it deletes or updates every row of a table (no WHERE,
+    a TRUNCATE, a MERGE action without a condition); ``whole`` says which node did, as (kind, node).
+    ``effects``: (kind it counts as, node) for each node with the effect of another kind.
+    ``unreadable``: what in it the gateway cannot read (statement rules refuse it), or "".
+    """
+
+    kinds: frozenset[str]
+    unqualified: frozenset[str] = frozenset()
+    whole: frozenset[tuple[str, str]] = frozenset()
+    effects: frozenset[tuple[str, str]] = frozenset()
+    unreadable: str = ""
+    counts_as: frozenset[str] = frozenset()  # ``kinds`` and every kind of ``effects``: what a rule may deny here
 
 
 class SqlDialect(Protocol):

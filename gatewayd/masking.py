@@ -208,7 +208,8 @@ class _Finder:
     check: Callable[[bytes], bool] | None
     style: str
     hint: tuple[bytes, int] | None = None  # the detector's ``hint``: None, search every text
-    spans: Callable[..., list[tuple[int, int]]] = field(init=False)  # where it matches (``_spans_of``, nonempty)
+    # where it matches (``_spans_of``, nonempty; never None without a ``limit``)
+    spans: Callable[..., list[tuple[int, int]] | None] = field(init=False)
 
     def __post_init__(self) -> None:
         self.spans = _spans_of(self.regex, nonempty=True)
@@ -345,7 +346,7 @@ class Masker:
             ends.append(pos)
         if spans is None or pos != total:
             spans = self.row_spans(b"\t".join(cells))
-        return self.cells_spanned(ends, spans)
+        return self.cells_spanned(ends, spans or [])
 
     @staticmethod
     def cells_spanned(ends: list[int], spans: list[tuple[int, int]]) -> list[int]:
@@ -379,7 +380,7 @@ class Masker:
             hint = finder.hint
             if hint is not None and not _holds(data, hint):
                 continue
-            for start, end in finder.spans(data):
+            for start, end in finder.spans(data) or ():
                 if end > start and (check is None or check(data[start:end])):
                     spans.append((start, end, finder.style))
         if not spans:

@@ -24,7 +24,7 @@ import asyncio
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Iterable, Mapping
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Protocol
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -32,10 +32,32 @@ from prometheus_client import multiprocess
 
 from gatewayd import protocols
 
-if TYPE_CHECKING:
-    from gatewayd.evidence import EventBatch
-    from gatewayd.recording import SessionRecorder
-    from gatewayd.sessions import LiveSession
+
+
+class TrackedSession(Protocol):
+    """What metrics read of a live session (gatewayd.sessions.LiveSession, which the pipeline hands in)."""
+
+    @property
+    def id(self) -> str: ...
+
+    connection: Any  # its ``subtype`` names the protocol
+    before_close: list[Callable[[], Awaitable[None]]]
+
+
+class StoredBatch(Protocol):
+    """What metrics read of a batch the recorder stored (gatewayd.evidence.EventBatch)."""
+
+    session_id: str
+    count: int
+    sizes: dict[str, int]  # bytes per event kind
+
+    def first_offset_ms(self) -> int: ...
+
+
+class SessionClock(Protocol):
+    """What metrics read of a session's recorder (gatewayd.recording.SessionRecorder): when it started."""
+
+    started: float
 
 log = logging.getLogger("gatewayd.metrics")
 
@@ -79,11 +101,11 @@ def protocol_name(name: str) -> str:
     return description.name if description is not None else (name or "other")
 
 
-def protocol_of(live: LiveSession) -> str:
+def protocol_of(live: TrackedSession) -> str:
     return protocol_name(live.connection.subtype)
 
 
-def track_session(live: LiveSession) -> None:
+def track_session(live: TrackedSession) -> None:
     """A session is armed: count it open until it closes (its close hook counts it closed)."""
     protocol = protocol_of(live)
     _protocol_of[live.id] = protocol
@@ -115,7 +137,7 @@ def blocked(direction: str) -> None:
     GUARDRAIL_BLOCKS.labels(direction or "input").inc()
 
 
-def flushed(batches: Iterable[EventBatch], recorders: Mapping[str, SessionRecorder], seconds: float,
+def flushed(batches: Iterable[StoredBatch], recorders: Mapping[str, SessionClock], seconds: float,
             operation: str = "append") -> None:
     """Batches were stored in ``seconds``: bytes per protocol and direction, how long the oldest event waited.
 
@@ -149,7 +171,7 @@ def exposition() -> bytes:
     """Every metric in the text format; all worker processes' values merged in multi-process mode."""
     if multiprocess_dir():
         registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)
+        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
         return generate_latest(registry)
     return generate_latest(REGISTRY)
 
@@ -182,4 +204,4 @@ async def serve(host: str, port: int, *, reuse_port: bool = False) -> web.AppRun
 def process_exited(pid: int) -> None:
     """A worker process is gone (called by the process that started it): its live gauges stop counting."""
     if multiprocess_dir():
-        multiprocess.mark_process_dead(pid)
+        multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]

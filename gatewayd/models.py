@@ -6,7 +6,7 @@ import re
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, overload
 
 ADMIN_GROUP = "admin"
 AUDITOR_GROUP = "auditor"
@@ -17,6 +17,14 @@ def new_id() -> str:
 
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
+
+
+@overload
+def rfc3339(moment: datetime) -> str: ...
+
+
+@overload
+def rfc3339(moment: None) -> None: ...
 
 
 def rfc3339(moment: datetime | None) -> str | None:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Generic, Protocol, T
 from gatewayd import metrics, protocols
 from gatewayd.access import AccessDenied, AccessGrant
 from gatewayd.dialer import DialError, Dialer, Routes
-from gatewayd.guardrails import ObservedRules
+from gatewayd.guardrails import ObservedRules, RuleSet
 from gatewayd.languages import NONE
 from gatewayd.policy import SessionPolicy
 from gatewayd.sessions import (
@@ -222,7 +222,7 @@ class SessionPipeline:
         if dial is not None:
             try:
                 target = await dial(self.dialer_for(grant.connection))
-            except (DialError, *unreachable) as exc:
+            except (DialError, *unreachable) as exc:  # type: ignore[misc]  # (a tuple of exception classes)
                 message = _client_message(exc)
                 log.info("target unreachable", extra={"connection": grant.connection.name, "error": message})
                 if live is None:
@@ -300,7 +300,7 @@ class SessionPipeline:
         them last; else (per request) this process's compiled rules when it has them.
         """
         connection = live.connection
-        rules = self.guardrails.cached(connection.id) if not (observe or fresh) else None
+        rules: RuleSet | ObservedRules | None = self.guardrails.cached(connection.id) if not (observe or fresh) else None
         if rules is None:
             rules = await self.guardrails.rules_for(connection,
                                                     live=live if observe else None)

@@ -236,7 +236,9 @@ class SessionPolicy:
         if clear is None or clear.truncated:
             return
         raw = data.encode("utf-8", "surrogateescape") if isinstance(data, str) else bytes(data)
-        clear.output(self.masker.seal(raw, clear.session_id.encode()))  # type: ignore[union-attr]
+        masker = self.masker
+        assert masker is not None and masker.seal is not None  # a clear stream opens only under such a rule
+        clear.output(masker.seal(raw, clear.session_id.encode()))
 
     def count_masked(self, count: int) -> None:
         """``count`` more values were masked: the session's ``masked`` metric."""
@@ -295,8 +297,10 @@ class SessionPolicy:
             verdict = self.rules.check_input(text, readings)
         elif cache:
             verdicts = self._sql_verdicts
-            verdict = verdicts.get(text)
-            if verdict is None:
+            known = verdicts.get(text)
+            if known is not None:
+                verdict = known
+            else:
                 if len(verdicts) >= VERDICT_CACHE_SIZE:
                     verdicts.clear()
                 verdict = verdicts[text] = self.rules.check_input(text)

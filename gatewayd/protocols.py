@@ -20,18 +20,19 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from gatewayd.languages import TEXT, Language
+from gatewayd.models import Session, new_id, rfc3339, utcnow
 
 if TYPE_CHECKING:
     import socket
 
-    from gatewayd.config import Setting
-    from gatewayd.models import Connection
-    from gatewayd.pipeline import ProxyContext
+    from gatewayd.models import Connection, User
     from gatewayd.scripts import ScriptRunner
+    from gatewayd.settings import Setting
 
 # (connection, secret, host, port, the protocol's settings) -> what the user types (the API's connection_credentials)
 AccessHints = Callable[["Connection", str, str, int, dict[str, Any]], dict[str, str]]
-Start = Callable[["ProxyContext", str, int], Awaitable[Any]]  # (its context, host, port) -> a started Listener
+# (its gatewayd.pipeline.ProxyContext, host, port) -> a started Listener (the context is built above this layer)
+Start = Callable[[Any, str, int], Awaitable[Any]]
 # (the local client's reader and writer, the credential secret) -> the client's opening bytes with the secret in
 # place, to send to the gateway's own listener: how the proxy manager forwards a local client (gatewayd.agent.manager)
 ForwardOpening = Callable[[Any, Any, str], Awaitable[bytes]]
@@ -44,7 +45,7 @@ def lazy_start(module: str) -> Start:
 
     A description stays cheap to import (and RDP's describes itself without pyrdp).
     """
-    async def start(context: ProxyContext, host: str, port: int) -> Any:
+    async def start(context: Any, host: str, port: int) -> Any:
         return await importlib.import_module(module).start(context, host, port)
 
     return start
@@ -153,6 +154,19 @@ def language_of(subtype: str) -> Language:
     """The language of a connection's input, from its protocol (plain text for a subtype no protocol serves)."""
     description = by_subtype(subtype)
     return description.language if description is not None else TEXT
+
+
+def session_for(user: User, connection: Connection, *, verb: str = "connect", status: str = "open",
+                session_id: str | None = None, **extra: Any) -> Session:
+    """A new session record of ``user`` on ``connection`` (its type is its protocol's session type)."""
+    description = by_subtype(connection.subtype)
+    session_type = description.session_type if description is not None else connection.type
+    return Session(
+        id=session_id or new_id(), org_id=connection.org_id, user_id=user.subject, user_email=user.email,
+        user_name=user.name, connection=connection.name, connection_id=connection.id,
+        resource_name=connection.resource_name, type=session_type, subtype=connection.subtype,
+        verb=verb, status=status, tags=dict(connection.tags), start_date=rfc3339(utcnow()), **extra,
+    )
 
 
 def by_prefix(prefix: str) -> ProtocolDescription | None:

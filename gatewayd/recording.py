@@ -603,16 +603,16 @@ class RecordingService:
         seq = next_seq
         while seq in stream.links:  # the links it formed, from the store's tail on, while they hold
             count, previous, link = stream.links[seq]
-            events = [stream.events.get(n) for n in range(seq, seq + count)]
-            if previous != head or any(event is None for event in events):
+            formed = [stream.events.get(n) for n in range(seq, seq + count)]
+            if previous != head or any(event is None for event in formed):
                 break
-            packed = pack_events(seq, events)  # type: ignore[arg-type]
+            packed = pack_events(seq, [event for event in formed if event is not None])
             if chain_hash(head, sid, packed) != link:
                 break
             batches.append(EventBatch(sid, seq, count, packed, {}, head, link))
             head, seq = link, seq + count
         rest = [(n, e) for n, e in fresh if n >= seq]
-        events = [event for _, event in rest]
+        events: list[SessionEvent] = [event for _, event in rest]
         if rest and [n for n, _ in rest] != list(range(seq, seq + len(rest))):
             gap = GAP + (f"events numbered from {seq} by the process that held the session ({source}) were in "
                          "neither the store nor its journal").encode()
@@ -641,7 +641,7 @@ class RecordingService:
             if await self.store.close_session(batches, end_date=close["end"], exit_code=close.get("exit"),
                                               seal=seal):
                 stored = await self.store.get_session(sid)
-                sealed.append((stored or session, seal))
+                sealed.append((stored or session, str(seal)))
             else:
                 await self.store.append_late(sid, fresh, note)
             return

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 if TYPE_CHECKING:
     from gatewayd.dialer import Dialer
     from gatewayd.models import Connection
-    from gatewayd.pipeline import SessionRun
 
 
 @dataclass(slots=True)
@@ -39,7 +38,8 @@ class ScriptRunner:
     """How one protocol runs one-time scripts; the session pipeline does the rest of the lifecycle."""
 
     dial: Callable[[Dialer, Connection], Awaitable[Any]]  # the connection's target, logged in, through the dialer
-    run: Callable[[SessionRun[Any], str], Awaitable[ScriptResult]]  # the script on run.target, reported to run.policy
+    # the script on run.target, reported to run.policy (run: the gatewayd.pipeline.SessionRun that starts it)
+    run: Callable[[Any, str], Awaitable[ScriptResult]]
     stop: Callable[[Any], Any]  # release the target; on a kill this ends what runs there
     unreachable: tuple[type[BaseException], ...] = ()  # what ``dial`` raises when the target cannot be used
     kill: Callable[[Any], Any] | None = None  # a kill, when ``stop`` alone would leave work running there

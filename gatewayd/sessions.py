@@ -12,8 +12,8 @@ from gatewayd.audit import AuditLog
 from gatewayd.cluster import Cluster, NotConfirmed
 from gatewayd.evidence import GAP, SEALED
 from gatewayd.guardrails import GuardVerdict
-from gatewayd import protocols
-from gatewayd.models import Connection, Credential, Node, Session, User, new_id, parse_time, rfc3339, utcnow
+from gatewayd.protocols import session_for
+from gatewayd.models import Connection, Credential, Node, Session, User, parse_time, rfc3339, utcnow
 from gatewayd.recording import RecordingService, SessionRecorder
 from gatewayd.store import Store
 from gatewayd.tasks import BackgroundTasks
@@ -48,19 +48,6 @@ class GatewayUnavailable(GatewayClosing):
 
 
 STORE_UNAVAILABLE = "the gateway's store is unavailable: no session can be opened now, try again later"
-
-
-def session_for(user: User, connection: Connection, *, verb: str = "connect", status: str = "open",
-                session_id: str | None = None, **extra: Any) -> Session:
-    """A new session record of ``user`` on ``connection``."""
-    description = protocols.by_subtype(connection.subtype)
-    session_type = description.session_type if description is not None else connection.type
-    return Session(
-        id=session_id or new_id(), org_id=connection.org_id, user_id=user.subject, user_email=user.email,
-        user_name=user.name, connection=connection.name, connection_id=connection.id,
-        resource_name=connection.resource_name, type=session_type, subtype=connection.subtype,
-        verb=verb, status=status, tags=dict(connection.tags), start_date=rfc3339(utcnow()), **extra,
-    )
 
 
 class LiveSession:

@@ -189,7 +189,7 @@ async def test_two_processes_claim_a_credential_s_issued_session_once(tmp_path, 
     """Two gateways on one store (as two processes): one connection claims the issued session, the other
     gets a session of its own; the claim is the store's, not an in-memory set's."""
     from gatewayd.models import Credential
-    from gatewayd.sessions import session_for
+    from gatewayd.protocols import session_for
 
     async with core_gateway(tmp_path, store_settings) as one, core_gateway(tmp_path, store_settings) as two:
         conn = await a_connection(one)
@@ -211,7 +211,7 @@ async def test_two_processes_claim_a_credential_s_issued_session_once(tmp_path, 
 
 async def test_killing_a_session_no_process_runs_records_the_request_and_closes_it(core):
     from gatewayd.models import Credential
-    from gatewayd.sessions import session_for
+    from gatewayd.protocols import session_for
 
     conn = await a_connection(core)
     org = await core.store.default_org()

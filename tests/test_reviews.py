@@ -295,7 +295,7 @@ async def core(tmp_path):
 
 async def _jit_setup(core, seconds: int):
     from gatewayd.models import new_id
-    from gatewayd.sessions import session_for
+    from gatewayd.protocols import session_for
 
     org = await core.store.default_org()
     conn = Connection(id=new_id(), org_id=org.id, name=f"c-{new_id()[:6]}", resource_name="r", type="database",

@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import ssl
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 import grpc
@@ -85,7 +86,7 @@ async def open_channel(url: str, fingerprint: str = "", ca_file: str = "",
     """
     target = Target.parse(url)
     milliseconds = max(int(keepalive * 1000), 1000)
-    options = [*CLIENT_OPTIONS, ("grpc.keepalive_time_ms", milliseconds),
+    options: list[tuple[str, Any]] = [*CLIENT_OPTIONS, ("grpc.keepalive_time_ms", milliseconds),
                ("grpc.keepalive_timeout_ms", min(milliseconds, 10_000))]
     if not target.tls:
         return grpc.aio.insecure_channel(target.address, options=options)

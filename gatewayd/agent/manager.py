@@ -231,6 +231,9 @@ class ManagerService:
             await context.abort(grpc.StatusCode.NOT_FOUND, "no such open port of your proxy manager")
             return
         description = protocols.by_subtype(forwarding.connection.subtype)
+        if description is None or description.forward_opening is None and description.forward_serve is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the gateway cannot forward this connection's protocol")
+            return
         if description.forward_serve is not None:
             await self._serve(context, description.forward_serve, forwarding, user)
             return
@@ -246,6 +249,7 @@ class ManagerService:
         bridge = asyncio.ensure_future(pump(bridge_reader, bridge_writer, partial(read_message, context), context.write))
         try:
             try:
+                assert description.forward_opening is not None  # (checked above: one of the two is set)
                 opening = await description.forward_opening(client_reader, client_writer, forwarding.secret)
                 target_reader, target_writer = await asyncio.open_connection(
                     "127.0.0.1" if host in ("", "0.0.0.0", "::") else host, port)

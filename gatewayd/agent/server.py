@@ -92,7 +92,7 @@ async def read_message(context: grpc.aio.ServicerContext) -> Any:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a message of this call does not parse")
 
 
-class AgentService(pb_grpc.AgentGatewayServicer):
+class AgentService(pb_grpc.AgentGatewayServicer):  # type: ignore[misc]  # (generated, untyped)
     """The AgentGateway service: ``Connect`` and ``Tunnel`` for agents; ``Manage``/``Forward`` handed on."""
 
     def __init__(self, registry: AgentRegistry, store: Store, audit: AuditLog, manager: Any = None,

@@ -112,7 +112,7 @@ def _walk(node: Any) -> Iterator[Any]:
         if isinstance(item, ast.ExplainStmt) and not any(
                 getattr(o, "defname", "") == "analyze" for o in item.options or ()):
             continue
-        for name in item.__slots__:
+        for name in item.__slots__:  # type: ignore[attr-defined]
             value = getattr(item, name, None)
             if isinstance(value, (ast.Node, list, tuple)):
                 stack.append(value)
@@ -143,7 +143,7 @@ def _node_finding(node: Any) -> Rating | None:
     from pglast import ast, enums
 
     if isinstance(node, ast.DropStmt):
-        kind = enums.ObjectType(node.removeType).name
+        kind = enums.ObjectType(node.removeType).name  # type: ignore[arg-type]
         what = kind.removeprefix("OBJECT_").lower().replace("_", " ")
         level = HIGH if kind in _HIGH_DROPS else MEDIUM
         article = "an" if what[:1] in ("a", "e", "i", "o", "u") else "a"

@@ -30,11 +30,11 @@ from __future__ import annotations
 import functools
 import json
 import re
-from dataclasses import dataclass
 from typing import Any
 
 from pglast import parser as pg_parser
 
+from gatewayd.languages import ParsedStatement
 from gatewayd.sql.pg_escapes import escape_reading, readings_differ
 
 MAX_BODY_DEPTH = 3  # bodies and SQL literals are read this deep
@@ -67,24 +67,6 @@ def statement_node_names() -> tuple[str, ...]:
     """pglast's statement node names (``DropStmt``, ``TruncateStmt``...): what a statement_kinds rule may deny."""
     from pglast import ast
     return tuple(sorted(name for name in dir(ast) if name.endswith("Stmt") and isinstance(getattr(ast, name), type)))
-
-
-@dataclass(slots=True, frozen=True)
-class ParsedStatement:
-    """One statement of a query text: every statement node in it (nested ones, bodies included).
-
-    ``unqualified``: DeleteStmt/UpdateStmt when it deletes or updates every row of a table (no WHERE,
-    a TRUNCATE, a MERGE action without a condition); ``whole`` says which node did, as (kind, node).
-    ``effects``: (kind it counts as, node) for each node with the effect of another kind.
-    ``unreadable``: what in it the gateway cannot read (statement rules refuse it), or "".
-    """
-
-    kinds: frozenset[str]
-    unqualified: frozenset[str] = frozenset()
-    whole: frozenset[tuple[str, str]] = frozenset()
-    effects: frozenset[tuple[str, str]] = frozenset()
-    unreadable: str = ""
-    counts_as: frozenset[str] = frozenset()  # ``kinds`` and every kind of ``effects``: what a rule may deny here
 
 
 class _Found:
@@ -273,7 +255,9 @@ def _plpgsql(key: str, source: str, body: str) -> Any:
         from pglast.ast import DefElem, String
         from pglast.stream import RawStream
 
-        statement = parse_sql(source)[0].stmt
+        statement: Any = parse_sql(source)[0].stmt  # a CreateFunctionStmt (pglast's nodes are untyped here)
+        if statement is None:
+            return None
         statement.options = tuple(DefElem(defname="as", arg=(String(sval=body),)) if option.defname == "as"
                                   else option for option in statement.options)
         return json.loads(pg_parser.parse_plpgsql_json(RawStream()(statement)))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from gatewayd.languages import SQL, Language
+from gatewayd.languages import SQL, Language, ParsedStatement
 from gatewayd.sql import pg_scan, pg_statements
 
 _PASSWORD = re.compile(r"(\bpassword\s+)(E?'(?:[^']|'')*'|\$\w*\$.*?\$\w*\$)", re.I | re.S)
@@ -23,9 +23,7 @@ class PostgresDialect:
     title = "PostgreSQL SQL"
     comment_gap = pg_scan.COMMENT_GAP
 
-    @property
-    def kinds(self) -> tuple[str, ...]:
-        return pg_statements.statement_node_names()
+    kinds = pg_statements.statement_node_names()
 
     def needs_scan(self, text: str) -> bool:
         return pg_scan.needs_scan(text)
@@ -33,7 +31,7 @@ class PostgresDialect:
     def normalize(self, text: str) -> str:
         return pg_scan.normalize_sql(text)
 
-    def parse(self, text: str) -> tuple[pg_statements.ParsedStatement, ...] | None:
+    def parse(self, text: str) -> tuple[ParsedStatement, ...] | None:
         return pg_statements.parse_statements(text)
 
     def split(self, text: str) -> list[str]:

@@ -20,12 +20,9 @@ import contextlib
 import json
 import logging
 from datetime import timedelta
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import Callable, Protocol
 
 from gatewayd.models import rfc3339, utcnow
-
-if TYPE_CHECKING:
-    from gatewayd.store.base import Store
 
 log = logging.getLogger("gatewayd.bus")
 
@@ -45,10 +42,22 @@ class BusTransport(Protocol):
     async def close(self) -> None: ...
 
 
+class BusTable(Protocol):
+    """The store's part of the table bus (gatewayd.store.base.Store has it): its messages as rows."""
+
+    async def bus_publish(self, topic: str, payload: str, origin: str, at: str) -> int: ...
+
+    async def bus_read(self, after: int, limit: int = 500) -> list[tuple[int, str, str, str]]: ...
+
+    async def bus_last(self) -> int: ...
+
+    async def bus_prune(self, before: str) -> int: ...
+
+
 class TableBus:
     """The bus as rows of the store's ``bus_events`` table, polled."""
 
-    def __init__(self, store: Store, interval: float = 0.2, keep: float = 300.0) -> None:
+    def __init__(self, store: BusTable, interval: float = 0.2, keep: float = 300.0) -> None:
         self.store = store
         self.interval = interval
         self.keep = keep

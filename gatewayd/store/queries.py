@@ -154,11 +154,11 @@ class SQLStore(Store):
         done = yield statement
         return done.rowcount
 
-    async def _one(self, sql: str, params: tuple = ()) -> Any:
+    async def _one(self, sql: str, params: tuple[Any, ...] = ()) -> Any:
         rows = await self.db.fetch(sql, params)
         return rows[0] if rows else None
 
-    async def _all(self, sql: str, params: tuple = ()) -> list[Any]:
+    async def _all(self, sql: str, params: tuple[Any, ...] = ()) -> list[Any]:
         return list(await self.db.fetch(sql, params))
 
     async def _count(self, sql: str, params: Any) -> int:

@@ -185,13 +185,13 @@ def decode(name: str, value: Any) -> Any:
 
 
 @functools.cache
-def columns(cls: type) -> tuple[str, ...]:
+def columns(cls: Any) -> tuple[str, ...]:
     """The stored columns of a record type: its fields, in order."""
     return tuple(f.name for f in fields(cls))
 
 
 @functools.cache
-def _plan(cls: type, keys: tuple[str, ...]) -> tuple[tuple[int, str, bool], ...]:
+def _plan(cls: Any, keys: tuple[str, ...]) -> tuple[tuple[int, str, bool], ...]:
     """Which row positions fill which fields of ``cls``, and which are JSON: computed once per query shape."""
     wanted = set(columns(cls))
     return tuple((i, name, name in JSON_FIELDS) for i, name in enumerate(keys) if name in wanted)
@@ -200,21 +200,21 @@ def _plan(cls: type, keys: tuple[str, ...]) -> tuple[tuple[int, str, bool], ...]
 def build(cls: type[T], row: Any, **extra: Any) -> T:
     """A record from a row; columns the record does not have are left out, ``extra`` fills the rest."""
     values = {name: (json.loads(row[i]) if is_json and row[i] is not None else row[i])
-              for i, name, is_json in _plan(cls, tuple(row.keys()))}
+              for i, name, is_json in _plan(cls, tuple(row.keys()))}  # type: ignore[arg-type]
     values.update(extra)
     return cls(**values)
 
 
 def insert(table: str, record: Any, skip: tuple[str, ...] = ()) -> Statement:
     """The INSERT of a record's fields (less ``skip``)."""
-    names = [n for n in columns(type(record)) if n not in skip]
+    names = [n for n in columns(type(record)) if n not in skip]  # type: ignore[arg-type]
     sql = f"INSERT INTO {table} ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})"
     return sql, tuple(encode(n, getattr(record, n)) for n in names)
 
 
 def update(table: str, record: Any, key: str = "id", skip: tuple[str, ...] = ()) -> Statement:
     """The UPDATE of a record's fields (less ``skip``) by ``key``."""
-    names = [n for n in columns(type(record)) if n not in skip and n != key]
+    names = [n for n in columns(type(record)) if n not in skip and n != key]  # type: ignore[arg-type]
     sql = f"UPDATE {table} SET {', '.join(f'{n} = ?' for n in names)} WHERE {key} = ?"
     return sql, tuple(encode(n, getattr(record, n)) for n in names) + (getattr(record, key),)
 
