@@ -235,7 +235,7 @@ class Api:
         except (urllib.error.URLError, socket.timeout, ConnectionError) as exc:
             raise self._unreachable(exc) from None
         with response:
-            event, data = "message", []
+            event, data = "message", list[str]()
             try:
                 for raw in response:
                     line = raw.decode("utf-8").rstrip("\r\n")

@@ -478,7 +478,7 @@ def follow_output(api: Api, session_id: str, out: TextIO = sys.stdout, err: Text
 
 def _run_reviewed(api: Api, review: dict[str, Any]) -> int:
     """A reviewed script: wait for its decision, run it once approved, follow its output; its exit code."""
-    review_id, session_id = review["id"], review.get("session_id") or review.get("session")
+    review_id, session_id = review["id"], str(review.get("session_id") or review.get("session") or "")
     again = f"run it once approved with `gatewayd exec --review {short(review_id)}`"
     if review["status"] == "PENDING":
         review = _wait_review(api, review_id, "script", again)
