@@ -29,6 +29,7 @@ from control import (
     resources,
     reviews,
     runbooks,
+    search,
     serverauth,
     serverconfig,
     sessions,
@@ -60,8 +61,9 @@ from gatewayd.store import StoreUnavailable
 
 log = logging.getLogger("gatewayd.api")
 
-AREAS = (health, auth, users, serverconfig, serverauth, orgs, resources, connections, catalog, agents, guardrails, datamasking, sessions, rdp_frames, reviews, runbooks, plugins, webhooks, reports, ai, proxymanager,
-         audit_logs, integrations, openapi)
+AREAS = (health, auth, users, serverconfig, serverauth, orgs, resources, connections, catalog, agents, guardrails,
+         datamasking, sessions, rdp_frames, reviews, runbooks, plugins, webhooks, reports, ai, proxymanager,
+         audit_logs, integrations, search, openapi)
 MUTATING = {"POST", "PUT", "PATCH", "DELETE"}
 ROUTE_DOC = web.AppKey("route_doc_by_handler", dict)
 REQUEST_ID_KEY = web.RequestKey("request_id", str)

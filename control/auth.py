@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import math
+import time
+from datetime import datetime, timezone
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+import jwt
 from aiohttp import web
 
 from control.http import (
@@ -24,7 +27,7 @@ from control.http import (
     user_of,
 )
 from gatewayd.identity import AuthError, Throttled
-from gatewayd.models import User
+from gatewayd.models import User, rfc3339
 
 routes = RouteSet("Authentication", audit="auth")
 
@@ -130,6 +133,30 @@ async def logout(request: web.Request) -> web.Response:
     token = request.headers.get("Authorization", "").partition(" ")[2].strip()  # the one auth_middleware took
     await gateway_of(request).identity.revoke(token)
     return web.Response(status=204)
+
+
+@routes.post("/token/refresh", "A fresh token for the caller that lasts console.idle_timeout (the web console "
+             "renews its token while it is used: an idle one is signed out by the gateway); a longer-lived token "
+             "sent here is signed out. No renewal goes past auth.token_ttl after the sign-in",
+             response=Schema("RefreshedToken", {"token": _TEXT, "expires_at": _TEXT,
+                                                "idle_timeout": Field("integer", True, minimum=1,
+                                                                      description="seconds")}))
+async def refresh_token(request: web.Request) -> web.Response:
+    gateway = gateway_of(request)
+    token = request.headers.get("Authorization", "").partition(" ")[2].strip()  # the one auth_middleware took
+    claims = jwt.decode(token, options={"verify_signature": False})
+    now = time.time()
+    signed_in = float(claims.get("auth_time") or claims.get("iat") or now)
+    left = signed_in + gateway.config["auth.token_ttl"] - now
+    if left < 1:
+        raise ApiError(401, "access denied: the sign-in is over, sign in again")
+    idle = gateway.config["console.idle_timeout"]
+    ttl = min(idle, left)
+    fresh = gateway.identity.issue_token(user_of(request), ttl, auth_time=signed_in)
+    if float(claims.get("exp") or 0) - now > idle:  # a long-lived token (a sign-in's) does not stay behind
+        await gateway.identity.revoke(token)
+    expires = datetime.fromtimestamp(now + int(ttl), timezone.utc)
+    return ok({"token": fresh, "expires_at": rfc3339(expires), "idle_timeout": int(idle)})
 
 
 @routes.get("/userinfo", "The authenticated user", response=USERINFO_OUT)

@@ -27,9 +27,9 @@ from gatewayd import protocols
 from gatewayd.access import credential_prefix
 from gatewayd.audit import REDACTED
 from gatewayd.config import split_listen
-from gatewayd.models import Connection, User, new_id, rfc3339, utcnow
-from gatewayd.reviews import JIT, NS, check_review_settings, review_json
+from gatewayd.models import AccessRequestRule, Connection, User, new_id, rfc3339, utcnow
 from gatewayd.protocols import session_for
+from gatewayd.reviews import JIT, NS, check_review_settings, review_json, review_summary
 from gatewayd.store import Conflict
 
 routes = RouteSet("Connections", audit="connections")
@@ -44,7 +44,8 @@ CONNECTION = Schema("Connection", CONNECTION_FIELDS)
 MAX_DURATION_SECONDS = 10 * 366 * 86400  # ten years: the longest access anyone may ask for or configure
 CREDENTIALS = Schema("CredentialsRequest", {"access_duration_seconds": Field(
     "integer", minimum=1, maximum=MAX_DURATION_SECONDS,
-    description="seconds; at most sessions.max_credential_duration, or the connection's longest jit access")})
+    description="seconds; at most sessions.max_credential_duration, or the connection's longest jit access"),
+    "reason": Field("string", nullable=True, description="why you ask (shown to the reviewers of a jit request)")})
 DEFAULT_ACCESS_SECONDS = 3600
 DEFAULT_JIT_SECONDS = 1800  # the spec's default jit access_duration (30 minutes)
 
@@ -58,6 +59,13 @@ CONNECTION_OUT = Schema("ConnectionOut", {
                               "(PASS, PRIVATE_KEY, ...) is never shown: [REDACTED], and sent back as such, kept"),
     "status": Field("string", description="online or offline: a connection served by an agent is online while "
                                           "its agent is connected; one the gateway reaches itself is online"),
+    "review_policy": Field("object", schema=Schema("ReviewPolicy", {
+        kind: Field("object", True, nullable=True, schema=Schema("ReviewNeeded", {
+            "reviewers": _STRINGS, "min_approvals": Field("integer", True, minimum=1),
+            "rule": Field("string", True, nullable=True)}), description=what)
+        for kind, what in (("jit", "native access (credentials) needs this review; null: none"),
+                           ("exec", "scripts need this review; null: none"))}),
+        description="who reviews access, from the access request rules or the connection's settings"),
 })
 NATIVE_ACCESS = Schema("ConnectionCredentials", {
     name: Field("string") for name in ("hostname", "port", "username", "password", "database_name",
@@ -111,14 +119,18 @@ def _kept_secret(secret: dict[str, str], existing: Connection | None, where: str
     return kept
 
 
-def connection_json(conn: Connection, viewer: User, gateway: Any = None) -> dict[str, Any]:
-    """A connection as the API shows it; with ``gateway``, its ``status`` too."""
+def connection_json(conn: Connection, viewer: User, gateway: Any = None,
+                    rules: list[AccessRequestRule] | None = None) -> dict[str, Any]:
+    """A connection as the API shows it; with ``gateway``, its ``status`` too; with the organization's access
+    request ``rules``, its ``review_policy`` (who reviews what, from the rules or its settings)."""
     data: dict[str, Any] = {
         "id": conn.id, "name": conn.name, "type": conn.type, "subtype": conn.subtype,
         "resource_name": conn.resource_name, "agent_id": conn.agent_id, "command": conn.command,
         "tags": conn.tags, "settings": conn.settings, "reviewers": list(conn.settings.get("reviewers") or []),
         "created_at": conn.created_at, "updated_at": conn.updated_at,
     }
+    if rules is not None:
+        data["review_policy"] = review_summary(conn, rules)
     if viewer.is_admin:
         data["secret"] = shown_secret(conn)
     if gateway is not None:
@@ -172,8 +184,9 @@ async def find_connection(request: web.Request) -> Connection:
 @routes.get("/connections", "List connections", response=array_of(CONNECTION_OUT))
 async def list_connections(request: web.Request) -> web.Response:
     user = user_of(request)
-    conns = await gateway_of(request).store.list_connections(user.org_id)
-    return ok([connection_json(c, user, gateway_of(request)) for c in conns])
+    store = gateway_of(request).store
+    conns, rules = await store.list_connections(user.org_id), await store.list_access_rules(user.org_id)
+    return ok([connection_json(c, user, gateway_of(request), rules) for c in conns])
 
 
 @routes.post("/connections", "Create a connection", body=CONNECTION, status=201, response=CONNECTION_OUT)
@@ -190,7 +203,8 @@ async def create(request: web.Request) -> web.Response:
 
 @routes.get("/connections/{name}", "A connection by name or id", response=CONNECTION_OUT)
 async def get(request: web.Request) -> web.Response:
-    return ok(connection_json(await find_connection(request), user_of(request), gateway_of(request)))
+    rules = await gateway_of(request).store.list_access_rules(user_of(request).org_id)
+    return ok(connection_json(await find_connection(request), user_of(request), gateway_of(request), rules))
 
 
 @routes.put("/connections/{name}", "Replace a connection", body=CONNECTION, response=CONNECTION_OUT)
@@ -312,11 +326,13 @@ async def create_credentials(request: web.Request) -> web.Response:
             raise ApiError(422, f"field 'access_duration_seconds': must be between 1 and "
                                 f"{policy.max_duration_seconds} (the connection's longest jit access)")
         session = session_for(user, conn, status="ready")
-        review = await gateway.reviews.request(policy, user, conn, session, JIT, duration * NS)
+        # one open request per person and connection: asking again (a Ctrl-C, a second click) gets it back
+        review = await gateway.reviews.request(policy, user, conn, session, JIT, duration * NS,
+                                               reason=body.get("reason") or "")
         request[AUDIT_ACTION] = "review.request"
-        request[AUDIT_PAYLOAD] = {**body, "connection": conn.name, "session_id": session.id,
+        request[AUDIT_PAYLOAD] = {**body, "connection": conn.name, "session_id": review.session_id,
                                   "review_id": review.id, "type": JIT, "reviewers": policy.reviewers}
-        return ok({"session_id": session.id, "review_id": review.id, "has_review": True,
+        return ok({"session_id": review.session_id, "review_id": review.id, "has_review": True,
                    "connection_name": conn.name, "connection_type": conn.type,
                    "connection_subtype": conn.subtype, "review": review_json(review)}, status=202)
     maximum = int(gateway.config["sessions.max_credential_duration"])

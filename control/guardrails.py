@@ -9,6 +9,7 @@ from aiohttp import web
 from control.http import (
     ApiError,
     Field,
+    Param,
     RouteSet,
     Schema,
     array_of,
@@ -20,7 +21,7 @@ from control.http import (
 )
 from control.schemas import OBJECT, STRINGS, TEXT
 from gatewayd import protocols
-from gatewayd.guardrails import DATAMASKING_PREFIX, RuleError, check_language, validate_guardrail
+from gatewayd.guardrails import DATAMASKING_PREFIX, RuleError, check_language, pattern_problem, validate_guardrail
 from gatewayd.models import GuardRail, new_id, rfc3339, utcnow
 from gatewayd.store import Conflict
 
@@ -110,6 +111,16 @@ async def create(request: web.Request) -> web.Response:
         raise ApiError(409, f"guard rail {rule.name!r} already exists") from None
     gateway_of(request).guardrails.invalidate()
     return ok(guardrail_json(rule), status=201)
+
+
+@routes.get("/guardrails/patterns/check", "Whether a regular expression is one a rule may hold (RE2 syntax, no "
+            "construct RE2 lacks): the check a save makes, for an editor to make as the pattern is typed",
+            query=[Param("pattern", description="the regular expression")],
+            response=Schema("PatternCheck", {"valid": Field("boolean", True), "message": TEXT}))
+async def check_pattern(request: web.Request) -> web.Response:
+    pattern = request.query.get("pattern", "")
+    problem = "a pattern is required" if not pattern else pattern_problem(pattern)
+    return ok({"valid": problem is None, "message": problem or ""})
 
 
 @routes.get("/guardrails/{id}", "A guard rail rule", response=GUARDRAIL_OUT)

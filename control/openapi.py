@@ -60,7 +60,8 @@ def _param_schema(param: Param) -> dict[str, Any]:
 
 def _response(spec: Field | None, components: dict[str, Any], media: tuple[str, ...] = ()) -> dict[str, Any]:
     content = {"application/json": {"schema": _field_schema(spec, components)}} if spec is not None else {}
-    content |= {kind: {"schema": {"type": "string", "format": "binary"}} for kind in media}
+    content |= {kind: {"schema": {"type": "string"} if kind.startswith("text/") else
+                       {"type": "string", "format": "binary"}} for kind in media}
     return {"description": "success", "content": content} if content else {"description": "success"}
 
 

@@ -28,7 +28,7 @@ from control.http import (
     user_of,
 )
 from control.schemas import JIT_PENDING_OUT, REVIEW_FULL_OUT, SCRIPT_RESULT_OUT, TEXT
-from control.sessions import session_in_org
+from control.sessions import full_id, session_in_org
 from gatewayd.access import credential_prefix
 from gatewayd.daemon import Gateway
 from gatewayd.models import AccessRequestRule, Connection, Review, User, new_id, parse_time, rfc3339, utcnow
@@ -45,6 +45,7 @@ from gatewayd.reviews import (
     ScriptJob,
     jit_ended,
     review_json,
+    reviews_for,
 )
 from gatewayd.protocols import session_for
 from gatewayd.scripts import Redaction
@@ -62,6 +63,7 @@ DECISION = Schema("ReviewDecision", {
 EXEC = Schema("SessionExec", {
     "connection": Field("string", True), "script": Field("string", True, min_length=1),
     "session_batch_id": Field("string", nullable=True), "metadata": Field("object", nullable=True),
+    "reason": Field("string", nullable=True, description="why you ask (shown to the reviewers of a reviewed script)"),
 })
 RULE = Schema("AccessRequestRule", {
     "name": Field("string", True), "description": Field("string"),
@@ -89,21 +91,23 @@ def _error(exc: ReviewError) -> ApiError:
 
 def may_see(user: User, review: Review) -> bool:
     """Admins and auditors, the requester, and members of its reviewer or force-approval groups."""
-    mine = set(user.groups)
-    return (user.is_admin or user.is_auditor or review.owner_id == user.id
-            or any(g.group_name in mine for g in review.groups) or bool(mine & set(review.force_approval_groups)))
+    return user.is_admin or user.is_auditor or review.owner_id == user.id or reviews_for(user, review)
 
 
-def _review_in_org(request: web.Request, review: Review | None, key: str) -> Review:
-    """The review if it is of the caller's organization, else 404."""
+async def _review_in_org(request: web.Request, key: str) -> Review:
+    """The review of the caller's organization by its id or, where it is unambiguous, the start of it; else 404."""
+    store = gateway_of(request).store
+    review = await store.get_review(key)
+    if review is None and len(key) < 36:
+        review = await store.get_review(await full_id(request, "reviews", key))
     if review is None or review.org_id != user_of(request).org_id:
         raise ApiError(404, f"review {key!r} not found")
     return review
 
 
-async def _visible_review(request: web.Request, review: Review | None, key: str) -> Review:
+async def _visible_review(request: web.Request, key: str) -> Review:
     user = user_of(request)
-    review = _review_in_org(request, review, key)
+    review = await _review_in_org(request, key)
     if not may_see(user, review):
         raise ApiError(403, "access denied: you are neither the requester nor a reviewer of this review")
     return review
@@ -136,14 +140,15 @@ async def list_reviews(request: web.Request) -> web.Response:
     page = await gateway.store.list_reviews(user.org_id, status=status.upper() if status else None, type=kind,
                                             visible_to=None if everything else (user.id, list(user.groups)),
                                             limit=limit, offset=offset)
-    return ok([review_json(r, full=True) for r in page.items])
+    scripts = await gateway.store.sessions_by_ids(r.session_id for r in page.items if r.type == ONETIME)
+    return ok([review_json(r, scripts.get(r.session_id), full=True) for r in page.items])
 
 
 @routes.get("/reviews/{id}", "A review", response=REVIEW_FULL_OUT)
 async def get_review(request: web.Request) -> web.Response:
     key = request.match_info["id"]
     gateway = gateway_of(request)
-    review = await _visible_review(request, await gateway.store.get_review(key), key)
+    review = await _visible_review(request, key)
     return ok(await _review_document(gateway, review))
 
 
@@ -169,8 +174,7 @@ async def _decide(request: web.Request, review: Review) -> web.Response:
 @routes.put("/reviews/{id}", "Approve, reject or revoke a review", body=DECISION, response=REVIEW_FULL_OUT)
 async def update_review(request: web.Request) -> web.Response:
     key = request.match_info["id"]
-    review = _review_in_org(request, await gateway_of(request).store.get_review(key), key)
-    return await _decide(request, review)
+    return await _decide(request, await _review_in_org(request, key))
 
 
 @routes.put("/sessions/{id}/review", "Approve, reject or revoke the review of a session", body=DECISION,
@@ -199,14 +203,23 @@ def _runner_for(gateway: Gateway, connection: Connection) -> Any:
 
 async def _answer(request: web.Request, job: ScriptJob, review: Review | None = None, *,
                   started: float) -> web.Response:
-    """The script's result, or 202 once the wait limit passes (it runs on in the background)."""
+    """The script's result, or 202 once the wait limit passes (it runs on in the background).
+
+    ``Prefer: respond-async`` (RFC 7240) answers 202 as soon as the script started: the caller follows its
+    output as it comes on ``GET /sessions/{id}/stream`` (``gatewayd exec`` does).
+    """
     gateway = gateway_of(request)
+    respond_async = "respond-async" in request.headers.get("Prefer", "").lower()
     try:
-        result = await asyncio.wait_for(asyncio.shield(job.result), gateway.config["sessions.exec_wait"])
+        result = await asyncio.wait_for(asyncio.shield(job.result),
+                                        0 if respond_async else gateway.config["sessions.exec_wait"])
     except TimeoutError:
-        return ok({"session_id": job.session_id, "has_review": review is not None, "output": "",
-                   "output_status": "running", "exit_code": None,
-                   "execution_time": int((time.monotonic() - started) * 1000), "truncated": False}, status=202)
+        response = ok({"session_id": job.session_id, "has_review": review is not None, "output": "",
+                       "output_status": "running", "exit_code": None,
+                       "execution_time": int((time.monotonic() - started) * 1000), "truncated": False}, status=202)
+        if respond_async:
+            response.headers["Preference-Applied"] = "respond-async"
+        return response
     answer = {"session_id": job.session_id, "has_review": review is not None, "output": result.output,
               "output_status": result.output_status, "exit_code": result.exit_code,
               "execution_time": int((time.monotonic() - started) * 1000), "truncated": job.truncated}
@@ -230,15 +243,16 @@ async def create_session(request: web.Request) -> web.Response:
     if not script.strip():
         raise ApiError(422, "field 'script': must not be empty")
     return await start_script(request, connection, script, metadata=body.get("metadata") or {},
-                              batch_id=body.get("session_batch_id") or None)
+                              batch_id=body.get("session_batch_id") or None, reason=body.get("reason") or "")
 
 
 async def start_script(request: web.Request, connection: Connection, script: str, *, metadata: dict[str, Any],
                        batch_id: str | None, secrets: tuple[str, ...] = (),
-                       audit: dict[str, Any] | None = None) -> web.Response:
+                       audit: dict[str, Any] | None = None, reason: str = "") -> web.Response:
     """Run ``script`` on ``connection`` as the caller, or ask for its review first (202): what ``POST /sessions``
     does, for every way of making a script (a runbook too). ``secrets``: values of the script never recorded
-    (gatewayd.scripts.Redaction); ``audit``: more of the audit entry's payload."""
+    (gatewayd.scripts.Redaction); ``audit``: more of the audit entry's payload; ``reason``: why the caller asks
+    (shown to the reviewers). The same script asked again while its review is open gets that review."""
     user = user_of(request)
     gateway = gateway_of(request)
     _runner_for(gateway, connection)
@@ -250,11 +264,14 @@ async def start_script(request: web.Request, connection: Connection, script: str
                               session_batch_id=batch_id)
         if secrets:
             await gateway.reviews.seal_script(session.id, script, secrets)
-        review = await gateway.reviews.request(policy, user, connection, session, ONETIME)
-        gateway.reviews.spawn(gateway.analysis.preview(session, connection, shown))  # for the reviewers to see
-        request[AUDIT_PAYLOAD] = {**(audit or {}), "connection": connection.name, "session_id": session.id,
-                                  "review_id": review.id, "type": ONETIME, "reviewers": policy.reviewers}
-        return ok({"session_id": session.id, "review_id": review.id, "has_review": True,
+        review = await gateway.reviews.request(policy, user, connection, session, ONETIME, reason=reason)
+        asked_before = review.session_id != session.id  # the same script asked again: its open review
+        if not asked_before:
+            gateway.reviews.spawn(gateway.analysis.preview(session, connection, shown))  # for the reviewers to see
+        request[AUDIT_PAYLOAD] = {**(audit or {}), "connection": connection.name, "session_id": review.session_id,
+                                  "review_id": review.id, "type": ONETIME, "reviewers": policy.reviewers,
+                                  **({"asked_before": True} if asked_before else {})}
+        return ok({"session_id": review.session_id, "review_id": review.id, "has_review": True,
                    "review": review_json(review), "output": "", "output_status": "",
                    "exit_code": None, "execution_time": 0}, status=202)
     request[AUDIT_ACTION] = "session.exec"

@@ -25,7 +25,8 @@ REVIEW_OUT = Schema("Review", _REVIEW_FIELDS)
 REVIEW_FULL_OUT = Schema("ReviewDetail", {
     **_REVIEW_FIELDS, "org_id": TEXT, "session": TEXT, "session_id": TEXT, "updated_at": TEXT,
     "review_connection": Field("object", True, schema=Schema("ReviewConnection", {"id": TEXT, "name": TEXT})),
-    "review_owner": Field("object", True, schema=PERSON), "input": Field("string"),
+    "review_owner": Field("object", True, schema=PERSON), "input": Field("string", description="the script (one-time)"),
+    "reason": Field("string", description="why the requester asks, in their words"),
     "ai_analysis": Field("object", description="the AI verdict on the script"),
 })
 JIT_PENDING_OUT = Schema("ReviewPending", {

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import csv
 import io
+import json
+import re
+import secrets
+import time
+from datetime import timedelta
 from typing import Any
 
 from aiohttp import web
@@ -12,12 +18,15 @@ from aiohttp import web
 from control.asciicast import CONTENT_TYPE as ASCIICAST
 from control.asciicast import render_asciicast
 from control.audit_logs import parse_moment
-from control.http import (INT64_MAX, SLICE, ApiError, Field, Param, RouteSet, Schema, gateway_of, off_loop, ok,
-                          ok_in_slices, query_int, user_of)
+from control.http import (INT64_MAX, SLICE, ApiError, Field, Param, RouteSet, Schema, gateway_of, json_body, off_loop,
+                          ok, ok_in_slices, query_int, user_of)
 from control.schemas import SESSION_OUT, VERIFICATION_OUT
-from gatewayd.models import Review, Session, SessionEvent, User
-from gatewayd.reviews import review_json
+from gatewayd.crypto import hash_secret
+from gatewayd.models import Review, Session, SessionEvent, User, parse_time, rfc3339, utcnow
+from gatewayd.watch import Recorded, Status
+from gatewayd.reviews import review_json, reviews_for
 from gatewayd.store import SessionFilter
+from gatewayd.store.search import MIN_SEARCH
 
 routes = RouteSet("Sessions", audit="sessions")
 
@@ -51,23 +60,43 @@ def session_json(session: Session, events: list[SessionEvent] | None = None,
     return data
 
 
+STATUSES = ("ready", "open", "done")
+DOWNLOAD_LINK = Schema("SessionDownloadLink", {"download_url": Field("string", True),
+                                               "expire_at": Field("string", True)})
+
+
 @routes.get("/sessions", "List sessions, newest first", query=[
-    Param("user", description="subject id"), Param("connection"), Param("type"), Param("review.approver"),
-    Param("review.status"), Param("tracker_issue_key"), Param("start_date"), Param("end_date"),
+    Param("user", description="a subject id, or part of a user's e-mail or name (any case)"),
+    Param("connection"), Param("type"),
+    Param("protocol", description="the connection subtype (postgres, ssh, rdp, httpproxy)"),
+    Param("status", description="ready (a credential issued, not used yet), open or done", enum=STATUSES),
+    Param("search", description=f"text typed in the session, anywhere (a statement, a command, a URL; at least "
+                                f"{MIN_SEARCH} characters, any case)"),
+    Param("review.approver"),
+    Param("review.status"), Param("tracker_issue_key"),
+    Param("start_date", description="started at or after: RFC 3339 (to the second) or YYYY-MM-DD"),
+    Param("end_date", description="started at or before: RFC 3339, or YYYY-MM-DD (the whole day)"),
     Param("limit", "integer", f"sessions per page (default 20, more than {MAX_LIMIT} counts as {MAX_LIMIT})",
           minimum=1, maximum=INT64_MAX), Param("offset", "integer", minimum=0, maximum=INT64_MAX)],
              response=Schema("SessionPage", {"data": Field("array", True, items=SESSION_OUT),
                                             "has_next_page": Field("boolean", True),
-                                            "total": Field("integer", True, minimum=0)}))
+                                            "total": Field("integer", True, minimum=0),
+                                            "total_exact": Field("boolean", description="false: a search for a "
+                                                                 "common text counted its first matches only, "
+                                                                 "total is a lower bound")}))
 async def list_sessions(request: web.Request) -> web.Response:
     user = user_of(request)
     q = request.query
     limit = min(query_int(request, "limit", 20), MAX_LIMIT)
     offset = query_int(request, "offset", 0)
+    search = (q.get("search") or "").strip() or None
+    if search is not None and len(search) < MIN_SEARCH:
+        raise ApiError(422, f"query parameter 'search': at least {MIN_SEARCH} characters")
     query = SessionFilter(
-        org_id=user.org_id, user_id=q.get("user") or None,
+        org_id=user.org_id, user_search=q.get("user") or None,
         only_user_id=None if user.is_admin or user.is_auditor else user.subject,
         connection=q.get("connection") or None, type=q.get("type") or None,
+        protocol=q.get("protocol") or None, status=q.get("status") or None, text=search,
         review_approver=q.get("review.approver") or None,
         review_status=(q.get("review.status") or "").upper() or None,
         tracker_issue_key=q.get("tracker_issue_key") or None,
@@ -77,7 +106,8 @@ async def list_sessions(request: web.Request) -> web.Response:
     page = await store.list_sessions(query)
     reviews = await store.reviews_by_ids(s.review_id for s in page.items if s.review_id)
     return ok({"data": [session_json(s, review=reviews.get(s.review_id or "")) for s in page.items],
-               "has_next_page": offset + len(page.items) < page.total, "total": page.total})
+               "has_next_page": offset + len(page.items) < page.total or not page.total_exact, "total": page.total,
+               "total_exact": page.total_exact})
 
 
 async def review_of(store: Any, session: Session) -> Review | None:
@@ -85,20 +115,40 @@ async def review_of(store: Any, session: Session) -> Review | None:
     return await store.get_review(session.review_id) if session.review_id else None
 
 
+SHORT_ID = re.compile(r"[0-9a-f][0-9a-f-]{3,34}")  # the start of an id, at least 4 characters
+
+
+async def full_id(request: web.Request, table: str, key: str) -> str:
+    """The id ``key`` is the start of, where only one id of the caller's organization starts so (``5f0afc22``
+    names the session or review ``5f0afc22-...``); else ``key`` as given. 409 when several do."""
+    if not SHORT_ID.fullmatch(key):
+        return key
+    found = await gateway_of(request).store.ids_with_prefix(table, user_of(request).org_id, key, limit=3)
+    if len(found) > 1:
+        raise ApiError(409, f"{key!r} is the start of several ids ({', '.join(found[:2])}, ...): give more of it")
+    return found[0] if found else key
+
+
 async def session_in_org(request: web.Request, session_id: str) -> Session:
-    """The session of the caller's organization, or 404 (visibility is the caller's to check)."""
-    session = await gateway_of(request).store.get_session(session_id)
+    """The session of the caller's organization (by its id or, where it is unambiguous, the start of it), or 404
+    (visibility is the caller's to check)."""
+    store = gateway_of(request).store
+    session = await store.get_session(session_id)
+    if session is None and len(session_id) < 36:
+        session = await store.get_session(await full_id(request, "sessions", session_id))
     if session is None or session.org_id != user_of(request).org_id:
         raise ApiError(404, f"session {session_id!r} not found")
     return session
 
 
 async def find_session(request: web.Request) -> Session:
-    """The session named in the path, if the caller may see it (``can_see``)."""
+    """The session named in the path, if the caller may see it (``can_see``, or a reviewer of its review)."""
     session = await session_in_org(request, request.match_info["id"])
     user = user_of(request)
     if not can_see(user, session):
-        raise ApiError(403, "access denied: this session belongs to another user")
+        review = await review_of(gateway_of(request).store, session)
+        if review is None or not reviews_for(user, review):
+            raise ApiError(403, "access denied: this session belongs to another user")
     return session
 
 
@@ -141,8 +191,14 @@ def statements_response(session: Session, events: list[SessionEvent], rendering:
                                           "asciicast: an ssh session as an asciicast v2 file",
                          enum=("utf8", "utf-8", "base64", "asciicast")),
                    Param("format", description="csv or json: a database session's statements and results",
-                         enum=("csv", "json"))],
-            response=Field("object", True, any_of=(SESSION_OUT, Schema("SessionStatements", {
+                         enum=("csv", "json")),
+                   Param("extension", description="a download link instead (txt, csv, json...): "
+                                                  "GET /sessions/{id}/download takes it once, within 5 minutes"),
+                   Param("blob-type", description="session_input: the link downloads the input (the script)"),
+                   Param("newline", description="1: a line break after each event (download)"),
+                   Param("event-time", description="1: each event after its time (download)"),
+                   Param("events", description="the kinds of events downloaded: i, o, e (default o,e)")],
+            response=Field("object", True, any_of=(SESSION_OUT, DOWNLOAD_LINK, Schema("SessionStatements", {
                 "id": Field("string", True), "connection": Field("string", True), "user": Field("string", True),
                 "start_date": Field("string", True), "end_date": Field("string", True, nullable=True),
                 "statements": Field("array", True, items=Schema("Statement", {
@@ -152,6 +208,8 @@ def statements_response(session: Session, events: list[SessionEvent], rendering:
 async def get(request: web.Request) -> web.Response:
     session = await find_session(request)
     store = gateway_of(request).store
+    if request.query.get("extension"):
+        return await download_link(request, session)
     rendering = request.query.get("format")
     if rendering:
         if rendering not in ("csv", "json"):
@@ -204,3 +262,245 @@ async def kill(request: web.Request) -> web.Response:
         raise ApiError(409, "the session is already done")
     await gateway.sessions.kill(session.id, f"session killed by {user.email}")
     return ok(session_json(await gateway.store.get_session(session.id)))  # type: ignore[arg-type]
+
+
+KEEPALIVE = 15.0  # seconds of silence after which a stream sends a comment (proxies keep it open)
+STREAM_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-store",
+                  "X-Accel-Buffering": "no"}
+
+
+def sse(event: str, data: Any, event_id: int | None = None) -> bytes:
+    """One server-sent event: its name, its JSON data, and its id (a reconnect sends it back as Last-Event-ID)."""
+    head = f"id: {event_id}\n" if event_id is not None else ""
+    return f"{head}event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+def event_json(session: Session, seq: int, event: SessionEvent) -> dict[str, Any]:
+    """A recorded event as a stream sends it: its sequence number, offset, moment, kind and bytes (base64)."""
+    start = parse_time(session.start_date)
+    moment = rfc3339(start + timedelta(milliseconds=event.offset_ms)) if start is not None else ""
+    return {"seq": seq, "offset_ms": event.offset_ms, "time": moment, "type": event.kind,
+            "payload": base64.b64encode(event.data).decode()}
+
+
+def _after(request: web.Request) -> int:
+    """Where a stream resumes: after ``Last-Event-ID`` (an EventSource reconnecting) or ``?after=``."""
+    raw = request.headers.get("Last-Event-ID", "").strip()
+    if raw:
+        try:
+            return max(int(raw), -1)
+        except ValueError:
+            raise ApiError(400, "Last-Event-ID: expected the sequence number of an event") from None
+    return max(query_int(request, "after", -1), -1)
+
+
+@routes.get("/sessions/{id}/stream", "Follow a session as it happens, as server-sent events (text/event-stream): "
+            "'session' (the session, first and on each change of status), 'event' (each recorded event: seq, "
+            "offset_ms, time, type i/o/e, payload in base64; the SSE id is its seq, so a reconnect with "
+            "Last-Event-ID resumes after it), 'frames' (an RDP session's frame count as it grows), 'end' (the "
+            "session, done: the stream closes). Read-only: nothing sent here reaches the session",
+            query=[Param("after", "integer", "start after this sequence number (default: from the first event)",
+                         minimum=-1, maximum=INT64_MAX)],
+            media=("text/event-stream",))
+async def stream(request: web.Request) -> web.StreamResponse:
+    session = await find_session(request)
+    after = _after(request)
+    gateway = gateway_of(request)
+    user = user_of(request)
+    if session.status != "done":  # someone watches a live session: the audit log says who
+        await gateway.audit.record(org_id=session.org_id, actor=user, action="session.watch",
+                                   resource_type="sessions", outcome="success", http_method=request.method,
+                                   http_path=request.path, http_status=200, client_ip=request.remote or "",
+                                   payload={"session_id": session.id, "connection": session.connection,
+                                            "owner": session.user_email})
+    response = web.StreamResponse(headers=STREAM_HEADERS)
+    await response.prepare(request)
+    await response.write(b": following\n\n")
+    frames = gateway.frames.reader(session.id) if session.subtype == "rdp" else None
+    shown_frames, quiet_since = -1, time.monotonic()
+    review = await review_of(gateway.store, session)
+    try:
+        async for update in gateway.watch.follow(session.id, after):
+            if isinstance(update, Recorded):
+                await response.write(sse("event", event_json(session, update.seq, update.event), update.seq))
+                quiet_since = time.monotonic()
+            elif isinstance(update, Status):
+                session = update.session
+                done = session.status == "done"
+                if frames is not None:
+                    shown_frames = await _frames_grew(response, frames, shown_frames)
+                await response.write(sse("end" if done else "session", session_json(session, review=review)))
+                quiet_since = time.monotonic()
+            else:
+                if frames is not None and (grown := await _frames_grew(response, frames, shown_frames)) != shown_frames:
+                    shown_frames, quiet_since = grown, time.monotonic()
+                if time.monotonic() - quiet_since > KEEPALIVE:
+                    await response.write(b": keep-alive\n\n")
+                    quiet_since = time.monotonic()
+        await response.write_eof()
+    except ConnectionResetError:  # the watcher went away
+        pass
+    return response
+
+
+async def _frames_grew(response: web.StreamResponse, frames: Any, shown: int) -> int:
+    """Send an RDP session's frame count when it changed; the count shown now."""
+    count = await asyncio.to_thread(frames.count)
+    if count != shown:
+        await response.write(sse("frames", {"total_frames": count}))
+    return count
+
+
+# ------------------------------------------------------------------ downloads, the result as text, metadata
+
+DOWNLOAD_PREFIX = "download:"  # signing_keys rows of the download links: name prefix + SHA-256 of the link's token
+DOWNLOAD_SECONDS = 300
+_EXTENSION = re.compile(r"[a-z0-9]{1,10}")
+EVENT_KINDS = "ioe"
+
+
+def may_download(user: User, session: Session) -> bool:
+    """Its owner, admins and auditors (a reviewer reads a session, and does not take its recording away)."""
+    return user.is_admin or user.is_auditor or session.user_id == user.subject
+
+
+def _kinds(raw: str | None) -> str:
+    """The kinds of events asked for (``i,o,e``); default the output (``o`` and ``e``)."""
+    kinds = "".join(k for k in EVENT_KINDS if k in (raw or "").split(","))
+    return kinds or "oe"
+
+
+async def download_link(request: web.Request, session: Session) -> web.Response:
+    """``GET /sessions/{id}?extension=``: a link that downloads the session once, within DOWNLOAD_SECONDS, without
+    a bearer token (a browser's download). Its token is kept hashed in the store: any node serves it."""
+    user = user_of(request)
+    if not may_download(user, session):
+        raise ApiError(403, "access denied: only the session's owner, an admin or an auditor may download it")
+    extension = request.query["extension"].lower()
+    if not _EXTENSION.fullmatch(extension):
+        raise ApiError(422, "query parameter 'extension': a file extension such as txt, csv or json")
+    q = request.query
+    as_input = q.get("blob-type") == "session_input"
+    token = secrets.token_urlsafe(32)
+    expires = utcnow() + timedelta(seconds=DOWNLOAD_SECONDS)
+    gateway = gateway_of(request)
+    await gateway.store.prune_keys(DOWNLOAD_PREFIX, rfc3339(utcnow() - timedelta(seconds=DOWNLOAD_SECONDS)))
+    await gateway.store.put_key(DOWNLOAD_PREFIX + hash_secret(token), json.dumps({
+        "session_id": session.id, "org_id": session.org_id, "user_id": user.id, "expires": rfc3339(expires),
+        "extension": extension, "input": as_input, "newline": q.get("newline") == "1",
+        "event_time": q.get("event-time") == "1", "events": _kinds(q.get("events"))}).encode())
+    path = f"/api/sessions/{session.id}/download{'/input' if as_input else ''}"
+    return ok({"download_url": f"{gateway.config.public_url}{path}?token={token}", "expire_at": rfc3339(expires)})
+
+
+async def _take_download(request: web.Request, as_input: bool) -> tuple[Session, dict[str, Any]]:
+    """The session and options of a download link, used up here (once): 404 unknown or used, 410 expired."""
+    token = request.query.get("token", "")
+    gateway = gateway_of(request)
+    name = DOWNLOAD_PREFIX + hash_secret(token)
+    raw = await gateway.store.get_key(name) if token else None
+    if raw is None or not await gateway.store.delete_key(name):  # the one call that deletes it downloads
+        raise ApiError(404, "not found: the download link is unknown or was used already")
+    link = json.loads(raw)
+    if link["session_id"] != request.match_info["id"] or link["input"] != as_input:
+        raise ApiError(404, "not found: the download link is unknown or was used already")
+    if (parse_time(link["expires"]) or utcnow()) <= utcnow():
+        raise ApiError(410, "the download link has expired: ask for another")
+    session = await gateway.store.get_session(link["session_id"])
+    if session is None or session.org_id != link["org_id"]:
+        raise ApiError(404, "not found: the session is gone")
+    return session, link
+
+
+def _attachment(session: Session, extension: str, body: bytes) -> web.Response:
+    moment = utcnow().strftime("%Y%m%d-%H%M%S")
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{session.connection}-{session.id}-{moment}.{extension}")
+    return web.Response(body=body, content_type="application/octet-stream", headers={
+        "Content-Disposition": f'attachment; filename="{name}"', "Accept-Length": str(len(body))})
+
+
+def rendered_events(session: Session, events: list[SessionEvent], *, newline: bool, event_time: bool) -> bytes:
+    """Events as one text: each one's bytes, after its time (``event_time``), a line break after each (``newline``)."""
+    start = parse_time(session.start_date)
+    parts: list[bytes] = []
+    for event in events:
+        if event_time and start is not None:
+            parts.append(f"{rfc3339(start + timedelta(milliseconds=event.offset_ms))} ".encode())
+        parts.append(event.data)
+        if newline:
+            parts.append(b"\n")
+    return b"".join(parts)
+
+
+@routes.get("/sessions/{id}/download", "Download a session with the link GET /sessions/{id}?extension= gave (once, "
+            "within 5 minutes; no bearer token): its events as text, csv (a database session's statements) or json",
+            query=[Param("token", description="the link's token")], public=True, media=("application/octet-stream",))
+async def download(request: web.Request) -> web.Response:
+    session, link = await _take_download(request, as_input=False)
+    store = gateway_of(request).store
+    if link["extension"] == "csv" and session.subtype == "postgres":  # the statements, as ?format=csv gives them
+        every = await store.read_events(session.id)
+        answer = await off_loop(lambda: statements_response(session, every, "csv"))
+        return _attachment(session, "csv", answer.body)  # type: ignore[arg-type]
+    events = await store.read_events(session.id, kinds=link["events"])
+    start = parse_time(session.start_date)
+
+    def render() -> bytes:
+        if link["extension"] == "json":
+            return json.dumps([{"time": rfc3339(start + timedelta(milliseconds=e.offset_ms)) if start else "",
+                                "type": e.kind, "stream": e.data.decode("utf-8", "replace")} for e in events]).encode()
+        return rendered_events(session, events, newline=link["newline"], event_time=link["event_time"])
+
+    return _attachment(session, link["extension"], await asyncio.to_thread(render))
+
+
+@routes.get("/sessions/{id}/download/input", "Download a session's input (its script, else what was sent) with the "
+            "link GET /sessions/{id}?extension=txt&blob-type=session_input gave (once, within 5 minutes)",
+            query=[Param("token", description="the link's token")], public=True, media=("application/octet-stream",))
+async def download_input(request: web.Request) -> web.Response:
+    session, _link = await _take_download(request, as_input=True)
+    if session.script is not None:
+        body = session.script.encode()
+    else:
+        events = await gateway_of(request).store.read_events(session.id, kinds="i")
+        body = await asyncio.to_thread(rendered_events, session, events, newline=False, event_time=False)
+    return _attachment(session, "txt", body)
+
+
+@routes.get("/sessions/{id}/result/stream", "A session's output as plain text (chunked), written as it is recorded "
+            "until the session ends (a finished one: at once); its owner, an admin or an auditor",
+            query=[Param("newline", description="1: a line break after each event"),
+                   Param("event-time", description="1: each event after its time (RFC 3339)"),
+                   Param("events", description="the kinds of events: i, o, e (default o,e)")],
+            media=("text/plain",))
+async def result_stream(request: web.Request) -> web.StreamResponse:
+    session = await find_session(request)
+    if not may_download(user_of(request), session):
+        raise ApiError(403, "access denied: only the session's owner, an admin or an auditor may stream its result")
+    kinds, q = _kinds(request.query.get("events")), request.query
+    newline, event_time = q.get("newline") == "1", q.get("event-time") == "1"
+    response = web.StreamResponse(headers={"Content-Type": "text/plain; charset=utf-8",
+                                           "X-Content-Type-Options": "nosniff", "Cache-Control": "no-store"})
+    await response.prepare(request)
+    try:
+        async for update in gateway_of(request).watch.follow(session.id):
+            if isinstance(update, Recorded) and update.event.kind in kinds:
+                await response.write(rendered_events(session, [update.event], newline=newline, event_time=event_time))
+        await response.write_eof()
+    except ConnectionResetError:  # the reader went away
+        pass
+    return response
+
+
+METADATA = Schema("SessionMetadataUpdate", {"metadata": Field("object", True, description="replaces the session's "
+                                                                                          "metadata")})
+
+
+@routes.patch("/sessions/{id}/metadata", "Replace a session's metadata (its owner only)", body=METADATA, status=204)
+async def patch_metadata(request: web.Request) -> web.Response:
+    session = await session_in_org(request, request.match_info["id"])
+    if session.user_id != user_of(request).subject:
+        raise ApiError(404, f"session {request.match_info['id']!r} not found among your sessions")
+    body = await json_body(request, METADATA)
+    await gateway_of(request).store.set_session_metadata(session.id, body["metadata"])
+    return web.Response(status=204)

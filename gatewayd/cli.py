@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import getpass
+import json
 import os
 import sys
 from typing import Any, Awaitable, Callable, Coroutine, TypeVar
@@ -162,7 +163,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         held = await gateway.store.open_sessions_by_node()
         if not args.all:
             nodes = [n for n in nodes if n.status == "up" or held.get(n.id)]
-        if args.json:
+        if args.json or args.output == "json":
             print(json.dumps({"nodes": [
                 {"id": n.id, "name": n.name, "status": n.status, "slot": n.slot, "host": n.host, "pid": n.pid,
                  "version": n.version, "api_address": n.api_address, "listeners": n.listeners,
@@ -186,7 +187,29 @@ def _cmd_status(args: argparse.Namespace) -> int:
                                                              else ""))
         return 0
 
-    return asyncio.run(_with_core(load(args.config), action))
+    config = load(args.config)
+    if config["store.driver"] == "sqlite" and not config.store_path.is_file() and not args.config \
+            and not os.environ.get("GATEWAYD_CONFIG"):
+        return _status_from_api(args, config)
+    return asyncio.run(_with_core(config, action))
+
+
+def _status_from_api(args: argparse.Namespace, config: Config) -> int:
+    """``gatewayd status`` away from the gateway's host (no store here): the gateway's readiness, as its API says."""
+    from gatewayd.client.api import Api, ClientError, Login
+
+    login = Login.load(None, getattr(args, "profile", None))
+    try:
+        ready = Api(login).call("GET", "/readyz", anonymous=True, expect=(200, 503)).data or {}
+    except ClientError as exc:
+        raise ConfigError(f"no gateway store here ({config.store_path}) to read the cluster from, and {exc}; "
+                          "on the gateway's host, run it with its --config") from None
+    if args.json or getattr(args, "output", "") == "json":
+        print(json.dumps({"url": login.url, "status": ready.get("status", "")}))
+    else:
+        print(f"{login.url}: {ready.get('status', 'unknown')} (as its API says; the nodes and their sessions are "
+              "listed on the gateway's host: gatewayd status --config ...)")
+    return 0 if ready.get("status") == "ready" else 1
 
 
 def _print_verification(result) -> int:  # type: ignore[no-untyped-def]
@@ -364,15 +387,22 @@ def build_parser(run: Command | None = None) -> argparse.ArgumentParser:
 
     runbook_commands.register(sub)
 
-    status = sub.add_parser("status", help="the cluster: every gateway node (and worker) sharing the store, "
-                                           "its lease and its open sessions")
+    status = people.command(sub, "status", "the cluster: every gateway node (and worker) sharing the store, its "
+                                           "lease and its open sessions (on the gateway's host; elsewhere, the "
+                                           "readiness of the gateway you logged in to)",
+                            "gatewayd status --config /etc/gatewayd/gatewayd.toml\ngatewayd status --all --output json")
     status.add_argument("--all", action="store_true", help="also nodes that stopped or were lost")
-    status.add_argument("--json", action="store_true")
+    status.add_argument("--output", choices=("table", "json"), default="table")
+    status.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    status.add_argument("--profile", help="elsewhere than the gateway's host: which saved login's gateway")
     status.add_argument("--config")
     status.set_defaults(func=_cmd_status)
 
-    version = sub.add_parser("version", help="print the version")
-    version.set_defaults(func=lambda args: print(__version__) or 0)
+    version = people.command(sub, "version", "print the version", "gatewayd version --output json")
+    version.add_argument("--output", choices=("text", "json"), default="text")
+    version.set_defaults(func=lambda args: print(json.dumps({"version": __version__}) if args.output == "json"
+                                                 else __version__) or 0)
+    people.register_completion(sub, parser)
     return parser
 
 
@@ -393,4 +423,10 @@ def main(argv: list[str] | None = None, run: Command | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # a bug: one line, and the traceback only when asked for
+        if os.environ.get("GATEWAYD_DEBUG"):
+            raise
+        print(f"gatewayd: unexpected error ({type(exc).__name__}: {exc}); GATEWAYD_DEBUG=1 shows where",
+              file=sys.stderr)
+        return 1
 

@@ -85,6 +85,7 @@ SETTINGS: dict[str, Setting] = {
     "auth.token_ttl": Setting("duration", "12h"),
     "auth.multi_tenant": Setting("bool", False),
     "auth.admins_can_self_approve": Setting("bool", True),
+    "console.idle_timeout": Setting("duration", "30m", _positive),
     "tenants.allow_private_targets": Setting("bool", False),
     "auth.oidc.issuer_url": Setting("str", ""),
     "auth.oidc.client_id": Setting("str", ""),
@@ -151,8 +152,10 @@ def all_settings() -> dict[str, Setting]:
 # GATEWAYD_WORKER_INDEX is set by `gatewayd run`'s supervisor on the workers it starts (launcher.supervisor);
 # GATEWAYD_PURE_PYTHON runs the hot path from its Python source (gatewayd.hotpath).
 WORKER_INDEX_VARIABLE = "GATEWAYD_WORKER_INDEX"
+# GATEWAYD_PROFILE picks the people's command line's saved login, GATEWAYD_DEBUG shows a command's traceback.
 OTHER_VARIABLES = frozenset({"GATEWAYD_CONFIG", "GATEWAYD_CLIENT_CONFIG", "GATEWAYD_URL", "GATEWAYD_AGENT_TOKEN",
-                             "GATEWAYD_TOKEN", WORKER_INDEX_VARIABLE, hotpath.PURE_ENV})
+                             "GATEWAYD_TOKEN", "GATEWAYD_PROFILE", "GATEWAYD_DEBUG", WORKER_INDEX_VARIABLE,
+                             hotpath.PURE_ENV})
 
 
 def _env_name(key: str) -> str:

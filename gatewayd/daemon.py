@@ -47,6 +47,7 @@ from gatewayd.webhooks import Notifier
 from gatewayd.scripts import ScriptRunner
 from gatewayd.sessions import SessionManager
 from gatewayd.store import Store, describe, open_store
+from gatewayd.watch import SessionWatch
 
 if TYPE_CHECKING:
     from gatewayd.agent.server import GrpcServer
@@ -198,6 +199,7 @@ class Gateway:
         self.sessions: SessionManager = None  # type: ignore[assignment]
         self.guardrails: GuardRailService = None  # type: ignore[assignment]
         self.reviews: ReviewService = None  # type: ignore[assignment]
+        self.watch: SessionWatch = None  # type: ignore[assignment]
         self.discovery: AwsDiscovery = None  # type: ignore[assignment]
         self.frames: FrameStore = None  # type: ignore[assignment]
         self.analysis: AnalysisService = None  # type: ignore[assignment]
@@ -259,6 +261,7 @@ class Gateway:
         self.proxy_manager = ManagerService(self.identity, self.access, lambda: self.server_config)
         self.pipeline = SessionPipeline(self.access, self.sessions, self.guardrails, self.dialer, self.audit,
                                         agents=self.agents, tenancy=self.tenancy)
+        self.watch = SessionWatch(self.store, self.sessions, self.recording)
         self.reviews = ReviewService(self.store, self.audit, self.sessions, self.pipeline, self.analysis,
                                      self.script_runners,
                                      admins_can_self_approve=self.config["auth.admins_can_self_approve"])
@@ -461,6 +464,8 @@ class Gateway:
             await self.reviews.finish()  # scripts just killed store their outcome while the store is open
         if self.notifier is not None:
             await self.notifier.stop()  # the events of the sessions just closed are written
+        if self.watch is not None:
+            await self.watch.stop()
         if self.cluster is not None:
             await self.cluster.stop()  # after its sessions closed: no other node closes them as lost
         if self.recording is not None:

@@ -549,3 +549,13 @@ class GuardRailService:
 def _has_mask_rule(rail: GuardRail) -> bool:
     rules = rail.output.get("rules") if isinstance(rail.output, dict) else None
     return isinstance(rules, list) and any(isinstance(r, dict) and r.get("type") == MASK_RULE_TYPE for r in rules)
+
+
+def pattern_problem(pattern: str) -> str | None:
+    """Why a rule's regular expression would be refused (RE2 syntax, what RE2 lacks), or None: the check a save
+    makes, for an editor to make as the pattern is typed."""
+    try:
+        compile_pattern(pattern)
+    except RuleError as exc:
+        return str(exc)
+    return None

@@ -92,12 +92,14 @@ class LocalIssuer:
         public = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
         return cls(key, hashlib.sha256(public).hexdigest()[:16])
 
-    def issue(self, user: User, ttl: float) -> str:
+    def issue(self, user: User, ttl: float, auth_time: float | None = None) -> str:
         """A token naming the user by its id, which is never reused: deleting the user ends its tokens for good,
-        even when the e-mail comes back as a new user."""
+        even when the e-mail comes back as a new user. ``auth_time``: when the user signed in (a refreshed
+        token keeps the sign-in's)."""
         now = time.time()  # iat to the microsecond: a password change at second S ends the tokens issued before it
         claims = {"iss": LOCAL_ISSUER, "aud": LOCAL_AUDIENCE, "sub": user.id, "email": user.email,
-                  "name": user.name, "iat": now, "nbf": int(now), "exp": now + int(ttl), "jti": new_id()}
+                  "name": user.name, "iat": now, "nbf": int(now), "exp": now + int(ttl), "jti": new_id(),
+                  "auth_time": now if auth_time is None else auth_time}
         return jwt.encode(claims, self._private, algorithm="EdDSA", headers={"kid": self.kid})
 
     def verify(self, token: str) -> dict[str, Any]:
@@ -305,9 +307,9 @@ class Identity:
     def callback_url(self) -> str:
         return self.config["auth.oidc.redirect_url"] or f"{self.config.public_url}/api/callback"
 
-    def issue_token(self, user: User, ttl: float | None = None) -> str:
+    def issue_token(self, user: User, ttl: float | None = None, auth_time: float | None = None) -> str:
         assert self.local is not None
-        return self.local.issue(user, ttl if ttl is not None else self.config["auth.token_ttl"])
+        return self.local.issue(user, ttl if ttl is not None else self.config["auth.token_ttl"], auth_time)
 
     async def authenticate(self, token: str) -> User:
         """The active user behind a bearer token, or AuthError (a token signed out or issued before the user's

@@ -310,6 +310,7 @@ class AuditEntry:
 class Page:
     items: list[Any]
     total: int
+    total_exact: bool = True  # False: ``total`` is a lower bound (a search counted up to its cap)
 
 
 @dataclass(slots=True)
@@ -351,6 +352,9 @@ class Review:
     revoke_at: str | None = None  # jit: when access ends (scheduled once approved, moved up by a revoke)
     updated_at: str = ""
     groups: list[ReviewGroup] = field(default_factory=list)
+    # what was asked, as a key: one PENDING review per key (the same user asking again gets this one back)
+    request_key: str | None = None
+    reason: str = ""  # why the requester asks, in their words (shown to the reviewers)
 
 
 @dataclass(slots=True)

@@ -272,6 +272,26 @@ class SessionPipeline:
             return SessionRun(live, await self.policy_for(live, client_ip), None)
         return await self._arm(live, None, on_kill, False, client_ip)
 
+    async def sibling_holding(self, secret: str) -> str | None:
+        """The node id of another worker of this ``gatewayd run`` (same host, same node name before ``/wN``)
+        whose process holds the open session of the credential ``secret`` -- where HTTP hands a connection
+        so that a credential keeps one session; None when this process holds it, when no sibling does, or when
+        the secret names no credential (the request is refused here, as usual)."""
+        from gatewayd.crypto import hash_secret
+
+        store, me = self.sessions.store, self.sessions.cluster.node
+        credential = await store.get_credential(hash_secret(secret))
+        if credential is None or credential.session_id in self.sessions.live:
+            return None
+        session = await store.get_session(credential.session_id)
+        if session is None or session.status != "open" or not session.node_id or session.node_id == me.id:
+            return None
+        run = me.name.rsplit("/w", 1)[0]
+        for node in await store.list_nodes(up_only=True):
+            if node.id == session.node_id:
+                return node.id if node.host == me.host and node.name.rsplit("/w", 1)[0] == run else None
+        return None
+
     async def policy_for(self, live: LiveSession, client_ip: str = "", *, observe: bool = False,
                          fresh: bool = False) -> SessionPolicy:
         """The session's policy chain under its connection's rules as they are now.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import re
@@ -37,6 +38,7 @@ from gatewayd.models import (
 from gatewayd.pipeline import GatewayClosing, TargetUnreachable
 from gatewayd.scripts import RedactingRecorder, Redaction, ScriptResult
 from gatewayd.sessions import BLOCKED_EXIT_CODE
+from gatewayd.store import Conflict
 from gatewayd.tasks import BackgroundTasks
 
 if TYPE_CHECKING:
@@ -133,6 +135,34 @@ def policy_for(connection: Connection, kind: str, rules: list[AccessRequestRule]
         force_approval_groups=_strings(settings.get("force_approval_groups")),
         max_duration_seconds=int(settings.get("jit_max_duration") or DEFAULT_JIT_MAX_SECONDS),
     )
+
+
+def review_summary(connection: Connection, rules: list[AccessRequestRule]) -> dict[str, Any]:
+    """Who reviews access to ``connection``: for native access (``jit``) and for scripts (``exec``), the groups, the
+    approvals needed and the access request rule that asks it (None: its own settings); None where none is needed."""
+    summary: dict[str, Any] = {}
+    for kind, name in ((JIT, "jit"), (ONETIME, "exec")):
+        policy = policy_for(connection, kind, rules)
+        summary[name] = None if policy is None else {
+            "reviewers": policy.reviewers, "min_approvals": policy.min_approvals, "rule": policy.rule_name}
+    return summary
+
+
+def request_key(connection: Connection, owner: User, kind: str, script: str | None) -> str:
+    """What a request asks, as a key: the same person, connection and kind of access (and script, for a
+    one-time review) make the same key, so that asking again finds the request already open."""
+    what = "\0".join((connection.org_id, connection.id, owner.id, kind, script or ""))
+    return hashlib.sha256(what.encode()).hexdigest()
+
+
+def reusable(review: Review | None, now: datetime) -> Review | None:
+    """An open request the same person may be handed again: PENDING, or APPROVED and usable now (a jit access
+    not over yet; a script not run yet, inside its time window)."""
+    if review is None or review.status not in (PENDING, APPROVED) or jit_ended(review, now):
+        return None
+    if review.status == APPROVED and review.type == ONETIME and not in_time_window(review.time_window, now):
+        return None  # asking again asks for another window
+    return review
 
 
 def new_review(policy: ReviewPolicy, owner: User, connection: Connection, session_id: str, kind: str,
@@ -317,6 +347,12 @@ def decide(review: Review, actor: User, status: str, now: datetime, *, force: bo
                     review.status)
 
 
+def reviews_for(user: User, review: Review) -> bool:
+    """Whether ``user`` is in a reviewer or force-approval group of ``review`` (they may read what it is about)."""
+    mine = set(user.groups)
+    return any(g.group_name in mine for g in review.groups) or bool(mine & set(review.force_approval_groups))
+
+
 def check_executable(review: Review, now: datetime) -> None:
     """Raise ReviewError unless a one-time review lets its script run now."""
     if review.status == PENDING:
@@ -359,6 +395,7 @@ def review_json(review: Review, session: Session | None = None, full: bool = Fal
             "review_owner": {"id": review.owner_id, "email": review.owner_email, "name": review.owner_name,
                              "chat_id": review.owner_slack_id},
         })
+        data["reason"] = review.reason
         if session is not None:
             data["input"] = session.script or ""
             if session.ai_analysis:  # the AI verdict on the script, for the reviewers (gatewayd.analysis)
@@ -552,11 +589,29 @@ class ReviewService:
         return policy_for(connection, kind, await self.store.list_access_rules(connection.org_id))
 
     async def request(self, policy: ReviewPolicy, owner: User, connection: Connection, session: Session,
-                      kind: str, access_duration: int | None = None) -> Review:
-        """Store a PENDING review together with the (``ready``) session it reviews."""
+                      kind: str, access_duration: int | None = None, reason: str = "") -> Review:
+        """Store a PENDING review together with the (``ready``) session it reviews.
+
+        One open request per person, connection and kind (and script): asking again returns the review
+        already open -- PENDING, or APPROVED and still usable -- and stores nothing (``review.session_id``
+        is then not ``session.id``). Across processes the store's unique index on the PENDING ``request_key``
+        makes a second insert a Conflict, answered the same way.
+        """
+        key = request_key(connection, owner, kind, session.script)
+        existing = reusable(await self.store.open_review_for(key), utcnow())
+        if existing is not None:
+            return existing
         review = new_review(policy, owner, connection, session.id, kind, utcnow(), access_duration)
+        review.request_key, review.reason = key, reason.strip()
         session.review_id = review.id
-        await self.store.create_review(review, session)
+        try:
+            await self.store.create_review(review, session)
+        except Conflict:  # the same request, stored meanwhile by another call
+            session.review_id = None
+            existing = reusable(await self.store.open_review_for(key), utcnow())
+            if existing is None:
+                raise
+            return existing
         return review
 
     async def set_status(self, review_id: str, status: str) -> Review | None:

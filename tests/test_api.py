@@ -241,6 +241,10 @@ async def test_openapi_bounds_every_integer_and_describes_every_answer(api):
                     assert "content" not in answer, (method, path)
                 elif path.endswith(".png"):
                     assert list(answer["content"]) == ["image/png"], (method, path)
+                elif path.endswith("/stream") and "event" in operation["summary"]:  # a live session (issue 34)
+                    assert list(answer["content"]) == ["text/event-stream"], (method, path)
+                elif "/download" in path or path.endswith("/result/stream"):  # files and text (issue 35, item 5)
+                    assert answer["content"] and "application/json" not in answer["content"], (method, path)
                 else:
                     assert answer["content"]["application/json"]["schema"], (method, path, status)
     user = doc["components"]["schemas"]["User"]

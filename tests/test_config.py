@@ -170,3 +170,14 @@ def test_a_store_url_s_password_is_redacted_in_every_spelling():
     said = _scrub("failed for postgresql://gw:p%40ss@db/gw?password=q%26w (p@ss, q&w)",
                   "postgresql://gw:p%40ss@db/gw?password=q%26w")
     assert said == "failed for postgresql://gw:***@db/gw?password=*** (***, ***)"
+
+
+def test_the_people_s_command_line_variables_and_the_console_idle_timeout_are_settings_of_their_own():
+    """Issue 34: $GATEWAYD_PROFILE (a shell's default profile) must not stop a daemon or a host command as an
+    unknown GATEWAYD_ variable; [console] idle_timeout has a default and an environment override."""
+    config = load_config(None, environ={"GATEWAYD_PROFILE": "staging", "GATEWAYD_DEBUG": "1",
+                                        "GATEWAYD_CONSOLE_IDLE_TIMEOUT": "5m"})
+    assert config["console.idle_timeout"] == 300
+    assert load_config(None, environ={})["console.idle_timeout"] == 1800
+    with pytest.raises(ConfigError):
+        load_config(None, environ={"GATEWAYD_CONSOLE_IDLE_TIMEOUT": "0s"})

@@ -412,8 +412,8 @@ async def test_the_command_line_logs_in_through_the_browser(http, gw, provider, 
     finally:
         if process.poll() is None:
             process.kill()
-    saved = json.loads((tmp_path / "login.json").read_text())
-    status, me = await userinfo(http, gw, saved["token"])
+    saved = json.loads((tmp_path / "login.json").read_text())  # profiles (issue 34): the last login is the default
+    status, me = await userinfo(http, gw, saved["profiles"][saved["default"]]["token"])
     assert status == 200 and me["email"] == "cli@example.com"
 
 

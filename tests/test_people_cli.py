@@ -11,6 +11,7 @@ import csv
 import io
 import json
 import os
+import signal
 import stat
 import subprocess
 import time
@@ -26,7 +27,8 @@ from tests.pgpeer import unavailable_reason
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
 
-PASSWORDS = {"ada@example.com": "ada's long passphrase", "rita@example.com": "rita's long passphrase"}
+PASSWORDS = {"ada@example.com": "ada's long passphrase", "rita@example.com": "rita's long passphrase",
+             "dora@example.com": "dora's long passphrase"}
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +44,8 @@ def gateway(tmp_path_factory):
                input=PASSWORDS["ada@example.com"] + "\n")
     daemon.cli("user", "passwd", "--email", "rita@example.com", "--groups", "dev", "--password-stdin",
                input=PASSWORDS["rita@example.com"] + "\n")
+    daemon.cli("user", "passwd", "--email", "dora@example.com", "--groups", "dba", "--password-stdin",
+               input=PASSWORDS["dora@example.com"] + "\n")
     yield daemon
     assert daemon.stop() == 0
 
@@ -66,6 +70,11 @@ class Person:
     def start(self, *args: str) -> subprocess.Popen[str]:
         return subprocess.Popen([str(BIN / "gatewayd"), *args], env=self.env(), cwd=ROOT, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def saved_token(self, profile: str | None = None) -> str:
+        """The token the login file keeps for ``profile`` (default: the default profile)."""
+        saved = json.loads(self.login_file.read_text())
+        return saved["profiles"][profile or saved["default"]]["token"]
 
     def login(self) -> None:
         done = self.run("login", "--url", self.gateway.url.removesuffix("/api"), "--email", self.email,
@@ -101,7 +110,7 @@ async def connections(gateway, cluster, people):
 def test_login_keeps_a_private_token_and_failures_are_one_line(gateway, people, tmp_path):
     ada, _ = people
     assert stat.S_IMODE(ada.login_file.stat().st_mode) == 0o600
-    assert json.loads(ada.login_file.read_text())["token"]
+    assert ada.saved_token()
     stranger = Person(gateway, tmp_path, "ada@example.com")
     done = stranger.run("login", "--url", gateway.url.removesuffix("/api"), "--email", "ada@example.com",
                         "--password-stdin", input="not the password\n")
@@ -126,7 +135,7 @@ async def test_logout_signs_the_token_out_at_the_gateway(gateway, tmp_path):
     """Issue 31, item 8: ``gatewayd logout`` only forgot the file; a copy of the token went on working."""
     leaver = Person(gateway, tmp_path, "rita@example.com")
     leaver.login()
-    token = json.loads(leaver.login_file.read_text())["token"]
+    token = leaver.saved_token()
     async with aiohttp.ClientSession() as http:
         api = Api(gateway, http, token)
         assert (await api("GET", "/userinfo"))[0] == 200
@@ -178,8 +187,9 @@ async def test_exec_exit_codes_and_a_reviewed_script_approved_from_the_cli(gatew
         pending = [r for r in json.loads(listed.stdout) if r["review_owner"]["email"] == "rita@example.com"]
         time.sleep(0.2)
     assert pending, "the script's review never showed up in ada's queue"
-    assert pending[0]["id"] in ada.run("reviews").stdout
-    decided = ada.run("reviews", "approve", pending[0]["id"])
+    listed = ada.run("reviews").stdout  # issue 34, item 2: the table says what is asked, by its short id
+    assert pending[0]["id"][:8] in listed and "select 'approved by dora' as note" in listed, listed
+    decided = ada.run("reviews", "approve", pending[0]["id"][:8])
     assert decided.returncode == 0 and "APPROVED" in decided.stdout, decided
     out, err = waiting.communicate(timeout=120)
     assert waiting.returncode == 0 and "approved by dora" in out, (out, err)
@@ -203,3 +213,227 @@ def test_replay_writes_the_output_at_its_own_pace():
     play(cast, speed=2.0, idle_limit=3.0, out=out, sleep=pauses.append)
     assert out.getvalue() == "$ ls\r\na  b\r\n"
     assert pauses == [0.25, 1.5]  # 0.5 s at twice the speed; a 4.5 s gap capped at 3 s, then halved
+
+
+# ------------------------------------------------------------------ issue 34: reviews you can see and act on
+
+
+def wait_for(look, what: str, guard: float = 60):
+    """``look()``'s first true answer (``guard``: a hang guard, not a timing)."""
+    deadline = time.monotonic() + guard
+    while time.monotonic() < deadline:
+        found = look()
+        if found:
+            return found
+        time.sleep(0.1)
+    raise AssertionError(f"{what} never happened")
+
+
+def pending_of(person: Person, owner: str, connection: str) -> list[dict]:
+    listed = person.run("reviews", "--output", "json")
+    assert listed.returncode == 0, listed.stderr
+    return [r for r in json.loads(listed.stdout)
+            if r["review_owner"]["email"] == owner and r["review_connection"]["name"] == connection]
+
+
+async def test_connections_say_who_reviews_access_from_an_access_request_rule(gateway, cluster, people):
+    """Item 1: a connection reviewed through an access request rule said `REVIEW BY no`."""
+    ada, rita = people
+    async with aiohttp.ClientSession() as http:
+        admin = Api(gateway, http, gateway.token("ada@example.com", groups="admin,dba"))
+        ruled = await admin.connection("pgrule", "database", "postgres", postgres_env(cluster))
+        status, rule = await admin("POST", "/access-requests/rules", {
+            "name": f"rule-{ruled['name']}", "access_type": "jit", "connection_names": [ruled["name"]],
+            "reviewers_groups": ["security"]})
+        assert status == 201, rule
+    table = rita.run("connections").stdout
+    row = next(line for line in table.splitlines() if line.startswith(ruled["name"] + " "))
+    assert "security (access)" in row, table
+    listed = json.loads(rita.run("connections", "--output", "json").stdout)
+    policy = next(c for c in listed if c["name"] == ruled["name"])["review_policy"]
+    assert policy == {"jit": {"reviewers": ["security"], "min_approvals": 1, "rule": rule["name"]}, "exec": None}
+
+
+async def test_asking_again_gets_the_open_request_and_an_interrupted_exec_runs_later(gateway, people, connections):
+    """Item 3: Ctrl-C during `connect` or `exec` left a request pending and the next ask filed another; an
+    interrupted `exec` had no way to run its script once approved. Item 2: the reviewer saw no script, no reason,
+    and a short id was a 404; item 8: a reviewer got a 403 on the session of the script they approved."""
+    ada, rita = people
+    _, reviewed = connections
+    dora = Person(gateway, rita.login_file.parent, "dora@example.com")
+    dora.login()
+    script = "select 'ran later' as outcome"
+    asking = rita.start("exec", reviewed, "-c", script, "--reason", "INC-42: count the late orders")
+    first = wait_for(lambda: pending_of(dora, "rita@example.com", reviewed), "the review in dora's queue")
+    asking.send_signal(signal.SIGINT)  # Ctrl-C while it waits for the review
+    out, err = asking.communicate(timeout=60)
+    assert asking.returncode == 130 and "Traceback" not in err, err
+    short = first[0]["id"][:8]
+    assert f"gatewayd exec --review {short}" in err, err
+
+    async with aiohttp.ClientSession() as http:  # asking the same again answers the same request
+        status, again = await Api(gateway, http, rita.saved_token())("POST", "/sessions",
+                                                                      {"connection": reviewed, "script": script})
+    assert status == 202 and (again["review_id"], again["session_id"]) == (first[0]["id"], first[0]["session_id"])
+    assert pending_of(dora, "rita@example.com", reviewed) == first  # not a second one
+
+    table = dora.run("reviews").stdout  # the reviewer sees what and why, by short id
+    assert short in table and script in table and "INC-42: count the late orders" in table, table
+    shown = dora.run("reviews", "show", short)
+    assert shown.returncode == 0, shown.stderr
+    for needle in (first[0]["id"], reviewed, "rita@example.com", "INC-42: count the late orders", script, "PENDING"):
+        assert needle in shown.stdout, (needle, shown.stdout)
+    decided = dora.run("reviews", "approve", short)
+    assert decided.returncode == 0 and "APPROVED" in decided.stdout, decided
+
+    ran = rita.run("exec", "--review", short)  # the approved script, run later
+    assert ran.returncode == 0 and "ran later" in ran.stdout, ran
+    session_id = first[0]["session_id"]
+    seen = dora.run("sessions", "show", session_id[:8])  # the reviewer reads the session of what they approved
+    assert seen.returncode == 0 and "ran later" in seen.stdout, seen
+    twice = rita.run("exec", "--review", short)  # ran already: its output again, not a second run
+    assert twice.returncode == 0 and "ran later" in twice.stdout, twice
+    async with aiohttp.ClientSession() as http:
+        status, session = await Api(gateway, http, gateway.token("ada@example.com", groups="admin,dba"))(
+            "GET", f"/sessions/{session_id}")
+    assert session["review"]["status"] == "EXECUTED"
+
+
+async def test_a_jit_request_asked_twice_is_one_request(gateway, cluster, people):
+    """Item 3: each `connect` to a just-in-time connection filed a new review while one was pending."""
+    ada, rita = people
+    async with aiohttp.ClientSession() as http:
+        admin = Api(gateway, http, gateway.token("ada@example.com", groups="admin,dba"))
+        jit = await admin.connection("pgjit", "database", "postgres", postgres_env(cluster), {"reviewers": ["dba"]})
+    asking = rita.start("connect", jit["name"], "--print", "--reason", "look at a lock")
+    first = wait_for(lambda: pending_of(ada, "rita@example.com", jit["name"]), "the jit review")
+    asking.send_signal(signal.SIGINT)
+    out, err = asking.communicate(timeout=60)
+    assert asking.returncode == 130 and f"gatewayd connect {jit['name']}" in err, err
+    asking = rita.start("connect", jit["name"], "--print")
+    try:
+        wait_for(lambda: f"review {first[0]['id']}" in (asking.stderr.readline() or ""), "the wait for the same review")
+        assert pending_of(ada, "rita@example.com", jit["name"]) == first
+        assert ada.run("reviews", "approve", first[0]["id"][:8]).returncode == 0
+        out, err = asking.communicate(timeout=60)
+        assert asking.returncode == 0 and out.startswith('psql "postgres://pg-'), (out, err)
+    finally:
+        if asking.poll() is None:
+            asking.kill()
+
+
+def test_an_issued_credential_not_used_yet_is_not_a_live_session(people, connections):
+    """Item 4: issued-but-unused credentials looked like live sessions ("ready", the same dot as "open")."""
+    _, rita = people
+    plain, _ = connections
+    printed = rita.run("connect", plain, "--print", "--output", "json")  # a credential, not used
+    assert printed.returncode == 0, printed.stderr
+    issued = json.loads(printed.stdout)["session_id"]
+    table = rita.run("sessions", "--connection", plain).stdout
+    row = next(line for line in table.splitlines() if issued[:8] in line)
+    assert row.split()[-1] == "issued" or " issued" in row, row
+    found = json.loads(rita.run("sessions", "--status", "issued", "--output", "json").stdout)["data"]
+    assert issued in [s["id"] for s in found] and all(s["status"] == "ready" for s in found)
+
+
+# ------------------------------------------------------------------ issue 34, item 9: the CLI for every day
+
+
+def test_profiles_keep_several_gateways_and_whoami_says_which(gateway, tmp_path):
+    """One login at a time: logging in to http://localhost:PORT forgot the login to http://127.0.0.1:PORT."""
+    ada = Person(gateway, tmp_path, "ada@example.com")
+    numeric = gateway.url.removesuffix("/api")
+    named = numeric.replace("127.0.0.1", "localhost")
+    assert ada.run("login", "--url", numeric, "--email", ada.email, "--password-stdin",
+                   input=PASSWORDS[ada.email] + "\n").returncode == 0
+    done = ada.run("login", "--url", named, "--profile", "local", "--email", ada.email, "--password-stdin",
+                   input=PASSWORDS[ada.email] + "\n")
+    assert done.returncode == 0 and "profile local" in done.stderr, done.stderr
+    listed = json.loads(ada.run("profiles", "--output", "json").stdout)
+    assert listed["default"] == "local" and set(listed["profiles"]) == {"default", "local"}
+    assert listed["profiles"]["default"]["logged_in"] and listed["profiles"]["local"]["logged_in"]
+    assert ada.run("whoami", "--profile", "default").stdout.startswith(f"ada@example.com at {numeric} ")
+    env = {**ada.env(), "GATEWAYD_PROFILE": "default"}
+    picked = gatewayd_command([str(BIN / "gatewayd"), "whoami", "--output", "json"], env=env, cwd=ROOT, check=False)
+    me = json.loads(picked.stdout)
+    assert me["profile"] == "default" and me["url"] == numeric and me["email"] == ada.email
+    assert "admin" in me["groups"] and me["token_expires_at"]
+    by_url = ada.run("whoami", "--url", numeric)  # the profile whose gateway that is
+    assert by_url.returncode == 0 and "(profile default)" in by_url.stdout, by_url
+    assert ada.run("profiles", "--use", "default").returncode == 0
+    assert json.loads(ada.run("profiles", "--output", "json").stdout)["default"] == "default"
+    assert ada.run("logout", "--profile", "local").returncode == 0
+    assert set(json.loads(ada.run("profiles", "--output", "json").stdout)["profiles"]) == {"default"}
+
+
+PEOPLE_COMMANDS = [("login",), ("logout",), ("whoami",), ("profiles",), ("connections",), ("connect",), ("exec",),
+                   ("sessions",), ("sessions", "show"), ("sessions", "replay"), ("sessions", "export"),
+                   ("reviews",), ("reviews", "show"), ("reviews", "approve"), ("reviews", "reject"),
+                   ("reviews", "revoke"), ("status",), ("version",), ("completion",)]
+
+
+@pytest.fixture(scope="module")
+def rita_session(people, connections) -> str:
+    """A session of rita's on the plain connection (a credential issued with `connect --print`)."""
+    _, rita = people
+    printed = rita.run("connect", connections[0], "--print", "--output", "json")
+    assert printed.returncode == 0, printed.stderr
+    return json.loads(printed.stdout)["session_id"]
+
+
+def test_every_command_has_help_with_examples_and_answers_json(gateway, people, connections, rita_session):
+    ada, rita = people
+    session = rita_session
+    for words in PEOPLE_COMMANDS:
+        shown = ada.run(*words, "--help")
+        assert shown.returncode == 0 and "examples:" in shown.stdout, (words, shown.stdout)
+        assert shown.stdout.count("\n") > 5, words
+    for words in (("whoami",), ("profiles",), ("connections",), ("sessions",), ("reviews", "--status", "all"),
+                  ("sessions", "show", session[:8]), ("version",), ("status",)):
+        done = rita.run(*words, "--output", "json")
+        assert done.returncode == 0, (words, done.stderr)
+        json.loads(done.stdout)  # JSON, whole
+
+
+def test_failures_are_one_line_and_say_what_to_do(gateway, people, connections, rita_session, tmp_path):
+    """Item 9: `login < /dev/null` ended in a traceback; `--type ssh` found nothing; exports fit some protocols
+    without saying so; `--duration 100h` was refused in seconds."""
+    ada, rita = people
+    plain, _ = connections
+    nobody = Person(gateway, tmp_path, "nobody@example.com")
+    one_line_failure(nobody.run("login", "--url", gateway.url.removesuffix("/api"), input=""), 2,
+                     "no terminal to ask for your e-mail: use --email")
+    one_line_failure(nobody.run("login", "--url", gateway.url.removesuffix("/api"), "--email", "a@b.c", input=""), 2,
+                     "no terminal to ask for your password")
+    session = rita_session
+    one_line_failure(rita.run("sessions", "export", session[:8], "--format", "asciicast"), 2,
+                     "--format asciicast exports ssh sessions; session")
+    one_line_failure(rita.run("connect", plain, "--duration", "100h", "--print"), 2,
+                     "--duration 100h is longer than this gateway allows for this connection (at most 2d)")
+    one_line_failure(rita.run("sessions", "show", "ffffffff"), 1, "not found")
+    by_type = json.loads(rita.run("sessions", "--type", "postgres", "--output", "json").stdout)["data"]
+    assert by_type and all(s["connection_subtype"] == "postgres" for s in by_type)  # the protocol people meant
+    away = rita.run("status")  # a person's machine: no store here, the gateway's readiness through its API
+    assert away.returncode == 0 and "ready" in away.stdout and "Traceback" not in away.stderr, away
+
+
+def test_bash_completion_completes_commands_options_and_connection_names(gateway, people, connections, tmp_path):
+    ada, _ = people
+    plain, reviewed = connections
+    script = tmp_path / "gatewayd.bash"
+    script.write_text(ada.run("completion", "bash").stdout)
+    probe = f"""source {script}
+complete_words() {{ COMP_WORDS=("$@"); COMP_CWORD=$(( $# - 1 )); _gatewayd_complete; echo "${{COMPREPLY[*]}}"; }}
+complete_words gatewayd rev
+complete_words gatewayd reviews ap
+complete_words gatewayd sessions --since 2h --pro
+complete_words gatewayd connect pg
+"""
+    env = {**ada.env(), "PATH": f"{BIN}:{os.environ['PATH']}"}
+    done = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, env=env, timeout=60)
+    lines = done.stdout.splitlines()
+    assert lines[0] == "reviews" and lines[1] == "approve" and set(lines[2].split()) == {"--protocol", "--profile"}, \
+        (lines, done.stderr)
+    assert {plain, reviewed} <= set(lines[3].split()), lines
+    zsh = ada.run("completion", "zsh").stdout
+    assert zsh.startswith("#compdef gatewayd") and "bashcompinit" in zsh

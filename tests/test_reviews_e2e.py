@@ -454,7 +454,10 @@ async def test_jit_credentials_work_with_psql_and_rejection_gives_403(as_, clust
     assert status == 201
     result = psql(gateway, body["connection_credentials"]["username"], "select 'jit ok'")
     assert result.returncode == 0 and result.stdout.strip() == "jit ok", result.stderr
+    # asking again while the access lasts hands the same approved request back (issue 34, item 3)
+    assert await jit_request(as_, conn) == (session_id, review_id)
 
+    conn = await make_connection(as_, cluster, reviewers=["dba"])
     session_id, review_id = await jit_request(as_, conn)
     status, body = await as_["dora"]("PUT", f"/reviews/{review_id}", {"status": "REJECTED"})
     assert status == 200

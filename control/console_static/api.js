@@ -75,3 +75,58 @@ export async function api(method, path, {body, query, as} = {}) {
   const data = text && type.includes("json") ? JSON.parse(text) : text;
   return as === "full" ? {status: response.status, body: data} : data;
 }
+
+/** Follow a server-sent event stream of the API (``GET /api<path>``) with the token: ``onEvent(name, data)`` for
+ * each event as it comes. A dropped stream is taken up again after the last event seen (``Last-Event-ID``) until an
+ * ``end`` event arrives or ``signal`` aborts. Resolves when it ended; rejects with ApiError when it is refused. */
+export async function follow(path, onEvent, {signal} = {}) {
+  let last = null;
+  for (let attempt = 0; ; attempt++) {
+    const headers = {Accept: "text/event-stream"};
+    if (auth.token) headers.Authorization = `Bearer ${auth.token}`;
+    if (last !== null) headers["Last-Event-ID"] = last;
+    let response;
+    try {
+      response = await fetch(new URL(`/api${path}`, location.origin), {headers, signal});
+    } catch (error) {
+      if (signal && signal.aborted) return;
+      if (attempt > 30) throw new ApiError(0, `cannot reach the gateway (${error.message})`);
+      await new Promise((done) => setTimeout(done, 1000));
+      continue;
+    }
+    if (!response.ok) {
+      let message = `${response.status} ${response.statusText}`;
+      try { message = (await response.json()).message || message; } catch { /* not JSON */ }
+      if (response.status === 401 && auth.token) onUnauthorized(message);
+      throw new ApiError(response.status, message);
+    }
+    const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+    let buffer = "";
+    try {
+      for (;;) {
+        const {value, done} = await reader.read();
+        if (done) break;
+        buffer += value;
+        let cut;
+        while ((cut = buffer.indexOf("\n\n")) >= 0) {
+          const block = buffer.slice(0, cut);
+          buffer = buffer.slice(cut + 2);
+          let name = "message";
+          const data = [];
+          for (const line of block.split("\n")) {
+            if (line.startsWith("event:")) name = line.slice(6).trim();
+            else if (line.startsWith("data:")) data.push(line.slice(5).trimStart());
+            else if (line.startsWith("id:")) last = line.slice(3).trim();
+          }
+          if (!data.length) continue;
+          onEvent(name, JSON.parse(data.join("\n")));
+          if (name === "end") return;
+        }
+      }
+    } catch (error) {
+      if (signal && signal.aborted) return;
+    }
+    if (signal && signal.aborted) return;
+    await new Promise((done) => setTimeout(done, 500));  // dropped before its end: take it up again
+  }
+}

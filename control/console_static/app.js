@@ -45,6 +45,7 @@ export function go(path, params = {}) {
 }
 
 function signOut(message) {
+  clearInterval(idle.timer);
   auth.token = null;
   state.me = null;
   renderSignIn(message);
@@ -63,6 +64,80 @@ async function signOutHere() {
   signOut(message);
 }
 
+/** Idle sign-out: the token lasts ``idle`` seconds and is renewed while the page is used (a key, a click, a
+ * scroll); after ``idle`` seconds without one the page signs out. The gateway refuses the token by itself then. */
+const idle = {timeout: 0, lastActive: Date.now(), renewed: 0, timer: null};
+
+const IDLE_KEY = "gatewayd.console.idle";  // the gateway's console.idle_timeout, as its last renewal said
+
+async function renewToken() {
+  const answer = await api("POST", "/token/refresh");
+  auth.token = answer.token;
+  idle.timeout = answer.idle_timeout;
+  idle.renewed = Date.now();
+  localStorage.setItem(IDLE_KEY, String(answer.idle_timeout));
+}
+
+/** Seconds the kept token has left (from its ``exp``; the gateway verifies it, this only reads it). */
+function tokenLeft() {
+  try {
+    const part = auth.token.split(".")[1].replace(/-/g, "+").replace(/_/g, "/");
+    const claims = JSON.parse(atob(part + "=".repeat((4 - part.length % 4) % 4)));
+    return claims.exp - Date.now() / 1000;
+  } catch {
+    return Infinity;
+  }
+}
+
+/** A token from a sign-in (long-lived) is exchanged for one that lasts the idle timeout; one already
+ * exchanged is kept (a reload does not change it). */
+async function shortToken() {
+  const known = parseInt(localStorage.getItem(IDLE_KEY) || "0", 10);
+  if (known && tokenLeft() <= known + 5) {
+    idle.timeout = known;
+    idle.renewed = Date.now() - (known * 1000 - tokenLeft() * 1000);
+    return;
+  }
+  await renewToken();
+}
+
+function watchIdle() {
+  clearInterval(idle.timer);
+  idle.lastActive = Date.now();
+  const every = () => Math.min(idle.timeout * 1000 / 3, 300000);
+  idle.timer = setInterval(async () => {
+    if (!state.me || !idle.timeout) return;
+    const now = Date.now();
+    if (now - idle.lastActive >= idle.timeout * 1000) {
+      clearInterval(idle.timer);
+      try { await api("POST", "/logout"); } catch { /* expired already */ }
+      signOut(`Signed out after ${Math.round(idle.timeout / 60) || 1} minutes without activity.`);
+      return;
+    }
+    if (idle.lastActive > idle.renewed && now - idle.renewed >= every()) {
+      try { await renewToken(); } catch { /* a 401 signs out (whenSignedOut) */ }
+    }
+  }, 1000);
+}
+
+for (const kind of ["keydown", "pointerdown", "wheel", "scroll", "touchstart"]) {
+  window.addEventListener(kind, () => { idle.lastActive = Date.now(); }, {passive: true, capture: true});
+}
+
+/** How many reviews wait for this person's decision (not their own requests), in the navigation. */
+async function countPending(me) {
+  try {
+    const pending = await api("GET", "/reviews", {query: {status: "PENDING"}});
+    const mine = pending.filter((r) => r.review_owner.id !== me.id || me.is_admin).length;
+    const badge = document.getElementById("pending-count");
+    if (badge) {
+      badge.textContent = mine ? String(mine) : "";
+      badge.hidden = !mine;
+      badge.title = `${mine} review${mine === 1 ? "" : "s"} waiting for a decision`;
+    }
+  } catch { /* the count is a hint: the page works without it */ }
+}
+
 function renderNav() {
   const me = state.me;
   const nav = document.getElementById("nav");
@@ -78,7 +153,9 @@ function renderNav() {
   if (me.is_admin || me.is_auditor) links.push(["/reports", "Reports"]);
   if (me.is_admin) links.push(["/audit", "Audit log"], ["/settings", "Settings"]);
   mount(nav, links.map(([href, label]) =>
-    h("a", {href: `#${href}`, class: path.startsWith(href) ? "active" : ""}, label)));
+    h("a", {href: `#${href}`, class: path.startsWith(href) ? "active" : ""}, label,
+      href === "/reviews" ? h("span", {class: "badge count", id: "pending-count", hidden: true}) : null)));
+  countPending(me);
   const roles = [me.is_admin && "admin", me.is_auditor && "auditor"].filter(Boolean);
   mount(who, h("span", {id: "me"}, me.email), roles.length ? h("span", {class: "badge"}, roles.join(", ")) : null,
     h("button", {type: "button", id: "sign-out", onclick: signOutHere}, "Sign out"));
@@ -152,6 +229,7 @@ async function start() {
   const link = auth.takeFromAddress();
   if (!auth.token) return renderSignIn(link === "ignored" ? IGNORED_LINK : undefined);
   try {
+    await shortToken();  // a token that lasts console.idle_timeout, renewed while the page is used
     state.me = await api("GET", "/userinfo");
   } catch (err) {
     if (err.status !== 401) return mount(main, notice(err.message, "error"));
@@ -166,6 +244,7 @@ async function start() {
     history.replaceState(null, "", `${location.pathname}${left ? `?${left}` : ""}#/reviews?review=` +
       encodeURIComponent(review));
   }
+  watchIdle();
   if (!location.hash) history.replaceState(null, "", "#/sessions");
   await route();
 }

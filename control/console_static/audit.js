@@ -25,17 +25,34 @@ export async function auditView({params, go, main}) {
   const filters = Object.fromEntries(FILTERS.map((name) => [name, query[name]]));
   const pages = Math.max(1, Math.ceil(result.pages.total / SIZE));
   mount(main, h("h1", {}, "Audit log"), form,
-    h("table", {class: "grid", id: "audit"},
-      h("thead", {}, h("tr", {}, ["When", "Actor", "Action", "Request", "Status", "Outcome", "Error"]
+    h("div", {class: "scroll"}, h("table", {class: "grid", id: "audit"},
+      h("thead", {}, h("tr", {}, ["When", "Actor", "Action", "What", "Status", "Outcome", "Error"]
         .map((t) => h("th", {}, t)))),
       h("tbody", {}, result.data.map((e) => h("tr", {class: e.outcome === "failure" ? "failed" : ""},
         h("td", {}, when(e.created_at)), h("td", {}, e.actor_email || e.actor_subject || "anonymous"),
-        h("td", {}, e.action), h("td", {class: "mono"}, `${e.http_method} ${e.http_path}`),
-        h("td", {}, String(e.http_status)), h("td", {}, e.outcome), h("td", {}, e.error_message || ""))))),
+        h("td", {}, e.action), h("td", {class: "mono what"}, what(e)),
+        h("td", {}, e.http_status ? String(e.http_status) : "—"), h("td", {}, e.outcome),
+        h("td", {}, e.error_message || "")))))),
     h("div", {class: "pager"},
       h("button", {type: "button", disabled: page <= 1, onclick: () => go("/audit", {...filters, page: page - 1})},
         "← Newer"),
       h("span", {}, `page ${page} of ${pages} (${result.pages.total} entries)`),
       h("button", {type: "button", disabled: page >= pages, onclick: () => go("/audit", {...filters, page: page + 1})},
         "Older →")));
+}
+
+/** What an entry is about: the API call, or for what happened in a session (a guard-rail block, a login through
+ * a proxy) the connection, the input refused and a link to the session. */
+function what(entry) {
+  const payload = entry.request_payload_redacted && typeof entry.request_payload_redacted === "object"
+    ? entry.request_payload_redacted : {};
+  const parts = [];
+  if (entry.http_method) parts.push(`${entry.http_method} ${entry.http_path}`);
+  if (payload.connection && !entry.http_method) parts.push(`on ${payload.connection}`);
+  if (payload.input) parts.push(h("span", {class: "input"}, ` ${payload.input}`));
+  if (payload.session_id) {
+    parts.push(" ", h("a", {href: `#/sessions/${encodeURIComponent(payload.session_id)}`, class: "session-link"},
+      `session ${String(payload.session_id).slice(0, 8)}`));
+  }
+  return parts.length ? parts : "—";
 }

@@ -14,22 +14,37 @@ export async function connectionsView({me, main}) {
         !asked.has(r.review_connection.name)) asked.set(r.review_connection.name, r);
   }
   mount(main, h("h1", {}, "Connections"),
-    h("table", {class: "grid", id: "connections"},
-      h("thead", {}, h("tr", {}, ["Name", "Protocol", "Review", "Access"].map((t) => h("th", {}, t)))),
-      h("tbody", {}, connections.map((conn) => row(conn, asked.get(conn.name))))));
+    h("div", {class: "scroll"}, h("table", {class: "grid", id: "connections"},
+      h("thead", {}, h("tr", {}, ["Name", "Protocol", "Reviewed by", "Access"].map((t) => h("th", {}, t)))),
+      h("tbody", {}, connections.map((conn) => row(conn, asked.get(conn.name)))))));
+}
+
+/** Who reviews access to a connection (its access request rules or its settings), as the API says. */
+export function reviewedBy(conn) {
+  const policy = conn.review_policy;
+  if (!policy) return (conn.reviewers || []).length ? `by ${conn.reviewers.join(", ")}` : "none";
+  const parts = [];
+  if (policy.jit) parts.push(`access: ${policy.jit.reviewers.join(", ")}`);
+  if (policy.exec) parts.push(`scripts: ${policy.exec.reviewers.join(", ")}`);
+  return parts.length ? parts.join(" · ") : "none";
 }
 
 function row(conn, request) {
   const out = h("div", {class: "access"});
   const length = select("duration", DURATIONS, "1800");
+  const reason = h("input", {name: "reason", class: "reason", placeholder: "why (for the reviewers)",
+    hidden: !conn.review_policy || !conn.review_policy.jit});
   const button = h("button", {type: "button", class: "primary get-access", onclick: getAccess}, "Get access");
   async function getAccess() {
     button.disabled = true;
     try {
-      const {status, body} = await api("POST", `/connections/${encodeURIComponent(conn.name)}/credentials`,
-        {body: {access_duration_seconds: parseInt(length.value, 10)}, as: "full"});
-      if (status === 202) pending(body);
-      else show(body);
+      const body = {access_duration_seconds: parseInt(length.value, 10)};
+      if (reason.value.trim()) body.reason = reason.value.trim();
+      const {status, body: got} = await api("POST", `/connections/${encodeURIComponent(conn.name)}/credentials`,
+        {body, as: "full"});
+      const answer = got;
+      if (status === 202) pending(answer);
+      else show(answer);
     } catch (err) {
       mount(out, notice(err.message, "error"));
     } finally {
@@ -42,7 +57,7 @@ function row(conn, request) {
         const {status, body: got} = await api("POST",
           `/connections/${encodeURIComponent(conn.name)}/credentials/${encodeURIComponent(body.session_id)}`,
           {body: {}, as: "full"});
-        if (status === 202) mount(waiting, notice(`Still waiting for review ${body.review_id}.`, "info"));
+        if (status === 202) mount(waiting, notice(`Still waiting for review ${body.review_id.slice(0, 8)}.`, "info"));
         else show(got);
       } catch (err) {
         mount(waiting, notice(err.message, "error"));
@@ -50,9 +65,10 @@ function row(conn, request) {
     }}, "Check again");
     const waiting = h("div");
     const approved = body.review && body.review.status === "APPROVED";
-    mount(out, notice(approved ? `Your access request ${body.review_id} is approved: get its credential.` :
-      `Access needs a review: ${body.review_id} is pending (reviewers: ` +
-      `${(conn.reviewers || []).join(", ") || "their groups"}).`, "info"), check, waiting);
+    const groups = ((body.review && body.review.review_groups_data) || []).map((g) => g.group);
+    mount(out, notice(approved ? `Your access request ${body.review_id.slice(0, 8)} is approved: get its credential.` :
+      `Access needs a review: request ${body.review_id.slice(0, 8)} is pending (reviewers: ` +
+      `${groups.join(", ") || "their groups"}).`, "info"), check, waiting);
   }
   function show(cred) {
     const c = cred.connection_credentials || {};
@@ -78,6 +94,6 @@ function row(conn, request) {
   return h("tr", {dataset: {connection: conn.name}},
     h("td", {}, conn.name),
     h("td", {}, `${conn.subtype || conn.type}`),
-    h("td", {}, (conn.reviewers || []).length ? `by ${conn.reviewers.join(", ")}` : "none"),
-    h("td", {}, h("div", {class: "controls"}, length, button), out));
+    h("td", {class: "review-by"}, reviewedBy(conn)),
+    h("td", {}, h("div", {class: "controls"}, length, reason, button), out));
 }

@@ -18,7 +18,7 @@ export async function guardrailsView({me, main}) {
   mount(main, h("h1", {}, "Guard rails"),
     me.is_admin ? h("p", {}, h("a", {href: "#/guardrails/new", class: "button primary", id: "new-guardrail"},
       "New guard rail")) : null,
-    h("table", {class: "grid", id: "guardrails"},
+h("div", {class: "scroll"}, h("table", {class: "grid", id: "guardrails"},
       h("thead", {}, h("tr", {}, ["Name", "Description", "Connections", "Input rules", "Output rules"]
         .map((t) => h("th", {}, t)))),
       h("tbody", {}, rails.length ? rails.map((r) => h("tr", {dataset: {guardrail: r.name}},
@@ -26,21 +26,15 @@ export async function guardrailsView({me, main}) {
         h("td", {}, r.description),
         h("td", {}, r.connection_ids.map((id) => names.get(id) || id).join(", ")),
         h("td", {}, String(count(r.input))), h("td", {}, String(count(r.output))))) :
-        h("tr", {}, h("td", {colspan: 5, class: "muted"}, "No guard rails.")))));
+        h("tr", {}, h("td", {colspan: 5, class: "muted"}, "No guard rails."))))));
 }
 
-/** Why ``pattern`` would be refused, or "" (a first check here; the API has the last word on save). */
-export function patternProblem(pattern) {
+/** Why ``pattern`` would be refused, or "": asked of the gateway, whose RE2 checks it as a save does (a browser's
+ * own regular expressions differ: no inline flags like (?i), look-arounds RE2 lacks). */
+export async function patternProblem(pattern) {
   if (!pattern) return "a pattern is required";
-  const unsupported = [[/\(\?<?[=!]/, "look-around assertions (?= (?! (?<= (?<! are not supported by RE2"],
-    [/\\[1-9]/, "back-references (\\1 …) are not supported by RE2"], [/\\k</, "named back-references are not supported by RE2"]];
-  for (const [test, message] of unsupported) if (test.test(pattern)) return message;
-  try {
-    new RegExp(pattern.replace(/\(\?P</g, "(?<"));
-  } catch (err) {
-    return err.message.replace(/^Invalid regular expression: /, "");
-  }
-  return "";
+  const answer = await api("GET", "/guardrails/patterns/check", {query: {pattern}});
+  return answer.valid ? "" : answer.message;
 }
 
 /** One rule's row: its kind (those of its side) and that kind's fields, read back as the API takes them. */
@@ -64,15 +58,27 @@ function ruleRow(rule, sideName) {
   const placeholders = {deny_words_list: "words, comma separated", pattern_match: "regular expression (RE2 syntax)",
     statement_kinds: "DropStmt, TruncateStmt, GrantStmt…", require_where: "delete, update",
     mask: "regular expression (optional)"};
-  function validate() {
+  let asked = 0;  // the newest check asked: an older answer that comes late is dropped
+  async function validate() {
     const regex = kind.value === "pattern_match" || (kind.value === "mask" && value.value);
     value.placeholder = placeholders[kind.value];
     maskFields.hidden = kind.value !== "mask";
     message.hidden = kind.value === "mask";  // a mask answers nothing: the result flows on
+    const mine = ++asked;
     let problem = "";
-    if (regex) problem = patternProblem(value.value);
-    else if (kind.value === "mask" && !list(patterns.value).length && !list(columns.value).length)
+    if (regex) {
+      check.textContent = "… checking";
+      check.className = "rule-check";
+      value.setCustomValidity("checking");
+      try {
+        problem = await patternProblem(value.value);
+      } catch (err) {
+        problem = `could not be checked (${err.message})`;
+      }
+      if (mine !== asked) return;
+    } else if (kind.value === "mask" && !list(patterns.value).length && !list(columns.value).length) {
       problem = "a mask needs built-in patterns, a regular expression or columns";
+    }
     check.textContent = problem ? `✗ ${problem}` : regex ? "✓ valid syntax" : "";
     check.className = `rule-check ${problem ? "bad" : regex ? "good" : ""}`;
     value.setCustomValidity(problem);

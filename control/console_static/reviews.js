@@ -17,7 +17,8 @@ export async function reviewsView({me, params, go, main}) {
       h("p", {}, h("a", {href: "#/reviews"}, "Every review")));
     return;
   }
-  const status = params.has("status") ? params.get("status") : "PENDING";
+  const chosen = params.has("status") ? params.get("status") : "PENDING";
+  const status = chosen === "all" ? "" : chosen;  // "all" in the address: no filter for the API
   const reviews = await api("GET", "/reviews", {query: {status}});
   const filter = select("status", STATUSES, status, {id: "review-status",
     onchange: (e) => go("/reviews", {status: e.target.value || "all"})});
@@ -33,10 +34,7 @@ function reviewCard(review, me) {
   if (review.type === "jit") {
     mount(asked, `Access to ${review.review_connection.name} for ${duration(review.access_duration)}`);
   } else {
-    mount(asked, h("p", {class: "muted"}, "Loading the script…"));
-    api("GET", `/reviews/${encodeURIComponent(review.id)}`).then(
-      (full) => mount(asked, h("pre", {class: "code script"}, full.input || "(empty script)")),
-      (err) => mount(asked, notice(err.message, "error")));
+    mount(asked, h("pre", {class: "code script"}, review.input || "(empty script)"));
   }
   const from = h("input", {type: "time", name: "start_time"});
   const to = h("input", {type: "time", name: "end_time"});
@@ -70,11 +68,14 @@ function reviewCard(review, me) {
   }
   const groups = review.review_groups_data.map((g) =>
     `${g.group}: ${g.status || "waiting"}${g.reviewed_by ? ` (${g.reviewed_by.email})` : ""}`).join(" · ");
+  const owner = review.review_owner;
   return h("article", {class: "card review", dataset: {review: review.id}},
     h("header", {},
       h("strong", {}, review.type === "jit" ? "Access request" : "Script"), " on ",
-      h("strong", {}, review.review_connection.name), " by ", review.review_owner.email, mine ? " (you)" : "", " ",
-      statusBadge),
+      h("strong", {class: "connection"}, review.review_connection.name), " by ",
+      h("span", {class: "requester"}, owner.name ? `${owner.name} <${owner.email}>` : owner.email),
+      mine ? " (you)" : "", " ", statusBadge, " ", h("span", {class: "muted mono"}, review.id.slice(0, 8))),
+    h("p", {class: "reason"}, h("span", {class: "muted"}, "Why: "), review.reason || "(no reason given)"),
     h("p", {class: "muted"}, `asked ${when(review.created_at)} · ${groups}`,
       review.time_window ? ` · window ${review.time_window.configuration.start_time}–` +
         `${review.time_window.configuration.end_time} UTC` : ""),

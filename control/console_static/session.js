@@ -1,16 +1,19 @@
 // One session: what it was, a kill button while it is live, and its recording in the form of its protocol.
-import {api} from "./api.js";
+// A session still running is followed as it happens (GET /sessions/{id}/stream): its terminal, statements,
+// exchanges or screen grow as they are recorded, and its end shows at once. Nothing here sends input to it.
+import {api, follow} from "./api.js";
 import {h, mount, when, clock, notice, select, fromBase64} from "./dom.js";
 import {statusBadge} from "./sessions.js";
 
 const SPEEDS = [["0.5", "0.5×"], ["1", "1×"], ["2", "2×"], ["4", "4×"], ["8", "8×"]];
 
 export async function sessionView({me, main}, id) {
-  const session = await api("GET", `/sessions/${encodeURIComponent(id)}`);
-  const live = session.status !== "done";
+  let session = await api("GET", `/sessions/${encodeURIComponent(id)}`);
   const messages = h("div", {class: "messages"});
-  const mayKill = live && (me.is_admin || session.user_id === me.subject);
-  const kill = mayKill ? h("button", {type: "button", class: "danger", id: "kill", onclick: async () => {
+  const badge = h("span", {id: "session-status"}, statusBadge(session));
+  const facts = h("dl", {class: "facts"});
+  const mayKill = (s) => s.status !== "done" && (me.is_admin || s.user_id === me.subject);
+  const kill = h("button", {type: "button", class: "danger", id: "kill", hidden: !mayKill(session), onclick: async () => {
     if (!confirm(`End session ${session.id} of ${session.user}?`)) return;
     try {
       await api("POST", `/sessions/${encodeURIComponent(session.id)}/kill`);
@@ -19,25 +22,57 @@ export async function sessionView({me, main}, id) {
     } catch (err) {
       mount(messages, notice(err.message, "error"));
     }
-  }}, "Kill session") : null;
-  const facts = [["Id", session.id], ["User", session.user], ["Connection", session.connection],
-    ["Protocol", session.connection_subtype || session.type], ["Verb", session.verb],
-    ["Started", when(session.start_date)], ["Ended", when(session.end_date)],
-    ["Exit code", session.exit_code ?? ""], ["Review", session.review ? session.review.status : ""]];
+  }}, "Kill session");
+  function show(s) {
+    session = s;
+    mount(badge, statusBadge(s));
+    mount(facts, [["Id", s.id], ["User", s.user], ["Connection", s.connection],
+      ["Protocol", s.connection_subtype || s.type], ["Verb", s.verb], ["Started", when(s.start_date)],
+      ["Ended", when(s.end_date)], ["Exit code", s.exit_code ?? ""], ["Review", s.review ? s.review.status : ""]]
+      .map(([k, v]) => [h("dt", {}, k), h("dd", {}, String(v))]));
+    kill.hidden = !mayKill(s);
+  }
+  show(session);
   const recording = h("section", {id: "recording"}, h("p", {class: "muted"}, "Loading the recording…"));
   mount(main,
     h("p", {}, h("a", {href: "#/sessions"}, "← Sessions")),
-    h("h1", {}, `Session ${session.connection}`, " ", statusBadge(session)),
-    h("dl", {class: "facts"}, facts.map(([k, v]) => [h("dt", {}, k), h("dd", {}, String(v))])),
+    h("h1", {}, `Session ${session.connection}`, " ", badge),
+    facts,
     session.script && session.script.data ? [h("h2", {}, "Script"), h("pre", {class: "code"}, session.script.data)]
       : null,
     kill, messages, recording);
-  const render = {ssh: sshPlayer, postgres: statementTable, rdp: framePlayer, httpproxy: exchanges}
-    [session.connection_subtype] || plainOutput;
+  const live = session.status !== "done";
+  const kinds = live ? LIVE : RECORDED;
+  const render = kinds[session.connection_subtype] || kinds.default;
+  let view;
   try {
-    await render(recording, session);
+    view = await render(recording, session);
   } catch (err) {
-    mount(recording, notice(err.message, "error"));
+    return mount(recording, notice(err.message, "error"));
+  }
+  if (!live) return;
+  // follow it until it ends or the page is left
+  const stop = new AbortController();
+  window.addEventListener("hashchange", () => stop.abort(), {once: true});
+  const watching = h("span", {class: "badge live", id: "following"}, "● following live");
+  recording.prepend(watching);
+  try {
+    await follow(`/sessions/${encodeURIComponent(session.id)}/stream`, (name, data) => {
+      if (name === "event") view.event(data);
+      else if (name === "frames") view.frames && view.frames(data.total_frames);
+      else if (name === "session") show(data);
+      else if (name === "end") {
+        show(data);
+        view.end && view.end();
+        watching.remove();
+        mount(messages, notice(`Session ended${data.exit_code != null ? ` (exit code ${data.exit_code})` : ""}.`,
+          data.exit_code ? "info" : "ok"));
+        kill.hidden = true;
+      }
+    }, {signal: stop.signal});
+  } catch (err) {
+    watching.remove();
+    mount(messages, notice(err.message, "error"));
   }
 }
 
@@ -58,7 +93,7 @@ async function sshPlayer(el, session) {
   function create(startAt) {
     if (player) player.dispose();
     player = AsciinemaPlayer.create({data: cast}, screen, {
-      speed: parseFloat(speed.value), startAt, preload: true, controls: false, fit: "width", idleTimeLimit: 5,
+      speed: parseFloat(speed.value), startAt, preload: true, controls: false, fit: "both", idleTimeLimit: 5,
       terminalFontFamily: "monospace",
     });
     player.addEventListener("play", () => { playing = true; playButton.textContent = "Pause"; });
@@ -95,11 +130,52 @@ async function sshPlayer(el, session) {
     screen);
 }
 
+/** A running SSH session's terminal: the player fed by the stream (its history first, then live); no keyboard. */
+async function liveTerminal(el, session) {
+  if (!window.AsciinemaPlayer) throw new Error("the terminal player is missing: build the console (make console)");
+  const screen = h("div", {id: "terminal", class: "terminal live"});
+  const terminal = (session.metrics || {}).terminal;
+  const pty = terminal && typeof terminal === "object";
+  const size = {cols: (pty && terminal.width) || 80, rows: (pty && terminal.height) || 24};
+  const decoder = new TextDecoder("utf-8");
+  const waiting = [];
+  let dispatch = null;
+  const started = performance.now();
+  const driver = (callbacks) => ({
+    play() {
+      callbacks.dispatch("play");
+      callbacks.dispatch("reset", {size});
+      callbacks.dispatch("playing");
+      dispatch = callbacks.dispatch;
+      for (const text of waiting.splice(0)) dispatch("output", text);
+      return true;
+    },
+    stop() {},
+    getTiming: () => ({time: (performance.now() - started) / 1000, rate: 1,
+      sampledAt: performance.timeOrigin + performance.now()}),
+  });
+  AsciinemaPlayer.create(driver, screen, {autoPlay: true, controls: false, fit: "both",
+    terminalFontFamily: "monospace"});
+  function write(text) {
+    if (dispatch) dispatch("output", text);
+    else waiting.push(text);
+  }
+  mount(el, h("h2", {}, "Terminal (live)"), screen);
+  return {
+    event(e) {
+      if (e.type === "i") return;
+      let text = decoder.decode(Uint8Array.from(atob(e.payload), (c) => c.charCodeAt(0)), {stream: true});
+      if (!pty) text = text.replace(/\r?\n/g, "\r\n");
+      if (e.type === "e" && !text.endsWith("\n")) text = `\r\n${text}\r\n`;
+      write(text);
+    },
+  };
+}
+
 // ------------------------------------------------------------------ PostgreSQL: statements, searchable
 
-async function statementTable(el, session) {
-  const doc = await api("GET", `/sessions/${encodeURIComponent(session.id)}`, {query: {format: "json"}});
-  const rows = doc.statements;
+/** The statements table over ``rows`` ({offset_ms, statement, output, error}); ``add`` takes a live event. */
+function statements(el, rows) {
   const PAGE = 25;
   let page = 0;
   const search = h("input", {type: "search", id: "statement-search", placeholder: "Search statements, results, errors"});
@@ -133,57 +209,91 @@ async function statementTable(el, session) {
   search.addEventListener("input", () => { page = 0; draw(); });
   draw();
   mount(el, h("h2", {}, "Statements"), h("div", {class: "controls"}, search),
-    h("table", {class: "grid statements", id: "statements"},
-      h("thead", {}, h("tr", {}, ["At", "Statement", "Result", "Error"].map((t) => h("th", {}, t)))), body),
+    h("div", {class: "scroll"}, h("table", {class: "grid statements", id: "statements"},
+      h("thead", {}, h("tr", {}, ["At", "Statement", "Result", "Error"].map((t) => h("th", {}, t)))), body)),
     h("div", {class: "pager"}, prev, info, next));
+  return {
+    event(e) {
+      const text = fromBase64(e.payload);
+      if (e.type === "i" || !rows.length) {
+        rows.push({offset_ms: e.offset_ms, statement: e.type === "i" ? text : "", output: "", error: ""});
+        if (e.type === "i") return draw();
+      }
+      const last = rows[rows.length - 1];
+      if (e.type === "o") last.output += text;
+      else last.error += (last.error ? "\n" : "") + text;
+      draw();
+    },
+  };
+}
+
+async function statementTable(el, session) {
+  const doc = await api("GET", `/sessions/${encodeURIComponent(session.id)}`, {query: {format: "json"}});
+  return statements(el, doc.statements);
 }
 
 // ------------------------------------------------------------------ HTTP: the exchanges
 
-async function exchanges(el, session) {
-  const full = await api("GET", `/sessions/${encodeURIComponent(session.id)}`, {query: {expand: "event_stream"}});
+function exchangeList(el, events) {
   const list = [];
-  for (const [offset, kind, data] of full.event_stream || []) {
-    const text = fromBase64(data);
-    if (kind === "i" || !list.length) list.push({offset, request: "", response: "", error: ""});
-    const last = list[list.length - 1];
-    if (kind === "i") last.request += text;
-    else if (kind === "o") last.response += text;
-    else last.error += text;
-  }
+  const ol = h("ol", {class: "exchanges", id: "exchanges"});
+  const title = h("h2", {});
   const firstLine = (text) => text.split(/\r?\n/, 1)[0];
-  mount(el, h("h2", {}, `Exchanges (${list.length})`), h("ol", {class: "exchanges", id: "exchanges"},
-    list.map((x) => h("li", {}, h("details", {},
+  function item(x) {
+    return h("li", {}, h("details", {},
       h("summary", {}, h("span", {class: "mono"}, clock(x.offset)), " ", firstLine(x.request) || "(no request)",
         " → ", firstLine(x.response) || firstLine(x.error) || "(no response)"),
       h("h3", {}, "Request"), h("pre", {class: "code"}, x.request),
       h("h3", {}, "Response"), h("pre", {class: "code"}, x.response),
-      x.error ? [h("h3", {}, "Error"), h("pre", {class: "code error"}, x.error)] : null)))));
+      x.error ? [h("h3", {}, "Error"), h("pre", {class: "code error"}, x.error)] : null));
+  }
+  function add(offset, kind, text) {
+    if (kind === "i" || !list.length) list.push({offset, request: "", response: "", error: "", el: null});
+    const last = list[list.length - 1];
+    if (kind === "i") last.request += text;
+    else if (kind === "o") last.response += text;
+    else last.error += text;
+    const fresh = item(last);
+    if (last.el) last.el.replaceWith(fresh);
+    else ol.append(fresh);
+    last.el = fresh;
+    title.textContent = `Exchanges (${list.length})`;
+  }
+  for (const [offset, kind, data] of events) add(offset, kind, fromBase64(data));
+  title.textContent = `Exchanges (${list.length})`;
+  mount(el, title, ol);
+  return {event(e) { add(e.offset_ms, e.type, fromBase64(e.payload)); }};
+}
+
+async function exchanges(el, session) {
+  const full = await api("GET", `/sessions/${encodeURIComponent(session.id)}`, {query: {expand: "event_stream"}});
+  return exchangeList(el, full.event_stream || []);
 }
 
 // ------------------------------------------------------------------ RDP: a frame player over the composed PNGs
 
-async function framePlayer(el, session) {
+async function framePlayer(el, session, live = false) {
   const base = `/sessions/${encodeURIComponent(session.id)}/rdp-frames`;
   const frames = [];
-  let total = 0;
-  for (let offset = 0; ; offset += 200) {
-    const page = await api("GET", base, {query: {offset, limit: 200}});
-    total = page.total_frames;
-    for (const f of page.frames) frames.push({index: f.index, timestamp: f.timestamp});
-    if (!page.has_more || !page.frames.length) break;
+  async function load() {  // the frames not listed yet
+    for (let offset = frames.length; ; offset += 200) {
+      const page = await api("GET", base, {query: {offset, limit: 200}});
+      for (const f of page.frames) if (f.index >= frames.length) frames.push({index: f.index, timestamp: f.timestamp});
+      if (!page.has_more || !page.frames.length) return page.total_frames;
+    }
   }
-  if (!total) return mount(el, h("h2", {}, "Screen"), notice("No frame was recorded.", "info"));
+  const total = await load();
   const image = h("img", {id: "frame", alt: "the remote screen", class: "screen"});
-  const seek = h("input", {type: "range", id: "frame-seek", min: "0", max: String(frames.length - 1), value: "0"});
+  const seek = h("input", {type: "range", id: "frame-seek", min: "0", max: String(Math.max(frames.length - 1, 0)),
+    value: "0"});
   const label = h("span", {id: "frame-info", class: "mono"});
   const playButton = h("button", {type: "button", id: "frame-play"}, "Play");
   const speed = select("speed", SPEEDS, "1", {id: "frame-speed"});
   let at = 0;
   let timer = null;
   let url = null;
-  let shown = -1;
-  async function show(i) {
+  let atEnd = live;  // live: show each new frame as it comes, until the person moves back
+  async function showFrame(i) {
     at = i;
     seek.value = String(i);
     label.textContent = `frame ${i + 1} of ${frames.length} at ${clock(frames[i].timestamp)}`;
@@ -192,7 +302,6 @@ async function framePlayer(el, session) {
     if (url) URL.revokeObjectURL(url);
     url = URL.createObjectURL(body);
     image.src = url;
-    shown = i;
     image.dataset.frame = String(i);
   }
   function stop() {
@@ -204,7 +313,7 @@ async function framePlayer(el, session) {
     if (at >= frames.length - 1) return stop();
     const wait = (frames[at + 1].timestamp - frames[at].timestamp) / parseFloat(speed.value);
     timer = setTimeout(async () => {
-      await show(at + 1);
+      await showFrame(at + 1);
       if (timer) step();
     }, Math.max(0, Math.min(wait, 5000)));
   }
@@ -213,21 +322,58 @@ async function framePlayer(el, session) {
     if (at >= frames.length - 1) at = 0;
     playButton.textContent = "Pause";
     timer = -1;
-    show(at).then(step);
+    showFrame(at).then(step);
   });
-  seek.addEventListener("input", () => show(parseInt(seek.value, 10)));
+  seek.addEventListener("input", () => {
+    atEnd = live && parseInt(seek.value, 10) >= frames.length - 1;
+    showFrame(parseInt(seek.value, 10));
+  });
   window.addEventListener("hashchange", stop, {once: true});
-  mount(el, h("h2", {}, "Screen"),
+  mount(el, h("h2", {}, live ? "Screen (live)" : "Screen"),
     h("div", {class: "controls"}, playButton, h("label", {}, "Speed ", speed), seek, label,
-      h("button", {type: "button", id: "frame-next", onclick: () => at < frames.length - 1 && show(at + 1)}, "Step →")),
+      h("button", {type: "button", id: "frame-next", onclick: () => at < frames.length - 1 && showFrame(at + 1)},
+        "Step →")),
     image);
-  await show(0);
-  return shown;
+  const empty = notice("No frame was recorded yet.", "info");
+  if (!total) el.append(empty);
+  else await showFrame(live ? frames.length - 1 : 0);
+  let loading = null;
+  return {
+    event() {},
+    frames(count) {  // more frames were recorded: list them, and show the newest when following the end
+      if (count <= frames.length || loading) return;
+      loading = load().then(() => {
+        loading = null;
+        empty.remove();
+        seek.max = String(frames.length - 1);
+        if (atEnd && !timer) return showFrame(frames.length - 1);
+        label.textContent = `frame ${at + 1} of ${frames.length} at ${clock(frames[at].timestamp)}`;
+      });
+    },
+  };
 }
 
 // ------------------------------------------------------------------ anything else: the output as text
 
 async function plainOutput(el, session) {
   const doc = await api("GET", `/sessions/${encodeURIComponent(session.id)}`, {query: {event_stream: "utf8"}});
-  mount(el, h("h2", {}, "Output"), h("pre", {class: "code", id: "output"}, (doc.event_stream || [""])[0]));
+  const out = h("pre", {class: "code", id: "output"}, (doc.event_stream || [""])[0]);
+  mount(el, h("h2", {}, "Output"), out);
+  return out;
 }
+
+const RECORDED = {ssh: sshPlayer, postgres: statementTable, rdp: framePlayer, httpproxy: exchanges,
+  default: plainOutput};
+
+// a live session starts empty: the stream sends its history first, then what comes
+const LIVE = {
+  ssh: liveTerminal,
+  postgres: async (el) => statements(el, []),
+  httpproxy: async (el) => exchangeList(el, []),
+  rdp: (el, session) => framePlayer(el, session, true),
+  default: async (el) => {
+    const out = h("pre", {class: "code", id: "output"});
+    mount(el, h("h2", {}, "Output (live)"), out);
+    return {event(e) { if (e.type !== "i") out.textContent += fromBase64(e.payload); }};
+  },
+};

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 DEFAULT_URL = "http://127.0.0.1:8009"
 TIMEOUT = 60.0
@@ -35,7 +36,7 @@ class ClientError(Exception):
 
 
 def login_file() -> Path:
-    """Where the login is kept: ``$GATEWAYD_CLIENT_CONFIG``, else ``$XDG_CONFIG_HOME/gatewayd/login.json``."""
+    """Where the logins are kept: ``$GATEWAYD_CLIENT_CONFIG``, else ``$XDG_CONFIG_HOME/gatewayd/login.json``."""
     explicit = os.environ.get("GATEWAYD_CLIENT_CONFIG")
     if explicit:
         return Path(explicit)
@@ -43,45 +44,120 @@ def login_file() -> Path:
     return base / "gatewayd" / "login.json"
 
 
+PROFILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def _read_logins() -> dict[str, Any]:
+    """The login file as ``{"default": NAME, "profiles": {NAME: {"url", "token"}}}`` (a file of one login, as
+    written before profiles, is the profile ``default``)."""
+    path = login_file()
+    try:
+        saved = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {"default": "", "profiles": {}}
+    except (OSError, ValueError) as exc:
+        raise ClientError(f"cannot read the login file {path}: {exc}") from None
+    if not isinstance(saved, dict):
+        raise ClientError(f"cannot read the login file {path}: not a JSON object")
+    if "profiles" not in saved:  # one login, as written before profiles
+        return {"default": "default", "profiles": {"default": saved} if saved.get("url") else {}}
+    profiles = {k: v for k, v in (saved.get("profiles") or {}).items() if isinstance(v, dict)}
+    return {"default": str(saved.get("default") or ""), "profiles": profiles}
+
+
+def _write_logins(logins: dict[str, Any]) -> Path:
+    """Write the logins with mode 0600 (created so, never widened for a moment)."""
+    path = login_file()
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    temporary = path.with_suffix(".tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        json.dump(logins, handle, indent=1)
+    os.chmod(temporary, 0o600)
+    os.replace(temporary, path)
+    return path
+
+
+def normal_url(url: str) -> str:
+    """A gateway URL as compared and kept: scheme and host in lower case, no trailing slash or ``/api``."""
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    parts = urllib.parse.urlsplit(url)
+    path = parts.path.rstrip("/").removesuffix("/api")
+    return urllib.parse.urlunsplit((parts.scheme.lower(), parts.netloc.lower(), path, "", ""))
+
+
+def profile_for_url(url: str) -> str:
+    """A profile name made of a URL's host and port (``localhost-8009``)."""
+    netloc = urllib.parse.urlsplit(url).netloc.rsplit("@", 1)[-1]
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", netloc).strip("-.") or "default"
+    return name[:64]
+
+
 @dataclass(slots=True)
 class Login:
-    """The gateway's URL and the token to use there."""
+    """A gateway's URL and the token to use there, kept under a profile name (several gateways, one file).
+
+    Which profile a command uses: ``--profile``, else ``$GATEWAYD_PROFILE``, else the one whose URL is
+    ``--url`` (or ``$GATEWAYD_URL``), else the default profile (the last one logged in to).
+    """
 
     url: str
     token: str = ""
+    profile: str = "default"
 
     @classmethod
-    def load(cls, url: str | None = None) -> "Login":
-        path = login_file()
-        try:
-            saved = json.loads(path.read_text())
-        except FileNotFoundError:
-            saved = {}
-        except (OSError, ValueError) as exc:
-            raise ClientError(f"cannot read the login file {path}: {exc}") from None
-        chosen = (url or os.environ.get("GATEWAYD_URL") or saved.get("url") or DEFAULT_URL).rstrip("/")
-        token = saved.get("token", "") if saved.get("url", "").rstrip("/") == chosen else ""
-        return cls(chosen, token)
+    def load(cls, url: str | None = None, profile: str | None = None) -> "Login":
+        logins = _read_logins()
+        profiles = logins["profiles"]
+        wanted = url or os.environ.get("GATEWAYD_URL") or ""
+        name = profile or os.environ.get("GATEWAYD_PROFILE") or ""
+        if name and not PROFILE_NAME.fullmatch(name):
+            raise ClientError(f"--profile {name!r}: use letters, digits, '.', '_' and '-'", EXIT_USAGE)
+        if not name and wanted:
+            name = next((n for n, p in profiles.items() if normal_url(p.get("url", "")) == normal_url(wanted)), "")
+        name = name or logins["default"] or "default"
+        saved = profiles.get(name) or {}
+        chosen = normal_url(wanted or saved.get("url") or DEFAULT_URL)
+        token = saved.get("token", "") if normal_url(saved.get("url", "") or "-") == chosen else ""
+        return cls(chosen, token, name)
 
-    def save(self) -> Path:
-        """Write the login with mode 0600 (created so, never widened for a moment)."""
-        path = login_file()
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        temporary = path.with_suffix(".tmp")
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as handle:
-            json.dump({"url": self.url, "token": self.token}, handle)
-        os.chmod(temporary, 0o600)
-        os.replace(temporary, path)
-        return path
+    def save(self, make_default: bool = True) -> Path:
+        logins = _read_logins()
+        logins["profiles"][self.profile] = {"url": self.url, "token": self.token}
+        if make_default or not logins["default"]:
+            logins["default"] = self.profile
+        return _write_logins(logins)
+
+    def forget(self) -> bool:
+        """Drop this profile's login; True when there was one."""
+        logins = _read_logins()
+        if logins["profiles"].pop(self.profile, None) is None:
+            return False
+        if logins["default"] == self.profile:
+            logins["default"] = next(iter(logins["profiles"]), "")
+        if logins["profiles"]:
+            _write_logins(logins)
+        else:
+            login_file().unlink(missing_ok=True)
+        return True
 
     @staticmethod
-    def forget() -> bool:
-        try:
-            login_file().unlink()
-        except FileNotFoundError:
-            return False
-        return True
+    def profiles() -> tuple[str, dict[str, dict[str, Any]]]:
+        """The default profile's name and every profile (url, token)."""
+        logins = _read_logins()
+        return logins["default"], logins["profiles"]
+
+    @staticmethod
+    def use(name: str) -> None:
+        """Make ``name`` the default profile."""
+        logins = _read_logins()
+        if name not in logins["profiles"]:
+            known = ", ".join(sorted(logins["profiles"])) or "none yet: gatewayd login"
+            raise ClientError(f"no profile {name!r} (profiles: {known})", EXIT_USAGE)
+        logins["default"] = name
+        _write_logins(logins)
 
 
 @dataclass(slots=True)
@@ -101,35 +177,79 @@ class Api:
         self.login = login
         self.timeout = timeout
 
-    def call(self, method: str, path: str, body: Any = None, query: dict[str, Any] | None = None,
-             expect: tuple[int, ...] = (200, 201, 204), anonymous: bool = False) -> Answer:
-        """Call ``/api<path>``; an unexpected status is a ClientError carrying the API's message."""
+    def _request(self, method: str, path: str, body: Any, query: dict[str, Any] | None, anonymous: bool,
+                 headers: dict[str, str] | None) -> urllib.request.Request:
         url = f"{self.login.url}/api{path}"
         if query:
             url += "?" + urllib.parse.urlencode({k: v for k, v in query.items() if v not in (None, "")})
         data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(url, data=data, method=method)
+        request = urllib.request.Request(url, data=data, method=method, headers=headers or {})
         if data is not None:
             request.add_header("Content-Type", "application/json")
         if not anonymous:
             if not self.login.token:
-                raise ClientError(f"not logged in to {self.login.url}: run `gatewayd login`", EXIT_LOGIN)
+                raise ClientError(f"not logged in to {self.login.url}: run `gatewayd login{self._named()}`",
+                                  EXIT_LOGIN)
             request.add_header("Authorization", f"Bearer {self.login.token}")
+        return request
+
+    def _named(self) -> str:
+        return "" if self.login.profile == "default" else f" --profile {self.login.profile}"
+
+    def _unreachable(self, exc: BaseException) -> ClientError:
+        reason = getattr(exc, "reason", exc)
+        return ClientError(f"cannot reach the gateway at {self.login.url}: {reason}", EXIT_UNREACHABLE)
+
+    def call(self, method: str, path: str, body: Any = None, query: dict[str, Any] | None = None,
+             expect: tuple[int, ...] = (200, 201, 204), anonymous: bool = False,
+             headers: dict[str, str] | None = None) -> Answer:
+        """Call ``/api<path>``; an unexpected status is a ClientError carrying the API's message."""
+        request = self._request(method, path, body, query, anonymous, headers)
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
                 answer = self._answer(response.status, response.read(), response.headers.get("Content-Type", ""))
         except urllib.error.HTTPError as error:
             answer = self._answer(error.code, error.read(), error.headers.get("Content-Type", ""))
         except (urllib.error.URLError, socket.timeout, ConnectionError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise ClientError(f"cannot reach the gateway at {self.login.url}: {reason}", EXIT_UNREACHABLE) from None
+            raise self._unreachable(exc) from None
         if answer.status in expect:
             return answer
+        raise self._refused(method, path, answer, anonymous)
+
+    def _refused(self, method: str, path: str, answer: Answer, anonymous: bool) -> ClientError:
         message = answer.data.get("message") if isinstance(answer.data, dict) else ""
         if answer.status == 401 and not anonymous:
-            raise ClientError(f"the gateway refused your login ({message or 'access denied'}): it may have "
-                              "expired; run `gatewayd login`", EXIT_LOGIN)
-        raise ClientError(f"{method} /api{path}: {answer.status} {message or answer.raw[:200].decode('utf-8', 'replace')}")
+            return ClientError(f"the gateway refused your login ({message or 'access denied'}): it may have "
+                               f"expired; run `gatewayd login{self._named()}`", EXIT_LOGIN)
+        return ClientError(f"{method} /api{path}: {answer.status} "
+                           f"{message or answer.raw[:200].decode('utf-8', 'replace')}")
+
+    def stream(self, path: str, query: dict[str, Any] | None = None) -> Iterator[tuple[str, Any]]:
+        """The server-sent events of ``GET /api<path>`` as (event, decoded JSON data), as they come."""
+        request = self._request("GET", path, None, query, False, {"Accept": "text/event-stream"})
+        try:
+            response = urllib.request.urlopen(request, timeout=self.timeout)
+        except urllib.error.HTTPError as error:
+            answer = self._answer(error.code, error.read(), error.headers.get("Content-Type", ""))
+            raise self._refused("GET", path, answer, False) from None
+        except (urllib.error.URLError, socket.timeout, ConnectionError) as exc:
+            raise self._unreachable(exc) from None
+        with response:
+            event, data = "message", list[str]()
+            try:
+                for raw in response:
+                    line = raw.decode("utf-8").rstrip("\r\n")
+                    if not line:
+                        if data:
+                            yield event, json.loads("\n".join(data))
+                        event, data = "message", []
+                    elif line.startswith("event:"):
+                        event = line[6:].strip()
+                    elif line.startswith("data:"):
+                        data.append(line[5:].lstrip())
+            except (socket.timeout, ConnectionError, OSError) as exc:
+                raise ClientError(f"the gateway at {self.login.url} stopped answering: {exc}",
+                                  EXIT_UNREACHABLE) from None
 
     @staticmethod
     def _answer(status: int, raw: bytes, content_type: str) -> Answer:

@@ -1,8 +1,8 @@
-"""The people's commands of ``gatewayd``: login, connections, connect, exec, sessions, reviews.
+"""The people's commands of ``gatewayd``: login, profiles, whoami, connections, connect, exec, sessions, reviews.
 
 Each command is a function of its parsed arguments that returns an exit code; it talks to the
-gateway only through ``Api`` (the public API), prints tables for people and JSON with ``--json``,
-and fails with one line (``ClientError``) instead of a traceback.
+gateway only through ``Api`` (the public API), prints tables for people and JSON with ``--output json``
+(or ``--json``), and fails with one line (``ClientError``) instead of a traceback.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import getpass
 import http.server
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -20,19 +22,46 @@ import threading
 import time
 import urllib.parse
 import webbrowser
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterable, TextIO
 
-from gatewayd.client.api import EXIT_FAILED, EXIT_LOGIN, EXIT_USAGE, Api, ClientError, Login
+from gatewayd.client.api import (
+    EXIT_FAILED,
+    EXIT_LOGIN,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    Api,
+    ClientError,
+    Login,
+    normal_url,
+    profile_for_url,
+)
 
-POLL = 1.0  # seconds between two looks at something that is waiting (a review, a running script)
+POLL = 1.0  # seconds between two looks at a review that is waiting
 LOGIN_WAIT = 300.0  # how long `login --oidc` waits for the browser
+SHORT = 8  # characters of an id shown in tables (the API takes them back where they are unambiguous)
 
 
 # --------------------------------------------------------------------------- output helpers
 
 
-def table(rows: list[dict[str, Any]], columns: list[tuple[str, str]], out: TextIO = sys.stdout) -> None:
+def _colour_on(stream: TextIO) -> bool:
+    return stream.isatty() and not os.environ.get("NO_COLOR") and os.environ.get("TERM") != "dumb"
+
+
+COLOURS = {"open": "33", "live": "33", "done": "32", "APPROVED": "32", "EXECUTED": "32", "PENDING": "33",
+           "REJECTED": "31", "REVOKED": "31", "issued": "2", "failed": "31"}
+
+
+def paint(text: str, key: str | None = None, stream: TextIO | None = None) -> str:
+    """``text`` in its status colour on a terminal (never when piped, nor with $NO_COLOR)."""
+    code = COLOURS.get(key or text)
+    return f"\033[{code}m{text}\033[0m" if code and _colour_on(stream or sys.stdout) else text
+
+
+def table(rows: list[dict[str, Any]], columns: list[tuple[str, str]], out: TextIO = sys.stdout,
+          colour: tuple[str, ...] = ("status",)) -> None:
     """A plain aligned table (``columns``: key, heading); an empty list says so."""
     if not rows:
         print("(none)", file=out)
@@ -41,15 +70,33 @@ def table(rows: list[dict[str, Any]], columns: list[tuple[str, str]], out: TextI
     widths = [max(len(heading), *(len(line[i]) for line in cells)) for i, (_, heading) in enumerate(columns)]
     print("  ".join(h.upper().ljust(w) for (_, h), w in zip(columns, widths)).rstrip(), file=out)
     for line in cells:
-        print("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip(), file=out)
+        shown = [paint(c.ljust(w), c, out) if key in colour else c.ljust(w)
+                 for (key, _), c, w in zip(columns, line, widths)]
+        print("  ".join(shown).rstrip(), file=out)
+
+
+def as_json(args: argparse.Namespace) -> bool:
+    return getattr(args, "output", "table") == "json" or getattr(args, "json", False)
 
 
 def emit(args: argparse.Namespace, data: Any, rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> int:
-    if args.json:
+    if as_json(args):
         print(json.dumps(data, indent=2))
     else:
         table(rows, columns)
     return 0
+
+
+def paged(text: str) -> None:
+    """Print ``text``, through ``$PAGER`` (``less -FRX``) when it is longer than a terminal screen."""
+    if not sys.stdout.isatty() or text.count("\n") < shutil.get_terminal_size().lines - 1:
+        sys.stdout.write(text)
+        return
+    pager = shlex.split(os.environ.get("PAGER") or "less -FRX")
+    if not pager or shutil.which(pager[0]) is None:
+        sys.stdout.write(text)
+        return
+    subprocess.run(pager, input=text, text=True, check=False)
 
 
 class Status:
@@ -74,17 +121,50 @@ class Status:
             sys.stderr.write("\n")
 
 
-def parse_duration(text: str) -> int:
-    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str, what: str = "--duration") -> int:
     try:
-        if text[-1:] in units:
-            return int(float(text[:-1]) * units[text[-1]])
+        if text[-1:] in UNITS:
+            return int(float(text[:-1]) * UNITS[text[-1]])
         return int(text)
     except ValueError:
-        raise ClientError(f"--duration: expected e.g. 30m or 1h, got {text!r}", EXIT_USAGE) from None
+        raise ClientError(f"{what}: expected e.g. 30m or 1h, got {text!r}", EXIT_USAGE) from None
 
 
-# --------------------------------------------------------------------------- login
+def human(seconds: float) -> str:
+    """``172800`` as ``48h``, ``5400`` as ``1h30m``, ``90`` as ``1m30s``."""
+    seconds = int(seconds)
+    parts = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if seconds >= size and not (unit == "d" and seconds % 86400):
+            parts.append(f"{seconds // size}{unit}")
+            seconds %= size
+    return "".join(parts) or "0s"
+
+
+def short(identifier: str | None) -> str:
+    return (identifier or "")[:SHORT]
+
+
+def moment(text: str, what: str) -> str:
+    """A time as the API takes it: RFC 3339, or ``YYYY-MM-DD[ HH:MM]`` (UTC), or ``30m``/``2h``/``1d`` ago."""
+    text = text.strip()
+    if re.fullmatch(r"\d+(\.\d+)?[smhd]", text):
+        return datetime.fromtimestamp(time.time() - parse_duration(text, what), timezone.utc).strftime(
+            "%Y-%m-%dT%H:%M:%SZ")
+    match = re.fullmatch(r"(\d{4}-\d{2}-\d{2})(?:[ T](\d{2}:\d{2})(:\d{2})?)?(Z|[+-]\d{2}:\d{2})?", text)
+    if not match:
+        raise ClientError(f"{what}: expected 2025-01-31, '2025-01-31 14:05' (UTC), RFC 3339 or 2h (ago), "
+                          f"got {text!r}", EXIT_USAGE)
+    day, clock, secs, zone = match.groups()
+    if not clock:
+        return day
+    return f"{day}T{clock}{secs or ':00'}{zone or 'Z'}"
+
+
+# --------------------------------------------------------------------------- login, profiles, whoami
 
 
 class _Callback(http.server.BaseHTTPRequestHandler):
@@ -127,14 +207,42 @@ def _oidc_login(api: Api, open_browser: bool) -> str:
     return _Callback.token
 
 
+def _ask(prompt: str, secret: bool = False) -> str:
+    """A line typed at the terminal; a clear error (never a traceback) when there is no terminal to ask."""
+    if not sys.stdin.isatty():
+        what = "password" if secret else "e-mail"
+        hint = "--password-stdin and pipe the password in" if secret else "--email"
+        raise ClientError(f"no terminal to ask for your {what}: use {hint}", EXIT_USAGE)
+    try:
+        return getpass.getpass(prompt) if secret else input(prompt)
+    except EOFError:
+        raise ClientError("nothing was typed: login cancelled", EXIT_USAGE) from None
+
+
+def _login_target(args: argparse.Namespace) -> Login:
+    """The profile a login writes: ``--profile``, else the one of ``--url``, else a new one named after a new URL."""
+    login = Login.load(args.url, args.profile)
+    if args.url and not args.profile and not os.environ.get("GATEWAYD_PROFILE"):
+        default, profiles = Login.profiles()
+        taken = profiles.get(login.profile)
+        if taken and normal_url(taken.get("url", "")) != normal_url(args.url):
+            login.profile = profile_for_url(normal_url(args.url))  # another gateway: a profile of its own
+    return login
+
+
 def cmd_login(args: argparse.Namespace) -> int:
-    login = Login.load(args.url)
+    login = _login_target(args)
     api = Api(login)
     if args.oidc:
         token = _oidc_login(api, not args.no_browser)
     else:
-        email = args.email or input("e-mail: ")
-        password = sys.stdin.readline().rstrip("\n") if args.password_stdin else getpass.getpass("password: ")
+        email = args.email or _ask("e-mail: ")
+        if args.password_stdin:
+            password = sys.stdin.readline().rstrip("\n")
+            if not password:
+                raise ClientError("--password-stdin: no password on standard input", EXIT_USAGE)
+        else:
+            password = _ask("password: ", secret=True)
         body = {"email": email, "password": password, **({"org_id": args.org} if args.org else {})}
         answer = api.call("POST", "/localauth/login", body, anonymous=True, expect=(200, 401))
         if answer.status == 401:
@@ -142,41 +250,100 @@ def cmd_login(args: argparse.Namespace) -> int:
         token = answer.data["token"]
     login.token = token
     me = Api(login).get("/userinfo")
-    path = login.save()
-    print(f"logged in to {login.url} as {me['email']} (saved in {path})", file=sys.stderr)
+    path = login.save(make_default=not os.environ.get("GATEWAYD_PROFILE"))
+    if as_json(args):
+        print(json.dumps({"url": login.url, "profile": login.profile, "email": me["email"], "file": str(path)}))
+    print(f"logged in to {login.url} as {me['email']} (profile {login.profile}, saved in {path})", file=sys.stderr)
     return 0
 
 
 def cmd_logout(args: argparse.Namespace) -> int:
     """Sign the saved token out at the gateway (refused from now on, wherever a copy of it is), then forget it."""
-    login = Login.load()  # the saved login: the gateway that token is for
+    login = Login.load(args.url, args.profile)  # the saved login: the gateway that token is for
     note = ""
     if login.token:
         try:
             Api(login).call("POST", "/logout", expect=(204, 401))
         except ClientError as exc:  # unreachable: the local copy goes anyway, and the user is told the rest
             note = f" here; the gateway was not told ({exc}): the token stays valid until it expires"
-    print(("logged out" + note) if Login.forget() else "was not logged in", file=sys.stderr)
+    forgotten = login.forget()
+    if as_json(args):
+        print(json.dumps({"profile": login.profile, "logged_out": forgotten}))
+    print(("logged out" + note) if forgotten else "was not logged in", file=sys.stderr)
     return 0
+
+
+def _token_expiry(token: str) -> str:
+    """When a JWT says it expires (read, not verified: the gateway verifies), or ''."""
+    try:
+        payload = token.split(".")[1]
+        claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+        return datetime.fromtimestamp(int(claims["exp"]), timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    except (IndexError, KeyError, ValueError, TypeError):
+        return ""
+
+
+def cmd_whoami(args: argparse.Namespace) -> int:
+    login = Login.load(args.url, args.profile)
+    me = Api(login).get("/userinfo")
+    expires = _token_expiry(login.token)
+    if as_json(args):
+        print(json.dumps({"profile": login.profile, "url": login.url, "token_expires_at": expires or None, **me},
+                         indent=2))
+        return 0
+    roles = [r for r, on in (("admin", me.get("is_admin")), ("auditor", me.get("is_auditor"))) if on]
+    print(f"{me['email']}{' (' + me['name'] + ')' if me.get('name') else ''} at {login.url} (profile {login.profile})")
+    print(f"groups: {', '.join(me.get('groups') or []) or 'none'}" + (f"; {', '.join(roles)}" if roles else ""))
+    if me.get("org_id"):
+        print(f"organization: {me.get('org_name') or ''} {me['org_id']}".replace("  ", " "))
+    if expires:
+        print(f"login valid until {expires}")
+    return 0
+
+
+def cmd_profiles(args: argparse.Namespace) -> int:
+    if getattr(args, "use", None):
+        Login.use(args.use)
+        print(f"default profile: {args.use}", file=sys.stderr)
+        return 0
+    default, profiles = Login.profiles()
+    rows = [{"name": ("* " if name == default else "  ") + name, "url": p.get("url", ""),
+             "login": "yes" if p.get("token") else "no", "expires": _token_expiry(p.get("token", ""))}
+            for name, p in sorted(profiles.items())]
+    data = {"default": default, "profiles": {n: {"url": p.get("url", ""), "logged_in": bool(p.get("token")),
+                                                 "token_expires_at": _token_expiry(p.get("token", "")) or None}
+                                             for n, p in profiles.items()}}
+    return emit(args, data, rows, [("name", "profile"), ("url", "gateway"), ("login", "logged in"),
+                                   ("expires", "until")])
 
 
 # --------------------------------------------------------------------------- connections and access
 
 
-def _needs_review(connection: dict[str, Any]) -> str:
-    reviewers = connection.get("reviewers") or (connection.get("settings") or {}).get("reviewers") or []
-    return ",".join(reviewers) if reviewers else "no"
+def review_by(connection: dict[str, Any]) -> str:
+    """Who reviews access to a connection, as the API says (its access request rules or its settings)."""
+    policy = connection.get("review_policy")
+    if policy is None:  # an older gateway: the connection's own settings only
+        reviewers = connection.get("reviewers") or (connection.get("settings") or {}).get("reviewers") or []
+        return ",".join(reviewers) if reviewers else "no"
+    needs = {kind: ",".join(p["reviewers"]) for kind, p in policy.items() if p}
+    if not needs:
+        return "no"
+    if len(set(needs.values())) == 1 and len(needs) == 2:
+        return next(iter(needs.values()))
+    return " ".join(f"{groups} ({'access' if kind == 'jit' else 'scripts'})" for kind, groups in needs.items())
 
 
 def cmd_connections(args: argparse.Namespace) -> int:
-    connections = Api(Login.load(args.url)).get("/connections")
-    rows = [{"name": c["name"], "type": c["type"], "subtype": c["subtype"], "review": _needs_review(c),
+    connections = Api(Login.load(args.url, args.profile)).get("/connections")
+    rows = [{"name": c["name"], "type": c["type"], "subtype": c["subtype"], "review": review_by(c),
              "resource": c.get("resource_name", "")} for c in connections]
     return emit(args, connections, rows, [("name", "name"), ("subtype", "type"), ("review", "review by"),
                                           ("resource", "resource")])
 
 
-def _wait_review(api: Api, review_id: str, what: str) -> dict[str, Any]:
+def _wait_review(api: Api, review_id: str, what: str, again: str) -> dict[str, Any]:
+    """Wait until a review is decided; interrupted (Ctrl-C, the gateway gone), say how to pick it up again."""
     status = Status()
     try:
         while True:
@@ -186,20 +353,42 @@ def _wait_review(api: Api, review_id: str, what: str) -> dict[str, Any]:
             if state not in ("PENDING",):
                 return review
             time.sleep(POLL)
+    except KeyboardInterrupt:
+        status.done()
+        print(f"gatewayd: the request stays open (review {short(review_id)}): {again}", file=sys.stderr)
+        raise
+    except ClientError as exc:
+        if exc.exit_code == EXIT_UNREACHABLE:
+            raise ClientError(f"{exc}; the request stays open (review {short(review_id)}): {again}",
+                              EXIT_UNREACHABLE) from None
+        raise
     finally:
         status.done()
 
 
-def _credentials(api: Api, name: str, seconds: int) -> dict[str, Any]:
-    answer = api.call("POST", f"/connections/{urllib.parse.quote(name, safe='')}/credentials",
-                      {"access_duration_seconds": seconds}, expect=(201, 202))
+def _duration_refused(exc: ClientError, asked: int) -> ClientError:
+    """The API's bounds of access_duration_seconds said in the units the person typed."""
+    found = re.search(r"between 1 and (\d+)", str(exc))
+    if "access_duration_seconds" in str(exc) and found:
+        return ClientError(f"--duration {human(asked)} is longer than this gateway allows for this connection "
+                           f"(at most {human(int(found.group(1)))})", EXIT_USAGE)
+    return exc
+
+
+def _credentials(api: Api, name: str, seconds: int, reason: str) -> dict[str, Any]:
+    quoted = urllib.parse.quote(name, safe="")
+    body: dict[str, Any] = {"access_duration_seconds": seconds, **({"reason": reason} if reason else {})}
+    try:
+        answer = api.call("POST", f"/connections/{quoted}/credentials", body, expect=(201, 202))
+    except ClientError as exc:
+        raise _duration_refused(exc, seconds) from None
     if answer.status == 201:
         return answer.data
-    review = _wait_review(api, answer.data["review_id"], f"access to {name}")
+    review = _wait_review(api, answer.data["review_id"], f"access to {name}",
+                          f"run `gatewayd connect {name}` again to pick it up")
     if review["status"] != "APPROVED":
         raise ClientError(f"access to {name} was not granted: the review is {review['status']}")
-    return api.call("POST", f"/connections/{urllib.parse.quote(name, safe='')}/credentials/"
-                            f"{answer.data['session_id']}", expect=(201,)).data
+    return api.call("POST", f"/connections/{quoted}/credentials/{answer.data['session_id']}", expect=(201,)).data
 
 
 def client_command(subtype: str, access: dict[str, Any]) -> tuple[list[str], dict[str, str], str]:
@@ -238,11 +427,14 @@ def with_client_args(argv: list[str], extra: list[str]) -> list[str]:
 
 
 def cmd_connect(args: argparse.Namespace) -> int:
-    api = Api(Login.load(args.url))
-    credentials = _credentials(api, args.name, parse_duration(args.duration))
+    api = Api(Login.load(args.url, args.profile))
+    credentials = _credentials(api, args.name, parse_duration(args.duration), args.reason or "")
     access = credentials.get("connection_credentials") or {}
     subtype = credentials.get("connection_subtype") or credentials.get("connection_type") or ""
     argv, env, shown = client_command(subtype, access)
+    if as_json(args):
+        print(json.dumps(credentials, indent=2))
+        return 0
     if args.print or not argv and not access.get("url"):
         print(shown)
         for key in ("connection_string", "url", "header"):
@@ -260,60 +452,116 @@ def cmd_connect(args: argparse.Namespace) -> int:
     return subprocess.call(with_client_args(argv, list(args.client_args)), env={**os.environ, **env})
 
 
+# --------------------------------------------------------------------------- following a session
+
+
+def _text(event: dict[str, Any]) -> str:
+    return base64.b64decode(event["payload"]).decode("utf-8", "replace")
+
+
+def follow_output(api: Api, session_id: str, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    """Write a session's output as it is recorded (``o`` to ``out``, ``e`` to ``err``); its exit code once it ends."""
+    for event, data in api.stream(f"/sessions/{session_id}/stream"):
+        if event == "event" and data["type"] in "oe":
+            stream = out if data["type"] == "o" else err
+            stream.write(_text(data))
+            stream.flush()
+        elif event == "end":
+            code = data.get("exit_code")
+            return int(code) if code is not None else EXIT_FAILED
+    raise ClientError(f"the gateway stopped before session {short(session_id)} ended: "
+                      f"`gatewayd sessions replay --follow {short(session_id)}` follows it on", EXIT_UNREACHABLE)
+
+
 # --------------------------------------------------------------------------- one-time scripts
 
 
-def _follow(api: Api, session_id: str, out: TextIO) -> int:
-    """Print a running script's output as it is recorded; its exit code once it is done."""
-    shown = 0
-    status = Status()
-    while True:
-        session = api.get(f"/sessions/{session_id}", event_stream="utf8")
-        text = (session.get("event_stream") or [""])[0]
-        if len(text) > shown:
-            out.write(text[shown:])
-            out.flush()
-            shown = len(text)
-        if session["status"] == "done":
-            status.done()
-            return int(session["exit_code"] if session["exit_code"] is not None else EXIT_FAILED)
-        status.show(f"session {session_id} is running")
-        time.sleep(POLL)
+def _run_reviewed(api: Api, review: dict[str, Any]) -> int:
+    """A reviewed script: wait for its decision, run it once approved, follow its output; its exit code."""
+    review_id, session_id = review["id"], str(review.get("session_id") or review.get("session") or "")
+    again = f"run it once approved with `gatewayd exec --review {short(review_id)}`"
+    if review["status"] == "PENDING":
+        review = _wait_review(api, review_id, "script", again)
+    if review["status"] in ("PROCESSING", "EXECUTED"):  # it ran, or runs: its output
+        return follow_output(api, session_id)
+    if review["status"] != "APPROVED":
+        raise ClientError(f"the script was not run: its review is {review['status']}")
+    answer = api.call("POST", f"/sessions/{session_id}/exec", expect=(200, 201, 202),
+                      headers={"Prefer": "respond-async"})
+    return _script_result(api, answer.data)
 
 
-def cmd_exec(args: argparse.Namespace) -> int:
-    if (args.file is None) == (args.command is None):
-        raise ClientError("give the script with -f FILE or -c TEXT (one of them)", EXIT_USAGE)
-    script = args.command if args.command is not None else (
-        sys.stdin.read() if args.file == "-" else Path(args.file).read_text())
-    api = Api(Login.load(args.url))
-    answer = api.call("POST", "/sessions", {"connection": args.name, "script": script}, expect=(200, 201, 202))
-    result = answer.data
-    if result.get("review_id") and result.get("has_review") and answer.status == 202 and not result.get("output_status"):
-        review = _wait_review(api, result["review_id"], "script")
-        if review["status"] != "APPROVED":
-            raise ClientError(f"the script was not run: its review is {review['status']}")
-        answer = api.call("POST", f"/sessions/{result['session_id']}/exec", expect=(200, 201, 202))
-        result = answer.data
+def _script_result(api: Api, result: dict[str, Any]) -> int:
     if result.get("output_status") == "running":
-        return _follow(api, result["session_id"], sys.stdout)
+        return follow_output(api, result["session_id"])
     sys.stdout.write(result.get("output") or "")
     code = result.get("exit_code")
     return int(code) if code is not None else EXIT_FAILED
 
 
+def cmd_exec(args: argparse.Namespace) -> int:
+    api = Api(Login.load(args.url, args.profile))
+    if args.review:
+        if args.name or args.file is not None or args.command is not None:
+            raise ClientError("--review ID runs the script of that review: give no connection or script",
+                              EXIT_USAGE)
+        review = api.get(f"/reviews/{urllib.parse.quote(args.review, safe='')}")
+        if review.get("type") != "onetime":
+            raise ClientError(f"review {short(review['id'])} is an access request, not a script: "
+                              f"`gatewayd connect {review['review_connection']['name']}` uses it", EXIT_USAGE)
+        return _run_reviewed(api, review)
+    if not args.name:
+        raise ClientError("give the connection: gatewayd exec NAME -c TEXT (or --review ID)", EXIT_USAGE)
+    if (args.file is None) == (args.command is None):
+        raise ClientError("give the script with -f FILE or -c TEXT (one of them)", EXIT_USAGE)
+    script = args.command if args.command is not None else (
+        sys.stdin.read() if args.file == "-" else Path(args.file).read_text())
+    body = {"connection": args.name, "script": script, **({"reason": args.reason} if args.reason else {})}
+    answer = api.call("POST", "/sessions", body, expect=(200, 201, 202), headers={"Prefer": "respond-async"})
+    result = answer.data
+    if result.get("has_review") and result.get("review_id") and not result.get("output_status"):
+        print(f"the script needs a review: {short(result['review_id'])} "
+              f"(by {', '.join(g['group'] for g in result['review']['review_groups_data'])})", file=sys.stderr)
+        review = {**result["review"], "session_id": result["session_id"]}
+        return _run_reviewed(api, review)
+    return _script_result(api, result)
+
+
 # --------------------------------------------------------------------------- sessions
 
 
+PROTOCOLS = ("postgres", "ssh", "rdp", "httpproxy")
+
+
+def shown_status(session: dict[str, Any]) -> str:
+    """A session's status for people: a credential issued and not used yet is ``issued``, not live."""
+    if session.get("status") == "ready":
+        return "issued" if session.get("verb") == "connect" else "waiting"
+    return session.get("status", "")
+
+
 def cmd_sessions(args: argparse.Namespace) -> int:
-    api = Api(Login.load(args.url))
-    page = api.get("/sessions", connection=args.connection, user=args.user, type=args.type, limit=args.limit)
+    api = Api(Login.load(args.url, args.profile))
+    kind, protocol = args.type, args.protocol
+    if kind in PROTOCOLS and not protocol:  # `--type ssh`: what people mean is the protocol
+        kind, protocol = None, kind
+    query = {"connection": args.connection, "user": args.user, "type": kind, "protocol": protocol,
+             "status": "ready" if args.status == "issued" else args.status, "search": args.search,
+             "start_date": moment(args.since, "--since") if args.since else None,
+             "end_date": moment(args.until, "--until") if args.until else None,
+             "limit": args.limit, "offset": args.offset}
+    page = api.get("/sessions", **query)
     items = page["data"] if isinstance(page, dict) else page
-    rows = [{"id": s["id"], "user": s["user"], "connection": s["connection"], "verb": s["verb"],
-             "status": s["status"], "start": s["start_date"], "exit": s.get("exit_code")} for s in items]
-    return emit(args, page, rows, [("start", "started"), ("id", "session"), ("user", "user"),
-                                   ("connection", "connection"), ("verb", "verb"), ("status", "status"),
-                                   ("exit", "exit")])
+    rows = [{"id": short(s["id"]), "user": s["user"], "connection": s["connection"],
+             "protocol": s.get("connection_subtype") or s["type"], "verb": s["verb"], "status": shown_status(s),
+             "start": (s["start_date"] or "")[:19].replace("T", " "), "exit": s.get("exit_code")} for s in items]
+    code = emit(args, page, rows, [("start", "started"), ("id", "session"), ("user", "user"),
+                                   ("connection", "connection"), ("protocol", "protocol"), ("verb", "verb"),
+                                   ("status", "status"), ("exit", "exit")])
+    if not as_json(args) and isinstance(page, dict) and page.get("has_next_page"):
+        total = f"{page['total']}{'' if page.get('total_exact', True) else '+'}"
+        print(f"{len(items)} of {total}: --offset {args.offset + len(items)} for more", file=sys.stderr)
+    return code
 
 
 def _events(session: dict[str, Any]) -> Iterable[tuple[int, str, str]]:
@@ -321,28 +569,34 @@ def _events(session: dict[str, Any]) -> Iterable[tuple[int, str, str]]:
         yield offset, kind, base64.b64decode(data).decode("utf-8", "replace")
 
 
+MARKS = {"i": ">", "o": "<", "e": "!"}
+
+
 def cmd_session_show(args: argparse.Namespace) -> int:
-    api = Api(Login.load(args.url))
-    session = api.get(f"/sessions/{args.id}", expand="event_stream")
-    if args.json:
+    api = Api(Login.load(args.url, args.profile))
+    session = api.get(f"/sessions/{urllib.parse.quote(args.id, safe='')}", expand="event_stream")
+    if as_json(args):
         print(json.dumps(session, indent=2))
         return 0
-    print(f"session {session['id']}: {session['user']} on {session['connection']} ({session['connection_subtype']}, "
-          f"{session['verb']}), {session['status']}, exit {session.get('exit_code')}, from {session['start_date']}")
+    sid = session["id"]
+    lines = [f"session {sid}: {session['user']} on {session['connection']} ({session['connection_subtype']}, "
+             f"{session['verb']}), {shown_status(session)}, exit {session.get('exit_code')}, "
+             f"from {session['start_date']}\n"]
+    if (session.get("script") or {}).get("data"):
+        lines.append(f"\nscript:\n{session['script']['data'].rstrip()}\n")
     subtype = session["connection_subtype"]
     if subtype == "postgres":
-        for row in api.get(f"/sessions/{args.id}", format="json")["statements"]:
-            print(f"\n[{row['offset_ms'] / 1000:.3f}s] {row['statement'].rstrip()}")
-            if row["output"]:
-                print(row["output"].rstrip())
-            if row["error"]:
-                print(row["error"].rstrip())
+        for row in api.get(f"/sessions/{sid}", format="json")["statements"]:
+            lines.append(f"\n[{row['offset_ms'] / 1000:.3f}s] {row['statement'].rstrip()}\n")
+            for part in (row["output"], row["error"]):
+                if part:
+                    lines.append(part.rstrip() + "\n")
     elif subtype == "ssh":
-        sys.stdout.write(api.get(f"/sessions/{args.id}", event_stream="utf8")["event_stream"][0])
+        lines.append(api.get(f"/sessions/{sid}", event_stream="utf8")["event_stream"][0])
     else:
-        marks = {"i": ">", "o": "<", "e": "!"}
-        for offset, kind, text in _events(session):
-            print(f"[{offset / 1000:.3f}s] {marks.get(kind, kind)} {text.rstrip()}")
+        lines += [f"[{offset / 1000:.3f}s] {MARKS.get(kind, kind)} {text.rstrip()}\n"
+                  for offset, kind, text in _events(session)]
+    paged("".join(lines))
     return 0
 
 
@@ -353,36 +607,75 @@ def play(cast: str, speed: float, idle_limit: float, out: TextIO, sleep: Callabl
         return 0
     previous = 0.0
     for line in lines[1:]:
-        moment, kind, text = json.loads(line)
+        moment_, kind, text = json.loads(line)
         if kind != "o":
             continue
-        sleep(min(max(moment - previous, 0.0), idle_limit) / speed)
-        previous = moment
+        sleep(min(max(moment_ - previous, 0.0), idle_limit) / speed)
+        previous = moment_
         out.write(text)
         out.flush()
     return 0
 
 
+def follow_session(api: Api, session_id: str, out: TextIO = sys.stdout) -> int:
+    """Print a session as it happens: a terminal's output as it is, other protocols an event a line; the
+    history first, then each event as it is recorded, until the session ends (or Ctrl-C)."""
+    terminal = None
+    for event, data in api.stream(f"/sessions/{session_id}/stream"):
+        if event == "session" and terminal is None:
+            terminal = data.get("connection_subtype") == "ssh"
+            print(f"following session {data['id']} of {data['user']} on {data['connection']} "
+                  f"({shown_status(data)}); Ctrl-C stops following", file=sys.stderr)
+        elif event == "event":
+            if terminal:
+                if data["type"] in "oe":
+                    out.write(_text(data))
+            else:
+                out.write(f"[{data['offset_ms'] / 1000:.3f}s] {MARKS.get(data['type'], data['type'])} "
+                          f"{_text(data).rstrip()}\n")
+            out.flush()
+        elif event == "frames":
+            out.write(f"[frames] {data['total_frames']} recorded\n")
+            out.flush()
+        elif event == "end":
+            print(f"\nsession {short(session_id)} ended (exit {data.get('exit_code')})", file=sys.stderr)
+            return 0
+    raise ClientError(f"the gateway stopped while following session {short(session_id)}", EXIT_UNREACHABLE)
+
+
 def cmd_session_replay(args: argparse.Namespace) -> int:
     if args.speed <= 0:
         raise ClientError("--speed: must be positive", EXIT_USAGE)
-    api = Api(Login.load(args.url))
-    answer = api.call("GET", f"/sessions/{args.id}", query={"event_stream": "asciicast"})
+    api = Api(Login.load(args.url, args.profile))
+    if args.follow:
+        return follow_session(api, args.id)
+    answer = api.call("GET", f"/sessions/{urllib.parse.quote(args.id, safe='')}",
+                      query={"event_stream": "asciicast"})
     return play(answer.raw.decode("utf-8"), args.speed, args.idle_limit, sys.stdout)
 
 
+EXPORTS = {"csv": ("postgres",), "json": ("postgres",), "asciicast": ("ssh",), "png-frames": ("rdp",),
+           "text": PROTOCOLS}
+
+
 def cmd_session_export(args: argparse.Namespace) -> int:
-    api = Api(Login.load(args.url))
+    api = Api(Login.load(args.url, args.profile))
+    session = api.get(f"/sessions/{urllib.parse.quote(args.id, safe='')}")
+    sid, subtype = session["id"], session.get("connection_subtype")
+    if subtype not in EXPORTS[args.format]:
+        fits = [f for f, kinds in EXPORTS.items() if subtype in kinds]
+        raise ClientError(f"--format {args.format} exports {' and '.join(EXPORTS[args.format])} sessions; session "
+                          f"{short(sid)} is {subtype}: use --format {' or '.join(fits)}", EXIT_USAGE)
     if args.format == "png-frames":
-        folder = Path(args.output or f"session-{args.id}-frames")
+        folder = Path(args.output or f"session-{sid}-frames")
         folder.mkdir(parents=True, exist_ok=True)
         offset, written = 0, 0
         while True:
-            page = api.get(f"/sessions/{args.id}/rdp-frames", offset=offset, limit=100)
+            page = api.get(f"/sessions/{sid}/rdp-frames", offset=offset, limit=100)
             frames = page.get("items") or page.get("data") or page.get("frames") or []
             for frame in frames:
                 index = frame["index"]
-                png = api.call("GET", f"/sessions/{args.id}/rdp-frames/{index}.png").raw
+                png = api.call("GET", f"/sessions/{sid}/rdp-frames/{index}.png").raw
                 (folder / f"frame-{index:06d}.png").write_bytes(png)
                 written += 1
             if len(frames) < 100:
@@ -390,122 +683,309 @@ def cmd_session_export(args: argparse.Namespace) -> int:
             offset += len(frames)
         print(f"{written} frames written to {folder}", file=sys.stderr)
         return 0
-    query = {"asciicast": {"event_stream": "asciicast"}, "csv": {"format": "csv"}}.get(args.format, {"format": "json"})
-    answer = api.call("GET", f"/sessions/{args.id}", query=query)
+    query = {"asciicast": {"event_stream": "asciicast"}, "csv": {"format": "csv"}, "json": {"format": "json"},
+             "text": {"event_stream": "utf8"}}[args.format]
+    answer = api.call("GET", f"/sessions/{sid}", query=query)
+    raw = answer.data["event_stream"][0].encode() if args.format == "text" else answer.raw
     if args.output:
-        Path(args.output).write_bytes(answer.raw)
+        Path(args.output).write_bytes(raw)
         print(f"written to {args.output}", file=sys.stderr)
     else:
-        sys.stdout.buffer.write(answer.raw)
+        sys.stdout.buffer.write(raw)
     return 0
 
 
 # --------------------------------------------------------------------------- reviews
 
 
+def _asked(review: dict[str, Any]) -> str:
+    """What a review is about, in a few words: the script's first line, or access for how long."""
+    if review["type"] == "jit":
+        return f"access for {human((review.get('access_duration') or 0) // 1_000_000_000)}"
+    lines = (review.get("input") or "").strip().splitlines()
+    first = lines[0] if lines else ""
+    more = f" (+{len(lines) - 1} lines)" if len(lines) > 1 else ""
+    return (first[:50] + "…" if len(first) > 50 else first) + more
+
+
 def cmd_reviews(args: argparse.Namespace) -> int:
-    api = Api(Login.load(args.url))
-    reviews = api.get("/reviews", status=args.status)
-    rows = [{"id": r["id"], "type": r["type"], "status": r["status"],
+    api = Api(Login.load(args.url, args.profile))
+    status = "" if (args.status or "").lower() == "all" else args.status
+    reviews = api.get("/reviews", status=status)
+    rows = [{"id": short(r["id"]), "type": r["type"], "status": r["status"],
              "connection": (r.get("review_connection") or {}).get("name", ""),
-             "owner": (r.get("review_owner") or {}).get("email", ""), "created": r["created_at"]} for r in reviews]
-    return emit(args, reviews, rows, [("created", "created"), ("id", "review"), ("type", "type"),
-                                      ("status", "status"), ("connection", "connection"), ("owner", "asked by")])
+             "owner": (r.get("review_owner") or {}).get("email", ""), "what": _asked(r),
+             "why": r.get("reason") or "", "created": (r["created_at"] or "")[:16].replace("T", " ")}
+            for r in reviews]
+    return emit(args, reviews, rows, [("created", "created"), ("id", "review"), ("status", "status"),
+                                      ("connection", "connection"), ("owner", "asked by"), ("what", "what"),
+                                      ("why", "why")])
+
+
+def cmd_review_show(args: argparse.Namespace) -> int:
+    api = Api(Login.load(args.url, args.profile))
+    review = api.get(f"/reviews/{urllib.parse.quote(args.id, safe='')}")
+    if as_json(args):
+        print(json.dumps(review, indent=2))
+        return 0
+    owner = review.get("review_owner") or {}
+    lines = [f"review {review['id']} ({review['type']}): {paint(review['status'])}",
+             f"connection: {review['review_connection']['name']}",
+             f"asked by:   {owner.get('email', '')}{' (' + owner['name'] + ')' if owner.get('name') else ''} "
+             f"on {review['created_at']}",
+             f"why:        {review.get('reason') or '(no reason given)'}"]
+    if review["type"] == "jit":
+        lines.append(f"asks:       access for {human((review.get('access_duration') or 0) // 1_000_000_000)}")
+    groups = [f"{g['group']}: {g['status'] or 'waiting'}"
+              + (f" by {g['reviewed_by']['email']}" if g.get("reviewed_by") else "")
+              for g in review["review_groups_data"]]
+    lines.append(f"reviewers:  {'; '.join(groups)} (approvals needed: {review['min_approvals']})")
+    if review.get("time_window"):
+        window = review["time_window"]["configuration"]
+        lines.append(f"window:     {window['start_time']}-{window['end_time']} UTC")
+    if review.get("ai_analysis"):
+        ai = review["ai_analysis"]
+        lines.append(f"AI:         {ai.get('risk_level', '')} {ai.get('title', '')}: {ai.get('explanation', '')}")
+    if review["type"] != "jit":
+        lines += ["script:", *("  " + line for line in (review.get("input") or "").rstrip().splitlines())]
+    decide = f"gatewayd reviews approve {short(review['id'])}"
+    if review["status"] == "PENDING":
+        lines.append(f"\ndecide: `{decide}` or `gatewayd reviews reject {short(review['id'])}`")
+    paged("\n".join(lines) + "\n")
+    return 0
 
 
 def cmd_review_decide(args: argparse.Namespace) -> int:
-    api = Api(Login.load(args.url))
+    api = Api(Login.load(args.url, args.profile))
     body: dict[str, Any] = {"status": {"approve": "APPROVED", "reject": "REJECTED", "revoke": "REVOKED"}[args.decision]}
     if getattr(args, "force", False):
         body["force_review"] = True
     if getattr(args, "window", None):
         start, _, end = args.window.partition("-")
         body["time_window"] = {"type": "time_range", "configuration": {"start_time": start, "end_time": end}}
-    review = api.call("PUT", f"/reviews/{args.id}", body).data
-    print(f"review {review['id']}: {review['status']}")
+    review = api.call("PUT", f"/reviews/{urllib.parse.quote(args.id, safe='')}", body).data
+    if as_json(args):
+        print(json.dumps(review, indent=2))
+    else:
+        print(f"review {review['id']}: {paint(review['status'])}")
     return 0
+
+
+# --------------------------------------------------------------------------- shell completion
+
+
+def _commands(parser: argparse.ArgumentParser) -> tuple[list[str], dict[str, argparse.ArgumentParser]]:
+    """A parser's options and its subcommands' parsers."""
+    options = [o for action in parser._actions for o in action.option_strings
+               if o.startswith("--") and action.help is not argparse.SUPPRESS]
+    children: dict[str, argparse.ArgumentParser] = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            children.update(action.choices)
+    return options, children
+
+
+def _words(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> dict[str, list[str]]:
+    """Every command path (space-separated) and the words that may follow it."""
+    options, children = _commands(parser)
+    found = {" ".join(path): sorted(children) + options}
+    for name, child in children.items():
+        found.update(_words(child, path + (name,)))
+    return found
+
+
+def completion_script(shell: str, parser: argparse.ArgumentParser) -> str:
+    """A completion script for bash or zsh: subcommands and options of every command, connection names."""
+    words = _words(parser)
+    cases = "\n".join(f"    {json.dumps(path)}) echo {shlex.quote(' '.join(w))} ;;" for path, w in words.items())
+    body = f"""_gatewayd_words() {{
+  case "$1" in
+{cases}
+  esac
+}}
+_gatewayd_complete() {{
+  local cur="${{COMP_WORDS[COMP_CWORD]}}" path="" word next
+  for word in "${{COMP_WORDS[@]:1:COMP_CWORD-1}}"; do  # the subcommands typed so far (not options, not values)
+    case " $(_gatewayd_words "$path") " in *" $word "*) [ "${{word#-}}" = "$word" ] && path="${{path:+$path }}$word" ;; esac
+  done
+  local words="$(_gatewayd_words "$path")"
+  case "$path" in
+    connect|exec) [ "${{cur#-}}" = "$cur" ] && words="$words $(gatewayd connections --output json 2>/dev/null \\
+      | python3 -c 'import json,sys; print(" ".join(c["name"] for c in json.load(sys.stdin)))' 2>/dev/null)" ;;
+  esac
+  COMPREPLY=($(compgen -W "$words" -- "$cur"))
+}}
+"""
+    if shell == "bash":
+        return "# gatewayd completion for bash: source <(gatewayd completion bash)\n" + body + \
+            "complete -F _gatewayd_complete gatewayd\n"
+    return ("#compdef gatewayd\n# gatewayd completion for zsh: source <(gatewayd completion zsh)\n"
+            "autoload -U +X bashcompinit && bashcompinit\n" + body + "complete -F _gatewayd_complete gatewayd\n")
 
 
 # --------------------------------------------------------------------------- the parser
 
 
-def _common(parser: argparse.ArgumentParser, listing: bool = False) -> None:
-    parser.add_argument("--url", help="the gateway (default: the one you logged in to, or $GATEWAYD_URL)")
-    if listing:
-        parser.add_argument("--json", action="store_true", help="the API's JSON instead of a table")
+class Help(argparse.RawDescriptionHelpFormatter):
+    """Descriptions and examples as written (their lines kept)."""
+
+
+def command(sub: Any, name: str, summary: str, examples: str = "", **kw: Any) -> argparse.ArgumentParser:
+    """A subcommand with its one-line summary (in the list) and its description and examples (in its --help)."""
+    epilog = "examples:\n" + "\n".join(f"  {line}" for line in examples.strip().splitlines()) if examples else None
+    return sub.add_parser(name, help=summary, description=summary[:1].upper() + summary[1:] + ".", epilog=epilog,
+                          formatter_class=Help, **kw)
+
+
+def common(parser: argparse.ArgumentParser, formats: bool = True) -> None:
+    """The options every people's command takes: which gateway, and how to print."""
+    parser.add_argument("--url", help="the gateway (default: your profile's, or $GATEWAYD_URL)")
+    parser.add_argument("--profile", help="which saved login to use (default: $GATEWAYD_PROFILE, or the last "
+                                          "one logged in to; see `gatewayd profiles`)")
+    if formats:
+        parser.add_argument("--output", choices=("table", "json"), default="table",
+                            help="table for people (default) or the API's JSON")
+        parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)  # --output json, as before
 
 
 def register(sub: Any, sessions: argparse.ArgumentParser, sessions_sub: Any) -> None:
     """Add the people's commands to the ``gatewayd`` parser (``sessions`` exists already: extend it)."""
-    login = sub.add_parser("login", help="log in to a gateway (local password, or --oidc in the browser)")
-    _common(login)
+    login = command(sub, "login", "log in to a gateway (local password, or --oidc in the browser)", """
+gatewayd login --url http://gateway.example:8009 --email ada@example.com
+echo "$PASSWORD" | gatewayd login --email ada@example.com --password-stdin
+gatewayd login --profile staging --url https://staging.example:8009 --oidc""")
+    common(login)
     login.add_argument("--email")
     login.add_argument("--password-stdin", action="store_true", help="read the password from standard input")
     login.add_argument("--org", help="the organization of your account, when it is not the default one "
                                      "(multi-tenant gateways: your organization's id)")
     login.add_argument("--oidc", action="store_true", help="log in with the identity provider, in the browser")
     login.add_argument("--no-browser", action="store_true", help="only print the address to open")
-    login.set_defaults(func=_people(cmd_login))
+    login.set_defaults(func=people(cmd_login))
 
-    logout = sub.add_parser("logout", help="sign the saved login out at the gateway and forget it")
-    logout.set_defaults(func=_people(cmd_logout))
+    logout = command(sub, "logout", "sign the saved login out at the gateway and forget it",
+                     "gatewayd logout\ngatewayd logout --profile staging")
+    common(logout)
+    logout.set_defaults(func=people(cmd_logout))
 
-    connections = sub.add_parser("connections", help="the connections you can use")
-    _common(connections, listing=True)
-    connections.set_defaults(func=_people(cmd_connections))
+    whoami = command(sub, "whoami", "who you are at the gateway: e-mail, groups, organization, login expiry",
+                     "gatewayd whoami\ngatewayd whoami --profile staging --output json")
+    common(whoami)
+    whoami.set_defaults(func=people(cmd_whoami))
 
-    connect = sub.add_parser("connect", help="get access to a connection and start its client (psql, ssh, "
-                                             "xfreerdp, the browser); arguments after -- go to the client")
-    _common(connect)
+    profiles = command(sub, "profiles", "your saved logins, one per gateway (* marks the default)",
+                       "gatewayd profiles\ngatewayd profiles --use staging")
+    common(profiles)
+    profiles.add_argument("--use", metavar="NAME", help="make NAME the default profile")
+    profiles.set_defaults(func=people(cmd_profiles))
+
+    connections = command(sub, "connections", "the connections you can use, and who reviews access to them",
+                          "gatewayd connections\ngatewayd connections --output json")
+    common(connections)
+    connections.set_defaults(func=people(cmd_connections))
+
+    connect = command(sub, "connect", "get access to a connection and start its client (psql, ssh, xfreerdp, "
+                                      "the browser); arguments after -- go to the client", """
+gatewayd connect pg-prod
+gatewayd connect pg-prod --duration 30m --reason "INC-1234: check the orders table"
+gatewayd connect web-host -- -L 8080:localhost:80
+gatewayd connect pg-prod --print          # the command and connection string only""")
+    common(connect)
     connect.add_argument("name")
     connect.add_argument("--duration", default="1h", help="how long the access lasts (e.g. 30m, 1h)")
+    connect.add_argument("--reason", help="why you ask (the reviewers see it)")
     connect.add_argument("--print", action="store_true", help="only print the command and connection string")
-    connect.set_defaults(func=_people(cmd_connect), client_args=[])  # what follows "--" (see split_client_args)
+    connect.set_defaults(func=people(cmd_connect), client_args=[])  # what follows "--" (see split_client_args)
 
-    run = sub.add_parser("exec", help="run a one-time script on a connection (waits for its review); "
-                                      "exits with the script's exit code")
-    _common(run)
-    run.add_argument("name")
+    run = command(sub, "exec", "run a one-time script on a connection, its output as it runs (waits for its "
+                               "review first); exits with the script's exit code", """
+gatewayd exec pg-prod -c "select count(*) from orders"
+gatewayd exec pg-prod -f migration.sql --reason "CHG-77: add the index"
+gatewayd exec --review 5f0afc22          # run an approved script later (inside its window)""")
+    common(run)
+    run.add_argument("name", nargs="?")
     run.add_argument("-f", "--file", help="the script's file (- for standard input)")
     run.add_argument("-c", "--command", help="the script's text")
-    run.set_defaults(func=_people(cmd_exec))
+    run.add_argument("--reason", help="why you ask (the reviewers see it)")
+    run.add_argument("--review", metavar="ID", help="run the script of this review (an approved one, or follow it "
+                                                    "if it runs or ran)")
+    run.set_defaults(func=people(cmd_exec))
 
-    _common(sessions, listing=True)
-    sessions.add_argument("--connection")
-    sessions.add_argument("--user", help="a user's subject id")
-    sessions.add_argument("--type")
+    sessions.description = "Recorded sessions, newest first, with filters; show, replay (--follow), export, verify."
+    sessions.formatter_class = Help
+    sessions.epilog = """examples:
+  gatewayd sessions --user dev --protocol ssh --since 2h
+  gatewayd sessions --search "drop table" --since "2025-01-31 09:00" --until "2025-01-31 18:30"
+  gatewayd sessions show 5f0afc22
+  gatewayd sessions replay --follow 5f0afc22"""
+    common(sessions)
+    sessions.add_argument("--connection", help="a connection's name")
+    sessions.add_argument("--user", help="part of a user's e-mail or name (any case), or their subject")
+    sessions.add_argument("--type", help="database, custom, httpproxy, ... (or a protocol: ssh, postgres, rdp)")
+    sessions.add_argument("--protocol", choices=PROTOCOLS)
+    sessions.add_argument("--status", choices=("open", "done", "issued"),
+                          help="issued: a credential handed out and not used yet")
+    sessions.add_argument("--search", help="text inside the recordings: a statement, a command, a URL")
+    sessions.add_argument("--since", help="started at or after: 2025-01-31, '2025-01-31 14:05' (UTC), 2h (ago)")
+    sessions.add_argument("--until", help="started at or before (same forms)")
     sessions.add_argument("--limit", type=int, default=20)
-    sessions.set_defaults(func=_people(cmd_sessions))
-    show = sessions_sub.add_parser("show", help="what happened: statements, a transcript or the requests")
-    _common(show, listing=True)
-    show.add_argument("id")
-    show.set_defaults(func=_people(cmd_session_show))
-    replay = sessions_sub.add_parser("replay", help="replay a terminal session at its own pace")
-    _common(replay)
-    replay.add_argument("id")
+    sessions.add_argument("--offset", type=int, default=0)
+    sessions.set_defaults(func=people(cmd_sessions))
+    show = command(sessions_sub, "show", "what happened: the statements, a transcript or the requests",
+                   "gatewayd sessions show 5f0afc22")
+    common(show)
+    show.add_argument("id", help="a session id, or its first characters")
+    show.set_defaults(func=people(cmd_session_show))
+    replay = command(sessions_sub, "replay", "replay a terminal session at its own pace, or --follow a "
+                                             "session (any protocol) as it happens",
+                     "gatewayd sessions replay 5f0afc22 --speed 4\ngatewayd sessions replay --follow 5f0afc22")
+    common(replay)
+    replay.add_argument("id", help="a session id, or its first characters")
+    replay.add_argument("--follow", action="store_true", help="show the session live until it ends (Ctrl-C stops)")
     replay.add_argument("--speed", type=float, default=1.0, help="2 plays twice as fast")
     replay.add_argument("--idle-limit", type=float, default=2.0, help="longest pause, in seconds")
-    replay.set_defaults(func=_people(cmd_session_replay))
-    export = sessions_sub.add_parser("export", help="a session's recording as a file")
-    _common(export)
-    export.add_argument("id")
-    export.add_argument("--format", required=True, choices=("csv", "json", "asciicast", "png-frames"))
+    replay.set_defaults(func=people(cmd_session_replay))
+    export = command(sessions_sub, "export", "a session's recording as a file: csv or json (PostgreSQL "
+                                             "statements), asciicast (SSH), png-frames (RDP), text (any)",
+                     "gatewayd sessions export 5f0afc22 --format csv -o statements.csv\n"
+                     "gatewayd sessions export 9c1d --format asciicast -o shell.cast")
+    common(export, formats=False)  # its --output is the file; --format says what is in it
+    export.add_argument("id", help="a session id, or its first characters")
+    export.add_argument("--format", required=True, choices=tuple(EXPORTS))
     export.add_argument("-o", "--output", help="file (folder for png-frames); default: standard output")
-    export.set_defaults(func=_people(cmd_session_export))
+    export.set_defaults(func=people(cmd_session_export))
 
-    reviews = sub.add_parser("reviews", help="reviews waiting for you (approve, reject, revoke)")
-    _common(reviews, listing=True)
-    reviews.add_argument("--status", default="PENDING", help="PENDING (default), APPROVED, ... or '' for all")
-    reviews.set_defaults(func=_people(cmd_reviews))
+    reviews = command(sub, "reviews", "reviews waiting for you (show, approve, reject, revoke)", """
+gatewayd reviews
+gatewayd reviews --status all
+gatewayd reviews show 5f0afc22
+gatewayd reviews approve 5f0afc22 --window 22:00-23:30""")
+    common(reviews)
+    reviews.add_argument("--status", default="PENDING", help="PENDING (default), APPROVED, ... or all")
+    reviews.set_defaults(func=people(cmd_reviews))
     decisions = reviews.add_subparsers(dest="review_command")
+    show_review = command(decisions, "show", "a review in full: the script or access asked, who asks and why, "
+                                             "who decided", "gatewayd reviews show 5f0afc22")
+    common(show_review)
+    show_review.add_argument("id", help="a review id, or its first characters")
+    show_review.set_defaults(func=people(cmd_review_show))
     for decision in ("approve", "reject", "revoke"):
-        command = decisions.add_parser(decision, help=f"{decision} a review")
-        _common(command)
-        command.add_argument("id")
+        decide = command(decisions, decision, f"{decision} a review", f"gatewayd reviews {decision} 5f0afc22")
+        common(decide)
+        decide.add_argument("id", help="a review id, or its first characters")
         if decision == "approve":
-            command.add_argument("--force", action="store_true", help="force approval (force approval groups)")
-            command.add_argument("--window", help="only inside HH:MM-HH:MM (UTC)")
-        command.set_defaults(func=_people(cmd_review_decide), decision=decision)
+            decide.add_argument("--force", action="store_true", help="force approval (force approval groups)")
+            decide.add_argument("--window", help="only inside HH:MM-HH:MM (UTC)")
+        decide.set_defaults(func=people(cmd_review_decide), decision=decision)
+
+
+def register_completion(sub: Any, root: argparse.ArgumentParser) -> None:
+    """``gatewayd completion bash|zsh``: the script of the whole command line (added last: it lists them all)."""
+    completion = command(sub, "completion", "print a shell completion script (bash or zsh)",
+                         "source <(gatewayd completion bash)     # in ~/.bashrc\n"
+                         "source <(gatewayd completion zsh)      # in ~/.zshrc")
+    completion.add_argument("shell", choices=("bash", "zsh"))
+    completion.set_defaults(func=lambda args: print(completion_script(args.shell, root), end="") or 0)
 
 
 def split_client_args(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -516,7 +996,7 @@ def split_client_args(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
-def _people(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+def people(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     """A people's command as run by ``gatewayd``: its exit code, or one line and a non-zero code."""
 
     def run(args: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from gatewayd.client.api import EXIT_FAILED, EXIT_USAGE, Api, ClientError, Login
-from gatewayd.client.commands import _common, _follow, _people, _wait_review, emit
+from gatewayd.client.commands import _wait_review, common, emit, follow_output, people, short
 
 
 def _runbooks(api: Api, connection: str | None, refresh: bool) -> dict[str, Any]:
@@ -97,12 +97,14 @@ def cmd_runbook_run(args: argparse.Namespace) -> int:
     answer = api.call("POST", "/runbooks/exec", body, expect=(200, 202))
     result = answer.data
     if answer.status == 202 and result.get("has_review") and not result.get("output_status"):
-        review = _wait_review(api, result["review_id"], "runbook")
+        again = f"run it once approved with `gatewayd exec --review {short(result['review_id'])}`"
+        review = _wait_review(api, result["review_id"], "runbook", again)
         if review["status"] != "APPROVED":
             raise ClientError(f"the runbook was not run: its review is {review['status']}")
-        result = api.call("POST", f"/sessions/{result['session_id']}/exec", expect=(200, 202)).data
+        result = api.call("POST", f"/sessions/{result['session_id']}/exec", expect=(200, 201, 202),
+                          headers={"Prefer": "respond-async"}).data
     if result.get("output_status") == "running":
-        return _follow(api, result["session_id"], sys.stdout)
+        return follow_output(api, result["session_id"])
     sys.stdout.write(result.get("output") or "")
     code = result.get("exit_code")
     return int(code) if code is not None else EXIT_FAILED
@@ -148,19 +150,19 @@ def cmd_webhooks_log(args: argparse.Namespace) -> int:
 def register(sub: Any) -> None:
     """Add ``runbooks`` (list, show, run) and ``reports`` to the ``gatewayd`` parser."""
     runbooks = sub.add_parser("runbooks", help="the runbooks you may run (show one's form, run one)")
-    _common(runbooks, listing=True)
+    common(runbooks)
     runbooks.add_argument("--connection", help="only those this connection may run")
     runbooks.add_argument("--refresh", action="store_true", help="fetch the repositories now")
-    runbooks.set_defaults(func=_people(cmd_runbooks))
+    runbooks.set_defaults(func=people(cmd_runbooks))
     actions = runbooks.add_subparsers(dest="runbook_command")
     show = actions.add_parser("show", help="a runbook's parameters and connections")
-    _common(show, listing=True)
+    common(show)
     show.add_argument("name", help="its path in the repository (ops/fetch.runbook.sql)")
     show.add_argument("--repository")
-    show.set_defaults(func=_people(cmd_runbook_show))
+    show.set_defaults(func=people(cmd_runbook_show))
     run = actions.add_parser("run", help="run a runbook on a connection (waits for its review); exits with the "
                                          "script's exit code")
-    _common(run)
+    common(run, formats=False)
     run.add_argument("name", help="its path in the repository")
     run.add_argument("--connection", required=True)
     run.add_argument("--repository", help="when several repositories have it")
@@ -169,26 +171,26 @@ def register(sub: Any) -> None:
                                                                       "terminal (a password: never on the command "
                                                                       "line)")
     run.add_argument("--ref", help="the commit to run it as (default: the branch's latest)")
-    run.set_defaults(func=_people(cmd_runbook_run))
+    run.set_defaults(func=people(cmd_runbook_run))
 
     reports = sub.add_parser("reports", help="sessions counted by connection, user, protocol or day "
                                              "(admins and auditors)")
-    _common(reports, listing=True)
+    common(reports)
     reports.add_argument("--group-by", default="connection", choices=("connection", "user", "protocol", "day"))
     reports.add_argument("--from", dest="start", help="first day (YYYY-MM-DD; default a week ago)")
     reports.add_argument("--to", dest="end", help="last day (YYYY-MM-DD; default today)")
     reports.add_argument("--connection")
     reports.add_argument("--user", help="an e-mail")
-    reports.set_defaults(func=_people(cmd_reports))
+    reports.set_defaults(func=people(cmd_reports))
 
     key = sub.add_parser("org-key", help="the organization's API key (admins): show, create (shown once), revoke")
-    _common(key, listing=True)
+    common(key)
     key.add_argument("action", nargs="?", default="show", choices=("show", "create", "revoke"))
-    key.set_defaults(func=_people(cmd_org_key))
+    key.set_defaults(func=people(cmd_org_key))
 
     hooks = sub.add_parser("webhooks", help="the webhooks' delivery log (admins)")
-    _common(hooks, listing=True)
+    common(hooks)
     hooks.add_argument("--status", choices=("pending", "delivered", "failed"))
     hooks.add_argument("--limit", type=int, default=20)
-    hooks.set_defaults(func=_people(cmd_webhooks_log))
+    hooks.set_defaults(func=people(cmd_webhooks_log))
 

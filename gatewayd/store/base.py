@@ -68,7 +68,10 @@ class SessionFilter:
     only_user_id: str | None = None  # visibility restriction for regular users
     connection: str | None = None
     type: str | None = None
+    protocol: str | None = None  # the connection subtype: postgres, ssh, rdp, httpproxy
     status: str | None = None
+    user_search: str | None = None  # a subject, or part of an e-mail or name (any case)
+    text: str | None = None  # text typed in the session (gatewayd.store.search)
     review_approver: str | None = None
     review_status: str | None = None
     tracker_issue_key: str | None = None
@@ -305,6 +308,10 @@ class Store(abc.ABC):
     async def read_events(self, session_id: str, kinds: str | None = None) -> list[SessionEvent]: ...
 
     @abc.abstractmethod
+    async def read_events_after(self, session_id: str, after: int) -> list[tuple[int, SessionEvent]]:
+        """The session's stored (sequence number, event) pairs numbered above ``after``, in order."""
+
+    @abc.abstractmethod
     async def last_event_seq(self, session_id: str) -> tuple[int, int]:
         """(next sequence number, last offset in ms) of a session's events."""
 
@@ -400,6 +407,21 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def reviews_with_status(self, status: str, type: str | None = None) -> list[Review]: ...
+
+    @abc.abstractmethod
+    async def open_review_for(self, request_key: str) -> Review | None:
+        """The newest PENDING or APPROVED review asked with ``request_key`` (the same person asking the same again)."""
+
+    @abc.abstractmethod
+    async def ids_with_prefix(self, table: str, org_id: str, prefix: str, limit: int = 3) -> list[str]:
+        """Ids of ``table`` (``reviews`` or ``sessions``) in the organization that start with ``prefix``, in order."""
+
+    @abc.abstractmethod
+    async def sessions_by_ids(self, session_ids: Iterable[str]) -> dict[str, Session]: ...
+
+    @abc.abstractmethod
+    async def set_session_metadata(self, session_id: str, metadata: dict[str, Any]) -> bool:
+        """Replace a session's metadata (not sealed: people annotate sessions); True when it exists."""
 
     @abc.abstractmethod
     async def save_access_rule(self, rule: AccessRequestRule, *, create: bool) -> None: ...

@@ -8,7 +8,14 @@ gives each CREATE TABLE an identity ``row_order``. A statement is split at
 a new one.
 """
 
-MIGRATIONS: list[tuple[int, str]] = [
+from typing import Callable
+
+from gatewayd.store.sql import Dialect
+
+# A script (portable SQL, split at ``;``), or a function giving a dialect's own statements (the text index).
+Migration = str | Callable[[Dialect], list[str]]
+
+MIGRATIONS: list[tuple[int, Migration]] = [
     (1, """
 CREATE TABLE orgs (
     id TEXT PRIMARY KEY,
@@ -476,5 +483,14 @@ CREATE TABLE session_rollup_totals (
 );
 INSERT INTO store_counters (name, value) VALUES ('session_rollup', 0)
 """),
+    (17, """
+ALTER TABLE reviews ADD COLUMN request_key TEXT;
+ALTER TABLE reviews ADD COLUMN reason TEXT NOT NULL DEFAULT '';
+CREATE UNIQUE INDEX reviews_one_pending ON reviews (request_key) WHERE status = 'PENDING';
+CREATE INDEX reviews_by_request ON reviews (request_key, status);
+CREATE INDEX sessions_by_org_subtype ON sessions (org_id, subtype, start_date DESC, id);
+CREATE INDEX sessions_by_org_status ON sessions (org_id, status, start_date DESC, id)
+"""),
+    (18, lambda dialect: dialect.search_schema()),  # session_search: the input text of the recordings (gatewayd.store.search)
 ]
 

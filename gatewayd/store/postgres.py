@@ -21,6 +21,7 @@ from gatewayd.crypto import SecretBox
 from gatewayd.store.base import Conflict, StoreError, StoreUnavailable
 from gatewayd.store.bus import CHANNEL, BusTransport, NotifyBus
 from gatewayd.store.queries import SQLStore
+from gatewayd.store.search import POSTGRES_INSERT, POSTGRES_MATCHES, POSTGRES_SCHEMA, like_pattern
 from gatewayd.store.sql import Dialect, Result, Statement, Work, numbered
 
 T = TypeVar("T")
@@ -128,6 +129,18 @@ class PostgresDialect(Dialect):
 
     def json_int(self, column: str, key: str) -> str:
         return f"COALESCE(CAST(CAST({column} AS jsonb) ->> '{key}' AS BIGINT), 0)"
+
+    def search_schema(self) -> list[str]:
+        return POSTGRES_SCHEMA
+
+    def search_insert(self, session_id: str, text: str) -> list[Statement]:
+        return [(POSTGRES_INSERT, (session_id, text))]
+
+    def text_matches(self, text: str) -> tuple[str, str]:
+        return POSTGRES_MATCHES, like_pattern(text)
+
+    def driven_by_text(self, column: str) -> str:
+        return column  # the planner weighs the trigram index by its statistics
 
 
 def _rowcount(status: str) -> int:

@@ -55,7 +55,8 @@ from gatewayd.models import (
 )
 from gatewayd.store.base import REPORT_GROUPS, AuditFilter, NotFound, ReportFilter, SessionFilter, Store
 from gatewayd.store.bus import BusTransport, TableBus
-from gatewayd.store.migrations import MIGRATIONS
+from gatewayd.store.migrations import MIGRATIONS, Migration
+from gatewayd.store.search import MIN_SEARCH, TEXT_COUNT_CAP, TEXT_PROBE, input_text, like_pattern
 from gatewayd.store.sql import (
     Connector,
     Row,
@@ -136,7 +137,7 @@ class SQLStore(Store):
         yield ("CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, applied_at TEXT NOT NULL)",
                ())
 
-    def _migrate(self, version: int, script: str) -> Work[bool]:
+    def _migrate(self, version: int, script: Migration) -> Work[bool]:
         """Apply one migration unless it is applied already (checked under the migration lock: several
         processes may start at once)."""
         lock = self.dialect.lock("schema_migrations")
@@ -145,7 +146,8 @@ class SQLStore(Store):
         done = yield ("SELECT 1 FROM schema_migrations WHERE version = ?", (version,))
         if done.rows:
             return False
-        for statement in filter(None, (s.strip() for s in self.dialect.ddl(script).split(";"))):
+        statements = script(self.dialect) if callable(script) else self.dialect.ddl(script).split(";")
+        for statement in filter(None, (s.strip() for s in statements)):
             yield statement, ()
         yield "INSERT INTO schema_migrations (version, applied_at) VALUES (?, ?)", (version, rfc3339(utcnow()))
         return True
@@ -404,12 +406,37 @@ class SQLStore(Store):
         return build(Session, row) if row else None
 
     async def list_sessions(self, query: SessionFilter) -> Page:
+        """Sessions newest first. A text search first asks the text index for at most TEXT_PROBE matches: fewer
+        (a rare text), and the sessions are those, counted exactly; more (a common one), and the sessions are
+        read newest first, each checked against the text's matches, and counted among its first TEXT_COUNT_CAP
+        index rows only (``total_exact`` False when it has more)."""
         where, params = ["org_id = ?"], [query.org_id]
         for column, value in (("user_id", query.user_id), ("user_id", query.only_user_id),
-                              ("connection", query.connection), ("type", query.type),
+                              ("connection", query.connection), ("type", query.type), ("subtype", query.protocol),
                               ("status", query.status), ("tracker_issue_key", query.tracker_issue_key)):
             if value is not None:
                 where.append(f"{column} = ?")
+                params.append(value)
+        if query.user_search:  # the subject itself, or part of an e-mail or name (users: a small table)
+            where.append("user_id IN (SELECT ? UNION SELECT subject FROM users WHERE org_id = ? AND "
+                         "(lower(email) LIKE ? ESCAPE '!' OR lower(name) LIKE ? ESCAPE '!'))")
+            pattern = like_pattern(query.user_search.lower())
+            params += [query.user_search, query.org_id, pattern, pattern]
+        capped = False
+        if query.text:
+            if len(query.text) < MIN_SEARCH:
+                raise ValueError(f"a search needs at least {MIN_SEARCH} characters")
+            matches, value = self.dialect.text_matches(query.text)
+            probe = await self._all(f"{matches} LIMIT ?", (value, TEXT_PROBE + 1))
+            if len(probe) <= TEXT_PROBE:  # a rare text: its sessions, by primary key
+                found = list(dict.fromkeys(r[0] for r in probe)) or [""]
+                where[0] = f"{self.dialect.driven_by_text('org_id')} = ?"
+                where.append(f"id IN ({', '.join('?' * len(found))})")
+                params += found
+            else:  # a common one: newest first through the other filters, each session checked
+                capped = True
+                text_at = len(where)
+                where.append(f"id IN ({matches})")
                 params.append(value)
         if query.start_date:
             where.append("start_date >= ?")
@@ -424,13 +451,22 @@ class SQLStore(Store):
             where.append("review_id IN (SELECT review_id FROM review_groups WHERE lower(reviewed_by_email) = lower(?))")
             params.append(query.review_approver)
         clause = " AND ".join(where)
-        total = await self._count(f"SELECT COUNT(*) FROM sessions WHERE {clause}", params)
+        exact = True
+        if capped:  # counted from the text's first TEXT_COUNT_CAP index rows, by primary key
+            bounded = list(where)
+            bounded[0] = f"{self.dialect.driven_by_text('org_id')} = ?"
+            bounded[text_at] = f"id IN ({matches} LIMIT {TEXT_COUNT_CAP})"
+            total = await self._count(f"SELECT COUNT(*) FROM sessions WHERE {' AND '.join(bounded)}", params)
+            exact = await self._count(f"SELECT COUNT(*) FROM ({matches} LIMIT {TEXT_COUNT_CAP + 1}) AS rows_found",
+                                      [value]) <= TEXT_COUNT_CAP
+        else:
+            total = await self._count(f"SELECT COUNT(*) FROM sessions WHERE {clause}", params)
         names = ", ".join(n for n in columns(Session) if n != "script")
         order = f"{self.dialect.sort('start_date', descending=True)}, {self.dialect.sort('id', text=True)}"
         rows = await self._all(
             f"SELECT {names}, script FROM sessions WHERE {clause} ORDER BY {order} LIMIT ? OFFSET ?",
             tuple(params) + (query.limit, query.offset))
-        return Page(items=[build(Session, r) for r in rows], total=total)
+        return Page(items=[build(Session, r) for r in rows], total=total, total_exact=exact)
 
     def _returning(self, statement: Statement, key: str) -> Work[Session | None]:
         """An UPDATE of one session, and the session as it is after it (None when no row matched).
@@ -496,6 +532,9 @@ class SQLStore(Store):
                     if not there.rows or there.rows[0][0] != batch.hash:
                         diverged.add(sid)
                         continue
+                elif batch.sizes.get("i") and (text := input_text(batch.packed)):  # what was typed, searchable
+                    for statement in self.dialect.search_insert(sid, text):  # once: not again on a replay
+                        yield statement
             if batch.session_fields:
                 yield assign("sessions", batch.session_fields, "id = ? AND status != 'done'", (sid,))
 
@@ -638,6 +677,19 @@ class SQLStore(Store):
 
     async def read_events(self, session_id: str, kinds: str | None = None) -> list[SessionEvent]:
         return [event for _, event in await self._numbered_events(session_id, kinds)]
+
+    async def read_events_after(self, session_id: str, after: int) -> list[tuple[int, SessionEvent]]:
+        rows = await self._all("SELECT seq, offset_ms, kind, data FROM session_events WHERE session_id = ? AND seq > ? "
+                               "ORDER BY seq", (session_id, after))
+        # from the batch holding the first event wanted (found on the primary key), not the whole recording
+        batches = await self._all(
+            "SELECT events FROM session_event_batches WHERE session_id = ? AND events IS NOT NULL AND first_seq >= "
+            "COALESCE((SELECT MAX(first_seq) FROM session_event_batches WHERE session_id = ? AND first_seq <= ?), 0) "
+            "ORDER BY first_seq", (session_id, session_id, after + 1))
+        if not rows and not batches:
+            return []
+        found = await asyncio.to_thread(_number_events, rows, batches, None)
+        return [pair for pair in found if pair[0] > after]
 
     async def read_event_chain(self, session_id: str) -> tuple[list[BatchLink], list[tuple[int, SessionEvent]]]:
         links = await self._all("SELECT first_seq, count, prev_hash, hash FROM session_event_batches "
@@ -838,6 +890,31 @@ class SQLStore(Store):
         else:
             rows = await self._all("SELECT * FROM reviews WHERE status = ? AND type = ?", (status, type))
         return await self._reviews_from(rows)
+
+    async def open_review_for(self, request_key: str) -> Review | None:
+        found = await self._reviews_from(await self._all(
+            "SELECT * FROM reviews WHERE request_key = ? AND status IN ('PENDING', 'APPROVED') "
+            "ORDER BY created_at DESC LIMIT 1", (request_key,)))
+        return found[0] if found else None
+
+    async def ids_with_prefix(self, table: str, org_id: str, prefix: str, limit: int = 3) -> list[str]:
+        if table not in ("reviews", "sessions"):
+            raise ValueError(f"no short ids in {table}")
+        # a range on the primary key (code point order in both backends): '~' sorts after every id character
+        rows = await self._all(f"SELECT id FROM {table} WHERE id >= ? AND id < ? AND org_id = ? "
+                               f"ORDER BY {self.dialect.sort('id', text=True)} LIMIT ?",
+                               (prefix, prefix + "~", org_id, limit))
+        return [r[0] for r in rows]
+
+    async def sessions_by_ids(self, session_ids: Iterable[str]) -> dict[str, Session]:
+        ids = list(dict.fromkeys(i for i in session_ids if i))
+        if not ids:
+            return {}
+        rows = await self._all(f"SELECT * FROM sessions WHERE id IN ({', '.join('?' * len(ids))})", tuple(ids))
+        return {r["id"]: build(Session, r) for r in rows}
+
+    async def set_session_metadata(self, session_id: str, metadata: dict[str, Any]) -> bool:
+        return await self._changed(assign("sessions", {"metadata": metadata}, "id = ?", (session_id,))) == 1
 
     async def save_access_rule(self, rule: AccessRequestRule, *, create: bool) -> None:
         statement = insert("access_request_rules", rule) if create else \

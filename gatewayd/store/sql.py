@@ -146,6 +146,30 @@ class Dialect:
         constant of the caller's, never a value from outside."""
         return f"COALESCE(CAST(json_extract({column}, '$.{key}') AS INTEGER), 0)"
 
+    def search_schema(self) -> list[str]:
+        """The statements that make the session text index (``gatewayd.store.search``): FTS5, trigrams."""
+        from gatewayd.store.search import SQLITE_SCHEMA
+
+        return SQLITE_SCHEMA
+
+    def search_insert(self, session_id: str, text: str) -> list[Statement]:
+        """The statements that index ``text`` as typed in ``session_id``."""
+        from gatewayd.store.search import SQLITE_INSERT
+
+        return [(SQLITE_INSERT[0], (session_id,)), (SQLITE_INSERT[1], (text,))]
+
+    def text_matches(self, text: str) -> tuple[str, str]:
+        """A query of the session ids whose indexed text holds ``text`` (any case), and its parameter."""
+        from gatewayd.store.search import SQLITE_MATCHES, fts_phrase
+
+        return SQLITE_MATCHES, fts_phrase(text)
+
+    def driven_by_text(self, column: str) -> str:
+        """``column`` in a condition beside a text search, so that the planner starts from the text index (its
+        matches, then the sessions by primary key) rather than scanning an organization's sessions: SQLite's
+        unary ``+`` keeps it off an index."""
+        return f"+{column}"
+
 
 _PLACEHOLDER = re.compile(r"\?")
 

@@ -197,6 +197,9 @@ class Front:
         self.handler = handler
         self.fallback = fallback
         self.fast = fast
+        # a new connection's first bytes, before anything else: True when taken (served later, or handed to
+        # another worker: proxies/http/handover.py); None: no look
+        self.first: Callable[[FrontProtocol, bytes], bool] | None = None
         self.connections: set[FrontProtocol] = set()
         self.runners = BackgroundTasks("http front")  # each connection's task serving its requests
         self.closing = False
@@ -267,6 +270,7 @@ class FrontProtocol(asyncio.Protocol):
         # (the parser is between messages after a plain request, and parsing is a function of the bytes)
         self._last_raw = b""
         self._last_message: RawRequestMessage | None = None
+        self.handed = False  # True: handed to this worker by another, or looked at already (never handed on)
 
     # -- asyncio.Protocol
 
@@ -293,6 +297,11 @@ class FrontProtocol(asyncio.Protocol):
         self._wake_writer(None)
 
     def data_received(self, data: bytes) -> None:
+        if not self.handed:  # a new connection's first bytes: whose session is it? (handover.py)
+            self.handed = True
+            first = self.front.first
+            if first is not None and first(self, data):
+                return
         if self.busy:  # the next request before this answer ends: kept until then
             self._pending += data
             if self.transport is not None:
@@ -312,6 +321,20 @@ class FrontProtocol(asyncio.Protocol):
             self._next.set_result(request)
         else:
             self.runner = self.front.runners.spawn(self._run(request))
+
+    def served_here(self, data: bytes) -> None:
+        """The first bytes ``Front.first`` took are served here after all."""
+        if self.transport is None:
+            return
+        self.transport.resume_reading()
+        self.data_received(data)
+
+    def handed_away(self) -> None:
+        """The connection went to another worker: forget it here without ending it (that worker holds it now)."""
+        transport, self.transport = self.transport, None
+        self.front.connections.discard(self)
+        if transport is not None:
+            transport.abort()  # closes this process's descriptor only: the other worker's copy keeps it open
 
     def _plain(self, data: bytes) -> RawRequestMessage | None:
         """``data`` parsed when it is one whole plain request (kept for the same bytes again); else None, and the

@@ -35,6 +35,7 @@ from gatewayd.masking import LineHold
 from gatewayd.models import flag, parse_time
 from gatewayd.pipeline import BLOCKED_EXIT_CODE, AccessDenied, GatewayClosing, GatewayUnavailable, ProxyContext, SessionRun
 from proxies.http.front import Front, FrontRequest, FrontStream
+from proxies.http.handover import Handover
 from proxies.http.messages import (
     CredentialSource,
     TargetUrl,
@@ -146,6 +147,9 @@ class HttpListener:
         self.runner = web.ServerRunner(self.server, handle_signals=False, shutdown_timeout=1.0)
         self.front = Front(self.handle, self.server, self.fast)  # plain requests; the rest goes to self.server
         self.tcp: asyncio.AbstractServer | None = None
+        # the workers of one `gatewayd run` share the port: a connection goes to the one holding its session
+        self.handover = Handover(self.pipeline.sessions.cluster.node_id, self.pipeline.sibling_holding,
+                                 self.front.protocol) if context.reuse_port else None
 
     @staticmethod
     def _client(connector: DialerConnector) -> aiohttp.ClientSession:
@@ -157,11 +161,16 @@ class HttpListener:
 
     async def start(self, host: str, port: int, reuse_port: bool = False) -> None:
         await self.runner.setup()
+        if self.handover is not None:
+            await self.handover.start()
+            self.front.first = self.handover.first
         self.tcp = await asyncio.get_running_loop().create_server(
             self.front.protocol, host or None, port, reuse_address=True, reuse_port=reuse_port or None, backlog=1024)
 
     async def close(self) -> None:
         try:
+            if self.handover is not None:
+                await self.handover.close()
             if self.tcp is not None:
                 self.tcp.close()
             await self.front.close(grace=1.0)
