@@ -1,0 +1,78 @@
+"""One MySQL connection as logical packets over asyncio streams, with the sequence numbers kept per command."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+
+from proxies.mysql.codec import DEFAULT_MAX_PACKET, PacketReader, ProtocolError, frame
+
+READ_CHUNK = 256 * 1024
+
+
+class PacketStream:
+    """A socket's logical packets: ``read`` the next one, ``write`` payloads from the current sequence number.
+
+    ``seq`` is the next sequence number to send; reading a packet sets it to follow the one read (a command
+    starts at 0, its answer follows on), as both peers number them.
+    """
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 limit: int = DEFAULT_MAX_PACKET) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.packets = PacketReader(limit)
+        self.seq = 0
+
+    @property
+    def closed(self) -> bool:
+        return self.writer.is_closing()
+
+    async def read(self) -> bytes | None:
+        """The next logical packet's payload; None when the peer closed (a packet cut short is a ProtocolError)."""
+        while (packet := self.packets.next_packet()) is None:
+            data = await self.reader.read(READ_CHUNK)
+            if not data:
+                if self.packets.buffered:
+                    raise ProtocolError("the connection closed in the middle of a packet")
+                return None
+            self.packets.feed(data)
+        _, last, payload = packet
+        self.seq = (last + 1) & 0xFF
+        return payload
+
+    def pending(self) -> bool:
+        """Whether a whole packet is already buffered (read without waiting)."""
+        return self.packets.buffered >= 4
+
+    def encode(self, payload: bytes) -> bytes:
+        data, self.seq = frame(payload, self.seq)
+        return data
+
+    def write(self, payload: bytes) -> None:
+        if not self.writer.is_closing():
+            self.writer.write(self.encode(payload))
+
+    def write_raw(self, data: bytes) -> None:
+        if not self.writer.is_closing():
+            self.writer.write(data)
+
+    async def drain(self) -> None:
+        try:
+            await self.writer.drain()
+        except (ConnectionError, RuntimeError):
+            pass
+
+    async def start_tls(self, context: ssl.SSLContext, *, server_side: bool = False,
+                        server_hostname: str | None = None) -> None:
+        if self.packets.buffered:
+            raise ProtocolError("unencrypted data after the TLS request")
+        # a stream a server accepted (start_server) becomes the TLS server side, one it opened the client side
+        await self.writer.start_tls(context, server_hostname=server_hostname)
+
+    def close(self) -> None:
+        try:
+            self.writer.close()
+        except RuntimeError:
+            pass
+
