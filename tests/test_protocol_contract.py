@@ -465,7 +465,7 @@ async def line_gateway(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterato
     data = tmp_path_factory.mktemp("contract-line") / "data"
     config = load_config(None, environ={}, overrides={
         "data_dir": str(data), "api.listen": f"127.0.0.1:{free_port()}", "listeners.postgres": "",
-        "listeners.rdp": "", "listeners.http": "", "listeners.ssh": f"127.0.0.1:{free_port()}",
+        "listeners.rdp": "", "listeners.http": "", "listeners.mysql": "", "listeners.ssh": f"127.0.0.1:{free_port()}",
         "sessions.flush_interval": "100ms", "throttle.credential_failures": 0})
     gateway = Gateway(config, app_factory=make_app, listener_factories={"ssh": lineproxy.start})
     await gateway.start()

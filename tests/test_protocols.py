@@ -141,7 +141,7 @@ async def test_a_registered_protocol_is_listed_started_and_its_credentials_resol
     address = f"127.0.0.1:{free_port()}"
     config = load_config(None, environ={}, overrides={
         "data_dir": str(tmp_path / "data"), "api.listen": f"127.0.0.1:{free_port()}", "listeners.postgres": "",
-        "listeners.ssh": "", "listeners.rdp": "", "listeners.http": "", "listeners.line": address,
+        "listeners.ssh": "", "listeners.rdp": "", "listeners.http": "", "listeners.mysql": "", "listeners.line": address,
         "line.greeting": "hi there"})
     gateway = build_gateway(config)  # the composition root, as `gatewayd run` builds it
     await gateway.start()

@@ -23,6 +23,7 @@ class PacketStream:
         self.writer = writer
         self.packets = PacketReader(limit)
         self.seq = 0
+        self.first = 0  # the sequence number the last packet read began with
 
     @property
     def closed(self) -> bool:
@@ -37,7 +38,7 @@ class PacketStream:
                     raise ProtocolError("the connection closed in the middle of a packet")
                 return None
             self.packets.feed(data)
-        _, last, payload = packet
+        self.first, last, payload = packet
         self.seq = (last + 1) & 0xFF
         return payload
 
@@ -65,9 +66,36 @@ class PacketStream:
 
     async def start_tls(self, context: ssl.SSLContext, *, server_side: bool = False,
                         server_hostname: str | None = None) -> None:
-        if self.packets.buffered:
+        """Switch to TLS (a stream a server accepted is the TLS server side, one it opened the client side).
+
+        A MySQL client starts its TLS handshake right after its SSL request, without waiting for an answer:
+        what was read beyond the request is the handshake's start, handed to the TLS layer once it is in place.
+        """
+        early = self.packets.take_buffered() + bytes(self.reader._buffer)  # type: ignore[attr-defined]
+        self.reader._buffer.clear()  # type: ignore[attr-defined]
+        if early and not server_side:
             raise ProtocolError("unencrypted data after the TLS request")
-        # a stream a server accepted (start_server) becomes the TLS server side, one it opened the client side
+        if early:
+            loop = asyncio.get_running_loop()
+            transport = self.writer.transport
+            tries = [0]
+
+            def hand_over() -> None:
+                protocol = transport.get_protocol()
+                if not hasattr(protocol, "buffer_updated") or isinstance(protocol, asyncio.StreamReaderProtocol):
+                    tries[0] += 1
+                    if tries[0] < 100:  # the TLS layer is not in place yet
+                        loop.call_soon(hand_over)
+                    return
+                data = memoryview(early)
+                while data:
+                    buffer = protocol.get_buffer(len(data))
+                    size = min(len(buffer), len(data))
+                    buffer[:size] = data[:size]
+                    protocol.buffer_updated(size)
+                    data = data[size:]
+
+            loop.call_soon(hand_over)
         await self.writer.start_tls(context, server_hostname=server_hostname)
 
     def close(self) -> None:

@@ -1,0 +1,165 @@
+"""End to end: PyMySQL, the mariadb client, mariadb-dump and MariaDB Connector/J through the MySQL proxy of a real
+gatewayd to a real MariaDB (Debian's).
+
+One MariaDB (tests/mypeer.py, shared by the session) and one ``gatewayd run``
+with the mysql listener serve the whole module; each test makes its own
+connection so guard rails never leak between tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pymysql
+import pytest
+
+from tests.apiclient import MySqlApi, admin_http, of_kind
+from tests.conftest import Daemon, proxy_daemon
+from tests.mypeer import CONNECTOR_J
+
+RECORDING_CAP = 4 << 20
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    daemon = proxy_daemon(tmp_path_factory, "myproxy", "mysql", {"sessions.recording_cap_bytes": RECORDING_CAP},
+                          wait=True)
+    yield daemon
+    assert daemon.stop() == 0
+
+
+@pytest.fixture(scope="module")
+async def api(gateway, mysql_target):
+    async with admin_http(gateway) as http:
+        yield MySqlApi(gateway, http, mysql_target)
+
+
+def connect(gateway: Daemon, secret: str, password: str = "any", database: str | None = "app",
+            **kwargs: Any) -> pymysql.Connection:
+    kwargs.setdefault("client_flag", pymysql.constants.CLIENT.MULTI_STATEMENTS)
+    return pymysql.connect(host="127.0.0.1", port=gateway.proxy_port, user=secret, password=password,
+                           database=database, connect_timeout=15, read_timeout=60, **kwargs)
+
+
+def direct(server: Any, database: str = "app", **kwargs: Any) -> pymysql.Connection:
+    return pymysql.connect(host="127.0.0.1", port=server.port, user="root", password=server.password,
+                           database=database, client_flag=pymysql.constants.CLIENT.MULTI_STATEMENTS, **kwargs)
+
+
+def query(connection: pymysql.Connection, sql: str, args: Any = None) -> list[tuple]:
+    with connection.cursor() as cursor:
+        cursor.execute(sql, args)
+        return list(cursor.fetchall())
+
+
+def cli(gateway: Daemon, secret: str, *args: str, stdin: str | None = None, program: str = "mariadb",
+        timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([program, "--no-defaults", "-h", "127.0.0.1", "-P", str(gateway.proxy_port), "-u", secret,
+                           "--password=any", "--skip-ssl", *args], capture_output=True, text=True, input=stdin,
+                          timeout=timeout, check=False)
+
+
+async def in_thread(function: Any, *args: Any, **kwargs: Any) -> Any:
+    return await asyncio.to_thread(function, *args, **kwargs)
+
+
+# --------------------------------------------------------------------------- logins and statements
+
+
+async def test_pymysql_secret_as_user_runs_statements_and_records_them(api, gateway):
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+
+    def work() -> list[tuple]:
+        with connect(gateway, secret) as connection:
+            query(connection, "CREATE TABLE people (id INT PRIMARY KEY, name VARCHAR(40), born DATE)")
+            query(connection, "INSERT INTO people VALUES (1, 'ada', '1815-12-10'), (2, NULL, NULL)")
+            return query(connection, "SELECT id, name, born FROM people ORDER BY id")
+
+    rows = await in_thread(work)
+    assert [(r[0], r[1], str(r[2]) if r[2] else None) for r in rows] == [(1, "ada", "1815-12-10"), (2, None, None)]
+    session = await api.done_session(session_id)
+    inputs = [e for e in of_kind(session, "i")]
+    assert "SELECT id, name, born FROM people ORDER BY id" in inputs
+    outputs = "".join(of_kind(session, "o"))
+    assert "id\tname\tborn\n1\tada\t1815-12-10\n2\tNULL\tNULL\n(2 rows)\n" in outputs
+    assert "OK, 2 rows affected" in outputs
+    assert session["status"] == "done" and session["exit_code"] == 0
+
+
+async def test_secret_as_password_is_asked_in_clear(api, gateway):
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+
+    def work() -> list[tuple]:
+        with connect(gateway, "someone", password=secret) as connection:
+            return query(connection, "SELECT 40 + 2")
+
+    assert await in_thread(work) == [(42,)]
+    await api.done_session(session_id)
+
+
+async def test_unknown_secret_is_refused_with_1045(api, gateway):
+    with pytest.raises(pymysql.err.OperationalError) as raised:
+        await in_thread(connect, gateway, "my-" + "A" * 43)
+    assert raised.value.args[0] == 1045
+    assert "invalid credential" in raised.value.args[1]
+
+
+async def test_multi_statements_each_result_recorded_and_errors_are_e_events(api, gateway):
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+
+    def work() -> list[Any]:
+        with connect(gateway, secret) as connection:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT 1 AS a; SELECT 'x' AS b, 2 AS c; DO 1")
+                results = [cursor.fetchall()]
+                while cursor.nextset():
+                    results.append(cursor.fetchall())
+            with pytest.raises(pymysql.err.ProgrammingError):
+                query(connection, "SELECT * FROM no_such_table")
+            results.append(query(connection, "SELECT 'after'"))
+            return results
+
+    results = await in_thread(work)
+    assert results[:2] == [((1,),), (("x", 2),)] and results[-1] == [("after",)]
+    session = await api.done_session(session_id)
+    output = "".join(of_kind(session, "o"))
+    assert "a\n1\n(1 row)\n" in output and "b\tc\nx\t2\n(1 row)\n" in output
+    errors = of_kind(session, "e")
+    assert any("ERROR 1146 (42S02)" in e and "no_such_table" in e for e in errors), errors
+
+
+async def test_mariadb_cli_and_init_db_held_to_the_connections_database(api, gateway, mysql_target):
+    role = await api.role()
+    secret, _ = await api.credential(role)
+    result = await in_thread(cli, gateway, secret, "app", "-e", "SELECT DATABASE(), 6 * 7")
+    assert result.returncode == 0, result.stderr
+    assert "app\t42" in result.stdout.replace(" ", "\t") or "42" in result.stdout
+    # another database: refused at login (the client's choice) and by COM_INIT_DB
+    refused = await in_thread(cli, gateway, secret, "other", "-e", "SELECT 1")
+    assert refused.returncode != 0 and "not reachable" in refused.stderr
+
+    def init_db() -> str:
+        with connect(gateway, secret) as connection:
+            with pytest.raises(pymysql.err.OperationalError) as raised:
+                connection.select_db("other")
+            return raised.value.args[1]
+
+    assert "not reachable" in await in_thread(init_db)
+    allowed = await api.role(settings={"mysql": {"databases": ["other"]}})
+    secret2, _ = await api.credential(allowed)
+
+    def init_allowed() -> list[tuple]:
+        with connect(gateway, secret2) as connection:
+            connection.select_db("other")
+            return query(connection, "SELECT DATABASE()")
+
+    assert await in_thread(init_allowed) == [("other",)]
