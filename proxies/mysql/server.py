@@ -11,7 +11,7 @@ One ``ClientConnection`` per accepted socket:
    refusals are ERR 1045;
 3. the target -- the pipeline dials it with ``upstream.connect_target`` (the
    client's capabilities and character set passed on), then opens the
-   session; a failure is ERR 2003 (the pipeline closed the session with an
+   session; a failure is ERR 1105 (the pipeline closed the session with an
    ``e`` event); then the client gets its OK;
 4. the relay -- ``session.RelaySession`` until either side goes away; when the
    gateway ends it (kill, expiry, shutdown) the client gets ERR 1927 and the
@@ -284,7 +284,7 @@ class ClientConnection:
             if isinstance(cause, UpstreamError):
                 self.send_error(cause.code, cause.sqlstate, exc.message)
             else:
-                self.send_error(2003, "HY000", exc.message)
+                self.send_error(1105, "HY000", exc.message)
             return
         except GatewayClosing as exc:
             self.send_error(1053, "08S01", str(exc))
@@ -339,12 +339,12 @@ class ClientConnection:
                 self.send_error(1043, "08S01", message)
             else:
                 message = f'the target of connection "{name}" sent malformed data: {error.message}'
-                self.send_error(2027, "HY000", message)
+                self.send_error(1105, "HY000", message)
             return BLOCKED_EXIT_CODE, message
         if side == CLIENT:
             return 0, None
         message = f'the target of connection "{name}" closed the connection unexpectedly'
-        self.send_error(2013, "HY000", message)
+        self.send_error(1105, "HY000", message)
         return BLOCKED_EXIT_CODE, message
 
     def _translate_kill(self, connection_id: str, user_id: str) -> Any:

@@ -77,7 +77,7 @@ PASSED_ON = (CONNECT_WITH_DB | MULTI_STATEMENTS | MULTI_RESULTS | PS_MULTI_RESUL
 class UpstreamError(Exception):
     """The target could not be reached or refused the gateway; ``message`` is safe to show."""
 
-    def __init__(self, message: str, code: int = 2003, sqlstate: str = "HY000") -> None:
+    def __init__(self, message: str, code: int = 1105, sqlstate: str = "HY000") -> None:
         super().__init__(message)
         self.message = message
         self.code = code
@@ -129,7 +129,7 @@ class TargetLink:
         return self.greeting.connection_id
 
 
-def _error(name: str, detail: str, code: int = 2003, sqlstate: str = "HY000") -> UpstreamError:
+def _error(name: str, detail: str, code: int = 1105, sqlstate: str = "HY000") -> UpstreamError:
     return UpstreamError(f'could not connect to the target of connection "{name}": {detail}', code, sqlstate)
 
 
