@@ -163,3 +163,123 @@ async def test_mariadb_cli_and_init_db_held_to_the_connections_database(api, gat
             return query(connection, "SELECT DATABASE()")
 
     assert await in_thread(init_allowed) == [("other",)]
+
+
+# --------------------------------------------------------------------------- guard rails on MySQL's reading
+
+
+def blocked(connection: pymysql.Connection, sql: str) -> str:
+    """The gateway's refusal of ``sql`` (ERR 1227)."""
+    with pytest.raises(pymysql.err.MySQLError) as raised:
+        query(connection, sql)
+    assert raised.value.args[0] == 1227, raised.value.args
+    return raised.value.args[1]
+
+
+def tables(server: Any) -> set[str]:
+    return set(server.sql("SHOW TABLES", "app").split())
+
+
+async def test_deny_words_read_the_dialects_tokens_and_executable_comments(api, gateway):
+    role = await api.role()
+    await api.guardrail(role, input_rules=[{"type": "deny_words_list", "words": ["drop table"]}])
+    secret, session_id = await api.credential(role)
+
+    def work() -> list[str]:
+        with connect(gateway, secret) as connection:
+            messages = [blocked(connection, sql) for sql in (
+                "DROP/**/TABLE t1", "DROP#x\nTABLE t1", "DROP -- x\nTABLE t1", "/*!50000 DROP */ TABLE t1",
+                "DROP /*M!100000 TABLE */ t1", "PREPARE s FROM 'drop table t1'")]
+            assert query(connection, "SELECT 'drop' AS a, 'table' AS b") == [("drop", "table")]
+            return messages
+
+    messages = await in_thread(work)
+    assert all("words=[drop table]" in m for m in messages), messages
+    session = await api.done_session(session_id)
+    assert of_kind(session, "e").count(
+        "validation error, match guard rails input rule, type=deny_words_list, words=[drop table]") == 6
+
+
+async def test_statement_kinds_and_require_where_read_mysqls_parse(api, gateway, mysql_target):
+    mysql_target.sql("CREATE TABLE IF NOT EXISTS kinds (id INT); INSERT INTO kinds VALUES (1), (2)", "app")
+    role = await api.role()
+    await api.guardrail(role, input_rules=[{"type": "statement_kinds", "deny": ["DropStmt"]},
+                                           {"type": "require_where", "statements": ["delete", "update"]}])
+    secret, _ = await api.credential(role)
+
+    def work() -> list[str]:
+        with connect(gateway, secret, autocommit=True) as connection:
+            messages = [blocked(connection, sql) for sql in (
+                "/*!50000 DROP */ TABLE kinds", "DROP DATABASE app", "DELETE FROM kinds", "UPDATE kinds SET id = 3",
+                "TRUNCATE kinds", "SELECT 1; DELETE FROM kinds", "PREPARE s FROM 'DELETE FROM kinds'",
+                "PREPARE s FROM @sql", "ALTER TABLE kinds DROP COLUMN id")]
+            assert query(connection, "DELETE FROM kinds WHERE id = 2") == []
+            assert query(connection, "SELECT id FROM kinds") == [(1,)]
+            return messages
+
+    messages = await in_thread(work)
+    assert "statement=DropStmt" in messages[0] and "statement=DropdbStmt" in messages[1], messages
+    assert "delete without WHERE" in messages[2] and "update without WHERE" in messages[3], messages
+    assert "delete without WHERE (TruncateStmt)" in messages[4], messages
+    assert "(statement 2 of 2)" in messages[5], messages
+    assert "only a constant string can be read" in messages[7], messages
+    assert "it has the effect of DropStmt" in messages[8], messages
+    assert "kinds" in tables(mysql_target)
+
+
+@pytest.mark.parametrize("switch, attack", [
+    ("SET sql_mode = 'NO_BACKSLASH_ESCAPES'", "SELECT 'a\\'; DROP TABLE victim; -- '"),
+    ("SET SESSION sql_mode = 'ANSI_QUOTES'", 'SELECT "a\\"; DROP TABLE victim; -- "'),
+    ("SET @@session.sql_mode = CONCAT('ANSI', '_QUOTES')", 'SELECT "a\\"; DROP TABLE victim; -- "'),
+])
+async def test_sql_mode_is_followed_so_quoting_reads_as_the_server_reads_it(api, gateway, mysql_target, switch,
+                                                                            attack):
+    """Without following sql_mode, the gateway would read one string where the server runs a DROP."""
+    mysql_target.sql("CREATE TABLE IF NOT EXISTS victim (id INT)", "app")
+    role = await api.role()
+    await api.guardrail(role, input_rules=[{"type": "statement_kinds", "deny": ["DropStmt"]}])
+    secret, _ = await api.credential(role)
+
+    def work() -> tuple[str, str]:
+        with connect(gateway, secret, autocommit=True) as connection:
+            query(connection, switch)
+            first = blocked(connection, attack)
+        with connect(gateway, secret, autocommit=True) as connection:  # the switch and the attack in one query
+            second = blocked(connection, f"{switch}; {attack}")
+        return first, second
+
+    first, second = await in_thread(work)
+    assert "statement=DropStmt" in first and "statement=DropStmt" in second, (first, second)
+    assert "victim" in tables(mysql_target)
+
+
+async def test_a_character_set_the_gateway_cannot_read_is_refused_under_rules(api, gateway):
+    role = await api.role()
+    await api.guardrail(role, input_rules=[{"type": "deny_words_list", "words": ["nothing here"]}])
+    secret, _ = await api.credential(role)
+
+    def work() -> str:
+        with connect(gateway, secret) as connection:
+            query(connection, "SET NAMES sjis")
+            return blocked(connection, "SELECT 1")
+
+    assert "the client character set sjis" in await in_thread(work)
+
+
+async def test_the_session_cannot_stop_the_gateway_following_its_settings(api, gateway, mysql_target):
+    """Turning the target's reports off is not reported itself: the gateway asks, and turns them on again."""
+    mysql_target.sql("CREATE TABLE IF NOT EXISTS victim (id INT)", "app")
+    role = await api.role()
+    await api.guardrail(role, input_rules=[{"type": "statement_kinds", "deny": ["DropStmt"]}])
+    secret, _ = await api.credential(role)
+
+    def work() -> tuple[str, list[tuple]]:
+        with connect(gateway, secret, autocommit=True) as connection:
+            query(connection, "SET session_track_system_variables = ''")
+            query(connection, "SET sql_mode = 'NO_BACKSLASH_ESCAPES'")
+            message = blocked(connection, "SELECT 'a\\'; DROP TABLE victim; -- '")
+            return message, query(connection, "SELECT @@session.session_track_system_variables")
+
+    message, tracked = await in_thread(work)
+    assert "statement=DropStmt" in message and "sql_mode" in tracked[0][0], (message, tracked)
+    assert "victim" in tables(mysql_target)

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gatewayd.sql import mysql_scan
-from gatewayd.sql.mysql_scan import ANSI_QUOTES, MODES, NO_BACKSLASH_ESCAPES, SEMI, STRING, VAR, WORD, Server, Token
+from gatewayd.sql.mysql_scan import ANSI_QUOTES, MODES, NO_BACKSLASH_ESCAPES, SEMI, VAR, WORD, Server, Token
 
 # character_set_client values the gateway decodes, with Python's codec; each is ASCII-safe
 CODECS = {
@@ -41,7 +41,8 @@ CODECS = {
     "keybcs2": "latin-1", "geostd8": "latin-1",
 }
 MAX_READINGS = 32
-SWITCHES = frozenset(("sql_mode", "names", "charset", "character", "character_set_client"))
+SWITCHES = frozenset(("sql_mode", "names", "charset", "character", "character_set_client",
+                      "session_track_system_variables"))
 _SWITCHING_STATEMENTS = frozenset(("CALL", "EXECUTE", "RESET", "CHANGE"))
 _TRACKED = ("sql_mode", "character_set_client")
 
@@ -61,6 +62,18 @@ class StatementText:
     text: str
     readings: tuple[str, ...] | None = None
     refusal: str | None = None
+
+
+def needs_probe(tokens: list[Token]) -> bool:
+    """Whether the settings after this statement must be asked of the target: a stored program or a prepared
+    statement may change them, and a change of ``session_track_system_variables`` is not reported."""
+    if not tokens:
+        return False
+    first = tokens[0].value.upper() if tokens[0].kind == WORD else ""
+    if first in _SWITCHING_STATEMENTS:
+        return True
+    return first == "SET" and any(token.kind in (WORD, VAR) and "session_track" in token.value.lower()
+                                  for token in tokens)
 
 
 def may_switch(tokens: list[Token]) -> bool:
@@ -186,6 +199,3 @@ class SessionReading:
         memo[key] = out
         return out
 
-
-def literal_strings(tokens: list[Token]) -> list[str]:
-    return [token.value for token in tokens if token.kind == STRING]

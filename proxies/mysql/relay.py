@@ -53,7 +53,7 @@ from proxies.mysql.codec import (
     Column,
     ProtocolError,
 )
-from proxies.mysql.reading import SessionReading, StatementText, may_switch
+from proxies.mysql.reading import SessionReading, StatementText, may_switch, needs_probe
 
 if TYPE_CHECKING:
     from gatewayd.policy import SessionPolicy
@@ -157,6 +157,7 @@ class ClientSide:
         # ``KILL [QUERY] <id>`` of an id the gateway gave out -> the same KILL of the target's id (server.py)
         self.kill: Callable[[str], str | None] | None = None
         self.replacement: bytes | None = None  # FORWARD this instead of the packet read
+        self._probe_after = False  # the command at hand is followed by a probe of the settings
 
     # -- the outcome of one command
 
@@ -290,16 +291,24 @@ class ClientSide:
                         f"{statement.refusal}", "reading", statement.text)
 
     def _switches(self, text: str) -> bool:
+        """Whether ``text`` may change the settings that change the reading of SQL; when the target would not
+        report the change, the gateway asks for the settings right after it (an INTERNAL probe)."""
         from gatewayd.sql import mysql_scan
 
         lowered = text.lower()
         if not any(word in lowered for word in ("set", "call", "execute", "reset")):
             return False
         try:
-            tokens = mysql_scan.readings(text, self.reading.mode, self.reading.server)[0]
+            statements = mysql_scan.statements(mysql_scan.readings(text, self.reading.mode, self.reading.server)[0])
         except mysql_scan.Unreadable:
-            return True
-        return any(may_switch(statement) for statement in mysql_scan.statements(tokens))
+            statements = []
+            probe = switches = True
+        else:
+            switches = any(may_switch(statement) for statement in statements)
+            probe = any(needs_probe(statement) for statement in statements)
+        if probe:
+            self._probe_after = True
+        return switches
 
     def _query(self, seq: int, payload: bytes) -> int:
         raw = payload[1:]
@@ -315,7 +324,17 @@ class ClientSide:
             if translated is not None:
                 self.replacement = b"\x03" + translated.encode()
         self.pending.append(Pending(RESULT, switches=self._switches(statement.text)))
+        self._probe()
         return FORWARD
+
+    def _probe(self) -> None:
+        """Ask the target for the settings after the command at hand, when it would not report their change."""
+        if self._probe_after:
+            from proxies.mysql.upstream import PROBE_STATEMENT
+
+            self._probe_after = False
+            self.internal.append(b"\x03" + PROBE_STATEMENT.encode())
+            self.pending.append(Pending(INTERNAL, switches=True))
 
     def _prepare(self, seq: int, payload: bytes) -> int:
         raw = payload[1:]
@@ -349,6 +368,7 @@ class ClientSide:
         policy.record_input(render_params(statement.sql, values))
         self.pending.append(Pending(RESULT, binary=True, statement=statement,
                                     switches=self._switches(statement.sql)))
+        self._probe()
         return FORWARD
 
     def _init_db(self, seq: int, payload: bytes) -> int:
@@ -389,6 +409,7 @@ class ServerSide:
         self.prepare_ok: codec.PrepareOk | None = None
         self.internal_rows: list[list[bytes | None]] = []
         self.client: ClientSide | None = None  # the other side: it executes the statements prepared here
+        self.again: list[bytes] = []  # commands the gateway must send the target itself (INTERNAL)
 
     # -- one packet
 
@@ -462,12 +483,18 @@ class ServerSide:
             self.state = _ROWS
             return False
         if self._ends_rows(payload):
+            status = codec.decode_ok(payload, self.track).status if self.deprecate_eof else codec.eof_status(payload)
             if self.internal_rows:
                 values = [(v or b"").decode("utf-8", "replace") for v in self.internal_rows[0]]
-                if len(values) >= 2:
-                    self.reading.observe(0, {"sql_mode": values[0], "character_set_client": values[1]})
+                self.reading.observe(status, {"sql_mode": values[0], "character_set_client": values[1]})
+                self.reading.blind = ""
+                tracked = {name.strip().lower() for name in values[2].split(",")}
+                if self.track and "*" not in tracked and not {"sql_mode", "character_set_client"} <= tracked:
+                    from proxies.mysql.upstream import TRACK_STATEMENT  # the session turned it off: on again
+
+                    self.again.append(b"\x03" + TRACK_STATEMENT.encode())
             return self._done()
-        self.internal_rows.append(codec.decode_text_row(payload, 3))
+        self.internal_rows.append(codec.decode_text_row(payload, 4))
         return False
 
     def _ok(self, payload: bytes) -> bytes:

@@ -17,7 +17,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from proxies.mysql.codec import ProtocolError, frame
-from proxies.mysql.relay import ANSWER, CLOSE, FORWARD, LOCAL, QUIT, WAIT, ClientSide, Pending, ServerSide
+from proxies.mysql.relay import ANSWER, CLOSE, FORWARD, INTERNAL, LOCAL, QUIT, WAIT, ClientSide, Pending, ServerSide
 
 if TYPE_CHECKING:
     from gatewayd.policy import SessionPolicy
@@ -131,6 +131,11 @@ class RelaySession:
             if side.file_requested:
                 side.file_requested = False
                 self.client_side.sending_file = True
+            if side.again:
+                for command in side.again:
+                    self.pending.append(Pending(INTERNAL, switches=True))
+                    target.write_raw(frame(command, 0)[0])
+                side.again = []
             if done:
                 self._flush_local()
             if side.blocks:

@@ -68,7 +68,8 @@ VERIFIED = ("verify-ca", "verify-full")
 # change how it reads SQL, and this list itself (a client changing it is seen)
 TRACKED = ("sql_mode", "character_set_client", "session_track_system_variables")
 TRACK_STATEMENT = f"SET SESSION session_track_system_variables = '{','.join(TRACKED)}'"
-PROBE_STATEMENT = "SELECT @@session.sql_mode, @@session.character_set_client, @@version"
+PROBE_STATEMENT = ("SELECT @@session.sql_mode, @@session.character_set_client, "
+                   "@@session.session_track_system_variables, @@version")
 # capabilities the gateway passes on from the client when the target has them too; the rest it decides itself
 PASSED_ON = (CONNECT_WITH_DB | MULTI_STATEMENTS | MULTI_RESULTS | PS_MULTI_RESULTS | DEPRECATE_EOF | CONNECT_ATTRS
              | LOCAL_FILES | 1 | 2 | 4 | 256 | 1024 | 8192)  # long password, found rows, long flag, ignore space...
@@ -346,7 +347,7 @@ async def _set_up_tracking(link: TargetLink, name: str) -> None:
         await simple_query(stream, TRACK_STATEMENT, name, link.capabilities)
     rows, _ = await simple_query(stream, PROBE_STATEMENT, name, link.capabilities)
     if rows:
-        mode, charset, version = ((v or b"").decode("utf-8", "replace") for v in rows[0])
+        mode, charset, _, version = ((v or b"").decode("utf-8", "replace") for v in rows[0])
         link.sql_mode, link.charset, link.version = mode, charset, version
 
 
