@@ -208,11 +208,13 @@ def scan(text: str, mode: int = 0, server: Server = UNKNOWN_SERVER,
                 tokens.append(Token(WORD, pos, end, raw, gap))
             elif kind == "semi":
                 tokens.append(Token(SEMI, pos, end, raw, gap))
+                inside = False  # the server lexes the next statement afresh: an executable comment's ``*/`` is
+                # then an operator (and an error), not its end
             else:  # an operator, ``*/`` outside an executable comment included
                 tokens.append(Token(OP, pos, end, raw, gap))
             gap = False
         pos = end
-    if inside:
+    if inside and not any(token.kind == SEMI for token in tokens):
         raise Unreadable("an executable comment left open")
     return tokens, undecided
 
@@ -257,16 +259,20 @@ def canonical(tokens: list[Token]) -> str:
     """Tokens as text any reader in the default mode reads the same way: strings in ``'...'``, names in
     backquotes, a space where whitespace or a comment stood."""
     parts: list[str] = []
+    quoted = False
     for token in tokens:
-        if token.gap and parts:
-            parts.append(" ")
         kind = token.kind
+        if parts and (token.gap or quoted and kind in (STRING, NAME)):  # two quoted tokens must not run together
+            parts.append("/**/" if parts[-1].endswith("-") else " ")  # ``-- `` would start a comment
+        quoted = kind in (STRING, NAME)
         if kind == STRING:
             parts.append(_quote(token.value))
         elif kind == NAME:
             parts.append("`" + token.value.replace("`", "``") + "`")
         else:
             parts.append(token.value)
+    if parts and parts[-1].endswith("-"):
+        parts.append("/**/")  # ``--`` at the end of the text is a comment
     return "".join(parts)
 
 
