@@ -283,3 +283,124 @@ async def test_the_session_cannot_stop_the_gateway_following_its_settings(api, g
     message, tracked = await in_thread(work)
     assert "statement=DropStmt" in message and "sql_mode" in tracked[0][0], (message, tracked)
     assert "victim" in tables(mysql_target)
+
+
+# --------------------------------------------------------------------------- masking, prepared statements
+
+
+MASKS = [{"type": "mask", "patterns": ["card_number", "email"]},
+         {"type": "mask", "columns": ["salary", "ssn"], "style": "last4"}]
+CLEAR = ("jane@example.com", "4111111111111111", "123-45-6789", "98765")
+
+
+@pytest.fixture(scope="module")
+def people(mysql_target) -> str:
+    mysql_target.sql("CREATE TABLE masked (id INT PRIMARY KEY, email VARCHAR(80), card VARCHAR(30), ssn VARCHAR(20), "
+                     "salary INT, note TEXT, born DATE);"
+                     "INSERT INTO masked VALUES (1, 'jane@example.com', '4111111111111111', '123-45-6789', 98765, "
+                     "'write to jane@example.com', '1990-01-02'), (2, NULL, 'none', NULL, NULL, 'plain', NULL)",
+                     "app")
+    return "masked"
+
+
+async def nowhere_in_clear(api: MySqlApi, session_id: str, *seen: str) -> dict:
+    session = await api.done_session(session_id)
+    recorded = "".join(of_kind(session, "o")) + "".join(of_kind(session, "e"))  # output (input is as sent)
+    for clear in CLEAR:
+        for text in (*seen, recorded):
+            assert clear not in text, (clear, text)
+    return session
+
+
+async def test_text_results_are_masked_per_cell_and_recorded_masked(api, gateway, people):
+    role = await api.role()
+    await api.guardrail(role, output_rules=MASKS)
+    secret, session_id = await api.credential(role)
+
+    def work() -> list[tuple]:
+        with connect(gateway, secret) as connection:
+            rows = query(connection, "SELECT id, email, card, ssn, salary, note, born FROM masked ORDER BY id")
+            rows += query(connection, "SELECT 'jane@example.com'")  # a column named after its value
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT 'jane@example.com' AS x")
+                rows.append(tuple(d[0] for d in cursor.description))
+            return rows
+
+    rows = await in_thread(work)
+    assert rows[0][:6] == (1, "****", "****", "*******6789", None, "write to ****"), rows
+    assert rows[1] == (2, None, "none", None, None, "plain", None), rows
+    assert rows[2] == ("****",) and rows[3] == ("x",), rows
+    session = await nowhere_in_clear(api, session_id, repr(rows))
+    assert session["metrics"].get("masked", 0) >= 6, session["metrics"]
+
+
+JAVA = """
+import java.sql.*;
+
+public class MyMasked {
+    public static void main(String[] args) throws Exception {
+        try (Connection c = DriverManager.getConnection(args[0])) {
+            for (int i = 0; i < 3; i++) {
+                try (PreparedStatement s = c.prepareStatement(
+                        "SELECT id, email, card, ssn, salary, note, born FROM masked WHERE id >= ? ORDER BY id")) {
+                    s.setInt(1, 1);
+                    try (ResultSet r = s.executeQuery()) {
+                        while (r.next()) {
+                            System.out.println(r.getInt(1) + "|" + r.getString(2) + "|" + r.getString(3) + "|"
+                                + r.getString(4) + "|" + r.getString(5) + "|" + r.getString(6) + "|" + r.getString(7));
+                        }
+                    }
+                }
+            }
+            try (PreparedStatement s = c.prepareStatement("SELECT ? AS echoed")) {
+                s.setString(1, "forbidden thing");
+                try (ResultSet r = s.executeQuery()) { r.next(); System.out.println(r.getString(1)); }
+            } catch (SQLException e) {
+                System.out.println("refused: " + e.getErrorCode() + " " + e.getMessage());
+            }
+        }
+    }
+}
+"""
+
+
+async def test_connector_j_server_side_prepared_statements_binary_rows_masked(api, gateway, people, tmp_path):
+    if not CONNECTOR_J.exists():
+        pytest.skip("MariaDB Connector/J is not installed (libmariadb-java: tests/peers.txt)")
+    role = await api.role()
+    await api.guardrail(role, input_rules=[{"type": "deny_words_list", "words": ["nothing here"]}],
+                        output_rules=MASKS)
+    secret, session_id = await api.credential(role)
+    source = tmp_path / "MyMasked.java"
+    source.write_text(JAVA)
+    url = (f"jdbc:mariadb://127.0.0.1:{gateway.proxy_port}/app?user={secret}&password=any"
+           "&useServerPrepStmts=true&useSsl=false")
+    done = await in_thread(subprocess.run, ["java", "-cp", str(CONNECTOR_J), str(source), url],
+                           capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[:6] == ["1|****|****|*******6789|null|write to ****|1990-01-02", "2|null|none|null|null|plain|null"] * 3
+    assert lines[6] == "forbidden thing"
+    session = await nowhere_in_clear(api, session_id, done.stdout, done.stderr)
+    inputs = of_kind(session, "i")
+    assert any("WHERE id >= ? ORDER BY id\n-- parameters: ?1 = 1" in i for i in inputs), inputs
+    assert any(i.endswith("-- parameters: ?1 = 'forbidden thing'") for i in inputs), inputs
+
+
+async def test_connector_j_prepared_statement_blocked_by_input_rules(api, gateway, tmp_path):
+    if not CONNECTOR_J.exists():
+        pytest.skip("MariaDB Connector/J is not installed (libmariadb-java: tests/peers.txt)")
+    role = await api.role()
+    await api.guardrail(role, input_rules=[{"type": "deny_words_list", "words": ["echoed"]}])
+    secret, session_id = await api.credential(role)
+    source = tmp_path / "MyMasked.java"
+    source.write_text(JAVA.replace("FROM masked WHERE id >= ? ORDER BY id", "FROM masked WHERE id >= ? AND 0"))
+    url = (f"jdbc:mariadb://127.0.0.1:{gateway.proxy_port}/app?user={secret}&password=any"
+           "&useServerPrepStmts=true&useSsl=false")
+    done = await in_thread(subprocess.run, ["java", "-cp", str(CONNECTOR_J), str(source), url],
+                           capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1].startswith("refused: 1227 "), done.stdout
+    session = await api.done_session(session_id)
+    assert "validation error, match guard rails input rule, type=deny_words_list, words=[echoed]" in of_kind(
+        session, "e")
