@@ -404,3 +404,119 @@ async def test_connector_j_prepared_statement_blocked_by_input_rules(api, gatewa
     session = await api.done_session(session_id)
     assert "validation error, match guard rails input rule, type=deny_words_list, words=[echoed]" in of_kind(
         session, "e")
+
+
+# --------------------------------------------------------------------------- the rest of the protocol
+
+
+async def test_packets_over_16_mib_both_ways(api, gateway, mysql_target):
+    mysql_target.sql("CREATE TABLE IF NOT EXISTS big (id INT, body LONGBLOB)", "app")
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+    body = os.urandom(8) * (20 * 1024 * 1024 // 8)  # 20 MiB: two packets of the protocol each way
+
+    def work() -> bytes:
+        with connect(gateway, secret, autocommit=True, max_allowed_packet=64 * 1024 * 1024) as connection:
+            query(connection, "INSERT INTO big VALUES (1, %s)", (body,))
+            return query(connection, "SELECT body FROM big WHERE id = 1")[0][0]
+
+    assert await in_thread(work) == body
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 0
+
+
+async def test_load_data_local_infile_is_refused_unless_the_connection_allows_it(api, gateway, mysql_target,
+                                                                                  tmp_path):
+    mysql_target.sql("CREATE TABLE IF NOT EXISTS loaded (a INT, b VARCHAR(10))", "app")
+    data = tmp_path / "rows.csv"
+    data.write_text("1,one\n2,two\n")
+    statement = f"LOAD DATA LOCAL INFILE '{data}' INTO TABLE loaded FIELDS TERMINATED BY ','"
+
+    def load(secret: str) -> Any:
+        with connect(gateway, secret, autocommit=True, local_infile=True) as connection:
+            try:
+                query(connection, statement)
+            except pymysql.err.MySQLError as exc:
+                return exc.args
+            return query(connection, "SELECT COUNT(*) FROM loaded")[0][0]
+
+    refused_role = await api.role()
+    secret, _ = await api.credential(refused_role)
+    refused = await in_thread(load, secret)
+    assert isinstance(refused, tuple) and refused[0] in (1148, 4166), refused  # the target refuses it itself
+    allowed_role = await api.role(settings={"mysql": {"local_infile": True}})
+    secret, session_id = await api.credential(allowed_role)
+    assert await in_thread(load, secret) == 2
+    session = await api.done_session(session_id)
+    assert "1,one\n2,two\n" in of_kind(session, "i"), of_kind(session, "i")
+
+
+async def test_change_user_is_refused_and_ends_the_session(api, gateway):
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+
+    def work() -> Any:
+        connection = connect(gateway, secret)
+        try:
+            connection._execute_command(0x11, b"root\0\0app\0")  # COM_CHANGE_USER
+            with pytest.raises(pymysql.err.MySQLError) as raised:
+                connection._read_ok_packet()
+            return raised.value.args
+        finally:
+            connection.close()
+
+    code, message = await in_thread(work)
+    assert code == 1227 and "COM_CHANGE_USER is refused" in message
+    session = await api.done_session(session_id)
+    assert any("COM_CHANGE_USER is refused" in e for e in of_kind(session, "e"))
+
+
+async def test_kill_query_from_a_second_connection_cancels_the_statement(api, gateway):
+    role = await api.role()
+    secret, _ = await api.credential(role)
+    other_role = await api.role()
+    other_secret, _ = await api.credential(other_role)
+    first = await in_thread(connect, gateway, secret)
+    try:
+        thread_id = first.thread_id()  # the id the gateway gave: not the target's
+        def sleep() -> Any:
+            try:
+                return query(first, "SELECT SLEEP(60)")
+            except pymysql.err.MySQLError as exc:
+                return exc.args
+
+        running = asyncio.ensure_future(in_thread(sleep))
+        await asyncio.sleep(0.5)  # the statement is on its way (what follows holds without it: the kill waits)
+
+        def kill(with_secret: str) -> Any:
+            with connect(gateway, with_secret) as second:
+                try:
+                    return query(second, f"KILL QUERY {thread_id}")
+                except pymysql.err.MySQLError as exc:
+                    return exc.args
+
+        outsider = await in_thread(kill, other_secret)  # another connection's session: not translated
+        assert isinstance(outsider, tuple) and outsider[0] == 1094, outsider  # unknown thread id on the target
+        assert await in_thread(kill, (await api.credential(role))[0]) == []
+        assert await asyncio.wait_for(running, 30) == (1317, "Query execution was interrupted")
+    finally:
+        first.close()
+
+
+async def test_mariadb_dump_and_restore_through_the_gateway(api, gateway, mysql_target, people):
+    role = await api.role()
+    await api.guardrail(role, input_rules=[{"type": "deny_words_list", "words": ["nothing here"]}])
+    secret, _ = await api.credential(role)
+    dump = await in_thread(subprocess.run, ["mariadb-dump", "--no-defaults", "-h", "127.0.0.1", "-P",
+                                            str(gateway.proxy_port), "-u", secret, "--password=any", "--skip-ssl",
+                                            "app", "masked"], capture_output=True, text=True, timeout=60,
+                           check=False)
+    assert dump.returncode == 0, dump.stderr
+    assert "CREATE TABLE `masked`" in dump.stdout and "jane@example.com" in dump.stdout
+    restore = await in_thread(cli, gateway, secret, "other", stdin=dump.stdout)
+    assert "not reachable" in restore.stderr  # the connection's database only
+    allowed = await api.role(settings={"mysql": {"databases": ["other"]}})
+    await api.guardrail(allowed, input_rules=[{"type": "deny_words_list", "words": ["nothing here"]}])
+    restore = await in_thread(cli, gateway, (await api.credential(allowed))[0], "other", stdin=dump.stdout)
+    assert restore.returncode == 0, restore.stderr
+    assert mysql_target.sql("SELECT email FROM masked WHERE id = 1", "other").strip() == "jane@example.com"
