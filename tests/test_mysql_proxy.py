@@ -520,3 +520,22 @@ async def test_mariadb_dump_and_restore_through_the_gateway(api, gateway, mysql_
     restore = await in_thread(cli, gateway, (await api.credential(allowed))[0], "other", stdin=dump.stdout)
     assert restore.returncode == 0, restore.stderr
     assert mysql_target.sql("SELECT email FROM masked WHERE id = 1", "other").strip() == "jane@example.com"
+
+
+async def test_a_mysql_session_exports_as_statements_like_postgres(api, gateway):
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+
+    def work() -> None:
+        with connect(gateway, secret) as connection:
+            query(connection, "SELECT 1 AS one")
+            with pytest.raises(pymysql.err.MySQLError):
+                query(connection, "SELECT * FROM nowhere")
+
+    await in_thread(work)
+    await api.done_session(session_id)
+    status, body = await api("GET", f"/sessions/{session_id}?format=json")
+    assert status == 200, body
+    statements = {row["statement"]: row for row in body["statements"]}
+    assert statements["SELECT 1 AS one"]["output"] == "one\n1\n(1 row)\n"
+    assert "ERROR 1146 (42S02)" in statements["SELECT * FROM nowhere"]["error"]
