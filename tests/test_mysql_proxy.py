@@ -9,6 +9,7 @@ connection so guard rails never leak between tests.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import textwrap
@@ -539,3 +540,23 @@ async def test_a_mysql_session_exports_as_statements_like_postgres(api, gateway)
     statements = {row["statement"]: row for row in body["statements"]}
     assert statements["SELECT 1 AS one"]["output"] == "one\n1\n(1 row)\n"
     assert "ERROR 1146 (42S02)" in statements["SELECT * FROM nowhere"]["error"]
+
+
+async def test_the_cli_connect_launches_the_mysql_client_and_shows_the_session(api, gateway, tmp_path):
+    from tests.test_people_cli import PASSWORDS, Person
+
+    gateway.cli("user", "passwd", "--email", "ada@example.com", "--groups", "admin", "--password-stdin",
+                input=PASSWORDS["ada@example.com"] + "\n")
+    ada = Person(gateway, tmp_path, "ada@example.com")
+    await in_thread(ada.login)
+    role = await api.role()
+    printed = await in_thread(ada.run, "connect", role["name"], "--print")
+    assert printed.returncode == 0 and printed.stdout.startswith("mysql -h "), printed
+    connected = await in_thread(ada.run, "connect", role["name"], "--", "--skip-ssl", "-N", "-e", "select 6 * 7")
+    assert connected.returncode == 0, connected.stderr
+    assert connected.stdout.strip() == "42"
+    listing = json.loads((await in_thread(ada.run, "sessions", "--connection", role["name"], "--json")).stdout)
+    used = next(s for s in listing["data"] if s["verb"] == "connect")
+    await api.done_session(used["id"])
+    shown = await in_thread(ada.run, "sessions", "show", used["id"])
+    assert shown.returncode == 0 and "select 6 * 7" in shown.stdout and "42" in shown.stdout, shown.stdout
