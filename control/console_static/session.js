@@ -32,7 +32,8 @@ export async function sessionView({me, main}, id) {
     session.script && session.script.data ? [h("h2", {}, "Script"), h("pre", {class: "code"}, session.script.data)]
       : null,
     kill, messages, recording);
-  const render = {ssh: sshPlayer, postgres: statementTable, rdp: framePlayer, httpproxy: exchanges}
+  const render = {ssh: sshPlayer, postgres: statementTable, mysql: statementTable, rdp: framePlayer,
+    httpproxy: exchanges}
     [session.connection_subtype] || plainOutput;
   try {
     await render(recording, session);
