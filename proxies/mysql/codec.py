@@ -179,6 +179,11 @@ class PacketReader:
     def feed(self, data: bytes) -> None:
         self._buf += data
 
+    def ready(self) -> bool:
+        """Whether a whole packet is buffered."""
+        buf = self._buf
+        return len(buf) >= 4 and len(buf) >= 4 + (buf[0] | buf[1] << 8 | buf[2] << 16)
+
     def take_buffered(self) -> bytes:
         data = bytes(self._buf)
         self._buf.clear()

@@ -62,6 +62,7 @@ BLOCKED_CODE, BLOCKED_SQLSTATE = 1227, "42000"  # ER_SPECIFIC_ACCESS_DENIED_ERRO
 OFF_LOOP_BYTES = 64 * 1024  # a longer statement is read by the rules in a worker thread while the relay holds it
 DEFAULT_MAX_STATEMENT_BYTES = 1024 * 1024  # mysql.max_statement_bytes: a longer one is refused under input rules
 OUTPUT_FLUSH_CHARS = 64 * 1024
+DESCRIPTION_CACHE_SIZE = 256  # column definitions remembered per session (a statement run again sends the same)
 MAX_PARAM_CHARS = 1024
 LAST_PREPARED = 0xFFFFFFFF  # COM_STMT_EXECUTE's id for "the statement prepared last" (MariaDB)
 
@@ -410,6 +411,9 @@ class ServerSide:
         self.internal_rows: list[list[bytes | None]] = []
         self.client: ClientSide | None = None  # the other side: it executes the statements prepared here
         self.again: list[bytes] = []  # commands the gateway must send the target itself (INTERNAL)
+        # column definition -> (its Column, what the client gets) under the rules of ``described_for``
+        self.described: dict[bytes, tuple[Column, bytes, int]] = {}
+        self.described_for: object = None
 
     # -- one packet
 
@@ -588,9 +592,21 @@ class ServerSide:
     # -- result sets
 
     def _column(self, payload: bytes) -> bytes:
-        column = codec.decode_column(payload)
-        self.columns.append(column)
-        return self._masked_column(payload, column)
+        """A column definition of the result at hand: decoded (and its name masked) once per definition seen."""
+        masker = self.policy.masker
+        if self.described_for is not masker or len(self.described) >= DESCRIPTION_CACHE_SIZE:
+            self.described = {}
+            self.described_for = masker
+        known = self.described.get(payload)
+        if known is None:
+            column = codec.decode_column(payload)
+            before = column.name
+            masked = self._masked_column(payload, column)
+            known = self.described[payload] = (column, masked, int(column.name != before))
+        elif known[2]:
+            self.policy.count_masked(known[2])  # a name masked again, counted as the first time
+        self.columns.append(known[0])
+        return known[1]
 
     def _masked_column(self, payload: bytes, column: Column) -> bytes:
         """A column definition with its name masked when a pattern finds data in it (``SELECT 'jane@...'``

@@ -68,6 +68,7 @@ class RelaySession:
     async def _client_loop(self) -> tuple[str, ProtocolError | None]:
         client, target, side, policy = self.client, self.target, self.client_side, self.policy
         held: tuple[int, bytes] | None = None
+        outgoing: list[bytes] = []  # what goes to the target, written once per batch of commands read
         while True:
             if held is not None:
                 seq, payload = held
@@ -81,12 +82,17 @@ class RelaySession:
             if action == FORWARD:
                 if side.replacement is not None:
                     payload, side.replacement = side.replacement, None
-                target.write_raw(frame(payload, seq)[0])
+                outgoing.append(frame(payload, seq)[0])
                 if side.internal:
                     for command in side.internal:
-                        target.write_raw(frame(command, 0)[0])
+                        outgoing.append(frame(command, 0)[0])
                     side.internal = []
+                if client.ready() and not policy.needs_drain:
+                    continue  # more commands already here: one write for all of them
+                target.write_raw(b"".join(outgoing) if len(outgoing) > 1 else outgoing[0])
+                outgoing.clear()
             elif action == WAIT:
+                self._send(target, outgoing)
                 work = side.work
                 side.work = None
                 if work is not None:
@@ -94,38 +100,55 @@ class RelaySession:
                 held = (seq, payload)
                 continue
             elif action == ANSWER:
+                self._send(target, outgoing)
                 self._flush_local()
                 if side.verdict is not None:
                     verdict, side.verdict = side.verdict, None
                     await client.drain()
                     await policy.blocked(verdict)
             elif action == CLOSE:
+                self._send(target, outgoing)
                 self._flush_local()
                 await client.drain()
                 return CLIENT, None
             else:  # QUIT
-                target.write_raw(frame(payload, 0)[0])
+                outgoing.append(frame(payload, 0)[0])
+                self._send(target, outgoing)
                 return CLIENT, None
             if policy.needs_drain:
                 await policy.drain()
-            await target.drain()
+            if target.backed_up:
+                await target.drain()
+
+    @staticmethod
+    def _send(stream: PacketStream, parts: list[bytes]) -> None:
+        if parts:
+            stream.write_raw(b"".join(parts))
+            parts.clear()
 
     async def _target_loop(self) -> tuple[str, ProtocolError | None]:
         client, target, side, policy = self.client, self.target, self.server_side, self.policy
         out: list[tuple[int, bytes]] = []
+        outgoing: list[bytes] = []  # what goes to the client, written once the buffered answers are processed
         while True:
+            if not target.ready():
+                self._send(client, outgoing)
+                if client.backed_up:
+                    await client.drain()
             payload = await target.read()
             if payload is None:
+                self._send(client, outgoing)
                 side.flush_output()
                 return TARGET, None
             seq = target.first
             if not self.pending and payload[:1] == b"\xff":  # an error the target sends as it closes (a kill)
-                client.write_raw(frame(payload, self.client_seq)[0])
+                outgoing.append(frame(payload, self.client_seq)[0])
                 side.policy.error(payload[9:].decode("utf-8", "replace"))
                 continue
             done = side.on_packet(seq, payload, out)
             if out:
-                client.write_raw(b"".join(frame(data, number)[0] for number, data in out))
+                for number, data in out:
+                    outgoing.append(frame(data, number)[0])
                 self.client_seq = (out[-1][0] + 1) & 0xFF
                 out.clear()
             if side.file_requested:
@@ -136,13 +159,14 @@ class RelaySession:
                     self.pending.append(Pending(INTERNAL, switches=True))
                     target.write_raw(frame(command, 0)[0])
                 side.again = []
-            if done:
+            if done and self.pending and self.pending[0].kind == LOCAL:
+                self._send(client, outgoing)  # what went before the gateway's own answers
                 self._flush_local()
             if side.blocks:
+                self._send(client, outgoing)
                 blocks, side.blocks = side.blocks, []
                 for verdict in blocks:
                     await policy.blocked(verdict)
             if policy.needs_drain:
+                self._send(client, outgoing)
                 await policy.drain()
-            if not target.pending():
-                await client.drain()

@@ -8,6 +8,7 @@ import ssl
 from proxies.mysql.codec import DEFAULT_MAX_PACKET, PacketReader, ProtocolError, frame
 
 READ_CHUNK = 256 * 1024
+WRITE_HIGH_WATER = 256 * 1024
 
 
 class PacketStream:
@@ -42,9 +43,14 @@ class PacketStream:
         self.seq = (last + 1) & 0xFF
         return payload
 
-    def pending(self) -> bool:
-        """Whether a whole packet is already buffered (read without waiting)."""
-        return self.packets.buffered >= 4
+    def ready(self) -> bool:
+        """Whether a whole packet is already buffered (``read`` returns it without waiting)."""
+        return self.packets.ready()
+
+    @property
+    def backed_up(self) -> bool:
+        """Whether what was written waits in the transport: time to ``drain``."""
+        return self.writer.transport.get_write_buffer_size() > WRITE_HIGH_WATER
 
     def encode(self, payload: bytes) -> bytes:
         data, self.seq = frame(payload, self.seq)
