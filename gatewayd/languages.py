@@ -8,8 +8,8 @@ applied): a rule is never silently read the wrong way or skipped.
 
 * ``SQL``: statements of a SQL dialect (``SqlDialect``: its scanner's reading for
   deny words and patterns, its parser's statement kinds for statement rules,
-  what redacts a typed password).  PostgreSQL is the first
-  (gatewayd/sql/postgresql.py).
+  what redacts a typed password).  PostgreSQL's is gatewayd/sql/postgresql.py,
+  MySQL's and MariaDB's gatewayd/sql/mysql.py.
 * ``SHELL``: shell lines and commands (SSH), read as plain text.
 * ``HTTP``: request lines, headers and text bodies, read as plain text.
 * ``NONE``: nothing a rule can read (RDP: key scan codes and bitmaps).
