@@ -197,7 +197,7 @@ async def _connect(settings: TargetSettings, name: str, client: HandshakeRespons
             wanted &= ~LOCAL_FILES
         caps |= wanted & greeting.capabilities
         missing = wanted & ~greeting.capabilities & (DEPRECATE_EOF | MULTI_RESULTS | PS_MULTI_RESULTS)
-        if missing:
+        if missing and client is not None:  # the gateway's own connections read what they get
             raise _error(name, "the target lacks a capability the client asked for (the results' format would "
                                "differ)")
         caps |= greeting.capabilities & SESSION_TRACK
