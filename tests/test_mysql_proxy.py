@@ -560,3 +560,40 @@ async def test_the_cli_connect_launches_the_mysql_client_and_shows_the_session(a
     await api.done_session(used["id"])
     shown = await in_thread(ada.run, "sessions", "show", used["id"])
     assert shown.returncode == 0 and "select 6 * 7" in shown.stdout and "42" in shown.stdout, shown.stdout
+
+
+async def test_a_reset_connection_keeps_the_settings_followed(api, gateway, mysql_target):
+    """COM_RESET_CONNECTION clears the target's tracking: the gateway sets it up again."""
+    mysql_target.sql("CREATE TABLE IF NOT EXISTS victim (id INT)", "app")
+    role = await api.role()
+    await api.guardrail(role, input_rules=[{"type": "statement_kinds", "deny": ["DropStmt"]}])
+    secret, _ = await api.credential(role)
+
+    def work() -> str:
+        with connect(gateway, secret, autocommit=True) as connection:
+            connection._execute_command(0x1F, b"")  # COM_RESET_CONNECTION
+            connection._read_ok_packet()
+            query(connection, "SET sql_mode = 'NO_BACKSLASH_ESCAPES'")
+            return blocked(connection, "SELECT 'a\\\\'; DROP TABLE victim; -- '")
+
+    assert "statement=DropStmt" in await in_thread(work)
+    assert "victim" in tables(mysql_target)
+
+
+async def test_long_statements_are_read_off_the_loop_and_the_longest_refused(api, gateway):
+    role = await api.role()
+    await api.guardrail(role, input_rules=[{"type": "deny_words_list", "words": ["forbidden thing"]}])
+    secret, session_id = await api.credential(role)
+    padding = "x" * (100 * 1024)  # over 64 KiB: read in a worker thread while the session waits
+
+    def work() -> tuple[Any, str, str]:
+        with connect(gateway, secret) as connection:
+            allowed = query(connection, f"SELECT LENGTH('{padding}')")
+            refused = blocked(connection, f"SELECT '{padding}', 'forbidden thing'")
+            too_long = blocked(connection, "SELECT '" + "y" * (1024 * 1024 + 10) + "'")
+            return allowed, refused, too_long
+
+    allowed, refused, too_long = await in_thread(work)
+    assert allowed == [(len(padding),)] and "words=[forbidden thing]" in refused, (allowed, refused)
+    assert "longer than the gateway reads under input rules (mysql.max_statement_bytes" in too_long
+    await api.done_session(session_id)

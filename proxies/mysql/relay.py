@@ -257,10 +257,15 @@ class ClientSide:
     def _judged(self, raw: bytes) -> tuple[StatementText, GuardVerdict | None] | None:
         """A statement's reading and the rules' verdict, or None after arranging for them off the loop (WAIT)."""
         prepared = self.prepared
-        if prepared is not None and prepared[0] is raw:
+        if prepared is not None and prepared[0] == raw:  # the held statement, come again
             self.prepared = None
             return prepared[1], prepared[2]
         policy = self.policy
+        if policy.waits:  # an AI rule in sync mode: its verdict first (then the statement comes again)
+            text = self.reading.decode(raw)[0]
+            if policy.needs_wait(text):
+                self.work = functools.partial(policy.decide, text)
+                return None
         if not policy.checks_input:
             return StatementText(self.reading.decode(raw)[0]), None
         if len(raw) > self.limit:
