@@ -12,9 +12,6 @@ import asyncio
 import json
 import os
 import subprocess
-import textwrap
-import time
-from pathlib import Path
 from typing import Any
 
 import pymysql

@@ -26,7 +26,7 @@ from typing import Any
 
 from gatewayd.sql import mysql_scan
 from gatewayd.sql.mysql_scan import NAME, STRING, VAR, WORD, Server, Token, Unreadable
-from gatewayd.sql.pg_statements import COUNTS_AS, ParsedStatement
+from gatewayd.sql.pg_statements import FoundNodes, ParsedStatement
 
 MAX_DEPTH = 3
 PARSE_CACHE_SIZE = 4096
@@ -64,33 +64,7 @@ def _kind(name: str, node: Any) -> str | None:
     return _KINDS[name]
 
 
-class _Found:
-    __slots__ = ("effects", "kinds", "unreadable", "whole")
-
-    def __init__(self) -> None:
-        self.kinds: set[str] = set()
-        self.whole: set[tuple[str, str]] = set()
-        self.effects: set[tuple[str, str]] = set()
-        self.unreadable = ""
-
-    def cannot_read(self, why: str) -> None:
-        if not self.unreadable:
-            self.unreadable = why
-
-    def statement(self) -> ParsedStatement:
-        effects = set(self.effects)
-        for kind in self.kinds:
-            if kind in COUNTS_AS:
-                effects.add((COUNTS_AS[kind], kind))
-        for kind, node in self.whole:
-            if kind == "DeleteStmt":
-                effects.add(("TruncateStmt", node if node != "DeleteStmt" else "DeleteStmt without WHERE"))
-        kinds = frozenset(self.kinds)
-        return ParsedStatement(kinds, frozenset(kind for kind, _ in self.whole), frozenset(self.whole),
-                               frozenset(effects), self.unreadable, kinds.union(kind for kind, _ in effects))
-
-
-def _walk(node: Any, found: _Found) -> None:
+def _walk(node: Any, found: FoundNodes) -> None:
     """Nested queries (a subquery, ``INSERT ... SELECT``) are SELECTs too."""
     stack = [node]
     while stack:
@@ -105,7 +79,7 @@ def _walk(node: Any, found: _Found) -> None:
             stack.extend(item)
 
 
-def _tree(name: str, node: Any, found: _Found) -> None:
+def _tree(name: str, node: Any, found: FoundNodes) -> None:
     try:
         kind = _kind(name, node)
     except KeyError:
@@ -154,7 +128,7 @@ def _strings(tokens: list[Token]) -> str | None:
     return "".join(token.value for token in tokens)
 
 
-def _dynamic(tokens: list[Token], found: _Found, server: Server, depth: int) -> bool:
+def _dynamic(tokens: list[Token], found: FoundNodes, server: Server, depth: int) -> bool:
     """``PREPARE s FROM ...`` and ``EXECUTE IMMEDIATE ...``: their SQL read (True), or nothing to do (False)."""
     first, second = _upper(tokens[0]), _upper(tokens[1]) if len(tokens) > 1 else ""
     if first == "PREPARE" and len(tokens) >= 3 and (tokens[1].kind in (WORD, NAME)) and _upper(tokens[2]) == "FROM":
@@ -190,7 +164,7 @@ def _dynamic(tokens: list[Token], found: _Found, server: Server, depth: int) -> 
 
 
 def _statement(tokens: list[Token], server: Server, depth: int) -> ParsedStatement:
-    found = _Found()
+    found = FoundNodes()
     if not _dynamic(tokens, found, server, depth):
         trees = _parse_canonical(mysql_scan.canonical(tokens))
         if trees is None:

@@ -17,7 +17,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from proxies.mysql.codec import ProtocolError, frame
-from proxies.mysql.relay import ANSWER, CLOSE, FORWARD, INTERNAL, LOCAL, QUIT, WAIT, ClientSide, Pending, ServerSide
+from proxies.mysql.relay import ANSWER, CLOSE, FORWARD, INTERNAL, LOCAL, WAIT, ClientSide, Pending, ServerSide
 
 if TYPE_CHECKING:
     from gatewayd.policy import SessionPolicy

@@ -26,6 +26,7 @@ import asyncio
 import ssl
 from dataclasses import dataclass
 
+from gatewayd import tls
 from gatewayd.dialer import DialError, Dialer, direct, through_agent
 from gatewayd.models import flag, target_port
 from gatewayd.tasks import BackgroundTasks
@@ -63,7 +64,7 @@ from proxies.mysql.stream import PacketStream
 
 CONNECT_TIMEOUT = 10.0
 SSLMODES = ("disable", "prefer", "require", "verify-ca", "verify-full")
-VERIFIED = ("verify-ca", "verify-full")
+VERIFIED = tls.VERIFIED_MODES
 # what the gateway asks the target to report in its OK packets (SESSION_TRACK_SYSTEM_VARIABLES): the settings that
 # change how it reads SQL, and this list itself (a client changing it is seen)
 TRACKED = ("sql_mode", "character_set_client", "session_track_system_variables")
@@ -136,14 +137,9 @@ def _error(name: str, detail: str, code: int = 1105, sqlstate: str = "HY000") ->
 
 def _tls_context(sslmode: str, rootcert: str, name: str) -> ssl.SSLContext:
     try:
-        context = ssl.create_default_context(cadata=rootcert or None)
-    except (ssl.SSLError, ValueError):
+        return tls.target_context(sslmode, rootcert)
+    except ValueError:
         raise _error(name, "its SSLROOTCERT is not a PEM certificate") from None
-    if sslmode != "verify-full":
-        context.check_hostname = False
-    if sslmode not in VERIFIED:
-        context.verify_mode = ssl.CERT_NONE
-    return context
 
 
 async def connect_target(settings: TargetSettings, name: str, *, client: HandshakeResponse | None = None,
