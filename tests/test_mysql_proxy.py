@@ -594,3 +594,39 @@ async def test_long_statements_are_read_off_the_loop_and_the_longest_refused(api
     assert allowed == [(len(padding),)] and "words=[forbidden thing]" in refused, (allowed, refused)
     assert "longer than the gateway reads under input rules (mysql.max_statement_bytes" in too_long
     await api.done_session(session_id)
+
+
+async def test_a_kill_query_reaching_another_worker_is_sent_over_the_bus(tmp_path_factory, mysql_target):
+    """With two workers, the cancelling connection may land on the other one: the KILL is routed to the worker
+    holding the session (the id the greeting gave carries its slot)."""
+    daemon = proxy_daemon(tmp_path_factory, "myworkers", "mysql", {"daemon.workers": 2}, wait=True)
+    try:
+        async with admin_http(daemon) as http:
+            api = MySqlApi(daemon, http, mysql_target)
+            role = await api.role()
+            secret, _ = await api.credential(role)
+            first = await in_thread(connect, daemon, secret)
+            slot = first.thread_id() >> 20
+
+            def sleep() -> Any:
+                try:
+                    return query(first, "SELECT SLEEP(60)")
+                except pymysql.err.MySQLError as exc:
+                    return exc.args
+
+            running = asyncio.ensure_future(in_thread(sleep))
+            for _ in range(50):  # until a connection lands on the other worker
+                second = await in_thread(connect, daemon, (await api.credential(role))[0])
+                if second.thread_id() >> 20 != slot:
+                    break
+                second.close()
+            else:
+                pytest.fail("every connection landed on the same worker")
+            try:
+                assert await in_thread(query, second, f"KILL QUERY {first.thread_id()}") == []
+            finally:
+                second.close()
+            assert await asyncio.wait_for(running, 30) == (1317, "Query execution was interrupted")
+            first.close()
+    finally:
+        assert daemon.stop() == 0

@@ -69,7 +69,15 @@ from proxies.mysql.reading import SessionReading
 from proxies.mysql.relay import ClientSide, Pending, ServerSide
 from proxies.mysql.session import CLIENT, RelaySession
 from proxies.mysql.stream import PacketStream
-from proxies.mysql.upstream import TargetLink, TargetSettings, UpstreamError, connect_target, end_on_target, quit_link
+from proxies.mysql.upstream import (
+    TargetLink,
+    TargetSettings,
+    UpstreamError,
+    connect_target,
+    end_on_target,
+    kill_query,
+    quit_link,
+)
 
 if TYPE_CHECKING:
     from gatewayd.access import AccessGrant
@@ -111,6 +119,11 @@ class Running:
     link: TargetLink
     connection_id: str
     user_id: str
+    end: Any = None  # ends the session (KILL CONNECTION that reached another process)
+
+
+KILL_TOPIC = "mysql.kill"  # the bus topic: a KILL naming a session another process (worker, node) holds
+_KILL_ROUTES: set[int] = set()  # the clusters whose kill topic a listener of this process answers already
 
 
 class MySQLListener:
@@ -124,6 +137,41 @@ class MySQLListener:
         self.connections = BackgroundTasks("mysql listener")
         self.cluster = context.cluster
         self.running: dict[int, Running] = RUNNING
+        if self.cluster is not None and id(self.cluster) not in _KILL_ROUTES:  # once per process, not per listener
+            _KILL_ROUTES.add(id(self.cluster))
+            self.cluster.on(KILL_TOPIC, self._on_kill)
+
+    async def _on_kill(self, message: dict[str, Any]) -> None:
+        """A client's KILL that another process received, for a session of this one."""
+        if self.cluster is None or message.get("slot") != self.cluster.slot:
+            return
+        try:
+            self.kill_here(int(message["id"]), str(message["connection_id"]), str(message["user_id"]),
+                           bool(message["query"]))
+        except (KeyError, ValueError, TypeError):
+            log.warning("a malformed kill message was ignored")
+
+    def kill_here(self, number: int, connection_id: str, user_id: str, query: bool) -> bool:
+        """End the statement (``query``) or the session of a session this process holds, when it is that
+        connection's and that user's; False when it is not here."""
+        entry = self.running.get(number)
+        if entry is None or entry.connection_id != connection_id or entry.user_id != user_id:
+            return False
+        if query:
+            _KILLS.spawn(kill_query(entry.link))
+        elif entry.end is not None:
+            entry.end("the session was ended by KILL CONNECTION from another connection")
+        return True
+
+    def route_kill(self, number: int, connection_id: str, user_id: str, query: bool) -> bool:
+        """Send a KILL for a session another process holds (its slot is in the id) over the bus."""
+        slot = (number >> SLOT_SHIFT) & 0x7FF
+        cluster = self.cluster
+        if cluster is None or slot in (0, cluster.slot):
+            return False
+        _KILLS.spawn(cluster.publish(KILL_TOPIC, slot=slot, id=number, connection_id=connection_id,
+                                     user_id=user_id, query=query))
+        return True
 
     def issue_id(self) -> int:
         slot = self.cluster.slot if self.cluster is not None else 0
@@ -150,6 +198,7 @@ class MySQLListener:
 
 
 RUNNING: dict[int, Running] = {}  # outlives a listener restart, like PostgreSQL's cancel keys
+_KILLS = BackgroundTasks("mysql kills")
 
 
 async def start(context: ProxyContext, host: str, port: int) -> MySQLListener:
@@ -186,6 +235,7 @@ class ClientConnection:
         self.link: TargetLink | None = None
         self.killed: str | None = None
         self.relay: RelaySession | None = None
+        self.session_run: Any = None
         self.connection_id = listener.issue_id()
         sock = stream.writer.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -290,7 +340,8 @@ class ClientConnection:
             self.send_error(1053, "08S01", str(exc))
             return
         self.link = link = run.target
-        self.listener.running[self.connection_id] = Running(link, connection.id, grant.user.id)
+        self.session_run = run
+        self.listener.running[self.connection_id] = Running(link, connection.id, grant.user.id, self._ended)
         async with run:
             try:
                 self.stream.write(codec.Ok(status=link.status).encode())
@@ -299,6 +350,14 @@ class ClientConnection:
                 self.listener.running.pop(self.connection_id, None)
                 quit_link(link)
             await run.close(exit_code=exit_code, error=error)
+
+    def _ended(self, reason: str) -> None:
+        """KILL CONNECTION from another process's client: the session ends as a kill does."""
+        self.pipeline.tasks.spawn(self._end_run(reason))
+
+    async def _end_run(self, reason: str) -> None:
+        if self.session_run is not None:
+            await self.session_run.kill(reason)
 
     def _kill(self, reason: str) -> None:
         """The gateway ends the session: ERR 1927, both sockets close, the target's statement is killed."""
@@ -349,17 +408,24 @@ class ClientConnection:
 
     def _translate_kill(self, connection_id: str, user_id: str) -> Any:
         """``KILL [QUERY] <id>`` of a connection id the gateway gave out: the target's id, if the session is
-        this connection's and this user's; None when the statement is no such KILL."""
-        running = self.listener.running
+        this connection's and this user's; None when the statement is no such KILL.  A session another process
+        holds (the id's slot says which) is killed there (over the bus): the client's statement becomes
+        ``DO 0`` (its OK)."""
+        listener = self.listener
+        running = listener.running
 
         def translate(sql: str) -> str | None:
             match = _KILL.match(sql)
             if match is None:
                 return None
-            entry = running.get(int(match.group(2)))
+            number = int(match.group(2))
+            query = (match.group(1) or "").lower() == "query"
+            if listener.route_kill(number, connection_id, user_id, query):
+                return "DO 0"
+            entry = running.get(number)
             if entry is None or entry.connection_id != connection_id or entry.user_id != user_id:
                 return None
-            return f"KILL {(match.group(1) or 'CONNECTION').upper()} {entry.link.thread_id}"
+            return f"KILL {'QUERY' if query else 'CONNECTION'} {entry.link.thread_id}"
 
         return translate
 
