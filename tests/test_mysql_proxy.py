@@ -630,3 +630,35 @@ async def test_a_kill_query_reaching_another_worker_is_sent_over_the_bus(tmp_pat
             first.close()
     finally:
         assert daemon.stop() == 0
+
+
+async def test_a_session_the_gateway_kills_has_its_statement_killed_on_the_target(api, gateway, mysql_target):
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+    running_sql = "SELECT SLEEP(600) AS held_for_the_kill"
+
+    def running() -> int:
+        return int(mysql_target.sql(f"SELECT COUNT(*) FROM information_schema.processlist WHERE info = "
+                                    f"'{running_sql}'").strip())
+
+    def hold() -> Any:
+        with connect(gateway, secret) as connection:
+            try:
+                return query(connection, running_sql)
+            except pymysql.err.MySQLError as exc:
+                return exc.args
+
+    held = asyncio.ensure_future(in_thread(hold))
+    for _ in range(200):
+        if running():
+            break
+        await asyncio.sleep(0.05)
+    status, body = await api("POST", f"/sessions/{session_id}/kill")
+    assert status == 200, body
+    answer = await asyncio.wait_for(held, 30)
+    assert answer[0] == 1927 and answer[1].startswith("session killed by"), answer
+    for _ in range(200):  # MariaDB would otherwise sleep on: the gateway's KILL QUERY on a second connection
+        if not running():
+            break
+        await asyncio.sleep(0.05)
+    assert running() == 0

@@ -83,6 +83,8 @@ class RelaySession:
                 if side.replacement is not None:
                     payload, side.replacement = side.replacement, None
                 outgoing.append(frame(payload, seq)[0])
+                if len(self.pending) == 1:  # its answer is the next the client reads: it follows this number
+                    self.client_seq = (seq + 1) & 0xFF
                 if side.internal:
                     for command in side.internal:
                         outgoing.append(frame(command, 0)[0])
