@@ -190,3 +190,11 @@ def test_the_gateway_reads_what_mariadb_runs_for_any_text(server: pymysql.Connec
         assert expected == "error" or text.count("/*!") + text.count("/*M!") > 1, (SQL_MODES[mode], text)
         return
     assert run(server, "", canonical) == expected, (SQL_MODES[mode], text, canonical)
+
+
+def test_the_offline_analyzer_rates_mysql_by_its_statement_kinds() -> None:
+    from gatewayd.analysis.offline import rate
+
+    assert rate("/*!50000 DROP */ TABLE orders", MYSQL).risk_level == "high"
+    assert rate("DELETE FROM orders", MYSQL).risk_level == "high"
+    assert rate("SELECT * FROM orders WHERE id = 1", MYSQL).risk_level == "low"
