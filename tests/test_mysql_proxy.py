@@ -662,3 +662,22 @@ async def test_a_session_the_gateway_kills_has_its_statement_killed_on_the_targe
             break
         await asyncio.sleep(0.05)
     assert running() == 0
+
+
+async def test_tls_toward_the_target_verified_by_the_roles_certificate(api, gateway, mysql_target):
+    verified = await api.role(sslmode="verify-full", SSLROOTCERT=mysql_target.root_cert())
+    secret, _ = await api.credential(verified)
+
+    def cipher(secret: str) -> Any:
+        with connect(gateway, secret) as connection:
+            return query(connection, "SHOW SESSION STATUS LIKE 'Ssl_cipher'")
+
+    assert (await in_thread(cipher, secret))[0][1]  # the gateway's own link to MariaDB is TLS
+    from gatewayd.tls import generate_self_signed
+    other = mysql_target.dir / "other"
+    other.mkdir(exist_ok=True)
+    generate_self_signed(other / "c.crt", other / "c.key", "someone-else")
+    impostor = await api.role(sslmode="verify-ca", SSLROOTCERT=(other / "c.crt").read_text())
+    with pytest.raises(pymysql.err.MySQLError) as raised:
+        await in_thread(cipher, (await api.credential(impostor))[0])
+    assert "TLS failed" in raised.value.args[1], raised.value.args
