@@ -133,10 +133,12 @@ class RelaySession:
         out: list[tuple[int, bytes]] = []
         outgoing: list[bytes] = []  # what goes to the client, written once the buffered answers are processed
         while True:
-            if not target.ready():
+            if not target.ready():  # all that arrived is processed: out it goes, and what waits is awaited
                 self._send(client, outgoing)
                 if client.backed_up:
                     await client.drain()
+                if policy.needs_drain:
+                    await policy.drain()
             payload = await target.read()
             if payload is None:
                 self._send(client, outgoing)
@@ -153,6 +155,8 @@ class RelaySession:
                     outgoing.append(frame(data, number)[0])
                 self.client_seq = (out[-1][0] + 1) & 0xFF
                 out.clear()
+            if not done and not side.blocks and not side.file_requested:
+                continue  # the usual packet: a row, a definition
             if side.file_requested:
                 side.file_requested = False
                 self.client_side.sending_file = True
@@ -169,6 +173,3 @@ class RelaySession:
                 blocks, side.blocks = side.blocks, []
                 for verdict in blocks:
                     await policy.blocked(verdict)
-            if policy.needs_drain:
-                self._send(client, outgoing)
-                await policy.drain()
