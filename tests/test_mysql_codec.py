@@ -183,3 +183,29 @@ async def test_a_wrong_password_is_the_connections_refusal_not_the_servers_words
         await connect_target(settings(port, password="wrong"), "c", track=False)
     assert raised.value.code == 1045 and "refused the credentials of the connection" in raised.value.message
     assert hashlib.sha256(b"wrong").hexdigest() not in raised.value.message
+
+
+# --------------------------------------------------------------------------- garbage in: ProtocolError, nothing else
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+COLUMNS = [codec.Column("", "t", "t", "a", "a", 45, 10, kind, 0, 0)
+           for kind in (codec.T_LONG, codec.T_VAR_STRING, codec.T_DATETIME, codec.T_DOUBLE)]
+
+
+@settings(max_examples=1000, deadline=None)
+@given(st.binary(max_size=80))
+def test_every_decoder_refuses_garbage_with_a_protocol_error(data: bytes) -> None:
+    decoders = (
+        lambda: HandshakeResponse.decode(data), lambda: Handshake.decode(data), lambda: codec.decode_ok(data, True),
+        lambda: codec.decode_ok(data, False), lambda: codec.decode_column(data),
+        lambda: codec.decode_text_row(data, 3), lambda: codec.decode_binary_row(data, COLUMNS),
+        lambda: codec.decode_execute(data, 2, None, {}), lambda: codec.decode_execute(data, 2, [(3, 0), (253, 0)], {}),
+        lambda: codec.decode_prepare_ok(data), lambda: codec.decode_err(data),
+    )
+    for decode in decoders:
+        try:
+            decode()
+        except codec.ProtocolError:
+            pass

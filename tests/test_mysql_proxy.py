@@ -681,3 +681,26 @@ async def test_tls_toward_the_target_verified_by_the_roles_certificate(api, gate
     with pytest.raises(pymysql.err.MySQLError) as raised:
         await in_thread(cipher, (await api.credential(impostor))[0])
     assert "TLS failed" in raised.value.args[1], raised.value.args
+
+
+async def test_a_malformed_command_ends_its_session_recorded_and_the_gateway_serves_on(api, gateway):
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+
+    def work() -> Any:
+        connection = connect(gateway, secret)
+        try:
+            query(connection, "SELECT 1")
+            connection._execute_command(0x17, b"\x01\x00")  # a COM_STMT_EXECUTE cut short
+            with pytest.raises(pymysql.err.MySQLError) as raised:
+                connection._read_ok_packet()
+            return raised.value.args
+        finally:
+            connection.close()
+
+    code, message = await in_thread(work)
+    assert code == 1043 and message == "protocol violation: a malformed COM_STMT_EXECUTE", (code, message)
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 254 and of_kind(session, "e")[-1] == message
+    again, _ = await api.credential(role)
+    assert await in_thread(lambda: query(connect(gateway, again), "SELECT 2")) == [(2,)]

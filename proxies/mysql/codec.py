@@ -687,6 +687,14 @@ def decode_execute(data: bytes, params: int, types: list[tuple[int, int]] | None
                    long_data: dict[int, bytes]) -> tuple[int, list[tuple[int, int]] | None, list[bytes | str | None]]:
     """COM_STMT_EXECUTE: (its statement id, the parameter types it binds or those given before, each parameter's
     value: None for NULL, bytes for a string or blob, text for a number or a date)."""
+    try:
+        return _decode_execute(data, params, types, long_data)
+    except (IndexError, struct.error, ValueError) as exc:
+        raise ProtocolError("a malformed COM_STMT_EXECUTE") from exc
+
+
+def _decode_execute(data: bytes, params: int, types: list[tuple[int, int]] | None,
+                    long_data: dict[int, bytes]) -> tuple[int, list[tuple[int, int]] | None, list[bytes | str | None]]:
     if len(data) < 10:
         raise ProtocolError("a malformed COM_STMT_EXECUTE")
     statement_id = struct.unpack_from("<I", data, 1)[0]
