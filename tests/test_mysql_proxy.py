@@ -704,3 +704,16 @@ async def test_a_malformed_command_ends_its_session_recorded_and_the_gateway_ser
     assert session["exit_code"] == 254 and of_kind(session, "e")[-1] == message
     again, _ = await api.credential(role)
     assert await in_thread(lambda: query(connect(gateway, again), "SELECT 2")) == [(2,)]
+
+
+async def test_an_anchored_mask_pattern_masks_whole_cells(api, gateway):
+    """A row's cells are searched together only when no rule is anchored (``^...$`` anchors a cell)."""
+    role = await api.role()
+    await api.guardrail(role, output_rules=[{"type": "mask", "pattern_regex": "^secret-[0-9]+$"}])
+    secret, _ = await api.credential(role)
+
+    def work() -> list[tuple]:
+        with connect(gateway, secret) as connection:
+            return query(connection, "SELECT 'visible', 'secret-42', 'not secret-42'")
+
+    assert await in_thread(work) == [("visible", "****", "not secret-42")]

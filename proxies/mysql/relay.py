@@ -760,8 +760,10 @@ class ServerSide:
         assert masker is not None
         columns = self.columns
         styles = self.masked_columns
-        if not any(styles) and not (masker.finders and masker.may_match(
-                "\t".join(t for t in texts if t is not None).encode("utf-8", "surrogateescape"))):
+        # the row's text is searched once for every cell (a tab, like a cell's ends, is no word character),
+        # unless a rule is anchored: its cells are then searched one by one
+        if not any(styles) and not (masker.finders and (not masker.row_prefilter or masker.may_match(
+                "\t".join(t for t in texts if t is not None).encode("utf-8", "surrogateescape")))):
             return None
         values = list(values)
         texts = list(texts)
