@@ -19,6 +19,7 @@ import pytest
 
 from tests.apiclient import MySqlApi, admin_http, of_kind
 from tests.conftest import Daemon, proxy_daemon
+from proxies.mysql import codec
 from tests.mypeer import CONNECTOR_J
 
 RECORDING_CAP = 4 << 20
@@ -717,3 +718,20 @@ async def test_an_anchored_mask_pattern_masks_whole_cells(api, gateway):
             return query(connection, "SELECT 'visible', 'secret-42', 'not secret-42'")
 
     assert await in_thread(work) == [("visible", "****", "not secret-42")]
+
+
+async def test_com_field_list_answers_its_columns(api, gateway, people):
+    role = await api.role()
+    secret, _ = await api.credential(role)
+
+    def work() -> list[str]:
+        with connect(gateway, secret) as connection:
+            connection._execute_command(0x04, b"masked\0")  # COM_FIELD_LIST, as the mysql client's rehash sends
+            names = []
+            while True:
+                packet = connection._read_packet()
+                if packet.is_eof_packet():
+                    return names
+                names.append(packet.read_length_coded_string() and codec.decode_column(packet.get_all_data()).name)
+
+    assert await in_thread(work) == ["id", "email", "card", "ssn", "salary", "note", "born"]

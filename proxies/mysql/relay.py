@@ -443,9 +443,8 @@ class ServerSide:
             if codec.is_err(payload):
                 self._error(payload, seq, out)
                 return self._done()
-            if codec.is_eof(payload):
-                self.flush_output()
-                out.append((seq, payload))
+            if self._ends_rows(payload):  # an EOF, or an OK under DEPRECATE_EOF
+                out.append((seq, self._ok(payload) if self.deprecate_eof else payload))
                 return self._done()
             out.append((seq, self._column(payload)))
             return False
