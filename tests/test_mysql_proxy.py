@@ -735,3 +735,40 @@ async def test_com_field_list_answers_its_columns(api, gateway, people):
                 names.append(packet.read_length_coded_string() and codec.decode_column(packet.get_all_data()).name)
 
     assert await in_thread(work) == ["id", "email", "card", "ssn", "salary", "note", "born"]
+
+
+async def test_an_ai_rule_in_sync_mode_holds_each_statement_for_its_verdict(api, gateway, mysql_target):
+    """The provider rates "high" what no guard rail refuses: the table not made proves the statement waited."""
+    from tests.llmpeer import API_KEY, FakeLLM
+
+    llm = await FakeLLM().start()
+    try:
+        status, body = await api("PUT", "/ai/session-analyzer/providers", {
+            "provider": "openai", "model": "judge-1", "api_url": f"{llm.url}/v1", "api_key": API_KEY})
+        assert status == 200, body
+        llm.answer("verdict", "low", "Routine query", "Reads data only.", delay=0.3)
+        llm.answer_for("create table secret_ai", "high", "Creates a secret table", "The rule forbids it.")
+        role = await api.role()
+        status, rule = await api("POST", "/ai/session-analyzer/rules", {
+            "name": f"rule-{role['name']}", "connection_names": [role["name"]], "native_mode": "sync",
+            "timeout": 60, "risk_evaluation": {"low_risk_action": "allow_execution",
+                                               "medium_risk_action": "allow_execution",
+                                               "high_risk_action": "block_execution"}})
+        assert status == 201, rule
+        secret, session_id = await api.credential(role)
+
+        def work() -> tuple[Any, str, Any]:
+            with connect(gateway, secret, autocommit=True) as connection:
+                before = query(connection, "SELECT 'before'")
+                refused = blocked(connection, "create table secret_ai (i int)")
+                return before, refused, query(connection, "SELECT 'after'")
+
+        before, refused, after = await in_thread(work)
+        assert before == [("before",)] and after == [("after",)]
+        assert "Creates a secret table" in refused, refused
+        assert "secret_ai" not in tables(mysql_target)  # refused before MariaDB saw it
+        session = await api.done_session(session_id, 30)
+        assert session["ai_analysis"]["action"] == "block_execution"
+    finally:
+        await api("DELETE", "/ai/session-analyzer/providers")
+        await llm.stop()
