@@ -198,3 +198,10 @@ def test_the_offline_analyzer_rates_mysql_by_its_statement_kinds() -> None:
     assert rate("/*!50000 DROP */ TABLE orders", MYSQL).risk_level == "high"
     assert rate("DELETE FROM orders", MYSQL).risk_level == "high"
     assert rate("SELECT * FROM orders WHERE id = 1", MYSQL).risk_level == "low"
+
+
+def test_the_kinds_it_tells_apart_are_of_the_shared_vocabulary() -> None:
+    from gatewayd.sql.pg_statements import statement_node_names
+
+    assert set(MYSQL_DIALECT.kinds) <= set(statement_node_names())
+    assert {"DropStmt", "DropdbStmt", "DeleteStmt", "TruncateStmt", "UpdateStmt", "GrantStmt"} <= set(MYSQL_DIALECT.kinds)

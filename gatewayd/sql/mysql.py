@@ -16,7 +16,7 @@ import re
 
 from gatewayd.languages import SQL, Language
 from gatewayd.sql import mysql_scan, mysql_statements
-from gatewayd.sql.pg_statements import ParsedStatement, statement_node_names
+from gatewayd.sql.pg_statements import ParsedStatement
 
 _SECRET = re.compile(r"""(\b(?:identified\s+(?:with\s+\S+\s+)?(?:by|as)|password\s*(?:\(|=)\s*(?:password\s*\()?)\s*)"""
                      r"""('(?:[^'\\]|\\.|'')*'|"(?:[^"\\]|\\.|"")*")""", re.I | re.S)
@@ -34,7 +34,7 @@ class MySQLDialect:
 
     @property
     def kinds(self) -> tuple[str, ...]:
-        return statement_node_names()
+        return mysql_statements.statement_kinds()
 
     def needs_scan(self, text: str) -> bool:
         return mysql_scan.needs_scan(text)

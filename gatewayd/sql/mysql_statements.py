@@ -54,6 +54,12 @@ _DROP_OBJECTS = {"Database": "DropdbStmt", "Schema": "DropStmt", "User": "DropRo
 _CANNOT = "a statement the gateway's MySQL parser cannot read"
 
 
+def statement_kinds() -> tuple[str, ...]:
+    """The statement kinds this reading tells apart (of the shared vocabulary): what a rule can deny here."""
+    return tuple(sorted({kind for kind in _KINDS.values() if kind} | set(_DROP_OBJECTS.values())
+                        | {"DropStmt", "VariableShowStmt", "PrepareStmt", "ExecuteStmt"}))
+
+
 def _kind(name: str, node: Any) -> str | None:
     if name == "Drop" and isinstance(node, dict):
         return _DROP_OBJECTS.get(str(node.get("object_type")), "DropStmt")
