@@ -772,3 +772,12 @@ async def test_an_ai_rule_in_sync_mode_holds_each_statement_for_its_verdict(api,
     finally:
         await api("DELETE", "/ai/session-analyzer/providers")
         await llm.stop()
+
+
+async def test_the_connections_mysql_settings_are_checked(api):
+    for settings, named in (({"mysql": {"local_infile": "yes"}}, "local_infile"),
+                            ({"mysql": {"databases": "other"}}, "databases"), ({"mysql": []}, "settings.mysql")):
+        status, body = await api("POST", "/connections", {
+            "name": f"bad-{named.replace('.', '-')}", "type": "database", "subtype": "mysql",
+            "secret": {"envvar:HOST": "MTI3LjAuMC4x"}, "settings": settings})
+        assert status == 422 and named in body["message"], body
