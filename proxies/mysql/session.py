@@ -76,6 +76,7 @@ class RelaySession:
             else:
                 payload = await client.read()
                 if payload is None:
+                    self._send(target, outgoing)  # what it sent before it left still goes
                     return CLIENT, None
                 seq = client.first
             action = side.on_command(seq, payload)
