@@ -141,7 +141,7 @@ class FakeMySQL8:
         writer.close()
 
 
-def settings(port: int, password: str = "s3cret", **more: str) -> TargetSettings:
+def target(port: int, password: str = "s3cret", **more: str) -> TargetSettings:
     return TargetSettings.from_role({"HOST": "127.0.0.1", "PORT": str(port), "USER": "u", "PASS": password,
                                      **more})
 
@@ -149,7 +149,7 @@ def settings(port: int, password: str = "s3cret", **more: str) -> TargetSettings
 async def test_caching_sha2_fast_answer():
     fake = FakeMySQL8(b"s3cret", cached=True)
     port = await fake.start()
-    link = await connect_target(settings(port), "c", track=False)
+    link = await connect_target(target(port), "c", track=False)
     assert fake.steps == ["fast"] and link.thread_id == 77
     link.stream.close()
 
@@ -158,8 +158,8 @@ async def test_caching_sha2_full_authentication_sends_the_password_only_where_it
     fake = FakeMySQL8(b"s3cret", cached=False)
     port = await fake.start()
     with pytest.raises(UpstreamError, match="the password was not sent"):  # no TLS, nothing allows it
-        await connect_target(settings(port), "c", track=False)
-    link = await connect_target(settings(port, ALLOW_UNVERIFIED_PASSWORD="true"), "c", track=False)
+        await connect_target(target(port), "c", track=False)
+    link = await connect_target(target(port, ALLOW_UNVERIFIED_PASSWORD="true"), "c", track=False)
     assert fake.steps == ["gone", "rsa"]  # refused first, then under the server's RSA key
     link.stream.close()
 
@@ -169,8 +169,8 @@ async def test_caching_sha2_full_authentication_sends_the_password_only_where_it
     fake_tls = FakeMySQL8(b"s3cret", cached=False, tls=context)
     port = await fake_tls.start()
     with pytest.raises(UpstreamError, match="the password was not sent"):  # TLS, but not verified
-        await connect_target(settings(port), "c", track=False)
-    link = await connect_target(settings(port, SSLMODE="verify-ca", SSLROOTCERT=(tmp_path / "s.crt").read_text()),
+        await connect_target(target(port), "c", track=False)
+    link = await connect_target(target(port, SSLMODE="verify-ca", SSLROOTCERT=(tmp_path / "s.crt").read_text()),
                                 "c", track=False)
     assert fake_tls.steps == ["tls", "gone", "tls", "clear"]
     link.stream.close()
@@ -180,14 +180,14 @@ async def test_a_wrong_password_is_the_connections_refusal_not_the_servers_words
     fake = FakeMySQL8(b"s3cret", cached=True)
     port = await fake.start()
     with pytest.raises(UpstreamError) as raised:
-        await connect_target(settings(port, password="wrong"), "c", track=False)
+        await connect_target(target(port, password="wrong"), "c", track=False)
     assert raised.value.code == 1045 and "refused the credentials of the connection" in raised.value.message
     assert hashlib.sha256(b"wrong").hexdigest() not in raised.value.message
 
 
 # --------------------------------------------------------------------------- garbage in: ProtocolError, nothing else
 
-from hypothesis import given, settings  # noqa: E402
+from hypothesis import given, settings  # noqa: E402  (after the tests above: ``target`` is their helper)
 from hypothesis import strategies as st  # noqa: E402
 
 COLUMNS = [codec.Column("", "t", "t", "a", "a", 45, 10, kind, 0, 0)

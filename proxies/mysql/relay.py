@@ -138,19 +138,17 @@ class ClientSide:
     """Client-to-target decisions: statements, executions and files reported as input."""
 
     def __init__(self, policy: SessionPolicy, pending: deque[Pending], reading: SessionReading, *,
-                 database: str, databases: Callable[[str], bool], capabilities: int, local_files: bool) -> None:
+                 database: str, databases: Callable[[str], bool], capabilities: int) -> None:
         self.policy = policy
         self.pending = pending
         self.reading = reading
         self.database = database  # the connection's
         self.allowed_database = databases  # whether COM_INIT_DB may choose this one
         self.capabilities = capabilities  # what the gateway and the target agreed on
-        self.local_files = local_files
         self.statements: dict[int, Statement] = {}
         self.last_prepared: Statement | None = None
         self.limit = DEFAULT_MAX_STATEMENT_BYTES
         self.verdict: GuardVerdict | None = None  # why the last ANSWER (a refusal to audit), if a rule said so
-        self.reply = b""  # the ANSWER's packet
         self.sending_file = False  # LOAD DATA LOCAL: the client sends a file up to an empty packet
         self.work: Callable[[], Awaitable[None]] | None = None  # WAIT: what decides the held statement
         self.prepared: tuple[bytes, StatementText, GuardVerdict | None] | None = None
@@ -394,14 +392,13 @@ class ServerSide:
     """Target-to-client decisions: rows reported as output (masked per cell), errors as errors, settings followed."""
 
     def __init__(self, policy: SessionPolicy, pending: deque[Pending], reading: SessionReading,
-                 capabilities: int, client_capabilities: int, local_files: bool) -> None:
+                 capabilities: int, client_capabilities: int) -> None:
         self.policy = policy
         self.pending = pending
         self.reading = reading
         self.deprecate_eof = bool(capabilities & DEPRECATE_EOF)
         self.track = bool(capabilities & SESSION_TRACK)
         self.client_tracks = bool(client_capabilities & SESSION_TRACK)
-        self.local_files = local_files
         self.state = 0  # in the head's answer: _FIRST, _COLUMNS, _COLUMNS_EOF, _ROWS, _PARAMS...
         self.count = 0  # definitions still to come
         self.columns: list[Column] = []

@@ -92,7 +92,6 @@ OFFERED = (LONG_PASSWORD | FOUND_ROWS | LONG_FLAG | CONNECT_WITH_DB | LOCAL_FILE
            | PLUGIN_AUTH | CONNECT_ATTRS | PLUGIN_AUTH_LENENC_CLIENT_DATA | SESSION_TRACK | DEPRECATE_EOF)
 KILLED_CODE, KILLED_SQLSTATE = 1927, "70100"  # ER_CONNECTION_KILLED
 DATABASES_SETTING = "settings.mysql.databases"
-LOCAL_FILES_SETTING = "settings.mysql.local_infile"
 _KILL = re.compile(r"\s*kill\s+(?:(query|connection)\s+)?(\d+)\s*;?\s*$", re.I)
 SLOT_SHIFT = 20
 
@@ -374,13 +373,12 @@ class ClientConnection:
                                  Server.from_version(link.version or link.greeting.server_version),
                                  tracking=bool(link.capabilities & SESSION_TRACK))
         pending: deque[Pending] = deque()
-        local_files = bool(link.capabilities & LOCAL_FILES)
         client = ClientSide(policy, pending, reading, database=settings.database,
                             databases=lambda db: database_allowed(connection.settings, db),
-                            capabilities=link.capabilities, local_files=local_files)
+                            capabilities=link.capabilities)
         client.limit = int(self.listener.settings.get("max_statement_bytes") or client.limit)
         client.kill = self._translate_kill(connection.id, run.live.user.id)
-        server = ServerSide(policy, pending, reading, link.capabilities, response.capabilities, local_files)
+        server = ServerSide(policy, pending, reading, link.capabilities, response.capabilities)
         server.client = client
         if policy.checks_input and reading.decode(b"")[1] is not None:
             reading.blind = reading.decode(b"")[1] or ""
