@@ -64,6 +64,28 @@ def cli(gateway: Daemon, secret: str, *args: str, stdin: str | None = None, prog
                           timeout=timeout, check=False)
 
 
+def answer(connection: pymysql.Connection, sql: str) -> Any:
+    """``sql``'s rows, or the error's (code, message): a statement a test expects to be interrupted."""
+    try:
+        return query(connection, sql)
+    except pymysql.err.MySQLError as exc:
+        return exc.args
+
+
+def raw_command(gateway: Daemon, secret: str, command: int, body: bytes, before: str | None = None) -> tuple:
+    """Send one command as a client library would not (``before``: a statement first); the error it gets."""
+    connection = connect(gateway, secret)
+    try:
+        if before is not None:
+            query(connection, before)
+        connection._execute_command(command, body)
+        with pytest.raises(pymysql.err.MySQLError) as raised:
+            connection._read_ok_packet()
+        return raised.value.args
+    finally:
+        connection.close()
+
+
 async def in_thread(function: Any, *args: Any, **kwargs: Any) -> Any:
     return await asyncio.to_thread(function, *args, **kwargs)
 
@@ -454,17 +476,7 @@ async def test_change_user_is_refused_and_ends_the_session(api, gateway):
     role = await api.role()
     secret, session_id = await api.credential(role)
 
-    def work() -> Any:
-        connection = connect(gateway, secret)
-        try:
-            connection._execute_command(0x11, b"root\0\0app\0")  # COM_CHANGE_USER
-            with pytest.raises(pymysql.err.MySQLError) as raised:
-                connection._read_ok_packet()
-            return raised.value.args
-        finally:
-            connection.close()
-
-    code, message = await in_thread(work)
+    code, message = await in_thread(raw_command, gateway, secret, 0x11, b"root\0\0app\0")  # COM_CHANGE_USER
     assert code == 1227 and "COM_CHANGE_USER is refused" in message
     session = await api.done_session(session_id)
     assert any("COM_CHANGE_USER is refused" in e for e in of_kind(session, "e"))
@@ -478,21 +490,12 @@ async def test_kill_query_from_a_second_connection_cancels_the_statement(api, ga
     first = await in_thread(connect, gateway, secret)
     try:
         thread_id = first.thread_id()  # the id the gateway gave: not the target's
-        def sleep() -> Any:
-            try:
-                return query(first, "SELECT SLEEP(60)")
-            except pymysql.err.MySQLError as exc:
-                return exc.args
-
-        running = asyncio.ensure_future(in_thread(sleep))
+        running = asyncio.ensure_future(in_thread(answer, first, "SELECT SLEEP(60)"))
         await asyncio.sleep(0.5)  # the statement is on its way (what follows holds without it: the kill waits)
 
         def kill(with_secret: str) -> Any:
             with connect(gateway, with_secret) as second:
-                try:
-                    return query(second, f"KILL QUERY {thread_id}")
-                except pymysql.err.MySQLError as exc:
-                    return exc.args
+                return answer(second, f"KILL QUERY {thread_id}")
 
         outsider = await in_thread(kill, other_secret)  # another connection's session: not translated
         assert isinstance(outsider, tuple) and outsider[0] == 1094, outsider  # unknown thread id on the target
@@ -609,13 +612,7 @@ async def test_a_kill_query_reaching_another_worker_is_sent_over_the_bus(tmp_pat
             first = await in_thread(connect, daemon, secret)
             slot = first.thread_id() >> 20
 
-            def sleep() -> Any:
-                try:
-                    return query(first, "SELECT SLEEP(60)")
-                except pymysql.err.MySQLError as exc:
-                    return exc.args
-
-            running = asyncio.ensure_future(in_thread(sleep))
+            running = asyncio.ensure_future(in_thread(answer, first, "SELECT SLEEP(60)"))
             for _ in range(50):  # until a connection lands on the other worker
                 second = await in_thread(connect, daemon, (await api.credential(role))[0])
                 if second.thread_id() >> 20 != slot:
@@ -644,10 +641,7 @@ async def test_a_session_the_gateway_kills_has_its_statement_killed_on_the_targe
 
     def hold() -> Any:
         with connect(gateway, secret) as connection:
-            try:
-                return query(connection, running_sql)
-            except pymysql.err.MySQLError as exc:
-                return exc.args
+            return answer(connection, running_sql)
 
     held = asyncio.ensure_future(in_thread(hold))
     for _ in range(200):
@@ -688,18 +682,7 @@ async def test_a_malformed_command_ends_its_session_recorded_and_the_gateway_ser
     role = await api.role()
     secret, session_id = await api.credential(role)
 
-    def work() -> Any:
-        connection = connect(gateway, secret)
-        try:
-            query(connection, "SELECT 1")
-            connection._execute_command(0x17, b"\x01\x00")  # a COM_STMT_EXECUTE cut short
-            with pytest.raises(pymysql.err.MySQLError) as raised:
-                connection._read_ok_packet()
-            return raised.value.args
-        finally:
-            connection.close()
-
-    code, message = await in_thread(work)
+    code, message = await in_thread(raw_command, gateway, secret, 0x17, b"\x01\x00", "SELECT 1")  # cut short
     assert code == 1043 and message == "protocol violation: a malformed COM_STMT_EXECUTE", (code, message)
     session = await api.done_session(session_id)
     assert session["exit_code"] == 254 and of_kind(session, "e")[-1] == message
