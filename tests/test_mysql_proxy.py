@@ -650,8 +650,8 @@ async def test_a_session_the_gateway_kills_has_its_statement_killed_on_the_targe
         await asyncio.sleep(0.05)
     status, body = await api("POST", f"/sessions/{session_id}/kill")
     assert status == 200, body
-    answer = await asyncio.wait_for(held, 30)
-    assert answer[0] == 1927 and answer[1].startswith("session killed by"), answer
+    got = await asyncio.wait_for(held, 30)
+    assert got[0] == 1927 and got[1].startswith("session killed by"), got
     for _ in range(200):  # MariaDB would otherwise sleep on: the gateway's KILL QUERY on a second connection
         if not running():
             break
