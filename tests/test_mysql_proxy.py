@@ -764,3 +764,23 @@ async def test_the_connections_mysql_settings_are_checked(api):
             "name": f"bad-{named.replace('.', '-')}", "type": "database", "subtype": "mysql",
             "secret": {"envvar:HOST": "MTI3LjAuMC4x"}, "settings": settings})
         assert status == 422 and named in body["message"], body
+
+
+async def test_the_mariadb_clients_ctrl_c_cancels_its_statement_through_the_gateway(api, gateway, mysql_target):
+    """The client's Ctrl-C opens a second connection with the same login and sends KILL QUERY <the id the
+    gateway's greeting gave>: the statement ends, and the client is told so."""
+    role = await api.role()
+    secret, _ = await api.credential(role)
+    process = await asyncio.create_subprocess_exec(
+        "mariadb", "--no-defaults", "-h", "127.0.0.1", "-P", str(gateway.proxy_port), "-u", secret, "--password=any",
+        "--skip-ssl", "-e", "SELECT SLEEP(60) AS held_for_ctrl_c", "app",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    for _ in range(400):  # until MariaDB runs it
+        if mysql_target.sql("SELECT COUNT(*) FROM information_schema.processlist "
+                            "WHERE info LIKE 'SELECT SLEEP(60) AS held_for_ctrl_c'").strip() != "0":
+            break
+        await asyncio.sleep(0.05)
+    process.send_signal(2)  # SIGINT, as Ctrl-C
+    out, err = await asyncio.wait_for(process.communicate(), 30)
+    text = (out + err).decode(errors="replace")
+    assert "ERROR 1317 (70100)" in text and "Query execution was interrupted" in text, text
