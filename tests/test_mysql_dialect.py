@@ -205,3 +205,12 @@ def test_the_kinds_it_tells_apart_are_of_the_shared_vocabulary() -> None:
 
     assert set(MYSQL_DIALECT.kinds) <= set(statement_node_names())
     assert {"DropStmt", "DropdbStmt", "DeleteStmt", "TruncateStmt", "UpdateStmt", "GrantStmt"} <= set(MYSQL_DIALECT.kinds)
+
+
+def test_a_prepared_string_is_read_under_every_sql_mode() -> None:
+    """The server lexes a prepared string under the session's mode when PREPARE runs: a comment by default can be
+    code under NO_BACKSLASH_ESCAPES (``'\\''`` is one string there, two here)."""
+    inner = "SELECT '\\''/*' drop table */"
+    assert "drop table" not in mysql_scan.words(mysql_scan.readings(inner, 0)[0], 1, 3)
+    text = "PREPARE s FROM " + mysql_scan.canonical([mysql_scan.Token(mysql_scan.STRING, 0, 0, inner)])
+    assert "drop table" in MYSQL_DIALECT.normalize(text)

@@ -304,10 +304,21 @@ def _literal(value: str, depth: int, again: int) -> str:
     return _normalized(value, depth + 1, again)
 
 
+def quoting_modes(text: str) -> tuple[int, ...]:
+    """The ``sql_mode`` readings a string read as SQL later needs: the server lexes it under the session's mode
+    of that moment, which only a double quote or a backslash can make matter."""
+    return MODES if '"' in text or "\\" in text else (0,)
+
+
 def _normalized(text: str, depth: int, again: int) -> str:
-    try:
-        found = readings(text)
-    except Unreadable:
+    """``text``'s words; a literal's value (``depth`` > 0) under every mode that may read it otherwise."""
+    found: list[list[Token]] = []
+    for mode in quoting_modes(text) if depth else (0,):
+        try:
+            found += readings(text, mode)
+        except Unreadable:
+            continue  # the server refuses it under that mode
+    if not found:
         return collapse(text)
     return collapse(" \n ".join(words(tokens, depth, again) for tokens in found))
 

@@ -156,8 +156,12 @@ def _dynamic(tokens: list[Token], found: FoundNodes, server: Server, depth: int)
     if depth >= MAX_DEPTH:
         found.cannot_read(f"SQL prepared from a string more than {MAX_DEPTH} levels deep")
         return True
-    inner = _parse_text(sql, 0, server, depth + 1)
-    if inner is None:
+    inner: list[ParsedStatement] = []
+    for mode in mysql_scan.quoting_modes(sql):  # lexed by the server under the session's mode when it runs
+        parsed = _parse_text(sql, mode, server, depth + 1)
+        if parsed is not None:
+            inner += parsed
+    if not inner:
         found.cannot_read(_CANNOT)
         return True
     for statement in inner:
