@@ -10,7 +10,7 @@ from aiohttp import web
 from control.connections import CONNECTION_OUT, build_connection, connection_json
 from control.http import AUDIT_PAYLOAD, ApiError, Field, RouteSet, Schema, gateway_of, json_body, ok, require_admin
 from control.schemas import STRINGS, TEXT
-from gatewayd.discovery import ARN_TAG, POSTGRES_ENGINES, AwsAccessKey, DiscoveryError
+from gatewayd.discovery import ARN_TAG, ENGINE_SUBTYPES, AwsAccessKey, DiscoveryError
 from gatewayd.discovery import ACCOUNT_ID as ACCOUNT_ID_SHAPE
 from gatewayd.models import User
 from gatewayd.store import Conflict
@@ -134,8 +134,8 @@ def _b64(text: str) -> str:
     return base64.b64encode(text.encode()).decode()
 
 
-@routes.post("/integrations/aws/rds/instances/{arn}/connection", "Create a PostgreSQL connection from a "
-             "discovered RDS instance (its endpoint, port and database filled in)", body=FROM_INSTANCE, status=201,
+@routes.post("/integrations/aws/rds/instances/{arn}/connection", "Create a PostgreSQL or MySQL/MariaDB connection "
+             "from a discovered RDS instance (its endpoint, port and database filled in)", body=FROM_INSTANCE, status=201,
              response=CONNECTION_OUT)
 async def connection_from_instance(request: web.Request) -> web.Response:
     admin = require_admin(request)
@@ -147,21 +147,22 @@ async def connection_from_instance(request: web.Request) -> web.Response:
                                                     _host_identity(request, admin))
     except DiscoveryError as exc:
         raise _discovery_error(exc) from None
-    if instance.engine not in POSTGRES_ENGINES:
-        raise ApiError(422, f"instance {instance.name} runs {instance.engine}: gatewayd proxies PostgreSQL "
-                            f"({', '.join(sorted(POSTGRES_ENGINES))}) only")
+    if instance.engine not in ENGINE_SUBTYPES:
+        raise ApiError(422, f"instance {instance.name} runs {instance.engine}: gatewayd proxies PostgreSQL and "
+                            f"MySQL/MariaDB ({', '.join(sorted(ENGINE_SUBTYPES))}) only")
+    subtype, default_port, default_database = ENGINE_SUBTYPES[instance.engine]
     if not instance.endpoint:
         raise ApiError(409, f"instance {instance.name} has no endpoint yet (status {instance.status})")
     user = body.get("user") or instance.master_username
     if not user:
         raise ApiError(400, "field 'user' is required: the instance does not name a master user")
-    secret = {"envvar:HOST": _b64(instance.endpoint), "envvar:PORT": _b64(str(instance.port or 5432)),
+    secret = {"envvar:HOST": _b64(instance.endpoint), "envvar:PORT": _b64(str(instance.port or default_port)),
               "envvar:USER": _b64(user), "envvar:PASS": _b64(body["password"]),
-              "envvar:DB": _b64(body.get("database") or instance.database or "postgres"),
+              "envvar:DB": _b64(body.get("database") or instance.database or default_database),
               "envvar:SSLMODE": _b64(body.get("sslmode") or "require")}
     tags = {**{str(k): str(v) for k, v in (body.get("tags") or {}).items()}, ARN_TAG: instance.arn,
             "aws_account_id": instance.account_id, "aws_region": instance.region}
-    fields = {"name": body.get("name") or instance.name, "type": "database", "subtype": "postgres",
+    fields = {"name": body.get("name") or instance.name, "type": "database", "subtype": subtype,
               "secret": secret, "tags": tags}
     if body.get("reviewers") is not None:
         fields["reviewers"] = body["reviewers"]

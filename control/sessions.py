@@ -21,7 +21,9 @@ from control.audit_logs import parse_moment
 from control.http import (INT64_MAX, SLICE, ApiError, Field, Param, RouteSet, Schema, gateway_of, json_body, off_loop,
                           ok, ok_in_slices, query_int, user_of)
 from control.schemas import SESSION_OUT, VERIFICATION_OUT
+from gatewayd import protocols
 from gatewayd.crypto import hash_secret
+from gatewayd.languages import SQL
 from gatewayd.models import Review, Session, SessionEvent, User, parse_time, rfc3339, utcnow
 from gatewayd.watch import Recorded, Status
 from gatewayd.reviews import review_json, reviews_for
@@ -214,8 +216,8 @@ async def get(request: web.Request) -> web.Response:
     if rendering:
         if rendering not in ("csv", "json"):
             raise ApiError(422, "query parameter 'format': expected csv or json")
-        if session.subtype != "postgres":
-            raise ApiError(422, "query parameter 'format': csv and json render database (postgres) sessions only")
+        if protocols.language_of(session.subtype).family != SQL:  # the protocol says its input is SQL statements
+            raise ApiError(422, "query parameter 'format': csv and json render database (SQL) sessions only")
         events = await store.read_events(session.id)
         return await off_loop(lambda: statements_response(session, events, rendering))
     rendering = request.query.get("event_stream")

@@ -34,6 +34,10 @@ REFUSED_KEY_CODES = {"InvalidClientTokenId", "SignatureDoesNotMatch", "Unrecogni
 ARN_TAG = "aws_arn"  # a connection tag naming the instance it points at
 MAX_PARALLEL = 8  # accounts and regions queried at once
 POSTGRES_ENGINES = {"postgres", "aurora-postgresql"}
+MYSQL_ENGINES = {"mysql", "mariadb", "aurora-mysql", "aurora"}  # "aurora": Aurora MySQL 5.6's engine name
+# an RDS engine -> the connection subtype that proxies it, its default port and default database
+ENGINE_SUBTYPES = {**{engine: ("postgres", 5432, "postgres") for engine in POSTGRES_ENGINES},
+                   **{engine: ("mysql", 3306, "") for engine in MYSQL_ENGINES}}
 
 
 class DiscoveryError(Exception):

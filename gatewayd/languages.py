@@ -8,8 +8,8 @@ applied): a rule is never silently read the wrong way or skipped.
 
 * ``SQL``: statements of a SQL dialect (``SqlDialect``: its scanner's reading for
   deny words and patterns, its parser's statement kinds for statement rules,
-  what redacts a typed password).  PostgreSQL is the first
-  (gatewayd/sql/postgresql.py).
+  what redacts a typed password).  PostgreSQL's is gatewayd/sql/postgresql.py,
+  MySQL's and MariaDB's gatewayd/sql/mysql.py.
 * ``SHELL``: shell lines and commands (SSH), read as plain text.
 * ``HTTP``: request lines, headers and text bodies, read as plain text.
 * ``NONE``: nothing a rule can read (RDP: key scan codes and bitmaps).
@@ -63,7 +63,10 @@ class SqlDialect(Protocol):
     name: str
     title: str  # how people call its input ("PostgreSQL SQL")
     comment_gap: str  # RE2: what may stand between two words of a deny word in the raw text (spaces, comments)
-    kinds: tuple[str, ...]  # the statement kinds it tells apart (statement_kinds may deny these)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The statement kinds it tells apart (statement_kinds may deny these)."""
 
     def needs_scan(self, text: str) -> bool:
         """Whether its scanner could read ``text`` other than as its plain words (a quote, a comment)."""

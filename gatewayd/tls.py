@@ -73,3 +73,21 @@ def certificate_paths(data_dir: Path, cert: str, key: str, base: str, settings: 
 def fingerprint(pem: bytes) -> str:
     """SHA-256 of a PEM certificate's DER bytes, in hex: what a client pins (``--tls-fingerprint``)."""
     return hashlib.sha256(ssl.PEM_cert_to_DER_cert(pem.decode())).hexdigest()
+
+
+VERIFIED_MODES = ("verify-ca", "verify-full")  # the SSLMODEs whose TLS verifies the target's certificate
+
+
+def target_context(sslmode: str, rootcert: str = "") -> ssl.SSLContext:
+    """The TLS context toward a database target under libpq's SSLMODE words (``verify-full`` checks the name
+    too, ``verify-ca`` the chain only, any other nothing); ``rootcert``: PEM certificates to trust, else the
+    system's.  ValueError when ``rootcert`` is not PEM."""
+    try:
+        context = ssl.create_default_context(cadata=rootcert or None)
+    except (ssl.SSLError, ValueError):
+        raise ValueError("not a PEM certificate") from None
+    if sslmode != "verify-full":
+        context.check_hostname = False
+    if sslmode not in VERIFIED_MODES:
+        context.verify_mode = ssl.CERT_NONE
+    return context

@@ -11,12 +11,13 @@ import logging
 from typing import Any
 
 from gatewayd.protocols import register, registered
-from proxies import http, postgres, rdp, ssh
+from proxies import http, mysql, postgres, rdp, ssh
 
 register(postgres.DESCRIPTION)
 register(ssh.DESCRIPTION)
 register(rdp.DESCRIPTION)
 register(http.DESCRIPTION)
+register(mysql.DESCRIPTION)
 
 
 def available_listeners() -> dict[str, Any]:

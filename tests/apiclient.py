@@ -150,6 +150,23 @@ class PostgresApi(Api):
                                      postgres_env(self.cluster, user, password, db, port, sslmode, **more), settings)
 
 
+class MySqlApi(Api):
+    """The control API with mysql connections to one MariaDB server (tests/mypeer.py)."""
+
+    def __init__(self, daemon: Daemon, http: aiohttp.ClientSession, server: Any, token: str | None = None) -> None:
+        super().__init__(daemon, http, token)
+        self.server = server
+
+    async def role(self, user: str = "app", password: str | None = None, db: str = "app", port: int | None = None,
+                   sslmode: str | None = None, settings: dict | None = None, **more: str) -> dict:
+        """A new mysql connection to the server, with a unique name (``more``: other secret settings)."""
+        env = {"HOST": "127.0.0.1", "PORT": str(port or self.server.port), "USER": user,
+               "PASS": self.server.password if password is None else password, "DB": db, **more}
+        if sslmode:
+            env["SSLMODE"] = sslmode
+        return await self.connection("my", "database", "mysql", env, settings)
+
+
 class SshApi(Api):
     """The control API with ssh connections to one sshd."""
 

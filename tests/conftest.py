@@ -176,7 +176,7 @@ class Daemon:
             "log.format": "json",
             "sessions.shutdown_grace": "1s",
             # no proxy is bound unless a test asks for it
-            "listeners.postgres": "", "listeners.ssh": "", "listeners.rdp": "", "listeners.http": "",
+            "listeners.postgres": "", "listeners.ssh": "", "listeners.rdp": "", "listeners.http": "", "listeners.mysql": "",
             "metrics.listen": "",  # no Prometheus listener on its fixed default port either
             "daemon.workers": 1,  # one process, as the tests expect (tests/test_workers.py runs several)
             "grpc.listen": "",  # nor a gRPC server for agents
@@ -444,3 +444,20 @@ def http_target() -> Iterator[str]:
     finally:
         process.terminate()
         process.wait(10)
+
+
+@pytest.fixture(scope="session")
+def mysql_target() -> Iterator[Any]:
+    """A MariaDB server (tests/mypeer.py) shared by the modules that need one.
+
+    Missing server binaries fail the run as root (scripts/install-peers.sh installs them) and skip otherwise."""
+    from tests.mypeer import MariaDB, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        if os.geteuid() == 0:
+            pytest.fail(reason)
+        pytest.skip(reason)
+    server = MariaDB().start()
+    yield server
+    server.destroy()

@@ -262,7 +262,7 @@ async def test_userinfo_and_serverinfo(api, admin_token, user_token):
     assert status == 200 and info["auth_method"] == "local" and info["version"] == "0.1.0"
     assert "listeners" not in info
     status, info = await api("GET", "/serverinfo", admin_token)
-    assert set(info["listeners"]) == {"postgres", "ssh", "rdp", "http"}
+    assert set(info["listeners"]) == {"postgres", "ssh", "rdp", "http", "mysql"}
 
 
 async def test_local_login_with_a_password_set_by_an_admin(api, admin_token):

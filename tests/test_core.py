@@ -123,7 +123,8 @@ async def test_multi_tenant_signup(tmp_path):
 
     config = load_config(None, environ={}, overrides={
         "data_dir": str(tmp_path / "mt"), "api.listen": f"127.0.0.1:{free_port()}", "auth.multi_tenant": True,
-        "listeners.postgres": "", "listeners.ssh": "", "listeners.rdp": "", "listeners.http": ""})
+        "listeners.postgres": "", "listeners.ssh": "", "listeners.rdp": "", "listeners.http": "",
+        "listeners.mysql": ""})
     gateway = Gateway(config, app_factory=make_app)
     await gateway.start()
     try:

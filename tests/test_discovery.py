@@ -16,6 +16,8 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+
+from gatewayd.discovery import ENGINE_SUBTYPES
 from aiobotocore.session import get_session
 
 from tests.apiclient import Api, admin_http, b64
@@ -56,6 +58,9 @@ async def _populate(endpoint: str) -> dict[str, str]:
     async with client("rds", "eu-west-1") as rds:
         await rds.create_db_instance(DBInstanceIdentifier="legacy", Engine="mysql", DBInstanceClass="db.t3.micro",
                                      MasterUsername="master", MasterUserPassword="password1", AllocatedStorage=20)
+        await rds.create_db_instance(DBInstanceIdentifier="ledger", Engine="oracle-ee", LicenseModel="bring-your-own-license",
+                                     DBInstanceClass="db.t3.micro", MasterUsername="master",
+                                     MasterUserPassword="password1", AllocatedStorage=20)
     async with client("sts") as sts:
         assumed = (await sts.assume_role(RoleArn=f"arn:aws:iam::{OTHER}:role/{ROLE}",
                                          RoleSessionName="setup"))["Credentials"]
@@ -138,7 +143,7 @@ async def test_accounts_are_discovered_with_paging_and_a_denied_account_is_one_i
     for item in items:
         by_account.setdefault(item["account_id"], []).append(item)
     own = {i["name"]: i for i in by_account[OWN]}
-    assert set(own) == {"orders", "billing", "legacy"} and all(not i["error"] for i in own.values())
+    assert set(own) == {"orders", "billing", "legacy", "ledger"} and all(not i["error"] for i in own.values())
     assert own["orders"]["engine"] == "postgres" and own["legacy"]["engine"] == "mysql"
     assert own["legacy"]["availability_zone"].startswith("eu-west-1") and own["legacy"]["region"] == "eu-west-1"
     assert own["orders"]["arn"] == f"arn:aws:rds:us-east-1:{OWN}:db:orders"
@@ -153,11 +158,11 @@ async def test_accounts_are_discovered_with_paging_and_a_denied_account_is_one_i
     status, logs = await api("GET", "/audit/logs?action=integrations.describe_rds&page_size=5")
     entry = logs["data"][0]
     assert entry["outcome"] == "success" and entry["request_payload_redacted"]["account_ids"] == [OWN, OTHER, DENIED]
-    assert entry["request_payload_redacted"]["instances"] == 3 + MANY
+    assert entry["request_payload_redacted"]["instances"] == 4 + MANY
     assert list(entry["request_payload_redacted"]["failed"]) == [DENIED]
 
     status, body = await api("POST", "/integrations/cloud/managed-db/describe-db-instances", {"account_ids": [OWN]})
-    assert status == 200 and len(body["items"]) == 3  # the specification's literal path
+    assert status == 200 and len(body["items"]) == 4  # the specification's literal path
     for bad in ([], ["12345"], ["abcdefghijkl"]):
         status, body = await describe(api, *bad)
         assert status == 422, body
@@ -184,10 +189,18 @@ async def test_connections_are_mapped_and_made_from_an_instance(api, aws):
     assert orders["connection_resources"] == sorted([by_host["name"], "orders-rds"])
     assert next(i for i in body["items"] if i["name"] == "billing")["connection_resources"] == []
 
-    legacy = next(i for i in body["items"] if i["name"] == "legacy")
-    status, answer = await api("POST", f"/integrations/aws/rds/instances/{legacy['arn']}/connection",
+    legacy = next(i for i in body["items"] if i["name"] == "legacy")  # MySQL: the mysql proxy's
+    status, made = await api("POST", f"/integrations/aws/rds/instances/{legacy['arn']}/connection", {"password": "x"})
+    assert status == 201 and made["subtype"] == "mysql", made
+    status, full = await api("GET", f"/connections/{made['name']}")
+    secret = {k: __import__("base64").b64decode(v).decode() for k, v in full["secret"].items() if k != "envvar:PASS"}
+    assert secret["envvar:PORT"] == str(legacy["port"] or 3306) and secret["envvar:DB"] == "", secret
+    # MariaDB and Aurora MySQL too (moto's RDS has no mariadb engine to make an instance of)
+    assert {ENGINE_SUBTYPES[e][0] for e in ("mariadb", "aurora-mysql", "mysql")} == {"mysql"}
+    ledger = next(i for i in body["items"] if i["name"] == "ledger")
+    status, answer = await api("POST", f"/integrations/aws/rds/instances/{ledger['arn']}/connection",
                                {"password": "x"})
-    assert status == 422 and "mysql" in answer["message"]
+    assert status == 422 and "oracle-ee" in answer["message"]
     status, answer = await api("POST", f"/integrations/aws/rds/instances/arn:aws:rds:us-east-1:{OWN}:db:nope"
                                        "/connection", {"password": "x"})
     assert status == 404

@@ -2,7 +2,8 @@
 
 One table of drivers, one per protocol, each a real client against a real
 target through the gateway: ``line`` (tests/lineproxy.py, the reference
-proxy, in process), ``postgres`` (asyncpg to a PostgreSQL 15), ``ssh``
+proxy, in process), ``postgres`` (asyncpg to a PostgreSQL 15), ``mysql`` (the
+mariadb client to a MariaDB 10.11), ``ssh``
 (OpenSSH ``ssh`` to an sshd), ``http`` (aiohttp to tests/httppeer.py) and
 ``rdp`` (xfreerdp to a FreeRDP shadow server).  A driver connects with a
 secret, sends one input and reads the answer; it also knows how its
@@ -44,8 +45,9 @@ from control.app import make_app
 from gatewayd.config import load_config
 from gatewayd.daemon import Gateway
 from tests import lineproxy, openapi_check
-from tests.apiclient import Api, PostgresApi, SshApi, admin_http, events
+from tests.apiclient import Api, MySqlApi, PostgresApi, SshApi, admin_http, events
 from tests.conftest import free_port, new_store_database, proxy_daemon
+from tests.mypeer import unavailable_reason as my_unavailable
 from tests.pgpeer import unavailable_reason as pg_unavailable
 from tests.pgpeer import wait_for_backends
 from tests.sshpeer import CLIENT_OPTIONS
@@ -288,6 +290,72 @@ class PostgresDriver(Driver):
         assert answer.code == "42501" and answer.text == f"ERROR 42501 {message}", answer
 
 
+class MySqlDriver(Driver):
+    """The mariadb client with the secret as user name; refusals and ends are ERR packets with a code and SQLSTATE."""
+
+    name = "mysql"
+    login_action = "mysql.login"
+    unknown_secret = "my-" + "A" * 43
+    block_input = "select 'forbidden thing'"
+
+    def __init__(self, api: MySqlApi, port: int) -> None:
+        super().__init__(api)
+        self.port = port
+
+    async def role(self, port: int | None = None) -> dict:
+        return await self.api.role(port=port)  # type: ignore[attr-defined]
+
+    async def _client(self, secret: str, sql: str) -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(
+            "mariadb", "--no-defaults", "-h", "127.0.0.1", "-P", str(self.port), "-u", secret, "--password=any",
+            "--skip-ssl", "--connect-timeout=30", "-e", sql, "app",
+            stdin=subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+
+    @staticmethod
+    async def _result(process: asyncio.subprocess.Process) -> Answer:
+        out, err = await process.communicate()
+        text = (out + err).decode(errors="replace")
+        error = re.search(r"ERROR (\d+) \((\w{5})\)(?: at line \d+)?: (.*)", text)
+        return Answer(f"{error[1]} {error[2]}", error[3].strip()) if error else Answer(process.returncode, text)
+
+    async def login(self, secret: str) -> Answer:
+        return await self._result(await self._client(secret, "do 1"))
+
+    async def send(self, secret: str, text: str) -> Answer:
+        return await self._result(await self._client(secret, text))
+
+    async def hold(self, secret: str) -> Held:
+        process = await self._client(secret, "select sleep(600)")
+
+        def stop() -> None:
+            if process.returncode is None:
+                process.kill()
+
+        return Held(lambda: self._result(process), stop)
+
+    async def settled(self) -> None:
+        """The client's statement runs on the target: it is logged on."""
+        server = self.api.server  # type: ignore[attr-defined]
+        for _ in range(400):
+            if server.sql("SELECT COUNT(*) FROM information_schema.processlist "
+                          "WHERE info = 'select sleep(600)'").strip() != "0":
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("the target never ran the held statement")
+
+    def refused(self, answer: Answer, reason: str) -> None:
+        assert answer.code == "1045 28000" and answer.text == reason, answer
+
+    def unreachable(self, answer: Answer, message: str) -> None:
+        assert answer.code == "1105 HY000" and answer.text == message, answer
+
+    def ended(self, answer: Answer, reason: str) -> None:
+        assert answer.code == "1927 70100" and answer.text == reason, answer
+
+    def blocked(self, answer: Answer, message: str) -> None:
+        assert answer.code == "1227 42000" and answer.text == message, answer
+
+
 class SshDriver(Driver):
     """OpenSSH ``ssh`` with the secret as user name; the input is an exec command."""
 
@@ -465,7 +533,7 @@ async def line_gateway(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterato
     data = tmp_path_factory.mktemp("contract-line") / "data"
     config = load_config(None, environ={}, overrides={
         "data_dir": str(data), "api.listen": f"127.0.0.1:{free_port()}", "listeners.postgres": "",
-        "listeners.rdp": "", "listeners.http": "", "listeners.ssh": f"127.0.0.1:{free_port()}",
+        "listeners.rdp": "", "listeners.http": "", "listeners.mysql": "", "listeners.ssh": f"127.0.0.1:{free_port()}",
         "sessions.flush_interval": "100ms", "throttle.credential_failures": 0})
     gateway = Gateway(config, app_factory=make_app, listener_factories={"ssh": lineproxy.start})
     await gateway.start()
@@ -494,7 +562,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory, pg_store: Any) -> Any:
     runs on the PostgreSQL store (and the line proxy's, in process, on SQLite): each store carries
     every protocol's sessions, kills, expiries and blocks without running the whole suite twice.
     """
-    ports = {name: free_port() for name in ("ssh", "http", "rdp")}
+    ports = {name: free_port() for name in ("ssh", "http", "rdp", "mysql")}
     daemon = proxy_daemon(tmp_path_factory, "contract", "postgres", {
         **{f"listeners.{name}": f"127.0.0.1:{port}" for name, port in ports.items()},
         "throttle.credential_failures": 0,  # every refusal here is on purpose: none may be throttled
@@ -512,7 +580,7 @@ async def http(gateway: Any) -> AsyncIterator[aiohttp.ClientSession]:
         yield session
 
 
-PROTOCOLS = ["line", "postgres", "ssh", "http", "rdp"]
+PROTOCOLS = ["line", "postgres", "ssh", "http", "rdp", "mysql"]
 
 
 @pytest.fixture
@@ -524,13 +592,15 @@ def proto(request: pytest.FixtureRequest) -> Driver:
         api = Api(InProcess(gateway), request.getfixturevalue("line_http"), gateway.admin_token)  # type: ignore
         _, port = gateway.server_config["ssh_server_config"]["listen_address"].rsplit(":", 1)
         return LineDriver(api, int(port))
-    reason = {"postgres": pg_unavailable, "ssh": ssh_unavailable}.get(name, lambda: None)()
+    reason = {"postgres": pg_unavailable, "ssh": ssh_unavailable, "mysql": my_unavailable}.get(name, lambda: None)()
     if reason:
         pytest.skip(reason)
     daemon = request.getfixturevalue("gateway")
     http = request.getfixturevalue("http")
     if name == "postgres":
         return PostgresDriver(PostgresApi(daemon, http, request.getfixturevalue("pg_target")), daemon.ports[name])
+    if name == "mysql":
+        return MySqlDriver(MySqlApi(daemon, http, request.getfixturevalue("mysql_target")), daemon.ports[name])
     if name == "ssh":
         return SshDriver(SshApi(daemon, http, request.getfixturevalue("ssh_target")), daemon.ports[name])
     if name == "http":

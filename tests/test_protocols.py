@@ -97,11 +97,12 @@ def line_protocol():
         protocols.unregister("line")
 
 
-def test_the_four_proxies_are_registered_under_the_api_contract_names():
+def test_the_proxies_are_registered_under_the_api_contract_names():
     described = {(d.name, d.subtype, d.prefix, d.server_config_key, d.session_type) for d in protocols.registered()}
     assert described == {("postgres", "postgres", "pg", "postgres_server_config", "database"),
                          ("ssh", "ssh", "ssh", "ssh_server_config", "custom"),
                          ("rdp", "rdp", "rdp", "rdp_server_config", "custom"),
+                         ("mysql", "mysql", "my", "mysql_server_config", "database"),
                          ("http", "httpproxy", "httpproxy", "http_proxy_server_config", "httpproxy")}
     assert protocols.by_prefix("httpproxy") is protocols.by_subtype("httpproxy") is protocols.by_name("http")
 
@@ -141,7 +142,7 @@ async def test_a_registered_protocol_is_listed_started_and_its_credentials_resol
     address = f"127.0.0.1:{free_port()}"
     config = load_config(None, environ={}, overrides={
         "data_dir": str(tmp_path / "data"), "api.listen": f"127.0.0.1:{free_port()}", "listeners.postgres": "",
-        "listeners.ssh": "", "listeners.rdp": "", "listeners.http": "", "listeners.line": address,
+        "listeners.ssh": "", "listeners.rdp": "", "listeners.http": "", "listeners.mysql": "", "listeners.line": address,
         "line.greeting": "hi there"})
     gateway = build_gateway(config)  # the composition root, as `gatewayd run` builds it
     await gateway.start()

@@ -956,7 +956,7 @@ async def core(tmp_path_factory):
 
     config = load_config(None, environ={}, overrides={
         "data_dir": str(tmp_path_factory.mktemp("sshscript") / "data"), "api.listen": f"127.0.0.1:{free_port()}",
-        "listeners.postgres": "", "listeners.ssh": "", "listeners.rdp": "", "listeners.http": "",
+        "listeners.postgres": "", "listeners.ssh": "", "listeners.rdp": "", "listeners.http": "", "listeners.mysql": "",
         "sessions.flush_interval": "100ms"})
     gateway = Gateway(config)
     await gateway.open_core()

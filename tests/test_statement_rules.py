@@ -176,7 +176,7 @@ def test_statement_shape_by_json_matches_the_full_walk() -> None:
                                           "drop owned by current_user", "select 1"]:
         tree_json = pg.parse_sql_json(sql)
         fast = statements._fast(tree_json)
-        found = statements._Found()
+        found = statements.FoundNodes()
         for raw in json.loads(tree_json)["stmts"]:
             statements._walk(raw["stmt"], found, sql, 0)
         if fast is not None:

@@ -362,13 +362,14 @@ async function plainOutput(el, session) {
   return out;
 }
 
-const RECORDED = {ssh: sshPlayer, postgres: statementTable, rdp: framePlayer, httpproxy: exchanges,
+const RECORDED = {ssh: sshPlayer, postgres: statementTable, mysql: statementTable, rdp: framePlayer, httpproxy: exchanges,
   default: plainOutput};
 
 // a live session starts empty: the stream sends its history first, then what comes
 const LIVE = {
   ssh: liveTerminal,
   postgres: async (el) => statements(el, []),
+  mysql: async (el) => statements(el, []),
   httpproxy: async (el) => exchangeList(el, []),
   rdp: (el, session) => framePlayer(el, session, true),
   default: async (el) => {

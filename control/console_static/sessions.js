@@ -4,7 +4,7 @@ import {api} from "./api.js";
 import {h, mount, when, select, field} from "./dom.js";
 
 const PAGE = 20;
-const PROTOCOLS = [["", "any protocol"], ["postgres", "PostgreSQL"], ["ssh", "SSH"], ["rdp", "RDP"],
+const PROTOCOLS = [["", "any protocol"], ["postgres", "PostgreSQL"], ["mysql", "MySQL"], ["ssh", "SSH"], ["rdp", "RDP"],
   ["httpproxy", "HTTP"]];
 const STATUSES = [["", "any status"], ["open", "live"], ["done", "done"], ["ready", "issued, not used"]];
 const REVIEW = [["", "any review"], ["PENDING", "pending"], ["APPROVED", "approved"], ["REJECTED", "rejected"],

@@ -397,6 +397,12 @@ def client_command(subtype: str, access: dict[str, Any]) -> tuple[list[str], dic
         env = {"PGHOST": access["hostname"], "PGPORT": access["port"], "PGUSER": access["username"],
                "PGPASSWORD": access["password"], "PGDATABASE": access["database_name"], "PGSSLMODE": "prefer"}
         return ["psql"], env, f"psql \"{access['connection_string']}\""
+    if subtype == "mysql":  # the mysql or mariadb client (Debian's mariadb-client ships both names)
+        program = "mysql" if shutil.which("mysql") or not shutil.which("mariadb") else "mariadb"
+        argv = [program, "-h", access["hostname"], "-P", access["port"], "-u", access["username"]]
+        database = access.get("database_name") or ""
+        return (argv + ([database] if database else []), {"MYSQL_PWD": access["password"]},
+                access.get("command", ""))
     if subtype == "ssh":
         return (["ssh", "-p", access["port"], f"{access['username']}@{access['hostname']}"], {},
                 access.get("command", ""))
@@ -585,7 +591,7 @@ def cmd_session_show(args: argparse.Namespace) -> int:
     if (session.get("script") or {}).get("data"):
         lines.append(f"\nscript:\n{session['script']['data'].rstrip()}\n")
     subtype = session["connection_subtype"]
-    if subtype == "postgres":
+    if subtype in ("postgres", "mysql"):  # SQL sessions: statement by statement
         for row in api.get(f"/sessions/{sid}", format="json")["statements"]:
             lines.append(f"\n[{row['offset_ms'] / 1000:.3f}s] {row['statement'].rstrip()}\n")
             for part in (row["output"], row["error"]):

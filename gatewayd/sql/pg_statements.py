@@ -69,8 +69,8 @@ def statement_node_names() -> tuple[str, ...]:
     return tuple(sorted(name for name in dir(ast) if name.endswith("Stmt") and isinstance(getattr(ast, name), type)))
 
 
-class _Found:
-    """What the walk of one statement found so far."""
+class FoundNodes:
+    """What the walk of one statement found so far (any dialect's: MySQL's maps its parse through it too)."""
 
     __slots__ = ("effects", "kinds", "unreadable", "whole")
 
@@ -116,7 +116,7 @@ def _variants(text: str) -> list[str]:
     return [text] if other is None or other == text else [text, other]
 
 
-def _walk(root: Any, found: _Found, source: str, depth: int) -> None:
+def _walk(root: Any, found: FoundNodes, source: str, depth: int) -> None:
     """Every node under ``root`` (iteratively: a deep expression must not exhaust Python's stack)."""
     stack = [root]
     while stack:
@@ -140,7 +140,7 @@ def _walk(root: Any, found: _Found, source: str, depth: int) -> None:
                 stack.append(value)
 
 
-def _statement_node(key: str, value: dict[str, Any], found: _Found, source: str, depth: int) -> None:
+def _statement_node(key: str, value: dict[str, Any], found: FoundNodes, source: str, depth: int) -> None:
     found.kinds.add(key)
     if key in _WHERE_NODES and "whereClause" not in value:
         found.whole.add((key, key))
@@ -175,7 +175,7 @@ def _constant(node: Any) -> str | None:
     return None
 
 
-def _read_constant(text: str, found: _Found, depth: int) -> None:
+def _read_constant(text: str, found: FoundNodes, depth: int) -> None:
     """A constant string that reads as SQL counts as SQL (it may be run: ``EXECUTE``, ``query_to_xml``...)."""
     if _SQL_TEXT.match(text) is None:
         return
@@ -185,7 +185,7 @@ def _read_constant(text: str, found: _Found, depth: int) -> None:
             _read_tree(tree, variant, found, depth + 1)
 
 
-def _read_tree(tree: dict[str, Any], text: str, found: _Found, depth: int) -> None:
+def _read_tree(tree: dict[str, Any], text: str, found: FoundNodes, depth: int) -> None:
     encoded = text.encode("utf-8", "surrogatepass")
     for raw in tree.get("stmts", []):
         _walk(raw.get("stmt", {}), found, _source(raw, encoded), depth)
@@ -213,7 +213,7 @@ def _language_and_bodies(node: dict[str, Any]) -> tuple[str | None, list[str]]:
     return language, bodies
 
 
-def _read_bodies(key: str, node: dict[str, Any], found: _Found, source: str, depth: int) -> None:
+def _read_bodies(key: str, node: dict[str, Any], found: FoundNodes, source: str, depth: int) -> None:
     language, bodies = _language_and_bodies(node)
     if key == "DoStmt":
         language = language or "plpgsql"
@@ -265,7 +265,7 @@ def _plpgsql(key: str, source: str, body: str) -> Any:
         return None
 
 
-def _read_plpgsql(function: Any, found: _Found, depth: int) -> None:
+def _read_plpgsql(function: Any, found: FoundNodes, depth: int) -> None:
     """The SQL a PL/pgSQL function runs: its statements, its expressions, the strings it EXECUTEs."""
     stack: list[tuple[Any, str]] = [(function, "")]
     while stack:
@@ -285,7 +285,7 @@ def _read_plpgsql(function: Any, found: _Found, depth: int) -> None:
                 stack.append((value, key))
 
 
-def _read_expression(query: str, mode: int, dynamic: bool, found: _Found, depth: int) -> None:
+def _read_expression(query: str, mode: int, dynamic: bool, found: FoundNodes, depth: int) -> None:
     if mode == 0:  # a statement
         tree = _parse_json(query)
         if tree is None:
@@ -350,7 +350,7 @@ def _fast(tree_json: str) -> ParsedStatement | None:
     kinds = frozenset(name + "Stmt" for name in names if name[:1].isupper())  # not a field (``selectStmt``)
     if not kinds.isdisjoint(_READ_FURTHER):
         return None
-    found = _Found()
+    found = FoundNodes()
     found.kinds.update(kinds)
     if "TruncateStmt" in kinds:
         found.whole.add(("DeleteStmt", "TruncateStmt"))
@@ -384,7 +384,7 @@ def _parse_statements(text: str) -> tuple[ParsedStatement, ...] | None:
         statements = []
         encoded = text.encode("utf-8", "surrogatepass")
         for raw in tree.get("stmts", []):
-            found = _Found()
+            found = FoundNodes()
             _walk(raw.get("stmt", {}), found, _source(raw, encoded), 0)
             statements.append(found.statement())
     except RecursionError:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Awaitable, Callable
 
+from gatewayd import tls
 from gatewayd.dialer import DialError, Dialer, direct, through_agent
 from gatewayd.models import flag, target_port
 from gatewayd.tasks import BackgroundTasks
@@ -134,15 +135,10 @@ def forwarded_parameters(client_parameters: dict[str, str]) -> dict[str, str]:
 
 def _tls_context(sslmode: str, rootcert: str, name: str) -> ssl.SSLContext:
     try:
-        context = ssl.create_default_context(cadata=rootcert or None)
-    except (ssl.SSLError, ValueError):
+        return tls.target_context(sslmode, rootcert)
+    except ValueError:
         raise UpstreamError(f'could not connect to the target of connection "{name}": '
                             "its SSLROOTCERT is not a PEM certificate") from None
-    if sslmode != "verify-full":
-        context.check_hostname = False
-    if sslmode not in VERIFIED:
-        context.verify_mode = ssl.CERT_NONE
-    return context
 
 
 def channel_binding(transport: asyncio.BaseTransport) -> tuple[str, bytes] | None:

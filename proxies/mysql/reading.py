@@ -1,0 +1,201 @@
+"""How the target will read a client's statement bytes: the session settings that change it, tracked.
+
+Three things change where a MySQL server sees strings, names and comments,
+and so statements: ``sql_mode``'s ``ANSI_QUOTES`` (``"..."`` is a name, not a
+string) and ``NO_BACKSLASH_ESCAPES`` (a backslash in a string is only text),
+the client character set (in big5, sjis, cp932, gbk and gb18030 a character's
+second byte may be a quote or a backslash), and the server's version (which
+executable comments are code).  The version comes with the target's
+greeting; the others the gateway asks the target to report
+(``session_track_system_variables``, set at connect: proxies/mysql/upstream.py)
+and reads in every OK packet (``observe``); ``NO_BACKSLASH_ESCAPES`` is also a
+status flag of every OK and EOF.
+
+``SessionReading.read`` gives a statement's text and, when the rules must read
+it otherwise than the dialect's default reading does, its readings: the text
+as the server reads it, written canonically (gatewayd/sql/mysql_scan.py).
+When nothing that could change a setting is in flight (``certain``) the
+tracked values apply; otherwise every ``sql_mode`` reading applies.  A
+statement of several may change the setting for those after it (``SET
+sql_mode``, ``SET NAMES``, a ``CALL``...): the rest is then read under every
+mode too.  What cannot be read so (a character set the gateway cannot decode
+as the server does, a session that stopped reporting its settings, too many
+readings) is refused for sessions with guard rails (``refusal``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gatewayd.sql import mysql_scan
+from gatewayd.sql.mysql_scan import ANSI_QUOTES, MODES, NO_BACKSLASH_ESCAPES, SEMI, VAR, WORD, Server, Token
+
+# character_set_client values the gateway decodes, with Python's codec; each is ASCII-safe
+CODECS = {
+    "utf8": "utf-8", "utf8mb3": "utf-8", "utf8mb4": "utf-8", "ascii": "latin-1", "binary": "latin-1",
+    "latin1": "cp1252", "latin2": "iso8859-2", "latin5": "iso8859-9", "latin7": "iso8859-13", "greek": "iso8859-7",
+    "hebrew": "iso8859-8", "cp1250": "cp1250", "cp1251": "cp1251", "cp1256": "cp1256", "cp1257": "cp1257",
+    "cp850": "cp850", "cp852": "cp852", "cp866": "cp866", "koi8r": "koi8-r", "koi8u": "koi8-u",
+    "macroman": "mac-roman", "macce": "mac-latin2", "tis620": "tis-620", "ujis": "euc-jp", "eucjpms": "euc-jp",
+    "euckr": "euc-kr", "gb2312": "gb2312", "armscii8": "latin-1", "dec8": "latin-1", "hp8": "latin-1",
+    "keybcs2": "latin-1", "geostd8": "latin-1",
+}
+MAX_READINGS = 32
+SWITCHES = frozenset(("sql_mode", "names", "charset", "character", "character_set_client",
+                      "session_track_system_variables"))
+_SWITCHING_STATEMENTS = frozenset(("CALL", "EXECUTE", "RESET", "CHANGE"))
+_TRACKED = ("sql_mode", "character_set_client")
+
+
+def mode_of(sql_mode: str) -> int:
+    """The reading bits of a ``sql_mode`` value (``ANSI`` implies ``ANSI_QUOTES``)."""
+    flags = {part.strip().upper() for part in sql_mode.split(",")}
+    mode = ANSI_QUOTES if "ANSI_QUOTES" in flags or "ANSI" in flags else 0
+    return mode | (NO_BACKSLASH_ESCAPES if "NO_BACKSLASH_ESCAPES" in flags else 0)
+
+
+@dataclass(slots=True, frozen=True)
+class StatementText:
+    """A statement as the rules read it: its text, its readings (None: the text alone, read by default), or
+    why it cannot be read (``refusal``)."""
+
+    text: str
+    readings: tuple[str, ...] | None = None
+    refusal: str | None = None
+
+
+def needs_probe(tokens: list[Token]) -> bool:
+    """Whether the settings after this statement must be asked of the target: a stored program or a prepared
+    statement may change them, and a change of ``session_track_system_variables`` is not reported."""
+    if not tokens:
+        return False
+    first = tokens[0].value.upper() if tokens[0].kind == WORD else ""
+    if first in _SWITCHING_STATEMENTS:
+        return True
+    return first == "SET" and any(token.kind in (WORD, VAR) and "session_track" in token.value.lower()
+                                  for token in tokens)
+
+
+def may_switch(tokens: list[Token]) -> bool:
+    """Whether a statement may change ``sql_mode`` or the character set for what follows it."""
+    if not tokens:
+        return False
+    first = tokens[0].value.upper() if tokens[0].kind == WORD else ""
+    if first in _SWITCHING_STATEMENTS:
+        return True
+    if first != "SET":
+        return False
+    for token in tokens:
+        if token.kind in (WORD, VAR) and token.value.lower().rsplit(".", 1)[-1].lstrip("@") in SWITCHES:
+            return True
+    return False
+
+
+class SessionReading:
+    """The settings the target reported, and how the next statement reads under them."""
+
+    __slots__ = ("mode", "charset", "server", "blind", "tracking")
+
+    def __init__(self, sql_mode: str = "", charset: str = "utf8mb4", server: Server = mysql_scan.UNKNOWN_SERVER,
+                 tracking: bool = True) -> None:
+        self.mode = mode_of(sql_mode)
+        self.charset = charset.lower()
+        self.server = server
+        self.tracking = tracking  # the target reports changes (SESSION_TRACK); else every mode applies after a SET
+        self.blind = ""  # why the session's settings can no longer be followed ("": they can)
+
+    @property
+    def plain(self) -> bool:
+        """The default reading (no sql_mode that changes quoting) in a character set decoded as UTF-8."""
+        return self.mode == 0 and CODECS.get(self.charset) == "utf-8" and not self.blind
+
+    def observe(self, status: int, variables: dict[str, str]) -> None:
+        """An OK's status flags and the system variables it says changed."""
+        if "sql_mode" in variables:
+            self.mode = mode_of(variables["sql_mode"])
+        elif status & 0x200:
+            self.mode |= NO_BACKSLASH_ESCAPES
+        else:
+            self.mode &= ~NO_BACKSLASH_ESCAPES
+        if "character_set_client" in variables:
+            self.charset = variables["character_set_client"].lower()
+        tracked = variables.get("session_track_system_variables")
+        if tracked is not None:
+            names = {name.strip().lower() for name in tracked.split(",")}
+            if "*" not in names and not all(name in names for name in _TRACKED):
+                self.blind = ("the session stopped the target from reporting its sql_mode and character set "
+                              "(session_track_system_variables)")
+
+    def observe_eof(self, status: int) -> None:
+        if status & 0x200:
+            self.mode |= NO_BACKSLASH_ESCAPES
+        else:
+            self.mode &= ~NO_BACKSLASH_ESCAPES
+
+    def decode(self, raw: bytes) -> tuple[str, str | None]:
+        """The statement's text in the client character set, and why it cannot be read (or None)."""
+        codec = CODECS.get(self.charset)
+        if codec is None:
+            return raw.decode("utf-8", "replace"), (f"the client character set {self.charset} (the gateway reads "
+                                                    "only ASCII-safe character sets)")
+        return raw.decode(codec, "surrogateescape"), None
+
+    def read(self, raw: bytes, certain: bool) -> StatementText:
+        """The statement as the target will read it (``certain``: nothing in flight may change the settings)."""
+        text, refusal = self.decode(raw)
+        if refusal is None and self.blind:
+            refusal = self.blind
+        if refusal is not None:
+            return StatementText(text, None, refusal)
+        modes = (self.mode,) if certain and (self.tracking or self.mode == 0) else MODES
+        if (certain and self.mode == 0 and "/*!" not in text and "/*M!" not in text
+                and (";" not in text or ('"' not in text and "\\" not in text))):
+            return StatementText(text)  # the dialect's own reading is the server's
+        found: list[str] = []
+        memo: dict[tuple[int, int], list[str]] = {}
+        try:
+            for mode in modes:
+                for reading in self._paths(text, 0, mode, memo):
+                    if reading not in found:
+                        found.append(reading)
+        except mysql_scan.Unreadable as exc:
+            if str(exc).startswith("too many"):
+                return StatementText(text, None, str(exc))
+            return StatementText(text, (text,))  # the server refuses it too: the raw text is what the rules read
+        return StatementText(text, tuple(found) or (text,))
+
+    def _paths(self, text: str, start: int, mode: int, memo: dict[tuple[int, int], list[str]]) -> list[str]:
+        """The canonical readings of ``text[start:]`` begun under ``mode``."""
+        key = (start, mode)
+        if key in memo:
+            return memo[key]
+        out: list[str] = []
+        for tokens in mysql_scan.readings(text[start:], mode, self.server):
+            statement: list[Token] = []
+            done: list[str] = []
+            switched = False
+            for token in tokens:
+                if token.kind != SEMI:
+                    statement.append(token)
+                    continue
+                done.append(mysql_scan.canonical(statement))
+                if may_switch(statement) and token.end < len(text) - start:
+                    prefix = "; ".join(done)
+                    for after in MODES:
+                        for rest in self._paths(text, start + token.end, after, memo):
+                            out.append(f"{prefix}; {rest}")
+                            if len(out) > MAX_READINGS:
+                                raise mysql_scan.Unreadable(
+                                    f"too many ways to read the statements (more than {MAX_READINGS}): a statement "
+                                    "that may change sql_mode or the character set is followed by others; send "
+                                    "them one by one")
+                    switched = True
+                    break
+                statement = []
+            if not switched:
+                if statement:
+                    done.append(mysql_scan.canonical(statement))
+                out.append("; ".join(done))
+        memo[key] = out
+        return out
+

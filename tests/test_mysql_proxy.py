@@ -1,0 +1,786 @@
+"""End to end: PyMySQL, the mariadb client, mariadb-dump and MariaDB Connector/J through the MySQL proxy of a real
+gatewayd to a real MariaDB (Debian's).
+
+One MariaDB (tests/mypeer.py, shared by the session) and one ``gatewayd run``
+with the mysql listener serve the whole module; each test makes its own
+connection so guard rails never leak between tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+from typing import Any
+
+import pymysql
+import pytest
+
+from tests.apiclient import MySqlApi, admin_http, of_kind
+from tests.conftest import Daemon, proxy_daemon
+from proxies.mysql import codec
+from tests.mypeer import CONNECTOR_J
+
+RECORDING_CAP = 4 << 20
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    daemon = proxy_daemon(tmp_path_factory, "myproxy", "mysql", {"sessions.recording_cap_bytes": RECORDING_CAP},
+                          wait=True)
+    yield daemon
+    assert daemon.stop() == 0
+
+
+@pytest.fixture(scope="module")
+async def api(gateway, mysql_target):
+    async with admin_http(gateway) as http:
+        yield MySqlApi(gateway, http, mysql_target)
+
+
+def connect(gateway: Daemon, secret: str, password: str = "any", database: str | None = "app",
+            **kwargs: Any) -> pymysql.Connection:
+    kwargs.setdefault("client_flag", pymysql.constants.CLIENT.MULTI_STATEMENTS)
+    return pymysql.connect(host="127.0.0.1", port=gateway.proxy_port, user=secret, password=password,
+                           database=database, connect_timeout=15, read_timeout=60, **kwargs)
+
+
+def direct(server: Any, database: str = "app", **kwargs: Any) -> pymysql.Connection:
+    return pymysql.connect(host="127.0.0.1", port=server.port, user="root", password=server.password,
+                           database=database, client_flag=pymysql.constants.CLIENT.MULTI_STATEMENTS, **kwargs)
+
+
+def query(connection: pymysql.Connection, sql: str, args: Any = None) -> list[tuple]:
+    with connection.cursor() as cursor:
+        cursor.execute(sql, args)
+        return list(cursor.fetchall())
+
+
+def cli(gateway: Daemon, secret: str, *args: str, stdin: str | None = None, program: str = "mariadb",
+        timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([program, "--no-defaults", "-h", "127.0.0.1", "-P", str(gateway.proxy_port), "-u", secret,
+                           "--password=any", "--skip-ssl", *args], capture_output=True, text=True, input=stdin,
+                          timeout=timeout, check=False)
+
+
+def answer(connection: pymysql.Connection, sql: str) -> Any:
+    """``sql``'s rows, or the error's (code, message): a statement a test expects to be interrupted."""
+    try:
+        return query(connection, sql)
+    except pymysql.err.MySQLError as exc:
+        return exc.args
+
+
+def raw_command(gateway: Daemon, secret: str, command: int, body: bytes, before: str | None = None) -> tuple:
+    """Send one command as a client library would not (``before``: a statement first); the error it gets."""
+    connection = connect(gateway, secret)
+    try:
+        if before is not None:
+            query(connection, before)
+        connection._execute_command(command, body)
+        with pytest.raises(pymysql.err.MySQLError) as raised:
+            connection._read_ok_packet()
+        return raised.value.args
+    finally:
+        connection.close()
+
+
+async def in_thread(function: Any, *args: Any, **kwargs: Any) -> Any:
+    return await asyncio.to_thread(function, *args, **kwargs)
+
+
+# --------------------------------------------------------------------------- logins and statements
+
+
+async def test_pymysql_secret_as_user_runs_statements_and_records_them(api, gateway):
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+
+    def work() -> list[tuple]:
+        with connect(gateway, secret) as connection:
+            query(connection, "CREATE TABLE people (id INT PRIMARY KEY, name VARCHAR(40), born DATE)")
+            query(connection, "INSERT INTO people VALUES (1, 'ada', '1815-12-10'), (2, NULL, NULL)")
+            return query(connection, "SELECT id, name, born FROM people ORDER BY id")
+
+    rows = await in_thread(work)
+    assert [(r[0], r[1], str(r[2]) if r[2] else None) for r in rows] == [(1, "ada", "1815-12-10"), (2, None, None)]
+    session = await api.done_session(session_id)
+    inputs = [e for e in of_kind(session, "i")]
+    assert "SELECT id, name, born FROM people ORDER BY id" in inputs
+    outputs = "".join(of_kind(session, "o"))
+    assert "id\tname\tborn\n1\tada\t1815-12-10\n2\tNULL\tNULL\n(2 rows)\n" in outputs
+    assert "OK, 2 rows affected" in outputs
+    assert session["status"] == "done" and session["exit_code"] == 0
+
+
+async def test_secret_as_password_is_asked_in_clear(api, gateway):
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+
+    def work() -> list[tuple]:
+        with connect(gateway, "someone", password=secret) as connection:
+            return query(connection, "SELECT 40 + 2")
+
+    assert await in_thread(work) == [(42,)]
+    await api.done_session(session_id)
+
+
+async def test_unknown_secret_is_refused_with_1045(api, gateway):
+    with pytest.raises(pymysql.err.OperationalError) as raised:
+        await in_thread(connect, gateway, "my-" + "A" * 43)
+    assert raised.value.args[0] == 1045
+    assert "invalid credential" in raised.value.args[1]
+
+
+async def test_multi_statements_each_result_recorded_and_errors_are_e_events(api, gateway):
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+
+    def work() -> list[Any]:
+        with connect(gateway, secret) as connection:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT 1 AS a; SELECT 'x' AS b, 2 AS c; DO 1")
+                results = [cursor.fetchall()]
+                while cursor.nextset():
+                    results.append(cursor.fetchall())
+            with pytest.raises(pymysql.err.ProgrammingError):
+                query(connection, "SELECT * FROM no_such_table")
+            results.append(query(connection, "SELECT 'after'"))
+            return results
+
+    results = await in_thread(work)
+    assert results[:2] == [((1,),), (("x", 2),)] and results[-1] == [("after",)]
+    session = await api.done_session(session_id)
+    output = "".join(of_kind(session, "o"))
+    assert "a\n1\n(1 row)\n" in output and "b\tc\nx\t2\n(1 row)\n" in output
+    errors = of_kind(session, "e")
+    assert any("ERROR 1146 (42S02)" in e and "no_such_table" in e for e in errors), errors
+
+
+async def test_mariadb_cli_and_init_db_held_to_the_connections_database(api, gateway, mysql_target):
+    role = await api.role()
+    secret, _ = await api.credential(role)
+    result = await in_thread(cli, gateway, secret, "app", "-e", "SELECT DATABASE(), 6 * 7")
+    assert result.returncode == 0, result.stderr
+    assert "app\t42" in result.stdout.replace(" ", "\t") or "42" in result.stdout
+    # another database: refused at login (the client's choice) and by COM_INIT_DB
+    refused = await in_thread(cli, gateway, secret, "other", "-e", "SELECT 1")
+    assert refused.returncode != 0 and "not reachable" in refused.stderr
+
+    def init_db() -> str:
+        with connect(gateway, secret) as connection:
+            with pytest.raises(pymysql.err.OperationalError) as raised:
+                connection.select_db("other")
+            return raised.value.args[1]
+
+    assert "not reachable" in await in_thread(init_db)
+    allowed = await api.role(settings={"mysql": {"databases": ["other"]}})
+    secret2, _ = await api.credential(allowed)
+
+    def init_allowed() -> list[tuple]:
+        with connect(gateway, secret2) as connection:
+            connection.select_db("other")
+            return query(connection, "SELECT DATABASE()")
+
+    assert await in_thread(init_allowed) == [("other",)]
+
+
+# --------------------------------------------------------------------------- guard rails on MySQL's reading
+
+
+def blocked(connection: pymysql.Connection, sql: str) -> str:
+    """The gateway's refusal of ``sql`` (ERR 1227)."""
+    with pytest.raises(pymysql.err.MySQLError) as raised:
+        query(connection, sql)
+    assert raised.value.args[0] == 1227, raised.value.args
+    return raised.value.args[1]
+
+
+def tables(server: Any) -> set[str]:
+    return set(server.sql("SHOW TABLES", "app").split())
+
+
+async def test_deny_words_read_the_dialects_tokens_and_executable_comments(api, gateway):
+    role = await api.role()
+    await api.guardrail(role, input_rules=[{"type": "deny_words_list", "words": ["drop table"]}])
+    secret, session_id = await api.credential(role)
+
+    def work() -> list[str]:
+        with connect(gateway, secret) as connection:
+            messages = [blocked(connection, sql) for sql in (
+                "DROP/**/TABLE t1", "DROP#x\nTABLE t1", "DROP -- x\nTABLE t1", "/*!50000 DROP */ TABLE t1",
+                "DROP /*M!100000 TABLE */ t1", "PREPARE s FROM 'drop table t1'")]
+            assert query(connection, "SELECT 'drop' AS a, 'table' AS b") == [("drop", "table")]
+            return messages
+
+    messages = await in_thread(work)
+    assert all("words=[drop table]" in m for m in messages), messages
+    session = await api.done_session(session_id)
+    assert of_kind(session, "e").count(
+        "validation error, match guard rails input rule, type=deny_words_list, words=[drop table]") == 6
+
+
+async def test_statement_kinds_and_require_where_read_mysqls_parse(api, gateway, mysql_target):
+    mysql_target.sql("CREATE TABLE IF NOT EXISTS kinds (id INT); INSERT INTO kinds VALUES (1), (2)", "app")
+    role = await api.role()
+    await api.guardrail(role, input_rules=[{"type": "statement_kinds", "deny": ["DropStmt"]},
+                                           {"type": "require_where", "statements": ["delete", "update"]}])
+    secret, _ = await api.credential(role)
+
+    def work() -> list[str]:
+        with connect(gateway, secret, autocommit=True) as connection:
+            messages = [blocked(connection, sql) for sql in (
+                "/*!50000 DROP */ TABLE kinds", "DROP DATABASE app", "DELETE FROM kinds", "UPDATE kinds SET id = 3",
+                "TRUNCATE kinds", "SELECT 1; DELETE FROM kinds", "PREPARE s FROM 'DELETE FROM kinds'",
+                "PREPARE s FROM @sql", "ALTER TABLE kinds DROP COLUMN id")]
+            assert query(connection, "DELETE FROM kinds WHERE id = 2") == []
+            assert query(connection, "SELECT id FROM kinds") == [(1,)]
+            return messages
+
+    messages = await in_thread(work)
+    assert "statement=DropStmt" in messages[0] and "statement=DropdbStmt" in messages[1], messages
+    assert "delete without WHERE" in messages[2] and "update without WHERE" in messages[3], messages
+    assert "delete without WHERE (TruncateStmt)" in messages[4], messages
+    assert "(statement 2 of 2)" in messages[5], messages
+    assert "only a constant string can be read" in messages[7], messages
+    assert "it has the effect of DropStmt" in messages[8], messages
+    assert "kinds" in tables(mysql_target)
+
+
+@pytest.mark.parametrize("switch, attack", [
+    ("SET sql_mode = 'NO_BACKSLASH_ESCAPES'", "SELECT 'a\\'; DROP TABLE victim; -- '"),
+    ("SET SESSION sql_mode = 'ANSI_QUOTES'", 'SELECT "a\\"; DROP TABLE victim; -- "'),
+    ("SET @@session.sql_mode = CONCAT('ANSI', '_QUOTES')", 'SELECT "a\\"; DROP TABLE victim; -- "'),
+])
+async def test_sql_mode_is_followed_so_quoting_reads_as_the_server_reads_it(api, gateway, mysql_target, switch,
+                                                                            attack):
+    """Without following sql_mode, the gateway would read one string where the server runs a DROP."""
+    mysql_target.sql("CREATE TABLE IF NOT EXISTS victim (id INT)", "app")
+    role = await api.role()
+    await api.guardrail(role, input_rules=[{"type": "statement_kinds", "deny": ["DropStmt"]}])
+    secret, _ = await api.credential(role)
+
+    def work() -> tuple[str, str]:
+        with connect(gateway, secret, autocommit=True) as connection:
+            query(connection, switch)
+            first = blocked(connection, attack)
+        with connect(gateway, secret, autocommit=True) as connection:  # the switch and the attack in one query
+            second = blocked(connection, f"{switch}; {attack}")
+        return first, second
+
+    first, second = await in_thread(work)
+    assert "statement=DropStmt" in first and "statement=DropStmt" in second, (first, second)
+    assert "victim" in tables(mysql_target)
+
+
+async def test_a_character_set_the_gateway_cannot_read_is_refused_under_rules(api, gateway):
+    role = await api.role()
+    await api.guardrail(role, input_rules=[{"type": "deny_words_list", "words": ["nothing here"]}])
+    secret, _ = await api.credential(role)
+
+    def work() -> str:
+        with connect(gateway, secret) as connection:
+            query(connection, "SET NAMES sjis")
+            return blocked(connection, "SELECT 1")
+
+    assert "the client character set sjis" in await in_thread(work)
+
+
+async def test_the_session_cannot_stop_the_gateway_following_its_settings(api, gateway, mysql_target):
+    """Turning the target's reports off is not reported itself: the gateway asks, and turns them on again."""
+    mysql_target.sql("CREATE TABLE IF NOT EXISTS victim (id INT)", "app")
+    role = await api.role()
+    await api.guardrail(role, input_rules=[{"type": "statement_kinds", "deny": ["DropStmt"]}])
+    secret, _ = await api.credential(role)
+
+    def work() -> tuple[str, list[tuple]]:
+        with connect(gateway, secret, autocommit=True) as connection:
+            query(connection, "SET session_track_system_variables = ''")
+            query(connection, "SET sql_mode = 'NO_BACKSLASH_ESCAPES'")
+            message = blocked(connection, "SELECT 'a\\'; DROP TABLE victim; -- '")
+            return message, query(connection, "SELECT @@session.session_track_system_variables")
+
+    message, tracked = await in_thread(work)
+    assert "statement=DropStmt" in message and "sql_mode" in tracked[0][0], (message, tracked)
+    assert "victim" in tables(mysql_target)
+
+
+# --------------------------------------------------------------------------- masking, prepared statements
+
+
+MASKS = [{"type": "mask", "patterns": ["card_number", "email"]},
+         {"type": "mask", "columns": ["salary", "ssn"], "style": "last4"}]
+CLEAR = ("jane@example.com", "4111111111111111", "123-45-6789", "98765")
+
+
+@pytest.fixture(scope="module")
+def people(mysql_target) -> str:
+    mysql_target.sql("CREATE TABLE masked (id INT PRIMARY KEY, email VARCHAR(80), card VARCHAR(30), ssn VARCHAR(20), "
+                     "salary INT, note TEXT, born DATE);"
+                     "INSERT INTO masked VALUES (1, 'jane@example.com', '4111111111111111', '123-45-6789', 98765, "
+                     "'write to jane@example.com', '1990-01-02'), (2, NULL, 'none', NULL, NULL, 'plain', NULL)",
+                     "app")
+    return "masked"
+
+
+async def nowhere_in_clear(api: MySqlApi, session_id: str, *seen: str) -> dict:
+    session = await api.done_session(session_id)
+    recorded = "".join(of_kind(session, "o")) + "".join(of_kind(session, "e"))  # output (input is as sent)
+    for clear in CLEAR:
+        for text in (*seen, recorded):
+            assert clear not in text, (clear, text)
+    return session
+
+
+async def test_text_results_are_masked_per_cell_and_recorded_masked(api, gateway, people):
+    role = await api.role()
+    await api.guardrail(role, output_rules=MASKS)
+    secret, session_id = await api.credential(role)
+
+    def work() -> list[tuple]:
+        with connect(gateway, secret) as connection:
+            rows = query(connection, "SELECT id, email, card, ssn, salary, note, born FROM masked ORDER BY id")
+            rows += query(connection, "SELECT 'jane@example.com'")  # a column named after its value
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT 'jane@example.com' AS x")
+                rows.append(tuple(d[0] for d in cursor.description))
+            return rows
+
+    rows = await in_thread(work)
+    assert rows[0][:6] == (1, "****", "****", "*******6789", None, "write to ****"), rows
+    assert rows[1] == (2, None, "none", None, None, "plain", None), rows
+    assert rows[2] == ("****",) and rows[3] == ("x",), rows
+    session = await nowhere_in_clear(api, session_id, repr(rows))
+    assert session["metrics"].get("masked", 0) >= 6, session["metrics"]
+
+
+JAVA = """
+import java.sql.*;
+
+public class MyMasked {
+    public static void main(String[] args) throws Exception {
+        try (Connection c = DriverManager.getConnection(args[0])) {
+            for (int i = 0; i < 3; i++) {
+                try (PreparedStatement s = c.prepareStatement(
+                        "SELECT id, email, card, ssn, salary, note, born FROM masked WHERE id >= ? ORDER BY id")) {
+                    s.setInt(1, 1);
+                    try (ResultSet r = s.executeQuery()) {
+                        while (r.next()) {
+                            System.out.println(r.getInt(1) + "|" + r.getString(2) + "|" + r.getString(3) + "|"
+                                + r.getString(4) + "|" + r.getString(5) + "|" + r.getString(6) + "|" + r.getString(7));
+                        }
+                    }
+                }
+            }
+            try (PreparedStatement s = c.prepareStatement("SELECT ? AS echoed")) {
+                s.setString(1, "forbidden thing");
+                try (ResultSet r = s.executeQuery()) { r.next(); System.out.println(r.getString(1)); }
+            } catch (SQLException e) {
+                System.out.println("refused: " + e.getErrorCode() + " " + e.getMessage());
+            }
+        }
+    }
+}
+"""
+
+
+async def test_connector_j_server_side_prepared_statements_binary_rows_masked(api, gateway, people, tmp_path):
+    if not CONNECTOR_J.exists():
+        pytest.skip("MariaDB Connector/J is not installed (libmariadb-java: tests/peers.txt)")
+    role = await api.role()
+    await api.guardrail(role, input_rules=[{"type": "deny_words_list", "words": ["nothing here"]}],
+                        output_rules=MASKS)
+    secret, session_id = await api.credential(role)
+    source = tmp_path / "MyMasked.java"
+    source.write_text(JAVA)
+    url = (f"jdbc:mariadb://127.0.0.1:{gateway.proxy_port}/app?user={secret}&password=any"
+           "&useServerPrepStmts=true&useSsl=false")
+    done = await in_thread(subprocess.run, ["java", "-cp", str(CONNECTOR_J), str(source), url],
+                           capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[:6] == ["1|****|****|*******6789|null|write to ****|1990-01-02", "2|null|none|null|null|plain|null"] * 3
+    assert lines[6] == "forbidden thing"
+    session = await nowhere_in_clear(api, session_id, done.stdout, done.stderr)
+    inputs = of_kind(session, "i")
+    assert any("WHERE id >= ? ORDER BY id\n-- parameters: ?1 = 1" in i for i in inputs), inputs
+    assert any(i.endswith("-- parameters: ?1 = 'forbidden thing'") for i in inputs), inputs
+
+
+async def test_connector_j_prepared_statement_blocked_by_input_rules(api, gateway, tmp_path):
+    if not CONNECTOR_J.exists():
+        pytest.skip("MariaDB Connector/J is not installed (libmariadb-java: tests/peers.txt)")
+    role = await api.role()
+    await api.guardrail(role, input_rules=[{"type": "deny_words_list", "words": ["echoed"]}])
+    secret, session_id = await api.credential(role)
+    source = tmp_path / "MyMasked.java"
+    source.write_text(JAVA.replace("FROM masked WHERE id >= ? ORDER BY id", "FROM masked WHERE id >= ? AND 0"))
+    url = (f"jdbc:mariadb://127.0.0.1:{gateway.proxy_port}/app?user={secret}&password=any"
+           "&useServerPrepStmts=true&useSsl=false")
+    done = await in_thread(subprocess.run, ["java", "-cp", str(CONNECTOR_J), str(source), url],
+                           capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1].startswith("refused: 1227 "), done.stdout
+    session = await api.done_session(session_id)
+    assert "validation error, match guard rails input rule, type=deny_words_list, words=[echoed]" in of_kind(
+        session, "e")
+
+
+# --------------------------------------------------------------------------- the rest of the protocol
+
+
+async def test_packets_over_16_mib_both_ways(api, gateway, mysql_target):
+    mysql_target.sql("CREATE TABLE IF NOT EXISTS big (id INT, body LONGBLOB)", "app")
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+    body = os.urandom(8) * (20 * 1024 * 1024 // 8)  # 20 MiB: two packets of the protocol each way
+
+    def work() -> bytes:
+        with connect(gateway, secret, autocommit=True, max_allowed_packet=64 * 1024 * 1024) as connection:
+            query(connection, "INSERT INTO big VALUES (1, %s)", (body,))
+            return query(connection, "SELECT body FROM big WHERE id = 1")[0][0]
+
+    assert await in_thread(work) == body
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 0
+
+
+async def test_load_data_local_infile_is_refused_unless_the_connection_allows_it(api, gateway, mysql_target,
+                                                                                  tmp_path):
+    mysql_target.sql("CREATE TABLE IF NOT EXISTS loaded (a INT, b VARCHAR(10))", "app")
+    data = tmp_path / "rows.csv"
+    data.write_text("1,one\n2,two\n")
+    statement = f"LOAD DATA LOCAL INFILE '{data}' INTO TABLE loaded FIELDS TERMINATED BY ','"
+
+    def load(secret: str) -> Any:
+        with connect(gateway, secret, autocommit=True, local_infile=True) as connection:
+            try:
+                query(connection, statement)
+            except pymysql.err.MySQLError as exc:
+                return exc.args
+            return query(connection, "SELECT COUNT(*) FROM loaded")[0][0]
+
+    refused_role = await api.role()
+    secret, _ = await api.credential(refused_role)
+    refused = await in_thread(load, secret)
+    assert isinstance(refused, tuple) and refused[0] in (1148, 4166), refused  # the target refuses it itself
+    allowed_role = await api.role(settings={"mysql": {"local_infile": True}})
+    secret, session_id = await api.credential(allowed_role)
+    assert await in_thread(load, secret) == 2
+    session = await api.done_session(session_id)
+    assert "1,one\n2,two\n" in of_kind(session, "i"), of_kind(session, "i")
+
+
+async def test_change_user_is_refused_and_ends_the_session(api, gateway):
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+
+    code, message = await in_thread(raw_command, gateway, secret, 0x11, b"root\0\0app\0")  # COM_CHANGE_USER
+    assert code == 1227 and "COM_CHANGE_USER is refused" in message
+    session = await api.done_session(session_id)
+    assert any("COM_CHANGE_USER is refused" in e for e in of_kind(session, "e"))
+
+
+async def test_kill_query_from_a_second_connection_cancels_the_statement(api, gateway):
+    role = await api.role()
+    secret, _ = await api.credential(role)
+    other_role = await api.role()
+    other_secret, _ = await api.credential(other_role)
+    first = await in_thread(connect, gateway, secret)
+    try:
+        thread_id = first.thread_id()  # the id the gateway gave: not the target's
+        running = asyncio.ensure_future(in_thread(answer, first, "SELECT SLEEP(60)"))
+        await asyncio.sleep(0.5)  # the statement is on its way (what follows holds without it: the kill waits)
+
+        def kill(with_secret: str) -> Any:
+            with connect(gateway, with_secret) as second:
+                return answer(second, f"KILL QUERY {thread_id}")
+
+        outsider = await in_thread(kill, other_secret)  # another connection's session: not translated
+        assert isinstance(outsider, tuple) and outsider[0] == 1094, outsider  # unknown thread id on the target
+        assert await in_thread(kill, (await api.credential(role))[0]) == []
+        assert await asyncio.wait_for(running, 30) == (1317, "Query execution was interrupted")
+    finally:
+        first.close()
+
+
+async def test_mariadb_dump_and_restore_through_the_gateway(api, gateway, mysql_target, people):
+    role = await api.role()
+    await api.guardrail(role, input_rules=[{"type": "deny_words_list", "words": ["nothing here"]}])
+    secret, _ = await api.credential(role)
+    dump = await in_thread(subprocess.run, ["mariadb-dump", "--no-defaults", "-h", "127.0.0.1", "-P",
+                                            str(gateway.proxy_port), "-u", secret, "--password=any", "--skip-ssl",
+                                            "app", "masked"], capture_output=True, text=True, timeout=60,
+                           check=False)
+    assert dump.returncode == 0, dump.stderr
+    assert "CREATE TABLE `masked`" in dump.stdout and "jane@example.com" in dump.stdout
+    restore = await in_thread(cli, gateway, secret, "other", stdin=dump.stdout)
+    assert "not reachable" in restore.stderr  # the connection's database only
+    allowed = await api.role(settings={"mysql": {"databases": ["other"]}})
+    await api.guardrail(allowed, input_rules=[{"type": "deny_words_list", "words": ["nothing here"]}])
+    restore = await in_thread(cli, gateway, (await api.credential(allowed))[0], "other", stdin=dump.stdout)
+    assert restore.returncode == 0, restore.stderr
+    assert mysql_target.sql("SELECT email FROM masked WHERE id = 1", "other").strip() == "jane@example.com"
+
+
+async def test_a_mysql_session_exports_as_statements_like_postgres(api, gateway):
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+
+    def work() -> None:
+        with connect(gateway, secret) as connection:
+            query(connection, "SELECT 1 AS one")
+            with pytest.raises(pymysql.err.MySQLError):
+                query(connection, "SELECT * FROM nowhere")
+
+    await in_thread(work)
+    await api.done_session(session_id)
+    status, body = await api("GET", f"/sessions/{session_id}?format=json")
+    assert status == 200, body
+    statements = {row["statement"]: row for row in body["statements"]}
+    assert statements["SELECT 1 AS one"]["output"] == "one\n1\n(1 row)\n"
+    assert "ERROR 1146 (42S02)" in statements["SELECT * FROM nowhere"]["error"]
+
+
+async def test_the_cli_connect_launches_the_mysql_client_and_shows_the_session(api, gateway, tmp_path):
+    from tests.test_people_cli import PASSWORDS, Person
+
+    gateway.cli("user", "passwd", "--email", "ada@example.com", "--groups", "admin", "--password-stdin",
+                input=PASSWORDS["ada@example.com"] + "\n")
+    ada = Person(gateway, tmp_path, "ada@example.com")
+    await in_thread(ada.login)
+    role = await api.role()
+    printed = await in_thread(ada.run, "connect", role["name"], "--print")
+    assert printed.returncode == 0 and printed.stdout.startswith("mysql -h "), printed
+    connected = await in_thread(ada.run, "connect", role["name"], "--", "--skip-ssl", "-N", "-e", "select 6 * 7")
+    assert connected.returncode == 0, connected.stderr
+    assert connected.stdout.strip() == "42"
+    listing = json.loads((await in_thread(ada.run, "sessions", "--connection", role["name"], "--json")).stdout)
+    used = next(s for s in listing["data"] if s["verb"] == "connect")
+    await api.done_session(used["id"])
+    shown = await in_thread(ada.run, "sessions", "show", used["id"])
+    assert shown.returncode == 0 and "select 6 * 7" in shown.stdout and "42" in shown.stdout, shown.stdout
+
+
+async def test_a_reset_connection_keeps_the_settings_followed(api, gateway, mysql_target):
+    """COM_RESET_CONNECTION clears the target's tracking: the gateway sets it up again."""
+    mysql_target.sql("CREATE TABLE IF NOT EXISTS victim (id INT)", "app")
+    role = await api.role()
+    await api.guardrail(role, input_rules=[{"type": "statement_kinds", "deny": ["DropStmt"]}])
+    secret, _ = await api.credential(role)
+
+    def work() -> str:
+        with connect(gateway, secret, autocommit=True) as connection:
+            connection._execute_command(0x1F, b"")  # COM_RESET_CONNECTION
+            connection._read_ok_packet()
+            query(connection, "SET sql_mode = 'NO_BACKSLASH_ESCAPES'")
+            return blocked(connection, "SELECT 'a\\\\'; DROP TABLE victim; -- '")
+
+    assert "statement=DropStmt" in await in_thread(work)
+    assert "victim" in tables(mysql_target)
+
+
+async def test_long_statements_are_read_off_the_loop_and_the_longest_refused(api, gateway):
+    role = await api.role()
+    await api.guardrail(role, input_rules=[{"type": "deny_words_list", "words": ["forbidden thing"]}])
+    secret, session_id = await api.credential(role)
+    padding = "x" * (100 * 1024)  # over 64 KiB: read in a worker thread while the session waits
+
+    def work() -> tuple[Any, str, str]:
+        with connect(gateway, secret) as connection:
+            allowed = query(connection, f"SELECT LENGTH('{padding}')")
+            refused = blocked(connection, f"SELECT '{padding}', 'forbidden thing'")
+            too_long = blocked(connection, "SELECT '" + "y" * (1024 * 1024 + 10) + "'")
+            return allowed, refused, too_long
+
+    allowed, refused, too_long = await in_thread(work)
+    assert allowed == [(len(padding),)] and "words=[forbidden thing]" in refused, (allowed, refused)
+    assert "longer than the gateway reads under input rules (mysql.max_statement_bytes" in too_long
+    await api.done_session(session_id)
+
+
+async def test_a_kill_query_reaching_another_worker_is_sent_over_the_bus(tmp_path_factory, mysql_target):
+    """With two workers, the cancelling connection may land on the other one: the KILL is routed to the worker
+    holding the session (the id the greeting gave carries its slot)."""
+    daemon = proxy_daemon(tmp_path_factory, "myworkers", "mysql", {"daemon.workers": 2}, wait=True)
+    try:
+        async with admin_http(daemon) as http:
+            api = MySqlApi(daemon, http, mysql_target)
+            role = await api.role()
+            secret, _ = await api.credential(role)
+            first = await in_thread(connect, daemon, secret)
+            slot = first.thread_id() >> 20
+
+            running = asyncio.ensure_future(in_thread(answer, first, "SELECT SLEEP(60)"))
+            for _ in range(50):  # until a connection lands on the other worker
+                second = await in_thread(connect, daemon, (await api.credential(role))[0])
+                if second.thread_id() >> 20 != slot:
+                    break
+                second.close()
+            else:
+                pytest.fail("every connection landed on the same worker")
+            try:
+                assert await in_thread(query, second, f"KILL QUERY {first.thread_id()}") == []
+            finally:
+                second.close()
+            assert await asyncio.wait_for(running, 30) == (1317, "Query execution was interrupted")
+            first.close()
+    finally:
+        assert daemon.stop() == 0
+
+
+async def test_a_session_the_gateway_kills_has_its_statement_killed_on_the_target(api, gateway, mysql_target):
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+    running_sql = "SELECT SLEEP(600) AS held_for_the_kill"
+
+    def running() -> int:
+        return int(mysql_target.sql(f"SELECT COUNT(*) FROM information_schema.processlist WHERE info = "
+                                    f"'{running_sql}'").strip())
+
+    def hold() -> Any:
+        with connect(gateway, secret) as connection:
+            return answer(connection, running_sql)
+
+    held = asyncio.ensure_future(in_thread(hold))
+    for _ in range(200):
+        if running():
+            break
+        await asyncio.sleep(0.05)
+    status, body = await api("POST", f"/sessions/{session_id}/kill")
+    assert status == 200, body
+    got = await asyncio.wait_for(held, 30)
+    assert got[0] == 1927 and got[1].startswith("session killed by"), got
+    for _ in range(200):  # MariaDB would otherwise sleep on: the gateway's KILL QUERY on a second connection
+        if not running():
+            break
+        await asyncio.sleep(0.05)
+    assert running() == 0
+
+
+async def test_tls_toward_the_target_verified_by_the_roles_certificate(api, gateway, mysql_target):
+    verified = await api.role(sslmode="verify-full", SSLROOTCERT=mysql_target.root_cert())
+    secret, _ = await api.credential(verified)
+
+    def cipher(secret: str) -> Any:
+        with connect(gateway, secret) as connection:
+            return query(connection, "SHOW SESSION STATUS LIKE 'Ssl_cipher'")
+
+    assert (await in_thread(cipher, secret))[0][1]  # the gateway's own link to MariaDB is TLS
+    from gatewayd.tls import generate_self_signed
+    other = mysql_target.dir / "other"
+    other.mkdir(exist_ok=True)
+    generate_self_signed(other / "c.crt", other / "c.key", "someone-else")
+    impostor = await api.role(sslmode="verify-ca", SSLROOTCERT=(other / "c.crt").read_text())
+    with pytest.raises(pymysql.err.MySQLError) as raised:
+        await in_thread(cipher, (await api.credential(impostor))[0])
+    assert "TLS failed" in raised.value.args[1], raised.value.args
+
+
+async def test_a_malformed_command_ends_its_session_recorded_and_the_gateway_serves_on(api, gateway):
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+
+    code, message = await in_thread(raw_command, gateway, secret, 0x17, b"\x01\x00", "SELECT 1")  # cut short
+    assert code == 1043 and message == "protocol violation: a malformed COM_STMT_EXECUTE", (code, message)
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 254 and of_kind(session, "e")[-1] == message
+    again, _ = await api.credential(role)
+    assert await in_thread(lambda: query(connect(gateway, again), "SELECT 2")) == [(2,)]
+
+
+async def test_an_anchored_mask_pattern_masks_whole_cells(api, gateway):
+    """A row's cells are searched together only when no rule is anchored (``^...$`` anchors a cell)."""
+    role = await api.role()
+    await api.guardrail(role, output_rules=[{"type": "mask", "pattern_regex": "^secret-[0-9]+$"}])
+    secret, _ = await api.credential(role)
+
+    def work() -> list[tuple]:
+        with connect(gateway, secret) as connection:
+            return query(connection, "SELECT 'visible', 'secret-42', 'not secret-42'")
+
+    assert await in_thread(work) == [("visible", "****", "not secret-42")]
+
+
+async def test_com_field_list_answers_its_columns(api, gateway, people):
+    role = await api.role()
+    secret, _ = await api.credential(role)
+
+    def work() -> list[str]:
+        with connect(gateway, secret) as connection:
+            connection._execute_command(0x04, b"masked\0")  # COM_FIELD_LIST, as the mysql client's rehash sends
+            names = []
+            while True:
+                packet = connection._read_packet()
+                if packet.is_eof_packet():
+                    return names
+                names.append(packet.read_length_coded_string() and codec.decode_column(packet.get_all_data()).name)
+
+    assert await in_thread(work) == ["id", "email", "card", "ssn", "salary", "note", "born"]
+
+
+async def test_an_ai_rule_in_sync_mode_holds_each_statement_for_its_verdict(api, gateway, mysql_target):
+    """The provider rates "high" what no guard rail refuses: the table not made proves the statement waited."""
+    from tests.llmpeer import API_KEY, FakeLLM
+
+    llm = await FakeLLM().start()
+    try:
+        status, body = await api("PUT", "/ai/session-analyzer/providers", {
+            "provider": "openai", "model": "judge-1", "api_url": f"{llm.url}/v1", "api_key": API_KEY})
+        assert status == 200, body
+        llm.answer("verdict", "low", "Routine query", "Reads data only.", delay=0.3)
+        llm.answer_for("create table secret_ai", "high", "Creates a secret table", "The rule forbids it.")
+        role = await api.role()
+        status, rule = await api("POST", "/ai/session-analyzer/rules", {
+            "name": f"rule-{role['name']}", "connection_names": [role["name"]], "native_mode": "sync",
+            "timeout": 60, "risk_evaluation": {"low_risk_action": "allow_execution",
+                                               "medium_risk_action": "allow_execution",
+                                               "high_risk_action": "block_execution"}})
+        assert status == 201, rule
+        secret, session_id = await api.credential(role)
+
+        def work() -> tuple[Any, str, Any]:
+            with connect(gateway, secret, autocommit=True) as connection:
+                before = query(connection, "SELECT 'before'")
+                refused = blocked(connection, "create table secret_ai (i int)")
+                return before, refused, query(connection, "SELECT 'after'")
+
+        before, refused, after = await in_thread(work)
+        assert before == [("before",)] and after == [("after",)]
+        assert "Creates a secret table" in refused, refused
+        assert "secret_ai" not in tables(mysql_target)  # refused before MariaDB saw it
+        session = await api.done_session(session_id, 30)
+        assert session["ai_analysis"]["action"] == "block_execution"
+    finally:
+        await api("DELETE", "/ai/session-analyzer/providers")
+        await llm.stop()
+
+
+async def test_the_connections_mysql_settings_are_checked(api):
+    for settings, named in (({"mysql": {"local_infile": "yes"}}, "local_infile"),
+                            ({"mysql": {"databases": "other"}}, "databases"), ({"mysql": []}, "settings.mysql")):
+        status, body = await api("POST", "/connections", {
+            "name": f"bad-{named.replace('.', '-')}", "type": "database", "subtype": "mysql",
+            "secret": {"envvar:HOST": "MTI3LjAuMC4x"}, "settings": settings})
+        assert status == 422 and named in body["message"], body
+
+
+async def test_the_mariadb_clients_ctrl_c_cancels_its_statement_through_the_gateway(api, gateway, mysql_target):
+    """The client's Ctrl-C opens a second connection with the same login and sends KILL QUERY <the id the
+    gateway's greeting gave>: the statement ends, and the client is told so."""
+    role = await api.role()
+    secret, _ = await api.credential(role)
+    process = await asyncio.create_subprocess_exec(
+        "mariadb", "--no-defaults", "-h", "127.0.0.1", "-P", str(gateway.proxy_port), "-u", secret, "--password=any",
+        "--skip-ssl", "-e", "SELECT SLEEP(60) AS held_for_ctrl_c", "app",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    for _ in range(400):  # until MariaDB runs it
+        if mysql_target.sql("SELECT COUNT(*) FROM information_schema.processlist "
+                            "WHERE info LIKE 'SELECT SLEEP(60) AS held_for_ctrl_c'").strip() != "0":
+            break
+        await asyncio.sleep(0.05)
+    process.send_signal(2)  # SIGINT, as Ctrl-C
+    out, err = await asyncio.wait_for(process.communicate(), 30)
+    text = (out + err).decode(errors="replace")
+    assert "ERROR 1317 (70100)" in text and "Query execution was interrupted" in text, text
