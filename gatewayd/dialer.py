@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from gatewayd.models import Connection
 
 DIAL_TIMEOUT = 10.0
+STREAM_LIMIT = 1 << 16  # what asyncio.open_connection buffers by default
 
 
 class DialError(Exception):
@@ -53,9 +54,9 @@ class Dialer(Protocol):
         """A connected, non-blocking socket to ``host:port``; raises DialError."""
         ...
 
-    async def open_stream(self, host: str, port: int, *, connection: str,
-                          timeout: float = DIAL_TIMEOUT) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        """An asyncio stream pair to ``host:port``; raises DialError."""
+    async def open_stream(self, host: str, port: int, *, connection: str, timeout: float = DIAL_TIMEOUT,
+                          limit: int = STREAM_LIMIT) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """An asyncio stream pair to ``host:port`` (its reader buffering up to ``limit`` bytes); raises DialError."""
         ...
 
 
@@ -145,12 +146,12 @@ class DirectDialer:
         except OSError as exc:
             raise DialError(connection, _reason(exc)) from None
 
-    async def open_stream(self, host: str, port: int, *, connection: str,
-                          timeout: float = DIAL_TIMEOUT) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        """An asyncio stream pair to ``host:port``; raises DialError."""
+    async def open_stream(self, host: str, port: int, *, connection: str, timeout: float = DIAL_TIMEOUT,
+                          limit: int = STREAM_LIMIT) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """An asyncio stream pair to ``host:port`` (its reader buffering up to ``limit`` bytes); raises DialError."""
         sock = await self.open_socket(host, port, connection=connection, timeout=timeout)
         try:
-            return await asyncio.open_connection(sock=sock)
+            return await asyncio.open_connection(sock=sock, limit=limit)
         except OSError as exc:
             sock.close()
             raise DialError(connection, _reason(exc)) from None

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from gatewayd.agent import agent_pb2 as pb
-from gatewayd.dialer import DIAL_TIMEOUT, DialError
+from gatewayd.dialer import DIAL_TIMEOUT, STREAM_LIMIT, DialError
 from gatewayd.models import Agent, rfc3339, utcnow
 
 if TYPE_CHECKING:
@@ -279,11 +279,11 @@ class AgentDialer:
                           timeout: float = DIAL_TIMEOUT) -> socket.socket:
         return await self.registry.open(self.org_id, self.reference, host, port, connection, timeout)
 
-    async def open_stream(self, host: str, port: int, *, connection: str,
-                          timeout: float = DIAL_TIMEOUT) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def open_stream(self, host: str, port: int, *, connection: str, timeout: float = DIAL_TIMEOUT,
+                          limit: int = STREAM_LIMIT) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         sock = await self.open_socket(host, port, connection=connection, timeout=timeout)
         try:
-            return await asyncio.open_connection(sock=sock)
+            return await asyncio.open_connection(sock=sock, limit=limit)
         except OSError as exc:
             sock.close()
             raise DialError(connection, exc.strerror or type(exc).__name__) from None

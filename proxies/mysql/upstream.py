@@ -180,8 +180,8 @@ async def _read(stream: PacketStream, name: str) -> bytes:
 
 async def _connect(settings: TargetSettings, name: str, client: HandshakeResponse | None, local_files: bool,
                    dialer: Dialer, timeout: float, limit: int, track: bool) -> TargetLink:
-    sock = await dialer.open_socket(settings.host, settings.port, connection=name, timeout=timeout)
-    reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 20)
+    reader, writer = await dialer.open_stream(settings.host, settings.port, connection=name, timeout=timeout,
+                                              limit=1 << 20)
     stream = PacketStream(reader, writer, limit)
     try:
         greeting = Handshake.decode(await _read(stream, name))
