@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 # The compiled hot path (gatewayd/hotpath.py): rebuilt, every module, when a source or a .pxd changes.
 HOTPATH := $(VENV)/.hotpath-stamp
 # The RDP proxy's man-in-the-middle, installed without its dependency pins (cryptography<42): the rdp
-# extra in pyproject.toml lists what it really needs. docs/decisions.md (RDP proxy) says why.
+# extra in pyproject.toml lists what it really needs. docs/rdp-proxy.md says why.
 PYRDP := pyrdp-mitm==2.1.0
 CONSOLE := control/console_static/vendor/.built-stamp
 # The suite must stay under 10 minutes on 2 cores: it runs in PYTEST_WORKERS processes (pytest-xdist), each

@@ -16,8 +16,7 @@ asks first) and verification tells a seal removed, replaced or made twice.
 The audit log is chained per organization the same way, one entry a link; each link is an HMAC
 under a key derived from the seal key (``Sealer.audit_key``), so someone who can write the store
 cannot re-compute it. Pure functions and one key holder; the store keeps the links, ``verify_*``
-re-computes them. What this can and cannot tell is written down in docs/decisions.md (Tamper
-evidence).
+re-computes them. What this can and cannot tell is written down in docs/evidence.md.
 """
 
 from __future__ import annotations

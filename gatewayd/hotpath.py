@@ -10,7 +10,7 @@ a C compiler or Cython nothing is built and everything runs from source, as befo
 
 Cython compiles these modules with ``annotation_typing=False``: type hints stay hints, so a compiled
 module behaves as its source does (with them, a ``list`` hint refuses a tuple at run time).
-docs/decisions.md (Compiled hot path) says why Cython and what was checked.
+docs/hotpath.md says why Cython and what was checked.
 """
 
 from __future__ import annotations

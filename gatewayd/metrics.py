@@ -15,7 +15,7 @@ traffic: input the user sent, output the target answered), so the PostgreSQL hot
 Several worker processes: when ``PROMETHEUS_MULTIPROC_DIR`` names a directory before the process starts,
 prometheus_client writes every process's values there and ``exposition`` merges them (open-session gauges
 count live processes only); without it one plain registry serves this process.  ``serve`` starts the
-unauthenticated exposition listener (``[metrics] listen``, loopback by default; docs/decisions.md).
+unauthenticated exposition listener (``[metrics] listen``, loopback by default; docs/operations.md).
 """
 
 from __future__ import annotations

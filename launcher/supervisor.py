@@ -12,7 +12,7 @@ before it is ready on the first start, or too many times in a row afterwards, st
 error exit.  SIGTERM/SIGINT stop every worker gracefully (their own shutdown grace) and wait for them; SIGHUP
 reloads the supervisor's log settings and is passed on to each worker.  Metrics: a fresh
 ``PROMETHEUS_MULTIPROC_DIR`` per run, and ``gatewayd.metrics.process_exited`` for each worker gone.
-docs/decisions.md, Workers.
+docs/workers.md.
 """
 
 from __future__ import annotations

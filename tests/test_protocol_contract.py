@@ -102,7 +102,7 @@ class Driver:
     unknown_secret: str
     expiry_seconds = 4  # a credential that lives long enough to log in, then expires mid-session
     block_input: str | None = "forbidden thing"  # None: the protocol carries no text input to block
-    session_per_credential = False  # HTTP: one session per credential, dialed per request (docs/decisions.md)
+    session_per_credential = False  # HTTP: one session per credential, dialed per request (docs/http-proxy.md)
 
     def __init__(self, api: Api) -> None:
         self.api = api

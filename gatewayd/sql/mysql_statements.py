@@ -4,7 +4,7 @@ The text is read by the gateway's MySQL scanner first (mysql_scan: comments,
 executable comments, quoting under the session's ``sql_mode``), cut into
 statements and written in a canonical form; each statement is then parsed by
 sqlparser-rs's MySQL grammar (the ``sqloxide`` bindings: a maintained parser,
-strict, about ten times faster than sqlglot's -- docs/decisions.md says how it
+strict, about ten times faster than sqlglot's -- docs/mysql-proxy.md says how it
 was chosen) and its tree mapped onto the shared vocabulary of statement kinds
 (pglast's node names, gatewayd.languages): ``DELETE`` is ``DeleteStmt``, ``DROP
 DATABASE`` is ``DropdbStmt`` (it counts as ``DropStmt``), ``TRUNCATE`` has the

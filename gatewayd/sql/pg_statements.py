@@ -22,7 +22,7 @@ refused by every statement rule (fail closed): a body in another language,
 ``EXECUTE`` of a string built at run time, a body that does not parse, a tree
 nested too deeply to walk.  ``effects`` lists what a statement does beyond its
 node's name, so a rule denying a kind also denies what has its effect
-(docs/decisions.md, "Statement kinds and their effects").
+(docs/guardrails.md, "Statement kinds and their effects").
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Several gateways may share one database: every write is one transaction on a pooled connection;
 what SQLite gets from its single writer (the audit chain's read-then-insert, the migrations) is
 taken here with a transaction-scoped advisory lock, and the claim is one conditional
-``UPDATE ... RETURNING`` (see docs/decisions.md, "The store").
+``UPDATE ... RETURNING`` (see docs/store.md).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 def access_hints(conn: Connection, secret: str, host: str, port: int, settings: dict[str, Any]) -> dict[str, str]:
     """A browser's words: the credential link on the app's own origin, or the header for API clients."""
-    domain = settings["apps_domain"]  # each connection's app on its own origin (docs/decisions.md)
+    domain = settings["apps_domain"]  # each connection's app on its own origin (docs/http-proxy.md)
     origin = f"http://{conn.app_label}.{domain}:{port}" if domain else f"http://{host}:{port}"
     return {"hostname": host, "port": str(port), "proxy_token": secret, "url": f"{origin}/{secret}/",
             "origin": origin, "header": f"Authorization: {secret}"}

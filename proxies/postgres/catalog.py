@@ -6,7 +6,7 @@ PostgreSQL follows through aliases, subqueries and CTEs. One query on a connecti
 when a session under mask rules starts, maps those (table OID, column number) pairs to the names
 the rules know; the relay then masks a column by its source as well as by its name. What a query
 computes (``lower(email)``, a view's column) has no source column: pattern rules cover it
-(docs/decisions.md, "Masking").
+(docs/masking.md, PostgreSQL).
 
 A column keeps its (table OID, column number) when it is renamed: the pairs found are remembered
 per connection and database (``SessionPipeline.remember``), and the next sessions look them up

@@ -8,7 +8,7 @@ rules a FunctionCall is refused unless its function is on the connection's
 allow list (``settings.postgres.function_calls``: names from
 ``FUNCTIONS``, or ``"large_objects"`` for all of them); every FunctionCall is
 recorded as the call it is, and its result is masked and recorded like a
-row (docs/decisions.md, "Guard rails read what the server runs").
+row (docs/guardrail-readings.md).
 
 The OIDs are PostgreSQL's built-in ones (``pg_proc.dat``): fixed across
 versions, and below FirstNormalObjectId, so no function a user creates can

@@ -20,8 +20,7 @@ encoding, and text without a backslash the same under both values of
 
 Encodings the gateway cannot read the way the server does (``UNREADABLE``)
 are refused for sessions whose connection has guard rails or masks: at
-start-up, and as soon as the target reports a switch to one (docs/decisions.md,
-"Guard rails read what the server runs").
+start-up, and as soon as the target reports a switch to one (docs/guardrail-readings.md).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import spnego
-from spnego._credssp_structures import NegoData, TSCredentials, TSPasswordCreds, TSRequest  # see docs/decisions.md
+from spnego._credssp_structures import NegoData, TSCredentials, TSPasswordCreds, TSRequest  # see docs/rdp-proxy.md
 
 CREDSSP_VERSION = 6  # with the CVE-2018-0886 mitigation (the client nonce) from version 5 on
 MAX_TSREQUEST = 64 * 1024  # a TSRequest is a few kB (Kerberos tickets included): a larger one is refused
