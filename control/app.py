@@ -23,6 +23,7 @@ from control import (
     openapi,
     orgs,
     plugins,
+    protocols,
     proxymanager,
     rdp_frames,
     reports,
@@ -62,7 +63,7 @@ from gatewayd.store import StoreUnavailable
 log = logging.getLogger("gatewayd.api")
 
 AREAS = (health, auth, users, serverconfig, serverauth, orgs, resources, connections, catalog, agents, guardrails,
-         datamasking, sessions, rdp_frames, reviews, runbooks, plugins, webhooks, reports, ai, proxymanager,
+         datamasking, protocols, sessions, rdp_frames, reviews, runbooks, plugins, webhooks, reports, ai, proxymanager,
          audit_logs, integrations, search, openapi)
 MUTATING = {"POST", "PUT", "PATCH", "DELETE"}
 ROUTE_DOC = web.AppKey("route_doc_by_handler", dict)

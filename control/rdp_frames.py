@@ -8,8 +8,10 @@ from aiohttp import web
 
 from control.http import INT64_MAX, ApiError, Field, Param, RouteSet, Schema, gateway_of, query_int
 from control.sessions import find_session
+from gatewayd import protocols
 from gatewayd.frames import FrameError, FramePage
 from gatewayd.models import Session
+from gatewayd.protocols import FRAMES
 
 routes = RouteSet("Sessions", audit="sessions")
 
@@ -19,7 +21,7 @@ _BYTE_TEXT = tuple(str(i) for i in range(256))
 
 
 def _rdp_session(session: Session) -> None:
-    if session.subtype != "rdp":
+    if protocols.presentation_of(session.subtype) != FRAMES:  # its protocol records screens
         raise ApiError(400, f"session {session.id!r} is not an RDP session (it is {session.subtype or session.type})")
 
 

@@ -24,6 +24,7 @@ from control.schemas import SESSION_OUT, VERIFICATION_OUT
 from gatewayd import protocols
 from gatewayd.crypto import hash_secret
 from gatewayd.languages import SQL
+from gatewayd.protocols import FRAMES, TERMINAL
 from gatewayd.models import Review, Session, SessionEvent, User, parse_time, rfc3339, utcnow
 from gatewayd.watch import Recorded, Status
 from gatewayd.reviews import review_json, reviews_for
@@ -70,7 +71,7 @@ DOWNLOAD_LINK = Schema("SessionDownloadLink", {"download_url": Field("string", T
 @routes.get("/sessions", "List sessions, newest first", query=[
     Param("user", description="a subject id, or part of a user's e-mail or name (any case)"),
     Param("connection"), Param("type"),
-    Param("protocol", description="the connection subtype (postgres, ssh, rdp, httpproxy)"),
+    Param("protocol", description="the connection subtype (GET /protocols lists them)"),
     Param("status", description="ready (a credential issued, not used yet), open or done", enum=STATUSES),
     Param("search", description=f"text typed in the session, anywhere (a statement, a command, a URL; at least "
                                 f"{MIN_SEARCH} characters, any case)"),
@@ -173,6 +174,11 @@ def statements_of(events: list[SessionEvent]) -> list[dict[str, Any]]:
     return rows
 
 
+def _statements(session: Session) -> bool:
+    """Whether a session's input is SQL statements (its protocol's language says): csv and json render them."""
+    return protocols.language_of(session.subtype).family == SQL
+
+
 def statements_response(session: Session, events: list[SessionEvent], rendering: str) -> web.Response:
     rows = statements_of(events)
     if rendering == "json":
@@ -216,13 +222,13 @@ async def get(request: web.Request) -> web.Response:
     if rendering:
         if rendering not in ("csv", "json"):
             raise ApiError(422, "query parameter 'format': expected csv or json")
-        if protocols.language_of(session.subtype).family != SQL:  # the protocol says its input is SQL statements
+        if not _statements(session):  # the protocol says its input is SQL statements
             raise ApiError(422, "query parameter 'format': csv and json render database (SQL) sessions only")
         events = await store.read_events(session.id)
         return await off_loop(lambda: statements_response(session, events, rendering))
     rendering = request.query.get("event_stream")
     if rendering == "asciicast":
-        if session.subtype != "ssh":
+        if protocols.presentation_of(session.subtype) != TERMINAL:
             raise ApiError(422, "query parameter 'event_stream': asciicast renders ssh sessions only")
         events = await store.read_events(session.id)
         return await off_loop(lambda: web.Response(
@@ -318,7 +324,7 @@ async def stream(request: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(headers=STREAM_HEADERS)
     await response.prepare(request)
     await response.write(b": following\n\n")
-    frames = gateway.frames.reader(session.id) if session.subtype == "rdp" else None
+    frames = gateway.frames.reader(session.id) if protocols.presentation_of(session.subtype) == FRAMES else None
     shown_frames, quiet_since = -1, time.monotonic()
     review = await review_of(gateway.store, session)
     try:
@@ -440,7 +446,7 @@ def rendered_events(session: Session, events: list[SessionEvent], *, newline: bo
 async def download(request: web.Request) -> web.Response:
     session, link = await _take_download(request, as_input=False)
     store = gateway_of(request).store
-    if link["extension"] == "csv" and session.subtype == "postgres":  # the statements, as ?format=csv gives them
+    if link["extension"] == "csv" and _statements(session):  # the statements, as ?format=csv gives them
         every = await store.read_events(session.id)
         answer = await off_loop(lambda: statements_response(session, every, "csv"))
         return _attachment(session, "csv", answer.body)  # type: ignore[arg-type]

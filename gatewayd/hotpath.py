@@ -1,6 +1,9 @@
 """The hot path compiled: the per-message modules built with Cython from their unchanged Python source.
 
-``make`` builds them in place (``hotpath.main(["build"])``: one extension module beside each ``.py``).
+``make`` builds them in place (``python -m launcher.hotpath build``: one extension module beside each ``.py``).
+The core's modules are listed here (``CORE_MODULES``); a protocol's are in its description (``compiled``),
+passed in when it is registered (gatewayd.protocols calls ``add``): the core never names a proxy's module,
+and the build runs from the launcher, which registers every protocol first.
 Python imports an extension before a source of the same name, so a compiled module runs wherever it
 was built; the finder that ``install`` puts first (from ``gatewayd/__init__``) imports the ``.py``
 instead when ``GATEWAYD_PURE_PYTHON`` is set (the tests run the relay's suites and a daemon that way)
@@ -26,8 +29,8 @@ from typing import Sequence
 
 PURE_ENV = "GATEWAYD_PURE_PYTHON"
 
-# What every PostgreSQL message, HTTP request, SSH line and recorded event goes through.
-MODULES = (
+# What every message and recorded event goes through in the core; each protocol adds its own (``add``).
+CORE_MODULES = (
     "gatewayd.evidence",
     "gatewayd.guardrails",
     "gatewayd.languages",
@@ -36,16 +39,9 @@ MODULES = (
     "gatewayd.policy",
     "gatewayd.recording",
     "gatewayd.sql.pg_scan",
-    "proxies.postgres.codec",
-    "proxies.postgres.relay",
-    "proxies.postgres.rendering",
-    "proxies.postgres.rowmask",
-    "proxies.postgres.values",  # every binary value a PostgreSQL row records or masks
-    "proxies.postgres.session",
-    "proxies.http.front",
-    "proxies.http.messages",
-    "proxies.ssh.lines",
 )
+_ADDED: list[str] = []  # the registered protocols' modules, in registration order
+_NAMES = set(CORE_MODULES)
 
 ROOT = Path(__file__).resolve().parent.parent
 SUFFIX = importlib.machinery.EXTENSION_SUFFIXES[0]  # this interpreter's, e.g. .cpython-311-x86_64-linux-gnu.so
@@ -80,7 +76,7 @@ def shared_sources() -> list[Path]:
     """Every hot-path source and declaration file (``.pxd``): compiled modules use each other's typed classes
     (the ``.pxd`` beside a module declares them), so an edit to any of them makes every build stale, and
     the hot path then runs from source as one piece until it is built again."""
-    found = [paths(name)[0] for name in MODULES]
+    found = [paths(name)[0] for name in modules()]
     return found + [path.with_suffix(".pxd") for path in found if path.with_suffix(".pxd").exists()]
 
 
@@ -93,7 +89,7 @@ def runs(pure: bool) -> str:
     if pure:
         return "python"
     shared = shared_sources()
-    fresh = all(choice(*paths(name), pure=False, shared=shared) == "compiled" for name in MODULES)
+    fresh = all(choice(*paths(name), pure=False, shared=shared) == "compiled" for name in modules())
     return "compiled" if fresh else "python"
 
 
@@ -113,7 +109,20 @@ class _SourceFinder(importlib.abc.MetaPathFinder):
         return importlib.util.spec_from_file_location(fullname, source)
 
 
-_NAMES = frozenset(MODULES)
+def add(names: Sequence[str]) -> None:
+    """Count a protocol's hot-path modules in (its description's ``compiled``, when it is registered).
+
+    Registration comes before any of them is imported (importing ``proxies.<p>.relay`` imports ``proxies``,
+    which registers every protocol first), so the finder knows them in time."""
+    for name in names:
+        if name not in _NAMES:
+            _NAMES.add(name)
+            _ADDED.append(name)
+
+
+def modules() -> tuple[str, ...]:
+    """Every hot-path module: the core's and those of each registered protocol."""
+    return CORE_MODULES + tuple(_ADDED)
 
 
 def install() -> None:
@@ -125,7 +134,7 @@ def install() -> None:
 def loaded() -> dict[str, str]:
     """Each hot-path module imported so far: ``compiled`` or ``python`` (what ran, not what is on disk)."""
     found = {}
-    for name in MODULES:
+    for name in modules():
         module = sys.modules.get(name)
         if module is not None:
             origin = getattr(module, "__file__", "") or ""
@@ -150,7 +159,7 @@ def build(jobs: int = 0) -> list[str]:
 
     if runs(pure=False) == "compiled":
         return []
-    stale = list(MODULES)  # the typed classes' layouts may have changed: every module is built again
+    stale = list(modules())  # the typed classes' layouts may have changed: every module is built again
     extensions = [Extension(name, [str(paths(name)[0].relative_to(ROOT))]) for name in stale]
     cwd = os.getcwd()
     os.chdir(ROOT)  # setuptools places in-place builds relative to the working directory
@@ -170,7 +179,11 @@ def build(jobs: int = 0) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    """``build`` or ``status`` (the Makefile: ``python -c 'from gatewayd import hotpath; hotpath.main(["build"])'``)."""
+    """``build``, ``list`` (the modules a build compiles) or ``status``; launcher.hotpath runs it with every
+    protocol registered (the Makefile: ``python -m launcher.hotpath build``)."""
+    if argv[:1] == ["list"]:
+        print("\n".join(modules()))
+        return 0
     if argv[:1] == ["build"]:
         built = build()
         print("hot path: " + (f"compiled {', '.join(built)}" if built else "up to date"))
@@ -178,5 +191,5 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["status"]:
         print(f"hot path: {runs(pure_wanted())}")
         return 0
-    print("usage: hotpath.main(['build' | 'status'])", file=sys.stderr)
+    print("usage: python -m launcher.hotpath build | list | status", file=sys.stderr)
     return 2

@@ -19,7 +19,8 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-from gatewayd.languages import TEXT, Language
+from gatewayd import hotpath
+from gatewayd.languages import SQL, TEXT, Language
 from gatewayd.models import Session, new_id, rfc3339, utcnow
 
 if TYPE_CHECKING:
@@ -38,6 +39,38 @@ Start = Callable[[Any, str, int], Awaitable[Any]]
 ForwardOpening = Callable[[Any, Any, str], Awaitable[bytes]]
 ForwardServe = Callable[["socket.socket", str], Awaitable[None]]  # (a connected socket, the credential's secret)
 CheckSettings = Callable[[dict[str, Any]], "str | None"]  # a connection's settings -> what is wrong with them, or None
+
+
+# How a protocol's recordings are shown (the console's viewer, the CLI's `sessions show`, the export formats)
+STATEMENTS = "statements"  # statement by statement, with results (a SQL language's default)
+TERMINAL = "terminal"  # a terminal's output, replayed at its pace (asciicast)
+FRAMES = "frames"  # screen frames (PNG)
+EXCHANGES = "exchanges"  # requests and their answers
+TEXT_VIEW = "text"  # the events as text, one a line (every other language's default)
+PRESENTATIONS = (STATEMENTS, TERMINAL, FRAMES, EXCHANGES, TEXT_VIEW)
+
+
+@dataclass(slots=True, frozen=True)
+class ClientCommand:
+    """The native client the CLI's ``connect`` starts with a credential: a template over its access hints.
+
+    Each of ``args``, each value of ``env`` and ``shown`` may name an access hint in braces (``{hostname}``,
+    ``{port}``, ``{username}``, ``{password}``, ``{database_name}``, ``{command}``...); an argument that
+    comes out empty is left out.  ``programs``: the first installed one runs (``mysql`` or ``mariadb``).
+    ``options_with_value``: the user's arguments go after the program's (empty), or, for a client that
+    reads ``[options] destination [command]`` (ssh), its options before the last argument and the rest
+    after it; these letters are its options that take a value.
+    """
+
+    programs: tuple[str, ...]
+    args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    shown: str = "{command}"  # what the CLI prints (`connect --print`, or when the client is not installed)
+    options_with_value: str = ""
+
+    def as_json(self) -> dict[str, Any]:
+        return {"programs": list(self.programs), "args": list(self.args), "env": dict(self.env),
+                "shown": self.shown, "options_with_value": self.options_with_value}
 
 
 def lazy_start(module: str) -> Start:
@@ -88,6 +121,27 @@ class ProtocolDescription:
     check_settings: CheckSettings | None = None
     # what its input is written in (gatewayd.languages): how guard rails and analysis read it, which rules apply
     language: Language = TEXT
+    title: str = ""  # how people call it ("PostgreSQL"); default: its name
+    # how its recordings are shown (PRESENTATIONS); default: statements for a SQL language, else text
+    presentation: str = ""
+    client: ClientCommand | None = None  # what the CLI's `connect` starts; None: the access hints' url, in a browser
+    compiled: tuple[str, ...] = ()  # its hot-path modules, built with Cython (gatewayd.hotpath)
+
+    def __post_init__(self) -> None:
+        if not self.title:
+            object.__setattr__(self, "title", self.name)
+        if not self.presentation:
+            object.__setattr__(self, "presentation", STATEMENTS if self.language.family == SQL else TEXT_VIEW)
+        if self.presentation not in PRESENTATIONS:
+            raise ValueError(f"protocol {self.name!r}: presentation {self.presentation!r} is none of "
+                             f"{', '.join(PRESENTATIONS)}")
+
+    @property
+    def exports(self) -> tuple[str, ...]:
+        """The formats its sessions export to: csv and json (statements) for a SQL language, asciicast for a
+        terminal, png-frames for frames, text for every one."""
+        return ((("csv", "json") if self.language.family == SQL else ())
+                + {TERMINAL: ("asciicast",), FRAMES: ("png-frames",)}.get(self.presentation, ()) + ("text",))
 
     @property
     def default_listen(self) -> str:
@@ -122,6 +176,7 @@ def register(description: ProtocolDescription) -> ProtocolDescription:
                 raise ValueError(f"protocol {description.name!r}: {attribute} {getattr(description, attribute)!r} "
                                  f"is {other.name!r}'s already")
     _REGISTRY[description.name] = description
+    hotpath.add(description.compiled)  # its modules run compiled where built (the core lists only its own)
     return description
 
 
@@ -154,6 +209,12 @@ def language_of(subtype: str) -> Language:
     """The language of a connection's input, from its protocol (plain text for a subtype no protocol serves)."""
     description = by_subtype(subtype)
     return description.language if description is not None else TEXT
+
+
+def presentation_of(subtype: str) -> str:
+    """How a connection's recordings are shown, from its protocol (text for a subtype no protocol serves)."""
+    description = by_subtype(subtype)
+    return description.presentation if description is not None else TEXT_VIEW
 
 
 def session_for(user: User, connection: Connection, *, verb: str = "connect", status: str = "open",

@@ -250,7 +250,7 @@ def hot_path_logged(daemon: Daemon, env: dict[str, str]) -> None:
     from gatewayd import hotpath
 
     pure = bool(env.get(PURE_ENV)) or hotpath.pure_wanted()
-    kinds = dict.fromkeys(hotpath.MODULES, hotpath.runs(pure))  # the modules run one way, together
+    kinds = dict.fromkeys(hotpath.modules(), hotpath.runs(pure))  # the modules run one way, together
     deadline = time.monotonic() + 60  # the API answers before the listeners are up and the line is written
     while not (started := [json.loads(line) for line in daemon.log_text().splitlines()
                            if '"gatewayd started"' in line]) and time.monotonic() < deadline:

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from gatewayd import hotpath
+import proxies  # noqa: F401  registers every protocol (and its hot-path modules)
+from gatewayd import hotpath, protocols
 
 ROOT = Path(__file__).resolve().parent.parent
 STAMP = Path(sys.prefix) / ".hotpath-stamp"  # make's: written once every module compiled
@@ -33,10 +34,26 @@ SUITES = ["tests/test_postgres_codec.py", "tests/test_postgres_relay.py", "tests
 def imported_kinds(env: dict[str, str]) -> dict[str, str]:
     """Every hot-path module imported by a fresh interpreter with ``env``: compiled or python."""
     code = ("import json, importlib, proxies, gatewayd.hotpath as h; "
-            "[importlib.import_module(n) for n in h.MODULES]; print(json.dumps(h.loaded()))")
+            "[importlib.import_module(n) for n in h.modules()]; print(json.dumps(h.loaded()))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env,
                           timeout=120, check=True)
     return json.loads(done.stdout)
+
+
+def test_each_protocol_names_its_own_hot_path_modules_and_the_build_lists_them():
+    """The core lists only its own modules; each protocol's come from its description (``compiled``), and the
+    build (``python -m launcher.hotpath``, which registers every protocol) compiles both."""
+    assert all(name.startswith("gatewayd.") for name in hotpath.CORE_MODULES)
+    declared = [name for description in protocols.registered() for name in description.compiled]
+    assert {"proxies.postgres.relay", "proxies.http.messages", "proxies.ssh.lines"} <= set(declared)
+    for name in declared:
+        assert hotpath.paths(name)[0].exists(), name
+    listed = subprocess.run([sys.executable, "-m", "launcher.hotpath", "list"], capture_output=True, text=True,
+                            cwd=ROOT, timeout=120, check=True).stdout.split()
+    assert listed == list(hotpath.CORE_MODULES) + declared
+    alone = subprocess.run([sys.executable, "-c", "from gatewayd import hotpath; hotpath.main(['list'])"],
+                           capture_output=True, text=True, cwd=ROOT, timeout=120, check=True).stdout.split()
+    assert alone == list(hotpath.CORE_MODULES)  # the core by itself knows no proxy's module
 
 
 def test_an_extension_is_used_only_when_fresh_and_not_switched_off(tmp_path):
@@ -61,7 +78,7 @@ def test_an_extension_is_used_only_when_fresh_and_not_switched_off(tmp_path):
 
 def test_an_edit_to_any_hot_path_source_or_declaration_counts_for_every_module():
     shared = hotpath.shared_sources()
-    for name in hotpath.MODULES:
+    for name in hotpath.modules():
         source, _ = hotpath.paths(name)
         assert source in shared
         if source.with_suffix(".pxd").exists():
@@ -75,8 +92,9 @@ def test_a_build_left_half_done_runs_from_source_as_a_whole(tmp_path, monkeypatc
     package = tmp_path / "pkg"
     package.mkdir()
     monkeypatch.setattr(hotpath, "ROOT", tmp_path)
-    monkeypatch.setattr(hotpath, "MODULES", ("pkg.codec", "pkg.relay"))
-    for name in hotpath.MODULES:
+    monkeypatch.setattr(hotpath, "CORE_MODULES", ("pkg.codec",))
+    monkeypatch.setattr(hotpath, "_ADDED", ["pkg.relay"])  # a protocol's, as its registration adds it
+    for name in hotpath.modules():
         source, extension = hotpath.paths(name)
         source.write_text("x = 1\n")
         os.utime(source, (1_000, 1_000))
@@ -99,9 +117,9 @@ def test_the_switch_reads_the_environment(monkeypatch):
 
 def test_modules_run_as_the_switch_says():
     """In this very process (also run from source by the test below): what ran is what ``runs`` says."""
-    for name in hotpath.MODULES:
+    for name in hotpath.modules():
         importlib.import_module(name)
-    wanted = dict.fromkeys(hotpath.MODULES, hotpath.runs(hotpath.pure_wanted()))
+    wanted = dict.fromkeys(hotpath.modules(), hotpath.runs(hotpath.pure_wanted()))
     assert hotpath.loaded() == wanted
     if hotpath.pure_wanted():
         assert set(wanted.values()) == {"python"}
@@ -118,8 +136,8 @@ def test_make_compiled_every_module_where_it_could():
         pytest.skip("a hot-path source changed since make built it (make hotpath)")
     assert STAMP.exists(), f"make did not build the hot path into {sys.prefix} (make hotpath says why)"
     env = {k: v for k, v in os.environ.items() if k != hotpath.PURE_ENV}
-    assert imported_kinds(env) == dict.fromkeys(hotpath.MODULES, "compiled")
-    assert imported_kinds({**env, hotpath.PURE_ENV: "1"}) == dict.fromkeys(hotpath.MODULES, "python")
+    assert imported_kinds(env) == dict.fromkeys(hotpath.modules(), "compiled")
+    assert imported_kinds({**env, hotpath.PURE_ENV: "1"}) == dict.fromkeys(hotpath.modules(), "python")
 
 
 def test_the_python_source_passes_the_hot_path_suites():

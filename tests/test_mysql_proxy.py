@@ -9,6 +9,8 @@ connection so guard rails never leak between tests.
 from __future__ import annotations
 
 import asyncio
+import csv
+import io
 import json
 import os
 import subprocess
@@ -543,13 +545,19 @@ async def test_a_mysql_session_exports_as_statements_like_postgres(api, gateway)
     assert "ERROR 1146 (42S02)" in statements["SELECT * FROM nowhere"]["error"]
 
 
-async def test_the_cli_connect_launches_the_mysql_client_and_shows_the_session(api, gateway, tmp_path):
+async def logged_in(gateway: Daemon, tmp_path: Any) -> Any:
+    """Ada, an admin, logged in with the people's CLI (tests/test_people_cli.py's Person)."""
     from tests.test_people_cli import PASSWORDS, Person
 
     gateway.cli("user", "passwd", "--email", "ada@example.com", "--groups", "admin", "--password-stdin",
                 input=PASSWORDS["ada@example.com"] + "\n")
     ada = Person(gateway, tmp_path, "ada@example.com")
     await in_thread(ada.login)
+    return ada
+
+
+async def test_the_cli_connect_launches_the_mysql_client_and_shows_the_session(api, gateway, tmp_path):
+    ada = await logged_in(gateway, tmp_path)
     role = await api.role()
     printed = await in_thread(ada.run, "connect", role["name"], "--print")
     assert printed.returncode == 0 and printed.stdout.startswith("mysql -h "), printed
@@ -561,6 +569,44 @@ async def test_the_cli_connect_launches_the_mysql_client_and_shows_the_session(a
     await api.done_session(used["id"])
     shown = await in_thread(ada.run, "sessions", "show", used["id"])
     assert shown.returncode == 0 and "select 6 * 7" in shown.stdout and "42" in shown.stdout, shown.stdout
+
+
+async def test_the_cli_finds_and_exports_mysql_sessions_as_the_gateway_describes_them(api, gateway, tmp_path):
+    """The CLI names no protocol: --protocol and the export formats come from GET /api/protocols, so a MySQL
+    session is found by its protocol and exports its statements as csv, like PostgreSQL's; the API's csv
+    download link gives the statements too (the language says SQL, not the subtype's name)."""
+    ada = await logged_in(gateway, tmp_path)
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+
+    def work() -> None:
+        with connect(gateway, secret) as connection:
+            query(connection, "SELECT 'exported' AS word")
+
+    await in_thread(work)
+    await api.done_session(session_id)
+    listed = await in_thread(ada.run, "sessions", "--protocol", "mysql", "--connection", role["name"], "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert [s["id"] for s in json.loads(listed.stdout)["data"]] == [session_id]
+    typed = await in_thread(ada.run, "sessions", "--type", "mysql", "--connection", role["name"])
+    assert typed.returncode == 0 and session_id[:8] in typed.stdout, typed
+    unknown = await in_thread(ada.run, "sessions", "--protocol", "gopher")
+    assert unknown.returncode == 2 and "mysql" in unknown.stderr and "postgres" in unknown.stderr, unknown
+
+    exported = await in_thread(ada.run, "sessions", "export", session_id, "--format", "csv", "-o",
+                               str(tmp_path / "statements.csv"))
+    assert exported.returncode == 0, exported.stderr
+    rows = {row["statement"]: row for row in csv.DictReader(io.StringIO((tmp_path / "statements.csv").read_text()))}
+    assert rows["SELECT 'exported' AS word"]["output"] == "word\nexported\n(1 row)\n", rows
+    wrong = await in_thread(ada.run, "sessions", "export", session_id, "--format", "asciicast")
+    assert wrong.returncode == 2 and "use --format csv or json or text" in wrong.stderr, wrong.stderr
+
+    status, link = await api("GET", f"/sessions/{session_id}?extension=csv")
+    assert status == 200, link
+    async with api.http.get(link["download_url"]) as response:
+        assert response.status == 200
+        downloaded = {row["statement"]: row for row in csv.DictReader(io.StringIO(await response.text()))}
+    assert downloaded == rows  # the statements, as ?format=csv gives them
 
 
 async def test_a_reset_connection_keeps_the_settings_followed(api, gateway, mysql_target):

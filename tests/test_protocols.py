@@ -25,6 +25,7 @@ from gatewayd.sql.postgresql import POSTGRESQL_DIALECT
 from launcher.root import build_gateway
 from tests import lineproxy
 from tests.conftest import free_port
+from tests.openapi_check import ResponseSchemas
 
 
 async def _start(context: Any, host: str, port: int) -> Any:
@@ -192,6 +193,59 @@ async def test_a_registered_protocol_is_listed_started_and_its_credentials_resol
         assert (session.type, session.subtype) == ("custom", "line")
     finally:
         await gateway.stop()
+
+
+async def test_the_api_serves_each_protocols_presentation_from_its_description(fake_sql, line_protocol, tmp_path):
+    """GET /api/protocols: what the CLI and the console read instead of naming protocols. A protocol registered
+    here (a fake SQL one, the line one) is listed with what its description says or implies: SQL statements
+    are shown and exported as statements (csv, json), anything else as text; the built-in ones with theirs."""
+    config = load_config(None, environ={}, overrides={
+        "data_dir": str(tmp_path / "data"), "api.listen": f"127.0.0.1:{free_port()}", "listeners.postgres": "",
+        "listeners.ssh": "", "listeners.rdp": "", "listeners.http": "", "listeners.mysql": "", "listeners.line": "",
+        "listeners.fakesql": ""})
+    gateway = build_gateway(config)
+    await gateway.start()
+    try:
+        admin = await gateway.identity.ensure_local_user("admin@example.com", "Admin", ["admin"])
+        base = f"http://{config['api.listen']}/api"
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{base}/protocols") as response:
+                assert response.status == 401  # a signed-in user's route
+            async with http.get(f"{base}/protocols",
+                                headers={"Authorization": f"Bearer {gateway.identity.issue_token(admin)}"}) as response:
+                assert response.status == 200
+                listed = await response.json()
+            async with http.get(f"{base}/openapi.json") as response:
+                document = await response.json()
+        ResponseSchemas(document).check("GET", "/api/protocols", 200, listed)  # as the OpenAPI document says
+        by_subtype = {entry["subtype"]: entry for entry in listed}
+        assert list(by_subtype) == [d.subtype for d in protocols.registered()]
+        assert by_subtype["fakesql"] == {
+            "name": "fakesql", "subtype": "fakesql", "session_type": "database", "title": "fakesql",
+            "language": {"name": "fakesql", "family": "sql", "title": "fake SQL", "dialect": "postgresql"},
+            "presentation": "statements", "exports": ["csv", "json", "text"], "client": None}
+        assert (by_subtype["line"]["presentation"], by_subtype["line"]["exports"]) == ("text", ["text"])
+        shown = {subtype: (entry["title"], entry["presentation"], entry["exports"])
+                 for subtype, entry in by_subtype.items() if subtype not in ("fakesql", "line")}
+        assert shown == {"postgres": ("PostgreSQL", "statements", ["csv", "json", "text"]),
+                         "mysql": ("MySQL", "statements", ["csv", "json", "text"]),
+                         "ssh": ("SSH", "terminal", ["asciicast", "text"]),
+                         "rdp": ("RDP", "frames", ["png-frames", "text"]),
+                         "httpproxy": ("HTTP", "exchanges", ["text"])}
+        assert by_subtype["postgres"]["client"]["programs"] == ["psql"]
+        assert ("PGPASSWORD", "{password}") in by_subtype["postgres"]["client"]["env"].items()
+        assert by_subtype["mysql"]["client"]["programs"] == ["mysql", "mariadb"]
+        assert by_subtype["ssh"]["client"]["options_with_value"]  # ssh(1): options before the destination
+        assert by_subtype["httpproxy"]["client"] is None  # the browser
+    finally:
+        await gateway.stop()
+
+
+def test_a_presentation_is_one_the_viewers_know():
+    with pytest.raises(ValueError, match="presentation 'hologram'"):
+        protocols.ProtocolDescription(name="odd", subtype="odd", session_type="custom", prefix="odd",
+                                      server_config_key="odd_server_config", default_port=17779,
+                                      access_hints=_hints, start=_start, presentation="hologram")
 
 
 def test_a_subtype_no_protocol_serves_has_no_native_access():

@@ -130,3 +130,14 @@ export async function follow(path, onEvent, {signal} = {}) {
     await new Promise((done) => setTimeout(done, 500));  // dropped before its end: take it up again
   }
 }
+
+let protocolsAsked = null;
+
+/** The gateway's protocols (``GET /api/protocols``), asked once per page load: by subtype, what each one is called,
+ * how its recordings are shown (``presentation``) and what they export to. The console names no protocol itself. */
+export function protocols() {
+  protocolsAsked = protocolsAsked || api("GET", "/protocols")
+    .then((list) => new Map(list.map((p) => [p.subtype, p])))
+    .catch((err) => { protocolsAsked = null; throw err; });
+  return protocolsAsked;
+}

@@ -1,7 +1,7 @@
 // One session: what it was, a kill button while it is live, and its recording in the form of its protocol.
 // A session still running is followed as it happens (GET /sessions/{id}/stream): its terminal, statements,
 // exchanges or screen grow as they are recorded, and its end shows at once. Nothing here sends input to it.
-import {api, follow} from "./api.js";
+import {api, follow, protocols} from "./api.js";
 import {h, mount, when, clock, notice, select, fromBase64} from "./dom.js";
 import {statusBadge} from "./sessions.js";
 
@@ -43,9 +43,11 @@ export async function sessionView({me, main}, id) {
     kill, messages, recording);
   const live = session.status !== "done";
   const kinds = live ? LIVE : RECORDED;
-  const render = kinds[session.connection_subtype] || kinds.default;
   let view;
   try {
+    // the view its protocol's presentation says: statements, a terminal, frames, exchanges or text
+    const protocol = (await protocols()).get(session.connection_subtype);
+    const render = kinds[protocol ? protocol.presentation : "text"] || kinds.text;
     view = await render(recording, session);
   } catch (err) {
     return mount(recording, notice(err.message, "error"));
@@ -76,9 +78,9 @@ export async function sessionView({me, main}, id) {
   }
 }
 
-// ------------------------------------------------------------------ SSH: asciinema-player
+// ------------------------------------------------------------------ a terminal (SSH): asciinema-player
 
-async function sshPlayer(el, session) {
+async function terminalPlayer(el, session) {
   const cast = await api("GET", `/sessions/${encodeURIComponent(session.id)}`, {query: {event_stream: "asciicast"}});
   if (!window.AsciinemaPlayer) throw new Error("the terminal player is missing: build the console (make console)");
   const screen = h("div", {id: "terminal", class: "terminal"});
@@ -362,17 +364,17 @@ async function plainOutput(el, session) {
   return out;
 }
 
-const RECORDED = {ssh: sshPlayer, postgres: statementTable, mysql: statementTable, rdp: framePlayer, httpproxy: exchanges,
-  default: plainOutput};
+// by presentation (GET /api/protocols says each protocol's)
+const RECORDED = {terminal: terminalPlayer, statements: statementTable, frames: framePlayer, exchanges: exchanges,
+  text: plainOutput};
 
 // a live session starts empty: the stream sends its history first, then what comes
 const LIVE = {
-  ssh: liveTerminal,
-  postgres: async (el) => statements(el, []),
-  mysql: async (el) => statements(el, []),
-  httpproxy: async (el) => exchangeList(el, []),
-  rdp: (el, session) => framePlayer(el, session, true),
-  default: async (el) => {
+  terminal: liveTerminal,
+  statements: async (el) => statements(el, []),
+  exchanges: async (el) => exchangeList(el, []),
+  frames: (el, session) => framePlayer(el, session, true),
+  text: async (el) => {
     const out = h("pre", {class: "code", id: "output"});
     mount(el, h("h2", {}, "Output (live)"), out);
     return {event(e) { if (e.type !== "i") out.textContent += fromBase64(e.payload); }};

@@ -1,11 +1,9 @@
 // The sessions list: find sessions by user, connection, protocol, status, text typed in them and time (to the
 // minute), paged; the API does the finding.
-import {api} from "./api.js";
+import {api, protocols} from "./api.js";
 import {h, mount, when, select, field} from "./dom.js";
 
 const PAGE = 20;
-const PROTOCOLS = [["", "any protocol"], ["postgres", "PostgreSQL"], ["mysql", "MySQL"], ["ssh", "SSH"], ["rdp", "RDP"],
-  ["httpproxy", "HTTP"]];
 const STATUSES = [["", "any status"], ["open", "live"], ["done", "done"], ["ready", "issued, not used"]];
 const REVIEW = [["", "any review"], ["PENDING", "pending"], ["APPROVED", "approved"], ["REJECTED", "rejected"],
   ["REVOKED", "revoked"], ["EXECUTED", "executed"]];
@@ -37,12 +35,13 @@ export async function sessionsView({params, go, main}) {
   const offset = Math.max(0, parseInt(params.get("offset") || "0", 10) || 0);
   const query = {limit: PAGE, offset};
   for (const name of FILTERS) query[name] = params.get(name) || "";
-  const page = await api("GET", "/sessions", {query});
+  const [page, known] = await Promise.all([api("GET", "/sessions", {query}), protocols()]);
+  const choices = [["", "any protocol"], ...[...known.values()].map((p) => [p.subtype, p.title])];
 
   const form = h("form", {class: "filters", id: "session-filters"},
     field("User", h("input", {name: "user", value: query.user, placeholder: "part of an e-mail or name"})),
     field("Connection", h("input", {name: "connection", value: query.connection})),
-    field("Protocol", select("protocol", PROTOCOLS, query.protocol)),
+    field("Protocol", select("protocol", choices, query.protocol)),
     field("Status", select("status", STATUSES, query.status)),
     field("Typed in it", h("input", {name: "search", type: "search", value: query.search, minlength: 3,
       placeholder: "a statement, a command, a URL"})),

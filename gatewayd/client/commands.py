@@ -391,40 +391,35 @@ def _credentials(api: Api, name: str, seconds: int, reason: str) -> dict[str, An
     return api.call("POST", f"/connections/{quoted}/credentials/{answer.data['session_id']}", expect=(201,)).data
 
 
-def client_command(subtype: str, access: dict[str, Any]) -> tuple[list[str], dict[str, str], str]:
-    """(argv, extra environment, what to print) of the native client for a credential."""
-    if subtype == "postgres":
-        env = {"PGHOST": access["hostname"], "PGPORT": access["port"], "PGUSER": access["username"],
-               "PGPASSWORD": access["password"], "PGDATABASE": access["database_name"], "PGSSLMODE": "prefer"}
-        return ["psql"], env, f"psql \"{access['connection_string']}\""
-    if subtype == "mysql":  # the mysql or mariadb client (Debian's mariadb-client ships both names)
-        program = "mysql" if shutil.which("mysql") or not shutil.which("mariadb") else "mariadb"
-        argv = [program, "-h", access["hostname"], "-P", access["port"], "-u", access["username"]]
-        database = access.get("database_name") or ""
-        return (argv + ([database] if database else []), {"MYSQL_PWD": access["password"]},
-                access.get("command", ""))
-    if subtype == "ssh":
-        return (["ssh", "-p", access["port"], f"{access['username']}@{access['hostname']}"], {},
-                access.get("command", ""))
-    if subtype == "rdp":
-        return (["xfreerdp", f"/v:{access['hostname']}:{access['port']}", f"/u:{access['username']}",
-                  f"/p:{access['password']}"], {}, access.get("command", ""))
-    return [], {}, access.get("url", "")
+HINT = re.compile(r"\{(\w+)\}")  # an access hint named in a client template: {hostname}, {port}...
 
 
-SSH_OPTIONS_WITH_VALUE = set("BbcDEeFIiJLlmOoPpQRSWw")  # ssh(1) options that take an argument
+def _filled(template: str, access: dict[str, Any]) -> str:
+    return HINT.sub(lambda found: str(access.get(found.group(1)) or ""), template)
 
 
-def with_client_args(argv: list[str], extra: list[str]) -> list[str]:
-    """The client's command line with the user's arguments: for ssh, its options go before the
-    destination and the rest (the remote command) after it, as ssh(1) reads them."""
-    if argv[:1] != ["ssh"]:
+def client_command(client: dict[str, Any] | None, access: dict[str, Any]) -> tuple[list[str], dict[str, str], str]:
+    """(argv, extra environment, what to print) of the native client for a credential: its protocol's client
+    template (GET /api/protocols) filled with the credential's access hints; none: the url, for a browser."""
+    if client is None:
+        return [], {}, access.get("url", "")
+    programs = client["programs"]
+    program = next((name for name in programs if shutil.which(name)), programs[0])
+    argv = [program] + [arg for arg in (_filled(template, access) for template in client["args"]) if arg]
+    return argv, {key: _filled(value, access) for key, value in client["env"].items()}, _filled(client["shown"], access)
+
+
+def with_client_args(argv: list[str], extra: list[str], options_with_value: str = "") -> list[str]:
+    """The client's command line with the user's arguments; a client that reads ``[options] destination
+    [command]`` (``options_with_value``: its options that take a value, ssh's) gets the options before the
+    destination and the rest (the remote command) after it."""
+    if not options_with_value:
         return argv + extra
     options, index = [], 0
     while index < len(extra) and extra[index].startswith("-") and extra[index] != "--":
         token = extra[index]
         options.append(token)
-        if len(token) == 2 and token[1] in SSH_OPTIONS_WITH_VALUE and index + 1 < len(extra):
+        if len(token) == 2 and token[1] in options_with_value and index + 1 < len(extra):
             options.append(extra[index + 1])
             index += 1
         index += 1
@@ -437,7 +432,8 @@ def cmd_connect(args: argparse.Namespace) -> int:
     credentials = _credentials(api, args.name, parse_duration(args.duration), args.reason or "")
     access = credentials.get("connection_credentials") or {}
     subtype = credentials.get("connection_subtype") or credentials.get("connection_type") or ""
-    argv, env, shown = client_command(subtype, access)
+    client = (gateway_protocols(api).get(subtype) or {}).get("client")
+    argv, env, shown = client_command(client, access)
     if as_json(args):
         print(json.dumps(credentials, indent=2))
         return 0
@@ -455,7 +451,9 @@ def cmd_connect(args: argparse.Namespace) -> int:
         return 0
     if shutil.which(argv[0]) is None:
         raise ClientError(f"{argv[0]} is not installed here; connect with: {shown}")
-    return subprocess.call(with_client_args(argv, list(args.client_args)), env={**os.environ, **env})
+    options_with_value = client["options_with_value"] if client else ""
+    return subprocess.call(with_client_args(argv, list(args.client_args), options_with_value),
+                           env={**os.environ, **env})
 
 
 # --------------------------------------------------------------------------- following a session
@@ -533,10 +531,25 @@ def cmd_exec(args: argparse.Namespace) -> int:
     return _script_result(api, result)
 
 
+# --------------------------------------------------------------------------- the gateway's protocols
+
+
+def gateway_protocols(api: Api) -> dict[str, dict[str, Any]]:
+    """The gateway's protocols by subtype (GET /api/protocols): each one's title, how its sessions are shown
+    and exported, its client. The commands name no protocol: a gateway's new protocol needs no new client."""
+    answer = api.call("GET", "/protocols", expect=(200, 404))
+    if answer.status == 404:
+        raise ClientError(f"the gateway at {api.login.url} does not list its protocols (GET /api/protocols): it "
+                          "is older than this client; upgrade it, or use the client of its version")
+    return {protocol["subtype"]: protocol for protocol in answer.data}
+
+
+def shown_as(api: Api, subtype: str) -> str:
+    """How the gateway shows the sessions of ``subtype``: statements, terminal, frames, exchanges or text."""
+    return str((gateway_protocols(api).get(subtype) or {}).get("presentation") or "text")
+
+
 # --------------------------------------------------------------------------- sessions
-
-
-PROTOCOLS = ("postgres", "ssh", "rdp", "httpproxy")
 
 
 def shown_status(session: dict[str, Any]) -> str:
@@ -549,8 +562,12 @@ def shown_status(session: dict[str, Any]) -> str:
 def cmd_sessions(args: argparse.Namespace) -> int:
     api = Api(Login.load(args.url, args.profile))
     kind, protocol = args.type, args.protocol
-    if kind in PROTOCOLS and not protocol:  # `--type ssh`: what people mean is the protocol
-        kind, protocol = None, kind
+    if kind or protocol:  # the gateway says which protocols there are
+        known = gateway_protocols(api)
+        if protocol and protocol not in known:
+            raise ClientError(f"--protocol {protocol}: this gateway serves {', '.join(known)}", EXIT_USAGE)
+        if kind in known and not protocol:  # `--type ssh`: what people mean is the protocol
+            kind, protocol = None, kind
     query = {"connection": args.connection, "user": args.user, "type": kind, "protocol": protocol,
              "status": "ready" if args.status == "issued" else args.status, "search": args.search,
              "start_date": moment(args.since, "--since") if args.since else None,
@@ -590,14 +607,14 @@ def cmd_session_show(args: argparse.Namespace) -> int:
              f"from {session['start_date']}\n"]
     if (session.get("script") or {}).get("data"):
         lines.append(f"\nscript:\n{session['script']['data'].rstrip()}\n")
-    subtype = session["connection_subtype"]
-    if subtype in ("postgres", "mysql"):  # SQL sessions: statement by statement
+    presentation = shown_as(api, session["connection_subtype"])
+    if presentation == "statements":  # SQL sessions: statement by statement
         for row in api.get(f"/sessions/{sid}", format="json")["statements"]:
             lines.append(f"\n[{row['offset_ms'] / 1000:.3f}s] {row['statement'].rstrip()}\n")
             for part in (row["output"], row["error"]):
                 if part:
                     lines.append(part.rstrip() + "\n")
-    elif subtype == "ssh":
+    elif presentation == "terminal":
         lines.append(api.get(f"/sessions/{sid}", event_stream="utf8")["event_stream"][0])
     else:
         lines += [f"[{offset / 1000:.3f}s] {MARKS.get(kind, kind)} {text.rstrip()}\n"
@@ -629,7 +646,7 @@ def follow_session(api: Api, session_id: str, out: TextIO = sys.stdout) -> int:
     terminal = None
     for event, data in api.stream(f"/sessions/{session_id}/stream"):
         if event == "session" and terminal is None:
-            terminal = data.get("connection_subtype") == "ssh"
+            terminal = shown_as(api, data.get("connection_subtype") or "") == "terminal"
             print(f"following session {data['id']} of {data['user']} on {data['connection']} "
                   f"({shown_status(data)}); Ctrl-C stops following", file=sys.stderr)
         elif event == "event":
@@ -660,17 +677,18 @@ def cmd_session_replay(args: argparse.Namespace) -> int:
     return play(answer.raw.decode("utf-8"), args.speed, args.idle_limit, sys.stdout)
 
 
-EXPORTS = {"csv": ("postgres",), "json": ("postgres",), "asciicast": ("ssh",), "png-frames": ("rdp",),
-           "text": PROTOCOLS}
+EXPORTS = ("csv", "json", "asciicast", "png-frames", "text")  # what this client can write (the gateway says which fit)
 
 
 def cmd_session_export(args: argparse.Namespace) -> int:
     api = Api(Login.load(args.url, args.profile))
     session = api.get(f"/sessions/{urllib.parse.quote(args.id, safe='')}")
-    sid, subtype = session["id"], session.get("connection_subtype")
-    if subtype not in EXPORTS[args.format]:
-        fits = [f for f, kinds in EXPORTS.items() if subtype in kinds]
-        raise ClientError(f"--format {args.format} exports {' and '.join(EXPORTS[args.format])} sessions; session "
+    sid, subtype = session["id"], session.get("connection_subtype") or ""
+    known = gateway_protocols(api)
+    fits = known[subtype]["exports"] if subtype in known else ["text"]
+    if args.format not in fits:
+        takes = [subtype for subtype, p in known.items() if args.format in p["exports"]]
+        raise ClientError(f"--format {args.format} exports {' and '.join(takes) or 'no'} sessions; session "
                           f"{short(sid)} is {subtype}: use --format {' or '.join(fits)}", EXIT_USAGE)
     if args.format == "png-frames":
         folder = Path(args.output or f"session-{sid}-frames")
@@ -927,8 +945,9 @@ gatewayd exec --review 5f0afc22          # run an approved script later (inside 
     common(sessions)
     sessions.add_argument("--connection", help="a connection's name")
     sessions.add_argument("--user", help="part of a user's e-mail or name (any case), or their subject")
-    sessions.add_argument("--type", help="database, custom, httpproxy, ... (or a protocol: ssh, postgres, rdp)")
-    sessions.add_argument("--protocol", choices=PROTOCOLS)
+    sessions.add_argument("--type", help="database, custom, httpproxy, ... (or a protocol: ssh, postgres, mysql...)")
+    sessions.add_argument("--protocol", help="a connection subtype the gateway serves: postgres, mysql, ssh, rdp, "
+                                             "httpproxy... (GET /api/protocols lists them)")
     sessions.add_argument("--status", choices=("open", "done", "issued"),
                           help="issued: a credential handed out and not used yet")
     sessions.add_argument("--search", help="text inside the recordings: a statement, a command, a URL")
@@ -951,13 +970,14 @@ gatewayd exec --review 5f0afc22          # run an approved script later (inside 
     replay.add_argument("--speed", type=float, default=1.0, help="2 plays twice as fast")
     replay.add_argument("--idle-limit", type=float, default=2.0, help="longest pause, in seconds")
     replay.set_defaults(func=people(cmd_session_replay))
-    export = command(sessions_sub, "export", "a session's recording as a file: csv or json (PostgreSQL "
-                                             "statements), asciicast (SSH), png-frames (RDP), text (any)",
+    export = command(sessions_sub, "export", "a session's recording as a file: csv or json (SQL statements: "
+                                             "PostgreSQL, MySQL), asciicast (a terminal: SSH), png-frames (RDP), "
+                                             "text (any)",
                      "gatewayd sessions export 5f0afc22 --format csv -o statements.csv\n"
                      "gatewayd sessions export 9c1d --format asciicast -o shell.cast")
     common(export, formats=False)  # its --output is the file; --format says what is in it
     export.add_argument("id", help="a session id, or its first characters")
-    export.add_argument("--format", required=True, choices=tuple(EXPORTS))
+    export.add_argument("--format", required=True, choices=EXPORTS)
     export.add_argument("-o", "--output", help="file (folder for png-frames); default: standard output")
     export.set_defaults(func=people(cmd_session_export))
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from gatewayd.config import Setting, domain_setting, positive
 from gatewayd.languages import HTTP_REQUESTS
-from gatewayd.protocols import ProtocolDescription, lazy_start
+from gatewayd.protocols import EXCHANGES, ProtocolDescription, lazy_start
 
 if TYPE_CHECKING:
     from gatewayd.models import Connection
@@ -28,6 +28,8 @@ def access_hints(conn: Connection, secret: str, host: str, port: int, settings: 
 
 DESCRIPTION = ProtocolDescription(
     name="http", subtype="httpproxy", session_type="httpproxy", prefix="httpproxy", language=HTTP_REQUESTS,
+    title="HTTP", presentation=EXCHANGES,  # no client command: `gatewayd connect` opens its url in the browser
+    compiled=("proxies.http.front", "proxies.http.messages"),
     server_config_key="http_proxy_server_config", default_port=18888, access_hints=access_hints,
     start=lazy_start("proxies.http.server"),
     settings={"record_body_bytes": Setting("int", 64 * 1024, positive),

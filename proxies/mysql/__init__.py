@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gatewayd.config import Setting, positive
-from gatewayd.protocols import ProtocolDescription, lazy_start
+from gatewayd.protocols import ClientCommand, ProtocolDescription, lazy_start
 from gatewayd.sql.mysql import MYSQL
 
 if TYPE_CHECKING:
@@ -26,7 +26,10 @@ def access_hints(conn: Connection, secret: str, host: str, port: int, settings: 
 
 
 DESCRIPTION = ProtocolDescription(
-    name="mysql", subtype="mysql", session_type="database", prefix="my", language=MYSQL,
+    name="mysql", subtype="mysql", session_type="database", prefix="my", language=MYSQL, title="MySQL",
+    # the mysql or mariadb client (Debian's mariadb-client ships both names); the password in its environment
+    client=ClientCommand(("mysql", "mariadb"), ("-h", "{hostname}", "-P", "{port}", "-u", "{username}",
+                                                "{database_name}"), env=(("MYSQL_PWD", "{password}"),)),
     server_config_key="mysql_server_config", default_port=13306, access_hints=access_hints,
     start=lazy_start("proxies.mysql.server"),
     required_modules=("sqloxide",), install_hint="mysql proxy unavailable: install sqloxide (pip install sqloxide)",

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from gatewayd.config import Setting, positive
 from gatewayd.sql.postgresql import POSTGRESQL
-from gatewayd.protocols import ProtocolDescription, lazy_start, lazy_script_runner
+from gatewayd.protocols import ClientCommand, ProtocolDescription, lazy_script_runner, lazy_start
 
 if TYPE_CHECKING:
     from gatewayd.models import Connection
@@ -27,6 +27,14 @@ def access_hints(conn: Connection, secret: str, host: str, port: int, settings: 
 
 DESCRIPTION = ProtocolDescription(
     name="postgres", subtype="postgres", session_type="database", prefix="pg", language=POSTGRESQL,
+    title="PostgreSQL",
+    client=ClientCommand(("psql",), env=(("PGHOST", "{hostname}"), ("PGPORT", "{port}"), ("PGUSER", "{username}"),
+                                         ("PGPASSWORD", "{password}"), ("PGDATABASE", "{database_name}"),
+                                         ("PGSSLMODE", "prefer")), shown='psql "{connection_string}"'),
+    compiled=("proxies.postgres.codec", "proxies.postgres.relay", "proxies.postgres.rendering",
+              "proxies.postgres.rowmask",
+              "proxies.postgres.values",  # every binary value a PostgreSQL row records or masks
+              "proxies.postgres.session"),
     server_config_key="postgres_server_config", default_port=15432, access_hints=access_hints,
     start=lazy_start("proxies.postgres.server"),
     load_script_runner=lazy_script_runner("proxies.postgres.script"),

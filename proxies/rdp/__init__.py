@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from gatewayd.config import Setting, positive
 from gatewayd.languages import KEYSTROKES
-from gatewayd.protocols import ProtocolDescription, lazy_start
+from gatewayd.protocols import FRAMES, ClientCommand, ProtocolDescription, lazy_start
 from proxies.rdp import compat
 
 compat.apply()  # before anything imports pyrdp (Python 3.13 removed typing.io, which pyrdp imports)
@@ -32,7 +32,8 @@ def access_hints(conn: Connection, secret: str, host: str, port: int, settings: 
 
 DESCRIPTION = ProtocolDescription(
     name="rdp", subtype="rdp", session_type="custom", prefix="rdp", server_config_key="rdp_server_config",
-    language=KEYSTROKES,
+    language=KEYSTROKES, title="RDP", presentation=FRAMES,
+    client=ClientCommand(("xfreerdp",), ("/v:{hostname}:{port}", "/u:{username}", "/p:{password}")),
     default_port=13389, access_hints=access_hints,
     start=lazy_start("proxies.rdp.server"), required_modules=REQUIRED_MODULES,
     install_hint="RDP proxy unavailable: install the rdp extra (make does; by hand: pip install 'gatewayd[rdp]' "

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from gatewayd.config import Setting
 from gatewayd.languages import SHELL_COMMANDS
-from gatewayd.protocols import ProtocolDescription, lazy_start, lazy_script_runner
+from gatewayd.protocols import TERMINAL, ClientCommand, ProtocolDescription, lazy_script_runner, lazy_start
 
 if TYPE_CHECKING:
     from gatewayd.models import Connection
@@ -22,7 +22,11 @@ def access_hints(conn: Connection, secret: str, host: str, port: int, settings: 
 
 DESCRIPTION = ProtocolDescription(
     name="ssh", subtype="ssh", session_type="custom", prefix="ssh", server_config_key="ssh_server_config",
-    language=SHELL_COMMANDS,
+    language=SHELL_COMMANDS, title="SSH", presentation=TERMINAL,
+    # ssh(1) reads [options] destination [command]: the user's options go before the destination
+    client=ClientCommand(("ssh",), ("-p", "{port}", "{username}@{hostname}"),
+                         options_with_value="BbcDEeFIiJLlmOoPpQRSWw"),  # its options that take an argument
+    compiled=("proxies.ssh.lines",),
     default_port=12222, access_hints=access_hints,
     start=lazy_start("proxies.ssh.server"),
     load_script_runner=lazy_script_runner("proxies.ssh.script"),
