@@ -7,6 +7,7 @@ failure is one line (never a traceback), and what the API then shows.
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import io
 import json
@@ -437,3 +438,43 @@ complete_words gatewayd connect pg
     assert {plain, reviewed} <= set(lines[3].split()), lines
     zsh = ada.run("completion", "zsh").stdout
     assert zsh.startswith("#compdef gatewayd") and "bashcompinit" in zsh
+
+
+async def test_a_gateway_older_than_the_client_is_said_to_be_so(gateway, people, tmp_path):
+    """The CLI asks the gateway which protocols it serves (GET /api/protocols); a gateway from before that
+    route -- here the real one behind a forwarder that answers that route as an older gateway does, 404 -- is
+    said to be older, in one line, instead of the CLI guessing protocol names of its own."""
+    from aiohttp import web
+
+    ada, _ = people
+    target = gateway.url.removesuffix("/api")
+
+    async def forward(request: web.Request) -> web.Response:
+        if request.path == "/api/protocols":
+            return web.json_response({"message": "not found"}, status=404)
+        async with aiohttp.ClientSession() as http, http.request(
+                request.method, target + request.path_qs, headers={"Authorization": request.headers.get(
+                    "Authorization", "")}, data=await request.read()) as answer:
+            return web.Response(body=await answer.read(), status=answer.status,
+                                content_type=answer.content_type)
+
+    app = web.Application()
+    app.router.add_route("*", "/{path:.*}", forward)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        older = f"http://127.0.0.1:{port}"
+        saved = json.loads(ada.login_file.read_text())
+        saved["profiles"]["older"] = {"url": older, "token": ada.saved_token()}
+        ada.login_file.write_text(json.dumps(saved))
+        listed = await asyncio.to_thread(ada.run, "sessions", "--profile", "older", "--json")
+        assert listed.returncode == 0, listed.stderr  # what needs no protocol still works through it
+        one_line_failure(await asyncio.to_thread(ada.run, "sessions", "--profile", "older", "--protocol", "postgres"),
+                         1, "does not list its protocols (GET /api/protocols): it is older than this client")
+    finally:
+        saved = json.loads(ada.login_file.read_text())
+        saved["profiles"].pop("older", None)
+        ada.login_file.write_text(json.dumps(saved))
+        await runner.cleanup()

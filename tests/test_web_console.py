@@ -941,6 +941,10 @@ async def test_sessions_are_found_by_part_of_a_user_by_what_was_typed_and_to_the
     assert found == {world["ssh_session"]}
     found = await find(protocol="ssh", user="ada")
     assert world["ssh_session"] in found and world["pg_session"] not in found
+    status, known = await world["ada"]("GET", "/protocols")  # the filter lists what the gateway serves, as it names it
+    options = await ada.page.locator("#session-filters [name='protocol'] option").evaluate_all(
+        "options => options.map(o => [o.value, o.textContent])")
+    assert status == 200 and options == [["", "any protocol"]] + [[p["subtype"], p["title"]] for p in known]
     status, pg = await world["ada"]("GET", f"/sessions/{world['pg_session']}")
     minute = pg["start_date"][:16]  # to the minute, UTC
     found = await find(start_date=minute, end_date=minute, search="value_")
