@@ -85,10 +85,13 @@ def build_hot_path(python: str, tree: Path, wheels: Path) -> list[Path]:
     """``tree``'s hot path compiled for Python 3.12, beside its sources; the extensions made."""
     with tempfile.TemporaryDirectory(prefix="gatewayd-py312-") as venv:
         subprocess.run([python, "-m", "venv", venv], check=True)
+        # pglast: the launcher registers every protocol (their hot-path modules) before it builds, and
+        # PostgreSQL's description imports its dialect
         subprocess.run([f"{venv}/bin/pip", "install", "-q", "--find-links", str(wheels),  # the index: a trimmed bundle
-                        "cython", "setuptools"], check=True)
-        subprocess.run([f"{venv}/bin/python", "-c",
-                        'import sys; from gatewayd import hotpath; sys.exit(hotpath.main(["build"]))'],
+                        "cython", "setuptools", "pglast"], check=True)
+        build = (["-m", "launcher.hotpath", "build"] if (tree / "launcher" / "hotpath.py").exists()
+                 else ["-c", 'import sys; from gatewayd import hotpath; sys.exit(hotpath.main(["build"]))'])  # older
+        subprocess.run([f"{venv}/bin/python", *build],
                        cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, check=True,
                        stdout=subprocess.DEVNULL)
     return sorted(tree.glob("gatewayd/*.cpython-312-*.so")) + sorted(tree.glob("proxies/*/*.cpython-312-*.so"))
