@@ -263,7 +263,7 @@ async def test_a_recording_is_unpacked_and_rendered_off_the_event_loop(core, mon
     from aiohttp.test_utils import TestServer
 
     import control.sessions
-    import gatewayd.store.queries
+    import gatewayd.store.queries.sessions
     from control.app import make_app
 
     ran_on: dict[str, set[int]] = {}
@@ -276,7 +276,7 @@ async def test_a_recording_is_unpacked_and_rendered_off_the_event_loop(core, mon
             return real(*args, **kwargs)
         monkeypatch.setattr(module, name, watched)
 
-    spy(gatewayd.store.queries, "unpack_events")
+    spy(gatewayd.store.queries.sessions, "unpack_events")
     spy(control.sessions, "session_json")
     spy(control.sessions, "statements_of")
     user = await core.identity.ensure_local_user("reader@example.com", groups=["admin"])
