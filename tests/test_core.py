@@ -287,7 +287,7 @@ async def test_a_recording_is_unpacked_and_rendered_off_the_event_loop(core, mon
     await live.close(exit_code=0)
     loop_thread = threading.get_ident()
     headers = {"Authorization": f"Bearer {core.identity.issue_token(user)}"}
-    async with TestServer(make_app(core)) as server, aiohttp.ClientSession(headers=headers) as http:
+    async with TestServer(make_app(core.services())) as server, aiohttp.ClientSession(headers=headers) as http:
         last = {"expand=event_stream": base64.b64encode(b"SELECT 2999;"), "event_stream=utf8": b"\\n2999\\n",
                 "format=csv": b"SELECT 2999;", "format=json": b"SELECT 2999;"}
         for query, expected in last.items():
