@@ -246,7 +246,7 @@ async def test_readyz_is_503_when_the_store_does_not_answer(tmp_path, caplog):
 
     async with core_gateway(tmp_path) as gateway:
         gateway.server_config = {}  # no listener asked for
-        async with TestServer(make_app(gateway)) as server, aiohttp.ClientSession() as http:
+        async with TestServer(make_app(gateway.services())) as server, aiohttp.ClientSession() as http:
             async with http.get(server.make_url("/api/readyz")) as response:
                 assert response.status == 200, await response.text()
             await gateway.store.close()
