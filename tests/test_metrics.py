@@ -21,6 +21,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests import clients
 from tests.apiclient import Api, PostgresApi, SshApi, admin_http
 from tests.conftest import ROOT, Daemon, free_port, wait_port
 from tests.sshpeer import CLIENT_OPTIONS
@@ -92,10 +93,7 @@ def gateway(tmp_path_factory, pg_target, ssh_target, http_peer):
 
 
 def psql(daemon: Daemon, secret: str, sql: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
-    env.update(PGHOST="127.0.0.1", PGPORT=str(daemon.ports["postgres"]), PGUSER=secret, PGDATABASE="postgres",
-               PGSSLMODE="disable", PGPASSWORD="any", PGCONNECT_TIMEOUT="10")
-    return subprocess.run(["psql", "-X", "-At", "-c", sql], capture_output=True, text=True, env=env, timeout=60)
+    return clients.psql(daemon.ports["postgres"], secret, "-At", "-c", sql)
 
 
 def curl(url: str, secret: str) -> subprocess.CompletedProcess[str]:

@@ -28,6 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxies.postgres import codec as pg
+from tests import clients
 from tests.apiclient import PostgresApi, admin_http, events, of_kind
 from tests.conftest import Daemon, free_port, proxy_daemon
 from tests.pgpeer import PgCluster, unavailable_reason, wait_for_backends
@@ -71,11 +72,8 @@ async def admin(cluster):
 def psql(gateway: Daemon, secret: str, *args: str, database: str = "postgres", sslmode: str = "disable",
          user: str | None = None, password: str | None = None, stdin: str | None = None,
          timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
-    env.update(PGHOST="127.0.0.1", PGPORT=str(gateway.pg_port), PGUSER=user or secret, PGDATABASE=database,
-               PGSSLMODE=sslmode, PGPASSWORD=password or "any", PGCONNECT_TIMEOUT="10")
-    return subprocess.run(["psql", "-X", "-v", "ON_ERROR_STOP=0", *args], capture_output=True, text=True,
-                          env=env, input=stdin, timeout=timeout, check=False)
+    return clients.psql(gateway.pg_port, secret, "-v", "ON_ERROR_STOP=0", *args, database=database, sslmode=sslmode,
+                        user=user, password=password, stdin=stdin, timeout=timeout)
 
 
 async def connect(gateway: Daemon, secret: str, database: str = "postgres", **kwargs: Any) -> asyncpg.Connection:
