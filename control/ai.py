@@ -15,11 +15,11 @@ from control.http import (
     RouteSet,
     Schema,
     array_of,
-    gateway_of,
     json_body,
     ok,
     query_int,
     require_admin,
+    services_of,
     user_of,
 )
 from gatewayd.analysis import ACTIONS, FAILURE_POLICIES, NATIVE_ASYNC, NATIVE_MODES, PROVIDERS, RISK_KEYS, rule_for
@@ -105,7 +105,7 @@ def _api_url(value: Any, provider: str) -> str:
             response=PROVIDER_OUT)
 async def get_provider(request: web.Request) -> web.Response:
     admin = require_admin(request)
-    provider = await gateway_of(request).store.get_ai_provider(admin.org_id)
+    provider = await services_of(request).store.get_ai_provider(admin.org_id)
     if provider is None:
         raise ApiError(404, "no AI provider is configured: set one with PUT /api/ai/session-analyzer/providers")
     return ok(provider_json(provider))
@@ -114,7 +114,7 @@ async def get_provider(request: web.Request) -> web.Response:
 async def _save_provider(request: web.Request) -> web.Response:
     admin = require_admin(request)
     body = await json_body(request, PROVIDER)
-    store = gateway_of(request).store
+    store = services_of(request).store
     existing = await store.get_ai_provider(admin.org_id)
     model = body["model"].strip()
     if not model:
@@ -153,7 +153,7 @@ async def post_provider(request: web.Request) -> web.Response:
                "analyse alone)", status=204)
 async def delete_provider(request: web.Request) -> web.Response:
     admin = require_admin(request)
-    if not await gateway_of(request).store.delete_ai_provider(admin.org_id):
+    if not await services_of(request).store.delete_ai_provider(admin.org_id):
         raise ApiError(404, "no AI provider is configured")
     return web.Response(status=204)
 
@@ -170,7 +170,7 @@ async def _rule_from(request: web.Request, org_id: str, existing: AIAnalyzerRule
     timeout = body.get("timeout")
     if timeout is not None and not 0 < timeout <= MAX_RULE_TIMEOUT:
         raise ApiError(422, f"field 'timeout': seconds, more than 0 and at most {MAX_RULE_TIMEOUT}")
-    rules = await gateway_of(request).store.list_ai_rules(org_id)
+    rules = await services_of(request).store.list_ai_rules(org_id)
     for other in rules:
         if existing is not None and other.id == existing.id:
             continue
@@ -193,7 +193,7 @@ async def _rule_from(request: web.Request, org_id: str, existing: AIAnalyzerRule
 
 async def _find_rule(request: web.Request) -> AIAnalyzerRule:
     name = request.match_info["name"]
-    rule = await gateway_of(request).store.get_ai_rule(user_of(request).org_id, name)
+    rule = await services_of(request).store.get_ai_rule(user_of(request).org_id, name)
     if rule is None:
         raise ApiError(404, f"AI session analyzer rule {name!r} not found")
     return rule
@@ -209,7 +209,7 @@ async def _find_rule(request: web.Request) -> AIAnalyzerRule:
             "size": Field("integer", True, minimum=0, maximum=100)})),
         "data": Field("array", True, items=RULE_OUT)}))
 async def list_rules(request: web.Request) -> web.Response:
-    rules = await gateway_of(request).store.list_ai_rules(user_of(request).org_id)
+    rules = await services_of(request).store.list_ai_rules(user_of(request).org_id)
     wanted = set(request.query.getall("connection_names", []))
     if wanted:
         rules = [r for r in rules if wanted & set(r.connection_names)]
@@ -227,10 +227,10 @@ async def create_rule(request: web.Request) -> web.Response:
     admin = require_admin(request)
     rule = await _rule_from(request, admin.org_id, None)
     try:
-        await gateway_of(request).store.save_ai_rule(rule, create=True)
+        await services_of(request).store.save_ai_rule(rule, create=True)
     except Conflict:
         raise ApiError(409, f"AI session analyzer rule {rule.name!r} already exists") from None
-    gateway_of(request).analysis.invalidate()
+    services_of(request).analysis.invalidate()
     return ok(rule_json(rule), status=201)
 
 
@@ -246,10 +246,10 @@ async def update_rule(request: web.Request) -> web.Response:
     existing = await _find_rule(request)
     rule = await _rule_from(request, admin.org_id, existing)
     try:
-        await gateway_of(request).store.save_ai_rule(rule, create=False)
+        await services_of(request).store.save_ai_rule(rule, create=False)
     except Conflict:
         raise ApiError(409, f"AI session analyzer rule {rule.name!r} already exists") from None
-    gateway_of(request).analysis.invalidate()
+    services_of(request).analysis.invalidate()
     return ok(rule_json(rule))
 
 
@@ -257,8 +257,8 @@ async def update_rule(request: web.Request) -> web.Response:
 async def delete_rule(request: web.Request) -> web.Response:
     admin = require_admin(request)
     rule = await _find_rule(request)
-    await gateway_of(request).store.delete_ai_rule(admin.org_id, rule.id)
-    gateway_of(request).analysis.invalidate()
+    await services_of(request).store.delete_ai_rule(admin.org_id, rule.id)
+    services_of(request).analysis.invalidate()
     return web.Response(status=204)
 
 
@@ -266,7 +266,7 @@ async def delete_rule(request: web.Request) -> web.Response:
             response=RULE_OUT)
 async def connection_rule(request: web.Request) -> web.Response:
     name = request.match_info["name"]
-    store = gateway_of(request).store
+    store = services_of(request).store
     org_id = user_of(request).org_id
     connection = await store.get_connection(org_id, name)
     if connection is None:

@@ -45,18 +45,18 @@ from control.http import (
     AUDIT_PAYLOAD,
     AUTH_FAILURE,
     ERROR_MESSAGE,
-    GATEWAY,
     ROUTES,
+    SERVICES,
     USER,
     ApiError,
     RouteDoc,
     check_parameters,
-    gateway_of,
+    services_of,
 )
 from gatewayd.cluster import NotConfirmed
-from gatewayd.daemon import Gateway
 from gatewayd.identity import AuthError
 from gatewayd.logs import REQUEST_ID, request_id_from
+from gatewayd.services import Services
 from gatewayd.sessions import CONFIRMATIONS
 from gatewayd.store import StoreUnavailable
 
@@ -108,7 +108,7 @@ async def _echo_request_id(request: web.Request, response: web.StreamResponse) -
 async def body_size_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     """A body declared larger than ``api.max_body_bytes`` is refused from its header, before any of it
     is read (aiohttp would wait for the bytes to arrive first)."""
-    limit = request.app[GATEWAY].config["api.max_body_bytes"]
+    limit = request.app[SERVICES].config["api.max_body_bytes"]
     if request.content_length is not None and request.content_length > limit:
         request[ERROR_MESSAGE] = f"request body too large: at most {limit} bytes"
         response = web.json_response({"message": request[ERROR_MESSAGE]}, status=413)
@@ -177,7 +177,7 @@ async def auth_middleware(request: web.Request, handler: Any) -> web.StreamRespo
     if scheme.lower() != "bearer" or not token.strip():
         raise ApiError(401, "access denied")
     try:
-        user = await gateway_of(request).identity.authenticate(token.strip())
+        user = await services_of(request).identity.authenticate(token.strip())
     except AuthError as exc:
         request[AUTH_FAILURE] = str(exc)
         raise ApiError(401, "access denied") from None
@@ -206,12 +206,12 @@ async def audit_middleware(request: web.Request, handler: Any) -> web.StreamResp
         return response
     if doc is None and status == 404:
         return response
-    gateway = gateway_of(request)
+    services = services_of(request)
     user = request.get(USER)
-    org_id = user.org_id if user and user.org_id else request.get(AUDIT_ORG) or (await gateway.store.default_org()).id
+    org_id = user.org_id if user and user.org_id else request.get(AUDIT_ORG) or (await services.store.default_org()).id
     action = request.get(AUDIT_ACTION) or (
         f"{doc.audit}.{doc.handler.__name__}" if doc else f"{request.method.lower()} {request.path}")
-    await gateway.audit.record(
+    await services.audit.record(
         org_id=org_id, actor=user, action=action, resource_type=doc.audit if doc else "api",
         outcome="success" if status < 400 else "failure",
         error_message=(request.get(AUTH_FAILURE) or request.get(ERROR_MESSAGE, "")) if status >= 400 else "",
@@ -222,11 +222,11 @@ async def audit_middleware(request: web.Request, handler: Any) -> web.StreamResp
     return response
 
 
-def make_app(gateway: Gateway) -> web.Application:
+def make_app(services: Services) -> web.Application:
     """The root application; every API route lives under ``/api``, the web console at ``/``."""
     api = web.Application(middlewares=[audit_middleware, error_middleware, auth_middleware, parameters_middleware],
-                          client_max_size=gateway.config["api.max_body_bytes"])
-    api[GATEWAY] = gateway
+                          client_max_size=services.config["api.max_body_bytes"])
+    api[SERVICES] = services
     docs: list[RouteDoc] = []
     for area in AREAS:
         for doc in area.routes.routes:
@@ -236,8 +236,8 @@ def make_app(gateway: Gateway) -> web.Application:
     api[ROUTE_DOC] = {doc.handler: doc for doc in docs}
 
     root = web.Application(middlewares=[request_log_middleware, body_size_middleware, error_middleware],
-                           client_max_size=gateway.config["api.max_body_bytes"])
-    root[GATEWAY] = gateway
+                           client_max_size=services.config["api.max_body_bytes"])
+    root[SERVICES] = services
     root.on_response_prepare.append(_echo_request_id)
     root.add_subapp("/api", api)
     add_console(root)

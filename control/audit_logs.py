@@ -6,7 +6,7 @@ from datetime import datetime, timezone
 
 from aiohttp import web
 
-from control.http import ApiError, Field, Param, RouteSet, Schema, gateway_of, ok, query_int, require_admin
+from control.http import ApiError, Field, Param, RouteSet, Schema, ok, query_int, require_admin, services_of
 from control.schemas import OPT_TEXT, TEXT, VERIFICATION_OUT
 from gatewayd.models import rfc3339
 from gatewayd.store import AuditFilter
@@ -61,7 +61,7 @@ async def list_logs(request: web.Request) -> web.Response:
         outcome=outcome, created_after=parse_moment(request.query.get("created_after"), "created_after"),
         created_before=parse_moment(request.query.get("created_before"), "created_before", end_of_day=True),
         page=page, page_size=size)
-    result = await gateway_of(request).store.list_audit(query)
+    result = await services_of(request).store.list_audit(query)
     return ok({
         "pages": {"total": result.total, "page": page, "size": size},
         "data": [{
@@ -79,4 +79,4 @@ async def list_logs(request: web.Request) -> web.Response:
             "(admin only)", response=VERIFICATION_OUT)
 async def verify(request: web.Request) -> web.Response:
     admin = require_admin(request)
-    return ok((await gateway_of(request).audit.verify(admin.org_id)).as_json())
+    return ok((await services_of(request).audit.verify(admin.org_id)).as_json())

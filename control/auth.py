@@ -21,9 +21,9 @@ from control.http import (
     Param,
     RouteSet,
     Schema,
-    gateway_of,
     json_body,
     ok,
+    services_of,
     user_of,
 )
 from gatewayd.identity import AuthError, Throttled
@@ -71,10 +71,10 @@ def _with_token(url: str, token: str) -> str:
             query=[Param("redirect", description="where to send the browser with ?token= after login")],
             response=Schema("LoginUrl", {"login_url": _TEXT}))
 async def login(request: web.Request) -> web.Response:
-    gateway = gateway_of(request)
-    redirect = request.query.get("redirect") or f"{gateway.config.public_url}/"
+    services = services_of(request)
+    redirect = request.query.get("redirect") or f"{services.config.public_url}/"
     try:
-        url = await gateway.identity.login_url(redirect)
+        url = await services.identity.login_url(redirect)
     except AuthError as exc:
         raise ApiError(400, str(exc)) from None
     return ok({"login_url": url})
@@ -83,18 +83,18 @@ async def login(request: web.Request) -> web.Response:
 @routes.get("/callback", "Receives the authorization code and redirects with a token", public=True,
             query=[Param("code"), Param("state"), Param("error")], status=302)
 async def callback(request: web.Request) -> web.StreamResponse:
-    gateway = gateway_of(request)
+    services = services_of(request)
     if request.query.get("error"):
         request[AUDIT_ACTION] = "auth.login"
         raise ApiError(401, f"login refused by the identity provider: {request.query['error']}")
     try:
-        token, redirect, user = await gateway.identity.callback(request.query.get("code", ""),
+        token, redirect, user = await services.identity.callback(request.query.get("code", ""),
                                                                 request.query.get("state", ""))
     except AuthError as exc:
         request[AUDIT_ACTION] = "auth.login"  # the audit middleware writes the refusal
         request[AUTH_FAILURE] = str(exc)
         raise ApiError(401, "access denied") from None
-    await gateway.audit.record(org_id=user.org_id or (await gateway.store.default_org()).id, actor=user,
+    await services.audit.record(org_id=user.org_id or (await services.store.default_org()).id, actor=user,
                                action="auth.login", resource_type="auth", outcome="success", http_method="GET",
                                http_path=request.path, http_status=302, client_ip=request.remote or "")
     raise web.HTTPFound(_with_token(redirect, token))
@@ -106,22 +106,22 @@ async def local_login(request: web.Request) -> web.Response:
     body = await json_body(request, LOCAL_LOGIN)
     request[AUDIT_ACTOR_HINT] = body["email"]
     request[AUDIT_ACTION] = "auth.local_login"
-    gateway = gateway_of(request)
-    org_id = await gateway.identity.login_org(body.get("org_id"))
-    if await gateway.store.get_org(org_id) is not None:
+    services = services_of(request)
+    org_id = await services.identity.login_org(body.get("org_id"))
+    if await services.store.get_org(org_id) is not None:
         request[AUDIT_ORG] = org_id  # a refusal goes to the log of the organization the login was for
     try:
-        token, user = await gateway.identity.local_login(body["email"], body["password"], request.remote or "",
+        token, user = await services.identity.local_login(body["email"], body["password"], request.remote or "",
                                                          org_id)
     except Throttled as exc:
         raise ApiError(429, str(exc), {"Retry-After": str(math.ceil(exc.retry_after))}) from None
     except AuthError as exc:
         if exc.blocked:  # throttling starts now: one entry per account or address and window, not one per try
-            await gateway.audit.record(
-                org_id=request.get(AUDIT_ORG) or (await gateway.store.default_org()).id, actor=None,
+            await services.audit.record(
+                org_id=request.get(AUDIT_ORG) or (await services.store.default_org()).id, actor=None,
                 action="auth.throttle",
                 resource_type="auth", outcome="failure", actor_hint=body["email"], client_ip=request.remote or "",
-                error_message=f"too many refused logins: refused for {int(gateway.config['throttle.login_window'])} s",
+                error_message=f"too many refused logins: refused for {int(services.config['throttle.login_window'])} s",
                 payload={"throttled": exc.blocked})
         raise ApiError(401, "access denied") from None
     request[USER] = user  # the audit entry is the user's, in the user's organization's log
@@ -131,7 +131,7 @@ async def local_login(request: web.Request) -> web.Response:
 @routes.post("/logout", "Sign out: the token of this call is refused from now on, on every node", status=204)
 async def logout(request: web.Request) -> web.Response:
     token = request.headers.get("Authorization", "").partition(" ")[2].strip()  # the one auth_middleware took
-    await gateway_of(request).identity.revoke(token)
+    await services_of(request).identity.revoke(token)
     return web.Response(status=204)
 
 
@@ -142,19 +142,19 @@ async def logout(request: web.Request) -> web.Response:
                                                 "idle_timeout": Field("integer", True, minimum=1,
                                                                       description="seconds")}))
 async def refresh_token(request: web.Request) -> web.Response:
-    gateway = gateway_of(request)
+    services = services_of(request)
     token = request.headers.get("Authorization", "").partition(" ")[2].strip()  # the one auth_middleware took
     claims = jwt.decode(token, options={"verify_signature": False})
     now = time.time()
     signed_in = float(claims.get("auth_time") or claims.get("iat") or now)
-    left = signed_in + gateway.config["auth.token_ttl"] - now
+    left = signed_in + services.config["auth.token_ttl"] - now
     if left < 1:
         raise ApiError(401, "access denied: the sign-in is over, sign in again")
-    idle = gateway.config["console.idle_timeout"]
+    idle = services.config["console.idle_timeout"]
     ttl = min(idle, left)
-    fresh = gateway.identity.issue_token(user_of(request), ttl, auth_time=signed_in)
+    fresh = services.identity.issue_token(user_of(request), ttl, auth_time=signed_in)
     if float(claims.get("exp") or 0) - now > idle:  # a long-lived token (a sign-in's) does not stay behind
-        await gateway.identity.revoke(token)
+        await services.identity.revoke(token)
     expires = datetime.fromtimestamp(now + int(ttl), timezone.utc)
     return ok({"token": fresh, "expires_at": rfc3339(expires), "idle_timeout": int(idle)})
 
@@ -162,9 +162,9 @@ async def refresh_token(request: web.Request) -> web.Response:
 @routes.get("/userinfo", "The authenticated user", response=USERINFO_OUT)
 async def userinfo(request: web.Request) -> web.Response:
     user = user_of(request)
-    org = await gateway_of(request).store.get_org(user.org_id) if user.org_id else None
+    org = await services_of(request).store.get_org(user.org_id) if user.org_id else None
     data = user_json(user, org.name if org else "")
-    data["tenancy_type"] = "multitenant" if gateway_of(request).config["auth.multi_tenant"] else "selfhosted"
+    data["tenancy_type"] = "multitenant" if services_of(request).config["auth.multi_tenant"] else "selfhosted"
     return ok(data)
 
 
@@ -172,8 +172,8 @@ async def userinfo(request: web.Request) -> web.Response:
              body=SIGNUP, status=201, response=Schema("SignupResult", {
                  "org_id": _TEXT, "org_name": _TEXT, "profile_name": _TEXT, "profile_picture": _TEXT}))
 async def signup(request: web.Request) -> web.Response:
-    gateway = gateway_of(request)
-    if not gateway.config["auth.multi_tenant"]:
+    services = services_of(request)
+    if not services.config["auth.multi_tenant"]:
         raise ApiError(403, "signup is only available in multi-tenant mode")
     body = await json_body(request, SIGNUP)
     user = user_of(request)
@@ -181,13 +181,13 @@ async def signup(request: web.Request) -> web.Response:
         raise ApiError(409, "the user already belongs to an organization")
     if not body["org_name"].strip():
         raise ApiError(400, "field 'org_name' is required")
-    org = await gateway.store.create_org(body["org_name"].strip())
+    org = await services.store.create_org(body["org_name"].strip())
     user.org_id = org.id
     user.name = body.get("profile_name") or user.name
     user.picture = body.get("profile_picture") or user.picture
     # the founder administers the new organization: a grant of the gateway, kept when the provider syncs groups
     user.granted_groups = sorted(set(user.granted_groups) | {"admin"})
     user.groups = sorted(set(user.groups) | {"admin"})
-    await gateway.store.save_user(user)
+    await services.store.save_user(user)
     return ok({"org_id": org.id, "org_name": org.name, "profile_name": user.name,
                "profile_picture": user.picture}, status=201)

@@ -18,7 +18,7 @@ from typing import Any
 from aiohttp import web
 
 from control.connections import find_connection
-from control.http import ApiError, Field, Param, RouteSet, Schema, gateway_of, ok, user_of
+from control.http import ApiError, Field, Param, RouteSet, Schema, ok, services_of, user_of
 from gatewayd.dialer import DialError
 from gatewayd.models import Connection
 
@@ -62,24 +62,24 @@ def _on_database(connection: Connection, database: str | None) -> Connection:
 async def _catalog(request: web.Request, what: str, sql: str, database: str | None = None) -> Any:
     """Run one catalog query as the caller's script on the connection; its JSON answer."""
     user = user_of(request)
-    gateway = gateway_of(request)
+    services = services_of(request)
     connection = await find_connection(request)
-    if connection.subtype != "postgres" or connection.subtype not in gateway.script_runners:
+    if connection.subtype != "postgres" or connection.subtype not in services.script_runners:
         raise ApiError(422, f"connection {connection.name!r} ({connection.subtype}) has no database catalog to "
                             "browse: schema browsing is for postgres connections")
     target = _on_database(connection, database)
     metadata = {"catalog": {"what": what, **({"database": database} if database else {})}}
     try:
-        job = await gateway.reviews.run_script(user, target, sql, metadata=metadata, client_ip=request.remote or "")
+        job = await services.reviews.run_script(user, target, sql, metadata=metadata, client_ip=request.remote or "")
     except RuntimeError as exc:
         raise ApiError(503, str(exc)) from None
     try:
-        result = await asyncio.wait_for(asyncio.shield(job.result), gateway.config["sessions.exec_wait"])
+        result = await asyncio.wait_for(asyncio.shield(job.result), services.config["sessions.exec_wait"])
     except TimeoutError:
-        raise ApiError(504, f"the target did not answer within {gateway.config['sessions.exec_wait']:g} s "
+        raise ApiError(504, f"the target did not answer within {services.config['sessions.exec_wait']:g} s "
                             f"(session {job.session_id})") from None
     blocked = job.live is not None and job.live.recorder.metrics.get("blocked")
-    await gateway.audit.record(
+    await services.audit.record(
         org_id=connection.org_id, actor=user, action=f"connections.browse_{what}", resource_type="connections",
         outcome="success" if result.exit_code == 0 else "failure", client_ip=request.remote or "",
         error_message="" if result.exit_code == 0 else result.output.strip()[:500],
@@ -134,10 +134,10 @@ async def columns(request: web.Request) -> web.Response:
             response=TEST_OUT)
 async def test(request: web.Request) -> web.Response:
     user = user_of(request)
-    gateway = gateway_of(request)
+    services = services_of(request)
     connection = await find_connection(request)
-    dialer = gateway.pipeline.dialer_for(connection)
-    runner = gateway.script_runners.get(connection.subtype)
+    dialer = services.pipeline.dialer_for(connection)
+    runner = services.script_runners.get(connection.subtype)
     message = ""
     try:
         if runner is not None:  # logs in as the gateway would for a session
@@ -152,7 +152,7 @@ async def test(request: web.Request) -> web.Response:
         message = getattr(exc, "message", None) or getattr(exc, "reason", None) or str(exc) or type(exc).__name__
     except ValueError as exc:
         message = str(exc)
-    await gateway.audit.record(org_id=connection.org_id, actor=user, action="connections.test",
+    await services.audit.record(org_id=connection.org_id, actor=user, action="connections.test",
                                resource_type="connections", outcome="failure" if message else "success",
                                error_message=message, http_method=request.method, http_path=request.path,
                                http_status=200, client_ip=request.remote or "",

@@ -16,10 +16,10 @@ from control.http import (
     RouteSet,
     Schema,
     array_of,
-    gateway_of,
     json_body,
     ok,
     require_admin,
+    services_of,
     user_of,
 )
 from control.schemas import JIT_PENDING_OUT
@@ -30,6 +30,7 @@ from gatewayd.config import split_listen
 from gatewayd.models import AccessRequestRule, Connection, User, new_id, rfc3339, utcnow
 from gatewayd.protocols import session_for
 from gatewayd.reviews import JIT, NS, check_review_settings, review_json, review_summary
+from gatewayd.services import Services
 from gatewayd.store import Conflict
 
 routes = RouteSet("Connections", audit="connections")
@@ -77,11 +78,11 @@ CREDENTIALS_OUT = Schema("Credentials", {
 })
 
 
-def connection_status(gateway: Any, conn: Connection) -> str:
+def connection_status(services: Services, conn: Connection) -> str:
     """``online`` or ``offline``, from its agent's presence (a connection without an agent is online)."""
     if not conn.agent_id:
         return "online"
-    return "online" if gateway.agents is not None and gateway.agents.online(conn.org_id, conn.agent_id) else "offline"
+    return "online" if services.agents is not None and services.agents.online(conn.org_id, conn.agent_id) else "offline"
 
 
 # Settings of a role secret an admin may read back: where the target is and how it is checked. Anything else (PASS,
@@ -119,7 +120,7 @@ def _kept_secret(secret: dict[str, str], existing: Connection | None, where: str
     return kept
 
 
-def connection_json(conn: Connection, viewer: User, gateway: Any = None,
+def connection_json(conn: Connection, viewer: User, services: Services | None = None,
                     rules: list[AccessRequestRule] | None = None) -> dict[str, Any]:
     """A connection as the API shows it; with ``gateway``, its ``status`` too; with the organization's access
     request ``rules``, its ``review_policy`` (who reviews what, from the rules or its settings)."""
@@ -133,8 +134,8 @@ def connection_json(conn: Connection, viewer: User, gateway: Any = None,
         data["review_policy"] = review_summary(conn, rules)
     if viewer.is_admin:
         data["secret"] = shown_secret(conn)
-    if gateway is not None:
-        data["status"] = connection_status(gateway, conn)
+    if services is not None:
+        data["status"] = connection_status(services, conn)
     return data
 
 
@@ -175,7 +176,7 @@ def build_connection(body: dict[str, Any], org_id: str, resource_name: str, exis
 
 async def find_connection(request: web.Request) -> Connection:
     key = request.match_info["name"]
-    conn = await gateway_of(request).store.get_connection(user_of(request).org_id, key)
+    conn = await services_of(request).store.get_connection(user_of(request).org_id, key)
     if conn is None:
         raise ApiError(404, f"connection {key!r} not found")
     return conn
@@ -184,9 +185,9 @@ async def find_connection(request: web.Request) -> Connection:
 @routes.get("/connections", "List connections", response=array_of(CONNECTION_OUT))
 async def list_connections(request: web.Request) -> web.Response:
     user = user_of(request)
-    store = gateway_of(request).store
+    store = services_of(request).store
     conns, rules = await store.list_connections(user.org_id), await store.list_access_rules(user.org_id)
-    return ok([connection_json(c, user, gateway_of(request), rules) for c in conns])
+    return ok([connection_json(c, user, services_of(request), rules) for c in conns])
 
 
 @routes.post("/connections", "Create a connection", body=CONNECTION, status=201, response=CONNECTION_OUT)
@@ -195,16 +196,16 @@ async def create(request: web.Request) -> web.Response:
     body = await json_body(request, CONNECTION)
     conn = build_connection(body, admin.org_id, body.get("resource_name") or body["name"], None)
     try:
-        await gateway_of(request).store.create_connection(conn)
+        await services_of(request).store.create_connection(conn)
     except Conflict:
         raise ApiError(409, f"connection {conn.name!r} already exists") from None
-    return ok(connection_json(conn, admin, gateway_of(request)), status=201)
+    return ok(connection_json(conn, admin, services_of(request)), status=201)
 
 
 @routes.get("/connections/{name}", "A connection by name or id", response=CONNECTION_OUT)
 async def get(request: web.Request) -> web.Response:
-    rules = await gateway_of(request).store.list_access_rules(user_of(request).org_id)
-    return ok(connection_json(await find_connection(request), user_of(request), gateway_of(request), rules))
+    rules = await services_of(request).store.list_access_rules(user_of(request).org_id)
+    return ok(connection_json(await find_connection(request), user_of(request), services_of(request), rules))
 
 
 @routes.put("/connections/{name}", "Replace a connection", body=CONNECTION, response=CONNECTION_OUT)
@@ -215,13 +216,13 @@ async def update(request: web.Request) -> web.Response:
     if "secret" not in body:
         body["secret"] = existing.secret  # an update without a secret keeps the stored one
     conn = build_connection(body, admin.org_id, body.get("resource_name") or existing.resource_name, existing)
-    gateway = gateway_of(request)
+    services = services_of(request)
     try:
-        await gateway.store.update_connection(conn)
+        await services.store.update_connection(conn)
     except Conflict:
         raise ApiError(409, f"connection {conn.name!r} already exists") from None
-    await gateway.sessions.connection_changed(conn.id)  # its live sessions, on every node, take the change
-    return ok(connection_json(conn, admin, gateway))
+    await services.sessions.connection_changed(conn.id)  # its live sessions, on every node, take the change
+    return ok(connection_json(conn, admin, services))
 
 
 PATCH = Schema("ConnectionPatch", {
@@ -258,13 +259,13 @@ async def patch(request: web.Request) -> web.Response:
     body["tags"] = _merged(existing.tags, changes.get("tags") or {})
     body["settings"] = _merged(existing.settings, changes.get("settings") or {})
     conn = build_connection(body, admin.org_id, body.get("resource_name") or existing.resource_name, existing)
-    gateway = gateway_of(request)
+    services = services_of(request)
     try:
-        await gateway.store.update_connection(conn)
+        await services.store.update_connection(conn)
     except Conflict:
         raise ApiError(409, f"connection {conn.name!r} already exists") from None
-    await gateway.sessions.connection_changed(conn.id)
-    return ok(connection_json(conn, admin, gateway))
+    await services.sessions.connection_changed(conn.id)
+    return ok(connection_json(conn, admin, services))
 
 
 TAG_OUT = Schema("ConnectionTag", {"id": _TEXT, "key": _TEXT, "value": _TEXT, "created_at": _TEXT,
@@ -275,7 +276,7 @@ TAG_OUT = Schema("ConnectionTag", {"id": _TEXT, "key": _TEXT, "value": _TEXT, "c
             response=Schema("ConnectionTagList", {"items": Field("array", True, items=TAG_OUT)}))
 async def list_tags(request: web.Request) -> web.Response:
     found: dict[tuple[str, str], dict[str, Any]] = {}
-    for conn in await gateway_of(request).store.list_connections(user_of(request).org_id):
+    for conn in await services_of(request).store.list_connections(user_of(request).org_id):
         for key, value in conn.tags.items():
             tag = found.setdefault((key, value), {
                 "id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"connection-tag:{key}={value}")), "key": key,
@@ -289,23 +290,23 @@ async def list_tags(request: web.Request) -> web.Response:
 async def delete(request: web.Request) -> web.Response:
     admin = require_admin(request)
     conn = await find_connection(request)
-    gateway = gateway_of(request)
-    await gateway.store.delete_connection(admin.org_id, conn.id)
-    gateway.guardrails.invalidate(announce=False)
-    await gateway.sessions.connection_changed(conn.id, deleted_by=admin.email)  # its live sessions end
+    services = services_of(request)
+    await services.store.delete_connection(admin.org_id, conn.id)
+    services.guardrails.invalidate(announce=False)
+    await services.sessions.connection_changed(conn.id, deleted_by=admin.email)  # its live sessions end
     return web.Response(status=204)
 
 
-def native_access(gateway: Any, conn: Connection, secret: str) -> dict[str, Any]:
+def native_access(services: Services, conn: Connection, secret: str) -> dict[str, Any]:
     """What the user types to reach ``conn`` through the gateway with ``secret``, in its protocol's words."""
     description = protocols.by_subtype(conn.subtype)
     if description is None:
         raise ApiError(400, f"connection subtype {conn.subtype!r} has no native access")
-    address = gateway.server_config.get(description.server_config_key, {}).get("listen_address", "")
+    address = services.node.server_config.get(description.server_config_key, {}).get("listen_address", "")
     host, port = split_listen(address) if address else ("", 0)
     if host in ("", "0.0.0.0", "::"):
-        host = gateway.config.public_url.split("://", 1)[-1].rsplit(":", 1)[0]
-    return description.access_hints(conn, secret, host, port, gateway.config.section(description.name))
+        host = services.config.public_url.split("://", 1)[-1].rsplit(":", 1)[0]
+    return description.access_hints(conn, secret, host, port, services.config.section(description.name))
 
 
 @routes.post("/connections/{name}/credentials", "Short-lived credentials for native access", body=CREDENTIALS,
@@ -314,12 +315,12 @@ async def create_credentials(request: web.Request) -> web.Response:
     user = user_of(request)
     conn = await find_connection(request)
     body = await json_body(request, CREDENTIALS)
-    gateway = gateway_of(request)
+    services = services_of(request)
     try:
         credential_prefix(conn)
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
-    policy = await gateway.reviews.policy(conn, JIT)
+    policy = await services.reviews.policy(conn, JIT)
     if policy is not None:  # just-in-time: a review first, credentials once it is approved
         duration = body.get("access_duration_seconds", DEFAULT_JIT_SECONDS)
         if not 1 <= duration <= policy.max_duration_seconds:
@@ -327,7 +328,7 @@ async def create_credentials(request: web.Request) -> web.Response:
                                 f"{policy.max_duration_seconds} (the connection's longest jit access)")
         session = session_for(user, conn, status="ready")
         # one open request per person and connection: asking again (a Ctrl-C, a second click) gets it back
-        review = await gateway.reviews.request(policy, user, conn, session, JIT, duration * NS,
+        review = await services.reviews.request(policy, user, conn, session, JIT, duration * NS,
                                                reason=body.get("reason") or "")
         request[AUDIT_ACTION] = "review.request"
         request[AUDIT_PAYLOAD] = {**body, "connection": conn.name, "session_id": review.session_id,
@@ -335,15 +336,15 @@ async def create_credentials(request: web.Request) -> web.Response:
         return ok({"session_id": review.session_id, "review_id": review.id, "has_review": True,
                    "connection_name": conn.name, "connection_type": conn.type,
                    "connection_subtype": conn.subtype, "review": review_json(review)}, status=202)
-    maximum = int(gateway.config["sessions.max_credential_duration"])
+    maximum = int(services.config["sessions.max_credential_duration"])
     duration = body.get("access_duration_seconds", DEFAULT_ACCESS_SECONDS)
     if not 1 <= duration <= maximum:
         raise ApiError(422, f"field 'access_duration_seconds': must be between 1 and {maximum}")
-    issued = await gateway.access.issue(user, conn, duration)
+    issued = await services.access.issue(user, conn, duration)
     cred = issued.credential
     return ok({
         "id": cred.id, "connection_name": conn.name, "connection_type": conn.type,
         "connection_subtype": conn.subtype, "session_id": cred.session_id, "expire_at": cred.expire_at,
         "created_at": cred.created_at, "has_review": False,
-        "connection_credentials": native_access(gateway, conn, issued.secret),
+        "connection_credentials": native_access(services, conn, issued.secret),
     }, status=201)

@@ -21,8 +21,8 @@ from typing import Any
 import re2
 from aiohttp import web
 
-from control.http import (ApiError, Field, RouteSet, Schema, array_of, gateway_of, json_body, off_loop, ok,
-                          require_admin, user_of)
+from control.http import (ApiError, Field, RouteSet, Schema, array_of, json_body, off_loop, ok, require_admin,
+                          services_of, user_of)
 from control.schemas import STRINGS, TEXT
 from gatewayd import protocols
 from gatewayd.guardrails import DATAMASKING_KEY, DATAMASKING_PREFIX, RuleError, check_language, validate_guardrail
@@ -110,7 +110,7 @@ async def _checked(request: web.Request, org_id: str) -> tuple[dict[str, Any], l
     if not body["name"].strip():
         raise ApiError(400, "field 'name' is required")
     rules = mask_rules(body)
-    store = gateway_of(request).store
+    store = services_of(request).store
     ids = []
     for conn_id in body.get("connection_ids") or []:
         connection = await store.get_connection(org_id, conn_id)
@@ -130,7 +130,7 @@ def _output(body: dict[str, Any], rules: list[dict[str, Any]]) -> dict[str, Any]
 
 async def _find(request: web.Request) -> GuardRail:
     rule_id = request.match_info["id"]
-    store = gateway_of(request).store
+    store = services_of(request).store
     org_id = user_of(request).org_id
     rail = await store.get_guardrail(org_id, rule_id)
     if rail is None or not rail.name.startswith(DATAMASKING_PREFIX):
@@ -142,7 +142,7 @@ async def _find(request: web.Request) -> GuardRail:
 
 @routes.get("/datamasking-rules", "List data masking rules", response=array_of(RULE_OUT))
 async def list_rules(request: web.Request) -> web.Response:
-    rails = await gateway_of(request).store.list_guardrails(user_of(request).org_id)
+    rails = await services_of(request).store.list_guardrails(user_of(request).org_id)
     return ok([rule_json(r) for r in rails if r.name.startswith(DATAMASKING_PREFIX)])
 
 
@@ -155,10 +155,10 @@ async def create(request: web.Request) -> web.Response:
                      description=body.get("description") or "", attributes=[], connection_ids=ids,
                      input={"rules": []}, output=_output(body, rules), created_at=now, updated_at=now)
     try:
-        await gateway_of(request).store.save_guardrail(rail, create=True)
+        await services_of(request).store.save_guardrail(rail, create=True)
     except Conflict:
         raise ApiError(409, f"data masking rule {body['name'].strip()!r} already exists") from None
-    gateway_of(request).guardrails.invalidate()
+    services_of(request).guardrails.invalidate()
     return ok(rule_json(rail), status=201)
 
 
@@ -179,10 +179,10 @@ async def update(request: web.Request) -> web.Response:
     rail.version += 1
     rail.updated_at = rfc3339(utcnow())
     try:
-        await gateway_of(request).store.save_guardrail(rail, create=False)
+        await services_of(request).store.save_guardrail(rail, create=False)
     except Conflict:
         raise ApiError(409, f"data masking rule {body['name'].strip()!r} already exists") from None
-    gateway_of(request).guardrails.invalidate()
+    services_of(request).guardrails.invalidate()
     return ok(rule_json(rail))
 
 
@@ -190,8 +190,8 @@ async def update(request: web.Request) -> web.Response:
 async def delete(request: web.Request) -> web.Response:
     admin = require_admin(request)
     rail = await _find(request)
-    await gateway_of(request).store.delete_guardrail(admin.org_id, rail.id)
-    gateway_of(request).guardrails.invalidate()
+    await services_of(request).store.delete_guardrail(admin.org_id, rail.id)
+    services_of(request).guardrails.invalidate()
     return web.Response(status=204)
 
 
@@ -207,7 +207,7 @@ UNMASKED_OUT = Schema("UnmaskedOutput", {
 async def unmasked(request: web.Request) -> web.Response:
     admin = require_admin(request)
     session_id = request.match_info["id"]
-    store = gateway_of(request).store
+    store = services_of(request).store
     session = await store.get_session(session_id)
     if session is None or session.org_id != admin.org_id:
         raise ApiError(404, f"session {session_id!r} not found")

@@ -13,10 +13,10 @@ from control.http import (
     RouteSet,
     Schema,
     array_of,
-    gateway_of,
     json_body,
     ok,
     require_admin,
+    services_of,
     user_of,
 )
 from control.schemas import OBJECT, STRINGS, TEXT
@@ -69,7 +69,7 @@ async def _checked(request: web.Request, org_id: str) -> dict[str, Any]:
         validate_guardrail(body["input"], body["output"])
     except RuleError as exc:
         raise ApiError(400, str(exc)) from None
-    store = gateway_of(request).store
+    store = services_of(request).store
     for conn_id in body.get("connection_ids") or []:
         connection = await store.get_connection(org_id, conn_id)
         if connection is None:
@@ -82,7 +82,7 @@ async def _checked(request: web.Request, org_id: str) -> dict[str, Any]:
 
 async def _find(request: web.Request) -> GuardRail:
     rule_id = request.match_info["id"]
-    rule = await gateway_of(request).store.get_guardrail(user_of(request).org_id, rule_id)
+    rule = await services_of(request).store.get_guardrail(user_of(request).org_id, rule_id)
     if rule is None or rule.name.startswith(DATAMASKING_PREFIX):  # a data masking rule: /api/datamasking-rules
         raise ApiError(404, f"guard rail {rule_id!r} not found")
     return rule
@@ -90,7 +90,7 @@ async def _find(request: web.Request) -> GuardRail:
 
 @routes.get("/guardrails", "List guard rail rules", response=array_of(GUARDRAIL_OUT))
 async def list_guardrails(request: web.Request) -> web.Response:
-    rules = await gateway_of(request).store.list_guardrails(user_of(request).org_id)
+    rules = await services_of(request).store.list_guardrails(user_of(request).org_id)
     return ok([guardrail_json(r) for r in rules if not r.name.startswith(DATAMASKING_PREFIX)])
 
 
@@ -99,7 +99,7 @@ async def create(request: web.Request) -> web.Response:
     admin = require_admin(request)
     body = await _checked(request, admin.org_id)
     now = rfc3339(utcnow())
-    store = gateway_of(request).store
+    store = services_of(request).store
     conn_ids = [(await store.get_connection(admin.org_id, c)).id for c in body.get("connection_ids") or []]
     rule = GuardRail(id=new_id(), org_id=admin.org_id, name=body["name"].strip(),
                      description=body.get("description") or "", attributes=body.get("attributes") or [],
@@ -109,7 +109,7 @@ async def create(request: web.Request) -> web.Response:
         await store.save_guardrail(rule, create=True)
     except Conflict:
         raise ApiError(409, f"guard rail {rule.name!r} already exists") from None
-    gateway_of(request).guardrails.invalidate()
+    services_of(request).guardrails.invalidate()
     return ok(guardrail_json(rule), status=201)
 
 
@@ -134,7 +134,7 @@ async def update(request: web.Request) -> web.Response:
     admin = require_admin(request)
     rule = await _find(request)
     body = await _checked(request, admin.org_id)
-    store = gateway_of(request).store
+    store = services_of(request).store
     rule.name = body["name"].strip()
     rule.description = body.get("description") or ""
     rule.attributes = body.get("attributes") or []
@@ -146,7 +146,7 @@ async def update(request: web.Request) -> web.Response:
         await store.save_guardrail(rule, create=False)
     except Conflict:
         raise ApiError(409, f"guard rail {rule.name!r} already exists") from None
-    gateway_of(request).guardrails.invalidate()
+    services_of(request).guardrails.invalidate()
     return ok(guardrail_json(rule))
 
 
@@ -154,6 +154,6 @@ async def update(request: web.Request) -> web.Response:
 async def delete(request: web.Request) -> web.Response:
     admin = require_admin(request)
     rule = await _find(request)
-    await gateway_of(request).store.delete_guardrail(admin.org_id, rule.id)
-    gateway_of(request).guardrails.invalidate()
+    await services_of(request).store.delete_guardrail(admin.org_id, rule.id)
+    services_of(request).guardrails.invalidate()
     return web.Response(status=204)

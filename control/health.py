@@ -18,8 +18,8 @@ from typing import Any
 
 from aiohttp import web
 
-from control.http import Field, RouteSet, Schema, gateway_of, ok
-from gatewayd.daemon import SERVER_CONFIG_KEY, Gateway, listen_addresses
+from control.http import Field, RouteSet, Schema, ok, services_of
+from gatewayd.services import SERVER_CONFIG_KEY, Services, listen_addresses
 
 log = logging.getLogger("gatewayd.health")
 
@@ -32,25 +32,25 @@ READY = Schema("Readiness", {"status": Field("string", True, enum=("ready",))})
 NOT_READY = Schema("NotReady", {"status": Field("string", True, enum=("not ready",)),
                                 "message": Field("string", True, enum=("not ready",),
                                                  description="what is not ready is in the operator's log")})
-_last_logged: "weakref.WeakKeyDictionary[Gateway, str]" = weakref.WeakKeyDictionary()
+_last_logged: "weakref.WeakKeyDictionary[Services, str]" = weakref.WeakKeyDictionary()
 
 
 @routes.get("/healthz", "Liveness of the daemon and its store (the version is in /serverinfo, behind a token)",
             public=True, response=Schema("Health", {"status": Field("string", True, enum=("ok",))}))
 async def healthz(request: web.Request) -> web.Response:
-    await gateway_of(request).store.default_org()
+    await services_of(request).store.default_org()
     return ok({"status": "ok"})
 
 
 @routes.get("/readyz", "Readiness of this node (store reachable, protocol listeners up): up or down only; "
             "what is not ready is in the operator's log", public=True, response=READY, other_responses={503: NOT_READY})
 async def readyz(request: web.Request) -> web.Response:
-    gateway = gateway_of(request)
+    services = services_of(request)
     problems: list[str] = []
     store_error = ""
-    probe = _PROBES.get(gateway)
+    probe = _PROBES.get(services)
     if probe is None or probe.done():
-        probe = _PROBES[gateway] = asyncio.ensure_future(gateway.store.get_setting(SERVER_CONFIG_KEY))
+        probe = _PROBES[services] = asyncio.ensure_future(services.store.get_setting(SERVER_CONFIG_KEY))
         probe.add_done_callback(lambda task: task.cancelled() or task.exception())  # retrieved, never lost
     done, _ = await asyncio.wait({probe}, timeout=READY_STORE_TIMEOUT)
     if not done:
@@ -59,11 +59,11 @@ async def readyz(request: web.Request) -> web.Response:
         store_error = f"{type(probe.exception()).__name__}: {probe.exception()}"[:300]
     if store_error:
         problems.append(f"store unreachable ({store_error})")
-    fence = gateway.cluster.fence_reason if gateway.cluster is not None else None
+    fence = services.cluster.fence_reason if services.cluster is not None else None
     if fence is not None:
         problems.append(fence)
-    listeners = gateway.listeners.summary()
-    for name, wanted in listen_addresses(gateway.server_config).items():
+    listeners = services.node.listeners.summary()
+    for name, wanted in listen_addresses(services.node.server_config).items():
         state = listeners.get(name)
         if not wanted or state is None or state["status"] == "unavailable":
             continue  # not asked for, or not in this build (reported, no reason to take the node out)
@@ -72,8 +72,8 @@ async def readyz(request: web.Request) -> web.Response:
         elif state["status"] != "running" or state["listen_address"] != wanted:
             problems.append(f"{name} listener on {wanted} not started yet")
     said = "; ".join(problems)
-    if _last_logged.get(gateway, "") != said:  # a probe every few seconds: one line per change, not per probe
-        _last_logged[gateway] = said
+    if _last_logged.get(services, "") != said:  # a probe every few seconds: one line per change, not per probe
+        _last_logged[services] = said
         if problems:
             log.warning("not ready", extra={"reason": said})
         else:

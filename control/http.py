@@ -9,10 +9,10 @@ from typing import Any, Awaitable, Callable, Iterator
 
 from aiohttp import web
 
-from gatewayd.daemon import Gateway
 from gatewayd.models import User
+from gatewayd.services import Services
 
-GATEWAY = web.AppKey("gateway", Gateway)
+SERVICES = web.AppKey("services", Services)
 ROUTES = web.AppKey("routes", list)
 USER = web.RequestKey("user", User)
 AUDIT_PAYLOAD = web.RequestKey("audit_payload", object)
@@ -291,8 +291,9 @@ def query_int(request: web.Request, name: str, default: int) -> int:
     return request.get(PARAMETERS, {}).get(name, default)
 
 
-def gateway_of(request: web.Request) -> Gateway:
-    return request.app[GATEWAY]
+def services_of(request: web.Request) -> Services:
+    """The services a handler may use (the daemon built them: ``gatewayd.services``)."""
+    return request.app[SERVICES]
 
 
 def user_of(request: web.Request) -> User:
@@ -309,7 +310,7 @@ def require_admin(request: web.Request) -> User:
 def require_operator(request: web.Request) -> User:
     """The caller, when it may change gateway-wide settings (listeners, the SSH host key); else 403."""
     user = user_of(request)
-    if not gateway_of(request).identity.is_operator(user):
+    if not services_of(request).identity.is_operator(user):
         raise ApiError(403, "access denied: gateway-wide settings need an operator "
                             "(made on the gateway's host: gatewayd token create --operator)")
     return user

@@ -8,7 +8,7 @@ import re
 from aiohttp import web
 
 from control.connections import CONNECTION_OUT, build_connection, connection_json
-from control.http import AUDIT_PAYLOAD, ApiError, Field, RouteSet, Schema, gateway_of, json_body, ok, require_admin
+from control.http import AUDIT_PAYLOAD, ApiError, Field, RouteSet, Schema, json_body, ok, require_admin, services_of
 from control.schemas import STRINGS, TEXT
 from gatewayd.discovery import ARN_TAG, ENGINE_SUBTYPES, AwsAccessKey, DiscoveryError
 from gatewayd.discovery import ACCOUNT_ID as ACCOUNT_ID_SHAPE
@@ -59,7 +59,7 @@ async def put_access_key(request: web.Request) -> web.Response:
         raise ApiError(422, "field 'access_key_id': expected an AWS access key id (upper-case letters and digits)")
     if not key.secret_access_key.strip():
         raise ApiError(422, "field 'secret_access_key': must not be empty")
-    discovery = gateway_of(request).discovery
+    discovery = services_of(request).discovery
     if key.region and not REGION.match(key.region):
         raise ApiError(422, f"field 'region': expected an AWS region such as eu-west-1, got {key.region!r}")
     if not key.region and not discovery.settings.regions:
@@ -75,7 +75,7 @@ async def put_access_key(request: web.Request) -> web.Response:
             response=KEY_OUT)
 async def get_access_key(request: web.Request) -> web.Response:
     admin = require_admin(request)
-    discovery = gateway_of(request).discovery
+    discovery = services_of(request).discovery
     key = await discovery.key(admin.org_id)
     return ok({"configured": key is not None, **(key.masked() if key else {}),
                "use_instance_role": discovery.settings.use_instance_role, "regions": list(discovery.settings.regions)})
@@ -84,7 +84,7 @@ async def get_access_key(request: web.Request) -> web.Response:
 @routes.delete("/integrations/aws/iam/accesskeys", "Forget the organization's AWS access key", status=204)
 async def delete_access_key(request: web.Request) -> web.Response:
     admin = require_admin(request)
-    if not await gateway_of(request).discovery.clear_key(admin.org_id):
+    if not await services_of(request).discovery.clear_key(admin.org_id):
         raise ApiError(404, "this organization has no AWS access key")
     return web.Response(status=204)
 
@@ -101,7 +101,7 @@ async def _describe(request: web.Request) -> web.Response:
     if bad:
         raise ApiError(422, f"field 'account_ids': not a 12-digit AWS account id: {bad[0]!r}")
     try:
-        items = await gateway_of(request).discovery.describe(admin.org_id, accounts, _host_identity(request, admin))
+        items = await services_of(request).discovery.describe(admin.org_id, accounts, _host_identity(request, admin))
     except DiscoveryError as exc:
         raise _discovery_error(exc) from None
     request[AUDIT_PAYLOAD] = {"account_ids": accounts, "instances": sum(1 for i in items if not i.error),
@@ -126,8 +126,8 @@ async def describe_managed_db(request: web.Request) -> web.Response:
 def _host_identity(request: web.Request, admin: User) -> bool:
     """May this caller's discovery use the gateway host's own AWS identity (``use_instance_role``)? Its operators
     only, in their own organization: a tenant's admin would otherwise list (and connect to) the host's account."""
-    gateway = gateway_of(request)
-    return gateway.identity.is_operator(admin) and not gateway.tenancy.is_tenant(admin.org_id)
+    services = services_of(request)
+    return services.identity.is_operator(admin) and not services.tenancy.is_tenant(admin.org_id)
 
 
 def _b64(text: str) -> str:
@@ -141,9 +141,9 @@ async def connection_from_instance(request: web.Request) -> web.Response:
     admin = require_admin(request)
     body = await json_body(request, FROM_INSTANCE)
     request[AUDIT_PAYLOAD] = {"arn": request.match_info["arn"], "name": body.get("name")}
-    gateway = gateway_of(request)
+    services = services_of(request)
     try:
-        instance = await gateway.discovery.instance(admin.org_id, request.match_info["arn"],
+        instance = await services.discovery.instance(admin.org_id, request.match_info["arn"],
                                                     _host_identity(request, admin))
     except DiscoveryError as exc:
         raise _discovery_error(exc) from None
@@ -168,7 +168,7 @@ async def connection_from_instance(request: web.Request) -> web.Response:
         fields["reviewers"] = body["reviewers"]
     connection = build_connection(fields, admin.org_id, fields["name"], None)
     try:
-        await gateway.store.create_connection(connection)
+        await services.store.create_connection(connection)
     except Conflict:
         raise ApiError(409, f"connection {connection.name!r} already exists") from None
     return ok(connection_json(connection, admin), status=201)

@@ -7,7 +7,7 @@ from typing import Any
 
 from aiohttp import web
 
-from control.http import INT64_MAX, ROUTES, Field, Param, RouteDoc, RouteSet, Schema, gateway_of, ok
+from control.http import INT64_MAX, ROUTES, Field, Param, RouteDoc, RouteSet, Schema, ok, services_of
 
 routes = RouteSet("Meta")
 ERROR = {"type": "object", "properties": {"message": {"type": "string"}}, "required": ["message"]}
@@ -124,4 +124,4 @@ def build_document(docs: list[RouteDoc], version: str) -> dict[str, Any]:
 @routes.get("/openapi.json", "This document", public=True,
             response=Schema("OpenApiDocument", {}, additional=True))
 async def openapi_json(request: web.Request) -> web.Response:
-    return ok(build_document(request.app[ROUTES], gateway_of(request).version))
+    return ok(build_document(request.app[ROUTES], services_of(request).node.version))

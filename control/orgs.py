@@ -14,10 +14,10 @@ from control.http import (
     RouteSet,
     Schema,
     array_of,
-    gateway_of,
     json_body,
     ok,
     require_admin,
+    services_of,
     user_of,
 )
 from control.schemas import STRINGS, TEXT
@@ -63,7 +63,7 @@ def _key_json(key: Any, subject: str, secret: str | None = None) -> dict[str, An
 
 
 async def _subject(request: web.Request, user_id: str) -> str:
-    found = await gateway_of(request).store.get_user(id=user_id)
+    found = await services_of(request).store.get_user(id=user_id)
     return found.subject if found else ""
 
 
@@ -71,9 +71,9 @@ async def _subject(request: web.Request, user_id: str) -> str:
              response=KEY_OUT)
 async def create_key(request: web.Request) -> web.Response:
     admin = require_admin(request)
-    gateway = gateway_of(request)
+    services = services_of(request)
     try:
-        secret, key = await gateway.identity.keys.issue(admin.org_id, ORG, admin.email)
+        secret, key = await services.identity.keys.issue(admin.org_id, ORG, admin.email)
     except Conflict:
         raise ApiError(409, "organization token already exists: revoke it first (DELETE /api/orgs/keys)") from None
     request[AUDIT_PAYLOAD] = {"key_id": key.id, "key_prefix": key.prefix}
@@ -83,7 +83,7 @@ async def create_key(request: web.Request) -> web.Response:
 @routes.get("/orgs/keys", "The organization's API key, without its secret (admins)", response=KEY_OUT)
 async def get_key(request: web.Request) -> web.Response:
     admin = require_admin(request)
-    keys = await gateway_of(request).store.api_keys_of(admin.org_id, ORG, "active")
+    keys = await services_of(request).store.api_keys_of(admin.org_id, ORG, "active")
     if not keys:
         raise ApiError(404, "organization token not found")
     return ok(_key_json(keys[0], await _subject(request, keys[0].user_id)))
@@ -92,7 +92,7 @@ async def get_key(request: web.Request) -> web.Response:
 @routes.delete("/orgs/keys", "Revoke the organization's API key (admins)", status=204)
 async def revoke_key(request: web.Request) -> web.Response:
     admin = require_admin(request)
-    store = gateway_of(request).store
+    store = services_of(request).store
     keys = await store.api_keys_of(admin.org_id, ORG, "active")
     if not keys:
         raise ApiError(404, "organization token not found")
@@ -111,7 +111,7 @@ def _features_json(statuses: dict[str, str]) -> list[dict[str, str]]:
 
 @routes.get("/orgs/features", "The organization's feature switches", response=array_of(FEATURE_OUT))
 async def list_features(request: web.Request) -> web.Response:
-    return ok(_features_json(await features.statuses(gateway_of(request).store, user_of(request).org_id)))
+    return ok(_features_json(await features.statuses(services_of(request).store, user_of(request).org_id)))
 
 
 @routes.put("/orgs/features", "Switch a feature on or off for the organization (admins)", body=FEATURE,
@@ -120,7 +120,7 @@ async def update_feature(request: web.Request) -> web.Response:
     admin = require_admin(request)
     body = await json_body(request, FEATURE)
     request[AUDIT_ACTION] = f"feature.{'enable' if body['status'] == features.ENABLED else 'disable'}"
-    statuses = await features.set_status(gateway_of(request).store, admin.org_id, body["name"], body["status"])
+    statuses = await features.set_status(services_of(request).store, admin.org_id, body["name"], body["status"])
     return ok(_features_json(statuses))
 
 
@@ -135,7 +135,7 @@ def _account_json(user: User) -> dict[str, Any]:
 @routes.get("/serviceaccounts", "The organization's service accounts", response=array_of(SERVICE_ACCOUNT_OUT))
 async def list_service_accounts(request: web.Request) -> web.Response:
     admin = require_admin(request)
-    users = await gateway_of(request).store.list_users(admin.org_id)
+    users = await services_of(request).store.list_users(admin.org_id)
     return ok([_account_json(u) for u in users if u.service_account])
 
 
@@ -148,7 +148,7 @@ async def create_service_account(request: web.Request) -> web.Response:
     if not subject or subject.startswith(RESERVED_SUBJECT) or any(c.isspace() for c in subject):
         raise ApiError(422, f"field 'subject': expected the identity provider's subject, without spaces, "
                             f"not starting with {RESERVED_SUBJECT}")
-    store = gateway_of(request).store
+    store = services_of(request).store
     if await store.get_user(subject=subject) is not None:
         raise ApiError(409, f"subject {subject!r} is taken")
     user = User(id=new_id(), org_id=admin.org_id, subject=subject, name=body.get("name") or subject,
@@ -166,12 +166,12 @@ async def create_service_account(request: web.Request) -> web.Response:
 async def update_service_account(request: web.Request) -> web.Response:
     admin = require_admin(request)
     body = await json_body(request, SERVICE_ACCOUNT_UPDATE)
-    store = gateway_of(request).store
+    store = services_of(request).store
     key = request.match_info["subject"]
     user = await store.get_user(subject=key) or await store.get_user(id=key)
     if user is None or user.org_id != admin.org_id or not user.service_account:
         raise ApiError(404, f"service account {key!r} not found")
-    if user.operator and not gateway_of(request).identity.is_operator(admin):
+    if user.operator and not services_of(request).identity.is_operator(admin):
         raise ApiError(403, "access denied: the server API key's account is changed by operators only")
     if body.get("name"):
         user.name = body["name"]

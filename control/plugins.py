@@ -23,10 +23,10 @@ from control.http import (
     RouteSet,
     Schema,
     array_of,
-    gateway_of,
     json_body,
     ok,
     require_admin,
+    services_of,
     user_of,
 )
 from control.schemas import STRINGS, TEXT
@@ -76,7 +76,7 @@ def _known(name: str, missing: int = 404) -> None:
 
 
 async def _json(request: web.Request, plugin: Plugin) -> dict[str, Any]:
-    store = gateway_of(request).store
+    store = services_of(request).store
     names = {c.id: c.name for c in await store.list_connections(plugin.org_id)}
     links = await store.list_plugin_connections(plugin.org_id, plugin.id)
     return {"id": plugin.id, "name": plugin.name, "source": None, "priority": 0,
@@ -116,7 +116,7 @@ def _settings(name: str, envvars: dict[str, Any], previous: dict[str, str]) -> d
 
 
 async def _links(request: web.Request, plugin: Plugin, items: list[dict[str, Any]]) -> list[PluginConnection]:
-    store = gateway_of(request).store
+    store = services_of(request).store
     links = {}
     for index, item in enumerate(items):
         connection = await store.get_connection(plugin.org_id, item["id"]) or (
@@ -132,7 +132,7 @@ async def _links(request: web.Request, plugin: Plugin, items: list[dict[str, Any
 async def _plugin(request: web.Request) -> Plugin:
     name = request.match_info["name"]
     _known(name)
-    plugin = await gateway_of(request).store.get_plugin(user_of(request).org_id, name)
+    plugin = await services_of(request).store.get_plugin(user_of(request).org_id, name)
     if plugin is None:
         raise ApiError(404, f"plugin {name!r} not found")
     return plugin
@@ -140,7 +140,7 @@ async def _plugin(request: web.Request) -> Plugin:
 
 @routes.get("/plugins", "The organization's plugins", response=array_of(PLUGIN_OUT))
 async def list_plugins(request: web.Request) -> web.Response:
-    plugins = await gateway_of(request).store.list_plugins(user_of(request).org_id)
+    plugins = await services_of(request).store.list_plugins(user_of(request).org_id)
     return ok([await _json(request, p) for p in plugins])
 
 
@@ -153,13 +153,13 @@ async def create_plugin(request: web.Request) -> web.Response:
     plugin = Plugin(id=new_id(), org_id=admin.org_id, name=body["name"], created_at=now, updated_at=now)
     plugin.config = _settings(plugin.name, (body.get("config") or {}).get("envvars") or {}, {})
     links = await _links(request, plugin, body.get("connections") or [])
-    gateway = gateway_of(request)
+    services = services_of(request)
     try:
-        await gateway.store.save_plugin(plugin, create=True)
+        await services.store.save_plugin(plugin, create=True)
     except Conflict:
         raise ApiError(409, f"plugin {plugin.name!r} is on already") from None
-    await gateway.store.replace_plugin_connections(admin.org_id, plugin.id, links)
-    gateway.notifier.changed(admin.org_id)
+    await services.store.replace_plugin_connections(admin.org_id, plugin.id, links)
+    services.notifier.changed(admin.org_id)
     return ok(await _json(request, plugin), status=201)
 
 
@@ -176,7 +176,7 @@ async def update_plugin(request: web.Request) -> web.Response:
     if body.get("name") not in (None, plugin.name):
         raise ApiError(400, "field 'name': a plugin's name does not change")
     links = await _links(request, plugin, body["connections"])
-    await gateway_of(request).store.replace_plugin_connections(admin.org_id, plugin.id, links)
+    await services_of(request).store.replace_plugin_connections(admin.org_id, plugin.id, links)
     return ok(await _json(request, plugin))
 
 
@@ -188,9 +188,9 @@ async def configure_plugin(request: web.Request) -> web.Response:
     body = await json_body(request, CONFIG)
     plugin.config = _settings(plugin.name, body["envvars"], plugin.config)
     plugin.updated_at = rfc3339(utcnow()) or ""
-    gateway = gateway_of(request)
-    await gateway.store.save_plugin(plugin, create=False)
-    gateway.notifier.changed(admin.org_id)
+    services = services_of(request)
+    await services.store.save_plugin(plugin, create=False)
+    services.notifier.changed(admin.org_id)
     return ok(await _json(request, plugin))
 
 
@@ -199,15 +199,15 @@ async def configure_plugin(request: web.Request) -> web.Response:
 async def delete_plugin(request: web.Request) -> web.Response:
     admin = require_admin(request)
     plugin = await _plugin(request)
-    gateway = gateway_of(request)
-    await gateway.store.delete_plugin(admin.org_id, plugin.name)
-    gateway.notifier.changed(admin.org_id)
+    services = services_of(request)
+    await services.store.delete_plugin(admin.org_id, plugin.name)
+    services.notifier.changed(admin.org_id)
     return web.Response(status=204)
 
 
 async def _connection_id(request: web.Request) -> str:
     key = request.match_info["id"]
-    connection = await gateway_of(request).store.get_connection(user_of(request).org_id, key)
+    connection = await services_of(request).store.get_connection(user_of(request).org_id, key)
     if connection is None:
         raise ApiError(404, f"connection {key!r} not found")
     return connection.id
@@ -227,7 +227,7 @@ async def put_plugin_connection(request: web.Request) -> web.Response:
     link = PluginConnection(id=new_id(), org_id=plugin.org_id, plugin_id=plugin.id,
                             connection_id=await _connection_id(request), config=list(body["config"]),
                             updated_at=rfc3339(utcnow()) or "")
-    await gateway_of(request).store.save_plugin_connection(link)
+    await services_of(request).store.save_plugin_connection(link)
     return ok(_link_json(link))
 
 
@@ -235,7 +235,7 @@ async def put_plugin_connection(request: web.Request) -> web.Response:
 async def get_plugin_connection(request: web.Request) -> web.Response:
     plugin = await _plugin(request)
     connection_id = await _connection_id(request)
-    for link in await gateway_of(request).store.list_plugin_connections(plugin.org_id, plugin.id):
+    for link in await services_of(request).store.list_plugin_connections(plugin.org_id, plugin.id):
         if link.connection_id == connection_id:
             return ok(_link_json(link))
     raise ApiError(404, "the plugin has no settings for this connection")
@@ -245,7 +245,7 @@ async def get_plugin_connection(request: web.Request) -> web.Response:
 async def delete_plugin_connection(request: web.Request) -> web.Response:
     admin = require_admin(request)
     plugin = await _plugin(request)
-    if not await gateway_of(request).store.delete_plugin_connection(admin.org_id, plugin.id,
+    if not await services_of(request).store.delete_plugin_connection(admin.org_id, plugin.id,
                                                                     await _connection_id(request)):
         raise ApiError(404, "the plugin has no settings for this connection")
     return web.Response(status=204)

@@ -7,7 +7,7 @@ import ipaddress
 from aiohttp import web
 
 from control.connections import DEFAULT_ACCESS_SECONDS
-from control.http import ApiError, Field, RouteSet, Schema, gateway_of, json_body, ok, user_of
+from control.http import ApiError, Field, RouteSet, Schema, json_body, ok, services_of, user_of
 from control.schemas import TEXT
 from gatewayd.agent.manager import ManagerError
 from gatewayd.reviews import JIT
@@ -62,19 +62,19 @@ def check_bind(address: str, allowed: list[str]) -> str:
 async def connect(request: web.Request) -> web.Response:
     user = user_of(request)
     body = await json_body(request, CONNECT)
-    gateway = gateway_of(request)
-    connection = await gateway.store.get_connection(user.org_id, body["connection_name"])
+    services = services_of(request)
+    connection = await services.store.get_connection(user.org_id, body["connection_name"])
     if connection is None:
         raise ApiError(404, f"connection {body['connection_name']!r} not found")
-    if await gateway.reviews.policy(connection, JIT) is not None:
+    if await services.reviews.policy(connection, JIT) is not None:
         raise ApiError(422, "this connection needs a just-in-time review first: ask through "
                             f"POST /api/connections/{connection.name}/credentials")
-    bind = check_bind((body.get("bind") or "127.0.0.1").strip(), gateway.config["proxy_manager.allowed_binds"])
+    bind = check_bind((body.get("bind") or "127.0.0.1").strip(), services.config["proxy_manager.allowed_binds"])
     duration = body.get("access_duration_seconds", DEFAULT_ACCESS_SECONDS)
-    if duration > int(gateway.config["sessions.max_credential_duration"]):
+    if duration > int(services.config["sessions.max_credential_duration"]):
         raise ApiError(422, "field 'access_duration_seconds': above sessions.max_credential_duration")
     try:
-        forwarding = await gateway.proxy_manager.connect(user, connection, body["port"], bind, duration)
+        forwarding = await services.proxy_manager.connect(user, connection, body["port"], bind, duration)
     except ManagerError as exc:
         raise _error(exc) from None
     return ok(forwarding.json(), status=201)
@@ -85,15 +85,15 @@ async def connect(request: web.Request) -> web.Response:
 async def disconnect(request: web.Request) -> web.Response:
     user = user_of(request)
     body = await json_body(request, DISCONNECT)
-    gateway = gateway_of(request)
+    services = services_of(request)
     try:
-        await gateway.proxy_manager.disconnect(user, body.get("connection_name"))
+        await services.proxy_manager.disconnect(user, body.get("connection_name"))
     except ManagerError as exc:
         raise _error(exc) from None
-    return ok(gateway.proxy_manager.status(user))
+    return ok(services.proxy_manager.status(user))
 
 
 @routes.get("/proxymanager/status", "Your proxy manager: connected or not, which connection on which port since when",
             response=STATUS)
 async def status(request: web.Request) -> web.Response:
-    return ok(gateway_of(request).proxy_manager.status(user_of(request)))
+    return ok(services_of(request).proxy_manager.status(user_of(request)))

@@ -6,7 +6,7 @@ import asyncio
 
 from aiohttp import web
 
-from control.http import INT64_MAX, ApiError, Field, Param, RouteSet, Schema, gateway_of, query_int
+from control.http import INT64_MAX, ApiError, Field, Param, RouteSet, Schema, query_int, services_of
 from control.sessions import find_session
 from gatewayd import protocols
 from gatewayd.frames import FrameError, FramePage
@@ -56,7 +56,7 @@ async def list_frames(request: web.Request) -> web.Response:
     offset = query_int(request, "offset", 0)
     limit = min(max(query_int(request, "limit", DEFAULT_LIMIT), 1), MAX_LIMIT)
     try:
-        page = await gateway_of(request).frames.page(session.id, offset, limit)
+        page = await services_of(request).frames.page(session.id, offset, limit)
         body = await asyncio.to_thread(page_json, page, offset, limit)
     except FrameError as exc:
         raise ApiError(500, f"the recording of session {session.id!r} cannot be read: {exc}") from None
@@ -71,7 +71,7 @@ async def composed_frame(request: web.Request) -> web.Response:
     _rdp_session(session)
     index = query_int(request, "index", 0)  # checked against path_params: 0 or more
     try:
-        png = await gateway_of(request).frames.composed_png(session.id, index)
+        png = await services_of(request).frames.composed_png(session.id, index)
     except FrameError as exc:
         raise ApiError(500, f"the recording of session {session.id!r} cannot be read: {exc}") from None
     if png is None:

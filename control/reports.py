@@ -17,9 +17,9 @@ from control.http import (
     Param,
     RouteSet,
     Schema,
-    gateway_of,
     ok,
     query_int,
+    services_of,
     user_of,
 )
 from gatewayd.models import User, parse_time, utcnow
@@ -101,7 +101,7 @@ def _with_seconds(sums: dict[str, int]) -> dict[str, int]:
                 *FILTERS], response=REPORT_OUT)
 async def session_report(request: web.Request) -> web.Response:
     query = _filter(request, request.query.get("group_by") or "connection")
-    rows = await gateway_of(request).store.session_report(query)
+    rows = await services_of(request).store.session_report(query)
     totals = {name: sum(r[name] for r in rows) for name in ("sessions", "duration_ms", "bytes", "blocks", "masked",
                                                             "masked_sessions")}
     return ok({"group_by": query.group_by, "start_date": query.start_day, "end_date": query.end_day,
@@ -122,7 +122,7 @@ def _duration(start: str, end: str | None) -> int | None:
             response=Field("object", True, any_of=(AGGREGATE_OUT, METRICS_OUT)))
 async def session_metrics(request: web.Request) -> web.Response:
     query = _filter(request)
-    store = gateway_of(request).store
+    store = services_of(request).store
     if request.query.get("aggregated") == "true":
         rows = await store.session_report(query)
         sums = {name: sum(r[name] for r in rows) for name in ("sessions", "duration_ms", "bytes", "blocks",

@@ -13,10 +13,10 @@ from control.http import (
     RouteSet,
     Schema,
     array_of,
-    gateway_of,
     json_body,
     ok,
     require_admin,
+    services_of,
     user_of,
 )
 from control.schemas import OBJECT, TEXT
@@ -50,7 +50,7 @@ def resource_json(res: Resource) -> dict[str, Any]:
 
 async def _find(request: web.Request) -> Resource:
     name = request.match_info["name"]
-    res = await gateway_of(request).store.get_resource(user_of(request).org_id, name)
+    res = await services_of(request).store.get_resource(user_of(request).org_id, name)
     if res is None:
         raise ApiError(404, f"resource {name!r} not found")
     return res
@@ -71,7 +71,7 @@ def _roles(body: dict[str, Any], org_id: str, resource: str, existing: dict[str,
 
 @routes.get("/resources", "List resources", response=array_of(RESOURCE_OUT))
 async def list_resources(request: web.Request) -> web.Response:
-    resources = await gateway_of(request).store.list_resources(user_of(request).org_id)
+    resources = await services_of(request).store.list_resources(user_of(request).org_id)
     return ok([resource_json(r) for r in resources])
 
 
@@ -89,7 +89,7 @@ async def create(request: web.Request) -> web.Response:
                    env_vars=body.get("env_vars") or {}, created_at=now, updated_at=now)
     roles = _roles(body, admin.org_id, name, {})
     try:
-        await gateway_of(request).store.create_resource(res, roles)
+        await services_of(request).store.create_resource(res, roles)
     except Conflict:
         raise ApiError(409, f"resource {name!r} or one of its roles already exists") from None
     data = resource_json(res)
@@ -103,7 +103,7 @@ async def get(request: web.Request) -> web.Response:
     user = user_of(request)
     data = resource_json(res)
     data["roles"] = [connection_json(c, user)
-                     for c in await gateway_of(request).store.list_connections(user.org_id, res.name)]
+                     for c in await services_of(request).store.list_connections(user.org_id, res.name)]
     return ok(data)
 
 
@@ -120,7 +120,7 @@ async def update(request: web.Request) -> web.Response:
     previous_agent, res.agent_id = res.agent_id, body.get("agent_id") or ""
     res.env_vars = body.get("env_vars") or {}
     res.updated_at = rfc3339(utcnow())
-    store = gateway_of(request).store
+    store = services_of(request).store
     roles = None
     if "roles" in body:
         existing = {c.name: c for c in await store.list_connections(admin.org_id, res.name)}
@@ -137,7 +137,7 @@ async def update(request: web.Request) -> web.Response:
         await store.update_resource(res, roles)
     except Conflict:
         raise ApiError(409, "a role name is already used by another connection") from None
-    gateway_of(request).guardrails.invalidate()
+    services_of(request).guardrails.invalidate()
     return ok(resource_json(res))
 
 
@@ -145,6 +145,6 @@ async def update(request: web.Request) -> web.Response:
 async def delete(request: web.Request) -> web.Response:
     admin = require_admin(request)
     res = await _find(request)
-    await gateway_of(request).store.delete_resource(admin.org_id, res.name)
-    gateway_of(request).guardrails.invalidate()
+    await services_of(request).store.delete_resource(admin.org_id, res.name)
+    services_of(request).guardrails.invalidate()
     return web.Response(status=204)

@@ -20,17 +20,16 @@ from control.http import (
     RouteSet,
     Schema,
     array_of,
-    gateway_of,
     json_body,
     ok,
     query_int,
     require_admin,
+    services_of,
     user_of,
 )
 from control.schemas import JIT_PENDING_OUT, REVIEW_FULL_OUT, SCRIPT_RESULT_OUT, TEXT
 from control.sessions import full_id, session_in_org
 from gatewayd.access import credential_prefix
-from gatewayd.daemon import Gateway
 from gatewayd.models import AccessRequestRule, Connection, Review, User, new_id, parse_time, rfc3339, utcnow
 from gatewayd.reviews import (
     APPROVED,
@@ -49,6 +48,7 @@ from gatewayd.reviews import (
 )
 from gatewayd.protocols import session_for
 from gatewayd.scripts import Redaction
+from gatewayd.services import Services
 from gatewayd.store import Conflict
 
 log = logging.getLogger("gatewayd.api.reviews")
@@ -96,7 +96,7 @@ def may_see(user: User, review: Review) -> bool:
 
 async def _review_in_org(request: web.Request, key: str) -> Review:
     """The review of the caller's organization by its id or, where it is unambiguous, the start of it; else 404."""
-    store = gateway_of(request).store
+    store = services_of(request).store
     review = await store.get_review(key)
     if review is None and len(key) < 36:
         review = await store.get_review(await full_id(request, "reviews", key))
@@ -113,8 +113,8 @@ async def _visible_review(request: web.Request, key: str) -> Review:
     return review
 
 
-async def _review_document(gateway: Gateway, review: Review) -> dict[str, Any]:
-    return review_json(review, await gateway.store.get_session(review.session_id), full=True)
+async def _review_document(services: Services, review: Review) -> dict[str, Any]:
+    return review_json(review, await services.store.get_session(review.session_id), full=True)
 
 
 # --------------------------------------------------------------------------- reviews
@@ -129,7 +129,7 @@ async def _review_document(gateway: Gateway, review: Review) -> dict[str, Any]:
     response=array_of(REVIEW_FULL_OUT))
 async def list_reviews(request: web.Request) -> web.Response:
     user = user_of(request)
-    gateway = gateway_of(request)
+    services = services_of(request)
     status = request.query.get("status") or None
     if status is not None and status.upper() not in STATUSES:
         raise ApiError(422, f"query parameter 'status': expected one of {', '.join(STATUSES)}")
@@ -137,23 +137,23 @@ async def list_reviews(request: web.Request) -> web.Response:
     limit = min(max(query_int(request, "limit", 100), 1), 100)
     offset = max(query_int(request, "offset", 0), 0)
     everything = user.is_admin or user.is_auditor
-    page = await gateway.store.list_reviews(user.org_id, status=status.upper() if status else None, type=kind,
+    page = await services.store.list_reviews(user.org_id, status=status.upper() if status else None, type=kind,
                                             visible_to=None if everything else (user.id, list(user.groups)),
                                             limit=limit, offset=offset)
-    scripts = await gateway.store.sessions_by_ids(r.session_id for r in page.items if r.type == ONETIME)
+    scripts = await services.store.sessions_by_ids(r.session_id for r in page.items if r.type == ONETIME)
     return ok([review_json(r, scripts.get(r.session_id), full=True) for r in page.items])
 
 
 @routes.get("/reviews/{id}", "A review", response=REVIEW_FULL_OUT)
 async def get_review(request: web.Request) -> web.Response:
     key = request.match_info["id"]
-    gateway = gateway_of(request)
+    services = services_of(request)
     review = await _visible_review(request, key)
-    return ok(await _review_document(gateway, review))
+    return ok(await _review_document(services, review))
 
 
 async def _decide(request: web.Request, review: Review) -> web.Response:
-    gateway = gateway_of(request)
+    services = services_of(request)
     user = user_of(request)
     body = await json_body(request, DECISION)
     status, force = body["status"], bool(body.get("force_review"))
@@ -162,13 +162,13 @@ async def _decide(request: web.Request, review: Review) -> web.Response:
     request[AUDIT_PAYLOAD] = {"review_id": review.id, "session_id": review.session_id,
                               "connection": review.connection_name, **body}
     try:
-        review, decision = await gateway.reviews.apply(review.id, user, status, force=force,
+        review, decision = await services.reviews.apply(review.id, user, status, force=force,
                                                        time_window=body.get("time_window"))
     except ReviewError as exc:
         raise _error(exc) from None
     request[AUDIT_PAYLOAD] = {**request[AUDIT_PAYLOAD], "groups": decision.groups,
                               "review_status": review.status}
-    return ok(await _review_document(gateway, review))
+    return ok(await _review_document(services, review))
 
 
 @routes.put("/reviews/{id}", "Approve, reject or revoke a review", body=DECISION, response=REVIEW_FULL_OUT)
@@ -181,9 +181,9 @@ async def update_review(request: web.Request) -> web.Response:
             audit="reviews", response=REVIEW_FULL_OUT)
 async def update_session_review(request: web.Request) -> web.Response:
     key = request.match_info["id"]
-    gateway = gateway_of(request)
+    services = services_of(request)
     session = await session_in_org(request, key)  # reviewers decide on sessions they may not read
-    review = await gateway.store.get_review(session.review_id) if session.review_id else None
+    review = await services.store.get_review(session.review_id) if session.review_id else None
     if review is None:
         raise ApiError(404, f"session {key!r} has no review")
     return await _decide(request, review)
@@ -192,10 +192,10 @@ async def update_session_review(request: web.Request) -> web.Response:
 # --------------------------------------------------------------------------- one-time scripts
 
 
-def _runner_for(gateway: Gateway, connection: Connection) -> Any:
-    runner = gateway.script_runners.get(connection.subtype)
+def _runner_for(services: Services, connection: Connection) -> Any:
+    runner = services.script_runners.get(connection.subtype)
     if runner is None:
-        available = ", ".join(sorted(gateway.script_runners)) or "none in this build"
+        available = ", ".join(sorted(services.script_runners)) or "none in this build"
         raise ApiError(422, f"connection {connection.name!r} ({connection.subtype}) cannot run scripts: "
                             f"one-time execution works on {available} connections")
     return runner
@@ -208,11 +208,11 @@ async def _answer(request: web.Request, job: ScriptJob, review: Review | None = 
     ``Prefer: respond-async`` (RFC 7240) answers 202 as soon as the script started: the caller follows its
     output as it comes on ``GET /sessions/{id}/stream`` (``gatewayd exec`` does).
     """
-    gateway = gateway_of(request)
+    services = services_of(request)
     respond_async = "respond-async" in request.headers.get("Prefer", "").lower()
     try:
         result = await asyncio.wait_for(asyncio.shield(job.result),
-                                        0 if respond_async else gateway.config["sessions.exec_wait"])
+                                        0 if respond_async else services.config["sessions.exec_wait"])
     except TimeoutError:
         response = ok({"session_id": job.session_id, "has_review": review is not None, "output": "",
                        "output_status": "running", "exit_code": None,
@@ -233,12 +233,12 @@ async def _answer(request: web.Request, job: ScriptJob, review: Review | None = 
              other_responses={202: SCRIPT_RESULT_OUT})
 async def create_session(request: web.Request) -> web.Response:
     user = user_of(request)
-    gateway = gateway_of(request)
+    services = services_of(request)
     body = await json_body(request, EXEC)
-    connection = await gateway.store.get_connection(user.org_id, body["connection"])
+    connection = await services.store.get_connection(user.org_id, body["connection"])
     if connection is None:
         raise ApiError(404, f"connection {body['connection']!r} not found")
-    _runner_for(gateway, connection)
+    _runner_for(services, connection)
     script = body["script"]
     if not script.strip():
         raise ApiError(422, "field 'script': must not be empty")
@@ -254,20 +254,20 @@ async def start_script(request: web.Request, connection: Connection, script: str
     (gatewayd.scripts.Redaction); ``audit``: more of the audit entry's payload; ``reason``: why the caller asks
     (shown to the reviewers). The same script asked again while its review is open gets that review."""
     user = user_of(request)
-    gateway = gateway_of(request)
-    _runner_for(gateway, connection)
+    services = services_of(request)
+    _runner_for(services, connection)
     shown = Redaction.of(secrets).text(script)
-    policy = await gateway.reviews.policy(connection, ONETIME)
+    policy = await services.reviews.policy(connection, ONETIME)
     if policy is not None:
         request[AUDIT_ACTION] = "review.request"
         session = session_for(user, connection, verb="exec", status="ready", script=shown, metadata=metadata,
                               session_batch_id=batch_id)
         if secrets:
-            await gateway.reviews.seal_script(session.id, script, secrets)
-        review = await gateway.reviews.request(policy, user, connection, session, ONETIME, reason=reason)
+            await services.reviews.seal_script(session.id, script, secrets)
+        review = await services.reviews.request(policy, user, connection, session, ONETIME, reason=reason)
         asked_before = review.session_id != session.id  # the same script asked again: its open review
         if not asked_before:
-            gateway.reviews.spawn(gateway.analysis.preview(session, connection, shown))  # for the reviewers to see
+            services.reviews.spawn(services.analysis.preview(session, connection, shown))  # for the reviewers to see
         request[AUDIT_PAYLOAD] = {**(audit or {}), "connection": connection.name, "session_id": review.session_id,
                                   "review_id": review.id, "type": ONETIME, "reviewers": policy.reviewers,
                                   **({"asked_before": True} if asked_before else {})}
@@ -277,7 +277,7 @@ async def start_script(request: web.Request, connection: Connection, script: str
     request[AUDIT_ACTION] = "session.exec"
     started = time.monotonic()
     try:
-        job = await gateway.reviews.run_script(user, connection, script, metadata=metadata, batch_id=batch_id,
+        job = await services.reviews.run_script(user, connection, script, metadata=metadata, batch_id=batch_id,
                                                secrets=secrets)
     except RuntimeError as exc:
         raise ApiError(503, str(exc)) from None
@@ -289,7 +289,7 @@ async def start_script(request: web.Request, connection: Connection, script: str
              audit="sessions", response=SCRIPT_RESULT_OUT, other_responses={202: SCRIPT_RESULT_OUT})
 async def exec_session(request: web.Request) -> web.Response:
     user = user_of(request)
-    gateway = gateway_of(request)
+    services = services_of(request)
     key = request.match_info["id"]
     request[AUDIT_ACTION] = "session.exec"
     request[AUDIT_PAYLOAD] = {"session_id": key}
@@ -298,18 +298,18 @@ async def exec_session(request: web.Request) -> web.Response:
         raise ApiError(403, "access denied: only the user who asked for this script may run it")
     if session.verb != "exec" or not session.review_id:
         raise ApiError(400, "this session is not a reviewed script: run scripts with POST /sessions")
-    connection = await gateway.store.get_connection(user.org_id, session.connection_id)
+    connection = await services.store.get_connection(user.org_id, session.connection_id)
     if connection is None:
         raise ApiError(404, f"connection {session.connection!r} no longer exists")
-    _runner_for(gateway, connection)
+    _runner_for(services, connection)
     try:
-        review = await gateway.reviews.begin_execution(session.review_id)
+        review = await services.reviews.begin_execution(session.review_id)
     except ReviewError as exc:
         raise _error(exc) from None
     request[AUDIT_PAYLOAD] = {"session_id": key, "review_id": review.id, "connection": connection.name}
     started = time.monotonic()
     try:
-        job = await gateway.reviews.run_script(user, connection, session.script or "", session=session,
+        job = await services.reviews.run_script(user, connection, session.script or "", session=session,
                                                review=review)
     except RuntimeError as exc:  # shutting down: the approval still stands
         raise ApiError(503, str(exc)) from None
@@ -326,17 +326,17 @@ async def jit_credentials(request: web.Request) -> web.Response:
     from control.connections import native_access  # the connection area owns the credential format
 
     user = user_of(request)
-    gateway = gateway_of(request)
+    services = services_of(request)
     name, key = request.match_info["name"], request.match_info["session_id"]
-    connection = await gateway.store.get_connection(user.org_id, name)
+    connection = await services.store.get_connection(user.org_id, name)
     if connection is None:
         raise ApiError(404, f"connection {name!r} not found")
-    session = await gateway.store.get_session(key)
+    session = await services.store.get_session(key)
     if session is None or session.org_id != user.org_id or session.connection_id != connection.id:
         raise ApiError(404, f"session {key!r} of connection {connection.name!r} not found")
     if session.user_id != user.subject:
         raise ApiError(403, "access denied: this access request belongs to another user")
-    review = await gateway.store.get_review(session.review_id) if session.review_id else None
+    review = await services.store.get_review(session.review_id) if session.review_id else None
     if review is None or review.type != JIT:
         raise ApiError(400, f"session {key!r} has no just-in-time review")
     body = {"session_id": session.id, "review_id": review.id, "has_review": True, "review": review_json(review)}
@@ -353,17 +353,17 @@ async def jit_credentials(request: web.Request) -> web.Response:
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
     remaining = (parse_time(review.revoke_at) - utcnow()).total_seconds()  # type: ignore[operator]
-    issued = await gateway.access.issue(user, connection, remaining, review_id=review.id, session=session,
+    issued = await services.access.issue(user, connection, remaining, review_id=review.id, session=session,
                                         session_stored=True)
     if session.status == "ready":
-        await gateway.store.start_session(session.id, rfc3339(utcnow()))
+        await services.store.start_session(session.id, rfc3339(utcnow()))
     request[AUDIT_PAYLOAD] = {"session_id": session.id, "review_id": review.id, "connection": connection.name}
     cred = issued.credential
     return ok({
         "id": cred.id, "connection_name": connection.name, "connection_type": connection.type,
         "connection_subtype": connection.subtype, "session_id": session.id, "review_id": review.id,
         "expire_at": cred.expire_at, "created_at": cred.created_at, "has_review": True,
-        "connection_credentials": native_access(gateway, connection, issued.secret),
+        "connection_credentials": native_access(services, connection, issued.secret),
     }, status=201)
 
 
@@ -399,7 +399,7 @@ def _rule_from(body: dict[str, Any], org_id: str, existing: AccessRequestRule | 
 
 async def _find_rule(request: web.Request) -> AccessRequestRule:
     name = request.match_info["name"]
-    rule = await gateway_of(request).store.get_access_rule(user_of(request).org_id, name)
+    rule = await services_of(request).store.get_access_rule(user_of(request).org_id, name)
     if rule is None:
         raise ApiError(404, f"access request rule {name!r} not found")
     return rule
@@ -408,7 +408,7 @@ async def _find_rule(request: web.Request) -> AccessRequestRule:
 @routes.get("/access-requests/rules", "Access request rules",
             response=Schema("AccessRequestRules", {"data": Field("array", True, items=RULE_OUT)}))
 async def list_rules(request: web.Request) -> web.Response:
-    rules = await gateway_of(request).store.list_access_rules(user_of(request).org_id)
+    rules = await services_of(request).store.list_access_rules(user_of(request).org_id)
     return ok({"data": [rule_json(r) for r in rules]})
 
 
@@ -418,7 +418,7 @@ async def create_rule(request: web.Request) -> web.Response:
     admin = require_admin(request)
     rule = _rule_from(await json_body(request, RULE), admin.org_id, None)
     try:
-        await gateway_of(request).store.save_access_rule(rule, create=True)
+        await services_of(request).store.save_access_rule(rule, create=True)
     except Conflict:
         raise ApiError(409, f"access request rule {rule.name!r} already exists") from None
     return ok(rule_json(rule), status=201)
@@ -436,7 +436,7 @@ async def update_rule(request: web.Request) -> web.Response:
     existing = await _find_rule(request)
     rule = _rule_from(await json_body(request, RULE), admin.org_id, existing)
     try:
-        await gateway_of(request).store.save_access_rule(rule, create=False)
+        await services_of(request).store.save_access_rule(rule, create=False)
     except Conflict:
         raise ApiError(409, f"access request rule {rule.name!r} already exists") from None
     return ok(rule_json(rule))
@@ -447,6 +447,6 @@ async def update_rule(request: web.Request) -> web.Response:
 async def delete_rule(request: web.Request) -> web.Response:
     admin = require_admin(request)
     rule = await _find_rule(request)
-    await gateway_of(request).store.delete_access_rule(admin.org_id, rule.id)
+    await services_of(request).store.delete_access_rule(admin.org_id, rule.id)
     return web.Response(status=204)
 

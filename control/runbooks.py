@@ -19,10 +19,10 @@ from control.http import (
     RouteSet,
     Schema,
     array_of,
-    gateway_of,
     json_body,
     ok,
     require_admin,
+    services_of,
     user_of,
 )
 from control.reviews import start_script
@@ -124,14 +124,14 @@ def _error(exc: RunbookError) -> ApiError:
 async def _enabled(request: web.Request) -> User:
     """The caller, when the runbooks feature is on for their organization (403 otherwise)."""
     user = user_of(request)
-    if not await features.enabled(gateway_of(request).store, user.org_id, "runbooks"):
+    if not await features.enabled(services_of(request).store, user.org_id, "runbooks"):
         raise ApiError(403, "access denied: the runbooks feature is disabled for this organization "
                             "(PUT /api/orgs/features)")
     return user
 
 
 def _tenant(request: web.Request) -> bool:
-    return gateway_of(request).tenancy.is_tenant(user_of(request).org_id)
+    return services_of(request).tenancy.is_tenant(user_of(request).org_id)
 
 
 # --------------------------------------------------------------------------- configurations
@@ -179,7 +179,7 @@ def _build_repository(request: web.Request, body: dict[str, Any], existing: dict
 
 
 async def _existing(request: web.Request) -> dict[str, RunbookRepository]:
-    repos = await gateway_of(request).store.list_runbook_repositories(user_of(request).org_id)
+    repos = await services_of(request).store.list_runbook_repositories(user_of(request).org_id)
     return {r.id: r for r in repos}
 
 
@@ -193,7 +193,7 @@ def _configuration(org_id: str, repos: list[RunbookRepository]) -> dict[str, Any
             response=CONFIGURATION_OUT)
 async def get_configuration(request: web.Request) -> web.Response:
     admin = require_admin(request)
-    repos = await gateway_of(request).store.list_runbook_repositories(admin.org_id)
+    repos = await services_of(request).store.list_runbook_repositories(admin.org_id)
     if not repos:
         raise ApiError(404, "runbook configuration not found")
     return ok(_configuration(admin.org_id, repos))
@@ -210,10 +210,10 @@ async def put_configuration(request: web.Request) -> web.Response:
     names = [r.repository for r in repos]
     if len(set(names)) != len(names):
         raise ApiError(400, "duplicate git repository URLs (and branches) are not allowed")
-    gateway = gateway_of(request)
-    await gateway.store.replace_runbook_repositories(admin.org_id, repos)
+    services = services_of(request)
+    await services.store.replace_runbook_repositories(admin.org_id, repos)
     for repo in [*existing.values(), *repos]:
-        gateway.runbooks.forget(repo)
+        services.runbooks.forget(repo)
     return ok(_configuration(admin.org_id, repos))
 
 
@@ -224,7 +224,7 @@ async def create_repository(request: web.Request) -> web.Response:
     body = await json_body(request, REPOSITORY)
     repo = _build_repository(request, body, {})
     try:
-        await gateway_of(request).store.save_runbook_repository(repo, create=True)
+        await services_of(request).store.save_runbook_repository(repo, create=True)
     except Conflict:
         raise ApiError(409, f"runbook repository {repo.repository!r} is configured already") from None
     return ok(repository_json(repo), status=201)
@@ -242,9 +242,9 @@ async def update_repository(request: web.Request) -> web.Response:
     repo = _build_repository(request, body, existing)
     if repo.id != key:
         raise ApiError(400, "git url in the path and body do not match")
-    gateway = gateway_of(request)
-    await gateway.store.save_runbook_repository(repo, create=False)
-    gateway.runbooks.forget(repo)
+    services = services_of(request)
+    await services.store.save_runbook_repository(repo, create=False)
+    services.runbooks.forget(repo)
     return ok(repository_json(repo))
 
 
@@ -253,10 +253,10 @@ async def delete_repository(request: web.Request) -> web.Response:
     admin = require_admin(request)
     existing = await _existing(request)
     key = request.match_info["id"]
-    gateway = gateway_of(request)
-    if not await gateway.store.delete_runbook_repository(admin.org_id, key):
+    services = services_of(request)
+    if not await services.store.delete_runbook_repository(admin.org_id, key):
         raise ApiError(404, f"runbook repository {key!r} not found")
-    gateway.runbooks.forget(existing[key])
+    services.runbooks.forget(existing[key])
     return web.Response(status=204)
 
 
@@ -282,7 +282,7 @@ def _build_rule(body: dict[str, Any], org_id: str, existing: RunbookRule | None)
 
 async def _rule(request: web.Request) -> RunbookRule:
     key = request.match_info["id"]
-    rule = await gateway_of(request).store.get_runbook_rule(user_of(request).org_id, key)
+    rule = await services_of(request).store.get_runbook_rule(user_of(request).org_id, key)
     if rule is None:
         raise ApiError(404, "runbook rule not found")
     return rule
@@ -291,7 +291,7 @@ async def _rule(request: web.Request) -> RunbookRule:
 @routes.get("/runbooks/rules", "Runbook rules: which groups may run which runbooks on which connections",
             response=array_of(RULE_OUT))
 async def list_rules(request: web.Request) -> web.Response:
-    rules = await gateway_of(request).store.list_runbook_rules(user_of(request).org_id)
+    rules = await services_of(request).store.list_runbook_rules(user_of(request).org_id)
     return ok([rule_json(r) for r in rules])
 
 
@@ -305,7 +305,7 @@ async def create_rule(request: web.Request) -> web.Response:
     admin = require_admin(request)
     rule = _build_rule(await json_body(request, RULE), admin.org_id, None)
     try:
-        await gateway_of(request).store.save_runbook_rule(rule, create=True)
+        await services_of(request).store.save_runbook_rule(rule, create=True)
     except Conflict:
         raise ApiError(409, f"runbook rule {rule.name!r} already exists") from None
     return ok(rule_json(rule), status=201)
@@ -317,7 +317,7 @@ async def update_rule(request: web.Request) -> web.Response:
     existing = await _rule(request)
     rule = _build_rule(await json_body(request, RULE), admin.org_id, existing)
     try:
-        await gateway_of(request).store.save_runbook_rule(rule, create=False)
+        await services_of(request).store.save_runbook_rule(rule, create=False)
     except Conflict:
         raise ApiError(409, f"runbook rule {rule.name!r} already exists") from None
     return ok(rule_json(rule))
@@ -327,7 +327,7 @@ async def update_rule(request: web.Request) -> web.Response:
 async def delete_rule(request: web.Request) -> web.Response:
     admin = require_admin(request)
     rule = await _rule(request)
-    await gateway_of(request).store.delete_runbook_rule(admin.org_id, rule.id)
+    await services_of(request).store.delete_runbook_rule(admin.org_id, rule.id)
     return web.Response(status=204)
 
 
@@ -339,15 +339,15 @@ class Library:
 
     def __init__(self, request: web.Request) -> None:
         self.request = request
-        self.gateway = gateway_of(request)
+        self.services = services_of(request)
         self.user = user_of(request)
 
     async def load(self) -> "Library":
-        store, org_id = self.gateway.store, self.user.org_id
+        store, org_id = self.services.store, self.user.org_id
         self.repositories = await store.list_runbook_repositories(org_id)
         self.rules = await store.list_runbook_rules(org_id)
         self.connections = [c for c in await store.list_connections(org_id)
-                            if c.subtype in self.gateway.script_runners]
+                            if c.subtype in self.services.script_runners]
         self.folders: dict[str, list[str]] = {}  # the runbooks plugin's setting per connection: its folders
         plugin = await store.get_plugin(org_id, "runbooks")
         if plugin is not None:
@@ -369,7 +369,7 @@ class Library:
         tenant = _tenant(self.request)
         for repo in self.repositories:
             try:
-                found.append((repo, await self.gateway.runbooks.catalog(repo, refresh=refresh, tenant=tenant)))
+                found.append((repo, await self.services.runbooks.catalog(repo, refresh=refresh, tenant=tenant)))
             except RunbookError as exc:
                 errors.append(f"{repo.repository}: {exc.message}")
         return found, errors
@@ -393,7 +393,7 @@ class Library:
 
 
 async def _connection(request: web.Request, name: str) -> Connection:
-    connection = await gateway_of(request).store.get_connection(user_of(request).org_id, name)
+    connection = await services_of(request).store.get_connection(user_of(request).org_id, name)
     if connection is None:
         raise ApiError(404, f"connection {name!r} not found")
     return connection
@@ -512,7 +512,7 @@ async def exec_runbook(request: web.Request) -> web.Response:
 
 
 async def _catalog(request: web.Request, repo: RunbookRepository, ref: str | None) -> Catalog:
-    runbooks, tenant = gateway_of(request).runbooks, _tenant(request)
+    runbooks, tenant = services_of(request).runbooks, _tenant(request)
     try:
         if ref:
             return await runbooks.at_commit(repo, ref, tenant=tenant)

@@ -7,7 +7,7 @@ from typing import Any
 from aiohttp import web
 
 from control.connections import connection_status
-from control.http import ApiError, Field, Param, RouteSet, Schema, gateway_of, ok, user_of
+from control.http import ApiError, Field, Param, RouteSet, Schema, ok, services_of, user_of
 from control.schemas import SESSION_OUT, TEXT
 from control.sessions import session_json
 from gatewayd.models import Session
@@ -41,7 +41,7 @@ async def search(request: web.Request) -> web.Response:
     if not term:
         raise ApiError(400, "term parameter is required")
     user = user_of(request)
-    store = gateway_of(request).store
+    store = services_of(request).store
     needle = term.lower()
     connections = [c for c in await store.list_connections(user.org_id) if _has(needle, c.name, c.resource_name)]
     resources = [r for r in await store.list_resources(user.org_id) if _has(needle, r.name)]
@@ -62,7 +62,7 @@ async def search(request: web.Request) -> web.Response:
     sessions = sorted(found.values(), key=lambda s: (s.start_date or "", s.id), reverse=True)[:LIMIT]
     return ok({
         "errors": [],
-        "connections": [_connection(c, connection_status(gateway_of(request), c)) for c in connections[:LIMIT]],
+        "connections": [_connection(c, connection_status(services_of(request), c)) for c in connections[:LIMIT]],
         "resources": [{"id": r.id, "name": r.name, "type": r.type, "subtype": r.subtype} for r in resources[:LIMIT]],
         "runbooks": [],  # runbooks live elsewhere (issue 35); none are searched here yet
         "sessions": [session_json(s) for s in sessions],

@@ -19,10 +19,10 @@ from control.http import (
     Field,
     RouteSet,
     Schema,
-    gateway_of,
     json_body,
     ok,
     require_operator,
+    services_of,
 )
 from gatewayd.apikeys import SERVER
 from gatewayd.audit import REDACTED
@@ -69,12 +69,12 @@ def _shown(prefix: str | None) -> str | None:
 
 
 async def _document(request: web.Request) -> dict[str, Any]:
-    gateway = gateway_of(request)
-    config = gateway.identity.config
-    org = await gateway.store.default_org()
-    active = await gateway.store.api_keys_of(org.id, SERVER, "active")
-    pending = await gateway.store.api_keys_of(org.id, SERVER, "pending")
-    stored = await gateway.store.get_setting(AUTH_SETTINGS) or {}
+    services = services_of(request)
+    config = services.identity.config
+    org = await services.store.default_org()
+    active = await services.store.api_keys_of(org.id, SERVER, "active")
+    pending = await services.store.api_keys_of(org.id, SERVER, "pending")
+    stored = await services.store.get_setting(AUTH_SETTINGS) or {}
     oidc = None
     if config["auth.issuer"] == "oidc":
         oidc = {"issuer_url": config["auth.oidc.issuer_url"], "client_id": config["auth.oidc.client_id"],
@@ -106,8 +106,8 @@ async def get_auth(request: web.Request) -> web.Response:
 async def put_auth(request: web.Request) -> web.Response:
     require_operator(request)
     body = await json_body(request, AUTH)
-    gateway = gateway_of(request)
-    store = gateway.store
+    services = services_of(request)
+    store = services.store
     if body["auth_method"] == "saml" or body.get("saml_config"):
         raise ApiError(422, "field 'auth_method': gatewayd signs people in with OIDC or its own local logins "
                             "(SAML is not supported)")
@@ -129,10 +129,10 @@ async def put_auth(request: web.Request) -> web.Response:
         secret = oidc.get("client_secret") or ""
         if secret == REDACTED:
             stored_secret = await store.get_key(AUTH_CLIENT_SECRET)
-            if stored_secret is None and not gateway.identity.config["auth.oidc.client_secret"]:
+            if stored_secret is None and not services.identity.config["auth.oidc.client_secret"]:
                 raise ApiError(422, f"field 'oidc_config.client_secret': {REDACTED} stands for the stored value, "
                                     "and there is none")
-            secret = stored_secret.decode() if stored_secret else gateway.identity.config["auth.oidc.client_secret"]
+            secret = stored_secret.decode() if stored_secret else services.identity.config["auth.oidc.client_secret"]
     rollout = body.get("rollout_api_key")
     if rollout and rollout != current["rollout_api_key"]:
         org = await store.default_org()
@@ -143,7 +143,7 @@ async def put_auth(request: web.Request) -> web.Response:
     if secret is not None:
         await store.put_key(AUTH_CLIENT_SECRET, secret.encode())
     await store.put_setting(AUTH_SETTINGS, settings)
-    await gateway.cluster.publish(AUTH_CHANGED)  # here (Identity.reload_auth) and on every other node
+    await services.cluster.publish(AUTH_CHANGED)  # here (Identity.reload_auth) and on every other node
     return ok(await _document(request))
 
 
@@ -151,13 +151,13 @@ async def put_auth(request: web.Request) -> web.Response:
              status=201, response=APIKEY_OUT)
 async def generate_api_key(request: web.Request) -> web.Response:
     operator = require_operator(request)
-    gateway = gateway_of(request)
-    org = await gateway.store.default_org()
-    secret, key = await gateway.identity.keys.issue(org.id, SERVER, operator.email, pending=True)
+    services = services_of(request)
+    org = await services.store.default_org()
+    secret, key = await services.identity.keys.issue(org.id, SERVER, operator.email, pending=True)
     request[AUDIT_ACTION] = "serverconfig.generate_api_key"
     return ok({"rollout_api_key": secret}, status=201)
 
 
 @routes.get("/publicserverinfo", "How people sign in here (no token needed)", public=True, response=PUBLIC_OUT)
 async def public_server_info(request: web.Request) -> web.Response:
-    return ok({"auth_method": gateway_of(request).identity.config["auth.issuer"]})
+    return ok({"auth_method": services_of(request).identity.config["auth.issuer"]})

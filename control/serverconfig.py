@@ -9,7 +9,7 @@ import time
 from aiohttp import web
 from cryptography.hazmat.primitives import serialization
 
-from control.http import ApiError, Field, RouteSet, Schema, gateway_of, json_body, ok, require_operator, user_of
+from control.http import ApiError, Field, RouteSet, Schema, json_body, ok, require_operator, services_of, user_of
 from gatewayd import protocols
 
 routes = RouteSet("Server Management", audit="serverconfig")
@@ -69,23 +69,23 @@ def _check_host_key(encoded: str) -> None:
 
 @routes.get("/serverinfo", "Current server information", response=SERVERINFO_OUT)
 async def serverinfo(request: web.Request) -> web.Response:
-    gateway = gateway_of(request)
-    config = gateway.config
+    services = services_of(request)
+    config = services.config
     user = user_of(request)
     info = {
-        "version": gateway.version,
+        "version": services.node.version,
         "gateway_commit": "",
         "tenancy_type": "multitenant" if config["auth.multi_tenant"] else "selfhosted",
-        "auth_method": gateway.identity.config["auth.issuer"],
+        "auth_method": services.identity.config["auth.issuer"],
         "api_url": f"{config.public_url}/api",
-        "grpc_url": gateway.server_config.get("grpc_server_url", ""),
+        "grpc_url": services.node.server_config.get("grpc_server_url", ""),
         "has_idp_audience": bool(config["auth.oidc.audience"]),
         "has_idp_custom_scopes": config["auth.oidc.scopes"] != ["openid", "profile", "email"],
-        "product_analytics": gateway.server_config.get("product_analytics", "inactive"),
-        "uptime_seconds": int(time.time() - gateway.started_at),
+        "product_analytics": services.node.server_config.get("product_analytics", "inactive"),
+        "uptime_seconds": int(time.time() - services.node.started_at),
     }
-    if gateway.identity.is_operator(user):
-        info["listeners"] = gateway.listeners.summary()
+    if services.identity.is_operator(user):
+        info["listeners"] = services.node.listeners.summary()
     return ok(info)
 
 
@@ -93,7 +93,7 @@ async def serverinfo(request: web.Request) -> web.Response:
             response=MISC_OUT)
 async def get_misc(request: web.Request) -> web.Response:
     require_operator(request)
-    return ok(gateway_of(request).server_config)
+    return ok(services_of(request).node.server_config)
 
 
 @routes.put("/serverconfig/misc", "Persist the configuration and start, restart or stop listeners live (operator)",
@@ -101,8 +101,8 @@ async def get_misc(request: web.Request) -> web.Response:
 async def put_misc(request: web.Request) -> web.Response:
     require_operator(request)
     body = await json_body(request, misc_schema())
-    gateway = gateway_of(request)
-    document = {k: (dict(v) if isinstance(v, dict) else v) for k, v in gateway.server_config.items()}
+    services = services_of(request)
+    document = {k: (dict(v) if isinstance(v, dict) else v) for k, v in services.node.server_config.items()}
     for key in listener_keys():
         if key in body:
             _check_listen(body[key]["listen_address"], key)
@@ -112,8 +112,8 @@ async def put_misc(request: web.Request) -> web.Response:
     for key in ("grpc_server_url", "product_analytics"):
         if key in body:
             document[key] = body[key]
-    await gateway.update_server_config(document)
-    failed = {name: s["error"] for name, s in gateway.listeners.summary().items()
+    await services.node.update_server_config(document)
+    failed = {name: s["error"] for name, s in services.node.listeners.summary().items()
               if s["listen_address"] and s["status"] == "error"}
     if failed:
         detail = "; ".join(f"{name}: {error}" for name, error in failed.items())

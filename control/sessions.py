@@ -18,8 +18,8 @@ from aiohttp import web
 from control.asciicast import CONTENT_TYPE as ASCIICAST
 from control.asciicast import render_asciicast
 from control.audit_logs import parse_moment
-from control.http import (INT64_MAX, SLICE, ApiError, Field, Param, RouteSet, Schema, gateway_of, json_body, off_loop,
-                          ok, ok_in_slices, query_int, user_of)
+from control.http import (INT64_MAX, SLICE, ApiError, Field, Param, RouteSet, Schema, json_body, off_loop, ok,
+                          ok_in_slices, query_int, services_of, user_of)
 from control.schemas import SESSION_OUT, VERIFICATION_OUT
 from gatewayd import protocols
 from gatewayd.crypto import hash_secret
@@ -105,7 +105,7 @@ async def list_sessions(request: web.Request) -> web.Response:
         tracker_issue_key=q.get("tracker_issue_key") or None,
         start_date=parse_moment(q.get("start_date"), "start_date"),
         end_date=parse_moment(q.get("end_date"), "end_date", end_of_day=True), limit=limit, offset=offset)
-    store = gateway_of(request).store
+    store = services_of(request).store
     page = await store.list_sessions(query)
     reviews = await store.reviews_by_ids(s.review_id for s in page.items if s.review_id)
     return ok({"data": [session_json(s, review=reviews.get(s.review_id or "")) for s in page.items],
@@ -126,7 +126,7 @@ async def full_id(request: web.Request, table: str, key: str) -> str:
     names the session or review ``5f0afc22-...``); else ``key`` as given. 409 when several do."""
     if not SHORT_ID.fullmatch(key):
         return key
-    found = await gateway_of(request).store.ids_with_prefix(table, user_of(request).org_id, key, limit=3)
+    found = await services_of(request).store.ids_with_prefix(table, user_of(request).org_id, key, limit=3)
     if len(found) > 1:
         raise ApiError(409, f"{key!r} is the start of several ids ({', '.join(found[:2])}, ...): give more of it")
     return found[0] if found else key
@@ -135,7 +135,7 @@ async def full_id(request: web.Request, table: str, key: str) -> str:
 async def session_in_org(request: web.Request, session_id: str) -> Session:
     """The session of the caller's organization (by its id or, where it is unambiguous, the start of it), or 404
     (visibility is the caller's to check)."""
-    store = gateway_of(request).store
+    store = services_of(request).store
     session = await store.get_session(session_id)
     if session is None and len(session_id) < 36:
         session = await store.get_session(await full_id(request, "sessions", session_id))
@@ -149,7 +149,7 @@ async def find_session(request: web.Request) -> Session:
     session = await session_in_org(request, request.match_info["id"])
     user = user_of(request)
     if not can_see(user, session):
-        review = await review_of(gateway_of(request).store, session)
+        review = await review_of(services_of(request).store, session)
         if review is None or not reviews_for(user, review):
             raise ApiError(403, "access denied: this session belongs to another user")
     return session
@@ -215,7 +215,7 @@ def statements_response(session: Session, events: list[SessionEvent], rendering:
             media=("text/csv", ASCIICAST))
 async def get(request: web.Request) -> web.Response:
     session = await find_session(request)
-    store = gateway_of(request).store
+    store = services_of(request).store
     if request.query.get("extension"):
         return await download_link(request, session)
     rendering = request.query.get("format")
@@ -256,7 +256,7 @@ async def get(request: web.Request) -> web.Response:
             response=VERIFICATION_OUT)
 async def verify(request: web.Request) -> web.Response:
     session = await find_session(request)
-    return ok((await gateway_of(request).recording.verify(session)).as_json())
+    return ok((await services_of(request).recording.verify(session)).as_json())
 
 
 @routes.post("/sessions/{id}/kill", "End a running session (admin or its owner)", response=SESSION_OUT)
@@ -265,11 +265,11 @@ async def kill(request: web.Request) -> web.Response:
     user = user_of(request)
     if not user.is_admin and session.user_id != user.subject:
         raise ApiError(403, "access denied: only an admin or the session's owner may kill it")
-    gateway = gateway_of(request)
+    services = services_of(request)
     if session.status == "done":
         raise ApiError(409, "the session is already done")
-    await gateway.sessions.kill(session.id, f"session killed by {user.email}")
-    return ok(session_json(await gateway.store.get_session(session.id)))  # type: ignore[arg-type]
+    await services.sessions.kill(session.id, f"session killed by {user.email}")
+    return ok(session_json(await services.store.get_session(session.id)))  # type: ignore[arg-type]
 
 
 KEEPALIVE = 15.0  # seconds of silence after which a stream sends a comment (proxies keep it open)
@@ -313,10 +313,10 @@ def _after(request: web.Request) -> int:
 async def stream(request: web.Request) -> web.StreamResponse:
     session = await find_session(request)
     after = _after(request)
-    gateway = gateway_of(request)
+    services = services_of(request)
     user = user_of(request)
     if session.status != "done":  # someone watches a live session: the audit log says who
-        await gateway.audit.record(org_id=session.org_id, actor=user, action="session.watch",
+        await services.audit.record(org_id=session.org_id, actor=user, action="session.watch",
                                    resource_type="sessions", outcome="success", http_method=request.method,
                                    http_path=request.path, http_status=200, client_ip=request.remote or "",
                                    payload={"session_id": session.id, "connection": session.connection,
@@ -324,11 +324,11 @@ async def stream(request: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(headers=STREAM_HEADERS)
     await response.prepare(request)
     await response.write(b": following\n\n")
-    frames = gateway.frames.reader(session.id) if protocols.presentation_of(session.subtype) == FRAMES else None
+    frames = services.frames.reader(session.id) if protocols.presentation_of(session.subtype) == FRAMES else None
     shown_frames, quiet_since = -1, time.monotonic()
-    review = await review_of(gateway.store, session)
+    review = await review_of(services.store, session)
     try:
-        async for update in gateway.watch.follow(session.id, after):
+        async for update in services.watch.follow(session.id, after):
             if isinstance(update, Recorded):
                 await response.write(sse("event", event_json(session, update.seq, update.event), update.seq))
                 quiet_since = time.monotonic()
@@ -391,30 +391,30 @@ async def download_link(request: web.Request, session: Session) -> web.Response:
     as_input = q.get("blob-type") == "session_input"
     token = secrets.token_urlsafe(32)
     expires = utcnow() + timedelta(seconds=DOWNLOAD_SECONDS)
-    gateway = gateway_of(request)
-    await gateway.store.prune_keys(DOWNLOAD_PREFIX, rfc3339(utcnow() - timedelta(seconds=DOWNLOAD_SECONDS)))
-    await gateway.store.put_key(DOWNLOAD_PREFIX + hash_secret(token), json.dumps({
+    services = services_of(request)
+    await services.store.prune_keys(DOWNLOAD_PREFIX, rfc3339(utcnow() - timedelta(seconds=DOWNLOAD_SECONDS)))
+    await services.store.put_key(DOWNLOAD_PREFIX + hash_secret(token), json.dumps({
         "session_id": session.id, "org_id": session.org_id, "user_id": user.id, "expires": rfc3339(expires),
         "extension": extension, "input": as_input, "newline": q.get("newline") == "1",
         "event_time": q.get("event-time") == "1", "events": _kinds(q.get("events"))}).encode())
     path = f"/api/sessions/{session.id}/download{'/input' if as_input else ''}"
-    return ok({"download_url": f"{gateway.config.public_url}{path}?token={token}", "expire_at": rfc3339(expires)})
+    return ok({"download_url": f"{services.config.public_url}{path}?token={token}", "expire_at": rfc3339(expires)})
 
 
 async def _take_download(request: web.Request, as_input: bool) -> tuple[Session, dict[str, Any]]:
     """The session and options of a download link, used up here (once): 404 unknown or used, 410 expired."""
     token = request.query.get("token", "")
-    gateway = gateway_of(request)
+    services = services_of(request)
     name = DOWNLOAD_PREFIX + hash_secret(token)
-    raw = await gateway.store.get_key(name) if token else None
-    if raw is None or not await gateway.store.delete_key(name):  # the one call that deletes it downloads
+    raw = await services.store.get_key(name) if token else None
+    if raw is None or not await services.store.delete_key(name):  # the one call that deletes it downloads
         raise ApiError(404, "not found: the download link is unknown or was used already")
     link = json.loads(raw)
     if link["session_id"] != request.match_info["id"] or link["input"] != as_input:
         raise ApiError(404, "not found: the download link is unknown or was used already")
     if (parse_time(link["expires"]) or utcnow()) <= utcnow():
         raise ApiError(410, "the download link has expired: ask for another")
-    session = await gateway.store.get_session(link["session_id"])
+    session = await services.store.get_session(link["session_id"])
     if session is None or session.org_id != link["org_id"]:
         raise ApiError(404, "not found: the session is gone")
     return session, link
@@ -445,7 +445,7 @@ def rendered_events(session: Session, events: list[SessionEvent], *, newline: bo
             query=[Param("token", description="the link's token")], public=True, media=("application/octet-stream",))
 async def download(request: web.Request) -> web.Response:
     session, link = await _take_download(request, as_input=False)
-    store = gateway_of(request).store
+    store = services_of(request).store
     if link["extension"] == "csv" and _statements(session):  # the statements, as ?format=csv gives them
         every = await store.read_events(session.id)
         answer = await off_loop(lambda: statements_response(session, every, "csv"))
@@ -470,7 +470,7 @@ async def download_input(request: web.Request) -> web.Response:
     if session.script is not None:
         body = session.script.encode()
     else:
-        events = await gateway_of(request).store.read_events(session.id, kinds="i")
+        events = await services_of(request).store.read_events(session.id, kinds="i")
         body = await asyncio.to_thread(rendered_events, session, events, newline=False, event_time=False)
     return _attachment(session, "txt", body)
 
@@ -491,7 +491,7 @@ async def result_stream(request: web.Request) -> web.StreamResponse:
                                            "X-Content-Type-Options": "nosniff", "Cache-Control": "no-store"})
     await response.prepare(request)
     try:
-        async for update in gateway_of(request).watch.follow(session.id):
+        async for update in services_of(request).watch.follow(session.id):
             if isinstance(update, Recorded) and update.event.kind in kinds:
                 await response.write(rendered_events(session, [update.event], newline=newline, event_time=event_time))
         await response.write_eof()
@@ -510,5 +510,5 @@ async def patch_metadata(request: web.Request) -> web.Response:
     if session.user_id != user_of(request).subject:
         raise ApiError(404, f"session {request.match_info['id']!r} not found among your sessions")
     body = await json_body(request, METADATA)
-    await gateway_of(request).store.set_session_metadata(session.id, body["metadata"])
+    await services_of(request).store.set_session_metadata(session.id, body["metadata"])
     return web.Response(status=204)

@@ -13,10 +13,10 @@ from control.http import (
     RouteSet,
     Schema,
     array_of,
-    gateway_of,
     json_body,
     ok,
     require_admin,
+    services_of,
     user_of,
 )
 from gatewayd.crypto import MIN_PASSWORD_LENGTH
@@ -40,11 +40,11 @@ GROUP_CREATE = Schema("GroupCreate", {"name": Field("string", True)})
 
 
 async def _find(request: web.Request) -> User:
-    gateway = gateway_of(request)
+    services = services_of(request)
     key = request.match_info["id"]
     org_id = require_admin(request).org_id
-    for user in (await gateway.store.get_user(id=key), await gateway.store.get_user(email=key, org_id=org_id),
-                 await gateway.store.get_user(subject=key)):
+    for user in (await services.store.get_user(id=key), await services.store.get_user(email=key, org_id=org_id),
+                 await services.store.get_user(subject=key)):
         if user is not None and user.org_id == org_id:
             return user
     raise ApiError(404, f"user {key!r} not found")
@@ -67,7 +67,7 @@ def _check_email(body: dict) -> None:
 def _guard_operator(request: web.Request, user: User) -> None:
     """An operator's account (password, e-mail, status, deletion) is changed by operators only: an organization
     admin who could reset it would log in as the operator."""
-    if user.operator and not gateway_of(request).identity.is_operator(user_of(request)):
+    if user.operator and not services_of(request).identity.is_operator(user_of(request)):
         raise ApiError(403, f"access denied: {user.email} is an operator of the gateway; only an operator may "
                             "change or delete that account")
 
@@ -76,7 +76,7 @@ async def _keep_an_admin(request: web.Request, user: User, after: User | None) -
     """409 when ``user`` is the last active admin of its organization and ``after`` (None: deleted) is not."""
     if not (user.is_admin and user.status == "active") or (after and after.is_admin and after.status == "active"):
         return
-    others = [u for u in await gateway_of(request).store.list_users(user.org_id or "")
+    others = [u for u in await services_of(request).store.list_users(user.org_id or "")
               if u.id != user.id and u.is_admin and u.status == "active" and not u.service_account]
     if not others:
         what = "delete" if after is None else "deactivate or demote"
@@ -92,13 +92,13 @@ async def _apply(request: web.Request, user: User, body: dict) -> None:
     if body.get("groups") is not None:
         user.grant_groups(body["groups"])
     if body.get("password"):
-        user.password_hash = await gateway_of(request).identity.passwords.hash(body["password"])
+        user.password_hash = await services_of(request).identity.passwords.hash(body["password"])
 
 
 @routes.get("/users", "List the organization's users", response=array_of(USER_OUT))
 async def list_users(request: web.Request) -> web.Response:
     admin = require_admin(request)
-    users = await gateway_of(request).store.list_users(admin.org_id)
+    users = await services_of(request).store.list_users(admin.org_id)
     return ok([user_json(u) for u in users if not u.service_account])  # those are in /serviceaccounts
 
 
@@ -107,11 +107,11 @@ async def create(request: web.Request) -> web.Response:
     admin = require_admin(request)
     body = await json_body(request, USER_CREATE)
     _check_email(body)
-    gateway = gateway_of(request)
-    store = gateway.store
+    services = services_of(request)
+    store = services.store
     if await store.get_user(email=body["email"], org_id=admin.org_id):  # this organization's only: no oracle
         raise ApiError(409, f"a user with email {body['email']!r} already exists")
-    user = User(id=new_id(), org_id=admin.org_id, subject=local_subject(gateway.config["auth.multi_tenant"], admin.org_id, body["email"]),
+    user = User(id=new_id(), org_id=admin.org_id, subject=local_subject(services.config["auth.multi_tenant"], admin.org_id, body["email"]),
                 email=body["email"])
     await _apply(request, user, body)
     try:
@@ -124,7 +124,7 @@ async def create(request: web.Request) -> web.Response:
 @routes.get("/users/groups", "List groups", response=array_of("string"))
 async def list_groups(request: web.Request) -> web.Response:
     admin = require_admin(request)
-    return ok(await gateway_of(request).store.list_groups(admin.org_id))
+    return ok(await services_of(request).store.list_groups(admin.org_id))
 
 
 @routes.post("/users/groups", "Create a group", body=GROUP_CREATE, status=201,
@@ -136,7 +136,7 @@ async def create_group(request: web.Request) -> web.Response:
     if not name:
         raise ApiError(400, "field 'name' is required")
     try:
-        await gateway_of(request).store.create_group(admin.org_id, name)
+        await services_of(request).store.create_group(admin.org_id, name)
     except Conflict:
         raise ApiError(409, f"group {name!r} already exists") from None
     return ok({"name": name}, status=201)
@@ -150,7 +150,7 @@ async def delete_group(request: web.Request) -> web.Response:
     if request.match_info["name"] == ADMIN_GROUP:
         raise ApiError(409, "the admin group cannot be deleted: it would demote every admin of the organization")
     try:
-        await gateway_of(request).store.delete_group(admin.org_id, request.match_info["name"])
+        await services_of(request).store.delete_group(admin.org_id, request.match_info["name"])
     except NotFound:
         raise ApiError(404, f"group {request.match_info['name']!r} not found") from None
     return web.Response(status=204)
@@ -170,13 +170,13 @@ async def update(request: web.Request) -> web.Response:
     before = dataclasses.replace(user, groups=list(user.groups))
     await _apply(request, user, body)
     await _keep_an_admin(request, before, user)
-    gateway = gateway_of(request)
+    services = services_of(request)
     try:
-        await gateway.store.save_user(user)
+        await services.store.save_user(user)
     except Conflict:
         raise ApiError(409, f"a user with email {user.email!r} already exists") from None
     if body.get("password"):  # whoever knew the old password may hold a token: it ends with it
-        await gateway.identity.revoke_tokens_of(user)
+        await services.identity.revoke_tokens_of(user)
     return ok(user_json(user))
 
 
@@ -185,5 +185,5 @@ async def delete(request: web.Request) -> web.Response:
     user = await _find(request)
     _guard_operator(request, user)
     await _keep_an_admin(request, user, None)
-    await gateway_of(request).store.delete_user(user.id)
+    await services_of(request).store.delete_user(user.id)
     return web.Response(status=204)

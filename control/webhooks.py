@@ -14,11 +14,11 @@ from control.http import (
     RouteSet,
     Schema,
     array_of,
-    gateway_of,
     json_body,
     ok,
     query_int,
     require_admin,
+    services_of,
 )
 from control.schemas import STRINGS, TEXT
 from gatewayd.models import Delivery, WebhookEndpoint, new_id, rfc3339, utcnow
@@ -69,7 +69,7 @@ def delivery_json(delivery: Delivery, with_payload: bool = False) -> dict[str, A
 
 
 def _checked_url(request: web.Request, url: str) -> str:
-    problem = check_url(url.strip(), gateway_of(request).config["webhooks.allow_http"])
+    problem = check_url(url.strip(), services_of(request).config["webhooks.allow_http"])
     if problem:
         raise ApiError(422, f"field 'url': {problem}")
     return url.strip()
@@ -78,7 +78,7 @@ def _checked_url(request: web.Request, url: str) -> str:
 async def _endpoint(request: web.Request) -> WebhookEndpoint:
     admin = require_admin(request)
     key = request.match_info["id"]
-    endpoint = await gateway_of(request).store.get_webhook_endpoint(admin.org_id, key)
+    endpoint = await services_of(request).store.get_webhook_endpoint(admin.org_id, key)
     if endpoint is None:
         raise ApiError(404, f"webhook endpoint {key!r} not found")
     return endpoint
@@ -87,7 +87,7 @@ async def _endpoint(request: web.Request) -> WebhookEndpoint:
 @routes.get("/webhooks/endpoints", "The organization's webhook endpoints", response=array_of(ENDPOINT_OUT))
 async def list_endpoints(request: web.Request) -> web.Response:
     admin = require_admin(request)
-    return ok([endpoint_json(e) for e in await gateway_of(request).store.list_webhook_endpoints(admin.org_id)])
+    return ok([endpoint_json(e) for e in await services_of(request).store.list_webhook_endpoints(admin.org_id)])
 
 
 @routes.post("/webhooks/endpoints", "Add an endpoint: its signing secret is shown in this answer only",
@@ -100,9 +100,9 @@ async def create_endpoint(request: web.Request) -> web.Response:
                                secret=new_secret(), description=body.get("description") or "",
                                event_types=list(dict.fromkeys(body.get("event_types") or [])),
                                disabled=bool(body.get("disabled")), created_at=now, updated_at=now)
-    gateway = gateway_of(request)
-    await gateway.store.save_webhook_endpoint(endpoint, create=True)
-    gateway.notifier.changed(admin.org_id)
+    services = services_of(request)
+    await services.store.save_webhook_endpoint(endpoint, create=True)
+    services.notifier.changed(admin.org_id)
     return ok({**endpoint_json(endpoint), "secret": endpoint.secret}, status=201)
 
 
@@ -121,18 +121,18 @@ async def update_endpoint(request: web.Request) -> web.Response:
     endpoint.event_types = list(dict.fromkeys(body.get("event_types") or []))
     endpoint.disabled = bool(body.get("disabled"))
     endpoint.updated_at = rfc3339(utcnow()) or ""
-    gateway = gateway_of(request)
-    await gateway.store.save_webhook_endpoint(endpoint, create=False)
-    gateway.notifier.changed(endpoint.org_id)
+    services = services_of(request)
+    await services.store.save_webhook_endpoint(endpoint, create=False)
+    services.notifier.changed(endpoint.org_id)
     return ok(endpoint_json(endpoint))
 
 
 @routes.delete("/webhooks/endpoints/{id}", "Remove an endpoint (what is still pending for it fails)", status=204)
 async def delete_endpoint(request: web.Request) -> web.Response:
     endpoint = await _endpoint(request)
-    gateway = gateway_of(request)
-    await gateway.store.delete_webhook_endpoint(endpoint.org_id, endpoint.id)
-    gateway.notifier.changed(endpoint.org_id)
+    services = services_of(request)
+    await services.store.delete_webhook_endpoint(endpoint.org_id, endpoint.id)
+    services.notifier.changed(endpoint.org_id)
     return web.Response(status=204)
 
 
@@ -160,7 +160,7 @@ async def list_messages(request: web.Request) -> web.Response:
     admin = require_admin(request)
     limit, offset = query_int(request, "limit", 50), query_int(request, "offset", 0)
     q = request.query
-    page = await gateway_of(request).store.list_deliveries(
+    page = await services_of(request).store.list_deliveries(
         admin.org_id, endpoint_id=q.get("endpoint_id") or None, status=q.get("status") or None,
         event_type=q.get("event_type") or None, limit=limit, offset=offset)
     return ok({"data": [delivery_json(d) for d in page.items], "total": page.total,
@@ -171,7 +171,7 @@ async def list_messages(request: web.Request) -> web.Response:
 async def get_message(request: web.Request) -> web.Response:
     admin = require_admin(request)
     key = request.match_info["id"]
-    delivery = await gateway_of(request).store.get_delivery(admin.org_id, key)
+    delivery = await services_of(request).store.get_delivery(admin.org_id, key)
     if delivery is None:
         raise ApiError(404, f"webhook message {key!r} not found")
     return ok(delivery_json(delivery, True))
@@ -182,11 +182,11 @@ async def get_message(request: web.Request) -> web.Response:
 async def send_message(request: web.Request) -> web.Response:
     admin = require_admin(request)
     body = await json_body(request, PING)
-    gateway = gateway_of(request)
+    services = services_of(request)
     endpoint_id = body.get("endpoint_id") or None
-    if endpoint_id is not None and await gateway.store.get_webhook_endpoint(admin.org_id, endpoint_id) is None:
+    if endpoint_id is not None and await services.store.get_webhook_endpoint(admin.org_id, endpoint_id) is None:
         raise ApiError(404, f"webhook endpoint {endpoint_id!r} not found")
-    if await gateway.store.get_plugin(admin.org_id, "webhooks") is None:
+    if await services.store.get_plugin(admin.org_id, "webhooks") is None:
         raise ApiError(409, "the webhooks plugin is off: turn it on first (POST /api/plugins {\"name\": \"webhooks\"})")
-    deliveries = await gateway.notifier.ping(admin.org_id, endpoint_id, body.get("data") or {})
+    deliveries = await services.notifier.ping(admin.org_id, endpoint_id, body.get("data") or {})
     return ok([delivery_json(d) for d in deliveries], status=202)

@@ -45,6 +45,7 @@ from gatewayd.reviews import ReviewService
 from gatewayd.runbooks import RunbookService
 from gatewayd.webhooks import Notifier
 from gatewayd.scripts import ScriptRunner
+from gatewayd.services import SERVER_CONFIG_KEY, Services, listen_addresses
 from gatewayd.sessions import SessionManager
 from gatewayd.store import Store, describe, open_store
 from gatewayd.watch import SessionWatch
@@ -54,7 +55,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gatewayd")
 
-SERVER_CONFIG_KEY = "serverconfig.misc"
 SERVER_CONFIG_CHANGED = "serverconfig.changed"  # the bus topic: a PUT /serverconfig/misc on any node
 HOST_KEY_NAME = "ssh-host-key"
 
@@ -72,7 +72,7 @@ class Listener(Protocol):
 
 
 ListenerFactory = Callable[[ProxyContext, str, int], Awaitable[Listener]]  # a proxy gets its context only
-AppFactory = Callable[["Gateway"], web.Application]
+AppFactory = Callable[[Services], web.Application]
 
 
 @dataclass(slots=True)
@@ -171,12 +171,6 @@ def server_config_from(config: Config, host_key: str) -> dict[str, Any]:
     return document
 
 
-def listen_addresses(server_config: dict[str, Any]) -> dict[str, str]:
-    """Each registered protocol's listen address in ``server_config`` ("" when it has none)."""
-    return {description.name: server_config.get(description.server_config_key, {}).get("listen_address", "")
-            for description in protocols.registered()}
-
-
 class Gateway:
     """Everything the daemon runs, started and stopped in order."""
 
@@ -268,6 +262,17 @@ class Gateway:
         await self.identity.start()
         self.cluster.on(AUTH_CHANGED, lambda _message: self.identity.reload_auth())
 
+    def services(self) -> Services:
+        """What the control API is handed (``gatewayd.services``): the services its handlers use, and this
+        gateway as the node whose server configuration, listeners and gRPC server they read live."""
+        return Services(
+            config=self.config, store=self.store, audit=self.audit, identity=self.identity, access=self.access,
+            recording=self.recording, sessions=self.sessions, guardrails=self.guardrails, reviews=self.reviews,
+            watch=self.watch, discovery=self.discovery, frames=self.frames, analysis=self.analysis,
+            tenancy=self.tenancy, pipeline=self.pipeline, runbooks=self.runbooks, notifier=self.notifier,
+            cluster=self.cluster, agents=self.agents, proxy_manager=self.proxy_manager,
+            script_runners=self.script_runners, node=self)
+
     def node_name(self) -> str:
         """This process's name among the nodes: ``cluster.node_name``, or host and API port (and its worker)."""
         worker = self.worker_index if self.supervised else None
@@ -286,7 +291,7 @@ class Gateway:
         await self.reviews.start()
         await self.notifier.start()
         if self.app_factory is not None:
-            self._runner = web.AppRunner(self.app_factory(self), access_log=None, handle_signals=False)
+            self._runner = web.AppRunner(self.app_factory(self.services()), access_log=None, handle_signals=False)
             await self._runner.setup()
             host, port = split_listen(self.config["api.listen"])
             try:

@@ -33,7 +33,8 @@ from pathlib import Path
 
 from gatewayd import logs, metrics
 from gatewayd.config import WORKER_INDEX_VARIABLE, Config, ConfigError, split_listen
-from gatewayd.daemon import listen_addresses, sd_notify
+from gatewayd.daemon import sd_notify
+from gatewayd.services import listen_addresses
 from gatewayd.tasks import BackgroundTasks
 from launcher.root import build_gateway, reload_config
 

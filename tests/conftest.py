@@ -299,10 +299,14 @@ async def core_gateway(tmp_path: Path, settings: dict[str, Any] | None = None) -
     gateway = Gateway(load_config(None, environ={}, overrides={
         "data_dir": str(tmp_path / "data"), "sessions.flush_interval": "100ms", **(settings or {})}))
     await gateway.open_core()
-    await gateway.recording.start()
-    yield gateway
-    await gateway.recording.stop()
-    await gateway.close_core()
+    try:
+        await gateway.recording.start()
+        try:
+            yield gateway
+        finally:
+            await gateway.recording.stop()
+    finally:
+        await gateway.close_core()
 
 
 async def issued_in_core(core: Any, name: str, kind: str, env: dict[str, str], email: str = "ann@example.com") -> Any:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import select
+import socket
 import shutil
 import signal
 import subprocess
@@ -26,6 +27,18 @@ PEER_TOOLS = ("Xvfb", "freerdp-shadow-cli", "xfreerdp")
 NLA_USER, NLA_PASSWORD = "alice", "Tgt-pass-7c1e9d"  # the one account of the NLA shadow server
 # pyrdp's own pyrdp-mitm command, after proxies.rdp's compatibility shim (Python 3.13 removed typing.io)
 PYRDP_MITM = "import sys, proxies.rdp; from pyrdp.bin.mitm import main; sys.argv[0] = 'pyrdp-mitm'; sys.exit(main())"
+
+
+def wait_x_display(display: int, timeout: float = 20) -> None:
+    """Until the X server of ``display`` accepts a connection on its socket (a bound, then on regardless)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket(socket.AF_UNIX) as probe:
+            try:
+                probe.connect(f"/tmp/.X11-unix/X{display}")
+                return
+            except OSError:
+                time.sleep(0.1)
 
 
 class Peers:
@@ -78,7 +91,9 @@ class Peers:
         return int(answer)
 
     def shadow(self, display: int, name: str, *security: str) -> int:
-        for attempt in range(2):  # right after Xvfb the shadow server can fail to open the display
+        attempts = 4
+        for attempt in range(attempts):  # right after Xvfb (on a busy machine) the shadow server can fail to open it
+            wait_x_display(display)
             port = free_port()
             process = self.spawn(["freerdp-shadow-cli", f"/port:{port}", "/bind-address:127.0.0.1", *security],
                                  name, {"DISPLAY": f":{display}"})
@@ -86,10 +101,10 @@ class Peers:
                 wait_port(port, process, "freerdp-shadow-cli")
                 return port
             except RuntimeError:
-                if attempt:
+                if attempt == attempts - 1:
                     raise RuntimeError(f"freerdp-shadow-cli did not start:\n{self.log(name)}") from None
                 process.kill()
-                time.sleep(1)
+                time.sleep(attempt + 1)
         raise AssertionError("unreachable")
 
     def observer(self, target_port: int) -> int:

@@ -30,6 +30,7 @@ import aiohttp
 import asyncpg
 import pytest
 
+from tests import clients
 from tests.apiclient import Api, b64, events, of_kind
 from tests.conftest import BIN, ROOT, Daemon, free_port, wait_port
 from tests.sshpeer import CLIENT_OPTIONS
@@ -189,11 +190,7 @@ async def credential(api: Api, connection: dict, field: str, token: str | None =
 
 
 def psql(gateway: Daemon, secret: str, *commands: str) -> subprocess.CompletedProcess[str]:
-    args = ["psql", f"postgres://{secret}:any@127.0.0.1:{gateway.ports['postgres']}/postgres?sslmode=disable",
-            "-X", "-At"]
-    for command in commands:
-        args += ["-c", command]
-    return subprocess.run(args, capture_output=True, text=True, timeout=60)
+    return clients.psql(gateway.ports["postgres"], secret, "-At", *[part for c in commands for part in ("-c", c)])
 
 
 # ---------------------------------------------------------------------------------------------- the isolation

@@ -19,6 +19,7 @@ import aiohttp
 import asyncpg
 import pytest
 
+from tests import clients
 from tests.apiclient import Api, SshApi, events, of_kind, postgres_env
 from tests.conftest import free_port, proxy_daemon
 from tests.llmpeer import API_KEY, FakeLLM
@@ -235,11 +236,7 @@ async def test_a_risky_shell_line_ends_an_interactive_ssh_session(api, gateway, 
 
 
 def psql(gateway, secret: str, script: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
-    env.update(PGHOST="127.0.0.1", PGPORT=str(gateway.proxy_port), PGUSER=secret, PGDATABASE="postgres",
-               PGSSLMODE="disable", PGPASSWORD="any", PGCONNECT_TIMEOUT="10")
-    return subprocess.run(["psql", "-X", "-At", "-f", "-"], input=script, capture_output=True, text=True, env=env,
-                          timeout=120, check=False)
+    return clients.psql(gateway.proxy_port, secret, "-At", "-f", "-", stdin=script, timeout=120)
 
 
 async def exists(cluster, table: str) -> bool:

@@ -111,7 +111,7 @@ async def test_openapi_documents_every_registered_route(api, daemon):
 
     status, doc = await api("GET", "/openapi.json")
     assert status == 200 and doc["openapi"].startswith("3.1")
-    root = make_app(Gateway(load_config(None, environ={})))
+    root = make_app(Gateway(load_config(None, environ={})).services())
     api_app = next(r._app for r in root.router.resources() if hasattr(r, "_app"))
     registered = {(route.method.lower(), route.resource.canonical)
                   for route in api_app.router.routes() if route.method != "HEAD"}

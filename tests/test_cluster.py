@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import os
 import secrets
 import signal
 import socket
@@ -21,6 +20,7 @@ import time
 import asyncpg
 import pytest
 
+from tests import clients
 from tests.apiclient import Api, PostgresApi, SshApi, admin_http, events, of_kind, postgres_env
 from tests.conftest import Daemon, free_port, new_store_database, wait_port
 from tests.pgpeer import wait_for_backends
@@ -67,15 +67,11 @@ def sqlite_nodes(tmp_path_factory, pg_target):
 
 
 def psql_env(node: Daemon, secret: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
-    env.update(PGHOST="127.0.0.1", PGPORT=str(node.ports["postgres"]), PGUSER=secret, PGDATABASE="postgres",
-               PGSSLMODE="disable", PGPASSWORD="any", PGCONNECT_TIMEOUT="10")
-    return env
+    return clients.psql_env(node.ports["postgres"], secret)
 
 
 def psql(node: Daemon, secret: str, sql: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["psql", "-X", "-At", "-c", sql], capture_output=True, text=True,
-                          env=psql_env(node, secret), timeout=60)
+    return clients.psql(node.ports["postgres"], secret, "-At", "-c", sql)
 
 
 def sleeping_psql(node: Daemon, secret: str, seconds: int = 60) -> subprocess.Popen[str]:

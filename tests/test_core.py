@@ -263,7 +263,7 @@ async def test_a_recording_is_unpacked_and_rendered_off_the_event_loop(core, mon
     from aiohttp.test_utils import TestServer
 
     import control.sessions
-    import gatewayd.store.queries
+    import gatewayd.store.queries.sessions
     from control.app import make_app
 
     ran_on: dict[str, set[int]] = {}
@@ -276,7 +276,7 @@ async def test_a_recording_is_unpacked_and_rendered_off_the_event_loop(core, mon
             return real(*args, **kwargs)
         monkeypatch.setattr(module, name, watched)
 
-    spy(gatewayd.store.queries, "unpack_events")
+    spy(gatewayd.store.queries.sessions, "unpack_events")
     spy(control.sessions, "session_json")
     spy(control.sessions, "statements_of")
     user = await core.identity.ensure_local_user("reader@example.com", groups=["admin"])
@@ -287,7 +287,7 @@ async def test_a_recording_is_unpacked_and_rendered_off_the_event_loop(core, mon
     await live.close(exit_code=0)
     loop_thread = threading.get_ident()
     headers = {"Authorization": f"Bearer {core.identity.issue_token(user)}"}
-    async with TestServer(make_app(core)) as server, aiohttp.ClientSession(headers=headers) as http:
+    async with TestServer(make_app(core.services())) as server, aiohttp.ClientSession(headers=headers) as http:
         last = {"expand=event_stream": base64.b64encode(b"SELECT 2999;"), "event_stream=utf8": b"\\n2999\\n",
                 "format=csv": b"SELECT 2999;", "format=json": b"SELECT 2999;"}
         for query, expected in last.items():

@@ -18,7 +18,6 @@ and ``TruncateStmt``, ``require_where`` on delete.
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -29,6 +28,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests import clients
 from tests.apiclient import PostgresApi, admin_http, events
 from tests.conftest import proxy_daemon
 from tests.pgpeer import unavailable_reason
@@ -168,13 +168,8 @@ async def assert_refused_on_record(api, session_id: str, fragment: str) -> None:
 
 def psql(gateway, secret: str, *commands: str | bytes, env: dict[str, str] | None = None,
          database: str = DB) -> subprocess.CompletedProcess[bytes]:
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
-    environment.update(PGHOST="127.0.0.1", PGPORT=str(gateway.proxy_port), PGUSER=secret, PGDATABASE=database,
-                       PGSSLMODE="disable", PGPASSWORD="any", PGCONNECT_TIMEOUT="10", **(env or {}))
-    args: list[str | bytes] = ["psql", "-X", "-A", "-t"]
-    for command in commands:
-        args += ["-c", command]
-    return subprocess.run(args, capture_output=True, env=environment, timeout=60, check=False)
+    args = [part for command in commands for part in ("-c", command)]
+    return clients.psql(gateway.proxy_port, secret, "-A", "-t", *args, text=False, env=env, database=database)
 
 
 async def credential(api, role) -> tuple[str, str]:

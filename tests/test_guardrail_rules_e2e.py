@@ -16,6 +16,7 @@ import time
 import asyncpg
 import pytest
 
+from tests import clients
 from tests.apiclient import PostgresApi, SshApi, admin_http, events
 from tests.conftest import free_port, proxy_daemon
 from tests.pgpeer import unavailable_reason as pg_unavailable
@@ -62,11 +63,7 @@ async def apis(gateway, cluster, sshd, web_target):
 
 
 def psql(gateway, secret: str, sql: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
-    env.update(PGHOST="127.0.0.1", PGPORT=str(gateway.pg_port), PGUSER=secret, PGDATABASE="postgres",
-               PGSSLMODE="disable", PGPASSWORD="any", PGCONNECT_TIMEOUT="10")
-    return subprocess.run(["psql", "-X", "-A", "-t", "-c", sql], capture_output=True, text=True, env=env,
-                          timeout=120, check=False)
+    return clients.psql(gateway.pg_port, secret, "-A", "-t", "-c", sql, timeout=120)
 
 
 def ssh(gateway, secret: str, command: str) -> subprocess.CompletedProcess[str]:

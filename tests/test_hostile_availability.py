@@ -6,7 +6,6 @@ front of a real PostgreSQL, real psql and plain sockets; the daemon must keep se
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import subprocess
 import time
@@ -14,6 +13,7 @@ import time
 import aiohttp
 import pytest
 
+from tests import clients
 from tests.apiclient import Api, admin_http, postgres_env
 from tests.conftest import Daemon, free_port, proxy_daemon, wait_port
 from tests.pgpeer import unavailable_reason
@@ -36,10 +36,7 @@ def start(tmp_path_factory, name: str, **settings) -> Daemon:
 
 
 def psql(daemon: Daemon, secret: str, sql: str = "select 1") -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
-    env["PGCONNECT_TIMEOUT"] = "30"
-    return subprocess.run(["psql", f"postgres://{secret}:x@127.0.0.1:{daemon.proxy_port}/postgres?sslmode=disable",
-                           "-Atc", sql], capture_output=True, text=True, env=env, timeout=120)
+    return clients.psql(daemon.proxy_port, secret, "-Atc", sql, timeout=120, PGCONNECT_TIMEOUT="30")
 
 
 async def login(http: aiohttp.ClientSession, daemon: Daemon, email: str, password: str):

@@ -7,7 +7,6 @@ Each test checks that the clear value reaches neither the client, the recording
 from __future__ import annotations
 
 import base64
-import os
 import shutil
 import subprocess
 import uuid
@@ -16,6 +15,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
+from tests import clients
 from tests.apiclient import PostgresApi, admin_http, of_kind
 from tests.conftest import proxy_daemon
 from tests.pgpeer import unavailable_reason
@@ -76,11 +76,7 @@ async def masked_role(api: PostgresApi, *rules: dict) -> tuple[dict, str, str]:
 
 
 def psql(gateway, secret: str, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
-    env.update(PGHOST="127.0.0.1", PGPORT=str(gateway.pg_port), PGUSER=secret, PGDATABASE="postgres",
-               PGSSLMODE="disable", PGPASSWORD="any", PGCONNECT_TIMEOUT="10")
-    return subprocess.run(["psql", "-X", "-At", *args], capture_output=True, text=True, env=env, timeout=60,
-                          check=False)
+    return clients.psql(gateway.pg_port, secret, "-At", *args)
 
 
 async def assert_nowhere_in_clear(api: PostgresApi, session_id: str, *seen_by_client: str) -> dict:

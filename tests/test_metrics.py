@@ -21,6 +21,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests import clients
 from tests.apiclient import Api, PostgresApi, SshApi, admin_http
 from tests.conftest import ROOT, Daemon, free_port, wait_port
 from tests.sshpeer import CLIENT_OPTIONS
@@ -92,10 +93,7 @@ def gateway(tmp_path_factory, pg_target, ssh_target, http_peer):
 
 
 def psql(daemon: Daemon, secret: str, sql: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
-    env.update(PGHOST="127.0.0.1", PGPORT=str(daemon.ports["postgres"]), PGUSER=secret, PGDATABASE="postgres",
-               PGSSLMODE="disable", PGPASSWORD="any", PGCONNECT_TIMEOUT="10")
-    return subprocess.run(["psql", "-X", "-At", "-c", sql], capture_output=True, text=True, env=env, timeout=60)
+    return clients.psql(daemon.ports["postgres"], secret, "-At", "-c", sql)
 
 
 def curl(url: str, secret: str) -> subprocess.CompletedProcess[str]:
@@ -246,7 +244,7 @@ async def test_readyz_is_503_when_the_store_does_not_answer(tmp_path, caplog):
 
     async with core_gateway(tmp_path) as gateway:
         gateway.server_config = {}  # no listener asked for
-        async with TestServer(make_app(gateway)) as server, aiohttp.ClientSession() as http:
+        async with TestServer(make_app(gateway.services())) as server, aiohttp.ClientSession() as http:
             async with http.get(server.make_url("/api/readyz")) as response:
                 assert response.status == 200, await response.text()
             await gateway.store.close()

@@ -356,12 +356,19 @@ async def test_a_node_cut_from_the_store_stops_serving_and_its_recording_arrives
         print("\nnode B's link to the store is frozen")
         try:
             strict_answered = 0
-            with pytest.raises(asyncpg.PostgresError, match="strict recording") as ended:
+            try:
                 while True:  # a strict session ends once the store lags behind it strict_bound (1 s, < the fence)
                     await strict.execute(f"insert into {table} (src) values ('strict')")
                     strict_answered += 1
+            except asyncpg.exceptions._base.InternalClientError as exc:
+                # the FATAL came between two statements: asyncpg reads it idle and says only that it is busy;
+                # the reason is checked in the recording below
+                ended: Exception = exc
+            except asyncpg.PostgresError as exc:  # the FATAL as a statement's answer: it names the reason
+                assert "strict recording" in str(exc) or isinstance(exc, asyncpg.ConnectionDoesNotExistError), exc
+                ended = exc
             print(f"the strict session through B ended {time.monotonic() - began:.2f} s into the cut: "
-                  f"{ended.value}")
+                  f"{type(ended).__name__}: {ended}")
             assert bench.poll() is None  # the async one (pgbench) runs on until the fence
             strict.terminate()
             status, body = await api("POST", f"/sessions/{client_session}/kill")

@@ -16,6 +16,8 @@ import signal
 import stat
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -127,7 +129,15 @@ def test_login_keeps_a_private_token_and_failures_are_one_line(gateway, people, 
     expired = Person(gateway, tmp_path, "short@example.com")
     expired.login_file.write_text(json.dumps({"url": gateway.url.removesuffix("/api"),
                                               "token": gateway.token("short@example.com", ttl="1s")}))
-    time.sleep(1.5)
+    token = json.loads(expired.login_file.read_text())["token"]
+    for _ in range(100):  # until the gateway refuses it (its second has passed)
+        try:
+            urllib.request.urlopen(urllib.request.Request(gateway.url + "/userinfo",
+                                                          headers={"Authorization": f"Bearer {token}"}), timeout=10)
+        except urllib.error.HTTPError as refused:
+            assert refused.code == 401
+            break
+        time.sleep(0.1)
     one_line_failure(expired.run("connections"), 4, "gatewayd login")
     assert expired.run("logout").returncode == 0 and not expired.login_file.exists()
 

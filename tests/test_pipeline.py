@@ -9,28 +9,19 @@ import logging
 import pytest
 
 from gatewayd.access import AccessGrant
-from gatewayd.config import load_config
 from gatewayd.daemon import Gateway
 from gatewayd.dialer import Dialer
 from gatewayd.models import Connection, GuardRail, new_id, rfc3339, utcnow
 from gatewayd.pipeline import BLOCKED_EXIT_CODE, GatewayClosing, TargetUnreachable
 from gatewayd.store.base import AuditFilter
 from gatewayd.tasks import BackgroundTasks
-from tests.conftest import free_port
+from tests.conftest import core_gateway, free_port
 
 
 @pytest.fixture
 async def core(tmp_path):
-    config = load_config(None, environ={}, overrides={"data_dir": str(tmp_path / "data"),
-                                                      "sessions.flush_interval": "100ms"})
-    gateway = Gateway(config)
-    await gateway.open_core()
-    await gateway.recording.start()
-    try:
+    async with core_gateway(tmp_path) as gateway:
         yield gateway
-    finally:
-        await gateway.recording.stop()
-        await gateway.close_core()
 
 
 async def grant_for(gateway: Gateway, port: int, seconds: int = 600):

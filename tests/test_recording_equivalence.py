@@ -36,6 +36,7 @@ from typing import Any
 import asyncpg
 import pytest
 
+from tests import clients
 from tests.apiclient import PostgresApi, admin_http
 from tests.conftest import HOT_PATH_RUNS, hot_path_logged, proxy_daemon
 from tests.pgpeer import unavailable_reason
@@ -77,11 +78,7 @@ select '';
 
 
 def psql(port: int, secret: str, script: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
-    env.update(PGHOST="127.0.0.1", PGPORT=str(port), PGUSER=secret, PGDATABASE="postgres",
-               PGSSLMODE="disable", PGPASSWORD="any", PGCONNECT_TIMEOUT="10")
-    return subprocess.run(["psql", "-X", "-v", "ON_ERROR_STOP=0", "-f", "-"], input=script, capture_output=True,
-                          text=True, env=env, timeout=60, check=False)
+    return clients.psql(port, secret, "-v", "ON_ERROR_STOP=0", "-f", "-", stdin=script)
 
 
 async def asyncpg_workload(port: int, secret: str) -> list[str]:

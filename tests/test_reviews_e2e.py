@@ -9,7 +9,6 @@ approvals, an outsider and an admin.  Jit credentials are used by real psql.
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import time
 import uuid
@@ -18,6 +17,7 @@ from datetime import UTC, datetime, timedelta
 import aiohttp
 import pytest
 
+from tests import clients
 from tests.apiclient import Api, events, of_kind, postgres_env
 from tests.conftest import Daemon, free_port, proxy_daemon
 from tests.pgpeer import unavailable_reason, wait_for_backends
@@ -76,15 +76,11 @@ def window_around(now: datetime, inside: bool) -> dict:
 
 
 def psql_env(gateway: Daemon, secret: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
-    env.update(PGHOST="127.0.0.1", PGPORT=str(gateway.pg_port), PGUSER=secret, PGDATABASE="postgres",
-               PGSSLMODE="disable", PGPASSWORD="any", PGCONNECT_TIMEOUT="10")
-    return env
+    return clients.psql_env(gateway.pg_port, secret)
 
 
 def psql(gateway: Daemon, secret: str, sql: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["psql", "-X", "-At", "-c", sql], capture_output=True, text=True,
-                          env=psql_env(gateway, secret), timeout=30, check=False)
+    return clients.psql(gateway.pg_port, secret, "-At", "-c", sql, timeout=30)
 
 
 async def wait_exit(process: subprocess.Popen, timeout: float = 5) -> int:

@@ -262,9 +262,14 @@ async def test_pty_shell_terminal_resize_signals_and_input_rules(gateway, api, t
 
     # a window-size change reaches the target's pty
     term.resize(40, 120)
-    time.sleep(0.3)
-    term.type("stty size\r")
-    term.expect("40 120")
+    for attempt in range(40):  # the window change travels on its own: ask until the pty has it
+        term.type("stty size\r")
+        try:
+            term.expect("40 120", timeout=0.5)
+            break
+        except AssertionError:
+            if attempt == 39:
+                raise
 
     # ^C interrupts the remote foreground program (through the pty), the shell goes on
     term.type("sleep 600; echo not-interrupted\r")
@@ -951,19 +956,12 @@ async def test_client_disconnecting_mid_transfer_closes_and_records_the_session(
 @pytest.fixture(scope="module")
 async def core(tmp_path_factory):
     """An in-process gateway core (store, sessions, recording, guard rails) to call the script runner with."""
-    from gatewayd.config import load_config
-    from gatewayd.daemon import Gateway
+    from tests.conftest import core_gateway
 
-    config = load_config(None, environ={}, overrides={
-        "data_dir": str(tmp_path_factory.mktemp("sshscript") / "data"), "api.listen": f"127.0.0.1:{free_port()}",
-        "listeners.postgres": "", "listeners.ssh": "", "listeners.rdp": "", "listeners.http": "", "listeners.mysql": "",
-        "sessions.flush_interval": "100ms"})
-    gateway = Gateway(config)
-    await gateway.open_core()
-    await gateway.recording.start()
-    yield gateway
-    await gateway.recording.stop()
-    await gateway.close_core()
+    async with core_gateway(tmp_path_factory.mktemp("sshscript"), {
+            "api.listen": f"127.0.0.1:{free_port()}", "listeners.postgres": "", "listeners.ssh": "",
+            "listeners.rdp": "", "listeners.http": "", "listeners.mysql": ""}) as gateway:
+        yield gateway
 
 
 async def script_session(core, target: SshTarget, rules: dict | None = None, port: int | None = None):

@@ -43,6 +43,8 @@ from gatewayd.models import (
 )
 from gatewayd.store import AuditFilter, Conflict, NotFound, SessionFilter, Store
 from gatewayd.store import queries
+from gatewayd.store.queries import sessions as session_queries
+from gatewayd.store.sql import in_order, insert
 from gatewayd.store.migrations import MIGRATIONS
 
 NOW = "2026-01-02T03:04:05Z"
@@ -151,7 +153,7 @@ async def test_a_store_of_the_previous_version_is_migrated_with_its_data(backend
     monkeypatch.setattr(queries, "MIGRATIONS", [m for m in MIGRATIONS if m[0] < 7])
     old = await backend.open()
     org = await an_org(old)
-    await old.db.transact(queries.in_order([(
+    await old.db.transact(in_order([(
         "INSERT INTO sessions (id, org_id, user_id, user_email, connection, connection_id, type, subtype, verb, "
         "status, start_date) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         ("s-old", org, "u", "u@example.com", "pg", "c", "database", "postgres", "connect", "ready", NOW))]))
@@ -390,13 +392,13 @@ async def test_a_common_text_is_found_newest_first_and_counted_up_to_a_cap(store
         await store.append_events([EventBatch.of(session.id, 0, [SessionEvent(0, "i", b"select now()")], {},
                                                  CHAIN_GENESIS, "h")])
         made.append(session.id)
-    monkeypatch.setattr(queries, "TEXT_PROBE", 1)
-    monkeypatch.setattr(queries, "TEXT_COUNT_CAP", 2)
+    monkeypatch.setattr(session_queries, "TEXT_PROBE", 1)
+    monkeypatch.setattr(session_queries, "TEXT_COUNT_CAP", 2)
     page = await store.list_sessions(SessionFilter(org_id=org, text="now()"))
     assert [s.id for s in page.items] == made[::-1] and (page.total, page.total_exact) == (2, False)
     page = await store.list_sessions(SessionFilter(org_id=org, text="now()", limit=2, offset=1))
     assert [s.id for s in page.items] == made[2:0:-1]
-    monkeypatch.setattr(queries, "TEXT_COUNT_CAP", 10)
+    monkeypatch.setattr(session_queries, "TEXT_COUNT_CAP", 10)
     page = await store.list_sessions(SessionFilter(org_id=org, text="NOW()"))
     assert (page.total, page.total_exact) == (4, True)
 
@@ -481,7 +483,7 @@ async def test_a_recording_stored_an_event_a_row_reads_verifies_and_goes_on_in_p
     await store.create_session(session)
     old, new = events(3), events(2, start=3)
     old_hash = batch_hash(CHAIN_GENESIS, session.id, 0, old)
-    await store.db.transact(queries.in_order(
+    await store.db.transact(in_order(
         [("INSERT INTO session_events (session_id, seq, offset_ms, kind, data) VALUES (?, ?, ?, ?, ?)",
           (session.id, seq, e.offset_ms, e.kind, e.data)) for seq, e in enumerate(old)]
         + [("INSERT INTO session_event_batches (session_id, first_seq, count, prev_hash, hash) VALUES (?, ?, ?, ?, ?)",
@@ -496,7 +498,7 @@ async def test_a_recording_stored_an_event_a_row_reads_verifies_and_goes_on_in_p
     session.chain_head = new_hash
     assert verify_recording(session, links, numbered, Sealer(Ed25519PrivateKey.generate())).verified
     assert await store.last_event_seq(session.id) == (5, 4)
-    await store.db.transact(queries.in_order([(  # an intruder cuts the last batch short
+    await store.db.transact(in_order([(  # an intruder cuts the last batch short
         "UPDATE session_event_batches SET events = ? WHERE session_id = ? AND first_seq = ?",
         (pack_events(3, new)[:-1], session.id, 3))]))
     assert await store.last_event_seq(session.id) == (5, 0)  # a resumed recorder never reuses a number
@@ -960,7 +962,7 @@ async def test_a_postgres_write_completes_when_its_caller_is_cancelled(pg_store)
     def work():
         under_way.set()
         yield "SELECT pg_sleep(0.2)", ()  # the caller is cancelled while this runs
-        yield queries.insert("sessions", session)
+        yield insert("sessions", session)
 
     caller = asyncio.create_task(store.db.transact(work()))
     await under_way.wait()
@@ -1047,7 +1049,7 @@ async def sealed_session(store: Store, manager, recording, batches: int = 3, **f
 
 
 async def intrude(store: Store, *statements: tuple[str, tuple]) -> None:
-    await store.db.transact(queries.in_order(list(statements)))
+    await store.db.transact(in_order(list(statements)))
 
 
 async def test_a_sealed_session_set_open_again_is_not_sealed_again_and_verification_tells(store: Store):
@@ -1238,7 +1240,7 @@ async def test_closed_sessions_are_counted_once_per_day_connection_user_and_prot
     monkeypatch.setattr(queries, "MIGRATIONS", [m for m in MIGRATIONS if m[0] < 16])
     old = await backend.open()
     org = await an_org(old)
-    await old.db.transact(queries.in_order([(
+    await old.db.transact(in_order([(
         "INSERT INTO sessions (id, org_id, user_id, user_email, connection, connection_id, type, subtype, verb, "
         "status, start_date, end_date, event_size, metrics) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         ("s-earlier", org, "sub-alice", "sub-alice@example.com", "pg", "id-pg", "database", "postgres", "connect",

@@ -21,6 +21,7 @@ import aiohttp
 import pytest
 
 from control.console import console_built
+from tests import clients
 from tests.apiclient import Api, events, of_kind, postgres_env
 from tests.conftest import Daemon, free_port, wait_port
 from tests.pgpeer import unavailable_reason as pg_unavailable
@@ -82,10 +83,7 @@ def gateway(tmp_path_factory):
 
 
 def psql(gateway: Daemon, secret: str, script: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
-    return subprocess.run(["psql", "-X", "-At", "-v", "ON_ERROR_STOP=0",
-                           f"postgres://{secret}:any@127.0.0.1:{gateway.pg_port}/postgres?sslmode=disable"],
-                          input=script, capture_output=True, text=True, timeout=120, env=env)
+    return clients.psql(gateway.pg_port, secret, "-At", "-v", "ON_ERROR_STOP=0", stdin=script, timeout=120)
 
 
 @pytest.fixture(scope="module")

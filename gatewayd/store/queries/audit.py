@@ -1,0 +1,80 @@
+"""The audit log: a hash chain per organization (its links keyed by ``Store.audit_key``), sealings, search."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from gatewayd.evidence import SEALED, audit_hash
+from gatewayd.models import CHAIN_GENESIS, AuditEntry, Page
+from gatewayd.store.base import AuditFilter
+from gatewayd.store.sql import Work, build, columns, encode, insert
+from gatewayd.store.queries.core import SQLCore
+
+class AuditQueries(SQLCore):
+    """The audit log."""
+
+    async def append_audit(self, entry: AuditEntry) -> None:
+        await self.db.transact(self._append_audit(entry))
+
+    def _append_audit(self, entry: AuditEntry) -> Work[None]:
+        """The org's last hash and the insert in one write transaction, under the audit chain's lock."""
+        lock = self.dialect.lock("audit_logs")
+        if lock is not None:
+            yield lock
+        there = yield ("SELECT 1 FROM audit_logs WHERE id = ?", (entry.id,))
+        if there.rows:
+            return  # stored already (an entry kept through an outage, sent again)
+        last = yield (f"SELECT hash FROM audit_logs WHERE org_id = ? ORDER BY {self.dialect.row_order} DESC LIMIT 1",
+                      (entry.org_id,))
+        entry.prev_hash = last.rows[0][0] if last.rows and last.rows[0][0] else CHAIN_GENESIS
+        stored = {name: encode(name, getattr(entry, name)) for name in columns(AuditEntry)}
+        entry.hash = audit_hash(entry.prev_hash, stored, self.audit_key)  # over the values as they are stored
+        yield insert("audit_logs", entry)
+
+    async def audit_chain(self, org_id: str) -> list[dict[str, Any]]:
+        rows = await self._all(f"SELECT * FROM audit_logs WHERE org_id = ? ORDER BY {self.dialect.row_order}",
+                               (org_id,))
+        return [dict(zip(r.keys(), tuple(r))) for r in rows]
+
+    async def sealings(self, session_id: str) -> list[dict[str, Any]]:
+        # the payload is {"session_id": ..., "seal": ...} as json.dumps writes it: matched by its start
+        start = json.dumps({"session_id": session_id})[:-1] + ","
+        pattern = start.replace("!", "!!").replace("%", "!%").replace("_", "!_") + "%"
+        rows = await self._all(
+            "SELECT id, org_id, created_at, request_payload_redacted FROM audit_logs WHERE action = ? "
+            f"AND outcome = 'success' AND request_payload_redacted LIKE ? ESCAPE '!' ORDER BY {self.dialect.row_order}",
+            (SEALED, pattern))
+        found = []
+        for row in rows:
+            payload = json.loads(row[3])  # SQLite's LIKE ignores case: the id is compared here again
+            if payload.get("session_id") == session_id:
+                found.append({"seal": payload.get("seal"), "sealed_at": row[2], "org_id": row[1], "entry": row[0]})
+        return found
+
+    async def list_audit(self, query: AuditFilter) -> Page:
+        where, params = ["1 = 1"], []
+        if query.org_id:
+            where.append("org_id = ?")
+            params.append(query.org_id)
+        if query.actor:
+            where.append("(actor_subject = ? OR lower(actor_email) = lower(?))")
+            params += [query.actor, query.actor]
+        for column, value in (("resource_type", query.resource_type), ("action", query.action),
+                              ("outcome", query.outcome)):
+            if value:
+                where.append(f"{column} = ?")
+                params.append(value)
+        if query.created_after:
+            where.append("created_at >= ?")
+            params.append(query.created_after)
+        if query.created_before:
+            where.append("created_at <= ?")
+            params.append(query.created_before)
+        clause = " AND ".join(where)
+        total = await self._count(f"SELECT COUNT(*) FROM audit_logs WHERE {clause}", params)
+        rows = await self._all(
+            f"SELECT * FROM audit_logs WHERE {clause} ORDER BY created_at DESC, "
+            f"{self.dialect.row_order} DESC LIMIT ? OFFSET ?",
+            tuple(params) + (query.page_size, (query.page - 1) * query.page_size))
+        return Page(items=[build(AuditEntry, r) for r in rows], total=total)

@@ -1,0 +1,124 @@
+"""Reviews (access requests and their approval groups) and the access-request rules."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from gatewayd.models import AccessRequestRule, Page, Review, ReviewGroup, Session
+from gatewayd.store.sql import Row, build, encode, insert, update
+from gatewayd.store.queries.core import SQLCore
+
+class ReviewQueries(SQLCore):
+    """Reviews and access-request rules."""
+
+    def _review_statements(self, review: Review) -> list[tuple[str, Any]]:
+        return [
+            ("DELETE FROM review_groups WHERE review_id = ?", (review.id,)),
+            ("INSERT INTO review_groups (id, review_id, group_name, forced_review, status, review_date, "
+             "reviewed_by_id, reviewed_by_email, reviewed_by_name) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+             [(g.id, review.id, g.group_name, int(g.forced_review), g.status, g.review_date, g.reviewed_by_id,
+               g.reviewed_by_email, g.reviewed_by_name) for g in review.groups]),
+        ]
+
+    async def create_review(self, review: Review, session: Session | None = None) -> None:
+        statements = [insert("sessions", session)] if session is not None else []
+        statements.append(insert("reviews", review, skip=("groups",)))
+        await self._write(statements + self._review_statements(review))
+
+    async def _reviews_from(self, rows: list[Row]) -> list[Review]:
+        if not rows:
+            return []
+        ids = [r["id"] for r in rows]
+        groups: dict[str, list[ReviewGroup]] = {}
+        marks = ", ".join("?" * len(ids))
+        for g in await self._all(f"SELECT * FROM review_groups WHERE review_id IN ({marks}) "
+                                 f"ORDER BY {self.dialect.row_order}", tuple(ids)):
+            group = build(ReviewGroup, g)
+            group.forced_review = bool(group.forced_review)
+            groups.setdefault(g["review_id"], []).append(group)
+        return [build(Review, r, groups=groups.get(r["id"], [])) for r in rows]
+
+    async def get_review(self, review_id: str) -> Review | None:
+        found = await self._reviews_from(await self._all("SELECT * FROM reviews WHERE id = ?", (review_id,)))
+        return found[0] if found else None
+
+    async def get_review_by_session(self, session_id: str) -> Review | None:
+        found = await self._reviews_from(await self._all(
+            "SELECT * FROM reviews WHERE session_id = ? ORDER BY created_at DESC LIMIT 1", (session_id,)))
+        return found[0] if found else None
+
+    async def reviews_by_ids(self, review_ids: Iterable[str]) -> dict[str, Review]:
+        ids = list(dict.fromkeys(i for i in review_ids if i))
+        if not ids:
+            return {}
+        rows = await self._all(f"SELECT * FROM reviews WHERE id IN ({', '.join('?' * len(ids))})", tuple(ids))
+        return {r.id: r for r in await self._reviews_from(rows)}
+
+    async def list_reviews(self, org_id: str, *, status: str | None = None, type: str | None = None,
+                           visible_to: tuple[str, list[str]] | None = None, limit: int = 100,
+                           offset: int = 0) -> Page:
+        where, params = ["org_id = ?"], [org_id]
+        for column, value in (("status", status), ("type", type)):
+            if value:
+                where.append(f"{column} = ?")
+                params.append(value)
+        if visible_to is not None:
+            owner, groups = visible_to
+            clause = "owner_id = ?"
+            params.append(owner)
+            if groups:
+                marks = ", ".join("?" * len(groups))
+                clause += (f" OR id IN (SELECT review_id FROM review_groups WHERE group_name IN ({marks}))"
+                           f" OR {self.dialect.json_has_any('reviews.force_approval_groups', len(groups))}")
+                params += list(groups) * 2
+            where.append(f"({clause})")
+        sql = " AND ".join(where)
+        total = await self._count(f"SELECT COUNT(*) FROM reviews WHERE {sql}", params)
+        rows = await self._all(f"SELECT * FROM reviews WHERE {sql} ORDER BY created_at DESC, "
+                               f"{self.dialect.sort('id', text=True)} LIMIT ? OFFSET ?",
+                               tuple(params) + (limit, offset))
+        return Page(items=await self._reviews_from(rows), total=total)
+
+    async def save_review(self, review: Review) -> None:
+        await self._write([(
+            "UPDATE reviews SET status = ?, time_window = ?, revoke_at = ?, updated_at = ?, "
+            "force_approval_groups = ? WHERE id = ?",
+            (review.status, encode("time_window", review.time_window), review.revoke_at, review.updated_at,
+             encode("force_approval_groups", review.force_approval_groups), review.id),
+        )] + self._review_statements(review))
+
+    async def transition_review(self, review_id: str, from_status: str, to_status: str, at: str) -> bool:
+        return await self._changed(("UPDATE reviews SET status = ?, updated_at = ? WHERE id = ? AND status = ?",
+                                    (to_status, at, review_id, from_status))) == 1
+
+    async def reviews_with_status(self, status: str, type: str | None = None) -> list[Review]:
+        if type is None:
+            rows = await self._all("SELECT * FROM reviews WHERE status = ?", (status,))
+        else:
+            rows = await self._all("SELECT * FROM reviews WHERE status = ? AND type = ?", (status, type))
+        return await self._reviews_from(rows)
+
+    async def open_review_for(self, request_key: str) -> Review | None:
+        found = await self._reviews_from(await self._all(
+            "SELECT * FROM reviews WHERE request_key = ? AND status IN ('PENDING', 'APPROVED') "
+            "ORDER BY created_at DESC LIMIT 1", (request_key,)))
+        return found[0] if found else None
+
+    async def save_access_rule(self, rule: AccessRequestRule, *, create: bool) -> None:
+        statement = insert("access_request_rules", rule) if create else \
+            update("access_request_rules", rule, skip=("created_at",))
+        await self._write([statement])
+
+    async def get_access_rule(self, org_id: str, name: str) -> AccessRequestRule | None:
+        row = await self._one("SELECT * FROM access_request_rules WHERE org_id = ? AND (name = ? OR id = ?)",
+                              (org_id, name, name))
+        return build(AccessRequestRule, row) if row else None
+
+    async def list_access_rules(self, org_id: str) -> list[AccessRequestRule]:
+        rows = await self._all(f"SELECT * FROM access_request_rules WHERE org_id = ? ORDER BY {self._by_name}",
+                               (org_id,))
+        return [build(AccessRequestRule, r) for r in rows]
+
+    async def delete_access_rule(self, org_id: str, name: str) -> None:
+        await self._write([("DELETE FROM access_request_rules WHERE org_id = ? AND (name = ? OR id = ?)",
+                            (org_id, name, name))])

@@ -1,0 +1,331 @@
+"""Sessions and their recordings: claiming, the event batches of the hash chain, late events, reading back."""
+
+from __future__ import annotations
+
+import asyncio
+from operator import itemgetter
+from typing import Any, Iterable, Sequence
+
+from gatewayd.evidence import LATE_BASE, BatchLink, EventBatch, chain_hash, pack_events, unpack_events
+from gatewayd.models import CHAIN_GENESIS, Page, Session, SessionEvent, rfc3339, utcnow
+from gatewayd.store.base import SessionFilter
+from gatewayd.store.search import MIN_SEARCH, TEXT_COUNT_CAP, TEXT_PROBE, input_text, like_pattern
+from gatewayd.store.sql import Statement, Work, assign, build, columns, encode, insert
+from gatewayd.store.queries.reports import ReportQueries
+
+# Session columns a recording flush may write beside its events (its progress, not its state).
+RECORDING_FIELDS = frozenset({"event_size", "metrics", "chain_head"})
+_seq_of = itemgetter(0)
+
+# A session a connection may claim: issued ready, or open with its jit credentials handed out, not
+# ended, not claimed, no kill asked for.
+CLAIMABLE = ("claimed_at IS NULL AND kill_requested_at IS NULL AND end_date IS NULL "
+             "AND status IN ('ready', 'open')")
+
+
+def _number_events(rows: list[Any], batches: list[Any], kinds: str | None) -> list[tuple[int, SessionEvent]]:
+    """A session's (sequence number, event) pairs from its rows of one event each and its packed batches (of
+    ``kinds`` only, when given)."""
+    found = [(r[0], SessionEvent(r[1], r[2], bytes(r[3]))) for r in rows]
+    for (packed,) in batches:
+        found += unpack_events(bytes(packed))
+    if rows and len(found) > len(rows):
+        found.sort(key=_seq_of)
+    return found if kinds is None else [pair for pair in found if pair[1].kind in kinds]
+
+
+class SessionQueries(ReportQueries):
+    """Sessions and their events (a session that ends is counted in the rollup: ``ReportQueries``)."""
+
+    async def create_session(self, session: Session) -> None:
+        await self._write([insert("sessions", session)])
+
+    async def get_session(self, session_id: str) -> Session | None:
+        row = await self._one("SELECT * FROM sessions WHERE id = ?", (session_id,))
+        return build(Session, row) if row else None
+
+    async def list_sessions(self, query: SessionFilter) -> Page:
+        """Sessions newest first. A text search first asks the text index for at most TEXT_PROBE matches: fewer
+        (a rare text), and the sessions are those, counted exactly; more (a common one), and the sessions are
+        read newest first, each checked against the text's matches, and counted among its first TEXT_COUNT_CAP
+        index rows only (``total_exact`` False when it has more)."""
+        where, params = ["org_id = ?"], [query.org_id]
+        for column, value in (("user_id", query.user_id), ("user_id", query.only_user_id),
+                              ("connection", query.connection), ("type", query.type), ("subtype", query.protocol),
+                              ("status", query.status), ("tracker_issue_key", query.tracker_issue_key)):
+            if value is not None:
+                where.append(f"{column} = ?")
+                params.append(value)
+        if query.user_search:  # the subject itself, or part of an e-mail or name (users: a small table)
+            where.append("user_id IN (SELECT ? UNION SELECT subject FROM users WHERE org_id = ? AND "
+                         "(lower(email) LIKE ? ESCAPE '!' OR lower(name) LIKE ? ESCAPE '!'))")
+            pattern = like_pattern(query.user_search.lower())
+            params += [query.user_search, query.org_id, pattern, pattern]
+        capped = False
+        if query.text:
+            if len(query.text) < MIN_SEARCH:
+                raise ValueError(f"a search needs at least {MIN_SEARCH} characters")
+            matches, value = self.dialect.text_matches(query.text)
+            probe = await self._all(f"{matches} LIMIT ?", (value, TEXT_PROBE + 1))
+            if len(probe) <= TEXT_PROBE:  # a rare text: its sessions, by primary key
+                found = list(dict.fromkeys(r[0] for r in probe)) or [""]
+                where[0] = f"{self.dialect.driven_by_text('org_id')} = ?"
+                where.append(f"id IN ({', '.join('?' * len(found))})")
+                params += found
+            else:  # a common one: newest first through the other filters, each session checked
+                capped = True
+                text_at = len(where)
+                where.append(f"id IN ({matches})")
+                params.append(value)
+        if query.start_date:
+            where.append("start_date >= ?")
+            params.append(query.start_date)
+        if query.end_date:
+            where.append("start_date <= ?")
+            params.append(query.end_date)
+        if query.review_status:
+            where.append("review_id IN (SELECT id FROM reviews WHERE status = ?)")
+            params.append(query.review_status)
+        if query.review_approver:
+            where.append("review_id IN (SELECT review_id FROM review_groups WHERE lower(reviewed_by_email) = lower(?))")
+            params.append(query.review_approver)
+        clause = " AND ".join(where)
+        exact = True
+        if capped:  # counted from the text's first TEXT_COUNT_CAP index rows, by primary key
+            bounded = list(where)
+            bounded[0] = f"{self.dialect.driven_by_text('org_id')} = ?"
+            bounded[text_at] = f"id IN ({matches} LIMIT {TEXT_COUNT_CAP})"
+            total = await self._count(f"SELECT COUNT(*) FROM sessions WHERE {' AND '.join(bounded)}", params)
+            exact = await self._count(f"SELECT COUNT(*) FROM ({matches} LIMIT {TEXT_COUNT_CAP + 1}) AS rows_found",
+                                      [value]) <= TEXT_COUNT_CAP
+        else:
+            total = await self._count(f"SELECT COUNT(*) FROM sessions WHERE {clause}", params)
+        names = ", ".join(n for n in columns(Session) if n != "script")
+        order = f"{self.dialect.sort('start_date', descending=True)}, {self.dialect.sort('id', text=True)}"
+        rows = await self._all(
+            f"SELECT {names}, script FROM sessions WHERE {clause} ORDER BY {order} LIMIT ? OFFSET ?",
+            tuple(params) + (query.limit, query.offset))
+        return Page(items=[build(Session, r) for r in rows], total=total, total_exact=exact)
+
+    def _returning(self, statement: Statement, key: str) -> Work[Session | None]:
+        """An UPDATE of one session, and the session as it is after it (None when no row matched).
+
+        ``RETURNING *`` where the dialect has it; else the UPDATE and a SELECT in the same write
+        transaction, which holds the row.
+        """
+        sql, params = statement
+        if self.dialect.returning:
+            done = yield sql + " RETURNING *", params
+            return build(Session, done.rows[0]) if done.rows else None
+        done = yield sql, params
+        if done.rowcount != 1:
+            return None
+        row = yield "SELECT * FROM sessions WHERE id = ?", (key,)
+        return build(Session, row.rows[0]) if row.rows else None
+
+    async def claim_session(self, session_id: str, start_date: str, node_id: str | None = None) -> Session | None:
+        return await self.db.transact(self._returning((
+            "UPDATE sessions SET status = 'open', start_date = ?, claimed_at = ?, node_id = ? "
+            f"WHERE id = ? AND {CLAIMABLE}", (start_date, rfc3339(utcnow()), node_id, session_id)), session_id))
+
+    async def start_session(self, session_id: str, start_date: str) -> bool:
+        done = await self.db.transact(self._returning((
+            "UPDATE sessions SET status = 'open', start_date = ? WHERE id = ? AND status = 'ready' "
+            "AND kill_requested_at IS NULL", (start_date, session_id)), session_id))
+        return done is not None
+
+    async def request_kill(self, session_id: str, reason: str, requested_at: str) -> Session | None:
+        return await self.db.transact(self._returning((
+            "UPDATE sessions SET kill_requested_at = COALESCE(kill_requested_at, ?), "
+            "kill_reason = COALESCE(kill_reason, ?) WHERE id = ? AND status != 'done'",
+            (requested_at, reason, session_id)), session_id))
+
+    async def set_ai_analysis(self, session_id: str, analysis: dict[str, Any] | None, *,
+                              status: str | None = None) -> bool:
+        where, params = "id = ?", [session_id]
+        if status is not None:
+            where += " AND status = ?"
+            params.append(status)
+        done = await self.db.transact(self._returning(
+            ("UPDATE sessions SET ai_analysis = ? WHERE " + where, (encode("ai_analysis", analysis), *params)),
+            session_id))
+        return done is not None
+
+    def _store_batches(self, batches: Iterable[EventBatch], diverged: set[str]) -> Work[None]:
+        """Insert each batch unless it is stored already; a session whose numbers hold another hash is
+        ``diverged``: none of its later batches nor its fields are written."""
+        for batch in batches:
+            unknown = set(batch.session_fields) - RECORDING_FIELDS
+            if unknown:
+                raise ValueError(f"a recording batch may not write session fields {sorted(unknown)}")
+            sid = batch.session_id
+            if sid in diverged:
+                continue
+            if batch.count:
+                done = yield ("INSERT INTO session_event_batches (session_id, first_seq, count, prev_hash, hash, events) "
+                              "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (session_id, first_seq) DO NOTHING",
+                              (sid, batch.first_seq, batch.count, batch.previous_hash, batch.hash, batch.packed))
+                if done.rowcount != 1:
+                    there = yield ("SELECT hash FROM session_event_batches WHERE session_id = ? AND first_seq = ?",
+                                   (sid, batch.first_seq))
+                    if not there.rows or there.rows[0][0] != batch.hash:
+                        diverged.add(sid)
+                        continue
+                elif batch.sizes.get("i") and (text := input_text(batch.packed)):  # what was typed, searchable
+                    for statement in self.dialect.search_insert(sid, text):  # once: not again on a replay
+                        yield statement
+            if batch.session_fields:
+                yield assign("sessions", batch.session_fields, "id = ? AND status != 'done'", (sid,))
+
+    def _append(self, batches: Iterable[EventBatch]) -> Work[set[str]]:
+        diverged: set[str] = set()
+        yield from self._store_batches(batches, diverged)
+        return diverged
+
+    async def append_events(self, batches: Iterable[EventBatch]) -> set[str]:
+        batches = list(batches)
+        if not batches:
+            return set()
+        return await self.db.transact(self._append(batches))
+
+    def _close(self, batches: Sequence[EventBatch], end_date: str, exit_code: int | None,
+               seal: str | None) -> Work[bool]:
+        """The last events and the end, and (the first time it ends) the session counted in ``session_rollup``."""
+        diverged: set[str] = set()
+        sid = batches[-1].session_id
+        before = yield ("SELECT status, org_id, start_date, connection, user_email, subtype, verb, event_size, "
+                        "metrics FROM sessions WHERE id = ?", (sid,))
+        # the fields first: a close stored already (a retry after an unknown outcome) leaves them as they are
+        yield from self._store_batches(batches, diverged)
+        if diverged:
+            return False
+        done = yield assign("sessions", {"status": "done", "end_date": end_date, "exit_code": exit_code, "seal": seal},
+                            "id = ? AND status != 'done'", (sid,))
+        if done.rowcount == 1:
+            if before.rows and before.rows[0][0] != "done":
+                yield from self._counted(before.rows[0], batches[-1], end_date)
+            return True
+        row = yield ("SELECT seal, end_date FROM sessions WHERE id = ?", (sid,))
+        return bool(row.rows) and (row.rows[0][0], row.rows[0][1]) == (seal, end_date)  # this close, stored before
+
+    async def close_session(self, batches: Sequence[EventBatch], *, end_date: str, exit_code: int | None,
+                            seal: str | None) -> bool:
+        return await self.db.transact(self._close(list(batches), end_date, exit_code, seal))
+
+    def _late(self, session_id: str, events: Sequence[tuple[int, SessionEvent]], note: str) -> Work[int]:
+        last = yield ("SELECT first_seq, count, hash FROM session_event_batches WHERE session_id = ? "
+                      "ORDER BY first_seq DESC LIMIT 1", (session_id,))
+        previous, covered = CHAIN_GENESIS, -1
+        if last.rows:
+            first, count, previous = int(last.rows[0][0]), int(last.rows[0][1]), last.rows[0][2]
+            if first >= LATE_BASE:  # own number n is kept as LATE_BASE + 1 + n (the note before the first)
+                covered = first + count - 1 - LATE_BASE - 1  # the last own number kept late already
+        fresh = sorted(((seq, e) for seq, e in events if seq > covered), key=lambda pair: pair[0])
+        if not fresh:
+            return 0
+        if covered < 0:
+            first_seq = LATE_BASE + fresh[0][0]
+            numbered = [SessionEvent(fresh[0][1].offset_ms, "e", note.encode())] + [e for _, e in fresh]
+        else:
+            first_seq = LATE_BASE + 1 + covered + 1
+            numbered = [e for _, e in fresh]
+        packed = pack_events(first_seq, numbered)
+        link = chain_hash(previous, session_id, packed)
+        yield ("INSERT INTO session_event_batches (session_id, first_seq, count, prev_hash, hash, events) "
+               "VALUES (?, ?, ?, ?, ?, ?)", (session_id, first_seq, len(numbered), previous, link, packed))
+        return len(fresh)
+
+    async def append_late(self, session_id: str, events: Sequence[tuple[int, SessionEvent]], note: str) -> int:
+        return await self.db.transact(self._late(session_id, events, note))
+
+    async def chain_tail(self, session_id: str) -> tuple[int, str]:
+        last = await self._one("SELECT first_seq, count, hash FROM session_event_batches WHERE session_id = ? "
+                               "AND first_seq < ? ORDER BY first_seq DESC LIMIT 1", (session_id, LATE_BASE))
+        return (int(last[0]) + int(last[1]), last[2]) if last is not None else (0, CHAIN_GENESIS)
+
+    async def _numbered_events(self, session_id: str, kinds: str | None = None) -> list[tuple[int, SessionEvent]]:
+        """A session's (sequence number, event) pairs in order (of ``kinds`` only, when given): packed per batch,
+        and before that (recordings stored before batches held their events) one row each."""
+        rows = await self.db.fetch(
+            "SELECT seq, offset_ms, kind, data FROM session_events WHERE session_id = ? ORDER BY seq", (session_id,),
+            slow=True)
+        batches = await self.db.fetch("SELECT events FROM session_event_batches WHERE session_id = ? "
+                                      "AND events IS NOT NULL ORDER BY first_seq", (session_id,), slow=True)
+        # a recording runs to tens of megabytes: unpacked off the event loop, which serves every proxy
+        return await asyncio.to_thread(_number_events, rows, batches, kinds)
+
+    async def read_events(self, session_id: str, kinds: str | None = None) -> list[SessionEvent]:
+        return [event for _, event in await self._numbered_events(session_id, kinds)]
+
+    async def read_events_after(self, session_id: str, after: int) -> list[tuple[int, SessionEvent]]:
+        rows = await self._all("SELECT seq, offset_ms, kind, data FROM session_events WHERE session_id = ? AND seq > ? "
+                               "ORDER BY seq", (session_id, after))
+        # from the batch holding the first event wanted (found on the primary key), not the whole recording
+        batches = await self._all(
+            "SELECT events FROM session_event_batches WHERE session_id = ? AND events IS NOT NULL AND first_seq >= "
+            "COALESCE((SELECT MAX(first_seq) FROM session_event_batches WHERE session_id = ? AND first_seq <= ?), 0) "
+            "ORDER BY first_seq", (session_id, session_id, after + 1))
+        if not rows and not batches:
+            return []
+        found = await asyncio.to_thread(_number_events, rows, batches, None)
+        return [pair for pair in found if pair[0] > after]
+
+    async def read_event_chain(self, session_id: str) -> tuple[list[BatchLink], list[tuple[int, SessionEvent]]]:
+        links = await self._all("SELECT first_seq, count, prev_hash, hash FROM session_event_batches "
+                                "WHERE session_id = ? ORDER BY first_seq", (session_id,))
+        return [BatchLink(r[0], r[1], r[2], r[3]) for r in links], await self._numbered_events(session_id)
+
+    async def last_event_seq(self, session_id: str) -> tuple[int, int]:
+        last = await self._one("SELECT first_seq, count, events FROM session_event_batches WHERE session_id = ? "
+                               "AND events IS NOT NULL AND first_seq < ? ORDER BY first_seq DESC LIMIT 1",
+                               (session_id, LATE_BASE))
+        if last is not None:
+            numbered = unpack_events(bytes(last[2]))
+            if numbered and numbered[-1][0] == last[0] + last[1] - 1:
+                return numbered[-1][0] + 1, numbered[-1][1].offset_ms
+            return last[0] + last[1], 0  # an altered batch (verification says so): numbered on after its link
+        row = await self._one(
+            "SELECT seq, offset_ms FROM session_events WHERE session_id = ? ORDER BY seq DESC LIMIT 1", (session_id,))
+        return (row[0] + 1, row[1]) if row else (0, 0)
+
+    async def sessions_with_status(self, status: str) -> list[Session]:
+        rows = await self._all("SELECT * FROM sessions WHERE status = ?", (status,))
+        return [build(Session, r) for r in rows]
+
+    async def open_sessions_of(self, node_ids: Iterable[str]) -> list[Session]:
+        wanted = list(node_ids)
+        if not wanted:
+            return []
+        rows = await self._all(f"SELECT * FROM sessions WHERE status = 'open' AND node_id IN "
+                               f"({', '.join('?' * len(wanted))})", tuple(wanted))
+        return [build(Session, r) for r in rows]
+
+    async def open_session_holders(self, *, review_id: str | None = None, connection_id: str | None = None) -> set[str]:
+        column, value = ("review_id", review_id) if review_id is not None else ("connection_id", connection_id)
+        rows = await self._all(f"SELECT DISTINCT node_id FROM sessions WHERE status = 'open' AND {column} = ? "
+                               "AND node_id IS NOT NULL", (value,))
+        return {row[0] for row in rows}
+
+    async def open_sessions_unheld(self) -> list[Session]:
+        rows = await self._all("SELECT * FROM sessions WHERE status = 'open' AND (node_id IS NULL OR node_id NOT IN "
+                               "(SELECT id FROM nodes WHERE status = 'up'))")
+        return [build(Session, r) for r in rows]
+
+    async def ids_with_prefix(self, table: str, org_id: str, prefix: str, limit: int = 3) -> list[str]:
+        if table not in ("reviews", "sessions"):
+            raise ValueError(f"no short ids in {table}")
+        # a range on the primary key (code point order in both backends): '~' sorts after every id character
+        rows = await self._all(f"SELECT id FROM {table} WHERE id >= ? AND id < ? AND org_id = ? "
+                               f"ORDER BY {self.dialect.sort('id', text=True)} LIMIT ?",
+                               (prefix, prefix + "~", org_id, limit))
+        return [r[0] for r in rows]
+
+    async def sessions_by_ids(self, session_ids: Iterable[str]) -> dict[str, Session]:
+        ids = list(dict.fromkeys(i for i in session_ids if i))
+        if not ids:
+            return {}
+        rows = await self._all(f"SELECT * FROM sessions WHERE id IN ({', '.join('?' * len(ids))})", tuple(ids))
+        return {r["id"]: build(Session, r) for r in rows}
+
+    async def set_session_metadata(self, session_id: str, metadata: dict[str, Any]) -> bool:
+        return await self._changed(assign("sessions", {"metadata": metadata}, "id = ?", (session_id,))) == 1
