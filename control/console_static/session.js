@@ -67,7 +67,8 @@ export async function sessionView({me, main}, id) {
         show(data);
         view.end && view.end();
         watching.remove();
-        mount(messages, notice(`Session ended${data.exit_code != null ? ` (exit code ${data.exit_code})` : ""}.`,
+        // beside, not over, what a kill from this page said
+        messages.append(notice(`Session ended${data.exit_code != null ? ` (exit code ${data.exit_code})` : ""}.`,
           data.exit_code ? "info" : "ok"));
         kill.hidden = true;
       }
