@@ -36,12 +36,17 @@ MODULES = (
     "gatewayd.policy",
     "gatewayd.recording",
     "gatewayd.sql.pg_scan",
-    "proxies.postgres.codec",
+    "proxies.postgres.auth",
+    "proxies.postgres.codec",  # the codec's front (re-exports): listed so a build of it never outlives its source
+    "proxies.postgres.framing",
+    "proxies.postgres.messages",
     "proxies.postgres.relay",
     "proxies.postgres.rendering",
     "proxies.postgres.rowmask",
     "proxies.postgres.values",  # every binary value a PostgreSQL row records or masks
     "proxies.postgres.session",
+    "proxies.postgres.wire",
+    "proxies.postgres.writers",
     "proxies.http.front",
     "proxies.http.messages",
     "proxies.ssh.lines",
