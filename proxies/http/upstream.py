@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
-from aiohttp import ClientConnectionError, ClientPayloadError, ServerDisconnectedError
+from aiohttp import ClientConnectionError, ClientError, ClientPayloadError, ServerDisconnectedError
 from aiohttp.base_protocol import BaseProtocol
 from aiohttp.helpers import EMPTY_BODY_STATUS_CODES, set_exception
 from aiohttp.http_exceptions import HttpProcessingError
@@ -30,6 +30,8 @@ READ_BUFSIZE = 256 * 1024
 WRITE_HIGH_WATER = 256 * 1024
 IDLE_SECONDS = 30.0
 CONNECT_TIMEOUT = 15.0
+# what talking to a target can raise past the pool: a streamed answer's body read, the websocket client
+CLIENT_ERRORS = (ClientError, OSError, asyncio.TimeoutError)
 
 
 class TargetProtocol(BaseProtocol):

@@ -31,8 +31,10 @@ DESCRIPTION = ProtocolDescription(
     client=ClientCommand(("psql",), env=(("PGHOST", "{hostname}"), ("PGPORT", "{port}"), ("PGUSER", "{username}"),
                                          ("PGPASSWORD", "{password}"), ("PGDATABASE", "{database_name}"),
                                          ("PGSSLMODE", "prefer")), shown='psql "{connection_string}"'),
-    compiled=("proxies.postgres.codec", "proxies.postgres.relay", "proxies.postgres.rendering",
-              "proxies.postgres.rowmask",
+    compiled=("proxies.postgres.wire", "proxies.postgres.messages", "proxies.postgres.framing",
+              "proxies.postgres.writers", "proxies.postgres.auth",
+              "proxies.postgres.codec",  # its front (re-exports): so a build of it never outlives its source
+              "proxies.postgres.relay", "proxies.postgres.rendering", "proxies.postgres.rowmask",
               "proxies.postgres.values",  # every binary value a PostgreSQL row records or masks
               "proxies.postgres.session"),
     server_config_key="postgres_server_config", default_port=15432, access_hints=access_hints,

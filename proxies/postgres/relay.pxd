@@ -1,8 +1,9 @@
 # Cython declarations for relay.py (augmenting: Python ignores this file; make hotpath compiles with it).
 cimport cython
 from gatewayd.policy cimport SessionPolicy
-from proxies.postgres.codec cimport (BackendReader, Bind, CloseComplete, CommandComplete, CopyData, DataRow, FrameBatch, Message,
-                                     Parse, Query, ReadyForQuery, RowDescription, render_text_row)
+from proxies.postgres.framing cimport BackendReader, FrameBatch
+from proxies.postgres.messages cimport (Bind, CloseComplete, CommandComplete, CopyData, DataRow, Message, Parse, Query,
+                                        ReadyForQuery, RowDescription, render_text_row)
 
 cdef class Pending:
     cdef public object error

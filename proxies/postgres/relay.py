@@ -43,9 +43,8 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from proxies.postgres.codec import (
-    FORMAT_BINARY,
-    BackendReader,
+from proxies.postgres.framing import BackendReader, FrameBatch, decode_backend
+from proxies.postgres.messages import (
     Bind,
     BindComplete,
     Close,
@@ -58,7 +57,6 @@ from proxies.postgres.codec import (
     Describe,
     ErrorResponse,
     Execute,
-    FrameBatch,
     FunctionCall,
     FunctionCallResponse,
     Message,
@@ -68,13 +66,15 @@ from proxies.postgres.codec import (
     ParameterStatus,
     Parse,
     ParseComplete,
-    ProtocolError,
     Query,
     ReadyForQuery,
     RowDescription,
     Sync,
     Terminate,
-    decode_backend,
+    resolve_formats,
+)
+from proxies.postgres.wire import FORMAT_BINARY, ProtocolError
+from proxies.postgres.writers import (
     encode_close,
     encode_copy_data,
     encode_copy_fail,
@@ -83,7 +83,6 @@ from proxies.postgres.codec import (
     encode_function_call_response,
     encode_notice_response,
     encode_sync,
-    resolve_formats,
 )
 from proxies.postgres.values import BUILTIN, TypeShapes
 

@@ -1,6 +1,6 @@
 # Cython declarations for rendering.py (augmenting: Python ignores this file; make hotpath compiles with it).
 cimport cython
-from proxies.postgres.codec cimport DataRow, render_text_row
+from proxies.postgres.messages cimport DataRow, render_text_row
 
 @cython.locals(text=str)
 cpdef str _quote(object value, bint binary)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from proxies.postgres.codec import FORMAT_BINARY, Bind, DataRow, render_text_row, resolve_formats
+from proxies.postgres.messages import Bind, DataRow, render_text_row, resolve_formats
+from proxies.postgres.wire import FORMAT_BINARY
 from proxies.postgres.values import TypeShapes, render_binary
 
 

@@ -1,6 +1,6 @@
 # Cython declarations for session.py (augmenting: Python ignores this file; make hotpath compiles with it).
 from gatewayd.policy cimport SessionPolicy
-from proxies.postgres.codec cimport BackendReader, FrameBatch, FrontendReader
+from proxies.postgres.framing cimport BackendReader, FrameBatch, FrontendReader
 from proxies.postgres.relay cimport ClientSide, ServerSide
 
 cdef class RelaySession:

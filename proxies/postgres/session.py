@@ -22,16 +22,12 @@ from typing import TYPE_CHECKING, Awaitable, Callable
 
 from gatewayd.tasks import BackgroundTasks
 
-from proxies.postgres.codec import (
-    BackendReader,
-    FrameBatch,
-    FrontendReader,
-    ProtocolError,
-)
+from proxies.postgres.framing import BackendReader, FrameBatch, FrontendReader
+from proxies.postgres.wire import ProtocolError
 from proxies.postgres.relay import BLOCK, DROP, FORWARD, WAIT, ClientSide, ServerSide
 
 if TYPE_CHECKING:
-    from proxies.postgres.codec import Message
+    from proxies.postgres.messages import Message
 
     from gatewayd.guardrails import GuardVerdict
     from gatewayd.policy import SessionPolicy

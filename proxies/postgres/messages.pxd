@@ -1,4 +1,4 @@
-# Cython declarations for codec.py (augmenting: Python ignores this file; make hotpath compiles with it).
+# Cython declarations for messages.py (augmenting: Python ignores this file; make hotpath compiles with it).
 cimport cython
 
 cdef class Message:
@@ -155,12 +155,9 @@ cdef class NegotiateProtocolVersion(Message):
 cdef class FunctionCallResponse(Message):
     cpdef _decode(self)
 
-@cython.locals(message=Message)
-cdef Message _framed(type cls, object buf, Py_ssize_t start, Py_ssize_t end)
-
 @cython.locals(data=bytes)
 cpdef str _text(raw)
-cdef Py_ssize_t _int32_at(bytes buf, Py_ssize_t pos)
+cpdef Py_ssize_t _int32_at(bytes buf, Py_ssize_t pos)  # cpdef: framing.py cimports it
 cdef Py_ssize_t _uint32_at(bytes buf, Py_ssize_t pos)
 cdef Py_ssize_t _int16_at(bytes buf, Py_ssize_t pos)
 cdef Py_ssize_t _uint16_at(bytes buf, Py_ssize_t pos)
@@ -168,35 +165,3 @@ cdef Py_ssize_t _uint16_at(bytes buf, Py_ssize_t pos)
 @cython.locals(buf=bytes, pos=Py_ssize_t, end=Py_ssize_t, count=Py_ssize_t, nformats=Py_ssize_t, i=Py_ssize_t,
                n=Py_ssize_t, stop=Py_ssize_t, parts=list)
 cpdef str render_text_row(Message data_row, object formats, str null, str separator, Py_ssize_t max_column_bytes)
-
-cdef class _FrameBuffer:
-    cdef public object _chunks
-    cdef public Py_ssize_t _pos
-    cdef public Py_ssize_t _available
-    cdef public bint _eof
-    cdef public object _error
-    cdef public Py_ssize_t bytes_copied
-    @cython.locals(available=Py_ssize_t, pos=Py_ssize_t, size=Py_ssize_t, kind=Py_ssize_t, length=Py_ssize_t,
-                   total=Py_ssize_t, end=Py_ssize_t, first=bytes)
-    cpdef Message _typed(self, tuple table, Py_ssize_t limit)
-    cpdef Message next_message(self)
-
-cdef class FrontendReader(_FrameBuffer):
-    cdef public Py_ssize_t max_message_size
-    cdef public Py_ssize_t max_startup_size
-    cdef public str phase
-    cpdef Message next_message(self)
-
-cdef class BackendReader(_FrameBuffer):
-    cdef public Py_ssize_t max_message_size
-    cpdef Message next_message(self)
-
-cdef class FrameBatch:
-    cdef public list parts
-    cdef public object _buf
-    cdef public Py_ssize_t _start
-    cdef public Py_ssize_t _end
-    cpdef add(self, Message message)
-    cpdef add_bytes(self, data)
-    cpdef list take(self)
-

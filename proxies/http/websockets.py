@@ -1,0 +1,132 @@
+"""Websockets through the HTTP proxy: an upgrade request checked as a request, then both directions relayed
+message by message, each text message read by the rules of its upgrade request (``i``/``o`` events)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+import aiohttp
+from aiohttp import WSMsgType, web
+from multidict import CIMultiDict
+from yarl import URL
+
+from gatewayd.dialer import DialerConnector, UnresolvedNames
+from proxies.http.answers import blocked, json_error, not_connected, unreachable
+from proxies.http.messages import guard_text, head_bytes, upstream_request_headers
+from proxies.http.upstream import CLIENT_ERRORS
+
+if TYPE_CHECKING:
+    from gatewayd.pipeline import SessionPipeline
+    from gatewayd.policy import SessionPolicy
+    from proxies.http.credentials import CredentialState
+
+_WS_HEADERS = frozenset({"sec-websocket-key", "sec-websocket-version", "sec-websocket-extensions",
+                         "sec-websocket-protocol", "sec-websocket-accept"})
+
+
+def client_session(connector: DialerConnector) -> aiohttp.ClientSession:
+    """The websocket client over ``connector``."""
+    return aiohttp.ClientSession(
+        connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
+        skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=15), read_bufsize=256 * 1024)
+
+
+class WebSockets:
+    """A listener's websockets: one shared client to the targets (a client of its own for a target reached
+    through an agent or a tenant's checked dial, closed with its websocket)."""
+
+    def __init__(self, pipeline: SessionPipeline) -> None:
+        self.pipeline = pipeline
+        self.client = client_session(
+            DialerConnector(pipeline.dialer, limit=0, ttl_dns_cache=60, keepalive_timeout=30))
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def relay(self, request: web.BaseRequest, state: CredentialState, policy: SessionPolicy, source: str,
+                    client_ip: str) -> web.StreamResponse:
+        """Relay a websocket; its messages are ``i``/``o`` under the rules of its upgrade request."""
+        headers = request.headers
+        first_line = f"{request.method} {request.raw_path} HTTP/1.1"
+        up_headers = [(k, v) for k, v in upstream_request_headers(headers.items(), source, client_ip, "http",
+                                                                  request.host) if k.lower() not in _WS_HEADERS]
+        head = head_bytes(first_line, headers.items())
+        if verdict := policy.input(head, guard_text(first_line, up_headers)):
+            return await blocked(policy, verdict, head)
+        protocols = [p.strip() for p in headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()]
+        url = state.target.url_for(request.raw_path)
+        url = "ws" + url[4:] if url.startswith("http") else url
+        client = self.client
+        dialer = self.pipeline.dialer_for(state.grant.connection)
+        if dialer is not self.pipeline.dialer:  # its agent, or a tenant's checked dial: a client of its own, closed
+            client = client_session(DialerConnector(dialer, limit=0, resolver=UnresolvedNames()))  # with the websocket
+        try:
+            try:
+                upstream = await client.ws_connect(URL(url, encoded=True), headers=CIMultiDict(up_headers),
+                                                   protocols=protocols,
+                                                   ssl=False if state.insecure else True, max_msg_size=0,
+                                                   autoping=True)
+            except aiohttp.WSServerHandshakeError as exc:
+                message = f"the target refused the websocket upgrade ({exc.status})"
+                policy.error(message)
+                return json_error(502, message)
+            except aiohttp.ClientConnectorError as exc:  # the DialerConnector's: the dialer's reason
+                return not_connected(state, policy, exc.os_error.strerror or type(exc.os_error).__name__)
+            except CLIENT_ERRORS as exc:
+                return unreachable(state, policy, type(exc).__name__)
+            return await _relay(request, policy, upstream)
+        finally:
+            if client is not self.client:
+                await client.close()
+
+
+async def _relay(request: web.BaseRequest, policy: SessionPolicy,
+                 upstream: aiohttp.ClientWebSocketResponse) -> web.StreamResponse:
+    """Both directions of an upgraded websocket until either side closes."""
+    downstream = web.WebSocketResponse(protocols=[upstream.protocol] if upstream.protocol else (),
+                                       max_msg_size=0, autoping=True)
+    try:
+        await downstream.prepare(request)
+        chosen = f", {upstream.protocol}" if upstream.protocol else ""
+        policy.record_output(f"HTTP/1.1 101 Switching Protocols (websocket{chosen})\r\n")
+        closing: dict[str, tuple[int, str]] = {}
+
+        async def pump(source_ws: web.WebSocketResponse | aiohttp.ClientWebSocketResponse,
+                       sink: web.WebSocketResponse | aiohttp.ClientWebSocketResponse, inbound: bool) -> None:
+            report = policy.input if inbound else policy.output  # a blocked input message is on the record
+            record = policy.record_input if inbound else policy.record_output
+            masking = not inbound and policy.masker is not None
+            async for message in source_ws:
+                if message.type == WSMsgType.TEXT:
+                    data = message.data
+                    if masking:  # the target's message, masked and recorded as masked
+                        verdict, data = policy.output_masked(data)
+                    else:
+                        verdict = report(data)
+                    if verdict:
+                        await policy.blocked(verdict)
+                        closing["blocked"] = (1008, verdict.message[:120])
+                        return
+                    await sink.send_str(data)
+                elif message.type == WSMsgType.BINARY:
+                    record(message.data)
+                    await sink.send_bytes(message.data)
+                elif message.type in (WSMsgType.ERROR, WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
+                    break
+                await policy.drain()
+
+        tasks = [asyncio.create_task(pump(downstream, upstream, True)),  # both awaited below
+                 asyncio.create_task(pump(upstream, downstream, False))]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        code, reason = closing.get("blocked", (downstream.close_code or upstream.close_code or 1000, ""))
+        await downstream.close(code=code, message=reason.encode())
+    finally:
+        await upstream.close()
+    return downstream
