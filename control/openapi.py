@@ -58,10 +58,16 @@ def _param_schema(param: Param) -> dict[str, Any]:
     return out
 
 
+# One server-sent event of a stream (its fields, as OpenAPI 3.2's itemSchema for text/event-stream has them)
+SSE_EVENT = {"type": "object", "properties": {"event": {"type": "string"}, "data": {"type": "string"},
+                                              "id": {"type": "string"},
+                                              "retry": {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}}}
+
+
 def _response(spec: Field | None, components: dict[str, Any], media: tuple[str, ...] = ()) -> dict[str, Any]:
     content = {"application/json": {"schema": _field_schema(spec, components)}} if spec is not None else {}
-    content |= {kind: {"schema": {"type": "string"} if kind.startswith("text/") else
-                       {"type": "string", "format": "binary"}} for kind in media}
+    content |= {kind: {"schema": SSE_EVENT if kind == "text/event-stream" else {"type": "string"}
+                       if kind.startswith("text/") else {"type": "string", "format": "binary"}} for kind in media}
     return {"description": "success", "content": content} if content else {"description": "success"}
 
 

@@ -291,15 +291,19 @@ def event_json(session: Session, seq: int, event: SessionEvent) -> dict[str, Any
             "payload": base64.b64encode(event.data).decode()}
 
 
+LAST_SEQ = INT64_MAX - 1  # the highest ``after`` a store query can add one to
+
+
 def _after(request: web.Request) -> int:
     """Where a stream resumes: after ``Last-Event-ID`` (an EventSource reconnecting) or ``?after=``."""
     raw = request.headers.get("Last-Event-ID", "").strip()
     if raw:
         try:
-            return max(int(raw), -1)
+            # no event is numbered past the store's integers: after the last one there is nothing to send
+            return min(max(int(raw), -1), LAST_SEQ)
         except ValueError:
             raise ApiError(400, "Last-Event-ID: expected the sequence number of an event") from None
-    return max(query_int(request, "after", -1), -1)
+    return min(max(query_int(request, "after", -1), -1), LAST_SEQ)
 
 
 @routes.get("/sessions/{id}/stream", "Follow a session as it happens, as server-sent events (text/event-stream): "

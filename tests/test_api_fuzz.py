@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import time
+import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
@@ -32,6 +33,9 @@ SEED = 20261123  # a fixed seed: the same requests at every run
 LEFT_OUT = [
     ("PUT", "/api/serverconfig/misc"),  # listeners started or stopped on generated addresses
     ("PUT", "/api/integrations/aws/iam/accesskeys"),  # asks AWS STS: outside the test, 502 when unreachable
+    ("POST", "/api/logout"),  # revokes the token the run speaks with: every later request would be a 401
+    ("POST", "/api/token/refresh"),  # the same: the refreshed token replaces it
+    ("PUT", "/api/serverconfig/auth"),  # changes how the run's own admin signs in (its token then refused)
 ]
 
 
@@ -155,8 +159,20 @@ def test_api_answers_every_generated_request_as_documented(fuzz_target: dict[str
                "--mode", "all",
                "--max-examples", str(EXAMPLES), "--seed", str(SEED), "--generation-database", "none",
                "--workers", "1", "--no-color", "--request-timeout", "30"]
+    def token_works() -> int:
+        request = urllib.request.Request(daemon.url + "/connections",
+                                         headers={"Authorization": f"Bearer {fuzz_target['token']}"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status
+        except urllib.error.HTTPError as refused:
+            return refused.code
+
+    assert token_works() == 200
     started = time.monotonic()
     run = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    # the run spoke as the admin to the end (a route that signs its token out would leave only 401s to check)
+    assert token_works() == 200
     print(run.stdout[-6000:], f"\nschemathesis ran for {time.monotonic() - started:.1f}s")
     assert run.returncode == 0, run.stdout[-20000:] + run.stderr[-4000:]
     summary = run.stdout[run.stdout.rfind("Test cases:"):]
