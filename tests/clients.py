@@ -27,3 +27,21 @@ def psql(port: int, secret: str, *args: str | bytes, stdin: str | bytes | None =
     """``psql -X ARGS`` as ``secret`` on ``port`` (``settings``: psql_env's), never raising on its exit status."""
     return subprocess.run(["psql", "-X", *args], capture_output=True, text=text, input=stdin, timeout=timeout,
                           env={**psql_env(port, secret, **settings), **(env or {})}, check=False)
+
+
+def ssh(port: int, secret: str, *args: str, tty: bool = False, stdin: bytes | None = None, timeout: float = 60,
+        text: bool = False, options: list[str] | None = None) -> subprocess.CompletedProcess[Any]:
+    """OpenSSH ``ssh`` as ``secret`` (the user name: no prompt) to the gateway's SSH port, running ``args``;
+    without ``stdin`` its input is empty. ``options``: instead of the suite's client options."""
+    from tests.sshpeer import CLIENT_OPTIONS
+
+    command = ["ssh", *(CLIENT_OPTIONS if options is None else options), *(["-tt"] if tty else []), "-p", str(port),
+               f"{secret}@127.0.0.1", *args]
+    return subprocess.run(command, input=stdin, capture_output=True, timeout=timeout, text=text, check=False,
+                          stdin=None if stdin is not None else subprocess.DEVNULL)
+
+
+def curl(*args: str, stdin: Any = None, timeout: float = 300, text: bool = False) -> subprocess.CompletedProcess[Any]:
+    """``curl -sS ARGS``, never raising on its exit status."""
+    return subprocess.run(["curl", "-sS", *args], stdin=stdin, capture_output=True, timeout=timeout, text=text,
+                          check=False)

@@ -20,7 +20,6 @@ from tests import clients
 from tests.apiclient import PostgresApi, SshApi, admin_http, events
 from tests.conftest import free_port, proxy_daemon
 from tests.pgpeer import unavailable_reason as pg_unavailable
-from tests.sshpeer import CLIENT_OPTIONS
 from tests.sshpeer import unavailable_reason as ssh_unavailable
 from tests.test_http_proxy import HttpApi
 
@@ -67,13 +66,12 @@ def psql(gateway, secret: str, sql: str) -> subprocess.CompletedProcess[str]:
 
 
 def ssh(gateway, secret: str, command: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ssh", *CLIENT_OPTIONS, "-p", str(gateway.ssh_port), f"{secret}@127.0.0.1", command],
-                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL, check=False)
+    return clients.ssh(gateway.ssh_port, secret, command, text=True, timeout=120)
 
 
 def curl(gateway, secret: str, path: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["curl", "-sS", "-w", "\n%{http_code}", "-H", f"Authorization: {secret}", *args,
-                           gateway.http_url + path], capture_output=True, text=True, timeout=120, check=False)
+    return clients.curl("-w", "\n%{http_code}", "-H", f"Authorization: {secret}", *args, gateway.http_url + path,
+                        text=True, timeout=120)
 
 
 async def test_patterns_re2_cannot_run_are_refused_with_400(apis):

@@ -25,6 +25,7 @@ from gatewayd.config import load_config
 from gatewayd.daemon import Gateway
 from gatewayd.models import Connection, new_id, rfc3339, utcnow
 from proxies.http.server import start as start_http
+from tests import clients
 from tests.apiclient import Api, admin_http, b64, events
 from tests.conftest import ROOT, Daemon, free_port, proxy_daemon, wait_port
 from tests.httppeer import BLOCK, pattern_sha256
@@ -112,7 +113,7 @@ def has_event(kind: str, needle: str):
 
 
 def curl(*args: str, stdin: Any = None, timeout: float = 300) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run(["curl", "-sS", *args], stdin=stdin, capture_output=True, timeout=timeout)
+    return clients.curl(*args, stdin=stdin, timeout=timeout)
 
 
 def header_value(pairs: list[list[str]], name: str) -> list[str]:

@@ -20,13 +20,13 @@ import hashlib
 import json
 import os
 import re
-import subprocess
 from pathlib import Path
 from typing import Any, AsyncIterator
 
 import aiohttp
 import pytest
 
+from tests import clients
 from tests.apiclient import admin_http
 from tests.conftest import HOT_PATH_RUNS, free_port, hot_path_logged, proxy_daemon
 from tests.httppeer import gzip_bytes
@@ -69,8 +69,7 @@ async def named_role(api: HttpApi, name: str, remote_url: str | None = None) -> 
 
 
 def curl(*args: str) -> bytes:
-    done = subprocess.run(["curl", "-sS", "-A", "golden-curl/1", "-H", "Accept: */*", *args],
-                          capture_output=True, timeout=60)
+    done = clients.curl("-A", "golden-curl/1", "-H", "Accept: */*", *args, timeout=60)
     assert done.returncode == 0, done.stderr
     return done.stdout
 

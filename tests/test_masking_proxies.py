@@ -20,6 +20,7 @@ import aiohttp
 import pytest
 
 from gatewayd.masking import luhn_valid
+from tests import clients
 from tests.apiclient import SshApi, admin_http, events, of_kind
 from tests.conftest import free_port, proxy_daemon, wait_port
 from tests.httppeer import PII_CARD, PII_EMAIL, PII_SSN
@@ -80,9 +81,7 @@ async def recorded(api, session_id: str, until=None) -> str:
 
 
 def ssh(gateway, secret: str, *args: str, tty: bool = False, stdin: bytes | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(["ssh", *CLIENT_OPTIONS, *(["-tt"] if tty else []), "-p", str(gateway.ssh_port),
-                           f"{secret}@127.0.0.1", *args], input=stdin, capture_output=True, timeout=60,
-                          stdin=None if stdin is not None else subprocess.DEVNULL)
+    return clients.ssh(gateway.ssh_port, secret, *args, tty=tty, stdin=stdin)
 
 
 async def masked_ssh(ssh_api, *rules: dict) -> tuple[str, str]:

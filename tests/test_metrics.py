@@ -97,8 +97,8 @@ def psql(daemon: Daemon, secret: str, sql: str) -> subprocess.CompletedProcess[s
 
 
 def curl(url: str, secret: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "-H", f"Authorization: {secret}",
-                           url], capture_output=True, text=True, timeout=60)
+    return clients.curl("-o", "/dev/null", "-w", "%{http_code}", "-H", f"Authorization: {secret}", url, text=True,
+                        timeout=60)
 
 
 async def test_sessions_refusals_blocks_and_bytes_move_the_counters(gateway, pg_target, ssh_target, http_peer):

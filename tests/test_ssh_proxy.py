@@ -33,6 +33,7 @@ from typing import Any
 
 import pytest
 
+from tests import clients
 from tests.apiclient import SshApi, admin_http, b64, events, of_kind
 from tests.conftest import Daemon, free_port, proxy_daemon
 from tests.sshpeer import CLIENT_OPTIONS, SshTarget, unavailable_reason
@@ -72,8 +73,7 @@ def ssh_args(gateway: Daemon, secret: str, *args: str, user: str | None = None, 
 def ssh(gateway: Daemon, secret: str, *args: str, stdin: bytes | None = None,
         timeout: float = 60) -> subprocess.CompletedProcess[bytes]:
     """OpenSSH ``ssh`` through the gateway, the secret as user name (no prompt)."""
-    return subprocess.run(ssh_args(gateway, secret, *args), input=stdin, capture_output=True, timeout=timeout,
-                          stdin=None if stdin is not None else subprocess.DEVNULL)
+    return clients.ssh(gateway.ssh_port, secret, *args, stdin=stdin, timeout=timeout)
 
 
 def on_target(target: SshTarget, command: str) -> str:
