@@ -439,9 +439,12 @@ async def test_sigkill_of_the_whole_gateway_replays_its_journal(request, driver,
             await until("pgbench writes", lambda: target_rows(pg_target, table))
             await asyncio.sleep(1.5)
             supervisor = daemon.process.pid
+            # the supervisor frozen first: it can neither start a worker again nor SIGTERM them meanwhile (a worker
+            # it restarted between the kills outlived the group and held the ports of the next run)
+            os.kill(supervisor, signal.SIGSTOP)
             workers = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and
                        _parent(p) == supervisor]
-            for pid in workers + [supervisor]:  # the workers first: a supervisor gone first would SIGTERM them
+            for pid in workers + [supervisor]:
                 os.kill(pid, signal.SIGKILL)
             daemon.process.wait(10)
             daemon.stop()
