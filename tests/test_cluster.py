@@ -23,7 +23,6 @@ import pytest
 from tests import clients
 from tests.apiclient import Api, PostgresApi, SshApi, admin_http, events, of_kind, postgres_env
 from tests.conftest import Daemon, free_port, new_store_database, wait_port
-from tests.pgpeer import wait_for_backends
 from tests.sshpeer import CLIENT_OPTIONS
 
 LEASE = "3s"
@@ -276,12 +275,18 @@ async def test_a_cancel_through_the_other_node_answers_once_in_force_and_never_r
         api = PostgresApi(a, http, pg_target)
         secret, session_id = await api.credential(await api.role())
         conn = await connect(b, secret)
+        watcher = await asyncpg.connect(pg_target.dsn())
         outcomes = []
         try:
             protocol = conn._protocol
             for attempt in range(8):
-                first = asyncio.create_task(conn.fetchval(f"select 'first {attempt}', pg_sleep(0.15)"))
-                await wait_for_backends(pg_target.dsn(), f"select 'first {attempt}', pg_sleep(0.15)", running=True)
+                text = f"select 'first {attempt}', pg_sleep(0.15)"
+                first = asyncio.create_task(conn.fetchval(text))
+                for _ in range(500):  # until the target runs it (or it ran already: a busy machine may miss it)
+                    if first.done() or await watcher.fetchval(
+                            "select count(*) from pg_stat_activity where query = $1 and state = 'active'", text):
+                        break
+                    await asyncio.sleep(0.02)
                 await asyncio.to_thread(cancel_request, a.ports["postgres"], protocol.backend_pid,
                                         protocol.backend_secret)
                 try:
@@ -292,6 +297,7 @@ async def test_a_cancel_through_the_other_node_answers_once_in_force_and_never_r
                 assert await conn.fetchval(f"select 'next {attempt}', pg_sleep(0.15)") == f"next {attempt}"
         finally:
             await conn.close()
+            await watcher.close()
         print(f"first statements: {outcomes.count('cancelled')} cancelled, the others ended before the cancel came")
 
 
