@@ -245,7 +245,8 @@ async def test_psql_through_the_agent_with_guard_rails_and_a_complete_recording(
 
 
 async def test_a_target_the_agent_cannot_reach_is_said_in_the_agent_s_words(api, gateway, peers, agent):
-    dead = dict(peers, pg_port=free_port())  # nothing listens there inside the namespace
+    taken = {peers["pg_port"], peers["ssh_port"], peers["http_port"]}  # the namespace's own listeners
+    dead = dict(peers, pg_port=next(port for port in iter(free_port, None) if port not in taken))
     connection = await pg_connection(api, dead)
     secret, session_id = await credential(api, connection, "username")
     result = psql(gateway, secret, "select 1")
