@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from gatewayd.policy import SessionPolicy
 
 PROTOCOL = "httpproxy"
+CUT_GRACE = 5.0  # how long a kill waits for the requests it cut to record what they sent
 
 
 class Refused(Exception):
@@ -121,9 +123,8 @@ class Credentials:
         self._prune()
         created: list[CredentialState] = []  # the state made below, for the kill callback
 
-        def killed(reason: str) -> None:
-            if created:
-                self._killed(created[0], reason)
+        def killed(reason: str) -> Awaitable[None] | None:
+            return _until_cut(self._killed(created[0], reason)) if created else None
 
         run = await self.pipeline.resume(grant, client_ip, on_kill=killed)
         if run is None:
@@ -163,11 +164,13 @@ class Credentials:
         for secret in [k for k, s in self.fresh.items() if s.fresh_until < now]:
             del self.fresh[secret]
 
-    def _killed(self, state: CredentialState, reason: str) -> None:
-        """The session ended from the gateway side: refuse what comes next, cut what is in flight."""
+    def _killed(self, state: CredentialState, reason: str) -> list[asyncio.Task[object]]:
+        """The session ended from the gateway side: refuse what comes next, cut what is in flight (the tasks cut)."""
         state.closed = reason if "session was closed" in reason else f"the session was closed: {reason}"
-        for task in list(state.in_flight):
+        cut = [task for task in state.in_flight if task is not asyncio.current_task()]
+        for task in cut:
             task.cancel()
+        return cut
 
 
 @dataclass(slots=True, eq=False)
@@ -176,6 +179,13 @@ class _KeyLock:
 
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     users: int = 0
+
+
+async def _until_cut(tasks: list[asyncio.Task[object]]) -> None:
+    """Until the requests a kill cut have ended: each records what it sent (a streamed body is recorded when it
+    ends), so the recording has it before the kill's reason, in the order the client saw them."""
+    if tasks:
+        await asyncio.wait(tasks, timeout=CUT_GRACE)
 
 
 class in_flight:  # noqa: N801 (used as a context manager, like a function)

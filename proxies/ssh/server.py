@@ -406,7 +406,10 @@ class GatewayConnection(asyncssh.SSHServer):
     def channel_closed(self, relay: SessionRelay) -> None:
         self.channels.discard(relay)
         if self.ending is not None and not self.channels:
-            self._disconnect()
+            # the client leaves by itself once its channels closed (OpenSSH then exits with the channel's 254): a
+            # disconnect sent at once can reach it first, and it exits 255 before printing why; one that stays is
+            # disconnected after the grace
+            asyncio.get_running_loop().call_later(CLOSE_GRACE, self._disconnect)
 
     def _disconnect(self) -> None:
         if self.conn is not None and not self.gone:
