@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,6 +29,8 @@ if str(ROOT) not in sys.path:
 
 from bench.postgres.bench_postgres import (cpu_seconds, figures, gateway_credential, median, pgbench,  # noqa: E402
                                            start_agent, start_gateway, transactions)
+from gatewayd.tls import generate_self_signed  # noqa: E402
+from tests.conftest import free_port, wait_port  # noqa: E402
 from tests.pgpeer import PgCluster, unavailable_reason  # noqa: E402
 
 
@@ -38,6 +41,7 @@ def main() -> int:
     parser.add_argument("--clients", default="1,16")
     parser.add_argument("--scale", type=int, default=1)
     parser.add_argument("--baseline", default="", help="also the gateway and agent of the checkout in this directory")
+    parser.add_argument("--floor", action="store_true", help="also two forwarders chained over TLS (a raw tunnel's floor)")
     args = parser.parse_args()
     reason = unavailable_reason()
     if reason or shutil.which("pgbench") is None:
@@ -45,7 +49,7 @@ def main() -> int:
         return 2
     trees = {"this": {}} | ({"baseline": {"PYTHONPATH": str(Path(args.baseline).resolve())}} if args.baseline else {})
     cluster = PgCluster(tls=False).start()
-    daemons, agents = [], []
+    daemons, agents, forwarders = [], [], []
     try:
         pgbench(cluster.port, "postgres", cluster.password, "-i", "-q", "-s", str(args.scale))
         # name -> (port, user, gateway pid, agent pid or None)
@@ -61,6 +65,17 @@ def main() -> int:
             targets[f"{tree} agent"] = (port, asyncio.run(gateway_credential(daemon, cluster, "bench-agent",
                                                                               agent_id="bench")),
                                         daemon.process.pid, agent.pid)
+        if args.floor:  # forwarder (the gateway's place) -TLS-> forwarder (the agent's place) -> PostgreSQL
+            cert, key = (Path(tempfile.mkdtemp(prefix="bench-agent-")) / name for name in ("hop.crt", "hop.key"))
+            generate_self_signed(cert, key, "bench")
+            back, front = free_port(), free_port()
+            script = str(Path(__file__).with_name("forwarder.py"))
+            forwarders.append(subprocess.Popen([sys.executable, script, str(back), str(cluster.port),
+                                                "--tls-in", str(cert), str(key)]))
+            forwarders.append(subprocess.Popen([sys.executable, script, str(front), str(back), "--tls-out"]))
+            for port in (back, front):
+                wait_port(port, None, "forwarder")
+            targets["tls chain"] = (front, "postgres", forwarders[1].pid, forwarders[0].pid)
         print(f"{os.cpu_count()} CPUs; pgbench -S -M simple -t (total {args.transactions}); load "
               f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         for clients in [int(c) for c in args.clients.split(",")]:
@@ -70,7 +85,8 @@ def main() -> int:
             for _ in range(args.rounds):
                 for name, (port, user, gw_pid, agent_pid) in targets.items():
                     before = cpu_seconds(gw_pid), cpu_seconds(agent_pid)
-                    output = pgbench(port, user, "any", "-S", "-M", "simple", "-n", "-c", str(clients),
+                    password = cluster.password if name == "tls chain" else "any"
+                    output = pgbench(port, user, password, "-S", "-M", "simple", "-n", "-c", str(clients),
                                      "-j", str(min(clients, 2)), "-t", str(each))
                     after = cpu_seconds(gw_pid), cpu_seconds(agent_pid)
                     count = max(1, transactions(output))
@@ -82,7 +98,8 @@ def main() -> int:
                     row["tps"].append(tps)
             print(f"-c {clients} ({args.rounds} rounds, medians; load {os.getloadavg()[0]:.2f})")
             for name, row in rows.items():
-                print(f"  {name:<16} gateway {median(row['gw']):6.0f} us  agent {median(row['agent']):6.0f} us"
+                sides = ("front", "back") if name == "tls chain" else ("gateway", "agent")
+                print(f"  {name:<16} {sides[0]:>7} {median(row['gw']):6.0f} us  {sides[1]:>5} {median(row['agent']):6.0f} us"
                       f"  latency {median(row['ms']):.3f} ms  {median(row['tps']):8.0f} TPS"
                       f"   (gw {' '.join(f'{v:.0f}' for v in row['gw'])})")
             for tree in trees:
@@ -92,9 +109,9 @@ def main() -> int:
                       f" TPS agent/direct {median(via['tps']) / median(direct['tps']):.2f}")
         return 0
     finally:
-        for agent in agents:
-            agent.terminate()
-            agent.wait(10)
+        for process in (*forwarders, *agents):
+            process.terminate()
+            process.wait(10)
         for daemon in daemons:
             daemon.stop()
         cluster.destroy()
