@@ -76,6 +76,15 @@ def main() -> int:
             for port in (back, front):
                 wait_port(port, None, "forwarder")
             targets["tls chain"] = (front, "postgres", forwarders[1].pid, forwarders[0].pid)
+            # the design in docs/agents.md: length-prefixed Frames over a TLS connection per stream, the pump as is
+            back, front = free_port(), free_port()
+            script = str(Path(__file__).with_name("tunnel_chain.py"))
+            forwarders.append(subprocess.Popen([sys.executable, script, "back", str(back), str(cluster.port),
+                                                str(cert), str(key)]))
+            wait_port(back, None, "tunnel_chain back")
+            forwarders.append(subprocess.Popen([sys.executable, script, "front", str(front), str(back)]))
+            wait_port(front, None, "tunnel_chain front")
+            targets["framed chain"] = (front, "postgres", forwarders[3].pid, forwarders[2].pid)
         print(f"{os.cpu_count()} CPUs; pgbench -S -M simple -t (total {args.transactions}); load "
               f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         for clients in [int(c) for c in args.clients.split(",")]:
@@ -85,7 +94,7 @@ def main() -> int:
             for _ in range(args.rounds):
                 for name, (port, user, gw_pid, agent_pid) in targets.items():
                     before = cpu_seconds(gw_pid), cpu_seconds(agent_pid)
-                    password = cluster.password if name == "tls chain" else "any"
+                    password = cluster.password if name.endswith("chain") else "any"
                     output = pgbench(port, user, password, "-S", "-M", "simple", "-n", "-c", str(clients),
                                      "-j", str(min(clients, 2)), "-t", str(each))
                     after = cpu_seconds(gw_pid), cpu_seconds(agent_pid)
@@ -98,7 +107,7 @@ def main() -> int:
                     row["tps"].append(tps)
             print(f"-c {clients} ({args.rounds} rounds, medians; load {os.getloadavg()[0]:.2f})")
             for name, row in rows.items():
-                sides = ("front", "back") if name == "tls chain" else ("gateway", "agent")
+                sides = ("front", "back") if name.endswith("chain") else ("gateway", "agent")
                 print(f"  {name:<16} {sides[0]:>7} {median(row['gw']):6.0f} us  {sides[1]:>5} {median(row['agent']):6.0f} us"
                       f"  latency {median(row['ms']):.3f} ms  {median(row['tps']):8.0f} TPS"
                       f"   (gw {' '.join(f'{v:.0f}' for v in row['gw'])})")
