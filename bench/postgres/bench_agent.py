@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -30,7 +31,8 @@ if str(ROOT) not in sys.path:
 from bench.postgres.bench_postgres import (cpu_seconds, figures, gateway_credential, median, pgbench,  # noqa: E402
                                            start_agent, start_gateway, transactions)
 from gatewayd.tls import generate_self_signed  # noqa: E402
-from tests.conftest import free_port, wait_port  # noqa: E402
+from tests.conftest import wait_port  # noqa: E402
+from tests.ports import free_port  # noqa: E402
 from tests.pgpeer import PgCluster, unavailable_reason  # noqa: E402
 
 
@@ -47,9 +49,11 @@ def main() -> int:
     if reason or shutil.which("pgbench") is None:
         print(f"cannot run: {reason or 'pgbench not found'}", file=sys.stderr)
         return 2
-    trees = {"this": {}} | ({"baseline": {"PYTHONPATH": str(Path(args.baseline).resolve())}} if args.baseline else {})
+    trees: dict[str, dict[str, str]] = {"this": {}} | ({"baseline": {"PYTHONPATH": str(Path(args.baseline).resolve())}} if args.baseline else {})
     cluster = PgCluster(tls=False).start()
-    daemons, agents, forwarders = [], [], []
+    daemons: list[Any] = []
+    agents: list[subprocess.Popen[bytes]] = []
+    forwarders: list[subprocess.Popen[bytes]] = []
     try:
         pgbench(cluster.port, "postgres", cluster.password, "-i", "-q", "-s", str(args.scale))
         # name -> (port, user, gateway pid, agent pid or None)
