@@ -58,6 +58,7 @@ import os
 import platform
 import pwd
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -248,8 +249,10 @@ async def gateway_credential(daemon: Daemon, cluster: PgCluster, name: str = "be
         return body["connection_credentials"]["username"]
 
 
-def start_agent(daemon: Daemon) -> subprocess.Popen[bytes]:
-    """The agent "bench" registered through the API and started from the command it answered; once it is online."""
+def start_agent(daemon: Daemon, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """The agent "bench" registered through the API and started from the command it answered; once it is online.
+
+    ``env``: more environment (``PYTHONPATH`` of another checkout)."""
     token = daemon.token("bench@example.com", groups="admin")
 
     async def register() -> str:
@@ -259,8 +262,11 @@ def start_agent(daemon: Daemon) -> subprocess.Popen[bytes]:
                 assert response.status == 201, body
                 return body["command"]
 
-    command = asyncio.run(register()).split()
-    process = subprocess.Popen([str(Path(sys.executable).with_name("gatewayd")), *command[1:], "--log-level", "warning"])
+    words = shlex.split(asyncio.run(register()))  # NAME=value ... gatewayd agent --url ...
+    assignments = dict(word.split("=", 1) for word in words if "=" in word and not word.startswith("-"))
+    command = words[len(assignments):]
+    process = subprocess.Popen([str(Path(sys.executable).with_name("gatewayd")), *command[1:], "--log-level", "warning"],
+                               env={**os.environ, **assignments, **(env or {})})
 
     async def online() -> bool:
         async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as http:

@@ -1,11 +1,16 @@
 """The floor of any asyncio proxy: a byte forwarder on uvloop that looks at nothing (bench reference only).
 
-    python bench/postgres/forwarder.py LISTEN_PORT TARGET_PORT
+    python bench/postgres/forwarder.py LISTEN_PORT TARGET_PORT [--tls-in CERT KEY] [--tls-out]
+
+``--tls-in``: its listener speaks TLS with that certificate; ``--tls-out``: it dials its target over TLS
+(no verification: a bench reference). Two of them chained with TLS between them are the floor of a
+raw TLS tunnel between a gateway and an agent (``bench_agent.py --floor``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 import sys
 
 try:
@@ -36,7 +41,8 @@ class Side(asyncio.Protocol):
             self.peer.transport.close()
 
 
-async def main(listen_port: int, target_port: int) -> None:
+async def main(listen_port: int, target_port: int, server_tls: ssl.SSLContext | None = None,
+               client_tls: ssl.SSLContext | None = None) -> None:
     loop = asyncio.get_running_loop()
 
     class Client(Side):
@@ -47,16 +53,26 @@ async def main(listen_port: int, target_port: int) -> None:
         async def connect(self) -> None:
             target = Side()
             target.peer = self
-            await loop.create_connection(lambda: target, "127.0.0.1", target_port)
+            await loop.create_connection(lambda: target, "127.0.0.1", target_port, ssl=client_tls)
             self.peer = target
             if self.early:
                 target.transport.write(bytes(self.early))  # type: ignore[union-attr]
 
-    server = await loop.create_server(Client, "127.0.0.1", listen_port)
+    server = await loop.create_server(Client, "127.0.0.1", listen_port, ssl=server_tls)
     async with server:
         await server.serve_forever()
 
 
 if __name__ == "__main__":
+    args = sys.argv[1:]
+    server_tls = client_tls = None
+    if "--tls-in" in args:
+        at = args.index("--tls-in")
+        server_tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        server_tls.load_cert_chain(args[at + 1], args[at + 2])
+    if "--tls-out" in args:
+        client_tls = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        client_tls.check_hostname = False
+        client_tls.verify_mode = ssl.CERT_NONE
     runner = uvloop.run if uvloop is not None else asyncio.run
-    runner(main(int(sys.argv[1]), int(sys.argv[2])))
+    runner(main(int(args[0]), int(args[1]), server_tls, client_tls))
