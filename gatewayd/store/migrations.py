@@ -15,6 +15,31 @@ from gatewayd.store.sql import Dialect
 # A script (portable SQL, split at ``;``), or a function giving a dialect's own statements (the text index).
 Migration = str | Callable[[Dialect], list[str]]
 
+
+def list_indexes(dialect: Dialect) -> list[str]:
+    """An index for each filter of the session list and the audit log that holds its matches in the page's order
+    (newest first): the page is read from it, not sorted, and the count up to the store's cap reads one range of
+    it (docs/sessions.md, "The lists at scale"). The audit log's order ends with the dialect's row order:
+    PostgreSQL's ``row_order`` goes in the index; SQLite's rowid is in every index already, and a reverse scan of
+    ``(org_id, created_at)`` gives ``created_at DESC, rowid DESC``. PostgreSQL also gets ``(org_id, row_order)``:
+    the last link of an organization's audit chain, read by every audit write, was found by a scan of the table
+    (SQLite's ``audit_by_org`` holds the rowid)."""
+    row = "" if dialect.row_order == "rowid" else f", {dialect.row_order}"
+    statements = [
+        "CREATE INDEX sessions_by_org_type ON sessions (org_id, type, start_date DESC, id)",
+        "CREATE INDEX sessions_by_review ON sessions (review_id)",
+        f"CREATE INDEX audit_by_org_time ON audit_logs (org_id, created_at{row})",
+        f"CREATE INDEX audit_by_org_action ON audit_logs (org_id, action, created_at{row})",
+        f"CREATE INDEX audit_by_org_outcome ON audit_logs (org_id, outcome, created_at{row})",
+        f"CREATE INDEX audit_by_org_resource ON audit_logs (org_id, resource_type, created_at{row})",
+        f"CREATE INDEX audit_by_org_subject ON audit_logs (org_id, actor_subject, created_at{row})",
+        f"CREATE INDEX audit_by_org_email ON audit_logs (org_id, lower(actor_email), created_at{row})",
+    ]
+    if row:
+        statements.append(f"CREATE INDEX audit_chain_tail ON audit_logs (org_id{row})")
+    return statements
+
+
 MIGRATIONS: list[tuple[int, Migration]] = [
     (1, """
 CREATE TABLE orgs (
@@ -492,5 +517,6 @@ CREATE INDEX sessions_by_org_subtype ON sessions (org_id, subtype, start_date DE
 CREATE INDEX sessions_by_org_status ON sessions (org_id, status, start_date DESC, id)
 """),
     (18, lambda dialect: dialect.search_schema()),  # session_search: the input text of the recordings (gatewayd.store.search)
+    (19, list_indexes),  # issue 36: the session list and the audit log among millions
 ]
 

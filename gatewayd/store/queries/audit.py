@@ -72,9 +72,10 @@ class AuditQueries(SQLCore):
             where.append("created_at <= ?")
             params.append(query.created_before)
         clause = " AND ".join(where)
-        total = await self._count(f"SELECT COUNT(*) FROM audit_logs WHERE {clause}", params)
+        total, exact = await self._capped_count(f"FROM audit_logs WHERE {clause}", params)
         rows = await self._all(
             f"SELECT * FROM audit_logs WHERE {clause} ORDER BY created_at DESC, "
             f"{self.dialect.row_order} DESC LIMIT ? OFFSET ?",
-            tuple(params) + (query.page_size, (query.page - 1) * query.page_size))
-        return Page(items=[build(AuditEntry, r) for r in rows], total=total)
+            tuple(params) + (query.page_size + 1, (query.page - 1) * query.page_size))
+        return Page(items=[build(AuditEntry, r) for r in rows[:query.page_size]], total=total, total_exact=exact,
+                    more=len(rows) > query.page_size)
