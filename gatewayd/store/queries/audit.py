@@ -53,13 +53,14 @@ class AuditQueries(SQLCore):
         return found
 
     async def list_audit(self, query: AuditFilter) -> Page:
+        """Entries newest first, the total counted up to ``count_cap`` (``total_exact`` False past it). An actor is
+        a subject or an e-mail: two arms, the entries of the subject and those of the e-mail under another
+        subject, each read from its own index in the page's order and merged (an OR of the two is read from
+        neither index in order: every entry of the actor is read and sorted)."""
         where, params = ["1 = 1"], []
         if query.org_id:
             where.append("org_id = ?")
             params.append(query.org_id)
-        if query.actor:
-            where.append("(actor_subject = ? OR lower(actor_email) = lower(?))")
-            params += [query.actor, query.actor]
         for column, value in (("resource_type", query.resource_type), ("action", query.action),
                               ("outcome", query.outcome)):
             if value:
@@ -72,10 +73,24 @@ class AuditQueries(SQLCore):
             where.append("created_at <= ?")
             params.append(query.created_before)
         clause = " AND ".join(where)
-        total, exact = await self._capped_count(f"FROM audit_logs WHERE {clause}", params)
-        rows = await self._all(
-            f"SELECT * FROM audit_logs WHERE {clause} ORDER BY created_at DESC, "
-            f"{self.dialect.row_order} DESC LIMIT ? OFFSET ?",
-            tuple(params) + (query.page_size + 1, (query.page - 1) * query.page_size))
+        arms: list[tuple[str, list[Any]]] = [("", [])]
+        if query.actor:
+            arms = [(" AND actor_subject = ?", [query.actor]),
+                    (" AND lower(actor_email) = lower(?) AND actor_subject != ?", [query.actor, query.actor])]
+        total, exact = await self._capped_count(
+            " UNION ALL ".join(f"SELECT 1 FROM audit_logs WHERE {clause}{arm}" for arm, _ in arms),
+            [value for _, extra in arms for value in params + extra])
+        order = f"ORDER BY created_at DESC, {self.dialect.row_order} DESC"
+        offset, wanted = (query.page - 1) * query.page_size, query.page_size + 1
+        if len(arms) == 1:
+            rows = await self._all(f"SELECT * FROM audit_logs WHERE {clause} {order} LIMIT ? OFFSET ?",
+                                   tuple(params) + (wanted, offset))
+        else:  # each arm up to the page's end, merged here (PostgreSQL 15 sorts a UNION of the two, whole)
+            found = []
+            for arm, extra in arms:
+                found += await self._all(f"SELECT *, {self.dialect.row_order} AS list_order FROM audit_logs WHERE "
+                                         f"{clause}{arm} {order} LIMIT ?", tuple(params + extra) + (offset + wanted,))
+            found.sort(key=lambda r: (r["created_at"], r["list_order"]), reverse=True)
+            rows = found[offset:offset + wanted]
         return Page(items=[build(AuditEntry, r) for r in rows[:query.page_size]], total=total, total_exact=exact,
                     more=len(rows) > query.page_size)

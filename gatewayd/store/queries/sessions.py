@@ -99,7 +99,7 @@ class SessionQueries(ReportQueries):
             exact = await self._count(f"SELECT COUNT(*) FROM ({matches} LIMIT {TEXT_COUNT_CAP + 1}) AS rows_found",
                                       [value]) <= TEXT_COUNT_CAP
         else:
-            total, exact = await self._capped_count(f"FROM sessions WHERE {clause}", params)
+            total, exact = await self._capped_count(f"SELECT 1 FROM sessions WHERE {clause}", params)
         names = ", ".join(n for n in columns(Session) if n != "script")
         # start_date and id are NOT NULL: no NULLS placement, and the order is the indexes' own (org_id, a
         # filter's column, start_date DESC, id), so the page is read from an index, not sorted. The page's ids are
