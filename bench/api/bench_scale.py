@@ -6,7 +6,8 @@ most approved, a few rejected) and N audit entries (200 actors, 12 actions, one 
 PostgreSQL is filled with COPY, SQLite with large batched INSERTs. Then times ``list_sessions`` -- the query
 behind ``GET /api/sessions`` -- at ``limit=100`` for each filter the API takes and a few combinations, and
 ``list_audit`` -- behind ``GET /api/audit/logs`` -- at ``page_size=100`` with and without its filters: median and
-p95 of ``--runs`` runs after a warm-up, and the time of each statement of the slowest run. ``--explain`` prints the
+p95 of ``--runs`` runs after a warm-up, and the time of each statement of the slowest run; with ``--api``, the
+same requests through a ``gatewayd run`` on the store. ``--explain`` prints the
 plan of every statement of the cases over the target (PostgreSQL: ``EXPLAIN ANALYZE``). Targets are printed as
 PASS/MISS, never raised. Not a test: run it by hand (see bench/README.md).
 """
@@ -24,6 +25,7 @@ import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Awaitable, Callable
+from urllib.parse import urlencode
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -151,16 +153,18 @@ class Recorder:
             self.calls.append((sql, tuple(params), (time.perf_counter() - began) * 1000))
 
 
-async def timed(call: Callable[[], Awaitable[Any]], recorder: Recorder, runs: int) -> tuple[float, float, Any, list]:
+async def timed(call: Callable[[], Awaitable[Any]], recorder: Recorder | None, runs: int) -> tuple[float, float, Any, list]:
+    """Median and p95 (ms) of ``runs`` calls after a warm-up, the last answer, the statements of the slowest."""
     await call()  # warm-up
     times, slowest, worst = [], [], -1.0
     for _ in range(runs):
-        recorder.calls = []
+        if recorder is not None:
+            recorder.calls = []
         began = time.perf_counter()
         page = await call()
         took = (time.perf_counter() - began) * 1000
         times.append(took)
-        if took > worst:
+        if took > worst and recorder is not None:
             worst, slowest = took, list(recorder.calls)
     times.sort()
     return statistics.median(times), times[max(0, int(len(times) * 0.95) - 1)], page, slowest
@@ -176,6 +180,54 @@ async def explain(store: Any, recorder: Recorder, sql: str, params: tuple[Any, .
     return "\n".join(f"    {r[0]}" for r in rows)
 
 
+async def through_api(settings: dict[str, Any], folder: Path, cases: list[tuple[str, str, dict[str, str]]],
+                      runs: int) -> list[tuple[str, str, float, float]]:
+    """The same cases as HTTP requests to a ``gatewayd run`` on the same store (one worker, an admin's token):
+    median and p95 (ms) of each, the answer read whole."""
+    import aiohttp
+
+    from tests.conftest import Daemon
+
+    (folder / "daemon").mkdir()
+    daemon = Daemon(folder / "daemon" / "data", settings).start(timeout=120)
+    try:
+        token = daemon.token("bench-admin@example.com", groups="admin")
+        found = []
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as http:
+            for kind, label, params in cases:
+                route, size = ("/sessions", {"limit": "100"}) if kind == "sessions" else ("/audit/logs",
+                                                                                          {"page_size": "100"})
+                address = f"{daemon.url}{route}?{urlencode({**size, **params})}"
+
+                async def get() -> None:
+                    async with http.get(address) as response:
+                        body = await response.read()
+                        if response.status != 200:
+                            raise RuntimeError(f"{address}: {response.status} {body[:200]!r}")
+
+                median, p95, _, _ = await timed(get, None, runs)
+                found.append((kind, label, median, p95))
+        return found
+    finally:
+        daemon.stop()
+
+
+# the API's query parameters and the store's filter fields they become (control/sessions.py, control/audit_logs.py)
+SESSION_FIELDS = {"user": "user_search", "connection": "connection", "protocol": "protocol", "type": "type",
+                  "status": "status", "review.status": "review_status", "start_date": "start_date",
+                  "end_date": "end_date"}
+
+
+def session_filter(org: str, params: dict[str, str]) -> SessionFilter:
+    fields = {SESSION_FIELDS[k]: v for k, v in params.items() if k != "offset"}
+    return SessionFilter(org_id=org, limit=100, offset=int(params.get("offset", 0)), **fields)
+
+
+def audit_filter(org: str, params: dict[str, str]) -> AuditFilter:
+    fields = {k: v for k, v in params.items() if k != "page"}
+    return AuditFilter(org_id=org, page_size=100, page=int(params.get("page", 1)), **fields)
+
+
 async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, default=1_000_000)
@@ -183,6 +235,8 @@ async def main() -> int:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--explain", action="store_true", help="the plans of the cases over the target")
     parser.add_argument("--url", help="a PostgreSQL database to fill (empty); default: a temporary SQLite store")
+    parser.add_argument("--api", action="store_true", help="then the same requests through a gatewayd run on the "
+                        "store (GET /api/sessions, GET /api/audit/logs)")
     parser.add_argument("--seeded", action="store_true", help="the database at --url is filled already (by a "
                         "run of this bench with the same counts): time only")
     args = parser.parse_args()
@@ -214,42 +268,41 @@ async def main() -> int:
         day = timedelta(days=1)
         window = (rfc3339(now - timedelta(hours=5, minutes=10)), rfc3339(now - timedelta(hours=5)))
         week = (rfc3339(now - 14 * day), rfc3339(now - 7 * day))
-        s = lambda **kw: SessionFilter(org_id=org, limit=100, **kw)  # noqa: E731
-        a = lambda **kw: AuditFilter(org_id=org, page_size=100, **kw)  # noqa: E731
-        sessions = [
-            ("no filter", s()),
-            ("user 'user42' (part of an e-mail)", s(user_search="user42")),
-            ("user 'sub-42' (a subject)", s(user_search="sub-42")),
-            ("connection conn-7", s(connection="conn-7")),
-            ("protocol ssh", s(protocol="ssh")),
-            ("type database", s(type="database")),
-            ("status done (nearly all)", s(status="done")),
-            ("status open (100 of them)", s(status="open")),
-            ("a 10-minute window, 5 h back", s(start_date=window[0], end_date=window[1])),
-            ("a week's window, 7 days back", s(start_date=week[0], end_date=week[1])),
-            ("review status APPROVED (1 in 100)", s(review_status="APPROVED")),
-            ("review status REJECTED (100)", s(review_status="REJECTED")),
-            ("protocol ssh + user 'user42'", s(protocol="ssh", user_search="user42")),
-            ("connection conn-7 + status open", s(connection="conn-7", status="open")),
-            ("type custom + week window", s(type="custom", start_date=week[0], end_date=week[1])),
-            ("protocol rdp, offset 10,000", SessionFilter(org_id=org, limit=100, offset=10_000, protocol="rdp")),
+        sessions: list[tuple[str, dict[str, str]]] = [
+            ("no filter", {}),
+            ("user 'user42' (part of an e-mail)", {"user": "user42"}),
+            ("user 'sub-42' (a subject)", {"user": "sub-42"}),
+            ("connection conn-7", {"connection": "conn-7"}),
+            ("protocol ssh", {"protocol": "ssh"}),
+            ("type database", {"type": "database"}),
+            ("status done (nearly all)", {"status": "done"}),
+            ("status open (100 of them)", {"status": "open"}),
+            ("a 10-minute window, 5 h back", {"start_date": window[0], "end_date": window[1]}),
+            ("a week's window, 7 days back", {"start_date": week[0], "end_date": week[1]}),
+            ("review status APPROVED (1 in 100)", {"review.status": "APPROVED"}),
+            ("review status REJECTED (100)", {"review.status": "REJECTED"}),
+            ("protocol ssh + user 'user42'", {"protocol": "ssh", "user": "user42"}),
+            ("connection conn-7 + status open", {"connection": "conn-7", "status": "open"}),
+            ("type custom + week window", {"type": "custom", "start_date": week[0], "end_date": week[1]}),
+            ("protocol rdp, offset 10,000", {"protocol": "rdp", "offset": "10000"}),
         ]
-        audits = [
-            ("no filter", a()),
-            ("actor user7@example.com", a(actor="user7@example.com")),
-            ("actor sub-7", a(actor="sub-7")),
-            ("action ssh.login (1 in 12)", a(action="ssh.login")),
-            ("outcome failure (1 in 10)", a(outcome="failure")),
-            ("resource_type connections", a(resource_type="connections")),
-            ("a 10-minute window, 5 h back", a(created_after=window[0], created_before=window[1])),
-            ("a week's window, 7 days back", a(created_after=week[0], created_before=week[1])),
-            ("action ssh.login + failure", a(action="ssh.login", outcome="failure")),
-            ("actor sub-7 + action + failure", a(actor="sub-7", action="ssh.login", outcome="failure")),
-            ("page 101 (offset 10,000)", AuditFilter(org_id=org, page_size=100, page=101)),
+        audits: list[tuple[str, dict[str, str]]] = [
+            ("no filter", {}),
+            ("actor user7@example.com", {"actor": "user7@example.com"}),
+            ("actor sub-7", {"actor": "sub-7"}),
+            ("action ssh.login (1 in 12)", {"action": "ssh.login"}),
+            ("outcome failure (1 in 10)", {"outcome": "failure"}),
+            ("resource_type connections", {"resource_type": "connections"}),
+            ("a 10-minute window, 5 h back", {"created_after": window[0], "created_before": window[1]}),
+            ("a week's window, 7 days back", {"created_after": week[0], "created_before": week[1]}),
+            ("action ssh.login + failure", {"action": "ssh.login", "outcome": "failure"}),
+            ("actor sub-7 + action + failure", {"actor": "sub-7", "action": "ssh.login", "outcome": "failure"}),
+            ("page 101 (offset 10,000)", {"page": "101"}),
         ]
         rows = []
         for kind, cases, method in (("sessions", sessions, store.list_sessions), ("audit", audits, store.list_audit)):
-            for label, query in cases:
+            for label, params in cases:
+                query = session_filter(org, params) if kind == "sessions" else audit_filter(org, params)
                 median, p95, page, slowest = await timed(lambda: method(query), recorder, args.runs)
                 rows.append((kind, label, median, p95, page, slowest))
         load = os.getloadavg()
@@ -263,6 +316,18 @@ async def main() -> int:
             total = f"{page.total:,}{'' if page.total_exact else '+'}"
             parts = " + ".join(f"{t:.1f}" for _, _, t in slowest)
             print(f"{kind:8} {label:36} {median:10.1f} {p95:9.1f} {total:>10}  {verdict}  [{parts}]")
+        if args.api:
+            settings: dict[str, Any] = ({"store.driver": "postgres", "store.url": args.url} if args.url else
+                                        {"store.path": str(Path(folder.name) / "gatewayd.db")})
+            requests = [("sessions", label, params) for label, params in sessions]
+            requests += [("audit", label, params) for label, params in audits]
+            answers = await through_api(settings, Path(folder.name), requests, args.runs)
+            load = os.getloadavg()
+            print(f"\nthe same through the API (gatewayd run, one worker, HTTP on loopback, the answer read whole); "
+                  f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}")
+            print(f"{'route':8} {'filter':36} {'median ms':>10} {'p95 ms':>9}")
+            for kind, label, median, p95 in answers:
+                print(f"{kind:8} {label:36} {median:10.1f} {p95:9.1f}  {'PASS' if median <= TARGET_MS else 'MISS'}")
         if args.explain:
             for kind, label, median, p95, page, slowest in rows:
                 if median <= TARGET_MS:
