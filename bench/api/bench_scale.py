@@ -6,7 +6,7 @@ most approved, a few rejected) and N audit entries (200 actors, 12 actions, one 
 PostgreSQL is filled with COPY, SQLite with large batched INSERTs. Then times ``list_sessions`` -- the query
 behind ``GET /api/sessions`` -- at ``limit=100`` for each filter the API takes and a few combinations, and
 ``list_audit`` -- behind ``GET /api/audit/logs`` -- at ``page_size=100`` with and without its filters: median and
-p95 of ``--runs`` runs after a warm-up, and the time of each statement of the slowest run; with ``--api``, the
+p95 of ``--runs`` rounds after a warm-up (each case once a round), and the time of each statement of the slowest run; with ``--api``, the
 same requests through a ``gatewayd run`` on the store. ``--explain`` prints the
 plan of every statement of the cases over the target (PostgreSQL: ``EXPLAIN ANALYZE``). Targets are printed as
 PASS/MISS, never raised. Not a test: run it by hand (see bench/README.md).
@@ -153,21 +153,29 @@ class Recorder:
             self.calls.append((sql, tuple(params), (time.perf_counter() - began) * 1000))
 
 
-async def timed(call: Callable[[], Awaitable[Any]], recorder: Recorder | None, runs: int) -> tuple[float, float, Any, list]:
-    """Median and p95 (ms) of ``runs`` calls after a warm-up, the last answer, the statements of the slowest."""
-    await call()  # warm-up
-    times, slowest, worst = [], [], -1.0
+async def timed(calls: list[Callable[[], Awaitable[Any]]], recorder: Recorder | None,
+                runs: int) -> list[tuple[float, float, Any, list[tuple[str, tuple[Any, ...], float]]]]:
+    """Each call's median and p95 (ms) of ``runs`` rounds after a warm-up round, its last answer and the
+    statements of its slowest run. Every call runs once a round, so that a burst of load on a shared machine
+    falls on all of them alike rather than on whichever ran then."""
+    answers = [await call() for call in calls]  # warm-up
+    times: list[list[float]] = [[] for _ in calls]
+    slowest: list[list[tuple[str, tuple[Any, ...], float]]] = [[] for _ in calls]
     for _ in range(runs):
-        if recorder is not None:
-            recorder.calls = []
-        began = time.perf_counter()
-        page = await call()
-        took = (time.perf_counter() - began) * 1000
-        times.append(took)
-        if took > worst and recorder is not None:
-            worst, slowest = took, list(recorder.calls)
-    times.sort()
-    return statistics.median(times), times[max(0, int(len(times) * 0.95) - 1)], page, slowest
+        for n, call in enumerate(calls):
+            if recorder is not None:
+                recorder.calls = []
+            began = time.perf_counter()
+            answers[n] = await call()
+            took = (time.perf_counter() - began) * 1000
+            if recorder is not None and (not times[n] or took > max(times[n])):
+                slowest[n] = list(recorder.calls)
+            times[n].append(took)
+    found = []
+    for n, taken in enumerate(times):
+        taken.sort()
+        found.append((statistics.median(taken), taken[max(0, int(len(taken) * 0.95) - 1)], answers[n], slowest[n]))
+    return found
 
 
 async def explain(store: Any, recorder: Recorder, sql: str, params: tuple[Any, ...], backend: str) -> str:
@@ -192,22 +200,21 @@ async def through_api(settings: dict[str, Any], folder: Path, cases: list[tuple[
     daemon = Daemon(folder / "daemon" / "data", settings).start(timeout=120)
     try:
         token = daemon.token("bench-admin@example.com", groups="admin")
-        found = []
         async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as http:
+            async def get(address: str) -> None:
+                async with http.get(address) as response:
+                    body = await response.read()
+                    if response.status != 200:
+                        raise RuntimeError(f"{address}: {response.status} {body[:200]!r}")
+
+            calls = []
             for kind, label, params in cases:
                 route, size = ("/sessions", {"limit": "100"}) if kind == "sessions" else ("/audit/logs",
                                                                                           {"page_size": "100"})
                 address = f"{daemon.url}{route}?{urlencode({**size, **params})}"
-
-                async def get() -> None:
-                    async with http.get(address) as response:
-                        body = await response.read()
-                        if response.status != 200:
-                            raise RuntimeError(f"{address}: {response.status} {body[:200]!r}")
-
-                median, p95, _, _ = await timed(get, None, runs)
-                found.append((kind, label, median, p95))
-        return found
+                calls.append(lambda address=address: get(address))
+            timings = await timed(calls, None, runs)
+        return [(kind, label, median, p95) for (kind, label, _), (median, p95, _, _) in zip(cases, timings)]
     finally:
         daemon.stop()
 
@@ -299,12 +306,13 @@ async def main() -> int:
             ("actor sub-7 + action + failure", {"actor": "sub-7", "action": "ssh.login", "outcome": "failure"}),
             ("page 101 (offset 10,000)", {"page": "101"}),
         ]
-        rows = []
+        labels, calls = [], []
         for kind, cases, method in (("sessions", sessions, store.list_sessions), ("audit", audits, store.list_audit)):
             for label, params in cases:
                 query = session_filter(org, params) if kind == "sessions" else audit_filter(org, params)
-                median, p95, page, slowest = await timed(lambda: method(query), recorder, args.runs)
-                rows.append((kind, label, median, p95, page, slowest))
+                labels.append((kind, label))
+                calls.append(lambda method=method, query=query: method(query))
+        rows = [(kind, label, *timing) for (kind, label), timing in zip(labels, await timed(calls, recorder, args.runs))]
         load = os.getloadavg()
         print(f"\n{backend}, {args.sessions:,} sessions, {audit_count:,} audit entries: list_sessions (GET "
               f"/api/sessions, limit=100) and list_audit (GET /api/audit/logs, page_size=100) with the total, "
@@ -333,9 +341,9 @@ async def main() -> int:
                 if median <= TARGET_MS:
                     continue
                 print(f"\n== {kind}: {label} ({median:.1f} ms)")
-                for sql, params, took in slowest:
-                    print(f"  -- {took:.1f} ms: {sql}  {params}")
-                    print(await explain(store, recorder, sql, params, backend))
+                for sql, values, took in slowest:
+                    print(f"  -- {took:.1f} ms: {sql}  {values}")
+                    print(await explain(store, recorder, sql, values, backend))
     finally:
         await store.close()
         folder.cleanup()
