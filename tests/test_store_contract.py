@@ -454,6 +454,10 @@ async def test_the_lists_count_up_to_the_store_cap_and_page_past_it(store: Store
     pages = [await store.list_audit(AuditFilter(org_id=org, actor="ann@example.com", page=n, page_size=1))
              for n in (1, 2, 3, 4)]
     assert [e.id for p in pages for e in p.items] == ann and [p.more for p in pages] == [True, True, False, False]
+    # past the cap (3), an actor's pages are sorted by the database: the same entries, the same order
+    deep = [await store.list_audit(AuditFilter(org_id=org, actor="ann@example.com", page=n, page_size=2))
+            for n in (1, 2)]
+    assert [e.id for p in deep for e in p.items] == ann and [p.more for p in deep] == [True, False]
     page = await store.list_audit(AuditFilter(org_id=org, actor="sub-bob"))
     assert (page.total, page.total_exact) == (3, True)
     written.append(entry(6, "sub-bob", "bob@example.com", "b"))

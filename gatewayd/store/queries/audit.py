@@ -73,24 +73,28 @@ class AuditQueries(SQLCore):
             where.append("created_at <= ?")
             params.append(query.created_before)
         clause = " AND ".join(where)
-        arms: list[tuple[str, list[Any]]] = [("", [])]
+        arms: list[tuple[str, list[Any]]] = [("1 = 1", [])]
         if query.actor:
-            arms = [(" AND actor_subject = ?", [query.actor]),
-                    (" AND lower(actor_email) = lower(?) AND actor_subject != ?", [query.actor, query.actor])]
+            arms = [("actor_subject = ?", [query.actor]),
+                    ("lower(actor_email) = lower(?) AND actor_subject != ?", [query.actor, query.actor])]
         total, exact = await self._capped_count(
-            " UNION ALL ".join(f"SELECT 1 FROM audit_logs WHERE {clause}{arm}" for arm, _ in arms),
+            " UNION ALL ".join(f"SELECT 1 FROM audit_logs WHERE {clause} AND {arm}" for arm, _ in arms),
             [value for _, extra in arms for value in params + extra])
         order = f"ORDER BY created_at DESC, {self.dialect.row_order} DESC"
         offset, wanted = (query.page - 1) * query.page_size, query.page_size + 1
-        if len(arms) == 1:
-            rows = await self._all(f"SELECT * FROM audit_logs WHERE {clause} {order} LIMIT ? OFFSET ?",
-                                   tuple(params) + (wanted, offset))
-        else:  # each arm up to the page's end, merged here (PostgreSQL 15 sorts a UNION of the two, whole)
+        if len(arms) > 1 and offset + wanted <= self.count_cap:
+            # each arm up to the page's end, merged here (PostgreSQL 15 sorts a UNION of the two, whole); past the
+            # cap the database sorts them, so that no page brings more than twice the cap into this process
             found = []
             for arm, extra in arms:
                 found += await self._all(f"SELECT *, {self.dialect.row_order} AS list_order FROM audit_logs WHERE "
-                                         f"{clause}{arm} {order} LIMIT ?", tuple(params + extra) + (offset + wanted,))
+                                         f"{clause} AND {arm} {order} LIMIT ?",
+                                         tuple(params + extra) + (offset + wanted,))
             found.sort(key=lambda r: (r["created_at"], r["list_order"]), reverse=True)
             rows = found[offset:offset + wanted]
+        else:
+            either = " OR ".join(f"({arm})" for arm, _ in arms)
+            rows = await self._all(f"SELECT * FROM audit_logs WHERE {clause} AND ({either}) {order} LIMIT ? OFFSET ?",
+                                   tuple(params) + tuple(v for _, extra in arms for v in extra) + (wanted, offset))
         return Page(items=[build(AuditEntry, r) for r in rows[:query.page_size]], total=total, total_exact=exact,
                     more=len(rows) > query.page_size)
