@@ -48,7 +48,10 @@ def parse_moment(raw: str | None, name: str, end_of_day: bool = False) -> str | 
     Param("created_after"), Param("created_before")], response=Schema("AuditPage", {
         "pages": Field("object", True, schema=Schema("AuditPages", {
             "total": Field("integer", True, minimum=0), "page": Field("integer", True, minimum=1, maximum=MAX_PAGE),
-            "size": Field("integer", True, minimum=1, maximum=100)})),
+            "size": Field("integer", True, minimum=1, maximum=100),
+            "total_exact": Field("boolean", True, description="false: total is a lower bound (the entries were counted "
+                                 "up to the store's cap, store.count_cap)"),
+            "has_next_page": Field("boolean", True, description="entries follow this page")})),
         "data": Field("array", True, items=ENTRY_OUT)}))
 async def list_logs(request: web.Request) -> web.Response:
     admin = require_admin(request)
@@ -63,7 +66,8 @@ async def list_logs(request: web.Request) -> web.Response:
         page=page, page_size=size)
     result = await services_of(request).store.list_audit(query)
     return ok({
-        "pages": {"total": result.total, "page": page, "size": size},
+        "pages": {"total": result.total, "page": page, "size": size, "total_exact": result.total_exact,
+                  "has_next_page": result.more},
         "data": [{
             "id": e.id, "org_id": e.org_id, "actor_subject": e.actor_subject, "actor_email": e.actor_email,
             "actor_name": e.actor_name, "created_at": e.created_at, "resource_type": e.resource_type,

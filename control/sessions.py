@@ -84,9 +84,10 @@ DOWNLOAD_LINK = Schema("SessionDownloadLink", {"download_url": Field("string", T
              response=Schema("SessionPage", {"data": Field("array", True, items=SESSION_OUT),
                                             "has_next_page": Field("boolean", True),
                                             "total": Field("integer", True, minimum=0),
-                                            "total_exact": Field("boolean", description="false: a search for a "
-                                                                 "common text counted its first matches only, "
-                                                                 "total is a lower bound")}))
+                                            "total_exact": Field("boolean", description="false: total is "
+                                                                 "a lower bound (the matches were counted up to "
+                                                                 "the store's cap, store.count_cap, or a common "
+                                                                 "text's first matches)")}))
 async def list_sessions(request: web.Request) -> web.Response:
     user = user_of(request)
     q = request.query
@@ -109,7 +110,7 @@ async def list_sessions(request: web.Request) -> web.Response:
     page = await store.list_sessions(query)
     reviews = await store.reviews_by_ids(s.review_id for s in page.items if s.review_id)
     return ok({"data": [session_json(s, review=reviews.get(s.review_id or "")) for s in page.items],
-               "has_next_page": offset + len(page.items) < page.total or not page.total_exact, "total": page.total,
+               "has_next_page": page.more, "total": page.total,
                "total_exact": page.total_exact})
 
 

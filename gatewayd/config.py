@@ -78,6 +78,7 @@ SETTINGS: dict[str, Setting] = {
     "store.path": Setting("str", ""),
     "store.url": Setting("str", "", _store_url),
     "store.timeout": Setting("duration", "4s", _positive),
+    "store.count_cap": Setting("int", 10_000, _positive),
     "secrets.key": Setting("str", ""),
     "cluster.node_name": Setting("str", ""),
     "cluster.lease": Setting("duration", "30s", _positive),

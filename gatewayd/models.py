@@ -310,7 +310,8 @@ class AuditEntry:
 class Page:
     items: list[Any]
     total: int
-    total_exact: bool = True  # False: ``total`` is a lower bound (a search counted up to its cap)
+    total_exact: bool = True  # False: ``total`` is a lower bound (counted up to the store's cap)
+    more: bool = False  # rows follow this page (the lists that read one row past their page: sessions, audit)
 
 
 @dataclass(slots=True)

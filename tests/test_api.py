@@ -591,6 +591,48 @@ async def test_session_limit_is_clamped_to_100(api, admin_token):
     assert len(default["data"]) == 20
 
 
+async def test_lists_past_the_count_cap_say_their_total_is_a_lower_bound(tmp_path):
+    """Issue 36: with store.count_cap at 3 (GATEWAYD_STORE_COUNT_CAP), a list of more sessions or audit entries
+    answers total 3 with total_exact false and has_next_page true, its pages still reach every row, the last says
+    none follows; a filter under the cap counts exactly. The answers are checked against the OpenAPI document."""
+    gw = Daemon(tmp_path / "data")
+    gw.extra_env["GATEWAYD_STORE_COUNT_CAP"] = "3"
+    gw.start()
+    try:
+        admin = gw.token("admin@example.com", groups="admin")
+        async with aiohttp.ClientSession() as http:
+            api = Client(gw, http)
+            _, role = await make_resource(api, admin)
+            made = [(await api("POST", f"/connections/{role}/credentials", admin, {}))[1]["session_id"]
+                    for _ in range(5)]
+            seen = []
+            for offset in (0, 2, 4):
+                status, page = await api("GET", f"/sessions?limit=2&offset={offset}", admin)
+                assert status == 200 and (page["total"], page["total_exact"]) == (3, False), page
+                assert page["has_next_page"] is (offset < 4)
+                seen += [s["id"] for s in page["data"]]
+            assert sorted(seen) == sorted(made) and len(seen) == 5
+            status, page = await api("GET", f"/sessions?connection={role}&status=done", admin)
+            assert (page["total"], page["total_exact"], page["has_next_page"]) == (0, True, False)
+
+            status, page = await api("GET", "/audit/logs?page_size=2", admin)
+            assert status == 200 and page["pages"]["total"] == 3 and page["pages"]["total_exact"] is False, page
+            assert page["pages"]["has_next_page"] is True
+            entries, number = [], 1
+            while True:
+                _, page = await api("GET", f"/audit/logs?page_size=2&page={number}", admin)
+                entries += [e["id"] for e in page["data"]]
+                if not page["pages"]["has_next_page"]:
+                    break
+                number += 1
+            assert len(entries) == len(set(entries)) >= 7  # the token minted, the resource, five credentials
+            status, page = await api("GET", "/audit/logs?action=resources.create", admin)
+            assert page["pages"]["total"] == 1 and page["pages"]["total_exact"] is True
+            assert page["pages"]["has_next_page"] is False
+    finally:
+        gw.stop()
+
+
 async def test_session_fields_follow_the_spec(api, admin_token):
     _, role = await make_resource(api, admin_token)
     _, cred = await api("POST", f"/connections/{role}/credentials", admin_token, {})

@@ -403,6 +403,69 @@ async def test_a_common_text_is_found_newest_first_and_counted_up_to_a_cap(store
     assert (page.total, page.total_exact) == (4, True)
 
 
+async def test_the_lists_count_up_to_the_store_cap_and_page_past_it(store: Store):
+    """Issue 36: the session list and the audit log count their matches up to ``count_cap`` (10,000 by default;
+    3 here): past it the total is the cap and says so, the pages still reach every row by offset, and whether
+    one follows is known from the rows, not from the total; under the cap the total stays exact."""
+    org = await an_org(store)
+    store.count_cap = 3
+    made = [a_session(org, start=f"2026-04-0{n + 1}T00:00:00Z", connection="pg" if n < 2 else "ssh")
+            for n in range(5)]
+    for session in made:
+        await store.create_session(session)
+    newest = [s.id for s in reversed(made)]
+    seen, more = [], []
+    for offset in (0, 2, 4):
+        page = await store.list_sessions(SessionFilter(org_id=org, limit=2, offset=offset))
+        assert (page.total, page.total_exact) == (3, False)
+        seen += [s.id for s in page.items]
+        more.append(page.more)
+    assert seen == newest and more == [True, True, False]
+    page = await store.list_sessions(SessionFilter(org_id=org, connection="pg"))
+    assert ([s.id for s in page.items], page.total, page.total_exact, page.more) == (newest[3:], 2, True, False)
+    page = await store.list_sessions(SessionFilter(org_id=org, connection="ssh", limit=2))
+    assert (page.total, page.total_exact, page.more) == (3, True, True)  # exactly the cap: exact
+
+    def entry(n: int, subject: str, email: str, action: str = "a") -> AuditEntry:
+        return AuditEntry(id=new_id(), org_id=org, created_at=f"2026-04-0{n}T00:00:00Z", actor_subject=subject,
+                          actor_email=email, actor_name="", resource_type="r", action=action, outcome="success")
+
+    # an actor is a subject or an e-mail: Ann's subject is her e-mail at one provider, sub-ann at another
+    written = [entry(1, "ann@example.com", "ann@example.com"), entry(2, "sub-bob", "bob@example.com", "b"),
+               entry(3, "sub-ann", "Ann@Example.com"), entry(3, "ann@example.com", "x@example.com"),
+               entry(4, "sub-bob", "bob@example.com", "b"), entry(5, "sub-bob", "bob@example.com", "b")]
+    for e in written:
+        await store.append_audit(e)
+    newest = [e.id for e in reversed(written)]  # the same second: the last written first
+    seen, more = [], []
+    for number in (1, 2, 3):
+        page = await store.list_audit(AuditFilter(org_id=org, page=number, page_size=2))
+        assert (page.total, page.total_exact) == (3, False)
+        seen += [e.id for e in page.items]
+        more.append(page.more)
+    assert seen == newest and more == [True, True, False]
+    page = await store.list_audit(AuditFilter(org_id=org, action="a"))
+    assert (page.total, page.total_exact, page.more) == (3, True, False)
+    ann = [written[3].id, written[2].id, written[0].id]  # each entry once, newest first, from both arms
+    page = await store.list_audit(AuditFilter(org_id=org, actor="ann@example.com"))
+    assert ([e.id for e in page.items], page.total, page.total_exact) == (ann, 3, True)
+    page = await store.list_audit(AuditFilter(org_id=org, actor="ANN@example.com"))  # the e-mail in any case only
+    assert ([e.id for e in page.items], page.total) == ([written[2].id, written[0].id], 2)
+    pages = [await store.list_audit(AuditFilter(org_id=org, actor="ann@example.com", page=n, page_size=1))
+             for n in (1, 2, 3, 4)]
+    assert [e.id for p in pages for e in p.items] == ann and [p.more for p in pages] == [True, True, False, False]
+    # past the cap (3), an actor's pages are sorted by the database: the same entries, the same order
+    deep = [await store.list_audit(AuditFilter(org_id=org, actor="ann@example.com", page=n, page_size=2))
+            for n in (1, 2)]
+    assert [e.id for p in deep for e in p.items] == ann and [p.more for p in deep] == [True, False]
+    page = await store.list_audit(AuditFilter(org_id=org, actor="sub-bob"))
+    assert (page.total, page.total_exact) == (3, True)
+    written.append(entry(6, "sub-bob", "bob@example.com", "b"))
+    await store.append_audit(written[-1])
+    page = await store.list_audit(AuditFilter(org_id=org, actor="sub-bob", action="b", page_size=3))
+    assert (page.total, page.total_exact, page.more) == (3, False, True)
+
+
 async def test_short_ids_events_after_a_point_open_requests_and_metadata(store: Store):
     """Issue 34: the start of an id names one session or review; a watcher reads events after the last it saw; one
     PENDING review per request key; a session's metadata is replaced."""

@@ -23,6 +23,8 @@ export async function auditView({params, go, main}) {
     go("/audit", Object.fromEntries(new FormData(form)));
   });
   const filters = Object.fromEntries(FILTERS.map((name) => [name, query[name]]));
+  // past the store's count cap the total is a lower bound ("10000+"): the pages then go on while entries follow
+  const more = result.pages.total_exact === false ? "+" : "";
   const pages = Math.max(1, Math.ceil(result.pages.total / SIZE));
   mount(main, h("h1", {}, "Audit log"), form,
     h("div", {class: "scroll"}, h("table", {class: "grid", id: "audit"},
@@ -36,8 +38,9 @@ export async function auditView({params, go, main}) {
     h("div", {class: "pager"},
       h("button", {type: "button", disabled: page <= 1, onclick: () => go("/audit", {...filters, page: page - 1})},
         "← Newer"),
-      h("span", {}, `page ${page} of ${pages} (${result.pages.total} entries)`),
-      h("button", {type: "button", disabled: page >= pages, onclick: () => go("/audit", {...filters, page: page + 1})},
+      h("span", {id: "audit-page-info"}, `page ${page} of ${pages}${more} (${result.pages.total}${more} entries)`),
+      h("button", {type: "button", id: "audit-next-page", disabled: !result.pages.has_next_page,
+        onclick: () => go("/audit", {...filters, page: page + 1})},
         "Older →")));
 }
 

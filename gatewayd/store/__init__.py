@@ -22,6 +22,7 @@ async def open_store(config: Config) -> Store:
         from gatewayd.store.sqlite import SQLiteStore
 
         store = SQLiteStore(config.store_path, box)
+    store.count_cap = config["store.count_cap"]
     await store.open()
     return store
 

@@ -114,6 +114,9 @@ class ReportFilter:
     verb: str | None = None
 
 
+COUNT_CAP = 10_000  # the default of ``store.count_cap``
+
+
 class Store(abc.ABC):
     """Persistent state of the gateway."""
 
@@ -122,6 +125,10 @@ class Store(abc.ABC):
     # the key of the audit chain's links (``evidence.Sealer.audit_key``), set once the daemon has loaded it;
     # None: links are plain hashes (a store opened without the gateway's key, as the contract tests do)
     audit_key: bytes | None = None
+    # a list's total (sessions, the audit log) is counted exactly up to this many rows; past it the total is this
+    # many and says so (``Page.total_exact`` False): counting a million rows costs more than reading the page
+    # (docs/sessions.md). Set from ``store.count_cap``.
+    count_cap: int = COUNT_CAP
 
     # lifecycle
     @abc.abstractmethod

@@ -15,6 +15,53 @@ from gatewayd.store.sql import Dialect
 # A script (portable SQL, split at ``;``), or a function giving a dialect's own statements (the text index).
 Migration = str | Callable[[Dialect], list[str]]
 
+
+def list_indexes(dialect: Dialect) -> list[str]:
+    """Issue 36: an index for each filter of the session list and the audit log that holds its matches in the
+    page's order (newest first), so that the page is read from it, not sorted, and the count up to the store's cap
+    reads one range of it (docs/sessions.md, "The lists at scale"); where a filter is commonly combined with
+    another (a user's sessions of one protocol, an action's failures, an actor's actions), the other's column is in
+    the index too, so that the combination is counted from the index alone.
+
+    The audit log's order ends with the dialect's row order: PostgreSQL's ``row_order`` goes in the index;
+    SQLite's rowid is in every index already, and a reverse scan of ``(org_id, created_at)`` gives ``created_at
+    DESC, rowid DESC`` (its indexes get no trailing columns, which would come before the rowid). PostgreSQL also
+    gets ``(org_id, row_order)``: the last link of an organization's audit chain, read by every audit write, was
+    found by a scan of the whole table (SQLite's ``audit_by_org`` holds the rowid)."""
+    postgres = dialect.row_order != "rowid"
+    row = f", {dialect.row_order}" if postgres else ""
+
+    def carrying(columns: str) -> str:
+        return f" INCLUDE ({columns})" if postgres else ""
+
+    statements = [
+        "CREATE INDEX sessions_by_org_type ON sessions (org_id, type, start_date DESC, id)",
+        # id is unique: the columns after it never change the order
+        "DROP INDEX sessions_by_user",
+        "CREATE INDEX sessions_by_user ON sessions (org_id, user_id, start_date DESC, id, subtype, type, status, "
+        "connection)",
+        "DROP INDEX sessions_by_start",
+        "CREATE INDEX sessions_by_start ON sessions (org_id, start_date DESC, id, review_id)",
+        # a review status: the reviews of that status in id order, merged with the sessions in review_id order
+        "CREATE INDEX sessions_by_review ON sessions (review_id, org_id, start_date DESC, id)",
+        "CREATE INDEX reviews_by_status_id ON reviews (status, id)",
+        f"CREATE INDEX audit_by_org_time ON audit_logs (org_id, created_at{row})",
+        f"CREATE INDEX audit_by_org_action ON audit_logs (org_id, action, created_at{row}){carrying('outcome')}",
+        # an action's failures (or successes), and the seals of a session (gatewayd.evidence): no org there
+        "DROP INDEX audit_by_action",
+        f"CREATE INDEX audit_by_action ON audit_logs (action, outcome, org_id, created_at{row})",
+        f"CREATE INDEX audit_by_org_outcome ON audit_logs (org_id, outcome, created_at{row})",
+        f"CREATE INDEX audit_by_org_resource ON audit_logs (org_id, resource_type, created_at{row})",
+        f"CREATE INDEX audit_by_org_subject ON audit_logs (org_id, actor_subject, created_at{row})"
+        f"{carrying('action, outcome')}",
+        f"CREATE INDEX audit_by_org_email ON audit_logs (org_id, lower(actor_email), created_at{row})"
+        f"{carrying('action, outcome, actor_subject')}",
+    ]
+    if postgres:  # audit_by_org (org_id) is the start of this one
+        statements += ["CREATE INDEX audit_chain_tail ON audit_logs (org_id, row_order)", "DROP INDEX audit_by_org"]
+    return statements
+
+
 MIGRATIONS: list[tuple[int, Migration]] = [
     (1, """
 CREATE TABLE orgs (
@@ -492,5 +539,6 @@ CREATE INDEX sessions_by_org_subtype ON sessions (org_id, subtype, start_date DE
 CREATE INDEX sessions_by_org_status ON sessions (org_id, status, start_date DESC, id)
 """),
     (18, lambda dialect: dialect.search_schema()),  # session_search: the input text of the recordings (gatewayd.store.search)
+    (19, list_indexes),  # issue 36: the session list and the audit log among millions
 ]
 

@@ -29,6 +29,7 @@ T = TypeVar("T")
 POOL_SIZE = 10  # connections per process; a transaction holds one only while it runs
 TIMEOUT = 4.0  # seconds a query or transaction may take before the store counts as unavailable
 SLOW_READ = 15  # times that for a read that may take long by itself (a whole recording)
+MIGRATION_TIMEOUT = 3600.0  # seconds a migration may take (an index built over millions of rows)
 
 # What the driver raises when the server is not there to answer (down, shutting down, cut off); a query's own
 # failure (a syntax error, a constraint) is not among them.
@@ -221,9 +222,9 @@ class AsyncpgConnector:
         return await self._bounded(self._open_pool().fetch(self.dialect.render(sql), *params),
                                    self.timeout * SLOW_READ if slow else self.timeout)
 
-    async def transact(self, work: Work[T]) -> T:
+    async def transact(self, work: Work[T], *, migration: bool = False) -> T:
         # a task of its own, shielded: the transaction completes even when the awaiting task is cancelled
-        return await self._bounded(self._drive(self._open_pool(), work))
+        return await self._bounded(self._drive(self._open_pool(), work), MIGRATION_TIMEOUT if migration else None)
 
     def _finished(self, task: asyncio.Task[Any]) -> None:
         self._running.discard(task)

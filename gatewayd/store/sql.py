@@ -82,11 +82,12 @@ class Connector(Protocol):
         """Run a read outside any write transaction; rows as ``Row``. ``slow``: a read that may take long by
         itself (a whole recording), given more time than the store's timeout."""
 
-    async def transact(self, work: Work[T]) -> T:
+    async def transact(self, work: Work[T], *, migration: bool = False) -> T:
         """Drive ``work`` inside one write transaction, committed when it returns, rolled back if it raises.
 
         The transaction completes even if the awaiting task is cancelled (a write is never half
-        done); a unique violation is raised as ``Conflict``.
+        done); a unique violation is raised as ``Conflict``. ``migration``: a schema migration, which may
+        build an index over millions of rows, given far longer than the store's timeout.
         """
 
 

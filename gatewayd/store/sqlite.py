@@ -112,7 +112,7 @@ class SQLiteConnector:
             self.failing_since = asyncio.get_running_loop().time()
         return StoreUnavailable(f"the store at {self.path} is unavailable ({type(exc).__name__}: {exc})")
 
-    async def transact(self, work: Work[T]) -> T:
+    async def transact(self, work: Work[T], *, migration: bool = False) -> T:  # none bounded here: ``migration`` alike
         if self._writer is None:
             raise RuntimeError("store is not open")
         # run_in_executor's future completes in the thread even when the awaiting task is cancelled

@@ -47,7 +47,7 @@ class SQLStore(OrgQueries, UserQueries, ConnectionQueries, GuardRailQueries, Ses
         try:
             await self.db.transact(self._migration_table())
             for version, script in MIGRATIONS:
-                await self.db.transact(self._migrate(version, script))
+                await self.db.transact(self._migrate(version, script), migration=True)
             await self.db.transact(self._backfill_rollup())
         except BaseException:
             await self.db.close()

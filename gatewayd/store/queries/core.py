@@ -55,6 +55,13 @@ class SQLCore(Store):
     async def _count(self, sql: str, params: Any) -> int:
         return (await self.db.fetch(sql, tuple(params)))[0][0]
 
+    async def _capped_count(self, rows: str, params: Any) -> tuple[int, bool]:
+        """How many rows the query ``rows`` gives, counted up to ``count_cap``: the count and whether it is exact
+        (past the cap, the cap and False)."""
+        cap = self.count_cap
+        found = await self._count(f"SELECT COUNT(*) FROM ({rows} LIMIT {int(cap) + 1}) AS counted", params)
+        return (found, True) if found <= cap else (cap, False)
+
     _insert = staticmethod(insert)  # kept for bench/api's bulk loader
 
     # ---------------------------------------------------------------- sealed fields

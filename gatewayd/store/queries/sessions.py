@@ -45,10 +45,11 @@ class SessionQueries(ReportQueries):
         return build(Session, row) if row else None
 
     async def list_sessions(self, query: SessionFilter) -> Page:
-        """Sessions newest first. A text search first asks the text index for at most TEXT_PROBE matches: fewer
-        (a rare text), and the sessions are those, counted exactly; more (a common one), and the sessions are
-        read newest first, each checked against the text's matches, and counted among its first TEXT_COUNT_CAP
-        index rows only (``total_exact`` False when it has more)."""
+        """Sessions newest first, the total counted up to ``count_cap`` (``total_exact`` False past it). A text
+        search first asks the text index for at most TEXT_PROBE matches: fewer (a rare text), and the sessions are
+        those; more (a common one), and the sessions are read newest first, each checked against the text's
+        matches, and counted among its first TEXT_COUNT_CAP index rows only (``total_exact`` False when it has
+        more)."""
         where, params = ["org_id = ?"], [query.org_id]
         for column, value in (("user_id", query.user_id), ("user_id", query.only_user_id),
                               ("connection", query.connection), ("type", query.type), ("subtype", query.protocol),
@@ -90,7 +91,6 @@ class SessionQueries(ReportQueries):
             where.append("review_id IN (SELECT review_id FROM review_groups WHERE lower(reviewed_by_email) = lower(?))")
             params.append(query.review_approver)
         clause = " AND ".join(where)
-        exact = True
         if capped:  # counted from the text's first TEXT_COUNT_CAP index rows, by primary key
             bounded = list(where)
             bounded[0] = f"{self.dialect.driven_by_text('org_id')} = ?"
@@ -99,13 +99,17 @@ class SessionQueries(ReportQueries):
             exact = await self._count(f"SELECT COUNT(*) FROM ({matches} LIMIT {TEXT_COUNT_CAP + 1}) AS rows_found",
                                       [value]) <= TEXT_COUNT_CAP
         else:
-            total = await self._count(f"SELECT COUNT(*) FROM sessions WHERE {clause}", params)
+            total, exact = await self._capped_count(f"SELECT 1 FROM sessions WHERE {clause}", params)
         names = ", ".join(n for n in columns(Session) if n != "script")
-        order = f"{self.dialect.sort('start_date', descending=True)}, {self.dialect.sort('id', text=True)}"
+        # start_date and id are NOT NULL: no NULLS placement, and the order is the indexes' own (org_id, a
+        # filter's column, start_date DESC, id), so the page is read from an index, not sorted. The page's ids are
+        # found first (from the index alone where it holds the filters' columns), then only those rows are read.
+        order = "ORDER BY start_date DESC, id"
         rows = await self._all(
-            f"SELECT {names}, script FROM sessions WHERE {clause} ORDER BY {order} LIMIT ? OFFSET ?",
-            tuple(params) + (query.limit, query.offset))
-        return Page(items=[build(Session, r) for r in rows], total=total, total_exact=exact)
+            f"SELECT {names}, script FROM sessions WHERE id IN (SELECT id FROM sessions WHERE {clause} {order} "
+            f"LIMIT ? OFFSET ?) {order}", tuple(params) + (query.limit + 1, query.offset))
+        return Page(items=[build(Session, r) for r in rows[:query.limit]], total=total, total_exact=exact,
+                    more=len(rows) > query.limit)
 
     def _returning(self, statement: Statement, key: str) -> Work[Session | None]:
         """An UPDATE of one session, and the session as it is after it (None when no row matched).
