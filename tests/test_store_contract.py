@@ -626,6 +626,28 @@ async def test_events_kept_after_a_close_by_another_process_follow_the_sealed_re
                                "seal"], result
 
 
+async def test_events_the_recording_has_already_are_not_kept_again_after_a_close(store: Store):
+    """The holder's batch went in before another process closed the session, but the holder never had the answer
+    (its link was cut): it sends it again among what it keeps after the close; those events are not stored twice."""
+    org = await an_org(store)
+    session = a_session(org)
+    await store.create_session(session)
+    mine = events(2)
+    head = batch_hash(CHAIN_GENESIS, session.id, 0, mine)
+    await store.append_events([EventBatch.of(session.id, 0, mine, {"event_size": 20, "chain_head": head},
+                                             CHAIN_GENESIS, head)])  # stored; the holder does not know it
+    closer = [SessionEvent(9, "e", b"node b stopped answering")]
+    sealed = batch_hash(head, session.id, 2, closer)
+    assert await store.close_session([EventBatch.of(session.id, 2, closer, {"event_size": 44, "chain_head": sealed},
+                                                    head, sealed)], end_date=NOW, exit_code=254, seal=None)
+    unanswered = list(enumerate(mine)) + list(enumerate(events(3, start=2), 2))  # all it holds, from event 0
+    assert await store.append_late(session.id, unanswered, "kept late") == 3
+    assert await store.append_late(session.id, unanswered, "kept late") == 0
+    read = await store.read_events(session.id)
+    assert read == mine + closer + [SessionEvent(unanswered[2][1].offset_ms, "e", b"kept late")] + \
+        [e for _, e in unanswered[2:]]
+
+
 async def test_exactly_one_of_concurrent_claims_wins(backend: Backend):
     one, two = await backend.open(), await backend.open()  # as two processes would
     org = await an_org(one)

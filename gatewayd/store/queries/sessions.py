@@ -225,6 +225,17 @@ class SessionQueries(ReportQueries):
             if first >= LATE_BASE:  # own number n is kept as LATE_BASE + 1 + n (the note before the first)
                 covered = first + count - 1 - LATE_BASE - 1  # the last own number kept late already
         fresh = sorted(((seq, e) for seq, e in events if seq > covered), key=lambda pair: pair[0])
+        if fresh and covered < 0:
+            # the first of them may be in the recording already, under their own numbers: a batch stored before the
+            # close whose write's answer the holder never had (a cut link) is not kept a second time
+            found = yield ("SELECT events FROM session_event_batches WHERE session_id = ? AND first_seq < ? AND "
+                           "first_seq <= ? AND first_seq + count > ? AND events IS NOT NULL",
+                           (session_id, LATE_BASE, fresh[-1][0], fresh[0][0]))
+            stored = dict(pair for row in found.rows for pair in unpack_events(row[0]))
+            kept = 0
+            while kept < len(fresh) and stored.get(fresh[kept][0]) == fresh[kept][1]:
+                kept += 1
+            fresh = fresh[kept:]
         if not fresh:
             return 0
         if covered < 0:
