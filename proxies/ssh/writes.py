@@ -80,4 +80,4 @@ def gather_writes(conn: asyncssh.SSHClientConnection | asyncssh.SSHServerConnect
     if not hasattr(transport, "writelines"):
         log.debug("asyncssh transport without writelines: writes not gathered")
         return
-    conn._transport = GatheredTransport(transport, asyncio.get_running_loop())  # type: ignore[union-attr]
+    conn._transport = GatheredTransport(transport, asyncio.get_running_loop())  # type: ignore[union-attr,assignment]
