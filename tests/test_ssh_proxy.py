@@ -950,6 +950,81 @@ async def test_client_disconnecting_mid_transfer_closes_and_records_the_session(
     assert ssh(gateway, secret, "echo alive").stdout == b"alive\n"
 
 
+# --------------------------------------------------------------------------- gathered writes
+
+
+class _CountedTransport:
+    """A real transport that counts the send calls made on it (``writelines`` of a ``GatheredTransport``)."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        self.calls = 0
+        self.writes = 0  # the writes gathered into those calls
+
+    def writelines(self, lines: list[bytes]) -> None:
+        self.calls += 1
+        self.writes += len(lines)
+        self.transport.writelines(lines)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.transport, name)
+
+
+async def test_ssh_writes_of_one_loop_turn_leave_in_one_send_call_and_every_byte_arrives_in_order(target):
+    """proxies/ssh/writes.py, on the target connection as the gateway makes it: a 4 MiB upload (asyncssh writes
+    an SSH_MSG_IGNORE before each 32 KiB data packet) goes out in far fewer send calls than packets, intact."""
+    import asyncssh
+
+    from proxies.ssh.target import TargetSettings, connect_target
+    from proxies.ssh.writes import GatheredTransport, gather_writes
+
+    class Gathering(asyncssh.SSHClient):
+        def connection_made(self, conn: asyncssh.SSHClientConnection) -> None:
+            nonlocal counted
+            gather_writes(conn)
+            gathered = conn._transport  # type: ignore[attr-defined]
+            assert isinstance(gathered, GatheredTransport)
+            counted = gathered.transport = _CountedTransport(gathered.transport)  # type: ignore[assignment]
+
+    counted: _CountedTransport | None = None
+    settings = TargetSettings(host="127.0.0.1", port=target.port, user=target.user,
+                              private_key=target.private_key_text, host_key=target.host_public_key)
+    conn = await connect_target(settings, "gathered", Gathering)
+    try:
+        payload = os.urandom(4 << 20)
+        result = await conn.run("sha256sum", input=payload, encoding=None, check=True)
+        assert result.stdout.split()[0].decode() == hashlib.sha256(payload).hexdigest()
+        echoed = await conn.run("cat", input=payload, encoding=None, check=True)  # both ways, in order
+        assert echoed.stdout == payload
+    finally:
+        conn.close()
+        await conn.wait_closed()
+    assert counted is not None
+    assert counted.writes >= 2 * 2 * (4 << 20) // 32768  # an ignore and a data packet per 32 KiB, two uploads
+    assert counted.calls * 3 < counted.writes, (counted.calls, counted.writes)
+
+
+async def test_a_gathered_transport_sends_what_it_holds_before_it_closes_or_aborts():
+    """Nothing written is lost or reordered by a close or an abort in the same turn of the loop."""
+    from proxies.ssh.writes import GatheredTransport
+
+    loop = asyncio.get_running_loop()
+    for end in ("close", "abort"):
+        ours, theirs = socket.socketpair()
+        transport, _ = await loop.create_connection(asyncio.Protocol, sock=ours)
+        gathered = GatheredTransport(transport, loop)  # type: ignore[arg-type]
+        for piece in (b"one ", b"two ", b"three"):
+            gathered.write(piece)
+        assert gathered.pending  # held until the turn ends...
+        getattr(gathered, end)()  # ...or until the transport closes
+        theirs.setblocking(False)
+        received = b""
+        while chunk := await asyncio.wait_for(loop.sock_recv(theirs, 1024), 10):
+            received += chunk
+        theirs.close()
+        assert received == b"one two three", end
+
+
 # --------------------------------------------------------------------------- one-time scripts
 
 

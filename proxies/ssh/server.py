@@ -55,6 +55,7 @@ from gatewayd.tasks import BackgroundTasks
 from proxies.ssh.lines import Chunk, Line, OutputWatch, ShellInput
 from proxies.ssh.sftp import SftpObserver, status_packet
 from proxies.ssh.target import MAX_PACKET, WINDOW, TargetError, TargetSettings, connect_target, signal_exit_code
+from proxies.ssh.writes import gather_writes
 
 if TYPE_CHECKING:
     from gatewayd.access import AccessGrant
@@ -173,10 +174,13 @@ async def start(context: ProxyContext, host: str, port: int) -> SSHListener:
 
 
 class TargetWatch(asyncssh.SSHClient):
-    """Tells the client connection when the target's connection drops."""
+    """Gathers the target connection's writes; tells the client connection when it drops."""
 
     def __init__(self, owner: GatewayConnection) -> None:
         self.owner = owner
+
+    def connection_made(self, conn: asyncssh.SSHClientConnection) -> None:
+        gather_writes(conn)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.owner.target_lost()
@@ -208,6 +212,7 @@ class GatewayConnection(asyncssh.SSHServer):
 
     def connection_made(self, conn: asyncssh.SSHServerConnection) -> None:
         self.conn = conn
+        gather_writes(conn)  # the packets of one turn of the loop leave in one send call (proxies/ssh/writes.py)
         metrics.connection_opened("ssh")
         peer = conn.get_extra_info("peername")
         self.client_ip = peer[0] if isinstance(peer, tuple) else ""
