@@ -37,6 +37,8 @@ from gatewayd.models import AuditEntry, Session, User, new_id, rfc3339  # noqa: 
 from gatewayd.store import AuditFilter, SessionFilter  # noqa: E402
 from gatewayd.store.sql import columns, encode  # noqa: E402
 
+from bench_search import open_store  # noqa: E402  (this script's folder is on the path)
+
 TARGET_MS = 20.0  # a page of 100 with its total
 PROTOCOLS = ("postgres", "ssh", "httpproxy", "rdp")
 TYPES = {"postgres": "database", "ssh": "custom", "httpproxy": "httpproxy", "rdp": "custom"}
@@ -253,16 +255,7 @@ async def main() -> int:
     audit_count = args.sessions if args.audit is None else args.audit
     box = SecretBox(os.urandom(32))
     folder = tempfile.TemporaryDirectory(prefix="bench-scale-")
-    if args.url:
-        from gatewayd.store.postgres import PostgresStore
-
-        store: Any = PostgresStore(args.url, box)
-        backend = "postgres"
-    else:
-        from gatewayd.store.sqlite import SQLiteStore
-
-        store = SQLiteStore(Path(folder.name) / "gatewayd.db", box)
-        backend = "sqlite"
+    store, backend = open_store(args.url, Path(folder.name), box)
     await store.open()
     try:
         began = time.monotonic()

@@ -20,6 +20,7 @@ import tempfile
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -46,6 +47,18 @@ def typed(n: int, protocol: str, rng: random.Random) -> str:
     else:
         text = ""
     return text + (f" {RARE}" if n % 100_000 == 7 else "")
+
+
+def open_store(url: str | None, folder: Path, box: SecretBox) -> tuple[Any, str]:
+    """The store a bench fills (not opened yet): the PostgreSQL database at ``url``, else a SQLite file in
+    ``folder``; and its name."""
+    if url:
+        from gatewayd.store.postgres import PostgresStore
+
+        return PostgresStore(url, box), "postgres"
+    from gatewayd.store.sqlite import SQLiteStore
+
+    return SQLiteStore(folder / "gatewayd.db", box), "sqlite"
 
 
 async def seed(store, count: int) -> tuple[str, datetime]:
@@ -106,16 +119,7 @@ async def main() -> int:
     args = parser.parse_args()
     box = SecretBox(os.urandom(32))
     folder = tempfile.TemporaryDirectory(prefix="bench-search-")
-    if args.url:
-        from gatewayd.store.postgres import PostgresStore
-
-        store = PostgresStore(args.url, box)
-        backend = "postgres"
-    else:
-        from gatewayd.store.sqlite import SQLiteStore
-
-        store = SQLiteStore(Path(folder.name) / "gatewayd.db", box)
-        backend = "sqlite"
+    store, backend = open_store(args.url, Path(folder.name), box)
     await store.open()
     try:
         began = time.monotonic()
