@@ -129,7 +129,9 @@ async def test_an_agent_cannot_open_a_stream_towards_the_gateway(gateway, api, t
             # refused before a byte of it is read (no stream was asked of this agent): the call ends on the
             # gateway's word without the agent sending anything; a frame written into a refused call reports its own
             # failed write (INTERNAL), not the refusal, so the status is read first
-            assert await call.code() == grpc.StatusCode.PERMISSION_DENIED
+            async with asyncio.timeout(30):  # a gateway that let the call stand would leave it open: a failure
+                code = await call.code()
+            assert code == grpc.StatusCode.PERMISSION_DENIED
             assert "only the gateway opens streams" in await call.details()
             with pytest.raises((grpc.aio.AioRpcError, asyncio.InvalidStateError)):
                 await call.write(pb.Frame(stream_id="made-up-by-the-agent", connected=True))
