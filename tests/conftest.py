@@ -427,6 +427,16 @@ async def new_store_database(cluster: Any, options: str = "") -> str:
     return cluster.dsn(database=name)
 
 
+def new_store_database_now(cluster: Any, options: str = "") -> str:
+    """``new_store_database`` for a synchronous fixture: run in a thread of its own, so it works also when the
+    fixture is first asked for by an async test (``request.getfixturevalue``), whose loop is running here."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, new_store_database(cluster, options)).result()
+
+
 @pytest.fixture(scope="session")
 def ssh_target() -> Iterator[Any]:
     """An OpenSSH sshd (tests/sshpeer.py) shared by the modules that only need one.

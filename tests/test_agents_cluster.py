@@ -18,7 +18,7 @@ import pytest
 
 from gatewayd.tls import generate_self_signed
 from tests.apiclient import Api, b64
-from tests.conftest import Daemon, free_port, new_store_database, wait_port
+from tests.conftest import Daemon, free_port, new_store_database_now, wait_port
 from tests.ports import free_ports
 from tests.test_agents_netns import AgentProcess, until_agent
 
@@ -38,7 +38,7 @@ def start_node(tmp_path_factory, name: str, shared: dict[str, str]) -> Daemon:
 def nodes(tmp_path_factory, pg_store):
     tls = tmp_path_factory.mktemp("grpc-tls")
     generate_self_signed(tls / "grpc.crt", tls / "grpc.key")  # one certificate for the gateway's every node
-    shared = {"store.driver": "postgres", "store.url": asyncio.run(new_store_database(pg_store)),
+    shared = {"store.driver": "postgres", "store.url": new_store_database_now(pg_store),
               "secrets.key": base64.b64encode(secrets.token_bytes(32)).decode(),
               "grpc.tls_cert": str(tls / "grpc.crt"), "grpc.tls_key": str(tls / "grpc.key")}
     a = start_node(tmp_path_factory, "node-a", shared)

@@ -22,7 +22,7 @@ import pytest
 
 from tests import clients
 from tests.apiclient import Api, PostgresApi, SshApi, admin_http, events, of_kind, postgres_env
-from tests.conftest import Daemon, free_port, new_store_database, wait_port
+from tests.conftest import Daemon, free_port, new_store_database_now, wait_port
 from tests.sshpeer import CLIENT_OPTIONS
 
 LEASE = "3s"
@@ -43,7 +43,7 @@ def start_node(tmp_path_factory, name: str, store: dict[str, str], key: str) -> 
 
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory, pg_store, pg_target, ssh_target):
-    store = {"store.driver": "postgres", "store.url": asyncio.run(new_store_database(pg_store))}
+    store = {"store.driver": "postgres", "store.url": new_store_database_now(pg_store)}
     key = base64.b64encode(secrets.token_bytes(32)).decode()
     a = start_node(tmp_path_factory, "node-a", store, key)
     b = start_node(tmp_path_factory, "node-b", store, key)

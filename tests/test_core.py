@@ -239,9 +239,9 @@ def test_a_daemon_and_its_host_commands_on_a_postgres_store(tmp_path, pg_store):
     import json
     import urllib.request
 
-    from tests.conftest import Daemon, new_store_database
+    from tests.conftest import Daemon, new_store_database_now
 
-    url = asyncio.run(new_store_database(pg_store))
+    url = new_store_database_now(pg_store)
     daemon = Daemon(tmp_path / "data", {"store.driver": "postgres", "store.url": url}).start()
     try:
         token = daemon.token("pg-store@example.com", groups="admin")

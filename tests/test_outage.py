@@ -29,7 +29,7 @@ import asyncpg
 import pytest
 
 from tests.apiclient import Api, PostgresApi, SshApi, of_kind
-from tests.conftest import Daemon, free_port, new_store_database, wait_port
+from tests.conftest import Daemon, free_port, new_store_database, new_store_database_now, wait_port
 from tests.pgpeer import PgCluster
 from tests.sshpeer import CLIENT_OPTIONS
 from tests.tcpgate import TcpGate
@@ -97,7 +97,7 @@ class Outage:
 @pytest.fixture(scope="module")
 def outage(tmp_path_factory, pg_store):
     store = PgCluster(tls=False).start()
-    url = asyncio.run(new_store_database(store))
+    url = new_store_database_now(store)
     gate = TcpGate(store.port).start()
     key = base64.b64encode(secrets.token_bytes(32)).decode()
     a = node(tmp_path_factory, "node-a", {"store.driver": "postgres", "store.url": url, "secrets.key": key})

@@ -46,7 +46,7 @@ from gatewayd.config import load_config
 from gatewayd.daemon import Gateway
 from tests import lineproxy, openapi_check
 from tests.apiclient import Api, MySqlApi, PostgresApi, SshApi, admin_http, events
-from tests.conftest import free_port, new_store_database, proxy_daemon
+from tests.conftest import free_port, new_store_database_now, proxy_daemon
 from tests.mypeer import unavailable_reason as my_unavailable
 from tests.pgpeer import unavailable_reason as pg_unavailable
 from tests.pgpeer import wait_for_backends
@@ -566,7 +566,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory, pg_store: Any) -> Any:
     daemon = proxy_daemon(tmp_path_factory, "contract", "postgres", {
         **{f"listeners.{name}": f"127.0.0.1:{port}" for name, port in ports.items()},
         "throttle.credential_failures": 0,  # every refusal here is on purpose: none may be throttled
-        "store.driver": "postgres", "store.url": asyncio.run(new_store_database(pg_store)),
+        "store.driver": "postgres", "store.url": new_store_database_now(pg_store),
     }, wait=True)
     daemon.ports = {"postgres": daemon.proxy_port, **ports}
     yield daemon
