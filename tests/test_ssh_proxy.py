@@ -1025,6 +1025,44 @@ async def test_a_gathered_transport_sends_what_it_holds_before_it_closes_or_abor
         assert received == b"one two three", end
 
 
+async def test_asyncssh_is_handed_a_socket_read_in_pieces_and_every_byte_arrives_in_order(target):
+    """proxies/ssh/reads.py, on the target connection as the gateway makes it: a 4 MiB download arrives in socket
+    reads of up to 256 KiB, which asyncssh is handed in pieces of READ_PIECE at most (so it never copies a whole
+    read's rest per packet), and every byte arrives, in order."""
+    import asyncssh
+
+    from proxies.ssh.reads import READ_PIECE, SplitReads, split_reads
+    from proxies.ssh.target import TargetSettings, connect_target
+
+    pieces: list[int] = []
+
+    class Splitting(asyncssh.SSHClient):
+        def connection_made(self, conn: asyncssh.SSHClientConnection) -> None:
+            split_reads(conn)
+            transport = conn._transport  # type: ignore[attr-defined]
+            assert isinstance(transport.get_protocol(), SplitReads)
+            handed = conn.data_received  # what SplitReads calls, looked up on each call
+
+            def counted(data: bytes, datatype: object = None) -> None:
+                pieces.append(len(data))
+                handed(data)
+            conn.data_received = counted  # type: ignore[method-assign]
+
+    settings = TargetSettings(host="127.0.0.1", port=target.port, user=target.user,
+                              private_key=target.private_key_text, host_key=target.host_public_key)
+    conn = await connect_target(settings, "split", Splitting)
+    try:
+        payload = os.urandom(4 << 20)
+        echoed = await conn.run("cat", input=payload, encoding=None, check=True)
+        assert echoed.stdout == payload
+    finally:
+        conn.close()
+        await conn.wait_closed()
+    assert sum(pieces) > len(payload)  # everything the connection read went through SplitReads
+    assert max(pieces) <= READ_PIECE, max(pieces)
+    assert pieces.count(READ_PIECE) >= 8, pieces[:40]  # reads larger than a piece came, and were split
+
+
 # --------------------------------------------------------------------------- one-time scripts
 
 

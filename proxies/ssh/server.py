@@ -53,6 +53,7 @@ from gatewayd.pipeline import (
 )
 from gatewayd.tasks import BackgroundTasks
 from proxies.ssh.lines import Chunk, Line, OutputWatch, ShellInput
+from proxies.ssh.reads import split_reads
 from proxies.ssh.sftp import SftpObserver, status_packet
 from proxies.ssh.target import MAX_PACKET, WINDOW, TargetError, TargetSettings, connect_target, signal_exit_code
 from proxies.ssh.writes import gather_writes
@@ -180,6 +181,7 @@ class TargetWatch(asyncssh.SSHClient):
         self.owner = owner
 
     def connection_made(self, conn: asyncssh.SSHClientConnection) -> None:
+        split_reads(conn)
         gather_writes(conn)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -212,6 +214,7 @@ class GatewayConnection(asyncssh.SSHServer):
 
     def connection_made(self, conn: asyncssh.SSHServerConnection) -> None:
         self.conn = conn
+        split_reads(conn)  # asyncssh parses small pieces, not whole 256 KiB reads (proxies/ssh/reads.py)
         gather_writes(conn)  # the packets of one turn of the loop leave in one send call (proxies/ssh/writes.py)
         metrics.connection_opened("ssh")
         peer = conn.get_extra_info("peername")
