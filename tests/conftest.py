@@ -23,17 +23,22 @@ from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
 
 import pytest
-from hypothesis import settings as hypothesis_settings
 
 import proxies  # noqa: F401  the test run's composition root: registers every protocol, as launcher.cli does
 from gatewayd.hotpath import PURE_ENV
 from tests.ports import free_port
 
-# The suite is a gate: its generated tests draw the same examples at every run (derandomized, no example database),
-# so a run fails for a change, not for a draw. HYPOTHESIS_PROFILE=explore searches at random, as a longer run would.
-hypothesis_settings.register_profile("suite", derandomize=True)
-hypothesis_settings.register_profile("explore", derandomize=False)
-hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The suite is a gate: its generated tests draw the same examples at every run (derandomized, no example
+    database), so a run fails for a change, not for a draw. HYPOTHESIS_PROFILE=explore searches at random, as a
+    longer run would. (Here, not at import: the benchmarks import this module's helpers without hypothesis.)"""
+    from hypothesis import settings
+
+    settings.register_profile("suite", derandomize=True)
+    settings.register_profile("explore", derandomize=False)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
+
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
