@@ -7,7 +7,7 @@ without them, which is not what is measured), and, with ``--baseline REV``, anot
 extensions, for ``bench_postgres.py --baseline`` (before and after in one run). On the lent machine
 ``bench/device_run.sh`` unpacks them and runs the benchmark.
 
-    .venv/bin/python bench/device_bundle.py [--baseline REV]      # after make; about three minutes
+    .venv/bin/python bench/device_bundle.py [--baseline REV]      # after make; about eight minutes
     # then, through the device tool (carry .bench-bundle):
     bash bench/device_run.sh postgres --clients 16 --seconds 4 --rounds 3 [--baseline .bench-bundle/before]
 
