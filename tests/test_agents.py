@@ -48,14 +48,15 @@ ALLOWED_BIND = "192.0.2.10"  # an address beside loopback the operator lets prox
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory) -> Iterator[Daemon]:
-    http_port, pg_port, ssh_port = free_port(), free_port(), free_port()
+    http_port, pg_port, ssh_port, tunnel_port = free_port(), free_port(), free_port(), free_port()
     daemon = Daemon(tmp_path_factory.mktemp("agents-api") / "data", {
-        "grpc.listen": f"127.0.0.1:{free_port()}", "listeners.http": f"127.0.0.1:{http_port}",
+        "grpc.listen": f"127.0.0.1:{free_port()}", "grpc.tunnel_port": tunnel_port,
+        "listeners.http": f"127.0.0.1:{http_port}",
         "listeners.postgres": f"127.0.0.1:{pg_port}", "listeners.ssh": f"127.0.0.1:{ssh_port}",
         "sessions.flush_interval": "100ms", "proxy_manager.allowed_binds": [ALLOWED_BIND]}).start()
     wait_port(http_port, daemon.process, "gatewayd")
     wait_port(ssh_port, daemon.process, "gatewayd's ssh listener")
-    daemon.http_port, daemon.pg_port, daemon.ssh_port = http_port, pg_port, ssh_port
+    daemon.http_port, daemon.pg_port, daemon.ssh_port, daemon.tunnel_port = http_port, pg_port, ssh_port, tunnel_port
     yield daemon
     daemon.stop()
 
@@ -270,8 +271,16 @@ async def test_the_agent_reconnects_after_a_gateway_restart(gateway, api, tmp_pa
         agent.stop()
 
 
+def tunnel_connections(port: int) -> int:
+    """The connections the gateway's tunnel listener on ``port`` holds now (``ss``: the accepted ends)."""
+    listing = subprocess.run(["ss", "-Htn", "state", "established", f"( sport = :{port} )"], capture_output=True,
+                             text=True, check=True).stdout
+    return len(listing.splitlines())
+
+
 async def test_a_slow_stream_does_not_stall_the_others(gateway, api, http_target, tmp_path):
-    """One download through the agent that nobody reads; another through the same agent completes meanwhile."""
+    """One download through the agent that nobody reads; another through the same agent completes meanwhile. Each
+    stream is a TLS connection of its own to the tunnel listener: TCP's flow control is its own."""
     created = await new_agent(api)
     agent = start(created, tmp_path)
     try:
@@ -288,6 +297,7 @@ async def test_a_slow_stream_does_not_stall_the_others(gateway, api, http_target
         stalled.sendall(f"GET /download?size={512 * 1024 * 1024} HTTP/1.1\r\nHost: x\r\n"
                         f"Authorization: {secret}\r\n\r\n".encode())
         assert stalled.recv(16).startswith(b"HTTP/1.1 200")  # it flows, then nobody reads it
+        assert tunnel_connections(gateway.tunnel_port) >= 1  # on a TLS connection of its own to the tunnel listener
         try:
             size = 20 * 1024 * 1024
             result = subprocess.run(["curl", "-sS", "-o", str(tmp_path / "d.bin"), "-w", "%{http_code}",
@@ -695,3 +705,208 @@ async def test_an_agent_answering_as_the_target_never_gets_the_password(gateway,
         assert result.returncode == 254 and "only to a target whose key is pinned (HOST_KEY)" in result.stderr, \
             result.stderr
         assert impostor.opens == []  # refused before anything was dialed
+
+
+# ------------------------------------------------------------------------------------------ the tunnel listener
+
+
+class TunnelAgent:
+    """A real client of the agent protocol holding an agent's token: its control channel (Connect, hello) over gRPC,
+    the Opens it is sent kept for the test, which answers them over the tunnel listener (or not)."""
+
+    def __init__(self, created: dict) -> None:
+        self.url = created["command"].split("--url ")[1].split()[0]
+        self.fingerprint = created["command"].rsplit("--tls-fingerprint ", 1)[1]
+        self.token = created["token"]
+        self.opens: asyncio.Queue[pb.Open] = asyncio.Queue()
+
+    async def __aenter__(self) -> "TunnelAgent":
+        self.channel = await open_channel(self.url, self.fingerprint)
+        self.control = pb_grpc.AgentGatewayStub(self.channel).Connect(
+            metadata=(("authorization", f"Bearer {self.token}"),))
+        await self.control.write(pb.AgentMessage(hello=pb.Hello(version="test", hostname="tunnel-agent")))
+        self.reading = asyncio.ensure_future(self._opens())
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.reading.cancel()
+        await asyncio.gather(self.reading, return_exceptions=True)
+        await self.channel.close()
+
+    async def _opens(self) -> None:
+        while (message := await self.control.read()) is not grpc.aio.EOF:
+            if message.HasField("open"):
+                self.opens.put_nowait(message.open)
+
+
+async def tunnel(gateway: Daemon, created: dict) -> Any:
+    """A TLS connection to the gateway's tunnel listener, its certificate pinned as the agent's command says."""
+    from gatewayd.agent.channel import TunnelDialer
+    from gatewayd.agent.pump import Records
+
+    url = created["command"].split("--url ")[1].split()[0]
+    dialer = TunnelDialer.of(url, created["command"].rsplit("--tls-fingerprint ", 1)[1])
+    return Records(*await dialer.connect(gateway.tunnel_port, 10))
+
+
+async def refusal(records: Any) -> str:
+    """What the tunnel listener says before it closes the connection (its error frame), the end awaited."""
+    async with asyncio.timeout(30):  # a listener that kept the connection would leave the test waiting: a failure
+        said = await records.read()
+        assert said is not grpc.aio.EOF, "the tunnel listener closed without saying why"
+        assert await records.reader.read() == b""  # then it closes
+    records.writer.close()
+    return said.error
+
+
+async def refused_entries(api: Api, reason: str) -> list[dict]:
+    return [e for e in await audit(api, "agent.stream_refused") if reason in e["error_message"]]
+
+
+async def test_psql_through_a_real_agent_rides_the_tunnel_listener(gateway, api, pg_target, tmp_path):
+    """The Open names the tunnel listener's port; the agent carries the session's bytes over a TLS connection of
+    its own to it, which lasts as long as the session."""
+    import asyncpg
+
+    created = await new_agent(api)
+    agent = start(created, tmp_path)
+    try:
+        await until_agent(api, created["name"], "online")
+        code, connection = await api("POST", "/connections", {
+            "name": f"pg-{uuid.uuid4().hex[:8]}", "type": "database", "subtype": "postgres", "agent_id": created["id"],
+            "secret": {f"envvar:{k}": b64(v) for k, v in {
+                "HOST": "127.0.0.1", "PORT": str(pg_target.port), "USER": "postgres", "PASS": pg_target.password,
+                "DB": "postgres", "SSLROOTCERT": pg_target.root_cert()}.items()}})
+        assert code == 201, connection
+        code, access = await api("POST", f"/connections/{connection['name']}/credentials",
+                                 {"access_duration_seconds": 600})
+        before = tunnel_connections(gateway.tunnel_port)
+        client = await asyncpg.connect(host="127.0.0.1", port=gateway.pg_port, ssl=False, database="postgres",
+                                       user=access["connection_credentials"]["username"], password="any")
+        try:
+            assert await client.fetchval("select 'through the tunnel'") == "through the tunnel"
+            assert tunnel_connections(gateway.tunnel_port) == before + 1
+        finally:
+            await client.close()
+    finally:
+        agent.stop()
+
+
+async def test_the_tunnel_listener_refuses_what_it_did_not_ask_for_and_audits_it(gateway, api, pg_target):
+    """While a dial waits for the agent's answer: a first record naming a stream id the gateway never gave, and one
+    holding another agent's token with the right stream id, are each refused (an error frame, the connection
+    closed, an ``agent.stream_refused`` entry naming who); the dial still takes the agent's own answer after."""
+    created, other = await new_agent(api), await new_agent(api)
+    async with TunnelAgent(created) as agent:
+        await until_agent(api, created["name"], "online")
+        code, connection = await api("POST", "/connections", {
+            "name": f"pg-{uuid.uuid4().hex[:8]}", "type": "database", "subtype": "postgres", "agent_id": created["id"],
+            "secret": {f"envvar:{k}": b64(v) for k, v in {"HOST": "10.9.8.7", "PORT": "5432", "USER": "postgres",
+                                                          "PASS": "x", "DB": "postgres"}.items()}})
+        assert code == 201, connection
+        code, access = await api("POST", f"/connections/{connection['name']}/credentials",
+                                 {"access_duration_seconds": 600})
+        psql = asyncio.ensure_future(asyncio.to_thread(subprocess.run, [
+            "psql", f"postgres://{access['connection_credentials']['username']}:any@127.0.0.1:{gateway.pg_port}/"
+                    "postgres?sslmode=disable", "-X", "-At", "-c", "select 1"], capture_output=True, text=True,
+            timeout=60))
+        async with asyncio.timeout(30):
+            opened = await agent.opens.get()
+        assert opened.tunnel_port == gateway.tunnel_port and opened.host == "10.9.8.7"
+
+        made_up = await tunnel(gateway, created)
+        await made_up.write(pb.TunnelStart(token=created["token"], first=pb.Frame(stream_id="made-up",
+                                                                                  connected=True)))
+        assert "only the gateway opens streams" in await refusal(made_up)
+        stolen_id = await tunnel(gateway, created)
+        await stolen_id.write(pb.TunnelStart(token=other["token"], first=pb.Frame(stream_id=opened.stream_id,
+                                                                                  connected=True)))
+        assert "only the gateway opens streams" in await refusal(stolen_id)
+
+        answer = await tunnel(gateway, created)  # the agent's own answer: the target refused
+        await answer.write(pb.TunnelStart(token=created["token"], first=pb.Frame(
+            stream_id=opened.stream_id, error="connection refused")))
+        result = await psql
+        answer.writer.close()
+    assert result.returncode != 0 and f'through agent "{created["name"]}": connection refused' in result.stderr, \
+        result.stderr
+    actors = [e["actor_email"] for e in await refused_entries(api, "only the gateway opens streams")]
+    assert f"agent {created['name']}" in actors and f"agent {other['name']}" in actors
+    assert not [e for e in await audit(api, "agent.stream_refused")
+                if created["token"] in str(e) or other["token"] in str(e)]
+
+
+async def test_the_tunnel_listener_refuses_junk_an_oversized_record_and_silence_without_waiting_on_them(
+        gateway, api):
+    """A first record that does not parse, a length prefix past the bound (refused without waiting for its bytes),
+    a client that says nothing after its TLS handshake (refused after a bounded wait) and one that does not even
+    shake hands (dropped after the same bound): each connection ends, the first three with an error frame and an
+    ``agent.stream_refused`` entry."""
+    import struct
+
+    created = await new_agent(api)
+    junk = await tunnel(gateway, created)
+    junk.writer.write(struct.pack(">I", 4) + b"\xff\xff\xff\xff")
+    oversized = await tunnel(gateway, created)
+    oversized.writer.write(struct.pack(">I", 2**31))  # and not one byte of it
+    silent = await tunnel(gateway, created)
+    bare = await asyncio.open_connection("127.0.0.1", gateway.tunnel_port)  # no TLS handshake either
+
+    async def dropped() -> bytes:
+        async with asyncio.timeout(30):
+            return await bare[0].read()
+
+    said = await asyncio.gather(refusal(junk), refusal(oversized), refusal(silent), dropped())
+    bare[1].close()
+    assert said[0] == "the tunnel's first record does not parse"
+    assert said[1].startswith("the tunnel's first record is too long")
+    assert said[2].startswith("the tunnel's first record did not come within")
+    assert said[3] == b""
+    for reason in said[:3]:
+        [entry] = await refused_entries(api, reason)
+        assert entry["outcome"] == "failure" and entry["actor_email"] == "agent (unknown token)"
+    assert "Traceback" not in gateway.log_text()
+
+
+async def test_with_the_tunnel_listener_off_streams_go_over_grpc_tunnel_calls(pg_target, tmp_path):
+    """``grpc.tunnel = false``: no listener, the Open names no port, and a real agent carries psql over a Tunnel
+    call as before."""
+    grpc_port, pg_port = free_port(), free_port()
+    daemon = Daemon(tmp_path / "data", {"grpc.listen": f"127.0.0.1:{grpc_port}", "grpc.tunnel": False,
+                                        "listeners.postgres": f"127.0.0.1:{pg_port}"}).start()
+    try:
+        wait_port(pg_port, daemon.process, "gatewayd")
+        async with aiohttp.ClientSession() as http:
+            api = Api(daemon, http, daemon.token("admin@example.com", groups="admin"))
+            created = await new_agent(api)
+            async with TunnelAgent(created) as agent:  # what an Open says, read by an agent of the protocol's own
+                await until_agent(api, created["name"], "online")
+                code, connection = await api("POST", "/connections", {
+                    "name": "pg-off", "type": "database", "subtype": "postgres", "agent_id": created["id"],
+                    "secret": {f"envvar:{k}": b64(v) for k, v in {
+                        "HOST": "127.0.0.1", "PORT": str(pg_target.port), "USER": "postgres",
+                        "PASS": pg_target.password, "DB": "postgres", "SSLROOTCERT": pg_target.root_cert()}.items()}})
+                assert code == 201, connection
+                code, access = await api("POST", "/connections/pg-off/credentials", {"access_duration_seconds": 600})
+                secret = access["connection_credentials"]["username"]
+                url = f"postgres://{secret}:any@127.0.0.1:{pg_port}/postgres?sslmode=disable"
+                psql = asyncio.ensure_future(asyncio.to_thread(
+                    subprocess.run, ["psql", url, "-X", "-At", "-c", "select 1"], capture_output=True, text=True,
+                    timeout=60))
+                async with asyncio.timeout(30):
+                    opened = await agent.opens.get()
+                assert opened.tunnel_port == 0
+            await psql  # the agent gone, the dial fails at once
+            await until_agent(api, created["name"], "offline")
+            agent_process = start(created, tmp_path)
+            try:
+                await until_agent(api, created["name"], "online")
+                result = await asyncio.to_thread(subprocess.run, ["psql", url, "-X", "-At", "-c",
+                                                                  "select 'over a Tunnel call'"],
+                                                 capture_output=True, text=True, timeout=60)
+                assert result.stdout.strip() == "over a Tunnel call", result.stderr
+            finally:
+                agent_process.stop()
+        assert "agent tunnel listener started" not in daemon.log_text()
+    finally:
+        daemon.stop()

@@ -1,20 +1,27 @@
-"""One stream's bytes between an asyncio stream pair and a gRPC call, both ways, with back-pressure.
+"""One stream's bytes between an asyncio stream pair and its peer's ``Frame``s, both ways, with back-pressure.
 
-Each direction waits for its sink before it reads more: a socket's ``drain`` on one side, the
-gRPC ``write`` (which returns once HTTP/2 flow control lets the frame go) on the other.  Every
-stream is an HTTP/2 stream of its own, so a stream whose reader is slow holds back only itself.
+The frames go either over a gRPC call (``Tunnel``, ``Forward``: its ``read`` and ``write``) or over a
+tunnel connection of their own (``Records``: each frame prefixed by its length, on a TLS connection).
+Each direction waits for its sink before it reads more: a socket's ``drain`` on one side, the gRPC
+``write`` (which returns once HTTP/2 flow control lets the frame go) or the tunnel connection's
+``drain`` on the other.  Every stream is an HTTP/2 stream or a TCP connection of its own, so a stream
+whose reader is slow holds back only itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+import struct
 from typing import Any, Awaitable, Callable
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from gatewayd.agent import agent_pb2 as pb
 
 CHUNK = 64 * 1024
+HEADER = struct.Struct(">I")  # a record's length, before its bytes (a tunnel connection)
+MAX_RECORD = 4 * CHUNK  # a data Frame is CHUNK bytes and a few more: a longer record is a broken or hostile peer
 
 ReadFrame = Callable[[], Awaitable[Any]]  # a Frame, or grpc.aio.EOF when the call ended
 WriteFrame = Callable[[pb.Frame], Awaitable[None]]
@@ -22,6 +29,42 @@ WriteFrame = Callable[[pb.Frame], Awaitable[None]]
 
 class StreamBroken(Exception):
     """The call ended without saying it was done (the peer went away)."""
+
+
+class Records:
+    """The pump's ``read`` and ``write`` over a tunnel connection: protobuf messages, each prefixed by its length
+    (4 bytes, big-endian, at most ``MAX_RECORD``).  The end of the connection reads as ``grpc.aio.EOF``, as a
+    call's end does; a record past the bound or one that does not parse is StreamBroken."""
+
+    __slots__ = ("reader", "writer")
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    async def record(self, limit: int = MAX_RECORD) -> bytes | None:
+        """The next record's bytes; None at the end of the connection; StreamBroken past ``limit``."""
+        try:
+            (length,) = HEADER.unpack(await self.reader.readexactly(HEADER.size))
+            if length > limit:
+                raise StreamBroken(f"a record of {length} bytes, past the bound of {limit}")
+            return await self.reader.readexactly(length)
+        except (asyncio.IncompleteReadError, OSError):  # (ssl.SSLError is an OSError)
+            return None
+
+    async def read(self) -> Any:
+        data = await self.record()
+        if data is None:
+            return grpc.aio.EOF
+        try:
+            return pb.Frame.FromString(data)
+        except DecodeError:
+            raise StreamBroken("a record that does not parse") from None
+
+    async def write(self, message: Any) -> None:
+        body = message.SerializeToString()
+        self.writer.write(HEADER.pack(len(body)) + body)
+        await self.writer.drain()
 
 
 class StreamFailed(Exception):
