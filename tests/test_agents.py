@@ -12,6 +12,7 @@ import hashlib
 import shutil
 import socket
 import sqlite3
+import struct
 import subprocess
 import sys
 import time
@@ -739,17 +740,42 @@ class TunnelAgent:
                 self.opens.put_nowait(message.open)
 
 
-async def tunnel(gateway: Daemon, created: dict) -> Any:
-    """A TLS connection to the gateway's tunnel listener, its certificate pinned as the agent's command says."""
-    from gatewayd.agent.channel import TunnelDialer
-    from gatewayd.agent.pump import Records
+class Tunnel:
+    """A TLS connection to the gateway's tunnel listener, its certificate pinned as the agent's command says: records
+    written and read as the agent protocol says (a 4-byte length, then a message)."""
 
-    url = created["command"].split("--url ")[1].split()[0]
-    dialer = TunnelDialer.of(url, created["command"].rsplit("--tls-fingerprint ", 1)[1])
-    return Records(*await dialer.connect(gateway.tunnel_port, 10))
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def to(cls, gateway: Daemon, created: dict) -> "Tunnel":
+        from gatewayd.agent.channel import TunnelDialer, check_pinned
+
+        fingerprint = created["command"].rsplit("--tls-fingerprint ", 1)[1]
+        dialer = TunnelDialer.of(created["command"].split("--url ")[1].split()[0], fingerprint)
+        reader, writer = await asyncio.open_connection("127.0.0.1", gateway.tunnel_port, ssl=dialer.context)
+        check_pinned(writer.get_extra_info("ssl_object").getpeercert(binary_form=True), fingerprint)
+        return cls(reader, writer)
+
+    async def write(self, message: Any) -> None:
+        from gatewayd.agent.pump import record
+
+        self.writer.write(record(message))
+        await self.writer.drain()
+
+    async def read(self) -> Any:
+        try:
+            (length,) = struct.unpack(">I", await self.reader.readexactly(4))
+            return pb.Frame.FromString(await self.reader.readexactly(length))
+        except asyncio.IncompleteReadError:
+            return grpc.aio.EOF
 
 
-async def refusal(records: Any) -> str:
+async def tunnel(gateway: Daemon, created: dict) -> Tunnel:
+    return await Tunnel.to(gateway, created)
+
+
+async def refusal(records: Tunnel) -> str:
     """What the tunnel listener says before it closes the connection (its error frame), the end awaited."""
     async with asyncio.timeout(30):  # a listener that kept the connection would leave the test waiting: a failure
         said = await records.read()
@@ -842,8 +868,6 @@ async def test_the_tunnel_listener_refuses_junk_an_oversized_record_and_silence_
     a client that says nothing after its TLS handshake (refused after a bounded wait) and one that does not even
     shake hands (dropped after the same bound): each connection ends, the first three with an error frame and an
     ``agent.stream_refused`` entry."""
-    import struct
-
     created = await new_agent(api)
     junk = await tunnel(gateway, created)
     junk.writer.write(struct.pack(">I", 4) + b"\xff\xff\xff\xff")

@@ -95,23 +95,23 @@ class TunnelDialer:
             context = ssl.create_default_context(cafile=ca_file or None)
         return cls(target.host, context, fingerprint)
 
-    async def connect(self, port: int, timeout: float,
-                      limit: int = 256 * 1024) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        """A verified connection to ``port``; OSError, TimeoutError or ChannelError (not the pinned certificate)."""
+    async def connect(self, port: int, timeout: float, protocol: asyncio.Protocol) -> asyncio.Transport:
+        """A verified connection to ``port`` served by ``protocol``; OSError, TimeoutError or ChannelError (not the
+        pinned certificate: closed before a byte is sent)."""
+        loop = asyncio.get_running_loop()
         async with asyncio.timeout(timeout):
-            reader, writer = await asyncio.open_connection(
-                self.host, port, ssl=self.context, server_hostname=None if self.fingerprint else self.host,
-                limit=limit)
+            transport, _ = await loop.create_connection(lambda: protocol, self.host, port, ssl=self.context,
+                                                        server_hostname=self.host)
         try:
             if self.fingerprint:
-                check_pinned(writer.get_extra_info("ssl_object").getpeercert(binary_form=True), self.fingerprint)
-            sock = writer.get_extra_info("socket")
+                check_pinned(transport.get_extra_info("ssl_object").getpeercert(binary_form=True), self.fingerprint)
+            sock = transport.get_extra_info("socket")
             if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except BaseException:
-            writer.close()
+            transport.close()
             raise
-        return reader, writer
+        return transport  # type: ignore[return-value]
 
 
 def _first_name(pem: bytes) -> str | None:

@@ -59,7 +59,7 @@ class AgentLink:
     hostname: str = ""
     version: str = ""
     outbox: asyncio.Queue[pb.GatewayMessage] = field(default_factory=asyncio.Queue)
-    streams: set[asyncio.StreamWriter] = field(default_factory=set)  # its tunnels' sockets here, and connections
+    streams: set[Any] = field(default_factory=set)  # its streams' relays here (pump.CallRelay, pump.Splice): close()
     closing: str = ""  # why the gateway is closing it (deleted, token rotated), "" while it serves
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     lost: asyncio.Future[None] | None = None  # the loss handling, once started (idempotent)
@@ -161,8 +161,8 @@ class AgentRegistry:
                 pending.answer.set_exception(DialError(pending.connection, lost_reason(agent.name)))
         if not links and not link.closing:
             await self.sessions.kill_where(lambda live: self._through(live, agent), lost_reason(agent.name))
-        for writer in list(link.streams):
-            writer.close()
+        for relay in list(link.streams):
+            relay.close()
         link.streams.clear()
         await self._audit(agent, "agent.disconnect", "success" if link.closing else "failure",
                           client_ip=link.client_ip, error=link.closing or reason,

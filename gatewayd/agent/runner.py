@@ -24,8 +24,8 @@ from gatewayd import __version__
 from gatewayd.agent import agent_pb2 as pb
 from gatewayd.agent import agent_pb2_grpc as pb_grpc
 from gatewayd.agent.channel import ChannelError, TunnelDialer, open_channel
-from gatewayd.agent.pump import Records, StreamBroken, pump
-from gatewayd.dialer import reason_of
+from gatewayd.agent.pump import Splice, StreamBroken, pump, record
+from gatewayd.dialer import DialError, direct
 
 log = logging.getLogger("gatewayd.agent")
 
@@ -128,54 +128,71 @@ class AgentProcess:
         """Dial the target the gateway names, then relay its bytes on a tunnel connection of their own to the port
         the Open names (``tunnels``: how this node's are reached), else on a Tunnel call."""
         timeout = request.timeout or 10.0
+        tunnel = bool(request.tunnel_port and tunnels is not None)
         try:
-            async with asyncio.timeout(timeout):
-                reader, writer = await asyncio.open_connection(request.host, request.port, limit=256 * 1024)
-        except (OSError, TimeoutError) as exc:
-            reason = f"no answer within {timeout:g} seconds" if isinstance(exc, TimeoutError) \
-                else reason_of(exc)  # the system's words, never the address
-            log.info("target unreachable", extra={"connection": request.connection, "reason": reason})
-            answer = pb.Frame(stream_id=request.stream_id, error=reason)
-            if not (request.tunnel_port and tunnels is not None and await self._answer(tunnels, request, answer)):
+            sock = await direct.open_socket(request.host, request.port, connection=request.connection,
+                                            timeout=timeout)
+        except DialError as exc:  # the system's words, never the address
+            log.info("target unreachable", extra={"connection": request.connection, "reason": exc.reason})
+            answer = pb.Frame(stream_id=request.stream_id, error=exc.reason)
+            if not (tunnel and await self._answer(tunnels, request, answer)):  # type: ignore[arg-type]
                 await self._answer_on_call(stub, answer, timeout)
             return
-        sock = writer.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        adopted = False  # by a transport, which closes it
         try:
-            if request.tunnel_port and tunnels is not None:
-                tunnel = await self._tunnel(tunnels, request)
-                if tunnel is not None:
-                    await self._relay_on_tunnel(tunnel, request, reader, writer)
+            if tunnel:
+                splice = Splice()
+                if await self._open_tunnel(tunnels, request, splice.framed, pb.Frame(  # type: ignore[arg-type]
+                        stream_id=request.stream_id, connected=True)):
+                    adopted = True
+                    await self._relay_on_tunnel(splice, sock, request)
                     return
-            await self._relay_on_call(stub, request, reader, writer)
+            reader, writer = await asyncio.open_connection(sock=sock, limit=256 * 1024)
+            adopted = True
+            try:
+                await self._relay_on_call(stub, request, reader, writer)
+            finally:
+                writer.close()
         finally:
-            writer.close()
+            if not adopted:
+                sock.close()
 
-    async def _tunnel(self, tunnels: TunnelDialer, request: pb.Open) -> Records | None:
-        """A tunnel connection to the port the Open names, its first record sent (the token, the stream id);
-        None when it cannot be made (the stream goes over a Tunnel call: a port the network does not let
-        through costs speed, not the stream)."""
+    async def _open_tunnel(self, tunnels: TunnelDialer, request: pb.Open, protocol: asyncio.Protocol,
+                           first: pb.Frame) -> asyncio.Transport | None:
+        """A tunnel connection to the port the Open names, served by ``protocol``, its first record sent (the token
+        and ``first``); None when it cannot be made (the stream goes over a Tunnel call: a port the network does
+        not let through costs speed, not the stream)."""
         try:
-            reader, writer = await tunnels.connect(request.tunnel_port, request.timeout or 10.0)
+            transport = await tunnels.connect(request.tunnel_port, request.timeout or 10.0, protocol)
         except (OSError, TimeoutError, ChannelError) as exc:
             log.warning("cannot reach the gateway's tunnel port: this stream goes over gRPC",
                         extra={"port": request.tunnel_port, "reason": str(exc) or type(exc).__name__})
             return None
-        return Records(reader, writer)
+        transport.write(record(pb.TunnelStart(token=self.token, first=first)))
+        return transport
 
     async def _answer(self, tunnels: TunnelDialer, request: pb.Open, answer: pb.Frame) -> bool:
-        """A failed dial's answer on a tunnel connection; whether it could be sent."""
-        tunnel = await self._tunnel(tunnels, request)
-        if tunnel is None:
+        """A failed dial's answer on a tunnel connection; whether it was sent (the close sends it, then ends)."""
+        transport = await self._open_tunnel(tunnels, request, asyncio.Protocol(), answer)
+        if transport is None:
             return False
+        transport.close()
+        return True
+
+    @staticmethod
+    async def _relay_on_tunnel(splice: Splice, sock: socket.socket, request: pb.Open) -> None:
         try:
-            await tunnel.write(pb.TunnelStart(token=self.token, first=answer))
-            return True
-        except OSError:
-            return False
+            try:
+                await splice.attach(sock)
+            except BaseException:
+                sock.close()
+                raise
+            await splice.run()  # a target's reset ends this stream only
+        except (StreamBroken, OSError) as exc:
+            log.info("stream ended by the gateway", extra={"connection": request.connection,
+                                                           "reason": str(exc) or type(exc).__name__})
         finally:
-            tunnel.writer.close()
+            splice.close()
 
     async def _answer_on_call(self, stub: pb_grpc.AgentGatewayStub, answer: pb.Frame, timeout: float) -> None:
         call = stub.Tunnel(metadata=self.metadata)
@@ -192,18 +209,6 @@ class AgentProcess:
         finally:
             if not call.done():
                 call.cancel()
-
-    async def _relay_on_tunnel(self, tunnel: Records, request: pb.Open, reader: asyncio.StreamReader,
-                               writer: asyncio.StreamWriter) -> None:
-        try:
-            await tunnel.write(pb.TunnelStart(token=self.token, first=pb.Frame(stream_id=request.stream_id,
-                                                                               connected=True)))
-            await pump(reader, writer, tunnel.read, tunnel.write)  # a target's reset ends this stream only
-        except (StreamBroken, OSError) as exc:
-            log.info("stream ended by the gateway", extra={"connection": request.connection,
-                                                           "reason": str(exc) or type(exc).__name__})
-        finally:
-            tunnel.writer.close()
 
     async def _relay_on_call(self, stub: pb_grpc.AgentGatewayStub, request: pb.Open, reader: asyncio.StreamReader,
                              writer: asyncio.StreamWriter) -> None:

@@ -29,7 +29,7 @@ from google.protobuf.message import DecodeError
 from gatewayd import __version__, tls
 from gatewayd.agent import agent_pb2 as pb
 from gatewayd.agent import agent_pb2_grpc as pb_grpc
-from gatewayd.agent.pump import ReadFrame, StreamBroken, StreamFailed, WriteFrame, pump
+from gatewayd.agent.pump import CallRelay, Splice, StreamBroken, StreamFailed
 from gatewayd.agent.registry import STREAM_REFUSED, TOKEN_PREFIX, AgentRegistry, PendingStream
 from gatewayd.agent.tunnel import TunnelListener
 from gatewayd.crypto import hash_secret
@@ -227,7 +227,7 @@ class AgentService(pb_grpc.AgentGatewayServicer):  # type: ignore[misc]  # (gene
         if admitted is None:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, STREAM_REFUSED)
             return
-        await self.carry(*admitted, partial(read_message, context), context.write)
+        await self.carry(*admitted, CallRelay(partial(read_message, context), context.write))
 
     async def admit(self, client_ip: str, token: str,
                     first_frame: Callable[[], Awaitable[Any]]) -> tuple[PendingStream, Any] | None:
@@ -246,11 +246,10 @@ class AgentService(pb_grpc.AgentGatewayServicer):  # type: ignore[misc]  # (gene
                            f"agent {agent.name}" if agent else "agent (unknown token)")
         return None
 
-    async def carry(self, pending: PendingStream, first: Any, read: ReadFrame, write: WriteFrame,
-                    connection: asyncio.StreamWriter | None = None) -> None:
+    async def carry(self, pending: PendingStream, first: Any, relay: CallRelay | Splice) -> None:
         """An admitted stream: the dial's answer, then its bytes between a socketpair (the proxy's end is the dial's
-        result) and the agent's frames until both ends are done. ``connection``: the tunnel connection the frames
-        go over, closed with the stream's socket when the agent's link is lost."""
+        result) and the agent's frames (``relay``: over the Tunnel call or the tunnel connection) until both ends
+        are done. The relay is closed when the agent's link is lost."""
         link, name = pending.link, pending.link.agent.name
         if not first.connected:
             if not pending.answer.done():
@@ -260,20 +259,23 @@ class AgentService(pb_grpc.AgentGatewayServicer):  # type: ignore[misc]  # (gene
         ours, theirs = socket.socketpair()
         ours.setblocking(False)
         theirs.setblocking(False)
-        reader, writer = await asyncio.open_connection(sock=ours, limit=256 * 1024)
+        try:
+            await relay.attach(ours)
+        except BaseException:
+            ours.close()
+            theirs.close()
+            raise
         if pending.answer.done():  # the dial gave up meanwhile
-            writer.close()
+            relay.close()
             theirs.close()
             return
         pending.answer.set_result(theirs)
-        closing = {writer} if connection is None else {writer, connection}
-        link.streams.update(closing)
+        link.streams.add(relay)
         if link.closed.is_set():  # the link was lost while this stream was admitted: its detach has closed the rest
-            for each in closing:
-                each.close()
+            relay.close()
         broken = ""
         try:
-            await pump(reader, writer, read, write)
+            await relay.run()
         except (StreamBroken, asyncio.CancelledError) as exc:
             broken = str(exc) or "the stream was cut"
             if isinstance(exc, asyncio.CancelledError):
@@ -282,14 +284,14 @@ class AgentService(pb_grpc.AgentGatewayServicer):  # type: ignore[misc]  # (gene
             pass  # the target's connection failed at the agent: this stream ends here
         except (ConnectionError, OSError, RuntimeError) as exc:  # the proxy's end failed: the agent closes the target's
             try:
-                await write(pb.Frame(error=f"the gateway's end failed ({type(exc).__name__})"))
+                await relay.fail(f"the gateway's end failed ({type(exc).__name__})")
             except Exception:
                 pass
         finally:
             if broken:  # the agent or its link went away: the sessions end naming it before their sockets close
                 await self.registry.detach(link, f"a stream broke off ({broken})")
-            link.streams.difference_update(closing)
-            writer.close()
+            link.streams.discard(relay)
+            relay.close()
 
     async def Manage(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
         if self.manager is None:

@@ -4,10 +4,11 @@ The gRPC ``Tunnel`` call costs grpc.aio's per-message work on both ends (docs/ag
 bytes go faster over a TLS connection of their own, which the agent opens to the port its ``Open``
 names (``tunnel_port``) with the certificate it trusts for gRPC.  Its first record is a
 ``TunnelStart`` (the agent's token and the frame a ``Tunnel`` would start with), bounded in size
-and in time, and checked by ``AgentService.admit`` as a Tunnel's first frame is; every record
-after it is a ``Frame``, carried by the same pump.  TCP's flow control is each connection's own, so
-a slow stream holds back only itself.  A refusal is said in one error frame, then the connection
-closes.
+(``START_LIMIT``) and in time (``START_TIMEOUT``, the TLS handshake's too), and checked by
+``AgentService.admit`` as a Tunnel's first frame is; every record after it is a ``Frame``, carried by
+``pump.Splice``.  TCP's flow control is each connection's own, so a slow stream holds back only
+itself.  A refusal is said in one error frame, then the connection closes.  The handshake and the
+first record are read in the transport's callbacks: nothing waits on a client that says nothing.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from google.protobuf.message import DecodeError
 
 from gatewayd.agent import agent_pb2 as pb
-from gatewayd.agent.pump import Records, StreamBroken
+from gatewayd.agent.pump import HEADER, Splice, record
 from gatewayd.agent.registry import STREAM_REFUSED
 
 if TYPE_CHECKING:
@@ -40,72 +41,126 @@ class TunnelListener:
         self.service = service
         self.server: asyncio.Server | None = None
         self.port = 0
-        self.connections: set[asyncio.StreamWriter] = set()
+        self.connections: set[asyncio.Transport] = set()
+        self.tasks: set[asyncio.Task[None]] = set()
 
     async def start(self, host: str, port: int, cert_path: Path, key_path: Path) -> int:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         context.load_cert_chain(cert_path, key_path)
         # no SO_REUSEPORT: a stream must reach the process whose dial waits for it
-        self.server = await asyncio.start_server(self._serve, host or None, port, ssl=context,
-                                                 ssl_handshake_timeout=START_TIMEOUT, limit=256 * 1024)
+        self.server = await asyncio.get_running_loop().create_server(
+            lambda: _Opening(self), host or None, port, ssl=context, ssl_handshake_timeout=START_TIMEOUT)
         self.port = self.server.sockets[0].getsockname()[1]
         return self.port
 
     async def stop(self) -> None:
         if self.server is not None:
             self.server.close()
-            for writer in list(self.connections):
-                writer.close()
-            await self.server.wait_closed()
+            for transport in list(self.connections):
+                transport.close()
+            for task in list(self.tasks):
+                task.cancel()
+            await asyncio.gather(*self.tasks, return_exceptions=True)
             self.server = None
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = writer.get_extra_info("peername")
-        client_ip = str(peer[0]) if peer else ""
-        self.connections.add(writer)
-        records = Records(reader, writer)
+    def opened(self, opening: _Opening, start: pb.TunnelStart | None, refused: str, rest: bytes) -> None:
+        """The first record came (``start``, and the bytes after it), or the connection is refused (``refused``)."""
+        task = asyncio.ensure_future(self._serve(opening, start, refused, rest))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _serve(self, opening: _Opening, start: pb.TunnelStart | None, refused: str, rest: bytes) -> None:
+        transport, client_ip = opening.transport, opening.client_ip
+        assert transport is not None
         try:
-            throttled = self.service.throttled(client_ip)
-            if throttled:  # no token lookup, no audit entry each: one was written when the throttle began
-                await _say(records, throttled)
-                return
-            start, refused = await self._start(records)
             if start is None:
-                await self._refuse(records, client_ip, refused)
+                if refused:
+                    await self.service.refusal(client_ip, refused, "agent.stream_refused")
+                    _say(transport, refused)
                 return
             admitted = await self.service.admit(client_ip, start.token, _frame(start.first))
             if admitted is None:
-                await _say(records, STREAM_REFUSED)
+                _say(transport, STREAM_REFUSED)
                 return
-            await self.service.carry(*admitted, records.read, records.write, connection=writer)
+            splice = Splice()
+            splice.adopt(transport, rest)
+            await self.service.carry(*admitted, splice)
         except Exception:  # a stream's failure is its own: the listener serves the others
             log.exception("agent tunnel failed", extra={"client": client_ip})
         finally:
-            self.connections.discard(writer)
-            writer.close()
+            self.connections.discard(transport)
+            transport.close()
 
-    @staticmethod
-    async def _start(records: Records) -> tuple[Any, str]:
-        """The first record as a TunnelStart, or None and why it is refused."""
+
+class _Opening(asyncio.Protocol):
+    """A tunnel connection until its first record: its bytes gathered, bounded in size and time; then the
+    listener's (which hands the transport to a Splice)."""
+
+    def __init__(self, listener: TunnelListener) -> None:
+        self.listener = listener
+        self.transport: asyncio.Transport | None = None
+        self.client_ip = ""
+        self.buffer = bytearray()
+        self.timer: asyncio.TimerHandle | None = None
+        self.over = False  # the first record was handed on, or the connection refused
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.listener.connections.add(self.transport)  # type: ignore[arg-type]
+        peer = transport.get_extra_info("peername")
+        self.client_ip = str(peer[0]) if peer else ""
+        throttled = self.listener.service.throttled(self.client_ip)
+        if throttled:  # no token lookup, no audit entry each: one was written when the throttle began
+            self.over = True
+            _say(self.transport, throttled)  # type: ignore[arg-type]
+            self.transport.close()  # type: ignore[union-attr]
+            return
+        self.timer = asyncio.get_running_loop().call_later(
+            START_TIMEOUT, self._refuse, f"the tunnel's first record did not come within {START_TIMEOUT:g} s")
+
+    def data_received(self, data: bytes) -> None:
+        if self.over:
+            return
+        self.buffer += data
+        if len(self.buffer) < HEADER.size:
+            return
+        (length,) = HEADER.unpack_from(self.buffer)
+        if length > START_LIMIT:
+            self._refuse(f"the tunnel's first record is too long ({length} bytes, past the bound of {START_LIMIT})")
+            return
+        if len(self.buffer) < HEADER.size + length:
+            return
         try:
-            async with asyncio.timeout(START_TIMEOUT):
-                data = await records.record(START_LIMIT)
-        except TimeoutError:
-            return None, f"the tunnel's first record did not come within {START_TIMEOUT:g} s"
-        except StreamBroken as exc:
-            return None, f"the tunnel's first record is too long ({exc})"
-        if data is None:
-            return None, "the tunnel connection ended before its first record"
-        try:
-            start = pb.TunnelStart.FromString(data)
+            start = pb.TunnelStart.FromString(bytes(self.buffer[HEADER.size:HEADER.size + length]))
         except DecodeError:
-            return None, "the tunnel's first record does not parse"
-        return start, ""
+            self._refuse("the tunnel's first record does not parse")
+            return
+        self._hand_on(start, "", bytes(self.buffer[HEADER.size + length:]))
 
-    async def _refuse(self, records: Records, client_ip: str, reason: str) -> None:
-        await self.service.refusal(client_ip, reason, "agent.stream_refused")
-        await _say(records, reason)
+    def eof_received(self) -> bool:
+        if not self.over:
+            self._refuse("the tunnel connection ended before its first record")
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        if not self.over:  # gone before its first record: said as such
+            self._refuse("the tunnel connection ended before its first record")
+
+    def _refuse(self, reason: str) -> None:
+        if not self.over:
+            self._hand_on(None, reason, b"")
+
+    def _hand_on(self, start: pb.TunnelStart | None, refused: str, rest: bytes) -> None:
+        self.over = True
+        if self.timer is not None:
+            self.timer.cancel()
+        assert self.transport is not None
+        self.transport.pause_reading()
+        self.buffer.clear()
+        self.listener.opened(self, start, refused, rest)
 
 
 def _frame(frame: pb.Frame) -> Any:
@@ -115,11 +170,7 @@ def _frame(frame: pb.Frame) -> Any:
     return first_frame
 
 
-async def _say(records: Records, reason: str) -> None:
-    """The refusal's reason to the peer, as an error frame, when it still listens."""
-    try:
-        async with asyncio.timeout(START_TIMEOUT):
-            await records.write(pb.Frame(error=reason))
-    except (OSError, TimeoutError):
-        pass
-
+def _say(transport: asyncio.Transport, reason: str) -> None:
+    """The refusal's reason to the peer, as an error frame (the transport's close sends it, then ends)."""
+    if not transport.is_closing():
+        transport.write(record(pb.Frame(error=reason)))
