@@ -272,6 +272,14 @@ async def test_the_agent_reconnects_after_a_gateway_restart(gateway, api, tmp_pa
         agent.stop()
 
 
+def rss_mib(pid: int) -> float:
+    """A process's resident memory (MiB)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
 def tunnel_connections(port: int) -> int:
     """The connections the gateway's tunnel listener on ``port`` holds now (``ss``: the accepted ends)."""
     listing = subprocess.run(["ss", "-Htn", "state", "established", f"( sport = :{port} )"], capture_output=True,
@@ -293,6 +301,7 @@ async def test_a_slow_stream_does_not_stall_the_others(gateway, api, http_target
         code, access = await api("POST", f"/connections/{connection['name']}/credentials",
                                  {"access_duration_seconds": 600})
         secret = access["connection_credentials"]["proxy_token"]
+        rss = rss_mib(gateway.process.pid), rss_mib(agent.process.pid)
         stalled = socket.create_connection(("127.0.0.1", gateway.http_port))
         stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         stalled.sendall(f"GET /download?size={512 * 1024 * 1024} HTTP/1.1\r\nHost: x\r\n"
@@ -309,6 +318,8 @@ async def test_a_slow_stream_does_not_stall_the_others(gateway, api, http_target
             from tests.httppeer import pattern
 
             assert hashlib.sha256((tmp_path / "d.bin").read_bytes()).digest() == hashlib.sha256(pattern(size)).digest()
+            # and the stalled one's bytes wait at its source: neither end buffers them (their flow control holds)
+            assert rss_mib(gateway.process.pid) - rss[0] < 64 and rss_mib(agent.process.pid) - rss[1] < 64
         finally:
             stalled.close()
     finally:
