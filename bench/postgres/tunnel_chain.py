@@ -1,4 +1,8 @@
-"""A prototype of the agent transport designed in docs/agents.md, to measure it (bench reference only).
+"""The prototype of the agents' tunnel transport, kept to measure it (bench reference only).
+
+gatewayd now carries each stream this way (gatewayd/agent/tunnel.py, ``pump.Splice`` on asyncio
+protocols); this prototype keeps the stream pump it was first measured with, the "framed chain" of
+``bench_agent.py --floor`` (bench/README.md, "the tunnel listener").
 
 Two processes carry a stream's bytes as ``agent.proto`` Frames, each prefixed by its length (4 bytes,
 big-endian), over one TLS connection per stream, with ``gatewayd.agent.pump`` as it is: ``front``
