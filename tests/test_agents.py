@@ -496,6 +496,7 @@ async def throttled_gateway(tmp_path: Path) -> Any:
     grpc_port = free_port()
     daemon = Daemon(tmp_path / "data", {"grpc.listen": f"127.0.0.1:{grpc_port}",
                                         "throttle.credential_failures": 3}).start()
+    daemon.tunnel_port = grpc_port + 100  # the default: beside the gRPC port
     try:
         wait_port(grpc_port, daemon.process, "the gRPC listener")
         async with aiohttp.ClientSession() as http:
@@ -567,6 +568,22 @@ async def test_calls_that_send_nothing_are_closed_at_once_and_a_flood_of_them_wr
         assert len(await audit(api, "agent.throttle")) == 1
         log = daemon.log_text()
         assert "malformed gRPC message" in log and "DecodeError" not in log and "Traceback" not in log
+
+
+async def test_a_flood_of_refused_tunnel_connections_is_throttled_with_the_calls(tmp_path):
+    """The tunnel listener (on its default port, gRPC's + 100) counts its refusals against the address with the
+    gRPC calls': junk first records are refused and audited up to the limit, then refused at once (no audit entry
+    each) with one ``agent.throttle`` entry."""
+    async with throttled_gateway(tmp_path) as (daemon, api, created, channel):
+        said = []
+        for _ in range(5):
+            junk = await tunnel(daemon, created)
+            junk.writer.write(struct.pack(">I", 2) + b"\xff\xff")
+            said.append(await refusal(junk))
+        assert said[:3] == ["the tunnel's first record does not parse"] * 3
+        assert all(s.startswith("too many refused calls from this address") for s in said[3:]), said
+        assert len(await audit(api, "agent.stream_refused")) == 3
+        assert len(await audit(api, "agent.throttle")) == 1
 
 
 # ------------------------------------------------------------------------ an agent that answers as the target
@@ -876,9 +893,10 @@ async def test_the_tunnel_listener_refuses_what_it_did_not_ask_for_and_audits_it
 async def test_the_tunnel_listener_refuses_junk_an_oversized_record_and_silence_without_waiting_on_them(
         gateway, api):
     """A first record that does not parse, a length prefix past the bound (refused without waiting for its bytes),
-    a client that says nothing after its TLS handshake (refused after a bounded wait) and one that does not even
-    shake hands (dropped after the same bound): each connection ends, the first three with an error frame and an
-    ``agent.stream_refused`` entry."""
+    a client that says nothing after its TLS handshake (refused after a bounded wait), one that does not even
+    shake hands (dropped after the same bound) and one that closes after its handshake: each connection ends, the
+    first three with an error frame, all but the one without a handshake with an ``agent.stream_refused``
+    entry."""
     created = await new_agent(api)
     junk = await tunnel(gateway, created)
     junk.writer.write(struct.pack(">I", 4) + b"\xff\xff\xff\xff")
@@ -886,6 +904,9 @@ async def test_the_tunnel_listener_refuses_junk_an_oversized_record_and_silence_
     oversized.writer.write(struct.pack(">I", 2**31))  # and not one byte of it
     silent = await tunnel(gateway, created)
     bare = await asyncio.open_connection("127.0.0.1", gateway.tunnel_port)  # no TLS handshake either
+    gone = await tunnel(gateway, created)
+    gone.writer.close()  # at once, after its handshake
+    await gone.writer.wait_closed()
 
     async def dropped() -> bytes:
         async with asyncio.timeout(30):
@@ -897,7 +918,7 @@ async def test_the_tunnel_listener_refuses_junk_an_oversized_record_and_silence_
     assert said[1].startswith("the tunnel's first record is too long")
     assert said[2].startswith("the tunnel's first record did not come within")
     assert said[3] == b""
-    for reason in said[:3]:
+    for reason in [*said[:3], "the tunnel connection ended before its first record"]:
         [entry] = await refused_entries(api, reason)
         assert entry["outcome"] == "failure" and entry["actor_email"] == "agent (unknown token)"
     assert "Traceback" not in gateway.log_text()

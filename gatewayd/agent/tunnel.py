@@ -158,7 +158,8 @@ class _Opening(asyncio.Protocol):
         if self.timer is not None:
             self.timer.cancel()
         assert self.transport is not None
-        self.transport.pause_reading()
+        if not self.transport.is_closing():
+            self.transport.pause_reading()
         self.buffer.clear()
         self.listener.opened(self, start, refused, rest)
 
