@@ -159,7 +159,9 @@ class Splice:
         self.plain = _SocketSide(self)
         self.framed = _TunnelSide(self)
         self.buffer = bytearray()  # a record's bytes received so far
-        self.rest = b""  # the tunnel connection's bytes read before this side became its protocol
+        self.rest = b""  # the tunnel connection's bytes read before the start (before this side became its protocol)
+        self.early = bytearray()  # the socket's bytes read before the start (its reading is paused until then)
+        self.ending: pb.Frame | None = None  # this side's end, said before the start
         self.started = False
         self.said = False  # this side's end was sent (eof or error)
         self.heard = False  # the peer's end was received (eof or error)
@@ -178,11 +180,17 @@ class Splice:
         self.rest = rest
 
     def start(self) -> None:
-        """Bytes flow."""
+        """Bytes flow (what either side received before, kept until now, first)."""
         self.started = True
-        if self.rest:
-            self.received(self.rest)
-            self.rest = b""
+        rest, early = self.rest, bytes(self.early)
+        self.rest = b""
+        self.early.clear()
+        if early:
+            self.send(early)
+        if self.ending is not None:
+            self.say(self.ending)
+        if rest:
+            self.received(rest)
         for transport in (self.socket, self.tunnel):
             if transport is not None and not transport.is_closing():
                 transport.resume_reading()
@@ -202,7 +210,9 @@ class Splice:
     # -- the rules
 
     def send(self, data: bytes) -> None:
-        assert self.tunnel is not None
+        if not self.started or self.tunnel is None:
+            self.early += data
+            return
         if len(data) <= CHUNK:
             self.tunnel.write(record(pb.Frame(data=data)))
             return
@@ -210,7 +220,10 @@ class Splice:
             self.tunnel.write(record(pb.Frame(data=data[at:at + CHUNK])))
 
     def say(self, frame: pb.Frame) -> None:
-        """This side's end (eof or error), once."""
+        """This side's end (eof or error), once (after the bytes received before the start, when it comes first)."""
+        if not self.started:
+            self.ending = self.ending or frame
+            return
         if not self.said:
             self.said = True
             if self.tunnel is not None and not self.tunnel.is_closing():
@@ -227,6 +240,9 @@ class Splice:
 
     def received(self, data: bytes) -> None:
         """The tunnel connection's bytes: each whole record handled, the rest kept."""
+        if not self.started:
+            self.rest += data
+            return
         if self.buffer:
             self.buffer += data
             data = bytes(self.buffer)
