@@ -846,6 +846,53 @@ async def test_psql_through_a_real_agent_rides_the_tunnel_listener(gateway, api,
         agent.stop()
 
 
+async def test_an_agent_that_cannot_reach_the_tunnel_port_carries_its_streams_over_grpc(gateway, api, pg_target,
+                                                                                          tmp_path):
+    """A load balancer that forwards only the gRPC port (here a forwarder on 127.0.0.2, where nothing listens on
+    the tunnel port): the agent, told of the port, cannot reach it on its URL's host, says so in its log, and
+    carries the stream over a Tunnel call: psql works all the same."""
+    async def forward(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream_reader, upstream = await asyncio.open_connection("127.0.0.1", grpc_port)
+
+        async def copy(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            try:
+                while data := await source.read(65536):
+                    sink.write(data)
+                    await sink.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                sink.close()
+
+        await asyncio.gather(copy(reader, upstream), copy(upstream_reader, writer))
+
+    grpc_port = int(gateway.settings["grpc.listen"].rsplit(":", 1)[1])
+    balancer = await asyncio.start_server(forward, "127.0.0.2", 0)
+    created = await new_agent(api)
+    url = created["command"].split("--url ")[1].split()[0]
+    agent = start(created, tmp_path, created["command"].replace(
+        url, f"grpcs://127.0.0.2:{balancer.sockets[0].getsockname()[1]}"))
+    try:
+        await until_agent(api, created["name"], "online")
+        code, connection = await api("POST", "/connections", {
+            "name": f"pg-{uuid.uuid4().hex[:8]}", "type": "database", "subtype": "postgres", "agent_id": created["id"],
+            "secret": {f"envvar:{k}": b64(v) for k, v in {
+                "HOST": "127.0.0.1", "PORT": str(pg_target.port), "USER": "postgres", "PASS": pg_target.password,
+                "DB": "postgres", "SSLROOTCERT": pg_target.root_cert()}.items()}})
+        assert code == 201, connection
+        code, access = await api("POST", f"/connections/{connection['name']}/credentials",
+                                 {"access_duration_seconds": 600})
+        result = await asyncio.to_thread(subprocess.run, [
+            "psql", f"postgres://{access['connection_credentials']['username']}:any@127.0.0.1:{gateway.pg_port}/"
+                    "postgres?sslmode=disable", "-X", "-At", "-c", "select 'over grpc'"],
+            capture_output=True, text=True, timeout=60)
+        assert result.stdout.strip() == "over grpc", result.stderr
+        assert "cannot reach the gateway's tunnel port: this stream goes over gRPC" in agent.log_path.read_text()
+    finally:
+        agent.stop()
+        balancer.close()
+
+
 async def test_the_tunnel_listener_refuses_what_it_did_not_ask_for_and_audits_it(gateway, api, pg_target):
     """While a dial waits for the agent's answer: a first record naming a stream id the gateway never gave, and one
     holding another agent's token with the right stream id, are each refused (an error frame, the connection
