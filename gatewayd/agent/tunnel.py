@@ -17,7 +17,7 @@ import asyncio
 import logging
 import ssl
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Awaitable, Callable, Protocol
 
 from google.protobuf.message import DecodeError
 
@@ -25,13 +25,24 @@ from gatewayd.agent import agent_pb2 as pb
 from gatewayd.agent.pump import HEADER, Splice, record
 from gatewayd.agent.registry import STREAM_REFUSED
 
-if TYPE_CHECKING:
-    from gatewayd.agent.server import AgentService
-
 log = logging.getLogger("gatewayd.grpc")
 
 START_LIMIT = 4096  # the first record's bound: a token, a stream id and a dial's error fit many times over
 START_TIMEOUT = 5.0  # the TLS handshake, then the first record, each within this (the agent sends it at once)
+
+
+class AgentService(Protocol):
+    """What the listener asks of gatewayd.agent.server's AgentService (which starts it): the same checks as a
+    Tunnel call's."""
+
+    def throttled(self, client_ip: str) -> str: ...
+
+    async def refusal(self, client_ip: str, message: str, action: str) -> None: ...
+
+    async def admit(self, client_ip: str, token: str,
+                    first_frame: Callable[[], Awaitable[Any]]) -> tuple[Any, Any] | None: ...
+
+    async def carry(self, pending: Any, first: Any, relay: Splice) -> None: ...
 
 
 class TunnelListener:
@@ -85,7 +96,8 @@ class TunnelListener:
                 return
             splice = Splice()
             splice.adopt(transport, rest)
-            await self.service.carry(*admitted, splice)
+            pending, first = admitted
+            await self.service.carry(pending, first, splice)
         except Exception:  # a stream's failure is its own: the listener serves the others
             log.exception("agent tunnel failed", extra={"client": client_ip})
         finally:
