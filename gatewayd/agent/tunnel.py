@@ -158,7 +158,8 @@ class _Opening(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self.timer is not None:
             self.timer.cancel()
-        if not self.over:  # gone before its first record: said as such
+        self.listener.connections.discard(self.transport)  # type: ignore[arg-type]
+        if not self.over and self.transport is not None:  # gone before its first record: said as such
             self._refuse("the tunnel connection ended before its first record")
 
     def _refuse(self, reason: str) -> None:
