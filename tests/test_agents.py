@@ -937,6 +937,45 @@ async def test_the_tunnel_listener_refuses_what_it_did_not_ask_for_and_audits_it
                 if created["token"] in str(e) or other["token"] in str(e)]
 
 
+async def test_a_target_that_fails_at_the_agent_ends_its_stream_only_and_the_gateway_acknowledges(gateway, api):
+    """On a tunnel connection, the agent's error frame (its target's socket failed) ends that stream: the gateway
+    closes the proxy's end (psql hears it), answers ``eof`` (the acknowledgement) and closes the connection; the
+    agent's link stays up."""
+    created = await new_agent(api)
+    async with TunnelAgent(created) as agent:
+        await until_agent(api, created["name"], "online", connections=1)
+        code, connection = await api("POST", "/connections", {
+            "name": f"pg-{uuid.uuid4().hex[:8]}", "type": "database", "subtype": "postgres", "agent_id": created["id"],
+            "secret": {f"envvar:{k}": b64(v) for k, v in {"HOST": "10.9.8.7", "PORT": "5432", "USER": "postgres",
+                                                          "PASS": "x", "DB": "postgres"}.items()}})
+        assert code == 201, connection
+        code, access = await api("POST", f"/connections/{connection['name']}/credentials",
+                                 {"access_duration_seconds": 600})
+        psql = asyncio.ensure_future(asyncio.to_thread(subprocess.run, [
+            "psql", f"postgres://{access['connection_credentials']['username']}:any@127.0.0.1:{gateway.pg_port}/"
+                    "postgres?sslmode=disable", "-X", "-At", "-c", "select 1"], capture_output=True, text=True,
+            timeout=60))
+        async with asyncio.timeout(30):
+            opened = await agent.opens.get()
+        stream = await tunnel(gateway, created)
+        await stream.write(pb.TunnelStart(token=created["token"], first=pb.Frame(stream_id=opened.stream_id,
+                                                                                 connected=True)))
+        async with asyncio.timeout(30):
+            asked = await stream.read()  # the proxy's first bytes for the target (its SSLRequest: verify-full)
+            assert asked is not grpc.aio.EOF and asked.data, asked
+            await stream.write(pb.Frame(error="the connection failed (ConnectionResetError)"))
+            after = []
+            while (frame := await stream.read()) is not grpc.aio.EOF:
+                after.append(frame)
+        stream.writer.close()
+        result = await psql
+        assert result.returncode != 0 and "closed" in result.stderr, result.stderr
+        assert [(f.data, f.eof, f.error) for f in after] == [(b"", True, "")]  # the acknowledgement, then the end
+        assert (await until_agent(api, created["name"], "online", connections=1))["status"] == "online"
+    assert not [e for e in await audit(api, "agent.disconnect") if created["name"] in e["actor_email"]
+                and "broke off" in e["error_message"]]
+
+
 async def test_the_tunnel_listener_refuses_junk_an_oversized_record_and_silence_without_waiting_on_them(
         gateway, api):
     """A first record that does not parse, a length prefix past the bound (refused without waiting for its bytes),
