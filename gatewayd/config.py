@@ -59,6 +59,42 @@ def worker_count(value: Any, key: str) -> int:
     return value
 
 
+def _port(value: int, key: str) -> int:
+    if not 0 <= value <= 65535:
+        raise ConfigError(f"{key}: bad port {value} (0-65535)")
+    return value
+
+
+TUNNEL_OFFSET = 100  # the agents' tunnel listener's default port: grpc.listen's + this (8110)
+
+
+def tunnel_port(config: Any) -> int | None:
+    """The agents' tunnel listener's port (worker N's: this + N): ``grpc.tunnel_port``, else ``grpc.listen``'s
+    port + TUNNEL_OFFSET (0, any free port, when gRPC's is 0); None without one (no gRPC server, or
+    ``grpc.tunnel = false``: every stream goes over a gRPC Tunnel call)."""
+    if not config["grpc.listen"] or not config["grpc.tunnel"]:
+        return None
+    if config["grpc.tunnel_port"]:
+        return int(config["grpc.tunnel_port"])
+    grpc_port = split_listen(config["grpc.listen"])[1]
+    return grpc_port + TUNNEL_OFFSET if grpc_port else 0
+
+
+def _check_tunnel_ports(values: dict[str, Any]) -> None:
+    """The workers' tunnel ports (the first + N) neither overlap their gRPC ports (gRPC's + N) nor pass 65535."""
+    first = tunnel_port(values)
+    if not first:
+        return
+    workers = values["daemon.workers"]
+    grpc_port = split_listen(values["grpc.listen"])[1]
+    if first + workers - 1 > 65535:
+        raise ConfigError(f"grpc.tunnel_port: {workers} worker(s) from port {first} pass 65535 "
+                          "(set grpc.tunnel_port, or grpc.tunnel = false)")
+    if grpc_port and first < grpc_port + workers and grpc_port < first + workers:
+        raise ConfigError(f"grpc.tunnel_port: the workers' tunnel ports {first}-{first + workers - 1} overlap their "
+                          f"gRPC ports {grpc_port}-{grpc_port + workers - 1}")
+
+
 SETTINGS: dict[str, Setting] = {
     "data_dir": Setting("str", "./gatewayd-data"),
     "daemon.workers": Setting("workers", "auto", worker_count),
@@ -74,6 +110,8 @@ SETTINGS: dict[str, Setting] = {
     "grpc.tls_key": Setting("str", ""),
     "grpc.node_url": Setting("str", ""),
     "grpc.keepalive": Setting("duration", "20s", _positive),
+    "grpc.tunnel": Setting("bool", True),
+    "grpc.tunnel_port": Setting("int", 0, lambda v, k: _port(v, k)),
     "store.driver": Setting("str", "sqlite", _choice("sqlite", "postgres")),
     "store.path": Setting("str", ""),
     "store.url": Setting("str", "", _store_url),
@@ -293,6 +331,7 @@ def load_config(
         values[key] = _coerce(key, settings[key], value, False)
     if values["store.driver"] == "postgres" and not values["store.url"]:
         raise ConfigError("store.url: required when store.driver = 'postgres' (or GATEWAYD_STORE_URL)")
+    _check_tunnel_ports(values)
     if values["auth.issuer"] == "oidc":
         for key in ("auth.oidc.issuer_url", "auth.oidc.client_id"):
             if not values[key]:

@@ -28,7 +28,7 @@ from gatewayd.access import AccessService
 from gatewayd.analysis import AnalysisService
 from gatewayd.audit import AuditLog
 from gatewayd.cluster import Cluster, default_node_name
-from gatewayd.config import Config, ConfigError, split_listen
+from gatewayd.config import Config, ConfigError, split_listen, tunnel_port
 from gatewayd.agent.manager import ManagerService
 from gatewayd.agent.registry import AgentRegistry
 from gatewayd.dialer import Dialer, DirectDialer
@@ -345,6 +345,11 @@ class Gateway:
         port = self._worker_port(port)
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
+    def tunnel_port(self) -> int | None:
+        """This worker's agent tunnel listener's port (gatewayd.config.tunnel_port, + N for worker N), None: none."""
+        port = tunnel_port(self.config)
+        return None if port is None else self._worker_port(port)
+
     def node_grpc_url(self) -> str:
         """This node's own gRPC URL as agents reach it (``grpc.node_url``, else from ``grpc.listen``; per worker)."""
         if self.config["grpc.node_url"]:
@@ -394,7 +399,8 @@ class Gateway:
         server = GrpcServer(AgentService(self.agents, self.store, self.audit, self.proxy_manager, self.access.throttle))
         try:
             await server.start(host, port, self.config.data_dir, self.config["grpc.tls_cert"],
-                               self.config["grpc.tls_key"], names, self.config["grpc.keepalive"])
+                               self.config["grpc.tls_key"], names, self.config["grpc.keepalive"],
+                               self.tunnel_port())
         except (OSError, ValueError) as exc:
             log.error("grpc listener failed to start", extra={"address": address, "error": str(exc)})
             return

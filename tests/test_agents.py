@@ -12,6 +12,7 @@ import hashlib
 import shutil
 import socket
 import sqlite3
+import struct
 import subprocess
 import sys
 import time
@@ -48,14 +49,15 @@ ALLOWED_BIND = "192.0.2.10"  # an address beside loopback the operator lets prox
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory) -> Iterator[Daemon]:
-    http_port, pg_port, ssh_port = free_port(), free_port(), free_port()
+    http_port, pg_port, ssh_port, tunnel_port = free_port(), free_port(), free_port(), free_port()
     daemon = Daemon(tmp_path_factory.mktemp("agents-api") / "data", {
-        "grpc.listen": f"127.0.0.1:{free_port()}", "listeners.http": f"127.0.0.1:{http_port}",
+        "grpc.listen": f"127.0.0.1:{free_port()}", "grpc.tunnel_port": tunnel_port,
+        "listeners.http": f"127.0.0.1:{http_port}",
         "listeners.postgres": f"127.0.0.1:{pg_port}", "listeners.ssh": f"127.0.0.1:{ssh_port}",
         "sessions.flush_interval": "100ms", "proxy_manager.allowed_binds": [ALLOWED_BIND]}).start()
     wait_port(http_port, daemon.process, "gatewayd")
     wait_port(ssh_port, daemon.process, "gatewayd's ssh listener")
-    daemon.http_port, daemon.pg_port, daemon.ssh_port = http_port, pg_port, ssh_port
+    daemon.http_port, daemon.pg_port, daemon.ssh_port, daemon.tunnel_port = http_port, pg_port, ssh_port, tunnel_port
     yield daemon
     daemon.stop()
 
@@ -270,8 +272,24 @@ async def test_the_agent_reconnects_after_a_gateway_restart(gateway, api, tmp_pa
         agent.stop()
 
 
+def rss_mib(pid: int) -> float:
+    """A process's resident memory (MiB)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def tunnel_connections(port: int) -> int:
+    """The connections the gateway's tunnel listener on ``port`` holds now (``ss``: the accepted ends)."""
+    listing = subprocess.run(["ss", "-Htn", "state", "established", f"( sport = :{port} )"], capture_output=True,
+                             text=True, check=True).stdout
+    return len(listing.splitlines())
+
+
 async def test_a_slow_stream_does_not_stall_the_others(gateway, api, http_target, tmp_path):
-    """One download through the agent that nobody reads; another through the same agent completes meanwhile."""
+    """One download through the agent that nobody reads; another through the same agent completes meanwhile. Each
+    stream is a TLS connection of its own to the tunnel listener: TCP's flow control is its own."""
     created = await new_agent(api)
     agent = start(created, tmp_path)
     try:
@@ -283,11 +301,13 @@ async def test_a_slow_stream_does_not_stall_the_others(gateway, api, http_target
         code, access = await api("POST", f"/connections/{connection['name']}/credentials",
                                  {"access_duration_seconds": 600})
         secret = access["connection_credentials"]["proxy_token"]
+        rss = rss_mib(gateway.process.pid), rss_mib(agent.process.pid)
         stalled = socket.create_connection(("127.0.0.1", gateway.http_port))
         stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         stalled.sendall(f"GET /download?size={512 * 1024 * 1024} HTTP/1.1\r\nHost: x\r\n"
                         f"Authorization: {secret}\r\n\r\n".encode())
         assert stalled.recv(16).startswith(b"HTTP/1.1 200")  # it flows, then nobody reads it
+        assert tunnel_connections(gateway.tunnel_port) >= 1  # on a TLS connection of its own to the tunnel listener
         try:
             size = 20 * 1024 * 1024
             result = subprocess.run(["curl", "-sS", "-o", str(tmp_path / "d.bin"), "-w", "%{http_code}",
@@ -298,6 +318,8 @@ async def test_a_slow_stream_does_not_stall_the_others(gateway, api, http_target
             from tests.httppeer import pattern
 
             assert hashlib.sha256((tmp_path / "d.bin").read_bytes()).digest() == hashlib.sha256(pattern(size)).digest()
+            # and the stalled one's bytes wait at its source: neither end buffers them (their flow control holds)
+            assert rss_mib(gateway.process.pid) - rss[0] < 64 and rss_mib(agent.process.pid) - rss[1] < 64
         finally:
             stalled.close()
     finally:
@@ -474,6 +496,7 @@ async def throttled_gateway(tmp_path: Path) -> Any:
     grpc_port = free_port()
     daemon = Daemon(tmp_path / "data", {"grpc.listen": f"127.0.0.1:{grpc_port}",
                                         "throttle.credential_failures": 3}).start()
+    daemon.tunnel_port = grpc_port + 100  # the default: beside the gRPC port
     try:
         wait_port(grpc_port, daemon.process, "the gRPC listener")
         async with aiohttp.ClientSession() as http:
@@ -545,6 +568,22 @@ async def test_calls_that_send_nothing_are_closed_at_once_and_a_flood_of_them_wr
         assert len(await audit(api, "agent.throttle")) == 1
         log = daemon.log_text()
         assert "malformed gRPC message" in log and "DecodeError" not in log and "Traceback" not in log
+
+
+async def test_a_flood_of_refused_tunnel_connections_is_throttled_with_the_calls(tmp_path):
+    """The tunnel listener (on its default port, gRPC's + 100) counts its refusals against the address with the
+    gRPC calls': junk first records are refused and audited up to the limit, then refused at once (no audit entry
+    each) with one ``agent.throttle`` entry."""
+    async with throttled_gateway(tmp_path) as (daemon, api, created, channel):
+        said = []
+        for _ in range(5):
+            junk = await tunnel(daemon, created)
+            junk.writer.write(struct.pack(">I", 2) + b"\xff\xff")
+            said.append(await refusal(junk))
+        assert said[:3] == ["the tunnel's first record does not parse"] * 3
+        assert all(s.startswith("too many refused calls from this address") for s in said[3:]), said
+        assert len(await audit(api, "agent.stream_refused")) == 3
+        assert len(await audit(api, "agent.throttle")) == 1
 
 
 # ------------------------------------------------------------------------ an agent that answers as the target
@@ -695,3 +734,321 @@ async def test_an_agent_answering_as_the_target_never_gets_the_password(gateway,
         assert result.returncode == 254 and "only to a target whose key is pinned (HOST_KEY)" in result.stderr, \
             result.stderr
         assert impostor.opens == []  # refused before anything was dialed
+
+
+# ------------------------------------------------------------------------------------------ the tunnel listener
+
+
+class TunnelAgent:
+    """A real client of the agent protocol holding an agent's token: its control channel (Connect, hello) over gRPC,
+    the Opens it is sent kept for the test, which answers them over the tunnel listener (or not)."""
+
+    def __init__(self, created: dict) -> None:
+        self.url = created["command"].split("--url ")[1].split()[0]
+        self.fingerprint = created["command"].rsplit("--tls-fingerprint ", 1)[1]
+        self.token = created["token"]
+        self.opens: asyncio.Queue[pb.Open] = asyncio.Queue()
+
+    async def __aenter__(self) -> "TunnelAgent":
+        self.channel = await open_channel(self.url, self.fingerprint)
+        self.control = pb_grpc.AgentGatewayStub(self.channel).Connect(
+            metadata=(("authorization", f"Bearer {self.token}"),))
+        await self.control.write(pb.AgentMessage(hello=pb.Hello(version="test", hostname="tunnel-agent")))
+        self.reading = asyncio.ensure_future(self._opens())
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.reading.cancel()
+        await asyncio.gather(self.reading, return_exceptions=True)
+        await self.channel.close()
+
+    async def _opens(self) -> None:
+        while (message := await self.control.read()) is not grpc.aio.EOF:
+            if message.HasField("open"):
+                self.opens.put_nowait(message.open)
+
+
+class Tunnel:
+    """A TLS connection to the gateway's tunnel listener, its certificate pinned as the agent's command says: records
+    written and read as the agent protocol says (a 4-byte length, then a message)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def to(cls, gateway: Daemon, created: dict) -> "Tunnel":
+        from gatewayd.agent.channel import TunnelDialer, check_pinned
+
+        fingerprint = created["command"].rsplit("--tls-fingerprint ", 1)[1]
+        dialer = TunnelDialer.of(created["command"].split("--url ")[1].split()[0], fingerprint)
+        reader, writer = await asyncio.open_connection("127.0.0.1", gateway.tunnel_port, ssl=dialer.context)
+        check_pinned(writer.get_extra_info("ssl_object").getpeercert(binary_form=True), fingerprint)
+        return cls(reader, writer)
+
+    async def write(self, message: Any) -> None:
+        from gatewayd.agent.pump import record
+
+        self.writer.write(record(message))
+        await self.writer.drain()
+
+    async def read(self) -> Any:
+        try:
+            (length,) = struct.unpack(">I", await self.reader.readexactly(4))
+            return pb.Frame.FromString(await self.reader.readexactly(length))
+        except asyncio.IncompleteReadError:
+            return grpc.aio.EOF
+
+
+async def tunnel(gateway: Daemon, created: dict) -> Tunnel:
+    return await Tunnel.to(gateway, created)
+
+
+async def refusal(records: Tunnel) -> str:
+    """What the tunnel listener says before it closes the connection (its error frame), the end awaited."""
+    async with asyncio.timeout(30):  # a listener that kept the connection would leave the test waiting: a failure
+        said = await records.read()
+        assert said is not grpc.aio.EOF, "the tunnel listener closed without saying why"
+        assert await records.reader.read() == b""  # then it closes
+    records.writer.close()
+    return said.error
+
+
+async def refused_entries(api: Api, reason: str) -> list[dict]:
+    return [e for e in await audit(api, "agent.stream_refused") if reason in e["error_message"]]
+
+
+async def test_psql_through_a_real_agent_rides_the_tunnel_listener(gateway, api, pg_target, tmp_path):
+    """The Open names the tunnel listener's port; the agent carries the session's bytes over a TLS connection of
+    its own to it, which lasts as long as the session."""
+    import asyncpg
+
+    created = await new_agent(api)
+    agent = start(created, tmp_path)
+    try:
+        await until_agent(api, created["name"], "online")
+        code, connection = await api("POST", "/connections", {
+            "name": f"pg-{uuid.uuid4().hex[:8]}", "type": "database", "subtype": "postgres", "agent_id": created["id"],
+            "secret": {f"envvar:{k}": b64(v) for k, v in {
+                "HOST": "127.0.0.1", "PORT": str(pg_target.port), "USER": "postgres", "PASS": pg_target.password,
+                "DB": "postgres", "SSLROOTCERT": pg_target.root_cert()}.items()}})
+        assert code == 201, connection
+        code, access = await api("POST", f"/connections/{connection['name']}/credentials",
+                                 {"access_duration_seconds": 600})
+        before = tunnel_connections(gateway.tunnel_port)
+        client = await asyncpg.connect(host="127.0.0.1", port=gateway.pg_port, ssl=False, database="postgres",
+                                       user=access["connection_credentials"]["username"], password="any")
+        try:
+            assert await client.fetchval("select 'through the tunnel'") == "through the tunnel"
+            assert tunnel_connections(gateway.tunnel_port) == before + 1
+        finally:
+            await client.close()
+    finally:
+        agent.stop()
+
+
+async def test_an_agent_that_cannot_reach_the_tunnel_port_carries_its_streams_over_grpc(gateway, api, pg_target,
+                                                                                          tmp_path):
+    """A load balancer that forwards only the gRPC port (here a forwarder on 127.0.0.2, where nothing listens on
+    the tunnel port): the agent, told of the port, cannot reach it on its URL's host, says so in its log, and
+    carries the stream over a Tunnel call: psql works all the same."""
+    async def forward(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream_reader, upstream = await asyncio.open_connection("127.0.0.1", grpc_port)
+
+        async def copy(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            try:
+                while data := await source.read(65536):
+                    sink.write(data)
+                    await sink.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                sink.close()
+
+        await asyncio.gather(copy(reader, upstream), copy(upstream_reader, writer))
+
+    grpc_port = int(gateway.settings["grpc.listen"].rsplit(":", 1)[1])
+    balancer = await asyncio.start_server(forward, "127.0.0.2", 0)
+    created = await new_agent(api)
+    url = created["command"].split("--url ")[1].split()[0]
+    agent = start(created, tmp_path, created["command"].replace(
+        url, f"grpcs://127.0.0.2:{balancer.sockets[0].getsockname()[1]}"))
+    try:
+        await until_agent(api, created["name"], "online")
+        code, connection = await api("POST", "/connections", {
+            "name": f"pg-{uuid.uuid4().hex[:8]}", "type": "database", "subtype": "postgres", "agent_id": created["id"],
+            "secret": {f"envvar:{k}": b64(v) for k, v in {
+                "HOST": "127.0.0.1", "PORT": str(pg_target.port), "USER": "postgres", "PASS": pg_target.password,
+                "DB": "postgres", "SSLROOTCERT": pg_target.root_cert()}.items()}})
+        assert code == 201, connection
+        code, access = await api("POST", f"/connections/{connection['name']}/credentials",
+                                 {"access_duration_seconds": 600})
+        result = await asyncio.to_thread(subprocess.run, [
+            "psql", f"postgres://{access['connection_credentials']['username']}:any@127.0.0.1:{gateway.pg_port}/"
+                    "postgres?sslmode=disable", "-X", "-At", "-c", "select 'over grpc'"],
+            capture_output=True, text=True, timeout=60)
+        assert result.stdout.strip() == "over grpc", result.stderr
+        assert "cannot reach the gateway's tunnel port: this stream goes over gRPC" in agent.log_path.read_text()
+    finally:
+        agent.stop()
+        balancer.close()
+
+
+async def test_the_tunnel_listener_refuses_what_it_did_not_ask_for_and_audits_it(gateway, api, pg_target):
+    """While a dial waits for the agent's answer: a first record naming a stream id the gateway never gave, and one
+    holding another agent's token with the right stream id, are each refused (an error frame, the connection
+    closed, an ``agent.stream_refused`` entry naming who); the dial still takes the agent's own answer after."""
+    created, other = await new_agent(api), await new_agent(api)
+    async with TunnelAgent(created) as agent:
+        await until_agent(api, created["name"], "online")
+        code, connection = await api("POST", "/connections", {
+            "name": f"pg-{uuid.uuid4().hex[:8]}", "type": "database", "subtype": "postgres", "agent_id": created["id"],
+            "secret": {f"envvar:{k}": b64(v) for k, v in {"HOST": "10.9.8.7", "PORT": "5432", "USER": "postgres",
+                                                          "PASS": "x", "DB": "postgres"}.items()}})
+        assert code == 201, connection
+        code, access = await api("POST", f"/connections/{connection['name']}/credentials",
+                                 {"access_duration_seconds": 600})
+        psql = asyncio.ensure_future(asyncio.to_thread(subprocess.run, [
+            "psql", f"postgres://{access['connection_credentials']['username']}:any@127.0.0.1:{gateway.pg_port}/"
+                    "postgres?sslmode=disable", "-X", "-At", "-c", "select 1"], capture_output=True, text=True,
+            timeout=60))
+        async with asyncio.timeout(30):
+            opened = await agent.opens.get()
+        assert opened.tunnel_port == gateway.tunnel_port and opened.host == "10.9.8.7"
+
+        made_up = await tunnel(gateway, created)
+        await made_up.write(pb.TunnelStart(token=created["token"], first=pb.Frame(stream_id="made-up",
+                                                                                  connected=True)))
+        assert "only the gateway opens streams" in await refusal(made_up)
+        stolen_id = await tunnel(gateway, created)
+        await stolen_id.write(pb.TunnelStart(token=other["token"], first=pb.Frame(stream_id=opened.stream_id,
+                                                                                  connected=True)))
+        assert "only the gateway opens streams" in await refusal(stolen_id)
+
+        answer = await tunnel(gateway, created)  # the agent's own answer: the target refused
+        await answer.write(pb.TunnelStart(token=created["token"], first=pb.Frame(
+            stream_id=opened.stream_id, error="connection refused")))
+        result = await psql
+        answer.writer.close()
+    assert result.returncode != 0 and f'through agent "{created["name"]}": connection refused' in result.stderr, \
+        result.stderr
+    actors = [e["actor_email"] for e in await refused_entries(api, "only the gateway opens streams")]
+    assert f"agent {created['name']}" in actors and f"agent {other['name']}" in actors
+    assert not [e for e in await audit(api, "agent.stream_refused")
+                if created["token"] in str(e) or other["token"] in str(e)]
+
+
+async def test_a_target_that_fails_at_the_agent_ends_its_stream_only_and_the_gateway_acknowledges(gateway, api):
+    """On a tunnel connection, the agent's error frame (its target's socket failed) ends that stream: the gateway
+    closes the proxy's end (psql hears it), answers ``eof`` (the acknowledgement) and closes the connection; the
+    agent's link stays up."""
+    created = await new_agent(api)
+    async with TunnelAgent(created) as agent:
+        await until_agent(api, created["name"], "online", connections=1)
+        code, connection = await api("POST", "/connections", {
+            "name": f"pg-{uuid.uuid4().hex[:8]}", "type": "database", "subtype": "postgres", "agent_id": created["id"],
+            "secret": {f"envvar:{k}": b64(v) for k, v in {"HOST": "10.9.8.7", "PORT": "5432", "USER": "postgres",
+                                                          "PASS": "x", "DB": "postgres"}.items()}})
+        assert code == 201, connection
+        code, access = await api("POST", f"/connections/{connection['name']}/credentials",
+                                 {"access_duration_seconds": 600})
+        psql = asyncio.ensure_future(asyncio.to_thread(subprocess.run, [
+            "psql", f"postgres://{access['connection_credentials']['username']}:any@127.0.0.1:{gateway.pg_port}/"
+                    "postgres?sslmode=disable", "-X", "-At", "-c", "select 1"], capture_output=True, text=True,
+            timeout=60))
+        async with asyncio.timeout(30):
+            opened = await agent.opens.get()
+        stream = await tunnel(gateway, created)
+        await stream.write(pb.TunnelStart(token=created["token"], first=pb.Frame(stream_id=opened.stream_id,
+                                                                                 connected=True)))
+        async with asyncio.timeout(30):
+            asked = await stream.read()  # the proxy's first bytes for the target (its SSLRequest: verify-full)
+            assert asked is not grpc.aio.EOF and asked.data, asked
+            await stream.write(pb.Frame(error="the connection failed (ConnectionResetError)"))
+            after = []
+            while (frame := await stream.read()) is not grpc.aio.EOF:
+                after.append(frame)
+        stream.writer.close()
+        result = await psql
+        assert result.returncode != 0 and "closed" in result.stderr, result.stderr
+        assert [(f.data, f.eof, f.error) for f in after] == [(b"", True, "")]  # the acknowledgement, then the end
+        assert (await until_agent(api, created["name"], "online", connections=1))["status"] == "online"
+    assert not [e for e in await audit(api, "agent.disconnect") if created["name"] in e["actor_email"]
+                and "broke off" in e["error_message"]]
+
+
+async def test_the_tunnel_listener_refuses_junk_an_oversized_record_and_silence_without_waiting_on_them(
+        gateway, api):
+    """A first record that does not parse, a length prefix past the bound (refused without waiting for its bytes),
+    a client that says nothing after its TLS handshake (refused after a bounded wait), one that does not even
+    shake hands (dropped after the same bound) and one that closes after its handshake: each connection ends, the
+    first three with an error frame, all but the one without a handshake with an ``agent.stream_refused``
+    entry."""
+    created = await new_agent(api)
+    junk = await tunnel(gateway, created)
+    junk.writer.write(struct.pack(">I", 4) + b"\xff\xff\xff\xff")
+    oversized = await tunnel(gateway, created)
+    oversized.writer.write(struct.pack(">I", 2**31))  # and not one byte of it
+    silent = await tunnel(gateway, created)
+    bare = await asyncio.open_connection("127.0.0.1", gateway.tunnel_port)  # no TLS handshake either
+    gone = await tunnel(gateway, created)
+    gone.writer.close()  # at once, after its handshake
+    await gone.writer.wait_closed()
+
+    async def dropped() -> bytes:
+        async with asyncio.timeout(30):
+            return await bare[0].read()
+
+    said = await asyncio.gather(refusal(junk), refusal(oversized), refusal(silent), dropped())
+    bare[1].close()
+    assert said[0] == "the tunnel's first record does not parse"
+    assert said[1].startswith("the tunnel's first record is too long")
+    assert said[2].startswith("the tunnel's first record did not come within")
+    assert said[3] == b""
+    for reason in [*said[:3], "the tunnel connection ended before its first record"]:
+        [entry] = await refused_entries(api, reason)
+        assert entry["outcome"] == "failure" and entry["actor_email"] == "agent (unknown token)"
+    assert "Traceback" not in gateway.log_text()
+
+
+async def test_with_the_tunnel_listener_off_streams_go_over_grpc_tunnel_calls(pg_target, tmp_path):
+    """``grpc.tunnel = false``: no listener, the Open names no port, and a real agent carries psql over a Tunnel
+    call as before."""
+    grpc_port, pg_port = free_port(), free_port()
+    daemon = Daemon(tmp_path / "data", {"grpc.listen": f"127.0.0.1:{grpc_port}", "grpc.tunnel": False,
+                                        "listeners.postgres": f"127.0.0.1:{pg_port}"}).start()
+    try:
+        wait_port(pg_port, daemon.process, "gatewayd")
+        async with aiohttp.ClientSession() as http:
+            api = Api(daemon, http, daemon.token("admin@example.com", groups="admin"))
+            created = await new_agent(api)
+            async with TunnelAgent(created) as agent:  # what an Open says, read by an agent of the protocol's own
+                await until_agent(api, created["name"], "online")
+                code, connection = await api("POST", "/connections", {
+                    "name": "pg-off", "type": "database", "subtype": "postgres", "agent_id": created["id"],
+                    "secret": {f"envvar:{k}": b64(v) for k, v in {
+                        "HOST": "127.0.0.1", "PORT": str(pg_target.port), "USER": "postgres",
+                        "PASS": pg_target.password, "DB": "postgres", "SSLROOTCERT": pg_target.root_cert()}.items()}})
+                assert code == 201, connection
+                code, access = await api("POST", "/connections/pg-off/credentials", {"access_duration_seconds": 600})
+                secret = access["connection_credentials"]["username"]
+                url = f"postgres://{secret}:any@127.0.0.1:{pg_port}/postgres?sslmode=disable"
+                psql = asyncio.ensure_future(asyncio.to_thread(
+                    subprocess.run, ["psql", url, "-X", "-At", "-c", "select 1"], capture_output=True, text=True,
+                    timeout=60))
+                async with asyncio.timeout(30):
+                    opened = await agent.opens.get()
+                assert opened.tunnel_port == 0
+            await psql  # the agent gone, the dial fails at once
+            await until_agent(api, created["name"], "offline")
+            agent_process = start(created, tmp_path)
+            try:
+                await until_agent(api, created["name"], "online")
+                result = await asyncio.to_thread(subprocess.run, ["psql", url, "-X", "-At", "-c",
+                                                                  "select 'over a Tunnel call'"],
+                                                 capture_output=True, text=True, timeout=60)
+                assert result.stdout.strip() == "over a Tunnel call", result.stderr
+            finally:
+                agent_process.stop()
+        assert "agent tunnel listener started" not in daemon.log_text()
+    finally:
+        daemon.stop()

@@ -242,6 +242,9 @@ async def test_psql_through_the_agent_with_guard_rails_and_a_complete_recording(
     assert "select 'reached ' || inet_server_port()" in of_kind(session, "i")
     assert any(f"reached {peers['pg_port']}" in text for text in of_kind(session, "o"))
     assert any("match guard rails" in text for text in of_kind(session, "e"))
+    # by default over the tunnel listener beside the gRPC port (its port + 100), which the agent reached
+    assert "agent tunnel listener started" in gateway.log_text()
+    assert "goes over gRPC" not in agent.log_path.read_text()
 
 
 async def test_a_target_the_agent_cannot_reach_is_said_in_the_agent_s_words(api, gateway, peers, agent):

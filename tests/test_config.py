@@ -181,3 +181,21 @@ def test_the_people_s_command_line_variables_and_the_console_idle_timeout_are_se
     assert load_config(None, environ={})["console.idle_timeout"] == 1800
     with pytest.raises(ConfigError):
         load_config(None, environ={"GATEWAYD_CONSOLE_IDLE_TIMEOUT": "0s"})
+
+
+def test_the_agents_tunnel_port_follows_grpc_s_and_never_overlaps_the_workers_grpc_ports():
+    from gatewayd.config import tunnel_port
+
+    assert tunnel_port(load_config(None, environ={"GATEWAYD_DAEMON_WORKERS": "1"})) == 8110  # grpc.listen's + 100
+    assert tunnel_port(load_config(None, environ={"GATEWAYD_GRPC_LISTEN": "0.0.0.0:9000"})) == 9100
+    assert tunnel_port(load_config(None, environ={"GATEWAYD_GRPC_LISTEN": "127.0.0.1:0"})) == 0  # any free port
+    assert tunnel_port(load_config(None, environ={"GATEWAYD_GRPC_TUNNEL_PORT": "7000"})) == 7000
+    assert tunnel_port(load_config(None, environ={"GATEWAYD_GRPC_TUNNEL": "false"})) is None
+    assert tunnel_port(load_config(None, environ={"GATEWAYD_GRPC_LISTEN": ""})) is None
+    with pytest.raises(ConfigError, match=r"tunnel ports 8012-8015 overlap their gRPC ports 8010-8013"):
+        load_config(None, environ={"GATEWAYD_DAEMON_WORKERS": "4", "GATEWAYD_GRPC_TUNNEL_PORT": "8012"})
+    assert load_config(None, environ={"GATEWAYD_DAEMON_WORKERS": "4", "GATEWAYD_GRPC_TUNNEL_PORT": "8014"})
+    with pytest.raises(ConfigError, match="grpc.tunnel_port: bad port"):
+        load_config(None, environ={"GATEWAYD_GRPC_TUNNEL_PORT": "70000"})
+    with pytest.raises(ConfigError, match="pass 65535"):
+        load_config(None, environ={"GATEWAYD_GRPC_LISTEN": "127.0.0.1:65500", "GATEWAYD_DAEMON_WORKERS": "1"})

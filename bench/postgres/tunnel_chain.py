@@ -1,7 +1,11 @@
-"""A prototype of the agent transport designed in docs/agents.md, to measure it (bench reference only).
+"""The prototype of the agents' tunnel transport, kept to measure it (bench reference only).
+
+gatewayd now carries each stream this way (gatewayd/agent/tunnel.py, ``pump.Splice`` on asyncio
+protocols); this prototype keeps the stream pump it was first measured with, the "framed chain" of
+``bench_agent.py --floor`` (bench/README.md, "the tunnel listener").
 
 Two processes carry a stream's bytes as ``agent.proto`` Frames, each prefixed by its length (4 bytes,
-big-endian), over one TLS connection per stream, with ``gatewayd.agent.pump`` as it is: ``front``
+big-endian), over one TLS connection per stream, with ``gatewayd.agent.pump``'s stream pump: ``front``
 stands in the gateway's place (it accepts pgbench, then opens a TLS connection to ``back`` and says
 the stream's first Frame), ``back`` in the agent's (it dials the target and answers ``connected``).
 No gateway work, no tokens, no refusals: only the data path, for ``bench_agent.py --floor``.

@@ -6,5 +6,7 @@
   tunnels, proxy managers' channels;
 * ``runner`` -- ``gatewayd agent``: the process inside a private network that connects out;
 * ``manager`` -- ``gatewayd proxy-manager``: the process on a user's machine that opens local ports;
-* ``pump`` -- the bytes of one stream between a socket and a gRPC call, both ways, with back-pressure.
+* ``tunnel`` -- the tunnel listener beside the gRPC server: each stream on a TLS connection of its own;
+* ``pump`` -- the bytes of one stream between a socket and a gRPC call or a tunnel connection, both ways,
+  with back-pressure.
 """

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1agatewayd/agent/agent.proto\x12\x11gatewayd.agent.v1\"7\n\x05Hello\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x0b\n\x03url\x18\x03 \x01(\t\"A\n\x0c\x41gentMessage\x12)\n\x05hello\x18\x01 \x01(\x0b\x32\x18.gatewayd.agent.v1.HelloH\x00\x42\x06\n\x04kind\"N\n\x07Welcome\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x0e\n\x06org_id\x18\x03 \x01(\t\x12\r\n\x05peers\x18\x04 \x03(\t\"Z\n\x04Open\x12\x11\n\tstream_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\r\x12\x12\n\nconnection\x18\x04 \x01(\t\x12\x0f\n\x07timeout\x18\x05 \x01(\x01\"p\n\x0eGatewayMessage\x12-\n\x07welcome\x18\x01 \x01(\x0b\x32\x1a.gatewayd.agent.v1.WelcomeH\x00\x12\'\n\x04open\x18\x02 \x01(\x0b\x32\x17.gatewayd.agent.v1.OpenH\x00\x42\x06\n\x04kind\"W\n\x05\x46rame\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0b\n\x03\x65of\x18\x02 \x01(\x08\x12\x11\n\tstream_id\x18\x03 \x01(\t\x12\x11\n\tconnected\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"1\n\x0cManagerHello\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08hostname\x18\x02 \x01(\t\"}\n\x0eManagerMessage\x12\x30\n\x05hello\x18\x01 \x01(\x0b\x32\x1f.gatewayd.agent.v1.ManagerHelloH\x00\x12\x31\n\x06result\x18\x02 \x01(\x0b\x32\x1f.gatewayd.agent.v1.ListenResultH\x00\x42\x06\n\x04kind\"<\n\x0cListenResult\x12\x11\n\tlisten_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"|\n\x06Listen\x12\x11\n\tlisten_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63onnection_name\x18\x02 \x01(\t\x12\x1a\n\x12\x63onnection_subtype\x18\x03 \x01(\t\x12\x0c\n\x04port\x18\x04 \x01(\r\x12\x0c\n\x04\x62ind\x18\x05 \x01(\t\x12\x0e\n\x06secret\x18\x06 \x01(\t\"\x1d\n\x08Unlisten\x12\x11\n\tlisten_id\x18\x01 \x01(\t\"v\n\x0eManagerCommand\x12+\n\x06listen\x18\x01 \x01(\x0b\x32\x19.gatewayd.agent.v1.ListenH\x00\x12/\n\x08unlisten\x18\x02 \x01(\x0b\x32\x1b.gatewayd.agent.v1.UnlistenH\x00\x42\x06\n\x04kind2\xba\x02\n\x0c\x41gentGateway\x12Q\n\x07\x43onnect\x12\x1f.gatewayd.agent.v1.AgentMessage\x1a!.gatewayd.agent.v1.GatewayMessage(\x01\x30\x01\x12@\n\x06Tunnel\x12\x18.gatewayd.agent.v1.Frame\x1a\x18.gatewayd.agent.v1.Frame(\x01\x30\x01\x12R\n\x06Manage\x12!.gatewayd.agent.v1.ManagerMessage\x1a!.gatewayd.agent.v1.ManagerCommand(\x01\x30\x01\x12\x41\n\x07\x46orward\x12\x18.gatewayd.agent.v1.Frame\x1a\x18.gatewayd.agent.v1.Frame(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1agatewayd/agent/agent.proto\x12\x11gatewayd.agent.v1\"7\n\x05Hello\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x0b\n\x03url\x18\x03 \x01(\t\"A\n\x0c\x41gentMessage\x12)\n\x05hello\x18\x01 \x01(\x0b\x32\x18.gatewayd.agent.v1.HelloH\x00\x42\x06\n\x04kind\"N\n\x07Welcome\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\x0e\n\x06org_id\x18\x03 \x01(\t\x12\r\n\x05peers\x18\x04 \x03(\t\"o\n\x04Open\x12\x11\n\tstream_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x0c\n\x04port\x18\x03 \x01(\r\x12\x12\n\nconnection\x18\x04 \x01(\t\x12\x0f\n\x07timeout\x18\x05 \x01(\x01\x12\x13\n\x0btunnel_port\x18\x06 \x01(\r\"E\n\x0bTunnelStart\x12\r\n\x05token\x18\x01 \x01(\t\x12\'\n\x05\x66irst\x18\x02 \x01(\x0b\x32\x18.gatewayd.agent.v1.Frame\"p\n\x0eGatewayMessage\x12-\n\x07welcome\x18\x01 \x01(\x0b\x32\x1a.gatewayd.agent.v1.WelcomeH\x00\x12\'\n\x04open\x18\x02 \x01(\x0b\x32\x17.gatewayd.agent.v1.OpenH\x00\x42\x06\n\x04kind\"W\n\x05\x46rame\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0b\n\x03\x65of\x18\x02 \x01(\x08\x12\x11\n\tstream_id\x18\x03 \x01(\t\x12\x11\n\tconnected\x18\x04 \x01(\x08\x12\r\n\x05\x65rror\x18\x05 \x01(\t\"1\n\x0cManagerHello\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08hostname\x18\x02 \x01(\t\"}\n\x0eManagerMessage\x12\x30\n\x05hello\x18\x01 \x01(\x0b\x32\x1f.gatewayd.agent.v1.ManagerHelloH\x00\x12\x31\n\x06result\x18\x02 \x01(\x0b\x32\x1f.gatewayd.agent.v1.ListenResultH\x00\x42\x06\n\x04kind\"<\n\x0cListenResult\x12\x11\n\tlisten_id\x18\x01 \x01(\t\x12\n\n\x02ok\x18\x02 \x01(\x08\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"|\n\x06Listen\x12\x11\n\tlisten_id\x18\x01 \x01(\t\x12\x17\n\x0f\x63onnection_name\x18\x02 \x01(\t\x12\x1a\n\x12\x63onnection_subtype\x18\x03 \x01(\t\x12\x0c\n\x04port\x18\x04 \x01(\r\x12\x0c\n\x04\x62ind\x18\x05 \x01(\t\x12\x0e\n\x06secret\x18\x06 \x01(\t\"\x1d\n\x08Unlisten\x12\x11\n\tlisten_id\x18\x01 \x01(\t\"v\n\x0eManagerCommand\x12+\n\x06listen\x18\x01 \x01(\x0b\x32\x19.gatewayd.agent.v1.ListenH\x00\x12/\n\x08unlisten\x18\x02 \x01(\x0b\x32\x1b.gatewayd.agent.v1.UnlistenH\x00\x42\x06\n\x04kind2\xba\x02\n\x0c\x41gentGateway\x12Q\n\x07\x43onnect\x12\x1f.gatewayd.agent.v1.AgentMessage\x1a!.gatewayd.agent.v1.GatewayMessage(\x01\x30\x01\x12@\n\x06Tunnel\x12\x18.gatewayd.agent.v1.Frame\x1a\x18.gatewayd.agent.v1.Frame(\x01\x30\x01\x12R\n\x06Manage\x12!.gatewayd.agent.v1.ManagerMessage\x1a!.gatewayd.agent.v1.ManagerCommand(\x01\x30\x01\x12\x41\n\x07\x46orward\x12\x18.gatewayd.agent.v1.Frame\x1a\x18.gatewayd.agent.v1.Frame(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,23 +38,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WELCOME']._serialized_start=173
   _globals['_WELCOME']._serialized_end=251
   _globals['_OPEN']._serialized_start=253
-  _globals['_OPEN']._serialized_end=343
-  _globals['_GATEWAYMESSAGE']._serialized_start=345
-  _globals['_GATEWAYMESSAGE']._serialized_end=457
-  _globals['_FRAME']._serialized_start=459
-  _globals['_FRAME']._serialized_end=546
-  _globals['_MANAGERHELLO']._serialized_start=548
-  _globals['_MANAGERHELLO']._serialized_end=597
-  _globals['_MANAGERMESSAGE']._serialized_start=599
-  _globals['_MANAGERMESSAGE']._serialized_end=724
-  _globals['_LISTENRESULT']._serialized_start=726
-  _globals['_LISTENRESULT']._serialized_end=786
-  _globals['_LISTEN']._serialized_start=788
-  _globals['_LISTEN']._serialized_end=912
-  _globals['_UNLISTEN']._serialized_start=914
-  _globals['_UNLISTEN']._serialized_end=943
-  _globals['_MANAGERCOMMAND']._serialized_start=945
-  _globals['_MANAGERCOMMAND']._serialized_end=1063
-  _globals['_AGENTGATEWAY']._serialized_start=1066
-  _globals['_AGENTGATEWAY']._serialized_end=1380
+  _globals['_OPEN']._serialized_end=364
+  _globals['_TUNNELSTART']._serialized_start=366
+  _globals['_TUNNELSTART']._serialized_end=435
+  _globals['_GATEWAYMESSAGE']._serialized_start=437
+  _globals['_GATEWAYMESSAGE']._serialized_end=549
+  _globals['_FRAME']._serialized_start=551
+  _globals['_FRAME']._serialized_end=638
+  _globals['_MANAGERHELLO']._serialized_start=640
+  _globals['_MANAGERHELLO']._serialized_end=689
+  _globals['_MANAGERMESSAGE']._serialized_start=691
+  _globals['_MANAGERMESSAGE']._serialized_end=816
+  _globals['_LISTENRESULT']._serialized_start=818
+  _globals['_LISTENRESULT']._serialized_end=878
+  _globals['_LISTEN']._serialized_start=880
+  _globals['_LISTEN']._serialized_end=1004
+  _globals['_UNLISTEN']._serialized_start=1006
+  _globals['_UNLISTEN']._serialized_end=1035
+  _globals['_MANAGERCOMMAND']._serialized_start=1037
+  _globals['_MANAGERCOMMAND']._serialized_end=1155
+  _globals['_AGENTGATEWAY']._serialized_start=1158
+  _globals['_AGENTGATEWAY']._serialized_end=1472
 # @@protoc_insertion_point(module_scope)

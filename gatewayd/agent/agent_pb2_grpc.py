@@ -73,7 +73,8 @@ class AgentGatewayServicer:
         """One stream's bytes, opened by the agent only in answer to an Open of its control
         channel: its first Frame names the stream_id the gateway gave and says whether the
         target answered (`connected`, or `error`). Each stream is an HTTP/2 stream of its own,
-        so its flow control is its own: a slow stream never stalls the others.
+        so its flow control is its own: a slow stream never stalls the others. Used when the
+        Open names no tunnel_port (below); otherwise the stream is a TLS connection of its own.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

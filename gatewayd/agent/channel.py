@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import socket
 import ssl
 from dataclasses import dataclass
 from typing import Any
@@ -59,11 +60,58 @@ async def pinned_certificate(target: Target, fingerprint: str, timeout: float = 
         der = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
     finally:
         writer.close()
-    actual = hashlib.sha256(der).hexdigest()
+    check_pinned(der, fingerprint)
+    return ssl.DER_cert_to_PEM_cert(der).encode()
+
+
+def check_pinned(der: bytes | None, fingerprint: str) -> None:
+    """ChannelError unless the certificate (DER) is the one whose SHA-256 is ``fingerprint``."""
+    actual = hashlib.sha256(der or b"").hexdigest()
     wanted = fingerprint.lower().replace(":", "").removeprefix("sha256")
     if actual != wanted:
         raise ChannelError(f"the gateway's certificate is not the pinned one (its SHA-256 is {actual})")
-    return ssl.DER_cert_to_PEM_cert(der).encode()
+
+
+@dataclass(slots=True, frozen=True)
+class TunnelDialer:
+    """TLS connections to a node's tunnel listener (gatewayd.agent.tunnel): on the host of its gRPC URL, the
+    certificate trusted as for gRPC (the pinned one, ``ca_file``'s authority or the system's roots)."""
+
+    host: str
+    context: ssl.SSLContext
+    fingerprint: str = ""  # the pinned certificate's, checked after the handshake before a byte is sent
+
+    @classmethod
+    def of(cls, url: str, fingerprint: str = "", ca_file: str = "") -> "TunnelDialer | None":
+        """The dialer for the node at ``url``; None for a plain ``grpc://`` URL (tests: Tunnel calls only)."""
+        target = Target.parse(url)
+        if not target.tls:
+            return None
+        if fingerprint:
+            context = ssl.create_default_context()
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE  # trust comes from the fingerprint, checked once connected
+        else:
+            context = ssl.create_default_context(cafile=ca_file or None)
+        return cls(target.host, context, fingerprint)
+
+    async def connect(self, port: int, timeout: float, protocol: asyncio.Protocol) -> asyncio.Transport:
+        """A verified connection to ``port`` served by ``protocol``; OSError, TimeoutError or ChannelError (not the
+        pinned certificate: closed before a byte is sent)."""
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(timeout):
+            transport, _ = await loop.create_connection(lambda: protocol, self.host, port, ssl=self.context,
+                                                        server_hostname=self.host)
+        try:
+            if self.fingerprint:
+                check_pinned(transport.get_extra_info("ssl_object").getpeercert(binary_form=True), self.fingerprint)
+            sock = transport.get_extra_info("socket")
+            if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except BaseException:
+            transport.close()
+            raise
+        return transport  # type: ignore[return-value]
 
 
 def _first_name(pem: bytes) -> str | None:

@@ -5,7 +5,9 @@ them.  To reach a target through an agent, the gateway sends ``Open`` on the lin
 stream id; the agent dials the target inside its network and opens a ``Tunnel`` naming that
 id (the only way a tunnel is accepted: an agent cannot open a stream the gateway did not ask
 for).  The tunnel's bytes are relayed to one end of a ``socket.socketpair()``; the other end is
-what the proxy gets from ``AgentDialer.open_socket``, as it would get a TCP socket.
+what the proxy gets from ``AgentDialer.open_socket``, as it would get a TCP socket.  When this node has
+a tunnel listener (gatewayd.agent.tunnel), ``Open`` names its port and the agent carries the stream
+over a TLS connection of its own to it instead, checked as a tunnel is.
 
 When a link is lost, the sessions of the agent's connections are killed first, with an ``e``
 event naming the agent (when the agent has no other link left), then the link's streams close.
@@ -44,6 +46,7 @@ def lost_reason(name: str) -> str:
     return f'agent "{name}" went offline: its connection to the gateway was lost'
 
 
+STREAM_REFUSED = "no stream of that id was asked of this agent: only the gateway opens streams"
 DROP = "agent.drop"  # the bus topic: an agent deleted or its token rotated, on any node: every node cuts its links
 
 
@@ -56,7 +59,7 @@ class AgentLink:
     hostname: str = ""
     version: str = ""
     outbox: asyncio.Queue[pb.GatewayMessage] = field(default_factory=asyncio.Queue)
-    streams: set[asyncio.StreamWriter] = field(default_factory=set)  # the gateway's ends of its tunnels
+    streams: set[Any] = field(default_factory=set)  # its streams' relays here (pump.CallRelay, pump.Splice): close()
     closing: str = ""  # why the gateway is closing it (deleted, token rotated), "" while it serves
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     lost: asyncio.Future[None] | None = None  # the loss handling, once started (idempotent)
@@ -94,6 +97,7 @@ class AgentRegistry:
         self.peers = peers or _no_peers  # the other nodes' gRPC URLs, said to each agent in Welcome
         self.links: dict[str, list[AgentLink]] = {}  # by agent id
         self.pending: dict[str, PendingStream] = {}  # by stream id
+        self.tunnel_port = 0  # the tunnel listener's, said in each Open (0: none, streams go over Tunnel calls)
         sessions.cluster.on(DROP, self._on_drop)
 
     # -- presence
@@ -157,8 +161,8 @@ class AgentRegistry:
                 pending.answer.set_exception(DialError(pending.connection, lost_reason(agent.name)))
         if not links and not link.closing:
             await self.sessions.kill_where(lambda live: self._through(live, agent), lost_reason(agent.name))
-        for writer in list(link.streams):
-            writer.close()
+        for relay in list(link.streams):
+            relay.close()
         link.streams.clear()
         await self._audit(agent, "agent.disconnect", "success" if link.closing else "failure",
                           client_ip=link.client_ip, error=link.closing or reason,
@@ -216,7 +220,8 @@ class AgentRegistry:
         self.pending[stream_id] = PendingStream(link, connection, answer)
         try:
             link.outbox.put_nowait(pb.GatewayMessage(open=pb.Open(
-                stream_id=stream_id, host=host, port=port, connection=connection, timeout=timeout)))
+                stream_id=stream_id, host=host, port=port, connection=connection, timeout=timeout,
+                tunnel_port=self.tunnel_port)))
             try:
                 async with asyncio.timeout(timeout + 2):  # the agent's own dial timeout, and its way back
                     return await answer

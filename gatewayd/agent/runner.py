@@ -1,8 +1,9 @@
 """``gatewayd agent``: the process inside a private network that carries the gateway's connections.
 
 It connects out to the gateway's gRPC server, says hello, and serves each ``Open`` the gateway
-sends: it dials the named target inside its own network and relays the bytes over a ``Tunnel``
-of their own (HTTP/2 flow control per stream).  It never opens a stream by itself.  A lost
+sends: it dials the named target inside its own network and relays the bytes over a TLS connection
+of their own to the node's tunnel listener (the port the ``Open`` names), or over a ``Tunnel`` call
+when it names none (flow control per stream either way).  It never opens a stream by itself.  A lost
 connection (network cut, gateway restart) is retried with exponential backoff and jitter; a
 refused token ends the process (exit code 3).  The gateway's ``Welcome`` names its other nodes:
 the agent keeps one connection to each.
@@ -22,9 +23,9 @@ import grpc
 from gatewayd import __version__
 from gatewayd.agent import agent_pb2 as pb
 from gatewayd.agent import agent_pb2_grpc as pb_grpc
-from gatewayd.agent.channel import ChannelError, open_channel
-from gatewayd.agent.pump import StreamBroken, pump
-from gatewayd.dialer import reason_of
+from gatewayd.agent.channel import ChannelError, TunnelDialer, open_channel
+from gatewayd.agent.pump import Splice, StreamBroken, pump, record
+from gatewayd.dialer import DialError, direct
 
 log = logging.getLogger("gatewayd.agent")
 
@@ -98,6 +99,7 @@ class AgentProcess:
     async def session(self, url: str) -> bool:
         """Connect, hello, then serve Opens until the channel ends; whether the gateway welcomed us."""
         channel = await open_channel(url, self.fingerprint, self.ca_file, self.keepalive)
+        tunnels = TunnelDialer.of(url, self.fingerprint, self.ca_file)
         welcomed = False
         try:
             stub = pb_grpc.AgentGatewayStub(channel)
@@ -114,47 +116,111 @@ class AgentProcess:
                         if peer and peer not in self.connections:
                             self.connections[peer] = asyncio.ensure_future(self.keep_connected(peer))
                 elif kind == "open":
-                    task = asyncio.ensure_future(self.serve(stub, message.open))
+                    task = asyncio.ensure_future(self.serve(stub, message.open, tunnels))
                     self.streams.add(task)
                     task.add_done_callback(self.streams.discard)
             return welcomed
         finally:
             await channel.close(grace=None)
 
-    async def serve(self, stub: pb_grpc.AgentGatewayStub, request: pb.Open) -> None:
-        """Dial the target the gateway names, then relay its bytes on a Tunnel of its own."""
-        call = stub.Tunnel(metadata=self.metadata)
+    async def serve(self, stub: pb_grpc.AgentGatewayStub, request: pb.Open,
+                    tunnels: TunnelDialer | None = None) -> None:
+        """Dial the target the gateway names, then relay its bytes on a tunnel connection of their own to the port
+        the Open names (``tunnels``: how this node's are reached), else on a Tunnel call."""
+        timeout = request.timeout or 10.0
+        tunnel = bool(request.tunnel_port and tunnels is not None)
         try:
+            sock = await direct.open_socket(request.host, request.port, connection=request.connection,
+                                            timeout=timeout)
+        except DialError as exc:  # the system's words, never the address
+            log.info("target unreachable", extra={"connection": request.connection, "reason": exc.reason})
+            answer = pb.Frame(stream_id=request.stream_id, error=exc.reason)
+            if not (tunnel and await self._answer(tunnels, request, answer)):  # type: ignore[arg-type]
+                await self._answer_on_call(stub, answer, timeout)
+            return
+        adopted = False  # by a transport, which closes it
+        try:
+            if tunnel:
+                splice = Splice()
+                if await self._open_tunnel(tunnels, request, splice.framed, pb.Frame(  # type: ignore[arg-type]
+                        stream_id=request.stream_id, connected=True)):
+                    adopted = True
+                    await self._relay_on_tunnel(splice, sock, request)
+                    return
+            reader, writer = await asyncio.open_connection(sock=sock, limit=256 * 1024)
+            adopted = True
             try:
-                async with asyncio.timeout(request.timeout or 10.0):
-                    reader, writer = await asyncio.open_connection(request.host, request.port, limit=256 * 1024)
-            except (OSError, TimeoutError) as exc:
-                reason = f"no answer within {request.timeout or 10.0:g} seconds" if isinstance(exc, TimeoutError) \
-                    else reason_of(exc)  # the system's words, never the address
-                await call.write(pb.Frame(stream_id=request.stream_id, error=reason))
-                await call.done_writing()
-                log.info("target unreachable", extra={"connection": request.connection, "reason": reason})
-                # the gateway ends the call once it has read the answer: a cancel sent before that races the
-                # answer, and a gateway slow to read it would lose it (its client then waits out the dial)
-                with contextlib.suppress(TimeoutError):  # past that, the finally below lets go of it
-                    async with asyncio.timeout(request.timeout or 10.0):
-                        await call.code()
-                return
-            sock = writer.get_extra_info("socket")
-            if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            try:
-                await call.write(pb.Frame(stream_id=request.stream_id, connected=True))
-                await pump(reader, writer, call.read, call.write)  # a target's reset ends this stream only
-                await call.done_writing()
-                await call.code()  # the gateway ends the call; cancelling it would look like a lost link
-            except (StreamBroken, grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
-                log.info("stream ended by the gateway", extra={"connection": request.connection,
-                                                               "reason": type(exc).__name__})
+                await self._relay_on_call(stub, request, reader, writer)
             finally:
                 writer.close()
+        finally:
+            if not adopted:
+                sock.close()
+
+    async def _open_tunnel(self, tunnels: TunnelDialer, request: pb.Open, protocol: asyncio.Protocol,
+                           first: pb.Frame) -> asyncio.Transport | None:
+        """A tunnel connection to the port the Open names, served by ``protocol``, its first record sent (the token
+        and ``first``); None when it cannot be made (the stream goes over a Tunnel call: a port the network does
+        not let through costs speed, not the stream)."""
+        try:
+            transport = await tunnels.connect(request.tunnel_port, request.timeout or 10.0, protocol)
+        except (OSError, TimeoutError, ChannelError) as exc:
+            log.warning("cannot reach the gateway's tunnel port: this stream goes over gRPC",
+                        extra={"port": request.tunnel_port, "reason": str(exc) or type(exc).__name__})
+            return None
+        transport.write(record(pb.TunnelStart(token=self.token, first=first)))
+        return transport
+
+    async def _answer(self, tunnels: TunnelDialer, request: pb.Open, answer: pb.Frame) -> bool:
+        """A failed dial's answer on a tunnel connection; whether it was sent (the close sends it, then ends)."""
+        transport = await self._open_tunnel(tunnels, request, asyncio.Protocol(), answer)
+        if transport is None:
+            return False
+        transport.close()
+        return True
+
+    @staticmethod
+    async def _relay_on_tunnel(splice: Splice, sock: socket.socket, request: pb.Open) -> None:
+        try:
+            try:
+                await splice.attach(sock)
+            except BaseException:
+                sock.close()
+                raise
+            await splice.run()  # a target's reset ends this stream only
+        except (StreamBroken, OSError) as exc:
+            log.info("stream ended by the gateway", extra={"connection": request.connection,
+                                                           "reason": str(exc) or type(exc).__name__})
+        finally:
+            splice.close()
+
+    async def _answer_on_call(self, stub: pb_grpc.AgentGatewayStub, answer: pb.Frame, timeout: float) -> None:
+        call = stub.Tunnel(metadata=self.metadata)
+        try:
+            await call.write(answer)
+            await call.done_writing()
+            # the gateway ends the call once it has read the answer: a cancel sent before that races the
+            # answer, and a gateway slow to read it would lose it (its client then waits out the dial)
+            with contextlib.suppress(TimeoutError):  # past that, the finally below lets go of it
+                async with asyncio.timeout(timeout):
+                    await call.code()
         except grpc.aio.AioRpcError as exc:
-            log.info("stream refused", extra={"connection": request.connection, "reason": exc.details()})
+            log.info("stream refused", extra={"reason": exc.details()})
+        finally:
+            if not call.done():
+                call.cancel()
+
+    async def _relay_on_call(self, stub: pb_grpc.AgentGatewayStub, request: pb.Open, reader: asyncio.StreamReader,
+                             writer: asyncio.StreamWriter) -> None:
+        call = stub.Tunnel(metadata=self.metadata)
+        try:
+            await call.write(pb.Frame(stream_id=request.stream_id, connected=True))
+            await pump(reader, writer, call.read, call.write)  # a target's reset ends this stream only
+            await call.done_writing()
+            await call.code()  # the gateway ends the call; cancelling it would look like a lost link
+        except (StreamBroken, grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
+            log.info("stream ended by the gateway", extra={"connection": request.connection,
+                                                           "reason": type(exc).__name__})
         finally:
             if not call.done():  # only on a failure of our own: the gateway takes it for a broken link
                 call.cancel()

@@ -1,5 +1,8 @@
 """The gateway's gRPC server (``[grpc] listen``, TLS): agents' control channels and tunnels.
 
+Beside it, the tunnel listener (gatewayd.agent.tunnel) carries streams on TLS connections of their
+own; ``AgentService.admit`` and ``carry`` serve a stream's opening and bytes for both.
+
 ``AgentService`` implements agent.proto's ``AgentGateway`` on grpc.aio.  Every refusal (an
 unknown or revoked token, a tunnel the gateway did not ask for) is an audit entry, up to the
 address's throttle (counted before anything is written: past it, one ``agent.throttle`` entry and
@@ -18,7 +21,7 @@ import math
 import socket
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -26,8 +29,9 @@ from google.protobuf.message import DecodeError
 from gatewayd import __version__, tls
 from gatewayd.agent import agent_pb2 as pb
 from gatewayd.agent import agent_pb2_grpc as pb_grpc
-from gatewayd.agent.pump import StreamBroken, StreamFailed, pump
-from gatewayd.agent.registry import TOKEN_PREFIX, AgentRegistry
+from gatewayd.agent.pump import CallRelay, Splice, StreamBroken, StreamFailed
+from gatewayd.agent.registry import STREAM_REFUSED, TOKEN_PREFIX, AgentRegistry, PendingStream
+from gatewayd.agent.tunnel import TunnelListener
 from gatewayd.crypto import hash_secret
 from gatewayd.dialer import DialError
 from gatewayd.throttle import Throttle
@@ -103,24 +107,33 @@ class AgentService(pb_grpc.AgentGatewayServicer):  # type: ignore[misc]  # (gene
         self.manager = manager
         self.throttle = throttle or Throttle(0, 0)  # refused calls per client address (the proxies' own)
 
+    def throttled(self, client_ip: str) -> str:
+        """Why a call or tunnel connection from this address is refused at once (past its refusals), or ""."""
+        wait = self.throttle.retry_after(f"address:{client_ip}")
+        return f"too many refused calls from this address: try again in {math.ceil(wait)} s" if wait else ""
+
     async def _throttled(self, context: grpc.aio.ServicerContext) -> bool:
         """Refuse a call from an address past its refusals (no token lookup, no audit entry each: one was
         written when the throttle began), as the proxies refuse its credentials."""
-        wait = self.throttle.retry_after(f"address:{peer_ip(context)}")
-        if wait:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"too many refused calls from this address: try again in {math.ceil(wait)} s")
-        return bool(wait)
+        message = self.throttled(peer_ip(context))
+        if message:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+        return bool(message)
 
     async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, action: str,
                       org_id: str = "", actor_hint: str = "agent (unknown token)", **payload: Any) -> None:
-        """Refuse the call: an audit entry, unless its address is past its refusals (counted first, so a flood
-        writes one ``agent.throttle`` entry, not a row per call: calls admitted before the throttle began end
-        here too)."""
-        client_ip = peer_ip(context)
+        """Refuse the call: ``refusal``'s audit entry, then the status."""
+        await self.refusal(peer_ip(context), message, action, org_id, actor_hint, **payload)
+        await context.abort(code, message)
+
+    async def refusal(self, client_ip: str, message: str, action: str, org_id: str = "",
+                      actor_hint: str = "agent (unknown token)", **payload: Any) -> None:
+        """A refused call or tunnel connection: an audit entry, unless its address is past its refusals (counted
+        first, so a flood writes one ``agent.throttle`` entry, not a row per call: calls admitted before the
+        throttle began end here too)."""
         address = f"address:{client_ip}"
         if self.throttle.retry_after(address):
-            await context.abort(code, message)
+            return
         newly = self.throttle.failed(address)
         org_id = org_id or (await self.store.default_org()).id
         await self.audit.record(org_id=org_id, actor=None, actor_hint=actor_hint, action=action,
@@ -132,7 +145,6 @@ class AgentService(pb_grpc.AgentGatewayServicer):  # type: ignore[misc]  # (gene
                 org_id=org_id, actor=None, action="agent.throttle", resource_type="agents", outcome="failure",
                 client_ip=client_ip, error_message=f"too many refused calls from {client_ip}: refused for "
                                                    f"{int(self.throttle.window)} s", payload={"throttled": [address]})
-        await context.abort(code, message)
 
     async def Connect(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
         if await self._throttled(context):
@@ -203,23 +215,41 @@ class AgentService(pb_grpc.AgentGatewayServicer):  # type: ignore[misc]  # (gene
     async def Tunnel(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
         if await self._throttled(context):
             return
-        token = bearer(context)
-        token_hash = hash_secret(token)
-        pending = None
-        if self.registry.expects(token_hash):  # anyone else is refused before a byte of theirs is read
+
+        async def first_frame() -> Any:
             try:
                 async with asyncio.timeout(FIRST_FRAME_TIMEOUT):
-                    first = await read_message(context)
+                    return await read_message(context)
             except TimeoutError:
-                first = grpc.aio.EOF
-            pending = None if first is grpc.aio.EOF else self.registry.claim(first.stream_id, token_hash)
-        if pending is None:
-            agent = await self.store.agent_by_token(token_hash) if token.startswith(f"{TOKEN_PREFIX}-") else None
-            await self._refuse(context, grpc.StatusCode.PERMISSION_DENIED,
-                               "no stream of that id was asked of this agent: only the gateway opens streams",
-                               "agent.stream_refused", agent.org_id if agent else "",
-                               f"agent {agent.name}" if agent else "agent (unknown token)")
+                return grpc.aio.EOF
+
+        admitted = await self.admit(peer_ip(context), bearer(context), first_frame)
+        if admitted is None:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, STREAM_REFUSED)
             return
+        await self.carry(*admitted, CallRelay(partial(read_message, context), context.write))
+
+    async def admit(self, client_ip: str, token: str,
+                    first_frame: Callable[[], Awaitable[Any]]) -> tuple[PendingStream, Any] | None:
+        """A stream's opening (a Tunnel call's or a tunnel connection's): the pending stream its first frame claims
+        and that frame, or None, refused (audited, counted against its address). ``first_frame`` is read only when
+        a dial of this node waits for a stream of the agent whose token it is: anyone else is refused before a
+        byte of theirs is read."""
+        token_hash = hash_secret(token)
+        if self.registry.expects(token_hash):
+            first = await first_frame()
+            pending = None if first is grpc.aio.EOF else self.registry.claim(first.stream_id, token_hash)
+            if pending is not None:
+                return pending, first
+        agent = await self.store.agent_by_token(token_hash) if token.startswith(f"{TOKEN_PREFIX}-") else None
+        await self.refusal(client_ip, STREAM_REFUSED, "agent.stream_refused", agent.org_id if agent else "",
+                           f"agent {agent.name}" if agent else "agent (unknown token)")
+        return None
+
+    async def carry(self, pending: PendingStream, first: Any, relay: CallRelay | Splice) -> None:
+        """An admitted stream: the dial's answer, then its bytes between a socketpair (the proxy's end is the dial's
+        result) and the agent's frames (``relay``: over the Tunnel call or the tunnel connection) until both ends
+        are done. The relay is closed when the agent's link is lost."""
         link, name = pending.link, pending.link.agent.name
         if not first.connected:
             if not pending.answer.done():
@@ -229,16 +259,23 @@ class AgentService(pb_grpc.AgentGatewayServicer):  # type: ignore[misc]  # (gene
         ours, theirs = socket.socketpair()
         ours.setblocking(False)
         theirs.setblocking(False)
-        reader, writer = await asyncio.open_connection(sock=ours, limit=256 * 1024)
+        try:
+            await relay.attach(ours)
+        except BaseException:
+            ours.close()
+            theirs.close()
+            raise
         if pending.answer.done():  # the dial gave up meanwhile
-            writer.close()
+            relay.close()
             theirs.close()
             return
         pending.answer.set_result(theirs)
-        link.streams.add(writer)
+        link.streams.add(relay)
+        if link.closed.is_set():  # the link was lost while this stream was admitted: its detach has closed the rest
+            relay.close()
         broken = ""
         try:
-            await pump(reader, writer, partial(read_message, context), context.write)
+            await relay.run()
         except (StreamBroken, asyncio.CancelledError) as exc:
             broken = str(exc) or "the stream was cut"
             if isinstance(exc, asyncio.CancelledError):
@@ -247,14 +284,14 @@ class AgentService(pb_grpc.AgentGatewayServicer):  # type: ignore[misc]  # (gene
             pass  # the target's connection failed at the agent: this stream ends here
         except (ConnectionError, OSError, RuntimeError) as exc:  # the proxy's end failed: the agent closes the target's
             try:
-                await context.write(pb.Frame(error=f"the gateway's end failed ({type(exc).__name__})"))
+                await relay.fail(f"the gateway's end failed ({type(exc).__name__})")
             except Exception:
                 pass
         finally:
             if broken:  # the agent or its link went away: the sessions end naming it before their sockets close
                 await self.registry.detach(link, f"a stream broke off ({broken})")
-            link.streams.discard(writer)
-            writer.close()
+            link.streams.discard(relay)
+            relay.close()
 
     async def Manage(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
         if self.manager is None:
@@ -268,16 +305,20 @@ class AgentService(pb_grpc.AgentGatewayServicer):  # type: ignore[misc]  # (gene
 
 
 class GrpcServer:
-    """The started gRPC listener; ``stop`` ends its calls (agents reconnect to the next start)."""
+    """The started gRPC listener, and the tunnel listener beside it; ``stop`` ends their calls and connections
+    (agents reconnect to the next start)."""
 
     def __init__(self, service: AgentService) -> None:
         self.service = service
         self.server: grpc.aio.Server | None = None
+        self.tunnels: TunnelListener | None = None
         self.port = 0
         self.fingerprint = ""  # of the certificate it presents (what a generated one's agents pin)
 
     async def start(self, host: str, port: int, data_dir: Path, cert: str = "", key: str = "",
-                    names: tuple[str, ...] = (), keepalive: float = 20.0) -> None:
+                    names: tuple[str, ...] = (), keepalive: float = 20.0, tunnel_port: int | None = None) -> None:
+        """``tunnel_port``: the tunnel listener's (0: any free one), None: none (streams go over Tunnel calls). A
+        tunnel port already taken is logged and the streams go over Tunnel calls."""
         cert_path, key_path = await asyncio.to_thread(
             tls.certificate_paths, data_dir, cert, key, CERT_BASE, "grpc.tls_cert and grpc.tls_key", names)
         cert_pem, key_pem = cert_path.read_bytes(), key_path.read_bytes()
@@ -295,8 +336,22 @@ class GrpcServer:
         await server.start()
         self.server, self.port = server, bound
         log.info("grpc listener started", extra={"address": f"{host}:{bound}", "version": __version__})
+        if tunnel_port is not None:
+            tunnels = TunnelListener(self.service)
+            try:
+                self.service.registry.tunnel_port = await tunnels.start(host, tunnel_port, cert_path, key_path)
+            except OSError as exc:
+                log.error("agent tunnel listener failed to start: streams go over gRPC Tunnel calls",
+                          extra={"address": f"{host}:{tunnel_port}", "error": exc.strerror or str(exc)})
+            else:
+                self.tunnels = tunnels
+                log.info("agent tunnel listener started", extra={"address": f"{host}:{tunnels.port}"})
 
     async def stop(self, grace: float | None = 1.0) -> None:
+        if self.tunnels is not None:
+            self.service.registry.tunnel_port = 0
+            await self.tunnels.stop()
+            self.tunnels = None
         if self.server is not None:
             await self.server.stop(grace)
             self.server = None
