@@ -840,6 +840,7 @@ async def test_psql_through_a_real_agent_rides_the_tunnel_listener(gateway, api,
         try:
             assert await client.fetchval("select 'through the tunnel'") == "through the tunnel"
             assert tunnel_connections(gateway.tunnel_port) == before + 1
+            assert await keepalive_timers(f"( dport = :{gateway.tunnel_port} )")  # the agent's ends (keep_alive)
         finally:
             await client.close()
     finally:
@@ -971,6 +972,75 @@ async def test_a_target_that_fails_at_the_agent_ends_its_stream_only_and_the_gat
         result = await psql
         assert result.returncode != 0 and "closed" in result.stderr, result.stderr
         assert [(f.data, f.eof, f.error) for f in after] == [(b"", True, "")]  # the acknowledgement, then the end
+        assert (await until_agent(api, created["name"], "online", connections=1))["status"] == "online"
+    assert not [e for e in await audit(api, "agent.disconnect") if created["name"] in e["actor_email"]
+                and "broke off" in e["error_message"]]
+
+
+async def keepalive_timers(selection: str) -> bool:
+    """Whether every established TCP connection ``ss`` selects (at least one) shows a keepalive timer once its data
+    is acknowledged (until then ``ss`` shows the retransmission timer in its place); False after 10 s."""
+    for _ in range(100):
+        shown = subprocess.run(["ss", "-Htno", "state", "established", selection], capture_output=True, text=True,
+                               check=True).stdout.splitlines()
+        if shown and all("timer:(keepalive" in line for line in shown):
+            return True
+        await asyncio.sleep(0.1)
+    return False
+
+
+async def test_a_tunnel_connection_cut_without_its_end_ends_its_stream_only_and_the_agent_stays(gateway, api):
+    """A tunnel connection reset under a live session (a NAT or firewall that forgot it) is one TCP connection, not
+    the agent: that session's client hears its end, the agent's link stays up (no ``broke off`` disconnect) and
+    serves the next session on the same control channel."""
+    created = await new_agent(api)
+    async with TunnelAgent(created) as agent:
+        await until_agent(api, created["name"], "online", connections=1)
+        code, connection = await api("POST", "/connections", {
+            "name": f"pg-{uuid.uuid4().hex[:8]}", "type": "database", "subtype": "postgres", "agent_id": created["id"],
+            "secret": {f"envvar:{k}": b64(v) for k, v in {"HOST": "10.9.8.7", "PORT": "5432", "USER": "postgres",
+                                                          "PASS": "x", "DB": "postgres"}.items()}})
+        assert code == 201, connection
+
+        def psql() -> asyncio.Future[subprocess.CompletedProcess[str]]:
+            async def run() -> subprocess.CompletedProcess[str]:
+                code, access = await api("POST", f"/connections/{connection['name']}/credentials",
+                                         {"access_duration_seconds": 600})
+                assert code in (200, 201), access
+                user = access["connection_credentials"]["username"]
+                return await asyncio.to_thread(subprocess.run, [
+                    "psql", f"postgres://{user}:any@127.0.0.1:{gateway.pg_port}/postgres?sslmode=disable", "-X",
+                    "-At", "-c", "select 1"], capture_output=True, text=True, timeout=60)
+            return asyncio.ensure_future(run())
+
+        first = psql()
+        async with asyncio.timeout(30):
+            opened = await agent.opens.get()
+        stream = await tunnel(gateway, created)
+        await stream.write(pb.TunnelStart(token=created["token"], first=pb.Frame(stream_id=opened.stream_id,
+                                                                                 connected=True)))
+        async with asyncio.timeout(30):
+            asked = await stream.read()  # the proxy's first bytes for the target: the stream is carried
+            assert asked is not grpc.aio.EOF and asked.data, asked
+        local = stream.writer.get_extra_info("sockname")
+        assert await keepalive_timers(f"( sport = :{gateway.tunnel_port} and dport = :{local[1]} )")  # keep_alive
+        sock = stream.writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        stream.writer.transport.abort()  # a reset: no eof, no error frame
+        result = await first
+        assert result.returncode != 0 and "closed" in result.stderr, result.stderr
+
+        second = psql()  # the same control channel is sent the next Open: the link stayed
+        async with asyncio.timeout(30):
+            again = await agent.opens.get()
+        assert again.stream_id != opened.stream_id
+        refused = await tunnel(gateway, created)
+        await refused.write(pb.TunnelStart(token=created["token"], first=pb.Frame(stream_id=again.stream_id,
+                                                                                  connected=False,
+                                                                                  error="connection refused")))
+        result = await second
+        assert f'through agent "{created["name"]}": connection refused' in result.stderr, result.stderr
+        refused.writer.close()
         assert (await until_agent(api, created["name"], "online", connections=1))["status"] == "online"
     assert not [e for e in await audit(api, "agent.disconnect") if created["name"] in e["actor_email"]
                 and "broke off" in e["error_message"]]

@@ -12,6 +12,8 @@ from urllib.parse import urlsplit
 
 import grpc
 
+from gatewayd.agent.pump import keep_alive
+
 CLIENT_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
@@ -108,6 +110,7 @@ class TunnelDialer:
             sock = transport.get_extra_info("socket")
             if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            keep_alive(transport)
         except BaseException:
             transport.close()
             raise

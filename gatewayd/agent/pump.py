@@ -43,6 +43,22 @@ def record(message: Any) -> bytes:
 
 EOF_RECORD = record(pb.Frame(eof=True))
 
+KEEPALIVE_IDLE = 60  # seconds a tunnel connection may be idle before TCP probes it (see keep_alive)
+
+
+def keep_alive(transport: asyncio.BaseTransport) -> None:
+    """TCP keepalives on a tunnel connection (both ends): an idle session's connection keeps its place in the NATs
+    and firewalls between agent and gateway (which forget idle flows after minutes), and a peer gone without a
+    word is found within about two minutes, not never."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE), ("TCP_KEEPINTVL", 20), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, option):  # Linux's names; elsewhere the system's defaults
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+
+
 class StreamFailed(Exception):
     """The peer ended the stream on an error of its own socket (a target's reset): this stream only."""
 

@@ -44,6 +44,7 @@ log = logging.getLogger("gatewayd.grpc")
 
 HELLO_TIMEOUT = 15.0  # an agent's hello comes within this after its Connect
 FIRST_FRAME_TIMEOUT = 10.0  # a Tunnel's first frame (the agent's answer to an Open) comes within this
+CUT_GRACE = 2.0  # a cut tunnel connection waits this long for its agent's link to be found lost too (_cut_alone)
 PEERS_REFRESH = 30.0  # how often an agent's channel is told the nodes up again (Welcome)
 CERT_BASE = "grpc-tls"
 SERVER_OPTIONS = [
@@ -288,10 +289,28 @@ class AgentService(pb_grpc.AgentGatewayServicer):  # type: ignore[misc]  # (gene
             except Exception:
                 pass
         finally:
-            if broken:  # the agent or its link went away: the sessions end naming it before their sockets close
+            if broken and isinstance(relay, Splice):
+                await self._cut_alone(link, name, broken)
+            elif broken:  # the agent or its link went away: the sessions end naming it before their sockets close
                 await self.registry.detach(link, f"a stream broke off ({broken})")
             link.streams.discard(relay)
             relay.close()
+
+    @staticmethod
+    async def _cut_alone(link: Any, name: str, broken: str) -> None:
+        """A tunnel connection cut without its end (a reset; a NAT or firewall that forgot it while idle) is one TCP
+        connection of its own, not the agent's link: it ends its own stream only. When the agent itself went away,
+        its link is found lost at the same moment (the control channel's connection ends with its process): it is
+        given ``CUT_GRACE`` to be, before the proxy's end closes, so that its sessions end naming the agent (the
+        link's detach), not as a target that closed the connection."""
+        try:
+            async with asyncio.timeout(CUT_GRACE):
+                await link.closed.wait()
+            return
+        except TimeoutError:
+            pass
+        log.warning("an agent's tunnel connection was cut; its stream ends, the agent's link stays",
+                    extra={"agent": name, "reason": broken})
 
     async def Manage(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
         if self.manager is None:

@@ -22,7 +22,7 @@ from typing import Any, Awaitable, Callable, Protocol
 from google.protobuf.message import DecodeError
 
 from gatewayd.agent import agent_pb2 as pb
-from gatewayd.agent.pump import HEADER, Splice, record
+from gatewayd.agent.pump import HEADER, Splice, keep_alive, record
 from gatewayd.agent.registry import STREAM_REFUSED
 
 log = logging.getLogger("gatewayd.grpc")
@@ -120,6 +120,7 @@ class _Opening(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.listener.connections.add(self.transport)  # type: ignore[arg-type]
+        keep_alive(transport)
         peer = transport.get_extra_info("peername")
         self.client_ip = str(peer[0]) if peer else ""
         throttled = self.listener.service.throttled(self.client_ip)
