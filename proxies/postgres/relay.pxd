@@ -4,6 +4,7 @@ from gatewayd.policy cimport SessionPolicy
 from proxies.postgres.framing cimport BackendReader, FrameBatch
 from proxies.postgres.messages cimport (Bind, CloseComplete, CommandComplete, CopyData, DataRow, Message, Parse, Query,
                                         ReadyForQuery, RowDescription, render_text_row)
+from proxies.postgres.rendering cimport render_params, render_row
 
 cdef class Pending:
     cdef public object error
@@ -87,4 +88,6 @@ cdef class ServerSide:
     cpdef _close_complete(self, CloseComplete message, FrameBatch batch)
     cpdef _ready(self, ReadyForQuery message, FrameBatch batch)
     cpdef _swallow(self, Message message, FrameBatch batch)
+    cpdef _answering(self)
+    cpdef _doubt(self)
     cpdef int _copy_out(self, CopyData message, FrameBatch batch)

@@ -893,7 +893,8 @@ class ServerSide:
         self.formats = None
         self.deep = ()
         self._fresh = False
-        self._noticed &= ~_NOTICE_WITHHELD
+        if self._noticed:  # (the usual case, nothing noticed, without the arithmetic)
+            self._noticed &= ~_NOTICE_WITHHELD
         if self.pending and self.pending[0].kind == EXECUTE:
             self.pending.popleft()
 
@@ -1184,7 +1185,8 @@ class ServerSide:
         self.deep = ()
         self._fresh = False
         self.header = None
-        self._noticed &= ~_NOTICE_WITHHELD
+        if self._noticed:
+            self._noticed &= ~_NOTICE_WITHHELD
         if self.unsure and not pending:  # every request answered: the queue is in step again
             self.unsure = False
             self._noticed &= ~_NOTICE_UNSURE
