@@ -64,6 +64,7 @@ cdef class ServerSide:
     cdef public object sources_for
     cdef public bint target_fatal
     cdef public bint records_later
+    cdef public bint recording
     cdef public bint deferring
     cdef public list later
     cdef public object shapes
