@@ -392,7 +392,7 @@ class Query(Message):
         buf, start, end = self._buf, self._start + 5, self._end
         if start < end <= len(buf) and buf[end - 1] == 0:  # fast path: one NUL, at the end
             sql = buf[start : end - 1]
-            if b"\0" not in sql:  # (one scan in C, where ``find`` with bounds parsed its arguments first)
+            if 0 not in sql:  # no other NUL (an int: bytes.__contains__ given bytes first fails to read it as one)
                 return sql
         cur = self._cursor()
         sql = cur.cbytes()
