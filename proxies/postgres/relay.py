@@ -831,10 +831,13 @@ class ServerSide:
         took its ReadyForQuery.  Such Syncs leave the queue (and every value is masked until it is in step).
         """
         pending = self.pending
-        while pending and pending[0].kind == SYNC_POINT:
+        while pending:
+            head = pending[0]
+            if head.kind != SYNC_POINT:
+                return head
             pending.popleft()
             self._doubt()
-        return pending[0] if pending else None
+        return None
 
     def _emit(self, line: str) -> None:
         if self.deferring:
