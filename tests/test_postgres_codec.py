@@ -284,6 +284,19 @@ def test_malformed_bodies_frame_but_fail_on_decode() -> None:
             pg.decode_frontend(frame).validate()
 
 
+def test_a_nul_inside_a_query_or_a_command_tag_is_malformed_even_with_one_at_the_end() -> None:
+    """The decoders' fast path takes a body whose last byte is its NUL only when no other NUL is in it: a string
+    cut short by a NUL (``select 1`` then ``\\0junk\\0``) is a malformed message, as the cursor reads it, never
+    the statement with the NUL inside (the rules would read one thing and the target another)."""
+    for decode, body in [(pg.decode_frontend, b"Q" + b"select 1\0; drop table t\0"),
+                         (pg.decode_backend, b"C" + b"SELECT 1\0x\0")]:
+        message = decode(pg.encode_message(body[:1], body[1:]))
+        with pytest.raises(ProtocolError):
+            message.validate()
+    assert pg.decode_frontend(pg.encode_query("select 1")).sql == "select 1"
+    assert pg.decode_backend(pg.encode_command_complete("SELECT 1")).tag == "SELECT 1"
+
+
 # --------------------------------------------------------------------------- start-up phase
 
 

@@ -6,14 +6,18 @@ benchmark's two input rules and the recording on (a recorder that keeps
 nothing).  CPU time (``process_time``), min of five repeats; compare trees in one sitting.
 
     .venv/bin/python bench/postgres/bench_relay.py
+
+``BENCH_TREE=<a checkout>`` runs another tree's relay under this harness (compare trees with one harness);
+``callgrind_relay.py`` counts the same loop's instructions.
 """
+import os
 import sys
 import time
 import timeit
 from pathlib import Path
 from collections import deque
 from types import SimpleNamespace
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(os.environ.get("BENCH_TREE") or Path(__file__).resolve().parents[2]).resolve()
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -36,7 +40,7 @@ rail = GuardRail(id="g", org_id="o", name="bench", input={"rules": [
 try:  # a rule set reads its connection's language (before the dialect seam: the relay asked with sql=True)
     from gatewayd.sql.postgresql import POSTGRESQL
     rules = RuleSet([rail], language=POSTGRESQL)
-except ImportError:
+except (ImportError, TypeError):  # TypeError: a tree with the module whose RuleSet took no language yet
     rules = RuleSet([rail])
 rec = Rec()
 policy = SessionPolicy(SimpleNamespace(recorder=rec, client_ip="", id="s"), rules)  # type: ignore[arg-type]
@@ -55,7 +59,8 @@ def answer(mode):
 def frames_simple(i):
     return pg.encode_query(f"SELECT abalance FROM pgbench_accounts WHERE aid = {i};")
 
-def run(mode, n=20000):
+def prepare(mode, n):
+    """The measured loop for ``mode`` over ``n`` transactions (a fresh session, its statement prepared)."""
     pending, columns = deque(), {}
     client, server = make(pending, columns)
     fr = pg.FrontendReader(expect_startup=False)
@@ -84,7 +89,13 @@ def run(mode, n=20000):
                 client.on_message(m)
             br.feed(reply)
             b = pg.FrameBatch(); server.process(br, b); b.take()
-    t = min(timeit.repeat(go, number=1, repeat=5, timer=time.process_time))
+    return go
+
+
+def run(mode, n=20000):
+    t = min(timeit.repeat(prepare(mode, n), number=1, repeat=5, timer=time.process_time))
     return t / n * 1e6
 
-print({mode: round(run(mode), 2) for mode in ("simple", "extended", "prepared")})
+
+if __name__ == "__main__":
+    print({mode: round(run(mode), 2) for mode in ("simple", "extended", "prepared")})

@@ -101,7 +101,7 @@ cdef class DataRow(Message):
     cpdef _decode(self)
 
 cdef class CommandComplete(Message):
-    @cython.locals(buf=bytes, start=Py_ssize_t, end=Py_ssize_t)
+    @cython.locals(buf=bytes, start=Py_ssize_t, end=Py_ssize_t, tag=str)
     cpdef _decode(self)
 
 cdef class _ErrorOrNotice(Message):

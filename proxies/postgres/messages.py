@@ -390,8 +390,10 @@ class Query(Message):
 
     def _decode(self) -> bytes:
         buf, start, end = self._buf, self._start + 5, self._end
-        if end > start and buf.find(b"\0", start, end) == end - 1:  # fast path: one NUL, at the end
-            return buf[start : end - 1]
+        if start < end <= len(buf) and buf[end - 1] == 0:  # fast path: one NUL, at the end
+            sql = buf[start : end - 1]
+            if 0 not in sql:  # no other NUL (an int: bytes.__contains__ given bytes first fails to read it as one)
+                return sql
         cur = self._cursor()
         sql = cur.cbytes()
         cur.finish()
@@ -1030,8 +1032,10 @@ class CommandComplete(Message):
         raw, start, end = self._buf, self._start + 5, self._end
         if type(raw) is bytes:
             buf = raw
-            if end > start and buf.find(b"\0", start, end) == end - 1:
-                return buf[start : end - 1].decode("utf-8", "replace")
+            if start < end <= len(buf) and buf[end - 1] == 0:  # fast path: one NUL, at the end
+                tag = buf[start : end - 1].decode("utf-8", "replace")
+                if "\0" not in tag:  # a NUL byte decodes to U+0000 and nothing else does
+                    return tag
         cur = self._cursor()
         tag = cur.cstring()
         cur.finish()

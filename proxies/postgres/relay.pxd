@@ -4,6 +4,7 @@ from gatewayd.policy cimport SessionPolicy
 from proxies.postgres.framing cimport BackendReader, FrameBatch
 from proxies.postgres.messages cimport (Bind, CloseComplete, CommandComplete, CopyData, DataRow, Message, Parse, Query,
                                         ReadyForQuery, RowDescription, render_text_row)
+from proxies.postgres.rendering cimport render_params, render_row
 
 cdef class Pending:
     cdef public object error
@@ -63,6 +64,7 @@ cdef class ServerSide:
     cdef public object sources_for
     cdef public bint target_fatal
     cdef public bint records_later
+    cdef public bint recording
     cdef public bint deferring
     cdef public list later
     cdef public object shapes
@@ -75,16 +77,22 @@ cdef class ServerSide:
     cdef public bint _fresh
     cdef public int _noticed
     cpdef process(self, BackendReader reader, FrameBatch batch)
+    @cython.locals(head=Pending)
     cpdef int _row(self, DataRow row, FrameBatch batch)
     cpdef _emit(self, str line)
     cpdef flush_output(self)
     cpdef record_later(self)
     cpdef _cut(self, verdict, FrameBatch batch)
     cpdef _end_result(self)
+    @cython.locals(head=Pending)
     cpdef _other(self, Message message, FrameBatch batch, bint render)
     cpdef _command_complete(self, CommandComplete message)
     cpdef tuple _describe(self, RowDescription message)
     cpdef _close_complete(self, CloseComplete message, FrameBatch batch)
+    @cython.locals(entry=Pending)
     cpdef _ready(self, ReadyForQuery message, FrameBatch batch)
     cpdef _swallow(self, Message message, FrameBatch batch)
+    @cython.locals(head=Pending)
+    cpdef _answering(self)
+    cpdef _doubt(self)
     cpdef int _copy_out(self, CopyData message, FrameBatch batch)

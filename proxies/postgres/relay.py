@@ -490,6 +490,7 @@ class ServerSide:
         "pending",
         "policy",
         "reading",
+        "recording",
         "records_later",
         "replies",
         "shapes",
@@ -538,6 +539,9 @@ class ServerSide:
         # OIDs, flushes, errors, in order); the client has its answer before the rows are rendered
         self.records_later = False
         self.deferring = False
+        # ``policy.recording``, read once per ``process`` (a property: an attribute lookup through the recorder);
+        # a cap reached meanwhile costs only the rendering of what the recorder then drops itself
+        self.recording = policy.recording
         self.later: list[object] = []
         # the settings that change how the target reads SQL: kept current from its ParameterStatus (the client side
         # reads statements with it)
@@ -569,7 +573,8 @@ class ServerSide:
         if self.policy.masker is not self.masker:
             self._adopt_masker()
         policy = self.policy
-        render = policy.checks_output or policy.recording or self.masker is not None
+        recording = self.recording = policy.recording
+        render = policy.checks_output or recording or self.masker is not None
         self.deferring = self.records_later and not policy.checks_output and self.masker is None
         while (message := reader.next_message()) is not None:
             kind = type(message)
@@ -729,7 +734,7 @@ class ServerSide:
                                                    for i, why in withheld])
                         batch.add_bytes(frame)
                         done = _ROW_REPLACED
-                        if policy.recording:
+                        if self.recording:
                             text = render_masked(text, row, values, formats, self.oids, self.shapes)
                 elif fast is not None:  # None: worked out, nothing to mask
                     frame, masked_text, count = fast  # type: ignore[misc]
@@ -742,7 +747,7 @@ class ServerSide:
             if bounded is not None and done == _ROW_PASSED:
                 batch.add_bytes(bounded._buf)
                 done = _ROW_REPLACED
-        if policy.recording:
+        if self.recording:
             if self.header is not None:
                 self._emit(self.header)
                 self.header = None
@@ -826,10 +831,13 @@ class ServerSide:
         took its ReadyForQuery.  Such Syncs leave the queue (and every value is masked until it is in step).
         """
         pending = self.pending
-        while pending and pending[0].kind == SYNC_POINT:
+        while pending:
+            head = pending[0]
+            if head.kind != SYNC_POINT:
+                return head
             pending.popleft()
             self._doubt()
-        return pending[0] if pending else None
+        return None
 
     def _emit(self, line: str) -> None:
         if self.deferring:
@@ -893,7 +901,8 @@ class ServerSide:
         self.formats = None
         self.deep = ()
         self._fresh = False
-        self._noticed &= ~_NOTICE_WITHHELD
+        if self._noticed:  # (the usual case, nothing noticed, without the arithmetic)
+            self._noticed &= ~_NOTICE_WITHHELD
         if self.pending and self.pending[0].kind == EXECUTE:
             self.pending.popleft()
 
@@ -948,7 +957,7 @@ class ServerSide:
                         if len(self.masks) >= DESCRIPTION_CACHE_SIZE * 64:
                             self.masks.clear()
                         self.masks[head.statement] = (self._desc_oids, self._desc_masks, message)
-                if self.policy.recording:
+                if self.recording:
                     self.header = header
         elif kind is NoData:
             if self.pending and self.pending[0].kind == DESCRIBE:
@@ -1011,7 +1020,7 @@ class ServerSide:
                 batch.add(message)
         else:
             batch.add(message)
-        if policy.recording:
+        if self.recording:
             self._emit(text)
             self.flush_output()
 
@@ -1031,7 +1040,7 @@ class ServerSide:
 
     def _command_complete(self, message: CommandComplete) -> None:
         self._answering()
-        if self.policy.recording:
+        if self.recording:
             if self.header is not None:
                 self._emit(self.header)
                 self.header = None
@@ -1134,7 +1143,7 @@ class ServerSide:
                 batch.add_bytes(encode_copy_data(data))
                 text = data.decode("utf-8", "replace")
                 done = _ROW_REPLACED
-        if policy.recording:
+        if self.recording:
             self._emit(text.rstrip("\n"))
         return done
 
@@ -1184,7 +1193,8 @@ class ServerSide:
         self.deep = ()
         self._fresh = False
         self.header = None
-        self._noticed &= ~_NOTICE_WITHHELD
+        if self._noticed:
+            self._noticed &= ~_NOTICE_WITHHELD
         if self.unsure and not pending:  # every request answered: the queue is in step again
             self.unsure = False
             self._noticed &= ~_NOTICE_UNSURE
