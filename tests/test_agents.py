@@ -813,6 +813,53 @@ async def refusal(records: Tunnel) -> str:
     return said.error
 
 
+async def target_through(api: Api, created: dict, pg_target: Any) -> dict:
+    """A PostgreSQL connection to ``pg_target`` through agent ``created`` (verified against its root certificate)."""
+    code, connection = await api("POST", "/connections", {
+        "name": f"pg-{uuid.uuid4().hex[:8]}", "type": "database", "subtype": "postgres", "agent_id": created["id"],
+        "secret": {f"envvar:{k}": b64(v) for k, v in {
+            "HOST": "127.0.0.1", "PORT": str(pg_target.port), "USER": "postgres", "PASS": pg_target.password,
+            "DB": "postgres", "SSLROOTCERT": pg_target.root_cert()}.items()}})
+    assert code == 201, connection
+    return connection
+
+
+async def answered_by_test(api: Api, created: dict) -> dict:
+    """A PostgreSQL connection through agent ``created`` to an address nobody serves: the test answers its Opens."""
+    code, connection = await api("POST", "/connections", {
+        "name": f"pg-{uuid.uuid4().hex[:8]}", "type": "database", "subtype": "postgres", "agent_id": created["id"],
+        "secret": {f"envvar:{k}": b64(v) for k, v in {"HOST": "10.9.8.7", "PORT": "5432", "USER": "postgres",
+                                                      "PASS": "x", "DB": "postgres"}.items()}})
+    assert code == 201, connection
+    return connection
+
+
+def psql_through(gateway: Daemon, api: Api, connection: dict) -> asyncio.Future[subprocess.CompletedProcess[str]]:
+    """``psql -c 'select 1'`` through the gateway to ``connection`` with a fresh credential, running meanwhile."""
+    async def run() -> subprocess.CompletedProcess[str]:
+        code, access = await api("POST", f"/connections/{connection['name']}/credentials",
+                                 {"access_duration_seconds": 600})
+        assert code in (200, 201), access
+        return await asyncio.to_thread(subprocess.run, [
+            "psql", f"postgres://{access['connection_credentials']['username']}:any@127.0.0.1:{gateway.pg_port}/"
+                    "postgres?sslmode=disable", "-X", "-At", "-c", "select 1"], capture_output=True, text=True,
+            timeout=60)
+    return asyncio.ensure_future(run())
+
+
+async def carried(gateway: Daemon, agent: "TunnelAgent", created: dict) -> tuple["Tunnel", pb.Open]:
+    """The next Open the test's agent is sent, answered ``connected`` on a tunnel connection of its own, and the
+    stream carried: the proxy's first bytes for the target (its SSLRequest: verify-full) read from it."""
+    async with asyncio.timeout(30):
+        opened = await agent.opens.get()
+        stream = await tunnel(gateway, created)
+        await stream.write(pb.TunnelStart(token=created["token"], first=pb.Frame(stream_id=opened.stream_id,
+                                                                                 connected=True)))
+        asked = await stream.read()
+        assert asked is not grpc.aio.EOF and asked.data, asked
+    return stream, opened
+
+
 async def refused_entries(api: Api, reason: str) -> list[dict]:
     return [e for e in await audit(api, "agent.stream_refused") if reason in e["error_message"]]
 
@@ -826,12 +873,7 @@ async def test_psql_through_a_real_agent_rides_the_tunnel_listener(gateway, api,
     agent = start(created, tmp_path)
     try:
         await until_agent(api, created["name"], "online")
-        code, connection = await api("POST", "/connections", {
-            "name": f"pg-{uuid.uuid4().hex[:8]}", "type": "database", "subtype": "postgres", "agent_id": created["id"],
-            "secret": {f"envvar:{k}": b64(v) for k, v in {
-                "HOST": "127.0.0.1", "PORT": str(pg_target.port), "USER": "postgres", "PASS": pg_target.password,
-                "DB": "postgres", "SSLROOTCERT": pg_target.root_cert()}.items()}})
-        assert code == 201, connection
+        connection = await target_through(api, created, pg_target)
         code, access = await api("POST", f"/connections/{connection['name']}/credentials",
                                  {"access_duration_seconds": 600})
         before = tunnel_connections(gateway.tunnel_port)
@@ -875,12 +917,7 @@ async def test_an_agent_that_cannot_reach_the_tunnel_port_carries_its_streams_ov
         url, f"grpcs://127.0.0.2:{balancer.sockets[0].getsockname()[1]}"))
     try:
         await until_agent(api, created["name"], "online")
-        code, connection = await api("POST", "/connections", {
-            "name": f"pg-{uuid.uuid4().hex[:8]}", "type": "database", "subtype": "postgres", "agent_id": created["id"],
-            "secret": {f"envvar:{k}": b64(v) for k, v in {
-                "HOST": "127.0.0.1", "PORT": str(pg_target.port), "USER": "postgres", "PASS": pg_target.password,
-                "DB": "postgres", "SSLROOTCERT": pg_target.root_cert()}.items()}})
-        assert code == 201, connection
+        connection = await target_through(api, created, pg_target)
         code, access = await api("POST", f"/connections/{connection['name']}/credentials",
                                  {"access_duration_seconds": 600})
         result = await asyncio.to_thread(subprocess.run, [
@@ -901,17 +938,8 @@ async def test_the_tunnel_listener_refuses_what_it_did_not_ask_for_and_audits_it
     created, other = await new_agent(api), await new_agent(api)
     async with TunnelAgent(created) as agent:
         await until_agent(api, created["name"], "online")
-        code, connection = await api("POST", "/connections", {
-            "name": f"pg-{uuid.uuid4().hex[:8]}", "type": "database", "subtype": "postgres", "agent_id": created["id"],
-            "secret": {f"envvar:{k}": b64(v) for k, v in {"HOST": "10.9.8.7", "PORT": "5432", "USER": "postgres",
-                                                          "PASS": "x", "DB": "postgres"}.items()}})
-        assert code == 201, connection
-        code, access = await api("POST", f"/connections/{connection['name']}/credentials",
-                                 {"access_duration_seconds": 600})
-        psql = asyncio.ensure_future(asyncio.to_thread(subprocess.run, [
-            "psql", f"postgres://{access['connection_credentials']['username']}:any@127.0.0.1:{gateway.pg_port}/"
-                    "postgres?sslmode=disable", "-X", "-At", "-c", "select 1"], capture_output=True, text=True,
-            timeout=60))
+        connection = await answered_by_test(api, created)
+        psql = psql_through(gateway, api, connection)
         async with asyncio.timeout(30):
             opened = await agent.opens.get()
         assert opened.tunnel_port == gateway.tunnel_port and opened.host == "10.9.8.7"
@@ -945,25 +973,10 @@ async def test_a_target_that_fails_at_the_agent_ends_its_stream_only_and_the_gat
     created = await new_agent(api)
     async with TunnelAgent(created) as agent:
         await until_agent(api, created["name"], "online", connections=1)
-        code, connection = await api("POST", "/connections", {
-            "name": f"pg-{uuid.uuid4().hex[:8]}", "type": "database", "subtype": "postgres", "agent_id": created["id"],
-            "secret": {f"envvar:{k}": b64(v) for k, v in {"HOST": "10.9.8.7", "PORT": "5432", "USER": "postgres",
-                                                          "PASS": "x", "DB": "postgres"}.items()}})
-        assert code == 201, connection
-        code, access = await api("POST", f"/connections/{connection['name']}/credentials",
-                                 {"access_duration_seconds": 600})
-        psql = asyncio.ensure_future(asyncio.to_thread(subprocess.run, [
-            "psql", f"postgres://{access['connection_credentials']['username']}:any@127.0.0.1:{gateway.pg_port}/"
-                    "postgres?sslmode=disable", "-X", "-At", "-c", "select 1"], capture_output=True, text=True,
-            timeout=60))
+        connection = await answered_by_test(api, created)
+        psql = psql_through(gateway, api, connection)
+        stream, _ = await carried(gateway, agent, created)
         async with asyncio.timeout(30):
-            opened = await agent.opens.get()
-        stream = await tunnel(gateway, created)
-        await stream.write(pb.TunnelStart(token=created["token"], first=pb.Frame(stream_id=opened.stream_id,
-                                                                                 connected=True)))
-        async with asyncio.timeout(30):
-            asked = await stream.read()  # the proxy's first bytes for the target (its SSLRequest: verify-full)
-            assert asked is not grpc.aio.EOF and asked.data, asked
             await stream.write(pb.Frame(error="the connection failed (ConnectionResetError)"))
             after = []
             while (frame := await stream.read()) is not grpc.aio.EOF:
@@ -996,32 +1009,10 @@ async def test_a_tunnel_connection_cut_without_its_end_ends_its_stream_only_and_
     created = await new_agent(api)
     async with TunnelAgent(created) as agent:
         await until_agent(api, created["name"], "online", connections=1)
-        code, connection = await api("POST", "/connections", {
-            "name": f"pg-{uuid.uuid4().hex[:8]}", "type": "database", "subtype": "postgres", "agent_id": created["id"],
-            "secret": {f"envvar:{k}": b64(v) for k, v in {"HOST": "10.9.8.7", "PORT": "5432", "USER": "postgres",
-                                                          "PASS": "x", "DB": "postgres"}.items()}})
-        assert code == 201, connection
+        connection = await answered_by_test(api, created)
 
-        def psql() -> asyncio.Future[subprocess.CompletedProcess[str]]:
-            async def run() -> subprocess.CompletedProcess[str]:
-                code, access = await api("POST", f"/connections/{connection['name']}/credentials",
-                                         {"access_duration_seconds": 600})
-                assert code in (200, 201), access
-                user = access["connection_credentials"]["username"]
-                return await asyncio.to_thread(subprocess.run, [
-                    "psql", f"postgres://{user}:any@127.0.0.1:{gateway.pg_port}/postgres?sslmode=disable", "-X",
-                    "-At", "-c", "select 1"], capture_output=True, text=True, timeout=60)
-            return asyncio.ensure_future(run())
-
-        first = psql()
-        async with asyncio.timeout(30):
-            opened = await agent.opens.get()
-        stream = await tunnel(gateway, created)
-        await stream.write(pb.TunnelStart(token=created["token"], first=pb.Frame(stream_id=opened.stream_id,
-                                                                                 connected=True)))
-        async with asyncio.timeout(30):
-            asked = await stream.read()  # the proxy's first bytes for the target: the stream is carried
-            assert asked is not grpc.aio.EOF and asked.data, asked
+        first = psql_through(gateway, api, connection)
+        stream, opened = await carried(gateway, agent, created)
         local = stream.writer.get_extra_info("sockname")
         assert await keepalive_timers(f"( sport = :{gateway.tunnel_port} and dport = :{local[1]} )")  # keep_alive
         sock = stream.writer.get_extra_info("socket")
@@ -1030,7 +1021,7 @@ async def test_a_tunnel_connection_cut_without_its_end_ends_its_stream_only_and_
         result = await first
         assert result.returncode != 0 and "closed" in result.stderr, result.stderr
 
-        second = psql()  # the same control channel is sent the next Open: the link stayed
+        second = psql_through(gateway, api, connection)  # the same control channel is sent the next Open: the link stayed
         async with asyncio.timeout(30):
             again = await agent.opens.get()
         assert again.stream_id != opened.stream_id
