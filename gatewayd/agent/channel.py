@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import socket
 import ssl
+import time
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -74,14 +75,29 @@ def check_pinned(der: bytes | None, fingerprint: str) -> None:
         raise ChannelError(f"the gateway's certificate is not the pinned one (its SHA-256 is {actual})")
 
 
-@dataclass(slots=True, frozen=True)
+TUNNEL_CONNECT_TIMEOUT = 3.0  # a tunnel connection is made within this (the gRPC link's path: milliseconds)
+TUNNEL_RETRY = 60.0  # after one could not be made, streams go over Tunnel calls this long before it is tried again
+
+
+@dataclass(slots=True)
 class TunnelDialer:
     """TLS connections to a node's tunnel listener (gatewayd.agent.tunnel): on the host of its gRPC URL, the
-    certificate trusted as for gRPC (the pinned one, ``ca_file``'s authority or the system's roots)."""
+    certificate trusted as for gRPC (the pinned one, ``ca_file``'s authority or the system's roots).
+
+    A port the network does not let through (a firewall that drops it, a balancer that forwards gRPC's only) is
+    remembered for ``TUNNEL_RETRY`` seconds (``unreachable``): the streams meanwhile go over Tunnel calls at once,
+    not each after a connect's timeout, and it is said once, not per stream."""
 
     host: str
     context: ssl.SSLContext
     fingerprint: str = ""  # the pinned certificate's, checked after the handshake before a byte is sent
+    down_until: float = 0.0  # monotonic time before which the port is not tried (see ``unreachable``)
+
+    def usable(self) -> bool:
+        return time.monotonic() >= self.down_until
+
+    def unreachable(self) -> None:
+        self.down_until = time.monotonic() + TUNNEL_RETRY
 
     @classmethod
     def of(cls, url: str, fingerprint: str = "", ca_file: str = "") -> "TunnelDialer | None":
@@ -101,7 +117,7 @@ class TunnelDialer:
         """A verified connection to ``port`` served by ``protocol``; OSError, TimeoutError or ChannelError (not the
         pinned certificate: closed before a byte is sent)."""
         loop = asyncio.get_running_loop()
-        async with asyncio.timeout(timeout):
+        async with asyncio.timeout(min(timeout, TUNNEL_CONNECT_TIMEOUT)):
             transport, _ = await loop.create_connection(lambda: protocol, self.host, port, ssl=self.context,
                                                         server_hostname=self.host)
         try:

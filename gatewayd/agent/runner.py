@@ -23,7 +23,7 @@ import grpc
 from gatewayd import __version__
 from gatewayd.agent import agent_pb2 as pb
 from gatewayd.agent import agent_pb2_grpc as pb_grpc
-from gatewayd.agent.channel import ChannelError, TunnelDialer, open_channel
+from gatewayd.agent.channel import TUNNEL_RETRY, ChannelError, TunnelDialer, open_channel
 from gatewayd.agent.pump import Splice, StreamBroken, pump, record
 from gatewayd.dialer import DialError, direct
 
@@ -128,7 +128,7 @@ class AgentProcess:
         """Dial the target the gateway names, then relay its bytes on a tunnel connection of their own to the port
         the Open names (``tunnels``: how this node's are reached), else on a Tunnel call."""
         timeout = request.timeout or 10.0
-        tunnel = bool(request.tunnel_port and tunnels is not None)
+        tunnel = bool(request.tunnel_port and tunnels is not None and tunnels.usable())
         try:
             sock = await direct.open_socket(request.host, request.port, connection=request.connection,
                                             timeout=timeout)
@@ -165,8 +165,9 @@ class AgentProcess:
         try:
             transport = await tunnels.connect(request.tunnel_port, request.timeout or 10.0, protocol)
         except (OSError, TimeoutError, ChannelError) as exc:
-            log.warning("cannot reach the gateway's tunnel port: this stream goes over gRPC",
+            log.warning(f"cannot reach the gateway's tunnel port: streams go over gRPC for {TUNNEL_RETRY:g} s",
                         extra={"port": request.tunnel_port, "reason": str(exc) or type(exc).__name__})
+            tunnels.unreachable()
             return None
         transport.write(record(pb.TunnelStart(token=self.token, first=first)))
         return transport
