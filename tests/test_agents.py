@@ -572,16 +572,24 @@ async def test_calls_that_send_nothing_are_closed_at_once_and_a_flood_of_them_wr
 
 async def test_a_flood_of_refused_tunnel_connections_is_throttled_with_the_calls(tmp_path):
     """The tunnel listener (on its default port, gRPC's + 100) counts its refusals against the address with the
-    gRPC calls': junk first records are refused and audited up to the limit, then refused at once (no audit entry
-    each) with one ``agent.throttle`` entry."""
+    gRPC calls': junk first records are refused and audited up to the limit, then the address's connections are
+    turned away as they are accepted, before a TLS handshake (no audit entry each), with one ``agent.throttle``
+    entry; its gRPC calls are refused too."""
+    import ssl
+
     async with throttled_gateway(tmp_path) as (daemon, api, created, channel):
         said = []
-        for _ in range(5):
+        for _ in range(3):
             junk = await tunnel(daemon, created)
             junk.writer.write(struct.pack(">I", 2) + b"\xff\xff")
             said.append(await refusal(junk))
-        assert said[:3] == ["the tunnel's first record does not parse"] * 3
-        assert all(s.startswith("too many refused calls from this address") for s in said[3:]), said
+        assert said == ["the tunnel's first record does not parse"] * 3
+        for _ in range(2):
+            with pytest.raises((ConnectionError, ssl.SSLError, asyncio.IncompleteReadError)):
+                await tunnel(daemon, created)  # closed before the server's hello
+        call = pb_grpc.AgentGatewayStub(channel).Tunnel(metadata=(("authorization", f"Bearer {created['token']}"),))
+        async with asyncio.timeout(30):  # refused before a byte is read; a call left standing would be a failure
+            assert await call.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, await call.details()
         assert len(await audit(api, "agent.stream_refused")) == 3
         assert len(await audit(api, "agent.throttle")) == 1
 
@@ -881,7 +889,7 @@ async def test_psql_through_a_real_agent_rides_the_tunnel_listener(gateway, api,
                                        user=access["connection_credentials"]["username"], password="any")
         try:
             assert await client.fetchval("select 'through the tunnel'") == "through the tunnel"
-            assert tunnel_connections(gateway.tunnel_port) == before + 1
+            assert tunnel_connections(gateway.tunnel_port) == before + 1, agent.log_path.read_text()[-3000:]
             assert await keepalive_timers(f"( dport = :{gateway.tunnel_port} )")  # the agent's ends (keep_alive)
         finally:
             await client.close()

@@ -7,14 +7,17 @@ names (``tunnel_port``) with the certificate it trusts for gRPC.  Its first reco
 (``START_LIMIT``) and in time (``START_TIMEOUT``, the TLS handshake's too), and checked by
 ``AgentService.admit`` as a Tunnel's first frame is; every record after it is a ``Frame``, carried by
 ``pump.Splice``.  TCP's flow control is each connection's own, so a slow stream holds back only
-itself.  A refusal is said in one error frame, then the connection closes.  The handshake and the
-first record are read in the transport's callbacks: nothing waits on a client that says nothing.
+itself.  A refusal is said in one error frame, then the connection closes; but a connection from an
+address past its refusals (the throttle the Tunnel calls share) is closed as it is accepted, before its
+TLS handshake costs the event loop anything.  The handshake is bounded, and the first record is read in
+the transport's callbacks: nothing waits on a client that says nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import ssl
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Protocol
@@ -50,23 +53,32 @@ class TunnelListener:
 
     def __init__(self, service: AgentService) -> None:
         self.service = service
-        self.server: asyncio.Server | None = None
+        self.server: socket.socket | None = None
+        self.context: ssl.SSLContext | None = None
         self.port = 0
         self.connections: set[asyncio.Transport] = set()
         self.tasks: set[asyncio.Task[None]] = set()
+        self.accepting: asyncio.Task[None] | None = None
 
     async def start(self, host: str, port: int, cert_path: Path, key_path: Path) -> int:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         context.load_cert_chain(cert_path, key_path)
+        self.context = context
         # no SO_REUSEPORT: a stream must reach the process whose dial waits for it
-        self.server = await asyncio.get_running_loop().create_server(
-            lambda: _Opening(self), host or None, port, ssl=context, ssl_handshake_timeout=START_TIMEOUT)
-        self.port = self.server.sockets[0].getsockname()[1]
+        bare = host.strip("[]")
+        family = socket.AF_INET6 if ":" in bare else socket.AF_INET
+        self.server = socket.create_server((bare, port), family=family, backlog=1024)
+        self.server.setblocking(False)
+        self.port = self.server.getsockname()[1]
+        self.accepting = asyncio.ensure_future(self._accept(self.server))
         return self.port
 
     async def stop(self) -> None:
         if self.server is not None:
+            if self.accepting is not None:
+                self.accepting.cancel()
+                await asyncio.gather(self.accepting, return_exceptions=True)
             self.server.close()
             for transport in list(self.connections):
                 transport.close()
@@ -75,11 +87,40 @@ class TunnelListener:
             await asyncio.gather(*self.tasks, return_exceptions=True)
             self.server = None
 
-    def opened(self, opening: _Opening, start: pb.TunnelStart | None, refused: str, rest: bytes) -> None:
-        """The first record came (``start``, and the bytes after it), or the connection is refused (``refused``)."""
-        task = asyncio.ensure_future(self._serve(opening, start, refused, rest))
+    async def _accept(self, server: socket.socket) -> None:
+        """Accept connections: one from an address past its refusals is closed at once (no TLS handshake, no word:
+        the throttle's audit entry was written when it began); the others shake hands (``_secure``)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, address = await loop.sock_accept(server)
+            except OSError as exc:  # out of file descriptors and the like: said, and the moment let pass
+                log.warning("agent tunnel listener cannot accept", extra={"error": exc.strerror or str(exc)})
+                await asyncio.sleep(0.1)
+                continue
+            if self.service.throttled(str(address[0])):
+                conn.close()
+                continue
+            conn.setblocking(False)
+            self._spawn(self._secure(conn))
+
+    async def _secure(self, conn: socket.socket) -> None:
+        """The TLS handshake (bounded), then the first record's wait (``_Opening``); a failed or late handshake
+        closes the connection without a word (nothing can be said before TLS)."""
+        try:
+            await asyncio.get_running_loop().connect_accepted_socket(
+                lambda: _Opening(self), conn, ssl=self.context, ssl_handshake_timeout=START_TIMEOUT)
+        except (OSError, ssl.SSLError, TimeoutError):
+            conn.close()
+
+    def _spawn(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+
+    def opened(self, opening: _Opening, start: pb.TunnelStart | None, refused: str, rest: bytes) -> None:
+        """The first record came (``start``, and the bytes after it), or the connection is refused (``refused``)."""
+        self._spawn(self._serve(opening, start, refused, rest))
 
     async def _serve(self, opening: _Opening, start: pb.TunnelStart | None, refused: str, rest: bytes) -> None:
         transport, client_ip = opening.transport, opening.client_ip
@@ -124,7 +165,7 @@ class _Opening(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         self.client_ip = str(peer[0]) if peer else ""
         throttled = self.listener.service.throttled(self.client_ip)
-        if throttled:  # no token lookup, no audit entry each: one was written when the throttle began
+        if throttled:  # throttled during its handshake: said over TLS; no token lookup, no audit entry each
             self.over = True
             _say(self.transport, throttled)  # type: ignore[arg-type]
             self.transport.close()  # type: ignore[union-attr]
