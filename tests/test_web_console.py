@@ -728,8 +728,14 @@ async def test_every_rule_type_is_edited_and_an_existing_rail_survives_a_save_un
 
 
 def gate() -> Path:
-    """A file the SSH target's user can see (/tmp): a command waits for it, the test makes it."""
+    """A file the SSH target's user can see (/tmp): a command waits for it (``wait_for``), the test makes it."""
     return Path("/tmp") / f"gatewayd-console-gate-{uuid.uuid4().hex}"
+
+
+def wait_for(path: Path) -> str:
+    """Shell that waits for ``path``, for two minutes at most: a command left on the target by a killed session (no pty:
+    sshd sends it no hangup) ends by itself instead of polling for the rest of the machine's life."""
+    return f"n=0; while [ ! -e {path} ] && [ $n -lt 2400 ]; do sleep 0.05; n=$((n+1)); done"
 
 
 async def test_an_issued_credential_not_used_yet_is_not_shown_live(gateway, world, screens):
@@ -752,8 +758,7 @@ async def test_a_running_ssh_session_is_followed_live_and_a_kill_shows_at_once(g
     secret, session_id = body["connection_credentials"]["username"], body["session_id"]
     first, second = gate(), gate()
     held = subprocess.Popen(["ssh", *CLIENT_OPTIONS, "-p", str(gateway.ssh_port), f"{secret}@127.0.0.1",
-                             f"echo live-one; while [ ! -e {first} ]; do sleep 0.05; done; echo live-two; "
-                             f"while [ ! -e {second} ]; do sleep 0.05; done"],
+                             f"echo live-one; {wait_for(first)}; echo live-two; {wait_for(second)}"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
     try:
         assert held.stdout.readline() == b"live-one\n"
