@@ -889,7 +889,8 @@ async def test_psql_through_a_real_agent_rides_the_tunnel_listener(gateway, api,
                                        user=access["connection_credentials"]["username"], password="any")
         try:
             assert await client.fetchval("select 'through the tunnel'") == "through the tunnel"
-            assert tunnel_connections(gateway.tunnel_port) == before + 1, agent.log_path.read_text()[-3000:]
+            assert tunnel_connections(gateway.tunnel_port) == before + 1, \
+                agent.log_path.read_text()[-3000:]  # a fallback to gRPC says why in the agent's log
             assert await keepalive_timers(f"( dport = :{gateway.tunnel_port} )")  # the agent's ends (keep_alive)
         finally:
             await client.close()
