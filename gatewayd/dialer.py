@@ -8,6 +8,9 @@ for a connected socket (``open_socket``) or an asyncio stream pair
 An implementation that does not hold a local TCP socket (reaching a target
 through an agent) hands out one end of a ``socket.socketpair()`` and relays
 the other end over its own stream; the proxies do not see the difference.
+A proxy that starts no TLS of its own on the connection may ask for a
+transport instead (``open_transport``): an agent's dialer then serves it on
+its tunnel connection's own end, with no socketpair between.
 
 Every failure is one ``DialError`` whose message is safe to show the client:
 ``could not connect to the target of connection "X": <reason>``.
@@ -24,7 +27,7 @@ import ipaddress
 import os
 import socket
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
 
 from aiohttp import ClientConnectorError, TCPConnector
 from aiohttp.abc import AbstractResolver, ResolveResult
@@ -34,6 +37,7 @@ if TYPE_CHECKING:
 
 DIAL_TIMEOUT = 10.0
 STREAM_LIMIT = 1 << 16  # what asyncio.open_connection buffers by default
+P = TypeVar("P", bound=asyncio.BaseProtocol)
 
 
 class DialError(Exception):
@@ -54,10 +58,26 @@ class Dialer(Protocol):
         """A connected, non-blocking socket to ``host:port``; raises DialError."""
         ...
 
+    async def open_transport(self, protocol_factory: Callable[[], P], host: str, port: int, *, connection: str,
+                             timeout: float = DIAL_TIMEOUT) -> tuple[asyncio.Transport, P]:
+        """A transport to ``host:port`` served by a new ``protocol_factory()``; raises DialError.  It may not be a
+        socket's (an agent's tunnel): ``loop.start_tls`` does not take it, so a caller that upgrades to TLS asks for
+        ``open_socket``."""
+        ...
+
     async def open_stream(self, host: str, port: int, *, connection: str, timeout: float = DIAL_TIMEOUT,
                           limit: int = STREAM_LIMIT) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """An asyncio stream pair to ``host:port`` (its reader buffering up to ``limit`` bytes); raises DialError."""
         ...
+
+
+async def adopt(sock: socket.socket, protocol_factory: Callable[[], P], connection: str) -> tuple[asyncio.Transport, P]:
+    """A connected socket as the loop's transport of a new ``protocol_factory()`` (closed on failure); DialError."""
+    try:
+        return await asyncio.get_running_loop().create_connection(protocol_factory, sock=sock)  # type: ignore[return-value]
+    except OSError as exc:
+        sock.close()
+        raise DialError(connection, reason_of(exc)) from None
 
 
 class Routes(Protocol):
@@ -145,6 +165,12 @@ class DirectDialer:
             raise DialError(connection, f"unknown host ({exc.strerror or exc})") from None
         except OSError as exc:
             raise DialError(connection, _reason(exc)) from None
+
+    async def open_transport(self, protocol_factory: Callable[[], P], host: str, port: int, *, connection: str,
+                             timeout: float = DIAL_TIMEOUT) -> tuple[asyncio.Transport, P]:
+        """A transport to ``host:port`` served by a new ``protocol_factory()``; raises DialError."""
+        sock = await self.open_socket(host, port, connection=connection, timeout=timeout)
+        return await adopt(sock, protocol_factory, connection)
 
     async def open_stream(self, host: str, port: int, *, connection: str, timeout: float = DIAL_TIMEOUT,
                           limit: int = STREAM_LIMIT) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

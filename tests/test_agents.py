@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import shutil
 import socket
 import sqlite3
@@ -821,25 +822,43 @@ async def refusal(records: Tunnel) -> str:
     return said.error
 
 
-async def target_through(api: Api, created: dict, pg_target: Any) -> dict:
-    """A PostgreSQL connection to ``pg_target`` through agent ``created`` (verified against its root certificate)."""
+async def target_through(api: Api, created: dict, pg_target: Any, sslmode: str = "verify-full") -> dict:
+    """A PostgreSQL connection to ``pg_target`` through agent ``created`` (verified against its root certificate, the
+    default through an agent; ``sslmode="disable"``: no TLS to the target, the proxy on the tunnel's own end)."""
+    tls = {"SSLROOTCERT": pg_target.root_cert()} if sslmode == "verify-full" else {"SSLMODE": sslmode}
     code, connection = await api("POST", "/connections", {
         "name": f"pg-{uuid.uuid4().hex[:8]}", "type": "database", "subtype": "postgres", "agent_id": created["id"],
         "secret": {f"envvar:{k}": b64(v) for k, v in {
             "HOST": "127.0.0.1", "PORT": str(pg_target.port), "USER": "postgres", "PASS": pg_target.password,
-            "DB": "postgres", "SSLROOTCERT": pg_target.root_cert()}.items()}})
+            "DB": "postgres", **tls}.items()}})
     assert code == 201, connection
     return connection
 
 
-async def answered_by_test(api: Api, created: dict) -> dict:
-    """A PostgreSQL connection through agent ``created`` to an address nobody serves: the test answers its Opens."""
+async def answered_by_test(api: Api, created: dict, sslmode: str = "") -> dict:
+    """A PostgreSQL connection through agent ``created`` to an address nobody serves: the test answers its Opens
+    (``sslmode``: the role's SSLMODE, else the default, verify-full)."""
+    mode = {"SSLMODE": sslmode} if sslmode else {}
     code, connection = await api("POST", "/connections", {
         "name": f"pg-{uuid.uuid4().hex[:8]}", "type": "database", "subtype": "postgres", "agent_id": created["id"],
         "secret": {f"envvar:{k}": b64(v) for k, v in {"HOST": "10.9.8.7", "PORT": "5432", "USER": "postgres",
-                                                      "PASS": "x", "DB": "postgres"}.items()}})
+                                                      "PASS": "x", "DB": "postgres", **mode}.items()}})
     assert code == 201, connection
     return connection
+
+
+def unix_sockets(pid: int) -> int:
+    """The Unix-domain sockets process ``pid`` holds (a socketpair's two ends count two)."""
+    inodes = {line.split()[6] for line in Path("/proc/net/unix").read_text().splitlines()[1:]}
+    held = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:[") and target[8:-1] in inodes:
+            held += 1
+    return held
 
 
 def psql_through(gateway: Daemon, api: Api, connection: dict) -> asyncio.Future[subprocess.CompletedProcess[str]]:
@@ -857,7 +876,8 @@ def psql_through(gateway: Daemon, api: Api, connection: dict) -> asyncio.Future[
 
 async def carried(gateway: Daemon, agent: "TunnelAgent", created: dict) -> tuple["Tunnel", pb.Open]:
     """The next Open the test's agent is sent, answered ``connected`` on a tunnel connection of its own, and the
-    stream carried: the proxy's first bytes for the target (its SSLRequest: verify-full) read from it."""
+    stream carried: the proxy's first bytes for the target (its SSLRequest, or its StartupMessage without TLS) read
+    from it."""
     async with asyncio.timeout(30):
         opened = await agent.opens.get()
         stream = await tunnel(gateway, created)
@@ -872,28 +892,52 @@ async def refused_entries(api: Api, reason: str) -> list[dict]:
     return [e for e in await audit(api, "agent.stream_refused") if reason in e["error_message"]]
 
 
-async def test_psql_through_a_real_agent_rides_the_tunnel_listener(gateway, api, pg_target, tmp_path):
+@pytest.mark.parametrize("sslmode", ["verify-full", "disable"])
+async def test_psql_through_a_real_agent_rides_the_tunnel_listener(gateway, api, pg_target, tmp_path, sslmode):
     """The Open names the tunnel listener's port; the agent carries the session's bytes over a TLS connection of
-    its own to it, which lasts as long as the session."""
+    its own to it, which lasts as long as the session. With TLS to the target (verify-full, the default) the proxy
+    is given one end of a socketpair (``loop.start_tls`` takes only a socket's transport); without it the proxy's
+    protocol sits on the tunnel connection's own end (two Unix sockets fewer, no hop between). Either way a large
+    answer and a large upload cross intact (frames of at most 64 KiB, flow control both ways), and the session's
+    end ends the target's backend."""
     import asyncpg
 
     created = await new_agent(api)
     agent = start(created, tmp_path)
     try:
         await until_agent(api, created["name"], "online")
-        connection = await target_through(api, created, pg_target)
+        connection = await target_through(api, created, pg_target, sslmode)
         code, access = await api("POST", f"/connections/{connection['name']}/credentials",
                                  {"access_duration_seconds": 600})
         before = tunnel_connections(gateway.tunnel_port)
+        unix_before = unix_sockets(gateway.process.pid)
         client = await asyncpg.connect(host="127.0.0.1", port=gateway.pg_port, ssl=False, database="postgres",
                                        user=access["connection_credentials"]["username"], password="any")
         try:
             assert await client.fetchval("select 'through the tunnel'") == "through the tunnel"
             assert tunnel_connections(gateway.tunnel_port) == before + 1, \
                 agent.log_path.read_text()[-3000:]  # a fallback to gRPC says why in the agent's log
+            assert unix_sockets(gateway.process.pid) - unix_before == (2 if sslmode == "verify-full" else 0)
             assert await keepalive_timers(f"( dport = :{gateway.tunnel_port} )")  # the agent's ends (keep_alive)
+            backend = await client.fetchval("select pg_backend_pid()")
+            rows = await client.fetch("select i, repeat(md5(i::text), 40) as pad from generate_series(1, 20000) i")
+            assert len(rows) == 20000 and rows[-1]["pad"] == hashlib.md5(b"20000").hexdigest() * 40  # ~26 MB back
+            await client.execute("create temporary table landed (i int, pad text)")
+            await client.copy_records_to_table("landed", records=[(i, "y" * 1000) for i in range(10000)])
+            assert await client.fetchval("select count(*) from landed where length(pad) = 1000") == 10000
         finally:
             await client.close()
+        direct = await asyncpg.connect(host="127.0.0.1", port=pg_target.port, user="postgres",
+                                       password=pg_target.password, database="postgres", ssl=False)
+        try:
+            for _ in range(200):  # the gateway's close reached the target through the agent
+                if not await direct.fetchval("select count(*) from pg_stat_activity where pid = $1", backend):
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("the target's backend outlived the session")
+        finally:
+            await direct.close()
     finally:
         agent.stop()
 
@@ -973,14 +1017,15 @@ async def test_the_tunnel_listener_refuses_what_it_did_not_ask_for_and_audits_it
                 if created["token"] in str(e) or other["token"] in str(e)]
 
 
-async def test_a_target_that_fails_at_the_agent_ends_its_stream_only_and_the_gateway_acknowledges(gateway, api):
+@pytest.mark.parametrize("sslmode", ["", "disable"])  # the proxy on a socketpair / on the tunnel
+async def test_a_target_that_fails_at_the_agent_ends_its_stream_only_and_the_gateway_acknowledges(gateway, api, sslmode):
     """On a tunnel connection, the agent's error frame (its target's socket failed) ends that stream: the gateway
     closes the proxy's end (psql hears it), answers ``eof`` (the acknowledgement) and closes the connection; the
     agent's link stays up."""
     created = await new_agent(api)
     async with TunnelAgent(created) as agent:
         await until_agent(api, created["name"], "online", connections=1)
-        connection = await answered_by_test(api, created)
+        connection = await answered_by_test(api, created, sslmode)
         psql = psql_through(gateway, api, connection)
         stream, _ = await carried(gateway, agent, created)
         async with asyncio.timeout(30):
@@ -1009,14 +1054,15 @@ async def keepalive_timers(selection: str) -> bool:
     return False
 
 
-async def test_a_tunnel_connection_cut_without_its_end_ends_its_stream_only_and_the_agent_stays(gateway, api):
+@pytest.mark.parametrize("sslmode", ["", "disable"])  # the proxy on a socketpair / on the tunnel
+async def test_a_tunnel_connection_cut_without_its_end_ends_its_stream_only_and_the_agent_stays(gateway, api, sslmode):
     """A tunnel connection reset under a live session (a NAT or firewall that forgot it) is one TCP connection, not
     the agent: that session's client hears its end, the agent's link stays up (no ``broke off`` disconnect) and
     serves the next session on the same control channel."""
     created = await new_agent(api)
     async with TunnelAgent(created) as agent:
         await until_agent(api, created["name"], "online", connections=1)
-        connection = await answered_by_test(api, created)
+        connection = await answered_by_test(api, created, sslmode)
 
         first = psql_through(gateway, api, connection)
         stream, opened = await carried(gateway, agent, created)

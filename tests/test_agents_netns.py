@@ -171,12 +171,15 @@ async def agent(api, netns, peers, tmp_path_factory) -> Any:
     process.stop()
 
 
-async def pg_connection(api: Api, peers: dict, agent_id: str = "vpc", token: str | None = None) -> dict:
+async def pg_connection(api: Api, peers: dict, agent_id: str = "vpc", token: str | None = None,
+                        sslmode: str = "verify-full") -> dict:
+    """``sslmode``: verify-full, the default through an agent; "disable": no TLS to the target (SCRAM still
+    proves both ends), the proxy then sits on the agent's tunnel connection itself."""
+    tls = {"SSLROOTCERT": peers["pg_root_cert"]} if sslmode == "verify-full" else {"SSLMODE": sslmode}
     body = {"name": f"pg-{uuid.uuid4().hex[:8]}", "type": "database", "subtype": "postgres", "agent_id": agent_id,
             "secret": {f"envvar:{k}": b64(v) for k, v in {
                 "HOST": "127.0.0.1", "PORT": str(peers["pg_port"]), "USER": "postgres",
-                "PASS": peers["pg_password"], "DB": "postgres",
-                "SSLROOTCERT": peers["pg_root_cert"]}.items()}}  # verify-full: the default through an agent
+                "PASS": peers["pg_password"], "DB": "postgres", **tls}.items()}}
     code, created = await api("POST", "/connections", body, token=token)
     assert code == 201, created
     return created
@@ -320,8 +323,10 @@ async def test_curl_and_a_websocket_through_the_agent(api, gateway, peers, agent
 # ---------------------------------------------------------------------------------------------- losing the agent
 
 
-async def test_killing_the_agent_ends_its_session_naming_it_and_a_restart_serves_again(api, gateway, peers, agent):
-    connection = await pg_connection(api, peers)
+@pytest.mark.parametrize("sslmode", ["verify-full", "disable"])
+async def test_killing_the_agent_ends_its_session_naming_it_and_a_restart_serves_again(api, gateway, peers, agent,
+                                                                                        sslmode):
+    connection = await pg_connection(api, peers, sslmode=sslmode)
     secret, session_id = await credential(api, connection, "username")
     client = await asyncpg.connect(host="127.0.0.1", port=gateway.ports["postgres"], user=secret, password="any",
                                    database="postgres", ssl=False)

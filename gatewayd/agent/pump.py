@@ -27,6 +27,7 @@ CHUNK = 64 * 1024
 HEADER = struct.Struct(">I")  # a record's length, before its bytes (a tunnel connection)
 MAX_RECORD = 4 * CHUNK  # a data Frame is CHUNK bytes and a few more: a longer record is a broken or hostile peer
 
+ATTACH_TIMEOUT = 10.0  # a stream's end handed to a dial (``Splice.end``) is taken within this, or the stream ends
 ReadFrame = Callable[[], Awaitable[Any]]  # a Frame, or grpc.aio.EOF when the call ended
 WriteFrame = Callable[[pb.Frame], Awaitable[None]]
 
@@ -181,12 +182,23 @@ class Splice:
         self.started = False
         self.said = False  # this side's end was sent (eof or error)
         self.heard = False  # the peer's end was received (eof or error)
+        self.held = False  # the proxy's end stopped reading (``end``): records wait in ``buffer``
+        self.attached: asyncio.Future[None] | None = None  # ``end``'s: its protocol is there
 
     # -- what a relay does (gatewayd.agent.server.carry)
 
     async def attach(self, sock: socket.socket) -> None:
         """The socket's end, as a transport (reading once ``start`` is called)."""
         await asyncio.get_running_loop().create_connection(lambda: self.plain, sock=sock)
+
+    def end(self) -> TunnelTransport:
+        """The socket's end as a transport of this process, for a protocol here (the gateway's proxy): what it writes
+        becomes frames and the frames' bytes are its ``data_received``, with no ``socketpair()`` between (two more
+        writes, reads and loop wake-ups per message).  Bytes flow once a protocol is attached (``attached``)."""
+        transport = TunnelTransport(self)
+        self.socket = transport.inward  # type: ignore[assignment]
+        self.attached = asyncio.get_running_loop().create_future()
+        return transport
 
     def adopt(self, transport: asyncio.Transport, rest: bytes = b"") -> None:
         """The tunnel connection's transport, whose protocol this side becomes (reading once ``start`` is called);
@@ -208,10 +220,16 @@ class Splice:
         if rest:
             self.received(rest)
         for transport in (self.socket, self.tunnel):
-            if transport is not None and not transport.is_closing():
+            if transport is not None and not transport.is_closing() and not (transport is self.tunnel and self.held):
                 transport.resume_reading()
 
     async def run(self) -> None:
+        if self.attached is not None:  # the proxy's end (``end``): once its protocol is there, bounded
+            try:
+                async with asyncio.timeout(ATTACH_TIMEOUT):
+                    await self.attached
+            except TimeoutError:
+                raise StreamBroken("the gateway's end of the stream was never taken") from None
         self.start()
         await self.done
 
@@ -265,7 +283,7 @@ class Splice:
             self.buffer.clear()
         view = memoryview(data)
         at, size = 0, len(data)
-        while size - at >= HEADER.size and not self.done.done():
+        while size - at >= HEADER.size and not self.held and not self.done.done():
             (length,) = HEADER.unpack_from(data, at)
             if length > MAX_RECORD:
                 self.broken(f"a record of {length} bytes, past the bound of {MAX_RECORD}")
@@ -371,3 +389,162 @@ class _TunnelSide(asyncio.Protocol):
     def resume_writing(self) -> None:
         if self.splice.socket is not None and not self.splice.socket.is_closing():
             self.splice.socket.resume_reading()
+
+
+class TunnelTransport(asyncio.Transport):
+    """A Splice's socket end as the transport of a protocol in this process (``Splice.end``): the gateway's proxy
+    reads and writes its target through it as through a socket's transport (``set_protocol``, flow control both
+    ways, ``write_eof``, ``close``).  Not a socket's: ``loop.start_tls`` does not take it (a dial that upgrades to
+    TLS asks for a socket)."""
+
+    def __init__(self, splice: Splice) -> None:
+        super().__init__()
+        self.splice = splice
+        self.inward = _ProxySide(self)  # what the Splice drives, as it drives a socket's transport
+        self.protocol: asyncio.BaseProtocol | None = None
+        self.closing = False
+        self.lost = False  # the protocol was told (connection_lost)
+        self.reading = True
+        self.writing_paused = False  # the protocol was told pause_writing
+
+    def attach(self, protocol: asyncio.BaseProtocol) -> None:
+        """``protocol`` becomes this transport's (``connection_made``); the stream's bytes flow from now on."""
+        self.protocol = protocol
+        protocol.connection_made(self)
+        attached = self.splice.attached
+        if attached is not None and not attached.done():
+            attached.set_result(None)
+
+    # -- asyncio.Transport
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if not self.closing:
+            self.splice.send(bytes(data))
+
+    def writelines(self, list_of_data: Any) -> None:
+        self.write(b"".join(list_of_data))
+
+    def write_eof(self) -> None:
+        if not self.closing:
+            self.splice.say(pb.Frame(eof=True))
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        """As a socket's close: the peer hears this end's eof; the protocol hears ``connection_lost`` soon."""
+        if self.closing:
+            return
+        self.closing = True
+        self.splice.say(pb.Frame(eof=True))
+        asyncio.get_running_loop().call_soon(self._lose, None)
+
+    def abort(self) -> None:
+        if self.closing:
+            return
+        self.closing = True
+        self.splice.say(pb.Frame(error="the gateway's end failed (aborted)"))
+        asyncio.get_running_loop().call_soon(self._lose, None)
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def pause_reading(self) -> None:
+        if self.reading:
+            self.reading = False
+            self.splice.held = True
+            tunnel = self.splice.tunnel
+            if tunnel is not None and not tunnel.is_closing():
+                tunnel.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.reading or self.closing:
+            return
+        self.reading = True
+        splice = self.splice
+        splice.held = False
+        if splice.buffer:  # records received before the pause and not yet handed on
+            splice.received(b"")
+        if splice.tunnel is not None and not splice.tunnel.is_closing() and not splice.held:
+            splice.tunnel.resume_reading()
+
+    def is_reading(self) -> bool:
+        return self.reading
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self.protocol = protocol
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self.protocol  # type: ignore[return-value]
+
+    def get_write_buffer_size(self) -> int:
+        tunnel = self.splice.tunnel
+        return tunnel.get_write_buffer_size() if tunnel is not None else 0
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        tunnel = self.splice.tunnel
+        if tunnel is not None:
+            tunnel.set_write_buffer_limits(high, low)
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        tunnel = self.splice.tunnel
+        return tunnel.get_write_buffer_limits() if tunnel is not None else (0, 0)  # type: ignore[attr-defined]
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default  # no socket, no peer address of its own (the agent's dial is the agent's)
+
+    # -- what the Splice does to it (through ``inward``)
+
+    def _lose(self, exc: Exception | None) -> None:
+        if not self.lost:
+            self.lost = True
+            self.closing = True
+            if self.protocol is not None:
+                self.protocol.connection_lost(exc)
+
+
+class _ProxySide:
+    """A TunnelTransport as the Splice sees its socket's transport: the frames' bytes go to the protocol (as a
+    socket's ``write`` would send them to the proxy), the tunnel's flow control to its ``pause_writing``."""
+
+    __slots__ = ("transport",)
+
+    def __init__(self, transport: TunnelTransport) -> None:
+        self.transport = transport
+
+    def write(self, data: bytes) -> None:
+        transport = self.transport
+        if not transport.closing and transport.protocol is not None:
+            transport.protocol.data_received(data)  # type: ignore[attr-defined]
+
+    def write_eof(self) -> None:
+        transport = self.transport
+        if transport.closing or transport.protocol is None:
+            return
+        if not transport.protocol.eof_received():  # type: ignore[attr-defined]
+            transport.close()
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        """The stream ended here (the agent's socket failed, the link was lost, the gateway stops)."""
+        transport = self.transport
+        if not transport.lost:
+            transport.closing = True
+            asyncio.get_running_loop().call_soon(transport._lose, None)
+
+    def is_closing(self) -> bool:
+        return self.transport.closing
+
+    def pause_reading(self) -> None:  # the tunnel's write buffer is full: the protocol stops writing
+        transport = self.transport
+        if not transport.writing_paused and transport.protocol is not None and not transport.closing:
+            transport.writing_paused = True
+            transport.protocol.pause_writing()
+
+    def resume_reading(self) -> None:
+        transport = self.transport
+        if transport.writing_paused and transport.protocol is not None and not transport.closing:
+            transport.writing_paused = False
+            transport.protocol.resume_writing()

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from gatewayd.agent import agent_pb2 as pb
-from gatewayd.dialer import DIAL_TIMEOUT, STREAM_LIMIT, DialError
+from gatewayd.dialer import DIAL_TIMEOUT, STREAM_LIMIT, DialError, P, adopt
 from gatewayd.models import Agent, rfc3339, utcnow
 
 if TYPE_CHECKING:
@@ -74,7 +74,8 @@ class AgentLink:
 class PendingStream:
     link: AgentLink
     connection: str
-    answer: asyncio.Future[socket.socket]
+    answer: asyncio.Future[Any]  # the proxy's end: a socket, or (``transport``) a pump.TunnelTransport when it can be
+    transport: bool = False  # the dial takes a transport (``AgentDialer.open_transport``): no socketpair on a tunnel
 
 
 def matches(agent: Agent, reference: str) -> bool:
@@ -206,8 +207,10 @@ class AgentRegistry:
         return AgentDialer(self, connection.org_id, connection.agent_id)
 
     async def open(self, org_id: str, reference: str, host: str, port: int, connection: str,
-                   timeout: float) -> socket.socket:
-        """A socket whose bytes go to ``host:port`` through the agent; DialError at once when it is offline."""
+                   timeout: float, transport: bool = False) -> Any:
+        """A socket whose bytes go to ``host:port`` through the agent; DialError at once when it is offline.
+        ``transport``: a pump.TunnelTransport instead when the stream comes on a tunnel connection (the caller
+        attaches its protocol), still a socket when it comes over a Tunnel call."""
         links = self.links_of(org_id, reference)
         if not links:
             agent = await self.store.get_agent(org_id, reference)
@@ -216,8 +219,8 @@ class AgentRegistry:
             raise DialError(connection, offline_reason(agent.name))
         link = links[-1]  # the newest: an agent that reconnected serves on its new channel
         stream_id = secrets.token_urlsafe(18)
-        answer: asyncio.Future[socket.socket] = asyncio.get_running_loop().create_future()
-        self.pending[stream_id] = PendingStream(link, connection, answer)
+        answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.pending[stream_id] = PendingStream(link, connection, answer, transport)
         try:
             link.outbox.put_nowait(pb.GatewayMessage(open=pb.Open(
                 stream_id=stream_id, host=host, port=port, connection=connection, timeout=timeout,
@@ -283,6 +286,15 @@ class AgentDialer:
     async def open_socket(self, host: str, port: int, *, connection: str,
                           timeout: float = DIAL_TIMEOUT) -> socket.socket:
         return await self.registry.open(self.org_id, self.reference, host, port, connection, timeout)
+
+    async def open_transport(self, protocol_factory: Callable[[], P], host: str, port: int, *, connection: str,
+                             timeout: float = DIAL_TIMEOUT) -> tuple[asyncio.Transport, P]:
+        end = await self.registry.open(self.org_id, self.reference, host, port, connection, timeout, transport=True)
+        if isinstance(end, socket.socket):  # the stream came over a Tunnel call: a socketpair's end
+            return await adopt(end, protocol_factory, connection)
+        protocol = protocol_factory()
+        end.attach(protocol)
+        return end, protocol
 
     async def open_stream(self, host: str, port: int, *, connection: str, timeout: float = DIAL_TIMEOUT,
                           limit: int = STREAM_LIMIT) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:

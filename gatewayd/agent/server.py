@@ -250,27 +250,34 @@ class AgentService(pb_grpc.AgentGatewayServicer):  # type: ignore[misc]  # (gene
     async def carry(self, pending: PendingStream, first: Any, relay: CallRelay | Splice) -> None:
         """An admitted stream: the dial's answer, then its bytes between a socketpair (the proxy's end is the dial's
         result) and the agent's frames (``relay``: over the Tunnel call or the tunnel connection) until both ends
-        are done. The relay is closed when the agent's link is lost."""
+        are done; a dial that takes a transport gets the tunnel connection's own (``Splice.end``: no socketpair).
+        The relay is closed when the agent's link is lost."""
         link, name = pending.link, pending.link.agent.name
         if not first.connected:
             if not pending.answer.done():
                 pending.answer.set_exception(DialError(pending.connection,
                                                        f'through agent "{name}": {first.error or "refused"}'))
             return
-        ours, theirs = socket.socketpair()
-        ours.setblocking(False)
-        theirs.setblocking(False)
-        try:
-            await relay.attach(ours)
-        except BaseException:
-            ours.close()
-            theirs.close()
-            raise
-        if pending.answer.done():  # the dial gave up meanwhile
-            relay.close()
-            theirs.close()
-            return
-        pending.answer.set_result(theirs)
+        if pending.transport and isinstance(relay, Splice):  # the proxy's protocol on the stream itself
+            if pending.answer.done():  # the dial gave up meanwhile
+                relay.close()
+                return
+            pending.answer.set_result(relay.end())
+        else:
+            ours, theirs = socket.socketpair()
+            ours.setblocking(False)
+            theirs.setblocking(False)
+            try:
+                await relay.attach(ours)
+            except BaseException:
+                ours.close()
+                theirs.close()
+                raise
+            if pending.answer.done():  # the dial gave up meanwhile
+                relay.close()
+                theirs.close()
+                return
+            pending.answer.set_result(theirs)
         link.streams.add(relay)
         if link.closed.is_set():  # the link was lost while this stream was admitted: its detach has closed the rest
             relay.close()

@@ -290,13 +290,17 @@ class UpstreamPool:
         context = (self._insecure if insecure else self._verified) if scheme == "https" else None
         try:
             async with asyncio.timeout(CONNECT_TIMEOUT):
-                sock = await dialer.open_socket(host, port, connection=f"{host}:{port}", timeout=CONNECT_TIMEOUT)
-                try:
-                    _, protocol = await loop.create_connection(lambda: TargetProtocol(loop), sock=sock, ssl=context,
-                                                               server_hostname=host if context else None)
-                except BaseException:
-                    sock.close()
-                    raise
+                if context is None:  # plain HTTP: any transport will do (an agent's tunnel, no socketpair)
+                    _, protocol = await dialer.open_transport(lambda: TargetProtocol(loop), host, port,
+                                                              connection=f"{host}:{port}", timeout=CONNECT_TIMEOUT)
+                else:
+                    sock = await dialer.open_socket(host, port, connection=f"{host}:{port}", timeout=CONNECT_TIMEOUT)
+                    try:
+                        _, protocol = await loop.create_connection(lambda: TargetProtocol(loop), sock=sock,
+                                                                   ssl=context, server_hostname=host)
+                    except BaseException:
+                        sock.close()
+                        raise
         except DialError as exc:
             raise ConnectFailed(exc.reason) from None
         except TimeoutError:

@@ -234,12 +234,15 @@ async def connect_target(settings: TargetSettings, client_parameters: dict[str, 
 
 async def _connect(settings: TargetSettings, client_parameters: dict[str, str], name: str, dialer: Dialer,
                    timeout: float) -> TargetLink:
-    loop = asyncio.get_running_loop()
-    sock = await dialer.open_socket(settings.host, settings.port, connection=name, timeout=timeout)
-    _, stream = await loop.create_connection(lambda: FrameStream(BackendReader()), sock=sock)
+    agent = through_agent(dialer)
+    sslmode = settings.mode(agent)
+    if sslmode in ("disable", "allow"):  # no TLS to start: any transport will do (an agent's tunnel, no socketpair)
+        _, stream = await dialer.open_transport(lambda: FrameStream(BackendReader()), settings.host, settings.port,
+                                                connection=name, timeout=timeout)
+    else:
+        sock = await dialer.open_socket(settings.host, settings.port, connection=name, timeout=timeout)
+        _, stream = await asyncio.get_running_loop().create_connection(lambda: FrameStream(BackendReader()), sock=sock)
     try:
-        agent = through_agent(dialer)
-        sslmode = settings.mode(agent)
         verified = False
         if sslmode not in ("disable", "allow"):
             verified = await _negotiate_tls(stream, settings, sslmode, name)
