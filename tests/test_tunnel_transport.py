@@ -13,6 +13,8 @@ import struct
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gatewayd.agent import agent_pb2 as pb
 from gatewayd.agent.pump import CHUNK, Splice, StreamBroken, TunnelTransport, record
@@ -262,3 +264,26 @@ async def test_an_end_nobody_attaches_ends_the_stream(monkeypatch):
     with pytest.raises(StreamBroken, match="never taken"):
         async with asyncio.timeout(10):
             await splice.run()
+
+
+@given(st.binary(max_size=70_000))
+def test_a_data_record_is_protobuf_s_own_encoding_and_reads_back(data):
+    """The hot path writes data frames without building a message and reads them back without parsing one: the same
+    bytes as protobuf's, both ways (an agent or gateway of either kind reads the other's records)."""
+    from gatewayd.agent.pump import data_of, data_record
+
+    encoded = record(pb.Frame(data=data))
+    assert data_record(data) == encoded
+    assert data_of(encoded, 4, len(encoded)) == (data if data else None)  # an empty frame has no field: parsed
+
+
+@given(st.builds(pb.Frame, data=st.binary(max_size=300), eof=st.booleans(), stream_id=st.text(max_size=5),
+                 connected=st.booleans(), error=st.text(max_size=5)))
+def test_a_record_with_more_than_data_is_left_to_protobuf(frame):
+    """Only a frame whose one field is ``data`` takes the fast path; any other (eof, error, a stream id...) is parsed."""
+    from gatewayd.agent.pump import data_of
+
+    encoded = record(frame)
+    fast = data_of(encoded, 4, len(encoded))
+    only_data = frame.data and not (frame.eof or frame.stream_id or frame.connected or frame.error)
+    assert fast == (frame.data if only_data else None)

@@ -43,6 +43,39 @@ def record(message: Any) -> bytes:
 
 
 EOF_RECORD = record(pb.Frame(eof=True))
+DATA_TAG = 0x0A  # a Frame's ``data`` (field 1, length-delimited): the first byte of a data frame's encoding
+
+
+def data_record(data: bytes) -> bytes:
+    """``record(Frame(data=data))``, byte for byte, without building the message (the one record of the hot path:
+    protobuf encodes a message with only ``data`` set as its tag, the length as a varint, then the bytes)."""
+    size = len(data)
+    if 0 < size < 0x80:
+        head = bytes((DATA_TAG, size))
+    elif 0x80 <= size < 0x4000:
+        head = bytes((DATA_TAG, size & 0x7F | 0x80, size >> 7))
+    elif 0x4000 <= size < 0x200000:
+        head = bytes((DATA_TAG, size & 0x7F | 0x80, (size >> 7) & 0x7F | 0x80, size >> 14))
+    else:  # empty (protobuf writes no field at all) or past any record's bound
+        return record(pb.Frame(data=data))
+    return b"".join((HEADER.pack(len(head) + size), head, data))
+
+
+def data_of(record_: bytes, start: int, end: int) -> bytes | None:
+    """The bytes of the data frame encoded in ``record_[start:end]`` when it is one whose ``data`` is its only field
+    (as ``data_record`` writes it, and protobuf), else None (the caller parses it as a Frame)."""
+    if end - start < 2 or record_[start] != DATA_TAG:
+        return None
+    first = record_[start + 1]
+    if first < 0x80:
+        size, at = first, start + 2
+    elif end - start >= 3 and record_[start + 2] < 0x80:
+        size, at = (first & 0x7F) | (record_[start + 2] << 7), start + 3
+    elif end - start >= 4 and record_[start + 2] >= 0x80 and record_[start + 3] < 0x80:
+        size, at = (first & 0x7F) | ((record_[start + 2] & 0x7F) << 7) | (record_[start + 3] << 14), start + 4
+    else:
+        return None
+    return record_[at:end] if at + size == end else None
 
 KEEPALIVE_IDLE = 60  # seconds a tunnel connection may be idle before TCP probes it (see keep_alive)
 
@@ -248,10 +281,10 @@ class Splice:
             self.early += data
             return
         if len(data) <= CHUNK:
-            self.tunnel.write(record(pb.Frame(data=data)))
+            self.tunnel.write(data_record(data))
             return
         for at in range(0, len(data), CHUNK):
-            self.tunnel.write(record(pb.Frame(data=data[at:at + CHUNK])))
+            self.tunnel.write(data_record(data[at:at + CHUNK]))
 
     def say(self, frame: pb.Frame) -> None:
         """This side's end (eof or error), once (after the bytes received before the start, when it comes first)."""
@@ -291,6 +324,14 @@ class Splice:
             end = at + HEADER.size + length
             if size < end:
                 break
+            payload = data_of(data, at + HEADER.size, end)
+            if payload is not None:  # a data frame (nearly every record): its bytes, no message built
+                at = end
+                if not self.heard:  # as ``frame`` does with a Frame that has only data
+                    socket = self.socket
+                    if payload and socket is not None and not socket.is_closing():
+                        socket.write(payload)
+                continue
             try:
                 frame = pb.Frame.FromString(view[at + HEADER.size:end])
             except DecodeError:
