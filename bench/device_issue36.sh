@@ -34,6 +34,9 @@ $python bench/postgres/bench_postgres.py --workers 1,4,8 --clients 64 --seconds 
 step "postgres: through an agent at -c 16, and the -c 1 latency"
 $python bench/postgres/bench_postgres.py --via-agent --clients 16 --seconds "$seconds" --rounds "$rounds" \
   --runs simple,latency || echo "step failed: $?"
+step "postgres: through an agent with 4 carrier processes, against the direct gateway, both with 4 workers, -c 16"
+GATEWAYD_AGENT_WORKERS=4 $python bench/postgres/bench_postgres.py --via-agent --workers 4 --clients 16 \
+  --seconds "$seconds" --rounds "$rounds" --runs simple || echo "step failed: $?"
 step "agent: CPU per transaction, gateway and agent (-c 1, -c 16)"
 $python bench/postgres/bench_agent.py --rounds 2 --transactions $((seconds * 5000)) --clients 1,16 \
   || echo "step failed: $?"

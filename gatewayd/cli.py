@@ -258,8 +258,15 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     except ChannelError as exc:
         raise ConfigError(str(exc)) from None
     logs.configure(args.log_format, args.log_level)
+    try:
+        workers = args.workers if args.workers is not None else int(os.environ.get("GATEWAYD_AGENT_WORKERS") or 1)
+    except ValueError:
+        workers = -1
+    if workers < 0:
+        raise ConfigError("--workers (or $GATEWAYD_AGENT_WORKERS): a number of processes (0: one per core)")
     process = AgentProcess(args.url, token, fingerprint=args.tls_fingerprint or "", ca_file=args.ca_file or "",
-                           keepalive=args.keepalive)
+                           keepalive=args.keepalive, workers=workers or os.cpu_count() or 1,
+                           log_format=args.log_format, log_level=args.log_level)
     return _until_stopped(process.run)
 
 
@@ -365,6 +372,10 @@ def build_parser(run: Command | None = None) -> argparse.ArgumentParser:
     agent.add_argument("--ca-file", help="PEM file of the authority that signed the gateway's certificate")
     agent.add_argument("--keepalive", type=float, default=10.0,
                        help="seconds between pings to the gateway: a cut network is noticed within about twice that")
+    agent.add_argument("--workers", type=int, default=None,
+                       help="processes that carry the streams' bytes, for an agent whose targets keep one core busy "
+                            "(default 1, or $GATEWAYD_AGENT_WORKERS; 0: one per core); with more than one, the "
+                            "main process dials and answers and N carrier processes carry the bytes")
     agent.add_argument("--log-format", default="plain", choices=("plain", "json"))
     agent.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     agent.set_defaults(func=_cmd_agent)

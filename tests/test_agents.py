@@ -942,8 +942,9 @@ async def test_psql_through_a_real_agent_rides_the_tunnel_listener(gateway, api,
         agent.stop()
 
 
+@pytest.mark.parametrize("workers", [1, 2])  # 2: a carrier finds the port closed and hands the stream back
 async def test_an_agent_that_cannot_reach_the_tunnel_port_carries_its_streams_over_grpc(gateway, api, pg_target,
-                                                                                          tmp_path):
+                                                                                          tmp_path, workers):
     """A load balancer that forwards only the gRPC port (here a forwarder on 127.0.0.2, where nothing listens on
     the tunnel port): the agent, told of the port, cannot reach it on its URL's host, says so in its log once, and
     carries the streams over Tunnel calls (the next ones at once, without trying the port again for a while): psql
@@ -968,7 +969,7 @@ async def test_an_agent_that_cannot_reach_the_tunnel_port_carries_its_streams_ov
     created = await new_agent(api)
     url = created["command"].split("--url ")[1].split()[0]
     agent = start(created, tmp_path, created["command"].replace(
-        url, f"grpcs://127.0.0.2:{balancer.sockets[0].getsockname()[1]}"))
+        url, f"grpcs://127.0.0.2:{balancer.sockets[0].getsockname()[1]}") + f" --workers {workers}")
     try:
         await until_agent(api, created["name"], "online")
         connection = await target_through(api, created, pg_target)
@@ -1166,3 +1167,89 @@ async def test_with_the_tunnel_listener_off_streams_go_over_grpc_tunnel_calls(pg
         assert "agent tunnel listener started" not in daemon.log_text()
     finally:
         daemon.stop()
+
+
+# ---------------------------------------------------------------------------------------------- carrier processes
+
+
+def tunnel_owners(port: int) -> list[int]:
+    """The process id owning each connection to the tunnel listener on ``port`` (``ss -p``: the agents' ends)."""
+    listing = subprocess.run(["ss", "-Htnp", "state", "established", f"( dport = :{port} )"], capture_output=True,
+                             text=True, check=True).stdout
+    return [int(line.split("pid=")[1].split(",")[0]) for line in listing.splitlines() if "pid=" in line]
+
+
+def children(pid: int) -> set[int]:
+    """The live child processes of ``pid`` (their parent id in /proc/N/stat; zombies left out)."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.add(int(stat.parent.name))
+    return found
+
+
+async def test_an_agent_with_carriers_spreads_its_streams_over_processes_and_outlives_one(gateway, api, pg_target,
+                                                                                          tmp_path):
+    """``--workers 2``: the main process dials, two carrier processes carry the bytes (each session's tunnel
+    connection is a carrier's, not the main process's, and both carry some). A carrier killed under a session ends
+    that session only; it is started again and serves the next ones; the agent's stop ends its carriers."""
+    import asyncpg
+
+    created = await new_agent(api)
+    agent = start(created, tmp_path, created["command"] + " --workers 2")
+    clients: list[Any] = []
+    try:
+        await until_agent(api, created["name"], "online")
+        connection = await target_through(api, created, pg_target, "disable")
+
+        async def session() -> Any:
+            code, access = await api("POST", f"/connections/{connection['name']}/credentials",
+                                     {"access_duration_seconds": 600})
+            return await asyncpg.connect(host="127.0.0.1", port=gateway.pg_port, ssl=False, database="postgres",
+                                         user=access["connection_credentials"]["username"], password="any")
+
+        for _ in range(4):
+            clients.append(await session())
+        for index, client in enumerate(clients):
+            assert await client.fetchval("select $1::int * 2", index) == index * 2
+        carriers = children(agent.process.pid)
+        owners = tunnel_owners(gateway.tunnel_port)
+        assert len(carriers) == 2 and agent.process.pid not in owners, (carriers, owners)
+        assert set(owners) == carriers and all(owners.count(pid) == 2 for pid in carriers), (carriers, owners)
+
+        victim = max(carriers)
+        os.kill(victim, 9)
+        survivors, lost = [], 0
+        for client in clients:
+            try:
+                survivors.append(await client.fetchval("select 'still here'"))
+            except (asyncpg.PostgresError, ConnectionError, asyncpg.InterfaceError, OSError):
+                lost += 1
+        assert lost == 2 and survivors == ["still here", "still here"], (lost, survivors)
+        async with asyncio.timeout(30):  # started again
+            while len(children(agent.process.pid) - {victim}) < 2:
+                await asyncio.sleep(0.1)
+        later = [await session() for _ in range(2)]
+        clients.extend(later)
+        assert [await c.fetchval("select 'after'") for c in later] == ["after", "after"]
+        assert "a carrier process ended" in agent.log_path.read_text()
+    finally:
+        for client in clients:
+            client.terminate()
+        carriers = children(agent.process.pid) if agent.process.poll() is None else set()
+        agent.stop()
+    async with asyncio.timeout(30):  # the main process's stop ended them
+        while any(Path(f"/proc/{pid}").exists() for pid in carriers):
+            await asyncio.sleep(0.1)
+
+
+def test_a_number_of_carriers_that_is_not_one_is_refused_before_anything_starts():
+    for argv, env in ((["--workers", "-1"], {}), ([], {"GATEWAYD_AGENT_WORKERS": "many"})):
+        result = subprocess.run([str(Path(sys.executable).with_name("gatewayd")), "agent", "--url",
+                                 "grpcs://127.0.0.1:1", *argv], capture_output=True, text=True, timeout=60,
+                                env={**os.environ, "GATEWAYD_AGENT_TOKEN": "agt-x", **env})
+        assert result.returncode != 0 and "--workers (or $GATEWAYD_AGENT_WORKERS)" in result.stderr, result.stderr

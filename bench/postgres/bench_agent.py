@@ -29,7 +29,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.postgres.bench_postgres import (cpu_seconds, figures, gateway_credential, median, pgbench,  # noqa: E402
-                                           start_agent, start_gateway, transactions)
+                                           start_agent, start_gateway, transactions, tree_cpu_seconds)
 from gatewayd.tls import generate_self_signed  # noqa: E402
 from tests.conftest import wait_port  # noqa: E402
 from tests.ports import free_port  # noqa: E402
@@ -44,6 +44,8 @@ def main() -> int:
     parser.add_argument("--scale", type=int, default=1)
     parser.add_argument("--baseline", default="", help="also the gateway and agent of the checkout in this directory")
     parser.add_argument("--floor", action="store_true", help="also two forwarders chained over TLS (a raw tunnel's floor)")
+    parser.add_argument("--agent-workers", type=int, default=1,
+                        help="the agent's --workers (carrier processes; its CPU counts them all)")
     args = parser.parse_args()
     reason = unavailable_reason()
     if reason or shutil.which("pgbench") is None:
@@ -61,7 +63,7 @@ def main() -> int:
         for tree, env in trees.items():
             daemon, port = start_gateway(1, grpc=True, env=env)
             daemons.append(daemon)
-            agent = start_agent(daemon, env)
+            agent = start_agent(daemon, {**env, "GATEWAYD_AGENT_WORKERS": str(args.agent_workers)})
             agents.append(agent)
             assert daemon.process is not None
             targets[f"{tree} direct"] = (port, asyncio.run(gateway_credential(daemon, cluster)), daemon.process.pid,
@@ -97,11 +99,11 @@ def main() -> int:
                                                        for name in targets}
             for _ in range(args.rounds):
                 for name, (port, user, gw_pid, agent_pid) in targets.items():
-                    before = cpu_seconds(gw_pid), cpu_seconds(agent_pid)
+                    before = cpu_seconds(gw_pid), tree_cpu_seconds(agent_pid)
                     password = cluster.password if name.endswith("chain") else "any"
                     output = pgbench(port, user, password, "-S", "-M", "simple", "-n", "-c", str(clients),
                                      "-j", str(min(clients, 2)), "-t", str(each))
-                    after = cpu_seconds(gw_pid), cpu_seconds(agent_pid)
+                    after = cpu_seconds(gw_pid), tree_cpu_seconds(agent_pid)
                     count = max(1, transactions(output))
                     tps, ms = figures(output)
                     row = rows[name]

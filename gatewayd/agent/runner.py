@@ -23,8 +23,9 @@ import grpc
 from gatewayd import __version__
 from gatewayd.agent import agent_pb2 as pb
 from gatewayd.agent import agent_pb2_grpc as pb_grpc
-from gatewayd.agent.channel import TUNNEL_RETRY, ChannelError, TunnelDialer, open_channel
-from gatewayd.agent.pump import Splice, StreamBroken, pump, record
+from gatewayd.agent.carriers import Carriers, carry_on_tunnel, open_tunnel
+from gatewayd.agent.channel import ChannelError, TunnelDialer, open_channel
+from gatewayd.agent.pump import StreamBroken, pump
 from gatewayd.dialer import DialError, direct
 
 log = logging.getLogger("gatewayd.agent")
@@ -51,6 +52,11 @@ class AgentProcess:
     connections: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # by URL
     streams: set[asyncio.Task[None]] = field(default_factory=set)
     welcomed: asyncio.Event = field(default_factory=asyncio.Event)  # set at the first Welcome (tests, logs)
+    workers: int = 1  # processes that carry the streams' bytes (1: this one; more: carriers, gatewayd.agent.carriers)
+    log_format: str = "plain"  # the carriers' logging, as this process's
+    log_level: str = "info"
+    carriers: Carriers | None = None
+    nodes: dict[str, tuple[pb_grpc.AgentGatewayStub, TunnelDialer | None]] = field(default_factory=dict)  # by URL
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -58,6 +64,10 @@ class AgentProcess:
 
     async def run(self) -> int:
         """Until the token is refused (REFUSED_EXIT) or the process is stopped."""
+        if self.workers > 1:
+            self.carriers = Carriers(self.workers, self.token, self.fingerprint, self.ca_file, self._handed_back,
+                                     self.log_format, self.log_level)
+            await self.carriers.start()
         self.connections[self.url] = asyncio.ensure_future(self.keep_connected(self.url))
         try:
             while True:
@@ -77,6 +87,21 @@ class AgentProcess:
             for task in [*self.connections.values(), *self.streams]:
                 task.cancel()
             await asyncio.gather(*self.connections.values(), *self.streams, return_exceptions=True)
+            if self.carriers is not None:
+                await self.carriers.stop()
+
+    def _handed_back(self, url: str, request: pb.Open, sock: socket.socket) -> None:
+        """A stream a carrier could not take to the tunnel port: over a Tunnel call of that node's channel, and the
+        port not tried again for a while (said by the carrier)."""
+        stub, tunnels = self.nodes.get(url, (None, None))
+        if stub is None:  # the node's channel ended meanwhile: the gateway's dial fails with it
+            sock.close()
+            return
+        if tunnels is not None:
+            tunnels.unreachable()
+        task = asyncio.ensure_future(self.carry_on_call(stub, request, sock))
+        self.streams.add(task)
+        task.add_done_callback(self.streams.discard)
 
     async def keep_connected(self, url: str) -> None:
         """One gateway node's connection, made again after each loss, with backoff."""
@@ -103,6 +128,7 @@ class AgentProcess:
         welcomed = False
         try:
             stub = pb_grpc.AgentGatewayStub(channel)
+            self.nodes[url] = (stub, tunnels)
             call = stub.Connect(metadata=self.metadata)
             await call.write(pb.AgentMessage(hello=pb.Hello(version=__version__, hostname=self.hostname, url=url)))
             async for message in call:
@@ -116,17 +142,19 @@ class AgentProcess:
                         if peer and peer not in self.connections:
                             self.connections[peer] = asyncio.ensure_future(self.keep_connected(peer))
                 elif kind == "open":
-                    task = asyncio.ensure_future(self.serve(stub, message.open, tunnels))
+                    task = asyncio.ensure_future(self.serve(stub, message.open, tunnels, url))
                     self.streams.add(task)
                     task.add_done_callback(self.streams.discard)
             return welcomed
         finally:
+            self.nodes.pop(url, None)
             await channel.close(grace=None)
 
     async def serve(self, stub: pb_grpc.AgentGatewayStub, request: pb.Open,
-                    tunnels: TunnelDialer | None = None) -> None:
+                    tunnels: TunnelDialer | None = None, url: str = "") -> None:
         """Dial the target the gateway names, then relay its bytes on a tunnel connection of their own to the port
-        the Open names (``tunnels``: how this node's are reached), else on a Tunnel call."""
+        the Open names (``tunnels``: how the node at ``url`` is reached; by a carrier process when there are some),
+        else on a Tunnel call."""
         timeout = request.timeout or 10.0
         tunnel = bool(request.tunnel_port and tunnels is not None and tunnels.usable())
         try:
@@ -138,62 +166,31 @@ class AgentProcess:
             if not (tunnel and await self._answer(tunnels, request, answer)):  # type: ignore[arg-type]
                 await self._answer_on_call(stub, answer, timeout)
             return
-        adopted = False  # by a transport, which closes it
-        try:
-            if tunnel:
-                splice = Splice()
-                if await self._open_tunnel(tunnels, request, splice.framed, pb.Frame(  # type: ignore[arg-type]
-                        stream_id=request.stream_id, connected=True)):
-                    adopted = True
-                    await self._relay_on_tunnel(splice, sock, request)
-                    return
-            reader, writer = await asyncio.open_connection(sock=sock, limit=256 * 1024)
-            adopted = True
-            try:
-                await self._relay_on_call(stub, request, reader, writer)
-            finally:
-                writer.close()
-        finally:
-            if not adopted:
-                sock.close()
+        if tunnel and self.carriers is not None and self.carriers.hand(url, request, sock):
+            return  # a carrier process carries it (or hands it back: ``carry_on_call``)
+        if tunnel and await carry_on_tunnel(tunnels, self.token, request, sock):  # type: ignore[arg-type]
+            return
+        await self.carry_on_call(stub, request, sock)
 
-    async def _open_tunnel(self, tunnels: TunnelDialer, request: pb.Open, protocol: asyncio.Protocol,
-                           first: pb.Frame) -> asyncio.Transport | None:
-        """A tunnel connection to the port the Open names, served by ``protocol``, its first record sent (the token
-        and ``first``); None when it cannot be made (the stream goes over a Tunnel call: a port the network does
-        not let through costs speed, not the stream)."""
+    async def carry_on_call(self, stub: pb_grpc.AgentGatewayStub, request: pb.Open, sock: socket.socket) -> None:
+        """The stream over a Tunnel call (no tunnel port, or it cannot be reached)."""
         try:
-            transport = await tunnels.connect(request.tunnel_port, request.timeout or 10.0, protocol)
-        except (OSError, TimeoutError, ChannelError) as exc:
-            log.warning(f"cannot reach the gateway's tunnel port: streams go over gRPC for {TUNNEL_RETRY:g} s",
-                        extra={"port": request.tunnel_port, "reason": str(exc) or type(exc).__name__})
-            tunnels.unreachable()
-            return None
-        transport.write(record(pb.TunnelStart(token=self.token, first=first)))
-        return transport
+            reader, writer = await asyncio.open_connection(sock=sock, limit=256 * 1024)
+        except BaseException:
+            sock.close()
+            raise
+        try:
+            await self._relay_on_call(stub, request, reader, writer)
+        finally:
+            writer.close()
 
     async def _answer(self, tunnels: TunnelDialer, request: pb.Open, answer: pb.Frame) -> bool:
         """A failed dial's answer on a tunnel connection; whether it was sent (the close sends it, then ends)."""
-        transport = await self._open_tunnel(tunnels, request, asyncio.Protocol(), answer)
+        transport = await open_tunnel(tunnels, self.token, request, asyncio.Protocol(), answer)
         if transport is None:
             return False
         transport.close()
         return True
-
-    @staticmethod
-    async def _relay_on_tunnel(splice: Splice, sock: socket.socket, request: pb.Open) -> None:
-        try:
-            try:
-                await splice.attach(sock)
-            except BaseException:
-                sock.close()
-                raise
-            await splice.run()  # a target's reset ends this stream only
-        except (StreamBroken, OSError) as exc:
-            log.info("stream ended by the gateway", extra={"connection": request.connection,
-                                                           "reason": str(exc) or type(exc).__name__})
-        finally:
-            splice.close()
 
     async def _answer_on_call(self, stub: pb_grpc.AgentGatewayStub, answer: pb.Frame, timeout: float) -> None:
         call = stub.Tunnel(metadata=self.metadata)
@@ -225,3 +222,4 @@ class AgentProcess:
         finally:
             if not call.done():  # only on a failure of our own: the gateway takes it for a broken link
                 call.cancel()
+
