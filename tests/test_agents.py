@@ -1218,6 +1218,9 @@ async def test_an_agent_with_carriers_spreads_its_streams_over_processes_and_out
             assert await client.fetchval("select $1::int * 2", index) == index * 2
         carriers = children(agent.process.pid)
         owners = tunnel_owners(gateway.tunnel_port)
+        for pid in carriers:  # the token reached them over their socket only
+            assert created["token"].encode() not in Path(f"/proc/{pid}/environ").read_bytes()
+            assert created["token"].encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
         assert len(carriers) == 2 and agent.process.pid not in owners, (carriers, owners)
         assert set(owners) == carriers and all(owners.count(pid) == 2 for pid in carriers), (carriers, owners)
 

@@ -22,6 +22,7 @@ import asyncio
 import base64
 import json
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -126,9 +127,10 @@ class Carriers:
     async def _spawn(self, index: int) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
+            environment = {name: value for name, value in os.environ.items() if name != "GATEWAYD_AGENT_TOKEN"}
             process = await asyncio.to_thread(
                 subprocess.Popen, [sys.executable, "-m", "gatewayd.agent.carriers", str(theirs.fileno()),
-                                   self.log_format, self.log_level], pass_fds=[theirs.fileno()])
+                                   self.log_format, self.log_level], pass_fds=[theirs.fileno()], env=environment)
         except BaseException:
             ours.close()
             theirs.close()
