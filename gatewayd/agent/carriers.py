@@ -85,6 +85,18 @@ async def carry_on_tunnel(tunnels: TunnelDialer, token: str, request: pb.Open, s
     return True
 
 
+def _next_message(sock: socket.socket) -> tuple[bytes, list[int]] | None:
+    """The next message on a carrier's socket and the descriptors that came with it; None when none is waiting,
+    ``(b"", [])`` once the other end closed."""
+    try:
+        data, fds, _, _ = socket.recv_fds(sock, MESSAGE_LIMIT, 1)
+    except BlockingIOError:
+        return None
+    except OSError:
+        return b"", []
+    return data, fds
+
+
 def _message(payload: dict[str, str]) -> bytes:
     return json.dumps(payload).encode()
 
@@ -161,13 +173,8 @@ class Carriers:
 
     def _readable(self, index: int, carrier: Carrier) -> None:
         """A stream handed back (the carrier could not reach the tunnel port), or the carrier's end closed."""
-        while True:
-            try:
-                data, fds, _, _ = socket.recv_fds(carrier.sock, MESSAGE_LIMIT, 1)
-            except BlockingIOError:
-                return
-            except OSError:
-                data, fds = b"", []
+        while (received := _next_message(carrier.sock)) is not None:
+            data, fds = received
             if not data and not fds:
                 self._lost(index, carrier)
                 return
@@ -246,13 +253,8 @@ class _Carrying:
         self.ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def readable(self) -> None:
-        while True:
-            try:
-                data, fds, _, _ = socket.recv_fds(self.sock, MESSAGE_LIMIT, 1)
-            except BlockingIOError:
-                return
-            except OSError:
-                data, fds = b"", []
+        while (received := _next_message(self.sock)) is not None:
+            data, fds = received
             if not data and not fds:  # the main process is gone or stopping
                 if not self.ended.done():
                     self.ended.set_result(None)
