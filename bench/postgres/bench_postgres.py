@@ -74,6 +74,7 @@ if str(ROOT) not in sys.path:
 import aiohttp
 
 from tests.conftest import Daemon, free_port
+from tests.ports import free_ports
 from tests.pgpeer import PgCluster, unavailable_reason
 
 
@@ -181,9 +182,12 @@ def start_gateway(workers: int, grpc: bool = False, env: dict[str, str] | None =
 
     ``grpc``: with its gRPC server for agents (``--via-agent``); ``env``: more environment."""
     port = free_port()
+    # worker N listens on the gRPC and tunnel ports + N: a run of free ports each, none handed out again after
+    ports = {"grpc.listen": f"127.0.0.1:{free_ports(workers)}", "grpc.tunnel_port": free_ports(workers)} if grpc \
+        else {"grpc.listen": ""}
     daemon = Daemon(Path(tempfile.mkdtemp(prefix="gatewayd-bench-")) / "data",
                     {"listeners.postgres": f"127.0.0.1:{port}", "log.level": "warning", "daemon.workers": workers,
-                     "grpc.listen": f"127.0.0.1:{free_port()}" if grpc else ""})
+                     **ports})
     daemon.extra_env.update(env or {})
     path = daemon.data_dir.parent / "notify.sock"
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify:
@@ -274,11 +278,21 @@ def start_agent(daemon: Daemon, env: dict[str, str] | None = None) -> subprocess
                 return (await response.json())["status"] == "online"
 
     deadline = time.monotonic() + 30
-    while not asyncio.run(online()):
+    while not asyncio.run(online()) or linked(daemon, process.pid) < int(daemon.settings.get("daemon.workers") or 1):
         if time.monotonic() > deadline or process.poll() is not None:
-            raise RuntimeError("the agent did not come online")
+            raise RuntimeError("the agent did not come online (on every worker)")
         time.sleep(0.1)
     return process
+
+
+def linked(daemon: Daemon, pid: int) -> int:
+    """To how many of the gateway's workers the agent ``pid`` holds its gRPC link (worker N listens on the gRPC
+    port + N, and an agent learns the others from the first's Welcome)."""
+    grpc_port = int(str(daemon.settings["grpc.listen"]).rsplit(":", 1)[1])
+    workers = int(daemon.settings.get("daemon.workers") or 1)
+    listing = subprocess.run(["ss", "-Htnp", "state", "established", f"( dport >= :{grpc_port} and dport < :"
+                              f"{grpc_port + workers} )"], capture_output=True, text=True).stdout
+    return len({line.split()[3].rsplit(":", 1)[1] for line in listing.splitlines() if f"pid={pid}," in line})
 
 
 def main() -> int:
