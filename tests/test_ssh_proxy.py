@@ -395,8 +395,9 @@ async def test_exec_input_rule_blocks_before_the_target_and_output_rule_closes_t
     session = await api.done_session(session_id)
     assert session["exit_code"] == 254
     assert "tok-123456" not in json.dumps(events(session))
+    # the command the block ended is signalled on the target (its close alone would leave ``sleep 5`` running there)
     assert of_kind(session, "e") == ["validation error, match guard rails output rule, type=pattern_match, "
-                                     "pattern=tok-[0-9]{6}"]
+                                     "pattern=tok-[0-9]{6}", SIGNALLED]
     status, logs = await api("GET", "/audit/logs?action=guardrail.block")
     blocked = [e for e in logs["data"] if e["request_payload_redacted"].get("session_id") == session_id]
     assert status == 200 and len(blocked) == 1 and blocked[0]["outcome"] == "failure"
@@ -885,6 +886,66 @@ async def test_kill_through_the_api_ends_a_pty_session_with_the_reason_on_the_te
     assert session["exit_code"] == 254 and "session killed by admin@example.com" in of_kind(session, "e")
 
 
+def group_alive(pgid: int) -> bool:
+    """Whether a process of the process group ``pgid`` still runs (sshd starts each command in a group of its own;
+    the target runs on this machine)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def until_gone(*pgids: int) -> None:
+    """Until every process of ``pgids`` has ended (bounded: a command left running fails the test)."""
+    async with asyncio.timeout(20):
+        while any(group_alive(pgid) for pgid in pgids):
+            await asyncio.sleep(0.05)
+
+
+SIGNALLED = "the gateway sent SIGTERM to the command on the target: it ended"
+FORCED = ("the command on the target did not end within 2 s of SIGTERM: the gateway sent SIGKILL and closed the "
+          "channel")
+
+
+async def test_a_kill_ends_the_command_of_an_exec_without_a_pty_on_the_target(gateway, api):
+    """Closing the target's channel of an exec without a pty only closes the command's pipes (sshd sends a hangup
+    with a pty only): killed sessions left their commands running there. The kill signals them: TERM, and KILL for
+    one that ignores TERM."""
+    role = await api.role()
+    loop = "for i in $(seq 600); do sleep 0.1; done"  # ends by itself within a minute if the gateway leaves it
+    commands = {"polite": f"echo pid=$$; {loop}", "stubborn": f"trap '' TERM; echo pid=$$; {loop}"}
+    held: dict[str, tuple[str, subprocess.Popen[bytes], int]] = {}
+    try:
+        for name, command in commands.items():
+            secret, session_id = await api.credential(role)
+            client = subprocess.Popen(ssh_args(gateway, secret, "-T", command), stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            assert client.stdout is not None
+            line = client.stdout.readline()
+            assert line.startswith(b"pid="), (line, client.stderr.read() if client.poll() is not None else b"")
+            held[name] = (session_id, client, int(line[4:]))
+        assert all(group_alive(pid) for _, _, pid in held.values())
+        answers = await asyncio.gather(*(api("POST", f"/sessions/{session_id}/kill")
+                                         for session_id, _, _ in held.values()))
+        assert [status for status, _ in answers] == [200, 200], answers
+        await until_gone(*(pid for _, _, pid in held.values()))
+        for name, note in (("polite", SIGNALLED), ("stubborn", FORCED)):
+            session_id, client, _ = held[name]
+            assert client.wait(30) == 254
+            assert b"session killed by admin@example.com" in client.stderr.read()
+            session = await api.done_session(session_id)
+            assert session["exit_code"] == 254
+            assert of_kind(session, "e")[-2:] == [note, "session killed by admin@example.com"], of_kind(session, "e")
+    finally:
+        for _, client, pid in held.values():
+            if client.poll() is None:
+                client.kill()
+                client.wait()
+            if group_alive(pid):
+                os.killpg(pid, signal.SIGKILL)
+
+
 # --------------------------------------------------------------------------- failures
 
 
@@ -1162,18 +1223,27 @@ async def test_script_runner_runs_one_exec_with_guard_rails_and_recording(core, 
 
 
 async def test_killing_a_script_session_stops_the_command_on_the_target(core, target):
+    """The command is signalled (closing the connection alone only closed its pipes: it ran on for its 20 s)."""
     live = await script_session(core, target)
-    started, finished = (Path(f"/tmp/gw-script-{uuid.uuid4().hex}-{name}") for name in ("started", "finished"))
-    task = asyncio.ensure_future(run_script(core, live, f"touch {started}; sleep 20; touch {finished}"))
-    async with asyncio.timeout(15):
-        while not started.exists():
-            await asyncio.sleep(0.05)
-    await core.sessions.kill(live.id, "killed by an admin")
-    result = await asyncio.wait_for(task, 15)  # not the 20 s of the command: the target connection was closed
-    assert (result.output, result.exit_code) == ("killed by an admin", 254)
-    assert live.done.is_set() and ("e", "killed by an admin") in await recorded(core, live)
-    started.unlink()
-    assert not finished.exists()
+    started = Path(f"/tmp/gw-script-{uuid.uuid4().hex}-started")
+    task = asyncio.ensure_future(run_script(core, live, f"echo $$ > {started}.tmp; mv {started}.tmp {started}; "
+                                                        "for i in $(seq 200); do sleep 0.1; done"))
+    try:
+        async with asyncio.timeout(15):
+            while not started.exists():
+                await asyncio.sleep(0.05)
+        pid = int(started.read_text())
+        assert group_alive(pid)
+        await core.sessions.kill(live.id, "killed by an admin")
+        await until_gone(pid)
+        result = await asyncio.wait_for(task, 15)
+        assert (result.output, result.exit_code) == ("killed by an admin", 254)
+        assert live.done.is_set()
+        assert (await recorded(core, live))[-2:] == [("e", SIGNALLED), ("e", "killed by an admin")]
+    finally:
+        if started.exists() and group_alive(pid := int(started.read_text())):
+            os.killpg(pid, signal.SIGKILL)
+        started.unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------- agent, X11, live configuration
