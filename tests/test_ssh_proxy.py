@@ -36,7 +36,7 @@ import pytest
 from tests import clients
 from tests.apiclient import SshApi, admin_http, b64, events, of_kind
 from tests.conftest import Daemon, free_port, proxy_daemon
-from tests.sshpeer import CLIENT_OPTIONS, SshTarget, unavailable_reason
+from tests.sshpeer import CLIENT_OPTIONS, SshTarget, group_alive, unavailable_reason, until_gone
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
 
@@ -884,23 +884,6 @@ async def test_kill_through_the_api_ends_a_pty_session_with_the_reason_on_the_te
     assert term.wait() == 254
     session = await api.done_session(session_id)
     assert session["exit_code"] == 254 and "session killed by admin@example.com" in of_kind(session, "e")
-
-
-def group_alive(pgid: int) -> bool:
-    """Whether a process of the process group ``pgid`` still runs (sshd starts each command in a group of its own;
-    the target runs on this machine)."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-async def until_gone(*pgids: int) -> None:
-    """Until every process of ``pgids`` has ended (bounded: a command left running fails the test)."""
-    async with asyncio.timeout(20):
-        while any(group_alive(pgid) for pgid in pgids):
-            await asyncio.sleep(0.05)
 
 
 SIGNALLED = "the gateway sent SIGTERM to the command on the target: it ended"
