@@ -107,6 +107,16 @@ async def test_exec_output_stderr_exit_code_and_recording(gateway, api, target):
     assert "".join(of_kind(session, "o")) == "HELLO THROUGH THE GATEWAY\n"
 
 
+async def test_testing_the_connection_logs_in_to_the_target_as_a_session_would(gateway, api):
+    """``GET /connections/{name}/test`` dials with the script runner's ``dial`` and releases it with its ``stop``."""
+    role = await api.role()
+    assert await api("GET", f"/connections/{role['name']}/test") == (200, {"success": True, "message": ""})
+    down = await api.role(port=free_port())
+    status, answer = await api("GET", f"/connections/{down['name']}/test")
+    assert status == 200 and answer == {
+        "success": False, "message": f'could not connect to the target of connection "{down["name"]}": connection refused'}
+
+
 async def test_the_private_key_is_never_shown_and_a_connection_sent_back_as_read_keeps_it(gateway, api, target):
     """Issue 31, item 10: POST /connections echoed the private key. The answer withholds it; the console's edit
     (GET, then PUT what it read) keeps the stored key, and sshd still takes it."""
@@ -1188,11 +1198,18 @@ async def test_script_runner_runs_one_exec_with_guard_rails_and_recording(core, 
     assert (result.output, result.exit_code) == (message, 254)
     assert await recorded(core, live) == [("i", "sudo reboot"), ("e", message)]
 
+    # an output rule's match ends the command on the target as a kill does (the close alone would leave it running)
     live = await script_session(core, target, rules)
-    result = await run_script(core, live, "echo secret-$((6*7))")
-    message = "validation error, match guard rails output rule, type=pattern_match, pattern=secret-[0-9]+"
-    assert (result.output, result.exit_code) == (message, 254)
-    assert await recorded(core, live) == [("i", "echo secret-$((6*7))"), ("e", message)]
+    pidfile = Path(f"/tmp/gw-script-{uuid.uuid4().hex}-pid")
+    command = f"echo $$ > {pidfile}; echo secret-$((6*7)); for i in $(seq 200); do sleep 0.1; done"
+    try:
+        result = await run_script(core, live, command)
+        message = "validation error, match guard rails output rule, type=pattern_match, pattern=secret-[0-9]+"
+        assert (result.output, result.exit_code) == (message, 254)
+        assert await recorded(core, live) == [("i", command), ("e", message), ("e", SIGNALLED)]
+        await until_gone(int(pidfile.read_text()))
+    finally:
+        pidfile.unlink(missing_ok=True)
 
     live = await script_session(core, target, port=free_port())
     result = await run_script(core, live, "true")

@@ -65,7 +65,7 @@ async def kill(target: ScriptTarget) -> None:
     ``e`` event (``end_command``: bounded), then the connection is closed."""
     try:
         if target.command is not None and target.policy is not None:
-            target.policy.error(await end_command(target.command))
+            _note(target.policy, await end_command(target.command))
         target.conn.close()
     finally:
         target.killed.set()
@@ -92,6 +92,7 @@ async def run(run: SessionRun[ScriptTarget], script: str) -> ScriptResult:
     held = (LineHold(), LineHold()) if policy.masker is not None else None
     kept: tuple[list[bytes], list[bytes]] = ([], [])
     blocks: list[GuardVerdict] = []
+    ending: list[asyncio.Task[str | None]] = []  # an output rule's end of the command (``end_command``)
 
     def record(data: bytes, stream: int, context: bytes = b"") -> None:
         if held is not None:
@@ -105,12 +106,13 @@ async def run(run: SessionRun[ScriptTarget], script: str) -> ScriptResult:
     async def pump(reader: asyncssh.SSHReader[bytes], stream: int) -> None:
         while not blocks:
             data = await reader.read(CHUNK)
-            if not data:
+            if not data or blocks:  # over, or the other stream's output was blocked meanwhile: nothing more passes
                 break
             verdict = watch.check(data, stream)
-            if verdict is not None:
+            if verdict is not None:  # the command is ended as a kill ends it (its close alone would not)
                 blocks.append(verdict)
-                process.close()
+                target.command = None
+                ending.append(asyncio.ensure_future(end_command(process.channel)))
                 return
             if held is None:
                 record(data, stream)
@@ -130,8 +132,11 @@ async def run(run: SessionRun[ScriptTarget], script: str) -> ScriptResult:
             await process.wait_closed()
     except (asyncssh.Error, OSError) as exc:
         return await _failed(run, exc)
+    finally:
+        target.command = None  # over: a kill from now on has no command to signal
     if blocks:
         await policy.blocked(blocks[0])
+        _note(policy, await ending[0])
         return ScriptResult(blocks[0].message, BLOCKED_EXIT_CODE)
     if run.ended:  # killed while the command ran: the kill signalled it
         return await _killed(run)
@@ -145,6 +150,12 @@ async def run(run: SessionRun[ScriptTarget], script: str) -> ScriptResult:
         exit_code = BLOCKED_EXIT_CODE
         policy.error(f'the target of connection "{name}" closed the channel without an exit status')
     return ScriptResult(output, exit_code)
+
+
+def _note(policy: SessionPolicy, note: str | None) -> None:
+    """What ``end_command`` did to the command, as an ``e`` event."""
+    if note is not None:
+        policy.error(note)
 
 
 async def _failed(run: SessionRun[ScriptTarget], exc: BaseException) -> ScriptResult:

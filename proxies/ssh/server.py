@@ -1001,7 +1001,8 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         self.owner.stop_command(self._end_command(upchan))
 
     async def _end_command(self, upchan: asyncssh.SSHClientChannel[bytes]) -> None:
-        self.policy.error(await end_command(upchan))
+        if (note := await end_command(upchan)) is not None:
+            self.policy.error(note)
 
     def _ended_as(self, outcome: str) -> None:
         """Tell the connection how this channel ended and what it ran (``exit 3 of the channel that ran: ...``)."""

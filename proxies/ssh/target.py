@@ -109,15 +109,19 @@ def signal_exit_code(name: str) -> int:
     return 128 + (number.value if number is not None else 0)
 
 
-async def end_command(chan: asyncssh.SSHClientChannel[Any]) -> str:
+async def end_command(chan: asyncssh.SSHClientChannel[Any]) -> str | None:
     """End the command that runs without a pty on the target's session channel ``chan``, as the gateway ends its
-    session (a kill, an expiry, a guard rail, the shutdown); what happened, for the recording.
+    session (a kill, an expiry, a guard rail, the shutdown); what happened, for the recording (None: the command had
+    ended by itself, its exit status came: nothing to signal).
 
     Closing the channel alone only closes the command's pipes (sshd sends a hangup with a pty only): the ``signal``
     request TERM (OpenSSH's sshd sends it to the command's process group), up to ``SIGNAL_GRACE`` for the channel to
     close, then KILL and the close (sshd handles the requests in order: the KILL lands before the close). A target
     that honours neither is closed as before, ``SIGNAL_GRACE`` later.
     """
+    if chan.get_exit_status() is not None:
+        chan.close()
+        return None
     chan.send_signal("TERM")
     try:
         async with asyncio.timeout(SIGNAL_GRACE):
