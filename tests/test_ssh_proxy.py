@@ -940,6 +940,34 @@ async def test_a_kill_ends_the_command_of_an_exec_without_a_pty_on_the_target(ga
                 os.killpg(pid, signal.SIGKILL)
 
 
+async def test_the_daemons_shutdown_ends_the_command_of_an_exec_without_a_pty_on_the_target(tmp_path_factory, target):
+    """The shutdown ends the sessions still open after its grace (none here) as a kill does: their commands too."""
+    daemon = proxy_daemon(tmp_path_factory, "sshstop", "ssh", {"sessions.shutdown_grace": "0s"}, wait=True)
+    client, pid = None, 0
+    try:
+        async with admin_http(daemon) as http:
+            api = SshApi(daemon, http, target)
+            secret, _ = await api.credential(await api.role())
+        daemon.ssh_port = daemon.proxy_port
+        client = subprocess.Popen(ssh_args(daemon, secret, "echo pid=$$; for i in $(seq 600); do sleep 0.1; done"),
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        line = client.stdout.readline()
+        assert line.startswith(b"pid="), line
+        pid = int(line[4:])
+        assert daemon.stop() == 0
+        await until_gone(pid)
+        assert client.wait(30) == 254
+        assert b"gateway shutting down: the session was closed" in client.stderr.read()
+    finally:
+        if client is not None and client.poll() is None:
+            client.kill()
+            client.wait()
+        if pid and group_alive(pid):
+            os.killpg(pid, signal.SIGKILL)
+        if daemon.process is not None and daemon.process.poll() is None:
+            daemon.stop()
+
+
 # --------------------------------------------------------------------------- failures
 
 
