@@ -903,28 +903,35 @@ FORCED = ("the command on the target did not end within 2 s of SIGTERM: the gate
 
 
 async def test_a_kill_ends_the_command_of_an_exec_without_a_pty_on_the_target(gateway, api):
-    """Closing the target's channel of an exec without a pty only closes the command's pipes (sshd sends a hangup
-    with a pty only): killed sessions left their commands running there. The kill signals them: TERM, and KILL for
-    one that ignores TERM."""
+    """Closing the target's channel of an exec (or a shell) without a pty only closes the command's pipes (sshd sends
+    a hangup with a pty only): killed sessions left their commands running there. The kill signals them: TERM, and
+    KILL for one that ignores TERM."""
     role = await api.role()
     loop = "for i in $(seq 600); do sleep 0.1; done"  # ends by itself within a minute if the gateway leaves it
-    commands = {"polite": f"echo pid=$$; {loop}", "stubborn": f"trap '' TERM; echo pid=$$; {loop}"}
+    # name: (the exec's command, or None for a shell without a pty, what its stdin says)
+    runs = {"polite": (f"echo pid=$$; {loop}", None), "stubborn": (f"trap '' TERM; echo pid=$$; {loop}", None),
+            "shell": (None, f"echo pid=$$; {loop}\n".encode())}
     held: dict[str, tuple[str, subprocess.Popen[bytes], int]] = {}
     try:
-        for name, command in commands.items():
+        for name, (command, typed) in runs.items():
             secret, session_id = await api.credential(role)
-            client = subprocess.Popen(ssh_args(gateway, secret, "-T", command), stdin=subprocess.DEVNULL,
+            client = subprocess.Popen(ssh_args(gateway, secret, "-T", *([command] if command else [])),
+                                      stdin=subprocess.DEVNULL if typed is None else subprocess.PIPE,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             assert client.stdout is not None
+            if typed is not None:
+                assert client.stdin is not None
+                client.stdin.write(typed)
+                client.stdin.flush()  # and stdin stays open: the shell waits for more
             line = client.stdout.readline()
             assert line.startswith(b"pid="), (line, client.stderr.read() if client.poll() is not None else b"")
             held[name] = (session_id, client, int(line[4:]))
         assert all(group_alive(pid) for _, _, pid in held.values())
         answers = await asyncio.gather(*(api("POST", f"/sessions/{session_id}/kill")
                                          for session_id, _, _ in held.values()))
-        assert [status for status, _ in answers] == [200, 200], answers
+        assert [status for status, _ in answers] == [200] * len(runs), answers
         await until_gone(*(pid for _, _, pid in held.values()))
-        for name, note in (("polite", SIGNALLED), ("stubborn", FORCED)):
+        for name, note in (("polite", SIGNALLED), ("stubborn", FORCED), ("shell", SIGNALLED)):
             session_id, client, _ = held[name]
             assert client.wait(30) == 254
             assert b"session killed by admin@example.com" in client.stderr.read()
