@@ -103,8 +103,9 @@ class SessionRun(Generic[T]):
 
     @property
     def ended(self) -> bool:
-        """The session is ending or ended (killed, expired, closed): take no more input."""
-        return self.live.done.is_set()
+        """The session is ending or ended (killed, expired, closed): take no more input. A kill is ending it from
+        its start, while its proxy still stops the target (``on_kill``), before the close."""
+        return self.live.done.is_set() or self.live.end_reason is not None
 
     @property
     def end_reason(self) -> str | None:

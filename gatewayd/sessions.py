@@ -138,8 +138,13 @@ class LiveSession:
             self.finished.set()
 
     async def kill(self, reason: str) -> None:
-        """End the session from the gateway side: tell the proxy, then close with ``reason``."""
+        """End the session from the gateway side: tell the proxy, then close with ``reason``. A kill while another
+        one tells the proxy (it may take a bounded grace: a command signalled on an SSH target) waits for that one,
+        whose reason stands."""
         if self.done.is_set():
+            return
+        if self.end_reason is not None:
+            await self.done.wait()
             return
         self.end_reason = reason
         if self._kill is not None:

@@ -9,6 +9,7 @@ stopped by PID.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pwd
 import secrets
@@ -39,6 +40,23 @@ def unavailable_reason() -> str | None:
     if os.geteuid() != 0:
         return "the sshd target needs root (it logs in a dedicated OS user)"
     return None
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether a process of the process group ``pgid`` still runs on this machine (sshd starts each command in a
+    group of its own, whose id is the command's pid: ``echo $$``)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def until_gone(*pgids: int) -> None:
+    """Until every process of the groups ``pgids`` has ended (bounded: a command left running fails the test)."""
+    async with asyncio.timeout(20):
+        while any(group_alive(pgid) for pgid in pgids):
+            await asyncio.sleep(0.05)
 
 
 def ensure_user(password: str) -> pwd.struct_passwd:

@@ -36,7 +36,7 @@ import pytest
 from tests import clients
 from tests.apiclient import SshApi, admin_http, b64, events, of_kind
 from tests.conftest import Daemon, free_port, proxy_daemon
-from tests.sshpeer import CLIENT_OPTIONS, SshTarget, unavailable_reason
+from tests.sshpeer import CLIENT_OPTIONS, SshTarget, group_alive, unavailable_reason, until_gone
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
 
@@ -105,6 +105,16 @@ async def test_exec_output_stderr_exit_code_and_recording(gateway, api, target):
     assert session["exit_code"] == 0
     assert "".join(of_kind(session, "i")) == "tr a-z A-Zhello through the gateway\n"
     assert "".join(of_kind(session, "o")) == "HELLO THROUGH THE GATEWAY\n"
+
+
+async def test_testing_the_connection_logs_in_to_the_target_as_a_session_would(gateway, api):
+    """``GET /connections/{name}/test`` dials with the script runner's ``dial`` and releases it with its ``stop``."""
+    role = await api.role()
+    assert await api("GET", f"/connections/{role['name']}/test") == (200, {"success": True, "message": ""})
+    down = await api.role(port=free_port())
+    status, answer = await api("GET", f"/connections/{down['name']}/test")
+    assert status == 200 and answer == {
+        "success": False, "message": f'could not connect to the target of connection "{down["name"]}": connection refused'}
 
 
 async def test_the_private_key_is_never_shown_and_a_connection_sent_back_as_read_keeps_it(gateway, api, target):
@@ -395,8 +405,9 @@ async def test_exec_input_rule_blocks_before_the_target_and_output_rule_closes_t
     session = await api.done_session(session_id)
     assert session["exit_code"] == 254
     assert "tok-123456" not in json.dumps(events(session))
+    # the command the block ended is signalled on the target (its close alone would leave ``sleep 5`` running there)
     assert of_kind(session, "e") == ["validation error, match guard rails output rule, type=pattern_match, "
-                                     "pattern=tok-[0-9]{6}"]
+                                     "pattern=tok-[0-9]{6}", SIGNALLED]
     status, logs = await api("GET", "/audit/logs?action=guardrail.block")
     blocked = [e for e in logs["data"] if e["request_payload_redacted"].get("session_id") == session_id]
     assert status == 200 and len(blocked) == 1 and blocked[0]["outcome"] == "failure"
@@ -868,7 +879,8 @@ async def test_a_credential_expiring_mid_session_closes_it_with_a_message(gatewa
     assert b"credential expired: the session was closed" in result.stderr
     session = await api.done_session(session_id)
     assert session["exit_code"] == 254
-    assert "credential expired: the session was closed" in of_kind(session, "e")
+    # the expiry ended ``sleep 60`` on the target too (no pty: the channel's close alone would not)
+    assert of_kind(session, "e")[-2:] == [SIGNALLED, "credential expired: the session was closed"]
 
 
 async def test_kill_through_the_api_ends_a_pty_session_with_the_reason_on_the_terminal(gateway, api):
@@ -883,6 +895,84 @@ async def test_kill_through_the_api_ends_a_pty_session_with_the_reason_on_the_te
     assert term.wait() == 254
     session = await api.done_session(session_id)
     assert session["exit_code"] == 254 and "session killed by admin@example.com" in of_kind(session, "e")
+
+
+SIGNALLED = "the gateway sent SIGTERM to the command on the target: it ended"
+FORCED = ("the command on the target did not end within 2 s of SIGTERM: the gateway sent SIGKILL and closed the "
+          "channel")
+
+
+async def test_a_kill_ends_the_command_of_an_exec_without_a_pty_on_the_target(gateway, api):
+    """Closing the target's channel of an exec (or a shell) without a pty only closes the command's pipes (sshd sends
+    a hangup with a pty only): killed sessions left their commands running there. The kill signals them: TERM, and
+    KILL for one that ignores TERM."""
+    role = await api.role()
+    loop = "for i in $(seq 600); do sleep 0.1; done"  # ends by itself within a minute if the gateway leaves it
+    # name: (the exec's command, or None for a shell without a pty, what its stdin says)
+    runs = {"polite": (f"echo pid=$$; {loop}", None), "stubborn": (f"trap '' TERM; echo pid=$$; {loop}", None),
+            "shell": (None, f"echo pid=$$; {loop}\n".encode())}
+    held: dict[str, tuple[str, subprocess.Popen[bytes], int]] = {}
+    try:
+        for name, (command, typed) in runs.items():
+            secret, session_id = await api.credential(role)
+            client = subprocess.Popen(ssh_args(gateway, secret, "-T", *([command] if command else [])),
+                                      stdin=subprocess.DEVNULL if typed is None else subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            assert client.stdout is not None
+            if typed is not None:
+                assert client.stdin is not None
+                client.stdin.write(typed)
+                client.stdin.flush()  # and stdin stays open: the shell waits for more
+            line = client.stdout.readline()
+            assert line.startswith(b"pid="), (line, client.stderr.read() if client.poll() is not None else b"")
+            held[name] = (session_id, client, int(line[4:]))
+        assert all(group_alive(pid) for _, _, pid in held.values())
+        answers = await asyncio.gather(*(api("POST", f"/sessions/{session_id}/kill")
+                                         for session_id, _, _ in held.values()))
+        assert [status for status, _ in answers] == [200] * len(runs), answers
+        await until_gone(*(pid for _, _, pid in held.values()))
+        for name, note in (("polite", SIGNALLED), ("stubborn", FORCED), ("shell", SIGNALLED)):
+            session_id, client, _ = held[name]
+            assert client.wait(30) == 254
+            assert b"session killed by admin@example.com" in client.stderr.read()
+            session = await api.done_session(session_id)
+            assert session["exit_code"] == 254
+            assert of_kind(session, "e")[-2:] == [note, "session killed by admin@example.com"], of_kind(session, "e")
+    finally:
+        for _, client, pid in held.values():
+            if client.poll() is None:
+                client.kill()
+                client.wait()
+            if group_alive(pid):
+                os.killpg(pid, signal.SIGKILL)
+
+
+async def test_the_daemons_shutdown_ends_the_command_of_an_exec_without_a_pty_on_the_target(tmp_path_factory, target):
+    """The shutdown ends the sessions still open after its grace (none here) as a kill does: their commands too."""
+    daemon = proxy_daemon(tmp_path_factory, "sshstop", "ssh", {"sessions.shutdown_grace": "0s"}, wait=True)
+    client, pid = None, 0
+    try:
+        async with admin_http(daemon) as http:
+            api = SshApi(daemon, http, target)
+            secret, _ = await api.credential(await api.role())
+        daemon.ssh_port = daemon.proxy_port
+        client = subprocess.Popen(ssh_args(daemon, secret, "echo pid=$$; for i in $(seq 600); do sleep 0.1; done"),
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        line = client.stdout.readline()
+        assert line.startswith(b"pid="), line
+        pid = int(line[4:])
+        assert daemon.stop() == 0
+        await until_gone(pid)
+        assert client.wait(30) == 254
+        assert b"gateway shutting down: the session was closed" in client.stderr.read()
+    finally:
+        if client is not None and client.poll() is None:
+            client.kill()
+            client.wait()
+        if pid and group_alive(pid):
+            os.killpg(pid, signal.SIGKILL)
+        if daemon.process is not None and daemon.process.poll() is None:
+            daemon.stop()
 
 
 # --------------------------------------------------------------------------- failures
@@ -1144,11 +1234,18 @@ async def test_script_runner_runs_one_exec_with_guard_rails_and_recording(core, 
     assert (result.output, result.exit_code) == (message, 254)
     assert await recorded(core, live) == [("i", "sudo reboot"), ("e", message)]
 
+    # an output rule's match ends the command on the target as a kill does (the close alone would leave it running)
     live = await script_session(core, target, rules)
-    result = await run_script(core, live, "echo secret-$((6*7))")
-    message = "validation error, match guard rails output rule, type=pattern_match, pattern=secret-[0-9]+"
-    assert (result.output, result.exit_code) == (message, 254)
-    assert await recorded(core, live) == [("i", "echo secret-$((6*7))"), ("e", message)]
+    pidfile = Path(f"/tmp/gw-script-{uuid.uuid4().hex}-pid")
+    command = f"echo $$ > {pidfile}; echo secret-$((6*7)); for i in $(seq 200); do sleep 0.1; done"
+    try:
+        result = await run_script(core, live, command)
+        message = "validation error, match guard rails output rule, type=pattern_match, pattern=secret-[0-9]+"
+        assert (result.output, result.exit_code) == (message, 254)
+        assert await recorded(core, live) == [("i", command), ("e", message), ("e", SIGNALLED)]
+        await until_gone(int(pidfile.read_text()))
+    finally:
+        pidfile.unlink(missing_ok=True)
 
     live = await script_session(core, target, port=free_port())
     result = await run_script(core, live, "true")
@@ -1162,18 +1259,27 @@ async def test_script_runner_runs_one_exec_with_guard_rails_and_recording(core, 
 
 
 async def test_killing_a_script_session_stops_the_command_on_the_target(core, target):
+    """The command is signalled (closing the connection alone only closed its pipes: it ran on for its 20 s)."""
     live = await script_session(core, target)
-    started, finished = (Path(f"/tmp/gw-script-{uuid.uuid4().hex}-{name}") for name in ("started", "finished"))
-    task = asyncio.ensure_future(run_script(core, live, f"touch {started}; sleep 20; touch {finished}"))
-    async with asyncio.timeout(15):
-        while not started.exists():
-            await asyncio.sleep(0.05)
-    await core.sessions.kill(live.id, "killed by an admin")
-    result = await asyncio.wait_for(task, 15)  # not the 20 s of the command: the target connection was closed
-    assert (result.output, result.exit_code) == ("killed by an admin", 254)
-    assert live.done.is_set() and ("e", "killed by an admin") in await recorded(core, live)
-    started.unlink()
-    assert not finished.exists()
+    started = Path(f"/tmp/gw-script-{uuid.uuid4().hex}-started")
+    task = asyncio.ensure_future(run_script(core, live, f"echo $$ > {started}.tmp; mv {started}.tmp {started}; "
+                                                        "for i in $(seq 200); do sleep 0.1; done"))
+    try:
+        async with asyncio.timeout(15):
+            while not started.exists():
+                await asyncio.sleep(0.05)
+        pid = int(started.read_text())
+        assert group_alive(pid)
+        await core.sessions.kill(live.id, "killed by an admin")
+        await until_gone(pid)
+        result = await asyncio.wait_for(task, 15)
+        assert (result.output, result.exit_code) == ("killed by an admin", 254)
+        assert live.done.is_set()
+        assert (await recorded(core, live))[-2:] == [("e", SIGNALLED), ("e", "killed by an admin")]
+    finally:
+        if started.exists() and group_alive(pid := int(started.read_text())):
+            os.killpg(pid, signal.SIGKILL)
+        started.unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------- agent, X11, live configuration

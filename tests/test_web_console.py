@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import uuid
 from pathlib import Path
@@ -25,7 +26,7 @@ from tests import clients
 from tests.apiclient import Api, events, of_kind, postgres_env
 from tests.conftest import Daemon, free_port, wait_port
 from tests.pgpeer import unavailable_reason as pg_unavailable
-from tests.sshpeer import CLIENT_OPTIONS, SshTarget
+from tests.sshpeer import CLIENT_OPTIONS, SshTarget, group_alive, until_gone
 from tests.sshpeer import unavailable_reason as ssh_unavailable
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -733,8 +734,8 @@ def gate() -> Path:
 
 
 def wait_for(path: Path) -> str:
-    """Shell that waits for ``path``, for two minutes at most: a command left on the target by a killed session (no pty:
-    sshd sends it no hangup) ends by itself instead of polling for the rest of the machine's life."""
+    """Shell that waits for ``path``, for two minutes at most: a kill signals the command (no pty: sshd would send it
+    no hangup), and should that ever fail it still ends by itself instead of polling for the machine's life."""
     return f"n=0; while [ ! -e {path} ] && [ $n -lt 2400 ]; do sleep 0.05; n=$((n+1)); done"
 
 
@@ -758,9 +759,13 @@ async def test_a_running_ssh_session_is_followed_live_and_a_kill_shows_at_once(g
     secret, session_id = body["connection_credentials"]["username"], body["session_id"]
     first, second = gate(), gate()
     held = subprocess.Popen(["ssh", *CLIENT_OPTIONS, "-p", str(gateway.ssh_port), f"{secret}@127.0.0.1",
-                             f"echo live-one; {wait_for(first)}; echo live-two; {wait_for(second)}"],
+                             f"echo pid=$$; echo live-one; {wait_for(first)}; echo live-two; {wait_for(second)}"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    pid = 0
     try:
+        line = held.stdout.readline()
+        assert line.startswith(b"pid="), line
+        pid = int(line[4:])  # the command's process group on the target (this machine)
         assert held.stdout.readline() == b"live-one\n"
         ada = await screens()
         await ada.sign_in("ada@example.com")
@@ -785,6 +790,7 @@ async def test_a_running_ssh_session_is_followed_live_and_a_kill_shows_at_once(g
         await ada.page.wait_for_selector("text=Session ended")
         assert await ada.page.locator("#kill").is_hidden()
         assert held.wait(60) != 0
+        await until_gone(pid)  # the kill signalled the command on the target: it polls no more
         session = await world["ada"].done_session(session_id, timeout=30)
         assert not any("typed-by-watcher" in text for text in of_kind(session, "i"))
         ada.assert_clean_log()
@@ -795,6 +801,8 @@ async def test_a_running_ssh_session_is_followed_live_and_a_kill_shows_at_once(g
         if held.poll() is None:
             held.kill()
             held.wait()
+        if pid and group_alive(pid):
+            os.killpg(pid, signal.SIGKILL)
 
 
 async def test_a_running_postgres_session_shows_each_statement_as_it_runs(gateway, world, screens):

@@ -23,7 +23,10 @@ One ``GatewayConnection`` per client SSH connection:
    connection carries more than one session channel (OpenSSH multiplexing),
    each channel's end is an ``e`` event naming what it ran; a kill or the
    credential's expiry tells every channel why on stderr and closes the
-   connection.
+   connection.  A channel the gateway ends (a kill, an expiry, the shutdown,
+   an output rule) whose command runs without a pty is signalled before its
+   close (``target.end_command``: TERM, a bounded grace, KILL), as closing it
+   would only close the command's pipes; one with a pty gets sshd's hangup.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import logging
 import re
 import socket
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Coroutine
 
 import asyncssh
 
@@ -55,7 +58,15 @@ from gatewayd.tasks import BackgroundTasks
 from proxies.ssh.lines import Chunk, Line, OutputWatch, ShellInput
 from proxies.ssh.reads import split_reads
 from proxies.ssh.sftp import SftpObserver, status_packet
-from proxies.ssh.target import MAX_PACKET, WINDOW, TargetError, TargetSettings, connect_target, signal_exit_code
+from proxies.ssh.target import (
+    MAX_PACKET,
+    WINDOW,
+    TargetError,
+    TargetSettings,
+    connect_target,
+    end_command,
+    signal_exit_code,
+)
 from proxies.ssh.writes import gather_writes
 
 if TYPE_CHECKING:
@@ -209,6 +220,7 @@ class GatewayConnection(asyncssh.SSHServer):
         self.gone = False
         self.cut_short = False
         self.ending: str | None = None
+        self.stopping: set[asyncio.Task[None]] = set()  # commands the gateway is ending on the target (end_command)
 
     # -- asyncssh server callbacks
 
@@ -399,17 +411,32 @@ class GatewayConnection(asyncssh.SSHServer):
 
     # -- the end
 
-    def _kill(self, reason: str) -> None:
-        """The gateway ends the session (kill, expiry, shutdown): every channel is told why, then the disconnect."""
+    async def _kill(self, reason: str) -> None:
+        """The gateway ends the session (kill, expiry, shutdown): every channel is told why, the commands running
+        without a pty are signalled (bounded: ``end_command``), then the target is closed and the client
+        disconnected."""
         self.ending = reason
+        told = bool(self.channels)
         for relay in list(self.channels):
             relay.end(reason)
+        await self._stopped()
         if self.target is not None:
             self.target.close()
-        if not self.channels:
+        if not told:
             self._disconnect()
         else:
             asyncio.get_running_loop().call_later(CLOSE_GRACE, self._disconnect)
+
+    def stop_command(self, ending: Coroutine[Any, Any, None]) -> None:
+        """Run ``ending`` (a channel's ``end_command``); the target is closed only after it."""
+        task = self.tasks.spawn(ending)
+        self.stopping.add(task)
+        task.add_done_callback(self.stopping.discard)
+
+    async def _stopped(self) -> None:
+        """Until the commands the gateway is ending on the target have ended or been killed (each bounded)."""
+        while self.stopping:
+            await asyncio.gather(*self.stopping, return_exceptions=True)
 
     def channel_closed(self, relay: SessionRelay) -> None:
         self.channels.discard(relay)
@@ -425,6 +452,7 @@ class GatewayConnection(asyncssh.SSHServer):
 
     async def _finish(self) -> None:
         """The client went away (or the session ended before it could start): close the target and the session."""
+        await self._stopped()  # a command the gateway ends keeps its grace, whenever its client leaves
         if self.target is not None:
             self.target.close()
         run = self.run
@@ -473,6 +501,8 @@ class _Upstream(asyncssh.SSHClientSession):  # type: ignore[type-arg]
 
     def eof_received(self) -> bool:
         relay = self.relay
+        if relay.ended:  # the gateway ended the channel: the client hears nothing more from the target
+            return True
         relay.flush_held()  # the target's output is over: an unfinished last line goes now
         if relay.client_eof:
             # the client is done sending: hold the EOF and send it with the exit status and close, back to back
@@ -532,6 +562,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         self.client_full = False  # the client channel's send buffer is full: stop reading the target
         self.target_full = False  # the target channel's send buffer is full: stop reading the client
         self.client_closed = False
+        self.stopping = False  # the gateway is ending the target's command (end_command): it closes the channel
         self.watch = OutputWatch(self.policy) if self.policy.checks_output else None  # None: no output rules
         # under a mask rule, stdout and stderr are held to their line ends (a match is never split between two
         # chunks); None: no mask rule, bytes pass as they come
@@ -606,7 +637,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
 
     def sync_reading(self) -> None:
         """Flow control: read each side only while the other can take more and the recording keeps up."""
-        if self.upchan is None:
+        if self.upchan is None or self.ended:  # ended: what the target still sends is dropped, never held
             return
         if self.client_full or self.draining:
             self.upchan.pause_reading()
@@ -623,7 +654,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         if self.active and not self.ended:
             self.owner.cut_short = True  # the client went away while the target was still at work
             self._ended_as("no exit status")
-        if self.upchan is not None:
+        if self.upchan is not None and not self.stopping:  # OpenSSH's own behaviour, as with a direct ssh
             self.upchan.close()
         self.owner.channel_closed(self)
 
@@ -662,8 +693,8 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             self.policy.error(message)
             self.end(message)
             return
-        if self.ended:
-            self.upchan.close()
+        if self.ended:  # ended while its command was starting there
+            self._stop_target(True)
             return
         pending, self.pending = self.pending, deque()
         for data in pending:
@@ -940,8 +971,9 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             self.end(message)
 
     def end(self, message: str) -> None:
-        """The gateway closes this channel: ``message`` on stderr, exit 254, the target's channel closed."""
-        self.active = False
+        """The gateway closes this channel: ``message`` on stderr, exit 254, the target's channel closed (its
+        command signalled first: ``_stop_target``)."""
+        running, self.active = self.active, False
         self._drop_held()
         if self.ended:
             return
@@ -949,10 +981,28 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         self.owner.exit_code = BLOCKED_EXIT_CODE
         self._ended_as(f"exit {BLOCKED_EXIT_CODE}")
         if self.upchan is not None:
-            self.upchan.close()
+            self._stop_target(running)
         if not self.client_closed:
             self._tell(message)
             self.chan.exit(BLOCKED_EXIT_CODE)
+
+    def _stop_target(self, running: bool) -> None:
+        """Close the target's channel as the gateway ends it. A command still ``running`` there without a pty is
+        signalled first (``end_command``; the outcome is an ``e`` event): the close alone would leave it running.
+        With a pty, sshd hangs it up as the channel closes; the sftp subsystem ends with its pipes (and sshd
+        refuses signals to subsystems)."""
+        upchan = self.upchan
+        assert upchan is not None
+        if not running or self.pty or self.kind not in ("exec", "shell"):
+            upchan.close()
+            return
+        self.stopping = True
+        upchan.resume_reading()  # what it still sends is dropped: a full window does not hold its close back
+        self.owner.stop_command(self._end_command(upchan))
+
+    async def _end_command(self, upchan: asyncssh.SSHClientChannel[bytes]) -> None:
+        if (note := await end_command(upchan)) is not None:
+            self.policy.error(note)
 
     def _ended_as(self, outcome: str) -> None:
         """Tell the connection how this channel ended and what it ran (``exit 3 of the channel that ran: ...``)."""

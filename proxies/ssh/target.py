@@ -24,6 +24,7 @@ from gatewayd.dialer import DialError, Dialer, direct, through_agent
 from gatewayd.models import flag, target_port
 
 CONNECT_TIMEOUT = 15.0
+SIGNAL_GRACE = 2.0  # after SIGTERM, how long a command the gateway ends may take to exit before SIGKILL
 WINDOW = 8 << 20  # per-channel receive window, both sides of the gateway
 MAX_PACKET = 32768  # OpenSSH's own channel packet size
 # AES-GCM first: its AEAD runs in OpenSSL in one call per packet (the fastest asyncssh cipher here).
@@ -106,6 +107,31 @@ def signal_exit_code(name: str) -> int:
     """The exit code of a command the signal ``name`` (``TERM``) ended, as a shell tells it: 128 + its number."""
     number = getattr(signal.Signals, f"SIG{name}", None)
     return 128 + (number.value if number is not None else 0)
+
+
+async def end_command(chan: asyncssh.SSHClientChannel[Any]) -> str | None:
+    """End the command that runs without a pty on the target's session channel ``chan``, as the gateway ends its
+    session (a kill, an expiry, a guard rail, the shutdown); what happened, for the recording (None: the command had
+    ended by itself, its exit status came: nothing to signal).
+
+    Closing the channel alone only closes the command's pipes (sshd sends a hangup with a pty only): the ``signal``
+    request TERM (OpenSSH's sshd sends it to the command's process group), up to ``SIGNAL_GRACE`` for the channel to
+    close, then KILL and the close (sshd handles the requests in order: the KILL lands before the close). A target
+    that honours neither is closed as before, ``SIGNAL_GRACE`` later.
+    """
+    if chan.get_exit_status() is not None:
+        chan.close()
+        return None
+    chan.send_signal("TERM")
+    try:
+        async with asyncio.timeout(SIGNAL_GRACE):
+            await chan.wait_closed()
+        return "the gateway sent SIGTERM to the command on the target: it ended"
+    except TimeoutError:
+        chan.send_signal("KILL")
+        chan.close()
+        return (f"the command on the target did not end within {SIGNAL_GRACE:g} s of SIGTERM: the gateway sent "
+                "SIGKILL and closed the channel")
 
 
 async def connect_target(settings: TargetSettings, name: str, client_factory: Callable[[], asyncssh.SSHClient]
