@@ -22,6 +22,7 @@ from gatewayd.tasks import BackgroundTasks
 log = logging.getLogger("gatewayd.sessions")
 
 BLOCKED_EXIT_CODE = 254
+KILL_WAIT = 10.0  # a second kill waits this long for the first (its proxy's bounded stop), then closes the session
 KillCallback = Callable[[str], Awaitable[None] | None]
 # The confirmations a control action started in this task waits for before it answers (set by the API for
 # each call: a rule changed through ``GuardRailService.invalidate`` answers once every node applies it).
@@ -144,7 +145,11 @@ class LiveSession:
         if self.done.is_set():
             return
         if self.end_reason is not None:
-            await self.done.wait()
+            try:
+                async with asyncio.timeout(KILL_WAIT):
+                    await self.done.wait()
+            except TimeoutError:  # the first kill never got to its close (cancelled): this one closes, its reason
+                await self.close(exit_code=BLOCKED_EXIT_CODE, error=self.end_reason)
             return
         self.end_reason = reason
         if self._kill is not None:

@@ -148,6 +148,34 @@ async def test_a_kill_reaches_the_proxy_and_ends_the_session_with_its_reason(cor
     assert await events_of(core, run.id) == [("e", b"killed by the test")]
 
 
+async def test_a_second_kill_waits_for_the_first_and_closes_if_the_first_never_gets_there(core, monkeypatch):
+    """A kill whose proxy takes a while to stop its target (an SSH command given its grace) is not cut short by a
+    second one: the second waits, the first's reason stands. If the first never gets to its close (its task was
+    cancelled meanwhile), the second closes the session with the first's reason, after a bounded wait."""
+    from gatewayd import sessions
+
+    monkeypatch.setattr(sessions, "KILL_WAIT", 0.2)
+    grant = await grant_for(core, 1)
+    stopping = asyncio.Event()
+
+    async def slow_stop(reason: str) -> None:
+        stopping.set()
+        await asyncio.Event().wait()  # until cancelled
+
+    run = await core.pipeline.start(grant, on_kill=slow_stop)
+    first = asyncio.ensure_future(run.live.kill("killed by an administrator"))
+    await stopping.wait()
+    second = asyncio.ensure_future(run.live.kill("the credential expired"))
+    await asyncio.sleep(0.05)
+    assert not second.done() and run.ended  # waiting for the first; ending from the first's start
+    first.cancel()
+    async with asyncio.timeout(10):
+        await second
+    session = await core.store.get_session(run.id)
+    assert session.exit_code == BLOCKED_EXIT_CODE
+    assert await events_of(core, run.id) == [("e", b"killed by an administrator")]
+
+
 async def test_resume_hands_the_live_session_to_the_latest_kill_callback(core):
     """HTTP's one session per credential: a listener started again resumes the live session and takes over its kill."""
     grant = await grant_for(core, 1)
