@@ -460,7 +460,7 @@ class TunnelTransport(asyncio.Transport):
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         if not self.closing:
-            self.splice.send(bytes(data))
+            self.splice.send(data if type(data) is bytes else bytes(data))
 
     def writelines(self, list_of_data: Any) -> None:
         self.write(b"".join(list_of_data))
