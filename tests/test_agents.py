@@ -1256,3 +1256,26 @@ def test_a_number_of_carriers_that_is_not_one_is_refused_before_anything_starts(
                                  "grpcs://127.0.0.1:1", *argv], capture_output=True, text=True, timeout=60,
                                 env={**os.environ, "GATEWAYD_AGENT_TOKEN": "agt-x", **env})
         assert result.returncode != 0 and "--workers (or $GATEWAYD_AGENT_WORKERS)" in result.stderr, result.stderr
+
+
+async def test_a_carrier_that_dies_at_its_start_is_started_again_later_and_later(monkeypatch):
+    """A carrier that cannot start (here: a log level it refuses, so it exits as it starts) is not started again
+    every second for good: each young death doubles the wait, up to the bound; ``stop`` ends the retries."""
+    from gatewayd.agent import carriers as module
+
+    monkeypatch.setattr(module, "RESTART_FIRST", 0.05)
+    monkeypatch.setattr(module, "RESTART_MAX", 0.2)
+    pool = module.Carriers(1, "agt-x", "", "", lambda *_: None, log_level="no-such-level")
+    await pool.start()
+    waits, dead = [], set()
+    try:
+        async with asyncio.timeout(60):
+            while len(waits) < 5:  # the wait chosen after each death, one per process
+                carrier = pool.carriers[0]
+                if carrier is not None and not carrier.alive and carrier.process.pid not in dead:
+                    dead.add(carrier.process.pid)
+                    waits.append(pool.waits[0])
+                await asyncio.sleep(0.01)
+    finally:
+        await pool.stop()
+    assert waits == [0.05, 0.1, 0.2, 0.2, 0.2], waits

@@ -26,6 +26,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from typing import Callable
 
 from gatewayd.agent import agent_pb2 as pb
@@ -37,6 +38,7 @@ log = logging.getLogger("gatewayd.agent")
 MESSAGE_LIMIT = 64 * 1024  # a control message: JSON with an Open (a host name, a stream id...) or the set-up
 RESTART_FIRST = 1.0  # a carrier that died is started again after this, doubling up to RESTART_MAX while it keeps dying
 RESTART_MAX = 30.0
+STEADY = 10.0  # a carrier that lived this long died of something else than its start: the next wait is RESTART_FIRST
 STOP_TIMEOUT = 10.0
 
 HandBack = Callable[[str, pb.Open, socket.socket], None]
@@ -116,6 +118,7 @@ class Carrier:
         self.process = process
         self.sock = sock
         self.alive = True
+        self.started = time.monotonic()
 
 
 class Carriers:
@@ -128,6 +131,7 @@ class Carriers:
         self.handed_back = handed_back
         self.log_format, self.log_level = log_format, log_level
         self.carriers: list[Carrier | None] = [None] * count
+        self.waits = [0.0] * count  # each carrier's last wait before it was started again (the back-off)
         self.turn = 0
         self.stopping = False
         self.restarts: set[asyncio.Task[None]] = set()
@@ -192,14 +196,19 @@ class Carriers:
             for sock in returned[1:]:
                 sock.close()
 
-    def _lost(self, index: int, carrier: Carrier, delay: float = RESTART_FIRST) -> None:
+    def _lost(self, index: int, carrier: Carrier) -> None:
+        """A carrier's end closed: it is started again, at once after a long life, later and later while it keeps
+        dying young (a crash at its start is not retried every second for good)."""
         carrier.alive = False
         asyncio.get_running_loop().remove_reader(carrier.sock)
         carrier.sock.close()
         if self.stopping:
             return
+        young = time.monotonic() - carrier.started < STEADY
+        delay = min(max(self.waits[index] * 2, RESTART_FIRST), RESTART_MAX) if young else RESTART_FIRST
+        self.waits[index] = delay
         log.warning("a carrier process ended: the streams it carried ended with it; it is started again",
-                    extra={"carrier": index, "pid": carrier.process.pid})
+                    extra={"carrier": index, "pid": carrier.process.pid, "in_seconds": delay})
         task = asyncio.ensure_future(self._restart(index, carrier, delay))
         self.restarts.add(task)
         task.add_done_callback(self.restarts.discard)
