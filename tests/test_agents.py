@@ -19,6 +19,7 @@ import sys
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -888,6 +889,31 @@ async def carried(gateway: Daemon, agent: "TunnelAgent", created: dict) -> tuple
     return stream, opened
 
 
+@dataclass
+class CarriedSession:
+    """A psql session through the test's own agent (``TunnelAgent``), its stream carried on a tunnel connection."""
+
+    created: dict  # the agent, as the API answered its creation
+    agent: "TunnelAgent"
+    connection: dict
+    psql: asyncio.Future[subprocess.CompletedProcess[str]]
+    stream: "Tunnel"
+    opened: pb.Open
+
+
+@asynccontextmanager
+async def carried_session(gateway: Daemon, api: Api, sslmode: str = "") -> Any:
+    """A new agent answered by the test, a psql through it whose Open the test answers ``connected`` on a tunnel
+    connection (``carried``); the agent's control channel lasts as long as the block."""
+    created = await new_agent(api)
+    async with TunnelAgent(created) as agent:
+        await until_agent(api, created["name"], "online", connections=1)
+        connection = await answered_by_test(api, created, sslmode)
+        psql = psql_through(gateway, api, connection)
+        stream, opened = await carried(gateway, agent, created)
+        yield CarriedSession(created, agent, connection, psql, stream, opened)
+
+
 async def refused_entries(api: Api, reason: str) -> list[dict]:
     return [e for e in await audit(api, "agent.stream_refused") if reason in e["error_message"]]
 
@@ -1023,12 +1049,8 @@ async def test_a_target_that_fails_at_the_agent_ends_its_stream_only_and_the_gat
     """On a tunnel connection, the agent's error frame (its target's socket failed) ends that stream: the gateway
     closes the proxy's end (psql hears it), answers ``eof`` (the acknowledgement) and closes the connection; the
     agent's link stays up."""
-    created = await new_agent(api)
-    async with TunnelAgent(created) as agent:
-        await until_agent(api, created["name"], "online", connections=1)
-        connection = await answered_by_test(api, created, sslmode)
-        psql = psql_through(gateway, api, connection)
-        stream, _ = await carried(gateway, agent, created)
+    async with carried_session(gateway, api, sslmode) as session:
+        created, psql, stream = session.created, session.psql, session.stream
         async with asyncio.timeout(30):
             await stream.write(pb.Frame(error="the connection failed (ConnectionResetError)"))
             after = []
@@ -1060,13 +1082,9 @@ async def test_a_tunnel_connection_cut_without_its_end_ends_its_stream_only_and_
     """A tunnel connection reset under a live session (a NAT or firewall that forgot it) is one TCP connection, not
     the agent: that session's client hears its end, the agent's link stays up (no ``broke off`` disconnect) and
     serves the next session on the same control channel."""
-    created = await new_agent(api)
-    async with TunnelAgent(created) as agent:
-        await until_agent(api, created["name"], "online", connections=1)
-        connection = await answered_by_test(api, created, sslmode)
-
-        first = psql_through(gateway, api, connection)
-        stream, opened = await carried(gateway, agent, created)
+    async with carried_session(gateway, api, sslmode) as session:
+        created, agent, connection = session.created, session.agent, session.connection
+        first, stream, opened = session.psql, session.stream, session.opened
         local = stream.writer.get_extra_info("sockname")
         assert await keepalive_timers(f"( sport = :{gateway.tunnel_port} and dport = :{local[1]} )")  # keep_alive
         sock = stream.writer.get_extra_info("socket")
@@ -1250,7 +1268,7 @@ async def test_an_agent_with_carriers_spreads_its_streams_over_processes_and_out
             await asyncio.sleep(0.1)
 
 
-def test_a_number_of_carriers_that_is_not_one_is_refused_before_anything_starts():
+def test_a_workers_value_that_is_not_a_number_of_processes_is_refused_before_anything_starts():
     for argv, env in ((["--workers", "-1"], {}), ([], {"GATEWAYD_AGENT_WORKERS": "many"})):
         result = subprocess.run([str(Path(sys.executable).with_name("gatewayd")), "agent", "--url",
                                  "grpcs://127.0.0.1:1", *argv], capture_output=True, text=True, timeout=60,

@@ -32,6 +32,7 @@ from typing import Callable
 from gatewayd.agent import agent_pb2 as pb
 from gatewayd.agent.channel import TUNNEL_RETRY, ChannelError, TunnelDialer
 from gatewayd.agent.pump import Splice, StreamBroken, record
+from gatewayd.tasks import BackgroundTasks
 
 log = logging.getLogger("gatewayd.agent")
 
@@ -134,7 +135,7 @@ class Carriers:
         self.waits = [0.0] * count  # each carrier's last wait before it was started again (the back-off)
         self.turn = 0
         self.stopping = False
-        self.restarts: set[asyncio.Task[None]] = set()
+        self.restarts = BackgroundTasks("agent carriers")
 
     async def start(self) -> None:
         for index in range(self.count):
@@ -209,9 +210,7 @@ class Carriers:
         self.waits[index] = delay
         log.warning("a carrier process ended: the streams it carried ended with it; it is started again",
                     extra={"carrier": index, "pid": carrier.process.pid, "in_seconds": delay})
-        task = asyncio.ensure_future(self._restart(index, carrier, delay))
-        self.restarts.add(task)
-        task.add_done_callback(self.restarts.discard)
+        self.restarts.spawn(self._restart(index, carrier, delay))
 
     async def _restart(self, index: int, carrier: Carrier, delay: float) -> None:
         await asyncio.to_thread(carrier.process.wait)
@@ -222,15 +221,12 @@ class Carriers:
             await self._spawn(index)
         except OSError as exc:
             log.error("cannot start a carrier process", extra={"carrier": index, "error": str(exc)})
-            task = asyncio.ensure_future(self._restart(index, carrier, min(delay * 2, RESTART_MAX)))
-            self.restarts.add(task)
-            task.add_done_callback(self.restarts.discard)
+            self.restarts.spawn(self._restart(index, carrier, min(delay * 2, RESTART_MAX)))
 
     async def stop(self) -> None:
         """Every carrier ends (its socket's end closes: it closes its streams and exits); waited for, bounded."""
         self.stopping = True
-        for task in list(self.restarts):
-            task.cancel()
+        await self.restarts.cancel()
         carriers = [carrier for carrier in self.carriers if carrier is not None]
         for carrier in carriers:
             if carrier.alive:
@@ -258,7 +254,7 @@ class _Carrying:
         self.sock = sock
         self.token = self.fingerprint = self.ca_file = ""
         self.dialers: dict[str, TunnelDialer | None] = {}
-        self.streams: set[asyncio.Task[None]] = set()
+        self.streams = BackgroundTasks("agent carrier")
         self.ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def readable(self) -> None:
@@ -277,9 +273,7 @@ class _Carrying:
             elif fds and "open" in payload:
                 target = socket.socket(fileno=fds[0])
                 target.setblocking(False)
-                task = asyncio.ensure_future(self.carry(str(payload["url"]), _open_of(payload), target))
-                self.streams.add(task)
-                task.add_done_callback(self.streams.discard)
+                self.streams.spawn(self.carry(str(payload["url"]), _open_of(payload), target))
                 fds = fds[1:]
             for fd in fds:
                 socket.socket(fileno=fd).close()
@@ -308,9 +302,7 @@ async def _carrier(sock: socket.socket) -> None:
         await carrying.ended
     finally:
         loop.remove_reader(sock)
-        for task in list(carrying.streams):
-            task.cancel()
-        await asyncio.gather(*carrying.streams, return_exceptions=True)
+        await carrying.streams.cancel()
 
 
 def main(argv: list[str]) -> int:

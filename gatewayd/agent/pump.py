@@ -314,7 +314,6 @@ class Splice:
             self.buffer += data
             data = bytes(self.buffer)
             self.buffer.clear()
-        view = memoryview(data)
         at, size = 0, len(data)
         while size - at >= HEADER.size and not self.held and not self.done.done():
             (length,) = HEADER.unpack_from(data, at)
@@ -333,14 +332,14 @@ class Splice:
                         socket.write(payload)
                 continue
             try:
-                frame = pb.Frame.FromString(view[at + HEADER.size:end])
+                frame = pb.Frame.FromString(memoryview(data)[at + HEADER.size:end])  # not a data frame: rare
             except DecodeError:
                 self.broken("a record that does not parse")
                 return
             at = end
             self.frame(frame)
         if at < size:
-            self.buffer += view[at:]
+            self.buffer += memoryview(data)[at:]
 
     def frame(self, frame: pb.Frame) -> None:
         if self.heard:

@@ -27,6 +27,7 @@ from google.protobuf.message import DecodeError
 from gatewayd.agent import agent_pb2 as pb
 from gatewayd.agent.pump import HEADER, Splice, keep_alive, record
 from gatewayd.agent.registry import STREAM_REFUSED
+from gatewayd.tasks import BackgroundTasks
 
 log = logging.getLogger("gatewayd.grpc")
 
@@ -57,7 +58,7 @@ class TunnelListener:
         self.context: ssl.SSLContext | None = None
         self.port = 0
         self.connections: set[asyncio.Transport] = set()
-        self.tasks: set[asyncio.Task[None]] = set()
+        self.tasks = BackgroundTasks("agent tunnel listener")  # each connection's handshake and service
         self.accepting: asyncio.Task[None] | None = None
 
     async def start(self, host: str, port: int, cert_path: Path, key_path: Path) -> int:
@@ -82,9 +83,7 @@ class TunnelListener:
             self.server.close()
             for transport in list(self.connections):
                 transport.close()
-            for task in list(self.tasks):
-                task.cancel()
-            await asyncio.gather(*self.tasks, return_exceptions=True)
+            await self.tasks.cancel()
             self.server = None
 
     async def _accept(self, server: socket.socket) -> None:
@@ -102,7 +101,7 @@ class TunnelListener:
                 conn.close()
                 continue
             conn.setblocking(False)
-            self._spawn(self._secure(conn))
+            self.tasks.spawn(self._secure(conn))
 
     async def _secure(self, conn: socket.socket) -> None:
         """The TLS handshake (bounded), then the first record's wait (``_Opening``); a failed or late handshake
@@ -113,14 +112,9 @@ class TunnelListener:
         except (OSError, ssl.SSLError, TimeoutError):
             conn.close()
 
-    def _spawn(self, work: Awaitable[None]) -> None:
-        task = asyncio.ensure_future(work)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-
     def opened(self, opening: _Opening, start: pb.TunnelStart | None, refused: str, rest: bytes) -> None:
         """The first record came (``start``, and the bytes after it), or the connection is refused (``refused``)."""
-        self._spawn(self._serve(opening, start, refused, rest))
+        self.tasks.spawn(self._serve(opening, start, refused, rest))
 
     async def _serve(self, opening: _Opening, start: pb.TunnelStart | None, refused: str, rest: bytes) -> None:
         transport, client_ip = opening.transport, opening.client_ip

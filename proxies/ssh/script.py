@@ -66,8 +66,8 @@ async def kill(target: ScriptTarget) -> None:
     try:
         if target.command is not None and target.policy is not None:
             _note(target.policy, await end_command(target.command))
+    finally:  # whatever the signal did, the login ends with the session
         target.conn.close()
-    finally:
         target.killed.set()
 
 

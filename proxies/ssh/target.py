@@ -14,6 +14,7 @@ or key.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -122,13 +123,18 @@ async def end_command(chan: asyncssh.SSHClientChannel[Any]) -> str | None:
     if chan.get_exit_status() is not None:
         chan.close()
         return None
-    chan.send_signal("TERM")
+    try:
+        chan.send_signal("TERM")
+    except OSError:  # the channel (or the whole connection) is gone already: nothing is left to signal
+        chan.close()
+        return "the command's channel on the target was already closed: no signal could be sent"
     try:
         async with asyncio.timeout(SIGNAL_GRACE):
             await chan.wait_closed()
         return "the gateway sent SIGTERM to the command on the target: it ended"
     except TimeoutError:
-        chan.send_signal("KILL")
+        with contextlib.suppress(OSError):  # lost meanwhile: the close below is all there is left to do
+            chan.send_signal("KILL")
         chan.close()
         return (f"the command on the target did not end within {SIGNAL_GRACE:g} s of SIGTERM: the gateway sent "
                 "SIGKILL and closed the channel")
