@@ -79,6 +79,18 @@ class Person:
         saved = json.loads(self.login_file.read_text())
         return saved["profiles"][profile or saved["default"]]["token"]
 
+    async def done_session(self, connection: str, **fields: object) -> dict:
+        """This person's first session on ``connection`` listed done with ``fields``: a client exits when the
+        gateway ends its channel, and the gateway closes the session just after (bounded: one never closed
+        fails the test)."""
+        for _ in range(100):
+            listed = json.loads(self.run("sessions", "--connection", connection, "--json").stdout)["data"]
+            found = [s for s in listed if s["status"] == "done" and fields.items() <= s.items()]
+            if found:
+                return found[0]
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"no session done with {fields}: {listed}")
+
     def login(self) -> None:
         done = self.run("login", "--url", self.gateway.url.removesuffix("/api"), "--email", self.email,
                         "--password-stdin", input=PASSWORDS[self.email] + "\n")
@@ -172,9 +184,7 @@ async def test_connections_connect_with_real_psql_and_sessions(gateway, people, 
     assert connected.returncode == 0, connected.stderr
     assert connected.stdout.strip() == "42"
 
-    listing = rita.run("sessions", "--connection", plain, "--json")
-    sessions = json.loads(listing.stdout)["data"]
-    used = next(s for s in sessions if s["status"] == "done" and s["verb"] == "connect")
+    used = await rita.done_session(plain, verb="connect")
     shown = rita.run("sessions", "show", used["id"])
     assert shown.returncode == 0 and "select 6 * 7 as answer" in shown.stdout and "42" in shown.stdout, shown
     exported = rita.run("sessions", "export", used["id"], "--format", "csv")

@@ -54,8 +54,7 @@ async def test_connect_runs_ssh_and_replay_plays_the_recording(gateway, target, 
                   "echo replayed-text-1; sleep 0.3; echo replayed-text-2; exit 7")
     assert ran.returncode == 7 and ran.stdout.splitlines() == ["replayed-text-1", "replayed-text-2"], ran
 
-    sessions = json.loads(ada.run("sessions", "--connection", connection["name"], "--json").stdout)["data"]
-    session_id = next(s["id"] for s in sessions if s["status"] == "done" and s["exit_code"] == 7)
+    session_id = (await ada.done_session(connection["name"], exit_code=7))["id"]
     replay = ada.run("sessions", "replay", session_id, "--speed", "20")
     assert replay.returncode == 0, replay.stderr
     assert replay.stdout.replace("\r\n", "\n").splitlines()[-2:] == ["replayed-text-1", "replayed-text-2"]
