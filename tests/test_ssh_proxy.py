@@ -53,7 +53,9 @@ def target():
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory):
-    daemon = proxy_daemon(tmp_path_factory, "sshproxy", "ssh")
+    # CBC last: only a client that asks for it gets it (the SSH_MSG_IGNORE test); every other test gets GCM
+    daemon = proxy_daemon(tmp_path_factory, "sshproxy", "ssh", settings={"ssh.ciphers": [
+        "aes128-gcm@openssh.com", "aes256-gcm@openssh.com", "aes128-cbc"]})
     daemon.ssh_port = daemon.proxy_port
     yield daemon
     assert daemon.stop() == 0
@@ -1092,6 +1094,23 @@ async def test_ssh_writes_of_one_loop_turn_leave_in_one_send_call_and_every_byte
     assert counted is not None
     assert counted.writes >= 2 * 2 * (4 << 20) // 32768  # an ignore and a data packet per 32 KiB, two uploads
     assert counted.calls * 3 < counted.writes, (counted.calls, counted.writes)
+
+
+async def test_openssh_gets_no_ssh_msg_ignore_before_each_packet_unless_it_chose_cbc(gateway, api):
+    """proxies/ssh/writes.py skip_ignore_packets, seen by OpenSSH's own client (``-vvv`` logs each
+    SSH_MSG_IGNORE it takes in): a 2 MiB ``cat`` through the gateway (asyncssh put one before each of its 32 KiB
+    data packets) brings none with GCM, and still one before each data packet with CBC, the mode they counter."""
+    role = await api.role()
+    received = {}
+    for cipher in ("aes128-gcm@openssh.com", "aes128-cbc"):
+        secret, _ = await api.credential(role)
+        done = clients.ssh(gateway.ssh_port, secret, "head -c 2097152 /dev/zero", options=[
+            *CLIENT_OPTIONS, "-vvv", "-o", f"Ciphers={cipher}"])
+        assert done.returncode == 0 and len(done.stdout) == 2 << 20, done.stderr[-2000:]
+        assert f"cipher: {cipher}".encode() in done.stderr
+        received[cipher] = done.stderr.count(b"Received SSH2_MSG_IGNORE")
+    assert received["aes128-gcm@openssh.com"] == 0, received
+    assert received["aes128-cbc"] >= (2 << 20) // 32768, received
 
 
 async def test_a_gathered_transport_sends_what_it_holds_before_it_closes_or_aborts():

@@ -67,7 +67,7 @@ from proxies.ssh.target import (
     end_command,
     signal_exit_code,
 )
-from proxies.ssh.writes import gather_writes
+from proxies.ssh.writes import gather_writes, skip_ignore_packets
 
 if TYPE_CHECKING:
     from gatewayd.access import AccessGrant
@@ -194,6 +194,7 @@ class TargetWatch(asyncssh.SSHClient):
     def connection_made(self, conn: asyncssh.SSHClientConnection) -> None:
         split_reads(conn)
         gather_writes(conn)
+        skip_ignore_packets(conn)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.owner.target_lost()
@@ -228,6 +229,7 @@ class GatewayConnection(asyncssh.SSHServer):
         self.conn = conn
         split_reads(conn)  # asyncssh parses small pieces, not whole 256 KiB reads (proxies/ssh/reads.py)
         gather_writes(conn)  # the packets of one turn of the loop leave in one send call (proxies/ssh/writes.py)
+        skip_ignore_packets(conn)  # no SSH_MSG_IGNORE before each packet unless the cipher is CBC (ibid.)
         metrics.connection_opened("ssh")
         peer = conn.get_extra_info("peername")
         self.client_ip = peer[0] if isinstance(peer, tuple) else ""
