@@ -1113,6 +1113,63 @@ async def test_openssh_gets_no_ssh_msg_ignore_before_each_packet_unless_it_chose
     assert received["aes128-cbc"] >= (2 << 20) // 32768, received
 
 
+async def test_no_packet_log_line_is_built_for_the_gateways_connections_and_channels(target, caplog):
+    """proxies/ssh/packets.py unlogged_packets: asyncssh builds a log line for every packet, and writes it at its
+    debug level 3 (packet dumps, with passwords and data). Turned on here to see them: a connection and channel
+    as asyncssh makes them log their packets; the gateway's log none (the level is never turned on in gatewayd,
+    so the lines were built for nothing)."""
+    import logging
+
+    import asyncssh
+
+    from proxies.ssh.packets import unlogged_packets
+    from proxies.ssh.target import TargetSettings, connect_target
+
+    class Client(asyncssh.SSHClient):
+        def __init__(self, quiet: bool) -> None:
+            self.quiet = quiet
+
+        def connection_made(self, conn: asyncssh.SSHClientConnection) -> None:
+            if self.quiet:
+                unlogged_packets(conn)
+
+    class Session(asyncssh.SSHClientSession):  # type: ignore[type-arg]
+        def __init__(self, quiet: bool) -> None:
+            self.quiet, self.received = quiet, 0
+
+        def connection_made(self, chan) -> None:  # type: ignore[no-untyped-def]
+            if self.quiet:
+                unlogged_packets(chan)
+
+        def data_received(self, data: bytes, datatype: object) -> None:
+            self.received += len(data)
+
+    settings = TargetSettings(host="127.0.0.1", port=target.port, user=target.user,
+                              private_key=target.private_key_text, host_key=target.host_public_key)
+    dumped = {}
+    asyncssh.set_debug_level(3)
+    try:
+        for quiet in (False, True):
+            conn = await connect_target(settings, "quiet", lambda: Client(quiet))
+            caplog.clear()
+            try:
+                with caplog.at_level(logging.DEBUG, logger="asyncssh"):
+                    chan, session = await conn.create_session(lambda: Session(quiet), "head -c 1048576 /dev/zero",
+                                                              encoding=None)
+                    await chan.wait_closed()
+            finally:
+                conn.close()
+                await conn.wait_closed()
+            assert session.received == 1 << 20
+            dumps = [r.getMessage() for r in caplog.records if hasattr(r, "packet")]  # a dump carries its packet
+            dumped[quiet] = (len(dumps), sum("MSG_CHANNEL_DATA" in dump for dump in dumps))
+    finally:
+        asyncssh.set_debug_level(1)
+    assert dumped[False][1] >= (1 << 20) // 32768, dumped  # the check can see them...
+    # ...and the gateway's connection and channel build none: only the channel's open, sent before it is handed over
+    assert dumped[True] == (1, 0), dumped
+
+
 async def test_a_gathered_transport_sends_what_it_holds_before_it_closes_or_aborts():
     """Nothing written is lost or reordered by a close or an abort in the same turn of the loop."""
     from proxies.ssh.writes import GatheredTransport

@@ -56,6 +56,7 @@ from gatewayd.pipeline import (
 )
 from gatewayd.tasks import BackgroundTasks
 from proxies.ssh.lines import Chunk, Line, OutputWatch, ShellInput
+from proxies.ssh.packets import skip_ignore_packets, unlogged_packets
 from proxies.ssh.reads import split_reads
 from proxies.ssh.sftp import SftpObserver, status_packet
 from proxies.ssh.target import (
@@ -67,7 +68,7 @@ from proxies.ssh.target import (
     end_command,
     signal_exit_code,
 )
-from proxies.ssh.writes import gather_writes, skip_ignore_packets
+from proxies.ssh.writes import gather_writes
 
 if TYPE_CHECKING:
     from gatewayd.access import AccessGrant
@@ -195,6 +196,7 @@ class TargetWatch(asyncssh.SSHClient):
         split_reads(conn)
         gather_writes(conn)
         skip_ignore_packets(conn)
+        unlogged_packets(conn)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.owner.target_lost()
@@ -229,7 +231,8 @@ class GatewayConnection(asyncssh.SSHServer):
         self.conn = conn
         split_reads(conn)  # asyncssh parses small pieces, not whole 256 KiB reads (proxies/ssh/reads.py)
         gather_writes(conn)  # the packets of one turn of the loop leave in one send call (proxies/ssh/writes.py)
-        skip_ignore_packets(conn)  # no SSH_MSG_IGNORE before each packet unless the cipher is CBC (ibid.)
+        skip_ignore_packets(conn)  # no SSH_MSG_IGNORE before each packet unless the cipher is CBC
+        unlogged_packets(conn)  # no log line built for each packet (proxies/ssh/packets.py)
         metrics.connection_opened("ssh")
         peer = conn.get_extra_info("peername")
         self.client_ip = peer[0] if isinstance(peer, tuple) else ""
@@ -498,6 +501,9 @@ class _Upstream(asyncssh.SSHClientSession):  # type: ignore[type-arg]
     def __init__(self, relay: SessionRelay) -> None:
         self.relay = relay
 
+    def connection_made(self, chan: asyncssh.SSHClientChannel[bytes]) -> None:  # type: ignore[override]
+        unlogged_packets(chan)
+
     def data_received(self, data: bytes, datatype: int | None) -> None:  # type: ignore[override]
         self.relay.from_target(data, datatype)
 
@@ -575,6 +581,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
 
     def connection_made(self, chan: asyncssh.SSHServerChannel[bytes]) -> None:  # type: ignore[override]
         self.chan = chan
+        unlogged_packets(chan)
 
     def pty_requested(self, term_type: str, term_size: tuple[int, int, int, int], term_modes: Any) -> bool:
         self.pty = True
@@ -1022,6 +1029,7 @@ class _ForwardUpstream(asyncssh.SSHTCPSession):  # type: ignore[type-arg]
 
     def connection_made(self, chan: asyncssh.SSHTCPChannel[bytes]) -> None:  # type: ignore[override]
         self.relay.upchan = chan
+        unlogged_packets(chan)
 
     def data_received(self, data: bytes, datatype: int | None) -> None:  # type: ignore[override]
         self.relay.received += len(data)
@@ -1068,6 +1076,7 @@ class ForwardRelay(asyncssh.SSHTCPSession):  # type: ignore[type-arg]
 
     def connection_made(self, chan: asyncssh.SSHTCPChannel[bytes]) -> None:  # type: ignore[override]
         self.chan = chan
+        unlogged_packets(chan)
         for data in self.early:
             chan.write(data)
         self.early.clear()

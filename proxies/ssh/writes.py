@@ -24,7 +24,6 @@ import logging
 from typing import Any
 
 import asyncssh
-from asyncssh.constants import MSG_IGNORE
 
 log = logging.getLogger("gatewayd.ssh")
 
@@ -83,25 +82,3 @@ def gather_writes(conn: asyncssh.SSHClientConnection | asyncssh.SSHServerConnect
         return
     conn._transport = GatheredTransport(transport, asyncio.get_running_loop())  # type: ignore[union-attr,assignment]
 
-
-EMPTY_IGNORE = (b"\0\0\0\0",)  # the arguments of asyncssh's own SSH_MSG_IGNORE: an empty string
-
-
-def skip_ignore_packets(conn: asyncssh.SSHClientConnection | asyncssh.SSHServerConnection) -> None:
-    """Leave out the empty ``SSH_MSG_IGNORE`` asyncssh sends before every packet once keys are in use, except
-    where this direction's cipher is a CBC mode (from its owner's ``connection_made``).
-
-    That packet is RFC 4251's counter (section 9.3.1) to CBC mode's predictable IVs; with the counter and AEAD
-    modes the gateway negotiates by default (GCM, ChaCha20-Poly1305, CTR) it protects nothing, and OpenSSH never
-    sends it. Each one costs an encryption, padding from ``getrandom``, and a packet for the peer to take in
-    before every data packet relayed. asyncssh sends it through its own ``send_packet``, which offers no
-    option for it: the instance's method is wrapped; a later asyncssh without that packet is not affected."""
-    send = conn.send_packet
-
-    def send_packet(pkttype: int, *args: bytes, handler: Any = None) -> None:
-        if pkttype == MSG_IGNORE and args == EMPTY_IGNORE \
-                and not conn.get_extra_info("send_cipher", "").endswith("-cbc"):
-            return
-        send(pkttype, *args, handler=handler)
-
-    conn.send_packet = send_packet  # type: ignore[method-assign]
