@@ -2,9 +2,9 @@
 
 ``SshTarget`` runs ``/usr/sbin/sshd -D -e`` on a free port with its own host
 key and authorized key in a temp dir, for a dedicated OS user
-(``gatewayd-sshtest``, created once when root, with a fresh random password
-each run so both ``PRIVATE_KEY`` and ``PASS`` roles can be tested). It is
-stopped by PID.
+(``gatewayd-sshtest``, created once when root, with a random password so
+both ``PRIVATE_KEY`` and ``PASS`` roles can be tested: one for every target on
+the machine, ``shared_password``). It is stopped by PID.
 """
 
 from __future__ import annotations
@@ -59,6 +59,29 @@ async def until_gone(*pgids: int) -> None:
             await asyncio.sleep(0.05)
 
 
+PASSWORD_FILE = Path(tempfile.gettempdir()) / "gatewayd-sshtest.password"
+
+
+def shared_password() -> str:
+    """The test user's password, the same for every target: the OS user is one for the whole machine, and the
+    suite starts targets in parallel processes, so a password of each target's own would change under another
+    target's tests. Made once (root-only file, put in place whole with ``link``, which refuses an existing one)."""
+    try:
+        return PASSWORD_FILE.read_text().strip()
+    except FileNotFoundError:
+        pass
+    draft = PASSWORD_FILE.with_name(f"{PASSWORD_FILE.name}.{os.getpid()}")
+    draft.write_text(secrets.token_urlsafe(18))
+    draft.chmod(0o600)
+    try:
+        os.link(draft, PASSWORD_FILE)
+    except FileExistsError:
+        pass  # another process made it first: its password is the one
+    finally:
+        draft.unlink()
+    return PASSWORD_FILE.read_text().strip()
+
+
 def ensure_user(password: str) -> pwd.struct_passwd:
     """The dedicated target user, with ``password`` (sshd checks it against /etc/shadow with UsePAM no)."""
     try:
@@ -86,7 +109,7 @@ class SshTarget:
         self.dir.chmod(0o755)
         self.port = free_port()
         self.user = USER
-        self.password = secrets.token_urlsafe(18)
+        self.password = shared_password()
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self, password: str | None = None) -> SshTarget:
