@@ -56,7 +56,7 @@ def as_the_gateway(conn: asyncssh.SSHClientConnection | asyncssh.SSHServerConnec
     split_reads(conn)
     gather_writes(conn)
     if variant == "gateway" or (variant == "ignore" and isinstance(conn, asyncssh.SSHServerConnection)):
-        skip_ignore_packets(conn)
+        skip_ignore_packets(conn, [CIPHER])
     if variant == "gateway":
         unlogged_packets(conn)
 

@@ -10,7 +10,7 @@ the wire is otherwise unchanged. Measured in bench/README.md ("SSH proxy").
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import asyncssh
 from asyncssh.constants import MSG_IGNORE
@@ -18,9 +18,11 @@ from asyncssh.constants import MSG_IGNORE
 EMPTY_IGNORE = (b"\0\0\0\0",)  # the arguments of asyncssh's own SSH_MSG_IGNORE: an empty string
 
 
-def skip_ignore_packets(conn: asyncssh.SSHClientConnection | asyncssh.SSHServerConnection) -> None:
+def skip_ignore_packets(conn: asyncssh.SSHClientConnection | asyncssh.SSHServerConnection,
+                        offered: Sequence[str]) -> None:
     """Leave out the empty ``SSH_MSG_IGNORE`` asyncssh sends before every packet once keys are in use, except
-    where this direction's cipher is a CBC mode (from its owner's ``connection_made``).
+    where this direction's cipher is a CBC mode (from its owner's ``connection_made``; ``offered``: the ciphers
+    the connection offers, so that the cipher in use is looked up only where one of them is CBC).
 
     That packet is RFC 4251's counter (section 9.3.1) to CBC mode's predictable IVs; with the counter and AEAD
     modes the gateway negotiates by default (GCM, ChaCha20-Poly1305, CTR) it protects nothing, and OpenSSH never
@@ -28,10 +30,11 @@ def skip_ignore_packets(conn: asyncssh.SSHClientConnection | asyncssh.SSHServerC
     before every data packet relayed. asyncssh sends it through its own ``send_packet``, which offers no
     option for it: the instance's method is wrapped; a later asyncssh without that packet is not affected."""
     send = conn.send_packet
+    cbc_offered = any(cipher.endswith("-cbc") for cipher in offered)
 
     def send_packet(pkttype: int, *args: bytes, handler: Any = None) -> None:
         if pkttype == MSG_IGNORE and args == EMPTY_IGNORE \
-                and not conn.get_extra_info("send_cipher", "").endswith("-cbc"):
+                and not (cbc_offered and conn.get_extra_info("send_cipher", "").endswith("-cbc")):
             return
         send(pkttype, *args, handler=handler)
 

@@ -38,7 +38,7 @@ import logging
 import re
 import socket
 from collections import deque
-from typing import TYPE_CHECKING, Any, Coroutine
+from typing import TYPE_CHECKING, Any, Coroutine, Sequence
 
 import asyncssh
 
@@ -60,6 +60,7 @@ from proxies.ssh.packets import skip_ignore_packets, unlogged_packets
 from proxies.ssh.reads import split_reads
 from proxies.ssh.sftp import SftpObserver, status_packet
 from proxies.ssh.target import (
+    ENCRYPTION,
     MAX_PACKET,
     WINDOW,
     TargetError,
@@ -118,8 +119,9 @@ class SSHListener:
     async def serve(self, sock: socket.socket, secret: str) -> None:
         """One client on an already-connected socket, logged in with ``secret`` (the proxy manager's forwarding):
         its own user name and password are not asked for. Returns when the connection ends."""
+        ciphers = self.options["encryption_algs"]
         conn = await asyncssh.run_server(
-            sock, server_factory=lambda: GatewayConnection(self.pipeline, self.tasks, secret), **self.options)
+            sock, server_factory=lambda: GatewayConnection(self.pipeline, self.tasks, ciphers, secret), **self.options)
         await conn.wait_closed()
 
 
@@ -178,8 +180,9 @@ async def start(context: ProxyContext, host: str, port: int) -> SSHListener:
         agent_forwarding=False, x11_forwarding=False, allow_scp=False, compression_algs=None,
         encryption_algs=list(context.settings["ciphers"]), window=WINDOW, max_pktsize=MAX_PACKET,
         keepalive_interval=60)
+    ciphers = options["encryption_algs"]
     acceptor = await asyncssh.listen(
-        host, port, server_factory=lambda: GatewayConnection(pipeline, tasks), reuse_address=True,
+        host, port, server_factory=lambda: GatewayConnection(pipeline, tasks, ciphers), reuse_address=True,
         reuse_port=context.reuse_port or None, **options)
     global RUNNING
     RUNNING = SSHListener(acceptor, tasks, pipeline, options)
@@ -195,7 +198,7 @@ class TargetWatch(asyncssh.SSHClient):
     def connection_made(self, conn: asyncssh.SSHClientConnection) -> None:
         split_reads(conn)
         gather_writes(conn)
-        skip_ignore_packets(conn)
+        skip_ignore_packets(conn, ENCRYPTION)
         unlogged_packets(conn)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -205,9 +208,11 @@ class TargetWatch(asyncssh.SSHClient):
 class GatewayConnection(asyncssh.SSHServer):
     """One client SSH connection: its credential, its session run (the target connection) and channels."""
 
-    def __init__(self, pipeline: SessionPipeline, tasks: BackgroundTasks, preset: str | None = None) -> None:
+    def __init__(self, pipeline: SessionPipeline, tasks: BackgroundTasks, ciphers: Sequence[str],
+                 preset: str | None = None) -> None:
         self.pipeline = pipeline
         self.tasks = tasks
+        self.ciphers = ciphers  # what the listener offers clients (ssh.ciphers)
         self.preset = preset  # the credential of a proxy manager's forwarded client: its own login is not asked
         self.conn: asyncssh.SSHServerConnection | None = None
         self.client_ip = ""
@@ -231,7 +236,7 @@ class GatewayConnection(asyncssh.SSHServer):
         self.conn = conn
         split_reads(conn)  # asyncssh parses small pieces, not whole 256 KiB reads (proxies/ssh/reads.py)
         gather_writes(conn)  # the packets of one turn of the loop leave in one send call (proxies/ssh/writes.py)
-        skip_ignore_packets(conn)  # no SSH_MSG_IGNORE before each packet unless the cipher is CBC
+        skip_ignore_packets(conn, self.ciphers)  # no SSH_MSG_IGNORE before each packet unless the cipher is CBC
         unlogged_packets(conn)  # no log line built for each packet (proxies/ssh/packets.py)
         metrics.connection_opened("ssh")
         peer = conn.get_extra_info("peername")
