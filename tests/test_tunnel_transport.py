@@ -266,6 +266,57 @@ async def test_an_end_nobody_attaches_ends_the_stream(monkeypatch):
             await splice.run()
 
 
+async def test_an_end_closed_before_any_protocol_ends_the_stream_without_waiting_for_one(tunnel, monkeypatch):
+    """A dial that gave up as its answer came closes the end it will not use (gatewayd.agent.registry.open): the
+    agent hears its eof and the stream ends as any other, not after ``ATTACH_TIMEOUT`` as a cut one."""
+    from gatewayd.agent import pump
+
+    monkeypatch.setattr(pump, "ATTACH_TIMEOUT", 600)  # past the hang guards: a stream that waits for it fails
+    splice, end, far, running = tunnel
+    end.close()
+    frame = await far.frame()
+    assert frame is not None and frame.eof
+    far.send(pb.Frame(eof=True))  # the agent's side ends too (its target closed after the eof)
+    async with asyncio.timeout(10):
+        await running  # done, not StreamBroken
+    assert end.is_closing()
+
+
+async def test_a_dial_that_gives_up_as_it_is_answered_closes_the_answer(tmp_path):
+    """The agent's answer set in the same turn of the loop as its dial is cancelled (the caller's timeout): the
+    end nobody will take is closed at once: a socketpair's end (left to the garbage collector before), or a
+    tunnel end (its stream waited ``ATTACH_TIMEOUT``, then was logged as a cut connection)."""
+    import socket
+
+    from gatewayd.agent.registry import AgentLink
+    from gatewayd.models import Agent, new_id
+    from tests.conftest import core_gateway
+
+    async with core_gateway(tmp_path) as core:
+        registry = core.agents
+        org = (await core.store.default_org()).id
+        agent = Agent(id=new_id(), org_id=org, name="racer")
+        registry.links[agent.id] = [AgentLink(agent, "127.0.0.1")]
+        ours, theirs = socket.socketpair()
+        splice = Splice()
+        for answer, transport in ((theirs, False), (splice.end(), True)):
+            dial = asyncio.ensure_future(registry.open(org, "racer", "db.internal", 5432, "racer-db", 5,
+                                                       transport=transport))
+            async with asyncio.timeout(10):
+                while not registry.pending:
+                    await asyncio.sleep(0)
+            (pending,) = registry.pending.values()
+            pending.answer.set_result(answer)  # as the tunnel listener answers...
+            dial.cancel()  # ...the dial gives up, before it runs again
+            with pytest.raises(asyncio.CancelledError):
+                await dial
+            assert not registry.pending
+        assert theirs.fileno() == -1  # closed: the relay on ``ours`` hears the end
+        ours.close()
+        assert splice.ending is not None and splice.ending.eof  # the agent will hear the eof at the start...
+        assert splice.attached is not None and splice.attached.done()  # ...which waits for no protocol
+
+
 @given(st.binary(max_size=70_000))
 def test_a_data_record_is_protobuf_s_own_encoding_and_reads_back(data):
     """The hot path writes data frames without building a message and reads them back without parsing one: the same

@@ -472,11 +472,14 @@ class TunnelTransport(asyncio.Transport):
         return True
 
     def close(self) -> None:
-        """As a socket's close: the peer hears this end's eof; the protocol hears ``connection_lost`` soon."""
+        """As a socket's close: the peer hears this end's eof; the protocol hears ``connection_lost`` soon.  An end
+        closed before any protocol was attached (a dial that gave up as it was answered) is done with: the stream
+        goes on to its end at once instead of waiting ``ATTACH_TIMEOUT`` for a protocol that will not come."""
         if self.closing:
             return
         self.closing = True
         self.splice.say(pb.Frame(eof=True))
+        self._unwaited()
         asyncio.get_running_loop().call_soon(self._lose, None)
 
     def abort(self) -> None:
@@ -484,7 +487,13 @@ class TunnelTransport(asyncio.Transport):
             return
         self.closing = True
         self.splice.say(pb.Frame(error="the gateway's end failed (aborted)"))
+        self._unwaited()
         asyncio.get_running_loop().call_soon(self._lose, None)
+
+    def _unwaited(self) -> None:
+        attached = self.splice.attached
+        if attached is not None and not attached.done():
+            attached.set_result(None)
 
     def is_closing(self) -> bool:
         return self.closing

@@ -231,6 +231,11 @@ class AgentRegistry:
             except TimeoutError:
                 raise DialError(connection, f'agent "{link.agent.name}" did not answer within {timeout:g} seconds') \
                     from None
+        except BaseException:
+            # answered in the same turn as the dial gave up (its caller's timeout or cancel): nobody takes the end
+            if answer.done() and not answer.cancelled() and answer.exception() is None:
+                answer.result().close()
+            raise
         finally:
             self.pending.pop(stream_id, None)  # a tunnel answering after this finds its answer cancelled
 
