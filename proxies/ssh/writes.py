@@ -81,4 +81,3 @@ def gather_writes(conn: asyncssh.SSHClientConnection | asyncssh.SSHServerConnect
         log.debug("asyncssh transport without writelines: writes not gathered")
         return
     conn._transport = GatheredTransport(transport, asyncio.get_running_loop())  # type: ignore[union-attr,assignment]
-
