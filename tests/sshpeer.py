@@ -10,6 +10,7 @@ the machine, ``shared_password``). It is stopped by PID.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import pwd
 import secrets
@@ -83,15 +84,19 @@ def shared_password() -> str:
 
 
 def ensure_user(password: str) -> pwd.struct_passwd:
-    """The dedicated target user, with ``password`` (sshd checks it against /etc/shadow with UsePAM no)."""
-    try:
-        entry = pwd.getpwnam(USER)
-    except KeyError:
-        subprocess.run(["useradd", "--system", "--no-create-home", "--home-dir", "/tmp", "--shell", "/bin/bash",
-                        USER], check=True, capture_output=True)
-        entry = pwd.getpwnam(USER)
-    subprocess.run(["chpasswd"], input=f"{USER}:{password}\n", text=True, check=True, capture_output=True)
-    return entry
+    """The dedicated target user, with ``password`` (sshd checks it against /etc/shadow with UsePAM no).  One
+    process at a time (a lock file): targets start in parallel test processes, and of two ``useradd`` of one new
+    user at once, one fails."""
+    with PASSWORD_FILE.with_suffix(".lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            entry = pwd.getpwnam(USER)
+        except KeyError:
+            subprocess.run(["useradd", "--system", "--no-create-home", "--home-dir", "/tmp", "--shell", "/bin/bash",
+                            USER], check=True, capture_output=True)
+            entry = pwd.getpwnam(USER)
+        subprocess.run(["chpasswd"], input=f"{USER}:{password}\n", text=True, check=True, capture_output=True)
+        return entry
 
 
 def keygen(path: Path, kind: str = "ed25519") -> Path:
