@@ -85,8 +85,8 @@ def shared_password() -> str:
 
 def ensure_user(password: str) -> pwd.struct_passwd:
     """The dedicated target user, with ``password`` (sshd checks it against /etc/shadow with UsePAM no).  One
-    process at a time (a lock file): targets start in parallel test processes, and of two ``useradd`` of one new
-    user at once, one fails."""
+    process at a time (a lock file): targets start in parallel test processes, and where two both find the user
+    missing, both run ``useradd``, and the later one fails (exit status 9: the user exists)."""
     with PASSWORD_FILE.with_suffix(".lock").open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
