@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 
 ## The hot path compiled with Cython beside its sources; without a C compiler everything runs from the
 ## Python source (a warning says so, and the next make tries again).
-$(HOTPATH): $(STAMP) $(wildcard gatewayd/*.py gatewayd/*.pxd proxies/*/*.py proxies/*/*.pxd)
+$(HOTPATH): $(STAMP) $(wildcard gatewayd/*.py gatewayd/*.pxd gatewayd/*/*.py gatewayd/*/*.pxd proxies/*/*.py proxies/*/*.pxd)
 	@if $(BIN)/python -m launcher.hotpath build; then \
 		touch $@; else echo "warning: the hot path was not compiled (see above); it runs from the Python source" >&2; fi
 

@@ -31,6 +31,7 @@ PURE_ENV = "GATEWAYD_PURE_PYTHON"
 
 # What every message and recorded event goes through in the core; each protocol adds its own (``add``).
 CORE_MODULES = (
+    "gatewayd.agent.pump",
     "gatewayd.evidence",
     "gatewayd.guardrails",
     "gatewayd.languages",

@@ -3,7 +3,7 @@ source still passing the same suites.
 
 The rest of the suite runs on whatever the checkout has: compiled after ``make test``.  Here the hot
 path's modules' own suites (PostgreSQL codec and relay, HTTP messages, SSH lines, guard rails, masking,
-evidence) run again in a pytest of their own with ``GATEWAYD_PURE_PYTHON=1`` (every hot-path module from
+evidence, the agents' tunnel streams) run again in a pytest of their own with ``GATEWAYD_PURE_PYTHON=1`` (every hot-path module from
 its ``.py``), and the golden-file tests (tests/test_recording_equivalence.py,
 tests/test_http_recording_equivalence.py: the HTTP front end among them) run a daemon each way.
 """
@@ -28,7 +28,8 @@ STAMP = Path(sys.prefix) / ".hotpath-stamp"  # make's: written once every module
 # the suites of what the hot path holds, run once more from source
 SUITES = ["tests/test_postgres_codec.py", "tests/test_postgres_relay.py", "tests/test_masking.py",
           "tests/test_guardrails.py", "tests/test_evidence.py", "tests/test_http_messages.py",
-          "tests/test_ssh_logic.py", "tests/test_hotpath.py::test_modules_run_as_the_switch_says"]
+          "tests/test_ssh_logic.py", "tests/test_tunnel_transport.py",
+          "tests/test_hotpath.py::test_modules_run_as_the_switch_says"]
 
 
 def imported_kinds(env: dict[str, str]) -> dict[str, str]:
