@@ -54,7 +54,8 @@ CLOSED = 1 << 62  # what a close needs stored: more than any sequence number
 
 
 def _safe(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", name)[:80] or "gatewayd"
+    """``name`` as a directory name's start: never a hidden one (``HIDDEN``), which ``dead_runs`` passes by."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name)[:80].lstrip(".") or "gatewayd"
 
 
 @dataclass(slots=True)
@@ -68,6 +69,9 @@ class _Segment:
     needs: dict[str, int] = field(default_factory=dict)  # session id -> the next number that must be stored
     audits: set[str] = field(default_factory=set)
     writing: int = 0  # groups of it being written now: it is not deleted meanwhile
+
+
+HIDDEN = "."  # the start of a journal directory's name while its process makes and locks it (``Journal.open``)
 
 
 class Journal:
@@ -97,10 +101,17 @@ class Journal:
     # -- the process's own journal
 
     def open(self) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        """The journal's directory, appearing under its name already locked: it is made and locked under a hidden
+        name first, which ``dead_runs`` passes by. Made and then locked in place, another process looking for
+        the journals of dead ones (a worker starting beside it) could take its lock in between, replay it as
+        dead and leave this one unable to start."""
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        hidden = self.root / f"{HIDDEN}{self.dir.name}"
+        hidden.mkdir(mode=0o700)
+        fd = os.open(hidden / "lock", os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.write(fd, f"{os.getpid()}\n".encode())
+        os.rename(hidden, self.dir)
         self._lock_fd = fd
         segment = self._next_segment()
         self._writer.submit(self._switch, segment.path).result()
@@ -324,7 +335,7 @@ def dead_runs(root: Path, own: Path | None = None) -> Iterator[DeadRun]:
     if not root.is_dir():
         return
     for path in sorted(root.iterdir()):
-        if path == own or not path.is_dir():
+        if path == own or path.name.startswith(HIDDEN) or not path.is_dir():
             continue
         try:
             fd = os.open(path / "lock", os.O_RDWR | os.O_CREAT, 0o600)

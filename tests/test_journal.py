@@ -241,6 +241,39 @@ def test_a_record_cut_short_ends_its_segment(tmp_path):
     assert [e.data for e in found.streams["s"].events.values()] == [b"one", b"two"] and found.torn == 1
 
 
+async def test_a_journal_being_opened_is_never_taken_for_a_dead_one(tmp_path, monkeypatch):
+    """A worker starting while another process looks for dead journals (``dead_runs``, at the other's start): the
+    scan comes in the instant between the starting journal's directory being made and its lock being taken. It
+    finds nothing to replay, and the journal opens (the scan used to lock it, replay it as dead, and the worker
+    died on its own lock with BlockingIOError)."""
+    from gatewayd.journal import Journal, dead_runs
+
+    root = tmp_path / "journals"
+    journal = Journal(root, "node/w1")
+    taken: list[Path] = []
+    opening = os.open
+    scanning = False
+
+    def open_then_scan(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal scanning
+        fd = opening(path, *args, **kwargs)
+        if Path(path).name == "lock" and not scanning:  # the journal's lock file, made and not yet locked
+            scanning = True
+            for run in dead_runs(root):  # another process, at this instant (flock: a lock per open file)
+                taken.append(run.path)
+                run.release()
+        return fd
+
+    monkeypatch.setattr(os, "open", open_then_scan)
+    journal.open()
+    monkeypatch.undo()
+    assert scanning and taken == []
+    assert journal.dir.is_dir() and [p.name for p in root.iterdir()] == [journal.dir.name]
+    assert list(dead_runs(root)) == []  # locked: alive
+    await journal.close(remove=True)
+    assert list(root.iterdir()) == []
+
+
 async def test_a_strict_session_the_store_lags_behind_is_ended_and_an_async_one_goes_on(gated, tmp_path):
     direct, through, gate = gated
     svc = RecordingService(through, 1 << 30, 0.1, SEALER, journal_dir=tmp_path / "journal", journal_interval=0.02,
