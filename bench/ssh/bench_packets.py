@@ -33,7 +33,7 @@ if str(ROOT) not in sys.path:
 import asyncssh  # noqa: E402
 import uvloop  # noqa: E402
 
-from proxies.ssh.packets import skip_ignore_packets, unlogged_packets  # noqa: E402
+from proxies.ssh.packets import as_the_gateway_runs_it, skip_ignore_packets, unlogged_packets  # noqa: E402
 from proxies.ssh.reads import split_reads  # noqa: E402
 from proxies.ssh.target import MAX_PACKET, WINDOW  # noqa: E402
 from proxies.ssh.writes import gather_writes  # noqa: E402
@@ -51,14 +51,15 @@ VARIANTS = ("asyncssh", "io", "ignore", "gateway")
 
 
 def as_the_gateway(conn: asyncssh.SSHClientConnection | asyncssh.SSHServerConnection, variant: str) -> None:
+    if variant == "gateway":
+        as_the_gateway_runs_it(conn, [CIPHER])  # what proxies/ssh/server.py does
+        return
     if variant == "asyncssh":
         return
     split_reads(conn)
     gather_writes(conn)
-    if variant == "gateway" or (variant == "ignore" and isinstance(conn, asyncssh.SSHServerConnection)):
+    if variant == "ignore" and isinstance(conn, asyncssh.SSHServerConnection):
         skip_ignore_packets(conn, [CIPHER])
-    if variant == "gateway":
-        unlogged_packets(conn)
 
 
 async def transfer(size: int, variant: str, host_key: asyncssh.SSHKey) -> float:

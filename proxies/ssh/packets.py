@@ -15,6 +15,9 @@ from typing import Any, Sequence
 import asyncssh
 from asyncssh.constants import MSG_IGNORE
 
+from proxies.ssh.reads import split_reads
+from proxies.ssh.writes import gather_writes
+
 EMPTY_IGNORE = (b"\0\0\0\0",)  # the arguments of asyncssh's own SSH_MSG_IGNORE: an empty string
 
 
@@ -55,3 +58,15 @@ def unlogged_packets(handler: Any) -> None:
     never sets that level (its log holds no secret), so the line was built for nothing on every packet."""
     handler.log_sent_packet = _unlogged
     handler.log_received_packet = _unlogged
+
+
+def as_the_gateway_runs_it(conn: asyncssh.SSHClientConnection | asyncssh.SSHServerConnection,
+                           offered: Sequence[str]) -> None:
+    """Everything the gateway puts on an asyncssh connection it accepts or makes (from its owner's
+    ``connection_made``, before any packet; ``offered``: the ciphers it offers): reads in pieces (reads.py),
+    writes gathered per turn of the loop (writes.py), no ``SSH_MSG_IGNORE`` where it protects nothing and no
+    packet log lines (above). Its channels get ``unlogged_packets`` from their own ``connection_made``."""
+    split_reads(conn)
+    gather_writes(conn)
+    skip_ignore_packets(conn, offered)
+    unlogged_packets(conn)

@@ -56,8 +56,7 @@ from gatewayd.pipeline import (
 )
 from gatewayd.tasks import BackgroundTasks
 from proxies.ssh.lines import Chunk, Line, OutputWatch, ShellInput
-from proxies.ssh.packets import skip_ignore_packets, unlogged_packets
-from proxies.ssh.reads import split_reads
+from proxies.ssh.packets import as_the_gateway_runs_it, unlogged_packets
 from proxies.ssh.sftp import SftpObserver, status_packet
 from proxies.ssh.target import (
     ENCRYPTION,
@@ -69,7 +68,6 @@ from proxies.ssh.target import (
     end_command,
     signal_exit_code,
 )
-from proxies.ssh.writes import gather_writes
 
 if TYPE_CHECKING:
     from gatewayd.access import AccessGrant
@@ -196,10 +194,7 @@ class TargetWatch(asyncssh.SSHClient):
         self.owner = owner
 
     def connection_made(self, conn: asyncssh.SSHClientConnection) -> None:
-        split_reads(conn)
-        gather_writes(conn)
-        skip_ignore_packets(conn, ENCRYPTION)
-        unlogged_packets(conn)
+        as_the_gateway_runs_it(conn, ENCRYPTION)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.owner.target_lost()
@@ -234,10 +229,7 @@ class GatewayConnection(asyncssh.SSHServer):
 
     def connection_made(self, conn: asyncssh.SSHServerConnection) -> None:
         self.conn = conn
-        split_reads(conn)  # asyncssh parses small pieces, not whole 256 KiB reads (proxies/ssh/reads.py)
-        gather_writes(conn)  # the packets of one turn of the loop leave in one send call (proxies/ssh/writes.py)
-        skip_ignore_packets(conn, self.ciphers)  # no SSH_MSG_IGNORE before each packet unless the cipher is CBC
-        unlogged_packets(conn)  # no log line built for each packet (proxies/ssh/packets.py)
+        as_the_gateway_runs_it(conn, self.ciphers)  # reads, writes and packets as proxies/ssh/packets.py says
         metrics.connection_opened("ssh")
         peer = conn.get_extra_info("peername")
         self.client_ip = peer[0] if isinstance(peer, tuple) else ""
