@@ -16,6 +16,21 @@ from typing import Any, Coroutine
 log = logging.getLogger("gatewayd.tasks")
 
 
+async def until_empty(tasks: set[asyncio.Task[Any]]) -> None:
+    """Until ``tasks``, a set each task leaves in its own done callback, is empty (tasks added meanwhile too).
+
+    A task that has ended leaves on a later turn of the loop, when its callbacks run. Since Python 3.12 ``gather``
+    of tasks that have all ended returns without a turn of the loop, so gathering the set again until it is empty
+    would spin for good (seen: the daemon's shutdown hung, one core busy, on 3.12): the ended ones are waited out
+    with a turn of the loop instead."""
+    while tasks:
+        running = [task for task in tasks if not task.done()]
+        if running:
+            await asyncio.gather(*running, return_exceptions=True)
+        else:
+            await asyncio.sleep(0)
+
+
 class BackgroundTasks:
     """The tasks of one owner (a listener, a session's relay, the session manager)."""
 
@@ -43,8 +58,7 @@ class BackgroundTasks:
 
     async def wait(self) -> None:
         """Until every task running now (and those they start meanwhile) has ended."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await until_empty(self._tasks)
 
     async def cancel(self) -> None:
         """Cancel what is still running and wait until it has ended."""

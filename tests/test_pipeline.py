@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import subprocess
+import sys
 
 import pytest
 
@@ -15,7 +17,7 @@ from gatewayd.models import Connection, GuardRail, new_id, rfc3339, utcnow
 from gatewayd.pipeline import BLOCKED_EXIT_CODE, GatewayClosing, TargetUnreachable
 from gatewayd.store.base import AuditFilter
 from gatewayd.tasks import BackgroundTasks
-from tests.conftest import core_gateway, free_port
+from tests.conftest import ROOT, core_gateway, free_port
 
 
 @pytest.fixture
@@ -203,6 +205,36 @@ async def test_background_task_failures_are_logged_not_lost(caplog):
     assert len(tasks) == 0
     [record] = [r for r in caplog.records if r.name == "gatewayd.tasks"]
     assert record.owner == "test-owner" and record.session_id == "s1" and "boom" in str(record.exc_info[1])
+
+
+def test_waiting_for_tasks_that_have_just_ended_returns():
+    """gatewayd.tasks.until_empty (BackgroundTasks.wait, the SSH proxy's commands being ended): tasks that have
+    ended but not yet run their done callbacks (which take them out of the set). Since Python 3.12 ``gather`` of
+    ended tasks returns without a turn of the loop, so gathering the set until it is empty spun for good: the
+    daemon's shutdown hung on 3.12. Run in a process of its own, since a loop that spins cannot time itself out."""
+    script = """
+import asyncio
+from gatewayd.tasks import BackgroundTasks, until_empty
+
+async def main():
+    held = set()
+    ended = asyncio.get_running_loop().create_future()
+    held.add(ended)
+    ended.add_done_callback(held.discard)
+    ended.set_result(None)  # ended: the callback that takes it out of the set is still to run
+    await until_empty(held)
+    tasks = BackgroundTasks("ended")
+    task = tasks.spawn(asyncio.sleep(0))
+    await asyncio.sleep(0.01)
+    tasks._tasks.add(task)  # as if its done callback had not run yet
+    task.add_done_callback(tasks._tasks.discard)
+    await tasks.wait()
+    print("returned", len(held), len(tasks))
+
+asyncio.run(main())
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 0 and done.stdout.strip() == "returned 0 0", (done.stdout, done.stderr[-2000:])
 
 
 async def test_a_grant_without_credential_opens_a_new_session_and_an_unreachable_one_is_named(core):

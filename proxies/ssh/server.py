@@ -54,7 +54,7 @@ from gatewayd.pipeline import (
     SessionRun,
     TargetUnreachable,
 )
-from gatewayd.tasks import BackgroundTasks
+from gatewayd.tasks import BackgroundTasks, until_empty
 from proxies.ssh.lines import Chunk, Line, OutputWatch, ShellInput
 from proxies.ssh.packets import as_the_gateway_runs_it, unlogged_packets
 from proxies.ssh.sftp import SftpObserver, status_packet
@@ -437,8 +437,7 @@ class GatewayConnection(asyncssh.SSHServer):
 
     async def _stopped(self) -> None:
         """Until the commands the gateway is ending on the target have ended or been killed (each bounded)."""
-        while self.stopping:
-            await asyncio.gather(*self.stopping, return_exceptions=True)
+        await until_empty(self.stopping)
 
     def channel_closed(self, relay: SessionRelay) -> None:
         self.channels.discard(relay)
