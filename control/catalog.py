@@ -74,7 +74,8 @@ async def _catalog(request: web.Request, what: str, sql: str, database: str | No
     except RuntimeError as exc:
         raise ApiError(503, str(exc)) from None
     try:
-        result = await asyncio.wait_for(asyncio.shield(job.result), services.config["sessions.exec_wait"])
+        async with asyncio.timeout(services.config["sessions.exec_wait"]):
+            result = await asyncio.shield(job.result)
     except TimeoutError:
         raise ApiError(504, f"the target did not answer within {services.config['sessions.exec_wait']:g} s "
                             f"(session {job.session_id})") from None
@@ -141,7 +142,8 @@ async def test(request: web.Request) -> web.Response:
     message = ""
     try:
         if runner is not None:  # logs in as the gateway would for a session
-            target = await asyncio.wait_for(runner.dial(dialer, connection), 30)
+            async with asyncio.timeout(30):
+                target = await runner.dial(dialer, connection)
             runner.stop(target)
         else:  # reaches the target's address
             settings = connection.target()

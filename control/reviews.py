@@ -211,8 +211,8 @@ async def _answer(request: web.Request, job: ScriptJob, review: Review | None = 
     services = services_of(request)
     respond_async = "respond-async" in request.headers.get("Prefer", "").lower()
     try:
-        result = await asyncio.wait_for(asyncio.shield(job.result),
-                                        0 if respond_async else services.config["sessions.exec_wait"])
+        async with asyncio.timeout(0 if respond_async else services.config["sessions.exec_wait"]):
+            result = await asyncio.shield(job.result)
     except TimeoutError:
         response = ok({"session_id": job.session_id, "has_review": review is not None, "output": "",
                        "output_status": "running", "exit_code": None,

@@ -151,7 +151,8 @@ class Cluster:
             await self.publish(topic, **payload, _request=request_id, _confirm=sorted(waiting))
             if waiting and self._transport is not None:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(future), wait)
+                    async with asyncio.timeout(wait):
+                        await asyncio.shield(future)
         finally:
             self._acks.pop(request_id, None)
         if not waiting:

@@ -20,6 +20,7 @@ are not in the store within ``strict_bound`` is ended (``on_undurable``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -297,10 +298,9 @@ class RecordingService:
 
     async def _run(self) -> None:
         while True:
-            try:
-                await asyncio.wait_for(self._wake.wait(), self.flush_interval)
-            except asyncio.TimeoutError:
-                pass
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.flush_interval):
+                    await self._wake.wait()
             self._wake.clear()
             try:
                 await self.flush()

@@ -486,7 +486,8 @@ class ReviewService:
     async def finish(self, timeout: float = 5.0) -> None:
         """Let background jobs (a script's end and its EXECUTED, an expiry) reach the store before it closes."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(self.tasks.wait()), timeout)
+            async with asyncio.timeout(timeout):
+                await asyncio.shield(self.tasks.wait())
 
     def spawn(self, coroutine: Any) -> asyncio.Task[Any]:
         """Run ``coroutine`` in the background, held (and awaited by ``finish``) until it ends."""

@@ -20,6 +20,7 @@ policy (gatewayd.tenancy): never the gateway's own host or network.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import base64
 import hashlib
 import hmac
@@ -234,10 +235,9 @@ class Notifier:
             except Exception:
                 log.exception("webhook deliveries failed")
             self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), interval)
-            except TimeoutError:
-                pass
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(interval):
+                    await self._wake.wait()
 
     async def deliver_due(self) -> int:
         """Claim and send the deliveries due now; how many were attempted."""

@@ -253,7 +253,8 @@ class Supervisor:
         if live:
             waiting = asyncio.gather(*(p.wait() for p in live))
             try:
-                await asyncio.wait_for(asyncio.shield(waiting), self.config["sessions.shutdown_grace"] + STOP_MARGIN)
+                async with asyncio.timeout(self.config["sessions.shutdown_grace"] + STOP_MARGIN):
+                    await asyncio.shield(waiting)
             except TimeoutError:
                 for process in live:
                     if process.returncode is None:

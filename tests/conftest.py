@@ -232,7 +232,15 @@ class Daemon:
             return 0
         if self.process.poll() is None:
             self.process.send_signal(sig)
-        code = self.process.wait(timeout)
+        try:
+            code = self.process.wait(timeout)
+        except subprocess.TimeoutExpired:  # killed, not left behind; the failure shows where it stood
+            self.process.kill()
+            self.process.wait()
+            self.process = None
+            self.log.close()
+            raise AssertionError(f"gatewayd did not stop within {timeout:g} s of signal {sig}; its log ends:\n"
+                                 + "\n".join(self.log_text().splitlines()[-40:])) from None
         self.process = None
         self.log.close()
         return code

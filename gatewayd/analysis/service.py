@@ -94,10 +94,9 @@ class AnalysisService:
         return self.tasks.spawn(coroutine)
 
     async def close(self) -> None:
-        try:
-            await asyncio.wait_for(self.tasks.cancel(), timeout=5)
-        except TimeoutError:
-            pass
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(5):
+                await self.tasks.cancel()
         for client in (self._http, self._tenant_http):
             if client is not None:
                 await client.close()
@@ -325,7 +324,8 @@ class SessionAnalysis:
         if task is None or task.done() or task is asyncio.current_task() or self.live.end_reason is not None:
             return
         with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-            await asyncio.wait_for(asyncio.shield(task), self.service.timeout_of(self.rule) + 1)
+            async with asyncio.timeout(self.service.timeout_of(self.rule) + 1):
+                await asyncio.shield(task)
 
     # -- synchronous mode: the proxy holds the input until ``decide`` returns
 
@@ -360,7 +360,8 @@ class SessionAnalysis:
         service, rule, connection = self.service, self.rule, self.live.connection
         timeout = service.timeout_of(rule)
         try:
-            return await asyncio.wait_for(service.evaluate(rule, connection, text, native=True), timeout + 1)
+            async with asyncio.timeout(timeout + 1):
+                return await service.evaluate(rule, connection, text, native=True)
         except TimeoutError:
             error = f"no verdict within {timeout:g} s"
         except Exception:

@@ -189,7 +189,8 @@ class AsyncpgConnector:
         if self._pool is not None:
             pool, self._pool = self._pool, None
             try:
-                await asyncio.wait_for(pool.close(), self.timeout)
+                async with asyncio.timeout(self.timeout):
+                    await pool.close()
             except (asyncio.TimeoutError, *_UNREACHABLE):
                 pool.terminate()
 
@@ -205,7 +206,8 @@ class AsyncpgConnector:
         self._running.add(task)
         task.add_done_callback(self._finished)
         try:
-            result = await asyncio.wait_for(asyncio.shield(task), timeout or self.timeout)
+            async with asyncio.timeout(timeout or self.timeout):
+                result = await asyncio.shield(task)
         except asyncio.TimeoutError:
             raise self._unavailable(f"no answer within {timeout or self.timeout:g} s") from None
         except _UNREACHABLE as exc:

@@ -1,0 +1,59 @@
+"""A cancel is never lost: what is stopped stops, even when the cancel meets the end of what it waits for.
+
+Python 3.11's ``asyncio.wait_for`` swallows a cancel that arrives in the same turn of the loop as the result it
+waits for (it returns the result instead; fixed in 3.12).  A loop cancelled that way runs on, and whoever awaits
+it waits for good: a node's heartbeat on the PostgreSQL store kept a whole daemon from stopping on SIGTERM (seen
+in CI, where a two-node test's node never exited).  Bounded waits use ``asyncio.timeout``, which passes every
+cancel on; these tests cancel at that instant, which is where the old waits lost it.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from gatewayd.store.postgres import AsyncpgConnector
+from tests.test_pipeline import core  # noqa: F401  (the fixture)
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("gatewayd", "control", "proxies", "launcher")
+
+
+def test_no_module_of_the_gateway_waits_with_asyncio_wait_for():
+    found = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                used = (isinstance(node, ast.Attribute) and node.attr == "wait_for"
+                        and isinstance(node.value, ast.Name) and node.value.id == "asyncio")
+                imported = isinstance(node, ast.ImportFrom) and node.module == "asyncio" and any(
+                    alias.name == "wait_for" for alias in node.names)
+                if used or imported:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert found == [], "asyncio.wait_for loses a cancel on 3.11: use asyncio.timeout"
+
+
+async def test_a_store_call_that_answers_as_its_caller_is_cancelled_passes_the_cancel_on():
+    connector = AsyncpgConnector("postgresql://gatewayd@127.0.0.1:1/none")  # no pool: _bounded runs any call
+    answer = asyncio.get_running_loop().create_future()
+    caller = asyncio.create_task(connector._bounded(answer, timeout=30))
+    await asyncio.sleep(0)  # the caller waits for the answer now
+    answer.set_result("row")  # the store answers, and in the same turn the caller is cancelled
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+
+
+async def test_the_recording_flusher_stops_when_cancelled_as_it_is_woken(core):  # noqa: F811
+    """``RecordingService.stop`` cancels its flusher and awaits it; a wake in the same turn kept it running."""
+    recording = core.recording
+    flusher = recording._task
+    assert flusher is not None and not flusher.done()
+    await asyncio.sleep(0.05)  # the flusher waits for a wake (or its interval) now
+    recording.wake()
+    flusher.cancel()
+    await asyncio.wait([flusher], timeout=10)  # not a cancel of its own: that would end the flusher either way
+    assert flusher.cancelled(), "the flusher swallowed its cancel and runs on"
