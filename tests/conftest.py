@@ -210,6 +210,7 @@ class Daemon:
         return {**env, **self.extra_env}
 
     def start(self, timeout: float = 20) -> "Daemon":
+        self._until_the_api_port_is_free()
         self.log = open(self.log_path, "ab")
         self.process = subprocess.Popen([str(BIN / "gatewayd"), "run", "--config", str(self.config_path)],
                                         stdout=self.log, stderr=subprocess.STDOUT, env=self.env(), cwd=ROOT)
@@ -223,6 +224,20 @@ class Daemon:
             except OSError:
                 time.sleep(0.05)
         raise RuntimeError(f"gatewayd did not start:\n{self.log_text()}")
+
+    def _until_the_api_port_is_free(self, timeout: float = 15) -> None:
+        """A restart waits until no process of an earlier run listens on the API port: one SIGKILLed is gone only
+        once the kernel has ended it, and until then a connection to it would pass for the new run's start."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.api_port), timeout=0.2):
+                    pass
+            except OSError:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"something still listens on the API port {self.api_port} after {timeout:g} s")
+            time.sleep(0.05)
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
