@@ -1113,6 +1113,22 @@ async def test_openssh_gets_no_ssh_msg_ignore_before_each_packet_unless_it_chose
     assert received["aes128-cbc"] >= (2 << 20) // 32768, received
 
 
+async def test_openssh_reads_the_gateways_gcm_packets_across_key_renewals(gateway, api):
+    """proxies/ssh/gcm.py GatewayGCM, seen by OpenSSH: ``seq`` output (about 2.9 MB) through the gateway with each
+    GCM cipher, the client renewing the keys after 256 KiB (each renewal a new cipher state on both sides): every
+    byte arrives, in order (one wrong IV or tag and OpenSSH drops the connection with a MAC error)."""
+    role = await api.role()
+    expected = "".join(f"{n}\n" for n in range(1, 400001)).encode()
+    for cipher in ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com"):
+        secret, _ = await api.credential(role)
+        done = clients.ssh(gateway.ssh_port, secret, "seq 1 400000", options=[
+            *CLIENT_OPTIONS, "-v", "-o", f"Ciphers={cipher}", "-o", "RekeyLimit=256K"])
+        assert done.returncode == 0 and done.stdout == expected, done.stderr[-2000:]
+        assert f"cipher: {cipher}".encode() in done.stderr
+        # the first keys and at least one renewal while the data flowed (asyncssh holds its data during one)
+        assert done.stderr.count(b"SSH2_MSG_NEWKEYS received") >= 2, done.stderr[-2000:]
+
+
 async def test_no_packet_log_line_is_built_for_the_gateways_connections_and_channels(target, caplog):
     """proxies/ssh/packets.py unlogged_packets: asyncssh builds a log line for every packet, and writes it at its
     debug level 3 (packet dumps, with passwords and data). Turned on here to see them: a connection and channel

@@ -11,8 +11,9 @@ GB is printed for each ``--variant``, interleaved over ``--rounds``:
 - ``io``: with the gateway's reads and writes (proxies/ssh/reads.py and writes.py);
 - ``ignore``: ``io`` and the sender's ``SSH_MSG_IGNORE`` left out (packets.py ``skip_ignore_packets`` on the server):
   one packet fewer to send and to take in per data packet;
-- ``gateway``: with everything the gateway's SSH proxy puts on its connections and channels, proxies/ssh/packets.py
-  too.
+- ``packets``: with everything proxies/ssh/packets.py puts on the gateway's connections and channels, on asyncssh's
+  own AES-GCM;
+- ``gateway``: as the SSH proxy runs: ``packets`` with its AES-GCM packets (proxies/ssh/gcm.py).
 
     .venv/bin/python bench/ssh/bench_packets.py [--megabytes 256] [--rounds 5]
 """
@@ -33,6 +34,7 @@ if str(ROOT) not in sys.path:
 import asyncssh  # noqa: E402
 import uvloop  # noqa: E402
 
+from proxies.ssh import gcm  # noqa: E402
 from proxies.ssh.packets import as_the_gateway_runs_it, skip_ignore_packets, unlogged_packets  # noqa: E402
 from proxies.ssh.reads import split_reads  # noqa: E402
 from proxies.ssh.target import MAX_PACKET, WINDOW  # noqa: E402
@@ -47,11 +49,11 @@ def cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-VARIANTS = ("asyncssh", "io", "ignore", "gateway")
+VARIANTS = ("asyncssh", "io", "ignore", "packets", "gateway")
 
 
 def as_the_gateway(conn: asyncssh.SSHClientConnection | asyncssh.SSHServerConnection, variant: str) -> None:
-    if variant == "gateway":
+    if variant in ("packets", "gateway"):
         as_the_gateway_runs_it(conn, [CIPHER])  # what proxies/ssh/server.py does
         return
     if variant == "asyncssh":
@@ -65,6 +67,10 @@ def as_the_gateway(conn: asyncssh.SSHClientConnection | asyncssh.SSHServerConnec
 async def transfer(size: int, variant: str, host_key: asyncssh.SSHKey) -> float:
     """CPU seconds of this process to move ``size`` bytes from the server's channel to the client's."""
     done = asyncio.get_running_loop().create_future()
+    if variant == "gateway":  # asyncssh reads its table of ciphers at each key exchange: set for this one
+        gcm.install()
+    else:
+        gcm.uninstall()
 
     class Server(asyncssh.SSHServer):
         def connection_made(self, conn: asyncssh.SSHServerConnection) -> None:
@@ -79,7 +85,7 @@ async def transfer(size: int, variant: str, host_key: asyncssh.SSHKey) -> float:
     class Writer(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         def connection_made(self, chan: asyncssh.SSHServerChannel[bytes]) -> None:  # type: ignore[override]
             self.chan, self.left = chan, size
-            if variant == "gateway":
+            if variant in ("packets", "gateway"):
                 unlogged_packets(chan)
 
         def shell_requested(self) -> bool:
@@ -104,7 +110,7 @@ async def transfer(size: int, variant: str, host_key: asyncssh.SSHKey) -> float:
         received = 0
 
         def connection_made(self, chan: asyncssh.SSHClientChannel[bytes]) -> None:  # type: ignore[override]
-            if variant == "gateway":
+            if variant in ("packets", "gateway"):
                 unlogged_packets(chan)
 
         def data_received(self, data: bytes, datatype: object) -> None:

@@ -55,6 +55,7 @@ from gatewayd.pipeline import (
     TargetUnreachable,
 )
 from gatewayd.tasks import BackgroundTasks, until_empty
+from proxies.ssh import gcm
 from proxies.ssh.lines import Chunk, Line, OutputWatch, ShellInput
 from proxies.ssh.packets import as_the_gateway_runs_it, unlogged_packets
 from proxies.ssh.sftp import SftpObserver, status_packet
@@ -167,6 +168,7 @@ def hide_user_names() -> None:
 async def start(context: ProxyContext, host: str, port: int) -> SSHListener:
     """Listener factory registered as ``ssh``."""
     hide_user_names()
+    gcm.install()  # AES-GCM packets without asyncssh's per-packet rebuilding and copies (proxies/ssh/gcm.py)
     if not log.isEnabledFor(logging.DEBUG):
         # asyncssh logs every connection, channel and command at INFO: the session recording is the record
         logging.getLogger("asyncssh").setLevel(logging.WARNING)
