@@ -73,23 +73,56 @@ def netns() -> Iterator[dict[str, str]]:
         shutil.rmtree(etc, ignore_errors=True)
 
 
+def _held(ports: list[int]) -> list[socket.socket] | None:
+    """Each port bound (not listening) on our 127.0.0.1, or None when one is in use here already."""
+    held: list[socket.socket] = []
+    for port in ports:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past a TIME_WAIT, never past a listener
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            sock.close()
+            for other in held:
+                other.close()
+            return None
+        held.append(sock)
+    return held
+
+
 @pytest.fixture(scope="module")
 def peers(netns, tmp_path_factory) -> Iterator[dict[str, Any]]:
-    """PostgreSQL, sshd and the HTTP target app inside the namespace (tests/netnspeers.py)."""
-    out = tmp_path_factory.mktemp("netns-peers") / "peers.json"
-    process = subprocess.Popen(["ip", "netns", "exec", netns["name"], str(BIN / "python"), "-m", "tests.netnspeers",
-                                str(out)], cwd=ROOT, stdin=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    while not out.exists():
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            raise RuntimeError("the peers in the namespace did not start")
-        time.sleep(0.1)
+    """PostgreSQL, sshd and the HTTP target app inside the namespace (tests/netnspeers.py).
+
+    Their ports are picked inside the namespace, where our own listeners are not seen: each is held, bound, on our
+    127.0.0.1 while they run, so that no listener of ours takes the same number meanwhile (a daemon of this
+    worker did, and our 127.0.0.1 then answered on the target's port); peers whose ports are in use here are
+    started again."""
+    for attempt in range(3):
+        out = tmp_path_factory.mktemp("netns-peers") / "peers.json"
+        process = subprocess.Popen(["ip", "netns", "exec", netns["name"], str(BIN / "python"), "-m",
+                                    "tests.netnspeers", str(out)], cwd=ROOT, stdin=subprocess.PIPE)
+        deadline = time.monotonic() + 120
+        while not out.exists():
+            if process.poll() is not None or time.monotonic() > deadline:
+                process.kill()
+                raise RuntimeError("the peers in the namespace did not start")
+            time.sleep(0.1)
+        found = json.loads(out.read_text())
+        held = _held([found["pg_port"], found["ssh_port"], found["http_port"]])
+        if held is not None:
+            break
+        process.stdin.close()
+        process.wait(60)
+    else:
+        raise RuntimeError("the namespace's peers got ports in use here three times")
     try:
-        yield json.loads(out.read_text())
+        yield found
     finally:
         process.stdin.close()
         process.wait(60)
+        for sock in held:
+            sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +233,8 @@ def psql(gateway: Daemon, secret: str, *commands: str) -> subprocess.CompletedPr
 
 
 def test_the_targets_are_out_of_the_gateway_s_reach(peers, netns):
+    """Not on the namespace's end of the link; on our 127.0.0.1 nothing listens on their ports (the fixture
+    could bind each of them here)."""
     for host in ("127.0.0.1", netns["ns_ip"]):
         for port in (peers["pg_port"], peers["ssh_port"], peers["http_port"]):
             with pytest.raises(OSError):
