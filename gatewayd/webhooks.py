@@ -20,8 +20,8 @@ policy (gatewayd.tenancy): never the gateway's own host or network.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import base64
+import contextlib
 import hashlib
 import hmac
 import json

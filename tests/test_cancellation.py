@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from gatewayd.store.postgres import AsyncpgConnector
-from tests.test_pipeline import core  # noqa: F401  (the fixture)
+from tests.conftest import core_gateway
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("gatewayd", "control", "proxies", "launcher")
@@ -47,13 +47,16 @@ async def test_a_store_call_that_answers_as_its_caller_is_cancelled_passes_the_c
         await caller
 
 
-async def test_the_recording_flusher_stops_when_cancelled_as_it_is_woken(core):  # noqa: F811
+async def test_the_recording_flusher_stops_when_cancelled_as_it_is_woken(tmp_path):
     """``RecordingService.stop`` cancels its flusher and awaits it; a wake in the same turn kept it running."""
-    recording = core.recording
-    flusher = recording._task
-    assert flusher is not None and not flusher.done()
-    await asyncio.sleep(0.05)  # the flusher waits for a wake (or its interval) now
-    recording.wake()
-    flusher.cancel()
-    await asyncio.wait([flusher], timeout=10)  # not a cancel of its own: that would end the flusher either way
-    assert flusher.cancelled(), "the flusher swallowed its cancel and runs on"
+    async with core_gateway(tmp_path, {"sessions.flush_interval": "60s"}) as core:
+        recording = core.recording
+        flusher = recording._task
+        assert flusher is not None and not flusher.done()
+        async with asyncio.timeout(10):
+            while not recording._wake._waiters:  # type: ignore[attr-defined]  # until it waits for a wake
+                await asyncio.sleep(0.01)
+        recording.wake()
+        flusher.cancel()
+        await asyncio.wait([flusher], timeout=10)  # not a cancel of its own: that would end the flusher either way
+        assert flusher.cancelled(), "the flusher swallowed its cancel and runs on"

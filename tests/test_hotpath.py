@@ -3,8 +3,8 @@ source still passing the same suites.
 
 The rest of the suite runs on whatever the checkout has: compiled after ``make test``.  Here the hot
 path's modules' own suites (PostgreSQL codec and relay, HTTP messages, SSH lines, guard rails, masking,
-evidence, the agents' tunnel streams) run again in a pytest of their own with ``GATEWAYD_PURE_PYTHON=1`` (every hot-path module from
-its ``.py``), and the golden-file tests (tests/test_recording_equivalence.py,
+evidence, the agents' tunnel streams) run again in a pytest of their own with ``GATEWAYD_PURE_PYTHON=1``
+(every hot-path module from its ``.py``), and the golden-file tests (tests/test_recording_equivalence.py,
 tests/test_http_recording_equivalence.py: the HTTP front end among them) run a daemon each way.
 """
 
