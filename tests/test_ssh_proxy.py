@@ -1230,6 +1230,21 @@ async def test_asyncssh_is_handed_a_socket_read_in_pieces_and_every_byte_arrives
                 handed(data)
             conn.data_received = counted  # type: ignore[method-assign]
 
+            # reads larger than a piece even on a busy machine, where a reader kept up would take each packet
+            # as it comes: the socket is left unread for moments, so that the kernel holds more than a piece
+            loop = asyncio.get_running_loop()
+
+            def rest() -> None:
+                if not transport.is_closing():
+                    transport.pause_reading()
+                    loop.call_later(0.02, read)
+
+            def read() -> None:
+                if not transport.is_closing():
+                    transport.resume_reading()
+                    loop.call_later(0.005, rest)
+            loop.call_soon(rest)
+
     settings = TargetSettings(host="127.0.0.1", port=target.port, user=target.user,
                               private_key=target.private_key_text, host_key=target.host_public_key)
     conn = await connect_target(settings, "split", Splitting)
