@@ -109,10 +109,10 @@ async def an_org(store: Store) -> str:
 
 def a_session(org_id: str, *, status: str = "open", start: str = NOW, user: str = "sub-alice",
               connection: str = "pg", type: str = "database", **extra) -> Session:
+    fields = {"tags": {"team": "a"}, "metadata": {"k": [1, 2]}, **extra}
     return Session(id=new_id(), org_id=org_id, user_id=user, user_email=f"{user}@example.com", user_name=user,
                    connection=connection, connection_id=f"id-{connection}", resource_name="res", type=type,
-                   subtype="postgres", status=status, start_date=start, tags={"team": "a"},
-                   metadata={"k": [1, 2]}, **extra)
+                   subtype="postgres", status=status, start_date=start, **fields)
 
 
 def a_connection(org_id: str, name: str, resource: str = "res") -> Connection:
@@ -1008,6 +1008,113 @@ async def test_sqlite_without_returning_claims_and_kills_the_same_way(tmp_path):
         assert [w is not None for w in won].count(True) == 1
         assert (await store.request_kill(ready.id, "why", NOW)).kill_reason == "why"
         assert await store.set_ai_analysis(ready.id, {"a": 1}, status="ready") is False
+    finally:
+        await store.close()
+
+
+async def test_sessions_listed_have_json_fields_of_their_own(store: Store):
+    """The empty maps and lists of stored JSON fields are made without the json module (sql.loads): each session
+    read has its own, so that a change to one's tags is never another's."""
+    org = await an_org(store)
+    for n in range(3):
+        await store.create_session(a_session(org, start=f"2026-04-0{n + 1}T00:00:00Z", tags={}, metadata={}))
+    tagged = a_session(org, start="2026-04-05T00:00:00Z")
+    tagged.tags, tagged.ai_analysis = {"team": "db"}, {"risk": "low", "notes": []}
+    await store.create_session(tagged)
+    page = await store.list_sessions(SessionFilter(org_id=org))
+    first, second, third = page.items[1:]
+    assert (first.tags, first.metadata, first.ai_analysis) == ({}, {}, None)
+    first.tags["team"] = "changed"
+    first.metrics["bytes"] = 1
+    assert second.tags == {} and second.metrics == {} and third.tags == {}
+    again = await store.list_sessions(SessionFilter(org_id=org))
+    assert all(s.tags == {} and s.metrics == {} for s in again.items[1:])
+    assert (again.items[0].tags, again.items[0].ai_analysis) == ({"team": "db"}, {"risk": "low", "notes": []})
+
+
+def test_stored_json_is_read_as_json_whatever_its_shape():
+    from gatewayd.store.sql import loads
+
+    made = [loads("{}"), loads("{}"), loads("[]"), loads("[]")]
+    assert made == [{}, {}, [], []] and len({id(value) for value in made}) == 4  # fresh objects
+    assert loads("null") is None and loads(b"{}") == {} and loads(' {"a": [1, null]} ') == {"a": [1, None]}
+    assert loads('"{}"') == "{}" and loads("0") == 0 and loads("[{}]") == [{}]
+    with pytest.raises(ValueError):
+        loads("{")
+
+
+async def test_postgres_plans_every_statement_for_its_values(pg_store):
+    """asyncpg prepares every statement; PostgreSQL may then keep one generic plan for it after five runs, which
+    for a list filtered by a rare or a common value reads the wrong index (an audit page filtered by outcome:
+    8 ms, then 40 ms at a million entries). The store's connections plan each run for its values."""
+    from gatewayd.store.postgres import PostgresStore
+    from tests.conftest import new_store_database
+
+    store = PostgresStore(await new_store_database(pg_store), SecretBox(os.urandom(32)))
+    await store.open()
+    try:
+        org = await an_org(store)
+        await store.create_session(a_session(org))
+        for run in range(24):  # each statement at least six times on each of the pool's connections
+            status = ("open", "done", "ready")[run % 3]
+            await store.list_sessions(SessionFilter(org_id=org, status=status))
+            await store.list_audit(AuditFilter(org_id=org, outcome="failure" if status == "open" else "success"))
+        pool = store.db._open_pool()
+        held = [await pool.acquire() for _ in range(pool.get_size())]  # every connection the pool opened
+        try:
+            planned, modes = [], set()
+            for connection in held:
+                planned += await connection.fetch(
+                    "SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE cardinality(parameter_types) "
+                    "> 0 AND (statement LIKE '%FROM sessions WHERE%' OR statement LIKE '%FROM audit_logs WHERE%')")
+                modes.add(await connection.fetchval("SHOW plan_cache_mode"))
+        finally:
+            for connection in held:
+                await pool.release(connection)
+        assert sum(p["custom_plans"] for p in planned) >= 4 * 24
+        assert [p["generic_plans"] for p in planned] == [0] * len(planned)
+        assert modes == {"force_custom_plan"}
+    finally:
+        await store.close()
+
+
+async def test_a_postgres_store_call_is_its_statements_alone(pg_store):
+    """A pooled connection given back is not reset with a statement of its own (asyncpg's default sent four after
+    every call: a round trip each time), and it is clean all the same: a transaction that failed half-way is rolled
+    back before the next call, which sees none of its writes."""
+    from gatewayd.store.postgres import PostgresStore
+    from tests.conftest import new_store_database
+
+    store = PostgresStore(await new_store_database(pg_store), SecretBox(os.urandom(32)))
+    await store.open()
+    try:
+        org = await an_org(store)
+        await asyncio.gather(*(store.db.fetch("SELECT pg_sleep(0.05)") for _ in range(3)))  # three connections
+        pool, sent = store.db._open_pool(), []
+        held = [await pool.acquire() for _ in range(pool.get_size())]
+        for connection in held:
+            connection.add_query_logger(lambda record: sent.append(record.query))
+            await pool.release(connection)
+        for n in range(12):
+            assert (await store.db.fetch("SELECT ?::int", (n,)))[0][0] == n
+        assert sent == ["SELECT $1::int"] * 12
+
+        doomed = a_session(org)
+
+        def fails_half_way():
+            yield insert("sessions", doomed)
+            yield "SELECT 1 / 0", ()
+
+        with pytest.raises(Exception, match="division by zero"):
+            await store.db.transact(fails_half_way())
+        for _ in range(len(held) * 2):  # every connection, whichever the pool hands out
+            assert await store.get_session(doomed.id) is None
+        held = [await pool.acquire() for _ in range(pool.get_size())]
+        try:
+            assert [connection.is_in_transaction() for connection in held] == [False] * len(held)
+        finally:
+            for connection in held:
+                await pool.release(connection)
     finally:
         await store.close()
 

@@ -150,6 +150,22 @@ def _rowcount(status: str) -> int:
     return int(last) if last.isdigit() else 0
 
 
+# asyncpg prepares every statement, and after five runs PostgreSQL may keep one generic plan for it, made for
+# any value of its parameters. The lists' filters have values of very different reach (a status held by 100 of
+# a million sessions or by all the others; one audit entry in ten a failure): a generic plan reads the index
+# that suits the average value, and an audit page filtered by outcome went from 8 to 40 ms after its fifth
+# run (bench/README.md, "The API at scale"). Planning each run costs a fraction of a millisecond.
+PLAN_CACHE_MODE = "force_custom_plan"
+
+
+async def _nothing_to_reset(connection: asyncpg.Connection) -> None:
+    """What a connection given back to the pool needs beyond asyncpg's own rollback of a transaction left open
+    (which it makes before this): nothing. The store keeps no state in a session: its locks are its transactions'
+    (``pg_advisory_xact_lock``), the bus listens on a connection of its own, it sets nothing and holds no cursor.
+    asyncpg's default (``pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL``) was a round trip after
+    every read and every transaction, about 95 us of each call's time (bench/README.md, "The API at scale")."""
+
+
 class AsyncpgConnector:
     """An asyncpg pool: reads on any pooled connection, each write transaction on one.
 
@@ -173,11 +189,14 @@ class AsyncpgConnector:
     async def connect(self) -> None:
         try:
             # a transaction left open by a link that froze mid-way is ended by the server, not held (with its
-            # locks: another node closing the sessions of this one would wait on them) for the whole cut
+            # locks: another node closing the sessions of this one would wait on them) for the whole cut.
+            # Every statement is planned for its values (PLAN_CACHE_MODE).
             self._pool = await asyncpg.create_pool(self.url, min_size=1, max_size=self.pool_size, timeout=self.timeout,
                                                    server_settings={"application_name": "gatewayd",
                                                                     "idle_in_transaction_session_timeout":
-                                                                        str(int(self.timeout * 2000))})
+                                                                        str(int(self.timeout * 2000)),
+                                                                    "plan_cache_mode": PLAN_CACHE_MODE},
+                                                   reset=_nothing_to_reset)
         except (OSError, asyncio.TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError, ValueError) as exc:
             # from None: the driver's exception may quote the DSN; the message is scrubbed of the password
             raise StoreError(_scrub(f"cannot open the PostgreSQL store {redact(self.url)}: "

@@ -30,7 +30,7 @@ import functools
 import json
 import re
 from dataclasses import dataclass, fields
-from typing import Any, Generator, Iterable, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Generator, Iterable, Protocol, Sequence, TypeVar
 
 T = TypeVar("T")
 
@@ -188,10 +188,21 @@ def encode(name: str, value: Any) -> Any:
     return json.dumps(value) if name in JSON_FIELDS else value
 
 
+# Most stored JSON values are an empty map or list, or no value (a session's tags, labels, metrics...): these are
+# made directly, without the json module's checks and scanner for each (3 us a value, six values a session)
+_PLAIN_JSON: dict[Any, Callable[[], Any]] = {"{}": dict, "[]": list, "null": lambda: None}
+
+
+def loads(text: str | bytes) -> Any:
+    """A stored JSON value."""
+    make = _PLAIN_JSON.get(text)
+    return make() if make is not None else json.loads(text)
+
+
 def decode(name: str, value: Any) -> Any:
     """A stored value as the field's."""
     if name in JSON_FIELDS and value is not None:
-        return json.loads(value)
+        return loads(value)
     return value
 
 
@@ -203,14 +214,17 @@ def columns(cls: Any) -> tuple[str, ...]:
 
 @functools.cache
 def _plan(cls: Any, keys: tuple[str, ...]) -> tuple[tuple[int, str, bool], ...]:
-    """Which row positions fill which fields of ``cls``, and which are JSON: computed once per query shape."""
-    wanted = set(columns(cls))
-    return tuple((i, name, name in JSON_FIELDS) for i, name in enumerate(keys) if name in wanted)
+    """Which row positions fill which fields of ``cls``, and which are JSON: computed once per query shape. The
+    names are the fields' own (interned) strings, not the driver's column names: a call matches a keyword to its
+    parameter by identity first, and by comparing strings with each parameter in turn otherwise (a Session's
+    32 keywords took 11 us instead of 4)."""
+    wanted = {name: name for name in columns(cls)}
+    return tuple((i, wanted[name], name in JSON_FIELDS) for i, name in enumerate(keys) if name in wanted)
 
 
 def build(cls: type[T], row: Any, **extra: Any) -> T:
     """A record from a row; columns the record does not have are left out, ``extra`` fills the rest."""
-    values = {name: (json.loads(row[i]) if is_json and row[i] is not None else row[i])
+    values = {name: (loads(row[i]) if is_json and row[i] is not None else row[i])
               for i, name, is_json in _plan(cls, tuple(row.keys()))}  # type: ignore[arg-type]
     values.update(extra)
     return cls(**values)
