@@ -26,6 +26,7 @@ from gatewayd.crypto import PasswordWork
 from gatewayd.throttle import Throttle
 from gatewayd.models import User, new_id, rfc3339, utcnow
 from gatewayd.store import Store
+from gatewayd.tasks import together
 
 log = logging.getLogger("gatewayd.identity")
 
@@ -326,19 +327,26 @@ class Identity:
             raise AuthError("malformed token") from None
         if issuer == LOCAL_ISSUER:
             payload = self.local.verify(token)
-            user = await self.store.get_user(id=str(payload["sub"]))
+            # the user, whether the token was signed out, and the user's password change: read at once (each
+            # request pays for these before its own work)
+            user, revoked, cutoff = await together(self.store.get_user(id=str(payload["sub"])),
+                                                   self.store.get_key(_revoked_key(token, payload)),
+                                                   self.store.get_key(_TOKENS_AFTER_PREFIX + str(payload["sub"])))
         elif self.oidc is not None:
             payload = await self.oidc.verify(token)
             user = await self.sign_in(self.oidc.claims(payload))
+            if user is None:
+                raise AuthError("unknown user")
+            revoked, cutoff = await together(self.store.get_key(_revoked_key(token, payload)),
+                                             self.store.get_key(_TOKENS_AFTER_PREFIX + user.id))
         else:
             raise AuthError("token from an unknown issuer")
         if user is None:
             raise AuthError("unknown user")
         if user.status != "active":
             raise AuthError("inactive user")
-        if await self.store.get_key(_revoked_key(token, payload)) is not None:
+        if revoked is not None:
             raise AuthError("token signed out")
-        cutoff = await self.store.get_key(_TOKENS_AFTER_PREFIX + user.id)
         if cutoff is not None and float(payload["iat"]) < float(cutoff):
             raise AuthError("token issued before the user's password last changed")
         return user

@@ -11,9 +11,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Coroutine
+from typing import Any, Awaitable, Coroutine
 
 log = logging.getLogger("gatewayd.tasks")
+
+
+async def together(*calls: Awaitable[Any]) -> list[Any]:
+    """Calls that do not depend on one another (a list's count and its page, a token's user and its revocation),
+    at once, their answers in order: on the PostgreSQL store each on a pooled connection of its own, so that the
+    caller waits for the slowest of them, not for their sum. The first failure is raised and the other calls are
+    cancelled; a caller cancelled cancels them all."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()  # gather marks a later failure of the others as retrieved
+        raise
 
 
 async def until_empty(tasks: set[asyncio.Task[Any]]) -> None:

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import gc
 from pathlib import Path
 
 import pytest
 
+from gatewayd.store import StoreUnavailable
 from gatewayd.store.postgres import AsyncpgConnector
+from gatewayd.tasks import together
 from tests.conftest import core_gateway
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,3 +63,48 @@ async def test_the_recording_flusher_stops_when_cancelled_as_it_is_woken(tmp_pat
         flusher.cancel()
         await asyncio.wait([flusher], timeout=10)  # not a cancel of its own: that would end the flusher either way
         assert flusher.cancelled(), "the flusher swallowed its cancel and runs on"
+
+
+async def test_reads_made_together_end_together():
+    """A list's count and page are read at once (``gatewayd.tasks.together``): the first failure is raised and the
+    other read is cancelled, not left running; a second failure is not reported as never retrieved; a caller
+    cancelled while they run cancels both."""
+    assert await together(asyncio.sleep(0, "count"), asyncio.sleep(0.01, "page")) == ["count", "page"]
+    started, cancelled = asyncio.Event(), []
+
+    async def slow() -> None:
+        started.set()
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.append("slow")
+            raise
+
+    async def failing(message: str) -> None:
+        await started.wait()
+        raise StoreUnavailable(message)
+
+    with pytest.raises(StoreUnavailable, match="gone"):
+        await together(slow(), failing("gone"))
+    await asyncio.sleep(0)
+    assert cancelled == ["slow"]
+
+    loop, reported = asyncio.get_running_loop(), []
+    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    try:
+        started.set()
+        with pytest.raises(StoreUnavailable, match="first"):
+            await together(failing("first"), failing("second"))
+        await asyncio.sleep(0)
+        gc.collect()
+        assert reported == []
+    finally:
+        loop.set_exception_handler(None)
+
+    started.clear()
+    cancelled.clear()
+    both = asyncio.create_task(together(slow(), slow()))
+    await started.wait()
+    both.cancel()
+    await asyncio.wait([both], timeout=10)
+    assert both.cancelled() and cancelled == ["slow", "slow"]

@@ -7,6 +7,7 @@ from typing import Any
 
 from gatewayd.evidence import SEALED, audit_hash
 from gatewayd.models import CHAIN_GENESIS, AuditEntry, Page
+from gatewayd.tasks import together
 from gatewayd.store.base import AuditFilter
 from gatewayd.store.sql import Work, build, columns, encode, insert
 from gatewayd.store.queries.core import SQLCore
@@ -77,24 +78,29 @@ class AuditQueries(SQLCore):
         if query.actor:
             arms = [("actor_subject = ?", [query.actor]),
                     ("lower(actor_email) = lower(?) AND actor_subject != ?", [query.actor, query.actor])]
-        total, exact = await self._capped_count(
+        counted = self._capped_count(
             " UNION ALL ".join(f"SELECT 1 FROM audit_logs WHERE {clause} AND {arm}" for arm, _ in arms),
             [value for _, extra in arms for value in params + extra])
-        order = f"ORDER BY created_at DESC, {self.dialect.row_order} DESC"
+        row = self.dialect.row_order
+        order = f"ORDER BY created_at DESC, {row} DESC"
         offset, wanted = (query.page - 1) * query.page_size, query.page_size + 1
         if len(arms) > 1 and offset + wanted <= self.count_cap:
             # each arm up to the page's end, merged here (PostgreSQL 15 sorts a UNION of the two, whole); past the
             # cap the database sorts them, so that no page brings more than twice the cap into this process
-            found = []
-            for arm, extra in arms:
-                found += await self._all(f"SELECT *, {self.dialect.row_order} AS list_order FROM audit_logs WHERE "
-                                         f"{clause} AND {arm} {order} LIMIT ?",
-                                         tuple(params + extra) + (offset + wanted,))
-            found.sort(key=lambda r: (r["created_at"], r["list_order"]), reverse=True)
-            rows = found[offset:offset + wanted]
+            (total, exact), *found = await together(counted, *(
+                self._all(f"SELECT *, {row} AS list_order FROM audit_logs WHERE {clause} AND {arm} {order} LIMIT ?",
+                          tuple(params + extra) + (offset + wanted,)) for arm, extra in arms))
+            merged = [entry for rows in found for entry in rows]
+            merged.sort(key=lambda r: (r["created_at"], r["list_order"]), reverse=True)
+            rows = merged[offset:offset + wanted]
         else:
+            # the page's row numbers first, from an index alone (a deep page skips index entries, not rows), then
+            # those rows (on PostgreSQL by the index (org_id, row_order))
             either = " OR ".join(f"({arm})" for arm, _ in arms)
-            rows = await self._all(f"SELECT * FROM audit_logs WHERE {clause} AND ({either}) {order} LIMIT ? OFFSET ?",
-                                   tuple(params) + tuple(v for _, extra in arms for v in extra) + (wanted, offset))
+            org = ("org_id = ? AND ", (query.org_id,)) if query.org_id else ("", ())
+            (total, exact), rows = await together(counted, self._all(
+                f"SELECT * FROM audit_logs WHERE {org[0]}{row} IN (SELECT {row} FROM audit_logs WHERE {clause} "
+                f"AND ({either}) {order} LIMIT ? OFFSET ?) {order}",
+                org[1] + tuple(params) + tuple(v for _, extra in arms for v in extra) + (wanted, offset)))
         return Page(items=[build(AuditEntry, r) for r in rows[:query.page_size]], total=total, total_exact=exact,
                     more=len(rows) > query.page_size)

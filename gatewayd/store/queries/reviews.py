@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from gatewayd.models import AccessRequestRule, Page, Review, ReviewGroup, Session
+from gatewayd.tasks import together
 from gatewayd.store.sql import Row, build, encode, insert, update
 from gatewayd.store.queries.core import SQLCore
 
@@ -28,7 +29,10 @@ class ReviewQueries(SQLCore):
     async def _reviews_from(self, rows: list[Row]) -> list[Review]:
         if not rows:
             return []
-        ids = [r["id"] for r in rows]
+        return self._built(rows, await self._groups_of([r["id"] for r in rows]))
+
+    async def _groups_of(self, ids: list[str]) -> dict[str, list[ReviewGroup]]:
+        """The groups' parts in the reviews ``ids``, by review."""
         groups: dict[str, list[ReviewGroup]] = {}
         marks = ", ".join("?" * len(ids))
         for g in await self._all(f"SELECT * FROM review_groups WHERE review_id IN ({marks}) "
@@ -36,6 +40,10 @@ class ReviewQueries(SQLCore):
             group = build(ReviewGroup, g)
             group.forced_review = bool(group.forced_review)
             groups.setdefault(g["review_id"], []).append(group)
+        return groups
+
+    @staticmethod
+    def _built(rows: list[Row], groups: dict[str, list[ReviewGroup]]) -> list[Review]:
         return [build(Review, r, groups=groups.get(r["id"], [])) for r in rows]
 
     async def get_review(self, review_id: str) -> Review | None:
@@ -51,8 +59,11 @@ class ReviewQueries(SQLCore):
         ids = list(dict.fromkeys(i for i in review_ids if i))
         if not ids:
             return {}
-        rows = await self._all(f"SELECT * FROM reviews WHERE id IN ({', '.join('?' * len(ids))})", tuple(ids))
-        return {r.id: r for r in await self._reviews_from(rows)}
+        # the reviews and their groups' parts at once (a session page names up to 100 reviews)
+        rows, groups = await together(
+            self._all(f"SELECT * FROM reviews WHERE id IN ({', '.join('?' * len(ids))})", tuple(ids)),
+            self._groups_of(ids))
+        return {r.id: r for r in self._built(rows, groups)}
 
     async def list_reviews(self, org_id: str, *, status: str | None = None, type: str | None = None,
                            visible_to: tuple[str, list[str]] | None = None, limit: int = 100,

@@ -8,6 +8,7 @@ from typing import Any, Iterable, Sequence
 
 from gatewayd.evidence import LATE_BASE, BatchLink, EventBatch, chain_hash, pack_events, unpack_events
 from gatewayd.models import CHAIN_GENESIS, Page, Session, SessionEvent, rfc3339, utcnow
+from gatewayd.tasks import together
 from gatewayd.store.base import SessionFilter
 from gatewayd.store.search import MIN_SEARCH, TEXT_COUNT_CAP, TEXT_PROBE, input_text, like_pattern
 from gatewayd.store.sql import Statement, Work, assign, build, columns, encode, insert
@@ -66,8 +67,8 @@ class SessionQueries(ReportQueries):
         if query.text:
             if len(query.text) < MIN_SEARCH:
                 raise ValueError(f"a search needs at least {MIN_SEARCH} characters")
-            matches, value = self.dialect.text_matches(query.text)
-            probe = await self._all(f"{matches} LIMIT ?", (value, TEXT_PROBE + 1))
+            matches, needle = self.dialect.text_matches(query.text)
+            probe = await self._all(f"{matches} LIMIT ?", (needle, TEXT_PROBE + 1))
             if len(probe) <= TEXT_PROBE:  # a rare text: its sessions, by primary key
                 found = list(dict.fromkeys(r[0] for r in probe)) or [""]
                 where[0] = f"{self.dialect.driven_by_text('org_id')} = ?"
@@ -77,7 +78,7 @@ class SessionQueries(ReportQueries):
                 capped = True
                 text_at = len(where)
                 where.append(f"id IN ({matches})")
-                params.append(value)
+                params.append(needle)
         if query.start_date:
             where.append("start_date >= ?")
             params.append(query.start_date)
@@ -95,21 +96,27 @@ class SessionQueries(ReportQueries):
             bounded = list(where)
             bounded[0] = f"{self.dialect.driven_by_text('org_id')} = ?"
             bounded[text_at] = f"id IN ({matches} LIMIT {TEXT_COUNT_CAP})"
-            total = await self._count(f"SELECT COUNT(*) FROM sessions WHERE {' AND '.join(bounded)}", params)
-            exact = await self._count(f"SELECT COUNT(*) FROM ({matches} LIMIT {TEXT_COUNT_CAP + 1}) AS rows_found",
-                                      [value]) <= TEXT_COUNT_CAP
+            counted = self._text_count(f"SELECT COUNT(*) FROM sessions WHERE {' AND '.join(bounded)}", params,
+                                       f"SELECT COUNT(*) FROM ({matches} LIMIT {TEXT_COUNT_CAP + 1}) AS rows_found",
+                                       needle)
         else:
-            total, exact = await self._capped_count(f"SELECT 1 FROM sessions WHERE {clause}", params)
+            counted = self._capped_count(f"SELECT 1 FROM sessions WHERE {clause}", params)
         names = ", ".join(n for n in columns(Session) if n != "script")
         # start_date and id are NOT NULL: no NULLS placement, and the order is the indexes' own (org_id, a
         # filter's column, start_date DESC, id), so the page is read from an index, not sorted. The page's ids are
         # found first (from the index alone where it holds the filters' columns), then only those rows are read.
         order = "ORDER BY start_date DESC, id"
-        rows = await self._all(
+        (total, exact), rows = await together(counted, self._all(
             f"SELECT {names}, script FROM sessions WHERE id IN (SELECT id FROM sessions WHERE {clause} {order} "
-            f"LIMIT ? OFFSET ?) {order}", tuple(params) + (query.limit + 1, query.offset))
+            f"LIMIT ? OFFSET ?) {order}", tuple(params) + (query.limit + 1, query.offset)))
         return Page(items=[build(Session, r) for r in rows[:query.limit]], total=total, total_exact=exact,
                     more=len(rows) > query.limit)
+
+    async def _text_count(self, sessions: str, params: list[Any], matches: str, value: str) -> tuple[int, bool]:
+        """A common text's total: its sessions among the text's first TEXT_COUNT_CAP index rows, and whether the
+        text has no more rows than those (both read at once)."""
+        total, rows = await together(self._count(sessions, params), self._count(matches, [value]))
+        return total, rows <= TEXT_COUNT_CAP
 
     def _returning(self, statement: Statement, key: str) -> Work[Session | None]:
         """An UPDATE of one session, and the session as it is after it (None when no row matched).
