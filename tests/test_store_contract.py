@@ -381,6 +381,53 @@ async def test_sessions_are_found_by_part_of_a_user_protocol_and_what_was_typed(
         await ids(text="or")
 
 
+async def test_a_user_filter_matching_several_users_pages_them_in_one_order(store: Store, monkeypatch):
+    """Issue 36: a user filter that matches a few users has its page merged from each user's newest sessions
+    (sessions.USER_ARMS); one that matches more is read as one list. Either way every page is the slice of all
+    the matches, newest first (equal start times in id order), with the other filters applied and counted."""
+    from gatewayd.store.queries import sessions as queries
+
+    org = await an_org(store)
+    for n in range(4):
+        await store.save_user(User(id=new_id(), org_id=org, subject=f"sub-{n}", email=f"ops{n}@example.com",
+                                   name=f"Ops {n}", created_at=NOW, updated_at=NOW))
+    await store.save_user(User(id=new_id(), org_id=org, subject="sub-x", email="x@example.com", name="X",
+                               created_at=NOW, updated_at=NOW))
+    made = []
+    for n in range(23):  # start times repeat across users, so that the ids settle the order
+        session = a_session(org, user=f"sub-{n % 5}" if n % 5 < 4 else "sub-x", start=f"2026-03-0{1 + n % 4}T00:00:00Z",
+                            connection="pg" if n % 3 else "ssh")
+        await store.create_session(session)
+        made.append(session)
+    store.count_cap = 100
+
+    def expected(keep) -> list[str]:
+        found = sorted((s for s in made if keep(s)), key=lambda s: s.id)
+        return [s.id for s in sorted(found, key=lambda s: s.start_date, reverse=True)]
+
+    async def pages(size: int, **query) -> tuple[list[str], list[int]]:
+        seen, totals = [], []
+        for offset in range(0, 30, size):
+            page = await store.list_sessions(SessionFilter(org_id=org, limit=size, offset=offset, **query))
+            seen += [s.id for s in page.items]
+            totals.append(page.total)
+        return seen, totals
+
+    for arms in (queries.USER_ARMS, 2):  # merged, then (more users than arms) one list
+        monkeypatch.setattr(queries, "USER_ARMS", arms)
+        ops = expected(lambda s: s.user_id != "sub-x")
+        for size in (1, 3, 7, 25):
+            seen, totals = await pages(size, user_search="ops")
+            assert seen == ops and set(totals) == {len(ops)}
+        seen, _ = await pages(4, user_search="OPS", connection="pg")
+        assert seen == expected(lambda s: s.user_id != "sub-x" and s.connection == "pg")
+        seen, _ = await pages(5, user_search="sub-x")  # the subject itself, and no other user
+        assert seen == expected(lambda s: s.user_id == "sub-x")
+    store.count_cap = 3  # past the cap the page is read as one list, the same slice
+    seen, totals = await pages(4, user_search="ops")
+    assert seen == expected(lambda s: s.user_id != "sub-x") and set(totals) == {3}
+
+
 async def test_a_common_text_is_found_newest_first_and_counted_up_to_a_cap(store: Store, monkeypatch):
     """A text with more matches than the probe reads: the sessions newest first, the total a lower bound past the
     cap (the same path on both stores; the probe and cap made small here)."""

@@ -14,6 +14,9 @@ from gatewayd.store.search import MIN_SEARCH, TEXT_COUNT_CAP, TEXT_PROBE, input_
 from gatewayd.store.sql import Statement, Work, assign, build, columns, encode, insert
 from gatewayd.store.queries.reports import ReportQueries
 
+# A user filter that matches fewer users than this has its page merged from each user's own newest sessions.
+USER_ARMS = 32
+
 # Session columns a recording flush may write beside its events (its progress, not its state).
 RECORDING_FIELDS = frozenset({"event_size", "metrics", "chain_head"})
 _seq_of = itemgetter(0)
@@ -50,7 +53,8 @@ class SessionQueries(ReportQueries):
         search first asks the text index for at most TEXT_PROBE matches: fewer (a rare text), and the sessions are
         those; more (a common one), and the sessions are read newest first, each checked against the text's
         matches, and counted among its first TEXT_COUNT_CAP index rows only (``total_exact`` False when it has
-        more)."""
+        more). A user filter is first resolved to the users it matches; fewer than USER_ARMS, and the page is
+        merged from each one's newest sessions. The count and the page are read at once."""
         where, params = ["org_id = ?"], [query.org_id]
         for column, value in (("user_id", query.user_id), ("user_id", query.only_user_id),
                               ("connection", query.connection), ("type", query.type), ("subtype", query.protocol),
@@ -58,11 +62,6 @@ class SessionQueries(ReportQueries):
             if value is not None:
                 where.append(f"{column} = ?")
                 params.append(value)
-        if query.user_search:  # the subject itself, or part of an e-mail or name (users: a small table)
-            where.append("user_id IN (SELECT ? UNION SELECT subject FROM users WHERE org_id = ? AND "
-                         "(lower(email) LIKE ? ESCAPE '!' OR lower(name) LIKE ? ESCAPE '!'))")
-            pattern = like_pattern(query.user_search.lower())
-            params += [query.user_search, query.org_id, pattern, pattern]
         capped = False
         if query.text:
             if len(query.text) < MIN_SEARCH:
@@ -91,6 +90,20 @@ class SessionQueries(ReportQueries):
         if query.review_approver:
             where.append("review_id IN (SELECT review_id FROM review_groups WHERE lower(reviewed_by_email) = lower(?))")
             params.append(query.review_approver)
+        users: list[str] = []  # the subjects a user filter matches, when few enough to merge (last in ``where``)
+        if query.user_search:  # the subject itself, or part of an e-mail or name (users: a small table)
+            pattern = like_pattern(query.user_search.lower())
+            found = await self._all("SELECT subject FROM users WHERE org_id = ? AND (lower(email) LIKE ? ESCAPE '!' "
+                                    "OR lower(name) LIKE ? ESCAPE '!') LIMIT ?",
+                                    (query.org_id, pattern, pattern, USER_ARMS))
+            if len(found) < USER_ARMS:
+                users = list(dict.fromkeys([query.user_search, *(r[0] for r in found)]))
+                where.append(f"user_id IN ({', '.join('?' * len(users))})")
+                params += users
+            else:
+                where.append("user_id IN (SELECT ? UNION SELECT subject FROM users WHERE org_id = ? AND "
+                             "(lower(email) LIKE ? ESCAPE '!' OR lower(name) LIKE ? ESCAPE '!'))")
+                params += [query.user_search, query.org_id, pattern, pattern]
         clause = " AND ".join(where)
         if capped:  # counted from the text's first TEXT_COUNT_CAP index rows, by primary key
             bounded = list(where)
@@ -106,9 +119,21 @@ class SessionQueries(ReportQueries):
         # filter's column, start_date DESC, id), so the page is read from an index, not sorted. The page's ids are
         # found first (from the index alone where it holds the filters' columns), then only those rows are read.
         order = "ORDER BY start_date DESC, id"
+        ids, ids_params = f"SELECT id FROM sessions WHERE {clause} {order} LIMIT ? OFFSET ?", list(params)
+        reach = query.offset + query.limit + 1
+        if len(users) > 1 and not query.text and reach <= self.count_cap:
+            # several users: each one's newest sessions up to the page's end from its own index range, merged (an IN
+            # list of users is read whole from the index and sorted: 10,822 entries for 11 users, 7-9 ms; merged,
+            # at most 11 x 101, 1.3 ms)
+            others, shared = " AND ".join(where[:-1]), params[:-len(users)]
+            ids = " UNION ALL ".join(
+                f"SELECT id, start_date FROM (SELECT id, start_date FROM sessions WHERE {others} AND user_id = ? "
+                f"{order} LIMIT {int(reach)}) AS of_user_{n}" for n in range(len(users)))
+            ids = f"SELECT id FROM ({ids}) AS of_users {order} LIMIT ? OFFSET ?"
+            ids_params = [value for user in users for value in (*shared, user)]
         (total, exact), rows = await together(counted, self._all(
-            f"SELECT {names}, script FROM sessions WHERE id IN (SELECT id FROM sessions WHERE {clause} {order} "
-            f"LIMIT ? OFFSET ?) {order}", tuple(params) + (query.limit + 1, query.offset)))
+            f"SELECT {names}, script FROM sessions WHERE id IN ({ids}) {order}",
+            tuple(ids_params) + (query.limit + 1, query.offset)))
         return Page(items=[build(Session, r) for r in rows[:query.limit]], total=total, total_exact=exact,
                     more=len(rows) > query.limit)
 
