@@ -1,4 +1,5 @@
-"""Background tasks: work a component starts and does not await at once, kept so that none is lost.
+"""Background tasks: work a component starts and does not await at once, kept so that none is lost; and
+``together``, calls awaited at once.
 
 asyncio keeps only a weak reference to a task: one that nobody holds may be
 collected mid-run, and its exception is reported (if at all) as "never

@@ -7,10 +7,10 @@ from typing import Any
 
 from gatewayd.evidence import SEALED, audit_hash
 from gatewayd.models import CHAIN_GENESIS, AuditEntry, Page
-from gatewayd.tasks import together
 from gatewayd.store.base import AuditFilter
 from gatewayd.store.sql import Work, build, columns, encode, insert
 from gatewayd.store.queries.core import SQLCore
+from gatewayd.tasks import together
 
 class AuditQueries(SQLCore):
     """The audit log."""
@@ -97,10 +97,10 @@ class AuditQueries(SQLCore):
             # the page's row numbers first, from an index alone (a deep page skips index entries, not rows), then
             # those rows (on PostgreSQL by the index (org_id, row_order))
             either = " OR ".join(f"({arm})" for arm, _ in arms)
-            org = ("org_id = ? AND ", (query.org_id,)) if query.org_id else ("", ())
+            of_org, org_params = ("org_id = ? AND ", [query.org_id]) if query.org_id else ("", [])
             (total, exact), rows = await together(counted, self._all(
-                f"SELECT * FROM audit_logs WHERE {org[0]}{row} IN (SELECT {row} FROM audit_logs WHERE {clause} "
+                f"SELECT * FROM audit_logs WHERE {of_org}{row} IN (SELECT {row} FROM audit_logs WHERE {clause} "
                 f"AND ({either}) {order} LIMIT ? OFFSET ?) {order}",
-                org[1] + tuple(params) + tuple(v for _, extra in arms for v in extra) + (wanted, offset)))
+                tuple(org_params + params + [v for _, extra in arms for v in extra]) + (wanted, offset)))
         return Page(items=[build(AuditEntry, r) for r in rows[:query.page_size]], total=total, total_exact=exact,
                     more=len(rows) > query.page_size)

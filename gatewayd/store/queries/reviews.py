@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from gatewayd.models import AccessRequestRule, Page, Review, ReviewGroup, Session
-from gatewayd.tasks import together
 from gatewayd.store.sql import Row, build, encode, insert, update
 from gatewayd.store.queries.core import SQLCore
+from gatewayd.tasks import together
 
 class ReviewQueries(SQLCore):
     """Reviews and access-request rules."""

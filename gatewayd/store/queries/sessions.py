@@ -8,11 +8,11 @@ from typing import Any, Iterable, Sequence
 
 from gatewayd.evidence import LATE_BASE, BatchLink, EventBatch, chain_hash, pack_events, unpack_events
 from gatewayd.models import CHAIN_GENESIS, Page, Session, SessionEvent, rfc3339, utcnow
-from gatewayd.tasks import together
 from gatewayd.store.base import SessionFilter
 from gatewayd.store.search import MIN_SEARCH, TEXT_COUNT_CAP, TEXT_PROBE, input_text, like_pattern
 from gatewayd.store.sql import Statement, Work, assign, build, columns, encode, insert
 from gatewayd.store.queries.reports import ReportQueries
+from gatewayd.tasks import together
 
 # A user filter that matches fewer users than this has its page merged from each user's own newest sessions.
 USER_ARMS = 32
