@@ -3,7 +3,7 @@
 # with .bench-bundle carried (bench/device_bundle.py [--baseline REV] here first):
 #
 #     bash bench/device_issue36.sh            # through the device tool, timeout_s 600
-#     QUICK=1 bash bench/device_issue36.sh    # here: the same steps with 1-second runs and 64 MiB, to check the script
+#     QUICK=1 bash bench/device_issue36.sh    # here: the same steps with 2-second runs and 64 MiB, to check the script
 #
 # The workers against pgbouncer (-c 16 and -c 64), the agent path against the direct gateway (-c 16 TPS, -c 1
 # latency), SSH's 1 GiB cat and scp against ProxyJump: each printed with its anchors, as bench/README.md quotes
@@ -11,7 +11,7 @@
 # said and the next one runs. With .bench-bundle/before (a baseline), the PostgreSQL rows also run it.
 set -u
 seconds=4 megabytes=1024 rounds=1
-if [ "${QUICK:-}" = 1 ]; then seconds=1 megabytes=64; fi
+if [ "${QUICK:-}" = 1 ]; then seconds=2 megabytes=64; fi  # 1 s: 64 clients may not all be connected (SCRAM) before it ends
 baseline=()  # the bundle's baseline tree, which device_run.sh unpacks (on the lent machine only)
 if [ -f .bench-bundle/before.tar.xz ] && [ "${QUICK:-}" != 1 ]; then baseline=(--baseline .bench-bundle/before); fi
 step() { echo; echo "=== $* ($(date -u +%H:%M:%S), load $(cut -d' ' -f1-3 /proc/loadavg))"; }

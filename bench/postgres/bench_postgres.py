@@ -136,10 +136,12 @@ def pgbench(port: int, user: str, password: str, *args: str, timeout: float = 60
 
 
 def figures(output: str) -> tuple[float, float]:
-    """(TPS, average latency in ms) from pgbench's report."""
-    tps = float(re.search(r"tps = ([\d.]+)", output).group(1))  # type: ignore[union-attr]
-    latency = float(re.search(r"latency average = ([\d.]+) ms", output).group(1))  # type: ignore[union-attr]
-    return tps, latency
+    """(TPS, average latency in ms) from pgbench's report; a report without them (no transaction ended within
+    the run) is an error that shows the report."""
+    tps, latency = re.search(r"tps = ([\d.]+)", output), re.search(r"latency average = ([\d.]+) ms", output)
+    if tps is None or latency is None:
+        raise RuntimeError(f"pgbench reported no throughput:\n{output}")
+    return float(tps.group(1)), float(latency.group(1))
 
 
 def transactions(output: str) -> int:
@@ -417,7 +419,10 @@ def main() -> int:
                     output = pgbench(port, user, password, *extra, "-n", "-c", str(clients), "-j",
                                      str(min(clients, 2)), "-T", str(args.seconds))
                     used = tree_cpu_seconds(pid) - before
-                    result = figures(output)
+                    try:
+                        result = figures(output)
+                    except RuntimeError as exc:
+                        raise RuntimeError(f"{name}, {label}, -c {clients}: {exc}") from None
                     tps.setdefault(name, []).append(result[0])
                     latency.setdefault(name, []).append(result[1])
                     if pid is not None and used > 0:
