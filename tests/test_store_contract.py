@@ -423,6 +423,8 @@ async def test_a_user_filter_matching_several_users_pages_them_in_one_order(stor
         assert seen == expected(lambda s: s.user_id != "sub-x" and s.connection == "pg")
         seen, _ = await pages(5, user_search="sub-x")  # the subject itself, and no other user
         assert seen == expected(lambda s: s.user_id == "sub-x")
+        seen, totals = await pages(2, user_search="ops", only_user_id="sub-1")  # a user who is not an auditor
+        assert seen == expected(lambda s: s.user_id == "sub-1") and set(totals) == {len(seen)}
     store.count_cap = 3  # past the cap the page is read as one list, the same slice
     seen, totals = await pages(4, user_search="ops")
     assert seen == expected(lambda s: s.user_id != "sub-x") and set(totals) == {3}
