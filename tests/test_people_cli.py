@@ -250,6 +250,26 @@ def wait_for(look, what: str, guard: float = 60):
     raise AssertionError(f"{what} never happened")
 
 
+def interrupted(process: subprocess.Popen[str]) -> tuple[str, str]:
+    """Ctrl-C to a command that waits, and what it printed. One that has not ended within the hang guard is
+    described from /proc (its state and its signals: pending, blocked, ignored, caught; this process's too),
+    then killed, so that the failure says where it stood (seen once in CI: two commands ran on for 60 s)."""
+    process.send_signal(signal.SIGINT)
+    try:
+        return process.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        fields = ("State", "Threads", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")
+        theirs = [line for line in Path(f"/proc/{process.pid}/status").read_text().splitlines()
+                  if line.startswith(fields)]
+        wchan = Path(f"/proc/{process.pid}/wchan").read_text()
+        ours = [line for line in Path("/proc/self/status").read_text().splitlines()
+                if line.startswith(("SigBlk", "SigIgn"))]
+        process.kill()
+        _, err = process.communicate()
+        raise AssertionError(f"no end within 60 s of SIGINT: {theirs}, waiting in {wchan!r}; the test process: "
+                             f"{ours}; its stderr: {err!r}") from None
+
+
 def pending_of(person: Person, owner: str, connection: str) -> list[dict]:
     listed = person.run("reviews", "--output", "json")
     assert listed.returncode == 0, listed.stderr
@@ -286,8 +306,7 @@ async def test_asking_again_gets_the_open_request_and_an_interrupted_exec_runs_l
     script = "select 'ran later' as outcome"
     asking = rita.start("exec", reviewed, "-c", script, "--reason", "INC-42: count the late orders")
     first = wait_for(lambda: pending_of(dora, "rita@example.com", reviewed), "the review in dora's queue")
-    asking.send_signal(signal.SIGINT)  # Ctrl-C while it waits for the review
-    out, err = asking.communicate(timeout=60)
+    out, err = interrupted(asking)  # Ctrl-C while it waits for the review
     assert asking.returncode == 130 and "Traceback" not in err, err
     short = first[0]["id"][:8]
     assert f"gatewayd exec --review {short}" in err, err
@@ -328,8 +347,7 @@ async def test_a_jit_request_asked_twice_is_one_request(gateway, cluster, people
         jit = await admin.connection("pgjit", "database", "postgres", postgres_env(cluster), {"reviewers": ["dba"]})
     asking = rita.start("connect", jit["name"], "--print", "--reason", "look at a lock")
     first = wait_for(lambda: pending_of(ada, "rita@example.com", jit["name"]), "the jit review")
-    asking.send_signal(signal.SIGINT)
-    out, err = asking.communicate(timeout=60)
+    out, err = interrupted(asking)
     assert asking.returncode == 130 and f"gatewayd connect {jit['name']}" in err, err
     asking = rita.start("connect", jit["name"], "--print")
     try:
