@@ -38,6 +38,20 @@ def pytest_configure(config: pytest.Config) -> None:
     settings.register_profile("suite", derandomize=True)
     settings.register_profile("explore", derandomize=False)
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
+    terminal_signals()
+
+
+def terminal_signals() -> None:
+    """Ctrl-C and Ctrl-\\ as a terminal delivers them, to this process and the commands the tests start.
+
+    A shell starts a background job without job control (``make test &``, a CI runner's ``cmd &``) with SIGINT
+    and SIGQUIT ignored, and an ignored signal stays ignored across fork and exec: a ``gatewayd`` command a
+    test interrupts with SIGINT then never saw it (the people's CLI tests ran on for 60 s in such a run, with
+    SigIgn 0x...06 in /proc). Handled signals are reset at exec, so the defaults here reach every command."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGQUIT) is signal.SIG_IGN:
+        signal.signal(signal.SIGQUIT, signal.SIG_DFL)
 
 
 ROOT = Path(__file__).resolve().parent.parent
