@@ -253,7 +253,8 @@ def wait_for(look, what: str, guard: float = 60):
 def interrupted(process: subprocess.Popen[str]) -> tuple[str, str]:
     """Ctrl-C to a command that waits, and what it printed. One that has not ended within the hang guard is
     described from /proc (its state and its signals: pending, blocked, ignored, caught; this process's too),
-    then killed, so that the failure says where it stood (seen once in CI: two commands ran on for 60 s)."""
+    then killed, so that the failure says where it stood (it told of a suite started as a background job,
+    SIGINT ignored: conftest.terminal_signals)."""
     process.send_signal(signal.SIGINT)
     try:
         return process.communicate(timeout=60)
