@@ -1127,6 +1127,8 @@ async def test_openssh_reads_the_gateways_gcm_packets_across_key_renewals(gatewa
         assert f"cipher: {cipher}".encode() in done.stderr
         # the first keys and at least one renewal while the data flowed (asyncssh holds its data during one)
         assert done.stderr.count(b"SSH2_MSG_NEWKEYS received") >= 2, done.stderr[-2000:]
+    # and the packets were the gateway's own GCM, not asyncssh's (which OpenSSH reads as well)
+    assert "AES-GCM packets by the gateway's GatewayGCM" in gateway.log_text()
 
 
 async def test_no_packet_log_line_is_built_for_the_gateways_connections_and_channels(target, caplog):

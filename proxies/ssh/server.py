@@ -168,7 +168,9 @@ def hide_user_names() -> None:
 async def start(context: ProxyContext, host: str, port: int) -> SSHListener:
     """Listener factory registered as ``ssh``."""
     hide_user_names()
-    if not gcm.install():  # AES-GCM packets without asyncssh's per-packet rebuilding and copies (gcm.py)
+    if gcm.install():  # AES-GCM packets without asyncssh's per-packet rebuilding and copies (gcm.py)
+        log.info("ssh: AES-GCM packets by the gateway's GatewayGCM")
+    else:
         log.info("ssh: asyncssh's own AES-GCM packets kept (its cipher table is not the one gcm.py knows)")
     if not log.isEnabledFor(logging.DEBUG):
         # asyncssh logs every connection, channel and command at INFO: the session recording is the record
