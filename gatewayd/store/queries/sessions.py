@@ -16,6 +16,9 @@ from gatewayd.tasks import together
 
 # A user filter that matches fewer users than this has its page merged from each user's own newest sessions.
 USER_ARMS = 32
+# The users a user filter names by part of their e-mail or name (parameters: the organization, the pattern twice).
+MATCHED_USERS = ("SELECT subject FROM users WHERE org_id = ? AND (lower(email) LIKE ? ESCAPE '!' "
+                 "OR lower(name) LIKE ? ESCAPE '!')")
 
 # Session columns a recording flush may write beside its events (its progress, not its state).
 RECORDING_FIELDS = frozenset({"event_size", "metrics", "chain_head"})
@@ -93,16 +96,13 @@ class SessionQueries(ReportQueries):
         users: list[str] = []  # the subjects a user filter matches, when few enough to merge (last in ``where``)
         if query.user_search:  # the subject itself, or part of an e-mail or name (users: a small table)
             pattern = like_pattern(query.user_search.lower())
-            found = await self._all("SELECT subject FROM users WHERE org_id = ? AND (lower(email) LIKE ? ESCAPE '!' "
-                                    "OR lower(name) LIKE ? ESCAPE '!') LIMIT ?",
-                                    (query.org_id, pattern, pattern, USER_ARMS))
+            found = await self._all(f"{MATCHED_USERS} LIMIT ?", (query.org_id, pattern, pattern, USER_ARMS))
             if len(found) < USER_ARMS:
                 users = list(dict.fromkeys([query.user_search, *(r[0] for r in found)]))
                 where.append(f"user_id IN ({', '.join('?' * len(users))})")
                 params += users
             else:
-                where.append("user_id IN (SELECT ? UNION SELECT subject FROM users WHERE org_id = ? AND "
-                             "(lower(email) LIKE ? ESCAPE '!' OR lower(name) LIKE ? ESCAPE '!'))")
+                where.append(f"user_id IN (SELECT ? UNION {MATCHED_USERS})")
                 params += [query.user_search, query.org_id, pattern, pattern]
         clause = " AND ".join(where)
         if capped:  # counted from the text's first TEXT_COUNT_CAP index rows, by primary key
