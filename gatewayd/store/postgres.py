@@ -174,6 +174,8 @@ class AsyncpgConnector:
     ``command_timeout`` ends it later); a write whose outcome is therefore unknown may still commit, which
     is why the writes that are sent again (recordings, ends, audit entries) are idempotent.
     ``failing_since`` is set from such a failure until the next answer (``Store.reachable``).
+    A connection given back is not reset (``_nothing_to_reset``): no statement may leave state in the session
+    (a plain ``SET``, ``LISTEN``, a session advisory lock, a cursor WITH HOLD), or the next caller gets it.
     """
 
     def __init__(self, url: str, dialect: Dialect | None = None, pool_size: int = POOL_SIZE,
