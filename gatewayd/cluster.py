@@ -40,7 +40,7 @@ from typing import Any, Awaitable, Callable, Iterable
 from gatewayd.models import Node, new_id, parse_time, rfc3339, utcnow
 from gatewayd.store import Store
 from gatewayd.store.bus import RESYNC, BusTransport
-from gatewayd.tasks import BackgroundTasks
+from gatewayd.tasks import BackgroundTasks, stopped
 
 log = logging.getLogger("gatewayd.cluster")
 
@@ -217,11 +217,7 @@ class Cluster:
 
     async def stop(self) -> None:
         """Leave in order: no more beats, the bus closed, the node marked stopped."""
-        for task in self._loops:
-            task.cancel()
-        for task in self._loops:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await stopped(*self._loops)
         self._loops = []
         if self._transport is not None:
             await self._transport.close()

@@ -42,7 +42,7 @@ from gatewayd.evidence import (
 from gatewayd.journal import Journal, RecoveredStream, dead_runs
 from gatewayd.models import CHAIN_GENESIS, AuditEntry, Session, SessionEvent
 from gatewayd.store import Store
-from gatewayd.tasks import BackgroundTasks
+from gatewayd.tasks import BackgroundTasks, stopped
 
 log = logging.getLogger("gatewayd.recording")
 
@@ -229,13 +229,7 @@ class RecordingService:
         self._ticker = asyncio.create_task(self._tick(), name="recording-journal")
 
     async def stop(self) -> None:
-        for task in (self._task, self._ticker):
-            if task is not None:
-                task.cancel()
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    pass
+        await stopped(self._task, self._ticker)
         self._task = self._ticker = None
         await self._commits.wait()
         stored = await self.flush()

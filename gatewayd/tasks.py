@@ -5,7 +5,8 @@ asyncio keeps only a weak reference to a task: one that nobody holds may be
 collected mid-run, and its exception is reported (if at all) as "never
 retrieved" at an arbitrary moment.  ``BackgroundTasks`` holds each task until
 it ends, logs a failure once with the owner's fields, and can wait for (or
-cancel) what is still running when its owner closes.
+cancel) what is still running when its owner closes.  ``stopped`` ends a
+component's own loops.
 """
 
 from __future__ import annotations
@@ -29,6 +30,32 @@ async def together(*calls: Awaitable[Any]) -> list[Any]:
         for task in tasks:
             task.cancel()  # gather marks a later failure of the others as retrieved
         raise
+
+
+async def stopped(*tasks: asyncio.Task[Any] | None) -> None:
+    """Cancel ``tasks`` (a None is none) and wait until each has ended: a component's own loops, at its stop.
+
+    Their own cancellation ends them and is not raised (their other failures are). A cancel of the caller while it
+    waits is raised: ``suppress(CancelledError)`` around the wait took that one for the task's and returned as if
+    stopped, so that a stop bounded by a timeout ran on past it, and a stop cancelled went on to its next step."""
+    for task in tasks:
+        if task is not None:
+            task.cancel()
+    for task in tasks:
+        if task is None:
+            continue
+        try:
+            await task
+        except asyncio.CancelledError:
+            if cancel_is_mine():
+                raise
+
+
+def cancel_is_mine() -> bool:
+    """In an ``except CancelledError`` around a wait for another task: whether the cancel is this task's own (it was
+    asked to stop) rather than the awaited task's, which ended cancelled. Only the first is raised on."""
+    current = asyncio.current_task()
+    return current is not None and current.cancelling() > 0
 
 
 async def until_empty(tasks: set[asyncio.Task[Any]]) -> None:

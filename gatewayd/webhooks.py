@@ -38,7 +38,7 @@ import aiohttp
 
 from gatewayd.dialer import DialerConnector, UnresolvedNames
 from gatewayd.models import AuditEntry, Delivery, Session, WebhookEndpoint, new_id, rfc3339, utcnow
-from gatewayd.tasks import BackgroundTasks
+from gatewayd.tasks import BackgroundTasks, stopped
 
 if TYPE_CHECKING:
     from gatewayd.config import Config
@@ -216,12 +216,7 @@ class Notifier:
 
     async def stop(self) -> None:
         await self.tasks.wait()  # events emitted before the stop are written (delivered later if not now)
-        if self._worker is not None:
-            self._worker.cancel()
-            try:
-                await self._worker
-            except asyncio.CancelledError:
-                pass
+        await stopped(self._worker)
         for client in self._clients.values():
             await client.close()
 

@@ -18,7 +18,7 @@ import pytest
 
 from gatewayd.store import StoreUnavailable
 from gatewayd.store.postgres import AsyncpgConnector
-from gatewayd.tasks import together
+from gatewayd.tasks import stopped, together
 from tests.conftest import core_gateway
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -108,3 +108,58 @@ async def test_reads_made_together_end_together():
     both.cancel()
     await asyncio.wait([both], timeout=10)
     assert both.cancelled() and cancelled == ["slow", "slow"]
+
+
+async def test_a_stop_cancelled_while_its_loops_wind_down_is_cancelled():
+    """A component stops its own loops with ``gatewayd.tasks.stopped``: their cancellation is not raised, their
+    failure is, and a cancel of the stop itself while a loop winds down (a last flush) is passed on, not taken for
+    the loop's: the stop is cancelled, rather than returning as if done and going on to its next step."""
+    winding, ended = asyncio.Event(), []
+
+    async def loop(fails: bool = False) -> None:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            winding.set()
+            await asyncio.sleep(0.2)  # a last flush
+            ended.append("loop")
+            if fails:
+                raise RuntimeError("the last flush failed") from None
+            raise
+
+    task = asyncio.create_task(loop())
+    await asyncio.sleep(0)
+    assert await stopped(task, None) is None
+    assert task.cancelled() and ended == ["loop"]
+
+    failing = asyncio.create_task(loop(fails=True))
+    await asyncio.sleep(0)
+    with pytest.raises(RuntimeError, match="last flush"):
+        await stopped(failing)
+
+    winding.clear()
+    task = asyncio.create_task(loop())
+    await asyncio.sleep(0)
+    stop = asyncio.create_task(stopped(task))
+    await winding.wait()
+    stop.cancel()
+    await asyncio.wait([stop], timeout=10)
+    assert stop.cancelled(), "the stop's own cancel was swallowed"
+    await asyncio.wait([task], timeout=10)
+    assert task.cancelled()
+
+
+def test_no_module_of_the_gateway_suppresses_a_cancel_around_a_wait():
+    """``suppress(CancelledError)`` around an await cannot tell the awaited task's cancel from the caller's own:
+    components stop their loops with ``gatewayd.tasks.stopped``."""
+    found = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, (ast.With, ast.AsyncWith)):
+                    for item in node.items:
+                        call = item.context_expr
+                        if (isinstance(call, ast.Call) and getattr(call.func, "attr", getattr(call.func, "id", ""))
+                                == "suppress" and any("CancelledError" in ast.unparse(a) for a in call.args)):
+                            found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert found == [], "use gatewayd.tasks.stopped"

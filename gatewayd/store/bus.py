@@ -23,6 +23,7 @@ from datetime import timedelta
 from typing import Callable, Protocol
 
 from gatewayd.models import rfc3339, utcnow
+from gatewayd.tasks import stopped
 
 log = logging.getLogger("gatewayd.bus")
 
@@ -89,11 +90,8 @@ class TableBus:
             await asyncio.sleep(self.interval)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await stopped(self._task)
+        self._task = None
 
 
 class NotifyBus:
@@ -161,8 +159,6 @@ class NotifyBus:
             await result
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-            self._task = None
+        with contextlib.suppress(Exception):  # a listener that failed has been logged
+            await stopped(self._task)
+        self._task = None
