@@ -107,9 +107,8 @@ async def list_sessions(request: web.Request) -> web.Response:
         start_date=parse_moment(q.get("start_date"), "start_date"),
         end_date=parse_moment(q.get("end_date"), "end_date", end_of_day=True), limit=limit, offset=offset)
     store = services_of(request).store
-    page = await store.list_sessions(query)
-    reviews = await store.reviews_by_ids(s.review_id for s in page.items if s.review_id)
-    return ok({"data": [session_json(s, review=reviews.get(s.review_id or "")) for s in page.items],
+    page = await store.list_sessions(query, reviews=True)
+    return ok({"data": [session_json(s, review=page.reviews.get(s.review_id or "")) for s in page.items],
                "has_next_page": page.more, "total": page.total,
                "total_exact": page.total_exact})
 

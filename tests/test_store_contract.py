@@ -430,6 +430,59 @@ async def test_a_user_filter_matching_several_users_pages_them_in_one_order(stor
     assert seen == expected(lambda s: s.user_id != "sub-x") and set(totals) == {3}
 
 
+async def test_a_session_page_carries_its_sessions_reviews_read_in_its_own_statement(store: Store, monkeypatch):
+    """Issue 36: ``list_sessions(reviews=True)`` returns the page's sessions' reviews (``Page.reviews``), each as
+    ``get_review`` reads it, groups' parts and JSON fields included; one review two sessions share (a just-in-time
+    one) once; none of sessions off the page; and the page itself as without them, through the merged user page
+    too. Without ``reviews`` it reads none."""
+    from gatewayd.store.queries import sessions as queries
+
+    org = await an_org(store)
+    for n in range(2):
+        await store.save_user(User(id=new_id(), org_id=org, subject=f"sub-r{n}", email=f"rev{n}@example.com",
+                                   name=f"Rev {n}", created_at=NOW, updated_at=NOW))
+    sessions, reviews = [], []
+    for n in range(7):
+        session = a_session(org, user=f"sub-r{n % 2}", start=f"2026-05-0{n + 1}T00:00:00Z")
+        if n % 3 != 2:  # sessions 2 and 5 have none
+            rid = new_id()
+            review = Review(id=rid, org_id=org, session_id=session.id, connection_id="c", type="onetime",
+                            status="APPROVED" if n % 2 else "PENDING", owner_id=session.user_id, created_at=NOW,
+                            access_duration=60_000_000_000, force_approval_groups=["sec"],
+                            time_window={"type": "time_range", "n": n},
+                            groups=[ReviewGroup(id=new_id(), review_id=rid, group_name=g) for g in ("dba", "sec")[:1 + n % 2]])
+            session.review_id = rid
+            await store.create_review(review, session)
+            reviews.append(review)
+        else:
+            await store.create_session(session)
+        sessions.append(session)
+    shared = a_session(org, user="sub-r0", start="2026-05-08T00:00:00Z", review_id=reviews[0].id)  # jit: one review
+    await store.create_session(shared)
+    sessions.append(shared)
+    by_id = {r.id: r for r in reviews}
+
+    async def check(limit: int, offset: int, **query) -> None:
+        plain = await store.list_sessions(SessionFilter(org_id=org, limit=limit, offset=offset, **query))
+        page = await store.list_sessions(SessionFilter(org_id=org, limit=limit, offset=offset, **query), reviews=True)
+        assert plain.reviews == {}
+        assert (page.items, page.total, page.more) == (plain.items, plain.total, plain.more)
+        assert page.reviews == {s.review_id: by_id[s.review_id] for s in page.items if s.review_id}
+        for review_id, review in page.reviews.items():
+            assert review == await store.get_review(review_id)
+
+    await check(3, 0)  # the shared review's newer session, and sessions with none
+    await check(3, 3)
+    await check(10, 0)
+    page = await store.list_sessions(SessionFilter(org_id=org, limit=10), reviews=True)
+    assert len(page.reviews) == len(reviews) and len(page.items) == 8
+    assert sorted(len(r.groups) for r in page.reviews.values()) == [1, 1, 1, 2, 2]
+    await check(2, 1, review_status="APPROVED")
+    for arms in (queries.USER_ARMS, 1):  # the page merged from each user's newest sessions, then one list
+        monkeypatch.setattr(queries, "USER_ARMS", arms)
+        await check(3, 1, user_search="rev")
+
+
 async def test_a_common_text_is_found_newest_first_and_counted_up_to_a_cap(store: Store, monkeypatch):
     """A text with more matches than the probe reads: the sessions newest first, the total a lower bound past the
     cap (the same path on both stores; the probe and cap made small here)."""
@@ -882,7 +935,6 @@ async def test_reviews_round_trip_and_list_what_one_may_see(store: Store):
     assert await store.get_review(mine.id) == mine
     assert (await store.get_session(session.id)).script == "select 1"
     assert await store.get_review_by_session(session.id) == mine
-    assert set(await store.reviews_by_ids([mine.id, forced.id, mine.id, ""])) == {mine.id, forced.id}
 
     async def listed(**kw) -> tuple[list[str], int]:
         page = await store.list_reviews(org, **kw)

@@ -242,7 +242,8 @@ class Store(abc.ABC):
     async def get_session(self, session_id: str) -> Session | None: ...
 
     @abc.abstractmethod
-    async def list_sessions(self, query: SessionFilter) -> Page: ...
+    async def list_sessions(self, query: SessionFilter, *, reviews: bool = False) -> Page:
+        """Sessions newest first; with ``reviews``, the page's sessions' reviews too (``Page.reviews``, by id)."""
 
     @abc.abstractmethod
     async def claim_session(self, session_id: str, start_date: str, node_id: str | None = None) -> Session | None:
@@ -394,9 +395,6 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def get_review_by_session(self, session_id: str) -> Review | None: ...
-
-    @abc.abstractmethod
-    async def reviews_by_ids(self, review_ids: Iterable[str]) -> dict[str, Review]: ...
 
     @abc.abstractmethod
     async def list_reviews(self, org_id: str, *, status: str | None = None, type: str | None = None,

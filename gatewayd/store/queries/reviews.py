@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Sequence
 
 from gatewayd.models import AccessRequestRule, Page, Review, ReviewGroup, Session
-from gatewayd.store.sql import Row, build, encode, insert, update
+from gatewayd.store.sql import Row, build, encode, insert, joined, joined_columns, update
 from gatewayd.store.queries.core import SQLCore
-from gatewayd.tasks import together
+
+# A page of another table's rows may carry each row's review in columns of its own, named apart (REVIEW_COLUMNS,
+# read with ``ReviewQueries._joined_reviews``).
+REVIEW_PREFIX = "review__"
+REVIEW_COLUMNS = joined_columns(Review, "reviews", REVIEW_PREFIX, skip=("groups",))
+
 
 class ReviewQueries(SQLCore):
     """Reviews and access-request rules."""
@@ -42,6 +47,15 @@ class ReviewQueries(SQLCore):
             groups.setdefault(g["review_id"], []).append(group)
         return groups
 
+    async def _joined_reviews(self, rows: Sequence[Row]) -> dict[str, Review]:
+        """The reviews that ``rows`` carry in REVIEW_COLUMNS (a LEFT JOIN of ``reviews``), by id, with their groups'
+        parts."""
+        found = {review.id: review for review in joined(Review, rows, REVIEW_PREFIX)}
+        if found:
+            for review_id, parts in (await self._groups_of(list(found))).items():
+                found[review_id].groups = parts
+        return found
+
     @staticmethod
     def _built(rows: list[Row], groups: dict[str, list[ReviewGroup]]) -> list[Review]:
         return [build(Review, r, groups=groups.get(r["id"], [])) for r in rows]
@@ -54,16 +68,6 @@ class ReviewQueries(SQLCore):
         found = await self._reviews_from(await self._all(
             "SELECT * FROM reviews WHERE session_id = ? ORDER BY created_at DESC LIMIT 1", (session_id,)))
         return found[0] if found else None
-
-    async def reviews_by_ids(self, review_ids: Iterable[str]) -> dict[str, Review]:
-        ids = list(dict.fromkeys(i for i in review_ids if i))
-        if not ids:
-            return {}
-        # the reviews and their groups' parts at once (a session page names up to 100 reviews)
-        rows, groups = await together(
-            self._all(f"SELECT * FROM reviews WHERE id IN ({', '.join('?' * len(ids))})", tuple(ids)),
-            self._groups_of(ids))
-        return {r.id: r for r in self._built(rows, groups)}
 
     async def list_reviews(self, org_id: str, *, status: str | None = None, type: str | None = None,
                            visible_to: tuple[str, list[str]] | None = None, limit: int = 100,

@@ -10,8 +10,9 @@ from gatewayd.evidence import LATE_BASE, BatchLink, EventBatch, chain_hash, pack
 from gatewayd.models import CHAIN_GENESIS, Page, Session, SessionEvent, rfc3339, utcnow
 from gatewayd.store.base import SessionFilter
 from gatewayd.store.search import MIN_SEARCH, TEXT_COUNT_CAP, TEXT_PROBE, input_text, like_pattern
-from gatewayd.store.sql import Statement, Work, assign, build, columns, encode, insert
+from gatewayd.store.sql import Row, Statement, Work, assign, build, columns, encode, insert
 from gatewayd.store.queries.reports import ReportQueries
+from gatewayd.store.queries.reviews import REVIEW_COLUMNS, ReviewQueries
 from gatewayd.tasks import together
 
 # A user filter that matches fewer users than this has its page merged from each user's own newest sessions.
@@ -41,7 +42,7 @@ def _number_events(rows: list[Any], batches: list[Any], kinds: str | None) -> li
     return found if kinds is None else [pair for pair in found if pair[1].kind in kinds]
 
 
-class SessionQueries(ReportQueries):
+class SessionQueries(ReportQueries, ReviewQueries):
     """Sessions and their events (a session that ends is counted in the rollup: ``ReportQueries``)."""
 
     async def create_session(self, session: Session) -> None:
@@ -51,13 +52,14 @@ class SessionQueries(ReportQueries):
         row = await self._one("SELECT * FROM sessions WHERE id = ?", (session_id,))
         return build(Session, row) if row else None
 
-    async def list_sessions(self, query: SessionFilter) -> Page:
+    async def list_sessions(self, query: SessionFilter, *, reviews: bool = False) -> Page:
         """Sessions newest first, the total counted up to ``count_cap`` (``total_exact`` False past it). A text
         search first asks the text index for at most TEXT_PROBE matches: fewer (a rare text), and the sessions are
         those; more (a common one), and the sessions are read newest first, each checked against the text's
         matches, and counted among its first TEXT_COUNT_CAP index rows only (``total_exact`` False when it has
         more). A user filter is first resolved to the users it matches; fewer than USER_ARMS, and the page is
-        merged from each one's newest sessions. The count and the page are read at once."""
+        merged from each one's newest sessions. The count and the page are read at once. ``reviews``: the page's
+        sessions' reviews too (``Page.reviews``), in the page's own statement."""
         where, params = ["org_id = ?"], [query.org_id]
         for column, value in (("user_id", query.user_id), ("user_id", query.only_user_id),
                               ("connection", query.connection), ("type", query.type), ("subtype", query.protocol),
@@ -114,7 +116,7 @@ class SessionQueries(ReportQueries):
                                        needle)
         else:
             counted = self._capped_count(f"SELECT 1 FROM sessions WHERE {clause}", params)
-        names = ", ".join(n for n in columns(Session) if n != "script")
+        names = ", ".join(f"sessions.{n}" for n in columns(Session) if n != "script")
         # start_date and id are NOT NULL: no NULLS placement, and the order is the indexes' own (org_id, a
         # filter's column, start_date DESC, id), so the page is read from an index, not sorted. The page's ids are
         # found first (from the index alone where it holds the filters' columns), then only those rows are read.
@@ -131,11 +133,21 @@ class SessionQueries(ReportQueries):
                 f"{order} LIMIT {int(reach)}) AS of_user_{n}" for n in range(len(users)))
             ids = f"SELECT id FROM ({ids}) AS of_users {order} LIMIT ? OFFSET ?"
             ids_params = [value for user in users for value in (*shared, user)]
-        (total, exact), rows = await together(counted, self._all(
-            f"SELECT {names}, script FROM sessions WHERE id IN ({ids}) {order}",
-            tuple(ids_params) + (query.limit + 1, query.offset)))
+        joined = f", {REVIEW_COLUMNS}" if reviews else ""
+        source = "sessions LEFT JOIN reviews ON reviews.id = sessions.review_id" if reviews else "sessions"
+        (total, exact), (rows, linked) = await together(counted, self._page_of(
+            f"SELECT {names}, sessions.script{joined} FROM {source} WHERE sessions.id IN ({ids}) "
+            "ORDER BY sessions.start_date DESC, sessions.id", tuple(ids_params) + (query.limit + 1, query.offset),
+            query.limit, reviews))
         return Page(items=[build(Session, r) for r in rows[:query.limit]], total=total, total_exact=exact,
-                    more=len(rows) > query.limit)
+                    more=len(rows) > query.limit, reviews=linked)
+
+    async def _page_of(self, sql: str, params: tuple[Any, ...], limit: int,
+                       reviews: bool) -> tuple[list[Row], dict[str, Any]]:
+        """A session page's rows (one past its ``limit`` where more follow) and, with ``reviews``, the reviews its
+        sessions carry, with their groups' parts: read while the page's count may still run."""
+        rows = await self._all(sql, params)
+        return rows, (await self._joined_reviews(rows[:limit]) if reviews else {})
 
     async def _text_count(self, sessions: str, params: list[Any], matches: str, value: str) -> tuple[int, bool]:
         """A common text's total: its sessions among the text's first TEXT_COUNT_CAP index rows, and whether the
