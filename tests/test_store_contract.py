@@ -1571,3 +1571,43 @@ async def test_closed_sessions_are_counted_once_per_day_connection_user_and_prot
     listed = await store.session_metrics(ReportFilter(org, "2026-01-01", "2026-01-01"), 10, 0)
     assert listed.total == 2 and [m["count_masked"] for m in listed.items] == [0, 2]
     assert listed.items[0]["blocks"] == 1 and listed.items[1]["bytes"] == 100
+
+
+async def test_sqlite_reads_the_rare_session_filters_from_their_indexes(tmp_path):
+    """Issue 36, migration 20: SQLite has no statistics of a value's share, so its plans are checked here. A
+    connection's open sessions are counted and paged from the connection's index alone (the status is in it: it
+    read every session of the connection from the table, 150 ms at a million); a review status pages the reviewed
+    sessions (``sessions_reviewed``), not every session."""
+    from gatewayd.store.sqlite import SQLiteStore
+
+    store = SQLiteStore(tmp_path / "plans.db", SecretBox(os.urandom(32)))
+    await store.open()
+    try:
+        org = await an_org(store)
+        statements: list[tuple[str, tuple]] = []
+        fetch = store.db.fetch
+
+        async def recording(sql: str, params=(), **kw):
+            statements.append((sql, tuple(params)))
+            return await fetch(sql, params, **kw)
+
+        async def plans(**query) -> list[str]:
+            statements.clear()
+            store.db.fetch = recording
+            try:
+                await store.list_sessions(SessionFilter(org_id=org, **query), reviews=True)
+            finally:
+                store.db.fetch = fetch
+            found = []
+            for sql, params in statements:
+                if "FROM sessions" in sql and "review_groups" not in sql:
+                    found.append(" / ".join(r[3] for r in await fetch("EXPLAIN QUERY PLAN " + sql, params)))
+            return found
+
+        for plan in await plans(connection="pg", status="open"):  # the count, then the page's ids and rows
+            scans = [step for step in plan.split(" / ") if "SEARCH sessions" in step and "(id=?)" not in step]
+            assert scans and all("COVERING INDEX sessions_by_connection" in step for step in scans), plan
+        page = (await plans(review_status="APPROVED"))[-1]
+        assert "sessions_reviewed" in page, page
+    finally:
+        await store.close()
