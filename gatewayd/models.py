@@ -312,7 +312,7 @@ class Page:
     total: int
     total_exact: bool = True  # False: ``total`` is a lower bound (counted up to the store's cap)
     more: bool = False  # rows follow this page (the lists that read one row past their page: sessions, audit)
-    reviews: dict[str, Any] = field(default_factory=dict)  # the items' reviews by id, where the list was asked for them
+    reviews: dict[str, Review] = field(default_factory=dict)  # the items' reviews by id, when asked for
 
 
 @dataclass(slots=True)

@@ -450,7 +450,8 @@ async def test_a_session_page_carries_its_sessions_reviews_read_in_its_own_state
                             status="APPROVED" if n % 2 else "PENDING", owner_id=session.user_id, created_at=NOW,
                             access_duration=60_000_000_000, force_approval_groups=["sec"],
                             time_window={"type": "time_range", "n": n},
-                            groups=[ReviewGroup(id=new_id(), review_id=rid, group_name=g) for g in ("dba", "sec")[:1 + n % 2]])
+                            groups=[ReviewGroup(id=new_id(), review_id=rid, group_name=g)
+                                    for g in ("dba", "sec")[:1 + n % 2]])
             session.review_id = rid
             await store.create_review(review, session)
             reviews.append(review)

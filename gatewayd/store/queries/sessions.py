@@ -7,7 +7,7 @@ from operator import itemgetter
 from typing import Any, Iterable, Sequence
 
 from gatewayd.evidence import LATE_BASE, BatchLink, EventBatch, chain_hash, pack_events, unpack_events
-from gatewayd.models import CHAIN_GENESIS, Page, Session, SessionEvent, rfc3339, utcnow
+from gatewayd.models import CHAIN_GENESIS, Page, Review, Session, SessionEvent, rfc3339, utcnow
 from gatewayd.store.base import SessionFilter
 from gatewayd.store.search import MIN_SEARCH, TEXT_COUNT_CAP, TEXT_PROBE, input_text, like_pattern
 from gatewayd.store.sql import Row, Statement, Work, assign, build, columns, encode, insert
@@ -143,7 +143,7 @@ class SessionQueries(ReportQueries, ReviewQueries):
                     more=len(rows) > query.limit, reviews=linked)
 
     async def _page_of(self, sql: str, params: tuple[Any, ...], limit: int,
-                       reviews: bool) -> tuple[list[Row], dict[str, Any]]:
+                       reviews: bool) -> tuple[list[Row], dict[str, Review]]:
         """A session page's rows (one past its ``limit`` where more follow) and, with ``reviews``, the reviews its
         sessions carry, with their groups' parts: read while the page's count may still run."""
         rows = await self._all(sql, params)
