@@ -434,7 +434,7 @@ async def test_a_session_page_carries_its_sessions_reviews_read_in_its_own_state
     """Issue 36: ``list_sessions(reviews=True)`` returns the page's sessions' reviews (``Page.reviews``), each as
     ``get_review`` reads it, groups' parts and JSON fields included; one review two sessions share (a just-in-time
     one) once; none of sessions off the page; and the page itself as without them, through the merged user page
-    too. Without ``reviews`` it reads none."""
+    too; never another organization's. Without ``reviews`` it reads none."""
     from gatewayd.store.queries import sessions as queries
 
     org = await an_org(store)
@@ -468,7 +468,7 @@ async def test_a_session_page_carries_its_sessions_reviews_read_in_its_own_state
         page = await store.list_sessions(SessionFilter(org_id=org, limit=limit, offset=offset, **query), reviews=True)
         assert plain.reviews == {}
         assert (page.items, page.total, page.more) == (plain.items, plain.total, plain.more)
-        assert page.reviews == {s.review_id: by_id[s.review_id] for s in page.items if s.review_id}
+        assert page.reviews == {s.review_id: by_id[s.review_id] for s in page.items if s.review_id in by_id}
         for review_id, review in page.reviews.items():
             assert review == await store.get_review(review_id)
 
@@ -479,8 +479,16 @@ async def test_a_session_page_carries_its_sessions_reviews_read_in_its_own_state
     assert len(page.reviews) == len(reviews) and len(page.items) == 8
     assert sorted(len(r.groups) for r in page.reviews.values()) == [1, 1, 1, 2, 2]
     await check(2, 1, review_status="APPROVED")
+    elsewhere = (await store.create_org("elsewhere")).id  # a session naming another organization's review
+    foreign = Review(id=new_id(), org_id=elsewhere, session_id=new_id(), connection_id="c", type="onetime",
+                     status="APPROVED", owner_id="x", created_at=NOW)
+    await store.create_review(foreign)
+    await store.create_session(a_session(org, user="sub-r1", start="2026-05-09T00:00:00Z", review_id=foreign.id))
+    page = await store.list_sessions(SessionFilter(org_id=org, limit=1), reviews=True)
+    assert page.items[0].review_id == foreign.id and page.reviews == {}
     for arms in (queries.USER_ARMS, 1):  # the page merged from each user's newest sessions, then one list
         monkeypatch.setattr(queries, "USER_ARMS", arms)
+        await check(3, 0, user_search="rev")
         await check(3, 1, user_search="rev")
 
 

@@ -134,7 +134,8 @@ class SessionQueries(ReportQueries, ReviewQueries):
             ids = f"SELECT id FROM ({ids}) AS of_users {order} LIMIT ? OFFSET ?"
             ids_params = [value for user in users for value in (*shared, user)]
         joined = f", {REVIEW_COLUMNS}" if reviews else ""
-        source = "sessions LEFT JOIN reviews ON reviews.id = sessions.review_id" if reviews else "sessions"
+        source = ("sessions LEFT JOIN reviews ON reviews.id = sessions.review_id AND reviews.org_id = sessions.org_id"
+                  if reviews else "sessions")  # a review of the session's own organization, or none
         (total, exact), (rows, linked) = await together(counted, self._page_of(
             f"SELECT {names}, sessions.script{joined} FROM {source} WHERE sessions.id IN ({ids}) "
             "ORDER BY sessions.start_date DESC, sessions.id", tuple(ids_params) + (query.limit + 1, query.offset),
