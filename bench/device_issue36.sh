@@ -4,6 +4,8 @@
 #
 #     bash bench/device_issue36.sh            # through the device tool, timeout_s 600
 #     QUICK=1 bash bench/device_issue36.sh    # here: the same steps with 2-second runs and 64 MiB, to check the script
+#     API=1 bash bench/device_issue36.sh      # a second call: the API at a million sessions on PostgreSQL (about
+#                                             # 4 minutes here to seed; QUICK=1 API=1: 20,000 sessions)
 #
 # The workers against pgbouncer (-c 16 and -c 64), the agent path against the direct gateway (-c 16 TPS, -c 1
 # latency), SSH's 1 GiB cat and scp against ProxyJump: each printed with its anchors, as bench/README.md quotes
@@ -15,6 +17,21 @@ if [ "${QUICK:-}" = 1 ]; then seconds=2 megabytes=64; fi  # 1 s: 64 clients may 
 baseline=()  # the bundle's baseline tree, which device_run.sh unpacks (on the lent machine only)
 if [ -f .bench-bundle/before.tar.xz ] && [ "${QUICK:-}" != 1 ]; then baseline=(--baseline .bench-bundle/before); fi
 step() { echo; echo "=== $* ($(date -u +%H:%M:%S), load $(cut -d' ' -f1-3 /proc/loadavg))"; }
+
+if [ "${API:-}" = 1 ]; then  # GET /api/sessions and /api/audit/logs at a million rows each, store and daemon
+  sessions=1000000 python=.venv/bin/python
+  if [ "${QUICK:-}" = 1 ]; then sessions=20000; fi
+  if [ -d .bench-bundle ] && [ "${QUICK:-}" != 1 ]; then
+    step "api: installs the bundle"
+    bash bench/device_run.sh postgres --help > /dev/null || echo "step failed: $?"
+    python=/tmp/bench-venv/bin/python
+    export GATEWAYD_PG_BIN=/opt/pgwrap PATH=/opt/pgwrap:$PATH
+  fi
+  step "api: ${sessions} sessions and audit entries on PostgreSQL, the store and gatewayd run"
+  $python bench/api/bench_scale.py --postgres --sessions "$sessions" --api --runs 20 || echo "step failed: $?"
+  step "done"
+  exit 0
+fi
 
 if [ -d .bench-bundle ] && [ "${QUICK:-}" != 1 ]; then
   step "postgres: workers 1,2,4,8 at -c 16 (installs the bundle)"

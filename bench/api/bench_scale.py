@@ -247,11 +247,28 @@ async def main() -> int:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--explain", action="store_true", help="the plans of the cases over the target")
     parser.add_argument("--url", help="a PostgreSQL database to fill (empty); default: a temporary SQLite store")
+    parser.add_argument("--postgres", action="store_true", help="start a PostgreSQL of the bench's own for the run "
+                        "(tests/pgpeer.py, as the suite starts one) and fill it: the lent machine's step "
+                        "(bench/device_issue36.sh with API=1)")
     parser.add_argument("--api", action="store_true", help="then the same requests through a gatewayd run on the "
                         "store (GET /api/sessions, GET /api/audit/logs)")
     parser.add_argument("--seeded", action="store_true", help="the database at --url is filled already (by a "
                         "run of this bench with the same counts): time only")
     args = parser.parse_args()
+    if args.postgres:
+        from tests.pgpeer import PgCluster
+
+        cluster = PgCluster(tls=False).start()
+        args.url, args.seeded = cluster.dsn(), False
+        try:
+            return await measure(args)
+        finally:
+            cluster.destroy()
+    return await measure(args)
+
+
+async def measure(args: argparse.Namespace) -> int:
+    """Seed (unless ``--seeded``), time the lists in the store and, with ``--api``, through a daemon."""
     audit_count = args.sessions if args.audit is None else args.audit
     box = SecretBox(os.urandom(32))
     folder = tempfile.TemporaryDirectory(prefix="bench-scale-")
