@@ -76,7 +76,7 @@ def few_matches(dialect: Dialect) -> list[str]:
     check is made there. PostgreSQL knows that ``open`` is rare and starts from the status's index."""
     statements = ["CREATE INDEX sessions_reviewed ON sessions (org_id, start_date DESC, id, review_id) "
                   "WHERE review_id IS NOT NULL"]
-    if dialect.row_order == "rowid":
+    if dialect.name == "sqlite":
         statements += ["DROP INDEX sessions_by_connection",
                        "CREATE INDEX sessions_by_connection ON sessions (org_id, connection, start_date DESC, id, "
                        "status)"]

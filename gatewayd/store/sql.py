@@ -222,10 +222,14 @@ def _plan(cls: Any, keys: tuple[str, ...], prefix: str = "") -> tuple[tuple[int,
     return tuple((i, wanted[key], wanted[key] in JSON_FIELDS) for i, key in enumerate(keys) if key in wanted)
 
 
+def _values(row: Any, plan: tuple[tuple[int, str, bool], ...]) -> dict[str, Any]:
+    """A record's fields from a row, by its ``_plan``."""
+    return {name: (loads(row[i]) if is_json and row[i] is not None else row[i]) for i, name, is_json in plan}
+
+
 def build(cls: type[T], row: Any, **extra: Any) -> T:
     """A record from a row; columns the record does not have are left out, ``extra`` fills the rest."""
-    values = {name: (loads(row[i]) if is_json and row[i] is not None else row[i])
-              for i, name, is_json in _plan(cls, tuple(row.keys()))}  # type: ignore[arg-type]
+    values = _values(row, _plan(cls, tuple(row.keys())))  # type: ignore[arg-type]
     values.update(extra)
     return cls(**values)
 
@@ -240,8 +244,7 @@ def joined(cls: type[T], rows: Sequence[Any], prefix: str) -> Iterator[T]:
     key = next(i for i, name, _ in plan if name == "id")
     for row in rows:
         if row[key] is not None:
-            yield cls(**{name: (loads(row[i]) if is_json and row[i] is not None else row[i])
-                         for i, name, is_json in plan})
+            yield cls(**_values(row, plan))
 
 
 def joined_columns(cls: Any, table: str, prefix: str, skip: tuple[str, ...] = ()) -> str:
