@@ -94,6 +94,9 @@ class Journal:
         self._rotate = False  # the next write begins a new segment
         self._stored: dict[str, int] = {}  # session id -> next number the store has (CLOSED once closed)
         self._audited: set[str] = set()
+        # what the commits being written now hold: in neither the buffer nor a segment until they end
+        self._writing: list[tuple[dict[str, int], set[str]]] = []
+        self._groups: set[asyncio.Future[None]] = set()
         self.failure: str | None = None  # why the last commit failed (None: it did not)
         self.last_commit_seconds = 0.0  # how long the last write and fdatasync took
         self.bytes_written = 0
@@ -180,6 +183,22 @@ class Journal:
         data, self._buffer = bytes(self._buffer), bytearray()
         needs, self._buffered_needs = self._buffered_needs, {}
         audits, self._buffered_audits = self._buffered_audits, set()
+        group = (needs, audits)
+        self._writing.append(group)
+        # a cancel of the caller (a session's task ended at a stop) does not cut the group's bookkeeping short:
+        # the writer thread goes on with it anyway, and what the group holds would be counted nowhere
+        written = asyncio.ensure_future(self._commit(data, group))
+        self._groups.add(written)
+        written.add_done_callback(self._group_done)
+        await asyncio.shield(written)
+
+    def _group_done(self, written: asyncio.Future[None]) -> None:
+        self._groups.discard(written)
+        if not written.cancelled():
+            written.exception()  # said by ``failure`` and raised to the caller that waited; not "never retrieved"
+
+    async def _commit(self, data: bytes, group: tuple[dict[str, int], set[str]]) -> None:
+        needs, audits = group
         segment = self._segments[-1]
         switch = None
         if self._rotate or segment.size >= SEGMENT_BYTES or \
@@ -195,6 +214,7 @@ class Journal:
             await loop.run_in_executor(self._writer, self._write, data, switch)
             await loop.run_in_executor(self._syncer, self._sync)
         except OSError as exc:
+            self._written(group)
             segment.writing -= 1
             self._buffer[:0] = data
             for key, value in needs.items():
@@ -203,6 +223,7 @@ class Journal:
             self.failure = f"{type(exc).__name__}: {exc}"
             self._rotate = True
             raise
+        self._written(group)
         segment.writing -= 1
         self.failure = None
         self.last_commit_seconds = time.monotonic() - began
@@ -212,6 +233,9 @@ class Journal:
                 segment.needs[key] = value
         segment.audits |= audits
         self._retire()
+
+    def _written(self, group: tuple[dict[str, int], set[str]]) -> None:
+        self._writing = [g for g in self._writing if g is not group]
 
     def _write(self, data: bytes, switch: Path | None) -> None:
         if switch is not None:
@@ -249,9 +273,13 @@ class Journal:
             with contextlib.suppress(OSError):
                 segment.path.unlink()
         self._segments = keep
-        wanted = {k for s in self._segments for k in s.needs} | set(self._buffered_needs)
+        # what a commit being written holds counts too: forgotten here, its session's close or its audit entries,
+        # stored meanwhile, would be taken for unstored once it ends (and the journal kept at a clean stop)
+        wanted = {k for s in self._segments for k in s.needs} | set(self._buffered_needs) | \
+            {k for needs, _ in self._writing for k in needs}
         self._stored = {k: v for k, v in self._stored.items() if k in wanted or v != CLOSED}
-        if not any(s.audits for s in self._segments) and not self._buffered_audits:
+        if not any(s.audits for s in self._segments) and not self._buffered_audits and \
+                not any(audits for _, audits in self._writing):
             self._audited.clear()
 
     async def close(self, remove: bool) -> None:
@@ -264,6 +292,7 @@ class Journal:
 
         if self._lock_fd is None:
             return
+        await asyncio.gather(*self._groups, return_exceptions=True)  # groups whose callers were cancelled
         await asyncio.get_running_loop().run_in_executor(self._writer, shut)
         self._writer.shutdown(wait=True)
         self._syncer.shutdown(wait=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -239,6 +240,73 @@ def test_a_record_cut_short_ends_its_segment(tmp_path):
     segment.write_bytes(segment.read_bytes()[:-2])
     found = read_run(path)
     assert [e.data for e in found.streams["s"].events.values()] == [b"one", b"two"] and found.torn == 1
+
+
+async def test_what_the_store_took_while_its_group_was_written_is_not_kept_for_good(tmp_path):
+    """CI, 28 Nov: a clean stop kept its journal ("the store does not have everything recorded"), and the next
+    start replayed it. Commits overlap: the first group's end forgot what the store had taken of the second group,
+    being written meanwhile (a session's end, an audit entry), and the second's end then counted it unstored."""
+    from gatewayd.journal import Journal
+
+    journal = Journal(tmp_path, "w")
+    journal.open()
+    slow_disk, sync = threading.Event(), journal._sync
+    synced: list[int] = []
+
+    def first_sync_waits() -> None:  # the first group's fdatasync takes long; the second's queues behind it
+        if not synced:
+            slow_disk.wait(30)
+        synced.append(1)
+        sync()
+
+    journal._sync = first_sync_waits
+    org = new_id()
+    entries = [AuditEntry(id=new_id(), org_id=org, created_at=rfc3339(utcnow()), actor_subject="",
+                          actor_email="", actor_name="", resource_type="session", action="session.seal",
+                          outcome="success") for _ in range(2)]
+    journal.add_audit(entries[0])
+    first = asyncio.create_task(journal.commit())
+    while not journal._segments[-1].writing:  # the first group is being written
+        await asyncio.sleep(0.01)
+    journal.add_audit(entries[1])
+    journal.add_close("s", rfc3339(utcnow()), 0, 0, {}, "head", "seal")
+    second = asyncio.create_task(journal.commit())
+    await asyncio.sleep(0.05)
+    assert not first.done() and not second.done()
+    for entry in entries:  # the store takes both entries and the session's end meanwhile
+        journal.audited(entry.id)
+    journal.closed("s")
+    slow_disk.set()
+    await asyncio.gather(first, second)
+    assert not journal.holds_unstored()
+    await journal.close(remove=True)
+    assert not journal.dir.exists()
+
+
+async def test_a_commit_whose_caller_is_cancelled_is_still_counted(tmp_path):
+    """A session's task cancelled at a stop while its end is being journaled: the writer thread writes the group
+    anyway, and what it holds is counted in its segment (else a close the store lacks would not keep the journal)."""
+    from gatewayd.journal import Journal
+
+    journal = Journal(tmp_path, "w")
+    journal.open()
+    slow_disk, sync = threading.Event(), journal._sync
+
+    def slow_sync() -> None:
+        slow_disk.wait(30)
+        sync()
+
+    journal._sync = slow_sync
+    journal.add_close("s", rfc3339(utcnow()), 0, 0, {}, "head", "seal")
+    caller = asyncio.create_task(journal.commit())
+    await asyncio.sleep(0.05)
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    slow_disk.set()
+    await journal.close(remove=False)
+    assert journal.holds_unstored()  # the store never took the end: the journal is kept for the next start
+    assert read_run(journal.dir).streams["s"].close["seal"] == "seal"
 
 
 async def test_a_journal_being_opened_is_never_taken_for_a_dead_one(tmp_path, monkeypatch):
