@@ -116,6 +116,12 @@ class LiveSession:
         self.done.set()
         if self._expiry is not None:
             self._expiry.cancel()
+        # the manager's task: a cancel of the proxy's task (the listeners' stop ends their connections) does not
+        # cut the end short, between the seal and its entry in the audit chain; the shutdown waits for it
+        await asyncio.shield(self.manager.tasks.spawn(self._close(exit_code, error)))
+
+    async def _close(self, exit_code: int | None, error: str | None) -> None:
+        """The close hooks, the recording closed and sealed, the sealing in the audit chain, the end told."""
         for hook in self.before_close:
             try:
                 await hook()
@@ -186,7 +192,7 @@ class SessionManager:
         recording.on_sealed = self.sealed
         self.live: dict[str, LiveSession] = {}
         self.accepting = True
-        self.tasks = BackgroundTasks("sessions")  # expiry kills
+        self.tasks = BackgroundTasks("sessions")  # expiry kills, sessions' ends
         self.cluster.on(self.KILL, self._on_kill)
         self.cluster.on(self.END, self._on_end)
         self.cluster.on(self.RULES, self._on_rules)

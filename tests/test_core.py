@@ -50,6 +50,29 @@ async def test_recorder_flushes_on_its_interval_and_keeps_order(core):
     assert session.status == "done" and session.exit_code == 3 and session.end_date
 
 
+async def test_a_session_whose_task_is_cancelled_as_it_closes_is_sealed_and_its_sealing_recorded(core):
+    """The listeners' stop cancels the proxies' tasks; a session that was closing then (its client had left) had its
+    end cut short, between the seal and its entry in the audit chain, and ``verify`` said the seal was not in the
+    audit log. The end goes on as the session manager's task, and its shutdown waits for it."""
+    user = await core.identity.ensure_local_user("closing@example.com")
+    live = await core.sessions.open(user, await a_connection(core))
+    live.recorder.input(b"select 1")
+    closing = asyncio.create_task(live.close(exit_code=0))
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # inside its end now
+    assert not live.finished.is_set()
+    closing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    await core.sessions.shutdown(0)  # what the gateway's stop does next
+    assert live.finished.is_set()
+    session = await core.store.get_session(live.id)
+    assert session.status == "done" and session.exit_code == 0 and session.seal, session
+    assert [s["seal"] for s in await core.store.sealings(live.id)] == [session.seal]
+    result = await core.recording.verify(session)
+    assert result.verified and result.sealed, result
+
+
 async def test_events_go_in_as_multi_row_inserts_in_order_up_to_the_cap(core):
     """Every chunk size of the store's multi-row INSERT (256, 64, 16, 4, 1), two sessions in one batch, the cap."""
     user = await core.identity.ensure_local_user("chunks@example.com")
