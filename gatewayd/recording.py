@@ -52,6 +52,9 @@ _KINDS = {"i": b"i", "o": b"o", "e": b"e"}
 _NO_SIZES = {"i": 0, "o": 0, "e": 0}  # bytes pending per kind (for the metrics)
 FLUSH_AT = 1 << 20  # wake the flusher early once a session has this much pending
 HIGH_WATER = 8 << 20  # drain() blocks the producer past this
+# before what a dead process's journal held of a session that was sealed once and is open again in the store
+REOPENED = ("the session was sealed, and its stored record was set open again since: it is not sealed again, and "
+            "what the journal of the process that held it ({source}) held of it follows")
 MAX_COMMITS = 4  # journal groups in flight at once (a disk slower than that lets the next group grow instead)
 
 
@@ -219,6 +222,9 @@ class RecordingService:
         # how a sealing is recorded in the audit chain (the session manager's ``sealed``): a replay that closes
         # a session the dead process had sealed but not recorded as sealed
         self.on_sealed: Callable[[Session, str], Awaitable[None]] | None = None
+        # whether a replay may close and seal a session the store has open (the session manager's ``may_seal``:
+        # not one the audit chain says was sealed with another seal)
+        self.may_seal: Callable[[Session, str], Awaitable[bool]] | None = None
 
     async def start(self) -> None:
         if self.journal_dir is not None:
@@ -632,6 +638,10 @@ class RecordingService:
             # its own seal when the recording is the one it sealed; else a seal over what is stored now
             seal = close.get("seal") if close.get("head") == head and close.get("seal") else \
                 self.sealer.seal(session, head, seq, size, close.get("exit"), close.get("end"))
+            if self.may_seal is not None and not await self.may_seal(session, str(seal)):
+                # sealed once and open again in the store: left so, and what the journal held is kept after it
+                await self.store.append_late(sid, sorted(stream.events.items()), REOPENED.format(source=source))
+                return
             if await self.store.close_session(batches, end_date=close["end"], exit_code=close.get("exit"),
                                               seal=seal):
                 stored = await self.store.get_session(sid)

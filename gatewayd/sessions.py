@@ -190,6 +190,7 @@ class SessionManager:
         self.recording_mode = recording_mode  # a connection's settings.recording_mode wins
         recording.on_undurable = self._undurable
         recording.on_sealed = self.sealed
+        recording.may_seal = self.may_seal
         self.live: dict[str, LiveSession] = {}
         self.accepting = True
         self.tasks = BackgroundTasks("sessions")  # expiry kills, sessions' ends
@@ -316,20 +317,9 @@ class SessionManager:
         """Close a session no process holds: ``reason`` as its last ``e`` event (after ``gap``, a ``recording
         gap`` event, when the process that held it may have recorded more), exit code 254.
 
-        A session the audit log says was sealed already is left as it is, never sealed again: its row was set
-        back to open (its seal dropped, its recording perhaps cut), which no gateway does. The refusal is said
-        (an error line and a ``session.seal`` failure entry); ``verify`` tells what changed."""
+        A session the audit log says was sealed already is left as it is, never sealed again (``may_seal``)."""
         session = await self.store.get_session(session_id)
-        if session is None:
-            return
-        sealings = await self.store.sealings(session_id)
-        if sealings:
-            message = (f"session {session_id} was sealed on {sealings[0]['sealed_at']} and is open again: it is not "
-                       "sealed again (its stored record was altered)")
-            log.error("sealed session found open", extra={"session_id": session_id, "reason": message})
-            await self.audit.record(org_id=session.org_id, actor=None, actor_hint="gateway", action=SEALED,
-                                    resource_type="session", outcome="failure", error_message=message,
-                                    payload={"session_id": session_id})
+        if session is None or not await self.may_seal(session):
             return
         recorder = await self.recording.recorder(session_id)
         if gap:
@@ -340,6 +330,23 @@ class SessionManager:
         await self.sealed(session, seal)
         self.tell("session.close", dataclasses.replace(session, status="done", end_date=end_date,
                                                        exit_code=BLOCKED_EXIT_CODE))
+
+    async def may_seal(self, session: Session, seal: str | None = None) -> bool:
+        """Whether ``session``, open in the store, may be closed and sealed (with ``seal``, when it is already
+        known): not when the audit chain says it was sealed already (with another seal). Its row was then set back
+        to open, its seal dropped and its recording perhaps cut, which no gateway does: sealing it again would
+        vouch for what an intruder left. The refusal is said (an error line and a ``session.seal`` failure entry);
+        ``verify`` tells what changed. Asked by the sweep of sessions left open and by the replay of a journal."""
+        sealings = await self.store.sealings(session.id)
+        if not sealings or (seal is not None and any(s.get("seal") == seal for s in sealings)):
+            return True
+        message = (f"session {session.id} was sealed on {sealings[0]['sealed_at']} and is open again: it is not "
+                   "sealed again (its stored record was altered)")
+        log.error("sealed session found open", extra={"session_id": session.id, "reason": message})
+        await self.audit.record(org_id=session.org_id, actor=None, actor_hint="gateway", action=SEALED,
+                                resource_type="session", outcome="failure", error_message=message,
+                                payload={"session_id": session.id})
+        return False
 
     async def sealed(self, session: Session, seal: str) -> None:
         """Record that ``session`` was sealed with ``seal`` where the sweep cannot undo it: a ``session.seal`` entry

@@ -13,6 +13,7 @@ import os
 import sqlite3
 import subprocess
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -405,6 +406,21 @@ def test_audit_entries_from_before_the_chain_are_named_but_cannot_hide_an_edit()
     assert not verify_audit("o", [row, dict(stripped, id="x", prev_hash=row["hash"]), later]).verified
 
 
+def cut_and_reopen(path: Path, session_id: str, cut: bytes) -> None:
+    """What an intruder does to a sealed session in a SQLite store: the events holding ``cut`` removed, the chain
+    hashed again, the session set open and its seal dropped."""
+    with sqlite3.connect(path) as db:
+        rows = db.execute("SELECT first_seq, events FROM session_event_batches WHERE session_id = ? "
+                          "ORDER BY first_seq", (session_id,)).fetchall()
+        kept = [e for first_seq, packed in rows for _, e in unpack_events(packed) if cut not in e.data]
+        head = batch_hash(GENESIS, session_id, 0, kept)
+        db.execute("DELETE FROM session_event_batches WHERE session_id = ?", (session_id,))
+        db.execute("INSERT INTO session_event_batches (session_id, first_seq, count, prev_hash, hash, events) "
+                   "VALUES (?, 0, ?, ?, ?, ?)", (session_id, len(kept), GENESIS, head, pack_events(0, kept)))
+        db.execute("UPDATE sessions SET status = 'open', seal = NULL, end_date = NULL, exit_code = NULL, "
+                   "chain_head = ?, event_size = ? WHERE id = ?", (head, sum(len(e.data) for e in kept), session_id))
+
+
 async def test_a_cut_recording_set_open_again_is_not_sealed_again_by_the_next_start(tmp_path):
     """Issue 31, as an intruder does it to a real gateway's SQLite store: events removed from a sealed recording, the
     chain re-hashed, the session set open and its seal dropped. The next start's sweep of sessions left open
@@ -415,17 +431,7 @@ async def test_a_cut_recording_set_open_again_is_not_sealed_again_by_the_next_st
         status, result = await api("GET", f"/sessions/{session_id}/verify")
         assert result["verified"] and result["sealed"] and result["links"] >= 2, result
 
-    with sqlite3.connect(tmp_path / "data" / "gatewayd.db") as db:  # the intruder cuts "drop table" out
-        rows = db.execute("SELECT first_seq, events FROM session_event_batches WHERE session_id = ? "
-                          "ORDER BY first_seq", (session_id,)).fetchall()
-        kept = [e for first_seq, packed in rows for _, e in unpack_events(packed) if b"drop table" not in e.data]
-        head = batch_hash(GENESIS, session_id, 0, kept)
-        db.execute("DELETE FROM session_event_batches WHERE session_id = ?", (session_id,))
-        db.execute("INSERT INTO session_event_batches (session_id, first_seq, count, prev_hash, hash, events) "
-                   "VALUES (?, 0, ?, ?, ?, ?)", (session_id, len(kept), GENESIS, head, pack_events(0, kept)))
-        db.execute("UPDATE sessions SET status = 'open', seal = NULL, end_date = NULL, exit_code = NULL, "
-                   "chain_head = ?, event_size = ? WHERE id = ?", (head, sum(len(e.data) for e in kept), session_id))
-
+    cut_and_reopen(tmp_path / "data" / "gatewayd.db", session_id, b"drop table")
     async with line_gateway(tmp_path) as (gateway, api):  # its start sweeps the sessions left open
         status, session = await api("GET", f"/sessions/{session_id}")
         assert session["status"] == "open", session  # left as the intruder left it, not sealed again

@@ -309,6 +309,81 @@ async def test_a_commit_whose_caller_is_cancelled_is_still_counted(tmp_path):
     assert read_run(journal.dir).streams["s"].close["seal"] == "seal"
 
 
+async def test_a_replay_does_not_seal_again_a_session_set_open_after_its_sealing(tmp_path):
+    """CI, 28 Nov: the journal of the process that had sealed a session (kept at its stop) was replayed after an
+    intruder had cut the recording and set the session open: the replay sealed the cut recording again, where the
+    sweep of sessions left open refuses to (issue 31). The replay refuses as the sweep does, and keeps what the
+    journal held after the altered record, where ``verify`` names it."""
+    from tests.test_evidence import cut_and_reopen
+
+    store = SQLiteStore(tmp_path / "gatewayd.db", BOX)
+    await store.open()
+    journal = tmp_path / "journal"
+    first, manager = gateway(store, journal)
+    await first.start()
+    session = await open_session(store)
+    rec = await first.recorder(session.id)
+    rec.input(b"select 1\n")
+    rec.input(b"drop table evidence\n")
+    rec.output(b"DROP TABLE\n")
+    await close(first, manager, session, rec, 0)
+    [sealing] = await store.sealings(session.id)
+    await die(first)  # its journal stays, as a crash or a stop that kept it leaves it
+    cut_and_reopen(tmp_path / "gatewayd.db", session.id, b"drop table")
+
+    second, manager = gateway(store, journal, "w0-again")
+    await second.start()  # replays the journal
+    try:
+        stored = await store.get_session(session.id)
+        assert stored.status == "open" and not stored.seal, stored  # as the intruder left it, not sealed again
+        assert await store.sealings(session.id) == [sealing]
+        [refusal] = (await store.list_audit(AuditFilter(org_id=session.org_id, action="session.seal",
+                                                        outcome="failure"))).items
+        assert "is open again: it is not sealed again" in refusal.error_message
+        events = [e.data for e in await store.read_events(session.id)]
+        assert b"drop table evidence\n" not in events[:2] and b"drop table evidence\n" in events[2:], events
+        assert any(b"it is not sealed again" in data for data in events), events  # the note before what was kept
+        result = await second.verify(stored)
+        assert not result.verified and not result.sealed, result
+    finally:
+        await second.stop()
+        await store.close()
+
+
+async def test_a_replay_closes_with_its_own_seal_a_session_the_audit_chain_says_it_sealed(tmp_path):
+    """The other side of the refusal above: the dead process's seal is in the audit chain and its recording is
+    stored whole, but the session's row is open (its end had not reached the store, or was set back): the replay
+    closes it with that same seal, which vouches for nothing new, and records no second sealing."""
+    import sqlite3
+
+    store = SQLiteStore(tmp_path / "gatewayd.db", BOX)
+    await store.open()
+    journal = tmp_path / "journal"
+    first, manager = gateway(store, journal)
+    await first.start()
+    session = await open_session(store)
+    rec = await first.recorder(session.id)
+    rec.input(b"select 1\n")
+    await close(first, manager, session, rec, 0)
+    sealed = await store.get_session(session.id)
+    await die(first)
+    with sqlite3.connect(tmp_path / "gatewayd.db") as db:
+        db.execute("UPDATE sessions SET status = 'open', seal = NULL, end_date = NULL WHERE id = ?", (session.id,))
+
+    second, manager = gateway(store, journal, "w0-again")
+    await second.start()
+    try:
+        stored = await store.get_session(session.id)
+        assert stored.status == "done" and stored.seal == sealed.seal, stored
+        assert [s["seal"] for s in await store.sealings(session.id)] == [sealed.seal]
+        assert not (await store.list_audit(AuditFilter(org_id=session.org_id, outcome="failure"))).items
+        result = await second.verify(stored)
+        assert result.verified and result.sealed, result
+    finally:
+        await second.stop()
+        await store.close()
+
+
 async def test_a_journal_being_opened_is_never_taken_for_a_dead_one(tmp_path, monkeypatch):
     """A worker starting while another process looks for dead journals (``dead_runs``, at the other's start): the
     scan comes in the instant between the starting journal's directory being made and its lock being taken. It
