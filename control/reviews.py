@@ -28,7 +28,7 @@ from control.http import (
     user_of,
 )
 from control.schemas import JIT_PENDING_OUT, REVIEW_FULL_OUT, SCRIPT_RESULT_OUT, TEXT
-from control.sessions import full_id, session_in_org
+from control.sessions import full_id, review_of, session_in_org
 from gatewayd.access import credential_prefix
 from gatewayd.models import AccessRequestRule, Connection, Review, User, new_id, parse_time, rfc3339, utcnow
 from gatewayd.reviews import (
@@ -183,7 +183,7 @@ async def update_session_review(request: web.Request) -> web.Response:
     key = request.match_info["id"]
     services = services_of(request)
     session = await session_in_org(request, key)  # reviewers decide on sessions they may not read
-    review = await services.store.get_review(session.review_id) if session.review_id else None
+    review = await review_of(services.store, session)
     if review is None:
         raise ApiError(404, f"session {key!r} has no review")
     return await _decide(request, review)
@@ -336,7 +336,7 @@ async def jit_credentials(request: web.Request) -> web.Response:
         raise ApiError(404, f"session {key!r} of connection {connection.name!r} not found")
     if session.user_id != user.subject:
         raise ApiError(403, "access denied: this access request belongs to another user")
-    review = await services.store.get_review(session.review_id) if session.review_id else None
+    review = await review_of(services.store, session)
     if review is None or review.type != JIT:
         raise ApiError(400, f"session {key!r} has no just-in-time review")
     body = {"session_id": session.id, "review_id": review.id, "has_review": True, "review": review_json(review)}

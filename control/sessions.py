@@ -114,8 +114,10 @@ async def list_sessions(request: web.Request) -> web.Response:
 
 
 async def review_of(store: Any, session: Session) -> Review | None:
-    """The session's review, if it has one."""
-    return await store.get_review(session.review_id) if session.review_id else None
+    """The session's review, if it has one: of the session's own organization only, as the session lists join it
+    (a review id naming another's is none; no gateway writes one)."""
+    review = await store.get_review(session.review_id) if session.review_id else None
+    return review if review is not None and review.org_id == session.org_id else None
 
 
 SHORT_ID = re.compile(r"[0-9a-f][0-9a-f-]{3,34}")  # the start of an id, at least 4 characters

@@ -260,3 +260,27 @@ async def test_shutdown_gives_grace_then_closes_and_flushes(tmp_path):
                           ("e", b"gateway shutting down: the session was closed")]
     finally:
         await again.stop()
+
+
+async def test_a_session_naming_another_organizations_review_shows_and_decides_none(env):
+    """No tenant above another: a session whose review id names another organization's review (no gateway writes
+    one; a store edited by hand can hold one) shows no review, in its list or alone, and deciding on its review is
+    a 404, never a decision on the other organization's review."""
+    from gatewayd.models import Review, new_id
+    from tests.test_store_contract import NOW, a_session
+
+    gateway, api = env
+    org = await gateway.store.default_org()
+    elsewhere = (await gateway.store.create_org("elsewhere")).id
+    foreign = Review(id=new_id(), org_id=elsewhere, session_id=new_id(), connection_id="c", type="onetime",
+                     status="PENDING", owner_id="x", created_at=NOW)
+    await gateway.store.create_review(foreign)
+    session = a_session(org.id, review_id=foreign.id)
+    await gateway.store.create_session(session)
+    status, page = await api("GET", "/sessions?limit=1")
+    assert status == 200 and page["data"][0]["id"] == session.id and page["data"][0]["review"] is None, page
+    status, shown = await api("GET", f"/sessions/{session.id}")
+    assert status == 200 and shown["review"] is None, shown
+    status, answer = await api("PUT", f"/sessions/{session.id}/review", {"status": "APPROVED"})
+    assert status == 404 and "has no review" in answer["message"], answer
+    assert (await gateway.store.get_review(foreign.id)).status == "PENDING"
