@@ -309,6 +309,23 @@ async def test_a_commit_whose_caller_is_cancelled_is_still_counted(tmp_path):
     assert read_run(journal.dir).streams["s"].close["seal"] == "seal"
 
 
+async def sealed_by_a_dead_process(tmp_path: Path, *typed: bytes) -> tuple[Store, Session]:
+    """A SQLite store (left open) with a session that typed ``typed``, closed and sealed (the sealing audited) by a
+    process that then died: its journal stays in ``tmp_path / "journal"``, as a crash or a stop that kept it leaves
+    it."""
+    store = SQLiteStore(tmp_path / "gatewayd.db", BOX)
+    await store.open()
+    first, manager = gateway(store, tmp_path / "journal")
+    await first.start()
+    session = await open_session(store)
+    rec = await first.recorder(session.id)
+    for line in typed:
+        rec.input(line)
+    await close(first, manager, session, rec, 0)
+    await die(first)
+    return store, session
+
+
 async def test_a_replay_does_not_seal_again_a_session_set_open_after_its_sealing(tmp_path):
     """CI, 28 Nov: the journal of the process that had sealed a session (kept at its stop) was replayed after an
     intruder had cut the recording and set the session open: the replay sealed the cut recording again, where the
@@ -316,22 +333,11 @@ async def test_a_replay_does_not_seal_again_a_session_set_open_after_its_sealing
     journal held after the altered record, where ``verify`` names it."""
     from tests.test_evidence import cut_and_reopen
 
-    store = SQLiteStore(tmp_path / "gatewayd.db", BOX)
-    await store.open()
-    journal = tmp_path / "journal"
-    first, manager = gateway(store, journal)
-    await first.start()
-    session = await open_session(store)
-    rec = await first.recorder(session.id)
-    rec.input(b"select 1\n")
-    rec.input(b"drop table evidence\n")
-    rec.output(b"DROP TABLE\n")
-    await close(first, manager, session, rec, 0)
+    store, session = await sealed_by_a_dead_process(tmp_path, b"select 1\n", b"drop table evidence\n")
     [sealing] = await store.sealings(session.id)
-    await die(first)  # its journal stays, as a crash or a stop that kept it leaves it
     cut_and_reopen(tmp_path / "gatewayd.db", session.id, b"drop table")
 
-    second, manager = gateway(store, journal, "w0-again")
+    second, manager = gateway(store, tmp_path / "journal", "w0-again")
     await second.start()  # replays the journal
     try:
         stored = await store.get_session(session.id)
@@ -356,21 +362,12 @@ async def test_a_replay_closes_with_its_own_seal_a_session_the_audit_chain_says_
     closes it with that same seal, which vouches for nothing new, and records no second sealing."""
     import sqlite3
 
-    store = SQLiteStore(tmp_path / "gatewayd.db", BOX)
-    await store.open()
-    journal = tmp_path / "journal"
-    first, manager = gateway(store, journal)
-    await first.start()
-    session = await open_session(store)
-    rec = await first.recorder(session.id)
-    rec.input(b"select 1\n")
-    await close(first, manager, session, rec, 0)
+    store, session = await sealed_by_a_dead_process(tmp_path, b"select 1\n")
     sealed = await store.get_session(session.id)
-    await die(first)
     with sqlite3.connect(tmp_path / "gatewayd.db") as db:
         db.execute("UPDATE sessions SET status = 'open', seal = NULL, end_date = NULL WHERE id = ?", (session.id,))
 
-    second, manager = gateway(store, journal, "w0-again")
+    second, manager = gateway(store, tmp_path / "journal", "w0-again")
     await second.start()
     try:
         stored = await store.get_session(session.id)
