@@ -481,11 +481,16 @@ async def test_a_session_page_carries_its_sessions_reviews_read_in_its_own_state
     await check(2, 1, review_status="APPROVED")
     elsewhere = (await store.create_org("elsewhere")).id  # a session naming another organization's review
     foreign = Review(id=new_id(), org_id=elsewhere, session_id=new_id(), connection_id="c", type="onetime",
-                     status="APPROVED", owner_id="x", created_at=NOW)
+                     status="APPROVED", owner_id="x", created_at=NOW,
+                     groups=[ReviewGroup(id=new_id(), review_id="", group_name="dba", status="APPROVED",
+                                         reviewed_by_email="rev0@example.com")])
     await store.create_review(foreign)
     await store.create_session(a_session(org, user="sub-r1", start="2026-05-09T00:00:00Z", review_id=foreign.id))
     page = await store.list_sessions(SessionFilter(org_id=org, limit=1), reviews=True)
     assert page.items[0].review_id == foreign.id and page.reviews == {}
+    for query in ({"review_status": "APPROVED"}, {"review_approver": "rev0@example.com"}):  # nor do its filters
+        found = await store.list_sessions(SessionFilter(org_id=org, limit=50, **query))
+        assert foreign.id not in {s.review_id for s in found.items} and found.total == len(found.items), query
     for arms in (queries.USER_ARMS, 1):  # the page merged from each user's newest sessions, then one list
         monkeypatch.setattr(queries, "USER_ARMS", arms)
         await check(3, 0, user_search="rev")

@@ -90,11 +90,13 @@ class SessionQueries(ReportQueries, ReviewQueries):
             where.append("start_date <= ?")
             params.append(query.end_date)
         if query.review_status:
-            where.append("review_id IN (SELECT id FROM reviews WHERE status = ?)")
-            params.append(query.review_status)
+            # the organization's reviews only, as the page joins them: a review id naming another's matches nothing
+            where.append("review_id IN (SELECT id FROM reviews WHERE status = ? AND org_id = ?)")
+            params.extend((query.review_status, query.org_id))
         if query.review_approver:
-            where.append("review_id IN (SELECT review_id FROM review_groups WHERE lower(reviewed_by_email) = lower(?))")
-            params.append(query.review_approver)
+            where.append("review_id IN (SELECT g.review_id FROM review_groups g JOIN reviews r ON r.id = g.review_id "
+                         "WHERE lower(g.reviewed_by_email) = lower(?) AND r.org_id = ?)")
+            params.extend((query.review_approver, query.org_id))
         users: list[str] = []  # the subjects a user filter matches, when few enough to merge (last in ``where``)
         if query.user_search:  # the subject itself, or part of an e-mail or name (users: a small table)
             pattern = like_pattern(query.user_search.lower())
