@@ -35,6 +35,7 @@ import os
 import re
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, AsyncIterator, Callable
 
 import aiohttp
@@ -388,13 +389,26 @@ class SshDriver(Driver):
         return await self._result(await self._ssh(secret, text))
 
     async def hold(self, secret: str) -> Held:
-        process = await self._ssh(secret, "sleep 600")
+        self.held = f"sleep 600.{os.getpid()}{free_port()}"  # this hold's own command, found by ``settled``
+        process = await self._ssh(secret, self.held)
 
         def stop() -> None:
             if process.returncode is None:
                 process.kill()
 
         return Held(lambda: self._result(process), stop)
+
+    async def settled(self) -> None:
+        """The held command runs on the target. The session is open at the login, before ssh opens its channel:
+        a kill in between finds no channel to tell why, disconnects with the reason, and ssh exits 255 (CI, 28 Nov)."""
+        wanted = self.held.replace(" ", "\0").encode() + b"\0"
+        for _ in range(600):
+            for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+                with contextlib.suppress(OSError):
+                    if cmdline.read_bytes() == wanted:
+                        return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"{self.held!r} never ran on the target")
 
     def refused(self, answer: Answer, reason: str) -> None:
         assert answer.code == 255 and "Permission denied" in answer.text, answer  # ssh names no reason
