@@ -722,6 +722,35 @@ async def test_kill_from_the_api_sends_fatal_57P01(gateway, api):
     assert messages[0].message == "session killed by admin@example.com"
 
 
+async def test_the_daemons_stop_ends_a_held_session_with_57P01_recorded_and_sealed(tmp_path_factory, cluster):
+    """A stop (SIGTERM) with a psql session held past the grace: the client reads FATAL 57P01 and why; the session
+    is done with 254, its last event that reason, sealed, and its sealing in the audit chain (``verify``, read
+    after the next start on the same store)."""
+    daemon = proxy_daemon(tmp_path_factory, "pgstop", "postgres", {"sessions.shutdown_grace": "0s"}, wait=True)
+    daemon.pg_port = daemon.proxy_port
+    try:
+        async with admin_http(daemon) as http:
+            api = PostgresApi(daemon, http, cluster)
+            secret, session_id = await api.credential(await api.role())
+        client = await RawClient.open(daemon)
+        await client.login(secret)
+        assert await asyncio.to_thread(daemon.stop) == 0
+        messages = await client.rest()
+        client.close()
+        assert [(m.severity, m.sqlstate, m.message) for m in messages] == [
+            ("FATAL", "57P01", "gateway shutting down: the session was closed")], messages
+        await asyncio.to_thread(daemon.start)
+        async with admin_http(daemon) as http:
+            api = PostgresApi(daemon, http, cluster)
+            session = await api.done_session(session_id)
+            assert session["exit_code"] == 254, session
+            assert of_kind(session, "e")[-1] == "gateway shutting down: the session was closed", session
+            status, result = await api("GET", f"/sessions/{session_id}/verify")
+            assert status == 200 and result["verified"] and result["sealed"], result
+    finally:
+        daemon.stop()
+
+
 async def test_a_kill_cancels_the_query_running_on_the_target(gateway, api, cluster):
     """PostgreSQL notices a closed client only when its query ends: the kill cancels it as well."""
     role = await api.role()
