@@ -37,7 +37,10 @@ async def stopped(*tasks: asyncio.Task[Any] | None) -> None:
 
     Their own cancellation ends them and is not raised (their other failures are). A cancel of the caller while it
     waits is raised: ``suppress(CancelledError)`` around the wait took that one for the task's and returned as if
-    stopped, so that a stop bounded by a timeout ran on past it, and a stop cancelled went on to its next step."""
+    stopped, so that a stop bounded by a timeout ran on past it, and a stop cancelled went on to its next step. A
+    cancel the caller had before (a stop run in the ``finally`` of a cancelled task) is not this wait's: each loop
+    is still stopped."""
+    since = cancels()
     for task in tasks:
         if task is not None:
             task.cancel()
@@ -47,15 +50,22 @@ async def stopped(*tasks: asyncio.Task[Any] | None) -> None:
         try:
             await task
         except asyncio.CancelledError:
-            if cancel_is_mine():
+            if cancel_is_mine(since):
                 raise
 
 
-def cancel_is_mine() -> bool:
-    """In an ``except CancelledError`` around a wait for another task: whether the cancel is this task's own (it was
-    asked to stop) rather than the awaited task's, which ended cancelled. Only the first is raised on."""
+def cancels() -> int:
+    """The cancels asked of the current task and not withdrawn (``Task.cancelling``): taken before a wait, for
+    ``cancel_is_mine``."""
     current = asyncio.current_task()
-    return current is not None and current.cancelling() > 0
+    return current.cancelling() if current is not None else 0
+
+
+def cancel_is_mine(since: int) -> bool:
+    """In an ``except CancelledError`` around a wait for another task: whether the current task was asked to stop
+    during the wait (it has more cancels than ``since``, taken before it), rather than the awaited task having ended
+    cancelled. Only the first is raised on."""
+    return cancels() > since
 
 
 async def until_empty(tasks: set[asyncio.Task[Any]]) -> None:

@@ -149,6 +149,36 @@ async def test_a_stop_cancelled_while_its_loops_wind_down_is_cancelled():
     assert task.cancelled()
 
 
+async def test_a_stop_run_after_its_task_was_cancelled_stops_every_loop():
+    """A stop run where its task was cancelled before (``launcher/root.py`` stops the gateway in a ``finally``, and
+    an ``except BaseException`` of a cancelled start): ``stopped`` took that old cancel for one arriving during its
+    wait, raised at the first loop that ended cancelled, and the stop went no further (the recording unflushed, the
+    store left open). Only a cancel that arrives during the wait is the caller's."""
+    ended, after = [], []
+
+    async def loop(name: str) -> None:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            ended.append(name)
+            raise
+
+    async def component() -> None:
+        loops = [asyncio.create_task(loop("first")), asyncio.create_task(loop("second"))]
+        try:
+            await asyncio.sleep(60)
+        finally:  # cancelled: the stop runs all the same, to its end
+            await stopped(*loops)
+            after.append("the next step of the stop")
+
+    task = asyncio.create_task(component())
+    await asyncio.sleep(0.05)
+    task.cancel()
+    await asyncio.wait([task], timeout=10)
+    assert task.cancelled()
+    assert ended == ["first", "second"] and after == ["the next step of the stop"]
+
+
 def test_no_module_of_the_gateway_suppresses_a_cancel_around_a_wait():
     """``suppress(CancelledError)`` around an await cannot tell the awaited task's cancel from the caller's own:
     components stop their loops with ``gatewayd.tasks.stopped``."""

@@ -45,7 +45,7 @@ from gatewayd.dialer import DialerConnector, UnresolvedNames
 from gatewayd.guardrails import ALLOWED, AUDIT_INPUT_CHARS, GuardVerdict
 from gatewayd.models import AIAnalyzerRule, Connection, Session
 from gatewayd.store import Store
-from gatewayd.tasks import BackgroundTasks, cancel_is_mine
+from gatewayd.tasks import BackgroundTasks, cancel_is_mine, cancels
 
 if TYPE_CHECKING:
     from gatewayd.sessions import LiveSession
@@ -323,13 +323,14 @@ class SessionAnalysis:
         task = self.task
         if task is None or task.done() or task is asyncio.current_task() or self.live.end_reason is not None:
             return
+        since = cancels()
         try:
             async with asyncio.timeout(self.service.timeout_of(self.rule) + 1):
                 await asyncio.shield(task)
         except TimeoutError:
             pass
         except asyncio.CancelledError:  # the analysis was cancelled (the session killed): its end is not ours
-            if cancel_is_mine():
+            if cancel_is_mine(since):
                 raise
 
     # -- synchronous mode: the proxy holds the input until ``decide`` returns
