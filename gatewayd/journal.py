@@ -198,6 +198,7 @@ class Journal:
             written.exception()  # said by ``failure`` and raised to the caller that waited; not "never retrieved"
 
     async def _commit(self, data: bytes, group: tuple[dict[str, int], set[str]]) -> None:
+        """One group written and fdatasync'd, then counted in its segment (or put back, when the disk refused)."""
         needs, audits = group
         segment = self._segments[-1]
         switch = None
@@ -235,6 +236,7 @@ class Journal:
         self._retire()
 
     def _written(self, group: tuple[dict[str, int], set[str]]) -> None:
+        """``group`` is no longer being written (counted in its segment, or back in the buffer, next)."""
         self._writing = [g for g in self._writing if g is not group]
 
     def _write(self, data: bytes, switch: Path | None) -> None:
