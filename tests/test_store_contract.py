@@ -1158,6 +1158,45 @@ def test_stored_json_is_read_as_json_whatever_its_shape():
         loads("{")
 
 
+def test_a_record_is_built_from_any_shape_of_row_as_its_fields_say():
+    """``build`` / ``built`` / ``joined`` (a maker made once per query shape): the fields in any order of columns,
+    a column missing (its default), columns the record lacks (left out), ``extra`` over the row's own value, JSON
+    columns read (NULL stays None), and a joined record under its prefix, where a NULL id means none."""
+    import sqlite3
+
+    from gatewayd.models import Review, Session
+    from gatewayd.store.sql import build, built, columns, encode, joined
+
+    db = sqlite3.connect(":memory:")
+    db.row_factory = sqlite3.Row
+    session = Session(id="s1", org_id="o", user_id="u", user_email="e", user_name="n", connection="c",
+                      connection_id="ci", resource_name="r", type="database", subtype="postgres", tags={"t": "1"},
+                      metrics={"bytes": 2}, ai_analysis=None, exit_code=3)
+    names = list(reversed(columns(Session)))  # another order than the fields'
+    names.remove("verb")  # a column the query did not select: the field's default
+    db.execute(f"CREATE TABLE s ({', '.join(names)}, other)")
+    db.execute(f"INSERT INTO s VALUES ({', '.join('?' * (len(names) + 1))})",
+               [encode(name, getattr(session, name)) for name in names] + ["not a field"])
+    row = db.execute("SELECT * FROM s").fetchone()
+    assert build(Session, row) == session
+    assert built(Session, [row, row]) == [session, session]
+    assert build(Session, row, status="done", exit_code=None) == Session(**{**vars_of(session), "status": "done",
+                                                                          "exit_code": None})
+    review = Review(id="r1", org_id="o", session_id="s1", connection_id="ci", type="onetime", status="APPROVED",
+                    owner_id="u", created_at="2026-11-29T00:00:00Z")
+    rows = db.execute("SELECT 1 AS id, ? AS rv_id, ? AS rv_org_id, ? AS rv_session_id, ? AS rv_connection_id, "
+                      "? AS rv_type, ? AS rv_status, ? AS rv_owner_id, ? AS rv_created_at "
+                      "UNION ALL SELECT 2, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL",
+                      ("r1", "o", "s1", "ci", "onetime", "APPROVED", "u", "2026-11-29T00:00:00Z")).fetchall()
+    assert list(joined(Review, rows, "rv_")) == [review]
+
+
+def vars_of(record: Any) -> dict[str, Any]:
+    from gatewayd.store.sql import columns
+
+    return {name: getattr(record, name) for name in columns(type(record))}
+
+
 async def test_postgres_plans_every_statement_for_its_values(pg_store):
     """asyncpg prepares every statement; PostgreSQL may then keep one generic plan for it after five runs, which
     for a list filtered by a rare or a common value reads the wrong index (an audit page filtered by outcome:

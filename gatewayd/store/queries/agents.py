@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gatewayd.models import Agent
-from gatewayd.store.sql import build, insert, update
+from gatewayd.store.sql import build, built, insert, update
 from gatewayd.store.queries.core import SQLCore
 
 class AgentQueries(SQLCore):
@@ -23,7 +23,7 @@ class AgentQueries(SQLCore):
 
     async def list_agents(self, org_id: str) -> list[Agent]:
         rows = await self._all(f"SELECT * FROM agents WHERE org_id = ? ORDER BY {self._by_name}", (org_id,))
-        return [build(Agent, r) for r in rows]
+        return built(Agent, rows)
 
     async def save_agent(self, agent: Agent) -> None:
         await self._write([update("agents", agent, skip=("created_at", "org_id"))])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gatewayd.models import AIAnalyzerRule, AIProvider
-from gatewayd.store.sql import build, insert, update
+from gatewayd.store.sql import build, built, insert, update
 from gatewayd.store.queries.core import SQLCore
 
 class AIQueries(SQLCore):
@@ -44,7 +44,7 @@ class AIQueries(SQLCore):
 
     async def list_ai_rules(self, org_id: str) -> list[AIAnalyzerRule]:
         rows = await self._all(f"SELECT * FROM ai_analyzer_rules WHERE org_id = ? ORDER BY {self._by_name}", (org_id,))
-        return [build(AIAnalyzerRule, r) for r in rows]
+        return built(AIAnalyzerRule, rows)
 
     async def delete_ai_rule(self, org_id: str, name: str) -> None:
         await self._write([("DELETE FROM ai_analyzer_rules WHERE org_id = ? AND (name = ? OR id = ?)",

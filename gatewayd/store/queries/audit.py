@@ -8,7 +8,7 @@ from typing import Any
 from gatewayd.evidence import SEALED, audit_hash
 from gatewayd.models import CHAIN_GENESIS, AuditEntry, Page
 from gatewayd.store.base import AuditFilter
-from gatewayd.store.sql import Work, build, columns, encode, insert
+from gatewayd.store.sql import Work, built, columns, encode, insert
 from gatewayd.store.queries.core import SQLCore
 from gatewayd.tasks import together
 
@@ -102,5 +102,5 @@ class AuditQueries(SQLCore):
                 f"SELECT * FROM audit_logs WHERE {of_org}{row} IN (SELECT {row} FROM audit_logs WHERE {clause} "
                 f"AND ({either}) {order} LIMIT ? OFFSET ?) {order}",
                 tuple(org_params + params + [v for _, extra in arms for v in extra]) + (wanted, offset)))
-        return Page(items=[build(AuditEntry, r) for r in rows[:query.page_size]], total=total, total_exact=exact,
+        return Page(items=built(AuditEntry, rows[:query.page_size]), total=total, total_exact=exact,
                     more=len(rows) > query.page_size)

@@ -6,7 +6,7 @@ from typing import Any
 
 from gatewayd.models import Node
 from gatewayd.store.bus import BusTransport, TableBus
-from gatewayd.store.sql import Work, build, insert
+from gatewayd.store.sql import Work, built, insert
 from gatewayd.store.queries.core import SQLCore
 
 class ClusterQueries(SQLCore):
@@ -42,7 +42,7 @@ class ClusterQueries(SQLCore):
     async def list_nodes(self, *, up_only: bool = False) -> list[Node]:
         where = " WHERE status = 'up'" if up_only else ""
         rows = await self._all(f"SELECT * FROM nodes{where} ORDER BY started_at DESC, name")
-        return [build(Node, r) for r in rows]
+        return built(Node, rows)
 
     async def open_sessions_by_node(self) -> dict[str | None, int]:
         rows = await self._all("SELECT node_id, COUNT(*) FROM sessions WHERE status = 'open' GROUP BY node_id")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from gatewayd.models import Connection, Credential, Resource, Session
-from gatewayd.store.sql import Row, build, columns, decode, insert, update
+from gatewayd.store.sql import Row, build, built, columns, decode, insert, update
 from gatewayd.store.queries.core import SQLCore
 
 class ConnectionQueries(SQLCore):
@@ -42,7 +42,7 @@ class ConnectionQueries(SQLCore):
 
     async def list_resources(self, org_id: str) -> list[Resource]:
         rows = await self._all(f"SELECT * FROM resources WHERE org_id = ? ORDER BY {self._by_name}", (org_id,))
-        return [build(Resource, r) for r in rows]
+        return built(Resource, rows)
 
     async def delete_resource(self, org_id: str, name: str) -> None:
         await self._write([

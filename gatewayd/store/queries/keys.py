@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from gatewayd.models import ApiKey, rfc3339, utcnow
-from gatewayd.store.sql import Work, build, insert
+from gatewayd.store.sql import Work, build, built, insert
 from gatewayd.store.queries.core import SQLCore
 
 class KeyQueries(SQLCore):
@@ -50,7 +50,7 @@ class KeyQueries(SQLCore):
     async def api_keys_of(self, org_id: str, kind: str, status: str) -> list[ApiKey]:
         rows = await self._all("SELECT * FROM api_keys WHERE org_id = ? AND kind = ? AND status = ? "
                                "ORDER BY created_at DESC", (org_id, kind, status))
-        return [build(ApiKey, r) for r in rows]
+        return built(ApiKey, rows)
 
     async def revoke_api_keys(self, org_id: str, kind: str, at: str) -> int:
         return await self._changed(("UPDATE api_keys SET status = 'revoked', revoked_at = ? "

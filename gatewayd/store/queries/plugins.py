@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gatewayd.models import Plugin, PluginConnection
-from gatewayd.store.sql import build, columns, insert
+from gatewayd.store.sql import built, columns, insert
 from gatewayd.store.queries.core import SQLCore
 
 class PluginQueries(SQLCore):
@@ -42,7 +42,7 @@ class PluginQueries(SQLCore):
         else:
             rows = await self._all("SELECT * FROM plugin_connections WHERE org_id = ? AND plugin_id = ? "
                                    f"ORDER BY {self.dialect.row_order}", (org_id, plugin_id))
-        return [build(PluginConnection, r) for r in rows]
+        return built(PluginConnection, rows)
 
     async def save_plugin_connection(self, link: PluginConnection) -> None:
         await self._write([

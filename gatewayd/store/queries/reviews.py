@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from gatewayd.models import AccessRequestRule, Page, Review, ReviewGroup, Session
-from gatewayd.store.sql import Row, build, encode, insert, joined, joined_columns, update
+from gatewayd.store.sql import Row, build, built, encode, insert, joined, joined_columns, update
 from gatewayd.store.queries.core import SQLCore
 
 # A page of another table's rows may carry each row's review in columns of its own, named apart (REVIEW_COLUMNS,
@@ -132,7 +132,7 @@ class ReviewQueries(SQLCore):
     async def list_access_rules(self, org_id: str) -> list[AccessRequestRule]:
         rows = await self._all(f"SELECT * FROM access_request_rules WHERE org_id = ? ORDER BY {self._by_name}",
                                (org_id,))
-        return [build(AccessRequestRule, r) for r in rows]
+        return built(AccessRequestRule, rows)
 
     async def delete_access_rule(self, org_id: str, name: str) -> None:
         await self._write([("DELETE FROM access_request_rules WHERE org_id = ? AND (name = ? OR id = ?)",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from gatewayd.models import RunbookRepository, RunbookRule
-from gatewayd.store.sql import Row, Statement, build, columns, insert, update
+from gatewayd.store.sql import Row, Statement, build, built, columns, insert, update
 from gatewayd.store.queries.core import SQLCore
 
 class RunbookQueries(SQLCore):
@@ -55,7 +55,7 @@ class RunbookQueries(SQLCore):
 
     async def list_runbook_rules(self, org_id: str) -> list[RunbookRule]:
         rows = await self._all(f"SELECT * FROM runbook_rules WHERE org_id = ? ORDER BY {self._by_name}", (org_id,))
-        return [build(RunbookRule, r) for r in rows]
+        return built(RunbookRule, rows)
 
     async def delete_runbook_rule(self, org_id: str, rule_id: str) -> bool:
         return await self._changed(("DELETE FROM runbook_rules WHERE org_id = ? AND id = ?", (org_id, rule_id))) > 0

@@ -10,7 +10,7 @@ from gatewayd.evidence import LATE_BASE, BatchLink, EventBatch, chain_hash, pack
 from gatewayd.models import CHAIN_GENESIS, Page, Review, Session, SessionEvent, rfc3339, utcnow
 from gatewayd.store.base import SessionFilter
 from gatewayd.store.search import MIN_SEARCH, TEXT_COUNT_CAP, TEXT_PROBE, input_text, like_pattern
-from gatewayd.store.sql import Row, Statement, Work, assign, build, columns, encode, insert
+from gatewayd.store.sql import Row, Statement, Work, assign, build, built, columns, encode, insert
 from gatewayd.store.queries.reports import ReportQueries
 from gatewayd.store.queries.reviews import REVIEW_COLUMNS, ReviewQueries
 from gatewayd.tasks import together
@@ -142,7 +142,7 @@ class SessionQueries(ReportQueries, ReviewQueries):
             f"SELECT {names}, sessions.script{joined} FROM {source} WHERE sessions.id IN ({ids}) "
             "ORDER BY sessions.start_date DESC, sessions.id", tuple(ids_params) + (query.limit + 1, query.offset),
             query.limit, reviews))
-        return Page(items=[build(Session, r) for r in rows[:query.limit]], total=total, total_exact=exact,
+        return Page(items=built(Session, rows[:query.limit]), total=total, total_exact=exact,
                     more=len(rows) > query.limit, reviews=linked)
 
     async def _page_of(self, sql: str, params: tuple[Any, ...], limit: int,
@@ -352,7 +352,7 @@ class SessionQueries(ReportQueries, ReviewQueries):
 
     async def sessions_with_status(self, status: str) -> list[Session]:
         rows = await self._all("SELECT * FROM sessions WHERE status = ?", (status,))
-        return [build(Session, r) for r in rows]
+        return built(Session, rows)
 
     async def open_sessions_of(self, node_ids: Iterable[str]) -> list[Session]:
         wanted = list(node_ids)
@@ -360,7 +360,7 @@ class SessionQueries(ReportQueries, ReviewQueries):
             return []
         rows = await self._all(f"SELECT * FROM sessions WHERE status = 'open' AND node_id IN "
                                f"({', '.join('?' * len(wanted))})", tuple(wanted))
-        return [build(Session, r) for r in rows]
+        return built(Session, rows)
 
     async def open_session_holders(self, *, review_id: str | None = None, connection_id: str | None = None) -> set[str]:
         column, value = ("review_id", review_id) if review_id is not None else ("connection_id", connection_id)
@@ -371,7 +371,7 @@ class SessionQueries(ReportQueries, ReviewQueries):
     async def open_sessions_unheld(self) -> list[Session]:
         rows = await self._all("SELECT * FROM sessions WHERE status = 'open' AND (node_id IS NULL OR node_id NOT IN "
                                "(SELECT id FROM nodes WHERE status = 'up'))")
-        return [build(Session, r) for r in rows]
+        return built(Session, rows)
 
     async def ids_with_prefix(self, table: str, org_id: str, prefix: str, limit: int = 3) -> list[str]:
         if table not in ("reviews", "sessions"):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gatewayd.models import Delivery, Page, WebhookEndpoint
-from gatewayd.store.sql import Row, Work, assign, build, columns, insert
+from gatewayd.store.sql import Row, Work, assign, build, built, columns, insert
 from gatewayd.store.queries.core import SQLCore
 
 class WebhookQueries(SQLCore):
@@ -60,7 +60,7 @@ class WebhookQueries(SQLCore):
         yield (f"UPDATE webhook_deliveries SET claimed_until = ?, attempts = attempts + 1 WHERE id IN ({marks})",
                (until, *ids))
         rows = yield (f"SELECT * FROM webhook_deliveries WHERE id IN ({marks})", tuple(ids))
-        return [build(Delivery, r) for r in rows.rows]
+        return built(Delivery, rows.rows)
 
     async def finish_delivery(self, delivery: Delivery) -> None:
         await self._write([assign("webhook_deliveries", {
@@ -79,7 +79,7 @@ class WebhookQueries(SQLCore):
         total = await self._count(f"SELECT COUNT(*) FROM webhook_deliveries WHERE {clause}", params)
         rows = await self._all(f"SELECT * FROM webhook_deliveries WHERE {clause} ORDER BY created_at DESC, "
                                f"{self.dialect.sort('id', text=True)} LIMIT ? OFFSET ?", tuple(params) + (limit, offset))
-        return Page(items=[build(Delivery, r) for r in rows], total=total)
+        return Page(items=built(Delivery, rows), total=total)
 
     async def get_delivery(self, org_id: str, delivery_id: str) -> Delivery | None:
         row = await self._one("SELECT * FROM webhook_deliveries WHERE org_id = ? AND id = ?", (org_id, delivery_id))
