@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Iterator
 
+import orjson
 from aiohttp import web
 
 from gatewayd.models import User
@@ -317,7 +318,18 @@ def require_operator(request: web.Request) -> User:
 
 
 def ok(data: Any, status: int = 200) -> web.Response:
-    return web.json_response(data, status=status, dumps=lambda d: json.dumps(d, separators=(",", ":")))
+    """``data`` as the JSON answer."""
+    return web.Response(body=encoded(data), status=status, content_type="application/json", charset="utf-8")
+
+
+def encoded(data: Any) -> bytes:
+    """``data`` as compact JSON in UTF-8: by orjson, which writes a page of 100 sessions in a tenth of the stdlib's
+    time (80 us against 1 ms, bench/README.md "The API at scale"); by the stdlib for what orjson refuses (an
+    integer past 64 bits, a string holding a lone surrogate), so that every answer reads as before."""
+    try:
+        return orjson.dumps(data, option=orjson.OPT_NON_STR_KEYS)
+    except TypeError:  # orjson.JSONEncodeError is one
+        return json.dumps(data, separators=_COMPACT).encode()
 
 
 SLICE = 2000  # list items (or string characters, times 500) one json.dumps call encodes in ``ok_in_slices``
