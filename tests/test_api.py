@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import sqlite3
+import time
 import uuid
 from typing import Any
 
 import aiohttp
+import jwt
 import pytest
 
 from tests.conftest import Daemon
@@ -312,6 +315,46 @@ async def test_sign_out_ends_the_token_at_the_gateway(api, admin_token):
     assert (await api("GET", "/userinfo", staying))[0] == 200  # only the token signed out
     status, logs = await api("GET", f"/audit/logs?action=auth.logout&actor={email}", admin_token)
     assert [e["outcome"] for e in logs["data"]] == ["success"]  # the refused second one names no user
+
+
+async def test_a_token_taken_before_is_refused_from_its_expiry_on(api, daemon):
+    """A token verified once is taken again without its signature checked (identity.LocalIssuer.verify), never past
+    its expiry: the third request, after it, is refused as an unknown token would be."""
+    token = daemon.token(f"{unique('brief')}@example.com", ttl="2s")
+    expiry = jwt.decode(token, options={"verify_signature": False})["exp"]
+    assert (await api("GET", "/userinfo", token))[0] == 200
+    assert (await api("GET", "/userinfo", token))[0] == 200  # the remembered verification
+    while time.time() < int(expiry) + 0.05:
+        await asyncio.sleep(0.1)
+    assert await api("GET", "/userinfo", token) == (401, {"message": "access denied"})
+
+
+def test_a_remembered_token_is_one_verified_and_the_memory_is_bounded(monkeypatch):
+    """Only a token whose signature verified is remembered, a tampered one never; past ``VERIFIED_CAP`` tokens the
+    memory starts over."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from gatewayd import identity
+    from gatewayd.models import User
+
+    monkeypatch.setattr(identity, "VERIFIED_CAP", 3)
+    issuer, other = identity.LocalIssuer(Ed25519PrivateKey.generate(), "k1"), \
+        identity.LocalIssuer(Ed25519PrivateKey.generate(), "k2")
+    user = User(id="u1", org_id="o", subject="s", email="a@example.com")
+    token = issuer.issue(user, 60)
+    assert issuer.verify(token)["sub"] == "u1" and issuer.remembers(token)
+    assert issuer.verify(token) == issuer.verify(token)
+    forged = other.issue(user, 60)  # the same claims signed by another key
+    for _ in range(2):
+        with pytest.raises(identity.AuthError):
+            issuer.verify(forged)
+        assert not issuer.remembers(forged)
+    head, claims, signature = token.split(".")
+    with pytest.raises(identity.AuthError):
+        issuer.verify(f"{head}.{claims}.{signature[:-4]}AAAA")
+    for _ in range(5):
+        issuer.verify(issuer.issue(user, 60))
+        assert len(issuer._verified) <= 3
 
 
 async def test_a_password_change_ends_the_users_tokens(api, daemon, admin_token):
