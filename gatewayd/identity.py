@@ -78,8 +78,9 @@ class LocalIssuer:
         self._private = private_key
         self._public = private_key.public_key()
         self.kid = kid
-        # token -> (valid from, expiry, its claims), for the tokens verified here
-        self._verified: dict[str, tuple[int, int, dict[str, Any]]] = {}
+        # SHA-256 of a token -> (valid from, expiry, its claims), for the tokens verified here (not the tokens
+        # themselves: a bearer secret is not kept longer than its request)
+        self._verified: dict[bytes, tuple[int, int, dict[str, Any]]] = {}
 
     @classmethod
     async def load(cls, store: Store) -> "LocalIssuer":
@@ -113,27 +114,29 @@ class LocalIssuer:
         of Ed25519 on the development machine). A token verified once is remembered with its claims (up to
         ``VERIFIED_CAP``): the same string is taken again without the signature check while its time holds by the
         rules jwt.decode applies (``iat`` and ``nbf`` not after now, ``exp`` after it, each as an integer), and
-        decoded whole again otherwise, which refuses it. Only the signature and the claims are remembered; whether
-        the token was signed out, its user and the user's password change are read from the store at every
-        request, as before (``Identity.authenticate``)."""
-        known = self._verified.get(token)
+        decoded whole again otherwise, which refuses it. Only the claims are remembered, under the token's SHA-256
+        (the bearer secret itself is not kept past its request); whether the token was signed out, its user and
+        the user's password change are read from the store at every request, as before
+        (``Identity.authenticate``)."""
+        key = hashlib.sha256(token.encode()).digest()
+        known = self._verified.get(key)
         if known is not None and known[0] <= time.time() < known[1]:
             return dict(known[2])
         try:
             claims: dict[str, Any] = jwt.decode(token, self._public, algorithms=["EdDSA"], audience=LOCAL_AUDIENCE,
                                                 issuer=LOCAL_ISSUER, options={"require": ["exp", "iat", "sub"]})
         except jwt.PyJWTError as exc:
-            self._verified.pop(token, None)
+            self._verified.pop(key, None)
             raise AuthError(f"local token refused: {exc}") from None
         if len(self._verified) >= VERIFIED_CAP:
             self._verified.clear()
         valid_from = max(int(claims["iat"]), int(claims.get("nbf", claims["iat"])))  # jwt.decode read them so
-        self._verified[token] = (valid_from, int(claims["exp"]), claims)
+        self._verified[key] = (valid_from, int(claims["exp"]), claims)
         return dict(claims)
 
     def remembers(self, token: str) -> bool:
         """Whether ``token`` is one this issuer verified (its issuer, then, without decoding it again)."""
-        return token in self._verified
+        return hashlib.sha256(token.encode()).digest() in self._verified
 
 
 class OIDCProvider:
