@@ -330,8 +330,8 @@ async def test_a_token_taken_before_is_refused_from_its_expiry_on(api, daemon):
 
 
 def test_a_remembered_token_is_one_verified_and_the_memory_is_bounded(monkeypatch):
-    """Only a token whose signature verified is remembered, a tampered one never; past ``VERIFIED_CAP`` tokens the
-    memory starts over."""
+    """Only a token whose signature verified is remembered (by its hash), a tampered one never; past
+    ``VERIFIED_CAP`` tokens the memory starts over."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from gatewayd import identity
@@ -343,6 +343,7 @@ def test_a_remembered_token_is_one_verified_and_the_memory_is_bounded(monkeypatc
     user = User(id="u1", org_id="o", subject="s", email="a@example.com")
     token = issuer.issue(user, 60)
     assert issuer.verify(token)["sub"] == "u1" and issuer.remembers(token)
+    assert not [key for key in issuer._verified if token in repr(key)]  # its hash, not the bearer secret itself
     assert issuer.verify(token) == issuer.verify(token)
     forged = other.issue(user, 60)  # the same claims signed by another key
     for _ in range(2):
