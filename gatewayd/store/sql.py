@@ -227,7 +227,7 @@ def _maker(cls: Any, keys: tuple[str, ...], prefix: str = "", extra: tuple[str, 
 
     A record is built for every row of every page the API lists (100 sessions a page, 32 fields each), so this is
     on the path of ``GET /api/sessions`` at a million rows: a dict of the fields, then ``cls(**fields)``, took
-    14 us a session; the fields passed as they are, in order, 8 (bench/README.md, "The API at scale"). The source
+    8 us a session; the fields passed as they are, in order, 4-5 (bench/README.md, "The API at scale"). The source
     holds only the record's field names (identifiers) and row positions, never a value or a column name read from
     the database."""
     given = {name: (f"row[{i}]" if not is_json else f"(loads(row[{i}]) if row[{i}] is not None else None)")
