@@ -306,3 +306,31 @@ def test_the_literal_look_leaves_non_ascii_to_re2():
     folded = rails([{"type": "deny_words_list", "words": ["ſelect"]}])
     assert folded._text_literals is None
     assert not folded.check_input("select 1").allowed
+
+
+# what the guard rails' two per-statement checks look for: whitespace of every kind, controls, quotes, comment and
+# dollar-quote starts, characters beyond ASCII; mixed with any text at all
+READ_ALPHABET = " \t\n\r\x0b\x0c\x1c\x1f\x00\x7f\x85\xa0\u2000\u200b\u2028\u3000ab1'\"-/*$é\U0001f600"
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.one_of(st.text(alphabet=READ_ALPHABET, max_size=14), st.text(max_size=40)))
+def test_collapse_and_needs_scan_say_what_their_definitions_say(text):
+    """``collapse`` and ``needs_scan`` (compiled: one pass in C over plain ASCII text) against their definitions:
+    whitespace runs as one space and none at the ends; a quote, ``--``, ``/*`` or a dollar quote. This suite runs
+    compiled and from source (tests/test_hotpath.py)."""
+    from gatewayd.languages import collapse
+    from gatewayd.sql.pg_scan import needs_scan
+
+    assert collapse(text) == " ".join(text.split())
+    assert needs_scan(text) == (any(mark in text for mark in ("'", '"', "--", "/*"))
+                                or re.search(r"\$(?![0-9])", text) is not None)
+
+
+def test_collapse_gives_back_the_text_itself_when_it_has_nothing_to_collapse():
+    from gatewayd.languages import collapse
+
+    for text in ("SELECT abalance FROM pgbench_accounts WHERE aid = 1;", "", "a", "é b"):
+        assert collapse(text) is text
+    for text in (" a", "a ", "a  b", "a\tb", "a\x7fb", "a\u200bb", " "):
+        assert collapse(text) == " ".join(text.split())

@@ -14,6 +14,13 @@ import re
 
 from pglast import parser as pg_scanner
 
+try:  # compiled (gatewayd.hotpath), ``cython.compiled`` is true at compile time and picks the C branch below
+    import cython
+except ImportError:  # Cython is a build-time dependency: without it this module runs as Python
+    from types import SimpleNamespace
+
+    cython = SimpleNamespace(compiled=False)
+
 from gatewayd.languages import collapse as _collapse
 
 MAX_SCAN_CHARS = 64 * 1024  # longer SQL (bulk loads) is matched raw only, comment-aware: see COMMENT_GAP
@@ -29,7 +36,23 @@ _DOLLAR_QUOTE = re.compile(r"\$(?![0-9])")  # $tag$ or $$, not a $1 parameter
 
 
 def needs_scan(text: str) -> bool:
-    """Whether ``text`` has a quote, a comment or a dollar quote (else it scans to the same words)."""
+    """Whether ``text`` has a quote, a comment or a dollar quote (else it scans to the same words).
+
+    Asked of every statement a guard rail reads, in each of its readings; compiled, one pass in C looks for all of
+    them (Python's five searches, two of them for two characters, cost about 1,000 instructions a statement)."""
+    if cython.compiled and type(text) is str:
+        data: str = text
+        previous = "\0"
+        dollar = False
+        for ch in data:
+            if ch == "'" or ch == '"':
+                return True
+            if (ch == "-" and previous == "-") or (ch == "*" and previous == "/"):
+                return True
+            if ch == "$":
+                dollar = True
+            previous = ch
+        return dollar and _DOLLAR_QUOTE.search(data) is not None
     return ("'" in text or '"' in text or "--" in text or "/*" in text
             or ("$" in text and _DOLLAR_QUOTE.search(text) is not None))
 
