@@ -241,7 +241,8 @@ def test_what_is_only_data_or_qualified_passes(sql: str) -> None:
     ("DO LANGUAGE plperl 'print 1'", "a body in LANGUAGE plperl"),
     ("CREATE FUNCTION f() RETURNS int LANGUAGE plpgsql AS $$ BEGIN x := 1; RETURN 1; END $$",
      "a PL/pgSQL body that does not parse"),
-    ("SELECT 1; DELETE FROM t WHERE a = " + " + ".join(["1"] * 600), "nested too deeply"),
+    # deep enough for every Python the project runs on (3.12 reads 600 terms whole, 3.13 2,000)
+    ("SELECT 1; DELETE FROM t WHERE a = " + " + ".join(["1"] * 5000), "nested too deeply"),
 ])
 def test_what_statement_rules_cannot_read_is_refused(sql: str, says: str) -> None:
     message = refused(KINDS, sql)
