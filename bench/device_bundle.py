@@ -67,6 +67,20 @@ def closure(roots: tuple[str, ...]) -> set[str]:
     return seen
 
 
+def lacking(wheels: Path) -> set[str]:
+    """The installed distributions the daemon and the benchmarks need that ``wheels`` holds no wheel of: a
+    dependency added since those wheels were fetched (their trimmed copy is kept between runs)."""
+    have = {canonical(wheel.name.split("-", 1)[0]) for wheel in wheels.glob("*.whl")}
+    needed = set()
+    for name in closure(("gatewayd", *EXTRA)) - {"gatewayd"}:
+        try:
+            importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue  # not installed here (another platform's dependency): no wheel of it is expected
+        needed.add(name)
+    return needed - have
+
+
 def python312() -> str:
     """A Python 3.12 interpreter here: pyenv's newest 3.12 build, else python3.12 on PATH."""
     versions = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
@@ -152,6 +166,9 @@ def main() -> int:
     wheels = BUNDLE / "whl"
     if not wheels.is_dir() and WHEELS.is_dir() and (BUNDLE / "pgroot.tar.xz").is_file():
         WHEELS.rename(wheels)  # the last run's, trimmed
+    if wheels.is_dir() and (missing := lacking(wheels)):
+        print(f"the kept wheels lack {', '.join(sorted(missing))}: fetched again", flush=True)
+        shutil.rmtree(wheels)
     if not wheels.is_dir():
         subprocess.run([str(ROOT.parent / "shared" / "bench-machine" / "make-bundle.sh")], check=True, cwd=ROOT)
     python = python312()
