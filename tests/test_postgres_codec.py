@@ -297,6 +297,28 @@ def test_a_nul_inside_a_query_or_a_command_tag_is_malformed_even_with_one_at_the
     assert pg.decode_backend(pg.encode_command_complete("SELECT 1")).tag == "SELECT 1"
 
 
+@pytest.mark.parametrize("size", [0, 1, 2, 126, 127, 128, 129, 130, 255, 256, 257, 400])
+def test_names_and_statements_of_every_length_round_the_nul_search_read_whole(size: int) -> None:
+    """The extended protocol's strings (a statement's text and name, a portal) end at their NUL however long they
+    are: compiled, the first ``NUL_RUN`` (128) bytes of each are searched in C and the rest by ``bytes.find``, so
+    the lengths about 128 and 256 are the edges. A NUL inside a statement's text, before or past those edges, is
+    refused as malformed. The suite runs compiled and from source (tests/test_hotpath.py)."""
+    text = ("select " + "x" * size)[:size] if size else ""
+    name = ("s" * size)[:size]
+    parse = pg.decode_frontend(pg.encode_parse(name, text, [23, 25]))
+    assert (parse.name, parse.sql, parse.param_types) == (name, text, [23, 25])
+    bind = pg.decode_frontend(pg.encode_bind(name, name, [b"1", None], [0], [0]))
+    assert (bind.portal, bind.statement, bind.params) == (name, name, [b"1", None])
+    assert pg.decode_frontend(pg.encode_execute(name, 7)).to_dict() == {"portal": name, "max_rows": 7}
+    assert pg.decode_frontend(pg.encode_describe("S", name)).to_dict() == {"kind": "S", "name": name}
+    for inner in sorted({0, size // 2, 127, 128, 129, size - 1}):
+        if 0 <= inner < size:
+            body = name.encode() + b"\0" + text.encode()[:inner] + b"\0" + text.encode()[inner + 1:] + b"\0" \
+                + b"\0\0"
+            with pytest.raises(ProtocolError):
+                pg.decode_frontend(pg.encode_message(b"P", body)).validate()
+
+
 # --------------------------------------------------------------------------- start-up phase
 
 

@@ -161,6 +161,9 @@ cpdef Py_ssize_t _int32_at(bytes buf, Py_ssize_t pos)  # cpdef: framing.py cimpo
 cdef Py_ssize_t _uint32_at(bytes buf, Py_ssize_t pos)
 cdef Py_ssize_t _int16_at(bytes buf, Py_ssize_t pos)
 cdef Py_ssize_t _uint16_at(bytes buf, Py_ssize_t pos)
+cdef Py_ssize_t NUL_RUN
+@cython.locals(stop=Py_ssize_t, at=Py_ssize_t)
+cdef Py_ssize_t _nul_at(bytes buf, Py_ssize_t start, Py_ssize_t end) except -2
 
 @cython.locals(buf=bytes, pos=Py_ssize_t, end=Py_ssize_t, count=Py_ssize_t, nformats=Py_ssize_t, i=Py_ssize_t,
                n=Py_ssize_t, stop=Py_ssize_t, parts=list)

@@ -14,6 +14,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+try:  # compiled (gatewayd.hotpath), ``cython.compiled`` is true at compile time and picks the C branch below
+    import cython
+except ImportError:  # Cython is a build-time dependency: without it this module runs as Python
+    from types import SimpleNamespace
+
+    cython = SimpleNamespace(compiled=False)
+
 from proxies.postgres.wire import (
     AUTH_CLEARTEXT_PASSWORD,
     AUTH_GSS,
@@ -76,6 +83,25 @@ def _int16_at(buf: bytes, pos: int) -> int:
 
 def _uint16_at(buf: bytes, pos: int) -> int:
     return (buf[pos] << 8) | buf[pos + 1]
+
+
+NUL_RUN = 128  # bytes a compiled ``_nul_at`` looks through itself before it asks ``bytes.find``
+
+
+def _nul_at(buf: bytes, start: int, end: int) -> int:
+    """Where the first NUL of ``buf[start:end]`` is, or -1. The strings the fast paths look for are mostly a few
+    bytes (a portal's or a statement's name, often empty): ``bytes.find`` with bounds costs about 900
+    instructions to take its arguments, so compiled, the first ``NUL_RUN`` bytes are read in C, and only a longer
+    string (a statement's text) is left to ``bytes.find``."""
+    if cython.compiled:
+        stop = min(end, start + NUL_RUN)
+        for at in range(start, stop):
+            if buf[at] == 0:
+                return at
+        if stop >= end:
+            return -1
+        start = stop
+    return buf.find(b"\0", start, end)
 
 
 # --------------------------------------------------------------------------- field cursor
@@ -419,8 +445,8 @@ class Parse(Message):
         raw, start, end = self._buf, self._start + 5, self._end
         if type(raw) is bytes:  # fast path, falling back to the cursor for its errors
             buf = raw
-            nul = buf.find(b"\0", start, end)
-            nul2 = buf.find(b"\0", nul + 1, end) if nul >= 0 else -1
+            nul = _nul_at(buf, start, end)
+            nul2 = _nul_at(buf, nul + 1, end) if nul >= 0 else -1
             if nul2 >= 0 and nul2 + 3 <= end:
                 n = _uint16_at(buf, nul2 + 1)
                 if nul2 + 3 + 4 * n == end:
@@ -490,10 +516,10 @@ class Bind(Message):
         if type(raw) is not bytes:
             return None
         buf = raw
-        nul = buf.find(b"\0", start, end)
+        nul = _nul_at(buf, start, end)
         if nul < 0:
             return None
-        nul2 = buf.find(b"\0", nul + 1, end)
+        nul2 = _nul_at(buf, nul + 1, end)
         if nul2 < 0:
             return None
         pos = nul2 + 1
@@ -564,7 +590,7 @@ class _KindName(Message):
         raw, start, end = self._buf, self._start + 5, self._end
         if type(raw) is bytes:
             buf = raw
-            if end - start >= 2 and buf[start] in (0x53, 0x50) and buf.find(b"\0", start + 1, end) == end - 1:
+            if end - start >= 2 and buf[start] in (0x53, 0x50) and _nul_at(buf, start + 1, end) == end - 1:
                 return chr(buf[start]), buf[start + 1 : end - 1].decode("utf-8", "replace")
         cur = self._cursor()
         kind = cur.byte()
@@ -609,7 +635,7 @@ class Execute(Message):
         raw, start, end = self._buf, self._start + 5, self._end
         if type(raw) is bytes:
             buf = raw
-            nul = buf.find(b"\0", start, end)
+            nul = _nul_at(buf, start, end)
             if nul >= 0 and nul + 5 == end:
                 return _text(buf[start:nul]), _int32_at(buf, nul + 1)
         cur = self._cursor()
@@ -964,7 +990,7 @@ class RowDescription(Message):
         count = _u16(buf, pos - 2)[0]
         names, oids, formats = [], [], []
         for _ in range(count):
-            nul = buf.find(b"\0", pos, end)
+            nul = _nul_at(buf, pos, end) if type(buf) is bytes else buf.find(b"\0", pos, end)
             if nul < 0 or nul + 19 > end:
                 raise ProtocolError("malformed RowDescription message: unexpected end of message")
             names.append(_text(buf[pos:nul]))
