@@ -24,10 +24,14 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Sequence
 
 PURE_ENV = "GATEWAYD_PURE_PYTHON"
+# ``cython`` for a hot-path module that branches on ``cython.compiled`` (a C pass when compiled, Python's own
+# expressions from source: gatewayd.languages, gatewayd.sql.pg_scan, proxies.postgres.messages), run as Python
+# where Cython, a build-time dependency, is not installed. Compiled, the module's own ``import cython`` decides it.
+NO_CYTHON = SimpleNamespace(compiled=False)
 
 # What every message and recorded event goes through in the core; each protocol adds its own (``add``).
 CORE_MODULES = (

@@ -25,12 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-try:  # compiled (gatewayd.hotpath), ``cython.compiled`` is true at compile time and picks the C branch below
+try:  # compiled, ``cython.compiled`` is true when Cython compiles this module and picks the C branch below
     import cython
 except ImportError:  # Cython is a build-time dependency: without it this module runs as Python
-    from types import SimpleNamespace
-
-    cython = SimpleNamespace(compiled=False)
+    from gatewayd.hotpath import NO_CYTHON as cython
 
 SQL, SHELL, HTTP, NONE = "sql", "shell", "http", "none"
 TEXT_RULES = ("deny_words_list", "pattern_match")  # read the text of any language that has text

@@ -14,12 +14,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-try:  # compiled (gatewayd.hotpath), ``cython.compiled`` is true at compile time and picks the C branch below
+try:  # compiled, ``cython.compiled`` is true when Cython compiles this module and picks the C branch below
     import cython
 except ImportError:  # Cython is a build-time dependency: without it this module runs as Python
-    from types import SimpleNamespace
-
-    cython = SimpleNamespace(compiled=False)
+    from gatewayd.hotpath import NO_CYTHON as cython
 
 from proxies.postgres.wire import (
     AUTH_CLEARTEXT_PASSWORD,
