@@ -7,6 +7,8 @@ import json
 import logging
 import struct
 
+import pytest
+from cryptography.exceptions import InvalidTag
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -337,6 +339,7 @@ def test_gateway_gcm_puts_on_the_wire_what_asyncssh_does_and_reads_it_back(sizes
     iv = b"\x01\x02\x03\x04" + invocation.to_bytes(8, "big")
     theirs, ours = GCMEncryption.new(cipher, key, iv), GatewayGCM.new(cipher, key, iv)
     their_reader, our_reader = GCMEncryption.new(cipher, key, iv), GatewayGCM.new(cipher, key, iv)
+    opener = GatewayGCM.new(cipher, key, iv)  # the data path's reading (proxies/ssh/datapath.py): open, step
     for seq, size in enumerate(sizes):
         header, packet = struct.pack(">I", size), bytes(range(256)) * (size // 256) + bytes(size % 256)
         packet_, mac = theirs.encrypt_packet(seq, header, packet)
@@ -345,9 +348,15 @@ def test_gateway_gcm_puts_on_the_wire_what_asyncssh_does_and_reads_it_back(sizes
         first, rest, tag = wire[:16], wire[16:-16], wire[-16:]
         assert our_reader.decrypt_packet(seq, first, rest, 4, tag) == packet
         assert their_reader.decrypt_packet(seq, first, rest, 4, tag) == packet
+        # opened twice at the same IV (a packet left to asyncssh is opened again there), then stepped past
+        assert opener.open(memoryview(wire)[:4], memoryview(wire)[4:]) == packet == opener.open(wire[:4], wire[4:])
+        opener.step()
     flipped = GatewayGCM.new(cipher, key, iv)
     wire, _ = GatewayGCM.new(cipher, key, iv).encrypt_packet(0, b"\0\0\0\x10", bytes(16))
     assert flipped.decrypt_packet(0, wire[:16], bytes([wire[16] ^ 1]) + wire[17:-16], 4, wire[-16:]) is None
+    with pytest.raises(InvalidTag):
+        GatewayGCM.new(cipher, key, iv).open(wire[:4], bytes([wire[4] ^ 1]) + wire[5:])
+    assert GatewayGCM.new(cipher, key, iv).seal(b"\0\0\0\x10", bytes(16)) == wire[4:]
 
 
 def test_gateway_gcm_is_what_asyncssh_builds_once_installed():

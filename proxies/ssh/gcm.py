@@ -46,7 +46,21 @@ class GatewayGCM(encryption.GCMEncryption):
 
     def encrypt_packet(self, seq: int, header: bytes, packet: bytes) -> tuple[bytes, bytes]:
         """The packet length in the clear (authenticated), the packet encrypted, its tag: one piece."""
-        return header + self._aead.encrypt(self._next_iv(), packet, header), b""
+        return header + self.seal(header, packet), b""
+
+    def seal(self, header: bytes, packet: bytes) -> bytes:
+        """``packet`` encrypted with its tag after it, ``header`` (its length) authenticated: the next IV's."""
+        return self._aead.encrypt(self._next_iv(), packet, header)
+
+    def open(self, header: bytes | memoryview, sealed: bytes | memoryview) -> bytes:
+        """``sealed`` (ciphertext and tag) in the clear, at the current IV, which stays current until ``step``:
+        a packet this is asked to open may still be left to asyncssh, which then opens it at the same IV.
+        Raises ``InvalidTag`` where the tag does not verify."""
+        return self._aead.decrypt(self._fixed + self._invocation.to_bytes(8, "big"), sealed, header)
+
+    def step(self) -> None:
+        """The packet ``open`` read is taken: the next IV is current."""
+        self._invocation = (self._invocation + 1) & INVOCATIONS
 
     def decrypt_packet(self, seq: int, first: bytes, rest: bytes, header_len: int, mac: bytes) -> bytes | None:
         """The packet in the clear, or None when its tag does not verify (asyncssh then ends the connection)."""
