@@ -80,6 +80,9 @@ GUARDRAIL_BLOCKS = Counter("gatewayd_guardrail_blocks", "Guard-rail blocks, per 
 RELAYED_BYTES = Counter("gatewayd_recorded_bytes", "Bytes of recorded session events, per protocol and direction "
                         "(input: client to target, output: target to client, error: refusals and errors)",
                         ["protocol", "direction"])
+SSH_DATAPATH_PACKETS = Counter("gatewayd_ssh_datapath_packets", "SSH channel data packets relayed by the gateway's "
+                               "own data path (proxies/ssh/datapath.py) rather than asyncssh's, per direction "
+                               "(in: taken in, out: sent), counted when each connection closes", ["direction"])
 FLUSH_LAG = Histogram("gatewayd_recording_flush_lag_seconds", "How long the oldest event of a flush waited "
                       "in memory before it was stored", buckets=LAG_BUCKETS)
 FLUSH_FAILURES = Counter("gatewayd_recording_flush_failures", "Recording flushes the store refused (retried)")
@@ -135,6 +138,14 @@ def login_refused(protocol: str) -> None:
 
 def blocked(direction: str) -> None:
     GUARDRAIL_BLOCKS.labels(direction or "input").inc()
+
+
+def ssh_datapath(taken: int, sent: int) -> None:
+    """An SSH connection closed: its data packets taken in and sent by the gateway's data path."""
+    if taken:
+        SSH_DATAPATH_PACKETS.labels("in").inc(taken)
+    if sent:
+        SSH_DATAPATH_PACKETS.labels("out").inc(sent)
 
 
 def flushed(batches: Iterable[StoredBatch], recorders: Mapping[str, SessionClock], seconds: float,

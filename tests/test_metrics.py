@@ -153,6 +153,10 @@ async def test_sessions_refusals_blocks_and_bytes_move_the_counters(gateway, pg_
                                          protocol="postgres", direction="input"),
         "ssh output recorded": moved("gatewayd_recorded_bytes_total", len("relayed-by-ssh"), protocol="ssh",
                                      direction="output"),
+        # the target's output packet taken in by the data path (proxies/ssh/datapath.py), and sent to the client
+        "ssh data packets on the gateway's data path": lambda now: moved(
+            "gatewayd_ssh_datapath_packets_total", direction="in")(now) and moved(
+            "gatewayd_ssh_datapath_packets_total", direction="out")(now),
         "a refusal recorded as an error event": moved("gatewayd_recorded_bytes_total", protocol="postgres",
                                                       direction="error"),
         "flushes timed": moved("gatewayd_store_write_seconds_count", operation="append"),

@@ -26,7 +26,7 @@ DESCRIPTION = ProtocolDescription(
     # ssh(1) reads [options] destination [command]: the user's options go before the destination
     client=ClientCommand(("ssh",), ("-p", "{port}", "{username}@{hostname}"),
                          options_with_value="BbcDEeFIiJLlmOoPpQRSWw"),  # its options that take an argument
-    compiled=("proxies.ssh.lines",),
+    compiled=("proxies.ssh.lines", "proxies.ssh.datapath", "proxies.ssh.gcm"),
     default_port=12222, access_hints=access_hints,
     start=lazy_start("proxies.ssh.server"),
     load_script_runner=lazy_script_runner("proxies.ssh.script"),

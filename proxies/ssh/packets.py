@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import asyncssh
 from asyncssh.constants import MSG_IGNORE
 
+from proxies.ssh.datapath import read_channel_data, relay_channel
 from proxies.ssh.reads import split_reads
 from proxies.ssh.writes import gather_writes
 
@@ -64,9 +65,19 @@ def as_the_gateway_runs_it(conn: asyncssh.SSHClientConnection | asyncssh.SSHServ
                            offered: Sequence[str]) -> None:
     """Everything the gateway puts on an asyncssh connection it accepts or makes (from its owner's
     ``connection_made``, before any packet; ``offered``: the ciphers it offers): reads in pieces (reads.py),
-    writes gathered per turn of the loop (writes.py), no ``SSH_MSG_IGNORE`` where it protects nothing and no
-    packet log lines (above). Its channels get ``unlogged_packets`` from their own ``connection_made``."""
-    split_reads(conn)
+    its relayed channels' data packets read by datapath.py, writes gathered per turn of the loop (writes.py), no
+    ``SSH_MSG_IGNORE`` where it protects nothing and no packet log lines (above). Its relayed channels get
+    ``as_the_gateway_relays_it`` from their own ``connection_made``."""
+    reads = split_reads(conn)
     gather_writes(conn)
+    if reads is not None:
+        read_channel_data(conn, reads)
     skip_ignore_packets(conn, offered)
     unlogged_packets(conn)
+
+
+def as_the_gateway_relays_it(chan: Any) -> None:
+    """Everything the gateway puts on a channel whose data it relays (from its session's ``connection_made``): no
+    packet log lines, and its data packets sent and taken in by datapath.py."""
+    unlogged_packets(chan)
+    relay_channel(chan)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 import asyncssh
 
@@ -28,29 +29,40 @@ log = logging.getLogger("gatewayd.ssh")
 READ_PIECE = 64 * 1024
 
 
-class SplitReads(asyncio.Protocol):
-    """Feeds an asyncssh connection its socket's reads in pieces of ``READ_PIECE`` bytes at most."""
+def to_asyncssh(conn: asyncssh.SSHClientConnection | asyncssh.SSHServerConnection, data: bytes | memoryview) -> None:
+    """Hand ``data`` to ``conn`` in pieces of ``READ_PIECE`` bytes at most."""
+    if len(data) <= READ_PIECE:
+        conn.data_received(data)  # type: ignore[arg-type]  # it joins with +=
+        return
+    view = memoryview(data)
+    for start in range(0, len(data), READ_PIECE):
+        if start and conn._transport is None:  # closed by a packet before: asyncssh stops parsing there too
+            return
+        conn.data_received(view[start:start + READ_PIECE])  # type: ignore[arg-type]
 
-    __slots__ = ("conn",)
+
+class SplitReads(asyncio.Protocol):
+    """Feeds an asyncssh connection its socket's reads in pieces of ``READ_PIECE`` bytes at most, or through
+    ``reader`` (datapath.py's ``ChannelDataReader``) where the gateway relays channel data on it."""
+
+    __slots__ = ("conn", "reader")
 
     def __init__(self, conn: asyncssh.SSHClientConnection | asyncssh.SSHServerConnection) -> None:
         self.conn = conn
+        self.reader: Any = None
 
     def data_received(self, data: bytes) -> None:
-        conn = self.conn
-        if len(data) <= READ_PIECE:
-            conn.data_received(data)
-            return
-        view = memoryview(data)
-        for start in range(0, len(data), READ_PIECE):
-            if start and conn._transport is None:  # closed by a packet before: asyncssh stops parsing there too
-                return
-            conn.data_received(view[start:start + READ_PIECE])  # type: ignore[arg-type]  # it joins with +=
+        if self.reader is not None:
+            self.reader.received(data)
+        else:
+            to_asyncssh(self.conn, data)
 
     def eof_received(self) -> bool | None:
         return self.conn.eof_received()  # type: ignore[func-returns-value]
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.reader is not None:
+            self.reader.closed()
         self.conn.connection_lost(exc)
 
     def pause_writing(self) -> None:
@@ -60,7 +72,7 @@ class SplitReads(asyncio.Protocol):
         self.conn.resume_writing()
 
 
-def split_reads(conn: asyncssh.SSHClientConnection | asyncssh.SSHServerConnection) -> None:
+def split_reads(conn: asyncssh.SSHClientConnection | asyncssh.SSHServerConnection) -> SplitReads | None:
     """Put a ``SplitReads`` between ``conn`` and its socket's transport (from its owner's ``connection_made``,
     before ``gather_writes`` wraps the transport's writes).
 
@@ -70,5 +82,7 @@ def split_reads(conn: asyncssh.SSHClientConnection | asyncssh.SSHServerConnectio
     transport = getattr(conn, "_transport", None)
     if transport is None or not hasattr(transport, "set_protocol"):
         log.debug("asyncssh connection without _transport or transport without set_protocol: reads not split")
-        return
-    transport.set_protocol(SplitReads(conn))
+        return None
+    reads = SplitReads(conn)
+    transport.set_protocol(reads)
+    return reads

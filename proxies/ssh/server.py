@@ -57,7 +57,7 @@ from gatewayd.pipeline import (
 from gatewayd.tasks import BackgroundTasks, until_empty
 from proxies.ssh import gcm
 from proxies.ssh.lines import Chunk, Line, OutputWatch, ShellInput
-from proxies.ssh.packets import as_the_gateway_runs_it, unlogged_packets
+from proxies.ssh.packets import as_the_gateway_relays_it, as_the_gateway_runs_it
 from proxies.ssh.sftp import SftpObserver, status_packet
 from proxies.ssh.target import (
     ENCRYPTION,
@@ -503,7 +503,7 @@ class _Upstream(asyncssh.SSHClientSession):  # type: ignore[type-arg]
         self.relay = relay
 
     def connection_made(self, chan: asyncssh.SSHClientChannel[bytes]) -> None:  # type: ignore[override]
-        unlogged_packets(chan)
+        as_the_gateway_relays_it(chan)
 
     def data_received(self, data: bytes, datatype: int | None) -> None:  # type: ignore[override]
         self.relay.from_target(data, datatype)
@@ -582,7 +582,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
 
     def connection_made(self, chan: asyncssh.SSHServerChannel[bytes]) -> None:  # type: ignore[override]
         self.chan = chan
-        unlogged_packets(chan)
+        as_the_gateway_relays_it(chan)
 
     def pty_requested(self, term_type: str, term_size: tuple[int, int, int, int], term_modes: Any) -> bool:
         self.pty = True
@@ -1030,7 +1030,7 @@ class _ForwardUpstream(asyncssh.SSHTCPSession):  # type: ignore[type-arg]
 
     def connection_made(self, chan: asyncssh.SSHTCPChannel[bytes]) -> None:  # type: ignore[override]
         self.relay.upchan = chan
-        unlogged_packets(chan)
+        as_the_gateway_relays_it(chan)
 
     def data_received(self, data: bytes, datatype: int | None) -> None:  # type: ignore[override]
         self.relay.received += len(data)
@@ -1077,7 +1077,7 @@ class ForwardRelay(asyncssh.SSHTCPSession):  # type: ignore[type-arg]
 
     def connection_made(self, chan: asyncssh.SSHTCPChannel[bytes]) -> None:  # type: ignore[override]
         self.chan = chan
-        unlogged_packets(chan)
+        as_the_gateway_relays_it(chan)
         for data in self.early:
             chan.write(data)
         self.early.clear()
