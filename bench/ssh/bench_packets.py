@@ -13,7 +13,9 @@ GB is printed for each ``--variant``, interleaved over ``--rounds``:
   one packet fewer to send and to take in per data packet;
 - ``packets``: with everything proxies/ssh/packets.py puts on the gateway's connections and channels, on asyncssh's
   own AES-GCM;
-- ``gateway``: as the SSH proxy runs: ``packets`` with its AES-GCM packets (proxies/ssh/gcm.py).
+- ``gcm``: ``packets`` with the gateway's AES-GCM packets (proxies/ssh/gcm.py);
+- ``gateway``: as the SSH proxy runs: ``gcm`` with the channel's data packets sent and taken in by
+  proxies/ssh/datapath.py.
 
     .venv/bin/python bench/ssh/bench_packets.py [--megabytes 256] [--rounds 5]
 """
@@ -35,7 +37,8 @@ import asyncssh  # noqa: E402
 import uvloop  # noqa: E402
 
 from proxies.ssh import gcm  # noqa: E402
-from proxies.ssh.packets import as_the_gateway_runs_it, skip_ignore_packets, unlogged_packets  # noqa: E402
+from proxies.ssh.packets import (as_the_gateway_relays_it, as_the_gateway_runs_it, skip_ignore_packets,  # noqa: E402
+                                 unlogged_packets)
 from proxies.ssh.reads import split_reads  # noqa: E402
 from proxies.ssh.target import MAX_PACKET, WINDOW  # noqa: E402
 from proxies.ssh.writes import gather_writes  # noqa: E402
@@ -49,25 +52,28 @@ def cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-VARIANTS = ("asyncssh", "io", "ignore", "packets", "gateway")
+VARIANTS = ("asyncssh", "io", "ignore", "packets", "gcm", "gateway")
 
 
 def as_the_gateway(conn: asyncssh.SSHClientConnection | asyncssh.SSHServerConnection, variant: str) -> None:
-    if variant in ("packets", "gateway"):
+    if variant == "gateway":
         as_the_gateway_runs_it(conn, [CIPHER])  # what proxies/ssh/server.py does
         return
     if variant == "asyncssh":
         return
     split_reads(conn)
     gather_writes(conn)
-    if variant == "ignore" and isinstance(conn, asyncssh.SSHServerConnection):
+    if variant in ("packets", "gcm"):
+        skip_ignore_packets(conn, [CIPHER])
+        unlogged_packets(conn)
+    elif variant == "ignore" and isinstance(conn, asyncssh.SSHServerConnection):
         skip_ignore_packets(conn, [CIPHER])
 
 
 async def transfer(size: int, variant: str, host_key: asyncssh.SSHKey) -> float:
     """CPU seconds of this process to move ``size`` bytes from the server's channel to the client's."""
     done = asyncio.get_running_loop().create_future()
-    if variant == "gateway":  # asyncssh reads its table of ciphers at each key exchange: set for this one
+    if variant in ("gcm", "gateway"):  # asyncssh reads its table of ciphers at each key exchange: set for this one
         gcm.install()
     else:
         gcm.uninstall()
@@ -85,8 +91,10 @@ async def transfer(size: int, variant: str, host_key: asyncssh.SSHKey) -> float:
     class Writer(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         def connection_made(self, chan: asyncssh.SSHServerChannel[bytes]) -> None:  # type: ignore[override]
             self.chan, self.left = chan, size
-            if variant in ("packets", "gateway"):
+            if variant in ("packets", "gcm"):
                 unlogged_packets(chan)
+            elif variant == "gateway":
+                as_the_gateway_relays_it(chan)
 
         def shell_requested(self) -> bool:
             return True
@@ -110,8 +118,10 @@ async def transfer(size: int, variant: str, host_key: asyncssh.SSHKey) -> float:
         received = 0
 
         def connection_made(self, chan: asyncssh.SSHClientChannel[bytes]) -> None:  # type: ignore[override]
-            if variant in ("packets", "gateway"):
+            if variant in ("packets", "gcm"):
                 unlogged_packets(chan)
+            elif variant == "gateway":
+                as_the_gateway_relays_it(chan)
 
         def data_received(self, data: bytes, datatype: object) -> None:
             self.received += len(data)
@@ -121,7 +131,7 @@ async def transfer(size: int, variant: str, host_key: asyncssh.SSHKey) -> float:
                 done.set_result(self.received)
 
     options = {"encryption_algs": [CIPHER], "compression_algs": None, "window": WINDOW, "max_pktsize": MAX_PACKET}
-    server = await asyncssh.create_server(Server, "127.0.0.1", 0, server_host_keys=[host_key],
+    server = await asyncssh.create_server(Server, "127.0.0.1", 0, server_host_keys=[host_key], line_editor=False,
                                           encoding=None, **options)
     port = server.sockets[0].getsockname()[1]
     try:
