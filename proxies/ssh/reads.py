@@ -13,7 +13,9 @@ same callback; what it keeps is bounded as before.
 ``split_reads`` puts a ``SplitReads`` protocol between the connection's
 socket transport and the asyncssh connection (``transport.set_protocol``, the
 transport's public way to change who it feeds). Measured in bench/README.md
-("SSH proxy").
+("SSH proxy"). Where the connection relays channel data, the same protocol
+hands each read to datapath.py's reader first, which reads the data packets
+itself and hands asyncssh the rest through ``to_asyncssh``.
 """
 
 from __future__ import annotations
