@@ -133,15 +133,14 @@ class Pair:
 
     async def send(self, data: bytes, sizes: list[int]) -> None:
         """Write ``data`` in pieces of ``sizes`` (cycled), a turn of the loop between them now and then."""
-        at = 0
-        for index in range(len(data)):
-            if at >= len(data):
-                break
+        at = index = 0
+        while at < len(data):
             size = sizes[index % len(sizes)]
             self.chan.write(data[at:at + size])
             at += size
             if index % 3 == 0:
                 await asyncio.sleep(0)
+            index += 1
             while self.chan.get_write_buffer_size() > 4 * WINDOW:
                 await asyncio.sleep(0.001)
 
