@@ -98,19 +98,38 @@ def python312() -> str:
 
 
 def build_hot_path(python: str, tree: Path, wheels: Path) -> list[Path]:
-    """``tree``'s hot path compiled for Python 3.12, beside its sources; the extensions made."""
+    """``tree``'s hot path compiled for Python 3.12, beside its sources; the extensions made, one for every module
+    the build lists (the core's subpackages' too: a module left out would have the whole hot path run from source
+    on the lent machine, since it runs compiled only as one piece)."""
     with tempfile.TemporaryDirectory(prefix="gatewayd-py312-") as venv:
         subprocess.run([python, "-m", "venv", venv], check=True)
         # pglast: the launcher registers every protocol (their hot-path modules) before it builds, and
         # PostgreSQL's description imports its dialect
         subprocess.run([f"{venv}/bin/pip", "install", "-q", "--find-links", str(wheels),  # the index: a trimmed bundle
                         "cython", "setuptools", "pglast"], check=True)
-        build = (["-m", "launcher.hotpath", "build"] if (tree / "launcher" / "hotpath.py").exists()
-                 else ["-c", 'import sys; from gatewayd import hotpath; sys.exit(hotpath.main(["build"]))'])  # older
-        subprocess.run([f"{venv}/bin/python", *build],
-                       cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, check=True,
-                       stdout=subprocess.DEVNULL)
-    return sorted(tree.glob("gatewayd/*.cpython-312-*.so")) + sorted(tree.glob("proxies/*/*.cpython-312-*.so"))
+
+        def hotpath(command: str) -> subprocess.CompletedProcess[str]:
+            how = (["-m", "launcher.hotpath", command] if (tree / "launcher" / "hotpath.py").exists() else
+                   ["-c", f'import sys; from gatewayd import hotpath; sys.exit(hotpath.main(["{command}"]))'])  # older
+            return subprocess.run([f"{venv}/bin/python", *how], cwd=tree, capture_output=True, text=True,
+                                  env={**os.environ, "PYTHONPATH": str(tree), "GATEWAYD_PURE_PYTHON": ""})
+
+        built = hotpath("build")
+        if built.returncode:
+            sys.exit(f"device_bundle: the hot path of {tree} did not build for 3.12:\n{built.stderr[-2000:]}")
+        listed, status = hotpath("list"), hotpath("status")
+    if listed.returncode or status.returncode:  # a tree from before ``list``: every extension under its packages
+        return sorted(tree.glob("gatewayd/**/*.cpython-312-*.so")) + sorted(tree.glob("proxies/**/*.cpython-312-*.so"))
+    if status.stdout.strip() != "hot path: compiled":
+        sys.exit(f"device_bundle: the 3.12 hot path of {tree} would not run compiled ({status.stdout.strip()})")
+    extensions = []
+    for name in listed.stdout.split():
+        module = tree.joinpath(*name.split("."))
+        found = sorted(module.parent.glob(f"{module.name}.cpython-312-*.so"))
+        if not found:
+            sys.exit(f"device_bundle: no 3.12 extension of {name} in {tree}")
+        extensions += found
+    return extensions
 
 
 def pack(tree: Path, files: list[Path], archive: Path, prefix: str = "") -> None:

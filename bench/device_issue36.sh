@@ -45,6 +45,8 @@ else  # here: this machine's venv and peers
   $python bench/postgres/bench_postgres.py --workers 1,2,4,8 --clients 16 --seconds "$seconds" --rounds "$rounds" \
     --runs simple,extended,prepared "${baseline[@]}" || echo "step failed: $?"
 fi
+step "hot path (compiled, or every figure here is the Python source's)"
+$python -m launcher.hotpath status || echo "step failed: $?"
 step "postgres: workers 1,4,8 at -c 64"
 $python bench/postgres/bench_postgres.py --workers 1,4,8 --clients 64 --seconds "$seconds" --rounds "$rounds" \
   --runs simple "${baseline[@]}" || echo "step failed: $?"
