@@ -312,7 +312,8 @@ async def test_a_peer_past_the_window_is_refused_as_asyncssh_refuses_it(host_key
 
 
 def test_an_asyncssh_without_the_state_the_data_path_reads_is_left_as_it_is():
-    """Where the installed asyncssh lacks a name the data path reads, its connections read as before."""
+    """Where the installed asyncssh lacks a name the data path reads, its connections read as before; and a
+    release it was not written for is not read at all, whatever names it has (the installed one is one it was)."""
 
     class Reads:
         reader = None
@@ -323,3 +324,9 @@ def test_an_asyncssh_without_the_state_the_data_path_reads_is_left_as_it_is():
     reads = Reads()
     datapath.read_channel_data(Connection(), reads)  # type: ignore[arg-type]
     assert reads.reader is None and not datapath.usable(Connection())
+    complete = Connection()
+    for name in datapath.CONNECTION_NAMES:
+        setattr(complete, name, None)
+    assert datapath.usable(complete), "the installed asyncssh is not one the data path was written for"
+    for other in ("2.25.0", "3.0.0", "2.23.1", "2.24", "garbage", ""):
+        assert datapath.usable(complete, other) == (other == "2.24"), other

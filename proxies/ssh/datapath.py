@@ -25,8 +25,9 @@ control, channel requests, EOF and close, and every error.
 
 The packets on the wire are the ones asyncssh would send, and asyncssh and OpenSSH read them, across key
 renewals (tests/test_ssh_datapath.py, tests/test_ssh_proxy.py). This reads and writes asyncssh's connection and
-channel state by name: where the installed asyncssh lacks one of them (``usable``), nothing here is used
-(correct, slower).
+channel state by name, as the asyncssh releases in ``WRITTEN_FOR`` keep it: with another release, or where a
+connection lacks one of the names (``usable``), nothing here is used (correct, slower), and the gateway's log
+says so once.
 """
 
 from __future__ import annotations
@@ -66,9 +67,20 @@ CHANNEL_NAMES = ("_conn", "_recv_chan", "_recv_state", "_recv_window", "_read_da
                  "_flush_send_buf")
 
 
-def usable(conn: Any) -> bool:
-    """Whether ``conn`` (an asyncssh connection) has every attribute this module reads or sets."""
-    return all(hasattr(conn, name) for name in CONNECTION_NAMES)
+WRITTEN_FOR = ((2, 24),)  # the asyncssh releases (major, minor) whose state this reads, as their code has it
+
+
+def release(version: str) -> tuple[int, ...]:
+    """An asyncssh version's (major, minor), or () where it does not read as one."""
+    parts = version.split(".")[:2]
+    return tuple(int(part) for part in parts) if len(parts) == 2 and all(p.isdigit() for p in parts) else ()
+
+
+def usable(conn: Any, version: str = asyncssh.__version__) -> bool:
+    """Whether this module may read ``conn`` (an asyncssh connection): asyncssh is a release it was written for,
+    and the connection has every attribute it reads or sets. A later release may keep the names and change what
+    they mean, so it is not taken on trust: the path stays off until it is read and tested against it."""
+    return release(version) in WRITTEN_FOR and all(hasattr(conn, name) for name in CONNECTION_NAMES)
 
 
 class ChannelDataReader:
@@ -316,6 +328,7 @@ def _send_data(chan: Any, view: memoryview, datatype: int | None) -> int:
 
 _pool = b""
 _drawn = 0
+_said = False  # the log has said the data path is off
 
 
 def _padding(size: int) -> bytes:
@@ -330,9 +343,14 @@ def _padding(size: int) -> bytes:
 
 def read_channel_data(conn: Any, reads: SplitReads) -> None:
     """Have ``reads`` (``conn``'s split reads) go through a ``ChannelDataReader`` (from the connection owner's
-    ``connection_made``); left as they are where the installed asyncssh lacks a name this module uses."""
+    ``connection_made``); left as they are where the installed asyncssh is not a release this module was written
+    for, or lacks a name it uses."""
+    global _said
     if not usable(conn):
-        log.debug("asyncssh connection without the state the data path reads: packets left to asyncssh")
+        if not _said:
+            _said = True
+            log.info("ssh: asyncssh %s is not a release the data path was written for (%s): channel data left to "
+                     "asyncssh", asyncssh.__version__, ", ".join("%d.%d" % pair for pair in WRITTEN_FOR))
         return
     reader = ChannelDataReader(conn)
     conn.gateway_reader = reader
