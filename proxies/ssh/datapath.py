@@ -52,20 +52,17 @@ SEQ = 0xFFFFFFFF
 KEEPALIVE_SLACK = 1.0  # seconds
 PADDING_POOL = 4096  # random bytes drawn from the system at a time for the packets' padding
 
+# asyncssh's state this module reads or sets, by name: a connection's (receiving, then sending) and a channel's
 CONNECTION_NAMES = ("_inpbuf", "_recv_handler", "_recv_pkthdr", "_recv_packet", "_pktlen", "_recv_macsize",
-                    "_recv_blocksize", "_recv_encryption", "_decompressor",
-                    "_auth_final", "_recv_seq", "_max_recv_pktlen", "_channels", "_transport",
-                    "_reset_keepalive_timer", "_send_disconnect", "_force_close", "internal_error",
-                    "remove_channel",
+                    "_recv_blocksize", "_recv_encryption", "_decompressor", "_auth_final", "_recv_seq",
+                    "_max_recv_pktlen", "_channels", "_transport", "_reset_keepalive_timer", "_send_disconnect",
+                    "_force_close", "internal_error", "remove_channel",
                     "_send_encryption", "_compressor", "_kex_complete", "_auth_complete", "_deferred_packets",
-                    "_rekey_bytes_sent",
-                    "_rekey_bytes", "_rekey_seconds", "_rekey_time", "_send_seq", "_send_enchdrlen",
-                    "_send_blocksize")
-CHANNEL_NAMES = ("_conn", "_recv_chan", "_recv_state", "_recv_window", "_read_datatypes", "_write_datatypes",
-                 "_accept_data", "_send_state",
-                 "_send_buf", "_send_buf_len", "_send_chan", "_send_window", "_send_pktsize", "_encoding",
-                 "_flush_send_buf")
-
+                    "_rekey_bytes_sent", "_rekey_bytes", "_rekey_seconds", "_rekey_time", "_send_seq",
+                    "_send_enchdrlen", "_send_blocksize")
+CHANNEL_NAMES = ("_conn", "_recv_chan", "_recv_state", "_recv_window", "_read_datatypes", "_accept_data",
+                 "_send_state", "_send_buf", "_send_buf_len", "_send_chan", "_send_window", "_send_pktsize",
+                 "_write_datatypes", "_encoding", "_flush_send_buf")
 
 WRITTEN_FOR = ((2, 24),)  # the asyncssh releases (major, minor) whose state this reads, as their code has it
 
