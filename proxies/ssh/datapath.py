@@ -73,7 +73,10 @@ def release(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in parts) if len(parts) == 2 and all(p.isdigit() for p in parts) else ()
 
 
-def usable(conn: Any, version: str = asyncssh.__version__) -> bool:
+ASYNCSSH_VERSION: str = getattr(asyncssh, "__version__", "")
+
+
+def usable(conn: Any, version: str = ASYNCSSH_VERSION) -> bool:
     """Whether this module may read ``conn`` (an asyncssh connection): asyncssh is a release it was written for,
     and the connection has every attribute it reads or sets. A later release may keep the names and change what
     they mean, so it is not taken on trust: the path stays off until it is read and tested against it."""
@@ -91,10 +94,13 @@ class ChannelDataReader:
     ``KEEPALIVE_SLACK`` of the last restart leaves it running, so a peer that falls silent is asked whether it
     is alive at most that much sooner than asyncssh would ask."""
 
-    __slots__ = ("conn", "channels", "pending", "taken", "sent", "kept_alive")
+    __slots__ = ("conn", "channels", "pending", "taken", "sent", "kept_alive", "between", "within")
 
     def __init__(self, conn: Any) -> None:
         self.conn = conn
+        # asyncssh's two receive handlers, bound once: comparing with them per packet makes no new bound method
+        self.between = conn._recv_pkthdr  # between two packets
+        self.within = conn._recv_packet  # a packet begun
         self.channels: dict[int, Any] = {}
         self.pending: bytes | memoryview = b""
         self.taken = 0
@@ -115,7 +121,7 @@ class ChannelDataReader:
             to_asyncssh(conn, data)
             return
         head, self.pending = self.pending, b""  # a packet's start, kept while the connection was steady
-        if not head and conn._recv_handler == conn._recv_packet:  # asyncssh has a packet begun: it gets the rest
+        if not head and conn._recv_handler == self.within:  # asyncssh has a packet begun: it gets the rest
             need = 4 + conn._pktlen + conn._recv_macsize - conn._recv_blocksize - len(conn._inpbuf)
             if need >= len(data):
                 to_asyncssh(conn, data)
@@ -166,11 +172,10 @@ class ChannelDataReader:
             return None
         return 4 + length + TAG - len(head)
 
-    @staticmethod
-    def _steady(conn: Any) -> bool:
+    def _steady(self, conn: Any) -> bool:
         """Whether asyncssh is between two packets of a connection in use, on ``GatewayGCM``, uncompressed."""
         return (type(conn._recv_encryption) is GatewayGCM and conn._decompressor is None and conn._auth_final
-                and conn._recv_handler == conn._recv_pkthdr and conn._transport is not None)
+                and conn._recv_handler == self.between and conn._transport is not None)
 
     def _packets(self, conn: Any, data: bytes | memoryview) -> None:
         view = memoryview(data)
@@ -347,7 +352,7 @@ def read_channel_data(conn: Any, reads: SplitReads) -> None:
         if not _said:
             _said = True
             log.info("ssh: asyncssh %s is not a release the data path was written for (%s): channel data left to "
-                     "asyncssh", asyncssh.__version__, ", ".join("%d.%d" % pair for pair in WRITTEN_FOR))
+                     "asyncssh", ASYNCSSH_VERSION or "(no version)", ", ".join("%d.%d" % pair for pair in WRITTEN_FOR))
         return
     reader = ChannelDataReader(conn)
     conn.gateway_reader = reader
