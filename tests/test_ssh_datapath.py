@@ -51,9 +51,26 @@ class Pair:
         self.chans: dict[str, Any] = {}
         self.received = bytearray()
         self.stderr = bytearray()
-        self.closed: asyncio.Future[Exception | None] = asyncio.get_running_loop().create_future()
-        self.server_lost: asyncio.Future[Exception | None] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        self.lost: dict[str, asyncio.Future[Exception | None]] = {"server": loop.create_future(),
+                                                                  "client": loop.create_future()}
         self.server: Any = None
+
+    def connected(self, side: str, conn: Any) -> None:
+        """A side's connection is made: noted, and run as the gateway runs its connections where it is fast."""
+        self.conns[side] = conn
+        if side in self.fast:
+            as_the_gateway_runs_it(conn, [CIPHER])
+
+    def disconnected(self, side: str, exc: Exception | None) -> None:
+        if not self.lost[side].done():
+            self.lost[side].set_result(exc)
+
+    def opened(self, side: str, chan: Any) -> None:
+        """A side's channel is open: noted, and relayed as the gateway relays its channels where it is fast."""
+        self.chans[side] = chan
+        if side in self.fast:
+            as_the_gateway_relays_it(chan)
 
     def options(self, side: str) -> dict[str, Any]:
         return {"encryption_algs": [CIPHER], "compression_algs": None, "window": WINDOW, "max_pktsize": PACKET,
@@ -65,13 +82,10 @@ class Pair:
 
         class Server(asyncssh.SSHServer):
             def connection_made(self, conn: asyncssh.SSHServerConnection) -> None:
-                pair.conns["server"] = conn
-                if "server" in pair.fast:
-                    as_the_gateway_runs_it(conn, [CIPHER])
+                pair.connected("server", conn)
 
             def connection_lost(self, exc: Exception | None) -> None:
-                if not pair.server_lost.done():
-                    pair.server_lost.set_result(exc)
+                pair.disconnected("server", exc)
 
             def begin_auth(self, username: str) -> bool:
                 return False
@@ -86,9 +100,7 @@ class Pair:
 
             def connection_made(self, chan: Any) -> None:
                 self.chan = chan
-                pair.chans["server"] = chan
-                if "server" in pair.fast:
-                    as_the_gateway_relays_it(chan)
+                pair.opened("server", chan)
 
             def shell_requested(self) -> bool:
                 return True
@@ -105,19 +117,14 @@ class Pair:
 
         class Client(asyncssh.SSHClient):
             def connection_made(self, conn: asyncssh.SSHClientConnection) -> None:
-                pair.conns["client"] = conn
-                if "client" in pair.fast:
-                    as_the_gateway_runs_it(conn, [CIPHER])
+                pair.connected("client", conn)
 
             def connection_lost(self, exc: Exception | None) -> None:
-                if not pair.closed.done():
-                    pair.closed.set_result(exc)
+                pair.disconnected("client", exc)
 
         class Reader(asyncssh.SSHClientSession):  # type: ignore[type-arg]
             def connection_made(self, chan: Any) -> None:
-                pair.chans["client"] = chan
-                if "client" in pair.fast:
-                    as_the_gateway_relays_it(chan)
+                pair.opened("client", chan)
 
             def data_received(self, data: bytes, datatype: Any) -> None:
                 (pair.stderr if datatype == asyncssh.EXTENDED_DATA_STDERR else pair.received).extend(data)
@@ -225,7 +232,7 @@ async def test_every_byte_comes_back_in_order_through_the_data_path(host_key, fa
     # and none sent under keys due for renewal: as asyncssh's own send_packet, the renewal starts first
     assert max(counts) < rekey_bytes
     # and each connection's counts reach the node's metrics when it closes
-    await asyncio.wait_for(asyncio.gather(pair.closed, pair.server_lost), 10)
+    await asyncio.wait_for(asyncio.gather(pair.lost["client"], pair.lost["server"]), 10)
     assert (counted("in") - before[0], counted("out") - before[1]) == (taken, sent)
 
 
@@ -277,7 +284,7 @@ async def test_a_packet_changed_on_the_wire_ends_the_connection_and_is_not_deliv
     try:
         await pair.open(host_key, proxy_port=relay_port, listening=port)
         sending = asyncio.ensure_future(pair.send(data, [65536]))
-        exc = await asyncio.wait_for(pair.closed, 30)
+        exc = await asyncio.wait_for(pair.lost["client"], 30)
         sending.cancel()
         await asyncio.gather(sending, return_exceptions=True)
     finally:
@@ -301,8 +308,8 @@ async def test_a_peer_past_the_window_is_refused_as_asyncssh_refuses_it(host_key
         pair.chans["server"].pause_reading()  # nothing is consumed, so the server's window is not reopened
         pair.chan._send_window = 10 * WINDOW
         pair.chan.write(bytes(1_000_000))
-        exc = await asyncio.wait_for(pair.server_lost, 30)
-        await asyncio.wait_for(pair.closed, 10)
+        exc = await asyncio.wait_for(pair.lost["server"], 30)
+        await asyncio.wait_for(pair.lost["client"], 10)
     finally:
         await pair.close()
     assert isinstance(exc, asyncssh.ProtocolError) and "Window exceeded" in str(exc), repr(exc)
