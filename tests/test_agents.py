@@ -274,6 +274,50 @@ async def test_the_agent_reconnects_after_a_gateway_restart(gateway, api, tmp_pa
         agent.stop()
 
 
+async def test_the_grpc_server_stopped_under_a_connected_agent_has_stored_its_departure_when_it_returns(tmp_path):
+    """A gateway stopping while an agent is connected: its control call is cancelled at the gRPC server's grace,
+    and the departure that leaves behind (audit, "offline" in the store) is done when the server's stop returns,
+    before the daemon goes on to close its store (it once ran on after that: "no active connection" in the log,
+    the agent left "online")."""
+    from control.app import make_app
+    from gatewayd.config import load_config
+    from gatewayd.daemon import Gateway
+
+    config = load_config(None, environ={}, overrides={
+        "data_dir": str(tmp_path / "data"), "api.listen": f"127.0.0.1:{free_port()}",
+        "listeners.postgres": "", "listeners.rdp": "", "listeners.http": "", "listeners.ssh": "",
+        "grpc.listen": f"127.0.0.1:{free_port()}", "grpc.tunnel": False})
+    gateway = Gateway(config, app_factory=make_app)
+    await gateway.start()
+    try:
+        admin = await gateway.identity.ensure_local_user("admin@example.com", "Admin", ["admin"])
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"http://{config['api.listen']}/api/agents", json={"name": "stopping"},
+                                 headers={"Authorization": f"Bearer {gateway.identity.issue_token(admin)}"}) as made:
+                assert made.status == 201, await made.text()
+                created = await made.json()
+        url = created["command"].split("--url ")[1].split()[0]
+        channel = await open_channel(url, created["command"].rsplit("--tls-fingerprint ", 1)[1])
+        try:
+            call = pb_grpc.AgentGatewayStub(channel).Connect(
+                metadata=(("authorization", f"Bearer {created['token']}"),))
+            await call.write(pb.AgentMessage(hello=pb.Hello(version="test", hostname="stopping")))
+            for _ in range(200):
+                stored = await gateway.store.get_agent(admin.org_id, created["id"])
+                if stored is not None and stored.status == "online":
+                    break
+                await asyncio.sleep(0.05)
+            [link] = gateway.agents.links[created["id"]]
+            await gateway.grpc.stop()  # type: ignore[union-attr]
+            assert link.lost is not None and link.lost.done()
+            stored = await gateway.store.get_agent(admin.org_id, created["id"])
+            assert stored is not None and stored.status == "offline"
+        finally:
+            await channel.close()
+    finally:
+        await gateway.stop()
+
+
 def rss_mib(pid: int) -> float:
     """A process's resident memory (MiB)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():

@@ -98,6 +98,7 @@ class AgentRegistry:
         self.peers = peers or _no_peers  # the other nodes' gRPC URLs, said to each agent in Welcome
         self.links: dict[str, list[AgentLink]] = {}  # by agent id
         self.pending: dict[str, PendingStream] = {}  # by stream id
+        self.departing: set[asyncio.Future[None]] = set()  # detaches under way (``depart_all`` waits for them)
         self.tunnel_port = 0  # the tunnel listener's, said in each Open (0: none, streams go over Tunnel calls)
         sessions.cluster.on(DROP, self._on_drop)
 
@@ -145,9 +146,24 @@ class AgentRegistry:
 
     async def detach(self, link: AgentLink, reason: str) -> None:
         """The control channel ended: sessions killed (last link), streams closed, presence and audit. Idempotent."""
+        await asyncio.shield(self._departure(link, reason))
+
+    async def depart_all(self, reason: str) -> None:
+        """At stop, once the gRPC server has stopped: every link still here detached with ``reason``, and every
+        detach under way finished. The server cancels its calls without waiting for them, so without this their
+        departures (audit, "offline" in the store) would run on after the store closed."""
+        for links in list(self.links.values()):
+            for link in list(links):
+                self._departure(link, reason)
+        await asyncio.gather(*self.departing)
+
+    def _departure(self, link: AgentLink, reason: str) -> asyncio.Future[None]:
+        """The link's one detach (started here the first time, with ``reason``)."""
         if link.lost is None:
             link.lost = asyncio.ensure_future(self._detach(link, reason))
-        await asyncio.shield(link.lost)
+            self.departing.add(link.lost)
+            link.lost.add_done_callback(self.departing.discard)
+        return link.lost
 
     async def _detach(self, link: AgentLink, reason: str) -> None:
         agent = link.agent
@@ -169,11 +185,7 @@ class AgentRegistry:
                           client_ip=link.client_ip, error=link.closing or reason,
                           payload={"agent": agent.name, "agent_id": agent.id, "reason": link.closing or reason})
         if not links:
-            current = await self.store.get_agent(agent.org_id, agent.id)
-            if current is not None and current.token_hash == agent.token_hash:
-                current.status, current.disconnected_at = "offline", rfc3339(utcnow())
-                current.updated_at = current.disconnected_at
-                await self._save(current)
+            await self._save_offline(agent)
         log.info("agent disconnected", extra={"agent": agent.name, "client": link.client_ip,
                                               "reason": link.closing or reason})
 
@@ -264,6 +276,17 @@ class AgentRegistry:
                                     client_ip=client_ip, payload=payload)
         except Exception:
             log.exception("could not audit an agent event", extra={"agent": agent.name, "action": action})
+
+    async def _save_offline(self, agent: Agent) -> None:
+        try:
+            current = await self.store.get_agent(agent.org_id, agent.id)
+        except Exception:
+            log.exception("could not store an agent's presence", extra={"agent": agent.name})
+            return
+        if current is not None and current.token_hash == agent.token_hash:
+            current.status, current.disconnected_at = "offline", rfc3339(utcnow())
+            current.updated_at = current.disconnected_at
+            await self._save(current)
 
     async def _save(self, agent: Agent) -> None:
         try:

@@ -381,3 +381,5 @@ class GrpcServer:
         if self.server is not None:
             await self.server.stop(grace)
             self.server = None
+        if self.service.registry is not None:  # the calls just cancelled leave their agents' departures
+            await self.service.registry.depart_all("the gateway stopped")
