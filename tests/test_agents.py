@@ -30,6 +30,7 @@ import pytest
 from gatewayd.agent import agent_pb2 as pb
 from gatewayd.agent import agent_pb2_grpc as pb_grpc
 from gatewayd.agent.channel import open_channel
+from gatewayd.crypto import hash_secret
 from tests.apiclient import Api, b64
 from tests.conftest import ROOT, Daemon, free_port, wait_port
 from tests.test_agents_netns import AgentProcess, until_agent
@@ -274,11 +275,23 @@ async def test_the_agent_reconnects_after_a_gateway_restart(gateway, api, tmp_pa
         agent.stop()
 
 
-async def test_the_grpc_server_stopped_under_a_connected_agent_has_stored_its_departure_when_it_returns(tmp_path):
-    """A gateway stopping while an agent is connected: its control call is cancelled at the gRPC server's grace,
-    and the departure that leaves behind (audit, "offline" in the store) is done when the server's stop returns,
-    before the daemon goes on to close its store (it once ran on after that: "no active connection" in the log,
-    the agent left "online")."""
+@dataclass
+class InProcess:
+    """A gateway in this process with its gRPC server (tunnel listener off), and its admin's API."""
+    gateway: Any
+    http: aiohttp.ClientSession
+    token: str
+    org_id: str
+
+    async def post(self, path: str, body: dict) -> dict:
+        async with self.http.post(f"http://{self.gateway.config['api.listen']}/api{path}", json=body,
+                                  headers={"Authorization": f"Bearer {self.token}"}) as answer:
+            assert answer.status == 201, await answer.text()
+            return await answer.json()
+
+
+@asynccontextmanager
+async def in_process(tmp_path: Path) -> Any:
     from control.app import make_app
     from gatewayd.config import load_config
     from gatewayd.daemon import Gateway
@@ -292,10 +305,18 @@ async def test_the_grpc_server_stopped_under_a_connected_agent_has_stored_its_de
     try:
         admin = await gateway.identity.ensure_local_user("admin@example.com", "Admin", ["admin"])
         async with aiohttp.ClientSession() as http:
-            async with http.post(f"http://{config['api.listen']}/api/agents", json={"name": "stopping"},
-                                 headers={"Authorization": f"Bearer {gateway.identity.issue_token(admin)}"}) as made:
-                assert made.status == 201, await made.text()
-                created = await made.json()
+            yield InProcess(gateway, http, gateway.identity.issue_token(admin), admin.org_id)
+    finally:
+        await gateway.stop()
+
+
+async def test_the_grpc_server_stopped_under_a_connected_agent_has_stored_its_departure_when_it_returns(tmp_path):
+    """A gateway stopping while an agent is connected: its control call is cancelled at the gRPC server's grace,
+    and the departure that leaves behind (audit, "offline" in the store) is done when the server's stop returns,
+    before the daemon goes on to close its store (it once ran on after that: "no active connection" in the log,
+    the agent left "online")."""
+    async with in_process(tmp_path) as here:
+        created = await here.post("/agents", {"name": "stopping"})
         url = created["command"].split("--url ")[1].split()[0]
         channel = await open_channel(url, created["command"].rsplit("--tls-fingerprint ", 1)[1])
         try:
@@ -303,19 +324,53 @@ async def test_the_grpc_server_stopped_under_a_connected_agent_has_stored_its_de
                 metadata=(("authorization", f"Bearer {created['token']}"),))
             await call.write(pb.AgentMessage(hello=pb.Hello(version="test", hostname="stopping")))
             for _ in range(200):
-                stored = await gateway.store.get_agent(admin.org_id, created["id"])
+                stored = await here.gateway.store.get_agent(here.org_id, created["id"])
                 if stored is not None and stored.status == "online":
                     break
                 await asyncio.sleep(0.05)
-            [link] = gateway.agents.links[created["id"]]
-            await gateway.grpc.stop()  # type: ignore[union-attr]
+            [link] = here.gateway.agents.links[created["id"]]
+            await here.gateway.grpc.stop()
             assert link.lost is not None and link.lost.done()
-            stored = await gateway.store.get_agent(admin.org_id, created["id"])
+            stored = await here.gateway.store.get_agent(here.org_id, created["id"])
             assert stored is not None and stored.status == "offline"
         finally:
             await channel.close()
-    finally:
-        await gateway.stop()
+
+
+async def test_the_grpc_server_stopped_under_a_proxy_manager_has_revoked_its_credentials_when_it_returns(tmp_path):
+    """The same for a proxy manager holding an open port: the credential it was given for it is revoked when the
+    server's stop returns (it once ran on after that, and the store closed under it: the credential stayed good
+    for its whole duration)."""
+    async with in_process(tmp_path) as here:
+        connection = await here.post("/connections", {
+            "name": "pg-held", "type": "database", "subtype": "postgres",
+            "secret": {f"envvar:{k}": b64(v) for k, v in {"HOST": "127.0.0.1", "PORT": "5432", "USER": "postgres",
+                                                           "PASS": "x", "DB": "postgres"}.items()}})
+        url = here.gateway.grpc_url()
+        channel = await open_channel(url, here.gateway.grpc.fingerprint)
+        try:
+            call = pb_grpc.AgentGatewayStub(channel).Manage(metadata=(("authorization", f"Bearer {here.token}"),))
+            await call.write(pb.ManagerMessage(hello=pb.ManagerHello(version="test", hostname="stopping")))
+
+            async def answer() -> str:
+                command = await call.read()
+                await call.write(pb.ManagerMessage(result=pb.ListenResult(listen_id=command.listen.listen_id,
+                                                                          ok=True)))
+                return command.listen.secret
+
+            for _ in range(200):
+                if here.gateway.proxy_manager.links:
+                    break
+                await asyncio.sleep(0.05)
+            secret, _ = await asyncio.gather(answer(), here.post("/proxymanager/connect", {
+                "connection_name": connection["name"], "port": free_port(), "bind": "127.0.0.1"}))
+            held = await here.gateway.store.get_credential(hash_secret(secret))
+            assert held is not None and held.revoked_at is None
+            await here.gateway.grpc.stop()
+            held = await here.gateway.store.get_credential(hash_secret(secret))
+            assert held is not None and held.revoked_at is not None
+        finally:
+            await channel.close()
 
 
 def rss_mib(pid: int) -> float:

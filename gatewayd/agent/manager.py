@@ -74,6 +74,7 @@ class ManagerLink:
     outbox: asyncio.Queue[pb.ManagerCommand] = field(default_factory=asyncio.Queue)
     results: dict[str, asyncio.Future[pb.ListenResult]] = field(default_factory=dict)
     forwardings: dict[str, Forwarding] = field(default_factory=dict)  # by connection name
+    gone: asyncio.Future[None] | None = None  # its forwardings' revocation, once started
 
 
 class ManagerService:
@@ -84,6 +85,8 @@ class ManagerService:
         self.access = access
         self.server_config = server_config
         self.links: dict[str, ManagerLink] = {}  # by user id
+        self.live: set[ManagerLink] = set()  # every connected one (a user's older one too, until it ends)
+        self.departing: set[asyncio.Future[None]] = set()  # revocations under way (``depart_all`` waits for them)
 
     async def _user(self, context: grpc.aio.ServicerContext) -> User:
         try:
@@ -101,6 +104,7 @@ class ManagerService:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a proxy manager says hello first")
         link = ManagerLink(user, first.hello.hostname, rfc3339(utcnow()))
         self.links[user.id] = link  # the newest process of a user is the one the API drives
+        self.live.add(link)
         log.info("proxy manager connected", extra={"user": user.email, "hostname": link.hostname})
         reader = asyncio.ensure_future(self._results(context, link))
         getter: asyncio.Future[Any] | None = None
@@ -123,7 +127,24 @@ class ManagerService:
                     future.set_exception(ManagerError(502, "the proxy manager went away"))
             log.info("proxy manager disconnected", extra={"user": user.email})
             # its ports are gone with it: the secrets it held for them must not outlive them
-            await asyncio.shield(self._revoke(list(link.forwardings.values())))
+            await asyncio.shield(self._departure(link))
+
+    def _departure(self, link: ManagerLink) -> asyncio.Future[None]:
+        """The link's forwardings revoked, once (started here the first time)."""
+        if link.gone is None:
+            self.live.discard(link)
+            link.gone = asyncio.ensure_future(self._revoke(list(link.forwardings.values())))
+            self.departing.add(link.gone)
+            link.gone.add_done_callback(self.departing.discard)
+        return link.gone
+
+    async def depart_all(self) -> None:
+        """At stop, once the gRPC server has stopped: every proxy manager's credentials revoked, those of calls
+        that ended included. The server cancels its calls without waiting for them, so without this their
+        revocations would run on after the store closed, and the credentials stay good for their duration."""
+        for link in list(self.live):
+            self._departure(link)
+        await asyncio.gather(*self.departing)
 
     @staticmethod
     async def _results(context: grpc.aio.ServicerContext, link: ManagerLink) -> None:

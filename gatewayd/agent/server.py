@@ -383,3 +383,5 @@ class GrpcServer:
             self.server = None
         if self.service.registry is not None:  # the calls just cancelled leave their agents' departures
             await self.service.registry.depart_all("the gateway stopped")
+        if self.service.manager is not None:  # and their proxy managers' credentials to revoke
+            await self.service.manager.depart_all()
