@@ -189,12 +189,14 @@ def all_settings() -> dict[str, Setting]:
 # GATEWAYD_* variables that are not settings: the configuration file, and the people's command line (its
 # login file, the gateway it talks to). Any other GATEWAYD_* variable is a typo and stops the daemon.
 # GATEWAYD_WORKER_INDEX is set by `gatewayd run`'s supervisor on the workers it starts (launcher.supervisor);
-# GATEWAYD_PURE_PYTHON runs the hot path from its Python source (gatewayd.hotpath).
+# GATEWAYD_PURE_PYTHON runs the hot path from its Python source (gatewayd.hotpath); GATEWAYD_BALANCE_DIR is the
+# supervisor's directory where its workers spread new connections among them (gatewayd.balance).
 WORKER_INDEX_VARIABLE = "GATEWAYD_WORKER_INDEX"
+BALANCE_DIR_VARIABLE = "GATEWAYD_BALANCE_DIR"
 # GATEWAYD_PROFILE picks the people's command line's saved login, GATEWAYD_DEBUG shows a command's traceback.
 OTHER_VARIABLES = frozenset({"GATEWAYD_CONFIG", "GATEWAYD_CLIENT_CONFIG", "GATEWAYD_URL", "GATEWAYD_AGENT_TOKEN",
                              "GATEWAYD_TOKEN", "GATEWAYD_PROFILE", "GATEWAYD_DEBUG", WORKER_INDEX_VARIABLE,
-                             hotpath.PURE_ENV})
+                             BALANCE_DIR_VARIABLE, hotpath.PURE_ENV})
 
 
 def _env_name(key: str) -> str:

@@ -23,7 +23,7 @@ from aiohttp import web
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from gatewayd import __version__, hotpath, metrics, protocols
+from gatewayd import __version__, balance, hotpath, metrics, protocols
 from gatewayd.access import AccessService
 from gatewayd.analysis import AnalysisService
 from gatewayd.audit import AuditLog
@@ -300,6 +300,8 @@ class Gateway:
             except OSError as exc:
                 raise ConfigError(f"api.listen: cannot listen on {host}:{port} ({exc.strerror or exc})") from None
         await self._serve_metrics()
+        if self.supervised:
+            balance.join(self.worker_index)  # new connections spread over the workers (gatewayd/balance.py)
         await self.listeners.apply(listen_addresses(self.server_config))
         await self._serve_grpc()
         log.info("gatewayd started", extra={"version": self.version, "api": self.config["api.listen"],
@@ -465,6 +467,7 @@ class Gateway:
         sd_notify("STOPPING=1")
         log.info("gatewayd stopping")
         await self.listeners.stop_all()
+        balance.leave()
         if self.reviews is not None:
             self.reviews.stop()
         if self.sessions is not None:

@@ -30,7 +30,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import multiprocess
 
-from gatewayd import protocols
+from gatewayd import balance, protocols
 
 
 
@@ -126,10 +126,12 @@ def connection_opened(protocol: str) -> None:
     """A proxy accepted a client connection (call ``connection_closed`` exactly once when it ends)."""
     CONNECTIONS.labels(protocol).inc()
     CONNECTIONS_OPEN.labels(protocol).inc()
+    balance.opened()  # this worker's load, as its siblings read it
 
 
 def connection_closed(protocol: str) -> None:
     CONNECTIONS_OPEN.labels(protocol).dec()
+    balance.closed()
 
 
 def login_refused(protocol: str) -> None:

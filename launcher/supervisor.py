@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gatewayd import logs, metrics
+from gatewayd import balance, logs, metrics
 from gatewayd.config import WORKER_INDEX_VARIABLE, Config, ConfigError, split_listen
 from gatewayd.daemon import sd_notify
 from gatewayd.services import listen_addresses
@@ -126,6 +126,8 @@ class Supervisor:
             metrics_dir = self.run_dir / "metrics"
             metrics_dir.mkdir()
             os.environ[metrics.MULTIPROC_ENV] = str(metrics_dir)  # the workers inherit it; process_exited reads it
+            balance.prepare(self.run_dir / "balance", len(self.workers))
+            os.environ[balance.DIRECTORY_ENV] = str(self.run_dir / "balance")  # the workers' loads and sockets
             loop = asyncio.get_running_loop()
             self.notify = self._notify_socket(self.run_dir / "notify.sock")
             loop.add_reader(self.notify.fileno(), self._on_notify)

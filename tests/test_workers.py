@@ -320,6 +320,48 @@ async def test_statements_over_concurrent_psql_sessions_on_both_workers_are_all_
     assert sorted(recorded) == sorted(sent)
 
 
+def connections_by_pid(*ports: int) -> dict[int, int]:
+    """pid -> the established connections it holds on these local ports (``ss``: the accepted ends)."""
+    held: dict[int, int] = {}
+    for port in ports:
+        listing = subprocess.run(["ss", "-Htnp", "state", "established", f"( sport = :{port} )"],
+                                 capture_output=True, text=True, check=True).stdout
+        for pid in re.findall(r"pid=(\d+)", listing):
+            held[int(pid)] = held.get(int(pid), 0) + 1
+    return held
+
+
+async def test_a_burst_of_pooled_connections_is_spread_evenly_over_the_workers(gateway, http, pg_target):
+    """16 PostgreSQL connections opened at once, as an application's pool or pgbench's clients open them: each
+    worker serves 8 (twice). The kernel's hash of their addresses alone spread them as unevenly as 8/5/2/1 over
+    4 workers; a worker holding more than its sibling hands the new connection to it (gatewayd/balance.py), and
+    every connection answers and is recorded whichever worker serves it."""
+    pg = PostgresApi(gateway, http, pg_target)
+    role = await pg.role()
+    secret, _ = await pg.credential(role)
+    ports = [gateway.ports[name] for name in ("postgres", "ssh", "http")]
+    workers = set(ready_pids(gateway).values())
+    for round in range(2):
+        await until("no client connection left from before", lambda: not connections_by_pid(*ports) or None)
+        before = set(sessions_by_worker(gateway, role["name"]))
+        pool = await asyncio.gather(*(asyncpg.connect(host="127.0.0.1", port=gateway.ports["postgres"], user=secret,
+                                                      password="any", database="postgres", ssl=False)
+                                      for _ in range(16)))
+        try:
+            answers = await asyncio.gather(*(c.fetchval("select $1::int", n) for n, c in enumerate(pool)))
+            assert answers == list(range(16))
+            held = connections_by_pid(gateway.ports["postgres"])
+            assert set(held) <= workers and sorted(held.values()) == [8, 8], held
+        finally:
+            await asyncio.gather(*(c.close() for c in pool))
+        opened = await until("16 sessions opened", lambda: len(set(sessions_by_worker(gateway, role["name"])) - before)
+                             == 16 or None)
+        assert opened
+    for session_id in sessions_by_worker(gateway, role["name"]):
+        session = await pg.done_session(session_id, timeout=PATIENCE)
+        assert "select $1::int" in "".join(of_kind(session, "i"))
+
+
 async def test_every_worker_s_scrape_answers_for_the_whole_group(gateway, http, pg_target):
     pg = PostgresApi(gateway, http, pg_target)
     role = await pg.role()

@@ -35,7 +35,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gatewayd import metrics, tls
+from gatewayd import balance, metrics, tls
 from gatewayd.access import looks_like_secret
 from gatewayd.pipeline import BLOCKED_EXIT_CODE, AccessDenied, GatewayClosing, ProxyContext, TargetUnreachable
 from gatewayd.sql.mysql_scan import Server
@@ -217,8 +217,10 @@ async def start(context: ProxyContext, host: str, port: int) -> MySQLListener:
     def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         listener.connections.spawn(listener.handle(reader, writer))
 
-    listener.server = await asyncio.start_server(accepted, host, port, reuse_address=True,
-                                                 reuse_port=context.reuse_port or None, limit=1 << 20)
+    def protocol() -> asyncio.StreamReaderProtocol:  # what asyncio.start_server makes for each connection
+        return asyncio.StreamReaderProtocol(asyncio.StreamReader(limit=1 << 20), accepted)
+
+    listener.server = await balance.create_server("mysql", protocol, host, port, reuse_port=context.reuse_port)
     return listener
 
 

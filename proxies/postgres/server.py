@@ -29,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gatewayd import metrics
+from gatewayd import balance, metrics
 from gatewayd.access import looks_like_secret
 from gatewayd.pipeline import BLOCKED_EXIT_CODE, AccessDenied, GatewayClosing, ProxyContext, TargetUnreachable
 from gatewayd.tasks import BackgroundTasks
@@ -236,9 +236,8 @@ async def start(context: ProxyContext, host: str, port: int) -> PostgresListener
     tls_context = await asyncio.to_thread(tls.server_context, context.data_dir, settings["tls_cert"],
                                           settings["tls_key"])
     listener = PostgresListener(context, tls_context)
-    listener.server = await asyncio.get_running_loop().create_server(
-        lambda: FrameStream(FrontendReader(), listener.accept), host, port, reuse_address=True,
-        reuse_port=context.reuse_port or None)
+    listener.server = await balance.create_server(
+        "postgres", lambda: FrameStream(FrontendReader(), listener.accept), host, port, reuse_port=context.reuse_port)
     return listener
 
 

@@ -1,0 +1,280 @@
+"""New connections spread evenly over the workers of one ``gatewayd run``, whatever their addresses hash to.
+
+With ``workers = N`` every worker listens on each address with SO_REUSEPORT, and the kernel picks the worker by
+a hash of the connection's addresses. Few long-lived connections (an application's pool, pgbench's clients)
+land unevenly: 16 connections over 4 workers came as 8/5/2/1 and 8/3/3/2 (bench/README.md, "Workers"), and
+the busiest worker's one core caps what the group carries.
+
+So a worker that accepts a connection while it holds more live client connections than its least loaded
+sibling hands the socket to that sibling (SCM_RIGHTS, a datagram to the sibling's Unix socket in the run's
+private directory), before reading a byte of it; the sibling serves it as if it had accepted it. A handed
+connection is never handed again. Where the hand-off fails (the sibling is gone, restarting or its queue is
+full) the connection is served where it was accepted, as before. Each worker's load is one slot of a file the
+supervisor makes (``Loads``): its client connections of every protocol (``gatewayd.metrics`` counts them), read
+by its siblings at each accept, written by it alone.
+
+Listeners that take a protocol factory use it through ``create_server`` (PostgreSQL, MySQL); with one process,
+or without the supervisor's directory, that is ``loop.create_server`` unchanged.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import logging
+import mmap
+import os
+import socket
+import struct
+from pathlib import Path
+from typing import Any, Callable
+
+from gatewayd.config import BALANCE_DIR_VARIABLE as DIRECTORY_ENV  # where the loads and the workers' sockets are
+
+log = logging.getLogger("gatewayd.balance")
+
+LOADS = "load"
+_SLOT = struct.Struct("=q")
+_NAME_LIMIT = 64
+
+
+def prepare(directory: Path, workers: int) -> None:
+    """The supervisor's part: the directory (private: the run's own) and the load file, one row per worker."""
+    directory.mkdir(mode=0o700, exist_ok=True)
+    (directory / LOADS).write_bytes(bytes(_SLOT.size * workers * (workers + 2)))
+
+
+def socket_path(directory: Path, index: int) -> Path:
+    return directory / f"w{index}.sock"
+
+
+class Balancer:
+    """This worker among its siblings: its row of the load file, its socket, the listeners that take handed
+    connections.
+
+    The load file has a row per worker, written by that worker alone: its live client connections, how many
+    connections it took from siblings, and how many it handed to each sibling. A worker's load is its live
+    connections and those handed to it that it has not taken yet: a burst of connections is not all handed to
+    the one sibling that looked idlest before any of them arrived."""
+
+    def __init__(self, directory: Path, index: int) -> None:
+        self.directory = directory
+        self.index = index
+        self.live = 0  # this worker's client connections now
+        self.reserved = 0  # of them, those accepted here that their proxy has not counted yet (``opened``)
+        self.adopters: dict[str, Callable[[socket.socket], None]] = {}  # by listener name
+        with open(directory / LOADS, "r+b") as file:
+            self.loads = mmap.mmap(file.fileno(), 0)
+        count = 1
+        while _SLOT.size * count * (count + 2) < len(self.loads):
+            count += 1
+        self.count = count
+        self.row = struct.Struct(f"={count + 2}q")  # live, taken, handed to each sibling
+        self.table = struct.Struct(f"={count * (count + 2)}q")
+        self.handed = [0] * count
+        # what was handed to this slot before (a dead predecessor's) counts as taken
+        self.taken = sum(self.table.unpack_from(self.loads)[i * (count + 2) + 2 + index] for i in range(count))
+        self._write()
+        path = socket_path(directory, index)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()  # a dead predecessor's in this slot
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.setblocking(False)
+        asyncio.get_running_loop().add_reader(self.sock.fileno(), self._receive)
+
+    def close(self) -> None:
+        asyncio.get_running_loop().remove_reader(self.sock.fileno())
+        self.sock.close()
+        self.adopters.clear()
+        self.loads.close()
+
+    def _write(self) -> None:
+        self.row.pack_into(self.loads, self.index * self.row.size, self.live, self.taken, *self.handed)
+
+    def accepted(self) -> None:
+        """A connection is served here: counted at once, so that a burst of them spreads too (its proxy counts
+        it a moment later, through ``opened``, which then takes this reservation instead)."""
+        self.live += 1
+        self.reserved += 1
+        self._write()
+
+    def opened(self) -> None:
+        if self.reserved:
+            self.reserved -= 1
+        else:
+            self.live += 1
+            self._write()
+
+    def closed(self) -> None:
+        self.live -= 1
+        self._write()
+
+    def loads_now(self) -> list[int]:
+        """Each worker's load: its live connections, and those handed to it it has not taken yet."""
+        count, width = self.count, self.count + 2
+        table = self.table.unpack_from(self.loads)
+        return [table[j * width] + sum(table[i * width + 2 + j] for i in range(count)) - table[j * width + 1]
+                for j in range(count)]
+
+    def lighter(self) -> int | None:
+        """The least loaded sibling, where it holds fewer connections than this worker; else None."""
+        if self.count < 2:
+            return None
+        loads = self.loads_now()
+        best = min((load, index) for index, load in enumerate(loads) if index != self.index)
+        return best[1] if best[0] < loads[self.index] else None
+
+    def hand(self, name: str, sock: socket.socket) -> bool:
+        """``sock`` (just accepted by the listener ``name``) to a lighter sibling; False: it is served here."""
+        sibling = self.lighter()
+        if sibling is None:
+            return False
+        try:  # (socket.send_fds leaves the address out)
+            self.sock.sendmsg([name.encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [sock.fileno()]))],
+                              0, str(socket_path(self.directory, sibling)))
+        except OSError:  # gone, restarting, its queue full: served here
+            return False
+        sock.close()
+        self.handed[sibling] += 1
+        self._write()
+        return True
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                data, fds, _flags, _address = socket.recv_fds(self.sock, _NAME_LIMIT, 1)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                log.exception("a handed connection could not be read")
+                return
+            if not fds:
+                continue
+            sock = socket.socket(fileno=fds[0])
+            adopt = self.adopters.get(data.decode(errors="replace"))
+            if adopt is None or sock.type != socket.SOCK_STREAM:
+                sock.close()  # a listener this worker no longer runs: the client sees the connection end
+                self.taken += 1
+                self._write()
+                continue
+            self.taken += 1
+            adopt(sock)  # counted there (``accepted``), with the taking
+
+
+BALANCER: Balancer | None = None
+
+
+def join(index: int, environ: dict[str, str] | None = None) -> Balancer | None:
+    """This worker's balancer, where its supervisor made the directory (``DIRECTORY_ENV``); None otherwise."""
+    global BALANCER
+    directory = (environ if environ is not None else os.environ).get(DIRECTORY_ENV)
+    if not directory or BALANCER is not None:
+        return BALANCER
+    BALANCER = Balancer(Path(directory), index)
+    return BALANCER
+
+
+def leave() -> None:
+    global BALANCER
+    if BALANCER is not None:
+        BALANCER.close()
+        BALANCER = None
+
+
+def opened() -> None:
+    """A client connection of this process began (``gatewayd.metrics.connection_opened``)."""
+    if BALANCER is not None:
+        BALANCER.opened()
+
+
+def closed() -> None:
+    if BALANCER is not None:
+        BALANCER.closed()
+
+
+class BalancedServer:
+    """A listener's sockets in this worker, whose accepted connections a lighter sibling may serve instead."""
+
+    def __init__(self, name: str, factory: Callable[[], asyncio.Protocol], sockets: list[socket.socket],
+                 balancer: Balancer) -> None:
+        self.name = name
+        self.factory = factory
+        self.sockets = sockets
+        self.balancer = balancer
+        self.tasks: set[asyncio.Task[Any]] = set()
+        balancer.adopters[name] = self.adopt
+        loop = asyncio.get_running_loop()
+        self._accepting = [loop.create_task(self._accept(sock), name=f"{name} accept") for sock in sockets]
+
+    def adopt(self, sock: socket.socket) -> None:
+        """Serve ``sock`` here, as the listener's own accepted connection."""
+        sock.setblocking(False)
+        self.balancer.accepted()
+        task = asyncio.get_running_loop().create_task(self._serve(sock))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _serve(self, sock: socket.socket) -> None:
+        try:
+            await asyncio.get_running_loop().connect_accepted_socket(self.factory, sock)
+        except OSError:
+            sock.close()
+            self.balancer.opened()  # never served: its reservation and its count go
+            self.balancer.closed()
+
+    async def _accept(self, listening: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(listening)
+            except (ConnectionAbortedError, InterruptedError):
+                continue
+            except OSError as exc:  # out of descriptors: as asyncio's own accept loop, wait and go on
+                log.error("accept failed", extra={"listener": self.name, "error": str(exc)})
+                await asyncio.sleep(1.0)
+                continue
+            if not self.balancer.hand(self.name, sock):
+                self.adopt(sock)
+
+    def close(self) -> None:
+        """Stop accepting (connections in progress go on); connections handed here later are refused."""
+        if self.balancer.adopters.get(self.name) == self.adopt:
+            del self.balancer.adopters[self.name]
+        for task in self._accepting:
+            task.cancel()
+        for sock in self.sockets:
+            sock.close()
+
+    async def wait_closed(self) -> None:
+        await asyncio.gather(*self._accepting, return_exceptions=True)
+
+
+async def create_server(name: str, factory: Callable[[], asyncio.Protocol], host: str | None, port: int, *,
+                        reuse_port: bool = False, backlog: int = 100) -> Any:
+    """``loop.create_server`` for the listener ``name``, balanced over the workers where this is one of them
+    (its sockets as asyncio makes them: one per address ``host`` resolves to, IPv6 ones IPv6 only)."""
+    loop = asyncio.get_running_loop()
+    balancer = BALANCER
+    if balancer is None or not reuse_port:
+        return await loop.create_server(factory, host or None, port, reuse_address=True,
+                                        reuse_port=reuse_port or None, backlog=backlog)
+    infos = await loop.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            sock.listen(backlog)
+            sock.setblocking(False)
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return BalancedServer(name, factory, sockets, balancer)

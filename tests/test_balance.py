@@ -1,0 +1,118 @@
+"""gatewayd/balance.py in one process: workers' balancers over one run directory, real sockets handed between them.
+
+The end-to-end check (16 pooled PostgreSQL connections over a real ``gatewayd run`` with two workers, 8 each) is
+tests/test_workers.py; here the cases a whole daemon does not show on demand: a sibling gone, a restarted worker,
+a name no listener has, loads counted while a hand-off is in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+from gatewayd import balance
+
+
+def connected() -> tuple[socket.socket, socket.socket]:
+    """A TCP connection on loopback: (the accepted end, the client's)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        client = socket.create_connection(server.getsockname())
+        accepted, _ = server.accept()
+    return accepted, client
+
+
+async def taken(into: list[socket.socket], count: int) -> None:
+    for _ in range(200):
+        if len(into) >= count:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{len(into)} of {count} handed connections arrived")
+
+
+async def test_a_worker_above_its_sibling_hands_it_the_connection_which_then_serves_it(tmp_path):
+    balance.prepare(tmp_path / "b", 2)
+    first, second = balance.Balancer(tmp_path / "b", 0), balance.Balancer(tmp_path / "b", 1)
+    served: list[socket.socket] = []
+    second.adopters["postgres"] = served.append
+    try:
+        sock, client = connected()
+        assert not first.hand("postgres", sock)  # equal loads: served where it was accepted
+        first.accepted()
+        sock.close()
+        sock, client2 = connected()
+        assert first.loads_now() == [1, 0]
+        assert first.hand("postgres", sock)  # one above: handed
+        assert sock.fileno() == -1  # closed here, open there
+        assert first.loads_now() == [1, 1]  # in flight to the sibling counts as its, before it takes it
+        await taken(served, 1)
+        second.accepted()  # as its listener's adopt does
+        assert first.loads_now() == [1, 1] and second.taken == 1
+        served[0].sendall(b"from the sibling")
+        assert client2.recv(100) == b"from the sibling"
+        first.closed()
+        assert first.loads_now() == [0, 1]
+        client.close()
+        client2.close()
+    finally:
+        for sock in served:
+            sock.close()
+        first.close()
+        second.close()
+
+
+async def test_a_sibling_gone_leaves_the_connection_where_it_was_accepted(tmp_path):
+    balance.prepare(tmp_path / "b", 2)
+    first, second = balance.Balancer(tmp_path / "b", 0), balance.Balancer(tmp_path / "b", 1)
+    second.close()  # its slot reads 0 connections: the lightest, and nobody there
+    try:
+        first.accepted()
+        sock, client = connected()
+        assert first.lighter() == 1
+        assert not first.hand("postgres", sock)
+        sock.sendall(b"still here")
+        assert client.recv(100) == b"still here"
+        sock.close()
+        client.close()
+    finally:
+        first.close()
+
+
+async def test_a_connection_handed_for_a_listener_the_sibling_does_not_run_is_closed_there(tmp_path):
+    balance.prepare(tmp_path / "b", 2)
+    first, second = balance.Balancer(tmp_path / "b", 0), balance.Balancer(tmp_path / "b", 1)
+    try:
+        first.accepted()
+        sock, client = connected()
+        assert first.hand("mysql", sock)  # the sibling has no such listener (stopped, or not configured)
+        client.settimeout(5)
+        assert await asyncio.to_thread(client.recv, 100) == b""  # ended, not left hanging
+        assert second.taken == 1 and first.loads_now() == [1, 0]
+        client.close()
+    finally:
+        first.close()
+        second.close()
+
+
+async def test_a_worker_started_again_in_a_slot_does_not_count_what_was_handed_to_the_one_before(tmp_path):
+    balance.prepare(tmp_path / "b", 2)
+    first, second = balance.Balancer(tmp_path / "b", 0), balance.Balancer(tmp_path / "b", 1)
+    try:
+        first.accepted()
+        first.accepted()
+        first.accepted()
+        clients = []
+        for _ in range(2):
+            sock, client = connected()
+            assert first.hand("postgres", sock)
+            clients.append(client)
+        second.close()  # died with both still in flight: they were never taken
+        assert first.loads_now() == [3, 2]
+        again = balance.Balancer(tmp_path / "b", 1)  # the worker started again in its slot
+        try:
+            assert first.loads_now() == [3, 0]
+        finally:
+            again.close()
+        for client in clients:
+            client.close()
+    finally:
+        first.close()
