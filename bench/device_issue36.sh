@@ -47,6 +47,8 @@ else  # here: this machine's venv and peers
 fi
 step "hot path (compiled, or every figure here is the Python source's)"
 $python -m launcher.hotpath status || echo "step failed: $?"
+step "postgres: how 16 and 64 connections opened at once spread over 4 and 8 workers"
+$python bench/postgres/bench_spread.py --workers 4,8 --connections 16,64 --rounds 3 || echo "step failed: $?"
 step "postgres: workers 1,4,8 at -c 64"
 $python bench/postgres/bench_postgres.py --workers 1,4,8 --clients 64 --seconds "$seconds" --rounds "$rounds" \
   --runs simple "${baseline[@]}" || echo "step failed: $?"
