@@ -72,9 +72,11 @@ class Balancer:
         self.count = count
         self.row = struct.Struct(f"={count + 2}q")  # live, taken, handed to each sibling
         self.table = struct.Struct(f"={count * (count + 2)}q")
-        self.handed = [0] * count
-        # what was handed to this slot before (a dead predecessor's) counts as taken
-        self.taken = sum(self.table.unpack_from(self.loads)[i * (count + 2) + 2 + index] for i in range(count))
+        table = self.table.unpack_from(self.loads)
+        # a dead predecessor's in this slot: what it handed stays handed (its siblings took it), and what was handed
+        # to it counts as taken (what it had not taken went with it)
+        self.handed = list(table[index * (count + 2) + 2:(index + 1) * (count + 2)])
+        self.taken = sum(table[i * (count + 2) + 2 + index] for i in range(count))
         self._write()
         path = socket_path(directory, index)
         with contextlib.suppress(FileNotFoundError):

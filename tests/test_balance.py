@@ -110,6 +110,21 @@ async def test_a_worker_started_again_in_a_slot_does_not_count_what_was_handed_t
         again = balance.Balancer(tmp_path / "b", 1)  # the worker started again in its slot
         try:
             assert first.loads_now() == [3, 0]
+            for _ in range(4):
+                again.accepted()
+            sock, client = connected()
+            clients.append(client)
+            served: list[socket.socket] = []
+            first.adopters["postgres"] = served.append
+            assert again.hand("postgres", sock)
+            await taken(served, 1)
+            first.accepted()
+            assert first.loads_now() == [4, 4]
+            first.close()  # and now the other one dies and starts again: what it handed and took stay so
+            first = balance.Balancer(tmp_path / "b", 0)
+            assert first.loads_now() == [0, 4]
+            for sock in served:
+                sock.close()
         finally:
             again.close()
         for client in clients:
