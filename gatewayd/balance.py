@@ -30,9 +30,9 @@ import struct
 from pathlib import Path
 from typing import Any, Callable
 
-from gatewayd.config import BALANCE_DIR_VARIABLE as DIRECTORY_ENV  # where the loads and the workers' sockets are
-
 log = logging.getLogger("gatewayd.balance")
+
+DIRECTORY_ENV = "GATEWAYD_BALANCE_DIR"  # the supervisor's: where the loads and the workers' sockets are
 
 LOADS = "load"
 _SLOT = struct.Struct("=q")

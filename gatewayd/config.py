@@ -16,7 +16,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Mapping
 
-from gatewayd import hotpath, protocols
+from gatewayd import balance, hotpath, protocols
 
 # what a key is and how values are checked (gatewayd.settings), imported from here too
 from gatewayd.settings import ConfigError as ConfigError
@@ -192,11 +192,10 @@ def all_settings() -> dict[str, Setting]:
 # GATEWAYD_PURE_PYTHON runs the hot path from its Python source (gatewayd.hotpath); GATEWAYD_BALANCE_DIR is the
 # supervisor's directory where its workers spread new connections among them (gatewayd.balance).
 WORKER_INDEX_VARIABLE = "GATEWAYD_WORKER_INDEX"
-BALANCE_DIR_VARIABLE = "GATEWAYD_BALANCE_DIR"
 # GATEWAYD_PROFILE picks the people's command line's saved login, GATEWAYD_DEBUG shows a command's traceback.
 OTHER_VARIABLES = frozenset({"GATEWAYD_CONFIG", "GATEWAYD_CLIENT_CONFIG", "GATEWAYD_URL", "GATEWAYD_AGENT_TOKEN",
                              "GATEWAYD_TOKEN", "GATEWAYD_PROFILE", "GATEWAYD_DEBUG", WORKER_INDEX_VARIABLE,
-                             BALANCE_DIR_VARIABLE, hotpath.PURE_ENV})
+                             balance.DIRECTORY_ENV, hotpath.PURE_ENV})
 
 
 def _env_name(key: str) -> str:
