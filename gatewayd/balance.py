@@ -2,16 +2,16 @@
 
 With ``workers = N`` every worker listens on each address with SO_REUSEPORT, and the kernel picks the worker by
 a hash of the connection's addresses. Few long-lived connections (an application's pool, pgbench's clients)
-land unevenly: 16 connections over 4 workers came as 8/5/2/1 and 8/3/3/2 (bench/README.md, "Workers"), and
-the busiest worker's one core caps what the group carries.
+land unevenly: 16 connections over 4 workers came as 9/4/3/0 and 7/6/2/1 (bench/README.md, "connections spread
+evenly over the workers"), and the busiest worker's one core caps what the group carries.
 
 So a worker that accepts a connection while it holds more live client connections than its least loaded
 sibling hands the socket to that sibling (SCM_RIGHTS, a datagram to the sibling's Unix socket in the run's
 private directory), before reading a byte of it; the sibling serves it as if it had accepted it. A handed
 connection is never handed again. Where the hand-off fails (the sibling is gone, restarting or its queue is
-full) the connection is served where it was accepted, as before. Each worker's load is one slot of a file the
-supervisor makes (``Loads``): its client connections of every protocol (``gatewayd.metrics`` counts them), read
-by its siblings at each accept, written by it alone.
+full) the connection is served where it was accepted, as before. Each worker's load is read from a file the
+supervisor makes (``prepare``), a row per worker written by that worker alone (``Balancer``): its client
+connections of every protocol (``gatewayd.metrics`` counts them), read by its siblings at each accept.
 
 Listeners that take a protocol factory use it through ``create_server`` (PostgreSQL, MySQL); with one process,
 or without the supervisor's directory, that is ``loop.create_server`` unchanged.
