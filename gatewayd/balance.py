@@ -13,8 +13,9 @@ full) the connection is served where it was accepted, as before. Each worker's l
 supervisor makes (``prepare``), a row per worker written by that worker alone (``Balancer``): its client
 connections of every protocol (``gatewayd.metrics`` counts them), read by its siblings at each accept.
 
-Listeners that take a protocol factory use it through ``create_server`` (PostgreSQL, MySQL); with one process,
-or without the supervisor's directory, that is ``loop.create_server`` unchanged.
+Listeners that take a protocol factory use it through ``create_server`` (PostgreSQL, MySQL), which with one
+process, or without the supervisor's directory, is ``loop.create_server`` unchanged; the SSH listener through
+``listen`` with asyncssh's ``run_server`` for a socket, where ``balanced`` says so.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ import mmap
 import os
 import socket
 import struct
+from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 log = logging.getLogger("gatewayd.balance")
 
@@ -197,12 +199,13 @@ def closed() -> None:
 
 
 class BalancedServer:
-    """A listener's sockets in this worker, whose accepted connections a lighter sibling may serve instead."""
+    """A listener's sockets in this worker, whose accepted connections a lighter sibling may serve instead;
+    ``serve`` serves one here (the listener's own accept path for an accepted socket)."""
 
-    def __init__(self, name: str, factory: Callable[[], asyncio.Protocol], sockets: list[socket.socket],
+    def __init__(self, name: str, serve: Callable[[socket.socket], Awaitable[Any]], sockets: list[socket.socket],
                  balancer: Balancer) -> None:
         self.name = name
-        self.factory = factory
+        self.serve = serve
         self.sockets = sockets
         self.balancer = balancer
         self.tasks: set[asyncio.Task[Any]] = set()
@@ -220,10 +223,13 @@ class BalancedServer:
 
     async def _serve(self, sock: socket.socket) -> None:
         try:
-            await asyncio.get_running_loop().connect_accepted_socket(self.factory, sock)
-        except OSError:
+            await self.serve(sock)
+        except Exception as exc:  # it ended before or while its proxy took it (a handshake that failed)
             sock.close()
-            self.balancer.opened()  # never served: its reservation and its count go
+            log.debug("a connection ended as it was taken", extra={"listener": self.name, "error": repr(exc)})
+            # as its proxy counts one that opens and closes: the count ends right whether the proxy got to count
+            # it or not (``accepted`` reserved it)
+            self.balancer.opened()
             self.balancer.closed()
 
     async def _accept(self, listening: socket.socket) -> None:
@@ -253,16 +259,18 @@ class BalancedServer:
         await asyncio.gather(*self._accepting, return_exceptions=True)
 
 
-async def create_server(name: str, factory: Callable[[], asyncio.Protocol], host: str | None, port: int, *,
-                        reuse_port: bool = False, backlog: int = 100) -> Any:
-    """``loop.create_server`` for the listener ``name``, balanced over the workers where this is one of them
-    (its sockets as asyncio makes them: one per address ``host`` resolves to, IPv6 ones IPv6 only)."""
-    loop = asyncio.get_running_loop()
-    balancer = BALANCER
-    if balancer is None or not reuse_port:
-        return await loop.create_server(factory, host or None, port, reuse_address=True,
-                                        reuse_port=reuse_port or None, backlog=backlog)
-    infos = await loop.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+def balanced(reuse_port: bool) -> bool:
+    """Whether a listener started with ``reuse_port`` accepts through this module (a worker among siblings)."""
+    return BALANCER is not None and reuse_port
+
+
+async def listen(name: str, serve: Callable[[socket.socket], Awaitable[Any]], host: str | None, port: int, *,
+                 backlog: int = 100) -> BalancedServer:
+    """The listener ``name``'s sockets in this worker (``balanced``), as asyncio makes them: one per address ``host``
+    resolves to, IPv6 ones IPv6 only; each connection accepted is served by ``serve`` here or by a sibling."""
+    assert BALANCER is not None
+    infos = await asyncio.get_running_loop().getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)
     sockets: list[socket.socket] = []
     try:
         for family, kind, proto, _, address in dict.fromkeys(infos):
@@ -279,4 +287,14 @@ async def create_server(name: str, factory: Callable[[], asyncio.Protocol], host
         for sock in sockets:
             sock.close()
         raise
-    return BalancedServer(name, factory, sockets, balancer)
+    return BalancedServer(name, serve, sockets, BALANCER)
+
+
+async def create_server(name: str, factory: Callable[[], asyncio.Protocol], host: str | None, port: int, *,
+                        reuse_port: bool = False, backlog: int = 100) -> Any:
+    """``loop.create_server`` for the listener ``name``, balanced over the workers where this is one of them."""
+    loop = asyncio.get_running_loop()
+    if not balanced(reuse_port):
+        return await loop.create_server(factory, host or None, port, reuse_address=True,
+                                        reuse_port=reuse_port or None, backlog=backlog)
+    return await listen(name, partial(loop.connect_accepted_socket, factory), host, port, backlog=backlog)

@@ -362,6 +362,30 @@ async def test_a_burst_of_pooled_connections_is_spread_evenly_over_the_workers(g
         assert "select $1::int" in "".join(of_kind(session, "i"))
 
 
+async def test_ssh_sessions_opened_at_once_are_spread_evenly_over_the_workers(gateway, http, ssh_target):
+    """8 OpenSSH sessions opened at once, three times: each worker serves 4 (asyncssh serves a socket a sibling
+    handed over as one it accepted), and each session runs its command and ends cleanly."""
+    ssh_api = SshApi(gateway, http, ssh_target)
+    role = await ssh_api.role()
+    secret, _ = await ssh_api.credential(role)
+    port = gateway.ports["ssh"]
+    workers = set(ready_pids(gateway).values())
+    for round in range(3):
+        await until("no client connection left from before",
+                    lambda: not connections_by_pid(*(gateway.ports[n] for n in ("postgres", "ssh", "http"))) or None)
+        clients = [await asyncio.create_subprocess_exec(
+            "ssh", *CLIENT_OPTIONS, "-p", str(port), f"{secret}@127.0.0.1", f"head -c 1 >/dev/null; echo done-{n}",
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            for n in range(8)]
+        try:
+            held = await until("8 ssh sessions connected",
+                               lambda: (h := connections_by_pid(port)) and sum(h.values()) == 8 and h or None)
+            assert set(held) <= workers and sorted(held.values()) == [4, 4], held
+        finally:
+            outputs = await asyncio.gather(*(client.communicate(b"x") for client in clients))
+        assert [out for out, _ in outputs] == [f"done-{n}\n".encode() for n in range(8)], [e for _, e in outputs]
+
+
 async def test_every_worker_s_scrape_answers_for_the_whole_group(gateway, http, pg_target):
     pg = PostgresApi(gateway, http, pg_target)
     role = await pg.role()

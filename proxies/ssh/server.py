@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Coroutine, Sequence
 
 import asyncssh
 
-from gatewayd import metrics
+from gatewayd import balance, metrics
 from gatewayd.access import looks_like_secret
 from gatewayd.masking import LineHold
 from gatewayd.pipeline import (
@@ -102,8 +102,8 @@ class SSHListener:
     close, a block's audit entry) until it is done.
     """
 
-    def __init__(self, acceptor: asyncssh.SSHAcceptor, tasks: BackgroundTasks, pipeline: SessionPipeline,
-                 options: dict[str, Any]) -> None:
+    def __init__(self, acceptor: asyncssh.SSHAcceptor | balance.BalancedServer, tasks: BackgroundTasks,
+                 pipeline: SessionPipeline, options: dict[str, Any]) -> None:
         self.acceptor = acceptor
         self.tasks = tasks
         self.pipeline = pipeline
@@ -184,9 +184,19 @@ async def start(context: ProxyContext, host: str, port: int) -> SSHListener:
         encryption_algs=list(context.settings["ciphers"]), window=WINDOW, max_pktsize=MAX_PACKET,
         keepalive_interval=60)
     ciphers = options["encryption_algs"]
-    acceptor = await asyncssh.listen(
-        host, port, server_factory=lambda: GatewayConnection(pipeline, tasks, ciphers), reuse_address=True,
-        reuse_port=context.reuse_port or None, **options)
+
+    def connection() -> GatewayConnection:
+        return GatewayConnection(pipeline, tasks, ciphers)
+
+    async def serve(sock: socket.socket) -> None:  # one accepted here or handed here by a sibling worker
+        await asyncssh.run_server(sock, server_factory=connection, **options)
+
+    acceptor: asyncssh.SSHAcceptor | balance.BalancedServer
+    if balance.balanced(context.reuse_port):  # a worker: new connections spread evenly (gatewayd/balance.py)
+        acceptor = await balance.listen("ssh", serve, host, port)
+    else:
+        acceptor = await asyncssh.listen(host, port, server_factory=connection, reuse_address=True,
+                                         reuse_port=context.reuse_port or None, **options)
     global RUNNING
     RUNNING = SSHListener(acceptor, tasks, pipeline, options)
     return RUNNING
