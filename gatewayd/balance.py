@@ -95,6 +95,8 @@ class Balancer:
         self.loads.close()
 
     def _write(self) -> None:
+        if self.loads.closed:  # a connection that ends after the worker left (its stop): nobody reads it now
+            return
         self.row.pack_into(self.loads, self.index * self.row.size, self.live, self.taken, *self.handed)
 
     def accepted(self) -> None:

@@ -131,3 +131,14 @@ async def test_a_worker_started_again_in_a_slot_does_not_count_what_was_handed_t
             client.close()
     finally:
         first.close()
+
+
+async def test_a_connection_that_ends_after_its_worker_left_changes_nothing(tmp_path):
+    """A worker stopping leaves the balancer before its last connections end; their ends are not an error."""
+    balance.prepare(tmp_path / "b", 2)
+    first = balance.Balancer(tmp_path / "b", 0)
+    first.accepted()
+    first.close()
+    first.opened()
+    first.closed()
+    assert first.live == 0
