@@ -119,10 +119,11 @@ class Balancer:
 
     def loads_now(self) -> list[int]:
         """Each worker's load: its live connections, and those handed to it it has not taken yet."""
-        count, width = self.count, self.count + 2
+        width = self.count + 2
         table = self.table.unpack_from(self.loads)
-        return [table[j * width] + sum(table[i * width + 2 + j] for i in range(count)) - table[j * width + 1]
-                for j in range(count)]
+        # worker j's row starts at j * width (live, taken); what each worker handed to j is column 2 + j
+        return [live + sum(table[2 + j::width]) - taken
+                for j, (live, taken) in enumerate(zip(table[::width], table[1::width]))]
 
     def lighter(self) -> int | None:
         """The least loaded sibling, where it holds fewer connections than this worker; else None."""
