@@ -307,9 +307,11 @@ async def test_a_flush_the_store_refuses_is_counted_and_kept(tmp_path):
 
     async with core_gateway(tmp_path) as gateway:
         recorder = await gateway.recording.recorder("metrics-flush-failure")
-        recorder.input(b"select 1")
-        failures = sample("gatewayd_recording_flush_failures_total")
         await gateway.store.close()  # the store goes away under the flusher
+        # recorded once it is gone: the service's own flusher (every 100 ms) cannot store it first while the
+        # store closes, and nothing is pending for it to try before the flush here (which takes its lock at once)
+        failures = sample("gatewayd_recording_flush_failures_total")
+        recorder.input(b"select 1")
         assert await gateway.recording.flush() is False
         assert sample("gatewayd_recording_flush_failures_total") == failures + 1
         [kept] = recorder.unstored  # kept for the next try, as it was
