@@ -89,6 +89,9 @@ class Balancer:
         asyncio.get_running_loop().add_reader(self.sock.fileno(), self._receive)
 
     def close(self) -> None:
+        """Leave (idempotent): handed connections are no longer taken, the loads no longer written."""
+        if self.sock.fileno() < 0:
+            return
         asyncio.get_running_loop().remove_reader(self.sock.fileno())
         self.sock.close()
         self.adopters.clear()

@@ -9,8 +9,33 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from pathlib import Path
+from typing import AsyncIterator
+
+import pytest
 
 from gatewayd import balance
+
+
+class Run:
+    """One run's directory of two worker slots; ``start`` a worker's balancer in a slot (closed at the end)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.started: list[balance.Balancer] = []
+        balance.prepare(directory, 2)
+
+    def start(self, index: int) -> balance.Balancer:
+        self.started.append(balance.Balancer(self.directory, index))
+        return self.started[-1]
+
+
+@pytest.fixture
+async def run(tmp_path: Path) -> AsyncIterator[Run]:
+    workers = Run(tmp_path / "b")
+    yield workers
+    for balancer in workers.started:
+        balancer.close()
 
 
 def connected() -> tuple[socket.socket, socket.socket]:
@@ -29,114 +54,88 @@ async def taken(into: list[socket.socket], count: int) -> None:
     raise AssertionError(f"{len(into)} of {count} handed connections arrived")
 
 
-async def test_a_worker_above_its_sibling_hands_it_the_connection_which_then_serves_it(tmp_path):
-    balance.prepare(tmp_path / "b", 2)
-    first, second = balance.Balancer(tmp_path / "b", 0), balance.Balancer(tmp_path / "b", 1)
+async def test_a_worker_above_its_sibling_hands_it_the_connection_which_then_serves_it(run):
+    first, second = run.start(0), run.start(1)
     served: list[socket.socket] = []
     second.adopters["postgres"] = served.append
-    try:
-        sock, client = connected()
-        assert not first.hand("postgres", sock)  # equal loads: served where it was accepted
-        first.accepted()
-        sock.close()
-        sock, client2 = connected()
-        assert first.loads_now() == [1, 0]
-        assert first.hand("postgres", sock)  # one above: handed
-        assert sock.fileno() == -1  # closed here, open there
-        assert first.loads_now() == [1, 1]  # in flight to the sibling counts as its, before it takes it
-        await taken(served, 1)
-        second.accepted()  # as its listener's adopt does
-        assert first.loads_now() == [1, 1] and second.taken == 1
-        served[0].sendall(b"from the sibling")
-        assert client2.recv(100) == b"from the sibling"
-        first.closed()
-        assert first.loads_now() == [0, 1]
-        client.close()
-        client2.close()
-    finally:
-        for sock in served:
-            sock.close()
-        first.close()
-        second.close()
+    sock, client = connected()
+    assert not first.hand("postgres", sock)  # equal loads: served where it was accepted
+    first.accepted()
+    sock.close()
+    sock, client2 = connected()
+    assert first.loads_now() == [1, 0]
+    assert first.hand("postgres", sock)  # one above: handed
+    assert sock.fileno() == -1  # closed here, open there
+    assert first.loads_now() == [1, 1]  # in flight to the sibling counts as its, before it takes it
+    await taken(served, 1)
+    second.accepted()  # as its listener's adopt does
+    assert first.loads_now() == [1, 1] and second.taken == 1
+    served[0].sendall(b"from the sibling")
+    assert client2.recv(100) == b"from the sibling"
+    first.closed()
+    assert first.loads_now() == [0, 1]
+    for end in (client, client2, *served):
+        end.close()
 
 
-async def test_a_sibling_gone_leaves_the_connection_where_it_was_accepted(tmp_path):
-    balance.prepare(tmp_path / "b", 2)
-    first, second = balance.Balancer(tmp_path / "b", 0), balance.Balancer(tmp_path / "b", 1)
+async def test_a_sibling_gone_leaves_the_connection_where_it_was_accepted(run):
+    first, second = run.start(0), run.start(1)
     second.close()  # its slot reads 0 connections: the lightest, and nobody there
-    try:
-        first.accepted()
+    first.accepted()
+    sock, client = connected()
+    assert first.lighter() == 1
+    assert not first.hand("postgres", sock)
+    sock.sendall(b"still here")
+    assert client.recv(100) == b"still here"
+    sock.close()
+    client.close()
+
+
+async def test_a_connection_handed_for_a_listener_the_sibling_does_not_run_is_closed_there(run):
+    first, second = run.start(0), run.start(1)
+    first.accepted()
+    sock, client = connected()
+    assert first.hand("mysql", sock)  # the sibling has no such listener (stopped, or not configured)
+    client.settimeout(5)
+    assert await asyncio.to_thread(client.recv, 100) == b""  # ended, not left hanging
+    assert second.taken == 1 and first.loads_now() == [1, 0]
+    client.close()
+
+
+async def test_a_worker_started_again_in_a_slot_does_not_count_what_was_handed_to_the_one_before(run):
+    first, second = run.start(0), run.start(1)
+    first.accepted()
+    first.accepted()
+    first.accepted()
+    clients = []
+    for _ in range(2):
         sock, client = connected()
-        assert first.lighter() == 1
-        assert not first.hand("postgres", sock)
-        sock.sendall(b"still here")
-        assert client.recv(100) == b"still here"
-        sock.close()
-        client.close()
-    finally:
-        first.close()
+        assert first.hand("postgres", sock)
+        clients.append(client)
+    second.close()  # died with both still in flight: they were never taken
+    assert first.loads_now() == [3, 2]
+    again = run.start(1)  # the worker started again in its slot
+    assert first.loads_now() == [3, 0]
+    for _ in range(4):
+        again.accepted()
+    sock, client = connected()
+    clients.append(client)
+    served: list[socket.socket] = []
+    first.adopters["postgres"] = served.append
+    assert again.hand("postgres", sock)
+    await taken(served, 1)
+    first.accepted()
+    assert first.loads_now() == [4, 4]
+    first.close()  # and now the other one dies and starts again: what it handed and took stay so
+    first = run.start(0)
+    assert first.loads_now() == [0, 4]
+    for end in (*clients, *served):
+        end.close()
 
 
-async def test_a_connection_handed_for_a_listener_the_sibling_does_not_run_is_closed_there(tmp_path):
-    balance.prepare(tmp_path / "b", 2)
-    first, second = balance.Balancer(tmp_path / "b", 0), balance.Balancer(tmp_path / "b", 1)
-    try:
-        first.accepted()
-        sock, client = connected()
-        assert first.hand("mysql", sock)  # the sibling has no such listener (stopped, or not configured)
-        client.settimeout(5)
-        assert await asyncio.to_thread(client.recv, 100) == b""  # ended, not left hanging
-        assert second.taken == 1 and first.loads_now() == [1, 0]
-        client.close()
-    finally:
-        first.close()
-        second.close()
-
-
-async def test_a_worker_started_again_in_a_slot_does_not_count_what_was_handed_to_the_one_before(tmp_path):
-    balance.prepare(tmp_path / "b", 2)
-    first, second = balance.Balancer(tmp_path / "b", 0), balance.Balancer(tmp_path / "b", 1)
-    try:
-        first.accepted()
-        first.accepted()
-        first.accepted()
-        clients = []
-        for _ in range(2):
-            sock, client = connected()
-            assert first.hand("postgres", sock)
-            clients.append(client)
-        second.close()  # died with both still in flight: they were never taken
-        assert first.loads_now() == [3, 2]
-        again = balance.Balancer(tmp_path / "b", 1)  # the worker started again in its slot
-        try:
-            assert first.loads_now() == [3, 0]
-            for _ in range(4):
-                again.accepted()
-            sock, client = connected()
-            clients.append(client)
-            served: list[socket.socket] = []
-            first.adopters["postgres"] = served.append
-            assert again.hand("postgres", sock)
-            await taken(served, 1)
-            first.accepted()
-            assert first.loads_now() == [4, 4]
-            first.close()  # and now the other one dies and starts again: what it handed and took stay so
-            first = balance.Balancer(tmp_path / "b", 0)
-            assert first.loads_now() == [0, 4]
-            for sock in served:
-                sock.close()
-        finally:
-            again.close()
-        for client in clients:
-            client.close()
-    finally:
-        first.close()
-
-
-async def test_a_connection_that_ends_after_its_worker_left_changes_nothing(tmp_path):
+async def test_a_connection_that_ends_after_its_worker_left_changes_nothing(run):
     """A worker stopping leaves the balancer before its last connections end; their ends are not an error."""
-    balance.prepare(tmp_path / "b", 2)
-    first = balance.Balancer(tmp_path / "b", 0)
+    first = run.start(0)
     first.accepted()
     first.close()
     first.opened()
