@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import uuid
 
@@ -341,6 +342,63 @@ async def test_sync_a_provider_that_does_not_answer_in_time_fails_as_the_rule_sa
         stream = [(kind, text) for kind, text in events(session) if kind in "ie"]
         failed = next(i for i, (kind, text) in enumerate(stream) if "AI session analysis failed" in text)
         assert failed < stream.index(("i", f"create table {table} (i int);")), stream  # it waited for the outcome
+
+
+CANCELLED = "canceling statement due to user request"
+
+
+async def test_sync_a_statement_cancelled_while_it_waits_for_its_verdict_never_runs(api, gateway, cluster, provider):
+    """psql's Ctrl-C while the gateway holds the statement for its verdict: the client gets PostgreSQL's own answer
+    to a cancel, the statement never reaches the target (however the verdict would have gone), and it is recorded."""
+    table = f"held_{uuid.uuid4().hex[:8]}"
+    direct = await asyncpg.connect(cluster.dsn())
+    await direct.execute(f"create table {table} (i int); insert into {table} values (1)")
+    conn = await api.connection("pg", "database", "postgres", postgres_env(cluster))
+    await analysed(api, conn, native_mode="sync", timeout=60)
+    secret, session_id = await api.credential(conn)
+    provider.answer("verdict", "low", "Routine query", "Writes one row.", delay=15)  # it would be allowed, late
+    statement = f"insert into {table} values (2)"
+    client = subprocess.Popen(["psql", "-X", "-At", "-c", statement], env=clients.psql_env(gateway.proxy_port, secret),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        await asked(provider, 1)  # the gateway holds it now
+        client.send_signal(signal.SIGINT)  # psql sends a CancelRequest
+        out, err = await asyncio.to_thread(client.communicate, timeout=60)
+    finally:
+        client.kill()
+    assert client.returncode == 1 and CANCELLED in err, (out, err)
+    assert await direct.fetchval(f"select count(*) from {table}") == 1
+    await direct.close()
+    session = await api.done_session(session_id, 30)
+    stream = [(kind, text) for kind, text in events(session) if kind in "ie"]
+    at = stream.index(("i", statement))
+    assert CANCELLED in stream[at + 1][1] and stream[at + 1][0] == "e", stream
+    assert not await audit_of(api, "guardrail.block", session_id)  # the client's own act, not a refusal
+
+
+async def test_sync_asyncpg_timeout_cancels_a_held_parse_and_the_session_goes_on(api, gateway, cluster, provider):
+    """asyncpg's ``timeout=`` sends a CancelRequest while its Parse waits for the verdict: the Parse fails as a
+    cancelled statement does, what the driver pipelined after it is skipped to its Sync, and the next statement
+    runs at once."""
+    conn = await api.connection("pg", "database", "postgres", postgres_env(cluster))
+    await analysed(api, conn, native_mode="sync", timeout=60)
+    secret, session_id = await api.credential(conn)
+    client = await through_gateway(gateway, secret)
+    try:
+        provider.answer("verdict", "low", "Routine query", "Reads data only.", delay=15)
+        with pytest.raises(asyncio.TimeoutError):
+            await client.fetchval("select $1::int * 2", 21, timeout=1)
+        provider.answer("verdict", "low", "Routine query", "Reads data only.", delay=0.2)
+        assert await client.fetchval("select $1::int + 1", 41) == 42
+        provider.answer_for("select $1::int * 2", "high", "Doubles", "The rule forbids doubling.")
+        with pytest.raises(asyncpg.exceptions.InsufficientPrivilegeError, match="Doubles"):
+            await client.fetchval("select $1::int * 2", 21)  # sent again: its verdict is asked again
+    finally:
+        await client.close(timeout=10)
+    session = await api.done_session(session_id, 30)
+    stream = [(kind, text) for kind, text in events(session) if kind in "ie"]
+    at = stream.index(("i", "select $1::int * 2"))
+    assert stream[at + 1][0] == "e" and CANCELLED in stream[at + 1][1], stream
 
 
 async def test_sync_an_ssh_exec_command_is_refused_before_it_runs(api, gateway, sshd, provider):

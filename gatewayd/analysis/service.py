@@ -347,6 +347,7 @@ class SessionAnalysis:
             return
         verdict: Verdict | None = None
         kept = True
+        cancelled = False
         try:
             if ask and not self.live.done.is_set():
                 verdict, error = await self._judge(key)
@@ -356,10 +357,14 @@ class SessionAnalysis:
                         await self.service.record_failure(self.live, self.rule, error, native=True)
                 self.last_error = error
                 await self._note(verdict, event=not verdict.blocked)  # a block's e follows its i (``blocked``)
+        except asyncio.CancelledError:
+            cancelled = True  # the client cancelled the statement: nothing decided, it waits again if sent again
+            raise
         finally:
-            if len(self.decided) >= SEEN_CAP:
-                self.decided.clear()
-            self.decided[key] = (verdict, kept)
+            if not cancelled:
+                if len(self.decided) >= SEEN_CAP:
+                    self.decided.clear()
+                self.decided[key] = (verdict, kept)
 
     async def _judge(self, text: str) -> tuple[Verdict, str]:
         """``evaluate`` bounded by the rule's timeout; any failure is an analyzer failure (its policy decides)."""

@@ -29,6 +29,7 @@ cdef class ClientSide:
     cdef public object verdict
     cdef public object work
     cpdef int on_message(self, Message message)
+    cpdef cancel(self, Message message)
     cpdef int _query(self, Query query)
     cpdef int _parse(self, Parse parse)
     cpdef int _bind(self, Bind bind)

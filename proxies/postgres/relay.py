@@ -171,6 +171,10 @@ def blocked_error(verdict: GuardVerdict) -> bytes:
     return encode_error_response("ERROR", BLOCKED_SQLSTATE, verdict.message)
 
 
+CANCELLED_MESSAGE = "canceling statement due to user request"
+CANCELLED_ERROR = encode_error_response("ERROR", "57014", CANCELLED_MESSAGE)  # PostgreSQL's answer to a cancel
+
+
 # Client-side actions
 FORWARD = 0
 DROP = 1
@@ -289,6 +293,26 @@ class ClientSide:
         if reading.plain and raw.isascii() and b"\\" not in raw:
             return None
         return reading.read(raw, certain)
+
+    def cancel(self, message: Query | Parse) -> None:
+        """The client cancelled a statement the relay holds (WAIT): it is answered as PostgreSQL answers a
+        cancelled statement and never reaches the target; ``substitute`` goes upstream in its place (as for a
+        block). Recorded as the input it was, then the cancel as its ``e`` event; no guard rail refused it."""
+        self.work = None
+        self.prepared = None
+        policy = self.policy
+        policy.record_input(message.sql)
+        policy.error(f"{CANCELLED_MESSAGE}: the client cancelled it while the gateway held it for its verdict, "
+                     f"before the target had it")
+        self.verdict = None
+        if type(message) is Query:
+            self.bound = False
+            self.substitute = SYNC  # answered by ReadyForQuery with the true transaction status
+            self.pending.append(Pending(SYNC_POINT, error=CANCELLED_ERROR))
+        else:  # a Parse: what the client sent after it is skipped until its Sync, as after a blocked Parse
+            self.discarding = True
+            self.substitute = BLOCKED_PARSE_MARKER
+            self.pending.append(Pending(MARKER, error=CANCELLED_ERROR))
 
     def _refuse(self, statement: StatementText) -> GuardVerdict:
         """A statement the gateway cannot read as the target will: recorded, then refused (fail closed)."""

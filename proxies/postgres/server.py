@@ -27,7 +27,7 @@ import ssl
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from gatewayd import balance, metrics
 from gatewayd.access import looks_like_secret
@@ -85,11 +85,13 @@ class Statements(deque):  # type: ignore[type-arg]
     """The relay's requests waiting for the target's answer (``relay.Pending``), noting since when (wall clock) the
     target has been busy with them: a cancel is sent only for a statement that was running when it was asked."""
 
-    __slots__ = ("since",)
+    __slots__ = ("held", "since")
 
     def __init__(self) -> None:
         super().__init__()
         self.since = 0.0
+        # the relay's ``cancel_held``: a cancel asked while the gateway holds a statement for its verdict
+        self.held: Callable[[float], bool] | None = None
 
     def append(self, item: Any) -> None:
         if not self:
@@ -205,6 +207,9 @@ class PostgresListener:
             return
         running = target.running
         if running is not None and (not running or running.since > at):
+            if running.held is not None and running.held(at):
+                log.info("a cancel came for a statement the gateway held for its verdict: answered as cancelled")
+                return
             log.info("a cancel came for a statement that has ended: not sent on")
             return
         await send_cancel(target.host, target.port, target.process_id, target.secret_key,
@@ -449,7 +454,7 @@ class ClientConnection:
         return found
 
     async def _relay(self, link: TargetLink, run: SessionRun[TargetLink], settings: TargetSettings,
-                     connection: Connection, pending: deque[Pending]) -> tuple[int, str | None]:
+                     connection: Connection, pending: Statements) -> tuple[int, str | None]:
         """Relay until one side goes away; the session's exit code and error."""
         policy, name = run.policy, connection.name
         columns: dict[str, tuple[int, ...]] = {}
@@ -499,6 +504,7 @@ class ClientConnection:
         client.limit = self.listener.settings.get("max_statement_bytes") or client.limit
         relay = RelaySession(self.stream.transport, link.transport, self.frontend, link.backend, client, server,
                              policy)
+        pending.held = relay.cancel_held
         self.stream.release()
         link.stream.release()
         relay.start()  # what start-up had read beyond its last message is in the readers: processed first
