@@ -14,8 +14,9 @@ What it answers is set per test on ``FakeLLM.mode``:
 * ``echo_key``: 401 with an error message that quotes the key it was sent in full, 292 characters in (as
   some OpenAI-compatible proxies do), so that a cut at 300 characters would keep a piece of it.
 
-``delay`` (seconds) holds every answer that long: a slow provider.  ``answer_for``
-gives the inputs that contain a text a verdict of their own (the rest get ``answer``'s).
+``delay`` (seconds) holds every answer that long: a slow provider; ``hold`` holds the answers to the inputs
+that contain a text that long instead.  ``answer_for`` gives the inputs that contain a text a verdict of their own
+(the rest get ``answer``'s).
 
 Every request is kept in ``requests`` (path, headers, JSON body) for the tests to inspect.
 """
@@ -53,6 +54,7 @@ class FakeLLM:
         self.status = 500
         self.delay = 0.0
         self.verdicts: dict[str, tuple[str, str, str]] = {}  # text in the input -> (risk_level, title, explanation)
+        self.holds: dict[str, float] = {}  # text in the input -> seconds its answer is held
         self.requests: list[Received] = []
         self._runner: web.AppRunner | None = None
         self.port = 0
@@ -64,10 +66,19 @@ class FakeLLM:
             mode, risk_level, title, explanation, status)
         self.delay = delay
         self.verdicts = {}
+        self.holds = {}
 
     def answer_for(self, text: str, risk_level: str, title: str, explanation: str) -> None:
         """Inputs containing ``text`` get this verdict (in ``verdict`` mode); set after ``answer``."""
         self.verdicts[text] = (risk_level, title, explanation)
+
+    def hold(self, text: str, seconds: float) -> None:
+        """Answers to inputs containing ``text`` come ``seconds`` late (instead of ``delay``); set after ``answer``."""
+        self.holds[text] = seconds
+
+    def _delay_of(self, body: Any) -> float:
+        asked = json.dumps(body)
+        return next((seconds for text, seconds in self.holds.items() if json.dumps(text)[1:-1] in asked), self.delay)
 
     @property
     def url(self) -> str:
@@ -153,8 +164,9 @@ class FakeLLM:
                                       "invalid_request_error")
         if self.mode == "timeout":
             await self._stall()
-        if self.delay:
-            await asyncio.sleep(self.delay)
+        delay = self._delay_of(body)
+        if delay:
+            await asyncio.sleep(delay)
         if self.mode == "error":
             return self._openai_error(self.status, "The server had an error while processing your request.",
                                       "server_error")
@@ -195,8 +207,9 @@ class FakeLLM:
             return self._anthropic_error(400, "invalid_request_error", "tool_choice.name must name a tool")
         if self.mode == "timeout":
             await self._stall()
-        if self.delay:
-            await asyncio.sleep(self.delay)
+        delay = self._delay_of(body)
+        if delay:
+            await asyncio.sleep(delay)
         if self.mode == "error":
             return self._anthropic_error(self.status if self.status != 500 else 529, "overloaded_error",
                                          "Overloaded")

@@ -21,6 +21,7 @@ import pytest
 
 from tests.apiclient import MySqlApi, admin_http, of_kind
 from tests.conftest import Daemon, proxy_daemon
+from tests.llmpeer import API_KEY, FakeLLM
 from proxies.mysql import codec
 from tests.mypeer import CONNECTOR_J
 
@@ -505,6 +506,65 @@ async def test_kill_query_from_a_second_connection_cancels_the_statement(api, ga
         assert await asyncio.wait_for(running, 30) == (1317, "Query execution was interrupted")
     finally:
         first.close()
+
+
+@pytest.fixture
+async def judge(api):
+    """A provider for AI rules (tests/llmpeer.py), set for the gateway; removed after the test."""
+    server = await FakeLLM().start()
+    status, body = await api("PUT", "/ai/session-analyzer/providers", {
+        "provider": "openai", "model": "judge-1", "api_url": f"{server.url}/v1", "api_key": API_KEY})
+    assert status == 200, body
+    yield server
+    await api("DELETE", "/ai/session-analyzer/providers")
+    await server.stop()
+
+
+async def test_kill_query_while_the_statement_waits_for_its_verdict_ends_it_before_the_target_has_it(
+        api, gateway, mysql_target, judge):
+    """KILL QUERY from a second connection while the gateway holds the statement for a sync AI rule's verdict:
+    the client gets MariaDB's own answer to a killed statement, which never reaches the target; the session goes
+    on, and the same statement sent again waits for its verdict again."""
+    role = await api.role()
+    status, rule = await api("POST", "/ai/session-analyzer/rules", {
+        "name": f"rule-{role['name']}", "connection_names": [role["name"]], "native_mode": "sync", "timeout": 60,
+        "risk_evaluation": {"low_risk_action": "allow_execution", "medium_risk_action": "allow_execution",
+                            "high_risk_action": "block_execution"}})
+    assert status == 201, rule
+    table = f"held_{os.urandom(4).hex()}"
+    with direct(mysql_target, autocommit=True) as root:
+        query(root, f"CREATE TABLE {table} (i INT); INSERT INTO {table} VALUES (1)")
+    statement = f"INSERT INTO {table} VALUES (2)"
+    judge.hold(statement, 15)  # it would be allowed, late; every other statement is answered at once
+    secret, session_id = await api.credential(role)
+    first = await in_thread(connect, gateway, secret, autocommit=True)
+    try:
+        thread_id = first.thread_id()
+        running = asyncio.ensure_future(in_thread(answer, first, statement))
+        while not any(statement in json.dumps(r.body) for r in judge.requests):  # the gateway holds it now
+            assert not running.done(), running.result()
+            await asyncio.sleep(0.02)
+
+        other_secret, _ = await api.credential(role)
+
+        def kill() -> Any:
+            with connect(gateway, other_secret) as second:
+                return answer(second, f"KILL QUERY {thread_id}")
+
+        assert await in_thread(kill) == []
+        assert await asyncio.wait_for(running, 10) == (1317, "Query execution was interrupted")
+        judge.answer_for(statement, "high", "Adds a row", "The rule forbids it.")
+        judge.holds.clear()
+        again = await in_thread(answer, first, statement)  # its verdict is asked again: refused this time
+        assert again[0] == 1227 and "Adds a row" in again[1], again
+        assert await in_thread(answer, first, "SELECT 40 + 2") == [(42,)]
+    finally:
+        first.close()
+    with direct(mysql_target) as root:
+        assert query(root, f"SELECT COUNT(*) FROM {table}") == [(1,)]
+    session = await api.done_session(session_id, 30)
+    errors = of_kind(session, "e")
+    assert any("Query execution was interrupted" in e for e in errors), errors
 
 
 async def test_mariadb_dump_and_restore_through_the_gateway(api, gateway, mysql_target, people):

@@ -108,6 +108,10 @@ class Pending:
         self.sql = sql  # PREPARE: the statement's SQL
 
 
+INTERRUPTED_MESSAGE = "Query execution was interrupted"
+INTERRUPTED_ERROR = codec.encode_err(1317, "70100", INTERRUPTED_MESSAGE)  # ER_QUERY_INTERRUPTED, as MariaDB says it
+
+
 def error_packet(verdict: GuardVerdict) -> bytes:
     return codec.encode_err(BLOCKED_CODE, BLOCKED_SQLSTATE, verdict.message)
 
@@ -241,6 +245,17 @@ class ClientSide:
         self.policy.error(message)
         self._local(seq, codec.encode_err(1227 if command == COM_CHANGE_USER else 1235, "42000", message))
         return CLOSE if command == COM_CHANGE_USER else ANSWER
+
+    def cancel(self, seq: int, payload: bytes) -> int:
+        """The client's KILL QUERY reached a statement the relay holds (WAIT): it is answered as MariaDB answers
+        a killed statement and never reaches the target. Recorded as the input it was, then the kill as its
+        ``e`` event; no guard rail refused it (no audit). ANSWER: the LOCAL entry is queued."""
+        self.work = None
+        self.prepared = None
+        self.policy.record_input(self.reading.decode(payload[1:])[0])
+        self.policy.error(f"{INTERRUPTED_MESSAGE}: KILL QUERY came while the gateway held the statement for its "
+                          f"verdict, before the target had it")
+        return self._local(seq, INTERRUPTED_ERROR)
 
     def _statement(self, statement_id: int) -> Statement | None:
         if statement_id == LAST_PREPARED:

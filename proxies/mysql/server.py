@@ -119,6 +119,7 @@ class Running:
     connection_id: str
     user_id: str
     end: Any = None  # ends the session (KILL CONNECTION that reached another process)
+    held: Any = None  # the relay's ``cancel_held``: KILL QUERY while the gateway holds the statement
 
 
 KILL_TOPIC = "mysql.kill"  # the bus topic: a KILL naming a session another process (worker, node) holds
@@ -157,7 +158,8 @@ class MySQLListener:
         if entry is None or entry.connection_id != connection_id or entry.user_id != user_id:
             return False
         if query:
-            _KILLS.spawn(kill_query(entry.link))
+            if entry.held is None or not entry.held():
+                _KILLS.spawn(kill_query(entry.link))
         elif entry.end is not None:
             entry.end("the session was ended by KILL CONNECTION from another connection")
         return True
@@ -385,6 +387,9 @@ class ClientConnection:
         if policy.checks_input and reading.decode(b"")[1] is not None:
             reading.blind = reading.decode(b"")[1] or ""
         relay = self.relay = RelaySession(self.stream, link.stream, client, server, policy, pending)
+        entry = self.listener.running.get(self.connection_id)
+        if entry is not None:
+            entry.held = relay.cancel_held
         try:
             side, error = await relay.run()
         except (OSError, ConnectionError):
@@ -425,6 +430,8 @@ class ClientConnection:
             entry = running.get(number)
             if entry is None or entry.connection_id != connection_id or entry.user_id != user_id:
                 return None
+            if query and entry.held is not None and entry.held():
+                return "DO 0"  # the statement was the gateway's to end
             return f"KILL {'QUERY' if query else 'CONNECTION'} {entry.link.thread_id}"
 
         return translate
