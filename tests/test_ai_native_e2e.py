@@ -93,6 +93,14 @@ async def asked(llm: FakeLLM, count: int, timeout: float = 30) -> None:
         await asyncio.sleep(0.02)
 
 
+async def asked_about(llm: FakeLLM, text: str, timeout: float = 30) -> None:
+    """Until the fake provider has been asked about ``text`` (a bound, not a timing assertion)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not any(text in json.dumps(r.body) for r in llm.requests):
+        assert asyncio.get_running_loop().time() < deadline, f"the provider was not asked about {text!r}"
+        await asyncio.sleep(0.02)
+
+
 async def audit_of(api: Api, action: str, session_id: str) -> list[dict]:
     status, body = await api("GET", f"/audit/logs?action={action}&page_size=100")
     assert status == 200, body
@@ -426,6 +434,52 @@ async def test_sync_an_ssh_exec_command_is_refused_before_it_runs(api, gateway, 
         assert result.returncode == 0 and result.stdout.strip() == "sync-ok", result.stderr
     finally:
         subprocess.run(["rm", "-f", marker], check=False)
+
+
+async def test_sync_ctrl_c_while_a_shell_line_waits_for_its_verdict_cancels_the_line(api, gateway, sshd, provider):
+    """A user who presses Ctrl-C while the gateway holds the Enter of a line for its verdict: the line never runs
+    (however the verdict would have gone), the shell takes the Ctrl-C as a fresh prompt and goes on."""
+    marker = f"/tmp/ai-sync-ctrl-c-{uuid.uuid4().hex[:8]}"
+    conn = await api.role()
+    await analysed(api, conn, native_mode="sync", timeout=60)
+    secret, session_id = await api.credential(conn)
+    provider.hold(f"touch {marker}", 15)  # it would be allowed, late; other lines are answered at once
+    client = await asyncio.create_subprocess_exec(
+        "ssh", *CLIENT_OPTIONS, "-tt", "-p", str(gateway.ssh_port), f"{secret}@127.0.0.1",
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    seen = bytearray()  # what the terminal showed since the last keys typed
+    shown = bytearray()  # all it showed
+
+    async def typed(keys: bytes, then: bytes) -> None:
+        """Type ``keys`` as a user does once the shell shows ``then`` (a prompt): not ahead of it."""
+        while then not in seen:
+            chunk = await asyncio.wait_for(client.stdout.read(4096), 30)
+            assert chunk, bytes(shown)
+            seen.extend(chunk)
+            shown.extend(chunk)
+        del seen[:seen.index(then) + len(then)]
+        client.stdin.write(keys)
+        await client.stdin.drain()
+
+    try:
+        assert client.stdin is not None and client.stdout is not None
+        await typed(f"touch {marker}\n".encode(), b"$ ")
+        await asked_about(provider, f"touch {marker}")  # the gateway holds its Enter now
+        await typed(b"\x03", b"")
+        await typed(b"echo after-$((40 + 2))\n", b"$ ")  # the fresh prompt the Ctrl-C gave
+        await typed(b"exit\n", b"after-42")
+        out, err = await asyncio.wait_for(client.communicate(), 60)
+        out = bytes(shown) + out
+        session = await api.done_session(session_id, 30)
+        ran = os.path.exists(marker)  # after the session's end: whether the line ran
+    finally:
+        if client.returncode is None:
+            client.kill()
+        subprocess.run(["rm", "-f", marker], check=False)
+    assert client.returncode == 0, (out, err)
+    assert not ran, out
+    assert b"the line was cancelled with Ctrl-C" in out, out  # the user is told why nothing ran
+    assert any("cancelled" in e and f"touch {marker}" in e for e in of_kind(session, "e")), of_kind(session, "e")
 
 
 async def test_sync_a_shell_lines_enter_waits_for_its_verdict_and_a_refused_line_is_not_run(

@@ -85,6 +85,9 @@ HOLD_IDLE = 5.0  # under a mask rule, an unfinished output line waits this long 
 HOLD_IDLE_PTY = 0.1  # the same with a pty: echoed keystrokes and prompts must show at once
 
 
+INTERRUPT = b"\x03"  # ^C, the terminal's interrupt key
+HOLDING_READ_CAP = 64 * 1024  # with a pty, what a user may type ahead while a line waits for its verdict
+LINE_CANCELLED = "the line was cancelled with Ctrl-C while it waited for its verdict: it did not run"
 UNMASKABLE_DOWNLOAD = "a file download cannot be masked: refused under this connection's mask rules"
 _SCP_DOWNLOAD = re.compile(r"^\s*(?:\S*/)?scp\s+(?:-\S+\s+)*-[A-Za-z]*f\b")  # the target's end of ``scp -O`` get
 
@@ -570,6 +573,8 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         self.pending: deque[bytes] = deque()  # client data waiting for the target's channel, or for a held line's verdict
         self.pending_eof = False
         self.holding = False  # a shell line's Enter waits for its verdict (an AI rule in sync mode)
+        self.deciding: asyncio.Future[None] | None = None  # that verdict's decision
+        self.line_cancelled = False  # the user pressed Ctrl-C meanwhile: the held line does not run
         self.client_eof = False  # the client sent EOF: it sends nothing more on this channel
         self.held_eof = False  # the target's EOF, sent to the client with the exit status
         self.injections: list[bytes] = []  # SFTP answers of the gateway waiting for a packet boundary
@@ -620,7 +625,10 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
     def data_received(self, data: bytes, datatype: int | None) -> None:  # type: ignore[override]
         if self.upchan is None or self.holding:
             self.pending.append(data)
-            self.chan.pause_reading()
+            if self.holding and self.pty and INTERRUPT in data:
+                self._cancel_line()
+            if not self._reads_while_holding():
+                self.chan.pause_reading()
             return
         self.to_target(data)
         self._check_drain()
@@ -663,7 +671,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             self.upchan.pause_reading()
         else:
             self.upchan.resume_reading()
-        if self.target_full or self.draining or self.holding:
+        if self.target_full or self.draining or (self.holding and not self._reads_while_holding()):
             self.chan.pause_reading()
         else:
             self.chan.resume_reading()
@@ -768,13 +776,26 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
                 self.tasks.spawn(policy.blocked(verdict))
 
     async def _decide_line(self, text: str, pieces: list[Chunk | Line]) -> None:
-        """A held shell line's verdict; then the line and what the client sent meanwhile go on, in order."""
+        """A held shell line's verdict; then the line and what the client sent meanwhile go on, in order. A
+        Ctrl-C typed meanwhile (``_cancel_line``) cancels the line: it is erased as a refused line is, never run."""
+        self.line_cancelled = False
+        self.deciding = deciding = asyncio.ensure_future(self.policy.decide(text))
         try:
-            await self.policy.decide(text)
+            await deciding
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not self.line_cancelled or (task is not None and task.cancelling()):
+                raise  # the channel is over
         finally:
+            self.deciding = None
             self.holding = False
             upchan = self.upchan
             if upchan is not None and not self.ended:
+                if self.line_cancelled:
+                    line, pieces = pieces[0], pieces[1:]
+                    upchan.write(line.refused)  # type: ignore[union-attr]
+                    self.policy.error(f"{LINE_CANCELLED}: {text}")
+                    self._tell(LINE_CANCELLED)
                 self._shell_to_target(upchan, pieces)
                 while self.pending and not self.holding:
                     self.to_target(self.pending.popleft())
@@ -782,6 +803,18 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
                     self.pending_eof = False
                     self._eof_to_target()
                 self.sync_reading()
+
+    def _cancel_line(self) -> None:
+        """Ctrl-C while a shell line waits for its verdict: the line is cancelled (``_decide_line``)."""
+        deciding = self.deciding
+        if deciding is not None and not self.line_cancelled:
+            self.line_cancelled = True
+            deciding.cancel()
+
+    def _reads_while_holding(self) -> bool:
+        """With a pty, what the user types while a line waits for its verdict is still read (queued, up to
+        ``HOLDING_READ_CAP``), so that a Ctrl-C in it cancels the line; without one the channel waits unread."""
+        return self.pty and self.shell is not None and sum(map(len, self.pending)) < HOLDING_READ_CAP
 
     def _sftp_to_target(self, sftp: SftpObserver, upchan: asyncssh.SSHClientChannel[bytes], data: bytes) -> None:
         """SFTP requests: recorded as lines; the input rules may refuse an operation (permission denied)."""
