@@ -457,7 +457,13 @@ class Gateway:
         await self.listeners.apply(listen_addresses(document))
 
     def request_stop(self) -> None:
-        self._stopping.set()
+        """SIGTERM / SIGINT: stop. A second one while stopping cuts the sessions' grace short."""
+        if not self._stopping.is_set():
+            self._stopping.set()
+            return
+        log.warning("stop signal again: the live sessions are closed now, without the rest of their grace")
+        if self.sessions is not None:
+            self.sessions.hurry()
 
     async def wait_stopped(self) -> None:
         await self._stopping.wait()

@@ -193,6 +193,7 @@ class SessionManager:
         recording.may_seal = self.may_seal
         self.live: dict[str, LiveSession] = {}
         self.accepting = True
+        self.hurried = False  # ``hurry``: the shutdown's grace is over
         self.tasks = BackgroundTasks("sessions")  # expiry kills, sessions' ends
         self.cluster.on(self.KILL, self._on_kill)
         self.cluster.on(self.END, self._on_end)
@@ -475,11 +476,16 @@ class SessionManager:
         in the store): end them here, with ``reason``."""
         await self.kill_where(lambda s: True, reason)
 
+    def hurry(self) -> None:
+        """End the shutdown's grace now (the operator's second stop signal): the live sessions are closed as at
+        its end."""
+        self.hurried = True
+
     async def shutdown(self, grace: float) -> None:
         """Stop opening sessions, let live ones finish for ``grace`` seconds, then close the rest."""
         self.accepting = False
         deadline = time.monotonic() + grace
-        while self.live and time.monotonic() < deadline:
+        while self.live and time.monotonic() < deadline and not self.hurried:
             await asyncio.sleep(min(0.1, max(deadline - time.monotonic(), 0)))
         await self.kill_where(lambda s: True, "gateway shutting down: the session was closed")
         await self.tasks.wait()

@@ -9,8 +9,12 @@ the listener factory and script runner of each one that is installed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import signal
+import threading
+from typing import Iterator
 
 import proxies
 from control.app import make_app
@@ -20,6 +24,9 @@ from gatewayd.daemon import Gateway, ListenerFactory
 from gatewayd.scripts import ScriptRunner
 
 log = logging.getLogger("gatewayd")
+
+STOP_MARGIN = 30.0  # seconds past the sessions' shutdown grace a stop gets to flush and close (then it exits: 1)
+STOP_OVERDUE_EXIT = 1
 
 
 def listener_factories() -> dict[str, ListenerFactory]:
@@ -60,19 +67,46 @@ def reload_config(config: Config) -> None:
                                                  "restart_needed_for": ",".join(pending) or "-"})
 
 
+@contextlib.contextmanager
+def stop_watchdog(limit: float) -> Iterator[None]:
+    """A stop still running after ``limit`` seconds (a close that hangs, a blocked event loop) ends the process
+    with status 1 and an error in the log, as the supervisor ends a worker that does not stop. A thread: it
+    fires even when the event loop is blocked."""
+    timer = threading.Timer(limit, _stop_overdue, (limit,))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def _stop_overdue(limit: float) -> None:
+    log.error("gatewayd did not stop in time: exiting now", extra={"limit_s": limit})
+    for handler in logging.getLogger().handlers + log.handlers:
+        with contextlib.suppress(Exception):
+            handler.flush()
+    os._exit(STOP_OVERDUE_EXIT)
+
+
 async def run(config: Config, worker_index: int | None = None) -> None:
-    """Run until SIGTERM or SIGINT, then stop in order; SIGHUP reloads the log settings."""
+    """Run until SIGTERM or SIGINT, then stop in order, within the sessions' grace and ``STOP_MARGIN``
+    (``stop_watchdog``); a second SIGTERM or SIGINT closes the sessions without the rest of their grace. SIGHUP
+    reloads the log settings."""
     gateway = build_gateway(config, worker_index)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, gateway.request_stop)
     loop.add_signal_handler(signal.SIGHUP, reload_config, config)
+    limit = config["sessions.shutdown_grace"] + STOP_MARGIN
     try:
         await gateway.start()
     except BaseException:
-        await gateway.stop()
+        with stop_watchdog(limit):
+            await gateway.stop()
         raise
     try:
         await gateway.wait_stopped()
     finally:
-        await gateway.stop()
+        with stop_watchdog(limit):
+            await gateway.stop()

@@ -36,12 +36,11 @@ from gatewayd.config import WORKER_INDEX_VARIABLE, Config, ConfigError, split_li
 from gatewayd.daemon import sd_notify
 from gatewayd.services import listen_addresses
 from gatewayd.tasks import BackgroundTasks
-from launcher.root import build_gateway, reload_config
+from launcher.root import STOP_MARGIN, build_gateway, reload_config
 
 log = logging.getLogger("gatewayd.supervisor")
 
 START_FAILURES = 5  # a worker that dies before it is ready this many times in a row stops the group
-STOP_MARGIN = 30.0  # seconds past the shutdown grace a worker gets to flush and close before SIGKILL
 _UCRED = struct.Struct("iII")  # SCM_CREDENTIALS: pid, uid, gid
 
 
@@ -118,6 +117,7 @@ class Supervisor:
         self.watchers = BackgroundTasks("supervisor")  # one task a worker process, until it exits
         self.notify: socket.socket | None = None
         self.run_dir: Path | None = None
+        self.stopping = False  # a stop signal came (``_on_stop_signal``) or the group is stopping
 
     async def run(self) -> int:
         await prepare(self.config, len(self.workers))
@@ -132,7 +132,7 @@ class Supervisor:
             self.notify = self._notify_socket(self.run_dir / "notify.sock")
             loop.add_reader(self.notify.fileno(), self._on_notify)
             for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, self.events.put_nowait, ("stop", None, 0))
+                loop.add_signal_handler(sig, self._on_stop_signal)
             loop.add_signal_handler(signal.SIGHUP, self._reload)
             log.info("gatewayd supervisor started", extra={"workers": len(self.workers), "supervisor_pid": os.getpid()})
             try:
@@ -167,6 +167,20 @@ class Supervisor:
             if worker is not None and b"READY=1" in data.split(b"\n"):
                 self.events.put_nowait(("ready", worker, pid))
 
+    def _on_stop_signal(self) -> None:
+        """SIGTERM / SIGINT: stop the group. Again while stopping: passed on, so each worker closes its sessions
+        without the rest of their grace (the workers are in a process group of their own: a terminal's Ctrl-C
+        reaches the supervisor alone, which passes each stop on once)."""
+        if not self.stopping:
+            self.stopping = True
+            self.events.put_nowait(("stop", None, 0))
+            return
+        log.warning("stop signal again: passed on to the workers, which close their sessions now")
+        for worker in self.workers:
+            if worker.process is not None and worker.process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    worker.process.send_signal(signal.SIGTERM)
+
     def _reload(self) -> None:
         reload_config(self.config)
         for worker in self.workers:
@@ -179,7 +193,8 @@ class Supervisor:
         env = dict(os.environ)
         env[WORKER_INDEX_VARIABLE] = str(worker.index)
         env["NOTIFY_SOCKET"] = str(self.run_dir / "notify.sock")
-        process = await asyncio.create_subprocess_exec(*self.command, env=env, stdin=asyncio.subprocess.DEVNULL)
+        process = await asyncio.create_subprocess_exec(*self.command, env=env, stdin=asyncio.subprocess.DEVNULL,
+                                                       start_new_session=True)  # signals come from the supervisor only
         worker.process, worker.ready, worker.started = process, False, time.monotonic()
         self.by_pid[process.pid] = worker
         log.info("worker started", extra={"worker": worker.index, "pid": process.pid})
@@ -242,6 +257,7 @@ class Supervisor:
 
     async def _stop_all(self, status: int) -> int:
         """SIGTERM every worker, wait for their graceful stop (SIGKILL past grace + margin); ``status``."""
+        self.stopping = True
         sd_notify("STOPPING=1")
         log.info("gatewayd supervisor stopping")
         live = []

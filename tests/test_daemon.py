@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
+import subprocess
+import sys
 
 import aiohttp
 import pytest
@@ -12,7 +15,7 @@ from control.app import make_app
 from gatewayd.config import load_config
 from gatewayd.daemon import Gateway
 from tests import lineproxy
-from tests.conftest import free_port
+from tests.conftest import ROOT, free_port
 
 
 async def make_gateway(tmp_path, **overrides) -> Gateway:
@@ -284,3 +287,33 @@ async def test_a_session_naming_another_organizations_review_shows_and_decides_n
     status, answer = await api("PUT", f"/sessions/{session.id}/review", {"status": "APPROVED"})
     assert status == 404 and "has no review" in answer["message"], answer
     assert (await gateway.store.get_review(foreign.id)).status == "PENDING"
+
+
+def test_a_stop_that_runs_past_its_limit_ends_the_process_with_an_error():
+    """The stop's watchdog (launcher.root.stop_watchdog) fires from its own thread, so a stop whose event loop is
+    blocked (here: a stop that sleeps on the loop) still ends the process: status 1 and an error in the log."""
+    script = ("import asyncio, time\n"
+              "from gatewayd import logs\n"
+              "from launcher.root import stop_watchdog\n"
+              "logs.configure('json', 'info')\n"
+              "async def stop():\n"
+              "    with stop_watchdog(0.5):\n"
+              "        time.sleep(60)  # the loop blocked\n"
+              "asyncio.run(stop())\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert done.returncode == 1, done
+    lines = [json.loads(line) for line in (done.stdout + done.stderr).splitlines() if line.startswith("{")]
+    assert [(e["level"], e["message"], e["limit_s"]) for e in lines] == [
+        ("error", "gatewayd did not stop in time: exiting now", 0.5)], done
+
+
+def test_a_stop_within_its_limit_is_left_alone():
+    script = ("import asyncio\n"
+              "from launcher.root import stop_watchdog\n"
+              "async def stop():\n"
+              "    with stop_watchdog(0.5):\n"
+              "        await asyncio.sleep(0.1)\n"
+              "    await asyncio.sleep(1)  # past the limit, after the stop: nothing fires\n"
+              "asyncio.run(stop())\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    assert done.returncode == 0 and "did not stop" not in done.stderr + done.stdout, done

@@ -8,6 +8,7 @@ its own connection (role) so guard rails never leak between tests.
 from __future__ import annotations
 
 import asyncio
+import signal
 import csv
 import io
 import json
@@ -753,6 +754,44 @@ async def test_the_daemons_stop_ends_a_held_session_with_57P01_recorded_and_seal
             assert status == 200 and result["verified"] and result["sealed"], result
     finally:
         daemon.stop()
+
+
+async def test_a_second_stop_signal_closes_the_sessions_without_the_rest_of_their_grace(tmp_path_factory, cluster):
+    """An operator's second Ctrl-C (or SIGTERM) while the daemon waits out a long grace for a live session: the
+    session is closed at once as at the grace's end (57P01, recorded), and the daemon finishes its stop."""
+    daemon = proxy_daemon(tmp_path_factory, "pgstop2", "postgres", {"sessions.shutdown_grace": "10m"}, wait=True)
+    daemon.pg_port = daemon.proxy_port
+    try:
+        async with admin_http(daemon) as http:
+            api = PostgresApi(daemon, http, cluster)
+            secret, session_id = await api.credential(await api.role())
+        client = await RawClient.open(daemon)
+        await client.login(secret)
+        daemon.process.send_signal(signal.SIGINT)
+        while await port_accepts(daemon.proxy_port):  # the stop is under way: its listeners closed first
+            await asyncio.sleep(0.05)
+        assert daemon.process.poll() is None  # waiting out the grace for the live session
+        assert await asyncio.to_thread(daemon.stop, signal.SIGINT) == 0  # the second; bounded by stop's 20 s
+        messages = await client.rest()
+        client.close()
+        assert [(m.severity, m.sqlstate, m.message) for m in messages] == [
+            ("FATAL", "57P01", "gateway shutting down: the session was closed")], messages
+        assert "stop signal again" in daemon.log_text()
+        await asyncio.to_thread(daemon.start)
+        async with admin_http(daemon) as http:
+            session = await PostgresApi(daemon, http, cluster).done_session(session_id)
+            assert of_kind(session, "e")[-1] == "gateway shutting down: the session was closed", session
+    finally:
+        daemon.stop()
+
+
+async def port_accepts(port: int) -> bool:
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+    except OSError:
+        return False
+    writer.close()
+    return True
 
 
 async def test_a_kill_cancels_the_query_running_on_the_target(gateway, api, cluster):

@@ -147,6 +147,14 @@ async def scrape(daemon: Daemon) -> dict[tuple[str, tuple], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
+def accepts(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -551,6 +559,48 @@ async def test_sigterm_stops_every_worker_cleanly(gateway, notify):
     assert entries(gateway)[-1]["message"] == "gatewayd supervisor stopped"
     assert entries(gateway)[-1]["exit_code"] == 0
     assert not [e for e in entries(gateway) if e["level"] == "error" and e["message"] != "worker exited; restarting it"]
+
+
+async def test_a_second_sigterm_closes_every_worker_s_sessions_without_the_rest_of_their_grace(tmp_path, pg_target):
+    """The first SIGTERM starts the group's stop, and its workers wait out a long grace for their live sessions;
+    the second is passed on and every worker closes its sessions at once (57P01, recorded) and stops. The workers
+    are in a process group of their own, so a terminal's Ctrl-C (sent to the supervisor's group) reaches the
+    supervisor alone, which passes each stop on once: a single Ctrl-C keeps the grace."""
+    port = free_port()
+    daemon = workers_daemon(tmp_path, {"listeners.postgres": f"127.0.0.1:{port}", "sessions.shutdown_grace": "10m"})
+    daemon.ports = {"postgres": port}
+    daemon.start()
+    try:
+        pids = await until("every worker started", lambda: len(ready_pids(daemon)) == WORKERS and ready_pids(daemon))
+        assert all(os.getpgid(pid) == pid for pid in pids.values())  # not the supervisor's group
+        async with admin_http(daemon) as http:
+            pg = PostgresApi(daemon, http, pg_target)
+            role = await pg.role()
+            secret, _ = await pg.credential(role)
+            pool = await asyncio.gather(*(asyncpg.connect(host="127.0.0.1", port=port, user=secret, password="any",
+                                                          database="postgres", ssl=False) for _ in range(4)))
+            assert await asyncio.gather(*(c.fetchval("select $1::int", n) for n, c in enumerate(pool))) == [0, 1, 2, 3]
+            sessions = await until("4 sessions opened", lambda: len(found := sessions_by_worker(daemon, role["name"]))
+                                   == 4 and found)
+            daemon.process.send_signal(signal.SIGTERM)
+            await until("every worker's listener closed", lambda: not accepts(port))
+            assert all(alive(pid) for pid in pids.values())  # waiting out the grace for the live sessions
+            assert await asyncio.to_thread(daemon.stop, signal.SIGTERM) == 0  # the second; within stop's 20 s
+            for connection in pool:  # closed by the gateway (FATAL 57P01 read while idle: asyncpg says closed)
+                with pytest.raises((asyncpg.AdminShutdownError, asyncpg.InterfaceError)):
+                    await connection.fetchval("select 1")
+                connection.terminate()
+        assert not [pid for pid in pids.values() if alive(pid)]
+        hurried = [e for e in entries(daemon) if e["message"].startswith("stop signal again")]
+        assert sorted(str(e.get("worker", "supervisor")) for e in hurried) == ["0", "1", "supervisor"], hurried
+        daemon.start()
+        async with admin_http(daemon) as http:
+            pg = PostgresApi(daemon, http, pg_target)
+            for session_id in sessions:
+                session = await pg.done_session(session_id, timeout=PATIENCE)
+                assert of_kind(session, "e")[-1] == "gateway shutting down: the session was closed", session
+    finally:
+        daemon.stop()
 
 
 # --------------------------------------------------------------------------- start-up
