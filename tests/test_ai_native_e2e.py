@@ -352,6 +352,32 @@ async def test_sync_a_provider_that_does_not_answer_in_time_fails_as_the_rule_sa
         assert failed < stream.index(("i", f"create table {table} (i int);")), stream  # it waited for the outcome
 
 
+async def test_sync_a_fast_path_function_call_waits_for_its_verdict_and_is_refused_before_it_runs(
+        api, gateway, cluster, provider, tmp_path):
+    """A FunctionCall the connection lets through (libpq's ``\\lo_export``: lo_open, loread, lo_close) carries no
+    SQL, but it is an input like a statement: under a sync rule it waits for its verdict and a refusal is said
+    as for a statement, before the target ran it."""
+    direct = await asyncpg.connect(cluster.dsn())
+    oid = await direct.fetchval("select lo_from_bytea(0, convert_to('the ledger', 'UTF8'))::int")
+    await direct.close()
+    # libpq's lo_initialize first reads the functions' OIDs with a query naming them: only the call is refused
+    provider.answer_for("pg_catalog.lo_open(", "high", "Opens a large object",
+                        "The rule forbids reading large objects.")
+    conn = await api.connection("pg", "database", "postgres", postgres_env(cluster),
+                                settings={"postgres": {"function_calls": ["large_objects"]}})
+    rule = await analysed(api, conn, native_mode="sync", timeout=60)
+    secret, session_id = await api.credential(conn)
+    out = tmp_path / "export"
+    done = await asyncio.to_thread(psql, gateway, secret, f"\\lo_export {oid} {out}\n")
+    assert f"blocked by AI session analysis (rule '{rule}'): high risk, Opens a large object" in done.stderr, done
+    assert not out.exists() or b"ledger" not in out.read_bytes()
+    session = await api.done_session(session_id, 30)
+    stream = [(kind, text) for kind, text in events(session) if kind in "ie"]
+    at = next(i for i, (kind, text) in enumerate(stream) if kind == "i" and "pg_catalog.lo_open(" in text)
+    assert stream[at + 1][0] == "e" and "Opens a large object" in stream[at + 1][1], stream
+    assert any("pg_catalog.lo_open(" in json.dumps(r.body) for r in provider.requests)
+
+
 CANCELLED = "canceling statement due to user request"
 
 

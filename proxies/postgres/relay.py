@@ -294,25 +294,25 @@ class ClientSide:
             return None
         return reading.read(raw, certain)
 
-    def cancel(self, message: Query | Parse) -> None:
+    def cancel(self, message: Query | Parse | FunctionCall) -> None:
         """The client cancelled a statement the relay holds (WAIT): it is answered as PostgreSQL answers a
         cancelled statement and never reaches the target; ``substitute`` goes upstream in its place (as for a
         block). Recorded as the input it was, then the cancel as its ``e`` event; no guard rail refused it."""
         self.work = None
         self.prepared = None
         policy = self.policy
-        policy.record_input(message.sql)
+        policy.record_input(self._call_text(message)[1] if type(message) is FunctionCall else message.sql)
         policy.error(f"{CANCELLED_MESSAGE}: the client cancelled it while the gateway held it for its verdict, "
                      f"before the target had it")
         self.verdict = None
-        if type(message) is Query:
-            self.bound = False
-            self.substitute = SYNC  # answered by ReadyForQuery with the true transaction status
-            self.pending.append(Pending(SYNC_POINT, error=CANCELLED_ERROR))
-        else:  # a Parse: what the client sent after it is skipped until its Sync, as after a blocked Parse
+        if type(message) is Parse:  # what the client sent after it is skipped until its Sync, as after a block
             self.discarding = True
             self.substitute = BLOCKED_PARSE_MARKER
             self.pending.append(Pending(MARKER, error=CANCELLED_ERROR))
+        else:  # a Query, a FunctionCall: answered by ReadyForQuery with the true transaction status
+            self.bound = False
+            self.substitute = SYNC
+            self.pending.append(Pending(SYNC_POINT, error=CANCELLED_ERROR))
 
     def _refuse(self, statement: StatementText) -> GuardVerdict:
         """A statement the gateway cannot read as the target will: recorded, then refused (fail closed)."""
@@ -379,12 +379,17 @@ class ClientSide:
         self.pending.append(_UNTIL_READY)
         return FORWARD
 
+    @staticmethod
+    def _call_text(call: FunctionCall) -> tuple[int, str]:
+        """A FunctionCall's function and the SQL it stands for, with its arguments (what is recorded and read)."""
+        oid, formats, args, _ = call._decoded()
+        return oid, render_params(call_sql(oid, len(args)), args, formats)
+
     def _function_call(self, call: FunctionCall) -> int:
         """A fast-path FunctionCall: always recorded as the call it is; under input rules refused unless the
         connection allows its function (``fastpath.py``), and then read by the rules like a query."""
         policy = self.policy
-        oid, formats, args, _ = call._decoded()
-        text = render_params(call_sql(oid, len(args)), args, formats)
+        oid, text = self._call_text(call)
         if policy.checks_input and oid not in self.functions:
             policy.record_input(text)
             verdict: GuardVerdict | None = GuardVerdict(
@@ -476,6 +481,14 @@ class WaitingClientSide(ClientSide):
             self._wait(parse.sql)
             return WAIT
         return ClientSide._parse(self, parse)
+
+    def _function_call(self, call: FunctionCall) -> int:
+        """A FunctionCall the guard rails would let through waits for its verdict like a statement."""
+        oid, text = self._call_text(call)
+        if (oid in self.functions or not self.policy.checks_input) and self.policy.needs_wait(text):
+            self._wait(text)
+            return WAIT
+        return ClientSide._function_call(self, call)
 
     def _wait(self, sql: str) -> None:
         self.waiting = sql
