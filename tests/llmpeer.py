@@ -121,6 +121,13 @@ class FakeLLM:
     async def _stall(self) -> None:
         await self._stopping.wait()
 
+    async def _late(self, delay: float) -> None:
+        """Hold an answer ``delay`` seconds, or until the server stops (its caller may have left long ago)."""
+        try:
+            await asyncio.wait_for(self._stopping.wait(), delay)
+        except TimeoutError:
+            pass
+
     # ------------------------------------------------------------------ OpenAI and Azure
 
     @staticmethod
@@ -166,7 +173,7 @@ class FakeLLM:
             await self._stall()
         delay = self._delay_of(body)
         if delay:
-            await asyncio.sleep(delay)
+            await self._late(delay)
         if self.mode == "error":
             return self._openai_error(self.status, "The server had an error while processing your request.",
                                       "server_error")
@@ -209,7 +216,7 @@ class FakeLLM:
             await self._stall()
         delay = self._delay_of(body)
         if delay:
-            await asyncio.sleep(delay)
+            await self._late(delay)
         if self.mode == "error":
             return self._anthropic_error(self.status if self.status != 500 else 529, "overloaded_error",
                                          "Overloaded")

@@ -508,65 +508,6 @@ async def test_kill_query_from_a_second_connection_cancels_the_statement(api, ga
         first.close()
 
 
-@pytest.fixture
-async def judge(api):
-    """A provider for AI rules (tests/llmpeer.py), set for the gateway; removed after the test."""
-    server = await FakeLLM().start()
-    status, body = await api("PUT", "/ai/session-analyzer/providers", {
-        "provider": "openai", "model": "judge-1", "api_url": f"{server.url}/v1", "api_key": API_KEY})
-    assert status == 200, body
-    yield server
-    await api("DELETE", "/ai/session-analyzer/providers")
-    await server.stop()
-
-
-async def test_kill_query_while_the_statement_waits_for_its_verdict_ends_it_before_the_target_has_it(
-        api, gateway, mysql_target, judge):
-    """KILL QUERY from a second connection while the gateway holds the statement for a sync AI rule's verdict:
-    the client gets MariaDB's own answer to a killed statement, which never reaches the target; the session goes
-    on, and the same statement sent again waits for its verdict again."""
-    role = await api.role()
-    status, rule = await api("POST", "/ai/session-analyzer/rules", {
-        "name": f"rule-{role['name']}", "connection_names": [role["name"]], "native_mode": "sync", "timeout": 60,
-        "risk_evaluation": {"low_risk_action": "allow_execution", "medium_risk_action": "allow_execution",
-                            "high_risk_action": "block_execution"}})
-    assert status == 201, rule
-    table = f"held_{os.urandom(4).hex()}"
-    with direct(mysql_target, autocommit=True) as root:
-        query(root, f"CREATE TABLE {table} (i INT); INSERT INTO {table} VALUES (1)")
-    statement = f"INSERT INTO {table} VALUES (2)"
-    judge.hold(statement, 15)  # it would be allowed, late; every other statement is answered at once
-    secret, session_id = await api.credential(role)
-    first = await in_thread(connect, gateway, secret, autocommit=True)
-    try:
-        thread_id = first.thread_id()
-        running = asyncio.ensure_future(in_thread(answer, first, statement))
-        while not any(statement in json.dumps(r.body) for r in judge.requests):  # the gateway holds it now
-            assert not running.done(), running.result()
-            await asyncio.sleep(0.02)
-
-        other_secret, _ = await api.credential(role)
-
-        def kill() -> Any:
-            with connect(gateway, other_secret) as second:
-                return answer(second, f"KILL QUERY {thread_id}")
-
-        assert await in_thread(kill) == []
-        assert await asyncio.wait_for(running, 10) == (1317, "Query execution was interrupted")
-        judge.answer_for(statement, "high", "Adds a row", "The rule forbids it.")
-        judge.holds.clear()
-        again = await in_thread(answer, first, statement)  # its verdict is asked again: refused this time
-        assert again[0] == 1227 and "Adds a row" in again[1], again
-        assert await in_thread(answer, first, "SELECT 40 + 2") == [(42,)]
-    finally:
-        first.close()
-    with direct(mysql_target) as root:
-        assert query(root, f"SELECT COUNT(*) FROM {table}") == [(1,)]
-    session = await api.done_session(session_id, 30)
-    errors = of_kind(session, "e")
-    assert any("Query execution was interrupted" in e for e in errors), errors
-
-
 async def test_mariadb_dump_and_restore_through_the_gateway(api, gateway, mysql_target, people):
     role = await api.role()
     await api.guardrail(role, input_rules=[{"type": "deny_words_list", "words": ["nothing here"]}])
@@ -826,41 +767,90 @@ async def test_com_field_list_answers_its_columns(api, gateway, people):
     assert await in_thread(work) == ["id", "email", "card", "ssn", "salary", "note", "born"]
 
 
-async def test_an_ai_rule_in_sync_mode_holds_each_statement_for_its_verdict(api, gateway, mysql_target):
+@pytest.fixture
+async def judge(api):
+    """A provider for AI rules (tests/llmpeer.py), set for the gateway; removed after the test."""
+    server = await FakeLLM().start()
+    status, body = await api("PUT", "/ai/session-analyzer/providers", {
+        "provider": "openai", "model": "judge-1", "api_url": f"{server.url}/v1", "api_key": API_KEY})
+    assert status == 200, body
+    yield server
+    await api("DELETE", "/ai/session-analyzer/providers")
+    await server.stop()
+
+
+async def sync_rule(api: MySqlApi) -> dict:
+    """A new connection under an AI rule in sync mode (high risk blocks): its statements wait for their verdicts."""
+    role = await api.role()
+    status, rule = await api("POST", "/ai/session-analyzer/rules", {
+        "name": f"rule-{role['name']}", "connection_names": [role["name"]], "native_mode": "sync", "timeout": 60,
+        "risk_evaluation": {"low_risk_action": "allow_execution", "medium_risk_action": "allow_execution",
+                            "high_risk_action": "block_execution"}})
+    assert status == 201, rule
+    return role
+
+
+async def test_an_ai_rule_in_sync_mode_holds_each_statement_for_its_verdict(api, gateway, mysql_target, judge):
     """The provider rates "high" what no guard rail refuses: the table not made proves the statement waited."""
-    from tests.llmpeer import API_KEY, FakeLLM
+    judge.answer("verdict", "low", "Routine query", "Reads data only.", delay=0.3)
+    judge.answer_for("create table secret_ai", "high", "Creates a secret table", "The rule forbids it.")
+    role = await sync_rule(api)
+    secret, session_id = await api.credential(role)
 
-    llm = await FakeLLM().start()
+    def work() -> tuple[Any, str, Any]:
+        with connect(gateway, secret, autocommit=True) as connection:
+            before = query(connection, "SELECT 'before'")
+            refused = blocked(connection, "create table secret_ai (i int)")
+            return before, refused, query(connection, "SELECT 'after'")
+
+    before, refused, after = await in_thread(work)
+    assert before == [("before",)] and after == [("after",)]
+    assert "Creates a secret table" in refused, refused
+    assert "secret_ai" not in tables(mysql_target)  # refused before MariaDB saw it
+    session = await api.done_session(session_id, 30)
+    assert session["ai_analysis"]["action"] == "block_execution"
+
+
+async def test_kill_query_while_the_statement_waits_for_its_verdict_ends_it_before_the_target_has_it(
+        api, gateway, mysql_target, judge):
+    """KILL QUERY from a second connection while the gateway holds the statement for a sync AI rule's verdict:
+    the client gets MariaDB's own answer to a killed statement, which never reaches the target; the session goes
+    on, and the same statement sent again waits for its verdict again."""
+    role = await sync_rule(api)
+    table = f"held_{os.urandom(4).hex()}"
+    with direct(mysql_target, autocommit=True) as root:
+        query(root, f"CREATE TABLE {table} (i INT); INSERT INTO {table} VALUES (1)")
+    statement = f"INSERT INTO {table} VALUES (2)"
+    judge.hold(statement, 15)  # it would be allowed, late; every other statement is answered at once
+    secret, session_id = await api.credential(role)
+    first = await in_thread(connect, gateway, secret, autocommit=True)
     try:
-        status, body = await api("PUT", "/ai/session-analyzer/providers", {
-            "provider": "openai", "model": "judge-1", "api_url": f"{llm.url}/v1", "api_key": API_KEY})
-        assert status == 200, body
-        llm.answer("verdict", "low", "Routine query", "Reads data only.", delay=0.3)
-        llm.answer_for("create table secret_ai", "high", "Creates a secret table", "The rule forbids it.")
-        role = await api.role()
-        status, rule = await api("POST", "/ai/session-analyzer/rules", {
-            "name": f"rule-{role['name']}", "connection_names": [role["name"]], "native_mode": "sync",
-            "timeout": 60, "risk_evaluation": {"low_risk_action": "allow_execution",
-                                               "medium_risk_action": "allow_execution",
-                                               "high_risk_action": "block_execution"}})
-        assert status == 201, rule
-        secret, session_id = await api.credential(role)
+        thread_id = first.thread_id()
+        running = asyncio.ensure_future(in_thread(answer, first, statement))
+        while not any(statement in json.dumps(r.body) for r in judge.requests):  # the gateway holds it now
+            assert not running.done(), running.result()
+            await asyncio.sleep(0.02)
 
-        def work() -> tuple[Any, str, Any]:
-            with connect(gateway, secret, autocommit=True) as connection:
-                before = query(connection, "SELECT 'before'")
-                refused = blocked(connection, "create table secret_ai (i int)")
-                return before, refused, query(connection, "SELECT 'after'")
+        other_secret, _ = await api.credential(role)
 
-        before, refused, after = await in_thread(work)
-        assert before == [("before",)] and after == [("after",)]
-        assert "Creates a secret table" in refused, refused
-        assert "secret_ai" not in tables(mysql_target)  # refused before MariaDB saw it
-        session = await api.done_session(session_id, 30)
-        assert session["ai_analysis"]["action"] == "block_execution"
+        def kill() -> Any:
+            with connect(gateway, other_secret) as second:
+                return answer(second, f"KILL QUERY {thread_id}")
+
+        assert await in_thread(kill) == []
+        assert await asyncio.wait_for(running, 10) == (1317, "Query execution was interrupted")
+        judge.answer_for(statement, "high", "Adds a row", "The rule forbids it.")
+        judge.holds.clear()
+        again = await in_thread(answer, first, statement)  # its verdict is asked again: refused this time
+        assert again[0] == 1227 and "Adds a row" in again[1], again
+        assert await in_thread(answer, first, "SELECT 40 + 2") == [(42,)]
     finally:
-        await api("DELETE", "/ai/session-analyzer/providers")
-        await llm.stop()
+        first.close()
+    with direct(mysql_target) as root:
+        assert query(root, f"SELECT COUNT(*) FROM {table}") == [(1,)]
+    session = await api.done_session(session_id, 30)
+    errors = of_kind(session, "e")
+    assert any("Query execution was interrupted" in e for e in errors), errors
 
 
 async def test_the_connections_mysql_settings_are_checked(api):
