@@ -37,6 +37,7 @@ log = logging.getLogger("gatewayd.balance")
 DIRECTORY_ENV = "GATEWAYD_BALANCE_DIR"  # the supervisor's: where the loads and the workers' sockets are
 
 LOADS = "load"
+RETIRED = 1 << 40  # added to the load of a worker whose listeners are closed: no sibling is heavier
 _SLOT = struct.Struct("=q")
 _NAME_LIMIT = 64
 
@@ -79,28 +80,56 @@ class Balancer:
         # to it counts as taken (what it had not taken went with it)
         self.handed = list(table[index * (count + 2) + 2:(index + 1) * (count + 2)])
         self.taken = sum(table[i * (count + 2) + 2 + index] for i in range(count))
+        self.retired = False  # ``retire``
         self._write()
-        path = socket_path(directory, index)
+        self.sock = self._bind()
+
+    def _bind(self) -> socket.socket:
+        """This worker's socket for handed connections (a dead predecessor's in the slot is replaced)."""
+        path = socket_path(self.directory, self.index)
         with contextlib.suppress(FileNotFoundError):
-            path.unlink()  # a dead predecessor's in this slot
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(str(path))
-        self.sock.setblocking(False)
-        asyncio.get_running_loop().add_reader(self.sock.fileno(), self._receive)
+            path.unlink()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.bind(str(path))
+        sock.setblocking(False)
+        asyncio.get_running_loop().add_reader(sock.fileno(), self._receive)
+        return sock
+
+    def take(self, name: str, adopt: Callable[[socket.socket], None]) -> None:
+        """Connections handed for the listener ``name`` are served by ``adopt`` (again, after ``retire``)."""
+        self.adopters[name] = adopt
+        if self.retired and not self.loads.closed:
+            self.retired = False
+            self.sock = self._bind()
+            self._write()
+
+    def retire(self) -> None:
+        """This worker's listeners are closed (its stop): its socket closes and its load reads as full, so a
+        sibling serves what it accepts itself or hands it to another, instead of handing it here to be closed."""
+        if self.retired:
+            return
+        self.retired = True
+        self._close_socket()
+        self._write()
+
+    def _close_socket(self) -> None:
+        if self.sock.fileno() >= 0:
+            asyncio.get_running_loop().remove_reader(self.sock.fileno())
+            self.sock.close()
 
     def close(self) -> None:
         """Leave (idempotent): handed connections are no longer taken, the loads no longer written."""
-        if self.sock.fileno() < 0:
+        if self.loads.closed:
             return
-        asyncio.get_running_loop().remove_reader(self.sock.fileno())
-        self.sock.close()
+        self.retire()
         self.adopters.clear()
         self.loads.close()
 
     def _write(self) -> None:
         if self.loads.closed:  # a connection that ends after the worker left (its stop): nobody reads it now
             return
-        self.row.pack_into(self.loads, self.index * self.row.size, self.live, self.taken, *self.handed)
+        self.row.pack_into(self.loads, self.index * self.row.size, self.live + (RETIRED if self.retired else 0),
+                           self.taken, *self.handed)
 
     def accepted(self) -> None:
         """A connection is served here: counted at once, so that a burst of them spreads too (its proxy counts
@@ -215,7 +244,7 @@ class BalancedServer:
         self.sockets = sockets
         self.balancer = balancer
         self.tasks: set[asyncio.Task[Any]] = set()
-        balancer.adopters[name] = self.adopt
+        balancer.take(name, self.adopt)
         loop = asyncio.get_running_loop()
         self._accepting = [loop.create_task(self._accept(sock), name=f"{name} accept") for sock in sockets]
 
@@ -256,6 +285,8 @@ class BalancedServer:
         """Stop accepting (connections in progress go on); connections handed here later are refused."""
         if self.balancer.adopters.get(self.name) == self.adopt:
             del self.balancer.adopters[self.name]
+            if not self.balancer.adopters:
+                self.balancer.retire()
         for task in self._accepting:
             task.cancel()
         for sock in self.sockets:

@@ -80,7 +80,7 @@ async def test_a_worker_above_its_sibling_hands_it_the_connection_which_then_ser
 
 async def test_a_sibling_gone_leaves_the_connection_where_it_was_accepted(run):
     first, second = run.start(0), run.start(1)
-    second.close()  # its slot reads 0 connections: the lightest, and nobody there
+    second._close_socket()  # killed: its socket gone, its slot still reads 0 connections, the lightest
     first.accepted()
     sock, client = connected()
     assert first.lighter() == 1
@@ -112,7 +112,7 @@ async def test_a_worker_started_again_in_a_slot_does_not_count_what_was_handed_t
         sock, client = connected()
         assert first.hand("postgres", sock)
         clients.append(client)
-    second.close()  # died with both still in flight: they were never taken
+    second._close_socket()  # died (its row as it last wrote it) with both still in flight: never taken
     assert first.loads_now() == [3, 2]
     again = run.start(1)  # the worker started again in its slot
     assert first.loads_now() == [3, 0]
@@ -126,7 +126,7 @@ async def test_a_worker_started_again_in_a_slot_does_not_count_what_was_handed_t
     await taken(served, 1)
     first.accepted()
     assert first.loads_now() == [4, 4]
-    first.close()  # and now the other one dies and starts again: what it handed and took stay so
+    first._close_socket()  # and now the other one dies and starts again: what it handed and took stay so
     first = run.start(0)
     assert first.loads_now() == [0, 4]
     for end in (*clients, *served):
@@ -141,3 +141,41 @@ async def test_a_connection_that_ends_after_its_worker_left_changes_nothing(run)
     first.opened()
     first.closed()
     assert first.live == 0
+
+
+async def test_a_worker_whose_listeners_closed_is_handed_nothing_until_one_listens_again(run):
+    """A stopping worker closes its listeners first: a sibling that accepts meanwhile serves the connection itself
+    instead of handing it there to be closed; a listener opened again (its address changed live) takes again."""
+    first, second = run.start(0), run.start(1)
+    served: list[socket.socket] = []
+
+    async def serve(sock: socket.socket) -> None:
+        served.append(sock)
+
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+        listening.setblocking(False)
+        server = balance.BalancedServer("postgres", serve, [listening.dup()], second)
+        server.close()  # its last listener: the worker takes no more handed connections
+    await server.wait_closed()
+    first.accepted()
+    assert first.lighter() is None  # it reads as full
+    sock, client = connected()
+    assert not first.hand("postgres", sock)  # served where it was accepted
+    sock.sendall(b"still here")
+    assert client.recv(100) == b"still here"
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+        listening.setblocking(False)
+        server = balance.BalancedServer("postgres", serve, [listening.dup()], second)
+        assert first.loads_now() == [1, 0] and first.lighter() == 1
+        sock2, client2 = connected()
+        assert first.hand("postgres", sock2)
+        for _ in range(200):
+            if served:
+                break
+            await asyncio.sleep(0.01)
+        served[0].sendall(b"from the sibling")
+        assert client2.recv(100) == b"from the sibling"
+        server.close()
+    await server.wait_closed()
+    for end in (sock, client, client2, *served):
+        end.close()
