@@ -68,6 +68,55 @@ def cancel_is_mine(since: int) -> bool:
     return cancels() > since
 
 
+class Withdrawable:
+    """Work a proxy holds a client's input for (a statement's or a shell line's verdict), which the client may
+    withdraw meanwhile (its cancel, its Ctrl-C): ``run`` awaits it and says whether it was withdrawn, so that the
+    held input is answered as withdrawn instead of going on; ``withdraw`` ends the work where it is. ``hold`` marks
+    the input held from the moment the proxy holds it (a withdrawal before ``run`` starts counts too). A cancel of
+    the caller itself (its relay is over) is raised as ever."""
+
+    __slots__ = ("_future", "held", "withdrawn")
+
+    def __init__(self) -> None:
+        self._future: asyncio.Future[Any] | None = None
+        self.held = False
+        self.withdrawn = False
+
+    def hold(self) -> None:
+        self.held = True
+        self.withdrawn = False
+
+    async def run(self, work: Awaitable[Any]) -> bool:
+        if not self.held:
+            self.hold()
+        try:
+            if self.withdrawn:
+                if asyncio.iscoroutine(work):
+                    work.close()
+                return True
+            since = cancels()
+            self._future = future = asyncio.ensure_future(work)
+            try:
+                await future
+            except asyncio.CancelledError:
+                if not self.withdrawn or cancel_is_mine(since):
+                    raise
+        finally:
+            self._future = None
+            self.held = False
+        return self.withdrawn
+
+    def withdraw(self) -> bool:
+        """Withdraw the held input's work (even one that just ended: the input is still held); False when no
+        input is held."""
+        if not self.held:
+            return False
+        self.withdrawn = True
+        if self._future is not None:
+            self._future.cancel()
+        return True
+
+
 async def until_empty(tasks: set[asyncio.Task[Any]]) -> None:
     """Until ``tasks``, a set each task leaves in its own done callback, is empty (tasks added meanwhile too).
 

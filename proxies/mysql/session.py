@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import TYPE_CHECKING
 
+from gatewayd.tasks import Withdrawable
 from proxies.mysql.codec import ProtocolError, frame
 from proxies.mysql.relay import ANSWER, CLOSE, FORWARD, INTERNAL, LOCAL, WAIT, ClientSide, Pending, ServerSide
 
@@ -39,8 +40,7 @@ class RelaySession:
         self.pending = pending
         self.closing: str | None = None  # the gateway refused a command that ends the session
         self.client_seq = 0  # the next sequence number the client expects in the answer at hand
-        self._working: asyncio.Future[None] | None = None  # a held statement's decision (``ClientSide.work``)
-        self._cancel_asked = False  # the client's KILL QUERY came for it (``cancel_held``)
+        self._held = Withdrawable()  # a held statement's decision (``ClientSide.work``), which KILL QUERY withdraws
 
     async def run(self) -> tuple[str, ProtocolError | None]:
         tasks = [asyncio.ensure_future(self._client_loop()), asyncio.ensure_future(self._target_loop())]
@@ -100,7 +100,7 @@ class RelaySession:
                 self._send(target, outgoing)
                 work = side.work
                 side.work = None
-                if work is not None and await self._decided(work):
+                if work is not None and await self._held.run(work()):
                     side.cancel(seq, payload)  # killed while held: answered, never sent
                     self._flush_local()
                     continue
@@ -127,30 +127,11 @@ class RelaySession:
             if target.backed_up:
                 await target.drain()
 
-    async def _decided(self, work: Callable[[], Awaitable[None]]) -> bool:
-        """Run a held statement's decision; True when the client's KILL QUERY came for it meanwhile."""
-        self._cancel_asked = False
-        self._working = working = asyncio.ensure_future(work())
-        try:
-            await working
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if not self._cancel_asked or (task is not None and task.cancelling()):
-                raise  # the relay is over
-        finally:
-            self._working = None
-        return self._cancel_asked
-
     def cancel_held(self) -> bool:
         """KILL QUERY for this session while the relay holds its statement for a verdict and the target runs
         nothing of it: that statement is answered as killed and never reaches the target. False otherwise (the
         KILL is the target's business)."""
-        working = self._working
-        if working is None or any(entry.kind != LOCAL for entry in self.pending):
-            return False
-        self._cancel_asked = True
-        working.cancel()
-        return True
+        return not any(entry.kind != LOCAL for entry in self.pending) and self._held.withdraw()
 
     @staticmethod
     def _send(stream: PacketStream, parts: list[bytes]) -> None:

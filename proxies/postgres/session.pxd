@@ -16,9 +16,8 @@ cdef class RelaySession:
     cdef public dict _busy
     cdef public object _tasks
     cdef public object _deciding
-    cdef public object _working
+    cdef public object _held
     cdef public double _held_since
-    cdef public bint _cancel_asked
     cdef public FrameBatch _client_batch
     cdef public FrameBatch _target_batch
     cpdef _client_work(self, held=*)

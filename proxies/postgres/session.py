@@ -21,7 +21,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Awaitable, Callable
 
-from gatewayd.tasks import BackgroundTasks
+from gatewayd.tasks import BackgroundTasks, Withdrawable
 
 from proxies.postgres.framing import BackendReader, FrameBatch, FrontendReader
 from proxies.postgres.wire import ProtocolError
@@ -82,9 +82,8 @@ class RelaySession:
         self._busy = {CLIENT: False, TARGET: False}  # auditing a block: process nothing more for now
         self._tasks = BackgroundTasks("postgres relay", session_id=policy.live.id)
         self._deciding: asyncio.Task[None] | None = None  # a held statement's verdict being decided
-        self._working: asyncio.Future[None] | None = None  # that decision's own work (``client_side.work``)
+        self._held = Withdrawable()  # that decision (``client_side.work``), which the client's cancel withdraws
         self._held_since = 0.0  # wall clock: since when the held statement is held
-        self._cancel_asked = False  # the client cancelled the held statement (``cancel_held``)
         self._client_batch = FrameBatch()
         self._target_batch = FrameBatch()
         server_side.records_later = True  # ``_target_work`` records after each send
@@ -250,23 +249,18 @@ class RelaySession:
         work = self.client_side.work
         self.client_side.work = None
         self._held_since = time.time()
-        self._cancel_asked = False
+        self._held.hold()
         self._deciding = self._tasks.spawn(self._decided(message, work))  # type: ignore[arg-type]
 
     async def _decided(self, message: Message, work: Callable[[], Awaitable[None]]) -> None:
-        self._working = working = asyncio.ensure_future(work())
         try:
-            await working
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if not self._cancel_asked or (task is not None and task.cancelling()):
-                raise  # the relay is over (``wait``)
+            await self._held.run(work())
         finally:
-            self._deciding = self._working = None
+            self._deciding = None
             self._busy[CLIENT] = False
             self.resume(CLIENT, "verdict")
             if not self.finished.done():
-                cancelled = self._cancel_asked  # even when the verdict came meanwhile: the client asked first
+                cancelled = self._held.withdrawn  # even when the verdict came meanwhile: the client asked first
                 if cancelled:
                     self._answer_cancelled(message)
                 self._client_work(None if cancelled else message)
@@ -275,12 +269,7 @@ class RelaySession:
         """A CancelRequest the client sent at ``at`` (wall clock) while the relay held one of its statements for
         its verdict: that statement is answered as cancelled and never reaches the target. False when no
         statement was held then (the cancel is the target's business, or there is nothing to cancel)."""
-        working = self._working
-        if working is None or self._held_since > at:
-            return False
-        self._cancel_asked = True
-        working.cancel()
-        return True
+        return self._held_since <= at and self._held.withdraw()
 
     def _answer_cancelled(self, message: Message) -> None:
         self.client_side.cancel(message)

@@ -54,7 +54,7 @@ from gatewayd.pipeline import (
     SessionRun,
     TargetUnreachable,
 )
-from gatewayd.tasks import BackgroundTasks, until_empty
+from gatewayd.tasks import BackgroundTasks, Withdrawable, until_empty
 from proxies.ssh import gcm
 from proxies.ssh.lines import Chunk, Line, OutputWatch, ShellInput
 from proxies.ssh.packets import as_the_gateway_relays_it, as_the_gateway_runs_it
@@ -573,8 +573,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         self.pending: deque[bytes] = deque()  # client data waiting for the target's channel, or for a held line's verdict
         self.pending_eof = False
         self.holding = False  # a shell line's Enter waits for its verdict (an AI rule in sync mode)
-        self.deciding: asyncio.Future[None] | None = None  # that verdict's decision
-        self.line_cancelled = False  # the user pressed Ctrl-C meanwhile: the held line does not run
+        self.deciding = Withdrawable()  # that verdict's decision, which a Ctrl-C withdraws (the line does not run)
         self.client_eof = False  # the client sent EOF: it sends nothing more on this channel
         self.held_eof = False  # the target's EOF, sent to the client with the exit status
         self.injections: list[bytes] = []  # SFTP answers of the gateway waiting for a packet boundary
@@ -626,7 +625,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         if self.upchan is None or self.holding:
             self.pending.append(data)
             if self.holding and self.pty and INTERRUPT in data:
-                self._cancel_line()
+                self.deciding.withdraw()  # Ctrl-C: the held line is cancelled (``_decide_line``)
             if not self._reads_while_holding():
                 self.chan.pause_reading()
             return
@@ -764,6 +763,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
                 continue
             if policy.waits and policy.needs_wait(piece.text):  # hold the Enter, and what follows, for the verdict
                 self.holding = True
+                self.deciding.hold()
                 self.sync_reading()
                 self.tasks.spawn(self._decide_line(piece.text, pieces[at:]))
                 return
@@ -777,21 +777,14 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
 
     async def _decide_line(self, text: str, pieces: list[Chunk | Line]) -> None:
         """A held shell line's verdict; then the line and what the client sent meanwhile go on, in order. A
-        Ctrl-C typed meanwhile (``_cancel_line``) cancels the line: it is erased as a refused line is, never run."""
-        self.line_cancelled = False
-        self.deciding = deciding = asyncio.ensure_future(self.policy.decide(text))
+        Ctrl-C typed meanwhile (``data_received``) cancels the line: it is erased as a refused line is, never run."""
         try:
-            await deciding
-        except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if not self.line_cancelled or (task is not None and task.cancelling()):
-                raise  # the channel is over
+            await self.deciding.run(self.policy.decide(text))
         finally:
-            self.deciding = None
             self.holding = False
             upchan = self.upchan
             if upchan is not None and not self.ended:
-                if self.line_cancelled:
+                if self.deciding.withdrawn:
                     line, pieces = pieces[0], pieces[1:]
                     upchan.write(line.refused)  # type: ignore[union-attr]
                     self.policy.error(f"{LINE_CANCELLED}: {text}")
@@ -803,13 +796,6 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
                     self.pending_eof = False
                     self._eof_to_target()
                 self.sync_reading()
-
-    def _cancel_line(self) -> None:
-        """Ctrl-C while a shell line waits for its verdict: the line is cancelled (``_decide_line``)."""
-        deciding = self.deciding
-        if deciding is not None and not self.line_cancelled:
-            self.line_cancelled = True
-            deciding.cancel()
 
     def _reads_while_holding(self) -> bool:
         """With a pty, what the user types while a line waits for its verdict is still read (queued, up to
