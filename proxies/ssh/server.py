@@ -626,7 +626,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             self.pending.append(data)
             if self.holding and self.pty and INTERRUPT in data:
                 self.deciding.withdraw()  # Ctrl-C: the held line is cancelled (``_decide_line``)
-            if not self._reads_while_holding():
+            if not (self.holding and self._reads_while_holding()):
                 self.chan.pause_reading()
             return
         self.to_target(data)
