@@ -508,6 +508,39 @@ async def test_sync_ctrl_c_while_a_shell_line_waits_for_its_verdict_cancels_the_
     assert any("cancelled" in e and f"touch {marker}" in e for e in of_kind(session, "e")), of_kind(session, "e")
 
 
+async def test_sync_a_signal_int_while_a_shell_line_waits_for_its_verdict_cancels_the_line(
+        api, gateway, sshd, provider):
+    """OpenSSH sends a Ctrl-C as a byte; other clients (PuTTY's Interrupt, asyncssh) as a ``signal`` request: that
+    cancels the held line too."""
+    import asyncssh
+
+    marker = f"/tmp/ai-sync-int-{uuid.uuid4().hex[:8]}"
+    conn = await api.role()
+    await analysed(api, conn, native_mode="sync", timeout=60)
+    secret, session_id = await api.credential(conn)
+    provider.hold(f"touch {marker}", 15)
+    try:
+        async with asyncssh.connect("127.0.0.1", gateway.ssh_port, username=secret, known_hosts=None,
+                                    agent_path=None, client_keys=[]) as client:
+            process = await client.create_process(term_type="dumb", encoding=None)
+            process.stdin.write(f"touch {marker}\n".encode())
+            await asked_about(provider, f"touch {marker}")
+            process.send_signal("INT")
+            process.stdin.write(b"echo after-$((40 + 2))\n")
+            shown = b""
+            while b"after-42" not in shown:
+                chunk = await asyncio.wait_for(process.stdout.read(4096), 30)
+                assert chunk, shown
+                shown += chunk
+            process.stdin.write(b"exit\n")
+            await asyncio.wait_for(process.wait(), 30)
+        await api.done_session(session_id, 30)
+        ran = os.path.exists(marker)
+    finally:
+        subprocess.run(["rm", "-f", marker], check=False)
+    assert not ran and b"the line was cancelled" in shown, shown
+
+
 async def test_sync_a_shell_lines_enter_waits_for_its_verdict_and_a_refused_line_is_not_run(
         api, gateway, sshd, provider):
     marker = f"/tmp/ai-sync-shell-{uuid.uuid4().hex[:8]}"

@@ -641,6 +641,8 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         return True
 
     def signal_received(self, signal: str) -> None:
+        if signal == "INT" and self.holding:  # PuTTY's "Interrupt", asyncssh's send_signal: as a Ctrl-C typed
+            self.deciding.withdraw()
         if self.upchan is not None:
             self.upchan.send_signal(signal)
 
