@@ -421,7 +421,7 @@ async def test_sync_asyncpg_timeout_cancels_a_held_parse_and_the_session_goes_on
     try:
         provider.answer("verdict", "low", "Routine query", "Reads data only.", delay=15)
         with pytest.raises(asyncio.TimeoutError):
-            await client.fetchval("select $1::int * 2", 21, timeout=1)
+            await client.fetchval("select $1::int * 2", 21, timeout=3)  # held 15 s: the timeout falls in the hold
         provider.answer("verdict", "low", "Routine query", "Reads data only.", delay=0.2)
         assert await client.fetchval("select $1::int + 1", 41) == 42
         provider.answer_for("select $1::int * 2", "high", "Doubles", "The rule forbids doubling.")
@@ -523,22 +523,31 @@ async def test_sync_a_signal_int_while_a_shell_line_waits_for_its_verdict_cancel
         async with asyncssh.connect("127.0.0.1", gateway.ssh_port, username=secret, known_hosts=None,
                                     agent_path=None, client_keys=[]) as client:
             process = await client.create_process(term_type="dumb", encoding=None)
+            shown = bytearray()
+
+            async def until(seen: bytes, after: int) -> int:
+                """Read what the terminal shows until ``seen`` appears past ``after``; where it ends."""
+                while (at := shown.find(seen, after)) < 0:
+                    chunk = await asyncio.wait_for(process.stdout.read(4096), 30)
+                    assert chunk, bytes(shown)
+                    shown.extend(chunk)
+                return at + len(seen)
+
+            read = await until(b"$ ", 0)  # typed once the shell shows its prompt, as a person does
             process.stdin.write(f"touch {marker}\n".encode())
             await asked_about(provider, f"touch {marker}")
             process.send_signal("INT")
+            read = await until(b"the line was cancelled", read)
+            read = await until(b"$ ", read)  # the fresh prompt the interrupt gave
             process.stdin.write(b"echo after-$((40 + 2))\n")
-            shown = b""
-            while b"after-42" not in shown:
-                chunk = await asyncio.wait_for(process.stdout.read(4096), 30)
-                assert chunk, shown
-                shown += chunk
+            await until(b"after-42", read)
             process.stdin.write(b"exit\n")
             await asyncio.wait_for(process.wait(), 30)
         await api.done_session(session_id, 30)
         ran = os.path.exists(marker)
     finally:
         subprocess.run(["rm", "-f", marker], check=False)
-    assert not ran and b"the line was cancelled" in shown, shown
+    assert not ran, bytes(shown)
 
 
 async def test_sync_a_shell_lines_enter_waits_for_its_verdict_and_a_refused_line_is_not_run(
