@@ -768,7 +768,9 @@ async def test_a_second_stop_signal_closes_the_sessions_without_the_rest_of_thei
         client = await RawClient.open(daemon)
         await client.login(secret)
         daemon.process.send_signal(signal.SIGINT)
+        deadline = asyncio.get_running_loop().time() + 30
         while await port_accepts(daemon.proxy_port):  # the stop is under way: its listeners closed first
+            assert asyncio.get_running_loop().time() < deadline, "the listener never closed"
             await asyncio.sleep(0.05)
         assert daemon.process.poll() is None  # waiting out the grace for the live session
         assert await asyncio.to_thread(daemon.stop, signal.SIGINT) == 0  # the second; bounded by stop's 20 s
