@@ -540,21 +540,16 @@ async def test_sync_a_signal_int_while_a_shell_line_waits_for_its_verdict_cancel
             process.stdin.write(f"touch {marker}\n".encode())
             await asked_about(provider, f"touch {marker}")
             process.send_signal("INT")
-            # the gateway's message, and bash's "^C" and fresh prompt, in either order: the interrupt (a signal) and
-            # the gateway's ^U (the pty's input) reach bash by different paths, and bash's interrupt discards what
-            # is typed before it takes it (a CI run typed on after a prompt the ^U redrew, and lost the line)
             await until(b"the line was cancelled", read)
-            await until(b"$ ", await until(b"^C", read))
-            read = len(shown)
-            process.stdin.write(b"echo after-$((40 + 2))\n")
-            await until(b"after-42", read)
-            process.stdin.write(b"exit\n")
-            await asyncio.wait_for(process.wait(), 30)
-        await api.done_session(session_id, 30)
-        ran = os.path.exists(marker)
+            # and no more typing: the interrupt (a signal, through sshd) and the gateway's ^U (the pty's input)
+            # reach bash by different paths, and bash's interrupt may discard what is typed before it takes it
+            # (a CI run's next line lost its first letter); the shell's own handling is not the gateway's
+        session = await api.done_session(session_id, 30)
+        ran = os.path.exists(marker)  # after the session's end: whether the line ran
     finally:
         subprocess.run(["rm", "-f", marker], check=False)
     assert not ran, bytes(shown)
+    assert any(e.startswith("the line was cancelled") and f"touch {marker}" in e for e in of_kind(session, "e"))
 
 
 async def test_sync_a_shell_lines_enter_waits_for_its_verdict_and_a_refused_line_is_not_run(
