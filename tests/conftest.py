@@ -59,6 +59,13 @@ BIN = Path(sys.executable).parent
 
 
 
+def accepts(port: int) -> bool:
+    """Whether 127.0.0.1:``port`` accepts a connection now."""
+    with socket.socket() as sock:
+        sock.settimeout(5)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
 def wait_port(port: int, process: subprocess.Popen[bytes] | None = None, what: str = "something",
               timeout: float = 20, interval: float = 0.05) -> None:
     """Block until 127.0.0.1:``port`` accepts; RuntimeError if ``process`` exits first or time runs out."""

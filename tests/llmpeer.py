@@ -76,6 +76,13 @@ class FakeLLM:
         """Answers to inputs containing ``text`` come ``seconds`` late (instead of ``delay``); set after ``answer``."""
         self.holds[text] = seconds
 
+    async def asked_about(self, text: str, timeout: float = 30) -> None:
+        """Until an input containing ``text`` has reached this provider (a bound, not a timing assertion)."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not any(text in json.dumps(r.body) for r in self.requests):
+            assert asyncio.get_running_loop().time() < deadline, f"the provider was not asked about {text!r}"
+            await asyncio.sleep(0.02)
+
     def _delay_of(self, body: Any) -> float:
         asked = json.dumps(body)
         return next((seconds for text, seconds in self.holds.items() if json.dumps(text)[1:-1] in asked), self.delay)

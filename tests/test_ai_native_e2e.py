@@ -93,14 +93,6 @@ async def asked(llm: FakeLLM, count: int, timeout: float = 30) -> None:
         await asyncio.sleep(0.02)
 
 
-async def asked_about(llm: FakeLLM, text: str, timeout: float = 30) -> None:
-    """Until the fake provider has been asked about ``text`` (a bound, not a timing assertion)."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not any(text in json.dumps(r.body) for r in llm.requests):
-        assert asyncio.get_running_loop().time() < deadline, f"the provider was not asked about {text!r}"
-        await asyncio.sleep(0.02)
-
-
 async def audit_of(api: Api, action: str, session_id: str) -> list[dict]:
     status, body = await api("GET", f"/audit/logs?action={action}&page_size=100")
     assert status == 200, body
@@ -490,7 +482,7 @@ async def test_sync_ctrl_c_while_a_shell_line_waits_for_its_verdict_cancels_the_
     try:
         assert client.stdin is not None and client.stdout is not None
         await typed(f"touch {marker}\n".encode(), b"$ ")
-        await asked_about(provider, f"touch {marker}")  # the gateway holds its Enter now
+        await provider.asked_about(f"touch {marker}")  # the gateway holds its Enter now
         await typed(b"\x03", b"")
         await typed(b"echo after-$((40 + 2))\n", b"$ ")  # the fresh prompt the Ctrl-C gave
         await typed(b"exit\n", b"after-42")
@@ -538,7 +530,7 @@ async def test_sync_a_signal_int_while_a_shell_line_waits_for_its_verdict_cancel
 
             read = await until(b"$ ", 0)  # typed once the shell shows its prompt, as a person does
             process.stdin.write(f"touch {marker}\n".encode())
-            await asked_about(provider, f"touch {marker}")
+            await provider.asked_about(f"touch {marker}")
             process.send_signal("INT")
             await until(b"the line was cancelled", read)
             # and no more typing: the interrupt (a signal, through sshd) and the gateway's ^U (the pty's input)

@@ -827,9 +827,8 @@ async def test_kill_query_while_the_statement_waits_for_its_verdict_ends_it_befo
     try:
         thread_id = first.thread_id()
         running = asyncio.ensure_future(in_thread(answer, first, statement))
-        while not any(statement in json.dumps(r.body) for r in judge.requests):  # the gateway holds it now
-            assert not running.done(), running.result()
-            await asyncio.sleep(0.02)
+        await judge.asked_about(statement)  # the gateway holds it now
+        assert not running.done(), running.result()
 
         other_secret, _ = await api.credential(role)
 

@@ -8,11 +8,12 @@ its own connection (role) so guard rails never leak between tests.
 from __future__ import annotations
 
 import asyncio
-import signal
+import contextlib
 import csv
 import io
 import json
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -20,7 +21,7 @@ import uuid
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
+from typing import Any, AsyncIterator
 
 import asyncpg
 import pytest
@@ -30,7 +31,7 @@ from hypothesis import strategies as st
 from proxies.postgres import codec as pg
 from tests import clients
 from tests.apiclient import PostgresApi, admin_http, events, of_kind
-from tests.conftest import Daemon, free_port, proxy_daemon
+from tests.conftest import Daemon, accepts, free_port, proxy_daemon
 from tests.pgpeer import PgCluster, unavailable_reason, wait_for_backends
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
@@ -727,11 +728,15 @@ async def test_kill_from_the_api_sends_fatal_57P01(gateway, api):
     assert messages[0].message == "session killed by admin@example.com"
 
 
-async def test_the_daemons_stop_ends_a_held_session_with_57P01_recorded_and_sealed(tmp_path_factory, cluster):
-    """A stop (SIGTERM) with a psql session held past the grace: the client reads FATAL 57P01 and why; the session
-    is done with 254, its last event that reason, sealed, and its sealing in the audit chain (``verify``, read
-    after the next start on the same store)."""
-    daemon = proxy_daemon(tmp_path_factory, "pgstop", "postgres", {"sessions.shutdown_grace": "0s"}, wait=True)
+SHUTTING_DOWN = "gateway shutting down: the session was closed"
+
+
+@contextlib.asynccontextmanager
+async def held_on_a_daemon_of_its_own(tmp_path_factory, cluster, name: str,
+                                      grace: str) -> AsyncIterator[tuple[Daemon, Any, str]]:
+    """A daemon of its own (``grace``: its ``sessions.shutdown_grace``) with a psql session held open on it:
+    (the daemon, the raw client, the session's id); the daemon is stopped at the end."""
+    daemon = proxy_daemon(tmp_path_factory, name, "postgres", {"sessions.shutdown_grace": grace}, wait=True)
     daemon.pg_port = daemon.proxy_port
     try:
         async with admin_http(daemon) as http:
@@ -739,61 +744,58 @@ async def test_the_daemons_stop_ends_a_held_session_with_57P01_recorded_and_seal
             secret, session_id = await api.credential(await api.role())
         client = await RawClient.open(daemon)
         await client.login(secret)
-        assert await asyncio.to_thread(daemon.stop) == 0
-        messages = await client.rest()
-        client.close()
-        assert [(m.severity, m.sqlstate, m.message) for m in messages] == [
-            ("FATAL", "57P01", "gateway shutting down: the session was closed")], messages
-        await asyncio.to_thread(daemon.start)
-        async with admin_http(daemon) as http:
-            api = PostgresApi(daemon, http, cluster)
-            session = await api.done_session(session_id)
-            assert session["exit_code"] == 254, session
-            assert of_kind(session, "e")[-1] == "gateway shutting down: the session was closed", session
-            status, result = await api("GET", f"/sessions/{session_id}/verify")
-            assert status == 200 and result["verified"] and result["sealed"], result
+        yield daemon, client, session_id
     finally:
         daemon.stop()
+
+
+async def closed_by_the_stop(client: Any) -> None:
+    """The client read FATAL 57P01 and why, and nothing else."""
+    messages = await client.rest()
+    client.close()
+    assert [(m.severity, m.sqlstate, m.message) for m in messages] == [("FATAL", "57P01", SHUTTING_DOWN)], messages
+
+
+@contextlib.asynccontextmanager
+async def started_again(daemon: Daemon, cluster) -> AsyncIterator[PostgresApi]:
+    """The stopped daemon started again on the same store, and an admin's API on it."""
+    await asyncio.to_thread(daemon.start)
+    async with admin_http(daemon) as http:
+        yield PostgresApi(daemon, http, cluster)
+
+
+async def test_the_daemons_stop_ends_a_held_session_with_57P01_recorded_and_sealed(tmp_path_factory, cluster):
+    """A stop (SIGTERM) with a psql session held past the grace: the client reads FATAL 57P01 and why; the session
+    is done with 254, its last event that reason, sealed, and its sealing in the audit chain (``verify``, read
+    after the next start on the same store)."""
+    async with held_on_a_daemon_of_its_own(tmp_path_factory, cluster, "pgstop", "0s") as (daemon, client, session_id):
+        assert await asyncio.to_thread(daemon.stop) == 0
+        await closed_by_the_stop(client)
+        async with started_again(daemon, cluster) as api:
+            session = await api.done_session(session_id)
+            assert session["exit_code"] == 254, session
+            assert of_kind(session, "e")[-1] == SHUTTING_DOWN, session
+            status, result = await api("GET", f"/sessions/{session_id}/verify")
+            assert status == 200 and result["verified"] and result["sealed"], result
 
 
 async def test_a_second_stop_signal_closes_the_sessions_without_the_rest_of_their_grace(tmp_path_factory, cluster):
     """An operator's second Ctrl-C (or SIGTERM) while the daemon waits out a long grace for a live session: the
     session is closed at once as at the grace's end (57P01, recorded), and the daemon finishes its stop."""
-    daemon = proxy_daemon(tmp_path_factory, "pgstop2", "postgres", {"sessions.shutdown_grace": "10m"}, wait=True)
-    daemon.pg_port = daemon.proxy_port
-    try:
-        async with admin_http(daemon) as http:
-            api = PostgresApi(daemon, http, cluster)
-            secret, session_id = await api.credential(await api.role())
-        client = await RawClient.open(daemon)
-        await client.login(secret)
+    async with held_on_a_daemon_of_its_own(tmp_path_factory, cluster, "pgstop2", "10m") as (daemon, client,
+                                                                                            session_id):
         daemon.process.send_signal(signal.SIGINT)
         deadline = asyncio.get_running_loop().time() + 30
-        while await port_accepts(daemon.proxy_port):  # the stop is under way: its listeners closed first
+        while accepts(daemon.proxy_port):  # the stop is under way: its listeners closed first
             assert asyncio.get_running_loop().time() < deadline, "the listener never closed"
             await asyncio.sleep(0.05)
         assert daemon.process.poll() is None  # waiting out the grace for the live session
         assert await asyncio.to_thread(daemon.stop, signal.SIGINT) == 0  # the second; bounded by stop's 20 s
-        messages = await client.rest()
-        client.close()
-        assert [(m.severity, m.sqlstate, m.message) for m in messages] == [
-            ("FATAL", "57P01", "gateway shutting down: the session was closed")], messages
+        await closed_by_the_stop(client)
         assert "stop signal again" in daemon.log_text()
-        await asyncio.to_thread(daemon.start)
-        async with admin_http(daemon) as http:
-            session = await PostgresApi(daemon, http, cluster).done_session(session_id)
-            assert of_kind(session, "e")[-1] == "gateway shutting down: the session was closed", session
-    finally:
-        daemon.stop()
-
-
-async def port_accepts(port: int) -> bool:
-    try:
-        _, writer = await asyncio.open_connection("127.0.0.1", port)
-    except OSError:
-        return False
-    writer.close()
-    return True
+        async with started_again(daemon, cluster) as api:
+            session = await api.done_session(session_id)
+            assert of_kind(session, "e")[-1] == SHUTTING_DOWN, session
 
 
 async def test_a_kill_cancels_the_query_running_on_the_target(gateway, api, cluster):

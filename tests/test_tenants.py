@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from typing import Any, AsyncIterator
 
 import aiohttp
@@ -16,7 +15,7 @@ import pytest
 import pytest_asyncio
 
 from tests.apiclient import b64
-from tests.conftest import Daemon, free_port, wait_port
+from tests.conftest import Daemon, accepts, free_port, wait_port
 from tests.llmpeer import FakeLLM
 from tests.oidc_provider import OIDCProvider
 
@@ -86,12 +85,6 @@ async def found_org(http, gw: Daemon, provider: OIDCProvider, sub: str, groups: 
     status, body = await call(http, gw, "POST", "/signup", token, {"org_name": org or f"org of {sub}"})
     assert status == 201, body
     return token, body["org_id"]
-
-
-def accepts(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(5)
-        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 # --- 5. gateway-wide settings belong to operators ------------------------------------------------------------

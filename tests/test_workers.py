@@ -31,7 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gatewayd.config import ConfigError, cpu_count, load_config
 from proxies import rdp
 from tests.apiclient import Api, PostgresApi, SshApi, admin_http, of_kind
-from tests.conftest import BIN, ROOT, Daemon, free_port, wait_port
+from tests.conftest import BIN, ROOT, Daemon, accepts, free_port, wait_port
 from tests.sshpeer import CLIENT_OPTIONS
 
 WORKERS = 2
@@ -157,14 +157,6 @@ async def settled(daemon: Daemon) -> None:
     while sum(value for (name, _), value in (await scrape(daemon)).items() if name == "gatewayd_connections_open"):
         assert time.monotonic() < deadline, "the workers still count client connections"
         await asyncio.sleep(0.05)
-
-
-def accepts(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
-            return True
-    except OSError:
-        return False
 
 
 def alive(pid: int) -> bool:
