@@ -527,11 +527,14 @@ async def test_sftp_operations_refused_by_input_rules(gateway, api, target, tmp_
 
 
 class EchoServer:
-    """A TCP server in a thread that answers every connection with what it received, upper-cased."""
+    """A TCP server in a thread that answers every connection with what it received, upper-cased: its first line
+    and the end, or each line until the client leaves (``keep_open``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_open: bool = False) -> None:
+        self.keep_open = keep_open
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
+        self.accepted = 0  # the connections the forwards opened to it
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self) -> None:
@@ -540,12 +543,16 @@ class EchoServer:
                 client, _ = self.sock.accept()
             except OSError:
                 return
+            self.accepted += 1
             with client:
                 data = b""
                 while chunk := client.recv(65536):
                     data += chunk
                     if data.endswith(b"\n"):
-                        break
+                        if not self.keep_open:
+                            break
+                        client.sendall(data.upper())
+                        data = b""
                 client.sendall(data.upper())
 
     def close(self) -> None:
@@ -613,6 +620,79 @@ async def test_local_port_forwarding_allowed_per_connection_and_refused_by_defau
         assert of_kind(session, "e") == [message]
         status, logs = await api("GET", "/audit/logs?action=ssh.port_forward&outcome=failure")
         assert status == 200 and any(e["error_message"] == message for e in logs["data"])
+    finally:
+        echo.close()
+
+
+@pytest.mark.parametrize("rules", [
+    {"input_rules": [{"type": "deny_words_list", "words": ["drop"]}]},
+    {"output_rules": [{"type": "mask", "patterns": ["email"]}]},
+], ids=["guard rail", "mask rule"])
+async def test_port_forwarding_is_refused_on_a_connection_whose_rules_could_not_read_it(gateway, api, target, rules):
+    """A forwarded stream is not checked, masked or recorded: allowed on the connection, it is still refused once
+    the connection has rules (they would be passed by, not applied)."""
+    echo = EchoServer()
+    try:
+        connection = await api.role(settings={"ssh": {"allow_port_forwarding": True}})
+        await api.guardrail(connection, **rules)
+        secret, session_id = await api.credential(connection)
+        local_port = free_port()
+        client = forward(gateway, secret, local_port, echo.port)
+        try:
+            assert through(local_port, b"drop table t; ann@example.com\n") == b""
+        finally:
+            client.kill()
+            _, stderr = client.communicate(timeout=10)
+        assert b"administratively prohibited" in stderr and b"cannot be checked, masked or recorded" in stderr
+        assert echo.accepted == 0  # nothing was opened on the target's side
+        session = await api.done_session(session_id)
+        message = (f'port forwarding to 127.0.0.1:{echo.port} refused: connection "{connection["name"]}" has guard '
+                   "rails, mask rules or an analysis, and a forwarded stream cannot be checked, masked or recorded")
+        assert of_kind(session, "e") == [message]
+        status, logs = await api("GET", "/audit/logs?action=ssh.port_forward&outcome=failure")
+        assert status == 200 and any(e["error_message"] == message for e in logs["data"])
+    finally:
+        echo.close()
+
+
+async def test_a_forward_open_when_its_connection_gets_a_rule_ends_without_passing_another_byte(gateway, api, target):
+    """A rule attached while a forward is open: the forward's next bytes are not passed, and it ends (recorded)."""
+    echo = EchoServer(keep_open=True)
+    try:
+        connection = await api.role(settings={"ssh": {"allow_port_forwarding": True}})
+        secret, session_id = await api.credential(connection)
+        local_port = free_port()
+        client = forward(gateway, secret, local_port, echo.port)
+        try:
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    sock = socket.create_connection(("127.0.0.1", local_port), timeout=20)
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.05)
+            with sock:
+                await asyncio.to_thread(sock.sendall, b"before\n")
+                assert await asyncio.to_thread(sock.recv, 100) == b"BEFORE\n"
+                await api.guardrail(connection, input_rules=[{"type": "deny_words_list", "words": ["drop"]}])
+                answers = []
+                while (time.monotonic() < deadline + 20
+                       and (answer := await asyncio.to_thread(lambda: (sock.sendall(b"drop\n"), sock.recv(100))[1]))):
+                    answers.append(answer)  # until the session adopts the rule
+                    await asyncio.sleep(0.1)
+            assert answer == b"", "the forward was never closed"
+        finally:
+            client.kill()
+            client.wait(10)
+        session = await api.done_session(session_id)
+        ended = of_kind(session, "e")
+        assert ended[0] == f"port forwarding to 127.0.0.1:{echo.port} opened"
+        assert ended[1] == (f"port forwarding to 127.0.0.1:{echo.port} ended: its connection now has guard rails, "
+                            "mask rules or an analysis, and a forwarded stream cannot be checked, masked or recorded")
+        sent = len(b"before\n") + len(b"drop\n") * len(answers)  # what passed before the rule: all answered
+        assert ended[2] == (f"port forwarding to 127.0.0.1:{echo.port} closed: {sent} bytes sent, {sent} bytes "
+                            "received")
     finally:
         echo.close()
 

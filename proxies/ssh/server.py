@@ -15,8 +15,8 @@ One ``GatewayConnection`` per client SSH connection:
    (guard rails, recording, audit of blocks; under a mask rule, stdout and
    stderr held to their line ends and masked, file downloads refused);
    ``direct-tcpip`` (``ssh -L``) is relayed when the connection's
-   ``settings.ssh.allow_port_forwarding`` is true and refused otherwise
-   (``ForwardRelay``); agent and X11 forwarding are refused, and so is remote
+   ``settings.ssh.allow_port_forwarding`` is true and the connection has no
+   rules that would have to read it, and refused otherwise (``ForwardRelay``); agent and X11 forwarding are refused, and so is remote
    forwarding (``ssh -R``), with an ``e`` event and an audit entry;
 4. the end -- the session is closed when the client goes away (even while
    the target login is still running), with the last exit status; once a
@@ -88,6 +88,8 @@ HOLD_IDLE_PTY = 0.1  # the same with a pty: echoed keystrokes and prompts must s
 INTERRUPT = b"\x03"  # ^C, the terminal's interrupt key
 HOLDING_READ_CAP = 64 * 1024  # with a pty, what a user may type ahead while a line waits for its verdict
 LINE_CANCELLED = "the line was cancelled with Ctrl-C while it waited for its verdict: it did not run"
+FORWARD_UNREADABLE = ("has guard rails, mask rules or an analysis, and a forwarded stream cannot be checked, masked or "
+                      "recorded")
 UNMASKABLE_DOWNLOAD = "a file download cannot be masked: refused under this connection's mask rules"
 _SCP_DOWNLOAD = re.compile(r"^\s*(?:\S*/)?scp\s+(?:-\S+\s+)*-[A-Za-z]*f\b")  # the target's end of ``scp -O`` get
 
@@ -398,6 +400,11 @@ class GatewayConnection(asyncssh.SSHServer):
         if not allows_port_forwarding(connection.settings):
             message = (f'port forwarding to {where} refused: connection "{connection.name}" does not allow it '
                        "(settings.ssh.allow_port_forwarding)")
+            policy.error(message)
+            await self._audit("failure", message, where)
+            raise asyncssh.ChannelOpenError(asyncssh.OPEN_ADMINISTRATIVELY_PROHIBITED, message)
+        if not policy.rules.empty:  # a forwarded stream is opaque: what cannot be read is refused, not passed
+            message = f'port forwarding to {where} refused: connection "{connection.name}" {FORWARD_UNREADABLE}'
             policy.error(message)
             await self._audit("failure", message, where)
             raise asyncssh.ChannelOpenError(asyncssh.OPEN_ADMINISTRATIVELY_PROHIBITED, message)
@@ -1064,6 +1071,9 @@ class _ForwardUpstream(asyncssh.SSHTCPSession):  # type: ignore[type-arg]
         as_the_gateway_relays_it(chan)
 
     def data_received(self, data: bytes, datatype: int | None) -> None:  # type: ignore[override]
+        if not self.relay.policy.rules.empty:
+            self.relay.ruled_out()
+            return
         self.relay.received += len(data)
         if self.relay.chan is not None:
             self.relay.chan.write(data)
@@ -1090,7 +1100,9 @@ class _ForwardUpstream(asyncssh.SSHTCPSession):  # type: ignore[type-arg]
 class ForwardRelay(asyncssh.SSHTCPSession):  # type: ignore[type-arg]
     """A ``direct-tcpip`` channel (``ssh -L``) relayed to the same destination through the target.
 
-    The bytes are not recorded; the session gets an ``e`` event with the byte counts when it closes.
+    The bytes are not recorded; the session gets an ``e`` event with the byte counts when it closes. Opened only
+    on a connection without rules; once the connection has some (a rule attached while the forward is open), its
+    next bytes either way are dropped and the forward is closed.
     """
 
     def __init__(self, policy: SessionPolicy, where: str) -> None:
@@ -1114,6 +1126,9 @@ class ForwardRelay(asyncssh.SSHTCPSession):  # type: ignore[type-arg]
         self.early.clear()
 
     def data_received(self, data: bytes, datatype: int | None) -> None:  # type: ignore[override]
+        if not self.policy.rules.empty:
+            self.ruled_out()
+            return
         self.sent += len(data)
         if self.upchan is not None:
             self.upchan.write(data)
@@ -1132,6 +1147,12 @@ class ForwardRelay(asyncssh.SSHTCPSession):  # type: ignore[type-arg]
             self.upchan.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.closed()
+
+    def ruled_out(self) -> None:
+        """The connection has rules now, which cannot read this stream: it ends, its last bytes not passed."""
+        if not self.done:
+            self.policy.error(f"port forwarding to {self.where} ended: its connection now {FORWARD_UNREADABLE}")
         self.closed()
 
     def closed(self) -> None:
