@@ -14,7 +14,7 @@ from gatewayd.masking import MAX_HELD_LINE, LineHold, Masker, iban_valid, luhn_v
 from gatewayd.models import GuardRail
 from gatewayd.policy import SessionPolicy
 from proxies.postgres import codec as pg
-from proxies.postgres.relay import ClientSide, ServerSide
+from proxies.postgres.relay import FORWARD, PREFIXED, ClientSide, ServerSide
 
 KEY = b"k" * 32
 
@@ -243,12 +243,38 @@ def test_extended_protocol_masks_columns_by_the_statement_description() -> None:
         client.on_message(message)
     answer(server, pg.encode_parse_complete(), pg.encode_parameter_description([]),
            pg.encode_row_description([field("email", 25), field("id", 23)]), pg.encode_ready_for_query())
-    for message in [pg.Bind(pg.encode_bind("", "s1", result_formats=[1])), pg.Execute(pg.encode_execute("")),
-                    pg.Sync(pg.encode_sync())]:
-        client.on_message(message)
-    out = answer(server, pg.encode_bind_complete(), pg.encode_data_row([b"x@y.io", struct.pack("!i", 5)]),
+    actions = [client.on_message(message) for message in [
+        pg.Bind(pg.encode_bind("", "s1", result_formats=[1])), pg.Execute(pg.encode_execute("")),
+        pg.Sync(pg.encode_sync())]]
+    # a named statement may have been replaced by SQL since: the gateway describes the portal before it runs
+    assert actions == [FORWARD, PREFIXED, FORWARD] and client.substitute == pg.encode_describe("P", "")
+    out = answer(server, pg.encode_bind_complete(),
+                 pg.encode_row_description([field("email", 25, 1), field("id", 23, 1)]),
+                 pg.encode_data_row([b"x@y.io", struct.pack("!i", 5)]),
                  pg.encode_command_complete("SELECT 1"), pg.encode_ready_for_query())
     assert rows_of(out) == [[b"****", struct.pack("!i", 5)]]
+    assert not any(isinstance(m, pg.RowDescription) for m in out)  # the gateway's own Describe is not answered
+
+
+def test_an_execute_is_masked_by_what_its_portal_returns_now_not_by_an_earlier_description() -> None:
+    """A statement described as harmless, replaced by SQL's PREPARE (the target's answer to the gateway's own
+    Describe of the portal says so), is masked by its new columns; the unnamed statement is not described again."""
+    client, server, _ = relay({"type": "mask", "columns": ["email"]})
+    for message in [pg.Parse(pg.encode_parse("s1", "select id::text from users")),
+                    pg.Describe(pg.encode_describe("S", "s1")), pg.Sync(pg.encode_sync())]:
+        client.on_message(message)
+    answer(server, pg.encode_parse_complete(), pg.encode_parameter_description([]),
+           pg.encode_row_description([field("id", 25)]), pg.encode_ready_for_query())
+    for message in [pg.Bind(pg.encode_bind("", "s1")), pg.Execute(pg.encode_execute("")), pg.Sync(pg.encode_sync())]:
+        client.on_message(message)
+    out = answer(server, pg.encode_bind_complete(), pg.encode_row_description([field("email", 25)]),
+                 pg.encode_data_row([b"x@y.io"]), pg.encode_command_complete("SELECT 1"),
+                 pg.encode_ready_for_query())
+    assert rows_of(out) == [[b"****"]]
+    unnamed = [client.on_message(message) for message in [
+        pg.Parse(pg.encode_parse("", "select id::text from users")), pg.Bind(pg.encode_bind("", "")),
+        pg.Execute(pg.encode_execute("")), pg.Sync(pg.encode_sync())]]
+    assert unnamed == [FORWARD] * 4
 
 
 def test_rows_without_a_known_description_are_masked_whole_under_a_column_rule() -> None:

@@ -224,17 +224,18 @@ def test_a_query_the_target_skips_after_an_extended_error_masks_everything_until
            pg.encode_ready_for_query())
     assert server.unsure
     send(client, pg.encode_bind("", "s2"), pg.encode_execute(""), pg.encode_sync())
-    out = answer(server, pg.encode_bind_complete(), pg.encode_data_row([b"078-05-1120"]),
-                 pg.encode_command_complete("SELECT 1"), pg.encode_ready_for_query())
+    out = answer(server, pg.encode_bind_complete(), pg.encode_row_description([field("id", 25)]),
+                 pg.encode_data_row([b"078-05-1120"]), pg.encode_command_complete("SELECT 1"),
+                 pg.encode_ready_for_query())
     assert rows_of(out) == [[b"****"]]  # out of step: masked whole, and the client told why
     assert any(isinstance(m, pg.NoticeResponse) and "out of step" in m.message for m in out)
     assert not server.unsure and not server.pending  # the stale Sync went, the queue emptied
     send(client, pg.encode_bind("", "s1"), pg.encode_execute(""), pg.encode_sync(),
          pg.encode_bind("", "s2"), pg.encode_execute(""), pg.encode_sync())
-    out = answer(server, pg.encode_bind_complete(), pg.encode_data_row([b"078-05-1120"]),
-                 pg.encode_command_complete("SELECT 1"), pg.encode_ready_for_query(),
-                 pg.encode_bind_complete(), pg.encode_data_row([b"12"]), pg.encode_command_complete("SELECT 1"),
-                 pg.encode_ready_for_query())
+    out = answer(server, pg.encode_bind_complete(), pg.encode_row_description([field("ssn", 25)]),
+                 pg.encode_data_row([b"078-05-1120"]), pg.encode_command_complete("SELECT 1"),
+                 pg.encode_ready_for_query(), pg.encode_bind_complete(), pg.encode_row_description([field("id", 25)]),
+                 pg.encode_data_row([b"12"]), pg.encode_command_complete("SELECT 1"), pg.encode_ready_for_query())
     assert rows_of(out) == [[b"****"], [b"12"]]  # in step again: each statement by its own description
     assert "078-05-1120" not in repr(recorder.events)
 
@@ -302,12 +303,13 @@ def test_an_execute_error_before_a_simple_query_in_the_same_batch_makes_the_rela
     answer(server, pg.encode_parse_complete(), pg.encode_parameter_description([]),
            pg.encode_row_description([field("id", 25)]), pg.encode_ready_for_query())
     send(client, pg.encode_bind("", "s2"), pg.encode_execute(""), pg.encode_query("select 1"), pg.encode_sync())
-    answer(server, pg.encode_bind_complete(), pg.encode_error_response("ERROR", "22012", "division by zero"),
-           pg.encode_ready_for_query())
+    answer(server, pg.encode_bind_complete(), pg.encode_row_description([field("id", 25)]),
+           pg.encode_error_response("ERROR", "22012", "division by zero"), pg.encode_ready_for_query())
     assert server.unsure
     send(client, pg.encode_bind("", "s2"), pg.encode_execute(""), pg.encode_sync())
-    out = answer(server, pg.encode_bind_complete(), pg.encode_data_row([b"078-05-1120"]),
-                 pg.encode_command_complete("SELECT 1"), pg.encode_ready_for_query())
+    out = answer(server, pg.encode_bind_complete(), pg.encode_row_description([field("id", 25)]),
+                 pg.encode_data_row([b"078-05-1120"]), pg.encode_command_complete("SELECT 1"),
+                 pg.encode_ready_for_query())
     assert rows_of(out) == [[b"****"]] and not server.unsure and not server.pending
 
 

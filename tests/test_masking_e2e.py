@@ -6,6 +6,7 @@ Each test checks that the clear value reaches neither the client, the recording
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import shutil
 import subprocess
@@ -15,6 +16,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
+from proxies.postgres import codec as pg
 from tests import clients
 from tests.apiclient import PostgresApi, admin_http, of_kind
 from tests.conftest import proxy_daemon
@@ -517,50 +519,108 @@ async def test_a_renamed_column_stays_masked_for_later_sessions_and_within_a_ses
     await assert_nowhere_in_clear(api, session_id, done.stdout, done.stderr)
 
 
-async def test_a_simple_query_inside_a_failed_extended_batch_does_not_unmask_the_next_statements(api, gateway, table):
-    """Bind to a statement that does not exist, then a simple Query, then Sync: PostgreSQL skips the Query and
-    answers both with one ReadyForQuery. Later extended queries stay masked by their own columns."""
-    import asyncio
+class RawSession:
+    """A frontend speaking the wire protocol itself, for message orders no driver sends."""
 
-    from proxies.postgres import codec as pg
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.backend = pg.BackendReader()
 
-    _, secret, session_id = await masked_role(api, BY_COLUMN)
-    reader, writer = await asyncio.open_connection("127.0.0.1", gateway.pg_port)
-    backend = pg.BackendReader()
+    @classmethod
+    async def open(cls, gateway, secret: str) -> RawSession:
+        session = cls(*await asyncio.open_connection("127.0.0.1", gateway.pg_port))
+        await session.batch(pg.encode_startup_message({"user": secret, "database": "postgres"}))
+        return session
 
-    async def until_ready() -> list[pg.Message]:
+    async def batch(self, *frames: bytes) -> list[pg.Message]:
+        """Send ``frames``; the answers up to the next ReadyForQuery."""
+        self.writer.write(b"".join(frames))
         got: list[pg.Message] = []
         while not got or not isinstance(got[-1], pg.ReadyForQuery):
-            message = backend.next_message()
+            message = self.backend.next_message()
             if message is None:
-                backend.feed(await asyncio.wait_for(reader.read(65536), 15))
+                self.backend.feed(await asyncio.wait_for(self.reader.read(65536), 15))
                 continue
             got.append(message)
         return got
 
-    async def batch(*frames: bytes) -> list[pg.Message]:
-        writer.write(b"".join(frames))
-        return await until_ready()
+    async def rows(self, *frames: bytes) -> list[list[bytes | None]]:
+        """The DataRows' values of ``frames``' answers (with no ErrorResponse among them)."""
+        answer = await self.batch(*frames)
+        assert not [m for m in answer if isinstance(m, pg.ErrorResponse)], answer
+        return [m.columns for m in answer if isinstance(m, pg.DataRow)]
 
+    def close(self) -> None:
+        self.writer.write(pg.encode_terminate())
+        self.writer.close()
+
+
+async def test_a_simple_query_inside_a_failed_extended_batch_does_not_unmask_the_next_statements(api, gateway, table):
+    """Bind to a statement that does not exist, then a simple Query, then Sync: PostgreSQL skips the Query and
+    answers both with one ReadyForQuery. Later extended queries stay masked by their own columns."""
+    _, secret, session_id = await masked_role(api, BY_COLUMN)
+    raw = await RawSession.open(gateway, secret)
     try:
-        writer.write(pg.encode_startup_message({"user": secret, "database": "postgres"}))
-        await until_ready()
         for statement, sql in (("s1", f"select ssn from {table} where id = 1"),
                                ("s2", f"select id::text from {table} where id = 1")):
-            await batch(pg.encode_parse(statement, sql), pg.encode_describe("S", statement), pg.encode_sync())
-        desync = await batch(pg.encode_bind("", "nope"), pg.encode_query("select 1"), pg.encode_sync())
+            await raw.batch(pg.encode_parse(statement, sql), pg.encode_describe("S", statement), pg.encode_sync())
+        desync = await raw.batch(pg.encode_bind("", "nope"), pg.encode_query("select 1"), pg.encode_sync())
         assert any(isinstance(m, pg.ErrorResponse) for m in desync)
         rows = []
         for statement in ("s2", "s1", "s1", "s2"):
-            answer = await batch(pg.encode_bind("", statement), pg.encode_execute(""), pg.encode_sync())
-            rows += [m.columns for m in answer if isinstance(m, pg.DataRow)]
-        writer.write(pg.encode_terminate())
+            rows += await raw.rows(pg.encode_bind("", statement), pg.encode_execute(""), pg.encode_sync())
     finally:
-        writer.close()
+        raw.close()
     assert SSN.encode() not in repr(rows).encode()
     assert rows[1:3] == [[b"*******1120"], [b"*******1120"]]
     assert rows[3] == [b"1"]  # in step again: s2's own column is not masked
     await assert_nowhere_in_clear(api, session_id, repr(rows))
+
+
+@pytest.mark.parametrize("replace", [
+    "deallocate {name}; prepare {name} as select ssn from {table} where id = 1",
+    "do $$ begin execute 'deallocate {name}'; execute 'prep' || 'are {name} as select ssn from {table} where id = 1';"
+    " end $$",
+], ids=["sql", "dynamic sql"])
+async def test_a_prepared_statement_replaced_by_sql_is_masked_by_what_it_runs_now(api, gateway, table, replace):
+    """SQL's PREPARE and DEALLOCATE share the protocol's statement names: a statement described as harmless,
+    replaced behind the protocol's back (the gateway cannot see a function's dynamic SQL), then executed with
+    Bind and Execute alone, is masked by the columns it returns now."""
+    _, secret, session_id = await masked_role(api, BY_COLUMN)
+    raw = await RawSession.open(gateway, secret)
+    try:
+        await raw.batch(pg.encode_parse("harmless", f"select id::text from {table} where id = 1"),
+                        pg.encode_describe("S", "harmless"), pg.encode_sync())
+        before = await raw.rows(pg.encode_bind("", "harmless"), pg.encode_execute(""), pg.encode_sync())
+        await raw.rows(pg.encode_query(replace.format(name="harmless", table=table)))
+        after = await raw.rows(pg.encode_bind("", "harmless"), pg.encode_execute(""), pg.encode_sync())
+        binary = await raw.rows(pg.encode_bind("", "harmless", result_formats=[1]), pg.encode_execute(""),
+                                pg.encode_sync())
+    finally:
+        raw.close()
+    assert before == [[b"1"]]
+    assert after == [[b"*******1120"]] and binary == [[b"*******1120"]]
+    await assert_nowhere_in_clear(api, session_id, repr(after + binary))
+
+
+async def test_a_portal_made_by_sql_and_run_by_execute_is_masked_by_its_own_columns(api, gateway, table):
+    """A cursor DECLAREd in SQL is a portal the protocol's Execute can run, and a portal bound by the protocol
+    can be replaced by one SQL makes: each is masked by what it returns, not by the last description seen."""
+    _, secret, session_id = await masked_role(api, BY_COLUMN)
+    raw = await RawSession.open(gateway, secret)
+    try:
+        await raw.rows(pg.encode_query(f"begin; declare c cursor for select ssn from {table} where id = 1"))
+        await raw.batch(pg.encode_parse("harmless", f"select id::text from {table} where id = 1"),
+                        pg.encode_describe("S", "harmless"), pg.encode_sync())  # the last description: no mask
+        cursor = await raw.rows(pg.encode_execute("c"), pg.encode_sync())
+        await raw.rows(pg.encode_bind("p", "harmless"), pg.encode_sync())
+        await raw.rows(pg.encode_query(f"close p; declare p cursor for select ssn from {table} where id = 1"))
+        portal = await raw.rows(pg.encode_execute("p"), pg.encode_sync())
+        await raw.rows(pg.encode_query("commit"))
+    finally:
+        raw.close()
+    assert cursor == [[b"*******1120"]] and portal == [[b"*******1120"]]
+    await assert_nowhere_in_clear(api, session_id, repr(cursor + portal))
 
 
 async def test_a_value_too_long_to_mask_on_the_loop_is_withheld_with_a_warning(api, gateway, table):

@@ -2,8 +2,8 @@
 cimport cython
 from gatewayd.policy cimport SessionPolicy
 from proxies.postgres.framing cimport BackendReader, FrameBatch
-from proxies.postgres.messages cimport (Bind, CloseComplete, CommandComplete, CopyData, DataRow, Message, Parse, Query,
-                                        ReadyForQuery, RowDescription, render_text_row)
+from proxies.postgres.messages cimport (Bind, CloseComplete, CommandComplete, CopyData, DataRow, Execute, Message,
+                                        Parse, Query, ReadyForQuery, RowDescription, render_text_row)
 from proxies.postgres.rendering cimport render_params, render_row
 
 cdef class Pending:
@@ -32,6 +32,7 @@ cdef class ClientSide:
     cpdef cancel(self, Message message)
     cpdef int _query(self, Query query)
     cpdef int _parse(self, Parse parse)
+    cpdef int _execute(self, Execute execute)
     cpdef int _bind(self, Bind bind)
 
 cdef class WaitingClientSide(ClientSide):

@@ -30,7 +30,11 @@ arrive.  That is how a block is answered in the right place of a pipeline:
   and notifications quoting data are masked by pattern (``mask_notice``).
   COPY TO STDOUT rows in text/CSV format are masked by pattern; a binary COPY,
   or any COPY under a rule by column name (COPY data carries no names), is
-  cut like a blocked row.
+  cut like a blocked row;
+* under such rules an ``Execute`` of a named statement or portal is preceded
+  by the gateway's own ``Describe`` of the portal (SQL's PREPARE and DECLARE
+  may have replaced what was described): its rows are read by that answer,
+  which the client does not get.
 """
 
 from __future__ import annotations
@@ -77,6 +81,7 @@ from proxies.postgres.wire import FORMAT_BINARY, ProtocolError
 from proxies.postgres.writers import (
     encode_close,
     encode_copy_data,
+    encode_describe,
     encode_copy_fail,
     encode_error_response,
     encode_flush,
@@ -134,6 +139,7 @@ EXECUTE = 2  # Execute: rows then CommandComplete / EmptyQuery / PortalSuspended
 CLOSE = 3  # the client's Close: answered by CloseComplete
 MARKER = 4  # the gateway's Close standing for a blocked Parse: its CloseComplete becomes the error
 DESCRIBE = 5  # Describe: answered by RowDescription or NoData (after ParameterDescription)
+PORTAL = 6  # the gateway's own Describe of a portal, just before its Execute: its answer is not forwarded
 
 MARKER_STATEMENT = "gatewayd.guardrail.block." + secrets.token_hex(8)
 BLOCKED_PARSE_MARKER = encode_close("S", MARKER_STATEMENT) + encode_flush()
@@ -157,6 +163,7 @@ _SYNC_POINT = Pending(SYNC_POINT)
 _UNTIL_READY = Pending(UNTIL_READY)
 _EXECUTE = Pending(EXECUTE)
 _CLOSE = Pending(CLOSE)
+_PORTAL = Pending(PORTAL)
 
 
 _I32 = struct.Struct("!i").unpack_from
@@ -181,6 +188,7 @@ DROP = 1
 BLOCK = 2  # send ``ClientSide.substitute`` upstream instead; ``ClientSide.verdict`` says why
 TERMINATE = 3
 WAIT = 4  # hold this message (nothing was done with it): its verdict is decided first, then it comes again
+PREFIXED = 5  # send ``ClientSide.substitute`` upstream, then this message
 
 
 class ClientSide:
@@ -243,8 +251,7 @@ class ClientSide:
             self.bound = True
             return self._bind(message)  # type: ignore[arg-type]
         if kind is Execute:
-            self.pending.append(self.portals.get(message.portal, _EXECUTE))  # type: ignore[attr-defined]
-            return FORWARD
+            return self._execute(message)  # type: ignore[arg-type]
         if kind is Describe:
             name = message.name  # type: ignore[attr-defined]
             if message.kind == "P":  # type: ignore[attr-defined]
@@ -439,6 +446,26 @@ class ClientSide:
             self.parsed[name] = sql
         if policy.recording:
             self.statements[name] = sql
+        return FORWARD
+
+    def _execute(self, execute: Execute) -> int:
+        """An Execute; under rules that read its rows, a named portal or statement is described again first.
+
+        SQL shares the protocol's names: ``PREPARE``/``DEALLOCATE`` replace a named statement and ``DECLARE``/
+        ``CLOSE`` a named portal, in the session's own statements or in a function's dynamic SQL, which the gateway
+        cannot follow. So what a Describe said earlier may not be what runs: the gateway's own ``Describe`` of
+        the portal, right before the Execute (nothing can come between them), says what its rows will be; its
+        answer is not forwarded. The unnamed portal of the unnamed statement needs none (SQL names neither).
+        """
+        portal = execute.portal
+        entry = self.portals.get(portal, _EXECUTE)
+        policy = self.policy
+        if (portal or entry.statement != "") and (policy.masker is not None or policy.checks_output):
+            self.pending.append(_PORTAL)
+            self.pending.append(_EXECUTE)  # its rows: as the portal's description says (formats included)
+            self.substitute = encode_describe("P", portal)
+            return PREFIXED
+        self.pending.append(entry)
         return FORWARD
 
     def _bind(self, bind: Bind) -> int:
@@ -964,12 +991,18 @@ class ServerSide:
                 message = decode_backend(frame) if kind is ErrorResponse else message
             else:
                 batch.add(message)
-        elif kind is RowDescription and render:
-            described = self._describe(message)  # type: ignore[arg-type]
-            if described[4] is None:
+        elif kind is RowDescription or kind is NoData:
+            own = self.pending and self.pending[0].kind == PORTAL  # the gateway's Describe: not forwarded
+            if kind is RowDescription and render:
+                described = self._describe(message)  # type: ignore[arg-type]
+                if own:
+                    pass
+                elif described[4] is None:
+                    batch.add(message)
+                else:
+                    batch.add_bytes(described[4])  # column names masked
+            elif not own:
                 batch.add(message)
-            else:
-                batch.add_bytes(described[4])  # column names masked
         else:
             batch.add(message)
         if kind is CopyOutResponse or kind is CopyBothResponse:
@@ -981,7 +1014,7 @@ class ServerSide:
             self.formats = None
             self._fresh = True
             pending = self.pending
-            head = pending[0] if pending and pending[0].kind == DESCRIBE else None
+            head = pending[0] if pending and (pending[0].kind == DESCRIBE or pending[0].kind == PORTAL) else None
             if head is not None:
                 pending.popleft()
             elif pending and pending[0].kind != UNTIL_READY:
@@ -994,11 +1027,12 @@ class ServerSide:
                         if len(self.masks) >= DESCRIPTION_CACHE_SIZE * 64:
                             self.masks.clear()
                         self.masks[head.statement] = (self._desc_oids, self._desc_masks, message)
-                if self.recording:
-                    self.header = header
+                if self.recording and (head is None or head.kind == DESCRIBE):  # (not the gateway's own Describe:
+                    self.header = header  # the recording stays what the client's messages asked for)
         elif kind is NoData:
-            if self.pending and self.pending[0].kind == DESCRIBE:
+            if self.pending and (self.pending[0].kind == DESCRIBE or self.pending[0].kind == PORTAL):
                 self.pending.popleft()
+                self._desc_masks = None  # no rows to come; any that did would be masked whole
             elif self.pending:
                 self._doubt()
         elif kind is ErrorResponse:
@@ -1202,7 +1236,7 @@ class ServerSide:
     def _close_complete(self, message: CloseComplete, batch: FrameBatch) -> None:
         self._answering()
         pending = self.pending
-        while pending and pending[0].kind == EXECUTE:  # not answered: the target skipped them
+        while pending and (pending[0].kind == EXECUTE or pending[0].kind == PORTAL):  # skipped by the target
             pending.popleft()
         entry = pending.popleft() if pending and pending[0].kind in (CLOSE, MARKER) else None
         if entry is not None and entry.kind == MARKER:

@@ -25,7 +25,7 @@ from gatewayd.tasks import BackgroundTasks, Withdrawable
 
 from proxies.postgres.framing import BackendReader, FrameBatch, FrontendReader
 from proxies.postgres.wire import ProtocolError
-from proxies.postgres.relay import BLOCK, DROP, FORWARD, WAIT, ClientSide, ServerSide
+from proxies.postgres.relay import BLOCK, DROP, FORWARD, PREFIXED, WAIT, ClientSide, ServerSide
 
 if TYPE_CHECKING:
     from proxies.postgres.messages import Message
@@ -184,6 +184,9 @@ class RelaySession:
                     batch.add(message)
                 elif action == DROP:
                     pass
+                elif action == PREFIXED:
+                    batch.add_bytes(client_side.substitute)
+                    batch.add(message)
                 elif action == BLOCK:
                     batch.add_bytes(self.client_side.substitute)
                     self._send(self.target, batch)
