@@ -251,6 +251,33 @@ async def test_statement_kinds_and_require_where_read_mysqls_parse(api, gateway,
     assert "kinds" in tables(mysql_target)
 
 
+DROPS = {"type": "statement_kinds", "deny": ["DropStmt"]}
+
+
+@pytest.mark.parametrize("rule, sql, says", [
+    (DROPS, "CREATE OR REPLACE TABLE {t} (id INT, a INT)", "statement=CREATE OR REPLACE TABLE (it has the effect of "
+     "DropStmt)"),
+    (DROPS, "CREATE OR REPLACE TABLE {t} AS SELECT 1 AS id, 0 AS a", "statement=CREATE OR REPLACE TABLE"),
+])
+async def test_what_has_a_denied_kinds_effect_is_refused_and_the_rows_stay(api, gateway, mysql_target, rule, sql,
+                                                                           says):
+    """A statement that does what a denied kind does (MariaDB's ``CREATE OR REPLACE`` drops the table there is)
+    is refused with it: the table keeps its rows."""
+    table = f"effect_{os.urandom(3).hex()}"
+    mysql_target.sql(f"CREATE TABLE {table} (id INT PRIMARY KEY, a INT); INSERT INTO {table} VALUES (1, 1), (2, 2)",
+                     "app")
+    role = await api.role()
+    await api.guardrail(role, input_rules=[rule])
+    secret, _ = await api.credential(role)
+
+    def work() -> str:
+        with connect(gateway, secret, autocommit=True) as connection:
+            return blocked(connection, sql.format(t=table))
+
+    assert says in await in_thread(work)
+    assert mysql_target.sql(f"SELECT id, a FROM {table} ORDER BY id", "app") == "1\t1\n2\t2\n"
+
+
 @pytest.mark.parametrize("switch, attack", [
     ("SET sql_mode = 'NO_BACKSLASH_ESCAPES'", "SELECT 'a\\'; DROP TABLE victim; -- '"),
     ("SET SESSION sql_mode = 'ANSI_QUOTES'", 'SELECT "a\\"; DROP TABLE victim; -- "'),

@@ -181,3 +181,27 @@ def test_statement_shape_by_json_matches_the_full_walk() -> None:
             statements._walk(raw["stmt"], found, sql, 0)
         if fast is not None:
             assert fast == found.statement(), sql
+
+
+def mysql_rules(*rules: dict) -> RuleSet:
+    from gatewayd.sql.mysql import MYSQL
+
+    return RuleSet([GuardRail(id="g1", org_id="o", name="rail", input={"rules": list(rules)})], language=MYSQL)
+
+
+@pytest.mark.parametrize("sql, says", [
+    ("CREATE OR REPLACE TABLE t (id INT)", "statement=CREATE OR REPLACE TABLE (it has the effect of DropStmt)"),
+    ("CREATE OR REPLACE TABLE t AS SELECT 1 AS id", "statement=CREATE OR REPLACE TABLE (it has the effect of DropStmt)"),
+    ("create or replace temporary table t select 1", "statement=CREATE OR REPLACE TABLE"),
+    ("CREATE OR REPLACE USER u", "statement=CREATE OR REPLACE USER (it has the effect of DropStmt)"),
+])
+def test_mysql_create_or_replace_drops_what_there_is(sql: str, says: str) -> None:
+    """MariaDB drops the table (its rows) or the user there is before it creates the new one."""
+    verdict = mysql_rules({"type": "statement_kinds", "deny": ["DropStmt"]}).check_input(sql)
+    assert not verdict.allowed and says in verdict.message, verdict.message
+
+
+@pytest.mark.parametrize("sql", ["CREATE TABLE t (id INT)", "CREATE TABLE IF NOT EXISTS t AS SELECT 1 AS id",
+                                 "CREATE OR REPLACE VIEW v AS SELECT 1", "CREATE USER u"])
+def test_mysql_create_without_a_drop_passes(sql: str) -> None:
+    assert mysql_rules({"type": "statement_kinds", "deny": ["DropStmt"]}).check_input(sql).allowed

@@ -9,7 +9,8 @@ was chosen) and its tree mapped onto the shared vocabulary of statement kinds
 (pglast's node names, gatewayd.languages): ``DELETE`` is ``DeleteStmt``, ``DROP
 DATABASE`` is ``DropdbStmt`` (it counts as ``DropStmt``), ``TRUNCATE`` has the
 effect of a ``DELETE`` without ``WHERE``, ``REPLACE`` that of a ``DELETE``, ``ALTER
-TABLE ... DROP COLUMN`` that of a ``DROP``.
+TABLE ... DROP COLUMN`` that of a ``DROP``, MariaDB's ``CREATE OR REPLACE TABLE`` (it drops the table
+there is, rows and all) that of a ``DROP`` and ``CREATE OR REPLACE USER`` that of a ``DROP USER``.
 
 What runs later is read too: ``PREPARE s FROM '...'`` and ``EXECUTE IMMEDIATE
 '...'`` read their string as SQL (``MAX_DEPTH`` deep); from a variable, they
@@ -51,6 +52,9 @@ _KINDS: dict[str, str | None] = {
     "Copy": "CopyStmt", "LoadData": "CopyStmt", "Merge": "MergeStmt", "Comment": "CommentStmt",
     "Use": None, "Kill": None, "Flush": None, "Cache": None, "UNCache": None, "OptimizeTable": "VacuumStmt",
 }
+# ``CREATE OR REPLACE`` of these drops what there is first (MariaDB): the kind of that drop
+_REPLACES = {"CreateTable": ("DropStmt", "CREATE OR REPLACE TABLE"),
+             "CreateUser": ("DropRoleStmt", "CREATE OR REPLACE USER")}
 _DROP_OBJECTS = {"Database": "DropdbStmt", "Schema": "DropStmt", "User": "DropRoleStmt", "Role": "DropRoleStmt"}
 _CANNOT = "a statement the gateway's MySQL parser cannot read"
 
@@ -97,6 +101,8 @@ def _tree(name: str, node: Any, found: FoundNodes) -> None:
     found.kinds.add(kind)
     if not isinstance(node, dict):
         return
+    if node.get("or_replace") and name in _REPLACES:
+        found.effects.add(_REPLACES[name])
     if kind in ("DeleteStmt", "UpdateStmt") and node.get("selection") is None:
         found.whole.add((kind, kind))
     elif kind == "TruncateStmt":

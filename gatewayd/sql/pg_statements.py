@@ -90,6 +90,9 @@ class FoundNodes:
         for kind in self.kinds:
             if kind in COUNTS_AS:
                 effects.add((COUNTS_AS[kind], kind))
+        for kind, node in self.effects:  # the effect of a DROP USER is a DROP's too
+            if kind in COUNTS_AS:
+                effects.add((COUNTS_AS[kind], node))
         for kind, node in whole:
             if kind == "DeleteStmt":
                 effects.add(("TruncateStmt", node if node != "DeleteStmt" else "DeleteStmt without WHERE"))
