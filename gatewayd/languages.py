@@ -76,7 +76,8 @@ class ParsedStatement:
     node in it (nested ones, bodies included).
 
     ``unqualified``: DeleteStmt/UpdateStmt when it deletes or updates every row of a table (no WHERE,
-    a TRUNCATE, a MERGE action without a condition); ``whole`` says which node did, as (kind, node).
+    a TRUNCATE, a MERGE action without a condition, an upsert without its own WHERE, MySQL's REPLACE);
+    ``whole`` says which node did, as (kind, node).
     ``effects``: (kind it counts as, node) for each node with the effect of another kind.
     ``unreadable``: what in it the gateway cannot read (statement rules refuse it), or "".
     """

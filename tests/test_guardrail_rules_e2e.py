@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import time
 
@@ -223,6 +224,43 @@ async def test_statement_rules_keep_the_table_through_psql_and_asyncpg(apis, clu
         finally:
             await client.close()
         assert await direct.fetch(f"select a from {table}") == [(1,)]
+    finally:
+        await direct.execute(f"drop table if exists {table}")
+        await direct.close()
+
+
+@pytest.mark.parametrize("rule, says", [
+    ({"type": "statement_kinds", "deny": ["UpdateStmt"]},
+     "statement=InsertStmt ON CONFLICT DO UPDATE (it has the effect of UpdateStmt)"),
+    ({"type": "require_where", "statements": ["update"]}, "update without WHERE (InsertStmt ON CONFLICT DO UPDATE)"),
+])
+async def test_what_has_an_updates_effect_is_refused_and_the_rows_stay(apis, cluster, gateway, rule, says):
+    """An upsert updates every row its SELECT meets: refused where updates are (psql's Query, asyncpg's Parse);
+    ``ON CONFLICT DO NOTHING`` is an insert and passes."""
+    pg_api, _, _ = apis
+    table = f"upsert_{os.urandom(4).hex()}"
+    direct = await asyncpg.connect(host="127.0.0.1", port=cluster.port, user="postgres", password=cluster.password,
+                                   database="postgres", ssl=False)
+    try:
+        await direct.execute(f"create table {table} (id int primary key, a int); "
+                             f"insert into {table} values (1, 1), (2, 2)")
+        role = await pg_api.role()
+        await pg_api.guardrail(role, input_rules=[rule])
+        secret, _ = await pg_api.credential(role)
+        attacks = [f"insert into {table} select * from {table} on conflict (id) do update set a = 0"]
+        for sql in attacks:
+            result = await asyncio.to_thread(psql, gateway, secret, sql)
+            assert result.returncode != 0 and says in result.stderr, (sql, result.stderr)
+        client = await asyncpg.connect(host="127.0.0.1", port=gateway.pg_port, user=secret, password="any",
+                                       database="postgres", ssl=False, timeout=15)
+        try:
+            for sql in attacks:
+                with pytest.raises(asyncpg.PostgresError, match=re.escape(says)):
+                    await client.prepare(sql)  # refused at Parse
+            await client.execute(f"insert into {table} select * from {table} on conflict do nothing")
+        finally:
+            await client.close()
+        assert await direct.fetch(f"select id, a from {table} order by id") == [(1, 1), (2, 2)]
     finally:
         await direct.execute(f"drop table if exists {table}")
         await direct.close()

@@ -76,7 +76,8 @@ def test_statement_kinds_map_onto_the_shared_vocabulary() -> None:
     assert kinds("DROP DATABASE d") == [{"DropdbStmt", "DropStmt"}]
     assert kinds("DELETE FROM t") == [{"DeleteStmt", "TruncateStmt"}]
     assert kinds("TRUNCATE t") == [{"TruncateStmt", "DeleteStmt"}]
-    assert kinds("REPLACE INTO t VALUES (1)") == [{"InsertStmt", "DeleteStmt"}]
+    assert kinds("REPLACE INTO t VALUES (1)") == [{"InsertStmt", "DeleteStmt", "TruncateStmt"}]  # no WHERE
+    assert kinds("INSERT INTO t VALUES (1) ON DUPLICATE KEY UPDATE a = 0") == [{"InsertStmt", "UpdateStmt"}]
     assert kinds("ALTER TABLE t DROP COLUMN a") == [{"AlterTableStmt", "DropStmt"}]
     assert kinds("SELECT 1; UPDATE t SET a = 1 WHERE b") == [{"SelectStmt"}, {"UpdateStmt"}]
     assert kinds("EXECUTE IMMEDIATE 'DROP TABLE t'") == [{"ExecuteStmt", "DropStmt"}]

@@ -252,17 +252,26 @@ async def test_statement_kinds_and_require_where_read_mysqls_parse(api, gateway,
 
 
 DROPS = {"type": "statement_kinds", "deny": ["DropStmt"]}
+UPDATES = {"type": "statement_kinds", "deny": ["UpdateStmt"]}
 
 
 @pytest.mark.parametrize("rule, sql, says", [
     (DROPS, "CREATE OR REPLACE TABLE {t} (id INT, a INT)", "statement=CREATE OR REPLACE TABLE (it has the effect of "
      "DropStmt)"),
     (DROPS, "CREATE OR REPLACE TABLE {t} AS SELECT 1 AS id, 0 AS a", "statement=CREATE OR REPLACE TABLE"),
+    (UPDATES, "INSERT INTO {t} SELECT id, a FROM {t} ON DUPLICATE KEY UPDATE a = 0",
+     "statement=INSERT ON DUPLICATE KEY UPDATE (it has the effect of UpdateStmt)"),
+    ({"type": "require_where", "statements": ["update"]},
+     "INSERT INTO {t} SELECT id, a FROM {t} ON DUPLICATE KEY UPDATE a = 0",
+     "update without WHERE (INSERT ON DUPLICATE KEY UPDATE)"),
+    ({"type": "require_where", "statements": ["delete"]}, "REPLACE INTO {t} (id) SELECT id FROM {t}",
+     "delete without WHERE (REPLACE)"),
 ])
 async def test_what_has_a_denied_kinds_effect_is_refused_and_the_rows_stay(api, gateway, mysql_target, rule, sql,
                                                                            says):
-    """A statement that does what a denied kind does (MariaDB's ``CREATE OR REPLACE`` drops the table there is)
-    is refused with it: the table keeps its rows."""
+    """A statement that does what a denied kind does (MariaDB's ``CREATE OR REPLACE`` drops the table there is;
+    an upsert updates, a ``REPLACE`` deletes and inserts again, every row its SELECT meets) is refused with it:
+    the table keeps its rows."""
     table = f"effect_{os.urandom(3).hex()}"
     mysql_target.sql(f"CREATE TABLE {table} (id INT PRIMARY KEY, a INT); INSERT INTO {table} VALUES (1, 1), (2, 2)",
                      "app")

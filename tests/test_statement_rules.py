@@ -173,7 +173,9 @@ def test_statement_shape_by_json_matches_the_full_walk() -> None:
     from gatewayd.sql import pg_statements as statements
 
     for sql in UNQUALIFIED + QUALIFIED + ["update t set a = (select 1 from u where u.id = 2)", "truncate t",
-                                          "drop owned by current_user", "select 1"]:
+                                          "drop owned by current_user", "select 1",
+                                          "insert into t values (1) on conflict (id) do update set a = 0",
+                                          "insert into t values (1) on conflict do nothing"]:
         tree_json = pg.parse_sql_json(sql)
         fast = statements._fast(tree_json)
         found = statements.FoundNodes()
@@ -191,7 +193,7 @@ def mysql_rules(*rules: dict) -> RuleSet:
 
 @pytest.mark.parametrize("sql, says", [
     ("CREATE OR REPLACE TABLE t (id INT)", "statement=CREATE OR REPLACE TABLE (it has the effect of DropStmt)"),
-    ("CREATE OR REPLACE TABLE t AS SELECT 1 AS id", "statement=CREATE OR REPLACE TABLE (it has the effect of DropStmt)"),
+    ("CREATE OR REPLACE TABLE t AS SELECT 1 AS id", "statement=CREATE OR REPLACE TABLE"),
     ("create or replace temporary table t select 1", "statement=CREATE OR REPLACE TABLE"),
     ("CREATE OR REPLACE USER u", "statement=CREATE OR REPLACE USER (it has the effect of DropStmt)"),
 ])
@@ -205,3 +207,55 @@ def test_mysql_create_or_replace_drops_what_there_is(sql: str, says: str) -> Non
                                  "CREATE OR REPLACE VIEW v AS SELECT 1", "CREATE USER u"])
 def test_mysql_create_without_a_drop_passes(sql: str) -> None:
     assert mysql_rules({"type": "statement_kinds", "deny": ["DropStmt"]}).check_input(sql).allowed
+
+
+UPDATES = {"type": "statement_kinds", "deny": ["UpdateStmt"]}
+UPSERTS = [
+    "insert into t select * from t on conflict (id) do update set a = 0",
+    "with u as (insert into t values (1) on conflict (id) do update set a = 0 returning *) select * from u",
+    "do $$ begin insert into t values (1) on conflict on constraint t_pkey do update set a = excluded.a; end $$",
+]
+
+
+@pytest.mark.parametrize("sql", UPSERTS)
+def test_on_conflict_do_update_is_an_update_without_where(sql: str) -> None:
+    """It updates every row it meets (``INSERT ... SELECT`` meets them all), like a MERGE's ``THEN UPDATE``."""
+    verdict = rules(UPDATES).check_input(sql)
+    assert not verdict.allowed
+    assert "statement=InsertStmt ON CONFLICT DO UPDATE (it has the effect of UpdateStmt)" in verdict.message
+    verdict = rules(WHERE).check_input(sql)
+    assert not verdict.allowed and "update without WHERE (InsertStmt ON CONFLICT DO UPDATE)" in verdict.message
+
+
+def test_on_conflict_do_update_with_its_where_and_do_nothing() -> None:
+    qualified = "insert into t values (1) on conflict (id) do update set a = 0 where t.a > 1"
+    assert rules(WHERE).check_input(qualified).allowed
+    assert not rules(UPDATES).check_input(qualified).allowed  # still an update
+    for sql in ("insert into t values (1) on conflict do nothing", "insert into t select * from t on conflict (id) "
+                "do nothing", "insert into t values ('on conflict do update')"):
+        assert rules(UPDATES, WHERE).check_input(sql).allowed, sql
+
+
+@pytest.mark.parametrize("sql, says", [
+    ("INSERT INTO t SELECT id, a FROM t ON DUPLICATE KEY UPDATE a = 0",
+     ["statement=INSERT ON DUPLICATE KEY UPDATE (it has the effect of UpdateStmt)",
+      "update without WHERE (INSERT ON DUPLICATE KEY UPDATE)"]),
+    ("INSERT INTO t VALUES (1, 2) AS new ON DUPLICATE KEY UPDATE a = new.a",
+     ["statement=INSERT ON DUPLICATE KEY UPDATE", "update without WHERE (INSERT ON DUPLICATE KEY UPDATE)"]),
+    ("PREPARE s FROM 'INSERT INTO t SET id = 1 ON DUPLICATE KEY UPDATE a = 0'",
+     ["statement=INSERT ON DUPLICATE KEY UPDATE", "update without WHERE (INSERT ON DUPLICATE KEY UPDATE)"]),
+    ("REPLACE INTO t (id) SELECT id FROM t",
+     ["statement=REPLACE (it has the effect of DeleteStmt)", "delete without WHERE (REPLACE)"]),
+])
+def test_mysql_upserts_update_or_delete_every_row_they_meet(sql: str, says: list[str]) -> None:
+    kind, where = says
+    denied = mysql_rules({"type": "statement_kinds", "deny": ["UpdateStmt", "DeleteStmt"]}).check_input(sql)
+    assert not denied.allowed and kind in denied.message, denied.message
+    unqualified = mysql_rules(WHERE).check_input(sql)
+    assert not unqualified.allowed and where in unqualified.message, unqualified.message
+
+
+def test_mysql_a_plain_insert_passes() -> None:
+    for sql in ("INSERT INTO t VALUES (1, 2)", "INSERT IGNORE INTO t SELECT id, a FROM u"):
+        assert mysql_rules({"type": "statement_kinds", "deny": ["UpdateStmt", "DeleteStmt"]}, WHERE
+                           ).check_input(sql).allowed, sql

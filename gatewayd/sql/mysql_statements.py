@@ -8,7 +8,8 @@ strict, about ten times faster than sqlglot's -- docs/mysql-proxy.md says how it
 was chosen) and its tree mapped onto the shared vocabulary of statement kinds
 (pglast's node names, gatewayd.languages): ``DELETE`` is ``DeleteStmt``, ``DROP
 DATABASE`` is ``DropdbStmt`` (it counts as ``DropStmt``), ``TRUNCATE`` has the
-effect of a ``DELETE`` without ``WHERE``, ``REPLACE`` that of a ``DELETE``, ``ALTER
+effect of a ``DELETE`` without ``WHERE``, ``REPLACE`` that of a ``DELETE`` and ``INSERT ... ON DUPLICATE KEY
+UPDATE`` that of an ``UPDATE``, both without ``WHERE`` (nothing narrows the rows they meet), ``ALTER
 TABLE ... DROP COLUMN`` that of a ``DROP``, MariaDB's ``CREATE OR REPLACE TABLE`` (it drops the table
 there is, rows and all) that of a ``DROP`` and ``CREATE OR REPLACE USER`` that of a ``DROP USER``.
 
@@ -108,7 +109,11 @@ def _tree(name: str, node: Any, found: FoundNodes) -> None:
     elif kind == "TruncateStmt":
         found.whole.add(("DeleteStmt", kind))
     elif kind == "InsertStmt" and (node.get("replace_into") or _keyword(node.get("insert_token")) == "REPLACE"):
-        found.effects.add(("DeleteStmt", "REPLACE"))
+        found.effects.add(("DeleteStmt", "REPLACE"))  # of every row it meets: no WHERE can narrow it
+        found.whole.add(("DeleteStmt", "REPLACE"))
+    elif kind == "InsertStmt" and node.get("on") is not None:  # MySQL's only ON: ON DUPLICATE KEY UPDATE
+        found.effects.add(("UpdateStmt", "INSERT ON DUPLICATE KEY UPDATE"))
+        found.whole.add(("UpdateStmt", "INSERT ON DUPLICATE KEY UPDATE"))
     elif kind == "AlterTableStmt":
         for operation in node.get("operations") or ():
             if isinstance(operation, dict) and any(key.startswith("Drop") and key != "DropConstraint"

@@ -48,6 +48,7 @@ COUNTS_AS = {
     "DropTableSpaceStmt": "DropStmt", "DropSubscriptionStmt": "DropStmt", "DropUserMappingStmt": "DropStmt",
     "TruncateStmt": "DeleteStmt",
 }
+_UPSERT = "InsertStmt ON CONFLICT DO UPDATE"
 _MERGE_ACTIONS = {"CMD_DELETE": "DeleteStmt", "CMD_UPDATE": "UpdateStmt", "CMD_INSERT": "InsertStmt"}
 _WHERE_NODES = frozenset(WHERE_STATEMENTS.values())
 _READ_FURTHER = frozenset(("MergeStmt", "AlterTableStmt", "CopyStmt", "DoStmt", "CreateFunctionStmt"))
@@ -157,6 +158,10 @@ def _statement_node(key: str, value: dict[str, Any], found: FoundNodes, source: 
                 found.effects.add((kind, key))
                 if kind in _WHERE_NODES and "condition" not in when:
                     found.whole.add((kind, key))
+    elif key == "InsertStmt" and value.get("onConflictClause", {}).get("action") == "ONCONFLICT_UPDATE":
+        found.effects.add(("UpdateStmt", _UPSERT))  # an update of the rows it meets, like MERGE's
+        if "whereClause" not in value["onConflictClause"]:
+            found.whole.add(("UpdateStmt", _UPSERT))
     elif key == "CopyStmt" and value.get("is_from"):
         found.effects.add(("InsertStmt", "CopyStmt FROM"))
     elif key == "AlterTableStmt":
@@ -345,9 +350,11 @@ def _constant_strings(tree: dict[str, Any]) -> list[str] | None:
 
 
 def _fast(tree_json: str) -> ParsedStatement | None:
-    """One statement with nothing to read further (no body, MERGE, COPY, ALTER TABLE or SQL constant):
-    its nodes from the JSON text, the JSON decoded only for a WHERE.  None when it needs the full walk."""
-    if tree_json.count('{"stmt":') != 1 or _SQL_CONSTANT.search(tree_json) is not None:
+    """One statement with nothing to read further (no body, MERGE, COPY, ALTER TABLE, ON CONFLICT DO UPDATE or
+    SQL constant): its nodes from the JSON text, the JSON decoded only for a WHERE.  None when it needs the full
+    walk."""
+    if (tree_json.count('{"stmt":') != 1 or _SQL_CONSTANT.search(tree_json) is not None
+            or '"ONCONFLICT_UPDATE"' in tree_json):
         return None
     names = (piece[piece.rfind('"') + 1:] for piece in tree_json.split('Stmt":{')[:-1])
     kinds = frozenset(name + "Stmt" for name in names if name[:1].isupper())  # not a field (``selectStmt``)
