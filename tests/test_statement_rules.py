@@ -259,3 +259,20 @@ def test_mysql_a_plain_insert_passes() -> None:
     for sql in ("INSERT INTO t VALUES (1, 2)", "INSERT IGNORE INTO t SELECT id, a FROM u"):
         assert mysql_rules({"type": "statement_kinds", "deny": ["UpdateStmt", "DeleteStmt"]}, WHERE
                            ).check_input(sql).allowed, sql
+
+
+@pytest.mark.parametrize("sql", ["alter table t alter column a type int using 0",
+                                 "ALTER TABLE ONLY t ALTER a SET DATA TYPE text USING 'x', ADD COLUMN b int"])
+def test_a_column_type_changed_using_an_expression_is_an_update_without_where(sql: str) -> None:
+    """``USING`` writes every row's value anew: the effect of an UPDATE of the whole table."""
+    verdict = rules(UPDATES).check_input(sql)
+    assert not verdict.allowed
+    assert "statement=AlterTableStmt ALTER COLUMN TYPE USING (it has the effect of UpdateStmt)" in verdict.message
+    verdict = rules(WHERE).check_input(sql)
+    assert not verdict.allowed and "update without WHERE (AlterTableStmt ALTER COLUMN TYPE USING)" in verdict.message
+
+
+@pytest.mark.parametrize("sql", ["alter table t alter column a type bigint", "alter table t alter a set default 0",
+                                 "alter table t add column b int default 0"])
+def test_a_column_type_changed_by_its_cast_passes(sql: str) -> None:
+    assert rules(UPDATES, WHERE).check_input(sql).allowed

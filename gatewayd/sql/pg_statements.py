@@ -49,6 +49,7 @@ COUNTS_AS = {
     "TruncateStmt": "DeleteStmt",
 }
 _UPSERT = "InsertStmt ON CONFLICT DO UPDATE"
+_RETYPE = "AlterTableStmt ALTER COLUMN TYPE USING"
 _MERGE_ACTIONS = {"CMD_DELETE": "DeleteStmt", "CMD_UPDATE": "UpdateStmt", "CMD_INSERT": "InsertStmt"}
 _WHERE_NODES = frozenset(WHERE_STATEMENTS.values())
 _READ_FURTHER = frozenset(("MergeStmt", "AlterTableStmt", "CopyStmt", "DoStmt", "CreateFunctionStmt"))
@@ -166,8 +167,13 @@ def _statement_node(key: str, value: dict[str, Any], found: FoundNodes, source: 
         found.effects.add(("InsertStmt", "CopyStmt FROM"))
     elif key == "AlterTableStmt":
         for command in value.get("cmds", []):
-            if command.get("AlterTableCmd", {}).get("subtype") == "AT_DropColumn":
+            change = command.get("AlterTableCmd", {})
+            if change.get("subtype") == "AT_DropColumn":
                 found.effects.add(("DropStmt", "AlterTableStmt DROP COLUMN"))
+            elif change.get("subtype") == "AT_AlterColumnType" and "raw_default" in change.get(
+                    "def", {}).get("ColumnDef", {}):  # ``USING expr``: every row's value is written anew
+                found.effects.add(("UpdateStmt", _RETYPE))
+                found.whole.add(("UpdateStmt", _RETYPE))
     elif key in ("DoStmt", "CreateFunctionStmt"):
         _read_bodies(key, value, found, source, depth)
 
