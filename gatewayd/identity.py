@@ -8,6 +8,7 @@ import hashlib
 import json
 import math
 import logging
+import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -265,21 +266,45 @@ class OIDCProvider:
 
 
 _LOGIN_KEY_PREFIX = "oidc-login:"
-_REVOKED_PREFIX = "revoked-token:"  # + the token's SHA-256: a token signed out (POST /logout), until it expires
+_REVOKED_PREFIX = "revoked-token:"  # + _signed_part's SHA-256: a token signed out (POST /logout), until it expires
 _REVOKED_LONG_PREFIX = "revoked-long-token:"  # the same, for a token meant to live longer than SHORT_LIVED_TOKEN
 _TOKENS_AFTER_PREFIX = "tokens-after:"  # + a user id: tokens issued before this moment (a password change) are dead
 SHORT_LIVED_TOKEN = 48 * 3600.0  # a revoked token of at most this lifetime is forgotten that long after it was revoked
+_B64URL_PART = re.compile(r"[A-Za-z0-9_-]+")
 
 
-def _revoked_key(token: str, payload: dict[str, Any]) -> str:
-    """The store's name of a signed-out token: its hash, under a prefix that says whether it may be forgotten
-    ``SHORT_LIVED_TOKEN`` after (it expired by then) or is kept (a token minted to live longer)."""
+def is_compact(token: str) -> bool:
+    """Whether ``token`` is a JWT in its one canonical spelling: three base64url parts without padding whose
+    last characters carry no stray bits, nothing else. PyJWT also takes padded parts, and base64 ignores a last
+    character's unused bits: other spellings of the same signature, which the gateway refuses."""
+    parts = token.split(".")
+    if len(parts) != 3:
+        return False
+    for part in parts:
+        if not _B64URL_PART.fullmatch(part) or len(part) % 4 == 1:
+            return False
+        decoded = base64.urlsafe_b64decode(part + "=" * (-len(part) % 4))
+        if base64.urlsafe_b64encode(decoded).rstrip(b"=").decode() != part:
+            return False
+    return True
+
+
+def _signed_part(token: str) -> str:
+    """What a token's signature covers (header and claims, as sent): the same for every spelling of its signature
+    (padding, stray bits, an ECDSA signature's other half), none of which changes what was signed."""
+    return token.rpartition(".")[0]
+
+
+def _revoked_key(token: str, payload: dict[str, Any], legacy: bool = False) -> str:
+    """The store's name of a signed-out token: the hash of what its signature covers, under a prefix that says
+    whether it may be forgotten ``SHORT_LIVED_TOKEN`` after (it expired by then) or is kept (a token minted to
+    live longer). ``legacy``: the name sign-outs had before, the hash of the token's text."""
     try:
         lifetime = float(payload["exp"]) - float(payload["iat"])
     except (KeyError, TypeError, ValueError):
         lifetime = float("inf")
     prefix = _REVOKED_PREFIX if lifetime <= SHORT_LIVED_TOKEN else _REVOKED_LONG_PREFIX
-    return prefix + hashlib.sha256(token.encode()).hexdigest()
+    return prefix + hashlib.sha256((token if legacy else _signed_part(token)).encode()).hexdigest()
 
 
 def _login_key(state: str) -> str:
@@ -349,6 +374,8 @@ class Identity:
             if found is None:
                 raise AuthError("unknown or revoked API key")
             return found
+        if not is_compact(token):  # the one spelling a sign-out is checked under (another one is refused)
+            raise AuthError("malformed token")
         issuer: Any = LOCAL_ISSUER
         if not self.local.remembers(token):
             try:
@@ -359,23 +386,26 @@ class Identity:
             payload = self.local.verify(token)
             # the user, whether the token was signed out, and the user's password change: read at once (each
             # request pays for these before its own work)
-            user, revoked, cutoff = await together(self.store.get_user(id=str(payload["sub"])),
-                                                   self.store.get_key(_revoked_key(token, payload)),
-                                                   self.store.get_key(_TOKENS_AFTER_PREFIX + str(payload["sub"])))
+            user, revoked, revoked_before, cutoff = await together(
+                self.store.get_user(id=str(payload["sub"])), self.store.get_key(_revoked_key(token, payload)),
+                self.store.get_key(_revoked_key(token, payload, legacy=True)),
+                self.store.get_key(_TOKENS_AFTER_PREFIX + str(payload["sub"])))
         elif self.oidc is not None:
             payload = await self.oidc.verify(token)
             user = await self.sign_in(self.oidc.claims(payload))
             if user is None:
                 raise AuthError("unknown user")
-            revoked, cutoff = await together(self.store.get_key(_revoked_key(token, payload)),
-                                             self.store.get_key(_TOKENS_AFTER_PREFIX + user.id))
+            revoked, revoked_before, cutoff = await together(
+                self.store.get_key(_revoked_key(token, payload)),
+                self.store.get_key(_revoked_key(token, payload, legacy=True)),
+                self.store.get_key(_TOKENS_AFTER_PREFIX + user.id))
         else:
             raise AuthError("token from an unknown issuer")
         if user is None:
             raise AuthError("unknown user")
         if user.status != "active":
             raise AuthError("inactive user")
-        if revoked is not None:
+        if revoked is not None or revoked_before is not None:
             raise AuthError("token signed out")
         if cutoff is not None and float(payload["iat"]) < float(cutoff):
             raise AuthError("token issued before the user's password last changed")

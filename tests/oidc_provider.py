@@ -211,3 +211,13 @@ def forge_hs256(claims: dict[str, Any], secret: bytes, kid: str) -> str:
     signing_input = f"{header}.{b64url(json.dumps(claims).encode())}"
     signature = hmac.new(secret, signing_input.encode(), hashlib.sha256).digest()
     return f"{signing_input}.{b64url(signature)}"
+
+
+def respellings(token: str) -> list[str]:
+    """Other spellings of ``token``'s signature that a lenient decoder reads as the same bytes: padded (PyJWT
+    takes it), half padded, the last character's unused bits set, a space inside."""
+    head, claims, signature = token.split(".")
+    alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+    stray = alphabet[alphabet.index(signature[-1]) ^ 1]  # a signature of 64 or 256 bytes leaves 4 bits unused
+    return [f"{head}.{claims}.{signature}" + "=" * (-len(signature) % 4), f"{head}.{claims}.{signature}=",
+            f"{head}.{claims}.{signature[:-1]}{stray}", f"{head}.{claims}.{signature[:8]} {signature[8:]}"]

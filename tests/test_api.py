@@ -15,6 +15,7 @@ import jwt
 import pytest
 
 from tests.conftest import Daemon
+from tests.oidc_provider import respellings
 from tests.openapi_check import check_answer
 
 
@@ -315,6 +316,28 @@ async def test_sign_out_ends_the_token_at_the_gateway(api, admin_token):
     assert (await api("GET", "/userinfo", staying))[0] == 200  # only the token signed out
     status, logs = await api("GET", f"/audit/logs?action=auth.logout&actor={email}", admin_token)
     assert [e["outcome"] for e in logs["data"]] == ["success"]  # the refused second one names no user
+
+
+async def test_a_signed_out_token_is_refused_in_every_spelling(api, daemon):
+    """A sign-out (``POST /logout``, or ``/token/refresh`` of a longer-lived token) holds for every spelling of the
+    token: a padded signature, which PyJWT takes, was hashed apart from the one signed out and still worked. Only
+    the canonical spelling is taken, even of a token in force."""
+    for leave in ("/logout", "/token/refresh"):
+        token = daemon.token(f"{unique('leaver')}@example.com")
+        assert [await api("GET", "/userinfo", other) for other in respellings(token)] == [(401, {"message": "access denied"})] * 4
+        assert (await api("POST", leave, token))[0] in (200, 204)
+        for spelling in (token, *respellings(token)):
+            assert await api("GET", "/userinfo", spelling) == (401, {"message": "access denied"}), (leave, spelling[-6:])
+
+
+def test_a_sign_out_is_kept_under_what_the_signature_covers():
+    """The second guard: whatever spelling ``authenticate`` were to let through, the sign-out's name is the same."""
+    from gatewayd.identity import _revoked_key, is_compact
+
+    token = jwt.encode({"sub": "u", "iat": 0, "exp": 60}, "k" * 32, algorithm="HS256")
+    assert is_compact(token) and not any(is_compact(other) for other in respellings(token))
+    assert {_revoked_key(other, {"iat": 0, "exp": 60}) for other in respellings(token)} == {
+        _revoked_key(token, {"iat": 0, "exp": 60})}
 
 
 async def test_a_token_taken_before_is_refused_from_its_expiry_on(api, daemon):

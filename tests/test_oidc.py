@@ -21,7 +21,7 @@ import pytest_asyncio
 from cryptography.hazmat.primitives import serialization
 
 from tests.conftest import Daemon, write_config
-from tests.oidc_provider import OIDCProvider, forge_hs256, forge_unsigned, new_rsa_key
+from tests.oidc_provider import OIDCProvider, forge_hs256, forge_unsigned, new_rsa_key, respellings
 
 DENIED = {"message": "access denied"}
 DONE = "http://127.0.0.1:1/done"
@@ -259,6 +259,17 @@ async def test_inactive_user_is_refused(http, gw, provider, admin):
     status, body, _ = await call(http, "PUT", f"{gw.url}/users/{email}", admin, json={"status": "active"})
     assert status == 200, body
     assert (await userinfo(http, gw, token))[0] == 200
+
+
+async def test_a_signed_out_provider_token_is_refused_in_every_spelling(http, gw, provider):
+    """A provider's token signed out stays out whatever its spelling (a padded signature used to work on)."""
+    token = provider.mint("leaver-sub", "leaver@example.com", "Leaver", ["dev"])
+    assert (await userinfo(http, gw, token))[0] == 200
+    assert [await userinfo(http, gw, other) for other in respellings(token)] == [(401, DENIED)] * 4
+    status, _, _ = await call(http, "POST", f"{gw.url}/logout", token)
+    assert status == 204
+    for spelling in (token, *respellings(token)):
+        assert await userinfo(http, gw, spelling) == (401, DENIED), spelling[-6:]
 
 
 # --- the browser login flow --------------------------------------------------------------------------------
