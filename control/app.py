@@ -44,6 +44,7 @@ from control.http import (
     AUDIT_ORG,
     AUDIT_PAYLOAD,
     AUTH_FAILURE,
+    BEARER,
     ERROR_MESSAGE,
     ROUTES,
     SERVICES,
@@ -181,7 +182,7 @@ async def auth_middleware(request: web.Request, handler: Any) -> web.StreamRespo
     except AuthError as exc:
         request[AUTH_FAILURE] = str(exc)
         raise ApiError(401, "access denied") from None
-    request[USER] = user
+    request[USER], request[BEARER] = user, token.strip()
     if not user.org_id and doc.path not in ("/signup", "/userinfo"):
         raise ApiError(403, "access denied: sign up to an organization first (POST /api/signup)")
     return await handler(request)

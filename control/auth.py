@@ -15,6 +15,7 @@ from control.http import (
     AUDIT_ACTOR_HINT,
     AUDIT_ORG,
     AUTH_FAILURE,
+    BEARER,
     USER,
     ApiError,
     Field,
@@ -26,6 +27,7 @@ from control.http import (
     services_of,
     user_of,
 )
+from gatewayd.apikeys import looks_like_key
 from gatewayd.identity import AuthError, Throttled
 from gatewayd.models import User, rfc3339
 
@@ -128,10 +130,19 @@ async def local_login(request: web.Request) -> web.Response:
     return ok({"token": token})
 
 
+def _signed_in_token(request: web.Request, what: str) -> str:
+    """The token this call authenticated with; 400 for an API key, which is no sign-in's (revoked with its
+    route, never turned into a token)."""
+    token = request[BEARER]
+    if looks_like_key(token):
+        raise ApiError(400, f"API keys are not {what}: a key lasts until it is revoked (DELETE /api/orgs/keys, "
+                            "or a new server key rolled out)")
+    return token
+
+
 @routes.post("/logout", "Sign out: the token of this call is refused from now on, on every node", status=204)
 async def logout(request: web.Request) -> web.Response:
-    token = request.headers.get("Authorization", "").partition(" ")[2].strip()  # the one auth_middleware took
-    await services_of(request).identity.revoke(token)
+    await services_of(request).identity.revoke(_signed_in_token(request, "signed out"))
     return web.Response(status=204)
 
 
@@ -143,7 +154,7 @@ async def logout(request: web.Request) -> web.Response:
                                                                       description="seconds")}))
 async def refresh_token(request: web.Request) -> web.Response:
     services = services_of(request)
-    token = request.headers.get("Authorization", "").partition(" ")[2].strip()  # the one auth_middleware took
+    token = _signed_in_token(request, "refreshed")
     claims = jwt.decode(token, options={"verify_signature": False})
     now = time.time()
     signed_in = float(claims.get("auth_time") or claims.get("iat") or now)

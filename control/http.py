@@ -22,6 +22,7 @@ AUDIT_ACTOR_HINT = web.RequestKey("audit_actor_hint", str)
 AUDIT_ORG = web.RequestKey("audit_org", str)  # the organization whose log an unauthenticated call belongs in
 ERROR_MESSAGE = web.RequestKey("error_message", str)
 AUTH_FAILURE = web.RequestKey("auth_failure", str)
+BEARER = web.RequestKey("bearer", str)  # the token or API key the call authenticated with (auth_middleware)
 PARAMETERS = web.RequestKey("parameters", dict)
 
 INT64_MAX = 2**63 - 1  # what the store (SQLite, PostgreSQL bigint) can hold

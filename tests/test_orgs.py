@@ -102,6 +102,25 @@ async def test_the_organizations_key_is_shown_once_kept_hashed_and_works_until_r
     assert (await call(http, gw, "GET", "/orgs/keys", gw.admin))[0] == 404
 
 
+async def test_an_api_key_is_neither_refreshed_nor_signed_out(http, gw):
+    """``/token/refresh`` and ``/logout`` are for sign-ins' tokens: an API key there is a 400 that says so (it was a
+    500, the key read as a JWT, with a traceback in the log), and the key works on."""
+    status, made = await call(http, gw, "POST", "/orgs/keys", gw.admin)
+    assert status == 201, made
+    key = made["key"]
+    try:
+        for headers in ({"Api-Key": key}, {"Authorization": f"Bearer {key}"}):
+            for path in ("/token/refresh", "/logout"):
+                status, answer = await call(http, gw, "POST", path, headers=headers)
+                assert status == 400 and answer["message"].startswith("API keys are not "), (path, answer)
+        assert (await call(http, gw, "GET", "/userinfo", headers={"Api-Key": key}))[0] == 200
+        refused = [e for e in await audit(http, gw, "outcome=failure") if e["http_path"] == "/api/token/refresh"]
+        assert len(refused) == 2 and refused[0]["http_status"] == 400
+        assert key not in gw.log_text() and "Traceback" not in gw.log_text()
+    finally:
+        assert (await call(http, gw, "DELETE", "/orgs/keys", gw.admin))[0] == 204
+
+
 async def test_a_tenant_key_stays_in_its_organization(http, provider, tmp_path):
     daemon = Daemon(tmp_path / "saas", {"auth.issuer": "oidc", "auth.oidc.issuer_url": provider.url,
                                         "auth.oidc.client_id": provider.client_id,
