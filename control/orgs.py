@@ -23,6 +23,7 @@ from control.http import (
 from control.schemas import STRINGS, TEXT
 from gatewayd import features
 from gatewayd.apikeys import ORG, RESERVED_SUBJECT
+from gatewayd.identity import org_subject
 from gatewayd.models import User, new_id, rfc3339, utcnow
 from gatewayd.store import Conflict
 
@@ -46,7 +47,9 @@ SERVICE_ACCOUNT_FIELDS = {
     "groups": Field("array", items="string")}
 SERVICE_ACCOUNT = Schema("ServiceAccountCreate", {
     "subject": Field("string", True, min_length=1, description="the identity provider's subject (its client "
-                                                               "credentials' sub); immutable"),
+                                                               "credentials' sub); immutable. In multi-tenant mode "
+                                                               "it is kept as <org id>/<subject>, the sub the "
+                                                               "client's tokens carry"),
     **SERVICE_ACCOUNT_FIELDS})
 SERVICE_ACCOUNT_UPDATE = Schema("ServiceAccountUpdate", SERVICE_ACCOUNT_FIELDS)
 SERVICE_ACCOUNT_OUT = Schema("ServiceAccount", {
@@ -144,14 +147,16 @@ async def list_service_accounts(request: web.Request) -> web.Response:
 async def create_service_account(request: web.Request) -> web.Response:
     admin = require_admin(request)
     body = await json_body(request, SERVICE_ACCOUNT)
-    subject = body["subject"].strip()
+    given = subject = body["subject"].strip()
     if not subject or subject.startswith(RESERVED_SUBJECT) or any(c.isspace() for c in subject):
         raise ApiError(422, f"field 'subject': expected the identity provider's subject, without spaces, "
                             f"not starting with {RESERVED_SUBJECT}")
-    store = services_of(request).store
-    if await store.get_user(subject=subject) is not None:
+    services = services_of(request)
+    store = services.store
+    subject = org_subject(services.config["auth.multi_tenant"], admin.org_id, subject)
+    if await store.get_user(subject=subject) is not None:  # in multi-tenant mode: of this organization only
         raise ApiError(409, f"subject {subject!r} is taken")
-    user = User(id=new_id(), org_id=admin.org_id, subject=subject, name=body.get("name") or subject,
+    user = User(id=new_id(), org_id=admin.org_id, subject=subject, name=body.get("name") or given,
                 email=f"{new_id()}@serviceaccount.invalid", status=body["status"], service_account=True)
     user.grant_groups(body.get("groups") or [])
     try:
@@ -166,9 +171,11 @@ async def create_service_account(request: web.Request) -> web.Response:
 async def update_service_account(request: web.Request) -> web.Response:
     admin = require_admin(request)
     body = await json_body(request, SERVICE_ACCOUNT_UPDATE)
-    store = services_of(request).store
+    services = services_of(request)
+    store = services.store
     key = request.match_info["subject"]
-    user = await store.get_user(subject=key) or await store.get_user(id=key)
+    user = (await store.get_user(subject=org_subject(services.config["auth.multi_tenant"], admin.org_id, key))
+            or await store.get_user(subject=key) or await store.get_user(id=key))
     if user is None or user.org_id != admin.org_id or not user.service_account:
         raise ApiError(404, f"service account {key!r} not found")
     if user.operator and not services_of(request).identity.is_operator(admin):

@@ -20,6 +20,7 @@ from control.http import (
     user_of,
 )
 from gatewayd.crypto import MIN_PASSWORD_LENGTH
+from gatewayd.identity import org_subject
 from gatewayd.models import ADMIN_GROUP, User, email_problem, new_id
 from gatewayd.store import Conflict
 
@@ -55,8 +56,7 @@ def local_subject(multi_tenant: bool, org_id: str | None, email: str) -> str:
     sign-in may claim it, see Identity); in multi-tenant mode, the e-mail within its organization, so that an
     organization holding an e-mail neither blocks another from holding it too nor tells that it does, and
     never stands in the way of a provider whose subjects are e-mails."""
-    lowered = email.lower()
-    return f"{org_id}/{lowered}" if multi_tenant else lowered
+    return org_subject(multi_tenant, org_id, email.lower())
 
 
 def _check_email(body: dict) -> None:

@@ -307,6 +307,16 @@ def _revoked_key(token: str, payload: dict[str, Any], legacy: bool = False) -> s
     return prefix + hashlib.sha256((token if legacy else _signed_part(token)).encode()).hexdigest()
 
 
+def org_subject(multi_tenant: bool, org_id: str | None, name: str) -> str:
+    """The subject of an account an organization's admin names (a user by e-mail, a service account by its
+    provider subject). In multi-tenant mode it lives in the organization's namespace, ``<org id>/<name>``: no
+    organization holds, blocks or learns of another's subject, nor of a person who has not signed in yet (a
+    person's own subject is the provider's, in no namespace). Single-tenant mode keeps the name."""
+    if not multi_tenant or name.startswith(f"{org_id}/"):
+        return name
+    return f"{org_id}/{name}"
+
+
 def _login_key(state: str) -> str:
     """The store's name of a pending login: a hash of its state (the state itself is not kept)."""
     return _LOGIN_KEY_PREFIX + hashlib.sha256(state.encode()).hexdigest()
@@ -438,6 +448,11 @@ class Identity:
         if claims.subject.startswith(RESERVED_SUBJECT):
             raise AuthError("this subject is reserved for the gateway's API keys")
         user = await self.store.get_user(subject=claims.subject)
+        if (user is not None and user.service_account and self.config["auth.multi_tenant"]
+                and user.subject != org_subject(True, user.org_id, user.subject)):
+            # made before service accounts lived in their organization's namespace: it may be a person's subject,
+            # claimed before the person's first sign-in
+            raise AuthError("a service account outside its organization's namespace: make it again")
         if user is not None and not user.federated and user.subject == user.email.lower():
             self._check_link(user, claims)  # a provider subject equal to a local user's e-mail is a link too
             user.federated = True

@@ -181,6 +181,40 @@ async def test_a_provider_using_emails_as_subjects_neither_captures_nor_locks_ou
     assert status == 401 or me["org_id"] != attacker_org, me
 
 
+async def test_a_service_account_lives_in_its_organizations_namespace(http, saas, provider):
+    """A tenant's admin made a service account of a person's provider subject before the person's first sign-in,
+    and the sign-in landed in her organization with her groups; a 409 told her that another tenant's person
+    existed. A tenant's service account is ``<org id>/<subject>``, and its client signs in with that ``sub``."""
+    mallory, mallory_org = await found_org(http, saas, provider, "sa-mallory")
+    bob, bob_org = await found_org(http, saas, provider, "sa-bob")
+    status, account = await call(http, saas, "POST", "/serviceaccounts", mallory,
+                                 {"subject": "sa-victim", "name": "bot", "status": "active", "groups": ["admin"]})
+    assert status == 201 and account["subject"] == f"{mallory_org}/sa-victim", account
+    victim = provider.mint("sa-victim", "victim@people.example", "Victim", email_verified=True)
+    status, me = await call(http, saas, "GET", "/userinfo", victim)
+    assert status == 200 and me["org_id"] is None and me["id"] != account["id"] and not me["is_admin"], me
+
+    # another tenant's person or service account is not "taken": there is nothing to learn
+    status, made = await call(http, saas, "POST", "/serviceaccounts", mallory, {"subject": "sa-bob", "status": "active"})
+    assert status == 201 and made["subject"] == f"{mallory_org}/sa-bob", made
+    status, made = await call(http, saas, "POST", "/serviceaccounts", bob, {"subject": "sa-victim", "status": "active"})
+    assert status == 201 and made["subject"] == f"{bob_org}/sa-victim", made
+    status, again = await call(http, saas, "POST", "/serviceaccounts", bob, {"subject": "sa-victim", "status": "active"})
+    assert status == 409 and bob_org in again["message"], again  # within the organization, one account a subject
+    status, me = await call(http, saas, "GET", "/userinfo", bob)
+    assert status == 200 and me["org_id"] == bob_org and me["subject"] == "sa-bob"  # the person is untouched
+
+    # the organization's client signs in with the subject in its namespace and gets the account's groups
+    client = provider.mint(f"{mallory_org}/sa-victim")
+    status, me = await call(http, saas, "GET", "/userinfo", client)
+    assert status == 200 and (me["id"], me["org_id"], me["groups"]) == (account["id"], mallory_org, ["admin"]), me
+    status, narrowed = await call(http, saas, "PUT", "/serviceaccounts/sa-victim", mallory,
+                                  {"status": "active", "groups": ["readers"]})
+    assert status == 200 and narrowed["id"] == account["id"], narrowed
+    status, me = await call(http, saas, "GET", "/userinfo", client)
+    assert status == 200 and me["groups"] == ["readers"], me
+
+
 # --- 7. the founder's admin survives the provider's groups ---------------------------------------------------
 
 
