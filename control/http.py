@@ -10,6 +10,7 @@ from typing import Any, Awaitable, Callable, Iterator
 import orjson
 from aiohttp import web
 
+from gatewayd.audit import REDACTED
 from gatewayd.models import User
 from gatewayd.services import Services
 
@@ -46,7 +47,8 @@ class Field:
     """One JSON field: its type (``string``, ``integer``, ``boolean``, ``object``, ``array``) and bounds.
 
     An ``integer`` has ``minimum`` and ``maximum``; without its own, the store's (a 64-bit integer). Both are
-    checked and shown in the OpenAPI document; ``min_length`` bounds strings and arrays.
+    checked and shown in the OpenAPI document; ``min_length`` bounds strings and arrays. A ``secret`` (an object:
+    its every value) is what the API shows as ``[REDACTED]``; the audit log keeps it so too (``conceal``).
     """
 
     type: str
@@ -60,6 +62,7 @@ class Field:
     maximum: int | None = None
     min_length: int | None = None
     any_of: tuple["Schema", ...] = ()  # a response that is one of these objects
+    secret: bool = False
 
 
 @dataclass(slots=True)
@@ -247,11 +250,32 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def conceal(data: Any, schema: Schema) -> Any:
+    """A copy of ``data`` with what ``schema`` declares ``secret`` as ``[REDACTED]`` (an object's names kept): what
+    the audit log keeps of a request body, whatever the field is called. What is not of the schema's shape is
+    copied as it is (the audit log's own redaction of secret-looking names still applies)."""
+    if not isinstance(data, dict) or schema.additional:
+        return data
+    return {name: _conceal_field(value, schema.fields[name]) if name in schema.fields else value
+            for name, value in data.items()}
+
+
+def _conceal_field(value: Any, spec: Field) -> Any:
+    if spec.secret:
+        return {name: REDACTED for name in value} if isinstance(value, dict) else REDACTED
+    if spec.schema is not None:
+        return conceal(value, spec.schema)
+    if isinstance(value, list) and isinstance(spec.items, (Schema, Field)):
+        items = spec.items
+        return [conceal(item, items) if isinstance(items, Schema) else _conceal_field(item, items) for item in value]
+    return value
+
+
 async def json_body(request: web.Request, schema: Schema) -> dict[str, Any]:
-    """The request's JSON body, validated; also kept for the audit middleware (redacted there)."""
+    """The request's JSON body, validated; also kept for the audit middleware, its secrets concealed."""
     raw = await request.read()
     data = parse_json(raw) if raw.strip() else {}
-    request[AUDIT_PAYLOAD] = data
+    request[AUDIT_PAYLOAD] = conceal(data, schema)
     return validate(data, schema)
 
 

@@ -53,9 +53,8 @@ REPOSITORY_FIELDS = {
                                                                "a local path"),
     "branch": Field("string", description="the branch to read (default: the remote's default branch)"),
     "folder": Field("string", description="the folder of the repository holding the runbooks (default: all)"),
-    "git_user": Field("string"), "git_password": Field("string", description="sealed at rest; never shown"),
-    "ssh_key": Field("string", description="a private key (sealed at rest; never shown)"),
-    "ssh_user": Field("string"), "ssh_keypass": Field("string", description="sealed at rest; never shown"),
+    "git_user": Field("string"), "ssh_user": Field("string"),
+    **{name: Field("string", description="sealed at rest; never shown", secret=True) for name in SECRET_FIELDS},
     "ssh_known_hosts": Field("string", description="known_hosts lines of the git server (required over ssh)"),
     "git_hook_ttl": Field("integer", minimum=0, maximum=MAX_HOOK_TTL),
 }

@@ -14,7 +14,15 @@ import pytest
 
 from gatewayd.models import RunbookRepository, RunbookRule, User
 from gatewayd.runbook_templates import ParameterError, TemplateError, parse, render
-from gatewayd.runbooks import RunbookError, RunbookService, in_folders, locate, may_run, repository_id
+from gatewayd.runbooks import (
+    SECRET_FIELDS,
+    RunbookError,
+    RunbookService,
+    in_folders,
+    locate,
+    may_run,
+    repository_id,
+)
 from tests.apiclient import Api, events, of_kind, postgres_env
 from tests.conftest import Daemon
 from tests.gitpeer import GitServer
@@ -226,6 +234,22 @@ async def library(git_server, as_, pg_target):
     connection = await as_["admin"].connection("rbpg", "database", "postgres", postgres_env(pg_target))
     return {"tree": tree, "commit": commit, "repository": body["repositories"][0]["repository"],
             "connection": connection, "id": body["repositories"][0]["id"]}
+
+
+async def test_every_secret_of_a_repository_is_redacted_in_the_audit_log_as_in_the_answer(as_):
+    """The audit log kept ``ssh_keypass`` in clear (its redaction went by name endings, and that name has none of
+    them) while the answer showed ``[REDACTED]``: both now go by the fields the API declares secret."""
+    sent = {"git_url": "https://git.example.com/team/keys.git", "ssh_user": "git", "git_password": "git-pw-77",
+            "ssh_key": "-----BEGIN OPENSSH PRIVATE KEY-----", "ssh_keypass": "key-pass-phrase-77"}
+    status, made = await as_["admin"]("POST", "/runbooks/configurations", sent)
+    assert status == 201 and [made[name] for name in SECRET_FIELDS] == ["[REDACTED]"] * 3, made
+    try:
+        status, logs = await as_["admin"]("GET", "/audit/logs?action=runbooks.create_repository&page_size=5")
+        assert status == 200 and logs["data"][0]["request_payload_redacted"] == {
+            **sent, **{name: "[REDACTED]" for name in SECRET_FIELDS}}, logs["data"][0]
+        assert not any(sent[name] in json.dumps(logs) for name in SECRET_FIELDS)
+    finally:
+        assert (await as_["admin"]("DELETE", f"/runbooks/configurations/{made['id']}"))[0] == 204
 
 
 @pg_only
