@@ -48,7 +48,7 @@ OTHER_PLUGINS = {
 CONNECTION_LINK = Schema("PluginResourceConnection", {
     "id": Field("string", True, description="the connection's id (or name)"), "name": Field("string"),
     "config": Field("array", items="string")})
-CONFIG = Schema("PluginConfig", {"envvars": Field("object", True, description="name: base64 value")})
+CONFIG = Schema("PluginConfig", {"envvars": Field("object", True, description="name: base64 value", secret=True)})
 PLUGIN = Schema("PluginCreate", {
     "name": Field("string", True, description=", ".join(SETTINGS)), "connections": Field("array", items=CONNECTION_LINK),
     "config": Field("object", nullable=True, schema=CONFIG), "source": Field("string", nullable=True),

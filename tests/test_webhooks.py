@@ -164,6 +164,30 @@ async def test_an_endpoint_gets_only_the_types_it_asked_for_and_a_wrong_secret_i
     assert status == 422 and "https" in bad["message"]
 
 
+async def test_a_plugins_settings_are_redacted_in_the_audit_log_as_in_the_answer(as_, receiver):
+    """Slack's ``SLACK_WEBHOOK_URL`` (a bearer URL: whoever has it posts to the channel) was in the audit log of
+    ``POST /plugins`` and ``PUT /plugins/{name}/config`` while the API showed ``[REDACTED]``: every setting's
+    value is now redacted in both."""
+    hook, bot = f"{receiver.url}/slack/T0/B0/hook-secret-77", "xoxb-bot-token-77"
+    status, slack = await as_["admin"]("POST", "/plugins", {"name": "slack", "config": {"envvars": {
+        "SLACK_WEBHOOK_URL": b64(hook)}}})
+    assert status == 201 and slack["config"]["envvars"] == {"SLACK_WEBHOOK_URL": "[REDACTED]"}, slack
+    try:
+        status, shown = await as_["admin"]("PUT", "/plugins/slack/config", {"envvars": {
+            "SLACK_WEBHOOK_URL": "[REDACTED]", "SLACK_BOT_TOKEN": b64(bot), "SLACK_CHANNEL": b64("C-ops")}})
+        assert status == 200 and set(shown["config"]["envvars"].values()) == {"[REDACTED]"}, shown
+        status, logs = await as_["admin"]("GET", "/audit/logs?resource_type=plugins&page_size=100")
+        payloads: dict[str, Any] = {}
+        for entry in logs["data"]:  # newest first: this test's
+            payloads.setdefault(entry["action"], entry["request_payload_redacted"])
+        assert payloads["plugins.create_plugin"]["config"] == {"envvars": {"SLACK_WEBHOOK_URL": "[REDACTED]"}}
+        assert payloads["plugins.configure_plugin"] == {"envvars": dict.fromkeys(
+            ("SLACK_WEBHOOK_URL", "SLACK_BOT_TOKEN", "SLACK_CHANNEL"), "[REDACTED]")}, payloads
+        assert not any(secret in json.dumps(logs) for secret in (hook, b64(hook), bot, b64(bot)))
+    finally:
+        assert (await as_["admin"]("DELETE", "/plugins/slack"))[0] == 204
+
+
 pg_only = pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
 
 
