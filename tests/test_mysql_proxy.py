@@ -394,6 +394,62 @@ async def test_text_results_are_masked_per_cell_and_recorded_masked(api, gateway
     assert session["metrics"].get("masked", 0) >= 6, session["metrics"]
 
 
+def raw_answer(connection: pymysql.Connection, sql: str) -> list[bytes]:
+    """The packets of ``sql``'s answer as the client gets them (an OK, an ERR, or a result set to its last EOF):
+    what a client library would decode in the character set it believes in."""
+    connection._execute_command(3, sql.encode())
+    packets = []
+    while True:
+        packet = connection._read_packet()
+        data = packet.get_all_data()
+        packets.append(data)
+        if len(packets) == 1 and (packet.is_ok_packet() or packet.is_error_packet()):
+            return packets
+        if packet.is_eof_packet() and sum(codec.is_eof(p) for p in packets) == 2:
+            return packets
+
+
+async def test_values_are_read_in_the_character_set_the_session_has_them_sent_in(api, gateway, mysql_target,
+                                                                                  people):
+    """``character_set_results = utf16`` sends ASCII as two bytes a character: the patterns read it decoded;
+    ``binary`` sends a column in its own character set without naming it: withheld."""
+    mysql_target.sql("CREATE TABLE IF NOT EXISTS masked16 (id INT, e VARCHAR(80) CHARACTER SET utf16);"
+                     "REPLACE INTO masked16 VALUES (1, 'jane@example.com')", "app")
+    role = await api.role()
+    await api.guardrail(role, output_rules=MASKS)
+    secret, session_id = await api.credential(role)
+
+    def work() -> tuple[dict[str, bytes], list[bytes]]:
+        with connect(gateway, secret) as connection:
+            seen = {}
+            for setting in ("utf16", "utf32", "NULL"):
+                raw_answer(connection, f"SET character_set_results = {setting}")
+                seen[setting] = b"".join(raw_answer(connection, "SELECT note, ssn FROM masked WHERE id = 1"))
+            seen["NULL16"] = b"".join(raw_answer(connection, "SELECT e FROM masked16"))  # its own utf16, named
+            raw_answer(connection, "SET character_set_results = binary")
+            binary = raw_answer(connection, "SELECT e FROM masked16")
+            raw_answer(connection, "SET character_set_results = utf8mb4")
+            seen["after"] = repr(query(connection, "SELECT note, ssn FROM masked WHERE id = 1")).encode()
+            return seen, binary
+
+    seen, binary = await in_thread(work)
+    assert "****".encode("utf-16-be") in seen["NULL16"], seen["NULL16"]
+    assert binary[3] == b"\xfb", binary  # the row: one NULL
+    seen["binary"] = b"".join(binary)
+    for setting, codec_name in (("utf16", "utf-16-be"), ("utf32", "utf-32-be")):
+        assert "write to ****".encode(codec_name) in seen[setting], seen[setting]
+        assert "*******6789".encode(codec_name) in seen[setting], seen[setting]
+    assert "write to ****".encode() in seen["NULL"], seen["NULL"]  # the columns' own utf8mb4
+    assert b"write to ****" in seen["after"] and b"*******6789" in seen["after"], seen
+    for text in seen.values():
+        for clear in CLEAR:
+            for codec_name in ("utf-8", "utf-16-be", "utf-32-be"):
+                assert clear.encode(codec_name) not in text, (clear, text)
+    session = await nowhere_in_clear(api, session_id)
+    assert any("withheld values under a mask rule (sent as NULL): result column 1 (character set not named: "
+               "character_set_results is binary)" in e for e in of_kind(session, "e")), of_kind(session, "e")
+
+
 JAVA = """
 import java.sql.*;
 

@@ -92,6 +92,38 @@ _FIXED_SIZES = {T_TINY: 1, T_SHORT: 2, T_YEAR: 2, T_LONG: 4, T_INT24: 4, T_FLOAT
 _DATE_TYPES = frozenset((T_DATE, T_DATETIME, T_TIMESTAMP, T_NEWDATE, T_TIMESTAMP2, T_DATETIME2))
 _TIME_TYPES = frozenset((T_TIME, T_TIME2))
 
+# the character set of each collation id a column definition names (MariaDB's information_schema.COLLATIONS; MySQL
+# 8's own ids above 247 follow in ``charset_of``)
+_COLLATIONS = {
+    "armscii8": (32, 64, 1056, 1088), "ascii": (11, 65, 1035, 1089), "big5": (1, 84, 1025, 1108), "binary": (63,),
+    "cp1250": (26, 34, 44, 66, 99, 1050, 1090), "cp1251": (14, 23, 50, 51, 52, 1074, 1075),
+    "cp1256": (57, 67, 1081, 1091), "cp1257": (29, 58, 59, 1082, 1083), "cp850": (4, 80, 1028, 1104),
+    "cp852": (40, 81, 1064, 1105), "cp866": (36, 68, 1060, 1092), "cp932": (95, 96, 1119, 1120),
+    "dec8": (3, 69, 1027, 1093), "eucjpms": (97, 98, 1121, 1122), "euckr": (19, 85, 1043, 1109),
+    "gb2312": (24, 86, 1048, 1110), "gbk": (28, 87, 1052, 1111), "geostd8": (92, 93, 1116, 1117),
+    "greek": (25, 70, 1049, 1094), "hebrew": (16, 71, 1040, 1095), "hp8": (6, 72, 1030, 1096),
+    "keybcs2": (37, 73, 1061, 1097), "koi8r": (7, 74, 1031, 1098), "koi8u": (22, 75, 1046, 1099),
+    "latin1": (5, 8, 15, 31, 47, 48, 49, 94, 1032, 1071), "latin2": (2, 9, 21, 27, 77, 1033, 1101),
+    "latin5": (30, 78, 1054, 1102), "latin7": (20, 41, 42, 79, 1065, 1103), "macce": (38, 43, 1062, 1067),
+    "macroman": (39, 53, 1063, 1077), "sjis": (13, 88, 1037, 1112), "swe7": (10, 82, 1034, 1106),
+    "tis620": (18, 89, 1042, 1113), "ujis": (12, 91, 1036, 1115), "utf16le": (56, 62, 1080, 1086),
+    "ucs2": (35, 90, *range(128, 152), 159, 640, 641, 642, 1059, 1114, 1152, 1174),
+    "utf16": (54, 55, *range(101, 125), 672, 673, 674, 1078, 1079, 1125, 1147),
+    "utf32": (60, 61, *range(160, 184), 736, 737, 738, 1084, 1085, 1184, 1206),
+    "utf8mb3": (33, 76, 83, *range(192, 216), 223, 576, 577, 578, 1057, 1107, 1216, 1238),
+    "utf8mb4": (45, 46, *range(224, 248), 608, 609, 610, 1069, 1070, 1248, 1270),
+}
+CHARSETS = {number: name for name, numbers in _COLLATIONS.items() for number in numbers}
+
+
+def charset_of(collation: int) -> str | None:
+    """The character set of a collation id (a column definition's ``charset``), or None when not known."""
+    name = CHARSETS.get(collation)
+    if name is None and 248 <= collation <= 323:  # MySQL 8: gb18030, then the utf8mb4 0900 collations
+        return "gb18030" if collation <= 250 else "utf8mb4" if collation >= 255 else None
+    return name
+
+
 MAX_PAYLOAD = 0xFFFFFF
 DEFAULT_MAX_PACKET = 64 * 1024 * 1024  # a logical packet longer than this is refused ([mysql] max_packet_bytes)
 
@@ -265,7 +297,7 @@ class Handshake:
         if not data:
             raise ProtocolError("an empty greeting")
         if data[0] == 0xFF:
-            raise ProtocolError(decode_err(data, 0).message)
+            raise ProtocolError(decode_err(data).message)
         if data[0] != 10:
             raise ProtocolError(f"protocol version {data[0]} (only version 10 is spoken)")
         try:
@@ -473,17 +505,19 @@ class Err:
     message: str
 
 
-def decode_err(data: bytes, _caps: int = PROTOCOL_41) -> Err:
+def decode_err(data: bytes, encoding: str = "utf-8") -> Err:
+    """An ERR packet; its message is in the session's ``character_set_results`` (``encoding``)."""
     if len(data) < 3:
         return Err(0, "HY000", "malformed error packet")
     code = struct.unpack_from("<H", data, 1)[0]
     if len(data) >= 9 and data[3:4] == b"#":
-        return Err(code, data[4:9].decode("ascii", "replace"), data[9:].decode("utf-8", "replace"))
-    return Err(code, "HY000", data[3:].decode("utf-8", "replace"))
+        return Err(code, data[4:9].decode("ascii", "replace"), data[9:].decode(encoding, "replace"))
+    return Err(code, "HY000", data[3:].decode(encoding, "replace"))
 
 
-def encode_err(code: int, sqlstate: str, message: str) -> bytes:
-    return b"\xff" + struct.pack("<H", code) + b"#" + sqlstate.encode()[:5].ljust(5, b"0") + message.encode()
+def encode_err(code: int, sqlstate: str, message: str, encoding: str = "utf-8") -> bytes:
+    return (b"\xff" + struct.pack("<H", code) + b"#" + sqlstate.encode()[:5].ljust(5, b"0")
+            + message.encode(encoding, "replace"))
 
 
 def encode_eof(status: int = STATUS_AUTOCOMMIT, warnings: int = 0) -> bytes:
@@ -530,6 +564,7 @@ class Column:
     type: int
     flags: int
     decimals: int
+    encoding: str = "utf-8"  # of its names: the session's ``character_set_results`` (utf8 when NULL or binary)
 
     @property
     def textual(self) -> bool:
@@ -537,22 +572,24 @@ class Column:
         return self.type in STRING_TYPES and (self.charset != BINARY_CHARSET or self.type == T_JSON)
 
 
-def decode_column(data: bytes) -> Column:
+def decode_column(data: bytes, encoding: str = "utf-8") -> Column:
     try:
         values = []
         pos = 0
         for _ in range(6):
             value, pos = read_lenenc_str(data, pos)
-            values.append((value or b"").decode("utf-8", "replace"))
+            values.append((value or b"").decode(encoding, "replace"))
         _, pos = read_lenenc(data, pos)
         charset, length, kind, flags, decimals = struct.unpack_from("<HIBHB", data, pos)
     except struct.error as exc:
         raise ProtocolError("a malformed column definition") from exc
-    return Column(values[1], values[2], values[3], values[4], values[5], charset, length, kind, flags, decimals)
+    return Column(values[1], values[2], values[3], values[4], values[5], charset, length, kind, flags, decimals,
+                  encoding)
 
 
 def encode_column(column: Column) -> bytes:
-    return b"".join((lenenc_str(b"def"), *(lenenc_str(v.encode()) for v in (
+    encoding = column.encoding
+    return b"".join((lenenc_str("def".encode(encoding)), *(lenenc_str(v.encode(encoding, "replace")) for v in (
         column.schema, column.table, column.org_table, column.name, column.org_name)), b"\x0c",
         struct.pack("<HIBHB", column.charset, column.length, column.type, column.flags, column.decimals), b"\0\0"))
 

@@ -40,6 +40,16 @@ CODECS = {
     "euckr": "euc-kr", "gb2312": "gb2312", "armscii8": "latin-1", "dec8": "latin-1", "hp8": "latin-1",
     "keybcs2": "latin-1", "geostd8": "latin-1",
 }
+# what the target's answers may be encoded in (``character_set_results``, a column definition's character set): the
+# client character sets, and those the server sends but never reads (UTF-16 and UTF-32: ASCII text is not ASCII
+# bytes there) or that are not ASCII-safe for a statement but are for masking
+RESULT_CODECS = {
+    **CODECS, "utf16": "utf-16-be", "ucs2": "utf-16-be", "utf16le": "utf-16-le", "utf32": "utf-32-be",
+    "sjis": "shift_jis", "cp932": "cp932", "big5": "big5", "gbk": "gbk", "gb18030": "gb18030", "swe7": "latin-1",
+}
+# character_set_results values with which the target converts nothing: values in their columns' character sets,
+# names and messages in utf8 (character_set_system)
+UNCONVERTED = frozenset(("", "null", "binary"))
 MAX_READINGS = 32
 SWITCHES = frozenset(("sql_mode", "names", "charset", "character", "character_set_client",
                       "session_track_system_variables"))
@@ -94,12 +104,13 @@ def may_switch(tokens: list[Token]) -> bool:
 class SessionReading:
     """The settings the target reported, and how the next statement reads under them."""
 
-    __slots__ = ("mode", "charset", "server", "blind", "tracking")
+    __slots__ = ("mode", "charset", "results", "server", "blind", "tracking")
 
     def __init__(self, sql_mode: str = "", charset: str = "utf8mb4", server: Server = mysql_scan.UNKNOWN_SERVER,
-                 tracking: bool = True) -> None:
+                 tracking: bool = True, results: str = "utf8mb4") -> None:
         self.mode = mode_of(sql_mode)
         self.charset = charset.lower()
+        self.results = results.lower()  # character_set_results: what the answers' names and messages are in
         self.server = server
         self.tracking = tracking  # the target reports changes (SESSION_TRACK); else every mode applies after a SET
         self.blind = ""  # why the session's settings can no longer be followed ("": they can)
@@ -119,12 +130,20 @@ class SessionReading:
             self.mode &= ~NO_BACKSLASH_ESCAPES
         if "character_set_client" in variables:
             self.charset = variables["character_set_client"].lower()
+        if "character_set_results" in variables:
+            self.results = variables["character_set_results"].lower()
         tracked = variables.get("session_track_system_variables")
         if tracked is not None:
             names = {name.strip().lower() for name in tracked.split(",")}
             if "*" not in names and not all(name in names for name in _TRACKED):
                 self.blind = ("the session stopped the target from reporting its sql_mode and character set "
                               "(session_track_system_variables)")
+
+    @property
+    def names_codec(self) -> str | None:
+        """The codec of the names and messages in the target's answers (``character_set_results``), or None when
+        the gateway has none for it."""
+        return "utf-8" if self.results in UNCONVERTED else RESULT_CODECS.get(self.results)
 
     def observe_eof(self, status: int) -> None:
         if status & 0x200:

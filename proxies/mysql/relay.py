@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from gatewayd.guardrails import AUDIT_INPUT_CHARS, GuardVerdict
+from gatewayd.masking import FIXED
 from gatewayd.policy import check_input_later
 from proxies.mysql import codec
 from proxies.mysql.codec import (
@@ -50,10 +51,18 @@ from proxies.mysql.codec import (
     MORE_RESULTS_EXISTS,
     SESSION_TRACK,
     STATUS_CURSOR_EXISTS,
+    STRING_TYPES,
     Column,
     ProtocolError,
 )
-from proxies.mysql.reading import SessionReading, StatementText, may_switch, needs_probe
+from proxies.mysql.reading import (
+    CODECS,
+    RESULT_CODECS,
+    SessionReading,
+    StatementText,
+    may_switch,
+    needs_probe,
+)
 
 if TYPE_CHECKING:
     from gatewayd.policy import SessionPolicy
@@ -431,6 +440,11 @@ class ServerSide:
         # column definition -> (its Column, what the client gets) under the rules of ``described_for``
         self.described: dict[bytes, tuple[Column, bytes, int]] = {}
         self.described_for: object = None
+        # per column of the result at hand: the codec its values are decoded with (None: UTF-8 as they are,
+        # "": none the gateway has); ``recode``: some column is not None
+        self.codecs: list[str | None] = []
+        self.recode = False
+        self.withheld = False  # the values withheld in this result were said (an ``e`` event)
 
     # -- one packet
 
@@ -505,16 +519,18 @@ class ServerSide:
         if self._ends_rows(payload):
             status = codec.decode_ok(payload, self.track).status if self.deprecate_eof else codec.eof_status(payload)
             if self.internal_rows:
-                values = [(v or b"").decode("utf-8", "replace") for v in self.internal_rows[0]]
-                self.reading.observe(status, {"sql_mode": values[0], "character_set_client": values[1]})
+                encoding = self.reading.names_codec or "utf-8"  # in character_set_results, as any result
+                values = [(v or b"").decode(encoding, "replace") for v in self.internal_rows[0]]
+                self.reading.observe(status, {"sql_mode": values[0], "character_set_client": values[1],
+                                              "character_set_results": values[4]})
                 self.reading.blind = ""
                 tracked = {name.strip().lower() for name in values[2].split(",")}
-                if self.track and "*" not in tracked and not {"sql_mode", "character_set_client"} <= tracked:
-                    from proxies.mysql.upstream import TRACK_STATEMENT  # the session turned it off: on again
+                from proxies.mysql.upstream import TRACK_STATEMENT, TRACKED
 
+                if self.track and "*" not in tracked and not set(TRACKED[:-1]) <= tracked:  # turned off: on again
                     self.again.append(b"\x03" + TRACK_STATEMENT.encode())
             return self._done()
-        self.internal_rows.append(codec.decode_text_row(payload, 4))
+        self.internal_rows.append(codec.decode_text_row(payload, 5))
         return False
 
     def _ok(self, payload: bytes) -> bytes:
@@ -531,14 +547,21 @@ class ServerSide:
         return codec.is_end_ok(payload) if self.deprecate_eof else codec.is_eof(payload)
 
     def _error(self, payload: bytes, seq: int, out: list[tuple[int, bytes]]) -> None:
-        err = codec.decode_err(payload)
+        encoding = self.reading.names_codec
+        err = codec.decode_err(payload, encoding or "latin-1")
         masker = self.policy.masker
-        if masker is not None and masker.finders:
+        if masker is not None and encoding is None:  # a character_set_results the gateway cannot decode
+            err = codec.Err(err.code, err.sqlstate, f"[message withheld by gatewayd: the session's "
+                                                    f"character_set_results ({self.reading.results}) is not one "
+                                                    f"it reads]")
+            self.policy.count_masked(1)
+            payload = codec.encode_err(err.code, err.sqlstate, err.message, "latin-1")
+        elif masker is not None and masker.finders:
             masked = masker.mask(err.message.encode("utf-8", "surrogateescape"))
             if masked is not None:
                 self.policy.count_masked(masked[1])
                 err = codec.Err(err.code, err.sqlstate, masked[0].decode("utf-8", "replace"))
-                payload = codec.encode_err(err.code, err.sqlstate, err.message)
+                payload = codec.encode_err(err.code, err.sqlstate, err.message, encoding or "utf-8")
         self.flush_output()
         self.policy.error(f"ERROR {err.code} ({err.sqlstate}): {err.message}")
         out.append((seq, payload))
@@ -585,7 +608,7 @@ class ServerSide:
                 return self._prepared(head)
             return False
         # _PREPARED_COLUMNS
-        column = codec.decode_column(payload)
+        column = codec.decode_column(payload, self.reading.names_codec or "latin-1")
         out.append((seq, self._masked_column(payload, column)))
         assert head.statement is not None
         head.statement.columns.append(column)
@@ -610,12 +633,13 @@ class ServerSide:
     def _column(self, payload: bytes) -> bytes:
         """A column definition of the result at hand: decoded (and its name masked) once per definition seen."""
         masker = self.policy.masker
-        if self.described_for is not masker or len(self.described) >= DESCRIPTION_CACHE_SIZE:
+        encoding = self.reading.names_codec
+        if self.described_for != (masker, encoding) or len(self.described) >= DESCRIPTION_CACHE_SIZE:
             self.described = {}
-            self.described_for = masker
+            self.described_for = (masker, encoding)
         known = self.described.get(payload)
         if known is None:
-            column = codec.decode_column(payload)
+            column = codec.decode_column(payload, encoding or "latin-1")
             before = column.name
             masked = self._masked_column(payload, column)
             known = self.described[payload] = (column, masked, int(column.name != before))
@@ -628,9 +652,14 @@ class ServerSide:
         """A column definition with its name masked when a pattern finds data in it (``SELECT 'jane@...'``
         names its column after the value)."""
         masker = self.policy.masker
-        if masker is None or not masker.finders:
+        if masker is None:
             return payload
-        masked = masker.mask(column.name.encode("utf-8", "surrogateescape"))
+        if self.reading.names_codec is None:  # names in a character set the gateway cannot decode: withheld
+            masked: tuple[bytes, int] | None = (FIXED, 1)
+        elif not masker.finders:
+            return payload
+        else:
+            masked = masker.mask(column.name.encode("utf-8", "surrogateescape"))
         if masked is None:
             return payload
         self.policy.count_masked(masked[1])
@@ -725,19 +754,71 @@ class ServerSide:
         self.rows = 0
         masker = self.policy.masker
         self.masked_columns = []
+        self.withheld = False
+        results = self.reading.results
+        codecs = self.codecs = [self._codec(column, results) for column in self.columns]
+        self.recode = any(c is not None for c in codecs)
         if masker is not None and masker.columns:
             for column in self.columns:
                 self.masked_columns.append(masker.column_style(column.org_name) or masker.column_style(column.name))
         if self.policy.recording:
             self._emit("\t".join(column.name for column in self.columns))
 
+    @staticmethod
+    def _codec(column: Column, results: str) -> str | None:
+        """The codec of a column's values: None for UTF-8 (and what is no text), "" when the gateway has none.
+
+        The column definition names the character set the values come in: ``character_set_results`` where the
+        target converts them, else the column's own -- but with ``character_set_results = binary`` every text
+        column is said to be ``binary`` (63) and comes in its own character set, which nothing names."""
+        if column.type not in STRING_TYPES:
+            return None
+        if column.charset == codec.BINARY_CHARSET:
+            return "" if results == "binary" else None
+        name = codec.charset_of(column.charset)
+        if name is None:
+            return ""
+        found = RESULT_CODECS.get(name)
+        return None if found == "utf-8" else found or ""
+
+    def _decoded(self, values: list[bytes | None], binary: bool) -> tuple[list[str | None], list[int]]:
+        """The row's cells as text, each in its column's character set, and the cells that cannot be decoded
+        (given as UTF-8 read with replacements: what the recording shows where nothing is masked)."""
+        texts: list[str | None] = []
+        unread: list[int] = []
+        for i, (column, value, name) in enumerate(zip(self.columns, values, self.codecs)):
+            if value is None:
+                texts.append(None)
+                continue
+            if name is None:
+                texts.append(codec.binary_text(column.type, column.flags, value) if binary
+                             else value.decode("utf-8", "replace"))
+                continue
+            raw = codec.binary_string(value) if binary else value
+            try:
+                texts.append(raw.decode(name) if name else raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                if name in _SINGLE_BYTE:  # a byte it has no character for (cp1252's five): only that one lost
+                    texts.append(raw.decode(name, "replace"))
+                    continue
+                texts.append(raw.decode("utf-8", "replace"))
+                unread.append(i)
+            else:
+                if not name:
+                    unread.append(i)
+        return texts, unread
+
     def _row(self, head: Pending, seq: int, payload: bytes, out: list[tuple[int, bytes]]) -> None:
         columns = self.columns
         binary = head.binary
         values = codec.decode_binary_row(payload, columns) if binary else codec.decode_text_row(payload, len(columns))
-        texts = [None if value is None else
-                 codec.binary_text(column.type, column.flags, value) if binary else value.decode("utf-8", "replace")
-                 for column, value in zip(columns, values)]
+        if self.recode:
+            texts, unread = self._decoded(values, binary)
+        else:
+            texts = [None if value is None else
+                     codec.binary_text(column.type, column.flags, value) if binary else value.decode("utf-8", "replace")
+                     for column, value in zip(columns, values)]
+            unread = []
         policy = self.policy
         text = "\t".join("NULL" if t is None else t for t in texts)
         if policy.checks_output:
@@ -750,7 +831,7 @@ class ServerSide:
                 return
         masker = policy.masker
         if masker is not None:
-            masked = self._mask(values, texts, binary)
+            masked = self._mask(values, texts, binary, unread)
             if masked is not None:
                 values, texts, count = masked
                 policy.count_masked(count)
@@ -763,22 +844,28 @@ class ServerSide:
         if policy.recording:
             self._emit(text)
 
-    def _mask(self, values: list[bytes | None], texts: list[str | None], binary: bool
+    def _mask(self, values: list[bytes | None], texts: list[str | None], binary: bool, unread: list[int]
               ) -> tuple[list[bytes | None], list[str | None], int] | None:
         """The row's values masked per cell: by column name (whole), by pattern (what it finds); a cell whose
-        type would not read the masked text (a number, a date, a binary string) becomes NULL."""
+        type would not read the masked text (a number, a date, a binary string) becomes NULL, and so does a
+        cell the gateway cannot decode (withheld)."""
         masker = self.policy.masker
         assert masker is not None
         columns = self.columns
         styles = self.masked_columns
         # the row's text is searched once for every cell (a tab, like a cell's ends, is no word character),
         # unless a rule is anchored: its cells are then searched one by one
-        if not any(styles) and not (masker.finders and (not masker.row_prefilter or masker.may_match(
+        if not any(styles) and not unread and not (masker.finders and (not masker.row_prefilter or masker.may_match(
                 "\t".join(t for t in texts if t is not None).encode("utf-8", "surrogateescape")))):
             return None
         values = list(values)
         texts = list(texts)
         count = 0
+        codecs = self.codecs
+        for i in unread:
+            values[i] = texts[i] = None
+            count += 1
+            self._withheld(i)
         for i, column in enumerate(columns):
             value = values[i]
             if value is None:
@@ -795,8 +882,24 @@ class ServerSide:
                 count += found[1] - 1
             count += 1
             texts[i] = None if new is None else new.decode("utf-8", "replace")
+            name = codecs[i] if i < len(codecs) else None
+            if new is not None and name:  # back into the column's character set
+                new = new.decode("utf-8", "surrogateescape").encode(name, "replace")
             values[i] = None if new is None else (codec.lenenc_str(new) if binary else new)
         return (values, texts, count) if count else None
+
+    def _withheld(self, i: int) -> None:
+        """Say (once per result, an ``e`` event) that a value was withheld, and why."""
+        if self.withheld:
+            return
+        self.withheld = True
+        column = self.columns[i]
+        name = codec.charset_of(column.charset) or f"id {column.charset}"
+        if column.charset == codec.BINARY_CHARSET:
+            name = "not named: character_set_results is binary"
+        self.flush_output()
+        self.policy.error(f"gatewayd withheld values under a mask rule (sent as NULL): result column {i + 1} "
+                          f"(character set {name}): the gateway cannot decode it")
 
     # -- recording
 
@@ -814,4 +917,5 @@ class ServerSide:
             self.out_chars = 0
 
 
+_SINGLE_BYTE = frozenset(CODECS.values()) - {"utf-8", "euc-jp", "euc-kr", "gb2312"}  # one byte, one character
 _COLUMNS, _COLUMNS_EOF, _ROWS, _PARAMS, _PARAMS_EOF, _PREPARED_COLUMNS, _PREPARED_COLUMNS_EOF = range(1, 8)

@@ -375,7 +375,7 @@ class ClientConnection:
         policy, name = run.policy, connection.name
         reading = SessionReading(link.sql_mode, link.charset or "utf8mb4",
                                  Server.from_version(link.version or link.greeting.server_version),
-                                 tracking=bool(link.capabilities & SESSION_TRACK))
+                                 tracking=bool(link.capabilities & SESSION_TRACK), results=link.results)
         pending: deque[Pending] = deque()
         client = ClientSide(policy, pending, reading, database=settings.database,
                             databases=lambda db: database_allowed(connection.settings, db),

@@ -67,10 +67,10 @@ SSLMODES = ("disable", "prefer", "require", "verify-ca", "verify-full")
 VERIFIED = tls.VERIFIED_MODES
 # what the gateway asks the target to report in its OK packets (SESSION_TRACK_SYSTEM_VARIABLES): the settings that
 # change how it reads SQL, and this list itself (a client changing it is seen)
-TRACKED = ("sql_mode", "character_set_client", "session_track_system_variables")
+TRACKED = ("sql_mode", "character_set_client", "character_set_results", "session_track_system_variables")
 TRACK_STATEMENT = f"SET SESSION session_track_system_variables = '{','.join(TRACKED)}'"
 PROBE_STATEMENT = ("SELECT @@session.sql_mode, @@session.character_set_client, "
-                   "@@session.session_track_system_variables, @@version")
+                   "@@session.session_track_system_variables, @@version, @@session.character_set_results")
 # capabilities the gateway passes on from the client when the target has them too; the rest it decides itself
 PASSED_ON = (CONNECT_WITH_DB | MULTI_STATEMENTS | MULTI_RESULTS | PS_MULTI_RESULTS | DEPRECATE_EOF | CONNECT_ATTRS
              | LOCAL_FILES | 1 | 2 | 4 | 256 | 1024 | 8192)  # long password, found rows, long flag, ignore space...
@@ -121,6 +121,7 @@ class TargetLink:
     sql_mode: str = ""
     charset: str = ""
     version: str = ""
+    results: str = "utf8mb4"  # character_set_results (what the answers are encoded in)
     status: int = 2
     settings: TargetSettings | None = None
     dialer: Dialer = direct
@@ -343,8 +344,8 @@ async def _set_up_tracking(link: TargetLink, name: str) -> None:
         await simple_query(stream, TRACK_STATEMENT, name, link.capabilities)
     rows, _ = await simple_query(stream, PROBE_STATEMENT, name, link.capabilities)
     if rows:
-        mode, charset, _, version = ((v or b"").decode("utf-8", "replace") for v in rows[0])
-        link.sql_mode, link.charset, link.version = mode, charset, version
+        mode, charset, _, version, results = ((v or b"").decode("utf-8", "replace") for v in rows[0])
+        link.sql_mode, link.charset, link.version, link.results = mode, charset, version, results
 
 
 async def kill_query(link: TargetLink, timeout: float = 5.0) -> None:
