@@ -450,6 +450,34 @@ async def test_values_are_read_in_the_character_set_the_session_has_them_sent_in
                "character_set_results is binary)" in e for e in of_kind(session, "e")), of_kind(session, "e")
 
 
+async def test_the_session_state_an_ok_reports_is_masked(api, gateway, people):
+    """A client tracking the session's state (CLIENT_SESSION_TRACK) reads a system variable set from data in the
+    OK packet: masked as a row's text (the gateway's own tracking still reads the target's values)."""
+    role = await api.role()
+    await api.guardrail(role, output_rules=MASKS)
+    secret, session_id = await api.credential(role)
+
+    def work() -> tuple[list[bytes], Any]:
+        with connect(gateway, secret, client_flag=pymysql.constants.CLIENT.MULTI_STATEMENTS | codec.SESSION_TRACK
+                     ) as connection:
+            seen = []
+            for sql in ("SET SESSION session_track_system_variables = '*'",
+                        "SET SESSION default_master_connection = (SELECT email FROM masked WHERE id = 1)",
+                        "SET SESSION default_master_connection = (SELECT ssn FROM masked WHERE id = 1)",
+                        "SET SESSION default_master_connection = 'plain', character_set_results = latin1"):
+                seen += raw_answer(connection, sql)
+            raw_answer(connection, "SET character_set_results = utf8mb4")
+            return seen, query(connection, "SELECT note FROM masked WHERE id = 1")
+
+    seen, after = await in_thread(work)
+    changes = [codec.decode_ok(packet, True).variables() for packet in seen]
+    assert changes[1]["default_master_connection"] == "************.com", changes  # whole, the first rule's style
+    assert changes[2]["default_master_connection"] == "*******6789", changes
+    assert changes[3]["character_set_results"] == "latin1", changes  # a setting's name: kept
+    assert after == [("write to ****",)], after  # the charset the gateway followed is still right
+    await nowhere_in_clear(api, session_id, repr(seen))
+
+
 JAVA = """
 import java.sql.*;
 

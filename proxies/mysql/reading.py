@@ -101,6 +101,25 @@ def may_switch(tokens: list[Token]) -> bool:
     return False
 
 
+# server settings whose values are numbers, names or flags the server checks (or that only the server sets): a
+# value the session tracking reports for one of them carries no data
+SETTINGS = frozenset((
+    "sql_mode", "character_set_client", "character_set_results", "character_set_connection", "character_set_server",
+    "character_set_database", "character_set_system", "collation_connection", "collation_server",
+    "collation_database", "session_track_system_variables", "session_track_schema", "session_track_state_change",
+    "session_track_transaction_info", "autocommit", "time_zone", "system_time_zone", "transaction_isolation",
+    "tx_isolation", "transaction_read_only", "tx_read_only", "last_gtid", "last_insert_id", "insert_id",
+    "identity", "sql_select_limit", "max_allowed_packet", "net_buffer_length", "auto_increment_increment",
+    "auto_increment_offset", "wait_timeout", "interactive_timeout", "net_read_timeout", "net_write_timeout",
+    "max_execution_time", "max_statement_time", "lower_case_table_names", "version", "version_comment",
+    "version_compile_os", "version_compile_machine", "license", "warning_count", "error_count", "server_id",
+    "port", "have_ssl", "query_cache_size", "query_cache_type", "in_transaction", "innodb_lock_wait_timeout",
+    "lock_wait_timeout", "sql_auto_is_null", "sql_safe_updates", "foreign_key_checks", "unique_checks",
+    "max_join_size", "group_concat_max_len", "div_precision_increment", "default_storage_engine",
+    "storage_engine", "performance_schema", "read_only", "transaction_alloc_block_size",
+))
+
+
 class SessionReading:
     """The settings the target reported, and how the next statement reads under them."""
 

@@ -58,6 +58,7 @@ from proxies.mysql.codec import (
 from proxies.mysql.reading import (
     CODECS,
     RESULT_CODECS,
+    SETTINGS,
     SessionReading,
     StatementText,
     may_switch,
@@ -541,7 +542,55 @@ class ServerSide:
         self.reading.observe(ok.status, variables)
         if ok.changes and not self.client_tracks:
             return ok.encode(session_track=False)
+        if ok.changes and self.policy.masker is not None:
+            changes = self._masked_changes(ok.changes)
+            if changes is not None:
+                ok.changes = changes
+                return ok.encode(session_track=True)
         return payload
+
+    def _masked_changes(self, changes: list[tuple[int, bytes]]) -> list[tuple[int, bytes]] | None:
+        """The session state an OK reports to a client that tracks it, masked as a row's text is (a system
+        variable can be set from data: ``SET SESSION default_master_connection = (SELECT email ...)``): its
+        strings by the patterns; under a rule by column name, a variable's value whole (it has no column), but
+        for the settings that only take a fixed vocabulary; a kind of change the gateway does not know is left
+        out.  None: nothing masked."""
+        masker = self.policy.masker
+        assert masker is not None
+        whole = next(iter(masker.columns.values())) if masker.columns else None
+        out: list[tuple[int, bytes]] = []
+        count = 0
+        for kind, data in changes:
+            try:
+                head = data[:1] if kind == 3 else b""  # GTIDs: an encoding byte, then the string
+                strings: list[bytes] = []
+                pos = len(head)
+                while pos < len(data):
+                    value, pos = codec.read_lenenc_str(data, pos)
+                    strings.append(value or b"")
+            except (IndexError, struct.error):
+                strings = []
+            if kind > 5 or not strings:  # not a kind the gateway reads: withheld
+                count += 1
+                continue
+            masked = []
+            for n, value in enumerate(strings):
+                if kind == 0 and n == 1 and whole is not None and strings[0].lower().decode(
+                        "utf-8", "replace") not in SETTINGS:
+                    masked.append(masker.mask_whole(value, whole))
+                    count += 1
+                    continue
+                found = masker.mask(value) if masker.finders else None
+                if found is None:
+                    masked.append(value)
+                else:
+                    masked.append(found[0])
+                    count += found[1]
+            out.append((kind, head + b"".join(codec.lenenc_str(value) for value in masked)))
+        if not count:
+            return None
+        self.policy.count_masked(count)
+        return out
 
     def _ends_rows(self, payload: bytes) -> bool:
         return codec.is_end_ok(payload) if self.deprecate_eof else codec.is_eof(payload)
