@@ -389,7 +389,8 @@ async def test_text_results_are_masked_per_cell_and_recorded_masked(api, gateway
     rows = await in_thread(work)
     assert rows[0][:6] == (1, "****", "****", "*******6789", None, "write to ****"), rows
     assert rows[1] == (2, None, "none", None, None, "plain", None), rows
-    assert rows[2] == ("****",) and rows[3] == ("x",), rows
+    # a computed column names no source: masked whole under the rules by column name (the first one's style)
+    assert rows[2] == ("************.com",) and rows[3] == ("x",), rows
     session = await nowhere_in_clear(api, session_id, repr(rows))
     assert session["metrics"].get("masked", 0) >= 6, session["metrics"]
 
@@ -448,6 +449,40 @@ async def test_values_are_read_in_the_character_set_the_session_has_them_sent_in
     session = await nowhere_in_clear(api, session_id)
     assert any("withheld values under a mask rule (sent as NULL): result column 1 (character set not named: "
                "character_set_results is binary)" in e for e in of_kind(session, "e")), of_kind(session, "e")
+
+
+async def test_a_rule_by_column_name_masks_what_it_cannot_place_in_a_base_table(api, gateway, mysql_target, people):
+    """MariaDB names a derived table's, a CTE's or a view's alias as a column's table (even one named like a base
+    table), and no table for a computed column: only a base table's column is read by its source's name."""
+    mysql_target.sql("CREATE OR REPLACE VIEW masked_view AS SELECT id, ssn AS x FROM masked;"
+                     "CREATE TABLE IF NOT EXISTS plain (id INT, code VARCHAR(20));"
+                     "REPLACE INTO plain VALUES (1, '987-65-4321')", "app")
+    role = await api.role()
+    await api.guardrail(role, output_rules=MASKS)
+    secret, session_id = await api.credential(role)
+    hidden = ("SELECT x FROM (SELECT ssn AS x FROM masked WHERE id = 1) d",
+              "WITH c AS (SELECT ssn AS x FROM masked WHERE id = 1) SELECT x FROM c",
+              "SELECT x FROM masked_view WHERE id = 1",
+              "SELECT ssn AS x FROM masked WHERE id = 1 UNION ALL SELECT 'a'",
+              "SELECT MAX(ssn) FROM masked",
+              "SELECT note FROM (SELECT ssn AS note FROM masked WHERE id = 1) masked")  # named as the base table
+    clear = ("SELECT code FROM plain WHERE id = 1", "SELECT p.note FROM masked p WHERE id = 2",
+             "SELECT d.code FROM plain d WHERE id = 1")
+
+    def work() -> tuple[list[Any], list[Any], Any]:
+        with connect(gateway, secret) as connection:
+            masked = [query(connection, sql) for sql in hidden]
+            plain = [query(connection, sql) for sql in clear]
+            with connection.cursor(pymysql.cursors.SSCursor) as cursor:  # a prepared statement: binary rows
+                cursor.execute("PREPARE s FROM 'SELECT x FROM (SELECT ssn AS x FROM masked WHERE id = 1) d'")
+            return masked, plain, query(connection, "EXECUTE s")
+
+    masked, plain, executed = await in_thread(work)
+    assert masked == [[("*******6789",)]] * 3 + [[("*******6789",), ("*",)], [("*******6789",)],
+                                                [("*******6789",)]], masked
+    assert plain == [[("987-65-4321",)], [("plain",)], [("987-65-4321",)]], plain  # another table's: clear
+    assert executed == [("*******6789",)], executed  # EXECUTE's statement is not read: nothing placed
+    await nowhere_in_clear(api, session_id, repr(masked))
 
 
 async def test_the_session_state_an_ok_reports_is_masked(api, gateway, people):
@@ -524,7 +559,7 @@ async def test_connector_j_server_side_prepared_statements_binary_rows_masked(ap
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[:6] == ["1|****|****|*******6789|null|write to ****|1990-01-02", "2|null|none|null|null|plain|null"] * 3
-    assert lines[6] == "forbidden thing"
+    assert lines[6] == "***********hing"  # computed (a parameter): no source, masked whole under the rules by name
     session = await nowhere_in_clear(api, session_id, done.stdout, done.stderr)
     inputs = of_kind(session, "i")
     assert any("WHERE id >= ? ORDER BY id\n-- parameters: ?1 = 1" in i for i in inputs), inputs

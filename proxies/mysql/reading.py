@@ -28,7 +28,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gatewayd.sql import mysql_scan
-from gatewayd.sql.mysql_scan import ANSI_QUOTES, MODES, NO_BACKSLASH_ESCAPES, SEMI, VAR, WORD, Server, Token
+from gatewayd.sql.mysql_scan import (
+    ANSI_QUOTES,
+    MODES,
+    NAME,
+    NO_BACKSLASH_ESCAPES,
+    OP,
+    SEMI,
+    STRING,
+    VAR,
+    WORD,
+    Server,
+    Token,
+)
 
 # character_set_client values the gateway decodes, with Python's codec; each is ASCII-safe
 CODECS = {
@@ -101,8 +113,31 @@ def may_switch(tokens: list[Token]) -> bool:
     return False
 
 
+_UNSEEN_STATEMENTS = frozenset(("CALL", "EXECUTE"))  # their results come from statements the gateway never reads
+
+
+def derived_names(text: str, server: Server = mysql_scan.UNKNOWN_SERVER) -> frozenset[str] | None:
+    """The names (lower case) ``text`` gives to tables that are not base tables: a derived table's alias (``(...)
+    d``), a CTE's name (``c AS (...)``), and, to be safe, every name after ``AS`` or ``)``, under every
+    ``sql_mode`` reading.  A result column MariaDB says comes from such a "table" comes from a query, not from
+    the base table of that name.  None: the results may come from statements the gateway does not read (``CALL``,
+    ``EXECUTE``), or the text cannot be read."""
+    names: set[str] = set()
+    try:
+        for mode in MODES:
+            for tokens in mysql_scan.readings(text, mode, server):
+                for statement in mysql_scan.statements(tokens):
+                    if statement[0].kind == WORD and statement[0].value.upper() in _UNSEEN_STATEMENTS:
+                        return None
+                    _derived(statement, names)
+    except mysql_scan.Unreadable:
+        return None
+    return frozenset(names)
+
+
 # server settings whose values are numbers, names or flags the server checks (or that only the server sets): a
-# value the session tracking reports for one of them carries no data
+# value read from one of them (``SELECT @@max_allowed_packet``, as drivers do when they connect) or reported by the
+# session tracking carries no data
 SETTINGS = frozenset((
     "sql_mode", "character_set_client", "character_set_results", "character_set_connection", "character_set_server",
     "character_set_database", "character_set_system", "collation_connection", "collation_server",
@@ -118,6 +153,73 @@ SETTINGS = frozenset((
     "max_join_size", "group_concat_max_len", "div_precision_increment", "default_storage_engine",
     "storage_engine", "performance_schema", "read_only", "transaction_alloc_block_size",
 ))
+
+
+def reads_settings_only(text: str, server: Server = mysql_scan.UNKNOWN_SERVER) -> bool:
+    """Whether ``text`` only selects server ``SETTINGS`` (``SELECT @@name [AS alias], ... [LIMIT n]``) under
+    every reading: its results carry no data, though no column of them has a table."""
+    try:
+        for mode in MODES:
+            for tokens in mysql_scan.readings(text, mode, server):
+                for statement in mysql_scan.statements(tokens):
+                    if not _settings_only(statement):
+                        return False
+    except mysql_scan.Unreadable:
+        return False
+    return True
+
+
+def _settings_only(tokens: list[Token]) -> bool:
+    if not tokens or tokens[0].kind != WORD or tokens[0].value.upper() != "SELECT":
+        return False
+    i, last = 1, len(tokens)
+    while True:
+        if i >= last or tokens[i].kind != VAR or not tokens[i].value.startswith("@@"):
+            return False
+        name = tokens[i].value[2:].lower()
+        i += 1
+        if name.endswith(".") and i < last and tokens[i].kind == NAME:  # @@session.`name`
+            name += tokens[i].value.lower()
+            i += 1
+        scope, _, bare = name.rpartition(".")
+        if scope not in ("", "session", "global", "local") or bare not in SETTINGS:
+            return False
+        if i < last and tokens[i].kind == WORD and tokens[i].value.upper() == "AS":
+            i += 1
+        if i < last and tokens[i].kind in (WORD, NAME, STRING) and tokens[i].value.upper() != "LIMIT":
+            i += 1
+        if i < last and tokens[i].kind == OP and tokens[i].value == ",":
+            i += 1
+            continue
+        break
+    if i < last and tokens[i].kind == WORD and tokens[i].value.upper() == "LIMIT":
+        i += 1
+        if i < last and tokens[i].kind == WORD and tokens[i].value.isdigit():
+            i += 1
+    return i == last
+
+
+def _derived(tokens: list[Token], names: set[str]) -> None:
+    last = len(tokens) - 1
+    for i, token in enumerate(tokens):
+        if token.kind == OP and token.value == ")" or token.kind == WORD and token.value.upper() == "AS":
+            j = i + 1
+            if token.kind == OP and j <= last and tokens[j].kind == WORD and tokens[j].value.upper() == "AS":
+                j += 1
+            if j <= last and tokens[j].kind in (WORD, NAME):
+                names.add(tokens[j].value.lower())
+            elif token.kind == WORD and j <= last and tokens[j].kind == OP and tokens[j].value == "(":  # c AS (
+                k = i - 1
+                if k >= 0 and tokens[k].kind == OP and tokens[k].value == ")":  # c (x, y) AS (
+                    depth = 0
+                    while k >= 0:
+                        if tokens[k].kind == OP and tokens[k].value in ("(", ")"):
+                            depth += 1 if tokens[k].value == ")" else -1
+                        k -= 1
+                        if not depth:
+                            break
+                if 0 <= k and tokens[k].kind in (WORD, NAME):
+                    names.add(tokens[k].value.lower())
 
 
 class SessionReading:

@@ -61,8 +61,10 @@ from proxies.mysql.reading import (
     SETTINGS,
     SessionReading,
     StatementText,
+    derived_names,
     may_switch,
     needs_probe,
+    reads_settings_only,
 )
 
 if TYPE_CHECKING:
@@ -75,6 +77,10 @@ OUTPUT_FLUSH_CHARS = 64 * 1024
 DESCRIPTION_CACHE_SIZE = 256  # column definitions remembered per session (a statement run again sends the same)
 MAX_PARAM_CHARS = 1024
 LAST_PREPARED = 0xFFFFFFFF  # COM_STMT_EXECUTE's id for "the statement prepared last" (MariaDB)
+
+# ``Pending.hidden`` of a statement that only reads server settings (``reading.reads_settings_only``): every column
+# of its results is placed (by identity: no statement's names are this object)
+SETTINGS_ONLY = frozenset(("@@ settings only",))
 
 # Pending kinds
 RESULT = 0  # COM_QUERY, COM_STMT_EXECUTE: OK, ERR, or result sets (several when MORE_RESULTS_EXISTS)
@@ -92,7 +98,7 @@ FORWARD, ANSWER, WAIT, QUIT, CLOSE = 0, 1, 2, 3, 4
 class Statement:
     """A prepared statement as the gateway knows it."""
 
-    __slots__ = ("columns", "params", "sql", "types", "long_data")
+    __slots__ = ("columns", "params", "sql", "types", "long_data", "hidden", "read")
 
     def __init__(self, sql: str) -> None:
         self.sql = sql
@@ -100,15 +106,18 @@ class Statement:
         self.columns: list[Column] = []
         self.types: list[tuple[int, int]] | None = None
         self.long_data: dict[int, bytes] = {}
+        self.hidden: frozenset[str] | None = None  # its ``derived_names`` (``read``: once worked out)
+        self.read = False
 
 
 class Pending:
     """One command in flight, in the order the target answers."""
 
-    __slots__ = ("kind", "binary", "statement", "reply", "seq", "switches", "sql")
+    __slots__ = ("kind", "binary", "statement", "reply", "seq", "switches", "sql", "hidden")
 
     def __init__(self, kind: int, *, binary: bool = False, statement: Statement | None = None,
-                 reply: bytes = b"", seq: int = 1, switches: bool = False, sql: str = "") -> None:
+                 reply: bytes = b"", seq: int = 1, switches: bool = False, sql: str = "",
+                 hidden: frozenset[str] | None = None) -> None:
         self.kind = kind
         self.binary = binary  # rows in the binary protocol (COM_STMT_EXECUTE, COM_STMT_FETCH)
         self.statement = statement
@@ -116,6 +125,9 @@ class Pending:
         self.seq = seq  # LOCAL: its sequence number
         self.switches = switches  # it may change how the target reads SQL (reading.may_switch)
         self.sql = sql  # PREPARE: the statement's SQL
+        # RESULT, FETCH: the names its statement gives to what is not a base table (``reading.derived_names``);
+        # None when not known (no rule by column name when it was sent, a CALL...): no column of it is placed
+        self.hidden = hidden
 
 
 INTERRUPTED_MESSAGE = "Query execution was interrupted"
@@ -214,7 +226,8 @@ class ClientSide:
             return FORWARD  # no answer
         if command == COM_STMT_FETCH:
             statement = self._statement(struct.unpack_from("<I", payload, 1)[0]) if len(payload) >= 5 else None
-            self.pending.append(Pending(FETCH, binary=True, statement=statement))
+            self.pending.append(Pending(FETCH, binary=True, statement=statement,
+                                        hidden=statement.hidden if statement is not None else None))
             return FORWARD
         if command == COM_STMT_RESET:
             statement = self._statement(struct.unpack_from("<I", payload, 1)[0]) if len(payload) >= 5 else None
@@ -352,9 +365,20 @@ class ClientSide:
             translated = self.kill(statement.text)
             if translated is not None:
                 self.replacement = b"\x03" + translated.encode()
-        self.pending.append(Pending(RESULT, switches=self._switches(statement.text)))
+        self.pending.append(Pending(RESULT, switches=self._switches(statement.text),
+                                    hidden=self._hidden(statement.text)))
         self._probe()
         return FORWARD
+
+    def _hidden(self, text: str) -> frozenset[str] | None:
+        """What ``text`` names that is not a base table, read only under a rule by column name (it is what
+        places the result's columns)."""
+        masker = self.policy.masker
+        if masker is None or not masker.columns:
+            return None
+        if "@@" in text and reads_settings_only(text, self.reading.server):
+            return SETTINGS_ONLY
+        return derived_names(text, self.reading.server)
 
     def _probe(self) -> None:
         """Ask the target for the settings after the command at hand, when it would not report their change."""
@@ -395,8 +419,11 @@ class ClientSide:
         statement.types = types
         statement.long_data = {}
         policy.record_input(render_params(statement.sql, values))
+        if not statement.read:
+            statement.hidden = self._hidden(statement.sql)
+            statement.read = statement.hidden is not None
         self.pending.append(Pending(RESULT, binary=True, statement=statement,
-                                    switches=self._switches(statement.sql)))
+                                    switches=self._switches(statement.sql), hidden=statement.hidden))
         self._probe()
         return FORWARD
 
@@ -441,6 +468,10 @@ class ServerSide:
         # column definition -> (its Column, what the client gets) under the rules of ``described_for``
         self.described: dict[bytes, tuple[Column, bytes, int]] = {}
         self.described_for: object = None
+        # the target's base tables (schema, name), read when the session starts under a rule by column name: a
+        # result column MariaDB says comes from one of them (and not from a name its statement gives a query)
+        # is that column; None: not read (no column is placed)
+        self.tables: set[tuple[str, str]] | None = None
         # per column of the result at hand: the codec its values are decoded with (None: UTF-8 as they are,
         # "": none the gateway has); ``recode``: some column is not None
         self.codecs: list[str | None] = []
@@ -721,7 +752,7 @@ class ServerSide:
             state = self.state = _ROWS
             statement = head.statement
             self.columns = list(statement.columns) if statement is not None else []
-            self._start_result()
+            self._start_result(head)
         if state == 0:
             if codec.is_err(payload):
                 self._error(payload, seq, out)
@@ -753,7 +784,7 @@ class ServerSide:
             out.append((seq, self._column(payload)))
             self.count -= 1
             if self.count == 0:
-                self._start_result()
+                self._start_result(head)
                 if self.deprecate_eof:
                     self.state = _ROWS
                 else:
@@ -799,7 +830,7 @@ class ServerSide:
         self._row(head, seq, payload, out)
         return False
 
-    def _start_result(self) -> None:
+    def _start_result(self, head: Pending) -> None:
         self.rows = 0
         masker = self.policy.masker
         self.masked_columns = []
@@ -808,8 +839,10 @@ class ServerSide:
         codecs = self.codecs = [self._codec(column, results) for column in self.columns]
         self.recode = any(c is not None for c in codecs)
         if masker is not None and masker.columns:
+            unplaced = next(iter(masker.columns.values()))  # the style of a column not placed: the first rule's
             for column in self.columns:
-                self.masked_columns.append(masker.column_style(column.org_name) or masker.column_style(column.name))
+                self.masked_columns.append(masker.column_style(column.org_name) or masker.column_style(column.name)
+                                           or (None if self._placed(column, head.hidden) else unplaced))
         if self.policy.recording:
             self._emit("\t".join(column.name for column in self.columns))
 
@@ -829,6 +862,17 @@ class ServerSide:
             return ""
         found = RESULT_CODECS.get(name)
         return None if found == "utf-8" else found or ""
+
+    def _placed(self, column: Column, hidden: frozenset[str] | None) -> bool:
+        """Whether ``column`` is established as a base table's column (a rule by column name then reads its
+        source, ``org_name``) or a server setting's value: MariaDB names the alias for a derived table's, a CTE's
+        or a view's column, and no table for a computed one (an expression, a UNION)."""
+        if hidden is SETTINGS_ONLY:
+            return True
+        tables = self.tables
+        return (hidden is not None and tables is not None and bool(column.org_table) and bool(column.org_name)
+                and column.org_table.lower() not in hidden and self.reading.names_codec is not None
+                and (column.schema.lower() == "information_schema" or (column.schema, column.org_table) in tables))
 
     def _decoded(self, values: list[bytes | None], binary: bool) -> tuple[list[str | None], list[int]]:
         """The row's cells as text, each in its column's character set, and the cells that cannot be decoded

@@ -73,6 +73,7 @@ from proxies.mysql.upstream import (
     TargetLink,
     TargetSettings,
     UpstreamError,
+    base_tables,
     connect_target,
     end_on_target,
     kill_query,
@@ -384,6 +385,13 @@ class ClientConnection:
         client.kill = self._translate_kill(connection.id, run.live.user.id)
         server = ServerSide(policy, pending, reading, link.capabilities, response.capabilities)
         server.client = client
+        masker = policy.masker
+        if masker is not None and masker.columns:  # where a rule by column name may place a result's columns
+            try:
+                server.tables = await base_tables(link, name, reading.names_codec or "latin-1")
+            except UpstreamError as exc:
+                log.warning("the base tables of connection %s could not be read (%s): every result column is masked "
+                            "whole under its rules by column name", name, exc.message)
         if policy.checks_input and reading.decode(b"")[1] is not None:
             reading.blind = reading.decode(b"")[1] or ""
         relay = self.relay = RelaySession(self.stream, link.stream, client, server, policy, pending)

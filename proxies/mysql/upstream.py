@@ -348,6 +348,19 @@ async def _set_up_tracking(link: TargetLink, name: str) -> None:
         link.sql_mode, link.charset, link.version, link.results = mode, charset, version, results
 
 
+BASE_TABLES_STATEMENT = ("SELECT TABLE_SCHEMA, TABLE_NAME FROM information_schema.TABLES WHERE TABLE_TYPE IN "
+                         "('BASE TABLE', 'SYSTEM VERSIONED', 'SEQUENCE') LIMIT 100000")
+
+
+async def base_tables(link: TargetLink, name: str, encoding: str) -> set[tuple[str, str]]:
+    """The target's base tables (schema, name) its user can see: where a rule by column name may place a result
+    column (proxies/mysql/relay.py); views are not among them (a view's column names no source).  ``encoding``:
+    the session's character_set_results, which the names come in."""
+    rows, _ = await simple_query(link.stream, BASE_TABLES_STATEMENT, name, link.capabilities)
+    return {((schema or b"").decode(encoding, "replace"), (table or b"").decode(encoding, "replace"))
+            for schema, table in rows}
+
+
 async def kill_query(link: TargetLink, timeout: float = 5.0) -> None:
     """End what the target runs for ``link``: ``KILL QUERY`` on a second connection (best effort).
 
