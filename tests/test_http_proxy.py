@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import socketserver
 import subprocess
 import sys
 import threading
@@ -868,3 +869,98 @@ async def test_head_and_expect_continue_with_curl(api, gateway, tmp_path):
                                    f"{gateway.http_url}/upload")
     assert b"Expect: 100-continue" in sent.stderr and b"HTTP/1.1 100 Continue" in sent.stderr
     assert json.loads(sent.stdout)["sha256"] == hashlib.sha256(BLOCK * 32).hexdigest()
+
+
+# --------------------------------------------------------------------------- what output rules and masks read
+
+
+class RawTarget:
+    """A target answering each path with the bytes a test gave it (answers aiohttp would not send: a reason with
+    data, two codings, a charset), in threads (curl blocks the test's loop); it keeps the request heads it read."""
+
+    def __init__(self) -> None:
+        self.answers: dict[str, bytes] = {}
+        self.heads: list[bytes] = []
+        outer = self
+
+        class Handler(socketserver.StreamRequestHandler):
+            def handle(self) -> None:
+                while True:  # keep-alive: the gateway pools its connections
+                    head = b""
+                    while not head.endswith(b"\r\n\r\n"):
+                        line = self.rfile.readline()
+                        if not line:
+                            return
+                        head += line
+                    outer.heads.append(head)
+                    path = head.split(b" ", 2)[1].decode().partition("?")[0]
+                    self.wfile.write(outer.answers.get(path, b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n"))
+
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def answer(self, status: str, headers: list[tuple[str, str]], body: bytes) -> str:
+        """A fresh path answered ``HTTP/1.1 <status>``, these headers and ``body`` (with its length)."""
+        path = f"/raw-{uuid.uuid4().hex[:8]}"
+        lines = [f"HTTP/1.1 {status}"] + [f"{k}: {v}" for k, v in headers] + [f"Content-Length: {len(body)}"]
+        self.answers[path] = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+        return path
+
+
+@pytest.fixture(scope="module")
+def raw_target():
+    target = RawTarget()
+    yield target
+    target.server.shutdown()
+    target.server.server_close()
+
+
+PII = {"card": "4111 1111 1111 1111", "email": "jane.doe@example.com", "ssn": "078-05-1120"}
+PII_RULE = {"type": "mask", "patterns": ["card_number", "email", "us_ssn"]}
+DENY_TOP_SECRET = {"type": "deny_words_list", "words": ["top secret"]}
+
+
+async def ruled(api: HttpApi, raw_target: RawTarget, *rules: dict) -> tuple[str, str]:
+    """(secret, session id) of a credential to ``raw_target`` under these output rules."""
+    connection = await api.role(raw_target.url)
+    await api.guardrail(connection, output_rules=list(rules))
+    return await api.credential(connection)
+
+
+def fetched(gateway, secret: str, path: str, *args: str) -> tuple[str, bytes]:
+    """curl through the gateway: the head as the client got it, and the body."""
+    done = curl("-sS", "-D", "-", "-H", f"Authorization: {secret}", *args, f"{gateway.http_url}{path}")
+    assert done.returncode == 0, done.stderr
+    head, _, body = done.stdout.partition(b"\r\n\r\n")
+    return head.decode("latin-1"), body
+
+
+def clear_in(text: str) -> list[str]:
+    return [value for value in PII.values() if value in text]
+
+
+async def test_mask_rules_mask_the_status_line_and_every_header_and_output_rules_read_them(api, gateway,
+                                                                                            raw_target):
+    """The target names data in its reason phrase and headers: masked for the client and in the recording
+    (before, they passed in clear); output rules read the head too (before, a denied word there passed)."""
+    path = raw_target.answer(f"200 card {PII['card']}", [
+        ("Content-Type", "application/json"), ("X-Card", PII["card"]), ("X-SSN", PII["ssn"]),
+        ("Location", f"/profile?email={PII['email']}"), ("Set-Cookie", f"who={PII['email']}; Path=/")],
+        b'{"ok": true}')
+    secret, session_id = await ruled(api, raw_target, PII_RULE)
+    head, body = fetched(gateway, secret, path)
+    assert head.startswith("HTTP/1.1 200 card ****") and not clear_in(head), head
+    assert "Location: /profile?email=****" in head and body == b'{"ok": true}'
+    session = await api.session(session_id, has_event("o", "X-Card"))
+    recorded = "\n".join(t for k, t in events(session) if k == "o")
+    assert "X-Card: ****" in recorded and not clear_in(recorded), recorded
+
+    noted = raw_target.answer("200 OK", [("Content-Type", "text/plain"), ("X-Note", "top secret")], b"fine")
+    secret, session_id = await ruled(api, raw_target, DENY_TOP_SECRET)
+    for _ in range(2):  # the second one on the fast path's memo of the first
+        head, body = fetched(gateway, secret, noted)
+        assert head.startswith("HTTP/1.1 403") and b"top secret" in body and "X-Note" not in head, head
+    await api.session(session_id, has_event("e", "words=[top secret]"))
+

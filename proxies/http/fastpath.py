@@ -22,6 +22,7 @@ from proxies.http.bodies import SMALL_BODY
 from proxies.http.credentials import CredentialState, Credentials, current
 from proxies.http.front import FrontRequest, FrontStream
 from proxies.http.messages import (
+    AnswerHead,
     CredentialSource,
     app_host_label,
     body_note,
@@ -67,7 +68,7 @@ class FastPath:
                                     ) -> web.StreamResponse | FrontStream | bytes: ...
 
         def _answer_head(self, request: web.BaseRequest | FrontRequest, state: CredentialState,
-                         message: RawResponseMessage) -> tuple[list[tuple[str, str]], bytes]: ...
+                         policy: SessionPolicy, message: RawResponseMessage) -> AnswerHead: ...
 
     def fast(self, request: FrontRequest) -> bool:
         """Serve a plain request without a task when all it needs is at hand; False: ``handle`` serves it.
@@ -173,9 +174,9 @@ class FastPath:
     def _small(self, request: FrontRequest, state: CredentialState, policy: SessionPolicy,
                message: RawResponseMessage, content: StreamReader | bytes) -> bytes | GuardVerdict | None:
         """The whole answer to a plain request when the target's has arrived whole and is small (``_respond``
-        would answer it so, with no await): checked by the output rules, recorded; the verdict when they block
-        it (nothing recorded: ``blocked`` says it); None when ``_respond`` must, nothing read. ``content``: the
-        body's stream, or the whole body (``TargetProtocol.answer``).
+        would answer it so, with no await): checked by the output rules (head and body), recorded; the verdict
+        when they block it (nothing recorded: ``blocked`` says it); None when ``_respond`` must, nothing read.
+        ``content``: the body's stream, or the whole body (``TargetProtocol.answer``).
 
         What was made of an answer is kept per client connection (``Answered``): the same status and headers
         again (``Date`` included: at most a second apart), under the same policy, are sent and recorded with
@@ -206,12 +207,17 @@ class FastPath:
                 body = b""
             else:
                 body = content if whole else content.read_nowait()  # type: ignore[assignment,union-attr]
-            out_list, head = self._answer_head(request, state, message)
-            wire, sends, timeless = request.answer_parts(message.code, message.reason, out_list, body,
+            answer = self._answer_head(request, state, policy, message)
+            wire, sends, timeless = request.answer_parts(message.code, answer.reason, answer.headers, body,
                                                          length if no_body else None)
-            memo = Answered(key, policy, policy.rules, no_body, policy.checks_output and is_text(content_type), head,
-                             wire, bool(sends))
+            text = policy.checks_output and is_text(content_type)
+            memo = Answered(key, policy, policy.rules, no_body, text, answer.checked, answer.recorded, wire,
+                            bool(sends))
             request.protocol.answered = memo if timeless else None  # dated by the gateway: made anew each time
+        if memo.checked:  # output rules read the status line and headers too
+            verdict = policy.check_output(memo.checked)
+            if verdict is not None:
+                return verdict
         if memo.text and body:
             verdict = policy.check_output(body[:self.guard_cap].decode("utf-8", "replace"))
             if verdict is not None:
@@ -251,6 +257,7 @@ class Answered:
     rules: object  # and that chain's rules then
     no_body: bool
     text: bool  # a body the output rules read
+    checked: str  # what they read of the status line and headers ("": no output rules)
     recorded: bytes  # the target's status line and headers as recorded
     wire: bytes  # the head sent to the client
     sends: bool  # whether the body follows it (not for a HEAD, a 204 or a 304)

@@ -56,6 +56,17 @@ class PresentedCredential:
     rest_path: str = ""
 
 
+@dataclass(slots=True, frozen=True)
+class AnswerHead:
+    """The target's status and headers as the client gets them (under a mask rule, masked) and as recorded,
+    and the text output rules read of them ("" when there are none)."""
+
+    headers: Headers
+    reason: str
+    recorded: bytes
+    checked: str
+
+
 def _cookie_value(cookie_header: str, name: str) -> str | None:
     for part in cookie_header.split(";"):
         key, sep, value = part.strip().partition("=")

@@ -45,6 +45,7 @@ from proxies.http.fastpath import FastPath
 from proxies.http.front import Front, FrontRequest, FrontStream
 from proxies.http.handover import Handover
 from proxies.http.messages import (
+    AnswerHead,
     CredentialSource,
     app_host_label,
     app_origin,
@@ -311,24 +312,35 @@ class HttpListener(FastPath):
         finally:
             upstream.release()
 
-    def _answer_head(self, request: web.BaseRequest | FrontRequest, state: CredentialState,
-                     message: RawResponseMessage) -> tuple[list[tuple[str, str]], bytes]:
-        """The target's headers for the client, and its status line and headers as recorded."""
+    def _answer_head(self, request: web.BaseRequest | FrontRequest, state: CredentialState, policy: SessionPolicy,
+                     message: RawResponseMessage) -> AnswerHead:
+        """The target's status and headers for the client and as recorded, and what output rules read of them.
+
+        Under a mask rule everything the target names goes through the patterns (as a PostgreSQL error's every
+        field does): the reason phrase, every header name and value the client gets, and the recorded head."""
         up_headers = message.headers
         out_list = downstream_response_headers(up_headers.items(), state.target,
                                                f"{request.scheme}://{request.host}")
-        status_line = f"HTTP/{message.version.major}.{message.version.minor} {message.code} {message.reason}"
-        return out_list, head_bytes(status_line, up_headers.items())
+        status = f"HTTP/{message.version.major}.{message.version.minor} {message.code} "
+        reason = message.reason
+        checked = guard_text(status + reason, out_list) if policy.checks_output else ""
+        masker = policy.masker
+        if masker is None:
+            return AnswerHead(out_list, reason, head_bytes(status + reason, up_headers.items()), checked)
+        mask = policy.mask_output  # counted once, for what the client gets
+        reason = mask(reason)
+        out_list = [(mask(name), mask(value)) for name, value in out_list]
+        recorded = [(masker.mask_text(name)[0], masker.mask_text(value)[0]) for name, value in up_headers.items()]
+        return AnswerHead(out_list, reason, head_bytes(status + reason, recorded), checked)
 
     def _whole(self, request: web.BaseRequest | FrontRequest, policy: SessionPolicy, message: RawResponseMessage,
-               out_list: list[tuple[str, str]], head: bytes, body: bytes,
-               head_length: int | None) -> web.Response | bytes:
-        """A whole small answer, recorded (``head_length``: a HEAD's or a 304's ``Content-Length``)."""
+               answer: AnswerHead, body: bytes, head_length: int | None) -> web.Response | bytes:
+        """A whole answer, recorded (``head_length``: a HEAD's or a 304's ``Content-Length``)."""
         recorded = body[:self.record_cap]
-        policy.record_output(head + recorded + body_note(len(recorded), len(body), True).encode())
+        policy.record_output(answer.recorded + recorded + body_note(len(recorded), len(body), True).encode())
         if isinstance(request, FrontRequest):
-            return request.answer(message.code, message.reason, out_list, body, head_length)
-        response = web.Response(status=message.code, reason=message.reason, headers=CIMultiDict(out_list),
+            return request.answer(message.code, answer.reason, answer.headers, body, head_length)
+        response = web.Response(status=message.code, reason=answer.reason, headers=CIMultiDict(answer.headers),
                                 body=body or None)
         if head_length is not None:
             response.headers["Content-Length"] = str(head_length)
@@ -340,7 +352,11 @@ class HttpListener(FastPath):
         up_headers = message.headers
         status = message.code
         content_type = up_headers.get("Content-Type")
-        out_list, head = self._answer_head(request, state, message)
+        answer = self._answer_head(request, state, policy, message)
+        if answer.checked:  # output rules read the status line and headers too
+            verdict = policy.check_output(answer.checked)
+            if verdict is not None:
+                return await blocked(policy, verdict)
         text = policy.checks_output and is_text(content_type)
         sse = content_type is not None and is_event_stream(content_type)
         length_header = up_headers.get("Content-Length")
@@ -352,7 +368,7 @@ class HttpListener(FastPath):
 
         try:
             if masked and not sse:
-                return await self._masked(request, state, policy, upstream, out_list, head)
+                return await self._masked(request, policy, upstream, answer)
             if no_body or (length is not None and length <= SMALL_BODY and not sse):
                 content = upstream.content
                 body = b"" if no_body else content.read_nowait() if content.is_eof() else await content.read()
@@ -360,7 +376,7 @@ class HttpListener(FastPath):
                     verdict = policy.check_output(body[:self.guard_cap].decode("utf-8", "replace"))
                     if verdict is not None:
                         return await blocked(policy, verdict)
-                return self._whole(request, policy, message, out_list, head, body, length if no_body else None)
+                return self._whole(request, policy, message, answer, body, length if no_body else None)
 
             prefix = b""
             eof = False
@@ -381,12 +397,10 @@ class HttpListener(FastPath):
             hold = LineHold()
             length = None  # masking changes the length: chunked
         with in_flight(state):
-            return await self._stream(request, policy, upstream, CIMultiDict(out_list), head, length, prefix, eof,
-                                      sse and text, hold)
+            return await self._stream(request, policy, upstream, answer, length, prefix, eof, sse and text, hold)
 
-    async def _masked(self, request: web.BaseRequest | FrontRequest, state: CredentialState, policy: SessionPolicy,
-                      upstream: UpstreamResponse, out_list: list[tuple[str, str]],
-                      head: bytes) -> web.StreamResponse | bytes:
+    async def _masked(self, request: web.BaseRequest | FrontRequest, policy: SessionPolicy,
+                      upstream: UpstreamResponse, answer: AnswerHead) -> web.StreamResponse | bytes:
         """A text body under a mask rule: read whole (up to ``http.guard_body_bytes``), decoded, masked, sent
         with its new ``Content-Length`` and no content coding; one it cannot mask is withheld (502)."""
         message = upstream.message
@@ -395,6 +409,7 @@ class HttpListener(FastPath):
         if not complete or len(body) > self.guard_cap:
             return withheld(policy, f"a text body over http.guard_body_bytes ({self.guard_cap} bytes) "
                                           f"cannot be masked")
+        out_list = answer.headers
         encoding = up_headers.get("Content-Encoding", "")
         if encoding:
             decoded = decoded_body(body, encoding, self.guard_cap)
@@ -409,25 +424,27 @@ class HttpListener(FastPath):
                 return await blocked(policy, verdict)
         body = mask_body(policy, body, is_json(up_headers.get("Content-Type")))
         recorded = body[:self.record_cap]
-        policy.record_output(head + recorded + body_note(len(recorded), len(body), True).encode())
+        policy.record_output(answer.recorded + recorded + body_note(len(recorded), len(body), True).encode())
         if isinstance(request, FrontRequest):
-            return request.answer(message.code, message.reason, out_list, body, None)
-        return web.Response(status=message.code, reason=message.reason, headers=CIMultiDict(out_list),
+            return request.answer(message.code, answer.reason, out_list, body, None)
+        return web.Response(status=message.code, reason=answer.reason, headers=CIMultiDict(out_list),
                             body=body or None)
 
     async def _stream(self, request: web.BaseRequest | FrontRequest, policy: SessionPolicy, upstream: UpstreamResponse,
-                      out_headers: CIMultiDict[str], head: bytes, length: int | None, prefix: bytes, eof: bool,
+                      answer: AnswerHead, length: int | None, prefix: bytes, eof: bool,
                       check_chunks: bool, hold: LineHold | None = None) -> web.StreamResponse | FrontStream | bytes:
         """Send a body as it arrives (a kill of the session cuts it); recorded in one piece when it ends.
 
         ``hold``: under a mask rule (an event stream), the body is held to its line ends and masked line by line.
         """
         message = upstream.message
+        out_headers = CIMultiDict(answer.headers)
+        head = answer.recorded
         response: web.StreamResponse | FrontStream
         if isinstance(request, FrontRequest):
-            response = request.start_stream(message.code, message.reason, out_headers, length)
+            response = request.start_stream(message.code, answer.reason, out_headers, length)
         else:
-            response = web.StreamResponse(status=message.code, reason=message.reason, headers=out_headers)
+            response = web.StreamResponse(status=message.code, reason=answer.reason, headers=out_headers)
             if length is not None:
                 response.content_length = length
         kept = bytearray(prefix[:self.record_cap])
