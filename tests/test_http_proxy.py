@@ -8,6 +8,7 @@ makes its own connection (role) so guard rails never leak between tests.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import hashlib
 import json
 import socketserver
@@ -16,6 +17,7 @@ import sys
 import threading
 import time
 import uuid
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -964,3 +966,30 @@ async def test_mask_rules_mask_the_status_line_and_every_header_and_output_rules
         assert head.startswith("HTTP/1.1 403") and b"top secret" in body and "X-Note" not in head, head
     await api.session(session_id, has_event("e", "words=[top secret]"))
 
+
+async def test_output_rules_and_masks_read_compressed_answers_decoded_or_withhold_them(api, gateway, raw_target):
+    """Under output rules the target is asked for ``identity``, and what comes compressed anyway is decoded
+    before it is read (before, a denied word in a gzip or deflate body passed unread); what cannot be decoded
+    is withheld; every coding of every Content-Encoding header is undone (before, a body gzipped twice
+    was decoded once and sent unlabelled, its card number in it)."""
+    text = b"this is TOP SECRET material\n"
+    secret, session_id = await ruled(api, raw_target, DENY_TOP_SECRET)
+    for coding, packed in (("gzip", gzip.compress(text)), ("deflate", zlib.compress(text)),
+                           ("gzip, gzip", gzip.compress(gzip.compress(text)))):
+        path = raw_target.answer("200 OK", [("Content-Type", "text/plain"), ("Content-Encoding", coding)], packed)
+        head, body = fetched(gateway, secret, path, "--compressed")
+        assert head.startswith("HTTP/1.1 403") and b"TOP SECRET" not in body, (coding, head)
+    assert b"accept-encoding: identity" in raw_target.heads[-1].lower()
+    for coding, packed in (("br", b"\x0b\x02\x80fine\x03"), ("gzip", b"\x1f\x8b not gzip at all")):
+        path = raw_target.answer("200 OK", [("Content-Type", "text/plain"), ("Content-Encoding", coding)], packed)
+        head, body = fetched(gateway, secret, path)
+        assert head.startswith("HTTP/1.1 502") and b"response withheld" in body, (coding, head)
+    await api.session(session_id, has_event("e", "response withheld: a body in Content-Encoding 'br'"))
+    assert any("response withheld" in (entry["error_message"] or "") for entry in await api.audit("guardrail.block"))
+
+    secret, session_id = await ruled(api, raw_target, PII_RULE)
+    twice = gzip.compress(gzip.compress(json.dumps({"card": PII["card"]}).encode()))
+    path = raw_target.answer("200 OK", [("Content-Type", "application/json"), ("Content-Encoding", "gzip"),
+                                        ("Content-Encoding", "gzip")], twice)
+    head, body = fetched(gateway, secret, path)
+    assert "content-encoding" not in head.lower() and json.loads(body) == {"card": "****"}, head

@@ -12,13 +12,12 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from gatewayd.dialer import DialError
-from gatewayd.guardrails import AUDIT_INPUT_CHARS
+from gatewayd.guardrails import AUDIT_INPUT_CHARS, GuardVerdict
 from proxies.http.bodies import RequestBodyError
 from proxies.http.messages import refusal_page, scrub, wants_html
 from proxies.http.upstream import ConnectFailed, UpstreamError
 
 if TYPE_CHECKING:
-    from gatewayd.guardrails import GuardVerdict
     from gatewayd.policy import SessionPolicy
     from proxies.http.credentials import CredentialState
     from proxies.http.front import FrontRequest
@@ -56,11 +55,12 @@ async def blocked(policy: SessionPolicy, verdict: GuardVerdict, recorded: bytes 
     return json_error(403, verdict.message, **{"X-Gateway-Guardrails": "blocked"})
 
 
-def withheld(policy: SessionPolicy, why: str) -> web.Response:
-    """A response a mask rule applies to but that cannot be masked: 502 and an ``e`` event, never sent unmasked."""
-    message = f"response withheld: {why}"
-    policy.error(message)
-    return json_error(502, message, **{"X-Gateway-Guardrails": "withheld"})
+async def withheld(policy: SessionPolicy, why: str) -> web.Response:
+    """A response output rules or a mask rule must read but the gateway cannot (too long to mask, a coding or a
+    charset it cannot decode...): 502, never sent unread; an ``e`` event and an audit entry, as a block has."""
+    verdict = GuardVerdict(False, f"response withheld: {why}", "output", "mask" if policy.masker else "unreadable")
+    await policy.blocked(verdict)
+    return json_error(502, verdict.message, **{"X-Gateway-Guardrails": "withheld"})
 
 
 def not_connected(state: CredentialState, policy: SessionPolicy, reason: str) -> web.Response:

@@ -1,13 +1,16 @@
 """Bodies through the HTTP proxy: the client's request body read in a bounded prefix (recording, guard
-rails) and streamed on, and a whole text answer masked."""
+rails) and streamed on, and what output rules and masks read of an answer (its codings undone, in its
+charset) and a whole text answer masked."""
 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator, Mapping
 
 import aiohttp
 from aiohttp.http_exceptions import HttpProcessingError
+
+from proxies.http.messages import decoded_body
 
 if TYPE_CHECKING:
     from gatewayd.masking import Masker
@@ -45,6 +48,27 @@ async def chain(prefix: bytes, content: aiohttp.StreamReader) -> AsyncIterator[b
         if not chunk:
             return
         yield chunk
+
+
+class Unreadable(Exception):
+    """A response body the output rules or masks must read that the gateway cannot (a content coding it has no
+    decoder for, a corrupt stream): withheld."""
+
+
+def undone(body: bytes, codings: list[str], limit: int) -> tuple[bytes, bool]:
+    """``decoded_body``, or ``Unreadable`` for a coding the gateway cannot decode."""
+    decoded = decoded_body(body, codings, limit)
+    if decoded is None:
+        raise Unreadable(f"a body in Content-Encoding {', '.join(codings)[:60]!r} that the gateway cannot decode")
+    return decoded
+
+
+def output_text(headers: Mapping[str, str], codings: list[str], body: bytes, limit: int) -> str:
+    """What output rules read of a response body (whole, or the prefix held): its first ``limit`` bytes with
+    its content codings undone; ``Unreadable`` when it cannot be read."""
+    if codings:
+        body = undone(body, codings, limit)[0]
+    return body[:limit].decode("utf-8", "replace")
 
 
 def mask_body(policy: SessionPolicy, body: bytes, as_json: bool) -> bytes:

@@ -17,8 +17,8 @@ from aiohttp.http_parser import RawResponseMessage
 from aiohttp.streams import StreamReader
 
 from gatewayd.guardrails import GuardVerdict
-from proxies.http.answers import answer_or_raise, blocked, upstream_error
-from proxies.http.bodies import SMALL_BODY
+from proxies.http.answers import answer_or_raise, blocked, upstream_error, withheld
+from proxies.http.bodies import SMALL_BODY, Unreadable, output_text
 from proxies.http.credentials import CredentialState, Credentials, current
 from proxies.http.front import FrontRequest, FrontStream
 from proxies.http.messages import (
@@ -26,6 +26,7 @@ from proxies.http.messages import (
     CredentialSource,
     app_host_label,
     body_note,
+    content_codings,
     extract_credential,
     guard_text,
     has_dot_segments,
@@ -169,14 +170,19 @@ class FastPath:
         if isinstance(data, GuardVerdict):  # blocked on its way back: 403, its e event and audit entry
             request.protocol.serve_later(request, blocked(policy, data))
             return
+        if isinstance(data, Unreadable):  # what the rules cannot read: 502, its e event and audit entry
+            request.protocol.serve_later(request, withheld(policy, str(data)))
+            return
         request.protocol.complete(data)
 
     def _small(self, request: FrontRequest, state: CredentialState, policy: SessionPolicy,
-               message: RawResponseMessage, content: StreamReader | bytes) -> bytes | GuardVerdict | None:
+               message: RawResponseMessage, content: StreamReader | bytes
+               ) -> bytes | GuardVerdict | Unreadable | None:
         """The whole answer to a plain request when the target's has arrived whole and is small (``_respond``
         would answer it so, with no await): checked by the output rules (head and body), recorded; the verdict
-        when they block it (nothing recorded: ``blocked`` says it); None when ``_respond`` must, nothing read.
-        ``content``: the body's stream, or the whole body (``TargetProtocol.answer``).
+        when they block it (nothing recorded: ``blocked`` says it), ``Unreadable`` when they cannot read it
+        (``withheld`` says it); None when ``_respond`` must, nothing read. ``content``: the body's stream, or
+        the whole body (``TargetProtocol.answer``).
 
         What was made of an answer is kept per client connection (``Answered``): the same status and headers
         again (``Date`` included: at most a second apart), under the same policy, are sent and recorded with
@@ -211,15 +217,18 @@ class FastPath:
             wire, sends, timeless = request.answer_parts(message.code, answer.reason, answer.headers, body,
                                                          length if no_body else None)
             text = policy.checks_output and is_text(content_type)
-            memo = Answered(key, policy, policy.rules, no_body, text, answer.checked, answer.recorded, wire,
-                            bool(sends))
+            memo = Answered(key, policy, policy.rules, no_body, text, content_codings(up_headers.items()) if text
+                            else [], answer.checked, answer.recorded, wire, bool(sends))
             request.protocol.answered = memo if timeless else None  # dated by the gateway: made anew each time
         if memo.checked:  # output rules read the status line and headers too
             verdict = policy.check_output(memo.checked)
             if verdict is not None:
                 return verdict
         if memo.text and body:
-            verdict = policy.check_output(body[:self.guard_cap].decode("utf-8", "replace"))
+            try:
+                verdict = policy.check_output(output_text(up_headers, memo.codings, body, self.guard_cap))
+            except Unreadable as exc:
+                return exc
             if verdict is not None:
                 return verdict
         if len(body) <= self.record_cap:
@@ -257,6 +266,7 @@ class Answered:
     rules: object  # and that chain's rules then
     no_body: bool
     text: bool  # a body the output rules read
+    codings: list[str]  # the content codings they read it through
     checked: str  # what they read of the status line and headers ("": no output rules)
     recorded: bytes  # the target's status line and headers as recorded
     wire: bytes  # the head sent to the client

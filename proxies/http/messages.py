@@ -379,31 +379,63 @@ def is_json(content_type: str | None) -> bool:
     return bool(content_type) and _JSON_TYPE.match(content_type) is not None  # type: ignore[arg-type]
 
 
-def decoded_body(body: bytes, encoding: str, limit: int) -> bytes | None:
-    """A ``Content-Encoding: gzip`` / ``deflate`` body decoded, at most ``limit`` bytes of it.
+def content_codings(headers: Iterable[tuple[str, str]]) -> list[str]:
+    """Every coding applied to a response body, in the order applied: each ``Content-Encoding`` header's
+    list, then the ``Transfer-Encoding`` ones but ``chunked`` (lowered; ``identity`` left out)."""
+    content: list[str] = []
+    transfer: list[str] = []
+    for name, value in headers:
+        lower = name.lower()
+        if lower == "content-encoding" or lower == "transfer-encoding":
+            for coding in value.split(","):
+                coding = coding.strip().lower()
+                if coding and coding != "identity" and coding != "chunked":
+                    (content if lower == "content-encoding" else transfer).append(coding)
+    return content + transfer
 
-    None: an encoding the gateway cannot decode (``br``, ``zstd``, several), a corrupt body, or one that
-    decodes to more than ``limit`` bytes (a compression bomb is never inflated past it).
-    """
-    encoding = encoding.strip().lower()
-    if encoding in ("", "identity"):
-        return body
-    if encoding in ("gzip", "x-gzip"):
+
+def decoded_body(body: bytes, codings: list[str], limit: int) -> tuple[bytes, bool] | None:
+    """A body with its ``codings`` (``content_codings``) undone, last applied first: at most ``limit`` bytes of
+    it, and whether that is all of it (each coding's stream ended within ``limit``; a prefix of a body decodes
+    to a prefix). None: a coding the gateway cannot decode (``br``, ``zstd``...) or a corrupt stream. A
+    compression bomb is never inflated past ``limit``."""
+    whole = True
+    for coding in reversed(codings):
+        undone = _undo(body, coding, limit)
+        if undone is None:
+            return None
+        body, ended = undone
+        whole = whole and ended
+    return body, whole
+
+
+def _undo(body: bytes, coding: str, limit: int) -> tuple[bytes, bool] | None:
+    """One ``gzip`` (every member) or ``deflate`` (zlib-wrapped as the RFC says, or raw as some servers send
+    it) coding undone, at most ``limit`` bytes, and whether its stream ended there; None: not decodable."""
+    if coding in ("gzip", "x-gzip"):
         tries = [16 + zlib.MAX_WBITS]
-    elif encoding == "deflate":  # zlib-wrapped as the RFC says, or raw deflate as some servers send it
+    elif coding == "deflate":
         tries = [zlib.MAX_WBITS, -zlib.MAX_WBITS]
     else:
         return None
     for wbits in tries:
-        decoder = zlib.decompressobj(wbits)
+        out = bytearray()
+        rest = body
         try:
-            out = decoder.decompress(body, limit + 1)
+            while True:
+                decoder = zlib.decompressobj(wbits)
+                out += decoder.decompress(rest, limit + 1 - len(out))
+                if len(out) > limit or decoder.unconsumed_tail:
+                    return bytes(out[:limit]), False
+                if not decoder.eof:
+                    return bytes(out), False  # a prefix of the stream
+                rest = decoder.unused_data
+                if not rest:
+                    return bytes(out), True
+                if coding == "deflate":  # bytes after its end: not a deflate stream (only gzip has members)
+                    break
         except zlib.error:
             continue
-        if len(out) > limit or decoder.unconsumed_tail:
-            return None
-        if decoder.eof:
-            return out
     return None
 
 

@@ -39,7 +39,16 @@ from proxies.http.answers import (
     upstream_error,
     withheld,
 )
-from proxies.http.bodies import SMALL_BODY, RequestBodyError, chain, mask_body, read_prefix
+from proxies.http.bodies import (
+    SMALL_BODY,
+    RequestBodyError,
+    Unreadable,
+    chain,
+    mask_body,
+    output_text,
+    read_prefix,
+    undone,
+)
 from proxies.http.credentials import CredentialState, Credentials, Refused, in_flight
 from proxies.http.fastpath import FastPath
 from proxies.http.front import Front, FrontRequest, FrontStream
@@ -50,8 +59,8 @@ from proxies.http.messages import (
     app_host_label,
     app_origin,
     body_note,
+    content_codings,
     credential_cookie,
-    decoded_body,
     downstream_response_headers,
     extract_credential,
     from_another_app,
@@ -75,6 +84,7 @@ if TYPE_CHECKING:
 STREAM_OVERLAP = 4096  # characters of an event stream's previous piece checked again with the next
 # under a mask rule: a coding the gateway may not decode, and ranges (a value fetched in pieces is never found)
 _MASKED_REQUEST_DROP = frozenset({"accept-encoding", "range", "if-range"})
+_CODING = frozenset({"accept-encoding"})  # under output rules: they read the answer's text
 _DISCONNECTED = (ConnectionError, aiohttp.ClientConnectionResetError)
 
 
@@ -234,8 +244,9 @@ class HttpListener(FastPath):
         version = request.version
         first_line = f"{request.method} {request.raw_path} HTTP/{version.major}.{version.minor}"
         up_headers = upstream_request_headers(request.headers.items(), source, client_ip, "http", request.host)
-        if policy.masker is not None:  # a body to mask is read as text, whole: no content coding, no ranges
-            up_headers = [(k, v) for k, v in up_headers if k.lower() not in _MASKED_REQUEST_DROP]
+        if policy.masker is not None or policy.checks_output:  # rules read the answer: no content coding
+            drop = _MASKED_REQUEST_DROP if policy.masker is not None else _CODING  # a mask: no ranges either
+            up_headers = [(k, v) for k, v in up_headers if k.lower() not in drop]
             up_headers.append(("Accept-Encoding", "identity"))
         return first_line, up_headers
 
@@ -357,23 +368,25 @@ class HttpListener(FastPath):
             verdict = policy.check_output(answer.checked)
             if verdict is not None:
                 return await blocked(policy, verdict)
-        text = policy.checks_output and is_text(content_type)
+        read = (policy.checks_output or policy.masker is not None) and is_text(content_type)
+        text = policy.checks_output and read
         sse = content_type is not None and is_event_stream(content_type)
+        codings = content_codings(up_headers.items()) if read else []
         length_header = up_headers.get("Content-Length")
         length = int(length_header) if length_header is not None and length_header.isdigit() else None
         no_body = request.method == "HEAD" or status in (204, 304)
-        masked = policy.masker is not None and is_text(content_type)
+        masked = policy.masker is not None and read
         if masked and no_body:  # a HEAD's length is the unmasked body's: not told
             length, masked = None, False
 
         try:
             if masked and not sse:
-                return await self._masked(request, policy, upstream, answer)
+                return await self._masked(request, policy, upstream, answer, codings)
             if no_body or (length is not None and length <= SMALL_BODY and not sse):
                 content = upstream.content
                 body = b"" if no_body else content.read_nowait() if content.is_eof() else await content.read()
                 if text and body:
-                    verdict = policy.check_output(body[:self.guard_cap].decode("utf-8", "replace"))
+                    verdict = policy.check_output(output_text(up_headers, codings, body, self.guard_cap))
                     if verdict is not None:
                         return await blocked(policy, verdict)
                 return self._whole(request, policy, message, answer, body, length if no_body else None)
@@ -382,47 +395,47 @@ class HttpListener(FastPath):
             eof = False
             if text and not sse:
                 prefix, eof = await read_prefix(upstream.content, self.guard_cap)
-                verdict = policy.check_output(prefix[:self.guard_cap].decode("utf-8", "replace"))
+                verdict = policy.check_output(output_text(up_headers, codings, prefix, self.guard_cap))
                 if verdict is not None:
                     return await blocked(policy, verdict)
+            if sse and codings and read:  # read piece by piece as it passes: only as it comes
+                raise Unreadable(f"an event stream in Content-Encoding {', '.join(codings)[:40]!r} cannot be "
+                                 f"{'masked' if masked else 'checked'} as it passes")
+        except Unreadable as exc:
+            return await withheld(policy, str(exc))
         except CLIENT_ERRORS as exc:
             return unreachable(state, policy, f"it broke off the response ({type(exc).__name__})",
                                "answered badly")
 
         hold = None
         if masked:  # an event stream under a mask rule: masked line by line as it streams
-            encoding = up_headers.get("Content-Encoding", "identity").strip().lower()
-            if encoding != "identity":
-                return withheld(policy, f"an event stream in Content-Encoding {encoding!r} cannot be masked")
             hold = LineHold()
             length = None  # masking changes the length: chunked
         with in_flight(state):
             return await self._stream(request, policy, upstream, answer, length, prefix, eof, sse and text, hold)
 
     async def _masked(self, request: web.BaseRequest | FrontRequest, policy: SessionPolicy,
-                      upstream: UpstreamResponse, answer: AnswerHead) -> web.StreamResponse | bytes:
-        """A text body under a mask rule: read whole (up to ``http.guard_body_bytes``), decoded, masked, sent
-        with its new ``Content-Length`` and no content coding; one it cannot mask is withheld (502)."""
+                      upstream: UpstreamResponse, answer: AnswerHead, codings: list[str]) -> web.StreamResponse | bytes:
+        """A text body under a mask rule: read whole (up to ``http.guard_body_bytes``), its codings undone, masked,
+        sent with its new ``Content-Length`` and no content coding; one it cannot read whole is withheld (502,
+        ``Unreadable``)."""
         message = upstream.message
-        up_headers = message.headers
+        content_type = message.headers.get("Content-Type")
         body, complete = await read_prefix(upstream.content, self.guard_cap + 1)
         if not complete or len(body) > self.guard_cap:
-            return withheld(policy, f"a text body over http.guard_body_bytes ({self.guard_cap} bytes) "
-                                          f"cannot be masked")
+            raise Unreadable(f"a text body over http.guard_body_bytes ({self.guard_cap} bytes) cannot be masked")
         out_list = answer.headers
-        encoding = up_headers.get("Content-Encoding", "")
-        if encoding:
-            decoded = decoded_body(body, encoding, self.guard_cap)
-            if decoded is None:
-                return withheld(policy, f"a body in Content-Encoding {encoding.strip()[:40]!r} that the gateway "
-                                              f"cannot decode within http.guard_body_bytes cannot be masked")
-            body = decoded
+        if codings:
+            body, whole = undone(body, codings, self.guard_cap)
+            if not whole:
+                raise Unreadable(f"a body in Content-Encoding {', '.join(codings)[:60]!r} that does not decode "
+                                 f"whole within http.guard_body_bytes cannot be masked")
             out_list = [(k, v) for k, v in out_list if k.lower() != "content-encoding"]
         if policy.checks_output:  # the blocking rules read the target's clear text
-            verdict = policy.check_output(body.decode("utf-8", "replace"))
+            verdict = policy.check_output(output_text(message.headers, [], body, len(body)))
             if verdict is not None:
                 return await blocked(policy, verdict)
-        body = mask_body(policy, body, is_json(up_headers.get("Content-Type")))
+        body = mask_body(policy, body, is_json(content_type))
         recorded = body[:self.record_cap]
         policy.record_output(answer.recorded + recorded + body_note(len(recorded), len(body), True).encode())
         if isinstance(request, FrontRequest):
