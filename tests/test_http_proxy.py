@@ -993,3 +993,22 @@ async def test_output_rules_and_masks_read_compressed_answers_decoded_or_withhol
                                         ("Content-Encoding", "gzip")], twice)
     head, body = fetched(gateway, secret, path)
     assert "content-encoding" not in head.lower() and json.loads(body) == {"card": "****"}, head
+
+
+@pytest.mark.parametrize("content_type", [None, "application/x-javascript", "application/csv", "image/svg+xml",
+                                          "application/jsonl", "application/x-json", "multipart/mixed; boundary=x"])
+async def test_output_rules_and_masks_read_every_answer_but_a_known_binary_type(api, gateway, raw_target,
+                                                                              content_type):
+    """Only known binary types go unread (before, a body of a type not listed as text, or of none, passed a
+    card number, an e-mail and a denied word)."""
+    headers = [("Content-Type", content_type)] if content_type else []
+    path = raw_target.answer("200 OK", headers, f"card {PII['card']} mail {PII['email']} top secret\n".encode())
+    secret, _ = await ruled(api, raw_target, PII_RULE)
+    _, body = fetched(gateway, secret, path)
+    assert body == b"card **** mail **** top secret\n"
+    secret, _ = await ruled(api, raw_target, DENY_TOP_SECRET)
+    head, _ = fetched(gateway, secret, path)
+    assert head.startswith("HTTP/1.1 403"), head
+    png = raw_target.answer("200 OK", [("Content-Type", "image/png")], b"\x89PNG top secret")
+    assert fetched(gateway, secret, png)[1] == b"\x89PNG top secret"  # binary: not read, as documented
+

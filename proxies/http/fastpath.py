@@ -31,8 +31,8 @@ from proxies.http.messages import (
     guard_text,
     has_dot_segments,
     head_bytes,
+    is_binary,
     is_event_stream,
-    is_text,
     request_head,
 )
 from proxies.http.upstream import UpstreamConnection, UpstreamPool, UpstreamResponse
@@ -216,7 +216,7 @@ class FastPath:
             answer = self._answer_head(request, state, policy, message)
             wire, sends, timeless = request.answer_parts(message.code, answer.reason, answer.headers, body,
                                                          length if no_body else None)
-            text = policy.checks_output and is_text(content_type)
+            text = policy.checks_output and not is_binary(up_headers.getall("Content-Type", ()))
             memo = Answered(key, policy, policy.rules, no_body, text, content_codings(up_headers.items()) if text
                             else [], answer.checked, answer.recorded, wire, bool(sends))
             request.protocol.answered = memo if timeless else None  # dated by the gateway: made anew each time

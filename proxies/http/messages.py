@@ -30,6 +30,11 @@ _SECRET_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie", "
 _TEXT_TYPES = re.compile(r"^\s*(?:text/|application/(?:[\w.+-]*\+)?(?:json|xml|javascript|x-www-form-urlencoded|"
                          r"graphql|x-ndjson|yaml|x-yaml|sql)\b)", re.I)
 _JSON_TYPE = re.compile(r"^\s*application/(?:[\w.+-]*\+)?json\s*(?:;|$)", re.I)
+# Response bodies output rules and masks leave alone: known binary types only (``is_binary``)
+_BINARY_TYPE = re.compile(
+    r"^\s*(?:image/(?!svg)|audio/|video/|font/|application/(?:octet-stream|pdf|zip|gzip|x-gzip|x-tar|x-bzip2?|"
+    r"x-xz|zstd|x-7z-compressed|x-rar-compressed|vnd\.rar|java-archive|wasm|x-shockwave-flash|vnd\.ms-fontobject|"
+    r"font-|x-font-|x-protobuf|protobuf|grpc|x-msdownload|x-sqlite3|vnd\.android\.package-archive)\b)", re.I)
 # In a Link header: a quoted parameter (kept), a <target URI>, or a target written without its brackets at the
 # start of an entry (datasette's ``Link: http://127.0.0.1:8001/db.json; rel="alternate"``, off RFC 8288 but sent).
 _LINK_PART = re.compile(r'"(?:[^"\\]|\\.)*"?|<([^>]*)>|(?:^|(?<=,))(\s*)([A-Za-z][A-Za-z0-9+.-]*://[^\s;,]+|/[^\s;,]*)')
@@ -377,6 +382,18 @@ def is_text(content_type: str | None) -> bool:
 def is_json(content_type: str | None) -> bool:
     """Whether a body of this content type is one JSON document (``application/json``, ``...+json``)."""
     return bool(content_type) and _JSON_TYPE.match(content_type) is not None  # type: ignore[arg-type]
+
+
+def is_binary(content_types: Iterable[str]) -> bool:
+    """Whether a response body with these ``Content-Type`` values is binary, which output rules and masks do
+    not read: only known binary types (images but SVG, audio, video, fonts, archives, ``octet-stream``, PDF...).
+    No type, any other type, or several of which one is not binary: read as text (fail closed)."""
+    seen = False
+    for content_type in content_types:
+        if _BINARY_TYPE.match(content_type) is None:
+            return False
+        seen = True
+    return seen
 
 
 def content_codings(headers: Iterable[tuple[str, str]]) -> list[str]:

@@ -67,6 +67,7 @@ from proxies.http.messages import (
     guard_text,
     has_dot_segments,
     head_bytes,
+    is_binary,
     is_event_stream,
     is_json,
     is_text,
@@ -368,7 +369,9 @@ class HttpListener(FastPath):
             verdict = policy.check_output(answer.checked)
             if verdict is not None:
                 return await blocked(policy, verdict)
-        read = (policy.checks_output or policy.masker is not None) and is_text(content_type)
+        # rules read every body but a known binary type's (no type, or one not listed, is read: fail closed)
+        read = ((policy.checks_output or policy.masker is not None)
+                and not is_binary(up_headers.getall("Content-Type", ())))
         text = policy.checks_output and read
         sse = content_type is not None and is_event_stream(content_type)
         codings = content_codings(up_headers.items()) if read else []
