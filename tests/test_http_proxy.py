@@ -1012,3 +1012,18 @@ async def test_output_rules_and_masks_read_every_answer_but_a_known_binary_type(
     png = raw_target.answer("200 OK", [("Content-Type", "image/png")], b"\x89PNG top secret")
     assert fetched(gateway, secret, png)[1] == b"\x89PNG top secret"  # binary: not read, as documented
 
+
+async def test_a_rule_by_key_masks_json_lines_and_json_behind_an_xssi_prefix(api, gateway, raw_target):
+    """A rule by key reads NDJSON / JSON lines line by line and JSON behind ``)]}',`` (before, each passed its
+    ``ssn`` in clear); a body declared JSON that still does not parse is withheld (it could hold the key)."""
+    secret, _ = await ruled(api, raw_target, {"type": "mask", "columns": ["ssn"]})
+    lines = b'{"ssn": "secret-ssn-777", "n": 1}\n{"ssn": "secret-ssn-777", "n": 2}\n'
+    for content_type in ("application/x-ndjson", "application/json"):
+        path = raw_target.answer("200 OK", [("Content-Type", content_type)], lines)
+        assert fetched(gateway, secret, path)[1] == b'{"ssn":"****","n":1}\n{"ssn":"****","n":2}\n'
+    path = raw_target.answer("200 OK", [("Content-Type", "application/json")], b")]}',\n{\"ssn\": \"secret-ssn-777\"}")
+    assert fetched(gateway, secret, path)[1] == b")]}',\n{\"ssn\":\"****\"}"
+    path = raw_target.answer("200 OK", [("Content-Type", "application/json")], b"{'ssn': 'secret-ssn-777'}")
+    head, body = fetched(gateway, secret, path)
+    assert head.startswith("HTTP/1.1 502") and b"secret-ssn-777" not in body, head
+

@@ -5,18 +5,22 @@ charset) and a whole text answer masked."""
 from __future__ import annotations
 
 import json
+import re
 from typing import TYPE_CHECKING, AsyncIterator, Mapping
 
 import aiohttp
 from aiohttp.http_exceptions import HttpProcessingError
 
-from proxies.http.messages import decoded_body
+from proxies.http.messages import decoded_body, is_json
 
 if TYPE_CHECKING:
     from gatewayd.masking import Masker
     from gatewayd.policy import SessionPolicy
 
 SMALL_BODY = 64 * 1024  # a response this small (with a Content-Length) is read whole and sent in one write
+# the prefixes sites put before JSON so that a <script> including it runs nothing (Angular's, Google's, Facebook's)
+_XSSI = re.compile(rb"\s*(?:\)\]\}'\s*,?|while\s*\(\s*1\s*\)\s*;|for\s*\(\s*;\s*;\s*\)\s*;)\s*")
+_JSON_START = re.compile(rb"\s*(?:\)\]\}'|while\s*\(|for\s*\(|[\[{])")  # what may be JSON whatever its type
 
 
 class RequestBodyError(Exception):
@@ -52,7 +56,7 @@ async def chain(prefix: bytes, content: aiohttp.StreamReader) -> AsyncIterator[b
 
 class Unreadable(Exception):
     """A response body the output rules or masks must read that the gateway cannot (a content coding it has no
-    decoder for, a corrupt stream): withheld."""
+    decoder for, JSON a rule by key cannot place its keys in): withheld."""
 
 
 def undone(body: bytes, codings: list[str], limit: int) -> tuple[bytes, bool]:
@@ -71,25 +75,64 @@ def output_text(headers: Mapping[str, str], codings: list[str], body: bytes, lim
     return body[:limit].decode("utf-8", "replace")
 
 
-def mask_body(policy: SessionPolicy, body: bytes, as_json: bool) -> bytes:
-    """A whole text body masked: a JSON document value by value (keys named in ``columns`` at any depth),
-    then as text for what no value holds (an object key); anything else, or JSON that does not parse, as text."""
+def mask_body(policy: SessionPolicy, body: bytes, content_type: str | None) -> bytes:
+    """A whole text body masked: JSON value by value (``_masked_json``), anything else as text (any
+    ASCII-compatible charset: other bytes kept). ``Unreadable``: JSON declared that a rule by key cannot parse."""
     masker: Masker | None = policy.masker
     if masker is None or not body:
         return body
-    if as_json:
-        try:
-            document = json.loads(body)
-        except ValueError:
-            return policy.mask_bytes(body)
+    declared = is_json(content_type)
+    out: bytes | None = None
+    if declared or (masker.columns and _JSON_START.match(body)):  # JSON served as another type too
+        out = _masked_json(policy, masker, body)
+        if out is None and declared and masker.columns:
+            raise Unreadable("a JSON body that does not parse (as a document or as JSON lines) cannot be "
+                             "masked by key")
+    if out is None:
+        out = policy.mask_bytes(body)
+    return out
+
+
+def _masked_json(policy: SessionPolicy, masker: Masker, body: bytes) -> bytes | None:
+    """A JSON body masked value by value (keys named in ``columns`` at any depth), then as text for what no
+    value holds (an object key): one document, or JSON lines one by one (NDJSON, JSON text sequences),
+    behind a known anti-XSSI prefix (``)]}\',``, ``while(1);``..., kept); None when it is neither."""
+    found = _XSSI.match(body)
+    prefix = found[0] if found else b""
+    rest = body[len(prefix):]
+    count = 0
+    try:
+        document = json.loads(rest)
+    except ValueError:
+        lines = []
+        for line in rest.splitlines(keepends=True):
+            content = line.strip(b" \t\r\n\x1e")
+            if not content:
+                lines.append(line)
+                continue
+            try:
+                value, n = masker.mask_json(json.loads(content))
+            except ValueError:
+                return None
+            if n:
+                start = line.index(content[:1])
+                line = line[:start] + _dumps(value) + line[start + len(content):]
+                count += n
+            lines.append(line)
+        out = prefix + b"".join(lines) if count else body
+    else:
         document, count = masker.mask_json(document)
-        out = json.dumps(document, ensure_ascii=False, separators=(",", ":")).encode() if count else body
-        again = masker.mask(out)
-        if again is not None:
-            out, more = again
-            count += more
-        if count:
-            policy.count_masked(count)
-            policy.record_clear(body)
-        return out
-    return policy.mask_bytes(body)
+        out = prefix + _dumps(document) if count else body
+    again = masker.mask(out)
+    if again is not None:
+        out, more = again
+        count += more
+    if count:
+        policy.count_masked(count)
+        policy.record_clear(body)
+    return out
+
+
+def _dumps(value: object) -> bytes:
+    """A masked JSON value as sent: compact, UTF-8."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()

@@ -29,7 +29,8 @@ _SECRET_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie", "
                              "x-auth-token", "x-csrf-token", "x-xsrf-token"})
 _TEXT_TYPES = re.compile(r"^\s*(?:text/|application/(?:[\w.+-]*\+)?(?:json|xml|javascript|x-www-form-urlencoded|"
                          r"graphql|x-ndjson|yaml|x-yaml|sql)\b)", re.I)
-_JSON_TYPE = re.compile(r"^\s*application/(?:[\w.+-]*\+)?json\s*(?:;|$)", re.I)
+_JSON_TYPE = re.compile(r"^\s*(?:application|text)/(?:[\w.+-]*\+)?(?:x-)?(?:nd)?json(?:l|-seq|lines)?\s*(?:;|$)",
+                        re.I)
 # Response bodies output rules and masks leave alone: known binary types only (``is_binary``)
 _BINARY_TYPE = re.compile(
     r"^\s*(?:image/(?!svg)|audio/|video/|font/|application/(?:octet-stream|pdf|zip|gzip|x-gzip|x-tar|x-bzip2?|"
@@ -380,7 +381,8 @@ def is_text(content_type: str | None) -> bool:
 
 
 def is_json(content_type: str | None) -> bool:
-    """Whether a body of this content type is one JSON document (``application/json``, ``...+json``)."""
+    """Whether a body of this content type is JSON: one document (``application/json``, ``...+json``,
+    ``x-json``, ``text/json``) or JSON lines (``x-ndjson``, ``jsonl``, ``json-seq``)."""
     return bool(content_type) and _JSON_TYPE.match(content_type) is not None  # type: ignore[arg-type]
 
 

@@ -69,7 +69,6 @@ from proxies.http.messages import (
     head_bytes,
     is_binary,
     is_event_stream,
-    is_json,
     is_text,
     is_websocket_upgrade,
     request_head,
@@ -438,7 +437,7 @@ class HttpListener(FastPath):
             verdict = policy.check_output(output_text(message.headers, [], body, len(body)))
             if verdict is not None:
                 return await blocked(policy, verdict)
-        body = mask_body(policy, body, is_json(content_type))
+        body = mask_body(policy, body, content_type)
         recorded = body[:self.record_cap]
         policy.record_output(answer.recorded + recorded + body_note(len(recorded), len(body), True).encode())
         if isinstance(request, FrontRequest):
