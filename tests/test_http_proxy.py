@@ -1027,3 +1027,15 @@ async def test_a_rule_by_key_masks_json_lines_and_json_behind_an_xssi_prefix(api
     head, body = fetched(gateway, secret, path)
     assert head.startswith("HTTP/1.1 502") and b"secret-ssn-777" not in body, head
 
+
+async def test_a_utf16_answer_is_masked_and_checked_in_its_charset(api, gateway, raw_target):
+    """A body is read in its declared charset (before, UTF-16 passed masks and output rules unread), masked and
+    written in it again; a charset the gateway cannot decode is withheld."""
+    text = f"card {PII['card']} mail {PII['email']}, top secret\n"
+    path = raw_target.answer("200 OK", [("Content-Type", "text/plain; charset=utf-16")], text.encode("utf-16"))
+    secret, _ = await ruled(api, raw_target, PII_RULE)
+    assert fetched(gateway, secret, path)[1].decode("utf-16") == "card **** mail ****, top secret\n"
+    unknown = raw_target.answer("200 OK", [("Content-Type", "text/plain; charset=x-unheard-of")], b"plain")
+    assert fetched(gateway, secret, unknown)[0].startswith("HTTP/1.1 502")
+    secret, _ = await ruled(api, raw_target, DENY_TOP_SECRET)
+    assert fetched(gateway, secret, path)[0].startswith("HTTP/1.1 403")

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Mapping
 import aiohttp
 from aiohttp.http_exceptions import HttpProcessingError
 
-from proxies.http.messages import decoded_body, is_json
+from proxies.http.messages import ascii_compatible, body_codec, decoded_body, is_json
 
 if TYPE_CHECKING:
     from gatewayd.masking import Masker
@@ -56,7 +56,7 @@ async def chain(prefix: bytes, content: aiohttp.StreamReader) -> AsyncIterator[b
 
 class Unreadable(Exception):
     """A response body the output rules or masks must read that the gateway cannot (a content coding it has no
-    decoder for, JSON a rule by key cannot place its keys in): withheld."""
+    decoder for, a charset Python does not know, JSON a rule by key cannot place its keys in): withheld."""
 
 
 def undone(body: bytes, codings: list[str], limit: int) -> tuple[bytes, bool]:
@@ -69,28 +69,48 @@ def undone(body: bytes, codings: list[str], limit: int) -> tuple[bytes, bool]:
 
 def output_text(headers: Mapping[str, str], codings: list[str], body: bytes, limit: int) -> str:
     """What output rules read of a response body (whole, or the prefix held): its first ``limit`` bytes with
-    its content codings undone; ``Unreadable`` when it cannot be read."""
+    its content codings undone, in its charset; ``Unreadable`` when it cannot be read."""
     if codings:
         body = undone(body, codings, limit)[0]
-    return body[:limit].decode("utf-8", "replace")
+    codec = body_codec(headers.get("Content-Type"), body)
+    if codec is None:
+        raise Unreadable(f"a body in a charset the gateway cannot decode ({headers.get('Content-Type', '')[:60]!r})")
+    return body[:limit].decode(codec, "replace")
 
 
 def mask_body(policy: SessionPolicy, body: bytes, content_type: str | None) -> bytes:
-    """A whole text body masked: JSON value by value (``_masked_json``), anything else as text (any
-    ASCII-compatible charset: other bytes kept). ``Unreadable``: JSON declared that a rule by key cannot parse."""
+    """A whole text body masked, in its charset (a charset that does not write ASCII as ASCII, UTF-16..., is
+    decoded, masked and encoded again): JSON value by value (``_masked_json``), anything else as text.
+    ``Unreadable``: a charset Python does not know, or JSON declared that a rule by key cannot parse."""
     masker: Masker | None = policy.masker
     if masker is None or not body:
         return body
+    codec = body_codec(content_type, body)
+    if codec is None:
+        raise Unreadable(f"a body in a charset the gateway cannot decode ({(content_type or '')[:60]!r})")
+    work = body
+    if not ascii_compatible(codec):
+        try:
+            work = body.decode(codec).encode()
+        except UnicodeError:
+            raise Unreadable(f"a body that is not valid {codec}") from None
     declared = is_json(content_type)
     out: bytes | None = None
-    if declared or (masker.columns and _JSON_START.match(body)):  # JSON served as another type too
-        out = _masked_json(policy, masker, body)
+    if declared or (masker.columns and _JSON_START.match(work)):  # JSON served as another type too
+        out = _masked_json(policy, masker, work)
         if out is None and declared and masker.columns:
             raise Unreadable("a JSON body that does not parse (as a document or as JSON lines) cannot be "
                              "masked by key")
     if out is None:
-        out = policy.mask_bytes(body)
-    return out
+        out = policy.mask_bytes(work)
+    if out is work:
+        return body
+    if work is body:
+        return out
+    try:
+        return out.decode("utf-8", "surrogateescape").encode(codec)
+    except UnicodeError:
+        raise Unreadable(f"a masked body that cannot be written in {codec} again") from None
 
 
 def _masked_json(policy: SessionPolicy, masker: Masker, body: bytes) -> bytes | None:

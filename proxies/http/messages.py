@@ -6,6 +6,8 @@ lists or strings out), so each rule is a unit test; ``server.py`` does the I/O.
 
 from __future__ import annotations
 
+import codecs
+import functools
 import html
 import re
 import zlib
@@ -36,6 +38,7 @@ _BINARY_TYPE = re.compile(
     r"^\s*(?:image/(?!svg)|audio/|video/|font/|application/(?:octet-stream|pdf|zip|gzip|x-gzip|x-tar|x-bzip2?|"
     r"x-xz|zstd|x-7z-compressed|x-rar-compressed|vnd\.rar|java-archive|wasm|x-shockwave-flash|vnd\.ms-fontobject|"
     r"font-|x-font-|x-protobuf|protobuf|grpc|x-msdownload|x-sqlite3|vnd\.android\.package-archive)\b)", re.I)
+_CHARSET = re.compile(r";\s*charset\s*=\s*[\"']?([^\s;\"']+)", re.I)
 # In a Link header: a quoted parameter (kept), a <target URI>, or a target written without its brackets at the
 # start of an entry (datasette's ``Link: http://127.0.0.1:8001/db.json; rel="alternate"``, off RFC 8288 but sent).
 _LINK_PART = re.compile(r'"(?:[^"\\]|\\.)*"?|<([^>]*)>|(?:^|(?<=,))(\s*)([A-Za-z][A-Za-z0-9+.-]*://[^\s;,]+|/[^\s;,]*)')
@@ -456,6 +459,36 @@ def _undo(body: bytes, coding: str, limit: int) -> tuple[bytes, bool] | None:
         except zlib.error:
             continue
     return None
+
+
+def body_codec(content_type: str | None, body: bytes) -> str | None:
+    """The Python codec a text body is read in: its byte order mark's (as browsers do), else its declared
+    ``charset``, else UTF-8; None: a charset Python cannot decode."""
+    if body[:3] == b"\xef\xbb\xbf":
+        return "utf-8"
+    if body[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        return "utf-16"
+    charset = _CHARSET.search(content_type) if content_type else None
+    if charset is None:
+        return "utf-8"
+    try:
+        info = codecs.lookup(charset[1])
+    except LookupError:
+        return None
+    return info.name if getattr(info, "_is_text_encoding", True) else None
+
+
+@functools.lru_cache(maxsize=64)
+def ascii_compatible(codec: str) -> bool:
+    """Whether text in ``codec`` writes ASCII as ASCII, one byte each, with no shift state: its bytes can be
+    masked as they are (a value the patterns find is the same bytes). Else the body is decoded first."""
+    if codec.startswith(("iso2022", "utf_7", "utf-7", "hz")):
+        return False
+    ascii_text = "".join(map(chr, range(128)))
+    try:
+        return bytes(range(128)).decode(codec) == ascii_text and ascii_text.encode(codec) == bytes(range(128))
+    except (UnicodeError, LookupError):
+        return False
 
 
 def is_event_stream(content_type: str | None) -> bool:

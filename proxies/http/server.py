@@ -418,9 +418,9 @@ class HttpListener(FastPath):
 
     async def _masked(self, request: web.BaseRequest | FrontRequest, policy: SessionPolicy,
                       upstream: UpstreamResponse, answer: AnswerHead, codings: list[str]) -> web.StreamResponse | bytes:
-        """A text body under a mask rule: read whole (up to ``http.guard_body_bytes``), its codings undone, masked,
-        sent with its new ``Content-Length`` and no content coding; one it cannot read whole is withheld (502,
-        ``Unreadable``)."""
+        """A text body under a mask rule: read whole (up to ``http.guard_body_bytes``), its codings undone, masked
+        in its charset, sent with its new ``Content-Length`` and no content coding; one it cannot read whole is
+        withheld (502, ``Unreadable``)."""
         message = upstream.message
         content_type = message.headers.get("Content-Type")
         body, complete = await read_prefix(upstream.content, self.guard_cap + 1)
