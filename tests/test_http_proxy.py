@@ -1039,3 +1039,63 @@ async def test_a_utf16_answer_is_masked_and_checked_in_its_charset(api, gateway,
     assert fetched(gateway, secret, unknown)[0].startswith("HTTP/1.1 502")
     secret, _ = await ruled(api, raw_target, DENY_TOP_SECRET)
     assert fetched(gateway, secret, path)[0].startswith("HTTP/1.1 403")
+
+
+# --------------------------------------------------------------------------- the target connection pool
+
+
+def _answer(body: bytes) -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body)
+
+
+async def test_an_answer_nobody_asked_for_never_reaches_the_next_request(api, gateway, client):
+    """A target that answers one request twice (in the same write, in part, or later while the connection is
+    idle): the pooled connection goes, and the next request -- another user's -- gets its own answer."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                path = head.split(b" ", 2)[1]
+                if path == b"/twice":
+                    writer.write(_answer(b"answer for A") + _answer(b"A-PRIVATE-EXTRA"))
+                elif path == b"/partial":  # the start of a second answer, its rest a little later
+                    writer.write(_answer(b"answer for A") + b"HTTP/1.1 200 OK\r\nContent-Length: 14\r\n")
+                    await writer.drain()
+                    await asyncio.sleep(0.3)
+                    writer.write(b"\r\nA-PRIVATE-LATE")
+                elif path == b"/later":  # a second answer while the connection is idle in the pool
+                    writer.write(_answer(b"answer for A"))
+                    await writer.drain()
+                    await asyncio.sleep(0.2)
+                    writer.write(_answer(b"A-PRIVATE-IDLE"))
+                else:
+                    writer.write(_answer(b"ok " + path))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        secret_a, _ = await api.credential(await api.role(f"http://127.0.0.1:{port}"))
+        secret_b, session_b = await api.credential(await api.role(f"http://127.0.0.1:{port}"))
+
+        async def get(secret: str, path: str) -> bytes:
+            async with client.get(f"{gateway.http_url}{path}", headers={"Authorization": secret}) as response:
+                assert response.status == 200
+                return await response.read()
+
+        assert await get(secret_b, "/warm") == b"ok /warm"  # B's credential and policy at hand: its fast path
+        for extra in ("/twice", "/partial", "/later"):
+            assert await get(secret_a, extra) == b"answer for A"
+            if extra == "/later":
+                await asyncio.sleep(0.5)  # the unasked answer arrives while the connection is idle
+            for n in (1, 2):
+                assert await get(secret_b, f"/b{n}{extra}") == f"ok /b{n}{extra}".encode(), extra
+        session = await api.session(session_b, has_event("o", "ok /b2/later"))
+        assert "A-PRIVATE" not in json.dumps(events(session))
+    finally:
+        server.close()

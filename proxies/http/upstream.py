@@ -47,6 +47,12 @@ class TargetProtocol(BaseProtocol):
     response; those bytes are dropped, and a connection that answered a HEAD
     is never reused (the body may come in a later segment, after the answer
     was handed on, where nothing can tell it from the next answer).
+
+    One request, one answer: bytes that arrive while no request waits (the
+    connection idle in the pool, or after the end of the answer in the same
+    read), or a second final answer to one request, are not an answer to
+    anything; the connection is closed and never handed out again, so such
+    an answer never reaches the next request (another user's, perhaps).
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -67,6 +73,8 @@ class TargetProtocol(BaseProtocol):
         self._again_head = b""
         self._again_message: RawResponseMessage | None = None
         self._again_size = 0
+        self.waiting = False  # a request was sent whose final answer has not ended yet (``expect``)
+        self._final: StreamReader | None = None  # the body of the final answer to the request waiting
 
     def is_connected(self) -> bool:
         return self.transport is not None and not self.transport.is_closing()
@@ -87,6 +95,8 @@ class TargetProtocol(BaseProtocol):
         """Get ready for the next answer (``head_only``: the answer to a HEAD, no body; the connection
         goes once that answer is done)."""
         self.head_only = head_only
+        self.waiting = True
+        self._final = None
         if head_only:
             self.should_close = True
         if self._with_body is not (not head_only):
@@ -143,10 +153,14 @@ class TargetProtocol(BaseProtocol):
     def data_received(self, data: bytes) -> None:
         if self._discard:
             return
+        if not self.waiting and data:  # nothing was asked: not an answer to anything
+            self._unsolicited()
+            return
         # (``resume_reading`` calls this with no bytes: never a repeated answer)
         if self._again_size and len(data) == self._again_size and not self.head_only and data.startswith(
                 self._again_head):
             self._answers.append((self._again_message, data[len(self._again_head):]))  # type: ignore[arg-type]
+            self.waiting = False  # the whole answer, exactly (its size is the last one's)
             self._arrived()
             return
         self._again_size = 0
@@ -162,6 +176,8 @@ class TargetProtocol(BaseProtocol):
                 self.should_close = True
                 self._discard = True
         assert self._parser is not None
+        started = self._final  # the final answer's body, when it began in an earlier read
+        before = started.total_bytes if started is not None and started is not EMPTY_PAYLOAD else 0
         try:
             messages, upgraded, _ = self._parser.feed_data(data)
         except BaseException as exc:
@@ -173,20 +189,40 @@ class TargetProtocol(BaseProtocol):
                      if isinstance(exc, HttpProcessingError) else HttpProcessingError())
             self._fail(error, ClientPayloadError(f"the response body was malformed ({type(exc).__name__})"))
             return
+        queued = 0
         for message, payload in messages:
+            if self._final is not None:  # a second final answer to one request: nobody asked for it
+                self._unsolicited()
+                break
             if message.should_close:
                 self.should_close = True
             if not self._with_body or message.code in EMPTY_BODY_STATUS_CODES:
                 payload = EMPTY_PAYLOAD
             else:
                 self._payload = payload
+            if not 100 <= message.code < 200 or message.code == 101:
+                self._final = payload
             self._answers.append((message, payload))
+            queued += 1
         if upgraded:
             self.should_close = True
-        elif len(messages) == 1 and payload is not EMPTY_PAYLOAD and not message.should_close:
+        elif queued == 1 and len(messages) == 1 and payload is not EMPTY_PAYLOAD and not message.should_close:
             self._keep_for_again(data, message, payload)
-        if messages:
+        final = self._final
+        if final is not None and self.waiting and (final is EMPTY_PAYLOAD or final.is_eof()) and data:
+            self.waiting = False  # the answer ended in this read: what follows it in the read answers nothing
+            fed = 0 if final is EMPTY_PAYLOAD else final.total_bytes - (before if final is started else 0)
+            if not _ends_with(data, final, fed):
+                self.should_close = True
+        if queued:
             self._arrived()
+
+    def _unsolicited(self) -> None:
+        """Bytes nobody asked for: the connection is closed and its answers after this one are dropped."""
+        self.should_close = True
+        self._discard = True
+        if self.transport is not None:
+            self.transport.close()
 
     def _keep_for_again(self, data: bytes, message: RawResponseMessage, payload: StreamReader) -> None:
         """Keep an answer that was ``data`` whole, framed by its Content-Length, for the same head again."""
@@ -225,6 +261,21 @@ class TargetProtocol(BaseProtocol):
         super().connection_lost(exc)
 
 
+def _ends_with(data: bytes, body: StreamReader, fed: int) -> bool:
+    """Whether a read in which an answer ended holds nothing after it: it ends with the end of a head or of a
+    chunked body (CRLF CRLF: no start of a next answer ends so), or with the ``fed`` body bytes the parser
+    took from it, after nothing or a head. Anything else (an answer's first bytes after it, or a framing
+    this does not tell) is taken as more: the connection is not reused."""
+    if data.endswith(b"\r\n\r\n"):
+        return True
+    if fed <= 0 or fed > len(data):
+        return False
+    buffered = body._buffer  # the parser feeds one read's body bytes in one piece
+    if not buffered or len(buffered[-1]) != fed or not data.endswith(buffered[-1]):
+        return False
+    return fed == len(data) or data[:len(data) - fed].endswith(b"\r\n\r\n")
+
+
 class UpstreamError(Exception):
     """The target could not be reached or broke the exchange before answering."""
 
@@ -244,7 +295,10 @@ class UpstreamConnection:
 
     @property
     def usable(self) -> bool:
-        return self.protocol.is_connected() and not self.protocol.should_close
+        """Connected, kept alive, and holding no answer nor awaiting one (only such a connection is handed out)."""
+        protocol = self.protocol
+        return (protocol.is_connected() and not protocol.should_close and not protocol.waiting
+                and not protocol._answers)
 
     def close(self) -> None:
         self.protocol.close()
