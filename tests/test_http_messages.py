@@ -164,7 +164,9 @@ def test_rewrite_location_never_raises(location):
 
 @pytest.mark.parametrize(("path", "climbs"), [
     ("/../x", True), ("/a/..", True), ("/%2e%2e/x", True), ("/a/%2E%2E", True), ("/a\\..\\b", True),
-    ("/a..b/", False), ("/x?q=/../", False), ("/.../x", False), ("/a/./b", False), ("/plain", False),
+    ("/a..b/", False), ("/x?q=/../", False), ("/.../x", False), ("/plain", False), ("/a;b=1/c", False),
+    ("/a/./b", True), ("/..;/x", True), ("/%2e%2e;/x", True), ("/%252e%252e/x", True), ("/..%00/x", True),
+    ("/.%2e/x", True), ("/a/.;x=1/b", True), ("/x%00", True), ("/%25252e%25252e/x", True),
 ])
 def test_dot_segments(path, climbs):
     assert m.has_dot_segments(path) is climbs

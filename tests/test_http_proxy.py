@@ -747,13 +747,17 @@ async def test_websocket_messages_go_through_guard_rails(api, gateway, client):
     assert recorded[blocked + 1][0] == "e" and recorded[blocked + 1][1].endswith("words=[rm -rf]")
 
 
-async def test_dot_segments_cannot_leave_the_base_path(api, gateway, target):
+async def test_dot_segments_cannot_leave_the_base_path(api, gateway, client, target):
     connection = await api.role(f"{target}/echo")
     secret, _ = await api.credential(connection)
-    for path in ("/../json", "/a/../../json", "/%2e%2e/json", "/a/%2E%2E/%2e%2e/json"):
+    marker = uuid.uuid4().hex
+    for path in ("/../json", "/a/../../json", "/%2e%2e/json", "/a/%2E%2E/%2e%2e/json", "/..;/json",
+                 "/%2e%2e;/json", "/%252e%252e/json", "/..%00/json", "/.%2e/json", "/a/./json"):
         done = await asyncio.to_thread(curl, "--path-as-is", "-o", "/dev/null", "-w", "%{http_code}",
-                                       "-H", f"Authorization: {secret}", f"{gateway.http_url}{path}")
+                                       "-H", f"Authorization: {secret}", f"{gateway.http_url}{path}?m={marker}")
         assert done.stdout == b"400", path
+    async with client.get(f"{target}/seen") as response:
+        assert not [p for p in await response.json() if marker in p]  # none of them reached the target
 
 
 async def test_a_revoked_credential_is_refused_at_its_next_check(api, gateway, client):

@@ -43,6 +43,7 @@ _CHARSET = re.compile(r";\s*charset\s*=\s*[\"']?([^\s;\"']+)", re.I)
 # start of an entry (datasette's ``Link: http://127.0.0.1:8001/db.json; rel="alternate"``, off RFC 8288 but sent).
 _LINK_PART = re.compile(r'"(?:[^"\\]|\\.)*"?|<([^>]*)>|(?:^|(?<=,))(\s*)([A-Za-z][A-Za-z0-9+.-]*://[^\s;,]+|/[^\s;,]*)')
 _REFRESH_URL = re.compile(r"(\burl\s*=\s*['\"]?)([^'\"\s;]+)", re.I)  # Refresh: 5; url=http://target/...
+_DECODE_ROUNDS = 8  # a path percent-decoded more times than this without settling is refused
 _SECRET_TEXT = re.compile(r"httpproxy-[A-Za-z0-9_-]{43}")  # no \b: a secret may end in "-" or "_"
 
 Headers = list[tuple[str, str]]
@@ -259,12 +260,23 @@ def request_head(method: str, target: TargetUrl, path_qs: str, headers: Iterable
 
 
 def has_dot_segments(raw_path: str) -> bool:
-    """Whether a path has a ``..`` segment (also percent-encoded or with backslashes) that could climb out
-    of the target's base path once the target normalizes it."""
+    """Whether a path has a ``.`` or ``..`` segment that could climb out of the target's base path once the
+    target normalizes it, read every way a server on the way may: percent-decoded again until nothing changes
+    (``%252e``), backslashes as slashes, path parameters cut (``..;``, Tomcat's and Jetty's reading); a NUL
+    anywhere counts too (``..%00``)."""
     path = raw_path.partition("?")[0]
     if "." not in path and "%" not in path:
         return False
-    return ".." in unquote(path).replace("\\", "/").split("/")
+    for _ in range(_DECODE_ROUNDS):
+        decoded = unquote(path)
+        if decoded == path:
+            break
+        path = decoded
+    else:
+        return True  # still encoded after that many rounds: nothing reads it so, refused
+    if "\x00" in path:
+        return True
+    return any(segment.partition(";")[0] in (".", "..") for segment in path.replace("\\", "/").split("/"))
 
 
 def rewrite_location(location: str, target: TargetUrl, gateway_origin: str) -> str:

@@ -169,8 +169,9 @@ class HttpListener(FastPath):
                     headers.get("Sec-Fetch-Mode")):
                 return self._from_another_app(request, state, policy)
         if state.target.base_path and has_dot_segments(request.raw_path):
-            policy.error(f"refused a path with '..' segments: {scrub(request.raw_path)}")
-            return json_error(400, "a path with '..' segments is refused: it could leave the target's base path")
+            policy.error(f"refused a path with '.' or '..' segments: {scrub(request.raw_path)}")
+            return json_error(400, "a path with '.' or '..' segments (also encoded, or with ';' parameters) or a "
+                                   "NUL is refused: it could leave the target's base path")
         if "Upgrade" in headers and is_websocket_upgrade(headers.items()):
             with in_flight(state):
                 return await self.websockets.relay(request, state, policy, presented.source, client_ip)
