@@ -1103,3 +1103,25 @@ async def test_an_answer_nobody_asked_for_never_reaches_the_next_request(api, ga
         assert "A-PRIVATE" not in json.dumps(events(session))
     finally:
         server.close()
+
+
+async def test_absolute_and_asterisk_forms_and_connect_are_refused(api, gateway, client, target):
+    """``GET http://other-host/...`` would let the target route by another host, past a rule on the path."""
+    connection = await api.role()
+    secret, session_id = await api.credential(connection)
+    await api.guardrail(connection, input_rules=[{"type": "pattern_match", "pattern_regex": r"^GET /echo/admin"}])
+    marker = uuid.uuid4().hex
+    auth = ("-H", f"Authorization: {secret}")
+    for method, request_target, status in (
+            ("GET", f"/echo/admin/{marker}", "403"),
+            ("GET", f"http://other-vhost.internal/echo/admin/{marker}", "400"),
+            ("GET", f"HTTP://127.0.0.1/echo/admin/{marker}", "400"),
+            ("OPTIONS", "*", "400"),
+            ("CONNECT", f"127.0.0.1:{target.rsplit(':', 1)[1]}", "405")):
+        done = await asyncio.to_thread(curl, "-X", method, "--request-target", request_target, "-o", "/dev/null",
+                                       "-w", "%{http_code}", *auth, f"{gateway.http_url}/")
+        assert done.stdout == status.encode(), (method, request_target, done)
+    async with client.get(f"{target}/seen") as response:
+        assert not [p for p in await response.json() if marker in p or p == "*"]
+    session = await api.session(session_id, has_event("e", "CONNECT is refused"))
+    assert any(k == "e" and "absolute-form request target" in t for k, t in events(session))

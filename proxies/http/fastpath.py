@@ -123,7 +123,8 @@ class FastPath:
             label = app_host_label(request.host, self.apps_domain)
             if label is not None and (label != state.label or presented.source == CredentialSource.COOKIE):
                 return None  # the checks of ``handle`` (on its own address, from its own pages)
-        if "Upgrade" in headers or (state.target.base_path and has_dot_segments(request.raw_path)):
+        if "Upgrade" in headers or not request.raw_path.startswith("/") or (
+                state.target.base_path and has_dot_segments(request.raw_path)):
             return None
         first_line, up_headers = self._outbound(request, policy, presented.source, client_ip)
         if policy.checks_input and policy.check_input(guard_text(first_line, up_headers)) is not None:

@@ -259,6 +259,23 @@ def request_head(method: str, target: TargetUrl, path_qs: str, headers: Iterable
     return ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogateescape")
 
 
+def target_form_refusal(method: str, raw_path: str) -> tuple[int, str] | None:
+    """The status and reason for a request target the gateway does not forward, or None for a path.
+
+    The target is always the connection's: a ``CONNECT`` (a tunnel), the absolute form a forward proxy is
+    sent (``GET http://other-host/x``: a target would route it by that host, past rules read on the path) and
+    the asterisk form (``OPTIONS *``) are refused rather than rewritten.
+    """
+    if method == "CONNECT":
+        return 405, "CONNECT is refused: the gateway opens no tunnels, it forwards requests to the connection's target"
+    if raw_path.startswith("/"):
+        return None
+    if raw_path == "*":
+        return 400, "the asterisk-form request target (OPTIONS *) is refused: send a path"
+    return 400, ("an absolute-form request target (a URL with a scheme and host) is refused: send the path alone, "
+                 "the target is the connection's")
+
+
 def has_dot_segments(raw_path: str) -> bool:
     """Whether a path has a ``.`` or ``..`` segment that could climb out of the target's base path once the
     target normalizes it, read every way a server on the way may: percent-decoded again until nothing changes

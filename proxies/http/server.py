@@ -73,6 +73,7 @@ from proxies.http.messages import (
     is_websocket_upgrade,
     request_head,
     scrub,
+    target_form_refusal,
     upstream_request_headers,
 )
 from proxies.http.upstream import CLIENT_ERRORS, UpstreamError, UpstreamPool, UpstreamResponse
@@ -168,6 +169,11 @@ class HttpListener(FastPath):
                     label, self.apps_domain, request.method, headers.get("Origin"), headers.get("Sec-Fetch-Site"),
                     headers.get("Sec-Fetch-Mode")):
                 return self._from_another_app(request, state, policy)
+        refused = target_form_refusal(request.method, request.raw_path)
+        if refused is not None:
+            status, reason = refused
+            policy.error(f"refused {request.method} {scrub(request.raw_path)[:200]}: {reason}")
+            return json_error(status, reason)
         if state.target.base_path and has_dot_segments(request.raw_path):
             policy.error(f"refused a path with '.' or '..' segments: {scrub(request.raw_path)}")
             return json_error(400, "a path with '.' or '..' segments (also encoded, or with ';' parameters) or a "
