@@ -724,10 +724,10 @@ async def test_guard_rails_read_a_bounded_prefix_of_long_text_bodies(api, gatewa
             assert response.status == expected
             if expected == 200:
                 assert len(await response.read()) == 400_000
-    # binary bodies are not read by the rules at all
-    async with client.post(f"{gateway.http_url}/upload", data=b"forbidden",
+    # a binary body is not text the rules read: under input rules it is refused, not forwarded unread
+    async with client.post(f"{gateway.http_url}/upload", data=b"harmless",
                            headers={"Authorization": secret, "Content-Type": "application/octet-stream"}) as response:
-        assert response.status == 200
+        assert response.status == 403
 
 
 async def test_websocket_messages_go_through_guard_rails(api, gateway, client):
@@ -1125,3 +1125,68 @@ async def test_absolute_and_asterisk_forms_and_connect_are_refused(api, gateway,
         assert not [p for p in await response.json() if marker in p or p == "*"]
     session = await api.session(session_id, has_event("e", "CONNECT is refused"))
     assert any(k == "e" and "absolute-form request target" in t for k, t in events(session))
+
+
+@pytest.fixture(scope="module")
+def stdlib_target():
+    """Python's http.server (HTTP/1.1 keep-alive): like many simple servers, it never reads a GET's body.
+    Yields its URL and the request lines it ran."""
+    import http.server
+
+    ran: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self):  # noqa: N802
+            ran.append(self.requestline)
+            body = f"path={self.path}".encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_POST = do_DELETE = do_GET  # noqa: N815 (the body is never read)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", ran
+    server.shutdown()
+    server.server_close()
+
+
+async def test_a_body_the_input_rules_cannot_read_is_refused(api, gateway, client, stdlib_target, target):
+    """A GET whose body is a second request: a target that never reads a GET's body runs it, unread by the
+    rules; so a body on GET/HEAD/DELETE/OPTIONS, and one of no type or a type the rules do not read, is refused."""
+    url, ran = stdlib_target
+    connection = await api.role(url)
+    secret, session_id = await api.credential(connection)
+    await api.guardrail(connection, input_rules=[{"type": "pattern_match", "pattern_regex": "^GET /admin"}])
+    marker = uuid.uuid4().hex
+    smuggled = f"GET /admin/{marker} HTTP/1.1\r\nHost: t\r\n\r\n"
+    auth = ("-H", f"Authorization: {secret}")
+    done = await asyncio.to_thread(curl, "-X", "GET", "-H", "Content-Type:", "--data-binary", smuggled, *auth,
+                                   f"{gateway.http_url}/x-{marker}")
+    assert b"validation error, the gateway cannot read this request" in done.stdout
+    assert b"a body on a GET request" in done.stdout
+    after = await asyncio.to_thread(curl, *auth, f"{gateway.http_url}/y-{marker}")  # the next on that connection
+    assert after.stdout == f"path=/y-{marker}".encode()
+    assert not [line for line in ran if "/admin" in line]
+    for content_type, says in (("", "without a Content-Type"), ("application/octet-stream", "octet-stream"),
+                               ("multipart/form-data; boundary=x", "multipart/form-data")):
+        done = await asyncio.to_thread(curl, "-H", f"Content-Type: {content_type}", "--data-binary", "hello", *auth,
+                                       "-w", "\n%{http_code}", f"{gateway.http_url}/p-{marker}")
+        assert done.stdout.endswith(b"\n403") and says.encode() in done.stdout, (content_type, done.stdout)
+    assert not [line for line in ran if f"/p-{marker}" in line]
+    done = await asyncio.to_thread(curl, "-H", "Content-Type: text/plain", "--data-binary", "hello", *auth,
+                                   f"{gateway.http_url}/p-{marker}")
+    assert done.stdout == f"path=/p-{marker}".encode()  # a text body is read by the rules, and passes
+    session = await api.session(session_id, has_event("e", "multipart/form-data"))
+    refused = [t for k, t in events(session) if k == "i" and t.startswith("GET /x-")]
+    assert refused and "[body: 0 of" in refused[0]  # on the record, its body unread
+    blocks = [b for b in await api.audit("guardrail.block") if b["request_payload_redacted"]["session_id"] == session_id]
+    assert len(blocks) == 4

@@ -43,6 +43,7 @@ _CHARSET = re.compile(r";\s*charset\s*=\s*[\"']?([^\s;\"']+)", re.I)
 # start of an entry (datasette's ``Link: http://127.0.0.1:8001/db.json; rel="alternate"``, off RFC 8288 but sent).
 _LINK_PART = re.compile(r'"(?:[^"\\]|\\.)*"?|<([^>]*)>|(?:^|(?<=,))(\s*)([A-Za-z][A-Za-z0-9+.-]*://[^\s;,]+|/[^\s;,]*)')
 _REFRESH_URL = re.compile(r"(\burl\s*=\s*['\"]?)([^'\"\s;]+)", re.I)  # Refresh: 5; url=http://target/...
+_BODILESS_METHODS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS", "TRACE"})  # a body on these: refused under rules
 _DECODE_ROUNDS = 8  # a path percent-decoded more times than this without settling is refused
 _SECRET_TEXT = re.compile(r"httpproxy-[A-Za-z0-9_-]{43}")  # no \b: a secret may end in "-" or "_"
 
@@ -410,6 +411,24 @@ def refusal_page(status: int, message: str, link: str | None = None, title: str 
 def is_text(content_type: str | None) -> bool:
     """Whether a body of this content type is text the guard rails read (JSON, XML, forms, text/*)."""
     return bool(content_type) and _TEXT_TYPES.match(content_type) is not None  # type: ignore[arg-type]
+
+
+def unreadable_body(method: str, content_types: list[str], content_encodings: list[str]) -> str | None:
+    """Why input rules cannot read a request body sent with these headers as the target will (the words of the
+    refusal), or None. A body on a method whose body servers commonly do not read is refused outright: such a
+    server takes it for the next request on the connection, which no rule read as one."""
+    if method in _BODILESS_METHODS:
+        return f"a body on a {method} request (a target that does not read it would take it for the next request)"
+    if not content_types:
+        return "a body without a Content-Type"
+    if len(content_types) > 1:
+        return "a body with several Content-Type headers"
+    if not is_text(content_types[0]):
+        return f"a body of type {content_types[0].strip()[:60]!r}, which the rules do not read as text"
+    coding = ", ".join(content_encodings).strip().lower()
+    if coding not in ("", "identity"):
+        return f"a body in Content-Encoding {coding[:40]!r}"
+    return None
 
 
 def is_json(content_type: str | None) -> bool:

@@ -25,8 +25,9 @@ import aiohttp
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.http_parser import RawResponseMessage
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 
+from gatewayd.guardrails import GuardVerdict
 from gatewayd.masking import LineHold
 from gatewayd.pipeline import GatewayClosing, GatewayUnavailable, ProxyContext
 from proxies.http.answers import (
@@ -74,6 +75,7 @@ from proxies.http.messages import (
     request_head,
     scrub,
     target_form_refusal,
+    unreadable_body,
     upstream_request_headers,
 )
 from proxies.http.upstream import CLIENT_ERRORS, UpstreamError, UpstreamPool, UpstreamResponse
@@ -278,9 +280,13 @@ class HttpListener(FastPath):
         if total is not None:
             up_headers.append(("Content-Length", str(total)))
         if request.body_exists:
+            guarded = policy.checks_input
+            if guarded:
+                why = unreadable_body(method, headers.getall("Content-Type", []), headers.getall("Content-Encoding", []))
+                if why is not None:  # fail closed: not forwarded unread
+                    return await self._unreadable(policy, first_line, headers, total, why)
             if headers.get("Expect", "").lower() == "100-continue":
                 await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            guarded = policy.checks_input and is_text(headers.get("Content-Type"))
             try:
                 body, complete = await read_prefix(request.content, max(self.record_cap, self.guard_cap)
                                                     if guarded else self.record_cap)
@@ -305,6 +311,17 @@ class HttpListener(FastPath):
                                         (len(body) if complete else None), complete).encode())
         head = request_head(method, state.target, request.raw_path, up_headers, chunked)
         return await self._exchange(request, state, policy, first_line, head, data, chunked)
+
+    @staticmethod
+    async def _unreadable(policy: SessionPolicy, first_line: str, headers: CIMultiDictProxy[str], total: int | None,
+                          why: str) -> web.Response:
+        """A request the input rules cannot read as the target will: recorded (its body unread), refused with 403,
+        its ``e`` event and its audit entry, as a block is."""
+        recorded = head_bytes(first_line, headers.items())
+        policy.record_input(recorded + body_note(0, total, False).encode())
+        verdict = GuardVerdict(False, f"validation error, the gateway cannot read this request the way the target "
+                                      f"will: {why}", "input", "reading")
+        return await blocked(policy, verdict, recorded)
 
     async def _exchange(self, request: web.BaseRequest | FrontRequest, state: CredentialState,
                         policy: SessionPolicy, first_line: str, head: bytes, data: bytes | AsyncIterator[bytes] | None,
