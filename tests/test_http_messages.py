@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gzip
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -297,3 +299,20 @@ def test_app_hosts_never_raise_and_stay_under_the_domain(host, domain):
 ])
 def test_requests_from_another_apps_pages(method, origin, site, mode, refused):
     assert m.from_another_app("a-1", "apps.test", method, origin, site, mode) is refused
+
+
+def test_guard_readings_decode_what_the_target_decodes():
+    assert m.guard_readings("GET /plain?a=b HTTP/1.1", [("X", "y")]) == ("GET /plain?a=b HTTP/1.1\r\nX: y", None)
+    text, readings = m.guard_readings("GET /%61dmin/x?q=drop+table%2520x HTTP/1.1", [])
+    assert readings == (text, "GET /admin/x?q=drop table x HTTP/1.1")
+    form = "application/x-www-form-urlencoded"
+    assert m.body_readings(form, "", b"q=drop+table%20x", True, 100) == ("q=drop+table%20x", "q=drop table x")
+    assert m.body_readings("application/json", "", b'{"q": "drop\\u0020table\\\\u0020"}', True, 100)[1] == (
+        '{"q": "drop table\\u0020"}')  # an escaped backslash stays one
+    assert m.body_readings("text/plain; charset=ISO-8859-1", "gzip", gzip.compress("caf\xe9".encode("latin-1")),
+                           True, 100) == ("caf\xe9", "caf\xe9")
+    with pytest.raises(m.Unreadable):
+        m.body_readings("text/plain", "gzip", gzip.compress(b"x")[:-4], False, 100)
+    assert m.unreadable_body("POST", ["application/json; charset=utf-16"], []) == "a body in charset 'utf-16'"
+    assert m.unreadable_body("POST", ["text/plain"], ["gzip", "gzip"]) == "a body in Content-Encoding 'gzip, gzip'"
+    assert m.unreadable_body("POST", ["text/plain"], ["deflate"]) is None

@@ -23,6 +23,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from yarl import URL
 
 from gatewayd.config import load_config
 from gatewayd.daemon import Gateway
@@ -1190,3 +1191,38 @@ async def test_a_body_the_input_rules_cannot_read_is_refused(api, gateway, clien
     assert refused and "[body: 0 of" in refused[0]  # on the record, its body unread
     blocks = [b for b in await api.audit("guardrail.block") if b["request_payload_redacted"]["session_id"] == session_id]
     assert len(blocks) == 4
+
+
+async def test_input_rules_read_what_the_target_decodes(api, gateway, client, target):
+    """A rule on the plain spelling catches it percent-encoded in the path, in a form, as a JSON escape, in a
+    gzip body; a charset or an encoding the gateway does not decode is refused; the recording keeps the bytes."""
+    connection = await api.role()
+    secret, session_id = await api.credential(connection)
+    await api.guardrail(connection, input_rules=[{"type": "deny_words_list", "words": ["drop table"]},
+                                                 {"type": "pattern_match", "pattern_regex": "^GET /echo/admin"}])
+    marker = uuid.uuid4().hex
+    headers = {"Authorization": secret}
+    plain = b'{"q": "drop table users"}'
+    form = "application/x-www-form-urlencoded"
+    for body, kind, extra in (
+            (b"q=drop+table+users", form, {}), (b"q=drop%20table%20users", form, {}),
+            (b'{"q": "drop\\u0020table users"}', "application/json", {}),
+            (gzip.compress(plain), "application/json", {"Content-Encoding": "gzip"}),
+            (zlib.compress(plain), "application/json", {"Content-Encoding": "deflate"}),
+            ('{"q": "drop table users"}'.encode("utf-16"), "application/json; charset=utf-16", {}),
+            (plain, "application/json", {"Content-Encoding": "br"})):
+        async with client.post(f"{gateway.http_url}/echo/{marker}", data=body,
+                               headers={**headers, "Content-Type": kind, **extra}) as response:
+            assert response.status == 403, (body, kind, extra)
+    for path in (f"/%65cho/admin/{marker}", f"/echo/%61dmin/{marker}", f"/echo/x?{marker}=drop+table",
+                 f"/echo/x?{marker}=drop%20table"):
+        async with client.get(URL(f"{gateway.http_url}{path}", encoded=True), headers=headers) as response:
+            assert response.status == 403, path
+    async with client.post(f"{gateway.http_url}/echo/{marker}/fine", data=b"q=fine+words",
+                           headers={**headers, "Content-Type": form}) as response:
+        assert response.status == 200 and (await response.json())["body"] == "q=fine+words"
+    async with client.get(f"{target}/seen") as response:
+        assert [p for p in await response.json() if marker in p] == [f"/echo/{marker}/fine"]
+    session = await api.session(session_id, has_event("i", "q=fine+words"))
+    recorded = [t for k, t in events(session) if k == "i"]
+    assert any(t.endswith("q=drop%20table%20users") for t in recorded)  # as it was sent, not as it was read

@@ -28,7 +28,7 @@ from proxies.http.messages import (
     body_note,
     content_codings,
     extract_credential,
-    guard_text,
+    guard_readings,
     has_dot_segments,
     head_bytes,
     is_binary,
@@ -127,8 +127,10 @@ class FastPath:
                 state.target.base_path and has_dot_segments(request.raw_path)):
             return None
         first_line, up_headers = self._outbound(request, policy, presented.source, client_ip)
-        if policy.checks_input and policy.check_input(guard_text(first_line, up_headers)) is not None:
-            return None  # refused by ``handle``, which records it
+        if policy.checks_input:
+            text, readings = guard_readings(first_line, up_headers)
+            if policy.check_input(text, readings=readings) is not None:
+                return None  # refused by ``handle``, which records it
         target, connection = state.target, state.grant.connection
         pool_key = None if connection.agent_id else self.pool.key(  # an agent's route may change: not kept
             target.scheme, target.host, target.port, state.insecure, self.pipeline.dialer_for(connection))

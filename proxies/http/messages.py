@@ -13,7 +13,7 @@ import re
 import zlib
 from dataclasses import dataclass
 from typing import Iterable
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote, unquote_plus, urlsplit
 
 COOKIE_NAME = "gatewayd_proxy_token"
 REDACTED = "[REDACTED]"
@@ -43,6 +43,13 @@ _CHARSET = re.compile(r";\s*charset\s*=\s*[\"']?([^\s;\"']+)", re.I)
 # start of an entry (datasette's ``Link: http://127.0.0.1:8001/db.json; rel="alternate"``, off RFC 8288 but sent).
 _LINK_PART = re.compile(r'"(?:[^"\\]|\\.)*"?|<([^>]*)>|(?:^|(?<=,))(\s*)([A-Za-z][A-Za-z0-9+.-]*://[^\s;,]+|/[^\s;,]*)')
 _REFRESH_URL = re.compile(r"(\burl\s*=\s*['\"]?)([^'\"\s;]+)", re.I)  # Refresh: 5; url=http://target/...
+_FORM_TYPE = re.compile(r"^\s*application/x-www-form-urlencoded\s*(?:;|$)", re.I)
+_CHARSET = re.compile(r";\s*charset\s*=\s*\"?([^\";\s]*)", re.I)
+# the charsets of a request body the rules decode (the target's reading of ASCII is the same in all of them)
+_BODY_CODECS = {"utf-8": "utf-8", "utf8": "utf-8", "us-ascii": "utf-8", "ascii": "utf-8",
+                "iso-8859-1": "latin-1", "latin1": "latin-1", "latin-1": "latin-1"}
+_JSON_ESCAPE = re.compile(r'\\(?:u([0-9a-fA-F]{4})|(["\\/bfnrt]))')
+_JSON_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
 _BODILESS_METHODS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS", "TRACE"})  # a body on these: refused under rules
 _DECODE_ROUNDS = 8  # a path percent-decoded more times than this without settling is refused
 _SECRET_TEXT = re.compile(r"httpproxy-[A-Za-z0-9_-]{43}")  # no \b: a secret may end in "-" or "_"
@@ -426,9 +433,66 @@ def unreadable_body(method: str, content_types: list[str], content_encodings: li
     if not is_text(content_types[0]):
         return f"a body of type {content_types[0].strip()[:60]!r}, which the rules do not read as text"
     coding = ", ".join(content_encodings).strip().lower()
-    if coding not in ("", "identity"):
+    if coding not in ("", "identity", "gzip", "x-gzip", "deflate"):
         return f"a body in Content-Encoding {coding[:40]!r}"
+    charset = _CHARSET.search(content_types[0])
+    if charset is not None and charset[1].lower() not in _BODY_CODECS:
+        return f"a body in charset {charset[1][:40]!r}"
     return None
+
+
+class Unreadable(ValueError):
+    """A request body the input rules cannot read after all (``body_readings``); ``str()`` says why."""
+
+
+def body_readings(content_type: str, content_encoding: str, body: bytes, complete: bool,
+                  limit: int) -> tuple[str, str]:
+    """What input rules read of a request body ``unreadable_body`` let through (at most ``limit`` bytes of it):
+    the text as sent (its content coding undone, its charset decoded) and as the target decodes it (a form's
+    percent-escapes and ``+``, a JSON document's string escapes such as ``\\u0020``).
+
+    Raises Unreadable for a compressed body that is not whole within ``limit`` or does not decode.
+    """
+    coding = content_encoding.strip().lower()
+    if coding not in ("", "identity"):
+        if not complete:
+            raise Unreadable(f"a body in Content-Encoding {coding!r} longer than http.guard_body_bytes")
+        decoded = decoded_body(body, coding, limit)
+        if decoded is None:
+            raise Unreadable(f"a body in Content-Encoding {coding!r} that does not decode within "
+                             f"http.guard_body_bytes")
+        body = decoded
+    charset = _CHARSET.search(content_type)
+    text = body[:limit].decode(_BODY_CODECS[charset[1].lower()] if charset is not None else "utf-8", "replace")
+    if _FORM_TYPE.match(content_type):
+        return text, _settled(unquote_plus(text))
+    if is_json(content_type) and "\\" in text:
+        return text, _JSON_ESCAPE.sub(lambda found: chr(int(found[1], 16)) if found[1] else
+                                      _JSON_ESCAPES[found[2]], text)
+    return text, text
+
+
+def _settled(text: str) -> str:
+    """``text`` percent-decoded again until nothing changes (at most ``_DECODE_ROUNDS`` times)."""
+    for _ in range(_DECODE_ROUNDS):
+        if "%" not in text:
+            break
+        decoded = unquote(text)
+        if decoded == text:
+            break
+        text = decoded
+    return text
+
+
+def decoded_line(first_line: str) -> str:
+    """A request line as the target reads its target: the path percent-decoded, the query too with ``+`` as a
+    space (each again until nothing changes: a server on the way may decode once more)."""
+    method, _, rest = first_line.partition(" ")
+    target, _, version = rest.rpartition(" ")
+    if "%" not in target and "+" not in target:
+        return first_line
+    path, question, query = target.partition("?")
+    return f"{method} {_settled(path)}{question}{_settled(unquote_plus(query))} {version}"
 
 
 def is_json(content_type: str | None) -> bool:
@@ -604,7 +668,7 @@ def body_note(recorded: int, total: int | None, complete: bool) -> str:
     return f"\r\n[body: {recorded} of {size} recorded]"
 
 
-def guard_text(first_line: str, headers: Iterable[tuple[str, str]], body: bytes = b"") -> str:
+def guard_text(first_line: str, headers: Iterable[tuple[str, str]], body: bytes | str = b"") -> str:
     """What input rules read: request line, headers (the gateway credential removed) and the text body."""
     lines = [first_line]
     for name, value in headers:
@@ -614,6 +678,18 @@ def guard_text(first_line: str, headers: Iterable[tuple[str, str]], body: bytes 
         lines.append(f"{name}: {value}")
     text = "\r\n".join(lines)
     if body:
-        text += "\r\n\r\n" + body.decode("utf-8", "replace")
+        text += "\r\n\r\n" + (body if isinstance(body, str) else body.decode("utf-8", "replace"))
     return text
+
+
+def guard_readings(first_line: str, headers: list[tuple[str, str]], body: str = "",
+                   decoded: str = "") -> tuple[str, tuple[str, ...] | None]:
+    """What input rules read of a request: ``guard_text`` as sent, and the readings to check (all of them) when
+    the target decodes something that text spells otherwise -- the request line by ``decoded_line``, the body
+    as ``body_readings`` gives it (``decoded``) -- else None (the text alone says it all)."""
+    text = guard_text(first_line, headers, body)
+    line = decoded_line(first_line)
+    if line == first_line and decoded == body:
+        return text, None
+    return text, (text, guard_text(line, headers, decoded))
 

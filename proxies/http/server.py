@@ -63,9 +63,11 @@ from proxies.http.messages import (
     content_codings,
     credential_cookie,
     downstream_response_headers,
+    Unreadable,
+    body_readings,
     extract_credential,
     from_another_app,
-    guard_text,
+    guard_readings,
     has_dot_segments,
     head_bytes,
     is_binary,
@@ -265,7 +267,8 @@ class HttpListener(FastPath):
         method = request.method
         first_line, up_headers = self._outbound(request, policy, source, client_ip)
         if policy.checks_input:
-            verdict = policy.check_input(guard_text(first_line, up_headers))
+            text, readings = guard_readings(first_line, up_headers)
+            verdict = policy.check_input(text, readings=readings)
             if verdict is not None:
                 head = head_bytes(first_line, headers.items())
                 policy.record_input(head)  # blocked or not: what was sent is on the record
@@ -293,7 +296,13 @@ class HttpListener(FastPath):
             except (ConnectionError, HttpProcessingError, aiohttp.ClientError) as exc:
                 return client_broke_off(policy, first_line, exc)
             if guarded:
-                verdict = policy.check_input(guard_text(first_line, up_headers, body[:self.guard_cap]))
+                try:
+                    sent, decoded = body_readings(headers["Content-Type"], headers.get("Content-Encoding", ""), body,
+                                                  complete, self.guard_cap)
+                except Unreadable as exc:
+                    return await self._unreadable(policy, first_line, headers, total, str(exc))
+                text, readings = guard_readings(first_line, up_headers, sent, decoded)
+                verdict = policy.check_input(text, readings=readings)
                 if verdict is not None:
                     recorded = head_bytes(first_line, headers.items()) + body[:self.record_cap]
                     policy.record_input(recorded)

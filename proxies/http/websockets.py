@@ -13,7 +13,7 @@ from yarl import URL
 
 from gatewayd.dialer import DialerConnector, UnresolvedNames
 from proxies.http.answers import blocked, json_error, not_connected, unreachable
-from proxies.http.messages import guard_text, head_bytes, upstream_request_headers
+from proxies.http.messages import guard_readings, head_bytes, upstream_request_headers
 from proxies.http.upstream import CLIENT_ERRORS
 
 if TYPE_CHECKING:
@@ -53,7 +53,8 @@ class WebSockets:
         up_headers = [(k, v) for k, v in upstream_request_headers(headers.items(), source, client_ip, "http",
                                                                   request.host) if k.lower() not in _WS_HEADERS]
         head = head_bytes(first_line, headers.items())
-        if verdict := policy.input(head, guard_text(first_line, up_headers)):
+        text, readings = guard_readings(first_line, up_headers)
+        if verdict := policy.input(head, text, readings=readings):
             return await blocked(policy, verdict, head)
         protocols = [p.strip() for p in headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()]
         url = state.target.url_for(request.raw_path)
