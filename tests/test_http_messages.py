@@ -316,3 +316,12 @@ def test_guard_readings_decode_what_the_target_decodes():
     assert m.unreadable_body("POST", ["application/json; charset=utf-16"], []) == "a body in charset 'utf-16'"
     assert m.unreadable_body("POST", ["text/plain"], ["gzip", "gzip"]) == "a body in Content-Encoding 'gzip, gzip'"
     assert m.unreadable_body("POST", ["text/plain"], ["deflate"]) is None
+
+
+def test_no_gateway_secret_is_sent_on():
+    secret = "httpproxy-" + "a" * 43
+    assert m.without_secrets(f"/x?t={secret}&k=1") == "/x?k=1"
+    assert m.without_secrets(f"/x?t={secret}") == "/x"
+    out = m.upstream_request_headers([("Referer", f"http://gw/{secret}"), ("Cookie", f"a=1; b={secret}"),
+                                      ("X-Kept", "1")], "cookie", "1.2.3.4", "http", "")
+    assert ("X-Kept", "1") in out and ("Cookie", "a=1") in out and secret not in str(out)

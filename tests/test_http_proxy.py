@@ -1226,3 +1226,29 @@ async def test_input_rules_read_what_the_target_decodes(api, gateway, client, ta
     session = await api.session(session_id, has_event("i", "q=fine+words"))
     recorded = [t for k, t in events(session) if k == "i"]
     assert any(t.endswith("q=drop%20table%20users") for t in recorded)  # as it was sent, not as it was read
+
+
+async def test_the_gateways_secret_never_reaches_the_target_nor_the_records(api, gateway, client, target):
+    """A credential put in the query string, the Referer, a header or a cookie of the app's own is not sent on
+    (a target echoes it in its pages and errors, and that answer is recorded); nor is it in the recording."""
+    connection = await api.role()
+    secret, session_id = await api.credential(connection)
+    await api.guardrail(connection, input_rules=[{"type": "deny_words_list", "words": ["never said"]}])
+    async with client.post(URL(f"{gateway.http_url}/echo/q?t={secret}&keep=1&also={secret}x", encoded=True),
+                           data=b"fine",
+                           headers={"Authorization": secret, "Referer": f"http://gw/echo?t={secret}",
+                                    "X-Other": f"Bearer {secret}", "Cookie": f"a=1; b={secret}",
+                                    "Content-Type": "text/plain"}) as response:
+        assert response.status == 200
+        seen = await response.json()
+    assert seen["query"] == "keep=1"
+    assert header_value(seen["headers"], "Cookie") == ["a=1"]
+    assert header_value(seen["headers"], "Referer") == [] and header_value(seen["headers"], "X-Other") == []
+    assert secret not in json.dumps({k: v for k, v in seen.items() if k != "body"})
+    async with client.post(f"{gateway.http_url}/upload", data=f"token={secret}".encode(),  # answers a digest
+                           headers={"Authorization": secret, "Content-Type": "text/plain"}) as response:
+        assert response.status == 200
+    session = await api.session(session_id, has_event("i", "POST /upload"))
+    assert secret not in json.dumps(events(session))
+    assert any(k == "i" and t.endswith("token=[REDACTED]") for k, t in events(session))
+    assert secret not in gateway.log_text()

@@ -53,6 +53,7 @@ _JSON_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n"
 _BODILESS_METHODS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS", "TRACE"})  # a body on these: refused under rules
 _DECODE_ROUNDS = 8  # a path percent-decoded more times than this without settling is refused
 _SECRET_TEXT = re.compile(r"httpproxy-[A-Za-z0-9_-]{43}")  # no \b: a secret may end in "-" or "_"
+_SECRET_BYTES = re.compile(_SECRET_TEXT.pattern.encode())
 
 Headers = list[tuple[str, str]]
 
@@ -153,7 +154,9 @@ def upstream_request_headers(headers: Iterable[tuple[str, str]], source: str | N
     """The headers sent to the target: hop-by-hop and the gateway's credential removed, X-Forwarded-* added.
 
     The target's own ``Authorization`` passes when the credential came by
-    cookie or path; ``X-Forwarded-For`` extends the client's list.
+    cookie or path; ``X-Forwarded-For`` extends the client's list. Any other
+    header that holds a gateway credential (a ``Referer`` with one in its
+    URL) is dropped, a cookie that holds one too.
     """
     rows, drop = _lowered(headers, _REQUEST_DROP)
     out: Headers = []
@@ -168,6 +171,12 @@ def upstream_request_headers(headers: Iterable[tuple[str, str]], source: str | N
             continue
         if lower == "cookie" and COOKIE_NAME in value:
             value = strip_credential_cookie(value)
+            if not value:
+                continue
+        if "httpproxy-" in value and _SECRET_TEXT.search(value):  # a gateway credential: the target has no use
+            if lower != "cookie":  # for it (a Referer, a header of the app's own): the header goes
+                continue
+            value = "; ".join(part.strip() for part in value.split(";") if not _SECRET_TEXT.search(part))
             if not value:
                 continue
         out.append((name, value))
@@ -257,10 +266,21 @@ class TargetUrl:
         return None
 
 
+def without_secrets(path_qs: str) -> str:
+    """A request target as sent on: each query parameter that holds a gateway credential dropped (the target
+    has no use for it, and would echo it in its pages and errors)."""
+    if "httpproxy-" not in path_qs:
+        return path_qs
+    path, question, query = path_qs.partition("?")
+    kept = "&".join(part for part in query.split("&") if not _SECRET_TEXT.search(part))
+    return path + ("?" + kept if kept else "")
+
+
 def request_head(method: str, target: TargetUrl, path_qs: str, headers: Iterable[tuple[str, str]],
                  chunked: bool = False) -> bytes:
-    """The HTTP/1.1 request line and headers sent to the target (header bytes restored as the client sent them)."""
-    lines = [f"{method} {target.base_path}{path_qs} HTTP/1.1", f"Host: {target.host_header}"]
+    """The HTTP/1.1 request line and headers sent to the target (header bytes restored as the client sent them;
+    no gateway credential in the query)."""
+    lines = [f"{method} {target.base_path}{without_secrets(path_qs)} HTTP/1.1", f"Host: {target.host_header}"]
     lines += [f"{name}: {value}" for name, value in headers]
     if chunked:
         lines.append("Transfer-Encoding: chunked")
@@ -640,6 +660,11 @@ def scrub(text: str) -> str:
     return _SECRET_TEXT.sub(REDACTED, text) if "httpproxy-" in text else text
 
 
+def scrub_bytes(data: bytes) -> bytes:
+    """``scrub`` for a body to record."""
+    return _SECRET_BYTES.sub(REDACTED.encode(), data) if b"httpproxy-" in data else data
+
+
 def head_text(first_line: str, headers: Iterable[tuple[str, str]]) -> str:
     """The start line and the redacted headers, as they would look on the wire.
 
@@ -669,17 +694,14 @@ def body_note(recorded: int, total: int | None, complete: bool) -> str:
 
 
 def guard_text(first_line: str, headers: Iterable[tuple[str, str]], body: bytes | str = b"") -> str:
-    """What input rules read: request line, headers (the gateway credential removed) and the text body."""
+    """What input rules read: request line, headers and the text body, any gateway credential removed."""
     lines = [first_line]
     for name, value in headers:
-        lower = name.lower()
-        if lower in ("authorization", "cookie") and "httpproxy-" in value:
-            value = scrub(value)
         lines.append(f"{name}: {value}")
     text = "\r\n".join(lines)
     if body:
         text += "\r\n\r\n" + (body if isinstance(body, str) else body.decode("utf-8", "replace"))
-    return text
+    return scrub(text)  # never a credential: not in the rules' reading, nor in a block's audit entry
 
 
 def guard_readings(first_line: str, headers: list[tuple[str, str]], body: str = "",

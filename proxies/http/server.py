@@ -76,6 +76,7 @@ from proxies.http.messages import (
     is_websocket_upgrade,
     request_head,
     scrub,
+    scrub_bytes,
     target_form_refusal,
     unreadable_body,
     upstream_request_headers,
@@ -304,7 +305,7 @@ class HttpListener(FastPath):
                 text, readings = guard_readings(first_line, up_headers, sent, decoded)
                 verdict = policy.check_input(text, readings=readings)
                 if verdict is not None:
-                    recorded = head_bytes(first_line, headers.items()) + body[:self.record_cap]
+                    recorded = head_bytes(first_line, headers.items()) + scrub_bytes(body[:self.record_cap])
                     policy.record_input(recorded)
                     return await blocked(policy, verdict, recorded)
             if complete:
@@ -315,7 +316,7 @@ class HttpListener(FastPath):
                 data = chain(body, request.content)
                 chunked = total is None
         recorded_body = body[:self.record_cap]
-        policy.record_input(head_bytes(first_line, headers.items()) + recorded_body
+        policy.record_input(head_bytes(first_line, headers.items()) + scrub_bytes(recorded_body)
                             + body_note(len(recorded_body), total if total is not None else
                                         (len(body) if complete else None), complete).encode())
         head = request_head(method, state.target, request.raw_path, up_headers, chunked)

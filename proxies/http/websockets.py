@@ -13,7 +13,7 @@ from yarl import URL
 
 from gatewayd.dialer import DialerConnector, UnresolvedNames
 from proxies.http.answers import blocked, json_error, not_connected, unreachable
-from proxies.http.messages import guard_readings, head_bytes, upstream_request_headers
+from proxies.http.messages import guard_readings, head_bytes, upstream_request_headers, without_secrets
 from proxies.http.upstream import CLIENT_ERRORS
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ class WebSockets:
         if verdict := policy.input(head, text, readings=readings):
             return await blocked(policy, verdict, head)
         protocols = [p.strip() for p in headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip()]
-        url = state.target.url_for(request.raw_path)
+        url = state.target.url_for(without_secrets(request.raw_path))
         url = "ws" + url[4:] if url.startswith("http") else url
         client = self.client
         dialer = self.pipeline.dialer_for(state.grant.connection)
