@@ -1245,10 +1245,14 @@ async def test_the_gateways_secret_never_reaches_the_target_nor_the_records(api,
     assert header_value(seen["headers"], "Cookie") == ["a=1"]
     assert header_value(seen["headers"], "Referer") == [] and header_value(seen["headers"], "X-Other") == []
     assert secret not in json.dumps({k: v for k, v in seen.items() if k != "body"})
+    async with client.post(f"{gateway.http_url}/echo/body", data=f"token={secret}".encode(),  # echoed back
+                           headers={"Authorization": secret, "Content-Type": "text/plain"}) as response:
+        assert response.status == 200 and (await response.json())["body"] == f"token={secret}"
     async with client.post(f"{gateway.http_url}/upload", data=f"token={secret}".encode(),  # answers a digest
                            headers={"Authorization": secret, "Content-Type": "text/plain"}) as response:
         assert response.status == 200
     session = await api.session(session_id, has_event("i", "POST /upload"))
+    assert any(k == "o" and '"token=[REDACTED]"' in t for k, t in events(session))  # the echo, recorded
     assert secret not in json.dumps(events(session))
     assert any(k == "i" and t.endswith("token=[REDACTED]") for k, t in events(session))
     assert secret not in gateway.log_text()

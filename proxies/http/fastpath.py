@@ -25,7 +25,6 @@ from proxies.http.messages import (
     AnswerHead,
     CredentialSource,
     app_host_label,
-    body_note,
     content_codings,
     extract_credential,
     guard_readings,
@@ -33,6 +32,7 @@ from proxies.http.messages import (
     head_bytes,
     is_binary,
     is_event_stream,
+    recorded_body,
     request_head,
 )
 from proxies.http.upstream import UpstreamConnection, UpstreamPool, UpstreamResponse
@@ -234,11 +234,7 @@ class FastPath:
                 return exc
             if verdict is not None:
                 return verdict
-        if len(body) <= self.record_cap:
-            policy.record_output(memo.recorded + body)
-        else:
-            recorded = body[:self.record_cap]
-            policy.record_output(memo.recorded + recorded + body_note(len(recorded), len(body), True).encode())
+        policy.record_output(memo.recorded + recorded_body(body[:self.record_cap], len(body), True))
         return memo.wire + body if memo.sends else memo.wire
 
 

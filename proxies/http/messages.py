@@ -693,6 +693,12 @@ def body_note(recorded: int, total: int | None, complete: bool) -> str:
     return f"\r\n[body: {recorded} of {size} recorded]"
 
 
+def recorded_body(kept: bytes, total: int | None, complete: bool) -> bytes:
+    """What is recorded of a body, either way: the part kept, any gateway credential in it scrubbed (a target
+    may echo what the client sent), then the note of what was not kept (``body_note``)."""
+    return scrub_bytes(kept) + body_note(len(kept), total, complete).encode()
+
+
 def guard_text(first_line: str, headers: Iterable[tuple[str, str]], body: bytes | str = b"") -> str:
     """What input rules read: request line, headers and the text body, any gateway credential removed."""
     lines = [first_line]

@@ -74,6 +74,7 @@ from proxies.http.messages import (
     is_event_stream,
     is_text,
     is_websocket_upgrade,
+    recorded_body,
     request_head,
     scrub,
     scrub_bytes,
@@ -315,10 +316,9 @@ class HttpListener(FastPath):
             else:
                 data = chain(body, request.content)
                 chunked = total is None
-        recorded_body = body[:self.record_cap]
-        policy.record_input(head_bytes(first_line, headers.items()) + scrub_bytes(recorded_body)
-                            + body_note(len(recorded_body), total if total is not None else
-                                        (len(body) if complete else None), complete).encode())
+        policy.record_input(head_bytes(first_line, headers.items())
+                            + recorded_body(body[:self.record_cap], total if total is not None else
+                                            (len(body) if complete else None), complete))
         head = request_head(method, state.target, request.raw_path, up_headers, chunked)
         return await self._exchange(request, state, policy, first_line, head, data, chunked)
 
@@ -381,8 +381,7 @@ class HttpListener(FastPath):
     def _whole(self, request: web.BaseRequest | FrontRequest, policy: SessionPolicy, message: RawResponseMessage,
                answer: AnswerHead, body: bytes, head_length: int | None) -> web.Response | bytes:
         """A whole answer, recorded (``head_length``: a HEAD's or a 304's ``Content-Length``)."""
-        recorded = body[:self.record_cap]
-        policy.record_output(answer.recorded + recorded + body_note(len(recorded), len(body), True).encode())
+        policy.record_output(answer.recorded + recorded_body(body[:self.record_cap], len(body), True))
         if isinstance(request, FrontRequest):
             return request.answer(message.code, answer.reason, answer.headers, body, head_length)
         response = web.Response(status=message.code, reason=answer.reason, headers=CIMultiDict(answer.headers),
@@ -472,8 +471,7 @@ class HttpListener(FastPath):
             if verdict is not None:
                 return await blocked(policy, verdict)
         body = mask_body(policy, body, content_type)
-        recorded = body[:self.record_cap]
-        policy.record_output(answer.recorded + recorded + body_note(len(recorded), len(body), True).encode())
+        policy.record_output(answer.recorded + recorded_body(body[:self.record_cap], len(body), True))
         if isinstance(request, FrontRequest):
             return request.answer(message.code, answer.reason, out_list, body, None)
         return web.Response(status=message.code, reason=answer.reason, headers=CIMultiDict(out_list),
@@ -537,8 +535,7 @@ class HttpListener(FastPath):
             error = f"the target broke off the response ({type(exc).__name__})"
         finally:
             complete = error is None and (length is None or sent >= length)
-            policy.record_output(head + bytes(kept) + body_note(len(kept), sent if length is None else length,
-                                                                complete).encode())
+            policy.record_output(head + recorded_body(bytes(kept), sent if length is None else length, complete))
         if error is not None:
             policy.error(error)
             upstream.close()
