@@ -389,8 +389,8 @@ async def test_text_results_are_masked_per_cell_and_recorded_masked(api, gateway
     rows = await in_thread(work)
     assert rows[0][:6] == (1, "****", "****", "*******6789", None, "write to ****"), rows
     assert rows[1] == (2, None, "none", None, None, "plain", None), rows
-    # a computed column names no source: masked whole under the rules by column name (the first one's style)
-    assert rows[2] == ("************.com",) and rows[3] == ("x",), rows
+    # computed, by a statement naming no masked column: read by the patterns alone
+    assert rows[2] == ("****",) and rows[3] == ("x",), rows
     session = await nowhere_in_clear(api, session_id, repr(rows))
     assert session["metrics"].get("masked", 0) >= 6, session["metrics"]
 
@@ -467,20 +467,26 @@ async def test_a_rule_by_column_name_masks_what_it_cannot_place_in_a_base_table(
               "SELECT MAX(ssn) FROM masked",
               "SELECT note FROM (SELECT ssn AS note FROM masked WHERE id = 1) masked")  # named as the base table
     clear = ("SELECT code FROM plain WHERE id = 1", "SELECT p.note FROM masked p WHERE id = 2",
-             "SELECT d.code FROM plain d WHERE id = 1")
+             "SELECT d.code FROM plain d WHERE id = 1",
+             "SELECT COUNT(*), 6 * 7, 'a' AS b FROM masked")  # computed, naming no masked column
 
     def work() -> tuple[list[Any], list[Any], Any]:
         with connect(gateway, secret) as connection:
             masked = [query(connection, sql) for sql in hidden]
             plain = [query(connection, sql) for sql in clear]
+            # computed (a UNION's) from a star, which names no column: masked whole too
+            starred = query(connection, "SELECT * FROM masked WHERE 0 UNION ALL SELECT * FROM masked WHERE id = 1")
+            masked.append(starred)
             with connection.cursor(pymysql.cursors.SSCursor) as cursor:  # a prepared statement: binary rows
                 cursor.execute("PREPARE s FROM 'SELECT x FROM (SELECT ssn AS x FROM masked WHERE id = 1) d'")
             return masked, plain, query(connection, "EXECUTE s")
 
     masked, plain, executed = await in_thread(work)
-    assert masked == [[("*******6789",)]] * 3 + [[("*******6789",), ("*",)], [("*******6789",)],
-                                                [("*******6789",)]], masked
-    assert plain == [[("987-65-4321",)], [("plain",)], [("987-65-4321",)]], plain  # another table's: clear
+    assert masked[:-1] == [[("*******6789",)]] * 3 + [[("*******6789",), ("*",)], [("*******6789",)],
+                                                     [("*******6789",)]], masked
+    starred = masked[-1]
+    assert starred[0][3] == "*******6789" and not any(clear in repr(starred) for clear in CLEAR), starred
+    assert plain == [[("987-65-4321",)], [("plain",)], [("987-65-4321",)], [(2, 42, "a")]], plain
     assert executed == [("*******6789",)], executed  # EXECUTE's statement is not read: nothing placed
     await nowhere_in_clear(api, session_id, repr(masked))
 
@@ -559,7 +565,7 @@ async def test_connector_j_server_side_prepared_statements_binary_rows_masked(ap
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[:6] == ["1|****|****|*******6789|null|write to ****|1990-01-02", "2|null|none|null|null|plain|null"] * 3
-    assert lines[6] == "***********hing"  # computed (a parameter): no source, masked whole under the rules by name
+    assert lines[6] == "forbidden thing"  # computed from a parameter, naming no masked column: not masked
     session = await nowhere_in_clear(api, session_id, done.stdout, done.stderr)
     inputs = of_kind(session, "i")
     assert any("WHERE id >= ? ORDER BY id\n-- parameters: ?1 = 1" in i for i in inputs), inputs

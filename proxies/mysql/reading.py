@@ -116,11 +116,17 @@ def may_switch(tokens: list[Token]) -> bool:
 _UNSEEN_STATEMENTS = frozenset(("CALL", "EXECUTE"))  # their results come from statements the gateway never reads
 
 
-def derived_names(text: str, server: Server = mysql_scan.UNKNOWN_SERVER) -> frozenset[str] | None:
+MENTIONS = "\0mentions"  # in ``derived_names``: the text names a watched column, a user variable or ``*``
+
+
+def derived_names(text: str, server: Server = mysql_scan.UNKNOWN_SERVER,
+                  watched: frozenset[str] = frozenset()) -> frozenset[str] | None:
     """The names (lower case) ``text`` gives to tables that are not base tables: a derived table's alias (``(...)
     d``), a CTE's name (``c AS (...)``), and, to be safe, every name after ``AS`` or ``)``, under every
     ``sql_mode`` reading.  A result column MariaDB says comes from such a "table" comes from a query, not from
-    the base table of that name.  None: the results may come from statements the gateway does not read (``CALL``,
+    the base table of that name.  With ``MENTIONS`` when the text names a ``watched`` column (lower case), a user
+    variable (``@v``: set from data earlier) or selects ``*`` (``t.*``): a value it computes may then carry
+    such a column.  None: the results may come from statements the gateway does not read (``CALL``,
     ``EXECUTE``), or the text cannot be read."""
     names: set[str] = set()
     try:
@@ -130,6 +136,8 @@ def derived_names(text: str, server: Server = mysql_scan.UNKNOWN_SERVER) -> froz
                     if statement[0].kind == WORD and statement[0].value.upper() in _UNSEEN_STATEMENTS:
                         return None
                     _derived(statement, names)
+                    if MENTIONS not in names and _mentions(statement, watched):
+                        names.add(MENTIONS)
     except mysql_scan.Unreadable:
         return None
     return frozenset(names)
@@ -197,6 +205,25 @@ def _settings_only(tokens: list[Token]) -> bool:
         if i < last and tokens[i].kind == WORD and tokens[i].value.isdigit():
             i += 1
     return i == last
+
+
+def _mentions(tokens: list[Token], watched: frozenset[str]) -> bool:
+    """Whether ``tokens`` name a ``watched`` column, a user variable or select ``*`` (``derived_names``)."""
+    previous: Token | None = None
+    for token in tokens:
+        kind = token.kind
+        if kind == WORD or kind == NAME:
+            if token.value.lower() in watched:
+                return True
+        elif kind == VAR:
+            if not token.value.startswith("@@"):
+                return True
+        elif kind == OP and token.value == "*" and previous is not None and (
+                previous.kind == OP and previous.value in (",", ".")
+                or previous.kind == WORD and previous.value.upper() in ("SELECT", "DISTINCT", "ALL", "DISTINCTROW")):
+            return True  # a star, not COUNT(*) or a product
+        previous = token
+    return False
 
 
 def _derived(tokens: list[Token], names: set[str]) -> None:

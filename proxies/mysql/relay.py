@@ -61,6 +61,7 @@ from proxies.mysql.reading import (
     SETTINGS,
     SessionReading,
     StatementText,
+    MENTIONS,
     derived_names,
     may_switch,
     needs_probe,
@@ -106,8 +107,8 @@ class Statement:
         self.columns: list[Column] = []
         self.types: list[tuple[int, int]] | None = None
         self.long_data: dict[int, bytes] = {}
-        self.hidden: frozenset[str] | None = None  # its ``derived_names`` (``read``: once worked out)
-        self.read = False
+        self.hidden: frozenset[str] | None = None  # its ``derived_names`` under ``read``, the mask rules then
+        self.read: object = None
 
 
 class Pending:
@@ -378,7 +379,7 @@ class ClientSide:
             return None
         if "@@" in text and reads_settings_only(text, self.reading.server):
             return SETTINGS_ONLY
-        return derived_names(text, self.reading.server)
+        return derived_names(text, self.reading.server, frozenset(masker.columns))
 
     def _probe(self) -> None:
         """Ask the target for the settings after the command at hand, when it would not report their change."""
@@ -419,9 +420,9 @@ class ClientSide:
         statement.types = types
         statement.long_data = {}
         policy.record_input(render_params(statement.sql, values))
-        if not statement.read:
+        if statement.read is not policy.masker:  # worked out once per statement and rules
             statement.hidden = self._hidden(statement.sql)
-            statement.read = statement.hidden is not None
+            statement.read = policy.masker
         self.pending.append(Pending(RESULT, binary=True, statement=statement,
                                     switches=self._switches(statement.sql), hidden=statement.hidden))
         self._probe()
@@ -865,10 +866,14 @@ class ServerSide:
 
     def _placed(self, column: Column, hidden: frozenset[str] | None) -> bool:
         """Whether ``column`` is established as a base table's column (a rule by column name then reads its
-        source, ``org_name``) or a server setting's value: MariaDB names the alias for a derived table's, a CTE's
-        or a view's column, and no table for a computed one (an expression, a UNION)."""
+        source, ``org_name``), a server setting's value, or a value computed by a statement that names no column
+        a rule masks, no user variable and no ``*`` (``COUNT(*)``, ``NOW()``, ``SELECT 1``): MariaDB names the
+        alias for a derived table's, a CTE's or a view's column, and no table for a computed one (an expression,
+        a UNION)."""
         if hidden is SETTINGS_ONLY:
             return True
+        if not column.org_table and not column.org_name:  # computed
+            return hidden is not None and MENTIONS not in hidden
         tables = self.tables
         return (hidden is not None and tables is not None and bool(column.org_table) and bool(column.org_name)
                 and column.org_table.lower() not in hidden and self.reading.names_codec is not None
