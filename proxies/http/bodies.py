@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Mapping
 import aiohttp
 from aiohttp.http_exceptions import HttpProcessingError
 
-from proxies.http.messages import ascii_compatible, body_codec, decoded_body, is_json
+from proxies.http.messages import Unreadable, ascii_compatible, body_codec, decoded_body, is_json
 
 if TYPE_CHECKING:
     from gatewayd.masking import Masker
@@ -52,11 +52,6 @@ async def chain(prefix: bytes, content: aiohttp.StreamReader) -> AsyncIterator[b
         if not chunk:
             return
         yield chunk
-
-
-class Unreadable(Exception):
-    """A response body the output rules or masks must read that the gateway cannot (a content coding it has no
-    decoder for, a charset Python does not know, JSON a rule by key cannot place its keys in): withheld."""
 
 
 def undone(body: bytes, codings: list[str], limit: int) -> tuple[bytes, bool]:

@@ -18,12 +18,13 @@ from aiohttp.streams import StreamReader
 
 from gatewayd.guardrails import GuardVerdict
 from proxies.http.answers import answer_or_raise, blocked, upstream_error, withheld
-from proxies.http.bodies import SMALL_BODY, Unreadable, output_text
+from proxies.http.bodies import SMALL_BODY, output_text
 from proxies.http.credentials import CredentialState, Credentials, current
 from proxies.http.front import FrontRequest, FrontStream
 from proxies.http.messages import (
     AnswerHead,
     CredentialSource,
+    Unreadable,
     app_host_label,
     content_codings,
     extract_credential,

@@ -462,7 +462,10 @@ def unreadable_body(method: str, content_types: list[str], content_encodings: li
 
 
 class Unreadable(ValueError):
-    """A request body the input rules cannot read after all (``body_readings``); ``str()`` says why."""
+    """A body the rules or masks must read that the gateway cannot, ``str()`` says why: a request's the input
+    rules cannot read after all (``body_readings``: refused), a response's the output rules or masks cannot (a
+    content coding it has no decoder for, a charset Python does not know, JSON a rule by key cannot place its keys
+    in: withheld)."""
 
 
 def body_readings(content_type: str, content_encoding: str, body: bytes, complete: bool,
@@ -477,11 +480,11 @@ def body_readings(content_type: str, content_encoding: str, body: bytes, complet
     if coding not in ("", "identity"):
         if not complete:
             raise Unreadable(f"a body in Content-Encoding {coding!r} longer than http.guard_body_bytes")
-        decoded = decoded_body(body, coding, limit)
-        if decoded is None:
+        decoded = decoded_body(body, [coding], limit)
+        if decoded is None or not decoded[1]:
             raise Unreadable(f"a body in Content-Encoding {coding!r} that does not decode within "
                              f"http.guard_body_bytes")
-        body = decoded
+        body = decoded[0]
     charset = _CHARSET.search(content_type)
     text = body[:limit].decode(_BODY_CODECS[charset[1].lower()] if charset is not None else "utf-8", "replace")
     if _FORM_TYPE.match(content_type):
