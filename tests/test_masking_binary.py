@@ -208,6 +208,42 @@ def test_a_column_masked_by_name_keeps_its_mask_under_the_identity_it_was_seen_w
     assert server.learned == {(17001, 2): "ssn"} and wanted
 
 
+def test_a_column_whose_type_holds_a_masked_column_is_masked_whole() -> None:
+    """``select p from people p``: the column is the table's row type (no name, no source), its values hold ssn.
+    Masked whole as a column masked by name (``last4`` made ``fixed``: the end of a value is another field's);
+    a type made since the catalog was read is too, until the catalog read again says it holds nothing."""
+    row_type, rows_type, made = 16500, 16501, 16502
+    shapes = values.TypeShapes.from_catalog([(row_type, "c", 0, 0, 0, "record_send"),
+                                             (rows_type, "b", 0, 0, 0, "array_send"),
+                                             (OPAQUE, "b", 0, 0, 0, "int4send")])  # listed, no shape: not new
+    policy, recorder = policy_for({"type": "mask", "columns": ["ssn"], "style": "last4"})
+    server = ServerSide(policy, deque(), {})
+    wanted: list[int] = []
+    server.catalog_wanted = lambda: wanted.append(1)
+    server.set_types(shapes)
+    ssn = (17001, 2)
+    server.set_sources({ssn: "ssn"}, ["ssn"], {row_type: (ssn,), rows_type: (ssn,)})
+    people = record((23, int4(1)), (25, b"078-05-1120"))
+    description = pg.encode_row_description([field("p", row_type), field("ps", rows_type, BINARY),
+                                             field("o", OPAQUE), field("m", made), field("r", 2249, BINARY)])
+    cells = [b"(1,078-05-1120)", array(row_type, [people]), b"7", b"(078-05-1120)", record((25, b"plain"))]
+    out = answer(server, description, pg.encode_data_row(cells), pg.encode_command_complete("SELECT 1"))
+    masked_people = record((23, None), (25, b"****"))
+    assert rows_of(out) == [[b"****", array(row_type, [masked_people]), b"7", b"****", cells[4]]]
+    assert wanted  # the type made since: the catalog is read again
+    assert "078-05-1120" not in repr(recorder.events)
+    server.set_types(values.TypeShapes.from_catalog([(row_type, "c", 0, 0, 0, "record_send"),
+                                                     (rows_type, "b", 0, 0, 0, "array_send"),
+                                                     (made, "c", 0, 0, 0, "record_send")]))
+    server.set_sources({ssn: "ssn"}, ["ssn"], {row_type: (ssn,), rows_type: (ssn,)})  # ``made`` holds no ssn
+    out = answer(server, description, pg.encode_data_row(cells), pg.encode_command_complete("SELECT 1"))
+    assert rows_of(out)[0][3] == b"(078-05-1120)"
+    # the catalog could not be read: every value masked whole, a text value that is no one string in ``fixed``
+    server.set_sources(None, ["ssn"])
+    out = answer(server, description, pg.encode_data_row(cells), pg.encode_command_complete("SELECT 1"))
+    assert rows_of(out)[0][:2] == [b"****", array(row_type, [record((23, None), (25, b"*******1120"))])]
+
+
 def test_a_query_the_target_skips_after_an_extended_error_masks_everything_until_the_queue_is_in_step() -> None:
     """Bind to a statement that does not exist, a simple Query, Sync: the target answers the error and one
     ReadyForQuery (it skips the Query), so the queue holds one entry too many. Until it is in step again,

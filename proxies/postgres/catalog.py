@@ -15,7 +15,9 @@ the rule off.
 
 The same query reads the database's own types (``TYPES_QUERY``): a binary value of a domain, a
 range, a composite or an enum is known by its type OID only through the catalog
-(proxies/postgres/values.py).
+(proxies/postgres/values.py); and, under rules by column name, the types whose values hold a rule's
+column (``HOLDERS_QUERY``): ``select p from people p`` has one column, of the table's row type, which
+names no column and has no source, yet holds ``ssn``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from proxies.postgres.upstream import TargetSettings, UpstreamError, connect_tar
 from proxies.postgres.values import TypeShapes
 
 Sources = dict[tuple[int, int], str]  # (table OID, column number) -> the lower-case column name a rule names
+Holders = dict[int, tuple[tuple[int, int], ...]]  # type OID -> the (table OID, column number) its values hold
 Column = tuple[int, int, str]  # (table OID, column number, the name a rule knows it by)
 MEMORY_TOPIC = "postgres.masked-columns"  # what ``SessionPipeline.remember`` keeps: {database: [Column, ...]}
 MAX_REMEMBERED = 10_000  # columns remembered per connection and database (the oldest are forgotten first)
@@ -44,6 +47,23 @@ TYPES_QUERY = (
     "WHERE t.oid >= 10000 OR t.typtype IN ('c', 'd', 'e', 'r', 'm')")
 _MULTIRANGE_14 = "coalesce((SELECT m.rngtypid FROM pg_catalog.pg_range m WHERE m.rngmultitypid = t.oid), 0)::int8"
 
+# the types whose values hold a column the rules name, each with the (table OID, column number) it holds: the row
+# type of its table (view, composite type), then to any depth every array, domain, range, multirange and row type
+# over one (``{where}``: ``_where``'s, over pg_attribute; ``{multirange}`` empty before PostgreSQL 14)
+HOLDERS_QUERY = (
+    "WITH RECURSIVE edges(outside, inside) AS {materialized}("
+    "SELECT t.oid, t.typelem FROM pg_catalog.pg_type t WHERE t.typelem <> 0 AND t.typlen = -1 "  # arrays
+    "UNION ALL SELECT t.oid, t.typbasetype FROM pg_catalog.pg_type t WHERE t.typtype = 'd' "
+    "UNION ALL SELECT r.rngtypid, r.rngsubtype FROM pg_catalog.pg_range r {multirange}"
+    "UNION ALL SELECT c.reltype, a.atttypid FROM pg_catalog.pg_attribute a "
+    "JOIN pg_catalog.pg_class c ON c.oid = a.attrelid WHERE c.reltype <> 0 AND a.attnum > 0 AND NOT a.attisdropped), "
+    "held(holder, relid, attnum) AS ("
+    "SELECT c.reltype, attrelid, attnum FROM pg_catalog.pg_attribute JOIN pg_catalog.pg_class c ON c.oid = attrelid "
+    "WHERE c.reltype <> 0 AND attnum > 0 AND NOT attisdropped AND {where} "
+    "UNION SELECT e.outside, h.relid, h.attnum FROM held h JOIN edges e ON e.inside = h.holder) "
+    "SELECT holder::int8, relid::int8, attnum::int8 FROM held")
+_MULTIRANGE_EDGE_14 = "UNION ALL SELECT r.rngmultitypid, r.rngtypid FROM pg_catalog.pg_range r "
+
 
 @dataclass(slots=True)
 class Catalog:
@@ -51,22 +71,38 @@ class Catalog:
 
     sources: Sources = field(default_factory=dict)
     shapes: TypeShapes | None = None  # None: not asked
+    holders: Holders = field(default_factory=dict)  # the types whose values hold a column of ``sources``
 
 
 def _literal(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
-def sources_query(names: Iterable[str], remembered: Iterable[Column] = ()) -> str:
-    """The catalog query for ``names`` (lower case) and the ``remembered`` columns (by identity)."""
+def _where(names: Iterable[str], remembered: Iterable[Column]) -> str:
+    """The pg_attribute rows of ``names`` (lower case) and the ``remembered`` columns (by identity)."""
     literals = ", ".join(_literal(name) for name in sorted(set(names)))
     where = f"lower(attname::text) IN ({literals})"
     pairs = sorted({(relid, attnum) for relid, attnum, _ in remembered})
     if pairs:
         values = ", ".join(f"({int(relid)}::oid, {int(attnum)}::int2)" for relid, attnum in pairs)
         where = f"({where} OR (attrelid, attnum) IN (VALUES {values}))"
+    return where
+
+
+def sources_query(names: Iterable[str], remembered: Iterable[Column] = ()) -> str:
+    """The catalog query for ``names`` (lower case) and the ``remembered`` columns (by identity)."""
     return ("SELECT attrelid::oid::int8, attnum::int8, lower(attname::text) FROM pg_catalog.pg_attribute "
-            f"WHERE attnum > 0 AND NOT attisdropped AND {where}")
+            f"WHERE attnum > 0 AND NOT attisdropped AND {_where(names, remembered)}")
+
+
+def holders_query(names: Iterable[str], remembered: Iterable[Column], major: int) -> str:
+    """``HOLDERS_QUERY`` for those columns, on a server of that major version."""
+    return HOLDERS_QUERY.format(materialized="MATERIALIZED " if major >= 12 else "",
+                                multirange=_MULTIRANGE_EDGE_14 if major >= 14 else "",
+                                where=_where(names, remembered))
+
+
+_SOURCES, _HOLDERS, _TYPES = range(3)  # what a statement of the catalog query reads
 
 
 def _major_version(startup_frames: list[bytes]) -> int:
@@ -91,33 +127,43 @@ async def read_catalog(settings: TargetSettings, name: str, dialer: Dialer, name
     known = {(relid, attnum): column for relid, attnum, column in remembered if column in names}
     link = await connect_target(settings, {"application_name": "gatewayd-catalog"}, name, dialer=dialer)
     found = Catalog()
+    major = _major_version(link.startup_frames)
     queries: list[str] = []
+    kinds: list[int] = []  # what each statement's rows are
     if names:
-        queries.append(sources_query(names, [(r, a, c) for (r, a), c in known.items()]))
+        columns = [(r, a, c) for (r, a), c in known.items()]
+        queries += [sources_query(names, columns), holders_query(names, columns, major)]
+        kinds += [_SOURCES, _HOLDERS]
     if types:
-        newer = _major_version(link.startup_frames) >= 14
-        queries.append(TYPES_QUERY.format(multirange=_MULTIRANGE_14 if newer else "0::int8"))
+        queries.append(TYPES_QUERY.format(multirange=_MULTIRANGE_14 if major >= 14 else "0::int8"))
+        kinds.append(_TYPES)
     if not queries:
         terminate(link)
         return found
     type_rows: list[tuple[int, str, int, int, int, str | None]] = []
+    holders: dict[int, list[tuple[int, int]]] = {}
     try:
         link.stream.write(encode_query("; ".join(queries)))
         error: str | None = None
-        which = 0 if names else 1  # the statement whose rows arrive
+        which = 0  # the statement whose rows arrive
         while True:
             message = await link.stream.next_message()
             if message is None:
                 raise UpstreamError(f'the target of connection "{name}" closed the catalog query')
             if isinstance(message, DataRow):
                 values = message.columns
-                if which == 0:
+                kind = kinds[which] if which < len(kinds) else -1
+                if kind == _SOURCES:
                     relid, attnum, column = values
                     if relid is not None and attnum is not None and column is not None:
                         key = (int(relid), int(attnum))
                         current = column.decode()
                         found.sources[key] = current if current in names else known.get(key, current)
-                elif None not in values[:5]:
+                elif kind == _HOLDERS:
+                    if None not in values:
+                        holder, relid, attnum = values
+                        holders.setdefault(int(holder), []).append((int(relid), int(attnum)))  # type: ignore[arg-type]
+                elif kind == _TYPES and None not in values[:5]:
                     oid, typtype, base, subtype, range_type, send = values
                     type_rows.append((int(oid), typtype.decode(), int(base), int(subtype),  # type: ignore[union-attr]
                                       int(range_type), None if send is None else send.decode()))  # type: ignore[arg-type]
@@ -131,6 +177,7 @@ async def read_catalog(settings: TargetSettings, name: str, dialer: Dialer, name
             raise UpstreamError(f'the target of connection "{name}" refused the catalog query: {error}')
         if types:
             found.shapes = TypeShapes.from_catalog(type_rows)
+        found.holders = {holder: tuple(pairs) for holder, pairs in holders.items()}
         return found
     finally:
         terminate(link)

@@ -52,6 +52,7 @@ cdef class ServerSide:
     cdef public bint cut
     cdef public object formats
     cdef public object header
+    cdef public dict holders
     cdef public object masker
     cdef public dict masks
     cdef public object masks_now

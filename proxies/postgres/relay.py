@@ -543,6 +543,7 @@ class ServerSide:
         "deferring",
         "formats",
         "header",
+        "holders",
         "later",
         "learned",
         "masker",
@@ -574,6 +575,9 @@ class ServerSide:
         # masked by name stays masked under an alias; None: the catalog could not be read (fail closed)
         self.sources: dict[tuple[int, int], str] | None = {}
         self.sources_for: frozenset[str] = frozenset()  # the column names ``sources`` was looked up for
+        # type OID -> the (table OID, column number) of ``sources`` its values hold (a table's row type, an array
+        # of it...: catalog.HOLDERS_QUERY): such a column is masked whole, as it names none of them
+        self.holders: dict[int, tuple[tuple[int, int], ...]] = {}
         # statement -> (its type OIDs in ``columns`` when described, its columns masked by name): valid while
         # ``columns`` holds that same tuple (the client side drops it when the statement is parsed again)
         # (and the RowDescription it was worked out from: the masked columns are worked out again when the rules
@@ -688,12 +692,14 @@ class ServerSide:
             self.sources = None
         self._redescribe()
 
-    def set_sources(self, sources: dict[tuple[int, int], str] | None, names: Iterable[str]) -> None:
-        """Where the columns ``names`` are (proxies/postgres/catalog.py; None: unknown, fail closed); what the
-        session ``learned`` itself stays."""
+    def set_sources(self, sources: dict[tuple[int, int], str] | None, names: Iterable[str],
+                    holders: dict[int, tuple[tuple[int, int], ...]] | None = None) -> None:
+        """Where the columns ``names`` are (proxies/postgres/catalog.py; None: unknown, fail closed), and the types
+        whose values hold them; what the session ``learned`` itself stays."""
         if sources is not None and self.learned:
             sources = {**self.learned, **sources}
         self.sources, self.sources_for = sources, frozenset(names)
+        self.holders = holders or {}
         self._redescribe()
 
     def set_types(self, shapes: TypeShapes) -> None:
@@ -1155,7 +1161,8 @@ class ServerSide:
 
     def _masked_columns(self, masker: Masker, message: RowDescription,
                         names: list[str]) -> tuple[tuple[int, str], ...] | None:
-        """The columns masked whole, by their name or their source column's; None (all) when sources are unknown.
+        """The columns masked whole, by their name or their source column's, or as their type holds such a column;
+        None (all) when sources are unknown.
 
         A column a rule names, from a table column the sources lack (a table made after the catalog was read),
         is learned by its identity: renamed later, it stays masked (this session, and the next: ``learned``).
@@ -1176,9 +1183,27 @@ class ServerSide:
                 sources[identity] = self.learned[identity] = name.lower()
                 if self.catalog_wanted is not None:
                     self.catalog_wanted()
+            if style is None:
+                style = self._holding_style(masker, sources, field.type_oid)
             if style is not None:
                 masked.append((i, style))
         return tuple(masked)
+
+    def _holding_style(self, masker: Masker, sources: dict[tuple[int, int], str], oid: int) -> str | None:
+        """The style a column of type ``oid`` is masked whole in when its values hold a column a rule names (a table's
+        row, an array of rows...), or may (a type made since the catalog was read: until it is read again); None
+        when they do not.  Never ``last4``: a value's last four characters are those of whichever field ends it."""
+        held = self.holders.get(oid)
+        style = None
+        if held is not None:
+            for identity in held:
+                source = sources.get(identity)
+                style = masker.column_style(source) if source is not None else None
+                if style is not None:
+                    break
+        elif self.shapes.made_since(oid):
+            style = next(iter(masker.columns.values()), None)
+        return "fixed" if style == "last4" else style
 
     def _copy_out(self, message: CopyData, batch: FrameBatch) -> int:
         """Check, mask and record one COPY TO STDOUT row: _ROW_PASSED, _ROW_CUT or _ROW_REPLACED."""

@@ -18,7 +18,8 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from proxies.postgres.codec import FORMAT_BINARY, DataRow, Message, ProtocolError, RowDescription, decode_backend
-from proxies.postgres.values import BUILTIN, JSON, JSONB, SCALAR, TypeShapes, Undecodable, mask_binary, render_binary
+from proxies.postgres.values import (BUILTIN, JSON, JSONB, SCALAR, TEXT, TypeShapes, Undecodable, mask_binary,
+                                     render_binary)
 
 from gatewayd.masking import FIXED
 
@@ -130,6 +131,13 @@ def render_masked(text: str, row: DataRow, masked: dict[int, bytes | None], form
         else:
             parts[i] = value.decode("utf-8", "replace")
     return "\t".join(parts)
+
+
+def _one_string(shapes: TypeShapes, oid: int) -> bool:
+    """Whether a text-format value of ``oid`` is one string (``text``, ``varchar``, an enum's label...), not the
+    text of a record, an array, a range or a document."""
+    found = shapes.shape(oid)
+    return found is not None and found[0] == TEXT
 
 
 def payload_of(value: bytes, jsonb: bool) -> bytes:
@@ -478,6 +486,11 @@ def mask_row(masker: Masker, row: DataRow, formats: Sequence[int], oids: Sequenc
     if whole is None:
         style = next(iter(masker.columns.values()), "fixed")
         by_column: dict[int, str] = {i: style for i in range(ncells)}
+        if style == "last4":  # a text value that is no single string: its last four characters end its last field
+            for i in range(ncells):
+                text_format = i >= nformats or formats[i] != FORMAT_BINARY
+                if text_format and not _one_string(shapes, oids[i] if i < noids else 0):
+                    by_column[i] = "fixed"
     else:
         by_column = dict(whole)
     texts: list[bytes] | None = None

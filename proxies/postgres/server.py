@@ -439,9 +439,9 @@ class ClientConnection:
         if names:
             memory = await self.pipeline.recall(connection, MEMORY_TOPIC) or {}
             remembered = [(int(r), int(a), str(c)) for r, a, c in memory.get(settings.database, ())]
-        try:
+        try:  # what was learned is looked up by identity too (renamed since, its table's row type still holds it)
             found = await read_catalog(settings, connection.name, self.pipeline.dialer_for(connection), names,
-                                       remembered)
+                                       [*remembered, *((r, a, c) for (r, a), c in (learned or {}).items())])
         except UpstreamError as exc:
             log.warning("the target's catalog could not be read for the mask rules: results are masked whole",
                         extra={"connection": connection.name, "error": exc.message})
@@ -462,9 +462,10 @@ class ClientConnection:
         server.row_limit = self.listener.mask_row_bytes
 
         def adopt(catalog: Catalog | None) -> None:
-            server.set_sources(None if catalog is None else catalog.sources, self._column_names(policy))
             if catalog is not None and catalog.shapes is not None:
-                server.set_types(catalog.shapes)
+                server.set_types(catalog.shapes)  # first: the columns masked are worked out again with them
+            server.set_sources(None if catalog is None else catalog.sources, self._column_names(policy),
+                               None if catalog is None else catalog.holders)
 
         adopt(await self._catalog(policy, settings, connection))
         looking: list[asyncio.Task[None]] = []  # the catalog read again (one at a time; once more if asked meanwhile)

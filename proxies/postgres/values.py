@@ -55,6 +55,7 @@ RANGE = 7  # range_send: flags and bounds of the range's subtype (the shape's li
 MULTIRANGE = 8  # multirange_send: ranges of the range type (the link)
 DOMAIN = 9  # sent as its base type (the link)
 
+FIRST_MADE_OID = 10000  # types from this OID on are made by initdb or later (catalog.TYPES_QUERY lists them all)
 MAX_DEPTH = 32  # containers nested deeper than this are not read (withheld)
 MAX_ITEMS = 1 << 16  # an array (a record, a multirange) holding more values is not read either: too long to mask
 MAX_MATCHES = 1000  # nor one where the patterns find more values
@@ -346,18 +347,22 @@ class TypeShapes:
     """What the masker knows of each type's binary format: the built-in types, and the target database's own
     (``from_catalog``).  ``shape(oid)``: (kind, link) or None when unknown."""
 
-    __slots__ = ("_shapes", "complete")
+    __slots__ = ("_listed", "_shapes", "complete")
 
-    def __init__(self, shapes: dict[int, tuple[int, int]] | None = None, complete: bool = False) -> None:
+    def __init__(self, shapes: dict[int, tuple[int, int]] | None = None, complete: bool = False,
+                 listed: frozenset[int] = frozenset()) -> None:
         self._shapes = BUILTIN_SHAPES if shapes is None else shapes
         self.complete = complete  # the target's catalog was read (else only the built-in types are known)
+        self._listed = listed  # the types the catalog listed that have no shape here (an extension's own format)
 
     @classmethod
     def from_catalog(cls, rows: Iterable[tuple[int, str, int, int, int, str | None]]) -> TypeShapes:
         """From rows of (OID, typtype, typbasetype, range subtype, multirange's range, the send function's
         internal name) -- ``catalog.TYPES_QUERY``'s."""
         shapes = dict(BUILTIN_SHAPES)
+        listed: set[int] = set()
         for oid, typtype, base, subtype, range_type, send in rows:
+            listed.add(oid)
             if oid in BUILTIN_SHAPES:
                 continue
             if typtype == "d" and base:
@@ -374,13 +379,18 @@ class TypeShapes:
                 shapes[oid] = (ARRAY, 0)
             elif send in _TEXT_SEND:
                 shapes[oid] = (TEXT, 0)
-        return cls(shapes, complete=True)
+        return cls(shapes, complete=True, listed=frozenset(listed.difference(shapes)))
 
     def shape(self, oid: int) -> tuple[int, int] | None:
         return self._shapes.get(oid)
 
     def knows(self, oid: int) -> bool:
         return oid in self._shapes
+
+    def made_since(self, oid: int) -> bool:
+        """Whether ``oid`` is a type the database made after its catalog was read (``catalog.TYPES_QUERY`` lists
+        every type from OID 10000 on: below, initdb's own)."""
+        return self.complete and oid >= FIRST_MADE_OID and oid not in self._shapes and oid not in self._listed
 
     def leaf(self, oid: int) -> bool:
         """Whether a binary value of ``oid`` is one value (text, JSON, a scalar), not a container to walk."""
