@@ -195,6 +195,8 @@ class Balancer:
             adopt = self.adopters.get(data.decode(errors="replace"))
             if adopt is None or sock.type != socket.SOCK_STREAM:
                 sock.close()  # a listener this worker no longer runs: the client sees the connection end
+                log.warning("a handed connection was closed: this worker runs no such listener",
+                            extra={"listener": data.decode(errors="replace")[:64]})
                 self.taken += 1
                 self._write()
                 continue
@@ -261,7 +263,7 @@ class BalancedServer:
             await self.serve(sock)
         except Exception as exc:  # it ended before or while its proxy took it (a handshake that failed)
             sock.close()
-            log.debug("a connection ended as it was taken", extra={"listener": self.name, "error": repr(exc)})
+            log.warning("a connection ended as it was taken", extra={"listener": self.name, "error": repr(exc)})
             # as its proxy counts one that opens and closes: the count ends right whether the proxy got to count
             # it or not (``accepted`` reserved it)
             self.balancer.opened()
