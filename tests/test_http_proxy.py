@@ -985,6 +985,10 @@ async def test_output_rules_and_masks_read_compressed_answers_decoded_or_withhol
         head, body = fetched(gateway, secret, path, "--compressed")
         assert head.startswith("HTTP/1.1 403") and b"TOP SECRET" not in body, (coding, head)
     assert b"accept-encoding: identity" in raw_target.heads[-1].lower()
+    # nor in byte ranges, a piece of the denied words each, which no rule would read together
+    path = raw_target.answer("200 OK", [("Content-Type", "text/plain")], text)
+    head, body = fetched(gateway, secret, path, "-r", "8-13")
+    assert head.startswith("HTTP/1.1 403") and b"range:" not in raw_target.heads[-1].lower(), head
     for coding, packed in (("br", b"\x0b\x02\x80fine\x03"), ("gzip", b"\x1f\x8b not gzip at all")):
         path = raw_target.answer("200 OK", [("Content-Type", "text/plain"), ("Content-Encoding", coding)], packed)
         head, body = fetched(gateway, secret, path)

@@ -90,8 +90,8 @@ if TYPE_CHECKING:
 
 STREAM_OVERLAP = 4096  # characters of an event stream's previous piece checked again with the next
 # under a mask rule: a coding the gateway may not decode, and ranges (a value fetched in pieces is never found)
-_MASKED_REQUEST_DROP = frozenset({"accept-encoding", "range", "if-range"})
-_CODING = frozenset({"accept-encoding"})  # under output rules: they read the answer's text
+# what a request under output rules or a mask rule does not send on: the rules read the answer whole and decoded
+_READ_REQUEST_DROP = frozenset({"accept-encoding", "range", "if-range"})
 _DISCONNECTED = (ConnectionError, aiohttp.ClientConnectionResetError)
 
 
@@ -257,9 +257,8 @@ class HttpListener(FastPath):
         version = request.version
         first_line = f"{request.method} {request.raw_path} HTTP/{version.major}.{version.minor}"
         up_headers = upstream_request_headers(request.headers.items(), source, client_ip, "http", request.host)
-        if policy.masker is not None or policy.checks_output:  # rules read the answer: no content coding
-            drop = _MASKED_REQUEST_DROP if policy.masker is not None else _CODING  # a mask: no ranges either
-            up_headers = [(k, v) for k, v in up_headers if k.lower() not in drop]
+        if policy.masker is not None or policy.checks_output:  # rules read the answer: no coding, no ranges
+            up_headers = [(k, v) for k, v in up_headers if k.lower() not in _READ_REQUEST_DROP]
             up_headers.append(("Accept-Encoding", "identity"))
         return first_line, up_headers
 
