@@ -32,6 +32,7 @@ cdef class ClientSide:
     cpdef cancel(self, Message message)
     cpdef int _query(self, Query query)
     cpdef int _parse(self, Parse parse)
+    @cython.locals(entry=Pending, policy=SessionPolicy)
     cpdef int _execute(self, Execute execute)
     cpdef int _bind(self, Bind bind)
 
@@ -80,6 +81,8 @@ cdef class ServerSide:
     cdef public bint _fresh
     cdef public int _noticed
     cpdef process(self, BackendReader reader, FrameBatch batch)
+    @cython.locals(head=Pending, head_kind=Py_ssize_t, own=bint)
+    cpdef _description(self, Message message, FrameBatch batch, bint render)
     @cython.locals(head=Pending)
     cpdef int _row(self, DataRow row, FrameBatch batch)
     cpdef _emit(self, str line)

@@ -460,7 +460,7 @@ class ClientSide:
         portal = execute.portal
         entry = self.portals.get(portal, _EXECUTE)
         policy = self.policy
-        if (portal or entry.statement != "") and (policy.masker is not None or policy.checks_output):
+        if (policy.masker is not None or policy.checks_output) and (portal or entry.statement != ""):
             self.pending.append(_PORTAL)
             self.pending.append(_EXECUTE)  # its rows: as the portal's description says (formats included)
             self.substitute = encode_describe("P", portal)
@@ -985,8 +985,10 @@ class ServerSide:
         code = message.TYPE
         if code in _NOT_FROM_SYNC:
             self._answering()
+            if kind is RowDescription or kind is NoData:
+                self._description(message, batch, render)
+                return
         masker = self.masker
-        described = None
         if masker is not None and (kind is ErrorResponse or kind is NoticeResponse or kind is NotificationResponse
                                    or kind is ParameterStatus):
             masked = mask_notice(masker, message, self.row_limit)
@@ -997,18 +999,6 @@ class ServerSide:
                 message = decode_backend(frame) if kind is ErrorResponse else message
             else:
                 batch.add(message)
-        elif kind is RowDescription or kind is NoData:
-            own = self.pending and self.pending[0].kind == PORTAL  # the gateway's Describe: not forwarded
-            if kind is RowDescription and render:
-                described = self._describe(message)  # type: ignore[arg-type]
-                if own:
-                    pass
-                elif described[4] is None:
-                    batch.add(message)
-                else:
-                    batch.add_bytes(described[4])  # column names masked
-            elif not own:
-                batch.add(message)
         else:
             batch.add(message)
         if kind is CopyOutResponse or kind is CopyBothResponse:
@@ -1016,31 +1006,6 @@ class ServerSide:
             return
         if kind is CommandComplete:
             self._command_complete(message)  # type: ignore[arg-type]
-        elif kind is RowDescription:
-            self.formats = None
-            self._fresh = True
-            pending = self.pending
-            head = pending[0] if pending and (pending[0].kind == DESCRIBE or pending[0].kind == PORTAL) else None
-            if head is not None:
-                pending.popleft()
-            elif pending and pending[0].kind != UNTIL_READY:
-                self._doubt()  # a description no request asks for here
-            if described is not None:
-                header, self._desc_oids, self._desc_formats, self._desc_masks, _ = described
-                if head is not None and head.statement is not None:
-                    self.columns[head.statement] = self._desc_oids
-                    if masker is not None:
-                        if len(self.masks) >= DESCRIPTION_CACHE_SIZE * 64:
-                            self.masks.clear()
-                        self.masks[head.statement] = (self._desc_oids, self._desc_masks, message)
-                if self.recording and (head is None or head.kind == DESCRIBE):  # (not the gateway's own Describe:
-                    self.header = header  # the recording stays what the client's messages asked for)
-        elif kind is NoData:
-            if self.pending and (self.pending[0].kind == DESCRIBE or self.pending[0].kind == PORTAL):
-                self.pending.popleft()
-                self._desc_masks = None  # no rows to come; any that did would be masked whole
-            elif self.pending:
-                self._doubt()
         elif kind is ErrorResponse:
             self.flush_output()
             self.header = None
@@ -1060,6 +1025,48 @@ class ServerSide:
         elif code in _RESULT_ENDS:  # EmptyQueryResponse, PortalSuspended
             self.flush_output()
             self._end_result()
+
+    def _description(self, message: Message, batch: FrameBatch, render: bool) -> None:
+        """A RowDescription or NoData: what the rows to come are (and, for a client's Describe of a statement,
+        what that statement's rows will be), forwarded with its names masked -- unless it answers the gateway's
+        own Describe of a portal (``PORTAL``), which the client never asked for."""
+        pending = self.pending
+        head = pending[0] if pending else None
+        head_kind = head.kind if head is not None else -1
+        own = head_kind == PORTAL
+        if type(message) is NoData:
+            if head_kind == DESCRIBE or own:
+                pending.popleft()
+                self._desc_masks = None  # no rows to come; any that did would be masked whole
+            elif pending:
+                self._doubt()
+            if not own:
+                batch.add(message)
+            return
+        described = self._describe(message) if render else None  # type: ignore[arg-type]
+        if own:
+            pass
+        elif described is None or described[4] is None:
+            batch.add(message)
+        else:
+            batch.add_bytes(described[4])  # column names masked
+        self.formats = None
+        self._fresh = True
+        if head_kind == DESCRIBE or own:
+            pending.popleft()
+        elif pending and head_kind != UNTIL_READY:
+            self._doubt()  # a description no request asks for here
+        if described is not None:
+            header, self._desc_oids, self._desc_formats, self._desc_masks, _ = described
+            if head_kind == DESCRIBE and head.statement is not None:  # type: ignore[union-attr]
+                statement = head.statement  # type: ignore[union-attr]
+                self.columns[statement] = self._desc_oids
+                if self.masker is not None:
+                    if len(self.masks) >= DESCRIPTION_CACHE_SIZE * 64:
+                        self.masks.clear()
+                    self.masks[statement] = (self._desc_oids, self._desc_masks, message)
+            if self.recording and not own:  # (the recording stays what the client's messages asked for)
+                self.header = header
 
     def _function_result(self, message: FunctionCallResponse, batch: FrameBatch) -> None:
         """A fast-path function's result: checked, masked and recorded like a row of one value.
