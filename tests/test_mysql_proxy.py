@@ -266,6 +266,8 @@ UPDATES = {"type": "statement_kinds", "deny": ["UpdateStmt"]}
      "update without WHERE (INSERT ON DUPLICATE KEY UPDATE)"),
     ({"type": "require_where", "statements": ["delete"]}, "REPLACE INTO {t} (id) SELECT id FROM {t}",
      "delete without WHERE (REPLACE)"),
+    (UPDATES, "ALTER TABLE {t} MODIFY a INT GENERATED ALWAYS AS (0) VIRTUAL",
+     "(it has the effect of UpdateStmt)"),
 ])
 async def test_what_has_a_denied_kinds_effect_is_refused_and_the_rows_stay(api, gateway, mysql_target, rule, sql,
                                                                            says):

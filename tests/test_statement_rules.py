@@ -276,3 +276,19 @@ def test_a_column_type_changed_using_an_expression_is_an_update_without_where(sq
                                  "alter table t add column b int default 0"])
 def test_a_column_type_changed_by_its_cast_passes(sql: str) -> None:
     assert rules(UPDATES, WHERE).check_input(sql).allowed
+
+
+@pytest.mark.parametrize("sql", ["ALTER TABLE t MODIFY a INT GENERATED ALWAYS AS (0) VIRTUAL",
+                                 "ALTER TABLE t CHANGE a a INT AS (0) STORED"])
+def test_mysql_a_column_made_generated_is_an_update_without_where(sql: str) -> None:
+    """MariaDB drops a column's stored values for what its new expression computes: every row rewritten."""
+    verdict = mysql_rules(UPDATES).check_input(sql)
+    assert not verdict.allowed and "(it has the effect of UpdateStmt)" in verdict.message, verdict.message
+    verdict = mysql_rules(WHERE).check_input(sql)
+    assert not verdict.allowed and "update without WHERE (AlterTableStmt MODIFY COLUMN" in verdict.message
+
+
+@pytest.mark.parametrize("sql", ["ALTER TABLE t MODIFY a BIGINT", "ALTER TABLE t ADD COLUMN b INT AS (a + 1)",
+                                 "ALTER TABLE t CHANGE a b INT"])
+def test_mysql_a_column_retyped_or_a_generated_one_added_passes(sql: str) -> None:
+    assert mysql_rules(UPDATES, WHERE).check_input(sql).allowed

@@ -120,9 +120,24 @@ def _tree(name: str, node: Any, found: FoundNodes) -> None:
                                                    and key != "DropPrimaryKey" and key != "DropIndex"
                                                    for key in operation):
                 found.effects.add(("DropStmt", "AlterTableStmt DROP COLUMN"))
+            elif isinstance(operation, dict) and _generated(operation.get("ModifyColumn")
+                                                            or operation.get("ChangeColumn")):
+                # the column's stored values give way to what the expression computes: every row rewritten
+                found.effects.add(("UpdateStmt", _GENERATED))
+                found.whole.add(("UpdateStmt", _GENERATED))
     elif kind == "CopyStmt":
         found.effects.add(("InsertStmt", "LOAD DATA"))
     _walk(node, found)
+
+
+_GENERATED = "AlterTableStmt MODIFY COLUMN ... AS (expression)"
+
+
+def _generated(column: Any) -> bool:
+    """Whether a MODIFY or CHANGE COLUMN makes the column generated (``GENERATED ALWAYS AS (...)``, ``AS (...)``)."""
+    options = column.get("options") if isinstance(column, dict) else None
+    return any(isinstance(option, dict) and ("Generated" in option or "Generated" in (option.get("option") or {}))
+               for option in options or ())
 
 
 def _keyword(token: Any) -> str:
