@@ -565,18 +565,46 @@ def forward(gateway: Daemon, secret: str, local_port: int, remote_port: int) -> 
     return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
-def through(local_port: int, payload: bytes, timeout: float = 20) -> bytes:
-    """Send ``payload`` through the local end of ``ssh -L``; what comes back ("" when refused)."""
+def tunnel(local_port: int, timeout: float = 20) -> socket.socket:
+    """A connection to the local end of ``ssh -L``, once the client listens there."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            sock = socket.create_connection(("127.0.0.1", local_port), timeout=timeout)
-            break
+            return socket.create_connection(("127.0.0.1", local_port), timeout=timeout)
         except OSError:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
-    with sock:
+
+
+async def refused_forward(gateway: Daemon, api: Any, secret: str, session_id: str, echo: EchoServer,
+                          says: bytes, message: str) -> None:
+    """``ssh -L`` to ``echo`` is refused: nothing comes through, the client says ``says``, and the session's one
+    ``e`` event and an ``ssh.port_forward`` failure entry are ``message``."""
+    answer, stderr = forwarded(gateway, secret, echo, b"drop table t; ann@example.com\n")
+    assert answer == b""
+    assert b"administratively prohibited" in stderr and says in stderr
+    session = await api.done_session(session_id)
+    assert of_kind(session, "e") == [message]
+    status, logs = await api("GET", "/audit/logs?action=ssh.port_forward&outcome=failure")
+    assert status == 200 and any(e["error_message"] == message for e in logs["data"])
+
+
+def forwarded(gateway: Daemon, secret: str, echo: EchoServer, payload: bytes) -> tuple[bytes, bytes]:
+    """``payload`` sent through ``ssh -L`` to ``echo``: what came back, and what the ssh client said."""
+    local_port = free_port()
+    client = forward(gateway, secret, local_port, echo.port)
+    try:
+        answer = through(local_port, payload)
+    finally:
+        client.kill()
+        _, stderr = client.communicate(timeout=10)
+    return answer, stderr
+
+
+def through(local_port: int, payload: bytes, timeout: float = 20) -> bytes:
+    """Send ``payload`` through the local end of ``ssh -L``; what comes back ("" when refused)."""
+    with tunnel(local_port, timeout) as sock:
         sock.sendall(payload)
         data = b""
         try:
@@ -592,13 +620,7 @@ async def test_local_port_forwarding_allowed_per_connection_and_refused_by_defau
     try:
         allowed = await api.role(settings={"ssh": {"allow_port_forwarding": True}})
         secret, session_id = await api.credential(allowed)
-        local_port = free_port()
-        client = forward(gateway, secret, local_port, echo.port)
-        try:
-            assert through(local_port, b"through the tunnel\n") == b"THROUGH THE TUNNEL\n"
-        finally:
-            client.kill()
-            client.wait(10)
+        assert forwarded(gateway, secret, echo, b"through the tunnel\n")[0] == b"THROUGH THE TUNNEL\n"
         session = await api.done_session(session_id)
         assert of_kind(session, "e") == [
             f"port forwarding to 127.0.0.1:{echo.port} opened",
@@ -606,20 +628,9 @@ async def test_local_port_forwarding_allowed_per_connection_and_refused_by_defau
 
         refused = await api.role()
         secret, session_id = await api.credential(refused)
-        local_port = free_port()
-        client = forward(gateway, secret, local_port, echo.port)
-        try:
-            assert through(local_port, b"not through\n") == b""
-        finally:
-            client.kill()
-            _, stderr = client.communicate(timeout=10)
-        assert b"administratively prohibited" in stderr and b"does not allow it" in stderr
-        session = await api.done_session(session_id)
-        message = (f'port forwarding to 127.0.0.1:{echo.port} refused: connection "{refused["name"]}" does not '
-                   "allow it (settings.ssh.allow_port_forwarding)")
-        assert of_kind(session, "e") == [message]
-        status, logs = await api("GET", "/audit/logs?action=ssh.port_forward&outcome=failure")
-        assert status == 200 and any(e["error_message"] == message for e in logs["data"])
+        await refused_forward(gateway, api, secret, session_id, echo, b"does not allow it",
+                              f'port forwarding to 127.0.0.1:{echo.port} refused: connection "{refused["name"]}" does '
+                              "not allow it (settings.ssh.allow_port_forwarding)")
     finally:
         echo.close()
 
@@ -636,21 +647,11 @@ async def test_port_forwarding_is_refused_on_a_connection_whose_rules_could_not_
         connection = await api.role(settings={"ssh": {"allow_port_forwarding": True}})
         await api.guardrail(connection, **rules)
         secret, session_id = await api.credential(connection)
-        local_port = free_port()
-        client = forward(gateway, secret, local_port, echo.port)
-        try:
-            assert through(local_port, b"drop table t; ann@example.com\n") == b""
-        finally:
-            client.kill()
-            _, stderr = client.communicate(timeout=10)
-        assert b"administratively prohibited" in stderr and b"cannot be checked, masked or recorded" in stderr
+        await refused_forward(gateway, api, secret, session_id, echo, b"cannot be checked, masked or recorded",
+                              f'port forwarding to 127.0.0.1:{echo.port} refused: connection "{connection["name"]}" '
+                              "has guard rails, mask rules or an analysis, and a forwarded stream cannot be checked, "
+                              "masked or recorded")
         assert echo.accepted == 0  # nothing was opened on the target's side
-        session = await api.done_session(session_id)
-        message = (f'port forwarding to 127.0.0.1:{echo.port} refused: connection "{connection["name"]}" has guard '
-                   "rails, mask rules or an analysis, and a forwarded stream cannot be checked, masked or recorded")
-        assert of_kind(session, "e") == [message]
-        status, logs = await api("GET", "/audit/logs?action=ssh.port_forward&outcome=failure")
-        assert status == 200 and any(e["error_message"] == message for e in logs["data"])
     finally:
         echo.close()
 
@@ -665,14 +666,7 @@ async def test_a_forward_open_when_its_connection_gets_a_rule_ends_without_passi
         client = forward(gateway, secret, local_port, echo.port)
         try:
             deadline = time.monotonic() + 20
-            while True:
-                try:
-                    sock = socket.create_connection(("127.0.0.1", local_port), timeout=20)
-                    break
-                except OSError:
-                    assert time.monotonic() < deadline
-                    await asyncio.sleep(0.05)
-            with sock:
+            with await asyncio.to_thread(tunnel, local_port) as sock:
                 await asyncio.to_thread(sock.sendall, b"before\n")
                 assert await asyncio.to_thread(sock.recv, 100) == b"BEFORE\n"
                 await api.guardrail(connection, input_rules=[{"type": "deny_words_list", "words": ["drop"]}])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from gatewayd.guardrails import RuleError, RuleSet, validate_guardrail
@@ -210,6 +212,17 @@ def test_mysql_create_without_a_drop_passes(sql: str) -> None:
 
 
 UPDATES = {"type": "statement_kinds", "deny": ["UpdateStmt"]}
+
+
+def refused_twice(rules_of: Callable[..., RuleSet], sql: str, says: str, says_where: str, kinds: dict = UPDATES) -> None:
+    """``sql`` is refused by a rule denying the kind it has the effect of and by ``require_where``, each saying
+    why (``rules_of``: ``rules`` or ``mysql_rules``)."""
+    verdict = rules_of(kinds).check_input(sql)
+    assert not verdict.allowed and says in verdict.message, verdict.message
+    verdict = rules_of(WHERE).check_input(sql)
+    assert not verdict.allowed and says_where in verdict.message, verdict.message
+
+
 UPSERTS = [
     "insert into t select * from t on conflict (id) do update set a = 0",
     "with u as (insert into t values (1) on conflict (id) do update set a = 0 returning *) select * from u",
@@ -220,11 +233,8 @@ UPSERTS = [
 @pytest.mark.parametrize("sql", UPSERTS)
 def test_on_conflict_do_update_is_an_update_without_where(sql: str) -> None:
     """It updates every row it meets (``INSERT ... SELECT`` meets them all), like a MERGE's ``THEN UPDATE``."""
-    verdict = rules(UPDATES).check_input(sql)
-    assert not verdict.allowed
-    assert "statement=InsertStmt ON CONFLICT DO UPDATE (it has the effect of UpdateStmt)" in verdict.message
-    verdict = rules(WHERE).check_input(sql)
-    assert not verdict.allowed and "update without WHERE (InsertStmt ON CONFLICT DO UPDATE)" in verdict.message
+    refused_twice(rules, sql, "statement=InsertStmt ON CONFLICT DO UPDATE (it has the effect of UpdateStmt)",
+                  "update without WHERE (InsertStmt ON CONFLICT DO UPDATE)")
 
 
 def test_on_conflict_do_update_with_its_where_and_do_nothing() -> None:
@@ -249,10 +259,7 @@ def test_on_conflict_do_update_with_its_where_and_do_nothing() -> None:
 ])
 def test_mysql_upserts_update_or_delete_every_row_they_meet(sql: str, says: list[str]) -> None:
     kind, where = says
-    denied = mysql_rules({"type": "statement_kinds", "deny": ["UpdateStmt", "DeleteStmt"]}).check_input(sql)
-    assert not denied.allowed and kind in denied.message, denied.message
-    unqualified = mysql_rules(WHERE).check_input(sql)
-    assert not unqualified.allowed and where in unqualified.message, unqualified.message
+    refused_twice(mysql_rules, sql, kind, where, {"type": "statement_kinds", "deny": ["UpdateStmt", "DeleteStmt"]})
 
 
 def test_mysql_a_plain_insert_passes() -> None:
@@ -265,11 +272,8 @@ def test_mysql_a_plain_insert_passes() -> None:
                                  "ALTER TABLE ONLY t ALTER a SET DATA TYPE text USING 'x', ADD COLUMN b int"])
 def test_a_column_type_changed_using_an_expression_is_an_update_without_where(sql: str) -> None:
     """``USING`` writes every row's value anew: the effect of an UPDATE of the whole table."""
-    verdict = rules(UPDATES).check_input(sql)
-    assert not verdict.allowed
-    assert "statement=AlterTableStmt ALTER COLUMN TYPE USING (it has the effect of UpdateStmt)" in verdict.message
-    verdict = rules(WHERE).check_input(sql)
-    assert not verdict.allowed and "update without WHERE (AlterTableStmt ALTER COLUMN TYPE USING)" in verdict.message
+    refused_twice(rules, sql, "statement=AlterTableStmt ALTER COLUMN TYPE USING (it has the effect of UpdateStmt)",
+                  "update without WHERE (AlterTableStmt ALTER COLUMN TYPE USING)")
 
 
 @pytest.mark.parametrize("sql", ["alter table t alter column a type bigint", "alter table t alter a set default 0",
@@ -282,10 +286,8 @@ def test_a_column_type_changed_by_its_cast_passes(sql: str) -> None:
                                  "ALTER TABLE t CHANGE a a INT AS (0) STORED"])
 def test_mysql_a_column_made_generated_is_an_update_without_where(sql: str) -> None:
     """MariaDB drops a column's stored values for what its new expression computes: every row rewritten."""
-    verdict = mysql_rules(UPDATES).check_input(sql)
-    assert not verdict.allowed and "(it has the effect of UpdateStmt)" in verdict.message, verdict.message
-    verdict = mysql_rules(WHERE).check_input(sql)
-    assert not verdict.allowed and "update without WHERE (AlterTableStmt MODIFY COLUMN" in verdict.message
+    refused_twice(mysql_rules, sql, "(it has the effect of UpdateStmt)",
+                  "update without WHERE (AlterTableStmt MODIFY COLUMN")
 
 
 @pytest.mark.parametrize("sql", ["ALTER TABLE t MODIFY a BIGINT", "ALTER TABLE t ADD COLUMN b INT AS (a + 1)",
