@@ -325,3 +325,13 @@ def test_no_gateway_secret_is_sent_on():
     out = m.upstream_request_headers([("Referer", f"http://gw/{secret}"), ("Cookie", f"a=1; b={secret}"),
                                       ("X-Kept", "1")], "cookie", "1.2.3.4", "http", "")
     assert ("X-Kept", "1") in out and ("Cookie", "a=1") in out and secret not in str(out)
+
+
+def test_a_charset_is_read_the_same_on_both_sides_quoted_either_way():
+    """One reading of ``charset``: a request's rules and a response's masks agree; an empty one is read by neither
+    (refused, withheld), never taken for UTF-8."""
+    assert m.body_codec("text/plain; charset='utf-16'", b"x\x00") == "utf-16"
+    assert m.body_codec('text/plain; charset="UTF-8"', b"x") == "utf-8"
+    assert m.body_codec("text/plain; charset=", b"x") is None
+    assert m.unreadable_body("POST", ["text/plain; charset='utf-8'"], []) is None
+    assert m.unreadable_body("POST", ["text/plain; charset="], []) == "a body in charset ''"

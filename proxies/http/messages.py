@@ -38,13 +38,13 @@ _BINARY_TYPE = re.compile(
     r"^\s*(?:image/(?!svg)|audio/|video/|font/|application/(?:octet-stream|pdf|zip|gzip|x-gzip|x-tar|x-bzip2?|"
     r"x-xz|zstd|x-7z-compressed|x-rar-compressed|vnd\.rar|java-archive|wasm|x-shockwave-flash|vnd\.ms-fontobject|"
     r"font-|x-font-|x-protobuf|protobuf|grpc|x-msdownload|x-sqlite3|vnd\.android\.package-archive)\b)", re.I)
-_CHARSET = re.compile(r";\s*charset\s*=\s*[\"']?([^\s;\"']+)", re.I)
+# a Content-Type's charset, quoted either way or not; an empty one is caught too (read by nobody: refused, withheld)
+_CHARSET = re.compile(r";\s*charset\s*=\s*[\"']?([^\s;\"']*)", re.I)
 # In a Link header: a quoted parameter (kept), a <target URI>, or a target written without its brackets at the
 # start of an entry (datasette's ``Link: http://127.0.0.1:8001/db.json; rel="alternate"``, off RFC 8288 but sent).
 _LINK_PART = re.compile(r'"(?:[^"\\]|\\.)*"?|<([^>]*)>|(?:^|(?<=,))(\s*)([A-Za-z][A-Za-z0-9+.-]*://[^\s;,]+|/[^\s;,]*)')
 _REFRESH_URL = re.compile(r"(\burl\s*=\s*['\"]?)([^'\"\s;]+)", re.I)  # Refresh: 5; url=http://target/...
 _FORM_TYPE = re.compile(r"^\s*application/x-www-form-urlencoded\s*(?:;|$)", re.I)
-_CHARSET = re.compile(r";\s*charset\s*=\s*\"?([^\";\s]*)", re.I)
 # the charsets of a request body the rules decode (the target's reading of ASCII is the same in all of them)
 _BODY_CODECS = {"utf-8": "utf-8", "utf8": "utf-8", "us-ascii": "utf-8", "ascii": "utf-8",
                 "iso-8859-1": "latin-1", "latin1": "latin-1", "latin-1": "latin-1"}
