@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import struct
 from collections import deque
@@ -199,6 +201,12 @@ def field(name: str, oid: int, fmt: int = 0) -> pg.FieldDescription:
     return pg.FieldDescription(name, type_oid=oid, format=fmt)
 
 
+def of_table(*fields: pg.FieldDescription, table: int = 16400) -> list[pg.FieldDescription]:
+    """``fields`` as a table's columns, numbered in order (a column without a table is computed: one whose
+    statement is unknown, or names a masked column, is masked whole)."""
+    return [dataclasses.replace(f, table_oid=table, column=i) for i, f in enumerate(fields, 1)]
+
+
 def rows_of(messages: list[pg.Message]) -> list[list[bytes | None]]:
     return [m.columns for m in messages if isinstance(m, pg.DataRow)]
 
@@ -207,8 +215,8 @@ def test_text_rows_are_masked_per_cell_by_pattern_and_by_column() -> None:
     _, server, recorder = relay({"type": "mask", "patterns": ["card_number", "email"]},
                                 {"type": "mask", "columns": ["SSN"], "style": "last4"})
     out = answer(server,
-                 pg.encode_row_description([field("id", 23), field("note", 25), field("ssn", 1043),
-                                            field("amount", 1700)]),
+                 pg.encode_row_description(of_table(field("id", 23), field("note", 25), field("ssn", 1043),
+                                                     field("amount", 1700))),
                  pg.encode_data_row([b"1", b"card 4111111111111111", b"078-05-1120", b"4111111111111111"]),
                  pg.encode_data_row([b"2", b"nothing here", None, b"12.50"]),
                  pg.encode_command_complete("SELECT 2"), pg.encode_ready_for_query())
@@ -223,9 +231,9 @@ def test_binary_rows_keep_valid_values() -> None:
                          {"type": "mask", "columns": ["secret_int", "doc"]})
     binary = 1
     out = answer(server,
-                 pg.encode_row_description([field("mail", 25, binary), field("big", 20, binary),
-                                            field("secret_int", 23, binary), field("doc", 3802, binary),
-                                            field("j", 3802, binary)]),
+                 pg.encode_row_description(of_table(field("mail", 25, binary), field("big", 20, binary),
+                                                     field("secret_int", 23, binary), field("doc", 3802, binary),
+                                                     field("j", 3802, binary))),
                  pg.encode_data_row([b"a@b.io", struct.pack("!q", 4111111111111111), struct.pack("!i", 7),
                                      b"\x01" + json.dumps({"k": 1}).encode(),
                                      b"\x01" + json.dumps({"m": "x@y.io", "n": 4111111111111111}).encode()]),
@@ -242,14 +250,14 @@ def test_extended_protocol_masks_columns_by_the_statement_description() -> None:
                     pg.Describe(pg.encode_describe("S", "s1")), pg.Sync(pg.encode_sync())]:
         client.on_message(message)
     answer(server, pg.encode_parse_complete(), pg.encode_parameter_description([]),
-           pg.encode_row_description([field("email", 25), field("id", 23)]), pg.encode_ready_for_query())
+           pg.encode_row_description(of_table(field("email", 25), field("id", 23))), pg.encode_ready_for_query())
     actions = [client.on_message(message) for message in [
         pg.Bind(pg.encode_bind("", "s1", result_formats=[1])), pg.Execute(pg.encode_execute("")),
         pg.Sync(pg.encode_sync())]]
     # a named statement may have been replaced by SQL since: the gateway describes the portal before it runs
     assert actions == [FORWARD, PREFIXED, FORWARD] and client.substitute == pg.encode_describe("P", "")
     out = answer(server, pg.encode_bind_complete(),
-                 pg.encode_row_description([field("email", 25, 1), field("id", 23, 1)]),
+                 pg.encode_row_description(of_table(field("email", 25, 1), field("id", 23, 1))),
                  pg.encode_data_row([b"x@y.io", struct.pack("!i", 5)]),
                  pg.encode_command_complete("SELECT 1"), pg.encode_ready_for_query())
     assert rows_of(out) == [[b"****", struct.pack("!i", 5)]]
@@ -381,7 +389,7 @@ def test_the_recorded_text_of_a_masked_row_is_the_rendering_of_the_masked_row() 
 
     _, server, recorder = relay({"type": "mask", "patterns": ["card_number", "email"]},
                                 {"type": "mask", "columns": ["secret"], "style": "last4"})
-    fields = [field("id", 23), field("note", 25), field("secret", 25), field("mail", 25), field("n", 701)]
+    fields = of_table(field("id", 23), field("note", 25), field("secret", 25), field("mail", 25), field("n", 701))
     rows = [[b"1", b"card 4111111111111111", b"078-05-1120", b"a@b.io", b"1.5"],
             [b"2", b"tab\tin a@b.io cell", None, b"x\ty@z.io", None],  # tabs in cells: rendered whole again
             [b"3", b"\xff bad bytes c@d.io", b"k", None, b"2"],  # invalid UTF-8: the cells searched themselves
@@ -399,7 +407,7 @@ def test_the_recorded_text_of_a_masked_binary_row_is_the_rendering_of_the_masked
 
     _, server, recorder = relay({"type": "mask", "patterns": ["email"]}, {"type": "mask", "columns": ["k"]})
     binary = 1
-    fields = [field("id", 23, binary), field("note", 25, binary), field("k", 23, binary), field("t", 25)]
+    fields = of_table(field("id", 23, binary), field("note", 25, binary), field("k", 23, binary), field("t", 25))
     row = [struct.pack("!i", 7), b"mail a@b.io", struct.pack("!i", 42), b"x c@d.io"]
     out = answer(server, pg.encode_row_description(fields), pg.encode_data_row(row),
                  pg.encode_command_complete("SELECT 1"), pg.encode_ready_for_query())

@@ -313,10 +313,11 @@ async def test_a_mask_rule_added_while_a_session_runs_masks_its_next_results(api
         while (seen := await connection.fetchval(query)) == SSN and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         assert seen == "*******1120"
-        query = f"select ssn, id::text as other from {table} where id = 1"
-        while (row := await connection.fetchrow(query))["other"] != "1" and time.monotonic() < deadline:
+        query = f"select ssn, note as other from {table} where id = 1"  # (a computed column would be masked)
+        while (row := await connection.fetchrow(query))["other"] != f"paid with {CARD}" and (
+                time.monotonic() < deadline):
             await asyncio.sleep(0.05)  # the catalog lookup of the rule's column names (fail closed meanwhile)
-        assert (row["ssn"], row["other"]) == ("*******1120", "1")  # by the rule, not failing closed
+        assert (row["ssn"], row["other"]) == ("*******1120", f"paid with {CARD}")  # by the rule, not failing closed
         renamed = await connection.fetchval(f"select ssn as renamed from {table} where id = 1")
         assert renamed == "*******1120"  # a column named by a rule added mid-session is found under an alias too
     finally:
@@ -329,10 +330,10 @@ async def test_asyncpg_without_its_statement_cache_gets_columns_masked_by_name_o
     connection = await asyncpg.connect(host="127.0.0.1", port=gateway.pg_port, user=secret, password="any",
                                        database="postgres", ssl=False, statement_cache_size=0)
     try:
-        row = await connection.fetchrow(f"select ssn as renamed, id::text as other, note from {table} where id = 1")
+        row = await connection.fetchrow(f"select ssn as renamed, id as other, note from {table} where id = 1")
     finally:
         await connection.close()
-    assert (row["renamed"], row["other"]) == ("*******1120", "1")  # not every value masked (failing closed)
+    assert (row["renamed"], row["other"]) == ("*******1120", 1)  # not every value masked (failing closed)
     assert row["note"] == f"paid with {CARD}"  # no pattern rule here
 
 
@@ -538,10 +539,10 @@ async def test_a_value_holding_a_table_row_with_a_masked_column_is_masked_whole(
                 "-c", f"create table {made} (id int, ssn text)",
                 "-c", f"insert into {made} values (1, '{SSN}')",
                 "-c", f"select m from {made} m",
-                "-c", f"select row(id, ssn) from {table} where id = 2")  # an anonymous record: computed
+                "-c", f"select row(id, ssn) from {table} where id = 2")  # computed from ssn: masked whole
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["****", "****", "*******1120|*******1120|1", "****|****", "CREATE TABLE",
-                                        "INSERT 0 1", "****", "(2,)"]
+                                        "INSERT 0 1", "****", "****"]
     await assert_nowhere_in_clear(api, session_id, done.stdout, done.stderr)
     secret, session_id = await api.credential(role)
     connection = await asyncpg.connect(host="127.0.0.1", port=gateway.pg_port, user=secret, password="any",
@@ -561,6 +562,38 @@ async def test_a_value_holding_a_table_row_with_a_masked_column_is_masked_whole(
     assert tuple(held["m"]) == (None, "****")
     assert tuple(plain) == (1, "x")  # a record that holds no table's row: masked by the patterns only
     await assert_nowhere_in_clear(api, session_id, repr(row), repr(rows), repr(dict(held)))
+
+
+async def test_a_value_computed_by_a_statement_naming_a_masked_column_is_masked_whole(api, gateway, table):
+    """``upper(ssn)``, ``ssn || ''``, a UNION's column, a scalar subquery: computed, no source column. Masked whole
+    when the statement names a column a rule masks -- or runs one that does (``EXECUTE`` of an SQL ``PREPARE``,
+    ``FETCH`` of a cursor, psql's ``FETCH_COUNT`` among them); ``count(*)`` and ``1 + 1`` of a statement naming
+    none pass. Simple and extended protocol (asyncpg: a statement described once, executed twice)."""
+    role, secret, session_id = await masked_role(api, BY_COLUMN)
+    one = f"from {table} where id = 1"
+    done = psql(gateway, secret, "-c", f"select upper(ssn) {one}", "-c", f"select ssn || '' {one}",
+                "-c", f"select 'x' as v union all select ssn {one} order by 1 desc",
+                "-c", f"select (select ssn {one}) as s, 1 + 1 as two",
+                "-c", f"select count(*), max(id) + 0 from {table}",
+                "-c", f"prepare q as select lower(ssn) {one}", "-c", "execute q",
+                "-c", f"prepare c as select count(*) from {table}", "-c", "execute c",
+                "-c", f"begin; declare cur cursor for select ssn::varchar(20) as v {one}; fetch all from cur; commit",
+                "-c", r"\set FETCH_COUNT 10", "-c", f"select count(*) from {table}",
+                "-c", f"select coalesce(ssn, '') {one}")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["****", "****", "****", "****", "****|", "2|2", "PREPARE", "****",
+                                        "PREPARE", "2", "BEGIN", "DECLARE CURSOR", "****", "COMMIT", "2", "****"]
+    secret, _ = await api.credential(role)
+    connection = await asyncpg.connect(host="127.0.0.1", port=gateway.pg_port, user=secret, password="any",
+                                       database="postgres", ssl=False, timeout=15)
+    try:
+        statement = await connection.prepare(f"select trim(ssn) as t, id {one}")
+        twice = [tuple(await statement.fetchrow()) for _ in range(2)]
+        counted = await connection.fetchval(f"select count(*) from {table}")
+    finally:
+        await connection.close()
+    assert twice == [("****", 1)] * 2 and counted == 2
+    await assert_nowhere_in_clear(api, session_id, done.stdout, done.stderr)
 
 
 class RawSession:

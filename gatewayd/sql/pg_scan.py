@@ -93,7 +93,7 @@ def _pairs(text: str) -> str:
         return text
 
 
-def _string_constant(raw: str) -> str:
+def string_constant(raw: str) -> str:
     """An SCONST token's value: dollar quoted, ``E''`` with backslash escapes, or standard ``''``."""
     if raw[0] == "$":
         tag = raw[:raw.index("$", 1) + 1]
@@ -151,13 +151,13 @@ def _scanned(text: str, depth: int = 0) -> str:
         raw = text[token.start:token.end + 1]
         spaced = False
         if name == "SCONST":
-            piece = _literal(_string_constant(raw), depth)
+            piece = _literal(string_constant(raw), depth)
             spaced = True
         elif name in ("USCONST", "UIDENT"):
             escape = "\\"
             if i + 2 < len(tokens) and tokens[i + 1].name == "UESCAPE" and tokens[i + 2].name == "SCONST":
                 after = tokens[i + 2]
-                escape = _string_constant(text[after.start:after.end + 1])
+                escape = string_constant(text[after.start:after.end + 1])
                 skip = 2
             piece = _unicode_escapes(raw, raw[2], escape)
             if name == "USCONST":

@@ -5,8 +5,8 @@ for a column taken from a table it also carries the table's OID and the column's
 PostgreSQL follows through aliases, subqueries and CTEs. One query on a connection of its own,
 when a session under mask rules starts, maps those (table OID, column number) pairs to the names
 the rules know; the relay then masks a column by its source as well as by its name. What a query
-computes (``lower(email)``, a view's column) has no source column: pattern rules cover it
-(docs/masking.md, PostgreSQL).
+computes (``lower(email)``) has no source column: it is masked whole when its statement names a masked column
+(computed.py); a view's column has the view as its source: pattern rules cover it (docs/masking.md, PostgreSQL).
 
 A column keeps its (table OID, column number) when it is renamed: the pairs found are remembered
 per connection and database (``SessionPipeline.remember``), and the next sessions look them up

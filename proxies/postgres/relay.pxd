@@ -10,6 +10,7 @@ cdef class Pending:
     cdef public object error
     cdef public object formats
     cdef public Py_ssize_t kind
+    cdef public bint mentions
     cdef public object statement
 
 cdef class ClientSide:
@@ -18,6 +19,7 @@ cdef class ClientSide:
     cdef public bint discarding
     cdef public object functions
     cdef public Py_ssize_t limit
+    cdef public object mentions
     cdef public dict parsed
     cdef public object pending
     cdef public SessionPolicy policy
@@ -93,7 +95,7 @@ cdef class ServerSide:
     @cython.locals(head=Pending)
     cpdef _other(self, Message message, FrameBatch batch, bint render)
     cpdef _command_complete(self, CommandComplete message)
-    cpdef tuple _describe(self, RowDescription message)
+    cpdef tuple _describe(self, RowDescription message, bint mentions)
     cpdef _close_complete(self, CloseComplete message, FrameBatch batch)
     @cython.locals(entry=Pending)
     cpdef _ready(self, ReadyForQuery message, FrameBatch batch)

@@ -96,6 +96,7 @@ from gatewayd.policy import check_input_later
 from proxies.postgres.fastpath import SETTING as FUNCTION_CALLS_SETTING
 from proxies.postgres.fastpath import call_sql, function_name
 from proxies.postgres.reading import SessionReading, StatementText
+from proxies.postgres.computed import Mentions
 from proxies.postgres.rendering import render_bind, render_params, render_row
 from proxies.postgres.rowmask import (
     FALLBACK,
@@ -148,14 +149,17 @@ BLOCKED_PARSE_MARKER = encode_close("S", MARKER_STATEMENT) + encode_flush()
 class Pending:
     """One request in flight, in the order the target will answer it."""
 
-    __slots__ = ("error", "formats", "kind", "statement")
+    __slots__ = ("error", "formats", "kind", "mentions", "statement")
 
     def __init__(self, kind: int, formats: list[int] | None = None, error: bytes | None = None,
-                 statement: str | None = None) -> None:
+                 statement: str | None = None, mentions: bool = False) -> None:
         self.kind = kind
         self.formats = formats  # result column formats of an Execute (from its Bind)
         self.error = error  # ErrorResponse standing for a block (MARKER, substituted SYNC_POINT)
         self.statement = statement  # prepared statement of a Describe / Execute (for column types)
+        # under a rule by column name, the statement described may compute a value from a masked column
+        # (computed.py): a column it computes is then masked whole
+        self.mentions = mentions
 
 
 # Entries without fields are never changed once made: one of each serves every request.
@@ -203,6 +207,7 @@ class ClientSide:
         "discarding",
         "functions",
         "limit",
+        "mentions",
         "parsed",
         "pending",
         "policy",
@@ -233,6 +238,7 @@ class ClientSide:
         # parses in its prepare and again in its execute) keeps what its Describe said of its columns
         self.parsed: dict[str, str] = {}
         self.statements: dict[str, str] = {}  # prepared statement name -> SQL (for recording Binds)
+        self.mentions = Mentions()  # which statements may compute a value from a masked column (computed.py)
         self.portals: dict[str, Pending] = {}  # portal -> the EXECUTE entry for it (statement, result formats)
         self.discarding = False  # after a blocked Parse: skip messages until Sync
         self.verdict: GuardVerdict | None = None  # why the last BLOCK
@@ -256,7 +262,9 @@ class ClientSide:
             name = message.name  # type: ignore[attr-defined]
             if message.kind == "P":  # type: ignore[attr-defined]
                 name = self.portals.get(name, _EXECUTE).statement  # type: ignore[assignment]
-            self.pending.append(Pending(DESCRIBE, None, None, name))
+            masker = self.policy.masker
+            self.pending.append(Pending(DESCRIBE, None, None, name, masker is not None and bool(masker.columns)
+                                        and self.mentions.statement(name)))
             return FORWARD
         if kind is Sync:
             self.bound = False
@@ -361,6 +369,7 @@ class ClientSide:
 
     def _query(self, query: Query) -> int:
         policy = self.policy
+        text = None  # the statement as read, when not the codec's text
         if not policy.checks_input:
             verdict = policy.input(query.sql, None)  # recorded
         elif len(query) > OFF_LOOP_BYTES:
@@ -377,13 +386,19 @@ class ClientSide:
             elif statement.refusal is not None:
                 verdict = self._refuse(statement)
             else:
-                verdict = policy.input(statement.text, None, cache=False, readings=statement.readings)
+                text = statement.text
+                verdict = policy.input(text, None, cache=False, readings=statement.readings)
         if verdict is not None:
             self.verdict = verdict
             self.substitute = SYNC  # answered by ReadyForQuery with the true transaction status
             self.pending.append(Pending(SYNC_POINT, error=blocked_error(verdict)))
             return BLOCK
-        self.pending.append(_UNTIL_READY)
+        masker = policy.masker
+        if masker is not None and masker.columns and self.mentions.read(
+                query.sql if text is None else text, masker.columns):
+            self.pending.append(Pending(UNTIL_READY, mentions=True))
+        else:
+            self.pending.append(_UNTIL_READY)
         return FORWARD
 
     @staticmethod
@@ -446,6 +461,9 @@ class ClientSide:
             self.parsed[name] = sql
         if policy.recording:
             self.statements[name] = sql
+        masker = policy.masker
+        if masker is not None and masker.columns:
+            self.mentions.parsed(name, sql, masker.columns)
         return FORWARD
 
     def _execute(self, execute: Execute) -> int:
@@ -461,7 +479,9 @@ class ClientSide:
         entry = self.portals.get(portal, _EXECUTE)
         policy = self.policy
         if (policy.masker is not None or policy.checks_output) and (portal or entry.statement != ""):
-            self.pending.append(_PORTAL)
+            masker = policy.masker
+            self.pending.append(Pending(PORTAL, mentions=self.mentions.statement(entry.statement))
+                                if masker is not None and masker.columns else _PORTAL)
             self.pending.append(_EXECUTE)  # its rows: as the portal's description says (formats included)
             self.substitute = encode_describe("P", portal)
             return PREFIXED
@@ -520,6 +540,13 @@ class WaitingClientSide(ClientSide):
     def _wait(self, sql: str) -> None:
         self.waiting = sql
         self.work = functools.partial(self.policy.decide, sql)
+
+
+def _whole_style(masker: Masker) -> str | None:
+    """The style a value that may hold a column the rules mask, but is no such column, is masked in whole: the
+    first rule's, never ``last4`` (its last four characters are whichever field's or part's ends it)."""
+    style = next(iter(masker.columns.values()), None)
+    return "fixed" if style == "last4" else style
 
 
 class ServerSide:
@@ -582,7 +609,7 @@ class ServerSide:
         # ``columns`` holds that same tuple (the client side drops it when the statement is parsed again)
         # (and the RowDescription it was worked out from: the masked columns are worked out again when the rules
         # or the column sources change, for a statement executed again without a new Describe)
-        self.masks: dict[str, tuple[tuple[int, ...], tuple[tuple[int, str], ...] | None, RowDescription]] = {}
+        self.masks: dict[str, tuple[tuple[int, ...], tuple[tuple[int, str], ...] | None, RowDescription, bool]] = {}
         self.masks_now: tuple[tuple[int, str], ...] | None = None  # columns masked by name in the current result
         self.oids: tuple[int, ...] = ()  # column type OIDs of the current result
         self.cut = False  # an output rule matched: swallow until ReadyForQuery
@@ -712,9 +739,10 @@ class ServerSide:
         """Work out again which columns are masked, for every statement described so far (they may run again)."""
         self._descriptions.clear()
         masker = self.masker
-        for statement, (oids, _, message) in list(self.masks.items()):
-            masked = self._masked_columns(masker, message, message.names) if masker and masker.columns else ()
-            self.masks[statement] = (oids, masked, message)
+        for statement, (oids, _, message, mentions) in list(self.masks.items()):
+            masked = (self._masked_columns(masker, message, message.names, mentions) if masker and masker.columns
+                      else ())
+            self.masks[statement] = (oids, masked, message, mentions)
 
     # -- rows
 
@@ -1043,7 +1071,8 @@ class ServerSide:
             if not own:
                 batch.add(message)
             return
-        described = self._describe(message) if render else None  # type: ignore[arg-type]
+        described = self._describe(
+            message, head.mentions if head is not None else True) if render else None  # type: ignore[arg-type]
         if own:
             pass
         elif described is None or described[4] is None:
@@ -1064,7 +1093,8 @@ class ServerSide:
                 if self.masker is not None:
                     if len(self.masks) >= DESCRIPTION_CACHE_SIZE * 64:
                         self.masks.clear()
-                    self.masks[statement] = (self._desc_oids, self._desc_masks, message)
+                    self.masks[statement] = (self._desc_oids, self._desc_masks, message,  # type: ignore[assignment]
+                                             head.mentions)  # type: ignore[union-attr]
             if self.recording and not own:  # (the recording stays what the client's messages asked for)
                 self.header = header
 
@@ -1136,11 +1166,13 @@ class ServerSide:
                 self.flush_output()
         self._end_result()
 
-    def _describe(self, message: RowDescription
+    def _describe(self, message: RowDescription, mentions: bool
                   ) -> tuple[str, tuple[int, ...], tuple[int, ...], tuple[tuple[int, str], ...] | None, bytes | None]:
         """(header line, type OIDs, formats, columns masked by name, the frame with names masked or None) of a
-        RowDescription, remembered by its frame."""
+        RowDescription, remembered by its frame (and whether its statement may compute from a masked column)."""
         key = bytes(message)
+        if mentions:
+            key += b"!"  # no frame: its length says it ends a byte earlier
         described = self._descriptions.get(key)
         if described is None:
             names, oids, formats = message.summary()
@@ -1152,7 +1184,7 @@ class ServerSide:
             shown = names
             if masker is not None:
                 if masker.columns:
-                    masked = self._masked_columns(masker, message, names)
+                    masked = self._masked_columns(masker, message, names, mentions)
                 if masker.finders:
                     found = mask_names(masker, message)
                     if found is not None:
@@ -1166,10 +1198,10 @@ class ServerSide:
             described = self._descriptions[key] = ("\t".join(shown), oids, formats, masked, frame)
         return described
 
-    def _masked_columns(self, masker: Masker, message: RowDescription,
-                        names: list[str]) -> tuple[tuple[int, str], ...] | None:
-        """The columns masked whole, by their name or their source column's, or as their type holds such a column;
-        None (all) when sources are unknown.
+    def _masked_columns(self, masker: Masker, message: RowDescription, names: list[str],
+                        mentions: bool) -> tuple[tuple[int, str], ...] | None:
+        """The columns masked whole, by their name or their source column's, as their type holds such a column, or
+        as they are computed by a statement that ``mentions`` one (computed.py); None (all) when sources are unknown.
 
         A column a rule names, from a table column the sources lack (a table made after the catalog was read),
         is learned by its identity: renamed later, it stays masked (this session, and the next: ``learned``).
@@ -1192,6 +1224,8 @@ class ServerSide:
                     self.catalog_wanted()
             if style is None:
                 style = self._holding_style(masker, sources, field.type_oid)
+                if style is None and mentions and not field.table_oid:
+                    style = _whole_style(masker)
             if style is not None:
                 masked.append((i, style))
         return tuple(masked)
@@ -1209,7 +1243,7 @@ class ServerSide:
                 if style is not None:
                     break
         elif self.shapes.made_since(oid):
-            style = next(iter(masker.columns.values()), None)
+            return _whole_style(masker)
         return "fixed" if style == "last4" else style
 
     def _copy_out(self, message: CopyData, batch: FrameBatch) -> int:

@@ -1,0 +1,147 @@
+"""Which statements may compute a value from a column a rule masks by name (docs/masking.md, PostgreSQL).
+
+A RowDescription gives a column taken from a table its table's OID and column number, which the relay maps to
+the names the rules know (catalog.py); a value the query computes -- ``upper(ssn)``, ``ssn::text``, a UNION's
+column, a scalar subquery's -- has neither. Such a column is masked whole when its statement names a column a
+rule masks, selects a star inside an expression (``t.*``, a subquery's ``*``: not ``count(*)``) or reads a custom setting
+(``current_setting('app.v')``: set from data earlier); ``count(*)``, ``now()`` or ``select 1`` of a statement naming none
+pass, read by the patterns.
+
+A statement's results may also come from SQL the gateway read earlier: ``EXECUTE`` of an SQL ``PREPARE``, and
+``FETCH`` of a ``DECLARE``'s cursor. Each name is remembered with what its statement named; a name the gateway
+never saw defined (a cursor a function opened, a statement prepared in dynamic SQL) counts as naming one.
+A stored function's result names nothing: pair a rule by name with patterns.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Iterable
+
+from pglast import parser as pg_scanner
+
+from gatewayd.sql.pg_scan import normalize_sql, string_constant
+
+_SETTINGS = re.compile(r"(?<![\w$])current_setting(?![\w$])|(?:^|;)\s*show\s+[\w$]+\s*\.")
+_BUILT_IN = re.compile(r"[a-z_]+")  # a setting PostgreSQL defines: a custom one's name has a dot
+# statements that start so (``FETCH FIRST n ROWS`` inside a query is no cursor's)
+_DEFINES = re.compile(r"(?:^|;)\s*(prepare|declare)\s+([\w$]+)")
+_EXECUTE = re.compile(r"(?:^|;)\s*execute\s+([\w$]+)")
+_FETCH = re.compile(r"(?:^|;)\s*(?:fetch|move)(?![\w$])([^;]*)")
+_WORD = re.compile(r"[\w$]+")
+MAX_NAMES = 1024  # SQL-level names remembered per session (then forgotten: each counts as naming a column)
+
+
+@functools.lru_cache(maxsize=64)
+def _naming(watched: frozenset[str]) -> re.Pattern[str]:
+    """A search for any of ``watched`` (lower case) as a word of SQL."""
+    words = "|".join(re.escape(name) for name in sorted(watched, key=len, reverse=True))
+    return re.compile(f"(?<![\\w$])(?:{words})(?![\\w$])")
+
+
+def _tokens(text: str) -> list[pg_scanner.Token] | None:
+    """``text``'s tokens as PostgreSQL's scanner reads them, comments left out; None when it cannot scan them."""
+    try:
+        return [t for t in pg_scanner.scan(text) if t.name not in ("C_COMMENT", "SQL_COMMENT")]
+    except (pg_scanner.ParseError, UnicodeError):
+        return None
+
+
+_STAR_AFTER = frozenset(("SELECT", "DISTINCT", "ALL", "RETURNING", "ASCII_44"))
+
+
+def _inner_star(text: str) -> bool:
+    """Whether ``text`` selects a star a computed value may be made of: a qualified one (``row_to_json(p.*)``), or
+    one inside parentheses (``array_agg(x) from (select * from people) x``). Not ``count(*)``, and not a star of
+    the statement's own select list: its columns keep their sources (asyncpg's ``select distinct *`` over its
+    catalog query's CTE)."""
+    tokens = _tokens(text)
+    if tokens is None:
+        return True
+    depth = 0
+    previous = ""
+    for token in tokens:
+        name = token.name
+        if name == "ASCII_40":
+            depth += 1
+        elif name == "ASCII_41":
+            depth -= 1
+        elif name == "ASCII_42" and (previous == "ASCII_46" or depth > 0 and previous in _STAR_AFTER):
+            return True
+        previous = name
+    return False
+
+
+def _custom_setting(text: str) -> bool:
+    """Whether ``text`` reads a custom setting (``current_setting('app.v')``, ``SHOW app.v``: a variable that may
+    have been set from data) or one it does not name plainly; drivers read built-in ones (asyncpg saves ``jit``'s
+    value, to restore it after)."""
+    tokens = _tokens(text)
+    if tokens is None:
+        return True
+    for i, token in enumerate(tokens):
+        word = text[token.start:token.end + 1].strip('"').lower()
+        if word == "show" and i + 2 < len(tokens) and tokens[i + 2].name == "ASCII_46":
+            return True
+        if word != "current_setting":
+            continue
+        call = tokens[i + 1:i + 4]
+        if (len(call) < 3 or call[0].name != "ASCII_40" or call[1].name != "SCONST"
+                or call[2].name not in ("ASCII_41", "ASCII_44")
+                or not _BUILT_IN.fullmatch(string_constant(text[call[1].start:call[1].end + 1]).lower())):
+            return True
+    return False
+
+
+class Mentions:
+    """Per session: whether a statement may compute a value from a column a rule masks by name."""
+
+    __slots__ = ("cursors", "prepared", "statements", "watched")
+
+    def __init__(self) -> None:
+        self.watched: frozenset[str] = frozenset()  # the names the answers below were worked out for
+        self.statements: dict[str, bool] = {}  # the protocol's prepared statements (Parse) -> what they name
+        self.prepared: dict[str, bool] = {}  # SQL ``PREPARE`` names -> what their statement named
+        self.cursors: dict[str, bool] = {}  # SQL ``DECLARE`` names -> what their statement named
+
+    def read(self, text: str, watched: Iterable[str]) -> bool:
+        """Whether the values ``text`` computes may carry a ``watched`` column's (lower-case names); the names it
+        defines (``PREPARE``, ``DECLARE``) are remembered with the answer."""
+        names = frozenset(watched)
+        if names != self.watched:  # the rules changed: what was worked out for others is not known
+            self.statements.clear()
+            self.prepared.clear()
+            self.cursors.clear()
+            self.watched = names
+        normal = normalize_sql(text).lower()
+        found = (bool(names) and _naming(names).search(normal) is not None
+                 or "*" in text and _inner_star(text)
+                 or _SETTINGS.search(normal) is not None and _custom_setting(text))
+        defined = [(self.prepared if kind == "prepare" else self.cursors, name)
+                   for kind, name in _DEFINES.findall(normal)]
+        self._define(defined, found)  # first: a FETCH may follow its DECLARE in the same text
+        if not found:
+            found = any(self.prepared.get(name, True) for name in _EXECUTE.findall(normal)) or any(
+                self.cursors.get(words[-1], True) if (words := _WORD.findall(rest)) else True
+                for rest in _FETCH.findall(normal))
+            if found:
+                self._define(defined, found)
+        return found
+
+    @staticmethod
+    def _define(defined: list[tuple[dict[str, bool], str]], found: bool) -> None:
+        for known, name in defined:
+            if len(known) >= MAX_NAMES and name not in known:
+                known.clear()
+            known[name] = known.get(name, False) or found
+
+    def parsed(self, name: str, text: str, watched: Iterable[str]) -> None:
+        """A Parse of statement ``name``: what it names, for its Describe."""
+        if len(self.statements) >= MAX_NAMES and name not in self.statements:
+            self.statements.clear()
+        self.statements[name] = self.read(text, watched)
+
+    def statement(self, name: str | None) -> bool:
+        """Whether statement ``name`` names a masked column; one the gateway did not see parsed does."""
+        return True if name is None else self.statements.get(name, True)
