@@ -1043,3 +1043,84 @@ async def test_the_mariadb_clients_ctrl_c_cancels_its_statement_through_the_gate
     out, err = await asyncio.wait_for(process.communicate(), 30)
     text = (out + err).decode(errors="replace")
     assert "ERROR 1317 (70100)" in text and "Query execution was interrupted" in text, text
+
+
+class FileAskingTarget:
+    """A target that asks for a client's file (a rogue server, or whoever answers as the target): a relay to
+    MariaDB that answers ``SELECT 'rogue'`` itself with LOAD DATA LOCAL's file request for ``path``, takes
+    what comes up to the empty packet that ends a file, and answers OK."""
+
+    MARKER = b"\x03SELECT 'rogue'"
+
+    def __init__(self, target: int, path: str) -> None:
+        from tests.ports import free_port
+
+        self.target, self.path, self.port = target, path, free_port()
+        self.received: list[bytes] = []  # the file's packets the target got
+        self.server: asyncio.base_events.Server | None = None
+
+    async def __aenter__(self) -> "FileAskingTarget":
+        self.server = await asyncio.start_server(self._connection, "127.0.0.1", self.port)
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    @staticmethod
+    async def _packet(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+        head = await reader.readexactly(4)
+        return head[3], await reader.readexactly(int.from_bytes(head[:3], "little"))
+
+    @staticmethod
+    def _frame(seq: int, payload: bytes) -> bytes:
+        return len(payload).to_bytes(3, "little") + bytes([seq]) + payload
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
+
+        async def down() -> None:
+            while data := await up_reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+
+        pumping = asyncio.ensure_future(down())
+        try:
+            while True:
+                seq, payload = await self._packet(reader)
+                if payload != self.MARKER:
+                    up_writer.write(self._frame(seq, payload))
+                    continue
+                writer.write(self._frame(1, b"\xfb" + self.path.encode()))  # send me this file
+                while True:
+                    seq, data = await self._packet(reader)
+                    if not data:
+                        break
+                    self.received.append(data)
+                writer.write(self._frame(seq + 1, b"\x00\x00\x00\x02\x00\x00\x00"))  # OK
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            pumping.cancel()
+            up_writer.close()
+            writer.close()
+
+
+async def test_a_target_asking_for_a_file_the_connection_does_not_allow_ends_the_session(api, gateway,
+                                                                                           mysql_target, tmp_path):
+    secret_file = tmp_path / "client-secret.txt"
+    secret_file.write_text("the client's private key\n")
+    async with FileAskingTarget(mysql_target.port, str(secret_file)) as rogue:
+        role = await api.role(port=rogue.port, sslmode="disable")
+        secret, session_id = await api.credential(role)
+
+        def work() -> Any:
+            with connect(gateway, secret, autocommit=True, local_infile=True) as connection:
+                return answer(connection, "SELECT 'rogue'")
+
+        refused = await in_thread(work)
+    assert rogue.received == [], rogue.received  # not a byte of the client's file reached the target
+    assert refused[0] == 1105 and "not told the client may send files" in refused[1], refused
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 254
+    assert any("client-secret.txt" in e and "not told" in e for e in of_kind(session, "e")), of_kind(session, "e")

@@ -48,6 +48,7 @@ from proxies.mysql.codec import (
     COM_STMT_RESET,
     COM_STMT_SEND_LONG_DATA,
     DEPRECATE_EOF,
+    LOCAL_FILES,
     MORE_RESULTS_EXISTS,
     SESSION_TRACK,
     STATUS_CURSOR_EXISTS,
@@ -462,6 +463,8 @@ class ServerSide:
         self.out_chars = 0
         self.blocks: list[GuardVerdict] = []
         self.file_requested = False  # LOAD DATA LOCAL: the client sends the file next
+        # LOAD DATA LOCAL allowed: the target was told the client can send files (settings.mysql.local_infile)
+        self.local_files = bool(capabilities & LOCAL_FILES)
         self.prepare_ok: codec.PrepareOk | None = None
         self.internal_rows: list[list[bytes | None]] = []
         self.client: ClientSide | None = None  # the other side: it executes the statements prepared here
@@ -770,9 +773,13 @@ class ServerSide:
                     return False
                 return self._done()
             if payload[0] == 0xFB:  # LOAD DATA LOCAL INFILE: the target asks for a file
+                name = payload[1:].decode("utf-8", "replace")
+                if not self.local_files:  # it was not told the client can send one (MariaDB itself would not ask)
+                    raise ProtocolError(f"it asked the client for the file {name} (LOAD DATA LOCAL INFILE) though it "
+                                        f"was not told the client may send files (settings.mysql.local_infile); "
+                                        f"the client was not asked")
                 self.file_requested = True
-                self.policy.error(f"LOAD DATA LOCAL INFILE: the target asks the client for "
-                                  f"{payload[1:].decode('utf-8', 'replace')}")
+                self.policy.error(f"LOAD DATA LOCAL INFILE: the target asks the client for {name}")
                 out.append((seq, payload))
                 return False
             count, _ = codec.read_lenenc(payload, 0)
