@@ -569,6 +569,33 @@ async def test_input_guard_rail_blocks_simple_and_extended_statements(gateway, a
     assert status == 200 and logs["pages"]["total"] >= 7
 
 
+async def test_start_up_settings_are_read_by_the_input_rules_as_the_set_they_are(gateway, api):
+    role = await api.role()
+    await api.guardrail(role, input_rules=[{"type": "statement_kinds", "deny": ["VariableSetStmt"]}])
+    refused = "validation error, match guard rails input rule, type=statement_kinds, statement=VariableSetStmt"
+    secret, session_id = await api.credential(role)
+    # psql's own start-up settings (application_name, client_encoding) pass, unrecorded; the SET it refuses does not
+    assert psql(gateway, secret, "-A", "-t", "-c", "select 1").stdout.strip() == "1"
+    assert of_kind(await api.done_session(session_id), "i") == ["select 1"]
+    secret, session_id = await api.credential(role)
+    options = clients.psql(gateway.pg_port, secret, "-A", "-t", "-c", "select 2",
+                           PGOPTIONS=r"-c session_replication_role=replica -c search_path=public,\ pg_catalog")
+    assert options.returncode != 0 and f"FATAL:  {refused}" in options.stderr, options
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 254
+    assert of_kind(session, "i") == ["SET session_replication_role TO 'replica'; SET search_path TO 'public, "
+                                     "pg_catalog'"] and of_kind(session, "e") == [f"{refused} (statement 1 of 2)"]
+    secret, _ = await api.credential(role)
+    with pytest.raises(asyncpg.InsufficientPrivilegeError, match="statement=VariableSetStmt"):
+        await connect(gateway, secret, server_settings={"session_replication_role": "replica"})
+    secret, _ = await api.credential(role)
+    switch = clients.psql(gateway.pg_port, secret, "-c", "select 3", PGOPTIONS="-O")  # allow_system_table_mods
+    assert "cannot read the start-up settings" in switch.stderr and "'-O'" in switch.stderr, switch
+    _, logs = await api("GET", "/audit/logs?action=guardrail.block&page_size=100")
+    assert any(entry["request_payload_redacted"].get("input") == "SET session_replication_role TO 'replica'"
+               for entry in logs["data"]), logs
+
+
 BYPASSES = [  # issue 13: a comment marker inside a literal once hid the DROP from the deny word
     "select '/*'; drop/**/table bypass_me; select '*/'",
     "select '--' as c; drop/**/table bypass_me",

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from gatewayd import balance, metrics
 from gatewayd.access import looks_like_secret
+from gatewayd.guardrails import AUDIT_INPUT_CHARS, GuardVerdict
 from gatewayd.pipeline import BLOCKED_EXIT_CODE, AccessDenied, GatewayClosing, ProxyContext, TargetUnreachable
 from gatewayd.tasks import BackgroundTasks
 from proxies.postgres import tls
@@ -66,6 +67,8 @@ from proxies.postgres.upstream import (
     connect_target,
     send_cancel,
     end_on_target,
+    settings_sql,
+    startup_settings,
     terminate,
 )
 
@@ -156,6 +159,9 @@ _CANCEL_ROUTES: set[int] = set()  # the clusters whose cancel topic a listener o
 
 
 DATABASES_SETTING = "settings.postgres.databases"
+# start-up settings drivers send for themselves, harmless: neither recorded nor read by the input rules (lower case)
+ROUTINE_SETTINGS = frozenset({"application_name", "client_encoding", "datestyle", "timezone", "extra_float_digits",
+                              "intervalstyle"})
 
 
 def database_allowed(settings: dict[str, Any], database: str, own: str) -> bool:
@@ -399,6 +405,14 @@ class ClientConnection:
                                                            link.secret_key, self.pipeline.dialer_for(connection),
                                                            pending), cluster.slot if cluster else 0)
         async with run:
+            verdict = await self._settings_verdict(run.policy, parameters)
+            if verdict is not None:
+                self.listener.cancel_keys.pop(key)
+                terminate(link)
+                await run.policy.blocked(verdict)
+                self.send_fatal("42501", verdict.message)
+                await run.close(exit_code=BLOCKED_EXIT_CODE)
+                return
             try:
                 startup = mask_frames(run.policy, link.startup_frames)  # a setting made from data, masked too
                 self.stream.write(b"".join([encode_authentication_ok(), *startup, encode_backend_key_data(*key),
@@ -408,6 +422,25 @@ class ClientConnection:
                 self.listener.cancel_keys.pop(key)
                 terminate(link)
             await run.close(exit_code=exit_code, error=error)
+
+    @staticmethod
+    async def _settings_verdict(policy: SessionPolicy, parameters: dict[str, str]) -> GuardVerdict | None:
+        """The client's start-up settings (its parameters, ``options``' ``-c``) but those drivers set for themselves,
+        recorded and read by the input rules as the ``SET`` statements they amount to, before any statement runs
+        under them. The verdict that refuses the session, or None."""
+        settings, unreadable = startup_settings(parameters)
+        text = settings_sql([(name, value) for name, value in settings if name.lower() not in ROUTINE_SETTINGS])
+        if unreadable is not None:
+            text = f"{text}{'; ' if text else ''}-- start-up options: {parameters.get('options', '')}"
+        if not text:
+            return None
+        if unreadable is not None and policy.checks_input:
+            policy.record_input(text)
+            return GuardVerdict(False, f"validation error, the gateway cannot read the start-up settings the way the "
+                                       f"server will: {unreadable}", "input", "reading", "", text[:AUDIT_INPUT_CHARS])
+        if policy.needs_wait(text):
+            await policy.decide(text)
+        return policy.input(text)
 
     def _kill(self, reason: str) -> None:
         """The gateway ends the session (kill, expiry, shutdown): FATAL 57P01, both sockets close, and the

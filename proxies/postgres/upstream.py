@@ -22,6 +22,7 @@ safe to show the client: it never carries the target's host, user or password.
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl
 from dataclasses import dataclass, field
 from functools import partial
@@ -131,6 +132,67 @@ class TargetLink:
 def forwarded_parameters(client_parameters: dict[str, str]) -> dict[str, str]:
     """The client's start-up parameters that go on to the target (application_name, DateStyle, ...)."""
     return {k: v for k, v in client_parameters.items() if k not in _RESERVED_PARAMETERS and not k.startswith("_pq_.")}
+
+
+def _split_options(options: str) -> list[str]:
+    """``options`` split as the server splits it (``pg_split_opts``): at whitespace, a backslash escaping the
+    character after it."""
+    words: list[str] = []
+    word: list[str] | None = None
+    escaped = False
+    for char in options:
+        if char.isspace() and not escaped:
+            if word is not None:
+                words.append("".join(word))
+                word = None
+            continue
+        word = [] if word is None else word
+        if char == "\\" and not escaped:
+            escaped = True
+            continue
+        escaped = False
+        word.append(char)
+    if word is not None:
+        words.append("".join(word))
+    return words
+
+
+def startup_settings(client_parameters: dict[str, str]) -> tuple[list[tuple[str, str]], str | None]:
+    """The settings the target starts the session under at the client's asking: each forwarded start-up parameter,
+    and each ``-c name=value`` / ``--name=value`` of ``options``; and, when ``options`` holds anything else (a
+    switch such as ``-O`` or ``-P``, a setting without a value), why the gateway cannot read it (else None)."""
+    settings: list[tuple[str, str]] = []
+    for key, value in forwarded_parameters(client_parameters).items():
+        if key != "options":
+            settings.append((key, value))
+            continue
+        words = _split_options(value)
+        while words:
+            word = words.pop(0)
+            if word == "-c" and words:
+                word = words.pop(0)
+            elif word.startswith(("-c", "--")):
+                word = word[2:]
+            else:
+                return settings, f"the start-up option {word!r} is not a setting (-c name=value) the gateway reads"
+            name, equals, setting = word.partition("=")
+            if not equals or not name:
+                return settings, f"the start-up option {word!r} is not a setting (-c name=value) the gateway reads"
+            settings.append((name.replace("-", "_"), setting))
+    return settings, None
+
+
+_PLAIN_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_$]*(?:\.[A-Za-z_][A-Za-z0-9_$]*)*")
+
+
+def settings_sql(settings: list[tuple[str, str]]) -> str:
+    """Start-up settings as the ``SET`` statements they amount to (what the input rules read, and the recording)."""
+    statements = []
+    for name, value in settings:
+        if not _PLAIN_NAME.fullmatch(name):
+            name = '"' + name.replace('"', '""') + '"'
+        statements.append(f"SET {name} TO '" + value.replace("'", "''") + "'")
+    return "; ".join(statements)
 
 
 def _tls_context(sslmode: str, rootcert: str, name: str) -> ssl.SSLContext:
