@@ -44,7 +44,7 @@ proxy learns about them.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from gatewayd import metrics
 from gatewayd.guardrails import GuardVerdict
@@ -176,16 +176,18 @@ class SessionPolicy:
 
     # -- masking
 
-    def output_masked(self, data: str) -> tuple[GuardVerdict | None, str]:
+    def output_masked(self, data: str, mask: Callable[[str], str] | None = None
+                      ) -> tuple[GuardVerdict | None, str]:
         """``output`` with masking: (the blocking verdict, or None and the text to send, masked and recorded).
 
         The blocking rules read the target's text as it came; what they let through is masked,
-        then recorded as masked (an auditor sees what the user saw).
+        then recorded as masked (an auditor sees what the user saw).  ``mask``: the proxy's own
+        masking of its framing (an HTTP websocket message read as JSON), else ``mask_output``.
         """
         verdict = self.check_output(data)
         if verdict is not None:
             return verdict, data
-        text = self.mask_output(data)
+        text = self.mask_output(data) if mask is None else mask(data)
         self.record_output(text)
         return None, text
 

@@ -7,7 +7,7 @@ query, headers, body), ``/upload`` (streamed SHA-256 of the body),
 HTML page with a form that posts to ``/echo/posted``), ``/text?say=...``,
 ``/big-text?size=N&needle=W&at=K``, ``/ws`` (echo), ``/sse?n=N`` and ``/sse-hold``
 (an event, then waits until ``/release``), ``/seen`` (paths received so far),
-``/pii/{json,text,chunked,gzip,sse,ws}`` (personal data for the masking tests, ``PII_*``).
+``/pii/{json,text,chunked,gzip,sse,ws,sse-json,ws-json}`` (personal data for the masking tests, ``PII_*``).
 """
 
 from __future__ import annotations
@@ -166,12 +166,18 @@ def make_app() -> web.Application:
         if kind == "gzip":  # sent gzip whatever the request accepts, as some servers do (the same bytes each time)
             return web.Response(body=gzip_bytes(json.dumps(PII_JSON).encode()), content_type="application/json",
                                 headers={"Content-Encoding": "gzip"})
-        if kind == "ws":
+        if kind in ("ws", "ws-json"):
             ws = web.WebSocketResponse()
             await ws.prepare(request)
-            await ws.send_str(PII_TEXT)
+            await ws.send_str(PII_TEXT if kind == "ws" else json.dumps(PII_JSON))
             await ws.close()
             return ws
+        if kind == "sse-json":  # an API streaming its answer as JSON events
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            await response.write(f"id: 1\ndata: {json.dumps(PII_JSON)}\n\n".encode())
+            await response.write_eof()
+            return response
         sse = kind == "sse"
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream" if sse else "text/plain"})
         await response.prepare(request)

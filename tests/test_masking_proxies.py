@@ -257,6 +257,23 @@ async def test_http_event_stream_and_websocket_messages_are_masked(gateway, http
     assert_clear_nowhere(gateway, stream.decode(), message.data, text)
 
 
+async def test_http_a_rule_by_key_masks_json_events_and_websocket_messages(gateway, http_api):
+    """JSON in an event stream's ``data:`` lines and in websocket text messages is masked by key as a JSON body is
+    (before, only the patterns read them: an API streaming JSON events passed the key's value in clear)."""
+    secret, session_id = await masked_http(http_api, DETECTORS, BY_KEY)
+    masked = {"customer": {"name": "Jane", "contact": {"email": "****"}, "ssn": "*******1120", "cards": ["****"]},
+              "total": 12}
+    _, stream = fetch(gateway, secret, "/pii/sse-json", "-N")
+    event = stream.split(b"\n")
+    assert event[0] == b"id: 1" and event[1].startswith(b"data: ") and json.loads(event[1][6:]) == masked, stream
+    async with aiohttp.ClientSession() as http:
+        async with http.ws_connect(f"{gateway.http_url}/pii/ws-json", headers={"Authorization": secret}) as ws:
+            message = await asyncio.wait_for(ws.receive(), 20)
+    assert json.loads(message.data) == masked
+    text = await recorded(http_api, session_id, lambda s: sum("*******1120" in t for t in of_kind(s, "o")) >= 2)
+    assert_clear_nowhere(gateway, stream.decode(), message.data, text)
+
+
 async def test_http_a_text_body_too_big_to_mask_is_withheld(gateway, http_api):
     secret, session_id = await masked_http(http_api, DETECTORS)
     done = curl("-H", f"Authorization: {secret}", "-w", "\n%{http_code}",

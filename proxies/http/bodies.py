@@ -108,6 +108,32 @@ def mask_body(policy: SessionPolicy, body: bytes, content_type: str | None) -> b
         raise Unreadable(f"a masked body that cannot be written in {codec} again") from None
 
 
+def mask_message(policy: SessionPolicy, text: str) -> str:
+    """A websocket text message masked as a whole body of no declared type is (``mask_body``): JSON value by value,
+    so a rule by key reads its keys, anything else as text."""
+    return mask_body(policy, text.encode("utf-8", "surrogateescape"), None).decode("utf-8", "surrogateescape")
+
+
+def mask_event_lines(policy: SessionPolicy, lines: bytes, context: bytes = b"") -> bytes:
+    """Lines of an event stream masked (``LineHold``'s, with their ``context``): the value of a ``data:`` line that
+    is JSON value by value under a rule by key (an API streaming its answer as JSON events), the rest as text."""
+    masker: Masker | None = policy.masker
+    if masker is None or not masker.columns or b"data:" not in lines:
+        return policy.mask_bytes(lines, context)
+    out = []
+    for line in lines.splitlines(keepends=True):
+        if not context and line.startswith(b"data:"):  # (with a context, the line began in an earlier piece)
+            start = 6 if line[5:6] == b" " else 5
+            value = line[start:].rstrip(b"\r\n")
+            masked = _masked_json(policy, masker, value) if _JSON_START.match(value) else None
+            if masked is not None:
+                out.append(line[:start] + masked + line[start + len(value):])
+                continue
+        out.append(policy.mask_bytes(line, context))
+        context = b""
+    return b"".join(out)
+
+
 def _masked_json(policy: SessionPolicy, masker: Masker, body: bytes) -> bytes | None:
     """A JSON body masked value by value (keys named in ``columns`` at any depth), then as text for what no
     value holds (an object key): one document, or JSON lines one by one (NDJSON, JSON text sequences),

@@ -45,6 +45,7 @@ from proxies.http.bodies import (
     RequestBodyError,
     chain,
     mask_body,
+    mask_event_lines,
     output_text,
     read_prefix,
     undone,
@@ -514,7 +515,7 @@ class HttpListener(FastPath):
                             error = "output blocked mid-stream: the connection was cut"
                             break
                     if hold is not None:
-                        chunk = policy.mask_bytes(*hold.take(chunk))
+                        chunk = mask_event_lines(policy, *hold.take(chunk))
                         if not chunk:
                             continue
                     await response.write(chunk)
@@ -522,7 +523,7 @@ class HttpListener(FastPath):
                     if len(kept) < self.record_cap:
                         kept += chunk[:self.record_cap - len(kept)]
             if error is None:
-                if hold is not None and (rest := policy.mask_bytes(*hold.give_up())):
+                if hold is not None and (rest := mask_event_lines(policy, *hold.give_up())):
                     await response.write(rest)
                     sent += len(rest)
                     if len(kept) < self.record_cap:

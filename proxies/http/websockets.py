@@ -4,6 +4,7 @@ message by message, each text message read by the rules of its upgrade request (
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -13,6 +14,7 @@ from yarl import URL
 
 from gatewayd.dialer import DialerConnector, UnresolvedNames
 from proxies.http.answers import blocked, json_error, not_connected, unreachable
+from proxies.http.bodies import mask_message
 from proxies.http.messages import guard_readings, head_bytes, upstream_request_headers, without_secrets
 from proxies.http.upstream import CLIENT_ERRORS
 
@@ -99,11 +101,12 @@ async def _relay(request: web.BaseRequest, policy: SessionPolicy,
             report = policy.input if inbound else policy.output  # a blocked input message is on the record
             record = policy.record_input if inbound else policy.record_output
             masking = not inbound and policy.masker is not None
+            mask = functools.partial(mask_message, policy)  # a message as a body of no declared type: JSON too
             async for message in source_ws:
                 if message.type == WSMsgType.TEXT:
                     data = message.data
                     if masking:  # the target's message, masked and recorded as masked
-                        verdict, data = policy.output_masked(data)
+                        verdict, data = policy.output_masked(data, mask)
                     else:
                         verdict = report(data)
                     if verdict:
