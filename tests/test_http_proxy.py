@@ -748,6 +748,31 @@ async def test_websocket_messages_go_through_guard_rails(api, gateway, client):
     assert recorded[blocked + 1][0] == "e" and recorded[blocked + 1][1].endswith("words=[rm -rf]")
 
 
+async def test_binary_websocket_messages_are_read_as_text_or_refused(api, gateway, client):
+    """A binary message is read as a text message is when it is UTF-8, and under input rules one that is not is
+    refused, never forwarded unread (before, binary frames passed every rule: ``rm -rf /`` sent as one reached
+    the target, and the target's card number in one passed a mask rule)."""
+    connection = await api.role()
+    secret, session_id = await api.credential(connection)
+    await api.guardrail(connection, input_rules=[{"type": "deny_words_list", "words": ["rm -rf"]}],
+                        output_rules=[{"type": "mask", "patterns": ["card_number"]}])
+    card = "4111 1111 1111 1111"
+    for sent, why in ((b"rm -rf /", "words=[rm -rf]"), (b"\xff\x00\x01", "not UTF-8 text")):
+        async with client.ws_connect(f"{gateway.http_url}/ws", headers={"Authorization": secret}) as ws:
+            await ws.send_bytes(card[::-1].encode())  # the target sends it back reversed: the card number
+            assert (await ws.receive_bytes(timeout=10)) == b"****"
+            await ws.send_bytes(sent)
+            message = await ws.receive(timeout=10)
+            assert message.type == aiohttp.WSMsgType.CLOSE and message.data == 1008, message
+        await api.session(session_id, has_event("e", why))
+    recorded = events(await api.session(session_id))
+    for sent in ("rm -rf /", "\ufffd\x00\x01"):  # each refused message on the record, then its block
+        assert recorded[recorded.index(("i", sent)) + 1][0] == "e"
+    assert not [t for _, t in recorded if card in t], recorded
+    blocks = [b for b in await api.audit("guardrail.block") if b["request_payload_redacted"]["session_id"] == session_id]
+    assert len(blocks) == 2
+
+
 async def test_dot_segments_cannot_leave_the_base_path(api, gateway, client, target):
     connection = await api.role(f"{target}/echo")
     secret, _ = await api.credential(connection)

@@ -45,6 +45,12 @@ def redirect(location: str) -> web.Response:
     return response
 
 
+def unreadable(why: str) -> GuardVerdict:
+    """The verdict on input the rules cannot read the way the target will: refused, never forwarded unread."""
+    return GuardVerdict(False, f"validation error, the gateway cannot read this request the way the target will: "
+                               f"{why}", "input", "reading")
+
+
 async def blocked(policy: SessionPolicy, verdict: GuardVerdict, recorded: bytes = b"") -> web.Response:
     """403 for a block; ``recorded``: the blocked request as recorded (credential headers redacted),
     which the audit entry names instead of the text the rules read."""

@@ -27,7 +27,6 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.http_parser import RawResponseMessage
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from gatewayd.guardrails import GuardVerdict
 from gatewayd.masking import LineHold
 from gatewayd.pipeline import GatewayClosing, GatewayUnavailable, ProxyContext
 from proxies.http.answers import (
@@ -37,6 +36,7 @@ from proxies.http.answers import (
     redirect,
     refusal,
     unreachable,
+    unreadable,
     upstream_error,
     withheld,
 )
@@ -329,9 +329,7 @@ class HttpListener(FastPath):
         its ``e`` event and its audit entry, as a block is."""
         recorded = head_bytes(first_line, headers.items())
         policy.record_input(recorded + body_note(0, total, False).encode())
-        verdict = GuardVerdict(False, f"validation error, the gateway cannot read this request the way the target "
-                                      f"will: {why}", "input", "reading")
-        return await blocked(policy, verdict, recorded)
+        return await blocked(policy, unreadable(why), recorded)
 
     async def _exchange(self, request: web.BaseRequest | FrontRequest, state: CredentialState,
                         policy: SessionPolicy, first_line: str, head: bytes, data: bytes | AsyncIterator[bytes] | None,

@@ -13,12 +13,13 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from gatewayd.dialer import DialerConnector, UnresolvedNames
-from proxies.http.answers import blocked, json_error, not_connected, unreachable
+from proxies.http.answers import blocked, json_error, not_connected, unreachable, unreadable
 from proxies.http.bodies import mask_message
 from proxies.http.messages import guard_readings, head_bytes, upstream_request_headers, without_secrets
 from proxies.http.upstream import CLIENT_ERRORS
 
 if TYPE_CHECKING:
+    from gatewayd.guardrails import GuardVerdict
     from gatewayd.pipeline import SessionPipeline
     from gatewayd.policy import SessionPolicy
     from proxies.http.credentials import CredentialState
@@ -101,24 +102,42 @@ async def _relay(request: web.BaseRequest, policy: SessionPolicy,
             report = policy.input if inbound else policy.output  # a blocked input message is on the record
             record = policy.record_input if inbound else policy.record_output
             masking = not inbound and policy.masker is not None
+            read = policy.checks_input if inbound else policy.checks_output or masking  # rules read this way
             mask = functools.partial(mask_message, policy)  # a message as a body of no declared type: JSON too
             async for message in source_ws:
+                verdict: GuardVerdict | None = None
                 if message.type == WSMsgType.TEXT:
-                    data = message.data
-                    if masking:  # the target's message, masked and recorded as masked
-                        verdict, data = policy.output_masked(data, mask)
-                    else:
-                        verdict = report(data)
-                    if verdict:
-                        await policy.blocked(verdict)
-                        closing["blocked"] = (1008, verdict.message[:120])
-                        return
-                    await sink.send_str(data)
+                    data = text = message.data
                 elif message.type == WSMsgType.BINARY:
-                    record(message.data)
-                    await sink.send_bytes(message.data)
+                    data = message.data
+                    try:  # binary frames often carry text (JSON, commands): read as a text message is
+                        text = data.decode() if read else None
+                    except UnicodeDecodeError:
+                        text = None
+                    if text is None:  # no rule reads it, or it is not text: recorded as bytes
+                        record(data)
+                        if read and inbound:  # what the input rules cannot read is not forwarded unread
+                            verdict = unreadable("a binary websocket message that is not UTF-8 text")
+                        # (the target's: passes unread, as a body of a binary type does)
                 elif message.type in (WSMsgType.ERROR, WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
                     break
+                else:
+                    await policy.drain()
+                    continue
+                if text is not None:
+                    if masking:  # the target's message, masked and recorded as masked
+                        verdict, text = policy.output_masked(text, mask)
+                        data = text if isinstance(data, str) else text.encode()
+                    else:
+                        verdict = report(data, text)
+                if verdict:
+                    await policy.blocked(verdict)
+                    closing["blocked"] = (1008, verdict.message[:120])
+                    return
+                if isinstance(data, str):
+                    await sink.send_str(data)
+                else:
+                    await sink.send_bytes(data)
                 await policy.drain()
 
         tasks = [asyncio.create_task(pump(downstream, upstream, True)),  # both awaited below
