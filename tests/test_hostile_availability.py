@@ -182,3 +182,39 @@ def test_malformed_http_is_one_short_line_and_a_huge_body_is_refused_from_its_he
         assert all("aaaaaaaa" not in line for line in brief)  # the client's bytes are not echoed into the log
     finally:
         assert daemon.stop() == 0
+
+
+def test_a_head_that_never_ends_is_cut_at_the_idle_timeout(tmp_path_factory):
+    """A client that sends part of a request head and then nothing, or one byte at a time, holds its socket no
+    longer than ``http.idle_timeout`` (before, an hour: aiohttp's default, a few thousand such connections from
+    one unauthenticated client used up the worker's descriptors for everyone)."""
+    http_port = free_port()
+    daemon = Daemon(tmp_path_factory.mktemp("slow") / "data", {"listeners.http": f"127.0.0.1:{http_port}",
+                                                                "http.idle_timeout": "2s"})
+    daemon.start()
+    wait_port(http_port, daemon.process, "the http listener")
+
+    def held(first: bytes, trickle: bool) -> float:
+        """Seconds until the gateway closed the connection (at most 20)."""
+        with socket.create_connection(("127.0.0.1", http_port), timeout=1) as sock:
+            started = time.monotonic()
+            sock.sendall(first)
+            while time.monotonic() - started < 20:
+                try:
+                    if trickle:
+                        sock.sendall(b"x")
+                    if sock.recv(4096) == b"":
+                        break
+                except socket.timeout:
+                    continue
+                except OSError:
+                    break
+            return time.monotonic() - started
+
+    try:
+        for first, trickle in ((b"GET / HTTP/1.1\r\nHost: x\r\n", False), (b"GET / HTTP/1.1\r\nX-Slow: ", True),
+                               (b"", False)):
+            assert held(first, trickle) < 8, (first, trickle)
+        assert exchange(http_port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").startswith(b"HTTP/1.1 401")
+    finally:
+        assert daemon.stop() == 0

@@ -35,5 +35,6 @@ DESCRIPTION = ProtocolDescription(
     settings={"record_body_bytes": Setting("int", 64 * 1024, positive),
               "guard_body_bytes": Setting("int", 1024 * 1024, positive),
               "credential_recheck": Setting("duration", "5s"),
+              "idle_timeout": Setting("duration", "75s", positive),
               "apps_domain": Setting("str", "localhost", domain_setting)},
 )

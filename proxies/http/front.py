@@ -37,7 +37,6 @@ from gatewayd.tasks import BackgroundTasks
 
 log = logging.getLogger("gatewayd.http")
 
-KEEPALIVE_SECONDS = 75.0  # aiohttp's default: an idle keep-alive connection is closed after this
 _END = b"\r\n\r\n"
 
 
@@ -193,8 +192,9 @@ class Front:
     (it then ends it with ``FrontProtocol.complete`` or ``serve_later``), False to leave it to ``handler``.
     """
 
-    def __init__(self, handler: Handler, fallback: web.Server, fast: Fast | None = None) -> None:
+    def __init__(self, handler: Handler, fallback: web.Server, fast: Fast | None = None, idle: float = 75.0) -> None:
         self.handler = handler
+        self.idle = idle  # seconds a connection may wait for its next request (``http.idle_timeout``)
         self.fallback = fallback
         self.fast = fast
         # a new connection's first bytes, before anything else: True when taken (served later, or handed to
@@ -207,15 +207,15 @@ class Front:
 
     def protocol(self) -> FrontProtocol:
         if self._sweeper is None:
-            self._sweeper = asyncio.get_running_loop().call_later(KEEPALIVE_SECONDS / 5, self._sweep)
+            self._sweeper = asyncio.get_running_loop().call_later(self.idle / 5, self._sweep)
         return FrontProtocol(self)
 
     def _sweep(self) -> None:
         """Close front-end connections idle for longer than the keep-alive time."""
-        horizon = time.monotonic() - KEEPALIVE_SECONDS
+        horizon = time.monotonic() - self.idle
         for connection in [c for c in self.connections if not c.busy and c.idle_since < horizon]:
             connection.close()
-        self._sweeper = asyncio.get_running_loop().call_later(KEEPALIVE_SECONDS / 5, self._sweep)
+        self._sweeper = asyncio.get_running_loop().call_later(self.idle / 5, self._sweep)
 
     async def close(self, grace: float) -> None:
         """Close idle connections now, let requests in flight finish for up to ``grace`` seconds, then cut them."""

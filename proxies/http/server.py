@@ -111,9 +111,11 @@ class HttpListener(FastPath):
         self.credentials = Credentials(self.pipeline, settings["credential_recheck"])
         self.pool = UpstreamPool(self.pipeline.dialer)
         self.websockets = WebSockets(self.pipeline)
-        self.server = web.Server(self.handle, access_log=None, auto_decompress=False, read_bufsize=256 * 1024)
+        idle: float = settings["idle_timeout"]  # (aiohttp's own default holds a head that never ends an hour)
+        self.server = web.Server(self.handle, access_log=None, auto_decompress=False, read_bufsize=256 * 1024,
+                                 keepalive_timeout=idle)
         self.runner = web.ServerRunner(self.server, handle_signals=False, shutdown_timeout=1.0)
-        self.front = Front(self.handle, self.server, self.fast)  # plain requests; the rest goes to self.server
+        self.front = Front(self.handle, self.server, self.fast, idle)  # plain requests; the rest: self.server
         self.tcp: asyncio.AbstractServer | None = None
         # the workers of one `gatewayd run` share the port: a connection goes to the one holding its session
         self.handover = Handover(self.pipeline.sessions.cluster.node_id, self.pipeline.sibling_holding,
