@@ -773,6 +773,21 @@ async def test_binary_websocket_messages_are_read_as_text_or_refused(api, gatewa
     assert len(blocks) == 2
 
 
+async def test_a_websocket_message_over_the_limit_closes_it_with_1009(api, gateway, client):
+    """A message is read whole, inflated when compressed: one over ``http.websocket_message_bytes`` (16 MiB by
+    default) closes the websocket with 1009 and an ``e`` event (before, there was no bound: 64 KiB on the wire,
+    compressed, made the worker hold 64 MiB, and a few of them ran it out of memory with every session on it)."""
+    connection = await api.role()
+    secret, session_id = await api.credential(connection)
+    async with client.ws_connect(f"{gateway.http_url}/ws", headers={"Authorization": secret}, compress=15) as ws:
+        await ws.send_bytes(b"\x01" * 1024 * 1024, compress=15)  # under the limit: relayed
+        assert (await ws.receive_bytes(timeout=30)) == b"\x01" * 1024 * 1024
+        await ws.send_bytes(b"\x00" * 64 * 1024 * 1024, compress=15)
+        message = await ws.receive(timeout=30)
+        assert message.type == aiohttp.WSMsgType.CLOSE and message.data == 1009, message
+    await api.session(session_id, has_event("e", "over http.websocket_message_bytes"))
+
+
 async def test_dot_segments_cannot_leave_the_base_path(api, gateway, client, target):
     connection = await api.role(f"{target}/echo")
     secret, _ = await api.credential(connection)

@@ -110,7 +110,7 @@ class HttpListener(FastPath):
         self.apps_domain: str = settings["apps_domain"]  # "": one shared origin for every connection
         self.credentials = Credentials(self.pipeline, settings["credential_recheck"])
         self.pool = UpstreamPool(self.pipeline.dialer)
-        self.websockets = WebSockets(self.pipeline)
+        self.websockets = WebSockets(self.pipeline, settings["websocket_message_bytes"])
         idle: float = settings["idle_timeout"]  # (aiohttp's own default holds a head that never ends an hour)
         self.server = web.Server(self.handle, access_log=None, auto_decompress=False, read_bufsize=256 * 1024,
                                  keepalive_timeout=idle)

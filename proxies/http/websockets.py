@@ -8,7 +8,7 @@ import functools
 from typing import TYPE_CHECKING
 
 import aiohttp
-from aiohttp import WSMsgType, web
+from aiohttp import WSCloseCode, WSMsgType, web
 from multidict import CIMultiDict
 from yarl import URL
 
@@ -40,8 +40,9 @@ class WebSockets:
     """A listener's websockets: one shared client to the targets (a client of its own for a target reached
     through an agent or a tenant's checked dial, closed with its websocket)."""
 
-    def __init__(self, pipeline: SessionPipeline) -> None:
+    def __init__(self, pipeline: SessionPipeline, message_bytes: int) -> None:
         self.pipeline = pipeline
+        self.message_bytes = message_bytes  # the largest message either way (``http.websocket_message_bytes``)
         self.client = client_session(
             DialerConnector(pipeline.dialer, limit=0, ttl_dns_cache=60, keepalive_timeout=30))
 
@@ -70,7 +71,8 @@ class WebSockets:
             try:
                 upstream = await client.ws_connect(URL(url, encoded=True), headers=CIMultiDict(up_headers),
                                                    protocols=protocols,
-                                                   ssl=False if state.insecure else True, max_msg_size=0,
+                                                   ssl=False if state.insecure else True,
+                                                   max_msg_size=self.message_bytes,
                                                    autoping=True)
             except aiohttp.WSServerHandshakeError as exc:
                 message = f"the target refused the websocket upgrade ({exc.status})"
@@ -80,17 +82,19 @@ class WebSockets:
                 return not_connected(state, policy, exc.os_error.strerror or type(exc.os_error).__name__)
             except CLIENT_ERRORS as exc:
                 return unreachable(state, policy, type(exc).__name__)
-            return await _relay(request, policy, upstream)
+            return await _relay(request, policy, upstream, self.message_bytes)
         finally:
             if client is not self.client:
                 await client.close()
 
 
-async def _relay(request: web.BaseRequest, policy: SessionPolicy,
-                 upstream: aiohttp.ClientWebSocketResponse) -> web.StreamResponse:
-    """Both directions of an upgraded websocket until either side closes."""
+async def _relay(request: web.BaseRequest, policy: SessionPolicy, upstream: aiohttp.ClientWebSocketResponse,
+                 message_bytes: int) -> web.StreamResponse:
+    """Both directions of an upgraded websocket until either side closes (a message over ``message_bytes``,
+    inflated, closes it with 1009: aiohttp reads each message whole, and a small compressed one can inflate to
+    gigabytes)."""
     downstream = web.WebSocketResponse(protocols=[upstream.protocol] if upstream.protocol else (),
-                                       max_msg_size=0, autoping=True)
+                                       max_msg_size=message_bytes, autoping=True)
     try:
         await downstream.prepare(request)
         chosen = f", {upstream.protocol}" if upstream.protocol else ""
@@ -120,6 +124,10 @@ async def _relay(request: web.BaseRequest, policy: SessionPolicy,
                             verdict = unreadable("a binary websocket message that is not UTF-8 text")
                         # (the target's: passes unread, as a body of a binary type does)
                 elif message.type in (WSMsgType.ERROR, WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
+                    if getattr(message.data, "code", None) == WSCloseCode.MESSAGE_TOO_BIG:  # closed by aiohttp
+                        policy.error(f"a websocket message from the {'client' if inbound else 'target'} over "
+                                     f"http.websocket_message_bytes ({message_bytes} bytes): the websocket was "
+                                     f"closed (1009)")
                     break
                 else:
                     await policy.drain()
