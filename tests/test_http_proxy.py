@@ -748,6 +748,24 @@ async def test_websocket_messages_go_through_guard_rails(api, gateway, client):
     assert recorded[blocked + 1][0] == "e" and recorded[blocked + 1][1].endswith("words=[rm -rf]")
 
 
+async def test_websocket_input_rules_read_a_match_over_several_messages(api, gateway, client):
+    """A web terminal sends each keystroke as a message of its own: input rules read each message with the end of
+    the ones before (before, each was read alone, and ``rm -rf /`` typed key by key reached the target)."""
+    connection = await api.role()
+    secret, session_id = await api.credential(connection)
+    await api.guardrail(connection, input_rules=[{"type": "deny_words_list", "words": ["rm -rf"]}])
+    async with client.ws_connect(f"{gateway.http_url}/ws", headers={"Authorization": secret}) as ws:
+        for key in "ls\rrm -r":
+            await ws.send_str(key)
+            assert (await ws.receive_str(timeout=10)) == f"echo: {key}"
+        await ws.send_str("f")
+        message = await ws.receive(timeout=10)
+        assert message.type == aiohttp.WSMsgType.CLOSE and message.data == 1008, message
+    session = await api.session(session_id, has_event("e", "words=[rm -rf]"))
+    recorded = events(session)
+    assert recorded[recorded.index(("i", "f")) + 1][0] == "e"
+
+
 async def test_binary_websocket_messages_are_read_as_text_or_refused(api, gateway, client):
     """A binary message is read as a text message is when it is UTF-8, and under input rules one that is not is
     refused, never forwarded unread (before, binary frames passed every rule: ``rm -rf /`` sent as one reached

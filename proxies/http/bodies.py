@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     from gatewayd.policy import SessionPolicy
 
 SMALL_BODY = 64 * 1024  # a response this small (with a Content-Length) is read whole and sent in one write
+# characters of a stream's previous pieces (an event stream's, a websocket's messages) read again with the next
+STREAM_OVERLAP = 4096
 # the prefixes sites put before JSON so that a <script> including it runs nothing (Angular's, Google's, Facebook's)
 _XSSI = re.compile(rb"\s*(?:\)\]\}'\s*,?|while\s*\(\s*1\s*\)\s*;|for\s*\(\s*;\s*;\s*\)\s*;)\s*")
 _JSON_START = re.compile(rb"\s*(?:\)\]\}'|while\s*\(|for\s*\(|[\[{])")  # what may be JSON whatever its type

@@ -42,6 +42,7 @@ from proxies.http.answers import (
 )
 from proxies.http.bodies import (
     SMALL_BODY,
+    STREAM_OVERLAP,
     RequestBodyError,
     chain,
     mask_body,
@@ -89,7 +90,6 @@ from proxies.http.websockets import WebSockets
 if TYPE_CHECKING:
     from gatewayd.policy import SessionPolicy
 
-STREAM_OVERLAP = 4096  # characters of an event stream's previous piece checked again with the next
 # under a mask rule: a coding the gateway may not decode, and ranges (a value fetched in pieces is never found)
 # what a request under output rules or a mask rule does not send on: the rules read the answer whole and decoded
 _READ_REQUEST_DROP = frozenset({"accept-encoding", "range", "if-range"})

@@ -14,7 +14,7 @@ from yarl import URL
 
 from gatewayd.dialer import DialerConnector, UnresolvedNames
 from proxies.http.answers import blocked, json_error, not_connected, unreachable, unreadable
-from proxies.http.bodies import mask_message
+from proxies.http.bodies import STREAM_OVERLAP, mask_message
 from proxies.http.messages import guard_readings, head_bytes, upstream_request_headers, without_secrets
 from proxies.http.upstream import CLIENT_ERRORS
 
@@ -108,6 +108,9 @@ async def _relay(request: web.BaseRequest, policy: SessionPolicy, upstream: aioh
             masking = not inbound and policy.masker is not None
             read = policy.checks_input if inbound else policy.checks_output or masking  # rules read this way
             mask = functools.partial(mask_message, policy)  # a message as a body of no declared type: JSON too
+            # the end of the client's messages before: input rules read it with the next, as a match may straddle
+            # two (a web terminal sends each keystroke as a message of its own)
+            typed = ""
             async for message in source_ws:
                 verdict: GuardVerdict | None = None
                 if message.type == WSMsgType.TEXT:
@@ -136,8 +139,12 @@ async def _relay(request: web.BaseRequest, policy: SessionPolicy, upstream: aioh
                     if masking:  # the target's message, masked and recorded as masked
                         verdict, text = policy.output_masked(text, mask)
                         data = text if isinstance(data, str) else text.encode()
+                    elif typed:  # (the client's, under input rules)
+                        verdict = policy.input(data, text, readings=(text, typed + text))
                     else:
                         verdict = report(data, text)
+                    if inbound and read:
+                        typed = (typed + text)[-STREAM_OVERLAP:]
                 if verdict:
                     await policy.blocked(verdict)
                     closing["blocked"] = (1008, verdict.message[:120])
