@@ -766,6 +766,25 @@ async def test_websocket_input_rules_read_a_match_over_several_messages(api, gat
     assert recorded[recorded.index(("i", "f")) + 1][0] == "e"
 
 
+async def test_a_rule_attached_while_a_websocket_is_open_applies_to_its_next_message(api, gateway, client):
+    """A websocket's messages are read by the rules of the moment, as requests are (before, by those of its upgrade
+    request: a web terminal opened before a rule was attached went on unchecked and unmasked for as long as it
+    stayed open)."""
+    connection = await api.role()
+    secret, session_id = await api.credential(connection)
+    async with client.ws_connect(f"{gateway.http_url}/ws", headers={"Authorization": secret}) as ws:
+        await ws.send_str("4111 1111 1111 1111 rm -rf /")
+        assert (await ws.receive_str(timeout=10)) == "echo: 4111 1111 1111 1111 rm -rf /"
+        await api.guardrail(connection, input_rules=[{"type": "deny_words_list", "words": ["rm -rf"]}],
+                            output_rules=[{"type": "mask", "patterns": ["card_number"]}])
+        await ws.send_str("4111 1111 1111 1111")
+        assert (await ws.receive_str(timeout=10)) == "echo: ****"
+        await ws.send_str("rm -rf /")
+        message = await ws.receive(timeout=10)
+        assert message.type == aiohttp.WSMsgType.CLOSE and message.data == 1008, message
+    await api.session(session_id, has_event("e", "words=[rm -rf]"))
+
+
 async def test_binary_websocket_messages_are_read_as_text_or_refused(api, gateway, client):
     """A binary message is read as a text message is when it is UTF-8, and under input rules one that is not is
     refused, never forwarded unread (before, binary frames passed every rule: ``rm -rf /`` sent as one reached

@@ -18,6 +18,7 @@ blocks, 502s), request and answer bodies (``bodies.py``). The pure rules
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from typing import TYPE_CHECKING, AsyncIterator
 
@@ -157,7 +158,7 @@ class HttpListener(FastPath):
             return refusal(request, 503, str(exc), title="Service unavailable")
         except GatewayClosing:
             return refusal(request, 503, "the gateway is shutting down: no new session is opened")
-        policy = self._policy(state, client_ip) or await self._new_policy(state, client_ip)
+        policy = await self._current(state, client_ip)
         label = app_host_label(request.host, self.apps_domain)
         if presented.source == CredentialSource.PATH:
             if self.apps_domain and label != state.label:  # each app on its own origin
@@ -189,8 +190,13 @@ class HttpListener(FastPath):
                                    "NUL is refused: it could leave the target's base path")
         if "Upgrade" in headers and is_websocket_upgrade(headers.items()):
             with in_flight(state):
-                return await self.websockets.relay(request, state, policy, presented.source, client_ip)
+                return await self.websockets.relay(request, state, policy, presented.source, client_ip,
+                                                   functools.partial(self._current, state, client_ip))
         return await self._forward(request, state, policy, presented.source, client_ip)
+
+    async def _current(self, state: CredentialState, client_ip: str) -> SessionPolicy:
+        """The session's policy chain under the rules of the moment (``_policy``, else ``_new_policy``)."""
+        return self._policy(state, client_ip) or await self._new_policy(state, client_ip)
 
     def _policy(self, state: CredentialState, client_ip: str) -> SessionPolicy | None:
         """The session's policy chain of the last request while its rules are still this process's current

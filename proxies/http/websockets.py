@@ -1,11 +1,11 @@
 """Websockets through the HTTP proxy: an upgrade request checked as a request, then both directions relayed
-message by message, each text message read by the rules of its upgrade request (``i``/``o`` events)."""
+message by message, each read by the rules of the moment (``i``/``o`` events)."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 import aiohttp
 from aiohttp import WSCloseCode, WSMsgType, web
@@ -50,8 +50,9 @@ class WebSockets:
         await self.client.close()
 
     async def relay(self, request: web.BaseRequest, state: CredentialState, policy: SessionPolicy, source: str,
-                    client_ip: str) -> web.StreamResponse:
-        """Relay a websocket; its messages are ``i``/``o`` under the rules of its upgrade request."""
+                    client_ip: str, current: Callable[[], Awaitable[SessionPolicy]]) -> web.StreamResponse:
+        """Relay a websocket: the upgrade request under ``policy``, then each message ``i``/``o`` under the rules of
+        the moment (``current``: the session's policy chain now)."""
         headers = request.headers
         first_line = f"{request.method} {request.raw_path} HTTP/1.1"
         up_headers = [(k, v) for k, v in upstream_request_headers(headers.items(), source, client_ip, "http",
@@ -82,15 +83,16 @@ class WebSockets:
                 return not_connected(state, policy, exc.os_error.strerror or type(exc.os_error).__name__)
             except CLIENT_ERRORS as exc:
                 return unreachable(state, policy, type(exc).__name__)
-            return await _relay(request, policy, upstream, self.message_bytes)
+            return await _relay(request, policy, current, upstream, self.message_bytes)
         finally:
             if client is not self.client:
                 await client.close()
 
 
-async def _relay(request: web.BaseRequest, policy: SessionPolicy, upstream: aiohttp.ClientWebSocketResponse,
-                 message_bytes: int) -> web.StreamResponse:
-    """Both directions of an upgraded websocket until either side closes (a message over ``message_bytes``,
+async def _relay(request: web.BaseRequest, policy: SessionPolicy, current: Callable[[], Awaitable[SessionPolicy]],
+                 upstream: aiohttp.ClientWebSocketResponse, message_bytes: int) -> web.StreamResponse:
+    """Both directions of an upgraded websocket until either side closes, each message under the rules of the
+    moment (``current``: a rule attached meanwhile applies to the next message) (a message over ``message_bytes``,
     inflated, closes it with 1009: aiohttp reads each message whole, and a small compressed one can inflate to
     gigabytes)."""
     downstream = web.WebSocketResponse(protocols=[upstream.protocol] if upstream.protocol else (),
@@ -103,15 +105,14 @@ async def _relay(request: web.BaseRequest, policy: SessionPolicy, upstream: aioh
 
         async def pump(source_ws: web.WebSocketResponse | aiohttp.ClientWebSocketResponse,
                        sink: web.WebSocketResponse | aiohttp.ClientWebSocketResponse, inbound: bool) -> None:
-            report = policy.input if inbound else policy.output  # a blocked input message is on the record
-            record = policy.record_input if inbound else policy.record_output
-            masking = not inbound and policy.masker is not None
-            read = policy.checks_input if inbound else policy.checks_output or masking  # rules read this way
-            mask = functools.partial(mask_message, policy)  # a message as a body of no declared type: JSON too
             # the end of the client's messages before: input rules read it with the next, as a match may straddle
             # two (a web terminal sends each keystroke as a message of its own)
             typed = ""
             async for message in source_ws:
+                now = await current()  # the rules of the moment, as a request's
+                record = now.record_input if inbound else now.record_output
+                masking = not inbound and now.masker is not None
+                read = now.checks_input if inbound else now.checks_output or masking  # rules read this way
                 verdict: GuardVerdict | None = None
                 if message.type == WSMsgType.TEXT:
                     data = text = message.data
@@ -128,32 +129,32 @@ async def _relay(request: web.BaseRequest, policy: SessionPolicy, upstream: aioh
                         # (the target's: passes unread, as a body of a binary type does)
                 elif message.type in (WSMsgType.ERROR, WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
                     if getattr(message.data, "code", None) == WSCloseCode.MESSAGE_TOO_BIG:  # closed by aiohttp
-                        policy.error(f"a websocket message from the {'client' if inbound else 'target'} over "
-                                     f"http.websocket_message_bytes ({message_bytes} bytes): the websocket was "
-                                     f"closed (1009)")
+                        now.error(f"a websocket message from the {'client' if inbound else 'target'} over "
+                                  f"http.websocket_message_bytes ({message_bytes} bytes): the websocket was "
+                                  f"closed (1009)")
                     break
                 else:
-                    await policy.drain()
+                    await now.drain()
                     continue
                 if text is not None:
-                    if masking:  # the target's message, masked and recorded as masked
-                        verdict, text = policy.output_masked(text, mask)
+                    if masking:  # the target's message, masked (JSON too) and recorded as masked
+                        verdict, text = now.output_masked(text, functools.partial(mask_message, now))
                         data = text if isinstance(data, str) else text.encode()
-                    elif typed:  # (the client's, under input rules)
-                        verdict = policy.input(data, text, readings=(text, typed + text))
-                    else:
-                        verdict = report(data, text)
+                    elif inbound and typed and read:
+                        verdict = now.input(data, text, readings=(text, typed + text))
+                    else:  # a blocked input message is on the record
+                        verdict = now.input(data, text) if inbound else now.output(data, text)
                     if inbound and read:
                         typed = (typed + text)[-STREAM_OVERLAP:]
                 if verdict:
-                    await policy.blocked(verdict)
+                    await now.blocked(verdict)
                     closing["blocked"] = (1008, verdict.message[:120])
                     return
                 if isinstance(data, str):
                     await sink.send_str(data)
                 else:
                     await sink.send_bytes(data)
-                await policy.drain()
+                await now.drain()
 
         tasks = [asyncio.create_task(pump(downstream, upstream, True)),  # both awaited below
                  asyncio.create_task(pump(upstream, downstream, False))]
