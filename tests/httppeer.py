@@ -7,7 +7,7 @@ query, headers, body), ``/upload`` (streamed SHA-256 of the body),
 HTML page with a form that posts to ``/echo/posted``), ``/text?say=...``,
 ``/big-text?size=N&needle=W&at=K``, ``/ws`` (echo), ``/sse?n=N`` and ``/sse-hold``
 (an event, then waits until ``/release``), ``/seen`` (paths received so far),
-``/pii/{json,text,chunked,gzip,sse,ws,sse-json,ws-json}`` (personal data for the masking tests, ``PII_*``).
+``/pii/{json,text,chunked,gzip,sse,ws,sse-json,sse-json-long,ws-json}`` (personal data for the masking tests, ``PII_*``).
 """
 
 from __future__ import annotations
@@ -172,10 +172,13 @@ def make_app() -> web.Application:
             await ws.send_str(PII_TEXT if kind == "ws" else json.dumps(PII_JSON))
             await ws.close()
             return ws
-        if kind == "sse-json":  # an API streaming its answer as JSON events
+        if kind in ("sse-json", "sse-json-long"):  # an API streaming its answer as JSON events (one of 130 KB)
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await response.prepare(request)
-            await response.write(f"id: 1\ndata: {json.dumps(PII_JSON)}\n\n".encode())
+            value = PII_JSON if kind == "sse-json" else [PII_JSON] * 1000
+            event = f"id: 1\ndata: {json.dumps(value)}\n\n".encode()
+            for start in range(0, len(event), 8192):
+                await response.write(event[start:start + 8192])
             await response.write_eof()
             return response
         sse = kind == "sse"

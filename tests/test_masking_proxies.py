@@ -274,6 +274,17 @@ async def test_http_a_rule_by_key_masks_json_events_and_websocket_messages(gatew
     assert_clear_nowhere(gateway, stream.decode(), message.data, text)
 
 
+async def test_http_a_json_event_too_long_to_hold_under_a_rule_by_key_cuts_the_stream(gateway, http_api):
+    """An event stream is held line by line; under a rule by key a JSON line longer than the gateway holds
+    (``http.guard_body_bytes``) cuts the stream (before, it was given up at 64 KiB in pieces that did not parse,
+    masked as text, and every value of the key passed in clear)."""
+    secret, session_id = await masked_http(http_api, BY_KEY)
+    done = curl("-N", "-H", f"Authorization: {secret}", f"{gateway.http_url}/pii/sse-json-long")
+    assert done.returncode != 0 and PII_SSN.encode() not in done.stdout, done.stdout[:300]  # cut: never sent
+    text = await recorded(http_api, session_id, lambda s: any("cannot be masked by key" in t for t in of_kind(s, "e")))
+    assert_clear_nowhere(gateway, done.stdout.decode(), text)
+
+
 async def test_http_a_text_body_too_big_to_mask_is_withheld(gateway, http_api):
     secret, session_id = await masked_http(http_api, DETECTORS)
     done = curl("-H", f"Authorization: {secret}", "-w", "\n%{http_code}",

@@ -64,9 +64,14 @@ async def blocked(policy: SessionPolicy, verdict: GuardVerdict, recorded: bytes 
 async def withheld(policy: SessionPolicy, why: str) -> web.Response:
     """A response output rules or a mask rule must read but the gateway cannot (too long to mask, a coding or a
     charset it cannot decode...): 502, never sent unread; an ``e`` event and an audit entry, as a block has."""
-    verdict = GuardVerdict(False, f"response withheld: {why}", "output", "mask" if policy.masker else "unreadable")
+    verdict = withheld_verdict(policy, why)
     await policy.blocked(verdict)
     return json_error(502, verdict.message, **{"X-Gateway-Guardrails": "withheld"})
+
+
+def withheld_verdict(policy: SessionPolicy, why: str) -> GuardVerdict:
+    """The verdict on output the rules must read but the gateway cannot (``withheld``; mid-stream, the cut)."""
+    return GuardVerdict(False, f"response withheld: {why}", "output", "mask" if policy.masker else "unreadable")
 
 
 def not_connected(state: CredentialState, policy: SessionPolicy, reason: str) -> web.Response:

@@ -118,7 +118,8 @@ def mask_message(policy: SessionPolicy, text: str) -> str:
 
 def mask_event_lines(policy: SessionPolicy, lines: bytes, context: bytes = b"") -> bytes:
     """Lines of an event stream masked (``LineHold``'s, with their ``context``): the value of a ``data:`` line that
-    is JSON value by value under a rule by key (an API streaming its answer as JSON events), the rest as text."""
+    is JSON value by value under a rule by key (an API streaming its answer as JSON events), the rest as text.
+    ``Unreadable``: under a rule by key, a line that starts like JSON given up unfinished (too long to hold)."""
     masker: Masker | None = policy.masker
     if masker is None or not masker.columns or b"data:" not in lines:
         return policy.mask_bytes(lines, context)
@@ -127,10 +128,14 @@ def mask_event_lines(policy: SessionPolicy, lines: bytes, context: bytes = b"") 
         if not context and line.startswith(b"data:"):  # (with a context, the line began in an earlier piece)
             start = 6 if line[5:6] == b" " else 5
             value = line[start:].rstrip(b"\r\n")
-            masked = _masked_json(policy, masker, value) if _JSON_START.match(value) else None
+            json_like = _JSON_START.match(value) is not None
+            masked = _masked_json(policy, masker, value) if json_like else None
             if masked is not None:
                 out.append(line[:start] + masked + line[start + len(value):])
                 continue
+            if json_like and not line.endswith((b"\n", b"\r")):
+                raise Unreadable("an event stream's JSON line too long to hold whole (http.guard_body_bytes) "
+                                 "cannot be masked by key")
         out.append(policy.mask_bytes(line, context))
         context = b""
     return b"".join(out)

@@ -28,7 +28,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.http_parser import RawResponseMessage
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from gatewayd.masking import LineHold
+from gatewayd.masking import MAX_HELD_LINE, LineHold
 from gatewayd.pipeline import GatewayClosing, GatewayUnavailable, ProxyContext
 from proxies.http.answers import (
     blocked,
@@ -40,6 +40,7 @@ from proxies.http.answers import (
     unreadable,
     upstream_error,
     withheld,
+    withheld_verdict,
 )
 from proxies.http.bodies import (
     SMALL_BODY,
@@ -450,7 +451,8 @@ class HttpListener(FastPath):
 
         hold = None
         if masked:  # an event stream under a mask rule: masked line by line as it streams
-            hold = LineHold()
+            keyed = policy.masker is not None and policy.masker.columns  # a rule by key reads a JSON line whole
+            hold = LineHold(max(self.guard_cap, MAX_HELD_LINE)) if keyed else LineHold()
             length = None  # masking changes the length: chunked
         with in_flight(state):
             return await self._stream(request, policy, upstream, answer, length, prefix, eof, sse and text, hold)
@@ -535,6 +537,9 @@ class HttpListener(FastPath):
                     if len(kept) < self.record_cap:
                         kept += rest[:self.record_cap - len(kept)]
                 await response.write_eof()
+        except Unreadable as exc:  # an event stream's line a mask rule cannot read: cut, never sent unread
+            await policy.blocked(withheld_verdict(policy, str(exc)))
+            error = "output withheld mid-stream: the connection was cut"
         except _DISCONNECTED:
             error = "the client went away mid-response"
         except CLIENT_ERRORS as exc:
