@@ -92,8 +92,8 @@ class WebSockets:
 async def _relay(request: web.BaseRequest, policy: SessionPolicy, current: Callable[[], Awaitable[SessionPolicy]],
                  upstream: aiohttp.ClientWebSocketResponse, message_bytes: int) -> web.StreamResponse:
     """Both directions of an upgraded websocket until either side closes, each message under the rules of the
-    moment (``current``: a rule attached meanwhile applies to the next message) (a message over ``message_bytes``,
-    inflated, closes it with 1009: aiohttp reads each message whole, and a small compressed one can inflate to
+    moment (``current``: a rule attached meanwhile applies to the next message); a message over ``message_bytes``,
+    inflated, closes it with 1009 (aiohttp reads each message whole, and a small compressed one can inflate to
     gigabytes)."""
     downstream = web.WebSocketResponse(protocols=[upstream.protocol] if upstream.protocol else (),
                                        max_msg_size=message_bytes, autoping=True)
