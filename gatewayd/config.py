@@ -104,6 +104,7 @@ SETTINGS: dict[str, Setting] = {
     "api.listen": Setting("listen", "127.0.0.1:8009", lambda v, k: parse_listen(v, k, False)),
     "api.public_url": Setting("str", ""),
     "api.max_body_bytes": Setting("int", 1048576, _positive),
+    "api.idle_timeout": Setting("duration", "75s", _positive),
     "metrics.listen": Setting("listen", "127.0.0.1:9464", parse_listen),
     "grpc.listen": Setting("listen", "127.0.0.1:8010", parse_listen),
     "grpc.tls_cert": Setting("str", ""),

@@ -291,7 +291,10 @@ class Gateway:
         await self.reviews.start()
         await self.notifier.start()
         if self.app_factory is not None:
-            self._runner = web.AppRunner(self.app_factory(self.services()), access_log=None, handle_signals=False)
+            # a connection that sends no whole request in ``api.idle_timeout`` is closed (aiohttp's own default is
+            # an hour: a client sending half a head per socket would use up the descriptors every proxy shares)
+            self._runner = web.AppRunner(self.app_factory(self.services()), access_log=None, handle_signals=False,
+                                         keepalive_timeout=self.config["api.idle_timeout"])
             await self._runner.setup()
             host, port = split_listen(self.config["api.listen"])
             try:
@@ -318,7 +321,8 @@ class Gateway:
             return
         host, port = split_listen(address)
         try:
-            self._metrics_runner = await metrics.serve(host, port, reuse_port=self.supervised)
+            self._metrics_runner = await metrics.serve(host, port, reuse_port=self.supervised,
+                                                       idle=self.config["api.idle_timeout"])
         except OSError as exc:
             log.error("metrics listener failed to start", extra={"address": address, "error": exc.strerror or str(exc)})
 

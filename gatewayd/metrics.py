@@ -202,9 +202,10 @@ def metrics_app() -> web.Application:
     return app
 
 
-async def serve(host: str, port: int, *, reuse_port: bool = False) -> web.AppRunner:
-    """Start the exposition listener; OSError when the address cannot be bound."""
-    runner = web.AppRunner(metrics_app(), access_log=None, handle_signals=False)
+async def serve(host: str, port: int, *, reuse_port: bool = False, idle: float = 75.0) -> web.AppRunner:
+    """Start the exposition listener, closing a connection that sends no whole request in ``idle`` seconds;
+    OSError when the address cannot be bound."""
+    runner = web.AppRunner(metrics_app(), access_log=None, handle_signals=False, keepalive_timeout=idle)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port, reuse_address=True, reuse_port=reuse_port or None).start()

@@ -186,17 +186,19 @@ def test_malformed_http_is_one_short_line_and_a_huge_body_is_refused_from_its_he
 
 def test_a_head_that_never_ends_is_cut_at_the_idle_timeout(tmp_path_factory):
     """A client that sends part of a request head and then nothing, or one byte at a time, holds its socket no
-    longer than ``http.idle_timeout`` (before, an hour: aiohttp's default, a few thousand such connections from
+    longer than ``http.idle_timeout`` (``api.idle_timeout`` on the API's and the metrics' port) (before, an hour: aiohttp's default, a few thousand such connections from
     one unauthenticated client used up the worker's descriptors for everyone)."""
-    http_port = free_port()
+    http_port, metrics_port = free_port(), free_port()
     daemon = Daemon(tmp_path_factory.mktemp("slow") / "data", {"listeners.http": f"127.0.0.1:{http_port}",
-                                                                "http.idle_timeout": "2s"})
+                                                                "http.idle_timeout": "2s", "api.idle_timeout": "2s",
+                                                                "metrics.listen": f"127.0.0.1:{metrics_port}"})
     daemon.start()
     wait_port(http_port, daemon.process, "the http listener")
+    wait_port(metrics_port, daemon.process, "the metrics listener")
 
-    def held(first: bytes, trickle: bool) -> float:
+    def held(first: bytes, trickle: bool, port: int = http_port) -> float:
         """Seconds until the gateway closed the connection (at most 20)."""
-        with socket.create_connection(("127.0.0.1", http_port), timeout=1) as sock:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
             started = time.monotonic()
             sock.sendall(first)
             while time.monotonic() - started < 20:
@@ -215,6 +217,8 @@ def test_a_head_that_never_ends_is_cut_at_the_idle_timeout(tmp_path_factory):
         for first, trickle in ((b"GET / HTTP/1.1\r\nHost: x\r\n", False), (b"GET / HTTP/1.1\r\nX-Slow: ", True),
                                (b"", False)):
             assert held(first, trickle) < 8, (first, trickle)
+            for port in (daemon.api_port, metrics_port):  # the control API's and the metrics' (api.idle_timeout)
+                assert held(first, trickle, port) < 8, (first, trickle, port)
         assert exchange(http_port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").startswith(b"HTTP/1.1 401")
     finally:
         assert daemon.stop() == 0
