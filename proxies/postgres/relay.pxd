@@ -32,7 +32,9 @@ cdef class ClientSide:
     cdef public object work
     cpdef int on_message(self, Message message)
     cpdef cancel(self, Message message)
+    @cython.locals(policy=SessionPolicy)
     cpdef int _query(self, Query query)
+    @cython.locals(policy=SessionPolicy)
     cpdef int _parse(self, Parse parse)
     @cython.locals(entry=Pending, policy=SessionPolicy)
     cpdef int _execute(self, Execute execute)
@@ -84,6 +86,7 @@ cdef class ServerSide:
     cdef public int _noticed
     cpdef process(self, BackendReader reader, FrameBatch batch)
     @cython.locals(head=Pending, head_kind=Py_ssize_t, own=bint)
+    @cython.locals(head=Pending)
     cpdef _description(self, Message message, FrameBatch batch, bint render)
     @cython.locals(head=Pending)
     cpdef int _row(self, DataRow row, FrameBatch batch)

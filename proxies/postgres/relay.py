@@ -263,8 +263,8 @@ class ClientSide:
             if message.kind == "P":  # type: ignore[attr-defined]
                 name = self.portals.get(name, _EXECUTE).statement  # type: ignore[assignment]
             masker = self.policy.masker
-            self.pending.append(Pending(DESCRIBE, None, None, name, masker is not None and bool(masker.columns)
-                                        and self.mentions.statement(name)))
+            self.pending.append(Pending(DESCRIBE, None, None, name) if masker is None or not masker.columns
+                                else Pending(DESCRIBE, None, None, name, self.mentions.statement(name)))
             return FORWARD
         if kind is Sync:
             self.bound = False
