@@ -171,6 +171,32 @@ async def test_ssh_an_sftp_download_is_refused_an_upload_and_listing_pass(gatewa
     assert_clear_nowhere(gateway, done.stdout.decode(), await recorded(ssh_api, session_id))
 
 
+async def test_ssh_an_sftp_open_that_can_read_is_refused_whatever_else_its_flags_say(gateway, ssh_api, ssh_target):
+    """sftp-server opens a file read-only unless WRITE is asked without READ: an open for reading and writing, or
+    with APPEND or CREAT alone, reads the file as a get does (they were taken for uploads, and the file went out
+    unmasked)."""
+    import asyncssh
+
+    secret, session_id = await masked_ssh(ssh_api, DETECTORS)
+    name = f"/tmp/masked-rw-{session_id[:8]}.txt"
+    ssh_target.ssh(f"c=4111; printf 'card %s 1111 1111\\n' \"$c 1111\" > {name}")
+    got = []
+    async with asyncssh.connect("127.0.0.1", gateway.ssh_port, username=secret, known_hosts=None, agent_path=None,
+                                client_keys=[]) as conn, conn.start_sftp_client() as sftp:
+        for flags in (asyncssh.FXF_READ | asyncssh.FXF_WRITE, asyncssh.FXF_APPEND, asyncssh.FXF_CREAT):
+            with pytest.raises(asyncssh.SFTPPermissionDenied, match="file download cannot be masked"):
+                async with sftp.open(name, flags, encoding=None) as handle:
+                    got.append(await handle.read())
+        async with sftp.open(name + ".up", asyncssh.FXF_WRITE | asyncssh.FXF_CREAT) as handle:  # write-only: passes
+            await handle.write("uploaded\n")
+    assert got == [] and ssh_target.ssh(f"cat {name}.up; rm {name} {name}.up").stdout == b"uploaded\n"
+    text = await recorded(ssh_api, session_id)
+    assert_clear_nowhere(gateway, text)
+    session = await ssh_api.done_session(session_id)
+    assert of_kind(session, "i") == [f"get {name}", f"put {name}", f"get {name}", f"put {name}", f"get {name}",
+                                     f"put {name}", f"put {name}.up 9 bytes"]
+
+
 async def test_ssh_without_a_mask_rule_passes_output_as_it_is(gateway, ssh_api):
     role = await ssh_api.role()
     secret, session_id = await ssh_api.credential(role)

@@ -16,7 +16,7 @@ from control.asciicast import render_asciicast
 from gatewayd.guardrails import RuleSet
 from gatewayd.models import GuardRail, Session, SessionEvent
 from proxies.ssh.lines import KILL_LINE, OUTPUT_OVERLAP, Chunk, Line, OutputWatch, ShellInput
-from proxies.ssh.sftp import Request, SftpObserver, status_packet
+from proxies.ssh.sftp import Request, SftpObserver, open_kind, status_packet
 from proxies.ssh.target import TargetError, TargetSettings
 
 # --------------------------------------------------------------------------- target settings
@@ -227,6 +227,21 @@ def test_sftp_transfers_and_operations_become_lines_and_checkable_requests():
     assert observer.server(status) == [("e", "failed: rm /nope: No such file")]
     assert client(observer, packet(18, struct.pack(">I", 14) + string(b"/a") + string(b"/b")))[1][0].line == \
         "rename /a /b"
+
+
+def test_sftp_an_open_that_can_read_is_a_get_as_sftp_server_opens_it():
+    """Write-only only with WRITE without READ; READ with WRITE is a get and a put, recorded as both."""
+    assert [open_kind(flags) for flags in (0x01, 0x02, 0x1A, 0x03, 0x04, 0x08, 0x10, 0x00)] == [
+        "get", "put", "put", "get put", "get put", "get put", "get put", "get"]
+    observer = SftpObserver()
+    opening = packet(3, struct.pack(">I", 1) + string(b"/f") + struct.pack(">II", 0x03, 0))
+    assert client(observer, opening)[1] == [Request(1, "get /f", opening, deferred=True, also="put /f")]
+    observer.server(packet(102, struct.pack(">I", 1) + string(b"h")))
+    client(observer, packet(5, struct.pack(">I", 2) + string(b"h") + struct.pack(">QI", 0, 100)))
+    observer.server(packet(103, struct.pack(">I", 2) + string(b"r" * 7)))
+    client(observer, packet(6, struct.pack(">I", 3) + string(b"h") + struct.pack(">Q", 7) + string(b"w" * 4)))
+    assert client(observer, packet(4, struct.pack(">I", 4) + string(b"h")))[2] == [
+        ("i", "get /f 7 bytes"), ("i", "put /f 4 bytes")]
 
 
 def test_sftp_refusal_is_a_status_packet_and_waits_for_a_packet_boundary():

@@ -520,6 +520,23 @@ async def test_sftp_operations_refused_by_input_rules(gateway, api, target, tmp_
     assert of_kind(session, "i") == [f"get {directory}/secret.txt", f"rm {directory}/secret.txt",
                                      f"get {directory}/plain.txt 3 bytes"]
     assert of_kind(session, "e") == [message, message]
+
+    # an open for reading and writing reads the file: the rules read it as a get and a put (it was a put only)
+    import asyncssh
+
+    secret, session_id = await api.credential(role)
+    async with asyncssh.connect("127.0.0.1", gateway.ssh_port, username=secret, known_hosts=None, agent_path=None,
+                                client_keys=[]) as conn, conn.start_sftp_client() as sftp:
+        with pytest.raises(asyncssh.SFTPPermissionDenied, match=r"pattern=\(get\|rm\)"):
+            async with sftp.open(f"{directory}/secret.txt", asyncssh.FXF_READ | asyncssh.FXF_WRITE) as handle:
+                await handle.read()
+        async with sftp.open(f"{directory}/plain.txt", asyncssh.FXF_READ | asyncssh.FXF_WRITE) as handle:
+            assert await handle.read() == "ok\n"
+            await handle.write("more\n")
+    session = await api.done_session(session_id)
+    assert of_kind(session, "i") == [f"get {directory}/secret.txt", f"put {directory}/secret.txt",
+                                     f"get {directory}/plain.txt 3 bytes", f"put {directory}/plain.txt 5 bytes"]
+    assert on_target(target, f"cat {directory}/plain.txt") == "ok\nmore\n"
     on_target(target, f"rm -r {directory}")
 
 

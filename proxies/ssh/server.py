@@ -820,19 +820,24 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             elif isinstance(piece, tuple):
                 self._record(*piece)
             elif piece.deferred:  # recorded later, with what the target answers (put and get sizes)
-                verdict = policy.check_input(piece.line)
+                verdict = next(filter(None, map(policy.check_input, piece.lines)), None)
                 if verdict is None and self.held is not None and piece.line.startswith("get "):
-                    policy.record_input(piece.line)
+                    self._record_lines(piece.lines)
                     self._refuse_unmaskable(sftp, piece.request_id)
                 elif verdict is None:
                     upchan.write(piece.raw)
                 else:
-                    policy.record_input(piece.line)
+                    self._record_lines(piece.lines)
                     self._refuse_sftp(sftp, piece.request_id, verdict)
             elif verdict := policy.input(piece.line):
                 self._refuse_sftp(sftp, piece.request_id, verdict)
             else:
                 upchan.write(piece.raw)
+
+    def _record_lines(self, lines: tuple[str, ...]) -> None:
+        """A refused open's lines (``get /f``, and ``put /f`` when it was for reading and writing too)."""
+        for line in lines:
+            self.policy.record_input(line)
 
     def _refuse_sftp(self, sftp: SftpObserver, request_id: int, verdict: GuardVerdict) -> None:
         """An SFTP request the input rules block: a permission-denied status, the reason on stderr, the block."""

@@ -24,7 +24,7 @@ FXP_SETSTAT, FXP_OPENDIR, FXP_REMOVE, FXP_MKDIR, FXP_RMDIR = 9, 11, 13, 14, 15
 FXP_RENAME, FXP_SYMLINK = 18, 20
 FXP_STATUS, FXP_HANDLE, FXP_DATA, FXP_EXTENDED = 101, 102, 103, 200
 
-FXF_WRITE, FXF_APPEND, FXF_CREAT, FXF_TRUNC = 0x02, 0x04, 0x08, 0x10
+FXF_READ, FXF_WRITE, FXF_APPEND, FXF_CREAT, FXF_TRUNC = 0x01, 0x02, 0x04, 0x08, 0x10
 FX_OK, FX_EOF, FX_PERMISSION_DENIED = 0, 1, 3
 
 MAX_PACKET = 4 << 20  # larger than any implementation sends; past it the stream is not SFTP
@@ -40,8 +40,27 @@ class SftpStreamError(ValueError):
 @dataclass(slots=True)
 class _Handle:
     path: str
-    kind: str  # "put", "get" or "ls"
-    bytes: int = 0
+    kind: str  # "put", "get", "get put" (a file opened for both: ``open_kind``) or "ls"
+    bytes: int = 0  # written (put) or read (get, ls)
+    read: int = 0  # of a "get put" handle, what was read (``bytes`` is then what was written)
+
+    def lines(self) -> list[str]:
+        """What its close records: ``ls /d``, ``put /f N bytes``, ``get /f N bytes`` (both for "get put")."""
+        if self.kind == "ls":
+            return [f"ls {self.path}"]
+        if self.kind == "get put":
+            return [f"get {self.path} {self.read} bytes", f"put {self.path} {self.bytes} bytes"]
+        return [f"{self.kind} {self.path} {self.bytes} bytes"]
+
+
+def open_kind(flags: int) -> str:
+    """What an SSH_FXP_OPEN with ``flags`` can do to the file: "get" (read it), "put" (write it) or "get put".
+
+    As OpenSSH's sftp-server opens it: write-only only with WRITE and without READ; any other open can read
+    (no READ nor WRITE is read-only there, whatever else is set: CREAT, TRUNC or APPEND alone)."""
+    reads = bool(flags & FXF_READ) or not flags & FXF_WRITE
+    writes = bool(flags & (FXF_WRITE | FXF_APPEND | FXF_CREAT | FXF_TRUNC))
+    return "get put" if reads and writes else "put" if writes else "get"
 
 
 def _string(data: bytes, at: int) -> tuple[bytes, int]:
@@ -141,12 +160,20 @@ class Request:
     """A client request the guard rails may refuse: ``line`` names it; forward ``raw`` to allow it.
 
     ``deferred``: an open, recorded with its byte count when closed (record ``line`` only if refused).
+    ``also``: a second operation the same request is (an open for reading and writing: ``get`` is ``line``,
+    ``put`` is ``also``), read by the rules and recorded as ``line`` is.
     """
 
     request_id: int
     line: str
     raw: bytes
     deferred: bool = False
+    also: str | None = None
+
+    @property
+    def lines(self) -> tuple[str, ...]:
+        """Every line the rules read (and a refusal records) of this request."""
+        return (self.line,) if self.also is None else (self.line, self.also)
 
 
 def status_packet(request_id: int, message: str, code: int = FX_PERMISSION_DENIED) -> bytes:
@@ -181,6 +208,7 @@ class SftpObserver:
                 pieces.append(item)
                 continue
             records: list[Record] = []
+            also = None
             try:
                 line = self._request(item.kind, item.body, item.size, records)
             except (SftpStreamError, struct.error, IndexError) as exc:
@@ -191,7 +219,10 @@ class SftpObserver:
                 pieces.append(item.raw)
             else:
                 (request_id,) = struct.unpack_from(">I", item.body, 0)
-                pieces.append(Request(request_id, line, item.raw, deferred=item.kind in (FXP_OPEN, FXP_OPENDIR)))
+                if isinstance(line, tuple):  # an open for reading and writing: ("get /f", "put /f")
+                    line, also = line
+                pieces.append(Request(request_id, line, item.raw, deferred=item.kind in (FXP_OPEN, FXP_OPENDIR),
+                                      also=also))
         if self._client.broken and not broken:
             pieces += self._broke(self._client.broken)
         return pieces
@@ -200,8 +231,9 @@ class SftpObserver:
         """The proxy answered this request itself: its answer from the target will never come."""
         self._requests.pop(request_id, None)
 
-    def _request(self, kind: int, body: bytes, size: int, records: list[Record]) -> str | None:
-        """Follow one client packet; the line naming it when the guard rails may refuse it."""
+    def _request(self, kind: int, body: bytes, size: int, records: list[Record]) -> str | tuple[str, str] | None:
+        """Follow one client packet; the line naming it when the guard rails may refuse it (two for an open for
+        reading and writing)."""
         if kind == FXP_INIT:
             return None
         (request_id,) = struct.unpack_from(">I", body, 0)
@@ -209,8 +241,10 @@ class SftpObserver:
         if kind == FXP_OPEN:
             path, at = _string(body, at)
             (flags,) = struct.unpack_from(">I", body, at)
-            op = "put" if flags & (FXF_WRITE | FXF_APPEND | FXF_CREAT | FXF_TRUNC) else "get"
+            op = open_kind(flags)
             self._requests[request_id] = (op, _text(path), b"")
+            if op == "get put":
+                return f"get {_text(path)}", f"put {_text(path)}"
             return f"{op} {_text(path)}"  # recorded with its byte count when the handle is closed
         if kind == FXP_OPENDIR:
             path, at = _string(body, at)
@@ -228,8 +262,7 @@ class SftpObserver:
             handle, at = _string(body, at)
             state = self._handles.pop(handle, None)
             if state is not None:
-                records.append(("i", f"ls {state.path}" if state.kind == "ls"
-                                else f"{state.kind} {state.path} {state.bytes} bytes"))
+                records += [("i", line) for line in state.lines()]
         elif kind in (FXP_REMOVE, FXP_MKDIR, FXP_RMDIR, FXP_SETSTAT):
             path, at = _string(body, at)
             op = {FXP_REMOVE: "rm", FXP_MKDIR: "mkdir", FXP_RMDIR: "rmdir", FXP_SETSTAT: "setstat"}[kind]
@@ -274,18 +307,20 @@ class SftpObserver:
         if request is None:
             return []
         op, description, handle = request
-        if kind == FXP_HANDLE and op in ("put", "get", "ls"):
+        if kind == FXP_HANDLE and op in ("put", "get", "get put", "ls"):
             value, _ = _string(body, 4)
             self._handles[value] = _Handle(description, op)
         elif kind == FXP_DATA and op == "read":
             state = self._handles.get(handle)
-            if state is not None:
+            if state is not None and state.kind == "get put":
+                state.read += size - 8
+            elif state is not None:
                 state.bytes += size - 8  # id, data length (u32)
         elif kind == FXP_STATUS and op != "read":
             (code,) = struct.unpack_from(">I", body, 4)
             if code not in (FX_OK, FX_EOF):
                 message, _ = _string(body, 8)
-                what = description if op == "op" else f"{op} {description}"
+                what = description if op == "op" else f"{op.replace(' ', ' and ')} {description}"
                 return [("e", f"failed: {what}: {_text(message) or f'status {code}'}")]
         return []
 
