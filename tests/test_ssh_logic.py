@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from control.asciicast import render_asciicast
 from gatewayd.guardrails import RuleSet
 from gatewayd.models import GuardRail, Session, SessionEvent
-from proxies.ssh.lines import KILL_LINE, OUTPUT_OVERLAP, Chunk, Line, OutputWatch, ShellInput
+from proxies.ssh.lines import KILL_LINE, OUTPUT_OVERLAP, Chunk, Line, OutputWatch, ShellInput, stdin_protocol
 from proxies.ssh.sftp import Request, SftpObserver, open_kind, status_packet
 from proxies.ssh.target import TargetError, TargetSettings
 
@@ -175,6 +175,18 @@ def test_with_pty_every_byte_is_forwarded_exactly_once_when_allowed(data, cut):
     for start in range(0, len(data), cut):
         out += b"".join(p.allowed if isinstance(p, Line) else p.data for p in shell.feed(data[start:start + cut]))
     assert out == data
+
+
+def test_only_one_simple_command_of_a_file_protocol_has_its_input_pass_unread():
+    for command, protocol in [("scp -t /tmp/x", "data"), ("scp -r -d -t -- /tmp/x", "data"), ("scp -pf /etc/x", "data"),
+                              ("rsync --server -vlogDtpre.iLsfxCIvu . /tmp/x", "data"),
+                              ("git-upload-pack '/srv/r.git'", "data"), ("/usr/lib/openssh/sftp-server", "sftp"),
+                              ("sftp-server -l DEBUG3", "sftp")]:
+        assert stdin_protocol(command) == protocol, command
+    for command in ("sh", "bash -s", "scp host:a b", "rsync a b", "scp -t x; sh", "scp -t x\nsh", "scp -t x\n",
+                    "scp -t $(sh)", "scp -t `sh`", "$(sh)/scp -t x", "sftp-server | sh", "sftp-server < /dev/null",
+                    "scp -t x && sh", "FOO=1 scp -t x"):
+        assert stdin_protocol(command) is None, command
 
 
 # --------------------------------------------------------------------------- sftp

@@ -367,6 +367,59 @@ async def test_shell_without_pty_blocks_lines_before_they_reach_the_target(gatew
     assert status == 422 and body["message"] == "query parameter 'event_stream': asciicast renders ssh sessions only"
 
 
+async def test_an_exec_reads_its_input_as_a_shell_does_under_input_rules(gateway, api, target, tmp_path):
+    """``ssh host sh < script`` and ``ssh -t host bash`` are shells: the input rules read their lines (they read the
+    command alone, and every line passed); sftp-server run as a command is read as the sftp subsystem; a legacy
+    scp upload passes as data (its file is not lines to hold)."""
+    role = await api.role()
+    await api.guardrail(role, input_rules=[{"type": "pattern_match", "pattern_regex": r"touch|get \S*secret"}])
+    message = r"validation error, match guard rails input rule, type=pattern_match, pattern=touch|get \S*secret"
+    marker = f"/tmp/gatewayd-never-{uuid.uuid4().hex[:8]}"
+
+    # without a pty: whole lines, a blocked one never reaches the target, the others run
+    secret, session_id = await api.credential(role)
+    result = ssh(gateway, secret, "sh", stdin=f"echo first\ntouch {marker}\necho second\n".encode())
+    assert (result.returncode, result.stdout, result.stderr.decode()) == (0, b"first\nsecond\n", message + "\n")
+    session = await api.done_session(session_id)
+    assert of_kind(session, "e") == [message]
+
+    # with a pty: the Enter of a blocked line is held, the line erased on the target
+    secret, session_id = await api.credential(role)
+    term = Terminal(ssh_args(gateway, secret, "-tt", "bash --norc"))
+    term.type("echo ready-$((1+1))\r")
+    term.expect("ready-2")
+    term.type(f"touch {marker}\r")
+    term.expect(message)
+    term.type("exit 3\r")
+    assert term.wait() == 3
+    assert "No such file" in target.ssh(f"ls {marker}").stderr.decode()
+
+    # sftp-server as the command (sftp -s PATH): its operations are read as the sftp subsystem's
+    directory = f"/tmp/gatewayd-sftp-{uuid.uuid4().hex[:8]}"
+    on_target(target, f"mkdir {directory} && echo top > {directory}/secret.txt && echo ok > {directory}/plain.txt")
+    secret, session_id = await api.credential(role)
+    batch = tmp_path / "batch"
+    batch.write_text(f"-get {directory}/secret.txt {tmp_path}/secret.txt\nget {directory}/plain.txt {tmp_path}/p\n")
+    result = subprocess.run(["sftp", *CLIENT_OPTIONS, "-s", "/usr/lib/openssh/sftp-server", "-P",
+                             str(gateway.ssh_port), "-b", str(batch), f"{secret}@127.0.0.1"], capture_output=True,
+                            stdin=subprocess.DEVNULL, timeout=120)
+    assert result.returncode == 0 and message in result.stderr.decode(), result.stderr
+    assert not (tmp_path / "secret.txt").exists() and (tmp_path / "p").read_text() == "ok\n"
+    session = await api.done_session(session_id)
+    assert of_kind(session, "i") == ["/usr/lib/openssh/sftp-server", f"get {directory}/secret.txt",
+                                     f"get {directory}/plain.txt 3 bytes"]
+
+    # scp -O's upload (scp -t): its data passes, a last line without its newline included
+    secret, session_id = await api.credential(role)
+    (tmp_path / "up.bin").write_bytes(b"a line that says touch\n" + os.urandom(5000).replace(b"\n", b"-"))
+    result = subprocess.run(["scp", "-O", *CLIENT_OPTIONS, "-P", str(gateway.ssh_port), str(tmp_path / "up.bin"),
+                             f"{secret}@127.0.0.1:{directory}/up.bin"], capture_output=True, stdin=subprocess.DEVNULL,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert on_target(target, f"sha256sum < {directory}/up.bin").split()[0] == sha256(tmp_path / "up.bin")
+    on_target(target, f"rm -r {directory}")
+
+
 async def test_shell_without_pty_or_input_rules_passes_every_byte(gateway, api):
     """No input rules: no line assembly; a last line without its newline runs too; input recorded as sent."""
     role = await api.role()

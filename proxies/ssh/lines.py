@@ -20,6 +20,7 @@ checked against the output rules (a rule set, or the session's policy chain).
 from __future__ import annotations
 
 import codecs
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,23 @@ if TYPE_CHECKING:
 OUTPUT_OVERLAP = 1024  # characters of an output chunk checked again with the next one
 KILL_LINE = b"\x15"  # ^U: erases the current input line in a tty or readline
 MAX_LINE = 64 * 1024  # a longer "line" is checked and passed on in pieces
+
+
+# one simple command: a path of plain characters, arguments without anything a shell would run or redirect
+_SIMPLE_ARGS = r"(?:[ \t]+[^\s;&|`$<>(){}\\]+)*[ \t]*\Z"  # (a newline would start a second command)
+_STDIN_PROTOCOL = re.compile(
+    r"[ \t]*(?:[\w.~/-]*/)?(?:(?P<sftp>sftp-server)|scp(?=.*\s-[A-Za-z]*[tf]\b)|rsync(?=.*\s--server\b)"
+    r"|git-(?:upload-pack|receive-pack|upload-archive))" + _SIMPLE_ARGS)
+
+
+def stdin_protocol(command: str) -> str | None:
+    """What an exec command reads on its input when that is a file protocol's bytes, not commands: "sftp" for
+    sftp-server (``sftp -s /usr/lib/openssh/sftp-server``), "data" for ``scp -t``/``-f``, ``rsync --server`` and
+    git's pack commands; None for any other command (its input is read as a shell's)."""
+    found = _STDIN_PROTOCOL.match(command)
+    if found is None:
+        return None
+    return "sftp" if found["sftp"] else "data"
 
 
 @dataclass(slots=True, frozen=True)

@@ -56,7 +56,7 @@ from gatewayd.pipeline import (
 )
 from gatewayd.tasks import BackgroundTasks, Withdrawable, until_empty
 from proxies.ssh import gcm
-from proxies.ssh.lines import Chunk, Line, OutputWatch, ShellInput
+from proxies.ssh.lines import Chunk, Line, OutputWatch, ShellInput, stdin_protocol
 from proxies.ssh.packets import as_the_gateway_relays_it, as_the_gateway_runs_it
 from proxies.ssh.sftp import SftpObserver, status_packet
 from proxies.ssh.target import (
@@ -575,7 +575,8 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         self.kind = ""
         self.command = ""
         self.pty = False
-        self.shell: ShellInput | None = None
+        self.shell: ShellInput | None = None  # the input rules' line reader (``follow_rules``)
+        self.reads_lines = False  # a shell, or an exec whose input is not a file protocol (``stdin_protocol``)
         self.sftp: SftpObserver | None = None
         self.pending: deque[bytes] = deque()  # client data waiting for the target's channel, or for a held line's verdict
         self.pending_eof = False
@@ -593,11 +594,22 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         self.target_full = False  # the target channel's send buffer is full: stop reading the client
         self.client_closed = False
         self.stopping = False  # the gateway is ending the target's command (end_command): it closes the channel
-        self.watch = OutputWatch(self.policy) if self.policy.checks_output else None  # None: no output rules
+        self.watch: OutputWatch | None = None  # None: no output rules
         # under a mask rule, stdout and stderr are held to their line ends (a match is never split between two
         # chunks); None: no mask rule, bytes pass as they come
-        self.held: tuple[LineHold, LineHold] | None = (LineHold(), LineHold()) if self.policy.masker else None
+        self.held: tuple[LineHold, LineHold] | None = None
         self.hold_timer: asyncio.TimerHandle | None = None
+        self.follow_rules()
+
+    def follow_rules(self) -> None:
+        """Read what the session's rules read: without rules nothing is assembled or decoded."""
+        policy = self.policy
+        if self.shell is None and self.reads_lines and policy.checks_input:
+            self.shell = ShellInput(self.pty)
+        if self.watch is None and policy.checks_output:
+            self.watch = OutputWatch(policy)
+        if self.held is None and policy.masker is not None:
+            self.held = (LineHold(), LineHold())
 
     # -- client side callbacks
 
@@ -613,12 +625,21 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
     def shell_requested(self) -> bool:
         self.kind = "shell"
         # without input rules there is nothing to check: no per-byte line assembly, keystrokes pass as they come
-        self.shell = ShellInput(self.pty) if self.policy.checks_input else None
+        self.reads_lines = True
+        self.follow_rules()
         return self._start(None, None)
 
     def exec_requested(self, command: str) -> bool:
+        """The command is checked whole; what the client sends it is read as a shell's input is (``ssh -t host
+        bash``, ``ssh host sh < script`` are shells), unless the command is a file protocol's (``stdin_protocol``):
+        sftp-server's is read as the sftp subsystem's, scp's, rsync's and git's pass as data."""
         self.kind = "exec"
         self.command = command
+        protocol = stdin_protocol(command)
+        if protocol == "sftp":
+            self.sftp = SftpObserver()
+        self.reads_lines = protocol is None
+        self.follow_rules()
         return self._start(command, None)
 
     def subsystem_requested(self, subsystem: str) -> bool:
@@ -708,7 +729,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         if command is not None and (verdict := self.policy.input(command)):  # recorded, then checked
             await self._refuse(verdict)
             return
-        if command is not None and self.held is not None and _SCP_DOWNLOAD.match(command):
+        if command is not None and self.policy.masker is not None and _SCP_DOWNLOAD.match(command):
             # the file goes out as one sized block: masking it would break the transfer, passing it would leak
             message = UNMASKABLE_DOWNLOAD
             self.policy.error(message)
@@ -821,7 +842,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
                 self._record(*piece)
             elif piece.deferred:  # recorded later, with what the target answers (put and get sizes)
                 verdict = next(filter(None, map(policy.check_input, piece.lines)), None)
-                if verdict is None and self.held is not None and piece.line.startswith("get "):
+                if verdict is None and policy.masker is not None and piece.line.startswith("get "):
                     self._record_lines(piece.lines)
                     self._refuse_unmaskable(sftp, piece.request_id)
                 elif verdict is None:
