@@ -341,6 +341,30 @@ async def test_pty_shell_terminal_resize_signals_and_input_rules(gateway, api, t
         assert played.stdout.decode() == replay
 
 
+async def test_rules_attached_while_a_shell_is_open_apply_to_its_next_line_and_output(gateway, api, target):
+    """A guard rail or mask rule attached to the connection is in force once the API answers, in the channels
+    already open too (a shell or exec opened without rules went on reading nothing: its lines ran, its output
+    went out clear)."""
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+    marker = f"/tmp/gatewayd-never-{uuid.uuid4().hex[:8]}"
+    term = Terminal(ssh_args(gateway, secret, "-tt"))
+    term.type("echo ready-$((1+1))\r")
+    term.expect("ready-2")
+    await api.guardrail(role, input_rules=[{"type": "deny_words_list", "words": ["touch"]}],
+                        output_rules=[{"type": "mask", "patterns": ["card_number"]}])
+    term.type(f"touch {marker}\r")
+    term.expect("words=[touch]")
+    term.type("printf '%s%s\\n' 41111111 11111111; echo done-$((1+1))\r")
+    screen = term.expect("done-2")
+    term.type("exit 3\r")
+    assert term.wait() == 3
+    assert "****" in screen and "4111111111111111" not in term.screen.decode(errors="replace")
+    assert "No such file" in target.ssh(f"ls {marker}").stderr.decode()
+    session = await api.done_session(session_id)
+    assert "4111111111111111" not in json.dumps(events(session))
+
+
 async def test_shell_without_pty_blocks_lines_before_they_reach_the_target(gateway, api, target):
     role = await api.role()
     await api.guardrail(role, input_rules=[{"type": "pattern_match", "pattern_regex": r"rm\s+-rf"}])

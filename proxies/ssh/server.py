@@ -602,7 +602,8 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         self.follow_rules()
 
     def follow_rules(self) -> None:
-        """Read what the session's rules read: without rules nothing is assembled or decoded."""
+        """Read what the session's rules read now: they may come while the channel is open (``policy.adopt``), and
+        apply from the next bytes on. Without rules nothing is assembled or decoded; readers once made stay."""
         policy = self.policy
         if self.shell is None and self.reads_lines and policy.checks_input:
             self.shell = ShellInput(self.pty)
@@ -780,6 +781,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             return
         policy = self.policy
         policy.record_input(data)  # keystrokes as typed; the rules read the lines they make up
+        self.follow_rules()
         if self.shell is None:
             upchan.write(data)
             return
@@ -934,6 +936,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
                 self._flush_injections()
             return
         policy = self.policy
+        self.follow_rules()
         if self.watch is not None:  # no decoding at all without output rules
             verdict = self.watch.check(data, 1 if datatype == STDERR else 0)
             if verdict is not None and not verdict.allowed:
