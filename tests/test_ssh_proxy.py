@@ -262,6 +262,37 @@ class Terminal:
         return code
 
 
+async def test_environment_requests_are_recorded_and_read_by_the_input_rules(gateway, api, target):
+    """``SetEnv``/``SendEnv`` variables pass on, recorded as an ``i`` line (names, values but secret-looking names'
+    and gateway credentials, masked) and read by the input rules: one they block refuses the channel, as a blocked
+    command does (they were passed on unrecorded and unread: ``ssh -o SetEnv='X=touch /f' host 'eval "$X"'``)."""
+    role = await api.role()
+    await api.guardrail(role, input_rules=[{"type": "deny_words_list", "words": ["touch"]}],
+                        output_rules=[{"type": "mask", "patterns": ["email"]}])
+    secret, session_id = await api.credential(role)
+
+    def with_env(variables: str, command: str) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run(["ssh", *CLIENT_OPTIONS, "-o", f"SetEnv={variables}", "-p", str(gateway.ssh_port),
+                               f"{secret}@127.0.0.1", command], capture_output=True, stdin=subprocess.DEVNULL, timeout=60)
+
+    result = with_env(f"GATEWAYD_GREETING=hello GATEWAYD_TOKEN=t0k LC_MAIL=jane.doe@example.com LC_NOTE={secret}",
+                      'echo "$GATEWAYD_GREETING $GATEWAYD_TOKEN ${#LC_NOTE}"')
+    assert (result.returncode, result.stdout) == (0, b"hello t0k 47\n"), result.stderr
+    session = await api.done_session(session_id)
+    assert of_kind(session, "i")[0] == \
+        "env GATEWAYD_GREETING=hello GATEWAYD_TOKEN=[REDACTED] LC_MAIL=**** LC_NOTE=[REDACTED]"
+    assert secret not in json.dumps(events(session)) and "jane.doe" not in json.dumps(events(session))
+
+    marker = f"/tmp/gatewayd-never-{uuid.uuid4().hex[:8]}"
+    secret, session_id = await api.credential(role)
+    result = with_env(f'"LC_RUN=touch {marker}"', 'eval "$LC_RUN"')
+    message = "validation error, match guard rails input rule, type=deny_words_list, words=[touch]"
+    assert (result.returncode, result.stderr.decode().strip()) == (254, message)
+    assert "No such file" in target.ssh(f"ls {marker}").stderr.decode()
+    session = await api.done_session(session_id)
+    assert events(session) == [("i", f"env 'LC_RUN=touch {marker}'"), ("e", message)]
+
+
 async def test_pty_shell_terminal_resize_signals_and_input_rules(gateway, api, target, tmp_path):
     role = await api.role()
     await api.guardrail(role, input_rules=[{"type": "deny_words_list", "words": ["touch"]}])

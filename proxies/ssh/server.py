@@ -34,16 +34,21 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import logging
 import re
+import shlex
 import socket
 from collections import deque
-from typing import TYPE_CHECKING, Any, Coroutine, Sequence
+from typing import TYPE_CHECKING, Any, Coroutine, Mapping, Sequence
 
 import asyncssh
 
 from gatewayd import balance, metrics
 from gatewayd.access import looks_like_secret
+from gatewayd.audit import REDACTED
+from gatewayd.guardrails import AUDIT_INPUT_CHARS
+from gatewayd.logs import scrub
 from gatewayd.masking import LineHold
 from gatewayd.pipeline import (
     BLOCKED_EXIT_CODE,
@@ -91,6 +96,7 @@ LINE_CANCELLED = "the line was cancelled with Ctrl-C while it waited for its ver
 FORWARD_UNREADABLE = ("has guard rails, mask rules or an analysis, and a forwarded stream cannot be checked, masked or "
                       "recorded")
 UNMASKABLE_DOWNLOAD = "a file download cannot be masked: refused under this connection's mask rules"
+_SECRET_NAME = re.compile(r"PASS|PWD|SECRET|TOKEN|KEY|CRED|AUTH|COOKIE", re.IGNORECASE)  # an env value not recorded
 _SCP_DOWNLOAD = re.compile(r"^\s*(?:\S*/)?scp\s+(?:-\S+\s+)*-[A-Za-z]*f\b")  # the target's end of ``scp -O`` get
 
 
@@ -725,6 +731,10 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
 
     async def _open_target(self, command: str | None, subsystem: str | None) -> None:
         chan = self.chan
+        env = chan.get_environment_bytes()
+        if env and (verdict := self._environment(env)):
+            await self._refuse(verdict)
+            return
         if command is not None and self.policy.needs_wait(command):  # an AI rule in sync mode: its verdict first
             await self.policy.decide(command)
         if command is not None and (verdict := self.policy.input(command)):  # recorded, then checked
@@ -736,7 +746,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             self.policy.error(message)
             self.end(message)
             return
-        options: dict[str, Any] = {"command": command, "subsystem": subsystem, "env": chan.get_environment(),
+        options: dict[str, Any] = {"command": command, "subsystem": subsystem, "env": env,
                                    "encoding": None, "window": WINDOW, "max_pktsize": MAX_PACKET}
         if self.pty:
             options.update(term_type=chan.get_terminal_type(), term_size=chan.get_terminal_size(),
@@ -761,6 +771,20 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             self.pending_eof = False
             self._eof_to_target()
         self.sync_reading()
+
+    def _environment(self, env: Mapping[bytes, bytes]) -> GuardVerdict | None:
+        """The variables the client asked to set, all passed on (the target's ``AcceptEnv`` decides): one ``i``
+        line ``env NAME=value ...`` as the rules read it, recorded with a secret-looking name's value redacted,
+        gateway credentials scrubbed and the mask rules applied; the verdict that refuses the channel, or None."""
+        pairs = {name.decode("utf-8", "replace"): value.decode("utf-8", "replace") for name, value in env.items()}
+        said = "env " + " ".join(shlex.quote(f"{name}={value}") for name, value in pairs.items())
+        shown = "env " + " ".join(f"{shlex.quote(name)}={REDACTED}" if _SECRET_NAME.search(name)
+                                  else shlex.quote(f"{name}={value}") for name, value in pairs.items())
+        policy = self.policy
+        shown = policy.mask_output(scrub(shown))
+        policy.record_input(shown)
+        verdict = policy.check_input(said)
+        return None if verdict is None else dataclasses.replace(verdict, text=shown[:AUDIT_INPUT_CHARS])
 
     async def _refuse(self, verdict: GuardVerdict) -> None:
         """An exec the input rules block: message on stderr, exit 254, the target never sees it."""
