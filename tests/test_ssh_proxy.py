@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import pty
+import re
 import select
 import shutil
 import signal
@@ -645,6 +646,38 @@ async def test_sftp_operations_refused_by_input_rules(gateway, api, target, tmp_
     assert of_kind(session, "i") == [f"get {directory}/secret.txt", f"put {directory}/secret.txt",
                                      f"get {directory}/plain.txt 3 bytes", f"put {directory}/plain.txt 5 bytes"]
     assert on_target(target, f"cat {directory}/plain.txt") == "ok\nmore\n"
+    on_target(target, f"rm -r {directory}")
+
+
+async def test_sftp_hard_links_and_attribute_changes_by_handle_or_link_are_read_and_recorded(gateway, api, target):
+    """hardlink@openssh.com (sftp's ``ln``), lsetstat@openssh.com and FSETSTAT (a chmod on an open file) are
+    operations as their plain kin are: ``link a b`` and ``setstat /path`` (they passed unread and unrecorded)."""
+    import asyncssh
+
+    role = await api.role()
+    await api.guardrail(role, input_rules=[{"type": "pattern_match", "pattern_regex": r"(link|setstat) \S*secret"}])
+    message = r"validation error, match guard rails input rule, type=pattern_match, pattern=(link|setstat) \S*secret"
+    directory = f"/tmp/gatewayd-sftp-{uuid.uuid4().hex[:8]}"
+    on_target(target, f"mkdir {directory} && echo top > {directory}/secret.txt && chmod 640 {directory}/secret.txt "
+                      f"&& echo ok > {directory}/plain.txt")
+    secret, session_id = await api.credential(role)
+    async with asyncssh.connect("127.0.0.1", gateway.ssh_port, username=secret, known_hosts=None, agent_path=None,
+                                client_keys=[]) as conn, conn.start_sftp_client() as sftp:
+        with pytest.raises(asyncssh.SFTPPermissionDenied, match=re.escape(message)):
+            await sftp.link(f"{directory}/secret.txt", f"{directory}/copy")
+        with pytest.raises(asyncssh.SFTPPermissionDenied):
+            await sftp.chmod(f"{directory}/secret.txt", 0o644, follow_symlinks=False)
+        async with sftp.open(f"{directory}/secret.txt", "a") as handle:
+            with pytest.raises(asyncssh.SFTPPermissionDenied):
+                await handle.chmod(0o644)
+        await sftp.link(f"{directory}/plain.txt", f"{directory}/plain-link")
+    session = await api.done_session(session_id)
+    assert of_kind(session, "i") == [
+        f"link {directory}/secret.txt {directory}/copy", f"setstat {directory}/secret.txt",
+        f"setstat {directory}/secret.txt", f"put {directory}/secret.txt 0 bytes",
+        f"link {directory}/plain.txt {directory}/plain-link"]
+    assert of_kind(session, "e") == [message] * 3
+    assert on_target(target, f"stat -c '%a %h' {directory}/secret.txt {directory}/plain.txt") == "640 1\n644 2\n"
     on_target(target, f"rm -r {directory}")
 
 

@@ -20,7 +20,7 @@ import struct
 from dataclasses import dataclass
 
 FXP_INIT, FXP_VERSION, FXP_OPEN, FXP_CLOSE, FXP_READ, FXP_WRITE = 1, 2, 3, 4, 5, 6
-FXP_SETSTAT, FXP_OPENDIR, FXP_REMOVE, FXP_MKDIR, FXP_RMDIR = 9, 11, 13, 14, 15
+FXP_SETSTAT, FXP_FSETSTAT, FXP_OPENDIR, FXP_REMOVE, FXP_MKDIR, FXP_RMDIR = 9, 10, 11, 13, 14, 15
 FXP_RENAME, FXP_SYMLINK = 18, 20
 FXP_STATUS, FXP_HANDLE, FXP_DATA, FXP_EXTENDED = 101, 102, 103, 200
 
@@ -272,12 +272,21 @@ class SftpObserver:
             second, at = _string(body, at)
             op = "rename" if kind == FXP_RENAME else "symlink"
             return self._operation(request_id, f"{op} {_text(first)} {_text(second)}", records)
+        elif kind == FXP_FSETSTAT:  # on an open handle: the file it was opened as
+            handle, at = _string(body, at)
+            state = self._handles.get(handle)
+            return self._operation(request_id, f"setstat {state.path if state is not None else '(unknown handle)'}",
+                                   records)
         elif kind == FXP_EXTENDED:
             name, at = _string(body, at)
-            if name == b"posix-rename@openssh.com":
+            if name in (b"posix-rename@openssh.com", b"hardlink@openssh.com"):
                 first, at = _string(body, at)
                 second, at = _string(body, at)
-                return self._operation(request_id, f"rename {_text(first)} {_text(second)}", records)
+                op = "rename" if name == b"posix-rename@openssh.com" else "link"
+                return self._operation(request_id, f"{op} {_text(first)} {_text(second)}", records)
+            if name == b"lsetstat@openssh.com":
+                path, at = _string(body, at)
+                return self._operation(request_id, f"setstat {_text(path)}", records)
         return None
 
     def _operation(self, request_id: int, line: str, records: list[Record]) -> str:
