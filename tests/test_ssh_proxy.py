@@ -793,6 +793,24 @@ async def test_local_port_forwarding_allowed_per_connection_and_refused_by_defau
         echo.close()
 
 
+async def test_forwarding_to_a_unix_socket_is_refused_on_the_record(gateway, api):
+    """``ssh -L port:/path`` (direct-streamlocal) is not offered, even where TCP forwarding is allowed: refused as a
+    refused ``-L`` is, with an ``e`` event and an ``ssh.port_forward`` failure entry (it was refused unrecorded)."""
+    import asyncssh
+
+    role = await api.role(settings={"ssh": {"allow_port_forwarding": True}})
+    secret, session_id = await api.credential(role)
+    message = "port forwarding to /run/sshd.pid refused: the gateway does not offer unix socket forwarding"
+    async with asyncssh.connect("127.0.0.1", gateway.ssh_port, username=secret, known_hosts=None, agent_path=None,
+                                client_keys=[]) as conn:
+        with pytest.raises(asyncssh.ChannelOpenError, match=message):
+            await conn.open_unix_connection("/run/sshd.pid")
+    session = await api.done_session(session_id)
+    assert of_kind(session, "e") == [message]
+    status, logs = await api("GET", "/audit/logs?action=ssh.port_forward&outcome=failure")
+    assert status == 200 and any(e["error_message"] == message for e in logs["data"])
+
+
 @pytest.mark.parametrize("rules", [
     {"input_rules": [{"type": "deny_words_list", "words": ["drop"]}]},
     {"output_rules": [{"type": "mask", "patterns": ["email"]}]},

@@ -16,8 +16,8 @@ One ``GatewayConnection`` per client SSH connection:
    stderr held to their line ends and masked, file downloads refused);
    ``direct-tcpip`` (``ssh -L``) is relayed when the connection's
    ``settings.ssh.allow_port_forwarding`` is true and the connection has no
-   rules that would have to read it, and refused otherwise (``ForwardRelay``); agent and X11 forwarding are refused, and so is remote
-   forwarding (``ssh -R``), with an ``e`` event and an audit entry;
+   rules that would have to read it, and refused otherwise (``ForwardRelay``); agent and X11 forwarding are refused, and so are remote
+   forwarding (``ssh -R``) and forwarding to a unix socket, with an ``e`` event and an audit entry;
 4. the end -- the session is closed when the client goes away (even while
    the target login is still running), with the last exit status; once a
    connection carries more than one session channel (OpenSSH multiplexing),
@@ -293,6 +293,9 @@ class GatewayConnection(asyncssh.SSHServer):
     def connection_requested(self, dest_host: str, dest_port: int, orig_host: str, orig_port: int) -> Any:
         return self._forward(dest_host, dest_port, orig_host, orig_port)
 
+    def unix_connection_requested(self, dest_path: str) -> Any:
+        return self._refuse_unix(dest_path)
+
     def server_requested(self, listen_host: str, listen_port: int) -> Any:
         return self._refuse_remote(f"{listen_host}:{listen_port}")
 
@@ -425,6 +428,17 @@ class GatewayConnection(asyncssh.SSHServer):
         policy.error(f"port forwarding to {where} opened")
         await self._audit("success", "", where)
         return relay
+
+    async def _refuse_unix(self, where: str) -> asyncssh.SSHUNIXSession[bytes]:
+        """Forwarding to a unix socket on the target (``ssh -L port:/path``) is not offered: refused as a refused
+        ``-L`` is, with an ``e`` event and an ``ssh.port_forward`` audit entry."""
+        if not await self._ready():
+            raise asyncssh.ChannelOpenError(asyncssh.OPEN_CONNECT_FAILED, self.failure or "the session is closed")
+        message = f"port forwarding to {where} refused: the gateway does not offer unix socket forwarding"
+        assert self.run is not None
+        self.run.policy.error(message)
+        await self._audit("failure", message, where)
+        raise asyncssh.ChannelOpenError(asyncssh.OPEN_ADMINISTRATIVELY_PROHIBITED, message)
 
     async def _refuse_remote(self, where: str) -> bool:
         """Remote forwarding (``ssh -R``) is not offered: an ``e`` event and an ``ssh.port_forward`` audit entry."""
