@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from control.asciicast import render_asciicast
 from gatewayd.guardrails import RuleSet
 from gatewayd.models import GuardRail, Session, SessionEvent
-from proxies.ssh.lines import KILL_LINE, OUTPUT_OVERLAP, Chunk, Line, OutputWatch, ShellInput, stdin_protocol
+from proxies.ssh.lines import END_OF_LINE, INTERRUPT_LINE, KILL_LINE, OUTPUT_OVERLAP, Chunk, Line, OutputWatch, ShellInput, stdin_protocol
 from proxies.ssh.sftp import Request, SftpObserver, open_kind, status_packet
 from proxies.ssh.target import TargetError, TargetSettings
 
@@ -141,6 +141,33 @@ def test_pty_line_editing_is_applied_to_the_checked_text():
     assert lines_of(shell.feed(b"half\x03\r")) == [""]
     assert lines_of(shell.feed(b"ls\x1b[A\x1bOB -l\r")) == ["ls -l"]  # arrow keys are not text
     assert lines_of(shell.feed("caf\u00e9\x7fe\r".encode())) == ["cafe"]  # backspace removes a whole character
+
+
+def test_pty_cursor_moves_kills_and_literal_keys_are_applied_as_readline_does():
+    """The text bash runs is the text checked: typed at a moved cursor, put back by ^Y, quoted by ^V (each was
+    checked as typed in order, without them: ``ouch x``, Home, ``t`` ran ``touch x`` unread)."""
+    shell = ShellInput(pty=True)
+    for keys, text in [(b"ouch x\x1b[Ht", "touch x"), (b"ouch x\x01t", "touch x"), (b"ouch x\x1bOHt", "touch x"),
+                       (b"tuch x\x1b[D\x1b[D\x1b[D\x1b[D\x1b[D\x02\x06o", "touch x"),
+                       (b"touch x\x1b[1~\x1b[4~ y", "touch x y"), (b"rm -rf /\x1b[D\x1b[D\x15echo", "echo /"),
+                       (b"touch x\x01\x0b", ""), (b"touch\x17 /x\x01\x19", "touch /x"), (b"otuch\x01\x06\x14", "touch"),
+                       (b"xtouch\x01\x04", "touch"), (b"xtouch\x01\x1b[3~", "touch"), (b"touch x; \x16\x15", "touch x; \x15"),
+                       (b"echo a touch\x1bb\x1bd", "echo a "), (b"x touch\x1b\x7f", "x "), (b"one two\x1bbthe \x1bf!", "one the two!")]:
+        lines = shell.feed(keys + b"\r")
+        assert [piece.text for piece in lines if isinstance(piece, Line)] == [text], keys
+    # a refused line is erased whole: from its end when the cursor was moved
+    assert shell.feed(b"ouch\x01t\r")[-1] == Line("touch", b"\r", END_OF_LINE + KILL_LINE)
+
+
+def test_a_line_ending_in_a_backslash_is_read_with_the_next_one():
+    shell = ShellInput(pty=True)
+    assert lines_of(shell.feed(b"tou\\\rch x\r")) == ["tou\\", "touch x"]
+    assert shell.feed(b"echo \\\\\r")[-1] == Line("echo \\\\", b"\r", KILL_LINE)  # an even count: no continuation
+    shell.feed(b"a\\\r")
+    assert shell.feed(b"b\r")[-1] == Line("ab", b"\r", INTERRUPT_LINE)  # refused: ^C abandons the whole command
+    shell = ShellInput(pty=False)
+    assert shell.feed(b"tou\\\nch x\necho\n") == [Line("tou\\", b"tou\\\n", b""), Line("touch x", b"ch x\n", b"\n"),
+                                                   Line("echo", b"echo\n", b"")]
 
 
 def test_pty_cr_lf_is_one_line_and_pasted_lines_split():

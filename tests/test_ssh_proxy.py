@@ -397,6 +397,37 @@ async def test_rules_attached_while_a_shell_is_open_apply_to_its_next_line_and_o
     assert "4111111111111111" not in json.dumps(events(session))
 
 
+async def test_a_guarded_line_edited_at_a_moved_cursor_or_continued_is_read_as_bash_runs_it(gateway, api, target):
+    """``ouch x``, Home, ``t``; a ``^V``-quoted ``^U``; ``tou\\`` then ``ch x``: bash runs ``touch``, the rules read
+    it (they read ``ouch xt``, an empty line and ``ch x``, and the lines ran); a refused line leaves nothing behind
+    on the target's line, so the next command runs as typed."""
+    role = await api.role()
+    await api.guardrail(role, input_rules=[{"type": "deny_words_list", "words": ["touch"]}])
+    secret, session_id = await api.credential(role)
+    marker = f"/tmp/gatewayd-never-{uuid.uuid4().hex[:8]}"
+    term = Terminal(ssh_args(gateway, secret, "-tt"))
+    term.type("echo ready-$((1+1))\r")
+    term.expect("ready-2")
+    for number, keys in enumerate((f"ouch {marker}\x1b[Ht\r", f"touch {marker}; \x16\x15\r", f"tou\\\rch {marker}\r")):
+        for key in keys:  # one key per packet, as typed
+            term.type(key)
+            time.sleep(0.005)
+        term.expect("words=[touch]")
+        term.type(f"echo after-$(({number}+10))\r")
+        term.expect(f"after-{number + 10}\r\n")
+    term.type("exit 3\r")
+    assert term.wait() == 3
+    assert "No such file" in target.ssh(f"ls {marker}*").stderr.decode()
+    session = await api.done_session(session_id)
+    assert len(of_kind(session, "e")) == 3
+
+    # without a pty too: the refused line's newline ends what the shell was continuing (``tou`` alone runs)
+    secret, session_id = await api.credential(role)
+    result = ssh(gateway, secret, "-T", stdin=f"echo first\ntou\\\nch {marker}\necho second\n".encode())
+    assert result.stdout == b"first\nsecond\n" and b"words=[touch]" in result.stderr, result.stderr
+    assert "No such file" in target.ssh(f"ls {marker}*").stderr.decode()
+
+
 async def test_shell_without_pty_blocks_lines_before_they_reach_the_target(gateway, api, target):
     role = await api.role()
     await api.guardrail(role, input_rules=[{"type": "pattern_match", "pattern_regex": r"rm\s+-rf"}])

@@ -8,8 +8,8 @@ the proxy checks its text, then forwards ``line.allowed`` or ``line.refused``).
   echoes them and line editing, tab completion, full-screen programs work);
   only the Enter key is held back until the line is checked. A refused line
   is erased on the target with ``^U`` (kill line) instead of being entered.
-  Backspace, ``^U``, ``^W``, ``^C`` and escape sequences (arrow keys) are
-  applied to the assembled text as a terminal line editor would, best effort.
+  The keys are applied to the assembled text as readline applies them (a
+  cursor, kills and yanks, quoted keys: ``ShellInput``), best effort.
 - Without a pty (``ssh host < script``), whole lines are held until their
   newline and a refused line never reaches the target.
 
@@ -67,21 +67,41 @@ class Line:
 
 
 _ERASE_CHAR = (0x7F, 0x08)
-_ERASE_LINE = (0x15, 0x03)  # ^U kills the line, ^C abandons it
-_ERASE_WORD = 0x17  # ^W
+INTERRUPT_LINE = b"\x03"  # ^C: abandons a command continued over lines (``\``), which ^U would not erase
+END_OF_LINE = b"\x05"  # ^E: to the end of the line, so that the ^U after it erases all of it
+_CSI_MOVES = {0x44: "left", 0x43: "right", 0x48: "home", 0x46: "end"}  # ESC [ D, C, H, F (and ESC O ...)
+_CSI_TILDE = {b"1": "home", b"7": "home", b"4": "end", b"8": "end", b"3": "delete"}  # ESC [ n ~
+_CONTROL = {0x01: "home", 0x05: "end", 0x02: "left", 0x06: "right", 0x04: "delete", 0x0B: "kill end",
+            0x15: "kill start", 0x17: "kill word", 0x19: "yank", 0x14: "transpose", 0x03: "clear"}
+_META = {0x62: "word left", 0x66: "word right", 0x64: "kill word right", 0x7F: "kill word back", 0x08: "kill word back"}
+
+
+def _is_word(byte: int) -> bool:
+    """A word character for the meta-key commands (alphanumeric, as readline's; any byte of a UTF-8 character)."""
+    return byte >= 0x80 or chr(byte).isalnum()
 
 
 class ShellInput:
-    """Line assembly for one shell channel."""
+    """Line assembly for one shell channel.
 
-    __slots__ = ("pty", "_line", "_escape", "_held", "_after_cr")
+    With a pty, the text is edited as readline (bash's line editor, emacs keys) edits it: a cursor moved by the
+    arrow, Home and End keys and ^A ^E ^B ^F and meta b/f, insertion at it, ^H/DEL, ^D/Delete, ^U (to the line's
+    start), ^K, ^W, meta d and meta DEL, ^Y (the last text killed), ^T, ^C, and ^V (the next byte as it is). A
+    line ending in an odd number of backslashes continues on the next one: the next line is read with it.
+    """
+
+    __slots__ = ("pty", "_line", "_cursor", "_escape", "_params", "_killed", "_held", "_after_cr", "_continued")
 
     def __init__(self, pty: bool) -> None:
         self.pty = pty
         self._line = bytearray()  # the text of the line being typed
-        self._escape = 0  # 0: none, 1: after ESC, 2: inside a CSI/SS3 sequence
+        self._cursor = 0  # where the next character goes (pty)
+        self._escape = 0  # 0: none, 1: after ESC, 2: inside a CSI sequence, 3: after ESC O, 4: after ^V
+        self._params = bytearray()  # a CSI sequence's parameter bytes
+        self._killed = b""  # the last text killed (^U ^K ^W), which ^Y puts back
         self._held = bytearray()  # without a pty: the raw bytes of the line being typed
         self._after_cr = False
+        self._continued: str | None = None  # the text of a line that ended with a backslash, read with the next
 
     @property
     def pending(self) -> str:
@@ -94,7 +114,7 @@ class ShellInput:
         start = 0
         pty = self.pty
         for index, byte in enumerate(data):
-            if byte == 0x0A or (byte == 0x0D and pty):
+            if (byte == 0x0A or (byte == 0x0D and pty)) and self._escape != 4:
                 if pty and byte == 0x0A and self._after_cr:  # CR LF from a pty client: one line end
                     self._after_cr = False
                     if index > start:
@@ -131,43 +151,145 @@ class ShellInput:
             self._held += data
 
     def _line_end(self, out: list[Chunk | Line], before: bytes, terminator: bytes) -> Line:
-        text = self._line.decode("utf-8", "replace")
+        typed = self._line.decode("utf-8", "replace")
+        continued, at_end = self._continued, self._cursor >= len(self._line)
+        text = typed if continued is None else continued + typed
+        trailing = len(typed) - len(typed.rstrip("\\"))
+        self._continued = text[:-1] if trailing % 2 and terminator else None  # the shell joins the next line to it
         self._line.clear()
+        self._cursor = 0
         self._escape = 0
         if self.pty:
             if before:
                 out.append(Chunk(before))
-            return Line(text, terminator, KILL_LINE)
+            refused = INTERRUPT_LINE if continued is not None else KILL_LINE if at_end else END_OF_LINE + KILL_LINE
+            return Line(text, terminator, refused)
         held = bytes(self._held) + before + terminator
         self._held.clear()
-        return Line(text, held, b"")
+        return Line(text, held, b"\n" if continued is not None else b"")  # a newline ends what was continued
 
     def _edit(self, byte: int) -> None:
-        line = self._line
-        if self._escape == 1:
-            self._escape = 2 if byte in (0x5B, 0x4F) else 0  # ESC [ (CSI) or ESC O (SS3)
+        if not self.pty:
+            if byte >= 0x20 or byte in (0x09, 0x7F, 0x08):
+                self._line.append(byte)
             return
-        if self._escape == 2:
+        escape = self._escape
+        if escape == 4:  # ^V: the byte as it is
+            self._escape = 0
+            self._insert(bytes((byte,)))
+        elif escape == 1:
+            self._escape = 2 if byte == 0x5B else 3 if byte == 0x4F else 0  # ESC [ (CSI) or ESC O (SS3)
+            self._params.clear()
+            if byte in _META:
+                self._apply(_META[byte])
+        elif escape == 2:
             if 0x40 <= byte <= 0x7E:
                 self._escape = 0
-            return
-        if byte == 0x1B:
+                action = _CSI_TILDE.get(bytes(self._params)) if byte == 0x7E else _CSI_MOVES.get(byte)
+                if action is not None:
+                    self._apply(action)
+            else:
+                self._params.append(byte)
+        elif escape == 3:
+            self._escape = 0
+            if byte in _CSI_MOVES:
+                self._apply(_CSI_MOVES[byte])
+        elif byte == 0x1B:
             self._escape = 1
+        elif byte == 0x16:
+            self._escape = 4
         elif byte in _ERASE_CHAR:
-            if line and self.pty:
-                while line and (line.pop() & 0xC0) == 0x80:  # a whole UTF-8 character
-                    pass
-            elif not self.pty:
-                line.append(byte)
-        elif byte in _ERASE_LINE and self.pty:
-            line.clear()
-        elif byte == _ERASE_WORD and self.pty:
-            while line and line[-1] == 0x20:
-                line.pop()
-            while line and line[-1] != 0x20:
-                line.pop()
+            self._kill(self._previous(self._cursor), self._cursor, keep=False)
+        elif byte in _CONTROL:
+            self._apply(_CONTROL[byte])
         elif byte >= 0x20 or byte == 0x09:
-            line.append(byte)
+            self._insert(bytes((byte,)))
+
+    def _apply(self, action: str) -> None:
+        """One editing command of readline's at the cursor."""
+        line, cursor = self._line, self._cursor
+        if action == "home":
+            self._cursor = 0
+        elif action == "end":
+            self._cursor = len(line)
+        elif action == "left":
+            self._cursor = self._previous(cursor)
+        elif action == "right":
+            self._cursor = self._next(cursor)
+        elif action == "delete":
+            self._kill(cursor, self._next(cursor), keep=False)
+        elif action == "kill start":
+            self._kill(0, cursor)
+        elif action == "kill end":
+            self._kill(cursor, len(line))
+        elif action == "kill word":  # ^W: back to the previous whitespace
+            start = cursor
+            while start and line[start - 1] == 0x20:
+                start -= 1
+            while start and line[start - 1] != 0x20:
+                start -= 1
+            self._kill(start, cursor)
+        elif action == "word left":
+            self._cursor = self._word_start(cursor)
+        elif action == "kill word back":
+            self._kill(self._word_start(cursor), cursor)
+        elif action in ("word right", "kill word right"):
+            end = cursor
+            while end < len(line) and not _is_word(line[end]):
+                end += 1
+            while end < len(line) and _is_word(line[end]):
+                end += 1
+            if action == "word right":
+                self._cursor = end
+            else:
+                self._kill(cursor, end)
+        elif action == "yank":
+            self._insert(self._killed)
+        elif action == "transpose" and cursor and len(line) > 1:  # the characters around the cursor swap
+            at = min(cursor, len(line) - 1)
+            line[at - 1], line[at] = line[at], line[at - 1]
+            self._cursor = at + 1
+        elif action == "clear":  # ^C abandons the line
+            line.clear()
+            self._cursor = 0
+
+    def _word_start(self, cursor: int) -> int:
+        line = self._line
+        while cursor and not _is_word(line[cursor - 1]):
+            cursor -= 1
+        while cursor and _is_word(line[cursor - 1]):
+            cursor -= 1
+        return cursor
+
+    def _insert(self, data: bytes) -> None:
+        self._line[self._cursor:self._cursor] = data
+        self._cursor += len(data)
+
+    def _kill(self, start: int, end: int, keep: bool = True) -> None:
+        """Remove ``start:end`` (kept for ^Y unless ``keep`` is false); the cursor goes to ``start``."""
+        if end <= start:
+            return
+        if keep:
+            self._killed = bytes(self._line[start:end])
+        del self._line[start:end]
+        self._cursor = start
+
+    def _previous(self, at: int) -> int:
+        """The start of the UTF-8 character before ``at``."""
+        at = max(at - 1, 0)
+        while at and (self._line[at] & 0xC0) == 0x80:
+            at -= 1
+        return at
+
+    def _next(self, at: int) -> int:
+        """The end of the UTF-8 character at ``at``."""
+        line = self._line
+        if at >= len(line):
+            return at
+        at += 1
+        while at < len(line) and (line[at] & 0xC0) == 0x80:
+            at += 1
+        return at
 
 
 class OutputWatch:
