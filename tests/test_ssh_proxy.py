@@ -1675,6 +1675,16 @@ async def test_killing_a_script_session_stops_the_command_on_the_target(core, ta
 # --------------------------------------------------------------------------- agent, X11, live configuration
 
 
+async def test_a_subsystem_other_than_sftp_is_refused_on_the_record(gateway, api):
+    """``ssh -s host netconf``: refused, and the session says so (it was refused unrecorded)."""
+    role = await api.role()
+    secret, session_id = await api.credential(role)
+    result = ssh(gateway, secret, "-s", "netconf")
+    assert result.returncode == 255 and b"subsystem" in result.stderr, result.stderr
+    session = await api.done_session(session_id)
+    assert events(session) == [("e", 'subsystem "netconf" refused: the gateway relays only sftp')]
+
+
 async def test_agent_and_x11_forwarding_are_refused(gateway, api, target, tmp_path):
     agent = subprocess.run(["ssh-agent", "-s", "-a", str(tmp_path / "agent.sock")], capture_output=True, text=True,
                            check=True)

@@ -664,7 +664,8 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         return self._start(command, None)
 
     def subsystem_requested(self, subsystem: str) -> bool:
-        if subsystem != "sftp":
+        if subsystem != "sftp":  # refused on the record, as a refused forward is
+            self.policy.error(f'subsystem "{subsystem}" refused: the gateway relays only sftp')
             return False
         self.kind = "sftp"
         self.sftp = SftpObserver()
