@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from control.asciicast import render_asciicast
 from gatewayd.guardrails import RuleSet
 from gatewayd.models import GuardRail, Session, SessionEvent
-from proxies.ssh.lines import END_OF_LINE, INTERRUPT_LINE, KILL_LINE, OUTPUT_OVERLAP, Chunk, Line, OutputWatch, ShellInput, stdin_protocol
+from proxies.ssh.lines import END_OF_LINE, INTERRUPT_LINE, KILL_LINE, OUTPUT_OVERLAP, PASTE_END, PASTE_START, Chunk, Line, OutputWatch, ShellInput, stdin_protocol
 from proxies.ssh.sftp import Request, SftpObserver, open_kind, status_packet
 from proxies.ssh.target import TargetError, TargetSettings
 
@@ -168,6 +168,19 @@ def test_a_line_ending_in_a_backslash_is_read_with_the_next_one():
     shell = ShellInput(pty=False)
     assert shell.feed(b"tou\\\nch x\necho\n") == [Line("tou\\", b"tou\\\n", b""), Line("touch x", b"ch x\n", b"\n"),
                                                    Line("echo", b"echo\n", b"")]
+
+
+def test_a_bracketed_paste_is_read_line_by_line_and_a_refused_line_erases_the_buffer_inside_it():
+    """Inside ESC [200~ ... ESC [201~ readline takes ^U as text: a refused pasted line ends the paste, erases the
+    buffer (the lines pasted before it too, which had not run) and begins the paste again."""
+    shell = ShellInput(pty=True)
+    pieces = shell.feed(b"\x1b[200~echo a\rtouch x\recho b\x1b[201~")
+    lines = [piece for piece in pieces if isinstance(piece, Line)]
+    assert [line.text for line in lines] == ["echo a", "touch x"]
+    assert lines[0].refused == PASTE_END + KILL_LINE + PASTE_START
+    assert lines[1].refused == PASTE_END + END_OF_LINE + KILL_LINE + PASTE_START  # "echo a" is in the buffer
+    assert shell.feed(b"\r") == [Line("echo b", b"\r", END_OF_LINE + KILL_LINE)]  # run at Enter, with the paste
+    assert shell.feed(b"ls\r")[-1] == Line("ls", b"\r", KILL_LINE)
 
 
 def test_pty_cr_lf_is_one_line_and_pasted_lines_split():

@@ -428,6 +428,26 @@ async def test_a_guarded_line_edited_at_a_moved_cursor_or_continued_is_read_as_b
     assert "No such file" in target.ssh(f"ls {marker}*").stderr.decode()
 
 
+async def test_a_refused_line_of_a_bracketed_paste_never_runs(gateway, api, target):
+    """bash asks the terminal to bracket what is pasted; inside, ^U is text: the refused line stayed in the buffer
+    (with ^U at its end) and ran with the paste at the next Enter. Now the paste is ended, the buffer erased and the
+    paste begun again: what was pasted before the refused line never runs, what comes after runs at the Enter."""
+    role = await api.role()
+    await api.guardrail(role, input_rules=[{"type": "deny_words_list", "words": ["touch"]}])
+    secret, session_id = await api.credential(role)
+    marker = f"/tmp/gatewayd-never-{uuid.uuid4().hex[:8]}"
+    term = Terminal(ssh_args(gateway, secret, "-tt"))
+    term.type("echo ready-$((1+1))\r")
+    term.expect("ready-2")
+    term.type(f"\x1b[200~echo before-$((1+1))\rtouch {marker}\recho after-$((2+3))\r\x1b[201~")
+    term.expect("words=[touch]")
+    term.type("\r")
+    screen = term.expect("after-5\r\n")
+    term.type("exit 3\r")
+    assert term.wait() == 3
+    assert "before-2" not in screen and "No such file" in target.ssh(f"ls {marker}*").stderr.decode()
+
+
 async def test_shell_without_pty_blocks_lines_before_they_reach_the_target(gateway, api, target):
     role = await api.role()
     await api.guardrail(role, input_rules=[{"type": "pattern_match", "pattern_regex": r"rm\s+-rf"}])

@@ -69,6 +69,7 @@ class Line:
 _ERASE_CHAR = (0x7F, 0x08)
 INTERRUPT_LINE = b"\x03"  # ^C: abandons a command continued over lines (``\``), which ^U would not erase
 END_OF_LINE = b"\x05"  # ^E: to the end of the line, so that the ^U after it erases all of it
+PASTE_START, PASTE_END = b"\x1b[200~", b"\x1b[201~"  # a bracketed paste, inside which ^U and ^C are text
 _CSI_MOVES = {0x44: "left", 0x43: "right", 0x48: "home", 0x46: "end"}  # ESC [ D, C, H, F (and ESC O ...)
 _CSI_TILDE = {b"1": "home", b"7": "home", b"4": "end", b"8": "end", b"3": "delete"}  # ESC [ n ~
 _CONTROL = {0x01: "home", 0x05: "end", 0x02: "left", 0x06: "right", 0x04: "delete", 0x0B: "kill end",
@@ -87,10 +88,15 @@ class ShellInput:
     With a pty, the text is edited as readline (bash's line editor, emacs keys) edits it: a cursor moved by the
     arrow, Home and End keys and ^A ^E ^B ^F and meta b/f, insertion at it, ^H/DEL, ^D/Delete, ^U (to the line's
     start), ^K, ^W, meta d and meta DEL, ^Y (the last text killed), ^T, ^C, and ^V (the next byte as it is). A
-    line ending in an odd number of backslashes continues on the next one: the next line is read with it.
+    line ending in an odd number of backslashes continues on the next one: the next line is read with it. Inside
+    a bracketed paste (``ESC [200~`` ... ``ESC [201~``, which a terminal sends around pasted text once bash asked
+    for it) a newline only adds a line to readline's buffer, run all at the next Enter: each pasted line is read
+    as it ends, and a refused one erases the whole buffer: the paste is ended, the buffer erased and the paste
+    begun again for the rest of it.
     """
 
-    __slots__ = ("pty", "_line", "_cursor", "_escape", "_params", "_killed", "_held", "_after_cr", "_continued")
+    __slots__ = ("pty", "_line", "_cursor", "_escape", "_params", "_killed", "_held", "_after_cr", "_continued",
+                 "_paste", "_buffered")
 
     def __init__(self, pty: bool) -> None:
         self.pty = pty
@@ -102,6 +108,8 @@ class ShellInput:
         self._held = bytearray()  # without a pty: the raw bytes of the line being typed
         self._after_cr = False
         self._continued: str | None = None  # the text of a line that ended with a backslash, read with the next
+        self._paste = False  # inside a bracketed paste
+        self._buffered = False  # readline's buffer may hold pasted lines before this one
 
     @property
     def pending(self) -> str:
@@ -162,7 +170,10 @@ class ShellInput:
         if self.pty:
             if before:
                 out.append(Chunk(before))
-            refused = INTERRUPT_LINE if continued is not None else KILL_LINE if at_end else END_OF_LINE + KILL_LINE
+            erase = (INTERRUPT_LINE if continued is not None else KILL_LINE if at_end and not self._buffered
+                     else END_OF_LINE + KILL_LINE)
+            refused = PASTE_END + erase + PASTE_START if self._paste else erase  # the paste goes on, erased
+            self._buffered = self._paste and bool(terminator)  # a newline inside a paste runs nothing yet
             return Line(text, terminator, refused)
         held = bytes(self._held) + before + terminator
         self._held.clear()
@@ -185,7 +196,10 @@ class ShellInput:
         elif escape == 2:
             if 0x40 <= byte <= 0x7E:
                 self._escape = 0
-                action = _CSI_TILDE.get(bytes(self._params)) if byte == 0x7E else _CSI_MOVES.get(byte)
+                params = bytes(self._params)
+                if byte == 0x7E and params in (b"200", b"201"):
+                    self._paste = params == b"200"
+                action = _CSI_TILDE.get(params) if byte == 0x7E else _CSI_MOVES.get(byte)
                 if action is not None:
                     self._apply(action)
             else:
