@@ -6,6 +6,7 @@ import itertools
 import json
 import logging
 import struct
+from unittest import mock
 
 import pytest
 from cryptography.exceptions import InvalidTag
@@ -15,7 +16,8 @@ from hypothesis import strategies as st
 from control.asciicast import render_asciicast
 from gatewayd.guardrails import RuleSet
 from gatewayd.models import GuardRail, Session, SessionEvent
-from proxies.ssh.lines import END_OF_LINE, INTERRUPT_LINE, KILL_LINE, OUTPUT_OVERLAP, PASTE_END, PASTE_START, Chunk, Line, OutputWatch, ShellInput, stdin_protocol
+from proxies.ssh.lines import (END_OF_LINE, INTERRUPT_LINE, KILL_LINE, OUTPUT_OVERLAP, PASTE_END, PASTE_START, Chunk,
+                               Line, OutputWatch, ShellInput, stdin_protocol)
 from proxies.ssh.sftp import Request, SftpObserver, open_kind, status_packet
 from proxies.ssh.target import TargetError, TargetSettings
 
@@ -206,6 +208,28 @@ def test_without_pty_every_byte_is_forwarded_exactly_once_when_allowed(data, cut
         out += b"".join(p.allowed if isinstance(p, Line) else p.data for p in shell.feed(data[start:start + cut]))
     out += b"".join(p.allowed for p in shell.feed_eof())
     assert out == data
+
+
+@given(st.binary(max_size=300), st.integers(min_value=1, max_value=50), st.integers(min_value=1, max_value=20))
+def test_without_pty_lines_are_cut_as_a_byte_at_a_time_would_cut_them(data, cut, max_line):
+    """The held lines' fast path (a stretch at a time) gives the lines, texts and bytes of one byte at a time."""
+    expected, line, held = [], bytearray(), bytearray()
+    for byte in data:
+        held.append(byte)
+        if byte != 0x0A and (byte >= 0x20 or byte in (0x09, 0x08)):
+            line.append(byte)
+        if byte == 0x0A or len(line) >= max_line:
+            expected.append((line.decode("utf-8", "replace"), bytes(held)))
+            line.clear()
+            held.clear()
+    if line or held:
+        expected.append((line.decode("utf-8", "replace"), bytes(held)))
+    shell, got = ShellInput(pty=False), []
+    with mock.patch("proxies.ssh.lines.MAX_LINE", max_line):
+        for start in range(0, len(data), cut):
+            got += [(p.text, p.allowed) for p in shell.feed(data[start:start + cut]) if isinstance(p, Line)]
+        got += [(p.text, p.allowed) for p in shell.feed_eof() if isinstance(p, Line)]
+    assert got == expected
 
 
 @given(st.binary(max_size=300), st.integers(min_value=1, max_value=50))

@@ -67,6 +67,7 @@ class Line:
 
 
 _ERASE_CHAR = (0x7F, 0x08)
+_NOT_TEXT = bytes(b for b in range(0x20) if b not in (0x09, 0x08))  # without a pty: control bytes not in the text
 INTERRUPT_LINE = b"\x03"  # ^C: abandons a command continued over lines (``\``), which ^U would not erase
 END_OF_LINE = b"\x05"  # ^E: to the end of the line, so that the ^U after it erases all of it
 PASTE_START, PASTE_END = b"\x1b[200~", b"\x1b[201~"  # a bracketed paste, inside which ^U and ^C are text
@@ -118,6 +119,8 @@ class ShellInput:
 
     def feed(self, data: bytes) -> list[Chunk | Line]:
         """Split client data into what to forward now and lines to check."""
+        if not self.pty:
+            return self._feed_held(data)
         out: list[Chunk | Line] = []
         start = 0
         pty = self.pty
@@ -149,6 +152,40 @@ class ShellInput:
         return []
 
     # -- internals
+
+    def _feed_held(self, data: bytes) -> list[Chunk | Line]:
+        """``feed`` without a pty: whole lines, their text kept a stretch at a time (an exec's input may be a bulk
+        upload: no Python step per byte but where a line reaches ``MAX_LINE``)."""
+        out: list[Chunk | Line] = []
+        start = at = 0
+        while at < len(data):
+            newline = data.find(b"\n", at)
+            end = len(data) if newline < 0 else newline
+            kept = data[at:end].translate(None, _NOT_TEXT)
+            room = MAX_LINE - len(self._line)
+            if len(kept) < room:
+                self._line += kept
+            else:  # the stretch fills the line: cut it right after its ``room``-th text byte (checked in pieces)
+                cut = at + room
+                if len(kept) != end - at:  # control bytes in it: the shortest prefix that holds ``room`` text bytes
+                    low, high = cut, end
+                    while low < high:
+                        middle = (low + high) // 2
+                        if len(data[at:middle].translate(None, _NOT_TEXT)) >= room:
+                            high = middle
+                        else:
+                            low = middle + 1
+                    cut = low
+                self._line += kept[:room]
+                out.append(self._line_end(out, data[start:cut], b""))
+                start = at = cut
+                continue
+            if newline < 0:
+                break
+            out.append(self._line_end(out, data[start:newline], b"\n"))
+            start = at = newline + 1
+        self._flush(out, data[start:])
+        return out
 
     def _flush(self, out: list[Chunk | Line], data: bytes) -> None:
         if not data:
