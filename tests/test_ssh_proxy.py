@@ -732,6 +732,32 @@ async def test_sftp_hard_links_and_attribute_changes_by_handle_or_link_are_read_
     on_target(target, f"rm -r {directory}")
 
 
+async def test_an_sftp_stream_the_gateway_cannot_follow_ends_the_channel_unpassed(gateway, api, target):
+    """A packet of length 0 stopped the observer, which passed the rest unread; sftp-server takes the next bytes as
+    the packet, and ran the remove they held (past a rule on ``rm``) before giving up on the stream."""
+    import asyncssh
+
+    role = await api.role()
+    await api.guardrail(role, input_rules=[{"type": "pattern_match", "pattern_regex": r"rm \S*secret"}])
+    directory = f"/tmp/gatewayd-sftp-{uuid.uuid4().hex[:8]}"
+    on_target(target, f"mkdir {directory} && echo top > {directory}/secret.txt")
+    secret, session_id = await api.credential(role)
+    remove = bytes([13]) + struct.pack(">I", 6) + struct.pack(">I", len(f"{directory}/secret.txt")) + \
+        f"{directory}/secret.txt".encode()
+    async with asyncssh.connect("127.0.0.1", gateway.ssh_port, username=secret, known_hosts=None, agent_path=None,
+                                client_keys=[]) as conn:
+        stdin, stdout, stderr = await conn.open_session(subsystem="sftp", encoding=None)
+        stdin.write(struct.pack(">IBI", 5, 1, 3))  # INIT, version 3
+        assert (await asyncio.wait_for(stdout.read(5), 20))[4] == 2  # VERSION
+        stdin.write(b"\0\0\0\0" + remove)
+        said = await asyncio.wait_for(stderr.read(), 20)
+    reason = "sftp: the client's stream cannot be followed (packet length 0): the channel is closed"
+    assert said.decode().strip() == reason
+    assert on_target(target, f"cat {directory}/secret.txt && rm -r {directory}") == "top\n"
+    session = await api.done_session(session_id)
+    assert of_kind(session, "e") == [reason] and session["exit_code"] == 254
+
+
 # --------------------------------------------------------------------------- port forwarding
 
 

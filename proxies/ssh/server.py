@@ -63,7 +63,7 @@ from gatewayd.tasks import BackgroundTasks, Withdrawable, until_empty
 from proxies.ssh import gcm
 from proxies.ssh.lines import Chunk, Line, OutputWatch, ShellInput, stdin_protocol
 from proxies.ssh.packets import as_the_gateway_relays_it, as_the_gateway_runs_it
-from proxies.ssh.sftp import SftpObserver, status_packet
+from proxies.ssh.sftp import SftpObserver, Unreadable, status_packet
 from proxies.ssh.target import (
     ENCRYPTION,
     MAX_PACKET,
@@ -879,6 +879,11 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         for piece in sftp.client(data):
             if isinstance(piece, bytes):
                 upchan.write(piece)
+            elif isinstance(piece, Unreadable):  # what follows cannot be checked or recorded: not passed (fail closed)
+                message = f"sftp: the client's stream cannot be followed ({piece.reason}): the channel is closed"
+                policy.error(message)
+                self.end(message)
+                return
             elif isinstance(piece, tuple):
                 self._record(*piece)
             elif piece.deferred:  # recorded later, with what the target answers (put and get sizes)

@@ -11,7 +11,9 @@ byte count that went through.
 
 Only the framing and the few fields named below are read (SFTP version 3,
 draft-ietf-secsh-filexfer-02, as OpenSSH speaks it). Packets up to 64 KiB are
-held until complete; the payload of a larger one streams through.
+held until complete; the payload of a larger one streams through. Client
+bytes it cannot follow end the stream (``Unreadable``): nothing after them is
+forwarded.
 """
 
 from __future__ import annotations
@@ -99,8 +101,8 @@ class _Framer:
 
     def feed(self, data: bytes, forward: bool = True) -> list[_Packet | bytes]:
         """``forward`` false: the caller passes ``data`` on itself, no raw ``bytes`` are cut out (no copies)."""
-        if self.broken:
-            return [data] if forward else []
+        if self.broken:  # nothing more is cut out: the client's side ends there (``Unreadable``)
+            return []
         if self._skip and self._skip >= len(data):  # inside a large packet (most chunks of a transfer): no copy
             self._skip -= len(data)
             return [data] if forward else []
@@ -123,8 +125,6 @@ class _Framer:
             (length,) = struct.unpack_from(">I", buffer, 0)
             if length < 1 or length > MAX_PACKET:
                 self.broken = f"packet length {length}"
-                if forward:
-                    out.append(bytes(buffer) + bytes(view))
                 buffer.clear()
                 return out
             keep = min(length, _HEADER)
@@ -153,6 +153,15 @@ class _Packet:
     body: bytes  # after the type byte; the first _HEADER bytes at most
     size: int  # the full body length
     raw: bytes  # the bytes of the packet read so far (all of it for a small packet)
+
+
+@dataclass(slots=True, frozen=True)
+class Unreadable:
+    """The client's bytes stop being an SFTP stream the observer can follow (a bad length, a packet that does not
+    parse): nothing from there on is forwarded, the proxy ends the channel. sftp-server may read such bytes its own
+    way, and run a request in them before it gives up (a zero length: it takes the next bytes as the packet)."""
+
+    reason: str
 
 
 @dataclass(slots=True, frozen=True)
@@ -199,9 +208,10 @@ class SftpObserver:
 
     # -- client to target
 
-    def client(self, data: bytes) -> list[bytes | Request | Record]:
-        """In stream order: bytes to forward, ``Request``s to check, then forward or answer, records."""
-        pieces: list[bytes | Request | Record] = []
+    def client(self, data: bytes) -> list[bytes | Request | Record | Unreadable]:
+        """In stream order: bytes to forward, ``Request``s to check, then forward or answer, records; an
+        ``Unreadable`` last where the stream cannot be followed (nothing after it is forwarded)."""
+        pieces: list[bytes | Request | Record | Unreadable] = []
         broken = self._client.broken
         for item in self._client.feed(data):
             if isinstance(item, bytes):
@@ -212,8 +222,8 @@ class SftpObserver:
             try:
                 line = self._request(item.kind, item.body, item.size, records)
             except (SftpStreamError, struct.error, IndexError) as exc:
-                records += self._broke(exc)
-                line = None
+                self._client.broken = f"a request that does not parse: {exc}"
+                break
             if line is None:
                 pieces += records
                 pieces.append(item.raw)
@@ -224,7 +234,7 @@ class SftpObserver:
                 pieces.append(Request(request_id, line, item.raw, deferred=item.kind in (FXP_OPEN, FXP_OPENDIR),
                                       also=also))
         if self._client.broken and not broken:
-            pieces += self._broke(self._client.broken)
+            pieces.append(Unreadable(self._client.broken))
         return pieces
 
     def refused(self, request_id: int) -> None:
