@@ -381,8 +381,9 @@ async def test_rules_attached_while_a_shell_is_open_apply_to_its_next_line_and_o
     secret, session_id = await api.credential(role)
     marker = f"/tmp/gatewayd-never-{uuid.uuid4().hex[:8]}"
     term = Terminal(ssh_args(gateway, secret, "-tt"))
-    term.type("echo ready-$((1+1))\r")
+    term.type("PS1='gw> '; echo ready-$((1+1))\r")
     term.expect("ready-2")
+    term.expect("gw> ")  # readline reads the keys from here on, not the terminal's canonical mode
     await api.guardrail(role, input_rules=[{"type": "deny_words_list", "words": ["touch"]}],
                         output_rules=[{"type": "mask", "patterns": ["card_number"]}])
     term.type(f"touch {marker}\r")
@@ -406,8 +407,9 @@ async def test_a_guarded_line_edited_at_a_moved_cursor_or_continued_is_read_as_b
     secret, session_id = await api.credential(role)
     marker = f"/tmp/gatewayd-never-{uuid.uuid4().hex[:8]}"
     term = Terminal(ssh_args(gateway, secret, "-tt"))
-    term.type("echo ready-$((1+1))\r")
+    term.type("PS1='gw> '; echo ready-$((1+1))\r")
     term.expect("ready-2")
+    term.expect("gw> ")  # readline reads the keys from here on, not the terminal's canonical mode
     for number, keys in enumerate((f"ouch {marker}\x1b[Ht\r", f"touch {marker}; \x16\x15\r", f"tou\\\rch {marker}\r")):
         for key in keys:  # one key per packet, as typed
             term.type(key)
@@ -437,8 +439,9 @@ async def test_a_refused_line_of_a_bracketed_paste_never_runs(gateway, api, targ
     secret, session_id = await api.credential(role)
     marker = f"/tmp/gatewayd-never-{uuid.uuid4().hex[:8]}"
     term = Terminal(ssh_args(gateway, secret, "-tt"))
-    term.type("echo ready-$((1+1))\r")
+    term.type("PS1='gw> '; echo ready-$((1+1))\r")
     term.expect("ready-2")
+    term.expect("gw> ")  # readline reads the keys from here on, not the terminal's canonical mode
     term.type(f"\x1b[200~echo before-$((1+1))\rtouch {marker}\recho after-$((2+3))\r\x1b[201~")
     term.expect("words=[touch]")
     term.type("\r")
@@ -493,8 +496,9 @@ async def test_an_exec_reads_its_input_as_a_shell_does_under_input_rules(gateway
     # with a pty: the Enter of a blocked line is held, the line erased on the target
     secret, session_id = await api.credential(role)
     term = Terminal(ssh_args(gateway, secret, "-tt", "bash --norc"))
-    term.type("echo ready-$((1+1))\r")
+    term.type("PS1='gw> '; echo ready-$((1+1))\r")
     term.expect("ready-2")
+    term.expect("gw> ")  # readline reads the keys from here on, not the terminal's canonical mode
     term.type(f"touch {marker}\r")
     term.expect(message)
     term.type("exit 3\r")
