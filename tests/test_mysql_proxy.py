@@ -1119,7 +1119,9 @@ async def test_a_target_asking_for_a_file_the_connection_does_not_allow_ends_the
                 return answer(connection, "SELECT 'rogue'")
 
         refused = await in_thread(work)
-    assert rogue.received == [], rogue.received  # not a byte of the client's file reached the target
+    # not a byte of the client's file reached the target: at most the gateway's COM_QUIT ending the target's
+    # connection, which the rogue, still waiting for the file, takes for one of its packets
+    assert rogue.received in ([], [b"\x01"]), rogue.received
     assert refused[0] == 1105 and "not told the client may send files" in refused[1], refused
     session = await api.done_session(session_id)
     assert session["exit_code"] == 254
