@@ -881,6 +881,30 @@ async def test_a_client_breaking_off_an_upload_is_recorded_and_others_go_on(api,
     assert "Error handling request" not in gateway.log_text()
 
 
+async def test_a_request_body_that_stalls_is_answered_and_recorded_at_the_idle_timeout(tmp_path_factory, target):
+    """A client that sends part of its body and then nothing held the request (and its connection to the target)
+    for as long as it liked: with ``http.idle_timeout`` it is answered 400 and the session records why -- inside
+    the prefix the rules and the recording read, and while streaming the rest to the target."""
+    daemon = proxy_daemon(tmp_path_factory, "httpidle", "http", {"http.idle_timeout": "2s",
+                                                                 "http.record_body_bytes": 1024}, wait=True)
+    try:
+        async with admin_http(daemon) as http:
+            api = HttpApi(daemon, http, target)
+            secret, session_id = await api.credential(await api.role())
+            for sent in (500, 200_000):
+                reader, writer = await asyncio.open_connection("127.0.0.1", daemon.proxy_port)
+                writer.write(f"POST /upload HTTP/1.1\r\nHost: gw\r\nAuthorization: {secret}\r\n"
+                             f"Content-Length: 1000000\r\n\r\n".encode() + b"x" * sent)
+                await writer.drain()
+                answer = await asyncio.wait_for(reader.read(4096), 60)  # (before: never, while the socket stayed)
+                writer.close()
+                assert answer.startswith(b"HTTP/1.1 400") and b"http.idle_timeout" in answer, (sent, answer[:300])
+            await api.session(session_id, lambda s: sum(k == "e" and "http.idle_timeout" in t
+                                                        for k, t in events(s)) == 2)
+    finally:
+        assert daemon.stop() == 0
+
+
 async def test_https_targets_verified_unless_insecure(api, gateway, client, tmp_path):
     import ssl
 

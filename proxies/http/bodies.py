@@ -4,6 +4,7 @@ charset) and a whole text answer masked."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from typing import TYPE_CHECKING, AsyncIterator, Mapping
@@ -29,12 +30,28 @@ class RequestBodyError(Exception):
     """Reading the client's request body failed while it was being streamed to the target."""
 
 
-async def read_prefix(content: aiohttp.StreamReader, limit: int) -> tuple[bytes, bool]:
-    """Up to about ``limit`` bytes of a body, and whether that was all of it."""
+class BodyStalled(HttpProcessingError):
+    """The client sent no byte of its request body for ``http.idle_timeout``."""
+
+
+async def _next_piece(content: aiohttp.StreamReader, idle: float | None) -> bytes:
+    """The body's next bytes (b"" at its end); ``BodyStalled`` when none come for ``idle`` seconds."""
+    if idle is None:
+        return await content.readany()
+    try:
+        async with asyncio.timeout(idle):
+            return await content.readany()
+    except TimeoutError:
+        raise BodyStalled(code=408, message=f"no byte of it for {idle:g} s: http.idle_timeout") from None
+
+
+async def read_prefix(content: aiohttp.StreamReader, limit: int, idle: float | None = None) -> tuple[bytes, bool]:
+    """Up to about ``limit`` bytes of a body, and whether that was all of it; a client's body that stalls for
+    ``idle`` seconds raises ``BodyStalled`` (a target's is read without a bound)."""
     chunks: list[bytes] = []
     size = 0
     while size < limit:
-        chunk = await content.readany()
+        chunk = await _next_piece(content, idle)
         if not chunk:
             return b"".join(chunks), True
         chunks.append(chunk)
@@ -42,13 +59,14 @@ async def read_prefix(content: aiohttp.StreamReader, limit: int) -> tuple[bytes,
     return b"".join(chunks), content.at_eof()
 
 
-async def chain(prefix: bytes, content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
-    """The request body for the target: the prefix already read, then the rest as it arrives."""
+async def chain(prefix: bytes, content: aiohttp.StreamReader, idle: float | None = None) -> AsyncIterator[bytes]:
+    """The request body for the target: the prefix already read, then the rest as it arrives (``BodyStalled``,
+    as ``RequestBodyError``, when none comes for ``idle`` seconds)."""
     if prefix:
         yield prefix
     while True:
         try:
-            chunk = await content.readany()
+            chunk = await _next_piece(content, idle)
         except (ConnectionError, HttpProcessingError, aiohttp.ClientError) as exc:
             raise RequestBodyError() from exc
         if not chunk:

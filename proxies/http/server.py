@@ -113,7 +113,10 @@ class HttpListener(FastPath):
         self.credentials = Credentials(self.pipeline, settings["credential_recheck"])
         self.pool = UpstreamPool(self.pipeline.dialer)
         self.websockets = WebSockets(self.pipeline, settings["websocket_message_bytes"])
-        idle: float = settings["idle_timeout"]  # (aiohttp's own default holds a head that never ends an hour)
+        # seconds a connection may wait for its next request, and a request body for its next bytes (aiohttp's own
+        # default holds a head that never ends an hour; a body had no bound)
+        self.idle: float = settings["idle_timeout"]
+        idle = self.idle
         self.server = web.Server(self.handle, access_log=None, auto_decompress=False, read_bufsize=256 * 1024,
                                  keepalive_timeout=idle)
         self.runner = web.ServerRunner(self.server, handle_signals=False, shutdown_timeout=1.0)
@@ -303,7 +306,7 @@ class HttpListener(FastPath):
                 await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             try:
                 body, complete = await read_prefix(request.content, max(self.record_cap, self.guard_cap)
-                                                    if guarded else self.record_cap)
+                                                    if guarded else self.record_cap, self.idle)
             except (ConnectionError, HttpProcessingError, aiohttp.ClientError) as exc:
                 return client_broke_off(policy, first_line, exc)
             if guarded:
@@ -323,7 +326,7 @@ class HttpListener(FastPath):
                 if total is None:  # a chunked upload that fitted in the prefix: sent with its length
                     up_headers.append(("Content-Length", str(len(body))))
             else:
-                data = chain(body, request.content)
+                data = chain(body, request.content, self.idle)
                 chunked = total is None
         policy.record_input(head_bytes(first_line, headers.items())
                             + recorded_body(body[:self.record_cap], total if total is not None else
