@@ -568,9 +568,12 @@ async def test_a_value_computed_by_a_statement_naming_a_masked_column_is_masked_
     """``upper(ssn)``, ``ssn || ''``, a UNION's column, a scalar subquery: computed, no source column. Masked whole
     when the statement names a column a rule masks -- or runs one that does (``EXECUTE`` of an SQL ``PREPARE``,
     ``FETCH`` of a cursor, psql's ``FETCH_COUNT`` among them); ``count(*)`` and ``1 + 1`` of a statement naming
-    none pass. Simple and extended protocol (asyncpg: a statement described once, executed twice)."""
-    role, secret, session_id = await masked_role(api, BY_COLUMN)
+    none pass, and so do a driver's queries of the catalog alone, which name ``name`` and ``kind`` (asyncpg's type
+    introspection, for an enum). Simple and extended protocol (asyncpg: a statement described once, executed
+    twice)."""
+    role, secret, session_id = await masked_role(api, BY_COLUMN, {"type": "mask", "columns": ["name", "kind"]})
     one = f"from {table} where id = 1"
+    mood = f"mood_{uuid.uuid4().hex[:6]}"
     done = psql(gateway, secret, "-c", f"select upper(ssn) {one}", "-c", f"select ssn || '' {one}",
                 "-c", f"select 'x' as v union all select ssn {one} order by 1 desc",
                 "-c", f"select (select ssn {one}) as s, 1 + 1 as two",
@@ -579,10 +582,11 @@ async def test_a_value_computed_by_a_statement_naming_a_masked_column_is_masked_
                 "-c", f"prepare c as select count(*) from {table}", "-c", "execute c",
                 "-c", f"begin; declare cur cursor for select ssn::varchar(20) as v {one}; fetch all from cur; commit",
                 "-c", r"\set FETCH_COUNT 10", "-c", f"select count(*) from {table}",
-                "-c", f"select coalesce(ssn, '') {one}")
+                "-c", f"select coalesce(ssn, '') {one}", "-c", f"create type {mood} as enum ('calm', 'glad')")
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["****", "****", "****", "****", "****|", "2|2", "PREPARE", "****",
-                                        "PREPARE", "2", "BEGIN", "DECLARE CURSOR", "****", "COMMIT", "2", "****"]
+                                        "PREPARE", "2", "BEGIN", "DECLARE CURSOR", "****", "COMMIT", "2", "****",
+                                        "CREATE TYPE"]
     secret, _ = await api.credential(role)
     connection = await asyncpg.connect(host="127.0.0.1", port=gateway.pg_port, user=secret, password="any",
                                        database="postgres", ssl=False, timeout=15)
@@ -590,9 +594,10 @@ async def test_a_value_computed_by_a_statement_naming_a_masked_column_is_masked_
         statement = await connection.prepare(f"select trim(ssn) as t, id {one}")
         twice = [tuple(await statement.fetchrow()) for _ in range(2)]
         counted = await connection.fetchval(f"select count(*) from {table}")
+        glad = await connection.fetchval(f"select 'glad'::{mood}")  # asyncpg reads the enum's type first
     finally:
         await connection.close()
-    assert twice == [("****", 1)] * 2 and counted == 2
+    assert twice == [("****", 1)] * 2 and counted == 2 and glad == "glad"
     await assert_nowhere_in_clear(api, session_id, done.stdout, done.stderr)
 
 

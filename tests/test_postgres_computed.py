@@ -56,3 +56,24 @@ def test_executing_or_fetching_answers_for_the_statement_that_defined_the_name()
     assert not mentions.statement("s1") and mentions.statement("never_parsed") and mentions.statement(None)
     assert not mentions.read("select 1", {"email": "fixed"})  # the rules changed
     assert mentions.statement("s1") and mentions.read("execute b", {"email": "fixed"})
+
+
+def test_a_query_of_the_catalog_alone_computes_nothing_from_a_masked_column() -> None:
+    """A driver's own queries name ``name`` or ``kind`` (asyncpg's type introspection): they read the catalog
+    only, and their computed columns must pass (asyncpg failed on any enum or composite type under a rule on
+    ``name``). A table of the database's, a function in FROM, or a table of the catalog's that holds data or
+    statements a session wrote (statistics' sample values, settings) make a query not one of the catalog."""
+    import asyncpg.introspection as introspection
+
+    watched = {"name": "fixed", "kind": "fixed"}
+    for query in (introspection.INTRO_LOOKUP_TYPES_13, introspection.TYPE_BY_NAME, introspection._TYPEINFO_13,
+                  "select c.relname::text as name from pg_catalog.pg_class c",
+                  "select upper(table_name) as name from information_schema.columns"):
+        assert not Mentions().read(query, watched), query[:80]
+    for query in ("select upper(name) from pg_class, people",
+                  "select upper(name) from pg_people",  # not the catalog's: a table of the database's
+                  "select most_common_vals::text as name from pg_stats",
+                  "select setting || '' as name from pg_settings",
+                  "select upper(name) from pg_catalog.pg_class, generate_series(1, 2)",
+                  "with people as (select name from public.people) select upper(name) from people"):
+        assert Mentions().read(query, watched), query
