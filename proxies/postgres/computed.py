@@ -3,10 +3,10 @@
 A RowDescription gives a column taken from a table its table's OID and column number, which the relay maps to
 the names the rules know (catalog.py); a value the query computes -- ``upper(ssn)``, ``ssn::text``, a UNION's
 column, a scalar subquery's -- has neither. Such a column is masked whole when its statement names a column a
-rule masks, selects a star inside an expression (``t.*``, a subquery's ``*``: not ``count(*)``) or reads a custom setting
-(``current_setting('app.v')``: set from data earlier); ``count(*)``, ``now()`` or ``select 1`` of a statement naming none
-pass, read by the patterns, and so does what a query of the catalog alone computes (a driver's type query, which
-names ``name`` and ``kind``).
+rule masks, selects a star inside an expression (``t.*``, a subquery's ``*``: not ``count(*)``) or reads a
+custom setting (``current_setting('app.v')``: set from data earlier); ``count(*)``, ``now()`` or ``select 1`` of a
+statement naming none pass, read by the patterns, and so does what a query of the catalog alone computes (a
+driver's type query, which names ``name`` and ``kind``). Text too long to scan on the loop counts as naming one.
 
 A statement's results may also come from SQL the gateway read earlier: ``EXECUTE`` of an SQL ``PREPARE``, and
 ``FETCH`` of a ``DECLARE``'s cursor. Each name is remembered with what its statement named; a name the gateway
@@ -23,7 +23,7 @@ from typing import Any, Iterable
 
 from pglast import parser as pg_scanner
 
-from gatewayd.sql.pg_scan import normalize_sql, string_constant
+from gatewayd.sql.pg_scan import MAX_SCAN_CHARS, SCAN_CACHE_CHARS, normalize_sql, string_constant
 
 _SETTINGS = re.compile(r"(?<![\w$])current_setting(?![\w$])|(?:^|;)\s*show\s+[\w$]+\s*\.")
 _BUILT_IN = re.compile(r"[a-z_]+")  # a setting PostgreSQL defines: a custom one's name has a dot
@@ -70,14 +70,17 @@ def _naming(watched: frozenset[str]) -> re.Pattern[str]:
     return re.compile(f"(?<![\\w$])(?:{words})(?![\\w$])")
 
 
-@functools.lru_cache(maxsize=256)
 def _catalog_only(text: str) -> bool:
     """Whether ``text`` reads only PostgreSQL's catalog (``CATALOG``, ``information_schema``, its own CTEs): a
     driver's or a tool's query about types and tables (asyncpg's names ``name`` and ``kind``), which computes
-    nothing from a table's column. A table of the database's, a function in FROM, or text that does not parse
-    make it not so."""
-    if "pg_" not in text and "information_schema" not in text.lower():
+    nothing from a table's column. A table of the database's, a function in FROM, text that does not parse or
+    over ``MAX_SCAN_CHARS`` (not parsed on the loop) make it not so."""
+    if len(text) > MAX_SCAN_CHARS or "pg_" not in text and "information_schema" not in text.lower():
         return False
+    return _catalog_only_cached(text) if len(text) <= SCAN_CACHE_CHARS else _reads_catalog_only(text)
+
+
+def _reads_catalog_only(text: str) -> bool:
     try:
         tree = json.loads(pg_scanner.parse_sql_json(text))
     except (pg_scanner.ParseError, UnicodeError, ValueError):
@@ -89,6 +92,9 @@ def _catalog_only(text: str) -> bool:
     return bool(relations) and all(
         schema == "information_schema" or schema in (None, "pg_catalog") and name in CATALOG
         or schema is None and name in ctes for schema, name in relations)
+
+
+_catalog_only_cached = functools.lru_cache(maxsize=256)(_reads_catalog_only)
 
 
 def _walk(node: Any, relations: list[tuple[str | None, str]], ctes: set[str]) -> bool:
@@ -111,7 +117,8 @@ def _walk(node: Any, relations: list[tuple[str | None, str]], ctes: set[str]) ->
 
 
 def _tokens(text: str) -> list[pg_scanner.Token] | None:
-    """``text``'s tokens as PostgreSQL's scanner reads them, comments left out; None when it cannot scan them."""
+    """``text``'s tokens as PostgreSQL's scanner reads them, comments left out; None when it cannot scan them
+    (what reads them then answers as for a statement that names a masked column)."""
     try:
         return [t for t in pg_scanner.scan(text) if t.name not in ("C_COMMENT", "SQL_COMMENT")]
     except (pg_scanner.ParseError, UnicodeError):
@@ -126,7 +133,7 @@ def _inner_star(text: str) -> bool:
     one inside parentheses (``array_agg(x) from (select * from people) x``). Not ``count(*)``, and not a star of
     the statement's own select list: its columns keep their sources (asyncpg's ``select distinct *`` over its
     catalog query's CTE)."""
-    tokens = _tokens(text)
+    tokens = _tokens(text) if len(text) <= MAX_SCAN_CHARS else None
     if tokens is None:
         return True
     depth = 0
@@ -147,7 +154,7 @@ def _custom_setting(text: str) -> bool:
     """Whether ``text`` reads a custom setting (``current_setting('app.v')``, ``SHOW app.v``: a variable that may
     have been set from data) or one it does not name plainly; drivers read built-in ones (asyncpg saves ``jit``'s
     value, to restore it after)."""
-    tokens = _tokens(text)
+    tokens = _tokens(text) if len(text) <= MAX_SCAN_CHARS else None
     if tokens is None:
         return True
     for i, token in enumerate(tokens):
