@@ -16,10 +16,10 @@ import hashlib
 import json
 import logging
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import datetime, time, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from gatewayd.access import AccessGrant
 from gatewayd.cluster import NotConfirmed
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from gatewayd.store import Store
 
 log = logging.getLogger("gatewayd.reviews")
+T = TypeVar("T")
 
 PENDING, APPROVED, REJECTED, REVOKED = "PENDING", "APPROVED", "REJECTED", "REVOKED"
 PROCESSING, EXECUTED, UNKNOWN = "PROCESSING", "EXECUTED", "UNKNOWN"
@@ -425,6 +426,7 @@ class ScriptJob:
         return self.live.session.ai_analysis if self.live is not None else None
 
 
+_CHANGE_TRIES = 5  # a review stored meanwhile by another process: read and changed again, this many times at most
 _SEALED_SCRIPT = "script:"  # the store's sealed key of a reviewed script made with secrets (``seal_script``)
 ARMED = "review.armed"  # the bus topic: a jit review was approved, every node arms the end of its access
 
@@ -516,11 +518,10 @@ class ReviewService:
             if review is None:
                 raise ReviewError(404, f"review {review_id!r} not found")
             if jit_ended(review, utcnow()):
-                await self.expire(review.id, locked=True)
-                review.status = REVOKED
-            decision = decide(review, actor, status, utcnow(), force=force, time_window=time_window,
-                              admins_can_self_approve=self.admins_can_self_approve)
-            await self.store.save_review(review)
+                await self.expire(review.id, locked=True)  # stored REVOKED: the decision below is refused
+            review, decision = await self._change(review_id, lambda review: decide(
+                review, actor, status, utcnow(), force=force, time_window=time_window,
+                admins_can_self_approve=self.admins_can_self_approve))
         if review.status == APPROVED and decision.completed:
             await self.sessions.cluster.publish(ARMED, review_id=review.id)  # every node arms its end
         if decision.status == REJECTED and decision.completed:  # it will never run: the session is done
@@ -628,15 +629,28 @@ class ReviewService:
 
     async def begin_execution(self, review_id: str) -> Review:
         """Check that a one-time review lets its script run now and mark it PROCESSING (once)."""
-        async with self.lock(review_id):
-            review = await self.store.get_review(review_id)
-            if review is None:
-                raise ReviewError(404, f"review {review_id!r} not found")
+
+        def processing(review: Review) -> None:
             check_executable(review, utcnow())
             review.status = PROCESSING
             review.updated_at = rfc3339(utcnow())
-            await self.store.save_review(review)
-            return review
+
+        async with self.lock(review_id):
+            return (await self._change(review_id, processing))[0]
+
+    async def _change(self, review_id: str, change: Callable[[Review], T]) -> tuple[Review, T]:
+        """``change`` made to the stored review (it raises ReviewError to refuse) and stored, as one step across
+        workers and nodes: stored only if nobody stored the review since it was read, else read again and changed
+        again -- a decision made meanwhile elsewhere (a rejection, another group's approval) is what it meets."""
+        for _ in range(_CHANGE_TRIES):
+            review = await self.store.get_review(review_id)
+            if review is None:
+                raise ReviewError(404, f"review {review_id!r} not found")
+            was = (review.status, review.updated_at)
+            outcome = change(review)
+            if await self.store.save_review(review, was=was):
+                return review, outcome
+        raise ReviewError(409, "the review kept changing while this was decided: try again")
 
     # -- one-time scripts
 

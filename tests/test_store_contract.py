@@ -872,6 +872,25 @@ async def test_a_review_transition_happens_once(backend: Backend):
     assert await one.transition_review(review.id, "APPROVED", "REVOKED", NOW) is False
 
 
+async def test_a_review_saved_as_read_is_saved_once(backend: Backend):
+    """Two processes that read the same review and decide on it: the first save holds, the second stores nothing."""
+    one, two = await backend.open(), await backend.open()
+    org = await an_org(one)
+    rid = new_id()
+    review = Review(id=rid, org_id=org, session_id=new_id(), connection_id="c", type="jit", status="PENDING",
+                    owner_id="ann", created_at=NOW, updated_at=NOW,
+                    groups=[ReviewGroup(id=new_id(), review_id=rid, group_name=g) for g in ("dba", "sec")])
+    await one.create_review(review)
+    rejected, approved = await one.get_review(rid), await two.get_review(rid)
+    rejected.status, rejected.updated_at, rejected.groups[0].status = "REJECTED", "2030-01-01T00:00:01Z", "REJECTED"
+    approved.status, approved.updated_at, approved.groups[1].status = "APPROVED", "2030-01-01T00:00:02Z", "APPROVED"
+    assert await one.save_review(rejected, was=("PENDING", NOW)) is True
+    assert await two.save_review(approved, was=("PENDING", NOW)) is False
+    stored = await two.get_review(rid)
+    assert stored.status == "REJECTED" and [g.status for g in stored.groups] == ["REJECTED", None]
+    assert await two.save_review(approved) is True  # without ``was``: saved as it is
+
+
 async def test_what_cannot_be_claimed(store: Store):
     org = await an_org(store)
     done = a_session(org, status="done", end_date=NOW)

@@ -403,8 +403,11 @@ class Store(abc.ABC):
         """Newest first; ``visible_to`` = (owner id, groups) keeps the reviews one owns or may review."""
 
     @abc.abstractmethod
-    async def save_review(self, review: Review) -> None:
-        """Update a review's status, window, revoke time and groups (replaced as a whole)."""
+    async def save_review(self, review: Review, *, was: tuple[str, str | None] | None = None) -> bool:
+        """Update a review's status, window, revoke time and groups (replaced as a whole); True when stored.
+
+        ``was``: the (status, updated_at) the review was read with: stored only if no other process (a worker,
+        a node) stored it since, else nothing is written and False returned (atomic)."""
 
     @abc.abstractmethod
     async def transition_review(self, review_id: str, from_status: str, to_status: str, at: str) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from gatewayd.models import AccessRequestRule, Page, Review, ReviewGroup, Session
-from gatewayd.store.sql import Row, build, built, encode, insert, joined, joined_columns, update
+from gatewayd.store.sql import Row, Work, build, built, encode, in_order, insert, joined, joined_columns, update
 from gatewayd.store.queries.core import SQLCore
 
 # A page of another table's rows may carry each row's review in columns of its own, named apart (REVIEW_COLUMNS,
@@ -94,13 +94,23 @@ class ReviewQueries(SQLCore):
                                tuple(params) + (limit, offset))
         return Page(items=await self._reviews_from(rows), total=total)
 
-    async def save_review(self, review: Review) -> None:
-        await self._write([(
-            "UPDATE reviews SET status = ?, time_window = ?, revoke_at = ?, updated_at = ?, "
-            "force_approval_groups = ? WHERE id = ?",
-            (review.status, encode("time_window", review.time_window), review.revoke_at, review.updated_at,
-             encode("force_approval_groups", review.force_approval_groups), review.id),
-        )] + self._review_statements(review))
+    async def save_review(self, review: Review, *, was: tuple[str, str | None] | None = None) -> bool:
+        return await self.db.transact(self._saved_review(review, was))
+
+    def _saved_review(self, review: Review, was: tuple[str, str | None] | None) -> Work[bool]:
+        """The review's row, then its groups -- only when the row still had ``was`` (status, updated_at)."""
+        params: tuple[Any, ...]
+        sql, params = ("UPDATE reviews SET status = ?, time_window = ?, revoke_at = ?, updated_at = ?, "
+                       "force_approval_groups = ? WHERE id = ?",
+                       (review.status, encode("time_window", review.time_window), review.revoke_at,
+                        review.updated_at, encode("force_approval_groups", review.force_approval_groups), review.id))
+        if was is not None:
+            sql, params = sql + " AND status = ? AND COALESCE(updated_at, '') = ?", params + (was[0], was[1] or "")
+        done = yield sql, params
+        if done.rowcount != 1:
+            return False
+        yield from in_order(self._review_statements(review))
+        return True
 
     async def transition_review(self, review_id: str, from_status: str, to_status: str, at: str) -> bool:
         return await self._changed(("UPDATE reviews SET status = ?, updated_at = ? WHERE id = ? AND status = ?",
