@@ -319,6 +319,12 @@ async def exec_session(request: web.Request) -> web.Response:
 # --------------------------------------------------------------------------- jit credentials
 
 
+def _access_over(review: Review) -> ApiError:
+    """The 410 of a jit review whose access was revoked or has expired."""
+    revoked = any(g.status == REVOKED for g in review.groups)
+    return ApiError(410, f"the just-in-time access {'was revoked' if revoked else 'has expired'}: ask for access again")
+
+
 @routes.post("/connections/{name}/credentials/{session_id}",
              "Credentials of an approved jit review: 202 pending, 403 rejected, 410 revoked or expired",
              status=201, audit="credentials", response=CREDENTIALS_OUT, other_responses={202: JIT_PENDING_OUT})
@@ -345,9 +351,7 @@ async def jit_credentials(request: web.Request) -> web.Response:
     if review.status == REJECTED:
         raise ApiError(403, "access denied: the access request was rejected")
     if review.status != APPROVED or jit_ended(review, utcnow()):
-        revoked = any(g.status == REVOKED for g in review.groups)
-        raise ApiError(410, f"the just-in-time access {'was revoked' if revoked else 'has expired'}: "
-                            "ask for access again")
+        raise _access_over(review)
     try:
         credential_prefix(connection)
     except ValueError as exc:
@@ -355,6 +359,9 @@ async def jit_credentials(request: web.Request) -> web.Response:
     remaining = (parse_time(review.revoke_at) - utcnow()).total_seconds()  # type: ignore[operator]
     issued = await services.access.issue(user, connection, remaining, review_id=review.id, session=session,
                                         session_stored=True)
+    ended = await services.reviews.ended_meanwhile(review)  # revoked or expired while it was issued
+    if ended is not None:
+        raise _access_over(ended)
     if session.status == "ready":
         await services.store.start_session(session.id, rfc3339(utcnow()))
     request[AUDIT_PAYLOAD] = {"session_id": session.id, "review_id": review.id, "connection": connection.name}

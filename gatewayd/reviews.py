@@ -535,6 +535,16 @@ class ReviewService:
             await self.end_access(review, f"just-in-time access revoked by {actor.email}: the session was closed")
         return review, decision
 
+    async def ended_meanwhile(self, review: Review) -> Review | None:
+        """After a credential of the jit ``review`` was issued: the review as stored now if it no longer gives access,
+        with its credentials revoked again (the new one with them), else None. A revocation or an expiry stores
+        REVOKED before it revokes the credentials, so one issued after that is caught here, on any worker or node."""
+        now = await self.store.get_review(review.id)
+        if now is not None and now.status == APPROVED and not jit_ended(now, utcnow()):
+            return None
+        await self.store.revoke_credentials(review_id=review.id, revoked_at=rfc3339(utcnow()))
+        return now or review
+
     async def end_access(self, review: Review, reason: str) -> None:
         """Refuse the review's credentials from now on and close every live session opened with them, on every node
         (NotConfirmed, once all of it was asked, when a node holding one of them did not confirm)."""

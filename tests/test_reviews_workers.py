@@ -12,18 +12,23 @@ import asyncio
 import aiohttp
 import pytest
 
+from tests import clients
 from tests.apiclient import PostgresApi, admin_http
+from tests.conftest import free_port
 from tests.test_workers import workers_daemon
 
-ROUNDS = 40  # races tried; each fires its calls at once on connections of their own
+ROUNDS = 24  # races tried; each fires its calls at once on connections of their own
 DECIDERS = {"rex": "REJECTED", "ria": "REJECTED", "roy": "REJECTED", "amy": "APPROVED", "abe": "APPROVED",
             "ann": "APPROVED"}  # reviewers, each the only member of a reviewer group named after them
 
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory, pg_target):
-    daemon = workers_daemon(tmp_path_factory.mktemp("reviews-workers"), {"sessions.exec_wait": "10s"})
+    port = free_port()
+    daemon = workers_daemon(tmp_path_factory.mktemp("reviews-workers"), {"sessions.exec_wait": "10s",
+                                                                         "listeners.postgres": f"127.0.0.1:{port}"})
     daemon.start()
+    daemon.pg_port = port
     daemon.tokens = {who: daemon.token(f"{who}@example.com", groups=who) for who in ("rita", *DECIDERS)}
     yield daemon
     assert daemon.stop() == 0
@@ -84,3 +89,32 @@ async def test_rejections_and_approvals_made_at_once_on_both_workers_decide_the_
             if len(made) != 1 or review["status"] != made[0] or creds != (201 if made[0] == "APPROVED" else 403):
                 twice.append((round, made, review["status"], creds))
         assert not twice, f"a review was decided more than once: {twice[:3]}"
+
+
+async def test_credentials_asked_while_a_jit_review_is_revoked_on_another_worker_let_nobody_in(gateway, pg_target):
+    """A revocation and credential requests at once: a secret answered 201 either is revoked with the others or
+    was never handed out (410) -- none lets psql in once the revocation answered."""
+    async with admin_http(gateway) as http:
+        pg = PostgresApi(gateway, http, pg_target)
+        let_in = []
+        for round in range(ROUNDS):
+            conn = await pg.role(settings={"reviewers": ["amy"]})
+            status, asked = await pg("POST", f"/connections/{conn['name']}/credentials",
+                                     {"access_duration_seconds": 600}, token=gateway.tokens["rita"])
+            assert status == 202, asked
+            path = f"/reviews/{asked['review_id']}"
+            status, body = await pg("PUT", path, {"status": "APPROVED"}, token=gateway.tokens["amy"])
+            assert status == 200, body
+            creds = f"/connections/{conn['name']}/credentials/{asked['session_id']}"
+            answers = await at_once(gateway, [("amy", "PUT", path, {"status": "REVOKED"})]
+                                    + [("rita", "POST", creds, None)] * 6)
+            assert answers[0][0] == 200, answers[0]
+            for status, body in answers[1:]:
+                assert status in (201, 410), body
+                if status == 201:
+                    secret = body["connection_credentials"]["username"]
+                    ran = await asyncio.to_thread(clients.psql, gateway.pg_port, secret, "-At", "-c", "select 1",
+                                                  timeout=30)
+                    if ran.returncode == 0:
+                        let_in.append((round, body["id"]))
+        assert not let_in, f"credentials of a revoked review still let psql in: {let_in}"
