@@ -347,6 +347,8 @@ def check_value(parameter: Parameter, value: str) -> str | None:
 def _quoted(value: str, quote: str, language: str) -> str:
     """``value`` inside ``quote`` characters, so that it cannot end the quoted text early, in ``language``."""
     if language == SQL:
+        if quote == "'" and "\\" in value:  # E'...' reads the same whatever standard_conforming_strings says
+            return "E'" + value.replace("\\", "\\\\").replace("'", "''") + "'"
         return quote + value.replace(quote, quote * 2) + quote
     if language == SHELL:
         if quote == "'":

@@ -8,6 +8,7 @@ target through the same pipeline as ``POST /sessions``.
 from __future__ import annotations
 
 import json
+import uuid
 
 import aiohttp
 import pytest
@@ -82,6 +83,8 @@ def test_a_quoted_value_cannot_leave_its_quotes_in_the_connections_language():
         "x 'o''clock\"; $(rm -rf /) `id`' \"o'clock\"\"; $(rm -rf /) `id`\""
     shell = render(template, {"v": sneaky}, "shell").script
     assert shell == "x 'o'\\''clock\"; $(rm -rf /) `id`' \"o'clock\\\"; \\$(rm -rf /) \\`id\\`\""
+    # a backslash: E'...' (its backslashes doubled), read the same whatever standard_conforming_strings says
+    assert render(parse("{{ .v | squote }}"), {"v": "a\\' b"}, "sql").script == "E'a\\\\'' b'"
     with pytest.raises(ParameterError):  # a language gatewayd does not know: refused rather than guessed
         render(template, {"v": "it's"}, "")
 
@@ -449,3 +452,30 @@ async def test_a_rejected_runbook_forgets_the_script_its_secrets_made(as_, libra
     assert sealed_scripts() == 1
     assert (await as_["dba"]("PUT", f"/reviews/{pending['review_id']}", {"status": "REJECTED"}))[0] == 200
     assert sealed_scripts() == 0
+
+
+@pg_only
+async def test_a_password_stays_in_its_quotes_on_a_role_that_reads_backslash_escapes(as_, library, git_server,
+                                                                                      pg_target):
+    """With ``standard_conforming_strings`` off (the role's setting) a backslash escapes a quote: a password with
+    ``\\'`` left its quotes and ran a statement that the recording, the reviewers and the answer showed only as
+    ``[REDACTED]``. A value with a backslash is now quoted ``E'...'``, which reads the same either way. (Last in
+    the module: it moves the repository's tip.)"""
+    role = f"scs_off_{uuid.uuid4().hex[:8]}"
+    status, made = await as_["admin"]("POST", "/sessions", {"connection": library["connection"]["name"], "script":
+                                      f"CREATE ROLE {role} LOGIN PASSWORD 'scs-pw'; "
+                                      f"ALTER ROLE {role} SET standard_conforming_strings = off"})
+    assert status == 200 and made["exit_code"] == 0, made
+    connection = await as_["admin"].connection("rbscs", "database", "postgres",
+                                               postgres_env(pg_target, user=role, password="scs-pw"))
+    git_server.commit(library["tree"], {"db/echo.runbook.sql":
+                                        'SELECT {{ .password | type "password" | squote }} AS echoed;'}, "echo")
+    assert (await as_["admin"]("GET", "/runbooks?refresh=true"))[0] == 200
+    password = "pw\\' ; SELECT 40000 + 2 AS leaked; --"
+    status, result = await as_["dev"]("POST", "/runbooks/exec", {
+        "connection_name": connection["name"], "repository": library["repository"],
+        "file_name": "db/echo.runbook.sql", "parameters": {"password": password}})
+    assert status == 200 and result["exit_code"] == 0, result
+    assert "leaked" not in result["output"] and "40002" not in result["output"], result["output"]
+    session = await as_["admin"].done_session(result["session_id"])
+    assert "40002" not in "".join(text for _, text in events(session))
