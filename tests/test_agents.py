@@ -261,6 +261,41 @@ async def test_token_rotation_ends_the_old_token_s_connection(gateway, api, tmp_
     await until_agent(api, created["name"], "offline")
 
 
+async def test_a_token_rotated_while_its_agent_says_hello_serves_nothing_and_stays_rotated(gateway, api, tmp_path):
+    """A control channel opened with the token, its hello held back while an admin rotates the token (a stolen
+    token's holder can wait so): the hello is refused, not taken as a link of the agent, and the new token
+    stays the agent's (the arrival's presence once stored the old token's hash back, undoing the rotation)."""
+    created = await new_agent(api)
+    url = created["command"].split("--url ")[1].split()[0]
+    channel = await open_channel(url, created["command"].rsplit("--tls-fingerprint ", 1)[1])
+    try:
+        call = pb_grpc.AgentGatewayStub(channel).Connect(metadata=(("authorization", f"Bearer {created['token']}"),))
+        await asyncio.sleep(0.5)  # the gateway has looked the token up and waits for the hello
+        code, rotated = await api("POST", f"/agents/{created['name']}/token")
+        assert code == 200
+        await call.write(pb.AgentMessage(hello=pb.Hello(version="test", hostname="stolen")))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async with asyncio.timeout(10):
+                while (message := await call.read()) is not grpc.aio.EOF:
+                    assert not message.HasField("welcome"), "the channel was served"
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        await channel.close()
+    await until_agent(api, created["name"], "offline", connections=0)
+    assert [e for e in await audit(api, "agent.refused") if created["name"] in e["actor_email"]]
+    stored = sqlite3.connect(gateway.data_dir / "gatewayd.db")
+    try:
+        (token_hash,) = stored.execute("SELECT token_hash FROM agents WHERE id = ?", (created["id"],)).fetchone()
+    finally:
+        stored.close()
+    assert token_hash == hash_secret(rotated["token"])
+    new = start(rotated, tmp_path)
+    try:
+        await until_agent(api, created["name"], "online", connections=1)
+    finally:
+        new.stop()
+
+
 async def test_the_agent_reconnects_after_a_gateway_restart(gateway, api, tmp_path):
     created = await new_agent(api)
     agent = start(created, tmp_path)

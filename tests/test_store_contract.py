@@ -1053,6 +1053,12 @@ async def test_agents_round_trip_found_by_name_id_or_token_hash_within_their_org
     agent.token_hash, agent.status, agent.hostname, agent.connected_at = "h5", "online", "box", NOW
     await store.save_agent(agent)
     assert await store.agent_by_token("h1") is None and await store.agent_by_token("h5") == agent
+    stale = Agent(id=agent.id, org_id=org, name="vpc-a", token_hash="h1", status="online", hostname="stolen")
+    assert await store.save_agent_presence(stale, ("status", "hostname")) is False  # a rotated token's copy
+    assert await store.get_agent(org, agent.id) == agent
+    agent.status, agent.hostname = "offline", "box2"
+    assert await store.save_agent_presence(agent, ("status", "hostname")) is True
+    assert await store.get_agent(org, agent.id) == agent
     assert await store.delete_agent(org, "vpc-a") is True and await store.delete_agent(org, "vpc-a") is False
     assert await store.get_agent(org, agent.id) is None
     assert [a.name for a in await store.list_agents(other)] == ["vpc-a"]

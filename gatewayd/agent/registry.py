@@ -47,7 +47,12 @@ def lost_reason(name: str) -> str:
 
 
 STREAM_REFUSED = "no stream of that id was asked of this agent: only the gateway opens streams"
+TOKEN_REFUSED = "the gateway refused this agent's token"
 DROP = "agent.drop"  # the bus topic: an agent deleted or its token rotated, on any node: every node cuts its links
+
+
+class TokenRevoked(Exception):
+    """The agent's token was rotated, or the agent deleted, between its channel's token check and its hello."""
 
 
 @dataclass(slots=True, eq=False)
@@ -115,13 +120,19 @@ class AgentRegistry:
 
     async def attach(self, agent: Agent, client_ip: str, hostname: str, version: str) -> AgentLink:
         """A new control channel: audited; a second live one of the same agent is reported and audited. Its
-        link counts from the start; a channel lost before this returns (the agent gone mid-hello) is detached
-        here, since its handler never gets to."""
+        link counts from the start, so a rotation or deletion from then on drops it; one before (the hello held
+        back meanwhile) is found by storing its presence, which holds only while the token is still the agent's:
+        TokenRevoked, the link gone unannounced. A channel lost before this returns (the agent gone mid-hello) is
+        detached here, since its handler never gets to."""
         link = AgentLink(agent, client_ip, hostname, version)
         others = self.links.setdefault(agent.id, [])
         others.append(link)
         try:
             await self._announce(link, others)
+        except TokenRevoked:
+            link.close(TOKEN_REFUSED)
+            self._unlink(link)
+            raise
         except BaseException:
             await self.detach(link, "the connection to the agent was lost")
             raise
@@ -129,6 +140,11 @@ class AgentRegistry:
 
     async def _announce(self, link: AgentLink, others: list[AgentLink]) -> None:
         agent, client_ip, hostname, version = link.agent, link.client_ip, link.hostname, link.version
+        agent.status, agent.hostname, agent.version = "online", hostname, version
+        agent.connected_at = agent.updated_at = rfc3339(utcnow())
+        if not await self.store.save_agent_presence(agent, ("status", "hostname", "version", "connected_at",
+                                                            "updated_at")):
+            raise TokenRevoked(TOKEN_REFUSED)
         payload = {"agent": agent.name, "agent_id": agent.id, "hostname": hostname, "version": version}
         await self._audit(agent, "agent.connect", "success", client_ip=client_ip, payload=payload)
         if len(others) > 1:
@@ -139,9 +155,6 @@ class AgentRegistry:
                                                         "addresses": ",".join(addresses)})
             await self._audit(agent, "agent.duplicate", "failure", client_ip=client_ip, error=message,
                               payload={**payload, "connections": len(others), "addresses": addresses})
-        agent.status, agent.hostname, agent.version = "online", hostname, version
-        agent.connected_at = agent.updated_at = rfc3339(utcnow())
-        await self._save(agent)
         log.info("agent connected", extra={"agent": agent.name, "client": client_ip, "hostname": hostname})
 
     async def detach(self, link: AgentLink, reason: str) -> None:
@@ -165,7 +178,8 @@ class AgentRegistry:
             link.lost.add_done_callback(self.departing.discard)
         return link.lost
 
-    async def _detach(self, link: AgentLink, reason: str) -> None:
+    def _unlink(self, link: AgentLink) -> bool:
+        """The link serves no more: out of the agent's links, its waiting dials failed. Whether others are left."""
         agent = link.agent
         links = self.links.get(agent.id, [])
         if link in links:
@@ -173,10 +187,15 @@ class AgentRegistry:
         if not links:
             self.links.pop(agent.id, None)
         link.closed.set()
-        for stream_id, pending in list(self.pending.items()):
+        for pending in list(self.pending.values()):
             if pending.link is link and not pending.answer.done():
                 pending.answer.set_exception(DialError(pending.connection, lost_reason(agent.name)))
-        if not links and not link.closing:
+        return bool(links)
+
+    async def _detach(self, link: AgentLink, reason: str) -> None:
+        agent = link.agent
+        others = self._unlink(link)
+        if not others and not link.closing:
             await self.sessions.kill_where(lambda live: self._through(live, agent), lost_reason(agent.name))
         for relay in list(link.streams):
             relay.close()
@@ -184,7 +203,7 @@ class AgentRegistry:
         await self._audit(agent, "agent.disconnect", "success" if link.closing else "failure",
                           client_ip=link.client_ip, error=link.closing or reason,
                           payload={"agent": agent.name, "agent_id": agent.id, "reason": link.closing or reason})
-        if not links:
+        if not others:
             await self._save_offline(agent)
         log.info("agent disconnected", extra={"agent": agent.name, "client": link.client_ip,
                                               "reason": link.closing or reason})
@@ -278,20 +297,11 @@ class AgentRegistry:
             log.exception("could not audit an agent event", extra={"agent": agent.name, "action": action})
 
     async def _save_offline(self, agent: Agent) -> None:
+        """Offline in the store, unless its token was rotated since (the new token's agent may be online)."""
+        agent.status, agent.disconnected_at = "offline", rfc3339(utcnow())
+        agent.updated_at = agent.disconnected_at
         try:
-            current = await self.store.get_agent(agent.org_id, agent.id)
-        except Exception:
-            log.exception("could not store an agent's presence", extra={"agent": agent.name})
-            return
-        if current is not None and current.token_hash == agent.token_hash:
-            current.status, current.disconnected_at = "offline", rfc3339(utcnow())
-            current.updated_at = current.disconnected_at
-            await self._save(current)
-
-    async def _save(self, agent: Agent) -> None:
-        try:
-            if await self.store.get_agent(agent.org_id, agent.id) is not None:
-                await self.store.save_agent(agent)
+            await self.store.save_agent_presence(agent, ("status", "disconnected_at", "updated_at"))
         except Exception:
             log.exception("could not store an agent's presence", extra={"agent": agent.name})
 

@@ -30,7 +30,8 @@ from gatewayd import __version__, tls
 from gatewayd.agent import agent_pb2 as pb
 from gatewayd.agent import agent_pb2_grpc as pb_grpc
 from gatewayd.agent.pump import CallRelay, Splice, StreamBroken, StreamFailed
-from gatewayd.agent.registry import STREAM_REFUSED, TOKEN_PREFIX, AgentRegistry, PendingStream
+from gatewayd.agent.registry import (STREAM_REFUSED, TOKEN_PREFIX, TOKEN_REFUSED, AgentRegistry, PendingStream,
+                                     TokenRevoked)
 from gatewayd.agent.tunnel import TunnelListener
 from gatewayd.crypto import hash_secret
 from gatewayd.dialer import DialError
@@ -153,8 +154,7 @@ class AgentService(pb_grpc.AgentGatewayServicer):  # type: ignore[misc]  # (gene
         token = bearer(context)
         agent = await self.store.agent_by_token(hash_secret(token)) if token.startswith(f"{TOKEN_PREFIX}-") else None
         if agent is None:
-            await self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, "the gateway refused this agent's token",
-                               "agent.refused")
+            await self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, TOKEN_REFUSED, "agent.refused")
             return
         try:
             async with asyncio.timeout(HELLO_TIMEOUT):
@@ -165,7 +165,12 @@ class AgentService(pb_grpc.AgentGatewayServicer):  # type: ignore[misc]  # (gene
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "an agent says hello first",
                                "agent.refused", agent.org_id, f"agent {agent.name}", agent=agent.name)
             return
-        link = await self.registry.attach(agent, peer_ip(context), first.hello.hostname, first.hello.version)
+        try:
+            link = await self.registry.attach(agent, peer_ip(context), first.hello.hostname, first.hello.version)
+        except TokenRevoked:  # rotated or deleted while the hello was awaited
+            await self._refuse(context, grpc.StatusCode.PERMISSION_DENIED, TOKEN_REFUSED, "agent.refused",
+                               agent.org_id, f"agent {agent.name}", agent=agent.name)
+            return
         reason = "the agent closed its connection"
         reader = asyncio.ensure_future(self._until_eof(context))
         closed = asyncio.ensure_future(link.closed.wait())

@@ -491,6 +491,12 @@ class Store(abc.ABC):
         """Store every field of an existing agent (a new token hash, its presence)."""
 
     @abc.abstractmethod
+    async def save_agent_presence(self, agent: Agent, fields: tuple[str, ...]) -> bool:
+        """Store these fields of an agent (its presence) only while its stored token hash is still
+        ``agent.token_hash``, in one statement; False when it is not (rotated or deleted since): a channel's copy
+        of the agent never writes back a token that was revoked meanwhile."""
+
+    @abc.abstractmethod
     async def delete_agent(self, org_id: str, name_or_id: str) -> bool:
         """True if there was one."""
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gatewayd.models import Agent
-from gatewayd.store.sql import build, built, insert, update
+from gatewayd.store.sql import assign, build, built, insert, update
 from gatewayd.store.queries.core import SQLCore
 
 class AgentQueries(SQLCore):
@@ -27,6 +27,10 @@ class AgentQueries(SQLCore):
 
     async def save_agent(self, agent: Agent) -> None:
         await self._write([update("agents", agent, skip=("created_at", "org_id"))])
+
+    async def save_agent_presence(self, agent: Agent, fields: tuple[str, ...]) -> bool:
+        return await self._changed(assign("agents", {name: getattr(agent, name) for name in fields},
+                                          "id = ? AND token_hash = ?", (agent.id, agent.token_hash))) > 0
 
     async def delete_agent(self, org_id: str, name_or_id: str) -> bool:
         return await self._changed(("DELETE FROM agents WHERE org_id = ? AND (name = ? OR id = ?)",
