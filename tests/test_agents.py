@@ -296,6 +296,43 @@ async def test_a_token_rotated_while_its_agent_says_hello_serves_nothing_and_sta
         new.stop()
 
 
+async def test_the_agent_never_follows_a_node_of_the_gateway_whose_url_would_drop_tls(gateway, api, tmp_path):
+    """A node registered with a plain ``grpc://`` URL (a careless ``grpc.node_url``), said to the agent in Welcome:
+    the agent, given a ``grpcs://`` URL, does not connect to it (it once did, sending its token and the streams
+    there in clear) and keeps serving the node it trusts, as it does beside a node's URL that does not parse. The
+    plain node here is a gRPC server that records the metadata it is sent."""
+    heard: list[tuple] = []
+
+    class PlainNode(pb_grpc.AgentGatewayServicer):
+        async def Connect(self, request_iterator, context):  # noqa: N802
+            heard.append(tuple(context.invocation_metadata() or ()))
+
+    server = grpc.aio.server()
+    pb_grpc.add_AgentGatewayServicer_to_server(PlainNode(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    created = await new_agent(api)
+    node_id, now = str(uuid.uuid4()), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    store = sqlite3.connect(gateway.data_dir / "gatewayd.db", isolation_level=None)
+    for at, url in ((0, f"grpc://127.0.0.1:{port}"), (1, "grpcs://127.0.0.1:no-port")):  # the second: not a URL
+        store.execute("INSERT INTO nodes (id, name, slot, host, pid, listeners, status, started_at, heartbeat_at) "
+                      "VALUES (?, 'plain', ?, 'plain', 1, ?, 'up', ?, ?)",
+                      (f"{node_id}-{at}", 9 + at, f'{{"grpc": "{url}"}}', now, now))
+    agent = start(created, tmp_path)
+    try:
+        await until_agent(api, created["name"], "online", connections=1)
+        await asyncio.sleep(3)  # the agent's connections to the nodes of its Welcome are made within this
+        assert heard == []
+        assert agent.process.poll() is None
+        said = [line for line in agent.log_path.read_text().splitlines() if f"grpc://127.0.0.1:{port}" in line]
+        assert len(said) == 1 and "not followed" in said[0]
+    finally:
+        agent.stop()
+        store.execute("DELETE FROM nodes WHERE id LIKE ?", (f"{node_id}-%",))
+        store.close()
+        await server.stop(None)
+
+
 async def test_the_agent_reconnects_after_a_gateway_restart(gateway, api, tmp_path):
     created = await new_agent(api)
     agent = start(created, tmp_path)

@@ -6,7 +6,8 @@ of their own to the node's tunnel listener (the port the ``Open`` names), or ove
 when it names none (flow control per stream either way).  It never opens a stream by itself.  A lost
 connection (network cut, gateway restart) is retried with exponential backoff and jitter; a
 refused token ends the process (exit code 3).  The gateway's ``Welcome`` names its other nodes:
-the agent keeps one connection to each.
+the agent keeps one connection to each, over TLS as its own URL is (a plain ``grpc://`` one is not
+followed: it would carry the token and the streams in clear).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from gatewayd import __version__
 from gatewayd.agent import agent_pb2 as pb
 from gatewayd.agent import agent_pb2_grpc as pb_grpc
 from gatewayd.agent.carriers import Carriers, carry_on_tunnel, open_tunnel
-from gatewayd.agent.channel import ChannelError, TunnelDialer, open_channel
+from gatewayd.agent.channel import ChannelError, Target, TunnelDialer, open_channel
 from gatewayd.agent.pump import StreamBroken, pump
 from gatewayd.dialer import DialError, direct
 
@@ -57,6 +58,7 @@ class AgentProcess:
     log_level: str = "info"
     carriers: Carriers | None = None
     nodes: dict[str, tuple[pb_grpc.AgentGatewayStub, TunnelDialer | None]] = field(default_factory=dict)  # by URL
+    declined: set[str] = field(default_factory=set)  # peers' URLs not followed (said once each)
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -139,7 +141,7 @@ class AgentProcess:
                     welcomed = True
                     self.welcomed.set()
                     for peer in message.welcome.peers:
-                        if peer and peer not in self.connections:
+                        if peer and peer not in self.connections and self._follows(peer):
                             self.connections[peer] = asyncio.ensure_future(self.keep_connected(peer))
                 elif kind == "open":
                     task = asyncio.ensure_future(self.serve(stub, message.open, tunnels, url))
@@ -149,6 +151,19 @@ class AgentProcess:
         finally:
             self.nodes.pop(url, None)
             await channel.close(grace=None)
+
+    def _follows(self, peer: str) -> bool:
+        """Whether a node a Welcome names is connected to: only by a URL that parses, and over TLS when this agent's
+        own URL is (the token goes in every call's metadata). One that is not is logged once and left alone."""
+        try:
+            usable = Target.parse(peer).tls or not Target.parse(self.url).tls
+        except ChannelError:
+            usable = False
+        if not usable and peer not in self.declined:
+            self.declined.add(peer)
+            log.warning("a gateway node's URL is not followed: not grpcs:// (the token would go in clear) or "
+                        "not a URL", extra={"url": peer})
+        return usable
 
     async def serve(self, stub: pb_grpc.AgentGatewayStub, request: pb.Open,
                     tunnels: TunnelDialer | None = None, url: str = "") -> None:
