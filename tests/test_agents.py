@@ -333,6 +333,30 @@ async def test_the_agent_never_follows_a_node_of_the_gateway_whose_url_would_dro
         await server.stop(None)
 
 
+async def test_a_hello_that_names_its_host_in_megabytes_is_refused_and_stored_nowhere(gateway, api):
+    """What a hello says of the agent (hostname, version) goes to the store, the audit log and the log at each
+    connect: one of megabytes is refused (``agent.refused``), not copied into each (a token's holder could grow
+    them by megabytes a reconnect)."""
+    created = await new_agent(api)
+    url = created["command"].split("--url ")[1].split()[0]
+    channel = await open_channel(url, created["command"].rsplit("--tls-fingerprint ", 1)[1])
+    try:
+        call = pb_grpc.AgentGatewayStub(channel).Connect(metadata=(("authorization", f"Bearer {created['token']}"),))
+        await call.write(pb.AgentMessage(hello=pb.Hello(version="test", hostname="h" * 3_000_000)))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async with asyncio.timeout(10):
+                while (message := await call.read()) is not grpc.aio.EOF:
+                    assert not message.HasField("welcome"), "the hello was taken"
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "at most 255 characters" in refused.value.details()
+    finally:
+        await channel.close()
+    code, shown = await api("GET", f"/agents/{created['name']}")
+    assert code == 200 and shown["hostname"] == "" and shown["status"] == "offline"
+    assert [e for e in await audit(api, "agent.refused") if created["name"] in e["actor_email"]]
+    assert "h" * 1000 not in gateway.log_text()
+
+
 async def test_the_agent_reconnects_after_a_gateway_restart(gateway, api, tmp_path):
     created = await new_agent(api)
     agent = start(created, tmp_path)

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("gatewayd.grpc")
 
 HELLO_TIMEOUT = 15.0  # an agent's hello comes within this after its Connect
+HELLO_FIELD_LIMIT = 255  # characters of a hello's hostname and version (a DNS name's bound): stored, audited, logged
 FIRST_FRAME_TIMEOUT = 10.0  # a Tunnel's first frame (the agent's answer to an Open) comes within this
 CUT_GRACE = 2.0  # a cut tunnel connection waits this long for its agent's link to be found lost too (_cut_alone)
 PEERS_REFRESH = 30.0  # how often an agent's channel is told the nodes up again (Welcome)
@@ -96,6 +97,16 @@ async def read_message(context: grpc.aio.ServicerContext) -> Any:
     except DecodeError:
         log.info("malformed gRPC message", extra={"client": peer_ip(context), "reason": "it does not parse"})
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a message of this call does not parse")
+
+
+def hello_fault(first: Any) -> str:
+    """Why a Connect's first message is refused as its hello, or "": what it says of the agent is stored, audited and
+    logged at each connect, so it is bounded (a hostname of megabytes once went into each)."""
+    if first is grpc.aio.EOF or not first.HasField("hello"):
+        return "an agent says hello first"
+    if max(len(first.hello.hostname), len(first.hello.version)) > HELLO_FIELD_LIMIT:
+        return f"an agent's hello names its host and version in at most {HELLO_FIELD_LIMIT} characters each"
+    return ""
 
 
 class AgentService(pb_grpc.AgentGatewayServicer):  # type: ignore[misc]  # (generated, untyped)
@@ -161,9 +172,10 @@ class AgentService(pb_grpc.AgentGatewayServicer):  # type: ignore[misc]  # (gene
                 first = await read_message(context)
         except TimeoutError:
             first = grpc.aio.EOF
-        if first is grpc.aio.EOF or not first.HasField("hello"):
-            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "an agent says hello first",
-                               "agent.refused", agent.org_id, f"agent {agent.name}", agent=agent.name)
+        fault = hello_fault(first)
+        if fault:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, fault, "agent.refused", agent.org_id,
+                               f"agent {agent.name}", agent=agent.name)
             return
         try:
             link = await self.registry.attach(agent, peer_ip(context), first.hello.hostname, first.hello.version)
