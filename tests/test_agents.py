@@ -1239,6 +1239,29 @@ async def test_the_tunnel_listener_refuses_what_it_did_not_ask_for_and_audits_it
                 if created["token"] in str(e) or other["token"] in str(e)]
 
 
+async def test_an_agent_s_answer_to_a_dial_is_said_to_the_client_logged_and_recorded_bounded(gateway, api):
+    """An agent's answer that it could not reach the target, over a Tunnel call (whose messages may be megabytes):
+    its words reach psql, the log and the session's recording cut to 255 characters, not whole (they once went
+    whole into each, a recording growing by megabytes a dial)."""
+    created = await new_agent(api)
+    async with TunnelAgent(created) as agent:
+        await until_agent(api, created["name"], "online")
+        connection = await answered_by_test(api, created)
+        psql = psql_through(gateway, api, connection)
+        async with asyncio.timeout(30):
+            opened = await agent.opens.get()
+        call = pb_grpc.AgentGatewayStub(agent.channel).Tunnel(metadata=(("authorization", f"Bearer {agent.token}"),))
+        await call.write(pb.Frame(stream_id=opened.stream_id, error="no route to host " + "x" * 3_000_000))
+        result = await psql
+        call.cancel()
+    assert result.returncode != 0 and f'through agent "{created["name"]}": no route to host xxx' in result.stderr
+    assert "x" * 300 not in result.stderr and "x" * 300 not in gateway.log_text()
+    code, sessions = await api("GET", f"/sessions?connection={connection['name']}")
+    assert code == 200 and sessions["data"], sessions
+    code, session = await api("GET", f"/sessions/{sessions['data'][0]['id']}?expand=event_stream")
+    assert code == 200 and "x" * 300 not in str(session)
+
+
 @pytest.mark.parametrize("sslmode", ["", "disable"])  # the proxy on a socketpair / on the tunnel
 async def test_a_target_that_fails_at_the_agent_ends_its_stream_only_and_the_gateway_acknowledges(gateway, api, sslmode):
     """On a tunnel connection, the agent's error frame (its target's socket failed) ends that stream: the gateway

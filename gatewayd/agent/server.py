@@ -44,7 +44,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("gatewayd.grpc")
 
 HELLO_TIMEOUT = 15.0  # an agent's hello comes within this after its Connect
-HELLO_FIELD_LIMIT = 255  # characters of a hello's hostname and version (a DNS name's bound): stored, audited, logged
+AGENT_TEXT_LIMIT = 255  # characters of what an agent says (a hello's hostname and version, a dial's error), a DNS
+# name's bound: stored, audited, logged, recorded and said to clients as the agent's words
 FIRST_FRAME_TIMEOUT = 10.0  # a Tunnel's first frame (the agent's answer to an Open) comes within this
 CUT_GRACE = 2.0  # a cut tunnel connection waits this long for its agent's link to be found lost too (_cut_alone)
 PEERS_REFRESH = 30.0  # how often an agent's channel is told the nodes up again (Welcome)
@@ -104,9 +105,15 @@ def hello_fault(first: Any) -> str:
     logged at each connect, so it is bounded (a hostname of megabytes once went into each)."""
     if first is grpc.aio.EOF or not first.HasField("hello"):
         return "an agent says hello first"
-    if max(len(first.hello.hostname), len(first.hello.version)) > HELLO_FIELD_LIMIT:
-        return f"an agent's hello names its host and version in at most {HELLO_FIELD_LIMIT} characters each"
+    if max(len(first.hello.hostname), len(first.hello.version)) > AGENT_TEXT_LIMIT:
+        return f"an agent's hello names its host and version in at most {AGENT_TEXT_LIMIT} characters each"
     return ""
+
+
+def said(text: str) -> str:
+    """An agent's words as the gateway repeats them: at most ``AGENT_TEXT_LIMIT`` characters (a Tunnel call's
+    message may be megabytes; it once went whole into the client's error, the log and the session's recording)."""
+    return text if len(text) <= AGENT_TEXT_LIMIT else text[:AGENT_TEXT_LIMIT] + "…"
 
 
 class AgentService(pb_grpc.AgentGatewayServicer):  # type: ignore[misc]  # (generated, untyped)
@@ -273,7 +280,7 @@ class AgentService(pb_grpc.AgentGatewayServicer):  # type: ignore[misc]  # (gene
         if not first.connected:
             if not pending.answer.done():
                 pending.answer.set_exception(DialError(pending.connection,
-                                                       f'through agent "{name}": {first.error or "refused"}'))
+                                                       f'through agent "{name}": {said(first.error) or "refused"}'))
             return
         if pending.transport and isinstance(relay, Splice):  # the proxy's protocol on the stream itself
             if pending.answer.done():  # the dial gave up meanwhile
