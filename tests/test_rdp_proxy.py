@@ -18,6 +18,7 @@ import base64
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -283,6 +284,30 @@ async def test_every_client_choice_of_codec_is_recorded(api: RdpApi, gateway: Da
     assert total > 0, (events(session), session["client_output"][-2000:])
     assert_shows_the_desktop(screen)
     assert session["exit_code"] == 0 and events(session) == [], events(session)
+
+
+async def test_virtual_channels_carry_nothing_to_the_target(api: RdpApi, gateway: Daemon, peers: Peers) -> None:
+    """Clipboard, a redirected drive, audio, dynamic channels: joined, but the target gets none of their data.
+
+    The observing pyrdp-mitm in front of the target counts, per MCS channel,
+    what it received from the gateway (``mcsInput_<id>``) and names each
+    virtual channel's id (``rdpsnd <---> Channel #1005``).
+    """
+    share = Path(peers.home) / "share"
+    share.mkdir(exist_ok=True)
+    (share / "doc.txt").write_text("a file on the client's drive\n")
+    before = len(peers.log("observer"))
+    session, total, screen = await watch_desktop(api, gateway, peers, "+clipboard", f"/drive:share,{share}", "/sound",
+                                                 port=peers.observer_port)
+    assert total > 0, (events(session), session["client_output"][-2000:])
+    assert session["exit_code"] == 0 and events(session) == [], events(session)
+    observed = peers.log("observer")[before:]
+    channels = dict(re.findall(r"- (\S+) <---> Channel #(\d+)", observed))
+    assert {"cliprdr", "rdpdr", "rdpsnd", "drdynvc"} <= channels.keys(), observed[-3000:]
+    reports = [line for line in observed.splitlines() if "Connection report" in line and "mcsInput_" in line]
+    assert reports, observed[-3000:]
+    relayed = {name: re.search(rf"mcsInput_{number}: (\d+)", reports[-1]) for name, number in channels.items()}
+    assert not any(relayed.values()), reports[-1]
 
 
 @pytest.mark.parametrize("options", [(), ("/rfx",), ("/gfx",)], ids=["defaults", "rfx", "gfx"])

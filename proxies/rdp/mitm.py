@@ -26,7 +26,9 @@ What the gateway adds to pyrdp's man-in-the-middle:
    (through the session's policy chain, stamped on its clock). The
    client's capabilities are trimmed to what the recorder decodes (no bitmap
    codecs, no surface commands: ``codec.offer_only_bitmaps``); screen content
-   that passes undecoded all the same is an ``e`` event, once;
+   that passes undecoded all the same is an ``e`` event, once. Virtual channels
+   (clipboard, drives, audio, dynamic channels), which the recording cannot
+   hold, are joined but carry nothing (``buildChannel``);
 4. lifecycle -- the session is ``done`` when either side goes away (exit 0
    when the client left or the target logged the user off, 254 with an ``e``
    event when the target dropped the connection), or when the gateway kills
@@ -56,7 +58,7 @@ import pyrdp.mitm.state as pyrdp_state
 from Crypto.PublicKey import RSA
 from OpenSSL import crypto
 from pyrdp.core.ssl import ServerTLSContext
-from pyrdp.enum import (CapabilityType, NegotiationFailureCode, NegotiationProtocols, NegotiationRequestFlags,
+from pyrdp.enum import (CapabilityType, MCSChannelName, NegotiationFailureCode, NegotiationProtocols, NegotiationRequestFlags,
                         NegotiationType, PlayerPDUType, SlowPathUpdateType)
 from pyrdp.logging import LOGGER_NAMES, SessionLogger
 from pyrdp.mitm import MITMConfig, RDPMITM
@@ -95,6 +97,8 @@ NLA_MESSAGE = ('the target of connection "{name}" requires Network Level Authent
                "or let the gateway log on with NLA")
 NLA_FAILED = 'Network Level Authentication (CredSSP) with the target of connection "{name}" failed: {reason}'
 NLA_TIMEOUT = 20.0  # the whole CredSSP exchange with the target (a KDC's answers included)
+CHANNEL_REFUSED = ('the client\'s data on virtual channel "{name}" refused: the gateway does not relay virtual '
+                   "channels (clipboard, drives, printers, smart cards, audio, dynamic channels): it cannot record them")
 NLA_SETTINGS = ("off", *MECHANISMS)  # the role's NLA: how the gateway logs on to a target that picks CredSSP
 _SECRET = re.compile(r"[a-z]+-[A-Za-z0-9_-]{43}")  # any credential shape; resolve() says if it is not for rdp
 CLIENT, TARGET = "client", "target"
@@ -208,6 +212,7 @@ class GatewayMITM(RDPMITM):
         self.screen_up = False  # the target sent screen content: the client's logon is over
         self._counted = False  # the client's connection is in the connection metrics
         self._certificate_ready = False
+        self.refused_channels: set[str] = set()  # virtual channels the client sent data on (told once each)
         self.nla: NlaCredentials | None = None  # how the gateway logs on if the target picks NLA (CredSSP)
         self.target_protocol: int | None = None  # the target's pick (NLA) where the client was told TLS
         self.credssp: TSRequestReader | None = None  # the target's TSRequests while the gateway logs on
@@ -543,6 +548,38 @@ class GatewayMITM(RDPMITM):
         self._certificate_ready = True
         if self.ended is None:
             self.doClientTls()
+
+    # -- virtual channels
+
+    def buildChannel(self, client: Any, server: Any) -> None:
+        """pyrdp's channel components for the I/O channel and the MCS user and message channels; no other relays.
+
+        A static virtual channel (``cliprdr``, ``rdpdr``, ``rdpsnd``, ``drdynvc``
+        with its dynamic channels, any other) carries what the recording does not
+        hold (clipboard text and files, a redirected drive's files, audio, a
+        microphone): it stays joined, as the client and the target asked, and
+        carries nothing either way. pyrdp's clipboard and drive components are
+        never built (they also copied the files they saw to disk).
+        """
+        name = self.state.channelMap.get(client.channelID)
+        if name is None or name == MCSChannelName.IO:
+            super().buildChannel(client, server)
+            return
+        self.buildVirtualChannel(client, server)  # pyrdp's layers (security ones included), then its relay unhooked
+        relay = self.channelMITMs.pop(client.channelID)
+        relay.client.observer.observers.clear()
+        relay.server.observer.observers.clear()
+        relay.client.createObserver(onPDUReceived=lambda pdu: self._channel_refused(name))
+
+    def _channel_refused(self, name: str) -> None:
+        """The client sent data on a virtual channel (dropped): an ``e`` event and an audit entry, once per channel."""
+        if name in self.refused_channels or self.run is None:
+            return
+        self.refused_channels.add(name)
+        message = CHANNEL_REFUSED.format(name=name)
+        self.run.policy.error(message)
+        self.tasks.spawn(self.pipeline.audit(self.run.live, "rdp.channel", message, client_ip=self.state.clientIp or "",
+                                             channel=name))
 
     # -- recording
 
