@@ -737,6 +737,35 @@ async def test_garbage_is_dropped_and_others_are_still_served(api: RdpApi, gatew
     assert "SECRETJUNK" not in gateway.log_text() and "534543524554" not in gateway.log_text().upper()
 
 
+async def test_a_client_that_stops_after_its_connection_request_is_let_go(api: RdpApi, gateway: Daemon,
+                                                                          peers: Peers) -> None:
+    """Admitted, then silent (no TLS): the session ends with an ``e`` event and the target is let go.
+
+    The client's logon is automatic: it may wait for the gateway's NLA logon
+    (20 s) and the start-up timeout (2 s here), no longer.
+    """
+    import struct
+
+    connection = await api.role(peers.shadow_port)
+    secret, session_id = await api.credential(connection)
+    cookie = b"Cookie: mstshash=" + secret.encode() + b"\r\n"
+    x224 = b"\xe0\x00\x00\x00\x00\x00" + cookie + struct.pack("<BBHI", 1, 0, 8, 3)  # RDP_NEG_REQ: TLS, NLA
+    reader, writer = await asyncio.open_connection("127.0.0.1", gateway.rdp_port)
+    try:
+        writer.write(struct.pack(">BBHB", 3, 0, 5 + len(x224), len(x224)) + x224)
+        await writer.drain()
+        assert (await asyncio.wait_for(reader.read(4), 15))[:2] == b"\x03\x00"  # the connection confirm
+        try:  # then nothing from this client: closed by the gateway (22 s here)
+            await asyncio.wait_for(reader.read(), 40)
+        except ConnectionResetError:
+            pass
+    finally:
+        writer.close()
+    session = await api.done_session(session_id)
+    message = "the client did not log on within 22 s of its connection request (no client info): the session is closed"
+    assert session["exit_code"] == 254 and ("e", message) in events(session), events(session)
+
+
 async def test_concurrent_logons_each_get_their_own_role(api: RdpApi, gateway: Daemon, peers: Peers) -> None:
     passwords = [f"Pass-{i}-{uuid.uuid4().hex[:6]}" for i in range(3)]
     roles = [await api.role(peers.observer_port, user=f"user{i}", password=p) for i, p in enumerate(passwords)]

@@ -36,7 +36,9 @@ What the gateway adds to pyrdp's man-in-the-middle:
    (the client still logging on) also refuses the client's retry: FreeRDP
    answers a connection dropped during its logon by connecting once more at
    once, with the same cookie, which would open a new session of the
-   credential (``GatewayMITMFactory.logon_killed``).
+   credential (``GatewayMITMFactory.logon_killed``). An admitted client that
+   does not log on in time (its client info) ends its session
+   (``_logon_timeout``).
 
 pyrdp's own loggers log credentials and TLS secrets at INFO: ``quiet_pyrdp``
 keeps only its warnings and silences the secret-bearing ones.
@@ -99,6 +101,8 @@ NLA_FAILED = 'Network Level Authentication (CredSSP) with the target of connecti
 NLA_TIMEOUT = 20.0  # the whole CredSSP exchange with the target (a KDC's answers included)
 CHANNEL_REFUSED = ('the client\'s data on virtual channel "{name}" refused: the gateway does not relay virtual '
                    "channels (clipboard, drives, printers, smart cards, audio, dynamic channels): it cannot record them")
+LOGON_TIMEOUT = ("the client did not log on within {seconds:g} s of its connection request (no client info): "
+                 "the session is closed")
 NLA_SETTINGS = ("off", *MECHANISMS)  # the role's NLA: how the gateway logs on to a target that picks CredSSP
 _SECRET = re.compile(r"[a-z]+-[A-Za-z0-9_-]{43}")  # any credential shape; resolve() says if it is not for rdp
 CLIENT, TARGET = "client", "target"
@@ -210,6 +214,7 @@ class GatewayMITM(RDPMITM):
         self.domain: str | None = None
         self.logon_key: tuple[str, str] | None = None  # the secret as stored (hash_secret) and the client's address
         self.screen_up = False  # the target sent screen content: the client's logon is over
+        self.logged_on = False  # the client's client info came (its TLS, MCS and channels are done)
         self._counted = False  # the client's connection is in the connection metrics
         self._certificate_ready = False
         self.refused_channels: set[str] = set()  # virtual channels the client sent data on (told once each)
@@ -282,6 +287,11 @@ class GatewayMITM(RDPMITM):
         if not self.admitted and self.ended is None and not self.refused:
             self.refused = True
             self.client.tcp.disconnect(True)
+
+    def _logon_timeout(self, seconds: float) -> None:
+        """An admitted client that has not sent its client info in time: the session and the target let go."""
+        if not self.logged_on and self.ended is None:
+            self.tasks.spawn(self._fail(LOGON_TIMEOUT.format(seconds=seconds)))
 
     def _refuse(self) -> None:
         self.refused = True
@@ -383,6 +393,9 @@ class GatewayMITM(RDPMITM):
             await run.close(exit_code=0)  # the client left (a kill closed it already)
             return
         self.run, self.policy = run, run.policy
+        # a client's logon is automatic (TLS, MCS, channels, client info): it may wait for the gateway's NLA, no more
+        logon_seconds = self.factory.startup_timeout + NLA_TIMEOUT
+        asyncio.get_running_loop().call_later(logon_seconds, self._logon_timeout, logon_seconds)
         try:
             async with run:  # an error from here on closes the session with 254
                 self.capture = FrameCapture(self.factory.frames, run.id, on_stop=run.policy.error, tasks=self.tasks)
@@ -588,6 +601,7 @@ class GatewayMITM(RDPMITM):
         if policy is None or capture is None:
             return
         if kind == PlayerPDUType.CLIENT_INFO:
+            self.logged_on = True
             if self.domain is not None:  # seen before pyrdp replaces user and password
                 pdu.domain = self.domain
             return
