@@ -95,6 +95,19 @@ async def xfreerdp(peers: Peers, port: int, secret: str, *extra: str, timeout: f
     return process.returncode, out.decode(errors="replace")
 
 
+async def connection_request(port: int, secret: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A client's X.224 connection request with ``secret`` in its cookie (offering TLS and NLA), its confirm read."""
+    import struct
+
+    cookie = b"Cookie: mstshash=" + secret.encode() + b"\r\n"
+    x224 = b"\xe0\x00\x00\x00\x00\x00" + cookie + struct.pack("<BBHI", 1, 0, 8, 3)  # RDP_NEG_REQ: TLS, NLA
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(struct.pack(">BBHB", 3, 0, 5 + len(x224), len(x224)) + x224)
+    await writer.drain()
+    assert (await asyncio.wait_for(reader.read(19), 15))[:2] == b"\x03\x00"  # the connection confirm
+    return reader, writer
+
+
 # --------------------------------------------------------------------------- without peers
 
 
@@ -744,17 +757,10 @@ async def test_a_client_that_stops_after_its_connection_request_is_let_go(api: R
     The client's logon is automatic: it may wait for the gateway's NLA logon
     (20 s) and the start-up timeout (2 s here), no longer.
     """
-    import struct
-
     connection = await api.role(peers.shadow_port)
     secret, session_id = await api.credential(connection)
-    cookie = b"Cookie: mstshash=" + secret.encode() + b"\r\n"
-    x224 = b"\xe0\x00\x00\x00\x00\x00" + cookie + struct.pack("<BBHI", 1, 0, 8, 3)  # RDP_NEG_REQ: TLS, NLA
-    reader, writer = await asyncio.open_connection("127.0.0.1", gateway.rdp_port)
+    reader, writer = await connection_request(gateway.rdp_port, secret)
     try:
-        writer.write(struct.pack(">BBHB", 3, 0, 5 + len(x224), len(x224)) + x224)
-        await writer.drain()
-        assert (await asyncio.wait_for(reader.read(4), 15))[:2] == b"\x03\x00"  # the connection confirm
         try:  # then nothing from this client: closed by the gateway (22 s here)
             await asyncio.wait_for(reader.read(), 40)
         except ConnectionResetError:
@@ -764,6 +770,33 @@ async def test_a_client_that_stops_after_its_connection_request_is_let_go(api: R
     session = await api.done_session(session_id)
     message = "the client did not log on within 22 s of its connection request (no client info): the session is closed"
     assert session["exit_code"] == 254 and ("e", message) in events(session), events(session)
+
+
+async def test_what_the_gateway_cannot_read_from_the_client_is_on_the_record(api: RdpApi, gateway: Daemon,
+                                                                             peers: Peers) -> None:
+    """A client's PDU that does not parse (an empty MCS PDU, a connect-initial cut short) after TLS: closed, 254, ``e``."""
+    import ssl
+
+    tls = ssl.create_default_context()
+    tls.check_hostname, tls.verify_mode = False, ssl.CERT_NONE
+    for junk in (b"\x03\x00\x00\x07\x02\xf0\x80", b"\x03\x00\x00\x0c\x02\xf0\x80\x7f\x65\x82\xff\xff"):
+        connection = await api.role(peers.shadow_port)
+        secret, session_id = await api.credential(connection)
+        reader, writer = await connection_request(gateway.rdp_port, secret)
+        try:
+            await writer.start_tls(tls)
+            writer.write(junk)
+            await writer.drain()
+            try:
+                assert await asyncio.wait_for(reader.read(), 15) == b""
+            except (ConnectionResetError, ssl.SSLError):
+                pass
+        finally:
+            writer.close()
+        session = await api.done_session(session_id)
+        assert session["exit_code"] == 254 and events(session) == [
+            ("e", "the client sent what the gateway cannot read (ValueError): the connection is closed")], \
+            events(session)
 
 
 async def test_concurrent_logons_each_get_their_own_role(api: RdpApi, gateway: Daemon, peers: Peers) -> None:

@@ -38,7 +38,8 @@ What the gateway adds to pyrdp's man-in-the-middle:
    once, with the same cookie, which would open a new session of the
    credential (``GatewayMITMFactory.logon_killed``). An admitted client that
    does not log on in time (its client info) ends its session
-   (``_logon_timeout``).
+   (``_logon_timeout``); so do bytes from either side that pyrdp cannot parse
+   (254 and an ``e`` event, ``_note_unreadable``).
 
 pyrdp's own loggers log credentials and TLS secrets at INFO: ``quiet_pyrdp``
 keeps only its warnings and silences the secret-bearing ones.
@@ -103,6 +104,7 @@ CHANNEL_REFUSED = ('the client\'s data on virtual channel "{name}" refused: the 
                    "channels (clipboard, drives, printers, smart cards, audio, dynamic channels): it cannot record them")
 LOGON_TIMEOUT = ("the client did not log on within {seconds:g} s of its connection request (no client info): "
                  "the session is closed")
+UNREADABLE = "{who} sent what the gateway cannot read ({error}): the connection is closed"
 NLA_SETTINGS = ("off", *MECHANISMS)  # the role's NLA: how the gateway logs on to a target that picks CredSSP
 _SECRET = re.compile(r"[a-z]+-[A-Za-z0-9_-]{43}")  # any credential shape; resolve() says if it is not for rdp
 CLIENT, TARGET = "client", "target"
@@ -217,6 +219,7 @@ class GatewayMITM(RDPMITM):
         self.logged_on = False  # the client's client info came (its TLS, MCS and channels are done)
         self._counted = False  # the client's connection is in the connection metrics
         self._certificate_ready = False
+        self.unreadable: dict[str, str] = {}  # side: the error type of what pyrdp could not parse from it
         self.refused_channels: set[str] = set()  # virtual channels the client sent data on (told once each)
         self.nla: NlaCredentials | None = None  # how the gateway logs on if the target picks NLA (CredSSP)
         self.target_protocol: int | None = None  # the target's pick (NLA) where the client was told TLS
@@ -230,6 +233,8 @@ class GatewayMITM(RDPMITM):
         self._observe_first(self.client.tcp, onConnection=self._client_connected,
                             onDisconnection=lambda reason: self._client_gone())
         self._observe_first(self.server.tcp, onDisconnection=lambda reason: self._side_closed(TARGET))
+        self._note_unreadable(self.client.tcp, CLIENT)
+        self._note_unreadable(self.server.tcp, TARGET)
         # ahead of pyrdp's slow-path MITM, which forwards the confirm-active after its own downgrade
         self._observe_first(self.client.slowPath, onConfirmActive=offer_only_bitmaps)
         # ahead of pyrdp's MCS MITM, which forwards the client's data: the target sees its own protocol pick
@@ -253,6 +258,19 @@ class GatewayMITM(RDPMITM):
         observer = layer.createObserver(**handlers)
         observers = layer.observer.observers
         observers.insert(0, observers.pop(observers.index(observer)))
+
+    def _note_unreadable(self, tcp: Any, side: str) -> None:
+        """What pyrdp cannot parse closes that side's connection (Twisted drops it): noted, for the session's end."""
+        pyrdp_received = tcp.dataReceived
+
+        def received(data: bytes) -> None:
+            try:
+                pyrdp_received(data)
+            except Exception as exc:
+                self.unreadable.setdefault(side, type(exc).__name__)
+                raise
+
+        tcp.dataReceived = received
 
     def _reroute(self, layer: Any, event: str, handler: Any) -> Any:
         original = getattr(self.x224, event)
@@ -672,7 +690,10 @@ class GatewayMITM(RDPMITM):
             self.ended = self.ended or side
             return
         self.ended = side
-        if side == CLIENT or self.closed_by_target_logoff:
+        if side in self.unreadable:  # not the client leaving nor the target closing: the gateway refused the bytes
+            who = "the client" if side == CLIENT else f'the target of connection "{self.connection_name}"'
+            self.tasks.spawn(self._close(BLOCKED_EXIT_CODE, UNREADABLE.format(who=who, error=self.unreadable[side])))
+        elif side == CLIENT or self.closed_by_target_logoff:
             self.tasks.spawn(self._close(0, None))
         else:
             self.tasks.spawn(self._close(BLOCKED_EXIT_CODE,
