@@ -1726,13 +1726,18 @@ async def test_killing_a_script_session_stops_the_command_on_the_target(core, ta
 
 
 async def test_a_subsystem_other_than_sftp_is_refused_on_the_record(gateway, api):
-    """``ssh -s host netconf``: refused, and the session says so (it was refused unrecorded)."""
+    """``ssh -s host netconf``: refused, and the session and the audit log say so (it was refused unrecorded)."""
     role = await api.role()
     secret, session_id = await api.credential(role)
     result = ssh(gateway, secret, "-s", "netconf")
     assert result.returncode == 255 and b"subsystem" in result.stderr, result.stderr
     session = await api.done_session(session_id)
-    assert events(session) == [("e", 'subsystem "netconf" refused: the gateway relays only sftp')]
+    message = 'subsystem "netconf" refused: the gateway relays only sftp'
+    assert events(session) == [("e", message)]
+    status, logs = await api("GET", "/audit/logs?action=ssh.subsystem&outcome=failure")
+    assert status == 200 and any(e["error_message"] == message
+                                 and e["request_payload_redacted"]["session_id"] == session_id
+                                 for e in logs["data"]), logs["data"][:3]
 
 
 async def test_agent_and_x11_forwarding_are_refused(gateway, api, target, tmp_path):

@@ -665,7 +665,12 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
 
     def subsystem_requested(self, subsystem: str) -> bool:
         if subsystem != "sftp":  # refused on the record, as a refused forward is
-            self.policy.error(f'subsystem "{subsystem}" refused: the gateway relays only sftp')
+            message = f'subsystem "{subsystem[:100]}" refused: the gateway relays only sftp'
+            self.policy.error(message)
+            owner = self.owner
+            assert owner.run is not None
+            self.tasks.spawn(owner.pipeline.audit(owner.run.live, "ssh.subsystem", message, outcome="failure",
+                                                  client_ip=owner.client_ip, subsystem=subsystem[:100]))
             return False
         self.kind = "sftp"
         self.sftp = SftpObserver()
