@@ -186,8 +186,9 @@ def test_malformed_http_is_one_short_line_and_a_huge_body_is_refused_from_its_he
 
 def test_a_head_that_never_ends_is_cut_at_the_idle_timeout(tmp_path_factory):
     """A client that sends part of a request head and then nothing, or one byte at a time, holds its socket no
-    longer than ``http.idle_timeout`` (``api.idle_timeout`` on the API's and the metrics' port) (before, an hour: aiohttp's default, a few thousand such connections from
-    one unauthenticated client used up the worker's descriptors for everyone)."""
+    longer than ``http.idle_timeout`` (``api.idle_timeout`` on the API's and the metrics' port). Before, an hour:
+    aiohttp's default, and a few thousand such connections from one unauthenticated client used up the worker's
+    descriptors for everyone."""
     http_port, metrics_port = free_port(), free_port()
     daemon = Daemon(tmp_path_factory.mktemp("slow") / "data", {"listeners.http": f"127.0.0.1:{http_port}",
                                                                 "http.idle_timeout": "2s", "api.idle_timeout": "2s",

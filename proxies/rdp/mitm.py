@@ -61,8 +61,8 @@ import pyrdp.mitm.state as pyrdp_state
 from Crypto.PublicKey import RSA
 from OpenSSL import crypto
 from pyrdp.core.ssl import ServerTLSContext
-from pyrdp.enum import (CapabilityType, MCSChannelName, NegotiationFailureCode, NegotiationProtocols, NegotiationRequestFlags,
-                        NegotiationType, PlayerPDUType, SlowPathUpdateType)
+from pyrdp.enum import (CapabilityType, MCSChannelName, NegotiationFailureCode, NegotiationProtocols,
+                        NegotiationRequestFlags, NegotiationType, PlayerPDUType, SlowPathUpdateType)
 from pyrdp.logging import LOGGER_NAMES, SessionLogger
 from pyrdp.mitm import MITMConfig, RDPMITM
 from pyrdp.mitm.MITMRecorder import MITMRecorder
