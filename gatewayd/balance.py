@@ -40,6 +40,10 @@ LOADS = "load"
 RETIRED = 1 << 40  # added to the load of a worker whose listeners are closed: no sibling is heavier
 _SLOT = struct.Struct("=q")
 _NAME_LIMIT = 64
+# a connection handed for a listener this worker has not started yet (its listeners start one by one) waits this
+# long for it, at most this many at once; then it is closed
+PENDING_SECONDS = 5.0
+MAX_PENDING = 64
 
 
 def prepare(directory: Path, workers: int) -> None:
@@ -80,7 +84,10 @@ class Balancer:
         # to it counts as taken (what it had not taken went with it)
         self.handed = list(table[index * (count + 2) + 2:(index + 1) * (count + 2)])
         self.taken = sum(table[i * (count + 2) + 2 + index] for i in range(count))
-        self.retired = False  # ``retire``
+        # no listener takes handed connections yet: siblings read this worker as full until one does (``take``)
+        self.retired = True
+        # handed connections for a listener not started here yet, by listener name (``PENDING_SECONDS``)
+        self.pending: dict[str, list[tuple[socket.socket, asyncio.TimerHandle]]] = {}
         self._write()
         self.sock = self._bind()
 
@@ -100,8 +107,12 @@ class Balancer:
         self.adopters[name] = adopt
         if self.retired and not self.loads.closed:
             self.retired = False
-            self.sock = self._bind()
+            if self.sock.fileno() < 0:
+                self.sock = self._bind()
             self._write()
+        for sock, timer in self.pending.pop(name, []):
+            timer.cancel()
+            adopt(sock)
 
     def retire(self) -> None:
         """This worker's listeners are closed (its stop): its socket closes and its load reads as full, so a
@@ -123,6 +134,10 @@ class Balancer:
             return
         self.retire()
         self.adopters.clear()
+        for name in list(self.pending):
+            for sock, timer in self.pending.pop(name):
+                timer.cancel()
+                sock.close()
         self.loads.close()
 
     def _write(self) -> None:
@@ -192,16 +207,33 @@ class Balancer:
             if not fds:
                 continue
             sock = socket.socket(fileno=fds[0])
-            adopt = self.adopters.get(data.decode(errors="replace"))
-            if adopt is None or sock.type != socket.SOCK_STREAM:
-                sock.close()  # a listener this worker no longer runs: the client sees the connection end
-                log.warning("a handed connection was closed: this worker runs no such listener",
-                            extra={"listener": data.decode(errors="replace")[:64]})
-                self.taken += 1
-                self._write()
-                continue
+            name = data.decode(errors="replace")
+            adopt = self.adopters.get(name)
             self.taken += 1
-            adopt(sock)  # counted there (``accepted``), with the taking
+            if adopt is not None and sock.type == socket.SOCK_STREAM:
+                adopt(sock)  # counted there (``accepted``), with the taking
+                continue
+            self._write()
+            if sock.type == socket.SOCK_STREAM and sum(map(len, self.pending.values())) < MAX_PENDING:
+                # its listener may be starting here (they start one by one): held until it takes, or closed
+                timer = asyncio.get_running_loop().call_later(PENDING_SECONDS, self._expire, name, sock)
+                self.pending.setdefault(name, []).append((sock, timer))
+                continue
+            self._refuse(name, sock)
+
+    def _expire(self, name: str, sock: socket.socket) -> None:
+        """A handed connection whose listener did not start here in time."""
+        held = self.pending.get(name, [])
+        self.pending[name] = [(s, t) for s, t in held if s is not sock]
+        if not self.pending[name]:
+            del self.pending[name]
+        self._refuse(name, sock)
+
+    @staticmethod
+    def _refuse(name: str, sock: socket.socket) -> None:
+        sock.close()  # a listener this worker does not run: the client sees the connection end
+        log.warning("a handed connection was closed: this worker runs no such listener",
+                    extra={"listener": name[:64]})
 
 
 BALANCER: Balancer | None = None

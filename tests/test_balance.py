@@ -25,9 +25,14 @@ class Run:
         self.started: list[balance.Balancer] = []
         balance.prepare(directory, 2)
 
-    def start(self, index: int) -> balance.Balancer:
-        self.started.append(balance.Balancer(self.directory, index))
-        return self.started[-1]
+    def start(self, index: int, listening: bool = True) -> balance.Balancer:
+        """A worker's balancer; ``listening``: its listeners have started (an ``ssh`` one here), else it has none
+        yet and reads as full."""
+        balancer = balance.Balancer(self.directory, index)
+        self.started.append(balancer)
+        if listening:
+            balancer.take("ssh", socket.socket.close)
+        return balancer
 
 
 @pytest.fixture
@@ -91,12 +96,13 @@ async def test_a_sibling_gone_leaves_the_connection_where_it_was_accepted(run):
     client.close()
 
 
-async def test_a_connection_handed_for_a_listener_the_sibling_does_not_run_is_closed_there(run):
+async def test_a_connection_handed_for_a_listener_the_sibling_does_not_run_is_closed_there(run, monkeypatch):
+    monkeypatch.setattr(balance, "PENDING_SECONDS", 0.2)  # how long it waits for such a listener to start there
     first, second = run.start(0), run.start(1)
     first.accepted()
     sock, client = connected()
     assert first.hand("mysql", sock)  # the sibling has no such listener (stopped, or not configured)
-    client.settimeout(5)
+    client.settimeout(10)
     assert await asyncio.to_thread(client.recv, 100) == b""  # ended, not left hanging
     assert second.taken == 1 and first.loads_now() == [1, 0]
     client.close()
@@ -146,7 +152,7 @@ async def test_a_connection_that_ends_after_its_worker_left_changes_nothing(run)
 async def test_a_worker_whose_listeners_closed_is_handed_nothing_until_one_listens_again(run):
     """A stopping worker closes its listeners first: a sibling that accepts meanwhile serves the connection itself
     instead of handing it there to be closed; a listener opened again (its address changed live) takes again."""
-    first, second = run.start(0), run.start(1)
+    first, second = run.start(0), run.start(1, listening=False)
     served: list[socket.socket] = []
 
     async def serve(sock: socket.socket) -> None:
@@ -177,5 +183,29 @@ async def test_a_worker_whose_listeners_closed_is_handed_nothing_until_one_liste
         assert client2.recv(100) == b"from the sibling"
         server.close()
     await server.wait_closed()
+    for end in (sock, client, client2, *served):
+        end.close()
+
+
+async def test_a_starting_worker_is_handed_nothing_before_its_listeners_and_waits_for_the_one_it_is_handed_for(run):
+    """A worker joins before its listeners start, one by one: until the first takes, siblings read it as full;
+    a connection handed for a listener not started there yet waits for it (before, it was closed at once: a
+    2-worker daemon's client saw its connection end before the greeting, now and then, in the suite)."""
+    first, second = run.start(0), run.start(1, listening=False)
+    first.accepted()
+    assert first.lighter() is None  # no listener there yet
+    sock, client = connected()
+    assert not first.hand("postgres", sock)
+    second.take("ssh", socket.socket.close)  # its first listener
+    assert first.lighter() == 1
+    sock2, client2 = connected()
+    assert first.hand("mysql", sock2)  # its mysql listener is still starting
+    await asyncio.sleep(0.1)
+    served: list[socket.socket] = []
+    second.take("mysql", served.append)
+    await taken(served, 1)
+    served[0].sendall(b"from the sibling")
+    client2.settimeout(5)
+    assert client2.recv(100) == b"from the sibling"
     for end in (sock, client, client2, *served):
         end.close()
