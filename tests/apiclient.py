@@ -111,11 +111,15 @@ class Api:
                                      f"{events(body)[-5:]}")
             await asyncio.sleep(self.poll_interval)
 
-    async def done_session(self, session_id: str, timeout: float | None = None) -> dict:
-        """The session once it is ``done``, with its event stream."""
+    async def done_session(self, session_id: str, timeout: float | None = None, busy_store: bool = False) -> dict:
+        """The session once it is ``done``, with its event stream; ``busy_store``: a 503 "try again later" (a
+        store read past ``store.timeout``) is tried again."""
         deadline = time.monotonic() + (self.session_timeout if timeout is None else timeout)
         while True:
             status, body = await self("GET", f"/sessions/{session_id}?expand=event_stream")
+            if busy_store and status == 503 and time.monotonic() < deadline:
+                await asyncio.sleep(self.poll_interval)
+                continue
             assert status == 200, body
             if body["status"] == "done":
                 return body
