@@ -1204,17 +1204,23 @@ async def test_an_agent_that_cannot_reach_the_tunnel_port_carries_its_streams_ov
         balancer.close()
 
 
+async def dial_waiting(gateway: Any, api: Any, created: dict, agent: Any) -> tuple[dict, Any, Any]:
+    """psql through a connection the agent ``created`` serves, its dial waiting for the agent's answer: (the
+    connection, psql's task, the agent's order to open the stream)."""
+    await until_agent(api, created["name"], "online")
+    connection = await answered_by_test(api, created)
+    psql = psql_through(gateway, api, connection)
+    async with asyncio.timeout(30):
+        return connection, psql, await agent.opens.get()
+
+
 async def test_the_tunnel_listener_refuses_what_it_did_not_ask_for_and_audits_it(gateway, api, pg_target):
     """While a dial waits for the agent's answer: a first record naming a stream id the gateway never gave, and one
     holding another agent's token with the right stream id, are each refused (an error frame, the connection
     closed, an ``agent.stream_refused`` entry naming who); the dial still takes the agent's own answer after."""
     created, other = await new_agent(api), await new_agent(api)
     async with TunnelAgent(created) as agent:
-        await until_agent(api, created["name"], "online")
-        connection = await answered_by_test(api, created)
-        psql = psql_through(gateway, api, connection)
-        async with asyncio.timeout(30):
-            opened = await agent.opens.get()
+        connection, psql, opened = await dial_waiting(gateway, api, created, agent)
         assert opened.tunnel_port == gateway.tunnel_port and opened.host == "10.9.8.7"
 
         made_up = await tunnel(gateway, created)
@@ -1245,11 +1251,7 @@ async def test_an_agent_s_answer_to_a_dial_is_said_to_the_client_logged_and_reco
     whole into each, a recording growing by megabytes a dial)."""
     created = await new_agent(api)
     async with TunnelAgent(created) as agent:
-        await until_agent(api, created["name"], "online")
-        connection = await answered_by_test(api, created)
-        psql = psql_through(gateway, api, connection)
-        async with asyncio.timeout(30):
-            opened = await agent.opens.get()
+        connection, psql, opened = await dial_waiting(gateway, api, created, agent)
         call = pb_grpc.AgentGatewayStub(agent.channel).Tunnel(metadata=(("authorization", f"Bearer {agent.token}"),))
         await call.write(pb.Frame(stream_id=opened.stream_id, error="no route to host " + "x" * 3_000_000))
         result = await psql

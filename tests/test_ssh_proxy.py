@@ -225,6 +225,13 @@ class Terminal:
         if hasattr(self, "process"):
             self.process.send_signal(signal.SIGWINCH)
 
+    def at_prompt(self) -> None:
+        """Wait for bash's prompt (``gw> ``): readline reads the keys from then on, not the terminal's canonical
+        mode."""
+        self.type("PS1='gw> '; echo ready-$((1+1))\r")
+        self.expect("ready-2")
+        self.expect("gw> ")
+
     def type(self, text: str) -> None:
         os.write(self.master, text.encode())
 
@@ -381,9 +388,7 @@ async def test_rules_attached_while_a_shell_is_open_apply_to_its_next_line_and_o
     secret, session_id = await api.credential(role)
     marker = f"/tmp/gatewayd-never-{uuid.uuid4().hex[:8]}"
     term = Terminal(ssh_args(gateway, secret, "-tt"))
-    term.type("PS1='gw> '; echo ready-$((1+1))\r")
-    term.expect("ready-2")
-    term.expect("gw> ")  # readline reads the keys from here on, not the terminal's canonical mode
+    term.at_prompt()
     await api.guardrail(role, input_rules=[{"type": "deny_words_list", "words": ["touch"]}],
                         output_rules=[{"type": "mask", "patterns": ["card_number"]}])
     term.type(f"touch {marker}\r")
@@ -398,18 +403,22 @@ async def test_rules_attached_while_a_shell_is_open_apply_to_its_next_line_and_o
     assert "4111111111111111" not in json.dumps(events(session))
 
 
+async def touch_refused_shell(gateway: Daemon, api: Any) -> tuple[dict, str, str, Terminal]:
+    """A connection whose rules refuse ``touch``, a shell through it at its prompt: (role, session id, a path
+    ``touch`` must never make, the terminal)."""
+    role = await api.role()
+    await api.guardrail(role, input_rules=[{"type": "deny_words_list", "words": ["touch"]}])
+    secret, session_id = await api.credential(role)
+    term = Terminal(ssh_args(gateway, secret, "-tt"))
+    term.at_prompt()
+    return role, session_id, f"/tmp/gatewayd-never-{uuid.uuid4().hex[:8]}", term
+
+
 async def test_a_guarded_line_edited_at_a_moved_cursor_or_continued_is_read_as_bash_runs_it(gateway, api, target):
     """``ouch x``, Home, ``t``; a ``^V``-quoted ``^U``; ``tou\\`` then ``ch x``: bash runs ``touch``, the rules read
     it (they read ``ouch xt``, an empty line and ``ch x``, and the lines ran); a refused line leaves nothing behind
     on the target's line, so the next command runs as typed."""
-    role = await api.role()
-    await api.guardrail(role, input_rules=[{"type": "deny_words_list", "words": ["touch"]}])
-    secret, session_id = await api.credential(role)
-    marker = f"/tmp/gatewayd-never-{uuid.uuid4().hex[:8]}"
-    term = Terminal(ssh_args(gateway, secret, "-tt"))
-    term.type("PS1='gw> '; echo ready-$((1+1))\r")
-    term.expect("ready-2")
-    term.expect("gw> ")  # readline reads the keys from here on, not the terminal's canonical mode
+    role, session_id, marker, term = await touch_refused_shell(gateway, api)
     for number, keys in enumerate((f"ouch {marker}\x1b[Ht\r", f"touch {marker}; \x16\x15\r", f"tou\\\rch {marker}\r")):
         for key in keys:  # one key per packet, as typed
             term.type(key)
@@ -434,14 +443,7 @@ async def test_a_refused_line_of_a_bracketed_paste_never_runs(gateway, api, targ
     """bash asks the terminal to bracket what is pasted; inside, ^U is text: the refused line stayed in the buffer
     (with ^U at its end) and ran with the paste at the next Enter. Now the paste is ended, the buffer erased and the
     paste begun again: what was pasted before the refused line never runs, what comes after runs at the Enter."""
-    role = await api.role()
-    await api.guardrail(role, input_rules=[{"type": "deny_words_list", "words": ["touch"]}])
-    secret, session_id = await api.credential(role)
-    marker = f"/tmp/gatewayd-never-{uuid.uuid4().hex[:8]}"
-    term = Terminal(ssh_args(gateway, secret, "-tt"))
-    term.type("PS1='gw> '; echo ready-$((1+1))\r")
-    term.expect("ready-2")
-    term.expect("gw> ")  # readline reads the keys from here on, not the terminal's canonical mode
+    role, session_id, marker, term = await touch_refused_shell(gateway, api)
     term.type(f"\x1b[200~echo before-$((1+1))\rtouch {marker}\recho after-$((2+3))\r\x1b[201~")
     term.expect("words=[touch]")
     term.type("\r")
@@ -496,9 +498,7 @@ async def test_an_exec_reads_its_input_as_a_shell_does_under_input_rules(gateway
     # with a pty: the Enter of a blocked line is held, the line erased on the target
     secret, session_id = await api.credential(role)
     term = Terminal(ssh_args(gateway, secret, "-tt", "bash --norc"))
-    term.type("PS1='gw> '; echo ready-$((1+1))\r")
-    term.expect("ready-2")
-    term.expect("gw> ")  # readline reads the keys from here on, not the terminal's canonical mode
+    term.at_prompt()
     term.type(f"touch {marker}\r")
     term.expect(message)
     term.type("exit 3\r")
