@@ -810,6 +810,23 @@ async def test_binary_websocket_messages_are_read_as_text_or_refused(api, gatewa
     assert len(blocks) == 2
 
 
+async def test_a_binary_websocket_message_of_the_target_that_is_not_text_is_withheld_under_a_mask(api, gateway,
+                                                                                                 client):
+    """The target's binary message that is not UTF-8 cannot be read by a mask rule: withheld, the websocket closed
+    with 1008 and an ``e`` event (before, it passed unread: a card number followed by one byte that is not UTF-8
+    reached the client, and the recording, in clear)."""
+    connection = await api.role()
+    secret, session_id = await api.credential(connection)
+    await api.guardrail(connection, output_rules=[{"type": "mask", "patterns": ["card_number"]}])
+    card = b"4111 1111 1111 1111"
+    async with client.ws_connect(f"{gateway.http_url}/ws", headers={"Authorization": secret}) as ws:
+        await ws.send_bytes((card + b" \xff")[::-1])  # the target sends it back reversed: the card, then \xff
+        message = await ws.receive(timeout=10)
+        assert message.type == aiohttp.WSMsgType.CLOSE and message.data == 1008, message
+    await api.session(session_id, has_event("e", "not UTF-8 text"))
+    assert not [t for _, t in events(await api.session(session_id)) if "4111 1111" in t]
+
+
 async def test_a_websocket_message_over_the_limit_closes_it_with_1009(api, gateway, client):
     """A message is read whole, inflated when compressed: one over ``http.websocket_message_bytes`` (16 MiB by
     default) closes the websocket with 1009 and an ``e`` event (before, there was no bound: 64 KiB on the wire,

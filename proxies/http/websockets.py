@@ -13,7 +13,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from gatewayd.dialer import DialerConnector, UnresolvedNames
-from proxies.http.answers import blocked, json_error, not_connected, unreachable, unreadable
+from proxies.http.answers import blocked, json_error, not_connected, unreachable, unreadable, withheld_verdict
 from proxies.http.bodies import STREAM_OVERLAP, mask_message
 from proxies.http.messages import guard_readings, head_bytes, upstream_request_headers, without_secrets
 from proxies.http.upstream import CLIENT_ERRORS
@@ -122,11 +122,15 @@ async def _relay(request: web.BaseRequest, policy: SessionPolicy, current: Calla
                         text = data.decode() if read else None
                     except UnicodeDecodeError:
                         text = None
-                    if text is None:  # no rule reads it, or it is not text: recorded as bytes
+                    if text is None and not read:  # no rule reads it: recorded as bytes
                         record(data)
-                        if read and inbound:  # what the input rules cannot read is not forwarded unread
-                            verdict = unreadable("a binary websocket message that is not UTF-8 text")
-                        # (the target's: passes unread, as a body of a binary type does)
+                    elif text is None and inbound:  # what the input rules cannot read is not forwarded unread
+                        record(data)
+                        verdict = unreadable("a binary websocket message that is not UTF-8 text")
+                    elif text is None:  # nor what the target sends that a mask or output rule cannot read
+                        record(f"[a binary message of {len(data)} bytes withheld]\n")
+                        verdict = withheld_verdict(now, "a binary websocket message from the target that is not "
+                                                        "UTF-8 text: the rules cannot read it")
                 elif message.type in (WSMsgType.ERROR, WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
                     if getattr(message.data, "code", None) == WSCloseCode.MESSAGE_TOO_BIG:  # closed by aiohttp
                         now.error(f"a websocket message from the {'client' if inbound else 'target'} over "
