@@ -16,6 +16,7 @@ from gatewayd.masking import MAX_HELD_LINE, LineHold, Masker, iban_valid, luhn_v
 from gatewayd.models import GuardRail
 from gatewayd.policy import SessionPolicy
 from proxies.postgres import codec as pg
+from proxies.postgres.computed import BuiltIns
 from proxies.postgres.relay import FORWARD, PREFIXED, ClientSide, ServerSide
 
 KEY = b"k" * 32
@@ -176,11 +177,17 @@ def test_a_deny_rule_still_cuts_beside_a_mask_rule() -> None:
 # -- the PostgreSQL relay, per cell
 
 
+# what the catalog said a statement may call, for relays fed by hand: nothing (their statements call nothing)
+NO_CALLS = BuiltIns(frozenset(), frozenset(), frozenset())
+
+
 def relay(*rules: dict) -> tuple[ClientSide, ServerSide, Recorder]:
     policy, recorder = policy_for(*rules)
     pending: deque = deque()
     columns: dict = {}
-    return ClientSide(policy, pending, columns), ServerSide(policy, pending, columns), recorder
+    client = ClientSide(policy, pending, columns)
+    client.mentions.learn(NO_CALLS)
+    return client, ServerSide(policy, pending, columns), recorder
 
 
 def answer(server: ServerSide, *frames: bytes) -> list[pg.Message]:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from proxies.postgres import codec as pg
 from proxies.postgres import values
 from proxies.postgres.relay import UNTIL_READY, ClientSide, Pending, ServerSide
-from tests.test_masking import answer, field, masker, policy_for, rows_of
+from tests.test_masking import answer, field, masker, policy_for, relay, rows_of
 
 EMAIL = b"jane.doe@example.com"
 CARD = 4111111111111111
@@ -293,11 +293,7 @@ def test_a_value_longer_than_the_limit_is_withheld_before_it_is_read() -> None:
     assert "jane" not in repr(recorder.events)
 
 
-def _sides(*rules: dict) -> tuple[ClientSide, ServerSide, object]:
-    policy, recorder = policy_for(*rules)
-    pending: deque = deque()
-    columns: dict = {}
-    return ClientSide(policy, pending, columns), ServerSide(policy, pending, columns), recorder
+_sides = relay
 
 
 def send(client: ClientSide, *frames: bytes) -> None:

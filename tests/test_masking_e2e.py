@@ -601,6 +601,44 @@ async def test_a_value_computed_by_a_statement_naming_a_masked_column_is_masked_
     await assert_nowhere_in_clear(api, session_id, done.stdout, done.stderr)
 
 
+async def test_what_the_database_defined_that_may_read_a_masked_column_is_masked(api, gateway, cluster, table):
+    """A stored function's result, a procedure's, an operator's or a cast's of the database's own, a view's or a
+    materialized view's column that follows ``ssn`` under another name or computes from it, a whole row by its bare
+    name: each passed ``ssn`` in clear, as none names it. Each is masked whole now; a view's plain column of
+    another, and what the built-ins compute, pass."""
+    suffix = uuid.uuid4().hex[:6]
+    fn, view, matview, op_fn = f"get_{suffix}", f"v_{suffix}", f"mv_{suffix}", f"op_{suffix}"
+    direct = await asyncpg.connect(cluster.dsn())
+    await direct.execute(f"""
+        create function {fn}(i int) returns text language sql as $$ select ssn from {table} where id = i $$;
+        create function {op_fn}(i int) returns text language sql as $$ select ssn from {table} where id = i $$;
+        create operator #@# (rightarg = int, function = {op_fn});
+        create view {view} as select p.id, p.note, p.ssn as tax_id, p.ssn || '' as copy from {table} p;
+        create materialized view {matview} as select id, ssn as kept from {table};
+        create procedure proc_{suffix}(inout v text) language sql as $$ select ssn from {table} where id = 1 $$;""")
+    await direct.close()
+    role, secret, session_id = await masked_role(api, BY_COLUMN)
+    done = psql(gateway, secret, "-c", f"select {fn}(1)", "-c", f"select upper({fn}(1)) as u",
+                "-c", f"select #@# 1 as o",
+                "-c", f"select id, tax_id, copy from {view} where id = 1",
+                "-c", f"select kept from {matview} where id = 1",
+                "-c", f"select row_to_json(p) from {table} p where id = 1",
+                "-c", f"call proc_{suffix}(null)",
+                "-c", f"select id, length(note) from {view} where id = 1")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["****", "****", "****", "1|*******1120|****", "*******1120", '"****"',
+                                        "****", f"1|{len(f'paid with {CARD}')}"], done.stdout
+    secret, _ = await api.credential(role)
+    connection = await asyncpg.connect(host="127.0.0.1", port=gateway.pg_port, user=secret, password="any",
+                                       database="postgres", ssl=False, timeout=15)
+    try:
+        row = await connection.fetchrow(f"select tax_id, {fn}(id) as f from {view} where id = 1")
+    finally:
+        await connection.close()
+    assert tuple(row) == ("*******1120", "****")  # binary, and extended
+    await assert_nowhere_in_clear(api, session_id, done.stdout, done.stderr)
+
+
 class RawSession:
     """A frontend speaking the wire protocol itself, for message orders no driver sends."""
 

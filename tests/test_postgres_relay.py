@@ -28,6 +28,7 @@ from proxies.postgres.relay import (
 )
 from proxies.postgres.rendering import render_bind
 from proxies.postgres.values import render_binary
+from tests.test_masking import NO_CALLS
 
 
 class FakeRecorder:
@@ -60,7 +61,9 @@ def sides(ruleset: RuleSet, recorder: FakeRecorder | None = None) -> tuple[Clien
     pending: deque = deque()
     columns: dict = {}
     policy = SessionPolicy(SimpleNamespace(recorder=recorder, client_ip=""), ruleset)  # type: ignore[arg-type]
-    return ClientSide(policy, pending, columns), ServerSide(policy, pending, columns), recorder
+    client = ClientSide(policy, pending, columns)
+    client.mentions.learn(NO_CALLS)
+    return client, ServerSide(policy, pending, columns), recorder
 
 
 def frontend(*frames: bytes) -> list[pg.Message]:

@@ -6,7 +6,8 @@ PostgreSQL follows through aliases, subqueries and CTEs. One query on a connecti
 when a session under mask rules starts, maps those (table OID, column number) pairs to the names
 the rules know; the relay then masks a column by its source as well as by its name. What a query
 computes (``lower(email)``) has no source column: it is masked whole when its statement names a masked column
-(computed.py); a view's column has the view as its source: pattern rules cover it (docs/masking.md, PostgreSQL).
+or runs what the database defined (computed.py: ``BUILTINS_QUERY`` says what is built in); a view's column has the
+view as its source: ``VIEWS_QUERY`` reads the views over a masked column, for computed.view_sources.
 
 A column keeps its (table OID, column number) when it is renamed: the pairs found are remembered
 per connection and database (``SessionPipeline.remember``), and the next sessions look them up
@@ -22,10 +23,13 @@ names no column and has no source, yet holds ``ssn``.
 
 from __future__ import annotations
 
+import asyncio
+import json
 from dataclasses import dataclass, field
 from typing import Iterable
 
 from gatewayd.dialer import Dialer
+from proxies.postgres.computed import BuiltIns, View, view_sources
 from proxies.postgres.codec import CommandComplete, DataRow, ErrorResponse, ReadyForQuery, decode_backend, encode_query
 from proxies.postgres.upstream import TargetSettings, UpstreamError, connect_target, terminate
 from proxies.postgres.values import TypeShapes
@@ -64,6 +68,43 @@ HOLDERS_QUERY = (
     "SELECT holder::int8, relid::int8, attnum::int8 FROM held")
 _MULTIRANGE_EDGE_14 = "UNION ALL SELECT r.rngmultitypid, r.rngtypid FROM pg_catalog.pg_range r "
 
+# under rules by column name, what a statement may call and compute nothing from a column (computed.BuiltIns): the
+# functions and operators of the catalog or of an extension (an administrator's) that no one defined again under
+# the same name, and the types a cast to runs a function someone defined
+BUILTINS_QUERY = (
+    "WITH installed AS (SELECT classid, objid FROM pg_catalog.pg_depend WHERE deptype = 'e') "
+    "SELECT 'f'::text, p.proname::text FROM pg_catalog.pg_proc p LEFT JOIN installed e "
+    "ON e.classid = 'pg_catalog.pg_proc'::regclass AND e.objid = p.oid GROUP BY p.proname "
+    "HAVING bool_and(p.pronamespace IN ('pg_catalog'::regnamespace, 'information_schema'::regnamespace) "
+    "OR e.objid IS NOT NULL) "
+    "UNION ALL SELECT 'o', o.oprname::text FROM pg_catalog.pg_operator o LEFT JOIN installed e "
+    "ON e.classid = 'pg_catalog.pg_operator'::regclass AND e.objid = o.oid GROUP BY o.oprname "
+    "HAVING bool_and(o.oprnamespace = 'pg_catalog'::regnamespace OR e.objid IS NOT NULL) "
+    "UNION ALL SELECT 'c', t.typname::text FROM pg_catalog.pg_cast c "
+    "JOIN pg_catalog.pg_proc p ON p.oid = c.castfunc JOIN pg_catalog.pg_type t ON t.oid = c.casttarget "
+    "LEFT JOIN installed e ON e.classid = 'pg_catalog.pg_cast'::regclass AND e.objid = c.oid "
+    "WHERE p.pronamespace <> 'pg_catalog'::regnamespace AND e.objid IS NULL")
+
+# the views and materialized views that read, to any depth, a relation with a column the rules name (``{where}``):
+# each with its definition and the relations it reads (OID -> [OID, schema, name, {column: number}]), for
+# computed.view_sources
+VIEWS_QUERY = (
+    "WITH RECURSIVE marked(relid) AS ("
+    "SELECT attrelid FROM pg_catalog.pg_attribute WHERE attnum > 0 AND NOT attisdropped AND {where} "
+    "UNION SELECT r.ev_class FROM marked m JOIN pg_catalog.pg_depend d ON d.refobjid = m.relid "
+    "AND d.refclassid = 'pg_catalog.pg_class'::regclass AND d.classid = 'pg_catalog.pg_rewrite'::regclass "
+    "JOIN pg_catalog.pg_rewrite r ON r.oid = d.objid) "
+    "SELECT v.oid::int8, pg_catalog.pg_get_viewdef(v.oid), (SELECT pg_catalog.json_object_agg(c.oid::text, "
+    "pg_catalog.json_build_array(c.oid::int8, n.nspname::text, c.relname::text, coalesce((SELECT "
+    "pg_catalog.json_object_agg(a.attname::text, a.attnum::int8) FROM pg_catalog.pg_attribute a "
+    "WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped), '{{}}'::json))) "
+    "FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace "
+    "WHERE c.oid = v.oid OR c.oid IN (SELECT d.refobjid FROM pg_catalog.pg_rewrite r "
+    "JOIN pg_catalog.pg_depend d ON d.objid = r.oid AND d.classid = 'pg_catalog.pg_rewrite'::regclass "
+    "AND d.refclassid = 'pg_catalog.pg_class'::regclass WHERE r.ev_class = v.oid)) "
+    "FROM (SELECT DISTINCT relid FROM marked) m JOIN pg_catalog.pg_class v ON v.oid = m.relid "
+    "AND v.relkind IN ('v', 'm')")
+
 
 @dataclass(slots=True)
 class Catalog:
@@ -72,6 +113,9 @@ class Catalog:
     sources: Sources = field(default_factory=dict)
     shapes: TypeShapes | None = None  # None: not asked
     holders: Holders = field(default_factory=dict)  # the types whose values hold a column of ``sources``
+    views: Sources = field(default_factory=dict)  # views' columns that may carry one of ``sources`` (not remembered)
+    computed: frozenset[tuple[int, int]] = frozenset()  # those of ``views`` a view computes: masked whole
+    builtins: BuiltIns | None = None  # what a statement may call, under rules by column name (None: not asked)
 
 
 def _literal(text: str) -> str:
@@ -102,7 +146,7 @@ def holders_query(names: Iterable[str], remembered: Iterable[Column], major: int
                                 where=_where(names, remembered))
 
 
-_SOURCES, _HOLDERS, _TYPES = range(3)  # what a statement of the catalog query reads
+_SOURCES, _HOLDERS, _TYPES, _BUILTINS, _VIEWS = range(5)  # what a statement of the catalog query reads
 
 
 def _major_version(startup_frames: list[bytes]) -> int:
@@ -132,8 +176,9 @@ async def read_catalog(settings: TargetSettings, name: str, dialer: Dialer, name
     kinds: list[int] = []  # what each statement's rows are
     if names:
         columns = [(r, a, c) for (r, a), c in known.items()]
-        queries += [sources_query(names, columns), holders_query(names, columns, major)]
-        kinds += [_SOURCES, _HOLDERS]
+        queries += [sources_query(names, columns), holders_query(names, columns, major), BUILTINS_QUERY,
+                    VIEWS_QUERY.format(where=_where(names, columns))]
+        kinds += [_SOURCES, _HOLDERS, _BUILTINS, _VIEWS]
     if types:
         queries.append(TYPES_QUERY.format(multirange=_MULTIRANGE_14 if major >= 14 else "0::int8"))
         kinds.append(_TYPES)
@@ -142,6 +187,8 @@ async def read_catalog(settings: TargetSettings, name: str, dialer: Dialer, name
         return found
     type_rows: list[tuple[int, str, int, int, int, str | None]] = []
     holders: dict[int, list[tuple[int, int]]] = {}
+    builtins: dict[bytes, set[str]] = {b"f": set(), b"o": set(), b"c": set()}
+    views: list[View] = []
     try:
         link.stream.write(encode_query("; ".join(queries)))
         error: str | None = None
@@ -163,6 +210,11 @@ async def read_catalog(settings: TargetSettings, name: str, dialer: Dialer, name
                     if None not in values:
                         holder, relid, attnum = values
                         holders.setdefault(int(holder), []).append((int(relid), int(attnum)))  # type: ignore[arg-type]
+                elif kind == _BUILTINS and None not in values:
+                    builtins[values[0]].add(values[1].decode())  # type: ignore[index, union-attr]
+                elif kind == _VIEWS and None not in values:
+                    view, definition, relations = values
+                    views.append((int(view), definition.decode(), json.loads(relations)))  # type: ignore[arg-type, union-attr]
                 elif kind == _TYPES and None not in values[:5]:
                     oid, typtype, base, subtype, range_type, send = values
                     type_rows.append((int(oid), typtype.decode(), int(base), int(subtype),  # type: ignore[union-attr]
@@ -178,6 +230,12 @@ async def read_catalog(settings: TargetSettings, name: str, dialer: Dialer, name
         if types:
             found.shapes = TypeShapes.from_catalog(type_rows)
         found.holders = {holder: tuple(pairs) for holder, pairs in holders.items()}
+        if names:
+            found.builtins = BuiltIns(frozenset(builtins[b"f"]), frozenset(builtins[b"o"]), frozenset(builtins[b"c"]))
+            if views:  # each definition parsed: off the loop
+                found.views, computed = await asyncio.to_thread(view_sources, views, found.sources, names,
+                                                                found.builtins)
+                found.computed = frozenset(computed)
         return found
     finally:
         terminate(link)

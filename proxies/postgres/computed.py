@@ -11,7 +11,11 @@ driver's type query, which names ``name`` and ``kind``). Text too long to scan o
 A statement's results may also come from SQL the gateway read earlier: ``EXECUTE`` of an SQL ``PREPARE``, and
 ``FETCH`` of a ``DECLARE``'s cursor. Each name is remembered with what its statement named; a name the gateway
 never saw defined (a cursor a function opened, a statement prepared in dynamic SQL) counts as naming one.
-A stored function's result names nothing: pair a rule by name with patterns.
+A function, an operator or a cast the database defined runs what SQL it likes (``get_ssn(1)`` names nothing), and so
+does a built-in that runs SQL or reads a table it is given by name (``query_to_xml``): a statement that calls one
+counts as naming a masked column, as does a table's whole row by its bare name (``row_to_json(p)``, ``p::text``).
+What is built in is what the target's catalog says (``BuiltIns``, read with the columns: catalog.py); a name it
+did not say (a function made since) is the database's.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 from pglast import parser as pg_scanner
@@ -55,6 +60,32 @@ CATALOG = frozenset((
     "pg_ts_config_map", "pg_ts_dict", "pg_ts_parser", "pg_ts_template", "pg_type", "pg_user", "pg_user_mapping",
     "pg_user_mappings", "pg_views",
 ))
+# the functions of PostgreSQL and of its contributed extensions that run SQL they are given (``dblink``'s,
+# ``crosstab``), or read a table or a cursor they are given by name
+DATA_FUNCTIONS = frozenset((
+    "connectby", "crosstab", "crosstab2", "crosstab3", "crosstab4", "cursor_to_xml", "cursor_to_xmlschema",
+    "database_to_xml", "database_to_xml_and_xmlschema", "database_to_xmlschema", "dblink", "dblink_exec",
+    "dblink_get_result", "dblink_open", "dblink_fetch", "dblink_send_query", "query_to_xml",
+    "query_to_xml_and_xmlschema", "query_to_xmlschema", "schema_to_xml", "schema_to_xml_and_xmlschema",
+    "schema_to_xmlschema", "table_to_xml", "table_to_xml_and_xmlschema", "table_to_xmlschema", "ts_rewrite",
+    "ts_stat", "xpath_table",
+))
+# ``a BETWEEN b AND c`` names no operator: it runs ``>=`` and ``<=``
+_BETWEEN = frozenset(("AEXPR_BETWEEN", "AEXPR_NOT_BETWEEN", "AEXPR_BETWEEN_SYM", "AEXPR_NOT_BETWEEN_SYM"))
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltIns:
+    """What a statement may call and compute nothing from a table's column, as the target's catalog says: the
+    functions and operators of ``pg_catalog`` and of the extensions an administrator installed (``hstore``'s
+    ``=``) that no one defined again under the same name, and the types a cast to runs a function someone
+    defined (``CREATE CAST ... WITH FUNCTION``)."""
+
+    functions: frozenset[str]  # as the catalog names them (DATA_FUNCTIONS are read as the database's)
+    operators: frozenset[str]
+    cast_types: frozenset[str]  # a cast to one of these runs the database's function
+
+
 # statements that start so (``FETCH FIRST n ROWS`` inside a query is no cursor's)
 _DEFINES = re.compile(r"(?:^|;)\s*(prepare|declare)\s+([\w$]+)")
 _EXECUTE = re.compile(r"(?:^|;)\s*execute\s+([\w$]+)")
@@ -116,6 +147,71 @@ def _walk(node: Any, relations: list[tuple[str | None, str]], ctes: set[str]) ->
     return True
 
 
+def _runs_other(text: str, builtins: BuiltIns | None) -> bool:
+    """Whether ``text`` calls a function or an operator ``builtins`` does not hold, casts to one of its
+    ``cast_types``, or names a table's whole row by its bare name; so too when either is not known: text that does
+    not parse or over ``MAX_SCAN_CHARS`` (not parsed on the loop), or ``builtins`` not read."""
+    if builtins is None or len(text) > MAX_SCAN_CHARS:
+        return True
+    return (_runs_other_cached(text, builtins) if len(text) <= SCAN_CACHE_CHARS
+            else _reads_other(text, builtins))
+
+
+def _reads_other(text: str, builtins: BuiltIns) -> bool:
+    try:
+        tree = json.loads(pg_scanner.parse_sql_json(text))
+    except (pg_scanner.ParseError, UnicodeError, ValueError):
+        return True
+    tables: set[str] = set()  # the names and aliases of the relations read
+    bare: set[str] = set()  # the one-word column references (``p`` in ``row_to_json(p)``)
+    stack: list[Any] = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        for key, value in node.items():
+            if key == "CallStmt" or key == "FuncCall" and not _built_in(value.get("funcname"), builtins.functions):
+                return True  # (a procedure's OUT values come back as a row)
+            if key == "A_Expr":
+                if value.get("kind") in _BETWEEN:
+                    if not {">=", "<="} <= builtins.operators:
+                        return True
+                elif not _built_in(value.get("name"), builtins.operators):
+                    return True
+            elif key == "TypeCast":
+                names = _names(value.get("typeName", {}).get("names"))
+                if names and names[-1] in builtins.cast_types:
+                    return True
+            elif key == "RangeVar":
+                tables.add(value.get("alias", {}).get("aliasname") or value.get("relname", ""))
+            elif key == "ColumnRef":
+                fields = _names(value.get("fields"))
+                if len(fields) == 1:
+                    bare.add(fields[0])
+            if isinstance(value, (dict, list)):
+                stack.append(value)
+    return not bare.isdisjoint(tables)
+
+
+_runs_other_cached = functools.lru_cache(maxsize=256)(_reads_other)
+
+
+def _names(items: Any) -> list[str]:
+    """The words of a parse tree's name list (``[{"String": {"sval": ...}}, ...]``); a star is none."""
+    return [item["String"]["sval"] for item in items or () if isinstance(item, dict) and "String" in item]
+
+
+def _built_in(items: Any, known: frozenset[str]) -> bool:
+    """Whether a function's or an operator's name (after its schema, if any) is in ``known`` (each function of
+    that name being the catalog's or an extension's, a schema names one of them) and runs no SQL it is given.
+    Names as the parser gives them: unquoted ones in lower case, as the catalog holds them."""
+    names = _names(items)
+    return bool(names) and names[-1] in known and names[-1] not in DATA_FUNCTIONS
+
+
 def _tokens(text: str) -> list[pg_scanner.Token] | None:
     """``text``'s tokens as PostgreSQL's scanner reads them, comments left out; None when it cannot scan them
     (what reads them then answers as for a statement that names a masked column)."""
@@ -171,13 +267,139 @@ def _custom_setting(text: str) -> bool:
     return False
 
 
+def _computes(text: str, normal: str, names: frozenset[str], builtins: BuiltIns | None) -> bool:
+    """Whether what ``text`` (``normal``: as normalized, in lower case) computes may carry a column of ``names``."""
+    return (bool(names) and _naming(names).search(normal) is not None and not _catalog_only(text)
+            or "*" in text and _inner_star(text)
+            or _SETTINGS.search(normal) is not None and _custom_setting(text)
+            or _runs_other(text, builtins))
+
+
+View = tuple[int, str, dict[str, tuple[int, str, str, dict[str, int]]]]
+"""A view (or materialized view) as the catalog gives it: its OID, its definition (``pg_get_viewdef``), and the
+relations it reads: their OID, schema, name and columns (name -> number), by OID (as text)."""
+
+
+def view_sources(views: list[View], sources: dict[tuple[int, int], str], names: Iterable[str],
+                 builtins: BuiltIns | None) -> tuple[dict[tuple[int, int], str], set[tuple[int, int]]]:
+    """The columns of ``views`` whose values may carry a column of ``sources`` (a view's column has the view as
+    its source: ``create view v as select ssn as tax_id from people`` gave ``tax_id`` in clear), each with the name
+    of a rule that masks it. A column that is a plain reference to a column of a relation the view reads follows
+    it; any other -- computed, or of a view of a UNION, a subquery, a CTE, VALUES -- is masked whole when the
+    definition names a masked column, a star in an expression, a custom setting, or a function, operator or cast
+    the database defined (as a statement's computed columns are): those are returned apart, masked whole as
+    computed values are (never ``last4``: ``left(ssn, 7)`` ends with what ``last4`` hides). Views of views are
+    followed, inner first."""
+    watched = frozenset(n.lower() for n in names)
+    found: dict[tuple[int, int], str] = {}
+    computed: set[tuple[int, int]] = set()
+    pending = {view[0]: view for view in views}
+    while pending:
+        ready = [view for view in pending.values() if not any(
+            int(oid) in pending and int(oid) != view[0] for oid in view[2])] or list(pending.values())
+        for oid, definition, relations in ready:
+            del pending[oid]
+            columns = _view_columns(oid, definition, relations, {**sources, **found}, computed, watched, builtins)
+            found.update((identity, name) for identity, (name, _) in columns.items())
+            computed.update(identity for identity, (_, whole) in columns.items() if whole)
+    return found, computed
+
+
+def _view_columns(oid: int, definition: str, relations: dict[str, tuple[int, str, str, dict[str, int]]],
+                  sources: dict[tuple[int, int], str], computed: set[tuple[int, int]], watched: frozenset[str],
+                  builtins: BuiltIns | None) -> dict[tuple[int, int], tuple[str, bool]]:
+    """The columns of view ``oid`` that may carry a masked column: the rule's name, and whether it is computed."""
+    own = relations.get(str(oid))
+    if own is None:
+        return {}
+    masked: dict[str, str] = {}  # the masked columns of the relations read, by their names now -> the rule's name
+    for relid, _, _, columns in relations.values():
+        for column, number in columns.items():
+            name = sources.get((relid, number))
+            if name is not None and relid != oid:
+                masked.setdefault(column.lower(), name)
+    style_name = next(iter(sorted(masked.values())), next(iter(sorted(watched)), ""))
+    computes = _computes(definition, normalize_sql(definition).lower(), watched | frozenset(masked), builtins)
+    plain = _plain_targets(definition) if len(definition) <= MAX_SCAN_CHARS else None
+    out: dict[tuple[int, int], tuple[str, bool]] = {}
+    for column, number in own[3].items():
+        reference = plain[0][number - 1] if plain is not None and number <= len(plain[0]) else None
+        if reference is not None and plain is not None:
+            relation = _relation(reference, plain[1], relations, oid)
+            if relation is not None and reference[-1] in relation[3]:  # not a whole row (``p``)
+                name = sources.get((relation[0], relation[3][reference[-1]]))
+                if name is not None:
+                    out[(oid, number)] = (name, (relation[0], relation[3][reference[-1]]) in computed)
+                continue
+        if computes:
+            out[(oid, number)] = (style_name, True)
+    return out
+
+
+Aliases = dict[str, tuple[str | None, str]]  # a name in FROM (an alias, or the relation's) -> (schema, relation)
+
+
+def _plain_targets(definition: str) -> tuple[list[tuple[str, ...] | None], Aliases] | None:
+    """The select list of a view over tables and joins alone, each item a column reference's words (None where it
+    is something else), and its FROM's names; None when the view is a UNION, has a CTE, a subquery or a function
+    in FROM, or VALUES."""
+    try:
+        tree = json.loads(pg_scanner.parse_sql_json(definition))
+        select = tree["stmts"][0]["stmt"]["SelectStmt"]
+    except (pg_scanner.ParseError, UnicodeError, ValueError, KeyError, IndexError, TypeError):
+        return None
+    if select.get("op", "SETOP_NONE") != "SETOP_NONE" or "withClause" in select or "valuesLists" in select:
+        return None
+    aliases: Aliases = {}
+    froms = list(select.get("fromClause", ()))
+    while froms:
+        item = froms.pop()
+        if "JoinExpr" in item:
+            froms += [item["JoinExpr"]["larg"], item["JoinExpr"]["rarg"]]
+        elif "RangeVar" in item:
+            table = item["RangeVar"]
+            aliases[table.get("alias", {}).get("aliasname") or table.get("relname", "")] = (
+                table.get("schemaname"), table.get("relname", ""))
+        else:
+            return None
+    targets: list[tuple[str, ...] | None] = []
+    for target in select.get("targetList", ()):
+        value = target.get("ResTarget", {}).get("val", {})
+        fields = value.get("ColumnRef", {}).get("fields", ()) if isinstance(value, dict) else ()
+        words = _names(fields)
+        targets.append(tuple(words) if words and len(words) == len(fields) else None)
+    return targets, aliases
+
+
+def _relation(reference: tuple[str, ...], aliases: Aliases,
+              relations: dict[str, tuple[int, str, str, dict[str, int]]],
+              oid: int) -> tuple[int, str, str, dict[str, int]] | None:
+    """The relation a view's column reference reads (``p.ssn``, ``public.people.ssn``, ``ssn``), when exactly one
+    of those the view reads is it (pg_get_viewdef qualifies each with its relation's alias or name)."""
+    qualifier = reference[:-1]
+    schema: str | None
+    if len(qualifier) > 2:
+        return None
+    if len(qualifier) == 2:
+        schema, table = qualifier
+    elif qualifier:
+        schema, table = aliases.get(qualifier[0], (None, qualifier[0]))
+    else:
+        named = [aliases[name] for name in aliases]
+        schema, table = named[0] if len(named) == 1 else (None, "")
+    candidates = [r for key, r in relations.items()
+                  if int(key) != oid and r[2] == table and (schema is None or r[1] == schema)]
+    return candidates[0] if len(candidates) == 1 else None
+
+
 class Mentions:
     """Per session: whether a statement may compute a value from a column a rule masks by name."""
 
-    __slots__ = ("cursors", "prepared", "statements", "watched")
+    __slots__ = ("builtins", "cursors", "prepared", "statements", "watched")
 
-    def __init__(self) -> None:
+    def __init__(self, builtins: BuiltIns | None = None) -> None:
         self.watched: frozenset[str] = frozenset()  # the names the answers below were worked out for
+        self.builtins = builtins  # what the target's catalog says is its own (None: not read, nothing is)
         self.statements: dict[str, bool] = {}  # the protocol's prepared statements (Parse) -> what they name
         self.prepared: dict[str, bool] = {}  # SQL ``PREPARE`` names -> what their statement named
         self.cursors: dict[str, bool] = {}  # SQL ``DECLARE`` names -> what their statement named
@@ -187,14 +409,10 @@ class Mentions:
         defines (``PREPARE``, ``DECLARE``) are remembered with the answer."""
         names = frozenset(watched)
         if names != self.watched:  # the rules changed: what was worked out for others is not known
-            self.statements.clear()
-            self.prepared.clear()
-            self.cursors.clear()
+            self.forget()
             self.watched = names
         normal = normalize_sql(text).lower()
-        found = (bool(names) and _naming(names).search(normal) is not None and not _catalog_only(text)
-                 or "*" in text and _inner_star(text)
-                 or _SETTINGS.search(normal) is not None and _custom_setting(text))
+        found = _computes(text, normal, names, self.builtins)
         defined = [(self.prepared if kind == "prepare" else self.cursors, name)
                    for kind, name in _DEFINES.findall(normal)]
         self._define(defined, found)  # first: a FETCH may follow its DECLARE in the same text
@@ -205,6 +423,17 @@ class Mentions:
             if found:
                 self._define(defined, found)
         return found
+
+    def learn(self, builtins: BuiltIns | None) -> None:
+        """What the target's catalog says is its own, read (again): answers worked out before are forgotten."""
+        if builtins != self.builtins:
+            self.builtins = builtins
+            self.forget()
+
+    def forget(self) -> None:
+        self.statements.clear()
+        self.prepared.clear()
+        self.cursors.clear()
 
     @staticmethod
     def _define(defined: list[tuple[dict[str, bool], str]], found: bool) -> None:

@@ -54,6 +54,7 @@ cdef class ServerSide:
     cdef public bint batch_error
     cdef public list blocks
     cdef public dict columns
+    cdef public object computed
     cdef public bint cut
     cdef public object formats
     cdef public object header

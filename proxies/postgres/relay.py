@@ -565,6 +565,7 @@ class ServerSide:
         "catalog_wanted",
         "row_limit",
         "columns",
+        "computed",
         "cut",
         "deep",
         "deferring",
@@ -605,6 +606,7 @@ class ServerSide:
         # type OID -> the (table OID, column number) of ``sources`` its values hold (a table's row type, an array
         # of it...: catalog.HOLDERS_QUERY): such a column is masked whole, as it names none of them
         self.holders: dict[int, tuple[tuple[int, int], ...]] = {}
+        self.computed: frozenset[tuple[int, int]] = frozenset()  # views' columns of ``sources`` computed: whole
         # statement -> (its type OIDs in ``columns`` when described, its columns masked by name): valid while
         # ``columns`` holds that same tuple (the client side drops it when the statement is parsed again)
         # (and the RowDescription it was worked out from: the masked columns are worked out again when the rules
@@ -720,13 +722,16 @@ class ServerSide:
         self._redescribe()
 
     def set_sources(self, sources: dict[tuple[int, int], str] | None, names: Iterable[str],
-                    holders: dict[int, tuple[tuple[int, int], ...]] | None = None) -> None:
-        """Where the columns ``names`` are (proxies/postgres/catalog.py; None: unknown, fail closed), and the types
-        whose values hold them; what the session ``learned`` itself stays."""
+                    holders: dict[int, tuple[tuple[int, int], ...]] | None = None,
+                    computed: frozenset[tuple[int, int]] = frozenset()) -> None:
+        """Where the columns ``names`` are (proxies/postgres/catalog.py; None: unknown, fail closed), the types
+        whose values hold them, and the views' columns of ``sources`` computed from them (masked whole); what the
+        session ``learned`` itself stays."""
         if sources is not None and self.learned:
             sources = {**self.learned, **sources}
         self.sources, self.sources_for = sources, frozenset(names)
         self.holders = holders or {}
+        self.computed = computed
         self._redescribe()
 
     def set_types(self, shapes: TypeShapes) -> None:
@@ -1218,6 +1223,8 @@ class ServerSide:
             if style is None and sources:
                 source = sources.get(identity)
                 style = masker.column_style(source) if source is not None else None
+                if style is not None and identity in self.computed:
+                    style = _whole_style(masker)
             elif style is not None and field.table_oid and identity not in sources:
                 sources[identity] = self.learned[identity] = name.lower()
                 if self.catalog_wanted is not None:

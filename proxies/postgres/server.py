@@ -36,6 +36,7 @@ from gatewayd.pipeline import BLOCKED_EXIT_CODE, AccessDenied, GatewayClosing, P
 from gatewayd.tasks import BackgroundTasks
 from proxies.postgres import tls
 from proxies.postgres.catalog import MEMORY_TOPIC, Catalog, Column, merged, read_catalog
+from proxies.postgres.computed import Mentions
 from proxies.postgres.codec import (
     CancelRequest,
     FrontendReader,
@@ -494,11 +495,15 @@ class ClientConnection:
         server = ServerSide(policy, pending, columns)
         server.row_limit = self.listener.mask_row_bytes
 
+        mentions = Mentions()  # the client side's: what a statement names, with what the catalog says is built in
+
         def adopt(catalog: Catalog | None) -> None:
             if catalog is not None and catalog.shapes is not None:
                 server.set_types(catalog.shapes)  # first: the columns masked are worked out again with them
-            server.set_sources(None if catalog is None else catalog.sources, self._column_names(policy),
-                               None if catalog is None else catalog.holders)
+            server.set_sources(None if catalog is None else {**catalog.sources, **catalog.views},
+                               self._column_names(policy), None if catalog is None else catalog.holders,
+                               frozenset() if catalog is None else catalog.computed)
+            mentions.learn(None if catalog is None else catalog.builtins)
 
         adopt(await self._catalog(policy, settings, connection))
         looking: list[asyncio.Task[None]] = []  # the catalog read again (one at a time; once more if asked meanwhile)
@@ -536,6 +541,7 @@ class ClientConnection:
         client = (WaitingClientSide if policy.waits else ClientSide)(policy, pending, columns, reading,
                                                                       allowed_functions(connection.settings))
         client.limit = self.listener.settings.get("max_statement_bytes") or client.limit
+        client.mentions = mentions
         relay = RelaySession(self.stream.transport, link.transport, self.frontend, link.backend, client, server,
                              policy)
         pending.held = relay.cancel_held
