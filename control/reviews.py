@@ -49,6 +49,7 @@ from gatewayd.reviews import (
 from gatewayd.protocols import session_for
 from gatewayd.scripts import Redaction
 from gatewayd.services import Services
+from gatewayd.sessions import SessionUnavailable
 from gatewayd.store import Conflict
 
 log = logging.getLogger("gatewayd.api.reviews")
@@ -311,6 +312,11 @@ async def exec_session(request: web.Request) -> web.Response:
     try:
         job = await services.reviews.run_script(user, connection, session.script or "", session=session,
                                                review=review)
+    except SessionUnavailable:  # killed before it ran: the review is EXECUTED, the requester asks anew
+        stored = await services.store.get_session(session.id)
+        why = stored.kill_reason if stored is not None and stored.kill_reason else "it was ended"
+        raise ApiError(410, f"the script's session was closed before it ran ({why}): the script did not run, "
+                            "ask for it again") from None
     except RuntimeError as exc:  # shutting down: the approval still stands
         raise ApiError(503, str(exc)) from None
     return await _answer(request, job, review, started=started)

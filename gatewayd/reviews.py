@@ -37,7 +37,7 @@ from gatewayd.models import (
 )
 from gatewayd.pipeline import GatewayClosing, TargetUnreachable
 from gatewayd.scripts import RedactingRecorder, Redaction, ScriptResult
-from gatewayd.sessions import BLOCKED_EXIT_CODE
+from gatewayd.sessions import BLOCKED_EXIT_CODE, SessionUnavailable
 from gatewayd.store import Conflict
 from gatewayd.tasks import BackgroundTasks
 
@@ -688,7 +688,8 @@ class ReviewService:
         else a new session is opened.  ``secrets``: values of the script never recorded (``Redaction``).
         The target is dialed before this returns: an unreachable one gives a finished job (the session
         closed with its ``e`` and exit code 254). Raises KeyError when no runner serves the subtype,
-        GatewayClosing when the gateway is shutting down (nothing ran; an approval still stands).
+        GatewayClosing when the gateway is shutting down (nothing ran; an approval still stands),
+        SessionUnavailable when ``session`` was killed or ended meanwhile (nothing ran; ``review`` is EXECUTED).
         """
         redaction = Redaction.of(secrets)
         if session is not None:
@@ -715,6 +716,10 @@ class ReviewService:
         except GatewayClosing:
             if review is not None:
                 await self.set_status(review.id, APPROVED)
+            raise
+        except SessionUnavailable:  # its session was killed (or ended) before it ran: the one run is spent
+            if review is not None:
+                await self.set_status(review.id, EXECUTED)
             raise
         except TargetUnreachable as exc:
             if review is not None:

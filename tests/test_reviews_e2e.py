@@ -299,6 +299,31 @@ async def test_a_reviewed_script_on_an_unreachable_target_is_executed_with_its_e
     assert of_kind(session, "e") == [body["output"].strip()] and not of_kind(session, "i")
 
 
+async def test_a_reviewed_script_whose_session_was_killed_is_gone_with_the_kill_reason(as_, cluster):
+    """The kill of its ``ready`` session spends the one run an approval gives: exec answers 410 and why (not a
+    503 that left the review PROCESSING for ever), the review is EXECUTED, and asking again asks anew."""
+    conn = await make_connection(as_, cluster, reviewers=["dba"])
+    ask = {"connection": conn["name"], "script": "select 'killed before it ran'"}
+    status, body = await as_["rita"]("POST", "/sessions", ask)
+    assert status == 202, body
+    session_id, review_id = body["session_id"], body["review_id"]
+    status, body = await as_["dora"]("PUT", f"/reviews/{review_id}", {"status": "APPROVED"})
+    assert status == 200 and body["status"] == "APPROVED", body
+    status, killed = await as_["admin"]("POST", f"/sessions/{session_id}/kill")
+    assert status == 200, killed
+    status, body = await as_["rita"]("POST", f"/sessions/{session_id}/exec")
+    assert status == 410 and "(session killed by ada@example.com)" in body["message"], body
+    status, review = await as_["rita"]("GET", f"/reviews/{review_id}")
+    assert status == 200 and review["status"] == "EXECUTED", review
+    session = await as_["rita"].done_session(session_id, 15)
+    assert not of_kind(session, "i") and "killed before it ran" not in "".join(of_kind(session, "o"))
+    assert [e["outcome"] for e in await audit(as_, "session.exec", review_id)] == ["failure"]
+    status, again = await as_["rita"]("POST", f"/sessions/{session_id}/exec")
+    assert status == 400 and "already run" in again["message"], again
+    status, body = await as_["rita"]("POST", "/sessions", ask)
+    assert status == 202 and body["review_id"] != review_id and body["session_id"] != session_id, body
+
+
 async def test_rejection_is_final(as_, cluster):
     conn = await make_connection(as_, cluster, reviewers=["dba", "security"])
     status, body = await as_["rita"]("POST", "/sessions", {"connection": conn["name"], "script": "select 1"})
