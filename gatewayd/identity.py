@@ -329,6 +329,14 @@ class _PendingLogin:
     expires: float
 
 
+def _under(prefix: str, redirect: str) -> bool:
+    """Whether ``redirect`` is under the allowed ``prefix`` as an address: the same scheme, host and port (the
+    prefix's text alone let ``http://h:1`` pass ``http://h:1@evil.example/`` and ``http://h:19/``), and the prefix's
+    text after that."""
+    allowed, target = urlsplit(prefix), urlsplit(redirect)
+    return (target.scheme, target.netloc) == (allowed.scheme, allowed.netloc) and redirect.startswith(prefix)
+
+
 class Identity:
     """Turns bearer tokens into active users; signs users up on first authentication."""
 
@@ -535,7 +543,7 @@ class Identity:
         if (target.scheme == "http" and target.hostname in ("127.0.0.1", "::1") and target.port
                 and target.path == "/callback" and not target.query and not target.username):
             return True
-        return any(redirect.startswith(prefix) for prefix in self.config["auth.oidc.allowed_redirects"] if prefix)
+        return any(_under(prefix, redirect) for prefix in self.config["auth.oidc.allowed_redirects"] if prefix)
 
     async def login_url(self, redirect: str) -> str:
         if self.oidc is None:

@@ -43,7 +43,7 @@ async def gw(provider: OIDCProvider, tmp_path_factory: pytest.TempPathFactory) -
     daemon = Daemon(tmp_path_factory.mktemp("oidc") / "data", {
         "auth.issuer": "oidc", "auth.oidc.issuer_url": provider.url,
         "auth.oidc.client_id": provider.client_id, "auth.oidc.client_secret": provider.client_secret,
-        "auth.oidc.allowed_redirects": ["http://127.0.0.1:1/"]})
+        "auth.oidc.allowed_redirects": ["http://127.0.0.1:1"]})  # no trailing slash, as an operator may write it
     await asyncio.to_thread(daemon.start)
     yield daemon
     await asyncio.to_thread(daemon.stop)
@@ -365,7 +365,10 @@ async def test_logins_are_audited(http, gw, provider, admin):
 # --- fixes found while writing these tests -----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("redirect", ["https://evil.example/", "//evil.example/x", "http://127.0.0.1:2/done"])
+@pytest.mark.parametrize("redirect", ["https://evil.example/", "//evil.example/x", "http://127.0.0.1:2/done",
+                                      # past the allowed prefix "http://127.0.0.1:1" as text, not as an address
+                                      "http://127.0.0.1:1@evil.example/done", "http://127.0.0.1:19/done",
+                                      "http://127.0.0.1:1@evil.example:1/done"])
 async def test_login_refuses_redirects_that_would_leak_the_token(http, gw, redirect):
     status, body, _ = await call(http, "GET", f"{gw.url}/login", params={"redirect": redirect})
     assert status == 400 and body["message"].startswith("redirect: not an allowed address")
