@@ -10,6 +10,8 @@ import json
 import re
 import secrets
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from datetime import timedelta
 from typing import Any
 
@@ -18,15 +20,16 @@ from aiohttp import web
 from control.asciicast import CONTENT_TYPE as ASCIICAST
 from control.asciicast import render_asciicast
 from control.audit_logs import parse_moment
-from control.http import (INT64_MAX, SLICE, ApiError, Field, Param, RouteSet, Schema, json_body, off_loop, ok,
-                          ok_in_slices, query_int, services_of, user_of)
+from control.http import (BEARER, INT64_MAX, SLICE, ApiError, Field, Param, RouteSet, Schema, json_body, off_loop,
+                          ok, ok_in_slices, query_int, services_of, user_of)
 from control.schemas import SESSION_OUT, VERIFICATION_OUT
 from gatewayd import protocols
 from gatewayd.crypto import hash_secret
+from gatewayd.identity import AuthError
 from gatewayd.languages import SQL
 from gatewayd.protocols import FRAMES, TERMINAL
 from gatewayd.models import Review, Session, SessionEvent, User, parse_time, rfc3339, utcnow
-from gatewayd.watch import Recorded, Status
+from gatewayd.watch import Recorded, Status, Update
 from gatewayd.reviews import review_json, reviews_for
 from gatewayd.store import SessionFilter
 from gatewayd.store.search import MIN_SEARCH
@@ -146,14 +149,19 @@ async def session_in_org(request: web.Request, session_id: str) -> Session:
     return session
 
 
+async def may_read(request: web.Request, session: Session, user: User) -> bool:
+    """Whether ``user`` may read ``session``: one who may see it (``can_see``), or a reviewer of its review."""
+    if can_see(user, session):
+        return True
+    review = await review_of(services_of(request).store, session)
+    return review is not None and reviews_for(user, review)
+
+
 async def find_session(request: web.Request) -> Session:
-    """The session named in the path, if the caller may see it (``can_see``, or a reviewer of its review)."""
+    """The session named in the path, if the caller may read it (``may_read``)."""
     session = await session_in_org(request, request.match_info["id"])
-    user = user_of(request)
-    if not can_see(user, session):
-        review = await review_of(services_of(request).store, session)
-        if review is None or not reviews_for(user, review):
-            raise ApiError(403, "access denied: this session belongs to another user")
+    if not await may_read(request, session, user_of(request)):
+        raise ApiError(403, "access denied: this session belongs to another user")
     return session
 
 
@@ -275,6 +283,7 @@ async def kill(request: web.Request) -> web.Response:
 
 
 KEEPALIVE = 15.0  # seconds of silence after which a stream sends a comment (proxies keep it open)
+RECHECK = 3.0  # seconds after which a stream checks its caller again (token, user, right to the session)
 STREAM_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-store",
                   "X-Accel-Buffering": "no"}
 
@@ -291,6 +300,33 @@ def event_json(session: Session, seq: int, event: SessionEvent) -> dict[str, Any
     moment = rfc3339(start + timedelta(milliseconds=event.offset_ms)) if start is not None else ""
     return {"seq": seq, "offset_ms": event.offset_ms, "time": moment, "type": event.kind,
             "payload": base64.b64encode(event.data).decode()}
+
+
+async def followed(request: web.Request, session: Session, after: int,
+                   may: Callable[[User], Awaitable[bool]]) -> AsyncIterator[Update]:
+    """``SessionWatch.follow`` for as long as the caller may follow: a stream outlives the check of its request, so
+    every RECHECK seconds its token is authenticated again (signed out, expired, its user deactivated) and ``may``
+    (the user, as now) asked again (a group lost); a refusal ends the stream and is audited as a refused watch."""
+    services, checked = services_of(request), time.monotonic()
+    async with aclosing(services.watch.follow(session.id, after)) as updates:
+        async for update in updates:
+            if time.monotonic() - checked >= RECHECK:
+                checked = time.monotonic()
+                status, why = 200, ""
+                try:
+                    user = await services.identity.authenticate(request[BEARER])
+                    if not await may(user):
+                        status, why = 403, "the user may no longer read this session"
+                except AuthError as exc:
+                    status, why = 401, f"its token is refused now: {exc}"
+                if status != 200:
+                    await services.audit.record(
+                        org_id=session.org_id, actor=user_of(request), action="session.watch",
+                        resource_type="sessions", outcome="failure", error_message=f"the stream was ended: {why}",
+                        http_method=request.method, http_path=request.path, http_status=status,
+                        client_ip=request.remote or "", payload={"session_id": session.id})
+                    return
+            yield update
 
 
 LAST_SEQ = INT64_MAX - 1  # the highest ``after`` a store query can add one to
@@ -334,7 +370,7 @@ async def stream(request: web.Request) -> web.StreamResponse:
     shown_frames, quiet_since = -1, time.monotonic()
     review = await review_of(services.store, session)
     try:
-        async for update in services.watch.follow(session.id, after):
+        async for update in followed(request, session, after, lambda now: may_read(request, session, now)):
             if isinstance(update, Recorded):
                 await response.write(sse("event", event_json(session, update.seq, update.event), update.seq))
                 quiet_since = time.monotonic()
@@ -376,6 +412,10 @@ EVENT_KINDS = "ioe"
 def may_download(user: User, session: Session) -> bool:
     """Its owner, admins and auditors (a reviewer reads a session, and does not take its recording away)."""
     return user.is_admin or user.is_auditor or session.user_id == user.subject
+
+
+async def _may_download_now(session: Session, user: User) -> bool:
+    return may_download(user, session)
 
 
 def _kinds(raw: str | None) -> str:
@@ -497,7 +537,7 @@ async def result_stream(request: web.Request) -> web.StreamResponse:
                                            "X-Content-Type-Options": "nosniff", "Cache-Control": "no-store"})
     await response.prepare(request)
     try:
-        async for update in services_of(request).watch.follow(session.id):
+        async for update in followed(request, session, -1, lambda now: _may_download_now(session, now)):
             if isinstance(update, Recorded) and update.event.kind in kinds:
                 await response.write(rendered_events(session, [update.event], newline=newline, event_time=event_time))
         await response.write_eof()

@@ -168,6 +168,44 @@ async def test_the_result_stream_and_the_event_stream_follow_a_running_session(g
             client.wait()
 
 
+async def test_a_stream_ends_when_its_token_is_signed_out(gateway, world):
+    """A stream outlives its first check: a token signed out (a deactivation, an expiry, a lost group alike) ends
+    the streams it opened within a few seconds, before what the session does next reaches them (both streams
+    went on for as long as the session lasted)."""
+    ada = world["ada"]
+    secret, session_id = await ada.credential(world["pg"], token=world["rita_token"])
+    watcher = gateway.token("rita.dev@example.com", groups="dev")  # the session's owner, on another device
+    client = psql(gateway, secret)
+    try:
+        client.stdin.write("select 'before-' || 'signout';\n")
+        client.stdin.flush()
+        assert client.stdout.readline() == "before-signout\n"
+        headers = {"Authorization": f"Bearer {watcher}"}
+        async with ada.http.get(f"{gateway.url}/sessions/{session_id}/result/stream?newline=1",
+                                headers=headers) as text_stream, \
+                ada.http.get(f"{gateway.url}/sessions/{session_id}/stream", headers=headers) as events:
+            assert text_stream.status == 200 and events.status == 200
+            await read_text(text_stream, "before-signout")
+            await read_events(events, until=lambda e: "before-signout" in e.get("payload_text", ""))
+            assert await ada("POST", "/logout", token=watcher) == (204, None)
+            for stream in (text_stream, events):  # each ends by itself, the session still open
+                rest = await asyncio.wait_for(stream.content.read(), 12)
+                assert b"after-signout" not in rest, rest
+            client.stdin.write("select 'after-' || 'signout';\n")
+            client.stdin.flush()
+            assert client.stdout.readline() == "after-signout\n"
+        status, again = await ada("GET", f"/sessions/{session_id}/stream", token=watcher)
+        assert status == 401, again
+        status, watched = await ada("GET", "/audit/logs?action=session.watch&page_size=100")
+        ended = [e for e in watched["data"] if e["outcome"] == "failure"
+                 and e["request_payload_redacted"]["session_id"] == session_id]
+        assert len(ended) == 2 and all("token is refused" in e["error_message"] for e in ended), ended
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.wait()
+
+
 async def read_text(response: aiohttp.ClientResponse, needle: str) -> str:
     seen = ""
     while needle not in seen:
