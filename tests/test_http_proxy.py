@@ -1155,6 +1155,29 @@ async def test_a_rule_by_key_masks_json_lines_and_json_behind_an_xssi_prefix(api
     assert head.startswith("HTTP/1.1 502") and b"secret-ssn-777" not in body, head
 
 
+async def test_a_rule_by_key_masks_a_json_event_spread_over_several_data_lines(api, gateway, raw_target):
+    """An event's ``data:`` lines joined by "\\n" are one payload (the SSE spec): JSON pretty-printed over several
+    lines is masked by key as a whole (before, each line was masked alone as text, none parsed, and the ``ssn``
+    on a line of its own passed in clear); an event that is not JSON is masked as text."""
+    pretty = json.dumps({"customer": {"name": "Jane", "ssn": "secret-ssn-777"}, "card": PII["card"]}, indent=2)
+    stream = ("id: 7\r\n" + "".join(f"data: {line}\r\n" for line in pretty.split("\n")) + "\r\n"
+              + f"event: note\ndata: paid with\ndata: {PII['card']}\n\ndata: [DONE]\n\n").encode()
+    path = raw_target.answer("200 OK", [("Content-Type", "text/event-stream")], stream)
+    secret, session_id = await ruled(api, raw_target, {"type": "mask", "columns": ["ssn"],
+                                                       "patterns": ["card_number"]})
+    head, body = fetched(gateway, secret, path, "-N")
+    assert head.startswith("HTTP/1.1 200") and b"secret-ssn-777" not in body and not clear_in(body.decode()), body
+    assert body.startswith(b"id: 7\r\ndata: ") and b"\r\n\r\nevent: note\n" in body, body  # line ends kept
+    first, second, done, end = body.replace(b"\r\n", b"\n").split(b"\n\n")
+    assert first.split(b"\n")[0] == b"id: 7" and end == b"", body
+    data = b"\n".join(line[6:] for line in first.split(b"\n")[1:])
+    assert json.loads(data) == {"customer": {"name": "Jane", "ssn": "****"}, "card": "****"}, body
+    assert second == b"event: note\ndata: paid with\ndata: ****" and done == b"data: [DONE]", body
+    session = await api.session(session_id, has_event("o", "[DONE]"))
+    recorded = json.dumps(events(session))
+    assert "secret-ssn-777" not in recorded and not clear_in(recorded)
+
+
 async def test_a_utf16_answer_is_masked_and_checked_in_its_charset(api, gateway, raw_target):
     """A body is read in its declared charset (before, UTF-16 passed masks and output rules unread), masked and
     written in it again; a charset the gateway cannot decode is withheld."""

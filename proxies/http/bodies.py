@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Mapping
 import aiohttp
 from aiohttp.http_exceptions import HttpProcessingError
 
+from gatewayd.masking import MAX_HELD_LINE, LineHold
 from proxies.http.messages import Unreadable, ascii_compatible, body_codec, decoded_body, is_json
 
 if TYPE_CHECKING:
@@ -134,29 +135,111 @@ def mask_message(policy: SessionPolicy, text: str) -> str:
     return mask_body(policy, text.encode("utf-8", "surrogateescape"), None).decode("utf-8", "surrogateescape")
 
 
-def mask_event_lines(policy: SessionPolicy, lines: bytes, context: bytes = b"") -> bytes:
-    """Lines of an event stream masked (``LineHold``'s, with their ``context``): the value of a ``data:`` line that
-    is JSON value by value under a rule by key (an API streaming its answer as JSON events), the rest as text.
-    ``Unreadable``: under a rule by key, a line that starts like JSON given up unfinished (too long to hold)."""
-    masker: Masker | None = policy.masker
-    if masker is None or not masker.columns or b"data:" not in lines:
-        return policy.mask_bytes(lines, context)
-    out = []
-    for line in lines.splitlines(keepends=True):
-        if not context and line.startswith(b"data:"):  # (with a context, the line began in an earlier piece)
-            start = 6 if line[5:6] == b" " else 5
-            value = line[start:].rstrip(b"\r\n")
-            json_like = _JSON_START.match(value) is not None
-            masked = _masked_json(policy, masker, value) if json_like else None
-            if masked is not None:
-                out.append(line[:start] + masked + line[start + len(value):])
-                continue
-            if json_like and not line.endswith((b"\n", b"\r")):
-                raise Unreadable("an event stream's JSON line too long to hold whole (http.guard_body_bytes) "
-                                 "cannot be masked by key")
-        out.append(policy.mask_bytes(line, context))
-        context = b""
-    return b"".join(out)
+class EventMask:
+    """An event stream under a mask rule, held and masked as it streams: line by line (``LineHold``) under
+    patterns alone; under a rule by key, event by event (to the blank line that ends one), its ``data:`` lines
+    joined by "\\n" read as ONE payload (the SSE spec): JSON value by value when it parses (written back as
+    ``data:`` lines), else as text. An event is held up to ``limit`` bytes; one longer whose data starts like
+    JSON is ``Unreadable`` (given up in pieces, none would parse), any other passes on as text."""
+
+    __slots__ = ("policy", "keyed", "lines", "limit", "event", "passing", "open", "after_cr")
+
+    def __init__(self, policy: SessionPolicy, limit: int) -> None:
+        self.policy = policy
+        self.keyed = policy.masker is not None and bool(policy.masker.columns)
+        self.lines = LineHold(max(limit, MAX_HELD_LINE)) if self.keyed else LineHold()
+        self.limit = max(limit, MAX_HELD_LINE)
+        self.event = bytearray()  # the lines of the event not ended yet
+        self.passing = False  # an event given up over the limit: its rest passes as text
+        self.open = False  # the last line given was unfinished (cut by the hold): the next one goes on with it
+        self.after_cr = False  # the last line ended with "\\r": a "\\n" next is the rest of its line end
+
+    def take(self, chunk: bytes) -> bytes:
+        """What of the stream can be sent now, masked (``b""``: nothing yet)."""
+        lines, context = self.lines.take(chunk)
+        return self._events(lines, context) if self.keyed else self.policy.mask_bytes(lines, context)
+
+    def give_up(self) -> bytes:
+        """The rest held, masked, at the stream's end."""
+        lines, context = self.lines.give_up()
+        if not self.keyed:
+            return self.policy.mask_bytes(lines, context)
+        out = self._events(lines, context)
+        if self.event:
+            out += self._masked(bytes(self.event))
+            self.event.clear()
+        return out
+
+    def _events(self, lines: bytes, context: bytes) -> bytes:
+        out = []
+        for line in lines.splitlines(keepends=True):
+            rest_of_line = self.open or (self.after_cr and line == b"\n")  # not a line of its own
+            self.open = not line.endswith((b"\n", b"\r"))
+            self.after_cr = line.endswith(b"\r")
+            blank = not rest_of_line and line in (b"\n", b"\r", b"\r\n")
+            if self.passing:
+                out.append(self.policy.mask_bytes(line, context))
+                self.passing = not blank
+            elif not self.event and rest_of_line:  # the end of the line that ended an event
+                out.append(line)
+            else:
+                self.event += line
+                if blank:
+                    out.append(self._masked(bytes(self.event)))
+                    self.event.clear()
+                elif len(self.event) > self.limit:
+                    out.append(self._given_up())
+            context = b""
+        return b"".join(out)
+
+    def _given_up(self) -> bytes:
+        """An event over the limit: ``Unreadable`` when its data starts like JSON, else masked as text and sent."""
+        event = bytes(self.event)
+        self.event.clear()
+        if _JSON_START.match(_event_data(event.splitlines(keepends=True))[0]):
+            raise Unreadable("an event stream's JSON event too long to hold whole (http.guard_body_bytes) "
+                             "cannot be masked by key")
+        self.passing = True
+        return self.policy.mask_bytes(event)
+
+    def _masked(self, event: bytes) -> bytes:
+        """A whole event masked: its data as JSON value by value when it parses, written back as ``data:`` lines
+        where its first one was (the other lines masked as text), else the event as text."""
+        lines = event.splitlines(keepends=True)
+        payload, first = _event_data(lines)
+        masker = self.policy.masker
+        assert masker is not None
+        masked = (_masked_json(self.policy, masker, payload)
+                  if first is not None and _JSON_START.match(payload) else None)
+        if masked is None or masked is payload:
+            return self.policy.mask_bytes(event)
+        assert first is not None
+        end = lines[first][len(lines[first].rstrip(b"\r\n")):] or b"\n"
+        out = []
+        for index, line in enumerate(lines):
+            if index == first:
+                out += [b"data: " + part + end for part in masked.split(b"\n")]
+            elif not _is_data(line):
+                out.append(self.policy.mask_bytes(line))
+        return b"".join(out)
+
+
+def _is_data(line: bytes) -> bool:
+    """Whether an event stream's line is a ``data`` field (``data: value``, or ``data`` alone: an empty one)."""
+    return line.startswith(b"data:") or line.rstrip(b"\r\n") == b"data"
+
+
+def _event_data(lines: list[bytes]) -> tuple[bytes, int | None]:
+    """An event's data (its ``data`` fields' values joined by "\\n", one space after the colon dropped) and the
+    index of its first ``data`` line (None when it has none)."""
+    values = []
+    first = None
+    for index, line in enumerate(lines):
+        if _is_data(line):
+            value = line.rstrip(b"\r\n")[5:]
+            values.append(value[1:] if value[:1] == b" " else value)
+            first = index if first is None else first
+    return b"\n".join(values), first
 
 
 def _masked_json(policy: SessionPolicy, masker: Masker, body: bytes) -> bytes | None:

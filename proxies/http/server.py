@@ -28,7 +28,6 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.http_parser import RawResponseMessage
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from gatewayd.masking import MAX_HELD_LINE, LineHold
 from gatewayd.pipeline import GatewayClosing, GatewayUnavailable, ProxyContext
 from proxies.http.answers import (
     blocked,
@@ -45,10 +44,10 @@ from proxies.http.answers import (
 from proxies.http.bodies import (
     SMALL_BODY,
     STREAM_OVERLAP,
+    EventMask,
     RequestBodyError,
     chain,
     mask_body,
-    mask_event_lines,
     output_text,
     read_prefix,
     undone,
@@ -453,9 +452,8 @@ class HttpListener(FastPath):
                                "answered badly")
 
         hold = None
-        if masked:  # an event stream under a mask rule: masked line by line as it streams
-            keyed = policy.masker is not None and policy.masker.columns  # a rule by key reads a JSON line whole
-            hold = LineHold(max(self.guard_cap, MAX_HELD_LINE)) if keyed else LineHold()
+        if masked:  # an event stream under a mask rule: masked as it streams (by key, event by event)
+            hold = EventMask(policy, self.guard_cap)
             length = None  # masking changes the length: chunked
         with in_flight(state):
             return await self._stream(request, policy, upstream, answer, length, prefix, eof, sse and text, hold)
@@ -490,10 +488,10 @@ class HttpListener(FastPath):
 
     async def _stream(self, request: web.BaseRequest | FrontRequest, policy: SessionPolicy, upstream: UpstreamResponse,
                       answer: AnswerHead, length: int | None, prefix: bytes, eof: bool,
-                      check_chunks: bool, hold: LineHold | None = None) -> web.StreamResponse | FrontStream | bytes:
+                      check_chunks: bool, hold: EventMask | None = None) -> web.StreamResponse | FrontStream | bytes:
         """Send a body as it arrives (a kill of the session cuts it); recorded in one piece when it ends.
 
-        ``hold``: under a mask rule (an event stream), the body is held to its line ends and masked line by line.
+        ``hold``: under a mask rule (an event stream), the body is held and masked as it streams (``EventMask``).
         """
         message = upstream.message
         out_headers = CIMultiDict(answer.headers)
@@ -526,7 +524,7 @@ class HttpListener(FastPath):
                             error = "output blocked mid-stream: the connection was cut"
                             break
                     if hold is not None:
-                        chunk = mask_event_lines(policy, *hold.take(chunk))
+                        chunk = hold.take(chunk)
                         if not chunk:
                             continue
                     await response.write(chunk)
@@ -534,7 +532,7 @@ class HttpListener(FastPath):
                     if len(kept) < self.record_cap:
                         kept += chunk[:self.record_cap - len(kept)]
             if error is None:
-                if hold is not None and (rest := mask_event_lines(policy, *hold.give_up())):
+                if hold is not None and (rest := hold.give_up()):
                     await response.write(rest)
                     sent += len(rest)
                     if len(kept) < self.record_cap:
