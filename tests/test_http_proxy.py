@@ -406,6 +406,33 @@ async def test_websocket_echo_both_ways(api, gateway, client):
     assert ("i", "hello") in recorded and ("o", "echo: hello") in recorded
 
 
+async def test_websocket_messages_are_recorded_up_to_record_body_bytes(api, gateway, client):
+    """Each message is recorded as a body is, cut at ``http.record_body_bytes`` (4096 here) with the same note (before,
+    whole: a few 16 MiB messages filled the recording's cap); the rules still read it whole."""
+    connection = await api.role()
+    secret, session_id = await api.credential(connection)
+    await api.guardrail(connection, input_rules=[{"type": "deny_words_list", "words": ["rm -rf"]}])
+    text = "x" * 9000 + " tail-of-text"
+    async with client.ws_connect(f"{gateway.http_url}/ws", headers={"Authorization": secret}) as ws:
+        await ws.send_str(text)
+        assert (await ws.receive_str(timeout=10)) == "echo: " + text  # sent whole
+        await ws.send_bytes(b"\x00\x01" * 5000)
+        assert (await ws.receive_bytes(timeout=10)) == b"\x01\x00" * 5000
+        await ws.send_str("y" * 9000 + " rm -rf /")  # read whole by the rules, past what is recorded
+        message = await ws.receive(timeout=10)
+        assert message.type == aiohttp.WSMsgType.CLOSE and message.data == 1008
+    session = await api.session(session_id, has_event("e", "words=[rm -rf]"))
+    recorded = [(kind, text) for kind, text in events(session) if kind in "io" and not text.startswith("GET ")
+                and not text.startswith("HTTP/")]
+    assert [kind for kind, _ in recorded] == ["i", "o", "i", "o", "i"], recorded
+    notes = ["[body: 4096 of 9013 bytes recorded]", "[body: 4096 of 9019 bytes recorded]",
+             "[body: 4096 of 10000 bytes recorded]", "[body: 4096 of 10000 bytes recorded]",
+             "[body: 4096 of 9009 bytes recorded]"]
+    for (kind, data), note in zip(recorded, notes):
+        assert len(data) < 4096 + 200 and data.endswith(note), (kind, data[-80:])
+    assert "tail-of-text" not in json.dumps(recorded)
+
+
 async def test_server_sent_events_stream_as_they_come(api, gateway, client, target):
     connection = await api.role()
     secret, _ = await api.credential(connection)

@@ -702,6 +702,16 @@ def recorded_body(kept: bytes, total: int | None, complete: bool) -> bytes:
     return scrub_bytes(kept) + body_note(len(kept), total, complete).encode()
 
 
+def recorded_message(data: bytes | str, cap: int) -> bytes | str:
+    """What is recorded of a websocket message: as a body is (``recorded_body``), its first ``cap`` bytes kept
+    and the note of the rest; a text message that fits stays text."""
+    if isinstance(data, str):
+        if len(data) * 4 <= cap or len(raw := data.encode("utf-8", "surrogateescape")) <= cap:
+            return scrub(data)
+        data = raw
+    return recorded_body(data[:cap], len(data), True)
+
+
 def guard_text(first_line: str, headers: Iterable[tuple[str, str]], body: bytes | str = b"") -> str:
     """What input rules read: request line, headers and the text body, any gateway credential removed."""
     lines = [first_line]

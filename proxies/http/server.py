@@ -111,7 +111,7 @@ class HttpListener(FastPath):
         self.apps_domain: str = settings["apps_domain"]  # "": one shared origin for every connection
         self.credentials = Credentials(self.pipeline, settings["credential_recheck"])
         self.pool = UpstreamPool(self.pipeline.dialer)
-        self.websockets = WebSockets(self.pipeline, settings["websocket_message_bytes"])
+        self.websockets = WebSockets(self.pipeline, settings["websocket_message_bytes"], self.record_cap)
         # seconds a connection may wait for its next request, and a request body for its next bytes (aiohttp's own
         # default holds a head that never ends an hour; a body had no bound)
         self.idle: float = settings["idle_timeout"]

@@ -4,7 +4,6 @@ message by message, each read by the rules of the moment (``i``/``o`` events).""
 from __future__ import annotations
 
 import asyncio
-import functools
 from typing import TYPE_CHECKING, Awaitable, Callable
 
 import aiohttp
@@ -15,7 +14,13 @@ from yarl import URL
 from gatewayd.dialer import DialerConnector, UnresolvedNames
 from proxies.http.answers import blocked, json_error, not_connected, unreachable, unreadable, withheld_verdict
 from proxies.http.bodies import STREAM_OVERLAP, mask_message
-from proxies.http.messages import guard_readings, head_bytes, upstream_request_headers, without_secrets
+from proxies.http.messages import (
+    guard_readings,
+    head_bytes,
+    recorded_message,
+    upstream_request_headers,
+    without_secrets,
+)
 from proxies.http.upstream import CLIENT_ERRORS
 
 if TYPE_CHECKING:
@@ -40,9 +45,10 @@ class WebSockets:
     """A listener's websockets: one shared client to the targets (a client of its own for a target reached
     through an agent or a tenant's checked dial, closed with its websocket)."""
 
-    def __init__(self, pipeline: SessionPipeline, message_bytes: int) -> None:
+    def __init__(self, pipeline: SessionPipeline, message_bytes: int, record_bytes: int) -> None:
         self.pipeline = pipeline
         self.message_bytes = message_bytes  # the largest message either way (``http.websocket_message_bytes``)
+        self.record_bytes = record_bytes  # what is recorded of each (``http.record_body_bytes``)
         self.client = client_session(
             DialerConnector(pipeline.dialer, limit=0, ttl_dns_cache=60, keepalive_timeout=30))
 
@@ -83,18 +89,19 @@ class WebSockets:
                 return not_connected(state, policy, exc.os_error.strerror or type(exc.os_error).__name__)
             except CLIENT_ERRORS as exc:
                 return unreachable(state, policy, type(exc).__name__)
-            return await _relay(request, policy, current, upstream, self.message_bytes)
+            return await _relay(request, policy, current, upstream, self.message_bytes, self.record_bytes)
         finally:
             if client is not self.client:
                 await client.close()
 
 
 async def _relay(request: web.BaseRequest, policy: SessionPolicy, current: Callable[[], Awaitable[SessionPolicy]],
-                 upstream: aiohttp.ClientWebSocketResponse, message_bytes: int) -> web.StreamResponse:
+                 upstream: aiohttp.ClientWebSocketResponse, message_bytes: int, record_bytes: int
+                 ) -> web.StreamResponse:
     """Both directions of an upgraded websocket until either side closes, each message under the rules of the
     moment (``current``: a rule attached meanwhile applies to the next message); a message over ``message_bytes``,
     inflated, closes it with 1009 (aiohttp reads each message whole, and a small compressed one can inflate to
-    gigabytes)."""
+    gigabytes). The rules read each message whole; it is recorded up to ``record_bytes``, as a body is."""
     downstream = web.WebSocketResponse(protocols=[upstream.protocol] if upstream.protocol else (),
                                        max_msg_size=message_bytes, autoping=True)
     try:
@@ -123,9 +130,9 @@ async def _relay(request: web.BaseRequest, policy: SessionPolicy, current: Calla
                     except UnicodeDecodeError:
                         text = None
                     if text is None and not read:  # no rule reads it: recorded as bytes
-                        record(data)
+                        record(recorded_message(data, record_bytes))
                     elif text is None and inbound:  # what the input rules cannot read is not forwarded unread
-                        record(data)
+                        record(recorded_message(data, record_bytes))
                         verdict = unreadable("a binary websocket message that is not UTF-8 text")
                     elif text is None:  # nor what the target sends that a mask or output rule cannot read
                         record(f"[a binary message of {len(data)} bytes withheld]\n")
@@ -141,15 +148,17 @@ async def _relay(request: web.BaseRequest, policy: SessionPolicy, current: Calla
                     await now.drain()
                     continue
                 if text is not None:
-                    if masking:  # the target's message, masked (JSON too) and recorded as masked
-                        verdict, text = now.output_masked(text, functools.partial(mask_message, now))
-                        data = text if isinstance(data, str) else text.encode()
-                    elif inbound and typed and read:
-                        verdict = now.input(data, text, readings=(text, typed + text))
-                    else:  # a blocked input message is on the record
-                        verdict = now.input(data, text) if inbound else now.output(data, text)
-                    if inbound and read:
-                        typed = (typed + text)[-STREAM_OVERLAP:]
+                    if inbound:
+                        verdict = now.check_input(text, readings=(text, typed + text) if typed and read else None)
+                        if read:
+                            typed = (typed + text)[-STREAM_OVERLAP:]
+                    else:
+                        verdict = now.check_output(text)
+                        if verdict is None and masking:  # the target's message, masked (JSON too), recorded so
+                            text = mask_message(now, text)
+                            data = text if isinstance(data, str) else text.encode()
+                    if inbound or verdict is None:  # a blocked input message is on the record
+                        record(recorded_message(data, record_bytes))
                 if verdict:
                     await now.blocked(verdict)
                     closing["blocked"] = (1008, verdict.message[:120])
