@@ -949,6 +949,66 @@ async def test_a_request_body_that_stalls_is_answered_and_recorded_at_the_idle_t
         assert daemon.stop() == 0
 
 
+async def test_a_target_that_stalls_mid_answer_is_broken_off_at_the_target_idle_timeout(tmp_path_factory):
+    """A target that sends its head and part of its body, then nothing, held the client and the connection for
+    ever: with ``http.target_idle_timeout`` the answer is broken off (a streamed body ends early, a small one not
+    yet begun is a 502), with an ``e`` event; an event stream may stay quiet longer (it is not bound)."""
+    from aiohttp import web
+
+    hold = asyncio.Event()  # set when the test ends: the target's stalled handlers return
+
+    async def stall(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        if request.query.get("length"):
+            response.content_length = int(request.query["length"])
+        await response.prepare(request)
+        await response.write(b"first part\n")
+        await hold.wait()
+        return response
+
+    async def quiet_events(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b"data: one\n\n")
+        await asyncio.sleep(2.5)  # past the timeout: an event stream is quiet by design
+        await response.write(b"data: two\n\n")
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_get("/stall", stall)
+    app.router.add_get("/quiet-events", quiet_events)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=1)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    daemon = proxy_daemon(tmp_path_factory, "httpstall", "http", {"http.target_idle_timeout": "1s"}, wait=True)
+    try:
+        async with admin_http(daemon) as http, aiohttp.ClientSession() as client:
+            api = HttpApi(daemon, http, f"http://127.0.0.1:{port}")
+            secret, session_id = await api.credential(await api.role())
+            url, headers = f"http://127.0.0.1:{daemon.proxy_port}", {"Authorization": secret}
+            for query in ("", "?length=1000000"):  # chunked, and framed by its length
+                async with client.get(f"{url}/stall{query}", headers=headers) as response:
+                    assert response.status == 200
+                    assert await asyncio.wait_for(response.content.readline(), 10) == b"first part\n"
+                    with pytest.raises(aiohttp.ClientPayloadError):  # (before: waited for ever)
+                        await asyncio.wait_for(response.content.read(), 30)
+            async with client.get(f"{url}/stall?length=100", headers=headers) as response:  # a small one, whole
+                assert response.status == 502, await response.text()
+                assert "http.target_idle_timeout" in (await asyncio.wait_for(response.json(), 30))["message"]
+            async with client.get(f"{url}/quiet-events", headers=headers) as response:
+                assert await asyncio.wait_for(response.read(), 30) == b"data: one\n\ndata: two\n\n"
+            session = await api.session(session_id, lambda s: sum(
+                k == "e" and "no byte of its body for 1 s: http.target_idle_timeout" in t for k, t in events(s)) == 3)
+            recorded = events(session)
+            assert sum(k == "o" and "first part" in t and "[body: 11 of " in t for k, t in recorded) == 2, recorded
+    finally:
+        hold.set()
+        assert daemon.stop() == 0
+        await runner.cleanup()
+
+
 async def test_https_targets_verified_unless_insecure(api, gateway, client, tmp_path):
     import ssl
 

@@ -36,6 +36,7 @@ DESCRIPTION = ProtocolDescription(
               "guard_body_bytes": Setting("int", 1024 * 1024, positive),
               "credential_recheck": Setting("duration", "5s"),
               "idle_timeout": Setting("duration", "75s", positive),
+              "target_idle_timeout": Setting("duration", "5m", positive),
               "websocket_message_bytes": Setting("int", 16 * 1024 * 1024, positive),
               "apps_domain": Setting("str", "localhost", domain_setting)},
 )

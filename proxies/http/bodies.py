@@ -35,24 +35,54 @@ class BodyStalled(HttpProcessingError):
     """The client sent no byte of its request body for ``http.idle_timeout``."""
 
 
-async def _next_piece(content: aiohttp.StreamReader, idle: float | None) -> bytes:
-    """The body's next bytes (b"" at its end); ``BodyStalled`` when none come for ``idle`` seconds."""
+class TargetStalled(aiohttp.ClientPayloadError):
+    """The target sent no byte of its answer's body for ``http.target_idle_timeout``: broken off."""
+
+    def __init__(self, idle: float) -> None:
+        super().__init__(f"no byte of its body for {idle:g} s: http.target_idle_timeout")
+
+
+async def _next_piece(content: aiohttp.StreamReader, idle: float | None, target: bool = False) -> bytes:
+    """The body's next bytes (b"" at its end); when none come for ``idle`` seconds ``BodyStalled`` (the client's
+    body) or ``TargetStalled`` (``target``: the target's)."""
     if idle is None:
         return await content.readany()
     try:
         async with asyncio.timeout(idle):
             return await content.readany()
     except TimeoutError:
+        if target:
+            raise TargetStalled(idle) from None
         raise BodyStalled(code=408, message=f"no byte of it for {idle:g} s: http.idle_timeout") from None
 
 
-async def read_prefix(content: aiohttp.StreamReader, limit: int, idle: float | None = None) -> tuple[bytes, bool]:
-    """Up to about ``limit`` bytes of a body, and whether that was all of it; a client's body that stalls for
-    ``idle`` seconds raises ``BodyStalled`` (a target's is read without a bound)."""
+async def target_pieces(content: aiohttp.StreamReader, idle: float | None) -> AsyncIterator[bytes]:
+    """A target's body piece by piece as it was buffered (no join copy); ``TargetStalled`` when no byte comes for
+    ``idle`` seconds (None: no bound, an event stream's). Only a wait for the target is timed: none while bytes
+    are buffered, nor while the client is slow to take what was sent."""
+    while True:
+        if idle is None or content.is_eof() or content._buffer:  # nothing to wait for
+            chunk, end_of_chunk = await content.readchunk()
+        else:
+            try:
+                async with asyncio.timeout(idle):
+                    chunk, end_of_chunk = await content.readchunk()
+            except TimeoutError:
+                raise TargetStalled(idle) from None
+        if chunk:
+            yield chunk
+        elif not end_of_chunk:  # (b"", True): the end of an HTTP chunk, more may follow
+            return
+
+
+async def read_prefix(content: aiohttp.StreamReader, limit: int, idle: float | None = None,
+                      target: bool = False) -> tuple[bytes, bool]:
+    """Up to about ``limit`` bytes of a body, and whether that was all of it; one that stalls for ``idle``
+    seconds raises ``BodyStalled`` (a client's) or ``TargetStalled`` (``target``: a target's)."""
     chunks: list[bytes] = []
     size = 0
     while size < limit:
-        chunk = await _next_piece(content, idle)
+        chunk = await _next_piece(content, idle, target)
         if not chunk:
             return b"".join(chunks), True
         chunks.append(chunk)

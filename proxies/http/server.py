@@ -46,10 +46,12 @@ from proxies.http.bodies import (
     STREAM_OVERLAP,
     EventMask,
     RequestBodyError,
+    TargetStalled,
     chain,
     mask_body,
     output_text,
     read_prefix,
+    target_pieces,
     undone,
 )
 from proxies.http.credentials import CredentialState, Credentials, Refused, in_flight
@@ -115,6 +117,7 @@ class HttpListener(FastPath):
         # seconds a connection may wait for its next request, and a request body for its next bytes (aiohttp's own
         # default holds a head that never ends an hour; a body had no bound)
         self.idle: float = settings["idle_timeout"]
+        self.target_idle: float = settings["target_idle_timeout"]  # a target's answer body, for its next bytes
         idle = self.idle
         self.server = web.Server(self.handle, access_log=None, auto_decompress=False, read_bufsize=256 * 1024,
                                  keepalive_timeout=idle)
@@ -428,7 +431,8 @@ class HttpListener(FastPath):
                 return await self._masked(request, policy, upstream, answer, codings)
             if no_body or (length is not None and length <= SMALL_BODY and not sse):
                 content = upstream.content
-                body = b"" if no_body else content.read_nowait() if content.is_eof() else await content.read()
+                body = (b"" if no_body else content.read_nowait() if content.is_eof() else
+                        (await read_prefix(content, (length or 0) + 1, self.target_idle, True))[0])
                 if text and body:
                     verdict = policy.check_output(output_text(up_headers, codings, body, self.guard_cap))
                     if verdict is not None:
@@ -438,7 +442,7 @@ class HttpListener(FastPath):
             prefix = b""
             eof = False
             if text and not sse:
-                prefix, eof = await read_prefix(upstream.content, self.guard_cap)
+                prefix, eof = await read_prefix(upstream.content, self.guard_cap, self.target_idle, True)
                 verdict = policy.check_output(output_text(up_headers, codings, prefix, self.guard_cap))
                 if verdict is not None:
                     return await blocked(policy, verdict)
@@ -448,7 +452,7 @@ class HttpListener(FastPath):
         except Unreadable as exc:
             return await withheld(policy, str(exc))
         except CLIENT_ERRORS as exc:
-            return unreachable(state, policy, f"it broke off the response ({type(exc).__name__})",
+            return unreachable(state, policy, f"it broke off the response ({_why(exc)})",
                                "answered badly")
 
         hold = None
@@ -456,7 +460,8 @@ class HttpListener(FastPath):
             hold = EventMask(policy, self.guard_cap)
             length = None  # masking changes the length: chunked
         with in_flight(state):
-            return await self._stream(request, policy, upstream, answer, length, prefix, eof, sse and text, hold)
+            return await self._stream(request, policy, upstream, answer, length, prefix, eof, sse and text, hold,
+                                      None if sse else self.target_idle)
 
     async def _masked(self, request: web.BaseRequest | FrontRequest, policy: SessionPolicy,
                       upstream: UpstreamResponse, answer: AnswerHead, codings: list[str]) -> web.StreamResponse | bytes:
@@ -465,7 +470,7 @@ class HttpListener(FastPath):
         withheld (502, ``Unreadable``)."""
         message = upstream.message
         content_type = message.headers.get("Content-Type")
-        body, complete = await read_prefix(upstream.content, self.guard_cap + 1)
+        body, complete = await read_prefix(upstream.content, self.guard_cap + 1, self.target_idle, True)
         if not complete or len(body) > self.guard_cap:
             raise Unreadable(f"a text body over http.guard_body_bytes ({self.guard_cap} bytes) cannot be masked")
         out_list = answer.headers
@@ -488,8 +493,10 @@ class HttpListener(FastPath):
 
     async def _stream(self, request: web.BaseRequest | FrontRequest, policy: SessionPolicy, upstream: UpstreamResponse,
                       answer: AnswerHead, length: int | None, prefix: bytes, eof: bool,
-                      check_chunks: bool, hold: EventMask | None = None) -> web.StreamResponse | FrontStream | bytes:
-        """Send a body as it arrives (a kill of the session cuts it); recorded in one piece when it ends.
+                      check_chunks: bool, hold: EventMask | None = None, idle: float | None = None
+                      ) -> web.StreamResponse | FrontStream | bytes:
+        """Send a body as it arrives (a kill of the session cuts it); recorded in one piece when it ends. A body
+        that sends no byte for ``idle`` seconds (None: no bound, an event stream's) is broken off.
 
         ``hold``: under a mask rule (an event stream), the body is held and masked as it streams (``EventMask``).
         """
@@ -512,9 +519,7 @@ class HttpListener(FastPath):
             if prefix:
                 await response.write(prefix)
             if not eof:
-                async for chunk, _ in upstream.content.iter_chunks():  # buffered pieces one by one: no join copy
-                    if not chunk:
-                        continue
+                async for chunk in target_pieces(upstream.content, idle):
                     if check_chunks:  # with the end of the previous piece: a match may straddle two
                         text = chunk.decode("utf-8", "replace")
                         verdict = policy.check_output(overlap + text)
@@ -544,7 +549,7 @@ class HttpListener(FastPath):
         except _DISCONNECTED:
             error = "the client went away mid-response"
         except CLIENT_ERRORS as exc:
-            error = f"the target broke off the response ({type(exc).__name__})"
+            error = f"the target broke off the response ({_why(exc)})"
         finally:
             complete = error is None and (length is None or sent >= length)
             policy.record_output(head + recorded_body(bytes(kept), sent if length is None else length, complete))
@@ -557,6 +562,11 @@ class HttpListener(FastPath):
         return response
 
 
+
+
+def _why(exc: BaseException) -> str:
+    """Why the target's answer broke off, for its ``e`` event: a stall says how long, anything else its kind."""
+    return str(exc) if isinstance(exc, TargetStalled) else type(exc).__name__
 
 
 async def start(context: ProxyContext, host: str, port: int) -> HttpListener:
