@@ -1425,6 +1425,47 @@ async def test_a_body_the_input_rules_cannot_read_is_refused(api, gateway, clien
     assert len(blocks) == 4
 
 
+async def test_input_rules_read_a_form_posted_as_multipart_and_refuse_only_its_binary_parts(api, gateway, target,
+                                                                                             tmp_path):
+    """A form posted as ``multipart/form-data`` is read part by part (before, refused whole under input rules):
+    its text fields and text or JSON files (UTF-8) pass the rules or are blocked by them; a part the rules cannot
+    read (a binary file, a text file that is not UTF-8) is refused, never forwarded unread."""
+    connection = await api.role()
+    secret, session_id = await api.credential(connection)
+    await api.guardrail(connection, input_rules=[{"type": "deny_words_list", "words": ["rm -rf"]}])
+    marker = uuid.uuid4().hex
+    (tmp_path / "notes.txt").write_text("a text file\n")
+    (tmp_path / "query.json").write_text('{"run": "\\u0072m -rf /"}')  # read as the target decodes it
+    (tmp_path / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00 rm -rf")
+    (tmp_path / "latin.txt").write_bytes(b"caf\xe9")
+
+    def post(*fields: str) -> tuple[int, bytes]:
+        form = [arg for field in fields for arg in ("-F", field)]
+        done = curl("-sS", "-H", f"Authorization: {secret}", *form, "-w", "\n%{http_code}",
+                    f"{gateway.http_url}/echo/form-{marker}")
+        body, _, code = done.stdout.rpartition(b"\n")
+        return int(code), body
+
+    status, body = post("who=jane", f"notes=@{tmp_path / 'notes.txt'};type=text/plain",
+                        f"data=@{tmp_path / 'query.json'};type=application/json;filename=fine.json")
+    assert status == 403 and b"rm -rf" in body, body  # the JSON file's escape, decoded
+    status, body = post("who=jane", f"notes=@{tmp_path / 'notes.txt'};type=text/plain")
+    assert status == 200, body  # (before: 403, multipart/form-data refused whole)
+    seen = json.loads(body)
+    assert seen["path"] == f"/echo/form-{marker}" and "a text file" in seen["body"] and "jane" in seen["body"]
+    status, body = post("cmd=please rm   -rf /")
+    assert status == 403 and b"rm -rf" in body, body
+    for field, says in ((f"picture=@{tmp_path / 'image.png'};type=image/png", b"'image/png'"),
+                        (f"notes=@{tmp_path / 'latin.txt'};type=text/plain", b"not UTF-8")):
+        status, body = post("who=jane", field)
+        assert status == 403 and b"validation error, the gateway cannot read this request" in body, body
+        assert says in body, body
+    session = await api.session(session_id, has_event("e", "not UTF-8"))
+    recorded = events(session)
+    assert sum(k == "i" and f"POST /echo/form-{marker}" in t for k, t in recorded) == 5
+    assert sum(k == "o" and t.startswith("HTTP/1.1 200") for k, t in recorded) == 1
+
+
 async def test_input_rules_read_what_the_target_decodes(api, gateway, client, target):
     """A rule on the plain spelling catches it percent-encoded in the path, in a form, as a JSON escape, in a
     gzip body; a charset or an encoding the gateway does not decode is refused; the recording keeps the bytes."""

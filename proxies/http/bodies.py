@@ -10,10 +10,11 @@ import re
 from typing import TYPE_CHECKING, AsyncIterator, Mapping
 
 import aiohttp
+from aiohttp.base_protocol import BaseProtocol
 from aiohttp.http_exceptions import HttpProcessingError
 
 from gatewayd.masking import MAX_HELD_LINE, LineHold
-from proxies.http.messages import Unreadable, ascii_compatible, body_codec, decoded_body, is_json
+from proxies.http.messages import Unreadable, ascii_compatible, body_codec, decoded_body, form_part_reading, is_json
 
 if TYPE_CHECKING:
     from gatewayd.masking import Masker
@@ -103,6 +104,33 @@ async def chain(prefix: bytes, content: aiohttp.StreamReader, idle: float | None
         if not chunk:
             return
         yield chunk
+
+
+async def form_readings(content_type: str, content_encoding: str, body: bytes, complete: bool,
+                        limit: int) -> tuple[str, str]:
+    """What input rules read of a ``multipart/form-data`` body (parsed by aiohttp's multipart reader): the text as
+    sent, and its parts as the target decodes them (``form_part_reading``), one after the other. Unreadable: a
+    body not whole within ``limit`` bytes, compressed or that does not parse, or a part the rules cannot read."""
+    if content_encoding.strip().lower() not in ("", "identity"):
+        raise Unreadable(f"a multipart/form-data body in Content-Encoding {content_encoding.strip()[:40]!r}")
+    if not complete or len(body) > limit:
+        raise Unreadable("a multipart/form-data body longer than http.guard_body_bytes")
+    loop = asyncio.get_running_loop()
+    stream = aiohttp.StreamReader(BaseProtocol(loop), max(len(body), 65536), loop=loop)
+    stream.feed_data(body)
+    stream.feed_eof()
+    parts = []
+    try:
+        reader = aiohttp.MultipartReader({"Content-Type": content_type}, stream)
+        async for part in reader:
+            if not isinstance(part, aiohttp.BodyPartReader):
+                raise Unreadable("a multipart/form-data part that is multipart itself")
+            parts.append(form_part_reading(part.headers, bytes(await part.read()), limit))
+    except Unreadable:
+        raise
+    except Exception as exc:  # (its words may quote the body: not said)
+        raise Unreadable(f"a multipart/form-data body that does not parse ({type(exc).__name__})") from None
+    return body.decode("utf-8", "replace"), "\r\n".join(parts)
 
 
 def undone(body: bytes, codings: list[str], limit: int) -> tuple[bytes, bool]:

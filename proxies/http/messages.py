@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Iterable
 from urllib.parse import unquote, unquote_plus, urlsplit
 
+from multidict import MultiMapping
+
 COOKIE_NAME = "gatewayd_proxy_token"
 REDACTED = "[REDACTED]"
 
@@ -45,6 +47,9 @@ _CHARSET = re.compile(r";\s*charset\s*=\s*[\"']?([^\s;\"']*)", re.I)
 _LINK_PART = re.compile(r'"(?:[^"\\]|\\.)*"?|<([^>]*)>|(?:^|(?<=,))(\s*)([A-Za-z][A-Za-z0-9+.-]*://[^\s;,]+|/[^\s;,]*)')
 _REFRESH_URL = re.compile(r"(\burl\s*=\s*['\"]?)([^'\"\s;]+)", re.I)  # Refresh: 5; url=http://target/...
 _FORM_TYPE = re.compile(r"^\s*application/x-www-form-urlencoded\s*(?:;|$)", re.I)
+_FORM_DATA_TYPE = re.compile(r"^\s*multipart/form-data\s*(?:;|$)", re.I)
+_TEXT_PART_TYPE = re.compile(r"^\s*text/", re.I)  # with JSON, the file parts of a form the rules read
+_PART_CODINGS = frozenset({"", "7bit", "8bit", "binary", "identity"})  # a part's bytes as they are
 # the charsets of a request body the rules decode (the target's reading of ASCII is the same in all of them)
 _BODY_CODECS = {"utf-8": "utf-8", "utf8": "utf-8", "us-ascii": "utf-8", "ascii": "utf-8",
                 "iso-8859-1": "latin-1", "latin1": "latin-1", "latin-1": "latin-1"}
@@ -450,7 +455,7 @@ def unreadable_body(method: str, content_types: list[str], content_encodings: li
         return "a body without a Content-Type"
     if len(content_types) > 1:
         return "a body with several Content-Type headers"
-    if not is_text(content_types[0]):
+    if not is_text(content_types[0]) and not is_form_data(content_types[0]):
         return f"a body of type {content_types[0].strip()[:60]!r}, which the rules do not read as text"
     coding = ", ".join(content_encodings).strip().lower()
     if coding not in ("", "identity", "gzip", "x-gzip", "deflate"):
@@ -493,6 +498,37 @@ def body_readings(content_type: str, content_encoding: str, body: bytes, complet
         return text, _JSON_ESCAPE.sub(lambda found: chr(int(found[1], 16)) if found[1] else
                                       _JSON_ESCAPES[found[2]], text)
     return text, text
+
+
+def is_form_data(content_type: str | None) -> bool:
+    """Whether a request body of this content type is a form's ``multipart/form-data``."""
+    return bool(content_type) and _FORM_DATA_TYPE.match(content_type) is not None  # type: ignore[arg-type]
+
+
+def form_part_reading(headers: MultiMapping[str], data: bytes, limit: int) -> str:
+    """What input rules read of one part of a ``multipart/form-data`` body as the target decodes it: a text field
+    (no type: ``text/plain``) or a file of type ``text/*`` or JSON, in UTF-8, read as such a body is
+    (``body_readings``). Raises Unreadable for a part the rules cannot read (a binary file, another charset, a
+    transfer encoding, several types)."""
+    types = headers.getall("Content-Type", [])
+    if len(types) > 1:
+        raise Unreadable("a multipart/form-data part with several Content-Type headers")
+    part_type = types[0] if types else "text/plain"  # RFC 7578: a part without a type is text/plain
+    if _TEXT_PART_TYPE.match(part_type) is None and not is_json(part_type):
+        raise Unreadable(f"a multipart/form-data part of type {part_type.strip()[:60]!r}, which the rules do not "
+                         f"read as text")
+    for name in ("Content-Transfer-Encoding", "Content-Encoding"):
+        coding = ", ".join(headers.getall(name, [])).strip().lower()
+        if coding not in _PART_CODINGS:
+            raise Unreadable(f"a multipart/form-data part in {name} {coding[:40]!r}")
+    charset = _CHARSET.search(part_type)
+    if charset is not None and _BODY_CODECS.get(charset[1].lower()) != "utf-8":
+        raise Unreadable(f"a multipart/form-data part in charset {charset[1][:40]!r}")
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise Unreadable("a multipart/form-data part that is not UTF-8 text") from None
+    return body_readings(part_type, "", data, True, limit)[1]
 
 
 def _settled(text: str) -> str:

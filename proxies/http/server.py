@@ -48,6 +48,7 @@ from proxies.http.bodies import (
     RequestBodyError,
     TargetStalled,
     chain,
+    form_readings,
     mask_body,
     output_text,
     read_prefix,
@@ -77,6 +78,7 @@ from proxies.http.messages import (
     head_bytes,
     is_binary,
     is_event_stream,
+    is_form_data,
     is_text,
     is_websocket_upgrade,
     recorded_body,
@@ -312,9 +314,11 @@ class HttpListener(FastPath):
             except (ConnectionError, HttpProcessingError, aiohttp.ClientError) as exc:
                 return client_broke_off(policy, first_line, exc)
             if guarded:
+                content_type, coding = headers["Content-Type"], headers.get("Content-Encoding", "")
                 try:
-                    sent, decoded = body_readings(headers["Content-Type"], headers.get("Content-Encoding", ""), body,
-                                                  complete, self.guard_cap)
+                    sent, decoded = (await form_readings(content_type, coding, body, complete, self.guard_cap)
+                                     if is_form_data(content_type) else
+                                     body_readings(content_type, coding, body, complete, self.guard_cap))
                 except Unreadable as exc:
                     return await self._unreadable(policy, first_line, headers, total, str(exc))
                 text, readings = guard_readings(first_line, up_headers, sent, decoded)
