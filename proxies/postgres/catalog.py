@@ -214,7 +214,8 @@ async def read_catalog(settings: TargetSettings, name: str, dialer: Dialer, name
                     builtins[values[0]].add(values[1].decode())  # type: ignore[index, union-attr]
                 elif kind == _VIEWS and None not in values:
                     view, definition, relations = values
-                    views.append((int(view), definition.decode(), json.loads(relations)))  # type: ignore[arg-type, union-attr]
+                    views.append((int(view), definition.decode(),  # type: ignore[arg-type, union-attr]
+                                  json.loads(relations)))  # type: ignore[arg-type]
                 elif kind == _TYPES and None not in values[:5]:
                     oid, typtype, base, subtype, range_type, send = values
                     type_rows.append((int(oid), typtype.decode(), int(base), int(subtype),  # type: ignore[union-attr]

@@ -147,11 +147,34 @@ def _walk(node: Any, relations: list[tuple[str | None, str]], ctes: set[str]) ->
     return True
 
 
+MAX_PARSE_CHARS = 8192  # longer text is not parsed on the loop for what it calls: it counts as naming a column
+
+
+class Later:
+    """A statement's answer left until a result of it has a computed column (most have none, and reading what it
+    calls parses it: about 0.1 ms a statement): whether it runs what the database defined (``_runs_other``)."""
+
+    __slots__ = ("answer", "builtins", "text")
+
+    def __init__(self, text: str, builtins: BuiltIns) -> None:
+        self.text = text
+        self.builtins = builtins
+        self.answer: bool | None = None
+
+    def __bool__(self) -> bool:
+        if self.answer is None:
+            self.answer = _runs_other(self.text, self.builtins)
+        return self.answer
+
+
+Answer = bool | Later  # whether a statement may compute a value from a masked column (Later: worked out when asked)
+
+
 def _runs_other(text: str, builtins: BuiltIns | None) -> bool:
     """Whether ``text`` calls a function or an operator ``builtins`` does not hold, casts to one of its
     ``cast_types``, or names a table's whole row by its bare name; so too when either is not known: text that does
-    not parse or over ``MAX_SCAN_CHARS`` (not parsed on the loop), or ``builtins`` not read."""
-    if builtins is None or len(text) > MAX_SCAN_CHARS:
+    not parse or over ``MAX_PARSE_CHARS`` (not parsed on the loop), or ``builtins`` not read."""
+    if builtins is None or len(text) > MAX_PARSE_CHARS:
         return True
     return (_runs_other_cached(text, builtins) if len(text) <= SCAN_CACHE_CHARS
             else _reads_other(text, builtins))
@@ -267,12 +290,17 @@ def _custom_setting(text: str) -> bool:
     return False
 
 
-def _computes(text: str, normal: str, names: frozenset[str], builtins: BuiltIns | None) -> bool:
-    """Whether what ``text`` (``normal``: as normalized, in lower case) computes may carry a column of ``names``."""
+def _names_one(text: str, normal: str, names: frozenset[str]) -> bool:
+    """Whether ``text`` (``normal``: as normalized, in lower case) names a column of ``names``, a star in an
+    expression or a custom setting."""
     return (bool(names) and _naming(names).search(normal) is not None and not _catalog_only(text)
             or "*" in text and _inner_star(text)
-            or _SETTINGS.search(normal) is not None and _custom_setting(text)
-            or _runs_other(text, builtins))
+            or _SETTINGS.search(normal) is not None and _custom_setting(text))
+
+
+def _computes(text: str, normal: str, names: frozenset[str], builtins: BuiltIns | None) -> bool:
+    """Whether what ``text`` (``normal``: as normalized, in lower case) computes may carry a column of ``names``."""
+    return _names_one(text, normal, names) or _runs_other(text, builtins)
 
 
 View = tuple[int, str, dict[str, tuple[int, str, str, dict[str, int]]]]
@@ -400,28 +428,32 @@ class Mentions:
     def __init__(self, builtins: BuiltIns | None = None) -> None:
         self.watched: frozenset[str] = frozenset()  # the names the answers below were worked out for
         self.builtins = builtins  # what the target's catalog says is its own (None: not read, nothing is)
-        self.statements: dict[str, bool] = {}  # the protocol's prepared statements (Parse) -> what they name
+        self.statements: dict[str, Answer] = {}  # the protocol's prepared statements (Parse) -> what they name
         self.prepared: dict[str, bool] = {}  # SQL ``PREPARE`` names -> what their statement named
         self.cursors: dict[str, bool] = {}  # SQL ``DECLARE`` names -> what their statement named
 
-    def read(self, text: str, watched: Iterable[str]) -> bool:
-        """Whether the values ``text`` computes may carry a ``watched`` column's (lower-case names); the names it
-        defines (``PREPARE``, ``DECLARE``) are remembered with the answer."""
+    def read(self, text: str, watched: Iterable[str]) -> Answer:
+        """Whether the values ``text`` computes may carry a ``watched`` column's (lower-case names), or ``Later``
+        when that depends on what it calls alone; the names it defines (``PREPARE``, ``DECLARE``) are remembered
+        with the answer."""
         names = frozenset(watched)
         if names != self.watched:  # the rules changed: what was worked out for others is not known
             self.forget()
             self.watched = names
         normal = normalize_sql(text).lower()
-        found = _computes(text, normal, names, self.builtins)
+        builtins = self.builtins
+        found: Answer = (_names_one(text, normal, names) or builtins is None or len(text) > MAX_PARSE_CHARS
+                         or Later(text, builtins))
         defined = [(self.prepared if kind == "prepare" else self.cursors, name)
                    for kind, name in _DEFINES.findall(normal)]
-        self._define(defined, found)  # first: a FETCH may follow its DECLARE in the same text
-        if not found:
-            found = any(self.prepared.get(name, True) for name in _EXECUTE.findall(normal)) or any(
+        if defined:  # (what SQL names keeps a plain answer)
+            found = bool(found)
+            self._define(defined, found)  # first: a FETCH may follow its DECLARE in the same text
+        if found is not True and (any(self.prepared.get(name, True) for name in _EXECUTE.findall(normal)) or any(
                 self.cursors.get(words[-1], True) if (words := _WORD.findall(rest)) else True
-                for rest in _FETCH.findall(normal))
-            if found:
-                self._define(defined, found)
+                for rest in _FETCH.findall(normal))):
+            found = True
+            self._define(defined, found)
         return found
 
     def learn(self, builtins: BuiltIns | None) -> None:
@@ -448,6 +480,6 @@ class Mentions:
             self.statements.clear()
         self.statements[name] = self.read(text, watched)
 
-    def statement(self, name: str | None) -> bool:
+    def statement(self, name: str | None) -> Answer:
         """Whether statement ``name`` names a masked column; one the gateway did not see parsed does."""
         return True if name is None else self.statements.get(name, True)

@@ -10,7 +10,7 @@ cdef class Pending:
     cdef public object error
     cdef public object formats
     cdef public Py_ssize_t kind
-    cdef public bint mentions
+    cdef public object mentions
     cdef public object statement
 
 cdef class ClientSide:

@@ -96,7 +96,7 @@ from gatewayd.policy import check_input_later
 from proxies.postgres.fastpath import SETTING as FUNCTION_CALLS_SETTING
 from proxies.postgres.fastpath import call_sql, function_name
 from proxies.postgres.reading import SessionReading, StatementText
-from proxies.postgres.computed import Mentions
+from proxies.postgres.computed import Answer, Mentions
 from proxies.postgres.rendering import render_bind, render_params, render_row
 from proxies.postgres.rowmask import (
     FALLBACK,
@@ -152,13 +152,13 @@ class Pending:
     __slots__ = ("error", "formats", "kind", "mentions", "statement")
 
     def __init__(self, kind: int, formats: list[int] | None = None, error: bytes | None = None,
-                 statement: str | None = None, mentions: bool = False) -> None:
+                 statement: str | None = None, mentions: Answer = False) -> None:
         self.kind = kind
         self.formats = formats  # result column formats of an Execute (from its Bind)
         self.error = error  # ErrorResponse standing for a block (MARKER, substituted SYNC_POINT)
         self.statement = statement  # prepared statement of a Describe / Execute (for column types)
         # under a rule by column name, the statement described may compute a value from a masked column
-        # (computed.py): a column it computes is then masked whole
+        # (computed.py; ``Later``: asked when a result of it has a computed column): such a column is masked whole
         self.mentions = mentions
 
 
@@ -394,11 +394,9 @@ class ClientSide:
             self.pending.append(Pending(SYNC_POINT, error=blocked_error(verdict)))
             return BLOCK
         masker = policy.masker
-        if masker is not None and masker.columns and self.mentions.read(
-                query.sql if text is None else text, masker.columns):
-            self.pending.append(Pending(UNTIL_READY, mentions=True))
-        else:
-            self.pending.append(_UNTIL_READY)
+        answer = self.mentions.read(query.sql if text is None else text, masker.columns) if (
+            masker is not None and masker.columns) else False
+        self.pending.append(_UNTIL_READY if answer is False else Pending(UNTIL_READY, mentions=answer))
         return FORWARD
 
     @staticmethod
@@ -1076,8 +1074,11 @@ class ServerSide:
             if not own:
                 batch.add(message)
             return
-        described = self._describe(
-            message, head.mentions if head is not None else True) if render else None  # type: ignore[arg-type]
+        mentions: Answer = head.mentions if head is not None else True
+        if mentions is not False and mentions is not True:  # worked out only for a computed column
+            fields = message.fields  # type: ignore[attr-defined]
+            mentions = any(not field.table_oid for field in fields) and bool(mentions)
+        described = self._describe(message, mentions) if render else None  # type: ignore[arg-type]
         if own:
             pass
         elif described is None or described[4] is None:
@@ -1099,7 +1100,7 @@ class ServerSide:
                     if len(self.masks) >= DESCRIPTION_CACHE_SIZE * 64:
                         self.masks.clear()
                     self.masks[statement] = (self._desc_oids, self._desc_masks, message,  # type: ignore[assignment]
-                                             head.mentions)  # type: ignore[union-attr]
+                                             mentions)
             if self.recording and not own:  # (the recording stays what the client's messages asked for)
                 self.header = header
 
