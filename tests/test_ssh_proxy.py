@@ -1752,11 +1752,24 @@ async def test_agent_and_x11_forwarding_are_refused(gateway, api, target, tmp_pa
                                 capture_output=True, stdin=subprocess.DEVNULL, timeout=60)
         assert direct.returncode == 0 and b"agent=[/tmp/ssh-" in direct.stdout  # the target would allow it
         role = await api.role()
-        secret, _ = await api.credential(role)
-        result = subprocess.run(["ssh", "-o", "ForwardAgent=yes", "-o", "ForwardX11=yes", *ssh_args(gateway, secret,
-                                 command)[1:]], env=env, capture_output=True, stdin=subprocess.DEVNULL, timeout=60)
+        secret, session_id = await api.credential(role)
+        result = subprocess.run(["ssh", "-v", "-o", "ForwardAgent=yes", "-o", "ForwardX11=yes",
+                                 *ssh_args(gateway, secret, command)[1:]], env=env, capture_output=True,
+                                stdin=subprocess.DEVNULL, timeout=60)
         assert result.returncode == 0, result.stderr
         assert result.stdout == b"agent=[] display=[]\n"
+        # both requests were sent (auth-agent-req@openssh.com, x11-req), and each refusal is on the record
+        assert b"Requesting authentication agent forwarding" in result.stderr, result.stderr
+        assert b"Requesting X11 forwarding" in result.stderr, result.stderr
+        agent_refused = "agent forwarding refused: the gateway does not offer it"
+        x11_refused = "X11 forwarding refused: the gateway does not offer it"
+        session = await api.done_session(session_id)
+        assert sorted(of_kind(session, "e")) == [x11_refused, agent_refused], events(session)
+        for action, message in (("ssh.agent_forward", agent_refused), ("ssh.x11_forward", x11_refused)):
+            status, logs = await api("GET", f"/audit/logs?action={action}&outcome=failure")
+            assert status == 200 and [e["request_payload_redacted"]["session_id"] for e in logs["data"]
+                                      if e["error_message"] == message] == [session_id], logs["data"][:3]
+        assert "MIT-MAGIC-COOKIE" not in json.dumps(logs["data"]) + json.dumps(events(session))
     finally:
         os.kill(pid, signal.SIGTERM)
 

@@ -16,8 +16,9 @@ One ``GatewayConnection`` per client SSH connection:
    stderr held to their line ends and masked, file downloads refused);
    ``direct-tcpip`` (``ssh -L``) is relayed when the connection's
    ``settings.ssh.allow_port_forwarding`` is true and the connection has no
-   rules that would have to read it, and refused otherwise (``ForwardRelay``); agent and X11 forwarding are refused, and so are remote
-   forwarding (``ssh -R``) and forwarding to a unix socket, with an ``e`` event and an audit entry;
+   rules that would have to read it, and refused otherwise (``ForwardRelay``); agent and X11 forwarding
+   (``refuse_forwarding_requests``) are refused, and so are remote forwarding (``ssh -R``) and forwarding to a
+   unix socket, with an ``e`` event and an audit entry;
 4. the end -- the session is closed when the client goes away (even while
    the target login is still running), with the last exit status; once a
    connection carries more than one session channel (OpenSSH multiplexing),
@@ -40,9 +41,10 @@ import re
 import shlex
 import socket
 from collections import deque
-from typing import TYPE_CHECKING, Any, Coroutine, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, Mapping, Sequence
 
 import asyncssh
+from asyncssh.misc import map_handler_name
 
 from gatewayd import balance, metrics
 from gatewayd.access import looks_like_secret
@@ -508,6 +510,25 @@ class GatewayConnection(asyncssh.SSHServer):
         await run.close(exit_code=self.exit_code, error=error)
 
 
+# the channel requests for forwarding that the gateway does not offer: what is refused, and its audit action
+FORWARDING_REQUESTS = {"auth-agent-req@openssh.com": ("agent", "ssh.agent_forward"),
+                       "x11-req": ("X11", "ssh.x11_forward")}
+
+
+def refuse_forwarding_requests(chan: asyncssh.SSHServerChannel[bytes], refused: Callable[[str], None]) -> None:
+    """Refuse agent and X11 forwarding on ``chan``, telling ``refused`` the request's name.
+
+    asyncssh refuses them itself (the listener's options turn both off), but in the channel's own request handlers
+    (``_process_<request>_request``, looked up by name on the channel when the request comes), which no session
+    callback hears: the refusal left no trace. Those handlers are replaced on the instance; the client gets the
+    same failure as before. The request's contents (an X11 cookie) are not read."""
+    for request in FORWARDING_REQUESTS:
+        def handler(packet: object, request: str = request) -> bool:
+            refused(request)
+            return False
+        setattr(chan, f"_process_{map_handler_name(request)}_request", handler)
+
+
 class RefusedSession(asyncssh.SSHServerSession):  # type: ignore[type-arg]
     """A session channel that can only say why there is no target: message on stderr, exit 254."""
 
@@ -619,6 +640,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         # chunks); None: no mask rule, bytes pass as they come
         self.held: tuple[LineHold, LineHold] | None = None
         self.hold_timer: asyncio.TimerHandle | None = None
+        self.forwarding_refused: set[str] = set()  # the forwarding requests already on the record
         self.follow_rules()
 
     def follow_rules(self) -> None:
@@ -637,6 +659,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
     def connection_made(self, chan: asyncssh.SSHServerChannel[bytes]) -> None:  # type: ignore[override]
         self.chan = chan
         as_the_gateway_relays_it(chan)
+        refuse_forwarding_requests(chan, self._refuse_forwarding)
 
     def pty_requested(self, term_type: str, term_size: tuple[int, int, int, int], term_modes: Any) -> bool:
         self.pty = True
@@ -665,16 +688,27 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
 
     def subsystem_requested(self, subsystem: str) -> bool:
         if subsystem != "sftp":  # refused on the record, as a refused forward is
-            message = f'subsystem "{subsystem[:100]}" refused: the gateway relays only sftp'
-            self.policy.error(message)
-            owner = self.owner
-            assert owner.run is not None
-            self.tasks.spawn(owner.pipeline.audit(owner.run.live, "ssh.subsystem", message, outcome="failure",
-                                                  client_ip=owner.client_ip, subsystem=subsystem[:100]))
+            self._refused(f'subsystem "{subsystem[:100]}" refused: the gateway relays only sftp', "ssh.subsystem",
+                          subsystem=subsystem[:100])
             return False
         self.kind = "sftp"
         self.sftp = SftpObserver()
         return self._start(None, subsystem)
+
+    def _refuse_forwarding(self, request: str) -> None:
+        """An agent or X11 forwarding request (``ssh -A``, ``ssh -X``), refused: on the record once per channel."""
+        if request not in self.forwarding_refused:
+            self.forwarding_refused.add(request)
+            what, action = FORWARDING_REQUESTS[request]
+            self._refused(f"{what} forwarding refused: the gateway does not offer it", action)
+
+    def _refused(self, message: str, action: str, **payload: Any) -> None:
+        """A channel request the gateway refuses: an ``e`` event and a failure audit entry ``action``."""
+        self.policy.error(message)
+        owner = self.owner
+        assert owner.run is not None
+        self.tasks.spawn(owner.pipeline.audit(owner.run.live, action, message, outcome="failure",
+                                              client_ip=owner.client_ip, **payload))
 
     def data_received(self, data: bytes, datatype: int | None) -> None:  # type: ignore[override]
         if self.upchan is None or self.holding:
