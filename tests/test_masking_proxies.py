@@ -13,8 +13,10 @@ import asyncio
 import base64
 import gzip
 import json
+import os
 import random
 import subprocess
+import uuid
 
 import aiohttp
 import pytest
@@ -152,6 +154,60 @@ async def test_ssh_a_legacy_scp_download_is_refused_not_leaked(gateway, ssh_api,
     assert done.returncode != 0 and b"file download cannot be masked" in done.stderr, done
     got = (tmp_path / "got").read_text() if (tmp_path / "got").exists() else ""
     assert_clear_nowhere(gateway, got, await recorded(ssh_api, session_id))
+    status, logs = await ssh_api("GET", "/audit/logs?action=guardrail.block")  # on the record as rsync's and git's
+    assert status == 200 and [e["error_message"] for e in logs["data"] if e["request_payload_redacted"]["session_id"]
+                              == session_id] == [UNREADABLE_DOWNLOADS["mask"][1]]
+
+
+CARD_FILE = "c=4111; printf 'card %s 1111 1111\\n' \"$c 1111\""  # made on the target: no clear value here
+UNREADABLE_DOWNLOADS = {
+    "mask": (DETECTORS, "a file download cannot be masked: refused under this connection's mask rules"),
+    "output rule": ({"type": "pattern_match", "pattern_regex": "4111 1111"},
+                    "a file download that may be compressed cannot be checked: refused under this connection's "
+                    "output rules"),
+}
+
+
+@pytest.mark.parametrize("rule", UNREADABLE_DOWNLOADS, ids=list(UNREADABLE_DOWNLOADS))
+async def test_ssh_rsync_and_git_downloads_are_refused_not_leaked(gateway, ssh_api, ssh_target, tmp_path, rule):
+    """rsync's sender side (``rsync --server --sender``, and ``--daemon``, whose direction is chosen later) and
+    git's ``git-upload-pack`` / ``git-upload-archive`` send zlib-compressed bytes (``rsync -z``, a pack, a zip):
+    the masks and output rules cannot read them. They are refused as a legacy ``scp -f`` download is, with an
+    ``e`` event and a ``guardrail.block`` entry (they were "masked as a stream": the card went out unread)."""
+    output_rule, message = UNREADABLE_DOWNLOADS[rule]
+    role = await ssh_api.role()
+    await ssh_api.guardrail(role, output_rules=[output_rule])
+    directory = f"/tmp/masked-rsync-git-{uuid.uuid4().hex[:8]}"
+    ssh_target.ssh(f"mkdir -p {directory}/repo && cd {directory}/repo && {CARD_FILE} > card.txt && git init -q && "
+                   "git add card.txt && git -c user.name=t -c user.email=t@t commit -qm card")
+    transport = " ".join(["ssh", *CLIENT_OPTIONS, "-p", str(gateway.ssh_port)])
+    env = {**os.environ, "GIT_SSH_COMMAND": transport, "GIT_TERMINAL_PROMPT": "0"}
+    downloads = {
+        "rsync": ["rsync", "-z", "-e", transport, "{secret}@127.0.0.1:" + f"{directory}/repo/card.txt",
+                  str(tmp_path / "rsync.txt")],
+        "rsync daemon": ["rsync", "-z", "-e", transport, "{secret}@127.0.0.1::files/card.txt",
+                         str(tmp_path / "daemon.txt")],
+        "git clone": ["git", "clone", "-q", "{secret}@127.0.0.1:" + f"{directory}/repo", str(tmp_path / "clone")],
+        "git archive": ["git", "archive", "--format=zip", "-o", str(tmp_path / "archive.zip"),
+                        "--remote={secret}@127.0.0.1:" + f"{directory}/repo", "HEAD"],
+    }
+    try:
+        for name, command in downloads.items():
+            secret, session_id = await ssh_api.credential(role)
+            done = subprocess.run([part.replace("{secret}", secret) for part in command], capture_output=True,
+                                  env=env, stdin=subprocess.DEVNULL, timeout=60, cwd=tmp_path)
+            assert done.returncode != 0 and message.encode() in done.stderr, (name, done)
+            # nothing came (without the fix: the file, clear in the clone or the zip, after the download's 0)
+            assert not [path for path in tmp_path.rglob("*") if path.is_file() and path.stat().st_size], name
+            text = await recorded(ssh_api, session_id)
+            assert_clear_nowhere(gateway, text)
+            session = await ssh_api.done_session(session_id)
+            assert of_kind(session, "e") == [message], (name, events(session))
+            status, logs = await ssh_api("GET", "/audit/logs?action=guardrail.block")
+            assert status == 200 and [e["error_message"] for e in logs["data"]
+                                      if e["request_payload_redacted"]["session_id"] == session_id] == [message]
+    finally:
+        ssh_target.ssh(f"rm -rf {directory}")
 
 
 async def test_ssh_an_sftp_download_is_refused_an_upload_and_listing_pass(gateway, ssh_api, ssh_target, tmp_path):

@@ -17,7 +17,7 @@ from control.asciicast import render_asciicast
 from gatewayd.guardrails import RuleSet
 from gatewayd.models import GuardRail, Session, SessionEvent
 from proxies.ssh.lines import (END_OF_LINE, INTERRUPT_LINE, KILL_LINE, OUTPUT_OVERLAP, PASTE_END, PASTE_START, Chunk,
-                               Line, OutputWatch, ShellInput, stdin_protocol)
+                               Line, OutputWatch, ShellInput, download, stdin_protocol)
 from proxies.ssh.sftp import Request, SftpObserver, Unreadable, open_kind, status_packet
 from proxies.ssh.target import TargetError, TargetSettings
 
@@ -251,6 +251,20 @@ def test_only_one_simple_command_of_a_file_protocol_has_its_input_pass_unread():
                     "scp -t $(sh)", "scp -t `sh`", "$(sh)/scp -t x", "sftp-server | sh", "sftp-server < /dev/null",
                     "scp -t x && sh", "FOO=1 scp -t x"):
         assert stdin_protocol(command) is None, command
+
+
+def test_downloads_are_told_from_the_command_wherever_it_stands_in_it():
+    """What ``_unreadable_download`` refuses under mask or output rules: scp's source end, rsync's sender or daemon,
+    git's upload-pack and upload-archive, behind a path, ``sudo`` or ``sh -c`` too; not the upload ends."""
+    for command, kind in [("scp -f /x", "plain"), ("/usr/bin/scp -r -p -f /x", "plain"),
+                          ("rsync --server --sender -vlogDtprze.iLsfxCIvu . /tmp/x", "compressed"),
+                          ("rsync --server --daemon .", "compressed"), ("sudo rsync --server --sender . /x", "compressed"),
+                          ("git-upload-pack '/srv/r.git'", "compressed"), ("git upload-archive /r", "compressed"),
+                          ("sh -c 'git-upload-pack /r'", "compressed")]:
+        assert download(command) == kind, command
+    for command in ("scp -t /x", "rsync --server -vlogDtpre.iLsfxCIvu . /tmp/x", "git-receive-pack '/r'", "rsync a b",
+                    "rsyncd --server --sender", "echo hi"):
+        assert download(command) is None, command
 
 
 # --------------------------------------------------------------------------- sftp

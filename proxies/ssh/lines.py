@@ -50,6 +50,24 @@ def stdin_protocol(command: str) -> str | None:
     return "sftp" if found["sftp"] else "data"
 
 
+# a download's command, where it stands in the command line (a path, ``sudo``, ``sh -c '...'`` before it): what it
+# writes is a file's bytes. scp's source end plain; rsync's sender (``--daemon``: the direction is chosen later) and
+# git's upload-pack and upload-archive compressed (``rsync -z``, a pack's objects, a zip or tgz)
+_DOWNLOAD = re.compile(
+    r"(?:^|[\s;&|(`'\"/])(?:(?P<scp>scp)\s+(?:-\S+\s+)*-[A-Za-z]*f\b"
+    r"|rsync(?=\s)(?=.*\s--server\b)(?=.*\s--(?:sender|daemon)\b)|git[- ]upload-(?:pack|archive)\b)")
+
+
+def download(command: str) -> str | None:
+    """Whether an exec command sends the client a file protocol's download: "plain" for ``scp -f`` (the file's
+    bytes as they are, sized), "compressed" for ``rsync --server --sender`` (or ``--daemon``), ``git-upload-pack``
+    and ``git-upload-archive`` (what they send may be zlib-compressed: no rule can read it); None otherwise."""
+    found = _DOWNLOAD.search(command)
+    if found is None:
+        return None
+    return "plain" if found["scp"] else "compressed"
+
+
 @dataclass(slots=True, frozen=True)
 class Chunk:
     """Bytes to forward to the target unchanged."""

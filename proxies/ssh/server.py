@@ -49,7 +49,7 @@ from asyncssh.misc import map_handler_name
 from gatewayd import balance, metrics
 from gatewayd.access import looks_like_secret
 from gatewayd.audit import REDACTED
-from gatewayd.guardrails import AUDIT_INPUT_CHARS
+from gatewayd.guardrails import AUDIT_INPUT_CHARS, GuardVerdict
 from gatewayd.logs import scrub
 from gatewayd.masking import LineHold
 from gatewayd.pipeline import (
@@ -63,7 +63,7 @@ from gatewayd.pipeline import (
 )
 from gatewayd.tasks import BackgroundTasks, Withdrawable, until_empty
 from proxies.ssh import gcm
-from proxies.ssh.lines import Chunk, Line, OutputWatch, ShellInput, stdin_protocol
+from proxies.ssh.lines import Chunk, Line, OutputWatch, ShellInput, download, stdin_protocol
 from proxies.ssh.packets import as_the_gateway_relays_it, as_the_gateway_runs_it
 from proxies.ssh.sftp import SftpObserver, Unreadable, status_packet
 from proxies.ssh.target import (
@@ -80,7 +80,6 @@ from proxies.ssh.target import (
 if TYPE_CHECKING:
     from gatewayd.access import AccessGrant
     from gatewayd.dialer import Dialer
-    from gatewayd.guardrails import GuardVerdict
     from gatewayd.policy import SessionPolicy
 
 log = logging.getLogger("gatewayd.ssh")
@@ -98,8 +97,9 @@ LINE_CANCELLED = "the line was cancelled with Ctrl-C while it waited for its ver
 FORWARD_UNREADABLE = ("has guard rails, mask rules or an analysis, and a forwarded stream cannot be checked, masked or "
                       "recorded")
 UNMASKABLE_DOWNLOAD = "a file download cannot be masked: refused under this connection's mask rules"
+UNREADABLE_DOWNLOAD = ("a file download that may be compressed cannot be checked: refused under this connection's "
+                       "output rules")
 _SECRET_NAME = re.compile(r"PASS|PWD|SECRET|TOKEN|KEY|CRED|AUTH|COOKIE", re.IGNORECASE)  # an env value not recorded
-_SCP_DOWNLOAD = re.compile(r"^\s*(?:\S*/)?scp\s+(?:-\S+\s+)*-[A-Za-z]*f\b")  # the target's end of ``scp -O`` get
 
 
 def allows_port_forwarding(settings: dict[str, Any]) -> bool:
@@ -794,11 +794,8 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         if command is not None and (verdict := self.policy.input(command)):  # recorded, then checked
             await self._refuse(verdict)
             return
-        if command is not None and self.policy.masker is not None and _SCP_DOWNLOAD.match(command):
-            # the file goes out as one sized block: masking it would break the transfer, passing it would leak
-            message = UNMASKABLE_DOWNLOAD
-            self.policy.error(message)
-            self.end(message)
+        if command is not None and (verdict := self._unreadable_download(command)):
+            await self._refuse(verdict)
             return
         options: dict[str, Any] = {"command": command, "subsystem": subsystem, "env": env,
                                    "encoding": None, "window": WINDOW, "max_pktsize": MAX_PACKET}
@@ -839,6 +836,22 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         policy.record_input(shown)
         verdict = policy.check_input(said)
         return None if verdict is None else dataclasses.replace(verdict, text=shown[:AUDIT_INPUT_CHARS])
+
+    def _unreadable_download(self, command: str) -> GuardVerdict | None:
+        """The verdict on a file protocol's download (``download``) the session's rules cannot apply to, or None.
+
+        Under a mask rule every one is refused: the file goes out in sized blocks or compressed, so masking it
+        would break the transfer or miss the values, and passing it would leak. Under output rules a compressed
+        one (rsync's sender, git's pack or archive) is refused: the rules could not read it."""
+        kind = download(command)
+        if kind is None:
+            return None
+        text = command[:AUDIT_INPUT_CHARS]
+        if self.policy.masker is not None:
+            return GuardVerdict(False, UNMASKABLE_DOWNLOAD, "output", "mask", text=text)
+        if kind == "compressed" and self.policy.checks_output:
+            return GuardVerdict(False, UNREADABLE_DOWNLOAD, "output", "unreadable", text=text)
+        return None
 
     async def _refuse(self, verdict: GuardVerdict) -> None:
         """An exec the input rules block: message on stderr, exit 254, the target never sees it."""
