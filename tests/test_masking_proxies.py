@@ -210,6 +210,33 @@ async def test_ssh_rsync_and_git_downloads_are_refused_not_leaked(gateway, ssh_a
         ssh_target.ssh(f"rm -rf {directory}")
 
 
+async def test_ssh_a_download_running_when_a_mask_rule_comes_ends_before_its_next_bytes(gateway, ssh_api, ssh_target,
+                                                                                        tmp_path):
+    """A mask rule attached while an ``rsync -z`` download runs: its next bytes are not passed and it ends, refused
+    as one started under the rule is (it went on compressed, unread, and the card at the file's end arrived)."""
+    role = await ssh_api.role()
+    name = f"/tmp/masked-late-{uuid.uuid4().hex[:8]}.txt"
+    ssh_target.ssh(f"head -c 1500000 /dev/urandom | base64 > {name} && {CARD_FILE} >> {name}")
+    secret, session_id = await ssh_api.credential(role)
+    transport = " ".join(["ssh", *CLIENT_OPTIONS, "-p", str(gateway.ssh_port)])
+    rsync = subprocess.Popen(["rsync", "-z", "--bwlimit=100", "-e", transport, f"{secret}@127.0.0.1:{name}",
+                              str(tmp_path / "got")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
+    try:
+        await ssh_api.session(session_id, until=lambda session: len(of_kind(session, "o")) > 1)  # under way
+        await ssh_api.guardrail(role, output_rules=[DETECTORS])
+        _, stderr = await asyncio.to_thread(rsync.communicate, timeout=60)
+    finally:
+        rsync.kill()
+        ssh_target.ssh(f"rm -f {name}")
+    message = UNREADABLE_DOWNLOADS["mask"][1]
+    assert rsync.returncode != 0 and message.encode() in stderr, stderr
+    got = b"".join(path.read_bytes() for path in tmp_path.rglob("*") if path.is_file())
+    assert b"4111 1111 1111 1111" not in got
+    session = await ssh_api.done_session(session_id)
+    # rsync's sender on the target is ended too, as after an output rule's block
+    assert of_kind(session, "e") == [message, "the gateway sent SIGTERM to the command on the target: it ended"]
+
+
 async def test_ssh_an_sftp_download_is_refused_an_upload_and_listing_pass(gateway, ssh_api, ssh_target, tmp_path):
     secret, session_id = await masked_ssh(ssh_api, DETECTORS)
     directory = f"/tmp/masked-sftp-{session_id[:8]}"

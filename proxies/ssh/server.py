@@ -615,6 +615,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         self.upchan: asyncssh.SSHClientChannel[bytes] | None = None
         self.kind = ""
         self.command = ""
+        self.download: str | None = None  # an exec that is a file protocol's download (``lines.download``)
         self.pty = False
         self.shell: ShellInput | None = None  # the input rules' line reader (``follow_rules``)
         self.reads_lines = False  # a shell, or an exec whose input is not a file protocol (``stdin_protocol``)
@@ -679,6 +680,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         sftp-server's is read as the sftp subsystem's, scp's, rsync's and git's pass as data."""
         self.kind = "exec"
         self.command = command
+        self.download = download(command)
         protocol = stdin_protocol(command)
         if protocol == "sftp":
             self.sftp = SftpObserver()
@@ -794,7 +796,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         if command is not None and (verdict := self.policy.input(command)):  # recorded, then checked
             await self._refuse(verdict)
             return
-        if command is not None and (verdict := self._unreadable_download(command)):
+        if command is not None and (verdict := self._unreadable_download()):
             await self._refuse(verdict)
             return
         options: dict[str, Any] = {"command": command, "subsystem": subsystem, "env": env,
@@ -837,16 +839,17 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         verdict = policy.check_input(said)
         return None if verdict is None else dataclasses.replace(verdict, text=shown[:AUDIT_INPUT_CHARS])
 
-    def _unreadable_download(self, command: str) -> GuardVerdict | None:
-        """The verdict on a file protocol's download (``download``) the session's rules cannot apply to, or None.
+    def _unreadable_download(self) -> GuardVerdict | None:
+        """The verdict on this exec when it is a file protocol's download (``download``) the session's rules cannot
+        apply to, or None: checked before it starts, and at each chunk it sends (rules may come meanwhile).
 
         Under a mask rule every one is refused: the file goes out in sized blocks or compressed, so masking it
         would break the transfer or miss the values, and passing it would leak. Under output rules a compressed
         one (rsync's sender, git's pack or archive) is refused: the rules could not read it."""
-        kind = download(command)
+        kind = self.download
         if kind is None:
             return None
-        text = command[:AUDIT_INPUT_CHARS]
+        text = self.command[:AUDIT_INPUT_CHARS]
         if self.policy.masker is not None:
             return GuardVerdict(False, UNMASKABLE_DOWNLOAD, "output", "mask", text=text)
         if kind == "compressed" and self.policy.checks_output:
@@ -1033,12 +1036,13 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             return
         policy = self.policy
         self.follow_rules()
+        if self.download is not None and (verdict := self._unreadable_download()) is not None:
+            self._block(verdict)  # rules came while a download ran: its next bytes could not be read either
+            return
         if self.watch is not None:  # no decoding at all without output rules
             verdict = self.watch.check(data, 1 if datatype == STDERR else 0)
             if verdict is not None and not verdict.allowed:
-                self.owner.exit_code = BLOCKED_EXIT_CODE
-                self.end(verdict.message)
-                self.tasks.spawn(policy.blocked(verdict))
+                self._block(verdict)
                 return
         if self.held is not None:
             self._hold(data, 1 if datatype == STDERR else 0)
@@ -1049,6 +1053,12 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             policy.record_output(data)
             self.chan.write(data)
         self._check_drain()
+
+    def _block(self, verdict: GuardVerdict) -> None:
+        """What the target sent is refused by ``verdict``: not passed, the channel closed, the block recorded."""
+        self.owner.exit_code = BLOCKED_EXIT_CODE
+        self.end(verdict.message)
+        self.tasks.spawn(self.policy.blocked(verdict))
 
     def _hold(self, data: bytes, stream: int) -> None:
         """Under a mask rule: the complete lines are masked and sent, an unfinished one waits (``HOLD_IDLE``)."""
