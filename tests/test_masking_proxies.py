@@ -237,6 +237,38 @@ async def test_ssh_a_download_running_when_a_mask_rule_comes_ends_before_its_nex
     assert of_kind(session, "e") == [message, "the gateway sent SIGTERM to the command on the target: it ended"]
 
 
+async def test_ssh_an_sftp_file_open_for_reading_when_a_mask_rule_comes_is_read_no_further(gateway, ssh_api,
+                                                                                           ssh_target):
+    """A file opened (sftp ``get``) before a mask rule is attached: the channel ends at the target's next bytes,
+    which are not passed (its reads went on, and the card further in the file arrived clear)."""
+    import asyncssh
+
+    role = await ssh_api.role()
+    name = f"/tmp/masked-late-sftp-{uuid.uuid4().hex[:8]}.txt"
+    ssh_target.ssh(f"yes 'plain text' | head -c 100000 > {name} && {CARD_FILE} >> {name}")
+    secret, session_id = await ssh_api.credential(role)
+    got = b""
+    try:
+        async with asyncssh.connect("127.0.0.1", gateway.ssh_port, username=secret, known_hosts=None,
+                                    agent_path=None, client_keys=[]) as conn, conn.start_sftp_client() as sftp:
+            async with sftp.open(name, "rb") as handle:
+                got = await handle.read(100)
+                await ssh_api.guardrail(role, output_rules=[DETECTORS])
+                with pytest.raises((asyncssh.Error, OSError)):
+                    got += await handle.read()
+    except (asyncssh.Error, OSError):  # the channel was closed under the client: its handle's close fails too
+        pass
+    finally:
+        ssh_target.ssh(f"rm -f {name}")
+    assert got == b"plain text\n" * 9 + b"p"
+    message = UNREADABLE_DOWNLOADS["mask"][1]
+    session = await ssh_api.done_session(session_id)
+    assert of_kind(session, "e") == [message], events(session)
+    status, logs = await ssh_api("GET", "/audit/logs?action=guardrail.block")
+    assert status == 200 and [e["error_message"] for e in logs["data"] if e["request_payload_redacted"]["session_id"]
+                              == session_id] == [message]
+
+
 async def test_ssh_an_sftp_download_is_refused_an_upload_and_listing_pass(gateway, ssh_api, ssh_target, tmp_path):
     secret, session_id = await masked_ssh(ssh_api, DETECTORS)
     directory = f"/tmp/masked-sftp-{session_id[:8]}"

@@ -1028,6 +1028,10 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         if self.ended:
             return
         if self.sftp is not None and datatype is None:
+            if self.policy.masker is not None and self.sftp.reading:
+                # a mask rule came while a file was open for reading (opened under one, it is refused): not passed
+                self._block(GuardVerdict(False, UNMASKABLE_DOWNLOAD, "output", "mask"))
+                return
             for kind, line in self.sftp.server(data):
                 self._record(kind, line)
             self.chan.write(data)

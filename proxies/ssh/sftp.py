@@ -202,6 +202,11 @@ class SftpObserver:
         self._handles: dict[bytes, _Handle] = {}
 
     @property
+    def reading(self) -> bool:
+        """A file is open for reading (a ``get``): what the target sends may be its bytes."""
+        return any(handle.kind.startswith("get") for handle in self._handles.values())
+
+    @property
     def server_at_boundary(self) -> bool:
         """An answer injected towards the client now would not cut one of the target's packets."""
         return self._server.at_boundary or self._server.broken is not None
