@@ -284,6 +284,9 @@ async def test_ssh_an_sftp_download_is_refused_an_upload_and_listing_pass(gatewa
     assert not (tmp_path / "card.txt").exists() and b"up.txt" in done.stdout
     assert ssh_target.ssh(f"cat {directory}/up.txt && rm -r {directory}").stdout == b"uploaded\n"
     assert_clear_nowhere(gateway, done.stdout.decode(), await recorded(ssh_api, session_id))
+    status, logs = await ssh_api("GET", "/audit/logs?action=guardrail.block")  # on the record as scp -f's
+    assert status == 200 and [e["error_message"] for e in logs["data"] if e["request_payload_redacted"]["session_id"]
+                              == session_id] == [UNREADABLE_DOWNLOADS["mask"][1]]
 
 
 async def test_ssh_an_sftp_open_that_can_read_is_refused_whatever_else_its_flags_say(gateway, ssh_api, ssh_target):

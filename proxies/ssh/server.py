@@ -974,7 +974,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         sftp.refused(request_id)
         self._to_client_at_boundary(status_packet(request_id, message))
         self._tell(message)
-        self.policy.error(message)
+        self.tasks.spawn(self.policy.blocked(GuardVerdict(False, message, "output", "mask")))  # e event, audit entry
 
     def _record(self, kind: str, line: str) -> None:
         """One of the SFTP observer's records (``i`` an operation, ``o`` an answer, ``e`` a failure)."""
