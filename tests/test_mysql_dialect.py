@@ -244,3 +244,14 @@ def test_a_statement_that_may_compute_a_masked_column_is_told_from_one_that_cann
     not_mentions = ["SELECT COUNT(*) FROM t", "SELECT a * b FROM t", "SELECT 'ssn'", "SELECT NOW()", "SELECT @@port"]
     assert [MENTIONS in (derived_names(sql, watched=watched) or ()) for sql in mentions] == [True] * len(mentions)
     assert [MENTIONS in (derived_names(sql, watched=watched) or ()) for sql in not_mentions] == [False] * 5
+
+
+def test_the_routines_a_statement_creates_are_named() -> None:
+    """A session may create a stored routine and call it: its name (lower case), however it is written."""
+    from proxies.mysql.reading import created_routines
+
+    assert created_routines("CREATE OR REPLACE DEFINER=`root`@`%` AGGREGATE FUNCTION IF NOT EXISTS app.`Get_SSN` "
+                            "(i INT) RETURNS TEXT RETURN a.b") == {"get_ssn"}
+    assert created_routines('CREATE PROCEDURE "p"() SELECT 1; CREATE PACKAGE BODY pkg AS') == {"p", "pkg"}
+    assert created_routines("CREATE FUNCTION u RETURNS STRING SONAME 'u.so'") == {"u"}
+    assert created_routines("CREATE TABLE function_like (a INT)") == frozenset()

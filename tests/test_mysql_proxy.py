@@ -494,6 +494,31 @@ async def test_a_rule_by_column_name_masks_what_it_cannot_place_in_a_base_table(
     await nowhere_in_clear(api, session_id, repr(masked))
 
 
+async def test_a_stored_functions_result_is_masked_under_a_rule_by_column_name(api, gateway, mysql_target, people):
+    """A stored function's result is computed and names no column: a statement calling a routine the database
+    defines (read when the session starts, or created in it) counts as naming a masked column."""
+    mysql_target.sql("CREATE OR REPLACE FUNCTION masked_ssn(i INT) RETURNS TEXT READS SQL DATA "
+                     "RETURN (SELECT ssn FROM masked WHERE id = i)", "app")
+    role = await api.role()
+    await api.guardrail(role, output_rules=MASKS)
+    secret, session_id = await api.credential(role)
+
+    def work() -> tuple[list[Any], Any]:
+        with connect(gateway, secret) as connection:
+            query(connection, "CREATE OR REPLACE FUNCTION session_ssn(i INT) RETURNS TEXT READS SQL DATA "
+                              "RETURN (SELECT CONCAT('', ssn) FROM masked WHERE id = i)")
+            masked = [query(connection, sql) for sql in (
+                "SELECT masked_ssn(1)", "SELECT upper(masked_ssn(1))",
+                "SELECT CONCAT('', `app`.`masked_ssn`(1)) AS y", "SELECT LOWER(app.masked_ssn (1))",
+                "SELECT TRIM(session_ssn(1))")]
+            return masked, query(connection, "SELECT COUNT(*), 'a' FROM masked")
+
+    masked, plain = await in_thread(work)
+    assert masked == [[("*******6789",)]] * 5, masked
+    assert plain == [(2, "a")], plain  # computed, calling no routine: passes
+    await nowhere_in_clear(api, session_id, repr(masked))
+
+
 async def test_the_session_state_an_ok_reports_is_masked(api, gateway, people):
     """A client tracking the session's state (CLIENT_SESSION_TRACK) reads a system variable set from data in the
     OK packet: masked as a row's text (the gateway's own tracking still reads the target's values)."""

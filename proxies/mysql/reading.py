@@ -143,6 +143,37 @@ def derived_names(text: str, server: Server = mysql_scan.UNKNOWN_SERVER,
     return frozenset(names)
 
 
+_ROUTINE_KINDS = frozenset(("FUNCTION", "PROCEDURE", "PACKAGE"))
+
+
+def created_routines(text: str, server: Server = mysql_scan.UNKNOWN_SERVER) -> frozenset[str] | None:
+    """The names (lower case) of the stored routines ``text`` creates (``CREATE [OR REPLACE] [DEFINER = ...]
+    [AGGREGATE] FUNCTION|PROCEDURE|PACKAGE [BODY] [IF NOT EXISTS] [schema.]name``), under every reading: a
+    session may create one and call it.  None: the text cannot be read."""
+    names: set[str] = set()
+    try:
+        for mode in MODES:
+            for tokens in mysql_scan.readings(text, mode, server):
+                for statement in mysql_scan.statements(tokens):
+                    if statement[0].kind != WORD or statement[0].value.upper() != "CREATE":
+                        continue
+                    kind = next((i for i, token in enumerate(statement)
+                                 if token.kind == WORD and token.value.upper() in _ROUTINE_KINDS), None)
+                    if kind is None:
+                        continue
+                    i = kind + 1
+                    while i < len(statement) and statement[i].kind == WORD and statement[i].value.upper() in (
+                            "BODY", "IF", "NOT", "EXISTS"):
+                        i += 1
+                    if i + 2 < len(statement) and statement[i + 1].kind == OP and statement[i + 1].value == ".":
+                        i += 2  # schema.name
+                    if i < len(statement) and statement[i].kind in (WORD, NAME):
+                        names.add(statement[i].value.lower())
+    except mysql_scan.Unreadable:
+        return None
+    return frozenset(names)
+
+
 # server settings whose values are numbers, names or flags the server checks (or that only the server sets): a
 # value read from one of them (``SELECT @@max_allowed_packet``, as drivers do when they connect) or reported by the
 # session tracking carries no data

@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from gatewayd.guardrails import AUDIT_INPUT_CHARS, GuardVerdict
-from gatewayd.masking import FIXED
+from gatewayd.masking import FIXED, Masker
 from gatewayd.policy import check_input_later
 from proxies.mysql import codec
 from proxies.mysql.codec import (
@@ -63,6 +63,7 @@ from proxies.mysql.reading import (
     SessionReading,
     StatementText,
     MENTIONS,
+    created_routines,
     derived_names,
     may_switch,
     needs_probe,
@@ -108,7 +109,7 @@ class Statement:
         self.columns: list[Column] = []
         self.types: list[tuple[int, int]] | None = None
         self.long_data: dict[int, bytes] = {}
-        self.hidden: frozenset[str] | None = None  # its ``derived_names`` under ``read``, the mask rules then
+        self.hidden: frozenset[str] | None = None  # its ``derived_names`` under ``read``: the mask rules and routines
         self.read: object = None
 
 
@@ -184,6 +185,11 @@ class ClientSide:
         # ``KILL [QUERY] <id>`` of an id the gateway gave out -> the same KILL of the target's id (server.py)
         self.kill: Callable[[str], str | None] | None = None
         self.replacement: bytes | None = None  # FORWARD this instead of the packet read
+        # the names (lower case) of the target's stored routines, read when the session starts under a rule by
+        # column name and added to as the session creates some: a statement calling one counts as naming a
+        # masked column (its computed columns are masked whole); None: not known (every computed one is)
+        self.routines: frozenset[str] | None = None
+        self._watched: tuple[object, frozenset[str] | None, frozenset[str]] = (None, None, frozenset())
         self._probe_after = False  # the command at hand is followed by a probe of the settings
 
     # -- the outcome of one command
@@ -380,7 +386,22 @@ class ClientSide:
             return None
         if "@@" in text and reads_settings_only(text, self.reading.server):
             return SETTINGS_ONLY
-        return derived_names(text, self.reading.server, frozenset(masker.columns))
+        server = self.reading.server
+        lowered = text.lower()
+        if self.routines is not None and any(kind in lowered for kind in ("function", "procedure", "package")):
+            created = created_routines(text, server)
+            if created is None or created - self.routines:
+                self.routines = None if created is None else self.routines | created
+        hidden = derived_names(text, server, self._watched_names(masker))
+        return hidden if hidden is None or self.routines is not None else hidden | {MENTIONS}
+
+    def _watched_names(self, masker: Masker) -> frozenset[str]:
+        """The words that make a statement name a masked column: the rules' column names and the routines'."""
+        cached_masker, cached_routines, watched = self._watched
+        if cached_masker is not masker or cached_routines is not self.routines:
+            watched = frozenset(masker.columns) | (self.routines or frozenset())
+            self._watched = (masker, self.routines, watched)
+        return watched
 
     def _probe(self) -> None:
         """Ask the target for the settings after the command at hand, when it would not report their change."""
@@ -421,9 +442,10 @@ class ClientSide:
         statement.types = types
         statement.long_data = {}
         policy.record_input(render_params(statement.sql, values))
-        if statement.read is not policy.masker:  # worked out once per statement and rules
+        read = (policy.masker, self.routines)
+        if statement.read != read:  # worked out once per statement, rules and routines known
             statement.hidden = self._hidden(statement.sql)
-            statement.read = policy.masker
+            statement.read = read
         self.pending.append(Pending(RESULT, binary=True, statement=statement,
                                     switches=self._switches(statement.sql), hidden=statement.hidden))
         self._probe()
@@ -874,9 +896,9 @@ class ServerSide:
     def _placed(self, column: Column, hidden: frozenset[str] | None) -> bool:
         """Whether ``column`` is established as a base table's column (a rule by column name then reads its
         source, ``org_name``), a server setting's value, or a value computed by a statement that names no column
-        a rule masks, no user variable and no ``*`` (``COUNT(*)``, ``NOW()``, ``SELECT 1``): MariaDB names the
-        alias for a derived table's, a CTE's or a view's column, and no table for a computed one (an expression,
-        a UNION)."""
+        a rule masks, no user variable, no ``*`` and no stored routine (``COUNT(*)``, ``NOW()``, ``SELECT 1``):
+        MariaDB names the alias for a derived table's, a CTE's or a view's column, and no table for a computed one
+        (an expression, a UNION)."""
         if hidden is SETTINGS_ONLY:
             return True
         if not column.org_table and not column.org_name:  # computed

@@ -78,6 +78,7 @@ from proxies.mysql.upstream import (
     end_on_target,
     kill_query,
     quit_link,
+    stored_routines,
 )
 
 if TYPE_CHECKING:
@@ -388,7 +389,9 @@ class ClientConnection:
         masker = policy.masker
         if masker is not None and masker.columns:  # where a rule by column name may place a result's columns
             try:
-                server.tables = await base_tables(link, name, reading.names_codec or "latin-1")
+                tables = await base_tables(link, name, reading.names_codec or "latin-1")
+                client.routines = await stored_routines(link, name, reading.names_codec or "latin-1")
+                server.tables = tables
             except UpstreamError as exc:
                 log.warning("the base tables of connection %s could not be read (%s): every result column is masked "
                             "whole under its rules by column name", name, exc.message)

@@ -350,15 +350,27 @@ async def _set_up_tracking(link: TargetLink, name: str) -> None:
 
 BASE_TABLES_STATEMENT = ("SELECT TABLE_SCHEMA, TABLE_NAME FROM information_schema.TABLES WHERE TABLE_TYPE IN "
                          "('BASE TABLE', 'SYSTEM VERSIONED', 'SEQUENCE') LIMIT 100000")
+ROUTINES_STATEMENT = "SELECT ROUTINE_SCHEMA, ROUTINE_NAME FROM information_schema.ROUTINES LIMIT 100000"
+
+
+async def _catalog(link: TargetLink, name: str, statement: str, encoding: str) -> set[tuple[str, str]]:
+    """The (schema, name) pairs ``statement`` reads from the target's catalog, decoded in ``encoding``."""
+    rows, _ = await simple_query(link.stream, statement, name, link.capabilities)
+    return {((schema or b"").decode(encoding, "replace"), (table or b"").decode(encoding, "replace"))
+            for schema, table in rows}
 
 
 async def base_tables(link: TargetLink, name: str, encoding: str) -> set[tuple[str, str]]:
     """The target's base tables (schema, name) its user can see: where a rule by column name may place a result
     column (proxies/mysql/relay.py); views are not among them (a view's column names no source).  ``encoding``:
     the session's character_set_results, which the names come in."""
-    rows, _ = await simple_query(link.stream, BASE_TABLES_STATEMENT, name, link.capabilities)
-    return {((schema or b"").decode(encoding, "replace"), (table or b"").decode(encoding, "replace"))
-            for schema, table in rows}
+    return await _catalog(link, name, BASE_TABLES_STATEMENT, encoding)
+
+
+async def stored_routines(link: TargetLink, name: str, encoding: str) -> frozenset[str]:
+    """The names (lower case) of the stored functions, procedures and packages the target's user can see: a
+    statement calling one counts as naming a column a rule masks (proxies/mysql/relay.py)."""
+    return frozenset(routine.lower() for _, routine in await _catalog(link, name, ROUTINES_STATEMENT, encoding))
 
 
 async def kill_query(link: TargetLink, timeout: float = 5.0) -> None:
