@@ -519,6 +519,24 @@ async def test_a_stored_functions_result_is_masked_under_a_rule_by_column_name(a
     await nowhere_in_clear(api, session_id, repr(masked))
 
 
+async def test_a_procedures_results_are_masked_under_a_rule_by_column_name(api, gateway, mysql_target, people):
+    """``CALL``'s results come from statements the gateway never reads: a computed column (``upper(ssn)``) is
+    masked whole, a base column renamed (``ssn AS x``) by its source's name."""
+    mysql_target.sql("CREATE OR REPLACE PROCEDURE masked_rows() "
+                     "SELECT upper(ssn), ssn AS x, id FROM masked WHERE id = 1", "app")
+    role = await api.role()
+    await api.guardrail(role, output_rules=MASKS)
+    secret, session_id = await api.credential(role)
+
+    def work() -> list[Any]:
+        with connect(gateway, secret) as connection:
+            return [query(connection, sql) for sql in ("CALL masked_rows()", "CALL `app`.masked_rows")]
+
+    called = await in_thread(work)
+    assert called == [[("*******6789", "*******6789", None)]] * 2, called  # nothing placed: the number id NULL
+    await nowhere_in_clear(api, session_id, repr(called))
+
+
 async def test_the_session_state_an_ok_reports_is_masked(api, gateway, people):
     """A client tracking the session's state (CLIENT_SESSION_TRACK) reads a system variable set from data in the
     OK packet: masked as a row's text (the gateway's own tracking still reads the target's values)."""
