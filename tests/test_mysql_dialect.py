@@ -235,12 +235,14 @@ def test_a_prepared_string_is_read_under_every_sql_mode() -> None:
 
 def test_a_statement_that_may_compute_a_masked_column_is_told_from_one_that_cannot() -> None:
     """Under a rule by column name a computed result column (no table) is masked whole when its statement names a
-    masked column, a user variable (set from data before) or selects a star; COUNT(*), a product, a literal not."""
+    masked column, a variable (set from data before; a server setting's not) or selects a star; COUNT(*), a
+    product, a literal not."""
     from proxies.mysql.reading import MENTIONS, derived_names
 
     watched = frozenset({"ssn"})
     mentions = ["SELECT MAX(ssn) FROM t", "SELECT CONCAT(`SSN`) FROM t", "SELECT @v", "SELECT t.* FROM t",
-                "SELECT * FROM t UNION SELECT 1", "SELECT DISTINCT * FROM t", "SELECT 1, * FROM t"]
+                "SELECT * FROM t UNION SELECT 1", "SELECT DISTINCT * FROM t", "SELECT 1, * FROM t",
+                "SELECT @@session.default_master_connection"]
     not_mentions = ["SELECT COUNT(*) FROM t", "SELECT a * b FROM t", "SELECT 'ssn'", "SELECT NOW()", "SELECT @@port"]
     assert [MENTIONS in (derived_names(sql, watched=watched) or ()) for sql in mentions] == [True] * len(mentions)
     assert [MENTIONS in (derived_names(sql, watched=watched) or ()) for sql in not_mentions] == [False] * 5

@@ -537,6 +537,36 @@ async def test_a_procedures_results_are_masked_under_a_rule_by_column_name(api, 
     await nowhere_in_clear(api, session_id, repr(called))
 
 
+async def test_a_variable_set_from_data_is_masked_under_a_rule_by_column_name(api, gateway, people):
+    """A user variable or a system variable set from a masked column carries it: read back (``SELECT @v``,
+    ``SELECT @@name``, ``SHOW VARIABLES``, ``information_schema``) it is masked whole; so is what ``JSON_TABLE``
+    or ``VALUES`` makes of a masked column. A server setting's value passes."""
+    role = await api.role()
+    await api.guardrail(role, output_rules=MASKS)
+    secret, session_id = await api.credential(role)
+    reads = ("SELECT @v", "SELECT CONCAT(@v, '')", "SHOW USER_VARIABLES",
+             "SELECT VARIABLE_VALUE FROM information_schema.USER_VARIABLES WHERE VARIABLE_NAME = 'v'",
+             "SELECT @@default_master_connection", "SELECT CONCAT(@@session.default_master_connection) AS c",
+             "SHOW VARIABLES LIKE 'default_master_connection'",
+             "SELECT VARIABLE_VALUE FROM information_schema.SESSION_VARIABLES "
+             "WHERE VARIABLE_NAME = 'default_master_connection'",
+             "SELECT CONCAT(VARIABLE_VALUE) FROM `information_schema`.`user_variables` WHERE VARIABLE_NAME = 'v'",
+             "SELECT * FROM JSON_TABLE((SELECT JSON_ARRAY(ssn) FROM masked WHERE id = 1), '$[*]' "
+             "COLUMNS (x TEXT PATH '$')) j",
+             "SELECT * FROM (VALUES ((SELECT ssn FROM masked WHERE id = 1))) v")
+
+    def work() -> tuple[list[Any], Any]:
+        with connect(gateway, secret) as connection:
+            query(connection, "SELECT ssn INTO @v FROM masked WHERE id = 1")
+            query(connection, "SET SESSION default_master_connection = (SELECT ssn FROM masked WHERE id = 1)")
+            return [query(connection, sql) for sql in reads], query(connection, "SELECT @@autocommit, 7")
+
+    masked, setting = await in_thread(work)
+    assert all("*******6789" in repr(rows) for rows in masked), masked
+    assert setting == [(0, 7)], setting  # PyMySQL turns autocommit off
+    await nowhere_in_clear(api, session_id, repr(masked))
+
+
 async def test_the_session_state_an_ok_reports_is_masked(api, gateway, people):
     """A client tracking the session's state (CLIENT_SESSION_TRACK) reads a system variable set from data in the
     OK packet: masked as a row's text (the gateway's own tracking still reads the target's values)."""

@@ -116,7 +116,7 @@ def may_switch(tokens: list[Token]) -> bool:
 _UNSEEN_STATEMENTS = frozenset(("CALL", "EXECUTE"))  # their results come from statements the gateway never reads
 
 
-MENTIONS = "\0mentions"  # in ``derived_names``: the text names a watched column, a user variable or ``*``
+MENTIONS = "\0mentions"  # in ``derived_names``: the text names a watched column, a variable or ``*``
 
 
 def derived_names(text: str, server: Server = mysql_scan.UNKNOWN_SERVER,
@@ -125,8 +125,9 @@ def derived_names(text: str, server: Server = mysql_scan.UNKNOWN_SERVER,
     d``), a CTE's name (``c AS (...)``), and, to be safe, every name after ``AS`` or ``)``, under every
     ``sql_mode`` reading.  A result column MariaDB says comes from such a "table" comes from a query, not from
     the base table of that name.  With ``MENTIONS`` when the text names a ``watched`` column (lower case), a user
-    variable (``@v``: set from data earlier) or selects ``*`` (``t.*``): a value it computes may then carry
-    such a column.  None: the results may come from statements the gateway does not read (``CALL``,
+    variable (``@v``: set from data earlier), a system variable but the ``SETTINGS`` (``SET SESSION
+    default_master_connection = (SELECT ssn ...)``) or a table of variables, or selects ``*`` (``t.*``): a value
+    it computes may then carry such a column.  None: the results may come from statements the gateway does not read (``CALL``,
     ``EXECUTE``), or the text cannot be read."""
     names: set[str] = set()
     try:
@@ -194,6 +195,12 @@ SETTINGS = frozenset((
 ))
 
 
+# the catalog's tables of variables' values (information_schema, performance_schema): a variable may be set from
+# data, so its value there is data (``SET @v = ...``, ``SET SESSION default_master_connection = ...``)
+VARIABLE_TABLES = frozenset(("user_variables", "session_variables", "global_variables", "variables_by_thread",
+                             "user_variables_by_thread", "persisted_variables"))
+
+
 def reads_settings_only(text: str, server: Server = mysql_scan.UNKNOWN_SERVER) -> bool:
     """Whether ``text`` only selects server ``SETTINGS`` (``SELECT @@name [AS alias], ... [LIMIT n]``) under
     every reading: its results carry no data, though no column of them has a table."""
@@ -239,16 +246,17 @@ def _settings_only(tokens: list[Token]) -> bool:
 
 
 def _mentions(tokens: list[Token], watched: frozenset[str]) -> bool:
-    """Whether ``tokens`` name a ``watched`` column, a user variable or select ``*`` (``derived_names``)."""
+    """Whether ``tokens`` name a ``watched`` column, a variable (but a server setting's) or a table of them, or
+    select ``*`` (``derived_names``)."""
     previous: Token | None = None
     for token in tokens:
         kind = token.kind
         if kind == WORD or kind == NAME:
-            if token.value.lower() in watched:
+            if token.value.lower() in watched or token.value.lower() in VARIABLE_TABLES:
                 return True
         elif kind == VAR:
-            if not token.value.startswith("@@"):
-                return True
+            if not token.value.startswith("@@") or token.value[2:].lower().rpartition(".")[2] not in SETTINGS:
+                return True  # a user variable, or a system variable that may hold data (``SET SESSION x = ...``)
         elif kind == OP and token.value == "*" and previous is not None and (
                 previous.kind == OP and previous.value in (",", ".")
                 or previous.kind == WORD and previous.value.upper() in ("SELECT", "DISTINCT", "ALL", "DISTINCTROW")):

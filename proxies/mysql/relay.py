@@ -60,6 +60,7 @@ from proxies.mysql.reading import (
     CODECS,
     RESULT_CODECS,
     SETTINGS,
+    VARIABLE_TABLES,
     SessionReading,
     StatementText,
     MENTIONS,
@@ -895,18 +896,23 @@ class ServerSide:
 
     def _placed(self, column: Column, hidden: frozenset[str] | None) -> bool:
         """Whether ``column`` is established as a base table's column (a rule by column name then reads its
-        source, ``org_name``), a server setting's value, or a value computed by a statement that names no column
-        a rule masks, no user variable, no ``*`` and no stored routine (``COUNT(*)``, ``NOW()``, ``SELECT 1``):
-        MariaDB names the alias for a derived table's, a CTE's or a view's column, and no table for a computed one
-        (an expression, a UNION)."""
+        source, ``org_name``; a variable's value in the catalog is not: a session may set it from data), a server
+        setting's value, or a value computed by a statement that names no column a rule masks, no variable but a
+        setting, no ``*`` and no stored routine (``COUNT(*)``, ``NOW()``, ``SELECT 1``): MariaDB names the alias
+        for a derived table's, a CTE's or a view's column, and no table for a computed one (an expression, a
+        UNION)."""
         if hidden is SETTINGS_ONLY:
             return True
         if not column.org_table and not column.org_name:  # computed
             return hidden is not None and MENTIONS not in hidden
         tables = self.tables
+        schema = column.schema.lower()
+        if (schema in ("information_schema", "performance_schema") and column.org_name.upper() == "VARIABLE_VALUE"
+                and column.org_table.lower() in VARIABLE_TABLES):
+            return False  # a variable's value (SHOW VARIABLES, SHOW USER_VARIABLES): set from data, it is data
         return (hidden is not None and tables is not None and bool(column.org_table) and bool(column.org_name)
                 and column.org_table.lower() not in hidden and self.reading.names_codec is not None
-                and (column.schema.lower() == "information_schema" or (column.schema, column.org_table) in tables))
+                and (schema == "information_schema" or (column.schema, column.org_table) in tables))
 
     def _decoded(self, values: list[bytes | None], binary: bool) -> tuple[list[str | None], list[int]]:
         """The row's cells as text, each in its column's character set, and the cells that cannot be decoded
