@@ -248,12 +248,17 @@ def test_a_statement_that_may_compute_a_masked_column_is_told_from_one_that_cann
     assert [MENTIONS in (derived_names(sql, watched=watched) or ()) for sql in not_mentions] == [False] * 5
 
 
-def test_the_routines_a_statement_creates_are_named() -> None:
-    """A session may create a stored routine and call it: its name (lower case), however it is written."""
-    from proxies.mysql.reading import created_routines
+def test_the_routines_views_and_tables_a_statement_makes_are_named() -> None:
+    """A session may make a stored routine, a view or a table and read a masked column through it: its name (lower
+    case), however it is written."""
+    from proxies.mysql.reading import created_names
 
-    assert created_routines("CREATE OR REPLACE DEFINER=`root`@`%` AGGREGATE FUNCTION IF NOT EXISTS app.`Get_SSN` "
-                            "(i INT) RETURNS TEXT RETURN a.b") == {"get_ssn"}
-    assert created_routines('CREATE PROCEDURE "p"() SELECT 1; CREATE PACKAGE BODY pkg AS') == {"p", "pkg"}
-    assert created_routines("CREATE FUNCTION u RETURNS STRING SONAME 'u.so'") == {"u"}
-    assert created_routines("CREATE TABLE function_like (a INT)") == frozenset()
+    assert created_names("CREATE OR REPLACE DEFINER=`root`@`%` AGGREGATE FUNCTION IF NOT EXISTS app.`Get_SSN` "
+                         "(i INT) RETURNS TEXT RETURN a.b") == {"get_ssn"}
+    assert created_names('CREATE PROCEDURE "p"() SELECT 1; CREATE PACKAGE BODY pkg AS') == {"p", "pkg"}
+    assert created_names("CREATE FUNCTION u RETURNS STRING SONAME 'u.so'") == {"u"}
+    assert created_names("CREATE ALGORITHM=MERGE SQL SECURITY INVOKER VIEW v AS SELECT x.ssn FROM x") == {"v"}
+    assert created_names("CREATE TEMPORARY TABLE IF NOT EXISTS t AS SELECT ssn AS q FROM x") == {"t"}
+    assert created_names("RENAME TABLE a TO app.b, c TO `D`") == {"b", "d"}
+    assert created_names("ALTER TABLE a RENAME e") == {"e"}
+    assert created_names("CREATE INDEX i ON t (a); DROP VIEW v") == frozenset()

@@ -567,6 +567,35 @@ async def test_a_variable_set_from_data_is_masked_under_a_rule_by_column_name(ap
     await nowhere_in_clear(api, session_id, repr(masked))
 
 
+async def test_a_value_computed_from_a_view_is_masked_under_a_rule_by_column_name(api, gateway, mysql_target,
+                                                                                  people):
+    """A view's column names no source: masked whole, and so is a value a statement computes from it (the view's
+    name counts as naming a masked column), for the target's views and those the session makes or renames; a
+    table the session fills from a masked column likewise."""
+    mysql_target.sql("CREATE OR REPLACE VIEW masked_ssn_view AS SELECT id, ssn AS x FROM masked", "app")
+    role = await api.role()
+    await api.guardrail(role, output_rules=MASKS)
+    secret, session_id = await api.credential(role)
+
+    def work() -> tuple[list[Any], Any]:
+        with connect(gateway, secret) as connection:
+            query(connection, "CREATE OR REPLACE VIEW session_view AS SELECT id, upper(ssn) AS u FROM masked;"
+                              "CREATE OR REPLACE VIEW renamed_view AS SELECT ssn AS r FROM masked WHERE id = 1")
+            query(connection, "DROP VIEW IF EXISTS later_view; RENAME TABLE renamed_view TO later_view")
+            query(connection, "CREATE TEMPORARY TABLE session_copy AS SELECT ssn AS q FROM masked WHERE id = 1")
+            masked = [query(connection, sql) for sql in (
+                "SELECT x FROM masked_ssn_view WHERE id = 1", "SELECT CONCAT(x) FROM masked_ssn_view WHERE id = 1",
+                "SELECT LOWER(v.x) AS y FROM `app`.`masked_ssn_view` v WHERE id = 1",
+                "SELECT TRIM(u) FROM session_view WHERE id = 1", "SELECT CONCAT(r, '') FROM later_view",
+                "SELECT q FROM session_copy", "SELECT CONCAT(q) FROM session_copy")]
+            return masked, query(connection, "SELECT COUNT(*) FROM masked")
+
+    masked, plain = await in_thread(work)
+    assert masked == [[("*******6789",)]] * 7, masked
+    assert plain == [(2,)], plain  # computed from a base table, naming no masked column: passes
+    await nowhere_in_clear(api, session_id, repr(masked))
+
+
 async def test_the_session_state_an_ok_reports_is_masked(api, gateway, people):
     """A client tracking the session's state (CLIENT_SESSION_TRACK) reads a system variable set from data in the
     OK packet: masked as a row's text (the gateway's own tracking still reads the target's values)."""

@@ -144,32 +144,52 @@ def derived_names(text: str, server: Server = mysql_scan.UNKNOWN_SERVER,
     return frozenset(names)
 
 
-_ROUTINE_KINDS = frozenset(("FUNCTION", "PROCEDURE", "PACKAGE"))
+_CREATED_KINDS = frozenset(("FUNCTION", "PROCEDURE", "PACKAGE", "VIEW", "TABLE", "SEQUENCE"))
+_RENAMED_KINDS = frozenset(("TABLE", "TABLES", "COLUMN", "INDEX", "KEY", "TO", "AS", "USER", "CONSTRAINT"))
 
 
-def created_routines(text: str, server: Server = mysql_scan.UNKNOWN_SERVER) -> frozenset[str] | None:
-    """The names (lower case) of the stored routines ``text`` creates (``CREATE [OR REPLACE] [DEFINER = ...]
-    [AGGREGATE] FUNCTION|PROCEDURE|PACKAGE [BODY] [IF NOT EXISTS] [schema.]name``), under every reading: a
-    session may create one and call it.  None: the text cannot be read."""
+def _name_at(statement: list[Token], i: int) -> str | None:
+    """The name (lower case) at ``statement[i]``, the last part of a qualified one (``schema.name``)."""
+    if i + 2 < len(statement) and statement[i + 1].kind == OP and statement[i + 1].value == ".":
+        i += 2
+    if i < len(statement) and statement[i].kind in (WORD, NAME):
+        return statement[i].value.lower()
+    return None
+
+
+def created_names(text: str, server: Server = mysql_scan.UNKNOWN_SERVER) -> frozenset[str] | None:
+    """The names (lower case) ``text`` gives to stored routines, views and tables, under every reading: ``CREATE
+    [OR REPLACE] [TEMPORARY] [DEFINER = ...] [AGGREGATE] FUNCTION|PROCEDURE|PACKAGE [BODY]|VIEW|TABLE|SEQUENCE
+    [IF NOT EXISTS] name``, and every name after ``RENAME``, ``TO`` or ``AS`` in ``RENAME`` and ``ALTER``: a
+    session may make one and read a masked column through it.  None: the text cannot be read."""
     names: set[str] = set()
     try:
         for mode in MODES:
             for tokens in mysql_scan.readings(text, mode, server):
                 for statement in mysql_scan.statements(tokens):
-                    if statement[0].kind != WORD or statement[0].value.upper() != "CREATE":
+                    first = statement[0].value.upper() if statement[0].kind == WORD else ""
+                    if first in ("RENAME", "ALTER"):
+                        for i, token in enumerate(statement):
+                            if token.kind == WORD and token.value.upper() in ("RENAME", "TO", "AS") and not (
+                                    i + 1 < len(statement) and statement[i + 1].kind == WORD
+                                    and statement[i + 1].value.upper() in _RENAMED_KINDS):
+                                name = _name_at(statement, i + 1)
+                                if name is not None:
+                                    names.add(name)
+                        continue
+                    if first != "CREATE":
                         continue
                     kind = next((i for i, token in enumerate(statement)
-                                 if token.kind == WORD and token.value.upper() in _ROUTINE_KINDS), None)
+                                 if token.kind == WORD and token.value.upper() in _CREATED_KINDS), None)
                     if kind is None:
                         continue
                     i = kind + 1
                     while i < len(statement) and statement[i].kind == WORD and statement[i].value.upper() in (
                             "BODY", "IF", "NOT", "EXISTS"):
                         i += 1
-                    if i + 2 < len(statement) and statement[i + 1].kind == OP and statement[i + 1].value == ".":
-                        i += 2  # schema.name
-                    if i < len(statement) and statement[i].kind in (WORD, NAME):
-                        names.add(statement[i].value.lower())
+                    name = _name_at(statement, i)
+                    if name is not None:
+                        names.add(name)
     except mysql_scan.Unreadable:
         return None
     return frozenset(names)

@@ -64,7 +64,7 @@ from proxies.mysql.reading import (
     SessionReading,
     StatementText,
     MENTIONS,
-    created_routines,
+    created_names,
     derived_names,
     may_switch,
     needs_probe,
@@ -110,7 +110,7 @@ class Statement:
         self.columns: list[Column] = []
         self.types: list[tuple[int, int]] | None = None
         self.long_data: dict[int, bytes] = {}
-        self.hidden: frozenset[str] | None = None  # its ``derived_names`` under ``read``: the mask rules and routines
+        self.hidden: frozenset[str] | None = None  # its ``derived_names`` under ``read`` (rules, opaque names)
         self.read: object = None
 
 
@@ -186,10 +186,11 @@ class ClientSide:
         # ``KILL [QUERY] <id>`` of an id the gateway gave out -> the same KILL of the target's id (server.py)
         self.kill: Callable[[str], str | None] | None = None
         self.replacement: bytes | None = None  # FORWARD this instead of the packet read
-        # the names (lower case) of the target's stored routines, read when the session starts under a rule by
-        # column name and added to as the session creates some: a statement calling one counts as naming a
-        # masked column (its computed columns are masked whole); None: not known (every computed one is)
-        self.routines: frozenset[str] | None = None
+        # the names (lower case) of the target's stored routines and views, read when the session starts under a
+        # rule by column name, and of those and the tables the session makes (``reading.created_names``): what
+        # they give hides its source columns, so a statement naming one counts as naming a masked column (its
+        # computed columns are masked whole); None: not known (every computed column is)
+        self.opaque: frozenset[str] | None = None
         self._watched: tuple[object, frozenset[str] | None, frozenset[str]] = (None, None, frozenset())
         self._probe_after = False  # the command at hand is followed by a probe of the settings
 
@@ -388,20 +389,20 @@ class ClientSide:
         if "@@" in text and reads_settings_only(text, self.reading.server):
             return SETTINGS_ONLY
         server = self.reading.server
-        lowered = text.lower()
-        if self.routines is not None and any(kind in lowered for kind in ("function", "procedure", "package")):
-            created = created_routines(text, server)
-            if created is None or created - self.routines:
-                self.routines = None if created is None else self.routines | created
+        lowered = text.lower() if self.opaque is not None else ""
+        if any(word in lowered for word in ("create", "rename", "alter")):
+            created = created_names(text, server)
+            if created is None or created - self.opaque:
+                self.opaque = None if created is None else self.opaque | created
         hidden = derived_names(text, server, self._watched_names(masker))
-        return hidden if hidden is None or self.routines is not None else hidden | {MENTIONS}
+        return hidden if hidden is None or self.opaque is not None else hidden | {MENTIONS}
 
     def _watched_names(self, masker: Masker) -> frozenset[str]:
-        """The words that make a statement name a masked column: the rules' column names and the routines'."""
-        cached_masker, cached_routines, watched = self._watched
-        if cached_masker is not masker or cached_routines is not self.routines:
-            watched = frozenset(masker.columns) | (self.routines or frozenset())
-            self._watched = (masker, self.routines, watched)
+        """The words that make a statement name a masked column: the rules' column names and the ``opaque``."""
+        cached_masker, cached_opaque, watched = self._watched
+        if cached_masker is not masker or cached_opaque is not self.opaque:
+            watched = frozenset(masker.columns) | (self.opaque or frozenset())
+            self._watched = (masker, self.opaque, watched)
         return watched
 
     def _probe(self) -> None:
@@ -443,8 +444,8 @@ class ClientSide:
         statement.types = types
         statement.long_data = {}
         policy.record_input(render_params(statement.sql, values))
-        read = (policy.masker, self.routines)
-        if statement.read != read:  # worked out once per statement, rules and routines known
+        read = (policy.masker, self.opaque)
+        if statement.read != read:  # worked out once per statement, rules and names known
             statement.hidden = self._hidden(statement.sql)
             statement.read = read
         self.pending.append(Pending(RESULT, binary=True, statement=statement,
@@ -898,9 +899,9 @@ class ServerSide:
         """Whether ``column`` is established as a base table's column (a rule by column name then reads its
         source, ``org_name``; a variable's value in the catalog is not: a session may set it from data), a server
         setting's value, or a value computed by a statement that names no column a rule masks, no variable but a
-        setting, no ``*`` and no stored routine (``COUNT(*)``, ``NOW()``, ``SELECT 1``): MariaDB names the alias
-        for a derived table's, a CTE's or a view's column, and no table for a computed one (an expression, a
-        UNION)."""
+        setting, no ``*`` and no stored routine or view (``COUNT(*)``, ``NOW()``, ``SELECT 1``): MariaDB names
+        the alias for a derived table's, a CTE's or a view's column, and no table for a computed one (an
+        expression, a UNION)."""
         if hidden is SETTINGS_ONLY:
             return True
         if not column.org_table and not column.org_name:  # computed

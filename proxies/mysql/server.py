@@ -77,8 +77,8 @@ from proxies.mysql.upstream import (
     connect_target,
     end_on_target,
     kill_query,
+    opaque_names,
     quit_link,
-    stored_routines,
 )
 
 if TYPE_CHECKING:
@@ -390,7 +390,7 @@ class ClientConnection:
         if masker is not None and masker.columns:  # where a rule by column name may place a result's columns
             try:
                 tables = await base_tables(link, name, reading.names_codec or "latin-1")
-                client.routines = await stored_routines(link, name, reading.names_codec or "latin-1")
+                client.opaque = await opaque_names(link, name, reading.names_codec or "latin-1")
                 server.tables = tables
             except UpstreamError as exc:
                 log.warning("the base tables of connection %s could not be read (%s): every result column is masked "

@@ -348,29 +348,34 @@ async def _set_up_tracking(link: TargetLink, name: str) -> None:
         link.sql_mode, link.charset, link.version, link.results = mode, charset, version, results
 
 
+CATALOG_ROWS = 100000  # the most names read of each kind
 BASE_TABLES_STATEMENT = ("SELECT TABLE_SCHEMA, TABLE_NAME FROM information_schema.TABLES WHERE TABLE_TYPE IN "
-                         "('BASE TABLE', 'SYSTEM VERSIONED', 'SEQUENCE') LIMIT 100000")
-ROUTINES_STATEMENT = "SELECT ROUTINE_SCHEMA, ROUTINE_NAME FROM information_schema.ROUTINES LIMIT 100000"
+                         f"('BASE TABLE', 'SYSTEM VERSIONED', 'SEQUENCE') LIMIT {CATALOG_ROWS}")
+OPAQUE_STATEMENT = ("SELECT ROUTINE_SCHEMA, ROUTINE_NAME FROM information_schema.ROUTINES UNION ALL "
+                    "SELECT TABLE_SCHEMA, TABLE_NAME FROM information_schema.TABLES WHERE TABLE_TYPE = 'VIEW' "
+                    f"LIMIT {CATALOG_ROWS + 1}")
 
 
-async def _catalog(link: TargetLink, name: str, statement: str, encoding: str) -> set[tuple[str, str]]:
+async def _catalog(link: TargetLink, name: str, statement: str, encoding: str) -> list[tuple[str, str]]:
     """The (schema, name) pairs ``statement`` reads from the target's catalog, decoded in ``encoding``."""
     rows, _ = await simple_query(link.stream, statement, name, link.capabilities)
-    return {((schema or b"").decode(encoding, "replace"), (table or b"").decode(encoding, "replace"))
-            for schema, table in rows}
+    return [((schema or b"").decode(encoding, "replace"), (table or b"").decode(encoding, "replace"))
+            for schema, table in rows]
 
 
 async def base_tables(link: TargetLink, name: str, encoding: str) -> set[tuple[str, str]]:
     """The target's base tables (schema, name) its user can see: where a rule by column name may place a result
     column (proxies/mysql/relay.py); views are not among them (a view's column names no source).  ``encoding``:
     the session's character_set_results, which the names come in."""
-    return await _catalog(link, name, BASE_TABLES_STATEMENT, encoding)
+    return set(await _catalog(link, name, BASE_TABLES_STATEMENT, encoding))
 
 
-async def stored_routines(link: TargetLink, name: str, encoding: str) -> frozenset[str]:
-    """The names (lower case) of the stored functions, procedures and packages the target's user can see: a
-    statement calling one counts as naming a column a rule masks (proxies/mysql/relay.py)."""
-    return frozenset(routine.lower() for _, routine in await _catalog(link, name, ROUTINES_STATEMENT, encoding))
+async def opaque_names(link: TargetLink, name: str, encoding: str) -> frozenset[str] | None:
+    """The names (lower case) of the stored functions, procedures, packages and views the target's user can see:
+    what they give hides the columns it comes from, so a statement naming one counts as naming a column a rule
+    masks (proxies/mysql/relay.py).  None: more than ``CATALOG_ROWS`` (not all read)."""
+    found = await _catalog(link, name, OPAQUE_STATEMENT, encoding)
+    return None if len(found) > CATALOG_ROWS else frozenset(opaque.lower() for _, opaque in found)
 
 
 async def kill_query(link: TargetLink, timeout: float = 5.0) -> None:
