@@ -8,6 +8,12 @@ no authentication), a second shadow server that insists on NLA and knows one
 account (``NLA_USER``/``NLA_PASSWORD``, in a SAM file), an Xvfb display for
 the client, and ``pyrdp-mitm`` in front of the first shadow server (its log
 shows what reached the target).
+
+FreeRDP 2's shadow server has no clipboard (no ``cliprdr`` server): the
+clipboard's target is xrdp in front of an Xvnc desktop
+(``Peers.xrdp_desktop``, started by the tests that need it), whose
+``xrdp-chansrv`` joins the desktop's X selections to the RDP clipboard;
+``xclip`` sets and reads the selection on either side.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from pathlib import Path
 from tests.conftest import BIN, free_port, wait_port
 
 PEER_TOOLS = ("Xvfb", "freerdp-shadow-cli", "xfreerdp")
+XRDP_TOOLS = ("xrdp", "xrdp-chansrv", "Xvnc", "xclip")  # the xrdp target, and the X selections' tool
+XRDP_SOCKETS = Path("/run/xrdp/sockdir")  # where xrdp finds xrdp-chansrv (its build's --with-socketdir)
 NLA_USER, NLA_PASSWORD = "alice", "Tgt-pass-7c1e9d"  # the one account of the NLA shadow server
 # pyrdp's own pyrdp-mitm command, after proxies.rdp's compatibility shim (Python 3.13 removed typing.io)
 PYRDP_MITM = "import sys, proxies.rdp; from pyrdp.bin.mitm import main; sys.argv[0] = 'pyrdp-mitm'; sys.exit(main())"
@@ -64,15 +72,16 @@ class Peers:
         path = self.root / f"{name}.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
-    def display(self, name: str, size: str, *extra: str) -> int:
-        """A new Xvfb display; its number, once it accepts clients.
+    def display(self, name: str, size: str, *extra: str, server: tuple[str, ...] = ()) -> int:
+        """A new Xvfb display (or ``server``'s: Xvnc); its number, once it accepts clients.
 
         Xvfb picks a free number itself (``-displayfd``, under its own lock files) and writes it when ready:
         a number chosen here from the lock files could be taken meanwhile by another test run's Xvfb."""
         read, write = os.pipe()
+        screen = ("-screen", "0", size) if not server else ()
+        command = [*(server or ("Xvfb",)), "-displayfd", str(write), *screen, "-nolisten", "tcp", *extra]
         try:
-            process = self.spawn(["Xvfb", "-displayfd", str(write), "-screen", "0", size, "-nolisten", "tcp", *extra],
-                                 name, pass_fds=(write,))
+            process = self.spawn(command, name, pass_fds=(write,))
         finally:
             os.close(write)
         answer = b""
@@ -114,6 +123,30 @@ class Peers:
         wait_port(port, process, "pyrdp-mitm (observer)", timeout=30)
         return port
 
+    def xrdp_desktop(self) -> int:
+        """An Xvnc desktop behind xrdp (TLS, no logon: its VNC needs none), with the clipboard; xrdp's port.
+
+        Started once, on first use (``desktop_display`` is the desktop's X display, for ``xclip``)."""
+        if getattr(self, "xrdp_port", None):
+            return int(self.xrdp_port)
+        root = self.root / "xrdp"
+        root.mkdir()
+        vnc_port = free_port()
+        display = self.display("xvnc", "", server=("Xvnc", "-geometry", "1024x768", "-depth", "24", "-rfbport",
+                                                   str(vnc_port), "-SecurityTypes", "None", "-localhost"))
+        wait_port(vnc_port, what="Xvnc")
+        XRDP_SOCKETS.mkdir(parents=True, exist_ok=True)
+        self.spawn(["xrdp-chansrv"], "xrdp-chansrv", {"DISPLAY": f":{display}"})
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=xrdp",
+                        "-keyout", str(root / "key.pem"), "-out", str(root / "cert.pem")], check=True,
+                       capture_output=True)
+        port = free_port()
+        (root / "xrdp.ini").write_text(XRDP_INI.format(port=port, root=root, vnc_port=vnc_port, display=display))
+        process = self.spawn(["xrdp", "--nodaemon", "--config", str(root / "xrdp.ini")], "xrdp")
+        wait_port(port, process, "xrdp")
+        self.desktop_display, self.xrdp_port = display, port
+        return port
+
     def stop(self) -> None:
         for process in reversed(self.processes):
             if process.poll() is None:
@@ -126,6 +159,42 @@ class Peers:
                 process.wait()
 
 
+# xrdp's configuration for the clipboard's target: one session, the Xvnc desktop, straight away; its channels
+# through the xrdp-chansrv of that display
+XRDP_INI = """[Globals]
+port=tcp://127.0.0.1:{port}
+security_layer=tls
+certificate={root}/cert.pem
+key_file={root}/key.pem
+ssl_protocols=TLSv1.2, TLSv1.3
+crypt_level=none
+autorun=desktop
+allow_channels=true
+max_bpp=32
+fork=false
+
+[Logging]
+LogFile={root}/xrdp-own.log
+LogLevel=INFO
+EnableSyslog=false
+
+[Channels]
+cliprdr=true
+rdpdr=true
+rdpsnd=true
+drdynvc=true
+
+[desktop]
+name=desktop
+lib=libvnc.so
+username=na
+password=na
+ip=127.0.0.1
+port={vnc_port}
+chansrvport=DISPLAY({display})
+"""
+
+
 def unavailable_reason() -> str | None:
     """Why the RDP peers cannot run here, or None."""
     missing = [tool for tool in PEER_TOOLS if shutil.which(tool) is None]
@@ -134,6 +203,13 @@ def unavailable_reason() -> str | None:
     if not (BIN / "pyrdp-mitm").exists():
         return "pyrdp-mitm is not installed (make installs it: pip install --no-deps pyrdp-mitm==2.1.0)"
     return None
+
+
+def xrdp_unavailable_reason() -> str | None:
+    """Why the xrdp target (xrdp, Xvnc, and xclip for its clipboard) cannot run here, or None."""
+    missing = [tool for tool in XRDP_TOOLS if shutil.which(tool) is None]
+    return f"the xrdp target is not installed ({', '.join(missing)}): run scripts/install-peers.sh" \
+        if missing else None
 
 
 def start_peers(root: Path) -> Peers:

@@ -9,6 +9,8 @@ the role's ``USER``/``PASS`` are), an Xvfb display for the client, and a stand-a
 log says which user name and password reached the target, which is how the
 credential injection is proven (the shadow server checks no password).
 ``xdotool`` types into the client's window for the keyboard-recording test.
+xrdp in front of an Xvnc desktop (``Peers.xrdp_desktop``, started on first
+use) is the target with a clipboard, ``xclip`` the clipboard on both displays.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import pytest
 
 from tests.apiclient import Api, admin_http, events
 from tests.conftest import BIN, Daemon, free_port, proxy_daemon, wait_port
-from tests.rdppeer import NLA_PASSWORD, NLA_USER, Peers
+from tests.rdppeer import NLA_PASSWORD, NLA_USER, Peers, xrdp_unavailable_reason
 
 TARGET_USER = NLA_USER  # the roles' account: the one the NLA target knows
 TARGET_PASSWORD = NLA_PASSWORD
@@ -321,6 +323,29 @@ async def test_virtual_channels_carry_nothing_to_the_target(api: RdpApi, gateway
     assert reports, observed[-3000:]
     relayed = {name: re.search(rf"mcsInput_{number}: (\d+)", reports[-1]) for name, number in channels.items()}
     assert not any(relayed.values()), reports[-1]
+
+
+# --------------------------------------------------------------------------- xrdp
+
+
+@pytest.fixture(scope="module")
+def xrdp_port(peers: Peers) -> int:
+    """xrdp's port: an Xvnc desktop (``peers.desktop_display``) with the clipboard, started on first use."""
+    reason = xrdp_unavailable_reason()
+    if reason is not None:
+        if os.geteuid() == 0:
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return peers.xrdp_desktop()
+
+
+async def test_an_xrdp_target_is_served_and_recorded(api: RdpApi, gateway: Daemon, peers: Peers,
+                                                    xrdp_port: int) -> None:
+    """xrdp reads the client's T.124 header by its usual size (else it finds no channels, and drops the client
+    when it joins them) and sends a capability set pyrdp has no name for: its session is up and recorded."""
+    session, total, screen = await watch_desktop(api, gateway, peers, "/bpp:16", port=xrdp_port)
+    assert total > 0 and screen, (events(session), session["client_output"][-2000:])
+    assert session["exit_code"] == 0 and events(session) == [], events(session)
 
 
 @pytest.mark.parametrize("options", [(), ("/rfx",), ("/gfx",)], ids=["defaults", "rfx", "gfx"])

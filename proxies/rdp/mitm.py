@@ -57,10 +57,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import pyrdp.mitm.MCSMITM as pyrdp_mcs
 import pyrdp.mitm.state as pyrdp_state
 from Crypto.PublicKey import RSA
 from OpenSSL import crypto
 from pyrdp.core.ssl import ServerTLSContext
+from pyrdp.core import per
 from pyrdp.enum import (CapabilityType, MCSChannelName, NegotiationFailureCode, NegotiationProtocols,
                         NegotiationRequestFlags, NegotiationType, PlayerPDUType, SlowPathUpdateType)
 from pyrdp.logging import LOGGER_NAMES, SessionLogger
@@ -730,6 +732,40 @@ class SharedRc4Key:
 
 
 pyrdp_state.RSA = SharedRc4Key  # the only use of RSA in pyrdp's state module is that generate
+
+
+class ConnectDataParser(GCCParser):
+    """pyrdp's T.124 parser, writing the connect PDU's real length (as FreeRDP and mstsc do), not pyrdp's 0x2a.
+
+    pyrdp writes a one-byte length 0x2a whatever follows (it saw Windows do so);
+    a server that skips the T.124 header by its usual size, as xrdp does (23
+    bytes, the length in two), then reads the client's data blocks one byte
+    early and finds no channels: the client's virtual channels never join.
+    """
+
+    def write(self, pdu: Any) -> bytes:
+        data = super().write(pdu)
+        head = 7  # the choice and the object identifier; then pyrdp's length byte
+        return data[:head] + per.writeLength(len(data) - head - 1) + data[head + 1:]
+
+
+pyrdp_mcs.GCCParser = ConnectDataParser  # pyrdp's MCS MITM writes the connect-initial and -response with it
+
+
+def _unnamed_capability(cls: Any, value: object) -> Any:
+    """A capability set type pyrdp does not name (xrdp's demand-active has a type 6): kept, by its number.
+
+    pyrdp reads every capability set minimally and writes back those it does not parse as they came; only its
+    enumeration refused a number it has no name for, and the target's demand-active with it.
+    """
+    if not isinstance(value, int) or not 0 <= value <= 0xFFFF:
+        return None
+    member = int.__new__(cls, value)
+    member._name_, member._value_ = f"CAPSTYPE_{value}", value
+    return member
+
+
+CapabilityType._missing_ = classmethod(_unnamed_capability)  # type: ignore[attr-defined, assignment]
 
 
 class GatewayMITMFactory(ServerFactory):
