@@ -391,3 +391,18 @@ async def test_credssp_logs_on_to_pyspnegos_own_acceptor(tmp_path, monkeypatch) 
     with pytest.raises(CredSSPError) as refused:
         await logon("wrong")
     assert "the target refused the stored credentials" in refused.value.message
+
+
+def test_clipboard_text_is_read_as_its_reader_takes_it() -> None:
+    """UTF-16LE up to the first NUL; CF_TEXT and CF_OEMTEXT in ASCII only (their code page is unknown)."""
+    from proxies.rdp.clipboard import CF_OEMTEXT, CF_TEXT, CF_UNICODETEXT, decode, encode
+
+    assert decode(CF_UNICODETEXT, "Grüße €\x00hidden after the NUL".encode("utf-16-le")) == "Grüße €"
+    assert decode(CF_TEXT, b"plain\x00") == "plain"
+    for number, data in ((CF_TEXT, "café".encode("cp1252")), (CF_OEMTEXT, b"\xff"),
+                         (CF_UNICODETEXT, b"\x00\xd8")):  # a lone surrogate is not text
+        with pytest.raises(ValueError):
+            decode(number, data)
+    assert encode(CF_UNICODETEXT, "x €") == "x €\x00".encode("utf-16-le")
+    with pytest.raises(ValueError):  # a masked CF_TEXT that no longer fits it is withheld, not sent unmasked
+        encode(CF_TEXT, "●●●")

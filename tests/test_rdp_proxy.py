@@ -33,7 +33,7 @@ from typing import Any, Iterator
 import aiohttp
 import pytest
 
-from tests.apiclient import Api, admin_http, events
+from tests.apiclient import Api, admin_http, events, of_kind
 from tests.conftest import BIN, Daemon, free_port, proxy_daemon, wait_port
 from tests.rdppeer import NLA_PASSWORD, NLA_USER, Peers, xrdp_unavailable_reason
 
@@ -70,10 +70,11 @@ class RdpApi(Api):
         return raw
 
     async def role(self, port: int, subtype: str = "rdp", user: str = TARGET_USER,
-                   password: str = TARGET_PASSWORD, **more: str) -> dict:
+                   password: str = TARGET_PASSWORD, settings: dict | None = None, **more: str) -> dict:
         kind = {"rdp": "custom", "postgres": "database"}[subtype]
         return await self.connection(subtype, kind, subtype,
-                                     {"HOST": "127.0.0.1", "PORT": str(port), "USER": user, "PASS": password, **more})
+                                     {"HOST": "127.0.0.1", "PORT": str(port), "USER": user, "PASS": password, **more},
+                                     settings=settings)
 
     async def sessions_of(self, connection: dict) -> list[dict]:
         status, body = await self("GET", f"/sessions?connection={connection['name']}&limit=100")
@@ -325,7 +326,7 @@ async def test_virtual_channels_carry_nothing_to_the_target(api: RdpApi, gateway
     assert not any(relayed.values()), reports[-1]
 
 
-# --------------------------------------------------------------------------- xrdp
+# --------------------------------------------------------------------------- xrdp, and the clipboard
 
 
 @pytest.fixture(scope="module")
@@ -346,6 +347,147 @@ async def test_an_xrdp_target_is_served_and_recorded(api: RdpApi, gateway: Daemo
     session, total, screen = await watch_desktop(api, gateway, peers, "/bpp:16", port=xrdp_port)
     assert total > 0 and screen, (events(session), session["client_output"][-2000:])
     assert session["exit_code"] == 0 and events(session) == [], events(session)
+
+
+class Selection:
+    """``xclip`` on an X display: sets its clipboard (serving it until replaced) and reads it."""
+
+    def __init__(self, peers: Peers, display: int) -> None:
+        self.env = {"PATH": os.environ["PATH"], "HOME": str(peers.home), "DISPLAY": f":{display}"}
+        self.owner: asyncio.subprocess.Process | None = None
+
+    async def set(self, data: bytes, target: str = "UTF8_STRING") -> None:
+        await self.drop()
+        self.owner = await asyncio.create_subprocess_exec(
+            "xclip", "-selection", "clipboard", "-quiet", "-t", target, stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, env=self.env)
+        assert self.owner.stdin is not None
+        self.owner.stdin.write(data)
+        self.owner.stdin.close()
+
+    async def get(self, target: str = "UTF8_STRING") -> bytes:
+        process = await asyncio.create_subprocess_exec(
+            "xclip", "-selection", "clipboard", "-o", "-t", target, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL, env=self.env)
+        try:
+            out, _ = await asyncio.wait_for(process.communicate(), 10)
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+            return b""
+        return out if process.returncode == 0 else b""
+
+    async def becomes(self, expected: bytes, timeout: float = 20) -> bytes:
+        """The clipboard once it holds ``expected``, or what it holds when time runs out (a wait, not a timing)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = await self.get()
+            if found == expected or time.monotonic() > deadline:
+                return found
+            await asyncio.sleep(0.3)
+
+    async def drop(self) -> None:
+        if self.owner is not None and self.owner.returncode is None:
+            self.owner.terminate()
+            await self.owner.wait()
+
+
+async def audited(api: RdpApi, action: str, text: str, timeout: float = 20) -> list[dict]:
+    """The failure audit entries of ``action`` whose message holds ``text``, once there is one."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status, logs = await api("GET", f"/audit/logs?action={action}&outcome=failure&limit=100")
+        assert status == 200, logs
+        found = [entry for entry in logs["data"] if text in (entry.get("error_message") or "")]
+        if found or time.monotonic() > deadline:
+            return found
+        await asyncio.sleep(0.3)
+
+
+async def test_clipboard_text_passes_both_ways_recorded_where_the_connection_allows_it(
+        api: RdpApi, gateway: Daemon, peers: Peers, xrdp_port: int) -> None:
+    """``settings.rdp.clipboard``: text copied on either side is pasted on the other, recorded as ``i`` / ``o``;
+    any other format (an image) is refused, with an ``e`` event and an ``rdp.channel`` audit entry."""
+    from PIL import Image
+
+    connection = await api.role(xrdp_port, settings={"rdp": {"clipboard": True}})
+    secret, session_id = await api.credential(connection)
+    client, desktop = Selection(peers, peers.client_display), Selection(peers, peers.desktop_display)
+    process = await asyncio.create_subprocess_exec(
+        "xfreerdp", f"/v:127.0.0.1:{gateway.rdp_port}", "/cert:ignore", f"/u:{secret}", f"/p:{secret}",
+        "/size:1024x768", "/bpp:16", "+clipboard", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        env=client.env)
+    pasted = "pasted by the client: Grüße, 42 €".encode()
+    copied = "copied on the target: x = 1".encode()
+    try:
+        deadline = time.monotonic() + 60
+        while process.returncode is None and time.monotonic() < deadline:  # until the desktop is on screen
+            status, page = await api("GET", f"/sessions/{session_id}/rdp-frames?limit=1")
+            if status == 200 and page["total_frames"] > 0:
+                break
+            await asyncio.sleep(0.2)
+        await client.set(pasted)
+        assert await desktop.becomes(pasted) == pasted
+        await desktop.set(copied)
+        assert await client.becomes(copied) == copied
+        picture = io.BytesIO()
+        Image.new("RGB", (8, 8), (200, 30, 30)).save(picture, "PNG")
+        await client.set(picture.getvalue(), "image/png")
+        assert await audited(api, "rdp.channel", "the client's clipboard format number"), "the image was not refused"
+        status_text = await desktop.get("TARGETS")
+        assert b"image" not in status_text, status_text
+    finally:
+        await client.drop()
+        await desktop.drop()
+        if process.returncode is None:
+            process.terminate()
+        output = (await process.communicate())[0].decode(errors="replace")
+    session = await api.done_session(session_id)
+    assert session["exit_code"] == 0, (events(session), output[-2000:])
+    assert pasted.decode() in of_kind(session, "i"), events(session)
+    assert copied.decode() in of_kind(session, "o"), events(session)
+    refused = [text for text in of_kind(session, "e") if "the client's clipboard format" in text]
+    assert refused and all("only clipboard text" in text for text in refused), events(session)
+
+
+async def test_the_clipboard_carries_nothing_by_default(api: RdpApi, gateway: Daemon, peers: Peers,
+                                                        xrdp_port: int) -> None:
+    """Without ``settings.rdp.clipboard`` the channel carries nothing: the client is never told the target's
+    clipboard is ready (xfreerdp then sends nothing on it), and the target gets no text."""
+    connection = await api.role(xrdp_port)
+    secret, session_id = await api.credential(connection)
+    client, desktop = Selection(peers, peers.client_display), Selection(peers, peers.desktop_display)
+    await desktop.set(b"what the target held before")
+    process = await asyncio.create_subprocess_exec(
+        "xfreerdp", f"/v:127.0.0.1:{gateway.rdp_port}", "/cert:ignore", f"/u:{secret}", f"/p:{secret}",
+        "/size:1024x768", "/bpp:16", "+clipboard", stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL, env=client.env)
+    try:
+        deadline = time.monotonic() + 60
+        while process.returncode is None and time.monotonic() < deadline:
+            status, page = await api("GET", f"/sessions/{session_id}/rdp-frames?limit=1")
+            if status == 200 and page["total_frames"] > 0:
+                break
+            await asyncio.sleep(0.2)
+        await client.set(b"not for the target")
+        await asyncio.sleep(3)  # allowed, the text is there within a second (the test above)
+        assert await desktop.get() == b"what the target held before"
+    finally:
+        await client.drop()
+        await desktop.drop()
+        if process.returncode is None:
+            process.terminate()
+        await process.wait()
+    session = await api.done_session(session_id)
+    assert "not for the target" not in "".join(text for _, text in events(session)), events(session)
+
+
+async def test_the_clipboard_setting_is_checked(api: RdpApi) -> None:
+    for settings, named in (({"rdp": {"clipboard": "yes"}}, "settings.rdp.clipboard"), ({"rdp": []}, "settings.rdp")):
+        status, body = await api("POST", "/connections", {
+            "name": f"rdp-{uuid.uuid4().hex[:8]}", "type": "custom", "subtype": "rdp",
+            "secret": {"envvar:HOST": "MTI3LjAuMC4x"}, "settings": settings})
+        assert status == 422 and named in body["message"], (status, body)
 
 
 @pytest.mark.parametrize("options", [(), ("/rfx",), ("/gfx",)], ids=["defaults", "rfx", "gfx"])

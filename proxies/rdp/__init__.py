@@ -42,7 +42,26 @@ DESCRIPTION = ProtocolDescription(
               "frames_cap_bytes": Setting("int", 1024 * 1024 * 1024, positive),
               "frames_dir": Setting("str", ""),
               "startup_timeout": Setting("duration", "20s", positive)},
+    check_settings=lambda settings: _check_settings(settings),
 )
+
+
+def _check_settings(settings: dict[str, Any]) -> str | None:
+    """``settings.rdp``: ``clipboard`` (a boolean: clipboard text passes, recorded)."""
+    rdp = settings.get("rdp")
+    if rdp is None:
+        return None
+    if not isinstance(rdp, dict):
+        return "field 'settings.rdp': expected an object"
+    if "clipboard" in rdp and not isinstance(rdp["clipboard"], bool):
+        return "field 'settings.rdp.clipboard': expected true or false"
+    return None
+
+
+def clipboard_allowed(settings: dict[str, Any]) -> bool:
+    """Whether the connection lets clipboard text pass (``settings.rdp.clipboard``; off by default)."""
+    rdp = settings.get("rdp") if isinstance(settings, dict) else None
+    return isinstance(rdp, dict) and rdp.get("clipboard") is True
 
 
 def missing_modules() -> list[str]:

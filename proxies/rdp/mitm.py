@@ -28,7 +28,9 @@ What the gateway adds to pyrdp's man-in-the-middle:
    codecs, no surface commands: ``codec.offer_only_bitmaps``); screen content
    that passes undecoded all the same is an ``e`` event, once. Virtual channels
    (clipboard, drives, audio, dynamic channels), which the recording cannot
-   hold, are joined but carry nothing (``buildChannel``);
+   hold, are joined but carry nothing (``buildChannel``), except clipboard
+   text where the connection allows it (``settings.rdp.clipboard``:
+   ``clipboard.ClipboardText``, recorded as input and output);
 4. lifecycle -- the session is ``done`` when either side goes away (exit 0
    when the client left or the target logged the user off, 254 with an ``e``
    event when the target dropped the connection), or when the gateway kills
@@ -82,7 +84,9 @@ from gatewayd.dialer import Dialer
 from gatewayd.models import target_port
 from gatewayd.pipeline import AccessDenied, BLOCKED_EXIT_CODE, GatewayClosing, TargetUnreachable
 from gatewayd.tasks import BackgroundTasks
+from proxies.rdp import clipboard_allowed
 from proxies.rdp.capture import FrameCapture
+from proxies.rdp.clipboard import ClipboardText
 from proxies.rdp.codec import KeyboardText, offer_only_bitmaps
 from proxies.rdp.credssp import (MECHANISMS, STATUS_NO_LOGON_SERVERS, CredSSPError, NlaCredentials, TSRequestReader,
                                  authenticate, refusal)
@@ -222,7 +226,8 @@ class GatewayMITM(RDPMITM):
         self._counted = False  # the client's connection is in the connection metrics
         self._certificate_ready = False
         self.unreadable: dict[str, str] = {}  # side: the error type of what pyrdp could not parse from it
-        self.refused_channels: set[str] = set()  # virtual channels the client sent data on (told once each)
+        self.clipboard = False  # the connection lets clipboard text pass (settings.rdp.clipboard)
+        self.refusals: set[str] = set()  # what was refused on virtual channels (told once each)
         self.nla: NlaCredentials | None = None  # how the gateway logs on if the target picks NLA (CredSSP)
         self.target_protocol: int | None = None  # the target's pick (NLA) where the client was told TLS
         self.credssp: TSRequestReader | None = None  # the target's TSRequests while the gateway logs on
@@ -356,6 +361,7 @@ class GatewayMITM(RDPMITM):
             return
         connection = grant.connection
         self.connection_name = name = connection.name
+        self.clipboard = clipboard_allowed(connection.settings)
         target = connection.target()
         host = target.get("HOST") or "127.0.0.1"
         port = target_port(target, 3389)  # 0 for a typo: told by dial, not replaced by 3389
@@ -591,12 +597,22 @@ class GatewayMITM(RDPMITM):
         with its dynamic channels, any other) carries what the recording does not
         hold (clipboard text and files, a redirected drive's files, audio, a
         microphone): it stays joined, as the client and the target asked, and
-        carries nothing either way. pyrdp's clipboard and drive components are
-        never built (they also copied the files they saw to disk).
+        carries nothing either way; where the connection allows clipboard text,
+        ``cliprdr`` carries that text only (``ClipboardText``). pyrdp's clipboard
+        and drive components are never built (they also copied the files they saw
+        to disk).
         """
         name = self.state.channelMap.get(client.channelID)
         if name is None or name == MCSChannelName.IO:
             super().buildChannel(client, server)
+            return
+        if name == MCSChannelName.CLIPBOARD and self.clipboard:
+            self.channelMITMs[client.channelID] = ClipboardText(
+                client, server, use_tls=bool(self.state.useTLS),
+                security=lambda mode: self.state.createSecurityLayer(mode, True),
+                policy=lambda: self.policy if self.ended is None else None,
+                refuse=lambda message: self._refuse_on_channel(name, message),
+                blocked=lambda verdict: self._blocked(verdict))
             return
         self.buildVirtualChannel(client, server)  # pyrdp's layers (security ones included), then its relay unhooked
         relay = self.channelMITMs.pop(client.channelID)
@@ -606,13 +622,21 @@ class GatewayMITM(RDPMITM):
 
     def _channel_refused(self, name: str) -> None:
         """The client sent data on a virtual channel (dropped): an ``e`` event and an audit entry, once per channel."""
-        if name in self.refused_channels or self.run is None:
+        self._refuse_on_channel(name, CHANNEL_REFUSED.format(name=name))
+
+    def _refuse_on_channel(self, name: str, message: str) -> None:
+        """What a virtual channel carried was dropped: an ``e`` event and an ``rdp.channel`` audit entry, once each."""
+        if message in self.refusals or self.run is None:
             return
-        self.refused_channels.add(name)
-        message = CHANNEL_REFUSED.format(name=name)
+        self.refusals.add(message)
         self.run.policy.error(message)
         self.tasks.spawn(self.pipeline.audit(self.run.live, "rdp.channel", message, client_ip=self.state.clientIp or "",
                                              channel=name))
+
+    def _blocked(self, verdict: Any) -> None:
+        """A rule refused clipboard text: its ``e`` event and audit entry (the text went no further)."""
+        if self.run is not None:
+            self.tasks.spawn(self.run.policy.blocked(verdict))
 
     # -- recording
 
