@@ -1076,8 +1076,12 @@ class ServerSide:
             return
         mentions: Answer = head.mentions if head is not None else True
         if mentions is not False and mentions is not True:  # worked out only for a computed column
-            fields = message.fields  # type: ignore[attr-defined]
-            mentions = any(not field.table_oid for field in fields) and bool(mentions)
+            computed = False
+            for field in message.fields:  # type: ignore[attr-defined]
+                if not field.table_oid:
+                    computed = True
+                    break
+            mentions = computed and bool(mentions)
         described = self._describe(message, mentions) if render else None  # type: ignore[arg-type]
         if own:
             pass
