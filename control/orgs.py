@@ -21,6 +21,7 @@ from control.http import (
     user_of,
 )
 from control.schemas import STRINGS, TEXT
+from control.users import end_sessions_of
 from gatewayd import features
 from gatewayd.apikeys import ORG, RESERVED_SUBJECT
 from gatewayd.identity import org_subject
@@ -182,8 +183,10 @@ async def update_service_account(request: web.Request) -> web.Response:
         raise ApiError(403, "access denied: the server API key's account is changed by operators only")
     if body.get("name"):
         user.name = body["name"]
-    user.status = body["status"]
+    was_active, user.status = user.status == "active", body["status"]
     if body.get("groups") is not None:
         user.grant_groups(body["groups"])
     await store.save_user(user)
+    if was_active and user.status != "active":  # its live sessions end, as a person's do
+        await end_sessions_of(request, user, "deactivated")
     return ok(_account_json(user))

@@ -8,6 +8,7 @@ from aiohttp import web
 
 from control.auth import USER_OUT, user_json
 from control.http import (
+    AUDIT_PAYLOAD,
     ApiError,
     Field,
     RouteSet,
@@ -95,6 +96,15 @@ async def _apply(request: web.Request, user: User, body: dict) -> None:
         user.password_hash = await services_of(request).identity.passwords.hash(body["password"])
 
 
+async def end_sessions_of(request: web.Request, user: User, what: str) -> None:
+    """End every live session of ``user`` (deactivated or deleted: ``what``) in its organization, on every node, as
+    a kill does: the reason is each session's last ``e`` event, and the call's audit entry names it (NotConfirmed
+    when a node holding one does not confirm it ended it)."""
+    reason = f"the user was {what} by {user_of(request).email}: the session was closed"
+    request[AUDIT_PAYLOAD] = {**(request.get(AUDIT_PAYLOAD) or {}), "user": user.email, "sessions_ended": reason}
+    await services_of(request).sessions.end(reason, user=user)
+
+
 @routes.get("/users", "List the organization's users", response=array_of(USER_OUT))
 async def list_users(request: web.Request) -> web.Response:
     admin = require_admin(request)
@@ -177,6 +187,8 @@ async def update(request: web.Request) -> web.Response:
         raise ApiError(409, f"a user with email {user.email!r} already exists") from None
     if body.get("password"):  # whoever knew the old password may hold a token: it ends with it
         await services.identity.revoke_tokens_of(user)
+    if before.status == "active" and user.status != "active":  # cut off at once, not at the next sign-in
+        await end_sessions_of(request, user, "deactivated")
     return ok(user_json(user))
 
 
@@ -186,4 +198,5 @@ async def delete(request: web.Request) -> web.Response:
     _guard_operator(request, user)
     await _keep_an_admin(request, user, None)
     await services_of(request).store.delete_user(user.id)
+    await end_sessions_of(request, user, "deleted")
     return web.Response(status=204)

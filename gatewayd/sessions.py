@@ -17,7 +17,7 @@ from gatewayd.protocols import session_for
 from gatewayd.models import Connection, Credential, Node, Session, User, parse_time, rfc3339, utcnow
 from gatewayd.recording import RecordingService, SessionRecorder
 from gatewayd.store import Store
-from gatewayd.tasks import BackgroundTasks
+from gatewayd.tasks import BackgroundTasks, together
 
 log = logging.getLogger("gatewayd.sessions")
 
@@ -28,6 +28,10 @@ KillCallback = Callable[[str], Awaitable[None] | None]
 # each call: a rule changed through ``GuardRailService.invalidate`` answers once every node applies it).
 CONFIRMATIONS: contextvars.ContextVar[list[asyncio.Task[None]] | None] = contextvars.ContextVar(
     "gatewayd_confirmations", default=None)
+
+
+async def _nothing() -> None:
+    """An awaitable of None, where ``together`` reads something only in some cases."""
 
 
 class SessionUnavailable(RuntimeError):
@@ -251,10 +255,15 @@ class SessionManager:
         self.tell("session.open", session)
         if credential is not None:
             self._arm_expiry(live, credential)
-            # a revocation between admit and now found no holder here to tell: read it once the session is live
-            fresh = await self.store.get_credential(credential.secret_hash)
-            if fresh is None or fresh.revoked_at:
-                await live.kill("the credential was revoked while the session opened: the session was closed")
+        # a revocation or a deactivation between admit and now found no holder here to tell: read them once the
+        # session is live
+        fresh, holder = await together(
+            self.store.get_credential(credential.secret_hash) if credential is not None else _nothing(),
+            self.store.get_user(id=user.id))
+        if credential is not None and (fresh is None or fresh.revoked_at):
+            await live.kill("the credential was revoked while the session opened: the session was closed")
+        elif holder is None or holder.status != "active":
+            await live.kill("the user was deactivated or deleted while the session opened: the session was closed")
         return live
 
     async def resume(self, user: User, connection: Connection, credential: Credential,
@@ -367,35 +376,43 @@ class SessionManager:
         if live is not None:
             await live.kill(str(message.get("reason") or "session killed"))
 
-    async def end(self, reason: str, *, review_id: str | None = None, connection_id: str | None = None) -> None:
-        """End the live sessions of a review's credentials or of a connection, on every node; NotConfirmed when
-        a node holding one of them does not confirm it ended them."""
-        holders = await self._holders(review_id=review_id, connection_id=connection_id)
+    async def end(self, reason: str, *, review_id: str | None = None, connection_id: str | None = None,
+                  user: User | None = None) -> None:
+        """End the live sessions of a review's credentials, of a connection or of a user (in its organization: a
+        user deactivated or deleted), on every node; NotConfirmed when a node holding one of them does not
+        confirm it ended them."""
+        owner = (user.org_id or "", user.subject) if user is not None else None
+        holders = await self._holders(review_id=review_id, connection_id=connection_id, user=owner)
         missing = await self.cluster.request(self.END, holders, reason=reason, review_id=review_id,
-                                             connection_id=connection_id)
+                                             connection_id=connection_id, user=list(owner) if owner else None)
         if missing:
             raise NotConfirmed("the sessions were asked to end", missing)
 
-    async def _holders(self, *, review_id: str | None = None, connection_id: str | None = None) -> set[str]:
-        """The nodes that may be serving a session of a review or a connection: those that must confirm."""
-        held = await self.store.open_session_holders(review_id=review_id, connection_id=connection_id)
+    async def _holders(self, *, review_id: str | None = None, connection_id: str | None = None,
+                       user: tuple[str, str] | None = None) -> set[str]:
+        """The nodes that may be serving a session of a review, a connection or a user: those that must confirm."""
+        held = await self.store.open_session_holders(review_id=review_id, connection_id=connection_id, user=user)
         return held & await self.cluster.serving() if held else set()
 
     async def _on_end(self, message: dict[str, Any]) -> None:
         review_id, connection_id = message.get("review_id"), message.get("connection_id")
+        owner = tuple(message["user"]) if isinstance(message.get("user"), list) and len(message["user"]) == 2 \
+            else None
         reason = str(message.get("reason") or "session closed")
 
         def matches(s: LiveSession) -> bool:
             if review_id is not None and not (s.credential is not None and s.credential.review_id == review_id):
                 return False
+            if owner is not None and (s.session.org_id, s.session.user_id) != owner:
+                return False
             return connection_id is None or s.connection.id == connection_id
 
-        if review_id is None and connection_id is None:
+        if review_id is None and connection_id is None and owner is None:
             return
         closed = await self.kill_where(matches, reason)
         if closed:
             log.info("closed sessions", extra={"review_id": review_id or "", "connection_id": connection_id or "",
-                                               "count": closed})
+                                               "user": owner[1] if owner else "", "count": closed})
 
     async def connection_changed(self, connection_id: str, *, deleted_by: str | None = None) -> None:
         """A connection was changed (its live sessions take its new record and rules) or deleted (they end);

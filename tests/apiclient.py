@@ -89,6 +89,16 @@ class Api:
         assert status == 201, body
         return body["connection_credentials"][self.secret_field], body["session_id"]
 
+    async def signed_in_user(self) -> tuple[str, str]:
+        """A new user of the caller's organization (not an admin), signed in with a password: (its e-mail, its
+        token)."""
+        email, password = f"dora-{uuid.uuid4().hex[:8]}@example.com", "a long enough password"
+        status, body = await self("POST", "/users", {"email": email, "password": password})
+        assert status == 201, body
+        status, body = await self("POST", "/localauth/login", {"email": email, "password": password})
+        assert status == 200, body
+        return email, body["token"]
+
     async def guardrail(self, connection: dict, input_rules: list | None = None,
                         output_rules: list | None = None) -> dict:
         status, body = await self("POST", "/guardrails", {

@@ -299,7 +299,7 @@ async def test_native_input_past_max_pending_is_rated_by_the_built_in_rules_and_
         org = (await gateway.store.default_org()).id
         conn = Connection(id=new_id(), org_id=org, name="pg-native", resource_name="r", type="database",
                           subtype="postgres")
-        user = User(id=new_id(), org_id=org, subject="s-1", email="nat@example.com")
+        user = await gateway.store.save_user(User(id=new_id(), org_id=org, subject="s-1", email="nat@example.com"))
         await gateway.store.save_ai_rule(AIAnalyzerRule(
             id=new_id(), org_id=org, name="native", connection_names=["pg-native"], risk_evaluation={},
             timeout=30, created_at="t", updated_at="t"), create=True)
@@ -335,7 +335,7 @@ async def test_sync_native_input_is_decided_once_per_text_and_a_failure_is_asked
         org = (await gateway.store.default_org()).id
         conn = Connection(id=new_id(), org_id=org, name="pg-sync", resource_name="r", type="database",
                           subtype="postgres")
-        user = User(id=new_id(), org_id=org, subject="s-2", email="sync@example.com")
+        user = await gateway.store.save_user(User(id=new_id(), org_id=org, subject="s-2", email="sync@example.com"))
         await gateway.store.save_ai_rule(AIAnalyzerRule(
             id=new_id(), org_id=org, name="waits", connection_names=["pg-sync"], risk_evaluation={},
             timeout=0.5, on_failure="closed", native_mode="sync", created_at="t", updated_at="t"), create=True)

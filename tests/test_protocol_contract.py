@@ -15,8 +15,9 @@ below are the contract, written once:
 2. an unreachable target is an error in the protocol's words and a closed
    session with one ``e`` event (the dialer's message) and exit code 254
    (HTTP, one session per credential, keeps it open: the documented option);
-3. a kill through the API and an expiry end the session with the reason as
-   the last ``e`` event and exit code 254, and disconnect the client;
+3. a kill through the API, an expiry and the user's deactivation (or deletion)
+   end the session with the reason as the last ``e`` event and exit code 254,
+   and disconnect the client;
 4. a guard-rail block is answered in the protocol's words, recorded as ``i``
    (what was blocked) then ``e`` (the rule), and audited as ``guardrail.block``
    with that input.
@@ -57,6 +58,8 @@ from tests.test_http_proxy import HttpApi
 
 KILLED = "session killed by admin@example.com"
 EXPIRED = "credential expired: the session was closed"
+DEACTIVATED = "the user was deactivated by admin@example.com: the session was closed"
+DELETED = "the user was deleted by admin@example.com: the session was closed"
 UNKNOWN = "invalid credential: unknown secret"
 EXPIRED_SECRET = "invalid credential: it has expired"
 DENY = [{"type": "deny_words_list", "words": ["forbidden thing"]}]
@@ -712,6 +715,38 @@ async def test_an_expiring_credential_ends_the_session_with_its_reason_and_254(p
     proto.ended(await held.ended(), EXPIRED)
     session = await proto.api.done_session(session_id)
     assert session["exit_code"] == 254 and events(session)[-1] == ("e", EXPIRED), events(session)
+
+
+async def cut_off(proto: Driver, method: str, body: Any, reason: str) -> None:
+    """A user holds a session; an admin changes the user (``method`` on /users/{email}, with ``body``): the session
+    ends as a kill does, with ``reason`` as its last ``e`` event and 254, and the call's audit entry says so."""
+    role = await proto.role()
+    email, token = await proto.api.signed_in_user()
+    secret, session_id = await proto.api.credential(role, token=token)
+    held = await proto.hold(secret)
+    try:
+        await proto.api.session(session_id, until=lambda s: s["status"] == "open", timeout=60)
+        await proto.settled()
+        status, answer = await proto.api(method, f"/users/{email}", body)
+        assert status in (200, 204), answer
+        proto.ended(await held.ended(), reason)
+    finally:
+        await held.stop()
+    session = await proto.api.done_session(session_id)
+    assert session["exit_code"] == 254 and events(session)[-1] == ("e", reason), events(session)
+    action = "users.update" if method == "PUT" else "users.delete"
+    [entry] = [e for e in await proto.audit(action) if (e["request_payload_redacted"] or {}).get("user") == email]
+    assert entry["outcome"] == "success" and entry["request_payload_redacted"]["sessions_ended"] == reason, entry
+
+
+@pytest.mark.parametrize("proto", protocols(), indirect=True)
+async def test_deactivating_a_user_ends_its_sessions_with_the_reason_and_254(proto: Driver) -> None:
+    await cut_off(proto, "PUT", {"status": "inactive"}, DEACTIVATED)
+
+
+@pytest.mark.parametrize("proto", ["line", "postgres"], indirect=True)
+async def test_deleting_a_user_ends_its_sessions_with_the_reason_and_254(proto: Driver) -> None:
+    await cut_off(proto, "DELETE", None, DELETED)
 
 
 # --------------------------------------------------------------------------- 4. guard-rail block

@@ -826,7 +826,8 @@ async def test_open_sessions_by_holder_and_those_no_node_up_holds(store: Store):
     for node in (up, gone):
         await store.register_node(node)
     await store.stop_node(gone.id, NOW, status="lost")
-    held, orphaned, legacy = a_session(org, node_id=up.id), a_session(org, node_id=gone.id), a_session(org)
+    held, orphaned, legacy = a_session(org, node_id=up.id, user="sub-bob"), a_session(org, node_id=gone.id), \
+        a_session(org)
     ended = a_session(org, status="done", node_id=gone.id)
     ready = a_session(org, status="ready")
     for s in (held, orphaned, legacy, ended, ready):
@@ -834,6 +835,9 @@ async def test_open_sessions_by_holder_and_those_no_node_up_holds(store: Store):
     assert [s.id for s in await store.open_sessions_of([gone.id])] == [orphaned.id]
     assert await store.open_session_holders(connection_id="id-pg") == {up.id, gone.id}  # ended: not counted
     assert await store.open_session_holders(review_id="none") == set()
+    assert await store.open_session_holders(user=(org, "sub-alice")) == {gone.id}
+    assert await store.open_session_holders(user=(org, "sub-bob")) == {up.id}
+    assert await store.open_session_holders(user=("another-org", "sub-bob")) == set()  # a user is of its organization
     assert {s.id for s in await store.open_sessions_unheld()} == {orphaned.id, legacy.id}
     counts = await store.open_sessions_by_node()
     assert counts[up.id] == 1 and counts[gone.id] == 1 and counts[None] == 1

@@ -11,6 +11,7 @@ the port keeps serving and without closing its sibling's sessions; SIGTERM stops
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -21,7 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import asyncpg
@@ -412,20 +413,34 @@ async def running(api: Api, session_id: str, text: str) -> None:
     await api.session(session_id, until=lambda s: any(text in t for t in of_kind(s, "i")), timeout=PATIENCE)
 
 
-async def test_a_kill_through_the_api_reaches_the_worker_holding_the_session(gateway, http, pg_target):
-    pg = PostgresApi(gateway, http, pg_target)
-    role = await pg.role()
-    secret, _ = await pg.credential(role)
+@contextlib.asynccontextmanager
+async def sleepers_on_every_worker(gateway: Daemon, connection: str,
+                                   secret: str) -> AsyncIterator[dict[str, asyncio.subprocess.Process]]:
+    """psql sessions through ``secret`` sleeping on the target, one at least on each worker: session id -> psql
+    (its statement running on the target); those still running at the end are killed."""
     sleepers: dict[str, asyncio.subprocess.Process] = {}
     try:
-        while set(sessions_by_worker(gateway, role["name"]).values()) != set(range(WORKERS)):  # one on each
+        while set(sessions_by_worker(gateway, connection).values()) != set(range(WORKERS)):  # one on each
             assert len(sleepers) < 20, "20 connections never reached both workers"
             sleeper = await asyncio.create_subprocess_exec(
                 "psql", "-X", "-At", "-c", "select pg_sleep(60)", env=pg_env(gateway, secret),
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-            opened = await until("the sleeper's session", lambda: set(sessions_by_worker(gateway, role["name"]))
+            opened = await until("the sleeper's session", lambda: set(sessions_by_worker(gateway, connection))
                                  - set(sleepers))
             sleepers[opened.pop()] = sleeper
+        yield sleepers
+    finally:
+        for sleeper in sleepers.values():
+            if sleeper.returncode is None:
+                sleeper.kill()
+                await sleeper.wait()
+
+
+async def test_a_kill_through_the_api_reaches_the_worker_holding_the_session(gateway, http, pg_target):
+    pg = PostgresApi(gateway, http, pg_target)
+    role = await pg.role()
+    secret, _ = await pg.credential(role)
+    async with sleepers_on_every_worker(gateway, role["name"], secret) as sleepers:
         for session_id, worker in sessions_by_worker(gateway, role["name"]).items():
             await running(pg, session_id, "pg_sleep(60)")
             started = time.monotonic()
@@ -434,11 +449,25 @@ async def test_a_kill_through_the_api_reaches_the_worker_holding_the_session(gat
             _, err = await asyncio.wait_for(sleepers[session_id].communicate(), PATIENCE)
             print(f"a kill through the API ended psql on worker {worker} in {time.monotonic() - started:.2f} s")
             assert sleepers[session_id].returncode != 0 and b"session killed by admin@example.com" in err, err
-    finally:
-        for sleeper in sleepers.values():
-            if sleeper.returncode is None:
-                sleeper.kill()
-                await sleeper.wait()
+
+
+async def test_deactivating_a_user_ends_its_sessions_on_every_worker(gateway, http, pg_target):
+    """One deactivation, answered by either worker, ends the user's psql sessions on both (the other worker's
+    through the bus, confirmed before the answer), each with why."""
+    pg = PostgresApi(gateway, http, pg_target)
+    role = await pg.role()
+    email, token = await pg.signed_in_user()
+    secret, _ = await pg.credential(role, token=token)
+    async with sleepers_on_every_worker(gateway, role["name"], secret) as sleepers:
+        for session_id in sleepers:
+            await running(pg, session_id, "pg_sleep(60)")
+        status, body = await pg("PUT", f"/users/{email}", {"status": "inactive"})
+        assert status == 200 and body["status"] == "inactive", body
+        for session_id, sleeper in sleepers.items():
+            _, err = await asyncio.wait_for(sleeper.communicate(), PATIENCE)
+            assert sleeper.returncode != 0 and b"the user was deactivated by admin@example.com" in err, err
+            status, session = await pg("GET", f"/sessions/{session_id}")
+            assert status == 200 and session["status"] == "done" and session["exit_code"] == 254, session
 
 
 def cancel_request(port: int, process_id: int, secret_key: int) -> None:

@@ -331,8 +331,10 @@ class Store(abc.ABC):
         """The sessions still ``open`` held by these nodes."""
 
     @abc.abstractmethod
-    async def open_session_holders(self, *, review_id: str | None = None, connection_id: str | None = None) -> set[str]:
-        """The nodes holding an ``open`` session of a review, or of a connection."""
+    async def open_session_holders(self, *, review_id: str | None = None, connection_id: str | None = None,
+                                   user: tuple[str, str] | None = None) -> set[str]:
+        """The nodes holding an ``open`` session of a review, of a connection, or of a user (``user``: its
+        organization and subject, what a session names it by)."""
 
     @abc.abstractmethod
     async def open_sessions_unheld(self) -> list[Session]:

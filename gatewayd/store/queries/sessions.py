@@ -362,10 +362,17 @@ class SessionQueries(ReportQueries, ReviewQueries):
                                f"({', '.join('?' * len(wanted))})", tuple(wanted))
         return built(Session, rows)
 
-    async def open_session_holders(self, *, review_id: str | None = None, connection_id: str | None = None) -> set[str]:
-        column, value = ("review_id", review_id) if review_id is not None else ("connection_id", connection_id)
-        rows = await self._all(f"SELECT DISTINCT node_id FROM sessions WHERE status = 'open' AND {column} = ? "
-                               "AND node_id IS NOT NULL", (value,))
+    async def open_session_holders(self, *, review_id: str | None = None, connection_id: str | None = None,
+                                   user: tuple[str, str] | None = None) -> set[str]:
+        values: tuple[str | None, ...]
+        if user is not None:
+            where, values = "org_id = ? AND user_id = ?", user
+        elif review_id is not None:
+            where, values = "review_id = ?", (review_id,)
+        else:
+            where, values = "connection_id = ?", (connection_id,)
+        rows = await self._all(f"SELECT DISTINCT node_id FROM sessions WHERE status = 'open' AND {where} "
+                               "AND node_id IS NOT NULL", values)
         return {row[0] for row in rows}
 
     async def open_sessions_unheld(self) -> list[Session]:
