@@ -21,7 +21,8 @@ from gatewayd import balance, hotpath, protocols
 # what a key is and how values are checked (gatewayd.settings), imported from here too
 from gatewayd.settings import ConfigError as ConfigError
 from gatewayd.settings import Setting as Setting
-from gatewayd.settings import _choice, _not_negative
+from gatewayd.settings import _not_negative
+from gatewayd.settings import choice as choice
 from gatewayd.settings import domain_setting as domain_setting
 from gatewayd.settings import parse_duration as parse_duration
 from gatewayd.settings import parse_listen as parse_listen
@@ -29,6 +30,7 @@ from gatewayd.settings import positive as positive
 from gatewayd.settings import split_listen as split_listen
 
 _positive = positive
+_choice = choice
 
 
 def _store_url(value: Any, key: str) -> Any:

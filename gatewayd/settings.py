@@ -65,7 +65,9 @@ class Setting:
     check: Callable[[Any, str], Any] | None = None
 
 
-def _choice(*allowed: str) -> Callable[[Any, str], Any]:
+def choice(*allowed: str) -> Callable[[Any, str], Any]:
+    """A check that the value is one of ``allowed``."""
+
     def check(value: Any, key: str) -> Any:
         if value not in allowed:
             raise ConfigError(f"{key}: must be one of {', '.join(allowed)}, got {value!r}")

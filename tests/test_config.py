@@ -60,6 +60,7 @@ def test_environment_overrides_file(tmp_path):
     ('[auth]\nissuer = "oidc"\n', "auth.oidc.issuer_url"),
     ('[http]\napps_domain = "http://apps.example.com"\n', "http.apps_domain"),
     ('[http]\napps_domain = "apps.example.com:8080"\n', "http.apps_domain"),
+    ('[http]\npublic_scheme = "wss"\n', "http.public_scheme"),
 ])
 def test_bad_values_name_the_key(tmp_path, content, key):
     path = tmp_path / "bad.toml"

@@ -50,9 +50,11 @@ def test_the_path_form_wins_so_a_secret_in_a_url_is_never_forwarded():
 
 
 def test_credential_cookie_attributes():
-    cookie = m.credential_cookie(SECRET, 600)
+    cookie = m.credential_cookie(SECRET, 600, secure=False)  # plain http: a Secure cookie would be dropped
     assert cookie == f"gatewayd_proxy_token={SECRET}; Path=/; Max-Age=600; HttpOnly; SameSite=Lax"
-    assert "Max-Age=0" in m.credential_cookie(SECRET, -5)
+    assert "Max-Age=0" in m.credential_cookie(SECRET, -5, secure=False)
+    secure = m.credential_cookie(SECRET, 600, secure=True)  # over https: never sent over plain http
+    assert secure == f"gatewayd_proxy_token={SECRET}; Path=/; Max-Age=600; HttpOnly; SameSite=Lax; Secure"
 
 
 def test_upstream_headers_drop_hop_by_hop_and_the_gateway_credential():

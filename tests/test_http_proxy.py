@@ -204,6 +204,7 @@ async def test_browser_flow_with_curl_cookie_jar(api, gateway, tmp_path):
     assert "Location: /echo/page?q=1\r\n" in head
     cookie = next(line for line in head.splitlines() if line.lower().startswith("set-cookie:"))
     assert "HttpOnly" in cookie and "SameSite=Lax" in cookie and "Path=/" in cookie and "Domain" not in cookie
+    assert "Secure" not in cookie  # plain http (http.public_scheme): a browser would drop a Secure cookie
     host = origin.split("//")[1].split(":")[0]
     assert f"#HttpOnly_{host}\tFALSE\t/\tFALSE" in jar.read_text()
     # the browser follows the redirects with its cookie, and goes on using it
@@ -249,6 +250,37 @@ async def test_a_credential_on_another_apps_address_is_refused_with_a_page(api, 
     async with client.get(f"{gateway.http_url}/json", headers={
             "Host": mine["origin"].split("//")[1], "Authorization": mine["proxy_token"]}) as response:
         assert response.status == 200
+
+
+async def test_behind_https_the_credential_cookie_is_secure_and_the_addresses_say_https(tmp_path_factory, target,
+                                                                                         client):
+    """With ``http.public_scheme = "https"`` (a TLS-terminating proxy in front of the listener) the credential cookie
+    is ``Secure`` (it had no such flag: a browser sent it over plain http to the same host too), still HttpOnly and
+    SameSite=Lax; the access hint, the redirects to an app's own address and ``X-Forwarded-Proto`` say https."""
+    daemon = proxy_daemon(tmp_path_factory, "httpsecure", "http", {"http.public_scheme": "https"}, wait=True)
+    try:
+        async with admin_http(daemon) as http:
+            api = HttpApi(daemon, http, target)
+            access = await api.access(await api.role())
+        secret, origin, port = access["proxy_token"], access["origin"], daemon.proxy_port
+        assert origin.startswith("https://web-") and origin.endswith(f".localhost:{port}") and \
+            access["url"] == f"{origin}/{secret}/", access
+        listener, own_host = f"http://127.0.0.1:{port}", origin.split("//")[1]
+        async with client.get(f"{listener}/{secret}/echo/x", allow_redirects=False) as response:
+            assert response.status == 302 and response.headers["Location"] == f"{origin}/{secret}/echo/x"
+        async with client.get(f"{listener}/{secret}/echo/x", allow_redirects=False,
+                              headers={"Host": own_host}) as response:
+            assert response.status == 302 and response.headers["Location"] == "/echo/x"
+            cookie = response.headers["Set-Cookie"]
+        attributes = [part.strip() for part in cookie.split(";")[1:]]
+        assert {"Secure", "HttpOnly", "SameSite=Lax", "Path=/"} <= set(attributes), cookie
+        async with client.get(f"{listener}/echo/y", headers={"Host": own_host,
+                                                             "Cookie": f"gatewayd_proxy_token={secret}"}) as response:
+            assert response.status == 200
+            seen = await response.json()
+        assert header_value(seen["headers"], "X-Forwarded-Proto") == ["https"]
+    finally:
+        assert daemon.stop() == 0
 
 
 async def test_wrong_missing_and_expired_credentials(api, gateway, client, target):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gatewayd.config import Setting, domain_setting, positive
+from gatewayd.config import Setting, choice, domain_setting, positive
 from gatewayd.languages import HTTP_REQUESTS
 from gatewayd.protocols import EXCHANGES, ProtocolDescription, lazy_start
 
@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 
 def access_hints(conn: Connection, secret: str, host: str, port: int, settings: dict[str, Any]) -> dict[str, str]:
     """A browser's words: the credential link on the app's own origin, or the header for API clients."""
-    domain = settings["apps_domain"]  # each connection's app on its own origin (docs/http-proxy.md)
-    origin = f"http://{conn.app_label}.{domain}:{port}" if domain else f"http://{host}:{port}"
+    domain, scheme = settings["apps_domain"], settings["public_scheme"]  # each app on its own origin (docs/http-proxy.md)
+    origin = f"{scheme}://{conn.app_label}.{domain}:{port}" if domain else f"{scheme}://{host}:{port}"
     return {"hostname": host, "port": str(port), "proxy_token": secret, "url": f"{origin}/{secret}/",
             "origin": origin, "header": f"Authorization: {secret}"}
 
@@ -38,5 +38,6 @@ DESCRIPTION = ProtocolDescription(
               "idle_timeout": Setting("duration", "75s", positive),
               "target_idle_timeout": Setting("duration", "5m", positive),
               "websocket_message_bytes": Setting("int", 16 * 1024 * 1024, positive),
-              "apps_domain": Setting("str", "localhost", domain_setting)},
+              "apps_domain": Setting("str", "localhost", domain_setting),
+              "public_scheme": Setting("str", "http", choice("http", "https"))},
 )

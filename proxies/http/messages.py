@@ -131,9 +131,12 @@ def _is_proxy_secret(value: str) -> bool:
     return len(value) == 53 and value.startswith("httpproxy-")
 
 
-def credential_cookie(secret: str, max_age: int) -> str:
-    """The ``Set-Cookie`` value that lets a browser carry the credential: HttpOnly, SameSite=Lax, path /."""
-    return f"{COOKIE_NAME}={secret}; Path=/; Max-Age={max(max_age, 0)}; HttpOnly; SameSite=Lax"
+def credential_cookie(secret: str, max_age: int, secure: bool) -> str:
+    """The ``Set-Cookie`` value that lets a browser carry the credential: HttpOnly, SameSite=Lax, path /; ``Secure``
+    when the client reached the gateway over https (a browser sends it over https only, so that no plain http
+    request to the same host gives the credential away), never on plain http (a browser would drop it)."""
+    return (f"{COOKIE_NAME}={secret}; Path=/; Max-Age={max(max_age, 0)}; HttpOnly; SameSite=Lax"
+            + ("; Secure" if secure else ""))
 
 
 def strip_credential_cookie(cookie_header: str) -> str:

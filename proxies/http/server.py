@@ -113,6 +113,7 @@ class HttpListener(FastPath):
         self.record_cap: int = settings["record_body_bytes"]
         self.guard_cap: int = settings["guard_body_bytes"]
         self.apps_domain: str = settings["apps_domain"]  # "": one shared origin for every connection
+        self.public_scheme: str = settings["public_scheme"]  # https: behind a TLS-terminating proxy
         self.credentials = Credentials(self.pipeline, settings["credential_recheck"])
         self.pool = UpstreamPool(self.pipeline.dialer)
         self.websockets = WebSockets(self.pipeline, settings["websocket_message_bytes"], self.record_cap)
@@ -150,6 +151,11 @@ class HttpListener(FastPath):
             self.pool.close()
             await self.websockets.close()
 
+    def scheme(self, request: web.BaseRequest | FrontRequest) -> str:
+        """The scheme the client reached the gateway by: https over a TLS connection to the listener, else
+        ``http.public_scheme`` (https where a TLS-terminating proxy in front of the listener serves it)."""
+        return "https" if request.scheme == "https" else self.public_scheme
+
     async def handle(self, request: web.BaseRequest | FrontRequest) -> web.StreamResponse | FrontStream | bytes:
         headers = request.headers
         client_ip = request.remote or ""
@@ -170,7 +176,7 @@ class HttpListener(FastPath):
         label = app_host_label(request.host, self.apps_domain)
         if presented.source == CredentialSource.PATH:
             if self.apps_domain and label != state.label:  # each app on its own origin
-                origin = app_origin(state.label, self.apps_domain, request.scheme, request.host)
+                origin = app_origin(state.label, self.apps_domain, self.scheme(request), request.host)
                 return redirect(f"{origin}/{presented.secret}{presented.rest_path}")
             if label is None:
                 switched = await self._switch_refused(request, presented.secret, state, policy, client_ip)
@@ -178,7 +184,8 @@ class HttpListener(FastPath):
                     return switched
             response = redirect(presented.rest_path)
             lifetime = int(min(state.expires - time.time(), 172800))
-            response.headers["Set-Cookie"] = credential_cookie(presented.secret, lifetime)
+            response.headers["Set-Cookie"] = credential_cookie(presented.secret, lifetime,
+                                                               self.scheme(request) == "https")
             return response
         if label is not None:
             if label != state.label:
@@ -199,6 +206,7 @@ class HttpListener(FastPath):
         if "Upgrade" in headers and is_websocket_upgrade(headers.items()):
             with in_flight(state):
                 return await self.websockets.relay(request, state, policy, presented.source, client_ip,
+                                                   self.scheme(request),
                                                    functools.partial(self._current, state, client_ip))
         return await self._forward(request, state, policy, presented.source, client_ip)
 
@@ -225,7 +233,7 @@ class HttpListener(FastPath):
                      policy: SessionPolicy) -> web.Response:
         """A credential on another connection's app host: refused, never forwarded (403 and an ``e`` event)."""
         connection = state.grant.connection
-        own = app_origin(state.label, self.apps_domain, request.scheme, request.host)
+        own = app_origin(state.label, self.apps_domain, self.scheme(request), request.host)
         message = (f"{scrub(request.host)} is the address of another app than this credential's connection "
                    f'"{connection.name}" (its address is {own}/): each connection has its own address so that '
                    f"apps open in one browser never reach each other")
@@ -273,7 +281,8 @@ class HttpListener(FastPath):
         """The request line as recorded and the headers sent to the target (a mask rule's drops applied)."""
         version = request.version
         first_line = f"{request.method} {request.raw_path} HTTP/{version.major}.{version.minor}"
-        up_headers = upstream_request_headers(request.headers.items(), source, client_ip, "http", request.host)
+        up_headers = upstream_request_headers(request.headers.items(), source, client_ip, self.scheme(request),
+                                              request.host)
         if policy.masker is not None or policy.checks_output:  # rules read the answer: no coding, no ranges
             up_headers = [(k, v) for k, v in up_headers if k.lower() not in _READ_REQUEST_DROP]
             up_headers.append(("Accept-Encoding", "identity"))
@@ -381,7 +390,7 @@ class HttpListener(FastPath):
         field does): the reason phrase, every header name and value the client gets, and the recorded head."""
         up_headers = message.headers
         out_list = downstream_response_headers(up_headers.items(), state.target,
-                                               f"{request.scheme}://{request.host}")
+                                               f"{self.scheme(request)}://{request.host}")
         status = f"HTTP/{message.version.major}.{message.version.minor} {message.code} "
         reason = message.reason
         checked = guard_text(status + reason, out_list) if policy.checks_output else ""

@@ -56,12 +56,13 @@ class WebSockets:
         await self.client.close()
 
     async def relay(self, request: web.BaseRequest, state: CredentialState, policy: SessionPolicy, source: str,
-                    client_ip: str, current: Callable[[], Awaitable[SessionPolicy]]) -> web.StreamResponse:
+                    client_ip: str, scheme: str, current: Callable[[], Awaitable[SessionPolicy]]) -> web.StreamResponse:
         """Relay a websocket: the upgrade request under ``policy``, then each message ``i``/``o`` under the rules of
-        the moment (``current``: the session's policy chain now)."""
+        the moment (``current``: the session's policy chain now); ``scheme``: the one the client reached the gateway
+        by (``X-Forwarded-Proto``)."""
         headers = request.headers
         first_line = f"{request.method} {request.raw_path} HTTP/1.1"
-        up_headers = [(k, v) for k, v in upstream_request_headers(headers.items(), source, client_ip, "http",
+        up_headers = [(k, v) for k, v in upstream_request_headers(headers.items(), source, client_ip, scheme,
                                                                   request.host) if k.lower() not in _WS_HEADERS]
         head = head_bytes(first_line, headers.items())
         text, readings = guard_readings(first_line, up_headers)
