@@ -22,7 +22,16 @@ from control.http import (
 )
 from control.schemas import STRINGS, TEXT
 from gatewayd.models import Delivery, WebhookEndpoint, new_id, rfc3339, utcnow
-from gatewayd.webhooks import DELIVERED, EVENT_TYPES, FAILED, PENDING, check_url, new_secret
+from gatewayd.webhooks import (
+    DELIVERED,
+    EVENT_TYPES,
+    FAILED,
+    PENDING,
+    check_url,
+    literal_refusal,
+    new_secret,
+    unreachable,
+)
 
 routes = RouteSet("Webhooks", audit="webhooks")
 
@@ -69,9 +78,16 @@ def delivery_json(delivery: Delivery, with_payload: bool = False) -> dict[str, A
 
 
 def _checked_url(request: web.Request, url: str) -> str:
-    problem = check_url(url.strip(), services_of(request).config["webhooks.allow_http"])
+    """The endpoint's URL, else 422 (not an https URL) or, for a tenant's, 400 when its host is an IP address the
+    tenant's webhooks may not reach (a name is checked on each address it resolves to at every delivery)."""
+    services = services_of(request)
+    problem = check_url(url.strip(), services.config["webhooks.allow_http"])
     if problem:
         raise ApiError(422, f"field 'url': {problem}")
+    tenancy = services.tenancy
+    if tenancy.is_tenant(require_admin(request).org_id) and (kind := literal_refusal(url.strip(),
+                                                                                       tenancy.webhook_policy)):
+        raise ApiError(400, f"field 'url': {unreachable(kind)}")
     return url.strip()
 
 

@@ -129,6 +129,7 @@ SETTINGS: dict[str, Setting] = {
     "auth.admins_can_self_approve": Setting("bool", True),
     "console.idle_timeout": Setting("duration", "30m", _positive),
     "tenants.allow_private_targets": Setting("bool", False),
+    "tenants.allow_private_webhooks": Setting("bool", False),
     "auth.oidc.issuer_url": Setting("str", ""),
     "auth.oidc.client_id": Setting("str", ""),
     "auth.oidc.client_secret": Setting("str", ""),

@@ -50,6 +50,16 @@ class DialError(Exception):
         super().__init__(self.message)
 
 
+class AddressRefused(DialError):
+    """Every address the host resolved to is one the dialer's policy refuses: nothing was connected to; ``kind``
+    says which kind of address (``a loopback address``), never the address."""
+
+    def __init__(self, connection: str, kind: str) -> None:
+        super().__init__(connection, f"its host is {kind}, which this organization's connections may not reach "
+                                     "from the gateway")
+        self.kind = kind
+
+
 class Dialer(Protocol):
     """Opens connections to targets on behalf of a named connection."""
 
@@ -155,8 +165,7 @@ class DirectDialer:
                     return sock
                 if last is None:
                     if refused:
-                        raise DialError(connection, f"its host is {refused}, which this organization's "
-                                                    "connections may not reach from the gateway")
+                        raise AddressRefused(connection, refused)
                     raise DialError(connection, "its host has no address")
                 raise last
         except TimeoutError:
@@ -216,6 +225,15 @@ class UnresolvedNames(AbstractResolver):
         pass
 
 
+class RefusedAddressError(ClientConnectorError):
+    """aiohttp's connect error for an ``AddressRefused`` dial (``kind``: which kind of address), so that a client
+    can tell a policy's refusal, final, from a network failure worth retrying."""
+
+    def __init__(self, connection_key: Any, os_error: OSError, kind: str) -> None:
+        super().__init__(connection_key, os_error)
+        self.kind = kind
+
+
 class DialerConnector(TCPConnector):
     """aiohttp's connector reaching its peers through a ``Dialer`` (the HTTP proxy's websockets, AI providers).
 
@@ -233,6 +251,8 @@ class DialerConnector(TCPConnector):
         try:
             sock = await self.dialer.open_socket(host, port, connection=f"{host}:{port}",
                                                  timeout=timeout.sock_connect or DIAL_TIMEOUT)
+        except AddressRefused as exc:
+            raise RefusedAddressError(req.connection_key, OSError(None, exc.reason), exc.kind) from None
         except DialError as exc:
             raise client_error(req.connection_key, OSError(None, exc.reason)) from None
         try:

@@ -13,8 +13,9 @@ deliveries (one node each, ``Store.claim_deliveries``), posts them and retries a
 
 A webhook is signed as Standard Webhooks (and Svix, which hoop.dev used) sign: headers ``webhook-id``,
 ``webhook-timestamp`` and ``webhook-signature: v1,<base64 HMAC-SHA256 of "id.timestamp.body">`` with the
-endpoint's secret (``whsec_<base64>``, sealed at rest). A tenant's endpoints are reached under its address
-policy (gatewayd.tenancy): never the gateway's own host or network.
+endpoint's secret (``whsec_<base64>``, sealed at rest). A tenant's endpoints are reached under its webhooks'
+address policy (gatewayd.tenancy): never the gateway's own host or network, checked on each address as it is
+connected to; a refused one fails its delivery at once.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import base64
 import contextlib
 import hashlib
 import hmac
+import ipaddress
 import json
 import logging
 import secrets
@@ -36,7 +38,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from gatewayd.dialer import DialerConnector, UnresolvedNames
+from gatewayd.dialer import AddressPolicy, DialerConnector, RefusedAddressError, UnresolvedNames
 from gatewayd.models import AuditEntry, Delivery, Session, WebhookEndpoint, new_id, rfc3339, utcnow
 from gatewayd.tasks import BackgroundTasks, stopped
 
@@ -85,6 +87,23 @@ def signature(secret: str, message_id: str, timestamp: str, body: str) -> str:
 def backoff(attempts: int, base: float) -> float:
     """Seconds before the next attempt after ``attempts`` failed ones."""
     return min(base * 4 ** max(attempts - 1, 0), MAX_BACKOFF)
+
+
+def literal_refusal(url: str, policy: AddressPolicy) -> str | None:
+    """Why ``url``'s host, when it is written as an IP address, may not be posted to under ``policy`` (``a loopback
+    address``); None for a name, whose addresses the dial checks as it resolves them."""
+    host = urlsplit(url).hostname or ""
+    try:
+        ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return None
+    return policy.refusal(host)
+
+
+def unreachable(kind: str) -> str:
+    """Why a tenant's endpoint is refused (creation or delivery): the kind of address, never the address."""
+    return (f"its host is {kind}, which this organization's webhooks may not reach from the gateway "
+            "(multi-tenant mode; the operator may allow private addresses: tenants.allow_private_webhooks)")
 
 
 def check_url(url: str, allow_http: bool) -> str | None:
@@ -267,19 +286,23 @@ class Notifier:
         client = self._clients.get(tenant)
         if client is None or client.closed:
             context = ssl.create_default_context(cafile=self.config["webhooks.ca_file"] or None)
-            connector = DialerConnector(self.tenancy.dialer, resolver=UnresolvedNames(), ssl=context) if tenant \
-                else aiohttp.TCPConnector(ssl=context)
+            connector = DialerConnector(self.tenancy.webhook_dialer, resolver=UnresolvedNames(), ssl=context) \
+                if tenant else aiohttp.TCPConnector(ssl=context)
             client = self._clients[tenant] = aiohttp.ClientSession(
                 connector=connector, timeout=aiohttp.ClientTimeout(total=self.config["webhooks.timeout"]))
         return client
 
     async def _post(self, org_id: str, url: str, body: bytes, headers: dict[str, str]) -> tuple[int, str]:
+        """(HTTP status, error) of one POST: -1 for a network failure (retried), 0 for an address the tenant's policy
+        refuses (checked on each address the host resolves to, as it is connected to: final, nothing was sent)."""
         client = self._client(self.tenancy.is_tenant(org_id))
         try:
             async with client.post(url, data=body, headers={"Content-Type": "application/json", **headers},
                                    allow_redirects=False) as response:
                 text = (await response.content.read(2048)).decode("utf-8", "replace")
                 return response.status, "" if response.status < 300 else f"HTTP {response.status}: {text[:200]}"
+        except RefusedAddressError as exc:
+            return 0, unreachable(exc.kind)
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             return -1, f"{type(exc).__name__}: {exc}"[:300]
 
@@ -321,6 +344,8 @@ class Notifier:
             async with client.post(url, json={"channel": channel, "text": text, "blocks": blocks},
                                    headers={"Authorization": f"Bearer {token}"}) as response:
                 answer = await response.json(content_type=None)
+        except RefusedAddressError as exc:
+            return 0, unreachable(exc.kind)
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
             return None, f"{type(exc).__name__}: {exc}"[:300]
         if response.status == 200 and isinstance(answer, dict) and answer.get("ok"):

@@ -434,6 +434,72 @@ async def test_a_tenants_http_connection_cannot_reach_the_gateways_host(http, sa
         assert response.status == 200 and "gatewayd_" in await response.text()
 
 
+async def test_a_tenants_webhook_endpoint_cannot_reach_the_gateways_host_or_network(http, saas, provider):
+    """A tenant's webhook endpoint on 127.0.0.1, 169.254.169.254 or a private address was taken (201) and posted to
+    (blind SSRF into the operator's network): an IP address of those kinds is refused when the endpoint is made
+    (400, audited), and a name resolving to one fails its delivery at once (logged, in the delivery log), nothing
+    sent. The operators' own organization may name them, as before."""
+    founder, _ = await found_org(http, saas, provider, "hooker")
+    status, plugin = await call(http, saas, "POST", "/plugins", founder, {"name": "webhooks"})
+    assert status == 201, plugin
+    kinds = {"https://127.0.0.1:1/x": "loopback", "https://169.254.169.254/latest/meta-data/": "link-local",
+             "https://10.1.2.3/x": "private", "https://100.64.0.1/x": "private", "https://[fd00::1]/x": "private",
+             "https://[::ffff:127.0.0.1]:1/x": "loopback"}
+    for url, kind in kinds.items():
+        status, body = await call(http, saas, "POST", "/webhooks/endpoints", founder, {"url": url})
+        assert status == 400 and f"its host is a {kind} address" in body["message"], (url, status, body)
+        assert url not in body["message"]
+    status, logs = await call(http, saas, "GET", "/audit/logs?action=webhooks.create_endpoint&outcome=failure",
+                              founder)
+    assert status == 200 and logs["pages"]["total"] == len(kinds), logs
+    # a name that resolves to loopback: taken, but its delivery is refused at the dial, once, and nothing connects
+    connected: list[int] = []
+    server = await asyncio.start_server(lambda r, w: (connected.append(1), w.close()), "127.0.0.1", free_port())
+    port = server.sockets[0].getsockname()[1]
+    try:
+        status, made = await call(http, saas, "POST", "/webhooks/endpoints", founder,
+                                  {"url": f"https://localhost:{port}/hook"})
+        assert status == 201, made
+        status, sent = await call(http, saas, "POST", "/webhooks/messages", founder, {"endpoint_id": made["id"]})
+        assert status == 202 and len(sent) == 1, sent
+        for _ in range(200):  # webhooks.retry_base is 5 s: a retried attempt would still be pending
+            status, page = await call(http, saas, "GET", f"/webhooks/messages?endpoint_id={made['id']}", founder)
+            if page["data"] and page["data"][0]["status"] != "pending":
+                break
+            await asyncio.sleep(0.05)
+        [delivery] = page["data"]
+        assert delivery["status"] == "failed" and delivery["attempts"] == 1, delivery
+        assert "its host is a loopback address" in delivery["last_error"], delivery
+        assert connected == [], "the tenant's webhook reached a listener on the gateway's host"
+        assert any(delivery["id"] in line and "loopback address" in line for line in saas.log_text().splitlines())
+    finally:
+        server.close()
+        await server.wait_closed()
+    # the operators' organization keeps its say over the host (its admins run it)
+    host_admin = await cli_token(saas, "hooks-admin@ops.example", "admin")
+    status, made = await call(http, saas, "POST", "/webhooks/endpoints", host_admin, {"url": "https://127.0.0.1:1/x"})
+    assert status == 201, made
+
+
+def test_a_tenants_webhooks_have_their_own_allowance_of_private_addresses():
+    """``tenants.allow_private_targets`` (tenants' connections on the private network) does not open it to their
+    webhooks; ``tenants.allow_private_webhooks`` does, never loopback or link-local."""
+    from gatewayd.config import load_config
+    from gatewayd.tenancy import Tenancy
+    from gatewayd.webhooks import literal_refusal
+
+    def refusals(**settings: bool) -> list[str | None]:
+        config = load_config(None, environ={}, overrides={"auth.multi_tenant": True, **settings})
+        policy = Tenancy.of(config, "operators").webhook_policy
+        return [literal_refusal(url, policy) for url in ("https://10.0.0.7/x", "https://127.0.0.1/x",
+                                                         "https://169.254.169.254/x", "https://hooks.example/x")]
+
+    link_local = "a link-local address"
+    assert refusals(**{"tenants.allow_private_targets": True}) == [
+        "a private address", "a loopback address", link_local, None]
+    assert refusals(**{"tenants.allow_private_webhooks": True}) == [None, "a loopback address", link_local, None]
+
+
 async def test_a_tenants_ai_provider_cannot_reach_the_gateways_host(tmp_path):
     """A tenant's AI provider URL on loopback answered up to 300 characters of internal answers into the tenant's
     recording, and worked as a port scanner: it is not dialled now (the operators' own organization's is)."""
