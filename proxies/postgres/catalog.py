@@ -115,6 +115,7 @@ class Catalog:
     holders: Holders = field(default_factory=dict)  # the types whose values hold a column of ``sources``
     views: Sources = field(default_factory=dict)  # views' columns that may carry one of ``sources`` (not remembered)
     computed: frozenset[tuple[int, int]] = frozenset()  # those of ``views`` a view computes: masked whole
+    newest: int = 0  # the greatest relation OID then (0: not asked): a relation made since is not known
     builtins: BuiltIns | None = None  # what a statement may call, under rules by column name (None: not asked)
 
 
@@ -146,7 +147,9 @@ def holders_query(names: Iterable[str], remembered: Iterable[Column], major: int
                                 where=_where(names, remembered))
 
 
-_SOURCES, _HOLDERS, _TYPES, _BUILTINS, _VIEWS = range(5)  # what a statement of the catalog query reads
+_SOURCES, _HOLDERS, _TYPES, _BUILTINS, _VIEWS, _NEWEST = range(6)  # what a statement of the catalog query reads
+# the newest relation the catalog holds: one made after has a greater OID (the counter only grows, until it wraps)
+NEWEST_QUERY = "SELECT max(oid)::int8 FROM pg_catalog.pg_class"
 
 
 def _major_version(startup_frames: list[bytes]) -> int:
@@ -177,8 +180,8 @@ async def read_catalog(settings: TargetSettings, name: str, dialer: Dialer, name
     if names:
         columns = [(r, a, c) for (r, a), c in known.items()]
         queries += [sources_query(names, columns), holders_query(names, columns, major), BUILTINS_QUERY,
-                    VIEWS_QUERY.format(where=_where(names, columns))]
-        kinds += [_SOURCES, _HOLDERS, _BUILTINS, _VIEWS]
+                    VIEWS_QUERY.format(where=_where(names, columns)), NEWEST_QUERY]
+        kinds += [_SOURCES, _HOLDERS, _BUILTINS, _VIEWS, _NEWEST]
     if types:
         queries.append(TYPES_QUERY.format(multirange=_MULTIRANGE_14 if major >= 14 else "0::int8"))
         kinds.append(_TYPES)
@@ -216,6 +219,8 @@ async def read_catalog(settings: TargetSettings, name: str, dialer: Dialer, name
                     view, definition, relations = values
                     views.append((int(view), definition.decode(),  # type: ignore[arg-type, union-attr]
                                   json.loads(relations)))  # type: ignore[arg-type]
+                elif kind == _NEWEST and values[0] is not None:
+                    found.newest = int(values[0])
                 elif kind == _TYPES and None not in values[:5]:
                     oid, typtype, base, subtype, range_type, send = values
                     type_rows.append((int(oid), typtype.decode(), int(base), int(subtype),  # type: ignore[union-attr]

@@ -62,6 +62,7 @@ cdef class ServerSide:
     cdef public object masker
     cdef public dict masks
     cdef public object masks_now
+    cdef public long long newest
     cdef public object oids
     cdef public list out
     cdef public Py_ssize_t out_chars

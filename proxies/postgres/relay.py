@@ -575,6 +575,7 @@ class ServerSide:
         "masker",
         "masks",
         "masks_now",
+        "newest",
         "oids",
         "out",
         "out_chars",
@@ -605,6 +606,7 @@ class ServerSide:
         # of it...: catalog.HOLDERS_QUERY): such a column is masked whole, as it names none of them
         self.holders: dict[int, tuple[tuple[int, int], ...]] = {}
         self.computed: frozenset[tuple[int, int]] = frozenset()  # views' columns of ``sources`` computed: whole
+        self.newest = 0  # the newest relation OID the catalog held: one made since is masked whole until read
         # statement -> (its type OIDs in ``columns`` when described, its columns masked by name): valid while
         # ``columns`` holds that same tuple (the client side drops it when the statement is parsed again)
         # (and the RowDescription it was worked out from: the masked columns are worked out again when the rules
@@ -721,15 +723,16 @@ class ServerSide:
 
     def set_sources(self, sources: dict[tuple[int, int], str] | None, names: Iterable[str],
                     holders: dict[int, tuple[tuple[int, int], ...]] | None = None,
-                    computed: frozenset[tuple[int, int]] = frozenset()) -> None:
+                    computed: frozenset[tuple[int, int]] = frozenset(), newest: int = 0) -> None:
         """Where the columns ``names`` are (proxies/postgres/catalog.py; None: unknown, fail closed), the types
-        whose values hold them, and the views' columns of ``sources`` computed from them (masked whole); what the
-        session ``learned`` itself stays."""
+        whose values hold them, the views' columns of ``sources`` computed from them (masked whole), and the
+        newest relation the catalog held (0: none asked); what the session ``learned`` itself stays."""
         if sources is not None and self.learned:
             sources = {**self.learned, **sources}
         self.sources, self.sources_for = sources, frozenset(names)
         self.holders = holders or {}
         self.computed = computed
+        self.newest = newest
         self._redescribe()
 
     def set_types(self, shapes: TypeShapes) -> None:
@@ -1236,8 +1239,12 @@ class ServerSide:
                     self.catalog_wanted()
             if style is None:
                 style = self._holding_style(masker, sources, field.type_oid)
-                if style is None and mentions and not field.table_oid:
+                if style is None and not field.table_oid and mentions:
                     style = _whole_style(masker)
+                elif style is None and field.table_oid > self.newest > 0:  # a relation made since: a view of ssn?
+                    style = _whole_style(masker)
+                    if self.catalog_wanted is not None:
+                        self.catalog_wanted()
             if style is not None:
                 masked.append((i, style))
         return tuple(masked)

@@ -502,7 +502,8 @@ class ClientConnection:
                 server.set_types(catalog.shapes)  # first: the columns masked are worked out again with them
             server.set_sources(None if catalog is None else {**catalog.sources, **catalog.views},
                                self._column_names(policy), None if catalog is None else catalog.holders,
-                               frozenset() if catalog is None else catalog.computed)
+                               frozenset() if catalog is None else catalog.computed,
+                               0 if catalog is None else catalog.newest)
             mentions.learn(None if catalog is None else catalog.builtins)
 
         adopt(await self._catalog(policy, settings, connection))
