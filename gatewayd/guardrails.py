@@ -6,9 +6,10 @@ shares, and what RE2 cannot run is refused when the rule is defined.  A
 rule set reads its connection's language (gatewayd.languages, declared by the
 protocol): a SQL dialect's input as its own scanner and parser read it
 (``SqlDialect``: PostgreSQL's is gatewayd/sql/postgresql.py); shell lines, SFTP
-requests and HTTP requests as plain text.  A rule the language cannot
-evaluate is never applied some other way: it refuses everything on its side
-(``check_language`` says why, for the API's 422).
+requests and HTTP requests as plain text, SSH's also as bash reads their words
+(``Language.readings``).  A rule the language cannot evaluate is never applied
+some other way: it refuses everything on its side (``check_language`` says why,
+for the API's 422).
 """
 
 from __future__ import annotations
@@ -303,7 +304,8 @@ class RuleSet:
 
     def check_input(self, text: str, readings: tuple[str, ...] | None = None) -> GuardVerdict:
         """The input rules on ``text``: SQL as the dialect's scanner reads it and, raw, with comments between a
-        deny word's words; any other language as plain text (whitespace collapsed).
+        deny word's words; any other language as plain text (whitespace collapsed) and, where the language has
+        them, its ``readings`` of it (shell: as bash reads the words), blocked when any is.
 
         ``readings``: the SQL as the server may read it (a session setting that changes the reading,
         proxies/postgres/reading.py), when that is not ``text`` alone: blocked when any reading is; the
@@ -315,8 +317,16 @@ class RuleSet:
             return ALLOWED
         dialect = self.dialect
         if dialect is None:
-            return self._check(self.text_rules, text, collapse(text), text, False, self._text_any,
-                               self._text_any) if self.text_rules else ALLOWED
+            if not self.text_rules:
+                return ALLOWED
+            verdict = self._check_text(text)
+            reread = self.language.readings
+            if verdict.allowed and reread is not None:  # the shell's: as bash reads the words
+                for reading in reread(text):
+                    verdict = self._check_text(reading)
+                    if not verdict.allowed:
+                        return _quoting(verdict, text)
+            return verdict
         if self.statement_rules:
             verdict = self._check_statements(text, dialect)
             if not verdict.allowed:
@@ -339,11 +349,12 @@ class RuleSet:
         for reading in readings:
             verdict = self.check_input(reading)
             if not verdict.allowed:
-                if reading is not text:
-                    verdict = GuardVerdict(False, verdict.message, verdict.direction, verdict.rule_type,
-                                           verdict.guardrail, text[:AUDIT_INPUT_CHARS])
-                return verdict
+                return verdict if reading is text else _quoting(verdict, text)
         return ALLOWED
+
+    def _check_text(self, text: str) -> GuardVerdict:
+        """The text rules on ``text`` as written: whitespace collapsed, and raw."""
+        return self._check(self.text_rules, text, collapse(text), text, False, self._text_any, self._text_any)
 
     def _check_sql(self, text: str, dialect: SqlDialect) -> GuardVerdict:
         if not dialect.needs_scan(text):  # no quote, comment or dollar quote: one reading says it all
@@ -407,6 +418,12 @@ class RuleSet:
             if match is not None:
                 return rule.verdict(match, text)
         return ALLOWED
+
+
+def _quoting(verdict: GuardVerdict, text: str) -> GuardVerdict:
+    """A block found on a reading of ``text``, quoting ``text`` as it was sent (what the audit entry keeps)."""
+    return GuardVerdict(False, verdict.message, verdict.direction, verdict.rule_type, verdict.guardrail,
+                        text[:AUDIT_INPUT_CHARS])
 
 
 _OBSERVED = (None,)  # a non-empty ``input_rules``: proxies check (and so show) every input of an observed session

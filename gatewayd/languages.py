@@ -10,7 +10,8 @@ applied): a rule is never silently read the wrong way or skipped.
   deny words and patterns, its parser's statement kinds for statement rules,
   what redacts a typed password).  PostgreSQL's is gatewayd/sql/postgresql.py,
   MySQL's and MariaDB's gatewayd/sql/mysql.py.
-* ``SHELL``: shell lines and commands (SSH), read as plain text.
+* ``SHELL``: shell lines and commands (SSH), read as plain text and, for SSH's, as bash reads their words
+  (``readings``: gatewayd/shell_words.py).
 * ``HTTP``: request lines, headers and text bodies, read as plain text.
 * ``NONE``: nothing a rule can read (RDP: key scan codes and bitmaps).
 
@@ -23,12 +24,14 @@ parse onto them and says which it can tell apart (``SqlDialect.kinds``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 try:  # compiled, ``cython.compiled`` is true when Cython compiles this module and picks the C branch below
     import cython
 except ImportError:  # Cython is a build-time dependency: without it this module runs as Python
     from gatewayd.hotpath import NO_CYTHON as cython
+
+from gatewayd.shell_words import shell_readings
 
 SQL, SHELL, HTTP, NONE = "sql", "shell", "http", "none"
 TEXT_RULES = ("deny_words_list", "pattern_match")  # read the text of any language that has text
@@ -126,6 +129,8 @@ class Language:
     title: str
     dialect: SqlDialect | None = None
     masks_output: bool = True  # its proxy rewrites what the target answers (mask rules apply)
+    # the other ways the target may read a text (none: as written); text rules read each, and block on any
+    readings: Callable[[str], tuple[str, ...]] | None = None
 
     def refusal(self, rule_type: str, direction: str) -> str | None:
         """Why a guard rail rule of ``rule_type`` on ``direction`` cannot be evaluated on this language, or None."""
@@ -138,7 +143,7 @@ class Language:
         return None
 
 
-SHELL_COMMANDS = Language("shell", SHELL, "shell commands")
+SHELL_COMMANDS = Language("shell", SHELL, "shell commands", readings=shell_readings)
 HTTP_REQUESTS = Language("http", HTTP, "HTTP requests")
 KEYSTROKES = Language("rdp", NONE, "key strokes and screen updates", masks_output=False)
 TEXT = Language("text", SHELL, "plain text")  # a rule set built with no protocol (tests, tools)

@@ -173,6 +173,43 @@ def test_ssh_and_http_text_is_not_read_as_sql():
     assert not rails([DROP]).check_input("echo drop/**/table").allowed  # PostgreSQL's input: a comment
 
 
+# the spellings that ran ``touch`` past a deny word through a real gateway (the last for a rule on "touch x")
+BASH_SPELLINGS = ["bash -c $'tou\\x63h x'", "'to''uch' x", 'to"uch" x', "tou\\ch x", "$'\\x74ouch' x",
+                  "touch${IFS}x", "touch$IFS'x'", "touch${IFS:0:1}x", "$'\\164\\u006fuch' x", 'tou""ch x',
+                  "tou\\\nch x", 'bash -c "to\'u\'ch x"', 'sh -c "bash -c \\$\'tou\\\\x63h x\'"']
+
+
+@pytest.mark.parametrize("spelling", BASH_SPELLINGS)
+def test_shell_input_is_read_as_bash_reads_its_words(spelling):
+    """A deny word spelled with quotes, escapes, ``$'...'`` or ``$IFS`` is blocked on the word bash runs; the
+    verdict quotes the line as typed."""
+    rules = rails([{"type": "deny_words_list", "words": ["touch x"]}], language=SHELL_COMMANDS)
+    verdict = rules.check_input(spelling)
+    assert not verdict.allowed, spelling
+    assert verdict.text == spelling and verdict.message.endswith("words=[touch x]")
+    assert not rails([{"type": "pattern_match", "pattern_regex": r"^\s*(bash -c |sh -c )*touch"}],
+                     language=SHELL_COMMANDS).check_input(spelling).allowed
+
+
+@pytest.mark.parametrize("line", ["ls -la \"my dir\"", "echo 'it''s'", "echo \"$HOME\" 'a b' \\; $'\\tx'",
+                                  "grep -e 'to uch' f", "echo $IFSx", "echo"])
+def test_ordinary_shell_lines_pass_their_readings(line):
+    assert rails([{"type": "deny_words_list", "words": ["touch"]}], language=SHELL_COMMANDS).check_input(line).allowed
+
+
+@pytest.mark.parametrize("line", BASH_SPELLINGS[1:11] + [
+    "ls -la \"my dir\"", "echo 'it''s'", "a\\ b 'c d' \"e\\\"f\\$g\\x\" $'h\\ti\\x41\\101\\e\\cA\\q\\'' \"\" ''",
+    "x$'\\u00e9\\xc3\\xa9'y \"${IFS}a\"$IFS'b'", "'it'\\''s' \"a'b\" 'c\"d'", "$\"tr\" \\$IFS"])
+def test_the_shell_reading_is_bashs(line):
+    """The first reading is the line's words as bash itself makes them (printed by bash, one per line)."""
+    import subprocess
+    from gatewayd.languages import collapse
+    from gatewayd.shell_words import shell_readings
+    words = subprocess.run(["bash", "-c", f"printf '%s\\n' {line}"], capture_output=True, check=True,
+                           env={"LC_ALL": "C.UTF-8"}).stdout.decode("utf-8", "replace").splitlines()
+    assert collapse(shell_readings(line)[0]) == collapse(" ".join(words))
+
+
 # --------------------------------------------------------------------------- patterns on a linear-time engine
 
 

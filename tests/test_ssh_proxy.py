@@ -439,6 +439,54 @@ async def test_a_guarded_line_edited_at_a_moved_cursor_or_continued_is_read_as_b
     assert "No such file" in target.ssh(f"ls {marker}*").stderr.decode()
 
 
+async def test_a_deny_word_spelled_as_bash_reads_it_is_refused_in_a_shell_line_and_an_exec(gateway, api, target):
+    """Quotes, a backslash, ``$'...'`` and ``$IFS`` spell ``touch`` for bash and not as typed: the rules read the
+    line as bash reads its words too (each of these ran ``touch`` through the gateway); the recording and the audit
+    entry keep what was typed, and ordinary quoting passes."""
+    role, session_id, marker, term = await touch_refused_shell(gateway, api)
+    message = "validation error, match guard rails input rule, type=deny_words_list, words=[touch]"
+    spellings = [f"bash -c $'tou\\x63h {marker}'", f"'to''uch' {marker}", f'to"uch" {marker}', f"tou\\ch {marker}",
+                 f"$'\\x74ouch' {marker}", f"touch {marker}"]
+    for number, line in enumerate(spellings):  # typed into a shell with a pty
+        term.type(line + "\r")
+        term.expect("words=[touch]")
+        term.type(f"echo after-$(({number}+10))\r")
+        term.expect(f"after-{number + 10}\r\n")
+    term.type("exit 3\r")
+    assert term.wait() == 3
+    session = await api.done_session(session_id)
+    assert of_kind(session, "e") == [message] * len(spellings)
+    for line in spellings:  # as the command of an exec
+        secret, session_id = await api.credential(role)
+        result = ssh(gateway, secret, line)
+        assert (result.returncode, result.stderr.decode().strip()) == (254, message), line
+        session = await api.done_session(session_id)
+        assert events(session) == [("i", line), ("e", message)]
+    status, logs = await api("GET", "/audit/logs?action=guardrail.block")
+    assert status == 200 and [e["request_payload_redacted"]["input"] for e in logs["data"]
+                              if e["request_payload_redacted"].get("session_id") == session_id] == [spellings[-1]]
+
+    # $IFS read as a space, for a rule on two words: in an exec and in a shell without a pty
+    name = f"gatewayd-never-{uuid.uuid4().hex[:8]}"
+    spaced = await api.role()
+    await api.guardrail(spaced, input_rules=[{"type": "deny_words_list", "words": [f"touch {name}"]}])
+    ifs = [f"touch${{IFS}}{name}", f"touch$IFS'{name}'", f"touch${{IFS:0:1}}{name}"]
+    for line in ifs:
+        secret, _ = await api.credential(spaced)
+        result = ssh(gateway, secret, line)
+        assert result.returncode == 254 and f"words=[touch {name}]" in result.stderr.decode(), line
+    secret, _ = await api.credential(spaced)
+    result = ssh(gateway, secret, "-T", stdin=("\n".join(["echo first", *ifs, "echo second"]) + "\n").encode())
+    assert result.stdout == b"first\nsecond\n" and result.stderr.decode().count(f"words=[touch {name}]") == 3
+    assert "No such file" in target.ssh(f"ls {marker} {name}").stderr.decode()
+
+    # what bash reads as no deny word passes
+    on_target(target, 'mkdir -p "my dir"')
+    secret, _ = await api.credential(role)
+    result = ssh(gateway, secret, "ls -la \"my dir\" && echo 'it''s'")
+    assert result.returncode == 0 and result.stdout.endswith(b"\nits\n"), result.stderr
+
+
 async def test_a_refused_line_of_a_bracketed_paste_never_runs(gateway, api, target):
     """bash asks the terminal to bracket what is pasted; inside, ^U is text: the refused line stayed in the buffer
     (with ^U at its end) and ran with the paste at the next Enter. Now the paste is ended, the buffer erased and the
