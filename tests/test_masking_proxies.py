@@ -190,6 +190,11 @@ async def test_ssh_rsync_and_git_downloads_are_refused_not_leaked(gateway, ssh_a
         "git clone": ["git", "clone", "-q", "{secret}@127.0.0.1:" + f"{directory}/repo", str(tmp_path / "clone")],
         "git archive": ["git", "archive", "--format=zip", "-o", str(tmp_path / "archive.zip"),
                         "--remote={secret}@127.0.0.1:" + f"{directory}/repo", "HEAD"],
+        # the command spelled as bash reads it: the target's shell runs rsync and git-upload-pack all the same
+        "rsync spelled": ["rsync", "-z", "--rsync-path=rs''ync", "-e", transport,
+                          "{secret}@127.0.0.1:" + f"{directory}/repo/card.txt", str(tmp_path / "spelled.txt")],
+        "git spelled": ["git", "clone", "-q", "--upload-pack=git-upload-p'a'ck",
+                        "{secret}@127.0.0.1:" + f"{directory}/repo", str(tmp_path / "spelled")],
     }
     try:
         for name, command in downloads.items():

@@ -260,7 +260,10 @@ def test_downloads_are_told_from_the_command_wherever_it_stands_in_it():
                           ("rsync --server --sender -vlogDtprze.iLsfxCIvu . /tmp/x", "compressed"),
                           ("rsync --server --daemon .", "compressed"), ("sudo rsync --server --sender . /x", "compressed"),
                           ("git-upload-pack '/srv/r.git'", "compressed"), ("git upload-archive /r", "compressed"),
-                          ("sh -c 'git-upload-pack /r'", "compressed")]:
+                          ("sh -c 'git-upload-pack /r'", "compressed"),
+                          ("rs''ync --server --sender . /x", "compressed"),  # as bash reads them
+                          ("r\\sync --server --sender . /x", "compressed"), ("git-upload-p\"a\"ck /r", "compressed"),
+                          ("s'c'p -f /x", "plain")]:
         assert download(command) == kind, command
     for command in ("scp -t /x", "rsync --server -vlogDtpre.iLsfxCIvu . /tmp/x", "git-receive-pack '/r'", "rsync a b",
                     "rsyncd --server --sender", "echo hi"):

@@ -24,6 +24,8 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from gatewayd.shell_words import shell_readings
+
 if TYPE_CHECKING:
     from gatewayd.guardrails import GuardVerdict, RuleSet
     from gatewayd.policy import SessionPolicy
@@ -61,11 +63,13 @@ _DOWNLOAD = re.compile(
 def download(command: str) -> str | None:
     """Whether an exec command sends the client a file protocol's download: "plain" for ``scp -f`` (the file's
     bytes as they are, sized), "compressed" for ``rsync --server --sender`` (or ``--daemon``), ``git-upload-pack``
-    and ``git-upload-archive`` (what they send may be zlib-compressed: no rule can read it); None otherwise."""
-    found = _DOWNLOAD.search(command)
-    if found is None:
-        return None
-    return "plain" if found["scp"] else "compressed"
+    and ``git-upload-archive`` (what they send may be zlib-compressed: no rule can read it); None otherwise. The
+    command is read as typed and as bash reads its words (``rs''ync``, ``--rsync-path`` spelled so, runs rsync)."""
+    for text in (command, *shell_readings(command)):
+        found = _DOWNLOAD.search(text)
+        if found is not None:
+            return "plain" if found["scp"] else "compressed"
+    return None
 
 
 @dataclass(slots=True, frozen=True)
