@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import shutil
 import socket
 import sqlite3
+import ssl
 import struct
 import subprocess
 import sys
@@ -31,6 +33,7 @@ from gatewayd.agent import agent_pb2 as pb
 from gatewayd.agent import agent_pb2_grpc as pb_grpc
 from gatewayd.agent.channel import open_channel
 from gatewayd.crypto import hash_secret
+from gatewayd.tls import generate_self_signed
 from tests.apiclient import Api, b64
 from tests.conftest import ROOT, Daemon, free_port, wait_port
 from tests.test_agents_netns import AgentProcess, until_agent
@@ -331,6 +334,52 @@ async def test_the_agent_never_follows_a_node_of_the_gateway_whose_url_would_dro
         store.execute("DELETE FROM nodes WHERE id LIKE ?", (f"{node_id}-%",))
         store.close()
         await server.stop(None)
+
+
+async def test_a_peer_whose_certificate_is_not_the_pinned_one_is_said_and_retried_while_the_first_serves(
+        gateway, api, tmp_path):
+    """A node said to the agent in Welcome whose TLS certificate is not the one the agent pins (a node set up with
+    another certificate): its connection once ended unseen, with no log line and no retry, the agent serving the
+    first node only with nothing to tell anyone why. It is logged, as a JSON line that names the node's URL and
+    carries no token, and retried with backoff like the first node's failures, the agent serving on meanwhile.
+    (The gateway never sees it: the agent drops the connection after the handshake, before a call.)"""
+    generate_self_signed(tmp_path / "other.crt", tmp_path / "other.key")
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(tmp_path / "other.crt", tmp_path / "other.key")
+    handshakes = 0
+
+    async def handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal handshakes
+        handshakes += 1
+        writer.close()
+
+    server = await asyncio.start_server(handshake, "127.0.0.1", 0, ssl=context)
+    peer = f"grpcs://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    created = await new_agent(api)
+    node_id, now = str(uuid.uuid4()), time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    store = sqlite3.connect(gateway.data_dir / "gatewayd.db", isolation_level=None)
+    store.execute("INSERT INTO nodes (id, name, slot, host, pid, listeners, status, started_at, heartbeat_at) "
+                  "VALUES (?, 'other-cert', 11, 'other', 1, ?, 'up', ?, ?)", (node_id, f'{{"grpc": "{peer}"}}', now, now))
+    agent = start(created, tmp_path, created["command"] + " --log-format json")
+    try:
+        await until_agent(api, created["name"], "online", connections=1)
+        deadline = time.monotonic() + 15
+        while True:
+            said = [json.loads(line) for line in agent.log_path.read_text().splitlines()
+                    if line.startswith("{") and peer in line]
+            if len(said) >= 2:  # said, and tried again
+                break
+            assert time.monotonic() < deadline, f"the peer's failure was said {len(said)} times ({handshakes} tries)"
+            await asyncio.sleep(0.1)
+        assert all(entry["url"] == peer and "not the pinned one" in entry["reason"] for entry in said), said
+        assert created["token"] not in agent.log_path.read_text()
+        assert agent.process.poll() is None
+        await until_agent(api, created["name"], "online", connections=1)  # the first node's link serves on
+    finally:
+        agent.stop()
+        store.execute("DELETE FROM nodes WHERE id = ?", (node_id,))
+        store.close()
+        server.close()
 
 
 async def test_a_hello_that_names_its_host_in_megabytes_is_refused_and_stored_nowhere(gateway, api):

@@ -7,7 +7,9 @@ when it names none (flow control per stream either way).  It never opens a strea
 connection (network cut, gateway restart) is retried with exponential backoff and jitter; a
 refused token ends the process (exit code 3).  The gateway's ``Welcome`` names its other nodes:
 the agent keeps one connection to each, over TLS as its own URL is (a plain ``grpc://`` one is not
-followed: it would carry the token and the streams in clear).
+followed: it would carry the token and the streams in clear).  A peer's connection fails as the first one's does:
+logged and retried with backoff, a certificate that is not the pinned one included (only the first URL's ends the
+process, as a setting that cannot work); a refused token ends the process whichever node refused it.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class AgentProcess:
     carriers: Carriers | None = None
     nodes: dict[str, tuple[pb_grpc.AgentGatewayStub, TunnelDialer | None]] = field(default_factory=dict)  # by URL
     declined: set[str] = field(default_factory=set)  # peers' URLs not followed (said once each)
+    added: asyncio.Event = field(default_factory=asyncio.Event)  # a connection was added: ``run`` waits on it too
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -70,19 +73,30 @@ class AgentProcess:
             self.carriers = Carriers(self.workers, self.token, self.fingerprint, self.ca_file, self._handed_back,
                                      self.log_format, self.log_level)
             await self.carriers.start()
-        self.connections[self.url] = asyncio.ensure_future(self.keep_connected(self.url))
+        self.connect(self.url)
         try:
             while True:
-                done, _ = await asyncio.wait(set(self.connections.values()), return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
+                # the connections of the peers a Welcome names are added while this waits: it waits on ``added`` too,
+                # so a peer's that ends (a refused token) is seen, not left to end unseen beside the first
+                self.added.clear()
+                added = asyncio.ensure_future(self.added.wait())
+                try:
+                    done, _ = await asyncio.wait({*self.connections.values(), added},
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    added.cancel()
+                for url, task in [(u, t) for u, t in self.connections.items() if t in done]:
+                    del self.connections[url]
                     if isinstance(task.exception(), TokenRefused):
-                        log.error("the gateway refused this agent's token", extra={"reason": str(task.exception())})
+                        log.error("the gateway refused this agent's token",
+                                  extra={"url": url, "reason": str(task.exception())})
                         return REFUSED_EXIT
                     if isinstance(task.exception(), ChannelError):
-                        log.error("cannot reach the gateway", extra={"reason": str(task.exception())})
+                        log.error("cannot reach the gateway", extra={"url": url, "reason": str(task.exception())})
                         return 2
-                for url in [u for u, t in self.connections.items() if t in done]:
-                    del self.connections[url]
+                    if task.exception() is not None:  # a fault of this process: said, not swallowed
+                        log.error("a gateway connection ended", extra={"url": url,
+                                                                      "reason": type(task.exception()).__name__})
                 if not self.connections:
                     return 0
         finally:
@@ -105,8 +119,14 @@ class AgentProcess:
         self.streams.add(task)
         task.add_done_callback(self.streams.discard)
 
+    def connect(self, url: str) -> None:
+        """Keep a connection to the node at ``url`` (``keep_connected``), seen by ``run``."""
+        self.connections[url] = asyncio.ensure_future(self.keep_connected(url))
+        self.added.set()
+
     async def keep_connected(self, url: str) -> None:
-        """One gateway node's connection, made again after each loss, with backoff."""
+        """One gateway node's connection, made again after each loss, with backoff; a peer's whose certificate is not
+        the pinned one (or whose URL or CA cannot work) too, said each time: only the first URL's ends the process."""
         delay = BACKOFF_FIRST
         while True:
             welcomed = False
@@ -118,6 +138,10 @@ class AgentProcess:
                 log.warning("gateway connection lost", extra={"url": url, "reason": exc.details() or exc.code().name})
             except (OSError, TimeoutError) as exc:
                 log.warning("gateway unreachable", extra={"url": url, "reason": str(exc) or type(exc).__name__})
+            except ChannelError as exc:
+                if url == self.url:
+                    raise
+                log.warning("gateway unreachable", extra={"url": url, "reason": str(exc)})
             if welcomed:
                 delay = BACKOFF_FIRST
             await asyncio.sleep(delay * (0.5 + random.random()))
@@ -142,7 +166,7 @@ class AgentProcess:
                     self.welcomed.set()
                     for peer in message.welcome.peers:
                         if peer and peer not in self.connections and self._follows(peer):
-                            self.connections[peer] = asyncio.ensure_future(self.keep_connected(peer))
+                            self.connect(peer)
                 elif kind == "open":
                     task = asyncio.ensure_future(self.serve(stub, message.open, tunnels, url))
                     self.streams.add(task)
