@@ -60,7 +60,10 @@ def gateway(tmp_path_factory) -> Iterator[Daemon]:
         "grpc.listen": f"127.0.0.1:{free_port()}", "grpc.tunnel_port": tunnel_port,
         "listeners.http": f"127.0.0.1:{http_port}",
         "listeners.postgres": f"127.0.0.1:{pg_port}", "listeners.ssh": f"127.0.0.1:{ssh_port}",
-        "sessions.flush_interval": "100ms", "proxy_manager.allowed_binds": [ALLOWED_BIND]}).start()
+        "sessions.flush_interval": "100ms", "proxy_manager.allowed_binds": [ALLOWED_BIND],
+        # the refusals these tests make on purpose, all from 127.0.0.1, must not throttle a later test's (the
+        # throttle's own tests have a gateway of their own: throttled_gateway)
+        "throttle.credential_failures": 1000}).start()
     wait_port(http_port, daemon.process, "gatewayd")
     wait_port(ssh_port, daemon.process, "gatewayd's ssh listener")
     daemon.http_port, daemon.pg_port, daemon.ssh_port, daemon.tunnel_port = http_port, pg_port, ssh_port, tunnel_port
@@ -679,6 +682,71 @@ async def test_the_proxy_manager_opens_a_local_port_that_psql_uses_with_the_user
     while revoked(gateway, connection["name"]) != [True, True]:  # the proxy manager gone, its ports with it
         assert time.monotonic() < deadline, revoked(gateway, connection["name"])
         await asyncio.sleep(0.05)
+
+
+async def manager_call(api: Api, method: str, token: str) -> tuple[grpc.aio.Channel, Any]:
+    """A raw ``Manage`` or ``Forward`` call to the gateway with ``token`` (and its channel, to close)."""
+    created = await new_agent(api)  # its start command says the gRPC URL and the certificate's fingerprint
+    channel = await open_channel(created["command"].split("--url ")[1].split()[0],
+                                 created["command"].rsplit("--tls-fingerprint ", 1)[1])
+    return channel, getattr(pb_grpc.AgentGatewayStub(channel), method)(metadata=(("authorization", f"Bearer {token}"),))
+
+
+async def refused(call: Any, timeout: float = 10) -> grpc.aio.AioRpcError:
+    """The status a call ends with, having read nothing but the gateway's refusal."""
+    with pytest.raises(grpc.aio.AioRpcError) as ended:
+        async with asyncio.timeout(timeout):
+            while (message := await call.read()) is not grpc.aio.EOF:
+                raise AssertionError(f"the call was served: {message}")
+    return ended.value
+
+
+async def test_a_proxy_manager_s_hello_naming_its_host_in_megabytes_is_refused_shown_nowhere_and_audited(
+        gateway, api):
+    """A proxy manager's hostname is kept and shown (``GET /proxymanager/status``) and logged: one of megabytes once
+    was. It is bounded as an agent's is, the refusal audited."""
+    user = gateway.token("bighost@example.com", groups="")
+    channel, call = await manager_call(api, "Manage", user)
+    try:
+        await call.write(pb.ManagerMessage(hello=pb.ManagerHello(version="test", hostname="h" * 3_000_000)))
+        status = await refused(call)
+        assert status.code() == grpc.StatusCode.INVALID_ARGUMENT and "at most 255 characters" in status.details()
+    finally:
+        await channel.close()
+    assert (await api("GET", "/proxymanager/status", token=user))[1]["status"] == "disconnected"
+    entries = [e for e in await audit(api, "proxymanager.refused") if e["actor_email"] == "bighost@example.com"]
+    assert entries and entries[0]["outcome"] == "failure" and "h" * 1000 not in str(entries)
+    assert "h" * 1000 not in gateway.log_text()
+
+
+async def test_a_manage_call_that_never_says_hello_is_ended_and_audited(gateway, api):
+    """A ``Manage`` call that sends nothing was held for ever; it is given the agents' hello limit (15 s)."""
+    user = gateway.token("mute@example.com", groups="")
+    channel, call = await manager_call(api, "Manage", user)
+    try:
+        status = await refused(call, timeout=30)
+        assert status.code() == grpc.StatusCode.INVALID_ARGUMENT and "says hello first" in status.details()
+    finally:
+        await channel.close()
+    assert [e for e in await audit(api, "proxymanager.refused") if e["actor_email"] == "mute@example.com"]
+
+
+async def test_a_refused_forward_call_is_audited_as_an_agent_s_refused_stream_is(gateway, api):
+    """``Forward`` calls naming no open port of the user's, or with a token that is no user's, left no trace: each is
+    an audit entry now (and counted against the address, as the agents' refusals are)."""
+    user = gateway.token("forwarder@example.com", groups="")
+    for token, code in ((user, grpc.StatusCode.NOT_FOUND), ("not-a-token", grpc.StatusCode.UNAUTHENTICATED)):
+        channel, call = await manager_call(api, "Forward", token)
+        try:
+            if token == user:  # (a token refused is refused before a frame is read: a write would fail on its own)
+                await call.write(pb.Frame(stream_id="someone-else-s-port"))
+            assert (await refused(call)).code() == code
+        finally:
+            await channel.close()
+    entries = await audit(api, "proxymanager.forward_refused")
+    assert [e for e in entries if e["actor_email"] == "forwarder@example.com" and e["outcome"] == "failure"]
+    assert [e for e in entries if "unknown token" in e["actor_email"]]
+    assert "not-a-token" not in str(entries)
 
 
 def revoked(gateway: Daemon, connection_name: str) -> list[bool]:

@@ -6,6 +6,10 @@ The user's process holds a ``Manage`` channel, authenticated with the user's own
 over a ``Forward`` call.  The gateway reads the client's opening with the protocol's
 ``forward_opening`` (the credential put in place: PostgreSQL's start-up user), then relays it to
 its own listener of that protocol, so the session is the user's, recorded and guarded as any.
+
+Each call is refused as the agents' are (``Refuse``: the server's audited, throttled refusal): an unknown token, a
+hello that does not come within ``HELLO_TIMEOUT`` or names its host in more than ``AGENT_TEXT_LIMIT`` characters
+(``proxymanager.refused``), a Forward naming no open port of the user's (``proxymanager.forward_refused``).
 """
 
 from __future__ import annotations
@@ -16,14 +20,14 @@ import secrets
 import socket
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import grpc
 
 from gatewayd import protocols
 from gatewayd.agent import agent_pb2 as pb
 from gatewayd.agent.pump import pump
-from gatewayd.agent.server import bearer, read_message
+from gatewayd.agent.server import FIRST_FRAME_TIMEOUT, HELLO_TIMEOUT, bearer, hello_fault, read_first, read_message
 from gatewayd.config import split_listen
 from gatewayd.models import rfc3339, utcnow
 
@@ -35,6 +39,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("gatewayd.proxymanager")
 
 LISTEN_TIMEOUT = 15.0
+REFUSED = "proxymanager.refused"  # a Manage call's refusal (audit action)
+FORWARD_REFUSED = "proxymanager.forward_refused"  # a Forward call's
+Refuse = Callable[..., Awaitable[None]]  # AgentService._refuse: audit entry (throttled per address), then the status
 
 
 class ManagerError(Exception):
@@ -88,20 +95,27 @@ class ManagerService:
         self.live: set[ManagerLink] = set()  # every connected one (a user's older one too, until it ends)
         self.departing: set[asyncio.Future[None]] = set()  # revocations under way (``depart_all`` waits for them)
 
-    async def _user(self, context: grpc.aio.ServicerContext) -> User:
+    async def _user(self, context: grpc.aio.ServicerContext, refuse: Refuse, action: str) -> User:
         try:
             return await self.identity.authenticate(bearer(context))
         except Exception:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "access denied: a user's bearer token is needed")
+            await refuse(context, grpc.StatusCode.UNAUTHENTICATED, "access denied: a user's bearer token is needed",
+                         action, actor_hint="proxy manager (unknown token)", resource_type="proxymanager")
             raise
+
+    @staticmethod
+    async def _refuse(refuse: Refuse, context: grpc.aio.ServicerContext, user: User, code: grpc.StatusCode,
+                      message: str, action: str) -> None:
+        await refuse(context, code, message, action, user.org_id, actor=user, resource_type="proxymanager")
 
     # -- the user's channel
 
-    async def manage(self, context: grpc.aio.ServicerContext) -> None:
-        user = await self._user(context)
-        first = await read_message(context)
-        if first is grpc.aio.EOF or not first.HasField("hello"):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a proxy manager says hello first")
+    async def manage(self, context: grpc.aio.ServicerContext, refuse: Refuse) -> None:
+        user = await self._user(context, refuse, REFUSED)
+        first = await read_first(context, HELLO_TIMEOUT)
+        fault = hello_fault(first, "a proxy manager")
+        if fault:
+            await self._refuse(refuse, context, user, grpc.StatusCode.INVALID_ARGUMENT, fault, REFUSED)
         link = ManagerLink(user, first.hello.hostname, rfc3339(utcnow()))
         self.links[user.id] = link  # the newest process of a user is the one the API drives
         self.live.add(link)
@@ -241,26 +255,29 @@ class ManagerService:
             bridge_writer.close()
             await asyncio.gather(bridge, return_exceptions=True)
 
-    async def forward(self, context: grpc.aio.ServicerContext) -> None:
-        user = await self._user(context)
-        first = await read_message(context)
+    async def forward(self, context: grpc.aio.ServicerContext, refuse: Refuse) -> None:
+        user = await self._user(context, refuse, FORWARD_REFUSED)
+        first = await read_first(context, FIRST_FRAME_TIMEOUT)
         link = self.links.get(user.id)
         forwarding = None
         if first is not grpc.aio.EOF and link is not None:
             forwarding = next((f for f in link.forwardings.values() if f.listen_id == first.stream_id), None)
         if forwarding is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, "no such open port of your proxy manager")
+            await self._refuse(refuse, context, user, grpc.StatusCode.NOT_FOUND,
+                               "no such open port of your proxy manager", FORWARD_REFUSED)
             return
         description = protocols.by_subtype(forwarding.connection.subtype)
         if description is None or description.forward_opening is None and description.forward_serve is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the gateway cannot forward this connection's protocol")
+            await self._refuse(refuse, context, user, grpc.StatusCode.UNAVAILABLE,
+                               "the gateway cannot forward this connection's protocol", FORWARD_REFUSED)
             return
         if description.forward_serve is not None:
             await self._serve(context, description.forward_serve, forwarding, user)
             return
         address = self.server_config().get(description.server_config_key, {}).get("listen_address", "")
         if not address:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the gateway's {description.name} listener is stopped")
+            await self._refuse(refuse, context, user, grpc.StatusCode.UNAVAILABLE,
+                               f"the gateway's {description.name} listener is stopped", FORWARD_REFUSED)
         host, port = split_listen(address)
         ours, theirs = socket.socketpair()
         ours.setblocking(False)

@@ -10,7 +10,8 @@ no more); connects and disconnects are audited by the registry.  A call is refus
 gateway reads from it unless its token is one the gateway waits for, and what it must send first
 comes within a short deadline, so calls that send nothing hold nothing.  A message that does not
 parse ends its call with INVALID_ARGUMENT and one info line.  The proxy manager's two calls are served by the
-``ManagerService`` the server is given (gatewayd.agent.manager), when it has one.
+``ManagerService`` the server is given (gatewayd.agent.manager), when it has one, under the same throttle, and its
+refusals are audited the same way (``refusal``).
 """
 
 from __future__ import annotations
@@ -39,11 +40,12 @@ from gatewayd.throttle import Throttle
 
 if TYPE_CHECKING:
     from gatewayd.audit import AuditLog
+    from gatewayd.models import User
     from gatewayd.store import Store
 
 log = logging.getLogger("gatewayd.grpc")
 
-HELLO_TIMEOUT = 15.0  # an agent's hello comes within this after its Connect
+HELLO_TIMEOUT = 15.0  # an agent's hello comes within this after its Connect (a proxy manager's after its Manage)
 AGENT_TEXT_LIMIT = 255  # characters of what an agent says (a hello's hostname and version, a dial's error), a DNS
 # name's bound: stored, audited, logged, recorded and said to clients as the agent's words
 FIRST_FRAME_TIMEOUT = 10.0  # a Tunnel's first frame (the agent's answer to an Open) comes within this
@@ -100,13 +102,24 @@ async def read_message(context: grpc.aio.ServicerContext) -> Any:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a message of this call does not parse")
 
 
-def hello_fault(first: Any) -> str:
-    """Why a Connect's first message is refused as its hello, or "": what it says of the agent is stored, audited and
-    logged at each connect, so it is bounded (a hostname of megabytes once went into each)."""
+async def read_first(context: grpc.aio.ServicerContext, timeout: float) -> Any:
+    """The call's first message, or ``grpc.aio.EOF`` when none came within ``timeout`` seconds: a call that sends
+    nothing holds nothing for longer."""
+    try:
+        async with asyncio.timeout(timeout):
+            return await read_message(context)
+    except TimeoutError:
+        return grpc.aio.EOF
+
+
+def hello_fault(first: Any, who: str = "an agent") -> str:
+    """Why a Connect's (or a Manage's: ``who``) first message is refused as its hello, or "": what it says of the
+    agent is stored, audited and logged at each connect, so it is bounded (a hostname of megabytes once went into
+    each; a proxy manager's is kept and shown by the API)."""
     if first is grpc.aio.EOF or not first.HasField("hello"):
-        return "an agent says hello first"
+        return f"{who} says hello first"
     if max(len(first.hello.hostname), len(first.hello.version)) > AGENT_TEXT_LIMIT:
-        return f"an agent's hello names its host and version in at most {AGENT_TEXT_LIMIT} characters each"
+        return f"{who}'s hello names its host and version in at most {AGENT_TEXT_LIMIT} characters each"
     return ""
 
 
@@ -141,13 +154,16 @@ class AgentService(pb_grpc.AgentGatewayServicer):  # type: ignore[misc]  # (gene
         return bool(message)
 
     async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str, action: str,
-                      org_id: str = "", actor_hint: str = "agent (unknown token)", **payload: Any) -> None:
+                      org_id: str = "", actor_hint: str = "agent (unknown token)", *, actor: User | None = None,
+                      resource_type: str = "agents", **payload: Any) -> None:
         """Refuse the call: ``refusal``'s audit entry, then the status."""
-        await self.refusal(peer_ip(context), message, action, org_id, actor_hint, **payload)
+        await self.refusal(peer_ip(context), message, action, org_id, actor_hint, actor=actor,
+                           resource_type=resource_type, **payload)
         await context.abort(code, message)
 
     async def refusal(self, client_ip: str, message: str, action: str, org_id: str = "",
-                      actor_hint: str = "agent (unknown token)", **payload: Any) -> None:
+                      actor_hint: str = "agent (unknown token)", *, actor: User | None = None,
+                      resource_type: str = "agents", **payload: Any) -> None:
         """A refused call or tunnel connection: an audit entry, unless its address is past its refusals (counted
         first, so a flood writes one ``agent.throttle`` entry, not a row per call: calls admitted before the
         throttle began end here too)."""
@@ -156,9 +172,9 @@ class AgentService(pb_grpc.AgentGatewayServicer):  # type: ignore[misc]  # (gene
             return
         newly = self.throttle.failed(address)
         org_id = org_id or (await self.store.default_org()).id
-        await self.audit.record(org_id=org_id, actor=None, actor_hint=actor_hint, action=action,
-                                resource_type="agents", outcome="failure", error_message=message, client_ip=client_ip,
-                                payload=payload or None)
+        await self.audit.record(org_id=org_id, actor=actor, actor_hint=actor_hint, action=action,
+                                resource_type=resource_type, outcome="failure", error_message=message,
+                                client_ip=client_ip, payload=payload or None)
         log.warning("agent refused", extra={"client": client_ip, "reason": message})
         if newly:
             await self.audit.record(
@@ -174,11 +190,7 @@ class AgentService(pb_grpc.AgentGatewayServicer):  # type: ignore[misc]  # (gene
         if agent is None:
             await self._refuse(context, grpc.StatusCode.UNAUTHENTICATED, TOKEN_REFUSED, "agent.refused")
             return
-        try:
-            async with asyncio.timeout(HELLO_TIMEOUT):
-                first = await read_message(context)
-        except TimeoutError:
-            first = grpc.aio.EOF
+        first = await read_first(context, HELLO_TIMEOUT)
         fault = hello_fault(first)
         if fault:
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, fault, "agent.refused", agent.org_id,
@@ -240,14 +252,7 @@ class AgentService(pb_grpc.AgentGatewayServicer):  # type: ignore[misc]  # (gene
     async def Tunnel(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
         if await self._throttled(context):
             return
-
-        async def first_frame() -> Any:
-            try:
-                async with asyncio.timeout(FIRST_FRAME_TIMEOUT):
-                    return await read_message(context)
-            except TimeoutError:
-                return grpc.aio.EOF
-
+        first_frame = partial(read_first, context, FIRST_FRAME_TIMEOUT)
         admitted = await self.admit(peer_ip(context), bearer(context), first_frame)
         if admitted is None:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, STREAM_REFUSED)
@@ -346,12 +351,14 @@ class AgentService(pb_grpc.AgentGatewayServicer):  # type: ignore[misc]  # (gene
     async def Manage(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
         if self.manager is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this gateway has no proxy manager service")
-        await self.manager.manage(context)
+        if not await self._throttled(context):
+            await self.manager.manage(context, self._refuse)
 
     async def Forward(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:  # noqa: N802
         if self.manager is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this gateway has no proxy manager service")
-        await self.manager.forward(context)
+        if not await self._throttled(context):
+            await self.manager.forward(context, self._refuse)
 
 
 class GrpcServer:
