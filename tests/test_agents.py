@@ -749,6 +749,35 @@ async def test_a_refused_forward_call_is_audited_as_an_agent_s_refused_stream_is
     assert "not-a-token" not in str(entries)
 
 
+async def test_a_proxy_manager_s_answer_that_it_could_not_open_a_port_is_repeated_bounded(gateway, api):
+    """The proxy manager's error for a port it could not open goes into the API's answer, the audit entry of the
+    connect and the log: one of megabytes once went whole into each (a user's process could grow the audit log by
+    megabytes a request). It is cut to 255 characters, as an agent's words are."""
+    user = gateway.token("wordy@example.com", groups="")
+    connection = await api.connection("pm-wordy", "database", "postgres", {"HOST": "127.0.0.1", "PORT": "5432"})
+    channel, call = await manager_call(api, "Manage", user)
+    try:
+        await call.write(pb.ManagerMessage(hello=pb.ManagerHello(version="test", hostname="wordy")))
+        deadline = time.monotonic() + 30
+        while (await api("GET", "/proxymanager/status", token=user))[1]["status"] != "connected":
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+
+        async def answer() -> None:
+            command = await call.read()
+            await call.write(pb.ManagerMessage(result=pb.ListenResult(
+                listen_id=command.listen.listen_id, ok=False, error="E" * 3_000_000)))
+
+        _, (code, body) = await asyncio.gather(answer(), api("POST", "/proxymanager/connect", {
+            "connection_name": connection["name"], "port": free_port()}, token=user))
+    finally:
+        await channel.close()
+    assert code == 502 and "could not open port" in body["message"] and len(body["message"]) < 400, len(str(body))
+    entries = [e for e in await audit(api, "proxymanager.connect") if e["actor_email"] == "wordy@example.com"]
+    assert entries and "E" * 256 not in str(entries)
+    assert "E" * 256 not in gateway.log_text()
+
+
 def revoked(gateway: Daemon, connection_name: str) -> list[bool]:
     """Whether each credential issued for ``connection_name`` (oldest first) is revoked, as the store says."""
     with sqlite3.connect(gateway.data_dir / "gatewayd.db") as db:

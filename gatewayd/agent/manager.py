@@ -27,7 +27,8 @@ import grpc
 from gatewayd import protocols
 from gatewayd.agent import agent_pb2 as pb
 from gatewayd.agent.pump import pump
-from gatewayd.agent.server import FIRST_FRAME_TIMEOUT, HELLO_TIMEOUT, bearer, hello_fault, read_first, read_message
+from gatewayd.agent.server import (FIRST_FRAME_TIMEOUT, HELLO_TIMEOUT, bearer, hello_fault, read_first,
+                                   read_message, said)
 from gatewayd.config import split_listen
 from gatewayd.models import rfc3339, utcnow
 
@@ -204,8 +205,8 @@ class ManagerService:
         try:
             async with asyncio.timeout(LISTEN_TIMEOUT):
                 result = await answer
-            if not result.ok:
-                raise ManagerError(502, f"the proxy manager could not open port {port}: {result.error}")
+            if not result.ok:  # its words cut as an agent's are: they go to the API's answer, the audit log and the log
+                raise ManagerError(502, f"the proxy manager could not open port {port}: {said(result.error)}")
         except BaseException as exc:  # the secret was sent: revoked, as no port carries it
             await asyncio.shield(self._revoke([forwarding]))
             if isinstance(exc, TimeoutError):
