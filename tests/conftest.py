@@ -67,14 +67,14 @@ def accepts(port: int) -> bool:
 
 
 def wait_port(port: int, process: subprocess.Popen[bytes] | None = None, what: str = "something",
-              timeout: float = 20, interval: float = 0.05) -> None:
-    """Block until 127.0.0.1:``port`` accepts; RuntimeError if ``process`` exits first or time runs out."""
+              timeout: float = 20, interval: float = 0.05, host: str = "127.0.0.1") -> None:
+    """Block until ``host``:``port`` accepts; RuntimeError if ``process`` exits first or time runs out."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process is not None and process.poll() is not None:
             raise RuntimeError(f"{what} exited with {process.returncode}")
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            with socket.create_connection((host, port), timeout=0.2):
                 return
         except OSError:
             time.sleep(interval)

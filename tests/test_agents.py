@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import socket
 import sqlite3
@@ -76,6 +77,12 @@ async def api(gateway) -> Any:
     token = gateway.token("admin@example.com", groups="admin", name="Ada Admin")
     async with aiohttp.ClientSession() as http:
         yield Api(gateway, http, token)
+
+
+def grpc_of(created: dict) -> tuple[str, str]:
+    """The gRPC URL and the certificate's fingerprint an agent's start command names (shell-quoted where needed)."""
+    words = shlex.split(created["command"])
+    return words[words.index("--url") + 1], words[words.index("--tls-fingerprint") + 1]
 
 
 async def new_agent(api: Api, name: str | None = None) -> dict:
@@ -833,20 +840,21 @@ async def test_a_second_grpc_server_on_the_same_address_is_refused(tmp_path):
 
 
 @asynccontextmanager
-async def throttled_gateway(tmp_path: Path) -> Any:
+async def throttled_gateway(tmp_path: Path, grpc_host: str = "127.0.0.1", **settings: Any) -> Any:
     """A gateway of its own that throttles an address after 3 refusals, its admin API, an agent of it and a gRPC
-    channel to it (the agent's certificate pinned)."""
+    channel to it (the agent's certificate pinned); its gRPC server on ``grpc_host`` (``::1``: a client's address
+    other than the loopback the gateway's own connections come from)."""
     grpc_port = free_port()
-    daemon = Daemon(tmp_path / "data", {"grpc.listen": f"127.0.0.1:{grpc_port}",
-                                        "throttle.credential_failures": 3}).start()
+    daemon = Daemon(tmp_path / "data", {"grpc.listen": f"[{grpc_host}]:{grpc_port}" if ":" in grpc_host else
+                                        f"{grpc_host}:{grpc_port}", "throttle.credential_failures": 3,
+                                        **settings}).start()
     daemon.tunnel_port = grpc_port + 100  # the default: beside the gRPC port
     try:
-        wait_port(grpc_port, daemon.process, "the gRPC listener")
+        wait_port(grpc_port, daemon.process, "the gRPC listener", host=grpc_host)
         async with aiohttp.ClientSession() as http:
             api = Api(daemon, http, daemon.token("admin@example.com", groups="admin"))
             created = await new_agent(api)
-            url = created["command"].split("--url ")[1].split()[0]
-            channel = await open_channel(url, created["command"].rsplit("--tls-fingerprint ", 1)[1])
+            channel = await open_channel(*grpc_of(created))
             try:
                 yield daemon, api, created, channel
             finally:
@@ -871,6 +879,16 @@ async def test_a_flood_of_refused_tokens_from_one_address_is_throttled_and_audit
         throttled = await audit(api, "agent.throttle")
         assert len(throttled) == 1 and "too many refused calls from 127.0.0.1" in throttled[0]["error_message"]
         assert "agt-forged" not in str(await audit(api, "agent.refused") + throttled)
+
+
+async def test_a_refusal_from_an_ipv6_address_is_audited_and_throttled_as_that_address(tmp_path):
+    """gRPC names an IPv6 peer ``ipv6:%5B::1%5D:port``: the refusals of such a client were audited, logged and
+    throttled as ``%5B::1%5D``, an address no search for ``::1`` finds."""
+    async with throttled_gateway(tmp_path, "::1") as (daemon, api, created, channel):
+        call = pb_grpc.AgentGatewayStub(channel).Connect(metadata=(("authorization", "Bearer agt-forged"),))
+        with pytest.raises(grpc.aio.AioRpcError):
+            await call.read()
+        assert [e["client_ip"] for e in await audit(api, "agent.refused")] == ["::1"]
 
 
 async def test_calls_that_send_nothing_are_closed_at_once_and_a_flood_of_them_writes_no_row_each(tmp_path):

@@ -23,6 +23,7 @@ import socket
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from urllib.parse import unquote
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -81,8 +82,8 @@ def bearer(context: grpc.aio.ServicerContext) -> str:
 
 
 def peer_ip(context: grpc.aio.ServicerContext) -> str:
-    """``ipv4:1.2.3.4:5`` / ``ipv6:[::1]:5`` as the address alone."""
-    peer = context.peer() or ""
+    """``ipv4:1.2.3.4:5`` / ``ipv6:%5B::1%5D:5`` (gRPC's URI form, brackets escaped) as the address alone."""
+    peer = unquote(context.peer() or "")
     kind, _, rest = peer.partition(":")
     if kind == "ipv6":
         return rest.rpartition(":")[0].strip("[]")
