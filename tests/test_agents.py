@@ -785,6 +785,45 @@ async def test_a_proxy_manager_s_answer_that_it_could_not_open_a_port_is_repeate
     assert "E" * 256 not in gateway.log_text()
 
 
+async def test_a_forwarding_s_refused_clients_are_refused_at_their_forward_as_their_own_address(pg_target, tmp_path):
+    """A forwarded client's bytes reach the gateway's own PostgreSQL listener from the gateway's loopback: a forwarding
+    whose credential had expired, its client retried (a pool reconnecting), was refused there, audited from
+    127.0.0.1 and counted against that address, so a few of one user's locked every proxy manager user, and every
+    client on the gateway's host, out for the throttle's window. The credential is checked at the Forward, as the
+    proxy manager's own address (here ::1, the gateway's gRPC server listening there)."""
+    pg_port = free_port()
+    async with throttled_gateway(tmp_path, "::1", **{"listeners.postgres": f"127.0.0.1:{pg_port}"}) as (
+            daemon, api, created, _):
+        wait_port(pg_port, daemon.process, "the postgres listener")
+        connection = await api.connection("pm-expiring", "database", "postgres", {
+            "HOST": "127.0.0.1", "PORT": str(pg_target.port), "USER": "postgres", "PASS": pg_target.password,
+            "DB": "postgres"})
+        user = daemon.token("expiring@example.com", groups="")
+        manager = await start_manager(api, user, *grpc_of(created), tmp_path)
+        try:
+            port = free_port()
+            code, opened = await api("POST", "/proxymanager/connect", {
+                "connection_name": connection["name"], "port": port, "access_duration_seconds": 1}, token=user)
+            assert code == 201, opened
+            await asyncio.sleep(1.5)  # its credential has expired
+            for _ in range(5):  # past the throttle's 3
+                result = subprocess.run(["psql", f"host=127.0.0.1 port={port} user=x dbname=x", "-X", "-Atc", "select 1"],
+                                        capture_output=True, text=True, timeout=60)
+                assert result.returncode != 0
+        finally:
+            manager.stop()
+        assert "has expired" in (tmp_path / "manager.log").read_text()  # the gateway's word, in the user's log
+        refusals = [e for e in await audit(api, "postgres.login") if e["outcome"] == "failure"]
+        assert refusals and {e["client_ip"] for e in refusals} == {"::1"}
+        code, access = await api("POST", f"/connections/{connection['name']}/credentials",
+                                 {"access_duration_seconds": 600})
+        assert code == 201, access
+        result = subprocess.run(["psql", f"postgres://{access['connection_credentials']['username']}:x@127.0.0.1:"
+                                 f"{pg_port}/postgres?sslmode=disable", "-X", "-Atc", "select 'the loopback is let in'"],
+                                capture_output=True, text=True, timeout=60)
+        assert result.stdout.strip() == "the loopback is let in", result.stderr
+
+
 def revoked(gateway: Daemon, connection_name: str) -> list[bool]:
     """Whether each credential issued for ``connection_name`` (oldest first) is revoked, as the store says."""
     with sqlite3.connect(gateway.data_dir / "gatewayd.db") as db:

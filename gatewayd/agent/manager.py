@@ -9,7 +9,10 @@ its own listener of that protocol, so the session is the user's, recorded and gu
 
 Each call is refused as the agents' are (``Refuse``: the server's audited, throttled refusal): an unknown token, a
 hello that does not come within ``HELLO_TIMEOUT`` or names its host in more than ``AGENT_TEXT_LIMIT`` characters
-(``proxymanager.refused``), a Forward naming no open port of the user's (``proxymanager.forward_refused``).
+(``proxymanager.refused``), a Forward naming no open port of the user's (``proxymanager.forward_refused``). A
+forwarding's credential is checked at each Forward with the client's own address (``access.resolve``, its refusal
+audited as the protocol's login and counted against that address): the gateway's own listener, which the bytes reach
+next, sees only the gateway's loopback, so one user's refused clients there would throttle every user's.
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 import grpc
 
 from gatewayd import protocols
+from gatewayd.access import AccessDenied
 from gatewayd.agent import agent_pb2 as pb
 from gatewayd.agent.pump import pump
 from gatewayd.agent.server import (FIRST_FRAME_TIMEOUT, HELLO_TIMEOUT, bearer, hello_fault, read_first,
-                                   read_message, said)
+                                   peer_ip, read_message, said)
 from gatewayd.config import split_listen
 from gatewayd.models import rfc3339, utcnow
 
@@ -272,6 +276,11 @@ class ManagerService:
             await self._refuse(refuse, context, user, grpc.StatusCode.UNAVAILABLE,
                                "the gateway cannot forward this connection's protocol", FORWARD_REFUSED)
             return
+        try:  # here, where the client's address is known (audited with it; its throttle, not the loopback's)
+            await self.access.resolve(forwarding.secret, forwarding.connection.subtype, peer_ip(context),
+                                      audit_success=False)
+        except AccessDenied as exc:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
         if description.forward_serve is not None:
             await self._serve(context, description.forward_serve, forwarding, user)
             return

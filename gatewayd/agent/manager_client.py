@@ -88,7 +88,10 @@ class ProxyManagerProcess:
                 await pump(reader, writer, call.read, call.write)
                 await call.done_writing()
                 await call.code()
-            except (StreamBroken, grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
+            except grpc.aio.AioRpcError as exc:  # the gateway's word (its credential expired, revoked) said to the user
+                log.info("forwarding ended", extra={"connection": request.connection_name,
+                                                    "reason": exc.details() or exc.code().name})
+            except (StreamBroken, grpc.aio.UsageError) as exc:
                 log.info("forwarding ended", extra={"connection": request.connection_name,
                                                     "reason": type(exc).__name__})
             finally:
