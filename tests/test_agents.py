@@ -824,6 +824,39 @@ async def test_a_forwarding_s_refused_clients_are_refused_at_their_forward_as_th
         assert result.stdout.strip() == "the loopback is let in", result.stderr
 
 
+async def test_local_clients_of_a_forwarded_port_that_say_nothing_hold_nothing_of_the_gateway(gateway, api, tmp_path):
+    """Each local client of a proxy manager's port is a Forward call at the gateway and a socket pair there, waiting
+    for its PostgreSQL start-up: one that never sent it held both for ever, so any process on the user's machine
+    (no token needed: the port is open) could take the gateway's file descriptors. It is given 10 s, as a tunnel's
+    first frame is."""
+    created = await new_agent(api)
+    user = gateway.token("idler@example.com", groups="")
+    connection = await api.connection("pm-idle", "database", "postgres", {"HOST": "127.0.0.1", "PORT": "5432"})
+    manager = await start_manager(api, user, *grpc_of(created), tmp_path)
+    idle: list[socket.socket] = []
+    try:
+        port = free_port()
+        code, opened = await api("POST", "/proxymanager/connect", {"connection_name": connection["name"],
+                                                                  "port": port}, token=user)
+        assert code == 201, opened
+        before = len(os.listdir(f"/proc/{gateway.process.pid}/fd"))
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(20)]
+        deadline = time.monotonic() + 30
+        while len(os.listdir(f"/proc/{gateway.process.pid}/fd")) < before + 40:  # a socket pair each
+            assert time.monotonic() < deadline, "the idle clients never reached the gateway"
+            await asyncio.sleep(0.1)
+        while (held := len(os.listdir(f"/proc/{gateway.process.pid}/fd"))) > before:
+            assert time.monotonic() < deadline, f"the gateway holds {held - before} sockets of idle clients past 10 s"
+            await asyncio.sleep(0.2)
+        for sock in idle:  # closed by the proxy manager once its Forward ended
+            sock.settimeout(10)
+            assert sock.recv(1) == b""
+    finally:
+        for sock in idle:
+            sock.close()
+        manager.stop()
+
+
 def revoked(gateway: Daemon, connection_name: str) -> list[bool]:
     """Whether each credential issued for ``connection_name`` (oldest first) is revoked, as the store says."""
     with sqlite3.connect(gateway.data_dir / "gatewayd.db") as db:

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("gatewayd.proxymanager")
 
 LISTEN_TIMEOUT = 15.0
+OPENING_TIMEOUT = 10.0  # a forwarded client's opening (a PostgreSQL start-up) comes within this after its Forward
 REFUSED = "proxymanager.refused"  # a Manage call's refusal (audit action)
 FORWARD_REFUSED = "proxymanager.forward_refused"  # a Forward call's
 Refuse = Callable[..., Awaitable[None]]  # AgentService._refuse: audit entry (throttled per address), then the status
@@ -296,15 +297,26 @@ class ManagerService:
         client_reader, client_writer = await asyncio.open_connection(sock=theirs)
         bridge = asyncio.ensure_future(pump(bridge_reader, bridge_writer, partial(read_message, context), context.write))
         try:
+            opened = False
             try:
                 assert description.forward_opening is not None  # (checked above: one of the two is set)
-                opening = await description.forward_opening(client_reader, client_writer, forwarding.secret)
+                async with asyncio.timeout(OPENING_TIMEOUT):  # a client that says nothing holds nothing for longer
+                    opening = await description.forward_opening(client_reader, client_writer, forwarding.secret)
+                opened = True
                 target_reader, target_writer = await asyncio.open_connection(
                     "127.0.0.1" if host in ("", "0.0.0.0", "::") else host, port)
             except (ValueError, OSError, asyncio.IncompleteReadError) as exc:
-                log.info("proxy manager client refused", extra={"user": user.email, "reason": str(exc)})
+                status, reason = grpc.StatusCode.INVALID_ARGUMENT, f"the forwarded client was refused: {exc}"
+                if opened:
+                    status, reason = grpc.StatusCode.UNAVAILABLE, f"the gateway's {description.name} listener is down"
+                elif isinstance(exc, TimeoutError):
+                    reason = f"the forwarded client sent no opening within {OPENING_TIMEOUT:g} s"
+                log.info("proxy manager client refused", extra={"user": user.email, "reason": reason})
                 client_writer.close()
-                return
+                bridge_writer.close()
+                # the call ends now (its end closes the local client): waiting for the local client's side to end
+                # too, as a relay does, held a call and a socket of the gateway for as long as the client stayed
+                await context.abort(status, reason)
             target_writer.write(opening)
             await asyncio.gather(_copy(client_reader, target_writer), _copy(target_reader, client_writer))
         finally:
