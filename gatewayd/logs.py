@@ -24,6 +24,15 @@ def scrub(text: str) -> str:
     return _SECRETS.sub("[REDACTED]", text)
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def one_line(text: str) -> str:
+    """``text`` with its control characters escaped (``\\n``, ``\\x1b``): what a client chose (an agent's or a proxy
+    manager's hostname, a user name) cannot start a line of its own in a plain log and pass for the gateway's."""
+    return _CONTROL.sub(lambda control: repr(control.group())[1:-1], text)
+
+
 REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("gatewayd_request_id", default=None)
 _GOOD_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
@@ -79,8 +88,8 @@ class JSONFormatter(logging.Formatter):
 class PlainFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         moment = datetime.fromtimestamp(record.created, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3]
-        extra = " ".join(f"{k}={v}" for k, v in _fields(record).items())
-        line = f"{moment}Z {record.levelname.lower():7} {record.name}: {record.getMessage()}"
+        extra = " ".join(f"{k}={one_line(str(v))}" for k, v in _fields(record).items())
+        line = f"{moment}Z {record.levelname.lower():7} {record.name}: {one_line(record.getMessage())}"
         if extra:
             line += " " + extra
         if record.exc_info:

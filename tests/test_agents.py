@@ -857,6 +857,24 @@ async def test_local_clients_of_a_forwarded_port_that_say_nothing_hold_nothing_o
         manager.stop()
 
 
+async def test_a_hostname_with_a_line_break_cannot_forge_a_line_of_the_plain_log(tmp_path):
+    """A proxy manager's hello (any user's) or an agent's names its host, logged at each connect: in the plain log
+    (the default format) a line break in it began a line of the hostname's own, written as the gateway's."""
+    async with throttled_gateway(tmp_path, **{"log.format": "plain"}) as (daemon, api, created, channel):
+        forged = "2026-01-01T00:00:00.000Z error   gatewayd.grpc: forged by the hello"
+        user = daemon.token("forger@example.com", groups="")
+        call = pb_grpc.AgentGatewayStub(channel).Manage(metadata=(("authorization", f"Bearer {user}"),))
+        await call.write(pb.ManagerMessage(hello=pb.ManagerHello(version="test", hostname=f"laptop\n{forged}")))
+        deadline = time.monotonic() + 30
+        while (await api("GET", "/proxymanager/status", token=user))[1]["status"] != "connected":
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        call.cancel()
+        said = [line for line in daemon.log_text().splitlines() if "forged by the hello" in line]
+        assert said and not any(line.startswith(forged) for line in said), said
+        assert "hostname=laptop\\n2026-01-01" in said[0]
+
+
 def revoked(gateway: Daemon, connection_name: str) -> list[bool]:
     """Whether each credential issued for ``connection_name`` (oldest first) is revoked, as the store says."""
     with sqlite3.connect(gateway.data_dir / "gatewayd.db") as db:
