@@ -3,9 +3,10 @@
 bash runs a command after quote removal, so ``'to''uch' x``, ``to"uch" x``, ``tou\\ch x`` and
 ``$'\\x74ouch' x`` all run ``touch``; ``touch${IFS}x`` runs ``touch x``. ``shell_readings`` gives the
 line that way: single and double quotes removed, backslash escapes removed (a backslash-newline
-joined), ANSI-C ``$'...'`` decoded, ``$IFS`` (``${IFS}``, ``${IFS:0:1}``...) read as a space; and
+joined), ANSI-C ``$'...'`` decoded, ``$IFS`` (``${IFS}``, ``${IFS:0:1}``...) read as a space, the
+positional parameters (``$@``, ``$1``...: an interactive shell has none) as nothing; and
 again, so that a string handed to another shell (``bash -c "to'u'ch x"``) is read as that shell reads
-it, ``DEPTH`` levels deep.  No variable is expanded but ``IFS``, and nothing is run: what a line
+it, ``DEPTH`` levels deep.  No other variable is expanded, and nothing is run: what a line
 computes (``t=ouch; bash -c "t$t"``, ``base64 -d | sh``) no reading sees.
 
 No parser on PyPI does this: bashlex neither decodes ``$'...'`` nor joins ``'a''b'``, and shlex knows no
@@ -20,14 +21,17 @@ DEPTH = 3  # readings of readings: a quoted string run by a shell that a shell r
 
 _SPECIAL = re.compile(r"['\"\\$]")  # without one of these a line reads as typed (the usual line)
 _IFS = r"\$(?:IFS(?![A-Za-z0-9_])|\{IFS(?:[^A-Za-z0-9_}][^}]*)?\})"  # $IFS, ${IFS}, ${IFS:0:1}, ${IFS%?}...
+# the positional parameters, empty in an interactive shell (``tou$@ch``, ``tou${1}ch`` run ``touch``)
+_EMPTY = r"\$(?:[@*1-9]|\{(?:[@*]|[1-9][0-9]*)\})"
 _WORDS = re.compile(
     r"\$'(?P<ansi>(?:[^'\\]|\\.)*)'?"  # ANSI-C quoting: escapes decoded
     r"|'(?P<single>[^']*)'?"  # single quotes: the text as it is
     r"|\$?\"(?P<double>(?:[^\"\\]|\\.)*)\"?"  # double quotes (and $"...", translated: the same text)
     r"|\\(?P<escaped>.?)"  # a backslash outside quotes: the next character as it is, a newline joined
-    r"|(?P<ifs>" + _IFS + ")",
+    r"|(?P<ifs>" + _IFS + ")"
+    r"|(?P<empty>" + _EMPTY + ")",
     re.S)  # an unterminated quote runs to the end of the line (bash would read on: more of the same)
-_IN_DOUBLE = re.compile(r"\\(?P<escaped>[$`\"\\\n])|(?P<ifs>" + _IFS + ")")  # what double quotes still read
+_IN_DOUBLE = re.compile(r"\\(?P<escaped>[$`\"\\\n])|(?P<ifs>" + _IFS + ")|(?P<empty>" + _EMPTY + ")")  # still read
 _ANSI = re.compile(r"\\(?:x(?P<x>[0-9A-Fa-f]{1,2})|u(?P<u>[0-9A-Fa-f]{1,4})|U(?P<U>[0-9A-Fa-f]{1,8})"
                    r"|(?P<octal>[0-7]{1,3})|c(?P<control>.)|(?P<other>.))", re.S)
 _ANSI_SIMPLE = {"a": b"\a", "b": b"\b", "e": b"\x1b", "E": b"\x1b", "f": b"\f", "n": b"\n", "r": b"\r",
@@ -61,10 +65,12 @@ def _word(found: re.Match[str]) -> str:
         return "" if value == "\n" else value
     if kind == "ansi":
         return _ansi_c(value)
-    return " "  # IFS: its first character
+    return "" if kind == "empty" else " "  # IFS: its first character
 
 
 def _in_double(found: re.Match[str]) -> str:
+    if found["empty"] is not None:
+        return ""
     escaped = found["escaped"]
     if escaped is None:
         return " "

@@ -176,7 +176,8 @@ def test_ssh_and_http_text_is_not_read_as_sql():
 # the spellings that ran ``touch`` past a deny word through a real gateway (the last for a rule on "touch x")
 BASH_SPELLINGS = ["bash -c $'tou\\x63h x'", "'to''uch' x", 'to"uch" x', "tou\\ch x", "$'\\x74ouch' x",
                   "touch${IFS}x", "touch$IFS'x'", "touch${IFS:0:1}x", "$'\\164\\u006fuch' x", 'tou""ch x',
-                  "tou\\\nch x", 'bash -c "to\'u\'ch x"', 'sh -c "bash -c \\$\'tou\\\\x63h x\'"']
+                  "tou\\\nch x", 'bash -c "to\'u\'ch x"', 'sh -c "bash -c \\$\'tou\\\\x63h x\'"',
+                  "tou$@ch x", 'to"u${1}"ch x', "touc$*h${IFS}x"]
 
 
 @pytest.mark.parametrize("spelling", BASH_SPELLINGS)
@@ -192,14 +193,15 @@ def test_shell_input_is_read_as_bash_reads_its_words(spelling):
 
 
 @pytest.mark.parametrize("line", ["ls -la \"my dir\"", "echo 'it''s'", "echo \"$HOME\" 'a b' \\; $'\\tx'",
-                                  "grep -e 'to uch' f", "echo $IFSx", "echo"])
+                                  "grep -e 'to uch' f", "echo $IFSx", "echo", 'for f in "$@"; do echo $f; done'])
 def test_ordinary_shell_lines_pass_their_readings(line):
     assert rails([{"type": "deny_words_list", "words": ["touch"]}], language=SHELL_COMMANDS).check_input(line).allowed
 
 
 @pytest.mark.parametrize("line", BASH_SPELLINGS[1:11] + [
     "ls -la \"my dir\"", "echo 'it''s'", "a\\ b 'c d' \"e\\\"f\\$g\\x\" $'h\\ti\\x41\\101\\e\\cA\\q\\'' \"\" ''",
-    "x$'\\u00e9\\xc3\\xa9'y \"${IFS}a\"$IFS'b'", "'it'\\''s' \"a'b\" 'c\"d'", "$\"tr\" \\$IFS"])
+    "x$'\\u00e9\\xc3\\xa9'y \"${IFS}a\"$IFS'b'", "'it'\\''s' \"a'b\" 'c\"d'", "$\"tr\" \\$IFS",
+    "a$@b \"c$1d\" e${2}f"])
 def test_the_shell_reading_is_bashs(line):
     """The first reading is the line's words as bash itself makes them (printed by bash, one per line)."""
     import subprocess
