@@ -565,3 +565,43 @@ async def test_sync_a_shell_lines_enter_waits_for_its_verdict_and_a_refused_line
         assert len(await audit_of(api, "ai.block", session_id)) == 1
     finally:
         subprocess.run(["rm", "-f", marker], check=False)
+
+
+async def test_sync_a_line_typed_without_echo_is_never_sent_to_the_model(api, gateway, sshd, provider):
+    """A password typed at a prompt that does not echo (``read -s``, sudo) was sent to the model under a sync rule
+    and recorded in clear. The target echoed none of it: the model is never asked about it (the guard rails still
+    read it), the recording has a note; the echoed lines around it are analysed and recorded as typed."""
+    password = "Tr0ub4dor-" + uuid.uuid4().hex[:8]
+    conn = await api.role()
+    await analysed(api, conn, native_mode="sync", timeout=60)
+    secret, session_id = await api.credential(conn)
+    client = await asyncio.create_subprocess_exec(
+        "ssh", *CLIENT_OPTIONS, "-tt", "-p", str(gateway.ssh_port), f"{secret}@127.0.0.1",
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    seen = bytearray()
+
+    async def typed(keys: bytes, then: bytes) -> None:
+        """Type ``keys`` once the terminal shows ``then`` (a prompt), as a user does."""
+        while then not in seen:
+            chunk = await asyncio.wait_for(client.stdout.read(4096), 30)
+            assert chunk, bytes(seen)
+            seen.extend(chunk)
+        del seen[:seen.index(then) + len(then)]
+        client.stdin.write(keys)
+        await client.stdin.drain()
+
+    try:
+        assert client.stdin is not None and client.stdout is not None
+        await typed(b'read -s -p "Pass$((0))word: " p; echo done-${#p}\n', b"$ ")
+        await typed(password.encode() + b"\n", b"Pass0word: ")
+        await typed(b"exit\n", f"done-{len(password)}".encode())
+        await asyncio.wait_for(client.communicate(), 60)
+    finally:
+        if client.returncode is None:
+            client.kill()
+    assert client.returncode == 0
+    session = await api.done_session(session_id, 30)
+    asked = json.dumps([request.body for request in provider.requests])
+    assert "read -s -p" in asked and password not in asked
+    recorded = json.dumps(events(session))
+    assert password not in recorded and f"[REDACTED: typed without echo, {len(password)} characters]" in recorded

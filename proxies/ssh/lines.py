@@ -15,6 +15,8 @@ the proxy checks its text, then forwards ``line.allowed`` or ``line.refused``).
 
 ``OutputWatch`` is the output side: the target's stdout and stderr chunks
 checked against the output rules (a rule set, or the session's policy chain).
+``EchoWatch`` reads both sides of a pty for the record: a line the target did
+not echo (a password at its prompt) is recorded as a note, not as its keys.
 """
 
 from __future__ import annotations
@@ -389,3 +391,204 @@ class OutputWatch:
         checked = tail + text if tail else text
         self._tails[stream] = checked[-OUTPUT_OVERLAP:]
         return self.rules.check_output(checked)
+
+
+# a prompt asking for a secret, ending the target's last output line: "Password: ", "[sudo] password for bob: "
+_SECRET_PROMPT = re.compile(rb"(?i)(?:pass(?:word|phrase)|PIN|secret|token)[^\n]*[:?][ \t]*\Z")
+_PROMPT_TAIL = 256  # bytes of the target's last output line kept for that question
+_LINE_ENDS = b"\r\n\x03"  # Enter (CR, LF) and ^C end a line being typed
+_KEYS_ONE_BY_ONE = re.compile(rb"[\r\n\x03\x1b\x7f\x08\x15]")  # line ends, ESC, erasures: read a key at a time
+_NOT_ECHOED = bytes(range(0x20))  # control keys: not looked for in the echo
+_NOT_COUNTED = bytes(range(0x20)) + bytes(range(0x80, 0xC0))  # nor counted (nor the rest of a UTF-8 character)
+
+
+class EchoWatch:
+    """What a pty shell's keystrokes look like on the record: a line the target did not echo is a secret.
+
+    Under a pty the target echoes what is typed (the line discipline, readline); at a prompt that does not
+    (``sudo``, ``passwd``, ``read -s``, ``mysql -p``, ``ssh`` to a further host) nothing comes back. So the
+    keystrokes of each line are held off the record (``typed``) until the target's output since the line began
+    holds its characters in that order (``output``; escape sequences and redraws may stand between them), then
+    recorded as typed, and the rest of the line as it comes. A line that ended without that echo before the end of
+    the target's next output line (the Enter's own echo), or at once when the target's last line asked for a
+    secret (``Password:``), is recorded as ``[REDACTED: typed without echo, N characters]``. Pure and bounded: at
+    most ``MAX_LINE`` bytes held (past that the line counts as not echoed); once a line's echo is seen its keys
+    cost a flag and a search for a line end.
+    """
+
+    __slots__ = ("_held", "_chars", "_matched", "_count", "_echoed", "_silent", "_ended", "_after", "_tail",
+                 "_escape", "_after_cr", "_prompted")
+
+    def __init__(self) -> None:
+        self._held = bytearray()  # the keystrokes of the line not yet on the record
+        self._chars = bytearray()  # its printable bytes, which the echo must show in this order
+        self._matched = 0  # how many of them the target's output showed so far
+        self._count = 0  # characters in the line (erasures taken off), for the note
+        self._echoed = False  # its echo was seen: its keys go on the record as typed
+        self._silent = False  # taken as not echoed before its end (``silence``, a secret prompt, the size cap)
+        self._ended = False  # its Enter was typed; the end of the target's next output line decides it
+        self._after = bytearray()  # keystrokes typed after it, read once it is decided
+        self._tail = b""  # the target's last output line (for the prompt)
+        self._escape = 0  # 1: after ESC, 2: in a CSI sequence, 3: after ESC O
+        self._after_cr = False
+        self._prompted: bool | None = None  # the line began at a prompt asking for a secret (None: no key yet)
+
+    def note(self) -> str:
+        """What the record says instead of the line being typed."""
+        return f"[REDACTED: typed without echo, {max(self._count, 0)} characters]"
+
+    @property
+    def echoed(self) -> bool | None:
+        """The line being typed: True once its echo was seen (or it has no character to echo), False when taken
+        as not echoed (silenced, or begun at a secret prompt and not echoed yet), None while it may still come."""
+        if self._echoed or self._matched >= len(self._chars):
+            return True
+        return False if self._silent or self._prompted is True else None
+
+    def silence(self) -> None:
+        """The line being typed is taken as not echoed (its echo did not come in time)."""
+        if self.echoed is None:
+            self._silent = True
+
+    def typed(self, data: bytes) -> list[bytes]:
+        """Keystrokes the client sent; what goes on the record now, in order."""
+        if self._ended:  # behind a line whose echo is still to be decided
+            self._after += data
+            return self._decide(False) if len(self._held) + len(self._after) > MAX_LINE else []
+        if self._echoed and b"\r" not in data and b"\n" not in data and b"\x03" not in data:
+            return [data]
+        out: list[bytes] = []
+        start = at = 0
+        while at < len(data):
+            if not self._escape:  # a stretch of plain keys at once (a paste is not read a byte at a time)
+                found = _KEYS_ONE_BY_ONE.search(data, at)
+                stop = len(data) if found is None else found.start()
+                if stop > at:
+                    self._plain(data[at:stop])
+                    at = stop
+                    continue
+            byte = data[at]
+            at += 1
+            if byte in _LINE_ENDS:
+                if byte == 0x0A and self._after_cr:  # CR LF: one line end, the LF kept with the next line
+                    self._after_cr = False
+                    continue
+                self._after_cr = byte == 0x0D
+                self._keep(out, data[start:at])
+                start = at
+                echoed = self.echoed
+                if echoed is None:  # the target's next output line decides it
+                    self._ended = True
+                    self._after += data[start:]
+                    return out
+                out += self._end(echoed)
+                continue
+            self._after_cr = False
+            if self._prompted is None:  # a line's first key: what the target asked before it
+                self._prompted = _SECRET_PROMPT.search(self._tail) is not None
+            escape = self._escape
+            if escape == 1:
+                self._escape = 2 if byte == 0x5B else 3 if byte == 0x4F else 0
+            elif escape == 2:
+                if 0x40 <= byte <= 0x7E:
+                    self._escape = 0
+            elif escape == 3:
+                self._escape = 0
+            elif byte == 0x1B:
+                self._escape = 1
+            elif byte in _ERASE_CHAR:
+                self._count -= 1
+            elif byte == 0x15:  # ^U
+                self._count = 0
+        self._keep(out, data[start:])
+        if len(self._held) > MAX_LINE:
+            self._silent = True
+            del self._held[:-1]
+        return out
+
+    def output(self, data: bytes) -> list[bytes]:
+        """The target's output (the terminal), before it is recorded; what of the input goes on the record first."""
+        cut = data.rfind(b"\n")
+        last = data[max(cut + 1, len(data) - _PROMPT_TAIL):]
+        self._tail = last if cut >= 0 else (self._tail + last)[-_PROMPT_TAIL:]
+        return self._match(data)
+
+    def close(self) -> list[bytes]:
+        """The channel ends: what is still held goes on the record, as a note where no echo was seen."""
+        out: list[bytes] = []
+        while self._ended:
+            out += self._decide(False)
+        if self._held:
+            out.append(bytes(self._held) if self.echoed else self.note().encode())
+            self._reset()
+        return out
+
+    # -- internals
+
+    def _plain(self, keys: bytes) -> None:
+        """Keys that are neither a line end, ESC nor an erasure: the characters the echo must show."""
+        self._after_cr = False
+        if self._prompted is None:
+            self._prompted = _SECRET_PROMPT.search(self._tail) is not None
+        if len(self._chars) < MAX_LINE:
+            self._chars += keys.translate(None, _NOT_ECHOED)[:MAX_LINE - len(self._chars)]
+        self._count += len(keys.translate(None, _NOT_COUNTED))
+
+    def _keep(self, out: list[bytes], keys: bytes) -> None:
+        if not keys:
+            return
+        if self._echoed:
+            out.append(keys)
+        elif self._silent:  # on the record as the note: only its last key (a line end) is kept
+            self._held[:] = keys[-1:]
+        else:
+            self._held += keys
+
+    def _match(self, data: bytes) -> list[bytes]:
+        """Look for the held line's characters in ``data``; after its Enter, up to the end of an output line."""
+        if self._echoed or self._silent or not self._held:
+            return []
+        chars, matched = self._chars, self._matched
+        end = data.find(b"\n") if self._ended else -1
+        limit = len(data) if end < 0 else end
+        at = 0
+        while matched < len(chars):
+            at = data.find(chars[matched:matched + 1], at, limit)
+            if at < 0:
+                break
+            run = 1  # what follows it matched as a run (an echo is mostly the keys as typed): fewer steps
+            while run < 4096 and at + 2 * run <= limit and data[at:at + 2 * run] == chars[matched:matched + 2 * run]:
+                run *= 2
+            at += run
+            matched += run
+        self._matched = matched
+        if matched >= len(chars):
+            if not self._ended:
+                self._echoed = True
+                held = bytes(self._held)
+                self._held.clear()
+                return [held]
+            return self._decide(True) + (self._match(data[at:]) if self._held else [])
+        if end >= 0:  # the Enter's line ended without the echo
+            return self._decide(False) + (self._match(data[end + 1:]) if self._held else [])
+        return []
+
+    def _decide(self, echoed: bool) -> list[bytes]:
+        """The ended line is decided: on the record as typed or as the note; the keys typed after it are read."""
+        after = bytes(self._after)
+        out = self._end(echoed)
+        return out + self.typed(after) if after else out
+
+    def _end(self, echoed: bool) -> list[bytes]:
+        held = bytes(self._held)
+        out = ([held] if echoed else [self.note().encode() + held[-1:]]) if held else []
+        self._reset()
+        return out
+
+    def _reset(self) -> None:
+        self._held.clear()
+        self._chars.clear()
+        self._after.clear()
+        self._matched = self._count = self._escape = 0
+        self._echoed = self._silent = self._ended = False
+        self._prompted = None
