@@ -153,9 +153,11 @@ async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, read:
             return
         await up
     finally:
-        if not up.done():  # only when this coroutine itself is cancelled: the call is ending anyway
+        if not up.done():  # only when this coroutine itself is cancelled or failed: the call is ending anyway
             up.cancel()
-            await asyncio.gather(up, return_exceptions=True)
+        # its end is taken here: a call this side aborted fails both directions, and ``up``'s error, left unread,
+        # was logged with a traceback ("Task exception was never retrieved")
+        await asyncio.gather(up, return_exceptions=True)
 
 
 async def _until_end(read: ReadFrame) -> None:

@@ -935,7 +935,8 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         without it the line is taken as typed without echo."""
         self.echo_seen = seen = asyncio.get_running_loop().create_future()
         try:
-            await asyncio.wait_for(seen, ECHO_WAIT)
+            async with asyncio.timeout(ECHO_WAIT):
+                await seen
         except TimeoutError:
             if self.echo is not None:
                 self.echo.silence()
