@@ -592,12 +592,15 @@ class RecordingService:
         if session is None and not stream.side:
             return  # a session the store does not know (deleted since): nothing to add to
         next_seq, head = await self.store.chain_tail(sid)
-        fresh = sorted(((seq, e) for seq, e in stream.events.items() if seq >= next_seq), key=lambda p: p[0])
+        journaled = sorted(stream.events.items(), key=lambda p: p[0])
+        fresh = [(seq, e) for seq, e in journaled if seq >= next_seq]
         note = (f"the session was closed by another node while the process that held it ({source}) was gone: what "
                 "its journal held follows, after the close")
+        # closed elsewhere: the whole journal goes to ``append_late``, which passes by what the recording holds
+        # under the same numbers; the chain's tail is no measure there (the closer's own events extend it)
         if session is not None and session.status == "done":
-            if fresh:
-                await self.store.append_late(sid, fresh, note)
+            if journaled:
+                await self.store.append_late(sid, journaled, note)
             return
         batches: list[EventBatch] = []
         seq = next_seq
@@ -647,10 +650,10 @@ class RecordingService:
                 stored = await self.store.get_session(sid)
                 sealed.append((stored or session, str(seal)))
             else:
-                await self.store.append_late(sid, fresh, note)
+                await self.store.append_late(sid, journaled, note)
             return
         if batches and sid in await self.store.append_events(batches):
-            await self.store.append_late(sid, fresh, note)
+            await self.store.append_late(sid, journaled, note)
 
     async def verify(self, session: Session) -> Verification:
         """Whether ``session``'s stored recording, identity and sealing are as they were written (hashing runs off

@@ -128,6 +128,48 @@ async def test_a_dead_process_journal_is_replayed_at_the_next_start_once(store, 
     assert list(journal.iterdir()) == []  # everything stored: a clean stop leaves no journal
 
 
+async def test_a_dead_process_journal_is_kept_whole_after_the_close_another_node_made(store, tmp_path):
+    """A node SIGKILLed mid-session: another node closes the session (a gap and an ``e`` event after what was
+    stored, under the next numbers), then the dead node's restart replays its journal. Every event it journaled
+    past what the store had is kept after the close: before, those numbered like the closer's two events were taken
+    for stored (the store's chain reached past them) and dropped, a statement executed on the target and lost."""
+    from gatewayd.models import Node
+
+    journal = tmp_path / "journal"
+    first = service(store, journal, "node-b")
+    await first.start()
+    session = a_session((await store.default_org()).id, node_id="node-b-run")
+    await store.create_session(session)
+    rec = await first.recorder(session.id)
+    rec.input(b"stored before the kill")
+    assert await first.flush()
+    for n in range(3):
+        rec.input(f"select {n} -- journaled only".encode())
+    await first.journal_now()
+    await die(first)
+
+    closer, manager = gateway(store, tmp_path / "journal-a", "node-a")  # node A declares B lost
+    await closer.start()
+    try:
+        lost = Node(id="node-b-run", name="node-b", slot=1, host="h", pid=1, started_at="", heartbeat_at="")
+        assert await manager.close_orphans(lost, "node node-b stopped answering: the session was closed") == 1
+        closed = await store.get_session(session.id)
+        assert closed.status == "done" and len(await store.read_events(session.id)) == 3
+    finally:
+        await closer.stop()
+
+    second = service(store, journal, "node-b-again")
+    await second.start()  # the restart replays B's journal
+    try:
+        events = [e.data for e in await store.read_events(session.id)]
+        assert events[3:][1:] == [f"select {n} -- journaled only".encode() for n in range(3)], events
+        result = await second.verify(await store.get_session(session.id))
+        assert result.sealed and any("events were stored after the session was closed" in p
+                                     for p in result.problems), result
+    finally:
+        await second.stop()
+
+
 @pytest.fixture
 async def gated(pg_store):
     """A PostgreSQL store reached through a TCP link the test can freeze (a store timeout of 0.5 s)."""
