@@ -247,13 +247,13 @@ def verify_recording(session: Any, links: Sequence[BatchLink], events: Sequence[
     if not chain_head:
         result.problem("recorded before this gateway chained recordings: it cannot be verified")
         return result
+    if len({seq for seq, _ in events}) != len(events):
+        result.problem("two events have the same sequence number")
     late_links = [link for link in links if link.first_seq >= LATE_BASE]
     links = [link for link in links if link.first_seq < LATE_BASE]
     late_events = [pair for pair in events if pair[0] >= LATE_BASE]
     events = [pair for pair in events if pair[0] < LATE_BASE]
     by_seq = dict(events)
-    if len(by_seq) != len(events):
-        result.problem("two events have the same sequence number")
     previous, expected_seq = GENESIS, 0
     for number, link in enumerate(links, 1):
         where = f"batch {number} (events {link.first_seq}-{link.first_seq + link.count - 1})"
@@ -267,7 +267,11 @@ def verify_recording(session: Any, links: Sequence[BatchLink], events: Sequence[
         elif batch_hash(link.previous_hash, session_id, link.first_seq, batch) != link.hash:  # type: ignore[arg-type]
             result.problem(f"{where}: its events were altered")
         previous, expected_seq = link.hash, link.first_seq + link.count
-    extra = sorted(seq for seq in by_seq if seq >= expected_seq)
+    # every event lies in a link: one numbered past the chain, below it or among the late ones without a link of
+    # theirs was added afterwards (readers show it all the same)
+    late_covered = {seq for link in late_links for seq in range(link.first_seq, link.first_seq + link.count)}
+    extra = sorted([seq for seq in by_seq if seq >= expected_seq or seq < 0] +
+                   [seq for seq, _ in late_events if seq not in late_covered])
     if extra:
         result.problem(f"events {extra[0]}-{extra[-1]} are not covered by the chain (added afterwards)")
     result.chain_head = previous

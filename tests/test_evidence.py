@@ -486,3 +486,29 @@ async def test_who_what_and_when_of_a_sealed_session_changed_in_the_store_are_ca
         with sqlite3.connect(gateway.config.store_path) as db:
             db.execute(f"UPDATE sessions SET {column} = ? WHERE id = ?", (original, session_id))
     assert (await api("GET", f"/sessions/{session_id}/verify"))[1]["verified"]
+
+
+async def test_an_event_added_to_a_sealed_recording_with_a_late_number_and_no_link_is_caught(env):
+    """An intruder adds a row of one event to a sealed session, numbered like the events kept after a close
+    (``LATE_BASE`` and up) with no link of the chain over it: every reader showed it (the recording lists it after
+    the close) and ``verify`` said intact and sealed, as such events were left out of the count the seal covers.
+    An event no link covers is named, wherever its number lies."""
+    from gatewayd.evidence import LATE_BASE
+
+    gateway, api = env
+    session_id = await recorded_session(gateway, api, b"select 1\n", b"select 2\n")
+    assert (await api("GET", f"/sessions/{session_id}/verify"))[1]["verified"]
+    for seq in (LATE_BASE + 7, -1):
+        with sqlite3.connect(gateway.config.store_path) as db:
+            db.execute("INSERT INTO session_events (session_id, seq, offset_ms, kind, data) VALUES (?, ?, 0, 'i', ?)",
+                       (session_id, seq, b"rm -rf /srv\n"))
+        status, session = await api("GET", f"/sessions/{session_id}?expand=event_stream")
+        assert ["i", "cm0gLXJmIC9zcnYK"] in [event[1:] for event in session["event_stream"]]  # what a reader sees
+        status, result = await api("GET", f"/sessions/{session_id}/verify")
+        assert status == 200 and not result["verified"], (seq, result)
+        assert any(f"events {seq}-{seq} are not covered by the chain" in p for p in result["problems"]), result
+        done = cli(gateway, "sessions", "verify", session_id)
+        assert done.returncode == 1 and "not covered by the chain" in done.stdout, done
+        with sqlite3.connect(gateway.config.store_path) as db:
+            db.execute("DELETE FROM session_events WHERE session_id = ?", (session_id,))
+    assert (await api("GET", f"/sessions/{session_id}/verify"))[1]["verified"]
