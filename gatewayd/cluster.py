@@ -10,7 +10,8 @@ whole cluster never lives only in one process's memory:
   ``request`` does the same and waits until the processes named (those holding what it changes,
   or every node up) confirm they ran their handlers (``bus.ack``): a control action answers once it
   is in force, or names the processes that did not confirm (``NotConfirmed``);
-* **the lease**: every process looks for nodes whose lease ran out; the one whose conditional
+* **the lease**, stamped and judged by the store's clock (a node's own may be off, or jump): every process
+  looks for nodes whose lease ran out; the one whose conditional
   UPDATE moves such a node to ``lost`` (exactly one, whatever the number of nodes) closes
   the sessions it held (``on_node_lost``).  A process judges others only once it has held its own
   lease without a gap for a whole lease (after an outage of the store every node renews before any
@@ -203,6 +204,7 @@ class Cluster:
     async def start(self, listeners: dict[str, str] | None = None) -> None:
         """Register this node, reap what earlier runs left, listen on the bus, renew the lease."""
         self.node.listeners = dict(listeners or {})
+        self.node.started_at = self.node.heartbeat_at = rfc3339(await self.store.clock())
         await self.store.register_node(self.node)
         self.renewed_at = self.held_since = time.monotonic()
         await self._reap_own_predecessors()
@@ -234,7 +236,7 @@ class Cluster:
             return False
         if node_id == self.node.id:
             return True
-        cutoff = utcnow() - timedelta(seconds=self.lease)
+        cutoff = await self.store.clock() - timedelta(seconds=self.lease)
         for node in await self.store.list_nodes(up_only=True):
             if node.id == node_id:
                 beat = parse_time(node.heartbeat_at)
@@ -245,7 +247,7 @@ class Cluster:
         """The nodes that may be serving sessions now: up, and renewed their lease within three quarters of it
         (one that has not was fenced by its own watch at half of it, the last quarter being the margin for that
         watch's tick and the ending of its sessions, or it is gone); this one always."""
-        cutoff = utcnow() - timedelta(seconds=self.lease * 0.75)
+        cutoff = await self.store.clock() - timedelta(seconds=self.lease * 0.75)
         found = {self.node.id}
         for node in await self.store.list_nodes(up_only=True):
             beat = parse_time(node.heartbeat_at)
@@ -269,7 +271,7 @@ class Cluster:
             await asyncio.sleep(interval)
             began = time.monotonic()
             try:
-                renewed = await self.store.node_heartbeat(self.node.id, rfc3339(utcnow()))
+                renewed = await self.store.node_heartbeat(self.node.id, rfc3339(await self.store.clock()))
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -318,7 +320,7 @@ class Cluster:
         if self.on_fenced is not None:
             await self.on_fenced(f"node {old} lost its lease (no heartbeat for {self.lease:g} s): "
                                  "the session was closed")
-        now = rfc3339(utcnow())
+        now = rfc3339(await self.store.clock())
         self.node.id, self.node.started_at, self.node.heartbeat_at = new_id(), now, now
         await self.store.register_node(self.node)
         self.renewed_at = self.held_since = time.monotonic()
@@ -344,7 +346,7 @@ class Cluster:
         every node renews first; none declares another lost for having missed beats while none could beat)."""
         if self.fenced or time.monotonic() - self.held_since < self.lease:
             return 0
-        cutoff = rfc3339(utcnow() - timedelta(seconds=self.lease))
+        cutoff = rfc3339(await self.store.clock() - timedelta(seconds=self.lease))
         count = 0
         for node in await self.store.list_nodes(up_only=True):
             if node.id == self.node.id:

@@ -200,3 +200,38 @@ async def test_after_an_outage_of_the_store_no_node_declares_another_lost(stores
     finally:
         await two.stop()
         await one.stop()
+
+
+@pytest.mark.parametrize("skew", [3.0, -3.0], ids=["ahead", "behind"])
+async def test_a_node_whose_own_clock_is_off_by_more_than_the_lease_neither_loses_nor_is_lost(stores, monkeypatch,
+                                                                                               skew):
+    """Leases are stamped and judged by the store's clock. Stamped by each node's own, a node whose clock ran
+    ahead (a step of NTP, a VM resumed) took the others' fresh beats for old and declared them lost at every
+    pass, their sessions closed each time; one whose clock ran behind was declared lost at every pass itself."""
+    import contextvars
+    from datetime import timedelta
+
+    import gatewayd.cluster
+    from gatewayd.models import utcnow
+
+    own_clock = contextvars.ContextVar("skew", default=0.0)  # w1's tasks carry the skew of its clock
+    monkeypatch.setattr(gatewayd.cluster, "utcnow", lambda: utcnow() + timedelta(seconds=own_clock.get()))
+    one, two = Cluster(stores[0], "w0", lease=1.0), Cluster(stores[1], "w1", lease=1.0)
+    lost: list[str] = []
+
+    async def on_lost(node: Node, reason: str) -> None:
+        lost.append(node.name)
+
+    await one.start()
+    one.on_node_lost = two.on_node_lost = on_lost
+    token = own_clock.set(skew)
+    await two.start()
+    own_clock.reset(token)
+    try:
+        await asyncio.sleep(3.0)  # both have held their lease a whole lease, and judged the other several times
+        assert lost == []
+        assert {n.status for n in await stores[0].list_nodes()} == {"up"}
+        assert await one.alive(two.node_id) and await two.alive(one.node_id)
+    finally:
+        await two.stop()
+        await one.stop()

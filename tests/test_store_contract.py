@@ -820,6 +820,16 @@ async def test_a_node_is_declared_lost_exactly_once_and_only_when_its_lease_ran_
     assert await one.node_heartbeat(node.id, NOW) is False  # a node declared lost learns it at its next beat
 
 
+async def test_the_store_tells_its_own_time_the_clock_of_the_leases(store: Store):
+    from datetime import timedelta
+
+    from gatewayd.models import utcnow
+
+    told = await store.clock()
+    assert told.tzinfo is not None and abs(told - utcnow()) < timedelta(seconds=5)  # the same host here
+    assert await store.clock() >= told
+
+
 async def test_open_sessions_by_holder_and_those_no_node_up_holds(store: Store):
     org = await an_org(store)
     up, gone = a_node("up"), a_node("gone")

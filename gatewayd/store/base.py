@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from gatewayd.evidence import BatchLink, EventBatch
@@ -344,6 +345,11 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def register_node(self, node: Node) -> Node:
         """Store a node that has just started, with a ``slot`` free among the nodes up (set on ``node``)."""
+
+    @abc.abstractmethod
+    async def clock(self) -> datetime:
+        """The store's time now (UTC): the one clock the nodes' leases are stamped and judged by (a node's own may
+        be off, or jump)."""
 
     @abc.abstractmethod
     async def node_heartbeat(self, node_id: str, at: str) -> bool:

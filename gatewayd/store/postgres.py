@@ -98,6 +98,7 @@ class PostgresDialect(Dialect):
     name = "postgres"
     returning = True
     row_order = "row_order"
+    clock = "SELECT to_char(clock_timestamp() AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')"
 
     def render(self, sql: str) -> str:
         return _render(sql)

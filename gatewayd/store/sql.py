@@ -102,6 +102,7 @@ class Dialect:
     name = "sqlite"
     returning = True  # UPDATE ... RETURNING (SQLite >= 3.35, PostgreSQL)
     row_order = "rowid"  # a column that grows with insertion order
+    clock = "SELECT strftime('%Y-%m-%dT%H:%M:%fZ', 'now')"  # the database's time now, UTC, as RFC 3339 text
 
     def render(self, sql: str) -> str:
         """The SQL in the driver's placeholder style (``?`` here)."""

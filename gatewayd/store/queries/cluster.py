@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from gatewayd.models import Node
@@ -25,6 +26,10 @@ class ClusterQueries(SQLCore):
 
     async def register_node(self, node: Node) -> Node:
         return await self.db.transact(self._register_node(node))
+
+    async def clock(self) -> datetime:
+        row = await self._one(self.dialect.clock)
+        return datetime.fromisoformat(str(row[0]).replace("Z", "+00:00"))
 
     async def node_heartbeat(self, node_id: str, at: str) -> bool:
         return await self._changed(("UPDATE nodes SET heartbeat_at = ? WHERE id = ? AND status = 'up'",
