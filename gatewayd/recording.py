@@ -187,6 +187,7 @@ class _Closing:
     end_date: str
     exit_code: int | None
     seal: str
+    session: Session  # as stored: whose sealing ``on_sealed`` records once the store took this close
 
 
 class RecordingService:
@@ -454,8 +455,9 @@ class RecordingService:
     async def close(self, recorder: SessionRecorder, session: Session, *, end_date: str, exit_code: int | None) -> str:
         """The recorder's last events, the session's end (status done) and its seal: journaled at once, then
         stored; what the store cannot take now is kept and sent again until it has it (the session is ended
-        either way). ``session``: the session as stored (its identity is sealed with the recording:
-        ``Sealer.seal``); the seal."""
+        either way). The sealing is recorded (``on_sealed``) once the store took the close with this seal: not
+        when another process had closed the session (its seal is the session's). ``session``: the session as
+        stored (its identity is sealed with the recording: ``Sealer.seal``); the seal."""
         async with self._flush_lock:
             recorder.closed = True
             sid = recorder.session_id
@@ -471,7 +473,7 @@ class RecordingService:
                 batches[-1].session_fields.update(fields)
             else:
                 batches = [EventBatch(sid, recorder.next_seq, 0, b"", fields)]
-            closing = _Closing(recorder, batches, end_date, exit_code, seal)
+            closing = _Closing(recorder, batches, end_date, exit_code, seal, session)
             self._closing[sid] = closing
             journal = self.journal
             if journal is not None:
@@ -504,6 +506,11 @@ class RecordingService:
             if closed:
                 rec.stored()
                 done = True
+                if self.on_sealed is not None:
+                    try:
+                        await self.on_sealed(closing.session, closing.seal)
+                    except Exception:
+                        log.exception("the sealing could not be recorded", extra={"session_id": sid})
             else:  # closed by another process meanwhile: this one's last events are kept after that close
                 self._late.add(sid)
                 done = await self._store_late(rec)

@@ -138,9 +138,7 @@ class LiveSession:
             outcome="error" if error else "ok", exit_code=exit_code, reason=error or ""))
         try:
             end_date = rfc3339(utcnow())
-            seal = await self.manager.recording.close(self.recorder, self.session, end_date=end_date,
-                                                      exit_code=exit_code)
-            await self.manager.sealed(self.session, seal)
+            await self.manager.recording.close(self.recorder, self.session, end_date=end_date, exit_code=exit_code)
             self.manager.tell("session.close", dataclasses.replace(self.session, status="done", end_date=end_date,
                                                                    exit_code=exit_code))
         except Exception:
@@ -336,8 +334,7 @@ class SessionManager:
             recorder.error(GAP + gap.encode())
         recorder.error(reason)
         end_date = rfc3339(utcnow())
-        seal = await self.recording.close(recorder, session, end_date=end_date, exit_code=BLOCKED_EXIT_CODE)
-        await self.sealed(session, seal)
+        await self.recording.close(recorder, session, end_date=end_date, exit_code=BLOCKED_EXIT_CODE)
         self.tell("session.close", dataclasses.replace(session, status="done", end_date=end_date,
                                                        exit_code=BLOCKED_EXIT_CODE))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
 import secrets
 import signal
 import socket
@@ -340,6 +341,48 @@ async def test_a_node_killed_has_its_sessions_closed_by_the_other_after_the_leas
         assert done["exit_code"] == 254
     status = a.cli("status", "--all")
     assert any(line.startswith("node-b ") and " lost " in line for line in status.stdout.splitlines()), status.stdout
+
+
+async def test_a_node_paused_past_its_lease_records_no_sealing_of_the_session_the_other_closed(nodes, pg_target):
+    """Node B paused (SIGSTOP) past its lease: A declares it lost and closes and seals its session. B, resumed, ends
+    the session too, its close meeting A's: what B recorded since is kept after A's close, and the audit chain
+    records one sealing, A's. Before, B recorded the seal it had made as a second ``session.seal`` entry, one the
+    session never had, and ``verify`` said the session was sealed twice, as after an intruder's second close."""
+    a, b = nodes
+    if b.process is None:  # SIGKILLed by the test before: a restart is a new node that joins the cluster
+        b.start(timeout=40)
+        wait_port(b.ports["postgres"], b.process, "node-b's postgres listener")
+    async with admin_http(a) as http:
+        api = PostgresApi(a, http, pg_target)
+        secret, session_id = await api.credential(await api.role())
+        conn = await connect(b, secret)
+        await conn.execute("select 'before the pause'")
+        await open_session(api, session_id, "before the pause")
+        os.kill(b.process.pid, signal.SIGSTOP)
+        try:
+            done = await api.done_session(session_id, timeout=60)  # closed by A: B is lost
+        finally:
+            os.kill(b.process.pid, signal.SIGCONT)
+        assert "node node-b stopped answering" in of_kind(done, "e")[-1], of_kind(done, "e")
+
+        async def ended_on_b() -> bool:  # B learns it at its next beat, or fences, and ends the session itself
+            _, result = await api("GET", f"/sessions/{session_id}/verify")
+            return any("stored after the session was closed" in p for p in result["problems"])
+
+        deadline = time.monotonic() + 60
+        while not await ended_on_b():
+            assert time.monotonic() < deadline, "node B never ended the session"
+            await asyncio.sleep(0.2)
+        conn.terminate()
+        await asyncio.sleep(1.0)  # whatever B records after its close has reached the store
+        status, page = await api("GET", "/audit/logs?action=session.seal&page_size=100")
+        assert status == 200, page
+        sealings = [e for e in page["data"]
+                    if (e.get("request_payload_redacted") or {}).get("session_id") == session_id]
+        assert [e["outcome"] for e in sealings] == ["success"], sealings
+        _, result = await api("GET", f"/sessions/{session_id}/verify")
+        assert result["sealed"] and not any("sealed 2 times" in p or "not the one the audit log recorded" in p
+                                            for p in result["problems"]), result
 
 
 async def test_serverconfig_changed_through_a_is_what_b_serves(nodes):

@@ -1420,7 +1420,8 @@ async def sealing_gateway(store: Store):
 
 
 async def sealed_session(store: Store, manager, recording, batches: int = 3, **fields) -> Session:
-    """A session recorded in ``batches`` flushes and closed as a live one is: sealed, its sealing audited."""
+    """A session recorded in ``batches`` flushes and closed as a live one is: sealed, its sealing audited (by the
+    recording service, through ``manager``, once the store took the close)."""
     session = a_session(await an_org(store), script="select secret from vault", verb="exec", **fields)
     await store.create_session(session)
     recorder = await recording.recorder(session.id, started=0.0)
@@ -1428,8 +1429,7 @@ async def sealed_session(store: Store, manager, recording, batches: int = 3, **f
         recorder.input(f"statement {n}\n")
         recorder.output(f"answer {n}\n")
         await recording.flush()
-    seal = await recording.close(recorder, session, end_date=NOW, exit_code=0)
-    await manager.sealed(session, seal)
+    await recording.close(recorder, session, end_date=NOW, exit_code=0)
     return await store.get_session(session.id)
 
 
