@@ -517,3 +517,43 @@ async def test_a_gateway_older_than_the_client_is_said_to_be_so(gateway, people,
         saved["profiles"].pop("older", None)
         ada.login_file.write_text(json.dumps(saved))
         await runner.cleanup()
+
+
+async def test_a_redirect_is_refused_and_the_token_never_reaches_the_host_it_names(gateway, people):
+    """urllib follows a redirect with the request's headers: a gateway URL answering 307 to another host got
+    the person's token sent there. Now the CLI refuses the redirect in one line, and the other host sees none."""
+    from aiohttp import web
+
+    ada, _ = people
+    seen: list[str] = []
+    sink_port, redirecting_port = free_port(), free_port()
+
+    async def redirect(request: web.Request) -> web.Response:
+        raise web.HTTPTemporaryRedirect(f"http://127.0.0.1:{sink_port}{request.path_qs}")
+
+    async def sink(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Authorization", ""))
+        return web.json_response({"email": "someone@elsewhere.example"})
+
+    runners = []
+    for port, handler in ((redirecting_port, redirect), (sink_port, sink)):
+        app = web.Application()
+        app.router.add_route("*", "/{path:.*}", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runners.append(runner)
+    saved = json.loads(ada.login_file.read_text())
+    saved["profiles"]["moved"] = {"url": f"http://127.0.0.1:{redirecting_port}", "token": ada.saved_token()}
+    ada.login_file.write_text(json.dumps(saved))
+    try:
+        for words in (("whoami",), ("sessions", "replay", "--follow", "ffffffff")):
+            done = await asyncio.to_thread(ada.run, *words, "--profile", "moved")
+            one_line_failure(done, 1, f"the answer is a redirect (307) to http://127.0.0.1:{sink_port}/api/")
+        assert seen == []
+    finally:
+        saved = json.loads(ada.login_file.read_text())
+        saved["profiles"].pop("moved", None)
+        ada.login_file.write_text(json.dumps(saved))
+        for runner in runners:
+            await runner.cleanup()

@@ -170,6 +170,21 @@ class Answer:
     content_type: str
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A redirect is refused, not followed: urllib would send the token on to whatever host it names (and over
+    plain HTTP from HTTPS), and a token is for its gateway's own URL only."""
+
+    def redirect_request(self, req: urllib.request.Request, fp: Any, code: int, msg: str, headers: Any,
+                         newurl: str) -> urllib.request.Request | None:
+        fp.close()
+        raise ClientError(f"{req.get_method()} {req.full_url}: the answer is a redirect ({code}) to {newurl}, "
+                          "not followed (the login is sent only to the gateway's own URL); if that is the "
+                          "gateway's address, use it as --url")
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
+
+
 class Api:
     """The control API at ``login.url`` as the logged-in person."""
 
@@ -206,7 +221,7 @@ class Api:
         """Call ``/api<path>``; an unexpected status is a ClientError carrying the API's message."""
         request = self._request(method, path, body, query, anonymous, headers)
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+            with _OPENER.open(request, timeout=self.timeout) as response:
                 answer = self._answer(response.status, response.read(), response.headers.get("Content-Type", ""))
         except urllib.error.HTTPError as error:
             answer = self._answer(error.code, error.read(), error.headers.get("Content-Type", ""))
@@ -228,7 +243,7 @@ class Api:
         """The server-sent events of ``GET /api<path>`` as (event, decoded JSON data), as they come."""
         request = self._request("GET", path, None, query, False, {"Accept": "text/event-stream"})
         try:
-            response = urllib.request.urlopen(request, timeout=self.timeout)
+            response = _OPENER.open(request, timeout=self.timeout)
         except urllib.error.HTTPError as error:
             answer = self._answer(error.code, error.read(), error.headers.get("Content-Type", ""))
             raise self._refused("GET", path, answer, False) from None
