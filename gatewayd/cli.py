@@ -197,18 +197,20 @@ def _cmd_status(args: argparse.Namespace) -> int:
 def _status_from_api(args: argparse.Namespace, config: Config) -> int:
     """``gatewayd status`` away from the gateway's host (no store here): the gateway's readiness, as its API says."""
     from gatewayd.client.api import Api, ClientError, Login
+    from gatewayd.client.commands import printable
 
     login = Login.load(None, getattr(args, "profile", None))
     try:
         ready = Api(login).call("GET", "/readyz", anonymous=True, expect=(200, 503)).data or {}
     except ClientError as exc:
-        raise ConfigError(f"no gateway store here ({config.store_path}) to read the cluster from, and {exc}; "
+        raise ConfigError(f"no gateway store here ({config.store_path}) to read the cluster from, and "
+                          f"{printable(exc, one_line=True)}; "
                           "on the gateway's host, run it with its --config") from None
     if args.json or getattr(args, "output", "") == "json":
         print(json.dumps({"url": login.url, "status": ready.get("status", "")}))
     else:
-        print(f"{login.url}: {ready.get('status', 'unknown')} (as its API says; the nodes and their sessions are "
-              "listed on the gateway's host: gatewayd status --config ...)")
+        print(f"{login.url}: {printable(ready.get('status', 'unknown'), one_line=True)} (as its API says; the nodes "
+              "and their sessions are listed on the gateway's host: gatewayd status --config ...)")
     return 0 if ready.get("status") == "ready" else 1
 
 

@@ -557,3 +557,48 @@ async def test_a_redirect_is_refused_and_the_token_never_reaches_the_host_it_nam
         ada.login_file.write_text(json.dumps(saved))
         for runner in runners:
             await runner.cleanup()
+
+
+async def test_control_characters_from_others_reach_no_terminal(gateway, people, connections):
+    """A reason, a script or a message the gateway relays was printed as it came: rita's reason with OSC 52
+    (set the clipboard) and a clear-screen ran in the reviewer's terminal on `gatewayd reviews`. Now each
+    control character is written out (\\x1b) in tables, `reviews show`, `sessions show` and error lines."""
+    ada, rita = people
+    _, reviewed = connections
+    evil = "INC-7\x1b]52;c;cm0gLXJmIH4K\x07\x1b[2J\rfix"
+    async with aiohttp.ClientSession() as http:
+        status, asked = await Api(gateway, http, rita.saved_token())(
+            "POST", "/sessions", {"connection": reviewed, "script": f"select 1 -- {evil}", "reason": evil})
+    assert status == 202, asked
+    review = asked["review_id"][:8]
+    try:
+        for words in (("reviews",), ("reviews", "show", review), ("sessions", "show", asked["session_id"][:8])):
+            shown = ada.run(*words)
+            assert shown.returncode == 0, (words, shown.stderr)
+            assert "INC-7\\x1b]52;c;cm0gLXJmIH4K\\x07\\x1b[2J\\x0dfix" in shown.stdout, (words, shown.stdout)
+            assert not {"\x1b", "\x07", "\r"} & set(shown.stdout), (words, shown.stdout)
+    finally:
+        assert ada.run("reviews", "reject", review).returncode == 0
+
+    from aiohttp import web
+
+    async def hostile(request: web.Request) -> web.Response:  # a gateway whose refusals carry escapes
+        return web.json_response({"message": evil}, status=403)
+
+    app = web.Application()
+    app.router.add_route("*", "/{path:.*}", hostile)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        saved = json.loads(ada.login_file.read_text())
+        saved["profiles"]["hostile"] = {"url": f"http://127.0.0.1:{port}", "token": "t"}
+        ada.login_file.write_text(json.dumps(saved))
+        refused = await asyncio.to_thread(ada.run, "whoami", "--profile", "hostile")
+        one_line_failure(refused, 1, "403 INC-7\\x1b]52;c;cm0gLXJmIH4K\\x07\\x1b[2J\\x0dfix")
+    finally:
+        saved = json.loads(ada.login_file.read_text())
+        saved["profiles"].pop("hostile", None)
+        ada.login_file.write_text(json.dumps(saved))
+        await runner.cleanup()

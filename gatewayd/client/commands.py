@@ -54,6 +54,19 @@ COLOURS = {"open": "33", "live": "33", "done": "32", "APPROVED": "32", "EXECUTED
            "REJECTED": "31", "REVOKED": "31", "issued": "2", "failed": "31"}
 
 
+CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # C0 but tab and line break, DEL, C1
+LINE_BREAKS = re.compile(r"[\t\n]")
+
+
+def printable(text: object, one_line: bool = False) -> str:
+    """Text from the gateway as a terminal shows it: its control characters written out (``\\x1b``), so that a
+    value another person typed (a review's reason, a script, a name, a statement) or a hostile gateway's
+    answer cannot move the cursor, retitle the window or set the clipboard (OSC 52) of whoever reads it;
+    ``one_line``: tabs and line breaks too (a table cell, an error line)."""
+    shown = CONTROL.sub(lambda found: f"\\x{ord(found.group()):02x}", str(text))
+    return LINE_BREAKS.sub(lambda found: repr(found.group())[1:-1], shown) if one_line else shown
+
+
 def paint(text: str, key: str | None = None, stream: TextIO | None = None) -> str:
     """``text`` in its status colour on a terminal (never when piped, nor with $NO_COLOR)."""
     code = COLOURS.get(key or text)
@@ -66,7 +79,8 @@ def table(rows: list[dict[str, Any]], columns: list[tuple[str, str]], out: TextI
     if not rows:
         print("(none)", file=out)
         return
-    cells = [[str(row.get(key, "") if row.get(key) is not None else "") for key, _ in columns] for row in rows]
+    cells = [[printable(row.get(key, "") if row.get(key) is not None else "", one_line=True) for key, _ in columns]
+             for row in rows]
     widths = [max(len(heading), *(len(line[i]) for line in cells)) for i, (_, heading) in enumerate(columns)]
     print("  ".join(h.upper().ljust(w) for (_, h), w in zip(columns, widths)).rstrip(), file=out)
     for line in cells:
@@ -253,7 +267,8 @@ def cmd_login(args: argparse.Namespace) -> int:
     path = login.save(make_default=not os.environ.get("GATEWAYD_PROFILE"))
     if as_json(args):
         print(json.dumps({"url": login.url, "profile": login.profile, "email": me["email"], "file": str(path)}))
-    print(f"logged in to {login.url} as {me['email']} (profile {login.profile}, saved in {path})", file=sys.stderr)
+    print(printable(f"logged in to {login.url} as {me['email']} (profile {login.profile}, saved in {path})"),
+          file=sys.stderr)
     return 0
 
 
@@ -292,12 +307,13 @@ def cmd_whoami(args: argparse.Namespace) -> int:
                          indent=2))
         return 0
     roles = [r for r, on in (("admin", me.get("is_admin")), ("auditor", me.get("is_auditor"))) if on]
-    print(f"{me['email']}{' (' + me['name'] + ')' if me.get('name') else ''} at {login.url} (profile {login.profile})")
-    print(f"groups: {', '.join(me.get('groups') or []) or 'none'}" + (f"; {', '.join(roles)}" if roles else ""))
+    lines = [f"{me['email']}{' (' + me['name'] + ')' if me.get('name') else ''} at {login.url} (profile {login.profile})",
+             f"groups: {', '.join(me.get('groups') or []) or 'none'}" + (f"; {', '.join(roles)}" if roles else "")]
     if me.get("org_id"):
-        print(f"organization: {me.get('org_name') or ''} {me['org_id']}".replace("  ", " "))
+        lines.append(f"organization: {me.get('org_name') or ''} {me['org_id']}".replace("  ", " "))
     if expires:
-        print(f"login valid until {expires}")
+        lines.append(f"login valid until {expires}")
+    print(printable("\n".join(lines)))
     return 0
 
 
@@ -349,7 +365,7 @@ def _wait_review(api: Api, review_id: str, what: str, again: str) -> dict[str, A
         while True:
             review = api.get(f"/reviews/{review_id}")
             state = review["status"]
-            status.show(f"{what}: review {review_id} is {state}")
+            status.show(printable(f"{what}: review {review_id} is {state}", one_line=True))
             if state not in ("PENDING",):
                 return review
             time.sleep(POLL)
@@ -438,11 +454,11 @@ def cmd_connect(args: argparse.Namespace) -> int:
         print(json.dumps(credentials, indent=2))
         return 0
     if args.print or not argv and not access.get("url"):
-        print(shown)
+        print(printable(shown))
         for key in ("connection_string", "url", "header"):
             if access.get(key) and access[key] != shown:
-                print(f"{key}: {access[key]}")
-        print(f"valid until {credentials.get('expire_at', '?')}", file=sys.stderr)
+                print(printable(f"{key}: {access[key]}"))
+        print(printable(f"valid until {credentials.get('expire_at', '?')}"), file=sys.stderr)
         return 0
     if not argv:  # an HTTP connection: the browser
         print(f"opening {shown}", file=sys.stderr)
@@ -524,8 +540,9 @@ def cmd_exec(args: argparse.Namespace) -> int:
     answer = api.call("POST", "/sessions", body, expect=(200, 201, 202), headers={"Prefer": "respond-async"})
     result = answer.data
     if result.get("has_review") and result.get("review_id") and not result.get("output_status"):
-        print(f"the script needs a review: {short(result['review_id'])} "
-              f"(by {', '.join(g['group'] for g in result['review']['review_groups_data'])})", file=sys.stderr)
+        print(printable(f"the script needs a review: {short(result['review_id'])} "
+                        f"(by {', '.join(g['group'] for g in result['review']['review_groups_data'])})"),
+              file=sys.stderr)
         review = {**result["review"], "session_id": result["session_id"]}
         return _run_reviewed(api, review)
     return _script_result(api, result)
@@ -614,12 +631,13 @@ def cmd_session_show(args: argparse.Namespace) -> int:
             for part in (row["output"], row["error"]):
                 if part:
                     lines.append(part.rstrip() + "\n")
-    elif presentation == "terminal":
-        lines.append(api.get(f"/sessions/{sid}", event_stream="utf8")["event_stream"][0])
-    else:
+    elif presentation != "terminal":
         lines += [f"[{offset / 1000:.3f}s] {MARKS.get(kind, kind)} {text.rstrip()}\n"
                   for offset, kind, text in _events(session)]
-    paged("".join(lines))
+    text = printable("".join(lines))
+    if presentation == "terminal":  # a terminal's output as it was, as `sessions replay` plays it
+        text += api.get(f"/sessions/{sid}", event_stream="utf8")["event_stream"][0]
+    paged(text)
     return 0
 
 
@@ -647,15 +665,15 @@ def follow_session(api: Api, session_id: str, out: TextIO = sys.stdout) -> int:
     for event, data in api.stream(f"/sessions/{session_id}/stream"):
         if event == "session" and terminal is None:
             terminal = shown_as(api, data.get("connection_subtype") or "") == "terminal"
-            print(f"following session {data['id']} of {data['user']} on {data['connection']} "
-                  f"({shown_status(data)}); Ctrl-C stops following", file=sys.stderr)
+            print(printable(f"following session {data['id']} of {data['user']} on {data['connection']} "
+                            f"({shown_status(data)}); Ctrl-C stops following", one_line=True), file=sys.stderr)
         elif event == "event":
             if terminal:
                 if data["type"] in "oe":
                     out.write(_text(data))
             else:
-                out.write(f"[{data['offset_ms'] / 1000:.3f}s] {MARKS.get(data['type'], data['type'])} "
-                          f"{_text(data).rstrip()}\n")
+                out.write(printable(f"[{data['offset_ms'] / 1000:.3f}s] {MARKS.get(data['type'], data['type'])} "
+                                    f"{_text(data).rstrip()}") + "\n")
             out.flush()
         elif event == "frames":
             out.write(f"[frames] {data['total_frames']} recorded\n")
@@ -753,8 +771,8 @@ def cmd_review_show(args: argparse.Namespace) -> int:
         print(json.dumps(review, indent=2))
         return 0
     owner = review.get("review_owner") or {}
-    lines = [f"review {review['id']} ({review['type']}): {paint(review['status'])}",
-             f"connection: {review['review_connection']['name']}",
+    status = paint(printable(review["status"], one_line=True))  # the colour is ours: painted once it is printable
+    lines = [f"connection: {review['review_connection']['name']}",
              f"asked by:   {owner.get('email', '')}{' (' + owner['name'] + ')' if owner.get('name') else ''} "
              f"on {review['created_at']}",
              f"why:        {review.get('reason') or '(no reason given)'}"]
@@ -775,7 +793,8 @@ def cmd_review_show(args: argparse.Namespace) -> int:
     decide = f"gatewayd reviews approve {short(review['id'])}"
     if review["status"] == "PENDING":
         lines.append(f"\ndecide: `{decide}` or `gatewayd reviews reject {short(review['id'])}`")
-    paged("\n".join(lines) + "\n")
+    paged(printable(f"review {review['id']} ({review['type']}): ", one_line=True) + status + "\n"
+          + printable("\n".join(lines) + "\n"))
     return 0
 
 
@@ -791,7 +810,7 @@ def cmd_review_decide(args: argparse.Namespace) -> int:
     if as_json(args):
         print(json.dumps(review, indent=2))
     else:
-        print(f"review {review['id']}: {paint(review['status'])}")
+        print(f"review {printable(review['id'], one_line=True)}: {paint(printable(review['status'], one_line=True))}")
     return 0
 
 
@@ -1029,10 +1048,10 @@ def people(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Name
         try:
             return func(args)
         except ClientError as exc:
-            print(f"gatewayd: {exc}", file=sys.stderr)
+            print(f"gatewayd: {printable(exc, one_line=True)}", file=sys.stderr)
             return exc.exit_code
         except (OSError, ValueError) as exc:
-            print(f"gatewayd: {exc}", file=sys.stderr)
+            print(f"gatewayd: {printable(exc, one_line=True)}", file=sys.stderr)
             return EXIT_FAILED
         except KeyboardInterrupt:
             return 130
