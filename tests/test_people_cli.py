@@ -602,3 +602,21 @@ async def test_control_characters_from_others_reach_no_terminal(gateway, people,
         saved["profiles"].pop("hostile", None)
         ada.login_file.write_text(json.dumps(saved))
         await runner.cleanup()
+
+
+def test_a_login_never_writes_through_a_name_another_user_set_up(gateway, tmp_path):
+    """The login file was written through ``<name>.tmp``, opened without O_EXCL: in a folder others may write to,
+    a symlink planted under that name to a file of theirs got the token (and the login file became that
+    symlink). Now the file is written through a new file of a random name, and the planted one stays empty."""
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    planted = shared / "theirs"
+    planted.touch(mode=0o666)
+    ada = Person(gateway, shared, "ada@example.com")
+    (shared / f"{ada.login_file.stem}.tmp").symlink_to(planted)
+    ada.login()
+    assert planted.read_text() == ""
+    assert not ada.login_file.is_symlink() and stat.S_IMODE(ada.login_file.stat().st_mode) == 0o600
+    assert ada.saved_token() and sorted(p.name for p in shared.iterdir()) == sorted(
+        [ada.login_file.name, f"{ada.login_file.stem}.tmp", "theirs"])

@@ -6,10 +6,12 @@ print and the exit code to leave with.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import socket
+import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -66,15 +68,19 @@ def _read_logins() -> dict[str, Any]:
 
 
 def _write_logins(logins: dict[str, Any]) -> Path:
-    """Write the logins with mode 0600 (created so, never widened for a moment)."""
+    """Write the logins with mode 0600 (created so, never widened for a moment), through a new file of a random
+    name (O_EXCL): a name another local user set up beforehand, a symlink to a file of theirs, is never opened."""
     path = login_file()
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    temporary = path.with_suffix(".tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        json.dump(logins, handle, indent=1)
-    os.chmod(temporary, 0o600)
-    os.replace(temporary, path)
+    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(logins, handle, indent=1)
+        os.replace(temporary, path)  # a symlink at ``path`` is replaced, not followed
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
     return path
 
 
