@@ -96,3 +96,32 @@ def test_python_m_gatewayd_reaches_the_same_checks(tmp_path):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "no gateway store at" in result.stderr
     assert "$GATEWAYD_DATA_DIR" in result.stderr and not (tmp_path / "none").exists()
+
+
+def test_the_store_is_private_in_a_data_dir_made_before(tmp_path):
+    """The SQLite store (recordings, audit log) was created with the umask's 0644, and its -wal and -shm
+    likewise: only a data dir the daemon made itself (0700) kept other local users out of it, not one made
+    before its first start (0755 here, as `mkdir` makes it), nor a store.path elsewhere. Now the files are
+    0600, and an existing readable one is taken back."""
+    data = tmp_path / "data"
+    data.mkdir(mode=0o755)
+    data.chmod(0o755)
+    umask = os.umask(0o022)  # as a shell's: the daemon inherits it
+    try:
+        daemon = Daemon(data).start()
+    finally:
+        os.umask(umask)
+    store = data / "gatewayd.db"
+    try:
+        assert store.stat().st_mode & 0o777 == 0o600
+    finally:
+        assert daemon.stop() == 0
+    store.chmod(0o644)  # made by an earlier version
+    daemon.start()
+    try:
+        daemon.cli("token", "create", "--email", "ops@example.com", "--groups", "admin")  # a write: the -wal
+        files = [store, data / "gatewayd.db-wal", data / "gatewayd.db-shm"]
+        assert {path.name: oct(path.stat().st_mode & 0o777) for path in files} == {
+            path.name: oct(0o600) for path in files}
+    finally:
+        assert daemon.stop() == 0

@@ -7,7 +7,9 @@ transaction is one trip to that thread) and reads through an aiosqlite connectio
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import sqlite3
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -48,6 +50,23 @@ class SQLiteDialect(Dialect):
     returning = sqlite3.sqlite_version_info >= (3, 35)
 
 
+def private_files(path: Path) -> None:
+    """The database file created 0600, or an existing one (and its -wal and -shm) taken back to its owner: it
+    holds the recordings and the audit log, and SQLite gives the -wal and -shm it makes the database's mode.
+    Left to the umask (0644), only a data dir made 0700 kept other local users out; one made before the
+    daemon's first start, or a ``store.path`` elsewhere, did not."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if os.fstat(fd).st_mode & 0o077:
+            os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+    for side in (path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        with contextlib.suppress(FileNotFoundError):
+            if side.stat().st_mode & 0o077:
+                side.chmod(0o600)
+
+
 class SQLiteConnector:
     """aiosqlite for reads; one writer thread, with its own connection, drives every write transaction.
 
@@ -68,7 +87,8 @@ class SQLiteConnector:
         self.failing_since: float | None = None  # from a failure of the file (I/O error, lock never got) to a success
 
     async def connect(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        private_files(self.path)
         self._writer = await self._in_writer(self._open_writer)
         self._reader = await aiosqlite.connect(self.path, isolation_level=None)
         self._reader.row_factory = sqlite3.Row
