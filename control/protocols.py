@@ -24,6 +24,9 @@ CLIENT = Schema("ClientCommand", {
     "shown": Field("string", True, description="what to print instead of running it (a template)"),
     "options_with_value": Field("string", True, description="non-empty: the user's options go before the last "
                                                             "argument (these letters take a value), the rest after"),
+    "files": Field("object", True, schema=Schema("ClientFiles", {}, additional=True),
+                   description="files the CLI writes for the client (name: a template like args), readable by their "
+                               "owner only, removed when it exits; {file_<name>} in args or env is one's path"),
 })
 PROTOCOL = Schema("Protocol", {
     "name": Field("string", True, description="its listener and configuration section"),

@@ -59,7 +59,10 @@ class ClientCommand:
     comes out empty is left out.  ``programs``: the first installed one runs (``mysql`` or ``mariadb``).
     ``options_with_value``: the user's arguments go after the program's (empty), or, for a client that
     reads ``[options] destination [command]`` (ssh), its options before the last argument and the rest
-    after it; these letters are its options that take a value.
+    after it; these letters are its options that take a value.  ``files``: (name, template) of the files the
+    CLI writes for the client, readable by their owner only and removed when it exits; an argument or a
+    variable names one's path as ``{file_<name>}`` (a secret the client reads only as an argument, such as
+    ssh's user name, goes there: an argument is in the process list for every local user to read).
     """
 
     programs: tuple[str, ...]
@@ -67,10 +70,11 @@ class ClientCommand:
     env: tuple[tuple[str, str], ...] = ()
     shown: str = "{command}"  # what the CLI prints (`connect --print`, or when the client is not installed)
     options_with_value: str = ""
+    files: tuple[tuple[str, str], ...] = ()
 
     def as_json(self) -> dict[str, Any]:
         return {"programs": list(self.programs), "args": list(self.args), "env": dict(self.env),
-                "shown": self.shown, "options_with_value": self.options_with_value}
+                "shown": self.shown, "options_with_value": self.options_with_value, "files": dict(self.files)}
 
 
 def lazy_start(module: str) -> Start:

@@ -14,6 +14,7 @@ import io
 import json
 import os
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import pymysql
@@ -1228,3 +1229,38 @@ async def test_a_target_asking_for_a_file_the_connection_does_not_allow_ends_the
     session = await api.done_session(session_id)
     assert session["exit_code"] == 254
     assert any("client-secret.txt" in e and "not told" in e for e in of_kind(session, "e")), of_kind(session, "e")
+
+
+async def test_cli_connect_keeps_the_secret_out_of_the_process_list(api, gateway, tmp_path):
+    """`gatewayd connect` ran `mysql -u SECRET ...`: for as long as the session lasted, any local user read the
+    credential in `ps`. Now the mysql client reads it from an option file, 0600 in a private folder, removed
+    when the client ends."""
+    from tests.conftest import BIN, ROOT
+    from tests.test_people_cli import client_processes
+
+    role = await api.role()
+    login = tmp_path / "login.json"
+    login.write_text(json.dumps({"default": "default", "profiles": {"default": {
+        "url": gateway.url.removesuffix("/api"), "token": gateway.token("admin@example.com", groups="admin")}}}))
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("GATEWAYD_", "MYSQL"))},
+           "GATEWAYD_CLIENT_CONFIG": str(login)}
+    running = subprocess.Popen([str(BIN / "gatewayd"), "connect", role["name"], "--", "--skip-ssl", "-N", "-e",
+                                "SELECT 'in-session', SLEEP(2), 'done-here'"], env=env, cwd=ROOT, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        for _ in range(600):  # a hang guard: the client starts once the credential is issued
+            clients = list(client_processes(running.pid).values())
+            if clients or running.poll() is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert clients, running.communicate()
+        [mysql] = clients
+        assert not [arg for arg in mysql if "my-" in arg], mysql  # no secret (my-<random>)
+        option_file = Path(next(arg for arg in mysql if arg.startswith("--defaults-extra-file=")).partition("=")[2])
+        assert option_file.stat().st_mode & 0o777 == 0o600
+        out, err = await asyncio.to_thread(running.communicate, timeout=60)
+        assert running.returncode == 0 and "in-session" in out and "done-here" in out, (out, err)
+        assert not option_file.parent.exists()
+    finally:
+        if running.poll() is None:
+            running.kill()

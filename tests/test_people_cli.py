@@ -97,6 +97,18 @@ class Person:
         assert done.returncode == 0, done.stderr
 
 
+def client_processes(parent: int) -> dict[int, list[str]]:
+    """The command lines of ``parent``'s child processes, as every local user reads them (/proc, ps)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                found[int(entry.name)] = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+    return found
+
+
 def one_line_failure(done: subprocess.CompletedProcess[str], code: int, needle: str) -> None:
     assert done.returncode == code, (done.returncode, done.stdout, done.stderr)
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr

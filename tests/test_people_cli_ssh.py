@@ -16,7 +16,7 @@ import pytest
 from tests.apiclient import SshApi
 from tests.conftest import proxy_daemon
 from tests.sshpeer import SshTarget, unavailable_reason
-from tests.test_people_cli import Person
+from tests.test_people_cli import Person, client_processes
 
 pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or "")
 
@@ -172,3 +172,32 @@ async def test_replay_follow_shows_a_live_ssh_session_until_it_ends(slow_flush, 
         for process in (held, follower):
             if process is not None and process.poll() is None:
                 process.kill()
+
+
+async def test_connect_keeps_the_secret_out_of_the_process_list(gateway, target, tmp_path):
+    """`connect` ran `ssh -p PORT SECRET@HOST`: for as long as the session lasted, any local user read the
+    credential in `ps` and could open sessions with it. Now the user name is in a configuration file of its
+    own, 0600 in a private folder, and that folder is gone once ssh ends."""
+    async with aiohttp.ClientSession() as http:
+        admin = SshApi(gateway, http, target, gateway.token("ada@example.com", groups="admin"))
+        connection = await admin.role()
+    ada = Person(gateway, tmp_path, "ada@example.com")
+    ada.login()
+    go = gate()
+    running = ada.start("connect", connection["name"], "--", *SSH_OPTIONS,
+                        f"echo in-session; while [ ! -e {go} ]; do sleep 0.05; done; echo done-here")
+    try:
+        out = Lines(running.stdout)
+        out.until("in-session")  # ssh runs, logged in through the gateway
+        [ssh] = client_processes(running.pid).values()
+        assert ssh[0] == "ssh" and not [arg for arg in ssh if "ssh-" in arg], ssh  # no secret (ssh-<random>)
+        config = Path(ssh[ssh.index("-F") + 1])
+        assert config.stat().st_mode & 0o777 == 0o600 and config.parent.stat().st_mode & 0o777 == 0o700
+        go.touch()
+        assert "done-here" in out.rest()
+        assert running.wait(60) == 0, running.stderr.read()
+        assert not config.parent.exists()
+    finally:
+        go.unlink(missing_ok=True)
+        if running.poll() is None:
+            running.kill()

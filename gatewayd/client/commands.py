@@ -18,6 +18,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.parse
@@ -414,15 +415,36 @@ def _filled(template: str, access: dict[str, Any]) -> str:
     return HINT.sub(lambda found: str(access.get(found.group(1)) or ""), template)
 
 
-def client_command(client: dict[str, Any] | None, access: dict[str, Any]) -> tuple[list[str], dict[str, str], str]:
+FILE_NAME = re.compile(r"[A-Za-z0-9_]{1,64}")
+
+
+def client_command(client: dict[str, Any] | None, access: dict[str, Any],
+                   folder: Path | None = None) -> tuple[list[str], dict[str, str], str]:
     """(argv, extra environment, what to print) of the native client for a credential: its protocol's client
-    template (GET /api/protocols) filled with the credential's access hints; none: the url, for a browser."""
+    template (GET /api/protocols) filled with the credential's access hints; none: the url, for a browser.
+    ``folder``: a private folder where the client's files are written (``{file_<name>}``: one's path)."""
     if client is None:
         return [], {}, access.get("url", "")
+    if folder is not None:
+        access = {**access, **client_files(client.get("files") or {}, access, folder)}
     programs = client["programs"]
     program = next((name for name in programs if shutil.which(name)), programs[0])
     argv = [program] + [arg for arg in (_filled(template, access) for template in client["args"]) if arg]
     return argv, {key: _filled(value, access) for key, value in client["env"].items()}, _filled(client["shown"], access)
+
+
+def client_files(files: dict[str, str], access: dict[str, Any], folder: Path) -> dict[str, str]:
+    """Write a client's files (filled templates) in ``folder``, each created 0600 (O_EXCL); their paths as
+    access hints (``file_<name>``)."""
+    paths = {}
+    for name, template in files.items():
+        if not FILE_NAME.fullmatch(name):
+            raise ClientError(f"the gateway names a client file {name!r}: not a plain name, not written")
+        path = folder / name
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as handle:
+            handle.write(_filled(template, access))
+        paths[f"file_{name}"] = str(path)
+    return paths
 
 
 def with_client_args(argv: list[str], extra: list[str], options_with_value: str = "") -> list[str]:
@@ -468,8 +490,10 @@ def cmd_connect(args: argparse.Namespace) -> int:
     if shutil.which(argv[0]) is None:
         raise ClientError(f"{argv[0]} is not installed here; connect with: {shown}")
     options_with_value = client["options_with_value"] if client else ""
-    return subprocess.call(with_client_args(argv, list(args.client_args), options_with_value),
-                           env={**os.environ, **env})
+    with tempfile.TemporaryDirectory(prefix="gatewayd-connect-") as folder:  # 0700, removed when the client ends
+        argv, env, _ = client_command(client, access, Path(folder))
+        return subprocess.call(with_client_args(argv, list(args.client_args), options_with_value),
+                               env={**os.environ, **env})
 
 
 # --------------------------------------------------------------------------- following a session

@@ -27,9 +27,11 @@ def access_hints(conn: Connection, secret: str, host: str, port: int, settings: 
 
 DESCRIPTION = ProtocolDescription(
     name="mysql", subtype="mysql", session_type="database", prefix="my", language=MYSQL, title="MySQL",
-    # the mysql or mariadb client (Debian's mariadb-client ships both names); the password in its environment
-    client=ClientCommand(("mysql", "mariadb"), ("-h", "{hostname}", "-P", "{port}", "-u", "{username}",
-                                                "{database_name}"), env=(("MYSQL_PWD", "{password}"),)),
+    # the mysql or mariadb client (Debian's mariadb-client ships both names); the secret, its user name, in an
+    # option file (read first: --defaults-extra-file comes first), not in the process list
+    client=ClientCommand(("mysql", "mariadb"), ("--defaults-extra-file={file_client_cnf}", "-h", "{hostname}", "-P",
+                                                "{port}", "{database_name}"),
+                         files=(("client_cnf", "[client]\nuser={username}\npassword={password}\n"),)),
     server_config_key="mysql_server_config", default_port=13306, access_hints=access_hints,
     start=lazy_start("proxies.mysql.server"),
     required_modules=("sqloxide",), install_hint="mysql proxy unavailable: install sqloxide (pip install sqloxide)",

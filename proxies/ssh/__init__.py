@@ -23,9 +23,12 @@ def access_hints(conn: Connection, secret: str, host: str, port: int, settings: 
 DESCRIPTION = ProtocolDescription(
     name="ssh", subtype="ssh", session_type="custom", prefix="ssh", server_config_key="ssh_server_config",
     language=SHELL_COMMANDS, title="SSH", presentation=TERMINAL,
-    # ssh(1) reads [options] destination [command]: the user's options go before the destination
-    client=ClientCommand(("ssh",), ("-p", "{port}", "{username}@{hostname}"),
-                         options_with_value="BbcDEeFIiJLlmOoPpQRSWw"),  # its options that take an argument
+    # ssh(1) reads [options] destination [command]: the user's options go before the destination. The secret,
+    # its user name, in a configuration file of its own (its first User wins; the user's and the system's
+    # configuration follow), not in the process list
+    client=ClientCommand(("ssh",), ("-F", "{file_config}", "-p", "{port}", "{hostname}"),
+                         options_with_value="BbcDEeFIiJLlmOoPpQRSWw",  # its options that take an argument
+                         files=(("config", "Host *\n  User {username}\nInclude ~/.ssh/config /etc/ssh/ssh_config\n"),)),
     compiled=("proxies.ssh.lines", "proxies.ssh.datapath", "proxies.ssh.gcm"),
     default_port=12222, access_hints=access_hints,
     start=lazy_start("proxies.ssh.server"),
