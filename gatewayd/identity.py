@@ -43,6 +43,7 @@ AUTH_CLIENT_SECRET = "serverconfig.auth.client_secret"  # its OIDC client secret
 AUTH_KEYS = frozenset({"auth.issuer", "auth.oidc.issuer_url", "auth.oidc.client_id", "auth.oidc.audience",
                        "auth.oidc.scopes", "auth.oidc.groups_claim"})
 _JWKS_MAX_AGE = 600
+LOOPBACK_STATE = re.compile(r"state=[A-Za-z0-9_-]{16,128}")  # the CLI's loopback redirect: its check on the answer
 
 
 class AuthError(Exception):
@@ -533,7 +534,8 @@ class Identity:
     def allowed_redirect(self, redirect: str) -> bool:
         """Tokens are only handed to the gateway's own origin, to configured prefixes, or to a loopback
         ``http://127.0.0.1:PORT/callback`` of the command line (a native app's redirect, RFC 8252 7.3:
-        only a program on the user's own machine can listen there)."""
+        only a program on the user's own machine can listen there), with no query but the command line's
+        ``state`` (handed back beside the token: its listener takes no token without it)."""
         if redirect.startswith("/") and not redirect.startswith("//"):
             return True
         own = urlsplit(self.config.public_url)
@@ -541,7 +543,8 @@ class Identity:
         if (target.scheme, target.netloc) == (own.scheme, own.netloc):
             return True
         if (target.scheme == "http" and target.hostname in ("127.0.0.1", "::1") and target.port
-                and target.path == "/callback" and not target.query and not target.username):
+                and target.path == "/callback" and not target.username
+                and (not target.query or LOOPBACK_STATE.fullmatch(target.query))):
             return True
         return any(_under(prefix, redirect) for prefix in self.config["auth.oidc.allowed_redirects"] if prefix)
 

@@ -8,6 +8,7 @@ with state and PKCE, including its audit trail.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -451,3 +452,56 @@ async def test_a_login_begun_on_one_process_completes_on_another(http, gw, provi
         assert status == 401
     finally:
         await asyncio.to_thread(other.stop)
+
+
+def listening_port(pid: int) -> int:
+    """The TCP port a process listens on, as any local user finds it (``ss -ltn``; here /proc)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    for line in open("/proc/net/tcp").read().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+            return int(fields[1].split(":")[1], 16)
+    raise AssertionError(f"process {pid} listens on no TCP port")
+
+
+async def test_the_command_lines_loopback_takes_no_token_but_its_logins(http, gw, provider, tmp_path):
+    """The loopback listener of ``login --oidc`` took any ?token= on any path: another local user (or a web
+    page) who found its port handed it their own token, and the person was logged in as them -- their
+    sessions and scripts then recorded as the other's, for the other to read. Now only the answer carrying
+    this login's state is taken."""
+    import subprocess
+
+    from tests.conftest import BIN
+
+    provider.set_user("cli2-sub", "cli2@example.com", "Cli Two", ["dev"])
+    planted = await asyncio.to_thread(gw.token, "mallory@example.com", "dev")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAYD_")}
+    env["GATEWAYD_CLIENT_CONFIG"] = str(tmp_path / "login.json")
+    process = subprocess.Popen([str(BIN / "gatewayd"), "login", "--oidc", "--no-browser", "--url",
+                                gw.url.removesuffix("/api")], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        await asyncio.to_thread(process.stderr.readline)  # "Open this address to log in ..."
+        login_url = (await asyncio.to_thread(process.stderr.readline)).strip()
+        port = listening_port(process.pid)
+        for path in ("/callback", "/", "/callback?state=guessed-but-wrong-state"):  # the other user's tries
+            joined = "&" if "?" in path else "?"
+            async with http.get(f"http://127.0.0.1:{port}{path}{joined}token={planted}") as answer:
+                assert answer.status == 400
+        assert process.poll() is None  # still waiting for its own answer
+        _, _, headers = await call(http, "GET", login_url)  # the browser, at the provider
+        _, _, headers = await call(http, "GET", headers["Location"])  # back at the gateway
+        assert parse_qs(urlsplit(headers["Location"]).query)["state"]
+        async with http.get(headers["Location"]) as landing:  # the CLI's loopback page
+            assert landing.status == 200 and "Logged in" in await landing.text()
+        assert await asyncio.to_thread(process.wait, 30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    saved = json.loads((tmp_path / "login.json").read_text())
+    status, me = await userinfo(http, gw, saved["profiles"][saved["default"]]["token"])
+    assert status == 200 and me["email"] == "cli2@example.com"

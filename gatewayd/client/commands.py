@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import base64
 import getpass
+import hmac
 import http.server
 import json
 import os
 import re
 import shlex
+import secrets
 import shutil
 import subprocess
 import sys
@@ -183,12 +185,20 @@ def moment(text: str, what: str) -> str:
 
 
 class _Callback(http.server.BaseHTTPRequestHandler):
-    """The loopback page the identity provider's redirect lands on (the token comes as ?token=)."""
+    """The loopback page the identity provider's redirect lands on (the token comes as ?token=, beside the
+    ``state`` this login put in its redirect). Any local user, or a web page the browser shows, can reach a
+    loopback port: an answer without this login's state is not taken, so nobody else's token is saved as
+    the person's login."""
 
     token: str | None = None
+    state: str = ""
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        token = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query).get("token", [""])[0]
+        asked = urllib.parse.urlsplit(self.path)
+        query = urllib.parse.parse_qs(asked.query)
+        token = query.get("token", [""])[0]
+        if asked.path != "/callback" or not hmac.compare_digest(query.get("state", [""])[0], type(self).state):
+            token = ""
         if token:
             type(self).token = token
         self.send_response(200 if token else 400)
@@ -203,9 +213,16 @@ class _Callback(http.server.BaseHTTPRequestHandler):
 
 def _oidc_login(api: Api, open_browser: bool) -> str:
     server = http.server.HTTPServer(("127.0.0.1", 0), _Callback)
-    _Callback.token = None
-    redirect = f"http://127.0.0.1:{server.server_port}/callback"
-    url = api.call("GET", "/login", query={"redirect": redirect}, anonymous=True).data["login_url"]
+    _Callback.token, _Callback.state = None, secrets.token_urlsafe(24)
+    redirect = f"http://127.0.0.1:{server.server_port}/callback?state={_Callback.state}"
+    try:
+        url = api.call("GET", "/login", query={"redirect": redirect}, anonymous=True).data["login_url"]
+    except ClientError as exc:
+        server.server_close()
+        if "redirect: not an allowed address" in str(exc):  # a gateway from before the loopback's state
+            raise ClientError(f"the gateway at {api.login.url} is older than this client: it refuses a login "
+                              "redirect with a state; upgrade it, or log in with --email") from None
+        raise
     print(f"Open this address to log in (waiting for the browser):\n  {url}", file=sys.stderr)
     if open_browser:
         webbrowser.open(url)
