@@ -117,10 +117,10 @@ SETTINGS: dict[str, Setting] = {
     "grpc.tunnel_port": Setting("int", 0, lambda v, k: _port(v, k)),
     "store.driver": Setting("str", "sqlite", _choice("sqlite", "postgres")),
     "store.path": Setting("str", ""),
-    "store.url": Setting("str", "", _store_url),
+    "store.url": Setting("str", "", _store_url, secret=True),
     "store.timeout": Setting("duration", "4s", _positive),
     "store.count_cap": Setting("int", 10_000, _positive),
-    "secrets.key": Setting("str", ""),
+    "secrets.key": Setting("str", "", secret=True),
     "cluster.node_name": Setting("str", ""),
     "cluster.lease": Setting("duration", "30s", _positive),
     "auth.issuer": Setting("str", "local", _choice("local", "oidc")),
@@ -132,7 +132,7 @@ SETTINGS: dict[str, Setting] = {
     "tenants.allow_private_webhooks": Setting("bool", False),
     "auth.oidc.issuer_url": Setting("str", ""),
     "auth.oidc.client_id": Setting("str", ""),
-    "auth.oidc.client_secret": Setting("str", ""),
+    "auth.oidc.client_secret": Setting("str", "", secret=True),
     "auth.oidc.audience": Setting("str", ""),
     "auth.oidc.scopes": Setting("list", ["openid", "profile", "email"]),
     "auth.oidc.groups_claim": Setting("str", "groups"),
@@ -210,27 +210,27 @@ def _coerce(key: str, setting: Setting, value: Any, from_env: bool) -> Any:
     kind = setting.kind
     if kind == "str" or kind == "listen":
         if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
+            raise ConfigError(f"{key}: expected a string, got {setting.shown(value)}")
     elif kind == "int":
         if from_env:
             try:
                 value = int(value)
             except ValueError:
-                raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
+                raise ConfigError(f"{key}: expected an integer, got {setting.shown(value)}") from None
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+            raise ConfigError(f"{key}: expected an integer, got {setting.shown(value)}")
     elif kind == "bool":
         if from_env:
             value = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}.get(
                 str(value).lower(), value
             )
         if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+            raise ConfigError(f"{key}: expected true or false, got {setting.shown(value)}")
     elif kind == "list":
         if from_env:
             value = [item.strip() for item in str(value).split(",") if item.strip()]
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{key}: expected a list of strings, got {value!r}")
+            raise ConfigError(f"{key}: expected a list of strings, got {setting.shown(value)}")
     elif kind == "duration":
         value = parse_duration(value, key)
     if setting.check is not None:

@@ -58,11 +58,17 @@ def split_listen(value: str) -> tuple[str, int]:
 
 @dataclass(slots=True, frozen=True)
 class Setting:
-    """One configuration key: its type check and its default."""
+    """One configuration key: its type check and its default; ``secret``: its value is never quoted in an error
+    (a key, a password: the message goes to the terminal and the service's journal)."""
 
     kind: str
     default: Any
     check: Callable[[Any, str], Any] | None = None
+    secret: bool = False
+
+    def shown(self, value: Any) -> str:
+        """``value`` as an error quotes it."""
+        return "a value not shown (it is a secret)" if self.secret else repr(value)
 
 
 def choice(*allowed: str) -> Callable[[Any, str], Any]:

@@ -125,3 +125,18 @@ def test_the_store_is_private_in_a_data_dir_made_before(tmp_path):
             path.name: oct(0o600) for path in files}
     finally:
         assert daemon.stop() == 0
+
+
+def test_a_secret_setting_of_the_wrong_type_is_not_quoted_in_the_error(tmp_path):
+    """`client_secret = 123456789` (a number: written without quotes) stopped the daemon with `expected a string,
+    got 123456789`: the secret in the terminal and the service's journal. Now secret settings are named, their
+    values not shown."""
+    secret = "918273645546372819"
+    for section, key, value in (("auth.oidc", "client_secret", secret), ("secrets", "key", f"[\"{secret}\"]"),
+                                ("ssh", "hosts_key", f"{{ pem = \"{secret}\" }}")):
+        config = tmp_path / f"{key}.toml"
+        config.write_text(f"data_dir = \"{tmp_path / 'data'}\"\n[{section}]\n{key} = {value}\n")
+        result = subprocess.run([str(BIN / "gatewayd"), "run", "--config", str(config)], env=clean_env(),
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2 and f"{section}.{key}: expected" in result.stderr, result.stderr
+        assert secret not in result.stderr and "not shown" in result.stderr, result.stderr

@@ -33,7 +33,7 @@ DESCRIPTION = ProtocolDescription(
     default_port=12222, access_hints=access_hints,
     start=lazy_start("proxies.ssh.server"),
     load_script_runner=lazy_script_runner("proxies.ssh.script"),
-    settings={"hosts_key": Setting("str", ""),
+    settings={"hosts_key": Setting("str", "", secret=True),
               "ciphers": Setting("list", ["aes128-gcm@openssh.com", "aes256-gcm@openssh.com"])},
     forward_serve=lambda sock, secret: _forward_serve(sock, secret),
 )
