@@ -1240,6 +1240,7 @@ async def test_cli_connect_keeps_the_secret_out_of_the_process_list(api, gateway
 
     role = await api.role()
     login = tmp_path / "login.json"
+    login.touch(mode=0o600)  # as the CLI keeps it
     login.write_text(json.dumps({"default": "default", "profiles": {"default": {
         "url": gateway.url.removesuffix("/api"), "token": gateway.token("admin@example.com", groups="admin")}}}))
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("GATEWAYD_", "MYSQL"))},

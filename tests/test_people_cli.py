@@ -74,6 +74,11 @@ class Person:
         return subprocess.Popen([str(BIN / "gatewayd"), *args], env=self.env(), cwd=ROOT, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
+    def write_login(self, saved: dict) -> None:
+        """The login file, with ``saved`` in it, private as the CLI keeps it (0600)."""
+        self.login_file.touch(mode=0o600)
+        self.login_file.write_text(json.dumps(saved))
+
     def saved_token(self, profile: str | None = None) -> str:
         """The token the login file keeps for ``profile`` (default: the default profile)."""
         saved = json.loads(self.login_file.read_text())
@@ -147,12 +152,12 @@ def test_login_keeps_a_private_token_and_failures_are_one_line(gateway, people, 
     dead = f"http://127.0.0.1:{free_port()}"
     one_line_failure(stranger.run("login", "--url", dead, "--email", "ada@example.com", "--password-stdin",
                                   input="whatever\n"), 3, "cannot reach the gateway")
-    stranger.login_file.write_text(json.dumps({"url": dead, "token": "a-token"}))
+    stranger.write_login({"url": dead, "token": "a-token"})
     one_line_failure(stranger.run("sessions"), 3, f"cannot reach the gateway at {dead}")
 
     expired = Person(gateway, tmp_path, "short@example.com")
-    expired.login_file.write_text(json.dumps({"url": gateway.url.removesuffix("/api"),
-                                              "token": gateway.token("short@example.com", ttl="1s")}))
+    expired.write_login({"url": gateway.url.removesuffix("/api"),
+                         "token": gateway.token("short@example.com", ttl="1s")})
     token = json.loads(expired.login_file.read_text())["token"]
     for _ in range(100):  # until the gateway refuses it (its second has passed)
         try:
@@ -632,3 +637,19 @@ def test_a_login_never_writes_through_a_name_another_user_set_up(gateway, tmp_pa
     assert not ada.login_file.is_symlink() and stat.S_IMODE(ada.login_file.stat().st_mode) == 0o600
     assert ada.saved_token() and sorted(p.name for p in shared.iterdir()) == sorted(
         [ada.login_file.name, f"{ada.login_file.stem}.tmp", "theirs"])
+
+
+def test_a_login_file_others_can_read_is_made_private_and_anothers_is_refused(gateway, tmp_path):
+    """The login file was read whatever its mode and owner: one copied with the umask's 0644 went on showing
+    its tokens to every local user, and one another user planted where ours is looked for decided which
+    gateway and token every command used. Now ours is made 0600 again, with a word, and another's refused."""
+    ada = Person(gateway, tmp_path, "ada@example.com")
+    ada.login()
+    ada.login_file.chmod(0o644)
+    done = ada.run("whoami")
+    assert done.returncode == 0 and "was readable by others (0o644): made 0600" in done.stderr, done
+    assert stat.S_IMODE(ada.login_file.stat().st_mode) == 0o600
+    assert ada.run("whoami").stderr == ""  # said once
+    if os.geteuid() == 0:  # another user's file: only root can make one here
+        os.chown(ada.login_file, 65534, -1)
+        one_line_failure(ada.run("whoami"), 1, "belongs to another user (uid 65534): not used")

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import socket
+import sys
 import tempfile
 import urllib.error
 import urllib.parse
@@ -54,7 +55,9 @@ def _read_logins() -> dict[str, Any]:
     written before profiles, is the profile ``default``)."""
     path = login_file()
     try:
-        saved = json.loads(path.read_text())
+        with open(path, "rb") as handle:
+            _private_login_file(path, handle.fileno())
+            saved = json.loads(handle.read())
     except FileNotFoundError:
         return {"default": "", "profiles": {}}
     except (OSError, ValueError) as exc:
@@ -65,6 +68,20 @@ def _read_logins() -> dict[str, Any]:
         return {"default": "default", "profiles": {"default": saved} if saved.get("url") else {}}
     profiles = {k: v for k, v in (saved.get("profiles") or {}).items() if isinstance(v, dict)}
     return {"default": str(saved.get("default") or ""), "profiles": profiles}
+
+
+def _private_login_file(path: Path, fd: int) -> None:
+    """A login file of another user (planted where ours should be) is refused: its gateway and token would be
+    the ones used. One of ours readable by others (copied with the umask's 0644) is made 0600 again, and the
+    person told that the tokens in it may have been read."""
+    found = os.fstat(fd)
+    if found.st_uid != os.getuid():
+        raise ClientError(f"the login file {path} belongs to another user (uid {found.st_uid}): not used; "
+                          "move it away and log in again")
+    if found.st_mode & 0o077:
+        os.fchmod(fd, 0o600)
+        print(f"gatewayd: the login file {path} was readable by others ({oct(found.st_mode & 0o777)}): made 0600; "
+              "if someone may have read it, `gatewayd logout` and log in again", file=sys.stderr)
 
 
 def _write_logins(logins: dict[str, Any]) -> Path:
