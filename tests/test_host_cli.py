@@ -140,3 +140,17 @@ def test_a_secret_setting_of_the_wrong_type_is_not_quoted_in_the_error(tmp_path)
                                 capture_output=True, text=True, timeout=60)
         assert result.returncode == 2 and f"{section}.{key}: expected" in result.stderr, result.stderr
         assert secret not in result.stderr and "not shown" in result.stderr, result.stderr
+
+
+def test_a_data_dir_made_before_is_made_private(tmp_path):
+    """The data dir was made 0700 only when the daemon made it: one made before its first start (`mkdir`, 0755)
+    stayed open, and every local user read what is kept there outside the store (the runbooks' clones, the
+    names of the RDP frames' folders). Now it is taken back to 0700 at start."""
+    data = tmp_path / "data"
+    data.mkdir(mode=0o755)
+    data.chmod(0o755)
+    daemon = Daemon(data).start()
+    try:
+        assert data.stat().st_mode & 0o777 == 0o700
+    finally:
+        assert daemon.stop() == 0

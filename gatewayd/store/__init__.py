@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from gatewayd.config import Config
 from gatewayd.crypto import SecretBox, load_or_create_key
 from gatewayd.store.base import AuditFilter, Conflict, NotFound, SessionFilter, Store, StoreError, StoreUnavailable
@@ -10,8 +13,8 @@ __all__ = ["AuditFilter", "Conflict", "NotFound", "SessionFilter", "Store", "Sto
 
 
 async def open_store(config: Config) -> Store:
-    """Create the data dir and master key if needed, open and migrate the store."""
-    config.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    """Create the data dir (0700) and master key if needed, open and migrate the store."""
+    private_dir(config.data_dir)
     box = SecretBox(load_or_create_key(config["secrets.key"], config.data_dir))
     store: Store
     if config["store.driver"] == "postgres":
@@ -25,6 +28,16 @@ async def open_store(config: Config) -> Store:
     store.count_cap = config["store.count_cap"]
     await store.open()
     return store
+
+
+def private_dir(path: Path) -> None:
+    """``path`` made 0700, or taken back to 0700 when it was there before open to others (made by `mkdir`, 0755):
+    the runbooks' clones, the RDP frames' folders and the files to come under it are the gateway's alone. One
+    of another owner is left as it was arranged."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    found = path.stat()
+    if found.st_mode & 0o077 and found.st_uid == os.getuid():
+        path.chmod(0o700)
 
 
 def describe(config: Config) -> str:
