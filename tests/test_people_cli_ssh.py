@@ -201,3 +201,23 @@ async def test_connect_keeps_the_secret_out_of_the_process_list(gateway, target,
         go.unlink(missing_ok=True)
         if running.poll() is None:
             running.kill()
+
+
+async def test_replay_and_show_keep_colours_and_drop_what_would_command_the_readers_terminal(gateway, target,
+                                                                                            tmp_path):
+    """A session's output was replayed to the auditor's terminal byte for byte: a user (or the target) printing
+    OSC 52 set the auditor's clipboard, and a title the window's. Now `replay` and `sessions show` drop the
+    terminal's string commands (OSC, DCS, APC...) and keep its colours and cursor moves."""
+    async with aiohttp.ClientSession() as http:
+        admin = SshApi(gateway, http, target, gateway.token("ada@example.com", groups="admin"))
+        connection = await admin.role()
+    ada = Person(gateway, tmp_path, "ada@example.com")
+    ada.login()
+    planted = r"printf 'seen\033]52;c;cm0gLXJmIH4K\007\033]0;owned\033\\\033[31mred\033[0m\n'"
+    ran = ada.run("connect", connection["name"], "--", *SSH_OPTIONS, planted)
+    assert ran.returncode == 0 and "\x1b]52;" in ran.stdout, ran  # the session itself is the user's own terminal
+    session_id = (await ada.done_session(connection["name"], exit_code=0))["id"]
+    for words in (("sessions", "replay", session_id, "--speed", "20"), ("sessions", "show", session_id[:8])):
+        shown = ada.run(*words)
+        assert shown.returncode == 0 and "seen" in shown.stdout and "\x1b[31mred\x1b[0m" in shown.stdout, shown
+        assert "\x1b]" not in shown.stdout and "owned" not in shown.stdout and "cm0g" not in shown.stdout, shown

@@ -70,6 +70,18 @@ def printable(text: object, one_line: bool = False) -> str:
     return LINE_BREAKS.sub(lambda found: repr(found.group())[1:-1], shown) if one_line else shown
 
 
+# a terminal's string commands -- OSC (title, clipboard: OSC 52, hyperlinks), DCS, SOS, PM, APC -- up to their end or
+# the end of the text, in their 7-bit (ESC ] ...) and 8-bit (0x9d ...) forms
+TERMINAL_STRINGS = re.compile(r"(?:\x1b[\]PX^_]|[\x90\x98\x9d\x9e\x9f])[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?")
+
+
+def replayable(text: str) -> str:
+    """A recorded terminal's output as a replay writes it to the reader's terminal: its colours and cursor
+    moves kept, its string commands dropped -- what was typed or printed in a session (by its user, or its
+    target) must not set the auditor's clipboard or window title, nor send the auditor's terminal commands."""
+    return TERMINAL_STRINGS.sub("", text)
+
+
 def paint(text: str, key: str | None = None, stream: TextIO | None = None) -> str:
     """``text`` in its status colour on a terminal (never when piped, nor with $NO_COLOR)."""
     code = COLOURS.get(key or text)
@@ -677,7 +689,7 @@ def cmd_session_show(args: argparse.Namespace) -> int:
                   for offset, kind, text in _events(session)]
     text = printable("".join(lines))
     if presentation == "terminal":  # a terminal's output as it was, as `sessions replay` plays it
-        text += api.get(f"/sessions/{sid}", event_stream="utf8")["event_stream"][0]
+        text += replayable(api.get(f"/sessions/{sid}", event_stream="utf8")["event_stream"][0])
     paged(text)
     return 0
 
@@ -694,7 +706,7 @@ def play(cast: str, speed: float, idle_limit: float, out: TextIO, sleep: Callabl
             continue
         sleep(min(max(moment_ - previous, 0.0), idle_limit) / speed)
         previous = moment_
-        out.write(text)
+        out.write(replayable(text))
         out.flush()
     return 0
 
@@ -711,7 +723,7 @@ def follow_session(api: Api, session_id: str, out: TextIO = sys.stdout) -> int:
         elif event == "event":
             if terminal:
                 if data["type"] in "oe":
-                    out.write(_text(data))
+                    out.write(replayable(_text(data)))
             else:
                 out.write(printable(f"[{data['offset_ms'] / 1000:.3f}s] {MARKS.get(data['type'], data['type'])} "
                                     f"{_text(data).rstrip()}") + "\n")
