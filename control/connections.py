@@ -29,7 +29,7 @@ from gatewayd.audit import REDACTED
 from gatewayd.config import split_listen
 from gatewayd.models import AccessRequestRule, Connection, User, new_id, rfc3339, utcnow
 from gatewayd.protocols import session_for
-from gatewayd.reviews import JIT, NS, check_review_settings, review_json, review_summary
+from gatewayd.reviews import JIT, NS, REVIEW_SETTINGS, check_review_settings, review_json, review_summary
 from gatewayd.services import Services
 from gatewayd.store import Conflict
 
@@ -145,6 +145,27 @@ def check_secret(secret: Any, where: str) -> dict[str, str]:
     return dict(secret)
 
 
+CONNECTION_SETTINGS = (*REVIEW_SETTINGS, "recording_mode")  # a connection's ``settings`` of any protocol
+
+
+def unknown_setting(settings: dict[str, Any], description: protocols.ProtocolDescription | None) -> str | None:
+    """Why ``settings`` has a key no one reads, or None: ``CONNECTION_SETTINGS`` and the protocol's own object
+    (``settings.<name>``, its ``connection_settings``). A misspelled key did nothing, silently: ``reveiwers`` left
+    the connection without the review its admin asked for."""
+    own = {description.name: description.connection_settings} if description is not None else {}
+    for key, value in settings.items():
+        if key in CONNECTION_SETTINGS:
+            continue
+        if key not in own:
+            known = ", ".join([*CONNECTION_SETTINGS, *own])
+            return f"field 'settings.{key}': not a setting of this connection (its settings: {known})"
+        for inner in value if isinstance(value, dict) else ():
+            if inner not in own[key]:
+                return (f"field 'settings.{key}.{inner}': not a setting of this connection "
+                        f"(settings.{key} has: {', '.join(own[key]) or 'none'})")
+    return None
+
+
 def build_connection(body: dict[str, Any], org_id: str, resource_name: str, existing: Connection | None,
                      where: str = "") -> Connection:
     """A connection record from an API body, keeping id and creation time of the one it replaces."""
@@ -159,6 +180,8 @@ def build_connection(body: dict[str, Any], org_id: str, resource_name: str, exis
     if settings.get("recording_mode") not in (None, "async", "strict"):
         problem = "field 'settings.recording_mode': expected \"async\" or \"strict\""
     description = protocols.by_subtype(body.get("subtype") or body["type"])
+    if problem is None:
+        problem = unknown_setting(settings, description)
     if problem is None and description is not None and description.check_settings is not None:
         problem = description.check_settings(settings)
     if problem:

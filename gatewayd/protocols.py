@@ -123,6 +123,8 @@ class ProtocolDescription:
     forward_serve: ForwardServe | None = None
     # what is wrong with a connection's ``settings`` for this protocol (its own keys), said as a 422; None: fine
     check_settings: CheckSettings | None = None
+    # the keys a connection may set under ``settings.<name>`` (any other is refused: a misspelled one did nothing)
+    connection_settings: tuple[str, ...] = ()
     # what its input is written in (gatewayd.languages): how guard rails and analysis read it, which rules apply
     language: Language = TEXT
     title: str = ""  # how people call it ("PostgreSQL"); default: its name

@@ -90,6 +90,10 @@ def _strings(value: Any) -> list[str]:
     return [v.strip() for v in value if isinstance(v, str) and v.strip()] if isinstance(value, list) else []
 
 
+REVIEW_SETTINGS = ("reviewers", "force_approval_groups", "min_approvals", "jit_max_duration", "jit_review",
+                   "exec_review")  # a connection's ``settings`` that ask for reviews (``check_review_settings``)
+
+
 def check_review_settings(settings: dict[str, Any]) -> str | None:
     """Why a connection's review settings are unusable, or None."""
     for key in ("reviewers", "force_approval_groups"):

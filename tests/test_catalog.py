@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import uuid
 
 import aiohttp
 import pytest
 
-from tests.apiclient import Api, of_kind, postgres_env
+from tests.apiclient import Api, b64, of_kind, postgres_env
 from tests.conftest import Daemon
 from tests.pgpeer import unavailable_reason
 from tests.ports import free_port
@@ -101,9 +102,9 @@ async def test_the_target_is_tested_as_a_session_would_log_in(as_, db, pg_target
 
 async def test_a_patch_changes_only_what_it_names(as_, db):
     status, patched = await as_["admin"]("PATCH", f"/connections/{db['name']}", {
-        "tags": {"team": None, "tier": "gold"}, "settings": {"note": "patched"}})
+        "tags": {"team": None, "tier": "gold"}, "settings": {"jit_max_duration": 5400}})
     assert status == 200, patched
-    assert patched["tags"] == {"env": "prod", "tier": "gold"} and patched["settings"]["note"] == "patched"
+    assert patched["tags"] == {"env": "prod", "tier": "gold"} and patched["settings"]["jit_max_duration"] == 5400
     assert patched["secret"]["envvar:PASS"] == "[REDACTED]" and patched["subtype"] == "postgres"
     assert (await as_["dev"]("GET", f"/connections/{db['name']}/test"))[1]["success"]  # the password stayed
     assert (await as_["dev"]("PATCH", f"/connections/{db['name']}", {"tags": {}}))[0] == 403
@@ -111,3 +112,26 @@ async def test_a_patch_changes_only_what_it_names(as_, db):
     assert status == 200
     assert {(t["key"], t["value"]) for t in tags["items"]} >= {("env", "prod"), ("tier", "gold")}
     assert ("team", "data") not in {(t["key"], t["value"]) for t in tags["items"]}
+
+
+async def test_a_setting_no_one_reads_is_refused_not_kept(as_, db, pg_target):
+    """A misspelled key did nothing: ``reveiwers`` left the connection without the review its admin asked for, and
+    the API answered 201. Each key of ``settings`` (and of its protocol's object) is one the gateway reads."""
+    secret = {f"envvar:{key}": b64(value) for key, value in postgres_env(pg_target).items()}
+    for settings, field in [({"reveiwers": ["dba"]}, "settings.reveiwers"),
+                            ({"reviewers": ["dba"], "exec_reveiw": True}, "settings.exec_reveiw"),
+                            ({"postgres": {"databses": ["*"]}}, "settings.postgres.databses"),
+                            ({"mysql": {"local_infile": False}}, "settings.mysql")]:  # another protocol's
+        status, refused = await as_["admin"]("POST", "/connections", {
+            "name": f"typo-{uuid.uuid4().hex[:6]}", "type": "database", "subtype": "postgres",
+            "secret": secret, "settings": settings})
+        assert status == 422 and f"field '{field}" in refused["message"], (settings, refused)
+        status, refused = await as_["admin"]("PATCH", f"/connections/{db['name']}", {"settings": settings})
+        assert status == 422, refused
+    status, made = await as_["admin"]("POST", "/connections", {
+        "name": f"known-{uuid.uuid4().hex[:6]}", "type": "database", "subtype": "postgres",
+        "secret": secret, "settings": {
+            "reviewers": ["dba"], "min_approvals": 1, "exec_review": True, "jit_review": False,
+            "jit_max_duration": 60, "force_approval_groups": ["admin"], "recording_mode": "strict",
+            "postgres": {"databases": ["*"], "function_calls": []}}})
+    assert status == 201, made

@@ -43,6 +43,7 @@ DESCRIPTION = ProtocolDescription(
               # a packet (a row, a statement, a chunk of a file) longer than this ends the session
               "max_packet_bytes": Setting("int", 64 * 1024 * 1024, positive)},
     check_settings=lambda settings: _check_settings(settings),
+    connection_settings=("databases", "local_infile"),
 )
 
 

@@ -46,6 +46,7 @@ DESCRIPTION = ProtocolDescription(
               "mask_row_bytes": Setting("int", 1024 * 1024, positive)},
     forward_opening=lambda reader, writer, secret: _forward_opening(reader, writer, secret),
     check_settings=lambda settings: _check_settings(settings),
+    connection_settings=("databases", "function_calls"),
 )
 
 

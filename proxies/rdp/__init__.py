@@ -43,6 +43,7 @@ DESCRIPTION = ProtocolDescription(
               "frames_dir": Setting("str", ""),
               "startup_timeout": Setting("duration", "20s", positive)},
     check_settings=lambda settings: _check_settings(settings),
+    connection_settings=("clipboard",),
 )
 
 

@@ -36,6 +36,7 @@ DESCRIPTION = ProtocolDescription(
     settings={"hosts_key": Setting("str", "", secret=True),
               "ciphers": Setting("list", ["aes128-gcm@openssh.com", "aes256-gcm@openssh.com"])},
     forward_serve=lambda sock, secret: _forward_serve(sock, secret),
+    connection_settings=("allow_port_forwarding",),
 )
 
 
