@@ -60,20 +60,45 @@ async def _next_piece(content: aiohttp.StreamReader, idle: float | None, target:
 async def target_pieces(content: aiohttp.StreamReader, idle: float | None) -> AsyncIterator[bytes]:
     """A target's body piece by piece as it was buffered (no join copy); ``TargetStalled`` when no byte comes for
     ``idle`` seconds (None: no bound, an event stream's). Only a wait for the target is timed: none while bytes
-    are buffered, nor while the client is slow to take what was sent."""
-    while True:
-        if idle is None or content.is_eof() or content._buffer:  # nothing to wait for
+    are buffered, nor while the client is slow to take what was sent. One timer watches the whole body (an
+    ``asyncio.timeout`` around each wait cost about 8 us a wait, some 5 % of a 1 MB download's CPU)."""
+    if idle is None:
+        while True:
             chunk, end_of_chunk = await content.readchunk()
-        else:
-            try:
-                async with asyncio.timeout(idle):
-                    chunk, end_of_chunk = await content.readchunk()
-            except TimeoutError:
-                raise TargetStalled(idle) from None
-        if chunk:
-            yield chunk
-        elif not end_of_chunk:  # (b"", True): the end of an HTTP chunk, more may follow
+            if chunk:
+                yield chunk
+            elif not end_of_chunk:  # (b"", True): the end of an HTTP chunk, more may follow
+                return
+    loop = asyncio.get_running_loop()
+    waiting = 0.0  # when the wait for the target now in progress began (0: none)
+    timer: asyncio.TimerHandle | None = None
+
+    def watch() -> None:
+        nonlocal timer
+        now = loop.time()
+        if waiting and now - waiting >= idle:
+            content.set_exception(TargetStalled(idle))  # the wait ends with it
             return
+        timer = loop.call_at((waiting or now) + idle, watch)
+
+    timer = loop.call_at(loop.time() + idle, watch)
+    try:
+        while True:
+            if content.is_eof() or content._buffer:  # nothing to wait for
+                chunk, end_of_chunk = await content.readchunk()
+            else:
+                waiting = loop.time()
+                try:
+                    chunk, end_of_chunk = await content.readchunk()
+                finally:
+                    waiting = 0.0
+            if chunk:
+                yield chunk
+            elif not end_of_chunk:
+                return
+    finally:
+        if timer is not None:
+            timer.cancel()
 
 
 async def read_prefix(content: aiohttp.StreamReader, limit: int, idle: float | None = None,
