@@ -34,7 +34,6 @@ from typing import Any
 
 import pytest
 
-from proxies.ssh.server import ECHO_WAIT
 from tests import clients
 from tests.apiclient import SshApi, admin_http, b64, events, of_kind
 from tests.conftest import Daemon, free_port, proxy_daemon
@@ -323,12 +322,11 @@ async def test_pty_shell_terminal_resize_signals_and_input_rules(gateway, api, t
             if attempt == 39:
                 raise
 
-    # ^C interrupts the remote foreground program (through the pty), the shell goes on. Under input rules the line's
-    # Enter waits for the target's echo of it, at most ECHO_WAIT (a ^C before it is sent cancels the line instead):
-    # the ^C comes well after that
+    # ^C interrupts the remote foreground program (through the pty), the shell goes on; first the line's echo,
+    # which its Enter waits for under input rules (at most ECHO_WAIT: a ^C before that cancels the line instead)
     term.type("sleep 600; echo not-interrupted\r")
     term.expect("echo not-interrupted")
-    time.sleep(ECHO_WAIT + 1.0)
+    time.sleep(0.5)
     term.type("\x03")
     term.type("echo after-$((20+1))\r")
     screen = term.expect("after-21")
