@@ -322,10 +322,8 @@ async def test_pty_shell_terminal_resize_signals_and_input_rules(gateway, api, t
             if attempt == 39:
                 raise
 
-    # ^C interrupts the remote foreground program (through the pty), the shell goes on; first the line's echo,
-    # which its Enter waits for under input rules (at most ECHO_WAIT: a ^C before that cancels the line instead)
+    # ^C interrupts the remote foreground program (through the pty), the shell goes on
     term.type("sleep 600; echo not-interrupted\r")
-    term.expect("echo not-interrupted")
     time.sleep(0.5)
     term.type("\x03")
     term.type("echo after-$((20+1))\r")
