@@ -44,7 +44,6 @@ proxy learns about them.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from typing import TYPE_CHECKING, Any, Callable
 
 from gatewayd import metrics
@@ -138,14 +137,6 @@ class SessionPolicy:
         For example a streamed HTTP body, or a PostgreSQL Parse whose SQL is recorded with its Bind.
         """
         return self._check_input(text, cache, readings) if self.checks_input else None
-
-    def check_unshown_input(self, text: str, shown: str) -> GuardVerdict | None:
-        """The guard rails alone on input that must not be shown (an SSH line typed without echo: a password):
-        no observer (an AI analysis) sees it, and a refusal names ``shown`` instead of it (its audit entry)."""
-        if not self.checks_input:
-            return None
-        verdict = self.rules.plain.check_input(text)
-        return None if verdict.allowed else dataclasses.replace(verdict, text=shown)
 
     def output(self, data: bytes | str, text: str | None = None) -> GuardVerdict | None:
         """Check what the target answered and record it when it is let through; the blocking verdict or None."""

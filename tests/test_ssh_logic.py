@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from control.asciicast import render_asciicast
 from gatewayd.guardrails import RuleSet
 from gatewayd.models import GuardRail, Session, SessionEvent
-from proxies.ssh.lines import (END_OF_LINE, INTERRUPT_LINE, KILL_LINE, MAX_LINE, OUTPUT_OVERLAP, PASTE_END, PASTE_START,
-                               Chunk, EchoWatch, Line, OutputWatch, ShellInput, download, stdin_protocol)
+from proxies.ssh.lines import (END_OF_LINE, INTERRUPT_LINE, KILL_LINE, OUTPUT_OVERLAP, PASTE_END, PASTE_START, Chunk,
+                               Line, OutputWatch, ShellInput, download, stdin_protocol)
 from proxies.ssh.sftp import Request, SftpObserver, Unreadable, open_kind, status_packet
 from proxies.ssh.target import TargetError, TargetSettings
 
@@ -190,47 +190,6 @@ def test_pty_cr_lf_is_one_line_and_pasted_lines_split():
     pieces = shell.feed(b"one\r\ntwo\rthree")
     assert lines_of(pieces) == ["one", "two"]
     assert Chunk(b"\n") in pieces and shell.pending == "three"
-
-
-def on_record(*steps: tuple[str, bytes]) -> list[tuple[str, bytes]]:
-    """A pty channel's keystrokes (``i``) and the target's output (``o``) through an EchoWatch: the record."""
-    watch, record = EchoWatch(), []
-    for kind, data in steps:
-        record += [("i", keys) for keys in (watch.typed(data) if kind == "i" else watch.output(data))]
-        if kind == "o":
-            record.append(("o", data))
-    return record + [("i", keys) for keys in watch.close()]
-
-
-def test_a_pty_line_is_recorded_as_typed_once_echoed_and_as_a_note_when_the_target_echoed_none_of_it():
-    assert on_record(("o", b"$ "), ("i", b"l"), ("o", b"l"), ("i", b"s\x7fs"), ("o", b"s\x08 \x08s"), ("i", b"\r"),
-                     ("o", b"\r\n")) == [("o", b"$ "), ("i", b"l"), ("o", b"l"), ("i", b"s\x7fs"),
-                                          ("o", b"s\x08 \x08s"), ("i", b"\r"), ("o", b"\r\n")]
-    # a paste with its Enter: the echo comes after the Enter, before the end of the next output line
-    assert on_record(("i", b"echo hi\r"), ("o", b"echo \x1b[Khi\r\nhi\r\n")) == [
-        ("i", b"echo hi\r"), ("o", b"echo \x1b[Khi\r\nhi\r\n")]
-    # no echo (``read -s``): decided at the end of the target's next line; what was typed after it is read then
-    assert on_record(("o", b"Enter it: "), ("i", b"s3"), ("i", b"cr\x7fret\r"), ("i", b"ls\r"), ("o", b"done\r\n"),
-                     ("o", b"$ ls\r\n")) == [("o", b"Enter it: "), ("i", b"[REDACTED: typed without echo, 6 characters]\r"),
-                                             ("o", b"done\r\n"), ("i", b"ls\r"), ("o", b"$ ls\r\n")]
-    # at a prompt that asks for a secret: at its Enter
-    assert on_record(("o", b"[sudo] password for bob: "), ("i", b"pw\r")) == [
-        ("o", b"[sudo] password for bob: "), ("i", b"[REDACTED: typed without echo, 2 characters]\r")]
-    assert on_record(("o", b"Password: "), ("i", b"p")) == [("o", b"Password: "),
-                                                         ("i", b"[REDACTED: typed without echo, 1 characters]")]
-    # escape sequences are not looked for in the echo; a line of none is recorded at its end
-    assert on_record(("i", b"\x1b[A\r")) == [("i", b"\x1b[A\r")]
-
-
-def test_echo_watch_holds_at_most_a_line_and_a_silenced_line_is_a_note():
-    watch = EchoWatch()
-    assert watch.typed(b"x" * (MAX_LINE + 10)) == [] and watch.echoed is False
-    assert watch.typed(b"y\r") == [f"[REDACTED: typed without echo, {MAX_LINE + 11} characters]\r".encode()]
-    watch.typed(b"abc")
-    assert watch.echoed is None
-    watch.silence()
-    assert watch.echoed is False and watch.output(b"abc") == [] and watch.typed(b"\r") == [
-        b"[REDACTED: typed without echo, 3 characters]\r"]
 
 
 def test_without_pty_lines_are_held_until_their_newline():

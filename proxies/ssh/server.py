@@ -63,7 +63,7 @@ from gatewayd.pipeline import (
 )
 from gatewayd.tasks import BackgroundTasks, Withdrawable, until_empty
 from proxies.ssh import gcm
-from proxies.ssh.lines import Chunk, EchoWatch, Line, OutputWatch, ShellInput, download, stdin_protocol
+from proxies.ssh.lines import Chunk, Line, OutputWatch, ShellInput, download, stdin_protocol
 from proxies.ssh.packets import as_the_gateway_relays_it, as_the_gateway_runs_it
 from proxies.ssh.sftp import SftpObserver, Unreadable, status_packet
 from proxies.ssh.target import (
@@ -94,7 +94,6 @@ HOLD_IDLE_PTY = 0.1  # the same with a pty: echoed keystrokes and prompts must s
 INTERRUPT = b"\x03"  # ^C, the terminal's interrupt key
 HOLDING_READ_CAP = 64 * 1024  # with a pty, what a user may type ahead while a line waits for its verdict
 LINE_CANCELLED = "the line was cancelled with Ctrl-C while it waited for its verdict: it did not run"
-ECHO_WAIT = 0.5  # seconds a checked line's Enter waits for the target to echo its characters (pty)
 FORWARD_UNREADABLE = ("has guard rails, mask rules or an analysis, and a forwarded stream cannot be checked, masked or "
                       "recorded")
 UNMASKABLE_DOWNLOAD = "a file download cannot be masked: refused under this connection's mask rules"
@@ -619,8 +618,6 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         self.download: str | None = None  # an exec that is a file protocol's download (``lines.download``)
         self.pty = False
         self.shell: ShellInput | None = None  # the input rules' line reader (``follow_rules``)
-        self.echo: EchoWatch | None = None  # with a pty: a line typed without echo is a secret (``_record_typed``)
-        self.echo_seen: asyncio.Future[None] | None = None  # a checked line's Enter waits for its echo
         self.reads_lines = False  # a shell, or an exec whose input is not a file protocol (``stdin_protocol``)
         self.sftp: SftpObserver | None = None
         self.pending: deque[bytes] = deque()  # client data waiting for the target's channel, or for a held line's verdict
@@ -667,7 +664,6 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
 
     def pty_requested(self, term_type: str, term_size: tuple[int, int, int, int], term_modes: Any) -> bool:
         self.pty = True
-        self.echo = EchoWatch()
         self.policy.describe("terminal", {"type": term_type, "width": term_size[0], "height": term_size[1]})
         return True
 
@@ -877,45 +873,27 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         if self.sftp is not None:
             self._sftp_to_target(self.sftp, upchan, data)
             return
+        policy = self.policy
+        policy.record_input(data)  # keystrokes as typed; the rules read the lines they make up
         self.follow_rules()
         if self.shell is None:
-            self._record_typed(data)
             upchan.write(data)
             return
         self._shell_to_target(upchan, self.shell.feed(data))
-
-    def _record_typed(self, data: bytes) -> None:
-        """Keystrokes on the record as typed (the rules read the lines they make up); with a pty, a line the
-        target did not echo (a password at its prompt) as ``[REDACTED: typed without echo, N characters]``."""
-        if not data:
-            return
-        for typed in self.echo.typed(data) if self.echo is not None else (data,):
-            self.policy.record_input(typed)
-
-    def _secret_line(self) -> bool | None:
-        """Whether the line being entered is a secret (typed without echo); None while its echo may still come."""
-        echoed = self.echo.echoed if self.echo is not None else True
-        return None if echoed is None else not echoed
 
     def _shell_to_target(self, upchan: asyncssh.SSHClientChannel[bytes], pieces: list[Chunk | Line]) -> None:
         policy = self.policy
         for at, piece in enumerate(pieces):
             if isinstance(piece, Chunk):
-                self._record_typed(piece.data)
                 upchan.write(piece.data)
                 continue
-            checked = bool(piece.text.strip())
-            secret = self._secret_line() if checked else False
-            if secret is None:  # hold the Enter, and what follows, for the echo of the line
-                self._hold_line(piece.text, pieces[at:], self._echo_of_line())
+            if policy.waits and policy.needs_wait(piece.text):  # hold the Enter, and what follows, for the verdict
+                self.holding = True
+                self.deciding.hold()
+                self.sync_reading()
+                self.tasks.spawn(self._decide_line(piece.text, pieces[at:]))
                 return
-            if not secret and policy.waits and policy.needs_wait(piece.text):  # hold it for the verdict
-                self._hold_line(piece.text, pieces[at:], policy.decide(piece.text))
-                return
-            shown = self.echo.note() if secret and self.echo is not None else piece.text
-            verdict = (None if not checked else policy.check_unshown_input(piece.text, shown) if secret
-                       else policy.check_input(piece.text))
-            self._record_typed(piece.allowed)  # the Enter as typed, whether the line runs or not
+            verdict = policy.check_input(piece.text) if piece.text.strip() else None
             if verdict is None:
                 upchan.write(piece.allowed)
             else:
@@ -923,42 +901,19 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
                 self._tell(verdict.message)
                 self.tasks.spawn(policy.blocked(verdict))
 
-    def _hold_line(self, text: str, pieces: list[Chunk | Line], work: Coroutine[Any, Any, None]) -> None:
-        """Hold a shell line's Enter, and what follows it, until ``work`` is done (``_decide_line``)."""
-        self.holding = True
-        self.deciding.hold()
-        self.sync_reading()
-        self.tasks.spawn(self._decide_line(text, pieces, work))
-
-    async def _echo_of_line(self) -> None:
-        """Wait, at most ``ECHO_WAIT``, for the target to echo the line being entered (``from_target`` says it);
-        without it the line is taken as typed without echo."""
-        self.echo_seen = seen = asyncio.get_running_loop().create_future()
+    async def _decide_line(self, text: str, pieces: list[Chunk | Line]) -> None:
+        """A held shell line's verdict; then the line and what the client sent meanwhile go on, in order. A
+        Ctrl-C typed meanwhile (``data_received``) cancels the line: it is erased as a refused line is, never run."""
         try:
-            async with asyncio.timeout(ECHO_WAIT):
-                await seen
-        except TimeoutError:
-            if self.echo is not None:
-                self.echo.silence()
-        finally:
-            self.echo_seen = None
-
-    async def _decide_line(self, text: str, pieces: list[Chunk | Line], work: Coroutine[Any, Any, None]) -> None:
-        """A held shell line's echo or verdict; then the line and what the client sent meanwhile go on, in order.
-        A Ctrl-C typed meanwhile (``data_received``) cancels the line: it is erased as a refused line is, never
-        run."""
-        try:
-            await self.deciding.run(work)
+            await self.deciding.run(self.policy.decide(text))
         finally:
             self.holding = False
             upchan = self.upchan
             if upchan is not None and not self.ended:
                 if self.deciding.withdrawn:
                     line, pieces = pieces[0], pieces[1:]
-                    shown = text if self._secret_line() is False else self.echo.note()  # type: ignore[union-attr]
                     upchan.write(line.refused)  # type: ignore[union-attr]
-                    self._record_typed(line.allowed)  # type: ignore[union-attr]
-                    self.policy.error(f"{LINE_CANCELLED}: {shown}")
+                    self.policy.error(f"{LINE_CANCELLED}: {text}")
                     self._tell(LINE_CANCELLED)
                 self._shell_to_target(upchan, pieces)
                 while self.pending and not self.holding:
@@ -1046,13 +1001,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         assert upchan is not None
         if self.shell is not None:
             for piece in self.shell.feed_eof():
-                echo = self.echo  # no time left to wait for the echo: a line not seen echoed is a secret
-                if not piece.text.strip():
-                    verdict = None
-                elif echo is not None and not echo.echoed:
-                    verdict = self.policy.check_unshown_input(piece.text, echo.note())
-                else:
-                    verdict = self.policy.check_input(piece.text)
+                verdict = self.policy.check_input(piece.text) if piece.text.strip() else None
                 if verdict is None:
                     upchan.write(piece.allowed)  # type: ignore[union-attr]
                 else:
@@ -1091,11 +1040,6 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             return
         policy = self.policy
         self.follow_rules()
-        if self.echo is not None:  # keys held for their echo go on the record before it
-            for typed in self.echo.output(data):
-                policy.record_input(typed)
-            if self.echo_seen is not None and self.echo.echoed is not None and not self.echo_seen.done():
-                self.echo_seen.set_result(None)
         if self.download is not None and (verdict := self._unreadable_download()) is not None:
             self._block(verdict)  # rules came while a download ran: its next bytes could not be read either
             return
@@ -1248,11 +1192,7 @@ class SessionRelay(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             self.policy.error(note)
 
     def _ended_as(self, outcome: str) -> None:
-        """Tell the connection how this channel ended and what it ran (``exit 3 of the channel that ran: ...``);
-        keys still held for their echo go on the record first."""
-        if self.echo is not None:
-            for typed in self.echo.close():
-                self.policy.record_input(typed)
+        """Tell the connection how this channel ended and what it ran (``exit 3 of the channel that ran: ...``)."""
         if self.kind == "exec":
             self.owner.channel_ended(f"{outcome} of the channel that ran: {self.command}")
         elif self.kind:
