@@ -24,7 +24,7 @@ import functools
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from pglast import parser as pg_scanner
 
@@ -128,22 +128,29 @@ def _reads_catalog_only(text: str) -> bool:
 _catalog_only_cached = functools.lru_cache(maxsize=256)(_reads_catalog_only)
 
 
-def _walk(node: Any, relations: list[tuple[str | None, str]], ctes: set[str]) -> bool:
-    """The relations (schema, name) and CTE names ``node`` names; False at a function in FROM."""
-    stack = [node]
+def _nodes(tree: Any) -> Iterator[tuple[str, Any]]:
+    """Every (key, value) of a parse tree's JSON (iteratively: a deep expression must not exhaust the stack)."""
+    stack = [tree]
     while stack:
         node = stack.pop()
         if isinstance(node, dict):
             for key, value in node.items():
-                if key == "RangeVar":
-                    relations.append((value.get("schemaname"), value.get("relname", "")))
-                elif key == "CommonTableExpr":
-                    ctes.add(value.get("ctename", ""))
-                elif key in ("RangeFunction", "RangeTableFunc"):
-                    return False
-                stack.append(value)
+                yield key, value
+                if isinstance(value, (dict, list)):
+                    stack.append(value)
         elif isinstance(node, list):
             stack.extend(node)
+
+
+def _walk(node: Any, relations: list[tuple[str | None, str]], ctes: set[str]) -> bool:
+    """The relations (schema, name) and CTE names ``node`` names; False at a function in FROM."""
+    for key, value in _nodes(node):
+        if key == "RangeVar":
+            relations.append((value.get("schemaname"), value.get("relname", "")))
+        elif key == "CommonTableExpr":
+            ctes.add(value.get("ctename", ""))
+        elif key in ("RangeFunction", "RangeTableFunc"):
+            return False
     return True
 
 
@@ -187,35 +194,25 @@ def _reads_other(text: str, builtins: BuiltIns) -> bool:
         return True
     tables: set[str] = set()  # the names and aliases of the relations read
     bare: set[str] = set()  # the one-word column references (``p`` in ``row_to_json(p)``)
-    stack: list[Any] = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, list):
-            stack.extend(node)
-            continue
-        if not isinstance(node, dict):
-            continue
-        for key, value in node.items():
-            if key == "CallStmt" or key == "FuncCall" and not _built_in(value.get("funcname"), builtins.functions):
-                return True  # (a procedure's OUT values come back as a row)
-            if key == "A_Expr":
-                if value.get("kind") in _BETWEEN:
-                    if not {">=", "<="} <= builtins.operators:
-                        return True
-                elif not _built_in(value.get("name"), builtins.operators):
+    for key, value in _nodes(tree):
+        if key == "CallStmt" or key == "FuncCall" and not _built_in(value.get("funcname"), builtins.functions):
+            return True  # (a procedure's OUT values come back as a row)
+        if key == "A_Expr":
+            if value.get("kind") in _BETWEEN:
+                if not {">=", "<="} <= builtins.operators:
                     return True
-            elif key == "TypeCast":
-                names = _names(value.get("typeName", {}).get("names"))
-                if names and names[-1] in builtins.cast_types:
-                    return True
-            elif key == "RangeVar":
-                tables.add(value.get("alias", {}).get("aliasname") or value.get("relname", ""))
-            elif key == "ColumnRef":
-                fields = _names(value.get("fields"))
-                if len(fields) == 1:
-                    bare.add(fields[0])
-            if isinstance(value, (dict, list)):
-                stack.append(value)
+            elif not _built_in(value.get("name"), builtins.operators):
+                return True
+        elif key == "TypeCast":
+            names = _names(value.get("typeName", {}).get("names"))
+            if names and names[-1] in builtins.cast_types:
+                return True
+        elif key == "RangeVar":
+            tables.add(value.get("alias", {}).get("aliasname") or value.get("relname", ""))
+        elif key == "ColumnRef":
+            fields = _names(value.get("fields"))
+            if len(fields) == 1:
+                bare.add(fields[0])
     return not bare.isdisjoint(tables)
 
 
